@@ -1,0 +1,54 @@
+//! The engine's error type.
+
+use thiserror::Error;
+
+/// Everything the engine can refuse or fail at.
+#[derive(Debug, Error)]
+pub enum EngineError {
+    /// A step was asked for with no micro-batches at all.
+    #[error("an optimizer step needs at least one micro-batch, got none")]
+    NoMicroBatches,
+    /// The whole global batch held no target token, so the mean loss is undefined.
+    #[error("the global batch of step {step} holds no target tokens (all targets ignored); the loss and its gradient are undefined — check the data and the ignore mask")]
+    NoTargets {
+        /// 0-based optimizer step index.
+        step: u64,
+    },
+    /// The parameter buffer does not match the model's layout.
+    #[error("parameter buffer has {got} values but the model's layout needs {expected}")]
+    ParamCount {
+        /// What the layout says.
+        expected: usize,
+        /// What was handed over.
+        got: usize,
+    },
+    /// The gradient became non-finite (inf/NaN) at the boundary.
+    #[error("the accumulated gradient of step {step} is not finite (norm {norm}); lower the learning rate or enable gradient clipping")]
+    NonFiniteGradient {
+        /// 0-based optimizer step index.
+        step: u64,
+        /// The offending norm.
+        norm: f64,
+    },
+    /// A model's micro-step failed.
+    #[error("micro-step {micro_step_idx} of step {step} failed")]
+    Model {
+        /// 0-based optimizer step index.
+        step: u64,
+        /// 0-based micro-step index inside the step.
+        micro_step_idx: usize,
+        /// The model's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// An optimizer hyper-parameter is out of range.
+    #[error("invalid optimizer setting `{field}` = {value}: {rule}")]
+    InvalidHyperParameter {
+        /// Config spelling of the field.
+        field: &'static str,
+        /// The value given.
+        value: f64,
+        /// What it must satisfy.
+        rule: &'static str,
+    },
+}

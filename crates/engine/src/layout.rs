@@ -1,0 +1,72 @@
+//! The named layout of the flat parameter buffer: one `(name, offset, shape)`
+//! per tensor. Gradients, optimizer moments and (later) shards all share it.
+//!
+//! Invariant: tensors are laid out back to back in push order, so
+//! `tensors[i].offset + tensors[i].numel() == tensors[i + 1].offset` and the
+//! last one ends at `n_params()`.
+
+use std::ops::Range;
+
+/// One tensor inside the flat buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// Hugging Face style name, e.g. `transformer.h.0.attn.c_attn.weight`.
+    pub name: String,
+    /// First element of the tensor in the flat buffer.
+    pub offset: usize,
+    /// Row-major shape.
+    pub shape: Vec<usize>,
+    /// Whether decoupled weight decay applies (matrices and embeddings: yes;
+    /// biases and LayerNorm gains: no — the GPT-2/nanoGPT convention).
+    pub decay: bool,
+}
+
+impl TensorSpec {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Element range inside the flat buffer.
+    pub fn range(&self) -> Range<usize> {
+        self.offset..self.offset + self.numel()
+    }
+}
+
+/// The ordered list of tensors of a model.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ParamLayout {
+    tensors: Vec<TensorSpec>,
+    n_params: usize,
+}
+
+impl ParamLayout {
+    /// An empty layout.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends a tensor and returns its element range.
+    pub fn push(&mut self, name: impl Into<String>, shape: &[usize], decay: bool) -> Range<usize> {
+        let spec = TensorSpec { name: name.into(), offset: self.n_params, shape: shape.to_vec(), decay };
+        let range = spec.range();
+        self.n_params = range.end;
+        self.tensors.push(spec);
+        range
+    }
+
+    /// Total number of parameters.
+    pub fn n_params(&self) -> usize {
+        self.n_params
+    }
+
+    /// All tensors in buffer order.
+    pub fn tensors(&self) -> &[TensorSpec] {
+        &self.tensors
+    }
+
+    /// Looks a tensor up by name.
+    pub fn get(&self, name: &str) -> Option<&TensorSpec> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+}

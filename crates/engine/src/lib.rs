@@ -1,0 +1,24 @@
+//! The model-agnostic training step: flat parameter and gradient buffers,
+//! gradient accumulation with token-weighted normalisation, global-norm
+//! clipping, optimizers and LR schedules — each applied exactly once per
+//! optimizer step.
+//!
+//! The engine never looks inside a model. A [`Model`] adds the gradient of the
+//! *summed* loss of one micro-batch into a flat gradient buffer and says how
+//! many targets it saw; the [`Trainer`] owns everything that happens at the
+//! accumulation boundary.
+
+pub mod error;
+pub mod layout;
+pub mod model;
+pub mod optim;
+pub mod rng;
+pub mod schedule;
+pub mod trainer;
+
+pub use error::EngineError;
+pub use layout::{ParamLayout, TensorSpec};
+pub use model::{MicroStepStats, Model};
+pub use optim::{AdamW, Optimizer, Sgd};
+pub use schedule::{Decay, LrSchedule};
+pub use trainer::{clip_grad_norm, grad_norm, LossNormalization, StepReport, Trainer, TrainerOptions};

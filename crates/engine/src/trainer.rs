@@ -1,0 +1,203 @@
+//! One optimizer step: K micro-steps accumulated into the flat gradient
+//! buffer, then — once, at the boundary — normalisation, clipping, the
+//! optimizer update and the schedule step.
+
+use crate::error::EngineError;
+use crate::model::Model;
+use crate::optim::{Optimizer, CHUNK};
+use crate::schedule::LrSchedule;
+use rayon::prelude::*;
+
+/// How the accumulated gradient is normalised at the boundary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LossNormalization {
+    /// Mean over all target tokens of the global batch (SPEC §2; default).
+    /// K micro-steps then equal one big batch even when micro-batches hold
+    /// different numbers of targets.
+    #[default]
+    Token,
+    /// The tutorials' minimal recipe: each micro-batch's mean loss divided by K.
+    /// Wrong when micro-batches hold different numbers of targets; kept for
+    /// comparison.
+    MicroBatchMean,
+}
+
+/// Boundary settings of the trainer.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct TrainerOptions {
+    /// `clip_grad_norm_` max norm; `None` disables clipping.
+    pub grad_clip: Option<f32>,
+    /// Loss normalisation.
+    pub normalization: LossNormalization,
+}
+
+/// What one optimizer step reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepReport {
+    /// 0-based index of the step just taken.
+    pub step_idx: u64,
+    /// Global-batch mean loss (never divided by K).
+    pub loss: f64,
+    /// Mean loss of each micro-batch (NaN for a micro-batch without targets).
+    pub micro_losses: Vec<f64>,
+    /// Number of targets in the global batch.
+    pub n_targets: u64,
+    /// Number of micro-steps taken.
+    pub n_micro_steps: usize,
+    /// Gradient L2 norm before clipping.
+    pub grad_norm: f64,
+    /// Whether clipping scaled the gradient.
+    pub clipped: bool,
+    /// Learning rate used by this step.
+    pub lr: f32,
+}
+
+/// Owns the flat parameter and gradient buffers, the optimizer and the schedule.
+#[derive(Debug, Clone)]
+pub struct Trainer {
+    params: Vec<f32>,
+    grads: Vec<f32>,
+    optimizer: Optimizer,
+    schedule: LrSchedule,
+    options: TrainerOptions,
+    n_steps: u64,
+}
+
+impl Trainer {
+    /// A trainer starting from `params`.
+    pub fn new(params: Vec<f32>, optimizer: Optimizer, schedule: LrSchedule, options: TrainerOptions) -> Self {
+        let grads = vec![0.0; params.len()];
+        Self { params, grads, optimizer, schedule, options, n_steps: 0 }
+    }
+
+    /// Current parameters.
+    pub fn params(&self) -> &[f32] {
+        &self.params
+    }
+
+    /// The gradient used by the last optimizer step (normalised and clipped).
+    pub fn grads(&self) -> &[f32] {
+        &self.grads
+    }
+
+    /// Number of optimizer steps taken: the schedule's position.
+    pub fn n_steps(&self) -> u64 {
+        self.n_steps
+    }
+
+    /// The optimizer (for its state and update count).
+    pub fn optimizer(&self) -> &Optimizer {
+        &self.optimizer
+    }
+
+    /// The learning rate the next step will use.
+    pub fn next_lr(&self) -> f32 {
+        self.schedule.lr(self.n_steps)
+    }
+
+    /// One optimizer step over `micro_batches` (K = its length).
+    pub fn step<M: Model>(&mut self, model: &mut M, micro_batches: &[M::Batch]) -> Result<StepReport, EngineError> {
+        let n_params = model.layout().n_params();
+        if n_params != self.params.len() {
+            return Err(EngineError::ParamCount { expected: n_params, got: self.params.len() });
+        }
+        if micro_batches.is_empty() {
+            return Err(EngineError::NoMicroBatches);
+        }
+        let step_idx = self.n_steps;
+        let n_micro = micro_batches.len();
+
+        // Micro-step 0 zeroes; every micro-step adds; nobody communicates.
+        self.grads.fill(0.0);
+        let mut loss_sum = 0.0f64;
+        let mut n_targets = 0u64;
+        let mut micro_losses = Vec::with_capacity(n_micro);
+        for (micro_step_idx, batch) in micro_batches.iter().enumerate() {
+            let grad_scale = match self.options.normalization {
+                LossNormalization::Token => 1.0,
+                LossNormalization::MicroBatchMean => match model.n_targets(batch) {
+                    0 => 0.0,
+                    n => 1.0 / (n as f64 * n_micro as f64) as f32,
+                },
+            };
+            let stats = model
+                .micro_step(&self.params, &mut self.grads, batch, grad_scale)
+                .map_err(|e| EngineError::Model { step: step_idx, micro_step_idx, source: Box::new(e) })?;
+            loss_sum += stats.loss_sum;
+            n_targets += stats.n_targets;
+            micro_losses.push(stats.loss_sum / stats.n_targets as f64);
+        }
+
+        // The boundary: everything below runs exactly once per optimizer step.
+        let loss = match self.options.normalization {
+            LossNormalization::Token => {
+                if n_targets == 0 {
+                    return Err(EngineError::NoTargets { step: step_idx });
+                }
+                scale(&mut self.grads, (1.0 / n_targets as f64) as f32);
+                loss_sum / n_targets as f64
+            }
+            LossNormalization::MicroBatchMean => {
+                let valid: Vec<f64> = micro_losses.iter().copied().filter(|l| l.is_finite()).collect();
+                if valid.is_empty() {
+                    return Err(EngineError::NoTargets { step: step_idx });
+                }
+                valid.iter().sum::<f64>() / n_micro as f64
+            }
+        };
+        let (grad_norm, clipped) = match self.options.grad_clip {
+            Some(max_norm) => clip_grad_norm(&mut self.grads, max_norm),
+            None => (grad_norm(&self.grads), false),
+        };
+        if !grad_norm.is_finite() {
+            return Err(EngineError::NonFiniteGradient { step: step_idx, norm: grad_norm });
+        }
+        let lr = self.schedule.lr(step_idx);
+        self.optimizer.update(model.layout(), &mut self.params, &self.grads, lr);
+        self.n_steps += 1;
+        Ok(StepReport { step_idx, loss, micro_losses, n_targets, n_micro_steps: n_micro, grad_norm, clipped, lr })
+    }
+}
+
+fn scale(buf: &mut [f32], factor: f32) {
+    buf.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|x| *x *= factor));
+}
+
+/// L2 norm of a flat buffer, accumulated in f64 over fixed chunks summed in
+/// order, so the result does not depend on the number of threads.
+pub fn grad_norm(grads: &[f32]) -> f64 {
+    let partial: Vec<f64> =
+        grads.par_chunks(CHUNK).map(|c| c.iter().map(|&x| x as f64 * x as f64).sum::<f64>()).collect();
+    partial.iter().sum::<f64>().sqrt()
+}
+
+/// `torch.nn.utils.clip_grad_norm_`: scale by `max_norm / (norm + 1e-6)` when
+/// that factor is below 1. Returns the pre-clip norm and whether it clipped.
+pub fn clip_grad_norm(grads: &mut [f32], max_norm: f32) -> (f64, bool) {
+    let norm = grad_norm(grads);
+    let coef = max_norm as f64 / (norm + 1e-6);
+    if coef < 1.0 {
+        scale(grads, coef as f32);
+        (norm, true)
+    } else {
+        (norm, false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clip_matches_torch_semantics() {
+        // norm of [3, 4] is 5; clip to 1 → factor 1/(5+1e-6).
+        let mut g = vec![3.0f32, 4.0];
+        let (norm, clipped) = clip_grad_norm(&mut g, 1.0);
+        assert_eq!(norm, 5.0);
+        assert!(clipped);
+        assert!((g[0] - 0.6).abs() < 1e-6 && (g[1] - 0.8).abs() < 1e-6);
+        let mut g = vec![0.3f32, 0.4];
+        assert_eq!(clip_grad_norm(&mut g, 1.0), (0.5000000119209290, false));
+        assert_eq!(g, vec![0.3, 0.4]);
+    }
+}

@@ -1,0 +1,469 @@
+//! Forward and backward kernels over row-major f32 slices.
+//!
+//! Conventions: `n_rows` = B·T rows of width `c`. Backward kernels *add*
+//! into parameter gradients (`dw`, `db`: the flat buffer accumulates across
+//! micro-steps) and *overwrite* activation gradients (`dinp`), except
+//! [`layernorm_backward`], which adds into the residual-stream gradient.
+//! Every reduction has a fixed order, so results do not depend on the
+//! number of threads.
+
+use gemm::Parallelism;
+use rayon::prelude::*;
+
+/// LayerNorm epsilon of GPT-2.
+pub const LN_EPS: f32 = 1e-5;
+
+/// Rows per task for reductions over rows (parameter gradients).
+const ROWS_PER_TASK: usize = 32;
+
+/// A strided view of a matrix for [`gemm_into`]: element `(i, j)` is at
+/// `offset + i·rs + j·cs`.
+#[derive(Debug, Clone, Copy)]
+pub struct Strided<'a> {
+    /// Backing slice.
+    pub data: &'a [f32],
+    /// First element.
+    pub offset: usize,
+    /// Row stride.
+    pub rs: usize,
+    /// Column stride.
+    pub cs: usize,
+}
+
+impl<'a> Strided<'a> {
+    /// A dense row-major matrix with `cols` columns.
+    pub fn rows(data: &'a [f32], cols: usize) -> Self {
+        Self { data, offset: 0, rs: cols, cs: 1 }
+    }
+
+    /// The transpose of a dense row-major matrix with `cols` columns.
+    pub fn transposed(data: &'a [f32], cols: usize) -> Self {
+        Self { data, offset: 0, rs: 1, cs: cols }
+    }
+
+    fn check(&self, n_rows: usize, n_cols: usize) {
+        if n_rows > 0 && n_cols > 0 {
+            let last = self.offset + (n_rows - 1) * self.rs + (n_cols - 1) * self.cs;
+            assert!(last < self.data.len(), "matrix view out of bounds: {last} >= {}", self.data.len());
+        }
+    }
+}
+
+/// Threads to give one GEMM: all of the pool at top level, one inside a
+/// parallel loop.
+pub fn parallelism(inside_parallel_loop: bool) -> Parallelism {
+    if inside_parallel_loop || rayon::current_num_threads() == 1 {
+        Parallelism::None
+    } else {
+        Parallelism::Rayon(rayon::current_num_threads())
+    }
+}
+
+/// `dst[m×n] (rs dst_rs) = (accumulate ? dst : 0) + alpha · lhs[m×k] · rhs[k×n]`.
+///
+/// # Safety contract (checked)
+/// All three views are bounds-checked; `dst` is a plain mutable slice.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_into(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    dst_offset: usize,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: Strided<'_>,
+    rhs: Strided<'_>,
+    alpha: f32,
+    par: Parallelism,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(dst_offset + (m - 1) * dst_rs + n <= dst.len(), "gemm dst out of bounds");
+    lhs.check(m, k);
+    rhs.check(k, n);
+    // SAFETY: every index gemm touches lies inside the views checked above;
+    // `dst` is exclusively borrowed.
+    unsafe { gemm_raw(m, n, k, dst.as_mut_ptr().add(dst_offset), dst_rs, accumulate, lhs, rhs, alpha, par) }
+}
+
+/// [`gemm_into`] writing through a raw pointer, for disjoint strided outputs
+/// written from several threads (attention heads).
+///
+/// # Safety
+/// `dst` must be valid for writes of the `m × n` block with row stride
+/// `dst_rs`, and no other thread may touch that block meanwhile.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_raw(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: Strided<'_>,
+    rhs: Strided<'_>,
+    alpha: f32,
+    par: Parallelism,
+) {
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                std::ptr::write_bytes(dst.add(i * dst_rs), 0, n);
+            }
+        }
+        return;
+    }
+    // gemm computes dst := alpha·dst + beta·lhs·rhs (alpha ignored unless read_dst).
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        dst_rs as isize,
+        accumulate,
+        lhs.data.as_ptr().add(lhs.offset),
+        lhs.cs as isize,
+        lhs.rs as isize,
+        rhs.data.as_ptr().add(rhs.offset),
+        rhs.cs as isize,
+        rhs.rs as isize,
+        1.0,
+        alpha,
+        false,
+        false,
+        false,
+        par,
+    );
+}
+
+/// A raw pointer that may cross threads; each user writes a disjoint block.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: used only for writes to disjoint regions (see call sites).
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+/// `out[r] = wte[tokens[r]] + wpe[r mod t]`.
+pub fn encoder_forward(out: &mut [f32], tokens: &[u32], wte: &[f32], wpe: &[f32], t: usize, c: usize) {
+    out.par_chunks_mut(c).zip(tokens.par_iter()).enumerate().for_each(|(r, (o, &tok))| {
+        let (e, p) = (&wte[tok as usize * c..][..c], &wpe[(r % t) * c..][..c]);
+        for i in 0..c {
+            o[i] = e[i] + p[i];
+        }
+    });
+}
+
+/// Adds the gradients of [`encoder_forward`] into `dwte` and `dwpe`.
+pub fn encoder_backward(dwte: &mut [f32], dwpe: &mut [f32], dout: &[f32], tokens: &[u32], t: usize, c: usize) {
+    // Serial scatter-add in row order: deterministic, and O(B·T·C) is small.
+    for (r, (d, &tok)) in dout.chunks(c).zip(tokens).enumerate() {
+        let e = &mut dwte[tok as usize * c..][..c];
+        for i in 0..c {
+            e[i] += d[i];
+        }
+        let p = &mut dwpe[(r % t) * c..][..c];
+        for i in 0..c {
+            p[i] += d[i];
+        }
+    }
+}
+
+/// LayerNorm over rows of width `c`; saves mean and 1/std for backward.
+pub fn layernorm_forward(
+    out: &mut [f32],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+    inp: &[f32],
+    w: &[f32],
+    b: &[f32],
+    c: usize,
+) {
+    out.par_chunks_mut(c)
+        .zip(inp.par_chunks(c))
+        .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
+        .for_each(|((o, x), (mu, rs))| {
+            let m = x.iter().sum::<f32>() / c as f32;
+            let var = x.iter().map(|&v| (v - m) * (v - m)).sum::<f32>() / c as f32;
+            let s = 1.0 / (var + LN_EPS).sqrt();
+            for i in 0..c {
+                o[i] = (x[i] - m) * s * w[i] + b[i];
+            }
+            *mu = m;
+            *rs = s;
+        });
+}
+
+/// Sums per-task partial results of width `width` over fixed chunks of rows,
+/// in chunk order, and adds them into `targets` (concatenated).
+fn reduce_rows(n_rows: usize, width: usize, targets: &mut [&mut [f32]], f: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync) {
+    let partials: Vec<Vec<f32>> = (0..n_rows.div_ceil(ROWS_PER_TASK))
+        .into_par_iter()
+        .map(|chunk| {
+            let mut acc = vec![0.0f32; width];
+            f(chunk * ROWS_PER_TASK..((chunk + 1) * ROWS_PER_TASK).min(n_rows), &mut acc);
+            acc
+        })
+        .collect();
+    for p in &partials {
+        let mut off = 0;
+        for t in targets.iter_mut() {
+            let len = t.len();
+            for (d, s) in t.iter_mut().zip(&p[off..off + len]) {
+                *d += s;
+            }
+            off += len;
+        }
+    }
+}
+
+/// Backward of [`layernorm_forward`]: adds into `dinp`, `dw`, `db`.
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_backward(
+    dinp: &mut [f32],
+    dw: &mut [f32],
+    db: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    w: &[f32],
+    c: usize,
+) {
+    dinp.par_chunks_mut(c).zip(dout.par_chunks(c)).zip(inp.par_chunks(c)).zip(mean.par_iter().zip(rstd.par_iter())).for_each(
+        |(((di, d), x), (&m, &s))| {
+            let mut dnorm_mean = 0.0f32;
+            let mut dnorm_norm_mean = 0.0f32;
+            for i in 0..c {
+                let dn = w[i] * d[i];
+                dnorm_mean += dn;
+                dnorm_norm_mean += dn * (x[i] - m) * s;
+            }
+            dnorm_mean /= c as f32;
+            dnorm_norm_mean /= c as f32;
+            for i in 0..c {
+                let norm = (x[i] - m) * s;
+                di[i] += (w[i] * d[i] - dnorm_mean - norm * dnorm_norm_mean) * s;
+            }
+        },
+    );
+    let n_rows = mean.len();
+    reduce_rows(n_rows, 2 * c, &mut [dw, db], |rows, acc| {
+        let (aw, ab) = acc.split_at_mut(c);
+        for r in rows {
+            let (d, x, m, s) = (&dout[r * c..][..c], &inp[r * c..][..c], mean[r], rstd[r]);
+            for i in 0..c {
+                aw[i] += (x[i] - m) * s * d[i];
+                ab[i] += d[i];
+            }
+        }
+    });
+}
+
+/// `out[r×oc] = residual + inp[r×ic] · w[ic×oc] + bias` (HF `Conv1D` layout).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_forward(
+    out: &mut [f32],
+    inp: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    residual: Option<&[f32]>,
+    n_rows: usize,
+    ic: usize,
+    oc: usize,
+) {
+    let init = bias.is_some() || residual.is_some();
+    if init {
+        out.par_chunks_mut(oc).enumerate().for_each(|(r, o)| {
+            match residual {
+                Some(res) => o.copy_from_slice(&res[r * oc..][..oc]),
+                None => o.fill(0.0),
+            }
+            if let Some(b) = bias {
+                o.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+            }
+        });
+    }
+    gemm_into(n_rows, oc, ic, out, 0, oc, init, Strided::rows(inp, ic), Strided::rows(w, oc), 1.0, parallelism(false));
+}
+
+/// Backward of [`matmul_forward`]: overwrites `dinp`, adds into `dw` and `db`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward(
+    dinp: &mut [f32],
+    dw: &mut [f32],
+    db: Option<&mut [f32]>,
+    dout: &[f32],
+    inp: &[f32],
+    w: &[f32],
+    n_rows: usize,
+    ic: usize,
+    oc: usize,
+) {
+    let par = parallelism(false);
+    // dinp = dout · wᵀ
+    gemm_into(n_rows, ic, oc, dinp, 0, ic, false, Strided::rows(dout, oc), Strided::transposed(w, oc), 1.0, par);
+    // dw += inpᵀ · dout
+    gemm_into(ic, oc, n_rows, dw, 0, oc, true, Strided::transposed(inp, ic), Strided::rows(dout, oc), 1.0, par);
+    if let Some(db) = db {
+        bias_backward(db, dout, oc);
+    }
+}
+
+/// `db += Σ_rows dout`, parallel over columns, rows summed in order.
+pub fn bias_backward(db: &mut [f32], dout: &[f32], oc: usize) {
+    const COLS: usize = 64;
+    db.par_chunks_mut(COLS).enumerate().for_each(|(j, acc)| {
+        for row in dout.chunks(oc) {
+            for (a, d) in acc.iter_mut().zip(&row[j * COLS..]) {
+                *a += d;
+            }
+        }
+    });
+}
+
+const GELU_SCALE: f32 = 0.797_884_6; // sqrt(2/π)
+
+/// GELU, tanh approximation (`gelu_new` in Hugging Face).
+pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
+    out.par_chunks_mut(4096).zip(inp.par_chunks(4096)).for_each(|(o, x)| {
+        for (o, &x) in o.iter_mut().zip(x) {
+            let cube = 0.044715 * x * x * x;
+            *o = 0.5 * x * (1.0 + (GELU_SCALE * (x + cube)).tanh());
+        }
+    });
+}
+
+/// In place: `d ← d · gelu'(inp)`.
+pub fn gelu_backward_inplace(d: &mut [f32], inp: &[f32]) {
+    d.par_chunks_mut(4096).zip(inp.par_chunks(4096)).for_each(|(d, x)| {
+        for (d, &x) in d.iter_mut().zip(x) {
+            let cube = 0.044715 * x * x * x;
+            let th = (GELU_SCALE * (x + cube)).tanh();
+            let sech2 = 1.0 - th * th;
+            let grad = 0.5 * (1.0 + th) + 0.5 * x * sech2 * GELU_SCALE * (1.0 + 3.0 * 0.044715 * x * x);
+            *d *= grad;
+        }
+    });
+}
+
+/// Shapes of one attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    /// Sequences.
+    pub b: usize,
+    /// Sequence length.
+    pub t: usize,
+    /// Width C.
+    pub c: usize,
+    /// Heads.
+    pub n_head: usize,
+}
+
+/// Causal multi-head attention. `qkv` is `[B, T, 3C]` (q | k | v), `att`
+/// receives the softmax probabilities `[B, NH, T, T]` (zero above the
+/// diagonal), `out` the `[B, T, C]` head outputs.
+pub fn attention_forward(out: &mut [f32], att: &mut [f32], qkv: &[f32], s: AttnShape) {
+    let AttnShape { b: _, t, c, n_head } = s;
+    let hd = c / n_head;
+    let scale = 1.0 / (hd as f32).sqrt();
+    assert!(out.len() >= s.b * t * c && qkv.len() >= s.b * t * 3 * c);
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    att.par_chunks_mut(t * t).enumerate().for_each(|(bh, a)| {
+        let (bi, h) = (bh / n_head, bh % n_head);
+        let base = bi * t * 3 * c + h * hd;
+        let q = Strided { data: qkv, offset: base, rs: 3 * c, cs: 1 };
+        let k_t = Strided { data: qkv, offset: base + c, rs: 1, cs: 3 * c };
+        let v = Strided { data: qkv, offset: base + 2 * c, rs: 3 * c, cs: 1 };
+        gemm_into(t, t, hd, a, 0, t, false, q, k_t, scale, Parallelism::None);
+        for (ti, row) in a.chunks_mut(t).enumerate() {
+            let valid = &mut row[..=ti];
+            let max = valid.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let mut sum = 0.0f32;
+            for x in valid.iter_mut() {
+                *x = (*x - max).exp();
+                sum += *x;
+            }
+            let inv = 1.0 / sum;
+            valid.iter_mut().for_each(|x| *x *= inv);
+            row[ti + 1..].fill(0.0);
+        }
+        let att_view = Strided::rows(a, t);
+        // SAFETY: head (bi, h) writes rows bi·T.. of columns h·hd..(h+1)·hd of
+        // `out` only; no two tasks share a (bi, h), and `out` is large enough.
+        unsafe {
+            let dst = { out_ptr }.0.add(bi * t * c + h * hd);
+            gemm_raw(t, hd, t, dst, c, false, att_view, v, 1.0, Parallelism::None);
+        }
+    });
+}
+
+/// Backward of [`attention_forward`]: overwrites `dqkv`; `datt` is scratch
+/// of the size of `att`.
+pub fn attention_backward(dqkv: &mut [f32], datt: &mut [f32], dout: &[f32], qkv: &[f32], att: &[f32], s: AttnShape) {
+    let AttnShape { b: _, t, c, n_head } = s;
+    let hd = c / n_head;
+    let scale = 1.0 / (hd as f32).sqrt();
+    assert!(dqkv.len() >= s.b * t * 3 * c && dout.len() >= s.b * t * c && att.len() >= datt.len());
+    let dqkv_ptr = SendPtr(dqkv.as_mut_ptr());
+    datt.par_chunks_mut(t * t).enumerate().for_each(|(bh, da)| {
+        let (bi, h) = (bh / n_head, bh % n_head);
+        let base = bi * t * 3 * c + h * hd;
+        let a = &att[bh * t * t..][..t * t];
+        let dout_h = Strided { data: dout, offset: bi * t * c + h * hd, rs: c, cs: 1 };
+        let v_t = Strided { data: qkv, offset: base + 2 * c, rs: 1, cs: 3 * c };
+        // datt = dout · vᵀ
+        gemm_into(t, t, hd, da, 0, t, false, dout_h, v_t, 1.0, Parallelism::None);
+        // softmax backward, in place: dpre = att ⊙ (datt − Σ att·datt)
+        for ti in 0..t {
+            let (ar, dr) = (&a[ti * t..][..=ti], &mut da[ti * t..][..t]);
+            let dot: f32 = ar.iter().zip(dr.iter()).map(|(x, y)| x * y).sum();
+            for j in 0..=ti {
+                dr[j] = ar[j] * (dr[j] - dot);
+            }
+            dr[ti + 1..].fill(0.0);
+        }
+        let dpre = Strided::rows(da, t);
+        let dpre_t = Strided::transposed(da, t);
+        let q = Strided { data: qkv, offset: base, rs: 3 * c, cs: 1 };
+        let k = Strided { data: qkv, offset: base + c, rs: 3 * c, cs: 1 };
+        // SAFETY: head (bi, h) writes the q, k and v columns of head h in the
+        // rows of sequence bi only; tasks are disjoint and `dqkv` is large enough.
+        unsafe {
+            let p = { dqkv_ptr }.0.add(base);
+            // dq = scale · dpre · k ; dk = scale · dpreᵀ · q ; dv = attᵀ · dout
+            gemm_raw(t, hd, t, p, 3 * c, false, dpre, k, scale, Parallelism::None);
+            gemm_raw(t, hd, t, p.add(c), 3 * c, false, dpre_t, q, scale, Parallelism::None);
+            gemm_raw(t, hd, t, p.add(2 * c), 3 * c, false, Strided::transposed(a, t), dout_h, 1.0, Parallelism::None);
+        }
+    });
+}
+
+/// Fused softmax + cross-entropy over rows of `v` logits. Writes each row's
+/// loss (0 for ignored targets, `target < 0`) into `losses`. With
+/// `grad_scale = Some(s)` the logits are overwritten by
+/// `s · (softmax − onehot)` (zero rows for ignored targets).
+pub fn softmax_cross_entropy(logits: &mut [f32], losses: &mut [f32], targets: &[i32], v: usize, grad_scale: Option<f32>) {
+    logits.par_chunks_mut(v).zip(losses.par_iter_mut()).zip(targets.par_iter()).for_each(|((row, loss), &tgt)| {
+        if tgt < 0 {
+            *loss = 0.0;
+            if grad_scale.is_some() {
+                row.fill(0.0);
+            }
+            return;
+        }
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let sum: f32 = row.iter().map(|&x| (x - max).exp()).sum();
+        let tgt = tgt as usize;
+        *loss = sum.ln() - (row[tgt] - max);
+        if let Some(s) = grad_scale {
+            let inv = 1.0 / sum;
+            for x in row.iter_mut() {
+                *x = s * (*x - max).exp() * inv;
+            }
+            row[tgt] -= s;
+        }
+    });
+}
