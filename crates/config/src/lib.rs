@@ -1,1 +1,622 @@
-//! stub
+//! The TOML configuration: sections, defaults, `--set section.key=value`
+//! overrides, and validation of everything that does not need the model or
+//! the data. One spelling per field: the Rust field, the TOML key and the
+//! `--set` path are the same.
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// Errors in the configuration, each naming the field and the fix.
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    /// The file cannot be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// TOML syntax or an unknown / mistyped key.
+    #[error("{origin}: {message}")]
+    Parse {
+        /// Which file or override.
+        origin: String,
+        /// The parser's message (names the key and its line).
+        message: String,
+    },
+    /// A `--set` argument is not `key=value`.
+    #[error("--set `{0}`: expected section.key=value, e.g. --set train.steps=30")]
+    BadOverride(String),
+    /// The batch triple is inconsistent or not divisible.
+    #[error("batch: {0}")]
+    Batch(String),
+    /// A value is out of range.
+    #[error("{field} = {value}: {rule}")]
+    Invalid {
+        /// Dotted key.
+        field: &'static str,
+        /// The value given.
+        value: String,
+        /// What it must satisfy.
+        rule: String,
+    },
+}
+
+/// The whole configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Model shape.
+    pub model: ModelConfig,
+    /// Data source.
+    pub data: DataConfig,
+    /// Batch factorization.
+    pub batch: BatchConfig,
+    /// The run.
+    pub train: TrainConfig,
+    /// Optimizer.
+    pub optim: OptimConfig,
+    /// Learning-rate schedule.
+    pub schedule: ScheduleConfig,
+}
+
+/// `[model]`: a preset, optionally with single dimensions overridden.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// `tiny`, `mini`, `small`, `gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl`.
+    pub preset: String,
+    /// Overrides the preset's number of blocks.
+    pub n_layer: Option<usize>,
+    /// Overrides the preset's number of heads.
+    pub n_head: Option<usize>,
+    /// Overrides the preset's width.
+    pub n_embd: Option<usize>,
+    /// Overrides the preset's maximum sequence length.
+    pub block_size: Option<usize>,
+    /// Overrides the preset's vocabulary size.
+    pub vocab_size: Option<usize>,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            preset: "tiny".into(),
+            n_layer: None,
+            n_head: None,
+            n_embd: None,
+            block_size: None,
+            vocab_size: None,
+        }
+    }
+}
+
+/// `[data]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// A data file; unset means the bundled corpus (Moby-Dick).
+    pub path: Option<String>,
+    /// `text` (UTF-8, byte tokens) or `tokens_u16` (nanoGPT `.bin`).
+    pub format: String,
+    /// Share of the tokens (from the end) held out for validation.
+    pub val_fraction: f64,
+    /// Tokens per sequence; unset means the model's block_size.
+    pub seq_len: Option<usize>,
+    /// Shuffle the sample order each epoch (from train.seed).
+    pub shuffle: bool,
+    /// Drop the samples that cannot fill a whole global batch.
+    pub drop_last: bool,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self {
+            path: None,
+            format: "text".into(),
+            val_fraction: 0.1,
+            seq_len: None,
+            shuffle: true,
+            drop_last: true,
+        }
+    }
+}
+
+/// `[batch]`: give any two of the three (world size comes from the launcher).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct BatchConfig {
+    /// Sequences per optimizer step over all ranks (G).
+    pub global: Option<usize>,
+    /// Sequences per micro-batch per rank.
+    pub micro: Option<usize>,
+    /// Micro-steps per optimizer step (K).
+    pub accumulation_steps: Option<usize>,
+}
+
+/// The resolved factorization `global = micro × accumulation_steps × world_size`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResolvedBatch {
+    /// G.
+    pub global: usize,
+    /// Per-rank micro-batch.
+    pub micro: usize,
+    /// K.
+    pub accumulation_steps: usize,
+    /// W.
+    pub world_size: usize,
+}
+
+/// Defaults used when fewer than two of the triple are given.
+pub const DEFAULT_GLOBAL_BATCH: usize = 16;
+/// See [`DEFAULT_GLOBAL_BATCH`].
+pub const DEFAULT_MICRO_BATCH: usize = 8;
+
+impl BatchConfig {
+    /// Derives the missing member of the triple. With fewer than two given,
+    /// `global = 16` and then `micro = 8` fill in.
+    pub fn resolve(&self, world_size: usize) -> Result<ResolvedBatch, ConfigError> {
+        let rule = "global = micro × accumulation_steps × world_size";
+        let (mut g, mut m, k) = (self.global, self.micro, self.accumulation_steps);
+        for (name, v) in [
+            ("batch.global", g),
+            ("batch.micro", m),
+            ("batch.accumulation_steps", k),
+        ] {
+            if v == Some(0) {
+                return Err(ConfigError::Batch(format!(
+                    "{name} must be at least 1, got 0"
+                )));
+            }
+        }
+        if world_size == 0 {
+            return Err(ConfigError::Batch("world_size must be at least 1".into()));
+        }
+        let given =
+            |g: Option<usize>, m: Option<usize>| [g, m, k].iter().filter(|x| x.is_some()).count();
+        if given(g, m) < 2 && g.is_none() {
+            g = Some(DEFAULT_GLOBAL_BATCH);
+        }
+        if given(g, m) < 2 && m.is_none() {
+            m = Some(DEFAULT_MICRO_BATCH);
+        }
+        let show = |v: Option<usize>| v.map_or("?".to_string(), |v| v.to_string());
+        let numbers = format!(
+            "global = {}, micro = {}, accumulation_steps = {}, world_size = {world_size}",
+            show(g),
+            show(m),
+            show(k)
+        );
+        let (global, micro, accumulation_steps) = match (g, m, k) {
+            (Some(g), Some(m), Some(k)) => {
+                if g != m * k * world_size {
+                    return Err(ConfigError::Batch(format!(
+                        "inconsistent: {numbers}, but {m} × {k} × {world_size} = {} ≠ {g}; the rule is {rule} — give only two of them and the third is derived",
+                        m * k * world_size
+                    )));
+                }
+                (g, m, k)
+            }
+            (Some(g), Some(m), None) => {
+                if g % (m * world_size) != 0 {
+                    return Err(ConfigError::Batch(format!(
+                        "{numbers}: global {g} is not divisible by micro × world_size = {}; the rule is {rule}",
+                        m * world_size
+                    )));
+                }
+                (g, m, g / (m * world_size))
+            }
+            (Some(g), None, Some(k)) => {
+                if g % (k * world_size) != 0 {
+                    return Err(ConfigError::Batch(format!(
+                        "{numbers}: global {g} is not divisible by accumulation_steps × world_size = {}; the rule is {rule}",
+                        k * world_size
+                    )));
+                }
+                (g, g / (k * world_size), k)
+            }
+            (None, Some(m), Some(k)) => (m * k * world_size, m, k),
+            _ => unreachable!("at least two members are filled in above"),
+        };
+        Ok(ResolvedBatch {
+            global,
+            micro,
+            accumulation_steps,
+            world_size,
+        })
+    }
+}
+
+/// `[train]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Optimizer steps to run.
+    pub steps: u64,
+    /// Seed of initialisation and sample order.
+    pub seed: u64,
+    /// Worker threads (0: all cores).
+    pub threads: usize,
+    /// Evaluate the validation loss every N optimizer steps (0: only at the end).
+    pub eval_every: u64,
+    /// Micro-batches of validation data per evaluation.
+    pub eval_batches: usize,
+    /// Print a plain progress line every N steps when not on a terminal.
+    pub log_every: u64,
+    /// Global-norm clipping threshold (0 disables).
+    pub grad_clip: f32,
+    /// `token` (mean over all targets of the global batch) or `micro_batch_mean`.
+    pub loss_normalization: String,
+    /// `f32` (bf16 / f16 arrive with mixed precision).
+    pub precision: String,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            steps: 300,
+            seed: 1337,
+            threads: 0,
+            eval_every: 50,
+            eval_batches: 8,
+            log_every: 10,
+            grad_clip: 1.0,
+            loss_normalization: "token".into(),
+            precision: "f32".into(),
+        }
+    }
+}
+
+/// `[optim]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimConfig {
+    /// `adamw` or `sgd`.
+    pub name: String,
+    /// Peak learning rate.
+    pub lr: f32,
+    /// AdamW β₁.
+    pub beta1: f32,
+    /// AdamW β₂.
+    pub beta2: f32,
+    /// AdamW ε.
+    pub eps: f32,
+    /// Weight decay (decoupled for AdamW, L2 for SGD), matrices and embeddings only.
+    pub weight_decay: f32,
+    /// SGD momentum.
+    pub momentum: f32,
+    /// SGD Nesterov momentum.
+    pub nesterov: bool,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        Self {
+            name: "adamw".into(),
+            lr: 2e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            momentum: 0.9,
+            nesterov: false,
+        }
+    }
+}
+
+/// `[schedule]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ScheduleConfig {
+    /// `constant`, `linear`, `cosine`, or DeepSpeed's `WarmupLR`,
+    /// `WarmupDecayLR`, `WarmupCosineLR`.
+    pub kind: String,
+    /// Linear warmup steps.
+    pub warmup_steps: u64,
+    /// Floor of the decaying schedules.
+    pub min_lr: f32,
+}
+
+impl Default for ScheduleConfig {
+    fn default() -> Self {
+        Self {
+            kind: "cosine".into(),
+            warmup_steps: 20,
+            min_lr: 2e-4,
+        }
+    }
+}
+
+/// Decay after warmup, as named in the config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScheduleKind {
+    /// `constant` / `WarmupLR`.
+    Constant,
+    /// `linear` / `WarmupDecayLR`.
+    Linear,
+    /// `cosine` / `WarmupCosineLR`.
+    Cosine,
+}
+
+impl Config {
+    /// Parses TOML text, then applies `--set` overrides, then checks types and keys.
+    pub fn from_toml(text: &str, origin: &str, overrides: &[String]) -> Result<Self, ConfigError> {
+        let mut table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            origin: origin.into(),
+            message: e.to_string(),
+        })?;
+        for o in overrides {
+            apply_override(&mut table, o)?;
+        }
+        // Round-trip through text so that type errors point at the key and line.
+        let merged = toml::to_string(&table).map_err(|e| ConfigError::Parse {
+            origin: origin.into(),
+            message: e.to_string(),
+        })?;
+        let origin = if overrides.is_empty() {
+            origin.to_string()
+        } else {
+            format!("{origin} with --set overrides")
+        };
+        toml::from_str(&merged).map_err(|e| ConfigError::Parse {
+            origin,
+            message: e.to_string(),
+        })
+    }
+
+    /// The configuration as TOML (for `config.resolved.toml`).
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot serialise config: {e}\n"))
+    }
+
+    /// The schedule kind, with DeepSpeed's names accepted.
+    pub fn schedule_kind(&self) -> Result<ScheduleKind, ConfigError> {
+        match self.schedule.kind.as_str() {
+            "constant" | "WarmupLR" => Ok(ScheduleKind::Constant),
+            "linear" | "WarmupDecayLR" => Ok(ScheduleKind::Linear),
+            "cosine" | "WarmupCosineLR" => Ok(ScheduleKind::Cosine),
+            other => Err(invalid(
+                "schedule.kind",
+                other,
+                "use constant, linear or cosine (or WarmupLR, WarmupDecayLR, WarmupCosineLR)",
+            )),
+        }
+    }
+
+    /// Checks every value that does not need the model or the data.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.schedule_kind()?;
+        let t = &self.train;
+        if t.steps == 0 {
+            return Err(invalid("train.steps", 0, "must be at least 1"));
+        }
+        if t.eval_batches == 0 {
+            return Err(invalid("train.eval_batches", 0, "must be at least 1"));
+        }
+        if t.log_every == 0 {
+            return Err(invalid("train.log_every", 0, "must be at least 1"));
+        }
+        if !(t.grad_clip >= 0.0 && t.grad_clip.is_finite()) {
+            return Err(invalid(
+                "train.grad_clip",
+                t.grad_clip,
+                "must be finite and >= 0 (0 disables clipping)",
+            ));
+        }
+        if !matches!(t.loss_normalization.as_str(), "token" | "micro_batch_mean") {
+            return Err(invalid(
+                "train.loss_normalization",
+                &t.loss_normalization,
+                "use token or micro_batch_mean",
+            ));
+        }
+        match t.precision.as_str() {
+            "f32" => {}
+            "bf16" | "f16" => {
+                return Err(invalid(
+                    "train.precision",
+                    &t.precision,
+                    "mixed precision is not implemented yet; use f32",
+                ))
+            }
+            other => return Err(invalid("train.precision", other, "use f32")),
+        }
+        if t.threads > 4096 {
+            return Err(invalid(
+                "train.threads",
+                t.threads,
+                "must be at most 4096 (0: all cores)",
+            ));
+        }
+        let o = &self.optim;
+        if !matches!(o.name.as_str(), "adamw" | "sgd") {
+            return Err(invalid("optim.name", &o.name, "use adamw or sgd"));
+        }
+        if !(o.lr > 0.0 && o.lr.is_finite()) {
+            return Err(invalid("optim.lr", o.lr, "must be finite and > 0"));
+        }
+        let s = &self.schedule;
+        if !(s.min_lr >= 0.0 && s.min_lr <= o.lr) {
+            return Err(invalid(
+                "schedule.min_lr",
+                s.min_lr,
+                &format!("must be between 0 and optim.lr ({})", o.lr),
+            ));
+        }
+        let d = &self.data;
+        if !matches!(d.format.as_str(), "text" | "tokens_u16") {
+            return Err(invalid("data.format", &d.format, "use text or tokens_u16"));
+        }
+        if !(d.val_fraction > 0.0 && d.val_fraction < 1.0) {
+            return Err(invalid(
+                "data.val_fraction",
+                d.val_fraction,
+                "must be strictly between 0 and 1",
+            ));
+        }
+        if d.seq_len == Some(0) {
+            return Err(invalid("data.seq_len", 0, "must be at least 1"));
+        }
+        if d.path.as_deref() == Some("") {
+            return Err(invalid(
+                "data.path",
+                "\"\"",
+                "give a file, or leave it unset for the bundled corpus",
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn invalid(field: &'static str, value: impl std::fmt::Display, rule: &str) -> ConfigError {
+    ConfigError::Invalid {
+        field,
+        value: value.to_string(),
+        rule: rule.to_string(),
+    }
+}
+
+/// Applies `a.b.c=value`; the value is read as TOML (number, bool, string,
+/// array) and falls back to a plain string.
+fn apply_override(table: &mut toml::Table, arg: &str) -> Result<(), ConfigError> {
+    let (key, raw) = arg
+        .split_once('=')
+        .ok_or_else(|| ConfigError::BadOverride(arg.into()))?;
+    let path: Vec<&str> = key.trim().split('.').collect();
+    if path.iter().any(|p| p.is_empty()) {
+        return Err(ConfigError::BadOverride(arg.into()));
+    }
+    let raw = raw.trim();
+    let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_string()));
+    let mut cur = table;
+    for part in &path[..path.len() - 1] {
+        let entry = cur
+            .entry(part.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        cur = match entry {
+            toml::Value::Table(t) => t,
+            _ => {
+                return Err(ConfigError::BadOverride(format!(
+                    "{arg} (`{part}` is not a section)"
+                )))
+            }
+        };
+    }
+    cur.insert(path[path.len() - 1].to_string(), value);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str, sets: &[&str]) -> Result<Config, ConfigError> {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        Config::from_toml(text, "test.toml", &sets)
+    }
+
+    #[test]
+    fn overrides_and_defaults() {
+        let c = parse(
+            "[train]\nsteps = 5\n",
+            &[
+                "train.steps=30",
+                "batch.micro=4",
+                "data.path=foo.txt",
+                "optim.lr=1e-3",
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.train.steps, 30);
+        assert_eq!(c.batch.micro, Some(4));
+        assert_eq!(c.data.path.as_deref(), Some("foo.txt"));
+        assert_eq!(c.optim.lr, 1e-3);
+        assert_eq!(c.model.preset, "tiny");
+        c.validate().unwrap();
+        // The resolved file parses back to the same config.
+        assert_eq!(parse(&c.to_toml(), &[]).unwrap(), c);
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_types_name_the_key() {
+        let e = parse("[train]\nstepz = 5\n", &[]).unwrap_err().to_string();
+        assert!(e.contains("stepz"), "{e}");
+        let e = parse("", &["batch.micro=-2"]).unwrap_err().to_string();
+        assert!(e.contains("micro"), "{e}");
+        let e = parse("", &["nonsense.key=1"]).unwrap_err().to_string();
+        assert!(e.contains("nonsense"), "{e}");
+        assert!(parse("", &["train.steps"]).is_err());
+        assert!(parse("[train\n", &[]).is_err());
+    }
+
+    #[test]
+    fn batch_triple_derivation_and_errors() {
+        let b = |g, m, k| BatchConfig {
+            global: g,
+            micro: m,
+            accumulation_steps: k,
+        };
+        let r = b(Some(32), Some(4), None).resolve(2).unwrap();
+        assert_eq!((r.global, r.micro, r.accumulation_steps), (32, 4, 4));
+        assert_eq!(b(Some(32), None, Some(8)).resolve(1).unwrap().micro, 4);
+        assert_eq!(b(None, Some(4), Some(3)).resolve(2).unwrap().global, 24);
+        assert_eq!(
+            b(None, Some(4), None)
+                .resolve(1)
+                .unwrap()
+                .accumulation_steps,
+            4,
+            "global defaults to 16"
+        );
+        assert_eq!(b(None, None, Some(4)).resolve(1).unwrap().micro, 4);
+        assert_eq!(
+            b(None, None, None).resolve(1).unwrap().accumulation_steps,
+            2
+        );
+        let e = b(Some(32), Some(4), Some(4))
+            .resolve(1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("global = 32, micro = 4, accumulation_steps = 4, world_size = 1")
+                && e.contains("rule"),
+            "{e}"
+        );
+        let e = b(Some(30), Some(4), None)
+            .resolve(1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not divisible"), "{e}");
+        assert!(b(Some(0), Some(4), None)
+            .resolve(1)
+            .unwrap_err()
+            .to_string()
+            .contains("at least 1"));
+    }
+
+    #[test]
+    fn deepspeed_schedule_names_and_range_checks() {
+        let c = parse("", &["schedule.kind=WarmupCosineLR"]).unwrap();
+        assert_eq!(c.schedule_kind().unwrap(), ScheduleKind::Cosine);
+        for bad in [
+            "train.steps=0",
+            "optim.lr=-1",
+            "data.val_fraction=1.5",
+            "train.precision=\"f8\"",
+            "optim.name=\"lamb\"",
+        ] {
+            let e = parse("", &[bad])
+                .unwrap()
+                .validate()
+                .unwrap_err()
+                .to_string();
+            let field = bad.split('=').next().unwrap();
+            assert!(e.contains(field), "{bad}: {e}");
+        }
+    }
+}

@@ -1,1 +1,12 @@
-//! stub
+//! Tokenizers, corpora and the sampler that implements the batch contract
+//! (SPEC §2). Knows nothing about models or communication.
+
+pub mod dataset;
+pub mod error;
+pub mod sampler;
+pub mod tokenizer;
+
+pub use dataset::{Corpus, DataFormat, TokenDataset};
+pub use error::DataError;
+pub use sampler::{BatchShape, Sampler};
+pub use tokenizer::ByteTokenizer;

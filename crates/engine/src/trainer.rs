@@ -65,9 +65,21 @@ pub struct Trainer {
 
 impl Trainer {
     /// A trainer starting from `params`.
-    pub fn new(params: Vec<f32>, optimizer: Optimizer, schedule: LrSchedule, options: TrainerOptions) -> Self {
+    pub fn new(
+        params: Vec<f32>,
+        optimizer: Optimizer,
+        schedule: LrSchedule,
+        options: TrainerOptions,
+    ) -> Self {
         let grads = vec![0.0; params.len()];
-        Self { params, grads, optimizer, schedule, options, n_steps: 0 }
+        Self {
+            params,
+            grads,
+            optimizer,
+            schedule,
+            options,
+            n_steps: 0,
+        }
     }
 
     /// Current parameters.
@@ -96,10 +108,17 @@ impl Trainer {
     }
 
     /// One optimizer step over `micro_batches` (K = its length).
-    pub fn step<M: Model>(&mut self, model: &mut M, micro_batches: &[M::Batch]) -> Result<StepReport, EngineError> {
+    pub fn step<M: Model>(
+        &mut self,
+        model: &mut M,
+        micro_batches: &[M::Batch],
+    ) -> Result<StepReport, EngineError> {
         let n_params = model.layout().n_params();
         if n_params != self.params.len() {
-            return Err(EngineError::ParamCount { expected: n_params, got: self.params.len() });
+            return Err(EngineError::ParamCount {
+                expected: n_params,
+                got: self.params.len(),
+            });
         }
         if micro_batches.is_empty() {
             return Err(EngineError::NoMicroBatches);
@@ -122,7 +141,11 @@ impl Trainer {
             };
             let stats = model
                 .micro_step(&self.params, &mut self.grads, batch, grad_scale)
-                .map_err(|e| EngineError::Model { step: step_idx, micro_step_idx, source: Box::new(e) })?;
+                .map_err(|e| EngineError::Model {
+                    step: step_idx,
+                    micro_step_idx,
+                    source: Box::new(e),
+                })?;
             loss_sum += stats.loss_sum;
             n_targets += stats.n_targets;
             micro_losses.push(stats.loss_sum / stats.n_targets as f64);
@@ -138,7 +161,11 @@ impl Trainer {
                 loss_sum / n_targets as f64
             }
             LossNormalization::MicroBatchMean => {
-                let valid: Vec<f64> = micro_losses.iter().copied().filter(|l| l.is_finite()).collect();
+                let valid: Vec<f64> = micro_losses
+                    .iter()
+                    .copied()
+                    .filter(|l| l.is_finite())
+                    .collect();
                 if valid.is_empty() {
                     return Err(EngineError::NoTargets { step: step_idx });
                 }
@@ -150,24 +177,40 @@ impl Trainer {
             None => (grad_norm(&self.grads), false),
         };
         if !grad_norm.is_finite() {
-            return Err(EngineError::NonFiniteGradient { step: step_idx, norm: grad_norm });
+            return Err(EngineError::NonFiniteGradient {
+                step: step_idx,
+                norm: grad_norm,
+            });
         }
         let lr = self.schedule.lr(step_idx);
-        self.optimizer.update(model.layout(), &mut self.params, &self.grads, lr);
+        self.optimizer
+            .update(model.layout(), &mut self.params, &self.grads, lr);
         self.n_steps += 1;
-        Ok(StepReport { step_idx, loss, micro_losses, n_targets, n_micro_steps: n_micro, grad_norm, clipped, lr })
+        Ok(StepReport {
+            step_idx,
+            loss,
+            micro_losses,
+            n_targets,
+            n_micro_steps: n_micro,
+            grad_norm,
+            clipped,
+            lr,
+        })
     }
 }
 
 fn scale(buf: &mut [f32], factor: f32) {
-    buf.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|x| *x *= factor));
+    buf.par_chunks_mut(CHUNK)
+        .for_each(|c| c.iter_mut().for_each(|x| *x *= factor));
 }
 
 /// L2 norm of a flat buffer, accumulated in f64 over fixed chunks summed in
 /// order, so the result does not depend on the number of threads.
 pub fn grad_norm(grads: &[f32]) -> f64 {
-    let partial: Vec<f64> =
-        grads.par_chunks(CHUNK).map(|c| c.iter().map(|&x| x as f64 * x as f64).sum::<f64>()).collect();
+    let partial: Vec<f64> = grads
+        .par_chunks(CHUNK)
+        .map(|c| c.iter().map(|&x| x as f64 * x as f64).sum::<f64>())
+        .collect();
     partial.iter().sum::<f64>().sqrt()
 }
 

@@ -1,1 +1,319 @@
-//! stub
+//! Hugging Face GPT-2 checkpoints: `model.safetensors` + `config.json`, with
+//! `GPT2LMHeadModel`'s tensor names and `Conv1D` layouts, so `transformers`
+//! loads our files as they are and we load theirs.
+
+use crate::config::GptConfig;
+use crate::error::GptError;
+use engine::ParamLayout;
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// File name of the weights.
+pub const WEIGHTS_FILE: &str = "model.safetensors";
+/// File name of the model configuration.
+pub const CONFIG_FILE: &str = "config.json";
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> GptError + '_ {
+    move |source| GptError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn bad(path: &Path, problem: impl Into<String>) -> GptError {
+    GptError::Checkpoint {
+        path: path.to_path_buf(),
+        problem: problem.into(),
+    }
+}
+
+/// Writes `bytes` to `path` atomically: a temporary file in the same
+/// directory, fsync, rename, fsync of the directory. A crash leaves either
+/// the old file or the new one, never a torn one.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), GptError> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp: PathBuf = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let mut f = std::fs::File::create(&tmp).map_err(io_err(&tmp))?;
+    f.write_all(bytes).map_err(io_err(&tmp))?;
+    f.sync_all().map_err(io_err(&tmp))?;
+    drop(f);
+    std::fs::rename(&tmp, path).map_err(io_err(path))?;
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all(); // best effort: not every filesystem syncs directories
+    }
+    Ok(())
+}
+
+/// `config.json` in the format of `transformers`' `GPT2Config`.
+pub fn config_json(cfg: &GptConfig) -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.block_size,
+        "n_ctx": cfg.block_size,
+        "n_embd": cfg.n_embd,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_inner": null,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "initializer_range": 0.02,
+        "scale_attn_weights": true,
+        "tie_word_embeddings": true,
+        "torch_dtype": "float32",
+    })
+}
+
+/// Saves `params` (laid out by `layout`) and the config into `dir`.
+pub fn save(
+    dir: &Path,
+    cfg: &GptConfig,
+    layout: &ParamLayout,
+    params: &[f32],
+) -> Result<(), GptError> {
+    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let bytes: Vec<Vec<u8>> = layout
+        .tensors()
+        .iter()
+        .map(|t| {
+            params[t.range()]
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect()
+        })
+        .collect();
+    let views = layout
+        .tensors()
+        .iter()
+        .zip(&bytes)
+        .map(|(t, b)| TensorView::new(Dtype::F32, t.shape.clone(), b).map(|v| (t.name.clone(), v)))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad(dir, format!("cannot build tensor views: {e}")))?;
+    let metadata = Some(HashMap::from([("format".to_string(), "pt".to_string())]));
+    let weights = dir.join(WEIGHTS_FILE);
+    let blob = safetensors::serialize(views, metadata)
+        .map_err(|e| bad(&weights, format!("cannot serialise: {e}")))?;
+    write_atomic(&weights, &blob)?;
+    let cfg_path = dir.join(CONFIG_FILE);
+    let text = serde_json::to_string_pretty(&config_json(cfg))
+        .map_err(|e| bad(&cfg_path, e.to_string()))?;
+    write_atomic(&cfg_path, text.as_bytes())
+}
+
+/// Reads a `GPT2Config`-style `config.json`.
+pub fn load_config(path: &Path) -> Result<GptConfig, GptError> {
+    let text = std::fs::read_to_string(path).map_err(io_err(path))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| bad(path, format!("not valid JSON: {e}")))?;
+    let field = |names: &[&str]| -> Result<usize, GptError> {
+        names
+            .iter()
+            .find_map(|n| v.get(*n).and_then(|x| x.as_u64()))
+            .map(|x| x as usize)
+            .ok_or_else(|| {
+                bad(
+                    path,
+                    format!(
+                        "missing integer field `{}` (is this a GPT-2 config.json?)",
+                        names[0]
+                    ),
+                )
+            })
+    };
+    if let Some(act) = v.get("activation_function").and_then(|a| a.as_str()) {
+        if !matches!(act, "gelu_new" | "gelu_pytorch_tanh") {
+            return Err(bad(
+                path,
+                format!(
+                    "activation_function `{act}` is not supported; GPT-2 uses gelu_new (tanh GELU)"
+                ),
+            ));
+        }
+    }
+    let cfg = GptConfig {
+        n_layer: field(&["n_layer"])?,
+        n_head: field(&["n_head"])?,
+        n_embd: field(&["n_embd"])?,
+        block_size: field(&["n_positions", "n_ctx"])?,
+        vocab_size: field(&["vocab_size"])?,
+    };
+    if let Some(inner) = v.get("n_inner").and_then(|x| x.as_u64()) {
+        if inner as usize != 4 * cfg.n_embd {
+            return Err(bad(path, format!("n_inner = {inner} is not 4 × n_embd = {}; only the standard MLP width is supported", 4 * cfg.n_embd)));
+        }
+    }
+    cfg.validate().map_err(|e| bad(path, e.to_string()))?;
+    Ok(cfg)
+}
+
+/// Tensors a Hugging Face file may hold that are not parameters of ours.
+fn is_known_extra(name: &str) -> bool {
+    name == "lm_head.weight"
+        || name.ends_with(".attn.bias") && !name.contains("c_attn")
+        || name.ends_with(".attn.masked_bias")
+}
+
+/// Loads weights from a safetensors file into a fresh flat buffer laid out by
+/// `layout`. Names may carry the `transformer.` prefix or not (the Hub's
+/// `gpt2` file does not).
+pub fn load_weights(path: &Path, layout: &ParamLayout) -> Result<Vec<f32>, GptError> {
+    let bytes = std::fs::read(path).map_err(io_err(path))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| {
+        bad(
+            path,
+            format!("not a valid safetensors file ({e}); it may be truncated or corrupt"),
+        )
+    })?;
+    let mut params = vec![0.0f32; layout.n_params()];
+    let mut used = std::collections::HashSet::new();
+    for spec in layout.tensors() {
+        let short = spec.name.strip_prefix("transformer.").unwrap_or(&spec.name);
+        let (name, view) = [spec.name.as_str(), short]
+            .iter()
+            .find_map(|n| st.tensor(n).ok().map(|v| (n.to_string(), v)))
+            .ok_or_else(|| bad(path, format!("tensor `{}` is missing", spec.name)))?;
+        if view.shape() != spec.shape.as_slice() {
+            return Err(bad(
+                path,
+                format!("tensor `{name}` has shape {:?} but the model needs {:?} (is config.json from the same model?)", view.shape(), spec.shape),
+            ));
+        }
+        if view.dtype() != Dtype::F32 {
+            return Err(bad(
+                path,
+                format!(
+                    "tensor `{name}` is {:?}; only F32 checkpoints are supported so far",
+                    view.dtype()
+                ),
+            ));
+        }
+        for (dst, src) in params[spec.range()]
+            .iter_mut()
+            .zip(view.data().chunks_exact(4))
+        {
+            *dst = f32::from_le_bytes([src[0], src[1], src[2], src[3]]);
+        }
+        used.insert(name);
+    }
+    let mut unexpected: Vec<String> = st
+        .names()
+        .into_iter()
+        .filter(|n| !used.contains(*n) && !is_known_extra(n))
+        .map(str::to_string)
+        .collect();
+    if !unexpected.is_empty() {
+        unexpected.sort();
+        unexpected.truncate(5);
+        return Err(bad(
+            path,
+            format!(
+                "unexpected tensors {unexpected:?}: the file does not hold a GPT-2 of this shape"
+            ),
+        ));
+    }
+    Ok(params)
+}
+
+/// Loads `config.json` and `model.safetensors` from `dir`.
+pub fn load(dir: &Path) -> Result<(GptConfig, Vec<f32>), GptError> {
+    let cfg = load_config(&dir.join(CONFIG_FILE))?;
+    let model = crate::Gpt::new(cfg)?;
+    let params = load_weights(&dir.join(WEIGHTS_FILE), engine::Model::layout(&model))?;
+    Ok((cfg, params))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{init_params, Gpt};
+    use engine::Model;
+
+    fn tmpdir(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("macrobatch-hf-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    #[test]
+    fn round_trips_by_name_and_shape() {
+        let cfg = GptConfig {
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 8,
+            block_size: 6,
+            vocab_size: 11,
+        };
+        let params = init_params(&cfg, 1);
+        let model = Gpt::new(cfg).unwrap();
+        let dir = tmpdir("rt");
+        save(&dir, &cfg, model.layout(), &params).unwrap();
+        let (cfg2, params2) = load(&dir).unwrap();
+        assert_eq!(cfg2, cfg);
+        assert_eq!(params2, params, "bit-identical");
+        // Every tensor is stored under its Hugging Face name with its shape.
+        let bytes = std::fs::read(dir.join(WEIGHTS_FILE)).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(
+            st.tensor("transformer.h.1.attn.c_attn.weight")
+                .unwrap()
+                .shape(),
+            &[8, 24]
+        );
+        assert_eq!(
+            st.tensor("transformer.h.0.mlp.c_proj.weight")
+                .unwrap()
+                .shape(),
+            &[32, 8]
+        );
+        assert_eq!(st.len(), model.layout().tensors().len());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn mismatched_or_truncated_files_are_named_errors() {
+        let cfg = GptConfig {
+            n_layer: 1,
+            n_head: 2,
+            n_embd: 8,
+            block_size: 6,
+            vocab_size: 11,
+        };
+        let model = Gpt::new(cfg).unwrap();
+        let dir = tmpdir("bad");
+        save(&dir, &cfg, model.layout(), &init_params(&cfg, 1)).unwrap();
+        let other = Gpt::new(GptConfig { n_embd: 4, ..cfg }).unwrap();
+        let e = load_weights(&dir.join(WEIGHTS_FILE), other.layout())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("model.safetensors") && e.contains("shape"),
+            "{e}"
+        );
+        let deeper = Gpt::new(GptConfig { n_layer: 2, ..cfg }).unwrap();
+        let e = load_weights(&dir.join(WEIGHTS_FILE), deeper.layout())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("missing"), "{e}");
+        let w = dir.join(WEIGHTS_FILE);
+        let bytes = std::fs::read(&w).unwrap();
+        std::fs::write(&w, &bytes[..bytes.len() / 2]).unwrap();
+        let e = load(&dir).unwrap_err().to_string();
+        assert!(e.contains("truncated or corrupt"), "{e}");
+        std::fs::write(dir.join(CONFIG_FILE), "{\"n_layer\": 1}").unwrap();
+        assert!(load(&dir).unwrap_err().to_string().contains("n_head"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -108,7 +108,16 @@ fn build_layout(cfg: &GptConfig) -> (ParamLayout, ParamRanges) {
         .collect();
     let lnf_w = l.push("transformer.ln_f.weight", &[c], false);
     let lnf_b = l.push("transformer.ln_f.bias", &[c], false);
-    (l, ParamRanges { wte, wpe, blocks, lnf_w, lnf_b })
+    (
+        l,
+        ParamRanges {
+            wte,
+            wpe,
+            blocks,
+            lnf_w,
+            lnf_b,
+        },
+    )
 }
 
 /// GPT-2 initialisation: N(0, 0.02) for matrices and embeddings, residual
@@ -118,7 +127,11 @@ pub fn init_params(cfg: &GptConfig, seed: u64) -> Vec<f32> {
     let mut params = vec![0.0f32; layout.n_params()];
     let mut rng = SplitMix64::derive(seed, &[0x1a17]);
     let resid_std = 0.02 / (2.0 * cfg.n_layer as f64).sqrt();
-    let mut fill = |r: Range<usize>, std: f64| params[r].iter_mut().for_each(|p| *p = (rng.normal() * std) as f32);
+    let mut fill = |r: Range<usize>, std: f64| {
+        params[r]
+            .iter_mut()
+            .for_each(|p| *p = (rng.normal() * std) as f32)
+    };
     fill(ranges.wte.clone(), 0.02);
     fill(ranges.wpe.clone(), 0.02);
     for b in &ranges.blocks {
@@ -218,16 +231,42 @@ impl Acts {
             .blocks
             .iter()
             .map(|a| {
-                [&a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.att, &a.atty, &a.res2, &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.fch, &a.fch_gelu, &a.res3]
-                    .iter()
-                    .map(|v| v.len())
-                    .sum::<usize>()
+                [
+                    &a.ln1,
+                    &a.ln1_mean,
+                    &a.ln1_rstd,
+                    &a.qkv,
+                    &a.att,
+                    &a.atty,
+                    &a.res2,
+                    &a.ln2,
+                    &a.ln2_mean,
+                    &a.ln2_rstd,
+                    &a.fch,
+                    &a.fch_gelu,
+                    &a.res3,
+                ]
+                .iter()
+                .map(|v| v.len())
+                .sum::<usize>()
             })
             .sum();
-        let rest = [&self.encoded, &self.lnf, &self.lnf_mean, &self.lnf_rstd, &self.logits, &self.losses, &self.dres, &self.dbuf_c, &self.dbuf_4c, &self.dqkv, &self.datt]
-            .iter()
-            .map(|v| v.len())
-            .sum::<usize>();
+        let rest = [
+            &self.encoded,
+            &self.lnf,
+            &self.lnf_mean,
+            &self.lnf_rstd,
+            &self.logits,
+            &self.losses,
+            &self.dres,
+            &self.dbuf_c,
+            &self.dbuf_4c,
+            &self.dqkv,
+            &self.datt,
+        ]
+        .iter()
+        .map(|v| v.len())
+        .sum::<usize>();
         4 * (block + rest)
     }
 }
@@ -253,7 +292,12 @@ impl Gpt {
     pub fn new(cfg: GptConfig) -> Result<Self, GptError> {
         cfg.validate()?;
         let (layout, ranges) = build_layout(&cfg);
-        Ok(Self { cfg, layout, ranges, acts: Acts::default() })
+        Ok(Self {
+            cfg,
+            layout,
+            ranges,
+            acts: Acts::default(),
+        })
     }
 
     /// The model's shape.
@@ -295,10 +339,14 @@ impl Gpt {
         }
         let v = self.cfg.vocab_size;
         if let Some(&tok) = batch.inputs.iter().find(|&&x| x as usize >= v) {
-            return Err(GptError::InvalidBatch(format!("input token {tok} is outside the vocabulary of {v}")));
+            return Err(GptError::InvalidBatch(format!(
+                "input token {tok} is outside the vocabulary of {v}"
+            )));
         }
         if let Some(&tok) = batch.targets.iter().find(|&&x| x >= 0 && x as usize >= v) {
-            return Err(GptError::InvalidBatch(format!("target token {tok} is outside the vocabulary of {v}")));
+            return Err(GptError::InvalidBatch(format!(
+                "target token {tok} is outside the vocabulary of {v}"
+            )));
         }
         Ok(())
     }
@@ -316,16 +364,82 @@ impl Gpt {
         let n = b * t;
         let p = &self.ranges.blocks[idx];
         let (before, rest) = self.acts.blocks.split_at_mut(idx);
-        let x: &[f32] = if idx == 0 { &self.acts.encoded } else { &before[idx - 1].res3 };
+        let x: &[f32] = if idx == 0 {
+            &self.acts.encoded
+        } else {
+            &before[idx - 1].res3
+        };
         let a = &mut rest[0];
-        kernels::layernorm_forward(&mut a.ln1, &mut a.ln1_mean, &mut a.ln1_rstd, x, &params[p.ln1_w.clone()], &params[p.ln1_b.clone()], c);
-        kernels::matmul_forward(&mut a.qkv, &a.ln1, &params[p.attn_w.clone()], Some(&params[p.attn_b.clone()]), None, n, c, 3 * c);
-        kernels::attention_forward(&mut a.atty, &mut a.att, &a.qkv, AttnShape { b, t, c, n_head: nh });
-        kernels::matmul_forward(&mut a.res2, &a.atty, &params[p.proj_w.clone()], Some(&params[p.proj_b.clone()]), Some(x), n, c, c);
-        kernels::layernorm_forward(&mut a.ln2, &mut a.ln2_mean, &mut a.ln2_rstd, &a.res2, &params[p.ln2_w.clone()], &params[p.ln2_b.clone()], c);
-        kernels::matmul_forward(&mut a.fch, &a.ln2, &params[p.fc_w.clone()], Some(&params[p.fc_b.clone()]), None, n, c, 4 * c);
+        kernels::layernorm_forward(
+            &mut a.ln1,
+            &mut a.ln1_mean,
+            &mut a.ln1_rstd,
+            x,
+            &params[p.ln1_w.clone()],
+            &params[p.ln1_b.clone()],
+            c,
+        );
+        kernels::matmul_forward(
+            &mut a.qkv,
+            &a.ln1,
+            &params[p.attn_w.clone()],
+            Some(&params[p.attn_b.clone()]),
+            None,
+            n,
+            c,
+            3 * c,
+        );
+        kernels::attention_forward(
+            &mut a.atty,
+            &mut a.att,
+            &a.qkv,
+            AttnShape {
+                b,
+                t,
+                c,
+                n_head: nh,
+            },
+        );
+        kernels::matmul_forward(
+            &mut a.res2,
+            &a.atty,
+            &params[p.proj_w.clone()],
+            Some(&params[p.proj_b.clone()]),
+            Some(x),
+            n,
+            c,
+            c,
+        );
+        kernels::layernorm_forward(
+            &mut a.ln2,
+            &mut a.ln2_mean,
+            &mut a.ln2_rstd,
+            &a.res2,
+            &params[p.ln2_w.clone()],
+            &params[p.ln2_b.clone()],
+            c,
+        );
+        kernels::matmul_forward(
+            &mut a.fch,
+            &a.ln2,
+            &params[p.fc_w.clone()],
+            Some(&params[p.fc_b.clone()]),
+            None,
+            n,
+            c,
+            4 * c,
+        );
         kernels::gelu_forward(&mut a.fch_gelu, &a.fch);
-        kernels::matmul_forward(&mut a.res3, &a.fch_gelu, &params[p.fcproj_w.clone()], Some(&params[p.fcproj_b.clone()]), Some(&a.res2), n, 4 * c, c);
+        kernels::matmul_forward(
+            &mut a.res3,
+            &a.fch_gelu,
+            &params[p.fcproj_w.clone()],
+            Some(&params[p.fcproj_b.clone()]),
+            Some(&a.res2),
+            n,
+            4 * c,
+            c,
+        );
     }
 
     /// Backward of block `idx`: on entry the scratch `dres` holds the gradient
@@ -335,24 +449,106 @@ impl Gpt {
         let n = b * t;
         let p = &self.ranges.blocks[idx];
         let acts = &mut self.acts;
-        let x: &[f32] = if idx == 0 { &acts.encoded } else { &acts.blocks[idx - 1].res3 };
+        let x: &[f32] = if idx == 0 {
+            &acts.encoded
+        } else {
+            &acts.blocks[idx - 1].res3
+        };
         let a = &acts.blocks[idx];
-        let (dres, dc, d4c, dqkv, datt) = (&mut acts.dres, &mut acts.dbuf_c, &mut acts.dbuf_4c, &mut acts.dqkv, &mut acts.datt);
+        let (dres, dc, d4c, dqkv, datt) = (
+            &mut acts.dres,
+            &mut acts.dbuf_c,
+            &mut acts.dbuf_4c,
+            &mut acts.dqkv,
+            &mut acts.datt,
+        );
 
         let (gw, gb) = two_mut(grads, p.fcproj_w.clone(), p.fcproj_b.clone());
-        kernels::matmul_backward(d4c, gw, Some(gb), dres, &a.fch_gelu, &params[p.fcproj_w.clone()], n, 4 * c, c);
+        kernels::matmul_backward(
+            d4c,
+            gw,
+            Some(gb),
+            dres,
+            &a.fch_gelu,
+            &params[p.fcproj_w.clone()],
+            n,
+            4 * c,
+            c,
+        );
         kernels::gelu_backward_inplace(d4c, &a.fch);
         let (gw, gb) = two_mut(grads, p.fc_w.clone(), p.fc_b.clone());
-        kernels::matmul_backward(dc, gw, Some(gb), d4c, &a.ln2, &params[p.fc_w.clone()], n, c, 4 * c);
+        kernels::matmul_backward(
+            dc,
+            gw,
+            Some(gb),
+            d4c,
+            &a.ln2,
+            &params[p.fc_w.clone()],
+            n,
+            c,
+            4 * c,
+        );
         let (gw, gb) = two_mut(grads, p.ln2_w.clone(), p.ln2_b.clone());
-        kernels::layernorm_backward(dres, gw, gb, dc, &a.res2, &a.ln2_mean, &a.ln2_rstd, &params[p.ln2_w.clone()], c);
+        kernels::layernorm_backward(
+            dres,
+            gw,
+            gb,
+            dc,
+            &a.res2,
+            &a.ln2_mean,
+            &a.ln2_rstd,
+            &params[p.ln2_w.clone()],
+            c,
+        );
         let (gw, gb) = two_mut(grads, p.proj_w.clone(), p.proj_b.clone());
-        kernels::matmul_backward(dc, gw, Some(gb), dres, &a.atty, &params[p.proj_w.clone()], n, c, c);
-        kernels::attention_backward(dqkv, datt, dc, &a.qkv, &a.att, AttnShape { b, t, c, n_head: nh });
+        kernels::matmul_backward(
+            dc,
+            gw,
+            Some(gb),
+            dres,
+            &a.atty,
+            &params[p.proj_w.clone()],
+            n,
+            c,
+            c,
+        );
+        kernels::attention_backward(
+            dqkv,
+            datt,
+            dc,
+            &a.qkv,
+            &a.att,
+            AttnShape {
+                b,
+                t,
+                c,
+                n_head: nh,
+            },
+        );
         let (gw, gb) = two_mut(grads, p.attn_w.clone(), p.attn_b.clone());
-        kernels::matmul_backward(dc, gw, Some(gb), dqkv, &a.ln1, &params[p.attn_w.clone()], n, c, 3 * c);
+        kernels::matmul_backward(
+            dc,
+            gw,
+            Some(gb),
+            dqkv,
+            &a.ln1,
+            &params[p.attn_w.clone()],
+            n,
+            c,
+            3 * c,
+        );
         let (gw, gb) = two_mut(grads, p.ln1_w.clone(), p.ln1_b.clone());
-        kernels::layernorm_backward(dres, gw, gb, dc, x, &a.ln1_mean, &a.ln1_rstd, &params[p.ln1_w.clone()], c);
+        kernels::layernorm_backward(
+            dres,
+            gw,
+            gb,
+            dc,
+            x,
+            &a.ln1_mean,
+            &a.ln1_rstd,
+            &params[p.ln1_w.clone()],
+            c,
+        );
     }
 
     /// Forward through the final LayerNorm and the tied head into `logits`.
@@ -360,14 +556,29 @@ impl Gpt {
         let (t, c, v) = (self.acts.t, self.cfg.n_embd, self.cfg.vocab_size);
         let n = self.acts.b * t;
         let (wte, wpe) = (self.ranges.wte.clone(), self.ranges.wpe.clone());
-        kernels::encoder_forward(&mut self.acts.encoded, inputs, &params[wte], &params[wpe], t, c);
+        kernels::encoder_forward(
+            &mut self.acts.encoded,
+            inputs,
+            &params[wte],
+            &params[wpe],
+            t,
+            c,
+        );
         for idx in 0..self.cfg.n_layer {
             self.block_forward(params, idx);
         }
         let r = &self.ranges;
         let acts = &mut self.acts;
         let last: &[f32] = acts.blocks.last().map_or(&acts.encoded, |a| &a.res3);
-        kernels::layernorm_forward(&mut acts.lnf, &mut acts.lnf_mean, &mut acts.lnf_rstd, last, &params[r.lnf_w.clone()], &params[r.lnf_b.clone()], c);
+        kernels::layernorm_forward(
+            &mut acts.lnf,
+            &mut acts.lnf_mean,
+            &mut acts.lnf_rstd,
+            last,
+            &params[r.lnf_w.clone()],
+            &params[r.lnf_b.clone()],
+            c,
+        );
         // logits = lnf · wteᵀ (the head is tied to the token embedding).
         kernels::gemm_into(
             n,
@@ -393,12 +604,46 @@ impl Gpt {
             let acts = &mut self.acts;
             let par = kernels::parallelism(false);
             // dlnf = dlogits · wte ; dwte += dlogitsᵀ · lnf
-            kernels::gemm_into(n, c, v, &mut acts.dbuf_c, 0, c, false, Strided::rows(&acts.logits, v), Strided::rows(&params[r.wte.clone()], c), 1.0, par);
-            kernels::gemm_into(v, c, n, &mut grads[r.wte.clone()], 0, c, true, Strided::transposed(&acts.logits, v), Strided::rows(&acts.lnf, c), 1.0, par);
+            kernels::gemm_into(
+                n,
+                c,
+                v,
+                &mut acts.dbuf_c,
+                0,
+                c,
+                false,
+                Strided::rows(&acts.logits, v),
+                Strided::rows(&params[r.wte.clone()], c),
+                1.0,
+                par,
+            );
+            kernels::gemm_into(
+                v,
+                c,
+                n,
+                &mut grads[r.wte.clone()],
+                0,
+                c,
+                true,
+                Strided::transposed(&acts.logits, v),
+                Strided::rows(&acts.lnf, c),
+                1.0,
+                par,
+            );
             let last: &[f32] = acts.blocks.last().map_or(&acts.encoded, |a| &a.res3);
             acts.dres.fill(0.0);
             let (gw, gb) = two_mut(grads, r.lnf_w.clone(), r.lnf_b.clone());
-            kernels::layernorm_backward(&mut acts.dres, gw, gb, &acts.dbuf_c, last, &acts.lnf_mean, &acts.lnf_rstd, &params[r.lnf_w.clone()], c);
+            kernels::layernorm_backward(
+                &mut acts.dres,
+                gw,
+                gb,
+                &acts.dbuf_c,
+                last,
+                &acts.lnf_mean,
+                &acts.lnf_rstd,
+                &params[r.lnf_w.clone()],
+                c,
+            );
         }
         for idx in (0..self.cfg.n_layer).rev() {
             self.block_backward(params, grads, idx);
@@ -413,9 +658,18 @@ impl Gpt {
     }
 
     /// Logits of the last position of `tokens` (one sequence), for sampling.
-    pub fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, GptError> {
+    pub fn next_token_logits(
+        &mut self,
+        params: &[f32],
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, GptError> {
         let t = tokens.len();
-        let batch = Batch { n_seqs: 1, seq_len: t, inputs: tokens.to_vec(), targets: vec![IGNORE_INDEX; t] };
+        let batch = Batch {
+            n_seqs: 1,
+            seq_len: t,
+            inputs: tokens.to_vec(),
+            targets: vec![IGNORE_INDEX; t],
+        };
         self.check(params, &batch)?;
         self.ensure_acts(1, t);
         self.forward(params, tokens);
@@ -436,21 +690,40 @@ impl Model for Gpt {
         batch.n_targets()
     }
 
-    fn micro_step(&mut self, params: &[f32], grads: &mut [f32], batch: &Batch, grad_scale: f32) -> Result<MicroStepStats, GptError> {
+    fn micro_step(
+        &mut self,
+        params: &[f32],
+        grads: &mut [f32],
+        batch: &Batch,
+        grad_scale: f32,
+    ) -> Result<MicroStepStats, GptError> {
         if batch.n_seqs == 0 {
             return Ok(MicroStepStats::default());
         }
         self.check(params, batch)?;
         if grads.len() != params.len() {
-            return Err(GptError::InvalidBatch(format!("gradient buffer has {} values, parameters {}", grads.len(), params.len())));
+            return Err(GptError::InvalidBatch(format!(
+                "gradient buffer has {} values, parameters {}",
+                grads.len(),
+                params.len()
+            )));
         }
         self.ensure_acts(batch.n_seqs, batch.seq_len);
         self.forward(params, &batch.inputs);
         let n = batch.n_seqs * batch.seq_len;
-        kernels::softmax_cross_entropy(&mut self.acts.logits, &mut self.acts.losses, &batch.targets, self.cfg.vocab_size, Some(grad_scale));
+        kernels::softmax_cross_entropy(
+            &mut self.acts.logits,
+            &mut self.acts.losses,
+            &batch.targets,
+            self.cfg.vocab_size,
+            Some(grad_scale),
+        );
         let loss_sum = self.loss_sum(n);
         self.backward(params, grads, &batch.inputs);
-        Ok(MicroStepStats { loss_sum, n_targets: batch.n_targets() })
+        Ok(MicroStepStats {
+            loss_sum,
+            n_targets: batch.n_targets(),
+        })
     }
 
     fn loss(&mut self, params: &[f32], batch: &Batch) -> Result<MicroStepStats, GptError> {
@@ -461,7 +734,16 @@ impl Model for Gpt {
         self.ensure_acts(batch.n_seqs, batch.seq_len);
         self.forward(params, &batch.inputs);
         let n = batch.n_seqs * batch.seq_len;
-        kernels::softmax_cross_entropy(&mut self.acts.logits, &mut self.acts.losses, &batch.targets, self.cfg.vocab_size, None);
-        Ok(MicroStepStats { loss_sum: self.loss_sum(n), n_targets: batch.n_targets() })
+        kernels::softmax_cross_entropy(
+            &mut self.acts.logits,
+            &mut self.acts.losses,
+            &batch.targets,
+            self.cfg.vocab_size,
+            None,
+        );
+        Ok(MicroStepStats {
+            loss_sum: self.loss_sum(n),
+            n_targets: batch.n_targets(),
+        })
     }
 }

@@ -1,1 +1,78 @@
-fn main() {}
+//! `macrobatch`: train GPT-2 with gradient accumulation done right.
+
+mod generate;
+mod metrics;
+mod train;
+
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "macrobatch",
+    version,
+    about = "Train large models when memory is the wall: K micro-batches, one optimizer step, exactly as if the whole batch had fit."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a GPT-2 (default: the `tiny` preset on the bundled corpus).
+    Train(TrainArgs),
+    /// Sample text from a trained model directory.
+    Generate(GenerateArgs),
+}
+
+/// Arguments of `macrobatch train`.
+#[derive(clap::Args)]
+pub struct TrainArgs {
+    /// TOML config file (optional: defaults train `tiny` on the bundled corpus).
+    pub config: Option<PathBuf>,
+    /// Override a config key, e.g. --set train.steps=30 --set batch.micro=4.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Output directory (default: runs/run-<unix time>). Must not hold a run already.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+/// Arguments of `macrobatch generate`.
+#[derive(clap::Args)]
+pub struct GenerateArgs {
+    /// A directory with model.safetensors and config.json (e.g. a train --out DIR).
+    pub dir: PathBuf,
+    /// Text to continue.
+    #[arg(long, default_value = "")]
+    pub prompt: String,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 200)]
+    pub max_new_tokens: usize,
+    /// Sampling temperature (0: greedy).
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f32,
+    /// Sample among the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Sampling seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Train(args) => train::run(args),
+        Command::Generate(args) => generate::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}

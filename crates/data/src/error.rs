@@ -1,0 +1,66 @@
+//! The data crate's error type.
+
+use std::path::PathBuf;
+use thiserror::Error;
+
+/// What can go wrong while reading or batching data.
+#[derive(Debug, Error)]
+pub enum DataError {
+    /// The data file cannot be read.
+    #[error("cannot read data file {}: {source} (set data.path to an existing file, or leave it unset for the bundled corpus)", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The corpus holds no tokens.
+    #[error("the corpus {name} is empty: it holds no tokens to train on")]
+    Empty {
+        /// Where it came from.
+        name: String,
+    },
+    /// A token file's size is not a whole number of tokens.
+    #[error("token file {name} has {n_bytes} bytes, not a multiple of 2 (expected little-endian u16 tokens)")]
+    RaggedTokens {
+        /// Where it came from.
+        name: String,
+        /// File size.
+        n_bytes: usize,
+    },
+    /// A split is too short for even one sequence.
+    #[error("the {split} split has {n_tokens} tokens, too few for one sequence of data.seq_len = {seq_len} (+1 target); use a shorter data.seq_len, a smaller data.val_fraction or more data")]
+    TooShort {
+        /// `train` or `validation`.
+        split: &'static str,
+        /// Tokens in the split.
+        n_tokens: usize,
+        /// Requested sequence length.
+        seq_len: usize,
+    },
+    /// Not even one global batch fits in an epoch while drop_last is on.
+    #[error("the training split has {n_samples} sequences but one global batch needs {global}; with data.drop_last = true no step could run — lower batch.global, shorten data.seq_len, or set data.drop_last = false")]
+    NoFullBatch {
+        /// Sequences available.
+        n_samples: usize,
+        /// Global batch size.
+        global: usize,
+    },
+    /// A token id does not fit the vocabulary.
+    #[error("token {token} in {name} is outside the model's vocabulary of {vocab_size}; use a matching model.vocab_size")]
+    TokenOutOfRange {
+        /// Where it came from.
+        name: String,
+        /// The token.
+        token: u32,
+        /// Vocabulary size.
+        vocab_size: usize,
+    },
+    /// A batch dimension is zero.
+    #[error("batch dimension `{field}` must be at least 1")]
+    ZeroSize {
+        /// The field.
+        field: &'static str,
+    },
+}

@@ -1,0 +1,127 @@
+//! Per-step metrics (JSON Lines) and progress display.
+
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use std::fs::File;
+use std::io::{BufWriter, IsTerminal, Write};
+use std::path::Path;
+use std::time::Duration;
+
+/// One line of `metrics.jsonl`.
+#[derive(Debug, Serialize)]
+pub struct StepRecord {
+    /// Optimizer steps completed (1-based).
+    pub step: u64,
+    /// Epoch of this step (0-based).
+    pub epoch: u64,
+    /// Global-batch mean loss.
+    pub loss: f64,
+    /// Learning rate used.
+    pub lr: f32,
+    /// Gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Whether clipping scaled the gradient.
+    pub clipped: bool,
+    /// Target tokens in the global batch.
+    pub tokens: u64,
+    /// Input tokens processed per second.
+    pub tokens_per_s: f64,
+    /// Micro-steps in this optimizer step.
+    pub micro_steps: usize,
+    /// Mean loss of each micro-batch.
+    pub micro_losses: Vec<f64>,
+    /// Wall time of the step.
+    pub step_ms: f64,
+    /// Wall time since the start of training.
+    pub elapsed_s: f64,
+    /// Validation loss, on evaluation steps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
+}
+
+/// Writes metrics and shows progress.
+pub struct Reporter {
+    file: BufWriter<File>,
+    bar: Option<ProgressBar>,
+    total: u64,
+    log_every: u64,
+}
+
+impl Reporter {
+    /// Opens `path` (which must not exist yet).
+    pub fn new(path: &Path, total: u64, log_every: u64) -> Result<Self> {
+        let file = File::options()
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .with_context(|| format!("cannot create {}", path.display()))?;
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = ProgressBar::new(total);
+            let style = ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar());
+            bar.set_style(style);
+            bar.enable_steady_tick(Duration::from_millis(250));
+            bar
+        });
+        Ok(Self {
+            file: BufWriter::new(file),
+            bar,
+            total,
+            log_every,
+        })
+    }
+
+    /// Records one step (flushed, so a crash keeps every finished step).
+    pub fn record(&mut self, r: &StepRecord) -> Result<()> {
+        serde_json::to_writer(&mut self.file, r).context("cannot write metrics")?;
+        self.file
+            .write_all(b"\n")
+            .and_then(|_| self.file.flush())
+            .context("cannot write metrics")?;
+        let val = r
+            .val_loss
+            .map_or(String::new(), |v| format!(" | val {v:.4}"));
+        let msg = format!(
+            "loss {:.4}{val} | lr {:.2e} | {:.0} tok/s",
+            r.loss, r.lr, r.tokens_per_s
+        );
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(r.step);
+                bar.set_message(msg);
+            }
+            None => {
+                if r.step == 1
+                    || r.step % self.log_every == 0
+                    || r.step == self.total
+                    || r.val_loss.is_some()
+                {
+                    let eta = r.elapsed_s / r.step as f64 * (self.total - r.step) as f64;
+                    eprintln!(
+                        "step {}/{} | {msg} | {:.0} ms/step | ETA {eta:.0}s",
+                        r.step, self.total, r.step_ms
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Prints a line without breaking the bar.
+    pub fn println(&self, line: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(line),
+            None => eprintln!("{line}"),
+        }
+    }
+
+    /// Ends the progress display.
+    pub fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish();
+        }
+    }
+}
