@@ -32,7 +32,7 @@ impl Corpus {
         let tokens: Vec<u32> = match format {
             DataFormat::Text => bytes.iter().map(|&b| b as u32).collect(),
             DataFormat::TokensU16 => {
-                if bytes.len() % 2 != 0 {
+                if !bytes.len().is_multiple_of(2) {
                     return Err(DataError::RaggedTokens {
                         name: name.into(),
                         n_bytes: bytes.len(),

@@ -253,7 +253,7 @@ mod tests {
         opt.update(&layout, &mut p, &[-1.0, 0.125], 0.1);
         // 1e-5: the hand derivation above is rounded to 6 decimals.
         assert!((p[0] - 0.934711).abs() < 1e-5, "{p:?}");
-        assert!((p[1] + 2.189120).abs() < 1e-5, "{p:?}");
+        assert!((p[1] + 2.189_12).abs() < 1e-5, "{p:?}");
         assert_eq!(opt.n_updates(), 2);
     }
 

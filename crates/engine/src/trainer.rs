@@ -240,7 +240,7 @@ mod tests {
         assert!(clipped);
         assert!((g[0] - 0.6).abs() < 1e-6 && (g[1] - 0.8).abs() < 1e-6);
         let mut g = vec![0.3f32, 0.4];
-        assert_eq!(clip_grad_norm(&mut g, 1.0), (0.5000000119209290, false));
+        assert_eq!(clip_grad_norm(&mut g, 1.0), (0.500_000_011_920_929, false));
         assert_eq!(g, vec![0.3, 0.4]);
     }
 }

@@ -73,7 +73,7 @@ impl GptConfig {
                 )));
             }
         }
-        if self.n_embd % self.n_head != 0 {
+        if !self.n_embd.is_multiple_of(self.n_head) {
             return Err(GptError::InvalidConfig(format!(
                 "model.n_embd ({}) must be divisible by model.n_head ({})",
                 self.n_embd, self.n_head

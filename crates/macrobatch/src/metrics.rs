@@ -95,7 +95,7 @@ impl Reporter {
             }
             None => {
                 if r.step == 1
-                    || r.step % self.log_every == 0
+                    || r.step.is_multiple_of(self.log_every)
                     || r.step == self.total
                     || r.val_loss.is_some()
                 {
