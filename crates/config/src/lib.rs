@@ -60,6 +60,29 @@ pub struct Config {
     pub optim: OptimConfig,
     /// Learning-rate schedule.
     pub schedule: ScheduleConfig,
+    /// Data parallelism.
+    pub dist: DistConfig,
+}
+
+/// `[dist]`: data parallelism.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DistConfig {
+    /// Ranks as threads of this process (ignored under an MPI launcher, which
+    /// sets the world size itself; there it must be 1 or equal to it).
+    pub world_size: usize,
+    /// Gradient all-reduce bucket size in MiB.
+    pub bucket_mb: f64,
+    /// Seconds a rank waits in a collective before declaring the others lost.
+    pub timeout_s: f64,
+    /// Compare parameter checksums across ranks every N optimizer steps (0: only at start).
+    pub check_every: u64,
+}
+
+impl Default for DistConfig {
+    fn default() -> Self {
+        Self { world_size: 1, bucket_mb: 25.0, timeout_s: 300.0, check_every: 100 }
+    }
 }
 
 /// `[model]`: a preset, optionally with single dimensions overridden.
@@ -82,14 +105,7 @@ pub struct ModelConfig {
 
 impl Default for ModelConfig {
     fn default() -> Self {
-        Self {
-            preset: "tiny".into(),
-            n_layer: None,
-            n_head: None,
-            n_embd: None,
-            block_size: None,
-            vocab_size: None,
-        }
+        Self { preset: "tiny".into(), n_layer: None, n_head: None, n_embd: None, block_size: None, vocab_size: None }
     }
 }
 
@@ -113,14 +129,7 @@ pub struct DataConfig {
 
 impl Default for DataConfig {
     fn default() -> Self {
-        Self {
-            path: None,
-            format: "text".into(),
-            val_fraction: 0.1,
-            seq_len: None,
-            shuffle: true,
-            drop_last: true,
-        }
+        Self { path: None, format: "text".into(), val_fraction: 0.1, seq_len: None, shuffle: true, drop_last: true }
     }
 }
 
@@ -160,22 +169,15 @@ impl BatchConfig {
     pub fn resolve(&self, world_size: usize) -> Result<ResolvedBatch, ConfigError> {
         let rule = "global = micro × accumulation_steps × world_size";
         let (mut g, mut m, k) = (self.global, self.micro, self.accumulation_steps);
-        for (name, v) in [
-            ("batch.global", g),
-            ("batch.micro", m),
-            ("batch.accumulation_steps", k),
-        ] {
+        for (name, v) in [("batch.global", g), ("batch.micro", m), ("batch.accumulation_steps", k)] {
             if v == Some(0) {
-                return Err(ConfigError::Batch(format!(
-                    "{name} must be at least 1, got 0"
-                )));
+                return Err(ConfigError::Batch(format!("{name} must be at least 1, got 0")));
             }
         }
         if world_size == 0 {
             return Err(ConfigError::Batch("world_size must be at least 1".into()));
         }
-        let given =
-            |g: Option<usize>, m: Option<usize>| [g, m, k].iter().filter(|x| x.is_some()).count();
+        let given = |g: Option<usize>, m: Option<usize>| [g, m, k].iter().filter(|x| x.is_some()).count();
         if given(g, m) < 2 && g.is_none() {
             g = Some(DEFAULT_GLOBAL_BATCH);
         }
@@ -220,12 +222,7 @@ impl BatchConfig {
             (None, Some(m), Some(k)) => (m * k * world_size, m, k),
             _ => unreachable!("at least two members are filled in above"),
         };
-        Ok(ResolvedBatch {
-            global,
-            micro,
-            accumulation_steps,
-            world_size,
-        })
+        Ok(ResolvedBatch { global, micro, accumulation_steps, world_size })
     }
 }
 
@@ -321,11 +318,7 @@ pub struct ScheduleConfig {
 
 impl Default for ScheduleConfig {
     fn default() -> Self {
-        Self {
-            kind: "cosine".into(),
-            warmup_steps: 20,
-            min_lr: 2e-4,
-        }
+        Self { kind: "cosine".into(), warmup_steps: 20, min_lr: 2e-4 }
     }
 }
 
@@ -343,27 +336,16 @@ pub enum ScheduleKind {
 impl Config {
     /// Parses TOML text, then applies `--set` overrides, then checks types and keys.
     pub fn from_toml(text: &str, origin: &str, overrides: &[String]) -> Result<Self, ConfigError> {
-        let mut table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Parse {
-            origin: origin.into(),
-            message: e.to_string(),
-        })?;
+        let mut table: toml::Table =
+            toml::from_str(text).map_err(|e| ConfigError::Parse { origin: origin.into(), message: e.to_string() })?;
         for o in overrides {
             apply_override(&mut table, o)?;
         }
         // Round-trip through text so that type errors point at the key and line.
-        let merged = toml::to_string(&table).map_err(|e| ConfigError::Parse {
-            origin: origin.into(),
-            message: e.to_string(),
-        })?;
-        let origin = if overrides.is_empty() {
-            origin.to_string()
-        } else {
-            format!("{origin} with --set overrides")
-        };
-        toml::from_str(&merged).map_err(|e| ConfigError::Parse {
-            origin,
-            message: e.to_string(),
-        })
+        let merged = toml::to_string(&table)
+            .map_err(|e| ConfigError::Parse { origin: origin.into(), message: e.to_string() })?;
+        let origin = if overrides.is_empty() { origin.to_string() } else { format!("{origin} with --set overrides") };
+        toml::from_str(&merged).map_err(|e| ConfigError::Parse { origin, message: e.to_string() })
     }
 
     /// The configuration as TOML (for `config.resolved.toml`).
@@ -399,36 +381,20 @@ impl Config {
             return Err(invalid("train.log_every", 0, "must be at least 1"));
         }
         if !(t.grad_clip >= 0.0 && t.grad_clip.is_finite()) {
-            return Err(invalid(
-                "train.grad_clip",
-                t.grad_clip,
-                "must be finite and >= 0 (0 disables clipping)",
-            ));
+            return Err(invalid("train.grad_clip", t.grad_clip, "must be finite and >= 0 (0 disables clipping)"));
         }
         if !matches!(t.loss_normalization.as_str(), "token" | "micro_batch_mean") {
-            return Err(invalid(
-                "train.loss_normalization",
-                &t.loss_normalization,
-                "use token or micro_batch_mean",
-            ));
+            return Err(invalid("train.loss_normalization", &t.loss_normalization, "use token or micro_batch_mean"));
         }
         match t.precision.as_str() {
             "f32" => {}
             "bf16" | "f16" => {
-                return Err(invalid(
-                    "train.precision",
-                    &t.precision,
-                    "mixed precision is not implemented yet; use f32",
-                ))
+                return Err(invalid("train.precision", &t.precision, "mixed precision is not implemented yet; use f32"))
             }
             other => return Err(invalid("train.precision", other, "use f32")),
         }
         if t.threads > 4096 {
-            return Err(invalid(
-                "train.threads",
-                t.threads,
-                "must be at most 4096 (0: all cores)",
-            ));
+            return Err(invalid("train.threads", t.threads, "must be at most 4096 (0: all cores)"));
         }
         let o = &self.optim;
         if !matches!(o.name.as_str(), "adamw" | "sgd") {
@@ -439,51 +405,43 @@ impl Config {
         }
         let s = &self.schedule;
         if !(s.min_lr >= 0.0 && s.min_lr <= o.lr) {
-            return Err(invalid(
-                "schedule.min_lr",
-                s.min_lr,
-                &format!("must be between 0 and optim.lr ({})", o.lr),
-            ));
+            return Err(invalid("schedule.min_lr", s.min_lr, &format!("must be between 0 and optim.lr ({})", o.lr)));
+        }
+        let dist = &self.dist;
+        if dist.world_size == 0 {
+            return Err(invalid("dist.world_size", 0, "must be at least 1"));
+        }
+        if !(dist.bucket_mb > 0.0 && dist.bucket_mb.is_finite()) {
+            return Err(invalid("dist.bucket_mb", dist.bucket_mb, "must be finite and > 0"));
+        }
+        if !(dist.timeout_s > 0.0 && dist.timeout_s.is_finite()) {
+            return Err(invalid("dist.timeout_s", dist.timeout_s, "must be finite and > 0"));
         }
         let d = &self.data;
         if !matches!(d.format.as_str(), "text" | "tokens_u16") {
             return Err(invalid("data.format", &d.format, "use text or tokens_u16"));
         }
         if !(d.val_fraction > 0.0 && d.val_fraction < 1.0) {
-            return Err(invalid(
-                "data.val_fraction",
-                d.val_fraction,
-                "must be strictly between 0 and 1",
-            ));
+            return Err(invalid("data.val_fraction", d.val_fraction, "must be strictly between 0 and 1"));
         }
         if d.seq_len == Some(0) {
             return Err(invalid("data.seq_len", 0, "must be at least 1"));
         }
         if d.path.as_deref() == Some("") {
-            return Err(invalid(
-                "data.path",
-                "\"\"",
-                "give a file, or leave it unset for the bundled corpus",
-            ));
+            return Err(invalid("data.path", "\"\"", "give a file, or leave it unset for the bundled corpus"));
         }
         Ok(())
     }
 }
 
 fn invalid(field: &'static str, value: impl std::fmt::Display, rule: &str) -> ConfigError {
-    ConfigError::Invalid {
-        field,
-        value: value.to_string(),
-        rule: rule.to_string(),
-    }
+    ConfigError::Invalid { field, value: value.to_string(), rule: rule.to_string() }
 }
 
 /// Applies `a.b.c=value`; the value is read as TOML (number, bool, string,
 /// array) and falls back to a plain string.
 fn apply_override(table: &mut toml::Table, arg: &str) -> Result<(), ConfigError> {
-    let (key, raw) = arg
-        .split_once('=')
-        .ok_or_else(|| ConfigError::BadOverride(arg.into()))?;
+    let (key, raw) = arg.split_once('=').ok_or_else(|| ConfigError::BadOverride(arg.into()))?;
     let path: Vec<&str> = key.trim().split('.').collect();
     if path.iter().any(|p| p.is_empty()) {
         return Err(ConfigError::BadOverride(arg.into()));
@@ -495,16 +453,10 @@ fn apply_override(table: &mut toml::Table, arg: &str) -> Result<(), ConfigError>
         .unwrap_or_else(|| toml::Value::String(raw.to_string()));
     let mut cur = table;
     for part in &path[..path.len() - 1] {
-        let entry = cur
-            .entry(part.to_string())
-            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        let entry = cur.entry(part.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
         cur = match entry {
             toml::Value::Table(t) => t,
-            _ => {
-                return Err(ConfigError::BadOverride(format!(
-                    "{arg} (`{part}` is not a section)"
-                )))
-            }
+            _ => return Err(ConfigError::BadOverride(format!("{arg} (`{part}` is not a section)"))),
         };
     }
     cur.insert(path[path.len() - 1].to_string(), value);
@@ -522,16 +474,9 @@ mod tests {
 
     #[test]
     fn overrides_and_defaults() {
-        let c = parse(
-            "[train]\nsteps = 5\n",
-            &[
-                "train.steps=30",
-                "batch.micro=4",
-                "data.path=foo.txt",
-                "optim.lr=1e-3",
-            ],
-        )
-        .unwrap();
+        let c =
+            parse("[train]\nsteps = 5\n", &["train.steps=30", "batch.micro=4", "data.path=foo.txt", "optim.lr=1e-3"])
+                .unwrap();
         assert_eq!(c.train.steps, 30);
         assert_eq!(c.batch.micro, Some(4));
         assert_eq!(c.data.path.as_deref(), Some("foo.txt"));
@@ -556,65 +501,32 @@ mod tests {
 
     #[test]
     fn batch_triple_derivation_and_errors() {
-        let b = |g, m, k| BatchConfig {
-            global: g,
-            micro: m,
-            accumulation_steps: k,
-        };
+        let b = |g, m, k| BatchConfig { global: g, micro: m, accumulation_steps: k };
         let r = b(Some(32), Some(4), None).resolve(2).unwrap();
         assert_eq!((r.global, r.micro, r.accumulation_steps), (32, 4, 4));
         assert_eq!(b(Some(32), None, Some(8)).resolve(1).unwrap().micro, 4);
         assert_eq!(b(None, Some(4), Some(3)).resolve(2).unwrap().global, 24);
-        assert_eq!(
-            b(None, Some(4), None)
-                .resolve(1)
-                .unwrap()
-                .accumulation_steps,
-            4,
-            "global defaults to 16"
-        );
+        assert_eq!(b(None, Some(4), None).resolve(1).unwrap().accumulation_steps, 4, "global defaults to 16");
         assert_eq!(b(None, None, Some(4)).resolve(1).unwrap().micro, 4);
-        assert_eq!(
-            b(None, None, None).resolve(1).unwrap().accumulation_steps,
-            2
-        );
-        let e = b(Some(32), Some(4), Some(4))
-            .resolve(1)
-            .unwrap_err()
-            .to_string();
+        assert_eq!(b(None, None, None).resolve(1).unwrap().accumulation_steps, 2);
+        let e = b(Some(32), Some(4), Some(4)).resolve(1).unwrap_err().to_string();
         assert!(
-            e.contains("global = 32, micro = 4, accumulation_steps = 4, world_size = 1")
-                && e.contains("rule"),
+            e.contains("global = 32, micro = 4, accumulation_steps = 4, world_size = 1") && e.contains("rule"),
             "{e}"
         );
-        let e = b(Some(30), Some(4), None)
-            .resolve(1)
-            .unwrap_err()
-            .to_string();
+        let e = b(Some(30), Some(4), None).resolve(1).unwrap_err().to_string();
         assert!(e.contains("not divisible"), "{e}");
-        assert!(b(Some(0), Some(4), None)
-            .resolve(1)
-            .unwrap_err()
-            .to_string()
-            .contains("at least 1"));
+        assert!(b(Some(0), Some(4), None).resolve(1).unwrap_err().to_string().contains("at least 1"));
     }
 
     #[test]
     fn deepspeed_schedule_names_and_range_checks() {
         let c = parse("", &["schedule.kind=WarmupCosineLR"]).unwrap();
         assert_eq!(c.schedule_kind().unwrap(), ScheduleKind::Cosine);
-        for bad in [
-            "train.steps=0",
-            "optim.lr=-1",
-            "data.val_fraction=1.5",
-            "train.precision=\"f8\"",
-            "optim.name=\"lamb\"",
-        ] {
-            let e = parse("", &[bad])
-                .unwrap()
-                .validate()
-                .unwrap_err()
-                .to_string();
+        for bad in
+            ["train.steps=0", "optim.lr=-1", "data.val_fraction=1.5", "train.precision=\"f8\"", "optim.name=\"lamb\""]
+        {
+            let e = parse("", &[bad]).unwrap().validate().unwrap_err().to_string();
             let field = bad.split('=').next().unwrap();
             assert!(e.contains(field), "{bad}: {e}");
         }

@@ -33,32 +33,20 @@ impl Corpus {
             DataFormat::Text => bytes.iter().map(|&b| b as u32).collect(),
             DataFormat::TokensU16 => {
                 if !bytes.len().is_multiple_of(2) {
-                    return Err(DataError::RaggedTokens {
-                        name: name.into(),
-                        n_bytes: bytes.len(),
-                    });
+                    return Err(DataError::RaggedTokens { name: name.into(), n_bytes: bytes.len() });
                 }
-                bytes
-                    .chunks_exact(2)
-                    .map(|c| u16::from_le_bytes([c[0], c[1]]) as u32)
-                    .collect()
+                bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]) as u32).collect()
             }
         };
         if tokens.is_empty() {
             return Err(DataError::Empty { name: name.into() });
         }
-        Ok(Self {
-            name: name.into(),
-            tokens,
-        })
+        Ok(Self { name: name.into(), tokens })
     }
 
     /// Reads and tokenizes a file.
     pub fn load(path: &Path, format: DataFormat) -> Result<Self, DataError> {
-        let bytes = std::fs::read(path).map_err(|source| DataError::Read {
-            path: path.into(),
-            source,
-        })?;
+        let bytes = std::fs::read(path).map_err(|source| DataError::Read { path: path.into(), source })?;
         Self::from_bytes(&path.display().to_string(), &bytes, format)
     }
 
@@ -68,31 +56,20 @@ impl Corpus {
         if tokens.is_empty() {
             return Err(DataError::Empty { name: name.into() });
         }
-        Ok(Self {
-            name: name.into(),
-            tokens,
-        })
+        Ok(Self { name: name.into(), tokens })
     }
 
     /// Errors if a token does not fit a vocabulary of `vocab_size`.
     pub fn check_vocab(&self, vocab_size: usize) -> Result<(), DataError> {
         match self.tokens.iter().find(|&&t| t as usize >= vocab_size) {
-            Some(&token) => Err(DataError::TokenOutOfRange {
-                name: self.name.clone(),
-                token,
-                vocab_size,
-            }),
+            Some(&token) => Err(DataError::TokenOutOfRange { name: self.name.clone(), token, vocab_size }),
             None => Ok(()),
         }
     }
 
     /// Splits into (train, validation): the last `val_fraction` of the tokens
     /// is validation.
-    pub fn split(
-        &self,
-        val_fraction: f64,
-        seq_len: usize,
-    ) -> Result<(TokenDataset, TokenDataset), DataError> {
+    pub fn split(&self, val_fraction: f64, seq_len: usize) -> Result<(TokenDataset, TokenDataset), DataError> {
         let n_val = ((self.tokens.len() as f64) * val_fraction).round() as usize;
         let (train, val) = self.tokens.split_at(self.tokens.len() - n_val);
         Ok((
@@ -113,16 +90,10 @@ impl TokenDataset {
     /// Errors if not even one sequence fits.
     pub fn new(split: &'static str, tokens: Vec<u32>, seq_len: usize) -> Result<Self, DataError> {
         if seq_len == 0 {
-            return Err(DataError::ZeroSize {
-                field: "data.seq_len",
-            });
+            return Err(DataError::ZeroSize { field: "data.seq_len" });
         }
         if tokens.len() < seq_len + 1 {
-            return Err(DataError::TooShort {
-                split,
-                n_tokens: tokens.len(),
-                seq_len,
-            });
+            return Err(DataError::TooShort { split, n_tokens: tokens.len(), seq_len });
         }
         Ok(Self { tokens, seq_len })
     }
@@ -160,20 +131,11 @@ mod tests {
 
     #[test]
     fn bad_corpora_are_named_errors() {
-        assert!(matches!(
-            Corpus::from_bytes("x", b"", DataFormat::Text),
-            Err(DataError::Empty { .. })
-        ));
-        assert!(matches!(
-            Corpus::from_bytes("x", b"abc", DataFormat::TokensU16),
-            Err(DataError::RaggedTokens { .. })
-        ));
+        assert!(matches!(Corpus::from_bytes("x", b"", DataFormat::Text), Err(DataError::Empty { .. })));
+        assert!(matches!(Corpus::from_bytes("x", b"abc", DataFormat::TokensU16), Err(DataError::RaggedTokens { .. })));
         let c = Corpus::from_bytes("x", &[1, 0, 2, 0], DataFormat::TokensU16).unwrap();
         assert_eq!(c.tokens, vec![1, 2]);
-        let e = Corpus::from_text("x", "hello")
-            .unwrap()
-            .split(0.1, 8)
-            .unwrap_err();
+        let e = Corpus::from_text("x", "hello").unwrap().split(0.1, 8).unwrap_err();
         assert!(e.to_string().contains("data.seq_len = 8"), "{e}");
         let e = Corpus::load(Path::new("/nonexistent/file.txt"), DataFormat::Text).unwrap_err();
         assert!(e.to_string().contains("/nonexistent/file.txt"));

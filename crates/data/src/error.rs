@@ -48,7 +48,9 @@ pub enum DataError {
         global: usize,
     },
     /// A token id does not fit the vocabulary.
-    #[error("token {token} in {name} is outside the model's vocabulary of {vocab_size}; use a matching model.vocab_size")]
+    #[error(
+        "token {token} in {name} is outside the model's vocabulary of {vocab_size}; use a matching model.vocab_size"
+    )]
     TokenOutOfRange {
         /// Where it came from.
         name: String,

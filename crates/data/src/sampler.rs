@@ -57,24 +57,12 @@ impl Sampler {
             }
         }
         if drop_last && n_samples < shape.global() {
-            return Err(DataError::NoFullBatch {
-                n_samples,
-                global: shape.global(),
-            });
+            return Err(DataError::NoFullBatch { n_samples, global: shape.global() });
         }
         if n_samples == 0 {
-            return Err(DataError::NoFullBatch {
-                n_samples,
-                global: shape.global(),
-            });
+            return Err(DataError::NoFullBatch { n_samples, global: shape.global() });
         }
-        Ok(Self {
-            n_samples,
-            shape,
-            shuffle,
-            drop_last,
-            seed,
-        })
+        Ok(Self { n_samples, shape, shuffle, drop_last, seed })
     }
 
     /// The batch factorization.
@@ -119,12 +107,8 @@ impl Sampler {
     ) -> &'a [usize] {
         let g = self.shape.global();
         let window_end = ((step_in_epoch + 1) * g).min(order.len());
-        let start =
-            step_in_epoch * g + (micro_step_idx * self.shape.world_size + rank) * self.shape.micro;
-        let (lo, hi) = (
-            start.min(window_end),
-            (start + self.shape.micro).min(window_end),
-        );
+        let start = step_in_epoch * g + (micro_step_idx * self.shape.world_size + rank) * self.shape.micro;
+        let (lo, hi) = (start.min(window_end), (start + self.shape.micro).min(window_end));
         &order[lo..hi]
     }
 }
@@ -183,11 +167,7 @@ mod tests {
 
     #[test]
     fn drop_last_drops_the_tail_and_epochs_reshuffle() {
-        let shape = BatchShape {
-            micro: 2,
-            accumulation_steps: 2,
-            world_size: 1,
-        };
+        let shape = BatchShape { micro: 2, accumulation_steps: 2, world_size: 1 };
         let s = Sampler::new(10, shape, true, true, 1).unwrap();
         assert_eq!(s.steps_per_epoch(), 2);
         assert_eq!(s.position(5), (2, 1));
@@ -197,13 +177,7 @@ mod tests {
         assert_eq!(keep.steps_per_epoch(), 3);
         let order = keep.epoch_order(0);
         assert_eq!(keep.micro_batch(&order, 2, 0, 0), &[8, 9]);
-        assert!(
-            keep.micro_batch(&order, 2, 1, 0).is_empty(),
-            "tail micro-step has no data"
-        );
-        assert!(matches!(
-            Sampler::new(3, shape, true, true, 1),
-            Err(DataError::NoFullBatch { .. })
-        ));
+        assert!(keep.micro_batch(&order, 2, 1, 0).is_empty(), "tail micro-step has no data");
+        assert!(matches!(Sampler::new(3, shape, true, true, 1), Err(DataError::NoFullBatch { .. })));
     }
 }

@@ -16,10 +16,7 @@ impl ByteTokenizer {
     /// Tokens to text; bytes that are not valid UTF-8 become U+FFFD, tokens
     /// above 255 (possible from a larger model vocabulary) are skipped.
     pub fn decode(&self, tokens: &[u32]) -> String {
-        let bytes: Vec<u8> = tokens
-            .iter()
-            .filter_map(|&t| u8::try_from(t).ok())
-            .collect();
+        let bytes: Vec<u8> = tokens.iter().filter_map(|&t| u8::try_from(t).ok()).collect();
         String::from_utf8_lossy(&bytes).into_owned()
     }
 }

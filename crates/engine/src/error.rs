@@ -41,6 +41,23 @@ pub enum EngineError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// A collective failed (another rank died, stalled or disagreed).
+    #[error("communication failed at step {step}")]
+    Comm {
+        /// 0-based optimizer step index.
+        step: u64,
+        /// The communicator's error.
+        #[source]
+        source: comm::CommError,
+    },
+    /// Ranks hold different parameters.
+    #[error("parameters differ between ranks after step {step} (checksums {checksums:?}); ranks must start from the same parameters and apply identical updates")]
+    RanksDiverged {
+        /// Optimizer steps taken.
+        step: u64,
+        /// Per-rank checksums.
+        checksums: Vec<u64>,
+    },
     /// An optimizer hyper-parameter is out of range.
     #[error("invalid optimizer setting `{field}` = {value}: {rule}")]
     InvalidHyperParameter {

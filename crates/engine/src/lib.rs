@@ -21,6 +21,4 @@ pub use layout::{ParamLayout, TensorSpec};
 pub use model::{MicroStepStats, Model};
 pub use optim::{AdamW, Optimizer, Sgd};
 pub use schedule::{Decay, LrSchedule};
-pub use trainer::{
-    clip_grad_norm, grad_norm, LossNormalization, StepReport, Trainer, TrainerOptions,
-};
+pub use trainer::{clip_grad_norm, grad_norm, LossNormalization, StepReport, Trainer, TrainerOptions};

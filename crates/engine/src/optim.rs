@@ -29,26 +29,12 @@ pub struct AdamW {
 
 impl AdamW {
     /// A fresh optimizer for `n_params` parameters.
-    pub fn new(
-        n_params: usize,
-        beta1: f32,
-        beta2: f32,
-        eps: f32,
-        weight_decay: f32,
-    ) -> Result<Self, EngineError> {
+    pub fn new(n_params: usize, beta1: f32, beta2: f32, eps: f32, weight_decay: f32) -> Result<Self, EngineError> {
         check_unit("optim.beta1", beta1)?;
         check_unit("optim.beta2", beta2)?;
         check_non_negative("optim.eps", eps)?;
         check_non_negative("optim.weight_decay", weight_decay)?;
-        Ok(Self {
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            m: vec![0.0; n_params],
-            v: vec![0.0; n_params],
-            n_updates: 0,
-        })
+        Ok(Self { beta1, beta2, eps, weight_decay, m: vec![0.0; n_params], v: vec![0.0; n_params], n_updates: 0 })
     }
 
     /// First and second moments.
@@ -67,11 +53,7 @@ impl AdamW {
         let (b1, b2, eps) = (self.beta1, self.beta2, self.eps);
         for spec in layout.tensors() {
             let r = spec.range();
-            let decay = if spec.decay {
-                1.0 - lr * self.weight_decay
-            } else {
-                1.0
-            };
+            let decay = if spec.decay { 1.0 - lr * self.weight_decay } else { 1.0 };
             let (p, g) = (&mut params[r.clone()], &grads[r.clone()]);
             let (m, v) = (&mut self.m[r.clone()], &mut self.v[r]);
             // Elementwise, so chunking across threads cannot change a single bit.
@@ -109,12 +91,7 @@ pub struct Sgd {
 
 impl Sgd {
     /// A fresh optimizer for `n_params` parameters.
-    pub fn new(
-        n_params: usize,
-        momentum: f32,
-        nesterov: bool,
-        weight_decay: f32,
-    ) -> Result<Self, EngineError> {
+    pub fn new(n_params: usize, momentum: f32, nesterov: bool, weight_decay: f32) -> Result<Self, EngineError> {
         check_unit("optim.momentum", momentum)?;
         check_non_negative("optim.weight_decay", weight_decay)?;
         if nesterov && momentum == 0.0 {
@@ -124,18 +101,8 @@ impl Sgd {
                 rule: "Nesterov momentum needs momentum > 0",
             });
         }
-        let buf = if momentum > 0.0 {
-            vec![0.0; n_params]
-        } else {
-            Vec::new()
-        };
-        Ok(Self {
-            momentum,
-            nesterov,
-            weight_decay,
-            buf,
-            n_updates: 0,
-        })
+        let buf = if momentum > 0.0 { vec![0.0; n_params] } else { Vec::new() };
+        Ok(Self { momentum, nesterov, weight_decay, buf, n_updates: 0 })
     }
 
     fn update(&mut self, layout: &ParamLayout, params: &mut [f32], grads: &[f32], lr: f32) {
@@ -195,11 +162,7 @@ fn check_unit(field: &'static str, value: f32) -> Result<(), EngineError> {
     if (0.0..1.0).contains(&value) {
         Ok(())
     } else {
-        Err(EngineError::InvalidHyperParameter {
-            field,
-            value: value as f64,
-            rule: "must be in [0, 1)",
-        })
+        Err(EngineError::InvalidHyperParameter { field, value: value as f64, rule: "must be in [0, 1)" })
     }
 }
 
@@ -207,11 +170,7 @@ fn check_non_negative(field: &'static str, value: f32) -> Result<(), EngineError
     if value >= 0.0 && value.is_finite() {
         Ok(())
     } else {
-        Err(EngineError::InvalidHyperParameter {
-            field,
-            value: value as f64,
-            rule: "must be finite and >= 0",
-        })
+        Err(EngineError::InvalidHyperParameter { field, value: value as f64, rule: "must be finite and >= 0" })
     }
 }
 
@@ -246,10 +205,7 @@ mod tests {
         let mut p = vec![1.0f32, -2.0];
         let mut opt = Optimizer::AdamW(AdamW::new(2, 0.9, 0.999, 1e-8, 0.01).unwrap());
         opt.update(&layout, &mut p, &[0.5, 0.25], 0.1);
-        assert!(
-            (p[0] - 0.899).abs() < 1e-6 && (p[1] + 2.098).abs() < 1e-6,
-            "{p:?}"
-        );
+        assert!((p[0] - 0.899).abs() < 1e-6 && (p[1] + 2.098).abs() < 1e-6, "{p:?}");
         opt.update(&layout, &mut p, &[-1.0, 0.125], 0.1);
         // 1e-5: the hand derivation above is rounded to 6 decimals.
         assert!((p[0] - 0.934711).abs() < 1e-5, "{p:?}");
@@ -263,10 +219,7 @@ mod tests {
         let mut p = vec![1.0f32, -2.0];
         let mut opt = Optimizer::AdamW(AdamW::new(2, 0.9, 0.999, 1e-8, 0.5).unwrap());
         opt.update(&layout, &mut p, &[0.5, 0.25], 0.1);
-        assert!(
-            (p[0] - 0.9).abs() < 1e-6 && (p[1] + 2.1).abs() < 1e-6,
-            "{p:?}"
-        );
+        assert!((p[0] - 0.9).abs() < 1e-6 && (p[1] + 2.1).abs() < 1e-6, "{p:?}");
     }
 
     /// torch.optim.SGD(lr=0.1, momentum=0.9, nesterov=...) on grads 1.0 then 2.0 from p=0:

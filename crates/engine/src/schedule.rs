@@ -29,13 +29,7 @@ pub struct LrSchedule {
 impl LrSchedule {
     /// A constant learning rate.
     pub fn constant(lr: f32) -> Self {
-        Self {
-            max_lr: lr,
-            min_lr: lr,
-            warmup_steps: 0,
-            total_steps: 0,
-            decay: Decay::Constant,
-        }
+        Self { max_lr: lr, min_lr: lr, warmup_steps: 0, total_steps: 0, decay: Decay::Constant }
     }
 
     /// Learning rate of the 0-based optimizer step `step_idx`.
@@ -66,13 +60,7 @@ mod tests {
 
     #[test]
     fn warmup_then_cosine_hand_values() {
-        let s = LrSchedule {
-            max_lr: 1.0,
-            min_lr: 0.1,
-            warmup_steps: 4,
-            total_steps: 8,
-            decay: Decay::Cosine,
-        };
+        let s = LrSchedule { max_lr: 1.0, min_lr: 0.1, warmup_steps: 4, total_steps: 8, decay: Decay::Cosine };
         let got: Vec<f32> = (0..9).map(|i| s.lr(i)).collect();
         // warmup 0.25, 0.5, 0.75, 1; cosine over 4 steps: 1, 0.1+0.45(1+cos(π/4)) = 0.868198,
         // 0.55, 0.231802, then the floor.

@@ -6,6 +6,7 @@ use crate::error::EngineError;
 use crate::model::Model;
 use crate::optim::{Optimizer, CHUNK};
 use crate::schedule::LrSchedule;
+use comm::Communicator;
 use rayon::prelude::*;
 
 /// How the accumulated gradient is normalised at the boundary.
@@ -23,12 +24,23 @@ pub enum LossNormalization {
 }
 
 /// Boundary settings of the trainer.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TrainerOptions {
     /// `clip_grad_norm_` max norm; `None` disables clipping.
     pub grad_clip: Option<f32>,
     /// Loss normalisation.
     pub normalization: LossNormalization,
+    /// Elements per gradient all-reduce bucket.
+    pub bucket_elems: usize,
+}
+
+/// PyTorch DDP's default bucket: 25 MiB of f32.
+pub const DEFAULT_BUCKET_ELEMS: usize = 25 * (1 << 20) / 4;
+
+impl Default for TrainerOptions {
+    fn default() -> Self {
+        Self { grad_clip: None, normalization: LossNormalization::Token, bucket_elems: DEFAULT_BUCKET_ELEMS }
+    }
 }
 
 /// What one optimizer step reports.
@@ -50,6 +62,10 @@ pub struct StepReport {
     pub clipped: bool,
     /// Learning rate used by this step.
     pub lr: f32,
+    /// Bytes this rank handed to collectives during the step.
+    pub comm_bytes: u64,
+    /// Collective calls during the step.
+    pub comm_calls: u64,
 }
 
 /// Owns the flat parameter and gradient buffers, the optimizer and the schedule.
@@ -65,21 +81,9 @@ pub struct Trainer {
 
 impl Trainer {
     /// A trainer starting from `params`.
-    pub fn new(
-        params: Vec<f32>,
-        optimizer: Optimizer,
-        schedule: LrSchedule,
-        options: TrainerOptions,
-    ) -> Self {
+    pub fn new(params: Vec<f32>, optimizer: Optimizer, schedule: LrSchedule, options: TrainerOptions) -> Self {
         let grads = vec![0.0; params.len()];
-        Self {
-            params,
-            grads,
-            optimizer,
-            schedule,
-            options,
-            n_steps: 0,
-        }
+        Self { params, grads, optimizer, schedule, options, n_steps: 0 }
     }
 
     /// Current parameters.
@@ -107,24 +111,54 @@ impl Trainer {
         self.schedule.lr(self.n_steps)
     }
 
-    /// One optimizer step over `micro_batches` (K = its length).
+    /// Makes every rank start from rank 0's parameters.
+    pub fn broadcast_params(&mut self, comm: &mut dyn Communicator) -> Result<(), EngineError> {
+        comm.broadcast(&mut self.params, 0).map_err(|source| EngineError::Comm { step: self.n_steps, source })
+    }
+
+    /// FNV-1a hash of the parameter bits.
+    pub fn params_checksum(&self) -> u64 {
+        self.params.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
+            x.to_bits().to_le_bytes().iter().fold(h, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+        })
+    }
+
+    /// Errors unless every rank holds bit-identical parameters.
+    pub fn check_params_agree(&mut self, comm: &mut dyn Communicator) -> Result<(), EngineError> {
+        let h = self.params_checksum();
+        // Four 16-bit pieces: exact in f32, so the all-gather carries the hash losslessly.
+        let mine: Vec<f32> = (0..4).map(|i| ((h >> (16 * i)) & 0xffff) as f32).collect();
+        let mut all = vec![0.0f32; 4 * comm.world_size()];
+        comm.all_gather(&mine, &mut all).map_err(|source| EngineError::Comm { step: self.n_steps, source })?;
+        let checksums: Vec<u64> =
+            all.chunks(4).map(|c| c.iter().enumerate().fold(0u64, |h, (i, &x)| h | ((x as u64) << (16 * i)))).collect();
+        if checksums.iter().any(|&c| c != checksums[0]) {
+            return Err(EngineError::RanksDiverged { step: self.n_steps, checksums });
+        }
+        Ok(())
+    }
+
+    /// One optimizer step over this rank's `micro_batches` (K = its length;
+    /// every rank must pass the same K). Communication happens only at the
+    /// boundary: one f64 all-reduce of statistics and the bucketed gradient
+    /// all-reduce — never during micro-steps 0..K-1 (DDP's `no_sync`).
     pub fn step<M: Model>(
         &mut self,
         model: &mut M,
+        comm: &mut dyn Communicator,
         micro_batches: &[M::Batch],
     ) -> Result<StepReport, EngineError> {
         let n_params = model.layout().n_params();
         if n_params != self.params.len() {
-            return Err(EngineError::ParamCount {
-                expected: n_params,
-                got: self.params.len(),
-            });
+            return Err(EngineError::ParamCount { expected: n_params, got: self.params.len() });
         }
         if micro_batches.is_empty() {
             return Err(EngineError::NoMicroBatches);
         }
         let step_idx = self.n_steps;
         let n_micro = micro_batches.len();
+        let world = comm.world_size();
+        let before = comm.counters();
 
         // Micro-step 0 zeroes; every micro-step adds; nobody communicates.
         self.grads.fill(0.0);
@@ -136,22 +170,30 @@ impl Trainer {
                 LossNormalization::Token => 1.0,
                 LossNormalization::MicroBatchMean => match model.n_targets(batch) {
                     0 => 0.0,
-                    n => 1.0 / (n as f64 * n_micro as f64) as f32,
+                    n => 1.0 / (n as f64 * (n_micro * world) as f64) as f32,
                 },
             };
             let stats = model
                 .micro_step(&self.params, &mut self.grads, batch, grad_scale)
-                .map_err(|e| EngineError::Model {
-                    step: step_idx,
-                    micro_step_idx,
-                    source: Box::new(e),
-                })?;
+                .map_err(|e| EngineError::Model { step: step_idx, micro_step_idx, source: Box::new(e) })?;
             loss_sum += stats.loss_sum;
             n_targets += stats.n_targets;
             micro_losses.push(stats.loss_sum / stats.n_targets as f64);
         }
 
         // The boundary: everything below runs exactly once per optimizer step.
+        // One Sum collective of the statistics and one (bucketed) of the
+        // gradients; after them every rank holds the same global values.
+        let comm_err = |source| EngineError::Comm { step: step_idx, source };
+        let micro_mean_sum: f64 = micro_losses.iter().filter(|l| l.is_finite()).sum();
+        let n_valid_micro = micro_losses.iter().filter(|l| l.is_finite()).count();
+        let mut stats = [loss_sum, n_targets as f64, micro_mean_sum, n_valid_micro as f64];
+        comm.all_reduce_sum_f64(&mut stats).map_err(comm_err)?;
+        for bucket in self.grads.chunks_mut(self.options.bucket_elems.max(1)) {
+            comm.all_reduce_sum(bucket).map_err(comm_err)?;
+        }
+        let [loss_sum, n_targets, micro_mean_sum, n_valid_micro] = stats;
+        let n_targets = n_targets as u64;
         let loss = match self.options.normalization {
             LossNormalization::Token => {
                 if n_targets == 0 {
@@ -161,15 +203,10 @@ impl Trainer {
                 loss_sum / n_targets as f64
             }
             LossNormalization::MicroBatchMean => {
-                let valid: Vec<f64> = micro_losses
-                    .iter()
-                    .copied()
-                    .filter(|l| l.is_finite())
-                    .collect();
-                if valid.is_empty() {
+                if n_valid_micro == 0.0 {
                     return Err(EngineError::NoTargets { step: step_idx });
                 }
-                valid.iter().sum::<f64>() / n_micro as f64
+                micro_mean_sum / (n_micro * world) as f64
             }
         };
         let (grad_norm, clipped) = match self.options.grad_clip {
@@ -177,15 +214,12 @@ impl Trainer {
             None => (grad_norm(&self.grads), false),
         };
         if !grad_norm.is_finite() {
-            return Err(EngineError::NonFiniteGradient {
-                step: step_idx,
-                norm: grad_norm,
-            });
+            return Err(EngineError::NonFiniteGradient { step: step_idx, norm: grad_norm });
         }
         let lr = self.schedule.lr(step_idx);
-        self.optimizer
-            .update(model.layout(), &mut self.params, &self.grads, lr);
+        self.optimizer.update(model.layout(), &mut self.params, &self.grads, lr);
         self.n_steps += 1;
+        let after = comm.counters();
         Ok(StepReport {
             step_idx,
             loss,
@@ -195,22 +229,21 @@ impl Trainer {
             grad_norm,
             clipped,
             lr,
+            comm_bytes: after.bytes_sent - before.bytes_sent,
+            comm_calls: after.n_calls - before.n_calls,
         })
     }
 }
 
 fn scale(buf: &mut [f32], factor: f32) {
-    buf.par_chunks_mut(CHUNK)
-        .for_each(|c| c.iter_mut().for_each(|x| *x *= factor));
+    buf.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|x| *x *= factor));
 }
 
 /// L2 norm of a flat buffer, accumulated in f64 over fixed chunks summed in
 /// order, so the result does not depend on the number of threads.
 pub fn grad_norm(grads: &[f32]) -> f64 {
-    let partial: Vec<f64> = grads
-        .par_chunks(CHUNK)
-        .map(|c| c.iter().map(|&x| x as f64 * x as f64).sum::<f64>())
-        .collect();
+    let partial: Vec<f64> =
+        grads.par_chunks(CHUNK).map(|c| c.iter().map(|&x| x as f64 * x as f64).sum::<f64>()).collect();
     partial.iter().sum::<f64>().sqrt()
 }
 

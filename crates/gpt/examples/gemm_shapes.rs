@@ -15,7 +15,15 @@ fn main() {
     let threads: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(2);
     rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().expect("pool");
     // (m, k, n): tiny preset B·T = 1024 rows (qkv, mlp up, mlp down, head), then GPT-2 124M at B·T = 4096.
-    let shapes = [(1024, 256, 768), (1024, 256, 1024), (1024, 1024, 256), (1024, 256, 256), (4096, 768, 2304), (4096, 768, 3072), (4096, 3072, 768)];
+    let shapes = [
+        (1024, 256, 768),
+        (1024, 256, 1024),
+        (1024, 1024, 256),
+        (1024, 256, 256),
+        (4096, 768, 2304),
+        (4096, 768, 3072),
+        (4096, 3072, 768),
+    ];
     println!("threads {threads}");
     println!("{:>18} {:>12} {:>16}", "m×k×n", "gemm GF/s", "matrixmult GF/s");
     for (m, k, n) in shapes {
@@ -46,7 +54,22 @@ fn main() {
             let t = Instant::now();
             // SAFETY: dimensions and strides describe the three dense buffers above.
             unsafe {
-                matrixmultiply::sgemm(m, k, n, 1.0, a.as_ptr(), k as isize, 1, b.as_ptr(), n as isize, 1, 0.0, c.as_mut_ptr(), n as isize, 1);
+                matrixmultiply::sgemm(
+                    m,
+                    k,
+                    n,
+                    1.0,
+                    a.as_ptr(),
+                    k as isize,
+                    1,
+                    b.as_ptr(),
+                    n as isize,
+                    1,
+                    0.0,
+                    c.as_mut_ptr(),
+                    n as isize,
+                    1,
+                );
             }
             mm.push(flops / t.elapsed().as_secs_f64() / 1e9);
         }

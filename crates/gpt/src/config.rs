@@ -19,15 +19,7 @@ pub struct GptConfig {
 }
 
 /// Preset names, smallest first.
-pub const PRESETS: &[&str] = &[
-    "tiny",
-    "mini",
-    "small",
-    "gpt2",
-    "gpt2-medium",
-    "gpt2-large",
-    "gpt2-xl",
-];
+pub const PRESETS: &[&str] = &["tiny", "mini", "small", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"];
 
 impl GptConfig {
     /// A named preset. `tiny` (the default run) is the 4-layer, d=256 model the
@@ -48,13 +40,7 @@ impl GptConfig {
                 )))
             }
         };
-        Ok(Self {
-            n_layer,
-            n_head,
-            n_embd,
-            block_size,
-            vocab_size,
-        })
+        Ok(Self { n_layer, n_head, n_embd, block_size, vocab_size })
     }
 
     /// Checks that every dimension is usable.
@@ -68,9 +54,7 @@ impl GptConfig {
         ];
         for (name, v) in dims {
             if v == 0 {
-                return Err(GptError::InvalidConfig(format!(
-                    "model.{name} must be at least 1, got 0"
-                )));
+                return Err(GptError::InvalidConfig(format!("model.{name} must be at least 1, got 0")));
             }
         }
         if !self.n_embd.is_multiple_of(self.n_head) {
@@ -80,10 +64,7 @@ impl GptConfig {
             )));
         }
         if self.vocab_size > i32::MAX as usize {
-            return Err(GptError::InvalidConfig(format!(
-                "model.vocab_size ({}) is too large",
-                self.vocab_size
-            )));
+            return Err(GptError::InvalidConfig(format!("model.vocab_size ({}) is too large", self.vocab_size)));
         }
         Ok(())
     }
@@ -100,9 +81,7 @@ impl GptConfig {
 
     /// Total parameters (tied head counted once).
     pub fn n_params(&self) -> usize {
-        (self.vocab_size + self.block_size) * self.n_embd
-            + self.n_layer * self.block_params()
-            + 2 * self.n_embd
+        (self.vocab_size + self.block_size) * self.n_embd + self.n_layer * self.block_params() + 2 * self.n_embd
     }
 
     /// Forward+backward FLOPs per token at sequence length `t` (the 6N + attention
@@ -128,13 +107,7 @@ mod tests {
         let mut c = GptConfig::preset("tiny").unwrap();
         c.n_head = 3;
         let e = c.validate().unwrap_err().to_string();
-        assert!(
-            e.contains("n_embd (256)") && e.contains("n_head (3)"),
-            "{e}"
-        );
-        assert!(GptConfig::preset("huge")
-            .unwrap_err()
-            .to_string()
-            .contains("tiny"));
+        assert!(e.contains("n_embd (256)") && e.contains("n_head (3)"), "{e}");
+        assert!(GptConfig::preset("huge").unwrap_err().to_string().contains("tiny"));
     }
 }

@@ -16,31 +16,19 @@ pub const WEIGHTS_FILE: &str = "model.safetensors";
 pub const CONFIG_FILE: &str = "config.json";
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> GptError + '_ {
-    move |source| GptError::Io {
-        path: path.to_path_buf(),
-        source,
-    }
+    move |source| GptError::Io { path: path.to_path_buf(), source }
 }
 
 fn bad(path: &Path, problem: impl Into<String>) -> GptError {
-    GptError::Checkpoint {
-        path: path.to_path_buf(),
-        problem: problem.into(),
-    }
+    GptError::Checkpoint { path: path.to_path_buf(), problem: problem.into() }
 }
 
 /// Writes `bytes` to `path` atomically: a temporary file in the same
 /// directory, fsync, rename, fsync of the directory. A crash leaves either
 /// the old file or the new one, never a torn one.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), GptError> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let tmp: PathBuf = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     let mut f = std::fs::File::create(&tmp).map_err(io_err(&tmp))?;
     f.write_all(bytes).map_err(io_err(&tmp))?;
@@ -78,23 +66,10 @@ pub fn config_json(cfg: &GptConfig) -> serde_json::Value {
 }
 
 /// Saves `params` (laid out by `layout`) and the config into `dir`.
-pub fn save(
-    dir: &Path,
-    cfg: &GptConfig,
-    layout: &ParamLayout,
-    params: &[f32],
-) -> Result<(), GptError> {
+pub fn save(dir: &Path, cfg: &GptConfig, layout: &ParamLayout, params: &[f32]) -> Result<(), GptError> {
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
-    let bytes: Vec<Vec<u8>> = layout
-        .tensors()
-        .iter()
-        .map(|t| {
-            params[t.range()]
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect()
-        })
-        .collect();
+    let bytes: Vec<Vec<u8>> =
+        layout.tensors().iter().map(|t| params[t.range()].iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
     let views = layout
         .tensors()
         .iter()
@@ -104,42 +79,28 @@ pub fn save(
         .map_err(|e| bad(dir, format!("cannot build tensor views: {e}")))?;
     let metadata = Some(HashMap::from([("format".to_string(), "pt".to_string())]));
     let weights = dir.join(WEIGHTS_FILE);
-    let blob = safetensors::serialize(views, metadata)
-        .map_err(|e| bad(&weights, format!("cannot serialise: {e}")))?;
+    let blob = safetensors::serialize(views, metadata).map_err(|e| bad(&weights, format!("cannot serialise: {e}")))?;
     write_atomic(&weights, &blob)?;
     let cfg_path = dir.join(CONFIG_FILE);
-    let text = serde_json::to_string_pretty(&config_json(cfg))
-        .map_err(|e| bad(&cfg_path, e.to_string()))?;
+    let text = serde_json::to_string_pretty(&config_json(cfg)).map_err(|e| bad(&cfg_path, e.to_string()))?;
     write_atomic(&cfg_path, text.as_bytes())
 }
 
 /// Reads a `GPT2Config`-style `config.json`.
 pub fn load_config(path: &Path) -> Result<GptConfig, GptError> {
     let text = std::fs::read_to_string(path).map_err(io_err(path))?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| bad(path, format!("not valid JSON: {e}")))?;
-    let field = |names: &[&str]| -> Result<usize, GptError> {
-        names
-            .iter()
-            .find_map(|n| v.get(*n).and_then(|x| x.as_u64()))
-            .map(|x| x as usize)
-            .ok_or_else(|| {
-                bad(
-                    path,
-                    format!(
-                        "missing integer field `{}` (is this a GPT-2 config.json?)",
-                        names[0]
-                    ),
-                )
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(path, format!("not valid JSON: {e}")))?;
+    let field =
+        |names: &[&str]| -> Result<usize, GptError> {
+            names.iter().find_map(|n| v.get(*n).and_then(|x| x.as_u64())).map(|x| x as usize).ok_or_else(|| {
+                bad(path, format!("missing integer field `{}` (is this a GPT-2 config.json?)", names[0]))
             })
-    };
+        };
     if let Some(act) = v.get("activation_function").and_then(|a| a.as_str()) {
         if !matches!(act, "gelu_new" | "gelu_pytorch_tanh") {
             return Err(bad(
                 path,
-                format!(
-                    "activation_function `{act}` is not supported; GPT-2 uses gelu_new (tanh GELU)"
-                ),
+                format!("activation_function `{act}` is not supported; GPT-2 uses gelu_new (tanh GELU)"),
             ));
         }
     }
@@ -152,7 +113,13 @@ pub fn load_config(path: &Path) -> Result<GptConfig, GptError> {
     };
     if let Some(inner) = v.get("n_inner").and_then(|x| x.as_u64()) {
         if inner as usize != 4 * cfg.n_embd {
-            return Err(bad(path, format!("n_inner = {inner} is not 4 × n_embd = {}; only the standard MLP width is supported", 4 * cfg.n_embd)));
+            return Err(bad(
+                path,
+                format!(
+                    "n_inner = {inner} is not 4 × n_embd = {}; only the standard MLP width is supported",
+                    4 * cfg.n_embd
+                ),
+            ));
         }
     }
     cfg.validate().map_err(|e| bad(path, e.to_string()))?;
@@ -171,12 +138,8 @@ fn is_known_extra(name: &str) -> bool {
 /// `gpt2` file does not).
 pub fn load_weights(path: &Path, layout: &ParamLayout) -> Result<Vec<f32>, GptError> {
     let bytes = std::fs::read(path).map_err(io_err(path))?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| {
-        bad(
-            path,
-            format!("not a valid safetensors file ({e}); it may be truncated or corrupt"),
-        )
-    })?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| bad(path, format!("not a valid safetensors file ({e}); it may be truncated or corrupt")))?;
     let mut params = vec![0.0f32; layout.n_params()];
     let mut used = std::collections::HashSet::new();
     for spec in layout.tensors() {
@@ -188,40 +151,32 @@ pub fn load_weights(path: &Path, layout: &ParamLayout) -> Result<Vec<f32>, GptEr
         if view.shape() != spec.shape.as_slice() {
             return Err(bad(
                 path,
-                format!("tensor `{name}` has shape {:?} but the model needs {:?} (is config.json from the same model?)", view.shape(), spec.shape),
+                format!(
+                    "tensor `{name}` has shape {:?} but the model needs {:?} (is config.json from the same model?)",
+                    view.shape(),
+                    spec.shape
+                ),
             ));
         }
         if view.dtype() != Dtype::F32 {
             return Err(bad(
                 path,
-                format!(
-                    "tensor `{name}` is {:?}; only F32 checkpoints are supported so far",
-                    view.dtype()
-                ),
+                format!("tensor `{name}` is {:?}; only F32 checkpoints are supported so far", view.dtype()),
             ));
         }
-        for (dst, src) in params[spec.range()]
-            .iter_mut()
-            .zip(view.data().chunks_exact(4))
-        {
+        for (dst, src) in params[spec.range()].iter_mut().zip(view.data().chunks_exact(4)) {
             *dst = f32::from_le_bytes([src[0], src[1], src[2], src[3]]);
         }
         used.insert(name);
     }
-    let mut unexpected: Vec<String> = st
-        .names()
-        .into_iter()
-        .filter(|n| !used.contains(*n) && !is_known_extra(n))
-        .map(str::to_string)
-        .collect();
+    let mut unexpected: Vec<String> =
+        st.names().into_iter().filter(|n| !used.contains(*n) && !is_known_extra(n)).map(str::to_string).collect();
     if !unexpected.is_empty() {
         unexpected.sort();
         unexpected.truncate(5);
         return Err(bad(
             path,
-            format!(
-                "unexpected tensors {unexpected:?}: the file does not hold a GPT-2 of this shape"
-            ),
+            format!("unexpected tensors {unexpected:?}: the file does not hold a GPT-2 of this shape"),
         ));
     }
     Ok(params)
@@ -249,13 +204,7 @@ mod tests {
 
     #[test]
     fn round_trips_by_name_and_shape() {
-        let cfg = GptConfig {
-            n_layer: 2,
-            n_head: 2,
-            n_embd: 8,
-            block_size: 6,
-            vocab_size: 11,
-        };
+        let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 8, block_size: 6, vocab_size: 11 };
         let params = init_params(&cfg, 1);
         let model = Gpt::new(cfg).unwrap();
         let dir = tmpdir("rt");
@@ -266,46 +215,23 @@ mod tests {
         // Every tensor is stored under its Hugging Face name with its shape.
         let bytes = std::fs::read(dir.join(WEIGHTS_FILE)).unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();
-        assert_eq!(
-            st.tensor("transformer.h.1.attn.c_attn.weight")
-                .unwrap()
-                .shape(),
-            &[8, 24]
-        );
-        assert_eq!(
-            st.tensor("transformer.h.0.mlp.c_proj.weight")
-                .unwrap()
-                .shape(),
-            &[32, 8]
-        );
+        assert_eq!(st.tensor("transformer.h.1.attn.c_attn.weight").unwrap().shape(), &[8, 24]);
+        assert_eq!(st.tensor("transformer.h.0.mlp.c_proj.weight").unwrap().shape(), &[32, 8]);
         assert_eq!(st.len(), model.layout().tensors().len());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn mismatched_or_truncated_files_are_named_errors() {
-        let cfg = GptConfig {
-            n_layer: 1,
-            n_head: 2,
-            n_embd: 8,
-            block_size: 6,
-            vocab_size: 11,
-        };
+        let cfg = GptConfig { n_layer: 1, n_head: 2, n_embd: 8, block_size: 6, vocab_size: 11 };
         let model = Gpt::new(cfg).unwrap();
         let dir = tmpdir("bad");
         save(&dir, &cfg, model.layout(), &init_params(&cfg, 1)).unwrap();
         let other = Gpt::new(GptConfig { n_embd: 4, ..cfg }).unwrap();
-        let e = load_weights(&dir.join(WEIGHTS_FILE), other.layout())
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("model.safetensors") && e.contains("shape"),
-            "{e}"
-        );
+        let e = load_weights(&dir.join(WEIGHTS_FILE), other.layout()).unwrap_err().to_string();
+        assert!(e.contains("model.safetensors") && e.contains("shape"), "{e}");
         let deeper = Gpt::new(GptConfig { n_layer: 2, ..cfg }).unwrap();
-        let e = load_weights(&dir.join(WEIGHTS_FILE), deeper.layout())
-            .unwrap_err()
-            .to_string();
+        let e = load_weights(&dir.join(WEIGHTS_FILE), deeper.layout()).unwrap_err().to_string();
         assert!(e.contains("missing"), "{e}");
         let w = dir.join(WEIGHTS_FILE);
         let bytes = std::fs::read(&w).unwrap();

@@ -33,32 +33,18 @@ pub struct Strided<'a> {
 impl<'a> Strided<'a> {
     /// A dense row-major matrix with `cols` columns.
     pub fn rows(data: &'a [f32], cols: usize) -> Self {
-        Self {
-            data,
-            offset: 0,
-            rs: cols,
-            cs: 1,
-        }
+        Self { data, offset: 0, rs: cols, cs: 1 }
     }
 
     /// The transpose of a dense row-major matrix with `cols` columns.
     pub fn transposed(data: &'a [f32], cols: usize) -> Self {
-        Self {
-            data,
-            offset: 0,
-            rs: 1,
-            cs: cols,
-        }
+        Self { data, offset: 0, rs: 1, cs: cols }
     }
 
     fn check(&self, n_rows: usize, n_cols: usize) {
         if n_rows > 0 && n_cols > 0 {
             let last = self.offset + (n_rows - 1) * self.rs + (n_cols - 1) * self.cs;
-            assert!(
-                last < self.data.len(),
-                "matrix view out of bounds: {last} >= {}",
-                self.data.len()
-            );
+            assert!(last < self.data.len(), "matrix view out of bounds: {last} >= {}", self.data.len());
         }
     }
 }
@@ -94,28 +80,12 @@ pub fn gemm_into(
     if m == 0 || n == 0 {
         return;
     }
-    assert!(
-        dst_offset + (m - 1) * dst_rs + n <= dst.len(),
-        "gemm dst out of bounds"
-    );
+    assert!(dst_offset + (m - 1) * dst_rs + n <= dst.len(), "gemm dst out of bounds");
     lhs.check(m, k);
     rhs.check(k, n);
     // SAFETY: every index gemm touches lies inside the views checked above;
     // `dst` is exclusively borrowed.
-    unsafe {
-        gemm_raw(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr().add(dst_offset),
-            dst_rs,
-            accumulate,
-            lhs,
-            rhs,
-            alpha,
-            par,
-        )
-    }
+    unsafe { gemm_raw(m, n, k, dst.as_mut_ptr().add(dst_offset), dst_rs, accumulate, lhs, rhs, alpha, par) }
 }
 
 /// [`gemm_into`] writing through a raw pointer, for disjoint strided outputs
@@ -177,34 +147,17 @@ unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
 /// `out[r] = wte[tokens[r]] + wpe[r mod t]`.
-pub fn encoder_forward(
-    out: &mut [f32],
-    tokens: &[u32],
-    wte: &[f32],
-    wpe: &[f32],
-    t: usize,
-    c: usize,
-) {
-    out.par_chunks_mut(c)
-        .zip(tokens.par_iter())
-        .enumerate()
-        .for_each(|(r, (o, &tok))| {
-            let (e, p) = (&wte[tok as usize * c..][..c], &wpe[(r % t) * c..][..c]);
-            for i in 0..c {
-                o[i] = e[i] + p[i];
-            }
-        });
+pub fn encoder_forward(out: &mut [f32], tokens: &[u32], wte: &[f32], wpe: &[f32], t: usize, c: usize) {
+    out.par_chunks_mut(c).zip(tokens.par_iter()).enumerate().for_each(|(r, (o, &tok))| {
+        let (e, p) = (&wte[tok as usize * c..][..c], &wpe[(r % t) * c..][..c]);
+        for i in 0..c {
+            o[i] = e[i] + p[i];
+        }
+    });
 }
 
 /// Adds the gradients of [`encoder_forward`] into `dwte` and `dwpe`.
-pub fn encoder_backward(
-    dwte: &mut [f32],
-    dwpe: &mut [f32],
-    dout: &[f32],
-    tokens: &[u32],
-    t: usize,
-    c: usize,
-) {
+pub fn encoder_backward(dwte: &mut [f32], dwpe: &mut [f32], dout: &[f32], tokens: &[u32], t: usize, c: usize) {
     // Serial scatter-add in row order: deterministic, and O(B·T·C) is small.
     for (r, (d, &tok)) in dout.chunks(c).zip(tokens).enumerate() {
         let e = &mut dwte[tok as usize * c..][..c];
@@ -228,10 +181,8 @@ pub fn layernorm_forward(
     b: &[f32],
     c: usize,
 ) {
-    out.par_chunks_mut(c)
-        .zip(inp.par_chunks(c))
-        .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
-        .for_each(|((o, x), (mu, rs))| {
+    out.par_chunks_mut(c).zip(inp.par_chunks(c)).zip(mean.par_iter_mut().zip(rstd.par_iter_mut())).for_each(
+        |((o, x), (mu, rs))| {
             let m = x.iter().sum::<f32>() / c as f32;
             let var = x.iter().map(|&v| (v - m) * (v - m)).sum::<f32>() / c as f32;
             let s = 1.0 / (var + LN_EPS).sqrt();
@@ -240,7 +191,8 @@ pub fn layernorm_forward(
             }
             *mu = m;
             *rs = s;
-        });
+        },
+    );
 }
 
 /// Sums per-task partial results of width `width` over fixed chunks of rows,
@@ -255,10 +207,7 @@ fn reduce_rows(
         .into_par_iter()
         .map(|chunk| {
             let mut acc = vec![0.0f32; width];
-            f(
-                chunk * ROWS_PER_TASK..((chunk + 1) * ROWS_PER_TASK).min(n_rows),
-                &mut acc,
-            );
+            f(chunk * ROWS_PER_TASK..((chunk + 1) * ROWS_PER_TASK).min(n_rows), &mut acc);
             acc
         })
         .collect();
@@ -343,19 +292,7 @@ pub fn matmul_forward(
             }
         });
     }
-    gemm_into(
-        n_rows,
-        oc,
-        ic,
-        out,
-        0,
-        oc,
-        init,
-        Strided::rows(inp, ic),
-        Strided::rows(w, oc),
-        1.0,
-        parallelism(false),
-    );
+    gemm_into(n_rows, oc, ic, out, 0, oc, init, Strided::rows(inp, ic), Strided::rows(w, oc), 1.0, parallelism(false));
 }
 
 /// Backward of [`matmul_forward`]: overwrites `dinp`, adds into `dw` and `db`.
@@ -373,33 +310,9 @@ pub fn matmul_backward(
 ) {
     let par = parallelism(false);
     // dinp = dout · wᵀ
-    gemm_into(
-        n_rows,
-        ic,
-        oc,
-        dinp,
-        0,
-        ic,
-        false,
-        Strided::rows(dout, oc),
-        Strided::transposed(w, oc),
-        1.0,
-        par,
-    );
+    gemm_into(n_rows, ic, oc, dinp, 0, ic, false, Strided::rows(dout, oc), Strided::transposed(w, oc), 1.0, par);
     // dw += inpᵀ · dout
-    gemm_into(
-        ic,
-        oc,
-        n_rows,
-        dw,
-        0,
-        oc,
-        true,
-        Strided::transposed(inp, ic),
-        Strided::rows(dout, oc),
-        1.0,
-        par,
-    );
+    gemm_into(ic, oc, n_rows, dw, 0, oc, true, Strided::transposed(inp, ic), Strided::rows(dout, oc), 1.0, par);
     if let Some(db) = db {
         bias_backward(db, dout, oc);
     }
@@ -421,30 +334,25 @@ const GELU_SCALE: f32 = 0.797_884_6; // sqrt(2/π)
 
 /// GELU, tanh approximation (`gelu_new` in Hugging Face).
 pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
-    out.par_chunks_mut(4096)
-        .zip(inp.par_chunks(4096))
-        .for_each(|(o, x)| {
-            for (o, &x) in o.iter_mut().zip(x) {
-                let cube = 0.044715 * x * x * x;
-                *o = 0.5 * x * (1.0 + (GELU_SCALE * (x + cube)).tanh());
-            }
-        });
+    out.par_chunks_mut(4096).zip(inp.par_chunks(4096)).for_each(|(o, x)| {
+        for (o, &x) in o.iter_mut().zip(x) {
+            let cube = 0.044715 * x * x * x;
+            *o = 0.5 * x * (1.0 + (GELU_SCALE * (x + cube)).tanh());
+        }
+    });
 }
 
 /// In place: `d ← d · gelu'(inp)`.
 pub fn gelu_backward_inplace(d: &mut [f32], inp: &[f32]) {
-    d.par_chunks_mut(4096)
-        .zip(inp.par_chunks(4096))
-        .for_each(|(d, x)| {
-            for (d, &x) in d.iter_mut().zip(x) {
-                let cube = 0.044715 * x * x * x;
-                let th = (GELU_SCALE * (x + cube)).tanh();
-                let sech2 = 1.0 - th * th;
-                let grad = 0.5 * (1.0 + th)
-                    + 0.5 * x * sech2 * GELU_SCALE * (1.0 + 3.0 * 0.044715 * x * x);
-                *d *= grad;
-            }
-        });
+    d.par_chunks_mut(4096).zip(inp.par_chunks(4096)).for_each(|(d, x)| {
+        for (d, &x) in d.iter_mut().zip(x) {
+            let cube = 0.044715 * x * x * x;
+            let th = (GELU_SCALE * (x + cube)).tanh();
+            let sech2 = 1.0 - th * th;
+            let grad = 0.5 * (1.0 + th) + 0.5 * x * sech2 * GELU_SCALE * (1.0 + 3.0 * 0.044715 * x * x);
+            *d *= grad;
+        }
+    });
 }
 
 /// Shapes of one attention call.
@@ -472,24 +380,9 @@ pub fn attention_forward(out: &mut [f32], att: &mut [f32], qkv: &[f32], s: AttnS
     att.par_chunks_mut(t * t).enumerate().for_each(|(bh, a)| {
         let (bi, h) = (bh / n_head, bh % n_head);
         let base = bi * t * 3 * c + h * hd;
-        let q = Strided {
-            data: qkv,
-            offset: base,
-            rs: 3 * c,
-            cs: 1,
-        };
-        let k_t = Strided {
-            data: qkv,
-            offset: base + c,
-            rs: 1,
-            cs: 3 * c,
-        };
-        let v = Strided {
-            data: qkv,
-            offset: base + 2 * c,
-            rs: 3 * c,
-            cs: 1,
-        };
+        let q = Strided { data: qkv, offset: base, rs: 3 * c, cs: 1 };
+        let k_t = Strided { data: qkv, offset: base + c, rs: 1, cs: 3 * c };
+        let v = Strided { data: qkv, offset: base + 2 * c, rs: 3 * c, cs: 1 };
         gemm_into(t, t, hd, a, 0, t, false, q, k_t, scale, Parallelism::None);
         for (ti, row) in a.chunks_mut(t).enumerate() {
             let valid = &mut row[..=ti];
@@ -515,14 +408,7 @@ pub fn attention_forward(out: &mut [f32], att: &mut [f32], qkv: &[f32], s: AttnS
 
 /// Backward of [`attention_forward`]: overwrites `dqkv`; `datt` is scratch
 /// of the size of `att`.
-pub fn attention_backward(
-    dqkv: &mut [f32],
-    datt: &mut [f32],
-    dout: &[f32],
-    qkv: &[f32],
-    att: &[f32],
-    s: AttnShape,
-) {
+pub fn attention_backward(dqkv: &mut [f32], datt: &mut [f32], dout: &[f32], qkv: &[f32], att: &[f32], s: AttnShape) {
     let AttnShape { b: _, t, c, n_head } = s;
     let hd = c / n_head;
     let scale = 1.0 / (hd as f32).sqrt();
@@ -532,32 +418,10 @@ pub fn attention_backward(
         let (bi, h) = (bh / n_head, bh % n_head);
         let base = bi * t * 3 * c + h * hd;
         let a = &att[bh * t * t..][..t * t];
-        let dout_h = Strided {
-            data: dout,
-            offset: bi * t * c + h * hd,
-            rs: c,
-            cs: 1,
-        };
-        let v_t = Strided {
-            data: qkv,
-            offset: base + 2 * c,
-            rs: 1,
-            cs: 3 * c,
-        };
+        let dout_h = Strided { data: dout, offset: bi * t * c + h * hd, rs: c, cs: 1 };
+        let v_t = Strided { data: qkv, offset: base + 2 * c, rs: 1, cs: 3 * c };
         // datt = dout · vᵀ
-        gemm_into(
-            t,
-            t,
-            hd,
-            da,
-            0,
-            t,
-            false,
-            dout_h,
-            v_t,
-            1.0,
-            Parallelism::None,
-        );
+        gemm_into(t, t, hd, da, 0, t, false, dout_h, v_t, 1.0, Parallelism::None);
         // softmax backward, in place: dpre = att ⊙ (datt − Σ att·datt)
         for ti in 0..t {
             let (ar, dr) = (&a[ti * t..][..=ti], &mut da[ti * t..][..t]);
@@ -569,48 +433,16 @@ pub fn attention_backward(
         }
         let dpre = Strided::rows(da, t);
         let dpre_t = Strided::transposed(da, t);
-        let q = Strided {
-            data: qkv,
-            offset: base,
-            rs: 3 * c,
-            cs: 1,
-        };
-        let k = Strided {
-            data: qkv,
-            offset: base + c,
-            rs: 3 * c,
-            cs: 1,
-        };
+        let q = Strided { data: qkv, offset: base, rs: 3 * c, cs: 1 };
+        let k = Strided { data: qkv, offset: base + c, rs: 3 * c, cs: 1 };
         // SAFETY: head (bi, h) writes the q, k and v columns of head h in the
         // rows of sequence bi only; tasks are disjoint and `dqkv` is large enough.
         unsafe {
             let p = { dqkv_ptr }.0.add(base);
             // dq = scale · dpre · k ; dk = scale · dpreᵀ · q ; dv = attᵀ · dout
             gemm_raw(t, hd, t, p, 3 * c, false, dpre, k, scale, Parallelism::None);
-            gemm_raw(
-                t,
-                hd,
-                t,
-                p.add(c),
-                3 * c,
-                false,
-                dpre_t,
-                q,
-                scale,
-                Parallelism::None,
-            );
-            gemm_raw(
-                t,
-                hd,
-                t,
-                p.add(2 * c),
-                3 * c,
-                false,
-                Strided::transposed(a, t),
-                dout_h,
-                1.0,
-                Parallelism::None,
-            );
+            gemm_raw(t, hd, t, p.add(c), 3 * c, false, dpre_t, q, scale, Parallelism::None);
+            gemm_raw(t, hd, t, p.add(2 * c), 3 * c, false, Strided::transposed(a, t), dout_h, 1.0, Parallelism::None);
         }
     });
 }
@@ -626,28 +458,24 @@ pub fn softmax_cross_entropy(
     v: usize,
     grad_scale: Option<f32>,
 ) {
-    logits
-        .par_chunks_mut(v)
-        .zip(losses.par_iter_mut())
-        .zip(targets.par_iter())
-        .for_each(|((row, loss), &tgt)| {
-            if tgt < 0 {
-                *loss = 0.0;
-                if grad_scale.is_some() {
-                    row.fill(0.0);
-                }
-                return;
+    logits.par_chunks_mut(v).zip(losses.par_iter_mut()).zip(targets.par_iter()).for_each(|((row, loss), &tgt)| {
+        if tgt < 0 {
+            *loss = 0.0;
+            if grad_scale.is_some() {
+                row.fill(0.0);
             }
-            let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            let sum: f32 = row.iter().map(|&x| (x - max).exp()).sum();
-            let tgt = tgt as usize;
-            *loss = sum.ln() - (row[tgt] - max);
-            if let Some(s) = grad_scale {
-                let inv = 1.0 / sum;
-                for x in row.iter_mut() {
-                    *x = s * (*x - max).exp() * inv;
-                }
-                row[tgt] -= s;
+            return;
+        }
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let sum: f32 = row.iter().map(|&x| (x - max).exp()).sum();
+        let tgt = tgt as usize;
+        *loss = sum.ln() - (row[tgt] - max);
+        if let Some(s) = grad_scale {
+            let inv = 1.0 / sum;
+            for x in row.iter_mut() {
+                *x = s * (*x - max).exp() * inv;
             }
-        });
+            row[tgt] -= s;
+        }
+    });
 }

@@ -108,16 +108,7 @@ fn build_layout(cfg: &GptConfig) -> (ParamLayout, ParamRanges) {
         .collect();
     let lnf_w = l.push("transformer.ln_f.weight", &[c], false);
     let lnf_b = l.push("transformer.ln_f.bias", &[c], false);
-    (
-        l,
-        ParamRanges {
-            wte,
-            wpe,
-            blocks,
-            lnf_w,
-            lnf_b,
-        },
-    )
+    (l, ParamRanges { wte, wpe, blocks, lnf_w, lnf_b })
 }
 
 /// GPT-2 initialisation: N(0, 0.02) for matrices and embeddings, residual
@@ -127,11 +118,7 @@ pub fn init_params(cfg: &GptConfig, seed: u64) -> Vec<f32> {
     let mut params = vec![0.0f32; layout.n_params()];
     let mut rng = SplitMix64::derive(seed, &[0x1a17]);
     let resid_std = 0.02 / (2.0 * cfg.n_layer as f64).sqrt();
-    let mut fill = |r: Range<usize>, std: f64| {
-        params[r]
-            .iter_mut()
-            .for_each(|p| *p = (rng.normal() * std) as f32)
-    };
+    let mut fill = |r: Range<usize>, std: f64| params[r].iter_mut().for_each(|p| *p = (rng.normal() * std) as f32);
     fill(ranges.wte.clone(), 0.02);
     fill(ranges.wpe.clone(), 0.02);
     for b in &ranges.blocks {
@@ -292,12 +279,7 @@ impl Gpt {
     pub fn new(cfg: GptConfig) -> Result<Self, GptError> {
         cfg.validate()?;
         let (layout, ranges) = build_layout(&cfg);
-        Ok(Self {
-            cfg,
-            layout,
-            ranges,
-            acts: Acts::default(),
-        })
+        Ok(Self { cfg, layout, ranges, acts: Acts::default() })
     }
 
     /// The model's shape.
@@ -339,14 +321,10 @@ impl Gpt {
         }
         let v = self.cfg.vocab_size;
         if let Some(&tok) = batch.inputs.iter().find(|&&x| x as usize >= v) {
-            return Err(GptError::InvalidBatch(format!(
-                "input token {tok} is outside the vocabulary of {v}"
-            )));
+            return Err(GptError::InvalidBatch(format!("input token {tok} is outside the vocabulary of {v}")));
         }
         if let Some(&tok) = batch.targets.iter().find(|&&x| x >= 0 && x as usize >= v) {
-            return Err(GptError::InvalidBatch(format!(
-                "target token {tok} is outside the vocabulary of {v}"
-            )));
+            return Err(GptError::InvalidBatch(format!("target token {tok} is outside the vocabulary of {v}")));
         }
         Ok(())
     }
@@ -364,11 +342,7 @@ impl Gpt {
         let n = b * t;
         let p = &self.ranges.blocks[idx];
         let (before, rest) = self.acts.blocks.split_at_mut(idx);
-        let x: &[f32] = if idx == 0 {
-            &self.acts.encoded
-        } else {
-            &before[idx - 1].res3
-        };
+        let x: &[f32] = if idx == 0 { &self.acts.encoded } else { &before[idx - 1].res3 };
         let a = &mut rest[0];
         kernels::layernorm_forward(
             &mut a.ln1,
@@ -389,17 +363,7 @@ impl Gpt {
             c,
             3 * c,
         );
-        kernels::attention_forward(
-            &mut a.atty,
-            &mut a.att,
-            &a.qkv,
-            AttnShape {
-                b,
-                t,
-                c,
-                n_head: nh,
-            },
-        );
+        kernels::attention_forward(&mut a.atty, &mut a.att, &a.qkv, AttnShape { b, t, c, n_head: nh });
         kernels::matmul_forward(
             &mut a.res2,
             &a.atty,
@@ -449,106 +413,25 @@ impl Gpt {
         let n = b * t;
         let p = &self.ranges.blocks[idx];
         let acts = &mut self.acts;
-        let x: &[f32] = if idx == 0 {
-            &acts.encoded
-        } else {
-            &acts.blocks[idx - 1].res3
-        };
+        let x: &[f32] = if idx == 0 { &acts.encoded } else { &acts.blocks[idx - 1].res3 };
         let a = &acts.blocks[idx];
-        let (dres, dc, d4c, dqkv, datt) = (
-            &mut acts.dres,
-            &mut acts.dbuf_c,
-            &mut acts.dbuf_4c,
-            &mut acts.dqkv,
-            &mut acts.datt,
-        );
+        let (dres, dc, d4c, dqkv, datt) =
+            (&mut acts.dres, &mut acts.dbuf_c, &mut acts.dbuf_4c, &mut acts.dqkv, &mut acts.datt);
 
         let (gw, gb) = two_mut(grads, p.fcproj_w.clone(), p.fcproj_b.clone());
-        kernels::matmul_backward(
-            d4c,
-            gw,
-            Some(gb),
-            dres,
-            &a.fch_gelu,
-            &params[p.fcproj_w.clone()],
-            n,
-            4 * c,
-            c,
-        );
+        kernels::matmul_backward(d4c, gw, Some(gb), dres, &a.fch_gelu, &params[p.fcproj_w.clone()], n, 4 * c, c);
         kernels::gelu_backward_inplace(d4c, &a.fch);
         let (gw, gb) = two_mut(grads, p.fc_w.clone(), p.fc_b.clone());
-        kernels::matmul_backward(
-            dc,
-            gw,
-            Some(gb),
-            d4c,
-            &a.ln2,
-            &params[p.fc_w.clone()],
-            n,
-            c,
-            4 * c,
-        );
+        kernels::matmul_backward(dc, gw, Some(gb), d4c, &a.ln2, &params[p.fc_w.clone()], n, c, 4 * c);
         let (gw, gb) = two_mut(grads, p.ln2_w.clone(), p.ln2_b.clone());
-        kernels::layernorm_backward(
-            dres,
-            gw,
-            gb,
-            dc,
-            &a.res2,
-            &a.ln2_mean,
-            &a.ln2_rstd,
-            &params[p.ln2_w.clone()],
-            c,
-        );
+        kernels::layernorm_backward(dres, gw, gb, dc, &a.res2, &a.ln2_mean, &a.ln2_rstd, &params[p.ln2_w.clone()], c);
         let (gw, gb) = two_mut(grads, p.proj_w.clone(), p.proj_b.clone());
-        kernels::matmul_backward(
-            dc,
-            gw,
-            Some(gb),
-            dres,
-            &a.atty,
-            &params[p.proj_w.clone()],
-            n,
-            c,
-            c,
-        );
-        kernels::attention_backward(
-            dqkv,
-            datt,
-            dc,
-            &a.qkv,
-            &a.att,
-            AttnShape {
-                b,
-                t,
-                c,
-                n_head: nh,
-            },
-        );
+        kernels::matmul_backward(dc, gw, Some(gb), dres, &a.atty, &params[p.proj_w.clone()], n, c, c);
+        kernels::attention_backward(dqkv, datt, dc, &a.qkv, &a.att, AttnShape { b, t, c, n_head: nh });
         let (gw, gb) = two_mut(grads, p.attn_w.clone(), p.attn_b.clone());
-        kernels::matmul_backward(
-            dc,
-            gw,
-            Some(gb),
-            dqkv,
-            &a.ln1,
-            &params[p.attn_w.clone()],
-            n,
-            c,
-            3 * c,
-        );
+        kernels::matmul_backward(dc, gw, Some(gb), dqkv, &a.ln1, &params[p.attn_w.clone()], n, c, 3 * c);
         let (gw, gb) = two_mut(grads, p.ln1_w.clone(), p.ln1_b.clone());
-        kernels::layernorm_backward(
-            dres,
-            gw,
-            gb,
-            dc,
-            x,
-            &a.ln1_mean,
-            &a.ln1_rstd,
-            &params[p.ln1_w.clone()],
-            c,
-        );
+        kernels::layernorm_backward(dres, gw, gb, dc, x, &a.ln1_mean, &a.ln1_rstd, &params[p.ln1_w.clone()], c);
     }
 
     /// Forward through the final LayerNorm and the tied head into `logits`.
@@ -556,14 +439,7 @@ impl Gpt {
         let (t, c, v) = (self.acts.t, self.cfg.n_embd, self.cfg.vocab_size);
         let n = self.acts.b * t;
         let (wte, wpe) = (self.ranges.wte.clone(), self.ranges.wpe.clone());
-        kernels::encoder_forward(
-            &mut self.acts.encoded,
-            inputs,
-            &params[wte],
-            &params[wpe],
-            t,
-            c,
-        );
+        kernels::encoder_forward(&mut self.acts.encoded, inputs, &params[wte], &params[wpe], t, c);
         for idx in 0..self.cfg.n_layer {
             self.block_forward(params, idx);
         }
@@ -658,18 +534,9 @@ impl Gpt {
     }
 
     /// Logits of the last position of `tokens` (one sequence), for sampling.
-    pub fn next_token_logits(
-        &mut self,
-        params: &[f32],
-        tokens: &[u32],
-    ) -> Result<Vec<f32>, GptError> {
+    pub fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, GptError> {
         let t = tokens.len();
-        let batch = Batch {
-            n_seqs: 1,
-            seq_len: t,
-            inputs: tokens.to_vec(),
-            targets: vec![IGNORE_INDEX; t],
-        };
+        let batch = Batch { n_seqs: 1, seq_len: t, inputs: tokens.to_vec(), targets: vec![IGNORE_INDEX; t] };
         self.check(params, &batch)?;
         self.ensure_acts(1, t);
         self.forward(params, tokens);
@@ -720,10 +587,7 @@ impl Model for Gpt {
         );
         let loss_sum = self.loss_sum(n);
         self.backward(params, grads, &batch.inputs);
-        Ok(MicroStepStats {
-            loss_sum,
-            n_targets: batch.n_targets(),
-        })
+        Ok(MicroStepStats { loss_sum, n_targets: batch.n_targets() })
     }
 
     fn loss(&mut self, params: &[f32], batch: &Batch) -> Result<MicroStepStats, GptError> {
@@ -741,9 +605,6 @@ impl Model for Gpt {
             self.cfg.vocab_size,
             None,
         );
-        Ok(MicroStepStats {
-            loss_sum: self.loss_sum(n),
-            n_targets: batch.n_targets(),
-        })
+        Ok(MicroStepStats { loss_sum: self.loss_sum(n), n_targets: batch.n_targets() })
     }
 }

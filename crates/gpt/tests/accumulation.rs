@@ -2,10 +2,7 @@
 //! and everything at the boundary happens exactly once per optimizer step.
 
 use engine::rng::SplitMix64;
-use engine::{
-    clip_grad_norm, AdamW, Decay, LossNormalization, LrSchedule, Model, Optimizer, Trainer,
-    TrainerOptions,
-};
+use engine::{clip_grad_norm, AdamW, Decay, LossNormalization, LrSchedule, Model, Optimizer, Trainer, TrainerOptions};
 use gpt::{init_params, Batch, Gpt, GptConfig, IGNORE_INDEX};
 use proptest::prelude::*;
 
@@ -13,13 +10,7 @@ const T: usize = 8;
 const G: usize = 8;
 
 fn cfg() -> GptConfig {
-    GptConfig {
-        n_layer: 2,
-        n_head: 2,
-        n_embd: 16,
-        block_size: T,
-        vocab_size: 32,
-    }
+    GptConfig { n_layer: 2, n_head: 2, n_embd: 16, block_size: T, vocab_size: 32 }
 }
 
 /// `G` sequences; sequence `i` has its first `2·i` targets ignored, so
@@ -31,9 +22,7 @@ fn sequences(uneven: bool) -> Vec<(Vec<u32>, Vec<i32>)> {
             let toks: Vec<u32> = (0..=T).map(|_| rng.below(32) as u32).collect();
             let mut tg: Vec<i32> = toks[1..].iter().map(|&t| t as i32).collect();
             if uneven {
-                tg.iter_mut()
-                    .take((2 * i).min(T - 1))
-                    .for_each(|t| *t = IGNORE_INDEX);
+                tg.iter_mut().take((2 * i).min(T - 1)).for_each(|t| *t = IGNORE_INDEX);
             }
             (toks[..T].to_vec(), tg)
         })
@@ -74,26 +63,15 @@ fn max_abs(a: &[f32]) -> f32 {
 }
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+    a.iter().zip(b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
 }
 
 /// One AdamW step over the given micro-batch sizes; returns (grads, params, loss).
-fn one_step(
-    sizes: &[usize],
-    uneven: bool,
-    normalization: LossNormalization,
-) -> (Vec<f32>, Vec<f32>, f64) {
+fn one_step(sizes: &[usize], uneven: bool, normalization: LossNormalization) -> (Vec<f32>, Vec<f32>, f64) {
     let seqs = sequences(uneven);
-    let (mut model, mut tr) = trainer(
-        TrainerOptions {
-            grad_clip: None,
-            normalization,
-        },
-        LrSchedule::constant(1e-3),
-    );
-    let report = tr.step(&mut model, &split(&seqs, sizes)).unwrap();
+    let (mut model, mut tr) =
+        trainer(TrainerOptions { grad_clip: None, normalization, ..Default::default() }, LrSchedule::constant(1e-3));
+    let report = tr.step(&mut model, &mut comm::SingleProcess::new(), &split(&seqs, sizes)).unwrap();
     (tr.grads().to_vec(), tr.params().to_vec(), report.loss)
 }
 
@@ -122,11 +100,7 @@ fn k_micro_steps_equal_one_big_batch_even_with_uneven_targets() {
             let sizes = vec![G / k; k];
             let (gk, pk, lk) = one_step(&sizes, uneven, LossNormalization::Token);
             let (dg, dp) = (max_diff(&g1, &gk), max_diff(&p1, &pk));
-            let n_over = p1
-                .iter()
-                .zip(&pk)
-                .filter(|(a, b)| (*a - *b).abs() > 1e-5 * scale)
-                .count();
+            let n_over = p1.iter().zip(&pk).filter(|(a, b)| (*a - *b).abs() > 1e-5 * scale).count();
             eprintln!(
                 "uneven={uneven} K={k}: max |Δgrad| {dg:.2e} (max grad {scale:.2e}), max |Δparam| {dp:.2e}, {n_over} of {} over 1e-5·max|grad|",
                 p1.len()
@@ -156,14 +130,8 @@ fn naive_mean_of_micro_means_differs_when_token_counts_differ() {
     // ...with K = 4 and uneven target counts the naive one is a different gradient.
     let (g_naive, _, l_naive) = one_step(&[2, 2, 2, 2], true, LossNormalization::MicroBatchMean);
     let d = max_diff(&g_full, &g_naive);
-    eprintln!(
-        "naive recipe: max |Δgrad| {d:.2e} of {:.2e}; loss {l_naive} vs {l_full}",
-        max_abs(&g_full)
-    );
-    assert!(
-        d > 0.05 * max_abs(&g_full),
-        "naive recipe should differ, diff {d}"
-    );
+    eprintln!("naive recipe: max |Δgrad| {d:.2e} of {:.2e}; loss {l_naive} vs {l_full}", max_abs(&g_full));
+    assert!(d > 0.05 * max_abs(&g_full), "naive recipe should differ, diff {d}");
     assert!((l_naive - l_full).abs() > 1e-3);
     // With equal target counts per micro-batch both recipes agree.
     let (g_even, _, _) = one_step(&[8], false, LossNormalization::Token);
@@ -203,66 +171,38 @@ impl Model for Counting {
 
 #[test]
 fn schedule_optimizer_and_clipping_advance_once_per_optimizer_step() {
-    let schedule = LrSchedule {
-        max_lr: 1e-3,
-        min_lr: 1e-4,
-        warmup_steps: 10,
-        total_steps: 20,
-        decay: Decay::Cosine,
-    };
-    let (model, mut tr) = trainer(
-        TrainerOptions {
-            grad_clip: Some(1.0),
-            normalization: LossNormalization::Token,
-        },
-        schedule,
-    );
-    let mut model = Counting {
-        inner: model,
-        n_micro_steps: 0,
-    };
+    let schedule = LrSchedule { max_lr: 1e-3, min_lr: 1e-4, warmup_steps: 10, total_steps: 20, decay: Decay::Cosine };
+    let (model, mut tr) = trainer(TrainerOptions { grad_clip: Some(1.0), ..Default::default() }, schedule);
+    let mut model = Counting { inner: model, n_micro_steps: 0 };
     let micro = split(&sequences(false), &[1; 8]); // K = 8
     let mut lrs = Vec::new();
     for _ in 0..10 {
-        lrs.push(tr.step(&mut model, &micro).unwrap().lr);
+        lrs.push(tr.step(&mut model, &mut comm::SingleProcess::new(), &micro).unwrap().lr);
     }
     assert_eq!(model.n_micro_steps, 80);
     assert_eq!(tr.n_steps(), 10, "schedule position");
     assert_eq!(tr.optimizer().n_updates(), 10, "AdamW's t");
     for (i, lr) in lrs.iter().enumerate() {
-        assert!(
-            (lr - 1e-3 * (i + 1) as f32 / 10.0).abs() < 1e-9,
-            "step {i}: lr {lr}"
-        );
+        assert!((lr - 1e-3 * (i + 1) as f32 / 10.0).abs() < 1e-9, "step {i}: lr {lr}");
     }
     assert_eq!(lrs[9], 1e-3, "warmup ends after 10 optimizer steps");
-    assert_eq!(
-        tr.next_lr(),
-        1e-3,
-        "the first decay step starts from the peak"
-    );
+    assert_eq!(tr.next_lr(), 1e-3, "the first decay step starts from the peak");
 }
 
 #[test]
 fn clipping_sees_the_full_accumulated_gradient() {
     let seqs = sequences(true);
     let max_norm = 0.05;
-    let clip = TrainerOptions {
-        grad_clip: Some(max_norm),
-        normalization: LossNormalization::Token,
-    };
+    let clip = TrainerOptions { grad_clip: Some(max_norm), ..Default::default() };
     let (mut model, mut tr) = trainer(clip, LrSchedule::constant(1e-3));
-    let report = tr.step(&mut model, &split(&seqs, &[2, 2, 2, 2])).unwrap();
+    let report = tr.step(&mut model, &mut comm::SingleProcess::new(), &split(&seqs, &[2, 2, 2, 2])).unwrap();
     assert!(report.clipped);
 
     // Reference: the full-batch gradient, clipped once.
     let (full, _, _) = one_step(&[8], true, LossNormalization::Token);
     let mut reference = full.clone();
     let (norm, _) = clip_grad_norm(&mut reference, max_norm);
-    assert!(
-        (report.grad_norm - norm).abs() <= 1e-5 * norm,
-        "pre-clip norm is the full gradient's"
-    );
+    assert!((report.grad_norm - norm).abs() <= 1e-5 * norm, "pre-clip norm is the full gradient's");
     assert!(max_diff(tr.grads(), &reference) <= 1e-5 * max_abs(&reference));
 
     // The wrong recipe: clip each micro-batch's share, then add.
@@ -271,17 +211,12 @@ fn clipping_sees_the_full_accumulated_gradient() {
     let params = init_params(&cfg(), 7);
     for b in split(&seqs, &[2, 2, 2, 2]) {
         let mut g = vec![0.0f32; full.len()];
-        model
-            .micro_step(&params, &mut g, &b, 1.0 / n_total as f32)
-            .unwrap();
+        model.micro_step(&params, &mut g, &b, 1.0 / n_total as f32).unwrap();
         clip_grad_norm(&mut g, max_norm);
         per_micro.iter_mut().zip(&g).for_each(|(a, b)| *a += b);
     }
     let d = max_diff(&per_micro, &reference);
-    assert!(
-        d > 0.1 * max_abs(&reference),
-        "clipping per micro-batch must differ (diff {d})"
-    );
+    assert!(d > 0.1 * max_abs(&reference), "clipping per micro-batch must differ (diff {d})");
 }
 
 #[test]
@@ -292,16 +227,9 @@ fn logged_loss_is_the_global_batch_mean_never_divided_by_k() {
     let stats = eval.loss(&init_params(&cfg(), 7), &full).unwrap();
     let mean = stats.loss_sum / stats.n_targets as f64;
     let (mut model, mut tr) = trainer(TrainerOptions::default(), LrSchedule::constant(1e-3));
-    let report = tr.step(&mut model, &split(&seqs, &[2, 2, 2, 2])).unwrap();
-    assert!(
-        (report.loss - mean).abs() < 1e-6 * mean,
-        "{} vs {mean}",
-        report.loss
-    );
-    assert!(
-        mean > 3.0,
-        "an untrained model over 32 tokens has loss ≈ ln 32 = 3.47, got {mean}"
-    );
+    let report = tr.step(&mut model, &mut comm::SingleProcess::new(), &split(&seqs, &[2, 2, 2, 2])).unwrap();
+    assert!((report.loss - mean).abs() < 1e-6 * mean, "{} vs {mean}", report.loss);
+    assert!(mean > 3.0, "an untrained model over 32 tokens has loss ≈ ln 32 = 3.47, got {mean}");
     assert_eq!(report.n_targets, stats.n_targets);
     assert_eq!(report.micro_losses.len(), 4);
     assert_eq!(report.n_micro_steps, 4);

@@ -49,21 +49,12 @@ fn check_with_step(what: &str, x: &[f32], analytic: &[f32], h: f32, f: impl Fn(&
         let numeric = (up - down) / (hi - lo) as f64;
         let err = (analytic[i] as f64 - numeric).abs();
         let allowed = 1e-3 + 1e-2 * numeric.abs();
-        assert!(
-            err <= allowed,
-            "{what}[{i}]: analytic {} vs numeric {numeric} (err {err:.2e})",
-            analytic[i]
-        );
+        assert!(err <= allowed, "{what}[{i}]: analytic {} vs numeric {numeric} (err {err:.2e})", analytic[i]);
         if err > worst.0 {
             worst = (err, i);
         }
     }
-    eprintln!(
-        "{what}: {} elements, worst abs error {:.2e} at {}",
-        x.len(),
-        worst.0,
-        worst.1
-    );
+    eprintln!("{what}: {} elements, worst abs error {:.2e} at {}", x.len(), worst.0, worst.1);
 }
 
 #[test]
@@ -134,12 +125,7 @@ fn gelu_backward_matches_finite_differences() {
 
 #[test]
 fn attention_backward_matches_finite_differences() {
-    let s = AttnShape {
-        b: 2,
-        t: 5,
-        c: 8,
-        n_head: 2,
-    };
+    let s = AttnShape { b: 2, t: 5, c: 8, n_head: 2 };
     let qkv = randn(s.b * s.t * 3 * s.c, 12, 1.0);
     let r = randn(s.b * s.t * s.c, 13, 1.0);
     let att_len = s.b * s.n_head * s.t * s.t;
@@ -184,13 +170,7 @@ fn cross_entropy_backward_matches_finite_differences() {
 }
 
 fn tiny_cfg() -> GptConfig {
-    GptConfig {
-        n_layer: 2,
-        n_head: 2,
-        n_embd: 8,
-        block_size: 6,
-        vocab_size: 11,
-    }
+    GptConfig { n_layer: 2, n_head: 2, n_embd: 8, block_size: 6, vocab_size: 11 }
 }
 
 fn tiny_batch() -> Batch {
@@ -198,12 +178,7 @@ fn tiny_batch() -> Batch {
     let inputs: Vec<u32> = (0..b * t).map(|i| ((i * 7 + 3) % 11) as u32).collect();
     let mut targets: Vec<i32> = (0..b * t).map(|i| ((i * 5 + 1) % 11) as i32).collect();
     targets[3] = IGNORE_INDEX;
-    Batch {
-        n_seqs: b,
-        seq_len: t,
-        inputs,
-        targets,
-    }
+    Batch { n_seqs: b, seq_len: t, inputs, targets }
 }
 
 #[test]
@@ -219,10 +194,7 @@ fn whole_model_gradient_matches_finite_differences() {
     let stats = model.micro_step(&params, &mut grads, &batch, 1.0).unwrap();
     assert_eq!(stats.n_targets, 9);
     let loss = |p: &[f32]| Gpt::new(cfg).unwrap().loss(p, &batch).unwrap().loss_sum;
-    assert!(
-        (loss(&params) - stats.loss_sum).abs() < 1e-9,
-        "eval and train forward agree"
-    );
+    assert!((loss(&params) - stats.loss_sum).abs() < 1e-9, "eval and train forward agree");
     check_with_step("model", &params, &grads, 3e-3, loss);
     // grad_scale multiplies the gradient and leaves the loss alone; grads accumulate.
     let mut twice = grads.clone();
@@ -240,20 +212,12 @@ fn bad_batches_are_errors_not_panics() {
     let params = init_params(&cfg, 0);
     let mut b = tiny_batch();
     b.inputs[0] = 11;
-    assert!(model
-        .loss(&params, &b)
-        .unwrap_err()
-        .to_string()
-        .contains("outside the vocabulary"));
+    assert!(model.loss(&params, &b).unwrap_err().to_string().contains("outside the vocabulary"));
     let mut b = tiny_batch();
     b.seq_len = 7;
     b.n_seqs = 1;
     b.inputs.truncate(7);
     b.targets.truncate(7);
-    assert!(model
-        .loss(&params, &b)
-        .unwrap_err()
-        .to_string()
-        .contains("block_size"));
+    assert!(model.loss(&params, &b).unwrap_err().to_string().contains("block_size"));
     assert!(model.loss(&params[1..], &tiny_batch()).is_err());
 }

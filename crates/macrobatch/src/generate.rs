@@ -9,13 +9,10 @@ use std::io::Write;
 
 /// Samples `max_new_tokens` tokens after the prompt and prints the text.
 pub fn run(args: GenerateArgs) -> Result<()> {
-    let (cfg, params) = gpt::hf::load(&args.dir)
-        .with_context(|| format!("cannot load a model from {}", args.dir.display()))?;
+    let (cfg, params) =
+        gpt::hf::load(&args.dir).with_context(|| format!("cannot load a model from {}", args.dir.display()))?;
     if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
-        anyhow::bail!(
-            "--temperature must be finite and >= 0, got {}",
-            args.temperature
-        );
+        anyhow::bail!("--temperature must be finite and >= 0, got {}", args.temperature);
     }
     let mut model = Gpt::new(cfg)?;
     let tok = ByteTokenizer;
@@ -24,10 +21,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         tokens.push(b'\n' as u32);
     }
     if let Some(&t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-        anyhow::bail!(
-            "prompt byte {t} is outside the model's vocabulary of {}",
-            cfg.vocab_size
-        );
+        anyhow::bail!("prompt byte {t} is outside the model's vocabulary of {}", cfg.vocab_size);
     }
     let mut rng = SplitMix64::new(args.seed);
     let mut out = std::io::stdout().lock();
@@ -57,17 +51,10 @@ fn sample(logits: &[f32], temperature: f32, top_k: usize, rng: &mut SplitMix64) 
     if temperature == 0.0 {
         return idx[0] as u32;
     }
-    let k = if top_k == 0 {
-        idx.len()
-    } else {
-        top_k.min(idx.len())
-    };
+    let k = if top_k == 0 { idx.len() } else { top_k.min(idx.len()) };
     let top = &idx[..k];
     let max = logits[top[0]];
-    let weights: Vec<f64> = top
-        .iter()
-        .map(|&i| (((logits[i] - max) / temperature) as f64).exp())
-        .collect();
+    let weights: Vec<f64> = top.iter().map(|&i| (((logits[i] - max) / temperature) as f64).exp()).collect();
     let mut u = rng.next_f64() * weights.iter().sum::<f64>();
     for (&i, w) in top.iter().zip(&weights) {
         if u < *w {

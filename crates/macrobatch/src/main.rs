@@ -1,5 +1,6 @@
 //! `macrobatch`: train GPT-2 with gradient accumulation done right.
 
+mod dist;
 mod generate;
 mod metrics;
 mod train;

@@ -25,12 +25,16 @@ pub struct StepRecord {
     pub clipped: bool,
     /// Target tokens in the global batch.
     pub tokens: u64,
-    /// Input tokens processed per second.
+    /// Target tokens (all ranks) per second.
     pub tokens_per_s: f64,
     /// Micro-steps in this optimizer step.
     pub micro_steps: usize,
     /// Mean loss of each micro-batch.
     pub micro_losses: Vec<f64>,
+    /// Bytes this rank handed to collectives in the step (independent of K).
+    pub comm_bytes: u64,
+    /// Collective calls in the step.
+    pub comm_calls: u64,
     /// Wall time of the step.
     pub step_ms: f64,
     /// Wall time since the start of training.
@@ -58,52 +62,31 @@ impl Reporter {
             .with_context(|| format!("cannot create {}", path.display()))?;
         let bar = std::io::stderr().is_terminal().then(|| {
             let bar = ProgressBar::new(total);
-            let style = ProgressStyle::with_template(
-                "{bar:30} {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]",
-            )
-            .unwrap_or_else(|_| ProgressStyle::default_bar());
+            let style = ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]")
+                .unwrap_or_else(|_| ProgressStyle::default_bar());
             bar.set_style(style);
             bar.enable_steady_tick(Duration::from_millis(250));
             bar
         });
-        Ok(Self {
-            file: BufWriter::new(file),
-            bar,
-            total,
-            log_every,
-        })
+        Ok(Self { file: BufWriter::new(file), bar, total, log_every })
     }
 
     /// Records one step (flushed, so a crash keeps every finished step).
     pub fn record(&mut self, r: &StepRecord) -> Result<()> {
         serde_json::to_writer(&mut self.file, r).context("cannot write metrics")?;
-        self.file
-            .write_all(b"\n")
-            .and_then(|_| self.file.flush())
-            .context("cannot write metrics")?;
-        let val = r
-            .val_loss
-            .map_or(String::new(), |v| format!(" | val {v:.4}"));
-        let msg = format!(
-            "loss {:.4}{val} | lr {:.2e} | {:.0} tok/s",
-            r.loss, r.lr, r.tokens_per_s
-        );
+        self.file.write_all(b"\n").and_then(|_| self.file.flush()).context("cannot write metrics")?;
+        let val = r.val_loss.map_or(String::new(), |v| format!(" | val {v:.4}"));
+        let msg = format!("loss {:.4}{val} | lr {:.2e} | {:.0} tok/s", r.loss, r.lr, r.tokens_per_s);
         match &self.bar {
             Some(bar) => {
                 bar.set_position(r.step);
                 bar.set_message(msg);
             }
             None => {
-                if r.step == 1
-                    || r.step.is_multiple_of(self.log_every)
-                    || r.step == self.total
-                    || r.val_loss.is_some()
+                if r.step == 1 || r.step.is_multiple_of(self.log_every) || r.step == self.total || r.val_loss.is_some()
                 {
                     let eta = r.elapsed_s / r.step as f64 * (self.total - r.step) as f64;
-                    eprintln!(
-                        "step {}/{} | {msg} | {:.0} ms/step | ETA {eta:.0}s",
-                        r.step, self.total, r.step_ms
-                    );
+                    eprintln!("step {}/{} | {msg} | {:.0} ms/step | ETA {eta:.0}s", r.step, self.total, r.step_ms);
                 }
             }
         }

@@ -32,13 +32,8 @@ fn metrics(out: &Path) -> Vec<serde_json::Value> {
 }
 
 /// A small model so that tests that are not about learning run in a second.
-const SMALL: &[&str] = &[
-    "model.n_layer=2",
-    "model.n_embd=64",
-    "model.n_head=2",
-    "model.block_size=64",
-    "batch.micro=4",
-];
+const SMALL: &[&str] =
+    &["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.block_size=64", "batch.micro=4"];
 
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
@@ -53,62 +48,31 @@ fn default_run_learns_and_writes_hugging_face_files() {
     assert_eq!(m.len(), 30, "one line per optimizer step");
     for (i, r) in m.iter().enumerate() {
         assert_eq!(r["step"], i as u64 + 1);
-        for key in [
-            "loss",
-            "lr",
-            "grad_norm",
-            "tokens",
-            "tokens_per_s",
-            "micro_steps",
-        ] {
+        for key in ["loss", "lr", "grad_norm", "tokens", "tokens_per_s", "micro_steps"] {
             assert!(r.get(key).is_some(), "missing {key} in {r}");
         }
-        assert_eq!(
-            r["micro_steps"], 2,
-            "default batch: global 16 = micro 8 × K 2"
-        );
+        assert_eq!(r["micro_steps"], 2, "default batch: global 16 = micro 8 × K 2");
     }
     let val: Vec<f64> = m.iter().filter_map(|r| r["val_loss"].as_f64()).collect();
     assert_eq!(val.len(), 3, "validation at steps 10, 20, 30");
     eprintln!("val_loss: {val:?}");
-    assert!(
-        val[2] < val[0] && val[0] < 5.0,
-        "validation loss must fall: {val:?}"
-    );
-    assert!(
-        val[2] < 3.0,
-        "byte-level loss after 30 steps should be well below ln(256) = 5.55: {val:?}"
-    );
+    assert!(val[2] < val[0] && val[0] < 5.0, "validation loss must fall: {val:?}");
+    assert!(val[2] < 3.0, "byte-level loss after 30 steps should be well below ln(256) = 5.55: {val:?}");
     for f in ["model.safetensors", "config.json", "config.resolved.toml"] {
         assert!(out.join(f).is_file(), "{f} missing");
     }
     let resolved = std::fs::read_to_string(out.join("config.resolved.toml")).unwrap();
-    assert!(
-        resolved.contains("accumulation_steps = 2") && resolved.contains("steps = 30"),
-        "{resolved}"
-    );
+    assert!(resolved.contains("accumulation_steps = 2") && resolved.contains("steps = 30"), "{resolved}");
 
-    let g = bin()
-        .arg("generate")
-        .arg(&out)
-        .args(["--prompt", "Call me", "--max-new-tokens", "20"])
-        .output()
-        .unwrap();
+    let g = bin().arg("generate").arg(&out).args(["--prompt", "Call me", "--max-new-tokens", "20"]).output().unwrap();
     assert!(g.status.success(), "{}", stderr(&g));
     let text = String::from_utf8_lossy(&g.stdout);
-    assert!(
-        text.starts_with("Call me") && text.len() > "Call me".len(),
-        "{text}"
-    );
+    assert!(text.starts_with("Call me") && text.len() > "Call me".len(), "{text}");
 
     // An existing run is never overwritten.
     let again = train(&out, &["train.steps=1"]);
     assert!(!again.status.success());
-    assert!(
-        stderr(&again).contains("already holds a run"),
-        "{}",
-        stderr(&again)
-    );
+    assert!(stderr(&again).contains("already holds a run"), "{}", stderr(&again));
     std::fs::remove_dir_all(&out).unwrap();
 }
 
@@ -119,17 +83,10 @@ fn same_seed_and_config_give_bit_identical_losses() {
         .map(|tag| {
             let out = tmp(&format!("det-{tag}"));
             let mut sets = SMALL.to_vec();
-            sets.extend([
-                "train.steps=6",
-                "train.eval_every=3",
-                "batch.accumulation_steps=3",
-            ]);
+            sets.extend(["train.steps=6", "train.eval_every=3", "batch.accumulation_steps=3"]);
             let o = train(&out, &sets);
             assert!(o.status.success(), "{}", stderr(&o));
-            let losses = metrics(&out)
-                .iter()
-                .map(|r| (r["loss"].to_string(), r["val_loss"].to_string()))
-                .collect();
+            let losses = metrics(&out).iter().map(|r| (r["loss"].to_string(), r["val_loss"].to_string())).collect();
             std::fs::remove_dir_all(&out).unwrap();
             losses
         })
@@ -146,10 +103,7 @@ fn expect_error(tag: &str, sets: &[&str]) -> String {
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(2), "{tag}: {err}");
     assert!(!err.contains("panicked"), "{tag}: {err}");
-    assert!(
-        !out.join("metrics.jsonl").exists(),
-        "{tag}: nothing runs before the whole plan is valid"
-    );
+    assert!(!out.join("metrics.jsonl").exists(), "{tag}: nothing runs before the whole plan is valid");
     let _ = std::fs::remove_dir_all(&out);
     err
 }
@@ -162,83 +116,29 @@ fn bad_input_gives_a_clear_error_and_no_panic() {
     std::fs::write(&empty, "").unwrap();
     let short = dir.join("short.txt");
     std::fs::write(&short, "a short corpus").unwrap();
-    let (empty_set, short_set) = (
-        format!("data.path={}", empty.display()),
-        format!("data.path={}", short.display()),
-    );
+    let (empty_set, short_set) = (format!("data.path={}", empty.display()), format!("data.path={}", short.display()));
     let cases: Vec<(&str, Vec<&str>, &str)> = vec![
-        (
-            "unknown-key",
-            vec!["train.stepz=3"],
-            "unknown field `stepz`",
-        ),
-        (
-            "unknown-section",
-            vec!["trian.steps=3"],
-            "unknown field `trian`",
-        ),
-        (
-            "inconsistent",
-            vec![
-                "batch.global=32",
-                "batch.micro=4",
-                "batch.accumulation_steps=3",
-            ],
-            "4 × 3 × 1 = 12 ≠ 32",
-        ),
-        (
-            "indivisible",
-            vec!["batch.global=30", "batch.micro=4"],
-            "not divisible",
-        ),
-        (
-            "zero-micro",
-            vec!["batch.micro=0"],
-            "batch.micro must be at least 1",
-        ),
+        ("unknown-key", vec!["train.stepz=3"], "unknown field `stepz`"),
+        ("unknown-section", vec!["trian.steps=3"], "unknown field `trian`"),
+        ("inconsistent", vec!["batch.global=32", "batch.micro=4", "batch.accumulation_steps=3"], "4 × 3 × 1 = 12 ≠ 32"),
+        ("indivisible", vec!["batch.global=30", "batch.micro=4"], "not divisible"),
+        ("zero-micro", vec!["batch.micro=0"], "batch.micro must be at least 1"),
         ("negative", vec!["batch.micro=-4"], "micro = -4"),
         ("zero-steps", vec!["train.steps=0"], "train.steps = 0"),
-        (
-            "missing-file",
-            vec!["data.path=/no/such/corpus.txt"],
-            "/no/such/corpus.txt",
-        ),
+        ("missing-file", vec!["data.path=/no/such/corpus.txt"], "/no/such/corpus.txt"),
         ("empty-corpus", vec![empty_set.as_str()], "is empty"),
-        (
-            "short-corpus",
-            vec![short_set.as_str(), "data.seq_len=64"],
-            "too few for one sequence of data.seq_len = 64",
-        ),
-        (
-            "seq-vs-block",
-            vec!["data.seq_len=4096"],
-            "longer than the model's block_size = 128",
-        ),
-        (
-            "bad-heads",
-            vec!["model.n_head=5"],
-            "divisible by model.n_head (5)",
-        ),
-        (
-            "bad-preset",
-            vec!["model.preset=huge"],
-            "unknown preset `huge`",
-        ),
-        (
-            "huge-batch",
-            vec!["batch.global=100000", "batch.micro=1000"],
-            "one global batch needs 100000",
-        ),
+        ("short-corpus", vec![short_set.as_str(), "data.seq_len=64"], "too few for one sequence of data.seq_len = 64"),
+        ("seq-vs-block", vec!["data.seq_len=4096"], "longer than the model's block_size = 128"),
+        ("bad-heads", vec!["model.n_head=5"], "divisible by model.n_head (5)"),
+        ("bad-preset", vec!["model.preset=huge"], "unknown preset `huge`"),
+        ("huge-batch", vec!["batch.global=100000", "batch.micro=1000"], "one global batch needs 100000"),
     ];
     for (tag, sets, needle) in cases {
         let err = expect_error(tag, &sets);
         assert!(err.contains(needle), "{tag}: expected `{needle}` in: {err}");
     }
     // A config file that does not exist.
-    let o = bin()
-        .args(["train", "/no/such/config.toml"])
-        .output()
-        .unwrap();
+    let o = bin().args(["train", "/no/such/config.toml"]).output().unwrap();
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("/no/such/config.toml"));
     std::fs::remove_dir_all(&dir).unwrap();
@@ -249,8 +149,5 @@ fn generate_from_a_missing_directory_is_a_clear_error() {
     let o = bin().args(["generate", "/no/such/run"]).output().unwrap();
     assert_eq!(o.status.code(), Some(2));
     let err = stderr(&o);
-    assert!(
-        err.contains("/no/such/run") && !err.contains("panicked"),
-        "{err}"
-    );
+    assert!(err.contains("/no/such/run") && !err.contains("panicked"), "{err}");
 }

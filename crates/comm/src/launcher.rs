@@ -1,0 +1,18 @@
+//! Which launcher started this process, from its environment.
+
+/// The world size an MPI launcher announced, and the variable that said so.
+///
+/// OpenMPI sets `OMPI_COMM_WORLD_SIZE`, MPICH/Hydra and Intel MPI `PMI_SIZE`,
+/// PMIx-based launchers `PMIX_SIZE`… we read the common ones.
+pub fn launcher_world_size() -> Option<(usize, &'static str)> {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE"]
+        .into_iter()
+        .find_map(|var| std::env::var(var).ok().and_then(|v| v.trim().parse().ok()).map(|n| (n, var)))
+}
+
+/// The rank an MPI launcher announced.
+pub fn launcher_rank() -> Option<usize> {
+    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK"]
+        .into_iter()
+        .find_map(|var| std::env::var(var).ok().and_then(|v| v.trim().parse().ok()))
+}

@@ -1,0 +1,274 @@
+//! Data parallelism on the thread backend: W ranks × K micro-steps equal one
+//! rank × one big batch; communication only at the boundary; uneven tails
+//! never hang.
+
+use comm::threads::{group, ThreadComm};
+use comm::{CommCounters, CommError, Communicator};
+use data::{BatchShape, Sampler};
+use engine::rng::SplitMix64;
+use engine::{AdamW, LrSchedule, MicroStepStats, Model, Optimizer, Sgd, Trainer, TrainerOptions};
+use gpt::{init_params, Batch, Gpt, GptConfig, GptError};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+const T: usize = 8;
+
+fn cfg() -> GptConfig {
+    GptConfig { n_layer: 2, n_head: 2, n_embd: 16, block_size: T, vocab_size: 32 }
+}
+
+/// `n` random sequences (inputs, targets).
+fn corpus(n: usize) -> Vec<(Vec<u32>, Vec<i32>)> {
+    let mut rng = SplitMix64::new(9);
+    (0..n)
+        .map(|_| {
+            let toks: Vec<u32> = (0..=T).map(|_| rng.below(32) as u32).collect();
+            (toks[..T].to_vec(), toks[1..].iter().map(|&t| t as i32).collect())
+        })
+        .collect()
+}
+
+fn batch(seqs: &[(Vec<u32>, Vec<i32>)], idx: &[usize]) -> Batch {
+    Batch {
+        n_seqs: idx.len(),
+        seq_len: T,
+        inputs: idx.iter().flat_map(|&i| seqs[i].0.clone()).collect(),
+        targets: idx.iter().flat_map(|&i| seqs[i].1.clone()).collect(),
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Opt {
+    AdamW,
+    Sgd,
+}
+
+fn new_trainer(opt: Opt) -> Trainer {
+    let params = init_params(&cfg(), 5);
+    let n = params.len();
+    let o = match opt {
+        Opt::AdamW => Optimizer::AdamW(AdamW::new(n, 0.9, 0.95, 1e-8, 0.1).unwrap()),
+        Opt::Sgd => Optimizer::Sgd(Sgd::new(n, 0.9, false, 0.0).unwrap()),
+    };
+    let lr = match opt {
+        Opt::AdamW => 1e-3,
+        Opt::Sgd => 0.1,
+    };
+    Trainer::new(params, o, LrSchedule::constant(lr), TrainerOptions { grad_clip: Some(1.0), ..Default::default() })
+}
+
+/// Trains `n_steps` on W thread ranks; returns every rank's parameters and
+/// last-step reports.
+fn train(
+    n_samples: usize,
+    shape: BatchShape,
+    drop_last: bool,
+    n_steps: u64,
+    opt: Opt,
+) -> Vec<(Vec<f32>, Vec<engine::StepReport>)> {
+    let seqs = Arc::new(corpus(n_samples));
+    let sampler = Sampler::new(n_samples, shape, false, drop_last, 0).unwrap();
+    let comms = group(shape.world_size, Duration::from_secs(30));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|mut c: ThreadComm| {
+                let (seqs, sampler) = (seqs.clone(), sampler.clone());
+                s.spawn(move || {
+                    let mut model = Gpt::new(cfg()).unwrap();
+                    let mut tr = new_trainer(opt);
+                    tr.broadcast_params(&mut c).unwrap();
+                    let mut reports = Vec::new();
+                    for step_idx in 0..n_steps {
+                        let (epoch, s) = sampler.position(step_idx);
+                        let order = sampler.epoch_order(epoch);
+                        let micro: Vec<Batch> = (0..shape.accumulation_steps)
+                            .map(|k| batch(&seqs, sampler.micro_batch(&order, s, k, c.rank())))
+                            .collect();
+                        reports.push(tr.step(&mut model, &mut c, &micro).unwrap());
+                    }
+                    tr.check_params_agree(&mut c).unwrap();
+                    (tr.params().to_vec(), reports)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+}
+
+fn max_abs(a: &[f32]) -> f32 {
+    a.iter().fold(0.0f32, |m, x| m.max(x.abs()))
+}
+
+/// W ∈ {1, 2, 4} × K ∈ {1, 2, 4} at G = 16 give the same parameters after 3
+/// steps. Tolerance: with SGD (lr 0.1, momentum 0.9) a parameter moves by
+/// lr·Σ(momentum-weighted gradients), so gradient rounding differences of
+/// ~1e-7 relative (summation order) give |Δp| ≲ 1e-7 · 0.1 · 3 · 2 ≈ 1e-7;
+/// we allow 1e-6 · max|p|. AdamW normalises each gradient element by its own
+/// magnitude, which amplifies rounding where a gradient cancels to ≈ ε
+/// (see accumulation.rs), so for AdamW we compare the losses of every step,
+/// which must agree to 1e-6 relative, and the parameters to 1e-5 · max|p|.
+#[test]
+fn w_ranks_times_k_micro_steps_equal_one_rank() {
+    for opt in [Opt::Sgd, Opt::AdamW] {
+        let reference = train(64, BatchShape { micro: 16, accumulation_steps: 1, world_size: 1 }, true, 3, opt);
+        let (p_ref, r_ref) = &reference[0];
+        let scale = max_abs(p_ref);
+        for w in [1usize, 2, 4] {
+            for k in [1usize, 2, 4] {
+                let shape = BatchShape { micro: 16 / (w * k), accumulation_steps: k, world_size: w };
+                let ranks = train(64, shape, true, 3, opt);
+                for (rank, (p, reports)) in ranks.iter().enumerate() {
+                    assert_eq!(p, &ranks[0].0, "W={w} K={k}: rank {rank} differs from rank 0 (must be bit-identical)");
+                    for (a, b) in reports.iter().zip(r_ref) {
+                        assert!((a.loss - b.loss).abs() <= 1e-6 * b.loss, "W={w} K={k}: loss {} vs {}", a.loss, b.loss);
+                    }
+                }
+                let d = max_diff(&ranks[0].0, p_ref);
+                let tol = match opt {
+                    Opt::Sgd => 1e-6 * scale,
+                    Opt::AdamW => 1e-5 * scale,
+                };
+                eprintln!(
+                    "{} W={w} K={k}: max |Δparam| {d:.2e} (tolerance {tol:.2e})",
+                    if matches!(opt, Opt::Sgd) { "sgd" } else { "adamw" }
+                );
+                assert!(d <= tol, "W={w} K={k}: parameters differ by {d}");
+            }
+        }
+    }
+}
+
+#[test]
+fn uneven_tail_without_drop_last_completes_and_matches_one_rank() {
+    // 10 samples, G = 8: step 2 holds samples 8 and 9 only, so with W = 4,
+    // micro = 1, K = 2 ranks 2 and 3 have no data at all in that step.
+    let shape = BatchShape { micro: 1, accumulation_steps: 2, world_size: 4 };
+    let ranks = train(10, shape, false, 2, Opt::Sgd);
+    let single = train(10, BatchShape { micro: 8, accumulation_steps: 1, world_size: 1 }, false, 2, Opt::Sgd);
+    let (p1, r1) = &single[0];
+    for (p, reports) in &ranks {
+        assert_eq!(reports[1].n_targets, 2 * T as u64, "the tail step holds 2 sequences");
+        assert!((reports[1].loss - r1[1].loss).abs() <= 1e-6 * r1[1].loss);
+        assert!(max_diff(p, p1) <= 1e-6 * max_abs(p1), "diff {}", max_diff(p, p1));
+    }
+    assert_eq!(ranks[2].1[1].micro_losses.iter().filter(|l| l.is_nan()).count(), 2, "rank 2 had no data in the tail");
+}
+
+/// A communicator that counts every collective into a shared counter.
+struct Counting<C> {
+    inner: C,
+    calls: Arc<AtomicU64>,
+}
+
+impl<C: Communicator> Communicator for Counting<C> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_reduce_sum(&mut self, b: &mut [f32]) -> Result<(), CommError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.all_reduce_sum(b)
+    }
+    fn all_reduce_sum_f64(&mut self, b: &mut [f64]) -> Result<(), CommError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.all_reduce_sum_f64(b)
+    }
+    fn reduce_scatter_sum(&mut self, i: &[f32], o: &mut [f32]) -> Result<(), CommError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.reduce_scatter_sum(i, o)
+    }
+    fn all_gather(&mut self, i: &[f32], o: &mut [f32]) -> Result<(), CommError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.all_gather(i, o)
+    }
+    fn broadcast(&mut self, b: &mut [f32], root: usize) -> Result<(), CommError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.broadcast(b, root)
+    }
+    fn barrier(&mut self) -> Result<(), CommError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.barrier()
+    }
+    fn counters(&self) -> CommCounters {
+        self.inner.counters()
+    }
+    fn abort(&mut self, reason: &str) {
+        self.inner.abort(reason)
+    }
+}
+
+/// Records the collective count seen at each micro-step.
+struct Watching {
+    inner: Gpt,
+    calls: Arc<AtomicU64>,
+    seen: Vec<u64>,
+}
+
+impl Model for Watching {
+    type Batch = Batch;
+    type Error = GptError;
+    fn layout(&self) -> &engine::ParamLayout {
+        self.inner.layout()
+    }
+    fn n_targets(&self, b: &Batch) -> u64 {
+        b.n_targets()
+    }
+    fn micro_step(&mut self, p: &[f32], g: &mut [f32], b: &Batch, s: f32) -> Result<MicroStepStats, GptError> {
+        self.seen.push(self.calls.load(Ordering::SeqCst));
+        self.inner.micro_step(p, g, b, s)
+    }
+    fn loss(&mut self, p: &[f32], b: &Batch) -> Result<MicroStepStats, GptError> {
+        self.inner.loss(p, b)
+    }
+}
+
+#[test]
+fn no_communication_before_the_boundary_and_bytes_independent_of_k() {
+    let seqs = corpus(16);
+    let mut bytes_per_k = Vec::new();
+    for k in [1usize, 8] {
+        let comms = group(2, Duration::from_secs(30));
+        let results: Vec<(u64, u64, Vec<u64>, u64)> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .map(|c| {
+                    let seqs = &seqs;
+                    s.spawn(move || {
+                        let calls = Arc::new(AtomicU64::new(0));
+                        let mut c = Counting { inner: c, calls: calls.clone() };
+                        let mut model =
+                            Watching { inner: Gpt::new(cfg()).unwrap(), calls: calls.clone(), seen: Vec::new() };
+                        let mut tr = new_trainer(Opt::AdamW);
+                        let m = 8 / k;
+                        let micro: Vec<Batch> = (0..k)
+                            .map(|i| {
+                                batch(seqs, &((i * 2 + c.rank()) * m..(i * 2 + c.rank() + 1) * m).collect::<Vec<_>>())
+                            })
+                            .collect();
+                        let before = calls.load(Ordering::SeqCst);
+                        let report = tr.step(&mut model, &mut c, &micro).unwrap();
+                        (report.comm_bytes, report.comm_calls, model.seen, before)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (bytes, calls, seen, before) in results {
+            assert_eq!(seen.len(), k);
+            assert!(seen.iter().all(|&n| n == before), "K={k}: a collective ran during micro-steps: {seen:?}");
+            assert_eq!(calls, 2, "one statistics all-reduce and one gradient bucket");
+            bytes_per_k.push(bytes);
+        }
+    }
+    let n_params = init_params(&cfg(), 5).len() as u64;
+    assert_eq!(bytes_per_k[0], 4 * n_params + 8 * 4, "gradient + 4 f64 statistics");
+    assert!(bytes_per_k.iter().all(|&b| b == bytes_per_k[0]), "comm bytes must not depend on K: {bytes_per_k:?}");
+}

@@ -1,0 +1,123 @@
+//! Who the ranks are: single process, threads of this process, or MPI
+//! processes; and the fault injection used by the failure tests.
+
+use anyhow::{bail, Context, Result};
+use comm::launcher::launcher_world_size;
+use std::time::Duration;
+
+/// How this run's ranks are provided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// One rank.
+    Single,
+    /// `n` ranks as threads of this process.
+    Threads(usize),
+    /// Started by an MPI launcher with `n` processes.
+    Mpi(usize),
+}
+
+impl Backend {
+    /// Ranks in the group.
+    pub fn world_size(self) -> usize {
+        match self {
+            Backend::Single => 1,
+            Backend::Threads(n) | Backend::Mpi(n) => n,
+        }
+    }
+}
+
+/// Picks the backend from the launcher's environment and `dist.world_size`.
+pub fn detect(threads_world: usize) -> Result<Backend> {
+    match launcher_world_size() {
+        Some((n, var)) => {
+            if !cfg!(feature = "mpi") {
+                bail!(
+                    "this process was started by an MPI launcher ({var}={n}) but macrobatch was built without MPI support, so each process would train alone; rebuild with `cargo build --release --features mpi`"
+                );
+            }
+            if threads_world != 1 && threads_world != n {
+                bail!("dist.world_size = {threads_world} but the MPI launcher started {n} processes; leave dist.world_size at 1 under mpirun");
+            }
+            Ok(Backend::Mpi(n))
+        }
+        None if threads_world > 1 => Ok(Backend::Threads(threads_world)),
+        None => Ok(Backend::Single),
+    }
+}
+
+/// Connects to MPI (feature `mpi`).
+#[cfg(feature = "mpi")]
+pub fn mpi_comm(timeout: Duration) -> Result<Box<dyn comm::Communicator>> {
+    Ok(Box::new(comm::mpi_backend::MpiComm::init(timeout).context("cannot start MPI")?))
+}
+
+/// Without the feature there is no MPI to connect to ([`detect`] refuses first).
+#[cfg(not(feature = "mpi"))]
+pub fn mpi_comm(_timeout: Duration) -> Result<Box<dyn comm::Communicator>> {
+    bail!("macrobatch was built without the `mpi` feature")
+}
+
+/// A failure injected for tests: `MACROBATCH_FAULT=rank=R,step=S,kind=K`
+/// with K one of `panic`, `error`, `stall`, `kill`. Fires at the start of
+/// optimizer step S (1-based) on rank R.
+#[derive(Debug, Clone, Copy)]
+pub struct Fault {
+    rank: usize,
+    step: u64,
+    kind: FaultKind,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum FaultKind {
+    Panic,
+    Error,
+    Stall,
+    Kill,
+}
+
+impl Fault {
+    /// Reads `MACROBATCH_FAULT`, if set.
+    pub fn from_env() -> Result<Option<Self>> {
+        let Ok(spec) = std::env::var("MACROBATCH_FAULT") else { return Ok(None) };
+        let mut f = Fault { rank: 0, step: 1, kind: FaultKind::Panic };
+        for part in spec.split(',') {
+            let (k, v) =
+                part.split_once('=').with_context(|| format!("MACROBATCH_FAULT: `{part}` is not key=value"))?;
+            match k.trim() {
+                "rank" => f.rank = v.trim().parse().context("MACROBATCH_FAULT rank")?,
+                "step" => f.step = v.trim().parse().context("MACROBATCH_FAULT step")?,
+                "kind" => {
+                    f.kind = match v.trim() {
+                        "panic" => FaultKind::Panic,
+                        "error" => FaultKind::Error,
+                        "stall" => FaultKind::Stall,
+                        "kill" => FaultKind::Kill,
+                        other => bail!("MACROBATCH_FAULT kind `{other}`: use panic, error, stall or kill"),
+                    }
+                }
+                other => bail!("MACROBATCH_FAULT: unknown key `{other}`"),
+            }
+        }
+        Ok(Some(f))
+    }
+
+    /// Fires if this is the chosen rank and step.
+    pub fn maybe_fire(&self, rank: usize, step: u64) -> Result<()> {
+        if rank != self.rank || step != self.step {
+            return Ok(());
+        }
+        match self.kind {
+            FaultKind::Panic => panic!("injected fault: rank {rank} panics at step {step}"),
+            FaultKind::Error => bail!("injected fault: rank {rank} fails at step {step}"),
+            FaultKind::Stall => loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            },
+            FaultKind::Kill => {
+                let _ = std::process::Command::new("kill").args(["-9", &std::process::id().to_string()]).status();
+                loop {
+                    std::thread::sleep(Duration::from_secs(3600));
+                }
+            }
+        }
+    }
+}
