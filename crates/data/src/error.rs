@@ -7,7 +7,7 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum DataError {
     /// The data file cannot be read.
-    #[error("cannot read data file {}: {source} (set data.path to an existing file, or leave it unset for the bundled corpus)", path.display())]
+    #[error("cannot read data file {} (set data.path to an existing file, or leave it unset for the bundled corpus)", path.display())]
     Read {
         /// The file.
         path: PathBuf,

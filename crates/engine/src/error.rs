@@ -9,9 +9,9 @@ pub enum EngineError {
     #[error("an optimizer step needs at least one micro-batch, got none")]
     NoMicroBatches,
     /// The whole global batch held no target token, so the mean loss is undefined.
-    #[error("the global batch of step {step} holds no target tokens (all targets ignored); the loss and its gradient are undefined — check the data and the ignore mask")]
+    #[error("the global batch of optimizer step {step} holds no target tokens (all targets ignored); the loss and its gradient are undefined — check the data and the ignore mask")]
     NoTargets {
-        /// 0-based optimizer step index.
+        /// 1-based optimizer step number.
         step: u64,
     },
     /// The parameter buffer does not match the model's layout.
@@ -23,17 +23,17 @@ pub enum EngineError {
         got: usize,
     },
     /// The gradient became non-finite (inf/NaN) at the boundary.
-    #[error("the accumulated gradient of step {step} is not finite (norm {norm}); lower the learning rate or enable gradient clipping")]
+    #[error("the accumulated gradient of optimizer step {step} is not finite (norm {norm}); lower the learning rate or enable gradient clipping")]
     NonFiniteGradient {
-        /// 0-based optimizer step index.
+        /// 1-based optimizer step number.
         step: u64,
         /// The offending norm.
         norm: f64,
     },
     /// A model's micro-step failed.
-    #[error("micro-step {micro_step_idx} of step {step} failed")]
+    #[error("micro-step {micro_step_idx} (0-based) of optimizer step {step} failed")]
     Model {
-        /// 0-based optimizer step index.
+        /// 1-based optimizer step number.
         step: u64,
         /// 0-based micro-step index inside the step.
         micro_step_idx: usize,
@@ -42,9 +42,9 @@ pub enum EngineError {
         source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// A collective failed (another rank died, stalled or disagreed).
-    #[error("communication failed at step {step}")]
+    #[error("communication failed at optimizer step {step}")]
     Comm {
-        /// 0-based optimizer step index.
+        /// 1-based optimizer step number.
         step: u64,
         /// The communicator's error.
         #[source]

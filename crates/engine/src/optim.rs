@@ -149,6 +149,25 @@ impl Optimizer {
         }
     }
 
+    /// Largest parameter difference the *first* update can produce from two
+    /// gradients that differ by up to `tol_g`, at an element with gradient `g`
+    /// and parameter `p` — the gradient tolerance carried through the update.
+    ///
+    /// AdamW's step 1 moves p by `lr·g/(|g|+ε)` (m̂ = g, √v̂ = |g|), whose
+    /// sensitivity to g is `lr·ε/(|g|+ε)²`: negligible where |g| ≫ ε, but
+    /// ~lr/ε where a gradient cancels to ≈ ε, so rounding there is amplified.
+    /// SGD moves p by `lr·g`. Both add 4 ulp of the parameter for rounding.
+    pub fn first_step_tolerance(&self, g: f32, p: f32, lr: f32, tol_g: f32) -> f32 {
+        let sensitivity = match self {
+            Optimizer::AdamW(o) => {
+                let d = g.abs() + o.eps;
+                lr * o.eps / (d * d)
+            }
+            Optimizer::Sgd(_) => lr,
+        };
+        sensitivity * tol_g + 4.0 * f32::EPSILON * p.abs().max(lr)
+    }
+
     /// How many updates have been applied (AdamW's `t`).
     pub fn n_updates(&self) -> u64 {
         match self {

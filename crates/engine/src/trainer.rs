@@ -175,7 +175,7 @@ impl Trainer {
             };
             let stats = model
                 .micro_step(&self.params, &mut self.grads, batch, grad_scale)
-                .map_err(|e| EngineError::Model { step: step_idx, micro_step_idx, source: Box::new(e) })?;
+                .map_err(|e| EngineError::Model { step: step_idx + 1, micro_step_idx, source: Box::new(e) })?;
             loss_sum += stats.loss_sum;
             n_targets += stats.n_targets;
             micro_losses.push(stats.loss_sum / stats.n_targets as f64);
@@ -184,7 +184,7 @@ impl Trainer {
         // The boundary: everything below runs exactly once per optimizer step.
         // One Sum collective of the statistics and one (bucketed) of the
         // gradients; after them every rank holds the same global values.
-        let comm_err = |source| EngineError::Comm { step: step_idx, source };
+        let comm_err = |source| EngineError::Comm { step: step_idx + 1, source };
         let micro_mean_sum: f64 = micro_losses.iter().filter(|l| l.is_finite()).sum();
         let n_valid_micro = micro_losses.iter().filter(|l| l.is_finite()).count();
         let mut stats = [loss_sum, n_targets as f64, micro_mean_sum, n_valid_micro as f64];
@@ -197,14 +197,14 @@ impl Trainer {
         let loss = match self.options.normalization {
             LossNormalization::Token => {
                 if n_targets == 0 {
-                    return Err(EngineError::NoTargets { step: step_idx });
+                    return Err(EngineError::NoTargets { step: step_idx + 1 });
                 }
                 scale(&mut self.grads, (1.0 / n_targets as f64) as f32);
                 loss_sum / n_targets as f64
             }
             LossNormalization::MicroBatchMean => {
                 if n_valid_micro == 0.0 {
-                    return Err(EngineError::NoTargets { step: step_idx });
+                    return Err(EngineError::NoTargets { step: step_idx + 1 });
                 }
                 micro_mean_sum / (n_micro * world) as f64
             }
@@ -214,7 +214,7 @@ impl Trainer {
             None => (grad_norm(&self.grads), false),
         };
         if !grad_norm.is_finite() {
-            return Err(EngineError::NonFiniteGradient { step: step_idx, norm: grad_norm });
+            return Err(EngineError::NonFiniteGradient { step: step_idx + 1, norm: grad_norm });
         }
         let lr = self.schedule.lr(step_idx);
         self.optimizer.update(model.layout(), &mut self.params, &self.grads, lr);

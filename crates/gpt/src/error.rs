@@ -13,7 +13,7 @@ pub enum GptError {
     #[error("invalid batch: {0}")]
     InvalidBatch(String),
     /// Reading or writing a file failed.
-    #[error("{}: {source}", path.display())]
+    #[error("{}", path.display())]
     Io {
         /// The file.
         path: PathBuf,

@@ -4,6 +4,7 @@ mod dist;
 mod generate;
 mod metrics;
 mod train;
+mod verify;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -26,6 +27,21 @@ enum Command {
     Train(TrainArgs),
     /// Sample text from a trained model directory.
     Generate(GenerateArgs),
+    /// Prove that the configured micro × K × W computes the same step as one big batch.
+    Verify(VerifyArgs),
+}
+
+/// Arguments of `macrobatch verify`.
+#[derive(clap::Args)]
+pub struct VerifyArgs {
+    /// TOML config file (optional).
+    pub config: Option<PathBuf>,
+    /// Override a config key, e.g. --set batch.accumulation_steps=8 --set dist.world_size=2.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Micro-batch of the reference run (default: the whole global batch at once).
+    #[arg(long)]
+    pub reference_micro: Option<usize>,
 }
 
 /// Arguments of `macrobatch train`.
@@ -66,11 +82,13 @@ pub struct GenerateArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Train(args) => train::run(args),
-        Command::Generate(args) => generate::run(args),
+        Command::Train(args) => train::run(args).map(|()| true),
+        Command::Generate(args) => generate::run(args).map(|()| true),
+        Command::Verify(args) => verify::run(args),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::from(2)

@@ -238,7 +238,7 @@ fn train_rank(
         let ord = order.as_ref().map(|o| o.1.as_slice()).unwrap_or_default();
         let batches = rank_batches(plan, &plan.sampler, ord, step_in_epoch, rank);
         let t0 = Instant::now();
-        let report = trainer.step(&mut model, comm, &batches).with_context(|| format!("optimizer step {step}"))?;
+        let report = trainer.step(&mut model, comm, &batches)?;
         let step_s = t0.elapsed().as_secs_f64();
         if cfg.dist.check_every > 0 && step % cfg.dist.check_every == 0 {
             trainer.check_params_agree(comm)?;

@@ -1,43 +1,9 @@
 //! End-to-end: the `macrobatch` binary on the bundled corpus, its files, its
 //! determinism, and its errors on bad input.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_macrobatch"))
-}
-
-fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("macrobatch-cli-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
-fn train(out: &Path, sets: &[&str]) -> Output {
-    let mut c = bin();
-    c.arg("train").arg("--out").arg(out);
-    for s in sets {
-        c.arg("--set").arg(s);
-    }
-    c.output().expect("binary runs")
-}
-
-fn metrics(out: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(out.join("metrics.jsonl"))
-        .expect("metrics.jsonl")
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
-        .collect()
-}
-
-/// A small model so that tests that are not about learning run in a second.
-const SMALL: &[&str] =
-    &["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.block_size=64", "batch.micro=4"];
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
+use common::*;
 
 #[test]
 fn default_run_learns_and_writes_hugging_face_files() {
@@ -83,7 +49,7 @@ fn same_seed_and_config_give_bit_identical_losses() {
         .map(|tag| {
             let out = tmp(&format!("det-{tag}"));
             let mut sets = SMALL.to_vec();
-            sets.extend(["train.steps=6", "train.eval_every=3", "batch.accumulation_steps=3"]);
+            sets.extend(["batch.micro=4", "train.steps=6", "train.eval_every=3", "batch.accumulation_steps=3"]);
             let o = train(&out, &sets);
             assert!(o.status.success(), "{}", stderr(&o));
             let losses = metrics(&out).iter().map(|r| (r["loss"].to_string(), r["val_loss"].to_string())).collect();

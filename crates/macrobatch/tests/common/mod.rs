@@ -1,0 +1,61 @@
+//! Helpers shared by the CLI tests.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_macrobatch"))
+}
+
+pub fn tmp(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("macrobatch-cli-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+pub fn with_sets(c: &mut Command, sets: &[&str]) {
+    for s in sets {
+        c.arg("--set").arg(s);
+    }
+}
+
+pub fn train(out: &Path, sets: &[&str]) -> Output {
+    let mut c = bin();
+    c.arg("train").arg("--out").arg(out);
+    with_sets(&mut c, sets);
+    c.output().expect("binary runs")
+}
+
+pub fn metrics(out: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .expect("metrics.jsonl")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect()
+}
+
+pub fn losses(out: &Path) -> Vec<f64> {
+    metrics(out).iter().map(|r| r["loss"].as_f64().expect("loss")).collect()
+}
+
+/// A small model so that tests that are not about learning run in a second.
+pub const SMALL: &[&str] = &["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.block_size=64"];
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Final weights of a run, by the Hugging Face loader.
+pub fn weights(out: &Path) -> Vec<f32> {
+    gpt::hf::load(out).expect("saved model loads").1
+}
+
+pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+}
+
+pub fn max_abs(a: &[f32]) -> f32 {
+    a.iter().fold(0.0f32, |m, x| m.max(x.abs()))
+}
