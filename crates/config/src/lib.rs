@@ -248,6 +248,10 @@ pub struct TrainConfig {
     pub loss_normalization: String,
     /// `f32` (bf16 / f16 arrive with mixed precision).
     pub precision: String,
+    /// Write a checkpoint every N optimizer steps and at the end (0: only on Ctrl-C / SIGTERM).
+    pub checkpoint_every: u64,
+    /// Checkpoints to keep (0: all).
+    pub keep_checkpoints: usize,
 }
 
 impl Default for TrainConfig {
@@ -262,6 +266,8 @@ impl Default for TrainConfig {
             grad_clip: 1.0,
             loss_normalization: "token".into(),
             precision: "f32".into(),
+            checkpoint_every: 0,
+            keep_checkpoints: 3,
         }
     }
 }

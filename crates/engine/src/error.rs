@@ -58,6 +58,12 @@ pub enum EngineError {
         /// Per-rank checksums.
         checksums: Vec<u64>,
     },
+    /// A checkpoint lacks an optimizer state buffer.
+    #[error("optimizer state `{name}` is missing (was the checkpoint written with another optimizer?)")]
+    MissingState {
+        /// PyTorch's name of the buffer.
+        name: &'static str,
+    },
     /// An optimizer hyper-parameter is out of range.
     #[error("invalid optimizer setting `{field}` = {value}: {rule}")]
     InvalidHyperParameter {

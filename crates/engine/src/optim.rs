@@ -175,6 +175,45 @@ impl Optimizer {
             Optimizer::Sgd(o) => o.n_updates,
         }
     }
+
+    /// The state buffers by name (PyTorch's state keys), for checkpoints.
+    pub fn state_buffers(&self) -> Vec<(&'static str, &[f32])> {
+        match self {
+            Optimizer::AdamW(o) => vec![("exp_avg", &o.m), ("exp_avg_sq", &o.v)],
+            Optimizer::Sgd(o) if o.momentum > 0.0 => vec![("momentum_buffer", &o.buf)],
+            Optimizer::Sgd(_) => Vec::new(),
+        }
+    }
+
+    /// Restores the state saved by [`Optimizer::state_buffers`] and the update count.
+    pub fn restore(
+        &mut self,
+        n_updates: u64,
+        mut get: impl FnMut(&str) -> Option<Vec<f32>>,
+    ) -> Result<(), EngineError> {
+        let mut take = |name: &'static str, dst: &mut Vec<f32>| -> Result<(), EngineError> {
+            let v = get(name).ok_or(EngineError::MissingState { name })?;
+            if v.len() != dst.len() {
+                return Err(EngineError::ParamCount { expected: dst.len(), got: v.len() });
+            }
+            *dst = v;
+            Ok(())
+        };
+        match self {
+            Optimizer::AdamW(o) => {
+                take("exp_avg", &mut o.m)?;
+                take("exp_avg_sq", &mut o.v)?;
+                o.n_updates = n_updates;
+            }
+            Optimizer::Sgd(o) => {
+                if o.momentum > 0.0 {
+                    take("momentum_buffer", &mut o.buf)?;
+                }
+                o.n_updates = n_updates;
+            }
+        }
+        Ok(())
+    }
 }
 
 fn check_unit(field: &'static str, value: f32) -> Result<(), EngineError> {

@@ -106,6 +106,33 @@ impl Trainer {
         &self.optimizer
     }
 
+    /// Restores a checkpointed state: parameters, optimizer state and the
+    /// number of steps taken (the schedule's position).
+    pub fn restore(
+        &mut self,
+        params: Vec<f32>,
+        n_steps: u64,
+        n_updates: u64,
+        optimizer_state: impl FnMut(&str) -> Option<Vec<f32>>,
+    ) -> Result<(), EngineError> {
+        if params.len() != self.params.len() {
+            return Err(EngineError::ParamCount { expected: self.params.len(), got: params.len() });
+        }
+        self.optimizer.restore(n_updates, optimizer_state)?;
+        self.params = params;
+        self.n_steps = n_steps;
+        Ok(())
+    }
+
+    /// Replaces the parameters (e.g. `--init-from` a pretrained model) before training.
+    pub fn set_params(&mut self, params: Vec<f32>) -> Result<(), EngineError> {
+        if params.len() != self.params.len() {
+            return Err(EngineError::ParamCount { expected: self.params.len(), got: params.len() });
+        }
+        self.params = params;
+        Ok(())
+    }
+
     /// The learning rate the next step will use.
     pub fn next_lr(&self) -> f32 {
         self.schedule.lr(self.n_steps)

@@ -43,7 +43,11 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), GptError> {
 
 /// `config.json` in the format of `transformers`' `GPT2Config`.
 pub fn config_json(cfg: &GptConfig) -> serde_json::Value {
+    // GPT-2's <|endoftext|> is token 50256; a byte-level vocabulary has none.
+    let eot = (cfg.vocab_size > 50256).then_some(50256);
     serde_json::json!({
+        "bos_token_id": eot,
+        "eos_token_id": eot,
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
         "vocab_size": cfg.vocab_size,
@@ -65,22 +69,53 @@ pub fn config_json(cfg: &GptConfig) -> serde_json::Value {
     })
 }
 
+/// Writes named f32 tensors `(name, shape, data)` to a safetensors file,
+/// atomically, with `format = pt` metadata plus `metadata`.
+pub fn write_safetensors(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, &[f32])],
+    metadata: &[(&str, String)],
+) -> Result<(), GptError> {
+    let bytes: Vec<Vec<u8>> =
+        tensors.iter().map(|(_, _, d)| d.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
+    let views = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((name, shape, _), b)| TensorView::new(Dtype::F32, shape.clone(), b).map(|v| (name.clone(), v)))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad(path, format!("cannot build tensor views: {e}")))?;
+    let mut meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    meta.extend(metadata.iter().map(|(k, v)| (k.to_string(), v.clone())));
+    let blob = safetensors::serialize(views, Some(meta)).map_err(|e| bad(path, format!("cannot serialise: {e}")))?;
+    write_atomic(path, &blob)
+}
+
+/// Reads every F32 tensor of a safetensors file, and its metadata.
+pub fn read_safetensors(
+    path: &Path,
+) -> Result<(HashMap<String, (Vec<usize>, Vec<f32>)>, HashMap<String, String>), GptError> {
+    let bytes = std::fs::read(path).map_err(io_err(path))?;
+    let (_, meta) = SafeTensors::read_metadata(&bytes)
+        .map_err(|e| bad(path, format!("not a valid safetensors file ({e}); it may be truncated or corrupt")))?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| bad(path, format!("not a valid safetensors file ({e}); it may be truncated or corrupt")))?;
+    let mut out = HashMap::new();
+    for (name, view) in st.tensors() {
+        if view.dtype() != Dtype::F32 {
+            return Err(bad(path, format!("tensor `{name}` is {:?}; only F32 is supported so far", view.dtype())));
+        }
+        let data = view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        out.insert(name, (view.shape().to_vec(), data));
+    }
+    Ok((out, meta.metadata().clone().unwrap_or_default()))
+}
+
 /// Saves `params` (laid out by `layout`) and the config into `dir`.
 pub fn save(dir: &Path, cfg: &GptConfig, layout: &ParamLayout, params: &[f32]) -> Result<(), GptError> {
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
-    let bytes: Vec<Vec<u8>> =
-        layout.tensors().iter().map(|t| params[t.range()].iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
-    let views = layout
-        .tensors()
-        .iter()
-        .zip(&bytes)
-        .map(|(t, b)| TensorView::new(Dtype::F32, t.shape.clone(), b).map(|v| (t.name.clone(), v)))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| bad(dir, format!("cannot build tensor views: {e}")))?;
-    let metadata = Some(HashMap::from([("format".to_string(), "pt".to_string())]));
-    let weights = dir.join(WEIGHTS_FILE);
-    let blob = safetensors::serialize(views, metadata).map_err(|e| bad(&weights, format!("cannot serialise: {e}")))?;
-    write_atomic(&weights, &blob)?;
+    let tensors: Vec<(String, Vec<usize>, &[f32])> =
+        layout.tensors().iter().map(|t| (t.name.clone(), t.shape.clone(), &params[t.range()])).collect();
+    write_safetensors(&dir.join(WEIGHTS_FILE), &tensors, &[])?;
     let cfg_path = dir.join(CONFIG_FILE);
     let text = serde_json::to_string_pretty(&config_json(cfg)).map_err(|e| bad(&cfg_path, e.to_string()))?;
     write_atomic(&cfg_path, text.as_bytes())

@@ -1,5 +1,6 @@
 //! `macrobatch`: train GPT-2 with gradient accumulation done right.
 
+mod checkpoint;
 mod dist;
 mod generate;
 mod metrics;
@@ -55,6 +56,16 @@ pub struct TrainArgs {
     /// Output directory (default: runs/run-<unix time>). Must not hold a run already.
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Continue the run in DIR (or --out) from its newest valid checkpoint, bit for bit.
+    /// Its saved config is used; --set still overrides (e.g. train.steps to extend).
+    #[arg(long, value_name = "DIR", num_args = 0..=1)]
+    pub resume: Option<Option<PathBuf>>,
+    /// Start from a Hugging Face GPT-2 directory (model.safetensors + config.json), e.g. to fine-tune.
+    #[arg(long, value_name = "PATH")]
+    pub init_from: Option<PathBuf>,
+    /// Stop cleanly after this many optimizer steps in this invocation (checkpoint, exit 0).
+    #[arg(long, value_name = "N")]
+    pub stop_after: Option<u64>,
 }
 
 /// Arguments of `macrobatch generate`.

@@ -53,13 +53,15 @@ pub struct Reporter {
 }
 
 impl Reporter {
-    /// Opens `path` (which must not exist yet).
-    pub fn new(path: &Path, total: u64, log_every: u64) -> Result<Self> {
-        let file = File::options()
-            .write(true)
-            .create_new(true)
-            .open(path)
-            .with_context(|| format!("cannot create {}", path.display()))?;
+    /// Opens `path`: a new file, or with `append` the log of a resumed run.
+    pub fn new(path: &Path, total: u64, log_every: u64, append: bool) -> Result<Self> {
+        let mut opts = File::options();
+        if append {
+            opts.append(true).create(true);
+        } else {
+            opts.write(true).create_new(true);
+        }
+        let file = opts.open(path).with_context(|| format!("cannot create {}", path.display()))?;
         let bar = std::io::stderr().is_terminal().then(|| {
             let bar = ProgressBar::new(total);
             let style = ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]")

@@ -1,6 +1,7 @@
 //! `macrobatch train`: validate the whole plan, then run optimizer steps on
 //! every rank.
 
+use crate::checkpoint::{self, Loaded, TrainerState};
 use crate::dist::{self, Backend, Fault};
 use crate::metrics::{Reporter, StepRecord};
 use crate::TrainArgs;
@@ -11,6 +12,7 @@ use data::{BatchShape, Corpus, DataFormat, Sampler, TokenDataset};
 use engine::{AdamW, Decay, LossNormalization, LrSchedule, Model, Optimizer, Sgd, Trainer, TrainerOptions};
 use gpt::{Batch, Gpt, GptConfig};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -177,8 +179,8 @@ struct Outputs {
     reporter: Reporter,
 }
 
-fn open_outputs(plan: &Plan, dir: &Path) -> Result<Outputs> {
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create output directory {}", dir.display()))?;
+/// The config with every derived value written out.
+fn resolved_toml(plan: &Plan) -> String {
     let mut resolved = plan.cfg.clone();
     resolved.batch = config::BatchConfig {
         global: Some(plan.batch.global),
@@ -186,8 +188,17 @@ fn open_outputs(plan: &Plan, dir: &Path) -> Result<Outputs> {
         accumulation_steps: Some(plan.batch.accumulation_steps),
     };
     resolved.data.seq_len = Some(plan.train.seq_len());
-    gpt::hf::write_atomic(&dir.join("config.resolved.toml"), resolved.to_toml().as_bytes())?;
-    let reporter = Reporter::new(&dir.join("metrics.jsonl"), plan.cfg.train.steps, plan.cfg.train.log_every)?;
+    resolved.to_toml()
+}
+
+fn open_outputs(plan: &Plan, dir: &Path, resume_step: Option<u64>) -> Result<Outputs> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create output directory {}", dir.display()))?;
+    gpt::hf::write_atomic(&dir.join(checkpoint::CONFIG), resolved_toml(plan).as_bytes())?;
+    let metrics = dir.join("metrics.jsonl");
+    if let Some(step) = resume_step {
+        checkpoint::truncate_metrics(&metrics, step)?;
+    }
+    let reporter = Reporter::new(&metrics, plan.cfg.train.steps, plan.cfg.train.log_every, resume_step.is_some())?;
     reporter.println(&format!(
         "macrobatch: GPT-2 {} ({:.2}M params, {} layers, d={}), batch {} = micro {} × K {} × W {} ({:?}), seq {} | {} train / {} val sequences, {} steps/epoch | {} threads | out {}",
         plan.cfg.model.preset,
@@ -209,26 +220,48 @@ fn open_outputs(plan: &Plan, dir: &Path) -> Result<Outputs> {
     Ok(Outputs { dir: dir.to_path_buf(), reporter })
 }
 
+/// Where a run starts from, and when it stops early.
+#[derive(Clone)]
+pub struct Start {
+    /// A checkpoint to continue from.
+    pub resume: Option<Arc<Loaded>>,
+    /// Pretrained parameters (`--init-from`).
+    pub init_params: Option<Arc<Vec<f32>>>,
+    /// Stop after this many steps of this invocation.
+    pub stop_after: Option<u64>,
+    /// Set by SIGINT / SIGTERM.
+    pub stop_signal: Arc<AtomicBool>,
+    /// Test fault injection.
+    pub fault: Option<Fault>,
+}
+
 /// The training loop of one rank. Rank 0 (holding `outputs`) evaluates,
-/// records metrics and saves the model.
+/// records metrics, writes checkpoints and saves the model.
 fn train_rank(
     plan: &Plan,
     comm: &mut dyn Communicator,
     mut outputs: Option<Outputs>,
-    fault: Option<Fault>,
+    start_from: &Start,
 ) -> Result<()> {
     let rank = comm.rank();
     let cfg = &plan.cfg;
     let mut model = Gpt::new(plan.model)?;
     let mut trainer = trainer_for(plan, model.layout().n_params())?;
+    if let Some(l) = &start_from.resume {
+        trainer.restore(l.params.clone(), l.state.step, l.state.n_updates, |name| l.optimizer.get(name).cloned())?;
+    } else if let Some(p) = &start_from.init_params {
+        trainer.set_params(p.as_ref().clone())?;
+    }
     trainer.broadcast_params(comm)?;
     trainer.check_params_agree(comm)?;
     let steps = cfg.train.steps;
+    let first_step = trainer.n_steps();
+    let config_toml = resolved_toml(plan);
     let start = Instant::now();
     let mut order: Option<(u64, Vec<usize>)> = None;
-    for step_idx in 0..steps {
+    for step_idx in first_step..steps {
         let step = step_idx + 1;
-        if let Some(f) = &fault {
+        if let Some(f) = &start_from.fault {
             f.maybe_fire(rank, step)?;
         }
         let (epoch, step_in_epoch) = plan.sampler.position(step_idx);
@@ -243,7 +276,23 @@ fn train_rank(
         if cfg.dist.check_every > 0 && step % cfg.dist.check_every == 0 {
             trainer.check_params_agree(comm)?;
         }
-        let Some(out) = outputs.as_mut() else { continue };
+        // Stop requests are agreed on by all ranks, so every rank stops at the same step.
+        let mut stop = start_from.stop_signal.load(Ordering::SeqCst) as u8 as f64;
+        if start_from.stop_after.is_some_and(|n| step - first_step >= n) {
+            stop = 1.0;
+        }
+        if comm.world_size() > 1 {
+            let mut v = [stop];
+            comm.all_reduce_sum_f64(&mut v)?;
+            stop = v[0];
+        }
+        let stop = stop > 0.0;
+        let Some(out) = outputs.as_mut() else {
+            if stop {
+                return Ok(());
+            }
+            continue;
+        };
         let is_eval = step == steps || (cfg.train.eval_every > 0 && step % cfg.train.eval_every == 0);
         let val_loss = if is_eval {
             Some(evaluate(&mut model, trainer.params(), &plan.val, plan.batch.micro, cfg.train.eval_batches)?)
@@ -267,6 +316,34 @@ fn train_rank(
             elapsed_s: start.elapsed().as_secs_f64(),
             val_loss,
         })?;
+        let every = cfg.train.checkpoint_every;
+        if stop || (every > 0 && (step % every == 0 || step == steps)) {
+            let (epoch, step_in_epoch) = plan.sampler.position(step);
+            let state = TrainerState {
+                step,
+                n_updates: trainer.optimizer().n_updates(),
+                epoch,
+                step_in_epoch,
+                seed: cfg.train.seed,
+                global_batch: plan.batch.global,
+                world_size: plan.batch.world_size,
+                optimizer: cfg.optim.name.clone(),
+            };
+            let path = checkpoint::save(&out.dir, &plan.model, &model, &trainer, &state, &config_toml)?;
+            checkpoint::prune(&out.dir, cfg.train.keep_checkpoints)?;
+            if stop {
+                out.reporter.finish();
+                eprintln!(
+                    "stopped after step {step}; checkpoint {} written. Continue with: macrobatch train --resume {}",
+                    path.display(),
+                    out.dir.display()
+                );
+                return Ok(());
+            }
+        }
+        if stop {
+            return Ok(());
+        }
     }
     if let Some(out) = outputs {
         out.reporter.finish();
@@ -342,10 +419,65 @@ where
 
 /// `macrobatch train`.
 pub fn run(args: TrainArgs) -> Result<()> {
-    let cfg = load_config(args.config.as_deref(), &args.set)?;
+    let resume_dir = match &args.resume {
+        None => None,
+        Some(Some(d)) => Some(d.clone()),
+        Some(None) => Some(args.out.clone().context("--resume needs the run directory: --resume DIR (or --out DIR)")?),
+    };
+    let (cfg, resume) = match &resume_dir {
+        Some(dir) => {
+            if args.config.is_some() {
+                bail!("--resume continues with the config saved in the checkpoint; drop the CONFIG argument (use --set to override single keys)");
+            }
+            let loaded = checkpoint::latest_valid(dir, |w| eprintln!("{w}"))?;
+            eprintln!("resuming from {} (step {})", loaded.dir.display(), loaded.state.step);
+            let origin = loaded.dir.join(checkpoint::CONFIG).display().to_string();
+            (Config::from_toml(&loaded.config_toml, &origin, &args.set)?, Some(Arc::new(loaded)))
+        }
+        None => (load_config(args.config.as_deref(), &args.set)?, None),
+    };
+    let mut cfg = cfg;
+    let init_params = match &args.init_from {
+        Some(path) if resume.is_none() => {
+            let (mcfg, params) = gpt::hf::load(path)
+                .with_context(|| format!("--init-from {}: cannot load a GPT-2 model", path.display()))?;
+            // The pretrained shape wins over the preset.
+            cfg.model.n_layer = Some(mcfg.n_layer);
+            cfg.model.n_head = Some(mcfg.n_head);
+            cfg.model.n_embd = Some(mcfg.n_embd);
+            cfg.model.block_size = Some(mcfg.block_size);
+            cfg.model.vocab_size = Some(mcfg.vocab_size);
+            Some(Arc::new(params))
+        }
+        Some(_) => bail!("--init-from and --resume exclude each other: a resumed run continues from its checkpoint"),
+        None => None,
+    };
     let backend = dist::detect(cfg.dist.world_size)?;
     let plan = Arc::new(plan(cfg, backend)?);
-    let fault = Fault::from_env()?;
+    if let Some(l) = &resume {
+        if l.model != plan.model {
+            bail!(
+                "the checkpoint in {} holds a model of shape {:?}, the config asks for {:?}",
+                l.dir.display(),
+                l.model,
+                plan.model
+            );
+        }
+        if l.state.global_batch != plan.batch.global {
+            bail!(
+                "the checkpoint was written with global batch {}, the config now gives {}; the data position counts in global batches, so keep batch.global",
+                l.state.global_batch,
+                plan.batch.global
+            );
+        }
+        if l.state.optimizer != plan.cfg.optim.name {
+            bail!(
+                "the checkpoint holds `{}` optimizer state but optim.name is `{}`",
+                l.state.optimizer,
+                plan.cfg.optim.name
+            );
+        }
+    }
     let cfg = &plan.cfg;
     if cfg.train.threads > 0 {
         rayon::ThreadPoolBuilder::new()
@@ -353,24 +485,39 @@ pub fn run(args: TrainArgs) -> Result<()> {
             .build_global()
             .context("cannot start the thread pool")?;
     }
-    let dir = output_dir(&args)?;
+    let dir = match &resume_dir {
+        Some(d) => d.clone(),
+        None => output_dir(&args)?,
+    };
+    let stop_signal = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        // A second signal while the first is being honoured ends the process at once.
+        signal_hook::flag::register_conditional_shutdown(sig, 130, stop_signal.clone())
+            .context("cannot install signal handler")?;
+        signal_hook::flag::register(sig, stop_signal.clone()).context("cannot install signal handler")?;
+    }
+    let resume_step = resume.as_ref().map(|l| l.state.step);
+    let start = Start { resume, init_params, stop_after: args.stop_after, stop_signal, fault: Fault::from_env()? };
     let timeout = Duration::from_secs_f64(cfg.dist.timeout_s);
     match backend {
-        Backend::Single => train_rank(&plan, &mut comm::SingleProcess::new(), Some(open_outputs(&plan, &dir)?), fault),
+        Backend::Single => {
+            train_rank(&plan, &mut comm::SingleProcess::new(), Some(open_outputs(&plan, &dir, resume_step)?), &start)
+        }
         Backend::Threads(world) => {
-            let outputs = std::sync::Mutex::new(Some(open_outputs(&plan, &dir)?));
+            let outputs = std::sync::Mutex::new(Some(open_outputs(&plan, &dir, resume_step)?));
             let plan = plan.clone();
             run_thread_ranks(world, timeout, move |c| {
                 let out = if c.rank() == 0 { outputs.lock().ok().and_then(|mut o| o.take()) } else { None };
-                train_rank(&plan, c, out, fault)
+                train_rank(&plan, c, out, &start)
             })
         }
         Backend::Mpi(_) => {
             let mut c = dist::mpi_comm(timeout)?;
             // Every rank checked the output directory above; rank 0 alone writes it.
             let r = match c.rank() {
-                0 => open_outputs(&plan, &dir).and_then(|out| train_rank(&plan, c.as_mut(), Some(out), fault)),
-                _ => train_rank(&plan, c.as_mut(), None, fault),
+                0 => open_outputs(&plan, &dir, resume_step)
+                    .and_then(|out| train_rank(&plan, c.as_mut(), Some(out), &start)),
+                _ => train_rank(&plan, c.as_mut(), None, &start),
             };
             if let Err(e) = &r {
                 c.abort(&format!("{e:#}"));

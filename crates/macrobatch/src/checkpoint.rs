@@ -1,0 +1,244 @@
+//! Checkpoints that lose nothing: `DIR/checkpoints/step-XXXXXXXX/` holds the
+//! model (Hugging Face format), the optimizer state, the trainer state (step,
+//! data position, seed) and the resolved config, plus a manifest of SHA-256
+//! checksums. A checkpoint is written into a temporary directory, fsynced and
+//! renamed into place, so a crash mid-write never leaves a directory that
+//! looks valid; a checkpoint whose files do not match its manifest is
+//! skipped in favour of the previous one.
+
+use anyhow::{bail, Context, Result};
+use engine::{Model, Trainer};
+use gpt::{hf, Gpt, GptConfig};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+const MANIFEST: &str = "manifest.json";
+const OPTIMIZER: &str = "optimizer.safetensors";
+const STATE: &str = "trainer_state.json";
+/// The run's resolved config, saved beside the weights.
+pub const CONFIG: &str = "config.resolved.toml";
+
+/// Everything besides tensors needed to continue exactly.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct TrainerState {
+    /// Optimizer steps completed (= the LR schedule's position).
+    pub step: u64,
+    /// Optimizer updates applied (AdamW's t).
+    pub n_updates: u64,
+    /// Epoch of the next step.
+    pub epoch: u64,
+    /// Step within that epoch.
+    pub step_in_epoch: usize,
+    /// Seed of initialisation and sample order.
+    pub seed: u64,
+    /// Global batch the data position is counted in.
+    pub global_batch: usize,
+    /// Ranks that wrote it.
+    pub world_size: usize,
+    /// Optimizer name (`adamw` / `sgd`).
+    pub optimizer: String,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Manifest {
+    step: u64,
+    files: BTreeMap<String, FileEntry>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct FileEntry {
+    bytes: u64,
+    sha256: String,
+}
+
+fn sha256_file(path: &Path) -> Result<(u64, String)> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let digest = Sha256::digest(&bytes);
+    Ok((bytes.len() as u64, digest.iter().map(|b| format!("{b:02x}")).collect()))
+}
+
+fn fsync_dir(dir: &Path) {
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all(); // best effort: not every filesystem syncs directories
+    }
+}
+
+/// Directory name of the checkpoint of `step`.
+pub fn step_dir_name(step: u64) -> String {
+    format!("step-{step:08}")
+}
+
+/// Writes the checkpoint of the trainer's current state under `run_dir`.
+pub fn save(
+    run_dir: &Path,
+    model_cfg: &GptConfig,
+    model: &Gpt,
+    trainer: &Trainer,
+    state: &TrainerState,
+    config_toml: &str,
+) -> Result<PathBuf> {
+    let root = run_dir.join("checkpoints");
+    std::fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
+    let name = step_dir_name(state.step);
+    let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot clear {}", tmp.display()))?;
+    }
+    std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+
+    hf::save(&tmp, model_cfg, model.layout(), trainer.params())?;
+    let opt = trainer.optimizer();
+    let n = trainer.params().len();
+    let tensors: Vec<(String, Vec<usize>, &[f32])> =
+        opt.state_buffers().into_iter().map(|(k, v)| (k.to_string(), vec![n], v)).collect();
+    hf::write_safetensors(&tmp.join(OPTIMIZER), &tensors, &[("n_updates", opt.n_updates().to_string())])?;
+    hf::write_atomic(&tmp.join(STATE), serde_json::to_string_pretty(state)?.as_bytes())?;
+    hf::write_atomic(&tmp.join(CONFIG), config_toml.as_bytes())?;
+
+    // The manifest goes last: it vouches for the files written before it.
+    let mut files = BTreeMap::new();
+    for f in [hf::WEIGHTS_FILE, hf::CONFIG_FILE, OPTIMIZER, STATE, CONFIG] {
+        let (bytes, sha256) = sha256_file(&tmp.join(f))?;
+        files.insert(f.to_string(), FileEntry { bytes, sha256 });
+    }
+    hf::write_atomic(
+        &tmp.join(MANIFEST),
+        serde_json::to_string_pretty(&Manifest { step: state.step, files })?.as_bytes(),
+    )?;
+    fsync_dir(&tmp);
+
+    let dst = root.join(&name);
+    if dst.exists() {
+        // A run resumed from an earlier checkpoint reaches this step again.
+        let old = root.join(format!(".old-{name}-{}", std::process::id()));
+        std::fs::rename(&dst, &old).with_context(|| format!("cannot move aside {}", dst.display()))?;
+        std::fs::rename(&tmp, &dst).with_context(|| format!("cannot publish {}", dst.display()))?;
+        let _ = std::fs::remove_dir_all(&old);
+    } else {
+        std::fs::rename(&tmp, &dst).with_context(|| format!("cannot publish {}", dst.display()))?;
+    }
+    fsync_dir(&root);
+    Ok(dst)
+}
+
+/// Deletes all but the newest `keep` checkpoints (0 keeps all).
+pub fn prune(run_dir: &Path, keep: usize) -> Result<()> {
+    if keep == 0 {
+        return Ok(());
+    }
+    let mut steps = list(run_dir)?;
+    while steps.len() > keep {
+        let (_, dir) = steps.remove(0);
+        std::fs::remove_dir_all(&dir).with_context(|| format!("cannot remove old checkpoint {}", dir.display()))?;
+    }
+    Ok(())
+}
+
+/// Published checkpoints, oldest first.
+fn list(run_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let root = run_dir.join("checkpoints");
+    let Ok(entries) = std::fs::read_dir(&root) else { return Ok(Vec::new()) };
+    let mut out = Vec::new();
+    for e in entries {
+        let e = e.with_context(|| format!("cannot list {}", root.display()))?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if let Some(step) = name.strip_prefix("step-").and_then(|s| s.parse::<u64>().ok()) {
+            out.push((step, e.path()));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Checks every file of a checkpoint against its manifest.
+fn validate(dir: &Path) -> Result<()> {
+    let text =
+        std::fs::read_to_string(dir.join(MANIFEST)).context("no readable manifest.json (incomplete checkpoint)")?;
+    let manifest: Manifest = serde_json::from_str(&text).context("manifest.json is corrupt")?;
+    for (name, want) in &manifest.files {
+        let (bytes, sha) = sha256_file(&dir.join(name))?;
+        if bytes != want.bytes || sha != want.sha256 {
+            bail!(
+                "{name} does not match its checksum ({bytes} bytes, expected {}): the file is truncated or corrupt",
+                want.bytes
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A checkpoint read back.
+pub struct Loaded {
+    /// Its directory.
+    pub dir: PathBuf,
+    /// Trainer state.
+    pub state: TrainerState,
+    /// The resolved config it was written with.
+    pub config_toml: String,
+    /// Model shape.
+    pub model: GptConfig,
+    /// Parameters.
+    pub params: Vec<f32>,
+    /// Optimizer buffers by name.
+    pub optimizer: std::collections::HashMap<String, Vec<f32>>,
+}
+
+fn load(dir: &Path) -> Result<Loaded> {
+    validate(dir)?;
+    let state: TrainerState =
+        serde_json::from_str(&std::fs::read_to_string(dir.join(STATE))?).context("trainer_state.json")?;
+    let config_toml = std::fs::read_to_string(dir.join(CONFIG))?;
+    let (model, params) = hf::load(dir)?;
+    let (tensors, meta) = hf::read_safetensors(&dir.join(OPTIMIZER))?;
+    if meta.get("n_updates").and_then(|n| n.parse::<u64>().ok()) != Some(state.n_updates) {
+        bail!("{OPTIMIZER} and {STATE} disagree on the number of updates");
+    }
+    let optimizer = tensors.into_iter().map(|(k, (_, v))| (k, v)).collect();
+    Ok(Loaded { dir: dir.to_path_buf(), state, config_toml, model, params, optimizer })
+}
+
+/// The newest checkpoint that validates; each one skipped is reported with
+/// `warn`. Errors if there is none.
+pub fn latest_valid(run_dir: &Path, warn: impl Fn(&str)) -> Result<Loaded> {
+    let all = list(run_dir)?;
+    if all.is_empty() {
+        bail!(
+            "no checkpoint to resume from in {} (expected {}/checkpoints/step-*/; enable train.checkpoint_every or stop a run with Ctrl-C)",
+            run_dir.display(),
+            run_dir.display()
+        );
+    }
+    for (_, dir) in all.iter().rev() {
+        match load(dir) {
+            Ok(l) => return Ok(l),
+            Err(e) => warn(&format!(
+                "warning: skipping checkpoint {}: {e:#}; falling back to the previous one",
+                dir.display()
+            )),
+        }
+    }
+    bail!(
+        "none of the {} checkpoints in {}/checkpoints is valid (see the warnings above)",
+        all.len(),
+        run_dir.display()
+    )
+}
+
+/// Keeps only the metrics of steps `<= step` (a resumed run re-logs the rest).
+pub fn truncate_metrics(path: &Path, step: u64) -> Result<()> {
+    let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };
+    let kept: String = text
+        .lines()
+        .filter(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .ok()
+                .and_then(|v| v["step"].as_u64())
+                .is_some_and(|s| s <= step)
+        })
+        .map(|l| format!("{l}\n"))
+        .collect();
+    hf::write_atomic(path, kept.as_bytes())?;
+    Ok(())
+}

@@ -1,0 +1,201 @@
+//! Checkpoints: exact resume (also with thread ranks), a real SIGINT,
+//! fallback from corrupt checkpoints, --init-from, and bad input.
+
+mod common;
+
+use common::*;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+fn ckpt_sets<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    let mut s = SMALL.to_vec();
+    s.extend(["batch.micro=4", "batch.accumulation_steps=2", "train.steps=20", "train.eval_every=5"]);
+    s.extend(["train.checkpoint_every=5", "train.keep_checkpoints=0"]);
+    s.extend_from_slice(extra);
+    s
+}
+
+/// `loss` and `val_loss` of every line, as written (bit-exact text).
+fn loss_text(out: &Path) -> Vec<String> {
+    metrics(out).iter().map(|r| format!("{} {}", r["loss"], r["val_loss"])).collect()
+}
+
+fn run_ok(o: std::process::Output) -> String {
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    err
+}
+
+fn resume(dir: &Path, sets: &[&str]) -> std::process::Output {
+    let mut c = bin();
+    c.arg("train").arg("--resume").arg(dir);
+    with_sets(&mut c, sets);
+    c.output().unwrap()
+}
+
+#[test]
+fn stop_and_resume_is_bit_identical_with_accumulation_and_ranks() {
+    for ranks in ["dist.world_size=1", "dist.world_size=2"] {
+        let (a, b) = (tmp(&format!("straight-{ranks}")), tmp(&format!("resumed-{ranks}")));
+        run_ok(train(&a, &ckpt_sets(&[ranks])));
+        let mut c = bin();
+        c.arg("train").arg("--out").arg(&b).args(["--stop-after", "10"]);
+        with_sets(&mut c, &ckpt_sets(&[ranks]));
+        let err = run_ok(c.output().unwrap());
+        assert!(err.contains("stopped after step 10"), "{err}");
+        assert_eq!(metrics(&b).len(), 10);
+        let err = run_ok(resume(&b, &[]));
+        assert!(err.contains("resuming from") && err.contains("step-00000010"), "{err}");
+        assert_eq!(loss_text(&a), loss_text(&b), "{ranks}: every logged loss identical");
+        assert_eq!(weights(&a), weights(&b), "{ranks}: final parameters identical bit for bit");
+        let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
+    }
+}
+
+#[test]
+fn sigint_checkpoints_exits_zero_and_resumes_exactly() {
+    let (a, b) = (tmp("sig-a"), tmp("sig-b"));
+    let sets = ckpt_sets(&["train.steps=100000", "train.checkpoint_every=0", "train.eval_every=0"]);
+    let mut c = bin();
+    c.arg("train").arg("--out").arg(&a).stderr(std::process::Stdio::piped());
+    with_sets(&mut c, &sets);
+    let child = c.spawn().unwrap();
+    let t0 = Instant::now();
+    while metrics_len(&a) < 3 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "training never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let kill = std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(kill.success());
+    let o = child.wait_with_output().unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    let stopped = metrics(&a).len() as u64;
+    assert!(err.contains(&format!("stopped after step {stopped}")), "{err}");
+    // Continue 3 more steps and compare with a run that never stopped.
+    run_ok({
+        let mut c = bin();
+        c.arg("train").arg("--resume").arg(&a).args(["--stop-after", "3"]);
+        c.output().unwrap()
+    });
+    let mut c = bin();
+    c.arg("train").arg("--out").arg(&b).args(["--stop-after", &(stopped + 3).to_string()]);
+    with_sets(&mut c, &sets);
+    run_ok(c.output().unwrap());
+    assert_eq!(loss_text(&a), loss_text(&b));
+    let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
+}
+
+fn metrics_len(dir: &Path) -> usize {
+    std::fs::read_to_string(dir.join("metrics.jsonl")).map(|t| t.lines().count()).unwrap_or(0)
+}
+
+#[test]
+fn corrupt_newest_checkpoint_falls_back_and_none_left_is_an_error() {
+    let dir = tmp("corrupt");
+    run_ok(train(&dir, &ckpt_sets(&["train.steps=15"])));
+    let ck = dir.join("checkpoints");
+    // Flip a byte in the newest, truncate the one before.
+    let newest = ck.join("step-00000015").join("model.safetensors");
+    let mut bytes = std::fs::read(&newest).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&newest, &bytes).unwrap();
+    let err = run_ok(resume(&dir, &["train.steps=16"]));
+    assert!(err.contains("skipping checkpoint") && err.contains("step-00000015"), "{err}");
+    assert!(err.contains("resuming from") && err.contains("step-00000010"), "{err}");
+
+    let opt = ck.join("step-00000010").join("optimizer.safetensors");
+    let len = std::fs::metadata(&opt).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&opt).unwrap().set_len(len / 3).unwrap();
+    // That resume wrote step 16 at its end; take it and the corrupt step 15 away.
+    std::fs::remove_dir_all(ck.join("step-00000016")).unwrap();
+    std::fs::remove_dir_all(ck.join("step-00000015")).unwrap();
+    let o = resume(&dir, &["train.steps=16"]);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("optimizer.safetensors does not match its checksum"), "{err}");
+    assert!(err.contains("step-00000005"), "fell back twice: {err}");
+
+    std::fs::remove_dir_all(&ck).unwrap();
+    let o = resume(&dir, &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("no checkpoint to resume from"), "{}", stderr(&o));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_checkpoint_directory_without_manifest_is_never_taken_as_valid() {
+    // What a kill during a write leaves behind: files but no manifest, under
+    // the temporary name — and, even if renamed by hand, no manifest.
+    let dir = tmp("partial");
+    run_ok(train(&dir, &ckpt_sets(&["train.steps=10"])));
+    let ck = dir.join("checkpoints");
+    std::fs::remove_file(ck.join("step-00000010").join("manifest.json")).unwrap();
+    let err = run_ok(resume(&dir, &["train.steps=11"]));
+    assert!(err.contains("no readable manifest.json") && err.contains("step-00000005"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn init_from_a_hugging_face_directory_and_bad_files_are_named() {
+    let src = tmp("init-src");
+    run_ok(train(&src, &ckpt_sets(&["train.steps=40", "train.checkpoint_every=0"])));
+    let val_src = metrics(&src).last().unwrap()["val_loss"].as_f64().unwrap();
+    // Fine-tune from it: the first step starts from the trained weights, so its loss is near the source's.
+    let ft = tmp("init-ft");
+    let mut c = bin();
+    c.arg("train").arg("--out").arg(&ft).arg("--init-from").arg(&src);
+    with_sets(&mut c, &["train.steps=1", "batch.micro=4", "optim.lr=1e-9", "schedule.min_lr=0"]);
+    run_ok(c.output().unwrap());
+    let first = metrics(&ft)[0]["loss"].as_f64().unwrap();
+    // A fresh model starts near ln 256 = 5.55; the loaded one near its validation loss.
+    assert!(
+        val_src < 4.0 && (first - val_src).abs() < 0.3,
+        "fine-tune starts from the loaded model: {first} vs {val_src}"
+    );
+
+    // Truncated weights.
+    let bad = tmp("init-bad");
+    std::fs::create_dir_all(&bad).unwrap();
+    std::fs::copy(src.join("config.json"), bad.join("config.json")).unwrap();
+    let w = std::fs::read(src.join("model.safetensors")).unwrap();
+    std::fs::write(bad.join("model.safetensors"), &w[..w.len() / 2]).unwrap();
+    let mut c = bin();
+    c.arg("train").arg("--out").arg(tmp("init-x")).arg("--init-from").arg(&bad);
+    let o = c.output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    assert!(err.contains("model.safetensors") && err.contains("truncated or corrupt"), "{err}");
+
+    // Wrong tensor shapes: a config.json that claims another width.
+    let cfg = std::fs::read_to_string(src.join("config.json")).unwrap().replace("\"n_embd\": 64", "\"n_embd\": 32");
+    std::fs::write(bad.join("config.json"), cfg).unwrap();
+    std::fs::copy(src.join("model.safetensors"), bad.join("model.safetensors")).unwrap();
+    let o = bin().arg("train").arg("--out").arg(tmp("init-y")).arg("--init-from").arg(&bad).output().unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(err.contains("model.safetensors") && err.contains("has shape"), "{err}");
+    for d in [src, ft, bad] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+#[test]
+fn resuming_with_another_model_shape_or_an_unwritable_output_is_an_error() {
+    let dir = tmp("shape");
+    run_ok(train(&dir, &ckpt_sets(&["train.steps=5"])));
+    let o = resume(&dir, &["model.n_embd=32"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("holds a model of shape"), "{}", stderr(&o));
+    let _ = std::fs::remove_dir_all(&dir);
+
+    // An output path below a regular file cannot be created (root can write anywhere else).
+    let file = tmp("a-file");
+    std::fs::write(&file, "not a directory").unwrap();
+    let o = train(&file.join("run"), &ckpt_sets(&["train.steps=1"]));
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    assert!(err.contains("cannot create output directory") && err.contains("a-file"), "{err}");
+    let _ = std::fs::remove_file(&file);
+}
