@@ -90,10 +90,11 @@ pub fn write_safetensors(
     write_atomic(path, &blob)
 }
 
+/// Named tensors as `(shape, data)`.
+pub type Tensors = HashMap<String, (Vec<usize>, Vec<f32>)>;
+
 /// Reads every F32 tensor of a safetensors file, and its metadata.
-pub fn read_safetensors(
-    path: &Path,
-) -> Result<(HashMap<String, (Vec<usize>, Vec<f32>)>, HashMap<String, String>), GptError> {
+pub fn read_safetensors(path: &Path) -> Result<(Tensors, HashMap<String, String>), GptError> {
     let bytes = std::fs::read(path).map_err(io_err(path))?;
     let (_, meta) = SafeTensors::read_metadata(&bytes)
         .map_err(|e| bad(path, format!("not a valid safetensors file ({e}); it may be truncated or corrupt")))?;
