@@ -6,6 +6,7 @@
 use crate::error::EngineError;
 use crate::layout::ParamLayout;
 use rayon::prelude::*;
+use std::ops::Range;
 
 /// Elements per parallel task of an elementwise update.
 pub(crate) const CHUNK: usize = 1 << 14;
@@ -42,7 +43,7 @@ impl AdamW {
         (&self.m, &self.v)
     }
 
-    fn update(&mut self, layout: &ParamLayout, params: &mut [f32], grads: &[f32], lr: f32) {
+    fn update(&mut self, layout: &ParamLayout, params: &mut [f32], grads: &[f32], lr: f32, grad_scale: f32) {
         self.n_updates += 1;
         let t = self.n_updates as i32;
         // Same arithmetic as torch's single-tensor AdamW (foreach=False):
@@ -50,29 +51,50 @@ impl AdamW {
         let bc1 = 1.0 - self.beta1.powi(t);
         let bc2_sqrt = (1.0 - self.beta2.powi(t)).sqrt();
         let step_size = lr / bc1;
-        let (b1, b2, eps) = (self.beta1, self.beta2, self.eps);
-        for spec in layout.tensors() {
-            let r = spec.range();
-            let decay = if spec.decay { 1.0 - lr * self.weight_decay } else { 1.0 };
-            let (p, g) = (&mut params[r.clone()], &grads[r.clone()]);
-            let (m, v) = (&mut self.m[r.clone()], &mut self.v[r]);
-            // Elementwise, so chunking across threads cannot change a single bit.
-            p.par_chunks_mut(CHUNK)
-                .zip(m.par_chunks_mut(CHUNK))
-                .zip(v.par_chunks_mut(CHUNK))
-                .zip(g.par_chunks(CHUNK))
-                .for_each(|(((p, m), v), g)| {
-                    for i in 0..p.len() {
-                        let gi = g[i];
-                        p[i] *= decay;
-                        m[i] = b1 * m[i] + (1.0 - b1) * gi;
-                        v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
-                        let denom = v[i].sqrt() / bc2_sqrt + eps;
-                        p[i] -= step_size * m[i] / denom;
-                    }
-                });
+        let (b1, b2, eps, wd) = (self.beta1, self.beta2, self.eps, self.weight_decay);
+        let segs = segments(layout);
+        let work: Vec<_> = split(params, &segs).into_iter().zip(split(&mut self.m, &segs)).zip(split(&mut self.v, &segs)).zip(&segs).collect();
+        // Elementwise, so splitting across threads cannot change a single bit.
+        work.into_par_iter().for_each(|(((p, m), v), (r, decays))| {
+            let decay = if *decays { 1.0 - lr * wd } else { 1.0 };
+            let g = &grads[r.clone()];
+            for i in 0..p.len() {
+                let gi = g[i] * grad_scale;
+                p[i] *= decay;
+                m[i] = b1 * m[i] + (1.0 - b1) * gi;
+                v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
+                let denom = v[i].sqrt() / bc2_sqrt + eps;
+                p[i] -= step_size * m[i] / denom;
+            }
+        });
+    }
+}
+
+/// The flat buffer cut into pieces of at most [`CHUNK`] elements that never
+/// straddle a tensor, each with its tensor's weight-decay flag.
+fn segments(layout: &ParamLayout) -> Vec<(Range<usize>, bool)> {
+    let mut out = Vec::new();
+    for t in layout.tensors() {
+        let r = t.range();
+        let mut start = r.start;
+        while start < r.end {
+            let end = (start + CHUNK).min(r.end);
+            out.push((start..end, t.decay));
+            start = end;
         }
     }
+    out
+}
+
+/// Disjoint mutable slices of `buf`, one per segment (segments are back to back from 0).
+fn split<'a>(mut buf: &'a mut [f32], segs: &[(Range<usize>, bool)]) -> Vec<&'a mut [f32]> {
+    let mut out = Vec::with_capacity(segs.len());
+    for (r, _) in segs {
+        let (head, tail) = std::mem::take(&mut buf).split_at_mut(r.len());
+        out.push(head);
+        buf = tail;
+    }
+    out
 }
 
 /// `torch.optim.SGD` with momentum, dampening 0, optional Nesterov, and L2
@@ -105,29 +127,37 @@ impl Sgd {
         Ok(Self { momentum, nesterov, weight_decay, buf, n_updates: 0 })
     }
 
-    fn update(&mut self, layout: &ParamLayout, params: &mut [f32], grads: &[f32], lr: f32) {
+    fn update(&mut self, layout: &ParamLayout, params: &mut [f32], grads: &[f32], lr: f32, grad_scale: f32) {
         let first = self.n_updates == 0;
         self.n_updates += 1;
-        let mu = self.momentum;
-        for spec in layout.tensors() {
-            let r = spec.range();
-            let wd = if spec.decay { self.weight_decay } else { 0.0 };
-            let (p, g) = (&mut params[r.clone()], &grads[r.clone()]);
-            if mu == 0.0 {
-                for i in 0..p.len() {
-                    p[i] -= lr * (g[i] + wd * p[i]);
+        let (mu, nesterov, wd_all) = (self.momentum, self.nesterov, self.weight_decay);
+        let segs = segments(layout);
+        let mut bufs: Vec<Option<&mut [f32]>> = if mu > 0.0 {
+            split(&mut self.buf, &segs).into_iter().map(Some).collect()
+        } else {
+            segs.iter().map(|_| None).collect()
+        };
+        let work: Vec<_> = split(params, &segs).into_iter().zip(bufs.drain(..)).zip(&segs).collect();
+        work.into_par_iter().for_each(|((p, b), (r, decays))| {
+            let wd = if *decays { wd_all } else { 0.0 };
+            let g = &grads[r.clone()];
+            match b {
+                None => {
+                    for i in 0..p.len() {
+                        p[i] -= lr * (g[i] * grad_scale + wd * p[i]);
+                    }
                 }
-                continue;
+                Some(b) => {
+                    for i in 0..p.len() {
+                        let d = g[i] * grad_scale + wd * p[i];
+                        // torch: the buffer starts as a clone of the first gradient.
+                        b[i] = if first { d } else { mu * b[i] + d };
+                        let step = if nesterov { d + mu * b[i] } else { b[i] };
+                        p[i] -= lr * step;
+                    }
+                }
             }
-            let b = &mut self.buf[r];
-            for i in 0..p.len() {
-                let d = g[i] + wd * p[i];
-                // torch: the buffer starts as a clone of the first gradient.
-                b[i] = if first { d } else { mu * b[i] + d };
-                let step = if self.nesterov { d + mu * b[i] } else { b[i] };
-                p[i] -= lr * step;
-            }
-        }
+        });
     }
 }
 
@@ -141,11 +171,13 @@ pub enum Optimizer {
 }
 
 impl Optimizer {
-    /// Applies one update with learning rate `lr`.
-    pub fn update(&mut self, layout: &ParamLayout, params: &mut [f32], grads: &[f32], lr: f32) {
+    /// Applies one update with learning rate `lr` to the gradient
+    /// `grad_scale · grads` (the scale folds normalisation and clipping into
+    /// the update, saving two passes over the buffer).
+    pub fn update(&mut self, layout: &ParamLayout, params: &mut [f32], grads: &[f32], lr: f32, grad_scale: f32) {
         match self {
-            Optimizer::AdamW(o) => o.update(layout, params, grads, lr),
-            Optimizer::Sgd(o) => o.update(layout, params, grads, lr),
+            Optimizer::AdamW(o) => o.update(layout, params, grads, lr, grad_scale),
+            Optimizer::Sgd(o) => o.update(layout, params, grads, lr, grad_scale),
         }
     }
 
@@ -262,9 +294,10 @@ mod tests {
         let layout = one_tensor(true);
         let mut p = vec![1.0f32, -2.0];
         let mut opt = Optimizer::AdamW(AdamW::new(2, 0.9, 0.999, 1e-8, 0.01).unwrap());
-        opt.update(&layout, &mut p, &[0.5, 0.25], 0.1);
+        opt.update(&layout, &mut p, &[0.5, 0.25], 0.1, 1.0);
         assert!((p[0] - 0.899).abs() < 1e-6 && (p[1] + 2.098).abs() < 1e-6, "{p:?}");
-        opt.update(&layout, &mut p, &[-1.0, 0.125], 0.1);
+        // The second gradient arrives pre-scaled: 0.5 · [-2, 0.25] = [-1, 0.125].
+        opt.update(&layout, &mut p, &[-2.0, 0.25], 0.1, 0.5);
         // 1e-5: the hand derivation above is rounded to 6 decimals.
         assert!((p[0] - 0.934711).abs() < 1e-5, "{p:?}");
         assert!((p[1] + 2.189_12).abs() < 1e-5, "{p:?}");
@@ -276,7 +309,7 @@ mod tests {
         let layout = one_tensor(false);
         let mut p = vec![1.0f32, -2.0];
         let mut opt = Optimizer::AdamW(AdamW::new(2, 0.9, 0.999, 1e-8, 0.5).unwrap());
-        opt.update(&layout, &mut p, &[0.5, 0.25], 0.1);
+        opt.update(&layout, &mut p, &[0.5, 0.25], 0.1, 1.0);
         assert!((p[0] - 0.9).abs() < 1e-6 && (p[1] + 2.1).abs() < 1e-6, "{p:?}");
     }
 
@@ -290,9 +323,9 @@ mod tests {
         for (nesterov, want) in [(false, [-0.1f32, -0.39]), (true, [-0.19, -0.651])] {
             let mut p = vec![0.0f32];
             let mut opt = Optimizer::Sgd(Sgd::new(1, 0.9, nesterov, 0.0).unwrap());
-            opt.update(&l, &mut p, &[1.0], 0.1);
+            opt.update(&l, &mut p, &[1.0], 0.1, 1.0);
             assert!((p[0] - want[0]).abs() < 1e-6, "{nesterov} {p:?}");
-            opt.update(&l, &mut p, &[2.0], 0.1);
+            opt.update(&l, &mut p, &[2.0], 0.1, 1.0);
             assert!((p[0] - want[1]).abs() < 1e-6, "{nesterov} {p:?}");
         }
     }

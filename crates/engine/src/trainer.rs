@@ -66,6 +66,8 @@ pub struct StepReport {
     pub comm_bytes: u64,
     /// Collective calls during the step.
     pub comm_calls: u64,
+    /// Seconds spent inside the model's micro-steps (forward + backward).
+    pub model_s: f64,
 }
 
 /// Owns the flat parameter and gradient buffers, the optimizer and the schedule.
@@ -77,13 +79,15 @@ pub struct Trainer {
     schedule: LrSchedule,
     options: TrainerOptions,
     n_steps: u64,
+    /// Factor the last step applied to the accumulated buffer.
+    grad_scale: f32,
 }
 
 impl Trainer {
     /// A trainer starting from `params`.
     pub fn new(params: Vec<f32>, optimizer: Optimizer, schedule: LrSchedule, options: TrainerOptions) -> Self {
         let grads = vec![0.0; params.len()];
-        Self { params, grads, optimizer, schedule, options, n_steps: 0 }
+        Self { params, grads, optimizer, schedule, options, n_steps: 0, grad_scale: 1.0 }
     }
 
     /// Current parameters.
@@ -91,9 +95,11 @@ impl Trainer {
         &self.params
     }
 
-    /// The gradient used by the last optimizer step (normalised and clipped).
-    pub fn grads(&self) -> &[f32] {
-        &self.grads
+    /// The gradient the last optimizer step applied (normalised and clipped),
+    /// computed on demand from the accumulated buffer.
+    pub fn gradient(&self) -> Vec<f32> {
+        let s = self.grad_scale;
+        self.grads.iter().map(|g| g * s).collect()
     }
 
     /// Number of optimizer steps taken: the schedule's position.
@@ -192,6 +198,7 @@ impl Trainer {
         let mut loss_sum = 0.0f64;
         let mut n_targets = 0u64;
         let mut micro_losses = Vec::with_capacity(n_micro);
+        let mut model_s = 0.0;
         for (micro_step_idx, batch) in micro_batches.iter().enumerate() {
             let grad_scale = match self.options.normalization {
                 LossNormalization::Token => 1.0,
@@ -200,9 +207,11 @@ impl Trainer {
                     n => 1.0 / (n as f64 * (n_micro * world) as f64) as f32,
                 },
             };
+            let t0 = std::time::Instant::now();
             let stats = model
                 .micro_step(&self.params, &mut self.grads, batch, grad_scale)
                 .map_err(|e| EngineError::Model { step: step_idx + 1, micro_step_idx, source: Box::new(e) })?;
+            model_s += t0.elapsed().as_secs_f64();
             loss_sum += stats.loss_sum;
             n_targets += stats.n_targets;
             micro_losses.push(stats.loss_sum / stats.n_targets as f64);
@@ -221,30 +230,35 @@ impl Trainer {
         }
         let [loss_sum, n_targets, micro_mean_sum, n_valid_micro] = stats;
         let n_targets = n_targets as u64;
-        let loss = match self.options.normalization {
+        // The buffer holds Σ over ranks and micro-steps of ∂(Σ loss)/∂θ. Rather
+        // than rescaling it in place (two passes), fold 1/n_targets and the clip
+        // coefficient into one factor the optimizer applies as it reads.
+        let (loss, normalize) = match self.options.normalization {
             LossNormalization::Token => {
                 if n_targets == 0 {
                     return Err(EngineError::NoTargets { step: step_idx + 1 });
                 }
-                scale(&mut self.grads, (1.0 / n_targets as f64) as f32);
-                loss_sum / n_targets as f64
+                (loss_sum / n_targets as f64, 1.0 / n_targets as f64)
             }
             LossNormalization::MicroBatchMean => {
                 if n_valid_micro == 0.0 {
                     return Err(EngineError::NoTargets { step: step_idx + 1 });
                 }
-                micro_mean_sum / (n_micro * world) as f64
+                (micro_mean_sum / (n_micro * world) as f64, 1.0)
             }
         };
-        let (grad_norm, clipped) = match self.options.grad_clip {
-            Some(max_norm) => clip_grad_norm(&mut self.grads, max_norm),
-            None => (grad_norm(&self.grads), false),
-        };
+        let grad_norm = grad_norm(&self.grads) * normalize;
         if !grad_norm.is_finite() {
             return Err(EngineError::NonFiniteGradient { step: step_idx + 1, norm: grad_norm });
         }
+        let clip_coef = match self.options.grad_clip {
+            Some(max_norm) => clip_coefficient(grad_norm, max_norm),
+            None => 1.0,
+        };
+        let clipped = clip_coef < 1.0;
+        self.grad_scale = (normalize * clip_coef) as f32;
         let lr = self.schedule.lr(step_idx);
-        self.optimizer.update(model.layout(), &mut self.params, &self.grads, lr);
+        self.optimizer.update(model.layout(), &mut self.params, &self.grads, lr, self.grad_scale);
         self.n_steps += 1;
         let after = comm.counters();
         Ok(StepReport {
@@ -258,12 +272,18 @@ impl Trainer {
             lr,
             comm_bytes: after.bytes_sent - before.bytes_sent,
             comm_calls: after.n_calls - before.n_calls,
+            model_s,
         })
     }
 }
 
 fn scale(buf: &mut [f32], factor: f32) {
     buf.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|x| *x *= factor));
+}
+
+/// `torch.nn.utils.clip_grad_norm_`'s factor: `max_norm / (norm + 1e-6)`, capped at 1.
+fn clip_coefficient(norm: f64, max_norm: f32) -> f64 {
+    (max_norm as f64 / (norm + 1e-6)).min(1.0)
 }
 
 /// L2 norm of a flat buffer, accumulated in f64 over fixed chunks summed in
@@ -278,7 +298,7 @@ pub fn grad_norm(grads: &[f32]) -> f64 {
 /// that factor is below 1. Returns the pre-clip norm and whether it clipped.
 pub fn clip_grad_norm(grads: &mut [f32], max_norm: f32) -> (f64, bool) {
     let norm = grad_norm(grads);
-    let coef = max_norm as f64 / (norm + 1e-6);
+    let coef = clip_coefficient(norm, max_norm);
     if coef < 1.0 {
         scale(grads, coef as f32);
         (norm, true)

@@ -72,7 +72,7 @@ fn one_step(sizes: &[usize], uneven: bool, normalization: LossNormalization) -> 
     let (mut model, mut tr) =
         trainer(TrainerOptions { grad_clip: None, normalization, ..Default::default() }, LrSchedule::constant(1e-3));
     let report = tr.step(&mut model, &mut comm::SingleProcess::new(), &split(&seqs, sizes)).unwrap();
-    (tr.grads().to_vec(), tr.params().to_vec(), report.loss)
+    (tr.gradient(), tr.params().to_vec(), report.loss)
 }
 
 // Tolerance: SPEC §2 asks max |Δgrad| ≤ 1e-5 · max |grad|. Summation order is
@@ -194,7 +194,7 @@ fn clipping_sees_the_full_accumulated_gradient() {
     let mut reference = full.clone();
     let (norm, _) = clip_grad_norm(&mut reference, max_norm);
     assert!((report.grad_norm - norm).abs() <= 1e-5 * norm, "pre-clip norm is the full gradient's");
-    assert!(max_diff(tr.grads(), &reference) <= 1e-5 * max_abs(&reference));
+    assert!(max_diff(&tr.gradient(), &reference) <= 1e-5 * max_abs(&reference));
 
     // The wrong recipe: clip each micro-batch's share, then add.
     let n_total: u64 = split(&seqs, &[8])[0].n_targets();

@@ -1,5 +1,6 @@
 //! `macrobatch`: train GPT-2 with gradient accumulation done right.
 
+mod bench;
 mod checkpoint;
 mod dist;
 mod generate;
@@ -30,6 +31,30 @@ enum Command {
     Generate(GenerateArgs),
     /// Prove that the configured micro × K × W computes the same step as one big batch.
     Verify(VerifyArgs),
+    /// Measure the training step: ms/step, tokens/s, MFU, engine overhead, K sweep.
+    Bench(BenchArgs),
+}
+
+/// Arguments of `macrobatch bench`.
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// TOML config file (optional).
+    pub config: Option<PathBuf>,
+    /// Override a config key, e.g. --set model.preset=gpt2 --set batch.micro=4.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Unmeasured steps first.
+    #[arg(long, default_value_t = 3)]
+    pub warmup: usize,
+    /// Measured steps.
+    #[arg(long, default_value_t = 10)]
+    pub steps: usize,
+    /// Skip the K ∈ {1, 2, 4, 8} sweep.
+    #[arg(long)]
+    pub no_k_sweep: bool,
+    /// One JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Arguments of `macrobatch verify`.
@@ -96,6 +121,7 @@ fn main() -> ExitCode {
         Command::Train(args) => train::run(args).map(|()| true),
         Command::Generate(args) => generate::run(args).map(|()| true),
         Command::Verify(args) => verify::run(args),
+        Command::Bench(args) => bench::run(args).map(|()| true),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,

@@ -39,7 +39,7 @@ fn one_step(plan: &Arc<Plan>, shape: BatchShape) -> Result<StepResult> {
                 .collect();
             let report = trainer.step(&mut model, c, &batches)?;
             if c.rank() == 0 {
-                let r = StepResult { grads: trainer.grads().to_vec(), params: trainer.params().to_vec(), report };
+                let r = StepResult { grads: trainer.gradient(), params: trainer.params().to_vec(), report };
                 *slot.lock().map_err(|_| anyhow::anyhow!("result slot poisoned"))? = Some(r);
             }
             Ok(())

@@ -1,0 +1,200 @@
+//! `macrobatch bench`: steady-state speed of the configured training step.
+//!
+//! Warm-up steps, then measured optimizer steps; ms/step (median, min, max),
+//! tokens/s, achieved GFLOP/s and MFU, the share of a step spent outside the
+//! model's forward/backward (engine overhead), and for K ∈ {1, 2, 4, 8} at a
+//! fixed global batch the step time relative to K = 1.
+
+use crate::dist::Backend;
+use crate::train::{load_config, plan, rank_batches, trainer_for, Plan};
+use crate::BenchArgs;
+use anyhow::{bail, Result};
+use data::{BatchShape, Sampler};
+use engine::Model;
+use gpt::Gpt;
+use serde::Serialize;
+use std::time::Instant;
+
+/// f32 FLOP per cycle and core of AVX-512: 2 FMA pipes × 16 lanes × 2.
+const F32_FLOP_PER_CYCLE: f64 = 64.0;
+
+#[derive(Debug, Serialize)]
+struct Timing {
+    micro: usize,
+    accumulation_steps: usize,
+    ms_median: f64,
+    ms_min: f64,
+    ms_max: f64,
+    tokens_per_s: f64,
+    gflops: f64,
+    /// Share of the step outside the model's micro-steps, in percent.
+    overhead_pct: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    preset: String,
+    n_params: usize,
+    threads: usize,
+    seq_len: usize,
+    global_batch: usize,
+    flops_per_step: f64,
+    step: Timing,
+    peak_nominal_gflops: f64,
+    mfu_nominal_pct: f64,
+    gemm_peak_gflops: f64,
+    mfu_gemm_pct: f64,
+    k_sweep: Vec<(usize, f64)>,
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Times `steps` optimizer steps after `warmup`, with the batch factored as `shape`.
+fn time_steps(plan: &Plan, shape: BatchShape, warmup: usize, steps: usize) -> Result<Timing> {
+    let cfg = &plan.cfg;
+    let sampler = Sampler::new(plan.train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?;
+    let mut model = Gpt::new(plan.model)?;
+    let mut trainer = trainer_for(plan, model.layout().n_params())?;
+    let mut comm = comm::SingleProcess::new();
+    let (mut ms, mut overhead) = (Vec::new(), Vec::new());
+    for i in 0..warmup + steps {
+        let (epoch, s) = sampler.position(i as u64);
+        let order = sampler.epoch_order(epoch);
+        let t0 = Instant::now();
+        let batches = rank_batches(plan, &sampler, &order, s, 0);
+        let report = trainer.step(&mut model, &mut comm, &batches)?;
+        let total = t0.elapsed().as_secs_f64();
+        if i >= warmup {
+            ms.push(total * 1e3);
+            overhead.push(100.0 * (1.0 - report.model_s / total));
+        }
+    }
+    let tokens = (shape.global() * plan.train.seq_len()) as f64;
+    let med = median(&mut ms);
+    let flops = plan.model.flops_per_token(plan.train.seq_len()) * tokens;
+    Ok(Timing {
+        micro: shape.micro,
+        accumulation_steps: shape.accumulation_steps,
+        ms_median: med,
+        ms_min: ms[0],
+        ms_max: ms[ms.len() - 1],
+        tokens_per_s: tokens / (med / 1e3),
+        gflops: flops / (med / 1e3) / 1e9,
+        overhead_pct: median(&mut overhead),
+    })
+}
+
+/// Nominal f32 peak: threads × 64 FLOP/cycle × the clock /proc/cpuinfo reports.
+fn nominal_peak_gflops(threads: usize) -> f64 {
+    let mhz = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| t.lines().find(|l| l.starts_with("cpu MHz")).and_then(|l| l.split(':').nth(1)?.trim().parse::<f64>().ok()))
+        .unwrap_or(0.0);
+    threads as f64 * F32_FLOP_PER_CYCLE * mhz / 1e3
+}
+
+/// The best rate of our GEMM on a large square problem: the practical roofline.
+fn gemm_peak_gflops() -> f64 {
+    let n = 1024;
+    let a = vec![0.5f32; n * n];
+    let mut c = vec![0.0f32; n * n];
+    let mut best = 0.0f64;
+    for _ in 0..8 {
+        let t0 = Instant::now();
+        gpt::kernels::gemm_into(
+            n,
+            n,
+            n,
+            &mut c,
+            0,
+            n,
+            false,
+            gpt::kernels::Strided::rows(&a, n),
+            gpt::kernels::Strided::rows(&a, n),
+            1.0,
+            gpt::kernels::parallelism(false),
+        );
+        best = best.max(2.0 * (n * n * n) as f64 / t0.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}
+
+/// `macrobatch bench`.
+pub fn run(args: BenchArgs) -> Result<()> {
+    let cfg = load_config(args.config.as_deref(), &args.set)?;
+    if cfg.dist.world_size != 1 {
+        bail!("bench measures one rank; leave dist.world_size at 1");
+    }
+    let plan = plan(cfg, Backend::Single)?;
+    if plan.cfg.train.threads > 0 {
+        rayon::ThreadPoolBuilder::new().num_threads(plan.cfg.train.threads).build_global()?;
+    }
+    let threads = rayon::current_num_threads();
+    let b = plan.batch;
+    let shape = BatchShape { micro: b.micro, accumulation_steps: b.accumulation_steps, world_size: 1 };
+    let step = time_steps(&plan, shape, args.warmup, args.steps)?;
+    let mut k_sweep = Vec::new();
+    if !args.no_k_sweep {
+        let mut base = None;
+        for k in [1usize, 2, 4, 8] {
+            if b.global % k != 0 {
+                continue;
+            }
+            let t = time_steps(&plan, BatchShape { micro: b.global / k, accumulation_steps: k, world_size: 1 }, args.warmup, args.steps)?;
+            let base_ms = *base.get_or_insert(t.ms_median);
+            k_sweep.push((k, t.ms_median / base_ms));
+        }
+    }
+    let peak = nominal_peak_gflops(threads);
+    let gemm_peak = gemm_peak_gflops();
+    let report = Report {
+        preset: plan.cfg.model.preset.clone(),
+        n_params: plan.model.n_params(),
+        threads,
+        seq_len: plan.train.seq_len(),
+        global_batch: b.global,
+        flops_per_step: plan.model.flops_per_token(plan.train.seq_len()) * (b.global * plan.train.seq_len()) as f64,
+        mfu_nominal_pct: 100.0 * step.gflops / peak.max(f64::MIN_POSITIVE),
+        mfu_gemm_pct: 100.0 * step.gflops / gemm_peak,
+        step,
+        peak_nominal_gflops: peak,
+        gemm_peak_gflops: gemm_peak,
+        k_sweep,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(());
+    }
+    let s = &report.step;
+    println!(
+        "bench: GPT-2 {} ({:.2}M params), seq {}, global batch {} = micro {} × K {}, {} threads, {} measured steps after {} warm-up",
+        report.preset,
+        report.n_params as f64 / 1e6,
+        report.seq_len,
+        report.global_batch,
+        s.micro,
+        s.accumulation_steps,
+        threads,
+        args.steps,
+        args.warmup
+    );
+    println!("  ms/step       median {:.1}, min {:.1}, max {:.1}", s.ms_median, s.ms_min, s.ms_max);
+    println!("  tokens/s      {:.0}", s.tokens_per_s);
+    println!(
+        "  GFLOP/s       {:.1} ({:.2} GFLOP/step: 6N + 12·L·C·T per token)",
+        s.gflops,
+        report.flops_per_step / 1e9
+    );
+    println!(
+        "  MFU           {:.1}% of the nominal peak {:.0} GFLOP/s (threads × 64 f32 FLOP/cycle × /proc/cpuinfo clock); {:.1}% of our GEMM's best {:.0} GFLOP/s",
+        report.mfu_nominal_pct, report.peak_nominal_gflops, report.mfu_gemm_pct, report.gemm_peak_gflops
+    );
+    println!("  overhead      {:.2}% of a step outside the model's forward/backward", s.overhead_pct);
+    for (k, ratio) in &report.k_sweep {
+        println!("  K = {k:<2}        micro {:<4} step time {:.3}× K = 1", report.global_batch / k, ratio);
+    }
+    Ok(())
+}
