@@ -101,6 +101,10 @@ pub trait Communicator {
     /// This rank has failed outside a collective: make the others stop now
     /// rather than at their timeout. MPI aborts the job; threads mark the group failed.
     fn abort(&mut self, reason: &str);
+    /// Bytes this rank's communicator keeps for staging collectives.
+    fn buffer_bytes(&self) -> usize {
+        0
+    }
 }
 
 /// Checks the lengths of a reduce-scatter or all-gather: `big = W · small`.

@@ -169,6 +169,10 @@ impl Communicator for MpiComm {
         self.counters
     }
 
+    fn buffer_bytes(&self) -> usize {
+        4 * self.scratch.capacity() + 8 * self.scratch_f64.capacity()
+    }
+
     fn abort(&mut self, reason: &str) {
         eprintln!("error: rank {} failed: {reason}; aborting the MPI job", self.rank());
         self.world.abort(2);

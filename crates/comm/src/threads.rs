@@ -259,6 +259,11 @@ impl Communicator for ThreadComm {
         self.counters
     }
 
+    fn buffer_bytes(&self) -> usize {
+        // This rank's slot keeps the capacity of the largest contribution (f64).
+        8 * self.lock().slots[self.rank].capacity()
+    }
+
     fn abort(&mut self, reason: &str) {
         let mut st = self.lock();
         if st.failure.is_none() {

@@ -77,11 +77,22 @@ pub struct DistConfig {
     pub timeout_s: f64,
     /// Compare parameter checksums across ranks every N optimizer steps (0: only at start).
     pub check_every: u64,
+    /// ZeRO stage: 0 replicated, 1 optimizer state sharded, 2 + gradients, 3 + parameters.
+    pub zero_stage: u8,
+    /// Stage 2: reduce-scatter gradients after every micro-step (gradient memory 1/W, K× the bytes).
+    pub reduce_every_micro_step: bool,
 }
 
 impl Default for DistConfig {
     fn default() -> Self {
-        Self { world_size: 1, bucket_mb: 25.0, timeout_s: 300.0, check_every: 100 }
+        Self {
+            world_size: 1,
+            bucket_mb: 25.0,
+            timeout_s: 300.0,
+            check_every: 100,
+            zero_stage: 0,
+            reduce_every_micro_step: false,
+        }
     }
 }
 
@@ -416,6 +427,12 @@ impl Config {
         let dist = &self.dist;
         if dist.world_size == 0 {
             return Err(invalid("dist.world_size", 0, "must be at least 1"));
+        }
+        if dist.zero_stage > 3 {
+            return Err(invalid("dist.zero_stage", dist.zero_stage, "use 0, 1, 2 or 3"));
+        }
+        if dist.reduce_every_micro_step && dist.zero_stage != 2 {
+            return Err(invalid("dist.reduce_every_micro_step", true, "applies to dist.zero_stage = 2 only"));
         }
         if !(dist.bucket_mb > 0.0 && dist.bucket_mb.is_finite()) {
             return Err(invalid("dist.bucket_mb", dist.bucket_mb, "must be finite and > 0"));

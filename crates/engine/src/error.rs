@@ -58,6 +58,15 @@ pub enum EngineError {
         /// Per-rank checksums.
         checksums: Vec<u64>,
     },
+    /// A model asked for a segment its layout does not have.
+    #[error("segment {seg} does not exist")]
+    NoSuchSegment {
+        /// The index asked for.
+        seg: usize,
+    },
+    /// An invalid ZeRO setting.
+    #[error("invalid ZeRO configuration: {0}")]
+    Zero(String),
     /// A checkpoint lacks an optimizer state buffer.
     #[error("optimizer state `{name}` is missing (was the checkpoint written with another optimizer?)")]
     MissingState {

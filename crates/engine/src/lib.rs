@@ -14,11 +14,18 @@ pub mod model;
 pub mod optim;
 pub mod rng;
 pub mod schedule;
+pub mod store;
 pub mod trainer;
+pub mod zero;
 
 pub use error::EngineError;
 pub use layout::{ParamLayout, TensorSpec};
 pub use model::{MicroStepStats, Model};
 pub use optim::{AdamW, Optimizer, Sgd};
 pub use schedule::{Decay, LrSchedule};
-pub use trainer::{clip_grad_norm, grad_norm, LossNormalization, StepReport, Trainer, TrainerOptions};
+pub use store::{FullStore, ParamStore, SegmentView};
+pub use trainer::{
+    clip_grad_norm, grad_norm, LossNormalization, MemoryReport, StepReport, Trainer, TrainerOptions,
+    DEFAULT_BUCKET_ELEMS,
+};
+pub use zero::{Partition, ZeroConfig};

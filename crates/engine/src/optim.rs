@@ -43,7 +43,7 @@ impl AdamW {
         (&self.m, &self.v)
     }
 
-    fn update(&mut self, layout: &ParamLayout, params: &mut [f32], grads: &[f32], lr: f32, grad_scale: f32) {
+    fn update(&mut self, pieces: Vec<Piece<'_>>, lr: f32, grad_scale: f32) {
         self.n_updates += 1;
         let t = self.n_updates as i32;
         // Same arithmetic as torch's single-tensor AdamW (foreach=False):
@@ -52,12 +52,13 @@ impl AdamW {
         let bc2_sqrt = (1.0 - self.beta2.powi(t)).sqrt();
         let step_size = lr / bc1;
         let (b1, b2, eps, wd) = (self.beta1, self.beta2, self.eps, self.weight_decay);
-        let segs = segments(layout);
-        let work: Vec<_> = split(params, &segs).into_iter().zip(split(&mut self.m, &segs)).zip(split(&mut self.v, &segs)).zip(&segs).collect();
+        let states: Vec<Range<usize>> = pieces.iter().map(|p| p.state.clone()).collect();
+        let work: Vec<_> =
+            pieces.into_iter().zip(split(&mut self.m, &states)).zip(split(&mut self.v, &states)).collect();
         // Elementwise, so splitting across threads cannot change a single bit.
-        work.into_par_iter().for_each(|(((p, m), v), (r, decays))| {
-            let decay = if *decays { 1.0 - lr * wd } else { 1.0 };
-            let g = &grads[r.clone()];
+        work.into_par_iter().for_each(|((piece, m), v)| {
+            let Piece { params: p, grads: g, decay: decays, .. } = piece;
+            let decay = if decays { 1.0 - lr * wd } else { 1.0 };
             for i in 0..p.len() {
                 let gi = g[i] * grad_scale;
                 p[i] *= decay;
@@ -70,29 +71,56 @@ impl AdamW {
     }
 }
 
-/// The flat buffer cut into pieces of at most [`CHUNK`] elements that never
-/// straddle a tensor, each with its tensor's weight-decay flag.
-fn segments(layout: &ParamLayout) -> Vec<(Range<usize>, bool)> {
+/// A contiguous run of parameters updated together: its values, its
+/// gradient, where its optimizer state lives, and its weight-decay flag.
+/// Pieces never straddle a tensor and hold at most [`CHUNK`] elements.
+pub struct Piece<'a> {
+    /// Parameter values to update.
+    pub params: &'a mut [f32],
+    /// Their (unscaled) gradient.
+    pub grads: &'a [f32],
+    /// Range of the optimizer state buffers that belongs to these parameters.
+    pub state: Range<usize>,
+    /// Whether weight decay applies.
+    pub decay: bool,
+}
+
+/// Cuts `(start, len, decay)` runs into chunks of at most [`CHUNK`].
+pub(crate) fn chunk_runs(runs: impl IntoIterator<Item = (usize, usize, bool)>) -> Vec<(usize, usize, bool)> {
     let mut out = Vec::new();
-    for t in layout.tensors() {
-        let r = t.range();
-        let mut start = r.start;
-        while start < r.end {
-            let end = (start + CHUNK).min(r.end);
-            out.push((start..end, t.decay));
-            start = end;
+    for (start, len, decay) in runs {
+        let mut at = 0;
+        while at < len {
+            let n = CHUNK.min(len - at);
+            out.push((start + at, n, decay));
+            at += n;
         }
     }
     out
 }
 
-/// Disjoint mutable slices of `buf`, one per segment (segments are back to back from 0).
-fn split<'a>(mut buf: &'a mut [f32], segs: &[(Range<usize>, bool)]) -> Vec<&'a mut [f32]> {
-    let mut out = Vec::with_capacity(segs.len());
-    for (r, _) in segs {
-        let (head, tail) = std::mem::take(&mut buf).split_at_mut(r.len());
+/// Pieces for a whole flat buffer laid out by `layout` (state indexed like the buffer).
+pub fn pieces<'a>(layout: &ParamLayout, params: &'a mut [f32], grads: &'a [f32]) -> Vec<Piece<'a>> {
+    let runs = chunk_runs(layout.tensors().iter().map(|t| (t.offset, t.numel(), t.decay)));
+    let ranges: Vec<Range<usize>> = runs.iter().map(|&(s, n, _)| s..s + n).collect();
+    split(params, &ranges)
+        .into_iter()
+        .zip(runs)
+        .map(|(p, (s, n, decay))| Piece { params: p, grads: &grads[s..s + n], state: s..s + n, decay })
+        .collect()
+}
+
+/// Disjoint mutable slices of `buf` for ascending, non-overlapping `ranges`.
+pub(crate) fn split<'a>(mut buf: &'a mut [f32], ranges: &[Range<usize>]) -> Vec<&'a mut [f32]> {
+    let mut out = Vec::with_capacity(ranges.len());
+    let mut at = 0;
+    for r in ranges {
+        let rest = std::mem::take(&mut buf);
+        let (_, rest) = rest.split_at_mut(r.start - at);
+        let (head, tail) = rest.split_at_mut(r.len());
         out.push(head);
         buf = tail;
+        at = r.end;
     }
     out
 }
@@ -127,20 +155,20 @@ impl Sgd {
         Ok(Self { momentum, nesterov, weight_decay, buf, n_updates: 0 })
     }
 
-    fn update(&mut self, layout: &ParamLayout, params: &mut [f32], grads: &[f32], lr: f32, grad_scale: f32) {
+    fn update(&mut self, pieces: Vec<Piece<'_>>, lr: f32, grad_scale: f32) {
         let first = self.n_updates == 0;
         self.n_updates += 1;
         let (mu, nesterov, wd_all) = (self.momentum, self.nesterov, self.weight_decay);
-        let segs = segments(layout);
-        let mut bufs: Vec<Option<&mut [f32]>> = if mu > 0.0 {
-            split(&mut self.buf, &segs).into_iter().map(Some).collect()
+        let states: Vec<Range<usize>> = pieces.iter().map(|p| p.state.clone()).collect();
+        let bufs: Vec<Option<&mut [f32]>> = if mu > 0.0 {
+            split(&mut self.buf, &states).into_iter().map(Some).collect()
         } else {
-            segs.iter().map(|_| None).collect()
+            states.iter().map(|_| None).collect()
         };
-        let work: Vec<_> = split(params, &segs).into_iter().zip(bufs.drain(..)).zip(&segs).collect();
-        work.into_par_iter().for_each(|((p, b), (r, decays))| {
-            let wd = if *decays { wd_all } else { 0.0 };
-            let g = &grads[r.clone()];
+        let work: Vec<_> = pieces.into_iter().zip(bufs).collect();
+        work.into_par_iter().for_each(|(piece, b)| {
+            let Piece { params: p, grads: g, decay, .. } = piece;
+            let wd = if decay { wd_all } else { 0.0 };
             match b {
                 None => {
                     for i in 0..p.len() {
@@ -175,10 +203,43 @@ impl Optimizer {
     /// `grad_scale · grads` (the scale folds normalisation and clipping into
     /// the update, saving two passes over the buffer).
     pub fn update(&mut self, layout: &ParamLayout, params: &mut [f32], grads: &[f32], lr: f32, grad_scale: f32) {
+        self.update_pieces(pieces(layout, params, grads), lr, grad_scale);
+    }
+
+    /// [`Optimizer::update`] over explicit pieces (a ZeRO shard scattered
+    /// through a full buffer, say).
+    pub fn update_pieces(&mut self, pieces: Vec<Piece<'_>>, lr: f32, grad_scale: f32) {
         match self {
-            Optimizer::AdamW(o) => o.update(layout, params, grads, lr, grad_scale),
-            Optimizer::Sgd(o) => o.update(layout, params, grads, lr, grad_scale),
+            Optimizer::AdamW(o) => o.update(pieces, lr, grad_scale),
+            Optimizer::Sgd(o) => o.update(pieces, lr, grad_scale),
         }
+    }
+
+    /// The same optimizer with fresh state for `n` parameters (a shard).
+    pub fn with_len(&self, n: usize) -> Self {
+        match self {
+            Optimizer::AdamW(o) => Optimizer::AdamW(AdamW {
+                beta1: o.beta1,
+                beta2: o.beta2,
+                eps: o.eps,
+                weight_decay: o.weight_decay,
+                m: vec![0.0; n],
+                v: vec![0.0; n],
+                n_updates: 0,
+            }),
+            Optimizer::Sgd(o) => Optimizer::Sgd(Sgd {
+                momentum: o.momentum,
+                nesterov: o.nesterov,
+                weight_decay: o.weight_decay,
+                buf: if o.momentum > 0.0 { vec![0.0; n] } else { Vec::new() },
+                n_updates: 0,
+            }),
+        }
+    }
+
+    /// Bytes of optimizer state held.
+    pub fn state_bytes(&self) -> usize {
+        4 * self.state_buffers().iter().map(|(_, b)| b.len()).sum::<usize>()
     }
 
     /// Largest parameter difference the *first* update can produce from two

@@ -1,13 +1,18 @@
 //! One optimizer step: K micro-steps accumulated into the flat gradient
-//! buffer, then — once, at the boundary — normalisation, clipping, the
-//! optimizer update and the schedule step.
+//! buffer, then — once, at the boundary — the gradient collective,
+//! normalisation, clipping, the optimizer update and the schedule step, for
+//! every ZeRO stage.
 
 use crate::error::EngineError;
+use crate::layout::ParamLayout;
 use crate::model::Model;
-use crate::optim::{Optimizer, CHUNK};
+use crate::optim::{chunk_runs, split, Optimizer, Piece, CHUNK};
 use crate::schedule::LrSchedule;
+use crate::store::{FullStore, ParamStore, SegmentView};
+use crate::zero::{Partition, ZeroConfig};
 use comm::Communicator;
 use rayon::prelude::*;
+use std::ops::Range;
 
 /// How the accumulated gradient is normalised at the boundary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -70,11 +75,51 @@ pub struct StepReport {
     pub model_s: f64,
 }
 
-/// Owns the flat parameter and gradient buffers, the optimizer and the schedule.
+/// Bytes this rank holds, by kind (SPEC §3's per-rank model states).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub struct MemoryReport {
+    /// Parameters resident between steps (all at stages 0–2, the shard at 3).
+    pub params: usize,
+    /// Gradient buffers: the full local accumulator (stages 0–1, and 2 with
+    /// local accumulation), or the shard accumulator.
+    pub grads: usize,
+    /// Optimizer state (AdamW's m and v; full at stage 0, the shard above).
+    pub optimizer: usize,
+    /// f32 master weights separate from the parameters (none while training in f32).
+    pub master: usize,
+    /// Buffers for collectives: one segment's gradient waiting for its
+    /// reduce-scatter, stage 3's gathered segment, padding scratch.
+    pub comm_buffers: usize,
+    /// Largest parameter residency during a step: resident parameters plus
+    /// the one gathered segment (stage 3).
+    pub peak_param_residency: usize,
+}
+
+impl MemoryReport {
+    /// Parameters + gradients + optimizer state + master weights.
+    pub fn model_states(&self) -> usize {
+        self.params + self.grads + self.optimizer + self.master
+    }
+}
+
+/// Owns the flat parameter and gradient buffers (or this rank's shards of
+/// them), the optimizer and the schedule.
 #[derive(Debug, Clone)]
 pub struct Trainer {
+    layout: ParamLayout,
+    part: Partition,
+    zero: ZeroConfig,
+    /// Stages 0–2: every parameter; stage 3: this rank's shard.
     params: Vec<f32>,
+    /// The full local accumulator, or (per-segment reduction) the shard accumulator.
     grads: Vec<f32>,
+    /// Per-segment reduction: one segment's gradient, padded to W·s_j.
+    seg_grads: Vec<f32>,
+    /// Stage 3: the gathered segment (padded), and which one it is.
+    gathered: Vec<f32>,
+    gathered_seg: Option<usize>,
+    /// Padding scratch for reduce-scatter inputs and outputs.
+    scratch: Vec<f32>,
     optimizer: Optimizer,
     schedule: LrSchedule,
     options: TrainerOptions,
@@ -84,22 +129,191 @@ pub struct Trainer {
 }
 
 impl Trainer {
-    /// A trainer starting from `params`.
-    pub fn new(params: Vec<f32>, optimizer: Optimizer, schedule: LrSchedule, options: TrainerOptions) -> Self {
-        let grads = vec![0.0; params.len()];
-        Self { params, grads, optimizer, schedule, options, n_steps: 0, grad_scale: 1.0 }
+    /// A single-process trainer (no sharding).
+    pub fn new<M: Model>(
+        model: &M,
+        params: Vec<f32>,
+        optimizer: Optimizer,
+        schedule: LrSchedule,
+        options: TrainerOptions,
+    ) -> Result<Self, EngineError> {
+        Self::distributed(
+            model,
+            params,
+            optimizer,
+            schedule,
+            options,
+            ZeroConfig::default(),
+            &mut comm::SingleProcess::new(),
+        )
     }
 
-    /// Current parameters.
+    /// A trainer for this rank of `comm` from full initial parameters:
+    /// rank 0's are broadcast so every rank starts alike, then partitioned
+    /// as `zero` says. `optimizer` is resized to this rank's shard.
+    pub fn distributed<M: Model>(
+        model: &M,
+        params: Vec<f32>,
+        optimizer: Optimizer,
+        schedule: LrSchedule,
+        options: TrainerOptions,
+        zero: ZeroConfig,
+        comm: &mut dyn Communicator,
+    ) -> Result<Self, EngineError> {
+        if params.len() != model.layout().n_params() {
+            return Err(EngineError::ParamCount { expected: model.layout().n_params(), got: params.len() });
+        }
+        let segments = model.segments();
+        let init = |seg: usize| segments.get(seg).map(|r| params[r.clone()].to_vec()).unwrap_or_default();
+        Self::distributed_with(model, &init, optimizer, schedule, options, zero, comm)
+    }
+
+    /// [`Trainer::distributed`] with the initial values produced one segment
+    /// at a time by `init(seg)`: at ZeRO-3 no rank ever holds all parameters,
+    /// not even while starting.
+    pub fn distributed_with<M: Model>(
+        model: &M,
+        init: &dyn Fn(usize) -> Vec<f32>,
+        optimizer: Optimizer,
+        schedule: LrSchedule,
+        options: TrainerOptions,
+        zero: ZeroConfig,
+        comm: &mut dyn Communicator,
+    ) -> Result<Self, EngineError> {
+        let layout = model.layout().clone();
+        if zero.stage > 3 {
+            return Err(EngineError::Zero(format!("dist.zero_stage = {} (use 0, 1, 2 or 3)", zero.stage)));
+        }
+        if zero.reduce_every_micro_step && zero.stage != 2 {
+            return Err(EngineError::Zero("dist.reduce_every_micro_step applies to stage 2 only".into()));
+        }
+        let segments = model.segments();
+        let covered = segments.iter().try_fold(0usize, |at, r| (r.start == at).then_some(r.end));
+        if covered != Some(layout.n_params()) {
+            return Err(EngineError::Zero("the model's segments must cover its parameters back to back".into()));
+        }
+        let world = if zero.stage == 0 { 1 } else { comm.world_size() };
+        let rank = if zero.stage == 0 { 0 } else { comm.rank() };
+        let part = Partition::new(segments, rank, world);
+        let per_segment = zero.stage == 3 || zero.reduce_every_micro_step;
+        let max_padded = (0..part.segments.len()).map(|j| part.piece[j] * world).max().unwrap_or(0);
+        let shard_len = part.shard_len();
+        // Segment by segment: rank 0's values to everyone; keep all of it, or
+        // (stage 3) this rank's piece.
+        let mut params = Vec::with_capacity(if zero.stage == 3 { shard_len } else { layout.n_params() });
+        for (j, r) in part.segments.iter().enumerate() {
+            let mut seg = init(j);
+            if seg.len() != r.len() {
+                return Err(EngineError::ParamCount { expected: r.len(), got: seg.len() });
+            }
+            comm.broadcast(&mut seg, 0).map_err(|source| EngineError::Comm { step: 0, source })?;
+            if zero.stage == 3 {
+                let own = part.owned(j, rank);
+                let piece = &seg[own.start - r.start..own.end - r.start];
+                params.extend_from_slice(piece);
+                params.resize(params.len() + part.piece[j] - piece.len(), 0.0);
+            } else {
+                params.extend_from_slice(&seg);
+            }
+        }
+        let optimizer = if zero.stage == 0 { optimizer } else { optimizer.with_len(shard_len) };
+        let grads = vec![0.0; if per_segment { shard_len } else { layout.n_params() }];
+        let seg_grads = if per_segment { vec![0.0; max_padded] } else { Vec::new() };
+        let gathered = if zero.stage == 3 { vec![0.0; max_padded] } else { Vec::new() };
+        // Stage 2 with local accumulation pads whole segments for reduce-scatter;
+        // per-segment reduction only needs one piece for the result.
+        let max_piece = part.piece.iter().copied().max().unwrap_or(0);
+        let scratch_len = match (zero.stage, per_segment) {
+            (2, false) => max_padded,
+            (_, true) => max_piece,
+            _ => 0,
+        };
+        Ok(Self {
+            layout,
+            part,
+            zero,
+            params,
+            grads,
+            seg_grads,
+            gathered,
+            gathered_seg: None,
+            scratch: vec![0.0; scratch_len],
+            optimizer,
+            schedule,
+            options,
+            n_steps: 0,
+            grad_scale: 1.0,
+        })
+    }
+
+    /// The partitioning in force.
+    pub fn zero(&self) -> ZeroConfig {
+        self.zero
+    }
+
+    /// Parameters resident on this rank: all of them at stages 0–2, the
+    /// shard at stage 3 (use [`Trainer::full_params`] there).
     pub fn params(&self) -> &[f32] {
         &self.params
     }
 
-    /// The gradient the last optimizer step applied (normalised and clipped),
-    /// computed on demand from the accumulated buffer.
+    /// Every parameter, assembled from the shards at stage 3 (a collective
+    /// there: every rank must call it).
+    pub fn full_params(&mut self, comm: &mut dyn Communicator) -> Result<Vec<f32>, EngineError> {
+        if self.zero.stage < 3 {
+            return Ok(self.params.clone());
+        }
+        self.gather_full(comm, &self.params, true)
+    }
+
+    /// [`Trainer::full_params`] for rank 0 only: the other ranks take part in
+    /// the collectives but never hold more than one segment (`None`).
+    pub fn full_params_to_rank0(&mut self, comm: &mut dyn Communicator) -> Result<Option<Vec<f32>>, EngineError> {
+        let keep = comm.rank() == 0;
+        if self.zero.stage < 3 {
+            return Ok(keep.then(|| self.params.clone()));
+        }
+        let full = self.gather_full(comm, &self.params, keep)?;
+        Ok(keep.then_some(full))
+    }
+
+    /// Assembles a full flat buffer from a shard-ordered buffer of every rank.
+    fn gather_full(&self, comm: &mut dyn Communicator, shard: &[f32], keep: bool) -> Result<Vec<f32>, EngineError> {
+        let mut full = vec![0.0; if keep { self.layout.n_params() } else { 0 }];
+        let w = self.part.world_size;
+        for j in 0..self.part.segments.len() {
+            let seg = self.part.segments[j].clone();
+            let mut buf = vec![0.0; self.part.piece[j] * w];
+            comm.all_gather(&shard[self.part.shard_range(j)], &mut buf)
+                .map_err(|source| EngineError::Comm { step: self.n_steps, source })?;
+            if keep {
+                full[seg.clone()].copy_from_slice(&buf[..seg.len()]);
+            }
+        }
+        Ok(full)
+    }
+
+    /// The gradient the last optimizer step applied (normalised and
+    /// clipped), computed on demand: the full gradient at stages 0–1 (and 2
+    /// with local accumulation), this rank's shard otherwise.
     pub fn gradient(&self) -> Vec<f32> {
         let s = self.grad_scale;
         self.grads.iter().map(|g| g * s).collect()
+    }
+
+    /// The full gradient the last step applied, assembled from the shards
+    /// at stages ≥ 2 (a collective there: every rank must call it).
+    pub fn full_gradient(&mut self, comm: &mut dyn Communicator) -> Result<Vec<f32>, EngineError> {
+        let raw = match (self.zero.stage, self.per_segment()) {
+            (0 | 1, _) => return Ok(self.gradient()),
+            (2, false) => {
+                let mut shard = vec![0.0; self.part.shard_len()];
+                self.part.gather_own(&self.grads, &mut shard);
+                self.gather_full(comm, &shard, true)?
+            }
+            _ => self.gather_full(comm, &self.grads, true)?,
+        };
+        Ok(raw.into_iter().map(|g| g * self.grad_scale).collect())
     }
 
     /// Number of optimizer steps taken: the schedule's position.
@@ -107,35 +321,104 @@ impl Trainer {
         self.n_steps
     }
 
-    /// The optimizer (for its state and update count).
+    /// The optimizer (its state covers this rank's shard at stages ≥ 1).
     pub fn optimizer(&self) -> &Optimizer {
         &self.optimizer
     }
 
-    /// Restores a checkpointed state: parameters, optimizer state and the
-    /// number of steps taken (the schedule's position).
+    /// Bytes this rank holds for model states and collectives.
+    pub fn memory(&self) -> MemoryReport {
+        let params = 4 * self.params.len();
+        let gathered = 4 * self.gathered.len();
+        MemoryReport {
+            params,
+            grads: 4 * self.grads.len(),
+            optimizer: self.optimizer.state_bytes(),
+            master: 0,
+            comm_buffers: gathered + 4 * (self.seg_grads.len() + self.scratch.len()),
+            peak_param_residency: params + gathered,
+        }
+    }
+
+    /// The full optimizer state by name, assembled from every rank's shard
+    /// (a collective at stages ≥ 1), for checkpoints; ranks other than 0 get
+    /// empty buffers unless `all_ranks`.
+    pub fn full_optimizer_state(
+        &mut self,
+        comm: &mut dyn Communicator,
+        all_ranks: bool,
+    ) -> Result<Vec<(String, Vec<f32>)>, EngineError> {
+        let keep = all_ranks || comm.rank() == 0;
+        let names: Vec<&'static str> = self.optimizer.state_buffers().iter().map(|(n, _)| *n).collect();
+        let mut out = Vec::new();
+        for name in names {
+            let buf: Vec<f32> = self
+                .optimizer
+                .state_buffers()
+                .into_iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, b)| b.to_vec())
+                .unwrap_or_default();
+            if self.zero.stage == 0 {
+                out.push((name.to_string(), buf));
+            } else {
+                out.push((name.to_string(), self.gather_full(comm, &buf, keep)?));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Restores a checkpointed state from full buffers (each rank keeps its
+    /// pieces): parameters, optimizer state and the number of steps taken.
     pub fn restore(
         &mut self,
         params: Vec<f32>,
         n_steps: u64,
         n_updates: u64,
-        optimizer_state: impl FnMut(&str) -> Option<Vec<f32>>,
+        mut optimizer_state: impl FnMut(&str) -> Option<Vec<f32>>,
     ) -> Result<(), EngineError> {
-        if params.len() != self.params.len() {
-            return Err(EngineError::ParamCount { expected: self.params.len(), got: params.len() });
+        if params.len() != self.layout.n_params() {
+            return Err(EngineError::ParamCount { expected: self.layout.n_params(), got: params.len() });
         }
-        self.optimizer.restore(n_updates, optimizer_state)?;
-        self.params = params;
+        let part = self.part.clone();
+        let stage = self.zero.stage;
+        let to_shard = |full: Vec<f32>| -> Vec<f32> {
+            if stage == 0 {
+                return full;
+            }
+            let mut shard = vec![0.0; part.shard_len()];
+            part.gather_own(&full, &mut shard);
+            shard
+        };
+        let mut err = None;
+        self.optimizer.restore(n_updates, |name| {
+            let full = optimizer_state(name)?;
+            if full.len() != params.len() {
+                err = Some(EngineError::ParamCount { expected: params.len(), got: full.len() });
+                return None;
+            }
+            Some(to_shard(full))
+        })?;
+        if let Some(e) = err {
+            return Err(e);
+        }
+        self.params = if stage == 3 { to_shard(params) } else { params };
         self.n_steps = n_steps;
         Ok(())
     }
 
     /// Replaces the parameters (e.g. `--init-from` a pretrained model) before training.
     pub fn set_params(&mut self, params: Vec<f32>) -> Result<(), EngineError> {
-        if params.len() != self.params.len() {
-            return Err(EngineError::ParamCount { expected: self.params.len(), got: params.len() });
+        if params.len() != self.layout.n_params() {
+            return Err(EngineError::ParamCount { expected: self.layout.n_params(), got: params.len() });
         }
-        self.params = params;
+        self.params = if self.zero.stage == 3 {
+            let mut shard = vec![0.0; self.part.shard_len()];
+            self.part.gather_own(&params, &mut shard);
+            shard
+        } else {
+            params
+        };
         Ok(())
     }
 
@@ -144,20 +427,19 @@ impl Trainer {
         self.schedule.lr(self.n_steps)
     }
 
-    /// Makes every rank start from rank 0's parameters.
-    pub fn broadcast_params(&mut self, comm: &mut dyn Communicator) -> Result<(), EngineError> {
-        comm.broadcast(&mut self.params, 0).map_err(|source| EngineError::Comm { step: self.n_steps, source })
-    }
-
-    /// FNV-1a hash of the parameter bits.
+    /// FNV-1a hash of the resident parameter bits.
     pub fn params_checksum(&self) -> u64 {
         self.params.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
             x.to_bits().to_le_bytes().iter().fold(h, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
         })
     }
 
-    /// Errors unless every rank holds bit-identical parameters.
+    /// Errors unless every rank holds bit-identical parameters (stages 0–2;
+    /// at stage 3 each rank holds a different shard by design).
     pub fn check_params_agree(&mut self, comm: &mut dyn Communicator) -> Result<(), EngineError> {
+        if self.zero.stage == 3 {
+            return Ok(());
+        }
         let h = self.params_checksum();
         // Four 16-bit pieces: exact in f32, so the all-gather carries the hash losslessly.
         let mine: Vec<f32> = (0..4).map(|i| ((h >> (16 * i)) & 0xffff) as f32).collect();
@@ -171,20 +453,58 @@ impl Trainer {
         Ok(())
     }
 
+    fn per_segment(&self) -> bool {
+        self.zero.stage == 3 || self.zero.reduce_every_micro_step
+    }
+
+    /// A store over this trainer's buffers for one pass of the model.
+    fn store<'a>(&'a mut self, comm: &'a mut dyn Communicator, with_grads: bool) -> StepStore<'a> {
+        let per_segment = self.per_segment();
+        StepStore {
+            part: &self.part,
+            stage: self.zero.stage,
+            per_segment,
+            with_grads,
+            params: &self.params,
+            grads: &mut self.grads,
+            seg_grads: &mut self.seg_grads,
+            gathered: &mut self.gathered,
+            gathered_seg: &mut self.gathered_seg,
+            scratch: &mut self.scratch,
+            comm,
+            step: self.n_steps + 1,
+        }
+    }
+
+    /// Forward-only loss of `batch` with the current parameters. At stage 3
+    /// this gathers segments: every rank must call it with its own batch.
+    pub fn loss<M: Model>(
+        &mut self,
+        model: &mut M,
+        comm: &mut dyn Communicator,
+        batch: &M::Batch,
+    ) -> Result<crate::MicroStepStats, EngineError> {
+        let step = self.n_steps;
+        let r = if self.zero.stage < 3 {
+            let segs = self.part.segments.clone();
+            model.loss(&mut FullStore::read_only(&self.params, &segs), batch)
+        } else {
+            model.loss(&mut self.store(comm, false), batch)
+        };
+        r.map_err(|e| EngineError::Model { step, micro_step_idx: 0, source: Box::new(e) })
+    }
+
     /// One optimizer step over this rank's `micro_batches` (K = its length;
-    /// every rank must pass the same K). Communication happens only at the
-    /// boundary: one f64 all-reduce of statistics and the bucketed gradient
-    /// all-reduce — never during micro-steps 0..K-1 (DDP's `no_sync`).
+    /// every rank must pass the same K). At stages 0–2 (local accumulation)
+    /// communication happens only at the boundary; per-segment reduction
+    /// (stage 3, or stage 2 with `reduce_every_micro_step`) reduce-scatters
+    /// each segment's gradient as its backward completes.
     pub fn step<M: Model>(
         &mut self,
         model: &mut M,
         comm: &mut dyn Communicator,
         micro_batches: &[M::Batch],
     ) -> Result<StepReport, EngineError> {
-        let n_params = model.layout().n_params();
-        if n_params != self.params.len() {
-            return Err(EngineError::ParamCount { expected: n_params, got: self.params.len() });
-        }
         if micro_batches.is_empty() {
             return Err(EngineError::NoMicroBatches);
         }
@@ -193,8 +513,9 @@ impl Trainer {
         let world = comm.world_size();
         let before = comm.counters();
 
-        // Micro-step 0 zeroes; every micro-step adds; nobody communicates.
+        // Micro-step 0 zeroes; every micro-step adds.
         self.grads.fill(0.0);
+        self.seg_grads.fill(0.0);
         let mut loss_sum = 0.0f64;
         let mut n_targets = 0u64;
         let mut micro_losses = Vec::with_capacity(n_micro);
@@ -209,7 +530,7 @@ impl Trainer {
             };
             let t0 = std::time::Instant::now();
             let stats = model
-                .micro_step(&self.params, &mut self.grads, batch, grad_scale)
+                .micro_step(&mut self.store(comm, true), batch, grad_scale)
                 .map_err(|e| EngineError::Model { step: step_idx + 1, micro_step_idx, source: Box::new(e) })?;
             model_s += t0.elapsed().as_secs_f64();
             loss_sum += stats.loss_sum;
@@ -218,21 +539,13 @@ impl Trainer {
         }
 
         // The boundary: everything below runs exactly once per optimizer step.
-        // One Sum collective of the statistics and one (bucketed) of the
-        // gradients; after them every rank holds the same global values.
         let comm_err = |source| EngineError::Comm { step: step_idx + 1, source };
         let micro_mean_sum: f64 = micro_losses.iter().filter(|l| l.is_finite()).sum();
         let n_valid_micro = micro_losses.iter().filter(|l| l.is_finite()).count();
         let mut stats = [loss_sum, n_targets as f64, micro_mean_sum, n_valid_micro as f64];
         comm.all_reduce_sum_f64(&mut stats).map_err(comm_err)?;
-        for bucket in self.grads.chunks_mut(self.options.bucket_elems.max(1)) {
-            comm.all_reduce_sum(bucket).map_err(comm_err)?;
-        }
         let [loss_sum, n_targets, micro_mean_sum, n_valid_micro] = stats;
         let n_targets = n_targets as u64;
-        // The buffer holds Σ over ranks and micro-steps of ∂(Σ loss)/∂θ. Rather
-        // than rescaling it in place (two passes), fold 1/n_targets and the clip
-        // coefficient into one factor the optimizer applies as it reads.
         let (loss, normalize) = match self.options.normalization {
             LossNormalization::Token => {
                 if n_targets == 0 {
@@ -247,7 +560,43 @@ impl Trainer {
                 (micro_mean_sum / (n_micro * world) as f64, 1.0)
             }
         };
-        let grad_norm = grad_norm(&self.grads) * normalize;
+
+        // Reduce the gradient: after this, `self.grads` holds this rank's
+        // part of the global sum (all of it at stages 0–1).
+        match (self.zero.stage, self.per_segment()) {
+            (0 | 1, _) => {
+                for bucket in self.grads.chunks_mut(self.options.bucket_elems.max(1)) {
+                    comm.all_reduce_sum(bucket).map_err(comm_err)?;
+                }
+            }
+            (2, false) => {
+                // Reduce-scatter each segment; this rank's reduced piece goes
+                // back into its own range of the local buffer.
+                let w = self.part.world_size;
+                for j in 0..self.part.segments.len() {
+                    let seg = self.part.segments[j].clone();
+                    let s = self.part.piece[j];
+                    self.scratch[..seg.len()].copy_from_slice(&self.grads[seg.clone()]);
+                    self.scratch[seg.len()..s * w].fill(0.0);
+                    let mut out = vec![0.0; s];
+                    comm.reduce_scatter_sum(&self.scratch[..s * w], &mut out).map_err(comm_err)?;
+                    let own = self.part.owned(j, self.part.rank);
+                    self.grads[own.clone()].copy_from_slice(&out[..own.len()]);
+                }
+            }
+            _ => {} // per-segment: already reduced into the shard accumulator
+        }
+
+        // Norm of the global gradient: local at stages 0–1 (every rank holds
+        // all of it), otherwise a sum of the shards' squares.
+        let raw_norm = if self.zero.stage <= 1 {
+            grad_norm(&self.grads)
+        } else {
+            let mut sq = [self.owned_grads().iter().map(|&x| x as f64 * x as f64).sum::<f64>()];
+            comm.all_reduce_sum_f64(&mut sq).map_err(comm_err)?;
+            sq[0].sqrt()
+        };
+        let grad_norm = raw_norm * normalize;
         if !grad_norm.is_finite() {
             return Err(EngineError::NonFiniteGradient { step: step_idx + 1, norm: grad_norm });
         }
@@ -258,7 +607,10 @@ impl Trainer {
         let clipped = clip_coef < 1.0;
         self.grad_scale = (normalize * clip_coef) as f32;
         let lr = self.schedule.lr(step_idx);
-        self.optimizer.update(model.layout(), &mut self.params, &self.grads, lr, self.grad_scale);
+        self.apply_update(lr)?;
+        if (1..=2).contains(&self.zero.stage) {
+            self.all_gather_params(comm).map_err(comm_err)?;
+        }
         self.n_steps += 1;
         let after = comm.counters();
         Ok(StepReport {
@@ -274,6 +626,145 @@ impl Trainer {
             comm_calls: after.n_calls - before.n_calls,
             model_s,
         })
+    }
+
+    /// This rank's reduced gradient values (for the sharded norm).
+    fn owned_grads(&self) -> Vec<f32> {
+        if self.per_segment() {
+            return self.grads.clone();
+        }
+        (0..self.part.segments.len()).flat_map(|j| self.grads[self.part.owned(j, self.part.rank)].to_vec()).collect()
+    }
+
+    /// The optimizer update of this rank's part.
+    fn apply_update(&mut self, lr: f32) -> Result<(), EngineError> {
+        if self.zero.stage == 0 {
+            self.optimizer.update(&self.layout, &mut self.params, &self.grads, lr, self.grad_scale);
+            return Ok(());
+        }
+        // Runs of (param index, grad index, state index, len, decay) over the shard.
+        let mut runs = Vec::new();
+        let params_sharded = self.zero.stage == 3;
+        let grads_sharded = self.per_segment();
+        for j in 0..self.part.segments.len() {
+            let own = self.part.owned(j, self.part.rank);
+            let base = self.part.shard_range(j).start;
+            for t in self.layout.tensors() {
+                let tr = t.range();
+                let (a, b) = (tr.start.max(own.start), tr.end.min(own.end));
+                if a < b {
+                    let shard_idx = base + (a - own.start);
+                    let p = if params_sharded { shard_idx } else { a };
+                    let g = if grads_sharded { shard_idx } else { a };
+                    runs.push((p, g, shard_idx, b - a, t.decay));
+                }
+            }
+        }
+        let chunks: Vec<(usize, usize, bool)> = chunk_runs(runs.iter().map(|&(p, _, _, n, d)| (p, n, d)));
+        // Map each chunk back to its run to find the grad and state offsets.
+        let mut pieces_meta = Vec::with_capacity(chunks.len());
+        let mut run_idx = 0;
+        for &(p, n, decay) in &chunks {
+            while !(runs[run_idx].0 <= p && p < runs[run_idx].0 + runs[run_idx].3) {
+                run_idx += 1;
+            }
+            let (rp, rg, rs, _, _) = runs[run_idx];
+            let off = p - rp;
+            pieces_meta.push((p..p + n, rg + off, rs + off, decay));
+        }
+        let ranges: Vec<Range<usize>> = pieces_meta.iter().map(|m| m.0.clone()).collect();
+        let grads = &self.grads;
+        let pieces: Vec<Piece<'_>> = split(&mut self.params, &ranges)
+            .into_iter()
+            .zip(&pieces_meta)
+            .map(|(params, (r, g, s, decay))| Piece {
+                params,
+                grads: &grads[*g..*g + r.len()],
+                state: *s..*s + r.len(),
+                decay: *decay,
+            })
+            .collect();
+        self.optimizer.update_pieces(pieces, lr, self.grad_scale);
+        Ok(())
+    }
+
+    /// Stages 1–2: every rank's updated piece of each segment to every rank.
+    fn all_gather_params(&mut self, comm: &mut dyn Communicator) -> Result<(), comm::CommError> {
+        let w = self.part.world_size;
+        for j in 0..self.part.segments.len() {
+            let seg = self.part.segments[j].clone();
+            let s = self.part.piece[j];
+            let own = self.part.owned(j, self.part.rank);
+            let mut mine = vec![0.0; s];
+            mine[..own.len()].copy_from_slice(&self.params[own]);
+            let mut all = vec![0.0; s * w];
+            comm.all_gather(&mine, &mut all)?;
+            self.params[seg.clone()].copy_from_slice(&all[..seg.len()]);
+        }
+        Ok(())
+    }
+}
+
+/// The store a model sees during a step.
+struct StepStore<'a> {
+    part: &'a Partition,
+    stage: u8,
+    per_segment: bool,
+    with_grads: bool,
+    params: &'a [f32],
+    grads: &'a mut [f32],
+    seg_grads: &'a mut [f32],
+    gathered: &'a mut [f32],
+    gathered_seg: &'a mut Option<usize>,
+    scratch: &'a mut [f32],
+    comm: &'a mut dyn Communicator,
+    step: u64,
+}
+
+impl ParamStore for StepStore<'_> {
+    fn segment(&mut self, seg: usize) -> Result<SegmentView<'_>, EngineError> {
+        let r = self.part.segments.get(seg).ok_or(EngineError::NoSuchSegment { seg })?.clone();
+        let n = r.len();
+        if self.stage == 3 && *self.gathered_seg != Some(seg) {
+            // Just before use: every rank's piece of this segment.
+            let s = self.part.piece[seg];
+            let w = self.part.world_size;
+            self.comm
+                .all_gather(&self.params[self.part.shard_range(seg)], &mut self.gathered[..s * w])
+                .map_err(|source| EngineError::Comm { step: self.step, source })?;
+            *self.gathered_seg = Some(seg);
+        }
+        let params: &[f32] = if self.stage == 3 { &self.gathered[..n] } else { &self.params[r.clone()] };
+        let grads: &mut [f32] = if !self.with_grads {
+            &mut []
+        } else if self.per_segment {
+            &mut self.seg_grads[..n]
+        } else {
+            &mut self.grads[r]
+        };
+        Ok(SegmentView { params, grads })
+    }
+
+    fn done(&mut self, seg: usize, grads_written: bool) -> Result<(), EngineError> {
+        if self.per_segment && grads_written && self.with_grads {
+            // Reduce-scatter this segment's gradient now; accumulate this
+            // rank's piece into the shard accumulator.
+            let n = self.part.segments[seg].len();
+            let s = self.part.piece[seg];
+            let w = self.part.world_size;
+            self.seg_grads[n..s * w].fill(0.0);
+            let out = &mut self.scratch[..s];
+            self.comm
+                .reduce_scatter_sum(&self.seg_grads[..s * w], out)
+                .map_err(|source| EngineError::Comm { step: self.step, source })?;
+            let acc = &mut self.grads[self.part.shard_range(seg)];
+            acc.iter_mut().zip(out.iter()).for_each(|(a, o)| *a += o);
+            self.seg_grads[..n].fill(0.0);
+        }
+        if self.stage == 3 {
+            *self.gathered_seg = None; // released: the buffer is reused by the next segment
+        }
+        Ok(())
     }
 }
 

@@ -12,6 +12,9 @@ pub enum GptError {
     /// A batch does not fit the model.
     #[error("invalid batch: {0}")]
     InvalidBatch(String),
+    /// The parameter store failed (a collective of a sharded store, say).
+    #[error("parameter store")]
+    Store(#[from] engine::EngineError),
     /// Reading or writing a file failed.
     #[error("{}", path.display())]
     Io {

@@ -350,7 +350,7 @@ pub fn fast_exp(x: f32) -> f32 {
     let p = p * r + 8.333_452e-3;
     let p = p * r + 4.166_579_6e-2;
     let p = p * r + 1.666_666_5e-1;
-    let p = p * r + 5.000_000_1e-1;
+    let p = p * r + 0.5; // Cephes: 5.0000001201e-1, which rounds to 0.5 in f32
     let er = p * r * r + r + 1.0;
     // 2ⁿ by building the exponent bits; n ∈ [-126, 128] after the clamp.
     let two_n = f32::from_bits(((n as i32 + 127).clamp(0, 255) as u32) << 23);

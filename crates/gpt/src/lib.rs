@@ -16,4 +16,4 @@ pub mod model;
 
 pub use config::GptConfig;
 pub use error::GptError;
-pub use model::{init_params, Batch, Gpt, IGNORE_INDEX};
+pub use model::{init_params, init_segment, Batch, Gpt, IGNORE_INDEX};

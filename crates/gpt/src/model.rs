@@ -10,7 +10,7 @@ use crate::config::GptConfig;
 use crate::error::GptError;
 use crate::kernels::{self, AttnShape, Strided};
 use engine::rng::SplitMix64;
-use engine::{MicroStepStats, Model, ParamLayout};
+use engine::{FullStore, MicroStepStats, Model, ParamLayout, ParamStore};
 use std::ops::Range;
 
 /// Targets below zero are ignored (PyTorch's `ignore_index = -100`).
@@ -78,6 +78,8 @@ struct ParamRanges {
     wte: Range<usize>,
     wpe: Range<usize>,
     blocks: Vec<BlockParams>,
+    /// One block's ranges relative to the block's first parameter (every block alike).
+    block_rel: BlockParams,
     lnf_w: Range<usize>,
     lnf_b: Range<usize>,
 }
@@ -108,31 +110,68 @@ fn build_layout(cfg: &GptConfig) -> (ParamLayout, ParamRanges) {
         .collect();
     let lnf_w = l.push("transformer.ln_f.weight", &[c], false);
     let lnf_b = l.push("transformer.ln_f.bias", &[c], false);
-    (l, ParamRanges { wte, wpe, blocks, lnf_w, lnf_b })
+    let block_rel = relative_block(c);
+    (l, ParamRanges { wte, wpe, blocks, block_rel, lnf_w, lnf_b })
+}
+
+/// One block's parameter ranges relative to its first parameter.
+fn relative_block(c: usize) -> BlockParams {
+    let mut at = 0;
+    let mut next = |n: usize| {
+        let r = at..at + n;
+        at += n;
+        r
+    };
+    BlockParams {
+        ln1_w: next(c),
+        ln1_b: next(c),
+        attn_w: next(3 * c * c),
+        attn_b: next(3 * c),
+        proj_w: next(c * c),
+        proj_b: next(c),
+        ln2_w: next(c),
+        ln2_b: next(c),
+        fc_w: next(4 * c * c),
+        fc_b: next(4 * c),
+        fcproj_w: next(4 * c * c),
+        fcproj_b: next(c),
+    }
 }
 
 /// GPT-2 initialisation: N(0, 0.02) for matrices and embeddings, residual
 /// projections scaled by 1/√(2·n_layer), zero biases, unit LayerNorm gains.
 pub fn init_params(cfg: &GptConfig, seed: u64) -> Vec<f32> {
-    let (layout, ranges) = build_layout(cfg);
-    let mut params = vec![0.0f32; layout.n_params()];
-    let mut rng = SplitMix64::derive(seed, &[0x1a17]);
+    (0..cfg.n_layer + 2).flat_map(|seg| init_segment(cfg, seed, seg)).collect()
+}
+
+/// The initial values of segment `seg` alone (0: embeddings, 1..=n_layer:
+/// blocks, n_layer+1: final LayerNorm), each from its own random stream, so a
+/// ZeRO-3 rank can initialise one segment at a time and keep only its piece.
+pub fn init_segment(cfg: &GptConfig, seed: u64, seg: usize) -> Vec<f32> {
+    let c = cfg.n_embd;
+    let mut rng = SplitMix64::derive(seed, &[0x1a17, seg as u64]);
+    let mut normal = |n: usize, std: f64| -> Vec<f32> { (0..n).map(|_| (rng.normal() * std) as f32).collect() };
     let resid_std = 0.02 / (2.0 * cfg.n_layer as f64).sqrt();
-    let mut fill = |r: Range<usize>, std: f64| params[r].iter_mut().for_each(|p| *p = (rng.normal() * std) as f32);
-    fill(ranges.wte.clone(), 0.02);
-    fill(ranges.wpe.clone(), 0.02);
-    for b in &ranges.blocks {
-        fill(b.attn_w.clone(), 0.02);
-        fill(b.proj_w.clone(), resid_std);
-        fill(b.fc_w.clone(), 0.02);
-        fill(b.fcproj_w.clone(), resid_std);
+    if seg == 0 {
+        let mut v = normal(cfg.vocab_size * c, 0.02);
+        v.extend(normal(cfg.block_size * c, 0.02));
+        return v;
     }
-    for b in &ranges.blocks {
-        params[b.ln1_w.clone()].fill(1.0);
-        params[b.ln2_w.clone()].fill(1.0);
+    if seg == cfg.n_layer + 1 {
+        let mut v = vec![1.0; c];
+        v.extend(vec![0.0; c]);
+        return v;
     }
-    params[ranges.lnf_w.clone()].fill(1.0);
-    params
+    let r = relative_block(c);
+    let mut v = vec![0.0f32; r.span().len()];
+    let mut put = |range: Range<usize>, vals: Vec<f32>| v[range].copy_from_slice(&vals);
+    put(r.attn_w.clone(), normal(r.attn_w.len(), 0.02));
+    put(r.proj_w.clone(), normal(r.proj_w.len(), resid_std));
+    put(r.fc_w.clone(), normal(r.fc_w.len(), 0.02));
+    put(r.fcproj_w.clone(), normal(r.fcproj_w.len(), resid_std));
+    put(r.ln1_w.clone(), vec![1.0; c]);
+    put(r.ln2_w.clone(), vec![1.0; c]);
+    v
 }
 
 /// Saved activations of one block.
@@ -297,15 +336,8 @@ impl Gpt {
         self.acts.bytes()
     }
 
-    fn check(&self, params: &[f32], batch: &Batch) -> Result<(), GptError> {
+    fn check(&self, batch: &Batch) -> Result<(), GptError> {
         let (b, t) = (batch.n_seqs, batch.seq_len);
-        if params.len() != self.layout.n_params() {
-            return Err(GptError::InvalidBatch(format!(
-                "parameter buffer has {} values, the model needs {}",
-                params.len(),
-                self.layout.n_params()
-            )));
-        }
         if t == 0 || t > self.cfg.block_size {
             return Err(GptError::InvalidBatch(format!(
                 "sequence length {t} must be between 1 and the model's block_size {}",
@@ -335,12 +367,22 @@ impl Gpt {
         }
     }
 
-    /// Forward of block `idx` on the residual stream `x` (the embeddings for
-    /// block 0, the previous block's output otherwise).
-    pub fn block_forward(&mut self, params: &[f32], idx: usize) {
+    /// Segment index of block `idx` (segment 0 is the embeddings, the last the final LayerNorm).
+    fn block_seg(idx: usize) -> usize {
+        1 + idx
+    }
+
+    fn lnf_seg(&self) -> usize {
+        1 + self.cfg.n_layer
+    }
+
+    /// Forward of block `idx` on the residual stream (the embeddings for
+    /// block 0, the previous block's output otherwise). `p` holds only this
+    /// block's parameters (its segment).
+    pub fn block_forward(&mut self, p: &[f32], idx: usize) {
         let (b, t, c, nh) = (self.acts.b, self.acts.t, self.cfg.n_embd, self.cfg.n_head);
         let n = b * t;
-        let p = &self.ranges.blocks[idx];
+        let r = &self.ranges.block_rel;
         let (before, rest) = self.acts.blocks.split_at_mut(idx);
         let x: &[f32] = if idx == 0 { &self.acts.encoded } else { &before[idx - 1].res3 };
         let a = &mut rest[0];
@@ -349,15 +391,15 @@ impl Gpt {
             &mut a.ln1_mean,
             &mut a.ln1_rstd,
             x,
-            &params[p.ln1_w.clone()],
-            &params[p.ln1_b.clone()],
+            &p[r.ln1_w.clone()],
+            &p[r.ln1_b.clone()],
             c,
         );
         kernels::matmul_forward(
             &mut a.qkv,
             &a.ln1,
-            &params[p.attn_w.clone()],
-            Some(&params[p.attn_b.clone()]),
+            &p[r.attn_w.clone()],
+            Some(&p[r.attn_b.clone()]),
             None,
             n,
             c,
@@ -367,8 +409,8 @@ impl Gpt {
         kernels::matmul_forward(
             &mut a.res2,
             &a.atty,
-            &params[p.proj_w.clone()],
-            Some(&params[p.proj_b.clone()]),
+            &p[r.proj_w.clone()],
+            Some(&p[r.proj_b.clone()]),
             Some(x),
             n,
             c,
@@ -379,26 +421,17 @@ impl Gpt {
             &mut a.ln2_mean,
             &mut a.ln2_rstd,
             &a.res2,
-            &params[p.ln2_w.clone()],
-            &params[p.ln2_b.clone()],
+            &p[r.ln2_w.clone()],
+            &p[r.ln2_b.clone()],
             c,
         );
-        kernels::matmul_forward(
-            &mut a.fch,
-            &a.ln2,
-            &params[p.fc_w.clone()],
-            Some(&params[p.fc_b.clone()]),
-            None,
-            n,
-            c,
-            4 * c,
-        );
+        kernels::matmul_forward(&mut a.fch, &a.ln2, &p[r.fc_w.clone()], Some(&p[r.fc_b.clone()]), None, n, c, 4 * c);
         kernels::gelu_forward(&mut a.fch_gelu, &a.fch);
         kernels::matmul_forward(
             &mut a.res3,
             &a.fch_gelu,
-            &params[p.fcproj_w.clone()],
-            Some(&params[p.fcproj_b.clone()]),
+            &p[r.fcproj_w.clone()],
+            Some(&p[r.fcproj_b.clone()]),
             Some(&a.res2),
             n,
             4 * c,
@@ -407,78 +440,94 @@ impl Gpt {
     }
 
     /// Backward of block `idx`: on entry the scratch `dres` holds the gradient
-    /// of the block's output; on exit, of its input. Adds into `grads`.
-    pub fn block_backward(&mut self, params: &[f32], grads: &mut [f32], idx: usize) {
+    /// of the block's output; on exit, of its input. `p` and `g` are this
+    /// block's parameters and gradient (its segment); adds into `g`.
+    pub fn block_backward(&mut self, p: &[f32], g: &mut [f32], idx: usize) {
         let (b, t, c, nh) = (self.acts.b, self.acts.t, self.cfg.n_embd, self.cfg.n_head);
         let n = b * t;
-        let p = &self.ranges.blocks[idx];
+        let r = &self.ranges.block_rel;
         let acts = &mut self.acts;
         let x: &[f32] = if idx == 0 { &acts.encoded } else { &acts.blocks[idx - 1].res3 };
         let a = &acts.blocks[idx];
         let (dres, dc, d4c, dqkv, datt) =
             (&mut acts.dres, &mut acts.dbuf_c, &mut acts.dbuf_4c, &mut acts.dqkv, &mut acts.datt);
 
-        let (gw, gb) = two_mut(grads, p.fcproj_w.clone(), p.fcproj_b.clone());
-        kernels::matmul_backward(d4c, gw, Some(gb), dres, &a.fch_gelu, &params[p.fcproj_w.clone()], n, 4 * c, c);
+        let (gw, gb) = two_mut(g, r.fcproj_w.clone(), r.fcproj_b.clone());
+        kernels::matmul_backward(d4c, gw, Some(gb), dres, &a.fch_gelu, &p[r.fcproj_w.clone()], n, 4 * c, c);
         kernels::gelu_backward_inplace(d4c, &a.fch);
-        let (gw, gb) = two_mut(grads, p.fc_w.clone(), p.fc_b.clone());
-        kernels::matmul_backward(dc, gw, Some(gb), d4c, &a.ln2, &params[p.fc_w.clone()], n, c, 4 * c);
-        let (gw, gb) = two_mut(grads, p.ln2_w.clone(), p.ln2_b.clone());
-        kernels::layernorm_backward(dres, gw, gb, dc, &a.res2, &a.ln2_mean, &a.ln2_rstd, &params[p.ln2_w.clone()], c);
-        let (gw, gb) = two_mut(grads, p.proj_w.clone(), p.proj_b.clone());
-        kernels::matmul_backward(dc, gw, Some(gb), dres, &a.atty, &params[p.proj_w.clone()], n, c, c);
+        let (gw, gb) = two_mut(g, r.fc_w.clone(), r.fc_b.clone());
+        kernels::matmul_backward(dc, gw, Some(gb), d4c, &a.ln2, &p[r.fc_w.clone()], n, c, 4 * c);
+        let (gw, gb) = two_mut(g, r.ln2_w.clone(), r.ln2_b.clone());
+        kernels::layernorm_backward(dres, gw, gb, dc, &a.res2, &a.ln2_mean, &a.ln2_rstd, &p[r.ln2_w.clone()], c);
+        let (gw, gb) = two_mut(g, r.proj_w.clone(), r.proj_b.clone());
+        kernels::matmul_backward(dc, gw, Some(gb), dres, &a.atty, &p[r.proj_w.clone()], n, c, c);
         kernels::attention_backward(dqkv, datt, dc, &a.qkv, &a.att, AttnShape { b, t, c, n_head: nh });
-        let (gw, gb) = two_mut(grads, p.attn_w.clone(), p.attn_b.clone());
-        kernels::matmul_backward(dc, gw, Some(gb), dqkv, &a.ln1, &params[p.attn_w.clone()], n, c, 3 * c);
-        let (gw, gb) = two_mut(grads, p.ln1_w.clone(), p.ln1_b.clone());
-        kernels::layernorm_backward(dres, gw, gb, dc, x, &a.ln1_mean, &a.ln1_rstd, &params[p.ln1_w.clone()], c);
+        let (gw, gb) = two_mut(g, r.attn_w.clone(), r.attn_b.clone());
+        kernels::matmul_backward(dc, gw, Some(gb), dqkv, &a.ln1, &p[r.attn_w.clone()], n, c, 3 * c);
+        let (gw, gb) = two_mut(g, r.ln1_w.clone(), r.ln1_b.clone());
+        kernels::layernorm_backward(dres, gw, gb, dc, x, &a.ln1_mean, &a.ln1_rstd, &p[r.ln1_w.clone()], c);
     }
 
     /// Forward through the final LayerNorm and the tied head into `logits`.
-    fn forward(&mut self, params: &[f32], inputs: &[u32]) {
+    /// Leaves segment 0 (the embeddings, whose `wte` is the head) held.
+    fn forward(&mut self, store: &mut dyn ParamStore, inputs: &[u32]) -> Result<(), GptError> {
         let (t, c, v) = (self.acts.t, self.cfg.n_embd, self.cfg.vocab_size);
         let n = self.acts.b * t;
         let (wte, wpe) = (self.ranges.wte.clone(), self.ranges.wpe.clone());
-        kernels::encoder_forward(&mut self.acts.encoded, inputs, &params[wte], &params[wpe], t, c);
-        for idx in 0..self.cfg.n_layer {
-            self.block_forward(params, idx);
+        {
+            let seg = store.segment(0)?;
+            kernels::encoder_forward(&mut self.acts.encoded, inputs, &seg.params[wte.clone()], &seg.params[wpe], t, c);
         }
-        let r = &self.ranges;
-        let acts = &mut self.acts;
-        let last: &[f32] = acts.blocks.last().map_or(&acts.encoded, |a| &a.res3);
-        kernels::layernorm_forward(
-            &mut acts.lnf,
-            &mut acts.lnf_mean,
-            &mut acts.lnf_rstd,
-            last,
-            &params[r.lnf_w.clone()],
-            &params[r.lnf_b.clone()],
-            c,
-        );
+        store.done(0, false)?;
+        for idx in 0..self.cfg.n_layer {
+            let seg = store.segment(Self::block_seg(idx))?;
+            self.block_forward(seg.params, idx);
+            store.done(Self::block_seg(idx), false)?;
+        }
+        let lnf = self.lnf_seg();
+        {
+            let seg = store.segment(lnf)?;
+            let acts = &mut self.acts;
+            let last: &[f32] = acts.blocks.last().map_or(&acts.encoded, |a| &a.res3);
+            kernels::layernorm_forward(
+                &mut acts.lnf,
+                &mut acts.lnf_mean,
+                &mut acts.lnf_rstd,
+                last,
+                &seg.params[..c],
+                &seg.params[c..2 * c],
+                c,
+            );
+        }
+        store.done(lnf, false)?;
         // logits = lnf · wteᵀ (the head is tied to the token embedding).
+        let seg = store.segment(0)?;
         kernels::gemm_into(
             n,
             v,
             c,
-            &mut acts.logits,
+            &mut self.acts.logits,
             0,
             v,
             false,
-            Strided::rows(&acts.lnf, c),
-            Strided::transposed(&params[r.wte.clone()], c),
+            Strided::rows(&self.acts.lnf, c),
+            Strided::transposed(&seg.params[wte], c),
             1.0,
             kernels::parallelism(false),
         );
+        Ok(())
     }
 
-    /// Backward from `dlogits` (held in `logits`) to every parameter.
-    fn backward(&mut self, params: &[f32], grads: &mut [f32], inputs: &[u32]) {
+    /// Backward from `dlogits` (held in `logits`) to every parameter, segment
+    /// by segment in reverse; segment 0 is still held from the forward pass.
+    fn backward(&mut self, store: &mut dyn ParamStore, inputs: &[u32]) -> Result<(), GptError> {
         let (t, c, v) = (self.acts.t, self.cfg.n_embd, self.cfg.vocab_size);
         let n = self.acts.b * t;
-        let r = self.ranges.clone();
+        let (wte, wpe) = (self.ranges.wte.clone(), self.ranges.wpe.clone());
+        let par = kernels::parallelism(false);
         {
+            let seg = store.segment(0)?;
             let acts = &mut self.acts;
-            let par = kernels::parallelism(false);
             // dlnf = dlogits · wte ; dwte += dlogitsᵀ · lnf
             kernels::gemm_into(
                 n,
@@ -489,7 +538,7 @@ impl Gpt {
                 c,
                 false,
                 Strided::rows(&acts.logits, v),
-                Strided::rows(&params[r.wte.clone()], c),
+                Strided::rows(&seg.params[wte.clone()], c),
                 1.0,
                 par,
             );
@@ -497,7 +546,7 @@ impl Gpt {
                 v,
                 c,
                 n,
-                &mut grads[r.wte.clone()],
+                &mut seg.grads[wte.clone()],
                 0,
                 c,
                 true,
@@ -506,9 +555,16 @@ impl Gpt {
                 1.0,
                 par,
             );
+        }
+        // The head's share of wte's gradient is complete for this pass.
+        store.done(0, true)?;
+        let lnf = self.lnf_seg();
+        {
+            let seg = store.segment(lnf)?;
+            let acts = &mut self.acts;
             let last: &[f32] = acts.blocks.last().map_or(&acts.encoded, |a| &a.res3);
             acts.dres.fill(0.0);
-            let (gw, gb) = two_mut(grads, r.lnf_w.clone(), r.lnf_b.clone());
+            let (gw, gb) = seg.grads.split_at_mut(c);
             kernels::layernorm_backward(
                 &mut acts.dres,
                 gw,
@@ -517,15 +573,23 @@ impl Gpt {
                 last,
                 &acts.lnf_mean,
                 &acts.lnf_rstd,
-                &params[r.lnf_w.clone()],
+                &seg.params[..c],
                 c,
             );
         }
+        store.done(lnf, true)?;
         for idx in (0..self.cfg.n_layer).rev() {
-            self.block_backward(params, grads, idx);
+            let seg = store.segment(Self::block_seg(idx))?;
+            self.block_backward(seg.params, seg.grads, idx);
+            store.done(Self::block_seg(idx), true)?;
         }
-        let (gwte, gwpe) = two_mut(grads, r.wte.clone(), r.wpe.clone());
-        kernels::encoder_backward(gwte, gwpe, &self.acts.dres, inputs, t, c);
+        {
+            let seg = store.segment(0)?;
+            let (gwte, gwpe) = two_mut(seg.grads, wte, wpe);
+            kernels::encoder_backward(gwte, gwpe, &self.acts.dres, inputs, t, c);
+        }
+        store.done(0, true)?;
+        Ok(())
     }
 
     /// Sums the per-row losses in row order (f64, deterministic).
@@ -537,9 +601,12 @@ impl Gpt {
     pub fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, GptError> {
         let t = tokens.len();
         let batch = Batch { n_seqs: 1, seq_len: t, inputs: tokens.to_vec(), targets: vec![IGNORE_INDEX; t] };
-        self.check(params, &batch)?;
+        self.check(&batch)?;
         self.ensure_acts(1, t);
-        self.forward(params, tokens);
+        let segments = self.segments();
+        let mut store = FullStore::read_only(params, &segments);
+        self.forward(&mut store, tokens)?;
+        store.done(0, false)?;
         let v = self.cfg.vocab_size;
         Ok(self.acts.logits[(t - 1) * v..t * v].to_vec())
     }
@@ -553,31 +620,33 @@ impl Model for Gpt {
         &self.layout
     }
 
+    fn segments(&self) -> Vec<Range<usize>> {
+        let r = &self.ranges;
+        std::iter::once(r.wte.start..r.wpe.end)
+            .chain(r.blocks.iter().map(|b| b.span()))
+            .chain(std::iter::once(r.lnf_w.start..r.lnf_b.end))
+            .collect()
+    }
+
     fn n_targets(&self, batch: &Batch) -> u64 {
         batch.n_targets()
     }
 
     fn micro_step(
         &mut self,
-        params: &[f32],
-        grads: &mut [f32],
+        store: &mut dyn ParamStore,
         batch: &Batch,
         grad_scale: f32,
     ) -> Result<MicroStepStats, GptError> {
+        // A rank without data in the tail still walks the segments, so that a
+        // sharded store performs the same collectives on every rank.
+        self.check(batch)?;
         if batch.n_seqs == 0 {
-            return Ok(MicroStepStats::default());
-        }
-        self.check(params, batch)?;
-        if grads.len() != params.len() {
-            return Err(GptError::InvalidBatch(format!(
-                "gradient buffer has {} values, parameters {}",
-                grads.len(),
-                params.len()
-            )));
+            return self.walk_without_data(store);
         }
         self.ensure_acts(batch.n_seqs, batch.seq_len);
-        self.forward(params, &batch.inputs);
         let n = batch.n_seqs * batch.seq_len;
+        self.forward(store, &batch.inputs)?;
         kernels::softmax_cross_entropy(
             &mut self.acts.logits,
             &mut self.acts.losses,
@@ -586,17 +655,20 @@ impl Model for Gpt {
             Some(grad_scale),
         );
         let loss_sum = self.loss_sum(n);
-        self.backward(params, grads, &batch.inputs);
+        self.backward(store, &batch.inputs)?;
         Ok(MicroStepStats { loss_sum, n_targets: batch.n_targets() })
     }
 
-    fn loss(&mut self, params: &[f32], batch: &Batch) -> Result<MicroStepStats, GptError> {
+    fn loss(&mut self, store: &mut dyn ParamStore, batch: &Batch) -> Result<MicroStepStats, GptError> {
+        self.check(batch)?;
         if batch.n_seqs == 0 {
+            self.walk_forward(store)?;
+            store.done(0, false)?;
             return Ok(MicroStepStats::default());
         }
-        self.check(params, batch)?;
         self.ensure_acts(batch.n_seqs, batch.seq_len);
-        self.forward(params, &batch.inputs);
+        self.forward(store, &batch.inputs)?;
+        store.done(0, false)?;
         let n = batch.n_seqs * batch.seq_len;
         kernels::softmax_cross_entropy(
             &mut self.acts.logits,
@@ -606,5 +678,36 @@ impl Model for Gpt {
             None,
         );
         Ok(MicroStepStats { loss_sum: self.loss_sum(n), n_targets: batch.n_targets() })
+    }
+}
+
+impl Gpt {
+    /// The segment sequence of a forward pass without computing anything
+    /// (ends holding segment 0, as [`Gpt::forward`] does).
+    fn walk_forward(&self, store: &mut dyn ParamStore) -> Result<(), GptError> {
+        for seg in 0..self.segments().len() {
+            store.segment(seg)?;
+            store.done(seg, false)?;
+        }
+        store.segment(0)?;
+        Ok(())
+    }
+
+    /// The segment sequence of a micro-step, with zero gradients: what a
+    /// rank without data does so that a sharded store's collectives stay
+    /// matched across ranks.
+    fn walk_without_data(&mut self, store: &mut dyn ParamStore) -> Result<MicroStepStats, GptError> {
+        self.walk_forward(store)?;
+        store.done(0, true)?;
+        let lnf = self.lnf_seg();
+        store.segment(lnf)?;
+        store.done(lnf, true)?;
+        for idx in (0..self.cfg.n_layer).rev() {
+            store.segment(Self::block_seg(idx))?;
+            store.done(Self::block_seg(idx), true)?;
+        }
+        store.segment(0)?;
+        store.done(0, true)?;
+        Ok(MicroStepStats::default())
     }
 }

@@ -2,7 +2,10 @@
 //! and everything at the boundary happens exactly once per optimizer step.
 
 use engine::rng::SplitMix64;
-use engine::{clip_grad_norm, AdamW, Decay, LossNormalization, LrSchedule, Model, Optimizer, Trainer, TrainerOptions};
+use engine::{
+    clip_grad_norm, AdamW, Decay, FullStore, LossNormalization, LrSchedule, Model, Optimizer, ParamStore, Trainer,
+    TrainerOptions,
+};
 use gpt::{init_params, Batch, Gpt, GptConfig, IGNORE_INDEX};
 use proptest::prelude::*;
 
@@ -55,7 +58,8 @@ fn trainer(options: TrainerOptions, schedule: LrSchedule) -> (Gpt, Trainer) {
     let model = Gpt::new(cfg()).unwrap();
     let params = init_params(&cfg(), 7);
     let opt = Optimizer::AdamW(AdamW::new(params.len(), 0.9, 0.95, 1e-8, 0.1).unwrap());
-    (model, Trainer::new(params, opt, schedule, options))
+    let trainer = Trainer::new(&model, params, opt, schedule, options).unwrap();
+    (model, trainer)
 }
 
 fn max_abs(a: &[f32]) -> f32 {
@@ -142,21 +146,23 @@ impl Model for Counting {
     fn layout(&self) -> &engine::ParamLayout {
         self.inner.layout()
     }
+    fn segments(&self) -> Vec<std::ops::Range<usize>> {
+        self.inner.segments()
+    }
     fn n_targets(&self, b: &Batch) -> u64 {
         b.n_targets()
     }
     fn micro_step(
         &mut self,
-        p: &[f32],
-        g: &mut [f32],
+        st: &mut dyn ParamStore,
         b: &Batch,
         s: f32,
     ) -> Result<engine::MicroStepStats, Self::Error> {
         self.n_micro_steps += 1;
-        self.inner.micro_step(p, g, b, s)
+        self.inner.micro_step(st, b, s)
     }
-    fn loss(&mut self, p: &[f32], b: &Batch) -> Result<engine::MicroStepStats, Self::Error> {
-        self.inner.loss(p, b)
+    fn loss(&mut self, st: &mut dyn ParamStore, b: &Batch) -> Result<engine::MicroStepStats, Self::Error> {
+        self.inner.loss(st, b)
     }
 }
 
@@ -202,7 +208,8 @@ fn clipping_sees_the_full_accumulated_gradient() {
     let params = init_params(&cfg(), 7);
     for b in split(&seqs, &[2, 2, 2, 2]) {
         let mut g = vec![0.0f32; full.len()];
-        model.micro_step(&params, &mut g, &b, 1.0 / n_total as f32).unwrap();
+        let segs = model.segments();
+        model.micro_step(&mut FullStore::new(&params, &mut g, &segs), &b, 1.0 / n_total as f32).unwrap();
         clip_grad_norm(&mut g, max_norm);
         per_micro.iter_mut().zip(&g).for_each(|(a, b)| *a += b);
     }
@@ -215,7 +222,9 @@ fn logged_loss_is_the_global_batch_mean_never_divided_by_k() {
     let seqs = sequences(true);
     let full = batch(&seqs);
     let mut eval = Gpt::new(cfg()).unwrap();
-    let stats = eval.loss(&init_params(&cfg(), 7), &full).unwrap();
+    let params = init_params(&cfg(), 7);
+    let segs = eval.segments();
+    let stats = eval.loss(&mut FullStore::read_only(&params, &segs), &full).unwrap();
     let mean = stats.loss_sum / stats.n_targets as f64;
     let (mut model, mut tr) = trainer(TrainerOptions::default(), LrSchedule::constant(1e-3));
     let report = tr.step(&mut model, &mut comm::SingleProcess::new(), &split(&seqs, &[2, 2, 2, 2])).unwrap();

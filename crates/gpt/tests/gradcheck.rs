@@ -13,7 +13,7 @@
 //! h = 3e-3, the h² scaling of truncation error, i.e. not a kernel bug).
 
 use engine::rng::SplitMix64;
-use engine::Model;
+use engine::{FullStore, Model};
 use gpt::kernels::{self, AttnShape};
 use gpt::{init_params, Batch, Gpt, GptConfig, IGNORE_INDEX};
 
@@ -190,15 +190,16 @@ fn whole_model_gradient_matches_finite_differences() {
     let noise = randn(params.len(), 15, 0.3);
     params.iter_mut().zip(&noise).for_each(|(p, n)| *p += n);
     let batch = tiny_batch();
+    let segs = model.segments();
     let mut grads = vec![0.0; params.len()];
-    let stats = model.micro_step(&params, &mut grads, &batch, 1.0).unwrap();
+    let stats = model.micro_step(&mut FullStore::new(&params, &mut grads, &segs), &batch, 1.0).unwrap();
     assert_eq!(stats.n_targets, 9);
-    let loss = |p: &[f32]| Gpt::new(cfg).unwrap().loss(p, &batch).unwrap().loss_sum;
+    let loss = |p: &[f32]| Gpt::new(cfg).unwrap().loss(&mut FullStore::read_only(p, &segs), &batch).unwrap().loss_sum;
     assert!((loss(&params) - stats.loss_sum).abs() < 1e-9, "eval and train forward agree");
     check_with_step("model", &params, &grads, 3e-3, loss);
     // grad_scale multiplies the gradient and leaves the loss alone; grads accumulate.
     let mut twice = grads.clone();
-    let s2 = model.micro_step(&params, &mut twice, &batch, 0.5).unwrap();
+    let s2 = model.micro_step(&mut FullStore::new(&params, &mut twice, &segs), &batch, 0.5).unwrap();
     assert_eq!(s2.loss_sum, stats.loss_sum);
     for (t, g) in twice.iter().zip(&grads) {
         assert!((t - 1.5 * g).abs() <= 1e-6 * (1.0 + g.abs()));
@@ -210,14 +211,16 @@ fn bad_batches_are_errors_not_panics() {
     let cfg = tiny_cfg();
     let mut model = Gpt::new(cfg).unwrap();
     let params = init_params(&cfg, 0);
+    let segs = model.segments();
+    let mut store = FullStore::read_only(&params, &segs);
     let mut b = tiny_batch();
     b.inputs[0] = 11;
-    assert!(model.loss(&params, &b).unwrap_err().to_string().contains("outside the vocabulary"));
+    assert!(model.loss(&mut store, &b).unwrap_err().to_string().contains("outside the vocabulary"));
     let mut b = tiny_batch();
     b.seq_len = 7;
     b.n_seqs = 1;
     b.inputs.truncate(7);
     b.targets.truncate(7);
-    assert!(model.loss(&params, &b).unwrap_err().to_string().contains("block_size"));
-    assert!(model.loss(&params[1..], &tiny_batch()).is_err());
+    assert!(model.loss(&mut store, &b).unwrap_err().to_string().contains("block_size"));
+    assert!(model.loss(&mut FullStore::read_only(&params[1..], &segs), &tiny_batch()).is_err());
 }

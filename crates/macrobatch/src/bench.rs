@@ -10,7 +10,6 @@ use crate::train::{load_config, plan, rank_batches, trainer_for, Plan};
 use crate::BenchArgs;
 use anyhow::{bail, Result};
 use data::{BatchShape, Sampler};
-use engine::Model;
 use gpt::Gpt;
 use serde::Serialize;
 use std::time::Instant;
@@ -57,8 +56,8 @@ fn time_steps(plan: &Plan, shape: BatchShape, warmup: usize, steps: usize) -> Re
     let cfg = &plan.cfg;
     let sampler = Sampler::new(plan.train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?;
     let mut model = Gpt::new(plan.model)?;
-    let mut trainer = trainer_for(plan, model.layout().n_params())?;
     let mut comm = comm::SingleProcess::new();
+    let mut trainer = trainer_for(plan, &model, &mut comm)?;
     let (mut ms, mut overhead) = (Vec::new(), Vec::new());
     for i in 0..warmup + steps {
         let (epoch, s) = sampler.position(i as u64);
@@ -91,7 +90,9 @@ fn time_steps(plan: &Plan, shape: BatchShape, warmup: usize, steps: usize) -> Re
 fn nominal_peak_gflops(threads: usize) -> f64 {
     let mhz = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|t| t.lines().find(|l| l.starts_with("cpu MHz")).and_then(|l| l.split(':').nth(1)?.trim().parse::<f64>().ok()))
+        .and_then(|t| {
+            t.lines().find(|l| l.starts_with("cpu MHz")).and_then(|l| l.split(':').nth(1)?.trim().parse::<f64>().ok())
+        })
         .unwrap_or(0.0);
     threads as f64 * F32_FLOP_PER_CYCLE * mhz / 1e3
 }
@@ -143,7 +144,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
             if b.global % k != 0 {
                 continue;
             }
-            let t = time_steps(&plan, BatchShape { micro: b.global / k, accumulation_steps: k, world_size: 1 }, args.warmup, args.steps)?;
+            let t = time_steps(
+                &plan,
+                BatchShape { micro: b.global / k, accumulation_steps: k, world_size: 1 },
+                args.warmup,
+                args.steps,
+            )?;
             let base_ms = *base.get_or_insert(t.ms_median);
             k_sweep.push((k, t.ms_median / base_ms));
         }

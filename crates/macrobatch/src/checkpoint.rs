@@ -7,7 +7,7 @@
 //! skipped in favour of the previous one.
 
 use anyhow::{bail, Context, Result};
-use engine::{Model, Trainer};
+use engine::Model;
 use gpt::{hf, Gpt, GptConfig};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -70,12 +70,14 @@ pub fn step_dir_name(step: u64) -> String {
     format!("step-{step:08}")
 }
 
-/// Writes the checkpoint of the trainer's current state under `run_dir`.
+/// Writes a checkpoint under `run_dir`: full parameters and optimizer state
+/// (assembled from every rank's shard under ZeRO), the trainer state and the config.
 pub fn save(
     run_dir: &Path,
     model_cfg: &GptConfig,
     model: &Gpt,
-    trainer: &Trainer,
+    params: &[f32],
+    optimizer_state: &[(String, Vec<f32>)],
     state: &TrainerState,
     config_toml: &str,
 ) -> Result<PathBuf> {
@@ -88,12 +90,10 @@ pub fn save(
     }
     std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
 
-    hf::save(&tmp, model_cfg, model.layout(), trainer.params())?;
-    let opt = trainer.optimizer();
-    let n = trainer.params().len();
+    hf::save(&tmp, model_cfg, model.layout(), params)?;
     let tensors: Vec<(String, Vec<usize>, &[f32])> =
-        opt.state_buffers().into_iter().map(|(k, v)| (k.to_string(), vec![n], v)).collect();
-    hf::write_safetensors(&tmp.join(OPTIMIZER), &tensors, &[("n_updates", opt.n_updates().to_string())])?;
+        optimizer_state.iter().map(|(k, v)| (k.clone(), vec![v.len()], v.as_slice())).collect();
+    hf::write_safetensors(&tmp.join(OPTIMIZER), &tensors, &[("n_updates", state.n_updates.to_string())])?;
     hf::write_atomic(&tmp.join(STATE), serde_json::to_string_pretty(state)?.as_bytes())?;
     hf::write_atomic(&tmp.join(CONFIG), config_toml.as_bytes())?;
 

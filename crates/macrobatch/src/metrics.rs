@@ -42,6 +42,20 @@ pub struct StepRecord {
     /// Validation loss, on evaluation steps.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
+    /// Bytes of resident parameters on this rank.
+    pub mem_params: usize,
+    /// Bytes of gradient buffers.
+    pub mem_grads: usize,
+    /// Bytes of optimizer state.
+    pub mem_optimizer: usize,
+    /// Bytes of f32 master weights kept apart from the parameters.
+    pub mem_master: usize,
+    /// Bytes of activations and backward scratch.
+    pub mem_activations: usize,
+    /// Bytes of collective buffers.
+    pub mem_comm_buffers: usize,
+    /// Peak resident set size of this process (VmHWM).
+    pub mem_peak_rss: Option<u64>,
 }
 
 /// Writes metrics and shows progress.

@@ -9,7 +9,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use comm::Communicator;
 use config::{Config, ResolvedBatch, ScheduleKind};
 use data::{BatchShape, Corpus, DataFormat, Sampler, TokenDataset};
-use engine::{AdamW, Decay, LossNormalization, LrSchedule, Model, Optimizer, Sgd, Trainer, TrainerOptions};
+use engine::{AdamW, Decay, LossNormalization, LrSchedule, Model, Optimizer, Sgd, Trainer, TrainerOptions, ZeroConfig};
 use gpt::{Batch, Gpt, GptConfig};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -87,8 +87,10 @@ pub fn plan(cfg: Config, backend: Backend) -> Result<Plan> {
     Ok(Plan { cfg, model, backend, batch, train, val, sampler })
 }
 
-/// A trainer over freshly initialised parameters.
-pub fn trainer_for(plan: &Plan, n_params: usize) -> Result<Trainer> {
+/// A trainer over freshly initialised parameters for this rank of `comm`
+/// (rank 0's parameters are broadcast; ZeRO partitions as configured).
+pub fn trainer_for(plan: &Plan, model: &Gpt, comm: &mut dyn Communicator) -> Result<Trainer> {
+    let n_params = model.layout().n_params();
     let (cfg, o) = (&plan.cfg, &plan.cfg.optim);
     let optimizer = match o.name.as_str() {
         "sgd" => Optimizer::Sgd(Sgd::new(n_params, o.momentum, o.nesterov, o.weight_decay)?),
@@ -114,8 +116,9 @@ pub fn trainer_for(plan: &Plan, n_params: usize) -> Result<Trainer> {
         },
         bucket_elems: ((cfg.dist.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1),
     };
-    let params = gpt::init_params(&plan.model, cfg.train.seed);
-    Ok(Trainer::new(params, optimizer, schedule, options))
+    let zero = ZeroConfig { stage: cfg.dist.zero_stage, reduce_every_micro_step: cfg.dist.reduce_every_micro_step };
+    let init = |seg: usize| gpt::init_segment(&plan.model, cfg.train.seed, seg);
+    Ok(Trainer::distributed_with(model, &init, optimizer, schedule, options, zero, comm)?)
 }
 
 /// Builds a model batch from sample indices.
@@ -140,17 +143,64 @@ pub fn rank_batches(plan: &Plan, sampler: &Sampler, order: &[usize], step_in_epo
         .collect()
 }
 
-/// Mean validation loss over the first `eval_batches` micro-batches.
-fn evaluate(model: &mut Gpt, params: &[f32], val: &TokenDataset, micro: usize, eval_batches: usize) -> Result<f64> {
-    let n = (micro * eval_batches).min(val.n_samples());
+/// Mean validation loss over the first `eval_batches` micro-batches (at
+/// ZeRO-3 a collective: every rank evaluates the same batches).
+fn evaluate(trainer: &mut Trainer, model: &mut Gpt, comm: &mut dyn Communicator, plan: &Plan) -> Result<f64> {
+    let (val, micro) = (&plan.val, plan.batch.micro);
+    let n = (micro * plan.cfg.train.eval_batches).min(val.n_samples());
     let idx: Vec<usize> = (0..n).collect();
     let (mut sum, mut count) = (0.0, 0u64);
     for chunk in idx.chunks(micro) {
-        let s = model.loss(params, &make_batch(val, chunk))?;
+        let s = trainer.loss(model, comm, &make_batch(val, chunk))?;
         sum += s.loss_sum;
         count += s.n_targets;
     }
     Ok(sum / count.max(1) as f64)
+}
+
+/// A `/proc/self/status` memory figure in bytes (`VmHWM`: peak, `VmRSS`: now).
+fn proc_status_bytes(key: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(key))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Bytes of physical memory this process has used at most (VmHWM), if known.
+pub fn peak_rss_bytes() -> Option<u64> {
+    proc_status_bytes("VmHWM:")
+}
+
+/// Per-rank memory: the accounting and what the OS measured.
+#[derive(serde::Serialize)]
+struct MemoryFile {
+    zero_stage: u8,
+    world_size: usize,
+    n_params: usize,
+    /// Rank 0's accounting (every rank's is the same up to padding).
+    accounting: engine::MemoryReport,
+    /// SPEC §3's per-rank model-state bytes for this stage in f32.
+    formula_model_states: f64,
+    /// Per rank: peak resident set (VmHWM).
+    peak_rss: Vec<u64>,
+    /// Per rank: resident-set growth from before the trainer existed to after
+    /// the first step, less the accounted activations and collective buffers
+    /// (the trainer's and the communicator's): the model states as the OS sees them.
+    measured_model_states: Vec<u64>,
+}
+
+/// SPEC §3's per-rank model-state bytes in f32 (params 4Ψ, grads 4Ψ, AdamW
+/// 8Ψ; no separate master copy): stage 0 16Ψ, 1 8Ψ + 8Ψ/N, 2 4Ψ + 12Ψ/N,
+/// 3 16Ψ/N. Stage 2 accumulating locally keeps its full gradient: 8Ψ + 8Ψ/N.
+pub fn formula_model_states(stage: u8, local_accumulation: bool, n_params: usize, world: usize) -> f64 {
+    let (p, n) = (n_params as f64, world as f64);
+    match stage {
+        0 => 16.0 * p,
+        1 => 8.0 * p + 8.0 * p / n,
+        2 if local_accumulation => 8.0 * p + 8.0 * p / n,
+        2 => 4.0 * p + 12.0 * p / n,
+        _ => 16.0 * p / n,
+    }
 }
 
 fn output_dir(args: &TrainArgs) -> Result<PathBuf> {
@@ -246,14 +296,28 @@ fn train_rank(
     let rank = comm.rank();
     let cfg = &plan.cfg;
     let mut model = Gpt::new(plan.model)?;
-    let mut trainer = trainer_for(plan, model.layout().n_params())?;
+    let rss_before = proc_status_bytes("VmRSS:");
+    let mut trainer = trainer_for(plan, &model, comm)?;
+    let mut model_states_rss = None;
     if let Some(l) = &start_from.resume {
         trainer.restore(l.params.clone(), l.state.step, l.state.n_updates, |name| l.optimizer.get(name).cloned())?;
     } else if let Some(p) = &start_from.init_params {
         trainer.set_params(p.as_ref().clone())?;
     }
-    trainer.broadcast_params(comm)?;
     trainer.check_params_agree(comm)?;
+    let mem = trainer.memory();
+    if let Some(out) = &outputs {
+        out.reporter.println(&format!(
+            "memory per rank (ZeRO stage {}): params {:.1} MB, grads {:.1} MB, optimizer {:.1} MB, comm buffers {:.1} MB",
+            cfg.dist.zero_stage,
+            mem.params as f64 / 1e6,
+            mem.grads as f64 / 1e6,
+            mem.optimizer as f64 / 1e6,
+            mem.comm_buffers as f64 / 1e6
+        ));
+    }
+    // At stage 3 evaluation and saving gather parameters: every rank joins.
+    let all_ranks_gather = cfg.dist.zero_stage == 3;
     let steps = cfg.train.steps;
     let first_step = trainer.n_steps();
     let config_toml = resolved_toml(plan);
@@ -273,6 +337,13 @@ fn train_rank(
         let t0 = Instant::now();
         let report = trainer.step(&mut model, comm, &batches)?;
         let step_s = t0.elapsed().as_secs_f64();
+        if model_states_rss.is_none() {
+            drop(batches);
+            let m = trainer.memory();
+            let other = (model.activation_bytes() + m.comm_buffers + comm.buffer_bytes()) as u64;
+            model_states_rss =
+                rss_before.zip(proc_status_bytes("VmRSS:")).map(|(a, b)| b.saturating_sub(a).saturating_sub(other));
+        }
         if cfg.dist.check_every > 0 && step % cfg.dist.check_every == 0 {
             trainer.check_params_agree(comm)?;
         }
@@ -287,17 +358,27 @@ fn train_rank(
             stop = v[0];
         }
         let stop = stop > 0.0;
+        let is_eval = step == steps || (cfg.train.eval_every > 0 && step % cfg.train.eval_every == 0);
+        let val_loss = if is_eval && (outputs.is_some() || all_ranks_gather) {
+            Some(evaluate(&mut trainer, &mut model, comm, plan)?)
+        } else {
+            None
+        };
+        let every = cfg.train.checkpoint_every;
+        let is_checkpoint = stop || (every > 0 && (step % every == 0 || step == steps));
+        // Full state for the checkpoint (collectives at ZeRO ≥ 1).
+        let full_state = if is_checkpoint && (outputs.is_some() || cfg.dist.zero_stage >= 1) {
+            let params = trainer.full_params_to_rank0(comm)?;
+            let opt = trainer.full_optimizer_state(comm, false)?;
+            params.map(|p| (p, opt))
+        } else {
+            None
+        };
         let Some(out) = outputs.as_mut() else {
             if stop {
                 return Ok(());
             }
             continue;
-        };
-        let is_eval = step == steps || (cfg.train.eval_every > 0 && step % cfg.train.eval_every == 0);
-        let val_loss = if is_eval {
-            Some(evaluate(&mut model, trainer.params(), &plan.val, plan.batch.micro, cfg.train.eval_batches)?)
-        } else {
-            None
         };
         out.reporter.record(&StepRecord {
             step,
@@ -315,9 +396,15 @@ fn train_rank(
             step_ms: step_s * 1e3,
             elapsed_s: start.elapsed().as_secs_f64(),
             val_loss,
+            mem_params: mem.params,
+            mem_grads: mem.grads,
+            mem_optimizer: mem.optimizer,
+            mem_master: mem.master,
+            mem_activations: model.activation_bytes(),
+            mem_comm_buffers: mem.comm_buffers,
+            mem_peak_rss: peak_rss_bytes(),
         })?;
-        let every = cfg.train.checkpoint_every;
-        if stop || (every > 0 && (step % every == 0 || step == steps)) {
+        if let Some((params, opt_state)) = full_state {
             let (epoch, step_in_epoch) = plan.sampler.position(step);
             let state = TrainerState {
                 step,
@@ -329,7 +416,7 @@ fn train_rank(
                 world_size: plan.batch.world_size,
                 optimizer: cfg.optim.name.clone(),
             };
-            let path = checkpoint::save(&out.dir, &plan.model, &model, &trainer, &state, &config_toml)?;
+            let path = checkpoint::save(&out.dir, &plan.model, &model, &params, &opt_state, &state, &config_toml)?;
             checkpoint::prune(&out.dir, cfg.train.keep_checkpoints)?;
             if stop {
                 out.reporter.finish();
@@ -345,9 +432,33 @@ fn train_rank(
             return Ok(());
         }
     }
-    if let Some(out) = outputs {
+    // Per-rank memory to rank 0 (KiB in f32: exact up to 16 GiB).
+    let kib = |b: Option<u64>| (b.unwrap_or(0) / 1024) as f32;
+    let mine = [kib(peak_rss_bytes()), kib(model_states_rss)];
+    let mut all = vec![0.0f32; 2 * comm.world_size()];
+    comm.all_gather(&mine, &mut all)?;
+    let params = if outputs.is_some() || all_ranks_gather { trainer.full_params_to_rank0(comm)? } else { None };
+    if let Some(out) = &outputs {
+        let m = trainer.memory();
+        let file = MemoryFile {
+            zero_stage: cfg.dist.zero_stage,
+            world_size: comm.world_size(),
+            n_params: plan.model.n_params(),
+            accounting: m,
+            formula_model_states: formula_model_states(
+                cfg.dist.zero_stage,
+                !cfg.dist.reduce_every_micro_step,
+                plan.model.n_params(),
+                comm.world_size(),
+            ),
+            peak_rss: all.chunks(2).map(|c| c[0] as u64 * 1024).collect(),
+            measured_model_states: all.chunks(2).map(|c| c[1] as u64 * 1024).collect(),
+        };
+        gpt::hf::write_atomic(&out.dir.join("memory.json"), serde_json::to_string_pretty(&file)?.as_bytes())?;
+    }
+    if let (Some(out), Some(params)) = (outputs, params) {
         out.reporter.finish();
-        gpt::hf::save(&out.dir, &plan.model, model.layout(), trainer.params())?;
+        gpt::hf::save(&out.dir, &plan.model, model.layout(), &params)?;
         eprintln!(
             "done: {steps} steps in {:.1}s; model saved to {} (try: macrobatch generate {} --prompt \"Call me\")",
             start.elapsed().as_secs_f64(),

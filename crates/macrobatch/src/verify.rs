@@ -8,7 +8,7 @@ use crate::VerifyArgs;
 use anyhow::{bail, Context, Result};
 use comm::Communicator;
 use data::{BatchShape, Sampler};
-use engine::{Model, StepReport};
+use engine::StepReport;
 use gpt::Gpt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -23,7 +23,8 @@ struct StepResult {
     report: StepReport,
 }
 
-/// One optimizer step of step 0's global batch, factored as `shape`.
+/// One optimizer step of step 0's global batch, factored as `shape`
+/// (with the configured ZeRO stage when W > 1).
 fn one_step(plan: &Arc<Plan>, shape: BatchShape) -> Result<StepResult> {
     let cfg = &plan.cfg;
     let sampler = Sampler::new(plan.train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?;
@@ -32,14 +33,15 @@ fn one_step(plan: &Arc<Plan>, shape: BatchShape) -> Result<StepResult> {
         let (plan, slot, sampler) = (plan.clone(), slot.clone(), sampler.clone());
         move |c: &mut dyn Communicator| -> Result<()> {
             let mut model = Gpt::new(plan.model)?;
-            let mut trainer = trainer_for(&plan, model.layout().n_params())?;
+            let mut trainer = trainer_for(&plan, &model, c)?;
             let order = sampler.epoch_order(0);
             let batches: Vec<_> = (0..shape.accumulation_steps)
                 .map(|k| make_batch(&plan.train, sampler.micro_batch(&order, 0, k, c.rank())))
                 .collect();
             let report = trainer.step(&mut model, c, &batches)?;
+            let (grads, params) = (trainer.full_gradient(c)?, trainer.full_params(c)?);
             if c.rank() == 0 {
-                let r = StepResult { grads: trainer.gradient(), params: trainer.params().to_vec(), report };
+                let r = StepResult { grads, params, report };
                 *slot.lock().map_err(|_| anyhow::anyhow!("result slot poisoned"))? = Some(r);
             }
             Ok(())
@@ -96,7 +98,7 @@ pub fn run(args: VerifyArgs) -> Result<bool> {
         if grad_ok { "PASS" } else { "FAIL" }
     );
     // Parameters: the gradient tolerance carried through the first update.
-    let opt = trainer_for(&plan, r.params.len())?.optimizer().clone();
+    let opt = trainer_for(&plan, &Gpt::new(plan.model)?, &mut comm::SingleProcess::new())?.optimizer().clone();
     let lr = r.report.lr;
     let (mut dp, mut n_over) = (0.0f32, 0usize);
     for i in 0..r.params.len() {
