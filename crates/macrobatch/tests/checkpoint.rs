@@ -34,20 +34,22 @@ fn resume(dir: &Path, sets: &[&str]) -> std::process::Output {
 }
 
 #[test]
-fn stop_and_resume_is_bit_identical_with_accumulation_and_ranks() {
-    for ranks in ["dist.world_size=1", "dist.world_size=2"] {
-        let (a, b) = (tmp(&format!("straight-{ranks}")), tmp(&format!("resumed-{ranks}")));
-        run_ok(train(&a, &ckpt_sets(&[ranks])));
+fn stop_and_resume_is_bit_identical_with_accumulation_ranks_and_zero() {
+    let variants: [&[&str]; 3] =
+        [&["dist.world_size=1"], &["dist.world_size=2"], &["dist.world_size=2", "dist.zero_stage=3"]];
+    for (i, extra) in variants.iter().enumerate() {
+        let (a, b) = (tmp(&format!("straight-{i}")), tmp(&format!("resumed-{i}")));
+        run_ok(train(&a, &ckpt_sets(extra)));
         let mut c = bin();
         c.arg("train").arg("--out").arg(&b).args(["--stop-after", "10"]);
-        with_sets(&mut c, &ckpt_sets(&[ranks]));
+        with_sets(&mut c, &ckpt_sets(extra));
         let err = run_ok(c.output().unwrap());
         assert!(err.contains("stopped after step 10"), "{err}");
         assert_eq!(metrics(&b).len(), 10);
         let err = run_ok(resume(&b, &[]));
         assert!(err.contains("resuming from") && err.contains("step-00000010"), "{err}");
-        assert_eq!(loss_text(&a), loss_text(&b), "{ranks}: every logged loss identical");
-        assert_eq!(weights(&a), weights(&b), "{ranks}: final parameters identical bit for bit");
+        assert_eq!(loss_text(&a), loss_text(&b), "{extra:?}: every logged loss identical");
+        assert_eq!(weights(&a), weights(&b), "{extra:?}: final parameters identical bit for bit");
         let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
     }
 }
