@@ -268,10 +268,10 @@ pub struct TrainConfig {
 impl Default for TrainConfig {
     fn default() -> Self {
         Self {
-            steps: 300,
+            steps: 600,
             seed: 1337,
             threads: 0,
-            eval_every: 50,
+            eval_every: 100,
             eval_batches: 8,
             log_every: 10,
             grad_clip: 1.0,
