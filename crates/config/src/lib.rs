@@ -257,8 +257,18 @@ pub struct TrainConfig {
     pub grad_clip: f32,
     /// `token` (mean over all targets of the global batch) or `micro_batch_mean`.
     pub loss_normalization: String,
-    /// `f32` (bf16 / f16 arrive with mixed precision).
+    /// `f32`, `bf16` or `f16`: storage of the model's parameter copy, its
+    /// saved activations and (f16) its activation gradients; kernels compute
+    /// in f32, master weights and optimizer state stay f32.
     pub precision: String,
+    /// f16: the loss scale to start from.
+    pub initial_loss_scale: f32,
+    /// f16: good steps in a row before the scale doubles.
+    pub loss_scale_window: u64,
+    /// f16: overflowing steps tolerated before the scale halves (1: at once).
+    pub loss_scale_hysteresis: u32,
+    /// f16: the scale never drops below this.
+    pub min_loss_scale: f32,
     /// Write a checkpoint every N optimizer steps and at the end (0: only on Ctrl-C / SIGTERM).
     pub checkpoint_every: u64,
     /// Checkpoints to keep (0: all).
@@ -277,6 +287,10 @@ impl Default for TrainConfig {
             grad_clip: 1.0,
             loss_normalization: "token".into(),
             precision: "f32".into(),
+            initial_loss_scale: 65536.0,
+            loss_scale_window: 1000,
+            loss_scale_hysteresis: 1,
+            min_loss_scale: 1.0,
             checkpoint_every: 0,
             keep_checkpoints: 3,
         }
@@ -403,12 +417,25 @@ impl Config {
         if !matches!(t.loss_normalization.as_str(), "token" | "micro_batch_mean") {
             return Err(invalid("train.loss_normalization", &t.loss_normalization, "use token or micro_batch_mean"));
         }
-        match t.precision.as_str() {
-            "f32" => {}
-            "bf16" | "f16" => {
-                return Err(invalid("train.precision", &t.precision, "mixed precision is not implemented yet; use f32"))
-            }
-            other => return Err(invalid("train.precision", other, "use f32")),
+        if !matches!(t.precision.as_str(), "f32" | "bf16" | "f16") {
+            return Err(invalid("train.precision", &t.precision, "use f32, bf16 or f16"));
+        }
+        if !(t.initial_loss_scale >= 1.0 && t.initial_loss_scale.is_finite()) {
+            return Err(invalid("train.initial_loss_scale", t.initial_loss_scale, "must be finite and >= 1"));
+        }
+        if !(t.min_loss_scale > 0.0 && t.min_loss_scale <= t.initial_loss_scale) {
+            return Err(invalid(
+                "train.min_loss_scale",
+                t.min_loss_scale,
+                "must be > 0 and <= train.initial_loss_scale",
+            ));
+        }
+        if t.loss_scale_window == 0 || t.loss_scale_hysteresis == 0 {
+            return Err(invalid(
+                "train.loss_scale_window",
+                t.loss_scale_window,
+                "window and hysteresis must be at least 1",
+            ));
         }
         if t.threads > 4096 {
             return Err(invalid("train.threads", t.threads, "must be at most 4096 (0: all cores)"));

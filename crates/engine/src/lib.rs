@@ -12,7 +12,9 @@ pub mod error;
 pub mod layout;
 pub mod model;
 pub mod optim;
+pub mod precision;
 pub mod rng;
+pub mod scaler;
 pub mod schedule;
 pub mod store;
 pub mod trainer;
@@ -22,6 +24,8 @@ pub use error::EngineError;
 pub use layout::{ParamLayout, TensorSpec};
 pub use model::{MicroStepStats, Model};
 pub use optim::{AdamW, Optimizer, Sgd};
+pub use precision::Precision;
+pub use scaler::{LossScaler, LossScalerConfig};
 pub use schedule::{Decay, LrSchedule};
 pub use store::{FullStore, ParamStore, SegmentView};
 pub use trainer::{

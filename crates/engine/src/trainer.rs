@@ -7,8 +7,10 @@ use crate::error::EngineError;
 use crate::layout::ParamLayout;
 use crate::model::Model;
 use crate::optim::{chunk_runs, split, Optimizer, Piece, CHUNK};
+use crate::precision::Precision;
+use crate::scaler::{LossScaler, LossScalerConfig};
 use crate::schedule::LrSchedule;
-use crate::store::{FullStore, ParamStore, SegmentView};
+use crate::store::{ParamStore, SegmentView};
 use crate::zero::{Partition, ZeroConfig};
 use comm::Communicator;
 use rayon::prelude::*;
@@ -37,6 +39,11 @@ pub struct TrainerOptions {
     pub normalization: LossNormalization,
     /// Elements per gradient all-reduce bucket.
     pub bucket_elems: usize,
+    /// Storage precision of the model's parameter copy (kernels compute in
+    /// f32; the optimizer keeps f32 master weights).
+    pub precision: Precision,
+    /// Dynamic loss scaling (used with f16).
+    pub loss_scaler: LossScalerConfig,
 }
 
 /// PyTorch DDP's default bucket: 25 MiB of f32.
@@ -44,7 +51,13 @@ pub const DEFAULT_BUCKET_ELEMS: usize = 25 * (1 << 20) / 4;
 
 impl Default for TrainerOptions {
     fn default() -> Self {
-        Self { grad_clip: None, normalization: LossNormalization::Token, bucket_elems: DEFAULT_BUCKET_ELEMS }
+        Self {
+            grad_clip: None,
+            normalization: LossNormalization::Token,
+            bucket_elems: DEFAULT_BUCKET_ELEMS,
+            precision: Precision::F32,
+            loss_scaler: LossScalerConfig::default(),
+        }
     }
 }
 
@@ -73,6 +86,10 @@ pub struct StepReport {
     pub comm_calls: u64,
     /// Seconds spent inside the model's micro-steps (forward + backward).
     pub model_s: f64,
+    /// The gradient overflowed (f16): nothing was updated, the scale backed off.
+    pub skipped: bool,
+    /// Loss scale used by this step (1 without f16).
+    pub loss_scale: f32,
 }
 
 /// Bytes this rank holds, by kind (SPEC §3's per-rank model states).
@@ -120,6 +137,12 @@ pub struct Trainer {
     gathered_seg: Option<usize>,
     /// Padding scratch for reduce-scatter inputs and outputs.
     scratch: Vec<f32>,
+    /// Mixed precision (stages 0–2): the 16-bit parameter copy the model reads.
+    model_copy: Vec<u16>,
+    /// Mixed precision: one segment of it decoded for the kernels, and which.
+    seg_params: Vec<f32>,
+    decoded_seg: Option<usize>,
+    scaler: Option<LossScaler>,
     optimizer: Optimizer,
     schedule: LrSchedule,
     options: TrainerOptions,
@@ -228,6 +251,15 @@ impl Trainer {
             (_, true) => max_piece,
             _ => 0,
         };
+        let precision = options.precision;
+        let mut model_copy = Vec::new();
+        let mut seg_params = Vec::new();
+        if precision.is_low() && zero.stage < 3 {
+            model_copy = vec![0u16; params.len()];
+            precision.encode(&params, &mut model_copy);
+            seg_params = vec![0.0; part.segments.iter().map(|r| r.len()).max().unwrap_or(0)];
+        }
+        let scaler = (precision == Precision::F16).then(|| LossScaler::new(options.loss_scaler));
         Ok(Self {
             layout,
             part,
@@ -238,6 +270,10 @@ impl Trainer {
             gathered,
             gathered_seg: None,
             scratch: vec![0.0; scratch_len],
+            model_copy,
+            seg_params,
+            decoded_seg: None,
+            scaler,
             optimizer,
             schedule,
             options,
@@ -328,15 +364,22 @@ impl Trainer {
 
     /// Bytes this rank holds for model states and collectives.
     pub fn memory(&self) -> MemoryReport {
-        let params = 4 * self.params.len();
         let gathered = 4 * self.gathered.len();
+        // f32: the parameters are their own master copy. Mixed precision: the
+        // model reads the 16-bit copy (stages 0–2) or rounded gathered
+        // segments (stage 3); the f32 values are the master weights.
+        let (params, master) = if self.options.precision.is_low() {
+            (2 * self.model_copy.len(), 4 * self.params.len())
+        } else {
+            (4 * self.params.len(), 0)
+        };
         MemoryReport {
             params,
             grads: 4 * self.grads.len(),
             optimizer: self.optimizer.state_bytes(),
-            master: 0,
-            comm_buffers: gathered + 4 * (self.seg_grads.len() + self.scratch.len()),
-            peak_param_residency: params + gathered,
+            master,
+            comm_buffers: gathered + 4 * (self.seg_grads.len() + self.scratch.len() + self.seg_params.len()),
+            peak_param_residency: params + gathered + 4 * self.seg_params.len(),
         }
     }
 
@@ -404,7 +447,16 @@ impl Trainer {
         }
         self.params = if stage == 3 { to_shard(params) } else { params };
         self.n_steps = n_steps;
+        self.refresh_model_copy();
         Ok(())
+    }
+
+    /// Mixed precision: re-encodes the 16-bit copy the model reads.
+    fn refresh_model_copy(&mut self) {
+        if !self.model_copy.is_empty() {
+            self.options.precision.encode(&self.params, &mut self.model_copy);
+            self.decoded_seg = None;
+        }
     }
 
     /// Replaces the parameters (e.g. `--init-from` a pretrained model) before training.
@@ -419,6 +471,7 @@ impl Trainer {
         } else {
             params
         };
+        self.refresh_model_copy();
         Ok(())
     }
 
@@ -465,6 +518,10 @@ impl Trainer {
             stage: self.zero.stage,
             per_segment,
             with_grads,
+            precision: self.options.precision,
+            model_copy: &self.model_copy,
+            seg_params: &mut self.seg_params,
+            decoded_seg: &mut self.decoded_seg,
             params: &self.params,
             grads: &mut self.grads,
             seg_grads: &mut self.seg_grads,
@@ -485,13 +542,11 @@ impl Trainer {
         batch: &M::Batch,
     ) -> Result<crate::MicroStepStats, EngineError> {
         let step = self.n_steps;
-        let r = if self.zero.stage < 3 {
-            let segs = self.part.segments.clone();
-            model.loss(&mut FullStore::read_only(&self.params, &segs), batch)
-        } else {
-            model.loss(&mut self.store(comm, false), batch)
-        };
-        r.map_err(|e| EngineError::Model { step, micro_step_idx: 0, source: Box::new(e) })
+        model.loss(&mut self.store(comm, false), batch).map_err(|e| EngineError::Model {
+            step,
+            micro_step_idx: 0,
+            source: Box::new(e),
+        })
     }
 
     /// One optimizer step over this rank's `micro_batches` (K = its length;
@@ -513,6 +568,8 @@ impl Trainer {
         let world = comm.world_size();
         let before = comm.counters();
 
+        // The loss scale of this step: fixed until the boundary.
+        let loss_scale = self.scaler.map_or(1.0, |s| s.scale);
         // Micro-step 0 zeroes; every micro-step adds.
         self.grads.fill(0.0);
         self.seg_grads.fill(0.0);
@@ -521,13 +578,14 @@ impl Trainer {
         let mut micro_losses = Vec::with_capacity(n_micro);
         let mut model_s = 0.0;
         for (micro_step_idx, batch) in micro_batches.iter().enumerate() {
-            let grad_scale = match self.options.normalization {
-                LossNormalization::Token => 1.0,
-                LossNormalization::MicroBatchMean => match model.n_targets(batch) {
-                    0 => 0.0,
-                    n => 1.0 / (n as f64 * (n_micro * world) as f64) as f32,
-                },
-            };
+            let grad_scale = loss_scale
+                * match self.options.normalization {
+                    LossNormalization::Token => 1.0,
+                    LossNormalization::MicroBatchMean => match model.n_targets(batch) {
+                        0 => 0.0,
+                        n => 1.0 / (n as f64 * (n_micro * world) as f64) as f32,
+                    },
+                };
             let t0 = std::time::Instant::now();
             let stats = model
                 .micro_step(&mut self.store(comm, true), batch, grad_scale)
@@ -596,9 +654,36 @@ impl Trainer {
             comm.all_reduce_sum_f64(&mut sq).map_err(comm_err)?;
             sq[0].sqrt()
         };
+        // Unscale before the norm (and so before clipping).
+        let normalize = normalize / loss_scale as f64;
         let grad_norm = raw_norm * normalize;
+        let report = |grad_norm, clipped, skipped, lr, comm: &mut dyn Communicator| {
+            let after = comm.counters();
+            StepReport {
+                step_idx,
+                loss,
+                micro_losses: micro_losses.clone(),
+                n_targets,
+                n_micro_steps: n_micro,
+                grad_norm,
+                clipped,
+                lr,
+                comm_bytes: after.bytes_sent - before.bytes_sent,
+                comm_calls: after.n_calls - before.n_calls,
+                model_s,
+                skipped,
+                loss_scale,
+            }
+        };
         if !grad_norm.is_finite() {
-            return Err(EngineError::NonFiniteGradient { step: step_idx + 1, norm: grad_norm });
+            // The norm is global (all ranks reduced the same values), so every
+            // rank takes this branch together: under f16 the step is skipped —
+            // no parameter, optimizer state or schedule position changes.
+            let Some(scaler) = self.scaler.as_mut() else {
+                return Err(EngineError::NonFiniteGradient { step: step_idx + 1, norm: grad_norm });
+            };
+            scaler.update(true);
+            return Ok(report(grad_norm, false, true, self.schedule.lr(step_idx), comm));
         }
         let clip_coef = match self.options.grad_clip {
             Some(max_norm) => clip_coefficient(grad_norm, max_norm),
@@ -611,21 +696,27 @@ impl Trainer {
         if (1..=2).contains(&self.zero.stage) {
             self.all_gather_params(comm).map_err(comm_err)?;
         }
+        self.refresh_model_copy();
+        if let Some(s) = self.scaler.as_mut() {
+            s.update(false);
+        }
         self.n_steps += 1;
-        let after = comm.counters();
-        Ok(StepReport {
-            step_idx,
-            loss,
-            micro_losses,
-            n_targets,
-            n_micro_steps: n_micro,
-            grad_norm,
-            clipped,
-            lr,
-            comm_bytes: after.bytes_sent - before.bytes_sent,
-            comm_calls: after.n_calls - before.n_calls,
-            model_s,
-        })
+        Ok(report(grad_norm, clipped, false, lr, comm))
+    }
+
+    /// The loss scaler's state (f16 only).
+    pub fn loss_scaler(&self) -> Option<&LossScaler> {
+        self.scaler.as_ref()
+    }
+
+    /// Restores the loss scaler's state from a checkpoint.
+    pub fn set_loss_scaler(&mut self, scale: f32, good_steps: u64, hysteresis_left: u32, n_skipped: u64) {
+        if let Some(s) = self.scaler.as_mut() {
+            s.scale = scale;
+            s.good_steps = good_steps;
+            s.hysteresis_left = hysteresis_left;
+            s.n_skipped = n_skipped;
+        }
     }
 
     /// This rank's reduced gradient values (for the sharded norm).
@@ -711,6 +802,10 @@ struct StepStore<'a> {
     stage: u8,
     per_segment: bool,
     with_grads: bool,
+    precision: Precision,
+    model_copy: &'a [u16],
+    seg_params: &'a mut [f32],
+    decoded_seg: &'a mut Option<usize>,
     params: &'a [f32],
     grads: &'a mut [f32],
     seg_grads: &'a mut [f32],
@@ -733,8 +828,20 @@ impl ParamStore for StepStore<'_> {
                 .all_gather(&self.params[self.part.shard_range(seg)], &mut self.gathered[..s * w])
                 .map_err(|source| EngineError::Comm { step: self.step, source })?;
             *self.gathered_seg = Some(seg);
+            // Mixed precision: the model reads the segment in 16 bits.
+            self.precision.round(&mut self.gathered[..n]);
         }
-        let params: &[f32] = if self.stage == 3 { &self.gathered[..n] } else { &self.params[r.clone()] };
+        if !self.model_copy.is_empty() && *self.decoded_seg != Some(seg) {
+            self.precision.decode(&self.model_copy[r.clone()], &mut self.seg_params[..n]);
+            *self.decoded_seg = Some(seg);
+        }
+        let params: &[f32] = if self.stage == 3 {
+            &self.gathered[..n]
+        } else if !self.model_copy.is_empty() {
+            &self.seg_params[..n]
+        } else {
+            &self.params[r.clone()]
+        };
         let grads: &mut [f32] = if !self.with_grads {
             &mut []
         } else if self.per_segment {

@@ -10,7 +10,7 @@ use crate::config::GptConfig;
 use crate::error::GptError;
 use crate::kernels::{self, AttnShape, Strided};
 use engine::rng::SplitMix64;
-use engine::{FullStore, MicroStepStats, Model, ParamLayout, ParamStore};
+use engine::{FullStore, MicroStepStats, Model, ParamLayout, ParamStore, Precision};
 use std::ops::Range;
 
 /// Targets below zero are ignored (PyTorch's `ignore_index = -100`).
@@ -174,7 +174,8 @@ pub fn init_segment(cfg: &GptConfig, seed: u64, seg: usize) -> Vec<f32> {
     v
 }
 
-/// Saved activations of one block.
+/// Activations of one block: the f32 working set of its forward, and what
+/// its backward reads.
 #[derive(Debug, Default)]
 struct BlockActs {
     ln1: Vec<f32>,
@@ -192,13 +193,84 @@ struct BlockActs {
     res3: Vec<f32>,
 }
 
+impl BlockActs {
+    fn new(c: usize, nh: usize, b: usize, t: usize) -> Self {
+        let bt = b * t;
+        let z = |n: usize| vec![0.0f32; n];
+        BlockActs {
+            ln1: z(bt * c),
+            ln1_mean: z(bt),
+            ln1_rstd: z(bt),
+            qkv: z(bt * 3 * c),
+            att: z(b * nh * t * t),
+            atty: z(bt * c),
+            res2: z(bt * c),
+            ln2: z(bt * c),
+            ln2_mean: z(bt),
+            ln2_rstd: z(bt),
+            fch: z(bt * 4 * c),
+            fch_gelu: z(bt * 4 * c),
+            res3: z(bt * c),
+        }
+    }
+
+    /// The large tensors (stored in 16 bits under mixed precision).
+    fn large(&self) -> [&Vec<f32>; 9] {
+        [&self.ln1, &self.qkv, &self.att, &self.atty, &self.res2, &self.ln2, &self.fch, &self.fch_gelu, &self.res3]
+    }
+
+    fn large_mut(&mut self) -> [&mut Vec<f32>; 9] {
+        [
+            &mut self.ln1,
+            &mut self.qkv,
+            &mut self.att,
+            &mut self.atty,
+            &mut self.res2,
+            &mut self.ln2,
+            &mut self.fch,
+            &mut self.fch_gelu,
+            &mut self.res3,
+        ]
+    }
+
+    /// The per-row statistics (always f32: B·T values each).
+    fn stats(&self) -> [&Vec<f32>; 4] {
+        [&self.ln1_mean, &self.ln1_rstd, &self.ln2_mean, &self.ln2_rstd]
+    }
+
+    fn stats_mut(&mut self) -> [&mut Vec<f32>; 4] {
+        [&mut self.ln1_mean, &mut self.ln1_rstd, &mut self.ln2_mean, &mut self.ln2_rstd]
+    }
+
+    fn bytes(&self) -> usize {
+        4 * (self.large().iter().map(|v| v.len()).sum::<usize>() + self.stats().iter().map(|v| v.len()).sum::<usize>())
+    }
+}
+
+/// A block's activations saved for backward in 16 bits (mixed precision).
+#[derive(Debug, Default)]
+struct SavedBlock {
+    large: [Vec<u16>; 9],
+    stats: [Vec<f32>; 4],
+}
+
 /// Activations and backward scratch for one (B, T).
+///
+/// f32: one `BlockActs` per block, read directly by backward. Mixed
+/// precision: one f32 working `BlockActs`, and per block a [`SavedBlock`] in
+/// 16 bits that backward decodes into the working set; every saved tensor is
+/// rounded the moment it is produced, so forward and backward see the same values.
 #[derive(Debug, Default)]
 struct Acts {
     b: usize,
     t: usize,
+    precision: Precision,
     encoded: Vec<f32>,
     blocks: Vec<BlockActs>,
+    saved: Vec<SavedBlock>,
+    saved_encoded: Vec<u16>,
+    /// Mixed precision: the residual stream entering the current block.
+    x_buf: Vec<f32>,
     lnf: Vec<f32>,
     lnf_mean: Vec<f32>,
     lnf_rstd: Vec<f32>,
@@ -212,32 +284,32 @@ struct Acts {
 }
 
 impl Acts {
-    fn new(cfg: &GptConfig, b: usize, t: usize) -> Self {
+    fn new(cfg: &GptConfig, precision: Precision, b: usize, t: usize) -> Self {
         let (c, nh, v) = (cfg.n_embd, cfg.n_head, cfg.vocab_size);
         let bt = b * t;
         let z = |n: usize| vec![0.0f32; n];
-        let blocks = (0..cfg.n_layer)
-            .map(|_| BlockActs {
-                ln1: z(bt * c),
-                ln1_mean: z(bt),
-                ln1_rstd: z(bt),
-                qkv: z(bt * 3 * c),
-                att: z(b * nh * t * t),
-                atty: z(bt * c),
-                res2: z(bt * c),
-                ln2: z(bt * c),
-                ln2_mean: z(bt),
-                ln2_rstd: z(bt),
-                fch: z(bt * 4 * c),
-                fch_gelu: z(bt * 4 * c),
-                res3: z(bt * c),
-            })
-            .collect();
+        let low = precision.is_low();
+        let n_work = if low { 1 } else { cfg.n_layer };
+        let blocks: Vec<BlockActs> = (0..n_work).map(|_| BlockActs::new(c, nh, b, t)).collect();
+        let saved = if low {
+            (0..cfg.n_layer)
+                .map(|_| SavedBlock {
+                    large: blocks[0].large().map(|v| vec![0u16; v.len()]),
+                    stats: blocks[0].stats().map(|v| vec![0.0f32; v.len()]),
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         Self {
             b,
             t,
+            precision,
             encoded: z(bt * c),
             blocks,
+            saved,
+            saved_encoded: if low { vec![0u16; bt * c] } else { Vec::new() },
+            x_buf: if low { z(bt * c) } else { Vec::new() },
             lnf: z(bt * c),
             lnf_mean: z(bt),
             lnf_rstd: z(bt),
@@ -253,32 +325,15 @@ impl Acts {
 
     /// Bytes held (activations and scratch), for memory accounting.
     fn bytes(&self) -> usize {
-        let block: usize = self
-            .blocks
+        let work: usize = self.blocks.iter().map(BlockActs::bytes).sum();
+        let saved: usize = self
+            .saved
             .iter()
-            .map(|a| {
-                [
-                    &a.ln1,
-                    &a.ln1_mean,
-                    &a.ln1_rstd,
-                    &a.qkv,
-                    &a.att,
-                    &a.atty,
-                    &a.res2,
-                    &a.ln2,
-                    &a.ln2_mean,
-                    &a.ln2_rstd,
-                    &a.fch,
-                    &a.fch_gelu,
-                    &a.res3,
-                ]
-                .iter()
-                .map(|v| v.len())
-                .sum::<usize>()
-            })
+            .map(|s| 2 * s.large.iter().map(Vec::len).sum::<usize>() + 4 * s.stats.iter().map(Vec::len).sum::<usize>())
             .sum();
         let rest = [
             &self.encoded,
+            &self.x_buf,
             &self.lnf,
             &self.lnf_mean,
             &self.lnf_rstd,
@@ -293,8 +348,126 @@ impl Acts {
         .iter()
         .map(|v| v.len())
         .sum::<usize>();
-        4 * (block + rest)
+        work + saved + 2 * self.saved_encoded.len() + 4 * rest
     }
+
+    /// Mixed precision: keeps the working set of block `idx` in 16 bits
+    /// (its tensors are already rounded).
+    fn save_block(&mut self, idx: usize) {
+        let p = self.precision;
+        let (work, saved) = (&self.blocks[0], &mut self.saved[idx]);
+        for (src, dst) in work.large().into_iter().zip(saved.large.iter_mut()) {
+            p.encode(src, dst);
+        }
+        for (src, dst) in work.stats().into_iter().zip(saved.stats.iter_mut()) {
+            dst.copy_from_slice(src);
+        }
+    }
+
+    /// Mixed precision: decodes block `idx`'s saved tensors into the working
+    /// set, and its input (the previous block's output, or the embeddings)
+    /// into `x_buf`.
+    fn load_block(&mut self, idx: usize) {
+        let p = self.precision;
+        let (work, saved) = (&mut self.blocks[0], &self.saved[idx]);
+        for (src, dst) in saved.large.iter().zip(work.large_mut()) {
+            p.decode(src, dst);
+        }
+        for (src, dst) in saved.stats.iter().zip(work.stats_mut()) {
+            dst.copy_from_slice(src);
+        }
+        let x: &[u16] = if idx == 0 { &self.saved_encoded } else { &self.saved[idx - 1].large[8] };
+        p.decode(x, &mut self.x_buf);
+    }
+}
+
+/// Shapes of one block call.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    b: usize,
+    t: usize,
+    c: usize,
+    nh: usize,
+}
+
+/// Forward of one block on the residual stream `x` into `a`, rounding every
+/// saved tensor to `p` as it is produced.
+fn block_forward(r: &BlockParams, p: &[f32], x: &[f32], a: &mut BlockActs, d: Dims, prec: Precision) {
+    let Dims { b, t, c, nh } = d;
+    let n = b * t;
+    kernels::layernorm_forward(
+        &mut a.ln1,
+        &mut a.ln1_mean,
+        &mut a.ln1_rstd,
+        x,
+        &p[r.ln1_w.clone()],
+        &p[r.ln1_b.clone()],
+        c,
+    );
+    prec.round(&mut a.ln1);
+    kernels::matmul_forward(&mut a.qkv, &a.ln1, &p[r.attn_w.clone()], Some(&p[r.attn_b.clone()]), None, n, c, 3 * c);
+    prec.round(&mut a.qkv);
+    kernels::attention_forward(&mut a.atty, &mut a.att, &a.qkv, AttnShape { b, t, c, n_head: nh });
+    prec.round(&mut a.att);
+    prec.round(&mut a.atty);
+    kernels::matmul_forward(&mut a.res2, &a.atty, &p[r.proj_w.clone()], Some(&p[r.proj_b.clone()]), Some(x), n, c, c);
+    prec.round(&mut a.res2);
+    kernels::layernorm_forward(
+        &mut a.ln2,
+        &mut a.ln2_mean,
+        &mut a.ln2_rstd,
+        &a.res2,
+        &p[r.ln2_w.clone()],
+        &p[r.ln2_b.clone()],
+        c,
+    );
+    prec.round(&mut a.ln2);
+    kernels::matmul_forward(&mut a.fch, &a.ln2, &p[r.fc_w.clone()], Some(&p[r.fc_b.clone()]), None, n, c, 4 * c);
+    prec.round(&mut a.fch);
+    kernels::gelu_forward(&mut a.fch_gelu, &a.fch);
+    prec.round(&mut a.fch_gelu);
+    kernels::matmul_forward(
+        &mut a.res3,
+        &a.fch_gelu,
+        &p[r.fcproj_w.clone()],
+        Some(&p[r.fcproj_b.clone()]),
+        Some(&a.res2),
+        n,
+        4 * c,
+        c,
+    );
+    prec.round(&mut a.res3);
+}
+
+/// Backward scratch shared by all blocks.
+struct Scratch<'a> {
+    dres: &'a mut [f32],
+    dc: &'a mut [f32],
+    d4c: &'a mut [f32],
+    dqkv: &'a mut [f32],
+    datt: &'a mut [f32],
+}
+
+/// Backward of one block: on entry `s.dres` holds the gradient of the
+/// block's output; on exit, of its input `x`. Adds into `g`.
+fn block_backward(r: &BlockParams, p: &[f32], g: &mut [f32], x: &[f32], a: &BlockActs, s: Scratch<'_>, d: Dims) {
+    let Dims { b, t, c, nh } = d;
+    let n = b * t;
+    let Scratch { dres, dc, d4c, dqkv, datt } = s;
+    let (gw, gb) = two_mut(g, r.fcproj_w.clone(), r.fcproj_b.clone());
+    kernels::matmul_backward(d4c, gw, Some(gb), dres, &a.fch_gelu, &p[r.fcproj_w.clone()], n, 4 * c, c);
+    kernels::gelu_backward_inplace(d4c, &a.fch);
+    let (gw, gb) = two_mut(g, r.fc_w.clone(), r.fc_b.clone());
+    kernels::matmul_backward(dc, gw, Some(gb), d4c, &a.ln2, &p[r.fc_w.clone()], n, c, 4 * c);
+    let (gw, gb) = two_mut(g, r.ln2_w.clone(), r.ln2_b.clone());
+    kernels::layernorm_backward(dres, gw, gb, dc, &a.res2, &a.ln2_mean, &a.ln2_rstd, &p[r.ln2_w.clone()], c);
+    let (gw, gb) = two_mut(g, r.proj_w.clone(), r.proj_b.clone());
+    kernels::matmul_backward(dc, gw, Some(gb), dres, &a.atty, &p[r.proj_w.clone()], n, c, c);
+    kernels::attention_backward(dqkv, datt, dc, &a.qkv, &a.att, AttnShape { b, t, c, n_head: nh });
+    let (gw, gb) = two_mut(g, r.attn_w.clone(), r.attn_b.clone());
+    kernels::matmul_backward(dc, gw, Some(gb), dqkv, &a.ln1, &p[r.attn_w.clone()], n, c, 3 * c);
+    let (gw, gb) = two_mut(g, r.ln1_w.clone(), r.ln1_b.clone());
+    kernels::layernorm_backward(dres, gw, gb, dc, x, &a.ln1_mean, &a.ln1_rstd, &p[r.ln1_w.clone()], c);
 }
 
 /// Two disjoint mutable ranges of one buffer (`a` before `b`).
@@ -310,15 +483,27 @@ pub struct Gpt {
     cfg: GptConfig,
     layout: ParamLayout,
     ranges: ParamRanges,
+    precision: Precision,
     acts: Acts,
 }
 
 impl Gpt {
     /// A model of the given shape (parameters live outside, in a flat buffer).
     pub fn new(cfg: GptConfig) -> Result<Self, GptError> {
+        Self::with_precision(cfg, Precision::F32)
+    }
+
+    /// A model whose saved activations (and, under f16, activation gradients
+    /// between blocks) are stored in `precision`; kernels compute in f32.
+    pub fn with_precision(cfg: GptConfig, precision: Precision) -> Result<Self, GptError> {
         cfg.validate()?;
         let (layout, ranges) = build_layout(&cfg);
-        Ok(Self { cfg, layout, ranges, acts: Acts::default() })
+        Ok(Self { cfg, layout, ranges, precision, acts: Acts::default() })
+    }
+
+    /// The storage precision of activations.
+    pub fn precision(&self) -> Precision {
+        self.precision
     }
 
     /// The model's shape.
@@ -334,6 +519,24 @@ impl Gpt {
     /// Bytes of activations and backward scratch currently allocated.
     pub fn activation_bytes(&self) -> usize {
         self.acts.bytes()
+    }
+
+    /// Bytes of the activations kept from forward for backward: every
+    /// block's saved tensors (16-bit under mixed precision) and the embeddings.
+    pub fn saved_activation_bytes(&self) -> usize {
+        let a = &self.acts;
+        if a.precision.is_low() {
+            let saved: usize = a
+                .saved
+                .iter()
+                .map(|s| {
+                    2 * s.large.iter().map(Vec::len).sum::<usize>() + 4 * s.stats.iter().map(Vec::len).sum::<usize>()
+                })
+                .sum();
+            saved + 2 * a.saved_encoded.len()
+        } else {
+            a.blocks.iter().map(BlockActs::bytes).sum::<usize>() + 4 * a.encoded.len()
+        }
     }
 
     fn check(&self, batch: &Batch) -> Result<(), GptError> {
@@ -362,8 +565,9 @@ impl Gpt {
     }
 
     fn ensure_acts(&mut self, b: usize, t: usize) {
-        if self.acts.b != b || self.acts.t != t || self.acts.blocks.len() != self.cfg.n_layer {
-            self.acts = Acts::new(&self.cfg, b, t);
+        if self.acts.b != b || self.acts.t != t || self.acts.encoded.is_empty() || self.acts.precision != self.precision
+        {
+            self.acts = Acts::new(&self.cfg, self.precision, b, t);
         }
     }
 
@@ -376,119 +580,44 @@ impl Gpt {
         1 + self.cfg.n_layer
     }
 
-    /// Forward of block `idx` on the residual stream (the embeddings for
-    /// block 0, the previous block's output otherwise). `p` holds only this
-    /// block's parameters (its segment).
-    pub fn block_forward(&mut self, p: &[f32], idx: usize) {
-        let (b, t, c, nh) = (self.acts.b, self.acts.t, self.cfg.n_embd, self.cfg.n_head);
-        let n = b * t;
-        let r = &self.ranges.block_rel;
-        let (before, rest) = self.acts.blocks.split_at_mut(idx);
-        let x: &[f32] = if idx == 0 { &self.acts.encoded } else { &before[idx - 1].res3 };
-        let a = &mut rest[0];
-        kernels::layernorm_forward(
-            &mut a.ln1,
-            &mut a.ln1_mean,
-            &mut a.ln1_rstd,
-            x,
-            &p[r.ln1_w.clone()],
-            &p[r.ln1_b.clone()],
-            c,
-        );
-        kernels::matmul_forward(
-            &mut a.qkv,
-            &a.ln1,
-            &p[r.attn_w.clone()],
-            Some(&p[r.attn_b.clone()]),
-            None,
-            n,
-            c,
-            3 * c,
-        );
-        kernels::attention_forward(&mut a.atty, &mut a.att, &a.qkv, AttnShape { b, t, c, n_head: nh });
-        kernels::matmul_forward(
-            &mut a.res2,
-            &a.atty,
-            &p[r.proj_w.clone()],
-            Some(&p[r.proj_b.clone()]),
-            Some(x),
-            n,
-            c,
-            c,
-        );
-        kernels::layernorm_forward(
-            &mut a.ln2,
-            &mut a.ln2_mean,
-            &mut a.ln2_rstd,
-            &a.res2,
-            &p[r.ln2_w.clone()],
-            &p[r.ln2_b.clone()],
-            c,
-        );
-        kernels::matmul_forward(&mut a.fch, &a.ln2, &p[r.fc_w.clone()], Some(&p[r.fc_b.clone()]), None, n, c, 4 * c);
-        kernels::gelu_forward(&mut a.fch_gelu, &a.fch);
-        kernels::matmul_forward(
-            &mut a.res3,
-            &a.fch_gelu,
-            &p[r.fcproj_w.clone()],
-            Some(&p[r.fcproj_b.clone()]),
-            Some(&a.res2),
-            n,
-            4 * c,
-            c,
-        );
-    }
-
-    /// Backward of block `idx`: on entry the scratch `dres` holds the gradient
-    /// of the block's output; on exit, of its input. `p` and `g` are this
-    /// block's parameters and gradient (its segment); adds into `g`.
-    pub fn block_backward(&mut self, p: &[f32], g: &mut [f32], idx: usize) {
-        let (b, t, c, nh) = (self.acts.b, self.acts.t, self.cfg.n_embd, self.cfg.n_head);
-        let n = b * t;
-        let r = &self.ranges.block_rel;
-        let acts = &mut self.acts;
-        let x: &[f32] = if idx == 0 { &acts.encoded } else { &acts.blocks[idx - 1].res3 };
-        let a = &acts.blocks[idx];
-        let (dres, dc, d4c, dqkv, datt) =
-            (&mut acts.dres, &mut acts.dbuf_c, &mut acts.dbuf_4c, &mut acts.dqkv, &mut acts.datt);
-
-        let (gw, gb) = two_mut(g, r.fcproj_w.clone(), r.fcproj_b.clone());
-        kernels::matmul_backward(d4c, gw, Some(gb), dres, &a.fch_gelu, &p[r.fcproj_w.clone()], n, 4 * c, c);
-        kernels::gelu_backward_inplace(d4c, &a.fch);
-        let (gw, gb) = two_mut(g, r.fc_w.clone(), r.fc_b.clone());
-        kernels::matmul_backward(dc, gw, Some(gb), d4c, &a.ln2, &p[r.fc_w.clone()], n, c, 4 * c);
-        let (gw, gb) = two_mut(g, r.ln2_w.clone(), r.ln2_b.clone());
-        kernels::layernorm_backward(dres, gw, gb, dc, &a.res2, &a.ln2_mean, &a.ln2_rstd, &p[r.ln2_w.clone()], c);
-        let (gw, gb) = two_mut(g, r.proj_w.clone(), r.proj_b.clone());
-        kernels::matmul_backward(dc, gw, Some(gb), dres, &a.atty, &p[r.proj_w.clone()], n, c, c);
-        kernels::attention_backward(dqkv, datt, dc, &a.qkv, &a.att, AttnShape { b, t, c, n_head: nh });
-        let (gw, gb) = two_mut(g, r.attn_w.clone(), r.attn_b.clone());
-        kernels::matmul_backward(dc, gw, Some(gb), dqkv, &a.ln1, &p[r.attn_w.clone()], n, c, 3 * c);
-        let (gw, gb) = two_mut(g, r.ln1_w.clone(), r.ln1_b.clone());
-        kernels::layernorm_backward(dres, gw, gb, dc, x, &a.ln1_mean, &a.ln1_rstd, &p[r.ln1_w.clone()], c);
-    }
-
     /// Forward through the final LayerNorm and the tied head into `logits`.
     /// Leaves segment 0 (the embeddings, whose `wte` is the head) held.
     fn forward(&mut self, store: &mut dyn ParamStore, inputs: &[u32]) -> Result<(), GptError> {
         let (t, c, v) = (self.acts.t, self.cfg.n_embd, self.cfg.vocab_size);
         let n = self.acts.b * t;
         let (wte, wpe) = (self.ranges.wte.clone(), self.ranges.wpe.clone());
+        let prec = self.precision;
         {
             let seg = store.segment(0)?;
             kernels::encoder_forward(&mut self.acts.encoded, inputs, &seg.params[wte.clone()], &seg.params[wpe], t, c);
+            prec.round(&mut self.acts.encoded);
+            if prec.is_low() {
+                prec.encode(&self.acts.encoded, &mut self.acts.saved_encoded);
+                self.acts.x_buf.copy_from_slice(&self.acts.encoded);
+            }
         }
         store.done(0, false)?;
+        let d = Dims { b: self.acts.b, t, c, nh: self.cfg.n_head };
         for idx in 0..self.cfg.n_layer {
             let seg = store.segment(Self::block_seg(idx))?;
-            self.block_forward(seg.params, idx);
+            let acts = &mut self.acts;
+            if prec.is_low() {
+                block_forward(&self.ranges.block_rel, seg.params, &acts.x_buf, &mut acts.blocks[0], d, prec);
+                acts.save_block(idx);
+                acts.x_buf.copy_from_slice(&acts.blocks[0].res3);
+            } else {
+                let (before, rest) = acts.blocks.split_at_mut(idx);
+                let x: &[f32] = if idx == 0 { &acts.encoded } else { &before[idx - 1].res3 };
+                block_forward(&self.ranges.block_rel, seg.params, x, &mut rest[0], d, prec);
+            }
             store.done(Self::block_seg(idx), false)?;
         }
         let lnf = self.lnf_seg();
         {
             let seg = store.segment(lnf)?;
             let acts = &mut self.acts;
-            let last: &[f32] = acts.blocks.last().map_or(&acts.encoded, |a| &a.res3);
+            let last: &[f32] =
+                if prec.is_low() { &acts.x_buf } else { acts.blocks.last().map_or(&acts.encoded, |a| &a.res3) };
             kernels::layernorm_forward(
                 &mut acts.lnf,
                 &mut acts.lnf_mean,
@@ -525,6 +654,11 @@ impl Gpt {
         let n = self.acts.b * t;
         let (wte, wpe) = (self.ranges.wte.clone(), self.ranges.wpe.clone());
         let par = kernels::parallelism(false);
+        let prec = self.precision;
+        if prec == Precision::F16 {
+            // The scaled logits gradient in f16: this is where a too-large loss scale overflows.
+            prec.round(&mut self.acts.logits);
+        }
         {
             let seg = store.segment(0)?;
             let acts = &mut self.acts;
@@ -562,7 +696,9 @@ impl Gpt {
         {
             let seg = store.segment(lnf)?;
             let acts = &mut self.acts;
-            let last: &[f32] = acts.blocks.last().map_or(&acts.encoded, |a| &a.res3);
+            // Mixed precision: x_buf still holds the last block's output from the forward pass.
+            let last: &[f32] =
+                if prec.is_low() { &acts.x_buf } else { acts.blocks.last().map_or(&acts.encoded, |a| &a.res3) };
             acts.dres.fill(0.0);
             let (gw, gb) = seg.grads.split_at_mut(c);
             kernels::layernorm_backward(
@@ -578,10 +714,33 @@ impl Gpt {
             );
         }
         store.done(lnf, true)?;
+        let d = Dims { b: self.acts.b, t, c, nh: self.cfg.n_head };
         for idx in (0..self.cfg.n_layer).rev() {
+            if prec == Precision::F16 {
+                prec.round(&mut self.acts.dres); // activation gradients between blocks are f16
+            }
             let seg = store.segment(Self::block_seg(idx))?;
-            self.block_backward(seg.params, seg.grads, idx);
+            let acts = &mut self.acts;
+            if prec.is_low() {
+                acts.load_block(idx);
+            }
+            let scratch = Scratch {
+                dres: &mut acts.dres,
+                dc: &mut acts.dbuf_c,
+                d4c: &mut acts.dbuf_4c,
+                dqkv: &mut acts.dqkv,
+                datt: &mut acts.datt,
+            };
+            let (a, x): (&BlockActs, &[f32]) = if prec.is_low() {
+                (&acts.blocks[0], &acts.x_buf)
+            } else {
+                (&acts.blocks[idx], if idx == 0 { &acts.encoded } else { &acts.blocks[idx - 1].res3 })
+            };
+            block_backward(&self.ranges.block_rel, seg.params, seg.grads, x, a, scratch, d);
             store.done(Self::block_seg(idx), true)?;
+        }
+        if prec == Precision::F16 {
+            prec.round(&mut self.acts.dres);
         }
         {
             let seg = store.segment(0)?;

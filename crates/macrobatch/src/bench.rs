@@ -6,11 +6,10 @@
 //! fixed global batch the step time relative to K = 1.
 
 use crate::dist::Backend;
-use crate::train::{load_config, plan, rank_batches, trainer_for, Plan};
+use crate::train::{load_config, model_for, plan, rank_batches, trainer_for, Plan};
 use crate::BenchArgs;
 use anyhow::{bail, Result};
 use data::{BatchShape, Sampler};
-use gpt::Gpt;
 use serde::Serialize;
 use std::time::Instant;
 
@@ -28,6 +27,12 @@ struct Timing {
     gflops: f64,
     /// Share of the step outside the model's micro-steps, in percent.
     overhead_pct: f64,
+    /// Bytes of activations saved for backward.
+    saved_activation_bytes: usize,
+    /// Bytes of all activation and scratch buffers.
+    activation_bytes: usize,
+    /// Bytes of the parameter copy the model reads.
+    param_copy_bytes: usize,
 }
 
 #[derive(Debug, Serialize)]
@@ -44,6 +49,9 @@ struct Report {
     gemm_peak_gflops: f64,
     mfu_gemm_pct: f64,
     k_sweep: Vec<(usize, f64)>,
+    precision: String,
+    /// Peak resident set of the whole bench process (VmHWM).
+    peak_rss_bytes: Option<u64>,
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -55,7 +63,7 @@ fn median(v: &mut [f64]) -> f64 {
 fn time_steps(plan: &Plan, shape: BatchShape, warmup: usize, steps: usize) -> Result<Timing> {
     let cfg = &plan.cfg;
     let sampler = Sampler::new(plan.train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?;
-    let mut model = Gpt::new(plan.model)?;
+    let mut model = model_for(plan)?;
     let mut comm = comm::SingleProcess::new();
     let mut trainer = trainer_for(plan, &model, &mut comm)?;
     let (mut ms, mut overhead) = (Vec::new(), Vec::new());
@@ -73,6 +81,7 @@ fn time_steps(plan: &Plan, shape: BatchShape, warmup: usize, steps: usize) -> Re
     }
     let tokens = (shape.global() * plan.train.seq_len()) as f64;
     let med = median(&mut ms);
+    let mem = trainer.memory();
     let flops = plan.model.flops_per_token(plan.train.seq_len()) * tokens;
     Ok(Timing {
         micro: shape.micro,
@@ -83,6 +92,9 @@ fn time_steps(plan: &Plan, shape: BatchShape, warmup: usize, steps: usize) -> Re
         tokens_per_s: tokens / (med / 1e3),
         gflops: flops / (med / 1e3) / 1e9,
         overhead_pct: median(&mut overhead),
+        saved_activation_bytes: model.saved_activation_bytes(),
+        activation_bytes: model.activation_bytes(),
+        param_copy_bytes: mem.params,
     })
 }
 
@@ -169,6 +181,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
         peak_nominal_gflops: peak,
         gemm_peak_gflops: gemm_peak,
         k_sweep,
+        precision: plan.cfg.train.precision.clone(),
+        peak_rss_bytes: crate::train::peak_rss_bytes(),
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -199,6 +213,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
         report.mfu_nominal_pct, report.peak_nominal_gflops, report.mfu_gemm_pct, report.gemm_peak_gflops
     );
     println!("  overhead      {:.2}% of a step outside the model's forward/backward", s.overhead_pct);
+    println!(
+        "  memory        {}: saved activations {:.1} MB, all activation buffers {:.1} MB, parameter copy {:.1} MB, peak RSS {:.0} MB",
+        report.precision,
+        s.saved_activation_bytes as f64 / 1e6,
+        s.activation_bytes as f64 / 1e6,
+        s.param_copy_bytes as f64 / 1e6,
+        report.peak_rss_bytes.unwrap_or(0) as f64 / 1e6
+    );
     for (k, ratio) in &report.k_sweep {
         println!("  K = {k:<2}        micro {:<4} step time {:.3}× K = 1", report.global_batch / k, ratio);
     }

@@ -23,7 +23,7 @@ pub const CONFIG: &str = "config.resolved.toml";
 /// Everything besides tensors needed to continue exactly.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct TrainerState {
-    /// Optimizer steps completed (= the LR schedule's position).
+    /// Optimizer steps taken, skipped ones included (= the data position).
     pub step: u64,
     /// Optimizer updates applied (AdamW's t).
     pub n_updates: u64,
@@ -39,6 +39,26 @@ pub struct TrainerState {
     pub world_size: usize,
     /// Optimizer name (`adamw` / `sgd`).
     pub optimizer: String,
+    /// Optimizer steps applied (the LR schedule's position): fewer than
+    /// `step` when f16 overflows skipped steps.
+    #[serde(default)]
+    pub schedule_step: Option<u64>,
+    /// The f16 loss scaler.
+    #[serde(default)]
+    pub loss_scaler: Option<ScalerState>,
+}
+
+/// The loss scaler's state.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ScalerState {
+    /// Current scale.
+    pub scale: f32,
+    /// Good steps since the last change.
+    pub good_steps: u64,
+    /// Overflows left before the next halving.
+    pub hysteresis_left: u32,
+    /// Steps skipped so far.
+    pub n_skipped: u64,
 }
 
 #[derive(Debug, Serialize, Deserialize)]

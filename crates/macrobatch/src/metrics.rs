@@ -42,6 +42,10 @@ pub struct StepRecord {
     /// Validation loss, on evaluation steps.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
+    /// The step was skipped (f16 overflow): nothing was updated.
+    pub skipped: bool,
+    /// Loss scale used (1 unless f16).
+    pub loss_scale: f32,
     /// Bytes of resident parameters on this rank.
     pub mem_params: usize,
     /// Bytes of gradient buffers.

@@ -9,7 +9,10 @@ use anyhow::{anyhow, bail, Context, Result};
 use comm::Communicator;
 use config::{Config, ResolvedBatch, ScheduleKind};
 use data::{BatchShape, Corpus, DataFormat, Sampler, TokenDataset};
-use engine::{AdamW, Decay, LossNormalization, LrSchedule, Model, Optimizer, Sgd, Trainer, TrainerOptions, ZeroConfig};
+use engine::{
+    AdamW, Decay, LossNormalization, LossScalerConfig, LrSchedule, Model, Optimizer, Precision, Sgd, Trainer,
+    TrainerOptions, ZeroConfig,
+};
 use gpt::{Batch, Gpt, GptConfig};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -87,6 +90,20 @@ pub fn plan(cfg: Config, backend: Backend) -> Result<Plan> {
     Ok(Plan { cfg, model, backend, batch, train, val, sampler })
 }
 
+/// The configured compute precision.
+pub fn precision_of(cfg: &Config) -> Precision {
+    match cfg.train.precision.as_str() {
+        "bf16" => Precision::Bf16,
+        "f16" => Precision::F16,
+        _ => Precision::F32,
+    }
+}
+
+/// The model for this plan, storing activations in the configured precision.
+pub fn model_for(plan: &Plan) -> Result<Gpt> {
+    Ok(Gpt::with_precision(plan.model, precision_of(&plan.cfg))?)
+}
+
 /// A trainer over freshly initialised parameters for this rank of `comm`
 /// (rank 0's parameters are broadcast; ZeRO partitions as configured).
 pub fn trainer_for(plan: &Plan, model: &Gpt, comm: &mut dyn Communicator) -> Result<Trainer> {
@@ -115,6 +132,13 @@ pub fn trainer_for(plan: &Plan, model: &Gpt, comm: &mut dyn Communicator) -> Res
             _ => LossNormalization::Token,
         },
         bucket_elems: ((cfg.dist.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1),
+        precision: precision_of(cfg),
+        loss_scaler: LossScalerConfig {
+            initial_scale: cfg.train.initial_loss_scale,
+            window: cfg.train.loss_scale_window,
+            hysteresis: cfg.train.loss_scale_hysteresis,
+            min_scale: cfg.train.min_loss_scale,
+        },
     };
     let zero = ZeroConfig { stage: cfg.dist.zero_stage, reduce_every_micro_step: cfg.dist.reduce_every_micro_step };
     let init = |seg: usize| gpt::init_segment(&plan.model, cfg.train.seed, seg);
@@ -179,8 +203,12 @@ struct MemoryFile {
     n_params: usize,
     /// Rank 0's accounting (every rank's is the same up to padding).
     accounting: engine::MemoryReport,
-    /// SPEC §3's per-rank model-state bytes for this stage in f32.
-    formula_model_states: f64,
+    /// Storage precision of the run.
+    precision: String,
+    /// SPEC §3's per-rank model-state bytes for this stage (f32 runs; under
+    /// mixed precision macrobatch keeps an f32 gradient accumulator and, at
+    /// stages 1–2, unsharded f32 master weights, so the formula does not apply).
+    formula_model_states: Option<f64>,
     /// Per rank: peak resident set (VmHWM).
     peak_rss: Vec<u64>,
     /// Per rank: resident-set growth from before the trainer existed to after
@@ -295,12 +323,20 @@ fn train_rank(
 ) -> Result<()> {
     let rank = comm.rank();
     let cfg = &plan.cfg;
-    let mut model = Gpt::new(plan.model)?;
+    let mut model = model_for(plan)?;
     let rss_before = proc_status_bytes("VmRSS:");
     let mut trainer = trainer_for(plan, &model, comm)?;
     let mut model_states_rss = None;
+    let mut first_step = 0;
     if let Some(l) = &start_from.resume {
-        trainer.restore(l.params.clone(), l.state.step, l.state.n_updates, |name| l.optimizer.get(name).cloned())?;
+        let st = &l.state;
+        trainer.restore(l.params.clone(), st.schedule_step.unwrap_or(st.step), st.n_updates, |name| {
+            l.optimizer.get(name).cloned()
+        })?;
+        if let Some(sc) = &st.loss_scaler {
+            trainer.set_loss_scaler(sc.scale, sc.good_steps, sc.hysteresis_left, sc.n_skipped);
+        }
+        first_step = st.step;
     } else if let Some(p) = &start_from.init_params {
         trainer.set_params(p.as_ref().clone())?;
     }
@@ -319,7 +355,6 @@ fn train_rank(
     // At stage 3 evaluation and saving gather parameters: every rank joins.
     let all_ranks_gather = cfg.dist.zero_stage == 3;
     let steps = cfg.train.steps;
-    let first_step = trainer.n_steps();
     let config_toml = resolved_toml(plan);
     let start = Instant::now();
     let mut order: Option<(u64, Vec<usize>)> = None;
@@ -396,6 +431,8 @@ fn train_rank(
             step_ms: step_s * 1e3,
             elapsed_s: start.elapsed().as_secs_f64(),
             val_loss,
+            skipped: report.skipped,
+            loss_scale: report.loss_scale,
             mem_params: mem.params,
             mem_grads: mem.grads,
             mem_optimizer: mem.optimizer,
@@ -415,6 +452,13 @@ fn train_rank(
                 global_batch: plan.batch.global,
                 world_size: plan.batch.world_size,
                 optimizer: cfg.optim.name.clone(),
+                schedule_step: Some(trainer.n_steps()),
+                loss_scaler: trainer.loss_scaler().map(|s| checkpoint::ScalerState {
+                    scale: s.scale,
+                    good_steps: s.good_steps,
+                    hysteresis_left: s.hysteresis_left,
+                    n_skipped: s.n_skipped,
+                }),
             };
             let path = checkpoint::save(&out.dir, &plan.model, &model, &params, &opt_state, &state, &config_toml)?;
             checkpoint::prune(&out.dir, cfg.train.keep_checkpoints)?;
@@ -445,12 +489,15 @@ fn train_rank(
             world_size: comm.world_size(),
             n_params: plan.model.n_params(),
             accounting: m,
-            formula_model_states: formula_model_states(
-                cfg.dist.zero_stage,
-                !cfg.dist.reduce_every_micro_step,
-                plan.model.n_params(),
-                comm.world_size(),
-            ),
+            precision: cfg.train.precision.clone(),
+            formula_model_states: (cfg.train.precision == "f32").then(|| {
+                formula_model_states(
+                    cfg.dist.zero_stage,
+                    !cfg.dist.reduce_every_micro_step,
+                    plan.model.n_params(),
+                    comm.world_size(),
+                )
+            }),
             peak_rss: all.chunks(2).map(|c| c[0] as u64 * 1024).collect(),
             measured_model_states: all.chunks(2).map(|c| c[1] as u64 * 1024).collect(),
         };

@@ -3,7 +3,7 @@
 //! batch of the same samples from the same parameters.
 
 use crate::dist::Backend;
-use crate::train::{load_config, make_batch, plan, run_thread_ranks, trainer_for, Plan};
+use crate::train::{load_config, make_batch, model_for, plan, run_thread_ranks, trainer_for, Plan};
 use crate::VerifyArgs;
 use anyhow::{bail, Context, Result};
 use comm::Communicator;
@@ -32,7 +32,7 @@ fn one_step(plan: &Arc<Plan>, shape: BatchShape) -> Result<StepResult> {
     let run = {
         let (plan, slot, sampler) = (plan.clone(), slot.clone(), sampler.clone());
         move |c: &mut dyn Communicator| -> Result<()> {
-            let mut model = Gpt::new(plan.model)?;
+            let mut model = model_for(&plan)?;
             let mut trainer = trainer_for(&plan, &model, c)?;
             let order = sampler.epoch_order(0);
             let batches: Vec<_> = (0..shape.accumulation_steps)
