@@ -9,6 +9,9 @@ use engine::{
 use gpt::{init_params, Batch, Gpt, GptConfig, IGNORE_INDEX};
 use proptest::prelude::*;
 
+mod common;
+use common::Tapped;
+
 const T: usize = 8;
 const G: usize = 8;
 
@@ -134,49 +137,25 @@ fn naive_mean_of_micro_means_differs_when_token_counts_differ() {
     assert!(max_diff(&g_even, &g_even_naive) <= 1e-5 * max_abs(&g_even));
 }
 
-/// Counts micro-steps to show the boundary work is per optimizer step.
-struct Counting {
-    inner: Gpt,
-    n_micro_steps: usize,
-}
-
-impl Model for Counting {
-    type Batch = Batch;
-    type Error = gpt::GptError;
-    fn layout(&self) -> &engine::ParamLayout {
-        self.inner.layout()
-    }
-    fn segments(&self) -> Vec<std::ops::Range<usize>> {
-        self.inner.segments()
-    }
-    fn n_targets(&self, b: &Batch) -> u64 {
-        b.n_targets()
-    }
-    fn micro_step(
-        &mut self,
-        st: &mut dyn ParamStore,
-        b: &Batch,
-        s: f32,
-    ) -> Result<engine::MicroStepStats, Self::Error> {
-        self.n_micro_steps += 1;
-        self.inner.micro_step(st, b, s)
-    }
-    fn loss(&mut self, st: &mut dyn ParamStore, b: &Batch) -> Result<engine::MicroStepStats, Self::Error> {
-        self.inner.loss(st, b)
-    }
-}
-
 #[test]
 fn schedule_optimizer_and_clipping_advance_once_per_optimizer_step() {
     let schedule = LrSchedule { max_lr: 1e-3, min_lr: 1e-4, warmup_steps: 10, total_steps: 20, decay: Decay::Cosine };
     let (model, mut tr) = trainer(TrainerOptions { grad_clip: Some(1.0), ..Default::default() }, schedule);
-    let mut model = Counting { inner: model, n_micro_steps: 0 };
+    let mut n_micro_steps = 0usize;
+    let mut model = Tapped {
+        inner: model,
+        tap: |_: &mut dyn ParamStore| {
+            n_micro_steps += 1;
+            Ok(())
+        },
+    };
     let micro = split(&sequences(false), &[1; 8]); // K = 8
     let mut lrs = Vec::new();
     for _ in 0..10 {
         lrs.push(tr.step(&mut model, &mut comm::SingleProcess::new(), &micro).unwrap().lr);
     }
-    assert_eq!(model.n_micro_steps, 80);
+    drop(model);
+    assert_eq!(n_micro_steps, 80);
     assert_eq!(tr.n_steps(), 10, "schedule position");
     assert_eq!(tr.optimizer().n_updates(), 10, "AdamW's t");
     for (i, lr) in lrs.iter().enumerate() {

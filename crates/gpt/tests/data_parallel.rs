@@ -6,13 +6,14 @@ use comm::threads::{group, ThreadComm};
 use comm::{CommCounters, CommError, Communicator};
 use data::{BatchShape, Sampler};
 use engine::rng::SplitMix64;
-use engine::{
-    AdamW, LrSchedule, MicroStepStats, Model, Optimizer, ParamStore, Sgd, Trainer, TrainerOptions, ZeroConfig,
-};
-use gpt::{init_params, Batch, Gpt, GptConfig, GptError};
+use engine::{AdamW, LrSchedule, Model, Optimizer, ParamStore, Sgd, Trainer, TrainerOptions, ZeroConfig};
+use gpt::{init_params, Batch, Gpt, GptConfig};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+mod common;
+use common::Tapped;
 
 const T: usize = 8;
 
@@ -219,34 +220,6 @@ impl<C: Communicator> Communicator for Counting<C> {
     }
 }
 
-/// Records the collective count seen at each micro-step.
-struct Watching {
-    inner: Gpt,
-    calls: Arc<AtomicU64>,
-    seen: Vec<u64>,
-}
-
-impl Model for Watching {
-    type Batch = Batch;
-    type Error = GptError;
-    fn layout(&self) -> &engine::ParamLayout {
-        self.inner.layout()
-    }
-    fn segments(&self) -> Vec<std::ops::Range<usize>> {
-        self.inner.segments()
-    }
-    fn n_targets(&self, b: &Batch) -> u64 {
-        b.n_targets()
-    }
-    fn micro_step(&mut self, st: &mut dyn ParamStore, b: &Batch, s: f32) -> Result<MicroStepStats, GptError> {
-        self.seen.push(self.calls.load(Ordering::SeqCst));
-        self.inner.micro_step(st, b, s)
-    }
-    fn loss(&mut self, st: &mut dyn ParamStore, b: &Batch) -> Result<MicroStepStats, GptError> {
-        self.inner.loss(st, b)
-    }
-}
-
 #[test]
 fn no_communication_before_the_boundary_and_bytes_independent_of_k() {
     let seqs = corpus(16);
@@ -261,8 +234,16 @@ fn no_communication_before_the_boundary_and_bytes_independent_of_k() {
                     s.spawn(move || {
                         let calls = Arc::new(AtomicU64::new(0));
                         let mut c = Counting { inner: c, calls: calls.clone() };
-                        let mut model =
-                            Watching { inner: Gpt::new(cfg()).unwrap(), calls: calls.clone(), seen: Vec::new() };
+                        // Record the collective count after every micro-step: it must not move.
+                        let mut seen = Vec::new();
+                        let watch = calls.clone();
+                        let mut model = Tapped {
+                            inner: Gpt::new(cfg()).unwrap(),
+                            tap: |_: &mut dyn ParamStore| {
+                                seen.push(watch.load(Ordering::SeqCst));
+                                Ok(())
+                            },
+                        };
                         let mut tr = new_trainer(&model, Opt::AdamW, ZeroConfig::default(), &mut c);
                         let m = 8 / k;
                         let micro: Vec<Batch> = (0..k)
@@ -272,7 +253,8 @@ fn no_communication_before_the_boundary_and_bytes_independent_of_k() {
                             .collect();
                         let before = calls.load(Ordering::SeqCst);
                         let report = tr.step(&mut model, &mut c, &micro).unwrap();
-                        (report.comm_bytes, report.comm_calls, model.seen, before)
+                        drop(model);
+                        (report.comm_bytes, report.comm_calls, seen, before)
                     })
                 })
                 .collect();

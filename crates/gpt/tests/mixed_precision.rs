@@ -5,11 +5,14 @@ use comm::threads::group;
 use comm::Communicator;
 use engine::rng::SplitMix64;
 use engine::{
-    AdamW, FullStore, LossScalerConfig, LrSchedule, MicroStepStats, Model, Optimizer, ParamStore, Precision, Trainer,
-    TrainerOptions, ZeroConfig,
+    AdamW, FullStore, LossScalerConfig, LrSchedule, Model, Optimizer, ParamStore, Precision, Trainer, TrainerOptions,
+    ZeroConfig,
 };
-use gpt::{init_params, Batch, Gpt, GptConfig, GptError};
+use gpt::{init_params, Batch, Gpt, GptConfig};
 use std::time::Duration;
+
+mod common;
+use common::Tapped;
 
 const T: usize = 8;
 
@@ -28,41 +31,6 @@ fn batch(seed: u64, n: usize) -> Batch {
     b
 }
 
-/// Writes +inf into its gradient on one rank's chosen micro-step of one step.
-struct Overflowing {
-    inner: Gpt,
-    fire: Option<(usize, usize)>,
-    step: usize,
-    micro: usize,
-    rank: usize,
-}
-
-impl Model for Overflowing {
-    type Batch = Batch;
-    type Error = GptError;
-    fn layout(&self) -> &engine::ParamLayout {
-        self.inner.layout()
-    }
-    fn segments(&self) -> Vec<std::ops::Range<usize>> {
-        self.inner.segments()
-    }
-    fn n_targets(&self, b: &Batch) -> u64 {
-        b.n_targets()
-    }
-    fn micro_step(&mut self, st: &mut dyn ParamStore, b: &Batch, s: f32) -> Result<MicroStepStats, GptError> {
-        let out = self.inner.micro_step(st, b, s)?;
-        if self.fire == Some((self.step, self.micro)) && self.rank == 1 {
-            st.segment(1)?.grads[3] = f32::INFINITY;
-            st.done(1, true)?;
-        }
-        self.micro += 1;
-        Ok(out)
-    }
-    fn loss(&mut self, st: &mut dyn ParamStore, b: &Batch) -> Result<MicroStepStats, GptError> {
-        self.inner.loss(st, b)
-    }
-}
-
 fn options(precision: Precision, scaler: LossScalerConfig) -> TrainerOptions {
     TrainerOptions { grad_clip: Some(1.0), precision, loss_scaler: scaler, ..Default::default() }
 }
@@ -78,7 +46,20 @@ fn an_overflow_on_one_rank_skips_the_step_everywhere_and_changes_nothing() {
                 s.spawn(move || {
                     let rank = c.rank();
                     let inner = Gpt::with_precision(cfg(), Precision::F16).unwrap();
-                    let mut model = Overflowing { inner, fire: Some((1, 1)), step: 0, micro: 0, rank };
+                    // Rank 1 writes +inf into its gradient in micro-step 1 of step 1.
+                    let at = std::cell::Cell::new((0usize, 0usize));
+                    let mut model = Tapped {
+                        inner,
+                        tap: |st: &mut dyn ParamStore| {
+                            let (step, micro) = at.get();
+                            if rank == 1 && (step, micro) == (1, 1) {
+                                st.segment(1)?.grads[3] = f32::INFINITY;
+                                st.done(1, true)?;
+                            }
+                            at.set((step, micro + 1));
+                            Ok(())
+                        },
+                    };
                     let params = init_params(&cfg(), 3);
                     let opt = Optimizer::AdamW(AdamW::new(params.len(), 0.9, 0.95, 1e-8, 0.1).unwrap());
                     let sched = LrSchedule { warmup_steps: 10, total_steps: 20, ..LrSchedule::constant(1e-3) };
@@ -96,8 +77,7 @@ fn an_overflow_on_one_rank_skips_the_step_everywhere_and_changes_nothing() {
                         |step: usize| vec![batch(10 * step as u64 + rank as u64, 2), batch(99 + step as u64, 2)];
                     let mut out = Vec::new();
                     for step in 0..3 {
-                        model.step = step;
-                        model.micro = 0;
+                        at.set((step, 0));
                         let before = (tr.params().to_vec(), tr.optimizer().clone(), tr.n_steps(), tr.next_lr());
                         let r = tr.step(&mut model, &mut c, &micro(step)).unwrap();
                         let after = (tr.params().to_vec(), tr.optimizer().clone(), tr.n_steps(), tr.next_lr());
