@@ -15,15 +15,20 @@ fn main() {
     let threads: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(2);
     rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().expect("pool");
     // (m, k, n): tiny preset B·T = 1024 rows (qkv, mlp up, mlp down, head), then GPT-2 124M at B·T = 4096.
-    let shapes = [
-        (1024, 256, 768),
-        (1024, 256, 1024),
-        (1024, 1024, 256),
-        (1024, 256, 256),
-        (4096, 768, 2304),
-        (4096, 768, 3072),
-        (4096, 3072, 768),
-    ];
+    // SHAPES=micro: the tiny preset's matmuls at 512 rows (micro-batch 4) and 4096 (32).
+    let shapes: Vec<(usize, usize, usize)> = if std::env::var("SHAPES").as_deref() == Ok("micro") {
+        vec![(512, 256, 768), (4096, 256, 768), (512, 1024, 256), (4096, 1024, 256), (256, 512, 768), (256, 4096, 768)]
+    } else {
+        vec![
+            (1024, 256, 768),
+            (1024, 256, 1024),
+            (1024, 1024, 256),
+            (1024, 256, 256),
+            (4096, 768, 2304),
+            (4096, 768, 3072),
+            (4096, 3072, 768),
+        ]
+    };
     println!("threads {threads}");
     println!("{:>18} {:>12} {:>16}", "m×k×n", "gemm GF/s", "matrixmult GF/s");
     for (m, k, n) in shapes {
