@@ -36,6 +36,94 @@ impl Batch {
     }
 }
 
+/// Mixed-precision forward of one block: every tensor is produced in f32
+/// in a scratch buffer (the backward scratch is idle during forward), rounded,
+/// and saved in 16 bits at once; no f32 copy of the block is kept. On entry
+/// `x` holds the block's input; on exit its output.
+#[allow(clippy::too_many_arguments)]
+fn block_forward_lp(
+    r: &BlockParams,
+    p: &[f32],
+    x: &mut [f32],
+    sv: &mut SavedBlock,
+    s: Scratch<'_>,
+    g: &mut [f32],
+    d: Dims,
+    prec: Precision,
+) {
+    let Dims { b, t, c, nh } = d;
+    let n = b * t;
+    let Scratch { dres: res2, dc: a, d4c: f, dqkv: qkv, datt: att } = s;
+    let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd] = &mut sv.stats;
+    let keep = |v: &mut [f32], dst: &mut Vec<u16>| {
+        prec.round(v);
+        prec.encode(v, dst);
+    };
+    kernels::layernorm_forward(a, ln1_mean, ln1_rstd, x, &p[r.ln1_w.clone()], &p[r.ln1_b.clone()], c);
+    keep(a, &mut sv.large[0]);
+    kernels::matmul_forward(qkv, a, &p[r.attn_w.clone()], Some(&p[r.attn_b.clone()]), None, n, c, 3 * c);
+    keep(qkv, &mut sv.large[1]);
+    kernels::attention_forward(a, att, qkv, AttnShape { b, t, c, n_head: nh });
+    keep(att, &mut sv.large[2]);
+    keep(a, &mut sv.large[3]);
+    kernels::matmul_forward(res2, a, &p[r.proj_w.clone()], Some(&p[r.proj_b.clone()]), Some(x), n, c, c);
+    keep(res2, &mut sv.large[4]);
+    kernels::layernorm_forward(a, ln2_mean, ln2_rstd, res2, &p[r.ln2_w.clone()], &p[r.ln2_b.clone()], c);
+    keep(a, &mut sv.large[5]);
+    kernels::matmul_forward(f, a, &p[r.fc_w.clone()], Some(&p[r.fc_b.clone()]), None, n, c, 4 * c);
+    keep(f, &mut sv.large[6]);
+    kernels::gelu_forward(g, f);
+    keep(g, &mut sv.large[7]);
+    kernels::matmul_forward(x, g, &p[r.fcproj_w.clone()], Some(&p[r.fcproj_b.clone()]), Some(res2), n, 4 * c, c);
+    keep(x, &mut sv.large[8]);
+}
+
+/// Mixed-precision backward of one block: each saved tensor is decoded into
+/// `u` (or `v`, the attention probabilities) just before the kernel that
+/// reads it. `x` is the block's saved input (16 bits).
+#[allow(clippy::too_many_arguments)]
+fn block_backward_lp(
+    r: &BlockParams,
+    p: &[f32],
+    gr: &mut [f32],
+    x: &[u16],
+    sv: &SavedBlock,
+    u: &mut [f32],
+    v: &mut [f32],
+    s: Scratch<'_>,
+    d: Dims,
+    prec: Precision,
+) {
+    let Dims { b, t, c, nh } = d;
+    let n = b * t;
+    let Scratch { dres, dc, d4c, dqkv, datt } = s;
+    let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd] = &sv.stats;
+    let (u_c, u_3c, u_4c) = (n * c, n * 3 * c, n * 4 * c);
+    prec.decode(&sv.large[7], &mut u[..u_4c]);
+    let (gw, gb) = two_mut(gr, r.fcproj_w.clone(), r.fcproj_b.clone());
+    kernels::matmul_backward(d4c, gw, Some(gb), dres, &u[..u_4c], &p[r.fcproj_w.clone()], n, 4 * c, c);
+    prec.decode(&sv.large[6], &mut u[..u_4c]);
+    kernels::gelu_backward_inplace(d4c, &u[..u_4c]);
+    prec.decode(&sv.large[5], &mut u[..u_c]);
+    let (gw, gb) = two_mut(gr, r.fc_w.clone(), r.fc_b.clone());
+    kernels::matmul_backward(dc, gw, Some(gb), d4c, &u[..u_c], &p[r.fc_w.clone()], n, c, 4 * c);
+    prec.decode(&sv.large[4], &mut u[..u_c]);
+    let (gw, gb) = two_mut(gr, r.ln2_w.clone(), r.ln2_b.clone());
+    kernels::layernorm_backward(dres, gw, gb, dc, &u[..u_c], ln2_mean, ln2_rstd, &p[r.ln2_w.clone()], c);
+    prec.decode(&sv.large[3], &mut u[..u_c]);
+    let (gw, gb) = two_mut(gr, r.proj_w.clone(), r.proj_b.clone());
+    kernels::matmul_backward(dc, gw, Some(gb), dres, &u[..u_c], &p[r.proj_w.clone()], n, c, c);
+    prec.decode(&sv.large[1], &mut u[..u_3c]);
+    prec.decode(&sv.large[2], v);
+    kernels::attention_backward(dqkv, datt, dc, &u[..u_3c], v, AttnShape { b, t, c, n_head: nh });
+    prec.decode(&sv.large[0], &mut u[..u_c]);
+    let (gw, gb) = two_mut(gr, r.attn_w.clone(), r.attn_b.clone());
+    kernels::matmul_backward(dc, gw, Some(gb), dqkv, &u[..u_c], &p[r.attn_w.clone()], n, c, 3 * c);
+    prec.decode(x, &mut u[..u_c]);
+    let (gw, gb) = two_mut(gr, r.ln1_w.clone(), r.ln1_b.clone());
+    kernels::layernorm_backward(dres, gw, gb, dc, &u[..u_c], ln1_mean, ln1_rstd, &p[r.ln1_w.clone()], c);
+}
+
 /// Element ranges of one block's parameters inside the flat buffer.
 #[derive(Debug, Clone)]
 pub struct BlockParams {
@@ -219,27 +307,9 @@ impl BlockActs {
         [&self.ln1, &self.qkv, &self.att, &self.atty, &self.res2, &self.ln2, &self.fch, &self.fch_gelu, &self.res3]
     }
 
-    fn large_mut(&mut self) -> [&mut Vec<f32>; 9] {
-        [
-            &mut self.ln1,
-            &mut self.qkv,
-            &mut self.att,
-            &mut self.atty,
-            &mut self.res2,
-            &mut self.ln2,
-            &mut self.fch,
-            &mut self.fch_gelu,
-            &mut self.res3,
-        ]
-    }
-
     /// The per-row statistics (always f32: B·T values each).
     fn stats(&self) -> [&Vec<f32>; 4] {
         [&self.ln1_mean, &self.ln1_rstd, &self.ln2_mean, &self.ln2_rstd]
-    }
-
-    fn stats_mut(&mut self) -> [&mut Vec<f32>; 4] {
-        [&mut self.ln1_mean, &mut self.ln1_rstd, &mut self.ln2_mean, &mut self.ln2_rstd]
     }
 
     fn bytes(&self) -> usize {
@@ -271,6 +341,10 @@ struct Acts {
     saved_encoded: Vec<u16>,
     /// Mixed precision: the residual stream entering the current block.
     x_buf: Vec<f32>,
+    /// Mixed precision: f32 staging for one saved tensor at a time (4C per
+    /// row), and for the attention probabilities.
+    u: Vec<f32>,
+    v: Vec<f32>,
     lnf: Vec<f32>,
     lnf_mean: Vec<f32>,
     lnf_rstd: Vec<f32>,
@@ -289,13 +363,14 @@ impl Acts {
         let bt = b * t;
         let z = |n: usize| vec![0.0f32; n];
         let low = precision.is_low();
-        let n_work = if low { 1 } else { cfg.n_layer };
-        let blocks: Vec<BlockActs> = (0..n_work).map(|_| BlockActs::new(c, nh, b, t)).collect();
+        let blocks: Vec<BlockActs> =
+            if low { Vec::new() } else { (0..cfg.n_layer).map(|_| BlockActs::new(c, nh, b, t)).collect() };
         let saved = if low {
+            let shape = BlockActs::new(c, nh, b, t);
             (0..cfg.n_layer)
                 .map(|_| SavedBlock {
-                    large: blocks[0].large().map(|v| vec![0u16; v.len()]),
-                    stats: blocks[0].stats().map(|v| vec![0.0f32; v.len()]),
+                    large: shape.large().map(|v| vec![0u16; v.len()]),
+                    stats: shape.stats().map(|v| vec![0.0f32; v.len()]),
                 })
                 .collect()
         } else {
@@ -310,6 +385,8 @@ impl Acts {
             saved,
             saved_encoded: if low { vec![0u16; bt * c] } else { Vec::new() },
             x_buf: if low { z(bt * c) } else { Vec::new() },
+            u: if low { z(bt * 4 * c) } else { Vec::new() },
+            v: if low { z(b * nh * t * t) } else { Vec::new() },
             lnf: z(bt * c),
             lnf_mean: z(bt),
             lnf_rstd: z(bt),
@@ -334,6 +411,8 @@ impl Acts {
         let rest = [
             &self.encoded,
             &self.x_buf,
+            &self.u,
+            &self.v,
             &self.lnf,
             &self.lnf_mean,
             &self.lnf_rstd,
@@ -350,35 +429,6 @@ impl Acts {
         .sum::<usize>();
         work + saved + 2 * self.saved_encoded.len() + 4 * rest
     }
-
-    /// Mixed precision: keeps the working set of block `idx` in 16 bits
-    /// (its tensors are already rounded).
-    fn save_block(&mut self, idx: usize) {
-        let p = self.precision;
-        let (work, saved) = (&self.blocks[0], &mut self.saved[idx]);
-        for (src, dst) in work.large().into_iter().zip(saved.large.iter_mut()) {
-            p.encode(src, dst);
-        }
-        for (src, dst) in work.stats().into_iter().zip(saved.stats.iter_mut()) {
-            dst.copy_from_slice(src);
-        }
-    }
-
-    /// Mixed precision: decodes block `idx`'s saved tensors into the working
-    /// set, and its input (the previous block's output, or the embeddings)
-    /// into `x_buf`.
-    fn load_block(&mut self, idx: usize) {
-        let p = self.precision;
-        let (work, saved) = (&mut self.blocks[0], &self.saved[idx]);
-        for (src, dst) in saved.large.iter().zip(work.large_mut()) {
-            p.decode(src, dst);
-        }
-        for (src, dst) in saved.stats.iter().zip(work.stats_mut()) {
-            dst.copy_from_slice(src);
-        }
-        let x: &[u16] = if idx == 0 { &self.saved_encoded } else { &self.saved[idx - 1].large[8] };
-        p.decode(x, &mut self.x_buf);
-    }
 }
 
 /// Shapes of one block call.
@@ -390,9 +440,8 @@ struct Dims {
     nh: usize,
 }
 
-/// Forward of one block on the residual stream `x` into `a`, rounding every
-/// saved tensor to `p` as it is produced.
-fn block_forward(r: &BlockParams, p: &[f32], x: &[f32], a: &mut BlockActs, d: Dims, prec: Precision) {
+/// f32 forward of one block on the residual stream `x` into `a`.
+fn block_forward(r: &BlockParams, p: &[f32], x: &[f32], a: &mut BlockActs, d: Dims) {
     let Dims { b, t, c, nh } = d;
     let n = b * t;
     kernels::layernorm_forward(
@@ -404,14 +453,9 @@ fn block_forward(r: &BlockParams, p: &[f32], x: &[f32], a: &mut BlockActs, d: Di
         &p[r.ln1_b.clone()],
         c,
     );
-    prec.round(&mut a.ln1);
     kernels::matmul_forward(&mut a.qkv, &a.ln1, &p[r.attn_w.clone()], Some(&p[r.attn_b.clone()]), None, n, c, 3 * c);
-    prec.round(&mut a.qkv);
     kernels::attention_forward(&mut a.atty, &mut a.att, &a.qkv, AttnShape { b, t, c, n_head: nh });
-    prec.round(&mut a.att);
-    prec.round(&mut a.atty);
     kernels::matmul_forward(&mut a.res2, &a.atty, &p[r.proj_w.clone()], Some(&p[r.proj_b.clone()]), Some(x), n, c, c);
-    prec.round(&mut a.res2);
     kernels::layernorm_forward(
         &mut a.ln2,
         &mut a.ln2_mean,
@@ -421,11 +465,8 @@ fn block_forward(r: &BlockParams, p: &[f32], x: &[f32], a: &mut BlockActs, d: Di
         &p[r.ln2_b.clone()],
         c,
     );
-    prec.round(&mut a.ln2);
     kernels::matmul_forward(&mut a.fch, &a.ln2, &p[r.fc_w.clone()], Some(&p[r.fc_b.clone()]), None, n, c, 4 * c);
-    prec.round(&mut a.fch);
     kernels::gelu_forward(&mut a.fch_gelu, &a.fch);
-    prec.round(&mut a.fch_gelu);
     kernels::matmul_forward(
         &mut a.res3,
         &a.fch_gelu,
@@ -436,7 +477,6 @@ fn block_forward(r: &BlockParams, p: &[f32], x: &[f32], a: &mut BlockActs, d: Di
         4 * c,
         c,
     );
-    prec.round(&mut a.res3);
 }
 
 /// Backward scratch shared by all blocks.
@@ -602,13 +642,28 @@ impl Gpt {
             let seg = store.segment(Self::block_seg(idx))?;
             let acts = &mut self.acts;
             if prec.is_low() {
-                block_forward(&self.ranges.block_rel, seg.params, &acts.x_buf, &mut acts.blocks[0], d, prec);
-                acts.save_block(idx);
-                acts.x_buf.copy_from_slice(&acts.blocks[0].res3);
+                let scratch = Scratch {
+                    dres: &mut acts.dres,
+                    dc: &mut acts.dbuf_c,
+                    d4c: &mut acts.dbuf_4c,
+                    dqkv: &mut acts.dqkv,
+                    datt: &mut acts.datt,
+                };
+                let sv = &mut acts.saved[idx];
+                block_forward_lp(
+                    &self.ranges.block_rel,
+                    seg.params,
+                    &mut acts.x_buf,
+                    sv,
+                    scratch,
+                    &mut acts.u,
+                    d,
+                    prec,
+                );
             } else {
                 let (before, rest) = acts.blocks.split_at_mut(idx);
                 let x: &[f32] = if idx == 0 { &acts.encoded } else { &before[idx - 1].res3 };
-                block_forward(&self.ranges.block_rel, seg.params, x, &mut rest[0], d, prec);
+                block_forward(&self.ranges.block_rel, seg.params, x, &mut rest[0], d);
             }
             store.done(Self::block_seg(idx), false)?;
         }
@@ -721,9 +776,6 @@ impl Gpt {
             }
             let seg = store.segment(Self::block_seg(idx))?;
             let acts = &mut self.acts;
-            if prec.is_low() {
-                acts.load_block(idx);
-            }
             let scratch = Scratch {
                 dres: &mut acts.dres,
                 dc: &mut acts.dbuf_c,
@@ -731,12 +783,26 @@ impl Gpt {
                 dqkv: &mut acts.dqkv,
                 datt: &mut acts.datt,
             };
-            let (a, x): (&BlockActs, &[f32]) = if prec.is_low() {
-                (&acts.blocks[0], &acts.x_buf)
+            if prec.is_low() {
+                let x: &[u16] = if idx == 0 { &acts.saved_encoded } else { &acts.saved[idx - 1].large[8] };
+                let sv = &acts.saved[idx];
+                block_backward_lp(
+                    &self.ranges.block_rel,
+                    seg.params,
+                    seg.grads,
+                    x,
+                    sv,
+                    &mut acts.u,
+                    &mut acts.v,
+                    scratch,
+                    d,
+                    prec,
+                );
             } else {
-                (&acts.blocks[idx], if idx == 0 { &acts.encoded } else { &acts.blocks[idx - 1].res3 })
-            };
-            block_backward(&self.ranges.block_rel, seg.params, seg.grads, x, a, scratch, d);
+                let a = &acts.blocks[idx];
+                let x: &[f32] = if idx == 0 { &acts.encoded } else { &acts.blocks[idx - 1].res3 };
+                block_backward(&self.ranges.block_rel, seg.params, seg.grads, x, a, scratch, d);
+            }
             store.done(Self::block_seg(idx), true)?;
         }
         if prec == Precision::F16 {
