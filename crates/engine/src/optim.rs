@@ -59,13 +59,14 @@ impl AdamW {
         work.into_par_iter().for_each(|((piece, m), v)| {
             let Piece { params: p, grads: g, decay: decays, .. } = piece;
             let decay = if decays { 1.0 - lr * wd } else { 1.0 };
-            for i in 0..p.len() {
-                let gi = g[i] * grad_scale;
-                p[i] *= decay;
-                m[i] = b1 * m[i] + (1.0 - b1) * gi;
-                v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
-                let denom = v[i].sqrt() / bc2_sqrt + eps;
-                p[i] -= step_size * m[i] / denom;
+            // Zipped iterators: no bounds checks, so the loop vectorises.
+            for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+                let gi = g * grad_scale;
+                *p *= decay;
+                *m = b1 * *m + (1.0 - b1) * gi;
+                *v = b2 * *v + (1.0 - b2) * gi * gi;
+                let denom = v.sqrt() / bc2_sqrt + eps;
+                *p -= step_size * *m / denom;
             }
         });
     }

@@ -570,9 +570,11 @@ impl Trainer {
 
         // The loss scale of this step: fixed until the boundary.
         let loss_scale = self.scaler.map_or(1.0, |s| s.scale);
-        // Micro-step 0 zeroes; every micro-step adds.
-        self.grads.fill(0.0);
-        self.seg_grads.fill(0.0);
+        // Micro-step 0 zeroes (on every thread: a memset of the whole buffer
+        // is memory-bound); every micro-step adds.
+        for buf in [&mut self.grads, &mut self.seg_grads] {
+            buf.par_chunks_mut(CHUNK).for_each(|c| c.fill(0.0));
+        }
         let mut loss_sum = 0.0f64;
         let mut n_targets = 0u64;
         let mut micro_losses = Vec::with_capacity(n_micro);
@@ -650,7 +652,7 @@ impl Trainer {
         let raw_norm = if self.zero.stage <= 1 {
             grad_norm(&self.grads)
         } else {
-            let mut sq = [self.owned_grads().iter().map(|&x| x as f64 * x as f64).sum::<f64>()];
+            let mut sq = [sum_of_squares(&self.owned_grads())];
             comm.all_reduce_sum_f64(&mut sq).map_err(comm_err)?;
             sq[0].sqrt()
         };
@@ -887,9 +889,22 @@ fn clip_coefficient(norm: f64, max_norm: f32) -> f64 {
 /// L2 norm of a flat buffer, accumulated in f64 over fixed chunks summed in
 /// order, so the result does not depend on the number of threads.
 pub fn grad_norm(grads: &[f32]) -> f64 {
-    let partial: Vec<f64> =
-        grads.par_chunks(CHUNK).map(|c| c.iter().map(|&x| x as f64 * x as f64).sum::<f64>()).collect();
+    let partial: Vec<f64> = grads.par_chunks(CHUNK).map(sum_of_squares).collect();
     partial.iter().sum::<f64>().sqrt()
+}
+
+/// Σ x² in f64 over 8 interleaved accumulators: a fixed summation order (so
+/// the result is the same on every run and thread count) that vectorises.
+fn sum_of_squares(xs: &[f32]) -> f64 {
+    let mut acc = [0.0f64; 8];
+    let mut chunks = xs.chunks_exact(8);
+    for c in &mut chunks {
+        for i in 0..8 {
+            acc[i] += c[i] as f64 * c[i] as f64;
+        }
+    }
+    let tail: f64 = chunks.remainder().iter().map(|&x| x as f64 * x as f64).sum();
+    acc.iter().sum::<f64>() + tail
 }
 
 /// `torch.nn.utils.clip_grad_norm_`: scale by `max_norm / (norm + 1e-6)` when

@@ -13,6 +13,9 @@ use data::{BatchShape, Sampler};
 use serde::Serialize;
 use std::time::Instant;
 
+/// Interleaved rounds of the K sweep.
+const K_SWEEP_ROUNDS: usize = 3;
+
 /// f32 FLOP per cycle and core of AVX-512: 2 FMA pipes × 16 lanes × 2.
 const F32_FLOP_PER_CYCLE: f64 = 64.0;
 
@@ -151,19 +154,19 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let step = time_steps(&plan, shape, args.warmup, args.steps)?;
     let mut k_sweep = Vec::new();
     if !args.no_k_sweep {
-        let mut base = None;
-        for k in [1usize, 2, 4, 8] {
-            if b.global % k != 0 {
-                continue;
+        // Rounds interleave the factorizations so that each sees the same
+        // machine noise; the ratio is of the medians over rounds.
+        let ks: Vec<usize> = [1usize, 2, 4, 8].into_iter().filter(|k| b.global % k == 0).collect();
+        let mut ms: Vec<Vec<f64>> = vec![Vec::new(); ks.len()];
+        for _ in 0..K_SWEEP_ROUNDS {
+            for (i, &k) in ks.iter().enumerate() {
+                let shape = BatchShape { micro: b.global / k, accumulation_steps: k, world_size: 1 };
+                ms[i].push(time_steps(&plan, shape, args.warmup, args.steps)?.ms_median);
             }
-            let t = time_steps(
-                &plan,
-                BatchShape { micro: b.global / k, accumulation_steps: k, world_size: 1 },
-                args.warmup,
-                args.steps,
-            )?;
-            let base_ms = *base.get_or_insert(t.ms_median);
-            k_sweep.push((k, t.ms_median / base_ms));
+        }
+        let base = median(&mut ms[0].clone());
+        for (i, &k) in ks.iter().enumerate() {
+            k_sweep.push((k, median(&mut ms[i]) / base));
         }
     }
     let peak = nominal_peak_gflops(threads);
