@@ -6,7 +6,7 @@ use comm::threads::{group, ThreadComm};
 use comm::{CommCounters, CommError, Communicator};
 use data::{BatchShape, Sampler};
 use engine::rng::SplitMix64;
-use engine::{AdamW, LrSchedule, Model, Optimizer, ParamStore, Sgd, Trainer, TrainerOptions, ZeroConfig};
+use engine::{AdamW, LrSchedule, Model, Optimizer, ParamStore, Precision, Sgd, Trainer, TrainerOptions, ZeroConfig};
 use gpt::{init_params, Batch, Gpt, GptConfig};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -48,6 +48,16 @@ enum Opt {
 }
 
 fn new_trainer(model: &impl Model, opt: Opt, zero: ZeroConfig, comm: &mut dyn Communicator) -> Trainer {
+    new_trainer_in(model, opt, zero, Precision::F32, comm)
+}
+
+fn new_trainer_in(
+    model: &impl Model,
+    opt: Opt,
+    zero: ZeroConfig,
+    precision: Precision,
+    comm: &mut dyn Communicator,
+) -> Trainer {
     let params = init_params(&cfg(), 5);
     let n = params.len();
     let o = match opt {
@@ -58,7 +68,7 @@ fn new_trainer(model: &impl Model, opt: Opt, zero: ZeroConfig, comm: &mut dyn Co
         Opt::AdamW => 1e-3,
         Opt::Sgd => 0.1,
     };
-    let options = TrainerOptions { grad_clip: Some(1.0), ..Default::default() };
+    let options = TrainerOptions { grad_clip: Some(1.0), precision, ..Default::default() };
     Trainer::distributed(model, params, o, LrSchedule::constant(lr), options, zero, comm).unwrap()
 }
 
@@ -71,7 +81,7 @@ fn train(
     n_steps: u64,
     opt: Opt,
 ) -> Vec<(Vec<f32>, Vec<engine::StepReport>)> {
-    train_zero(n_samples, shape, drop_last, n_steps, opt, ZeroConfig::default())
+    train_zero(n_samples, shape, drop_last, n_steps, opt, ZeroConfig::default(), Precision::F32)
 }
 
 /// [`train`] with a ZeRO configuration; returns every rank's full parameters.
@@ -82,6 +92,7 @@ fn train_zero(
     n_steps: u64,
     opt: Opt,
     zero: ZeroConfig,
+    precision: Precision,
 ) -> Vec<(Vec<f32>, Vec<engine::StepReport>)> {
     let seqs = Arc::new(corpus(n_samples));
     let sampler = Sampler::new(n_samples, shape, false, drop_last, 0).unwrap();
@@ -92,8 +103,8 @@ fn train_zero(
             .map(|mut c: ThreadComm| {
                 let (seqs, sampler) = (seqs.clone(), sampler.clone());
                 s.spawn(move || {
-                    let mut model = Gpt::new(cfg()).unwrap();
-                    let mut tr = new_trainer(&model, opt, zero, &mut c);
+                    let mut model = Gpt::with_precision(cfg(), precision).unwrap();
+                    let mut tr = new_trainer_in(&model, opt, zero, precision, &mut c);
                     let mut reports = Vec::new();
                     for step_idx in 0..n_steps {
                         let (epoch, s) = sampler.position(step_idx);
@@ -288,7 +299,8 @@ fn zero_stages_give_the_same_parameters() {
     for w in [2usize, 4] {
         for k in [1usize, 4] {
             let shape = BatchShape { micro: 16 / (w * k), accumulation_steps: k, world_size: w };
-            let runs: Vec<_> = stages.iter().map(|&z| train_zero(64, shape, true, 5, Opt::AdamW, z)).collect();
+            let runs: Vec<_> =
+                stages.iter().map(|&z| train_zero(64, shape, true, 5, Opt::AdamW, z, Precision::F32)).collect();
             let reference = &runs[0][0].0;
             // The stages really differ: stage 3 gathers and reduce-scatters per segment.
             assert!(runs[4][0].1[0].comm_calls > 4 * runs[0][0].1[0].comm_calls);
@@ -352,4 +364,19 @@ fn zero_memory_follows_the_partition() {
     let largest_seg = Gpt::new(cfg()).unwrap().segments().iter().map(|r| r.len()).max().unwrap();
     assert!(m[3].params <= 4 * (n / 4 + 16));
     assert!(m[3].peak_param_residency <= 4 * (largest_seg + 4) + m[3].params);
+}
+
+/// Mixed precision composes with ZeRO: bf16 at stages 0 and 3 (16-bit copy vs
+/// rounded gathered segments) reads the same rounded parameters, so the runs
+/// agree like the f32 ones (1e-6 · max|p|).
+#[test]
+fn zero_3_with_bf16_matches_stage_0() {
+    let shape = BatchShape { micro: 2, accumulation_steps: 2, world_size: 4 };
+    let z0 = train_zero(64, shape, true, 4, Opt::AdamW, ZeroConfig::default(), Precision::Bf16);
+    let z3 = ZeroConfig { stage: 3, reduce_every_micro_step: false };
+    let z3 = train_zero(64, shape, true, 4, Opt::AdamW, z3, Precision::Bf16);
+    let f32_run = train_zero(64, shape, true, 4, Opt::AdamW, ZeroConfig::default(), Precision::F32);
+    let d = max_diff(&z0[0].0, &z3[0].0);
+    assert!(d <= 1e-6 * max_abs(&z0[0].0), "bf16 stage 0 vs 3: {d}");
+    assert!(max_diff(&z0[0].0, &f32_run[0].0) > 1e-6, "bf16 really rounds");
 }
