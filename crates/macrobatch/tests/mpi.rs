@@ -125,10 +125,14 @@ fn zero_stages_match_under_mpirun() {
 /// largest segment plus 1/W of all parameters.
 #[test]
 fn zero_memory_matches_the_formulas_under_mpirun() {
-    for stage in 0..4 {
-        let out = tmp(&format!("mpi-mem-s{stage}"));
+    // Stage 2 twice: accumulating locally (full gradient buffer, 8Ψ + 8Ψ/N)
+    // and reducing every micro-step (SPEC's 4Ψ + 12Ψ/N).
+    for (stage, every) in [(0, false), (1, false), (2, false), (2, true), (3, false)] {
+        let out = tmp(&format!("mpi-mem-s{stage}-{every}"));
         let zs = format!("dist.zero_stage={stage}");
+        let es = format!("dist.reduce_every_micro_step={every}");
         let s = [
+            &es,
             "model.preset=mini",
             "data.seq_len=64",
             "batch.micro=1",
@@ -145,6 +149,9 @@ fn zero_memory_matches_the_formulas_under_mpirun() {
         let n = m["n_params"].as_f64().unwrap();
         assert!(n >= 10e6, "a model of at least 10M parameters");
         let formula = m["formula_model_states"].as_f64().unwrap();
+        if every {
+            assert_eq!(formula, 4.0 * n + 12.0 * n / 4.0, "SPEC's stage-2 formula in f32: 4Ψ + 12Ψ/N bytes");
+        }
         let a = &m["accounting"];
         let accounted: f64 = ["params", "grads", "optimizer", "master"].iter().map(|k| a[*k].as_f64().unwrap()).sum();
         assert!((accounted - formula).abs() <= 0.10 * formula, "stage {stage}: accounted {accounted} vs {formula}");
