@@ -14,6 +14,10 @@ pub struct SegmentView<'a> {
     /// Where the segment's gradient is added (same length; empty for a
     /// read-only store used for evaluation).
     pub grads: &'a mut [f32],
+    /// The gradient buffer holds nothing to keep yet (its first use in this
+    /// step): the model may *write* instead of adding, and must clear what it
+    /// would only add to — which spares zeroing the whole buffer every step.
+    pub fresh: bool,
 }
 
 /// Where a model's micro-step finds its parameters and puts its gradients.
@@ -56,7 +60,7 @@ impl ParamStore for FullStore<'_> {
             return Err(EngineError::ParamCount { expected: r.end, got: self.params.len() });
         }
         let grads = if self.grads.is_empty() { &mut [][..] } else { &mut self.grads[r.clone()] };
-        Ok(SegmentView { params: &self.params[r], grads })
+        Ok(SegmentView { params: &self.params[r], grads, fresh: false })
     }
 
     fn done(&mut self, _seg: usize, _grads_written: bool) -> Result<(), EngineError> {

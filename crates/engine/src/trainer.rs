@@ -132,6 +132,9 @@ pub struct Trainer {
     grads: Vec<f32>,
     /// Per-segment reduction: one segment's gradient, padded to W·s_j.
     seg_grads: Vec<f32>,
+    /// Which segments' gradient buffers hold this step's values; the others
+    /// are written, not added to, on first use (no zeroing pass).
+    written: Vec<bool>,
     /// Stage 3: the gathered segment (padded), and which one it is.
     gathered: Vec<f32>,
     gathered_seg: Option<usize>,
@@ -260,6 +263,7 @@ impl Trainer {
             seg_params = vec![0.0; part.segments.iter().map(|r| r.len()).max().unwrap_or(0)];
         }
         let scaler = (precision == Precision::F16).then(|| LossScaler::new(options.loss_scaler));
+        let n_segments = part.segments.len();
         Ok(Self {
             layout,
             part,
@@ -267,6 +271,7 @@ impl Trainer {
             params,
             grads,
             seg_grads,
+            written: vec![false; n_segments],
             gathered,
             gathered_seg: None,
             scratch: vec![0.0; scratch_len],
@@ -527,6 +532,7 @@ impl Trainer {
             seg_grads: &mut self.seg_grads,
             gathered: &mut self.gathered,
             gathered_seg: &mut self.gathered_seg,
+            written: &mut self.written,
             scratch: &mut self.scratch,
             comm,
             step: self.n_steps + 1,
@@ -570,10 +576,12 @@ impl Trainer {
 
         // The loss scale of this step: fixed until the boundary.
         let loss_scale = self.scaler.map_or(1.0, |s| s.scale);
-        // Micro-step 0 zeroes (on every thread: a memset of the whole buffer
-        // is memory-bound); every micro-step adds.
-        for buf in [&mut self.grads, &mut self.seg_grads] {
-            buf.par_chunks_mut(CHUNK).for_each(|c| c.fill(0.0));
+        // Micro-step 0 writes each segment's gradient, later ones add (the
+        // store tells the model which: `fresh`), so the full buffer is never
+        // zeroed. A shard accumulator (per-segment reduction) is summed into, so it is.
+        self.written.fill(false);
+        if self.per_segment() {
+            self.grads.par_chunks_mut(CHUNK).for_each(|c| c.fill(0.0));
         }
         let mut loss_sum = 0.0f64;
         let mut n_targets = 0u64;
@@ -598,6 +606,14 @@ impl Trainer {
             micro_losses.push(stats.loss_sum / stats.n_targets as f64);
         }
 
+        if !self.per_segment() {
+            // A model that left a segment untouched contributed zero to it.
+            for (seg, r) in self.part.segments.iter().enumerate() {
+                if !self.written[seg] {
+                    self.grads[r.clone()].par_chunks_mut(CHUNK).for_each(|c| c.fill(0.0));
+                }
+            }
+        }
         // The boundary: everything below runs exactly once per optimizer step.
         let comm_err = |source| EngineError::Comm { step: step_idx + 1, source };
         let micro_mean_sum: f64 = micro_losses.iter().filter(|l| l.is_finite()).sum();
@@ -813,6 +829,7 @@ struct StepStore<'a> {
     seg_grads: &'a mut [f32],
     gathered: &'a mut [f32],
     gathered_seg: &'a mut Option<usize>,
+    written: &'a mut [bool],
     scratch: &'a mut [f32],
     comm: &'a mut dyn Communicator,
     step: u64,
@@ -851,7 +868,8 @@ impl ParamStore for StepStore<'_> {
         } else {
             &mut self.grads[r]
         };
-        Ok(SegmentView { params, grads })
+        let fresh = self.with_grads && !self.written[seg];
+        Ok(SegmentView { params, grads, fresh })
     }
 
     fn done(&mut self, seg: usize, grads_written: bool) -> Result<(), EngineError> {
@@ -868,7 +886,10 @@ impl ParamStore for StepStore<'_> {
                 .map_err(|source| EngineError::Comm { step: self.step, source })?;
             let acc = &mut self.grads[self.part.shard_range(seg)];
             acc.iter_mut().zip(out.iter()).for_each(|(a, o)| *a += o);
-            self.seg_grads[..n].fill(0.0);
+            // Reduced and accumulated: the transient buffer is free again.
+            self.written[seg] = false;
+        } else if grads_written && self.with_grads {
+            self.written[seg] = true;
         }
         if self.stage == 3 {
             *self.gathered_seg = None; // released: the buffer is reused by the next segment

@@ -196,11 +196,13 @@ pub fn layernorm_forward(
 }
 
 /// Sums per-task partial results of width `width` over fixed chunks of rows,
-/// in chunk order, and adds them into `targets` (concatenated).
+/// in chunk order, and adds them into `targets` (concatenated) — or, with
+/// `accumulate` false, writes them.
 fn reduce_rows(
     n_rows: usize,
     width: usize,
     targets: &mut [&mut [f32]],
+    accumulate: bool,
     f: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync,
 ) {
     let partials: Vec<Vec<f32>> = (0..n_rows.div_ceil(ROWS_PER_TASK))
@@ -211,6 +213,9 @@ fn reduce_rows(
             acc
         })
         .collect();
+    if !accumulate {
+        targets.iter_mut().for_each(|t| t.fill(0.0));
+    }
     for p in &partials {
         let mut off = 0;
         for t in targets.iter_mut() {
@@ -223,7 +228,8 @@ fn reduce_rows(
     }
 }
 
-/// Backward of [`layernorm_forward`]: adds into `dinp`, `dw`, `db`.
+/// Backward of [`layernorm_forward`]: adds into `dinp`; adds into `dw`, `db`
+/// (or overwrites them when `accumulate` is false).
 #[allow(clippy::too_many_arguments)]
 pub fn layernorm_backward(
     dinp: &mut [f32],
@@ -235,6 +241,7 @@ pub fn layernorm_backward(
     rstd: &[f32],
     w: &[f32],
     c: usize,
+    accumulate: bool,
 ) {
     dinp.par_chunks_mut(c)
         .zip(dout.par_chunks(c))
@@ -256,7 +263,7 @@ pub fn layernorm_backward(
             }
         });
     let n_rows = mean.len();
-    reduce_rows(n_rows, 2 * c, &mut [dw, db], |rows, acc| {
+    reduce_rows(n_rows, 2 * c, &mut [dw, db], accumulate, |rows, acc| {
         let (aw, ab) = acc.split_at_mut(c);
         for r in rows {
             let (d, x, m, s) = (&dout[r * c..][..c], &inp[r * c..][..c], mean[r], rstd[r]);
@@ -295,7 +302,8 @@ pub fn matmul_forward(
     gemm_into(n_rows, oc, ic, out, 0, oc, init, Strided::rows(inp, ic), Strided::rows(w, oc), 1.0, parallelism(false));
 }
 
-/// Backward of [`matmul_forward`]: overwrites `dinp`, adds into `dw` and `db`.
+/// Backward of [`matmul_forward`]: overwrites `dinp`; adds into `dw` and `db`
+/// (or overwrites them when `accumulate` is false: the first micro-step).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_backward(
     dinp: &mut [f32],
@@ -307,21 +315,25 @@ pub fn matmul_backward(
     n_rows: usize,
     ic: usize,
     oc: usize,
+    accumulate: bool,
 ) {
     let par = parallelism(false);
     // dinp = dout · wᵀ
     gemm_into(n_rows, ic, oc, dinp, 0, ic, false, Strided::rows(dout, oc), Strided::transposed(w, oc), 1.0, par);
-    // dw += inpᵀ · dout
-    gemm_into(ic, oc, n_rows, dw, 0, oc, true, Strided::transposed(inp, ic), Strided::rows(dout, oc), 1.0, par);
+    // dw (+)= inpᵀ · dout
+    gemm_into(ic, oc, n_rows, dw, 0, oc, accumulate, Strided::transposed(inp, ic), Strided::rows(dout, oc), 1.0, par);
     if let Some(db) = db {
-        bias_backward(db, dout, oc);
+        bias_backward(db, dout, oc, accumulate);
     }
 }
 
-/// `db += Σ_rows dout`, parallel over columns, rows summed in order.
-pub fn bias_backward(db: &mut [f32], dout: &[f32], oc: usize) {
+/// `db (+)= Σ_rows dout`, parallel over columns, rows summed in order.
+pub fn bias_backward(db: &mut [f32], dout: &[f32], oc: usize, accumulate: bool) {
     const COLS: usize = 64;
     db.par_chunks_mut(COLS).enumerate().for_each(|(j, acc)| {
+        if !accumulate {
+            acc.fill(0.0);
+        }
         for row in dout.chunks(oc) {
             for (a, d) in acc.iter_mut().zip(&row[j * COLS..]) {
                 *a += d;

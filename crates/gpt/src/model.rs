@@ -93,35 +93,37 @@ fn block_backward_lp(
     s: Scratch<'_>,
     d: Dims,
     prec: Precision,
+    fresh: bool,
 ) {
     let Dims { b, t, c, nh } = d;
     let n = b * t;
+    let acc = !fresh;
     let Scratch { dres, dc, d4c, dqkv, datt } = s;
     let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd] = &sv.stats;
     let (u_c, u_3c, u_4c) = (n * c, n * 3 * c, n * 4 * c);
     prec.decode(&sv.large[7], &mut u[..u_4c]);
     let (gw, gb) = two_mut(gr, r.fcproj_w.clone(), r.fcproj_b.clone());
-    kernels::matmul_backward(d4c, gw, Some(gb), dres, &u[..u_4c], &p[r.fcproj_w.clone()], n, 4 * c, c);
+    kernels::matmul_backward(d4c, gw, Some(gb), dres, &u[..u_4c], &p[r.fcproj_w.clone()], n, 4 * c, c, acc);
     prec.decode(&sv.large[6], &mut u[..u_4c]);
     kernels::gelu_backward_inplace(d4c, &u[..u_4c]);
     prec.decode(&sv.large[5], &mut u[..u_c]);
     let (gw, gb) = two_mut(gr, r.fc_w.clone(), r.fc_b.clone());
-    kernels::matmul_backward(dc, gw, Some(gb), d4c, &u[..u_c], &p[r.fc_w.clone()], n, c, 4 * c);
+    kernels::matmul_backward(dc, gw, Some(gb), d4c, &u[..u_c], &p[r.fc_w.clone()], n, c, 4 * c, acc);
     prec.decode(&sv.large[4], &mut u[..u_c]);
     let (gw, gb) = two_mut(gr, r.ln2_w.clone(), r.ln2_b.clone());
-    kernels::layernorm_backward(dres, gw, gb, dc, &u[..u_c], ln2_mean, ln2_rstd, &p[r.ln2_w.clone()], c);
+    kernels::layernorm_backward(dres, gw, gb, dc, &u[..u_c], ln2_mean, ln2_rstd, &p[r.ln2_w.clone()], c, acc);
     prec.decode(&sv.large[3], &mut u[..u_c]);
     let (gw, gb) = two_mut(gr, r.proj_w.clone(), r.proj_b.clone());
-    kernels::matmul_backward(dc, gw, Some(gb), dres, &u[..u_c], &p[r.proj_w.clone()], n, c, c);
+    kernels::matmul_backward(dc, gw, Some(gb), dres, &u[..u_c], &p[r.proj_w.clone()], n, c, c, acc);
     prec.decode(&sv.large[1], &mut u[..u_3c]);
     prec.decode(&sv.large[2], v);
     kernels::attention_backward(dqkv, datt, dc, &u[..u_3c], v, AttnShape { b, t, c, n_head: nh });
     prec.decode(&sv.large[0], &mut u[..u_c]);
     let (gw, gb) = two_mut(gr, r.attn_w.clone(), r.attn_b.clone());
-    kernels::matmul_backward(dc, gw, Some(gb), dqkv, &u[..u_c], &p[r.attn_w.clone()], n, c, 3 * c);
+    kernels::matmul_backward(dc, gw, Some(gb), dqkv, &u[..u_c], &p[r.attn_w.clone()], n, c, 3 * c, acc);
     prec.decode(x, &mut u[..u_c]);
     let (gw, gb) = two_mut(gr, r.ln1_w.clone(), r.ln1_b.clone());
-    kernels::layernorm_backward(dres, gw, gb, dc, &u[..u_c], ln1_mean, ln1_rstd, &p[r.ln1_w.clone()], c);
+    kernels::layernorm_backward(dres, gw, gb, dc, &u[..u_c], ln1_mean, ln1_rstd, &p[r.ln1_w.clone()], c, acc);
 }
 
 /// Element ranges of one block's parameters inside the flat buffer.
@@ -490,24 +492,37 @@ struct Scratch<'a> {
 
 /// Backward of one block: on entry `s.dres` holds the gradient of the
 /// block's output; on exit, of its input `x`. Adds into `g`.
-fn block_backward(r: &BlockParams, p: &[f32], g: &mut [f32], x: &[f32], a: &BlockActs, s: Scratch<'_>, d: Dims) {
+/// `fresh`: `g` holds nothing to keep (first write of this step), so the
+/// parameter gradients are written rather than added.
+#[allow(clippy::too_many_arguments)]
+fn block_backward(
+    r: &BlockParams,
+    p: &[f32],
+    g: &mut [f32],
+    x: &[f32],
+    a: &BlockActs,
+    s: Scratch<'_>,
+    d: Dims,
+    fresh: bool,
+) {
     let Dims { b, t, c, nh } = d;
     let n = b * t;
+    let acc = !fresh;
     let Scratch { dres, dc, d4c, dqkv, datt } = s;
     let (gw, gb) = two_mut(g, r.fcproj_w.clone(), r.fcproj_b.clone());
-    kernels::matmul_backward(d4c, gw, Some(gb), dres, &a.fch_gelu, &p[r.fcproj_w.clone()], n, 4 * c, c);
+    kernels::matmul_backward(d4c, gw, Some(gb), dres, &a.fch_gelu, &p[r.fcproj_w.clone()], n, 4 * c, c, acc);
     kernels::gelu_backward_inplace(d4c, &a.fch);
     let (gw, gb) = two_mut(g, r.fc_w.clone(), r.fc_b.clone());
-    kernels::matmul_backward(dc, gw, Some(gb), d4c, &a.ln2, &p[r.fc_w.clone()], n, c, 4 * c);
+    kernels::matmul_backward(dc, gw, Some(gb), d4c, &a.ln2, &p[r.fc_w.clone()], n, c, 4 * c, acc);
     let (gw, gb) = two_mut(g, r.ln2_w.clone(), r.ln2_b.clone());
-    kernels::layernorm_backward(dres, gw, gb, dc, &a.res2, &a.ln2_mean, &a.ln2_rstd, &p[r.ln2_w.clone()], c);
+    kernels::layernorm_backward(dres, gw, gb, dc, &a.res2, &a.ln2_mean, &a.ln2_rstd, &p[r.ln2_w.clone()], c, acc);
     let (gw, gb) = two_mut(g, r.proj_w.clone(), r.proj_b.clone());
-    kernels::matmul_backward(dc, gw, Some(gb), dres, &a.atty, &p[r.proj_w.clone()], n, c, c);
+    kernels::matmul_backward(dc, gw, Some(gb), dres, &a.atty, &p[r.proj_w.clone()], n, c, c, acc);
     kernels::attention_backward(dqkv, datt, dc, &a.qkv, &a.att, AttnShape { b, t, c, n_head: nh });
     let (gw, gb) = two_mut(g, r.attn_w.clone(), r.attn_b.clone());
-    kernels::matmul_backward(dc, gw, Some(gb), dqkv, &a.ln1, &p[r.attn_w.clone()], n, c, 3 * c);
+    kernels::matmul_backward(dc, gw, Some(gb), dqkv, &a.ln1, &p[r.attn_w.clone()], n, c, 3 * c, acc);
     let (gw, gb) = two_mut(g, r.ln1_w.clone(), r.ln1_b.clone());
-    kernels::layernorm_backward(dres, gw, gb, dc, x, &a.ln1_mean, &a.ln1_rstd, &p[r.ln1_w.clone()], c);
+    kernels::layernorm_backward(dres, gw, gb, dc, x, &a.ln1_mean, &a.ln1_rstd, &p[r.ln1_w.clone()], c, acc);
 }
 
 /// Two disjoint mutable ranges of one buffer (`a` before `b`).
@@ -716,8 +731,13 @@ impl Gpt {
         }
         {
             let seg = store.segment(0)?;
+            let fresh = seg.fresh;
             let acts = &mut self.acts;
-            // dlnf = dlogits · wte ; dwte += dlogitsᵀ · lnf
+            if fresh {
+                // The head writes all of wte's gradient below; wpe's is only added to.
+                seg.grads[wpe.clone()].fill(0.0);
+            }
+            // dlnf = dlogits · wte ; dwte (+)= dlogitsᵀ · lnf
             kernels::gemm_into(
                 n,
                 c,
@@ -738,7 +758,7 @@ impl Gpt {
                 &mut seg.grads[wte.clone()],
                 0,
                 c,
-                true,
+                !fresh,
                 Strided::transposed(&acts.logits, v),
                 Strided::rows(&acts.lnf, c),
                 1.0,
@@ -750,6 +770,7 @@ impl Gpt {
         let lnf = self.lnf_seg();
         {
             let seg = store.segment(lnf)?;
+            let acc = !seg.fresh;
             let acts = &mut self.acts;
             // Mixed precision: x_buf still holds the last block's output from the forward pass.
             let last: &[f32] =
@@ -766,6 +787,7 @@ impl Gpt {
                 &acts.lnf_rstd,
                 &seg.params[..c],
                 c,
+                acc,
             );
         }
         store.done(lnf, true)?;
@@ -775,6 +797,7 @@ impl Gpt {
                 prec.round(&mut self.acts.dres); // activation gradients between blocks are f16
             }
             let seg = store.segment(Self::block_seg(idx))?;
+            let fresh = seg.fresh;
             let acts = &mut self.acts;
             let scratch = Scratch {
                 dres: &mut acts.dres,
@@ -797,11 +820,12 @@ impl Gpt {
                     scratch,
                     d,
                     prec,
+                    fresh,
                 );
             } else {
                 let a = &acts.blocks[idx];
                 let x: &[f32] = if idx == 0 { &acts.encoded } else { &acts.blocks[idx - 1].res3 };
-                block_backward(&self.ranges.block_rel, seg.params, seg.grads, x, a, scratch, d);
+                block_backward(&self.ranges.block_rel, seg.params, seg.grads, x, a, scratch, d, fresh);
             }
             store.done(Self::block_seg(idx), true)?;
         }
@@ -810,6 +834,9 @@ impl Gpt {
         }
         {
             let seg = store.segment(0)?;
+            if seg.fresh {
+                seg.grads.fill(0.0); // the embeddings' gradient is only ever added to
+            }
             let (gwte, gwpe) = two_mut(seg.grads, wte, wpe);
             kernels::encoder_backward(gwte, gwpe, &self.acts.dres, inputs, t, c);
         }
@@ -922,17 +949,26 @@ impl Gpt {
     /// rank without data does so that a sharded store's collectives stay
     /// matched across ranks.
     fn walk_without_data(&mut self, store: &mut dyn ParamStore) -> Result<MicroStepStats, GptError> {
+        // A zero gradient: nothing to add, but a fresh buffer must be cleared.
+        let visit = |store: &mut dyn ParamStore, seg: usize| -> Result<(), GptError> {
+            let v = store.segment(seg)?;
+            if v.fresh {
+                v.grads.fill(0.0);
+            }
+            store.done(seg, true)?;
+            Ok(())
+        };
         self.walk_forward(store)?;
-        store.done(0, true)?;
-        let lnf = self.lnf_seg();
-        store.segment(lnf)?;
-        store.done(lnf, true)?;
-        for idx in (0..self.cfg.n_layer).rev() {
-            store.segment(Self::block_seg(idx))?;
-            store.done(Self::block_seg(idx), true)?;
+        let v = store.segment(0)?;
+        if v.fresh {
+            v.grads.fill(0.0);
         }
-        store.segment(0)?;
         store.done(0, true)?;
+        visit(store, self.lnf_seg())?;
+        for idx in (0..self.cfg.n_layer).rev() {
+            visit(store, Self::block_seg(idx))?;
+        }
+        visit(store, 0)?;
         Ok(MicroStepStats::default())
     }
 }

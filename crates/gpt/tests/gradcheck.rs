@@ -71,7 +71,11 @@ fn layernorm_backward_matches_finite_differences() {
     };
     let (_, m, s) = fwd(&x, &w, &b);
     let (mut dx, mut dw, mut db) = (vec![0.0; rows * c], vec![0.0; c], vec![0.0; c]);
-    kernels::layernorm_backward(&mut dx, &mut dw, &mut db, &r, &x, &m, &s, &w, c);
+    kernels::layernorm_backward(&mut dx, &mut dw, &mut db, &r, &x, &m, &s, &w, c, true);
+    // Overwrite mode (a step's first micro-step) gives the same values over garbage.
+    let (mut dx2, mut dw2, mut db2) = (vec![0.0; rows * c], vec![9.0; c], vec![-9.0; c]);
+    kernels::layernorm_backward(&mut dx2, &mut dw2, &mut db2, &r, &x, &m, &s, &w, c, false);
+    assert_eq!((&dw2, &db2), (&dw, &db));
     check("ln dx", &x, &dx, |x| dot(&fwd(x, &w, &b).0, &r));
     check("ln dw", &w, &dw, |w| dot(&fwd(&x, w, &b).0, &r));
     check("ln db", &b, &db, |b| dot(&fwd(&x, &w, b).0, &r));
@@ -101,7 +105,10 @@ fn matmul_backward_matches_finite_differences() {
         assert!((full[i] - plain[i] - res[i] - b[i % oc]).abs() < 1e-5);
     }
     let (mut dx, mut dw, mut db) = (vec![7.0; rows * ic], vec![0.0; ic * oc], vec![0.0; oc]);
-    kernels::matmul_backward(&mut dx, &mut dw, Some(&mut db), &r, &x, &w, rows, ic, oc);
+    kernels::matmul_backward(&mut dx, &mut dw, Some(&mut db), &r, &x, &w, rows, ic, oc, true);
+    let (mut dx2, mut dw2, mut db2) = (vec![0.0; rows * ic], vec![5.0; ic * oc], vec![5.0; oc]);
+    kernels::matmul_backward(&mut dx2, &mut dw2, Some(&mut db2), &r, &x, &w, rows, ic, oc, false);
+    assert_eq!((&dx2, &dw2, &db2), (&dx, &dw, &db), "overwrite mode ignores what was there");
     check("mm dx", &x, &dx, |x| dot(&fwd(x, &w, &b), &r));
     check("mm dw", &w, &dw, |w| dot(&fwd(&x, w, &b), &r));
     check("mm db", &b, &db, |b| dot(&fwd(&x, &w, b), &r));
