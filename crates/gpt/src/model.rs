@@ -78,54 +78,6 @@ fn block_forward_lp(
     keep(x, &mut sv.large[8]);
 }
 
-/// Mixed-precision backward of one block: each saved tensor is decoded into
-/// `u` (or `v`, the attention probabilities) just before the kernel that
-/// reads it. `x` is the block's saved input (16 bits).
-#[allow(clippy::too_many_arguments)]
-fn block_backward_lp(
-    r: &BlockParams,
-    p: &[f32],
-    gr: &mut [f32],
-    x: &[u16],
-    sv: &SavedBlock,
-    u: &mut [f32],
-    v: &mut [f32],
-    s: Scratch<'_>,
-    d: Dims,
-    prec: Precision,
-    fresh: bool,
-) {
-    let Dims { b, t, c, nh } = d;
-    let n = b * t;
-    let acc = !fresh;
-    let Scratch { dres, dc, d4c, dqkv, datt } = s;
-    let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd] = &sv.stats;
-    let (u_c, u_3c, u_4c) = (n * c, n * 3 * c, n * 4 * c);
-    prec.decode(&sv.large[7], &mut u[..u_4c]);
-    let (gw, gb) = two_mut(gr, r.fcproj_w.clone(), r.fcproj_b.clone());
-    kernels::matmul_backward(d4c, gw, Some(gb), dres, &u[..u_4c], &p[r.fcproj_w.clone()], n, 4 * c, c, acc);
-    prec.decode(&sv.large[6], &mut u[..u_4c]);
-    kernels::gelu_backward_inplace(d4c, &u[..u_4c]);
-    prec.decode(&sv.large[5], &mut u[..u_c]);
-    let (gw, gb) = two_mut(gr, r.fc_w.clone(), r.fc_b.clone());
-    kernels::matmul_backward(dc, gw, Some(gb), d4c, &u[..u_c], &p[r.fc_w.clone()], n, c, 4 * c, acc);
-    prec.decode(&sv.large[4], &mut u[..u_c]);
-    let (gw, gb) = two_mut(gr, r.ln2_w.clone(), r.ln2_b.clone());
-    kernels::layernorm_backward(dres, gw, gb, dc, &u[..u_c], ln2_mean, ln2_rstd, &p[r.ln2_w.clone()], c, acc);
-    prec.decode(&sv.large[3], &mut u[..u_c]);
-    let (gw, gb) = two_mut(gr, r.proj_w.clone(), r.proj_b.clone());
-    kernels::matmul_backward(dc, gw, Some(gb), dres, &u[..u_c], &p[r.proj_w.clone()], n, c, c, acc);
-    prec.decode(&sv.large[1], &mut u[..u_3c]);
-    prec.decode(&sv.large[2], v);
-    kernels::attention_backward(dqkv, datt, dc, &u[..u_3c], v, AttnShape { b, t, c, n_head: nh });
-    prec.decode(&sv.large[0], &mut u[..u_c]);
-    let (gw, gb) = two_mut(gr, r.attn_w.clone(), r.attn_b.clone());
-    kernels::matmul_backward(dc, gw, Some(gb), dqkv, &u[..u_c], &p[r.attn_w.clone()], n, c, 3 * c, acc);
-    prec.decode(x, &mut u[..u_c]);
-    let (gw, gb) = two_mut(gr, r.ln1_w.clone(), r.ln1_b.clone());
-    kernels::layernorm_backward(dres, gw, gb, dc, &u[..u_c], ln1_mean, ln1_rstd, &p[r.ln1_w.clone()], c, acc);
-}
-
 /// Element ranges of one block's parameters inside the flat buffer.
 #[derive(Debug, Clone)]
 pub struct BlockParams {
@@ -490,17 +442,74 @@ struct Scratch<'a> {
     datt: &'a mut [f32],
 }
 
+/// Indices of a block's large saved tensors (see [`BlockActs::large`]).
+const LN1: usize = 0;
+const QKV: usize = 1;
+const ATT: usize = 2;
+const ATTY: usize = 3;
+const RES2: usize = 4;
+const LN2: usize = 5;
+const FCH: usize = 6;
+const FCH_GELU: usize = 7;
+
+/// Where a block's backward reads what its forward saved.
+enum SavedView<'a> {
+    /// f32: the tensors themselves, and the block's input.
+    F32 { a: &'a BlockActs, x: &'a [f32] },
+    /// 16 bits: each tensor decoded into `u` just before use (the attention
+    /// probabilities into `v`).
+    Low { sv: &'a SavedBlock, x: &'a [u16], u: &'a mut [f32], v: &'a mut [f32], prec: Precision },
+}
+
+impl SavedView<'_> {
+    /// Saved tensor `k` as f32.
+    fn get(&mut self, k: usize) -> &[f32] {
+        match self {
+            SavedView::F32 { a, .. } => a.large()[k],
+            SavedView::Low { sv, u, prec, .. } => {
+                let n = sv.large[k].len();
+                prec.decode(&sv.large[k], &mut u[..n]);
+                &u[..n]
+            }
+        }
+    }
+
+    /// q|k|v and the attention probabilities, together.
+    fn qkv_att(&mut self) -> (&[f32], &[f32]) {
+        match self {
+            SavedView::F32 { a, .. } => (&a.qkv, &a.att),
+            SavedView::Low { sv, u, v, prec, .. } => {
+                let n = sv.large[QKV].len();
+                prec.decode(&sv.large[QKV], &mut u[..n]);
+                prec.decode(&sv.large[ATT], v);
+                (&u[..n], v)
+            }
+        }
+    }
+
+    /// The block's input.
+    fn input(&mut self) -> &[f32] {
+        match self {
+            SavedView::F32 { x, .. } => x,
+            SavedView::Low { x, u, prec, .. } => {
+                prec.decode(x, &mut u[..x.len()]);
+                &u[..x.len()]
+            }
+        }
+    }
+}
+
 /// Backward of one block: on entry `s.dres` holds the gradient of the
-/// block's output; on exit, of its input `x`. Adds into `g`.
-/// `fresh`: `g` holds nothing to keep (first write of this step), so the
-/// parameter gradients are written rather than added.
+/// block's output; on exit, of its input. Adds into `g` — or, when `fresh`
+/// (the step's first write to this segment), writes it. `stats` are the
+/// saved LayerNorm statistics: ln1 mean, ln1 1/std, ln2 mean, ln2 1/std.
 #[allow(clippy::too_many_arguments)]
 fn block_backward(
     r: &BlockParams,
     p: &[f32],
     g: &mut [f32],
-    x: &[f32],
-    a: &BlockActs,
+    mut saved: SavedView<'_>,
+    stats: [&[f32]; 4],
     s: Scratch<'_>,
     d: Dims,
     fresh: bool,
@@ -509,20 +518,22 @@ fn block_backward(
     let n = b * t;
     let acc = !fresh;
     let Scratch { dres, dc, d4c, dqkv, datt } = s;
+    let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd] = stats;
     let (gw, gb) = two_mut(g, r.fcproj_w.clone(), r.fcproj_b.clone());
-    kernels::matmul_backward(d4c, gw, Some(gb), dres, &a.fch_gelu, &p[r.fcproj_w.clone()], n, 4 * c, c, acc);
-    kernels::gelu_backward_inplace(d4c, &a.fch);
+    kernels::matmul_backward(d4c, gw, Some(gb), dres, saved.get(FCH_GELU), &p[r.fcproj_w.clone()], n, 4 * c, c, acc);
+    kernels::gelu_backward_inplace(d4c, saved.get(FCH));
     let (gw, gb) = two_mut(g, r.fc_w.clone(), r.fc_b.clone());
-    kernels::matmul_backward(dc, gw, Some(gb), d4c, &a.ln2, &p[r.fc_w.clone()], n, c, 4 * c, acc);
+    kernels::matmul_backward(dc, gw, Some(gb), d4c, saved.get(LN2), &p[r.fc_w.clone()], n, c, 4 * c, acc);
     let (gw, gb) = two_mut(g, r.ln2_w.clone(), r.ln2_b.clone());
-    kernels::layernorm_backward(dres, gw, gb, dc, &a.res2, &a.ln2_mean, &a.ln2_rstd, &p[r.ln2_w.clone()], c, acc);
+    kernels::layernorm_backward(dres, gw, gb, dc, saved.get(RES2), ln2_mean, ln2_rstd, &p[r.ln2_w.clone()], c, acc);
     let (gw, gb) = two_mut(g, r.proj_w.clone(), r.proj_b.clone());
-    kernels::matmul_backward(dc, gw, Some(gb), dres, &a.atty, &p[r.proj_w.clone()], n, c, c, acc);
-    kernels::attention_backward(dqkv, datt, dc, &a.qkv, &a.att, AttnShape { b, t, c, n_head: nh });
+    kernels::matmul_backward(dc, gw, Some(gb), dres, saved.get(ATTY), &p[r.proj_w.clone()], n, c, c, acc);
+    let (qkv, att) = saved.qkv_att();
+    kernels::attention_backward(dqkv, datt, dc, qkv, att, AttnShape { b, t, c, n_head: nh });
     let (gw, gb) = two_mut(g, r.attn_w.clone(), r.attn_b.clone());
-    kernels::matmul_backward(dc, gw, Some(gb), dqkv, &a.ln1, &p[r.attn_w.clone()], n, c, 3 * c, acc);
+    kernels::matmul_backward(dc, gw, Some(gb), dqkv, saved.get(LN1), &p[r.attn_w.clone()], n, c, 3 * c, acc);
     let (gw, gb) = two_mut(g, r.ln1_w.clone(), r.ln1_b.clone());
-    kernels::layernorm_backward(dres, gw, gb, dc, x, &a.ln1_mean, &a.ln1_rstd, &p[r.ln1_w.clone()], c, acc);
+    kernels::layernorm_backward(dres, gw, gb, dc, saved.input(), ln1_mean, ln1_rstd, &p[r.ln1_w.clone()], c, acc);
 }
 
 /// Two disjoint mutable ranges of one buffer (`a` before `b`).
@@ -806,27 +817,20 @@ impl Gpt {
                 dqkv: &mut acts.dqkv,
                 datt: &mut acts.datt,
             };
-            if prec.is_low() {
+            let (saved, stats) = if prec.is_low() {
                 let x: &[u16] = if idx == 0 { &acts.saved_encoded } else { &acts.saved[idx - 1].large[8] };
                 let sv = &acts.saved[idx];
-                block_backward_lp(
-                    &self.ranges.block_rel,
-                    seg.params,
-                    seg.grads,
-                    x,
-                    sv,
-                    &mut acts.u,
-                    &mut acts.v,
-                    scratch,
-                    d,
-                    prec,
-                    fresh,
-                );
+                let st = &sv.stats;
+                (
+                    SavedView::Low { sv, x, u: &mut acts.u, v: &mut acts.v, prec },
+                    [st[0].as_slice(), &st[1], &st[2], &st[3]],
+                )
             } else {
                 let a = &acts.blocks[idx];
                 let x: &[f32] = if idx == 0 { &acts.encoded } else { &acts.blocks[idx - 1].res3 };
-                block_backward(&self.ranges.block_rel, seg.params, seg.grads, x, a, scratch, d, fresh);
-            }
+                (SavedView::F32 { a, x }, [a.ln1_mean.as_slice(), &a.ln1_rstd, &a.ln2_mean, &a.ln2_rstd])
+            };
+            block_backward(&self.ranges.block_rel, seg.params, seg.grads, saved, stats, scratch, d, fresh);
             store.done(Self::block_seg(idx), true)?;
         }
         if prec == Precision::F16 {
