@@ -117,3 +117,22 @@ fn generate_from_a_missing_directory_is_a_clear_error() {
     let err = stderr(&o);
     assert!(err.contains("/no/such/run") && !err.contains("panicked"), "{err}");
 }
+
+#[test]
+fn bench_reports_speed_memory_and_the_k_sweep_as_json() {
+    let mut c = bin();
+    c.args(["bench", "--json", "--steps", "2", "--warmup", "1"]);
+    let mut sets = SMALL.to_vec();
+    sets.extend(["batch.global=8", "batch.micro=4"]);
+    with_sets(&mut c, &sets);
+    let o = c.output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    for key in ["ms_median", "ms_min", "ms_max", "tokens_per_s", "gflops", "overhead_pct", "saved_activation_bytes"] {
+        assert!(r["step"][key].as_f64().is_some(), "step.{key} missing: {r}");
+    }
+    assert!(r["mfu_gemm_pct"].as_f64().unwrap() > 0.0);
+    let ks: Vec<u64> = r["k_sweep"].as_array().unwrap().iter().map(|e| e[0].as_u64().unwrap()).collect();
+    assert_eq!(ks, vec![1, 2, 4, 8]);
+    assert_eq!(r["k_sweep"][0][1].as_f64(), Some(1.0));
+}
