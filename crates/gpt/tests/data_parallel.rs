@@ -380,3 +380,23 @@ fn zero_3_with_bf16_matches_stage_0() {
     assert!(d <= 1e-6 * max_abs(&z0[0].0), "bf16 stage 0 vs 3: {d}");
     assert!(max_diff(&z0[0].0, &f32_run[0].0) > 1e-6, "bf16 really rounds");
 }
+
+/// The drop_last = false tail at ZeRO-3 and stage 2 per-micro-step: ranks
+/// without data still walk every segment (gather, zero gradient,
+/// reduce-scatter), so collectives stay matched and the result equals one rank's.
+#[test]
+fn uneven_tail_under_sharding_matches_one_rank() {
+    let shape = BatchShape { micro: 1, accumulation_steps: 2, world_size: 4 };
+    let single = train(10, BatchShape { micro: 8, accumulation_steps: 1, world_size: 1 }, false, 2, Opt::Sgd);
+    let p1 = &single[0].0;
+    for z in [
+        ZeroConfig { stage: 3, reduce_every_micro_step: false },
+        ZeroConfig { stage: 2, reduce_every_micro_step: true },
+    ] {
+        let ranks = train_zero(10, shape, false, 2, Opt::Sgd, z, Precision::F32);
+        for (p, reports) in &ranks {
+            assert_eq!(reports[1].n_targets, 2 * T as u64);
+            assert!(max_diff(p, p1) <= 1e-6 * max_abs(p1), "{z:?}: diff {}", max_diff(p, p1));
+        }
+    }
+}
