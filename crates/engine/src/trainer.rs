@@ -226,14 +226,23 @@ impl Trainer {
         let shard_len = part.shard_len();
         // Segment by segment: rank 0's values to everyone; keep all of it, or
         // (stage 3) this rank's piece.
-        let mut params = Vec::with_capacity(if zero.stage == 3 { shard_len } else { layout.n_params() });
+        let precision = options.precision;
+        // The f32 master weights are sharded from stage 1 under mixed precision
+        // (the model reads the 16-bit copy), and at stage 3 in any case.
+        let master_sharded = zero.stage == 3 || (precision.is_low() && zero.stage >= 1);
+        let has_copy = precision.is_low() && zero.stage < 3;
+        let mut model_copy = vec![0u16; if has_copy { layout.n_params() } else { 0 }];
+        let mut params = Vec::with_capacity(if master_sharded { shard_len } else { layout.n_params() });
         for (j, r) in part.segments.iter().enumerate() {
             let mut seg = init(j);
             if seg.len() != r.len() {
                 return Err(EngineError::ParamCount { expected: r.len(), got: seg.len() });
             }
             comm.broadcast(&mut seg, 0).map_err(|source| EngineError::Comm { step: 0, source })?;
-            if zero.stage == 3 {
+            if has_copy {
+                precision.encode(&seg, &mut model_copy[r.clone()]);
+            }
+            if master_sharded {
                 let own = part.owned(j, rank);
                 let piece = &seg[own.start - r.start..own.end - r.start];
                 params.extend_from_slice(piece);
@@ -254,14 +263,7 @@ impl Trainer {
             (_, true) => max_piece,
             _ => 0,
         };
-        let precision = options.precision;
-        let mut model_copy = Vec::new();
-        let mut seg_params = Vec::new();
-        if precision.is_low() && zero.stage < 3 {
-            model_copy = vec![0u16; params.len()];
-            precision.encode(&params, &mut model_copy);
-            seg_params = vec![0.0; part.segments.iter().map(|r| r.len()).max().unwrap_or(0)];
-        }
+        let seg_params = vec![0.0; if has_copy { part.segments.iter().map(|r| r.len()).max().unwrap_or(0) } else { 0 }];
         let scaler = (precision == Precision::F16).then(|| LossScaler::new(options.loss_scaler));
         let n_segments = part.segments.len();
         Ok(Self {
@@ -301,7 +303,7 @@ impl Trainer {
     /// Every parameter, assembled from the shards at stage 3 (a collective
     /// there: every rank must call it).
     pub fn full_params(&mut self, comm: &mut dyn Communicator) -> Result<Vec<f32>, EngineError> {
-        if self.zero.stage < 3 {
+        if !self.master_sharded() {
             return Ok(self.params.clone());
         }
         self.gather_full(comm, &self.params, true)
@@ -311,7 +313,7 @@ impl Trainer {
     /// the collectives but never hold more than one segment (`None`).
     pub fn full_params_to_rank0(&mut self, comm: &mut dyn Communicator) -> Result<Option<Vec<f32>>, EngineError> {
         let keep = comm.rank() == 0;
-        if self.zero.stage < 3 {
+        if !self.master_sharded() {
             return Ok(keep.then(|| self.params.clone()));
         }
         let full = self.gather_full(comm, &self.params, keep)?;
@@ -450,33 +452,37 @@ impl Trainer {
         if let Some(e) = err {
             return Err(e);
         }
-        self.params = if stage == 3 { to_shard(params) } else { params };
+        self.set_params(params)?;
         self.n_steps = n_steps;
-        self.refresh_model_copy();
         Ok(())
     }
 
-    /// Mixed precision: re-encodes the 16-bit copy the model reads.
+    /// Mixed precision with full master weights (stage 0): re-encodes the
+    /// 16-bit copy the model reads.
     fn refresh_model_copy(&mut self) {
-        if !self.model_copy.is_empty() {
+        if !self.model_copy.is_empty() && !self.master_sharded() {
             self.options.precision.encode(&self.params, &mut self.model_copy);
             self.decoded_seg = None;
         }
     }
 
-    /// Replaces the parameters (e.g. `--init-from` a pretrained model) before training.
+    /// Replaces the parameters (e.g. `--init-from` a pretrained model, or a
+    /// checkpoint) from a full buffer; each rank keeps what it holds.
     pub fn set_params(&mut self, params: Vec<f32>) -> Result<(), EngineError> {
         if params.len() != self.layout.n_params() {
             return Err(EngineError::ParamCount { expected: self.layout.n_params(), got: params.len() });
         }
-        self.params = if self.zero.stage == 3 {
+        if !self.model_copy.is_empty() {
+            self.options.precision.encode(&params, &mut self.model_copy);
+            self.decoded_seg = None;
+        }
+        self.params = if self.master_sharded() {
             let mut shard = vec![0.0; self.part.shard_len()];
             self.part.gather_own(&params, &mut shard);
             shard
         } else {
             params
         };
-        self.refresh_model_copy();
         Ok(())
     }
 
@@ -498,7 +504,14 @@ impl Trainer {
         if self.zero.stage == 3 {
             return Ok(());
         }
-        let h = self.params_checksum();
+        let h = if self.master_sharded() {
+            // Mixed precision, stages 1–2: the replicated 16-bit copy must agree.
+            self.model_copy.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
+                x.to_le_bytes().iter().fold(h, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+            })
+        } else {
+            self.params_checksum()
+        };
         // Four 16-bit pieces: exact in f32, so the all-gather carries the hash losslessly.
         let mine: Vec<f32> = (0..4).map(|i| ((h >> (16 * i)) & 0xffff) as f32).collect();
         let mut all = vec![0.0f32; 4 * comm.world_size()];
@@ -509,6 +522,13 @@ impl Trainer {
             return Err(EngineError::RanksDiverged { step: self.n_steps, checksums });
         }
         Ok(())
+    }
+
+    /// Whether this rank holds only its shard of the f32 parameters (the
+    /// master weights): stage 3, and stages 1–2 under mixed precision. Then
+    /// [`Trainer::full_params`] is a collective.
+    pub fn master_sharded(&self) -> bool {
+        self.zero.stage == 3 || (self.options.precision.is_low() && self.zero.stage >= 1)
     }
 
     fn per_segment(&self) -> bool {
@@ -753,7 +773,7 @@ impl Trainer {
         }
         // Runs of (param index, grad index, state index, len, decay) over the shard.
         let mut runs = Vec::new();
-        let params_sharded = self.zero.stage == 3;
+        let params_sharded = self.master_sharded();
         let grads_sharded = self.per_segment();
         for j in 0..self.part.segments.len() {
             let own = self.part.owned(j, self.part.rank);
@@ -797,19 +817,31 @@ impl Trainer {
         Ok(())
     }
 
-    /// Stages 1–2: every rank's updated piece of each segment to every rank.
+    /// Stages 1–2: every rank's updated piece of each segment to every rank
+    /// — into the full f32 parameters, or (mixed precision, master sharded)
+    /// into the 16-bit copy the model reads, one segment at a time.
     fn all_gather_params(&mut self, comm: &mut dyn Communicator) -> Result<(), comm::CommError> {
         let w = self.part.world_size;
+        let sharded = self.master_sharded();
         for j in 0..self.part.segments.len() {
             let seg = self.part.segments[j].clone();
             let s = self.part.piece[j];
-            let own = self.part.owned(j, self.part.rank);
             let mut mine = vec![0.0; s];
-            mine[..own.len()].copy_from_slice(&self.params[own]);
+            if sharded {
+                mine.copy_from_slice(&self.params[self.part.shard_range(j)]);
+            } else {
+                let own = self.part.owned(j, self.part.rank);
+                mine[..own.len()].copy_from_slice(&self.params[own]);
+            }
             let mut all = vec![0.0; s * w];
             comm.all_gather(&mine, &mut all)?;
-            self.params[seg.clone()].copy_from_slice(&all[..seg.len()]);
+            if sharded {
+                self.options.precision.encode(&all[..seg.len()], &mut self.model_copy[seg]);
+            } else {
+                self.params[seg.clone()].copy_from_slice(&all[..seg.len()]);
+            }
         }
+        self.decoded_seg = None;
         Ok(())
     }
 }

@@ -366,24 +366,43 @@ fn zero_memory_follows_the_partition() {
     assert!(m[3].peak_param_residency <= 4 * (largest_seg + 4) + m[3].params);
 }
 
-/// Mixed precision composes with ZeRO: bf16 at stages 0 and 3 (16-bit copy vs
-/// rounded gathered segments) reads the same rounded parameters, so the runs
-/// agree like the f32 ones (1e-6 · max|p|).
+/// Mixed precision composes with ZeRO: with bf16, stages 1–3 shard the f32
+/// master weights (stages 1–2 keep a full 16-bit copy for the model, stage 3
+/// rounds gathered segments), read the same rounded parameters as stage 0,
+/// and so agree like the f32 runs (1e-6 · max|p|).
 #[test]
-fn zero_3_with_bf16_matches_stage_0() {
+fn zero_stages_with_bf16_match_stage_0_and_shard_the_master_weights() {
     let shape = BatchShape { micro: 2, accumulation_steps: 2, world_size: 4 };
-    let z0 = train_zero(64, shape, true, 4, Opt::AdamW, ZeroConfig::default(), Precision::Bf16);
-    let z3 = ZeroConfig { stage: 3, reduce_every_micro_step: false };
-    let z3 = train_zero(64, shape, true, 4, Opt::AdamW, z3, Precision::Bf16);
-    let f32_run = train_zero(64, shape, true, 4, Opt::AdamW, ZeroConfig::default(), Precision::F32);
-    let d = max_diff(&z0[0].0, &z3[0].0);
-    assert!(d <= 1e-6 * max_abs(&z0[0].0), "bf16 stage 0 vs 3: {d}");
+    let z = |stage, reduce_every_micro_step| ZeroConfig { stage, reduce_every_micro_step };
+    let z0 = train_zero(64, shape, true, 4, Opt::AdamW, z(0, false), Precision::Bf16);
+    let f32_run = train_zero(64, shape, true, 4, Opt::AdamW, z(0, false), Precision::F32);
     assert!(max_diff(&z0[0].0, &f32_run[0].0) > 1e-6, "bf16 really rounds");
+    for zc in [z(1, false), z(2, false), z(2, true), z(3, false)] {
+        let run = train_zero(64, shape, true, 4, Opt::AdamW, zc, Precision::Bf16);
+        for (rank, (p, _)) in run.iter().enumerate() {
+            let d = max_diff(&z0[0].0, p);
+            assert!(d <= 1e-6 * max_abs(&z0[0].0), "bf16 {zc:?} rank {rank} vs stage 0: {d}");
+        }
+    }
+    // Memory: the master weights (f32) are a 1/W shard from stage 1 on.
+    let comms = group(4, Duration::from_secs(30));
+    let mems: Vec<engine::MemoryReport> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|mut c| {
+                s.spawn(move || {
+                    let model = Gpt::with_precision(cfg(), Precision::Bf16).unwrap();
+                    new_trainer_in(&model, Opt::AdamW, z(1, false), Precision::Bf16, &mut c).memory()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let n = init_params(&cfg(), 5).len();
+    assert_eq!(mems[0].params, 2 * n, "a full 16-bit copy for the model");
+    assert!(mems[0].master <= 4 * (n / 4 + 64), "a 1/W shard of f32 master weights: {:?}", mems[0]);
 }
 
-/// The drop_last = false tail at ZeRO-3 and stage 2 per-micro-step: ranks
-/// without data still walk every segment (gather, zero gradient,
-/// reduce-scatter), so collectives stay matched and the result equals one rank's.
 #[test]
 fn uneven_tail_under_sharding_matches_one_rank() {
     let shape = BatchShape { micro: 1, accumulation_steps: 2, world_size: 4 };

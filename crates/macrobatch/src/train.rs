@@ -352,8 +352,10 @@ fn train_rank(
             mem.comm_buffers as f64 / 1e6
         ));
     }
-    // At stage 3 evaluation and saving gather parameters: every rank joins.
-    let all_ranks_gather = cfg.dist.zero_stage == 3;
+    // At stage 3 evaluation gathers segments, and wherever the master weights
+    // are sharded saving gathers them: every rank joins those collectives.
+    let all_ranks_eval = cfg.dist.zero_stage == 3;
+    let all_ranks_gather = trainer.master_sharded();
     let steps = cfg.train.steps;
     let config_toml = resolved_toml(plan);
     let start = Instant::now();
@@ -394,7 +396,7 @@ fn train_rank(
         }
         let stop = stop > 0.0;
         let is_eval = step == steps || (cfg.train.eval_every > 0 && step % cfg.train.eval_every == 0);
-        let val_loss = if is_eval && (outputs.is_some() || all_ranks_gather) {
+        let val_loss = if is_eval && (outputs.is_some() || all_ranks_eval) {
             Some(evaluate(&mut trainer, &mut model, comm, plan)?)
         } else {
             None
@@ -402,7 +404,7 @@ fn train_rank(
         let every = cfg.train.checkpoint_every;
         let is_checkpoint = stop || (every > 0 && (step % every == 0 || step == steps));
         // Full state for the checkpoint (collectives at ZeRO ≥ 1).
-        let full_state = if is_checkpoint && (outputs.is_some() || cfg.dist.zero_stage >= 1) {
+        let full_state = if is_checkpoint && (outputs.is_some() || cfg.dist.zero_stage >= 1 || all_ranks_gather) {
             let params = trainer.full_params_to_rank0(comm)?;
             let opt = trainer.full_optimizer_state(comm, false)?;
             params.map(|p| (p, opt))

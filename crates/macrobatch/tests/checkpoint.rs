@@ -35,11 +35,12 @@ fn resume(dir: &Path, sets: &[&str]) -> std::process::Output {
 
 #[test]
 fn stop_and_resume_is_bit_identical_with_accumulation_ranks_and_zero() {
-    let variants: [&[&str]; 4] = [
+    let variants: [&[&str]; 5] = [
         &["dist.world_size=1"],
         &["dist.world_size=2"],
         &["dist.world_size=2", "dist.zero_stage=3"],
         &["train.precision=f16"],
+        &["dist.world_size=2", "dist.zero_stage=1", "train.precision=bf16"],
     ];
     for (i, extra) in variants.iter().enumerate() {
         let (a, b) = (tmp(&format!("straight-{i}")), tmp(&format!("resumed-{i}")));
