@@ -688,7 +688,7 @@ impl Trainer {
         let raw_norm = if self.zero.stage <= 1 {
             grad_norm(&self.grads)
         } else {
-            let mut sq = [sum_of_squares(&self.owned_grads())];
+            let mut sq = [self.owned_sum_of_squares()];
             comm.all_reduce_sum_f64(&mut sq).map_err(comm_err)?;
             sq[0].sqrt()
         };
@@ -757,12 +757,14 @@ impl Trainer {
         }
     }
 
-    /// This rank's reduced gradient values (for the sharded norm).
-    fn owned_grads(&self) -> Vec<f32> {
+    /// Σ g² over this rank's reduced gradient (its part of the global norm),
+    /// read in place: the shard accumulator, or this rank's pieces of the
+    /// full local buffer.
+    fn owned_sum_of_squares(&self) -> f64 {
         if self.per_segment() {
-            return self.grads.clone();
+            return sum_of_squares(&self.grads);
         }
-        (0..self.part.segments.len()).flat_map(|j| self.grads[self.part.owned(j, self.part.rank)].to_vec()).collect()
+        (0..self.part.segments.len()).map(|j| sum_of_squares(&self.grads[self.part.owned(j, self.part.rank)])).sum()
     }
 
     /// The optimizer update of this rank's part.
