@@ -304,11 +304,34 @@ struct Acts {
     lnf_rstd: Vec<f32>,
     logits: Vec<f32>,
     losses: Vec<f32>,
+    /// Backward scratch (and mixed precision's forward working set).
+    scratch: ScratchBufs,
+}
+
+/// The buffers behind [`Scratch`].
+#[derive(Debug, Default)]
+struct ScratchBufs {
     dres: Vec<f32>,
-    dbuf_c: Vec<f32>,
-    dbuf_4c: Vec<f32>,
+    dc: Vec<f32>,
+    d4c: Vec<f32>,
     dqkv: Vec<f32>,
     datt: Vec<f32>,
+}
+
+impl ScratchBufs {
+    fn view(&mut self) -> Scratch<'_> {
+        Scratch {
+            dres: &mut self.dres,
+            dc: &mut self.dc,
+            d4c: &mut self.d4c,
+            dqkv: &mut self.dqkv,
+            datt: &mut self.datt,
+        }
+    }
+
+    fn len(&self) -> usize {
+        [&self.dres, &self.dc, &self.d4c, &self.dqkv, &self.datt].iter().map(|v| v.len()).sum()
+    }
 }
 
 impl Acts {
@@ -346,11 +369,13 @@ impl Acts {
             lnf_rstd: z(bt),
             logits: z(bt * v),
             losses: z(bt),
-            dres: z(bt * c),
-            dbuf_c: z(bt * c),
-            dbuf_4c: z(bt * 4 * c),
-            dqkv: z(bt * 3 * c),
-            datt: z(b * nh * t * t),
+            scratch: ScratchBufs {
+                dres: z(bt * c),
+                dc: z(bt * c),
+                d4c: z(bt * 4 * c),
+                dqkv: z(bt * 3 * c),
+                datt: z(b * nh * t * t),
+            },
         }
     }
 
@@ -372,16 +397,11 @@ impl Acts {
             &self.lnf_rstd,
             &self.logits,
             &self.losses,
-            &self.dres,
-            &self.dbuf_c,
-            &self.dbuf_4c,
-            &self.dqkv,
-            &self.datt,
         ]
         .iter()
         .map(|v| v.len())
         .sum::<usize>();
-        work + saved + 2 * self.saved_encoded.len() + 4 * rest
+        work + saved + 2 * self.saved_encoded.len() + 4 * (rest + self.scratch.len())
     }
 }
 
@@ -668,13 +688,7 @@ impl Gpt {
             let seg = store.segment(Self::block_seg(idx))?;
             let acts = &mut self.acts;
             if prec.is_low() {
-                let scratch = Scratch {
-                    dres: &mut acts.dres,
-                    dc: &mut acts.dbuf_c,
-                    d4c: &mut acts.dbuf_4c,
-                    dqkv: &mut acts.dqkv,
-                    datt: &mut acts.datt,
-                };
+                let scratch = acts.scratch.view();
                 let sv = &mut acts.saved[idx];
                 block_forward_lp(
                     &self.ranges.block_rel,
@@ -753,7 +767,7 @@ impl Gpt {
                 n,
                 c,
                 v,
-                &mut acts.dbuf_c,
+                &mut acts.scratch.dc,
                 0,
                 c,
                 false,
@@ -786,13 +800,13 @@ impl Gpt {
             // Mixed precision: x_buf still holds the last block's output from the forward pass.
             let last: &[f32] =
                 if prec.is_low() { &acts.x_buf } else { acts.blocks.last().map_or(&acts.encoded, |a| &a.res3) };
-            acts.dres.fill(0.0);
+            acts.scratch.dres.fill(0.0);
             let (gw, gb) = seg.grads.split_at_mut(c);
             kernels::layernorm_backward(
-                &mut acts.dres,
+                &mut acts.scratch.dres,
                 gw,
                 gb,
-                &acts.dbuf_c,
+                &acts.scratch.dc,
                 last,
                 &acts.lnf_mean,
                 &acts.lnf_rstd,
@@ -805,18 +819,12 @@ impl Gpt {
         let d = Dims { b: self.acts.b, t, c, nh: self.cfg.n_head };
         for idx in (0..self.cfg.n_layer).rev() {
             if prec == Precision::F16 {
-                prec.round(&mut self.acts.dres); // activation gradients between blocks are f16
+                prec.round(&mut self.acts.scratch.dres); // activation gradients between blocks are f16
             }
             let seg = store.segment(Self::block_seg(idx))?;
             let fresh = seg.fresh;
             let acts = &mut self.acts;
-            let scratch = Scratch {
-                dres: &mut acts.dres,
-                dc: &mut acts.dbuf_c,
-                d4c: &mut acts.dbuf_4c,
-                dqkv: &mut acts.dqkv,
-                datt: &mut acts.datt,
-            };
+            let scratch = acts.scratch.view();
             let (saved, stats) = if prec.is_low() {
                 let x: &[u16] = if idx == 0 { &acts.saved_encoded } else { &acts.saved[idx - 1].large[8] };
                 let sv = &acts.saved[idx];
@@ -834,7 +842,7 @@ impl Gpt {
             store.done(Self::block_seg(idx), true)?;
         }
         if prec == Precision::F16 {
-            prec.round(&mut self.acts.dres);
+            prec.round(&mut self.acts.scratch.dres);
         }
         {
             let seg = store.segment(0)?;
@@ -842,7 +850,7 @@ impl Gpt {
                 seg.grads.fill(0.0); // the embeddings' gradient is only ever added to
             }
             let (gwte, gwpe) = two_mut(seg.grads, wte, wpe);
-            kernels::encoder_backward(gwte, gwpe, &self.acts.dres, inputs, t, c);
+            kernels::encoder_backward(gwte, gwpe, &self.acts.scratch.dres, inputs, t, c);
         }
         store.done(0, true)?;
         Ok(())
