@@ -19,6 +19,9 @@ pub struct TensorSpec {
     /// Whether decoupled weight decay applies (matrices and embeddings: yes;
     /// biases and LayerNorm gains: no — the GPT-2/nanoGPT convention).
     pub decay: bool,
+    /// Whether the optimizer updates it. A frozen tensor has no gradient
+    /// buffer, no optimizer state and takes part in no gradient collective.
+    pub trainable: bool,
 }
 
 impl TensorSpec {
@@ -48,7 +51,7 @@ impl ParamLayout {
 
     /// Appends a tensor and returns its element range.
     pub fn push(&mut self, name: impl Into<String>, shape: &[usize], decay: bool) -> Range<usize> {
-        let spec = TensorSpec { name: name.into(), offset: self.n_params, shape: shape.to_vec(), decay };
+        let spec = TensorSpec { name: name.into(), offset: self.n_params, shape: shape.to_vec(), decay, trainable: true };
         let range = spec.range();
         self.n_params = range.end;
         self.tensors.push(spec);
@@ -63,6 +66,20 @@ impl ParamLayout {
     /// All tensors in buffer order.
     pub fn tensors(&self) -> &[TensorSpec] {
         &self.tensors
+    }
+
+    /// Marks each tensor trainable or frozen by `trainable(tensor)`; returns
+    /// the number of trainable parameters.
+    pub fn set_trainable(&mut self, trainable: impl Fn(&TensorSpec) -> bool) -> usize {
+        for t in &mut self.tensors {
+            t.trainable = trainable(t);
+        }
+        self.n_trainable()
+    }
+
+    /// Number of trainable parameters (the length of the gradient space).
+    pub fn n_trainable(&self) -> usize {
+        self.tensors.iter().filter(|t| t.trainable).map(TensorSpec::numel).sum()
     }
 
     /// Looks a tensor up by name.

@@ -27,9 +27,9 @@ pub use optim::{AdamW, Optimizer, Sgd};
 pub use precision::Precision;
 pub use scaler::{LossScaler, LossScalerConfig};
 pub use schedule::{Decay, LrSchedule};
-pub use store::{FullStore, ParamStore, SegmentView};
+pub use store::{FullStore, GradOut, GradSpace, ParamStore, SegTensor, SegmentGrads, SegmentView};
 pub use trainer::{
     clip_grad_norm, grad_norm, LossNormalization, MemoryReport, StepReport, Trainer, TrainerOptions,
     DEFAULT_BUCKET_ELEMS,
 };
-pub use zero::{Partition, ZeroConfig};
+pub use zero::{Accumulation, Partition, Reduction, Stage, ZeroConfig};

@@ -6,12 +6,12 @@
 use crate::error::EngineError;
 use crate::layout::ParamLayout;
 use crate::model::Model;
-use crate::optim::{chunk_runs, split, Optimizer, Piece, CHUNK};
+use crate::optim::{split, Optimizer, Piece, CHUNK};
 use crate::precision::Precision;
 use crate::scaler::{LossScaler, LossScalerConfig};
 use crate::schedule::LrSchedule;
-use crate::store::{ParamStore, SegmentView};
-use crate::zero::{Partition, ZeroConfig};
+use crate::store::{GradSpace, ParamStore, SegmentGrads, SegmentView, Written};
+use crate::zero::{Accumulation, Partition, Reduction, Stage, ZeroConfig};
 use comm::Communicator;
 use rayon::prelude::*;
 use std::ops::Range;
@@ -125,26 +125,25 @@ impl MemoryReport {
 pub struct Trainer {
     layout: ParamLayout,
     part: Partition,
-    zero: ZeroConfig,
-    /// Stages 0–2: every parameter; stage 3: this rank's shard.
+    stage: Stage,
+    /// Stages 0–2 in f32: every parameter; otherwise this rank's shard
+    /// (the f32 master weights under mixed precision).
     params: Vec<f32>,
-    /// The full local accumulator, or (per-segment reduction) the shard accumulator.
+    /// Gradient space: the full local accumulator, or (per-segment
+    /// reduction) the shard accumulator.
     grads: Vec<f32>,
-    /// Per-segment reduction: one segment's gradient, padded to W·s_j.
+    /// Per-segment reduction: one segment's gradient, room for `W·t_j`.
     seg_grads: Vec<f32>,
-    /// Which segments' gradient buffers hold this step's values; the others
-    /// are written, not added to, on first use (no zeroing pass).
+    /// Per tensor: its gradient already holds this step's values.
     written: Vec<bool>,
     /// Stage 3: the gathered segment (padded), and which one it is.
     gathered: Vec<f32>,
     gathered_seg: Option<usize>,
     /// Padding scratch for reduce-scatter inputs and outputs.
     scratch: Vec<f32>,
-    /// Mixed precision (stages 0–2): the 16-bit parameter copy the model reads.
-    model_copy: Vec<u16>,
-    /// Mixed precision: one segment of it decoded for the kernels, and which.
-    seg_params: Vec<f32>,
-    decoded_seg: Option<usize>,
+    /// Mixed precision (stages 0–2): the 16-bit parameter copy the model
+    /// reads, one segment of it decoded for the kernels, and which.
+    model_copy: Option<ModelCopy>,
     scaler: Option<LossScaler>,
     optimizer: Optimizer,
     schedule: LrSchedule,
@@ -152,6 +151,14 @@ pub struct Trainer {
     n_steps: u64,
     /// Factor the last step applied to the accumulated buffer.
     grad_scale: f32,
+}
+
+/// The 16-bit parameter copy of mixed precision at stages 0–2.
+#[derive(Debug, Clone)]
+struct ModelCopy {
+    bits: Vec<u16>,
+    decoded: Vec<f32>,
+    decoded_seg: Option<usize>,
 }
 
 impl Trainer {
@@ -176,7 +183,8 @@ impl Trainer {
 
     /// A trainer for this rank of `comm` from full initial parameters:
     /// rank 0's are broadcast so every rank starts alike, then partitioned
-    /// as `zero` says. `optimizer` is resized to this rank's shard.
+    /// as `zero` says. `optimizer` is resized to this rank's shard of the
+    /// trainable parameters.
     pub fn distributed<M: Model>(
         model: &M,
         params: Vec<f32>,
@@ -207,40 +215,29 @@ impl Trainer {
         comm: &mut dyn Communicator,
     ) -> Result<Self, EngineError> {
         let layout = model.layout().clone();
-        if zero.stage > 3 {
-            return Err(EngineError::Zero(format!("dist.zero_stage = {} (use 0, 1, 2 or 3)", zero.stage)));
-        }
-        if zero.reduce_every_micro_step && zero.stage != 2 {
-            return Err(EngineError::Zero("dist.reduce_every_micro_step applies to stage 2 only".into()));
-        }
-        let segments = model.segments();
-        let covered = segments.iter().try_fold(0usize, |at, r| (r.start == at).then_some(r.end));
-        if covered != Some(layout.n_params()) {
-            return Err(EngineError::Zero("the model's segments must cover its parameters back to back".into()));
-        }
-        let world = if zero.stage == 0 { 1 } else { comm.world_size() };
-        let rank = if zero.stage == 0 { 0 } else { comm.rank() };
-        let part = Partition::new(segments, rank, world);
-        let per_segment = zero.stage == 3 || zero.reduce_every_micro_step;
-        let max_padded = (0..part.segments.len()).map(|j| part.piece[j] * world).max().unwrap_or(0);
-        let shard_len = part.shard_len();
-        // Segment by segment: rank 0's values to everyone; keep all of it, or
-        // (stage 3) this rank's piece.
+        let stage = Stage::new(zero)?;
+        let space = GradSpace::new(&layout, model.segments())?;
+        let (rank, world) = if stage.shards_optimizer() { (comm.rank(), comm.world_size()) } else { (0, 1) };
+        let part = Partition::new(space, rank, world);
         let precision = options.precision;
-        // The f32 master weights are sharded from stage 1 under mixed precision
-        // (the model reads the 16-bit copy), and at stage 3 in any case.
-        let master_sharded = zero.stage == 3 || (precision.is_low() && zero.stage >= 1);
-        let has_copy = precision.is_low() && zero.stage < 3;
-        let mut model_copy = vec![0u16; if has_copy { layout.n_params() } else { 0 }];
-        let mut params = Vec::with_capacity(if master_sharded { shard_len } else { layout.n_params() });
-        for (j, r) in part.segments.iter().enumerate() {
+        let master_sharded = master_sharded(stage, precision);
+        let mut model_copy = (precision.is_low() && !stage.shards_parameters()).then(|| ModelCopy {
+            bits: vec![0u16; layout.n_params()],
+            decoded: vec![0.0; part.space.segments.iter().map(|r| r.len()).max().unwrap_or(0)],
+            decoded_seg: None,
+        });
+        // Segment by segment: rank 0's values to everyone; keep all of it,
+        // or this rank's piece.
+        let mut params = Vec::with_capacity(if master_sharded { part.shard_len() } else { layout.n_params() });
+        for j in 0..part.n_segments() {
+            let r = part.segment(j);
             let mut seg = init(j);
             if seg.len() != r.len() {
                 return Err(EngineError::ParamCount { expected: r.len(), got: seg.len() });
             }
             comm.broadcast(&mut seg, 0).map_err(|source| EngineError::Comm { step: 0, source })?;
-            if has_copy {
-                precision.encode(&seg, &mut model_copy[r.clone()]);
+            if let Some(c) = model_copy.as_mut() {
+                precision.encode(&seg, &mut c.bits[r.clone()]);
             }
             if master_sharded {
                 let own = part.owned(j, rank);
@@ -251,35 +248,35 @@ impl Trainer {
                 params.extend_from_slice(&seg);
             }
         }
-        let optimizer = if zero.stage == 0 { optimizer } else { optimizer.with_len(shard_len) };
-        let grads = vec![0.0; if per_segment { shard_len } else { layout.n_params() }];
-        let seg_grads = if per_segment { vec![0.0; max_padded] } else { Vec::new() };
-        let gathered = if zero.stage == 3 { vec![0.0; max_padded] } else { Vec::new() };
-        // Stage 2 with local accumulation pads whole segments for reduce-scatter;
-        // per-segment reduction only needs one piece for the result.
-        let max_piece = part.piece.iter().copied().max().unwrap_or(0);
-        let scratch_len = match (zero.stage, per_segment) {
-            (2, false) => max_padded,
-            (_, true) => max_piece,
-            _ => 0,
+        let optimizer =
+            optimizer.with_len(if stage.shards_optimizer() { part.grad_shard_len() } else { part.space.n_grads });
+        let max_grad_padded = (0..part.n_segments()).map(|j| part.grad_piece[j] * world).max().unwrap_or(0);
+        let max_grad_piece = part.grad_piece.iter().copied().max().unwrap_or(0);
+        let per_segment = stage.accumulation() == Accumulation::PerSegment;
+        let grads = vec![0.0; if per_segment { part.grad_shard_len() } else { part.space.n_grads }];
+        let seg_grads = if per_segment { vec![0.0; max_grad_padded] } else { Vec::new() };
+        let max_padded = (0..part.n_segments()).map(|j| part.piece[j] * world).max().unwrap_or(0);
+        let gathered = if stage.shards_parameters() { vec![0.0; max_padded] } else { Vec::new() };
+        // Stage 2 with local accumulation packs whole segments for
+        // reduce-scatter; per-segment reduction only needs one piece for the result.
+        let scratch_len = match stage.reduction() {
+            Reduction::ReduceScatter => max_grad_padded,
+            Reduction::Done => max_grad_piece,
+            Reduction::AllReduce => 0,
         };
-        let seg_params = vec![0.0; if has_copy { part.segments.iter().map(|r| r.len()).max().unwrap_or(0) } else { 0 }];
         let scaler = (precision == Precision::F16).then(|| LossScaler::new(options.loss_scaler));
-        let n_segments = part.segments.len();
         Ok(Self {
+            written: vec![false; layout.tensors().len()],
             layout,
             part,
-            zero,
+            stage,
             params,
             grads,
             seg_grads,
-            written: vec![false; n_segments],
             gathered,
             gathered_seg: None,
             scratch: vec![0.0; scratch_len],
             model_copy,
-            seg_params,
-            decoded_seg: None,
             scaler,
             optimizer,
             schedule,
@@ -291,22 +288,32 @@ impl Trainer {
 
     /// The partitioning in force.
     pub fn zero(&self) -> ZeroConfig {
-        self.zero
+        self.stage.config()
     }
 
-    /// Parameters resident on this rank: all of them at stages 0–2, the
-    /// shard at stage 3 (use [`Trainer::full_params`] there).
+    /// The ZeRO stage in force.
+    pub fn stage(&self) -> Stage {
+        self.stage
+    }
+
+    /// The segments and the gradient space (trainable tensors back to back).
+    pub fn grad_space(&self) -> &GradSpace {
+        &self.part.space
+    }
+
+    /// Parameters resident on this rank: all of them unless sharded
+    /// (use [`Trainer::full_params`] there).
     pub fn params(&self) -> &[f32] {
         &self.params
     }
 
-    /// Every parameter, assembled from the shards at stage 3 (a collective
-    /// there: every rank must call it).
+    /// Every parameter, assembled from the shards where sharded (a
+    /// collective there: every rank must call it).
     pub fn full_params(&mut self, comm: &mut dyn Communicator) -> Result<Vec<f32>, EngineError> {
         if !self.master_sharded() {
             return Ok(self.params.clone());
         }
-        self.gather_full(comm, &self.params, true)
+        self.gather_params(comm, true)
     }
 
     /// [`Trainer::full_params`] for rank 0 only: the other ranks take part in
@@ -316,18 +323,18 @@ impl Trainer {
         if !self.master_sharded() {
             return Ok(keep.then(|| self.params.clone()));
         }
-        let full = self.gather_full(comm, &self.params, keep)?;
+        let full = self.gather_params(comm, keep)?;
         Ok(keep.then_some(full))
     }
 
-    /// Assembles a full flat buffer from a shard-ordered buffer of every rank.
-    fn gather_full(&self, comm: &mut dyn Communicator, shard: &[f32], keep: bool) -> Result<Vec<f32>, EngineError> {
+    /// Assembles every parameter from every rank's parameter shard.
+    fn gather_params(&self, comm: &mut dyn Communicator, keep: bool) -> Result<Vec<f32>, EngineError> {
         let mut full = vec![0.0; if keep { self.layout.n_params() } else { 0 }];
         let w = self.part.world_size;
-        for j in 0..self.part.segments.len() {
-            let seg = self.part.segments[j].clone();
+        for j in 0..self.part.n_segments() {
+            let seg = self.part.segment(j);
             let mut buf = vec![0.0; self.part.piece[j] * w];
-            comm.all_gather(&shard[self.part.shard_range(j)], &mut buf)
+            comm.all_gather(&self.params[self.part.shard_range(j)], &mut buf)
                 .map_err(|source| EngineError::Comm { step: self.n_steps, source })?;
             if keep {
                 full[seg.clone()].copy_from_slice(&buf[..seg.len()]);
@@ -336,25 +343,49 @@ impl Trainer {
         Ok(full)
     }
 
+    /// Assembles a full gradient-space buffer from every rank's gradient shard.
+    fn gather_grad_space(&self, comm: &mut dyn Communicator, shard: &[f32], keep: bool) -> Result<Vec<f32>, EngineError> {
+        let mut full = vec![0.0; if keep { self.part.space.n_grads } else { 0 }];
+        let w = self.part.world_size;
+        for j in 0..self.part.n_segments() {
+            let t = self.part.grad_piece[j];
+            if t == 0 {
+                continue;
+            }
+            let mut buf = vec![0.0; t * w];
+            comm.all_gather(&shard[self.part.grad_shard_range(j)], &mut buf)
+                .map_err(|source| EngineError::Comm { step: self.n_steps, source })?;
+            if keep {
+                for r in 0..w {
+                    let own = self.part.grad_owned(j, r);
+                    full[own.clone()].copy_from_slice(&buf[r * t..r * t + own.len()]);
+                }
+            }
+        }
+        Ok(full)
+    }
+
     /// The gradient the last optimizer step applied (normalised and
-    /// clipped), computed on demand: the full gradient at stages 0–1 (and 2
-    /// with local accumulation), this rank's shard otherwise.
+    /// clipped), in the gradient space: all of it with local accumulation
+    /// (for stage 2 only this rank's pieces are reduced), this rank's
+    /// shard with per-segment reduction.
     pub fn gradient(&self) -> Vec<f32> {
         let s = self.grad_scale;
         self.grads.iter().map(|g| g * s).collect()
     }
 
-    /// The full gradient the last step applied, assembled from the shards
-    /// at stages ≥ 2 (a collective there: every rank must call it).
+    /// The full gradient the last step applied, in the gradient space,
+    /// assembled from the shards at stages ≥ 2 (a collective there: every
+    /// rank must call it).
     pub fn full_gradient(&mut self, comm: &mut dyn Communicator) -> Result<Vec<f32>, EngineError> {
-        let raw = match (self.zero.stage, self.per_segment()) {
-            (0 | 1, _) => return Ok(self.gradient()),
-            (2, false) => {
-                let mut shard = vec![0.0; self.part.shard_len()];
-                self.part.gather_own(&self.grads, &mut shard);
-                self.gather_full(comm, &shard, true)?
+        let raw = match (self.stage.reduction(), self.stage.accumulation()) {
+            (Reduction::AllReduce, _) => return Ok(self.gradient()),
+            (_, Accumulation::Local) => {
+                let mut shard = vec![0.0; self.part.grad_shard_len()];
+                self.part.gather_own_grads(&self.grads, &mut shard);
+                self.gather_grad_space(comm, &shard, true)?
             }
-            _ => self.gather_full(comm, &self.grads, true)?,
+            (_, Accumulation::PerSegment) => self.gather_grad_space(comm, &self.grads, true)?,
         };
         Ok(raw.into_iter().map(|g| g * self.grad_scale).collect())
     }
@@ -372,11 +403,12 @@ impl Trainer {
     /// Bytes this rank holds for model states and collectives.
     pub fn memory(&self) -> MemoryReport {
         let gathered = 4 * self.gathered.len();
+        let decoded = self.model_copy.as_ref().map_or(0, |c| 4 * c.decoded.len());
         // f32: the parameters are their own master copy. Mixed precision: the
         // model reads the 16-bit copy (stages 0–2) or rounded gathered
         // segments (stage 3); the f32 values are the master weights.
         let (params, master) = if self.options.precision.is_low() {
-            (2 * self.model_copy.len(), 4 * self.params.len())
+            (self.model_copy.as_ref().map_or(0, |c| 2 * c.bits.len()), 4 * self.params.len())
         } else {
             (4 * self.params.len(), 0)
         };
@@ -385,41 +417,33 @@ impl Trainer {
             grads: 4 * self.grads.len(),
             optimizer: self.optimizer.state_bytes(),
             master,
-            comm_buffers: gathered + 4 * (self.seg_grads.len() + self.scratch.len() + self.seg_params.len()),
-            peak_param_residency: params + gathered + 4 * self.seg_params.len(),
+            comm_buffers: gathered + 4 * (self.seg_grads.len() + self.scratch.len()) + decoded,
+            peak_param_residency: params + gathered + decoded,
         }
     }
 
-    /// The full optimizer state by name, assembled from every rank's shard
-    /// (a collective at stages ≥ 1), for checkpoints; ranks other than 0 get
-    /// empty buffers unless `all_ranks`.
+    /// The full optimizer state by name, in the gradient space (trainable
+    /// tensors only), assembled from every rank's shard (a collective at
+    /// stages ≥ 1), for checkpoints; ranks other than 0 get empty buffers
+    /// unless `all_ranks`.
     pub fn full_optimizer_state(
         &mut self,
         comm: &mut dyn Communicator,
         all_ranks: bool,
     ) -> Result<Vec<(String, Vec<f32>)>, EngineError> {
         let keep = all_ranks || comm.rank() == 0;
-        let names: Vec<&'static str> = self.optimizer.state_buffers().iter().map(|(n, _)| *n).collect();
         let mut out = Vec::new();
-        for name in names {
-            let buf: Vec<f32> = self
-                .optimizer
-                .state_buffers()
-                .into_iter()
-                .find(|(n, _)| *n == name)
-                .map(|(_, b)| b.to_vec())
-                .unwrap_or_default();
-            if self.zero.stage == 0 {
-                out.push((name.to_string(), buf));
-            } else {
-                out.push((name.to_string(), self.gather_full(comm, &buf, keep)?));
-            }
+        for (name, buf) in self.optimizer.state_buffers() {
+            let full =
+                if self.stage.shards_optimizer() { self.gather_grad_space(comm, buf, keep)? } else { buf.to_vec() };
+            out.push((name.to_string(), full));
         }
         Ok(out)
     }
 
     /// Restores a checkpointed state from full buffers (each rank keeps its
-    /// pieces): parameters, optimizer state and the number of steps taken.
+    /// pieces): parameters, optimizer state (gradient space) and the number
+    /// of steps taken.
     pub fn restore(
         &mut self,
         params: Vec<f32>,
@@ -430,24 +454,20 @@ impl Trainer {
         if params.len() != self.layout.n_params() {
             return Err(EngineError::ParamCount { expected: self.layout.n_params(), got: params.len() });
         }
-        let part = self.part.clone();
-        let stage = self.zero.stage;
-        let to_shard = |full: Vec<f32>| -> Vec<f32> {
-            if stage == 0 {
-                return full;
-            }
-            let mut shard = vec![0.0; part.shard_len()];
-            part.gather_own(&full, &mut shard);
-            shard
-        };
+        let (part, sharded, n_grads) = (&self.part, self.stage.shards_optimizer(), self.part.space.n_grads);
         let mut err = None;
         self.optimizer.restore(n_updates, |name| {
             let full = optimizer_state(name)?;
-            if full.len() != params.len() {
-                err = Some(EngineError::ParamCount { expected: params.len(), got: full.len() });
+            if full.len() != n_grads {
+                err = Some(EngineError::ParamCount { expected: n_grads, got: full.len() });
                 return None;
             }
-            Some(to_shard(full))
+            if !sharded {
+                return Some(full);
+            }
+            let mut shard = vec![0.0; part.grad_shard_len()];
+            part.gather_own_grads(&full, &mut shard);
+            Some(shard)
         })?;
         if let Some(e) = err {
             return Err(e);
@@ -457,24 +477,15 @@ impl Trainer {
         Ok(())
     }
 
-    /// Mixed precision with full master weights (stage 0): re-encodes the
-    /// 16-bit copy the model reads.
-    fn refresh_model_copy(&mut self) {
-        if !self.model_copy.is_empty() && !self.master_sharded() {
-            self.options.precision.encode(&self.params, &mut self.model_copy);
-            self.decoded_seg = None;
-        }
-    }
-
     /// Replaces the parameters (e.g. `--init-from` a pretrained model, or a
     /// checkpoint) from a full buffer; each rank keeps what it holds.
     pub fn set_params(&mut self, params: Vec<f32>) -> Result<(), EngineError> {
         if params.len() != self.layout.n_params() {
             return Err(EngineError::ParamCount { expected: self.layout.n_params(), got: params.len() });
         }
-        if !self.model_copy.is_empty() {
-            self.options.precision.encode(&params, &mut self.model_copy);
-            self.decoded_seg = None;
+        if let Some(c) = self.model_copy.as_mut() {
+            self.options.precision.encode(&params, &mut c.bits);
+            c.decoded_seg = None;
         }
         self.params = if self.master_sharded() {
             let mut shard = vec![0.0; self.part.shard_len()];
@@ -493,24 +504,19 @@ impl Trainer {
 
     /// FNV-1a hash of the resident parameter bits.
     pub fn params_checksum(&self) -> u64 {
-        self.params.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
-            x.to_bits().to_le_bytes().iter().fold(h, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
-        })
+        fnv1a(self.params.iter().flat_map(|x| x.to_bits().to_le_bytes()))
     }
 
     /// Errors unless every rank holds bit-identical parameters (stages 0–2;
     /// at stage 3 each rank holds a different shard by design).
     pub fn check_params_agree(&mut self, comm: &mut dyn Communicator) -> Result<(), EngineError> {
-        if self.zero.stage == 3 {
+        if self.stage.shards_parameters() {
             return Ok(());
         }
-        let h = if self.master_sharded() {
+        let h = match (&self.model_copy, self.master_sharded()) {
             // Mixed precision, stages 1–2: the replicated 16-bit copy must agree.
-            self.model_copy.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
-                x.to_le_bytes().iter().fold(h, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
-            })
-        } else {
-            self.params_checksum()
+            (Some(c), true) => fnv1a(c.bits.iter().flat_map(|x| x.to_le_bytes())),
+            _ => self.params_checksum(),
         };
         // Four 16-bit pieces: exact in f32, so the all-gather carries the hash losslessly.
         let mine: Vec<f32> = (0..4).map(|i| ((h >> (16 * i)) & 0xffff) as f32).collect();
@@ -528,25 +534,17 @@ impl Trainer {
     /// master weights): stage 3, and stages 1–2 under mixed precision. Then
     /// [`Trainer::full_params`] is a collective.
     pub fn master_sharded(&self) -> bool {
-        self.zero.stage == 3 || (self.options.precision.is_low() && self.zero.stage >= 1)
-    }
-
-    fn per_segment(&self) -> bool {
-        self.zero.stage == 3 || self.zero.reduce_every_micro_step
+        master_sharded(self.stage, self.options.precision)
     }
 
     /// A store over this trainer's buffers for one pass of the model.
     fn store<'a>(&'a mut self, comm: &'a mut dyn Communicator, with_grads: bool) -> StepStore<'a> {
-        let per_segment = self.per_segment();
         StepStore {
             part: &self.part,
-            stage: self.zero.stage,
-            per_segment,
+            stage: self.stage,
             with_grads,
             precision: self.options.precision,
-            model_copy: &self.model_copy,
-            seg_params: &mut self.seg_params,
-            decoded_seg: &mut self.decoded_seg,
+            model_copy: self.model_copy.as_mut(),
             params: &self.params,
             grads: &mut self.grads,
             seg_grads: &mut self.seg_grads,
@@ -576,10 +574,9 @@ impl Trainer {
     }
 
     /// One optimizer step over this rank's `micro_batches` (K = its length;
-    /// every rank must pass the same K). At stages 0–2 (local accumulation)
-    /// communication happens only at the boundary; per-segment reduction
-    /// (stage 3, or stage 2 with `reduce_every_micro_step`) reduce-scatters
-    /// each segment's gradient as its backward completes.
+    /// every rank must pass the same K). Reads as the step flow in
+    /// ARCHITECTURE.md: accumulate, then once at the boundary reduce,
+    /// measure, clip, update, share.
     pub fn step<M: Model>(
         &mut self,
         model: &mut M,
@@ -590,111 +587,52 @@ impl Trainer {
             return Err(EngineError::NoMicroBatches);
         }
         let step_idx = self.n_steps;
-        let n_micro = micro_batches.len();
-        let world = comm.world_size();
+        let comm_err = |source| EngineError::Comm { step: step_idx + 1, source };
+        let (n_micro, world) = (micro_batches.len(), comm.world_size());
         let before = comm.counters();
-
         // The loss scale of this step: fixed until the boundary.
         let loss_scale = self.scaler.map_or(1.0, |s| s.scale);
-        // Micro-step 0 writes each segment's gradient, later ones add (the
-        // store tells the model which: `fresh`), so the full buffer is never
-        // zeroed. A shard accumulator (per-segment reduction) is summed into, so it is.
-        self.written.fill(false);
-        if self.per_segment() {
-            self.grads.par_chunks_mut(CHUNK).for_each(|c| c.fill(0.0));
-        }
-        let mut loss_sum = 0.0f64;
-        let mut n_targets = 0u64;
+        let seed = self.backward_seeds(model, comm, micro_batches, loss_scale)?;
+
+        // Accumulate: K micro-steps add into the gradient buffers; at
+        // stages 0–2 (local accumulation) nothing is communicated.
+        self.begin_accumulation();
+        let (mut loss_sum, mut n_targets, mut model_s) = (0.0f64, 0u64, 0.0);
         let mut micro_losses = Vec::with_capacity(n_micro);
-        let mut model_s = 0.0;
-        for (micro_step_idx, batch) in micro_batches.iter().enumerate() {
-            let grad_scale = loss_scale
-                * match self.options.normalization {
-                    LossNormalization::Token => 1.0,
-                    LossNormalization::MicroBatchMean => match model.n_targets(batch) {
-                        0 => 0.0,
-                        n => 1.0 / (n as f64 * (n_micro * world) as f64) as f32,
-                    },
-                };
+        for (micro_step_idx, (batch, seed)) in micro_batches.iter().zip(seed.per_micro).enumerate() {
             let t0 = std::time::Instant::now();
             let stats = model
-                .micro_step(&mut self.store(comm, true), batch, grad_scale)
+                .micro_step(&mut self.store(comm, true), batch, seed)
                 .map_err(|e| EngineError::Model { step: step_idx + 1, micro_step_idx, source: Box::new(e) })?;
             model_s += t0.elapsed().as_secs_f64();
             loss_sum += stats.loss_sum;
             n_targets += stats.n_targets;
             micro_losses.push(stats.loss_sum / stats.n_targets as f64);
         }
+        self.end_accumulation();
 
-        if !self.per_segment() {
-            // A model that left a segment untouched contributed zero to it.
-            for (seg, r) in self.part.segments.iter().enumerate() {
-                if !self.written[seg] {
-                    self.grads[r.clone()].par_chunks_mut(CHUNK).for_each(|c| c.fill(0.0));
-                }
-            }
-        }
         // The boundary: everything below runs exactly once per optimizer step.
-        let comm_err = |source| EngineError::Comm { step: step_idx + 1, source };
         let micro_mean_sum: f64 = micro_losses.iter().filter(|l| l.is_finite()).sum();
         let n_valid_micro = micro_losses.iter().filter(|l| l.is_finite()).count();
         let mut stats = [loss_sum, n_targets as f64, micro_mean_sum, n_valid_micro as f64];
         comm.all_reduce_sum_f64(&mut stats).map_err(comm_err)?;
         let [loss_sum, n_targets, micro_mean_sum, n_valid_micro] = stats;
         let n_targets = n_targets as u64;
-        let (loss, normalize) = match self.options.normalization {
-            LossNormalization::Token => {
-                if n_targets == 0 {
-                    return Err(EngineError::NoTargets { step: step_idx + 1 });
-                }
-                (loss_sum / n_targets as f64, 1.0 / n_targets as f64)
-            }
-            LossNormalization::MicroBatchMean => {
-                if n_valid_micro == 0.0 {
-                    return Err(EngineError::NoTargets { step: step_idx + 1 });
-                }
-                (micro_mean_sum / (n_micro * world) as f64, 1.0)
-            }
+        let loss = match self.options.normalization {
+            LossNormalization::Token if n_targets > 0 => loss_sum / n_targets as f64,
+            LossNormalization::MicroBatchMean if n_valid_micro > 0.0 => micro_mean_sum / (n_micro * world) as f64,
+            _ => return Err(EngineError::NoTargets { step: step_idx + 1 }),
         };
+        // What turns the accumulated buffer into the gradient of the mean
+        // loss: what the seeds left to do, and the loss scale undone
+        // (unscaled before the norm, and so before clipping).
+        let normalize = match (self.options.normalization, seed.divided_by_targets) {
+            (LossNormalization::Token, false) => 1.0 / n_targets as f64,
+            _ => 1.0,
+        } / loss_scale as f64;
 
-        // Reduce the gradient: after this, `self.grads` holds this rank's
-        // part of the global sum (all of it at stages 0–1).
-        match (self.zero.stage, self.per_segment()) {
-            (0 | 1, _) => {
-                for bucket in self.grads.chunks_mut(self.options.bucket_elems.max(1)) {
-                    comm.all_reduce_sum(bucket).map_err(comm_err)?;
-                }
-            }
-            (2, false) => {
-                // Reduce-scatter each segment; this rank's reduced piece goes
-                // back into its own range of the local buffer.
-                let w = self.part.world_size;
-                for j in 0..self.part.segments.len() {
-                    let seg = self.part.segments[j].clone();
-                    let s = self.part.piece[j];
-                    self.scratch[..seg.len()].copy_from_slice(&self.grads[seg.clone()]);
-                    self.scratch[seg.len()..s * w].fill(0.0);
-                    let mut out = vec![0.0; s];
-                    comm.reduce_scatter_sum(&self.scratch[..s * w], &mut out).map_err(comm_err)?;
-                    let own = self.part.owned(j, self.part.rank);
-                    self.grads[own.clone()].copy_from_slice(&out[..own.len()]);
-                }
-            }
-            _ => {} // per-segment: already reduced into the shard accumulator
-        }
-
-        // Norm of the global gradient: local at stages 0–1 (every rank holds
-        // all of it), otherwise a sum of the shards' squares.
-        let raw_norm = if self.zero.stage <= 1 {
-            grad_norm(&self.grads)
-        } else {
-            let mut sq = [self.owned_sum_of_squares()];
-            comm.all_reduce_sum_f64(&mut sq).map_err(comm_err)?;
-            sq[0].sqrt()
-        };
-        // Unscale before the norm (and so before clipping).
-        let normalize = normalize / loss_scale as f64;
-        let grad_norm = raw_norm * normalize;
+        self.reduce_gradients(comm).map_err(comm_err)?;
+        let grad_norm = self.global_norm(comm).map_err(comm_err)? * normalize;
         let report = |grad_norm, clipped, skipped, lr, comm: &mut dyn Communicator| {
             let after = comm.counters();
             StepReport {
@@ -723,23 +661,202 @@ impl Trainer {
             scaler.update(true);
             return Ok(report(grad_norm, false, true, self.schedule.lr(step_idx), comm));
         }
-        let clip_coef = match self.options.grad_clip {
-            Some(max_norm) => clip_coefficient(grad_norm, max_norm),
-            None => 1.0,
-        };
-        let clipped = clip_coef < 1.0;
+        let clip_coef = self.options.grad_clip.map_or(1.0, |max_norm| clip_coefficient(grad_norm, max_norm));
         self.grad_scale = (normalize * clip_coef) as f32;
         let lr = self.schedule.lr(step_idx);
-        self.apply_update(lr)?;
-        if (1..=2).contains(&self.zero.stage) {
-            self.all_gather_params(comm).map_err(comm_err)?;
-        }
-        self.refresh_model_copy();
+        self.apply_update(lr);
+        self.share_updated_params(comm).map_err(comm_err)?;
         if let Some(s) = self.scaler.as_mut() {
             s.update(false);
         }
         self.n_steps += 1;
-        Ok(report(grad_norm, clipped, false, lr, comm))
+        Ok(report(grad_norm, clip_coef < 1.0, false, lr, comm))
+    }
+
+    /// The factor each micro-step seeds its backward with. Token
+    /// normalisation under f16: `loss_scale / N_global` (the targets of the
+    /// whole global batch, counted before the first micro-step with one
+    /// scalar collective), so gradients have a mean loss's magnitude and the
+    /// scaler's range is not spent on the token count. Otherwise f32/bf16
+    /// seed 1 and divide by `N_global` at the boundary; the tutorials'
+    /// micro-batch mean seeds `1 / (n_k · K · W)`.
+    fn backward_seeds<M: Model>(
+        &self,
+        model: &M,
+        comm: &mut dyn Communicator,
+        micro_batches: &[M::Batch],
+        loss_scale: f32,
+    ) -> Result<Seeds, EngineError> {
+        let n_micro = micro_batches.len();
+        match self.options.normalization {
+            LossNormalization::Token if self.scaler.is_some() => {
+                let mut n = [micro_batches.iter().map(|b| model.n_targets(b)).sum::<u64>() as f64];
+                comm.all_reduce_sum_f64(&mut n).map_err(|source| EngineError::Comm { step: self.n_steps + 1, source })?;
+                let seed = if n[0] > 0.0 { (loss_scale as f64 / n[0]) as f32 } else { 0.0 };
+                Ok(Seeds { per_micro: vec![seed; n_micro], divided_by_targets: true })
+            }
+            LossNormalization::Token => Ok(Seeds { per_micro: vec![loss_scale; n_micro], divided_by_targets: false }),
+            LossNormalization::MicroBatchMean => {
+                let k_w = (n_micro * comm.world_size()) as f64;
+                let per_micro = micro_batches
+                    .iter()
+                    .map(|b| match model.n_targets(b) {
+                        0 => 0.0,
+                        n => loss_scale * (1.0 / (n as f64 * k_w)) as f32,
+                    })
+                    .collect();
+                Ok(Seeds { per_micro, divided_by_targets: true })
+            }
+        }
+    }
+
+    /// Before micro-step 0: no tensor holds this step's gradient yet (the
+    /// first write to each overwrites, so the local buffer is never zeroed);
+    /// a shard accumulator is summed into, so it is.
+    fn begin_accumulation(&mut self) {
+        self.written.fill(false);
+        if self.stage.accumulation() == Accumulation::PerSegment {
+            self.grads.par_chunks_mut(CHUNK).for_each(|c| c.fill(0.0));
+        }
+    }
+
+    /// After the last micro-step: a tensor the model never wrote contributed zero.
+    fn end_accumulation(&mut self) {
+        if self.stage.accumulation() == Accumulation::Local {
+            let mut w = Written { space: &self.part.space, flags: &mut self.written };
+            for j in 0..self.part.n_segments() {
+                w.clear_unwritten(j, &mut self.grads[self.part.space.grad_segments[j].clone()]);
+            }
+        }
+    }
+
+    /// The boundary's gradient collective: afterwards `self.grads` holds
+    /// this rank's part of the global sum (all of it after an all-reduce).
+    fn reduce_gradients(&mut self, comm: &mut dyn Communicator) -> Result<(), comm::CommError> {
+        match self.stage.reduction() {
+            Reduction::AllReduce => {
+                for bucket in self.grads.chunks_mut(self.options.bucket_elems.max(1)) {
+                    comm.all_reduce_sum(bucket)?;
+                }
+            }
+            Reduction::ReduceScatter => {
+                // Each segment: pack, reduce-scatter, and this rank's reduced
+                // piece back into its own range of the local buffer.
+                let w = self.part.world_size;
+                for j in 0..self.part.n_segments() {
+                    let t = self.part.grad_piece[j];
+                    if t == 0 {
+                        continue; // nothing trainable: no communication
+                    }
+                    let g = self.part.space.grad_segments[j].clone();
+                    self.part.pack_grads(j, &self.grads[g], &mut self.scratch[..t * w]);
+                    let mut out = vec![0.0; t];
+                    comm.reduce_scatter_sum(&self.scratch[..t * w], &mut out)?;
+                    let own = self.part.grad_owned(j, self.part.rank);
+                    self.grads[own.clone()].copy_from_slice(&out[..own.len()]);
+                }
+            }
+            Reduction::Done => {}
+        }
+        Ok(())
+    }
+
+    /// The L2 norm of the global (reduced, unnormalised) gradient: local
+    /// when every rank holds all of it, else a sum of the shards' squares.
+    fn global_norm(&self, comm: &mut dyn Communicator) -> Result<f64, comm::CommError> {
+        if self.stage.reduction() == Reduction::AllReduce {
+            return Ok(grad_norm(&self.grads));
+        }
+        let mut sq = [match self.stage.accumulation() {
+            Accumulation::PerSegment => sum_of_squares(&self.grads),
+            Accumulation::Local => (0..self.part.n_segments())
+                .map(|j| sum_of_squares(&self.grads[self.part.grad_owned(j, self.part.rank)]))
+                .sum(),
+        }];
+        comm.all_reduce_sum_f64(&mut sq)?;
+        Ok(sq[0].sqrt())
+    }
+
+    /// The optimizer update of this rank's part (every trainable parameter
+    /// at stage 0), reading the gradient scaled by `grad_scale`.
+    fn apply_update(&mut self, lr: f32) {
+        let runs = self.part.update_runs(
+            self.master_sharded(),
+            self.stage.accumulation() == Accumulation::PerSegment,
+            self.stage.shards_optimizer(),
+        );
+        let tensors = self.layout.tensors();
+        let mut chunks = Vec::with_capacity(runs.len());
+        for &(p, g, s, n, idx) in &runs {
+            // Pieces of at most CHUNK elements, the unit of parallel work.
+            for at in (0..n).step_by(CHUNK) {
+                let m = CHUNK.min(n - at);
+                chunks.push((p + at..p + at + m, g + at, s + at, tensors[idx].decay));
+            }
+        }
+        let ranges: Vec<Range<usize>> = chunks.iter().map(|c| c.0.clone()).collect();
+        let grads = &self.grads;
+        let pieces: Vec<Piece<'_>> = split(&mut self.params, &ranges)
+            .into_iter()
+            .zip(&chunks)
+            .map(|(params, (r, g, s, decay))| Piece {
+                params,
+                grads: &grads[*g..*g + r.len()],
+                state: *s..*s + r.len(),
+                decay: *decay,
+            })
+            .collect();
+        self.optimizer.update_pieces(pieces, lr, self.grad_scale);
+    }
+
+    /// After the update: stages 1–2 all-gather every rank's updated
+    /// (trainable) pieces of each segment into every rank's parameters — the
+    /// f32 ones, or under mixed precision the 16-bit copy the model reads;
+    /// stage 0 re-encodes its 16-bit copy; stage 3 keeps only its shard.
+    fn share_updated_params(&mut self, comm: &mut dyn Communicator) -> Result<(), comm::CommError> {
+        if !self.stage.gathers_after_update() {
+            if let Some(c) = self.model_copy.as_mut() {
+                self.options.precision.encode(&self.params, &mut c.bits);
+                c.decoded_seg = None;
+            }
+            return Ok(());
+        }
+        let (w, rank, sharded) = (self.part.world_size, self.part.rank, self.master_sharded());
+        for j in 0..self.part.n_segments() {
+            let t = self.part.grad_piece[j];
+            if t == 0 {
+                continue; // frozen: never changes
+            }
+            // This rank's trainable values, packed like its gradient piece.
+            let own = self.part.owned(j, rank);
+            let mut mine = vec![0.0; t];
+            let mut at = 0;
+            for (pr, _, _) in self.part.space.trainable_runs(j, own.clone()) {
+                let src = if sharded { self.part.shard_range(j).start + (pr.start - own.start) } else { pr.start };
+                mine[at..at + pr.len()].copy_from_slice(&self.params[src..src + pr.len()]);
+                at += pr.len();
+            }
+            let mut all = vec![0.0; t * w];
+            comm.all_gather(&mine, &mut all)?;
+            for r in 0..w {
+                let mut at = r * t;
+                for (pr, _, _) in self.part.space.trainable_runs(j, self.part.owned(j, r)) {
+                    let vals = &all[at..at + pr.len()];
+                    match self.model_copy.as_mut() {
+                        Some(c) if sharded => self.options.precision.encode(vals, &mut c.bits[pr.clone()]),
+                        _ => self.params[pr.clone()].copy_from_slice(vals),
+                    }
+                    at += pr.len();
+                }
+            }
+        }
+        if let Some(c) = self.model_copy.as_mut() {
+            if !sharded {
+                self.options.precision.encode(&self.params, &mut c.bits);
+            }
+            c.decoded_seg = None;
+        }
+        Ok(())
     }
 
     /// The loss scaler's state (f16 only).
@@ -756,108 +873,30 @@ impl Trainer {
             s.n_skipped = n_skipped;
         }
     }
+}
 
-    /// Σ g² over this rank's reduced gradient (its part of the global norm),
-    /// read in place: the shard accumulator, or this rank's pieces of the
-    /// full local buffer.
-    fn owned_sum_of_squares(&self) -> f64 {
-        if self.per_segment() {
-            return sum_of_squares(&self.grads);
-        }
-        (0..self.part.segments.len()).map(|j| sum_of_squares(&self.grads[self.part.owned(j, self.part.rank)])).sum()
-    }
+/// Seeds of one step's backward passes.
+struct Seeds {
+    per_micro: Vec<f32>,
+    /// The seeds already divide by the targets (global or per micro-batch).
+    divided_by_targets: bool,
+}
 
-    /// The optimizer update of this rank's part.
-    fn apply_update(&mut self, lr: f32) -> Result<(), EngineError> {
-        if self.zero.stage == 0 {
-            self.optimizer.update(&self.layout, &mut self.params, &self.grads, lr, self.grad_scale);
-            return Ok(());
-        }
-        // Runs of (param index, grad index, state index, len, decay) over the shard.
-        let mut runs = Vec::new();
-        let params_sharded = self.master_sharded();
-        let grads_sharded = self.per_segment();
-        for j in 0..self.part.segments.len() {
-            let own = self.part.owned(j, self.part.rank);
-            let base = self.part.shard_range(j).start;
-            for t in self.layout.tensors() {
-                let tr = t.range();
-                let (a, b) = (tr.start.max(own.start), tr.end.min(own.end));
-                if a < b {
-                    let shard_idx = base + (a - own.start);
-                    let p = if params_sharded { shard_idx } else { a };
-                    let g = if grads_sharded { shard_idx } else { a };
-                    runs.push((p, g, shard_idx, b - a, t.decay));
-                }
-            }
-        }
-        let chunks: Vec<(usize, usize, bool)> = chunk_runs(runs.iter().map(|&(p, _, _, n, d)| (p, n, d)));
-        // Map each chunk back to its run to find the grad and state offsets.
-        let mut pieces_meta = Vec::with_capacity(chunks.len());
-        let mut run_idx = 0;
-        for &(p, n, decay) in &chunks {
-            while !(runs[run_idx].0 <= p && p < runs[run_idx].0 + runs[run_idx].3) {
-                run_idx += 1;
-            }
-            let (rp, rg, rs, _, _) = runs[run_idx];
-            let off = p - rp;
-            pieces_meta.push((p..p + n, rg + off, rs + off, decay));
-        }
-        let ranges: Vec<Range<usize>> = pieces_meta.iter().map(|m| m.0.clone()).collect();
-        let grads = &self.grads;
-        let pieces: Vec<Piece<'_>> = split(&mut self.params, &ranges)
-            .into_iter()
-            .zip(&pieces_meta)
-            .map(|(params, (r, g, s, decay))| Piece {
-                params,
-                grads: &grads[*g..*g + r.len()],
-                state: *s..*s + r.len(),
-                decay: *decay,
-            })
-            .collect();
-        self.optimizer.update_pieces(pieces, lr, self.grad_scale);
-        Ok(())
-    }
+fn master_sharded(stage: Stage, precision: Precision) -> bool {
+    stage.shards_parameters() || (precision.is_low() && stage.shards_optimizer())
+}
 
-    /// Stages 1–2: every rank's updated piece of each segment to every rank
-    /// — into the full f32 parameters, or (mixed precision, master sharded)
-    /// into the 16-bit copy the model reads, one segment at a time.
-    fn all_gather_params(&mut self, comm: &mut dyn Communicator) -> Result<(), comm::CommError> {
-        let w = self.part.world_size;
-        let sharded = self.master_sharded();
-        for j in 0..self.part.segments.len() {
-            let seg = self.part.segments[j].clone();
-            let s = self.part.piece[j];
-            let mut mine = vec![0.0; s];
-            if sharded {
-                mine.copy_from_slice(&self.params[self.part.shard_range(j)]);
-            } else {
-                let own = self.part.owned(j, self.part.rank);
-                mine[..own.len()].copy_from_slice(&self.params[own]);
-            }
-            let mut all = vec![0.0; s * w];
-            comm.all_gather(&mine, &mut all)?;
-            if sharded {
-                self.options.precision.encode(&all[..seg.len()], &mut self.model_copy[seg]);
-            } else {
-                self.params[seg.clone()].copy_from_slice(&all[..seg.len()]);
-            }
-        }
-        self.decoded_seg = None;
-        Ok(())
-    }
+fn fnv1a(bytes: impl Iterator<Item = u8>) -> u64 {
+    bytes.fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// The store a model sees during a step.
 struct StepStore<'a> {
     part: &'a Partition,
-    stage: u8,
-    per_segment: bool,
+    stage: Stage,
     with_grads: bool,
     precision: Precision,
-    model_copy: &'a [u16],
-    seg_params: &'a mut [f32],
-    decoded_seg: &'a mut Option<usize>,
+    model_copy: Option<&'a mut ModelCopy>,
     params: &'a [f32],
     grads: &'a mut [f32],
     seg_grads: &'a mut [f32],
@@ -871,9 +910,12 @@ struct StepStore<'a> {
 
 impl ParamStore for StepStore<'_> {
     fn segment(&mut self, seg: usize) -> Result<SegmentView<'_>, EngineError> {
-        let r = self.part.segments.get(seg).ok_or(EngineError::NoSuchSegment { seg })?.clone();
+        if seg >= self.part.n_segments() {
+            return Err(EngineError::NoSuchSegment { seg });
+        }
+        let r = self.part.segment(seg);
         let n = r.len();
-        if self.stage == 3 && *self.gathered_seg != Some(seg) {
+        if self.stage.shards_parameters() && *self.gathered_seg != Some(seg) {
             // Just before use: every rank's piece of this segment.
             let s = self.part.piece[seg];
             let w = self.part.world_size;
@@ -884,48 +926,55 @@ impl ParamStore for StepStore<'_> {
             // Mixed precision: the model reads the segment in 16 bits.
             self.precision.round(&mut self.gathered[..n]);
         }
-        if !self.model_copy.is_empty() && *self.decoded_seg != Some(seg) {
-            self.precision.decode(&self.model_copy[r.clone()], &mut self.seg_params[..n]);
-            *self.decoded_seg = Some(seg);
+        let params: &[f32] = match self.model_copy.as_deref_mut() {
+            _ if self.stage.shards_parameters() => &self.gathered[..n],
+            Some(c) => {
+                if c.decoded_seg != Some(seg) {
+                    self.precision.decode(&c.bits[r.clone()], &mut c.decoded[..n]);
+                    c.decoded_seg = Some(seg);
+                }
+                &c.decoded[..n]
+            }
+            None => &self.params[r],
+        };
+        if !self.with_grads {
+            return Ok(SegmentView { params, grads: SegmentGrads::none() });
         }
-        let params: &[f32] = if self.stage == 3 {
-            &self.gathered[..n]
-        } else if !self.model_copy.is_empty() {
-            &self.seg_params[..n]
-        } else {
-            &self.params[r.clone()]
+        let g = self.part.space.grad_segments[seg].clone();
+        let buf = match self.stage.accumulation() {
+            Accumulation::Local => &mut self.grads[g],
+            Accumulation::PerSegment => &mut self.seg_grads[..g.len()],
         };
-        let grads: &mut [f32] = if !self.with_grads {
-            &mut []
-        } else if self.per_segment {
-            &mut self.seg_grads[..n]
-        } else {
-            &mut self.grads[r]
-        };
-        let fresh = self.with_grads && !self.written[seg];
-        Ok(SegmentView { params, grads, fresh })
+        let grads = Written { space: &self.part.space, flags: self.written }.into_view(seg, buf);
+        Ok(SegmentView { params, grads })
     }
 
-    fn done(&mut self, seg: usize, grads_written: bool) -> Result<(), EngineError> {
-        if self.per_segment && grads_written && self.with_grads {
-            // Reduce-scatter this segment's gradient now; accumulate this
-            // rank's piece into the shard accumulator.
-            let n = self.part.segments[seg].len();
-            let s = self.part.piece[seg];
-            let w = self.part.world_size;
-            self.seg_grads[n..s * w].fill(0.0);
-            let out = &mut self.scratch[..s];
-            self.comm
-                .reduce_scatter_sum(&self.seg_grads[..s * w], out)
-                .map_err(|source| EngineError::Comm { step: self.step, source })?;
-            let acc = &mut self.grads[self.part.shard_range(seg)];
-            acc.iter_mut().zip(out.iter()).for_each(|(a, o)| *a += o);
-            // Reduced and accumulated: the transient buffer is free again.
-            self.written[seg] = false;
-        } else if grads_written && self.with_grads {
-            self.written[seg] = true;
+    fn done(&mut self, seg: usize, backward: bool) -> Result<(), EngineError> {
+        if self.with_grads && backward {
+            let part = self.part;
+            let buf = match self.stage.accumulation() {
+                Accumulation::Local => &mut self.grads[part.space.grad_segments[seg].clone()],
+                Accumulation::PerSegment => &mut self.seg_grads[..part.space.grad_segments[seg].len()],
+            };
+            let mut written = Written { space: &part.space, flags: self.written };
+            written.clear_unwritten(seg, buf);
+            let t = part.grad_piece[seg];
+            if self.stage.accumulation() == Accumulation::PerSegment && t > 0 {
+                // Reduce-scatter this segment's gradient now; accumulate this
+                // rank's piece into the shard accumulator.
+                let w = part.world_size;
+                part.pack_grads_in_place(seg, &mut self.seg_grads[..t * w]);
+                let out = &mut self.scratch[..t];
+                self.comm
+                    .reduce_scatter_sum(&self.seg_grads[..t * w], out)
+                    .map_err(|source| EngineError::Comm { step: self.step, source })?;
+                let acc = &mut self.grads[part.grad_shard_range(seg)];
+                acc.iter_mut().zip(out.iter()).for_each(|(a, o)| *a += o);
+                // Reduced and accumulated: the transient buffer is free again.
+                Written { space: &part.space, flags: self.written }.reset(seg);
+            }
         }
-        if self.stage == 3 {
+        if self.stage.shards_parameters() {
             *self.gathered_seg = None; // released: the buffer is reused by the next segment
         }
         Ok(())

@@ -1,19 +1,27 @@
-//! ZeRO partitioning of the flat buffer.
+//! ZeRO: which model states are sharded ([`Stage`]) and how the flat
+//! buffers are cut ([`Partition`]).
 //!
 //! Each segment `j` (length `n_j`) is cut into `W` pieces of `s_j = ⌈n_j/W⌉`
-//! elements; rank `r` owns piece `r` of every segment (the last pieces may be
-//! short or empty — padding). A rank's *shard* is its pieces back to back,
-//! each padded to `s_j`: `S = Σ s_j ≈ N/W` elements. Cutting per segment
+//! parameters; rank `r` owns piece `r` of every segment (the last pieces may
+//! be short or empty — padding). A rank's parameter *shard* is its pieces
+//! back to back, each padded to `s_j`. Its gradient and optimizer-state shard
+//! holds the *trainable* elements of the same pieces, each padded to the
+//! longest such run of the segment, `t_j` (= `s_j` when nothing is frozen):
+//! the owner of a parameter is the owner of its gradient and of its
+//! optimizer state, and frozen parameters cost neither. Cutting per segment
 //! (DeepSpeed cuts per tensor) lets ZeRO-3 gather one segment with one
 //! all-gather, and reduce-scatter one segment's gradient with one call.
 //!
 //! Invariant: for every segment, the `W` pieces tile `[start, start + W·s_j)`,
 //! which covers the segment; so every element has exactly one owner.
 
+use crate::error::EngineError;
 use crate::layout::ParamLayout;
+use crate::store::GradSpace;
 use std::ops::Range;
 
-/// How the optimizer state, gradients and parameters are partitioned.
+/// How the optimizer state, gradients and parameters are partitioned (the
+/// configuration as given; [`Stage`] is the checked form).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ZeroConfig {
     /// 0: replicated; 1: optimizer state; 2: + gradients; 3: + parameters.
@@ -24,50 +32,233 @@ pub struct ZeroConfig {
     pub reduce_every_micro_step: bool,
 }
 
+/// A ZeRO stage: what each rank keeps of the model states.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// Stage 0 (DDP): everything replicated; gradients all-reduced.
+    Replicated,
+    /// Stage 1: optimizer state sharded; gradients all-reduced, each rank
+    /// updates its shard, parameters all-gathered.
+    ShardedOptimizer,
+    /// Stage 2: + gradients sharded by reduce-scatter — at the boundary from
+    /// a local accumulator, or (`per_micro_step`) after every micro-step
+    /// into a shard accumulator.
+    ShardedGradients {
+        /// Reduce-scatter each segment after each micro-step.
+        per_micro_step: bool,
+    },
+    /// Stage 3: + parameters sharded; each segment gathered just before
+    /// use, its gradient reduce-scattered right after its backward.
+    ShardedParameters,
+}
+
+/// Where the accumulated gradient lives during a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Accumulation {
+    /// A full local buffer, reduced once at the boundary.
+    Local,
+    /// A shard accumulator fed by one reduce-scatter per segment backward.
+    PerSegment,
+}
+
+/// The collective that reduces the accumulated gradient at the boundary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduction {
+    /// All-reduce in buckets: every rank holds the whole sum.
+    AllReduce,
+    /// Reduce-scatter per segment: each rank holds its pieces of the sum.
+    ReduceScatter,
+    /// Reduced already, during the micro-steps.
+    Done,
+}
+
+impl Stage {
+    /// The checked form of `cfg`.
+    pub fn new(cfg: ZeroConfig) -> Result<Self, EngineError> {
+        if cfg.reduce_every_micro_step && cfg.stage != 2 {
+            return Err(EngineError::Zero("dist.reduce_every_micro_step applies to stage 2 only".into()));
+        }
+        Ok(match cfg.stage {
+            0 => Stage::Replicated,
+            1 => Stage::ShardedOptimizer,
+            2 => Stage::ShardedGradients { per_micro_step: cfg.reduce_every_micro_step },
+            3 => Stage::ShardedParameters,
+            s => return Err(EngineError::Zero(format!("dist.zero_stage = {s} (use 0, 1, 2 or 3)"))),
+        })
+    }
+
+    /// The stage number.
+    pub fn number(self) -> u8 {
+        match self {
+            Stage::Replicated => 0,
+            Stage::ShardedOptimizer => 1,
+            Stage::ShardedGradients { .. } => 2,
+            Stage::ShardedParameters => 3,
+        }
+    }
+
+    /// Back to the configuration form.
+    pub fn config(self) -> ZeroConfig {
+        ZeroConfig {
+            stage: self.number(),
+            reduce_every_micro_step: self == Stage::ShardedGradients { per_micro_step: true },
+        }
+    }
+
+    /// Whether the optimizer state (and the update) is cut into shards.
+    pub fn shards_optimizer(self) -> bool {
+        self != Stage::Replicated
+    }
+
+    /// Where gradients accumulate.
+    pub fn accumulation(self) -> Accumulation {
+        match self {
+            Stage::ShardedParameters | Stage::ShardedGradients { per_micro_step: true } => Accumulation::PerSegment,
+            _ => Accumulation::Local,
+        }
+    }
+
+    /// The boundary's gradient collective.
+    pub fn reduction(self) -> Reduction {
+        match (self, self.accumulation()) {
+            (_, Accumulation::PerSegment) => Reduction::Done,
+            (Stage::ShardedGradients { .. }, _) => Reduction::ReduceScatter,
+            _ => Reduction::AllReduce,
+        }
+    }
+
+    /// Whether each rank holds only its shard of the parameters.
+    pub fn shards_parameters(self) -> bool {
+        self == Stage::ShardedParameters
+    }
+
+    /// Whether updated pieces are all-gathered into every rank's replicated
+    /// parameters after the update (stages 1–2).
+    pub fn gathers_after_update(self) -> bool {
+        matches!(self, Stage::ShardedOptimizer | Stage::ShardedGradients { .. })
+    }
+}
+
 /// The partition of a model's segments over `world_size` ranks, seen from `rank`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Partition {
-    /// The model's segments (back to back from 0).
-    pub segments: Vec<Range<usize>>,
-    /// Piece length `s_j` of each segment.
+    /// The segments and their gradient space.
+    pub space: GradSpace,
+    /// Piece length `s_j` of each segment (parameters).
     pub piece: Vec<usize>,
-    /// Offset of each segment's piece inside the shard.
+    /// Offset of each segment's piece inside the parameter shard.
     pub offset: Vec<usize>,
+    /// Gradient piece length `t_j` of each segment (trainable elements of
+    /// the longest piece).
+    pub grad_piece: Vec<usize>,
+    /// Offset of each segment's gradient piece inside the gradient shard.
+    pub grad_offset: Vec<usize>,
     /// This rank.
     pub rank: usize,
     /// Ranks.
     pub world_size: usize,
 }
 
+fn offsets(lens: &[usize]) -> Vec<usize> {
+    lens.iter().scan(0, |acc, &p| Some(std::mem::replace(acc, *acc + p))).collect()
+}
+
 impl Partition {
-    /// Partitions `segments` over `world_size` ranks.
-    pub fn new(segments: Vec<Range<usize>>, rank: usize, world_size: usize) -> Self {
-        let piece: Vec<usize> = segments.iter().map(|r| r.len().div_ceil(world_size)).collect();
-        let offset = piece.iter().scan(0, |acc, &p| Some(std::mem::replace(acc, *acc + p))).collect();
-        Self { segments, piece, offset, rank, world_size }
+    /// Partitions `space`'s segments over `world_size` ranks.
+    pub fn new(space: GradSpace, rank: usize, world_size: usize) -> Self {
+        let piece: Vec<usize> = space.segments.iter().map(|r| r.len().div_ceil(world_size)).collect();
+        let mut p = Self {
+            offset: offsets(&piece),
+            piece,
+            grad_piece: Vec::new(),
+            grad_offset: Vec::new(),
+            space,
+            rank,
+            world_size,
+        };
+        p.grad_piece = (0..p.n_segments())
+            .map(|j| (0..world_size).map(|r| p.grad_owned(j, r).len()).max().unwrap_or(0))
+            .collect();
+        p.grad_offset = offsets(&p.grad_piece);
+        p
     }
 
-    /// Elements of this rank's shard (padding included).
+    /// Number of segments.
+    pub fn n_segments(&self) -> usize {
+        self.space.segments.len()
+    }
+
+    /// Parameter range of segment `seg`.
+    pub fn segment(&self, seg: usize) -> Range<usize> {
+        self.space.segments[seg].clone()
+    }
+
+    /// Elements of this rank's parameter shard (padding included).
     pub fn shard_len(&self) -> usize {
         self.piece.iter().sum()
     }
 
-    /// The flat-buffer range rank `rank` owns of segment `seg` (may be short or empty).
+    /// Elements of this rank's gradient (and optimizer-state) shard.
+    pub fn grad_shard_len(&self) -> usize {
+        self.grad_piece.iter().sum()
+    }
+
+    /// The parameter range rank `rank` owns of segment `seg` (may be short or empty).
     pub fn owned(&self, seg: usize, rank: usize) -> Range<usize> {
-        let r = &self.segments[seg];
+        let r = &self.space.segments[seg];
         let start = (r.start + rank * self.piece[seg]).min(r.end);
         let end = (r.start + (rank + 1) * self.piece[seg]).min(r.end);
         start..end
     }
 
-    /// The shard range holding this rank's piece of segment `seg`.
+    /// The gradient range rank `rank` owns of segment `seg`: the trainable
+    /// elements of its parameter piece.
+    pub fn grad_owned(&self, seg: usize, rank: usize) -> Range<usize> {
+        self.space.grad_range(seg, self.owned(seg, rank))
+    }
+
+    /// The parameter-shard range holding this rank's piece of segment `seg`.
     pub fn shard_range(&self, seg: usize) -> Range<usize> {
         self.offset[seg]..self.offset[seg] + self.piece[seg]
     }
 
-    /// Copies this rank's pieces of a full buffer into a shard (padding zero).
+    /// The gradient-shard range holding this rank's piece of segment `seg`.
+    pub fn grad_shard_range(&self, seg: usize) -> Range<usize> {
+        self.grad_offset[seg]..self.grad_offset[seg] + self.grad_piece[seg]
+    }
+
+    /// Packs segment `seg` of a gradient-space buffer (`grads` holds the
+    /// segment's gradients, relative) into `W` blocks of `t_j`, block `r`
+    /// = rank `r`'s gradient piece, zero-padded: a reduce-scatter's input.
+    pub fn pack_grads(&self, seg: usize, grads: &[f32], out: &mut [f32]) {
+        let (t, g0) = (self.grad_piece[seg], self.space.grad_segments[seg].start);
+        for r in 0..self.world_size {
+            let own = self.grad_owned(seg, r);
+            let dst = &mut out[r * t..(r + 1) * t];
+            dst[..own.len()].copy_from_slice(&grads[own.start - g0..own.end - g0]);
+            dst[own.len()..].fill(0.0);
+        }
+    }
+
+    /// [`Partition::pack_grads`] in place: `buf` holds segment `seg`'s
+    /// gradients at its front and has room for `W·t_j`. Block `r` moves
+    /// forward (never onto a lower block's source), so blocks are moved
+    /// from the last to the first; with nothing frozen every block is
+    /// already in place and only the padding is written.
+    pub fn pack_grads_in_place(&self, seg: usize, buf: &mut [f32]) {
+        let (t, g0) = (self.grad_piece[seg], self.space.grad_segments[seg].start);
+        for r in (0..self.world_size).rev() {
+            let own = self.grad_owned(seg, r);
+            if own.start - g0 != r * t {
+                buf.copy_within(own.start - g0..own.end - g0, r * t);
+            }
+            buf[r * t + own.len()..(r + 1) * t].fill(0.0);
+        }
+    }
+
+    /// Copies this rank's parameter pieces of a full buffer into a shard (padding zero).
     pub fn gather_own(&self, full: &[f32], shard: &mut [f32]) {
-        for seg in 0..self.segments.len() {
+        for seg in 0..self.n_segments() {
             let own = self.owned(seg, self.rank);
             let dst = &mut shard[self.shard_range(seg)];
             dst[..own.len()].copy_from_slice(&full[own.clone()]);
@@ -75,20 +266,61 @@ impl Partition {
         }
     }
 
-    /// The layout the optimizer sees for this rank's shard: the pieces of
-    /// the model's tensors (with their weight-decay flags) and the padding.
+    /// Copies this rank's gradient pieces of a full gradient-space buffer into a gradient shard.
+    pub fn gather_own_grads(&self, full: &[f32], shard: &mut [f32]) {
+        for seg in 0..self.n_segments() {
+            let own = self.grad_owned(seg, self.rank);
+            let dst = &mut shard[self.grad_shard_range(seg)];
+            dst[..own.len()].copy_from_slice(&full[own.clone()]);
+            dst[own.len()..].fill(0.0);
+        }
+    }
+
+    /// The optimizer's view of this rank's part: for each trainable run of
+    /// its pieces, `(parameter index, gradient index, state index, len,
+    /// layout index)`. Parameters index the shard when `params_sharded`,
+    /// else the full buffer; gradients the gradient shard when
+    /// `grads_sharded`, else the full gradient space; state the gradient
+    /// shard when `state_sharded`, else the gradient space.
+    pub fn update_runs(
+        &self,
+        params_sharded: bool,
+        grads_sharded: bool,
+        state_sharded: bool,
+    ) -> Vec<(usize, usize, usize, usize, usize)> {
+        let mut runs = Vec::new();
+        for j in 0..self.n_segments() {
+            let own = if state_sharded || params_sharded || grads_sharded {
+                self.owned(j, self.rank)
+            } else {
+                self.segment(j)
+            };
+            let gown = self.space.grad_range(j, own.clone());
+            for (pr, g, idx) in self.space.trainable_runs(j, own.clone()) {
+                let in_shard = self.grad_shard_range(j).start + (g - gown.start);
+                let p = if params_sharded { self.shard_range(j).start + (pr.start - own.start) } else { pr.start };
+                let gi = if grads_sharded { in_shard } else { g };
+                let s = if state_sharded { in_shard } else { g };
+                runs.push((p, gi, s, pr.len(), idx));
+            }
+        }
+        runs
+    }
+
+    /// The layout the optimizer sees for this rank's gradient shard: the
+    /// pieces of the model's trainable tensors and the padding.
     pub fn shard_layout(&self, layout: &ParamLayout) -> ParamLayout {
         let mut out = ParamLayout::new();
-        for seg in 0..self.segments.len() {
+        for seg in 0..self.n_segments() {
             let own = self.owned(seg, self.rank);
-            for t in layout.tensors() {
+            let mut n = 0;
+            for (pr, _, idx) in self.space.trainable_runs(seg, own) {
+                let t = &layout.tensors()[idx];
                 let tr = t.range();
-                let (a, b) = (tr.start.max(own.start), tr.end.min(own.end));
-                if a < b {
-                    out.push(format!("{}[{}..{}]", t.name, a - tr.start, b - tr.start), &[b - a], t.decay);
-                }
+                out.push(format!("{}[{}..{}]", t.name, pr.start - tr.start, pr.end - tr.start), &[pr.len()], t.decay);
+                n += pr.len();
             }
-            let pad = self.piece[seg] - own.len();
+            let pad = self.grad_piece[seg] - n;
             if pad > 0 {
                 out.push(format!("padding.{seg}"), &[pad], false);
             }
@@ -103,30 +335,52 @@ mod tests {
     use proptest::prelude::*;
 
     proptest! {
-        /// Every element of every segment has exactly one owner, and shards
-        /// are the same length on every rank.
+        /// Every element of every segment has exactly one owner, every
+        /// trainable element one gradient owner, and shards are the same
+        /// length on every rank.
         #[test]
-        fn pieces_tile_every_segment(lens in proptest::collection::vec(0usize..50, 1..6), world in 1usize..6) {
-            let mut segs = Vec::new();
-            let mut at = 0;
-            for l in lens {
-                segs.push(at..at + l);
-                at += l;
+        fn pieces_tile_every_segment(
+            lens in proptest::collection::vec((0usize..50, any::<bool>()), 1..8),
+            cut in proptest::collection::vec(any::<bool>(), 8),
+            world in 1usize..6,
+        ) {
+            let mut layout = ParamLayout::new();
+            for (i, &(l, _)) in lens.iter().enumerate() {
+                layout.push(format!("t{i}"), &[l], true);
             }
-            let mut owners = vec![0u32; at];
+            layout.set_trainable(|t| lens[t.name[1..].parse::<usize>().unwrap()].1);
+            // Segments: whole tensors, cut after tensor i where cut[i].
+            let mut segs = Vec::new();
+            let mut start = 0;
+            for (i, t) in layout.tensors().iter().enumerate() {
+                if cut[i] || i + 1 == layout.tensors().len() {
+                    segs.push(start..t.range().end);
+                    start = t.range().end;
+                }
+            }
+            let space = GradSpace::new(&layout, segs.clone()).unwrap();
+            let mut owners = vec![0u32; layout.n_params()];
+            let mut grad_owners = vec![0u32; layout.n_trainable()];
+            let p0 = Partition::new(space.clone(), 0, world);
             for rank in 0..world {
-                let p = Partition::new(segs.clone(), rank, world);
-                prop_assert_eq!(p.shard_len(), Partition::new(segs.clone(), 0, world).shard_len());
+                let p = Partition::new(space.clone(), rank, world);
+                prop_assert_eq!(p.shard_len(), p0.shard_len());
+                prop_assert_eq!(p.grad_shard_len(), p0.grad_shard_len());
                 for seg in 0..segs.len() {
                     for i in p.owned(seg, rank) {
                         owners[i] += 1;
                     }
+                    for i in p.grad_owned(seg, rank) {
+                        grad_owners[i] += 1;
+                    }
                 }
-                let mut layout = ParamLayout::new();
-                layout.push("all", &[at], true);
-                prop_assert_eq!(p.shard_layout(&layout).n_params(), p.shard_len());
+                prop_assert_eq!(p.shard_layout(&layout).n_params(), p.grad_shard_len());
+                let runs = p.update_runs(true, true, true);
+                prop_assert_eq!(runs.iter().map(|r| r.3).sum::<usize>(),
+                    (0..segs.len()).map(|s| p.grad_owned(s, rank).len()).sum::<usize>());
             }
             prop_assert!(owners.iter().all(|&n| n == 1));
+            prop_assert!(grad_owners.iter().all(|&n| n == 1));
         }
     }
 }

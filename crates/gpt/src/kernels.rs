@@ -156,17 +156,29 @@ pub fn encoder_forward(out: &mut [f32], tokens: &[u32], wte: &[f32], wpe: &[f32]
     });
 }
 
-/// Adds the gradients of [`encoder_forward`] into `dwte` and `dwpe`.
-pub fn encoder_backward(dwte: &mut [f32], dwpe: &mut [f32], dout: &[f32], tokens: &[u32], t: usize, c: usize) {
+/// Adds the gradients of [`encoder_forward`] into `dwte` and `dwpe` (either
+/// may be absent: a frozen tensor).
+pub fn encoder_backward(
+    mut dwte: Option<&mut [f32]>,
+    mut dwpe: Option<&mut [f32]>,
+    dout: &[f32],
+    tokens: &[u32],
+    t: usize,
+    c: usize,
+) {
     // Serial scatter-add in row order: deterministic, and O(B·T·C) is small.
     for (r, (d, &tok)) in dout.chunks(c).zip(tokens).enumerate() {
-        let e = &mut dwte[tok as usize * c..][..c];
-        for i in 0..c {
-            e[i] += d[i];
+        if let Some(dwte) = dwte.as_deref_mut() {
+            let e = &mut dwte[tok as usize * c..][..c];
+            for i in 0..c {
+                e[i] += d[i];
+            }
         }
-        let p = &mut dwpe[(r % t) * c..][..c];
-        for i in 0..c {
-            p[i] += d[i];
+        if let Some(dwpe) = dwpe.as_deref_mut() {
+            let p = &mut dwpe[(r % t) * c..][..c];
+            for i in 0..c {
+                p[i] += d[i];
+            }
         }
     }
 }
@@ -195,16 +207,25 @@ pub fn layernorm_forward(
     );
 }
 
-/// Sums per-task partial results of width `width` over fixed chunks of rows,
-/// in chunk order, and adds them into `targets` (concatenated) — or, with
-/// `accumulate` false, writes them.
+/// A parameter gradient for a backward kernel: the buffer and whether to
+/// add into it (`false`: overwrite every element); `None` skips the
+/// computation (a frozen tensor).
+pub type ParamGrad<'a> = Option<(&'a mut [f32], bool)>;
+
+/// Sums per-task partial results of width `Σ targets' widths` over fixed
+/// chunks of rows, in chunk order, and adds them into each target (or
+/// writes them, where its flag says overwrite). Absent targets are skipped;
+/// with none present nothing is computed.
 fn reduce_rows(
     n_rows: usize,
-    width: usize,
-    targets: &mut [&mut [f32]],
-    accumulate: bool,
+    targets: &mut [ParamGrad<'_>],
+    widths: &[usize],
     f: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync,
 ) {
+    if targets.iter().all(Option::is_none) {
+        return;
+    }
+    let width: usize = widths.iter().sum();
     let partials: Vec<Vec<f32>> = (0..n_rows.div_ceil(ROWS_PER_TASK))
         .into_par_iter()
         .map(|chunk| {
@@ -213,35 +234,38 @@ fn reduce_rows(
             acc
         })
         .collect();
-    if !accumulate {
-        targets.iter_mut().for_each(|t| t.fill(0.0));
+    for (t, &w) in targets.iter_mut().zip(widths) {
+        if let Some((t, false)) = t {
+            assert_eq!(t.len(), w, "gradient target length");
+            t.fill(0.0);
+        }
     }
     for p in &partials {
         let mut off = 0;
-        for t in targets.iter_mut() {
-            let len = t.len();
-            for (d, s) in t.iter_mut().zip(&p[off..off + len]) {
-                *d += s;
+        for (t, &w) in targets.iter_mut().zip(widths) {
+            if let Some((t, _)) = t {
+                for (d, s) in t.iter_mut().zip(&p[off..off + w]) {
+                    *d += s;
+                }
             }
-            off += len;
+            off += w;
         }
     }
 }
 
-/// Backward of [`layernorm_forward`]: adds into `dinp`; adds into `dw`, `db`
-/// (or overwrites them when `accumulate` is false).
+/// Backward of [`layernorm_forward`]: adds into `dinp`; `dw`, `db` as
+/// their [`ParamGrad`] flags say.
 #[allow(clippy::too_many_arguments)]
 pub fn layernorm_backward(
     dinp: &mut [f32],
-    dw: &mut [f32],
-    db: &mut [f32],
+    dw: ParamGrad<'_>,
+    db: ParamGrad<'_>,
     dout: &[f32],
     inp: &[f32],
     mean: &[f32],
     rstd: &[f32],
     w: &[f32],
     c: usize,
-    accumulate: bool,
 ) {
     dinp.par_chunks_mut(c)
         .zip(dout.par_chunks(c))
@@ -263,7 +287,7 @@ pub fn layernorm_backward(
             }
         });
     let n_rows = mean.len();
-    reduce_rows(n_rows, 2 * c, &mut [dw, db], accumulate, |rows, acc| {
+    reduce_rows(n_rows, &mut [dw, db], &[c, c], |rows, acc| {
         let (aw, ab) = acc.split_at_mut(c);
         for r in rows {
             let (d, x, m, s) = (&dout[r * c..][..c], &inp[r * c..][..c], mean[r], rstd[r]);
@@ -302,27 +326,29 @@ pub fn matmul_forward(
     gemm_into(n_rows, oc, ic, out, 0, oc, init, Strided::rows(inp, ic), Strided::rows(w, oc), 1.0, parallelism(false));
 }
 
-/// Backward of [`matmul_forward`]: overwrites `dinp`; adds into `dw` and `db`
-/// (or overwrites them when `accumulate` is false: the first micro-step).
+/// Backward of [`matmul_forward`]: overwrites `dinp`; `dw` and `db` as
+/// their [`ParamGrad`] flags say (absent: not computed).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_backward(
     dinp: &mut [f32],
-    dw: &mut [f32],
-    db: Option<&mut [f32]>,
+    dw: ParamGrad<'_>,
+    db: ParamGrad<'_>,
     dout: &[f32],
     inp: &[f32],
     w: &[f32],
     n_rows: usize,
     ic: usize,
     oc: usize,
-    accumulate: bool,
 ) {
     let par = parallelism(false);
     // dinp = dout · wᵀ
     gemm_into(n_rows, ic, oc, dinp, 0, ic, false, Strided::rows(dout, oc), Strided::transposed(w, oc), 1.0, par);
     // dw (+)= inpᵀ · dout
-    gemm_into(ic, oc, n_rows, dw, 0, oc, accumulate, Strided::transposed(inp, ic), Strided::rows(dout, oc), 1.0, par);
-    if let Some(db) = db {
+    if let Some((dw, accumulate)) = dw {
+        assert_eq!(dw.len(), ic * oc, "dw length");
+        gemm_into(ic, oc, n_rows, dw, 0, oc, accumulate, Strided::transposed(inp, ic), Strided::rows(dout, oc), 1.0, par);
+    }
+    if let Some((db, accumulate)) = db {
         bias_backward(db, dout, oc, accumulate);
     }
 }

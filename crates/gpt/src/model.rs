@@ -10,7 +10,7 @@ use crate::config::GptConfig;
 use crate::error::GptError;
 use crate::kernels::{self, AttnShape, Strided};
 use engine::rng::SplitMix64;
-use engine::{FullStore, MicroStepStats, Model, ParamLayout, ParamStore, Precision};
+use engine::{FullStore, GradOut, MicroStepStats, Model, ParamLayout, ParamStore, Precision, SegmentGrads, SegmentView};
 use std::ops::Range;
 
 /// Targets below zero are ignored (PyTorch's `ignore_index = -100`).
@@ -34,48 +34,6 @@ impl Batch {
     pub fn n_targets(&self) -> u64 {
         self.targets.iter().filter(|&&t| t >= 0).count() as u64
     }
-}
-
-/// Mixed-precision forward of one block: every tensor is produced in f32
-/// in a scratch buffer (the backward scratch is idle during forward), rounded,
-/// and saved in 16 bits at once; no f32 copy of the block is kept. On entry
-/// `x` holds the block's input; on exit its output.
-#[allow(clippy::too_many_arguments)]
-fn block_forward_lp(
-    r: &BlockParams,
-    p: &[f32],
-    x: &mut [f32],
-    sv: &mut SavedBlock,
-    s: Scratch<'_>,
-    g: &mut [f32],
-    d: Dims,
-    prec: Precision,
-) {
-    let Dims { b, t, c, nh } = d;
-    let n = b * t;
-    let Scratch { dres: res2, dc: a, d4c: f, dqkv: qkv, datt: att } = s;
-    let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd] = &mut sv.stats;
-    let keep = |v: &mut [f32], dst: &mut Vec<u16>| {
-        prec.round(v);
-        prec.encode(v, dst);
-    };
-    kernels::layernorm_forward(a, ln1_mean, ln1_rstd, x, &p[r.ln1_w.clone()], &p[r.ln1_b.clone()], c);
-    keep(a, &mut sv.large[0]);
-    kernels::matmul_forward(qkv, a, &p[r.attn_w.clone()], Some(&p[r.attn_b.clone()]), None, n, c, 3 * c);
-    keep(qkv, &mut sv.large[1]);
-    kernels::attention_forward(a, att, qkv, AttnShape { b, t, c, n_head: nh });
-    keep(att, &mut sv.large[2]);
-    keep(a, &mut sv.large[3]);
-    kernels::matmul_forward(res2, a, &p[r.proj_w.clone()], Some(&p[r.proj_b.clone()]), Some(x), n, c, c);
-    keep(res2, &mut sv.large[4]);
-    kernels::layernorm_forward(a, ln2_mean, ln2_rstd, res2, &p[r.ln2_w.clone()], &p[r.ln2_b.clone()], c);
-    keep(a, &mut sv.large[5]);
-    kernels::matmul_forward(f, a, &p[r.fc_w.clone()], Some(&p[r.fc_b.clone()]), None, n, c, 4 * c);
-    keep(f, &mut sv.large[6]);
-    kernels::gelu_forward(g, f);
-    keep(g, &mut sv.large[7]);
-    kernels::matmul_forward(x, g, &p[r.fcproj_w.clone()], Some(&p[r.fcproj_b.clone()]), Some(res2), n, 4 * c, c);
-    keep(x, &mut sv.large[8]);
 }
 
 /// Element ranges of one block's parameters inside the flat buffer.
@@ -216,87 +174,111 @@ pub fn init_segment(cfg: &GptConfig, seed: u64, seg: usize) -> Vec<f32> {
     v
 }
 
-/// Activations of one block: the f32 working set of its forward, and what
-/// its backward reads.
-#[derive(Debug, Default)]
-struct BlockActs {
-    ln1: Vec<f32>,
-    ln1_mean: Vec<f32>,
-    ln1_rstd: Vec<f32>,
-    qkv: Vec<f32>,
-    att: Vec<f32>,
-    atty: Vec<f32>,
-    res2: Vec<f32>,
-    ln2: Vec<f32>,
-    ln2_mean: Vec<f32>,
-    ln2_rstd: Vec<f32>,
-    fch: Vec<f32>,
-    fch_gelu: Vec<f32>,
-    res3: Vec<f32>,
+/// One saved activation tensor: f32 (read in place by backward) or 16
+/// bits (decoded on demand).
+#[derive(Debug)]
+enum SavedTensor {
+    F32(Vec<f32>),
+    Low(Vec<u16>),
 }
 
-impl BlockActs {
-    fn new(c: usize, nh: usize, b: usize, t: usize) -> Self {
-        let bt = b * t;
-        let z = |n: usize| vec![0.0f32; n];
-        BlockActs {
-            ln1: z(bt * c),
-            ln1_mean: z(bt),
-            ln1_rstd: z(bt),
-            qkv: z(bt * 3 * c),
-            att: z(b * nh * t * t),
-            atty: z(bt * c),
-            res2: z(bt * c),
-            ln2: z(bt * c),
-            ln2_mean: z(bt),
-            ln2_rstd: z(bt),
-            fch: z(bt * 4 * c),
-            fch_gelu: z(bt * 4 * c),
-            res3: z(bt * c),
+impl Default for SavedTensor {
+    fn default() -> Self {
+        SavedTensor::F32(Vec::new())
+    }
+}
+
+impl SavedTensor {
+    fn new(precision: Precision, n: usize) -> Self {
+        if precision.is_low() {
+            SavedTensor::Low(vec![0; n])
+        } else {
+            SavedTensor::F32(vec![0.0; n])
         }
     }
 
-    /// The large tensors (stored in 16 bits under mixed precision).
-    fn large(&self) -> [&Vec<f32>; 9] {
-        [&self.ln1, &self.qkv, &self.att, &self.atty, &self.res2, &self.ln2, &self.fch, &self.fch_gelu, &self.res3]
-    }
-
-    /// The per-row statistics (always f32: B·T values each).
-    fn stats(&self) -> [&Vec<f32>; 4] {
-        [&self.ln1_mean, &self.ln1_rstd, &self.ln2_mean, &self.ln2_rstd]
-    }
-
     fn bytes(&self) -> usize {
-        4 * (self.large().iter().map(|v| v.len()).sum::<usize>() + self.stats().iter().map(|v| v.len()).sum::<usize>())
+        match self {
+            SavedTensor::F32(v) => 4 * v.len(),
+            SavedTensor::Low(v) => 2 * v.len(),
+        }
+    }
+
+    /// Saves `v` — rounded first to the storage precision, in place, so the
+    /// rest of the forward pass reads exactly what backward will.
+    fn keep(&mut self, v: &mut [f32], precision: Precision) {
+        precision.round(v);
+        match self {
+            SavedTensor::F32(dst) => dst.copy_from_slice(v),
+            SavedTensor::Low(dst) => precision.encode(v, dst),
+        }
+    }
+
+    /// The tensor as f32: itself, or decoded into `tmp`.
+    fn read<'a>(&'a self, precision: Precision, tmp: &'a mut [f32]) -> &'a [f32] {
+        match self {
+            SavedTensor::F32(v) => v,
+            SavedTensor::Low(v) => {
+                precision.decode(v, &mut tmp[..v.len()]);
+                &tmp[..v.len()]
+            }
+        }
     }
 }
 
-/// A block's activations saved for backward in 16 bits (mixed precision).
+/// Indices of a block's large saved tensors.
+const LN1: usize = 0;
+const QKV: usize = 1;
+const ATT: usize = 2;
+const ATTY: usize = 3;
+const RES2: usize = 4;
+const LN2: usize = 5;
+const FCH: usize = 6;
+const FCH_GELU: usize = 7;
+const RES3: usize = 8;
+
+/// What one block's forward keeps for its backward: nine large tensors
+/// (in the storage precision) and the LayerNorm statistics (always f32).
 #[derive(Debug, Default)]
 struct SavedBlock {
-    large: [Vec<u16>; 9],
+    /// ln1, qkv, att, atty, res2, ln2, fch, fch_gelu, res3 (the block's output).
+    large: [SavedTensor; 9],
+    /// ln1 mean, ln1 1/std, ln2 mean, ln2 1/std.
     stats: [Vec<f32>; 4],
+}
+
+impl SavedBlock {
+    fn new(precision: Precision, c: usize, nh: usize, b: usize, t: usize) -> Self {
+        let bt = b * t;
+        let sizes = [bt * c, bt * 3 * c, b * nh * t * t, bt * c, bt * c, bt * c, bt * 4 * c, bt * 4 * c, bt * c];
+        SavedBlock { large: sizes.map(|n| SavedTensor::new(precision, n)), stats: [bt; 4].map(|n| vec![0.0; n]) }
+    }
+
+    fn bytes(&self) -> usize {
+        self.large.iter().map(SavedTensor::bytes).sum::<usize>() + 4 * self.stats.iter().map(Vec::len).sum::<usize>()
+    }
 }
 
 /// Activations and backward scratch for one (B, T).
 ///
-/// f32: one `BlockActs` per block, read directly by backward. Mixed
-/// precision: one f32 working `BlockActs`, and per block a [`SavedBlock`] in
-/// 16 bits that backward decodes into the working set; every saved tensor is
-/// rounded the moment it is produced, so forward and backward see the same values.
+/// Per block a [`SavedBlock`]; forward produces each tensor in f32 in the
+/// idle backward scratch and keeps it there (16 bits under mixed precision,
+/// so no f32 copy of a block exists). Backward reads saved tensors through a
+/// [`SavedView`].
 #[derive(Debug, Default)]
 struct Acts {
     b: usize,
     t: usize,
     precision: Precision,
-    encoded: Vec<f32>,
-    blocks: Vec<BlockActs>,
     saved: Vec<SavedBlock>,
-    saved_encoded: Vec<u16>,
-    /// Mixed precision: the residual stream entering the current block.
+    /// The embeddings' output (block 0's input).
+    saved_encoded: SavedTensor,
+    /// The residual stream entering the current block (forward), and the
+    /// last block's output (read by the final LayerNorm).
     x_buf: Vec<f32>,
-    /// Mixed precision: f32 staging for one saved tensor at a time (4C per
-    /// row), and for the attention probabilities.
+    /// f32 staging: GELU's output in forward; under mixed precision one
+    /// saved tensor at a time in backward (4C per row), and the attention
+    /// probabilities (`v`).
     u: Vec<f32>,
     v: Vec<f32>,
     lnf: Vec<f32>,
@@ -304,7 +286,7 @@ struct Acts {
     lnf_rstd: Vec<f32>,
     logits: Vec<f32>,
     losses: Vec<f32>,
-    /// Backward scratch (and mixed precision's forward working set).
+    /// Backward scratch (and the forward's working set).
     scratch: ScratchBufs,
 }
 
@@ -340,29 +322,14 @@ impl Acts {
         let bt = b * t;
         let z = |n: usize| vec![0.0f32; n];
         let low = precision.is_low();
-        let blocks: Vec<BlockActs> =
-            if low { Vec::new() } else { (0..cfg.n_layer).map(|_| BlockActs::new(c, nh, b, t)).collect() };
-        let saved = if low {
-            let shape = BlockActs::new(c, nh, b, t);
-            (0..cfg.n_layer)
-                .map(|_| SavedBlock {
-                    large: shape.large().map(|v| vec![0u16; v.len()]),
-                    stats: shape.stats().map(|v| vec![0.0f32; v.len()]),
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
         Self {
             b,
             t,
             precision,
-            encoded: z(bt * c),
-            blocks,
-            saved,
-            saved_encoded: if low { vec![0u16; bt * c] } else { Vec::new() },
-            x_buf: if low { z(bt * c) } else { Vec::new() },
-            u: if low { z(bt * 4 * c) } else { Vec::new() },
+            saved: (0..cfg.n_layer).map(|_| SavedBlock::new(precision, c, nh, b, t)).collect(),
+            saved_encoded: SavedTensor::new(precision, bt * c),
+            x_buf: z(bt * c),
+            u: z(bt * 4 * c),
             v: if low { z(b * nh * t * t) } else { Vec::new() },
             lnf: z(bt * c),
             lnf_mean: z(bt),
@@ -381,27 +348,12 @@ impl Acts {
 
     /// Bytes held (activations and scratch), for memory accounting.
     fn bytes(&self) -> usize {
-        let work: usize = self.blocks.iter().map(BlockActs::bytes).sum();
-        let saved: usize = self
-            .saved
+        let saved: usize = self.saved.iter().map(SavedBlock::bytes).sum::<usize>() + self.saved_encoded.bytes();
+        let rest = [&self.x_buf, &self.u, &self.v, &self.lnf, &self.lnf_mean, &self.lnf_rstd, &self.logits, &self.losses]
             .iter()
-            .map(|s| 2 * s.large.iter().map(Vec::len).sum::<usize>() + 4 * s.stats.iter().map(Vec::len).sum::<usize>())
-            .sum();
-        let rest = [
-            &self.encoded,
-            &self.x_buf,
-            &self.u,
-            &self.v,
-            &self.lnf,
-            &self.lnf_mean,
-            &self.lnf_rstd,
-            &self.logits,
-            &self.losses,
-        ]
-        .iter()
-        .map(|v| v.len())
-        .sum::<usize>();
-        work + saved + 2 * self.saved_encoded.len() + 4 * (rest + self.scratch.len())
+            .map(|v| v.len())
+            .sum::<usize>();
+        saved + 4 * (rest + self.scratch.len())
     }
 }
 
@@ -414,45 +366,6 @@ struct Dims {
     nh: usize,
 }
 
-/// f32 forward of one block on the residual stream `x` into `a`.
-fn block_forward(r: &BlockParams, p: &[f32], x: &[f32], a: &mut BlockActs, d: Dims) {
-    let Dims { b, t, c, nh } = d;
-    let n = b * t;
-    kernels::layernorm_forward(
-        &mut a.ln1,
-        &mut a.ln1_mean,
-        &mut a.ln1_rstd,
-        x,
-        &p[r.ln1_w.clone()],
-        &p[r.ln1_b.clone()],
-        c,
-    );
-    kernels::matmul_forward(&mut a.qkv, &a.ln1, &p[r.attn_w.clone()], Some(&p[r.attn_b.clone()]), None, n, c, 3 * c);
-    kernels::attention_forward(&mut a.atty, &mut a.att, &a.qkv, AttnShape { b, t, c, n_head: nh });
-    kernels::matmul_forward(&mut a.res2, &a.atty, &p[r.proj_w.clone()], Some(&p[r.proj_b.clone()]), Some(x), n, c, c);
-    kernels::layernorm_forward(
-        &mut a.ln2,
-        &mut a.ln2_mean,
-        &mut a.ln2_rstd,
-        &a.res2,
-        &p[r.ln2_w.clone()],
-        &p[r.ln2_b.clone()],
-        c,
-    );
-    kernels::matmul_forward(&mut a.fch, &a.ln2, &p[r.fc_w.clone()], Some(&p[r.fc_b.clone()]), None, n, c, 4 * c);
-    kernels::gelu_forward(&mut a.fch_gelu, &a.fch);
-    kernels::matmul_forward(
-        &mut a.res3,
-        &a.fch_gelu,
-        &p[r.fcproj_w.clone()],
-        Some(&p[r.fcproj_b.clone()]),
-        Some(&a.res2),
-        n,
-        4 * c,
-        c,
-    );
-}
-
 /// Backward scratch shared by all blocks.
 struct Scratch<'a> {
     dres: &'a mut [f32],
@@ -462,105 +375,131 @@ struct Scratch<'a> {
     datt: &'a mut [f32],
 }
 
-/// Indices of a block's large saved tensors (see [`BlockActs::large`]).
-const LN1: usize = 0;
-const QKV: usize = 1;
-const ATT: usize = 2;
-const ATTY: usize = 3;
-const RES2: usize = 4;
-const LN2: usize = 5;
-const FCH: usize = 6;
-const FCH_GELU: usize = 7;
+/// Forward of one block, for every storage precision: each tensor is
+/// produced in f32 in the idle backward scratch (`g`: GELU's output) and
+/// kept in `sv` at once. On entry `x` holds the block's input; on exit its
+/// output.
+#[allow(clippy::too_many_arguments)]
+fn block_forward(
+    r: &BlockParams,
+    p: &[f32],
+    x: &mut [f32],
+    sv: &mut SavedBlock,
+    s: Scratch<'_>,
+    g: &mut [f32],
+    d: Dims,
+    prec: Precision,
+) {
+    let Dims { b, t, c, nh } = d;
+    let n = b * t;
+    let Scratch { dres: res2, dc: a, d4c: f, dqkv: qkv, datt: att } = s;
+    let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd] = &mut sv.stats;
+    let large = &mut sv.large;
+    kernels::layernorm_forward(a, ln1_mean, ln1_rstd, x, &p[r.ln1_w.clone()], &p[r.ln1_b.clone()], c);
+    large[LN1].keep(a, prec);
+    kernels::matmul_forward(qkv, a, &p[r.attn_w.clone()], Some(&p[r.attn_b.clone()]), None, n, c, 3 * c);
+    large[QKV].keep(qkv, prec);
+    kernels::attention_forward(a, att, qkv, AttnShape { b, t, c, n_head: nh });
+    large[ATT].keep(att, prec);
+    large[ATTY].keep(a, prec);
+    kernels::matmul_forward(res2, a, &p[r.proj_w.clone()], Some(&p[r.proj_b.clone()]), Some(x), n, c, c);
+    large[RES2].keep(res2, prec);
+    kernels::layernorm_forward(a, ln2_mean, ln2_rstd, res2, &p[r.ln2_w.clone()], &p[r.ln2_b.clone()], c);
+    large[LN2].keep(a, prec);
+    kernels::matmul_forward(f, a, &p[r.fc_w.clone()], Some(&p[r.fc_b.clone()]), None, n, c, 4 * c);
+    large[FCH].keep(f, prec);
+    kernels::gelu_forward(g, f);
+    large[FCH_GELU].keep(g, prec);
+    kernels::matmul_forward(x, g, &p[r.fcproj_w.clone()], Some(&p[r.fcproj_b.clone()]), Some(res2), n, 4 * c, c);
+    large[RES3].keep(x, prec);
+}
 
-/// Where a block's backward reads what its forward saved.
-enum SavedView<'a> {
-    /// f32: the tensors themselves, and the block's input.
-    F32 { a: &'a BlockActs, x: &'a [f32] },
-    /// 16 bits: each tensor decoded into `u` just before use (the attention
-    /// probabilities into `v`).
-    Low { sv: &'a SavedBlock, x: &'a [u16], u: &'a mut [f32], v: &'a mut [f32], prec: Precision },
+/// Where a block's backward reads what its forward saved: each tensor as
+/// f32, directly or decoded into `u` just before use (the attention
+/// probabilities into `v`).
+struct SavedView<'a> {
+    sv: &'a SavedBlock,
+    /// The block's input.
+    x: &'a SavedTensor,
+    u: &'a mut [f32],
+    v: &'a mut [f32],
+    prec: Precision,
 }
 
 impl SavedView<'_> {
     /// Saved tensor `k` as f32.
     fn get(&mut self, k: usize) -> &[f32] {
-        match self {
-            SavedView::F32 { a, .. } => a.large()[k],
-            SavedView::Low { sv, u, prec, .. } => {
-                let n = sv.large[k].len();
-                prec.decode(&sv.large[k], &mut u[..n]);
-                &u[..n]
-            }
-        }
+        self.sv.large[k].read(self.prec, self.u)
     }
 
     /// q|k|v and the attention probabilities, together.
     fn qkv_att(&mut self) -> (&[f32], &[f32]) {
-        match self {
-            SavedView::F32 { a, .. } => (&a.qkv, &a.att),
-            SavedView::Low { sv, u, v, prec, .. } => {
-                let n = sv.large[QKV].len();
-                prec.decode(&sv.large[QKV], &mut u[..n]);
-                prec.decode(&sv.large[ATT], v);
-                (&u[..n], v)
-            }
-        }
+        (self.sv.large[QKV].read(self.prec, self.u), self.sv.large[ATT].read(self.prec, self.v))
     }
 
     /// The block's input.
     fn input(&mut self) -> &[f32] {
-        match self {
-            SavedView::F32 { x, .. } => x,
-            SavedView::Low { x, u, prec, .. } => {
-                prec.decode(x, &mut u[..x.len()]);
-                &u[..x.len()]
-            }
-        }
+        self.x.read(self.prec, self.u)
     }
 }
 
+/// A parameter gradient handed to a kernel: the buffer and whether to add
+/// into it (`false`: overwrite) — `None` for a frozen tensor.
+fn kgrad<'a>(g: Option<GradOut<'a>>) -> kernels::ParamGrad<'a> {
+    g.map(|g| (g.buf, g.accumulate))
+}
+
 /// Backward of one block: on entry `s.dres` holds the gradient of the
-/// block's output; on exit, of its input. Adds into `g` — or, when `fresh`
-/// (the step's first write to this segment), writes it. `stats` are the
-/// saved LayerNorm statistics: ln1 mean, ln1 1/std, ln2 mean, ln2 1/std.
-#[allow(clippy::too_many_arguments)]
+/// block's output; on exit, of its input. Parameter gradients go where the
+/// store says (`grads`).
 fn block_backward(
     r: &BlockParams,
     p: &[f32],
-    g: &mut [f32],
+    grads: &mut SegmentGrads<'_>,
     mut saved: SavedView<'_>,
-    stats: [&[f32]; 4],
     s: Scratch<'_>,
     d: Dims,
-    fresh: bool,
 ) {
     let Dims { b, t, c, nh } = d;
     let n = b * t;
-    let acc = !fresh;
     let Scratch { dres, dc, d4c, dqkv, datt } = s;
-    let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd] = stats;
-    let (gw, gb) = two_mut(g, r.fcproj_w.clone(), r.fcproj_b.clone());
-    kernels::matmul_backward(d4c, gw, Some(gb), dres, saved.get(FCH_GELU), &p[r.fcproj_w.clone()], n, 4 * c, c, acc);
+    let sv = saved.sv;
+    let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd] = &sv.stats;
+    let (gw, gb) = grads.pair(r.fcproj_w.clone(), r.fcproj_b.clone());
+    kernels::matmul_backward(d4c, kgrad(gw), kgrad(gb), dres, saved.get(FCH_GELU), &p[r.fcproj_w.clone()], n, 4 * c, c);
     kernels::gelu_backward_inplace(d4c, saved.get(FCH));
-    let (gw, gb) = two_mut(g, r.fc_w.clone(), r.fc_b.clone());
-    kernels::matmul_backward(dc, gw, Some(gb), d4c, saved.get(LN2), &p[r.fc_w.clone()], n, c, 4 * c, acc);
-    let (gw, gb) = two_mut(g, r.ln2_w.clone(), r.ln2_b.clone());
-    kernels::layernorm_backward(dres, gw, gb, dc, saved.get(RES2), ln2_mean, ln2_rstd, &p[r.ln2_w.clone()], c, acc);
-    let (gw, gb) = two_mut(g, r.proj_w.clone(), r.proj_b.clone());
-    kernels::matmul_backward(dc, gw, Some(gb), dres, saved.get(ATTY), &p[r.proj_w.clone()], n, c, c, acc);
+    let (gw, gb) = grads.pair(r.fc_w.clone(), r.fc_b.clone());
+    kernels::matmul_backward(dc, kgrad(gw), kgrad(gb), d4c, saved.get(LN2), &p[r.fc_w.clone()], n, c, 4 * c);
+    let (gw, gb) = grads.pair(r.ln2_w.clone(), r.ln2_b.clone());
+    kernels::layernorm_backward(
+        dres,
+        kgrad(gw),
+        kgrad(gb),
+        dc,
+        saved.get(RES2),
+        ln2_mean,
+        ln2_rstd,
+        &p[r.ln2_w.clone()],
+        c,
+    );
+    let (gw, gb) = grads.pair(r.proj_w.clone(), r.proj_b.clone());
+    kernels::matmul_backward(dc, kgrad(gw), kgrad(gb), dres, saved.get(ATTY), &p[r.proj_w.clone()], n, c, c);
     let (qkv, att) = saved.qkv_att();
     kernels::attention_backward(dqkv, datt, dc, qkv, att, AttnShape { b, t, c, n_head: nh });
-    let (gw, gb) = two_mut(g, r.attn_w.clone(), r.attn_b.clone());
-    kernels::matmul_backward(dc, gw, Some(gb), dqkv, saved.get(LN1), &p[r.attn_w.clone()], n, c, 3 * c, acc);
-    let (gw, gb) = two_mut(g, r.ln1_w.clone(), r.ln1_b.clone());
-    kernels::layernorm_backward(dres, gw, gb, dc, saved.input(), ln1_mean, ln1_rstd, &p[r.ln1_w.clone()], c, acc);
-}
-
-/// Two disjoint mutable ranges of one buffer (`a` before `b`).
-fn two_mut(buf: &mut [f32], a: Range<usize>, b: Range<usize>) -> (&mut [f32], &mut [f32]) {
-    assert!(a.end <= b.start, "ranges overlap or are out of order");
-    let (lo, hi) = buf.split_at_mut(b.start);
-    (&mut lo[a], &mut hi[..b.end - b.start])
+    let (gw, gb) = grads.pair(r.attn_w.clone(), r.attn_b.clone());
+    kernels::matmul_backward(dc, kgrad(gw), kgrad(gb), dqkv, saved.get(LN1), &p[r.attn_w.clone()], n, c, 3 * c);
+    let (gw, gb) = grads.pair(r.ln1_w.clone(), r.ln1_b.clone());
+    kernels::layernorm_backward(
+        dres,
+        kgrad(gw),
+        kgrad(gb),
+        dc,
+        saved.input(),
+        ln1_mean,
+        ln1_rstd,
+        &p[r.ln1_w.clone()],
+        c,
+    );
 }
 
 /// The GPT-2 model with its activation buffers.
@@ -610,19 +549,14 @@ impl Gpt {
     /// Bytes of the activations kept from forward for backward: every
     /// block's saved tensors (16-bit under mixed precision) and the embeddings.
     pub fn saved_activation_bytes(&self) -> usize {
-        let a = &self.acts;
-        if a.precision.is_low() {
-            let saved: usize = a
-                .saved
-                .iter()
-                .map(|s| {
-                    2 * s.large.iter().map(Vec::len).sum::<usize>() + 4 * s.stats.iter().map(Vec::len).sum::<usize>()
-                })
-                .sum();
-            saved + 2 * a.saved_encoded.len()
-        } else {
-            a.blocks.iter().map(BlockActs::bytes).sum::<usize>() + 4 * a.encoded.len()
-        }
+        self.acts.saved.iter().map(SavedBlock::bytes).sum::<usize>() + self.acts.saved_encoded.bytes()
+    }
+
+    /// Marks each tensor trainable or frozen by `trainable(tensor)` (all are
+    /// trainable by default); returns the number of trainable parameters.
+    /// A frozen tensor's weight-gradient computation is skipped.
+    pub fn set_trainable(&mut self, trainable: impl Fn(&engine::TensorSpec) -> bool) -> usize {
+        self.layout.set_trainable(trainable)
     }
 
     fn check(&self, batch: &Batch) -> Result<(), GptError> {
@@ -651,8 +585,7 @@ impl Gpt {
     }
 
     fn ensure_acts(&mut self, b: usize, t: usize) {
-        if self.acts.b != b || self.acts.t != t || self.acts.encoded.is_empty() || self.acts.precision != self.precision
-        {
+        if self.acts.b != b || self.acts.t != t || self.acts.precision != self.precision {
             self.acts = Acts::new(&self.cfg, self.precision, b, t);
         }
     }
@@ -675,49 +608,29 @@ impl Gpt {
         let prec = self.precision;
         {
             let seg = store.segment(0)?;
-            kernels::encoder_forward(&mut self.acts.encoded, inputs, &seg.params[wte.clone()], &seg.params[wpe], t, c);
-            prec.round(&mut self.acts.encoded);
-            if prec.is_low() {
-                prec.encode(&self.acts.encoded, &mut self.acts.saved_encoded);
-                self.acts.x_buf.copy_from_slice(&self.acts.encoded);
-            }
+            let acts = &mut self.acts;
+            kernels::encoder_forward(&mut acts.x_buf, inputs, &seg.params[wte.clone()], &seg.params[wpe], t, c);
+            acts.saved_encoded.keep(&mut acts.x_buf, prec);
         }
         store.done(0, false)?;
         let d = Dims { b: self.acts.b, t, c, nh: self.cfg.n_head };
         for idx in 0..self.cfg.n_layer {
             let seg = store.segment(Self::block_seg(idx))?;
             let acts = &mut self.acts;
-            if prec.is_low() {
-                let scratch = acts.scratch.view();
-                let sv = &mut acts.saved[idx];
-                block_forward_lp(
-                    &self.ranges.block_rel,
-                    seg.params,
-                    &mut acts.x_buf,
-                    sv,
-                    scratch,
-                    &mut acts.u,
-                    d,
-                    prec,
-                );
-            } else {
-                let (before, rest) = acts.blocks.split_at_mut(idx);
-                let x: &[f32] = if idx == 0 { &acts.encoded } else { &before[idx - 1].res3 };
-                block_forward(&self.ranges.block_rel, seg.params, x, &mut rest[0], d);
-            }
+            let scratch = acts.scratch.view();
+            let r = &self.ranges.block_rel;
+            block_forward(r, seg.params, &mut acts.x_buf, &mut acts.saved[idx], scratch, &mut acts.u, d, prec);
             store.done(Self::block_seg(idx), false)?;
         }
         let lnf = self.lnf_seg();
         {
             let seg = store.segment(lnf)?;
             let acts = &mut self.acts;
-            let last: &[f32] =
-                if prec.is_low() { &acts.x_buf } else { acts.blocks.last().map_or(&acts.encoded, |a| &a.res3) };
             kernels::layernorm_forward(
                 &mut acts.lnf,
                 &mut acts.lnf_mean,
                 &mut acts.lnf_rstd,
-                last,
+                &acts.x_buf,
                 &seg.params[..c],
                 &seg.params[c..2 * c],
                 c,
@@ -744,6 +657,7 @@ impl Gpt {
 
     /// Backward from `dlogits` (held in `logits`) to every parameter, segment
     /// by segment in reverse; segment 0 is still held from the forward pass.
+    /// Frozen tensors' weight gradients are not computed.
     fn backward(&mut self, store: &mut dyn ParamStore, inputs: &[u32]) -> Result<(), GptError> {
         let (t, c, v) = (self.acts.t, self.cfg.n_embd, self.cfg.vocab_size);
         let n = self.acts.b * t;
@@ -755,13 +669,8 @@ impl Gpt {
             prec.round(&mut self.acts.logits);
         }
         {
-            let seg = store.segment(0)?;
-            let fresh = seg.fresh;
+            let SegmentView { params, mut grads } = store.segment(0)?;
             let acts = &mut self.acts;
-            if fresh {
-                // The head writes all of wte's gradient below; wpe's is only added to.
-                seg.grads[wpe.clone()].fill(0.0);
-            }
             // dlnf = dlogits · wte ; dwte (+)= dlogitsᵀ · lnf
             kernels::gemm_into(
                 n,
@@ -772,47 +681,44 @@ impl Gpt {
                 c,
                 false,
                 Strided::rows(&acts.logits, v),
-                Strided::rows(&seg.params[wte.clone()], c),
+                Strided::rows(&params[wte.clone()], c),
                 1.0,
                 par,
             );
-            kernels::gemm_into(
-                v,
-                c,
-                n,
-                &mut seg.grads[wte.clone()],
-                0,
-                c,
-                !fresh,
-                Strided::transposed(&acts.logits, v),
-                Strided::rows(&acts.lnf, c),
-                1.0,
-                par,
-            );
+            if let Some(g) = grads.tensor(wte.clone()) {
+                kernels::gemm_into(
+                    v,
+                    c,
+                    n,
+                    g.buf,
+                    0,
+                    c,
+                    g.accumulate,
+                    Strided::transposed(&acts.logits, v),
+                    Strided::rows(&acts.lnf, c),
+                    1.0,
+                    par,
+                );
+            }
         }
         // The head's share of wte's gradient is complete for this pass.
         store.done(0, true)?;
         let lnf = self.lnf_seg();
         {
-            let seg = store.segment(lnf)?;
-            let acc = !seg.fresh;
+            let SegmentView { params, mut grads } = store.segment(lnf)?;
             let acts = &mut self.acts;
-            // Mixed precision: x_buf still holds the last block's output from the forward pass.
-            let last: &[f32] =
-                if prec.is_low() { &acts.x_buf } else { acts.blocks.last().map_or(&acts.encoded, |a| &a.res3) };
             acts.scratch.dres.fill(0.0);
-            let (gw, gb) = seg.grads.split_at_mut(c);
+            let (gw, gb) = grads.pair(0..c, c..2 * c);
             kernels::layernorm_backward(
                 &mut acts.scratch.dres,
-                gw,
-                gb,
+                kgrad(gw),
+                kgrad(gb),
                 &acts.scratch.dc,
-                last,
+                &acts.x_buf, // still the last block's output
                 &acts.lnf_mean,
                 &acts.lnf_rstd,
-                &seg.params[..c],
+                &params[..c],
                 c,
-                acc,
             );
         }
         store.done(lnf, true)?;
@@ -821,35 +727,22 @@ impl Gpt {
             if prec == Precision::F16 {
                 prec.round(&mut self.acts.scratch.dres); // activation gradients between blocks are f16
             }
-            let seg = store.segment(Self::block_seg(idx))?;
-            let fresh = seg.fresh;
+            let SegmentView { params, mut grads } = store.segment(Self::block_seg(idx))?;
             let acts = &mut self.acts;
             let scratch = acts.scratch.view();
-            let (saved, stats) = if prec.is_low() {
-                let x: &[u16] = if idx == 0 { &acts.saved_encoded } else { &acts.saved[idx - 1].large[8] };
-                let sv = &acts.saved[idx];
-                let st = &sv.stats;
-                (
-                    SavedView::Low { sv, x, u: &mut acts.u, v: &mut acts.v, prec },
-                    [st[0].as_slice(), &st[1], &st[2], &st[3]],
-                )
-            } else {
-                let a = &acts.blocks[idx];
-                let x: &[f32] = if idx == 0 { &acts.encoded } else { &acts.blocks[idx - 1].res3 };
-                (SavedView::F32 { a, x }, [a.ln1_mean.as_slice(), &a.ln1_rstd, &a.ln2_mean, &a.ln2_rstd])
-            };
-            block_backward(&self.ranges.block_rel, seg.params, seg.grads, saved, stats, scratch, d, fresh);
+            let x = if idx == 0 { &acts.saved_encoded } else { &acts.saved[idx - 1].large[RES3] };
+            let saved = SavedView { sv: &acts.saved[idx], x, u: &mut acts.u, v: &mut acts.v, prec };
+            block_backward(&self.ranges.block_rel, params, &mut grads, saved, scratch, d);
             store.done(Self::block_seg(idx), true)?;
         }
         if prec == Precision::F16 {
             prec.round(&mut self.acts.scratch.dres);
         }
         {
-            let seg = store.segment(0)?;
-            if seg.fresh {
-                seg.grads.fill(0.0); // the embeddings' gradient is only ever added to
-            }
-            let (gwte, gwpe) = two_mut(seg.grads, wte, wpe);
+            let SegmentView { mut grads, .. } = store.segment(0)?;
+            let (gwte, gwpe) = grads.pair(wte, wpe);
+            // The embeddings' gradient is only ever added to.
+            let (gwte, gwpe) = (gwte.map(GradOut::for_adding), gwpe.map(GradOut::for_adding));
             kernels::encoder_backward(gwte, gwpe, &self.acts.scratch.dres, inputs, t, c);
         }
         store.done(0, true)?;
@@ -867,8 +760,7 @@ impl Gpt {
         let batch = Batch { n_seqs: 1, seq_len: t, inputs: tokens.to_vec(), targets: vec![IGNORE_INDEX; t] };
         self.check(&batch)?;
         self.ensure_acts(1, t);
-        let segments = self.segments();
-        let mut store = FullStore::read_only(params, &segments);
+        let mut store = FullStore::read_only(&self.layout, self.segments(), params)?;
         self.forward(&mut store, tokens)?;
         store.done(0, false)?;
         let v = self.cfg.vocab_size;
@@ -896,18 +788,16 @@ impl Model for Gpt {
         batch.n_targets()
     }
 
+    /// A batch of zero sequences (a rank without data in the tail) runs the
+    /// same code on zero rows: the same segment visits and collectives as
+    /// every other rank, and a zero gradient.
     fn micro_step(
         &mut self,
         store: &mut dyn ParamStore,
         batch: &Batch,
         grad_scale: f32,
     ) -> Result<MicroStepStats, GptError> {
-        // A rank without data in the tail still walks the segments, so that a
-        // sharded store performs the same collectives on every rank.
         self.check(batch)?;
-        if batch.n_seqs == 0 {
-            return self.walk_without_data(store);
-        }
         self.ensure_acts(batch.n_seqs, batch.seq_len);
         let n = batch.n_seqs * batch.seq_len;
         self.forward(store, &batch.inputs)?;
@@ -925,11 +815,6 @@ impl Model for Gpt {
 
     fn loss(&mut self, store: &mut dyn ParamStore, batch: &Batch) -> Result<MicroStepStats, GptError> {
         self.check(batch)?;
-        if batch.n_seqs == 0 {
-            self.walk_forward(store)?;
-            store.done(0, false)?;
-            return Ok(MicroStepStats::default());
-        }
         self.ensure_acts(batch.n_seqs, batch.seq_len);
         self.forward(store, &batch.inputs)?;
         store.done(0, false)?;
@@ -942,45 +827,5 @@ impl Model for Gpt {
             None,
         );
         Ok(MicroStepStats { loss_sum: self.loss_sum(n), n_targets: batch.n_targets() })
-    }
-}
-
-impl Gpt {
-    /// The segment sequence of a forward pass without computing anything
-    /// (ends holding segment 0, as [`Gpt::forward`] does).
-    fn walk_forward(&self, store: &mut dyn ParamStore) -> Result<(), GptError> {
-        for seg in 0..self.segments().len() {
-            store.segment(seg)?;
-            store.done(seg, false)?;
-        }
-        store.segment(0)?;
-        Ok(())
-    }
-
-    /// The segment sequence of a micro-step, with zero gradients: what a
-    /// rank without data does so that a sharded store's collectives stay
-    /// matched across ranks.
-    fn walk_without_data(&mut self, store: &mut dyn ParamStore) -> Result<MicroStepStats, GptError> {
-        // A zero gradient: nothing to add, but a fresh buffer must be cleared.
-        let visit = |store: &mut dyn ParamStore, seg: usize| -> Result<(), GptError> {
-            let v = store.segment(seg)?;
-            if v.fresh {
-                v.grads.fill(0.0);
-            }
-            store.done(seg, true)?;
-            Ok(())
-        };
-        self.walk_forward(store)?;
-        let v = store.segment(0)?;
-        if v.fresh {
-            v.grads.fill(0.0);
-        }
-        store.done(0, true)?;
-        visit(store, self.lnf_seg())?;
-        for idx in (0..self.cfg.n_layer).rev() {
-            visit(store, Self::block_seg(idx))?;
-        }
-        visit(store, 0)?;
-        Ok(MicroStepStats::default())
     }
 }

@@ -187,8 +187,7 @@ fn clipping_sees_the_full_accumulated_gradient() {
     let params = init_params(&cfg(), 7);
     for b in split(&seqs, &[2, 2, 2, 2]) {
         let mut g = vec![0.0f32; full.len()];
-        let segs = model.segments();
-        model.micro_step(&mut FullStore::new(&params, &mut g, &segs), &b, 1.0 / n_total as f32).unwrap();
+        model.micro_step(&mut FullStore::for_model(&model, &params, &mut g).unwrap(), &b, 1.0 / n_total as f32).unwrap();
         clip_grad_norm(&mut g, max_norm);
         per_micro.iter_mut().zip(&g).for_each(|(a, b)| *a += b);
     }
@@ -202,8 +201,7 @@ fn logged_loss_is_the_global_batch_mean_never_divided_by_k() {
     let full = batch(&seqs);
     let mut eval = Gpt::new(cfg()).unwrap();
     let params = init_params(&cfg(), 7);
-    let segs = eval.segments();
-    let stats = eval.loss(&mut FullStore::read_only(&params, &segs), &full).unwrap();
+    let stats = eval.loss(&mut FullStore::read_only_for(&eval, &params).unwrap(), &full).unwrap();
     let mean = stats.loss_sum / stats.n_targets as f64;
     let (mut model, mut tr) = trainer(TrainerOptions::default(), LrSchedule::constant(1e-3));
     let report = tr.step(&mut model, &mut comm::SingleProcess::new(), &split(&seqs, &[2, 2, 2, 2])).unwrap();

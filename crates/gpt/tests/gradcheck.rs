@@ -71,10 +71,10 @@ fn layernorm_backward_matches_finite_differences() {
     };
     let (_, m, s) = fwd(&x, &w, &b);
     let (mut dx, mut dw, mut db) = (vec![0.0; rows * c], vec![0.0; c], vec![0.0; c]);
-    kernels::layernorm_backward(&mut dx, &mut dw, &mut db, &r, &x, &m, &s, &w, c, true);
+    kernels::layernorm_backward(&mut dx, Some((&mut dw, true)), Some((&mut db, true)), &r, &x, &m, &s, &w, c);
     // Overwrite mode (a step's first micro-step) gives the same values over garbage.
     let (mut dx2, mut dw2, mut db2) = (vec![0.0; rows * c], vec![9.0; c], vec![-9.0; c]);
-    kernels::layernorm_backward(&mut dx2, &mut dw2, &mut db2, &r, &x, &m, &s, &w, c, false);
+    kernels::layernorm_backward(&mut dx2, Some((&mut dw2, false)), Some((&mut db2, false)), &r, &x, &m, &s, &w, c);
     assert_eq!((&dw2, &db2), (&dw, &db));
     check("ln dx", &x, &dx, |x| dot(&fwd(x, &w, &b).0, &r));
     check("ln dw", &w, &dw, |w| dot(&fwd(&x, w, &b).0, &r));
@@ -105,9 +105,9 @@ fn matmul_backward_matches_finite_differences() {
         assert!((full[i] - plain[i] - res[i] - b[i % oc]).abs() < 1e-5);
     }
     let (mut dx, mut dw, mut db) = (vec![7.0; rows * ic], vec![0.0; ic * oc], vec![0.0; oc]);
-    kernels::matmul_backward(&mut dx, &mut dw, Some(&mut db), &r, &x, &w, rows, ic, oc, true);
+    kernels::matmul_backward(&mut dx, Some((&mut dw, true)), Some((&mut db, true)), &r, &x, &w, rows, ic, oc);
     let (mut dx2, mut dw2, mut db2) = (vec![0.0; rows * ic], vec![5.0; ic * oc], vec![5.0; oc]);
-    kernels::matmul_backward(&mut dx2, &mut dw2, Some(&mut db2), &r, &x, &w, rows, ic, oc, false);
+    kernels::matmul_backward(&mut dx2, Some((&mut dw2, false)), Some((&mut db2, false)), &r, &x, &w, rows, ic, oc);
     assert_eq!((&dx2, &dw2, &db2), (&dx, &dw, &db), "overwrite mode ignores what was there");
     check("mm dx", &x, &dx, |x| dot(&fwd(x, &w, &b), &r));
     check("mm dw", &w, &dw, |w| dot(&fwd(&x, w, &b), &r));
@@ -197,16 +197,16 @@ fn whole_model_gradient_matches_finite_differences() {
     let noise = randn(params.len(), 15, 0.3);
     params.iter_mut().zip(&noise).for_each(|(p, n)| *p += n);
     let batch = tiny_batch();
-    let segs = model.segments();
+    let (segs, layout) = (model.segments(), model.layout().clone());
     let mut grads = vec![0.0; params.len()];
-    let stats = model.micro_step(&mut FullStore::new(&params, &mut grads, &segs), &batch, 1.0).unwrap();
+    let stats = model.micro_step(&mut FullStore::for_model(&model, &params, &mut grads).unwrap(), &batch, 1.0).unwrap();
     assert_eq!(stats.n_targets, 9);
-    let loss = |p: &[f32]| Gpt::new(cfg).unwrap().loss(&mut FullStore::read_only(p, &segs), &batch).unwrap().loss_sum;
+    let loss = |p: &[f32]| Gpt::new(cfg).unwrap().loss(&mut FullStore::read_only(&layout, segs.clone(), p).unwrap(), &batch).unwrap().loss_sum;
     assert!((loss(&params) - stats.loss_sum).abs() < 1e-9, "eval and train forward agree");
     check_with_step("model", &params, &grads, 3e-3, loss);
     // grad_scale multiplies the gradient and leaves the loss alone; grads accumulate.
     let mut twice = grads.clone();
-    let s2 = model.micro_step(&mut FullStore::new(&params, &mut twice, &segs), &batch, 0.5).unwrap();
+    let s2 = model.micro_step(&mut FullStore::for_model(&model, &params, &mut twice).unwrap(), &batch, 0.5).unwrap();
     assert_eq!(s2.loss_sum, stats.loss_sum);
     for (t, g) in twice.iter().zip(&grads) {
         assert!((t - 1.5 * g).abs() <= 1e-6 * (1.0 + g.abs()));
@@ -218,8 +218,7 @@ fn bad_batches_are_errors_not_panics() {
     let cfg = tiny_cfg();
     let mut model = Gpt::new(cfg).unwrap();
     let params = init_params(&cfg, 0);
-    let segs = model.segments();
-    let mut store = FullStore::read_only(&params, &segs);
+    let mut store = FullStore::read_only_for(&model, &params).unwrap();
     let mut b = tiny_batch();
     b.inputs[0] = 11;
     assert!(model.loss(&mut store, &b).unwrap_err().to_string().contains("outside the vocabulary"));
@@ -229,5 +228,5 @@ fn bad_batches_are_errors_not_panics() {
     b.inputs.truncate(7);
     b.targets.truncate(7);
     assert!(model.loss(&mut store, &b).unwrap_err().to_string().contains("block_size"));
-    assert!(model.loss(&mut FullStore::read_only(&params[1..], &segs), &tiny_batch()).is_err());
+    assert!(model.loss(&mut FullStore::read_only_for(&model, &params[1..]).unwrap(), &tiny_batch()).is_err());
 }
