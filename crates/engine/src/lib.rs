@@ -8,6 +8,7 @@
 //! many targets it saw; the [`Trainer`] owns everything that happens at the
 //! accumulation boundary.
 
+pub mod conformance;
 pub mod error;
 pub mod layout;
 pub mod model;

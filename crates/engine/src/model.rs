@@ -1,6 +1,7 @@
-//! The boundary between the engine and a model.
+//! The boundary between the engine and a model (the contract in full:
+//! docs/contract.md).
 
-use crate::layout::ParamLayout;
+use crate::layout::{ParamLayout, TensorSpec};
 use crate::store::ParamStore;
 use std::ops::Range;
 
@@ -15,10 +16,12 @@ pub struct MicroStepStats {
 
 /// A differentiable model over a flat f32 parameter buffer.
 ///
-/// Contract: [`Model::micro_step`] *adds* `grad_scale · ∂(Σ losses)/∂params`
-/// into the store's gradient buffers — it never zeroes, never divides by a
-/// count and never talks to other ranks. All of that belongs to the engine
-/// (the store and the accumulation boundary).
+/// Contract: [`Model::micro_step`] computes `seed · ∂(Σ losses)/∂params` and
+/// puts it where the store says — adding into a tensor's gradient, or
+/// overwriting it where the store grants that ([`crate::GradOut`]) — segment
+/// by segment. It never zeroes, never divides by a count and never talks to
+/// other ranks: all of that belongs to the engine. A batch without rows
+/// runs the same code (the same segment visits) as any other.
 pub trait Model {
     /// One micro-batch of input.
     type Batch;
@@ -28,8 +31,13 @@ pub trait Model {
     /// The named layout of the parameters this model reads.
     fn layout(&self) -> &ParamLayout;
 
-    /// The model's segments: back-to-back ranges covering the layout, in the
-    /// order the forward pass first uses them (default: one segment).
+    /// Marks each tensor trainable or frozen (in the model's layout); returns
+    /// the number of trainable parameters. Call before building a trainer.
+    fn set_trainable(&mut self, trainable: &dyn Fn(&TensorSpec) -> bool) -> usize;
+
+    /// The model's segments: back-to-back ranges of whole tensors covering
+    /// the layout, in the order the forward pass first uses them (default:
+    /// one segment).
     fn segments(&self) -> Vec<Range<usize>> {
         std::iter::once(0..self.layout().n_params()).collect()
     }
@@ -38,12 +46,13 @@ pub trait Model {
     fn n_targets(&self, batch: &Self::Batch) -> u64;
 
     /// Forward and backward of one micro-batch, reading parameters from and
-    /// adding gradients into `store`, segment by segment; see the trait's contract.
+    /// putting `seed ·` gradients into `store`, segment by segment; see the
+    /// trait's contract.
     fn micro_step(
         &mut self,
         store: &mut dyn ParamStore,
         batch: &Self::Batch,
-        grad_scale: f32,
+        seed: f32,
     ) -> Result<MicroStepStats, Self::Error>;
 
     /// Forward only (evaluation).

@@ -552,13 +552,6 @@ impl Gpt {
         self.acts.saved.iter().map(SavedBlock::bytes).sum::<usize>() + self.acts.saved_encoded.bytes()
     }
 
-    /// Marks each tensor trainable or frozen by `trainable(tensor)` (all are
-    /// trainable by default); returns the number of trainable parameters.
-    /// A frozen tensor's weight-gradient computation is skipped.
-    pub fn set_trainable(&mut self, trainable: impl Fn(&engine::TensorSpec) -> bool) -> usize {
-        self.layout.set_trainable(trainable)
-    }
-
     fn check(&self, batch: &Batch) -> Result<(), GptError> {
         let (b, t) = (batch.n_seqs, batch.seq_len);
         if t == 0 || t > self.cfg.block_size {
@@ -774,6 +767,11 @@ impl Model for Gpt {
 
     fn layout(&self) -> &ParamLayout {
         &self.layout
+    }
+
+    /// A frozen tensor's weight-gradient computation is skipped.
+    fn set_trainable(&mut self, trainable: &dyn Fn(&engine::TensorSpec) -> bool) -> usize {
+        self.layout.set_trainable(trainable)
     }
 
     fn segments(&self) -> Vec<Range<usize>> {

@@ -18,6 +18,9 @@ impl<F: FnMut(&mut dyn ParamStore) -> Result<(), GptError>> Model for Tapped<F> 
     fn layout(&self) -> &ParamLayout {
         self.inner.layout()
     }
+    fn set_trainable(&mut self, trainable: &dyn Fn(&engine::TensorSpec) -> bool) -> usize {
+        self.inner.set_trainable(trainable)
+    }
     fn segments(&self) -> Vec<Range<usize>> {
         self.inner.segments()
     }

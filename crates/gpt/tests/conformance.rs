@@ -1,0 +1,95 @@
+//! GPT-2 runs the engine's Model conformance suite (engine::conformance)
+//! with a tiny configuration.
+
+use engine::conformance::{self, Family};
+use engine::rng::SplitMix64;
+use engine::TensorSpec;
+use gpt::{init_params, Batch, Gpt, GptConfig, IGNORE_INDEX};
+
+const T: usize = 8;
+
+fn cfg() -> GptConfig {
+    GptConfig { n_layer: 2, n_head: 2, n_embd: 16, block_size: T, vocab_size: 32 }
+}
+
+struct GptFamily {
+    /// 12 sequences; sequence i ignores its first i mod 5 targets, so
+    /// samples hold different numbers of targets.
+    seqs: Vec<(Vec<u32>, Vec<i32>)>,
+}
+
+impl GptFamily {
+    fn new() -> Self {
+        let mut rng = SplitMix64::new(9);
+        let seqs = (0..12)
+            .map(|i| {
+                let toks: Vec<u32> = (0..=T).map(|_| rng.below(32) as u32).collect();
+                let targets = toks[1..]
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &t)| if k < i % 5 { IGNORE_INDEX } else { t as i32 })
+                    .collect();
+                (toks[..T].to_vec(), targets)
+            })
+            .collect();
+        Self { seqs }
+    }
+}
+
+impl Family for GptFamily {
+    type M = Gpt;
+
+    fn model(&self) -> Gpt {
+        Gpt::new(cfg()).expect("valid config")
+    }
+
+    /// GPT-2's initialisation plus N(0, 0.3) noise, so that every path
+    /// (biases, LayerNorm gains) carries a visible gradient.
+    fn init(&self) -> Vec<f32> {
+        let mut p = init_params(&cfg(), 3);
+        let mut rng = SplitMix64::new(15);
+        p.iter_mut().for_each(|x| *x += (rng.normal() * 0.3) as f32);
+        p
+    }
+
+    fn batch(&self, samples: &[usize]) -> Batch {
+        Batch {
+            n_seqs: samples.len(),
+            seq_len: T,
+            inputs: samples.iter().flat_map(|&i| self.seqs[i].0.clone()).collect(),
+            targets: samples.iter().flat_map(|&i| self.seqs[i].1.clone()).collect(),
+        }
+    }
+
+    fn n_samples(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// All but the last block (the embeddings, tied head, block 0 and ln_f).
+    fn frozen(&self, t: &TensorSpec) -> bool {
+        !t.name.starts_with("transformer.h.1.")
+    }
+
+    /// The forward runs in f32 over ~25 targets (loss sum ≈ 100): rounding
+    /// makes a central difference with h = 3e-3 uncertain by about
+    /// ε_f32 · 100 / h ≈ 4e-3 · 0.5 (errors partly cancel) — hence atol
+    /// 2e-3, the floor for small gradients; truncation (h², smooth GELU and
+    /// softmax) stays far below 1% of larger gradients — hence rtol 1e-2.
+    /// (The kernel-level tests in gradcheck.rs check every element tightly.)
+    fn fd_tolerance(&self) -> (f64, f64, f64) {
+        (3e-3, 1e-2, 2e-3)
+    }
+
+    /// Summation orders differ (micro-batch splits, rank order, shards):
+    /// gradients agree to ~1e-7 of their largest value; parameters after
+    /// AdamW steps to ~1e-6 (a gradient near ε moves its parameter by up to
+    /// lr, amplifying rounding), well inside 1e-5 of the largest value.
+    fn rtol(&self) -> f32 {
+        1e-5
+    }
+}
+
+#[test]
+fn gpt2_passes_the_conformance_suite() {
+    conformance::run_all(&GptFamily::new()).unwrap();
+}
