@@ -273,6 +273,10 @@ pub struct TrainConfig {
     pub checkpoint_every: u64,
     /// Checkpoints to keep (0: all).
     pub keep_checkpoints: usize,
+    /// Tensors the optimizer updates, by name pattern (`*` matches any
+    /// run of characters); the others are frozen: no gradient, no optimizer
+    /// state, no gradient communication. Default: every tensor.
+    pub trainable: Vec<String>,
 }
 
 impl Default for TrainConfig {
@@ -293,6 +297,19 @@ impl Default for TrainConfig {
             min_loss_scale: 1.0,
             checkpoint_every: 0,
             keep_checkpoints: 3,
+            trainable: vec!["*".into()],
+        }
+    }
+}
+
+/// Whether `name` matches `pattern`, where `*` matches any run of
+/// characters (including none) and everything else matches itself.
+pub fn name_matches(pattern: &str, name: &str) -> bool {
+    match pattern.split_once('*') {
+        None => pattern == name,
+        Some((head, rest)) => {
+            let Some(tail) = name.strip_prefix(head) else { return false };
+            (0..=tail.len()).filter(|&i| tail.is_char_boundary(i)).any(|i| name_matches(rest, &tail[i..]))
         }
     }
 }
@@ -408,6 +425,9 @@ impl Config {
         if t.eval_batches == 0 {
             return Err(invalid("train.eval_batches", 0, "must be at least 1"));
         }
+        if t.trainable.is_empty() {
+            return Err(invalid("train.trainable", "[]", "name at least one tensor pattern (\"*\" trains everything)"));
+        }
         if t.log_every == 0 {
             return Err(invalid("train.log_every", 0, "must be at least 1"));
         }
@@ -515,6 +535,18 @@ fn apply_override(table: &mut toml::Table, arg: &str) -> Result<(), ConfigError>
 
 #[cfg(test)]
 mod tests {
+    use super::name_matches;
+
+    #[test]
+    fn patterns_match_tensor_names() {
+        assert!(name_matches("*", "transformer.wte.weight"));
+        assert!(name_matches("transformer.h.3.*", "transformer.h.3.mlp.c_fc.weight"));
+        assert!(!name_matches("transformer.h.3.*", "transformer.h.13.mlp.c_fc.weight"));
+        assert!(name_matches("*.bias", "transformer.h.0.ln_1.bias"));
+        assert!(name_matches("transformer.h.*.attn.*", "transformer.h.10.attn.c_proj.weight"));
+        assert!(!name_matches("transformer.ln_f.weight", "transformer.ln_f.bias"));
+    }
+
     use super::*;
 
     fn parse(text: &str, sets: &[&str]) -> Result<Config, ConfigError> {

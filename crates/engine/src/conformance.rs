@@ -242,7 +242,12 @@ pub fn check_ranks_and_zero<F: Family>(f: &F) -> Check {
             tr.full_params(c).map_err(err("gather"))
         })?;
         for (rank, p) in got.iter().enumerate() {
-            close(&format!("ZeRO {stage}{} rank {rank} vs one rank", if per_micro { "'" } else { "" }), p, &want, f.rtol())?;
+            close(
+                &format!("ZeRO {stage}{} rank {rank} vs one rank", if per_micro { "'" } else { "" }),
+                p,
+                &want,
+                f.rtol(),
+            )?;
         }
     }
     Ok(())
@@ -262,8 +267,8 @@ pub fn check_frozen<F: Family>(f: &F) -> Check {
     let opt = |n| Optimizer::AdamW(AdamW::new(n, 0.9, 0.95, 1e-4, 0.1).expect("valid AdamW"));
     let sched = LrSchedule::constant(1e-2);
     let mut one = comm::SingleProcess::new();
-    let mut frozen =
-        Trainer::new(&frozen_model, init.clone(), opt(init.len()), sched, TrainerOptions::default()).map_err(err("trainer"))?;
+    let mut frozen = Trainer::new(&frozen_model, init.clone(), opt(init.len()), sched, TrainerOptions::default())
+        .map_err(err("trainer"))?;
     let mem = frozen.memory();
     if mem.grads != 4 * n_trainable || mem.optimizer != 8 * n_trainable {
         return Err(format!(
@@ -331,7 +336,9 @@ pub fn check_resume<F: Family>(f: &F) -> Check {
             let mut m2 = f.model();
             let mut resumed = adamw_trainer(&model, f.init(), c, zero);
             resumed
-                .restore(params, n_steps, n_updates, |name| state.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone()))
+                .restore(params, n_steps, n_updates, |name| {
+                    state.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
+                })
                 .map_err(err("restore"))?;
             for s in 2..4 {
                 resumed.step(&mut m2, c, &batches(s)).map_err(err("step"))?;

@@ -51,7 +51,8 @@ impl ParamLayout {
 
     /// Appends a tensor and returns its element range.
     pub fn push(&mut self, name: impl Into<String>, shape: &[usize], decay: bool) -> Range<usize> {
-        let spec = TensorSpec { name: name.into(), offset: self.n_params, shape: shape.to_vec(), decay, trainable: true };
+        let spec =
+            TensorSpec { name: name.into(), offset: self.n_params, shape: shape.to_vec(), decay, trainable: true };
         let range = spec.range();
         self.n_params = range.end;
         self.tensors.push(spec);

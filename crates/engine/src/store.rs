@@ -202,10 +202,10 @@ impl<'a> SegmentGrads<'a> {
         let acc_b = ib.map(|i| self.take(i));
         let split = ib.and_then(|i| self.tensors[i].grad_rel).unwrap_or(self.buf.len());
         let (lo, hi) = self.buf.split_at_mut(split);
-        let ga = ia.and_then(|i| self.tensors[i].grad_rel).zip(acc_a).map(|(g, accumulate)| GradOut {
-            buf: &mut lo[g..g + a.len()],
-            accumulate,
-        });
+        let ga = ia
+            .and_then(|i| self.tensors[i].grad_rel)
+            .zip(acc_a)
+            .map(|(g, accumulate)| GradOut { buf: &mut lo[g..g + a.len()], accumulate });
         let gb = acc_b.map(|accumulate| GradOut { buf: &mut hi[..b.len()], accumulate });
         (ga, gb)
     }
@@ -277,7 +277,11 @@ impl<'a> FullStore<'a> {
     }
 
     /// Parameters only, for forward passes.
-    pub fn read_only(layout: &ParamLayout, segments: Vec<Range<usize>>, params: &'a [f32]) -> Result<Self, EngineError> {
+    pub fn read_only(
+        layout: &ParamLayout,
+        segments: Vec<Range<usize>>,
+        params: &'a [f32],
+    ) -> Result<Self, EngineError> {
         Ok(Self { params, grads: &mut [], space: GradSpace::new(layout, segments)? })
     }
 }

@@ -344,7 +344,12 @@ impl Trainer {
     }
 
     /// Assembles a full gradient-space buffer from every rank's gradient shard.
-    fn gather_grad_space(&self, comm: &mut dyn Communicator, shard: &[f32], keep: bool) -> Result<Vec<f32>, EngineError> {
+    fn gather_grad_space(
+        &self,
+        comm: &mut dyn Communicator,
+        shard: &[f32],
+        keep: bool,
+    ) -> Result<Vec<f32>, EngineError> {
         let mut full = vec![0.0; if keep { self.part.space.n_grads } else { 0 }];
         let w = self.part.world_size;
         for j in 0..self.part.n_segments() {
@@ -601,9 +606,11 @@ impl Trainer {
         let mut micro_losses = Vec::with_capacity(n_micro);
         for (micro_step_idx, (batch, seed)) in micro_batches.iter().zip(seed.per_micro).enumerate() {
             let t0 = std::time::Instant::now();
-            let stats = model
-                .micro_step(&mut self.store(comm, true), batch, seed)
-                .map_err(|e| EngineError::Model { step: step_idx + 1, micro_step_idx, source: Box::new(e) })?;
+            let stats = model.micro_step(&mut self.store(comm, true), batch, seed).map_err(|e| EngineError::Model {
+                step: step_idx + 1,
+                micro_step_idx,
+                source: Box::new(e),
+            })?;
             model_s += t0.elapsed().as_secs_f64();
             loss_sum += stats.loss_sum;
             n_targets += stats.n_targets;
@@ -691,7 +698,8 @@ impl Trainer {
         match self.options.normalization {
             LossNormalization::Token if self.scaler.is_some() => {
                 let mut n = [micro_batches.iter().map(|b| model.n_targets(b)).sum::<u64>() as f64];
-                comm.all_reduce_sum_f64(&mut n).map_err(|source| EngineError::Comm { step: self.n_steps + 1, source })?;
+                comm.all_reduce_sum_f64(&mut n)
+                    .map_err(|source| EngineError::Comm { step: self.n_steps + 1, source })?;
                 let seed = if n[0] > 0.0 { (loss_scale as f64 / n[0]) as f32 } else { 0.0 };
                 Ok(Seeds { per_micro: vec![seed; n_micro], divided_by_targets: true })
             }

@@ -176,9 +176,8 @@ impl Partition {
             rank,
             world_size,
         };
-        p.grad_piece = (0..p.n_segments())
-            .map(|j| (0..world_size).map(|r| p.grad_owned(j, r).len()).max().unwrap_or(0))
-            .collect();
+        p.grad_piece =
+            (0..p.n_segments()).map(|j| (0..world_size).map(|r| p.grad_owned(j, r).len()).max().unwrap_or(0)).collect();
         p.grad_offset = offsets(&p.grad_piece);
         p
     }

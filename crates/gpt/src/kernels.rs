@@ -346,7 +346,19 @@ pub fn matmul_backward(
     // dw (+)= inpᵀ · dout
     if let Some((dw, accumulate)) = dw {
         assert_eq!(dw.len(), ic * oc, "dw length");
-        gemm_into(ic, oc, n_rows, dw, 0, oc, accumulate, Strided::transposed(inp, ic), Strided::rows(dout, oc), 1.0, par);
+        gemm_into(
+            ic,
+            oc,
+            n_rows,
+            dw,
+            0,
+            oc,
+            accumulate,
+            Strided::transposed(inp, ic),
+            Strided::rows(dout, oc),
+            1.0,
+            par,
+        );
     }
     if let Some((db, accumulate)) = db {
         bias_backward(db, dout, oc, accumulate);

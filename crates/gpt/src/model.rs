@@ -10,7 +10,9 @@ use crate::config::GptConfig;
 use crate::error::GptError;
 use crate::kernels::{self, AttnShape, Strided};
 use engine::rng::SplitMix64;
-use engine::{FullStore, GradOut, MicroStepStats, Model, ParamLayout, ParamStore, Precision, SegmentGrads, SegmentView};
+use engine::{
+    FullStore, GradOut, MicroStepStats, Model, ParamLayout, ParamStore, Precision, SegmentGrads, SegmentView,
+};
 use std::ops::Range;
 
 /// Targets below zero are ignored (PyTorch's `ignore_index = -100`).
@@ -349,10 +351,11 @@ impl Acts {
     /// Bytes held (activations and scratch), for memory accounting.
     fn bytes(&self) -> usize {
         let saved: usize = self.saved.iter().map(SavedBlock::bytes).sum::<usize>() + self.saved_encoded.bytes();
-        let rest = [&self.x_buf, &self.u, &self.v, &self.lnf, &self.lnf_mean, &self.lnf_rstd, &self.logits, &self.losses]
-            .iter()
-            .map(|v| v.len())
-            .sum::<usize>();
+        let rest =
+            [&self.x_buf, &self.u, &self.v, &self.lnf, &self.lnf_mean, &self.lnf_rstd, &self.logits, &self.losses]
+                .iter()
+                .map(|v| v.len())
+                .sum::<usize>();
         saved + 4 * (rest + self.scratch.len())
     }
 }

@@ -187,7 +187,9 @@ fn clipping_sees_the_full_accumulated_gradient() {
     let params = init_params(&cfg(), 7);
     for b in split(&seqs, &[2, 2, 2, 2]) {
         let mut g = vec![0.0f32; full.len()];
-        model.micro_step(&mut FullStore::for_model(&model, &params, &mut g).unwrap(), &b, 1.0 / n_total as f32).unwrap();
+        model
+            .micro_step(&mut FullStore::for_model(&model, &params, &mut g).unwrap(), &b, 1.0 / n_total as f32)
+            .unwrap();
         clip_grad_norm(&mut g, max_norm);
         per_micro.iter_mut().zip(&g).for_each(|(a, b)| *a += b);
     }

@@ -201,7 +201,13 @@ fn whole_model_gradient_matches_finite_differences() {
     let mut grads = vec![0.0; params.len()];
     let stats = model.micro_step(&mut FullStore::for_model(&model, &params, &mut grads).unwrap(), &batch, 1.0).unwrap();
     assert_eq!(stats.n_targets, 9);
-    let loss = |p: &[f32]| Gpt::new(cfg).unwrap().loss(&mut FullStore::read_only(&layout, segs.clone(), p).unwrap(), &batch).unwrap().loss_sum;
+    let loss = |p: &[f32]| {
+        Gpt::new(cfg)
+            .unwrap()
+            .loss(&mut FullStore::read_only(&layout, segs.clone(), p).unwrap(), &batch)
+            .unwrap()
+            .loss_sum
+    };
     assert!((loss(&params) - stats.loss_sum).abs() < 1e-9, "eval and train forward agree");
     check_with_step("model", &params, &grads, 3e-3, loss);
     // grad_scale multiplies the gradient and leaves the loss alone; grads accumulate.

@@ -87,6 +87,8 @@ pub fn plan(cfg: Config, backend: Backend) -> Result<Plan> {
     let shape =
         BatchShape { micro: batch.micro, accumulation_steps: batch.accumulation_steps, world_size: batch.world_size };
     let sampler = Sampler::new(train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?;
+    // The layout alone (no activations are allocated before the first batch).
+    apply_trainable(&mut Gpt::new(model)?, &cfg.train.trainable)?;
     Ok(Plan { cfg, model, backend, batch, train, val, sampler })
 }
 
@@ -99,9 +101,26 @@ pub fn precision_of(cfg: &Config) -> Precision {
     }
 }
 
-/// The model for this plan, storing activations in the configured precision.
+/// The model for this plan, storing activations in the configured
+/// precision, with `train.trainable` applied.
 pub fn model_for(plan: &Plan) -> Result<Gpt> {
-    Ok(Gpt::with_precision(plan.model, precision_of(&plan.cfg))?)
+    let mut model = Gpt::with_precision(plan.model, precision_of(&plan.cfg))?;
+    apply_trainable(&mut model, &plan.cfg.train.trainable)?;
+    Ok(model)
+}
+
+/// Freezes every tensor that no `train.trainable` pattern names; a pattern
+/// that names no tensor is an error (a typo would silently freeze).
+pub fn apply_trainable(model: &mut impl Model, patterns: &[String]) -> Result<usize> {
+    let names: Vec<String> = model.layout().tensors().iter().map(|t| t.name.clone()).collect();
+    if let Some(p) = patterns.iter().find(|p| !names.iter().any(|n| config::name_matches(p, n))) {
+        bail!(
+            "train.trainable: pattern `{p}` names no tensor of this model (tensor names look like {}, {}; `*` matches any run of characters)",
+            names.first().map_or("", String::as_str),
+            names.get(2).map_or("", String::as_str)
+        );
+    }
+    Ok(model.set_trainable(&|t| patterns.iter().any(|p| config::name_matches(p, &t.name))))
 }
 
 /// A trainer over freshly initialised parameters for this rank of `comm`
