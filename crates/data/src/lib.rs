@@ -1,5 +1,5 @@
 //! Tokenizers, corpora and the sampler that implements the batch contract
-//! (SPEC §2). Knows nothing about models or communication.
+//! (docs/contract.md). Knows nothing about models or communication.
 
 pub mod dataset;
 pub mod error;

@@ -1,4 +1,4 @@
-//! The batch contract (SPEC §2): which samples each rank's micro-step takes.
+//! The batch contract (docs/contract.md): which samples each rank's micro-step takes.
 //!
 //! Optimizer step `s` of an epoch takes window `[s·G, (s+1)·G)` of the epoch's
 //! order; rank `r`'s micro-step `k` takes the `micro` samples starting at

@@ -19,7 +19,7 @@ use std::ops::Range;
 /// How the accumulated gradient is normalised at the boundary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum LossNormalization {
-    /// Mean over all target tokens of the global batch (SPEC §2; default).
+    /// Mean over all target tokens of the global batch (docs/contract.md, batch contract; default).
     /// K micro-steps then equal one big batch even when micro-batches hold
     /// different numbers of targets.
     #[default]
@@ -92,7 +92,7 @@ pub struct StepReport {
     pub loss_scale: f32,
 }
 
-/// Bytes this rank holds, by kind (SPEC §3's per-rank model states).
+/// Bytes this rank holds, by kind (the contract's (docs/contract.md, Memory) per-rank model states).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 pub struct MemoryReport {
     /// Parameters resident between steps (all at stages 0–2, the shard at 3).

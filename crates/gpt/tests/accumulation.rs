@@ -82,7 +82,7 @@ fn one_step(sizes: &[usize], uneven: bool, normalization: LossNormalization) -> 
     (tr.gradient(), tr.params().to_vec(), report.loss)
 }
 
-// Tolerance: SPEC §2 asks max |Δgrad| ≤ 1e-5 · max |grad|. Summation order is
+// Tolerance: docs/contract.md asks max |Δgrad| ≤ 1e-5 · max |grad|. Summation order is
 // the only difference between factorizations (f32 rounding ≈ 1e-7 relative
 // per add); parameters get that bound carried through AdamW's first update
 // (`Optimizer::first_step_tolerance`: measured, the one element over

@@ -346,7 +346,7 @@ fn zero_memory_follows_the_partition() {
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    // SPEC §3's per-rank model states, in f32 (no separate master weights):
+    // the contract's (docs/contract.md, Memory) per-rank model states, in f32 (no separate master weights):
     // params 4Ψ, grads 4Ψ, AdamW 8Ψ bytes, Ψ = parameters, W = 4 ranks.
     let psi = init_params(&cfg(), 5).len() as f64;
     let w = 4.0;

@@ -224,7 +224,7 @@ struct MemoryFile {
     accounting: engine::MemoryReport,
     /// Storage precision of the run.
     precision: String,
-    /// SPEC §3's per-rank model-state bytes for this stage (f32 runs; under
+    /// the contract's (docs/contract.md, Memory) per-rank model-state bytes for this stage (f32 runs; under
     /// mixed precision macrobatch keeps an f32 gradient accumulator and, at
     /// stages 1–2, unsharded f32 master weights, so the formula does not apply).
     formula_model_states: Option<f64>,
@@ -236,7 +236,7 @@ struct MemoryFile {
     measured_model_states: Vec<u64>,
 }
 
-/// SPEC §3's per-rank model-state bytes in f32 (params 4Ψ, grads 4Ψ, AdamW
+/// the contract's (docs/contract.md, Memory) per-rank model-state bytes in f32 (params 4Ψ, grads 4Ψ, AdamW
 /// 8Ψ; no separate master copy): stage 0 16Ψ, 1 8Ψ + 8Ψ/N, 2 4Ψ + 12Ψ/N,
 /// 3 16Ψ/N. Stage 2 accumulating locally keeps its full gradient: 8Ψ + 8Ψ/N.
 pub fn formula_model_states(stage: u8, local_accumulation: bool, n_params: usize, world: usize) -> f64 {

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Relative gradient tolerance: the factorizations differ only in f32
-/// summation order (≈1e-7 relative per addition), SPEC §2 asks ≤ 1e-5.
+/// summation order (≈1e-7 relative per addition), docs/contract.md asks ≤ 1e-5.
 const GRAD_TOL: f32 = 1e-5;
 
 struct StepResult {

@@ -119,14 +119,14 @@ fn zero_stages_match_under_mpirun() {
 }
 
 /// A 10.7M-parameter model (`mini`) at -np 4: per-rank model-state bytes
-/// match SPEC §3's formulas (in f32) within 10%, by the accounting and by the
+/// match the contract's (docs/contract.md, Memory) formulas (in f32) within 10%, by the accounting and by the
 /// resident-set growth each rank measured (less its accounted activations and
 /// collective buffers); at stage 3 the parameter residency stays below the
 /// largest segment plus 1/W of all parameters.
 #[test]
 fn zero_memory_matches_the_formulas_under_mpirun() {
     // Stage 2 twice: accumulating locally (full gradient buffer, 8Ψ + 8Ψ/N)
-    // and reducing every micro-step (SPEC's 4Ψ + 12Ψ/N).
+    // and reducing every micro-step (4Ψ + 12Ψ/N, docs/contract.md).
     for (stage, every) in [(0, false), (1, false), (2, false), (2, true), (3, false)] {
         let out = tmp(&format!("mpi-mem-s{stage}-{every}"));
         let zs = format!("dist.zero_stage={stage}");
@@ -150,7 +150,7 @@ fn zero_memory_matches_the_formulas_under_mpirun() {
         assert!(n >= 10e6, "a model of at least 10M parameters");
         let formula = m["formula_model_states"].as_f64().unwrap();
         if every {
-            assert_eq!(formula, 4.0 * n + 12.0 * n / 4.0, "SPEC's stage-2 formula in f32: 4Ψ + 12Ψ/N bytes");
+            assert_eq!(formula, 4.0 * n + 12.0 * n / 4.0, "the contract's stage-2 formula in f32: 4Ψ + 12Ψ/N bytes");
         }
         let a = &m["accounting"];
         let accounted: f64 = ["params", "grads", "optimizer", "master"].iter().map(|k| a[*k].as_f64().unwrap()).sum();

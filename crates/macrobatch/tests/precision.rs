@@ -43,3 +43,26 @@ fn bf16_and_f16_track_the_f32_loss_curve() {
         }
     }
 }
+
+/// The default model's 30-step f16 run wastes at most one step and ends
+/// within 2% of f32. Before the backward was seeded with loss_scale / N the
+/// model differentiated the summed loss (gradients ~tokens-per-micro-batch
+/// times a mean loss's) and the scaler backed off from 2^16 eight times:
+/// 8 skipped steps, final loss 2.76 against f32's 2.54 (8.5% worse).
+#[test]
+fn f16_default_model_30_steps_wastes_no_steps() {
+    let run = |p: &str| {
+        let out = tmp(&format!("f16-30-{p}"));
+        let ps = format!("train.precision={p}");
+        let o = train(&out, &["train.steps=30", "train.eval_every=0", &ps]);
+        assert!(o.status.success(), "{p}: {}", stderr(&o));
+        let m = metrics(&out);
+        let _ = std::fs::remove_dir_all(&out);
+        (m.last().unwrap()["loss"].as_f64().unwrap(), m.iter().filter(|r| r["skipped"] == true).count())
+    };
+    let (f32_loss, _) = run("f32");
+    let (f16_loss, skipped) = run("f16");
+    eprintln!("30 steps: f32 {f32_loss:.4}, f16 {f16_loss:.4}, {skipped} skipped");
+    assert!(skipped <= 1, "{skipped} f16 steps skipped");
+    assert!((f16_loss - f32_loss).abs() <= 0.02 * f32_loss, "f16 {f16_loss} vs f32 {f32_loss}");
+}
