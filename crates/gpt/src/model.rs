@@ -207,12 +207,34 @@ impl SavedTensor {
     }
 
     /// Saves `v` — rounded first to the storage precision, in place, so the
-    /// rest of the forward pass reads exactly what backward will.
-    fn keep(&mut self, v: &mut [f32], precision: Precision) {
+    /// rest of the forward pass reads exactly what backward will — by copy.
+    fn keep_copy(&mut self, v: &mut [f32], precision: Precision) {
         precision.round(v);
         match self {
             SavedTensor::F32(dst) => dst.copy_from_slice(v),
             SavedTensor::Low(dst) => precision.encode(v, dst),
+        }
+    }
+
+    /// Saves the working buffer `v`: in f32 by swapping it in (no copy; `v`
+    /// gets the old buffer of the same length back, to be overwritten), in
+    /// 16 bits by rounding and encoding it. Read the tensor afterwards with
+    /// [`SavedTensor::cur`].
+    fn keep(&mut self, v: &mut Vec<f32>, precision: Precision) {
+        match self {
+            SavedTensor::F32(dst) => std::mem::swap(dst, v),
+            SavedTensor::Low(dst) => {
+                precision.round(v);
+                precision.encode(v, dst);
+            }
+        }
+    }
+
+    /// The tensor just kept from `v`, as the rest of the forward reads it.
+    fn cur<'a>(&'a self, v: &'a [f32]) -> &'a [f32] {
+        match self {
+            SavedTensor::F32(t) => t,
+            SavedTensor::Low(_) => v,
         }
     }
 
@@ -378,43 +400,58 @@ struct Scratch<'a> {
     datt: &'a mut [f32],
 }
 
+/// The forward's working buffers (the idle backward scratch), as vectors so
+/// that an f32 tensor can be kept by swapping buffers instead of copying.
+struct Work<'a> {
+    dres: &'a mut Vec<f32>,
+    dc: &'a mut Vec<f32>,
+    d4c: &'a mut Vec<f32>,
+    dqkv: &'a mut Vec<f32>,
+    datt: &'a mut Vec<f32>,
+    /// GELU's output.
+    u: &'a mut Vec<f32>,
+}
+
 /// Forward of one block, for every storage precision: each tensor is
-/// produced in f32 in the idle backward scratch (`g`: GELU's output) and
-/// kept in `sv` at once. On entry `x` holds the block's input; on exit its
-/// output.
-#[allow(clippy::too_many_arguments)]
+/// produced in f32 in a working buffer and kept in `sv` at once (swapped in
+/// for f32, encoded in 16 bits otherwise); what follows reads the kept
+/// tensor. On entry `x` holds the block's input; on exit its output.
 fn block_forward(
     r: &BlockParams,
     p: &[f32],
     x: &mut [f32],
     sv: &mut SavedBlock,
-    s: Scratch<'_>,
-    g: &mut [f32],
+    w: Work<'_>,
     d: Dims,
     prec: Precision,
 ) {
     let Dims { b, t, c, nh } = d;
     let n = b * t;
-    let Scratch { dres: res2, dc: a, d4c: f, dqkv: qkv, datt: att } = s;
-    let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd] = &mut sv.stats;
-    let large = &mut sv.large;
+    let Work { dres: res2, dc: a, d4c: f, dqkv: qkv, datt: att, u: g } = w;
+    let SavedBlock { large, stats } = sv;
+    let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd] = stats;
     kernels::layernorm_forward(a, ln1_mean, ln1_rstd, x, &p[r.ln1_w.clone()], &p[r.ln1_b.clone()], c);
     large[LN1].keep(a, prec);
-    kernels::matmul_forward(qkv, a, &p[r.attn_w.clone()], Some(&p[r.attn_b.clone()]), None, n, c, 3 * c);
+    let attn_b = Some(&p[r.attn_b.clone()]);
+    kernels::matmul_forward(qkv, large[LN1].cur(a), &p[r.attn_w.clone()], attn_b, None, n, c, 3 * c);
     large[QKV].keep(qkv, prec);
-    kernels::attention_forward(a, att, qkv, AttnShape { b, t, c, n_head: nh });
+    kernels::attention_forward(a, att, large[QKV].cur(qkv), AttnShape { b, t, c, n_head: nh });
     large[ATT].keep(att, prec);
     large[ATTY].keep(a, prec);
-    kernels::matmul_forward(res2, a, &p[r.proj_w.clone()], Some(&p[r.proj_b.clone()]), Some(x), n, c, c);
+    let proj_b = Some(&p[r.proj_b.clone()]);
+    kernels::matmul_forward(res2, large[ATTY].cur(a), &p[r.proj_w.clone()], proj_b, Some(x), n, c, c);
     large[RES2].keep(res2, prec);
-    kernels::layernorm_forward(a, ln2_mean, ln2_rstd, res2, &p[r.ln2_w.clone()], &p[r.ln2_b.clone()], c);
+    let (ln2_w, ln2_b) = (&p[r.ln2_w.clone()], &p[r.ln2_b.clone()]);
+    kernels::layernorm_forward(a, ln2_mean, ln2_rstd, large[RES2].cur(res2), ln2_w, ln2_b, c);
     large[LN2].keep(a, prec);
-    kernels::matmul_forward(f, a, &p[r.fc_w.clone()], Some(&p[r.fc_b.clone()]), None, n, c, 4 * c);
+    kernels::matmul_forward(f, large[LN2].cur(a), &p[r.fc_w.clone()], Some(&p[r.fc_b.clone()]), None, n, c, 4 * c);
     large[FCH].keep(f, prec);
-    kernels::gelu_forward(g, f);
+    kernels::gelu_forward(g, large[FCH].cur(f));
     large[FCH_GELU].keep(g, prec);
-    kernels::matmul_forward(x, g, &p[r.fcproj_w.clone()], Some(&p[r.fcproj_b.clone()]), Some(res2), n, 4 * c, c);
-    large[RES3].keep(x, prec);
+    let (gelu, res) = (large[FCH_GELU].cur(g), Some(large[RES2].cur(res2)));
+    kernels::matmul_forward(x, gelu, &p[r.fcproj_w.clone()], Some(&p[r.fcproj_b.clone()]), res, n, 4 * c, c);
+    // The output stays in `x` as the next block's input: kept by copy.
+    large[RES3].keep_copy(x, prec);
 }
 
 /// Where a block's backward reads what its forward saved: each tensor as
@@ -606,16 +643,23 @@ impl Gpt {
             let seg = store.segment(0)?;
             let acts = &mut self.acts;
             kernels::encoder_forward(&mut acts.x_buf, inputs, &seg.params[wte.clone()], &seg.params[wpe], t, c);
-            acts.saved_encoded.keep(&mut acts.x_buf, prec);
+            acts.saved_encoded.keep_copy(&mut acts.x_buf, prec);
         }
         store.done(0, false)?;
         let d = Dims { b: self.acts.b, t, c, nh: self.cfg.n_head };
         for idx in 0..self.cfg.n_layer {
             let seg = store.segment(Self::block_seg(idx))?;
             let acts = &mut self.acts;
-            let scratch = acts.scratch.view();
-            let r = &self.ranges.block_rel;
-            block_forward(r, seg.params, &mut acts.x_buf, &mut acts.saved[idx], scratch, &mut acts.u, d, prec);
+            let sc = &mut acts.scratch;
+            let work = Work {
+                dres: &mut sc.dres,
+                dc: &mut sc.dc,
+                d4c: &mut sc.d4c,
+                dqkv: &mut sc.dqkv,
+                datt: &mut sc.datt,
+                u: &mut acts.u,
+            };
+            block_forward(&self.ranges.block_rel, seg.params, &mut acts.x_buf, &mut acts.saved[idx], work, d, prec);
             store.done(Self::block_seg(idx), false)?;
         }
         let lnf = self.lnf_seg();
