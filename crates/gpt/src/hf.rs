@@ -223,9 +223,9 @@ pub fn load_weights(path: &Path, layout: &ParamLayout) -> Result<Vec<f32>, GptEr
         .map_err(|e| bad(path, format!("not a valid safetensors file ({e}); it may be truncated or corrupt")))?;
     // Fallible: a config.json that claims a huge model is an error, not an abort.
     let mut params = Vec::new();
-    params
-        .try_reserve_exact(layout.n_params())
-        .map_err(|_| bad(path, format!("cannot allocate {} bytes for the parameters", 4 * layout.n_params() as u128)))?;
+    params.try_reserve_exact(layout.n_params()).map_err(|_| {
+        bad(path, format!("cannot allocate {} bytes for the parameters", 4 * layout.n_params() as u128))
+    })?;
     params.resize(layout.n_params(), 0.0f32);
     let mut used = std::collections::HashSet::new();
     for spec in layout.tensors() {
