@@ -922,13 +922,20 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         },
         _ => new_run_id(),
     };
-    let (dir, created_dir) = match &resume_dir {
+    // Checked on every rank; created by rank 0 alone (under MPI the other
+    // ranks never touch the file system).
+    let (planned_dir, generated) = match &resume_dir {
         Some(d) => (d.clone(), false),
-        None => {
-            let (d, generated) = output_dir(&args, &run_id)?;
-            let existed = d.exists();
-            (create_run_dir(&d, generated)?, !existed)
+        None => output_dir(&args, &run_id)?,
+    };
+    let created_dir = resume_dir.is_none() && !planned_dir.exists();
+    let made: std::sync::Mutex<Option<PathBuf>> = std::sync::Mutex::new(None);
+    let make_dir = || -> Result<PathBuf> {
+        let d = if resume_dir.is_some() { planned_dir.clone() } else { create_run_dir(&planned_dir, generated)? };
+        if let Ok(mut m) = made.lock() {
+            *m = Some(d.clone());
         }
+        Ok(d)
     };
     let stop_signal = Arc::new(AtomicBool::new(false));
     let signal = Arc::new(AtomicUsize::new(0));
@@ -954,22 +961,26 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     let stopped_early = start.stopped_early.clone();
     let timeout = Duration::from_secs_f64(cfg.dist.timeout_s);
     let result = match backend {
-        Backend::Single => open_outputs(&plan, &dir, resume_step, &run_id)
+        Backend::Single => make_dir()
+            .and_then(|dir| open_outputs(&plan, &dir, resume_step, &run_id))
             .and_then(|out| train_rank(&plan, &mut comm::SingleProcess::new(), Some(out), &start)),
-        Backend::Threads(world) => open_outputs(&plan, &dir, resume_step, &run_id).and_then(|out| {
-            let outputs = std::sync::Mutex::new(Some(out));
-            let plan = plan.clone();
-            let start = start.clone();
-            run_thread_ranks(world, timeout, move |c| {
-                let out = if c.rank() == 0 { outputs.lock().ok().and_then(|mut o| o.take()) } else { None };
-                train_rank(&plan, c, out, &start)
+        Backend::Threads(world) => {
+            make_dir().and_then(|dir| open_outputs(&plan, &dir, resume_step, &run_id)).and_then(|out| {
+                let outputs = std::sync::Mutex::new(Some(out));
+                let plan = plan.clone();
+                let start = start.clone();
+                run_thread_ranks(world, timeout, move |c| {
+                    let out = if c.rank() == 0 { outputs.lock().ok().and_then(|mut o| o.take()) } else { None };
+                    train_rank(&plan, c, out, &start)
+                })
             })
-        }),
+        }
         Backend::Mpi(_) => {
             let mut c = dist::mpi_comm(timeout)?;
             // Every rank checked the output directory above; rank 0 alone writes it.
             let r = match c.rank() {
-                0 => open_outputs(&plan, &dir, resume_step, &run_id)
+                0 => make_dir()
+                    .and_then(|dir| open_outputs(&plan, &dir, resume_step, &run_id))
                     .and_then(|out| train_rank(&plan, c.as_mut(), Some(out), &start)),
                 _ => train_rank(&plan, c.as_mut(), None, &start),
             };
@@ -981,7 +992,9 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     };
     if let Err(e) = result {
         if resume_step.is_none() {
-            remove_unstarted(&dir, created_dir);
+            if let Some(dir) = made.lock().ok().and_then(|m| m.clone()) {
+                remove_unstarted(&dir, created_dir);
+            }
         }
         return Err(e);
     }

@@ -402,13 +402,13 @@ fn pruning_after_a_fallback_never_keeps_the_corrupt_checkpoint() {
 #[test]
 fn a_slow_checkpoint_on_rank_0_does_not_time_out_the_other_ranks() {
     let dir = tmp("slow-ckpt");
-    let sets = tiny(&["dist.world_size=2", "batch.micro=2", "dist.timeout_s=0.5", "train.steps=4"]);
+    let sets = tiny(&["dist.world_size=2", "batch.micro=2", "dist.timeout_s=1.5", "train.steps=4"]);
     let mut sets = sets;
     sets.push("train.checkpoint_every=2");
     let t0 = Instant::now();
-    let o = train_cmd(&dir, &sets).env("MACROBATCH_FAULT", "rank=0,step=2,kind=slow_checkpoint,secs=2").output();
+    let o = train_cmd(&dir, &sets).env("MACROBATCH_FAULT", "rank=0,step=2,kind=slow_checkpoint,secs=4").output();
     ok(o.unwrap());
-    assert!(t0.elapsed() >= Duration::from_secs(2), "the delay was injected");
+    assert!(t0.elapsed() >= Duration::from_secs(4), "the delay (> 2.5 × timeout) was injected");
     assert_eq!(steps_of(&dir), ["step-00000002", "step-00000004"]);
     let _ = std::fs::remove_dir_all(&dir);
 }
