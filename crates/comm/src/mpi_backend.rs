@@ -61,6 +61,12 @@ impl MpiComm {
         mut req: Request<'a, D, S>,
     ) {
         let deadline = Instant::now() + timeout;
+        // Poll without burning a core: spin briefly (collectives between
+        // ranks that are in step complete within microseconds), then sleep
+        // with a growing pause up to 1 ms, so a rank waiting for another
+        // (rank 0 evaluating or writing a checkpoint) leaves the CPU to it.
+        let mut pause = Duration::from_micros(20);
+        let mut spins = 0u32;
         loop {
             match req.test() {
                 Ok(_) => return,
@@ -74,7 +80,13 @@ impl MpiComm {
                 );
                 world.abort(3);
             }
-            std::thread::yield_now();
+            if spins < 100 {
+                spins += 1;
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(1));
+            }
         }
     }
 

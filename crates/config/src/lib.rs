@@ -202,35 +202,54 @@ impl BatchConfig {
             show(m),
             show(k)
         );
+        // Products of user-given numbers can overflow: checked, and an error that names them.
+        let overflow = |what: &str| {
+            ConfigError::Batch(format!(
+                "{numbers}: {what} overflows ({} max); the rule is {rule} — use realistic batch sizes",
+                usize::MAX
+            ))
+        };
+        let product = |a: usize, b: usize, what: &str| a.checked_mul(b).ok_or_else(|| overflow(what));
         let (global, micro, accumulation_steps) = match (g, m, k) {
             (Some(g), Some(m), Some(k)) => {
-                if g != m * k * world_size {
+                let mk = product(
+                    product(m, k, "micro × accumulation_steps")?,
+                    world_size,
+                    "micro × accumulation_steps × world_size",
+                )?;
+                if g != mk {
                     return Err(ConfigError::Batch(format!(
-                        "inconsistent: {numbers}, but {m} × {k} × {world_size} = {} ≠ {g}; the rule is {rule} — give only two of them and the third is derived",
-                        m * k * world_size
+                        "inconsistent: {numbers}, but {m} × {k} × {world_size} = {mk} ≠ {g}; the rule is {rule} — give only two of them and the third is derived",
                     )));
                 }
                 (g, m, k)
             }
             (Some(g), Some(m), None) => {
-                if g % (m * world_size) != 0 {
+                let mw = product(m, world_size, "micro × world_size")?;
+                if g % mw != 0 {
                     return Err(ConfigError::Batch(format!(
-                        "{numbers}: global {g} is not divisible by micro × world_size = {}; the rule is {rule}",
-                        m * world_size
+                        "{numbers}: global {g} is not divisible by micro × world_size = {mw}; the rule is {rule}",
                     )));
                 }
-                (g, m, g / (m * world_size))
+                (g, m, g / mw)
             }
             (Some(g), None, Some(k)) => {
-                if g % (k * world_size) != 0 {
+                let kw = product(k, world_size, "accumulation_steps × world_size")?;
+                if g % kw != 0 {
                     return Err(ConfigError::Batch(format!(
-                        "{numbers}: global {g} is not divisible by accumulation_steps × world_size = {}; the rule is {rule}",
-                        k * world_size
+                        "{numbers}: global {g} is not divisible by accumulation_steps × world_size = {kw}; the rule is {rule}",
                     )));
                 }
-                (g, g / (k * world_size), k)
+                (g, g / kw, k)
             }
-            (None, Some(m), Some(k)) => (m * k * world_size, m, k),
+            (None, Some(m), Some(k)) => {
+                let g = product(
+                    product(m, k, "micro × accumulation_steps")?,
+                    world_size,
+                    "micro × accumulation_steps × world_size",
+                )?;
+                (g, m, k)
+            }
             _ => unreachable!("at least two members are filled in above"),
         };
         Ok(ResolvedBatch { global, micro, accumulation_steps, world_size })
@@ -277,6 +296,9 @@ pub struct TrainConfig {
     /// run of characters); the others are frozen: no gradient, no optimizer
     /// state, no gradient communication. Default: every tensor.
     pub trainable: Vec<String>,
+    /// f16: stop with an error after this many consecutive skipped steps at
+    /// `min_loss_scale` (the run cannot make progress); 0 never stops.
+    pub max_skips_at_min_scale: u64,
 }
 
 impl Default for TrainConfig {
@@ -298,6 +320,7 @@ impl Default for TrainConfig {
             checkpoint_every: 0,
             keep_checkpoints: 3,
             trainable: vec!["*".into()],
+            max_skips_at_min_scale: 50,
         }
     }
 }
@@ -415,6 +438,18 @@ impl Config {
         }
     }
 
+    /// Settings that are legal but almost certainly not what was meant.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut w = Vec::new();
+        if self.schedule.warmup_steps > self.train.steps {
+            w.push(format!(
+                "schedule.warmup_steps = {} is more than train.steps = {}: the learning rate never reaches optim.lr ({}) and never decays",
+                self.schedule.warmup_steps, self.train.steps, self.optim.lr
+            ));
+        }
+        w
+    }
+
     /// Checks every value that does not need the model or the data.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.schedule_kind()?;
@@ -466,6 +501,26 @@ impl Config {
         }
         if !(o.lr > 0.0 && o.lr.is_finite()) {
             return Err(invalid("optim.lr", o.lr, "must be finite and > 0"));
+        }
+        // The optimizers check these too, but only once the trainer exists:
+        // here they fail before anything is created.
+        for (field, v) in [("optim.beta1", o.beta1), ("optim.beta2", o.beta2), ("optim.momentum", o.momentum)] {
+            if !(0.0..1.0).contains(&v) {
+                return Err(invalid(field, v, "must be in [0, 1)"));
+            }
+        }
+        if !(o.eps > 0.0 && o.eps.is_finite()) {
+            return Err(invalid(
+                "optim.eps",
+                o.eps,
+                "must be finite and > 0 (with 0, parameters that get no gradient become 0/0 = NaN)",
+            ));
+        }
+        if !(o.weight_decay >= 0.0 && o.weight_decay.is_finite()) {
+            return Err(invalid("optim.weight_decay", o.weight_decay, "must be finite and >= 0"));
+        }
+        if o.name == "sgd" && o.nesterov && o.momentum == 0.0 {
+            return Err(invalid("optim.momentum", o.momentum, "Nesterov momentum (optim.nesterov) needs momentum > 0"));
         }
         let s = &self.schedule;
         if !(s.min_lr >= 0.0 && s.min_lr <= o.lr) {
@@ -599,6 +654,49 @@ mod tests {
         let e = b(Some(30), Some(4), None).resolve(1).unwrap_err().to_string();
         assert!(e.contains("not divisible"), "{e}");
         assert!(b(Some(0), Some(4), None).resolve(1).unwrap_err().to_string().contains("at least 1"));
+    }
+
+    #[test]
+    fn huge_batch_numbers_are_errors_not_overflows() {
+        // Hostile input: 2^62 × 4 wraps to 0 in release builds (then a divide by
+        // zero in the sampler, or a remainder by zero here).
+        let b = |g, m, k| BatchConfig { global: g, micro: m, accumulation_steps: k };
+        let huge = Some(1usize << 62);
+        for (cfg, world) in [(b(None, huge, Some(4)), 1), (b(Some(16), huge, None), 4), (b(Some(16), None, huge), 4)] {
+            let e = cfg.resolve(world).unwrap_err().to_string();
+            assert!(e.contains("overflows") && e.contains("4611686018427387904"), "{e}");
+        }
+        let e = b(Some(16), huge, Some(4)).resolve(1).unwrap_err().to_string();
+        assert!(e.contains("overflows"), "{e}");
+    }
+
+    #[test]
+    fn optimizer_settings_are_checked_before_anything_runs() {
+        for bad in [
+            "optim.beta1=1.5",
+            "optim.beta2=-0.1",
+            "optim.eps=0",
+            "optim.eps=-1e-8",
+            "optim.weight_decay=-0.1",
+            "optim.weight_decay=inf",
+            "optim.momentum=1.0",
+        ] {
+            let e = parse("", &[bad]).unwrap().validate().unwrap_err().to_string();
+            let field = bad.split('=').next().unwrap();
+            assert!(e.contains(field), "{bad}: {e}");
+        }
+        let e = parse("", &["optim.name=sgd", "optim.nesterov=true", "optim.momentum=0"]).unwrap().validate();
+        assert!(e.unwrap_err().to_string().contains("Nesterov"));
+        parse("", &["optim.eps=1e-12"]).unwrap().validate().unwrap();
+    }
+
+    #[test]
+    fn warmup_longer_than_the_run_is_a_warning() {
+        let c = parse("", &["train.steps=10", "schedule.warmup_steps=20"]).unwrap();
+        c.validate().unwrap();
+        let w = c.warnings();
+        assert!(w.len() == 1 && w[0].contains("warmup_steps = 20") && w[0].contains("train.steps = 10"), "{w:?}");
+        assert!(parse("", &["train.steps=20"]).unwrap().warnings().is_empty());
     }
 
     #[test]

@@ -9,6 +9,7 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// File name of the weights.
 pub const WEIGHTS_FILE: &str = "model.safetensors";
@@ -23,18 +24,62 @@ fn bad(path: &Path, problem: impl Into<String>) -> GptError {
     GptError::Checkpoint { path: path.to_path_buf(), problem: problem.into() }
 }
 
+/// Bytes this process may still write before writes fail with ENOSPC (test
+/// fault injection; `u64::MAX`: no limit).
+static WRITE_BUDGET: AtomicU64 = AtomicU64::new(u64::MAX);
+
+/// Fault injection for tests: after `bytes` more bytes written through
+/// [`write_all_budgeted`] (every file this crate and the `macrobatch` binary
+/// write), writes fail with ENOSPC as on a full disk. `None` lifts the limit.
+pub fn set_write_budget(bytes: Option<u64>) {
+    WRITE_BUDGET.store(bytes.unwrap_or(u64::MAX), Ordering::SeqCst);
+}
+
+/// `f.write_all(bytes)`, honouring [`set_write_budget`]: past the budget the
+/// allowed prefix is written (as a real full disk does) and the call fails
+/// with ENOSPC.
+pub fn write_all_budgeted(f: &mut impl Write, bytes: &[u8]) -> std::io::Result<()> {
+    let want = bytes.len() as u64;
+    let before = WRITE_BUDGET
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |b| (b != u64::MAX).then(|| b.saturating_sub(want)))
+        .unwrap_or(u64::MAX);
+    if before >= want {
+        return f.write_all(bytes);
+    }
+    f.write_all(&bytes[..before as usize])?;
+    Err(std::io::Error::from_raw_os_error(28)) // ENOSPC
+}
+
+/// Name of the temporary file [`write_atomic`] uses for `name`
+/// (`.NAME.tmp-PID`); leftovers of killed writers match [`is_temp_file`].
+fn temp_name(name: &str) -> String {
+    format!(".{name}.tmp-{}", std::process::id())
+}
+
+/// Whether `file_name` is a temporary file of [`write_atomic`] (of any process).
+pub fn is_temp_file(file_name: &str) -> bool {
+    file_name.starts_with('.') && file_name.rsplit_once(".tmp-").is_some_and(|(_, pid)| pid.parse::<u32>().is_ok())
+}
+
 /// Writes `bytes` to `path` atomically: a temporary file in the same
 /// directory, fsync, rename, fsync of the directory. A crash leaves either
-/// the old file or the new one, never a torn one.
+/// the old file or the new one, never a torn one; a failed write (e.g. a full
+/// disk) removes its temporary file.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), GptError> {
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp: PathBuf = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let mut f = std::fs::File::create(&tmp).map_err(io_err(&tmp))?;
-    f.write_all(bytes).map_err(io_err(&tmp))?;
-    f.sync_all().map_err(io_err(&tmp))?;
-    drop(f);
-    std::fs::rename(&tmp, path).map_err(io_err(path))?;
+    let tmp: PathBuf = dir.join(temp_name(&name));
+    let write = || -> Result<(), GptError> {
+        let mut f = std::fs::File::create(&tmp).map_err(io_err(&tmp))?;
+        write_all_budgeted(&mut f, bytes).map_err(io_err(&tmp))?;
+        f.sync_all().map_err(io_err(&tmp))?;
+        drop(f);
+        std::fs::rename(&tmp, path).map_err(io_err(path))
+    };
+    if let Err(e) = write() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
     if let Ok(d) = std::fs::File::open(dir) {
         let _ = d.sync_all(); // best effort: not every filesystem syncs directories
     }
@@ -176,7 +221,12 @@ pub fn load_weights(path: &Path, layout: &ParamLayout) -> Result<Vec<f32>, GptEr
     let bytes = std::fs::read(path).map_err(io_err(path))?;
     let st = SafeTensors::deserialize(&bytes)
         .map_err(|e| bad(path, format!("not a valid safetensors file ({e}); it may be truncated or corrupt")))?;
-    let mut params = vec![0.0f32; layout.n_params()];
+    // Fallible: a config.json that claims a huge model is an error, not an abort.
+    let mut params = Vec::new();
+    params.try_reserve_exact(layout.n_params()).map_err(|_| {
+        bad(path, format!("cannot allocate {} bytes for the parameters", 4 * layout.n_params() as u128))
+    })?;
+    params.resize(layout.n_params(), 0.0f32);
     let mut used = std::collections::HashSet::new();
     for spec in layout.tensors() {
         let short = spec.name.strip_prefix("transformer.").unwrap_or(&spec.name);
@@ -254,6 +304,21 @@ mod tests {
         assert_eq!(st.tensor("transformer.h.1.attn.c_attn.weight").unwrap().shape(), &[8, 24]);
         assert_eq!(st.tensor("transformer.h.0.mlp.c_proj.weight").unwrap().shape(), &[32, 8]);
         assert_eq!(st.len(), model.layout().tensors().len());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_failed_atomic_write_leaves_no_temporary_file() {
+        // The publishing rename fails (the target is a non-empty directory);
+        // the temporary file must not stay behind. (ENOSPC is covered by the
+        // CLI tests: the write budget is process-wide.)
+        let dir = tmpdir("failed-write");
+        std::fs::create_dir_all(dir.join("x.json").join("inside")).unwrap();
+        assert!(write_atomic(&dir.join("x.json"), b"new contents").is_err());
+        let names: Vec<String> =
+            std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        assert_eq!(names, vec!["x.json".to_string()], "no .x.json.tmp-PID left behind");
+        assert!(is_temp_file(".x.json.tmp-1234") && !is_temp_file("x.json") && !is_temp_file(".x.tmp-abc"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

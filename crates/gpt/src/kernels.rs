@@ -450,14 +450,41 @@ pub struct AttnShape {
     pub n_head: usize,
 }
 
+impl AttnShape {
+    /// Panics unless the shape is usable and every slice has exactly the
+    /// length it implies (`name`, factors): the attention kernels write
+    /// through raw pointers from one task per `T×T` block of `att`, so the
+    /// lengths are what makes them sound. Products are checked, so an
+    /// overflowing shape cannot pass.
+    fn check(&self, kernel: &str, slices: &[(&str, usize, &[usize])]) {
+        assert!(
+            self.n_head > 0 && self.t > 0 && self.c > 0 && self.c % self.n_head == 0,
+            "{kernel}: invalid shape {self:?} (n_head must be > 0 and divide c; t, c > 0)"
+        );
+        for (name, len, factors) in slices {
+            let want = factors.iter().try_fold(1usize, |acc, &f| acc.checked_mul(f));
+            assert!(
+                want == Some(*len),
+                "{kernel}: `{name}` has {len} elements but shape {self:?} needs {want:?} (product of {factors:?})"
+            );
+        }
+    }
+}
+
 /// Causal multi-head attention. `qkv` is `[B, T, 3C]` (q | k | v), `att`
 /// receives the softmax probabilities `[B, NH, T, T]` (zero above the
 /// diagonal), `out` the `[B, T, C]` head outputs.
+///
+/// # Panics
+/// Unless `out`, `att` and `qkv` have exactly these lengths.
 pub fn attention_forward(out: &mut [f32], att: &mut [f32], qkv: &[f32], s: AttnShape) {
-    let AttnShape { b: _, t, c, n_head } = s;
+    let AttnShape { b, t, c, n_head } = s;
+    s.check(
+        "attention_forward",
+        &[("out", out.len(), &[b, t, c]), ("att", att.len(), &[b, n_head, t, t]), ("qkv", qkv.len(), &[b, t, 3, c])],
+    );
     let hd = c / n_head;
     let scale = 1.0 / (hd as f32).sqrt();
-    assert!(out.len() >= s.b * t * c && qkv.len() >= s.b * t * 3 * c);
     let out_ptr = SendPtr(out.as_mut_ptr());
     att.par_chunks_mut(t * t).enumerate().for_each(|(bh, a)| {
         let (bi, h) = (bh / n_head, bh % n_head);
@@ -490,11 +517,23 @@ pub fn attention_forward(out: &mut [f32], att: &mut [f32], qkv: &[f32], s: AttnS
 
 /// Backward of [`attention_forward`]: overwrites `dqkv`; `datt` is scratch
 /// of the size of `att`.
+///
+/// # Panics
+/// Unless every slice has exactly the length the shape implies.
 pub fn attention_backward(dqkv: &mut [f32], datt: &mut [f32], dout: &[f32], qkv: &[f32], att: &[f32], s: AttnShape) {
-    let AttnShape { b: _, t, c, n_head } = s;
+    let AttnShape { b, t, c, n_head } = s;
+    s.check(
+        "attention_backward",
+        &[
+            ("dqkv", dqkv.len(), &[b, t, 3, c]),
+            ("datt", datt.len(), &[b, n_head, t, t]),
+            ("dout", dout.len(), &[b, t, c]),
+            ("qkv", qkv.len(), &[b, t, 3, c]),
+            ("att", att.len(), &[b, n_head, t, t]),
+        ],
+    );
     let hd = c / n_head;
     let scale = 1.0 / (hd as f32).sqrt();
-    assert!(dqkv.len() >= s.b * t * 3 * c && dout.len() >= s.b * t * c && att.len() >= datt.len());
     let dqkv_ptr = SendPtr(dqkv.as_mut_ptr());
     datt.par_chunks_mut(t * t).enumerate().for_each(|(bh, da)| {
         let (bi, h) = (bh / n_head, bh % n_head);
@@ -565,6 +604,40 @@ pub fn softmax_cross_entropy(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Safe code must not be able to make the attention kernels write out of
+    /// bounds: a longer `att` (more tasks) or a shorter `qkv`/`out` panics
+    /// before any write.
+    #[test]
+    fn attention_kernels_reject_slices_of_the_wrong_length() {
+        let s = AttnShape { b: 1, t: 4, c: 8, n_head: 2 };
+        let (bt, att_len) = (4, 2 * 16);
+        let ok = |out: usize, att: usize, qkv: usize| {
+            std::panic::catch_unwind(|| {
+                let (mut o, mut a, q) = (vec![0.0f32; out], vec![0.0f32; att], vec![0.1f32; qkv]);
+                attention_forward(&mut o, &mut a, &q, s);
+            })
+            .is_ok()
+        };
+        assert!(ok(bt * 8, att_len, bt * 24));
+        assert!(!ok(bt * 8, 4 * att_len, bt * 24), "longer att: more tasks than out has rows");
+        assert!(!ok(bt * 8, att_len, bt * 24 - 1), "short qkv");
+        assert!(!ok(bt * 8 - 1, att_len, bt * 24), "short out");
+        let back = |dqkv: usize, datt: usize, dout: usize, qkv: usize, att: usize| {
+            std::panic::catch_unwind(|| {
+                let (mut dq, mut da) = (vec![0.0f32; dqkv], vec![0.0f32; datt]);
+                attention_backward(&mut dq, &mut da, &vec![0.1; dout], &vec![0.1; qkv], &vec![0.1; att], s);
+            })
+            .is_ok()
+        };
+        assert!(back(bt * 24, att_len, bt * 8, bt * 24, att_len));
+        assert!(!back(bt * 24, 4 * att_len, bt * 8, bt * 24, 4 * att_len), "longer datt/att");
+        assert!(!back(bt * 24 - 1, att_len, bt * 8, bt * 24, att_len), "short dqkv");
+        assert!(!back(bt * 24, att_len, bt * 8 - 1, bt * 24, att_len), "short dout");
+        let huge = AttnShape { b: usize::MAX / 2 + 1, t: 1, c: 2, n_head: 1 };
+        let overflow = std::panic::catch_unwind(|| attention_forward(&mut [], &mut [], &[], huge));
+        assert!(overflow.is_err(), "a shape whose sizes overflow must not pass as empty");
+    }
 
     #[test]
     fn fast_exp_and_tanh_match_libm() {

@@ -140,11 +140,15 @@ fn gemm_peak_gflops() -> f64 {
 
 /// `macrobatch bench`.
 pub fn run(args: BenchArgs) -> Result<()> {
+    if args.steps == 0 {
+        bail!("--steps 0: bench needs at least one measured step (e.g. --steps 10)");
+    }
     let cfg = load_config(args.config.as_deref(), &args.set)?;
     if cfg.dist.world_size != 1 {
         bail!("bench measures one rank; leave dist.world_size at 1");
     }
     let plan = plan(cfg, Backend::Single)?;
+    crate::train::check_memory(&plan)?;
     if plan.cfg.train.threads > 0 {
         rayon::ThreadPoolBuilder::new().num_threads(plan.cfg.train.threads).build_global()?;
     }

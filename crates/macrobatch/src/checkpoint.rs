@@ -4,7 +4,11 @@
 //! checksums. A checkpoint is written into a temporary directory, fsynced and
 //! renamed into place, so a crash mid-write never leaves a directory that
 //! looks valid; a checkpoint whose files do not match its manifest is
-//! skipped in favour of the previous one.
+//! skipped in favour of the previous one (and moved aside as
+//! `corrupt-step-N`, so pruning never counts it). Leftovers of writes that
+//! were killed (`.tmp-step-*`, `.old-step-*`, `.NAME.tmp-PID`) are removed
+//! — or, for a step folder moved aside while being replaced, restored — by
+//! [`clean_leftovers`] when a run starts and after a failed write.
 
 use anyhow::{bail, Context, Result};
 use engine::Model;
@@ -46,6 +50,10 @@ pub struct TrainerState {
     /// The f16 loss scaler.
     #[serde(default)]
     pub loss_scaler: Option<ScalerState>,
+    /// Identity of the run that wrote it (also in `DIR/run_id`): resume
+    /// refuses a checkpoint of another run.
+    #[serde(default)]
+    pub run_id: Option<String>,
 }
 
 /// The loss scaler's state.
@@ -101,16 +109,48 @@ pub fn save(
     state: &TrainerState,
     config_toml: &str,
 ) -> Result<PathBuf> {
+    check_finite(model.layout(), params, "checkpoint parameters")?;
+    for (name, v) in optimizer_state {
+        if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+            bail!("optimizer state `{name}` holds a non-finite value ({}) at index {i}; not saving a checkpoint that cannot be resumed (the previous checkpoints stay)", v[i]);
+        }
+    }
     let root = run_dir.join("checkpoints");
     std::fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
     let name = step_dir_name(state.step);
     let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot clear {}", tmp.display()))?;
+    let r = write_step(&root, &tmp, &name, model_cfg, model, params, optimizer_state, state, config_toml);
+    if r.is_err() {
+        // A failed write (full disk, I/O error) leaves nothing behind; what
+        // was published before stays as it was.
+        let _ = std::fs::remove_dir_all(&tmp);
+        if let Ok(removed) = clean_leftovers(run_dir) {
+            for line in removed {
+                eprintln!("{line}");
+            }
+        }
     }
-    std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    r
+}
 
-    hf::save(&tmp, model_cfg, model.layout(), params)?;
+#[allow(clippy::too_many_arguments)]
+fn write_step(
+    root: &Path,
+    tmp: &Path,
+    name: &str,
+    model_cfg: &GptConfig,
+    model: &Gpt,
+    params: &[f32],
+    optimizer_state: &[(String, Vec<f32>)],
+    state: &TrainerState,
+    config_toml: &str,
+) -> Result<PathBuf> {
+    if tmp.exists() {
+        std::fs::remove_dir_all(tmp).with_context(|| format!("cannot clear {}", tmp.display()))?;
+    }
+    std::fs::create_dir_all(tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+
+    hf::save(tmp, model_cfg, model.layout(), params)?;
     let tensors: Vec<(String, Vec<usize>, &[f32])> =
         optimizer_state.iter().map(|(k, v)| (k.clone(), vec![v.len()], v.as_slice())).collect();
     hf::write_safetensors(&tmp.join(OPTIMIZER), &tensors, &[("n_updates", state.n_updates.to_string())])?;
@@ -127,20 +167,88 @@ pub fn save(
         &tmp.join(MANIFEST),
         serde_json::to_string_pretty(&Manifest { step: state.step, files })?.as_bytes(),
     )?;
-    fsync_dir(&tmp);
+    fsync_dir(tmp);
 
-    let dst = root.join(&name);
+    let dst = root.join(name);
     if dst.exists() {
         // A run resumed from an earlier checkpoint reaches this step again.
+        // Between the two renames the step exists only as `.old-…`:
+        // clean_leftovers restores it after a crash there.
         let old = root.join(format!(".old-{name}-{}", std::process::id()));
         std::fs::rename(&dst, &old).with_context(|| format!("cannot move aside {}", dst.display()))?;
-        std::fs::rename(&tmp, &dst).with_context(|| format!("cannot publish {}", dst.display()))?;
+        fsync_dir(root);
+        if let Err(e) = std::fs::rename(tmp, &dst) {
+            let _ = std::fs::rename(&old, &dst);
+            return Err(e).with_context(|| format!("cannot publish {}", dst.display()));
+        }
+        fsync_dir(root);
         let _ = std::fs::remove_dir_all(&old);
     } else {
-        std::fs::rename(&tmp, &dst).with_context(|| format!("cannot publish {}", dst.display()))?;
+        std::fs::rename(tmp, &dst).with_context(|| format!("cannot publish {}", dst.display()))?;
     }
-    fsync_dir(&root);
+    fsync_dir(root);
     Ok(dst)
+}
+
+/// Errors naming the first tensor of `layout` with a non-finite value.
+pub fn check_finite(layout: &engine::ParamLayout, params: &[f32], what: &str) -> Result<()> {
+    let Some(i) = params.iter().position(|x| !x.is_finite()) else { return Ok(()) };
+    let tensor = layout.tensors().iter().find(|t| t.range().contains(&i));
+    let (name, at) = tensor.map_or(("?".to_string(), i), |t| (t.name.clone(), i - t.range().start));
+    let count = params.iter().filter(|x| !x.is_finite()).count();
+    bail!(
+        "{what}: tensor `{name}` holds a non-finite value ({}) at element {at} ({count} non-finite values in all); the training diverged, so nothing is saved and the previous checkpoints stay (lower optim.lr, raise optim.eps, or enable train.grad_clip)",
+        params[i]
+    )
+}
+
+/// Removes what killed or failed writes left in `run_dir` and its
+/// `checkpoints/` folder — from any process: `.tmp-step-*` folders,
+/// `.NAME.tmp-PID` files, and `.old-step-*` folders whose step was published
+/// again; an `.old-step-N-*` folder without a `step-N` (a crash between the
+/// two renames of a replacement) is restored. Returns one line per action.
+pub fn clean_leftovers(run_dir: &Path) -> Result<Vec<String>> {
+    let mut done = Vec::new();
+    let root = run_dir.join("checkpoints");
+    for dir in [run_dir, root.as_path()] {
+        let Ok(entries) = std::fs::read_dir(dir) else { continue };
+        let mut names: Vec<String> =
+            entries.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+        names.sort();
+        for name in names {
+            let path = dir.join(&name);
+            if hf::is_temp_file(&name) {
+                std::fs::remove_file(&path).with_context(|| format!("cannot remove {}", path.display()))?;
+                done.push(format!("removed leftover temporary file {}", path.display()));
+            } else if dir == root && name.starts_with(".tmp-step-") {
+                std::fs::remove_dir_all(&path).with_context(|| format!("cannot remove {}", path.display()))?;
+                done.push(format!("removed unfinished checkpoint {}", path.display()));
+            } else if dir == root && name.starts_with(".old-step-") {
+                // `.old-step-XXXXXXXX-PID`
+                let step_name = name.trim_start_matches(".old-").rsplit_once('-').map(|(s, _)| s.to_string());
+                match step_name.map(|s| root.join(s)) {
+                    Some(published) if !published.exists() => {
+                        std::fs::rename(&path, &published)
+                            .with_context(|| format!("cannot restore {}", path.display()))?;
+                        done.push(format!(
+                            "restored {} from {} (a replacement was interrupted)",
+                            published.display(),
+                            path.display()
+                        ));
+                    }
+                    _ => {
+                        std::fs::remove_dir_all(&path).with_context(|| format!("cannot remove {}", path.display()))?;
+                        done.push(format!("removed replaced checkpoint {}", path.display()));
+                    }
+                }
+            }
+        }
+    }
+    if !done.is_empty() {
+        fsync_dir(&root);
+        fsync_dir(run_dir);
+    }
+    Ok(done)
 }
 
 /// Deletes all but the newest `keep` checkpoints (0 keeps all).
@@ -230,13 +338,27 @@ pub fn latest_valid(run_dir: &Path, warn: impl Fn(&str)) -> Result<Loaded> {
             run_dir.display()
         );
     }
-    for (_, dir) in all.iter().rev() {
+    for (step, dir) in all.iter().rev() {
         match load(dir) {
             Ok(l) => return Ok(l),
-            Err(e) => warn(&format!(
-                "warning: skipping checkpoint {}: {e:#}; falling back to the previous one",
-                dir.display()
-            )),
+            Err(e) => {
+                warn(&format!(
+                    "warning: skipping checkpoint {}: {e:#}; falling back to the previous one",
+                    dir.display()
+                ));
+                // Out of the `step-*` namespace: pruning must never keep it in
+                // place of a good checkpoint, nor a later resume try it again.
+                let aside = (0..)
+                    .map(|i| {
+                        let suffix = if i == 0 { String::new() } else { format!("-{i}") };
+                        run_dir.join("checkpoints").join(format!("corrupt-{}{suffix}", step_dir_name(*step)))
+                    })
+                    .find(|p| !p.exists())
+                    .unwrap_or_else(|| dir.clone());
+                if std::fs::rename(dir, &aside).is_ok() {
+                    warn(&format!("warning: moved the invalid checkpoint aside to {}", aside.display()));
+                }
+            }
         }
     }
     bail!(
@@ -246,10 +368,23 @@ pub fn latest_valid(run_dir: &Path, warn: impl Fn(&str)) -> Result<Loaded> {
     )
 }
 
-/// Keeps only the metrics of steps `<= step` (a resumed run re-logs the rest).
-pub fn truncate_metrics(path: &Path, step: u64) -> Result<()> {
-    let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };
-    let kept: String = text
+/// Keeps only the metrics of steps `<= step` (a resumed run re-logs the
+/// rest); a torn last line (a write cut short by a crash or a full disk) is
+/// dropped with a warning.
+pub fn truncate_metrics(path: &Path, step: u64, warn: impl Fn(&str)) -> Result<()> {
+    let Ok(bytes) = std::fs::read(path) else { return Ok(()) };
+    let text = String::from_utf8_lossy(&bytes);
+    let torn = !text.is_empty() && !text.ends_with('\n');
+    if let (true, Some(last)) = (torn, text.lines().last()) {
+        let shown: String = last.chars().take(80).collect();
+        warn(&format!(
+            "warning: {} ends in a torn line ({} bytes, `{shown}…`); dropping it",
+            path.display(),
+            last.len()
+        ));
+    }
+    let complete = if torn { text.rsplit_once('\n').map_or("", |(a, _)| a) } else { &text };
+    let kept: String = complete
         .lines()
         .filter(|l| {
             serde_json::from_str::<serde_json::Value>(l)

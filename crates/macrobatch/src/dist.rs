@@ -58,41 +58,56 @@ pub fn mpi_comm(_timeout: Duration) -> Result<Box<dyn comm::Communicator>> {
 }
 
 /// A failure injected for tests: `MACROBATCH_FAULT=rank=R,step=S,kind=K`
-/// with K one of `panic`, `error`, `stall`, `kill`. Fires at the start of
-/// optimizer step S (1-based) on rank R.
+/// with K one of `panic`, `error`, `stall`, `kill` (fire at the start of
+/// optimizer step S, 1-based, on rank R), `enospc` (from the start of step S
+/// the disk is full after `bytes=N` more bytes), `slow_checkpoint` (the
+/// checkpoint of step S takes `secs=X` longer), `nan` (the parameters saved
+/// at step S hold a NaN).
 #[derive(Debug, Clone, Copy)]
 pub struct Fault {
     rank: usize,
     step: u64,
     kind: FaultKind,
+    bytes: u64,
+    secs: f64,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 enum FaultKind {
     Panic,
     Error,
     Stall,
     Kill,
+    Enospc,
+    SlowCheckpoint,
+    Nan,
 }
 
 impl Fault {
     /// Reads `MACROBATCH_FAULT`, if set.
     pub fn from_env() -> Result<Option<Self>> {
         let Ok(spec) = std::env::var("MACROBATCH_FAULT") else { return Ok(None) };
-        let mut f = Fault { rank: 0, step: 1, kind: FaultKind::Panic };
+        let mut f = Fault { rank: 0, step: 1, kind: FaultKind::Panic, bytes: 0, secs: 0.0 };
         for part in spec.split(',') {
             let (k, v) =
                 part.split_once('=').with_context(|| format!("MACROBATCH_FAULT: `{part}` is not key=value"))?;
             match k.trim() {
                 "rank" => f.rank = v.trim().parse().context("MACROBATCH_FAULT rank")?,
                 "step" => f.step = v.trim().parse().context("MACROBATCH_FAULT step")?,
+                "bytes" => f.bytes = v.trim().parse().context("MACROBATCH_FAULT bytes")?,
+                "secs" => f.secs = v.trim().parse().context("MACROBATCH_FAULT secs")?,
                 "kind" => {
                     f.kind = match v.trim() {
                         "panic" => FaultKind::Panic,
                         "error" => FaultKind::Error,
                         "stall" => FaultKind::Stall,
                         "kill" => FaultKind::Kill,
-                        other => bail!("MACROBATCH_FAULT kind `{other}`: use panic, error, stall or kill"),
+                        "enospc" => FaultKind::Enospc,
+                        "slow_checkpoint" => FaultKind::SlowCheckpoint,
+                        "nan" => FaultKind::Nan,
+                        other => bail!(
+                            "MACROBATCH_FAULT kind `{other}`: use panic, error, stall, kill, enospc, slow_checkpoint or nan"
+                        ),
                     }
                 }
                 other => bail!("MACROBATCH_FAULT: unknown key `{other}`"),
@@ -107,6 +122,8 @@ impl Fault {
             return Ok(());
         }
         match self.kind {
+            FaultKind::Enospc => gpt::hf::set_write_budget(Some(self.bytes)),
+            FaultKind::SlowCheckpoint | FaultKind::Nan => {}
             FaultKind::Panic => panic!("injected fault: rank {rank} panics at step {step}"),
             FaultKind::Error => bail!("injected fault: rank {rank} fails at step {step}"),
             FaultKind::Stall => loop {
@@ -119,5 +136,17 @@ impl Fault {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Extra time the checkpoint of `step` takes on `rank`.
+    pub fn checkpoint_delay(&self, rank: usize, step: u64) -> Option<Duration> {
+        (self.kind == FaultKind::SlowCheckpoint && rank == self.rank && step == self.step)
+            .then(|| Duration::from_secs_f64(self.secs))
+    }
+
+    /// Whether the parameters saved at `step` get a NaN.
+    pub fn poisons(&self, step: u64) -> bool {
+        self.kind == FaultKind::Nan && step == self.step
     }
 }

@@ -9,6 +9,8 @@ use std::io::Write;
 
 /// Samples `max_new_tokens` tokens after the prompt and prints the text.
 pub fn run(args: GenerateArgs) -> Result<()> {
+    crate::memory::check_load(&args.dir, &format!("generate {}", args.dir.display()))
+        .with_context(|| format!("cannot load a model from {}", args.dir.display()))?;
     let (cfg, params) =
         gpt::hf::load(&args.dir).with_context(|| format!("cannot load a model from {}", args.dir.display()))?;
     if !(args.temperature >= 0.0 && args.temperature.is_finite()) {

@@ -4,6 +4,7 @@ mod bench;
 mod checkpoint;
 mod dist;
 mod generate;
+mod memory;
 mod metrics;
 mod train;
 mod verify;
@@ -78,7 +79,7 @@ pub struct TrainArgs {
     /// Override a config key, e.g. --set train.steps=30 --set batch.micro=4.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
-    /// Output directory (default: runs/run-<unix time>). Must not hold a run already.
+    /// Output directory (default: runs/run-<run id>, created new). Must not hold a run already.
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Continue the run in DIR (or --out) from its newest valid checkpoint, bit for bit.
@@ -89,6 +90,7 @@ pub struct TrainArgs {
     #[arg(long, value_name = "PATH")]
     pub init_from: Option<PathBuf>,
     /// Stop cleanly after this many optimizer steps in this invocation (checkpoint, exit 0).
+    /// (Stopped by SIGINT / SIGTERM instead: checkpoint, exit 130 / 143.)
     #[arg(long, value_name = "N")]
     pub stop_after: Option<u64>,
 }
@@ -118,7 +120,12 @@ pub struct GenerateArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Train(args) => train::run(args).map(|()| true),
+        Command::Train(args) => match train::run(args) {
+            // Stopped by SIGINT / SIGTERM after the checkpoint is safe: 128 + signal
+            // (130, 143), so `train && generate` does not take a stopped run for a finished one.
+            Ok(train::Outcome::Signalled(sig)) => return ExitCode::from((128 + sig).clamp(1, 255) as u8),
+            r => r.map(|_| true),
+        },
         Command::Generate(args) => generate::run(args).map(|()| true),
         Command::Verify(args) => verify::run(args),
         Command::Bench(args) => bench::run(args).map(|()| true),

@@ -4,7 +4,7 @@ use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use std::fs::File;
-use std::io::{BufWriter, IsTerminal, Write};
+use std::io::IsTerminal;
 use std::path::Path;
 use std::time::Duration;
 
@@ -64,7 +64,11 @@ pub struct StepRecord {
 
 /// Writes metrics and shows progress.
 pub struct Reporter {
-    file: BufWriter<File>,
+    /// Unbuffered: each line goes out in one write of the whole line.
+    file: File,
+    path: std::path::PathBuf,
+    /// Length of the file up to its last complete line.
+    len: u64,
     bar: Option<ProgressBar>,
     total: u64,
     log_every: u64,
@@ -80,6 +84,7 @@ impl Reporter {
             opts.write(true).create_new(true);
         }
         let file = opts.open(path).with_context(|| format!("cannot create {}", path.display()))?;
+        let len = file.metadata().with_context(|| format!("cannot read {}", path.display()))?.len();
         let bar = std::io::stderr().is_terminal().then(|| {
             let bar = ProgressBar::new(total);
             let style = ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]")
@@ -88,13 +93,28 @@ impl Reporter {
             bar.enable_steady_tick(Duration::from_millis(250));
             bar
         });
-        Ok(Self { file: BufWriter::new(file), bar, total, log_every })
+        Ok(Self { file, path: path.to_path_buf(), len, bar, total, log_every })
     }
 
-    /// Records one step (flushed, so a crash keeps every finished step).
+    /// Records one step: the whole line in one write, so a crash keeps every
+    /// finished step; a failed write (e.g. a full disk) is cut back to the
+    /// last complete line before the error is returned.
     pub fn record(&mut self, r: &StepRecord) -> Result<()> {
-        serde_json::to_writer(&mut self.file, r).context("cannot write metrics")?;
-        self.file.write_all(b"\n").and_then(|_| self.file.flush()).context("cannot write metrics")?;
+        let mut line = serde_json::to_string(r).context("cannot serialise metrics")?;
+        line.push('\n');
+        if let Err(e) = gpt::hf::write_all_budgeted(&mut self.file, line.as_bytes()) {
+            let cut = self.file.set_len(self.len);
+            let what = match cut {
+                Ok(()) => "cut back to its last complete line".to_string(),
+                Err(c) => format!(
+                    "and cutting it back to its last complete line failed too ({c}); a resume drops the torn line"
+                ),
+            };
+            return Err(e).with_context(|| {
+                format!("cannot write step {} to {} (the file was {what})", r.step, self.path.display())
+            });
+        }
+        self.len += line.len() as u64;
         let val = r.val_loss.map_or(String::new(), |v| format!(" | val {v:.4}"));
         let msg = format!("loss {:.4}{val} | lr {:.2e} | {:.0} tok/s", r.loss, r.lr, r.tokens_per_s);
         match &self.bar {

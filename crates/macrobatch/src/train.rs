@@ -3,6 +3,7 @@
 
 use crate::checkpoint::{self, Loaded, TrainerState};
 use crate::dist::{self, Backend, Fault};
+use crate::memory;
 use crate::metrics::{Reporter, StepRecord};
 use crate::TrainArgs;
 use anyhow::{anyhow, bail, Context, Result};
@@ -15,7 +16,7 @@ use engine::{
 };
 use gpt::{Batch, Gpt, GptConfig};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -250,24 +251,54 @@ pub fn formula_model_states(stage: u8, local_accumulation: bool, n_params: usize
     }
 }
 
-fn output_dir(args: &TrainArgs) -> Result<PathBuf> {
-    let dir = match &args.out {
-        Some(d) => d.clone(),
-        None => {
-            let secs =
-                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-            PathBuf::from("runs").join(format!("run-{secs}"))
-        }
-    };
-    for f in ["metrics.jsonl", gpt::hf::WEIGHTS_FILE] {
+/// The file holding a run folder's identity.
+pub const RUN_ID_FILE: &str = "run_id";
+
+/// A new run id: sub-second time, process id and a per-process counter, so
+/// two runs never share one.
+fn new_run_id() -> String {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    format!(
+        "{}-{:09}-{}-{}",
+        now.as_secs(),
+        now.subsec_nanos(),
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// The run id stored in `dir`, if any.
+fn read_run_id(dir: &Path) -> Result<Option<String>> {
+    match std::fs::read_to_string(dir.join(RUN_ID_FILE)) {
+        Ok(t) => Ok(Some(t.trim().to_string())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("cannot read {}", dir.join(RUN_ID_FILE).display())),
+    }
+}
+
+/// Where a new run writes: `--out`, or `runs/run-<id>` (created exclusively
+/// in [`open_outputs`]). Refuses a folder that holds any trace of a run.
+fn output_dir(args: &TrainArgs, run_id: &str) -> Result<(PathBuf, bool)> {
+    let Some(dir) = &args.out else { return Ok((PathBuf::from("runs").join(format!("run-{run_id}")), true)) };
+    for f in ["metrics.jsonl", gpt::hf::WEIGHTS_FILE, RUN_ID_FILE] {
         if dir.join(f).exists() {
             bail!(
-                "{} already holds a run ({f} exists); choose another --out directory so nothing saved is overwritten",
+                "{} already holds a run ({f} exists); choose another --out directory so nothing saved is overwritten (or continue it with --resume {})",
+                dir.display(),
                 dir.display()
             );
         }
     }
-    Ok(dir)
+    let ck = dir.join("checkpoints");
+    if std::fs::read_dir(&ck).is_ok_and(|mut e| e.next().is_some()) {
+        bail!(
+            "{} already holds a run ({} is not empty); choose another --out directory so no other run's checkpoint is adopted",
+            dir.display(),
+            ck.display()
+        );
+    }
+    Ok((dir.clone(), false))
 }
 
 /// Rank 0's outputs.
@@ -288,12 +319,36 @@ fn resolved_toml(plan: &Plan) -> String {
     resolved.to_toml()
 }
 
-fn open_outputs(plan: &Plan, dir: &Path, resume_step: Option<u64>) -> Result<Outputs> {
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create output directory {}", dir.display()))?;
+/// Creates `dir` for a new run: exclusively for a generated name (two runs
+/// started at once never share a folder), or as given by `--out`.
+fn create_run_dir(dir: &Path, exclusive: bool) -> Result<PathBuf> {
+    if !exclusive {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create output directory {}", dir.display()))?;
+        return Ok(dir.to_path_buf());
+    }
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("cannot create output directory {}", parent.display()))?;
+    }
+    for i in 0..1000 {
+        let candidate = if i == 0 { dir.to_path_buf() } else { PathBuf::from(format!("{}-{i}", dir.display())) };
+        match std::fs::create_dir(&candidate) {
+            Ok(()) => return Ok(candidate),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e).with_context(|| format!("cannot create output directory {}", candidate.display())),
+        }
+    }
+    bail!("cannot create a new output directory next to {}: 1000 names taken", dir.display())
+}
+
+fn open_outputs(plan: &Plan, dir: &Path, resume_step: Option<u64>, run_id: &str) -> Result<Outputs> {
+    if resume_step.is_none() {
+        gpt::hf::write_atomic(&dir.join(RUN_ID_FILE), format!("{run_id}\n").as_bytes())?;
+    }
     gpt::hf::write_atomic(&dir.join(checkpoint::CONFIG), resolved_toml(plan).as_bytes())?;
     let metrics = dir.join("metrics.jsonl");
     if let Some(step) = resume_step {
-        checkpoint::truncate_metrics(&metrics, step)?;
+        checkpoint::truncate_metrics(&metrics, step, |w| eprintln!("{w}"))?;
     }
     let reporter = Reporter::new(&metrics, plan.cfg.train.steps, plan.cfg.train.log_every, resume_step.is_some())?;
     reporter.println(&format!(
@@ -330,6 +385,68 @@ pub struct Start {
     pub stop_signal: Arc<AtomicBool>,
     /// Test fault injection.
     pub fault: Option<Fault>,
+    /// The number of the signal that asked to stop (0: none).
+    pub signal: Arc<AtomicUsize>,
+    /// Set when the ranks stopped before `train.steps` (signal or --stop-after).
+    pub stopped_early: Arc<AtomicBool>,
+    /// This run's identity, written into every checkpoint.
+    pub run_id: String,
+}
+
+/// How a training invocation ended without error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// All `train.steps` done and the model saved.
+    Finished,
+    /// Stopped early by `--stop-after` (checkpoint written).
+    StoppedAfter,
+    /// Stopped by a signal (checkpoint written): exit 128 + its number.
+    Signalled(i32),
+}
+
+/// Runs `work` (rank 0's alone: writing a checkpoint) while every other rank
+/// waits in tiny all-reduces that rank 0 answers every `interval` — so
+/// rank-0-only work of any length never counts against the others'
+/// `dist.timeout_s`, while a rank 0 that dies or stalls is still noticed
+/// within it. Every rank must call it at the same point (`work` is `Some` on
+/// rank 0 only).
+fn rank0_phase<T: Send>(
+    comm: &mut dyn Communicator,
+    interval: Duration,
+    work: Option<impl FnOnce() -> Result<T> + Send>,
+) -> Result<Option<T>> {
+    let Some(work) = work else {
+        loop {
+            let mut done = [0.0f64];
+            comm.all_reduce_sum_f64(&mut done)?;
+            if done[0] > 0.0 {
+                return Ok(None);
+            }
+        }
+    };
+    if comm.world_size() == 1 {
+        return work().map(Some);
+    }
+    std::thread::scope(|s| {
+        let (tx, rx) = mpsc::channel();
+        s.spawn(move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work))
+                .unwrap_or_else(|_| Err(anyhow!("rank 0 panicked while writing a checkpoint")));
+            let _ = tx.send(r);
+        });
+        loop {
+            let r = match rx.recv_timeout(interval) {
+                Err(mpsc::RecvTimeoutError::Timeout) => None,
+                Ok(r) => Some(r),
+                Err(mpsc::RecvTimeoutError::Disconnected) => Some(Err(anyhow!("the checkpoint writer vanished"))),
+            };
+            let mut done = [r.is_some() as u8 as f64];
+            comm.all_reduce_sum_f64(&mut done)?;
+            if let Some(r) = r {
+                return r.map(Some);
+            }
+        }
+    })
 }
 
 /// The training loop of one rank. Rank 0 (holding `outputs`) evaluates,
@@ -379,6 +496,9 @@ fn train_rank(
     let config_toml = resolved_toml(plan);
     let start = Instant::now();
     let mut order: Option<(u64, Vec<usize>)> = None;
+    // Heartbeat of rank-0-only phases: well inside every rank's timeout.
+    let heartbeat = Duration::from_secs_f64((cfg.dist.timeout_s / 4.0).clamp(0.001, 1.0));
+    let mut skips_at_floor = 0u64;
     for step_idx in first_step..steps {
         let step = step_idx + 1;
         if let Some(f) = &start_from.fault {
@@ -393,6 +513,17 @@ fn train_rank(
         let t0 = Instant::now();
         let report = trainer.step(&mut model, comm, &batches)?;
         let step_s = t0.elapsed().as_secs_f64();
+        // f16: a scale stuck at its floor that still overflows skips every
+        // step and the run makes no progress. (Every rank skips alike.)
+        let at_floor = trainer.loss_scaler().is_some_and(|s| s.scale <= cfg.train.min_loss_scale);
+        skips_at_floor = if report.skipped && at_floor { skips_at_floor + 1 } else { 0 };
+        let max_skips = cfg.train.max_skips_at_min_scale;
+        if max_skips > 0 && skips_at_floor >= max_skips {
+            bail!(
+                "step {step}: {skips_at_floor} steps in a row were skipped for non-finite gradients at the minimum loss scale ({}); the run cannot make progress (lower optim.lr, enable train.grad_clip, use train.precision=bf16, or lower train.min_loss_scale; train.max_skips_at_min_scale sets this limit)",
+                cfg.train.min_loss_scale
+            );
+        }
         if model_states_rss.is_none() {
             drop(batches);
             let m = trainer.memory();
@@ -431,7 +562,11 @@ fn train_rank(
             None
         };
         let Some(out) = outputs.as_mut() else {
+            if is_checkpoint {
+                rank0_phase(comm, heartbeat, None::<fn() -> Result<()>>)?;
+            }
             if stop {
+                start_from.stopped_early.store(true, Ordering::SeqCst);
                 return Ok(());
             }
             continue;
@@ -462,7 +597,11 @@ fn train_rank(
             mem_comm_buffers: mem.comm_buffers,
             mem_peak_rss: peak_rss_bytes(),
         })?;
-        if let Some((params, opt_state)) = full_state {
+        if let Some((mut params, opt_state)) = full_state {
+            if start_from.fault.is_some_and(|f| f.poisons(step)) {
+                let last = params.len() - 1;
+                params[last] = f32::NAN;
+            }
             let (epoch, step_in_epoch) = plan.sampler.position(step);
             let state = TrainerState {
                 step,
@@ -480,20 +619,38 @@ fn train_rank(
                     hysteresis_left: s.hysteresis_left,
                     n_skipped: s.n_skipped,
                 }),
+                run_id: Some(start_from.run_id.clone()),
             };
-            let path = checkpoint::save(&out.dir, &plan.model, &model, &params, &opt_state, &state, &config_toml)?;
-            checkpoint::prune(&out.dir, cfg.train.keep_checkpoints)?;
+            let delay = start_from.fault.and_then(|f| f.checkpoint_delay(rank, step));
+            let (dir, model_ref) = (&out.dir, &model);
+            let write = || -> Result<PathBuf> {
+                if let Some(d) = delay {
+                    std::thread::sleep(d);
+                }
+                let path = checkpoint::save(dir, &plan.model, model_ref, &params, &opt_state, &state, &config_toml)?;
+                checkpoint::prune(dir, cfg.train.keep_checkpoints)?;
+                Ok(path)
+            };
+            let path = rank0_phase(comm, heartbeat, Some(write))?.context("rank 0 wrote no checkpoint")?;
             if stop {
                 out.reporter.finish();
+                let signal = start_from.signal.load(Ordering::SeqCst);
+                let how =
+                    if signal != 0 { format!(" (signal {signal}: exit code {})", 128 + signal) } else { String::new() };
                 eprintln!(
-                    "stopped after step {step}; checkpoint {} written. Continue with: macrobatch train --resume {}",
+                    "stopped after step {step}{how}; checkpoint {} written. Continue with: macrobatch train --resume {}",
                     path.display(),
                     out.dir.display()
                 );
+                start_from.stopped_early.store(true, Ordering::SeqCst);
                 return Ok(());
             }
+        } else if is_checkpoint {
+            // Rank 0 without the full state cannot happen; keep the phases paired.
+            rank0_phase(comm, heartbeat, Some(|| Ok(())))?;
         }
         if stop {
+            start_from.stopped_early.store(true, Ordering::SeqCst);
             return Ok(());
         }
     }
@@ -526,6 +683,7 @@ fn train_rank(
     }
     if let (Some(out), Some(params)) = (outputs, params) {
         out.reporter.finish();
+        checkpoint::check_finite(model.layout(), &params, "final parameters")?;
         gpt::hf::save(&out.dir, &plan.model, model.layout(), &params)?;
         eprintln!(
             "done: {steps} steps in {:.1}s; model saved to {} (try: macrobatch generate {} --prompt \"Call me\")",
@@ -596,11 +754,81 @@ where
     bail!("training failed on {} of {world} ranks:\n  {}", failures.len() + (world - n_done), msg.join("\n  "))
 }
 
+/// The memory check of a training plan: per-process need against what is available.
+pub fn check_memory(plan: &Plan) -> Result<()> {
+    let cfg = &plan.cfg;
+    let o = &cfg.optim;
+    let shape = memory::TrainShape {
+        model: plan.model,
+        micro: plan.batch.micro,
+        seq_len: plan.train.seq_len(),
+        world: plan.batch.world_size,
+        ranks_here: match plan.backend {
+            Backend::Threads(n) => n,
+            _ => 1,
+        },
+        zero_stage: cfg.dist.zero_stage,
+        low_precision: precision_of(cfg).is_low(),
+        optimizer_slots: match o.name.as_str() {
+            "sgd" if o.momentum > 0.0 => 1,
+            "sgd" => 0,
+            _ => 2,
+        },
+    };
+    let need = memory::train_need(&shape);
+    let breakdown = format!(
+        "{} parameters; per rank {} bytes of parameters, gradients and optimizer state at ZeRO stage {} in {} and {} bytes of activations for batch.micro = {} × seq {}; {} rank(s) in this process",
+        memory::n_params(&plan.model),
+        need.model_states,
+        cfg.dist.zero_stage,
+        cfg.train.precision,
+        need.activations,
+        plan.batch.micro,
+        plan.train.seq_len(),
+        need.ranks_here
+    );
+    memory::check(
+        "this run",
+        need.total(),
+        &breakdown,
+        "use a smaller batch.micro (more batch.accumulation_steps keep the global batch), a higher dist.zero_stage with more ranks, train.precision = bf16, or a smaller model",
+    )
+}
+
+/// Removes what a run that failed before its first step created, so the
+/// corrected rerun is not refused as "already holds a run".
+fn remove_unstarted(dir: &Path, created_dir: bool) {
+    let metrics = dir.join("metrics.jsonl");
+    let started = std::fs::metadata(&metrics).is_ok_and(|m| m.len() > 0)
+        || std::fs::read_dir(dir.join("checkpoints")).is_ok_and(|mut e| e.next().is_some());
+    if started {
+        return;
+    }
+    if created_dir {
+        let _ = std::fs::remove_dir_all(dir);
+    } else {
+        for f in ["metrics.jsonl", RUN_ID_FILE, checkpoint::CONFIG, "memory.json"] {
+            let _ = std::fs::remove_file(dir.join(f));
+        }
+        let _ = std::fs::remove_dir(dir.join("checkpoints"));
+    }
+}
+
 /// `macrobatch train`.
-pub fn run(args: TrainArgs) -> Result<()> {
+pub fn run(args: TrainArgs) -> Result<Outcome> {
     let resume_dir = match &args.resume {
         None => None,
-        Some(Some(d)) => Some(d.clone()),
+        Some(Some(d)) => {
+            if let Some(out) = args.out.as_ref().filter(|o| *o != d) {
+                bail!(
+                    "--resume {} continues that run in its own folder, so --out {} would be ignored; drop --out (or copy the run folder to {} and resume that)",
+                    d.display(),
+                    out.display(),
+                    out.display()
+                );
+            }
+            Some(d.clone())
+        }
         Some(None) => Some(args.out.clone().context("--resume needs the run directory: --resume DIR (or --out DIR)")?),
     };
     let (cfg, resume) = match &resume_dir {
@@ -608,7 +836,27 @@ pub fn run(args: TrainArgs) -> Result<()> {
             if args.config.is_some() {
                 bail!("--resume continues with the config saved in the checkpoint; drop the CONFIG argument (use --set to override single keys)");
             }
+            if !dir.is_dir() {
+                bail!("--resume {}: no such run folder", dir.display());
+            }
+            for line in checkpoint::clean_leftovers(dir)? {
+                eprintln!("{line}");
+            }
             let loaded = checkpoint::latest_valid(dir, |w| eprintln!("{w}"))?;
+            let folder_id = read_run_id(dir)?;
+            match (&folder_id, &loaded.state.run_id) {
+                (Some(f), Some(c)) if f != c => bail!(
+                    "checkpoint {} belongs to run {c}, but {} is run {f}: refusing to continue another run's checkpoint",
+                    loaded.dir.display(),
+                    dir.display()
+                ),
+                (Some(f), None) => bail!(
+                    "checkpoint {} has no run id, but {} is run {f}: it was not written by this run; refusing to adopt it",
+                    loaded.dir.display(),
+                    dir.display()
+                ),
+                _ => {}
+            }
             eprintln!("resuming from {} (step {})", loaded.dir.display(), loaded.state.step);
             let origin = loaded.dir.join(checkpoint::CONFIG).display().to_string();
             (Config::from_toml(&loaded.config_toml, &origin, &args.set)?, Some(Arc::new(loaded)))
@@ -616,8 +864,12 @@ pub fn run(args: TrainArgs) -> Result<()> {
         None => (load_config(args.config.as_deref(), &args.set)?, None),
     };
     let mut cfg = cfg;
+    // Checked before anything is read or created.
+    cfg.validate()?;
     let init_params = match &args.init_from {
         Some(path) if resume.is_none() => {
+            memory::check_load(path, &format!("--init-from {}", path.display()))
+                .with_context(|| format!("--init-from {}: cannot load a GPT-2 model", path.display()))?;
             let (mcfg, params) = gpt::hf::load(path)
                 .with_context(|| format!("--init-from {}: cannot load a GPT-2 model", path.display()))?;
             // The pretrained shape wins over the preset.
@@ -656,45 +908,98 @@ pub fn run(args: TrainArgs) -> Result<()> {
                 plan.cfg.optim.name
             );
         }
+        if plan.cfg.train.steps < l.state.step {
+            bail!(
+                "train.steps = {} is below the checkpoint's step {} ({}): a run cannot go back; resume with train.steps >= {} (or start a new run)",
+                plan.cfg.train.steps,
+                l.state.step,
+                l.dir.display(),
+                l.state.step
+            );
+        }
     }
     let cfg = &plan.cfg;
+    for w in cfg.warnings() {
+        eprintln!("warning: {w}");
+    }
+    check_memory(&plan)?;
     if cfg.train.threads > 0 {
         rayon::ThreadPoolBuilder::new()
             .num_threads(cfg.train.threads)
             .build_global()
             .context("cannot start the thread pool")?;
     }
-    let dir = match &resume_dir {
-        Some(d) => d.clone(),
-        None => output_dir(&args)?,
+    let run_id = match (&resume_dir, &resume) {
+        (Some(dir), Some(l)) => match read_run_id(dir)? {
+            Some(id) => id,
+            None => {
+                // A folder from before run ids: take the checkpoint's, or give it one.
+                let id = l.state.run_id.clone().unwrap_or_else(new_run_id);
+                gpt::hf::write_atomic(&dir.join(RUN_ID_FILE), format!("{id}\n").as_bytes())?;
+                id
+            }
+        },
+        _ => new_run_id(),
+    };
+    // Checked on every rank; created by rank 0 alone (under MPI the other
+    // ranks never touch the file system).
+    let (planned_dir, generated) = match &resume_dir {
+        Some(d) => (d.clone(), false),
+        None => output_dir(&args, &run_id)?,
+    };
+    let created_dir = resume_dir.is_none() && !planned_dir.exists();
+    let made: std::sync::Mutex<Option<PathBuf>> = std::sync::Mutex::new(None);
+    let make_dir = || -> Result<PathBuf> {
+        let d = if resume_dir.is_some() { planned_dir.clone() } else { create_run_dir(&planned_dir, generated)? };
+        if let Ok(mut m) = made.lock() {
+            *m = Some(d.clone());
+        }
+        Ok(d)
     };
     let stop_signal = Arc::new(AtomicBool::new(false));
+    let signal = Arc::new(AtomicUsize::new(0));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         // A second signal while the first is being honoured ends the process at once.
-        signal_hook::flag::register_conditional_shutdown(sig, 130, stop_signal.clone())
+        signal_hook::flag::register_conditional_shutdown(sig, 128 + sig, stop_signal.clone())
+            .context("cannot install signal handler")?;
+        signal_hook::flag::register_usize(sig, signal.clone(), sig as usize)
             .context("cannot install signal handler")?;
         signal_hook::flag::register(sig, stop_signal.clone()).context("cannot install signal handler")?;
     }
     let resume_step = resume.as_ref().map(|l| l.state.step);
-    let start = Start { resume, init_params, stop_after: args.stop_after, stop_signal, fault: Fault::from_env()? };
+    let start = Start {
+        resume,
+        init_params,
+        stop_after: args.stop_after,
+        stop_signal: stop_signal.clone(),
+        fault: Fault::from_env()?,
+        signal: signal.clone(),
+        stopped_early: Arc::new(AtomicBool::new(false)),
+        run_id: run_id.clone(),
+    };
+    let stopped_early = start.stopped_early.clone();
     let timeout = Duration::from_secs_f64(cfg.dist.timeout_s);
-    match backend {
-        Backend::Single => {
-            train_rank(&plan, &mut comm::SingleProcess::new(), Some(open_outputs(&plan, &dir, resume_step)?), &start)
-        }
+    let result = match backend {
+        Backend::Single => make_dir()
+            .and_then(|dir| open_outputs(&plan, &dir, resume_step, &run_id))
+            .and_then(|out| train_rank(&plan, &mut comm::SingleProcess::new(), Some(out), &start)),
         Backend::Threads(world) => {
-            let outputs = std::sync::Mutex::new(Some(open_outputs(&plan, &dir, resume_step)?));
-            let plan = plan.clone();
-            run_thread_ranks(world, timeout, move |c| {
-                let out = if c.rank() == 0 { outputs.lock().ok().and_then(|mut o| o.take()) } else { None };
-                train_rank(&plan, c, out, &start)
+            make_dir().and_then(|dir| open_outputs(&plan, &dir, resume_step, &run_id)).and_then(|out| {
+                let outputs = std::sync::Mutex::new(Some(out));
+                let plan = plan.clone();
+                let start = start.clone();
+                run_thread_ranks(world, timeout, move |c| {
+                    let out = if c.rank() == 0 { outputs.lock().ok().and_then(|mut o| o.take()) } else { None };
+                    train_rank(&plan, c, out, &start)
+                })
             })
         }
         Backend::Mpi(_) => {
             let mut c = dist::mpi_comm(timeout)?;
             // Every rank checked the output directory above; rank 0 alone writes it.
             let r = match c.rank() {
-                0 => open_outputs(&plan, &dir, resume_step)
+                0 => make_dir()
+                    .and_then(|dir| open_outputs(&plan, &dir, resume_step, &run_id))
                     .and_then(|out| train_rank(&plan, c.as_mut(), Some(out), &start)),
                 _ => train_rank(&plan, c.as_mut(), None, &start),
             };
@@ -703,5 +1008,18 @@ pub fn run(args: TrainArgs) -> Result<()> {
             }
             r
         }
+    };
+    if let Err(e) = result {
+        if resume_step.is_none() {
+            if let Some(dir) = made.lock().ok().and_then(|m| m.clone()) {
+                remove_unstarted(&dir, created_dir);
+            }
+        }
+        return Err(e);
     }
+    Ok(match (stopped_early.load(Ordering::SeqCst), signal.load(Ordering::SeqCst)) {
+        (false, _) => Outcome::Finished,
+        (true, 0) => Outcome::StoppedAfter,
+        (true, n) => Outcome::Signalled(n as i32),
+    })
 }

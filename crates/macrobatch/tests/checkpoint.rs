@@ -1,4 +1,4 @@
-//! Checkpoints: exact resume (also with thread ranks), a real SIGINT,
+//! Checkpoints: exact resume (also with thread ranks), a real SIGINT (exit 130),
 //! fallback from corrupt checkpoints, --init-from, and bad input.
 
 mod common;
@@ -60,7 +60,7 @@ fn stop_and_resume_is_bit_identical_with_accumulation_ranks_and_zero() {
 }
 
 #[test]
-fn sigint_checkpoints_exits_zero_and_resumes_exactly() {
+fn sigint_checkpoints_exits_130_and_resumes_exactly() {
     let (a, b) = (tmp("sig-a"), tmp("sig-b"));
     let sets = ckpt_sets(&["train.steps=100000", "train.checkpoint_every=0", "train.eval_every=0"]);
     let mut c = bin();
@@ -76,7 +76,7 @@ fn sigint_checkpoints_exits_zero_and_resumes_exactly() {
     assert!(kill.success());
     let o = child.wait_with_output().unwrap();
     let err = stderr(&o);
-    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert_eq!(o.status.code(), Some(130), "stopped by SIGINT is not success: {err}");
     let stopped = metrics(&a).len() as u64;
     assert!(err.contains(&format!("stopped after step {stopped}")), "{err}");
     // Continue 3 more steps and compare with a run that never stopped.
