@@ -122,12 +122,14 @@ pub fn check_gradient<F: Family>(f: &F) -> Check {
         let stride = n.div_ceil(16).max(1);
         for k in (0..n).step_by(stride) {
             let i = t.offset + k;
+            // The steps actually taken: x ± h rounded to f32.
+            let (hi, lo) = ((params[i] as f64 + h) as f32, (params[i] as f64 - h) as f32);
             let mut p = params.clone();
-            p[i] = (params[i] as f64 + h) as f32;
+            p[i] = hi;
             let up = loss(&p)?;
-            p[i] = (params[i] as f64 - h) as f32;
+            p[i] = lo;
             let down = loss(&p)?;
-            let fd = (up - down) / (p_step(params[i], h) * 2.0);
+            let fd = (up - down) / (hi as f64 - lo as f64);
             let got = g[gi + k] as f64;
             if (got - fd).abs() > rtol * fd.abs() + atol {
                 return Err(format!(
@@ -139,11 +141,6 @@ pub fn check_gradient<F: Family>(f: &F) -> Check {
         gi += n;
     }
     Ok(())
-}
-
-/// The step actually taken in f32 around `x` (x ± h rounded), halved.
-fn p_step(x: f32, h: f64) -> f64 {
-    (((x as f64 + h) as f32) as f64 - ((x as f64 - h) as f32) as f64) / 2.0
 }
 
 /// K uneven micro-batches equal one big batch (gradient of one step).
@@ -356,7 +353,8 @@ pub fn check_resume<F: Family>(f: &F) -> Check {
 
 /// Every check, in order; the first failure names the check.
 pub fn run_all<F: Family>(f: &F) -> Check {
-    let checks: [(&str, fn(&F) -> Check); 6] = [
+    type Named<F> = (&'static str, fn(&F) -> Check);
+    let checks: [Named<F>; 6] = [
         ("finite differences", check_gradient),
         ("K-invariance", check_k_invariance),
         ("several steps", check_several_steps),

@@ -370,7 +370,7 @@ mod tests {
     #[test]
     fn segments_must_hold_whole_tensors() {
         assert!(GradSpace::new(&layout(), vec![0..4, 4..10]).is_err());
-        assert!(GradSpace::new(&layout(), vec![0..5]).is_err());
+        assert!(GradSpace::new(&layout(), std::iter::once(0..5).collect()).is_err());
     }
 
     #[test]
@@ -378,7 +378,7 @@ mod tests {
         let l = layout();
         let space = GradSpace::new(&l, vec![0..5, 5..10]).unwrap();
         let mut flags = vec![false; 4];
-        let mut buf = vec![7.0f32; 10]; // stale values of a previous step
+        let mut buf = [7.0f32; 10]; // stale values of a previous step
         {
             let mut g = Written { space: &space, flags: &mut flags }.into_view(0, &mut buf[0..5]);
             let a = g.tensor(0..3).unwrap();

@@ -92,7 +92,7 @@ pub struct StepReport {
     pub loss_scale: f32,
 }
 
-/// Bytes this rank holds, by kind (the contract's (docs/contract.md, Memory) per-rank model states).
+/// Bytes this rank holds, by kind (the per-rank model states of docs/contract.md, Memory).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 pub struct MemoryReport {
     /// Parameters resident between steps (all at stages 0–2, the shard at 3).
@@ -146,6 +146,8 @@ pub struct Trainer {
     model_copy: Option<ModelCopy>,
     scaler: Option<LossScaler>,
     optimizer: Optimizer,
+    /// This rank's update, piece by piece (derived from the partition once).
+    update: Vec<UpdateChunk>,
     schedule: LrSchedule,
     options: TrainerOptions,
     n_steps: u64,
@@ -265,7 +267,9 @@ impl Trainer {
             Reduction::AllReduce => 0,
         };
         let scaler = (precision == Precision::F16).then(|| LossScaler::new(options.loss_scaler));
+        let update = update_chunks(&part, &layout, stage, master_sharded);
         Ok(Self {
+            update,
             written: vec![false; layout.tensors().len()],
             layout,
             part,
@@ -757,7 +761,8 @@ impl Trainer {
                         continue; // nothing trainable: no communication
                     }
                     let g = self.part.space.grad_segments[j].clone();
-                    self.part.pack_grads(j, &self.grads[g], &mut self.scratch[..t * w]);
+                    self.scratch[..g.len()].copy_from_slice(&self.grads[g]);
+                    self.part.pack_grads_in_place(j, &mut self.scratch[..t * w]);
                     let mut out = vec![0.0; t];
                     comm.reduce_scatter_sum(&self.scratch[..t * w], &mut out)?;
                     let own = self.part.grad_owned(j, self.part.rank);
@@ -788,30 +793,16 @@ impl Trainer {
     /// The optimizer update of this rank's part (every trainable parameter
     /// at stage 0), reading the gradient scaled by `grad_scale`.
     fn apply_update(&mut self, lr: f32) {
-        let runs = self.part.update_runs(
-            self.master_sharded(),
-            self.stage.accumulation() == Accumulation::PerSegment,
-            self.stage.shards_optimizer(),
-        );
-        let tensors = self.layout.tensors();
-        let mut chunks = Vec::with_capacity(runs.len());
-        for &(p, g, s, n, idx) in &runs {
-            // Pieces of at most CHUNK elements, the unit of parallel work.
-            for at in (0..n).step_by(CHUNK) {
-                let m = CHUNK.min(n - at);
-                chunks.push((p + at..p + at + m, g + at, s + at, tensors[idx].decay));
-            }
-        }
-        let ranges: Vec<Range<usize>> = chunks.iter().map(|c| c.0.clone()).collect();
+        let ranges: Vec<Range<usize>> = self.update.iter().map(|c| c.params.clone()).collect();
         let grads = &self.grads;
         let pieces: Vec<Piece<'_>> = split(&mut self.params, &ranges)
             .into_iter()
-            .zip(&chunks)
-            .map(|(params, (r, g, s, decay))| Piece {
+            .zip(&self.update)
+            .map(|(params, c)| Piece {
                 params,
-                grads: &grads[*g..*g + r.len()],
-                state: *s..*s + r.len(),
-                decay: *decay,
+                grads: &grads[c.grads..c.grads + c.params.len()],
+                state: c.state..c.state + c.params.len(),
+                decay: c.decay,
             })
             .collect();
         self.optimizer.update_pieces(pieces, lr, self.grad_scale);
@@ -883,6 +874,32 @@ impl Trainer {
     }
 }
 
+/// One piece of this rank's optimizer update: where its parameters,
+/// gradient and optimizer state live, and whether weight decay applies.
+#[derive(Debug, Clone)]
+struct UpdateChunk {
+    params: Range<usize>,
+    grads: usize,
+    state: usize,
+    decay: bool,
+}
+
+/// The pieces of this rank's update, at most CHUNK elements each (the unit
+/// of parallel work), fixed for the trainer's life.
+fn update_chunks(part: &Partition, layout: &ParamLayout, stage: Stage, master_sharded: bool) -> Vec<UpdateChunk> {
+    let runs =
+        part.update_runs(master_sharded, stage.accumulation() == Accumulation::PerSegment, stage.shards_optimizer());
+    let mut chunks = Vec::with_capacity(runs.len());
+    for (p, g, s, n, idx) in runs {
+        for at in (0..n).step_by(CHUNK) {
+            let m = CHUNK.min(n - at);
+            let decay = layout.tensors()[idx].decay;
+            chunks.push(UpdateChunk { params: p + at..p + at + m, grads: g + at, state: s + at, decay });
+        }
+    }
+    chunks
+}
+
 /// Seeds of one step's backward passes.
 struct Seeds {
     per_micro: Vec<f32>,
@@ -914,6 +931,22 @@ struct StepStore<'a> {
     scratch: &'a mut [f32],
     comm: &'a mut dyn Communicator,
     step: u64,
+}
+
+/// Segment `seg`'s gradient buffer during a step: its range of the local
+/// accumulator, or the front of the transient per-segment buffer.
+fn grad_buf<'b>(
+    part: &Partition,
+    stage: Stage,
+    grads: &'b mut [f32],
+    seg_grads: &'b mut [f32],
+    seg: usize,
+) -> &'b mut [f32] {
+    let g = part.space.grad_segments[seg].clone();
+    match stage.accumulation() {
+        Accumulation::Local => &mut grads[g],
+        Accumulation::PerSegment => &mut seg_grads[..g.len()],
+    }
 }
 
 impl ParamStore for StepStore<'_> {
@@ -948,11 +981,7 @@ impl ParamStore for StepStore<'_> {
         if !self.with_grads {
             return Ok(SegmentView { params, grads: SegmentGrads::none() });
         }
-        let g = self.part.space.grad_segments[seg].clone();
-        let buf = match self.stage.accumulation() {
-            Accumulation::Local => &mut self.grads[g],
-            Accumulation::PerSegment => &mut self.seg_grads[..g.len()],
-        };
+        let buf = grad_buf(self.part, self.stage, self.grads, self.seg_grads, seg);
         let grads = Written { space: &self.part.space, flags: self.written }.into_view(seg, buf);
         Ok(SegmentView { params, grads })
     }
@@ -960,10 +989,7 @@ impl ParamStore for StepStore<'_> {
     fn done(&mut self, seg: usize, backward: bool) -> Result<(), EngineError> {
         if self.with_grads && backward {
             let part = self.part;
-            let buf = match self.stage.accumulation() {
-                Accumulation::Local => &mut self.grads[part.space.grad_segments[seg].clone()],
-                Accumulation::PerSegment => &mut self.seg_grads[..part.space.grad_segments[seg].len()],
-            };
+            let buf = grad_buf(part, self.stage, self.grads, self.seg_grads, seg);
             let mut written = Written { space: &part.space, flags: self.written };
             written.clear_unwritten(seg, buf);
             let t = part.grad_piece[seg];

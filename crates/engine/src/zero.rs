@@ -226,21 +226,10 @@ impl Partition {
         self.grad_offset[seg]..self.grad_offset[seg] + self.grad_piece[seg]
     }
 
-    /// Packs segment `seg` of a gradient-space buffer (`grads` holds the
-    /// segment's gradients, relative) into `W` blocks of `t_j`, block `r`
-    /// = rank `r`'s gradient piece, zero-padded: a reduce-scatter's input.
-    pub fn pack_grads(&self, seg: usize, grads: &[f32], out: &mut [f32]) {
-        let (t, g0) = (self.grad_piece[seg], self.space.grad_segments[seg].start);
-        for r in 0..self.world_size {
-            let own = self.grad_owned(seg, r);
-            let dst = &mut out[r * t..(r + 1) * t];
-            dst[..own.len()].copy_from_slice(&grads[own.start - g0..own.end - g0]);
-            dst[own.len()..].fill(0.0);
-        }
-    }
-
-    /// [`Partition::pack_grads`] in place: `buf` holds segment `seg`'s
-    /// gradients at its front and has room for `W·t_j`. Block `r` moves
+    /// Packs segment `seg`'s gradients into a reduce-scatter's input, in
+    /// place: `buf` holds them at its front and has room for `W·t_j`; after,
+    /// block `r` (`t_j` long) is rank `r`'s gradient piece, zero-padded.
+    /// Block `r` moves
     /// forward (never onto a lower block's source), so blocks are moved
     /// from the last to the first; with nothing frozen every block is
     /// already in place and only the padding is written.
@@ -257,19 +246,24 @@ impl Partition {
 
     /// Copies this rank's parameter pieces of a full buffer into a shard (padding zero).
     pub fn gather_own(&self, full: &[f32], shard: &mut [f32]) {
-        for seg in 0..self.n_segments() {
-            let own = self.owned(seg, self.rank);
-            let dst = &mut shard[self.shard_range(seg)];
-            dst[..own.len()].copy_from_slice(&full[own.clone()]);
-            dst[own.len()..].fill(0.0);
-        }
+        self.copy_own(full, shard, |j| self.owned(j, self.rank), |j| self.shard_range(j));
     }
 
     /// Copies this rank's gradient pieces of a full gradient-space buffer into a gradient shard.
     pub fn gather_own_grads(&self, full: &[f32], shard: &mut [f32]) {
+        self.copy_own(full, shard, |j| self.grad_owned(j, self.rank), |j| self.grad_shard_range(j));
+    }
+
+    fn copy_own(
+        &self,
+        full: &[f32],
+        shard: &mut [f32],
+        own: impl Fn(usize) -> Range<usize>,
+        dst: impl Fn(usize) -> Range<usize>,
+    ) {
         for seg in 0..self.n_segments() {
-            let own = self.grad_owned(seg, self.rank);
-            let dst = &mut shard[self.grad_shard_range(seg)];
+            let own = own(seg);
+            let dst = &mut shard[dst(seg)];
             dst[..own.len()].copy_from_slice(&full[own.clone()]);
             dst[own.len()..].fill(0.0);
         }

@@ -458,7 +458,7 @@ impl AttnShape {
     /// overflowing shape cannot pass.
     fn check(&self, kernel: &str, slices: &[(&str, usize, &[usize])]) {
         assert!(
-            self.n_head > 0 && self.t > 0 && self.c > 0 && self.c % self.n_head == 0,
+            self.n_head > 0 && self.t > 0 && self.c > 0 && self.c.is_multiple_of(self.n_head),
             "{kernel}: invalid shape {self:?} (n_head must be > 0 and divide c; t, c > 0)"
         );
         for (name, len, factors) in slices {

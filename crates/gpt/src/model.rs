@@ -335,6 +335,18 @@ impl ScratchBufs {
         }
     }
 
+    /// The same buffers as the forward's [`Work`], with GELU's output `u`.
+    fn work<'a>(&'a mut self, u: &'a mut Vec<f32>) -> Work<'a> {
+        Work {
+            dres: &mut self.dres,
+            dc: &mut self.dc,
+            d4c: &mut self.d4c,
+            dqkv: &mut self.dqkv,
+            datt: &mut self.datt,
+            u,
+        }
+    }
+
     fn len(&self) -> usize {
         [&self.dres, &self.dc, &self.d4c, &self.dqkv, &self.datt].iter().map(|v| v.len()).sum()
     }
@@ -650,15 +662,7 @@ impl Gpt {
         for idx in 0..self.cfg.n_layer {
             let seg = store.segment(Self::block_seg(idx))?;
             let acts = &mut self.acts;
-            let sc = &mut acts.scratch;
-            let work = Work {
-                dres: &mut sc.dres,
-                dc: &mut sc.dc,
-                d4c: &mut sc.d4c,
-                dqkv: &mut sc.dqkv,
-                datt: &mut sc.datt,
-                u: &mut acts.u,
-            };
+            let work = acts.scratch.work(&mut acts.u);
             block_forward(&self.ranges.block_rel, seg.params, &mut acts.x_buf, &mut acts.saved[idx], work, d, prec);
             store.done(Self::block_seg(idx), false)?;
         }

@@ -119,11 +119,56 @@ pub fn save(
     std::fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
     let name = step_dir_name(state.step);
     let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
-    let r = write_step(&root, &tmp, &name, model_cfg, model, params, optimizer_state, state, config_toml);
+    let (root, tmp, name) = (root.as_path(), tmp.as_path(), name.as_str());
+    let r = (|| -> Result<PathBuf> {
+        if tmp.exists() {
+            std::fs::remove_dir_all(tmp).with_context(|| format!("cannot clear {}", tmp.display()))?;
+        }
+        std::fs::create_dir_all(tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+
+        hf::save(tmp, model_cfg, model.layout(), params)?;
+        let tensors: Vec<(String, Vec<usize>, &[f32])> =
+            optimizer_state.iter().map(|(k, v)| (k.clone(), vec![v.len()], v.as_slice())).collect();
+        hf::write_safetensors(&tmp.join(OPTIMIZER), &tensors, &[("n_updates", state.n_updates.to_string())])?;
+        hf::write_atomic(&tmp.join(STATE), serde_json::to_string_pretty(state)?.as_bytes())?;
+        hf::write_atomic(&tmp.join(CONFIG), config_toml.as_bytes())?;
+
+        // The manifest goes last: it vouches for the files written before it.
+        let mut files = BTreeMap::new();
+        for f in [hf::WEIGHTS_FILE, hf::CONFIG_FILE, OPTIMIZER, STATE, CONFIG] {
+            let (bytes, sha256) = sha256_file(&tmp.join(f))?;
+            files.insert(f.to_string(), FileEntry { bytes, sha256 });
+        }
+        hf::write_atomic(
+            &tmp.join(MANIFEST),
+            serde_json::to_string_pretty(&Manifest { step: state.step, files })?.as_bytes(),
+        )?;
+        fsync_dir(tmp);
+
+        let dst = root.join(name);
+        if dst.exists() {
+            // A run resumed from an earlier checkpoint reaches this step again.
+            // Between the two renames the step exists only as `.old-…`:
+            // clean_leftovers restores it after a crash there.
+            let old = root.join(format!(".old-{name}-{}", std::process::id()));
+            std::fs::rename(&dst, &old).with_context(|| format!("cannot move aside {}", dst.display()))?;
+            fsync_dir(root);
+            if let Err(e) = std::fs::rename(tmp, &dst) {
+                let _ = std::fs::rename(&old, &dst);
+                return Err(e).with_context(|| format!("cannot publish {}", dst.display()));
+            }
+            fsync_dir(root);
+            let _ = std::fs::remove_dir_all(&old);
+        } else {
+            std::fs::rename(tmp, &dst).with_context(|| format!("cannot publish {}", dst.display()))?;
+        }
+        fsync_dir(root);
+        Ok(dst)
+    })();
     if r.is_err() {
         // A failed write (full disk, I/O error) leaves nothing behind; what
         // was published before stays as it was.
-        let _ = std::fs::remove_dir_all(&tmp);
+        let _ = std::fs::remove_dir_all(tmp);
         if let Ok(removed) = clean_leftovers(run_dir) {
             for line in removed {
                 eprintln!("{line}");
@@ -131,63 +176,6 @@ pub fn save(
         }
     }
     r
-}
-
-#[allow(clippy::too_many_arguments)]
-fn write_step(
-    root: &Path,
-    tmp: &Path,
-    name: &str,
-    model_cfg: &GptConfig,
-    model: &Gpt,
-    params: &[f32],
-    optimizer_state: &[(String, Vec<f32>)],
-    state: &TrainerState,
-    config_toml: &str,
-) -> Result<PathBuf> {
-    if tmp.exists() {
-        std::fs::remove_dir_all(tmp).with_context(|| format!("cannot clear {}", tmp.display()))?;
-    }
-    std::fs::create_dir_all(tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-
-    hf::save(tmp, model_cfg, model.layout(), params)?;
-    let tensors: Vec<(String, Vec<usize>, &[f32])> =
-        optimizer_state.iter().map(|(k, v)| (k.clone(), vec![v.len()], v.as_slice())).collect();
-    hf::write_safetensors(&tmp.join(OPTIMIZER), &tensors, &[("n_updates", state.n_updates.to_string())])?;
-    hf::write_atomic(&tmp.join(STATE), serde_json::to_string_pretty(state)?.as_bytes())?;
-    hf::write_atomic(&tmp.join(CONFIG), config_toml.as_bytes())?;
-
-    // The manifest goes last: it vouches for the files written before it.
-    let mut files = BTreeMap::new();
-    for f in [hf::WEIGHTS_FILE, hf::CONFIG_FILE, OPTIMIZER, STATE, CONFIG] {
-        let (bytes, sha256) = sha256_file(&tmp.join(f))?;
-        files.insert(f.to_string(), FileEntry { bytes, sha256 });
-    }
-    hf::write_atomic(
-        &tmp.join(MANIFEST),
-        serde_json::to_string_pretty(&Manifest { step: state.step, files })?.as_bytes(),
-    )?;
-    fsync_dir(tmp);
-
-    let dst = root.join(name);
-    if dst.exists() {
-        // A run resumed from an earlier checkpoint reaches this step again.
-        // Between the two renames the step exists only as `.old-…`:
-        // clean_leftovers restores it after a crash there.
-        let old = root.join(format!(".old-{name}-{}", std::process::id()));
-        std::fs::rename(&dst, &old).with_context(|| format!("cannot move aside {}", dst.display()))?;
-        fsync_dir(root);
-        if let Err(e) = std::fs::rename(tmp, &dst) {
-            let _ = std::fs::rename(&old, &dst);
-            return Err(e).with_context(|| format!("cannot publish {}", dst.display()));
-        }
-        fsync_dir(root);
-        let _ = std::fs::remove_dir_all(&old);
-    } else {
-        std::fs::rename(tmp, &dst).with_context(|| format!("cannot publish {}", dst.display()))?;
-    }
-    fsync_dir(root);
-    Ok(dst)
 }
 
 /// Errors naming the first tensor of `layout` with a non-finite value.

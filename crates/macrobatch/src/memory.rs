@@ -51,7 +51,8 @@ impl Available {
     }
 }
 
-fn read_kib(path: &str, key: &str) -> Option<u64> {
+/// A `KEY: N kB` figure of a /proc file, in bytes.
+pub fn read_kib(path: &str, key: &str) -> Option<u64> {
     let text = std::fs::read_to_string(path).ok()?;
     let line = text.lines().find(|l| l.starts_with(key))?;
     line.split_whitespace().nth(1)?.parse::<u64>().ok()?.checked_mul(1024)

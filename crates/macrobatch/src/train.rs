@@ -204,10 +204,7 @@ fn evaluate(trainer: &mut Trainer, model: &mut Gpt, comm: &mut dyn Communicator,
 
 /// A `/proc/self/status` memory figure in bytes (`VmHWM`: peak, `VmRSS`: now).
 fn proc_status_bytes(key: &str) -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with(key))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
+    memory::read_kib("/proc/self/status", key)
 }
 
 /// Bytes of physical memory this process has used at most (VmHWM), if known.
@@ -225,7 +222,7 @@ struct MemoryFile {
     accounting: engine::MemoryReport,
     /// Storage precision of the run.
     precision: String,
-    /// the contract's (docs/contract.md, Memory) per-rank model-state bytes for this stage (f32 runs; under
+    /// The per-rank model-state bytes of docs/contract.md (Memory) for this stage (f32 runs; under
     /// mixed precision macrobatch keeps an f32 gradient accumulator and, at
     /// stages 1–2, unsharded f32 master weights, so the formula does not apply).
     formula_model_states: Option<f64>,
@@ -237,7 +234,7 @@ struct MemoryFile {
     measured_model_states: Vec<u64>,
 }
 
-/// the contract's (docs/contract.md, Memory) per-rank model-state bytes in f32 (params 4Ψ, grads 4Ψ, AdamW
+/// The per-rank model-state bytes of docs/contract.md (Memory) in f32 (params 4Ψ, grads 4Ψ, AdamW
 /// 8Ψ; no separate master copy): stage 0 16Ψ, 1 8Ψ + 8Ψ/N, 2 4Ψ + 12Ψ/N,
 /// 3 16Ψ/N. Stage 2 accumulating locally keeps its full gradient: 8Ψ + 8Ψ/N.
 pub fn formula_model_states(stage: u8, local_accumulation: bool, n_params: usize, world: usize) -> f64 {
@@ -545,6 +542,10 @@ fn train_rank(
             stop = v[0];
         }
         let stop = stop > 0.0;
+        if stop {
+            // Agreed by every rank; an error later still wins over this.
+            start_from.stopped_early.store(true, Ordering::SeqCst);
+        }
         let is_eval = step == steps || (cfg.train.eval_every > 0 && step % cfg.train.eval_every == 0);
         let val_loss = if is_eval && (outputs.is_some() || all_ranks_eval) {
             Some(evaluate(&mut trainer, &mut model, comm, plan)?)
@@ -566,7 +567,6 @@ fn train_rank(
                 rank0_phase(comm, heartbeat, None::<fn() -> Result<()>>)?;
             }
             if stop {
-                start_from.stopped_early.store(true, Ordering::SeqCst);
                 return Ok(());
             }
             continue;
@@ -642,7 +642,6 @@ fn train_rank(
                     path.display(),
                     out.dir.display()
                 );
-                start_from.stopped_early.store(true, Ordering::SeqCst);
                 return Ok(());
             }
         } else if is_checkpoint {
@@ -650,7 +649,6 @@ fn train_rank(
             rank0_phase(comm, heartbeat, Some(|| Ok(())))?;
         }
         if stop {
-            start_from.stopped_early.store(true, Ordering::SeqCst);
             return Ok(());
         }
     }
