@@ -8,6 +8,7 @@
 //! many targets it saw; the [`Trainer`] owns everything that happens at the
 //! accumulation boundary.
 
+pub mod batch;
 pub mod conformance;
 pub mod error;
 pub mod layout;
@@ -21,6 +22,7 @@ pub mod store;
 pub mod trainer;
 pub mod zero;
 
+pub use batch::{TokenBatch, IGNORE_INDEX};
 pub use error::EngineError;
 pub use layout::{ParamLayout, TensorSpec};
 pub use model::{MicroStepStats, Model};

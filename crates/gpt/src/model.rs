@@ -15,28 +15,7 @@ use engine::{
 };
 use std::ops::Range;
 
-/// Targets below zero are ignored (PyTorch's `ignore_index = -100`).
-pub const IGNORE_INDEX: i32 = -100;
-
-/// One micro-batch of token sequences.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Batch {
-    /// Number of sequences B (0 is allowed: a rank without data).
-    pub n_seqs: usize,
-    /// Sequence length T.
-    pub seq_len: usize,
-    /// `B·T` input tokens, row-major.
-    pub inputs: Vec<u32>,
-    /// `B·T` targets; negative values are ignored.
-    pub targets: Vec<i32>,
-}
-
-impl Batch {
-    /// Number of targets that count.
-    pub fn n_targets(&self) -> u64 {
-        self.targets.iter().filter(|&&t| t >= 0).count() as u64
-    }
-}
+pub use engine::batch::{TokenBatch as Batch, IGNORE_INDEX};
 
 /// Element ranges of one block's parameters inside the flat buffer.
 #[derive(Debug, Clone)]
