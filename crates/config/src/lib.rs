@@ -3,6 +3,8 @@
 //! the data. One spelling per field: the Rust field, the TOML key and the
 //! `--set` path are the same.
 
+pub use data::DataFormat;
+pub use engine::{Decay, LossNormalization, OptimizerKind, Precision};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -96,11 +98,23 @@ impl Default for DistConfig {
     }
 }
 
-/// `[model]`: a preset, optionally with single dimensions overridden.
+/// Which model family `[model]` describes (Hugging Face's `model_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelFamily {
+    /// GPT-2 (learned positions, LayerNorm, GELU MLP, tied head).
+    #[default]
+    Gpt2,
+}
+
+/// `[model]`: a family and a preset, optionally with single dimensions
+/// overridden (a dimension the family does not have is an error).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
-    /// `tiny`, `mini`, `small`, `gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl`.
+    /// The family.
+    pub family: ModelFamily,
+    /// gpt2: `tiny`, `mini`, `small`, `gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl`.
     pub preset: String,
     /// Overrides the preset's number of blocks.
     pub n_layer: Option<usize>,
@@ -112,11 +126,31 @@ pub struct ModelConfig {
     pub block_size: Option<usize>,
     /// Overrides the preset's vocabulary size.
     pub vocab_size: Option<usize>,
+    /// Overrides the preset's key/value heads (grouped-query attention; not gpt2).
+    pub n_kv_head: Option<usize>,
+    /// Overrides the preset's MLP width (not gpt2, whose MLP is 4 × n_embd).
+    pub intermediate_size: Option<usize>,
+    /// Overrides the preset's rotary-embedding base (not gpt2).
+    pub rope_theta: Option<f64>,
+    /// Overrides whether the output head shares the embedding (gpt2 always does).
+    pub tie_word_embeddings: Option<bool>,
 }
 
 impl Default for ModelConfig {
     fn default() -> Self {
-        Self { preset: "tiny".into(), n_layer: None, n_head: None, n_embd: None, block_size: None, vocab_size: None }
+        Self {
+            family: ModelFamily::Gpt2,
+            preset: "tiny".into(),
+            n_layer: None,
+            n_head: None,
+            n_embd: None,
+            block_size: None,
+            vocab_size: None,
+            n_kv_head: None,
+            intermediate_size: None,
+            rope_theta: None,
+            tie_word_embeddings: None,
+        }
     }
 }
 
@@ -127,7 +161,7 @@ pub struct DataConfig {
     /// A data file; unset means the bundled corpus (Moby-Dick).
     pub path: Option<String>,
     /// `text` (UTF-8, byte tokens) or `tokens_u16` (nanoGPT `.bin`).
-    pub format: String,
+    pub format: DataFormat,
     /// Share of the tokens (from the end) held out for validation.
     pub val_fraction: f64,
     /// Tokens per sequence; unset means the model's block_size.
@@ -140,7 +174,7 @@ pub struct DataConfig {
 
 impl Default for DataConfig {
     fn default() -> Self {
-        Self { path: None, format: "text".into(), val_fraction: 0.1, seq_len: None, shuffle: true, drop_last: true }
+        Self { path: None, format: DataFormat::Text, val_fraction: 0.1, seq_len: None, shuffle: true, drop_last: true }
     }
 }
 
@@ -275,11 +309,11 @@ pub struct TrainConfig {
     /// Global-norm clipping threshold (0 disables).
     pub grad_clip: f32,
     /// `token` (mean over all targets of the global batch) or `micro_batch_mean`.
-    pub loss_normalization: String,
+    pub loss_normalization: LossNormalization,
     /// `f32`, `bf16` or `f16`: storage of the model's parameter copy, its
     /// saved activations and (f16) its activation gradients; kernels compute
     /// in f32, master weights and optimizer state stay f32.
-    pub precision: String,
+    pub precision: Precision,
     /// f16: the loss scale to start from.
     pub initial_loss_scale: f32,
     /// f16: good steps in a row before the scale doubles.
@@ -311,8 +345,8 @@ impl Default for TrainConfig {
             eval_batches: 8,
             log_every: 10,
             grad_clip: 1.0,
-            loss_normalization: "token".into(),
-            precision: "f32".into(),
+            loss_normalization: LossNormalization::Token,
+            precision: Precision::F32,
             initial_loss_scale: 65536.0,
             loss_scale_window: 1000,
             loss_scale_hysteresis: 1,
@@ -342,7 +376,7 @@ pub fn name_matches(pattern: &str, name: &str) -> bool {
 #[serde(deny_unknown_fields, default)]
 pub struct OptimConfig {
     /// `adamw` or `sgd`.
-    pub name: String,
+    pub name: OptimizerKind,
     /// Peak learning rate.
     pub lr: f32,
     /// AdamW β₁.
@@ -362,7 +396,7 @@ pub struct OptimConfig {
 impl Default for OptimConfig {
     fn default() -> Self {
         Self {
-            name: "adamw".into(),
+            name: OptimizerKind::AdamW,
             lr: 2e-3,
             beta1: 0.9,
             beta2: 0.95,
@@ -380,7 +414,7 @@ impl Default for OptimConfig {
 pub struct ScheduleConfig {
     /// `constant`, `linear`, `cosine`, or DeepSpeed's `WarmupLR`,
     /// `WarmupDecayLR`, `WarmupCosineLR`.
-    pub kind: String,
+    pub kind: Decay,
     /// Linear warmup steps.
     pub warmup_steps: u64,
     /// Floor of the decaying schedules.
@@ -389,19 +423,8 @@ pub struct ScheduleConfig {
 
 impl Default for ScheduleConfig {
     fn default() -> Self {
-        Self { kind: "cosine".into(), warmup_steps: 20, min_lr: 2e-4 }
+        Self { kind: Decay::Cosine, warmup_steps: 20, min_lr: 2e-4 }
     }
-}
-
-/// Decay after warmup, as named in the config.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScheduleKind {
-    /// `constant` / `WarmupLR`.
-    Constant,
-    /// `linear` / `WarmupDecayLR`.
-    Linear,
-    /// `cosine` / `WarmupCosineLR`.
-    Cosine,
 }
 
 impl Config {
@@ -424,20 +447,6 @@ impl Config {
         toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot serialise config: {e}\n"))
     }
 
-    /// The schedule kind, with DeepSpeed's names accepted.
-    pub fn schedule_kind(&self) -> Result<ScheduleKind, ConfigError> {
-        match self.schedule.kind.as_str() {
-            "constant" | "WarmupLR" => Ok(ScheduleKind::Constant),
-            "linear" | "WarmupDecayLR" => Ok(ScheduleKind::Linear),
-            "cosine" | "WarmupCosineLR" => Ok(ScheduleKind::Cosine),
-            other => Err(invalid(
-                "schedule.kind",
-                other,
-                "use constant, linear or cosine (or WarmupLR, WarmupDecayLR, WarmupCosineLR)",
-            )),
-        }
-    }
-
     /// Settings that are legal but almost certainly not what was meant.
     pub fn warnings(&self) -> Vec<String> {
         let mut w = Vec::new();
@@ -452,7 +461,6 @@ impl Config {
 
     /// Checks every value that does not need the model or the data.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        self.schedule_kind()?;
         let t = &self.train;
         if t.steps == 0 {
             return Err(invalid("train.steps", 0, "must be at least 1"));
@@ -468,12 +476,6 @@ impl Config {
         }
         if !(t.grad_clip >= 0.0 && t.grad_clip.is_finite()) {
             return Err(invalid("train.grad_clip", t.grad_clip, "must be finite and >= 0 (0 disables clipping)"));
-        }
-        if !matches!(t.loss_normalization.as_str(), "token" | "micro_batch_mean") {
-            return Err(invalid("train.loss_normalization", &t.loss_normalization, "use token or micro_batch_mean"));
-        }
-        if !matches!(t.precision.as_str(), "f32" | "bf16" | "f16") {
-            return Err(invalid("train.precision", &t.precision, "use f32, bf16 or f16"));
         }
         if !(t.initial_loss_scale >= 1.0 && t.initial_loss_scale.is_finite()) {
             return Err(invalid("train.initial_loss_scale", t.initial_loss_scale, "must be finite and >= 1"));
@@ -496,9 +498,6 @@ impl Config {
             return Err(invalid("train.threads", t.threads, "must be at most 4096 (0: all cores)"));
         }
         let o = &self.optim;
-        if !matches!(o.name.as_str(), "adamw" | "sgd") {
-            return Err(invalid("optim.name", &o.name, "use adamw or sgd"));
-        }
         if !(o.lr > 0.0 && o.lr.is_finite()) {
             return Err(invalid("optim.lr", o.lr, "must be finite and > 0"));
         }
@@ -519,7 +518,7 @@ impl Config {
         if !(o.weight_decay >= 0.0 && o.weight_decay.is_finite()) {
             return Err(invalid("optim.weight_decay", o.weight_decay, "must be finite and >= 0"));
         }
-        if o.name == "sgd" && o.nesterov && o.momentum == 0.0 {
+        if o.name == OptimizerKind::Sgd && o.nesterov && o.momentum == 0.0 {
             return Err(invalid("optim.momentum", o.momentum, "Nesterov momentum (optim.nesterov) needs momentum > 0"));
         }
         let s = &self.schedule;
@@ -543,9 +542,6 @@ impl Config {
             return Err(invalid("dist.timeout_s", dist.timeout_s, "must be finite and > 0"));
         }
         let d = &self.data;
-        if !matches!(d.format.as_str(), "text" | "tokens_u16") {
-            return Err(invalid("data.format", &d.format, "use text or tokens_u16"));
-        }
         if !(d.val_fraction > 0.0 && d.val_fraction < 1.0) {
             return Err(invalid("data.val_fraction", d.val_fraction, "must be strictly between 0 and 1"));
         }
@@ -702,13 +698,30 @@ mod tests {
     #[test]
     fn deepspeed_schedule_names_and_range_checks() {
         let c = parse("", &["schedule.kind=WarmupCosineLR"]).unwrap();
-        assert_eq!(c.schedule_kind().unwrap(), ScheduleKind::Cosine);
-        for bad in
-            ["train.steps=0", "optim.lr=-1", "data.val_fraction=1.5", "train.precision=\"f8\"", "optim.name=\"lamb\""]
-        {
+        assert_eq!(c.schedule.kind, Decay::Cosine);
+        assert_eq!(parse("[schedule]\nkind = \"WarmupLR\"\n", &[]).unwrap().schedule.kind, Decay::Constant);
+        // The resolved file writes our own spelling.
+        assert!(c.to_toml().contains("kind = \"cosine\""), "{}", c.to_toml());
+        for bad in ["train.steps=0", "optim.lr=-1", "data.val_fraction=1.5"] {
             let e = parse("", &[bad]).unwrap().validate().unwrap_err().to_string();
             let field = bad.split('=').next().unwrap();
             assert!(e.contains(field), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn unknown_names_are_parse_errors_that_list_the_choices() {
+        // One typed enum per concept: a wrong name fails when the file is
+        // read, naming the key, its line and every accepted spelling.
+        for (bad, key, choices) in [
+            ("train.precision=\"f8\"", "precision", "`f32`, `bf16`, `f16`"),
+            ("optim.name=\"lamb\"", "name", "`adamw` or `sgd`"),
+            ("schedule.kind=\"step\"", "kind", "`constant`"),
+            ("train.loss_normalization=\"mean\"", "loss_normalization", "`token` or `micro_batch_mean`"),
+            ("data.format=\"csv\"", "format", "`text` or `tokens_u16`"),
+        ] {
+            let e = parse("", &[bad]).unwrap_err().to_string();
+            assert!(e.contains(key) && e.contains(choices), "{bad}: {e}");
         }
     }
 }

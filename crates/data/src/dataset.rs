@@ -9,9 +9,11 @@ use crate::tokenizer::ByteTokenizer;
 use std::path::Path;
 
 /// How a data file is encoded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum DataFormat {
     /// UTF-8 text, byte-level tokens.
+    #[default]
     Text,
     /// nanoGPT-style little-endian u16 tokens.
     TokensU16,

@@ -26,7 +26,7 @@ pub use batch::{TokenBatch, IGNORE_INDEX};
 pub use error::EngineError;
 pub use layout::{ParamLayout, TensorSpec};
 pub use model::{MicroStepStats, Model};
-pub use optim::{AdamW, Optimizer, Sgd};
+pub use optim::{AdamW, Optimizer, OptimizerKind, Sgd};
 pub use precision::Precision;
 pub use scaler::{LossScaler, LossScalerConfig};
 pub use schedule::{Decay, LrSchedule};

@@ -17,7 +17,8 @@ use rayon::prelude::*;
 use std::ops::Range;
 
 /// How the accumulated gradient is normalised at the boundary.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum LossNormalization {
     /// Mean over all target tokens of the global batch (docs/contract.md, batch contract; default).
     /// K micro-steps then equal one big batch even when micro-batches hold

@@ -3,6 +3,7 @@
 mod bench;
 mod checkpoint;
 mod dist;
+mod family;
 mod generate;
 mod memory;
 mod metrics;

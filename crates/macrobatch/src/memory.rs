@@ -4,7 +4,6 @@
 //! instead of an allocation failure that aborts the process.
 
 use anyhow::{bail, Result};
-use gpt::GptConfig;
 
 /// What the process may still allocate: the smaller of the machine's
 /// `MemAvailable` and the address-space limit's headroom (`ulimit -v`).
@@ -61,9 +60,10 @@ pub fn read_kib(path: &str, key: &str) -> Option<u64> {
 /// Per-rank shapes of a training run, for [`train_need`].
 #[derive(Debug, Clone, Copy)]
 pub struct TrainShape {
-    pub model: GptConfig,
-    pub micro: usize,
-    pub seq_len: usize,
+    /// Parameters of the model.
+    pub n_params: u128,
+    /// Activation bytes of one rank's micro-batch (from the model family).
+    pub activations: u128,
     /// Ranks in the group.
     pub world: usize,
     /// Ranks living in this process (thread ranks share it).
@@ -93,38 +93,16 @@ impl Need {
     }
 }
 
-/// Parameters of `m` (u128: hostile shapes overflow `usize`).
-pub fn n_params(m: &GptConfig) -> u128 {
-    let (v, t, c, l) = (m.vocab_size as u128, m.block_size as u128, m.n_embd as u128, m.n_layer as u128);
-    (v + t) * c + l * (12 * c * c + 13 * c) + 2 * c
-}
-
 /// The bytes a training run needs per process, from the shapes alone.
 pub fn train_need(s: &TrainShape) -> Need {
-    let p = n_params(&s.model);
+    let p = s.n_params;
     let w = s.world.max(1) as u128;
     let shard = |bytes: u128, sharded: bool| if sharded { bytes.div_ceil(w) } else { bytes };
     let param_bytes = 4 * p + if s.low_precision { 2 * p } else { 0 };
     let model_states = shard(param_bytes, s.zero_stage >= 3)
         + shard(4 * p, s.zero_stage >= 3)
         + shard(4 * p * s.optimizer_slots as u128, s.zero_stage >= 1);
-    let m = &s.model;
-    let (b, t, c, nh, v, l) = (
-        s.micro as u128,
-        s.seq_len as u128,
-        m.n_embd as u128,
-        m.n_head as u128,
-        m.vocab_size as u128,
-        m.n_layer as u128,
-    );
-    let bt = b * t;
-    // Per block: ln1, qkv (3C), atty, res2, ln2, fch (4C), fch_gelu (4C), res3 = 16C per row,
-    // plus the T×T attention probabilities per head; 4 row statistics.
-    let large = bt * 16 * c + b * nh * t * t;
-    let per_block = if s.low_precision { 2 * large + 4 * 4 * bt } else { 4 * (large + 4 * bt) };
-    // Embeddings, final LayerNorm, logits, and the backward scratch (9C per row + T×T per head).
-    let rest = 4 * (bt * c * 2 + bt * v + bt * 9 * c + b * nh * t * t);
-    Need { model_states, activations: l * per_block + rest, ranks_here: s.ranks_here.max(1) as u128 }
+    Need { model_states, activations: s.activations, ranks_here: s.ranks_here.max(1) as u128 }
 }
 
 /// Errors unless `need` fits in what is available; `what` names the job and
@@ -144,29 +122,28 @@ pub fn check(what: &str, need: u128, breakdown: &str, advice: &str) -> Result<()
 
 /// Checks that the model of `config.json` in `dir` can be loaded (weights
 /// read, parameters and one copy of the file in memory) before reading it.
-pub fn check_load(dir: &std::path::Path, what: &str) -> Result<GptConfig> {
-    let cfg = gpt::hf::load_config(&dir.join(gpt::hf::CONFIG_FILE))?;
-    let p = n_params(&cfg);
+pub fn check_load(dir: &std::path::Path, what: &str) -> Result<()> {
+    let p = crate::family::read_hf_config(dir)?.n_params();
     check(
         what,
         8 * p,
         &format!("{p} parameters × 4 bytes, twice: the file's bytes and the parameters"),
         "this machine cannot hold the model; use a machine with more memory (or check config.json)",
-    )?;
-    Ok(cfg)
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::family::Family;
 
     #[test]
     fn need_grows_with_shape_and_shrinks_with_zero() {
-        let model = GptConfig::preset("gpt2").unwrap_or_else(|e| panic!("{e}"));
+        let family = crate::family::Gpt2(gpt::GptConfig::preset("gpt2").unwrap_or_else(|e| panic!("{e}")));
+        let activations = |micro| family.activation_bytes(micro, 1024, engine::Precision::F32);
         let s = TrainShape {
-            model,
-            micro: 8,
-            seq_len: 1024,
+            n_params: family.n_params(),
+            activations: activations(8),
             world: 4,
             ranks_here: 1,
             zero_stage: 0,
@@ -177,10 +154,9 @@ mod tests {
         assert_eq!(n0.model_states, 16 * 124_439_808, "f32 AdamW: 16 bytes per parameter");
         let n3 = train_need(&TrainShape { zero_stage: 3, ..s });
         assert_eq!(n3.model_states, 4 * 124_439_808, "stage 3 over 4 ranks: a quarter");
-        assert!(train_need(&TrainShape { micro: 1, ..s }).activations < n0.activations);
+        assert!(activations(1) < n0.activations);
         // Hostile shapes do not overflow.
-        let huge = GptConfig { n_embd: 1 << 40, n_head: 1, ..model };
-        assert!(train_need(&TrainShape { model: huge, ..s }).total() > u64::MAX as u128);
+        assert!(train_need(&TrainShape { n_params: 1 << 100, ..s }).total() > u64::MAX as u128);
     }
 
     #[test]

@@ -3,18 +3,17 @@
 
 use crate::checkpoint::{self, Loaded, TrainerState};
 use crate::dist::{self, Backend, Fault};
+use crate::family::{self, Family, LanguageModel};
 use crate::memory;
 use crate::metrics::{Reporter, StepRecord};
 use crate::TrainArgs;
 use anyhow::{anyhow, bail, Context, Result};
 use comm::Communicator;
-use config::{Config, ResolvedBatch, ScheduleKind};
+use config::{Config, OptimizerKind, Precision, ResolvedBatch};
 use data::{BatchShape, Corpus, DataFormat, Sampler, TokenDataset};
 use engine::{
-    AdamW, Decay, LossNormalization, LossScalerConfig, LrSchedule, Model, Optimizer, Precision, Sgd, Trainer,
-    TrainerOptions, ZeroConfig,
+    AdamW, LossScalerConfig, LrSchedule, Model, Optimizer, Sgd, TokenBatch, Trainer, TrainerOptions, ZeroConfig,
 };
-use gpt::{Batch, Gpt, GptConfig};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
@@ -27,7 +26,8 @@ const BUNDLED_NAME: &str = "bundled corpus (Moby-Dick)";
 /// Everything a run needs, checked before the first step.
 pub struct Plan {
     pub cfg: Config,
-    pub model: GptConfig,
+    /// The model family and shape.
+    pub family: Arc<dyn Family>,
     pub backend: Backend,
     pub batch: ResolvedBatch,
     pub train: TokenDataset,
@@ -47,65 +47,37 @@ pub fn load_config(path: Option<&Path>, sets: &[String]) -> Result<Config> {
     Ok(Config::from_toml(&text, &origin, sets)?)
 }
 
-/// The model shape: the preset with single dimensions overridden.
-fn model_config(cfg: &Config) -> Result<GptConfig> {
-    let m = &cfg.model;
-    let base = GptConfig::preset(&m.preset).context("model.preset")?;
-    let g = GptConfig {
-        n_layer: m.n_layer.unwrap_or(base.n_layer),
-        n_head: m.n_head.unwrap_or(base.n_head),
-        n_embd: m.n_embd.unwrap_or(base.n_embd),
-        block_size: m.block_size.unwrap_or(base.block_size),
-        vocab_size: m.vocab_size.unwrap_or(base.vocab_size),
-    };
-    g.validate()?;
-    Ok(g)
-}
-
 /// Validates the whole configuration against the model, the data and the
 /// launcher, before anything runs.
 pub fn plan(cfg: Config, backend: Backend) -> Result<Plan> {
     cfg.validate()?;
-    let model = model_config(&cfg)?;
+    let family = family::from_config(&cfg.model)?;
     let batch = cfg.batch.resolve(backend.world_size())?;
-    let seq_len = cfg.data.seq_len.unwrap_or(model.block_size);
-    if seq_len > model.block_size {
+    let max_seq = family.max_seq_len();
+    let seq_len = cfg.data.seq_len.unwrap_or(max_seq);
+    if seq_len > max_seq {
         bail!(
-            "data.seq_len = {seq_len} is longer than the model's block_size = {}; lower data.seq_len or raise model.block_size",
-            model.block_size
+            "data.seq_len = {seq_len} is longer than the model's context of {max_seq} tokens; lower data.seq_len or raise model.block_size"
         );
     }
-    let format = match cfg.data.format.as_str() {
-        "tokens_u16" => DataFormat::TokensU16,
-        _ => DataFormat::Text,
-    };
     let corpus = match &cfg.data.path {
-        Some(p) => Corpus::load(Path::new(p), format)?,
+        Some(p) => Corpus::load(Path::new(p), cfg.data.format)?,
         None => Corpus::from_bytes(BUNDLED_NAME, BUNDLED_CORPUS, DataFormat::Text)?,
     };
-    corpus.check_vocab(model.vocab_size)?;
+    corpus.check_vocab(family.vocab_size())?;
     let (train, val) = corpus.split(cfg.data.val_fraction, seq_len)?;
     let shape =
         BatchShape { micro: batch.micro, accumulation_steps: batch.accumulation_steps, world_size: batch.world_size };
     let sampler = Sampler::new(train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?;
     // The layout alone (no activations are allocated before the first batch).
-    apply_trainable(&mut Gpt::new(model)?, &cfg.train.trainable)?;
-    Ok(Plan { cfg, model, backend, batch, train, val, sampler })
-}
-
-/// The configured compute precision.
-pub fn precision_of(cfg: &Config) -> Precision {
-    match cfg.train.precision.as_str() {
-        "bf16" => Precision::Bf16,
-        "f16" => Precision::F16,
-        _ => Precision::F32,
-    }
+    apply_trainable(&mut family.build(Precision::F32)?, &cfg.train.trainable)?;
+    Ok(Plan { cfg, family, backend, batch, train, val, sampler })
 }
 
 /// The model for this plan, storing activations in the configured
 /// precision, with `train.trainable` applied.
-pub fn model_for(plan: &Plan) -> Result<Gpt> {
-    let mut model = Gpt::with_precision(plan.model, precision_of(&plan.cfg))?;
+pub fn model_for(plan: &Plan) -> Result<Box<dyn LanguageModel>> {
+    let mut model = plan.family.build(plan.cfg.train.precision)?;
     apply_trainable(&mut model, &plan.cfg.train.trainable)?;
     Ok(model)
 }
@@ -126,33 +98,25 @@ pub fn apply_trainable(model: &mut impl Model, patterns: &[String]) -> Result<us
 
 /// A trainer over freshly initialised parameters for this rank of `comm`
 /// (rank 0's parameters are broadcast; ZeRO partitions as configured).
-pub fn trainer_for(plan: &Plan, model: &Gpt, comm: &mut dyn Communicator) -> Result<Trainer> {
+pub fn trainer_for(plan: &Plan, model: &impl Model, comm: &mut dyn Communicator) -> Result<Trainer> {
     let n_params = model.layout().n_params();
     let (cfg, o) = (&plan.cfg, &plan.cfg.optim);
-    let optimizer = match o.name.as_str() {
-        "sgd" => Optimizer::Sgd(Sgd::new(n_params, o.momentum, o.nesterov, o.weight_decay)?),
-        _ => Optimizer::AdamW(AdamW::new(n_params, o.beta1, o.beta2, o.eps, o.weight_decay)?),
-    };
-    let decay = match cfg.schedule_kind()? {
-        ScheduleKind::Constant => Decay::Constant,
-        ScheduleKind::Linear => Decay::Linear,
-        ScheduleKind::Cosine => Decay::Cosine,
+    let optimizer = match o.name {
+        OptimizerKind::Sgd => Optimizer::Sgd(Sgd::new(n_params, o.momentum, o.nesterov, o.weight_decay)?),
+        OptimizerKind::AdamW => Optimizer::AdamW(AdamW::new(n_params, o.beta1, o.beta2, o.eps, o.weight_decay)?),
     };
     let schedule = LrSchedule {
         max_lr: o.lr,
         min_lr: cfg.schedule.min_lr,
         warmup_steps: cfg.schedule.warmup_steps,
         total_steps: cfg.train.steps,
-        decay,
+        decay: cfg.schedule.kind,
     };
     let options = TrainerOptions {
         grad_clip: (cfg.train.grad_clip > 0.0).then_some(cfg.train.grad_clip),
-        normalization: match cfg.train.loss_normalization.as_str() {
-            "micro_batch_mean" => LossNormalization::MicroBatchMean,
-            _ => LossNormalization::Token,
-        },
+        normalization: cfg.train.loss_normalization,
         bucket_elems: ((cfg.dist.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1),
-        precision: precision_of(cfg),
+        precision: cfg.train.precision,
         loss_scaler: LossScalerConfig {
             initial_scale: cfg.train.initial_loss_scale,
             window: cfg.train.loss_scale_window,
@@ -161,14 +125,14 @@ pub fn trainer_for(plan: &Plan, model: &Gpt, comm: &mut dyn Communicator) -> Res
         },
     };
     let zero = ZeroConfig { stage: cfg.dist.zero_stage, reduce_every_micro_step: cfg.dist.reduce_every_micro_step };
-    let init = |seg: usize| gpt::init_segment(&plan.model, cfg.train.seed, seg);
+    let init = |seg: usize| plan.family.init_segment(cfg.train.seed, seg);
     Ok(Trainer::distributed_with(model, &init, optimizer, schedule, options, zero, comm)?)
 }
 
 /// Builds a model batch from sample indices.
-pub fn make_batch(ds: &TokenDataset, indices: &[usize]) -> Batch {
+pub fn make_batch(ds: &TokenDataset, indices: &[usize]) -> TokenBatch {
     let t = ds.seq_len();
-    let mut b = Batch {
+    let mut b = TokenBatch {
         n_seqs: indices.len(),
         seq_len: t,
         inputs: Vec::with_capacity(indices.len() * t),
@@ -181,7 +145,13 @@ pub fn make_batch(ds: &TokenDataset, indices: &[usize]) -> Batch {
 }
 
 /// This rank's K micro-batches of global step `step_idx`.
-pub fn rank_batches(plan: &Plan, sampler: &Sampler, order: &[usize], step_in_epoch: usize, rank: usize) -> Vec<Batch> {
+pub fn rank_batches(
+    plan: &Plan,
+    sampler: &Sampler,
+    order: &[usize],
+    step_in_epoch: usize,
+    rank: usize,
+) -> Vec<TokenBatch> {
     (0..sampler.shape().accumulation_steps)
         .map(|k| make_batch(&plan.train, sampler.micro_batch(order, step_in_epoch, k, rank)))
         .collect()
@@ -189,7 +159,12 @@ pub fn rank_batches(plan: &Plan, sampler: &Sampler, order: &[usize], step_in_epo
 
 /// Mean validation loss over the first `eval_batches` micro-batches (at
 /// ZeRO-3 a collective: every rank evaluates the same batches).
-fn evaluate(trainer: &mut Trainer, model: &mut Gpt, comm: &mut dyn Communicator, plan: &Plan) -> Result<f64> {
+fn evaluate(
+    trainer: &mut Trainer,
+    model: &mut impl Model<Batch = TokenBatch>,
+    comm: &mut dyn Communicator,
+    plan: &Plan,
+) -> Result<f64> {
     let (val, micro) = (&plan.val, plan.batch.micro);
     let n = (micro * plan.cfg.train.eval_batches).min(val.n_samples());
     let idx: Vec<usize> = (0..n).collect();
@@ -221,7 +196,7 @@ struct MemoryFile {
     /// Rank 0's accounting (every rank's is the same up to padding).
     accounting: engine::MemoryReport,
     /// Storage precision of the run.
-    precision: String,
+    precision: Precision,
     /// The per-rank model-state bytes of docs/contract.md (Memory) for this stage (f32 runs; under
     /// mixed precision macrobatch keeps an f32 gradient accumulator and, at
     /// stages 1–2, unsharded f32 master weights, so the formula does not apply).
@@ -278,7 +253,7 @@ fn read_run_id(dir: &Path) -> Result<Option<String>> {
 /// in [`open_outputs`]). Refuses a folder that holds any trace of a run.
 fn output_dir(args: &TrainArgs, run_id: &str) -> Result<(PathBuf, bool)> {
     let Some(dir) = &args.out else { return Ok((PathBuf::from("runs").join(format!("run-{run_id}")), true)) };
-    for f in ["metrics.jsonl", gpt::hf::WEIGHTS_FILE, RUN_ID_FILE] {
+    for f in ["metrics.jsonl", family::WEIGHTS_FILE, RUN_ID_FILE] {
         if dir.join(f).exists() {
             bail!(
                 "{} already holds a run ({f} exists); choose another --out directory so nothing saved is overwritten (or continue it with --resume {})",
@@ -349,11 +324,11 @@ fn open_outputs(plan: &Plan, dir: &Path, resume_step: Option<u64>, run_id: &str)
     }
     let reporter = Reporter::new(&metrics, plan.cfg.train.steps, plan.cfg.train.log_every, resume_step.is_some())?;
     reporter.println(&format!(
-        "macrobatch: GPT-2 {} ({:.2}M params, {} layers, d={}), batch {} = micro {} × K {} × W {} ({:?}), seq {} | {} train / {} val sequences, {} steps/epoch | {} threads | out {}",
+        "macrobatch: {} {} ({:.2}M params, {}), batch {} = micro {} × K {} × W {} ({:?}), seq {} | {} train / {} val sequences, {} steps/epoch | {} threads | out {}",
+        plan.family.name(),
         plan.cfg.model.preset,
-        plan.model.n_params() as f64 / 1e6,
-        plan.model.n_layer,
-        plan.model.n_embd,
+        plan.family.n_params() as f64 / 1e6,
+        plan.family.describe(),
         plan.batch.global,
         plan.batch.micro,
         plan.batch.accumulation_steps,
@@ -611,7 +586,7 @@ fn train_rank(
                 seed: cfg.train.seed,
                 global_batch: plan.batch.global,
                 world_size: plan.batch.world_size,
-                optimizer: cfg.optim.name.clone(),
+                optimizer: cfg.optim.name,
                 schedule_step: Some(trainer.n_steps()),
                 loss_scaler: trainer.loss_scaler().map(|s| checkpoint::ScalerState {
                     scale: s.scale,
@@ -622,12 +597,13 @@ fn train_rank(
                 run_id: Some(start_from.run_id.clone()),
             };
             let delay = start_from.fault.and_then(|f| f.checkpoint_delay(rank, step));
-            let (dir, model_ref) = (&out.dir, &model);
+            let (dir, layout) = (&out.dir, model.layout());
             let write = || -> Result<PathBuf> {
                 if let Some(d) = delay {
                     std::thread::sleep(d);
                 }
-                let path = checkpoint::save(dir, &plan.model, model_ref, &params, &opt_state, &state, &config_toml)?;
+                let path =
+                    checkpoint::save(dir, plan.family.as_ref(), layout, &params, &opt_state, &state, &config_toml)?;
                 checkpoint::prune(dir, cfg.train.keep_checkpoints)?;
                 Ok(path)
             };
@@ -663,14 +639,14 @@ fn train_rank(
         let file = MemoryFile {
             zero_stage: cfg.dist.zero_stage,
             world_size: comm.world_size(),
-            n_params: plan.model.n_params(),
+            n_params: model.layout().n_params(),
             accounting: m,
-            precision: cfg.train.precision.clone(),
-            formula_model_states: (cfg.train.precision == "f32").then(|| {
+            precision: cfg.train.precision,
+            formula_model_states: (cfg.train.precision == Precision::F32).then(|| {
                 formula_model_states(
                     cfg.dist.zero_stage,
                     !cfg.dist.reduce_every_micro_step,
-                    plan.model.n_params(),
+                    model.layout().n_params(),
                     comm.world_size(),
                 )
             }),
@@ -682,7 +658,7 @@ fn train_rank(
     if let (Some(out), Some(params)) = (outputs, params) {
         out.reporter.finish();
         checkpoint::check_finite(model.layout(), &params, "final parameters")?;
-        gpt::hf::save(&out.dir, &plan.model, model.layout(), &params)?;
+        plan.family.save_hf(&out.dir, model.layout(), &params)?;
         eprintln!(
             "done: {steps} steps in {:.1}s; model saved to {} (try: macrobatch generate {} --prompt \"Call me\")",
             start.elapsed().as_secs_f64(),
@@ -757,26 +733,21 @@ pub fn check_memory(plan: &Plan) -> Result<()> {
     let cfg = &plan.cfg;
     let o = &cfg.optim;
     let shape = memory::TrainShape {
-        model: plan.model,
-        micro: plan.batch.micro,
-        seq_len: plan.train.seq_len(),
+        n_params: plan.family.n_params(),
+        activations: plan.family.activation_bytes(plan.batch.micro, plan.train.seq_len(), cfg.train.precision),
         world: plan.batch.world_size,
         ranks_here: match plan.backend {
             Backend::Threads(n) => n,
             _ => 1,
         },
         zero_stage: cfg.dist.zero_stage,
-        low_precision: precision_of(cfg).is_low(),
-        optimizer_slots: match o.name.as_str() {
-            "sgd" if o.momentum > 0.0 => 1,
-            "sgd" => 0,
-            _ => 2,
-        },
+        low_precision: cfg.train.precision.is_low(),
+        optimizer_slots: o.name.state_slots(o.momentum),
     };
     let need = memory::train_need(&shape);
     let breakdown = format!(
         "{} parameters; per rank {} bytes of parameters, gradients and optimizer state at ZeRO stage {} in {} and {} bytes of activations for batch.micro = {} × seq {}; {} rank(s) in this process",
-        memory::n_params(&plan.model),
+        shape.n_params,
         need.model_states,
         cfg.dist.zero_stage,
         cfg.train.precision,
@@ -867,15 +838,11 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     let init_params = match &args.init_from {
         Some(path) if resume.is_none() => {
             memory::check_load(path, &format!("--init-from {}", path.display()))
-                .with_context(|| format!("--init-from {}: cannot load a GPT-2 model", path.display()))?;
-            let (mcfg, params) = gpt::hf::load(path)
-                .with_context(|| format!("--init-from {}: cannot load a GPT-2 model", path.display()))?;
-            // The pretrained shape wins over the preset.
-            cfg.model.n_layer = Some(mcfg.n_layer);
-            cfg.model.n_head = Some(mcfg.n_head);
-            cfg.model.n_embd = Some(mcfg.n_embd);
-            cfg.model.block_size = Some(mcfg.block_size);
-            cfg.model.vocab_size = Some(mcfg.vocab_size);
+                .with_context(|| format!("--init-from {}: cannot load the model", path.display()))?;
+            let (pretrained, params) = family::load_hf(path)
+                .with_context(|| format!("--init-from {}: cannot load the model", path.display()))?;
+            // The pretrained family and shape win over the preset.
+            pretrained.pin_shape(&mut cfg.model);
             Some(Arc::new(params))
         }
         Some(_) => bail!("--init-from and --resume exclude each other: a resumed run continues from its checkpoint"),
@@ -884,12 +851,14 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     let backend = dist::detect(cfg.dist.world_size)?;
     let plan = Arc::new(plan(cfg, backend)?);
     if let Some(l) = &resume {
-        if l.model != plan.model {
+        if l.model.hf_config() != plan.family.hf_config() {
             bail!(
-                "the checkpoint in {} holds a model of shape {:?}, the config asks for {:?}",
+                "the checkpoint in {} holds a {} of shape {}, the config asks for a {} of shape {}",
                 l.dir.display(),
-                l.model,
-                plan.model
+                l.model.name(),
+                l.model.hf_config(),
+                plan.family.name(),
+                plan.family.hf_config()
             );
         }
         if l.state.global_batch != plan.batch.global {

@@ -1,0 +1,302 @@
+//! The model-family boundary of the binary. Planning, training, memory
+//! checks, checkpoints, Hugging Face I/O and generation see a model only
+//! through [`Family`] (a shape: sizes, initialisation, files) and
+//! [`LanguageModel`] (a built model: the engine's `Model` contract plus
+//! sampling), so a new family plugs in here — one `impl` and one arm in
+//! [`from_config`] / [`read_hf_config`] — without touching the CLI's logic.
+
+use anyhow::{bail, Context, Result};
+use config::{ModelConfig, ModelFamily};
+use engine::{MicroStepStats, Model, ParamLayout, ParamStore, Precision, TensorSpec, TokenBatch};
+use gpt::{Gpt, GptConfig};
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+/// The weights file of a model folder (Hugging Face's name).
+pub const WEIGHTS_FILE: &str = gpt::hf::WEIGHTS_FILE;
+/// The config file of a model folder (Hugging Face's name).
+pub const CONFIG_FILE: &str = gpt::hf::CONFIG_FILE;
+
+/// A model error of any family (the family's own error, boxed).
+#[derive(Debug)]
+pub struct ModelError(Box<dyn std::error::Error + Send + Sync>);
+
+impl std::fmt::Display for ModelError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for ModelError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+fn erase(e: impl std::error::Error + Send + Sync + 'static) -> ModelError {
+    ModelError(Box::new(e))
+}
+
+/// A built model as the binary uses it: the engine's contract on token
+/// batches, plus what sampling and memory reports need.
+pub trait LanguageModel: Model<Batch = TokenBatch, Error = ModelError> + Send {
+    /// Bytes of activation and scratch buffers allocated so far.
+    fn activation_bytes(&self) -> usize;
+    /// Of those, the bytes saved for backward.
+    fn saved_activation_bytes(&self) -> usize;
+    /// Logits of the token after `tokens` (at most the context length).
+    fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, ModelError>;
+}
+
+/// Adapts a family's model (with its own error type) to [`LanguageModel`].
+pub struct Erased<M>(pub M);
+
+impl<M: Model<Batch = TokenBatch>> Model for Erased<M> {
+    type Batch = TokenBatch;
+    type Error = ModelError;
+
+    fn layout(&self) -> &ParamLayout {
+        self.0.layout()
+    }
+
+    fn set_trainable(&mut self, trainable: &dyn Fn(&TensorSpec) -> bool) -> usize {
+        self.0.set_trainable(trainable)
+    }
+
+    fn segments(&self) -> Vec<Range<usize>> {
+        self.0.segments()
+    }
+
+    fn n_targets(&self, batch: &TokenBatch) -> u64 {
+        self.0.n_targets(batch)
+    }
+
+    fn micro_step(
+        &mut self,
+        store: &mut dyn ParamStore,
+        batch: &TokenBatch,
+        seed: f32,
+    ) -> Result<MicroStepStats, ModelError> {
+        self.0.micro_step(store, batch, seed).map_err(erase)
+    }
+
+    fn loss(&mut self, store: &mut dyn ParamStore, batch: &TokenBatch) -> Result<MicroStepStats, ModelError> {
+        self.0.loss(store, batch).map_err(erase)
+    }
+}
+
+/// One model family at one shape: everything the binary needs before (and
+/// without) building the model, so shapes too large for this machine can
+/// still be planned and reported.
+pub trait Family: Send + Sync {
+    /// Human name of the family (`GPT-2`).
+    fn name(&self) -> &'static str;
+    /// The shape in a few words (`4 layers, d=128`).
+    fn describe(&self) -> String;
+    /// Number of parameters (u128: hostile shapes overflow `usize`).
+    fn n_params(&self) -> u128;
+    /// Vocabulary size.
+    fn vocab_size(&self) -> usize;
+    /// Longest sequence the model accepts.
+    fn max_seq_len(&self) -> usize;
+    /// Forward + backward FLOPs per token at sequence length `seq_len`.
+    fn flops_per_token(&self, seq_len: usize) -> f64;
+    /// Bytes of activations and backward scratch one rank allocates for a
+    /// micro-batch of `micro` sequences of `seq_len` tokens (a lower bound).
+    fn activation_bytes(&self, micro: usize, seq_len: usize, precision: Precision) -> u128;
+    /// The model, storing activations in `precision` (no activation memory
+    /// is allocated before the first batch).
+    fn build(&self, precision: Precision) -> Result<Box<dyn LanguageModel>>;
+    /// Initial values of segment `seg` (only that segment's elements).
+    fn init_segment(&self, seed: u64, seg: usize) -> Vec<f32>;
+    /// The shape as Hugging Face's `config.json` (two shapes are equal when
+    /// these are).
+    fn hf_config(&self) -> serde_json::Value;
+    /// Writes `config.json` and `model.safetensors` into `dir` (which exists).
+    fn save_hf(&self, dir: &Path, layout: &ParamLayout, params: &[f32]) -> Result<()>;
+    /// Reads the weights of the model folder `dir` into `layout`'s order.
+    fn load_weights(&self, dir: &Path, layout: &ParamLayout) -> Result<Vec<f32>>;
+    /// Writes this shape into `[model]`, so a resolved config rebuilds it.
+    fn pin_shape(&self, m: &mut ModelConfig);
+}
+
+/// The family and shape `[model]` asks for.
+pub fn from_config(m: &ModelConfig) -> Result<Arc<dyn Family>> {
+    match m.family {
+        ModelFamily::Gpt2 => Ok(Arc::new(Gpt2::from_config(m)?)),
+    }
+}
+
+/// The family and shape of the `config.json` in `dir` (by its `model_type`).
+pub fn read_hf_config(dir: &Path) -> Result<Arc<dyn Family>> {
+    let path = dir.join(CONFIG_FILE);
+    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
+    match json.get("model_type").and_then(|v| v.as_str()) {
+        Some("gpt2") | None => Ok(Arc::new(Gpt2(gpt::hf::load_config(&path)?))),
+        Some(other) => {
+            bail!("{}: model_type `{other}` is not a family macrobatch knows (it trains gpt2)", path.display())
+        }
+    }
+}
+
+/// A saved model folder: its family and its parameters.
+pub fn load_hf(dir: &Path) -> Result<(Arc<dyn Family>, Vec<f32>)> {
+    let family = read_hf_config(dir)?;
+    let model = family.build(Precision::F32)?;
+    let params = family.load_weights(dir, model.layout())?;
+    Ok((family, params))
+}
+
+/// GPT-2 (the `gpt` crate).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gpt2(pub GptConfig);
+
+impl Gpt2 {
+    /// The preset with single dimensions overridden.
+    fn from_config(m: &ModelConfig) -> Result<Self> {
+        let base = GptConfig::preset(&m.preset).context("model.preset")?;
+        for (key, given) in [
+            ("model.n_kv_head", m.n_kv_head.is_some()),
+            ("model.intermediate_size", m.intermediate_size.is_some()),
+            ("model.rope_theta", m.rope_theta.is_some()),
+            ("model.tie_word_embeddings", m.tie_word_embeddings.is_some()),
+        ] {
+            if given {
+                bail!("{key} does not apply to model.family = \"gpt2\"; remove it");
+            }
+        }
+        let g = GptConfig {
+            n_layer: m.n_layer.unwrap_or(base.n_layer),
+            n_head: m.n_head.unwrap_or(base.n_head),
+            n_embd: m.n_embd.unwrap_or(base.n_embd),
+            block_size: m.block_size.unwrap_or(base.block_size),
+            vocab_size: m.vocab_size.unwrap_or(base.vocab_size),
+        };
+        g.validate()?;
+        Ok(Self(g))
+    }
+}
+
+impl LanguageModel for Erased<Gpt> {
+    fn activation_bytes(&self) -> usize {
+        self.0.activation_bytes()
+    }
+
+    fn saved_activation_bytes(&self) -> usize {
+        self.0.saved_activation_bytes()
+    }
+
+    fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+        self.0.next_token_logits(params, tokens).map_err(erase)
+    }
+}
+
+impl Family for Gpt2 {
+    fn name(&self) -> &'static str {
+        "GPT-2"
+    }
+
+    fn describe(&self) -> String {
+        format!("{} layers, d={}, {} heads", self.0.n_layer, self.0.n_embd, self.0.n_head)
+    }
+
+    fn n_params(&self) -> u128 {
+        let m = &self.0;
+        let (v, t, c, l) = (m.vocab_size as u128, m.block_size as u128, m.n_embd as u128, m.n_layer as u128);
+        (v + t) * c + l * (12 * c * c + 13 * c) + 2 * c
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.0.vocab_size
+    }
+
+    fn max_seq_len(&self) -> usize {
+        self.0.block_size
+    }
+
+    fn flops_per_token(&self, seq_len: usize) -> f64 {
+        self.0.flops_per_token(seq_len)
+    }
+
+    fn activation_bytes(&self, micro: usize, seq_len: usize, precision: Precision) -> u128 {
+        let m = &self.0;
+        let (b, t, c, nh, v, l) = (
+            micro as u128,
+            seq_len as u128,
+            m.n_embd as u128,
+            m.n_head as u128,
+            m.vocab_size as u128,
+            m.n_layer as u128,
+        );
+        let bt = b * t;
+        // Per block: ln1, qkv (3C), atty, res2, ln2, fch (4C), fch_gelu (4C), res3 = 16C per row,
+        // plus the T×T attention probabilities per head; 4 row statistics.
+        let large = bt * 16 * c + b * nh * t * t;
+        let per_block = if precision.is_low() { 2 * large + 4 * 4 * bt } else { 4 * (large + 4 * bt) };
+        // Embeddings, final LayerNorm, logits, and the backward scratch (9C per row + T×T per head).
+        let rest = 4 * (bt * c * 2 + bt * v + bt * 9 * c + b * nh * t * t);
+        l * per_block + rest
+    }
+
+    fn build(&self, precision: Precision) -> Result<Box<dyn LanguageModel>> {
+        Ok(Box::new(Erased(Gpt::with_precision(self.0, precision)?)))
+    }
+
+    fn init_segment(&self, seed: u64, seg: usize) -> Vec<f32> {
+        gpt::init_segment(&self.0, seed, seg)
+    }
+
+    fn hf_config(&self) -> serde_json::Value {
+        gpt::hf::config_json(&self.0)
+    }
+
+    fn save_hf(&self, dir: &Path, layout: &ParamLayout, params: &[f32]) -> Result<()> {
+        Ok(gpt::hf::save(dir, &self.0, layout, params)?)
+    }
+
+    fn load_weights(&self, dir: &Path, layout: &ParamLayout) -> Result<Vec<f32>> {
+        Ok(gpt::hf::load_weights(&dir.join(WEIGHTS_FILE), layout)?)
+    }
+
+    fn pin_shape(&self, m: &mut ModelConfig) {
+        m.family = ModelFamily::Gpt2;
+        m.n_layer = Some(self.0.n_layer);
+        m.n_head = Some(self.0.n_head);
+        m.n_embd = Some(self.0.n_embd);
+        m.block_size = Some(self.0.block_size);
+        m.vocab_size = Some(self.0.vocab_size);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpt2_parameter_count_matches_the_model() {
+        for preset in ["tiny", "gpt2", "gpt2-xl"] {
+            let g = GptConfig::preset(preset).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(Gpt2(g).n_params(), g.n_params() as u128, "{preset}");
+        }
+        // Hostile shapes do not overflow.
+        let huge =
+            GptConfig { n_embd: 1 << 40, n_head: 1, ..GptConfig::preset("gpt2").unwrap_or_else(|e| panic!("{e}")) };
+        assert!(Gpt2(huge).n_params() > u64::MAX as u128);
+    }
+
+    #[test]
+    fn shape_round_trips_through_the_model_section() {
+        let mut m = ModelConfig { preset: "mini".into(), n_layer: Some(3), ..ModelConfig::default() };
+        let f = from_config(&m).unwrap_or_else(|e| panic!("{e:#}"));
+        let mut pinned = ModelConfig { preset: "tiny".into(), ..ModelConfig::default() };
+        f.pin_shape(&mut pinned);
+        let g = from_config(&pinned).unwrap_or_else(|e| panic!("{e:#}"));
+        assert_eq!(f.hf_config(), g.hf_config());
+        m.n_kv_head = Some(2);
+        let e = from_config(&m).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("model.n_kv_head"), "{e}");
+    }
+}
