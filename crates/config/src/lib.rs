@@ -4,7 +4,7 @@
 //! `--set` path are the same.
 
 pub use data::DataFormat;
-pub use engine::{Decay, LossNormalization, OptimizerKind, Precision};
+pub use engine::{Checkpointing, Decay, LossNormalization, OptimizerKind, Precision};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -314,6 +314,9 @@ pub struct TrainConfig {
     /// saved activations and (f16) its activation gradients; kernels compute
     /// in f32, master weights and optimizer state stay f32.
     pub precision: Precision,
+    /// Activation checkpointing: `none`, `blocks` (recompute every block in
+    /// backward, keeping only block outputs) or `every_N` (every N-th block).
+    pub activation_checkpointing: Checkpointing,
     /// f16: the loss scale to start from.
     pub initial_loss_scale: f32,
     /// f16: good steps in a row before the scale doubles.
@@ -347,6 +350,7 @@ impl Default for TrainConfig {
             grad_clip: 1.0,
             loss_normalization: LossNormalization::Token,
             precision: Precision::F32,
+            activation_checkpointing: Checkpointing::None,
             initial_loss_scale: 65536.0,
             loss_scale_window: 1000,
             loss_scale_hysteresis: 1,

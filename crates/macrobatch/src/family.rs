@@ -7,7 +7,7 @@
 
 use anyhow::{bail, Context, Result};
 use config::{ModelConfig, ModelFamily};
-use engine::{MicroStepStats, Model, ParamLayout, ParamStore, Precision, TensorSpec, TokenBatch};
+use engine::{Checkpointing, MicroStepStats, Model, ParamLayout, ParamStore, Precision, TensorSpec, TokenBatch};
 use gpt::{Gpt, GptConfig};
 use std::ops::Range;
 use std::path::Path;
@@ -86,6 +86,16 @@ impl<M: Model<Batch = TokenBatch>> Model for Erased<M> {
     }
 }
 
+/// How a model is built for training: the storage precision of its
+/// activations and which blocks it recomputes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Build {
+    /// Storage precision of saved activations.
+    pub precision: Precision,
+    /// Activation checkpointing.
+    pub checkpointing: Checkpointing,
+}
+
 /// One model family at one shape: everything the binary needs before (and
 /// without) building the model, so shapes too large for this machine can
 /// still be planned and reported.
@@ -104,10 +114,10 @@ pub trait Family: Send + Sync {
     fn flops_per_token(&self, seq_len: usize) -> f64;
     /// Bytes of activations and backward scratch one rank allocates for a
     /// micro-batch of `micro` sequences of `seq_len` tokens (a lower bound).
-    fn activation_bytes(&self, micro: usize, seq_len: usize, precision: Precision) -> u128;
-    /// The model, storing activations in `precision` (no activation memory
-    /// is allocated before the first batch).
-    fn build(&self, precision: Precision) -> Result<Box<dyn LanguageModel>>;
+    fn activation_bytes(&self, micro: usize, seq_len: usize, build: Build) -> u128;
+    /// The model, storing activations as `build` says (no activation
+    /// memory is allocated before the first batch).
+    fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>>;
     /// Initial values of segment `seg` (only that segment's elements).
     fn init_segment(&self, seed: u64, seg: usize) -> Vec<f32>;
     /// The shape as Hugging Face's `config.json` (two shapes are equal when
@@ -145,7 +155,7 @@ pub fn read_hf_config(dir: &Path) -> Result<Arc<dyn Family>> {
 /// A saved model folder: its family and its parameters.
 pub fn load_hf(dir: &Path) -> Result<(Arc<dyn Family>, Vec<f32>)> {
     let family = read_hf_config(dir)?;
-    let model = family.build(Precision::F32)?;
+    let model = family.build(Build::default())?;
     let params = family.load_weights(dir, model.layout())?;
     Ok((family, params))
 }
@@ -221,7 +231,7 @@ impl Family for Gpt2 {
         self.0.flops_per_token(seq_len)
     }
 
-    fn activation_bytes(&self, micro: usize, seq_len: usize, precision: Precision) -> u128 {
+    fn activation_bytes(&self, micro: usize, seq_len: usize, build: Build) -> u128 {
         let m = &self.0;
         let (b, t, c, nh, v, l) = (
             micro as u128,
@@ -232,17 +242,28 @@ impl Family for Gpt2 {
             m.n_layer as u128,
         );
         let bt = b * t;
+        let elem = build.precision.bytes() as u128;
         // Per block: ln1, qkv (3C), atty, res2, ln2, fch (4C), fch_gelu (4C), res3 = 16C per row,
-        // plus the T×T attention probabilities per head; 4 row statistics.
-        let large = bt * 16 * c + b * nh * t * t;
-        let per_block = if precision.is_low() { 2 * large + 4 * 4 * bt } else { 4 * (large + 4 * bt) };
-        // Embeddings, final LayerNorm, logits, and the backward scratch (9C per row + T×T per head).
-        let rest = 4 * (bt * c * 2 + bt * v + bt * 9 * c + b * nh * t * t);
-        l * per_block + rest
+        // plus the T×T attention probabilities per head; 4 f32 row statistics.
+        let per_block = elem * (bt * 16 * c + b * nh * t * t) + 4 * 4 * bt;
+        // The backward scratch (9C per row + T×T per head).
+        let scratch = 4 * (bt * 9 * c + b * nh * t * t);
+        // A recomputed block keeps its output (C per row); one block at a
+        // time is recomputed, with a working set of its own (scratch, GELU
+        // output 4C, input C).
+        let ck = build.checkpointing;
+        let n_recomputed = (0..m.n_layer).filter(|&i| ck.recomputes(i)).count() as u128;
+        let recompute_slot = if ck.is_on() { per_block + scratch + 4 * bt * 5 * c } else { 0 };
+        let blocks = (l - n_recomputed) * per_block + n_recomputed * elem * bt * c + recompute_slot;
+        // Embeddings' output, x, final LayerNorm, logits, the 16-bit staging (4C + T×T per head).
+        let staging = if build.precision.is_low() { 4 * b * nh * t * t } else { 0 };
+        let rest = elem * bt * c + 4 * (bt * c * 2 + bt * v + bt * 4 * c) + staging;
+        blocks + scratch + rest
     }
 
-    fn build(&self, precision: Precision) -> Result<Box<dyn LanguageModel>> {
-        Ok(Box::new(Erased(Gpt::with_precision(self.0, precision)?)))
+    fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>> {
+        let model = Gpt::with_precision(self.0, build.precision)?.with_checkpointing(build.checkpointing);
+        Ok(Box::new(Erased(model)))
     }
 
     fn init_segment(&self, seed: u64, seg: usize) -> Vec<f32> {

@@ -15,7 +15,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
         anyhow::bail!("--temperature must be finite and >= 0, got {}", args.temperature);
     }
-    let mut model = family.build(engine::Precision::F32)?;
+    let mut model = family.build(crate::family::Build::default())?;
     let (vocab_size, context) = (family.vocab_size(), family.max_seq_len());
     let tok = ByteTokenizer;
     let mut tokens = tok.encode(&args.prompt);

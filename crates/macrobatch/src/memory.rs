@@ -140,7 +140,7 @@ mod tests {
     #[test]
     fn need_grows_with_shape_and_shrinks_with_zero() {
         let family = crate::family::Gpt2(gpt::GptConfig::preset("gpt2").unwrap_or_else(|e| panic!("{e}")));
-        let activations = |micro| family.activation_bytes(micro, 1024, engine::Precision::F32);
+        let activations = |micro| family.activation_bytes(micro, 1024, crate::family::Build::default());
         let s = TrainShape {
             n_params: family.n_params(),
             activations: activations(8),

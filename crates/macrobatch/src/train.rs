@@ -3,7 +3,7 @@
 
 use crate::checkpoint::{self, Loaded, TrainerState};
 use crate::dist::{self, Backend, Fault};
-use crate::family::{self, Family, LanguageModel};
+use crate::family::{self, Build, Family, LanguageModel};
 use crate::memory;
 use crate::metrics::{Reporter, StepRecord};
 use crate::TrainArgs;
@@ -33,6 +33,13 @@ pub struct Plan {
     pub train: TokenDataset,
     pub val: TokenDataset,
     pub sampler: Sampler,
+}
+
+impl Plan {
+    /// How the model is built: activation precision and checkpointing.
+    pub fn build(&self) -> Build {
+        Build { precision: self.cfg.train.precision, checkpointing: self.cfg.train.activation_checkpointing }
+    }
 }
 
 /// Reads the config file (if any) and applies `--set` overrides.
@@ -70,14 +77,14 @@ pub fn plan(cfg: Config, backend: Backend) -> Result<Plan> {
         BatchShape { micro: batch.micro, accumulation_steps: batch.accumulation_steps, world_size: batch.world_size };
     let sampler = Sampler::new(train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?;
     // The layout alone (no activations are allocated before the first batch).
-    apply_trainable(&mut family.build(Precision::F32)?, &cfg.train.trainable)?;
+    apply_trainable(&mut family.build(Build::default())?, &cfg.train.trainable)?;
     Ok(Plan { cfg, family, backend, batch, train, val, sampler })
 }
 
 /// The model for this plan, storing activations in the configured
 /// precision, with `train.trainable` applied.
 pub fn model_for(plan: &Plan) -> Result<Box<dyn LanguageModel>> {
-    let mut model = plan.family.build(plan.cfg.train.precision)?;
+    let mut model = plan.family.build(plan.build())?;
     apply_trainable(&mut model, &plan.cfg.train.trainable)?;
     Ok(model)
 }
@@ -734,7 +741,7 @@ pub fn check_memory(plan: &Plan) -> Result<()> {
     let o = &cfg.optim;
     let shape = memory::TrainShape {
         n_params: plan.family.n_params(),
-        activations: plan.family.activation_bytes(plan.batch.micro, plan.train.seq_len(), cfg.train.precision),
+        activations: plan.family.activation_bytes(plan.batch.micro, plan.train.seq_len(), plan.build()),
         world: plan.batch.world_size,
         ranks_here: match plan.backend {
             Backend::Threads(n) => n,
@@ -760,7 +767,7 @@ pub fn check_memory(plan: &Plan) -> Result<()> {
         "this run",
         need.total(),
         &breakdown,
-        "use a smaller batch.micro (more batch.accumulation_steps keep the global batch), a higher dist.zero_stage with more ranks, train.precision = bf16, or a smaller model",
+        "use a smaller batch.micro (more batch.accumulation_steps keep the global batch), train.activation_checkpointing = \"blocks\", a higher dist.zero_stage with more ranks, train.precision = bf16, or a smaller model",
     )
 }
 
@@ -851,14 +858,26 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     let backend = dist::detect(cfg.dist.world_size)?;
     let plan = Arc::new(plan(cfg, backend)?);
     if let Some(l) = &resume {
-        if l.model.hf_config() != plan.family.hf_config() {
+        let (saved, wanted) = (l.model.hf_config(), plan.family.hf_config());
+        if saved != wanted {
+            let keys: std::collections::BTreeSet<&String> =
+                saved.as_object().into_iter().chain(wanted.as_object()).flat_map(|o| o.keys()).collect();
+            let differ: Vec<String> = keys
+                .into_iter()
+                .filter(|k| saved.get(k.as_str()) != wanted.get(k.as_str()))
+                .map(|k| {
+                    let show = |v: Option<&serde_json::Value>| v.map_or("absent".to_string(), |v| v.to_string());
+                    format!("{k}: {} in the checkpoint, {} in the config", show(saved.get(k)), show(wanted.get(k)))
+                })
+                .collect();
             bail!(
-                "the checkpoint in {} holds a {} of shape {}, the config asks for a {} of shape {}",
+                "the checkpoint in {} holds a model of shape {} {} but the config asks for {} {} ({}); resume with the run's own [model] settings",
                 l.dir.display(),
                 l.model.name(),
-                l.model.hf_config(),
+                l.model.describe(),
                 plan.family.name(),
-                plan.family.hf_config()
+                plan.family.describe(),
+                differ.join("; ")
             );
         }
         if l.state.global_batch != plan.batch.global {

@@ -97,7 +97,7 @@ pub fn run(args: VerifyArgs) -> Result<bool> {
         if grad_ok { "PASS" } else { "FAIL" }
     );
     // Parameters: the gradient tolerance carried through the first update.
-    let opt = trainer_for(&plan, &plan.family.build(engine::Precision::F32)?, &mut comm::SingleProcess::new())?
+    let opt = trainer_for(&plan, &plan.family.build(Default::default())?, &mut comm::SingleProcess::new())?
         .optimizer()
         .clone();
     let lr = r.report.lr;
