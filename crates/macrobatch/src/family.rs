@@ -257,7 +257,8 @@ impl Family for Gpt2 {
         let blocks = (l - n_recomputed) * per_block + n_recomputed * elem * bt * c + recompute_slot;
         // Embeddings' output, x, final LayerNorm, logits, the 16-bit staging (4C + T×T per head).
         let staging = if build.precision.is_low() { 4 * b * nh * t * t } else { 0 };
-        let rest = elem * bt * c + 4 * (bt * c * 2 + bt * v + bt * 4 * c) + staging;
+        // Row statistics of the final LayerNorm (2) and the per-row losses (1).
+        let rest = elem * bt * c + 4 * (bt * c * 2 + bt * v + bt * 4 * c + 3 * bt) + staging;
         blocks + scratch + rest
     }
 
@@ -306,6 +307,31 @@ mod tests {
         let huge =
             GptConfig { n_embd: 1 << 40, n_head: 1, ..GptConfig::preset("gpt2").unwrap_or_else(|e| panic!("{e}")) };
         assert!(Gpt2(huge).n_params() > u64::MAX as u128);
+    }
+
+    /// The estimate is exact: it equals what the model allocates, for every
+    /// precision and checkpointing choice (an estimate that drifts from the
+    /// model would let the memory check pass runs that abort).
+    #[test]
+    fn gpt2_activation_estimate_equals_the_allocation() {
+        use engine::FullStore;
+        let g = GptConfig { n_layer: 3, n_head: 2, n_embd: 16, block_size: 8, vocab_size: 37 };
+        let family = Gpt2(g);
+        let params = gpt::init_params(&g, 1);
+        for precision in [Precision::F32, Precision::Bf16, Precision::F16] {
+            for checkpointing in [Checkpointing::None, Checkpointing::Blocks, Checkpointing::EveryK(2)] {
+                let build = Build { precision, checkpointing };
+                let mut model = family.build(build).unwrap_or_else(|e| panic!("{e:#}"));
+                let (b, t) = (3, 8);
+                let batch = TokenBatch { n_seqs: b, seq_len: t, inputs: vec![1; b * t], targets: vec![2; b * t] };
+                let mut grads = vec![0.0; params.len()];
+                let mut store = FullStore::for_model(&model, &params, &mut grads).unwrap_or_else(|e| panic!("{e}"));
+                model.micro_step(&mut store, &batch, 1.0).unwrap_or_else(|e| panic!("{e}"));
+                drop(store);
+                let want = model.activation_bytes() as u128;
+                assert_eq!(family.activation_bytes(b, t, build), want, "{precision} {checkpointing}");
+            }
+        }
     }
 
     #[test]
