@@ -7,6 +7,7 @@ mod family;
 mod generate;
 mod memory;
 mod metrics;
+mod plan;
 mod train;
 mod verify;
 
@@ -35,6 +36,31 @@ enum Command {
     Verify(VerifyArgs),
     /// Measure the training step: ms/step, tokens/s, MFU, engine overhead, K sweep.
     Bench(BenchArgs),
+    /// Plan memory: per-rank breakdown, the largest micro-batch under a budget
+    /// at the same global batch, and what to change when nothing fits.
+    Plan(PlanArgs),
+}
+
+/// Arguments of `macrobatch plan`.
+#[derive(clap::Args)]
+pub struct PlanArgs {
+    /// TOML config file (optional).
+    pub config: Option<PathBuf>,
+    /// Override a config key, e.g. --set model.preset=gpt2-xl --set batch.global=512.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Memory per process (rank), e.g. 80GiB; default: what this machine has available now.
+    #[arg(long, value_name = "SIZE")]
+    pub memory: Option<String>,
+    /// Plan for this many ranks, one per process (default: dist.world_size as threads).
+    #[arg(long)]
+    pub world_size: Option<usize>,
+    /// The global batch the configured optim.lr was tuned for: prints scaled learning rates.
+    #[arg(long)]
+    pub base_batch: Option<usize>,
+    /// One JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Arguments of `macrobatch bench`.
@@ -119,6 +145,9 @@ pub struct GenerateArgs {
 }
 
 fn main() -> ExitCode {
+    // The program's own resident size, before anything is allocated (the
+    // memory model's "program" line).
+    plan::runtime_bytes();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Train(args) => match train::run(args) {
@@ -130,6 +159,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => generate::run(args).map(|()| true),
         Command::Verify(args) => verify::run(args),
         Command::Bench(args) => bench::run(args).map(|()| true),
+        Command::Plan(args) => plan::run(args).map(|()| true),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,

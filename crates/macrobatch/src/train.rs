@@ -208,8 +208,11 @@ struct MemoryFile {
     /// mixed precision macrobatch keeps an f32 gradient accumulator and, at
     /// stages 1–2, unsharded f32 master weights, so the formula does not apply).
     formula_model_states: Option<f64>,
-    /// Per rank: peak resident set (VmHWM).
+    /// Per rank: peak resident set (VmHWM; thread ranks share one process,
+    /// so each reports the process's).
     peak_rss: Vec<u64>,
+    /// The memory model's per-rank and per-process prediction (`macrobatch plan`).
+    predicted: crate::plan::Estimate,
     /// Per rank: resident-set growth from before the trainer existed to after
     /// the first step, less the accounted activations and collective buffers
     /// (the trainer's and the communicator's): the model states as the OS sees them.
@@ -439,6 +442,7 @@ fn train_rank(
     let rank = comm.rank();
     let cfg = &plan.cfg;
     let mut model = model_for(plan)?;
+    let predicted = crate::plan::estimate(plan, crate::plan::Knobs::of(plan))?;
     let rss_before = proc_status_bytes("VmRSS:");
     let mut trainer = trainer_for(plan, &model, comm)?;
     let mut model_states_rss = None;
@@ -578,6 +582,7 @@ fn train_rank(
             mem_activations: model.activation_bytes(),
             mem_comm_buffers: mem.comm_buffers,
             mem_peak_rss: peak_rss_bytes(),
+            mem_predicted: predicted.per_process(),
         })?;
         if let Some((mut params, opt_state)) = full_state {
             if start_from.fault.is_some_and(|f| f.poisons(step)) {
@@ -658,6 +663,7 @@ fn train_rank(
                 )
             }),
             peak_rss: all.chunks(2).map(|c| c[0] as u64 * 1024).collect(),
+            predicted,
             measured_model_states: all.chunks(2).map(|c| c[1] as u64 * 1024).collect(),
         };
         gpt::hf::write_atomic(&out.dir.join("memory.json"), serde_json::to_string_pretty(&file)?.as_bytes())?;
@@ -738,37 +744,27 @@ where
 /// The memory check of a training plan: per-process need against what is available.
 pub fn check_memory(plan: &Plan) -> Result<()> {
     let cfg = &plan.cfg;
-    let o = &cfg.optim;
-    let shape = memory::TrainShape {
-        n_params: plan.family.n_params(),
-        activations: plan.family.activation_bytes(plan.batch.micro, plan.train.seq_len(), plan.build()),
-        world: plan.batch.world_size,
-        ranks_here: match plan.backend {
-            Backend::Threads(n) => n,
-            _ => 1,
-        },
-        zero_stage: cfg.dist.zero_stage,
-        low_precision: cfg.train.precision.is_low(),
-        optimizer_slots: o.name.state_slots(o.momentum),
-    };
-    let need = memory::train_need(&shape);
+    let advice = "use a smaller batch.micro (more batch.accumulation_steps keep the global batch), train.activation_checkpointing = \"blocks\", a higher dist.zero_stage with more ranks, train.precision = bf16, or a smaller model (`macrobatch plan` shows what fits)";
+    // Shapes whose byte counts overflow 64 bits cannot be planned element by
+    // element; their parameters alone rule them out.
+    let n_params = plan.family.n_params();
+    if n_params > (u64::MAX / 64) as u128 {
+        return memory::check("this run", 4 * n_params, &format!("{n_params} parameters × 4 bytes"), advice);
+    }
+    let e = crate::plan::estimate(plan, crate::plan::Knobs::of(plan))?;
     let breakdown = format!(
-        "{} parameters; per rank {} bytes of parameters, gradients and optimizer state at ZeRO stage {} in {} and {} bytes of activations for batch.micro = {} × seq {}; {} rank(s) in this process",
-        shape.n_params,
-        need.model_states,
+        "{n_params} parameters; per rank {} bytes of parameters, gradients and optimizer state at ZeRO stage {} in {}, {} bytes of collective buffers and {} bytes of activations for batch.micro = {} × seq {} (checkpointing {}); {} rank(s) in this process",
+        e.params + e.master + e.grads + e.optimizer,
         cfg.dist.zero_stage,
         cfg.train.precision,
-        need.activations,
+        e.comm_buffers,
+        e.activations,
         plan.batch.micro,
         plan.train.seq_len(),
-        need.ranks_here
+        cfg.train.activation_checkpointing,
+        e.knobs.ranks_per_process
     );
-    memory::check(
-        "this run",
-        need.total(),
-        &breakdown,
-        "use a smaller batch.micro (more batch.accumulation_steps keep the global batch), train.activation_checkpointing = \"blocks\", a higher dist.zero_stage with more ranks, train.precision = bf16, or a smaller model",
-    )
+    memory::check("this run", e.per_process() as u128, &breakdown, advice)
 }
 
 /// Removes what a run that failed before its first step created, so the
