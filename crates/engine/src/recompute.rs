@@ -25,12 +25,11 @@ pub enum Checkpointing {
 
 impl Checkpointing {
     /// Whether block `idx` is recomputed.
-    #[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` needs Rust 1.87; we support 1.85
     pub fn recomputes(self, idx: usize) -> bool {
         match self {
             Checkpointing::None => false,
             Checkpointing::Blocks => true,
-            Checkpointing::EveryK(k) => idx % k.max(1) == 0,
+            Checkpointing::EveryK(k) => idx.is_multiple_of(k.max(1)),
         }
     }
 

@@ -134,8 +134,8 @@ pub fn estimate(plan: &Plan, knobs: Knobs) -> Result<Estimate> {
 
 /// Micro-batch sizes that keep the global batch: `micro · W` divides it.
 pub fn micro_candidates(global: usize, world_size: usize) -> Vec<usize> {
-    let per_rank = if global % world_size.max(1) == 0 { global / world_size.max(1) } else { 0 };
-    (1..=per_rank).rev().filter(|m| per_rank % m == 0).collect()
+    let per_rank = if global.is_multiple_of(world_size.max(1)) { global / world_size.max(1) } else { 0 };
+    (1..=per_rank).rev().filter(|&m| per_rank.is_multiple_of(m)).collect()
 }
 
 /// The largest micro-batch whose per-process bytes fit `budget`, if any.
@@ -262,7 +262,7 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, base_batch: Option<usize>)
         }
     }
     let w2 = knobs.world_size * 2;
-    if plan.batch.global % w2 == 0 {
+    if plan.batch.global.is_multiple_of(w2) {
         let stage = knobs.zero_stage.max(3);
         variants.push((
             format!("{w2} ranks (one per process) with dist.zero_stage = {stage}"),
