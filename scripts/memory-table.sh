@@ -12,7 +12,9 @@ cd "$(dirname "$0")/.."
 presets=("${@:-tiny mini small}")
 # Freed large buffers go back to the OS at once, so VmHWM measures what is live.
 export MALLOC_MMAP_THRESHOLD_=65536
-cargo build --release -q
+# MACROBATCH_BIN: a binary to measure instead of building this checkout's.
+bin=${MACROBATCH_BIN:-}
+if [ -z "$bin" ]; then cargo build --release -q; bin=target/release/macrobatch; fi
 out=$(mktemp -d)
 echo "| preset | W | stage | precision | checkpointing | predicted MiB | measured peak MiB | error |"
 echo "|---|---|---|---|---|---|---|---|"
@@ -22,7 +24,7 @@ for preset in ${presets[@]}; do
     for prec in f32 bf16; do
       for ck in none blocks; do
         dir="$out/$preset-$stage-$prec-$ck"
-        target/release/macrobatch train --out "$dir" --set model.preset="$preset" \
+        "$bin" train --out "$dir" --set model.preset="$preset" \
           --set dist.world_size="$w" --set dist.zero_stage="$stage" --set train.precision="$prec" \
           --set train.activation_checkpointing="$ck" --set batch.global=16 --set batch.micro=$((8 / w)) \
           --set train.steps=2 --set train.eval_every=0 --set train.eval_batches=1 >/dev/null 2>&1 \

@@ -184,10 +184,58 @@ impl Default for DataConfig {
 pub struct BatchConfig {
     /// Sequences per optimizer step over all ranks (G).
     pub global: Option<usize>,
-    /// Sequences per micro-batch per rank.
-    pub micro: Option<usize>,
+    /// Sequences per micro-batch per rank, or `"auto"`: the largest that
+    /// fits `train.memory_budget` at the same global batch (chosen by the
+    /// memory planner before the first step, then written into the
+    /// resolved config so a resume uses the same factorization).
+    pub micro: Option<Micro>,
     /// Micro-steps per optimizer step (K).
     pub accumulation_steps: Option<usize>,
+}
+
+/// `batch.micro`: a number of sequences, or `"auto"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Micro {
+    /// This many sequences.
+    Sequences(usize),
+    /// Chosen by the memory planner.
+    Auto,
+}
+
+impl Serialize for Micro {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Micro::Sequences(n) => s.serialize_u64(*n as u64),
+            Micro::Auto => s.serialize_str("auto"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Micro {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = Micro;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a number of sequences (at least 1) or \"auto\"")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Micro, E> {
+                usize::try_from(v).map(Micro::Sequences).map_err(|_| E::custom(format!("{v} is too large")))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Micro, E> {
+                u64::try_from(v)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(v), &self))
+                    .and_then(|v| self.visit_u64(v))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Micro, E> {
+                match v {
+                    "auto" => Ok(Micro::Auto),
+                    _ => Err(E::invalid_value(serde::de::Unexpected::Str(v), &self)),
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// The resolved factorization `global = micro × accumulation_steps × world_size`.
@@ -213,7 +261,16 @@ impl BatchConfig {
     /// `global = 16` and then `micro = 8` fill in.
     pub fn resolve(&self, world_size: usize) -> Result<ResolvedBatch, ConfigError> {
         let rule = "global = micro × accumulation_steps × world_size";
-        let (mut g, mut m, k) = (self.global, self.micro, self.accumulation_steps);
+        let m = match self.micro {
+            Some(Micro::Auto) => {
+                return Err(ConfigError::Batch(
+                    "batch.micro = \"auto\" is chosen by the memory planner from train.memory_budget; resolve it before this point".into(),
+                ))
+            }
+            Some(Micro::Sequences(n)) => Some(n),
+            None => None,
+        };
+        let (mut g, mut m, k) = (self.global, m, self.accumulation_steps);
         for (name, v) in [("batch.global", g), ("batch.micro", m), ("batch.accumulation_steps", k)] {
             if v == Some(0) {
                 return Err(ConfigError::Batch(format!("{name} must be at least 1, got 0")));
@@ -333,6 +390,10 @@ pub struct TrainConfig {
     /// run of characters); the others are frozen: no gradient, no optimizer
     /// state, no gradient communication. Default: every tensor.
     pub trainable: Vec<String>,
+    /// Memory per process that `batch.micro = "auto"` plans against: a size
+    /// (`"12GiB"`, `"800MB"`, bytes) or a fraction of the memory available
+    /// at start (`"0.8"`). Unset: 90% of what is available.
+    pub memory_budget: Option<String>,
     /// f16: stop with an error after this many consecutive skipped steps at
     /// `min_loss_scale` (the run cannot make progress); 0 never stops.
     pub max_skips_at_min_scale: u64,
@@ -359,6 +420,7 @@ impl Default for TrainConfig {
             keep_checkpoints: 3,
             trainable: vec!["*".into()],
             max_skips_at_min_scale: 50,
+            memory_budget: None,
         }
     }
 }
@@ -498,6 +560,9 @@ impl Config {
                 "window and hysteresis must be at least 1",
             ));
         }
+        if let Some(b) = &t.memory_budget {
+            parse_budget(b).map_err(|rule| invalid("train.memory_budget", format!("\"{b}\""), &rule))?;
+        }
         if t.threads > 4096 {
             return Err(invalid("train.threads", t.threads, "must be at most 4096 (0: all cores)"));
         }
@@ -559,6 +624,52 @@ impl Config {
     }
 }
 
+/// A memory size or share: `Bytes` from `"80GiB"`, `"512MiB"`, `"1.5GB"`,
+/// `"4096"`; `Fraction` from a number in (0, 1], e.g. `"0.8"`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Budget {
+    /// Bytes.
+    Bytes(u64),
+    /// A share of what is available.
+    Fraction(f64),
+}
+
+/// Parses a [`Budget`]; the error says what is accepted.
+pub fn parse_budget(s: &str) -> Result<Budget, String> {
+    let t = s.trim();
+    let rule =
+        || format!("`{s}`: give a size (80GiB, 512MiB, 16GB, bytes) or a fraction of the available memory (0.8)");
+    // A bare number with a point is a share; a bare integer is bytes.
+    if let (Ok(f), true) = (t.parse::<f64>(), t.contains('.')) {
+        return if f > 0.0 && f <= 1.0 { Ok(Budget::Fraction(f)) } else { Err(rule()) };
+    }
+    parse_bytes(t).map(Budget::Bytes).map_err(|_| rule())
+}
+
+/// Parses `80GiB`, `512MiB`, `1.5GB`, `1000000` (bytes).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.trim().parse().map_err(|_| format!("`{s}`: not a size (e.g. 80GiB, 512MiB, 16GB)"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "m" | "mb" => 1e6,
+        "g" | "gb" => 1e9,
+        "t" | "tb" => 1e12,
+        "kib" => 1024.0,
+        "mib" => (1u64 << 20) as f64,
+        "gib" => (1u64 << 30) as f64,
+        "tib" => (1u64 << 40) as f64,
+        other => return Err(format!("`{s}`: unknown unit `{other}` (use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")),
+    };
+    if !(n.is_finite() && n > 0.0) {
+        return Err(format!("`{s}`: a size must be positive"));
+    }
+    Ok((n * mult) as u64)
+}
+
 fn invalid(field: &'static str, value: impl std::fmt::Display, rule: &str) -> ConfigError {
     ConfigError::Invalid { field, value: value.to_string(), rule: rule.to_string() }
 }
@@ -615,7 +726,7 @@ mod tests {
             parse("[train]\nsteps = 5\n", &["train.steps=30", "batch.micro=4", "data.path=foo.txt", "optim.lr=1e-3"])
                 .unwrap();
         assert_eq!(c.train.steps, 30);
-        assert_eq!(c.batch.micro, Some(4));
+        assert_eq!(c.batch.micro, Some(Micro::Sequences(4)));
         assert_eq!(c.data.path.as_deref(), Some("foo.txt"));
         assert_eq!(c.optim.lr, 1e-3);
         assert_eq!(c.model.preset, "tiny");
@@ -638,7 +749,8 @@ mod tests {
 
     #[test]
     fn batch_triple_derivation_and_errors() {
-        let b = |g, m, k| BatchConfig { global: g, micro: m, accumulation_steps: k };
+        let b =
+            |g, m: Option<usize>, k| BatchConfig { global: g, micro: m.map(Micro::Sequences), accumulation_steps: k };
         let r = b(Some(32), Some(4), None).resolve(2).unwrap();
         assert_eq!((r.global, r.micro, r.accumulation_steps), (32, 4, 4));
         assert_eq!(b(Some(32), None, Some(8)).resolve(1).unwrap().micro, 4);
@@ -660,7 +772,8 @@ mod tests {
     fn huge_batch_numbers_are_errors_not_overflows() {
         // Hostile input: 2^62 × 4 wraps to 0 in release builds (then a divide by
         // zero in the sampler, or a remainder by zero here).
-        let b = |g, m, k| BatchConfig { global: g, micro: m, accumulation_steps: k };
+        let b =
+            |g, m: Option<usize>, k| BatchConfig { global: g, micro: m.map(Micro::Sequences), accumulation_steps: k };
         let huge = Some(1usize << 62);
         for (cfg, world) in [(b(None, huge, Some(4)), 1), (b(Some(16), huge, None), 4), (b(Some(16), None, huge), 4)] {
             let e = cfg.resolve(world).unwrap_err().to_string();
@@ -727,5 +840,25 @@ mod tests {
             let e = parse("", &[bad]).unwrap_err().to_string();
             assert!(e.contains(key) && e.contains(choices), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn sizes_budgets_and_auto_micro_parse() {
+        assert_eq!(parse_bytes("80GiB"), Ok(80 << 30));
+        assert_eq!(parse_bytes("1.5 GB"), Ok(1_500_000_000));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        for bad in ["", "lots", "-1GB", "5 parsecs"] {
+            assert!(parse_bytes(bad).is_err(), "{bad}");
+        }
+        assert_eq!(parse_budget("0.8"), Ok(Budget::Fraction(0.8)));
+        assert_eq!(parse_budget("2GiB"), Ok(Budget::Bytes(2 << 30)));
+        let e = parse("", &["train.memory_budget=\"1.5\""]).unwrap().validate().unwrap_err().to_string();
+        assert!(e.contains("train.memory_budget"), "{e}");
+        let c = parse("", &["batch.micro=\"auto\""]).unwrap();
+        assert_eq!(c.batch.micro, Some(Micro::Auto));
+        assert!(c.batch.resolve(1).unwrap_err().to_string().contains("memory planner"));
+        assert_eq!(parse(&c.to_toml(), &[]).unwrap(), c, "auto round-trips");
+        let e = parse("", &["batch.micro=\"many\""]).unwrap_err().to_string();
+        assert!(e.contains("\"auto\""), "{e}");
     }
 }

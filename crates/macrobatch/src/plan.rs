@@ -11,7 +11,7 @@
 use crate::family::Build;
 use crate::memory::{self, Available};
 use crate::train::{apply_trainable, Plan};
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use config::{Checkpointing, Precision};
 use engine::{Trainer, ZeroConfig};
 use serde::Serialize;
@@ -149,30 +149,6 @@ pub fn largest_fitting(plan: &Plan, knobs: Knobs, budget: u64) -> Result<Option<
     Ok(None)
 }
 
-/// Parses `80GiB`, `512MiB`, `1.5GB`, `1000000` (bytes).
-pub fn parse_bytes(s: &str) -> Result<u64> {
-    let t = s.trim();
-    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: f64 = num.trim().parse().with_context(|| format!("`{s}`: not a size (e.g. 80GiB, 512MiB, 16GB)"))?;
-    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kb" => 1e3,
-        "m" | "mb" => 1e6,
-        "g" | "gb" => 1e9,
-        "t" | "tb" => 1e12,
-        "kib" => 1024.0,
-        "mib" => (1u64 << 20) as f64,
-        "gib" => (1u64 << 30) as f64,
-        "tib" => (1u64 << 40) as f64,
-        other => bail!("`{s}`: unknown unit `{other}` (use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"),
-    };
-    if !(n.is_finite() && n > 0.0) {
-        bail!("`{s}`: a size must be positive");
-    }
-    Ok((n * mult) as u64)
-}
-
 /// Bytes as `12.3 GiB`.
 pub fn human(b: u64) -> String {
     let b = b as f64;
@@ -207,7 +183,7 @@ pub struct Report {
     pub global_batch: usize,
     /// Bytes available per process (given or detected) and the budget (a share of it).
     pub memory: u64,
-    /// The budget: 90% of `memory`.
+    /// The budget (by default 90% of `memory`).
     pub budget: u64,
     /// The configuration as given.
     pub configured: Estimate,
@@ -238,9 +214,9 @@ pub struct LrAdvice {
     pub warmup_steps: (u64, u64),
 }
 
-/// The whole report for `plan` with `memory` bytes per process.
-pub fn report(plan: &Plan, knobs: Knobs, memory: u64, base_batch: Option<usize>) -> Result<Report> {
-    let budget = (memory as f64 * 0.9) as u64;
+/// The whole report for `plan` with `memory` bytes per process, of which
+/// `budget` may be used.
+pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: Option<usize>) -> Result<Report> {
     let configured = estimate(plan, knobs)?;
     let best = largest_fitting(plan, knobs, budget)?;
     let mut variants: Vec<(String, Knobs)> = Vec::new();
@@ -321,7 +297,7 @@ pub fn render(r: &Report) -> String {
     let mut out = String::new();
     let e = &r.configured;
     out += &format!(
-        "{}: {} parameters, seq {}, global batch {}\nmemory per process {} (budget 90%: {})\n\nconfigured: {}\n",
+        "{}: {} parameters, seq {}, global batch {}\nmemory per process {} (budget {})\n\nconfigured: {}\n",
         r.model,
         r.n_params,
         r.seq_len,
@@ -389,10 +365,10 @@ pub fn run(args: crate::PlanArgs) -> Result<()> {
         knobs.ranks_per_process = 1;
     }
     let memory = match &args.memory {
-        Some(s) => parse_bytes(s)?,
+        Some(s) => config::parse_bytes(s).map_err(anyhow::Error::msg).context("--memory")?,
         None => Available::now().bytes().context("cannot read the available memory from /proc; give --memory SIZE")?,
     };
-    let r = report(&plan, knobs, memory, args.base_batch)?;
+    let r = report(&plan, knobs, memory, (memory as f64 * 0.9) as u64, args.base_batch)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else {
@@ -404,16 +380,6 @@ pub fn run(args: crate::PlanArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes_parse_with_units_and_bad_ones_are_named() {
-        assert_eq!(parse_bytes("80GiB").unwrap_or(0), 80 << 30);
-        assert_eq!(parse_bytes("1.5 GB").unwrap_or(0), 1_500_000_000);
-        assert_eq!(parse_bytes("4096").unwrap_or(0), 4096);
-        for bad in ["", "lots", "-1GB", "5 parsecs"] {
-            assert!(parse_bytes(bad).is_err(), "{bad}");
-        }
-    }
 
     #[test]
     fn micro_candidates_keep_the_global_batch() {

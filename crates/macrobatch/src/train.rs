@@ -9,7 +9,7 @@ use crate::metrics::{Reporter, StepRecord};
 use crate::TrainArgs;
 use anyhow::{anyhow, bail, Context, Result};
 use comm::Communicator;
-use config::{Config, OptimizerKind, Precision, ResolvedBatch};
+use config::{Config, Micro, OptimizerKind, Precision, ResolvedBatch};
 use data::{BatchShape, Corpus, DataFormat, Sampler, TokenDataset};
 use engine::{
     AdamW, LossScalerConfig, LrSchedule, Model, Optimizer, Sgd, TokenBatch, Trainer, TrainerOptions, ZeroConfig,
@@ -28,6 +28,9 @@ pub struct Plan {
     pub cfg: Config,
     /// The model family and shape.
     pub family: Arc<dyn Family>,
+    /// With `batch.micro = "auto"`: the budget the micro-batch was chosen
+    /// for, checked against the measured peak after the first step.
+    pub memory_budget: Option<u64>,
     pub backend: Backend,
     pub batch: ResolvedBatch,
     pub train: TokenDataset,
@@ -56,8 +59,19 @@ pub fn load_config(path: Option<&Path>, sets: &[String]) -> Result<Config> {
 
 /// Validates the whole configuration against the model, the data and the
 /// launcher, before anything runs.
-pub fn plan(cfg: Config, backend: Backend) -> Result<Plan> {
+pub fn plan(mut cfg: Config, backend: Backend) -> Result<Plan> {
     cfg.validate()?;
+    let auto_micro = cfg.batch.micro == Some(Micro::Auto);
+    if auto_micro {
+        if let Some(k) = cfg.batch.accumulation_steps {
+            bail!(
+                "batch.micro = \"auto\" derives the accumulation steps from batch.global, but batch.accumulation_steps = {k} is also given; remove batch.accumulation_steps"
+            );
+        }
+        // Planned at micro 1 first; the planner then picks the largest that fits.
+        cfg.batch.global.get_or_insert(config::DEFAULT_GLOBAL_BATCH);
+        cfg.batch.micro = Some(Micro::Sequences(1));
+    }
     let family = family::from_config(&cfg.model)?;
     let batch = cfg.batch.resolve(backend.world_size())?;
     let max_seq = family.max_seq_len();
@@ -73,12 +87,70 @@ pub fn plan(cfg: Config, backend: Backend) -> Result<Plan> {
     };
     corpus.check_vocab(family.vocab_size())?;
     let (train, val) = corpus.split(cfg.data.val_fraction, seq_len)?;
-    let shape =
-        BatchShape { micro: batch.micro, accumulation_steps: batch.accumulation_steps, world_size: batch.world_size };
-    let sampler = Sampler::new(train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?;
+    let sampler = sampler_for(&cfg, &batch, &train)?;
     // The layout alone (no activations are allocated before the first batch).
     apply_trainable(&mut family.build(Build::default())?, &cfg.train.trainable)?;
-    Ok(Plan { cfg, family, backend, batch, train, val, sampler })
+    let mut plan = Plan { cfg, family, memory_budget: None, backend, batch, train, val, sampler };
+    if auto_micro {
+        choose_micro(&mut plan)?;
+    }
+    Ok(plan)
+}
+
+/// The sampler of a resolved batch.
+fn sampler_for(cfg: &Config, batch: &ResolvedBatch, train: &TokenDataset) -> Result<Sampler> {
+    let shape =
+        BatchShape { micro: batch.micro, accumulation_steps: batch.accumulation_steps, world_size: batch.world_size };
+    Ok(Sampler::new(train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?)
+}
+
+/// The per-process memory budget of `train.memory_budget` (default 90% of
+/// what is available now).
+pub fn memory_budget(cfg: &Config) -> Result<u64> {
+    let available = memory::Available::now().bytes();
+    let need_available =
+        || available.context("cannot read the available memory from /proc; set train.memory_budget to a size");
+    Ok(match cfg.train.memory_budget.as_deref().map(config::parse_budget) {
+        None => (need_available()? as f64 * 0.9) as u64,
+        Some(Ok(config::Budget::Fraction(f))) => (need_available()? as f64 * f) as u64,
+        Some(Ok(config::Budget::Bytes(b))) => b,
+        Some(Err(e)) => bail!("train.memory_budget: {e}"),
+    })
+}
+
+/// `batch.micro = "auto"`: the largest micro-batch whose planned peak fits
+/// the budget, with the accumulation steps that keep the global batch
+/// (never a smaller global batch). The choice is written into the config, so
+/// `config.resolved.toml` (and a resume) use the same factorization.
+fn choose_micro(plan: &mut Plan) -> Result<()> {
+    let budget = memory_budget(&plan.cfg)?;
+    let knobs = crate::plan::Knobs::of(plan);
+    let Some(best) = crate::plan::largest_fitting(plan, knobs, budget)? else {
+        let at_1 = crate::plan::estimate(plan, knobs)?;
+        let report = crate::plan::report(plan, knobs, budget, budget, None)?;
+        bail!(
+            "batch.micro = \"auto\": not even micro-batch 1 fits the memory budget of {} ({} per process planned at micro 1); change one of these (global batch {} kept):\n{}",
+            crate::plan::human(budget),
+            crate::plan::human(at_1.per_process()),
+            plan.batch.global,
+            crate::plan::render(&report)
+        );
+    };
+    plan.memory_budget = Some(budget);
+    plan.cfg.batch.micro = Some(Micro::Sequences(best.knobs.micro));
+    plan.cfg.batch.accumulation_steps = None;
+    plan.batch = plan.cfg.batch.resolve(plan.backend.world_size())?;
+    plan.sampler = sampler_for(&plan.cfg, &plan.batch, &plan.train)?;
+    eprintln!(
+        "batch.micro = \"auto\": micro {} × K {} × W {} (global {}) plans {} per process under the budget of {}",
+        plan.batch.micro,
+        plan.batch.accumulation_steps,
+        plan.batch.world_size,
+        plan.batch.global,
+        crate::plan::human(best.per_process()),
+        crate::plan::human(budget)
+    );
+    Ok(())
 }
 
 /// The model for this plan, storing activations in the configured
@@ -294,7 +366,7 @@ fn resolved_toml(plan: &Plan) -> String {
     let mut resolved = plan.cfg.clone();
     resolved.batch = config::BatchConfig {
         global: Some(plan.batch.global),
-        micro: Some(plan.batch.micro),
+        micro: Some(Micro::Sequences(plan.batch.micro)),
         accumulation_steps: Some(plan.batch.accumulation_steps),
     };
     resolved.data.seq_len = Some(plan.train.seq_len());
@@ -509,6 +581,19 @@ fn train_rank(
         }
         if model_states_rss.is_none() {
             drop(batches);
+            // The trial that confirms the planner's choice: the first step's
+            // measured peak (every allocation of a step has happened by now).
+            if let (Some(budget), Some(peak)) = (plan.memory_budget, peak_rss_bytes()) {
+                if peak > budget {
+                    bail!(
+                        "batch.micro = \"auto\" chose micro {} for a budget of {}, but the first step peaked at {} (planned {}); lower train.memory_budget or set batch.micro by hand",
+                        plan.batch.micro,
+                        crate::plan::human(budget),
+                        crate::plan::human(peak),
+                        crate::plan::human(predicted.per_process())
+                    );
+                }
+            }
             let m = trainer.memory();
             let other = (model.activation_bytes() + m.comm_buffers + comm.buffer_bytes()) as u64;
             model_states_rss =
