@@ -111,6 +111,10 @@ pub struct MemoryReport {
     /// Largest parameter residency during a step: resident parameters plus
     /// the one gathered segment (stage 3).
     pub peak_param_residency: usize,
+    /// Elements of the largest buffer one collective carries (a gradient
+    /// bucket of an all-reduce, or a padded segment of a reduce-scatter,
+    /// all-gather or the initial broadcast): what a communicator stages.
+    pub max_collective_elems: usize,
 }
 
 impl MemoryReport {
@@ -124,6 +128,8 @@ impl MemoryReport {
 /// them), the optimizer and the schedule.
 #[derive(Debug, Clone)]
 pub struct Trainer {
+    /// Elements of the largest collective buffer (memory accounting).
+    max_collective: usize,
     layout: ParamLayout,
     part: Partition,
     stage: Stage,
@@ -224,7 +230,7 @@ impl Trainer {
         let part = Partition::new(space, rank, world);
         let precision = options.precision;
         let master_sharded = master_sharded(stage, precision);
-        let sizes = BufferSizes::new(&part, stage, precision);
+        let sizes = BufferSizes::new(&part, stage, precision, options.bucket_elems);
         let mut model_copy = (precision.is_low() && !stage.shards_parameters()).then(|| ModelCopy {
             bits: vec![0u16; sizes.model_copy],
             decoded: vec![0.0; sizes.decoded],
@@ -259,6 +265,7 @@ impl Trainer {
         let scaler = (precision == Precision::F16).then(|| LossScaler::new(options.loss_scaler));
         let update = update_chunks(&part, &layout, stage, master_sharded);
         Ok(Self {
+            max_collective: sizes.max_collective,
             update,
             written: vec![false; layout.tensors().len()],
             layout,
@@ -403,19 +410,21 @@ impl Trainer {
     /// The [`Trainer::memory`] a trainer of `model` would report on rank 0
     /// of `world_size` ranks, computed from the layout alone: nothing is
     /// allocated, so shapes too large for this machine can be planned.
-    /// `optimizer_slots`: f32 state values per trainable parameter (AdamW 2).
+    /// `optimizer_slots`: f32 state values per trainable parameter (AdamW 2);
+    /// `bucket_elems`: [`TrainerOptions::bucket_elems`].
     pub fn planned_memory<M: Model>(
         model: &M,
         zero: ZeroConfig,
         world_size: usize,
         precision: Precision,
         optimizer_slots: usize,
+        bucket_elems: usize,
     ) -> Result<MemoryReport, EngineError> {
         let stage = Stage::new(zero)?;
         let space = GradSpace::new(model.layout(), model.segments())?;
         let world = if stage.shards_optimizer() { world_size.max(1) } else { 1 };
         let part = Partition::new(space, 0, world);
-        let s = BufferSizes::new(&part, stage, precision);
+        let s = BufferSizes::new(&part, stage, precision, bucket_elems);
         Ok(s.report(precision, 4 * optimizer_slots * s.optimizer))
     }
 
@@ -430,6 +439,7 @@ impl Trainer {
             seg_grads: self.seg_grads.len(),
             gathered: self.gathered.len(),
             scratch: self.scratch.len(),
+            max_collective: self.max_collective,
         };
         sizes.report(self.options.precision, self.optimizer.state_bytes())
     }
@@ -935,10 +945,12 @@ struct BufferSizes {
     gathered: usize,
     /// Packing / result scratch of the reduction.
     scratch: usize,
+    /// The largest buffer one collective carries.
+    max_collective: usize,
 }
 
 impl BufferSizes {
-    fn new(part: &Partition, stage: Stage, precision: Precision) -> Self {
+    fn new(part: &Partition, stage: Stage, precision: Precision, bucket_elems: usize) -> Self {
         let world = part.world_size;
         let n_params = part.space.segments.last().map_or(0, |r| r.end);
         let low_copy = precision.is_low() && !stage.shards_parameters();
@@ -961,6 +973,12 @@ impl BufferSizes {
                 Reduction::Done => max_grad_piece,
                 Reduction::AllReduce => 0,
             },
+            // Segments are broadcast at start and gathered / reduce-scattered
+            // padded; stages 0–1 all-reduce the gradient in buckets.
+            max_collective: max_padded.max(match stage.reduction() {
+                Reduction::AllReduce => bucket_elems.max(1).min(part.space.n_grads),
+                _ => 0,
+            }),
         }
     }
 
@@ -979,6 +997,7 @@ impl BufferSizes {
             master,
             comm_buffers: gathered + 4 * (self.seg_grads + self.scratch) + decoded,
             peak_param_residency: params + gathered + decoded,
+            max_collective_elems: self.max_collective,
         }
     }
 }

@@ -37,7 +37,8 @@ fn planned_memory_equals_what_the_trainer_allocates() {
                         Some(m) if m > 0.0 => 1,
                         Some(_) => 0,
                     };
-                    let plan = Trainer::planned_memory(&model, zero, world, precision, slots).unwrap();
+                    let bucket = engine::DEFAULT_BUCKET_ELEMS;
+                    let plan = Trainer::planned_memory(&model, zero, world, precision, slots, bucket).unwrap();
                     let reports: Vec<_> = std::thread::scope(|s| {
                         let handles: Vec<_> = group(world, Duration::from_secs(30))
                             .into_iter()

@@ -16,6 +16,18 @@ use config::{Checkpointing, Precision};
 use engine::{Trainer, ZeroConfig};
 use serde::Serialize;
 
+/// How the ranks of a plan communicate (what their communicator stages).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// One rank, no communication.
+    Single,
+    /// Ranks as threads of one process.
+    Threads,
+    /// One process per rank under MPI.
+    Mpi,
+}
+
 /// The knobs a plan varies.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Knobs {
@@ -25,6 +37,8 @@ pub struct Knobs {
     pub world_size: usize,
     /// Ranks sharing one process (thread ranks), 1 under MPI.
     pub ranks_per_process: usize,
+    /// How ranks communicate.
+    pub backend: Backend,
     /// ZeRO stage.
     pub zero_stage: u8,
     /// Stage 2: reduce-scatter after every micro-step.
@@ -45,6 +59,11 @@ impl Knobs {
             ranks_per_process: match plan.backend {
                 crate::dist::Backend::Threads(n) => n,
                 _ => 1,
+            },
+            backend: match plan.backend {
+                crate::dist::Backend::Single => Backend::Single,
+                crate::dist::Backend::Threads(_) => Backend::Threads,
+                crate::dist::Backend::Mpi(_) => Backend::Mpi,
             },
             zero_stage: cfg.dist.zero_stage,
             reduce_every_micro_step: cfg.dist.reduce_every_micro_step,
@@ -72,6 +91,10 @@ pub struct Estimate {
     /// Per rank: collective buffers (stage 3's gathered segment, a
     /// segment's gradient awaiting reduce-scatter, packing scratch).
     pub comm_buffers: u64,
+    /// Per rank: the communicator's staging of the largest collective.
+    pub comm_staging: u64,
+    /// Per process: staging shared by its thread ranks (their summed result).
+    pub comm_shared: u64,
     /// Per rank: activations and backward scratch of one micro-batch
     /// (saved tensors, attention probabilities, logits, recompute slot).
     pub activations: u64,
@@ -86,12 +109,19 @@ pub struct Estimate {
 impl Estimate {
     /// One rank's bytes.
     pub fn per_rank(&self) -> u64 {
-        self.params + self.master + self.grads + self.optimizer + self.comm_buffers + self.activations + self.batches
+        self.params
+            + self.master
+            + self.grads
+            + self.optimizer
+            + self.comm_buffers
+            + self.comm_staging
+            + self.activations
+            + self.batches
     }
 
     /// One process's bytes: its ranks plus what they share.
     pub fn per_process(&self) -> u64 {
-        self.per_rank() * self.knobs.ranks_per_process as u64 + self.data + self.runtime
+        self.per_rank() * self.knobs.ranks_per_process as u64 + self.comm_shared + self.data + self.runtime
     }
 }
 
@@ -110,7 +140,17 @@ pub fn estimate(plan: &Plan, knobs: Knobs) -> Result<Estimate> {
     apply_trainable(&mut model, &cfg.train.trainable)?;
     let zero = ZeroConfig { stage: knobs.zero_stage, reduce_every_micro_step: knobs.reduce_every_micro_step };
     let slots = cfg.optim.name.state_slots(cfg.optim.momentum) as usize;
-    let report = Trainer::planned_memory(&model, zero, knobs.world_size, knobs.precision, slots)?;
+    let bucket_elems = crate::train::bucket_elems(cfg);
+    let report = Trainer::planned_memory(&model, zero, knobs.world_size, knobs.precision, slots, bucket_elems)?;
+    // What the communicator stages: thread ranks keep an f64 copy of their
+    // largest contribution in their slot, and the group one f64 result;
+    // MPI keeps an f32 staging buffer of the largest collective.
+    let max = report.max_collective_elems as u64;
+    let (comm_staging, comm_shared) = match knobs.backend {
+        Backend::Single => (0, 0),
+        Backend::Threads => (8 * max, 8 * max),
+        Backend::Mpi => (4 * max, 0),
+    };
     let seq_len = plan.train.seq_len();
     let per_step = knobs.micro * knobs.world_size;
     let accumulation_steps = plan.batch.global / per_step.max(1);
@@ -124,6 +164,8 @@ pub fn estimate(plan: &Plan, knobs: Knobs) -> Result<Estimate> {
         grads: report.grads as u64,
         optimizer: report.optimizer as u64,
         comm_buffers: report.comm_buffers as u64,
+        comm_staging,
+        comm_shared,
         activations: u64::try_from(activations).unwrap_or(u64::MAX),
         // inputs (u32) and targets (i32) of K micro-batches.
         batches: 8 * (accumulation_steps * knobs.micro * seq_len) as u64,
@@ -242,7 +284,14 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
         let stage = knobs.zero_stage.max(3);
         variants.push((
             format!("{w2} ranks (one per process) with dist.zero_stage = {stage}"),
-            Knobs { world_size: w2, ranks_per_process: 1, zero_stage: stage, reduce_every_micro_step: false, ..knobs },
+            Knobs {
+                world_size: w2,
+                ranks_per_process: 1,
+                backend: Backend::Mpi,
+                zero_stage: stage,
+                reduce_every_micro_step: false,
+                ..knobs
+            },
         ));
     }
     variants.push((
@@ -312,12 +361,14 @@ pub fn render(r: &Report) -> String {
         ("gradients", e.grads),
         ("optimizer state", e.optimizer),
         ("collective buffers", e.comm_buffers),
+        ("communicator staging", e.comm_staging),
         ("activations (one micro-batch)", e.activations),
         ("micro-batches of the step", e.batches),
     ] {
         out += &format!("  per rank    {what:<32} {:>12}\n", human(b));
     }
     out += &format!("  per rank    {:<32} {:>12}\n", "total", human(e.per_rank()));
+    out += &format!("  per process {:<32} {:>12}\n", "shared collective result", human(e.comm_shared));
     out += &format!("  per process {:<32} {:>12}\n", "data set", human(e.data));
     out += &format!("  per process {:<32} {:>12}\n", "program", human(e.runtime));
     out += &format!(
@@ -363,6 +414,7 @@ pub fn run(args: crate::PlanArgs) -> Result<()> {
     if args.world_size.is_some() {
         // A planned cluster: one rank per process (per GPU / node slot).
         knobs.ranks_per_process = 1;
+        knobs.backend = if knobs.world_size > 1 { Backend::Mpi } else { Backend::Single };
     }
     let memory = match &args.memory {
         Some(s) => config::parse_bytes(s).map_err(anyhow::Error::msg).context("--memory")?,

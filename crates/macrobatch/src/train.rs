@@ -194,7 +194,7 @@ pub fn trainer_for(plan: &Plan, model: &impl Model, comm: &mut dyn Communicator)
     let options = TrainerOptions {
         grad_clip: (cfg.train.grad_clip > 0.0).then_some(cfg.train.grad_clip),
         normalization: cfg.train.loss_normalization,
-        bucket_elems: ((cfg.dist.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1),
+        bucket_elems: bucket_elems(cfg),
         precision: cfg.train.precision,
         loss_scaler: LossScalerConfig {
             initial_scale: cfg.train.initial_loss_scale,
@@ -206,6 +206,11 @@ pub fn trainer_for(plan: &Plan, model: &impl Model, comm: &mut dyn Communicator)
     let zero = ZeroConfig { stage: cfg.dist.zero_stage, reduce_every_micro_step: cfg.dist.reduce_every_micro_step };
     let init = |seg: usize| plan.family.init_segment(cfg.train.seed, seg);
     Ok(Trainer::distributed_with(model, &init, optimizer, schedule, options, zero, comm)?)
+}
+
+/// Elements per gradient all-reduce bucket (`dist.bucket_mb` of f32).
+pub fn bucket_elems(cfg: &Config) -> usize {
+    ((cfg.dist.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1)
 }
 
 /// Builds a model batch from sample indices.
