@@ -6,6 +6,7 @@ mod dist;
 mod generate;
 mod memory;
 mod metrics;
+mod plot;
 mod train;
 mod verify;
 
@@ -34,6 +35,22 @@ enum Command {
     Verify(VerifyArgs),
     /// Measure the training step: ms/step, tokens/s, MFU, engine overhead, K sweep.
     Bench(BenchArgs),
+    /// Draw runs' metrics (loss, validation loss, LR, grad norm, loss scale, tokens/s, memory) into one SVG or PNG.
+    Plot(PlotArgs),
+}
+
+/// Arguments of `macrobatch plot`.
+#[derive(clap::Args)]
+pub struct PlotArgs {
+    /// Run folders (as written by `train --out DIR`); each is one colour, named after its folder.
+    #[arg(required = true, value_name = "RUN")]
+    pub runs: Vec<PathBuf>,
+    /// The picture: FILE.svg or FILE.png (default: <first run>/plot.svg).
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+    /// What the x axis counts.
+    #[arg(long, value_enum, default_value = "step")]
+    pub x: plot::XAxis,
 }
 
 /// Arguments of `macrobatch bench`.
@@ -129,6 +146,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => generate::run(args).map(|()| true),
         Command::Verify(args) => verify::run(args),
         Command::Bench(args) => bench::run(args).map(|()| true),
+        Command::Plot(args) => plot::run(args).map(|()| true),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,

@@ -1007,6 +1007,9 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
             r
         }
     };
+    if let (Ok(()), Some(dir)) = (&result, made.lock().ok().and_then(|m| m.clone())) {
+        crate::plot::after_train(&dir);
+    }
     if let Err(e) = result {
         if resume_step.is_none() {
             if let Some(dir) = made.lock().ok().and_then(|m| m.clone()) {
