@@ -75,16 +75,21 @@ pub fn plan(cfg: Config, backend: Backend) -> Result<Plan> {
             model.block_size
         );
     }
-    let format = match cfg.data.format.as_str() {
-        "tokens_u16" => DataFormat::TokensU16,
-        _ => DataFormat::Text,
+    let (train, val) = match &cfg.data.path {
+        Some(p) => data::load_splits(
+            Path::new(p),
+            cfg.data.val_path.as_deref().map(Path::new),
+            cfg.data.format.parse()?,
+            cfg.data.val_fraction,
+            seq_len,
+            model.vocab_size,
+        )?,
+        None => {
+            let corpus = Corpus::from_bytes(BUNDLED_NAME, BUNDLED_CORPUS, DataFormat::Text)?;
+            corpus.check_vocab(model.vocab_size)?;
+            corpus.split(cfg.data.val_fraction, seq_len)?
+        }
     };
-    let corpus = match &cfg.data.path {
-        Some(p) => Corpus::load(Path::new(p), format)?,
-        None => Corpus::from_bytes(BUNDLED_NAME, BUNDLED_CORPUS, DataFormat::Text)?,
-    };
-    corpus.check_vocab(model.vocab_size)?;
-    let (train, val) = corpus.split(cfg.data.val_fraction, seq_len)?;
     let shape =
         BatchShape { micro: batch.micro, accumulation_steps: batch.accumulation_steps, world_size: batch.world_size };
     let sampler = Sampler::new(train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?;
