@@ -45,6 +45,14 @@ pub enum DataError {
         /// What was asked for.
         name: String,
     },
+    /// A tokenizer name this build does not know.
+    #[error("unknown tokenizer `{name}`: this build has {available}")]
+    UnknownTokenizer {
+        /// What was asked for.
+        name: String,
+        /// The names it knows, for the message.
+        available: String,
+    },
     /// A `meta.json` beside token files cannot be read as one.
     #[error("{} is not a macrobatch prepare meta.json: {reason}", path.display())]
     BadMeta {

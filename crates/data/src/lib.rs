@@ -11,4 +11,4 @@ pub use dataset::{load_splits, n_val_tokens, Corpus, DataFormat, TokenDataset};
 pub use error::DataError;
 pub use sampler::{BatchShape, Sampler};
 pub use token_file::{SourceFile, TokenDtype, TokenFile, TokenFileMeta};
-pub use tokenizer::ByteTokenizer;
+pub use tokenizer::{ByteTokenizer, Tokenizer, TokenizerSpec};

@@ -7,6 +7,7 @@ mod generate;
 mod memory;
 mod metrics;
 mod plot;
+mod prepare;
 mod train;
 mod verify;
 
@@ -37,6 +38,8 @@ enum Command {
     Bench(BenchArgs),
     /// Draw runs' metrics (loss, validation loss, LR, grad norm, loss scale, tokens/s, memory) into one SVG or PNG.
     Plot(PlotArgs),
+    /// Tokenize text files once into memory-mappable DIR/train.bin + DIR/val.bin (+ meta.json).
+    Prepare(PrepareArgs),
 }
 
 /// Arguments of `macrobatch plot`.
@@ -51,6 +54,26 @@ pub struct PlotArgs {
     /// What the x axis counts.
     #[arg(long, value_enum, default_value = "step")]
     pub x: plot::XAxis,
+}
+
+/// Arguments of `macrobatch prepare`.
+#[derive(clap::Args)]
+pub struct PrepareArgs {
+    /// Text files, or folders (every file below them, in path order).
+    #[arg(required = true, value_name = "INPUT")]
+    pub inputs: Vec<PathBuf>,
+    /// Tokenizer: byte.
+    #[arg(long, default_value = "byte")]
+    pub tokenizer: String,
+    /// Output folder for train.bin, val.bin and meta.json (created; must not hold them yet).
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+    /// Share of the tokens (from the end) written to val.bin.
+    #[arg(long, default_value_t = 0.1)]
+    pub val_fraction: f64,
+    /// Bytes of text per parallel work item (cut at the next newline); tests make it small.
+    #[arg(long, default_value_t = 8 << 20, hide = true)]
+    pub chunk_bytes: usize,
 }
 
 /// Arguments of `macrobatch bench`.
@@ -147,6 +170,7 @@ fn main() -> ExitCode {
         Command::Verify(args) => verify::run(args),
         Command::Bench(args) => bench::run(args).map(|()| true),
         Command::Plot(args) => plot::run(args).map(|()| true),
+        Command::Prepare(args) => prepare::run(args).map(|()| true),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,
