@@ -120,10 +120,9 @@ pub struct Corpus {
 impl Corpus {
     /// Tokenizes in-memory bytes.
     pub fn from_bytes(name: &str, bytes: &[u8], format: DataFormat) -> Result<Self, DataError> {
-        let tokens: Vec<u32> = match format {
-            DataFormat::Text => bytes.iter().map(|&b| b as u32).collect(),
-            DataFormat::U16 | DataFormat::U32 => {
-                let dtype = format.dtype().unwrap_or(TokenDtype::U16);
+        let tokens: Vec<u32> = match format.dtype() {
+            None => bytes.iter().map(|&b| b as u32).collect(),
+            Some(dtype) => {
                 if !bytes.len().is_multiple_of(dtype.width()) {
                     return Err(DataError::RaggedTokens {
                         name: name.into(),
@@ -131,12 +130,9 @@ impl Corpus {
                         dtype: dtype.name(),
                     });
                 }
-                match dtype {
-                    TokenDtype::U16 => bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]) as u32).collect(),
-                    TokenDtype::U32 => {
-                        bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-                    }
-                }
+                let mut tokens = Vec::with_capacity(bytes.len() / dtype.width());
+                dtype.decode(bytes, &mut tokens);
+                tokens
             }
         };
         if tokens.is_empty() {

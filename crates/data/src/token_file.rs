@@ -48,6 +48,14 @@ impl TokenDtype {
         }
     }
 
+    /// Appends the ids in `bytes` to `out` (a partial last token is ignored).
+    pub fn decode(self, bytes: &[u8], out: &mut Vec<u32>) {
+        match self {
+            TokenDtype::U16 => out.extend(bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]) as u32)),
+            TokenDtype::U32 => out.extend(bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
+        }
+    }
+
     /// Appends `tokens` to `out` in this width; an id that does not fit is an error.
     pub fn encode(self, tokens: &[u32], out: &mut Vec<u8>) -> Result<(), DataError> {
         match self {
@@ -117,11 +125,7 @@ impl TokenFile {
     /// outside the file (callers index within [`n_tokens`](Self::n_tokens)).
     pub fn read(&self, start: usize, len: usize, out: &mut Vec<u32>) {
         let w = self.dtype.width();
-        let bytes = &self.map[start * w..(start + len) * w];
-        match self.dtype {
-            TokenDtype::U16 => out.extend(bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]) as u32)),
-            TokenDtype::U32 => out.extend(bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
-        }
+        self.dtype.decode(&self.map[start * w..(start + len) * w], out);
     }
 
     /// Errors if a token among the first `n_probe` does not fit `vocab_size`
