@@ -8,7 +8,7 @@
 use crate::error::DataError;
 use crate::token_file::{TokenDtype, TokenFile, TokenFileMeta};
 use crate::tokenizer::ByteTokenizer;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// How a data file is encoded (`data.format`).
@@ -259,6 +259,36 @@ impl TokenDataset {
             }
         }
     }
+}
+
+/// Every regular file below `path` (itself, if a file), sorted by path,
+/// skipping names that start with a dot.
+pub fn text_files(path: &Path) -> Result<Vec<PathBuf>, DataError> {
+    let read_err = |p: &Path| {
+        let p = p.to_path_buf();
+        move |source| DataError::Read { path: p, source }
+    };
+    let meta = std::fs::metadata(path).map_err(read_err(path))?;
+    if meta.is_file() {
+        return Ok(vec![path.into()]);
+    }
+    let mut files = Vec::new();
+    let mut stack = vec![path.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).map_err(read_err(&dir))? {
+            let p = entry.map_err(read_err(&dir))?.path();
+            if p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.')) {
+                continue;
+            }
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.is_file() {
+                files.push(p);
+            }
+        }
+    }
+    files.sort();
+    Ok(files)
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ pub mod sampler;
 pub mod token_file;
 pub mod tokenizer;
 
-pub use dataset::{load_splits, n_val_tokens, Corpus, DataFormat, TokenDataset};
+pub use dataset::{load_splits, n_val_tokens, text_files, Corpus, DataFormat, TokenDataset};
 pub use error::DataError;
 pub use sampler::{BatchShape, Sampler};
 pub use token_file::{SourceFile, TokenDtype, TokenFile, TokenFileMeta};

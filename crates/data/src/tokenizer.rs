@@ -1,28 +1,55 @@
-//! Tokenizers: the [`Tokenizer`] trait every tokenizer implements, the
-//! [`TokenizerSpec`] that names one (`--tokenizer`), and the byte-level
-//! tokenizer (one token per UTF-8 byte, vocabulary 256).
+//! Tokenizers: [`Tokenizer`], one enum over every tokenizer so corpora and
+//! `macrobatch prepare` share one interface; [`TokenizerSpec`], a tokenizer
+//! by name (`--tokenizer`); and [`ByteTokenizer`] (one token per UTF-8 byte,
+//! vocabulary 256). A new tokenizer is a variant of both enums.
 
 use crate::error::DataError;
 
-/// What `macrobatch prepare` (and anything else that tokenizes text) needs
-/// of a tokenizer. `Sync` so that chunks are tokenized in parallel.
-pub trait Tokenizer: Send + Sync {
-    /// The name recorded in `meta.json`.
-    fn name(&self) -> String;
-    /// Every id it produces is below this.
-    fn vocab_size(&self) -> usize;
-    /// Text to tokens.
-    fn encode(&self, text: &str) -> Vec<u32>;
-    /// Tokens to text.
-    fn decode(&self, tokens: &[u32]) -> String;
-    /// A token written after each input file (e.g. an end-of-text token), if any.
-    fn document_separator(&self) -> Option<u32> {
-        None
+/// The model's tokenizer. `Sync`: `prepare` tokenizes chunks in parallel.
+#[derive(Debug)]
+pub enum Tokenizer {
+    /// Bytes as tokens.
+    Byte(ByteTokenizer),
+}
+
+impl Tokenizer {
+    /// For messages.
+    pub fn name(&self) -> &str {
+        match self {
+            Self::Byte(_) => "bytes",
+        }
+    }
+
+    /// Text to ids.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, DataError> {
+        match self {
+            Self::Byte(t) => Ok(t.encode(text)),
+        }
+    }
+
+    /// Ids to text.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, DataError> {
+        match self {
+            Self::Byte(t) => Ok(t.decode(ids)),
+        }
+    }
+
+    /// Number of ids: every id is below it.
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Self::Byte(_) => ByteTokenizer::VOCAB_SIZE,
+        }
+    }
+
+    /// End-of-sequence id, written between documents (input files) when there is one.
+    pub fn eos_id(&self) -> Option<u32> {
+        match self {
+            Self::Byte(_) => None,
+        }
     }
 }
 
 /// A tokenizer by name: parse `--tokenizer`, then [`build`](Self::build) it.
-/// New tokenizers are new variants here and an `impl Tokenizer`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TokenizerSpec {
     /// [`ByteTokenizer`].
@@ -44,10 +71,17 @@ impl TokenizerSpec {
         }
     }
 
-    /// The tokenizer itself (loading whatever files it needs).
-    pub fn build(&self) -> Result<Box<dyn Tokenizer>, DataError> {
+    /// The name [`parse`](Self::parse) reads back (recorded in `meta.json`).
+    pub fn name(&self) -> String {
         match self {
-            TokenizerSpec::Byte => Ok(Box::new(ByteTokenizer)),
+            TokenizerSpec::Byte => "byte".into(),
+        }
+    }
+
+    /// The tokenizer itself (loading whatever files it needs).
+    pub fn build(&self) -> Result<Tokenizer, DataError> {
+        match self {
+            TokenizerSpec::Byte => Ok(Tokenizer::Byte(ByteTokenizer)),
         }
     }
 }
@@ -73,24 +107,6 @@ impl ByteTokenizer {
     }
 }
 
-impl Tokenizer for ByteTokenizer {
-    fn name(&self) -> String {
-        "byte".into()
-    }
-
-    fn vocab_size(&self) -> usize {
-        Self::VOCAB_SIZE
-    }
-
-    fn encode(&self, text: &str) -> Vec<u32> {
-        ByteTokenizer::encode(self, text)
-    }
-
-    fn decode(&self, tokens: &[u32]) -> String {
-        ByteTokenizer::decode(self, tokens)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -105,8 +121,9 @@ mod tests {
 
     #[test]
     fn specs_name_what_exists() {
-        let t = TokenizerSpec::parse("byte").unwrap().build().unwrap();
-        assert_eq!((t.name(), t.vocab_size(), t.encode("hi")), ("byte".to_string(), 256, vec![104, 105]));
+        let spec = TokenizerSpec::parse("byte").unwrap();
+        let t = spec.build().unwrap();
+        assert_eq!((spec.name(), t.vocab_size(), t.encode("hi").unwrap()), ("byte".to_string(), 256, vec![104, 105]));
         let e = TokenizerSpec::parse("gpt2").unwrap_err().to_string();
         assert!(e.contains("`gpt2`") && e.contains("`byte`"), "{e}");
     }

@@ -18,43 +18,19 @@ use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-/// Every regular file named by `inputs`: files as given, folders walked
-/// recursively in path order (hidden entries, starting with `.`, skipped).
+/// Every file named by `inputs`, in order: files as given, folders as
+/// [`data::text_files`] lists them (recursively, in path order, dot-names skipped).
 fn list_inputs(inputs: &[PathBuf]) -> Result<Vec<PathBuf>> {
-    fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
-        let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
-            .with_context(|| format!("cannot list {}", dir.display()))?
-            .map(|e| e.map(|e| e.path()))
-            .collect::<std::io::Result<_>>()
-            .with_context(|| format!("cannot list {}", dir.display()))?;
-        entries.sort();
-        for p in entries {
-            if p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')) {
-                continue;
-            }
-            if p.is_dir() {
-                walk(&p, out)?;
-            } else if p.is_file() {
-                out.push(p);
-            }
-        }
-        Ok(())
-    }
     let mut files = Vec::new();
     for input in inputs {
-        if input.is_dir() {
-            walk(input, &mut files)?;
-        } else if input.is_file() {
-            files.push(input.clone());
-        } else {
+        if !input.exists() {
             bail!("input {}: no such file or folder", input.display());
         }
+        files.extend(data::text_files(input)?);
     }
     if files.is_empty() {
-        bail!(
-            "the inputs hold no files to tokenize ({})",
-            inputs.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
-        );
+        let names: Vec<String> = inputs.iter().map(|p| p.display().to_string()).collect();
+        bail!("the inputs hold no files to tokenize ({})", names.join(", "));
     }
     Ok(files)
 }
@@ -118,15 +94,10 @@ fn sha256_file(path: &Path) -> Result<String> {
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// The tokens of one chunk as `dtype` bytes (plus the tokenizer's separator
-/// after a file's last chunk).
-fn tokenize_chunk(
-    tok: &dyn Tokenizer,
-    dtype: TokenDtype,
-    path: &Path,
-    chunk: Chunk,
-    last_of_file: bool,
-) -> Result<(Vec<u8>, u64)> {
+/// The tokens of one chunk as `dtype` bytes, after the tokenizer's EOS when
+/// the chunk starts a file other than the first (so documents are joined as
+/// in `Corpus::load_text`).
+fn tokenize_chunk(tok: &Tokenizer, dtype: TokenDtype, path: &Path, chunk: Chunk) -> Result<(Vec<u8>, u64)> {
     let bytes = read_range(path, chunk.start, chunk.end)?;
     let text = std::str::from_utf8(&bytes).map_err(|e| {
         anyhow::anyhow!(
@@ -135,10 +106,11 @@ fn tokenize_chunk(
             chunk.start + e.valid_up_to() as u64
         )
     })?;
-    let mut tokens = tok.encode(text);
-    if last_of_file {
-        tokens.extend(tok.document_separator());
+    let mut tokens = Vec::new();
+    if chunk.file_idx > 0 && chunk.start == 0 {
+        tokens.extend(tok.eos_id());
     }
+    tokens.extend(tok.encode(text).with_context(|| format!("tokenizing {}", path.display()))?);
     let mut out = Vec::with_capacity(tokens.len() * dtype.width());
     dtype.encode(&tokens, &mut out).with_context(|| format!("tokenizing {}", path.display()))?;
     Ok((out, tokens.len() as u64))
@@ -203,7 +175,7 @@ pub fn run(args: PrepareArgs) -> Result<()> {
         ProgressStyle::with_template("{bar:30} {bytes}/{total_bytes} {msg} [{elapsed_precise} < {eta_precise}]")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    bar.set_message(format!("tokenizing ({})", tok.name()));
+    bar.set_message(format!("tokenizing ({})", spec.name()));
     // Written under a temporary name: a failed run leaves no train.bin that looks finished.
     let tmp_path = out.join("train.bin.partial");
     let written = (|| -> Result<u64> {
@@ -214,14 +186,11 @@ pub fn run(args: PrepareArgs) -> Result<()> {
         // Two chunks per thread in flight: enough to balance, and memory stays
         // at a few chunks (text, ids and bytes) per thread.
         let wave = 2 * rayon::current_num_threads();
-        for (wave_idx, group) in chunks.chunks(wave).enumerate() {
+        for group in chunks.chunks(wave) {
             let done: Vec<(Vec<u8>, u64)> = group
                 .par_iter()
-                .enumerate()
-                .map(|(j, c)| {
-                    let next = chunks.get(wave_idx * wave + j + 1);
-                    let last_of_file = next.is_none_or(|n| n.file_idx != c.file_idx);
-                    let r = tokenize_chunk(tok.as_ref(), dtype, &files[c.file_idx], *c, last_of_file);
+                .map(|c| {
+                    let r = tokenize_chunk(&tok, dtype, &files[c.file_idx], *c);
                     bar.inc(c.end - c.start);
                     r
                 })
@@ -256,7 +225,7 @@ pub fn run(args: PrepareArgs) -> Result<()> {
             .with_context(|| format!("cannot split {} into train and validation", tmp_path.display()))?;
         std::fs::rename(&tmp_path, &train_path).with_context(|| format!("cannot create {}", train_path.display()))?;
         let meta = TokenFileMeta {
-            tokenizer: tok.name(),
+            tokenizer: spec.name(),
             vocab_size: tok.vocab_size(),
             dtype,
             n_train_tokens: n_tokens - n_val,
@@ -285,7 +254,7 @@ pub fn run(args: PrepareArgs) -> Result<()> {
         val_path.display(),
         n_val,
         dtype.name(),
-        tok.name(),
+        spec.name(),
         files.len(),
         total_bytes,
         train_path.display(),
