@@ -327,6 +327,11 @@ where
     };
     for (panel, area) in panels.iter().zip(&areas) {
         let x_range = padded(panel.series.iter().flat_map(|s| s.points.iter().map(|p| p.0)), 0.0);
+        // Steps are whole: a short run gets one label per step, not 1.5, 2.5.
+        let n_x_labels = match x {
+            XAxis::Step => ((x_range.end - x_range.start).round() as usize + 1).clamp(2, 10),
+            XAxis::Tokens => 10,
+        };
         let y_range = padded(panel.series.iter().flat_map(|s| s.points.iter().map(|p| p.1)), 0.05);
         let mut chart = ChartBuilder::on(area)
             .caption(panel.title, ("sans-serif", 20))
@@ -337,6 +342,7 @@ where
         chart
             .configure_mesh()
             .x_desc(x_desc)
+            .x_labels(n_x_labels)
             .y_desc(panel.y_desc)
             .x_label_formatter(&short)
             .y_label_formatter(&panel.y_label)
