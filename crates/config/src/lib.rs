@@ -160,8 +160,12 @@ impl Default for ModelConfig {
 pub struct DataConfig {
     /// A data file; unset means the bundled corpus (Moby-Dick).
     pub path: Option<String>,
-    /// `text` (UTF-8, byte tokens) or `tokens_u16` (nanoGPT `.bin`).
+    /// `text` (UTF-8, byte tokens), or a memory-mapped token file: `u16`
+    /// (nanoGPT `.bin`; `tokens_u16` is an alias) or `u32`.
     pub format: DataFormat,
+    /// A separate validation file in `format`; unset: the last `val_fraction` of `path`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_path: Option<String>,
     /// Share of the tokens (from the end) held out for validation.
     pub val_fraction: f64,
     /// Tokens per sequence; unset means the model's block_size.
@@ -174,7 +178,15 @@ pub struct DataConfig {
 
 impl Default for DataConfig {
     fn default() -> Self {
-        Self { path: None, format: DataFormat::Text, val_fraction: 0.1, seq_len: None, shuffle: true, drop_last: true }
+        Self {
+            path: None,
+            format: DataFormat::Text,
+            val_path: None,
+            val_fraction: 0.1,
+            seq_len: None,
+            shuffle: true,
+            drop_last: true,
+        }
     }
 }
 
@@ -611,6 +623,12 @@ impl Config {
             return Err(invalid("dist.timeout_s", dist.timeout_s, "must be finite and > 0"));
         }
         let d = &self.data;
+        if d.val_path.is_some() && d.path.is_none() {
+            return Err(invalid("data.val_path", "set", "needs data.path (the bundled corpus splits itself)"));
+        }
+        if d.val_path.as_deref() == Some("") {
+            return Err(invalid("data.val_path", "\"\"", "give a file, or leave it unset to split data.path"));
+        }
         if !(d.val_fraction > 0.0 && d.val_fraction < 1.0) {
             return Err(invalid("data.val_fraction", d.val_fraction, "must be strictly between 0 and 1"));
         }
@@ -835,7 +853,7 @@ mod tests {
             ("optim.name=\"lamb\"", "name", "`adamw` or `sgd`"),
             ("schedule.kind=\"step\"", "kind", "`constant`"),
             ("train.loss_normalization=\"mean\"", "loss_normalization", "`token` or `micro_batch_mean`"),
-            ("data.format=\"csv\"", "format", "`text` or `tokens_u16`"),
+            ("data.format=\"csv\"", "format", "one of `text`, `u16`, `u32`"),
         ] {
             let e = parse("", &[bad]).unwrap_err().to_string();
             assert!(e.contains(key) && e.contains(choices), "{bad}: {e}");

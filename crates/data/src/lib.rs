@@ -4,9 +4,11 @@
 pub mod dataset;
 pub mod error;
 pub mod sampler;
+pub mod token_file;
 pub mod tokenizer;
 
-pub use dataset::{Corpus, DataFormat, TokenDataset};
+pub use dataset::{load_splits, n_val_tokens, text_files, Corpus, DataFormat, TokenDataset};
 pub use error::DataError;
 pub use sampler::{BatchShape, Sampler};
-pub use tokenizer::ByteTokenizer;
+pub use token_file::{SourceFile, TokenDtype, TokenFile, TokenFileMeta};
+pub use tokenizer::{ByteTokenizer, Tokenizer, TokenizerSpec};

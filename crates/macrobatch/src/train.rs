@@ -81,12 +81,21 @@ pub fn plan(mut cfg: Config, backend: Backend) -> Result<Plan> {
             "data.seq_len = {seq_len} is longer than the model's context of {max_seq} tokens; lower data.seq_len or raise model.block_size"
         );
     }
-    let corpus = match &cfg.data.path {
-        Some(p) => Corpus::load(Path::new(p), cfg.data.format)?,
-        None => Corpus::from_bytes(BUNDLED_NAME, BUNDLED_CORPUS, DataFormat::Text)?,
+    let (train, val) = match &cfg.data.path {
+        Some(p) => data::load_splits(
+            Path::new(p),
+            cfg.data.val_path.as_deref().map(Path::new),
+            cfg.data.format,
+            cfg.data.val_fraction,
+            seq_len,
+            family.vocab_size(),
+        )?,
+        None => {
+            let corpus = Corpus::from_bytes(BUNDLED_NAME, BUNDLED_CORPUS, DataFormat::Text)?;
+            corpus.check_vocab(family.vocab_size())?;
+            corpus.split(cfg.data.val_fraction, seq_len)?
+        }
     };
-    corpus.check_vocab(family.vocab_size())?;
-    let (train, val) = corpus.split(cfg.data.val_fraction, seq_len)?;
     let sampler = sampler_for(&cfg, &batch, &train)?;
     // The layout alone (no activations are allocated before the first batch).
     apply_trainable(&mut family.build(Build::default())?, &cfg.train.trainable)?;
@@ -1081,6 +1090,9 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
             r
         }
     };
+    if let (Ok(()), Some(dir)) = (&result, made.lock().ok().and_then(|m| m.clone())) {
+        crate::plot::after_train(&dir);
+    }
     if let Err(e) = result {
         if resume_step.is_none() {
             if let Some(dir) = made.lock().ok().and_then(|m| m.clone()) {
