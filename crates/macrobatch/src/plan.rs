@@ -104,7 +104,15 @@ pub struct Estimate {
     pub data: u64,
     /// Per process: the program itself (code, libraries, thread stacks).
     pub runtime: u64,
+    /// Per process: the kernels' per-thread workspace (GEMM packing buffers
+    /// and the like), [`WORKSPACE_PER_THREAD`] × compute threads.
+    pub workspace: u64,
 }
+
+/// Bytes of kernel workspace per compute thread: what the measured peak of
+/// small runs exceeds everything else by (≈ 8 MiB with 2 threads on an AMD
+/// EPYC; scripts/memory-table.sh), i.e. the GEMM's packing buffers.
+pub const WORKSPACE_PER_THREAD: u64 = 4 << 20;
 
 impl Estimate {
     /// One rank's bytes.
@@ -121,7 +129,11 @@ impl Estimate {
 
     /// One process's bytes: its ranks plus what they share.
     pub fn per_process(&self) -> u64 {
-        self.per_rank() * self.knobs.ranks_per_process as u64 + self.comm_shared + self.data + self.runtime
+        self.per_rank() * self.knobs.ranks_per_process as u64
+            + self.comm_shared
+            + self.data
+            + self.runtime
+            + self.workspace
     }
 }
 
@@ -171,6 +183,8 @@ pub fn estimate(plan: &Plan, knobs: Knobs) -> Result<Estimate> {
         batches: 8 * (accumulation_steps * knobs.micro * seq_len) as u64,
         data: 4 * tokens,
         runtime: runtime_bytes(),
+        workspace: WORKSPACE_PER_THREAD
+            * if cfg.train.threads > 0 { cfg.train.threads } else { rayon::current_num_threads() } as u64,
     })
 }
 
@@ -371,6 +385,7 @@ pub fn render(r: &Report) -> String {
     out += &format!("  per process {:<32} {:>12}\n", "shared collective result", human(e.comm_shared));
     out += &format!("  per process {:<32} {:>12}\n", "data set", human(e.data));
     out += &format!("  per process {:<32} {:>12}\n", "program", human(e.runtime));
+    out += &format!("  per process {:<32} {:>12}\n", "kernel workspace", human(e.workspace));
     out += &format!(
         "  per process {:<32} {:>12}  ({} rank(s)) — {}\n\n",
         "total",
