@@ -15,7 +15,7 @@ use engine::rng::SplitMix64;
 use engine::{
     FullStore, GradOut, MicroStepStats, Model, ParamLayout, ParamStore, Precision, SegmentGrads, SegmentView,
 };
-use gpt::kernels::Strided;
+use gpt::kernels::{gemm_into, parallelism, Strided};
 use std::ops::Range;
 
 pub use engine::batch::{TokenBatch, IGNORE_INDEX};
@@ -346,6 +346,17 @@ impl Bufs {
     }
 }
 
+/// What a forward pass is for: what it keeps and which logits it computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    /// Keeps every layer's activations for the backward; logits of every position.
+    Train,
+    /// Forward only: every layer reuses one slot; logits of every position.
+    Eval,
+    /// Forward only: one slot; logits of each sequence's last position.
+    NextToken,
+}
+
 /// Activations and scratch for one (B, T).
 #[derive(Debug, Default)]
 struct Acts {
@@ -353,6 +364,7 @@ struct Acts {
     t: usize,
     precision: Precision,
     rope: Rope,
+    /// One slot per layer for training; forward-only passes use slot 0 only.
     saved: Vec<SavedLayer>,
     /// The embeddings' output (layer 0's input).
     saved_embed: SavedTensor,
@@ -367,13 +379,14 @@ struct Acts {
     /// Final norm's output and 1/rms.
     hf: Vec<f32>,
     rstd_f: Vec<f32>,
+    /// Sized by each forward: all positions, or one per sequence when generating.
     logits: Vec<f32>,
     losses: Vec<f32>,
     bufs: Bufs,
 }
 
 impl Acts {
-    fn new(cfg: &LlamaConfig, precision: Precision, d: &Dims, adapters: Option<Adapters>) -> Self {
+    fn new(cfg: &LlamaConfig, precision: Precision, d: &Dims, adapters: Option<Adapters>, n_slots: usize) -> Self {
         let (b, t) = (d.gqa.b, d.gqa.t);
         let (n, c, f, qkvw) = (d.n, d.c, d.f, d.gqa.qkv_width());
         let z = |n: usize| vec![0.0f32; n];
@@ -383,7 +396,7 @@ impl Acts {
             t,
             precision,
             rope: Rope::new(t, cfg.head_dim, cfg.rope_theta),
-            saved: (0..cfg.n_layer).map(|_| SavedLayer::new(precision, d, adapters)).collect(),
+            saved: (0..n_slots).map(|_| SavedLayer::new(precision, d, adapters)).collect(),
             saved_embed: SavedTensor::new(precision, n * c),
             x: z(n * c),
             u: if low { z(n * c.max(qkvw).max(2 * f)) } else { Vec::new() },
@@ -391,7 +404,7 @@ impl Acts {
             w: if low { z(n * d.r) } else { Vec::new() },
             hf: z(n * c),
             rstd_f: z(n),
-            logits: z(n * cfg.vocab_size),
+            logits: Vec::new(),
             losses: z(n),
             bufs: Bufs {
                 dres: z(n * c),
@@ -790,10 +803,15 @@ impl Llama {
         }
     }
 
-    fn ensure_acts(&mut self, b: usize, t: usize) {
-        if self.acts.b != b || self.acts.t != t || self.acts.precision != self.precision {
+    /// Sizes the activations for (b, t) and `pass`: a training pass needs a
+    /// slot per layer, a forward-only pass one (evaluation between training
+    /// steps reuses the training buffers instead of reallocating).
+    fn ensure_acts(&mut self, b: usize, t: usize, pass: Pass) {
+        let n_slots = if pass == Pass::Train { self.cfg.n_layer } else { 1 };
+        let a = &self.acts;
+        if a.b != b || a.t != t || a.precision != self.precision || a.saved.len() < n_slots {
             let d = self.dims(b, t);
-            self.acts = Acts::new(&self.cfg, self.precision, &d, self.adapters);
+            self.acts = Acts::new(&self.cfg, self.precision, &d, self.adapters, n_slots);
         }
     }
 
@@ -820,7 +838,7 @@ impl Llama {
 
     /// Forward through the final norm and the head into `logits`. Leaves
     /// the head's segment ([`Llama::head_seg`]) held.
-    fn forward(&mut self, store: &mut dyn ParamStore, inputs: &[u32]) -> Result<(), LlamaError> {
+    fn forward(&mut self, store: &mut dyn ParamStore, inputs: &[u32], pass: Pass) -> Result<(), LlamaError> {
         let (c, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
         let d = self.dims(self.acts.b, self.acts.t);
         let prec = self.precision;
@@ -834,7 +852,8 @@ impl Llama {
         for idx in 0..self.cfg.n_layer {
             let seg = store.segment(1 + idx)?;
             let acts = &mut self.acts;
-            let (r, sv) = (&self.ranges.layer_rel, &mut acts.saved[idx]);
+            let slot = if pass == Pass::Train { idx } else { 0 };
+            let (r, sv) = (&self.ranges.layer_rel, &mut acts.saved[slot]);
             block_forward(&self.cfg, r, seg.params, &mut acts.x, sv, &mut acts.bufs, &acts.rope, &d, prec);
             store.done(1 + idx, false)?;
         }
@@ -847,10 +866,16 @@ impl Llama {
         if self.head_seg() != norm_seg {
             store.done(norm_seg, false)?;
         }
-        // logits = hf · headᵀ
+        // logits = hf · headᵀ, for every row or each sequence's last one.
+        let (b, t) = (self.acts.b, self.acts.t);
+        let (rows, hf) = match pass {
+            Pass::NextToken => (b, Strided { data: &self.acts.hf, offset: (t - 1) * c, rs: t * c, cs: 1 }),
+            Pass::Train | Pass::Eval => (d.n, Strided::rows(&self.acts.hf, c)),
+        };
+        self.acts.logits.resize(rows * v, 0.0);
         let seg = store.segment(self.head_seg())?;
-        let head = &seg.params[self.head_rel()];
-        kernels::linear_forward(&mut self.acts.logits, 0, v, false, &self.acts.hf, head, d.n, c, v, 1.0);
+        let head = Strided::transposed(&seg.params[self.head_rel()], c);
+        gemm_into(rows, v, c, &mut self.acts.logits, 0, v, false, hf, head, 1.0, parallelism(false));
         Ok(())
     }
 
@@ -924,10 +949,10 @@ impl Llama {
 
     /// Checks `batch`, sizes the activations and runs the forward; the
     /// head's segment stays held.
-    fn forward_batch(&mut self, store: &mut dyn ParamStore, batch: &TokenBatch) -> Result<(), LlamaError> {
+    fn forward_batch(&mut self, store: &mut dyn ParamStore, batch: &TokenBatch, pass: Pass) -> Result<(), LlamaError> {
         self.check(batch)?;
-        self.ensure_acts(batch.n_seqs, batch.seq_len);
-        self.forward(store, &batch.inputs)
+        self.ensure_acts(batch.n_seqs, batch.seq_len, pass);
+        self.forward(store, &batch.inputs, pass)
     }
 
     /// Fused softmax + cross-entropy of the logits (replaced by
@@ -940,21 +965,25 @@ impl Llama {
         acts.losses[..batch.n_seqs * batch.seq_len].iter().map(|&l| l as f64).sum()
     }
 
-    /// Logits `[B·T, V]` of every position of `batch` (targets unused).
-    pub fn logits(&mut self, params: &[f32], batch: &TokenBatch) -> Result<Vec<f32>, LlamaError> {
+    fn logits_of(&mut self, params: &[f32], batch: &TokenBatch, pass: Pass) -> Result<Vec<f32>, LlamaError> {
         let mut store = FullStore::read_only(&self.layout, self.segments(), params)?;
-        self.forward_batch(&mut store, batch)?;
+        self.forward_batch(&mut store, batch, pass)?;
         store.done(self.head_seg(), false)?;
-        Ok(self.acts.logits[..batch.n_seqs * batch.seq_len * self.cfg.vocab_size].to_vec())
+        Ok(std::mem::take(&mut self.acts.logits))
     }
 
-    /// Logits of the last position of `tokens` (one sequence), for sampling.
+    /// Logits `[B·T, V]` of every position of `batch` (targets unused).
+    pub fn logits(&mut self, params: &[f32], batch: &TokenBatch) -> Result<Vec<f32>, LlamaError> {
+        self.logits_of(params, batch, Pass::Eval)
+    }
+
+    /// Logits `[V]` of the last position of `tokens` (one sequence), for
+    /// sampling: the head runs on that position only, and the layers keep
+    /// no activations for a backward.
     pub fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, LlamaError> {
         let t = tokens.len();
         let batch = TokenBatch { n_seqs: 1, seq_len: t, inputs: tokens.to_vec(), targets: vec![IGNORE_INDEX; t] };
-        let v = self.cfg.vocab_size;
-        let all = self.logits(params, &batch)?;
-        Ok(all[(t - 1) * v..].to_vec())
+        self.logits_of(params, &batch, Pass::NextToken)
     }
 }
 
@@ -993,14 +1022,14 @@ impl Model for Llama {
         batch: &TokenBatch,
         grad_scale: f32,
     ) -> Result<MicroStepStats, LlamaError> {
-        self.forward_batch(store, batch)?;
+        self.forward_batch(store, batch, Pass::Train)?;
         let loss_sum = self.cross_entropy(batch, Some(grad_scale));
         self.backward(store, &batch.inputs)?;
         Ok(MicroStepStats { loss_sum, n_targets: batch.n_targets() })
     }
 
     fn loss(&mut self, store: &mut dyn ParamStore, batch: &TokenBatch) -> Result<MicroStepStats, LlamaError> {
-        self.forward_batch(store, batch)?;
+        self.forward_batch(store, batch, Pass::Eval)?;
         store.done(self.head_seg(), false)?;
         Ok(MicroStepStats { loss_sum: self.cross_entropy(batch, None), n_targets: batch.n_targets() })
     }

@@ -72,3 +72,26 @@ fn peft_lora_adapter_matches_peft() {
     model.set_trainable(&|t| lora::is_adapter(&t.name));
     compare("lora", &mut model, &params);
 }
+
+#[test]
+fn next_token_logits_match_transformers_last_position_and_keep_one_layer() {
+    let (cfg, params) = hf::load(&fixture("untied")).unwrap();
+    let (want, b) = (reference("untied"), batch("untied"));
+    let (t, v) = (b.seq_len, cfg.vocab_size);
+    let mut model = Llama::new(cfg.clone()).unwrap();
+    for seq in 0..b.n_seqs {
+        let got = model.next_token_logits(&params, &b.inputs[seq * t..(seq + 1) * t]).unwrap();
+        let last = &want["logits"][(seq * t + t - 1) * v..(seq * t + t) * v];
+        let e = rel_err(&got, last);
+        assert!(e <= TOL, "sequence {seq}: {e:e}");
+    }
+    // A forward-only pass keeps one layer's activations; training keeps every layer's.
+    let one = b.inputs[..t].to_vec();
+    let single = common::TokenBatch { n_seqs: 1, seq_len: t, targets: b.targets[..t].to_vec(), inputs: one };
+    let mut trained = Llama::new(cfg.clone()).unwrap();
+    loss_and_grad(&mut trained, &params, &single);
+    // Both also keep the embedding's output (T·C f32).
+    let embed = 4 * t * cfg.hidden_size;
+    let layer = model.saved_activation_bytes() - embed;
+    assert_eq!(trained.saved_activation_bytes(), embed + cfg.n_layer * layer);
+}

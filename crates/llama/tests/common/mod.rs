@@ -3,7 +3,8 @@
 #![allow(dead_code)]
 
 use engine::{FullStore, Model};
-use llama::{hf, Llama, TokenBatch};
+pub use llama::TokenBatch;
+use llama::{hf, Llama};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
