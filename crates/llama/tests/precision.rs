@@ -7,7 +7,7 @@ mod common;
 use common::{batch, fixture, loss_and_grad, rel_err};
 use engine::{AdamW, LrSchedule, Model, Optimizer, Precision, Trainer, TrainerOptions};
 use llama::lora::{self, LoraConfig};
-use llama::{hf, Llama};
+use llama::{hf, Llama, LlamaConfig, TokenBatch};
 
 #[test]
 fn sixteen_bit_storage_stays_close_to_f32_and_halves_saved_activations() {
@@ -56,5 +56,43 @@ fn lora_trains_under_bf16_and_f16_with_the_engine() {
             let b0 = Llama::new(cfg.clone()).unwrap();
             assert_eq!(&tr.params()[t.range()], &base[b0.layout().get(&t.name).unwrap().range()], "{}", t.name);
         }
+    }
+}
+
+#[test]
+fn gradients_are_bit_identical_for_any_thread_count() {
+    // Every reduction has a fixed order (docs/contract.md: same seed ⇒ same
+    // bits). Shapes large enough that gemm splits its work across threads.
+    let cfg = LlamaConfig {
+        vocab_size: 512,
+        hidden_size: 256,
+        intermediate_size: 688,
+        n_head: 8,
+        n_kv_head: 4,
+        head_dim: 32,
+        max_position_embeddings: 64,
+        ..LlamaConfig::preset("tiny").unwrap()
+    };
+    let b = TokenBatch {
+        n_seqs: 2,
+        seq_len: 64,
+        inputs: (0..128).map(|i| (i * 37 % 512) as u32).collect(),
+        targets: (0..128).map(|i| if i % 9 == 0 { -100 } else { i * 41 % 512 }).collect(),
+    };
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| {
+            let lora = LoraConfig::new(4, 8.0, &["all-linear"]);
+            let mut model = Llama::with_lora(cfg.clone(), lora, Precision::F32).unwrap();
+            let mut params = model.init_params(1);
+            params.iter_mut().for_each(|x| *x += 0.01); // non-zero B: every path carries gradient
+            loss_and_grad(&mut model, &params, &b)
+        })
+    };
+    let (loss1, g1) = run(1);
+    for threads in [2, 3, 8] {
+        let (loss, g) = run(threads);
+        assert_eq!(loss.to_bits(), loss1.to_bits(), "{threads} threads: loss");
+        assert!(g.iter().zip(&g1).all(|(a, b)| a.to_bits() == b.to_bits()), "{threads} threads: gradient");
     }
 }
