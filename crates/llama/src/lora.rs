@@ -308,15 +308,19 @@ impl Adapter {
     /// the model must be present with its shape, and nothing else.
     pub fn apply(&self, model: &Llama, params: &mut [f32]) -> Result<(), LlamaError> {
         let lora = require_lora(model)?;
-        if lora.r != self.config.r || lora.targets()? != self.config.targets()? {
+        let (m, a) = (lora, &self.config);
+        if m.r != a.r || m.alpha != a.alpha || m.targets()? != a.targets()? {
             return Err(LlamaError::lora(
                 "target_modules",
                 format!(
-                    "the model has r = {} on {:?}, the adapter r = {} on {:?}",
-                    lora.r,
-                    lora.target_names()?,
-                    self.config.r,
-                    self.config.target_names()?
+                    "the model has r = {}, lora_alpha = {} on {:?}; the adapter r = {}, lora_alpha = {} on {:?} \
+                     (build the model with the adapter's config)",
+                    m.r,
+                    m.alpha,
+                    m.target_names()?,
+                    a.r,
+                    a.alpha,
+                    a.target_names()?
                 ),
             ));
         }

@@ -164,6 +164,11 @@ fn unsupported_lora_settings_are_named_errors() {
     let adapter = lora::load_adapter(&fixture("lora")).unwrap();
     let mut p = lora::attach(&other, &base, 0).unwrap();
     assert!(adapter.apply(&other, &mut p).unwrap_err().to_string().contains("r = 2"));
+    let other_alpha =
+        Llama::with_lora(model.config().clone(), LoraConfig { alpha: 16.0, ..adapter.config.clone() }, Precision::F32)
+            .unwrap();
+    let e = adapter.apply(&other_alpha, &mut lora::attach(&other_alpha, &base, 0).unwrap()).unwrap_err();
+    assert!(e.to_string().contains("lora_alpha = 16"), "{e}");
     let mut short = adapter.clone();
     short.tensors.remove("model.layers.1.mlp.up_proj.lora_A.weight");
     let mut p = lora::attach(&model, &base, 0).unwrap();
