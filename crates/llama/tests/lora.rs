@@ -47,6 +47,10 @@ fn attached_adapters_start_as_peft_does_and_change_nothing() {
     // U(−1, 1) after scaling: variance 1/3; with n ≈ 7000 values its standard error is ≈ 0.003.
     let var = a_values.iter().map(|x| x * x).sum::<f32>() / a_values.len() as f32;
     assert!((var - 1.0 / 3.0).abs() < 0.015, "variance {var} of A/bound");
+    // The base tensors' initial values do not depend on adapters: a LoRA
+    // model's init is the plain model's init with adapters attached.
+    let plain_init = Llama::new(cfg.clone()).unwrap().init_params(11);
+    assert!(bits_equal(&lora::attach(&model, &plain_init, 11).unwrap(), &model.init_params(11)));
     // With B = 0 the adapted model computes exactly the base model's logits.
     let b = batch("untied");
     let lora_logits = model.logits(&params, &b).unwrap();
