@@ -704,7 +704,32 @@ impl Llama {
         self.acts.bytes()
     }
 
-    /// Bytes of the activations kept from forward for backward.
+    /// The [`Llama::activation_bytes`] a training micro-step on `b`
+    /// sequences of `t` tokens allocates, computed from the shape alone (u128:
+    /// planning shapes far beyond this machine never overflows).
+    pub fn planned_activation_bytes(&self, b: usize, t: usize) -> u128 {
+        let cfg = &self.cfg;
+        let w = |x: usize| x as u128;
+        let (n, c, f, v) = (w(b) * w(t), w(cfg.hidden_size), w(cfg.intermediate_size), w(cfg.vocab_size));
+        let qkvw = w(cfg.n_head + 2 * cfg.n_kv_head) * w(cfg.head_dim);
+        let att = w(b) * w(cfg.n_head) * w(t) * w(t);
+        let (r, n_xa) = self.adapters.map_or((0, 0), |a| (w(a.r), a.targets.iter().filter(|&&x| x).count() as u128));
+        let elem = self.precision.bytes() as u128;
+        let low = self.precision.is_low();
+        // Per layer (`SavedLayer`): x, qkv, att, and the rest of the row
+        // tensors (5C + qkv + 3F per row), LoRA's x·Aᵀ per adapted
+        // projection, two f32 1/rms per row.
+        let layer = elem * (5 * n * c + n * qkvw + att + 3 * n * f + n_xa * n * r) + 4 * 2 * n;
+        let saved = w(cfg.n_layer) * layer + elem * n * c;
+        // f32: RoPE tables (t × head_dim), x, final norm output and 1/rms,
+        // logits, losses; 16-bit staging; the working buffers (`Bufs`).
+        let staging = if low { n * c.max(qkvw).max(2 * f) + att + n * r } else { 0 };
+        let rest = w(t) * w(cfg.head_dim / 2) * 2 + n * c + n * c + n + n * v + n + staging;
+        let bufs = 2 * n * c + 2 * n * qkvw + att + 3 * n * f + n * r;
+        saved + 4 * (rest + bufs)
+    }
+
+    /// Bytes of the saved activations (every layer's slot and the embeddings' output).
     pub fn saved_activation_bytes(&self) -> usize {
         self.acts.saved_bytes()
     }

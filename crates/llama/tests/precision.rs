@@ -96,3 +96,23 @@ fn gradients_are_bit_identical_for_any_thread_count() {
         assert!(g.iter().zip(&g1).all(|(a, b)| a.to_bits() == b.to_bits()), "{threads} threads: gradient");
     }
 }
+
+/// The memory planner's figure is exact: for every precision, with and
+/// without adapters, it equals what a training micro-step allocates.
+#[test]
+fn planned_activation_bytes_equal_the_allocation() {
+    let (cfg, base) = hf::load(&fixture("untied")).unwrap();
+    let b = batch("untied");
+    for prec in [Precision::F32, Precision::Bf16, Precision::F16] {
+        for lora in [None, Some(LoraConfig::new(4, 8.0, &["q_proj", "v_proj", "down_proj"]))] {
+            let mut model = match &lora {
+                None => Llama::with_precision(cfg.clone(), prec).unwrap(),
+                Some(l) => Llama::with_lora(cfg.clone(), l.clone(), prec).unwrap(),
+            };
+            let params = if lora.is_some() { lora::attach(&model, &base, 1).unwrap() } else { base.clone() };
+            loss_and_grad(&mut model, &params, &b);
+            let want = model.activation_bytes() as u128;
+            assert_eq!(model.planned_activation_bytes(b.n_seqs, b.seq_len), want, "{prec:?} lora {}", lora.is_some());
+        }
+    }
+}
