@@ -5,6 +5,7 @@
 
 pub use data::DataFormat;
 pub use engine::{Checkpointing, Decay, LossNormalization, OptimizerKind, Precision};
+pub use llama::LoraConfig;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -64,6 +65,10 @@ pub struct Config {
     pub schedule: ScheduleConfig,
     /// Data parallelism.
     pub dist: DistConfig,
+    /// LoRA adapters (`model.family = "llama"`): `r`, `alpha`, `dropout`,
+    /// `target_modules` (`q_proj` … `down_proj`, or `all-linear`). The base
+    /// is frozen: no gradient, no optimizer state; the adapters train.
+    pub lora: Option<LoraConfig>,
 }
 
 /// `[dist]`: data parallelism.
@@ -105,6 +110,8 @@ pub enum ModelFamily {
     /// GPT-2 (learned positions, LayerNorm, GELU MLP, tied head).
     #[default]
     Gpt2,
+    /// Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU): SmolLM2 and kin.
+    Llama,
 }
 
 /// `[model]`: a family and a preset, optionally with single dimensions
@@ -114,7 +121,8 @@ pub enum ModelFamily {
 pub struct ModelConfig {
     /// The family.
     pub family: ModelFamily,
-    /// gpt2: `tiny`, `mini`, `small`, `gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl`.
+    /// gpt2: `tiny`, `mini`, `small`, `gpt2`, `gpt2-medium`, `gpt2-large`,
+    /// `gpt2-xl`; llama: `tiny`, `smollm2-135m`, `llama-7b`, `llama-13b`, `llama-70b`.
     pub preset: String,
     /// Overrides the preset's number of blocks.
     pub n_layer: Option<usize>,
@@ -134,6 +142,12 @@ pub struct ModelConfig {
     pub rope_theta: Option<f64>,
     /// Overrides whether the output head shares the embedding (gpt2 always does).
     pub tie_word_embeddings: Option<bool>,
+    /// Overrides the preset's RMSNorm epsilon (not gpt2).
+    pub rms_norm_eps: Option<f64>,
+    /// Overrides the preset's beginning-of-sequence token (not gpt2).
+    pub bos_token_id: Option<u32>,
+    /// Overrides the preset's end-of-sequence tokens (not gpt2).
+    pub eos_token_id: Option<Vec<u32>>,
 }
 
 impl Default for ModelConfig {
@@ -150,6 +164,9 @@ impl Default for ModelConfig {
             intermediate_size: None,
             rope_theta: None,
             tie_word_embeddings: None,
+            rms_norm_eps: None,
+            bos_token_id: None,
+            eos_token_id: None,
         }
     }
 }

@@ -39,7 +39,7 @@ pub struct LlamaConfig {
 }
 
 /// Preset names, smallest first.
-pub const PRESETS: &[&str] = &["tiny", "smollm2-135m"];
+pub const PRESETS: &[&str] = &["tiny", "smollm2-135m", "llama-7b", "llama-13b", "llama-70b"];
 
 impl LlamaConfig {
     /// A named preset: `tiny` (byte vocabulary, for tests and the bundled
@@ -76,6 +76,11 @@ impl LlamaConfig {
                 bos_token_id: Some(0),
                 eos_token_id: vec![0],
             },
+            // Llama 2's shapes, for planning (`macrobatch plan`): too large
+            // to train here, never allocated by a plan.
+            "llama-7b" => Self::llama2(4096, 11008, 32, 32, 32),
+            "llama-13b" => Self::llama2(5120, 13824, 40, 40, 40),
+            "llama-70b" => Self::llama2(8192, 28672, 80, 64, 8),
             other => {
                 return Err(LlamaError::config(
                     "preset",
@@ -84,6 +89,25 @@ impl LlamaConfig {
             }
         };
         Ok(cfg)
+    }
+
+    /// A Llama 2 shape: vocabulary 32000, 4096 positions, untied head.
+    fn llama2(hidden: usize, ffn: usize, n_layer: usize, n_head: usize, n_kv_head: usize) -> Self {
+        LlamaConfig {
+            vocab_size: 32000,
+            hidden_size: hidden,
+            intermediate_size: ffn,
+            n_layer,
+            n_head,
+            n_kv_head,
+            head_dim: hidden / n_head,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            max_position_embeddings: 4096,
+            tie_word_embeddings: false,
+            bos_token_id: Some(1),
+            eos_token_id: vec![2],
+        }
     }
 
     /// Checks that every dimension is usable.
@@ -319,6 +343,14 @@ mod tests {
         cfg.validate().unwrap();
         assert_eq!(cfg.n_params(), 134_515_008);
         LlamaConfig::preset("tiny").unwrap().validate().unwrap();
+        // Llama 2's published sizes (meta-llama/Llama-2-*-hf, numel of all parameters).
+        for (name, n) in
+            [("llama-7b", 6_738_415_616usize), ("llama-13b", 13_015_864_320), ("llama-70b", 68_976_648_192)]
+        {
+            let cfg = LlamaConfig::preset(name).unwrap();
+            cfg.validate().unwrap();
+            assert_eq!(cfg.n_params(), n, "{name}");
+        }
     }
 
     #[test]

@@ -6,9 +6,10 @@
 //! [`from_config`] / [`read_hf_config`] — without touching the CLI's logic.
 
 use anyhow::{bail, Context, Result};
-use config::{ModelConfig, ModelFamily};
+use config::{LoraConfig, ModelConfig, ModelFamily};
 use engine::{Checkpointing, MicroStepStats, Model, ParamLayout, ParamStore, Precision, TensorSpec, TokenBatch};
 use gpt::{Gpt, GptConfig};
+use llama::{Llama, LlamaConfig};
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
@@ -127,14 +128,26 @@ pub trait Family: Send + Sync {
     fn save_hf(&self, dir: &Path, layout: &ParamLayout, params: &[f32]) -> Result<()>;
     /// Reads the weights of the model folder `dir` into `layout`'s order.
     fn load_weights(&self, dir: &Path, layout: &ParamLayout) -> Result<Vec<f32>>;
+    /// The parameters to start from, given a pretrained model's (same
+    /// shape): themselves, or with adapters initialised from `seed` added.
+    fn from_pretrained(&self, params: Vec<f32>, seed: u64) -> Result<Vec<f32>> {
+        let _ = seed;
+        Ok(params)
+    }
     /// Writes this shape into `[model]`, so a resolved config rebuilds it.
     fn pin_shape(&self, m: &mut ModelConfig);
 }
 
-/// The family and shape `[model]` asks for.
-pub fn from_config(m: &ModelConfig) -> Result<Arc<dyn Family>> {
+/// The family and shape `[model]` (and `[lora]`) ask for.
+pub fn from_config(m: &ModelConfig, lora: Option<&LoraConfig>) -> Result<Arc<dyn Family>> {
     match m.family {
-        ModelFamily::Gpt2 => Ok(Arc::new(Gpt2::from_config(m)?)),
+        ModelFamily::Gpt2 => {
+            if lora.is_some() {
+                bail!("[lora] applies to model.family = \"llama\"; remove the [lora] section for gpt2");
+            }
+            Ok(Arc::new(Gpt2::from_config(m)?))
+        }
+        ModelFamily::Llama => Ok(Arc::new(LlamaFamily::from_config(m, lora)?)),
     }
 }
 
@@ -146,9 +159,25 @@ pub fn read_hf_config(dir: &Path) -> Result<Arc<dyn Family>> {
         serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
     match json.get("model_type").and_then(|v| v.as_str()) {
         Some("gpt2") | None => Ok(Arc::new(Gpt2(gpt::hf::load_config(&path)?))),
-        Some(other) => {
-            bail!("{}: model_type `{other}` is not a family macrobatch knows (it trains gpt2)", path.display())
+        Some("llama") => {
+            let cfg = llama::hf::load_config(&path)?;
+            // A LoRA run's folder holds PEFT's adapter files beside the base.
+            let adapter = dir.join(llama::lora::ADAPTER_CONFIG_FILE);
+            let lora = if adapter.exists() {
+                let text =
+                    std::fs::read_to_string(&adapter).with_context(|| format!("cannot read {}", adapter.display()))?;
+                let v: serde_json::Value =
+                    serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", adapter.display()))?;
+                Some(llama::lora::lora_config_from_peft(&v)?.0)
+            } else {
+                None
+            };
+            Ok(Arc::new(LlamaFamily::new(cfg, lora)?))
         }
+        Some(other) => bail!(
+            "{}: model_type `{other}` is not a family macrobatch knows (it trains gpt2 and llama)",
+            path.display()
+        ),
     }
 }
 
@@ -158,6 +187,200 @@ pub fn load_hf(dir: &Path) -> Result<(Arc<dyn Family>, Vec<f32>)> {
     let model = family.build(Build::default())?;
     let params = family.load_weights(dir, model.layout())?;
     Ok((family, params))
+}
+
+/// Llama (the `llama` crate), optionally with LoRA adapters on a frozen base.
+#[derive(Debug, Clone)]
+pub struct LlamaFamily {
+    cfg: LlamaConfig,
+    lora: Option<LoraConfig>,
+    /// The layout (no activations): segments, initialisation, names.
+    model: Arc<Llama>,
+}
+
+impl LlamaFamily {
+    /// The family at `cfg`, with adapters when `lora` is given.
+    pub fn new(cfg: LlamaConfig, lora: Option<LoraConfig>) -> Result<Self> {
+        let model = Self::build_with(&cfg, lora.as_ref(), Precision::F32)?;
+        Ok(Self { cfg, lora, model: Arc::new(model) })
+    }
+
+    fn build_with(cfg: &LlamaConfig, lora: Option<&LoraConfig>, precision: Precision) -> Result<Llama> {
+        Ok(match lora {
+            Some(l) => Llama::with_lora(cfg.clone(), l.clone(), precision)?,
+            None => Llama::with_precision(cfg.clone(), precision)?,
+        })
+    }
+
+    /// The preset with single dimensions overridden.
+    fn from_config(m: &ModelConfig, lora: Option<&LoraConfig>) -> Result<Self> {
+        let base = LlamaConfig::preset(&m.preset).context("model.preset")?;
+        let hidden = m.n_embd.unwrap_or(base.hidden_size);
+        let n_head = m.n_head.unwrap_or(base.n_head);
+        let cfg = LlamaConfig {
+            vocab_size: m.vocab_size.unwrap_or(base.vocab_size),
+            hidden_size: hidden,
+            intermediate_size: m.intermediate_size.unwrap_or(base.intermediate_size),
+            n_layer: m.n_layer.unwrap_or(base.n_layer),
+            n_head,
+            n_kv_head: m.n_kv_head.unwrap_or(base.n_kv_head),
+            head_dim: if n_head > 0 { hidden / n_head } else { 0 },
+            rms_norm_eps: m.rms_norm_eps.unwrap_or(base.rms_norm_eps),
+            rope_theta: m.rope_theta.unwrap_or(base.rope_theta),
+            max_position_embeddings: m.block_size.unwrap_or(base.max_position_embeddings),
+            tie_word_embeddings: m.tie_word_embeddings.unwrap_or(base.tie_word_embeddings),
+            bos_token_id: m.bos_token_id.or(base.bos_token_id),
+            eos_token_id: m.eos_token_id.clone().unwrap_or(base.eos_token_id),
+        };
+        cfg.validate()?;
+        Self::new(cfg, lora.cloned())
+    }
+
+    /// The base parameters (no adapters) of full parameters `params`.
+    fn base_of(&self, layout: &ParamLayout, params: &[f32]) -> Result<Vec<f32>> {
+        if self.lora.is_none() {
+            return Ok(params.to_vec());
+        }
+        let plain = Llama::new(self.cfg.clone())?;
+        let mut base = vec![0.0; plain.layout().n_params()];
+        for t in plain.layout().tensors() {
+            let src = layout.get(&t.name).with_context(|| format!("tensor {} missing", t.name))?;
+            base[t.range()].copy_from_slice(&params[src.range()]);
+        }
+        Ok(base)
+    }
+}
+
+impl LanguageModel for Erased<Llama> {
+    fn activation_bytes(&self) -> usize {
+        self.0.activation_bytes()
+    }
+
+    fn saved_activation_bytes(&self) -> usize {
+        self.0.saved_activation_bytes()
+    }
+
+    fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+        self.0.next_token_logits(params, tokens).map_err(erase)
+    }
+}
+
+impl Family for LlamaFamily {
+    fn name(&self) -> &'static str {
+        "Llama"
+    }
+
+    fn describe(&self) -> String {
+        let c = &self.cfg;
+        let lora = self
+            .lora
+            .as_ref()
+            .map_or(String::new(), |l| format!(", LoRA r={} alpha={} on {}", l.r, l.alpha, l.target_modules.join(",")));
+        format!(
+            "{} layers, d={}, {} heads / {} KV heads, FFN {}{}",
+            c.n_layer, c.hidden_size, c.n_head, c.n_kv_head, c.intermediate_size, lora
+        )
+    }
+
+    fn n_params(&self) -> u128 {
+        // The layout knows the adapters too (70B is 6.9e10: far inside usize).
+        self.model.layout().n_params() as u128
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.cfg.vocab_size
+    }
+
+    fn max_seq_len(&self) -> usize {
+        self.cfg.max_position_embeddings
+    }
+
+    fn flops_per_token(&self, seq_len: usize) -> f64 {
+        self.cfg.flops_per_token(seq_len)
+    }
+
+    fn activation_bytes(&self, micro: usize, seq_len: usize, build: Build) -> u128 {
+        match Self::build_with(&self.cfg, self.lora.as_ref(), build.precision) {
+            Ok(m) => m.planned_activation_bytes(micro, seq_len),
+            Err(_) => u128::MAX,
+        }
+    }
+
+    fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>> {
+        if build.checkpointing.is_on() {
+            bail!(
+                "train.activation_checkpointing = \"{}\" is not implemented for model.family = \"llama\" yet; use \"none\"",
+                build.checkpointing
+            );
+        }
+        Ok(Box::new(Erased(Self::build_with(&self.cfg, self.lora.as_ref(), build.precision)?)))
+    }
+
+    fn init_segment(&self, seed: u64, seg: usize) -> Vec<f32> {
+        self.model.init_segment(seed, seg)
+    }
+
+    fn hf_config(&self) -> serde_json::Value {
+        let mut v = self.cfg.to_hf_json();
+        if let (Some(l), Some(o)) = (&self.lora, v.as_object_mut()) {
+            // Not a transformers key: makes a LoRA shape differ from its base.
+            o.insert("macrobatch_lora".into(), serde_json::to_value(l).unwrap_or_default());
+        }
+        v
+    }
+
+    /// The base as Hugging Face Llama files and, with adapters, the
+    /// adapters in PEFT's format beside them (`PeftModel.from_pretrained(base, DIR)`).
+    fn save_hf(&self, dir: &Path, layout: &ParamLayout, params: &[f32]) -> Result<()> {
+        let base = self.base_of(layout, params)?;
+        llama::hf::save(dir, &self.cfg, &base)?;
+        if self.lora.is_some() {
+            llama::lora::save_adapter(dir, &self.model, params, None)?;
+        }
+        Ok(())
+    }
+
+    fn from_pretrained(&self, params: Vec<f32>, seed: u64) -> Result<Vec<f32>> {
+        let n = self.model.layout().n_params();
+        match &self.lora {
+            Some(_) if params.len() != n => Ok(llama::lora::attach(&self.model, &params, seed)?),
+            _ => Ok(params),
+        }
+    }
+
+    fn load_weights(&self, dir: &Path, layout: &ParamLayout) -> Result<Vec<f32>> {
+        let base = llama::hf::load_weights(dir, &self.cfg)?;
+        if self.lora.is_none() {
+            return Ok(base);
+        }
+        // Adapters start as initialised (B = 0: the base's function), then
+        // take the folder's trained ones when it has them.
+        let mut params = llama::lora::attach(&self.model, &base, 0)?;
+        if dir.join(llama::lora::ADAPTER_CONFIG_FILE).exists() {
+            llama::lora::load_adapter(dir)?.apply(&self.model, &mut params)?;
+        }
+        if params.len() != layout.n_params() {
+            bail!("{}: {} parameters loaded, the model has {}", dir.display(), params.len(), layout.n_params());
+        }
+        Ok(params)
+    }
+
+    fn pin_shape(&self, m: &mut ModelConfig) {
+        let c = &self.cfg;
+        m.family = ModelFamily::Llama;
+        m.n_layer = Some(c.n_layer);
+        m.n_head = Some(c.n_head);
+        m.n_embd = Some(c.hidden_size);
+        m.block_size = Some(c.max_position_embeddings);
+        m.vocab_size = Some(c.vocab_size);
+        m.n_kv_head = Some(c.n_kv_head);
+        m.intermediate_size = Some(c.intermediate_size);
+        m.rope_theta = Some(c.rope_theta);
+        m.tie_word_embeddings = Some(c.tie_word_embeddings);
+        m.rms_norm_eps = Some(c.rms_norm_eps);
+        m.bos_token_id = c.bos_token_id;
+        m.eos_token_id = Some(c.eos_token_id.clone());
+    }
 }
 
 /// GPT-2 (the `gpt` crate).
@@ -173,6 +396,9 @@ impl Gpt2 {
             ("model.intermediate_size", m.intermediate_size.is_some()),
             ("model.rope_theta", m.rope_theta.is_some()),
             ("model.tie_word_embeddings", m.tie_word_embeddings.is_some()),
+            ("model.rms_norm_eps", m.rms_norm_eps.is_some()),
+            ("model.bos_token_id", m.bos_token_id.is_some()),
+            ("model.eos_token_id", m.eos_token_id.is_some()),
         ] {
             if given {
                 bail!("{key} does not apply to model.family = \"gpt2\"; remove it");
@@ -337,13 +563,13 @@ mod tests {
     #[test]
     fn shape_round_trips_through_the_model_section() {
         let mut m = ModelConfig { preset: "mini".into(), n_layer: Some(3), ..ModelConfig::default() };
-        let f = from_config(&m).unwrap_or_else(|e| panic!("{e:#}"));
+        let f = from_config(&m, None).unwrap_or_else(|e| panic!("{e:#}"));
         let mut pinned = ModelConfig { preset: "tiny".into(), ..ModelConfig::default() };
         f.pin_shape(&mut pinned);
-        let g = from_config(&pinned).unwrap_or_else(|e| panic!("{e:#}"));
+        let g = from_config(&pinned, None).unwrap_or_else(|e| panic!("{e:#}"));
         assert_eq!(f.hf_config(), g.hf_config());
         m.n_kv_head = Some(2);
-        let e = from_config(&m).err().map(|e| e.to_string()).unwrap_or_default();
+        let e = from_config(&m, None).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("model.n_kv_head"), "{e}");
     }
 }

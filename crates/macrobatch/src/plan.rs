@@ -149,7 +149,7 @@ pub fn estimate(plan: &Plan, knobs: Knobs) -> Result<Estimate> {
     let cfg = &plan.cfg;
     let build = Build { precision: knobs.precision, checkpointing: knobs.checkpointing };
     let mut model = plan.family.build(build)?;
-    apply_trainable(&mut model, &cfg.train.trainable)?;
+    apply_trainable(&mut model, &crate::train::trainable_patterns(cfg))?;
     let zero = ZeroConfig { stage: knobs.zero_stage, reduce_every_micro_step: knobs.reduce_every_micro_step };
     let slots = cfg.optim.name.state_slots(cfg.optim.momentum) as usize;
     let bucket_elems = crate::train::bucket_elems(cfg);

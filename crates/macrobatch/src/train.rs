@@ -72,7 +72,7 @@ pub fn plan(mut cfg: Config, backend: Backend) -> Result<Plan> {
         cfg.batch.global.get_or_insert(config::DEFAULT_GLOBAL_BATCH);
         cfg.batch.micro = Some(Micro::Sequences(1));
     }
-    let family = family::from_config(&cfg.model)?;
+    let family = family::from_config(&cfg.model, cfg.lora.as_ref())?;
     let batch = cfg.batch.resolve(backend.world_size())?;
     let max_seq = family.max_seq_len();
     let seq_len = cfg.data.seq_len.unwrap_or(max_seq);
@@ -98,7 +98,7 @@ pub fn plan(mut cfg: Config, backend: Backend) -> Result<Plan> {
     };
     let sampler = sampler_for(&cfg, &batch, &train)?;
     // The layout alone (no activations are allocated before the first batch).
-    apply_trainable(&mut family.build(Build::default())?, &cfg.train.trainable)?;
+    apply_trainable(&mut family.build(Build::default())?, &trainable_patterns(&cfg))?;
     let mut plan = Plan { cfg, family, memory_budget: None, backend, batch, train, val, sampler };
     if auto_micro {
         choose_micro(&mut plan)?;
@@ -166,8 +166,18 @@ fn choose_micro(plan: &mut Plan) -> Result<()> {
 /// precision, with `train.trainable` applied.
 pub fn model_for(plan: &Plan) -> Result<Box<dyn LanguageModel>> {
     let mut model = plan.family.build(plan.build())?;
-    apply_trainable(&mut model, &plan.cfg.train.trainable)?;
+    apply_trainable(&mut model, &trainable_patterns(&plan.cfg))?;
     Ok(model)
+}
+
+/// The tensors to train: `train.trainable`, except that with `[lora]` and
+/// the default `["*"]` only the adapters train (the base is frozen).
+pub fn trainable_patterns(cfg: &Config) -> Vec<String> {
+    let everything = cfg.train.trainable.len() == 1 && cfg.train.trainable[0] == "*";
+    if cfg.lora.is_some() && everything {
+        return vec!["*.lora_A.weight".into(), "*.lora_B.weight".into()];
+    }
+    cfg.train.trainable.clone()
 }
 
 /// Freezes every tensor that no `train.trainable` pattern names; a pattern
@@ -943,9 +953,11 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
                 .with_context(|| format!("--init-from {}: cannot load the model", path.display()))?;
             let (pretrained, params) = family::load_hf(path)
                 .with_context(|| format!("--init-from {}: cannot load the model", path.display()))?;
-            // The pretrained family and shape win over the preset.
+            // The pretrained family and shape win over the preset; with
+            // [lora], freshly initialised adapters join the pretrained base.
             pretrained.pin_shape(&mut cfg.model);
-            Some(Arc::new(params))
+            let family = family::from_config(&cfg.model, cfg.lora.as_ref())?;
+            Some(Arc::new(family.from_pretrained(params, cfg.train.seed)?))
         }
         Some(_) => bail!("--init-from and --resume exclude each other: a resumed run continues from its checkpoint"),
         None => None,
