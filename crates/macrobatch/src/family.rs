@@ -130,7 +130,7 @@ pub trait Family: Send + Sync {
     fn load_weights(&self, dir: &Path, layout: &ParamLayout) -> Result<Vec<f32>>;
     /// The parameters to start from, given a pretrained model's (same
     /// shape): themselves, or with adapters initialised from `seed` added.
-    fn from_pretrained(&self, params: Vec<f32>, seed: u64) -> Result<Vec<f32>> {
+    fn start_from_pretrained(&self, params: Vec<f32>, seed: u64) -> Result<Vec<f32>> {
         let _ = seed;
         Ok(params)
     }
@@ -224,7 +224,7 @@ impl LlamaFamily {
             n_layer: m.n_layer.unwrap_or(base.n_layer),
             n_head,
             n_kv_head: m.n_kv_head.unwrap_or(base.n_kv_head),
-            head_dim: if n_head > 0 { hidden / n_head } else { 0 },
+            head_dim: hidden.checked_div(n_head).unwrap_or(0),
             rms_norm_eps: m.rms_norm_eps.unwrap_or(base.rms_norm_eps),
             rope_theta: m.rope_theta.unwrap_or(base.rope_theta),
             max_position_embeddings: m.block_size.unwrap_or(base.max_position_embeddings),
@@ -340,7 +340,7 @@ impl Family for LlamaFamily {
         Ok(())
     }
 
-    fn from_pretrained(&self, params: Vec<f32>, seed: u64) -> Result<Vec<f32>> {
+    fn start_from_pretrained(&self, params: Vec<f32>, seed: u64) -> Result<Vec<f32>> {
         let n = self.model.layout().n_params();
         match &self.lora {
             Some(_) if params.len() != n => Ok(llama::lora::attach(&self.model, &params, seed)?),
