@@ -116,6 +116,10 @@ pub trait Family: Send + Sync {
     /// Bytes of activations and backward scratch one rank allocates for a
     /// micro-batch of `micro` sequences of `seq_len` tokens (a lower bound).
     fn activation_bytes(&self, micro: usize, seq_len: usize, build: Build) -> u128;
+    /// Whether the family's model can recompute blocks (activation checkpointing).
+    fn supports_checkpointing(&self) -> bool {
+        true
+    }
     /// The model, storing activations as `build` says (no activation
     /// memory is allocated before the first batch).
     fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>>;
@@ -304,6 +308,10 @@ impl Family for LlamaFamily {
             Ok(m) => m.planned_activation_bytes(micro, seq_len),
             Err(_) => u128::MAX,
         }
+    }
+
+    fn supports_checkpointing(&self) -> bool {
+        false
     }
 
     fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>> {
