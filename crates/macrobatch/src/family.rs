@@ -305,23 +305,14 @@ impl Family for LlamaFamily {
 
     fn activation_bytes(&self, micro: usize, seq_len: usize, build: Build) -> u128 {
         match Self::build_with(&self.cfg, self.lora.as_ref(), build.precision) {
-            Ok(m) => m.planned_activation_bytes(micro, seq_len),
+            Ok(m) => m.with_checkpointing(build.checkpointing).planned_activation_bytes(micro, seq_len),
             Err(_) => u128::MAX,
         }
     }
 
-    fn supports_checkpointing(&self) -> bool {
-        false
-    }
-
     fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>> {
-        if build.checkpointing.is_on() {
-            bail!(
-                "train.activation_checkpointing = \"{}\" is not implemented for model.family = \"llama\" yet; use \"none\"",
-                build.checkpointing
-            );
-        }
-        Ok(Box::new(Erased(Self::build_with(&self.cfg, self.lora.as_ref(), build.precision)?)))
+        let model = Self::build_with(&self.cfg, self.lora.as_ref(), build.precision)?;
+        Ok(Box::new(Erased(model.with_checkpointing(build.checkpointing))))
     }
 
     fn init_segment(&self, seed: u64, seg: usize) -> Vec<f32> {
