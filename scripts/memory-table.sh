@@ -5,6 +5,10 @@
 # the process's peak resident set (VmHWM) in memory.json.
 #
 #   scripts/memory-table.sh [PRESETS...]      # default: tiny mini small
+#   STAGES="0" SEQ=128 scripts/memory-table.sh llama/tiny llama/smollm2-135m
+#
+# A preset `FAMILY/NAME` picks the model family (default gpt2); STAGES
+# limits the ZeRO stages (default "0 1 2 3"), SEQ sets data.seq_len.
 #
 # Prints a Markdown table (docs/memory.md holds one). Name the CPU next to it.
 set -euo pipefail
@@ -18,18 +22,22 @@ if [ -z "$bin" ]; then cargo build --release -q; bin=target/release/macrobatch; 
 out=$(mktemp -d)
 echo "| preset | W | stage | precision | checkpointing | predicted MiB | measured peak MiB | error |"
 echo "|---|---|---|---|---|---|---|---|"
-for preset in ${presets[@]}; do
-  for stage in 0 1 2 3; do
+for spec in ${presets[@]}; do
+  family=gpt2; preset=$spec
+  if [[ "$spec" == */* ]]; then family=${spec%%/*}; preset=${spec#*/}; fi
+  extra=()
+  if [ -n "${SEQ:-}" ]; then extra+=(--set data.seq_len="$SEQ"); fi
+  for stage in ${STAGES:-0 1 2 3}; do
     w=$([ "$stage" = 0 ] && echo 1 || echo 2)
     for prec in f32 bf16; do
       for ck in none blocks; do
-        dir="$out/$preset-$stage-$prec-$ck"
-        "$bin" train --out "$dir" --set model.preset="$preset" \
+        dir="$out/$family-$preset-$stage-$prec-$ck"
+        "$bin" train --out "$dir" --set model.family="$family" --set model.preset="$preset" "${extra[@]}" \
           --set dist.world_size="$w" --set dist.zero_stage="$stage" --set train.precision="$prec" \
           --set train.activation_checkpointing="$ck" --set batch.global=16 --set batch.micro=$((8 / w)) \
           --set train.steps=2 --set train.eval_every=0 --set train.eval_batches=1 >/dev/null 2>&1 \
-          || { echo "| $preset | $w | $stage | $prec | $ck | run failed | | |"; continue; }
-        python3 - "$dir" "$preset" "$w" "$stage" "$prec" "$ck" <<'PY'
+          || { echo "| $spec | $w | $stage | $prec | $ck | run failed | | |"; continue; }
+        python3 - "$dir" "$spec" "$w" "$stage" "$prec" "$ck" <<'PY'
 import json, sys
 d, preset, w, stage, prec, ck = sys.argv[1:]
 m = json.load(open(f"{d}/memory.json"))
