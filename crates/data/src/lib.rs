@@ -1,12 +1,16 @@
 //! Tokenizers, corpora and the sampler that implements the batch contract
 //! (docs/contract.md). Knows nothing about models or communication.
 
+pub mod bpe;
+pub mod chat;
 pub mod dataset;
 pub mod error;
 pub mod sampler;
 pub mod tokenizer;
 
+pub use bpe::{BpeParts, BpeTokenizer, Encoded, PreTokenizer};
+pub use chat::{ChatTemplate, Message, Role};
 pub use dataset::{Corpus, DataFormat, TokenDataset};
 pub use error::DataError;
 pub use sampler::{BatchShape, Sampler};
-pub use tokenizer::ByteTokenizer;
+pub use tokenizer::{ByteTokenizer, Tokenizer};
