@@ -143,7 +143,7 @@ pub enum SpanError {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// SmolLM2-Instruct's template (ChatML with a default system prompt).

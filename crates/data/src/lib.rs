@@ -6,11 +6,13 @@ pub mod chat;
 pub mod dataset;
 pub mod error;
 pub mod sampler;
+pub mod sft;
 pub mod tokenizer;
 
 pub use bpe::{BpeParts, BpeTokenizer, Encoded, PreTokenizer};
 pub use chat::{ChatTemplate, Message, Role};
-pub use dataset::{Corpus, DataFormat, TokenDataset};
+pub use dataset::{text_files, Corpus, DataFormat, TokenDataset};
 pub use error::DataError;
 pub use sampler::{BatchShape, Sampler};
+pub use sft::{Example, SftDataset, SftOptions, SftStats};
 pub use tokenizer::{ByteTokenizer, Tokenizer};

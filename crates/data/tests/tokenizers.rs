@@ -174,3 +174,44 @@ fn synthetic_gguf_tokenizer_and_its_errors() {
     let e = Tokenizer::from_gguf(&write("spm.gguf", "llama", Some("default"))).unwrap_err().to_string();
     assert!(e.contains("tokenizer.ggml.model = llama"), "{e}");
 }
+
+/// Fine-tuning data through SmolLM2's tokenizer and template: the rows are
+/// exactly apply_chat_template's ids, and the targets that count decode to
+/// each assistant reply followed by `<|im_end|>`, nothing else.
+#[test]
+fn smollm2_sft_trains_only_the_assistant_replies() {
+    let Some(path) = smollm2_or_skip("smollm2_sft_trains_only_the_assistant_replies") else { return };
+    let tok = Tokenizer::from_gguf(&path).unwrap();
+    let reference = reference();
+    let chats = reference["smollm2"]["chats"].as_array().unwrap();
+    let trained: Vec<&Json> = chats.iter().filter(|c| !c["add_generation_prompt"].as_bool().unwrap()).collect();
+    let jsonl: String =
+        trained.iter().map(|c| format!("{}\n", serde_json::json!({ "messages": c["messages"] }))).collect();
+    let ds =
+        data::SftDataset::from_jsonl(std::path::Path::new("chat.jsonl"), &jsonl, &tok, &Default::default()).unwrap();
+    for (idx, chat) in trained.iter().enumerate() {
+        let batch = ds.micro_batch(&[idx]);
+        let want_ids = ids(&chat["ids"]);
+        assert_eq!(batch.inputs, want_ids[..want_ids.len() - 1]);
+        // consecutive runs of counted targets, decoded
+        let mut runs: Vec<Vec<u32>> = Vec::new();
+        let mut in_run = false;
+        for &t in &batch.targets {
+            match (t >= 0, in_run) {
+                (true, false) => runs.push(vec![t as u32]),
+                (true, true) => runs.last_mut().unwrap().push(t as u32),
+                _ => {}
+            }
+            in_run = t >= 0;
+        }
+        let got: Vec<String> = runs.iter().map(|r| tok.decode(r).unwrap()).collect();
+        let want: Vec<String> = chat["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["role"] == "assistant")
+            .map(|m| format!("{}<|im_end|>", m["content"].as_str().unwrap()))
+            .collect();
+        assert_eq!(got, want);
+    }
+}
