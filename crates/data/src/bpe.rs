@@ -8,13 +8,14 @@
 //! plain added tokens, and the pre-tokenizer named by `tokenizer.ggml.pre`:
 //! - `gpt2`: GPT-2's regex split, then bytes to the byte-level alphabet;
 //! - `smollm`: every numeric character (`\p{N}`) first split off on its own,
-//!   then as `gpt2` — llama.cpp's rule for this name and the
-//!   `Digits(individual_digits) + ByteLevel` of SmolLM's own `tokenizer.json`.
-//!   transformers' GGUF loader omits the digit split; the two agree on all
-//!   text except a space followed by a non-ASCII numeric character such as
-//!   " ½" or " ⑩", where transformers merges the space into the character's
-//!   first byte and the model's tokenizer does not (tested in
-//!   `tests/tokenizers.rs`).
+//!   then as `gpt2` — llama.cpp's rule for this name, and the
+//!   `Digits(individual_digits) + ByteLevel` of SmolLM2's own `tokenizer.json`.
+//!   transformers' GGUF loader leaves out the digit split. The two agree
+//!   except where whitespace precedes a numeral: a run of two or more
+//!   whitespace characters before any numeral ("\n\n1.", "  2.": transformers
+//!   splits the run's last character off) or a space before a non-ASCII one
+//!   (" ½": transformers merges the space into the numeral's first byte). We
+//!   follow the model's tokenizer; `tests/tokenizers.rs` pins both id lists.
 //!
 //! Any other name is an error listing these, rather than a silent guess.
 
