@@ -135,7 +135,6 @@ fn tk_err(what: impl Into<String>) -> impl FnOnce(tokenizers::Error) -> DataErro
 }
 
 /// A BPE tokenizer with its special ids and chat template.
-#[derive(Debug)]
 pub struct BpeTokenizer {
     name: String,
     inner: tokenizers::Tokenizer,
@@ -145,6 +144,22 @@ pub struct BpeTokenizer {
     add_bos: bool,
     add_eos: bool,
     chat_template: Option<ChatTemplate>,
+}
+
+impl std::fmt::Debug for BpeTokenizer {
+    // The derived form would print the whole vocabulary.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BpeTokenizer")
+            .field("name", &self.name)
+            .field("vocab_size", &self.vocab_size())
+            .field("bos_id", &self.bos_id)
+            .field("eos_id", &self.eos_id)
+            .field("pad_id", &self.pad_id)
+            .field("add_bos", &self.add_bos)
+            .field("add_eos", &self.add_eos)
+            .field("chat_template", &self.chat_template.is_some())
+            .finish()
+    }
 }
 
 /// Token ids with the byte range of the text each came from.
@@ -401,16 +416,27 @@ impl BpeTokenizer {
     /// tokenizer is configured to (`add_bos` / `add_eos`; neither for SmolLM2
     /// and GPT-2), with an empty offset range at the start / end.
     pub fn encode_with_offsets(&self, text: &str) -> Result<Encoded, DataError> {
+        self.encode_impl(text, true)
+    }
+
+    /// A rendered chat template to ids with offsets, as `apply_chat_template`
+    /// tokenizes it: no BOS / EOS added whatever the configuration (a
+    /// template writes the ones it wants).
+    pub fn encode_chat(&self, rendered: &str) -> Result<Encoded, DataError> {
+        self.encode_impl(rendered, false)
+    }
+
+    fn encode_impl(&self, text: &str, configured_specials: bool) -> Result<Encoded, DataError> {
         let enc = self.inner.encode(text, false).map_err(tk_err("encoding text"))?;
         let mut ids = Vec::with_capacity(enc.len() + 2);
         let mut offsets = Vec::with_capacity(enc.len() + 2);
-        if let (true, Some(bos)) = (self.add_bos, self.bos_id) {
+        if let (true, true, Some(bos)) = (configured_specials, self.add_bos, self.bos_id) {
             ids.push(bos);
             offsets.push((0, 0));
         }
         ids.extend_from_slice(enc.get_ids());
         offsets.extend_from_slice(enc.get_offsets());
-        if let (true, Some(eos)) = (self.add_eos, self.eos_id) {
+        if let (true, true, Some(eos)) = (configured_specials, self.add_eos, self.eos_id) {
             ids.push(eos);
             offsets.push((text.len(), text.len()));
         }
@@ -489,5 +515,37 @@ mod tests {
         all.sort_unstable();
         all.dedup();
         assert_eq!(all.len(), 256);
+    }
+
+    /// BOS / EOS only where configured, and never in a rendered chat (the
+    /// template writes its own), as transformers does.
+    #[test]
+    fn specials_only_where_configured() {
+        let mut tokens: Vec<String> = byte_to_char().iter().map(|c| c.to_string()).collect();
+        tokens.extend(["<s>".to_string(), "</s>".to_string()]);
+        let parts = BpeParts {
+            source_name: "t".into(),
+            tokens,
+            merges: vec![],
+            special_ids: vec![256, 257],
+            added_ids: vec![],
+            pre_tokenizer: PreTokenizer::Gpt2,
+            bos_id: Some(256),
+            eos_id: Some(257),
+            pad_id: None,
+            add_bos: true,
+            add_eos: false,
+            chat_template: None,
+        };
+        let mut t = BpeTokenizer::from_parts(parts.clone()).unwrap();
+        let e = t.encode_with_offsets("ab").unwrap();
+        assert_eq!((e.ids, e.offsets), (vec![256, 97, 98], vec![(0, 0), (0, 1), (1, 2)]));
+        assert_eq!(t.encode_chat("<s>ab").unwrap().ids, vec![256, 97, 98]);
+        t.set_add_special_tokens(false, true);
+        assert_eq!(t.encode("ab").unwrap(), vec![97, 98, 257]);
+        assert_eq!(t.decode_skip_special(&[256, 97, 257]).unwrap(), "a");
+        let bad = BpeParts { bos_id: Some(999), ..parts };
+        let e = BpeTokenizer::from_parts(bad).unwrap_err().to_string();
+        assert!(e.contains("bos id 999 is outside the vocabulary of 258"), "{e}");
     }
 }

@@ -196,7 +196,7 @@ fn chat_example(at: &Line<'_>, tok: &Tokenizer, messages: &[Message]) -> Result<
              whole, so the assistant's tokens cannot be located (does it start with an assistant message?)"
         )),
     })?;
-    let enc = tok.encode_with_offsets(&text)?;
+    let enc = tok.encode_chat(&text)?;
     let mut trained: Vec<bool> =
         enc.offsets.iter().map(|&(s, e)| spans.iter().any(|span| s < span.end && e > span.start)).collect();
     if let Some(first) = trained.first_mut() {

@@ -72,6 +72,15 @@ impl Tokenizer {
         }
     }
 
+    /// A rendered chat template to ids with offsets, no BOS / EOS added (see
+    /// [`BpeTokenizer::encode_chat`]).
+    pub fn encode_chat(&self, rendered: &str) -> Result<Encoded, DataError> {
+        match self {
+            Self::Byte(_) => self.encode_with_offsets(rendered),
+            Self::Bpe(t) => t.encode_chat(rendered),
+        }
+    }
+
     /// Text to ids; special tokens only where configured (see [`BpeTokenizer::encode_with_offsets`]).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, DataError> {
         match self {

@@ -52,7 +52,6 @@ impl TensorInfo {
 }
 
 /// An open GGUF file.
-#[derive(Debug)]
 pub struct GgufFile {
     path: PathBuf,
     mmap: memmap2::Mmap,
@@ -63,6 +62,20 @@ pub struct GgufFile {
     tensor_idx: HashMap<String, usize>,
     alignment: u64,
     data_offset: u64,
+}
+
+impl std::fmt::Debug for GgufFile {
+    // The derived form would print every metadata value (a vocabulary of 50k tokens).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("path", &self.path)
+            .field("version", &self.version)
+            .field("n_metadata", &self.metadata.len())
+            .field("n_tensors", &self.tensors.len())
+            .field("alignment", &self.alignment)
+            .field("data_offset", &self.data_offset)
+            .finish()
+    }
 }
 
 /// A bounds-checked little-endian reader over the mapped bytes.
