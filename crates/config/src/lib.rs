@@ -3,6 +3,9 @@
 //! the data. One spelling per field: the Rust field, the TOML key and the
 //! `--set` path are the same.
 
+pub use data::DataFormat;
+pub use engine::{Checkpointing, Decay, LossNormalization, OptimizerKind, Precision};
+pub use llama::LoraConfig;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -62,6 +65,10 @@ pub struct Config {
     pub schedule: ScheduleConfig,
     /// Data parallelism.
     pub dist: DistConfig,
+    /// LoRA adapters (`model.family = "llama"`): `r`, `alpha`, `dropout`,
+    /// `target_modules` (`q_proj` … `down_proj`, or `all-linear`). The base
+    /// is frozen: no gradient, no optimizer state; the adapters train.
+    pub lora: Option<LoraConfig>,
 }
 
 /// `[dist]`: data parallelism.
@@ -96,11 +103,26 @@ impl Default for DistConfig {
     }
 }
 
-/// `[model]`: a preset, optionally with single dimensions overridden.
+/// Which model family `[model]` describes (Hugging Face's `model_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelFamily {
+    /// GPT-2 (learned positions, LayerNorm, GELU MLP, tied head).
+    #[default]
+    Gpt2,
+    /// Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU): SmolLM2 and kin.
+    Llama,
+}
+
+/// `[model]`: a family and a preset, optionally with single dimensions
+/// overridden (a dimension the family does not have is an error).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
-    /// `tiny`, `mini`, `small`, `gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl`.
+    /// The family.
+    pub family: ModelFamily,
+    /// gpt2: `tiny`, `mini`, `small`, `gpt2`, `gpt2-medium`, `gpt2-large`,
+    /// `gpt2-xl`; llama: `tiny`, `smollm2-135m`, `llama-7b`, `llama-13b`, `llama-70b`.
     pub preset: String,
     /// Overrides the preset's number of blocks.
     pub n_layer: Option<usize>,
@@ -112,11 +134,40 @@ pub struct ModelConfig {
     pub block_size: Option<usize>,
     /// Overrides the preset's vocabulary size.
     pub vocab_size: Option<usize>,
+    /// Overrides the preset's key/value heads (grouped-query attention; not gpt2).
+    pub n_kv_head: Option<usize>,
+    /// Overrides the preset's MLP width (not gpt2, whose MLP is 4 × n_embd).
+    pub intermediate_size: Option<usize>,
+    /// Overrides the preset's rotary-embedding base (not gpt2).
+    pub rope_theta: Option<f64>,
+    /// Overrides whether the output head shares the embedding (gpt2 always does).
+    pub tie_word_embeddings: Option<bool>,
+    /// Overrides the preset's RMSNorm epsilon (not gpt2).
+    pub rms_norm_eps: Option<f64>,
+    /// Overrides the preset's beginning-of-sequence token (not gpt2).
+    pub bos_token_id: Option<u32>,
+    /// Overrides the preset's end-of-sequence tokens (not gpt2).
+    pub eos_token_id: Option<Vec<u32>>,
 }
 
 impl Default for ModelConfig {
     fn default() -> Self {
-        Self { preset: "tiny".into(), n_layer: None, n_head: None, n_embd: None, block_size: None, vocab_size: None }
+        Self {
+            family: ModelFamily::Gpt2,
+            preset: "tiny".into(),
+            n_layer: None,
+            n_head: None,
+            n_embd: None,
+            block_size: None,
+            vocab_size: None,
+            n_kv_head: None,
+            intermediate_size: None,
+            rope_theta: None,
+            tie_word_embeddings: None,
+            rms_norm_eps: None,
+            bos_token_id: None,
+            eos_token_id: None,
+        }
     }
 }
 
@@ -126,8 +177,12 @@ impl Default for ModelConfig {
 pub struct DataConfig {
     /// A data file; unset means the bundled corpus (Moby-Dick).
     pub path: Option<String>,
-    /// `text` (UTF-8, byte tokens) or `tokens_u16` (nanoGPT `.bin`).
-    pub format: String,
+    /// `text` (UTF-8, byte tokens), or a memory-mapped token file: `u16`
+    /// (nanoGPT `.bin`; `tokens_u16` is an alias) or `u32`.
+    pub format: DataFormat,
+    /// A separate validation file in `format`; unset: the last `val_fraction` of `path`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_path: Option<String>,
     /// Share of the tokens (from the end) held out for validation.
     pub val_fraction: f64,
     /// Tokens per sequence; unset means the model's block_size.
@@ -140,7 +195,15 @@ pub struct DataConfig {
 
 impl Default for DataConfig {
     fn default() -> Self {
-        Self { path: None, format: "text".into(), val_fraction: 0.1, seq_len: None, shuffle: true, drop_last: true }
+        Self {
+            path: None,
+            format: DataFormat::Text,
+            val_path: None,
+            val_fraction: 0.1,
+            seq_len: None,
+            shuffle: true,
+            drop_last: true,
+        }
     }
 }
 
@@ -150,10 +213,58 @@ impl Default for DataConfig {
 pub struct BatchConfig {
     /// Sequences per optimizer step over all ranks (G).
     pub global: Option<usize>,
-    /// Sequences per micro-batch per rank.
-    pub micro: Option<usize>,
+    /// Sequences per micro-batch per rank, or `"auto"`: the largest that
+    /// fits `train.memory_budget` at the same global batch (chosen by the
+    /// memory planner before the first step, then written into the
+    /// resolved config so a resume uses the same factorization).
+    pub micro: Option<Micro>,
     /// Micro-steps per optimizer step (K).
     pub accumulation_steps: Option<usize>,
+}
+
+/// `batch.micro`: a number of sequences, or `"auto"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Micro {
+    /// This many sequences.
+    Sequences(usize),
+    /// Chosen by the memory planner.
+    Auto,
+}
+
+impl Serialize for Micro {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Micro::Sequences(n) => s.serialize_u64(*n as u64),
+            Micro::Auto => s.serialize_str("auto"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Micro {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = Micro;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a number of sequences (at least 1) or \"auto\"")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Micro, E> {
+                usize::try_from(v).map(Micro::Sequences).map_err(|_| E::custom(format!("{v} is too large")))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Micro, E> {
+                u64::try_from(v)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(v), &self))
+                    .and_then(|v| self.visit_u64(v))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Micro, E> {
+                match v {
+                    "auto" => Ok(Micro::Auto),
+                    _ => Err(E::invalid_value(serde::de::Unexpected::Str(v), &self)),
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// The resolved factorization `global = micro × accumulation_steps × world_size`.
@@ -179,7 +290,16 @@ impl BatchConfig {
     /// `global = 16` and then `micro = 8` fill in.
     pub fn resolve(&self, world_size: usize) -> Result<ResolvedBatch, ConfigError> {
         let rule = "global = micro × accumulation_steps × world_size";
-        let (mut g, mut m, k) = (self.global, self.micro, self.accumulation_steps);
+        let m = match self.micro {
+            Some(Micro::Auto) => {
+                return Err(ConfigError::Batch(
+                    "batch.micro = \"auto\" is chosen by the memory planner from train.memory_budget; resolve it before this point".into(),
+                ))
+            }
+            Some(Micro::Sequences(n)) => Some(n),
+            None => None,
+        };
+        let (mut g, mut m, k) = (self.global, m, self.accumulation_steps);
         for (name, v) in [("batch.global", g), ("batch.micro", m), ("batch.accumulation_steps", k)] {
             if v == Some(0) {
                 return Err(ConfigError::Batch(format!("{name} must be at least 1, got 0")));
@@ -275,11 +395,14 @@ pub struct TrainConfig {
     /// Global-norm clipping threshold (0 disables).
     pub grad_clip: f32,
     /// `token` (mean over all targets of the global batch) or `micro_batch_mean`.
-    pub loss_normalization: String,
+    pub loss_normalization: LossNormalization,
     /// `f32`, `bf16` or `f16`: storage of the model's parameter copy, its
     /// saved activations and (f16) its activation gradients; kernels compute
     /// in f32, master weights and optimizer state stay f32.
-    pub precision: String,
+    pub precision: Precision,
+    /// Activation checkpointing: `none`, `blocks` (recompute every block in
+    /// backward, keeping only block outputs) or `every_N` (every N-th block).
+    pub activation_checkpointing: Checkpointing,
     /// f16: the loss scale to start from.
     pub initial_loss_scale: f32,
     /// f16: good steps in a row before the scale doubles.
@@ -296,6 +419,10 @@ pub struct TrainConfig {
     /// run of characters); the others are frozen: no gradient, no optimizer
     /// state, no gradient communication. Default: every tensor.
     pub trainable: Vec<String>,
+    /// Memory per process that `batch.micro = "auto"` plans against: a size
+    /// (`"12GiB"`, `"800MB"`, bytes) or a fraction of the memory available
+    /// at start (`"0.8"`). Unset: 90% of what is available.
+    pub memory_budget: Option<String>,
     /// f16: stop with an error after this many consecutive skipped steps at
     /// `min_loss_scale` (the run cannot make progress); 0 never stops.
     pub max_skips_at_min_scale: u64,
@@ -311,8 +438,9 @@ impl Default for TrainConfig {
             eval_batches: 8,
             log_every: 10,
             grad_clip: 1.0,
-            loss_normalization: "token".into(),
-            precision: "f32".into(),
+            loss_normalization: LossNormalization::Token,
+            precision: Precision::F32,
+            activation_checkpointing: Checkpointing::None,
             initial_loss_scale: 65536.0,
             loss_scale_window: 1000,
             loss_scale_hysteresis: 1,
@@ -321,6 +449,7 @@ impl Default for TrainConfig {
             keep_checkpoints: 3,
             trainable: vec!["*".into()],
             max_skips_at_min_scale: 50,
+            memory_budget: None,
         }
     }
 }
@@ -342,7 +471,7 @@ pub fn name_matches(pattern: &str, name: &str) -> bool {
 #[serde(deny_unknown_fields, default)]
 pub struct OptimConfig {
     /// `adamw` or `sgd`.
-    pub name: String,
+    pub name: OptimizerKind,
     /// Peak learning rate.
     pub lr: f32,
     /// AdamW β₁.
@@ -362,7 +491,7 @@ pub struct OptimConfig {
 impl Default for OptimConfig {
     fn default() -> Self {
         Self {
-            name: "adamw".into(),
+            name: OptimizerKind::AdamW,
             lr: 2e-3,
             beta1: 0.9,
             beta2: 0.95,
@@ -380,7 +509,7 @@ impl Default for OptimConfig {
 pub struct ScheduleConfig {
     /// `constant`, `linear`, `cosine`, or DeepSpeed's `WarmupLR`,
     /// `WarmupDecayLR`, `WarmupCosineLR`.
-    pub kind: String,
+    pub kind: Decay,
     /// Linear warmup steps.
     pub warmup_steps: u64,
     /// Floor of the decaying schedules.
@@ -389,19 +518,8 @@ pub struct ScheduleConfig {
 
 impl Default for ScheduleConfig {
     fn default() -> Self {
-        Self { kind: "cosine".into(), warmup_steps: 20, min_lr: 2e-4 }
+        Self { kind: Decay::Cosine, warmup_steps: 20, min_lr: 2e-4 }
     }
-}
-
-/// Decay after warmup, as named in the config.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScheduleKind {
-    /// `constant` / `WarmupLR`.
-    Constant,
-    /// `linear` / `WarmupDecayLR`.
-    Linear,
-    /// `cosine` / `WarmupCosineLR`.
-    Cosine,
 }
 
 impl Config {
@@ -424,20 +542,6 @@ impl Config {
         toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot serialise config: {e}\n"))
     }
 
-    /// The schedule kind, with DeepSpeed's names accepted.
-    pub fn schedule_kind(&self) -> Result<ScheduleKind, ConfigError> {
-        match self.schedule.kind.as_str() {
-            "constant" | "WarmupLR" => Ok(ScheduleKind::Constant),
-            "linear" | "WarmupDecayLR" => Ok(ScheduleKind::Linear),
-            "cosine" | "WarmupCosineLR" => Ok(ScheduleKind::Cosine),
-            other => Err(invalid(
-                "schedule.kind",
-                other,
-                "use constant, linear or cosine (or WarmupLR, WarmupDecayLR, WarmupCosineLR)",
-            )),
-        }
-    }
-
     /// Settings that are legal but almost certainly not what was meant.
     pub fn warnings(&self) -> Vec<String> {
         let mut w = Vec::new();
@@ -452,7 +556,6 @@ impl Config {
 
     /// Checks every value that does not need the model or the data.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        self.schedule_kind()?;
         let t = &self.train;
         if t.steps == 0 {
             return Err(invalid("train.steps", 0, "must be at least 1"));
@@ -468,12 +571,6 @@ impl Config {
         }
         if !(t.grad_clip >= 0.0 && t.grad_clip.is_finite()) {
             return Err(invalid("train.grad_clip", t.grad_clip, "must be finite and >= 0 (0 disables clipping)"));
-        }
-        if !matches!(t.loss_normalization.as_str(), "token" | "micro_batch_mean") {
-            return Err(invalid("train.loss_normalization", &t.loss_normalization, "use token or micro_batch_mean"));
-        }
-        if !matches!(t.precision.as_str(), "f32" | "bf16" | "f16") {
-            return Err(invalid("train.precision", &t.precision, "use f32, bf16 or f16"));
         }
         if !(t.initial_loss_scale >= 1.0 && t.initial_loss_scale.is_finite()) {
             return Err(invalid("train.initial_loss_scale", t.initial_loss_scale, "must be finite and >= 1"));
@@ -492,13 +589,13 @@ impl Config {
                 "window and hysteresis must be at least 1",
             ));
         }
+        if let Some(b) = &t.memory_budget {
+            parse_budget(b).map_err(|rule| invalid("train.memory_budget", format!("\"{b}\""), &rule))?;
+        }
         if t.threads > 4096 {
             return Err(invalid("train.threads", t.threads, "must be at most 4096 (0: all cores)"));
         }
         let o = &self.optim;
-        if !matches!(o.name.as_str(), "adamw" | "sgd") {
-            return Err(invalid("optim.name", &o.name, "use adamw or sgd"));
-        }
         if !(o.lr > 0.0 && o.lr.is_finite()) {
             return Err(invalid("optim.lr", o.lr, "must be finite and > 0"));
         }
@@ -519,7 +616,7 @@ impl Config {
         if !(o.weight_decay >= 0.0 && o.weight_decay.is_finite()) {
             return Err(invalid("optim.weight_decay", o.weight_decay, "must be finite and >= 0"));
         }
-        if o.name == "sgd" && o.nesterov && o.momentum == 0.0 {
+        if o.name == OptimizerKind::Sgd && o.nesterov && o.momentum == 0.0 {
             return Err(invalid("optim.momentum", o.momentum, "Nesterov momentum (optim.nesterov) needs momentum > 0"));
         }
         let s = &self.schedule;
@@ -543,8 +640,11 @@ impl Config {
             return Err(invalid("dist.timeout_s", dist.timeout_s, "must be finite and > 0"));
         }
         let d = &self.data;
-        if !matches!(d.format.as_str(), "text" | "tokens_u16") {
-            return Err(invalid("data.format", &d.format, "use text or tokens_u16"));
+        if d.val_path.is_some() && d.path.is_none() {
+            return Err(invalid("data.val_path", "set", "needs data.path (the bundled corpus splits itself)"));
+        }
+        if d.val_path.as_deref() == Some("") {
+            return Err(invalid("data.val_path", "\"\"", "give a file, or leave it unset to split data.path"));
         }
         if !(d.val_fraction > 0.0 && d.val_fraction < 1.0) {
             return Err(invalid("data.val_fraction", d.val_fraction, "must be strictly between 0 and 1"));
@@ -557,6 +657,52 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// A memory size or share: `Bytes` from `"80GiB"`, `"512MiB"`, `"1.5GB"`,
+/// `"4096"`; `Fraction` from a number in (0, 1], e.g. `"0.8"`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Budget {
+    /// Bytes.
+    Bytes(u64),
+    /// A share of what is available.
+    Fraction(f64),
+}
+
+/// Parses a [`Budget`]; the error says what is accepted.
+pub fn parse_budget(s: &str) -> Result<Budget, String> {
+    let t = s.trim();
+    let rule =
+        || format!("`{s}`: give a size (80GiB, 512MiB, 16GB, bytes) or a fraction of the available memory (0.8)");
+    // A bare number with a point is a share; a bare integer is bytes.
+    if let (Ok(f), true) = (t.parse::<f64>(), t.contains('.')) {
+        return if f > 0.0 && f <= 1.0 { Ok(Budget::Fraction(f)) } else { Err(rule()) };
+    }
+    parse_bytes(t).map(Budget::Bytes).map_err(|_| rule())
+}
+
+/// Parses `80GiB`, `512MiB`, `1.5GB`, `1000000` (bytes).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.trim().parse().map_err(|_| format!("`{s}`: not a size (e.g. 80GiB, 512MiB, 16GB)"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "m" | "mb" => 1e6,
+        "g" | "gb" => 1e9,
+        "t" | "tb" => 1e12,
+        "kib" => 1024.0,
+        "mib" => (1u64 << 20) as f64,
+        "gib" => (1u64 << 30) as f64,
+        "tib" => (1u64 << 40) as f64,
+        other => return Err(format!("`{s}`: unknown unit `{other}` (use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")),
+    };
+    if !(n.is_finite() && n > 0.0) {
+        return Err(format!("`{s}`: a size must be positive"));
+    }
+    Ok((n * mult) as u64)
 }
 
 fn invalid(field: &'static str, value: impl std::fmt::Display, rule: &str) -> ConfigError {
@@ -615,7 +761,7 @@ mod tests {
             parse("[train]\nsteps = 5\n", &["train.steps=30", "batch.micro=4", "data.path=foo.txt", "optim.lr=1e-3"])
                 .unwrap();
         assert_eq!(c.train.steps, 30);
-        assert_eq!(c.batch.micro, Some(4));
+        assert_eq!(c.batch.micro, Some(Micro::Sequences(4)));
         assert_eq!(c.data.path.as_deref(), Some("foo.txt"));
         assert_eq!(c.optim.lr, 1e-3);
         assert_eq!(c.model.preset, "tiny");
@@ -638,7 +784,8 @@ mod tests {
 
     #[test]
     fn batch_triple_derivation_and_errors() {
-        let b = |g, m, k| BatchConfig { global: g, micro: m, accumulation_steps: k };
+        let b =
+            |g, m: Option<usize>, k| BatchConfig { global: g, micro: m.map(Micro::Sequences), accumulation_steps: k };
         let r = b(Some(32), Some(4), None).resolve(2).unwrap();
         assert_eq!((r.global, r.micro, r.accumulation_steps), (32, 4, 4));
         assert_eq!(b(Some(32), None, Some(8)).resolve(1).unwrap().micro, 4);
@@ -660,7 +807,8 @@ mod tests {
     fn huge_batch_numbers_are_errors_not_overflows() {
         // Hostile input: 2^62 × 4 wraps to 0 in release builds (then a divide by
         // zero in the sampler, or a remainder by zero here).
-        let b = |g, m, k| BatchConfig { global: g, micro: m, accumulation_steps: k };
+        let b =
+            |g, m: Option<usize>, k| BatchConfig { global: g, micro: m.map(Micro::Sequences), accumulation_steps: k };
         let huge = Some(1usize << 62);
         for (cfg, world) in [(b(None, huge, Some(4)), 1), (b(Some(16), huge, None), 4), (b(Some(16), None, huge), 4)] {
             let e = cfg.resolve(world).unwrap_err().to_string();
@@ -702,13 +850,50 @@ mod tests {
     #[test]
     fn deepspeed_schedule_names_and_range_checks() {
         let c = parse("", &["schedule.kind=WarmupCosineLR"]).unwrap();
-        assert_eq!(c.schedule_kind().unwrap(), ScheduleKind::Cosine);
-        for bad in
-            ["train.steps=0", "optim.lr=-1", "data.val_fraction=1.5", "train.precision=\"f8\"", "optim.name=\"lamb\""]
-        {
+        assert_eq!(c.schedule.kind, Decay::Cosine);
+        assert_eq!(parse("[schedule]\nkind = \"WarmupLR\"\n", &[]).unwrap().schedule.kind, Decay::Constant);
+        // The resolved file writes our own spelling.
+        assert!(c.to_toml().contains("kind = \"cosine\""), "{}", c.to_toml());
+        for bad in ["train.steps=0", "optim.lr=-1", "data.val_fraction=1.5"] {
             let e = parse("", &[bad]).unwrap().validate().unwrap_err().to_string();
             let field = bad.split('=').next().unwrap();
             assert!(e.contains(field), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn unknown_names_are_parse_errors_that_list_the_choices() {
+        // One typed enum per concept: a wrong name fails when the file is
+        // read, naming the key, its line and every accepted spelling.
+        for (bad, key, choices) in [
+            ("train.precision=\"f8\"", "precision", "`f32`, `bf16`, `f16`"),
+            ("optim.name=\"lamb\"", "name", "`adamw` or `sgd`"),
+            ("schedule.kind=\"step\"", "kind", "`constant`"),
+            ("train.loss_normalization=\"mean\"", "loss_normalization", "`token` or `micro_batch_mean`"),
+            ("data.format=\"csv\"", "format", "one of `text`, `u16`, `u32`"),
+        ] {
+            let e = parse("", &[bad]).unwrap_err().to_string();
+            assert!(e.contains(key) && e.contains(choices), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn sizes_budgets_and_auto_micro_parse() {
+        assert_eq!(parse_bytes("80GiB"), Ok(80 << 30));
+        assert_eq!(parse_bytes("1.5 GB"), Ok(1_500_000_000));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        for bad in ["", "lots", "-1GB", "5 parsecs"] {
+            assert!(parse_bytes(bad).is_err(), "{bad}");
+        }
+        assert_eq!(parse_budget("0.8"), Ok(Budget::Fraction(0.8)));
+        assert_eq!(parse_budget("2GiB"), Ok(Budget::Bytes(2 << 30)));
+        let e = parse("", &["train.memory_budget=\"1.5\""]).unwrap().validate().unwrap_err().to_string();
+        assert!(e.contains("train.memory_budget"), "{e}");
+        let c = parse("", &["batch.micro=\"auto\""]).unwrap();
+        assert_eq!(c.batch.micro, Some(Micro::Auto));
+        assert!(c.batch.resolve(1).unwrap_err().to_string().contains("memory planner"));
+        assert_eq!(parse(&c.to_toml(), &[]).unwrap(), c, "auto round-trips");
+        let e = parse("", &["batch.micro=\"many\""]).unwrap_err().to_string();
+        assert!(e.contains("\"auto\""), "{e}");
     }
 }

@@ -2,19 +2,100 @@
 //!
 //! Sample `i` of a split is tokens `[i·T, i·T + T]`: inputs are the first T,
 //! targets the last T (shifted by one). Samples never overlap, so an epoch
-//! sees every token once.
+//! sees every token once. Text is tokenized into memory; token files (u16 /
+//! u32) are memory-mapped and read a sample at a time.
 
 use crate::error::DataError;
+use crate::token_file::{TokenDtype, TokenFile, TokenFileMeta};
 use crate::tokenizer::{ByteTokenizer, Tokenizer};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-/// How a data file is encoded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How a data file is encoded (`data.format`): `text`, or a memory-mapped
+/// token file `u16` (nanoGPT `.bin`; `tokens_u16` is an alias) or `u32`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum DataFormat {
     /// UTF-8 text, byte-level tokens.
+    #[default]
     Text,
-    /// nanoGPT-style little-endian u16 tokens.
-    TokensU16,
+    /// nanoGPT-style little-endian u16 tokens, memory-mapped.
+    #[serde(alias = "tokens_u16")]
+    U16,
+    /// Little-endian u32 tokens, memory-mapped.
+    U32,
+}
+
+impl DataFormat {
+    /// The token width of a token-file format (`None` for text).
+    pub fn dtype(self) -> Option<TokenDtype> {
+        match self {
+            DataFormat::Text => None,
+            DataFormat::U16 => Some(TokenDtype::U16),
+            DataFormat::U32 => Some(TokenDtype::U32),
+        }
+    }
+}
+
+/// Tokens probed for the vocabulary when a token file is opened (4 MB of
+/// u32 at most: a mismatched file fails at startup without reading it all).
+const VOCAB_PROBE: usize = 1 << 20;
+
+/// The (train, validation) datasets of `path` in `format`: validation from
+/// `val_path` when given, else the last `val_fraction` of the tokens. Token
+/// files are mapped, not read; their `meta.json`, when present, must agree
+/// with `format` and `vocab_size`.
+pub fn load_splits(
+    path: &Path,
+    val_path: Option<&Path>,
+    format: DataFormat,
+    val_fraction: f64,
+    seq_len: usize,
+    vocab_size: usize,
+) -> Result<(TokenDataset, TokenDataset), DataError> {
+    let Some(dtype) = format.dtype() else {
+        let corpus = Corpus::load(path, format)?;
+        corpus.check_vocab(vocab_size)?;
+        let Some(val_path) = val_path else { return corpus.split(val_fraction, seq_len) };
+        let val = Corpus::load(val_path, format)?;
+        val.check_vocab(vocab_size)?;
+        return Ok((
+            TokenDataset::new("train", corpus.tokens, seq_len)?,
+            TokenDataset::new("validation", val.tokens, seq_len)?,
+        ));
+    };
+    let open = |p: &Path| -> Result<Arc<TokenFile>, DataError> {
+        if let Some(meta) = TokenFileMeta::beside(p)? {
+            meta.check(p, dtype, vocab_size)?;
+        }
+        let f = TokenFile::open(p, dtype)?;
+        f.check_vocab_prefix(vocab_size, VOCAB_PROBE)?;
+        Ok(Arc::new(f))
+    };
+    let train = open(path)?;
+    match val_path {
+        Some(vp) => {
+            let val = open(vp)?;
+            let (n_train, n_val) = (train.n_tokens(), val.n_tokens());
+            Ok((
+                TokenDataset::from_file("train", train, 0, n_train, seq_len)?,
+                TokenDataset::from_file("validation", val, 0, n_val, seq_len)?,
+            ))
+        }
+        None => {
+            let n = train.n_tokens();
+            let n_val = n_val_tokens(n, val_fraction);
+            Ok((
+                TokenDataset::from_file("train", train.clone(), 0, n - n_val, seq_len)?,
+                TokenDataset::from_file("validation", train, n - n_val, n_val, seq_len)?,
+            ))
+        }
+    }
+}
+
+/// Tokens of `n` held out for validation: the last `round(n · val_fraction)`.
+pub fn n_val_tokens(n: usize, val_fraction: f64) -> usize {
+    ((n as f64 * val_fraction).round() as usize).min(n)
 }
 
 /// A tokenized corpus.
@@ -29,13 +110,19 @@ pub struct Corpus {
 impl Corpus {
     /// Tokenizes in-memory bytes.
     pub fn from_bytes(name: &str, bytes: &[u8], format: DataFormat) -> Result<Self, DataError> {
-        let tokens: Vec<u32> = match format {
-            DataFormat::Text => bytes.iter().map(|&b| b as u32).collect(),
-            DataFormat::TokensU16 => {
-                if !bytes.len().is_multiple_of(2) {
-                    return Err(DataError::RaggedTokens { name: name.into(), n_bytes: bytes.len() });
+        let tokens: Vec<u32> = match format.dtype() {
+            None => bytes.iter().map(|&b| b as u32).collect(),
+            Some(dtype) => {
+                if !bytes.len().is_multiple_of(dtype.width()) {
+                    return Err(DataError::RaggedTokens {
+                        name: name.into(),
+                        n_bytes: bytes.len(),
+                        dtype: dtype.name(),
+                    });
                 }
-                bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]) as u32).collect()
+                let mut tokens = Vec::with_capacity(bytes.len() / dtype.width());
+                dtype.decode(bytes, &mut tokens);
+                tokens
             }
         };
         if tokens.is_empty() {
@@ -101,7 +188,7 @@ impl Corpus {
     /// Splits into (train, validation): the last `val_fraction` of the tokens
     /// is validation.
     pub fn split(&self, val_fraction: f64, seq_len: usize) -> Result<(TokenDataset, TokenDataset), DataError> {
-        let n_val = ((self.tokens.len() as f64) * val_fraction).round() as usize;
+        let n_val = n_val_tokens(self.tokens.len(), val_fraction);
         let (train, val) = self.tokens.split_at(self.tokens.len() - n_val);
         Ok((
             TokenDataset::new("train", train.to_vec(), seq_len)?,
@@ -110,28 +197,63 @@ impl Corpus {
     }
 }
 
+/// Where a dataset's tokens live.
+#[derive(Debug, Clone)]
+enum Tokens {
+    /// Tokenized into memory.
+    Memory(Arc<Vec<u32>>),
+    /// `len` tokens of a mapped file from `start`.
+    File { file: Arc<TokenFile>, start: usize, len: usize },
+}
+
 /// Non-overlapping sequences of `seq_len` inputs and `seq_len` targets.
 #[derive(Debug, Clone)]
 pub struct TokenDataset {
-    tokens: Vec<u32>,
+    tokens: Tokens,
     seq_len: usize,
 }
 
 impl TokenDataset {
     /// Errors if not even one sequence fits.
     pub fn new(split: &'static str, tokens: Vec<u32>, seq_len: usize) -> Result<Self, DataError> {
+        Self::checked(split, Tokens::Memory(Arc::new(tokens)), seq_len)
+    }
+
+    /// Tokens `[start, start + len)` of a mapped file, read a sample at a
+    /// time. Errors if not even one sequence fits.
+    pub fn from_file(
+        split: &'static str,
+        file: Arc<TokenFile>,
+        start: usize,
+        len: usize,
+        seq_len: usize,
+    ) -> Result<Self, DataError> {
+        let len = len.min(file.n_tokens().saturating_sub(start));
+        Self::checked(split, Tokens::File { file, start, len }, seq_len)
+    }
+
+    fn checked(split: &'static str, tokens: Tokens, seq_len: usize) -> Result<Self, DataError> {
         if seq_len == 0 {
             return Err(DataError::ZeroSize { field: "data.seq_len" });
         }
-        if tokens.len() < seq_len + 1 {
-            return Err(DataError::TooShort { split, n_tokens: tokens.len(), seq_len });
+        let ds = Self { tokens, seq_len };
+        if ds.n_tokens() < seq_len + 1 {
+            return Err(DataError::TooShort { split, n_tokens: ds.n_tokens(), seq_len });
         }
-        Ok(Self { tokens, seq_len })
+        Ok(ds)
+    }
+
+    /// Tokens in the split.
+    pub fn n_tokens(&self) -> usize {
+        match &self.tokens {
+            Tokens::Memory(t) => t.len(),
+            Tokens::File { len, .. } => *len,
+        }
     }
 
     /// Number of samples.
     pub fn n_samples(&self) -> usize {
-        (self.tokens.len() - 1) / self.seq_len
+        (self.n_tokens() - 1) / self.seq_len
     }
 
     /// Sequence length T.
@@ -139,11 +261,24 @@ impl TokenDataset {
         self.seq_len
     }
 
-    /// Appends the inputs and targets of sample `idx`.
+    /// Appends the inputs and targets of sample `idx` (below [`n_samples`](Self::n_samples)).
     pub fn push_sample(&self, idx: usize, inputs: &mut Vec<u32>, targets: &mut Vec<i32>) {
-        let s = &self.tokens[idx * self.seq_len..][..self.seq_len + 1];
-        inputs.extend_from_slice(&s[..self.seq_len]);
-        targets.extend(s[1..].iter().map(|&t| t as i32));
+        let (t, first) = (self.seq_len, idx * self.seq_len);
+        match &self.tokens {
+            Tokens::Memory(tokens) => {
+                let s = &tokens[first..][..t + 1];
+                inputs.extend_from_slice(&s[..t]);
+                targets.extend(s[1..].iter().map(|&x| x as i32));
+            }
+            Tokens::File { file, start, .. } => {
+                let at = inputs.len();
+                file.read(start + first, t + 1, inputs);
+                // The window's last token is the last target, not an input.
+                let last = inputs.pop().unwrap_or_default();
+                targets.extend(inputs[at + 1..].iter().map(|&x| x as i32));
+                targets.push(last as i32);
+            }
+        }
     }
 }
 
@@ -193,8 +328,8 @@ mod tests {
     #[test]
     fn bad_corpora_are_named_errors() {
         assert!(matches!(Corpus::from_bytes("x", b"", DataFormat::Text), Err(DataError::Empty { .. })));
-        assert!(matches!(Corpus::from_bytes("x", b"abc", DataFormat::TokensU16), Err(DataError::RaggedTokens { .. })));
-        let c = Corpus::from_bytes("x", &[1, 0, 2, 0], DataFormat::TokensU16).unwrap();
+        assert!(matches!(Corpus::from_bytes("x", b"abc", DataFormat::U16), Err(DataError::RaggedTokens { .. })));
+        let c = Corpus::from_bytes("x", &[1, 0, 2, 0], DataFormat::U16).unwrap();
         assert_eq!(c.tokens, vec![1, 2]);
         let e = Corpus::from_text("x", "hello").unwrap().split(0.1, 8).unwrap_err();
         assert!(e.to_string().contains("data.seq_len = 8"), "{e}");

@@ -22,12 +22,46 @@ pub enum DataError {
         name: String,
     },
     /// A token file's size is not a whole number of tokens.
-    #[error("token file {name} has {n_bytes} bytes, not a multiple of 2 (expected little-endian u16 tokens)")]
+    #[error("token file {name} has {n_bytes} bytes, not a multiple of {} (expected little-endian {dtype} tokens; is data.format right?)", if *dtype == "u16" { 2 } else { 4 })]
     RaggedTokens {
         /// Where it came from.
         name: String,
         /// File size.
         n_bytes: usize,
+        /// `u16` or `u32`.
+        dtype: &'static str,
+    },
+    /// A token id does not fit the token file's width.
+    #[error("token {token} does not fit a {dtype} token file")]
+    TokenTooWide {
+        /// The token.
+        token: u32,
+        /// `u16`.
+        dtype: &'static str,
+    },
+    /// A tokenizer name this build does not know.
+    #[error("unknown tokenizer `{name}`: this build has {available}")]
+    UnknownTokenizer {
+        /// What was asked for.
+        name: String,
+        /// The names it knows, for the message.
+        available: String,
+    },
+    /// A `meta.json` beside token files cannot be read as one.
+    #[error("{} is not a macrobatch prepare meta.json: {reason}", path.display())]
+    BadMeta {
+        /// The file.
+        path: PathBuf,
+        /// What the JSON parser said.
+        reason: String,
+    },
+    /// A token file's `meta.json` contradicts the configuration.
+    #[error("token file {name}: {what}")]
+    MetaMismatch {
+        /// The token file.
+        name: String,
+        /// The contradiction and its fix.
+        what: String,
     },
     /// A split is too short for even one sequence.
     #[error("the {split} split has {n_tokens} tokens, too few for one sequence of data.seq_len = {seq_len} (+1 target); use a shorter data.seq_len, a smaller data.val_fraction or more data")]

@@ -7,12 +7,14 @@ pub mod dataset;
 pub mod error;
 pub mod sampler;
 pub mod sft;
+pub mod token_file;
 pub mod tokenizer;
 
 pub use bpe::{BpeParts, BpeTokenizer, Encoded, PreTokenizer};
 pub use chat::{ChatTemplate, Message, Role};
-pub use dataset::{text_files, Corpus, DataFormat, TokenDataset};
+pub use dataset::{load_splits, n_val_tokens, text_files, Corpus, DataFormat, TokenDataset};
 pub use error::DataError;
 pub use sampler::{BatchShape, Sampler};
 pub use sft::{Example, SftDataset, SftOptions, SftStats};
-pub use tokenizer::{ByteTokenizer, Tokenizer};
+pub use token_file::{SourceFile, TokenDtype, TokenFile, TokenFileMeta};
+pub use tokenizer::{ByteTokenizer, Tokenizer, TokenizerSpec};

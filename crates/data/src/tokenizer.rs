@@ -1,34 +1,15 @@
-//! Tokenizers: [`ByteTokenizer`] (one token per UTF-8 byte, vocabulary 256)
-//! and [`Tokenizer`], which is either it or a [`BpeTokenizer`], behind one
-//! interface for corpora, fine-tuning data and generation.
+//! Tokenizers: [`Tokenizer`], one enum over every tokenizer (bytes, or a
+//! byte-level [`BpeTokenizer`]) so corpora, fine-tuning data, generation and
+//! `macrobatch prepare` share one interface; [`TokenizerSpec`], a tokenizer
+//! by name or path (`--tokenizer`); and [`ByteTokenizer`] (one token per UTF-8
+//! byte, vocabulary 256). A new tokenizer is a variant of both enums.
 
 use crate::bpe::{BpeTokenizer, Encoded};
 use crate::chat::ChatTemplate;
 use crate::error::DataError;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-/// Byte-level tokenizer (lossless for any text).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct ByteTokenizer;
-
-impl ByteTokenizer {
-    /// Vocabulary size.
-    pub const VOCAB_SIZE: usize = 256;
-
-    /// Text to tokens.
-    pub fn encode(&self, text: &str) -> Vec<u32> {
-        text.bytes().map(u32::from).collect()
-    }
-
-    /// Tokens to text; bytes that are not valid UTF-8 become U+FFFD, tokens
-    /// above 255 (possible from a larger model vocabulary) are skipped.
-    pub fn decode(&self, tokens: &[u32]) -> String {
-        let bytes: Vec<u8> = tokens.iter().filter_map(|&t| u8::try_from(t).ok()).collect();
-        String::from_utf8_lossy(&bytes).into_owned()
-    }
-}
-
-/// The model's tokenizer.
+/// The model's tokenizer. `Sync`: `prepare` tokenizes chunks in parallel.
 #[derive(Debug)]
 pub enum Tokenizer {
     /// Bytes as tokens.
@@ -150,6 +131,79 @@ impl Tokenizer {
     }
 }
 
+/// A tokenizer by name or path: parse `--tokenizer`, then [`build`](Self::build) it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenizerSpec {
+    /// [`ByteTokenizer`].
+    Byte,
+    /// GPT-2's byte-level BPE, bundled ([`BpeTokenizer::gpt2`]).
+    Gpt2,
+    /// The tokenizer in a GGUF model file's metadata (a path ending in `.gguf`).
+    Gguf(PathBuf),
+    /// A Hugging Face `tokenizer.json` (a path ending in `.json`), with the
+    /// `tokenizer_config.json` beside it if there is one.
+    TokenizerJson(PathBuf),
+}
+
+impl TokenizerSpec {
+    /// What [`parse`](Self::parse) accepts, for messages.
+    pub const AVAILABLE: &'static [&'static str] = &["byte", "gpt2", "PATH.gguf", "PATH/tokenizer.json"];
+
+    /// A tokenizer name, or the path of the file it is made from.
+    pub fn parse(name: &str) -> Result<Self, DataError> {
+        match name {
+            "byte" => Ok(TokenizerSpec::Byte),
+            "gpt2" => Ok(TokenizerSpec::Gpt2),
+            path if path.ends_with(".gguf") => Ok(TokenizerSpec::Gguf(path.into())),
+            path if path.ends_with(".json") => Ok(TokenizerSpec::TokenizerJson(path.into())),
+            _ => Err(DataError::UnknownTokenizer {
+                name: name.into(),
+                available: Self::AVAILABLE.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", "),
+            }),
+        }
+    }
+
+    /// The name [`parse`](Self::parse) reads back (recorded in `meta.json`).
+    pub fn name(&self) -> String {
+        match self {
+            TokenizerSpec::Byte => "byte".into(),
+            TokenizerSpec::Gpt2 => "gpt2".into(),
+            TokenizerSpec::Gguf(p) | TokenizerSpec::TokenizerJson(p) => p.display().to_string(),
+        }
+    }
+
+    /// The tokenizer itself (loading whatever files it needs).
+    pub fn build(&self) -> Result<Tokenizer, DataError> {
+        match self {
+            TokenizerSpec::Byte => Ok(Tokenizer::Byte(ByteTokenizer)),
+            TokenizerSpec::Gpt2 => Tokenizer::gpt2(),
+            TokenizerSpec::Gguf(p) => Tokenizer::from_gguf(p),
+            TokenizerSpec::TokenizerJson(p) => Tokenizer::from_tokenizer_json(p),
+        }
+    }
+}
+
+/// Byte-level tokenizer (lossless for any text).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ByteTokenizer;
+
+impl ByteTokenizer {
+    /// Vocabulary size.
+    pub const VOCAB_SIZE: usize = 256;
+
+    /// Text to tokens.
+    pub fn encode(&self, text: &str) -> Vec<u32> {
+        text.bytes().map(u32::from).collect()
+    }
+
+    /// Tokens to text; bytes that are not valid UTF-8 become U+FFFD, tokens
+    /// above 255 (possible from a larger model vocabulary) are skipped.
+    pub fn decode(&self, tokens: &[u32]) -> String {
+        let bytes: Vec<u8> = tokens.iter().filter_map(|&t| u8::try_from(t).ok()).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -160,5 +214,27 @@ mod tests {
         let s = "Call me Ishmael — ἀρχή";
         assert_eq!(t.decode(&t.encode(s)), s);
         assert_eq!(t.encode("A"), vec![65]);
+    }
+
+    #[test]
+    fn specs_name_what_exists() {
+        let spec = TokenizerSpec::parse("byte").unwrap();
+        let t = spec.build().unwrap();
+        assert_eq!((spec.name(), t.vocab_size(), t.encode("hi").unwrap()), ("byte".to_string(), 256, vec![104, 105]));
+        let gpt2 = TokenizerSpec::parse("gpt2").unwrap();
+        assert_eq!((gpt2.name(), gpt2.build().unwrap().vocab_size()), ("gpt2".to_string(), 50257));
+        assert_eq!(TokenizerSpec::parse("m/x.gguf").unwrap(), TokenizerSpec::Gguf("m/x.gguf".into()));
+        assert_eq!(TokenizerSpec::parse("m/x.gguf").unwrap().name(), "m/x.gguf");
+        let e = TokenizerSpec::parse("llama").unwrap_err().to_string();
+        assert!(e.contains("`llama`") && e.contains("`byte`") && e.contains("`gpt2`"), "{e}");
+        let e = TokenizerSpec::parse("/nonexistent/tokenizer.json").unwrap().build().unwrap_err().to_string();
+        assert!(e.contains("/nonexistent/tokenizer.json"), "{e}");
+    }
+
+    /// `prepare` shares one tokenizer across its worker threads.
+    #[test]
+    fn tokenizer_is_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<Tokenizer>();
     }
 }

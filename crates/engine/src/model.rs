@@ -58,3 +58,39 @@ pub trait Model {
     /// Forward only (evaluation).
     fn loss(&mut self, store: &mut dyn ParamStore, batch: &Self::Batch) -> Result<MicroStepStats, Self::Error>;
 }
+
+/// A boxed model is a model: the binary holds one family's model behind a
+/// trait object and hands it to the (generic) trainer.
+impl<M: Model + ?Sized> Model for Box<M> {
+    type Batch = M::Batch;
+    type Error = M::Error;
+
+    fn layout(&self) -> &ParamLayout {
+        (**self).layout()
+    }
+
+    fn set_trainable(&mut self, trainable: &dyn Fn(&TensorSpec) -> bool) -> usize {
+        (**self).set_trainable(trainable)
+    }
+
+    fn segments(&self) -> Vec<Range<usize>> {
+        (**self).segments()
+    }
+
+    fn n_targets(&self, batch: &Self::Batch) -> u64 {
+        (**self).n_targets(batch)
+    }
+
+    fn micro_step(
+        &mut self,
+        store: &mut dyn ParamStore,
+        batch: &Self::Batch,
+        seed: f32,
+    ) -> Result<MicroStepStats, Self::Error> {
+        (**self).micro_step(store, batch, seed)
+    }
+
+    fn loss(&mut self, store: &mut dyn ParamStore, batch: &Self::Batch) -> Result<MicroStepStats, Self::Error> {
+        (**self).loss(store, batch)
+    }
+}

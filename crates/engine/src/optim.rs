@@ -190,6 +190,42 @@ impl Sgd {
     }
 }
 
+/// Which optimizer (the config's `optim.name`; checkpoints record it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    /// [`AdamW`].
+    AdamW,
+    /// [`Sgd`].
+    Sgd,
+}
+
+impl OptimizerKind {
+    /// The config spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OptimizerKind::AdamW => "adamw",
+            OptimizerKind::Sgd => "sgd",
+        }
+    }
+
+    /// f32 state values kept per parameter (AdamW: both moments; SGD: the
+    /// momentum buffer when there is momentum).
+    pub fn state_slots(self, momentum: f32) -> u32 {
+        match self {
+            OptimizerKind::AdamW => 2,
+            OptimizerKind::Sgd if momentum > 0.0 => 1,
+            OptimizerKind::Sgd => 0,
+        }
+    }
+}
+
+impl std::fmt::Display for OptimizerKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// The optimizers the engine knows.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Optimizer {

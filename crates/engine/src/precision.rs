@@ -10,7 +10,8 @@ use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use rayon::prelude::*;
 
 /// The compute precision of a run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Precision {
     /// Everything in f32.
     #[default]
@@ -38,6 +39,16 @@ fn to_bf16(x: f32) -> u16 {
 #[inline(always)]
 fn from_bf16(h: u16) -> f32 {
     f32::from_bits((h as u32) << 16)
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+            Precision::F16 => "f16",
+        })
+    }
 }
 
 impl Precision {

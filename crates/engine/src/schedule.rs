@@ -1,13 +1,20 @@
 //! Learning-rate schedules, indexed by the optimizer step (never the micro-step).
 
 /// What follows the linear warmup.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+///
+/// In a config: `constant`, `linear`, `cosine`, or DeepSpeed's scheduler
+/// names `WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR` for the same shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Decay {
     /// Stay at the peak (DeepSpeed `WarmupLR`).
+    #[serde(alias = "WarmupLR")]
     Constant,
     /// Linear decay to `min_lr` at `total_steps` (DeepSpeed `WarmupDecayLR`).
+    #[serde(alias = "WarmupDecayLR")]
     Linear,
     /// Cosine decay to `min_lr` at `total_steps` (DeepSpeed `WarmupCosineLR`).
+    #[serde(alias = "WarmupCosineLR")]
     Cosine,
 }
 

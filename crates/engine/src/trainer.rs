@@ -17,7 +17,8 @@ use rayon::prelude::*;
 use std::ops::Range;
 
 /// How the accumulated gradient is normalised at the boundary.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum LossNormalization {
     /// Mean over all target tokens of the global batch (docs/contract.md, batch contract; default).
     /// K micro-steps then equal one big batch even when micro-batches hold
@@ -110,6 +111,10 @@ pub struct MemoryReport {
     /// Largest parameter residency during a step: resident parameters plus
     /// the one gathered segment (stage 3).
     pub peak_param_residency: usize,
+    /// Elements of the largest buffer one collective carries (a gradient
+    /// bucket of an all-reduce, or a padded segment of a reduce-scatter,
+    /// all-gather or the initial broadcast): what a communicator stages.
+    pub max_collective_elems: usize,
 }
 
 impl MemoryReport {
@@ -123,6 +128,8 @@ impl MemoryReport {
 /// them), the optimizer and the schedule.
 #[derive(Debug, Clone)]
 pub struct Trainer {
+    /// Elements of the largest collective buffer (memory accounting).
+    max_collective: usize,
     layout: ParamLayout,
     part: Partition,
     stage: Stage,
@@ -223,14 +230,15 @@ impl Trainer {
         let part = Partition::new(space, rank, world);
         let precision = options.precision;
         let master_sharded = master_sharded(stage, precision);
+        let sizes = BufferSizes::new(&part, stage, precision, options.bucket_elems);
         let mut model_copy = (precision.is_low() && !stage.shards_parameters()).then(|| ModelCopy {
-            bits: vec![0u16; layout.n_params()],
-            decoded: vec![0.0; part.space.segments.iter().map(|r| r.len()).max().unwrap_or(0)],
+            bits: vec![0u16; sizes.model_copy],
+            decoded: vec![0.0; sizes.decoded],
             decoded_seg: None,
         });
         // Segment by segment: rank 0's values to everyone; keep all of it,
         // or this rank's piece.
-        let mut params = Vec::with_capacity(if master_sharded { part.shard_len() } else { layout.n_params() });
+        let mut params = Vec::with_capacity(sizes.params);
         for j in 0..part.n_segments() {
             let r = part.segment(j);
             let mut seg = init(j);
@@ -250,25 +258,14 @@ impl Trainer {
                 params.extend_from_slice(&seg);
             }
         }
-        let optimizer =
-            optimizer.with_len(if stage.shards_optimizer() { part.grad_shard_len() } else { part.space.n_grads });
-        let max_grad_padded = (0..part.n_segments()).map(|j| part.grad_piece[j] * world).max().unwrap_or(0);
-        let max_grad_piece = part.grad_piece.iter().copied().max().unwrap_or(0);
-        let per_segment = stage.accumulation() == Accumulation::PerSegment;
-        let grads = vec![0.0; if per_segment { part.grad_shard_len() } else { part.space.n_grads }];
-        let seg_grads = if per_segment { vec![0.0; max_grad_padded] } else { Vec::new() };
-        let max_padded = (0..part.n_segments()).map(|j| part.piece[j] * world).max().unwrap_or(0);
-        let gathered = if stage.shards_parameters() { vec![0.0; max_padded] } else { Vec::new() };
-        // Stage 2 with local accumulation packs whole segments for
-        // reduce-scatter; per-segment reduction only needs one piece for the result.
-        let scratch_len = match stage.reduction() {
-            Reduction::ReduceScatter => max_grad_padded,
-            Reduction::Done => max_grad_piece,
-            Reduction::AllReduce => 0,
-        };
+        let optimizer = optimizer.with_len(sizes.optimizer);
+        let grads = vec![0.0; sizes.grads];
+        let seg_grads = vec![0.0; sizes.seg_grads];
+        let gathered = vec![0.0; sizes.gathered];
         let scaler = (precision == Precision::F16).then(|| LossScaler::new(options.loss_scaler));
         let update = update_chunks(&part, &layout, stage, master_sharded);
         Ok(Self {
+            max_collective: sizes.max_collective,
             update,
             written: vec![false; layout.tensors().len()],
             layout,
@@ -279,7 +276,7 @@ impl Trainer {
             seg_grads,
             gathered,
             gathered_seg: None,
-            scratch: vec![0.0; scratch_len],
+            scratch: vec![0.0; sizes.scratch],
             model_copy,
             scaler,
             optimizer,
@@ -410,25 +407,41 @@ impl Trainer {
     }
 
     /// Bytes this rank holds for model states and collectives.
+    /// The [`Trainer::memory`] a trainer of `model` would report on rank 0
+    /// of `world_size` ranks, computed from the layout alone: nothing is
+    /// allocated, so shapes too large for this machine can be planned.
+    /// `optimizer_slots`: f32 state values per trainable parameter (AdamW 2);
+    /// `bucket_elems`: [`TrainerOptions::bucket_elems`].
+    pub fn planned_memory<M: Model>(
+        model: &M,
+        zero: ZeroConfig,
+        world_size: usize,
+        precision: Precision,
+        optimizer_slots: usize,
+        bucket_elems: usize,
+    ) -> Result<MemoryReport, EngineError> {
+        let stage = Stage::new(zero)?;
+        let space = GradSpace::new(model.layout(), model.segments())?;
+        let world = if stage.shards_optimizer() { world_size.max(1) } else { 1 };
+        let part = Partition::new(space, 0, world);
+        let s = BufferSizes::new(&part, stage, precision, bucket_elems);
+        Ok(s.report(precision, 4 * optimizer_slots * s.optimizer))
+    }
+
     pub fn memory(&self) -> MemoryReport {
-        let gathered = 4 * self.gathered.len();
-        let decoded = self.model_copy.as_ref().map_or(0, |c| 4 * c.decoded.len());
-        // f32: the parameters are their own master copy. Mixed precision: the
-        // model reads the 16-bit copy (stages 0–2) or rounded gathered
-        // segments (stage 3); the f32 values are the master weights.
-        let (params, master) = if self.options.precision.is_low() {
-            (self.model_copy.as_ref().map_or(0, |c| 2 * c.bits.len()), 4 * self.params.len())
-        } else {
-            (4 * self.params.len(), 0)
+        let copy = self.model_copy.as_ref();
+        let sizes = BufferSizes {
+            params: self.params.len(),
+            model_copy: copy.map_or(0, |c| c.bits.len()),
+            decoded: copy.map_or(0, |c| c.decoded.len()),
+            optimizer: 0,
+            grads: self.grads.len(),
+            seg_grads: self.seg_grads.len(),
+            gathered: self.gathered.len(),
+            scratch: self.scratch.len(),
+            max_collective: self.max_collective,
         };
-        MemoryReport {
-            params,
-            grads: 4 * self.grads.len(),
-            optimizer: self.optimizer.state_bytes(),
-            master,
-            comm_buffers: gathered + 4 * (self.seg_grads.len() + self.scratch.len()) + decoded,
-            peak_param_residency: params + gathered + decoded,
-        }
+        sizes.report(self.options.precision, self.optimizer.state_bytes())
     }
 
     /// The full optimizer state by name, in the gradient space (trainable
@@ -909,6 +922,84 @@ struct Seeds {
 
 fn master_sharded(stage: Stage, precision: Precision) -> bool {
     stage.shards_parameters() || (precision.is_low() && stage.shards_optimizer())
+}
+
+/// Element counts of a trainer's buffers on one rank: what
+/// [`Trainer::distributed_with`] allocates and [`Trainer::planned_memory`]
+/// predicts (one definition, so the plan cannot drift from the engine).
+#[derive(Debug, Clone, Copy)]
+struct BufferSizes {
+    /// f32 parameters (all, or this rank's shard).
+    params: usize,
+    /// 16-bit model copy (mixed precision, stages 0–2).
+    model_copy: usize,
+    /// One segment decoded from the 16-bit copy.
+    decoded: usize,
+    /// Optimizer-state elements per slot.
+    optimizer: usize,
+    /// Gradient accumulator.
+    grads: usize,
+    /// One segment's gradient awaiting its reduce-scatter (per-segment accumulation).
+    seg_grads: usize,
+    /// Stage 3's gathered segment.
+    gathered: usize,
+    /// Packing / result scratch of the reduction.
+    scratch: usize,
+    /// The largest buffer one collective carries.
+    max_collective: usize,
+}
+
+impl BufferSizes {
+    fn new(part: &Partition, stage: Stage, precision: Precision, bucket_elems: usize) -> Self {
+        let world = part.world_size;
+        let n_params = part.space.segments.last().map_or(0, |r| r.end);
+        let low_copy = precision.is_low() && !stage.shards_parameters();
+        let max_grad_padded = (0..part.n_segments()).map(|j| part.grad_piece[j] * world).max().unwrap_or(0);
+        let max_grad_piece = part.grad_piece.iter().copied().max().unwrap_or(0);
+        let per_segment = stage.accumulation() == Accumulation::PerSegment;
+        let max_padded = (0..part.n_segments()).map(|j| part.piece[j] * world).max().unwrap_or(0);
+        Self {
+            params: if master_sharded(stage, precision) { part.shard_len() } else { n_params },
+            model_copy: if low_copy { n_params } else { 0 },
+            decoded: if low_copy { part.space.segments.iter().map(|r| r.len()).max().unwrap_or(0) } else { 0 },
+            optimizer: if stage.shards_optimizer() { part.grad_shard_len() } else { part.space.n_grads },
+            grads: if per_segment { part.grad_shard_len() } else { part.space.n_grads },
+            seg_grads: if per_segment { max_grad_padded } else { 0 },
+            gathered: if stage.shards_parameters() { max_padded } else { 0 },
+            // Stage 2 with local accumulation packs whole segments for
+            // reduce-scatter; per-segment reduction only needs one piece for the result.
+            scratch: match stage.reduction() {
+                Reduction::ReduceScatter => max_grad_padded,
+                Reduction::Done => max_grad_piece,
+                Reduction::AllReduce => 0,
+            },
+            // Segments are broadcast at start and gathered / reduce-scattered
+            // padded; stages 0–1 all-reduce the gradient in buckets.
+            max_collective: max_padded.max(match stage.reduction() {
+                Reduction::AllReduce => bucket_elems.max(1).min(part.space.n_grads),
+                _ => 0,
+            }),
+        }
+    }
+
+    /// The accounting, with the optimizer state's bytes given.
+    fn report(&self, precision: Precision, optimizer_bytes: usize) -> MemoryReport {
+        // f32: the parameters are their own master copy. Mixed precision: the
+        // model reads the 16-bit copy (stages 0–2) or rounded gathered
+        // segments (stage 3); the f32 values are the master weights.
+        let (params, master) =
+            if precision.is_low() { (2 * self.model_copy, 4 * self.params) } else { (4 * self.params, 0) };
+        let (gathered, decoded) = (4 * self.gathered, 4 * self.decoded);
+        MemoryReport {
+            params,
+            grads: 4 * self.grads,
+            optimizer: optimizer_bytes,
+            master,
+            comm_buffers: gathered + 4 * (self.seg_grads + self.scratch) + decoded,
+            peak_param_residency: params + gathered + decoded,
+            max_collective_elems: self.max_collective,
+        }
+    }
 }
 
 fn fnv1a(bytes: impl Iterator<Item = u8>) -> u64 {

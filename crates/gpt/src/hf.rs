@@ -5,7 +5,7 @@
 use crate::config::GptConfig;
 use crate::error::GptError;
 use engine::ParamLayout;
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, SafeTensors};
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -66,12 +66,23 @@ pub fn is_temp_file(file_name: &str) -> bool {
 /// the old file or the new one, never a torn one; a failed write (e.g. a full
 /// disk) removes its temporary file.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), GptError> {
+    write_atomic_with(path, |w| write_all_budgeted(w, bytes))
+}
+
+/// [`write_atomic`] with the contents produced by `fill` in pieces (through
+/// [`write_all_budgeted`]), so a large file never needs a copy in memory.
+pub fn write_atomic_with(
+    path: &Path,
+    fill: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> std::io::Result<()>,
+) -> Result<(), GptError> {
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let tmp: PathBuf = dir.join(temp_name(&name));
     let write = || -> Result<(), GptError> {
-        let mut f = std::fs::File::create(&tmp).map_err(io_err(&tmp))?;
-        write_all_budgeted(&mut f, bytes).map_err(io_err(&tmp))?;
+        let f = std::fs::File::create(&tmp).map_err(io_err(&tmp))?;
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+        fill(&mut w).map_err(io_err(&tmp))?;
+        let f = w.into_inner().map_err(|e| io_err(&tmp)(e.into_error()))?;
         f.sync_all().map_err(io_err(&tmp))?;
         drop(f);
         std::fs::rename(&tmp, path).map_err(io_err(path))
@@ -115,24 +126,50 @@ pub fn config_json(cfg: &GptConfig) -> serde_json::Value {
 }
 
 /// Writes named f32 tensors `(name, shape, data)` to a safetensors file,
-/// atomically, with `format = pt` metadata plus `metadata`.
+/// atomically, with `format = pt` metadata plus `metadata`. The file is
+/// streamed (header, then each tensor's little-endian bytes in chunks): no
+/// copy of the tensors is ever held in memory, so saving a model costs no
+/// more than a buffer, not two more copies of it.
 pub fn write_safetensors(
     path: &Path,
     tensors: &[(String, Vec<usize>, &[f32])],
     metadata: &[(&str, String)],
 ) -> Result<(), GptError> {
-    let bytes: Vec<Vec<u8>> =
-        tensors.iter().map(|(_, _, d)| d.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
-    let views = tensors
-        .iter()
-        .zip(&bytes)
-        .map(|((name, shape, _), b)| TensorView::new(Dtype::F32, shape.clone(), b).map(|v| (name.clone(), v)))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| bad(path, format!("cannot build tensor views: {e}")))?;
-    let mut meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    meta.extend(metadata.iter().map(|(k, v)| (k.to_string(), v.clone())));
-    let blob = safetensors::serialize(views, Some(meta)).map_err(|e| bad(path, format!("cannot serialise: {e}")))?;
-    write_atomic(path, &blob)
+    // The format: u64 LE header length, a JSON header (padded with spaces to
+    // a multiple of 8) naming each tensor's dtype, shape and byte range in
+    // the data that follows, then the data.
+    let mut header = serde_json::Map::new();
+    let mut meta = serde_json::Map::from_iter([("format".to_string(), serde_json::Value::from("pt"))]);
+    meta.extend(metadata.iter().map(|(k, v)| (k.to_string(), serde_json::Value::from(v.as_str()))));
+    header.insert("__metadata__".into(), serde_json::Value::Object(meta));
+    let mut offset = 0usize;
+    for (name, shape, data) in tensors {
+        if shape.iter().product::<usize>() != data.len() {
+            return Err(bad(path, format!("tensor `{name}`: shape {shape:?} does not hold {} values", data.len())));
+        }
+        if header.contains_key(name) {
+            return Err(bad(path, format!("tensor `{name}` appears twice")));
+        }
+        let end = offset + 4 * data.len();
+        header
+            .insert(name.clone(), serde_json::json!({ "dtype": "F32", "shape": shape, "data_offsets": [offset, end] }));
+        offset = end;
+    }
+    let mut head = serde_json::to_vec(&header).map_err(|e| bad(path, format!("cannot serialise the header: {e}")))?;
+    head.resize(head.len().next_multiple_of(8), b' ');
+    write_atomic_with(path, |w| {
+        write_all_budgeted(w, &(head.len() as u64).to_le_bytes())?;
+        write_all_budgeted(w, &head)?;
+        let mut chunk = Vec::with_capacity(1 << 16);
+        for (_, _, data) in tensors {
+            for part in data.chunks(1 << 14) {
+                chunk.clear();
+                chunk.extend(part.iter().flat_map(|x| x.to_le_bytes()));
+                write_all_budgeted(w, &chunk)?;
+            }
+        }
+        Ok(())
+    })
 }
 
 /// Named tensors as `(shape, data)`.

@@ -11,7 +11,8 @@ use crate::error::GptError;
 use crate::kernels::{self, AttnShape, Strided};
 use engine::rng::SplitMix64;
 use engine::{
-    FullStore, GradOut, MicroStepStats, Model, ParamLayout, ParamStore, Precision, SegmentGrads, SegmentView,
+    Checkpointing, FullStore, GradOut, MicroStepStats, Model, ParamLayout, ParamStore, Precision, SegmentGrads,
+    SegmentView,
 };
 use std::ops::Range;
 
@@ -257,6 +258,13 @@ impl SavedBlock {
         SavedBlock { large: sizes.map(|n| SavedTensor::new(precision, n)), stats: [bt; 4].map(|n| vec![0.0; n]) }
     }
 
+    /// What a recomputed block keeps: its output alone (the next block's input).
+    fn output_only(precision: Precision, c: usize, b: usize, t: usize) -> Self {
+        let mut sv = SavedBlock::default();
+        sv.large[RES3] = SavedTensor::new(precision, b * t * c);
+        sv
+    }
+
     fn bytes(&self) -> usize {
         self.large.iter().map(SavedTensor::bytes).sum::<usize>() + 4 * self.stats.iter().map(Vec::len).sum::<usize>()
     }
@@ -291,6 +299,22 @@ struct Acts {
     losses: Vec<f32>,
     /// Backward scratch (and the forward's working set).
     scratch: ScratchBufs,
+    /// With activation checkpointing: where recomputed blocks live.
+    recompute: Option<Recompute>,
+}
+
+/// One block's activations, recomputed just before its backward, with a
+/// working set of its own (the backward scratch is busy then).
+#[derive(Debug)]
+struct Recompute {
+    /// The block's saved tensors, as its forward produces them.
+    sv: SavedBlock,
+    /// The forward's working buffers.
+    work: ScratchBufs,
+    /// GELU's output.
+    u: Vec<f32>,
+    /// The block's input (then its output).
+    x: Vec<f32>,
 }
 
 /// The buffers behind [`Scratch`].
@@ -331,17 +355,31 @@ impl ScratchBufs {
     }
 }
 
+impl ScratchBufs {
+    fn new(c: usize, nh: usize, b: usize, t: usize) -> Self {
+        let (bt, z) = (b * t, |n: usize| vec![0.0f32; n]);
+        ScratchBufs { dres: z(bt * c), dc: z(bt * c), d4c: z(bt * 4 * c), dqkv: z(bt * 3 * c), datt: z(b * nh * t * t) }
+    }
+}
+
 impl Acts {
-    fn new(cfg: &GptConfig, precision: Precision, b: usize, t: usize) -> Self {
+    fn new(cfg: &GptConfig, precision: Precision, checkpointing: Checkpointing, b: usize, t: usize) -> Self {
         let (c, nh, v) = (cfg.n_embd, cfg.n_head, cfg.vocab_size);
         let bt = b * t;
         let z = |n: usize| vec![0.0f32; n];
         let low = precision.is_low();
+        let saved_block = |idx: usize| {
+            if checkpointing.recomputes(idx) {
+                SavedBlock::output_only(precision, c, b, t)
+            } else {
+                SavedBlock::new(precision, c, nh, b, t)
+            }
+        };
         Self {
             b,
             t,
             precision,
-            saved: (0..cfg.n_layer).map(|_| SavedBlock::new(precision, c, nh, b, t)).collect(),
+            saved: (0..cfg.n_layer).map(saved_block).collect(),
             saved_encoded: SavedTensor::new(precision, bt * c),
             x_buf: z(bt * c),
             u: z(bt * 4 * c),
@@ -351,13 +389,13 @@ impl Acts {
             lnf_rstd: z(bt),
             logits: z(bt * v),
             losses: z(bt),
-            scratch: ScratchBufs {
-                dres: z(bt * c),
-                dc: z(bt * c),
-                d4c: z(bt * 4 * c),
-                dqkv: z(bt * 3 * c),
-                datt: z(b * nh * t * t),
-            },
+            scratch: ScratchBufs::new(c, nh, b, t),
+            recompute: checkpointing.is_on().then(|| Recompute {
+                sv: SavedBlock::new(precision, c, nh, b, t),
+                work: ScratchBufs::new(c, nh, b, t),
+                u: z(bt * 4 * c),
+                x: z(bt * c),
+            }),
         }
     }
 
@@ -369,7 +407,9 @@ impl Acts {
                 .iter()
                 .map(|v| v.len())
                 .sum::<usize>();
-        saved + 4 * (rest + self.scratch.len())
+        let recompute =
+            self.recompute.as_ref().map_or(0, |r| r.sv.bytes() + 4 * (r.work.len() + r.u.len() + r.x.len()));
+        saved + 4 * (rest + self.scratch.len()) + recompute
     }
 }
 
@@ -540,6 +580,7 @@ pub struct Gpt {
     layout: ParamLayout,
     ranges: ParamRanges,
     precision: Precision,
+    checkpointing: Checkpointing,
     acts: Acts,
 }
 
@@ -554,7 +595,21 @@ impl Gpt {
     pub fn with_precision(cfg: GptConfig, precision: Precision) -> Result<Self, GptError> {
         cfg.validate()?;
         let (layout, ranges) = build_layout(&cfg);
-        Ok(Self { cfg, layout, ranges, precision, acts: Acts::default() })
+        Ok(Self { cfg, layout, ranges, precision, checkpointing: Checkpointing::None, acts: Acts::default() })
+    }
+
+    /// The same model recomputing the blocks `checkpointing` selects in
+    /// backward (keeping only their outputs in forward). Gradients are
+    /// bit-identical: the same kernels run on the same inputs.
+    pub fn with_checkpointing(mut self, checkpointing: Checkpointing) -> Self {
+        self.checkpointing = checkpointing;
+        self.acts = Acts::default();
+        self
+    }
+
+    /// Which blocks are recomputed.
+    pub fn checkpointing(&self) -> Checkpointing {
+        self.checkpointing
     }
 
     /// The storage precision of activations.
@@ -578,9 +633,13 @@ impl Gpt {
     }
 
     /// Bytes of the activations kept from forward for backward: every
-    /// block's saved tensors (16-bit under mixed precision) and the embeddings.
+    /// block's saved tensors (16-bit under mixed precision; a recomputed
+    /// block's output only, plus the one block being recomputed) and the
+    /// embeddings.
     pub fn saved_activation_bytes(&self) -> usize {
-        self.acts.saved.iter().map(SavedBlock::bytes).sum::<usize>() + self.acts.saved_encoded.bytes()
+        self.acts.saved.iter().map(SavedBlock::bytes).sum::<usize>()
+            + self.acts.saved_encoded.bytes()
+            + self.acts.recompute.as_ref().map_or(0, |r| r.sv.bytes())
     }
 
     fn check(&self, batch: &Batch) -> Result<(), GptError> {
@@ -609,8 +668,9 @@ impl Gpt {
     }
 
     fn ensure_acts(&mut self, b: usize, t: usize) {
-        if self.acts.b != b || self.acts.t != t || self.acts.precision != self.precision {
-            self.acts = Acts::new(&self.cfg, self.precision, b, t);
+        let recompute_ready = self.acts.recompute.is_some() == self.checkpointing.is_on();
+        if self.acts.b != b || self.acts.t != t || self.acts.precision != self.precision || !recompute_ready {
+            self.acts = Acts::new(&self.cfg, self.precision, self.checkpointing, b, t);
         }
     }
 
@@ -642,7 +702,16 @@ impl Gpt {
             let seg = store.segment(Self::block_seg(idx))?;
             let acts = &mut self.acts;
             let work = acts.scratch.work(&mut acts.u);
-            block_forward(&self.ranges.block_rel, seg.params, &mut acts.x_buf, &mut acts.saved[idx], work, d, prec);
+            let r = &self.ranges.block_rel;
+            match acts.recompute.as_mut().filter(|_| self.checkpointing.recomputes(idx)) {
+                // Recomputed in backward: its tensors go to the shared
+                // recompute slot; only its output (the next block's input) stays.
+                Some(rc) => {
+                    block_forward(r, seg.params, &mut acts.x_buf, &mut rc.sv, work, d, prec);
+                    std::mem::swap(&mut rc.sv.large[RES3], &mut acts.saved[idx].large[RES3]);
+                }
+                None => block_forward(r, seg.params, &mut acts.x_buf, &mut acts.saved[idx], work, d, prec),
+            }
             store.done(Self::block_seg(idx), false)?;
         }
         let lnf = self.lnf_seg();
@@ -754,7 +823,20 @@ impl Gpt {
             let acts = &mut self.acts;
             let scratch = acts.scratch.view();
             let x = if idx == 0 { &acts.saved_encoded } else { &acts.saved[idx - 1].large[RES3] };
-            let saved = SavedView { sv: &acts.saved[idx], x, u: &mut acts.u, v: &mut acts.v, prec };
+            let sv = match acts.recompute.as_mut().filter(|_| self.checkpointing.recomputes(idx)) {
+                // The block's forward again, on its saved input, with the same kernels.
+                Some(rc) => {
+                    match x {
+                        SavedTensor::F32(v) => rc.x.copy_from_slice(v),
+                        SavedTensor::Low(v) => prec.decode(v, &mut rc.x),
+                    }
+                    let work = rc.work.work(&mut rc.u);
+                    block_forward(&self.ranges.block_rel, params, &mut rc.x, &mut rc.sv, work, d, prec);
+                    &rc.sv
+                }
+                None => &acts.saved[idx],
+            };
+            let saved = SavedView { sv, x, u: &mut acts.u, v: &mut acts.v, prec };
             block_backward(&self.ranges.block_rel, params, &mut grads, saved, scratch, d);
             store.done(Self::block_seg(idx), true)?;
         }

@@ -85,7 +85,7 @@ fn time_steps(plan: &Plan, shape: BatchShape, warmup: usize, steps: usize) -> Re
     let tokens = (shape.global() * plan.train.seq_len()) as f64;
     let med = median(&mut ms);
     let mem = trainer.memory();
-    let flops = plan.model.flops_per_token(plan.train.seq_len()) * tokens;
+    let flops = plan.family.flops_per_token(plan.train.seq_len()) * tokens;
     Ok(Timing {
         micro: shape.micro,
         accumulation_steps: shape.accumulation_steps,
@@ -177,18 +177,18 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let gemm_peak = gemm_peak_gflops();
     let report = Report {
         preset: plan.cfg.model.preset.clone(),
-        n_params: plan.model.n_params(),
+        n_params: plan.family.n_params() as usize,
         threads,
         seq_len: plan.train.seq_len(),
         global_batch: b.global,
-        flops_per_step: plan.model.flops_per_token(plan.train.seq_len()) * (b.global * plan.train.seq_len()) as f64,
+        flops_per_step: plan.family.flops_per_token(plan.train.seq_len()) * (b.global * plan.train.seq_len()) as f64,
         mfu_nominal_pct: 100.0 * step.gflops / peak.max(f64::MIN_POSITIVE),
         mfu_gemm_pct: 100.0 * step.gflops / gemm_peak,
         step,
         peak_nominal_gflops: peak,
         gemm_peak_gflops: gemm_peak,
         k_sweep,
-        precision: plan.cfg.train.precision.clone(),
+        precision: plan.cfg.train.precision.to_string(),
         peak_rss_bytes: crate::train::peak_rss_bytes(),
     };
     if args.json {

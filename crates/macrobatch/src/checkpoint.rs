@@ -10,9 +10,10 @@
 //! — or, for a step folder moved aside while being replaced, restored — by
 //! [`clean_leftovers`] when a run starts and after a failed write.
 
+use crate::family::{self, Family};
 use anyhow::{bail, Context, Result};
-use engine::Model;
-use gpt::{hf, Gpt, GptConfig};
+use engine::ParamLayout;
+use gpt::hf;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
@@ -41,8 +42,8 @@ pub struct TrainerState {
     pub global_batch: usize,
     /// Ranks that wrote it.
     pub world_size: usize,
-    /// Optimizer name (`adamw` / `sgd`).
-    pub optimizer: String,
+    /// Optimizer (`adamw` / `sgd`).
+    pub optimizer: config::OptimizerKind,
     /// Optimizer steps applied (the LR schedule's position): fewer than
     /// `step` when f16 overflows skipped steps.
     #[serde(default)]
@@ -102,14 +103,14 @@ pub fn step_dir_name(step: u64) -> String {
 /// (assembled from every rank's shard under ZeRO), the trainer state and the config.
 pub fn save(
     run_dir: &Path,
-    model_cfg: &GptConfig,
-    model: &Gpt,
+    family: &dyn Family,
+    layout: &ParamLayout,
     params: &[f32],
     optimizer_state: &[(String, Vec<f32>)],
     state: &TrainerState,
     config_toml: &str,
 ) -> Result<PathBuf> {
-    check_finite(model.layout(), params, "checkpoint parameters")?;
+    check_finite(layout, params, "checkpoint parameters")?;
     for (name, v) in optimizer_state {
         if let Some(i) = v.iter().position(|x| !x.is_finite()) {
             bail!("optimizer state `{name}` holds a non-finite value ({}) at index {i}; not saving a checkpoint that cannot be resumed (the previous checkpoints stay)", v[i]);
@@ -126,7 +127,7 @@ pub fn save(
         }
         std::fs::create_dir_all(tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
 
-        hf::save(tmp, model_cfg, model.layout(), params)?;
+        family.save_hf(tmp, layout, params)?;
         let tensors: Vec<(String, Vec<usize>, &[f32])> =
             optimizer_state.iter().map(|(k, v)| (k.clone(), vec![v.len()], v.as_slice())).collect();
         hf::write_safetensors(&tmp.join(OPTIMIZER), &tensors, &[("n_updates", state.n_updates.to_string())])?;
@@ -135,7 +136,7 @@ pub fn save(
 
         // The manifest goes last: it vouches for the files written before it.
         let mut files = BTreeMap::new();
-        for f in [hf::WEIGHTS_FILE, hf::CONFIG_FILE, OPTIMIZER, STATE, CONFIG] {
+        for f in [family::WEIGHTS_FILE, family::CONFIG_FILE, OPTIMIZER, STATE, CONFIG] {
             let (bytes, sha256) = sha256_file(&tmp.join(f))?;
             files.insert(f.to_string(), FileEntry { bytes, sha256 });
         }
@@ -293,8 +294,8 @@ pub struct Loaded {
     pub state: TrainerState,
     /// The resolved config it was written with.
     pub config_toml: String,
-    /// Model shape.
-    pub model: GptConfig,
+    /// Model family and shape.
+    pub model: std::sync::Arc<dyn Family>,
     /// Parameters.
     pub params: Vec<f32>,
     /// Optimizer buffers by name.
@@ -306,7 +307,7 @@ fn load(dir: &Path) -> Result<Loaded> {
     let state: TrainerState =
         serde_json::from_str(&std::fs::read_to_string(dir.join(STATE))?).context("trainer_state.json")?;
     let config_toml = std::fs::read_to_string(dir.join(CONFIG))?;
-    let (model, params) = hf::load(dir)?;
+    let (model, params) = family::load_hf(dir)?;
     let (tensors, meta) = hf::read_safetensors(&dir.join(OPTIMIZER))?;
     if meta.get("n_updates").and_then(|n| n.parse::<u64>().ok()) != Some(state.n_updates) {
         bail!("{OPTIMIZER} and {STATE} disagree on the number of updates");

@@ -4,33 +4,33 @@ use crate::GenerateArgs;
 use anyhow::{Context, Result};
 use data::ByteTokenizer;
 use engine::rng::SplitMix64;
-use gpt::Gpt;
 use std::io::Write;
 
 /// Samples `max_new_tokens` tokens after the prompt and prints the text.
 pub fn run(args: GenerateArgs) -> Result<()> {
     crate::memory::check_load(&args.dir, &format!("generate {}", args.dir.display()))
         .with_context(|| format!("cannot load a model from {}", args.dir.display()))?;
-    let (cfg, params) =
-        gpt::hf::load(&args.dir).with_context(|| format!("cannot load a model from {}", args.dir.display()))?;
+    let (family, params) = crate::family::load_hf(&args.dir)
+        .with_context(|| format!("cannot load a model from {}", args.dir.display()))?;
     if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
         anyhow::bail!("--temperature must be finite and >= 0, got {}", args.temperature);
     }
-    let mut model = Gpt::new(cfg)?;
+    let mut model = family.build(crate::family::Build::default())?;
+    let (vocab_size, context) = (family.vocab_size(), family.max_seq_len());
     let tok = ByteTokenizer;
     let mut tokens = tok.encode(&args.prompt);
     if tokens.is_empty() {
         tokens.push(b'\n' as u32);
     }
-    if let Some(&t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-        anyhow::bail!("prompt byte {t} is outside the model's vocabulary of {}", cfg.vocab_size);
+    if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab_size) {
+        anyhow::bail!("prompt byte {t} is outside the model's vocabulary of {vocab_size}");
     }
     let mut rng = SplitMix64::new(args.seed);
     let mut out = std::io::stdout().lock();
     write!(out, "{}", args.prompt)?;
     let mut pending = Vec::new();
     for _ in 0..args.max_new_tokens {
-        let ctx = &tokens[tokens.len().saturating_sub(cfg.block_size)..];
+        let ctx = &tokens[tokens.len().saturating_sub(context)..];
         let logits = model.next_token_logits(&params, ctx)?;
         let next = sample(&logits, args.temperature, args.top_k, &mut rng);
         tokens.push(next);

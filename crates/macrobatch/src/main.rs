@@ -3,9 +3,13 @@
 mod bench;
 mod checkpoint;
 mod dist;
+mod family;
 mod generate;
 mod memory;
 mod metrics;
+mod plan;
+mod plot;
+mod prepare;
 mod train;
 mod verify;
 
@@ -34,6 +38,69 @@ enum Command {
     Verify(VerifyArgs),
     /// Measure the training step: ms/step, tokens/s, MFU, engine overhead, K sweep.
     Bench(BenchArgs),
+    /// Plan memory: per-rank breakdown, the largest micro-batch under a budget
+    /// at the same global batch, and what to change when nothing fits.
+    Plan(PlanArgs),
+    /// Draw runs' metrics (loss, validation loss, LR, grad norm, loss scale, tokens/s, memory) into one SVG or PNG.
+    Plot(PlotArgs),
+    /// Tokenize text files once into memory-mappable DIR/train.bin + DIR/val.bin (+ meta.json).
+    Prepare(PrepareArgs),
+}
+
+/// Arguments of `macrobatch plan`.
+#[derive(clap::Args)]
+pub struct PlanArgs {
+    /// TOML config file (optional).
+    pub config: Option<PathBuf>,
+    /// Override a config key, e.g. --set model.preset=gpt2-xl --set batch.global=512.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Memory per process (rank), e.g. 80GiB; default: what this machine has available now.
+    #[arg(long, value_name = "SIZE")]
+    pub memory: Option<String>,
+    /// Plan for this many ranks, one per process (default: dist.world_size as threads).
+    #[arg(long)]
+    pub world_size: Option<usize>,
+    /// The global batch the configured optim.lr was tuned for: prints scaled learning rates.
+    #[arg(long)]
+    pub base_batch: Option<usize>,
+    /// One JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Arguments of `macrobatch plot`.
+#[derive(clap::Args)]
+pub struct PlotArgs {
+    /// Run folders (as written by `train --out DIR`); each is one colour, named after its folder.
+    #[arg(required = true, value_name = "RUN")]
+    pub runs: Vec<PathBuf>,
+    /// The picture: FILE.svg or FILE.png (default: <first run>/plot.svg).
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+    /// What the x axis counts.
+    #[arg(long, value_enum, default_value = "step")]
+    pub x: plot::XAxis,
+}
+
+/// Arguments of `macrobatch prepare`.
+#[derive(clap::Args)]
+pub struct PrepareArgs {
+    /// Text files, or folders (every file below them, in path order).
+    #[arg(required = true, value_name = "INPUT")]
+    pub inputs: Vec<PathBuf>,
+    /// Tokenizer: byte.
+    #[arg(long, default_value = "byte")]
+    pub tokenizer: String,
+    /// Output folder for train.bin, val.bin and meta.json (created; must not hold them yet).
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+    /// Share of the tokens (from the end) written to val.bin.
+    #[arg(long, default_value_t = 0.1)]
+    pub val_fraction: f64,
+    /// Bytes of text per parallel work item (cut at the next newline); tests make it small.
+    #[arg(long, default_value_t = 8 << 20, hide = true)]
+    pub chunk_bytes: usize,
 }
 
 /// Arguments of `macrobatch bench`.
@@ -118,6 +185,9 @@ pub struct GenerateArgs {
 }
 
 fn main() -> ExitCode {
+    // The program's own resident size, before anything is allocated (the
+    // memory model's "program" line).
+    plan::runtime_bytes();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Train(args) => match train::run(args) {
@@ -129,6 +199,9 @@ fn main() -> ExitCode {
         Command::Generate(args) => generate::run(args).map(|()| true),
         Command::Verify(args) => verify::run(args),
         Command::Bench(args) => bench::run(args).map(|()| true),
+        Command::Plan(args) => plan::run(args).map(|()| true),
+        Command::Plot(args) => plot::run(args).map(|()| true),
+        Command::Prepare(args) => prepare::run(args).map(|()| true),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,

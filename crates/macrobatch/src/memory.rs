@@ -4,7 +4,6 @@
 //! instead of an allocation failure that aborts the process.
 
 use anyhow::{bail, Result};
-use gpt::GptConfig;
 
 /// What the process may still allocate: the smaller of the machine's
 /// `MemAvailable` and the address-space limit's headroom (`ulimit -v`).
@@ -58,75 +57,6 @@ pub fn read_kib(path: &str, key: &str) -> Option<u64> {
     line.split_whitespace().nth(1)?.parse::<u64>().ok()?.checked_mul(1024)
 }
 
-/// Per-rank shapes of a training run, for [`train_need`].
-#[derive(Debug, Clone, Copy)]
-pub struct TrainShape {
-    pub model: GptConfig,
-    pub micro: usize,
-    pub seq_len: usize,
-    /// Ranks in the group.
-    pub world: usize,
-    /// Ranks living in this process (thread ranks share it).
-    pub ranks_here: usize,
-    pub zero_stage: u8,
-    /// 16-bit storage (bf16 / f16).
-    pub low_precision: bool,
-    /// f32 optimizer-state values per parameter (AdamW 2, SGD with momentum 1).
-    pub optimizer_slots: u32,
-}
-
-/// A breakdown of the estimate (lower bounds: what the run allocates at least).
-#[derive(Debug, Clone, Copy)]
-pub struct Need {
-    /// Parameters, gradients and optimizer state of one rank.
-    pub model_states: u128,
-    /// Activations and backward scratch of one rank.
-    pub activations: u128,
-    /// Ranks in this process.
-    pub ranks_here: u128,
-}
-
-impl Need {
-    /// Bytes this process needs.
-    pub fn total(&self) -> u128 {
-        (self.model_states + self.activations) * self.ranks_here
-    }
-}
-
-/// Parameters of `m` (u128: hostile shapes overflow `usize`).
-pub fn n_params(m: &GptConfig) -> u128 {
-    let (v, t, c, l) = (m.vocab_size as u128, m.block_size as u128, m.n_embd as u128, m.n_layer as u128);
-    (v + t) * c + l * (12 * c * c + 13 * c) + 2 * c
-}
-
-/// The bytes a training run needs per process, from the shapes alone.
-pub fn train_need(s: &TrainShape) -> Need {
-    let p = n_params(&s.model);
-    let w = s.world.max(1) as u128;
-    let shard = |bytes: u128, sharded: bool| if sharded { bytes.div_ceil(w) } else { bytes };
-    let param_bytes = 4 * p + if s.low_precision { 2 * p } else { 0 };
-    let model_states = shard(param_bytes, s.zero_stage >= 3)
-        + shard(4 * p, s.zero_stage >= 3)
-        + shard(4 * p * s.optimizer_slots as u128, s.zero_stage >= 1);
-    let m = &s.model;
-    let (b, t, c, nh, v, l) = (
-        s.micro as u128,
-        s.seq_len as u128,
-        m.n_embd as u128,
-        m.n_head as u128,
-        m.vocab_size as u128,
-        m.n_layer as u128,
-    );
-    let bt = b * t;
-    // Per block: ln1, qkv (3C), atty, res2, ln2, fch (4C), fch_gelu (4C), res3 = 16C per row,
-    // plus the T×T attention probabilities per head; 4 row statistics.
-    let large = bt * 16 * c + b * nh * t * t;
-    let per_block = if s.low_precision { 2 * large + 4 * 4 * bt } else { 4 * (large + 4 * bt) };
-    // Embeddings, final LayerNorm, logits, and the backward scratch (9C per row + T×T per head).
-    let rest = 4 * (bt * c * 2 + bt * v + bt * 9 * c + b * nh * t * t);
-    Need { model_states, activations: l * per_block + rest, ranks_here: s.ranks_here.max(1) as u128 }
-}
-
 /// Errors unless `need` fits in what is available; `what` names the job and
 /// `advice` says what to change.
 pub fn check(what: &str, need: u128, breakdown: &str, advice: &str) -> Result<()> {
@@ -144,44 +74,19 @@ pub fn check(what: &str, need: u128, breakdown: &str, advice: &str) -> Result<()
 
 /// Checks that the model of `config.json` in `dir` can be loaded (weights
 /// read, parameters and one copy of the file in memory) before reading it.
-pub fn check_load(dir: &std::path::Path, what: &str) -> Result<GptConfig> {
-    let cfg = gpt::hf::load_config(&dir.join(gpt::hf::CONFIG_FILE))?;
-    let p = n_params(&cfg);
+pub fn check_load(dir: &std::path::Path, what: &str) -> Result<()> {
+    let p = crate::family::read_hf_config(dir)?.n_params();
     check(
         what,
         8 * p,
         &format!("{p} parameters × 4 bytes, twice: the file's bytes and the parameters"),
         "this machine cannot hold the model; use a machine with more memory (or check config.json)",
-    )?;
-    Ok(cfg)
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn need_grows_with_shape_and_shrinks_with_zero() {
-        let model = GptConfig::preset("gpt2").unwrap_or_else(|e| panic!("{e}"));
-        let s = TrainShape {
-            model,
-            micro: 8,
-            seq_len: 1024,
-            world: 4,
-            ranks_here: 1,
-            zero_stage: 0,
-            low_precision: false,
-            optimizer_slots: 2,
-        };
-        let n0 = train_need(&s);
-        assert_eq!(n0.model_states, 16 * 124_439_808, "f32 AdamW: 16 bytes per parameter");
-        let n3 = train_need(&TrainShape { zero_stage: 3, ..s });
-        assert_eq!(n3.model_states, 4 * 124_439_808, "stage 3 over 4 ranks: a quarter");
-        assert!(train_need(&TrainShape { micro: 1, ..s }).activations < n0.activations);
-        // Hostile shapes do not overflow.
-        let huge = GptConfig { n_embd: 1 << 40, n_head: 1, ..model };
-        assert!(train_need(&TrainShape { model: huge, ..s }).total() > u64::MAX as u128);
-    }
 
     #[test]
     fn available_reads_proc() {

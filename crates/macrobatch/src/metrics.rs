@@ -60,6 +60,8 @@ pub struct StepRecord {
     pub mem_comm_buffers: usize,
     /// Peak resident set size of this process (VmHWM).
     pub mem_peak_rss: Option<u64>,
+    /// The memory model's prediction of the process's peak (`macrobatch plan`).
+    pub mem_predicted: u64,
 }
 
 /// Writes metrics and shows progress.

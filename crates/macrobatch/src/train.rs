@@ -3,18 +3,17 @@
 
 use crate::checkpoint::{self, Loaded, TrainerState};
 use crate::dist::{self, Backend, Fault};
+use crate::family::{self, Build, Family, LanguageModel};
 use crate::memory;
 use crate::metrics::{Reporter, StepRecord};
 use crate::TrainArgs;
 use anyhow::{anyhow, bail, Context, Result};
 use comm::Communicator;
-use config::{Config, ResolvedBatch, ScheduleKind};
+use config::{Config, Micro, OptimizerKind, Precision, ResolvedBatch};
 use data::{BatchShape, Corpus, DataFormat, Sampler, TokenDataset};
 use engine::{
-    AdamW, Decay, LossNormalization, LossScalerConfig, LrSchedule, Model, Optimizer, Precision, Sgd, Trainer,
-    TrainerOptions, ZeroConfig,
+    AdamW, LossScalerConfig, LrSchedule, Model, Optimizer, Sgd, TokenBatch, Trainer, TrainerOptions, ZeroConfig,
 };
-use gpt::{Batch, Gpt, GptConfig};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
@@ -27,12 +26,23 @@ const BUNDLED_NAME: &str = "bundled corpus (Moby-Dick)";
 /// Everything a run needs, checked before the first step.
 pub struct Plan {
     pub cfg: Config,
-    pub model: GptConfig,
+    /// The model family and shape.
+    pub family: Arc<dyn Family>,
+    /// With `batch.micro = "auto"`: the budget the micro-batch was chosen
+    /// for, checked against the measured peak after the first step.
+    pub memory_budget: Option<u64>,
     pub backend: Backend,
     pub batch: ResolvedBatch,
     pub train: TokenDataset,
     pub val: TokenDataset,
     pub sampler: Sampler,
+}
+
+impl Plan {
+    /// How the model is built: activation precision and checkpointing.
+    pub fn build(&self) -> Build {
+        Build { precision: self.cfg.train.precision, checkpointing: self.cfg.train.activation_checkpointing }
+    }
 }
 
 /// Reads the config file (if any) and applies `--set` overrides.
@@ -47,67 +57,127 @@ pub fn load_config(path: Option<&Path>, sets: &[String]) -> Result<Config> {
     Ok(Config::from_toml(&text, &origin, sets)?)
 }
 
-/// The model shape: the preset with single dimensions overridden.
-fn model_config(cfg: &Config) -> Result<GptConfig> {
-    let m = &cfg.model;
-    let base = GptConfig::preset(&m.preset).context("model.preset")?;
-    let g = GptConfig {
-        n_layer: m.n_layer.unwrap_or(base.n_layer),
-        n_head: m.n_head.unwrap_or(base.n_head),
-        n_embd: m.n_embd.unwrap_or(base.n_embd),
-        block_size: m.block_size.unwrap_or(base.block_size),
-        vocab_size: m.vocab_size.unwrap_or(base.vocab_size),
-    };
-    g.validate()?;
-    Ok(g)
-}
-
 /// Validates the whole configuration against the model, the data and the
 /// launcher, before anything runs.
-pub fn plan(cfg: Config, backend: Backend) -> Result<Plan> {
+pub fn plan(mut cfg: Config, backend: Backend) -> Result<Plan> {
     cfg.validate()?;
-    let model = model_config(&cfg)?;
+    let auto_micro = cfg.batch.micro == Some(Micro::Auto);
+    if auto_micro {
+        if let Some(k) = cfg.batch.accumulation_steps {
+            bail!(
+                "batch.micro = \"auto\" derives the accumulation steps from batch.global, but batch.accumulation_steps = {k} is also given; remove batch.accumulation_steps"
+            );
+        }
+        // Planned at micro 1 first; the planner then picks the largest that fits.
+        cfg.batch.global.get_or_insert(config::DEFAULT_GLOBAL_BATCH);
+        cfg.batch.micro = Some(Micro::Sequences(1));
+    }
+    let family = family::from_config(&cfg.model, cfg.lora.as_ref())?;
     let batch = cfg.batch.resolve(backend.world_size())?;
-    let seq_len = cfg.data.seq_len.unwrap_or(model.block_size);
-    if seq_len > model.block_size {
+    let max_seq = family.max_seq_len();
+    let seq_len = cfg.data.seq_len.unwrap_or(max_seq);
+    if seq_len > max_seq {
         bail!(
-            "data.seq_len = {seq_len} is longer than the model's block_size = {}; lower data.seq_len or raise model.block_size",
-            model.block_size
+            "data.seq_len = {seq_len} is longer than the model's context of {max_seq} tokens; lower data.seq_len or raise model.block_size"
         );
     }
-    let format = match cfg.data.format.as_str() {
-        "tokens_u16" => DataFormat::TokensU16,
-        _ => DataFormat::Text,
+    let (train, val) = match &cfg.data.path {
+        Some(p) => data::load_splits(
+            Path::new(p),
+            cfg.data.val_path.as_deref().map(Path::new),
+            cfg.data.format,
+            cfg.data.val_fraction,
+            seq_len,
+            family.vocab_size(),
+        )?,
+        None => {
+            let corpus = Corpus::from_bytes(BUNDLED_NAME, BUNDLED_CORPUS, DataFormat::Text)?;
+            corpus.check_vocab(family.vocab_size())?;
+            corpus.split(cfg.data.val_fraction, seq_len)?
+        }
     };
-    let corpus = match &cfg.data.path {
-        Some(p) => Corpus::load(Path::new(p), format)?,
-        None => Corpus::from_bytes(BUNDLED_NAME, BUNDLED_CORPUS, DataFormat::Text)?,
-    };
-    corpus.check_vocab(model.vocab_size)?;
-    let (train, val) = corpus.split(cfg.data.val_fraction, seq_len)?;
-    let shape =
-        BatchShape { micro: batch.micro, accumulation_steps: batch.accumulation_steps, world_size: batch.world_size };
-    let sampler = Sampler::new(train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?;
+    let sampler = sampler_for(&cfg, &batch, &train)?;
     // The layout alone (no activations are allocated before the first batch).
-    apply_trainable(&mut Gpt::new(model)?, &cfg.train.trainable)?;
-    Ok(Plan { cfg, model, backend, batch, train, val, sampler })
+    apply_trainable(&mut family.build(Build::default())?, &trainable_patterns(&cfg))?;
+    let mut plan = Plan { cfg, family, memory_budget: None, backend, batch, train, val, sampler };
+    if auto_micro {
+        choose_micro(&mut plan)?;
+    }
+    Ok(plan)
 }
 
-/// The configured compute precision.
-pub fn precision_of(cfg: &Config) -> Precision {
-    match cfg.train.precision.as_str() {
-        "bf16" => Precision::Bf16,
-        "f16" => Precision::F16,
-        _ => Precision::F32,
-    }
+/// The sampler of a resolved batch.
+fn sampler_for(cfg: &Config, batch: &ResolvedBatch, train: &TokenDataset) -> Result<Sampler> {
+    let shape =
+        BatchShape { micro: batch.micro, accumulation_steps: batch.accumulation_steps, world_size: batch.world_size };
+    Ok(Sampler::new(train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?)
+}
+
+/// The per-process memory budget of `train.memory_budget` (default 90% of
+/// what is available now).
+pub fn memory_budget(cfg: &Config) -> Result<u64> {
+    let available = memory::Available::now().bytes();
+    let need_available =
+        || available.context("cannot read the available memory from /proc; set train.memory_budget to a size");
+    Ok(match cfg.train.memory_budget.as_deref().map(config::parse_budget) {
+        None => (need_available()? as f64 * 0.9) as u64,
+        Some(Ok(config::Budget::Fraction(f))) => (need_available()? as f64 * f) as u64,
+        Some(Ok(config::Budget::Bytes(b))) => b,
+        Some(Err(e)) => bail!("train.memory_budget: {e}"),
+    })
+}
+
+/// `batch.micro = "auto"`: the largest micro-batch whose planned peak fits
+/// the budget, with the accumulation steps that keep the global batch
+/// (never a smaller global batch). The choice is written into the config, so
+/// `config.resolved.toml` (and a resume) use the same factorization.
+fn choose_micro(plan: &mut Plan) -> Result<()> {
+    let budget = memory_budget(&plan.cfg)?;
+    let knobs = crate::plan::Knobs::of(plan);
+    let Some(best) = crate::plan::largest_fitting(plan, knobs, budget)? else {
+        let at_1 = crate::plan::estimate(plan, knobs)?;
+        let report = crate::plan::report(plan, knobs, budget, budget, None)?;
+        bail!(
+            "batch.micro = \"auto\": not even micro-batch 1 fits the memory budget of {} ({} per process planned at micro 1); change one of these (global batch {} kept):\n{}",
+            crate::plan::human(budget),
+            crate::plan::human(at_1.per_process()),
+            plan.batch.global,
+            crate::plan::render(&report)
+        );
+    };
+    plan.memory_budget = Some(budget);
+    plan.cfg.batch.micro = Some(Micro::Sequences(best.knobs.micro));
+    plan.cfg.batch.accumulation_steps = None;
+    plan.batch = plan.cfg.batch.resolve(plan.backend.world_size())?;
+    plan.sampler = sampler_for(&plan.cfg, &plan.batch, &plan.train)?;
+    eprintln!(
+        "batch.micro = \"auto\": micro {} × K {} × W {} (global {}) plans {} per process under the budget of {}",
+        plan.batch.micro,
+        plan.batch.accumulation_steps,
+        plan.batch.world_size,
+        plan.batch.global,
+        crate::plan::human(best.per_process()),
+        crate::plan::human(budget)
+    );
+    Ok(())
 }
 
 /// The model for this plan, storing activations in the configured
 /// precision, with `train.trainable` applied.
-pub fn model_for(plan: &Plan) -> Result<Gpt> {
-    let mut model = Gpt::with_precision(plan.model, precision_of(&plan.cfg))?;
-    apply_trainable(&mut model, &plan.cfg.train.trainable)?;
+pub fn model_for(plan: &Plan) -> Result<Box<dyn LanguageModel>> {
+    let mut model = plan.family.build(plan.build())?;
+    apply_trainable(&mut model, &trainable_patterns(&plan.cfg))?;
     Ok(model)
+}
+
+/// The tensors to train: `train.trainable`, except that with `[lora]` and
+/// the default `["*"]` only the adapters train (the base is frozen).
+pub fn trainable_patterns(cfg: &Config) -> Vec<String> {
+    let everything = cfg.train.trainable.len() == 1 && cfg.train.trainable[0] == "*";
+    if cfg.lora.is_some() && everything {
+        return vec!["*.lora_A.weight".into(), "*.lora_B.weight".into()];
+    }
+    cfg.train.trainable.clone()
 }
 
 /// Freezes every tensor that no `train.trainable` pattern names; a pattern
@@ -126,33 +196,25 @@ pub fn apply_trainable(model: &mut impl Model, patterns: &[String]) -> Result<us
 
 /// A trainer over freshly initialised parameters for this rank of `comm`
 /// (rank 0's parameters are broadcast; ZeRO partitions as configured).
-pub fn trainer_for(plan: &Plan, model: &Gpt, comm: &mut dyn Communicator) -> Result<Trainer> {
+pub fn trainer_for(plan: &Plan, model: &impl Model, comm: &mut dyn Communicator) -> Result<Trainer> {
     let n_params = model.layout().n_params();
     let (cfg, o) = (&plan.cfg, &plan.cfg.optim);
-    let optimizer = match o.name.as_str() {
-        "sgd" => Optimizer::Sgd(Sgd::new(n_params, o.momentum, o.nesterov, o.weight_decay)?),
-        _ => Optimizer::AdamW(AdamW::new(n_params, o.beta1, o.beta2, o.eps, o.weight_decay)?),
-    };
-    let decay = match cfg.schedule_kind()? {
-        ScheduleKind::Constant => Decay::Constant,
-        ScheduleKind::Linear => Decay::Linear,
-        ScheduleKind::Cosine => Decay::Cosine,
+    let optimizer = match o.name {
+        OptimizerKind::Sgd => Optimizer::Sgd(Sgd::new(n_params, o.momentum, o.nesterov, o.weight_decay)?),
+        OptimizerKind::AdamW => Optimizer::AdamW(AdamW::new(n_params, o.beta1, o.beta2, o.eps, o.weight_decay)?),
     };
     let schedule = LrSchedule {
         max_lr: o.lr,
         min_lr: cfg.schedule.min_lr,
         warmup_steps: cfg.schedule.warmup_steps,
         total_steps: cfg.train.steps,
-        decay,
+        decay: cfg.schedule.kind,
     };
     let options = TrainerOptions {
         grad_clip: (cfg.train.grad_clip > 0.0).then_some(cfg.train.grad_clip),
-        normalization: match cfg.train.loss_normalization.as_str() {
-            "micro_batch_mean" => LossNormalization::MicroBatchMean,
-            _ => LossNormalization::Token,
-        },
-        bucket_elems: ((cfg.dist.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1),
-        precision: precision_of(cfg),
+        normalization: cfg.train.loss_normalization,
+        bucket_elems: bucket_elems(cfg),
+        precision: cfg.train.precision,
         loss_scaler: LossScalerConfig {
             initial_scale: cfg.train.initial_loss_scale,
             window: cfg.train.loss_scale_window,
@@ -161,14 +223,19 @@ pub fn trainer_for(plan: &Plan, model: &Gpt, comm: &mut dyn Communicator) -> Res
         },
     };
     let zero = ZeroConfig { stage: cfg.dist.zero_stage, reduce_every_micro_step: cfg.dist.reduce_every_micro_step };
-    let init = |seg: usize| gpt::init_segment(&plan.model, cfg.train.seed, seg);
+    let init = |seg: usize| plan.family.init_segment(cfg.train.seed, seg);
     Ok(Trainer::distributed_with(model, &init, optimizer, schedule, options, zero, comm)?)
 }
 
+/// Elements per gradient all-reduce bucket (`dist.bucket_mb` of f32).
+pub fn bucket_elems(cfg: &Config) -> usize {
+    ((cfg.dist.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1)
+}
+
 /// Builds a model batch from sample indices.
-pub fn make_batch(ds: &TokenDataset, indices: &[usize]) -> Batch {
+pub fn make_batch(ds: &TokenDataset, indices: &[usize]) -> TokenBatch {
     let t = ds.seq_len();
-    let mut b = Batch {
+    let mut b = TokenBatch {
         n_seqs: indices.len(),
         seq_len: t,
         inputs: Vec::with_capacity(indices.len() * t),
@@ -181,7 +248,13 @@ pub fn make_batch(ds: &TokenDataset, indices: &[usize]) -> Batch {
 }
 
 /// This rank's K micro-batches of global step `step_idx`.
-pub fn rank_batches(plan: &Plan, sampler: &Sampler, order: &[usize], step_in_epoch: usize, rank: usize) -> Vec<Batch> {
+pub fn rank_batches(
+    plan: &Plan,
+    sampler: &Sampler,
+    order: &[usize],
+    step_in_epoch: usize,
+    rank: usize,
+) -> Vec<TokenBatch> {
     (0..sampler.shape().accumulation_steps)
         .map(|k| make_batch(&plan.train, sampler.micro_batch(order, step_in_epoch, k, rank)))
         .collect()
@@ -189,7 +262,12 @@ pub fn rank_batches(plan: &Plan, sampler: &Sampler, order: &[usize], step_in_epo
 
 /// Mean validation loss over the first `eval_batches` micro-batches (at
 /// ZeRO-3 a collective: every rank evaluates the same batches).
-fn evaluate(trainer: &mut Trainer, model: &mut Gpt, comm: &mut dyn Communicator, plan: &Plan) -> Result<f64> {
+fn evaluate(
+    trainer: &mut Trainer,
+    model: &mut impl Model<Batch = TokenBatch>,
+    comm: &mut dyn Communicator,
+    plan: &Plan,
+) -> Result<f64> {
     let (val, micro) = (&plan.val, plan.batch.micro);
     let n = (micro * plan.cfg.train.eval_batches).min(val.n_samples());
     let idx: Vec<usize> = (0..n).collect();
@@ -221,13 +299,16 @@ struct MemoryFile {
     /// Rank 0's accounting (every rank's is the same up to padding).
     accounting: engine::MemoryReport,
     /// Storage precision of the run.
-    precision: String,
+    precision: Precision,
     /// The per-rank model-state bytes of docs/contract.md (Memory) for this stage (f32 runs; under
     /// mixed precision macrobatch keeps an f32 gradient accumulator and, at
     /// stages 1–2, unsharded f32 master weights, so the formula does not apply).
     formula_model_states: Option<f64>,
-    /// Per rank: peak resident set (VmHWM).
+    /// Per rank: peak resident set (VmHWM; thread ranks share one process,
+    /// so each reports the process's).
     peak_rss: Vec<u64>,
+    /// The memory model's per-rank and per-process prediction (`macrobatch plan`).
+    predicted: crate::plan::Estimate,
     /// Per rank: resident-set growth from before the trainer existed to after
     /// the first step, less the accounted activations and collective buffers
     /// (the trainer's and the communicator's): the model states as the OS sees them.
@@ -278,7 +359,7 @@ fn read_run_id(dir: &Path) -> Result<Option<String>> {
 /// in [`open_outputs`]). Refuses a folder that holds any trace of a run.
 fn output_dir(args: &TrainArgs, run_id: &str) -> Result<(PathBuf, bool)> {
     let Some(dir) = &args.out else { return Ok((PathBuf::from("runs").join(format!("run-{run_id}")), true)) };
-    for f in ["metrics.jsonl", gpt::hf::WEIGHTS_FILE, RUN_ID_FILE] {
+    for f in ["metrics.jsonl", family::WEIGHTS_FILE, RUN_ID_FILE] {
         if dir.join(f).exists() {
             bail!(
                 "{} already holds a run ({f} exists); choose another --out directory so nothing saved is overwritten (or continue it with --resume {})",
@@ -309,7 +390,7 @@ fn resolved_toml(plan: &Plan) -> String {
     let mut resolved = plan.cfg.clone();
     resolved.batch = config::BatchConfig {
         global: Some(plan.batch.global),
-        micro: Some(plan.batch.micro),
+        micro: Some(Micro::Sequences(plan.batch.micro)),
         accumulation_steps: Some(plan.batch.accumulation_steps),
     };
     resolved.data.seq_len = Some(plan.train.seq_len());
@@ -349,11 +430,11 @@ fn open_outputs(plan: &Plan, dir: &Path, resume_step: Option<u64>, run_id: &str)
     }
     let reporter = Reporter::new(&metrics, plan.cfg.train.steps, plan.cfg.train.log_every, resume_step.is_some())?;
     reporter.println(&format!(
-        "macrobatch: GPT-2 {} ({:.2}M params, {} layers, d={}), batch {} = micro {} × K {} × W {} ({:?}), seq {} | {} train / {} val sequences, {} steps/epoch | {} threads | out {}",
+        "macrobatch: {} {} ({:.2}M params, {}), batch {} = micro {} × K {} × W {} ({:?}), seq {} | {} train / {} val sequences, {} steps/epoch | {} threads | out {}",
+        plan.family.name(),
         plan.cfg.model.preset,
-        plan.model.n_params() as f64 / 1e6,
-        plan.model.n_layer,
-        plan.model.n_embd,
+        plan.family.n_params() as f64 / 1e6,
+        plan.family.describe(),
         plan.batch.global,
         plan.batch.micro,
         plan.batch.accumulation_steps,
@@ -457,6 +538,7 @@ fn train_rank(
     let rank = comm.rank();
     let cfg = &plan.cfg;
     let mut model = model_for(plan)?;
+    let predicted = crate::plan::estimate(plan, crate::plan::Knobs::of(plan))?;
     let rss_before = proc_status_bytes("VmRSS:");
     let mut trainer = trainer_for(plan, &model, comm)?;
     let mut model_states_rss = None;
@@ -523,6 +605,19 @@ fn train_rank(
         }
         if model_states_rss.is_none() {
             drop(batches);
+            // The trial that confirms the planner's choice: the first step's
+            // measured peak (every allocation of a step has happened by now).
+            if let (Some(budget), Some(peak)) = (plan.memory_budget, peak_rss_bytes()) {
+                if peak > budget {
+                    bail!(
+                        "batch.micro = \"auto\" chose micro {} for a budget of {}, but the first step peaked at {} (planned {}); lower train.memory_budget or set batch.micro by hand",
+                        plan.batch.micro,
+                        crate::plan::human(budget),
+                        crate::plan::human(peak),
+                        crate::plan::human(predicted.per_process())
+                    );
+                }
+            }
             let m = trainer.memory();
             let other = (model.activation_bytes() + m.comm_buffers + comm.buffer_bytes()) as u64;
             model_states_rss =
@@ -596,6 +691,7 @@ fn train_rank(
             mem_activations: model.activation_bytes(),
             mem_comm_buffers: mem.comm_buffers,
             mem_peak_rss: peak_rss_bytes(),
+            mem_predicted: predicted.per_process(),
         })?;
         if let Some((mut params, opt_state)) = full_state {
             if start_from.fault.is_some_and(|f| f.poisons(step)) {
@@ -611,7 +707,7 @@ fn train_rank(
                 seed: cfg.train.seed,
                 global_batch: plan.batch.global,
                 world_size: plan.batch.world_size,
-                optimizer: cfg.optim.name.clone(),
+                optimizer: cfg.optim.name,
                 schedule_step: Some(trainer.n_steps()),
                 loss_scaler: trainer.loss_scaler().map(|s| checkpoint::ScalerState {
                     scale: s.scale,
@@ -622,12 +718,13 @@ fn train_rank(
                 run_id: Some(start_from.run_id.clone()),
             };
             let delay = start_from.fault.and_then(|f| f.checkpoint_delay(rank, step));
-            let (dir, model_ref) = (&out.dir, &model);
+            let (dir, layout) = (&out.dir, model.layout());
             let write = || -> Result<PathBuf> {
                 if let Some(d) = delay {
                     std::thread::sleep(d);
                 }
-                let path = checkpoint::save(dir, &plan.model, model_ref, &params, &opt_state, &state, &config_toml)?;
+                let path =
+                    checkpoint::save(dir, plan.family.as_ref(), layout, &params, &opt_state, &state, &config_toml)?;
                 checkpoint::prune(dir, cfg.train.keep_checkpoints)?;
                 Ok(path)
             };
@@ -663,18 +760,19 @@ fn train_rank(
         let file = MemoryFile {
             zero_stage: cfg.dist.zero_stage,
             world_size: comm.world_size(),
-            n_params: plan.model.n_params(),
+            n_params: model.layout().n_params(),
             accounting: m,
-            precision: cfg.train.precision.clone(),
-            formula_model_states: (cfg.train.precision == "f32").then(|| {
+            precision: cfg.train.precision,
+            formula_model_states: (cfg.train.precision == Precision::F32).then(|| {
                 formula_model_states(
                     cfg.dist.zero_stage,
                     !cfg.dist.reduce_every_micro_step,
-                    plan.model.n_params(),
+                    model.layout().n_params(),
                     comm.world_size(),
                 )
             }),
             peak_rss: all.chunks(2).map(|c| c[0] as u64 * 1024).collect(),
+            predicted,
             measured_model_states: all.chunks(2).map(|c| c[1] as u64 * 1024).collect(),
         };
         gpt::hf::write_atomic(&out.dir.join("memory.json"), serde_json::to_string_pretty(&file)?.as_bytes())?;
@@ -682,7 +780,7 @@ fn train_rank(
     if let (Some(out), Some(params)) = (outputs, params) {
         out.reporter.finish();
         checkpoint::check_finite(model.layout(), &params, "final parameters")?;
-        gpt::hf::save(&out.dir, &plan.model, model.layout(), &params)?;
+        plan.family.save_hf(&out.dir, model.layout(), &params)?;
         eprintln!(
             "done: {steps} steps in {:.1}s; model saved to {} (try: macrobatch generate {} --prompt \"Call me\")",
             start.elapsed().as_secs_f64(),
@@ -755,42 +853,27 @@ where
 /// The memory check of a training plan: per-process need against what is available.
 pub fn check_memory(plan: &Plan) -> Result<()> {
     let cfg = &plan.cfg;
-    let o = &cfg.optim;
-    let shape = memory::TrainShape {
-        model: plan.model,
-        micro: plan.batch.micro,
-        seq_len: plan.train.seq_len(),
-        world: plan.batch.world_size,
-        ranks_here: match plan.backend {
-            Backend::Threads(n) => n,
-            _ => 1,
-        },
-        zero_stage: cfg.dist.zero_stage,
-        low_precision: precision_of(cfg).is_low(),
-        optimizer_slots: match o.name.as_str() {
-            "sgd" if o.momentum > 0.0 => 1,
-            "sgd" => 0,
-            _ => 2,
-        },
-    };
-    let need = memory::train_need(&shape);
+    let advice = "use a smaller batch.micro (more batch.accumulation_steps keep the global batch), train.activation_checkpointing = \"blocks\", a higher dist.zero_stage with more ranks, train.precision = bf16, or a smaller model (`macrobatch plan` shows what fits)";
+    // Shapes whose byte counts overflow 64 bits cannot be planned element by
+    // element; their parameters alone rule them out.
+    let n_params = plan.family.n_params();
+    if n_params > (u64::MAX / 64) as u128 {
+        return memory::check("this run", 4 * n_params, &format!("{n_params} parameters × 4 bytes"), advice);
+    }
+    let e = crate::plan::estimate(plan, crate::plan::Knobs::of(plan))?;
     let breakdown = format!(
-        "{} parameters; per rank {} bytes of parameters, gradients and optimizer state at ZeRO stage {} in {} and {} bytes of activations for batch.micro = {} × seq {}; {} rank(s) in this process",
-        memory::n_params(&plan.model),
-        need.model_states,
+        "{n_params} parameters; per rank {} bytes of parameters, gradients and optimizer state at ZeRO stage {} in {}, {} bytes of collective buffers and {} bytes of activations for batch.micro = {} × seq {} (checkpointing {}); {} rank(s) in this process",
+        e.params + e.master + e.grads + e.optimizer,
         cfg.dist.zero_stage,
         cfg.train.precision,
-        need.activations,
+        e.comm_buffers,
+        e.activations,
         plan.batch.micro,
         plan.train.seq_len(),
-        need.ranks_here
+        cfg.train.activation_checkpointing,
+        e.knobs.ranks_per_process
     );
-    memory::check(
-        "this run",
-        need.total(),
-        &breakdown,
-        "use a smaller batch.micro (more batch.accumulation_steps keep the global batch), a higher dist.zero_stage with more ranks, train.precision = bf16, or a smaller model",
-    )
+    memory::check("this run", e.per_process() as u128, &breakdown, advice)
 }
 
 /// Removes what a run that failed before its first step created, so the
@@ -867,16 +950,14 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     let init_params = match &args.init_from {
         Some(path) if resume.is_none() => {
             memory::check_load(path, &format!("--init-from {}", path.display()))
-                .with_context(|| format!("--init-from {}: cannot load a GPT-2 model", path.display()))?;
-            let (mcfg, params) = gpt::hf::load(path)
-                .with_context(|| format!("--init-from {}: cannot load a GPT-2 model", path.display()))?;
-            // The pretrained shape wins over the preset.
-            cfg.model.n_layer = Some(mcfg.n_layer);
-            cfg.model.n_head = Some(mcfg.n_head);
-            cfg.model.n_embd = Some(mcfg.n_embd);
-            cfg.model.block_size = Some(mcfg.block_size);
-            cfg.model.vocab_size = Some(mcfg.vocab_size);
-            Some(Arc::new(params))
+                .with_context(|| format!("--init-from {}: cannot load the model", path.display()))?;
+            let (pretrained, params) = family::load_hf(path)
+                .with_context(|| format!("--init-from {}: cannot load the model", path.display()))?;
+            // The pretrained family and shape win over the preset; with
+            // [lora], freshly initialised adapters join the pretrained base.
+            pretrained.pin_shape(&mut cfg.model);
+            let family = family::from_config(&cfg.model, cfg.lora.as_ref())?;
+            Some(Arc::new(family.from_pretrained(params, cfg.train.seed)?))
         }
         Some(_) => bail!("--init-from and --resume exclude each other: a resumed run continues from its checkpoint"),
         None => None,
@@ -884,12 +965,26 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     let backend = dist::detect(cfg.dist.world_size)?;
     let plan = Arc::new(plan(cfg, backend)?);
     if let Some(l) = &resume {
-        if l.model != plan.model {
+        let (saved, wanted) = (l.model.hf_config(), plan.family.hf_config());
+        if saved != wanted {
+            let keys: std::collections::BTreeSet<&String> =
+                saved.as_object().into_iter().chain(wanted.as_object()).flat_map(|o| o.keys()).collect();
+            let differ: Vec<String> = keys
+                .into_iter()
+                .filter(|k| saved.get(k.as_str()) != wanted.get(k.as_str()))
+                .map(|k| {
+                    let show = |v: Option<&serde_json::Value>| v.map_or("absent".to_string(), |v| v.to_string());
+                    format!("{k}: {} in the checkpoint, {} in the config", show(saved.get(k)), show(wanted.get(k)))
+                })
+                .collect();
             bail!(
-                "the checkpoint in {} holds a model of shape {:?}, the config asks for {:?}",
+                "the checkpoint in {} holds a model of shape {} {} but the config asks for {} {} ({}); resume with the run's own [model] settings",
                 l.dir.display(),
-                l.model,
-                plan.model
+                l.model.name(),
+                l.model.describe(),
+                plan.family.name(),
+                plan.family.describe(),
+                differ.join("; ")
             );
         }
         if l.state.global_batch != plan.batch.global {
@@ -1007,6 +1102,9 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
             r
         }
     };
+    if let (Ok(()), Some(dir)) = (&result, made.lock().ok().and_then(|m| m.clone())) {
+        crate::plot::after_train(&dir);
+    }
     if let Err(e) = result {
         if resume_step.is_none() {
             if let Some(dir) = made.lock().ok().and_then(|m| m.clone()) {

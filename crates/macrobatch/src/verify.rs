@@ -9,7 +9,6 @@ use anyhow::{bail, Context, Result};
 use comm::Communicator;
 use data::{BatchShape, Sampler};
 use engine::StepReport;
-use gpt::Gpt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -98,7 +97,9 @@ pub fn run(args: VerifyArgs) -> Result<bool> {
         if grad_ok { "PASS" } else { "FAIL" }
     );
     // Parameters: the gradient tolerance carried through the first update.
-    let opt = trainer_for(&plan, &Gpt::new(plan.model)?, &mut comm::SingleProcess::new())?.optimizer().clone();
+    let opt = trainer_for(&plan, &plan.family.build(Default::default())?, &mut comm::SingleProcess::new())?
+        .optimizer()
+        .clone();
     let lr = r.report.lr;
     let (mut dp, mut n_over) = (0.0f32, 0usize);
     for i in 0..r.params.len() {

@@ -1,0 +1,405 @@
+//! Model shapes, the named presets, and Hugging Face `config.json` in both
+//! directions (`LlamaForCausalLM`).
+
+use crate::error::LlamaError;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// The shape of a Llama model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LlamaConfig {
+    /// Vocabulary size V.
+    pub vocab_size: usize,
+    /// Residual width C.
+    pub hidden_size: usize,
+    /// Width F of the SwiGLU MLP.
+    pub intermediate_size: usize,
+    /// Number of decoder layers.
+    pub n_layer: usize,
+    /// Number of query heads.
+    pub n_head: usize,
+    /// Number of key/value heads (grouped-query attention: divides `n_head`).
+    pub n_kv_head: usize,
+    /// Width of one head (= hidden_size / n_head).
+    pub head_dim: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base θ.
+    pub rope_theta: f64,
+    /// Longest sequence the model accepts.
+    pub max_position_embeddings: usize,
+    /// Whether the LM head is the token embedding.
+    pub tie_word_embeddings: bool,
+    /// Beginning-of-sequence token, if the vocabulary has one.
+    #[serde(default)]
+    pub bos_token_id: Option<u32>,
+    /// End-of-sequence tokens (generation stops at any of them).
+    #[serde(default)]
+    pub eos_token_id: Vec<u32>,
+}
+
+/// Preset names, smallest first.
+pub const PRESETS: &[&str] = &["tiny", "smollm2-135m", "llama-7b", "llama-13b", "llama-70b"];
+
+impl LlamaConfig {
+    /// A named preset: `tiny` (byte vocabulary, for tests and the bundled
+    /// corpus) or `smollm2-135m` (HuggingFaceTB/SmolLM2-135M's shape).
+    pub fn preset(name: &str) -> Result<Self, LlamaError> {
+        let cfg = match name {
+            "tiny" => LlamaConfig {
+                vocab_size: 256,
+                hidden_size: 64,
+                intermediate_size: 176,
+                n_layer: 2,
+                n_head: 4,
+                n_kv_head: 2,
+                head_dim: 16,
+                rms_norm_eps: 1e-5,
+                rope_theta: 10000.0,
+                max_position_embeddings: 256,
+                tie_word_embeddings: true,
+                bos_token_id: None,
+                eos_token_id: Vec::new(),
+            },
+            "smollm2-135m" => LlamaConfig {
+                vocab_size: 49152,
+                hidden_size: 576,
+                intermediate_size: 1536,
+                n_layer: 30,
+                n_head: 9,
+                n_kv_head: 3,
+                head_dim: 64,
+                rms_norm_eps: 1e-5,
+                rope_theta: 100000.0,
+                max_position_embeddings: 8192,
+                tie_word_embeddings: true,
+                bos_token_id: Some(0),
+                eos_token_id: vec![0],
+            },
+            // Llama 2's shapes, for planning (`macrobatch plan`): too large
+            // to train here, never allocated by a plan.
+            "llama-7b" => Self::llama2(4096, 11008, 32, 32, 32),
+            "llama-13b" => Self::llama2(5120, 13824, 40, 40, 40),
+            "llama-70b" => Self::llama2(8192, 28672, 80, 64, 8),
+            other => {
+                return Err(LlamaError::config(
+                    "preset",
+                    format!("`{other}` is not a preset; choose one of {}", PRESETS.join(", ")),
+                ))
+            }
+        };
+        Ok(cfg)
+    }
+
+    /// A Llama 2 shape: vocabulary 32000, 4096 positions, untied head.
+    fn llama2(hidden: usize, ffn: usize, n_layer: usize, n_head: usize, n_kv_head: usize) -> Self {
+        LlamaConfig {
+            vocab_size: 32000,
+            hidden_size: hidden,
+            intermediate_size: ffn,
+            n_layer,
+            n_head,
+            n_kv_head,
+            head_dim: hidden / n_head,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            max_position_embeddings: 4096,
+            tie_word_embeddings: false,
+            bos_token_id: Some(1),
+            eos_token_id: vec![2],
+        }
+    }
+
+    /// Checks that every dimension is usable.
+    pub fn validate(&self) -> Result<(), LlamaError> {
+        let dims = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("n_layer", self.n_layer),
+            ("n_head", self.n_head),
+            ("n_kv_head", self.n_kv_head),
+            ("head_dim", self.head_dim),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ];
+        for (name, v) in dims {
+            if v == 0 {
+                return Err(LlamaError::config(name, "must be at least 1, got 0"));
+            }
+        }
+        if !self.hidden_size.is_multiple_of(self.n_head) || self.head_dim != self.hidden_size / self.n_head {
+            return Err(LlamaError::config(
+                "head_dim",
+                format!(
+                    "({}) must equal hidden_size ({}) / n_head ({}) exactly",
+                    self.head_dim, self.hidden_size, self.n_head
+                ),
+            ));
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            return Err(LlamaError::config(
+                "head_dim",
+                format!("({}) must be even for rotary embeddings", self.head_dim),
+            ));
+        }
+        if !self.n_head.is_multiple_of(self.n_kv_head) {
+            return Err(LlamaError::config(
+                "n_kv_head",
+                format!("({}) must divide n_head ({})", self.n_kv_head, self.n_head),
+            ));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            return Err(LlamaError::config("rms_norm_eps", format!("must be positive, got {}", self.rms_norm_eps)));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return Err(LlamaError::config("rope_theta", format!("must be positive, got {}", self.rope_theta)));
+        }
+        if self.vocab_size > i32::MAX as usize {
+            return Err(LlamaError::config("vocab_size", format!("({}) is too large", self.vocab_size)));
+        }
+        Ok(())
+    }
+
+    /// Width of all query heads together (= hidden_size).
+    pub fn q_dim(&self) -> usize {
+        self.n_head * self.head_dim
+    }
+
+    /// Width of all key (or value) heads together.
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_head * self.head_dim
+    }
+
+    /// Parameters of one decoder layer (without LoRA adapters).
+    pub fn layer_params(&self) -> usize {
+        let (c, f) = (self.hidden_size, self.intermediate_size);
+        2 * c + 2 * c * self.q_dim() + 2 * c * self.kv_dim() + 3 * c * f
+    }
+
+    /// Total parameters (a tied head counted once).
+    pub fn n_params(&self) -> usize {
+        let head = if self.tie_word_embeddings { 0 } else { self.vocab_size * self.hidden_size };
+        self.vocab_size * self.hidden_size + self.n_layer * self.layer_params() + self.hidden_size + head
+    }
+
+    /// Forward+backward FLOPs per token at sequence length `t`: 6N over the
+    /// parameters that multiply (the embedding lookup does not, unless it is
+    /// also the head) plus causal attention's 12·L·C·t (the PaLM estimate).
+    pub fn flops_per_token(&self, t: usize) -> f64 {
+        let lookup = if self.tie_word_embeddings { 0 } else { self.vocab_size * self.hidden_size };
+        6.0 * (self.n_params() - lookup) as f64 + 12.0 * (self.n_layer * self.q_dim() * t) as f64
+    }
+
+    /// Reads a Hugging Face `LlamaConfig` (`config.json`, as transformers 4
+    /// or 5 writes it). Anything that changes the math and is not
+    /// implemented (RoPE scaling, biases, another activation) is an error
+    /// naming the key, never silently ignored.
+    pub fn from_hf_json(v: &Value) -> Result<Self, LlamaError> {
+        if !v.is_object() {
+            return Err(LlamaError::config("config.json", "must be a JSON object"));
+        }
+        let get = |key: &str| v.get(key).filter(|x| !x.is_null());
+        if let Some(mt) = get("model_type") {
+            if mt.as_str() != Some("llama") {
+                return Err(LlamaError::unsupported(format!("model_type = {mt}"), "only \"llama\" is supported"));
+            }
+        }
+        if let Some(act) = get("hidden_act") {
+            if act.as_str() != Some("silu") {
+                return Err(LlamaError::unsupported(format!("hidden_act = {act}"), "Llama's MLP uses \"silu\""));
+            }
+        }
+        for key in ["attention_bias", "mlp_bias", "rope_interleaved"] {
+            if let Some(b) = get(key) {
+                if b.as_bool() != Some(false) {
+                    return Err(LlamaError::unsupported(format!("{key} = {b}"), "only false is supported"));
+                }
+            }
+        }
+        if let Some(s) = get("rope_scaling") {
+            return Err(LlamaError::unsupported(
+                format!("rope_scaling = {s}"),
+                "only plain RoPE (rope_scaling null) is supported",
+            ));
+        }
+        let rope_params = get("rope_parameters");
+        if let Some(rt) = rope_params.and_then(|p| p.get("rope_type")).filter(|x| !x.is_null()) {
+            if rt.as_str() != Some("default") {
+                return Err(LlamaError::unsupported(
+                    format!("rope_parameters.rope_type = {rt}"),
+                    "only \"default\" RoPE is supported",
+                ));
+            }
+        }
+        let uint = |key: &str| -> Result<Option<usize>, LlamaError> {
+            get(key)
+                .map(|x| {
+                    x.as_u64()
+                        .map(|n| n as usize)
+                        .ok_or_else(|| LlamaError::config(key, format!("must be a non-negative integer, got {x}")))
+                })
+                .transpose()
+        };
+        let need = |key: &str| uint(key)?.ok_or_else(|| LlamaError::config(key, "is missing"));
+        let float = |x: Option<&Value>, key: &str, default: f64| -> Result<f64, LlamaError> {
+            x.filter(|x| !x.is_null()).map_or(Ok(default), |x| {
+                x.as_f64().ok_or_else(|| LlamaError::config(key, format!("must be a number, got {x}")))
+            })
+        };
+        let token = |x: &Value, key: &str| -> Result<u32, LlamaError> {
+            x.as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(|| LlamaError::config(key, format!("must hold token ids, got {x}")))
+        };
+        let hidden_size = need("hidden_size")?;
+        let n_head = need("num_attention_heads")?;
+        let head_dim = hidden_size.checked_div(n_head).unwrap_or(0);
+        if let Some(hd) = uint("head_dim")? {
+            if hd != head_dim {
+                return Err(LlamaError::unsupported(
+                    format!("head_dim = {hd} with hidden_size {hidden_size} and {n_head} heads"),
+                    "head_dim must be hidden_size / num_attention_heads",
+                ));
+            }
+        }
+        let theta = rope_params.and_then(|p| p.get("rope_theta")).or_else(|| get("rope_theta"));
+        let eos_token_id = match get("eos_token_id") {
+            None => Vec::new(),
+            Some(Value::Array(ids)) => ids.iter().map(|x| token(x, "eos_token_id")).collect::<Result<_, _>>()?,
+            Some(x) => vec![token(x, "eos_token_id")?],
+        };
+        let cfg = LlamaConfig {
+            vocab_size: need("vocab_size")?,
+            hidden_size,
+            intermediate_size: need("intermediate_size")?,
+            n_layer: need("num_hidden_layers")?,
+            n_head,
+            n_kv_head: uint("num_key_value_heads")?.unwrap_or(n_head),
+            head_dim,
+            rms_norm_eps: float(get("rms_norm_eps"), "rms_norm_eps", 1e-6)?,
+            rope_theta: float(theta, "rope_theta", 10000.0)?,
+            max_position_embeddings: uint("max_position_embeddings")?.unwrap_or(2048),
+            tie_word_embeddings: match get("tie_word_embeddings") {
+                None => false,
+                Some(b) => b.as_bool().ok_or_else(|| {
+                    LlamaError::config("tie_word_embeddings", format!("must be true or false, got {b}"))
+                })?,
+            },
+            bos_token_id: get("bos_token_id").map(|x| token(x, "bos_token_id")).transpose()?,
+            eos_token_id,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// `config.json` for transformers' `LlamaForCausalLM` (f32 weights).
+    /// RoPE θ is written both the transformers 4 way (`rope_theta`) and the
+    /// transformers 5 way (`rope_parameters`), so either version reads it.
+    pub fn to_hf_json(&self) -> Value {
+        let eos = match self.eos_token_id.as_slice() {
+            [] => Value::Null,
+            [one] => Value::from(*one),
+            many => Value::from(many.to_vec()),
+        };
+        serde_json::json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.n_layer,
+            "num_attention_heads": self.n_head,
+            "num_key_value_heads": self.n_kv_head,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": null,
+            "rope_parameters": { "rope_type": "default", "rope_theta": self.rope_theta },
+            "attention_bias": false,
+            "attention_dropout": 0.0,
+            "mlp_bias": false,
+            "pretraining_tp": 1,
+            "initializer_range": 0.02,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos,
+            "use_cache": true,
+            "torch_dtype": "float32",
+            "dtype": "float32",
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn smollm2_preset_has_its_published_parameter_count() {
+        // HuggingFaceTB/SmolLM2-135M: sum(p.numel() for p in model.parameters()) = 134,515,008.
+        let cfg = LlamaConfig::preset("smollm2-135m").unwrap();
+        cfg.validate().unwrap();
+        assert_eq!(cfg.n_params(), 134_515_008);
+        LlamaConfig::preset("tiny").unwrap().validate().unwrap();
+        // Llama 2's published sizes (meta-llama/Llama-2-*-hf, numel of all parameters).
+        for (name, n) in
+            [("llama-7b", 6_738_415_616usize), ("llama-13b", 13_015_864_320), ("llama-70b", 68_976_648_192)]
+        {
+            let cfg = LlamaConfig::preset(name).unwrap();
+            cfg.validate().unwrap();
+            assert_eq!(cfg.n_params(), n, "{name}");
+        }
+    }
+
+    #[test]
+    fn hf_json_round_trips_and_reads_both_rope_spellings() {
+        for name in PRESETS {
+            let cfg = LlamaConfig::preset(name).unwrap();
+            assert_eq!(LlamaConfig::from_hf_json(&cfg.to_hf_json()).unwrap(), cfg);
+        }
+        // transformers 4 (SmolLM2's file): rope_theta at top level, rope_scaling null.
+        let v4 = serde_json::json!({
+            "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+            "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "rms_norm_eps": 1e-5,
+            "rope_theta": 100000, "rope_scaling": null, "rope_interleaved": false, "max_position_embeddings": 8192,
+            "tie_word_embeddings": true, "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "silu",
+            "torch_dtype": "bfloat16", "is_llama_config": true
+        });
+        assert_eq!(LlamaConfig::from_hf_json(&v4).unwrap(), LlamaConfig::preset("smollm2-135m").unwrap());
+        // transformers 5: rope_parameters; defaults for absent keys; eos as a list.
+        let v5 = serde_json::json!({
+            "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "rope_parameters": {"rope_theta": 500.0, "rope_type": "default"},
+            "eos_token_id": [2, 7]
+        });
+        let c = LlamaConfig::from_hf_json(&v5).unwrap();
+        assert_eq!((c.rope_theta, c.n_kv_head, c.rms_norm_eps, c.tie_word_embeddings), (500.0, 4, 1e-6, false));
+        assert_eq!((c.max_position_embeddings, c.eos_token_id.clone(), c.bos_token_id), (2048, vec![2, 7], None));
+    }
+
+    #[test]
+    fn unsupported_and_invalid_configs_are_named() {
+        let base = LlamaConfig::preset("tiny").unwrap().to_hf_json();
+        let with = |key: &str, val: Value| {
+            let mut v = base.clone();
+            v[key] = val;
+            LlamaConfig::from_hf_json(&v).unwrap_err().to_string()
+        };
+        let e = with("rope_scaling", serde_json::json!({"rope_type": "llama3", "factor": 8.0}));
+        assert!(e.contains("rope_scaling") && e.contains("llama3"), "{e}");
+        assert!(with("attention_bias", true.into()).contains("attention_bias = true"));
+        assert!(with("mlp_bias", true.into()).contains("mlp_bias"));
+        assert!(with("hidden_act", "gelu".into()).contains("hidden_act"));
+        assert!(with("model_type", "qwen2".into()).contains("qwen2"));
+        assert!(with("num_key_value_heads", 3.into()).contains("n_kv_head"));
+        assert!(with("head_dim", 32.into()).contains("head_dim = 32"));
+        assert!(with("vocab_size", (-1).into()).contains("vocab_size"));
+        assert!(with("rope_parameters", serde_json::json!({"rope_type": "yarn"})).contains("yarn"));
+        let mut v = base.clone();
+        v.as_object_mut().unwrap().remove("hidden_size");
+        assert!(LlamaConfig::from_hf_json(&v).unwrap_err().to_string().contains("`hidden_size` is missing"));
+        assert!(LlamaConfig::preset("huge").unwrap_err().to_string().contains("smollm2-135m"));
+    }
+}

@@ -1,0 +1,299 @@
+//! Hugging Face Llama checkpoints: `config.json` + `model.safetensors` (or
+//! shards listed by `model.safetensors.index.json`), F32/F16/BF16 read as
+//! f32, written as F32 with `LlamaForCausalLM`'s names, so transformers
+//! loads our files as they are and we load theirs. Any other source of
+//! named tensors (a GGUF reader, say) goes through [`from_named_tensors`],
+//! the same checks.
+
+use crate::config::LlamaConfig;
+use crate::error::LlamaError;
+use crate::model::Llama;
+use engine::{Model, ParamLayout};
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+/// File name of the weights (one file).
+pub const WEIGHTS_FILE: &str = "model.safetensors";
+/// File name of the shard index of sharded weights.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// File name of the model configuration.
+pub const CONFIG_FILE: &str = "config.json";
+/// The untied head's name, also found (and checked) in tied checkpoints.
+const HEAD: &str = "lm_head.weight";
+const EMBED: &str = "model.embed_tokens.weight";
+
+/// One named tensor: `(name, shape, values)`.
+pub type NamedTensor = (String, Vec<usize>, Vec<f32>);
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> LlamaError + '_ {
+    move |source| LlamaError::Io { path: path.to_path_buf(), source }
+}
+
+fn bad(path: &Path, problem: impl Into<String>) -> LlamaError {
+    LlamaError::Malformed { path: path.to_path_buf(), problem: problem.into() }
+}
+
+/// Decodes one stored tensor into `dst` (exactly its length) as f32.
+fn decode(name: &str, view: &TensorView<'_>, dst: &mut [f32]) -> Result<(), LlamaError> {
+    let bytes = view.data();
+    let width = match view.dtype() {
+        Dtype::F32 => 4,
+        Dtype::F16 | Dtype::BF16 => 2,
+        other => return Err(LlamaError::UnsupportedDtype { name: name.to_string(), dtype: format!("{other:?}") }),
+    };
+    if bytes.len() != dst.len() * width {
+        return Err(LlamaError::ShapeMismatch {
+            name: name.to_string(),
+            got: vec![bytes.len() / width],
+            expected: vec![dst.len()],
+        });
+    }
+    match view.dtype() {
+        Dtype::F32 => {
+            for (d, s) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
+                *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+            }
+        }
+        Dtype::F16 => {
+            for (d, s) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
+                *d = half::f16::from_bits(u16::from_le_bytes([s[0], s[1]])).to_f32();
+            }
+        }
+        _ => {
+            for (d, s) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
+                *d = f32::from_bits((u16::from_le_bytes([s[0], s[1]]) as u32) << 16);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Runs `f(name, view)` on every tensor of a safetensors file, in name order.
+fn for_each_tensor(
+    path: &Path,
+    mut f: impl FnMut(&str, &TensorView<'_>) -> Result<(), LlamaError>,
+) -> Result<(), LlamaError> {
+    let bytes = std::fs::read(path).map_err(io_err(path))?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| bad(path, format!("not a valid safetensors file ({e}); it may be truncated or corrupt")))?;
+    let mut tensors = st.tensors();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, view) in &tensors {
+        f(name, view).map_err(|e| e.in_file(path))?;
+    }
+    Ok(())
+}
+
+/// Every tensor of a safetensors file as f32 (F32, F16 and BF16 are read),
+/// in name order.
+pub fn read_tensors(path: &Path) -> Result<Vec<NamedTensor>, LlamaError> {
+    let mut out = Vec::new();
+    for_each_tensor(path, |name, view| {
+        let mut data = vec![0.0; view.shape().iter().product()];
+        decode(name, view, &mut data)?;
+        out.push((name.to_string(), view.shape().to_vec(), data));
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// Puts named tensors into a flat buffer laid out like the base model of a
+/// configuration, checking each against the layout.
+struct Placer {
+    layout: ParamLayout,
+    index: HashMap<String, usize>,
+    params: Vec<f32>,
+    seen: Vec<bool>,
+    /// `lm_head.weight` of a tied checkpoint: must equal the embedding.
+    tied_head: Option<Vec<f32>>,
+    tied: bool,
+    unexpected: Vec<String>,
+}
+
+impl Placer {
+    fn new(cfg: &LlamaConfig) -> Result<Self, LlamaError> {
+        let layout = Llama::new(cfg.clone())?.layout().clone();
+        let index = layout.tensors().iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+        // Fallible: a config that claims a huge model is an error, not an abort.
+        let mut params = Vec::new();
+        params.try_reserve_exact(layout.n_params()).map_err(|_| {
+            LlamaError::config("config", format!("{} parameters do not fit in memory", layout.n_params()))
+        })?;
+        params.resize(layout.n_params(), 0.0f32);
+        let seen = vec![false; layout.tensors().len()];
+        Ok(Self { layout, index, params, seen, tied_head: None, tied: cfg.tie_word_embeddings, unexpected: Vec::new() })
+    }
+
+    /// Places tensor `name` of `shape`; `fill` writes its values into the
+    /// slice it is given (exactly `shape`'s size).
+    fn put(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        fill: impl FnOnce(&mut [f32]) -> Result<(), LlamaError>,
+    ) -> Result<(), LlamaError> {
+        let check_shape = |expected: &[usize]| {
+            if shape == expected {
+                Ok(())
+            } else {
+                Err(LlamaError::ShapeMismatch {
+                    name: name.to_string(),
+                    got: shape.to_vec(),
+                    expected: expected.to_vec(),
+                })
+            }
+        };
+        if let Some(&i) = self.index.get(name) {
+            let spec = &self.layout.tensors()[i];
+            check_shape(&spec.shape)?;
+            if std::mem::replace(&mut self.seen[i], true) {
+                return Err(LlamaError::DuplicateTensor { name: name.to_string() });
+            }
+            return fill(&mut self.params[spec.range()]);
+        }
+        if name == HEAD && self.tied {
+            let embed = &self.layout.tensors()[0];
+            check_shape(&embed.shape)?;
+            if self.tied_head.is_some() {
+                return Err(LlamaError::DuplicateTensor { name: name.to_string() });
+            }
+            let mut head = vec![0.0; embed.numel()];
+            fill(&mut head)?;
+            self.tied_head = Some(head);
+        } else if !name.ends_with(".rotary_emb.inv_freq") {
+            // (Older transformers saved RoPE's inverse frequencies as a buffer; we compute them.)
+            self.unexpected.push(name.to_string());
+        }
+        Ok(())
+    }
+
+    fn finish(mut self) -> Result<Vec<f32>, LlamaError> {
+        if !self.unexpected.is_empty() {
+            self.unexpected.sort();
+            self.unexpected.truncate(5);
+            return Err(LlamaError::UnexpectedTensors { names: self.unexpected });
+        }
+        if let Some(i) = self.seen.iter().position(|s| !s) {
+            return Err(LlamaError::MissingTensor { name: self.layout.tensors()[i].name.clone() });
+        }
+        if let Some(head) = &self.tied_head {
+            let embed = &self.params[self.layout.tensors()[0].range()];
+            debug_assert_eq!(self.layout.tensors()[0].name, EMBED);
+            if let Some(first_diff) = head.iter().zip(embed).position(|(a, b)| a.to_bits() != b.to_bits()) {
+                return Err(LlamaError::TiedHeadMismatch { first_diff });
+            }
+        }
+        Ok(self.params)
+    }
+}
+
+/// Parameters of the base model of `cfg` (layout of [`Llama::new`]) from
+/// named tensors with Hugging Face names and shapes — what a loader of
+/// another format (GGUF, already dequantised, Q/K already un-permuted)
+/// hands over. Every missing, extra, duplicated or misshaped tensor is a
+/// named error; with `tie_word_embeddings` an `lm_head.weight` may be
+/// present and must equal the embedding.
+pub fn from_named_tensors(
+    cfg: &LlamaConfig,
+    tensors: impl IntoIterator<Item = NamedTensor>,
+) -> Result<Vec<f32>, LlamaError> {
+    let mut placer = Placer::new(cfg)?;
+    for (name, shape, data) in tensors {
+        placer.put(&name, &shape, |dst| {
+            if data.len() != dst.len() {
+                return Err(LlamaError::ShapeMismatch {
+                    name: name.clone(),
+                    got: vec![data.len()],
+                    expected: shape.clone(),
+                });
+            }
+            dst.copy_from_slice(&data);
+            Ok(())
+        })?;
+    }
+    placer.finish()
+}
+
+/// Reads a Hugging Face `config.json`.
+pub fn load_config(path: &Path) -> Result<LlamaConfig, LlamaError> {
+    let text = std::fs::read_to_string(path).map_err(io_err(path))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(path, format!("not valid JSON: {e}")))?;
+    LlamaConfig::from_hf_json(&v).map_err(|e| e.in_file(path))
+}
+
+/// The safetensors files holding a model directory's weights:
+/// `model.safetensors`, or else the shards `model.safetensors.index.json`
+/// lists, each with the tensor names the index assigns to it.
+fn weight_files(dir: &Path) -> Result<Vec<(PathBuf, BTreeSet<String>)>, LlamaError> {
+    let single = dir.join(WEIGHTS_FILE);
+    if single.exists() {
+        return Ok(vec![(single, BTreeSet::new())]);
+    }
+    let index = dir.join(INDEX_FILE);
+    if !index.exists() {
+        return Err(bad(dir, format!("holds neither {WEIGHTS_FILE} nor {INDEX_FILE}")));
+    }
+    let text = std::fs::read_to_string(&index).map_err(io_err(&index))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(&index, format!("not valid JSON: {e}")))?;
+    let map =
+        v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| bad(&index, "has no `weight_map` object"))?;
+    let mut shards: HashMap<String, BTreeSet<String>> = HashMap::new();
+    for (name, file) in map {
+        let file = file.as_str().ok_or_else(|| bad(&index, format!("weight_map[{name}] is not a file name")))?;
+        if file.contains('/') || file.contains('\\') || file == ".." || file.is_empty() {
+            return Err(bad(&index, format!("shard `{file}` is not a plain file name in this directory")));
+        }
+        shards.entry(file.to_string()).or_default().insert(name.clone());
+    }
+    let mut files: Vec<_> = shards.into_iter().map(|(f, names)| (dir.join(f), names)).collect();
+    files.sort();
+    Ok(files)
+}
+
+/// Loads the weights of the model directory `dir` for `cfg`.
+pub fn load_weights(dir: &Path, cfg: &LlamaConfig) -> Result<Vec<f32>, LlamaError> {
+    let files = weight_files(dir)?;
+    let mut placer = Placer::new(cfg)?;
+    for (path, listed) in &files {
+        let mut found = BTreeSet::new();
+        for_each_tensor(path, |name, view| {
+            if !listed.is_empty() && !listed.contains(name) {
+                return Err(bad(path, format!("holds `{name}`, which {INDEX_FILE} does not assign to it")));
+            }
+            found.insert(name.to_string());
+            placer.put(name, view.shape(), |dst| decode(name, view, dst))
+        })?;
+        if let Some(name) = listed.difference(&found).next() {
+            return Err(bad(path, format!("{INDEX_FILE} assigns `{name}` to this shard, but it is not there")));
+        }
+    }
+    let located = if files.len() == 1 && files[0].1.is_empty() { files[0].0.clone() } else { dir.join(INDEX_FILE) };
+    placer.finish().map_err(|e| e.in_file(&located))
+}
+
+/// Loads `config.json` and the weights of a Hugging Face model directory.
+pub fn load(dir: &Path) -> Result<(LlamaConfig, Vec<f32>), LlamaError> {
+    let cfg = load_config(&dir.join(CONFIG_FILE))?;
+    let params = load_weights(dir, &cfg)?;
+    Ok((cfg, params))
+}
+
+/// The named tensors of `params` laid out by `layout`, for writing.
+pub(crate) fn named<'a>(layout: &ParamLayout, params: &'a [f32], prefix: &str) -> Vec<(String, Vec<usize>, &'a [f32])> {
+    layout.tensors().iter().map(|t| (format!("{prefix}{}", t.name), t.shape.clone(), &params[t.range()])).collect()
+}
+
+/// Saves base-model parameters (layout of [`Llama::new`]) and the config
+/// into `dir` as `model.safetensors` (F32) and `config.json`, each written
+/// atomically.
+pub fn save(dir: &Path, cfg: &LlamaConfig, params: &[f32]) -> Result<(), LlamaError> {
+    let model = Llama::new(cfg.clone())?;
+    let layout = model.layout();
+    LlamaError::check_count("base model", layout.n_params(), params.len())?;
+    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    gpt::hf::write_safetensors(&dir.join(WEIGHTS_FILE), &named(layout, params, ""), &[])?;
+    let text = serde_json::to_string_pretty(&cfg.to_hf_json()).map_err(|e| bad(dir, e.to_string()))?;
+    gpt::hf::write_atomic(&dir.join(CONFIG_FILE), text.as_bytes())?;
+    Ok(())
+}

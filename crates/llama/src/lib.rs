@@ -1,0 +1,21 @@
+//! The Llama family (RMSNorm, rotary embeddings, causal grouped-query
+//! attention, SwiGLU MLP, tied or untied head) with hand-written forward and
+//! backward kernels over flat f32 buffers, LoRA adapters inside the model,
+//! and Hugging Face / PEFT checkpoints in both directions.
+//!
+//! Like `gpt`, this crate knows nothing about training: it implements
+//! [`engine::Model`], whose micro-step adds the gradient of the summed loss
+//! where the engine's store says. Parameters carry `LlamaForCausalLM`'s
+//! names and shapes (`nn.Linear` weights `[out, in]`), adapters PEFT's.
+
+pub mod config;
+pub mod error;
+pub mod hf;
+pub mod kernels;
+pub mod lora;
+pub mod model;
+
+pub use config::LlamaConfig;
+pub use error::LlamaError;
+pub use lora::{Adapter, LoraConfig};
+pub use model::{LayerParams, Llama, LoraRanges, Proj, TokenBatch, IGNORE_INDEX};

@@ -1,0 +1,77 @@
+//! Shared by the Llama crate's integration tests: fixture paths, the
+//! PyTorch reference files, comparisons and temporary directories.
+#![allow(dead_code)]
+
+use engine::{FullStore, Model};
+pub use llama::TokenBatch;
+use llama::{hf, Llama};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// A fixture directory made by tests/fixtures/make_fixtures.py.
+pub fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+/// A fresh, empty temporary directory for this test.
+pub fn tmpdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("macrobatch-llama-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A fixture's `reference.safetensors` (logits, loss, loss_sum, grad.*) by name.
+pub fn reference(name: &str) -> HashMap<String, Vec<f32>> {
+    hf::read_tensors(&fixture(name).join("reference.safetensors"))
+        .unwrap()
+        .into_iter()
+        .map(|(n, _, d)| (n, d))
+        .collect()
+}
+
+/// A fixture's `batch.json` as a TokenBatch.
+pub fn batch(name: &str) -> TokenBatch {
+    let text = std::fs::read_to_string(fixture(name).join("batch.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let rows = |key: &str| -> Vec<Vec<i64>> { serde_json::from_value(v[key].clone()).unwrap() };
+    let (ids, targets) = (rows("input_ids"), rows("targets"));
+    TokenBatch {
+        n_seqs: ids.len(),
+        seq_len: ids[0].len(),
+        inputs: ids.concat().into_iter().map(|x| x as u32).collect(),
+        targets: targets.concat().into_iter().map(|x| x as i32).collect(),
+    }
+}
+
+/// max |got − want| / max |want|: the error relative to the tensor's scale
+/// (element-wise relative errors are meaningless where values cross zero).
+pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len(), "lengths differ");
+    let scale = want.iter().fold(0.0f32, |m, w| m.max(w.abs())).max(1e-30);
+    got.iter().zip(want).fold(0.0f32, |m, (g, w)| m.max((g - w).abs())) / scale
+}
+
+/// The summed loss and its gradient (trainable tensors back to back, as
+/// the store lays them out) from one micro-step with seed 1.
+pub fn loss_and_grad(model: &mut Llama, params: &[f32], batch: &TokenBatch) -> (f64, Vec<f32>) {
+    let mut g = vec![0.0; model.layout().n_trainable()];
+    let mut store = FullStore::for_model(model, params, &mut g).unwrap();
+    let stats = model.micro_step(&mut store, batch, 1.0).unwrap();
+    (stats.loss_sum, g)
+}
+
+/// The trainable tensors' gradients by name, cut from a gradient buffer.
+pub fn grads_by_name<'a>(model: &Llama, g: &'a [f32]) -> Vec<(String, &'a [f32])> {
+    let mut at = 0;
+    model
+        .layout()
+        .tensors()
+        .iter()
+        .filter(|t| t.trainable)
+        .map(|t| {
+            at += t.numel();
+            (t.name.clone(), &g[at - t.numel()..at])
+        })
+        .collect()
+}

@@ -1,0 +1,457 @@
+//! The memory model and `macrobatch plan`: what a training run needs per
+//! rank, piece by piece, from the shapes alone — nothing large is
+//! allocated, so shapes far beyond this machine can be planned. Model
+//! states and collective buffers come from the engine's own accounting
+//! (`Trainer::planned_memory`, equal to what a trainer allocates),
+//! activations from the model family (equal to what the model allocates);
+//! the rest is the data and the process itself. On top: the largest
+//! micro-batch under a budget with the accumulation steps that keep the
+//! global batch, and what to change when nothing fits.
+
+use crate::family::Build;
+use crate::memory::{self, Available};
+use crate::train::{apply_trainable, Plan};
+use anyhow::{Context, Result};
+use config::{Checkpointing, Precision};
+use engine::{Trainer, ZeroConfig};
+use serde::Serialize;
+
+/// How the ranks of a plan communicate (what their communicator stages).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// One rank, no communication.
+    Single,
+    /// Ranks as threads of one process.
+    Threads,
+    /// One process per rank under MPI.
+    Mpi,
+}
+
+/// The knobs a plan varies.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Knobs {
+    /// Sequences per micro-batch per rank.
+    pub micro: usize,
+    /// Ranks in the group.
+    pub world_size: usize,
+    /// Ranks sharing one process (thread ranks), 1 under MPI.
+    pub ranks_per_process: usize,
+    /// How ranks communicate.
+    pub backend: Backend,
+    /// ZeRO stage.
+    pub zero_stage: u8,
+    /// Stage 2: reduce-scatter after every micro-step.
+    pub reduce_every_micro_step: bool,
+    /// Storage precision of the model copy and activations.
+    pub precision: Precision,
+    /// Activation checkpointing.
+    pub checkpointing: Checkpointing,
+}
+
+impl Knobs {
+    /// The knobs of a resolved training plan.
+    pub fn of(plan: &Plan) -> Self {
+        let cfg = &plan.cfg;
+        Self {
+            micro: plan.batch.micro,
+            world_size: plan.batch.world_size,
+            ranks_per_process: match plan.backend {
+                crate::dist::Backend::Threads(n) => n,
+                _ => 1,
+            },
+            backend: match plan.backend {
+                crate::dist::Backend::Single => Backend::Single,
+                crate::dist::Backend::Threads(_) => Backend::Threads,
+                crate::dist::Backend::Mpi(_) => Backend::Mpi,
+            },
+            zero_stage: cfg.dist.zero_stage,
+            reduce_every_micro_step: cfg.dist.reduce_every_micro_step,
+            precision: cfg.train.precision,
+            checkpointing: cfg.train.activation_checkpointing,
+        }
+    }
+}
+
+/// Bytes, per rank and per process.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Estimate {
+    /// The knobs it is for.
+    pub knobs: Knobs,
+    /// Micro-steps per optimizer step that keep the global batch.
+    pub accumulation_steps: usize,
+    /// Per rank: parameters the model reads (f32, or the 16-bit copy).
+    pub params: u64,
+    /// Per rank: f32 master weights (mixed precision).
+    pub master: u64,
+    /// Per rank: the gradient accumulator.
+    pub grads: u64,
+    /// Per rank: optimizer state.
+    pub optimizer: u64,
+    /// Per rank: collective buffers (stage 3's gathered segment, a
+    /// segment's gradient awaiting reduce-scatter, packing scratch).
+    pub comm_buffers: u64,
+    /// Per rank: the communicator's staging of the largest collective.
+    pub comm_staging: u64,
+    /// Per process: staging shared by its thread ranks (their summed result).
+    pub comm_shared: u64,
+    /// Per rank: activations and backward scratch of one micro-batch
+    /// (saved tensors, attention probabilities, logits, recompute slot).
+    pub activations: u64,
+    /// Per rank: the step's K micro-batches of token ids and targets.
+    pub batches: u64,
+    /// Per process: the tokenised data set (train and validation).
+    pub data: u64,
+    /// Per process: the program itself (code, libraries, thread stacks).
+    pub runtime: u64,
+    /// Per process: the kernels' per-thread workspace (GEMM packing buffers
+    /// and the like), [`WORKSPACE_PER_THREAD`] × compute threads.
+    pub workspace: u64,
+}
+
+/// Bytes of kernel workspace per compute thread: what the measured peak of
+/// small runs exceeds everything else by (≈ 8 MiB with 2 threads on an AMD
+/// EPYC; scripts/memory-table.sh), i.e. the GEMM's packing buffers.
+pub const WORKSPACE_PER_THREAD: u64 = 4 << 20;
+
+impl Estimate {
+    /// One rank's bytes.
+    pub fn per_rank(&self) -> u64 {
+        self.params
+            + self.master
+            + self.grads
+            + self.optimizer
+            + self.comm_buffers
+            + self.comm_staging
+            + self.activations
+            + self.batches
+    }
+
+    /// One process's bytes: its ranks plus what they share.
+    pub fn per_process(&self) -> u64 {
+        self.per_rank() * self.knobs.ranks_per_process as u64
+            + self.comm_shared
+            + self.data
+            + self.runtime
+            + self.workspace
+    }
+}
+
+/// The process's resident size before a run allocates anything: measured
+/// on this very binary (same code, same libraries) at start-up.
+pub fn runtime_bytes() -> u64 {
+    static AT_START: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *AT_START.get_or_init(|| memory::read_kib("/proc/self/status", "VmRSS:").unwrap_or(8 << 20))
+}
+
+/// Per-rank and per-process bytes of `plan` with `knobs`.
+pub fn estimate(plan: &Plan, knobs: Knobs) -> Result<Estimate> {
+    let cfg = &plan.cfg;
+    let build = Build { precision: knobs.precision, checkpointing: knobs.checkpointing };
+    let mut model = plan.family.build(build)?;
+    apply_trainable(&mut model, &crate::train::trainable_patterns(cfg))?;
+    let zero = ZeroConfig { stage: knobs.zero_stage, reduce_every_micro_step: knobs.reduce_every_micro_step };
+    let slots = cfg.optim.name.state_slots(cfg.optim.momentum) as usize;
+    let bucket_elems = crate::train::bucket_elems(cfg);
+    let report = Trainer::planned_memory(&model, zero, knobs.world_size, knobs.precision, slots, bucket_elems)?;
+    // What the communicator stages: thread ranks keep an f64 copy of their
+    // largest contribution in their slot, and the group one f64 result;
+    // MPI keeps an f32 staging buffer of the largest collective.
+    let max = report.max_collective_elems as u64;
+    let (comm_staging, comm_shared) = match knobs.backend {
+        Backend::Single => (0, 0),
+        Backend::Threads => (8 * max, 8 * max),
+        Backend::Mpi => (4 * max, 0),
+    };
+    let seq_len = plan.train.seq_len();
+    let per_step = knobs.micro * knobs.world_size;
+    let accumulation_steps = plan.batch.global / per_step.max(1);
+    let activations = plan.family.activation_bytes(knobs.micro, seq_len, build);
+    let tokens = (plan.train.n_samples() + plan.val.n_samples()) as u64 * seq_len as u64;
+    Ok(Estimate {
+        knobs,
+        accumulation_steps,
+        params: report.params as u64,
+        master: report.master as u64,
+        grads: report.grads as u64,
+        optimizer: report.optimizer as u64,
+        comm_buffers: report.comm_buffers as u64,
+        comm_staging,
+        comm_shared,
+        activations: u64::try_from(activations).unwrap_or(u64::MAX),
+        // inputs (u32) and targets (i32) of K micro-batches.
+        batches: 8 * (accumulation_steps * knobs.micro * seq_len) as u64,
+        data: 4 * tokens,
+        runtime: runtime_bytes(),
+        workspace: WORKSPACE_PER_THREAD
+            * if cfg.train.threads > 0 { cfg.train.threads } else { rayon::current_num_threads() } as u64,
+    })
+}
+
+/// Micro-batch sizes that keep the global batch: `micro · W` divides it.
+pub fn micro_candidates(global: usize, world_size: usize) -> Vec<usize> {
+    let per_rank = if global.is_multiple_of(world_size.max(1)) { global / world_size.max(1) } else { 0 };
+    (1..=per_rank).rev().filter(|&m| per_rank.is_multiple_of(m)).collect()
+}
+
+/// The largest micro-batch whose per-process bytes fit `budget`, if any.
+pub fn largest_fitting(plan: &Plan, knobs: Knobs, budget: u64) -> Result<Option<Estimate>> {
+    for micro in micro_candidates(plan.batch.global, knobs.world_size) {
+        let e = estimate(plan, Knobs { micro, ..knobs })?;
+        if e.per_process() <= budget {
+            return Ok(Some(e));
+        }
+    }
+    Ok(None)
+}
+
+/// Bytes as `12.3 GiB`.
+pub fn human(b: u64) -> String {
+    let b = b as f64;
+    if b >= (1u64 << 30) as f64 {
+        format!("{:.2} GiB", b / (1u64 << 30) as f64)
+    } else {
+        format!("{:.1} MiB", b / (1u64 << 20) as f64)
+    }
+}
+
+/// One alternative the plan suggests.
+#[derive(Debug, Serialize)]
+pub struct Alternative {
+    /// What to change (as config settings).
+    pub change: String,
+    /// Its largest fitting micro-batch and bytes, if it fits at all.
+    pub fits: Option<Estimate>,
+    /// Its bytes per process at micro-batch 1.
+    pub at_micro_1: u64,
+}
+
+/// What `macrobatch plan` reports.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    /// Model family and shape.
+    pub model: String,
+    /// Parameters.
+    pub n_params: u128,
+    /// Sequence length.
+    pub seq_len: usize,
+    /// The global batch (kept fixed).
+    pub global_batch: usize,
+    /// Bytes available per process (given or detected) and the budget (a share of it).
+    pub memory: u64,
+    /// The budget (by default 90% of `memory`).
+    pub budget: u64,
+    /// The configuration as given.
+    pub configured: Estimate,
+    /// Whether it fits the budget.
+    pub configured_fits: bool,
+    /// The largest micro-batch that fits with the configuration's other settings.
+    pub best: Option<Estimate>,
+    /// Other settings, each with its own largest micro-batch.
+    pub alternatives: Vec<Alternative>,
+    /// Learning-rate advice for a different global batch than the base.
+    pub lr_advice: Option<LrAdvice>,
+}
+
+/// The tutorials' advice for a changed global batch: linear scaling for
+/// SGD, square-root scaling for Adam-family optimizers, and a warmup of 3–10%
+/// of the steps. Advice only: nothing is applied.
+#[derive(Debug, Serialize)]
+pub struct LrAdvice {
+    /// The batch the configured learning rate was tuned for.
+    pub base_batch: usize,
+    /// The configured learning rate.
+    pub base_lr: f32,
+    /// lr × global / base.
+    pub linear: f32,
+    /// lr × √(global / base).
+    pub sqrt: f32,
+    /// 3% and 10% of train.steps.
+    pub warmup_steps: (u64, u64),
+}
+
+/// The whole report for `plan` with `memory` bytes per process, of which
+/// `budget` may be used.
+pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: Option<usize>) -> Result<Report> {
+    let configured = estimate(plan, knobs)?;
+    let best = largest_fitting(plan, knobs, budget)?;
+    let mut variants: Vec<(String, Knobs)> = Vec::new();
+    if knobs.checkpointing != Checkpointing::Blocks {
+        variants.push((
+            "train.activation_checkpointing = \"blocks\"".into(),
+            Knobs { checkpointing: Checkpointing::Blocks, ..knobs },
+        ));
+    }
+    if knobs.precision == Precision::F32 {
+        variants.push(("train.precision = \"bf16\"".into(), Knobs { precision: Precision::Bf16, ..knobs }));
+    }
+    if knobs.world_size > 1 {
+        for stage in knobs.zero_stage + 1..=3 {
+            variants.push((
+                format!("dist.zero_stage = {stage}"),
+                Knobs { zero_stage: stage, reduce_every_micro_step: false, ..knobs },
+            ));
+        }
+    }
+    let w2 = knobs.world_size * 2;
+    if plan.batch.global.is_multiple_of(w2) {
+        let stage = knobs.zero_stage.max(3);
+        variants.push((
+            format!("{w2} ranks (one per process) with dist.zero_stage = {stage}"),
+            Knobs {
+                world_size: w2,
+                ranks_per_process: 1,
+                backend: Backend::Mpi,
+                zero_stage: stage,
+                reduce_every_micro_step: false,
+                ..knobs
+            },
+        ));
+    }
+    variants.push((
+        "all of: checkpointing blocks, bf16".into(),
+        Knobs { checkpointing: Checkpointing::Blocks, precision: Precision::Bf16, ..knobs },
+    ));
+    let mut alternatives = Vec::new();
+    for (change, k) in variants {
+        let fits = largest_fitting(plan, k, budget)?;
+        let at_micro_1 = estimate(plan, Knobs { micro: 1, ..k })?.per_process();
+        alternatives.push(Alternative { change, fits, at_micro_1 });
+    }
+    let cfg = &plan.cfg;
+    let lr_advice = base_batch.filter(|&b| b != plan.batch.global && b > 0).map(|b| {
+        let ratio = plan.batch.global as f32 / b as f32;
+        LrAdvice {
+            base_batch: b,
+            base_lr: cfg.optim.lr,
+            linear: cfg.optim.lr * ratio,
+            sqrt: cfg.optim.lr * ratio.sqrt(),
+            warmup_steps: (
+                (cfg.train.steps as f64 * 0.03).ceil() as u64,
+                (cfg.train.steps as f64 * 0.10).ceil() as u64,
+            ),
+        }
+    });
+    Ok(Report {
+        model: format!("{} {} ({})", plan.family.name(), cfg.model.preset, plan.family.describe()),
+        n_params: plan.family.n_params(),
+        seq_len: plan.train.seq_len(),
+        global_batch: plan.batch.global,
+        memory,
+        budget,
+        configured_fits: configured.per_process() <= budget,
+        configured,
+        best,
+        alternatives,
+        lr_advice,
+    })
+}
+
+fn describe(e: &Estimate) -> String {
+    let k = &e.knobs;
+    format!(
+        "micro {} × K {} × W {} | ZeRO {} | {} | checkpointing {}",
+        k.micro, e.accumulation_steps, k.world_size, k.zero_stage, k.precision, k.checkpointing
+    )
+}
+
+/// The report as text.
+pub fn render(r: &Report) -> String {
+    let mut out = String::new();
+    let e = &r.configured;
+    out += &format!(
+        "{}: {} parameters, seq {}, global batch {}\nmemory per process {} (budget {})\n\nconfigured: {}\n",
+        r.model,
+        r.n_params,
+        r.seq_len,
+        r.global_batch,
+        human(r.memory),
+        human(r.budget),
+        describe(e)
+    );
+    for (what, b) in [
+        ("parameters (model copy)", e.params),
+        ("master weights (f32)", e.master),
+        ("gradients", e.grads),
+        ("optimizer state", e.optimizer),
+        ("collective buffers", e.comm_buffers),
+        ("communicator staging", e.comm_staging),
+        ("activations (one micro-batch)", e.activations),
+        ("micro-batches of the step", e.batches),
+    ] {
+        out += &format!("  per rank    {what:<32} {:>12}\n", human(b));
+    }
+    out += &format!("  per rank    {:<32} {:>12}\n", "total", human(e.per_rank()));
+    out += &format!("  per process {:<32} {:>12}\n", "shared collective result", human(e.comm_shared));
+    out += &format!("  per process {:<32} {:>12}\n", "data set", human(e.data));
+    out += &format!("  per process {:<32} {:>12}\n", "program", human(e.runtime));
+    out += &format!("  per process {:<32} {:>12}\n", "kernel workspace", human(e.workspace));
+    out += &format!(
+        "  per process {:<32} {:>12}  ({} rank(s)) — {}\n\n",
+        "total",
+        human(e.per_process()),
+        e.knobs.ranks_per_process,
+        if r.configured_fits { "fits" } else { "DOES NOT FIT" }
+    );
+    match &r.best {
+        Some(b) => {
+            out += &format!("largest micro-batch that fits: {} → {} per process\n", describe(b), human(b.per_process()))
+        }
+        None => out += "no micro-batch fits with these settings (not even 1)\n",
+    }
+    out += "\nalternatives (global batch unchanged):\n";
+    for a in &r.alternatives {
+        match &a.fits {
+            Some(f) => out += &format!("  {:<58} fits: {} ({})\n", a.change, describe(f), human(f.per_process())),
+            None => out += &format!("  {:<58} does not fit ({} at micro 1)\n", a.change, human(a.at_micro_1)),
+        }
+    }
+    if let Some(l) = &r.lr_advice {
+        out += &format!(
+            "\nlearning rate for global batch {} instead of {} (advice, not applied): linear (SGD) {:.3e}, square-root (Adam family) {:.3e}; warm up over {}–{} steps (3–10%)\n",
+            r.global_batch, l.base_batch, l.linear, l.sqrt, l.warmup_steps.0, l.warmup_steps.1
+        );
+    }
+    out
+}
+
+/// `macrobatch plan`.
+pub fn run(args: crate::PlanArgs) -> Result<()> {
+    runtime_bytes();
+    let mut cfg = crate::train::load_config(args.config.as_deref(), &args.set)?;
+    if let Some(w) = args.world_size {
+        cfg.dist.world_size = w;
+    }
+    let world = cfg.dist.world_size;
+    let backend = if world > 1 { crate::dist::Backend::Threads(world) } else { crate::dist::Backend::Single };
+    let plan = crate::train::plan(cfg, backend)?;
+    let mut knobs = Knobs::of(&plan);
+    if args.world_size.is_some() {
+        // A planned cluster: one rank per process (per GPU / node slot).
+        knobs.ranks_per_process = 1;
+        knobs.backend = if knobs.world_size > 1 { Backend::Mpi } else { Backend::Single };
+    }
+    let memory = match &args.memory {
+        Some(s) => config::parse_bytes(s).map_err(anyhow::Error::msg).context("--memory")?,
+        None => Available::now().bytes().context("cannot read the available memory from /proc; give --memory SIZE")?,
+    };
+    let r = report(&plan, knobs, memory, (memory as f64 * 0.9) as u64, args.base_batch)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        print!("{}", render(&r));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn micro_candidates_keep_the_global_batch() {
+        assert_eq!(micro_candidates(16, 2), [8, 4, 2, 1]);
+        assert_eq!(micro_candidates(12, 1), [12, 6, 4, 3, 2, 1]);
+        assert!(micro_candidates(10, 4).is_empty());
+    }
+}

@@ -1,0 +1,113 @@
+//! The memory wall from the command line: activation checkpointing changes
+//! no loss, `batch.micro = "auto"` keeps the global batch and trains exactly
+//! like the same factorization set by hand, an impossible budget is a clear
+//! error, and `macrobatch plan` reports breakdowns for shapes far beyond
+//! this machine.
+
+mod common;
+use common::*;
+
+fn run_ok(out: &std::path::Path, sets: &[&str]) -> std::process::Output {
+    let o = train(out, sets);
+    assert!(o.status.success(), "{}", stderr(&o));
+    o
+}
+
+#[test]
+fn checkpointing_changes_no_loss_and_lowers_activation_memory() {
+    let base = [SMALL, &["train.steps=4", "train.eval_every=2", "batch.global=8", "batch.micro=4"]].concat();
+    let (a, b) = (tmp("ck-none"), tmp("ck-blocks"));
+    run_ok(&a, &base);
+    run_ok(&b, &[base.as_slice(), &["train.activation_checkpointing=blocks"]].concat());
+    let (ma, mb) = (metrics(&a), metrics(&b));
+    for (x, y) in ma.iter().zip(&mb) {
+        for key in ["loss", "grad_norm", "val_loss"] {
+            assert_eq!(x[key], y[key], "{key} at step {}", x["step"]);
+        }
+    }
+    let act = |m: &serde_json::Value| m["mem_activations"].as_u64().expect("mem_activations");
+    assert!(act(&mb[0]) < act(&ma[0]), "{} >= {}", act(&mb[0]), act(&ma[0]));
+    assert_eq!(weights(&a), weights(&b), "final weights bit-identical");
+    for d in [a, b] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+#[test]
+fn auto_micro_keeps_the_global_batch_and_equals_the_hand_set_factorization() {
+    let base = [SMALL, &["train.steps=3", "train.eval_every=0", "batch.global=16"]].concat();
+    let auto = tmp("auto");
+    let o = run_ok(&auto, &[base.as_slice(), &["batch.micro=auto", "train.memory_budget=2GiB"]].concat());
+    let resolved = std::fs::read_to_string(auto.join("config.resolved.toml")).unwrap();
+    let table: toml::Table = toml::from_str(&resolved).unwrap();
+    let micro = table["batch"]["micro"].as_integer().expect("a number, not \"auto\"");
+    let k = table["batch"]["accumulation_steps"].as_integer().unwrap();
+    assert_eq!((table["batch"]["global"].as_integer(), micro * k), (Some(16), 16), "global batch kept");
+    assert!(stderr(&o).contains("batch.micro = \"auto\": micro"), "{}", stderr(&o));
+    // A 2 GiB budget holds the whole batch of this small model at once.
+    assert_eq!(micro, 16);
+    // A budget that fits only part of the batch: a smaller micro, more steps.
+    let tight = tmp("auto-tight");
+    let budget = "train.memory_budget=60MiB";
+    let o = run_ok(&tight, &[base.as_slice(), &["batch.micro=auto", budget]].concat());
+    let table: toml::Table =
+        toml::from_str(&std::fs::read_to_string(tight.join("config.resolved.toml")).unwrap()).unwrap();
+    let micro = table["batch"]["micro"].as_integer().unwrap();
+    assert!(micro < 16, "60 MiB should not hold micro 16: {}", stderr(&o));
+    let peak = metrics(&tight)[0]["mem_peak_rss"].as_u64().unwrap();
+    assert!(peak <= 60 << 20, "measured peak {peak} over the budget");
+    // The same factorization by hand: bit-identical losses.
+    let hand = tmp("auto-hand");
+    run_ok(&hand, &[base.as_slice(), &[format!("batch.micro={micro}").as_str()]].concat());
+    assert_eq!(losses(&tight), losses(&hand));
+    for d in [auto, tight, hand] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+#[test]
+fn an_impossible_budget_is_a_clear_error_and_leaves_nothing() {
+    let out = tmp("auto-impossible");
+    let o = train(&out, &[SMALL, &["batch.micro=auto", "train.memory_budget=1MiB"]].concat());
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("not even micro-batch 1 fits the memory budget of 1.0 MiB"), "{err}");
+    assert!(err.contains("alternatives (global batch unchanged)"), "{err}");
+    assert!(!out.exists(), "nothing created");
+    let o = train(&out, &["batch.micro=auto", "batch.accumulation_steps=2"]);
+    assert!(stderr(&o).contains("remove batch.accumulation_steps"), "{}", stderr(&o));
+}
+
+#[test]
+fn plan_reports_shapes_beyond_this_machine() {
+    let o = bin()
+        .args(["plan", "--json", "--memory", "80GiB", "--world-size", "8"])
+        .args(["--set", "model.preset=gpt2-xl", "--set", "batch.global=512", "--set", "batch.micro=1"])
+        .args(["--set", "data.seq_len=1024", "--set", "dist.zero_stage=3", "--base-batch", "256"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(r["n_params"], 1_557_611_200u64);
+    let c = &r["configured"];
+    // ZeRO-3 over 8 ranks: 16 bytes per parameter / 8 (+ padding), f32 AdamW.
+    let states = ["params", "grads", "optimizer"].iter().map(|k| c[k].as_u64().unwrap()).sum::<u64>();
+    let want = 16 * 1_557_611_200u64 / 8;
+    assert!(states >= want && states < want + (1 << 20), "{states} vs {want}");
+    assert!(c["comm_buffers"].as_u64().unwrap() > 0, "stage 3 gathers a segment");
+    assert_eq!(
+        r["best"]["knobs"]["micro"].as_u64().unwrap() * r["best"]["accumulation_steps"].as_u64().unwrap() * 8,
+        512
+    );
+    let lr = &r["lr_advice"];
+    assert!((lr["sqrt"].as_f64().unwrap() / lr["base_lr"].as_f64().unwrap() - 2f64.sqrt()).abs() < 1e-6);
+    // Text output names every component.
+    let o = bin().args(["plan", "--memory", "8GiB"]).output().unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    for line in ["optimizer state", "activations (one micro-batch)", "largest micro-batch that fits", "alternatives"] {
+        assert!(text.contains(line), "{line}: {text}");
+    }
+    let o = bin().args(["plan", "--memory", "lots"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("not a size"), "{}", stderr(&o));
+}
