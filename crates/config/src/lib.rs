@@ -422,7 +422,7 @@ pub struct TrainConfig {
     /// Memory per process that `batch.micro = "auto"` plans against: a size
     /// (`"12GiB"`, `"800MB"`, bytes) or a fraction of the memory available
     /// at start (`"0.8"`). Unset: 90% of what is available.
-    pub memory_budget: Option<String>,
+    pub memory_budget: Option<Budget>,
     /// f16: stop with an error after this many consecutive skipped steps at
     /// `min_loss_scale` (the run cannot make progress); 0 never stops.
     pub max_skips_at_min_scale: u64,
@@ -589,9 +589,6 @@ impl Config {
                 "window and hysteresis must be at least 1",
             ));
         }
-        if let Some(b) = &t.memory_budget {
-            parse_budget(b).map_err(|rule| invalid("train.memory_budget", format!("\"{b}\""), &rule))?;
-        }
         if t.threads > 4096 {
             return Err(invalid("train.threads", t.threads, "must be at most 4096 (0: all cores)"));
         }
@@ -667,6 +664,48 @@ pub enum Budget {
     Bytes(u64),
     /// A share of what is available.
     Fraction(f64),
+}
+
+impl Serialize for Budget {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Budget::Bytes(b) => s.serialize_u64(*b),
+            Budget::Fraction(f) => s.serialize_f64(*f),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Budget {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = Budget;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a size (\"80GiB\", \"512MiB\", bytes) or a fraction of the available memory (0.8)")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Budget, E> {
+                if v == 0 {
+                    return Err(E::custom("a memory budget of 0 bytes fits nothing"));
+                }
+                Ok(Budget::Bytes(v))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Budget, E> {
+                u64::try_from(v).map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(v), &self))?;
+                self.visit_u64(v as u64)
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Budget, E> {
+                if v > 0.0 && v <= 1.0 {
+                    Ok(Budget::Fraction(v))
+                } else {
+                    Err(E::invalid_value(serde::de::Unexpected::Float(v), &self))
+                }
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Budget, E> {
+                parse_budget(v).map_err(E::custom)
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// Parses a [`Budget`]; the error says what is accepted.
@@ -870,7 +909,7 @@ mod tests {
             ("optim.name=\"lamb\"", "name", "`adamw` or `sgd`"),
             ("schedule.kind=\"step\"", "kind", "`constant`"),
             ("train.loss_normalization=\"mean\"", "loss_normalization", "`token` or `micro_batch_mean`"),
-            ("data.format=\"csv\"", "format", "one of `text`, `u16`, `u32`"),
+            ("data.format=\"csv\"", "format", "`u16`, `u32`"),
         ] {
             let e = parse("", &[bad]).unwrap_err().to_string();
             assert!(e.contains(key) && e.contains(choices), "{bad}: {e}");
@@ -887,8 +926,18 @@ mod tests {
         }
         assert_eq!(parse_budget("0.8"), Ok(Budget::Fraction(0.8)));
         assert_eq!(parse_budget("2GiB"), Ok(Budget::Bytes(2 << 30)));
-        let e = parse("", &["train.memory_budget=\"1.5\""]).unwrap().validate().unwrap_err().to_string();
-        assert!(e.contains("train.memory_budget"), "{e}");
+        let e = parse("", &["train.memory_budget=\"1.5\""]).unwrap_err().to_string();
+        assert!(e.contains("memory_budget") && e.contains("a fraction of the available memory"), "{e}");
+        for (set, want) in [
+            ("train.memory_budget=0.5", Budget::Fraction(0.5)),
+            ("train.memory_budget=4096", Budget::Bytes(4096)),
+            ("train.memory_budget=\"2GiB\"", Budget::Bytes(2 << 30)),
+        ] {
+            let c = parse("", &[set]).unwrap();
+            assert_eq!(c.train.memory_budget, Some(want), "{set}");
+            assert_eq!(parse(&c.to_toml(), &[]).unwrap(), c, "{set} round-trips");
+        }
+        assert!(parse("", &["train.memory_budget=0"]).is_err());
         let c = parse("", &["batch.micro=\"auto\""]).unwrap();
         assert_eq!(c.batch.micro, Some(Micro::Auto));
         assert!(c.batch.resolve(1).unwrap_err().to_string().contains("memory planner"));

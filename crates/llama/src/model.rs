@@ -13,7 +13,8 @@ use crate::kernels::{self, columns, GqaShape, Rope};
 use crate::lora::LoraConfig;
 use engine::rng::SplitMix64;
 use engine::{
-    FullStore, GradOut, MicroStepStats, Model, ParamLayout, ParamStore, Precision, SegmentGrads, SegmentView,
+    Checkpointing, FullStore, GradOut, MicroStepStats, Model, ParamLayout, ParamStore, Precision, SegmentGrads,
+    SegmentView,
 };
 use gpt::kernels::{gemm_into, parallelism, Strided};
 use std::ops::Range;
@@ -287,6 +288,13 @@ impl SavedLayer {
         SavedLayer { large: sizes.map(|n| SavedTensor::new(precision, n)), rstd: [vec![0.0; n], vec![0.0; n]], xa }
     }
 
+    /// What a recomputed layer keeps: its output alone (the next layer's input).
+    fn output_only(precision: Precision, d: &Dims) -> Self {
+        let mut sv = SavedLayer { large: Default::default(), rstd: Default::default(), xa: Default::default() };
+        sv.large[OUT] = SavedTensor::new(precision, d.n * d.c);
+        sv
+    }
+
     fn bytes(&self) -> usize {
         self.large.iter().chain(&self.xa).map(SavedTensor::bytes).sum::<usize>()
             + 4 * self.rstd.iter().map(Vec::len).sum::<usize>()
@@ -338,6 +346,21 @@ struct Bufs {
 }
 
 impl Bufs {
+    fn new(d: &Dims) -> Self {
+        let (n, c, f, qkvw) = (d.n, d.c, d.f, d.gqa.qkv_width());
+        let z = |n: usize| vec![0.0f32; n];
+        Bufs {
+            dres: z(n * c),
+            dc: z(n * c),
+            dqkv: z(n * qkvw),
+            datt: z(d.att_len()),
+            dgu: z(n * 2 * f),
+            dm: z(n * f),
+            dxa: z(n * d.r),
+            heads: z(n * qkvw),
+        }
+    }
+
     fn len(&self) -> usize {
         [&self.dres, &self.dc, &self.dqkv, &self.datt, &self.dgu, &self.dm, &self.dxa, &self.heads]
             .iter()
@@ -383,10 +406,32 @@ struct Acts {
     logits: Vec<f32>,
     losses: Vec<f32>,
     bufs: Bufs,
+    /// Which layers a training pass recomputes.
+    checkpointing: Checkpointing,
+    /// With checkpointing: where a recomputed layer lives (and every layer
+    /// of a forward-only pass).
+    recompute: Option<Recompute>,
+}
+
+/// One layer's activations, recomputed just before its backward, with
+/// working buffers of its own (the backward's are busy then).
+#[derive(Debug)]
+struct Recompute {
+    sv: SavedLayer,
+    bufs: Bufs,
+    /// The layer's input (then its output).
+    x: Vec<f32>,
 }
 
 impl Acts {
-    fn new(cfg: &LlamaConfig, precision: Precision, d: &Dims, adapters: Option<Adapters>, n_slots: usize) -> Self {
+    fn new(
+        cfg: &LlamaConfig,
+        precision: Precision,
+        d: &Dims,
+        adapters: Option<Adapters>,
+        n_slots: usize,
+        checkpointing: Checkpointing,
+    ) -> Self {
         let (b, t) = (d.gqa.b, d.gqa.t);
         let (n, c, f, qkvw) = (d.n, d.c, d.f, d.gqa.qkv_width());
         let z = |n: usize| vec![0.0f32; n];
@@ -396,7 +441,15 @@ impl Acts {
             t,
             precision,
             rope: Rope::new(t, cfg.head_dim, cfg.rope_theta),
-            saved: (0..n_slots).map(|_| SavedLayer::new(precision, d, adapters)).collect(),
+            saved: (0..n_slots)
+                .map(|i| {
+                    if checkpointing.recomputes(i) {
+                        SavedLayer::output_only(precision, d)
+                    } else {
+                        SavedLayer::new(precision, d, adapters)
+                    }
+                })
+                .collect(),
             saved_embed: SavedTensor::new(precision, n * c),
             x: z(n * c),
             u: if low { z(n * c.max(qkvw).max(2 * f)) } else { Vec::new() },
@@ -406,21 +459,20 @@ impl Acts {
             rstd_f: z(n),
             logits: Vec::new(),
             losses: z(n),
-            bufs: Bufs {
-                dres: z(n * c),
-                dc: z(n * c),
-                dqkv: z(n * qkvw),
-                datt: z(d.att_len()),
-                dgu: z(n * 2 * f),
-                dm: z(n * f),
-                dxa: z(n * d.r),
-                heads: z(n * qkvw),
-            },
+            bufs: Bufs::new(d),
+            checkpointing,
+            recompute: checkpointing.is_on().then(|| Recompute {
+                sv: SavedLayer::new(precision, d, adapters),
+                bufs: Bufs::new(d),
+                x: z(n * c),
+            }),
         }
     }
 
     fn saved_bytes(&self) -> usize {
-        self.saved.iter().map(SavedLayer::bytes).sum::<usize>() + self.saved_embed.bytes()
+        self.saved.iter().map(SavedLayer::bytes).sum::<usize>()
+            + self.saved_embed.bytes()
+            + self.recompute.as_ref().map_or(0, |r| r.sv.bytes())
     }
 
     /// Bytes held (activations and scratch), for memory accounting.
@@ -430,7 +482,8 @@ impl Acts {
             .chain([&self.logits, &self.losses].iter())
             .map(|v| v.len())
             .sum::<usize>();
-        self.saved_bytes() + 4 * (rest + self.bufs.len())
+        let recompute = self.recompute.as_ref().map_or(0, |r| r.bufs.len() + r.x.len());
+        self.saved_bytes() + 4 * (rest + self.bufs.len() + recompute)
     }
 }
 
@@ -645,6 +698,7 @@ pub struct Llama {
     layout: ParamLayout,
     ranges: ParamRanges,
     precision: Precision,
+    checkpointing: Checkpointing,
     acts: Acts,
 }
 
@@ -676,7 +730,8 @@ impl Llama {
             None => None,
         };
         let (layout, ranges) = build_layout(&cfg, adapters);
-        Ok(Self { cfg, lora, adapters, layout, ranges, precision, acts: Acts::default() })
+        let checkpointing = Checkpointing::None;
+        Ok(Self { cfg, lora, adapters, layout, ranges, precision, checkpointing, acts: Acts::default() })
     }
 
     /// The model's shape.
@@ -720,12 +775,17 @@ impl Llama {
         // tensors (5C + qkv + 3F per row), LoRA's x·Aᵀ per adapted
         // projection, two f32 1/rms per row.
         let layer = elem * (5 * n * c + n * qkvw + att + 3 * n * f + n_xa * n * r) + 4 * 2 * n;
-        let saved = w(cfg.n_layer) * layer + elem * n * c;
+        // A recomputed layer keeps its output alone; one shared slot (a
+        // full layer, its own working buffers and input) recomputes.
+        let ck = self.checkpointing;
+        let n_recomputed = (0..cfg.n_layer).filter(|&i| ck.recomputes(i)).count() as u128;
+        let bufs = 2 * n * c + 2 * n * qkvw + att + 3 * n * f + n * r;
+        let slot = if ck.is_on() { layer + 4 * (bufs + n * c) } else { 0 };
+        let saved = (w(cfg.n_layer) - n_recomputed) * layer + n_recomputed * elem * n * c + slot + elem * n * c;
         // f32: RoPE tables (t × head_dim), x, final norm output and 1/rms,
         // logits, losses; 16-bit staging; the working buffers (`Bufs`).
         let staging = if low { n * c.max(qkvw).max(2 * f) + att + n * r } else { 0 };
         let rest = w(t) * w(cfg.head_dim / 2) * 2 + n * c + n * c + n + n * v + n + staging;
-        let bufs = 2 * n * c + 2 * n * qkvw + att + 3 * n * f + n * r;
         saved + 4 * (rest + bufs)
     }
 
@@ -834,10 +894,20 @@ impl Llama {
     fn ensure_acts(&mut self, b: usize, t: usize, pass: Pass) {
         let n_slots = if pass == Pass::Train { self.cfg.n_layer } else { 1 };
         let a = &self.acts;
-        if a.b != b || a.t != t || a.precision != self.precision || a.saved.len() < n_slots {
+        let same = a.precision == self.precision && a.checkpointing == self.checkpointing;
+        if a.b != b || a.t != t || !same || a.saved.len() < n_slots {
             let d = self.dims(b, t);
-            self.acts = Acts::new(&self.cfg, self.precision, &d, self.adapters, n_slots);
+            self.acts = Acts::new(&self.cfg, self.precision, &d, self.adapters, n_slots, self.checkpointing);
         }
+    }
+
+    /// The same model recomputing the layers `checkpointing` selects in
+    /// backward (keeping only their outputs in forward). Gradients are
+    /// bit-identical: the same kernels run on the same inputs.
+    pub fn with_checkpointing(mut self, checkpointing: Checkpointing) -> Self {
+        self.checkpointing = checkpointing;
+        self.acts = Acts::default();
+        self
     }
 
     /// Segment of the head: the embedding's (tied) or the final norm's.
@@ -877,9 +947,23 @@ impl Llama {
         for idx in 0..self.cfg.n_layer {
             let seg = store.segment(1 + idx)?;
             let acts = &mut self.acts;
-            let slot = if pass == Pass::Train { idx } else { 0 };
-            let (r, sv) = (&self.ranges.layer_rel, &mut acts.saved[slot]);
-            block_forward(&self.cfg, r, seg.params, &mut acts.x, sv, &mut acts.bufs, &acts.rope, &d, prec);
+            let r = &self.ranges.layer_rel;
+            let train = pass == Pass::Train;
+            match acts.recompute.as_mut() {
+                // Recomputed in backward (or a forward-only pass): the
+                // shared slot; a training pass keeps the output alone.
+                Some(rc) if !train || self.checkpointing.recomputes(idx) => {
+                    let sv = &mut rc.sv;
+                    block_forward(&self.cfg, r, seg.params, &mut acts.x, sv, &mut acts.bufs, &acts.rope, &d, prec);
+                    if train {
+                        std::mem::swap(&mut rc.sv.large[OUT], &mut acts.saved[idx].large[OUT]);
+                    }
+                }
+                _ => {
+                    let sv = &mut acts.saved[if train { idx } else { 0 }];
+                    block_forward(&self.cfg, r, seg.params, &mut acts.x, sv, &mut acts.bufs, &acts.rope, &d, prec);
+                }
+            }
             store.done(1 + idx, false)?;
         }
         let norm_seg = self.norm_seg();
@@ -954,8 +1038,21 @@ impl Llama {
             let SegmentView { params, mut grads } = store.segment(1 + idx)?;
             let acts = &mut self.acts;
             let x = if idx == 0 { &acts.saved_embed } else { &acts.saved[idx - 1].large[OUT] };
-            let saved = SavedView { sv: &acts.saved[idx], x, u: &mut acts.u, v: &mut acts.v, w: &mut acts.w, prec };
             let r = &self.ranges.layer_rel;
+            let sv = match acts.recompute.as_mut().filter(|_| self.checkpointing.recomputes(idx)) {
+                // The layer's forward again, on its saved input, with the same kernels.
+                Some(rc) => {
+                    match x {
+                        SavedTensor::F32(v) => rc.x.copy_from_slice(v),
+                        SavedTensor::Low(v) => prec.decode(v, &mut rc.x),
+                    }
+                    let (cfg, rope) = (&self.cfg, &acts.rope);
+                    block_forward(cfg, r, params, &mut rc.x, &mut rc.sv, &mut rc.bufs, rope, &d, prec);
+                    &rc.sv
+                }
+                None => &acts.saved[idx],
+            };
+            let saved = SavedView { sv, x, u: &mut acts.u, v: &mut acts.v, w: &mut acts.w, prec };
             block_backward(&self.cfg, r, params, &mut grads, saved, &mut acts.bufs, &acts.rope, &d);
             store.done(1 + idx, true)?;
         }

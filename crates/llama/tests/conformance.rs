@@ -35,6 +35,8 @@ struct LlamaFamily {
     /// 12 sequences; sequence i ignores its first i mod 5 targets, so
     /// samples hold different numbers of targets.
     seqs: Vec<(Vec<u32>, Vec<i32>)>,
+    /// Activation checkpointing of the model under test.
+    checkpointing: engine::Checkpointing,
 }
 
 impl LlamaFamily {
@@ -51,7 +53,7 @@ impl LlamaFamily {
                 (toks[..T].to_vec(), targets)
             })
             .collect();
-        Self { cfg: cfg(tied), lora, seqs }
+        Self { cfg: cfg(tied), lora, seqs, checkpointing: engine::Checkpointing::None }
     }
 }
 
@@ -64,6 +66,7 @@ impl Family for LlamaFamily {
             None => Llama::new(self.cfg.clone()),
         }
         .expect("valid config")
+        .with_checkpointing(self.checkpointing)
     }
 
     /// The model's initialisation plus N(0, σ) noise, so that every path
@@ -136,4 +139,18 @@ fn tied_llama_passes_the_conformance_suite() {
 fn lora_llama_with_a_frozen_base_passes_the_conformance_suite() {
     let lora = LoraConfig::new(2, 4.0, &["all-linear"]);
     conformance::run_all(&LlamaFamily::new(false, Some(lora))).unwrap();
+}
+
+/// Recomputing layers in backward keeps every property (ZeRO-3 gathers a
+/// layer again for its recomputation; frozen LoRA bases are recomputed too).
+#[test]
+fn llama_with_activation_checkpointing_passes_the_conformance_suite() {
+    for ck in [engine::Checkpointing::Blocks, engine::Checkpointing::EveryK(2)] {
+        let mut f = LlamaFamily::new(true, None);
+        f.checkpointing = ck;
+        conformance::run_all(&f).unwrap();
+    }
+    let mut f = LlamaFamily::new(false, Some(LoraConfig::new(2, 4.0, &["all-linear"])));
+    f.checkpointing = engine::Checkpointing::Blocks;
+    conformance::run_all(&f).unwrap();
 }

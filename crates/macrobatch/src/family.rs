@@ -116,6 +116,10 @@ pub trait Family: Send + Sync {
     /// Bytes of activations and backward scratch one rank allocates for a
     /// micro-batch of `micro` sequences of `seq_len` tokens (a lower bound).
     fn activation_bytes(&self, micro: usize, seq_len: usize, build: Build) -> u128;
+    /// Whether the family's model can recompute blocks (activation checkpointing).
+    fn supports_checkpointing(&self) -> bool {
+        true
+    }
     /// The model, storing activations as `build` says (no activation
     /// memory is allocated before the first batch).
     fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>>;
@@ -130,7 +134,7 @@ pub trait Family: Send + Sync {
     fn load_weights(&self, dir: &Path, layout: &ParamLayout) -> Result<Vec<f32>>;
     /// The parameters to start from, given a pretrained model's (same
     /// shape): themselves, or with adapters initialised from `seed` added.
-    fn from_pretrained(&self, params: Vec<f32>, seed: u64) -> Result<Vec<f32>> {
+    fn start_from_pretrained(&self, params: Vec<f32>, seed: u64) -> Result<Vec<f32>> {
         let _ = seed;
         Ok(params)
     }
@@ -224,7 +228,7 @@ impl LlamaFamily {
             n_layer: m.n_layer.unwrap_or(base.n_layer),
             n_head,
             n_kv_head: m.n_kv_head.unwrap_or(base.n_kv_head),
-            head_dim: if n_head > 0 { hidden / n_head } else { 0 },
+            head_dim: hidden.checked_div(n_head).unwrap_or(0),
             rms_norm_eps: m.rms_norm_eps.unwrap_or(base.rms_norm_eps),
             rope_theta: m.rope_theta.unwrap_or(base.rope_theta),
             max_position_embeddings: m.block_size.unwrap_or(base.max_position_embeddings),
@@ -301,19 +305,14 @@ impl Family for LlamaFamily {
 
     fn activation_bytes(&self, micro: usize, seq_len: usize, build: Build) -> u128 {
         match Self::build_with(&self.cfg, self.lora.as_ref(), build.precision) {
-            Ok(m) => m.planned_activation_bytes(micro, seq_len),
+            Ok(m) => m.with_checkpointing(build.checkpointing).planned_activation_bytes(micro, seq_len),
             Err(_) => u128::MAX,
         }
     }
 
     fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>> {
-        if build.checkpointing.is_on() {
-            bail!(
-                "train.activation_checkpointing = \"{}\" is not implemented for model.family = \"llama\" yet; use \"none\"",
-                build.checkpointing
-            );
-        }
-        Ok(Box::new(Erased(Self::build_with(&self.cfg, self.lora.as_ref(), build.precision)?)))
+        let model = Self::build_with(&self.cfg, self.lora.as_ref(), build.precision)?;
+        Ok(Box::new(Erased(model.with_checkpointing(build.checkpointing))))
     }
 
     fn init_segment(&self, seed: u64, seg: usize) -> Vec<f32> {
@@ -340,7 +339,7 @@ impl Family for LlamaFamily {
         Ok(())
     }
 
-    fn from_pretrained(&self, params: Vec<f32>, seed: u64) -> Result<Vec<f32>> {
+    fn start_from_pretrained(&self, params: Vec<f32>, seed: u64) -> Result<Vec<f32>> {
         let n = self.model.layout().n_params();
         match &self.lora {
             Some(_) if params.len() != n => Ok(llama::lora::attach(&self.model, &params, seed)?),

@@ -148,7 +148,9 @@ pub fn runtime_bytes() -> u64 {
 pub fn estimate(plan: &Plan, knobs: Knobs) -> Result<Estimate> {
     let cfg = &plan.cfg;
     let build = Build { precision: knobs.precision, checkpointing: knobs.checkpointing };
-    let mut model = plan.family.build(build)?;
+    // The layout does not depend on checkpointing (a family without it
+    // still gets planned; `train` refuses to run it).
+    let mut model = plan.family.build(Build { checkpointing: Checkpointing::None, ..build })?;
     apply_trainable(&mut model, &crate::train::trainable_patterns(cfg))?;
     let zero = ZeroConfig { stage: knobs.zero_stage, reduce_every_micro_step: knobs.reduce_every_micro_step };
     let slots = cfg.optim.name.state_slots(cfg.optim.momentum) as usize;
@@ -276,7 +278,7 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
     let configured = estimate(plan, knobs)?;
     let best = largest_fitting(plan, knobs, budget)?;
     let mut variants: Vec<(String, Knobs)> = Vec::new();
-    if knobs.checkpointing != Checkpointing::Blocks {
+    if knobs.checkpointing != Checkpointing::Blocks && plan.family.supports_checkpointing() {
         variants.push((
             "train.activation_checkpointing = \"blocks\"".into(),
             Knobs { checkpointing: Checkpointing::Blocks, ..knobs },
@@ -308,10 +310,12 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
             },
         ));
     }
-    variants.push((
-        "all of: checkpointing blocks, bf16".into(),
-        Knobs { checkpointing: Checkpointing::Blocks, precision: Precision::Bf16, ..knobs },
-    ));
+    if plan.family.supports_checkpointing() {
+        variants.push((
+            "all of: checkpointing blocks, bf16".into(),
+            Knobs { checkpointing: Checkpointing::Blocks, precision: Precision::Bf16, ..knobs },
+        ));
+    }
     let mut alternatives = Vec::new();
     for (change, k) in variants {
         let fits = largest_fitting(plan, k, budget)?;

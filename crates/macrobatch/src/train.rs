@@ -119,11 +119,10 @@ pub fn memory_budget(cfg: &Config) -> Result<u64> {
     let available = memory::Available::now().bytes();
     let need_available =
         || available.context("cannot read the available memory from /proc; set train.memory_budget to a size");
-    Ok(match cfg.train.memory_budget.as_deref().map(config::parse_budget) {
+    Ok(match cfg.train.memory_budget {
         None => (need_available()? as f64 * 0.9) as u64,
-        Some(Ok(config::Budget::Fraction(f))) => (need_available()? as f64 * f) as u64,
-        Some(Ok(config::Budget::Bytes(b))) => b,
-        Some(Err(e)) => bail!("train.memory_budget: {e}"),
+        Some(config::Budget::Fraction(f)) => (need_available()? as f64 * f) as u64,
+        Some(config::Budget::Bytes(b)) => b,
     })
 }
 
@@ -957,7 +956,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
             // [lora], freshly initialised adapters join the pretrained base.
             pretrained.pin_shape(&mut cfg.model);
             let family = family::from_config(&cfg.model, cfg.lora.as_ref())?;
-            Some(Arc::new(family.from_pretrained(params, cfg.train.seed)?))
+            Some(Arc::new(family.start_from_pretrained(params, cfg.train.seed)?))
         }
         Some(_) => bail!("--init-from and --resume exclude each other: a resumed run continues from its checkpoint"),
         None => None,

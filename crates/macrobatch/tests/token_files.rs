@@ -134,7 +134,7 @@ fn prepare_and_token_file_errors_name_the_problem() {
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (vec![train_bin.as_str(), "data.format=u32"], "its meta.json says u16 tokens, but data.format = \"u32\""),
         (vec![odd_s.as_str(), "data.format=u16"], "has 3 bytes, not a multiple of 2"),
-        (vec![train_bin.as_str(), "data.format=u8"], "use text, u16 or u32"),
+        (vec![train_bin.as_str(), "data.format=u8"], "expected one of `text`"),
         (vec!["data.val_path=val.bin"], "needs data.path"),
     ];
     for (sets, needle) in cases {
