@@ -7,7 +7,7 @@
 
 use crate::error::DataError;
 use crate::token_file::{TokenDtype, TokenFile, TokenFileMeta};
-use crate::tokenizer::ByteTokenizer;
+use crate::tokenizer::{ByteTokenizer, Tokenizer};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -144,6 +144,37 @@ impl Corpus {
             return Err(DataError::Empty { name: name.into() });
         }
         Ok(Self { name: name.into(), tokens })
+    }
+
+    /// Text through the model's tokenizer.
+    pub fn from_text_with(name: &str, text: &str, tok: &Tokenizer) -> Result<Self, DataError> {
+        let tokens = tok.encode(text)?;
+        if tokens.is_empty() {
+            return Err(DataError::Empty { name: name.into() });
+        }
+        Ok(Self { name: name.into(), tokens })
+    }
+
+    /// A UTF-8 text file, or every file below a folder ([`text_files`]),
+    /// through the model's tokenizer: each file is one document, encoded on
+    /// its own, and documents are joined with the tokenizer's EOS when it has
+    /// one (so the model sees where a document ends, and no BPE merge spans two
+    /// files).
+    pub fn load_text(path: &Path, tok: &Tokenizer) -> Result<Self, DataError> {
+        let mut tokens = Vec::new();
+        for (file_idx, file) in text_files(path)?.iter().enumerate() {
+            let bytes = std::fs::read(file).map_err(|source| DataError::Read { path: file.clone(), source })?;
+            let text = String::from_utf8(bytes).map_err(|_| DataError::NotUtf8 { path: file.clone() })?;
+            if let (true, Some(eos)) = (file_idx > 0, tok.eos_id()) {
+                tokens.push(eos);
+            }
+            tokens.extend(tok.encode(&text)?);
+        }
+        let name = path.display().to_string();
+        if tokens.is_empty() {
+            return Err(DataError::Empty { name });
+        }
+        Ok(Self { name, tokens })
     }
 
     /// Errors if a token does not fit a vocabulary of `vocab_size`.
@@ -304,5 +335,26 @@ mod tests {
         assert!(e.to_string().contains("data.seq_len = 8"), "{e}");
         let e = Corpus::load(Path::new("/nonexistent/file.txt"), DataFormat::Text).unwrap_err();
         assert!(e.to_string().contains("/nonexistent/file.txt"));
+    }
+
+    /// A folder: files in path order (dot-names skipped), each encoded alone,
+    /// EOS between documents.
+    #[test]
+    fn text_folder_through_a_tokenizer() {
+        let dir = std::env::temp_dir().join(format!("macrobatch-corpus-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("sub")).unwrap();
+        std::fs::write(dir.join("b.txt"), "b").unwrap();
+        std::fs::write(dir.join("a.txt"), "a").unwrap();
+        std::fs::write(dir.join("sub/c.txt"), "c").unwrap();
+        std::fs::write(dir.join(".hidden"), "x").unwrap();
+        let tok = crate::sft::tests::byte_chatml();
+        let c = Corpus::load_text(&dir, &tok).unwrap();
+        assert_eq!(c.tokens, vec![97, 257, 98, 257, 99]);
+        let one = Corpus::load_text(&dir.join("b.txt"), &tok).unwrap();
+        assert_eq!(one.tokens, vec![98]);
+        std::fs::write(dir.join("sub/d.bin"), [0xff, 0xfe]).unwrap();
+        assert!(matches!(Corpus::load_text(&dir, &tok), Err(DataError::NotUtf8 { .. })));
+        let bytes = Corpus::from_text_with("x", "hé", &Tokenizer::Byte(ByteTokenizer)).unwrap();
+        assert_eq!(bytes.tokens, vec![104, 0xc3, 0xa9]);
     }
 }

@@ -99,4 +99,96 @@ pub enum DataError {
         /// The field.
         field: &'static str,
     },
+    /// The tokenizers library failed (a tokenizer file it cannot parse, or
+    /// text it cannot encode).
+    #[error("tokenizer: {what}")]
+    Tokenizer {
+        /// What was being done.
+        what: String,
+        /// The library's error.
+        #[source]
+        source: tokenizers::Error,
+    },
+    /// A tokenizer description this crate does not support or finds
+    /// inconsistent (unknown `tokenizer.ggml.model` or `tokenizer.ggml.pre`,
+    /// a malformed merge, an id out of range, …).
+    #[error("tokenizer {source_name}: {problem}")]
+    TokenizerFormat {
+        /// The file or bundled asset.
+        source_name: String,
+        /// What is wrong, with what is supported.
+        problem: String,
+    },
+    /// Reading the GGUF file failed.
+    #[error(transparent)]
+    Gguf(#[from] gguf::GgufError),
+    /// A chat template failed to compile or render.
+    #[error("chat template: {0}")]
+    ChatTemplate(#[source] minijinja::Error),
+    /// Chat data was given to a tokenizer without a chat template.
+    #[error("the tokenizer {tokenizer} has no chat template, so `messages` lines cannot be rendered; use `text` lines or a model whose tokenizer carries one")]
+    NoChatTemplate {
+        /// Which tokenizer.
+        tokenizer: String,
+    },
+    /// A line of a JSON Lines file is not valid JSON.
+    #[error("{}:{line}: not valid JSON: {source}", path.display())]
+    BadJson {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        /// The parser's error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A line of a JSON Lines file lacks a field or has one of the wrong type.
+    #[error("{}:{line}: {problem}", path.display())]
+    BadExample {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        /// What is missing or wrong, and what is expected.
+        problem: String,
+    },
+    /// A chat message has a role other than system, user, assistant.
+    #[error("{}:{line}: message {message_idx} has role `{role}`; expected system, user or assistant", path.display())]
+    UnknownRole {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        /// 0-based index of the message.
+        message_idx: usize,
+        /// The role given.
+        role: String,
+    },
+    /// An assistant message is empty, so the example would train on nothing
+    /// but the end-of-turn token.
+    #[error("{}:{line}: message {message_idx} (assistant) has empty content", path.display())]
+    EmptyAssistant {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        /// 0-based index of the message.
+        message_idx: usize,
+    },
+    /// An example renders to nothing to learn from.
+    #[error("{}:{line}: {problem}", path.display())]
+    NoTargets {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        /// Why.
+        problem: String,
+    },
+    /// A text file is not UTF-8.
+    #[error("{} is not UTF-8 text", path.display())]
+    NotUtf8 {
+        /// The file.
+        path: PathBuf,
+    },
 }

@@ -1,14 +1,20 @@
 //! Tokenizers, corpora and the sampler that implements the batch contract
 //! (docs/contract.md). Knows nothing about models or communication.
 
+pub mod bpe;
+pub mod chat;
 pub mod dataset;
 pub mod error;
 pub mod sampler;
+pub mod sft;
 pub mod token_file;
 pub mod tokenizer;
 
+pub use bpe::{BpeParts, BpeTokenizer, Encoded, PreTokenizer};
+pub use chat::{ChatTemplate, Message, Role};
 pub use dataset::{load_splits, n_val_tokens, text_files, Corpus, DataFormat, TokenDataset};
 pub use error::DataError;
 pub use sampler::{BatchShape, Sampler};
+pub use sft::{Example, SftDataset, SftOptions, SftStats};
 pub use token_file::{SourceFile, TokenDtype, TokenFile, TokenFileMeta};
 pub use tokenizer::{ByteTokenizer, Tokenizer, TokenizerSpec};

@@ -1,69 +1,161 @@
-//! Tokenizers: [`Tokenizer`], one enum over every tokenizer so corpora and
+//! Tokenizers: [`Tokenizer`], one enum over every tokenizer (bytes, or a
+//! byte-level [`BpeTokenizer`]) so corpora, fine-tuning data, generation and
 //! `macrobatch prepare` share one interface; [`TokenizerSpec`], a tokenizer
-//! by name (`--tokenizer`); and [`ByteTokenizer`] (one token per UTF-8 byte,
-//! vocabulary 256). A new tokenizer is a variant of both enums.
+//! by name or path (`--tokenizer`); and [`ByteTokenizer`] (one token per UTF-8
+//! byte, vocabulary 256). A new tokenizer is a variant of both enums.
 
+use crate::bpe::{BpeTokenizer, Encoded};
+use crate::chat::ChatTemplate;
 use crate::error::DataError;
+use std::path::{Path, PathBuf};
 
 /// The model's tokenizer. `Sync`: `prepare` tokenizes chunks in parallel.
 #[derive(Debug)]
 pub enum Tokenizer {
     /// Bytes as tokens.
     Byte(ByteTokenizer),
+    /// Byte-level BPE.
+    Bpe(Box<BpeTokenizer>),
 }
 
 impl Tokenizer {
+    /// The tokenizer in a GGUF file's metadata.
+    pub fn from_gguf(path: &Path) -> Result<Self, DataError> {
+        BpeTokenizer::from_gguf(path).map(|t| Self::Bpe(Box::new(t)))
+    }
+
+    /// A Hugging Face `tokenizer.json` (with `tokenizer_config.json` beside it, if any).
+    pub fn from_tokenizer_json(path: &Path) -> Result<Self, DataError> {
+        BpeTokenizer::from_tokenizer_json(path).map(|t| Self::Bpe(Box::new(t)))
+    }
+
+    /// GPT-2's tokenizer, bundled.
+    pub fn gpt2() -> Result<Self, DataError> {
+        BpeTokenizer::gpt2().map(|t| Self::Bpe(Box::new(t)))
+    }
+
     /// For messages.
     pub fn name(&self) -> &str {
         match self {
             Self::Byte(_) => "bytes",
+            Self::Bpe(t) => t.name(),
         }
     }
 
-    /// Text to ids.
+    /// Text to ids with the byte range each came from.
+    pub fn encode_with_offsets(&self, text: &str) -> Result<Encoded, DataError> {
+        match self {
+            Self::Byte(_) => Ok(Encoded {
+                ids: text.bytes().map(u32::from).collect(),
+                offsets: (0..text.len()).map(|i| (i, i + 1)).collect(),
+            }),
+            Self::Bpe(t) => t.encode_with_offsets(text),
+        }
+    }
+
+    /// A rendered chat template to ids with offsets, no BOS / EOS added (see
+    /// [`BpeTokenizer::encode_chat`]).
+    pub fn encode_chat(&self, rendered: &str) -> Result<Encoded, DataError> {
+        match self {
+            Self::Byte(_) => self.encode_with_offsets(rendered),
+            Self::Bpe(t) => t.encode_chat(rendered),
+        }
+    }
+
+    /// Text to ids; special tokens only where configured (see [`BpeTokenizer::encode_with_offsets`]).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, DataError> {
         match self {
             Self::Byte(t) => Ok(t.encode(text)),
+            Self::Bpe(t) => t.encode(text),
         }
     }
 
-    /// Ids to text.
+    /// Ids to text, special tokens included.
     pub fn decode(&self, ids: &[u32]) -> Result<String, DataError> {
         match self {
             Self::Byte(t) => Ok(t.decode(ids)),
+            Self::Bpe(t) => t.decode(ids),
         }
     }
 
-    /// Number of ids: every id is below it.
+    /// Number of ids.
     pub fn vocab_size(&self) -> usize {
         match self {
             Self::Byte(_) => ByteTokenizer::VOCAB_SIZE,
+            Self::Bpe(t) => t.vocab_size(),
         }
     }
 
-    /// End-of-sequence id, written between documents (input files) when there is one.
+    /// Beginning-of-sequence id.
+    pub fn bos_id(&self) -> Option<u32> {
+        match self {
+            Self::Byte(_) => None,
+            Self::Bpe(t) => t.bos_id(),
+        }
+    }
+
+    /// End-of-sequence id (also ends an assistant turn in chat data).
     pub fn eos_id(&self) -> Option<u32> {
         match self {
             Self::Byte(_) => None,
+            Self::Bpe(t) => t.eos_id(),
+        }
+    }
+
+    /// Padding id.
+    pub fn pad_id(&self) -> Option<u32> {
+        match self {
+            Self::Byte(_) => None,
+            Self::Bpe(t) => t.pad_id(),
+        }
+    }
+
+    /// The id of a token as the vocabulary spells it (for bytes: a
+    /// one-character ASCII string).
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        match self {
+            Self::Byte(_) => match token.as_bytes() {
+                [b] if b.is_ascii() => Some(u32::from(*b)),
+                _ => None,
+            },
+            Self::Bpe(t) => t.token_id(token),
+        }
+    }
+
+    /// The chat template, if any.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        match self {
+            Self::Byte(_) => None,
+            Self::Bpe(t) => t.chat_template(),
         }
     }
 }
 
-/// A tokenizer by name: parse `--tokenizer`, then [`build`](Self::build) it.
+/// A tokenizer by name or path: parse `--tokenizer`, then [`build`](Self::build) it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TokenizerSpec {
     /// [`ByteTokenizer`].
     Byte,
+    /// GPT-2's byte-level BPE, bundled ([`BpeTokenizer::gpt2`]).
+    Gpt2,
+    /// The tokenizer in a GGUF model file's metadata (a path ending in `.gguf`).
+    Gguf(PathBuf),
+    /// A Hugging Face `tokenizer.json` (a path ending in `.json`), with the
+    /// `tokenizer_config.json` beside it if there is one.
+    TokenizerJson(PathBuf),
 }
 
 impl TokenizerSpec {
-    /// The names [`parse`](Self::parse) accepts, for messages.
-    pub const AVAILABLE: &'static [&'static str] = &["byte"];
+    /// What [`parse`](Self::parse) accepts, for messages.
+    pub const AVAILABLE: &'static [&'static str] = &["byte", "gpt2", "PATH.gguf", "PATH/tokenizer.json"];
 
-    /// A tokenizer name (or, for tokenizers made from a file, its path).
+    /// A tokenizer name, or the path of the file it is made from.
     pub fn parse(name: &str) -> Result<Self, DataError> {
         match name {
             "byte" => Ok(TokenizerSpec::Byte),
+            "gpt2" => Ok(TokenizerSpec::Gpt2),
+            path if path.ends_with(".gguf") => Ok(TokenizerSpec::Gguf(path.into())),
+            path if path.ends_with(".json") => Ok(TokenizerSpec::TokenizerJson(path.into())),
             _ => Err(DataError::UnknownTokenizer {
                 name: name.into(),
                 available: Self::AVAILABLE.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", "),
@@ -75,6 +167,8 @@ impl TokenizerSpec {
     pub fn name(&self) -> String {
         match self {
             TokenizerSpec::Byte => "byte".into(),
+            TokenizerSpec::Gpt2 => "gpt2".into(),
+            TokenizerSpec::Gguf(p) | TokenizerSpec::TokenizerJson(p) => p.display().to_string(),
         }
     }
 
@@ -82,6 +176,9 @@ impl TokenizerSpec {
     pub fn build(&self) -> Result<Tokenizer, DataError> {
         match self {
             TokenizerSpec::Byte => Ok(Tokenizer::Byte(ByteTokenizer)),
+            TokenizerSpec::Gpt2 => Tokenizer::gpt2(),
+            TokenizerSpec::Gguf(p) => Tokenizer::from_gguf(p),
+            TokenizerSpec::TokenizerJson(p) => Tokenizer::from_tokenizer_json(p),
         }
     }
 }
@@ -124,7 +221,20 @@ mod tests {
         let spec = TokenizerSpec::parse("byte").unwrap();
         let t = spec.build().unwrap();
         assert_eq!((spec.name(), t.vocab_size(), t.encode("hi").unwrap()), ("byte".to_string(), 256, vec![104, 105]));
-        let e = TokenizerSpec::parse("gpt2").unwrap_err().to_string();
-        assert!(e.contains("`gpt2`") && e.contains("`byte`"), "{e}");
+        let gpt2 = TokenizerSpec::parse("gpt2").unwrap();
+        assert_eq!((gpt2.name(), gpt2.build().unwrap().vocab_size()), ("gpt2".to_string(), 50257));
+        assert_eq!(TokenizerSpec::parse("m/x.gguf").unwrap(), TokenizerSpec::Gguf("m/x.gguf".into()));
+        assert_eq!(TokenizerSpec::parse("m/x.gguf").unwrap().name(), "m/x.gguf");
+        let e = TokenizerSpec::parse("llama").unwrap_err().to_string();
+        assert!(e.contains("`llama`") && e.contains("`byte`") && e.contains("`gpt2`"), "{e}");
+        let e = TokenizerSpec::parse("/nonexistent/tokenizer.json").unwrap().build().unwrap_err().to_string();
+        assert!(e.contains("/nonexistent/tokenizer.json"), "{e}");
+    }
+
+    /// `prepare` shares one tokenizer across its worker threads.
+    #[test]
+    fn tokenizer_is_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<Tokenizer>();
     }
 }

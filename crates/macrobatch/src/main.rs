@@ -89,7 +89,7 @@ pub struct PrepareArgs {
     /// Text files, or folders (every file below them, in path order).
     #[arg(required = true, value_name = "INPUT")]
     pub inputs: Vec<PathBuf>,
-    /// Tokenizer: byte.
+    /// Tokenizer: byte, gpt2 (bundled), a GGUF model file (PATH.gguf: its own tokenizer) or a Hugging Face PATH/tokenizer.json.
     #[arg(long, default_value = "byte")]
     pub tokenizer: String,
     /// Output folder for train.bin, val.bin and meta.json (created; must not hold them yet).

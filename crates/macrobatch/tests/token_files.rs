@@ -110,7 +110,10 @@ fn prepare_and_token_file_errors_name_the_problem() {
     let out = dir.join("out");
     let (g, o_) = (good.to_str().unwrap(), out.to_str().unwrap());
     let cases: Vec<(Vec<&str>, &str)> = vec![
-        (vec![g, "--tokenizer", "gpt2", "--out", o_], "unknown tokenizer `gpt2`: this build has `byte`"),
+        (
+            vec![g, "--tokenizer", "llama", "--out", o_],
+            "unknown tokenizer `llama`: this build has `byte`, `gpt2`, `PATH.gguf`, `PATH/tokenizer.json`",
+        ),
         (vec!["/no/such/input.txt", "--out", o_], "/no/such/input.txt: no such file or folder"),
         (vec![latin1.to_str().unwrap(), "--out", o_], "is not UTF-8 text (invalid byte at offset 3)"),
         (vec![g, "--out", o_, "--val-fraction", "1.5"], "--val-fraction 1.5"),

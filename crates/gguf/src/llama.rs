@@ -1,0 +1,263 @@
+//! Llama GGUF files as Hugging Face `LlamaForCausalLM` tensors and config.
+//!
+//! Three things differ between a llama.cpp file and a Hugging Face checkpoint:
+//! - **names**: `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight`, …
+//!   ([`hf_name`]);
+//! - **shapes**: GGUF lists dimensions fastest first, so the row-major shape is
+//!   the GGUF one reversed (the bytes need no transposing);
+//! - **Q and K rows**: llama.cpp's converter reorders the rows of `q_proj`
+//!   (with `n_head` heads) and `k_proj` (with `n_head_kv` heads) so that its
+//!   RoPE can rotate adjacent pairs `(2i, 2i+1)` where Hugging Face rotates the
+//!   two halves `(i, i + d/2)` of each head. Within each head of `d` rows it
+//!   moves Hugging Face row `half·d/2 + i` (half ∈ {0, 1}, i < d/2) to row
+//!   `2i + half`; [`unpermute_rows`] moves it back.
+
+use crate::error::GgufError;
+use crate::file::GgufFile;
+use serde_json::{json, Value as Json};
+use std::path::Path;
+
+/// One Hugging Face tensor: name, row-major shape, values.
+pub type HfTensor = (String, Vec<usize>, Vec<f32>);
+
+/// The Hugging Face name of a llama.cpp Llama tensor (`None` if the mapping
+/// does not know it).
+pub fn hf_name(gguf_name: &str) -> Option<String> {
+    let simple = match gguf_name {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(s) = simple {
+        return Some(s.into());
+    }
+    let rest = gguf_name.strip_prefix("blk.")?;
+    let (layer, part) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let hf = match part {
+        "attn_q.weight" => "self_attn.q_proj.weight",
+        "attn_k.weight" => "self_attn.k_proj.weight",
+        "attn_v.weight" => "self_attn.v_proj.weight",
+        "attn_output.weight" => "self_attn.o_proj.weight",
+        "ffn_gate.weight" => "mlp.gate_proj.weight",
+        "ffn_up.weight" => "mlp.up_proj.weight",
+        "ffn_down.weight" => "mlp.down_proj.weight",
+        "attn_norm.weight" => "input_layernorm.weight",
+        "ffn_norm.weight" => "post_attention_layernorm.weight",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{hf}"))
+}
+
+/// Undoes llama.cpp's Q/K row permutation in place. `w` is `[rows, cols]`
+/// row-major with `rows = n_heads · d`, `d` even; GGUF row `h·d + 2i + half`
+/// becomes Hugging Face row `h·d + half·d/2 + i`.
+///
+/// # Panics
+/// If `w.len() != rows · cols` or `rows` is not a multiple of `2·n_heads`.
+pub fn unpermute_rows(w: &mut [f32], rows: usize, cols: usize, n_heads: usize) {
+    assert_eq!(w.len(), rows * cols, "unpermute_rows: {} values, shape [{rows}, {cols}]", w.len());
+    assert!(n_heads > 0 && rows.is_multiple_of(2 * n_heads), "unpermute_rows: {rows} rows, {n_heads} heads");
+    let d = rows / n_heads;
+    let src = w.to_vec();
+    for h in 0..n_heads {
+        for i in 0..d / 2 {
+            for half in 0..2 {
+                let from = h * d + 2 * i + half;
+                let to = h * d + half * (d / 2) + i;
+                w[to * cols..][..cols].copy_from_slice(&src[from * cols..][..cols]);
+            }
+        }
+    }
+}
+
+/// A Llama GGUF file, read lazily: the config at once, each tensor when asked.
+#[derive(Debug)]
+pub struct LlamaGguf {
+    file: GgufFile,
+    config: Json,
+    n_heads: usize,
+    n_kv_heads: usize,
+}
+
+impl LlamaGguf {
+    /// Opens `path` and derives the Hugging Face config. Errors if the
+    /// architecture is not `llama`, a required hyperparameter is missing, or
+    /// the file holds tensors or RoPE settings this mapping cannot express.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, GgufError> {
+        let file = GgufFile::open(path)?;
+        let arch = file.get_str("general.architecture")?;
+        if arch != "llama" {
+            return Err(GgufError::WrongArchitecture {
+                path: file.path().into(),
+                expected: "llama",
+                found: arch.into(),
+            });
+        }
+        let unsupported = |what: String| GgufError::UnsupportedModel { path: file.path().into(), what };
+        for t in file.tensors() {
+            if hf_name(&t.name).is_none() {
+                return Err(unsupported(format!(
+                    "tensor `{}` has no Hugging Face Llama counterpart (rope_freqs: Llama-3 RoPE scaling, not supported)",
+                    t.name
+                )));
+            }
+        }
+        if let Some(kind) = file.get_str_opt("llama.rope.scaling.type")? {
+            if kind != "none" {
+                return Err(unsupported(format!("llama.rope.scaling.type = {kind} is not supported")));
+            }
+        }
+
+        let u = |k: &str| file.get_u64(k).map(|v| v as usize);
+        let hidden = u("llama.embedding_length")?;
+        let n_layers = u("llama.block_count")?;
+        let n_heads = u("llama.attention.head_count")?;
+        let n_kv_heads = file.get_u64_opt("llama.attention.head_count_kv")?.map_or(n_heads, |v| v as usize);
+        if n_heads == 0 || n_kv_heads == 0 || !hidden.is_multiple_of(n_heads) || !n_heads.is_multiple_of(n_kv_heads) {
+            return Err(unsupported(format!(
+                "{n_heads} heads, {n_kv_heads} KV heads and hidden size {hidden} do not fit"
+            )));
+        }
+        let head_dim = hidden / n_heads;
+        if let Some(rope_dim) = file.get_u64_opt("llama.rope.dimension_count")? {
+            if rope_dim as usize != head_dim {
+                return Err(unsupported(format!("RoPE over {rope_dim} of {head_dim} head dimensions is not Llama")));
+            }
+        }
+        let embd = file
+            .tensor("token_embd.weight")
+            .ok_or_else(|| GgufError::MissingTensor { path: file.path().into(), name: "token_embd.weight".into() })?;
+        let vocab_size = match file.get_u64_opt("llama.vocab_size")? {
+            Some(v) => v as usize,
+            None => embd.shape()[0],
+        };
+        let id = |k: &str| file.get_u64_opt(k).map(|v| v.map_or(Json::Null, |v| json!(v)));
+        let config = json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": hidden,
+            "intermediate_size": u("llama.feed_forward_length")?,
+            "num_hidden_layers": n_layers,
+            "num_attention_heads": n_heads,
+            "num_key_value_heads": n_kv_heads,
+            "head_dim": head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": file.get_f64("llama.attention.layer_norm_rms_epsilon")?,
+            "rope_theta": file.get_f64_opt("llama.rope.freq_base")?.unwrap_or(10000.0),
+            "max_position_embeddings": u("llama.context_length")?,
+            "vocab_size": vocab_size,
+            "tie_word_embeddings": file.tensor("output.weight").is_none(),
+            "attention_bias": false,
+            "mlp_bias": false,
+            "bos_token_id": id("tokenizer.ggml.bos_token_id")?,
+            "eos_token_id": id("tokenizer.ggml.eos_token_id")?,
+            "pad_token_id": id("tokenizer.ggml.padding_token_id")?,
+            "torch_dtype": "float32",
+        });
+        Ok(Self { file, config, n_heads, n_kv_heads })
+    }
+
+    /// The Hugging Face `config.json` of the model.
+    pub fn config(&self) -> &Json {
+        &self.config
+    }
+
+    /// The underlying file (metadata, tokenizer keys, raw tensors).
+    pub fn file(&self) -> &GgufFile {
+        &self.file
+    }
+
+    /// (GGUF name, Hugging Face name) of every tensor, in file order.
+    pub fn tensor_names(&self) -> Vec<(String, String)> {
+        self.file.tensors().iter().filter_map(|t| Some((t.name.clone(), hf_name(&t.name)?))).collect()
+    }
+
+    /// One tensor by its GGUF name, as Hugging Face has it: name, row-major
+    /// shape and f32 values (Q and K rows un-permuted).
+    pub fn tensor(&self, gguf_name: &str) -> Result<HfTensor, GgufError> {
+        let info = self
+            .file
+            .tensor(gguf_name)
+            .ok_or_else(|| GgufError::MissingTensor { path: self.file.path().into(), name: gguf_name.into() })?;
+        let name = hf_name(gguf_name).ok_or_else(|| GgufError::UnsupportedModel {
+            path: self.file.path().into(),
+            what: format!("tensor `{gguf_name}` has no Hugging Face Llama counterpart"),
+        })?;
+        let shape = info.shape();
+        let mut values = self.file.dequantize(gguf_name)?;
+        let heads = if gguf_name.ends_with(".attn_q.weight") {
+            Some(self.n_heads)
+        } else if gguf_name.ends_with(".attn_k.weight") {
+            Some(self.n_kv_heads)
+        } else {
+            None
+        };
+        if let Some(n_heads) = heads {
+            let [rows, cols] = shape[..] else {
+                return Err(GgufError::UnsupportedModel {
+                    path: self.file.path().into(),
+                    what: format!("`{gguf_name}` has shape {shape:?}, expected two dimensions"),
+                });
+            };
+            if !rows.is_multiple_of(2 * n_heads) {
+                return Err(GgufError::UnsupportedModel {
+                    path: self.file.path().into(),
+                    what: format!("`{gguf_name}` has {rows} rows, not a multiple of 2 × {n_heads} heads"),
+                });
+            }
+            unpermute_rows(&mut values, rows, cols, n_heads);
+        }
+        Ok((name, shape, values))
+    }
+}
+
+/// Loads a Llama GGUF file whole: the Hugging Face `config.json` and every
+/// tensor with its Hugging Face name, row-major shape and f32 values, in file
+/// order. Without `output.weight` the config says `tie_word_embeddings: true`
+/// and no `lm_head.weight` is returned.
+pub fn load(path: impl AsRef<Path>) -> Result<(Json, Vec<HfTensor>), GgufError> {
+    let model = LlamaGguf::open(path)?;
+    let tensors = model.tensor_names().iter().map(|(g, _)| model.tensor(g)).collect::<Result<_, _>>()?;
+    Ok((model.config, tensors))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// llama.cpp's forward permutation, written the way its converter states
+    /// it (reshape to (heads, 2, d/2, cols), swap axes 1 and 2), applied to
+    /// row indices; un-permuting must give the identity.
+    #[test]
+    fn unpermute_inverts_the_converter_permutation() {
+        for (n_heads, d, cols) in [(1, 2, 1), (3, 8, 2), (2, 64, 3)] {
+            let rows = n_heads * d;
+            let hf: Vec<f32> = (0..rows * cols).map(|v| v as f32).collect();
+            // permuted row p = (h, i, half) in (heads, d/2, 2) comes from hf row (h, half, i) in (heads, 2, d/2)
+            let mut gguf = vec![0.0; rows * cols];
+            for h in 0..n_heads {
+                for i in 0..d / 2 {
+                    for half in 0..2 {
+                        let p = (h * (d / 2) + i) * 2 + half;
+                        let src = (h * 2 + half) * (d / 2) + i;
+                        gguf[p * cols..][..cols].copy_from_slice(&hf[src * cols..][..cols]);
+                    }
+                }
+            }
+            assert!(n_heads * d <= 2 || gguf != hf, "the permutation must move something");
+            unpermute_rows(&mut gguf, rows, cols, n_heads);
+            assert_eq!(gguf, hf, "heads {n_heads}, d {d}, cols {cols}");
+        }
+    }
+
+    #[test]
+    fn names_map_like_transformers() {
+        assert_eq!(hf_name("token_embd.weight").as_deref(), Some("model.embed_tokens.weight"));
+        assert_eq!(hf_name("blk.29.attn_output.weight").as_deref(), Some("model.layers.29.self_attn.o_proj.weight"));
+        assert_eq!(hf_name("blk.3.ffn_norm.weight").as_deref(), Some("model.layers.3.post_attention_layernorm.weight"));
+        assert_eq!(hf_name("blk.x.attn_q.weight"), None);
+        assert_eq!(hf_name("rope_freqs.weight"), None);
+    }
+}
