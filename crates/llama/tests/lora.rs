@@ -190,6 +190,12 @@ fn peft_loads_our_base_and_adapter_and_computes_our_logits() {
         .output()
         .is_ok_and(|o| o.status.success());
     if !has_peft {
+        // CI installs them and sets MACROBATCH_REQUIRE_PYTHON=1: there a
+        // check that cannot run fails instead of passing silently.
+        assert!(
+            std::env::var("MACROBATCH_REQUIRE_PYTHON").as_deref() != Ok("1"),
+            "MACROBATCH_REQUIRE_PYTHON=1 but python3 cannot import torch, transformers and peft"
+        );
         eprintln!("skipped: python3 with torch, transformers and peft is not available");
         return;
     }
