@@ -3,7 +3,7 @@
 //! the data. One spelling per field: the Rust field, the TOML key and the
 //! `--set` path are the same.
 
-pub use data::DataFormat;
+pub use data::{DataFormat, TokenizerSpec};
 pub use engine::{Checkpointing, Decay, LossNormalization, OptimizerKind, Precision};
 pub use llama::LoraConfig;
 use serde::{Deserialize, Serialize};
@@ -180,9 +180,18 @@ pub struct DataConfig {
     /// `text` (UTF-8, byte tokens), or a memory-mapped token file: `u16`
     /// (nanoGPT `.bin`; `tokens_u16` is an alias) or `u32`.
     pub format: DataFormat,
-    /// A separate validation file in `format`; unset: the last `val_fraction` of `path`.
+    /// A separate validation file in `format`; unset: the last `val_fraction`
+    /// of `path` (`jsonl` needs one: held-out examples).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_path: Option<String>,
+    /// `byte`, `gpt2`, `PATH.gguf` (the tokenizer in a GGUF model) or
+    /// `PATH/tokenizer.json`; unset: the tokenizer of `--init-from` (a
+    /// `.gguf` file or a folder with `tokenizer.json`), else `byte`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<TokenizerSpec>,
+    /// `jsonl`: pack whole examples into rows of `seq_len` positions (else
+    /// one example a row, padded to the longest in its micro-batch).
+    pub pack: bool,
     /// Share of the tokens (from the end) held out for validation.
     pub val_fraction: f64,
     /// Tokens per sequence; unset means the model's block_size.
@@ -199,6 +208,8 @@ impl Default for DataConfig {
             path: None,
             format: DataFormat::Text,
             val_path: None,
+            tokenizer: None,
+            pack: false,
             val_fraction: 0.1,
             seq_len: None,
             shuffle: true,
@@ -639,6 +650,20 @@ impl Config {
         let d = &self.data;
         if d.val_path.is_some() && d.path.is_none() {
             return Err(invalid("data.val_path", "set", "needs data.path (the bundled corpus splits itself)"));
+        }
+        if d.format == DataFormat::Jsonl && (d.path.is_none() || d.val_path.is_none()) {
+            return Err(invalid(
+                "data.format",
+                "\"jsonl\"",
+                "needs data.path (training examples) and data.val_path (held-out examples), both JSON Lines",
+            ));
+        }
+        if d.pack && d.format != DataFormat::Jsonl {
+            return Err(invalid(
+                "data.pack",
+                true,
+                "applies to data.format = \"jsonl\" (token streams are windows already)",
+            ));
         }
         if d.val_path.as_deref() == Some("") {
             return Err(invalid("data.val_path", "\"\"", "give a file, or leave it unset to split data.path"));

@@ -401,6 +401,28 @@ impl BpeTokenizer {
         })
     }
 
+    /// Writes `tokenizer.json` and `tokenizer_config.json` (special tokens,
+    /// chat template) into `dir`, as Hugging Face does: what
+    /// [`BpeTokenizer::from_tokenizer_json`] and transformers'
+    /// `AutoTokenizer.from_pretrained(dir)` read back.
+    pub fn save_pretrained(&self, dir: &Path) -> Result<(), DataError> {
+        self.save_tokenizer_json(&dir.join("tokenizer.json"))?;
+        let token = |id: Option<u32>| id.and_then(|i| self.inner.id_to_token(i));
+        let config = serde_json::json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": token(self.bos_id),
+            "eos_token": token(self.eos_id),
+            "pad_token": token(self.pad_id),
+            "add_bos_token": self.add_bos,
+            "add_eos_token": self.add_eos,
+            "chat_template": self.chat_template.as_ref().map(|t| t.source().to_string()),
+        });
+        let path = dir.join("tokenizer_config.json");
+        let text = serde_json::to_string_pretty(&config)
+            .map_err(|e| format_err(&path.display().to_string(), e.to_string()))?;
+        std::fs::write(&path, text).map_err(|source| DataError::Read { path, source })
+    }
+
     /// Writes the tokenizer as a Hugging Face `tokenizer.json`.
     pub fn save_tokenizer_json(&self, path: &Path) -> Result<(), DataError> {
         self.inner.save(path, false).map_err(tk_err(format!("writing {}", path.display())))

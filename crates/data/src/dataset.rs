@@ -24,13 +24,16 @@ pub enum DataFormat {
     U16,
     /// Little-endian u32 tokens, memory-mapped.
     U32,
+    /// JSON Lines of fine-tuning examples: `{"text": …}` or `{"messages":
+    /// [{"role", "content"}, …]}` (only the assistant's replies are targets).
+    Jsonl,
 }
 
 impl DataFormat {
     /// The token width of a token-file format (`None` for text).
     pub fn dtype(self) -> Option<TokenDtype> {
         match self {
-            DataFormat::Text => None,
+            DataFormat::Text | DataFormat::Jsonl => None,
             DataFormat::U16 => Some(TokenDtype::U16),
             DataFormat::U32 => Some(TokenDtype::U32),
         }
@@ -195,6 +198,11 @@ impl Corpus {
             TokenDataset::new("validation", val.to_vec(), seq_len)?,
         ))
     }
+
+    /// All of it as one split (`split` names it in errors).
+    pub fn split_all(self, split: &'static str, seq_len: usize) -> Result<TokenDataset, DataError> {
+        TokenDataset::new(split, self.tokens, seq_len)
+    }
 }
 
 /// Where a dataset's tokens live.
@@ -254,6 +262,14 @@ impl TokenDataset {
     /// Number of samples.
     pub fn n_samples(&self) -> usize {
         (self.n_tokens() - 1) / self.seq_len
+    }
+
+    /// Bytes of tokens held in memory (a mapped file's pages are the OS's).
+    pub fn resident_bytes(&self) -> u64 {
+        match &self.tokens {
+            Tokens::Memory(t) => 4 * t.len() as u64,
+            Tokens::File { .. } => 0,
+        }
     }
 
     /// Sequence length T.

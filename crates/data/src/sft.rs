@@ -306,6 +306,14 @@ impl SftDataset {
         self.stats.n_samples
     }
 
+    /// Positions of the longest sample (a packed row, or the longest example).
+    pub fn max_positions(&self) -> usize {
+        match &self.rows {
+            Some((seq_len, _)) => *seq_len,
+            None => self.examples.iter().map(Example::n_positions).max().unwrap_or(0),
+        }
+    }
+
     /// All examples, in file order (blank lines skipped).
     pub fn examples(&self) -> &[Example] {
         &self.examples

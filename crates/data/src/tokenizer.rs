@@ -19,6 +19,16 @@ pub enum Tokenizer {
 }
 
 impl Tokenizer {
+    /// Writes the files that rebuild it into `dir` (`tokenizer.json` and
+    /// `tokenizer_config.json` for BPE; nothing for bytes). Returns whether
+    /// it wrote any.
+    pub fn save_pretrained(&self, dir: &Path) -> Result<bool, DataError> {
+        match self {
+            Tokenizer::Byte(_) => Ok(false),
+            Tokenizer::Bpe(b) => b.save_pretrained(dir).map(|()| true),
+        }
+    }
+
     /// The tokenizer in a GGUF file's metadata.
     pub fn from_gguf(path: &Path) -> Result<Self, DataError> {
         BpeTokenizer::from_gguf(path).map(|t| Self::Bpe(Box::new(t)))
@@ -132,7 +142,8 @@ impl Tokenizer {
 }
 
 /// A tokenizer by name or path: parse `--tokenizer`, then [`build`](Self::build) it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
 pub enum TokenizerSpec {
     /// [`ByteTokenizer`].
     Byte,
@@ -143,6 +154,20 @@ pub enum TokenizerSpec {
     /// A Hugging Face `tokenizer.json` (a path ending in `.json`), with the
     /// `tokenizer_config.json` beside it if there is one.
     TokenizerJson(PathBuf),
+}
+
+impl TryFrom<String> for TokenizerSpec {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        Self::parse(&s).map_err(|e| e.to_string())
+    }
+}
+
+impl From<TokenizerSpec> for String {
+    fn from(t: TokenizerSpec) -> String {
+        t.name()
+    }
 }
 
 impl TokenizerSpec {

@@ -157,6 +157,10 @@ pub fn from_config(m: &ModelConfig, lora: Option<&LoraConfig>) -> Result<Arc<dyn
 
 /// The family and shape of the `config.json` in `dir` (by its `model_type`).
 pub fn read_hf_config(dir: &Path) -> Result<Arc<dyn Family>> {
+    if is_gguf(dir) {
+        let cfg = LlamaConfig::from_hf_json(gguf::llama::LlamaGguf::open(dir)?.config())?;
+        return Ok(Arc::new(LlamaFamily::new(cfg, None)?));
+    }
     let path = dir.join(CONFIG_FILE);
     let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
     let json: serde_json::Value =
@@ -185,8 +189,21 @@ pub fn read_hf_config(dir: &Path) -> Result<Arc<dyn Family>> {
     }
 }
 
-/// A saved model folder: its family and its parameters.
+/// Whether `path` is a GGUF model file (by its name).
+pub fn is_gguf(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
+/// A saved model — a Hugging Face folder (`config.json` + weights, with
+/// PEFT adapters beside them) or a GGUF file (Llama; dequantised to f32, Q/K
+/// un-permuted to Hugging Face's layout) — as its family and parameters.
 pub fn load_hf(dir: &Path) -> Result<(Arc<dyn Family>, Vec<f32>)> {
+    if is_gguf(dir) {
+        let (config, tensors) = gguf::llama::load(dir)?;
+        let cfg = LlamaConfig::from_hf_json(&config)?;
+        let params = llama::hf::from_named_tensors(&cfg, tensors)?;
+        return Ok((Arc::new(LlamaFamily::new(cfg, None)?), params));
+    }
     let family = read_hf_config(dir)?;
     let model = family.build(Build::default())?;
     let params = family.load_weights(dir, model.layout())?;

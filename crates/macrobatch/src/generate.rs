@@ -1,49 +1,86 @@
-//! `macrobatch generate`: sample from a saved model.
+//! `macrobatch generate`: sample from a saved model (a run folder, a
+//! Hugging Face folder or a GGUF file) with its own tokenizer; `--chat`
+//! answers the prompt as the assistant through the chat template.
 
+use crate::family::{self, Build};
 use crate::GenerateArgs;
-use anyhow::{Context, Result};
-use data::ByteTokenizer;
+use anyhow::{bail, Context, Result};
+use data::{Message, Role, Tokenizer, TokenizerSpec};
 use engine::rng::SplitMix64;
 use std::io::Write;
+use std::path::Path;
+
+/// The tokenizer a model folder (or GGUF file) carries, else bytes.
+fn tokenizer_of(model: &Path) -> Result<Tokenizer> {
+    let spec = if family::is_gguf(model) {
+        TokenizerSpec::Gguf(model.to_path_buf())
+    } else if model.join("tokenizer.json").exists() {
+        TokenizerSpec::TokenizerJson(model.join("tokenizer.json"))
+    } else {
+        TokenizerSpec::Byte
+    };
+    spec.build().with_context(|| format!("cannot load the tokenizer of {}", model.display()))
+}
 
 /// Samples `max_new_tokens` tokens after the prompt and prints the text.
 pub fn run(args: GenerateArgs) -> Result<()> {
+    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
+        bail!("--temperature must be finite and >= 0, got {}", args.temperature);
+    }
     crate::memory::check_load(&args.dir, &format!("generate {}", args.dir.display()))
         .with_context(|| format!("cannot load a model from {}", args.dir.display()))?;
-    let (family, params) = crate::family::load_hf(&args.dir)
-        .with_context(|| format!("cannot load a model from {}", args.dir.display()))?;
-    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
-        anyhow::bail!("--temperature must be finite and >= 0, got {}", args.temperature);
-    }
-    let mut model = family.build(crate::family::Build::default())?;
+    let (family, params) =
+        family::load_hf(&args.dir).with_context(|| format!("cannot load a model from {}", args.dir.display()))?;
+    let tok = tokenizer_of(&args.dir)?;
+    let mut model = family.build(Build::default())?;
     let (vocab_size, context) = (family.vocab_size(), family.max_seq_len());
-    let tok = ByteTokenizer;
-    let mut tokens = tok.encode(&args.prompt);
-    if tokens.is_empty() {
-        tokens.push(b'\n' as u32);
-    }
+    let mut tokens = if args.chat {
+        let template = tok
+            .chat_template()
+            .with_context(|| format!("--chat: the tokenizer of {} has no chat template", args.dir.display()))?;
+        let mut messages = Vec::new();
+        if let Some(s) = &args.system {
+            messages.push(Message { role: Role::System, content: s.clone() });
+        }
+        messages.push(Message { role: Role::User, content: args.prompt.clone() });
+        tok.encode_chat(&template.render(&messages, true)?)?.ids
+    } else {
+        let mut t = tok.encode(&args.prompt)?;
+        if t.is_empty() {
+            t.push(tok.bos_id().unwrap_or(b'\n' as u32));
+        }
+        t
+    };
     if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab_size) {
-        anyhow::bail!("prompt byte {t} is outside the model's vocabulary of {vocab_size}");
+        bail!("prompt token {t} is outside the model's vocabulary of {vocab_size}");
     }
+    // Where a chat turn ends: the tokenizer's end-of-sequence and <|im_end|>.
+    let stops: Vec<u32> =
+        if args.chat { tok.eos_id().into_iter().chain(tok.token_id("<|im_end|>")).collect() } else { Vec::new() };
     let mut rng = SplitMix64::new(args.seed);
     let mut out = std::io::stdout().lock();
-    write!(out, "{}", args.prompt)?;
+    if !args.chat {
+        write!(out, "{}", args.prompt)?;
+    }
     let mut pending = Vec::new();
     for _ in 0..args.max_new_tokens {
         let ctx = &tokens[tokens.len().saturating_sub(context)..];
         let logits = model.next_token_logits(&params, ctx)?;
         let next = sample(&logits, args.temperature, args.top_k, &mut rng);
+        if stops.contains(&next) {
+            break;
+        }
         tokens.push(next);
         // Print whole UTF-8 characters as they complete.
         pending.push(next);
-        let text = tok.decode(&pending);
+        let text = tok.decode(&pending)?;
         if !text.ends_with('\u{FFFD}') || pending.len() >= 4 {
             write!(out, "{text}")?;
             out.flush()?;
             pending.clear();
         }
     }
-    writeln!(out, "{}", tok.decode(&pending))?;
+    writeln!(out, "{}", tok.decode(&pending)?)?;
     Ok(())
 }
 

@@ -165,11 +165,20 @@ pub struct TrainArgs {
 /// Arguments of `macrobatch generate`.
 #[derive(clap::Args)]
 pub struct GenerateArgs {
-    /// A directory with model.safetensors and config.json (e.g. a train --out DIR).
+    /// A model: a folder with model.safetensors and config.json (a `train
+    /// --out DIR`, with its tokenizer and LoRA adapters if it has them), or a
+    /// GGUF file.
     pub dir: PathBuf,
-    /// Text to continue.
+    /// Text to continue (with --chat: the user's message).
     #[arg(long, default_value = "")]
     pub prompt: String,
+    /// Treat the prompt as a user message and answer it as the assistant,
+    /// through the tokenizer's chat template; stops at end of turn.
+    #[arg(long)]
+    pub chat: bool,
+    /// With --chat: a system message first.
+    #[arg(long)]
+    pub system: Option<String>,
     /// Tokens to generate.
     #[arg(long, default_value_t = 200)]
     pub max_new_tokens: usize,

@@ -10,7 +10,7 @@ use crate::TrainArgs;
 use anyhow::{anyhow, bail, Context, Result};
 use comm::Communicator;
 use config::{Config, Micro, OptimizerKind, Precision, ResolvedBatch};
-use data::{BatchShape, Corpus, DataFormat, Sampler, TokenDataset};
+use data::{BatchShape, Corpus, DataFormat, Sampler, Samples, SftDataset, SftOptions, Tokenizer, TokenizerSpec};
 use engine::{
     AdamW, LossScalerConfig, LrSchedule, Model, Optimizer, Sgd, TokenBatch, Trainer, TrainerOptions, ZeroConfig,
 };
@@ -33,8 +33,10 @@ pub struct Plan {
     pub memory_budget: Option<u64>,
     pub backend: Backend,
     pub batch: ResolvedBatch,
-    pub train: TokenDataset,
-    pub val: TokenDataset,
+    pub train: Samples,
+    pub val: Samples,
+    /// The tokenizer of the data (saved into the run folder for `generate`).
+    pub tokenizer: Arc<Tokenizer>,
     pub sampler: Sampler,
 }
 
@@ -81,33 +83,86 @@ pub fn plan(mut cfg: Config, backend: Backend) -> Result<Plan> {
             "data.seq_len = {seq_len} is longer than the model's context of {max_seq} tokens; lower data.seq_len or raise model.block_size"
         );
     }
-    let (train, val) = match &cfg.data.path {
-        Some(p) => data::load_splits(
-            Path::new(p),
-            cfg.data.val_path.as_deref().map(Path::new),
-            cfg.data.format,
-            cfg.data.val_fraction,
-            seq_len,
-            family.vocab_size(),
-        )?,
-        None => {
-            let corpus = Corpus::from_bytes(BUNDLED_NAME, BUNDLED_CORPUS, DataFormat::Text)?;
-            corpus.check_vocab(family.vocab_size())?;
-            corpus.split(cfg.data.val_fraction, seq_len)?
-        }
-    };
+    let spec = cfg.data.tokenizer.clone().unwrap_or(TokenizerSpec::Byte);
+    let tokenizer = spec.build().with_context(|| format!("data.tokenizer = \"{}\"", spec.name()))?;
+    if tokenizer.vocab_size() > family.vocab_size() {
+        bail!(
+            "data.tokenizer = \"{}\" has {} tokens but the model's vocabulary holds {}; use the model's own tokenizer or raise model.vocab_size",
+            spec.name(),
+            tokenizer.vocab_size(),
+            family.vocab_size()
+        );
+    }
+    let (train, val) = load_samples(&cfg, &tokenizer, seq_len, family.vocab_size())?;
     let sampler = sampler_for(&cfg, &batch, &train)?;
     // The layout alone (no activations are allocated before the first batch).
     apply_trainable(&mut family.build(Build::default())?, &trainable_patterns(&cfg))?;
-    let mut plan = Plan { cfg, family, memory_budget: None, backend, batch, train, val, sampler };
+    let tokenizer = Arc::new(tokenizer);
+    let mut plan = Plan { cfg, family, memory_budget: None, backend, batch, train, val, tokenizer, sampler };
     if auto_micro {
         choose_micro(&mut plan)?;
     }
     Ok(plan)
 }
 
+/// Training and validation samples of `[data]`: windows of a token stream
+/// (the bundled corpus or `data.path` as text through `tokenizer`, or a
+/// token file), or fine-tuning examples (`jsonl`, at most `seq_len`
+/// positions each).
+fn load_samples(cfg: &Config, tokenizer: &Tokenizer, seq_len: usize, vocab: usize) -> Result<(Samples, Samples)> {
+    let d = &cfg.data;
+    let (train, val) = match (&d.path, d.format) {
+        (Some(p), DataFormat::Jsonl) => {
+            let opts = SftOptions { max_len: Some(seq_len), pack_seq_len: d.pack.then_some(seq_len) };
+            let load = |path: &str| -> Result<Samples> {
+                let ds = SftDataset::load(Path::new(path), tokenizer, &opts)?;
+                let s = ds.stats();
+                if s.n_truncated > 0 {
+                    eprintln!(
+                        "warning: {path}: {} of {} examples cut to data.seq_len = {seq_len} positions",
+                        s.n_truncated, s.n_examples
+                    );
+                }
+                Ok(Samples::Examples(ds))
+            };
+            let val = d.val_path.as_deref().context("data.format = \"jsonl\" needs data.val_path")?;
+            (load(p)?, load(val)?)
+        }
+        (Some(p), DataFormat::Text) if !matches!(tokenizer, Tokenizer::Byte(_)) => {
+            let corpus = Corpus::load_text(Path::new(p), tokenizer)?;
+            let (train, val) = match &d.val_path {
+                None => corpus.split(d.val_fraction, seq_len)?,
+                Some(v) => {
+                    let val = Corpus::load_text(Path::new(v), tokenizer)?;
+                    (corpus.split_all("train", seq_len)?, val.split_all("validation", seq_len)?)
+                }
+            };
+            (Samples::Windows(train), Samples::Windows(val))
+        }
+        (Some(p), format) => {
+            let (train, val) = data::load_splits(
+                Path::new(p),
+                d.val_path.as_deref().map(Path::new),
+                format,
+                d.val_fraction,
+                seq_len,
+                vocab,
+            )?;
+            (Samples::Windows(train), Samples::Windows(val))
+        }
+        (None, _) => {
+            let text = std::str::from_utf8(BUNDLED_CORPUS).context("the bundled corpus is UTF-8")?;
+            let corpus = Corpus::from_text_with(BUNDLED_NAME, text, tokenizer)?;
+            corpus.check_vocab(vocab)?;
+            let (train, val) = corpus.split(d.val_fraction, seq_len)?;
+            (Samples::Windows(train), Samples::Windows(val))
+        }
+    };
+    Ok((train, val))
+}
+
 /// The sampler of a resolved batch.
-fn sampler_for(cfg: &Config, batch: &ResolvedBatch, train: &TokenDataset) -> Result<Sampler> {
+fn sampler_for(cfg: &Config, batch: &ResolvedBatch, train: &Samples) -> Result<Sampler> {
     let shape =
         BatchShape { micro: batch.micro, accumulation_steps: batch.accumulation_steps, world_size: batch.world_size };
     Ok(Sampler::new(train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?)
@@ -232,18 +287,8 @@ pub fn bucket_elems(cfg: &Config) -> usize {
 }
 
 /// Builds a model batch from sample indices.
-pub fn make_batch(ds: &TokenDataset, indices: &[usize]) -> TokenBatch {
-    let t = ds.seq_len();
-    let mut b = TokenBatch {
-        n_seqs: indices.len(),
-        seq_len: t,
-        inputs: Vec::with_capacity(indices.len() * t),
-        targets: Vec::with_capacity(indices.len() * t),
-    };
-    for &i in indices {
-        ds.push_sample(i, &mut b.inputs, &mut b.targets);
-    }
-    b
+pub fn make_batch(ds: &Samples, indices: &[usize]) -> TokenBatch {
+    ds.batch(indices)
 }
 
 /// This rank's K micro-batches of global step `step_idx`.
@@ -423,6 +468,9 @@ fn open_outputs(plan: &Plan, dir: &Path, resume_step: Option<u64>, run_id: &str)
         gpt::hf::write_atomic(&dir.join(RUN_ID_FILE), format!("{run_id}\n").as_bytes())?;
     }
     gpt::hf::write_atomic(&dir.join(checkpoint::CONFIG), resolved_toml(plan).as_bytes())?;
+    // The tokenizer travels with the run, so `generate` and transformers
+    // read the model's text as it was trained.
+    plan.tokenizer.save_pretrained(dir).with_context(|| format!("cannot save the tokenizer into {}", dir.display()))?;
     let metrics = dir.join("metrics.jsonl");
     if let Some(step) = resume_step {
         checkpoint::truncate_metrics(&metrics, step, |w| eprintln!("{w}"))?;
@@ -955,6 +1003,14 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
             // The pretrained family and shape win over the preset; with
             // [lora], freshly initialised adapters join the pretrained base.
             pretrained.pin_shape(&mut cfg.model);
+            // Its tokenizer, unless one is configured.
+            if cfg.data.tokenizer.is_none() {
+                if family::is_gguf(path) {
+                    cfg.data.tokenizer = Some(TokenizerSpec::Gguf(path.clone()));
+                } else if path.join("tokenizer.json").exists() {
+                    cfg.data.tokenizer = Some(TokenizerSpec::TokenizerJson(path.join("tokenizer.json")));
+                }
+            }
             let family = family::from_config(&cfg.model, cfg.lora.as_ref())?;
             Some(Arc::new(family.start_from_pretrained(params, cfg.train.seed)?))
         }

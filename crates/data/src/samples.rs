@@ -1,0 +1,64 @@
+//! What a run samples from: fixed windows of a token stream (pretraining)
+//! or fine-tuning examples (JSON Lines, padded or packed per micro-batch).
+//! The sampler draws indices; this turns a micro-batch of indices into a
+//! `TokenBatch` with its real target count.
+
+use crate::dataset::TokenDataset;
+use crate::sft::SftDataset;
+use engine::TokenBatch;
+
+/// A data set the sampler draws from.
+#[derive(Debug, Clone)]
+pub enum Samples {
+    /// Non-overlapping windows of T + 1 tokens.
+    Windows(TokenDataset),
+    /// Fine-tuning examples (or packed rows of them).
+    Examples(SftDataset),
+}
+
+impl Samples {
+    /// Number of samples.
+    pub fn n_samples(&self) -> usize {
+        match self {
+            Samples::Windows(d) => d.n_samples(),
+            Samples::Examples(d) => d.n_samples(),
+        }
+    }
+
+    /// The longest micro-batch row (positions): T for windows, the packing
+    /// length or the longest example for fine-tuning data.
+    pub fn seq_len(&self) -> usize {
+        match self {
+            Samples::Windows(d) => d.seq_len(),
+            Samples::Examples(d) => d.max_positions(),
+        }
+    }
+
+    /// The micro-batch of samples `indices` (padded to its longest row).
+    pub fn batch(&self, indices: &[usize]) -> TokenBatch {
+        match self {
+            Samples::Windows(d) => {
+                let t = d.seq_len();
+                let mut b = TokenBatch {
+                    n_seqs: indices.len(),
+                    seq_len: t,
+                    inputs: Vec::with_capacity(indices.len() * t),
+                    targets: Vec::with_capacity(indices.len() * t),
+                };
+                for &i in indices {
+                    d.push_sample(i, &mut b.inputs, &mut b.targets);
+                }
+                b
+            }
+            Samples::Examples(d) => d.micro_batch(indices),
+        }
+    }
+
+    /// Bytes the data set holds in memory (token ids and flags).
+    pub fn resident_bytes(&self) -> u64 {
+        match self {
+            Samples::Windows(d) => d.resident_bytes(),
+            Samples::Examples(d) => d.examples().iter().map(|e| 5 * e.tokens.len() as u64).sum(),
+        }
+    }
+}
