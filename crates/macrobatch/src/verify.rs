@@ -97,16 +97,28 @@ pub fn run(args: VerifyArgs) -> Result<bool> {
         if grad_ok { "PASS" } else { "FAIL" }
     );
     // Parameters: the gradient tolerance carried through the first update.
-    let opt = trainer_for(&plan, &plan.family.build(Default::default())?, &mut comm::SingleProcess::new())?
-        .optimizer()
-        .clone();
+    let model = crate::train::model_for(&plan)?;
+    let opt = trainer_for(&plan, &model, &mut comm::SingleProcess::new())?.optimizer().clone();
     let lr = r.report.lr;
     let (mut dp, mut n_over) = (0.0f32, 0usize);
-    for i in 0..r.params.len() {
-        let d = (a.params[i] - r.params[i]).abs();
-        dp = dp.max(d);
-        if d > opt.first_step_tolerance(r.grads[i], r.params[i], lr, GRAD_TOL * g_scale) {
-            n_over += 1;
+    // Gradients live in the gradient space (trainable tensors back to back);
+    // a frozen tensor must not move at all.
+    let mut g_at = 0;
+    for t in engine::Model::layout(&model).tensors() {
+        for (j, i) in t.range().enumerate() {
+            let d = (a.params[i] - r.params[i]).abs();
+            dp = dp.max(d);
+            let allowed = if t.trainable {
+                opt.first_step_tolerance(r.grads[g_at + j], r.params[i], lr, GRAD_TOL * g_scale)
+            } else {
+                0.0
+            };
+            if d > allowed {
+                n_over += 1;
+            }
+        }
+        if t.trainable {
+            g_at += t.range().len();
         }
     }
     let params_ok = n_over == 0;
