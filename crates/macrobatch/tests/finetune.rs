@@ -46,7 +46,8 @@ fn micro_batch_factorizations_agree_on_masked_chat_data_and_mean_of_means_does_n
     let Some(gguf) = gguf::testing::smollm2_or_skip("finetune") else { return };
     let base = chat_sets(&gguf.display().to_string());
     for (micro, k) in [(1, 32), (4, 8)] {
-        let sets = [base.clone(), vec![format!("batch.micro={micro}"), format!("batch.accumulation_steps={k}")]].concat();
+        let sets =
+            [base.clone(), vec![format!("batch.micro={micro}"), format!("batch.accumulation_steps={k}")]].concat();
         let o = verify(&sets);
         let out = String::from_utf8_lossy(&o.stdout);
         assert!(o.status.success(), "micro {micro} × K {k} vs micro 32 × K 1:\n{out}{}", stderr(&o));
@@ -57,7 +58,11 @@ fn micro_batch_factorizations_agree_on_masked_chat_data_and_mean_of_means_does_n
     // not the loss of the whole batch: verify must fail (exit 1).
     let sets = [
         base,
-        vec!["batch.micro=1".into(), "batch.accumulation_steps=32".into(), "train.loss_normalization=micro_batch_mean".into()],
+        vec![
+            "batch.micro=1".into(),
+            "batch.accumulation_steps=32".into(),
+            "train.loss_normalization=micro_batch_mean".into(),
+        ],
     ]
     .concat();
     let o = verify(&sets);
