@@ -153,13 +153,20 @@ pub struct TrainArgs {
     /// Its saved config is used; --set still overrides (e.g. train.steps to extend).
     #[arg(long, value_name = "DIR", num_args = 0..=1)]
     pub resume: Option<Option<PathBuf>>,
-    /// Start from a Hugging Face GPT-2 directory (model.safetensors + config.json), e.g. to fine-tune.
+    /// Start from a pretrained model, e.g. to fine-tune: a Hugging Face folder
+    /// (GPT-2 or Llama: config.json + model.safetensors, or a sharded index)
+    /// or a Llama GGUF file; its tokenizer comes along unless data.tokenizer is set.
     #[arg(long, value_name = "PATH")]
     pub init_from: Option<PathBuf>,
     /// Stop cleanly after this many optimizer steps in this invocation (checkpoint, exit 0).
     /// (Stopped by SIGINT / SIGTERM instead: checkpoint, exit 130 / 143.)
     #[arg(long, value_name = "N")]
     pub stop_after: Option<u64>,
+    /// Write the initial trainable tensors (`initial_trainable.safetensors`)
+    /// and every step's micro-batches (`steps.jsonl`) into DIR, so a peer
+    /// (scripts/lora_vs_peft.py) can replay the run exactly. One rank only.
+    #[arg(long, value_name = "DIR", hide = true)]
+    pub dump_steps: Option<PathBuf>,
 }
 
 /// Arguments of `macrobatch generate`.

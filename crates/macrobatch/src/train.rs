@@ -516,6 +516,9 @@ pub struct Start {
     pub stopped_early: Arc<AtomicBool>,
     /// This run's identity, written into every checkpoint.
     pub run_id: String,
+    /// `--dump-steps`: where the initial trainable tensors and every step's
+    /// micro-batches go (one rank).
+    pub dump_steps: Option<PathBuf>,
 }
 
 /// How a training invocation ended without error.
@@ -636,6 +639,9 @@ fn train_rank(
         }
         let ord = order.as_ref().map(|o| o.1.as_slice()).unwrap_or_default();
         let batches = rank_batches(plan, &plan.sampler, ord, step_in_epoch, rank);
+        if let Some(dir) = &start_from.dump_steps {
+            dump_step(dir, step, &batches, (step_idx == first_step).then(|| (&trainer, model.layout())))?;
+        }
         let t0 = Instant::now();
         let report = trainer.step(&mut model, comm, &batches)?;
         let step_s = t0.elapsed().as_secs_f64();
@@ -835,6 +841,44 @@ fn train_rank(
             out.dir.display()
         );
     }
+    Ok(())
+}
+
+/// `--dump-steps`: appends step `step`'s micro-batches to `DIR/steps.jsonl`
+/// and, with `initial`, first writes the trainable tensors' values.
+fn dump_step(
+    dir: &Path,
+    step: u64,
+    batches: &[TokenBatch],
+    initial: Option<(&Trainer, &engine::ParamLayout)>,
+) -> Result<()> {
+    use std::io::Write;
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    if let Some((trainer, layout)) = initial {
+        let params = trainer.params();
+        if params.len() != layout.n_params() {
+            bail!("--dump-steps needs unsharded parameters (dist.zero_stage < 3 and f32 or stage 0)");
+        }
+        let tensors: Vec<(String, Vec<usize>, &[f32])> = layout
+            .tensors()
+            .iter()
+            .filter(|t| t.trainable)
+            .map(|t| (t.name.clone(), t.shape.clone(), &params[t.range()]))
+            .collect();
+        gpt::hf::write_safetensors(&dir.join("initial_trainable.safetensors"), &tensors, &[])?;
+    }
+    let line = serde_json::json!({
+        "step": step,
+        "micro_batches": batches.iter().map(|b| serde_json::json!({
+            "n_seqs": b.n_seqs, "seq_len": b.seq_len, "inputs": b.inputs, "targets": b.targets,
+        })).collect::<Vec<_>>(),
+    });
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("steps.jsonl"))
+        .with_context(|| format!("cannot write {}", dir.join("steps.jsonl").display()))?;
+    writeln!(f, "{line}")?;
     Ok(())
 }
 
@@ -1067,6 +1111,9 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         }
     }
     let cfg = &plan.cfg;
+    if args.dump_steps.is_some() && plan.batch.world_size > 1 {
+        bail!("--dump-steps records one rank's run; use dist.world_size = 1");
+    }
     for w in cfg.warnings() {
         eprintln!("warning: {w}");
     }
@@ -1119,6 +1166,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         resume,
         init_params,
         stop_after: args.stop_after,
+        dump_steps: args.dump_steps.clone(),
         stop_signal: stop_signal.clone(),
         fault: Fault::from_env()?,
         signal: signal.clone(),
