@@ -43,7 +43,8 @@ d, preset, w, stage, prec, ck = sys.argv[1:]
 m = json.load(open(f"{d}/memory.json"))
 p = m["predicted"]
 per_rank = sum(p[k] for k in ["params", "master", "grads", "optimizer", "comm_buffers", "comm_staging", "activations", "batches"])
-predicted = per_rank * p["knobs"]["ranks_per_process"] + p["comm_shared"] + p["data"] + p["runtime"] + p["workspace"]
+training = per_rank * p["knobs"]["ranks_per_process"] + p["comm_shared"] + p["data"] + p["runtime"] + p["workspace"]
+predicted = max(training, p["pretrained_load"] + p["data"] + p["runtime"])
 measured = max(m["peak_rss"])
 mib = lambda b: b / 2**20
 print(f"| {preset} | {w} | {stage} | {prec} | {ck} | {mib(predicted):.1f} | {mib(measured):.1f} | {100 * (predicted - measured) / measured:+.1f}% |")

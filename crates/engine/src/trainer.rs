@@ -471,11 +471,23 @@ impl Trainer {
         params: Vec<f32>,
         n_steps: u64,
         n_updates: u64,
-        mut optimizer_state: impl FnMut(&str) -> Option<Vec<f32>>,
+        optimizer_state: impl FnMut(&str) -> Option<Vec<f32>>,
     ) -> Result<(), EngineError> {
         if params.len() != self.layout.n_params() {
             return Err(EngineError::ParamCount { expected: self.layout.n_params(), got: params.len() });
         }
+        self.restore_optimizer(n_steps, n_updates, optimizer_state)?;
+        self.set_params(params)
+    }
+
+    /// [`Trainer::restore`] for a trainer already built from the
+    /// checkpoint's parameters: the optimizer state and the schedule position.
+    pub fn restore_optimizer(
+        &mut self,
+        n_steps: u64,
+        n_updates: u64,
+        mut optimizer_state: impl FnMut(&str) -> Option<Vec<f32>>,
+    ) -> Result<(), EngineError> {
         let (part, sharded, n_grads) = (&self.part, self.stage.shards_optimizer(), self.part.space.n_grads);
         let mut err = None;
         self.optimizer.restore(n_updates, |name| {
@@ -494,7 +506,6 @@ impl Trainer {
         if let Some(e) = err {
             return Err(e);
         }
-        self.set_params(params)?;
         self.n_steps = n_steps;
         Ok(())
     }

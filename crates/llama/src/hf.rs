@@ -284,6 +284,25 @@ pub(crate) fn named<'a>(layout: &ParamLayout, params: &'a [f32], prefix: &str) -
     layout.tensors().iter().map(|t| (format!("{prefix}{}", t.name), t.shape.clone(), &params[t.range()])).collect()
 }
 
+/// Saves the base tensors of `model`'s parameters `params` — every tensor
+/// but LoRA adapters, so a LoRA model's frozen base — as `model.safetensors`
+/// and `config.json`, straight from `params` (no copy of the base).
+pub fn save_base(dir: &Path, model: &Llama, params: &[f32]) -> Result<(), LlamaError> {
+    let layout = model.layout();
+    LlamaError::check_count("model", layout.n_params(), params.len())?;
+    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let base: Vec<(String, Vec<usize>, &[f32])> = layout
+        .tensors()
+        .iter()
+        .filter(|t| !crate::lora::is_adapter(&t.name))
+        .map(|t| (t.name.clone(), t.shape.clone(), &params[t.range()]))
+        .collect();
+    gpt::hf::write_safetensors(&dir.join(WEIGHTS_FILE), &base, &[])?;
+    let text = serde_json::to_string_pretty(&model.config().to_hf_json()).map_err(|e| bad(dir, e.to_string()))?;
+    gpt::hf::write_atomic(&dir.join(CONFIG_FILE), text.as_bytes())?;
+    Ok(())
+}
+
 /// Saves base-model parameters (layout of [`Llama::new`]) and the config
 /// into `dir` as `model.safetensors` (F32) and `config.json`, each written
 /// atomically.

@@ -199,9 +199,23 @@ pub fn is_gguf(path: &Path) -> bool {
 /// un-permuted to Hugging Face's layout) — as its family and parameters.
 pub fn load_hf(dir: &Path) -> Result<(Arc<dyn Family>, Vec<f32>)> {
     if is_gguf(dir) {
-        let (config, tensors) = gguf::llama::load(dir)?;
-        let cfg = LlamaConfig::from_hf_json(&config)?;
-        let params = llama::hf::from_named_tensors(&cfg, tensors)?;
+        // One tensor dequantised at a time, placed, then dropped: loading
+        // holds the parameters and one tensor, never a second full copy.
+        let file = gguf::llama::LlamaGguf::open(dir)?;
+        let cfg = LlamaConfig::from_hf_json(file.config())?;
+        let mut failed = None;
+        let tensors = file.tensor_names().into_iter().map_while(|(g, _)| match file.tensor(&g) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                failed = Some(e);
+                None
+            }
+        });
+        let params = llama::hf::from_named_tensors(&cfg, tensors);
+        if let Some(e) = failed {
+            return Err(e.into());
+        }
+        let params = params?;
         return Ok((Arc::new(LlamaFamily::new(cfg, None)?), params));
     }
     let family = read_hf_config(dir)?;
@@ -255,20 +269,6 @@ impl LlamaFamily {
         };
         cfg.validate()?;
         Self::new(cfg, lora.cloned())
-    }
-
-    /// The base parameters (no adapters) of full parameters `params`.
-    fn base_of(&self, layout: &ParamLayout, params: &[f32]) -> Result<Vec<f32>> {
-        if self.lora.is_none() {
-            return Ok(params.to_vec());
-        }
-        let plain = Llama::new(self.cfg.clone())?;
-        let mut base = vec![0.0; plain.layout().n_params()];
-        for t in plain.layout().tensors() {
-            let src = layout.get(&t.name).with_context(|| format!("tensor {} missing", t.name))?;
-            base[t.range()].copy_from_slice(&params[src.range()]);
-        }
-        Ok(base)
     }
 }
 
@@ -348,8 +348,10 @@ impl Family for LlamaFamily {
     /// The base as Hugging Face Llama files and, with adapters, the
     /// adapters in PEFT's format beside them (`PeftModel.from_pretrained(base, DIR)`).
     fn save_hf(&self, dir: &Path, layout: &ParamLayout, params: &[f32]) -> Result<()> {
-        let base = self.base_of(layout, params)?;
-        llama::hf::save(dir, &self.cfg, &base)?;
+        if layout.n_params() != params.len() {
+            bail!("{} parameters to save, the model has {}", params.len(), layout.n_params());
+        }
+        llama::hf::save_base(dir, &self.model, params)?;
         if self.lora.is_some() {
             llama::lora::save_adapter(dir, &self.model, params, None)?;
         }

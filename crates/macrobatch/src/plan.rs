@@ -104,6 +104,9 @@ pub struct Estimate {
     pub data: u64,
     /// Per process: the program itself (code, libraries, thread stacks).
     pub runtime: u64,
+    /// Per process, before training: loading a pretrained model (`--init-from`)
+    /// holds its parameters and the trainer's copy (8 bytes per parameter).
+    pub pretrained_load: u64,
     /// Per process: the kernels' per-thread workspace (GEMM packing buffers
     /// and the like), [`WORKSPACE_PER_THREAD`] × compute threads.
     pub workspace: u64,
@@ -129,11 +132,13 @@ impl Estimate {
 
     /// One process's bytes: its ranks plus what they share.
     pub fn per_process(&self) -> u64 {
-        self.per_rank() * self.knobs.ranks_per_process as u64
+        let training = self.per_rank() * self.knobs.ranks_per_process as u64
             + self.comm_shared
             + self.data
             + self.runtime
-            + self.workspace
+            + self.workspace;
+        // The peak is the larger phase: loading comes before any activation.
+        training.max(self.pretrained_load + self.data + self.runtime)
     }
 }
 
@@ -185,9 +190,14 @@ pub fn estimate(plan: &Plan, knobs: Knobs) -> Result<Estimate> {
         batches: 8 * (accumulation_steps * knobs.micro * seq_len) as u64,
         data: 4 * tokens,
         runtime: runtime_bytes(),
+        pretrained_load: if plan.pretrained { 8 * n_params(&*plan.family) } else { 0 },
         workspace: WORKSPACE_PER_THREAD
             * if cfg.train.threads > 0 { cfg.train.threads } else { rayon::current_num_threads() } as u64,
     })
+}
+
+fn n_params(f: &dyn crate::family::Family) -> u64 {
+    u64::try_from(f.n_params()).unwrap_or(u64::MAX)
 }
 
 /// Micro-batch sizes that keep the global batch: `micro · W` divides it.

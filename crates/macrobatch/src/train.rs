@@ -28,6 +28,9 @@ pub struct Plan {
     pub cfg: Config,
     /// The model family and shape.
     pub family: Arc<dyn Family>,
+    /// Whether training starts from a pretrained model (`--init-from`),
+    /// whose loading is its own memory peak.
+    pub pretrained: bool,
     /// With `batch.micro = "auto"`: the budget the micro-batch was chosen
     /// for, checked against the measured peak after the first step.
     pub memory_budget: Option<u64>,
@@ -98,7 +101,8 @@ pub fn plan(mut cfg: Config, backend: Backend) -> Result<Plan> {
     // The layout alone (no activations are allocated before the first batch).
     apply_trainable(&mut family.build(Build::default())?, &trainable_patterns(&cfg))?;
     let tokenizer = Arc::new(tokenizer);
-    let mut plan = Plan { cfg, family, memory_budget: None, backend, batch, train, val, tokenizer, sampler };
+    let mut plan =
+        Plan { cfg, family, pretrained: false, memory_budget: None, backend, batch, train, val, tokenizer, sampler };
     if auto_micro {
         choose_micro(&mut plan)?;
     }
@@ -251,6 +255,17 @@ pub fn apply_trainable(model: &mut impl Model, patterns: &[String]) -> Result<us
 /// A trainer over freshly initialised parameters for this rank of `comm`
 /// (rank 0's parameters are broadcast; ZeRO partitions as configured).
 pub fn trainer_for(plan: &Plan, model: &impl Model, comm: &mut dyn Communicator) -> Result<Trainer> {
+    trainer_from(plan, model, comm, None)
+}
+
+/// [`trainer_for`] starting from `initial` parameters (a checkpoint's or a
+/// pretrained model's), read a segment at a time: no further full copy.
+pub fn trainer_from(
+    plan: &Plan,
+    model: &impl Model,
+    comm: &mut dyn Communicator,
+    initial: Option<&[f32]>,
+) -> Result<Trainer> {
     let n_params = model.layout().n_params();
     let (cfg, o) = (&plan.cfg, &plan.cfg.optim);
     let optimizer = match o.name {
@@ -277,7 +292,14 @@ pub fn trainer_for(plan: &Plan, model: &impl Model, comm: &mut dyn Communicator)
         },
     };
     let zero = ZeroConfig { stage: cfg.dist.zero_stage, reduce_every_micro_step: cfg.dist.reduce_every_micro_step };
-    let init = |seg: usize| plan.family.init_segment(cfg.train.seed, seg);
+    let segments = model.segments();
+    let init = |seg: usize| match initial {
+        Some(p) => p[segments[seg].clone()].to_vec(),
+        None => plan.family.init_segment(cfg.train.seed, seg),
+    };
+    if let Some(p) = initial.filter(|p| p.len() != n_params) {
+        bail!("the initial parameters hold {} values, the model {n_params}", p.len());
+    }
     Ok(Trainer::distributed_with(model, &init, optimizer, schedule, options, zero, comm)?)
 }
 
@@ -501,9 +523,9 @@ fn open_outputs(plan: &Plan, dir: &Path, resume_step: Option<u64>, run_id: &str)
 #[derive(Clone)]
 pub struct Start {
     /// A checkpoint to continue from.
-    pub resume: Option<Arc<Loaded>>,
+    pub resume: Option<Arc<Handoff<Loaded>>>,
     /// Pretrained parameters (`--init-from`).
-    pub init_params: Option<Arc<Vec<f32>>>,
+    pub init_params: Option<Arc<Handoff<Vec<f32>>>>,
     /// Stop after this many steps of this invocation.
     pub stop_after: Option<u64>,
     /// Set by SIGINT / SIGTERM.
@@ -519,6 +541,30 @@ pub struct Start {
     /// `--dump-steps`: where the initial trainable tensors and every step's
     /// micro-batches go (one rank).
     pub dump_steps: Option<PathBuf>,
+}
+
+/// A value each of `n` ranks of this process takes once; after the last
+/// take it is released (the ranks' own references go when they are done).
+pub struct Handoff<T> {
+    slot: std::sync::Mutex<Option<Arc<T>>>,
+    remaining: AtomicUsize,
+}
+
+impl<T> Handoff<T> {
+    /// `value` for `n` ranks.
+    pub fn new(value: T, n: usize) -> Arc<Self> {
+        Arc::new(Self { slot: std::sync::Mutex::new(Some(Arc::new(value))), remaining: AtomicUsize::new(n) })
+    }
+
+    /// The value (`None` once every rank took it).
+    pub fn take(&self) -> Option<Arc<T>> {
+        let mut slot = self.slot.lock().ok()?;
+        let v = slot.clone();
+        if self.remaining.fetch_sub(1, Ordering::SeqCst) <= 1 {
+            *slot = None;
+        }
+        v
+    }
 }
 
 /// How a training invocation ended without error.
@@ -590,20 +636,24 @@ fn train_rank(
     let mut model = model_for(plan)?;
     let predicted = crate::plan::estimate(plan, crate::plan::Knobs::of(plan))?;
     let rss_before = proc_status_bytes("VmRSS:");
-    let mut trainer = trainer_for(plan, &model, comm)?;
+    // A checkpoint or pretrained parameters: each rank takes them once and
+    // the last lets them go, so they are not held for the whole run.
+    let resume = start_from.resume.as_ref().and_then(|h| h.take());
+    let pretrained = start_from.init_params.as_ref().and_then(|h| h.take());
+    let initial = resume.as_ref().map(|l| l.params.as_slice()).or(pretrained.as_deref().map(Vec::as_slice));
+    let mut trainer = trainer_from(plan, &model, comm, initial)?;
+    drop(pretrained);
     let mut model_states_rss = None;
     let mut first_step = 0;
-    if let Some(l) = &start_from.resume {
+    if let Some(l) = resume {
         let st = &l.state;
-        trainer.restore(l.params.clone(), st.schedule_step.unwrap_or(st.step), st.n_updates, |name| {
+        trainer.restore_optimizer(st.schedule_step.unwrap_or(st.step), st.n_updates, |name| {
             l.optimizer.get(name).cloned()
         })?;
         if let Some(sc) = &st.loss_scaler {
             trainer.set_loss_scaler(sc.scale, sc.good_steps, sc.hysteresis_left, sc.n_skipped);
         }
         first_step = st.step;
-    } else if let Some(p) = &start_from.init_params {
-        trainer.set_params(p.as_ref().clone())?;
     }
     trainer.check_params_agree(comm)?;
     let mem = trainer.memory();
@@ -1031,7 +1081,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
             }
             eprintln!("resuming from {} (step {})", loaded.dir.display(), loaded.state.step);
             let origin = loaded.dir.join(checkpoint::CONFIG).display().to_string();
-            (Config::from_toml(&loaded.config_toml, &origin, &args.set)?, Some(Arc::new(loaded)))
+            (Config::from_toml(&loaded.config_toml, &origin, &args.set)?, Some(loaded))
         }
         None => (load_config(args.config.as_deref(), &args.set)?, None),
     };
@@ -1056,13 +1106,15 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
                 }
             }
             let family = family::from_config(&cfg.model, cfg.lora.as_ref())?;
-            Some(Arc::new(family.start_from_pretrained(params, cfg.train.seed)?))
+            Some(family.start_from_pretrained(params, cfg.train.seed)?)
         }
         Some(_) => bail!("--init-from and --resume exclude each other: a resumed run continues from its checkpoint"),
         None => None,
     };
     let backend = dist::detect(cfg.dist.world_size)?;
-    let plan = Arc::new(plan(cfg, backend)?);
+    let mut plan = plan(cfg, backend)?;
+    plan.pretrained = init_params.is_some();
+    let plan = Arc::new(plan);
     if let Some(l) = &resume {
         let (saved, wanted) = (l.model.hf_config(), plan.family.hf_config());
         if saved != wanted {
@@ -1162,9 +1214,14 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         signal_hook::flag::register(sig, stop_signal.clone()).context("cannot install signal handler")?;
     }
     let resume_step = resume.as_ref().map(|l| l.state.step);
+    // Every rank of this process takes the start once; the last lets it go.
+    let ranks_here = match backend {
+        Backend::Threads(n) => n,
+        _ => 1,
+    };
     let start = Start {
-        resume,
-        init_params,
+        resume: resume.map(|l| Handoff::new(l, ranks_here)),
+        init_params: init_params.map(|p| Handoff::new(p, ranks_here)),
         stop_after: args.stop_after,
         dump_steps: args.dump_steps.clone(),
         stop_signal: stop_signal.clone(),
