@@ -41,12 +41,16 @@ ap.add_argument("run")
 ap.add_argument("gguf")
 ap.add_argument("--atol", type=float, default=5e-4)
 ap.add_argument("--rtol", type=float, default=1e-3)
+ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+ap.add_argument("--json", help="write step times and losses to this file")
 args = ap.parse_args()
 run = pathlib.Path(args.run)
 gguf = pathlib.Path(args.gguf)
 cfg = tomllib.loads((run / "config.resolved.toml").read_text())
 torch.manual_seed(0)
-torch.set_num_threads(max(1, cfg["train"].get("threads", 0)) if cfg["train"].get("threads", 0) else torch.get_num_threads())
+if args.threads > 0:
+    torch.set_num_threads(args.threads)
+import time
 
 model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
 lora = cfg["lora"]
@@ -81,10 +85,12 @@ def lr_at(i):
 ours = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
 steps = [json.loads(l) for l in (run / "dump" / "steps.jsonl").read_text().splitlines()]
 worst, failed = 0.0, 0
+times, tokens = [], []
 print("step  macrobatch    peft          |diff|")
 for i, step in enumerate(steps):
     for g in opt.param_groups:
         g["lr"] = lr_at(i)
+    t0 = time.perf_counter()
     opt.zero_grad(set_to_none=True)
     n_total = sum(sum(1 for x in mb["targets"] if x >= 0) for mb in step["micro_batches"])
     loss_sum = 0.0
@@ -99,6 +105,8 @@ for i, step in enumerate(steps):
     if t["grad_clip"] > 0:
         torch.nn.utils.clip_grad_norm_(trainable, t["grad_clip"])
     opt.step()
+    times.append(time.perf_counter() - t0)
+    tokens.append(sum(mb["n_seqs"] * mb["seq_len"] for mb in step["micro_batches"]))
     peft_loss = loss_sum / n_total
     mb_loss = ours[i]["loss"]
     diff = abs(mb_loss - peft_loss)
@@ -107,4 +115,8 @@ for i, step in enumerate(steps):
     failed += not ok
     print(f"{i + 1:4d}  {mb_loss:.8f}  {peft_loss:.8f}  {diff:.2e}{'' if ok else '  FAIL'}")
 print(f"largest difference over {len(steps)} steps: {worst:.2e}; {failed} step(s) outside {args.atol:.0e} + {args.rtol:.0e}·|loss|")
+med = sorted(times)[len(times) // 2]
+print(f"peft: median {med * 1e3:.0f} ms/step, {sum(tokens) / sum(times):.0f} tokens/s over {len(times)} steps ({torch.get_num_threads()} threads)")
+if args.json:
+    pathlib.Path(args.json).write_text(json.dumps({"step_s": times, "tokens": tokens, "threads": torch.get_num_threads()}))
 sys.exit(0 if failed == 0 else 1)
