@@ -138,6 +138,12 @@ pub trait Family: Send + Sync {
         let _ = seed;
         Ok(params)
     }
+    /// With adapters: the plain model with them merged into its weights
+    /// (W + α/r·B·A), as a family and parameters; `None` without adapters.
+    fn merged(&self, params: &[f32]) -> Result<Option<(Arc<dyn Family>, Vec<f32>)>> {
+        let _ = params;
+        Ok(None)
+    }
     /// Writes this shape into `[model]`, so a resolved config rebuilds it.
     fn pin_shape(&self, m: &mut ModelConfig);
 }
@@ -364,6 +370,14 @@ impl Family for LlamaFamily {
             Some(_) if params.len() != n => Ok(llama::lora::attach(&self.model, &params, seed)?),
             _ => Ok(params),
         }
+    }
+
+    fn merged(&self, params: &[f32]) -> Result<Option<(Arc<dyn Family>, Vec<f32>)>> {
+        if self.lora.is_none() {
+            return Ok(None);
+        }
+        let merged = llama::lora::merge(&self.model, params)?;
+        Ok(Some((Arc::new(LlamaFamily::new(self.cfg.clone(), None)?), merged)))
     }
 
     fn load_weights(&self, dir: &Path, layout: &ParamLayout) -> Result<Vec<f32>> {

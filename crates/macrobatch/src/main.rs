@@ -167,6 +167,10 @@ pub struct TrainArgs {
     /// (scripts/lora_vs_peft.py) can replay the run exactly. One rank only.
     #[arg(long, value_name = "DIR", hide = true)]
     pub dump_steps: Option<PathBuf>,
+    /// With [lora]: also write DIR/merged/, the model with the adapters
+    /// folded into its weights (a plain Hugging Face Llama folder).
+    #[arg(long)]
+    pub merge: bool,
 }
 
 /// Arguments of `macrobatch generate`.

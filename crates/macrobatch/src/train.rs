@@ -541,6 +541,8 @@ pub struct Start {
     /// `--dump-steps`: where the initial trainable tensors and every step's
     /// micro-batches go (one rank).
     pub dump_steps: Option<PathBuf>,
+    /// `--merge`: also save the model with its LoRA adapters merged.
+    pub merge: bool,
 }
 
 /// A value each of `n` ranks of this process takes once; after the last
@@ -884,6 +886,19 @@ fn train_rank(
         out.reporter.finish();
         checkpoint::check_finite(model.layout(), &params, "final parameters")?;
         plan.family.save_hf(&out.dir, model.layout(), &params)?;
+        if start_from.merge {
+            match plan.family.merged(&params)? {
+                Some((family, merged)) => {
+                    let dir = out.dir.join("merged");
+                    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+                    let layout = family.build(Build::default())?.layout().clone();
+                    family.save_hf(&dir, &layout, &merged)?;
+                    plan.tokenizer.save_pretrained(&dir)?;
+                    eprintln!("merged model (adapters folded into the weights) saved to {}", dir.display());
+                }
+                None => eprintln!("warning: --merge: this run has no LoRA adapters to merge; nothing written"),
+            }
+        }
         eprintln!(
             "done: {steps} steps in {:.1}s; model saved to {} (try: macrobatch generate {} --prompt \"Call me\")",
             start.elapsed().as_secs_f64(),
@@ -1224,6 +1239,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         init_params: init_params.map(|p| Handoff::new(p, ranks_here)),
         stop_after: args.stop_after,
         dump_steps: args.dump_steps.clone(),
+        merge: args.merge,
         stop_signal: stop_signal.clone(),
         fault: Fault::from_env()?,
         signal: signal.clone(),

@@ -77,8 +77,25 @@ fn lora_trains_adapters_only_and_leaves_the_base_bit_identical() {
     let out = tmp("lora-base");
     let sets = [chat_sets(&gguf.display().to_string()), vec!["batch.micro=4".into(), "train.steps=3".into()]].concat();
     let set_refs: Vec<&str> = sets.iter().map(String::as_str).collect();
-    let o = train(&out, &set_refs);
+    let mut c = bin();
+    c.arg("train").arg("--out").arg(&out).arg("--merge");
+    with_sets(&mut c, &set_refs);
+    let o = c.output().unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
+    // --merge: a plain Llama folder whose greedy answer is the adapted model's.
+    let greedy = |dir: &std::path::Path| {
+        let o = bin()
+            .arg("generate")
+            .arg(dir)
+            .args(["--chat", "--prompt", "Who is Starbuck?", "--temperature", "0", "--max-new-tokens", "8"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let merged = out.join("merged");
+    assert!(merged.join("model.safetensors").exists() && !merged.join("adapter_config.json").exists());
+    assert_eq!(greedy(&out), greedy(&merged), "merged weights answer as base + adapters");
     // Only the adapters have gradients and optimizer state: 4 bytes each
     // for gradients, 8 for AdamW's moments.
     let m = metrics(&out);
