@@ -19,6 +19,9 @@ pub const WEIGHTS_FILE: &str = gpt::hf::WEIGHTS_FILE;
 /// The config file of a model folder (Hugging Face's name).
 pub const CONFIG_FILE: &str = gpt::hf::CONFIG_FILE;
 
+/// A family and parameters of one model.
+pub type Loaded = (Arc<dyn Family>, Vec<f32>);
+
 /// A model error of any family (the family's own error, boxed).
 #[derive(Debug)]
 pub struct ModelError(Box<dyn std::error::Error + Send + Sync>);
@@ -140,7 +143,7 @@ pub trait Family: Send + Sync {
     }
     /// With adapters: the plain model with them merged into its weights
     /// (W + α/r·B·A), as a family and parameters; `None` without adapters.
-    fn merged(&self, params: &[f32]) -> Result<Option<(Arc<dyn Family>, Vec<f32>)>> {
+    fn merged(&self, params: &[f32]) -> Result<Option<Loaded>> {
         let _ = params;
         Ok(None)
     }
@@ -203,7 +206,7 @@ pub fn is_gguf(path: &Path) -> bool {
 /// A saved model — a Hugging Face folder (`config.json` + weights, with
 /// PEFT adapters beside them) or a GGUF file (Llama; dequantised to f32, Q/K
 /// un-permuted to Hugging Face's layout) — as its family and parameters.
-pub fn load_hf(dir: &Path) -> Result<(Arc<dyn Family>, Vec<f32>)> {
+pub fn load_hf(dir: &Path) -> Result<Loaded> {
     if is_gguf(dir) {
         // One tensor dequantised at a time, placed, then dropped: loading
         // holds the parameters and one tensor, never a second full copy.
@@ -372,7 +375,7 @@ impl Family for LlamaFamily {
         }
     }
 
-    fn merged(&self, params: &[f32]) -> Result<Option<(Arc<dyn Family>, Vec<f32>)>> {
+    fn merged(&self, params: &[f32]) -> Result<Option<Loaded>> {
         if self.lora.is_none() {
             return Ok(None);
         }
