@@ -11,8 +11,8 @@ use crate::error::GptError;
 use crate::kernels::{self, AttnShape, Strided};
 use engine::rng::SplitMix64;
 use engine::{
-    Checkpointing, FullStore, GradOut, MicroStepStats, Model, ParamLayout, ParamStore, Precision, SegmentGrads,
-    SegmentView,
+    Checkpointing, FullStore, GradOut, MicroStepStats, Model, ParamLayout, ParamStore, Precision, SavedTensor,
+    SegmentGrads, SegmentView,
 };
 use std::ops::Range;
 
@@ -154,80 +154,6 @@ pub fn init_segment(cfg: &GptConfig, seed: u64, seg: usize) -> Vec<f32> {
     put(r.ln1_w.clone(), vec![1.0; c]);
     put(r.ln2_w.clone(), vec![1.0; c]);
     v
-}
-
-/// One saved activation tensor: f32 (read in place by backward) or 16
-/// bits (decoded on demand).
-#[derive(Debug)]
-enum SavedTensor {
-    F32(Vec<f32>),
-    Low(Vec<u16>),
-}
-
-impl Default for SavedTensor {
-    fn default() -> Self {
-        SavedTensor::F32(Vec::new())
-    }
-}
-
-impl SavedTensor {
-    fn new(precision: Precision, n: usize) -> Self {
-        if precision.is_low() {
-            SavedTensor::Low(vec![0; n])
-        } else {
-            SavedTensor::F32(vec![0.0; n])
-        }
-    }
-
-    fn bytes(&self) -> usize {
-        match self {
-            SavedTensor::F32(v) => 4 * v.len(),
-            SavedTensor::Low(v) => 2 * v.len(),
-        }
-    }
-
-    /// Saves `v` — rounded first to the storage precision, in place, so the
-    /// rest of the forward pass reads exactly what backward will — by copy.
-    fn keep_copy(&mut self, v: &mut [f32], precision: Precision) {
-        precision.round(v);
-        match self {
-            SavedTensor::F32(dst) => dst.copy_from_slice(v),
-            SavedTensor::Low(dst) => precision.encode(v, dst),
-        }
-    }
-
-    /// Saves the working buffer `v`: in f32 by swapping it in (no copy; `v`
-    /// gets the old buffer of the same length back, to be overwritten), in
-    /// 16 bits by rounding and encoding it. Read the tensor afterwards with
-    /// [`SavedTensor::cur`].
-    fn keep(&mut self, v: &mut Vec<f32>, precision: Precision) {
-        match self {
-            SavedTensor::F32(dst) => std::mem::swap(dst, v),
-            SavedTensor::Low(dst) => {
-                precision.round(v);
-                precision.encode(v, dst);
-            }
-        }
-    }
-
-    /// The tensor just kept from `v`, as the rest of the forward reads it.
-    fn cur<'a>(&'a self, v: &'a [f32]) -> &'a [f32] {
-        match self {
-            SavedTensor::F32(t) => t,
-            SavedTensor::Low(_) => v,
-        }
-    }
-
-    /// The tensor as f32: itself, or decoded into `tmp`.
-    fn read<'a>(&'a self, precision: Precision, tmp: &'a mut [f32]) -> &'a [f32] {
-        match self {
-            SavedTensor::F32(v) => v,
-            SavedTensor::Low(v) => {
-                precision.decode(v, &mut tmp[..v.len()]);
-                &tmp[..v.len()]
-            }
-        }
-    }
 }
 
 /// Indices of a block's large saved tensors.

@@ -13,8 +13,8 @@ use crate::kernels::{self, columns, GqaShape, Rope};
 use crate::lora::LoraConfig;
 use engine::rng::SplitMix64;
 use engine::{
-    Checkpointing, FullStore, GradOut, MicroStepStats, Model, ParamLayout, ParamStore, Precision, SegmentGrads,
-    SegmentView,
+    Checkpointing, FullStore, GradOut, MicroStepStats, Model, ParamLayout, ParamStore, Precision, SavedTensor,
+    SegmentGrads, SegmentView,
 };
 use gpt::kernels::{gemm_into, parallelism, Strided};
 use std::ops::Range;
@@ -180,79 +180,6 @@ fn build_layout(cfg: &LlamaConfig, adapters: Option<Adapters>) -> (ParamLayout, 
         at - n..at
     });
     (l, ParamRanges { embed, layers, layer_rel, norm, head })
-}
-
-/// One saved activation tensor: f32 (read in place by backward) or 16
-/// bits (decoded on demand). The same scheme as GPT-2's.
-#[derive(Debug)]
-enum SavedTensor {
-    F32(Vec<f32>),
-    Low(Vec<u16>),
-}
-
-impl Default for SavedTensor {
-    fn default() -> Self {
-        SavedTensor::F32(Vec::new())
-    }
-}
-
-impl SavedTensor {
-    fn new(precision: Precision, n: usize) -> Self {
-        if precision.is_low() {
-            SavedTensor::Low(vec![0; n])
-        } else {
-            SavedTensor::F32(vec![0.0; n])
-        }
-    }
-
-    fn bytes(&self) -> usize {
-        match self {
-            SavedTensor::F32(v) => 4 * v.len(),
-            SavedTensor::Low(v) => 2 * v.len(),
-        }
-    }
-
-    /// Saves `v` by copy, rounded first (in place) to the storage
-    /// precision so the rest of the forward reads what backward will.
-    fn keep_copy(&mut self, v: &mut [f32], precision: Precision) {
-        precision.round(v);
-        match self {
-            SavedTensor::F32(dst) => dst.copy_from_slice(v),
-            SavedTensor::Low(dst) => precision.encode(v, dst),
-        }
-    }
-
-    /// Saves the working buffer `v`: f32 by swapping it in (`v` gets the
-    /// old buffer of the same length back, to be overwritten), 16 bits by
-    /// rounding and encoding it. Read it afterwards with [`SavedTensor::cur`].
-    fn keep(&mut self, v: &mut Vec<f32>, precision: Precision) {
-        match self {
-            SavedTensor::F32(dst) => std::mem::swap(dst, v),
-            SavedTensor::Low(dst) => {
-                precision.round(v);
-                precision.encode(v, dst);
-            }
-        }
-    }
-
-    /// The tensor just kept from `v`, as the rest of the forward reads it.
-    fn cur<'a>(&'a self, v: &'a [f32]) -> &'a [f32] {
-        match self {
-            SavedTensor::F32(t) => t,
-            SavedTensor::Low(_) => v,
-        }
-    }
-
-    /// The tensor as f32: itself, or decoded into `tmp`.
-    fn read<'a>(&'a self, precision: Precision, tmp: &'a mut [f32]) -> &'a [f32] {
-        match self {
-            SavedTensor::F32(v) => v,
-            SavedTensor::Low(v) => {
-                precision.decode(v, &mut tmp[..v.len()]);
-                &tmp[..v.len()]
-            }
-        }
-    }
 }
 
 /// Indices of a layer's large saved tensors.

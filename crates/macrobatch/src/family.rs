@@ -100,6 +100,29 @@ pub struct Build {
     pub checkpointing: Checkpointing,
 }
 
+/// [`LanguageModel`] for a family's model type, whose inherent methods
+/// `activation_bytes`, `saved_activation_bytes` and `next_token_logits` it
+/// forwards to.
+macro_rules! language_model {
+    ($($model:ty),*) => {$(
+        impl LanguageModel for Erased<$model> {
+            fn activation_bytes(&self) -> usize {
+                self.0.activation_bytes()
+            }
+
+            fn saved_activation_bytes(&self) -> usize {
+                self.0.saved_activation_bytes()
+            }
+
+            fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+                self.0.next_token_logits(params, tokens).map_err(erase)
+            }
+        }
+    )*};
+}
+
+language_model!(Gpt, Llama);
+
 /// One model family at one shape: everything the binary needs before (and
 /// without) building the model, so shapes too large for this machine can
 /// still be planned and reported.
@@ -281,20 +304,6 @@ impl LlamaFamily {
     }
 }
 
-impl LanguageModel for Erased<Llama> {
-    fn activation_bytes(&self) -> usize {
-        self.0.activation_bytes()
-    }
-
-    fn saved_activation_bytes(&self) -> usize {
-        self.0.saved_activation_bytes()
-    }
-
-    fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
-        self.0.next_token_logits(params, tokens).map_err(erase)
-    }
-}
-
 impl Family for LlamaFamily {
     fn name(&self) -> &'static str {
         "Llama"
@@ -448,20 +457,6 @@ impl Gpt2 {
         };
         g.validate()?;
         Ok(Self(g))
-    }
-}
-
-impl LanguageModel for Erased<Gpt> {
-    fn activation_bytes(&self) -> usize {
-        self.0.activation_bytes()
-    }
-
-    fn saved_activation_bytes(&self) -> usize {
-        self.0.saved_activation_bytes()
-    }
-
-    fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
-        self.0.next_token_logits(params, tokens).map_err(erase)
     }
 }
 
