@@ -3,7 +3,10 @@
 //! the data. One spelling per field: the Rust field, the TOML key and the
 //! `--set` path are the same.
 
+mod deepspeed;
+
 pub use data::{DataFormat, TokenizerSpec};
+pub use deepspeed::{DeepSpeedConfig, DeepSpeedOptions};
 pub use engine::{Checkpointing, Decay, LossNormalization, OptimizerKind, Precision};
 pub use llama::LoraConfig;
 use serde::{Deserialize, Serialize};
@@ -536,16 +539,20 @@ impl Default for ScheduleConfig {
 impl Config {
     /// Parses TOML text, then applies `--set` overrides, then checks types and keys.
     pub fn from_toml(text: &str, origin: &str, overrides: &[String]) -> Result<Self, ConfigError> {
-        let mut table: toml::Table =
-            toml::from_str(text).map_err(|e| ConfigError::Parse { origin: origin.into(), message: e.to_string() })?;
+        let mut table = parse_table(text, origin)?;
         for o in overrides {
             apply_override(&mut table, o)?;
         }
-        // Round-trip through text so that type errors point at the key and line.
-        let merged = toml::to_string(&table)
-            .map_err(|e| ConfigError::Parse { origin: origin.into(), message: e.to_string() })?;
         let origin = if overrides.is_empty() { origin.to_string() } else { format!("{origin} with --set overrides") };
-        toml::from_str(&merged).map_err(|e| ConfigError::Parse { origin, message: e.to_string() })
+        Self::from_table(&table, &origin)
+    }
+
+    /// Checks types and keys of a merged table.
+    fn from_table(table: &toml::Table, origin: &str) -> Result<Self, ConfigError> {
+        // Round-trip through text so that type errors point at the key and line.
+        let merged =
+            toml::to_string(table).map_err(|e| ConfigError::Parse { origin: origin.into(), message: e.to_string() })?;
+        toml::from_str(&merged).map_err(|e| ConfigError::Parse { origin: origin.into(), message: e.to_string() })
     }
 
     /// The configuration as TOML (for `config.resolved.toml`).
@@ -767,6 +774,11 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         return Err(format!("`{s}`: a size must be positive"));
     }
     Ok((n * mult) as u64)
+}
+
+/// TOML text as a table (syntax only; keys are checked by [`Config::from_toml`]).
+fn parse_table(text: &str, origin: &str) -> Result<toml::Table, ConfigError> {
+    toml::from_str(text).map_err(|e| ConfigError::Parse { origin: origin.into(), message: e.to_string() })
 }
 
 fn invalid(field: &'static str, value: impl std::fmt::Display, rule: &str) -> ConfigError {

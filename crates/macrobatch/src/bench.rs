@@ -143,7 +143,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.steps == 0 {
         bail!("--steps 0: bench needs at least one measured step (e.g. --steps 10)");
     }
-    let cfg = load_config(args.config.as_deref(), &args.set)?;
+    let cfg = load_config(args.config.as_deref(), &args.set, &args.deepspeed)?;
     if cfg.dist.world_size != 1 {
         bail!("bench measures one rank; leave dist.world_size at 1");
     }

@@ -50,11 +50,13 @@ enum Command {
 /// Arguments of `macrobatch plan`.
 #[derive(clap::Args)]
 pub struct PlanArgs {
-    /// TOML config file (optional).
+    /// TOML config file, or a DeepSpeed JSON config (`*.json`; optional).
     pub config: Option<PathBuf>,
     /// Override a config key, e.g. --set model.preset=gpt2-xl --set batch.global=512.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    #[command(flatten)]
+    pub deepspeed: DeepSpeedArgs,
     /// Memory per process (rank), e.g. 80GiB; default: what this machine has available now.
     #[arg(long, value_name = "SIZE")]
     pub memory: Option<String>,
@@ -67,6 +69,18 @@ pub struct PlanArgs {
     /// One JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+}
+
+/// How a DeepSpeed JSON config (CONFIG ending in `.json`) is read; see docs/deepspeed.md.
+#[derive(clap::Args, Clone, Default)]
+pub struct DeepSpeedArgs {
+    /// With a DeepSpeed JSON config: a TOML file for what DeepSpeed does not
+    /// describe ([model], [data], train.steps, dist.world_size, …).
+    #[arg(long, value_name = "FILE")]
+    pub config_model: Option<PathBuf>,
+    /// With a DeepSpeed JSON config: keys macrobatch cannot honour are errors, not warnings.
+    #[arg(long)]
+    pub strict: bool,
 }
 
 /// Arguments of `macrobatch plot`.
@@ -106,11 +120,13 @@ pub struct PrepareArgs {
 /// Arguments of `macrobatch bench`.
 #[derive(clap::Args)]
 pub struct BenchArgs {
-    /// TOML config file (optional).
+    /// TOML config file, or a DeepSpeed JSON config (`*.json`; optional).
     pub config: Option<PathBuf>,
     /// Override a config key, e.g. --set model.preset=gpt2 --set batch.micro=4.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    #[command(flatten)]
+    pub deepspeed: DeepSpeedArgs,
     /// Unmeasured steps first.
     #[arg(long, default_value_t = 3)]
     pub warmup: usize,
@@ -128,11 +144,13 @@ pub struct BenchArgs {
 /// Arguments of `macrobatch verify`.
 #[derive(clap::Args)]
 pub struct VerifyArgs {
-    /// TOML config file (optional).
+    /// TOML config file, or a DeepSpeed JSON config (`*.json`; optional).
     pub config: Option<PathBuf>,
     /// Override a config key, e.g. --set batch.accumulation_steps=8 --set dist.world_size=2.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    #[command(flatten)]
+    pub deepspeed: DeepSpeedArgs,
     /// Micro-batch of the reference run (default: the whole global batch at once).
     #[arg(long)]
     pub reference_micro: Option<usize>,
@@ -141,11 +159,13 @@ pub struct VerifyArgs {
 /// Arguments of `macrobatch train`.
 #[derive(clap::Args)]
 pub struct TrainArgs {
-    /// TOML config file (optional: defaults train `tiny` on the bundled corpus).
+    /// TOML config file, or a DeepSpeed JSON config (`*.json`) (optional: defaults train `tiny` on the bundled corpus).
     pub config: Option<PathBuf>,
     /// Override a config key, e.g. --set train.steps=30 --set batch.micro=4.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    #[command(flatten)]
+    pub deepspeed: DeepSpeedArgs,
     /// Output directory (default: runs/run-<run id>, created new). Must not hold a run already.
     #[arg(long)]
     pub out: Option<PathBuf>,

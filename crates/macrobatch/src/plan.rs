@@ -432,7 +432,10 @@ pub fn render(r: &Report) -> String {
 /// `macrobatch plan`.
 pub fn run(args: crate::PlanArgs) -> Result<()> {
     runtime_bytes();
-    let mut cfg = crate::train::load_config(args.config.as_deref(), &args.set)?;
+    // The planned world is known before a DeepSpeed batch triple is checked against it.
+    let mut sets = args.set.clone();
+    sets.extend(args.world_size.map(|w| format!("dist.world_size={w}")));
+    let mut cfg = crate::train::load_config(args.config.as_deref(), &sets, &args.deepspeed)?;
     if let Some(w) = args.world_size {
         cfg.dist.world_size = w;
     }

@@ -6,7 +6,7 @@ use crate::dist::{self, Backend, Fault};
 use crate::family::{self, Build, Family, LanguageModel};
 use crate::memory;
 use crate::metrics::{Reporter, StepRecord};
-use crate::TrainArgs;
+use crate::{DeepSpeedArgs, TrainArgs};
 use anyhow::{anyhow, bail, Context, Result};
 use comm::Communicator;
 use config::{Config, Micro, OptimizerKind, Precision, ResolvedBatch};
@@ -50,16 +50,43 @@ impl Plan {
     }
 }
 
-/// Reads the config file (if any) and applies `--set` overrides.
-pub fn load_config(path: Option<&Path>, sets: &[String]) -> Result<Config> {
-    let (text, origin) = match path {
-        Some(p) => (
-            std::fs::read_to_string(p).with_context(|| format!("cannot read config file {}", p.display()))?,
-            p.display().to_string(),
-        ),
-        None => (String::new(), "default config".to_string()),
+/// Reads the config file (if any) and applies `--set` overrides. A path
+/// ending in `.json` is a DeepSpeed config, translated (with
+/// `--config-model` for what it does not describe); its warnings go to stderr.
+pub fn load_config(path: Option<&Path>, sets: &[String], ds: &DeepSpeedArgs) -> Result<Config> {
+    let read =
+        |p: &Path| std::fs::read_to_string(p).with_context(|| format!("cannot read config file {}", p.display()));
+    let is_json = path.is_some_and(|p| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")));
+    if !is_json {
+        if ds.config_model.is_some() || ds.strict {
+            bail!("--config-model and --strict go with a DeepSpeed JSON config (CONFIG ending in .json); a TOML config holds [model] and [data] itself");
+        }
+        let (text, origin) = match path {
+            Some(p) => (read(p)?, p.display().to_string()),
+            None => (String::new(), "default config".to_string()),
+        };
+        return Ok(Config::from_toml(&text, &origin, sets)?);
+    }
+    let path = path.context("a DeepSpeed config needs its path")?;
+    let companion = match &ds.config_model {
+        Some(p) => Some((read(p)?, p.display().to_string())),
+        None => None,
     };
-    Ok(Config::from_toml(&text, &origin, sets)?)
+    let opts = config::DeepSpeedOptions {
+        launcher_world: comm::launcher::launcher_world_size().map(|(n, _)| n),
+        strict: ds.strict,
+    };
+    let translated = Config::from_deepspeed_json(
+        &read(path)?,
+        &path.display().to_string(),
+        companion.as_ref().map(|(t, o)| (t.as_str(), o.as_str())),
+        sets,
+        opts,
+    )?;
+    for w in &translated.warnings {
+        eprintln!("warning: {w}");
+    }
+    Ok(translated.config)
 }
 
 /// Validates the whole configuration against the model, the data and the
@@ -1070,8 +1097,8 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     };
     let (cfg, resume) = match &resume_dir {
         Some(dir) => {
-            if args.config.is_some() {
-                bail!("--resume continues with the config saved in the checkpoint; drop the CONFIG argument (use --set to override single keys)");
+            if args.config.is_some() || args.deepspeed.config_model.is_some() || args.deepspeed.strict {
+                bail!("--resume continues with the config saved in the checkpoint; drop the CONFIG argument (and --config-model, --strict; use --set to override single keys)");
             }
             if !dir.is_dir() {
                 bail!("--resume {}: no such run folder", dir.display());
@@ -1098,7 +1125,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
             let origin = loaded.dir.join(checkpoint::CONFIG).display().to_string();
             (Config::from_toml(&loaded.config_toml, &origin, &args.set)?, Some(loaded))
         }
-        None => (load_config(args.config.as_deref(), &args.set)?, None),
+        None => (load_config(args.config.as_deref(), &args.set, &args.deepspeed)?, None),
     };
     let mut cfg = cfg;
     // Checked before anything is read or created.

@@ -64,7 +64,7 @@ pub fn run(args: VerifyArgs) -> Result<bool> {
     if let Some((n, var)) = comm::launcher::launcher_world_size() {
         bail!("verify simulates the ranks in one process; run it without mpirun ({var}={n} is set)");
     }
-    let cfg = load_config(args.config.as_deref(), &args.set)?;
+    let cfg = load_config(args.config.as_deref(), &args.set, &args.deepspeed)?;
     let world = cfg.dist.world_size;
     let backend = if world > 1 { Backend::Threads(world) } else { Backend::Single };
     let plan = Arc::new(plan(cfg, backend)?);

@@ -1,0 +1,901 @@
+//! DeepSpeed's JSON config (`ds_config.json`) read as a macrobatch [`Config`]: every key is mapped, accepted with a note, or reported as unsupported (see docs/deepspeed.md).
+
+use crate::{apply_override, Config, ConfigError, Micro, OptimConfig};
+use serde_json::{Map, Value};
+
+/// How a DeepSpeed config is read.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DeepSpeedOptions {
+    /// The world size an MPI launcher set (`None`: `dist.world_size`).
+    pub launcher_world: Option<usize>,
+    /// Keys macrobatch cannot honour are errors instead of warnings.
+    pub strict: bool,
+}
+
+/// A DeepSpeed config read as ours: the config and what the reader should know.
+#[derive(Debug, Clone)]
+pub struct DeepSpeedConfig {
+    /// The translated configuration (companion TOML, then the JSON, then `--set`).
+    pub config: Config,
+    /// Unsupported keys (`unsupported: …`, errors under `strict`) first, then
+    /// keys accepted without effect and mappings with a caveat (`note: …`).
+    pub warnings: Vec<String>,
+}
+
+/// DeepSpeed's default `initial_scale_power` (initial loss scale 2^16).
+const DS_INITIAL_SCALE_POWER: u64 = 16;
+/// DeepSpeed's default `hysteresis`.
+const DS_HYSTERESIS: u64 = 2;
+
+impl Config {
+    /// Translates DeepSpeed JSON `text` into a [`Config`]. `companion` is a
+    /// TOML text and its origin for what DeepSpeed does not describe
+    /// (`[model]`, `[data]`, `train.steps`, `dist.world_size`, …); the JSON
+    /// replaces the companion's keys it maps, and `overrides` apply last.
+    pub fn from_deepspeed_json(
+        text: &str,
+        origin: &str,
+        companion: Option<(&str, &str)>,
+        overrides: &[String],
+        opts: DeepSpeedOptions,
+    ) -> Result<DeepSpeedConfig, ConfigError> {
+        let parse_err = |message: String| ConfigError::Parse { origin: origin.into(), message };
+        let root: Value =
+            serde_json::from_str(text).map_err(|e| parse_err(format!("not a valid DeepSpeed JSON config: {e}")))?;
+        let mut autos = Vec::new();
+        find_auto(&root, "", &mut autos);
+        if !autos.is_empty() {
+            return Err(parse_err(format!(
+                "\"auto\" is filled in by Hugging Face's Trainer from its own arguments; macrobatch reads the file alone, so give numbers: {}",
+                autos.join("; ")
+            )));
+        }
+        let Value::Object(root) = root else {
+            return Err(parse_err("a DeepSpeed config is a JSON object ({ \"train_batch_size\": …, … })".into()));
+        };
+        let (table, mut label) = match companion {
+            Some((text, c_origin)) => (crate::parse_table(text, c_origin)?, format!("{origin} + {c_origin}")),
+            None => (toml::Table::new(), origin.to_string()),
+        };
+        let mut t = Translation { origin: origin.to_string(), table, notes: Vec::new(), unsupported: Vec::new() };
+        let batch = t.translate(root)?;
+        for o in overrides {
+            apply_override(&mut t.table, o)?;
+        }
+        if !overrides.is_empty() {
+            label.push_str(" with --set overrides");
+        }
+        let config = Config::from_table(&t.table, &label)?;
+        if let Some(b) = batch {
+            b.check(&config, opts.launcher_world)?;
+        }
+        if config.train.loss_normalization == crate::LossNormalization::Token {
+            t.notes.push(
+                "DeepSpeed divides the loss by gradient_accumulation_steps (a mean of micro-batch means); macrobatch weighs every target token alike (train.loss_normalization = \"token\"); --set train.loss_normalization=micro_batch_mean reproduces DeepSpeed's curve".into(),
+            );
+        }
+        if opts.strict && !t.unsupported.is_empty() {
+            return Err(parse_err(format!(
+                "--strict: {} DeepSpeed key(s) macrobatch cannot honour:\n  {}",
+                t.unsupported.len(),
+                t.unsupported.join("\n  ")
+            )));
+        }
+        let warnings = t
+            .unsupported
+            .iter()
+            .map(|u| format!("{origin}: unsupported, ignored: {u}"))
+            .chain(t.notes.iter().map(|n| format!("{origin}: note: {n}")))
+            .collect();
+        Ok(DeepSpeedConfig { config, warnings })
+    }
+}
+
+/// The batch keys as DeepSpeed gave them, checked against the world size
+/// with DeepSpeed's names once the world is known.
+#[derive(Debug, Clone, Copy)]
+struct DsBatch {
+    global: Option<usize>,
+    micro: Option<usize>,
+    gas: Option<usize>,
+}
+
+impl DsBatch {
+    fn check(self, cfg: &Config, launcher_world: Option<usize>) -> Result<(), ConfigError> {
+        // `--set batch.*` replaced them: the usual rule and its message apply.
+        let written = (self.global, self.micro.map(Micro::Sequences), self.gas);
+        if (cfg.batch.global, cfg.batch.micro, cfg.batch.accumulation_steps) != written {
+            return Ok(());
+        }
+        let (w, source) = match launcher_world {
+            Some(n) => (n, "from the MPI launcher"),
+            None => (cfg.dist.world_size, "dist.world_size"),
+        };
+        let rule = "the rule is train_batch_size = train_micro_batch_size_per_gpu × gradient_accumulation_steps × world; give two of them and the third is derived";
+        let err = |m: String| Err(ConfigError::Batch(format!("{m} ({source}); {rule}")));
+        match (self.global, self.micro, self.gas) {
+            (Some(g), Some(m), Some(k)) => {
+                let Some(mk) = m.checked_mul(k) else { return Ok(()) };
+                if mk.checked_mul(w) != Some(g) {
+                    return if g % mk == 0 {
+                        err(format!(
+                            "train_batch_size {g} = {m} × {k} × world needs world {}, but world is {w}",
+                            g / mk
+                        ))
+                    } else {
+                        err(format!(
+                            "train_batch_size {g} is not a multiple of train_micro_batch_size_per_gpu {m} × gradient_accumulation_steps {k} = {mk} for any world; world is {w}"
+                        ))
+                    };
+                }
+            }
+            (Some(g), Some(m), None) | (Some(g), None, Some(m)) => {
+                let name =
+                    if self.micro.is_some() { "train_micro_batch_size_per_gpu" } else { "gradient_accumulation_steps" };
+                let Some(mw) = m.checked_mul(w) else { return Ok(()) };
+                if g % mw != 0 {
+                    return err(format!(
+                        "train_batch_size {g} is not divisible by {name} {m} × world {w} = {mw}, so the third member is not whole"
+                    ));
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+/// The translation under way: our keys as TOML, and what was said about the rest.
+struct Translation {
+    origin: String,
+    table: toml::Table,
+    notes: Vec<String>,
+    unsupported: Vec<String>,
+}
+
+type Obj = Map<String, Value>;
+
+impl Translation {
+    fn err(&self, key: &str, msg: impl std::fmt::Display) -> ConfigError {
+        ConfigError::Parse { origin: self.origin.clone(), message: format!("{key}: {msg}") }
+    }
+
+    /// Sets `section.key` of our config.
+    fn set(&mut self, path: &str, v: impl Into<toml::Value>) {
+        let (section, key) = path.split_once('.').unwrap_or(("", path));
+        let entry = self.table.entry(section.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        if !entry.is_table() {
+            *entry = toml::Value::Table(toml::Table::new());
+        }
+        if let toml::Value::Table(t) = entry {
+            t.insert(key.to_string(), v.into());
+        }
+    }
+
+    /// The value of our `section.key` so far, as a number.
+    fn get_f64(&self, path: &str) -> Option<f64> {
+        let (section, key) = path.split_once('.')?;
+        let v = self.table.get(section)?.get(key)?;
+        v.as_float().or_else(|| v.as_integer().map(|i| i as f64))
+    }
+
+    fn object(&self, v: Value, key: &str) -> Result<Obj, ConfigError> {
+        match v {
+            Value::Object(m) => Ok(m),
+            other => Err(self.err(key, format!("expected an object {{ … }}, got {other}"))),
+        }
+    }
+
+    fn number(&self, v: &Value, key: &str) -> Result<f64, ConfigError> {
+        v.as_f64().filter(|x| x.is_finite()).ok_or_else(|| self.err(key, format!("expected a number, got {v}")))
+    }
+
+    /// A whole number ≥ 0 (DeepSpeed files write sizes as `5e8` too).
+    fn whole(&self, v: &Value, key: &str) -> Result<u64, ConfigError> {
+        let x = self.number(v, key)?;
+        if x < 0.0 || x.fract() != 0.0 || x > i64::MAX as f64 {
+            return Err(self.err(key, format!("expected a whole number >= 0, got {v}")));
+        }
+        Ok(x as u64)
+    }
+
+    fn flag(&self, v: &Value, key: &str) -> Result<bool, ConfigError> {
+        v.as_bool().ok_or_else(|| self.err(key, format!("expected true or false, got {v}")))
+    }
+
+    fn string(&self, v: &Value, key: &str) -> Result<String, ConfigError> {
+        v.as_str().map(str::to_string).ok_or_else(|| self.err(key, format!("expected a string, got {v}")))
+    }
+
+    /// Keys left over in `m` (under `prefix`) are unsupported.
+    fn rest(&mut self, m: Obj, prefix: &str) {
+        for (k, v) in m {
+            self.unsupported.push(format!("{prefix}{k} = {v}: not a key macrobatch reads"));
+        }
+    }
+
+    /// Keys accepted without effect on the result, with the reason.
+    fn accept(&mut self, m: &mut Obj, prefix: &str, keys: &[&str], reason: &str) {
+        let found: Vec<String> =
+            keys.iter().filter_map(|k| m.remove(*k).map(|v| format!("{prefix}{k} = {v}"))).collect();
+        if !found.is_empty() {
+            self.notes.push(format!("{}: {reason}; ignored", found.join(", ")));
+        }
+    }
+
+    fn translate(&mut self, mut root: Obj) -> Result<Option<DsBatch>, ConfigError> {
+        let batch = self.batch(&mut root)?;
+        if let Some(v) = root.remove("gradient_clipping") {
+            let c = self.number(&v, "gradient_clipping")?;
+            self.set("train.grad_clip", c);
+        }
+        if let Some(v) = root.remove("steps_per_print") {
+            let n = self.whole(&v, "steps_per_print")?;
+            self.set("train.log_every", n as i64);
+        }
+        let fp16 = match root.remove("fp16") {
+            Some(v) => self.fp16(v)?,
+            None => false,
+        };
+        let bf16_key = if root.contains_key("bf16") { "bf16" } else { "bfloat16" };
+        let bf16 = match root.remove(bf16_key) {
+            Some(v) => {
+                let mut m = self.object(v, bf16_key)?;
+                let on = match m.remove("enabled") {
+                    Some(e) => self.flag(&e, &format!("{bf16_key}.enabled"))?,
+                    None => false,
+                };
+                self.rest(m, &format!("{bf16_key}."));
+                on
+            }
+            None => false,
+        };
+        match (fp16, bf16) {
+            (true, true) => {
+                return Err(self.err(
+                    "fp16.enabled, bf16.enabled",
+                    "both are true; enable one (train.precision is either f16 or bf16)",
+                ))
+            }
+            (false, true) => self.set("train.precision", "bf16"),
+            _ => {}
+        }
+        if let Some(v) = root.remove("zero_optimization") {
+            self.zero(v)?;
+        }
+        match root.remove("optimizer") {
+            Some(v) => self.optimizer(v)?,
+            None => self.notes.push(
+                "no \"optimizer\": [optim] comes from the companion TOML, --set or the defaults (adamw, lr 2e-3)"
+                    .into(),
+            ),
+        }
+        match root.remove("scheduler") {
+            Some(v) => self.scheduler(v)?,
+            None => {
+                self.set("schedule.kind", "constant");
+                self.set("schedule.warmup_steps", 0i64);
+                self.set("schedule.min_lr", 0.0);
+                self.notes.push(
+                    "no \"scheduler\": DeepSpeed keeps the optimizer's lr constant, so schedule.kind = \"constant\" with no warmup"
+                        .into(),
+                );
+            }
+        }
+        if let Some(v) = root.remove("activation_checkpointing") {
+            let m = self.object(v, "activation_checkpointing")?;
+            self.set("train.activation_checkpointing", "blocks");
+            let subs: Vec<String> = m.iter().map(|(k, v)| format!("activation_checkpointing.{k} = {v}")).collect();
+            let mut note = "\"activation_checkpointing\" → train.activation_checkpointing = \"blocks\" (every block recomputed in backward)".to_string();
+            if !subs.is_empty() {
+                note.push_str(&format!(
+                    "; {} ignored: macrobatch neither partitions nor offloads the kept activations",
+                    subs.join(", ")
+                ));
+            }
+            self.notes.push(note);
+        }
+        self.accept(
+            &mut root,
+            "",
+            &[
+                "wall_clock_breakdown",
+                "memory_breakdown",
+                "tensorboard",
+                "wandb",
+                "csv_monitor",
+                "comet",
+                "flops_profiler",
+                "comms_logger",
+                "dump_state",
+                "zero_allow_untested_optimizer",
+                "zero_force_ds_cpu_optimizer",
+            ],
+            "DeepSpeed's logging and profiling switches (macrobatch writes metrics.jsonl; see `macrobatch bench`)",
+        );
+        if let Some(v) = root.remove("prescale_gradients") {
+            if self.flag(&v, "prescale_gradients")? {
+                self.unsupported.push("prescale_gradients = true: gradients are summed, then divided once".into());
+            }
+        }
+        if let Some(v) = root.remove("gradient_predivide_factor") {
+            if self.number(&v, "gradient_predivide_factor")? != 1.0 {
+                self.unsupported
+                    .push(format!("gradient_predivide_factor = {v}: gradients are summed, then divided once"));
+            }
+        }
+        if self.get_f64("train.steps").is_none() {
+            self.notes.push(
+                "no scheduler.params.total_num_steps: train.steps comes from the companion TOML, --set or the default (600)".into(),
+            );
+        }
+        self.rest(root, "");
+        Ok(batch)
+    }
+
+    fn batch(&mut self, root: &mut Obj) -> Result<Option<DsBatch>, ConfigError> {
+        let mut read = |key: &str| -> Result<Option<usize>, ConfigError> {
+            let Some(v) = root.remove(key) else { return Ok(None) };
+            let n = self.whole(&v, key)?;
+            if n == 0 {
+                return Err(self.err(key, "must be at least 1"));
+            }
+            usize::try_from(n).map(Some).map_err(|_| self.err(key, "too large"))
+        };
+        let (global, micro, gas) =
+            (read("train_batch_size")?, read("train_micro_batch_size_per_gpu")?, read("gradient_accumulation_steps")?);
+        let b = match (global, micro, gas) {
+            (None, None, None) => {
+                self.notes.push(
+                    "no train_batch_size / train_micro_batch_size_per_gpu / gradient_accumulation_steps: [batch] comes from the companion TOML, --set or the defaults".into(),
+                );
+                return Ok(None);
+            }
+            (None, None, Some(_)) => return Err(self.err(
+                "gradient_accumulation_steps",
+                "alone does not fix the batch; DeepSpeed also needs train_batch_size or train_micro_batch_size_per_gpu",
+            )),
+            // DeepSpeed's rule with one of the pair: no accumulation.
+            (Some(_), None, None) | (None, Some(_), None) => DsBatch { global, micro, gas: Some(1) },
+            _ => DsBatch { global, micro, gas },
+        };
+        let mut t = toml::Table::new();
+        for (k, v) in [("global", b.global), ("micro", b.micro), ("accumulation_steps", b.gas)] {
+            if let Some(v) = v {
+                t.insert(k.into(), toml::Value::Integer(v as i64));
+            }
+        }
+        // The JSON's batch replaces the companion's whole [batch]: a mix of the two would over-determine it.
+        self.table.insert("batch".into(), toml::Value::Table(t));
+        Ok(Some(b))
+    }
+
+    /// `fp16`: whether it is enabled.
+    fn fp16(&mut self, v: Value) -> Result<bool, ConfigError> {
+        let mut m = self.object(v, "fp16")?;
+        let enabled = match m.remove("enabled") {
+            Some(e) => self.flag(&e, "fp16.enabled")?,
+            None => false,
+        };
+        if !enabled {
+            let keys: Vec<String> = m.keys().map(|k| format!("fp16.{k}")).collect();
+            if !keys.is_empty() {
+                self.notes.push(format!("{}: fp16 is not enabled; ignored", keys.join(", ")));
+            }
+            return Ok(false);
+        }
+        self.set("train.precision", "f16");
+        let power = match m.remove("initial_scale_power") {
+            Some(v) => self.whole(&v, "fp16.initial_scale_power")?,
+            None => DS_INITIAL_SCALE_POWER,
+        };
+        if power > 127 {
+            return Err(self.err("fp16.initial_scale_power", format!("{power}: 2^{power} is not a finite f32")));
+        }
+        let fixed = match m.remove("loss_scale") {
+            Some(v) => self.number(&v, "fp16.loss_scale")?,
+            None => 0.0,
+        };
+        let window = match m.remove("loss_scale_window") {
+            Some(v) => self.whole(&v, "fp16.loss_scale_window")?,
+            None => 1000,
+        };
+        let hysteresis = match m.remove("hysteresis") {
+            Some(v) => self.whole(&v, "fp16.hysteresis")?,
+            None => DS_HYSTERESIS,
+        };
+        let min_scale = match m.remove("min_loss_scale") {
+            Some(v) => self.number(&v, "fp16.min_loss_scale")?,
+            None => 1.0,
+        };
+        if fixed < 0.0 {
+            return Err(self.err("fp16.loss_scale", format!("{fixed}: use 0 (dynamic) or a positive fixed scale")));
+        }
+        if fixed > 0.0 {
+            // A fixed scale: start there, never grow, never drop below it.
+            self.set("train.initial_loss_scale", fixed);
+            self.set("train.min_loss_scale", fixed);
+            self.set("train.loss_scale_window", i64::MAX);
+            self.notes.push(format!(
+                "fp16.loss_scale = {fixed} (fixed): train.initial_loss_scale = train.min_loss_scale = {fixed} and a window that never ends, so the scale stays put; an overflowing step is still skipped"
+            ));
+        } else {
+            self.set("train.initial_loss_scale", 2f64.powi(power as i32));
+            self.set("train.min_loss_scale", min_scale);
+            self.set("train.loss_scale_window", window as i64);
+        }
+        self.set("train.loss_scale_hysteresis", hysteresis.min(u32::MAX as u64) as i64);
+        for key in ["consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads"] {
+            if let Some(v) = m.remove(key) {
+                if self.flag(&v, &format!("fp16.{key}"))? {
+                    self.unsupported.push(format!("fp16.{key} = true: no counterpart in macrobatch's loss scaler"));
+                }
+            }
+        }
+        self.rest(m, "fp16.");
+        Ok(true)
+    }
+
+    fn zero(&mut self, v: Value) -> Result<(), ConfigError> {
+        let mut m = self.object(v, "zero_optimization")?;
+        if let Some(v) = m.remove("stage") {
+            let s = self.whole(&v, "zero_optimization.stage")?;
+            if s > 3 {
+                return Err(self.err("zero_optimization.stage", format!("{s}: use 0, 1, 2 or 3")));
+            }
+            self.set("dist.zero_stage", s as i64);
+        }
+        let mib = |elements: f64| elements * 4.0 / f64::from(1u32 << 20);
+        let reduce = m.remove("reduce_bucket_size");
+        if let Some(v) = &reduce {
+            let n = self.number(v, "zero_optimization.reduce_bucket_size")?;
+            self.set("dist.bucket_mb", mib(n));
+        }
+        if let Some(v) = m.remove("allgather_bucket_size") {
+            let n = self.number(&v, "zero_optimization.allgather_bucket_size")?;
+            if reduce.is_some() {
+                self.notes.push(format!(
+                    "zero_optimization.allgather_bucket_size = {v}: macrobatch has one bucket size (dist.bucket_mb), taken from reduce_bucket_size; ignored"
+                ));
+            } else {
+                self.set("dist.bucket_mb", mib(n));
+            }
+        }
+        self.accept(
+            &mut m,
+            "zero_optimization.",
+            &["overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions", "round_robin_gradients"],
+            "macrobatch schedules its own buckets and collectives (ZeRO ≥ 2 always reduce-scatters); no effect on the result",
+        );
+        self.accept(
+            &mut m,
+            "zero_optimization.",
+            &[
+                "sub_group_size",
+                "stage3_prefetch_bucket_size",
+                "stage3_param_persistence_threshold",
+                "stage3_max_live_parameters",
+                "stage3_max_reuse_distance",
+                "stage3_gather_16bit_weights_on_model_save",
+                "load_from_fp32_weights",
+                "elastic_checkpoint",
+                "ignore_unused_parameters",
+            ],
+            "DeepSpeed tuning knobs with no counterpart here; no effect on the result",
+        );
+        for key in ["offload_optimizer", "offload_param"] {
+            let Some(v) = m.remove(key) else { continue };
+            let full = format!("zero_optimization.{key}");
+            let o = self.object(v.clone(), &full)?;
+            let device = match o.get("device") {
+                Some(d) => self.string(d, &format!("{full}.device"))?,
+                None => "none".into(),
+            };
+            if device == "none" {
+                self.notes.push(format!("{full} = {v}: device \"none\" offloads nothing"));
+            } else {
+                self.unsupported.push(format!(
+                    "{full} = {v}: macrobatch keeps parameters and optimizer state in memory (no offload to {device}); `macrobatch plan` shows what fits"
+                ));
+            }
+        }
+        if let Some(v) = m.remove("cpu_offload") {
+            if self.flag(&v, "zero_optimization.cpu_offload")? {
+                self.unsupported.push("zero_optimization.cpu_offload = true: no offload in macrobatch".into());
+            }
+        }
+        self.rest(m, "zero_optimization.");
+        Ok(())
+    }
+
+    /// `{"type": …, "params": {…}}` (`optimizer`, `scheduler`); other keys are unsupported.
+    fn typed(&mut self, v: Value, section: &str, choices: &str) -> Result<(String, Obj), ConfigError> {
+        let mut m = self.object(v, section)?;
+        let key = format!("{section}.type");
+        let kind = match m.remove("type") {
+            Some(t) => self.string(&t, &key)?,
+            None => return Err(self.err(&key, format!("missing; give {choices}"))),
+        };
+        let params = match m.remove("params") {
+            Some(p) => self.object(p, &format!("{section}.params"))?,
+            None => Obj::new(),
+        };
+        self.rest(m, &format!("{section}."));
+        Ok((kind, params))
+    }
+
+    fn optimizer(&mut self, v: Value) -> Result<(), ConfigError> {
+        let (kind, mut p) = self.typed(v, "optimizer", "\"Adam\", \"AdamW\" or \"SGD\"")?;
+        let num = |t: &Self, p: &mut Obj, key: &str, default: f64| -> Result<f64, ConfigError> {
+            p.remove(key).map_or(Ok(default), |v| t.number(&v, &format!("optimizer.params.{key}")))
+        };
+        // DeepSpeed's (and torch's) defaults where a key is absent.
+        let lr = num(self, &mut p, "lr", 1e-3)?;
+        let wd = num(self, &mut p, "weight_decay", 0.0)?;
+        self.set("optim.lr", lr);
+        self.set("optim.weight_decay", wd);
+        match kind.to_ascii_lowercase().as_str() {
+            k @ ("adam" | "adamw") => {
+                let (b1, b2) = match p.remove("betas") {
+                    Some(Value::Array(b)) if b.len() == 2 => {
+                        (self.number(&b[0], "optimizer.params.betas")?, self.number(&b[1], "optimizer.params.betas")?)
+                    }
+                    Some(other) => {
+                        return Err(self.err("optimizer.params.betas", format!("expected [beta1, beta2], got {other}")))
+                    }
+                    None => (0.9, 0.999),
+                };
+                let eps = num(self, &mut p, "eps", 1e-8)?;
+                let w_mode = match p.remove("adam_w_mode") {
+                    Some(v) => self.flag(&v, "optimizer.params.adam_w_mode")?,
+                    None => true,
+                };
+                if !w_mode && wd != 0.0 {
+                    return Err(self.err(
+                        "optimizer.params.adam_w_mode",
+                        "false with weight_decay > 0 is Adam with L2 regularisation, which macrobatch does not have; use adam_w_mode = true (decoupled, AdamW) or weight_decay = 0",
+                    ));
+                }
+                if k == "adam" {
+                    self.notes.push(format!(
+                        "optimizer.type = \"{kind}\": DeepSpeed's Adam with adam_w_mode = {w_mode} is decoupled weight decay (AdamW); mapped to optim.name = \"adamw\""
+                    ));
+                }
+                self.set("optim.name", "adamw");
+                self.set("optim.beta1", b1);
+                self.set("optim.beta2", b2);
+                self.set("optim.eps", eps);
+                self.accept(&mut p, "optimizer.params.", &["torch_adam"], "an implementation choice");
+                for (key, ok) in [("bias_correction", true), ("amsgrad", false)] {
+                    if let Some(v) = p.remove(key) {
+                        if self.flag(&v, &format!("optimizer.params.{key}"))? != ok {
+                            self.unsupported.push(format!(
+                                "optimizer.params.{key} = {v}: macrobatch's AdamW has bias correction and no AMSGrad"
+                            ));
+                        }
+                    }
+                }
+            }
+            "sgd" => {
+                let momentum = num(self, &mut p, "momentum", 0.0)?;
+                let nesterov = match p.remove("nesterov") {
+                    Some(v) => self.flag(&v, "optimizer.params.nesterov")?,
+                    None => false,
+                };
+                if let Some(v) = p.remove("dampening") {
+                    if self.number(&v, "optimizer.params.dampening")? != 0.0 {
+                        self.unsupported.push(format!("optimizer.params.dampening = {v}: macrobatch's SGD has none"));
+                    }
+                }
+                self.set("optim.name", "sgd");
+                self.set("optim.momentum", momentum);
+                self.set("optim.nesterov", nesterov);
+            }
+            _ => {
+                return Err(self.err(
+                    "optimizer.type",
+                    format!("\"{kind}\" is not supported; macrobatch has \"Adam\"/\"AdamW\" (adamw) and \"SGD\" (sgd)"),
+                ))
+            }
+        }
+        if wd > 0.0 {
+            self.notes.push(format!(
+                "optimizer.params.weight_decay = {wd} decays matrices and embeddings only (not biases and norms), like the usual DeepSpeed training scripts' parameter groups"
+            ));
+        }
+        self.rest(p, "optimizer.params.");
+        Ok(())
+    }
+
+    fn scheduler(&mut self, v: Value) -> Result<(), ConfigError> {
+        let (kind, mut p) = self.typed(v, "scheduler", "\"WarmupLR\", \"WarmupDecayLR\" or \"WarmupCosineLR\"")?;
+        let ours = match kind.as_str() {
+            "WarmupLR" => "constant",
+            "WarmupDecayLR" => "linear",
+            "WarmupCosineLR" => "cosine",
+            _ => {
+                return Err(self.err(
+                    "scheduler.type",
+                    format!("\"{kind}\" is not supported; macrobatch has WarmupLR, WarmupDecayLR and WarmupCosineLR"),
+                ))
+            }
+        };
+        self.set("schedule.kind", ours);
+        let num = |t: &Self, p: &mut Obj, key: &str| -> Result<Option<f64>, ConfigError> {
+            p.remove(key).map(|v| t.number(&v, &format!("scheduler.params.{key}"))).transpose()
+        };
+        let warmup = match p.remove("warmup_num_steps") {
+            Some(v) => self.whole(&v, "scheduler.params.warmup_num_steps")?,
+            None => 1000,
+        };
+        self.set("schedule.warmup_steps", warmup as i64);
+        if let Some(v) = p.remove("total_num_steps") {
+            if kind == "WarmupLR" {
+                self.unsupported.push(format!("scheduler.params.total_num_steps = {v}: WarmupLR does not take it"));
+            } else {
+                let n = self.whole(&v, "scheduler.params.total_num_steps")?;
+                self.set("train.steps", n as i64);
+            }
+        } else if kind != "WarmupLR" {
+            return Err(
+                self.err("scheduler.params.total_num_steps", format!("{kind} needs it (optimizer steps of the run)"))
+            );
+        }
+        match p.remove("warmup_type") {
+            Some(Value::String(s)) if s == "linear" => {}
+            Some(v) => self.unsupported.push(format!(
+                "scheduler.params.warmup_type = {v}: macrobatch warms up linearly (from lr / warmup_steps to lr)"
+            )),
+            None => self.unsupported.push(
+                "scheduler.params.warmup_type (absent): DeepSpeed's default is \"log\", macrobatch warms up linearly (from lr / warmup_steps to lr); write \"warmup_type\": \"linear\"".into(),
+            ),
+        }
+        let optimizer_lr = self.get_f64("optim.lr");
+        if kind == "WarmupCosineLR" {
+            let lr = optimizer_lr.unwrap_or(f64::from(OptimConfig::default().lr));
+            let ratio = num(self, &mut p, "cos_min_ratio")?.unwrap_or(1e-4);
+            self.set("schedule.min_lr", lr * ratio);
+            if let Some(r) = num(self, &mut p, "warmup_min_ratio")?.filter(|r| *r != 0.0) {
+                self.unsupported.push(format!(
+                    "scheduler.params.warmup_min_ratio = {r}: warmup starts at lr / warmup_steps here, not at lr × warmup_min_ratio"
+                ));
+            }
+        } else {
+            let max_lr = num(self, &mut p, "warmup_max_lr")?.unwrap_or(1e-3);
+            if let Some(lr) = optimizer_lr.filter(|lr| *lr != max_lr) {
+                self.notes.push(format!(
+                    "scheduler.params.warmup_max_lr = {max_lr} sets the peak lr; optimizer.params.lr = {lr} is not used (as in DeepSpeed)"
+                ));
+            }
+            self.set("optim.lr", max_lr);
+            let min_lr = num(self, &mut p, "warmup_min_lr")?.unwrap_or(0.0);
+            // The floor of the linear decay; WarmupLR never decays.
+            self.set("schedule.min_lr", if kind == "WarmupLR" { 0.0 } else { min_lr });
+            if min_lr != 0.0 {
+                self.unsupported.push(format!(
+                    "scheduler.params.warmup_min_lr = {min_lr}: warmup starts at lr / warmup_steps here, not at warmup_min_lr{}",
+                    if kind == "WarmupDecayLR" { " (the decay still ends there: schedule.min_lr)" } else { "" }
+                ));
+            }
+        }
+        self.accept(
+            &mut p,
+            "scheduler.params.",
+            &["last_batch_iteration"],
+            "a fresh run starts at step 0 (resume with --resume)",
+        );
+        self.rest(p, "scheduler.params.");
+        Ok(())
+    }
+}
+
+/// Every `"auto"` value, with the key's dotted path and what it needs.
+fn find_auto(v: &Value, path: &str, out: &mut Vec<String>) {
+    match v {
+        Value::String(s) if s == "auto" => out.push(format!("{path} needs {}", needs(path))),
+        Value::Object(m) => {
+            for (k, v) in m {
+                let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+                find_auto(v, &p, out);
+            }
+        }
+        Value::Array(a) => {
+            for (i, v) in a.iter().enumerate() {
+                find_auto(v, &format!("{path}[{i}]"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// What the key at `path` holds, for the `"auto"` error.
+fn needs(path: &str) -> &'static str {
+    let leaf = path.rsplit('.').next().unwrap_or(path);
+    let leaf = leaf.split('[').next().unwrap_or(leaf);
+    match leaf {
+        "train_batch_size" => "a number: sequences per optimizer step over all ranks",
+        "train_micro_batch_size_per_gpu" => "a number: sequences per micro-batch per rank",
+        "gradient_accumulation_steps" => "a number: micro-steps per optimizer step",
+        "gradient_clipping" => "a number: the global-norm threshold (1.0 is DeepSpeed's default, 0 disables)",
+        "enabled" => "true or false",
+        "lr" | "warmup_max_lr" => "a number: the peak learning rate, e.g. 3e-4",
+        "warmup_min_lr" => "a number: 0 (macrobatch warms up from lr / warmup_num_steps)",
+        "warmup_num_steps" => "a number: warmup optimizer steps",
+        "total_num_steps" => "a number: optimizer steps of the run",
+        "betas" => "two numbers: [beta1, beta2], e.g. [0.9, 0.999]",
+        "eps" => "a number, e.g. 1e-8",
+        "weight_decay" => "a number, e.g. 0.01",
+        "reduce_bucket_size" | "allgather_bucket_size" => "a number of elements per bucket, e.g. 5e8",
+        _ => "a concrete value",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Decay, OptimizerKind, Precision};
+
+    fn ds(json: &str, sets: &[&str], strict: bool) -> Result<DeepSpeedConfig, ConfigError> {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        Config::from_deepspeed_json(json, "ds.json", None, &sets, DeepSpeedOptions { launcher_world: None, strict })
+    }
+
+    const GPT2_FP16_ZERO1: &str = r#"{
+        "train_batch_size": 32,
+        "train_micro_batch_size_per_gpu": 8,
+        "steps_per_print": 5,
+        "gradient_clipping": 0.5,
+        "fp16": { "enabled": true, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 200, "hysteresis": 2, "min_loss_scale": 1 },
+        "zero_optimization": { "stage": 1, "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "overlap_comm": true, "contiguous_gradients": true },
+        "optimizer": { "type": "Adam", "params": { "lr": 6e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1 } },
+        "scheduler": { "type": "WarmupDecayLR", "params": { "warmup_min_lr": 0, "warmup_max_lr": 6e-4, "warmup_num_steps": 10, "total_num_steps": 100, "warmup_type": "linear" } }
+    }"#;
+
+    #[test]
+    fn a_gpt2_fp16_zero1_config_maps_key_by_key() {
+        let r = ds(GPT2_FP16_ZERO1, &[], true).unwrap();
+        let c = &r.config;
+        assert_eq!(
+            (c.batch.global, c.batch.micro, c.batch.accumulation_steps),
+            (Some(32), Some(Micro::Sequences(8)), None)
+        );
+        assert_eq!(c.batch.resolve(1).unwrap().accumulation_steps, 4);
+        assert_eq!(c.train.log_every, 5);
+        assert_eq!(c.train.grad_clip, 0.5);
+        assert_eq!(c.train.precision, Precision::F16);
+        assert_eq!(c.train.initial_loss_scale, 4096.0);
+        assert_eq!((c.train.loss_scale_window, c.train.loss_scale_hysteresis, c.train.min_loss_scale), (200, 2, 1.0));
+        assert_eq!(c.dist.zero_stage, 1);
+        assert!((c.dist.bucket_mb - 5e8 * 4.0 / 1048576.0).abs() < 1e-9);
+        assert_eq!(c.optim.name, OptimizerKind::AdamW);
+        assert_eq!((c.optim.lr, c.optim.beta2, c.optim.weight_decay), (6e-4, 0.95, 0.1));
+        assert_eq!((c.schedule.kind, c.schedule.warmup_steps, c.schedule.min_lr), (Decay::Linear, 10, 0.0));
+        assert_eq!(c.train.steps, 100);
+        c.validate().unwrap();
+        let all = r.warnings.join("\n");
+        assert!(
+            all.contains("overlap_comm") && all.contains("adamw") && all.contains("allgather_bucket_size"),
+            "{all}"
+        );
+        assert!(!all.contains("unsupported"), "{all}");
+    }
+
+    #[test]
+    fn bf16_zero2_sgd_cosine_and_defaults() {
+        let r = ds(
+            r#"{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3, "bf16": {"enabled": true},
+                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}},
+                "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": true}},
+                "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 50, "warmup_num_steps": 5, "cos_min_ratio": 0.1, "warmup_type": "linear"}},
+                "activation_checkpointing": {"partition_activations": true, "cpu_checkpointing": false}}"#,
+            &["dist.world_size=2"],
+            false,
+        )
+        .unwrap();
+        let c = &r.config;
+        assert_eq!(c.batch.resolve(2).unwrap().global, 12);
+        assert_eq!((c.train.precision, c.dist.zero_stage, c.dist.world_size), (Precision::Bf16, 2, 2));
+        assert_eq!(
+            (c.optim.name, c.optim.lr, c.optim.momentum, c.optim.nesterov),
+            (OptimizerKind::Sgd, 0.1, 0.9, true)
+        );
+        assert_eq!((c.optim.weight_decay, c.schedule.kind, c.train.steps), (0.0, Decay::Cosine, 50));
+        assert!((c.schedule.min_lr - 0.01).abs() < 1e-7);
+        assert_eq!(c.train.activation_checkpointing, crate::Checkpointing::Blocks);
+        assert_eq!(c.train.grad_clip, 1.0, "absent gradient_clipping follows DeepSpeed's 1.0");
+        c.validate().unwrap();
+        let all = r.warnings.join("\n");
+        assert!(all.contains("partition_activations") && all.contains("offload_optimizer"), "{all}");
+    }
+
+    #[test]
+    fn auto_values_name_every_key() {
+        let e =
+            ds(r#"{"train_batch_size": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}"#, &[], false)
+                .unwrap_err()
+                .to_string();
+        assert!(e.contains("train_batch_size needs a number") && e.contains("optimizer.params.lr needs"), "{e}");
+    }
+
+    #[test]
+    fn batch_triple_errors_use_deepspeed_numbers() {
+        let j = r#"{"train_batch_size": 512, "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 4}"#;
+        let e = ds(j, &["dist.world_size=2"], false).unwrap_err().to_string();
+        assert!(e.contains("train_batch_size 512 = 16 × 4 × world needs world 8, but world is 2"), "{e}");
+        assert!(ds(j, &["dist.world_size=8"], false).is_ok());
+        let launched = Config::from_deepspeed_json(
+            j,
+            "ds.json",
+            None,
+            &[],
+            DeepSpeedOptions { launcher_world: Some(8), strict: false },
+        );
+        assert!(launched.is_ok(), "the launcher's world counts");
+        let e = ds(r#"{"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}"#, &[], false).unwrap_err();
+        assert!(e.to_string().contains("not divisible by train_micro_batch_size_per_gpu 4 × world 1"), "{e}");
+        let e = ds(r#"{"gradient_accumulation_steps": 4}"#, &[], false).unwrap_err().to_string();
+        assert!(e.contains("alone"), "{e}");
+        // One of the pair: DeepSpeed's gradient_accumulation_steps = 1.
+        let c = ds(r#"{"train_batch_size": 8}"#, &["dist.world_size=2"], false).unwrap().config;
+        assert_eq!(c.batch.resolve(2).unwrap().micro, 4);
+    }
+
+    #[test]
+    fn unknown_and_unsupported_keys_warn_or_fail_under_strict() {
+        let j = r#"{"train_batch_size": 8, "fancy_new_thing": 1, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "mystery": true},
+                    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}}"#;
+        let r = ds(j, &[], false).unwrap();
+        let all = r.warnings.join("\n");
+        for key in ["fancy_new_thing", "zero_optimization.mystery", "zero_optimization.offload_param", "warmup_type"] {
+            assert!(all.contains(key), "{key}: {all}");
+        }
+        let e = ds(j, &[], true).unwrap_err().to_string();
+        assert!(
+            e.contains("--strict") && e.contains("fancy_new_thing") && e.contains("zero_optimization.mystery"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn conflicts_and_unsupported_values_are_errors() {
+        let e = ds(r#"{"fp16": {"enabled": true}, "bf16": {"enabled": true}}"#, &[], false).unwrap_err().to_string();
+        assert!(e.contains("fp16.enabled, bf16.enabled"), "{e}");
+        let e = ds(r#"{"optimizer": {"type": "Lamb"}}"#, &[], false).unwrap_err().to_string();
+        assert!(e.contains("Lamb"), "{e}");
+        let e =
+            ds(r#"{"optimizer": {"type": "Adam", "params": {"adam_w_mode": false, "weight_decay": 0.1}}}"#, &[], false);
+        assert!(e.unwrap_err().to_string().contains("L2"));
+        let e = ds(r#"{"zero_optimization": {"stage": "two"}}"#, &[], false).unwrap_err().to_string();
+        assert!(e.contains("zero_optimization.stage"), "{e}");
+        assert!(ds("[1, 2]", &[], false).is_err());
+        assert!(ds("{", &[], false).is_err());
+    }
+
+    #[test]
+    fn fixed_loss_scale_stays_put_and_companion_and_overrides_layer() {
+        let r = ds(r#"{"fp16": {"enabled": true, "loss_scale": 128}}"#, &[], false).unwrap();
+        let t = &r.config.train;
+        assert_eq!((t.initial_loss_scale, t.min_loss_scale, t.loss_scale_window), (128.0, 128.0, i64::MAX as u64));
+        r.config.validate().unwrap();
+        assert_eq!(Config::from_toml(&r.config.to_toml(), "resolved", &[]).unwrap(), r.config, "round-trips");
+        let companion = "[model]\nn_layer = 2\n[batch]\nglobal = 64\n[train]\nsteps = 7\n";
+        let c = Config::from_deepspeed_json(
+            r#"{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}"#,
+            "ds.json",
+            Some((companion, "model.toml")),
+            &["train.steps=9".to_string()],
+            DeepSpeedOptions::default(),
+        )
+        .unwrap()
+        .config;
+        assert_eq!((c.model.n_layer, c.train.steps, c.batch.global), (Some(2), 9, None), "JSON replaces [batch]");
+        let e = Config::from_deepspeed_json(
+            "{}",
+            "ds.json",
+            Some(("[model]\nlayers = 2\n", "m.toml")),
+            &[],
+            Default::default(),
+        );
+        assert!(e.unwrap_err().to_string().contains("layers"));
+    }
+}
