@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Startup time and peak memory of a short run on a large memory-mapped token
 # file vs the same run on a 1 MB one: the file is mapped, not read, so the two
-# differ only by the pages samples touch and the sampler's epoch order
-# (8 bytes per sample).
+# differ only by the pages samples touch (the sampler computes large
+# epochs' orders index by index, holding none).
 #
 #   scripts/token-file-memory.sh [SIZE_MB]      (default 1024)
 #
@@ -10,7 +10,7 @@
 # trains a 2-layer, d=64 model with model.vocab_size = 65536 on each file.
 # Prints one line per file: startup (process start to the plan printed: config,
 # data opened, memory checked), time to step 1, wall time, peak RSS, and the
-# size of the sampler's epoch order (a Vec<usize> of every sample index).
+# number of training sequences.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mb=${1:-1024}
@@ -52,6 +52,6 @@ if p.returncode != 0:
 rss = next(int(l.split(":")[1]) for l in lines if "Maximum resident set size" in l)
 size = os.path.getsize(f"{tmp}/{f}.bin")
 print(f"{f:5} file {size / 2**20:7.0f} MiB: startup {planned:.3f} s, step 1 at {first:.3f} s, wall {wall:.2f} s, "
-      f"peak RSS {rss / 1024:.1f} MiB; {n_seqs} train sequences (the sampler's epoch order: {n_seqs * 8 / 2**20:.1f} MiB)")
+      f"peak RSS {rss / 1024:.1f} MiB; {n_seqs} train sequences")
 PY
 done

@@ -15,7 +15,7 @@ pub use bpe::{BpeParts, BpeTokenizer, Encoded, PreTokenizer};
 pub use chat::{ChatTemplate, Message, Role};
 pub use dataset::{load_splits, n_val_tokens, text_files, Corpus, DataFormat, TokenDataset};
 pub use error::DataError;
-pub use sampler::{BatchShape, Sampler};
+pub use sampler::{BatchShape, EpochOrder, Sampler, LAZY_ORDER_FROM};
 pub use samples::Samples;
 pub use sft::{Example, SftDataset, SftOptions, SftStats};
 pub use token_file::{SourceFile, TokenDtype, TokenFile, TokenFileMeta};

@@ -28,6 +28,13 @@ impl BatchShape {
     }
 }
 
+/// From this many samples on, an epoch's shuffled order is computed index by
+/// index (a keyed permutation) instead of being held as a list: 8 bytes per
+/// sample would otherwise grow with the data (32 MiB for a 1 GiB u16 token
+/// file at T = 128). Below it the order is a Fisher–Yates shuffle, as it
+/// always was, so small data sets keep their orders.
+pub const LAZY_ORDER_FROM: usize = 1 << 20;
+
 /// Deterministic epoch orders and micro-batch windows.
 #[derive(Debug, Clone)]
 pub struct Sampler {
@@ -36,6 +43,88 @@ pub struct Sampler {
     shuffle: bool,
     drop_last: bool,
     seed: u64,
+    lazy_from: usize,
+}
+
+/// The sample order of one epoch.
+#[derive(Debug, Clone)]
+pub enum EpochOrder {
+    /// A list (small data sets, or no shuffling below [`LAZY_ORDER_FROM`]).
+    List(Vec<usize>),
+    /// `0, 1, 2, …` (no shuffling, large data sets).
+    Identity(usize),
+    /// A keyed permutation of `0..n`, computed per index.
+    Permuted(Permutation),
+}
+
+impl EpochOrder {
+    /// Number of samples.
+    pub fn len(&self) -> usize {
+        match self {
+            EpochOrder::List(v) => v.len(),
+            EpochOrder::Identity(n) => *n,
+            EpochOrder::Permuted(p) => p.n,
+        }
+    }
+
+    /// Whether the epoch has no samples.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The `i`-th sample of the epoch.
+    pub fn get(&self, i: usize) -> usize {
+        match self {
+            EpochOrder::List(v) => v[i],
+            EpochOrder::Identity(_) => i,
+            EpochOrder::Permuted(p) => p.apply(i),
+        }
+    }
+}
+
+/// A bijection of `0..n` from a key: a 4-round balanced Feistel network on
+/// the smallest even number of bits that holds `n`, walked until it lands
+/// inside `0..n` (a Feistel network is a bijection of its domain, and
+/// cycle-walking keeps one on the subset; the domain is < 4n, so a walk
+/// takes under 4 rounds on average).
+#[derive(Debug, Clone)]
+pub struct Permutation {
+    n: usize,
+    half_bits: u32,
+    keys: [u64; 4],
+}
+
+impl Permutation {
+    /// The permutation of `0..n` keyed by `rng`.
+    pub fn new(n: usize, rng: &mut SplitMix64) -> Self {
+        let bits = usize::BITS - n.saturating_sub(1).leading_zeros();
+        let half_bits = bits.div_ceil(2).max(1);
+        Self { n, half_bits, keys: [rng.next_u64(), rng.next_u64(), rng.next_u64(), rng.next_u64()] }
+    }
+
+    fn round(&self, x: u64, key: u64) -> u64 {
+        // SplitMix64's finaliser: every input bit moves every output bit.
+        let mut z = x ^ key;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Where index `i` (< n) goes.
+    pub fn apply(&self, i: usize) -> usize {
+        let mask = (1u64 << self.half_bits) - 1;
+        let mut x = i as u64;
+        loop {
+            let (mut l, mut r) = (x >> self.half_bits, x & mask);
+            for &k in &self.keys {
+                (l, r) = (r, l ^ (self.round(r, k) & mask));
+            }
+            x = (l << self.half_bits) | r;
+            if (x as usize) < self.n {
+                return x as usize;
+            }
+        }
+    }
 }
 
 impl Sampler {
@@ -62,7 +151,14 @@ impl Sampler {
         if n_samples == 0 {
             return Err(DataError::NoFullBatch { n_samples, global: shape.global() });
         }
-        Ok(Self { n_samples, shape, shuffle, drop_last, seed })
+        Ok(Self { n_samples, shape, shuffle, drop_last, seed, lazy_from: LAZY_ORDER_FROM })
+    }
+
+    /// The same sampler computing orders index by index from `n` samples on
+    /// (tests use a small `n`; the default is [`LAZY_ORDER_FROM`]).
+    pub fn with_lazy_order_from(mut self, n: usize) -> Self {
+        self.lazy_from = n;
+        self
     }
 
     /// The batch factorization.
@@ -88,28 +184,36 @@ impl Sampler {
 
     /// The sample order of an epoch: a permutation from (seed, epoch), or the
     /// identity without shuffling.
-    pub fn epoch_order(&self, epoch: u64) -> Vec<usize> {
+    pub fn epoch_order(&self, epoch: u64) -> EpochOrder {
+        let mut rng = SplitMix64::derive(self.seed, &[0x5a3d, epoch]);
+        if self.n_samples >= self.lazy_from {
+            return if self.shuffle {
+                EpochOrder::Permuted(Permutation::new(self.n_samples, &mut rng))
+            } else {
+                EpochOrder::Identity(self.n_samples)
+            };
+        }
         let mut order: Vec<usize> = (0..self.n_samples).collect();
         if self.shuffle {
-            SplitMix64::derive(self.seed, &[0x5a3d, epoch]).shuffle(&mut order);
+            rng.shuffle(&mut order);
         }
-        order
+        EpochOrder::List(order)
     }
 
     /// Samples of rank `rank`'s micro-step `micro_step_idx` in step
     /// `step_in_epoch` (empty or short only in the tail with `drop_last` off).
-    pub fn micro_batch<'a>(
+    pub fn micro_batch(
         &self,
-        order: &'a [usize],
+        order: &EpochOrder,
         step_in_epoch: usize,
         micro_step_idx: usize,
         rank: usize,
-    ) -> &'a [usize] {
+    ) -> Vec<usize> {
         let g = self.shape.global();
         let window_end = ((step_in_epoch + 1) * g).min(order.len());
         let start = step_in_epoch * g + (micro_step_idx * self.shape.world_size + rank) * self.shape.micro;
         let (lo, hi) = (start.min(window_end), (start + self.shape.micro).min(window_end));
-        &order[lo..hi]
+        (lo..hi).map(|i| order.get(i)).collect()
     }
 }
 
@@ -119,23 +223,29 @@ mod tests {
     use proptest::prelude::*;
     use std::collections::BTreeSet;
 
-    fn step_samples(s: &Sampler, order: &[usize], step: usize) -> Vec<usize> {
+    fn step_samples(s: &Sampler, order: &EpochOrder, step: usize) -> Vec<usize> {
         let sh = s.shape();
         let mut all = Vec::new();
         for k in 0..sh.accumulation_steps {
             for r in 0..sh.world_size {
-                all.extend_from_slice(s.micro_batch(order, step, k, r));
+                all.extend(s.micro_batch(order, step, k, r));
             }
         }
         all
+    }
+
+    fn listed(o: &EpochOrder) -> Vec<usize> {
+        (0..o.len()).map(|i| o.get(i)).collect()
     }
 
     proptest! {
         /// Every sample is used exactly once per epoch without drop_last, and
         /// no micro-batches overlap.
         #[test]
-        fn covers_every_sample_once(n in 1usize..300, micro in 1usize..5, k in 1usize..5, w in 1usize..4, seed: u64) {
+        fn covers_every_sample_once(n in 1usize..300, micro in 1usize..5, k in 1usize..5, w in 1usize..4, seed: u64, lazy: bool) {
             let s = Sampler::new(n, BatchShape { micro, accumulation_steps: k, world_size: w }, true, false, seed).unwrap();
+            // The per-index permutation (large data sets) keeps the contract too.
+            let s = if lazy { s.with_lazy_order_from(1) } else { s };
             let order = s.epoch_order(3);
             let mut seen = Vec::new();
             for step in 0..s.steps_per_epoch() {
@@ -143,6 +253,23 @@ mod tests {
             }
             seen.sort_unstable();
             prop_assert_eq!(seen, (0..n).collect::<Vec<_>>());
+        }
+
+        /// The keyed permutation is a bijection of 0..n for any n and key,
+        /// and different epochs give different orders.
+        #[test]
+        fn permutation_is_a_bijection(n in 1usize..5000, seed: u64) {
+            let s = Sampler::new(n, BatchShape { micro: 1, accumulation_steps: 1, world_size: 1 }, true, false, seed)
+                .unwrap()
+                .with_lazy_order_from(1);
+            let o = s.epoch_order(0);
+            prop_assert!(matches!(o, EpochOrder::Permuted(_)));
+            let mut v = listed(&o);
+            if n > 8 {
+                prop_assert_ne!(&v, &listed(&s.epoch_order(1)));
+            }
+            v.sort_unstable();
+            prop_assert_eq!(v, (0..n).collect::<Vec<_>>());
         }
 
         /// The set of samples of a step does not depend on how G is factored.
@@ -171,13 +298,24 @@ mod tests {
         let s = Sampler::new(10, shape, true, true, 1).unwrap();
         assert_eq!(s.steps_per_epoch(), 2);
         assert_eq!(s.position(5), (2, 1));
-        assert_ne!(s.epoch_order(0), s.epoch_order(1));
-        assert_eq!(s.epoch_order(1), s.epoch_order(1));
+        assert_ne!(listed(&s.epoch_order(0)), listed(&s.epoch_order(1)));
+        assert_eq!(listed(&s.epoch_order(1)), listed(&s.epoch_order(1)));
         let keep = Sampler::new(10, shape, false, false, 1).unwrap();
         assert_eq!(keep.steps_per_epoch(), 3);
         let order = keep.epoch_order(0);
-        assert_eq!(keep.micro_batch(&order, 2, 0, 0), &[8, 9]);
+        assert_eq!(keep.micro_batch(&order, 2, 0, 0), [8, 9]);
         assert!(keep.micro_batch(&order, 2, 1, 0).is_empty(), "tail micro-step has no data");
         assert!(matches!(Sampler::new(3, shape, true, true, 1), Err(DataError::NoFullBatch { .. })));
+    }
+
+    /// Small data sets keep the order they always had (a Fisher–Yates
+    /// shuffle from (seed, epoch)): runs on them are unchanged.
+    #[test]
+    fn small_data_sets_keep_their_shuffle() {
+        let s =
+            Sampler::new(100, BatchShape { micro: 2, accumulation_steps: 1, world_size: 1 }, true, true, 7).unwrap();
+        let mut want: Vec<usize> = (0..100).collect();
+        SplitMix64::derive(7, &[0x5a3d, 2]).shuffle(&mut want);
+        assert_eq!(listed(&s.epoch_order(2)), want);
     }
 }

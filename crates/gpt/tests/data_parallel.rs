@@ -110,7 +110,7 @@ fn train_zero(
                         let (epoch, s) = sampler.position(step_idx);
                         let order = sampler.epoch_order(epoch);
                         let micro: Vec<Batch> = (0..shape.accumulation_steps)
-                            .map(|k| batch(&seqs, sampler.micro_batch(&order, s, k, c.rank())))
+                            .map(|k| batch(&seqs, &sampler.micro_batch(&order, s, k, c.rank())))
                             .collect();
                         reports.push(tr.step(&mut model, &mut c, &micro).unwrap());
                     }

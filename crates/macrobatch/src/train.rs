@@ -10,7 +10,9 @@ use crate::{DeepSpeedArgs, TrainArgs};
 use anyhow::{anyhow, bail, Context, Result};
 use comm::Communicator;
 use config::{Config, Micro, OptimizerKind, Precision, ResolvedBatch};
-use data::{BatchShape, Corpus, DataFormat, Sampler, Samples, SftDataset, SftOptions, Tokenizer, TokenizerSpec};
+use data::{
+    BatchShape, Corpus, DataFormat, EpochOrder, Sampler, Samples, SftDataset, SftOptions, Tokenizer, TokenizerSpec,
+};
 use engine::{
     AdamW, LossScalerConfig, LrSchedule, Model, Optimizer, Sgd, TokenBatch, Trainer, TrainerOptions, ZeroConfig,
 };
@@ -344,12 +346,12 @@ pub fn make_batch(ds: &Samples, indices: &[usize]) -> TokenBatch {
 pub fn rank_batches(
     plan: &Plan,
     sampler: &Sampler,
-    order: &[usize],
+    order: &EpochOrder,
     step_in_epoch: usize,
     rank: usize,
 ) -> Vec<TokenBatch> {
     (0..sampler.shape().accumulation_steps)
-        .map(|k| make_batch(&plan.train, sampler.micro_batch(order, step_in_epoch, k, rank)))
+        .map(|k| make_batch(&plan.train, &sampler.micro_batch(order, step_in_epoch, k, rank)))
         .collect()
 }
 
@@ -703,7 +705,7 @@ fn train_rank(
     let steps = cfg.train.steps;
     let config_toml = resolved_toml(plan);
     let start = Instant::now();
-    let mut order: Option<(u64, Vec<usize>)> = None;
+    let mut order: Option<(u64, EpochOrder)> = None;
     // Heartbeat of rank-0-only phases: well inside every rank's timeout.
     let heartbeat = Duration::from_secs_f64((cfg.dist.timeout_s / 4.0).clamp(0.001, 1.0));
     let mut skips_at_floor = 0u64;
@@ -716,7 +718,7 @@ fn train_rank(
         if order.as_ref().map(|o| o.0) != Some(epoch) {
             order = Some((epoch, plan.sampler.epoch_order(epoch)));
         }
-        let ord = order.as_ref().map(|o| o.1.as_slice()).unwrap_or_default();
+        let Some((_, ord)) = order.as_ref() else { bail!("no sample order for epoch {epoch}") };
         let batches = rank_batches(plan, &plan.sampler, ord, step_in_epoch, rank);
         if let Some(dir) = &start_from.dump_steps {
             dump_step(dir, step, &batches, (step_idx == first_step).then(|| (&trainer, model.layout())))?;
