@@ -91,6 +91,21 @@ pub struct DistConfig {
     pub zero_stage: u8,
     /// Stage 2: reduce-scatter gradients after every micro-step (gradient memory 1/W, K× the bytes).
     pub reduce_every_micro_step: bool,
+    /// Where the optimizer state lives: memory, or files streamed through
+    /// small window buffers during the update (`"disk"`).
+    pub offload_optimizer: OffloadOptimizer,
+}
+
+/// `dist.offload_optimizer`: where each rank keeps its optimizer state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OffloadOptimizer {
+    /// In memory (default).
+    #[default]
+    None,
+    /// In files under the run folder's `offload/rank-R/`, read and written
+    /// back window by window during each update; bit-identical updates.
+    Disk,
 }
 
 impl Default for DistConfig {
@@ -102,6 +117,7 @@ impl Default for DistConfig {
             check_every: 100,
             zero_stage: 0,
             reduce_every_micro_step: false,
+            offload_optimizer: OffloadOptimizer::None,
         }
     }
 }

@@ -67,6 +67,16 @@ pub enum EngineError {
     /// An invalid ZeRO setting.
     #[error("invalid ZeRO configuration: {0}")]
     Zero(String),
+    /// Offloaded optimizer state could not be created, read or written.
+    #[error("offloaded optimizer state: cannot {op} {}", path.display())]
+    Offload {
+        /// The file or folder.
+        path: std::path::PathBuf,
+        /// What was attempted.
+        op: &'static str,
+        /// The I/O error (ENOSPC, EACCES, a short read, …).
+        source: std::io::Error,
+    },
     /// A checkpoint lacks an optimizer state buffer.
     #[error("optimizer state `{name}` is missing (was the checkpoint written with another optimizer?)")]
     MissingState {

@@ -13,6 +13,7 @@ pub mod conformance;
 pub mod error;
 pub mod layout;
 pub mod model;
+pub mod offload;
 pub mod optim;
 pub mod precision;
 pub mod recompute;

@@ -5,11 +5,12 @@
 
 use crate::error::EngineError;
 use crate::layout::ParamLayout;
+use crate::offload::OffloadedState;
 use rayon::prelude::*;
 use std::ops::Range;
 
 /// Elements per parallel task of an elementwise update.
-pub(crate) const CHUNK: usize = 1 << 14;
+pub const CHUNK: usize = 1 << 14;
 
 /// `torch.optim.AdamW`: decoupled weight decay, bias correction, `eps` added
 /// after the square root.
@@ -43,33 +44,64 @@ impl AdamW {
         (&self.m, &self.v)
     }
 
-    fn update(&mut self, pieces: Vec<Piece<'_>>, lr: f32, grad_scale: f32) {
+    /// Counts the update and fixes its constants.
+    fn begin(&mut self, lr: f32, grad_scale: f32) -> AdamStep {
         self.n_updates += 1;
         let t = self.n_updates as i32;
         // Same arithmetic as torch's single-tensor AdamW (foreach=False):
         // step_size = lr / bc1; denom = sqrt(v) / sqrt(bc2) + eps.
         let bc1 = 1.0 - self.beta1.powi(t);
         let bc2_sqrt = (1.0 - self.beta2.powi(t)).sqrt();
-        let step_size = lr / bc1;
-        let (b1, b2, eps, wd) = (self.beta1, self.beta2, self.eps, self.weight_decay);
-        let states: Vec<Range<usize>> = pieces.iter().map(|p| p.state.clone()).collect();
-        let work: Vec<_> =
-            pieces.into_iter().zip(split(&mut self.m, &states)).zip(split(&mut self.v, &states)).collect();
-        // Elementwise, so splitting across threads cannot change a single bit.
-        work.into_par_iter().for_each(|((piece, m), v)| {
-            let Piece { params: p, grads: g, decay: decays, .. } = piece;
-            let decay = if decays { 1.0 - lr * wd } else { 1.0 };
-            // Zipped iterators: no bounds checks, so the loop vectorises.
-            for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
-                let gi = g * grad_scale;
-                *p *= decay;
-                *m = b1 * *m + (1.0 - b1) * gi;
-                *v = b2 * *v + (1.0 - b2) * gi * gi;
-                let denom = v.sqrt() / bc2_sqrt + eps;
-                *p -= step_size * *m / denom;
-            }
-        });
+        AdamStep {
+            b1: self.beta1,
+            b2: self.beta2,
+            eps: self.eps,
+            wd: self.weight_decay,
+            lr,
+            step_size: lr / bc1,
+            bc2_sqrt,
+            grad_scale,
+        }
     }
+
+    fn update(&mut self, pieces: Vec<Piece<'_>>, lr: f32, grad_scale: f32) {
+        let c = self.begin(lr, grad_scale);
+        adam_apply(&c, pieces, 0, &mut self.m, &mut self.v);
+    }
+}
+
+/// One AdamW update's constants.
+struct AdamStep {
+    b1: f32,
+    b2: f32,
+    eps: f32,
+    wd: f32,
+    lr: f32,
+    step_size: f32,
+    bc2_sqrt: f32,
+    grad_scale: f32,
+}
+
+/// The AdamW update of `pieces` whose state lives in `m`, `v` from state
+/// index `base` on (the whole state, or an offloaded window of it).
+fn adam_apply(c: &AdamStep, pieces: Vec<Piece<'_>>, base: usize, m: &mut [f32], v: &mut [f32]) {
+    let states: Vec<Range<usize>> = pieces.iter().map(|p| p.state.start - base..p.state.end - base).collect();
+    let work: Vec<_> = pieces.into_iter().zip(split(m, &states)).zip(split(v, &states)).collect();
+    let &AdamStep { b1, b2, eps, wd, lr, step_size, bc2_sqrt, grad_scale } = c;
+    // Elementwise, so splitting across threads cannot change a single bit.
+    work.into_par_iter().for_each(|((piece, m), v)| {
+        let Piece { params: p, grads: g, decay: decays, .. } = piece;
+        let decay = if decays { 1.0 - lr * wd } else { 1.0 };
+        // Zipped iterators: no bounds checks, so the loop vectorises.
+        for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+            let gi = g * grad_scale;
+            *p *= decay;
+            *m = b1 * *m + (1.0 - b1) * gi;
+            *v = b2 * *v + (1.0 - b2) * gi * gi;
+            let denom = v.sqrt() / bc2_sqrt + eps;
+            *p -= step_size * *m / denom;
+        }
+    });
 }
 
 /// A contiguous run of parameters updated together: its values, its
@@ -156,38 +188,68 @@ impl Sgd {
         Ok(Self { momentum, nesterov, weight_decay, buf, n_updates: 0 })
     }
 
-    fn update(&mut self, pieces: Vec<Piece<'_>>, lr: f32, grad_scale: f32) {
+    /// Counts the update and fixes its constants.
+    fn begin(&mut self, lr: f32, grad_scale: f32) -> SgdStep {
         let first = self.n_updates == 0;
         self.n_updates += 1;
-        let (mu, nesterov, wd_all) = (self.momentum, self.nesterov, self.weight_decay);
-        let states: Vec<Range<usize>> = pieces.iter().map(|p| p.state.clone()).collect();
-        let bufs: Vec<Option<&mut [f32]>> = if mu > 0.0 {
-            split(&mut self.buf, &states).into_iter().map(Some).collect()
-        } else {
-            states.iter().map(|_| None).collect()
-        };
-        let work: Vec<_> = pieces.into_iter().zip(bufs).collect();
-        work.into_par_iter().for_each(|(piece, b)| {
-            let Piece { params: p, grads: g, decay, .. } = piece;
-            let wd = if decay { wd_all } else { 0.0 };
-            match b {
-                None => {
-                    for i in 0..p.len() {
-                        p[i] -= lr * (g[i] * grad_scale + wd * p[i]);
-                    }
-                }
-                Some(b) => {
-                    for i in 0..p.len() {
-                        let d = g[i] * grad_scale + wd * p[i];
-                        // torch: the buffer starts as a clone of the first gradient.
-                        b[i] = if first { d } else { mu * b[i] + d };
-                        let step = if nesterov { d + mu * b[i] } else { b[i] };
-                        p[i] -= lr * step;
-                    }
+        SgdStep { first, mu: self.momentum, nesterov: self.nesterov, wd_all: self.weight_decay, lr, grad_scale }
+    }
+
+    fn update(&mut self, pieces: Vec<Piece<'_>>, lr: f32, grad_scale: f32) {
+        let c = self.begin(lr, grad_scale);
+        let buf = (c.mu > 0.0).then_some(self.buf.as_mut_slice());
+        sgd_apply(&c, pieces, 0, buf);
+    }
+}
+
+/// One SGD update's constants.
+struct SgdStep {
+    first: bool,
+    mu: f32,
+    nesterov: bool,
+    wd_all: f32,
+    lr: f32,
+    grad_scale: f32,
+}
+
+/// The SGD update of `pieces`; the momentum buffer (if any) holds state
+/// from index `base` on (the whole state, or an offloaded window of it).
+fn sgd_apply(c: &SgdStep, pieces: Vec<Piece<'_>>, base: usize, buf: Option<&mut [f32]>) {
+    let &SgdStep { first, mu, nesterov, wd_all, lr, grad_scale } = c;
+    let bufs: Vec<Option<&mut [f32]>> = match buf {
+        Some(buf) => {
+            let states: Vec<Range<usize>> = pieces.iter().map(|p| p.state.start - base..p.state.end - base).collect();
+            split(buf, &states).into_iter().map(Some).collect()
+        }
+        None => pieces.iter().map(|_| None).collect(),
+    };
+    let work: Vec<_> = pieces.into_iter().zip(bufs).collect();
+    work.into_par_iter().for_each(|(piece, b)| {
+        let Piece { params: p, grads: g, decay, .. } = piece;
+        let wd = if decay { wd_all } else { 0.0 };
+        match b {
+            None => {
+                for i in 0..p.len() {
+                    p[i] -= lr * (g[i] * grad_scale + wd * p[i]);
                 }
             }
-        });
-    }
+            Some(b) => {
+                for i in 0..p.len() {
+                    let d = g[i] * grad_scale + wd * p[i];
+                    // torch: the buffer starts as a clone of the first gradient.
+                    b[i] = if first { d } else { mu * b[i] + d };
+                    let step = if nesterov { d + mu * b[i] } else { b[i] };
+                    p[i] -= lr * step;
+                }
+            }
+        }
+    });
+}
+
+/// One update's constants, whichever optimizer.
+enum Step {
+    AdamW(AdamStep),
+    Sgd(SgdStep),
 }
 
 /// Which optimizer (the config's `optim.name`; checkpoints record it).
@@ -249,6 +311,74 @@ impl Optimizer {
         match self {
             Optimizer::AdamW(o) => o.update(pieces, lr, grad_scale),
             Optimizer::Sgd(o) => o.update(pieces, lr, grad_scale),
+        }
+    }
+
+    /// [`Optimizer::update_pieces`] with the state in `disk` instead of
+    /// memory: pieces (ascending state ranges) are grouped into windows of
+    /// the state, each read, updated with the same arithmetic in the same
+    /// order per element, and written back.
+    pub fn update_offloaded(
+        &mut self,
+        pieces: Vec<Piece<'_>>,
+        lr: f32,
+        grad_scale: f32,
+        disk: &mut OffloadedState,
+    ) -> Result<(), EngineError> {
+        let window = disk.window();
+        let step = match self {
+            Optimizer::AdamW(o) => Step::AdamW(o.begin(lr, grad_scale)),
+            Optimizer::Sgd(o) => Step::Sgd(o.begin(lr, grad_scale)),
+        };
+        let mut pieces = pieces.into_iter().peekable();
+        while let Some(first) = pieces.next() {
+            let base = first.state.start;
+            let mut group = vec![first];
+            while let Some(p) = pieces.next_if(|p| p.state.end - base <= window) {
+                group.push(p);
+            }
+            let end = group.last().map_or(base, |p| p.state.end);
+            disk.load(base, end - base)?;
+            let mut bufs = disk.buffers().into_iter();
+            match &step {
+                Step::AdamW(c) => match (bufs.next(), bufs.next()) {
+                    (Some(m), Some(v)) => adam_apply(c, group, base, m, v),
+                    _ => return Err(EngineError::MissingState { name: "exp_avg" }),
+                },
+                Step::Sgd(c) => sgd_apply(c, group, base, bufs.next()),
+            }
+            disk.store(base, end - base)?;
+        }
+        Ok(())
+    }
+
+    /// The state slots' names (PyTorch's state keys), in storage order.
+    pub fn slot_names(&self) -> Vec<&'static str> {
+        self.state_buffers().into_iter().map(|(n, _)| n).collect()
+    }
+
+    /// Values per state slot.
+    pub fn state_len(&self) -> usize {
+        self.state_buffers().first().map_or(0, |(_, b)| b.len())
+    }
+
+    /// Frees the in-memory state (it lives elsewhere now, e.g. on disk);
+    /// the update count is kept.
+    pub fn release_state(&mut self) {
+        match self {
+            Optimizer::AdamW(o) => {
+                o.m = Vec::new();
+                o.v = Vec::new();
+            }
+            Optimizer::Sgd(o) => o.buf = Vec::new(),
+        }
+    }
+
+    /// Sets the update count (AdamW's `t`) when the state is restored elsewhere.
+    pub fn set_n_updates(&mut self, n: u64) {
+        match self {
+            Optimizer::AdamW(o) => o.n_updates = n,
+            Optimizer::Sgd(o) => o.n_updates = n,
         }
     }
 

@@ -6,6 +6,7 @@
 use crate::error::EngineError;
 use crate::layout::ParamLayout;
 use crate::model::Model;
+use crate::offload::{window_len, OffloadedState, WINDOW_ELEMS};
 use crate::optim::{split, Optimizer, Piece, CHUNK};
 use crate::precision::Precision;
 use crate::scaler::{LossScaler, LossScalerConfig};
@@ -101,8 +102,11 @@ pub struct MemoryReport {
     /// Gradient buffers: the full local accumulator (stages 0–1, and 2 with
     /// local accumulation), or the shard accumulator.
     pub grads: usize,
-    /// Optimizer state (AdamW's m and v; full at stage 0, the shard above).
+    /// Optimizer state in memory (AdamW's m and v; full at stage 0, the
+    /// shard above; with the state offloaded to disk, its window buffers).
     pub optimizer: usize,
+    /// Optimizer state offloaded to disk (`dist.offload_optimizer = "disk"`), not in memory.
+    pub offloaded: usize,
     /// f32 master weights separate from the parameters (none while training in f32).
     pub master: usize,
     /// Buffers for collectives: one segment's gradient waiting for its
@@ -126,7 +130,7 @@ impl MemoryReport {
 
 /// Owns the flat parameter and gradient buffers (or this rank's shards of
 /// them), the optimizer and the schedule.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Trainer {
     /// Elements of the largest collective buffer (memory accounting).
     max_collective: usize,
@@ -153,6 +157,8 @@ pub struct Trainer {
     model_copy: Option<ModelCopy>,
     scaler: Option<LossScaler>,
     optimizer: Optimizer,
+    /// The optimizer state's files when offloaded to disk (removed on drop).
+    offload: Option<OffloadedState>,
     /// This rank's update, piece by piece (derived from the partition once).
     update: Vec<UpdateChunk>,
     schedule: LrSchedule,
@@ -280,6 +286,7 @@ impl Trainer {
             model_copy,
             scaler,
             optimizer,
+            offload: None,
             schedule,
             options,
             n_steps: 0,
@@ -419,13 +426,49 @@ impl Trainer {
         precision: Precision,
         optimizer_slots: usize,
         bucket_elems: usize,
+        offload: bool,
     ) -> Result<MemoryReport, EngineError> {
         let stage = Stage::new(zero)?;
         let space = GradSpace::new(model.layout(), model.segments())?;
         let world = if stage.shards_optimizer() { world_size.max(1) } else { 1 };
         let part = Partition::new(space, 0, world);
         let s = BufferSizes::new(&part, stage, precision, bucket_elems);
-        Ok(s.report(precision, 4 * optimizer_slots * s.optimizer))
+        let state = 4 * optimizer_slots * s.optimizer;
+        Ok(match offload {
+            true => s.report(precision, 4 * optimizer_slots * window_len(s.optimizer, WINDOW_ELEMS), state),
+            false => s.report(precision, state, 0),
+        })
+    }
+
+    /// Moves the optimizer state to files in `dir` (one per state slot,
+    /// removed when the trainer is dropped): each update then streams it
+    /// window by window ([`Optimizer::update_offloaded`]), bit-identical to
+    /// the in-memory update. A no-op for an optimizer without state.
+    pub fn offload_optimizer(&mut self, dir: &std::path::Path) -> Result<(), EngineError> {
+        self.offload_optimizer_windowed(dir, WINDOW_ELEMS)
+    }
+
+    /// [`Trainer::offload_optimizer`] with windows of `window` elements
+    /// (tests use small ones to cross many window boundaries).
+    pub fn offload_optimizer_windowed(&mut self, dir: &std::path::Path, window: usize) -> Result<(), EngineError> {
+        if self.offload.is_some() {
+            return Ok(());
+        }
+        let bufs = self.optimizer.state_buffers();
+        if bufs.is_empty() {
+            return Ok(());
+        }
+        let names: Vec<&'static str> = bufs.iter().map(|(n, _)| *n).collect();
+        let values: Vec<&[f32]> = bufs.iter().map(|(_, b)| *b).collect();
+        let disk = OffloadedState::create(dir, &names, self.optimizer.state_len(), window, &values)?;
+        self.optimizer.release_state();
+        self.offload = Some(disk);
+        Ok(())
+    }
+
+    /// The offloaded optimizer state, if any.
+    pub fn offloaded(&self) -> Option<&OffloadedState> {
+        self.offload.as_ref()
     }
 
     pub fn memory(&self) -> MemoryReport {
@@ -441,7 +484,8 @@ impl Trainer {
             scratch: self.scratch.len(),
             max_collective: self.max_collective,
         };
-        sizes.report(self.options.precision, self.optimizer.state_bytes())
+        let (resident, offloaded) = self.offload.as_ref().map_or((0, 0), |d| (d.resident_bytes(), d.offloaded_bytes()));
+        sizes.report(self.options.precision, self.optimizer.state_bytes() + resident, offloaded)
     }
 
     /// The full optimizer state by name, in the gradient space (trainable
@@ -455,7 +499,15 @@ impl Trainer {
     ) -> Result<Vec<(String, Vec<f32>)>, EngineError> {
         let keep = all_ranks || comm.rank() == 0;
         let mut out = Vec::new();
-        for (name, buf) in self.optimizer.state_buffers() {
+        for name in self.optimizer.slot_names() {
+            let disk = match self.offload.as_mut() {
+                Some(d) => Some(d.read_all(name)?),
+                None => None,
+            };
+            let buf = match &disk {
+                Some(v) => v.as_slice(),
+                None => self.optimizer.state_buffers().into_iter().find(|(n, _)| *n == name).map_or(&[][..], |b| b.1),
+            };
             let full =
                 if self.stage.shards_optimizer() { self.gather_grad_space(comm, buf, keep)? } else { buf.to_vec() };
             out.push((name.to_string(), full));
@@ -489,6 +541,26 @@ impl Trainer {
         mut optimizer_state: impl FnMut(&str) -> Option<Vec<f32>>,
     ) -> Result<(), EngineError> {
         let (part, sharded, n_grads) = (&self.part, self.stage.shards_optimizer(), self.part.space.n_grads);
+        let shard_of = |full: Vec<f32>| {
+            if !sharded {
+                return full;
+            }
+            let mut shard = vec![0.0; part.grad_shard_len()];
+            part.gather_own_grads(&full, &mut shard);
+            shard
+        };
+        if let Some(disk) = self.offload.as_mut() {
+            for (i, name) in self.optimizer.slot_names().into_iter().enumerate() {
+                let full = optimizer_state(name).ok_or(EngineError::MissingState { name })?;
+                if full.len() != n_grads {
+                    return Err(EngineError::ParamCount { expected: n_grads, got: full.len() });
+                }
+                disk.write_all(i, &shard_of(full))?;
+            }
+            self.optimizer.set_n_updates(n_updates);
+            self.n_steps = n_steps;
+            return Ok(());
+        }
         let mut err = None;
         self.optimizer.restore(n_updates, |name| {
             let full = optimizer_state(name)?;
@@ -496,12 +568,7 @@ impl Trainer {
                 err = Some(EngineError::ParamCount { expected: n_grads, got: full.len() });
                 return None;
             }
-            if !sharded {
-                return Some(full);
-            }
-            let mut shard = vec![0.0; part.grad_shard_len()];
-            part.gather_own_grads(&full, &mut shard);
-            Some(shard)
+            Some(shard_of(full))
         })?;
         if let Some(e) = err {
             return Err(e);
@@ -699,7 +766,7 @@ impl Trainer {
         let clip_coef = self.options.grad_clip.map_or(1.0, |max_norm| clip_coefficient(grad_norm, max_norm));
         self.grad_scale = (normalize * clip_coef) as f32;
         let lr = self.schedule.lr(step_idx);
-        self.apply_update(lr);
+        self.apply_update(lr)?;
         self.share_updated_params(comm).map_err(comm_err)?;
         if let Some(s) = self.scaler.as_mut() {
             s.update(false);
@@ -816,7 +883,7 @@ impl Trainer {
 
     /// The optimizer update of this rank's part (every trainable parameter
     /// at stage 0), reading the gradient scaled by `grad_scale`.
-    fn apply_update(&mut self, lr: f32) {
+    fn apply_update(&mut self, lr: f32) -> Result<(), EngineError> {
         let ranges: Vec<Range<usize>> = self.update.iter().map(|c| c.params.clone()).collect();
         let grads = &self.grads;
         let pieces: Vec<Piece<'_>> = split(&mut self.params, &ranges)
@@ -829,7 +896,13 @@ impl Trainer {
                 decay: c.decay,
             })
             .collect();
-        self.optimizer.update_pieces(pieces, lr, self.grad_scale);
+        match self.offload.as_mut() {
+            Some(disk) => self.optimizer.update_offloaded(pieces, lr, self.grad_scale, disk),
+            None => {
+                self.optimizer.update_pieces(pieces, lr, self.grad_scale);
+                Ok(())
+            }
+        }
     }
 
     /// After the update: stages 1–2 all-gather every rank's updated
@@ -993,8 +1066,8 @@ impl BufferSizes {
         }
     }
 
-    /// The accounting, with the optimizer state's bytes given.
-    fn report(&self, precision: Precision, optimizer_bytes: usize) -> MemoryReport {
+    /// The accounting, with the optimizer state's bytes given (in memory, on disk).
+    fn report(&self, precision: Precision, optimizer_bytes: usize, offloaded: usize) -> MemoryReport {
         // f32: the parameters are their own master copy. Mixed precision: the
         // model reads the 16-bit copy (stages 0–2) or rounded gathered
         // segments (stage 3); the f32 values are the master weights.
@@ -1005,6 +1078,7 @@ impl BufferSizes {
             params,
             grads: 4 * self.grads,
             optimizer: optimizer_bytes,
+            offloaded,
             master,
             comm_buffers: gathered + 4 * (self.seg_grads + self.scratch) + decoded,
             peak_param_residency: params + gathered + decoded,

@@ -1,7 +1,7 @@
 //! The memory plan equals the engine's accounting: for every ZeRO stage,
 //! precision, world size and frozen set, `Trainer::planned_memory` (computed
 //! from the layout alone) reports exactly what a real trainer on rank 0
-//! allocated.
+//! allocated, with the optimizer state in memory or offloaded to disk.
 
 use comm::threads::group;
 use comm::Communicator;
@@ -27,7 +27,16 @@ fn planned_memory_equals_what_the_trainer_allocates() {
     for world in [1, 2, 3] {
         for zero in zeros {
             for precision in [Precision::F32, Precision::Bf16, Precision::F16] {
-                for (frozen, sgd_slots) in [(false, None), (true, None), (false, Some(0.0f32)), (false, Some(0.9))] {
+                for (frozen, sgd_slots, offload) in [
+                    (false, None, false),
+                    (true, None, false),
+                    (false, Some(0.0f32), false),
+                    (false, Some(0.9), false),
+                    (false, None, true),
+                    (true, None, true),
+                    (false, Some(0.0f32), true),
+                    (false, Some(0.9), true),
+                ] {
                     let mut model = Gpt::with_precision(cfg(), precision).unwrap();
                     if frozen {
                         model.set_trainable(&|t| t.name.starts_with("transformer.h.2."));
@@ -38,7 +47,7 @@ fn planned_memory_equals_what_the_trainer_allocates() {
                         Some(_) => 0,
                     };
                     let bucket = engine::DEFAULT_BUCKET_ELEMS;
-                    let plan = Trainer::planned_memory(&model, zero, world, precision, slots, bucket).unwrap();
+                    let plan = Trainer::planned_memory(&model, zero, world, precision, slots, bucket, offload).unwrap();
                     let reports: Vec<_> = std::thread::scope(|s| {
                         let handles: Vec<_> = group(world, Duration::from_secs(30))
                             .into_iter()
@@ -53,19 +62,32 @@ fn planned_memory_equals_what_the_trainer_allocates() {
                                     };
                                     let options = TrainerOptions { precision, ..Default::default() };
                                     let sched = LrSchedule::constant(1e-3);
-                                    let tr = Trainer::distributed(model, params, opt, sched, options, zero, &mut c);
-                                    (c.rank(), tr.unwrap().memory())
+                                    let mut tr =
+                                        Trainer::distributed(model, params, opt, sched, options, zero, &mut c).unwrap();
+                                    let dir = std::env::temp_dir().join(format!(
+                                        "macrobatch-memory-plan-{}-{:?}-rank-{}",
+                                        std::process::id(),
+                                        std::thread::current().id(),
+                                        c.rank()
+                                    ));
+                                    if offload {
+                                        tr.offload_optimizer(&dir).unwrap();
+                                    }
+                                    (c.rank(), tr.memory())
                                 })
                             })
                             .collect();
                         handles.into_iter().map(|h| h.join().unwrap()).collect()
                     });
                     let rank0 = reports.iter().find(|(r, _)| *r == 0).unwrap().1;
-                    assert_eq!(plan, rank0, "world {world}, {zero:?}, {precision}, frozen {frozen}, sgd {sgd_slots:?}");
+                    assert_eq!(
+                        plan, rank0,
+                        "world {world}, {zero:?}, {precision}, frozen {frozen}, sgd {sgd_slots:?}, offload {offload}"
+                    );
                     n_checked += 1;
                 }
             }
         }
     }
-    assert_eq!(n_checked, 3 * 5 * 3 * 4);
+    assert_eq!(n_checked, 3 * 5 * 3 * 8);
 }

@@ -85,6 +85,8 @@ fn time_steps(plan: &Plan, shape: BatchShape, warmup: usize, steps: usize) -> Re
     let tokens = (shape.global() * plan.train.seq_len()) as f64;
     let med = median(&mut ms);
     let mem = trainer.memory();
+    drop(trainer);
+    crate::train::remove_offload_root(&crate::train::scratch_offload_root());
     let flops = plan.family.flops_per_token(plan.train.seq_len()) * tokens;
     Ok(Timing {
         micro: shape.micro,

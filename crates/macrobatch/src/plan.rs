@@ -160,7 +160,12 @@ pub fn estimate(plan: &Plan, knobs: Knobs) -> Result<Estimate> {
     let zero = ZeroConfig { stage: knobs.zero_stage, reduce_every_micro_step: knobs.reduce_every_micro_step };
     let slots = cfg.optim.name.state_slots(cfg.optim.momentum) as usize;
     let bucket_elems = crate::train::bucket_elems(cfg);
-    let report = Trainer::planned_memory(&model, zero, knobs.world_size, knobs.precision, slots, bucket_elems)?;
+    let offload = match cfg.dist.offload_optimizer {
+        config::OffloadOptimizer::None => false,
+        config::OffloadOptimizer::Disk => true,
+    };
+    let report =
+        Trainer::planned_memory(&model, zero, knobs.world_size, knobs.precision, slots, bucket_elems, offload)?;
     // What the communicator stages: thread ranks keep an f64 copy of their
     // largest contribution in their slot, and the group one f64 result;
     // MPI keeps an f32 staging buffer of the largest collective.

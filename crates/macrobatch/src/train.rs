@@ -9,7 +9,7 @@ use crate::metrics::{Reporter, StepRecord};
 use crate::{DeepSpeedArgs, TrainArgs};
 use anyhow::{anyhow, bail, Context, Result};
 use comm::Communicator;
-use config::{Config, Micro, OptimizerKind, Precision, ResolvedBatch};
+use config::{Config, Micro, OffloadOptimizer, OptimizerKind, Precision, ResolvedBatch};
 use data::{
     BatchShape, Corpus, DataFormat, EpochOrder, Sampler, Samples, SftDataset, SftOptions, Tokenizer, TokenizerSpec,
 };
@@ -284,7 +284,19 @@ pub fn apply_trainable(model: &mut impl Model, patterns: &[String]) -> Result<us
 /// A trainer over freshly initialised parameters for this rank of `comm`
 /// (rank 0's parameters are broadcast; ZeRO partitions as configured).
 pub fn trainer_for(plan: &Plan, model: &impl Model, comm: &mut dyn Communicator) -> Result<Trainer> {
-    trainer_from(plan, model, comm, None)
+    trainer_from(plan, model, comm, None, &scratch_offload_root())
+}
+
+/// Where `verify` and `bench` offload optimizer state (no run folder):
+/// a folder of this process under the temporary directory.
+pub fn scratch_offload_root() -> PathBuf {
+    std::env::temp_dir().join(format!("macrobatch-offload-{}", std::process::id()))
+}
+
+/// Removes the offload folder once every rank's files are gone (each
+/// trainer removes its own `rank-R/`); a no-op if anything is left in it.
+pub fn remove_offload_root(root: &Path) {
+    let _ = std::fs::remove_dir(root);
 }
 
 /// [`trainer_for`] starting from `initial` parameters (a checkpoint's or a
@@ -294,6 +306,7 @@ pub fn trainer_from(
     model: &impl Model,
     comm: &mut dyn Communicator,
     initial: Option<&[f32]>,
+    offload_root: &Path,
 ) -> Result<Trainer> {
     let n_params = model.layout().n_params();
     let (cfg, o) = (&plan.cfg, &plan.cfg.optim);
@@ -329,7 +342,19 @@ pub fn trainer_from(
     if let Some(p) = initial.filter(|p| p.len() != n_params) {
         bail!("the initial parameters hold {} values, the model {n_params}", p.len());
     }
-    Ok(Trainer::distributed_with(model, &init, optimizer, schedule, options, zero, comm)?)
+    let mut trainer = Trainer::distributed_with(model, &init, optimizer, schedule, options, zero, comm)?;
+    match cfg.dist.offload_optimizer {
+        OffloadOptimizer::None => {}
+        OffloadOptimizer::Disk => {
+            // After the constructor's broadcasts from rank 0, which created
+            // the run folder before taking part: no rank makes it first.
+            let dir = offload_root.join(format!("rank-{}", comm.rank()));
+            trainer
+                .offload_optimizer(&dir)
+                .with_context(|| format!("dist.offload_optimizer = \"disk\": cannot set up {}", dir.display()))?;
+        }
+    }
+    Ok(trainer)
 }
 
 /// Elements per gradient all-reduce bucket (`dist.bucket_mb` of f32).
@@ -572,6 +597,10 @@ pub struct Start {
     pub dump_steps: Option<PathBuf>,
     /// `--merge`: also save the model with its LoRA adapters merged.
     pub merge: bool,
+    /// `dist.offload_optimizer = "disk"`: the run folder's `offload/`
+    /// (each rank's files in `rank-R/`, removed at the end of the run).
+    /// Set once the run folder is known (rank 0 may pick a fresh name).
+    pub offload_root: Arc<std::sync::OnceLock<PathBuf>>,
 }
 
 /// A value each of `n` ranks of this process takes once; after the last
@@ -672,7 +701,8 @@ fn train_rank(
     let resume = start_from.resume.as_ref().and_then(|h| h.take());
     let pretrained = start_from.init_params.as_ref().and_then(|h| h.take());
     let initial = resume.as_ref().map(|l| l.params.as_slice()).or(pretrained.as_deref().map(Vec::as_slice));
-    let mut trainer = trainer_from(plan, &model, comm, initial)?;
+    let offload_root = start_from.offload_root.get().context("the run folder is not known yet")?;
+    let mut trainer = trainer_from(plan, &model, comm, initial, offload_root)?;
     drop(pretrained);
     let mut model_states_rss = None;
     let mut first_step = 0;
@@ -697,6 +727,13 @@ fn train_rank(
             mem.optimizer as f64 / 1e6,
             mem.comm_buffers as f64 / 1e6
         ));
+        if mem.offloaded > 0 {
+            out.reporter.println(&format!(
+                "optimizer state offloaded to disk: {:.1} MB per rank in {}",
+                mem.offloaded as f64 / 1e6,
+                offload_root.display()
+            ));
+        }
     }
     // At stage 3 evaluation gathers segments, and wherever the master weights
     // are sharded saving gathers them: every rank joins those collectives.
@@ -1240,8 +1277,10 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     };
     let created_dir = resume_dir.is_none() && !planned_dir.exists();
     let made: std::sync::Mutex<Option<PathBuf>> = std::sync::Mutex::new(None);
+    let offload_root: Arc<std::sync::OnceLock<PathBuf>> = Arc::default();
     let make_dir = || -> Result<PathBuf> {
         let d = if resume_dir.is_some() { planned_dir.clone() } else { create_run_dir(&planned_dir, generated)? };
+        let _ = offload_root.set(d.join("offload"));
         if let Ok(mut m) = made.lock() {
             *m = Some(d.clone());
         }
@@ -1274,6 +1313,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         signal: signal.clone(),
         stopped_early: Arc::new(AtomicBool::new(false)),
         run_id: run_id.clone(),
+        offload_root: offload_root.clone(),
     };
     let stopped_early = start.stopped_early.clone();
     let timeout = Duration::from_secs_f64(cfg.dist.timeout_s);
@@ -1299,7 +1339,12 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
                 0 => make_dir()
                     .and_then(|dir| open_outputs(&plan, &dir, resume_step, &run_id))
                     .and_then(|out| train_rank(&plan, c.as_mut(), Some(out), &start)),
-                _ => train_rank(&plan, c.as_mut(), None, &start),
+                _ => {
+                    // Other processes never create the run folder; rank 0
+                    // has by the time the trainers' broadcast completes.
+                    let _ = offload_root.set(planned_dir.join("offload"));
+                    train_rank(&plan, c.as_mut(), None, &start)
+                }
             };
             if let Err(e) = &r {
                 c.abort(&format!("{e:#}"));
@@ -1307,6 +1352,9 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
             r
         }
     };
+    if let Some(root) = offload_root.get() {
+        remove_offload_root(root);
+    }
     if let (Ok(()), Some(dir)) = (&result, made.lock().ok().and_then(|m| m.clone())) {
         crate::plot::after_train(&dir);
     }

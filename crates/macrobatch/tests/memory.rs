@@ -46,9 +46,8 @@ fn auto_micro_keeps_the_global_batch_and_equals_the_hand_set_factorization() {
     assert!(stderr(&o).contains("batch.micro = \"auto\": micro"), "{}", stderr(&o));
     // A 2 GiB budget holds the whole batch of this small model at once.
     assert_eq!(micro, 16);
-    // A budget just under the plan for micro 8: micro 4 is the largest that
-    // fits (the plan for micro 4 leaves ~15% of the budget for what the
-    // measured peak may exceed the plan by; the run checks it).
+    // A budget between the plans for micro 4 and 8: micro 4 is the largest
+    // that fits (the run checks its measured peak against the budget).
     let planned = |micro: usize| -> u64 {
         let mut c = bin();
         c.args(["plan", "--json", "--memory", "1GiB"]);
@@ -64,7 +63,10 @@ fn auto_micro_keeps_the_global_batch_and_equals_the_hand_set_factorization() {
         rank + ["comm_shared", "data", "runtime", "workspace"].iter().map(|k| e[k].as_u64().unwrap()).sum::<u64>()
     };
     let tight = tmp("auto-tight");
-    let budget = format!("train.memory_budget={}", planned(8) - 1);
+    // Halfway between the plans for micro 4 and micro 8: each process
+    // measures its own program size at start-up, which varies by a few
+    // hundred KiB between processes; half the gap (~2 MiB) absorbs that.
+    let budget = format!("train.memory_budget={}", (planned(4) + planned(8)) / 2);
     let budget = budget.as_str();
     let o = run_ok(&tight, &[base.as_slice(), &["batch.micro=auto", budget]].concat());
     let table: toml::Table =
