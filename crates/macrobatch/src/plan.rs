@@ -47,6 +47,8 @@ pub struct Knobs {
     pub precision: Precision,
     /// Activation checkpointing.
     pub checkpointing: Checkpointing,
+    /// Optimizer state in files instead of memory.
+    pub offload_optimizer: bool,
 }
 
 impl Knobs {
@@ -69,6 +71,7 @@ impl Knobs {
             reduce_every_micro_step: cfg.dist.reduce_every_micro_step,
             precision: cfg.train.precision,
             checkpointing: cfg.train.activation_checkpointing,
+            offload_optimizer: cfg.dist.offload_optimizer == config::OffloadOptimizer::Disk,
         }
     }
 }
@@ -160,10 +163,7 @@ pub fn estimate(plan: &Plan, knobs: Knobs) -> Result<Estimate> {
     let zero = ZeroConfig { stage: knobs.zero_stage, reduce_every_micro_step: knobs.reduce_every_micro_step };
     let slots = cfg.optim.name.state_slots(cfg.optim.momentum) as usize;
     let bucket_elems = crate::train::bucket_elems(cfg);
-    let offload = match cfg.dist.offload_optimizer {
-        config::OffloadOptimizer::None => false,
-        config::OffloadOptimizer::Disk => true,
-    };
+    let offload = knobs.offload_optimizer;
     let report =
         Trainer::planned_memory(&model, zero, knobs.world_size, knobs.precision, slots, bucket_elems, offload)?;
     // What the communicator stages: thread ranks keep an f64 copy of their
@@ -310,6 +310,9 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
             ));
         }
     }
+    if !knobs.offload_optimizer {
+        variants.push(("dist.offload_optimizer = \"disk\"".into(), Knobs { offload_optimizer: true, ..knobs }));
+    }
     let w2 = knobs.world_size * 2;
     if plan.batch.global.is_multiple_of(w2) {
         let stage = knobs.zero_stage.max(3);
@@ -369,8 +372,14 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
 fn describe(e: &Estimate) -> String {
     let k = &e.knobs;
     format!(
-        "micro {} × K {} × W {} | ZeRO {} | {} | checkpointing {}",
-        k.micro, e.accumulation_steps, k.world_size, k.zero_stage, k.precision, k.checkpointing
+        "micro {} × K {} × W {} | ZeRO {} | {} | checkpointing {}{}",
+        k.micro,
+        e.accumulation_steps,
+        k.world_size,
+        k.zero_stage,
+        k.precision,
+        k.checkpointing,
+        if k.offload_optimizer { " | optimizer on disk" } else { "" }
     )
 }
 
