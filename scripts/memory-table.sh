@@ -20,8 +20,8 @@ export MALLOC_MMAP_THRESHOLD_=65536
 bin=${MACROBATCH_BIN:-}
 if [ -z "$bin" ]; then cargo build --release -q; bin=target/release/macrobatch; fi
 out=$(mktemp -d)
-echo "| preset | W | stage | precision | checkpointing | predicted MiB | measured peak MiB | error |"
-echo "|---|---|---|---|---|---|---|---|"
+echo "| preset | W | stage | precision | checkpointing | predicted MiB | measured peak MiB | error | per rank: predicted / measured heap MiB |"
+echo "|---|---|---|---|---|---|---|---|---|"
 for spec in ${presets[@]}; do
   family=gpt2; preset=$spec
   if [[ "$spec" == */* ]]; then family=${spec%%/*}; preset=${spec#*/}; fi
@@ -36,7 +36,7 @@ for spec in ${presets[@]}; do
           --set dist.world_size="$w" --set dist.zero_stage="$stage" --set train.precision="$prec" \
           --set train.activation_checkpointing="$ck" --set batch.global=16 --set batch.micro=$((8 / w)) \
           --set train.steps=2 --set train.eval_every=0 --set train.eval_batches=1 >/dev/null 2>&1 \
-          || { echo "| $spec | $w | $stage | $prec | $ck | run failed | | |"; continue; }
+          || { echo "| $spec | $w | $stage | $prec | $ck | run failed | | | |"; continue; }
         python3 - "$dir" "$spec" "$w" "$stage" "$prec" "$ck" <<'PY'
 import json, sys
 d, preset, w, stage, prec, ck = sys.argv[1:]
@@ -47,7 +47,9 @@ training = per_rank * p["knobs"]["ranks_per_process"] + p["comm_shared"] + p["da
 predicted = max(training, p["pretrained_load"] + p["data"] + p["runtime"])
 measured = max(m["peak_rss"])
 mib = lambda b: b / 2**20
-print(f"| {preset} | {w} | {stage} | {prec} | {ck} | {mib(predicted):.1f} | {mib(measured):.1f} | {100 * (predicted - measured) / measured:+.1f}% |")
+heaps = m.get("peak_rank_heap", [])
+ranks = " / ".join(f"{mib(h):.1f}" for h in heaps)
+print(f"| {preset} | {w} | {stage} | {prec} | {ck} | {mib(predicted):.1f} | {mib(measured):.1f} | {100 * (predicted - measured) / measured:+.1f}% | {mib(per_rank):.1f} / {ranks} |")
 PY
       done
     done

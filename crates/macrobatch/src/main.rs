@@ -5,6 +5,7 @@ mod checkpoint;
 mod dist;
 mod family;
 mod generate;
+mod heap;
 mod memory;
 mod metrics;
 mod plan;
@@ -223,6 +224,9 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 }
+
+#[global_allocator]
+static ALLOCATOR: heap::Counting = heap::Counting;
 
 fn main() -> ExitCode {
     // The program's own resident size, before anything is allocated (the

@@ -427,6 +427,10 @@ struct MemoryFile {
     /// Per rank: peak resident set (VmHWM; thread ranks share one process,
     /// so each reports the process's).
     peak_rss: Vec<u64>,
+    /// Per rank: the most heap bytes the rank's own thread held at once,
+    /// from building its model to the end of training (a per-rank measured
+    /// peak also when ranks are threads of one process).
+    peak_rank_heap: Vec<u64>,
     /// The memory model's per-rank and per-process prediction (`macrobatch plan`).
     predicted: crate::plan::Estimate,
     /// Per rank: resident-set growth from before the trainer existed to after
@@ -693,6 +697,9 @@ fn train_rank(
 ) -> Result<()> {
     let rank = comm.rank();
     let cfg = &plan.cfg;
+    // The rank's own heap, from here on (a single rank's thread also holds
+    // the data set and the program's allocations from before).
+    let heap_base = crate::heap::reset_peak();
     let mut model = model_for(plan)?;
     let predicted = crate::plan::estimate(plan, crate::plan::Knobs::of(plan))?;
     let rss_before = proc_status_bytes("VmRSS:");
@@ -922,8 +929,9 @@ fn train_rank(
     }
     // Per-rank memory to rank 0 (KiB in f32: exact up to 16 GiB).
     let kib = |b: Option<u64>| (b.unwrap_or(0) / 1024) as f32;
-    let mine = [kib(peak_rss_bytes()), kib(model_states_rss)];
-    let mut all = vec![0.0f32; 2 * comm.world_size()];
+    let rank_heap = Some((crate::heap::peak() - heap_base).max(0) as u64);
+    let mine = [kib(peak_rss_bytes()), kib(model_states_rss), kib(rank_heap)];
+    let mut all = vec![0.0f32; 3 * comm.world_size()];
     comm.all_gather(&mine, &mut all)?;
     let params = if outputs.is_some() || all_ranks_gather { trainer.full_params_to_rank0(comm)? } else { None };
     if let Some(out) = &outputs {
@@ -942,9 +950,10 @@ fn train_rank(
                     comm.world_size(),
                 )
             }),
-            peak_rss: all.chunks(2).map(|c| c[0] as u64 * 1024).collect(),
+            peak_rss: all.chunks(3).map(|c| c[0] as u64 * 1024).collect(),
+            peak_rank_heap: all.chunks(3).map(|c| c[2] as u64 * 1024).collect(),
             predicted,
-            measured_model_states: all.chunks(2).map(|c| c[1] as u64 * 1024).collect(),
+            measured_model_states: all.chunks(3).map(|c| c[1] as u64 * 1024).collect(),
         };
         gpt::hf::write_atomic(&out.dir.join("memory.json"), serde_json::to_string_pretty(&file)?.as_bytes())?;
     }
