@@ -569,28 +569,10 @@ impl Gpt {
     }
 
     fn check(&self, batch: &Batch) -> Result<(), GptError> {
-        let (b, t) = (batch.n_seqs, batch.seq_len);
-        if t == 0 || t > self.cfg.block_size {
-            return Err(GptError::InvalidBatch(format!(
-                "sequence length {t} must be between 1 and the model's block_size {}",
-                self.cfg.block_size
-            )));
+        match batch.problem(self.cfg.block_size, "block_size", self.cfg.vocab_size) {
+            Some(p) => Err(GptError::InvalidBatch(p)),
+            None => Ok(()),
         }
-        if batch.inputs.len() != b * t || batch.targets.len() != b * t {
-            return Err(GptError::InvalidBatch(format!(
-                "{} inputs and {} targets for {b} sequences of {t} tokens",
-                batch.inputs.len(),
-                batch.targets.len()
-            )));
-        }
-        let v = self.cfg.vocab_size;
-        if let Some(&tok) = batch.inputs.iter().find(|&&x| x as usize >= v) {
-            return Err(GptError::InvalidBatch(format!("input token {tok} is outside the vocabulary of {v}")));
-        }
-        if let Some(&tok) = batch.targets.iter().find(|&&x| x >= 0 && x as usize >= v) {
-            return Err(GptError::InvalidBatch(format!("target token {tok} is outside the vocabulary of {v}")));
-        }
-        Ok(())
     }
 
     fn ensure_acts(&mut self, b: usize, t: usize) {

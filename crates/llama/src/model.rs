@@ -777,28 +777,11 @@ impl Llama {
     }
 
     fn check(&self, batch: &TokenBatch) -> Result<(), LlamaError> {
-        let (b, t) = (batch.n_seqs, batch.seq_len);
-        if t == 0 || t > self.cfg.max_position_embeddings {
-            return Err(LlamaError::InvalidBatch(format!(
-                "sequence length {t} must be between 1 and the model's max_position_embeddings {}",
-                self.cfg.max_position_embeddings
-            )));
+        let max = self.cfg.max_position_embeddings;
+        match batch.problem(max, "max_position_embeddings", self.cfg.vocab_size) {
+            Some(p) => Err(LlamaError::InvalidBatch(p)),
+            None => Ok(()),
         }
-        if batch.inputs.len() != b * t || batch.targets.len() != b * t {
-            return Err(LlamaError::InvalidBatch(format!(
-                "{} inputs and {} targets for {b} sequences of {t} tokens",
-                batch.inputs.len(),
-                batch.targets.len()
-            )));
-        }
-        let v = self.cfg.vocab_size;
-        if let Some(&tok) = batch.inputs.iter().find(|&&x| x as usize >= v) {
-            return Err(LlamaError::InvalidBatch(format!("input token {tok} is outside the vocabulary of {v}")));
-        }
-        if let Some(&tok) = batch.targets.iter().find(|&&x| x >= 0 && x as usize >= v) {
-            return Err(LlamaError::InvalidBatch(format!("target token {tok} is outside the vocabulary of {v}")));
-        }
-        Ok(())
     }
 
     fn dims(&self, b: usize, t: usize) -> Dims {
