@@ -471,6 +471,39 @@ impl AttnShape {
     }
 }
 
+/// Causal softmax of a `t × t` score matrix, in place, row by row: row `i`
+/// becomes softmax over its first `i + 1` entries (max-subtracted, summed
+/// in f32 in order), and the masked entries become 0. Shared by every
+/// family's attention, so they round alike.
+pub fn causal_softmax_rows(a: &mut [f32], t: usize) {
+    for (ti, row) in a.chunks_mut(t).enumerate() {
+        let valid = &mut row[..=ti];
+        let max = valid.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let mut sum = 0.0f32;
+        for x in valid.iter_mut() {
+            *x = fast_exp(*x - max);
+            sum += *x;
+        }
+        let inv = 1.0 / sum;
+        valid.iter_mut().for_each(|x| *x *= inv);
+        row[ti + 1..].fill(0.0);
+    }
+}
+
+/// Backward of [`causal_softmax_rows`], in place: `d` holds the gradient of
+/// the probabilities `a` and becomes that of the scores,
+/// `a ⊙ (d − Σ a·d)` per row; the masked entries become 0.
+pub fn causal_softmax_backward_rows(d: &mut [f32], a: &[f32], t: usize) {
+    for ti in 0..t {
+        let (ar, dr) = (&a[ti * t..][..=ti], &mut d[ti * t..][..t]);
+        let dot: f32 = ar.iter().zip(dr.iter()).map(|(x, y)| x * y).sum();
+        for j in 0..=ti {
+            dr[j] = ar[j] * (dr[j] - dot);
+        }
+        dr[ti + 1..].fill(0.0);
+    }
+}
+
 /// Causal multi-head attention. `qkv` is `[B, T, 3C]` (q | k | v), `att`
 /// receives the softmax probabilities `[B, NH, T, T]` (zero above the
 /// diagonal), `out` the `[B, T, C]` head outputs.
@@ -493,18 +526,7 @@ pub fn attention_forward(out: &mut [f32], att: &mut [f32], qkv: &[f32], s: AttnS
         let k_t = Strided { data: qkv, offset: base + c, rs: 1, cs: 3 * c };
         let v = Strided { data: qkv, offset: base + 2 * c, rs: 3 * c, cs: 1 };
         gemm_into(t, t, hd, a, 0, t, false, q, k_t, scale, Parallelism::None);
-        for (ti, row) in a.chunks_mut(t).enumerate() {
-            let valid = &mut row[..=ti];
-            let max = valid.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            let mut sum = 0.0f32;
-            for x in valid.iter_mut() {
-                *x = fast_exp(*x - max);
-                sum += *x;
-            }
-            let inv = 1.0 / sum;
-            valid.iter_mut().for_each(|x| *x *= inv);
-            row[ti + 1..].fill(0.0);
-        }
+        causal_softmax_rows(a, t);
         let att_view = Strided::rows(a, t);
         // SAFETY: head (bi, h) writes rows bi·T.. of columns h·hd..(h+1)·hd of
         // `out` only; no two tasks share a (bi, h), and `out` is large enough.
@@ -543,15 +565,7 @@ pub fn attention_backward(dqkv: &mut [f32], datt: &mut [f32], dout: &[f32], qkv:
         let v_t = Strided { data: qkv, offset: base + 2 * c, rs: 1, cs: 3 * c };
         // datt = dout · vᵀ
         gemm_into(t, t, hd, da, 0, t, false, dout_h, v_t, 1.0, Parallelism::None);
-        // softmax backward, in place: dpre = att ⊙ (datt − Σ att·datt)
-        for ti in 0..t {
-            let (ar, dr) = (&a[ti * t..][..=ti], &mut da[ti * t..][..t]);
-            let dot: f32 = ar.iter().zip(dr.iter()).map(|(x, y)| x * y).sum();
-            for j in 0..=ti {
-                dr[j] = ar[j] * (dr[j] - dot);
-            }
-            dr[ti + 1..].fill(0.0);
-        }
+        causal_softmax_backward_rows(da, a, t);
         let dpre = Strided::rows(da, t);
         let dpre_t = Strided::transposed(da, t);
         let q = Strided { data: qkv, offset: base, rs: 3 * c, cs: 1 };

@@ -292,18 +292,7 @@ pub fn attention_forward(y: &mut [f32], att: &mut [f32], heads: &mut [f32], qkv:
         let k_t = Strided { data: qkv, offset: row0 + kv, rs: 1, cs: w };
         let v = Strided { data: qkv, offset: row0 + kv + n_kv_head * d, rs: w, cs: 1 };
         gemm_into(t, t, d, a, 0, t, false, q, k_t, scale, par);
-        for (ti, row) in a.chunks_mut(t).enumerate() {
-            let valid = &mut row[..=ti];
-            let max = valid.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            let mut sum = 0.0f32;
-            for x in valid.iter_mut() {
-                *x = fast_exp(*x - max);
-                sum += *x;
-            }
-            let inv = 1.0 / sum;
-            valid.iter_mut().for_each(|x| *x *= inv);
-            row[ti + 1..].fill(0.0);
-        }
+        gpt::kernels::causal_softmax_rows(a, t);
         gemm_into(t, d, t, yh, 0, d, false, Strided::rows(a, t), v, 1.0, par);
     });
     // Head-major [B, H, T, d] → rows [B·T, H·d].
@@ -366,14 +355,7 @@ pub fn attention_backward(
                 let q = Strided { data: qkv, offset: row0 + h * d, rs: w, cs: 1 };
                 // datt = dy · vᵀ, then softmax backward in place: dpre = att ⊙ (datt − Σ att·datt).
                 gemm_into(t, t, d, da, 0, t, false, dy_h, v_t, 1.0, par);
-                for ti in 0..t {
-                    let (ar, dr) = (&a[ti * t..][..=ti], &mut da[ti * t..][..t]);
-                    let dot: f32 = ar.iter().zip(dr.iter()).map(|(x, y)| x * y).sum();
-                    for j in 0..=ti {
-                        dr[j] = ar[j] * (dr[j] - dot);
-                    }
-                    dr[ti + 1..].fill(0.0);
-                }
+                gpt::kernels::causal_softmax_backward_rows(da, a, t);
                 let first = g == 0;
                 // dq = scale · dpre · k ; dk (+)= scale · dpreᵀ · q ; dv (+)= attᵀ · dy
                 let dq = &mut dq_g[g * t * d..][..t * d];
