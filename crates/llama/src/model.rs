@@ -690,21 +690,26 @@ impl Llama {
     /// sequences of `t` tokens allocates, computed from the shape alone (u128:
     /// planning shapes far beyond this machine never overflows).
     pub fn planned_activation_bytes(&self, b: usize, t: usize) -> u128 {
+        self.planned_activation_bytes_as(b, t, self.precision, self.checkpointing)
+    }
+
+    /// [`Llama::planned_activation_bytes`] of this shape built with another
+    /// storage precision and checkpointing (no model is built for it).
+    pub fn planned_activation_bytes_as(&self, b: usize, t: usize, precision: Precision, ck: Checkpointing) -> u128 {
         let cfg = &self.cfg;
         let w = |x: usize| x as u128;
         let (n, c, f, v) = (w(b) * w(t), w(cfg.hidden_size), w(cfg.intermediate_size), w(cfg.vocab_size));
         let qkvw = w(cfg.n_head + 2 * cfg.n_kv_head) * w(cfg.head_dim);
         let att = w(b) * w(cfg.n_head) * w(t) * w(t);
         let (r, n_xa) = self.adapters.map_or((0, 0), |a| (w(a.r), a.targets.iter().filter(|&&x| x).count() as u128));
-        let elem = self.precision.bytes() as u128;
-        let low = self.precision.is_low();
+        let elem = precision.bytes() as u128;
+        let low = precision.is_low();
         // Per layer (`SavedLayer`): x, qkv, att, and the rest of the row
         // tensors (5C + qkv + 3F per row), LoRA's x·Aᵀ per adapted
         // projection, two f32 1/rms per row.
         let layer = elem * (5 * n * c + n * qkvw + att + 3 * n * f + n_xa * n * r) + 4 * 2 * n;
         // A recomputed layer keeps its output alone; one shared slot (a
         // full layer, its own working buffers and input) recomputes.
-        let ck = self.checkpointing;
         let n_recomputed = (0..cfg.n_layer).filter(|&i| ck.recomputes(i)).count() as u128;
         let bufs = 2 * n * c + 2 * n * qkvw + att + 3 * n * f + n * r;
         let slot = if ck.is_on() { layer + 4 * (bufs + n * c) } else { 0 };

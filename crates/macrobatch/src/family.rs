@@ -339,10 +339,7 @@ impl Family for LlamaFamily {
     }
 
     fn activation_bytes(&self, micro: usize, seq_len: usize, build: Build) -> u128 {
-        match Self::build_with(&self.cfg, self.lora.as_ref(), build.precision) {
-            Ok(m) => m.with_checkpointing(build.checkpointing).planned_activation_bytes(micro, seq_len),
-            Err(_) => u128::MAX,
-        }
+        self.model.planned_activation_bytes_as(micro, seq_len, build.precision, build.checkpointing)
     }
 
     fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>> {

@@ -13,7 +13,7 @@ use crate::memory::{self, Available};
 use crate::train::{apply_trainable, Plan};
 use anyhow::{Context, Result};
 use config::{Checkpointing, Precision};
-use engine::{Trainer, ZeroConfig};
+use engine::{MemoryReport, Trainer, ZeroConfig};
 use serde::Serialize;
 
 /// How the ranks of a plan communicate (what their communicator stages).
@@ -154,18 +154,28 @@ pub fn runtime_bytes() -> u64 {
 
 /// Per-rank and per-process bytes of `plan` with `knobs`.
 pub fn estimate(plan: &Plan, knobs: Knobs) -> Result<Estimate> {
+    Ok(estimate_at(plan, knobs, &model_states(plan, knobs)?))
+}
+
+/// The engine's accounting for `knobs`: everything but the micro-batch.
+fn model_states(plan: &Plan, knobs: Knobs) -> Result<MemoryReport> {
     let cfg = &plan.cfg;
-    let build = Build { precision: knobs.precision, checkpointing: knobs.checkpointing };
     // The layout does not depend on checkpointing (a family without it
     // still gets planned; `train` refuses to run it).
-    let mut model = plan.family.build(Build { checkpointing: Checkpointing::None, ..build })?;
+    let mut model = plan.family.build(Build { precision: knobs.precision, checkpointing: Checkpointing::None })?;
     apply_trainable(&mut model, &crate::train::trainable_patterns(cfg))?;
     let zero = ZeroConfig { stage: knobs.zero_stage, reduce_every_micro_step: knobs.reduce_every_micro_step };
     let slots = cfg.optim.name.state_slots(cfg.optim.momentum) as usize;
     let bucket_elems = crate::train::bucket_elems(cfg);
     let offload = knobs.offload_optimizer;
-    let report =
-        Trainer::planned_memory(&model, zero, knobs.world_size, knobs.precision, slots, bucket_elems, offload)?;
+    Ok(Trainer::planned_memory(&model, zero, knobs.world_size, knobs.precision, slots, bucket_elems, offload)?)
+}
+
+/// [`estimate`] with the engine's accounting `report` already made (it does
+/// not depend on the micro-batch).
+fn estimate_at(plan: &Plan, knobs: Knobs, report: &MemoryReport) -> Estimate {
+    let cfg = &plan.cfg;
+    let build = Build { precision: knobs.precision, checkpointing: knobs.checkpointing };
     // What the communicator stages: thread ranks keep an f64 copy of their
     // largest contribution in their slot, and the group one f64 result;
     // MPI keeps an f32 staging buffer of the largest collective.
@@ -180,7 +190,7 @@ pub fn estimate(plan: &Plan, knobs: Knobs) -> Result<Estimate> {
     let accumulation_steps = plan.batch.global / per_step.max(1);
     let activations = plan.family.activation_bytes(knobs.micro, seq_len, build);
     let tokens = (plan.train.n_samples() + plan.val.n_samples()) as u64 * seq_len as u64;
-    Ok(Estimate {
+    Estimate {
         knobs,
         accumulation_steps,
         params: report.params as u64,
@@ -198,7 +208,7 @@ pub fn estimate(plan: &Plan, knobs: Knobs) -> Result<Estimate> {
         pretrained_load: if plan.pretrained { 8 * n_params(&*plan.family) } else { 0 },
         workspace: WORKSPACE_PER_THREAD
             * if cfg.train.threads > 0 { cfg.train.threads } else { rayon::current_num_threads() } as u64,
-    })
+    }
 }
 
 fn n_params(f: &dyn crate::family::Family) -> u64 {
@@ -213,8 +223,9 @@ pub fn micro_candidates(global: usize, world_size: usize) -> Vec<usize> {
 
 /// The largest micro-batch whose per-process bytes fit `budget`, if any.
 pub fn largest_fitting(plan: &Plan, knobs: Knobs, budget: u64) -> Result<Option<Estimate>> {
+    let report = model_states(plan, knobs)?;
     for micro in micro_candidates(plan.batch.global, knobs.world_size) {
-        let e = estimate(plan, Knobs { micro, ..knobs })?;
+        let e = estimate_at(plan, Knobs { micro, ..knobs }, &report);
         if e.per_process() <= budget {
             return Ok(Some(e));
         }
