@@ -17,6 +17,14 @@ pub enum Backend {
 }
 
 impl Backend {
+    /// Ranks living in this process (thread ranks share it; one under MPI).
+    pub fn ranks_per_process(self) -> usize {
+        match self {
+            Backend::Threads(n) => n,
+            Backend::Single | Backend::Mpi(_) => 1,
+        }
+    }
+
     /// Ranks in the group.
     pub fn world_size(self) -> usize {
         match self {

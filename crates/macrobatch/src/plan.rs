@@ -58,10 +58,7 @@ impl Knobs {
         Self {
             micro: plan.batch.micro,
             world_size: plan.batch.world_size,
-            ranks_per_process: match plan.backend {
-                crate::dist::Backend::Threads(n) => n,
-                _ => 1,
-            },
+            ranks_per_process: plan.backend.ranks_per_process(),
             backend: match plan.backend {
                 crate::dist::Backend::Single => Backend::Single,
                 crate::dist::Backend::Threads(_) => Backend::Threads,
@@ -223,14 +220,15 @@ pub fn micro_candidates(global: usize, world_size: usize) -> Vec<usize> {
 
 /// The largest micro-batch whose per-process bytes fit `budget`, if any.
 pub fn largest_fitting(plan: &Plan, knobs: Knobs, budget: u64) -> Result<Option<Estimate>> {
-    let report = model_states(plan, knobs)?;
-    for micro in micro_candidates(plan.batch.global, knobs.world_size) {
-        let e = estimate_at(plan, Knobs { micro, ..knobs }, &report);
-        if e.per_process() <= budget {
-            return Ok(Some(e));
-        }
-    }
-    Ok(None)
+    Ok(fitting_at(plan, knobs, budget, &model_states(plan, knobs)?))
+}
+
+/// [`largest_fitting`] with the engine's accounting already made.
+fn fitting_at(plan: &Plan, knobs: Knobs, budget: u64, report: &MemoryReport) -> Option<Estimate> {
+    micro_candidates(plan.batch.global, knobs.world_size)
+        .into_iter()
+        .map(|micro| estimate_at(plan, Knobs { micro, ..knobs }, report))
+        .find(|e| e.per_process() <= budget)
 }
 
 /// Bytes as `12.3 GiB`.
@@ -301,8 +299,9 @@ pub struct LrAdvice {
 /// The whole report for `plan` with `memory` bytes per process, of which
 /// `budget` may be used.
 pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: Option<usize>) -> Result<Report> {
-    let configured = estimate(plan, knobs)?;
-    let best = largest_fitting(plan, knobs, budget)?;
+    let states = model_states(plan, knobs)?;
+    let configured = estimate_at(plan, knobs, &states);
+    let best = fitting_at(plan, knobs, budget, &states);
     let mut variants: Vec<(String, Knobs)> = Vec::new();
     if knobs.checkpointing != Checkpointing::Blocks && plan.family.supports_checkpointing() {
         variants.push((
@@ -347,8 +346,9 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
     }
     let mut alternatives = Vec::new();
     for (change, k) in variants {
-        let fits = largest_fitting(plan, k, budget)?;
-        let at_micro_1 = estimate(plan, Knobs { micro: 1, ..k })?.per_process();
+        let states = model_states(plan, k)?;
+        let fits = fitting_at(plan, k, budget, &states);
+        let at_micro_1 = estimate_at(plan, Knobs { micro: 1, ..k }, &states).per_process();
         alternatives.push(Alternative { change, fits, at_micro_1 });
     }
     let cfg = &plan.cfg;

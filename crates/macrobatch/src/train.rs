@@ -362,11 +362,6 @@ pub fn bucket_elems(cfg: &Config) -> usize {
     ((cfg.dist.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1)
 }
 
-/// Builds a model batch from sample indices.
-pub fn make_batch(ds: &Samples, indices: &[usize]) -> TokenBatch {
-    ds.batch(indices)
-}
-
 /// This rank's K micro-batches of global step `step_idx`.
 pub fn rank_batches(
     plan: &Plan,
@@ -376,7 +371,7 @@ pub fn rank_batches(
     rank: usize,
 ) -> Vec<TokenBatch> {
     (0..sampler.shape().accumulation_steps)
-        .map(|k| make_batch(&plan.train, &sampler.micro_batch(order, step_in_epoch, k, rank)))
+        .map(|k| plan.train.batch(&sampler.micro_batch(order, step_in_epoch, k, rank)))
         .collect()
 }
 
@@ -393,7 +388,7 @@ fn evaluate(
     let idx: Vec<usize> = (0..n).collect();
     let (mut sum, mut count) = (0.0, 0u64);
     for chunk in idx.chunks(micro) {
-        let s = trainer.loss(model, comm, &make_batch(val, chunk))?;
+        let s = trainer.loss(model, comm, &val.batch(chunk))?;
         sum += s.loss_sum;
         count += s.n_targets;
     }
@@ -1307,10 +1302,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     }
     let resume_step = resume.as_ref().map(|l| l.state.step);
     // Every rank of this process takes the start once; the last lets it go.
-    let ranks_here = match backend {
-        Backend::Threads(n) => n,
-        _ => 1,
-    };
+    let ranks_here = backend.ranks_per_process();
     let start = Start {
         resume: resume.map(|l| Handoff::new(l, ranks_here)),
         init_params: init_params.map(|p| Handoff::new(p, ranks_here)),
