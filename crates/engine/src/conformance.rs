@@ -50,6 +50,50 @@ pub trait Family: Sync {
     fn rtol(&self) -> f32;
 }
 
+/// The suite's data set for a language model: `n` random sequences of `t`
+/// tokens below `vocab` from `seed`, where sequence `i` ignores its first
+/// `i mod 5` targets, so samples hold different numbers of targets.
+pub struct TokenSamples(Vec<(Vec<u32>, Vec<i32>)>);
+
+impl TokenSamples {
+    /// The data set.
+    pub fn new(n: usize, t: usize, vocab: u64, seed: u64) -> Self {
+        let mut rng = crate::rng::SplitMix64::new(seed);
+        let seqs = (0..n)
+            .map(|i| {
+                let toks: Vec<u32> = (0..=t).map(|_| rng.below(vocab) as u32).collect();
+                let targets = toks[1..]
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &x)| if k < i % 5 { crate::IGNORE_INDEX } else { x as i32 })
+                    .collect();
+                (toks[..t].to_vec(), targets)
+            })
+            .collect();
+        Self(seqs)
+    }
+
+    /// Number of samples.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The micro-batch of `samples` (no rows when empty).
+    pub fn batch(&self, samples: &[usize]) -> crate::TokenBatch {
+        crate::TokenBatch {
+            n_seqs: samples.len(),
+            seq_len: self.0.first().map_or(0, |s| s.0.len()),
+            inputs: samples.iter().flat_map(|&i| self.0[i].0.clone()).collect(),
+            targets: samples.iter().flat_map(|&i| self.0[i].1.clone()).collect(),
+        }
+    }
+}
+
 /// What a check found.
 pub type Check = Result<(), String>;
 

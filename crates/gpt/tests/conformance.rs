@@ -1,10 +1,10 @@
 //! GPT-2 runs the engine's Model conformance suite (engine::conformance)
 //! with a tiny configuration.
 
-use engine::conformance::{self, Family};
+use engine::conformance::{self, Family, TokenSamples};
 use engine::rng::SplitMix64;
 use engine::{Checkpointing, TensorSpec};
-use gpt::{init_params, Batch, Gpt, GptConfig, IGNORE_INDEX};
+use gpt::{init_params, Batch, Gpt, GptConfig};
 
 const T: usize = 8;
 
@@ -15,25 +15,14 @@ fn cfg() -> GptConfig {
 struct GptFamily {
     /// 12 sequences; sequence i ignores its first i mod 5 targets, so
     /// samples hold different numbers of targets.
-    seqs: Vec<(Vec<u32>, Vec<i32>)>,
+    seqs: TokenSamples,
     /// Activation checkpointing of the model under test.
     checkpointing: Checkpointing,
 }
 
 impl GptFamily {
     fn new(checkpointing: Checkpointing) -> Self {
-        let mut rng = SplitMix64::new(9);
-        let seqs = (0..12)
-            .map(|i| {
-                let toks: Vec<u32> = (0..=T).map(|_| rng.below(32) as u32).collect();
-                let targets = toks[1..]
-                    .iter()
-                    .enumerate()
-                    .map(|(k, &t)| if k < i % 5 { IGNORE_INDEX } else { t as i32 })
-                    .collect();
-                (toks[..T].to_vec(), targets)
-            })
-            .collect();
+        let seqs = TokenSamples::new(12, T, 32, 9);
         Self { seqs, checkpointing }
     }
 }
@@ -55,12 +44,7 @@ impl Family for GptFamily {
     }
 
     fn batch(&self, samples: &[usize]) -> Batch {
-        Batch {
-            n_seqs: samples.len(),
-            seq_len: T,
-            inputs: samples.iter().flat_map(|&i| self.seqs[i].0.clone()).collect(),
-            targets: samples.iter().flat_map(|&i| self.seqs[i].1.clone()).collect(),
-        }
+        self.seqs.batch(samples)
     }
 
     fn n_samples(&self) -> usize {

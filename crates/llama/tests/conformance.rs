@@ -2,10 +2,10 @@
 //! with a tiny grouped-query configuration: untied head, tied head, and
 //! LoRA on every projection with the base frozen.
 
-use engine::conformance::{self, Family};
+use engine::conformance::{self, Family, TokenSamples};
 use engine::rng::SplitMix64;
 use engine::TensorSpec;
-use llama::{lora, Llama, LlamaConfig, LoraConfig, TokenBatch, IGNORE_INDEX};
+use llama::{lora, Llama, LlamaConfig, LoraConfig, TokenBatch};
 
 const T: usize = 8;
 const V: usize = 32;
@@ -34,25 +34,14 @@ struct LlamaFamily {
     lora: Option<LoraConfig>,
     /// 12 sequences; sequence i ignores its first i mod 5 targets, so
     /// samples hold different numbers of targets.
-    seqs: Vec<(Vec<u32>, Vec<i32>)>,
+    seqs: TokenSamples,
     /// Activation checkpointing of the model under test.
     checkpointing: engine::Checkpointing,
 }
 
 impl LlamaFamily {
     fn new(tied: bool, lora: Option<LoraConfig>) -> Self {
-        let mut rng = SplitMix64::new(9);
-        let seqs = (0..12)
-            .map(|i| {
-                let toks: Vec<u32> = (0..=T).map(|_| rng.below(V as u64) as u32).collect();
-                let targets = toks[1..]
-                    .iter()
-                    .enumerate()
-                    .map(|(k, &t)| if k < i % 5 { IGNORE_INDEX } else { t as i32 })
-                    .collect();
-                (toks[..T].to_vec(), targets)
-            })
-            .collect();
+        let seqs = TokenSamples::new(12, T, V as u64, 9);
         Self { cfg: cfg(tied), lora, seqs, checkpointing: engine::Checkpointing::None }
     }
 }
@@ -85,12 +74,7 @@ impl Family for LlamaFamily {
     }
 
     fn batch(&self, samples: &[usize]) -> TokenBatch {
-        TokenBatch {
-            n_seqs: samples.len(),
-            seq_len: T,
-            inputs: samples.iter().flat_map(|&i| self.seqs[i].0.clone()).collect(),
-            targets: samples.iter().flat_map(|&i| self.seqs[i].1.clone()).collect(),
-        }
+        self.seqs.batch(samples)
     }
 
     fn n_samples(&self) -> usize {
