@@ -7,7 +7,7 @@
 //! Every reduction has a fixed order, so results do not depend on the
 //! number of threads.
 
-use gemm::Parallelism;
+pub use linalg::{gemm_into, gemm_raw, parallelism, Operands, Par, Strided};
 use rayon::prelude::*;
 
 /// LayerNorm epsilon of GPT-2.
@@ -15,129 +15,6 @@ pub const LN_EPS: f32 = 1e-5;
 
 /// Rows per task for reductions over rows (parameter gradients).
 const ROWS_PER_TASK: usize = 32;
-
-/// A strided view of a matrix for [`gemm_into`]: element `(i, j)` is at
-/// `offset + i·rs + j·cs`.
-#[derive(Debug, Clone, Copy)]
-pub struct Strided<'a> {
-    /// Backing slice.
-    pub data: &'a [f32],
-    /// First element.
-    pub offset: usize,
-    /// Row stride.
-    pub rs: usize,
-    /// Column stride.
-    pub cs: usize,
-}
-
-impl<'a> Strided<'a> {
-    /// A dense row-major matrix with `cols` columns.
-    pub fn rows(data: &'a [f32], cols: usize) -> Self {
-        Self { data, offset: 0, rs: cols, cs: 1 }
-    }
-
-    /// The transpose of a dense row-major matrix with `cols` columns.
-    pub fn transposed(data: &'a [f32], cols: usize) -> Self {
-        Self { data, offset: 0, rs: 1, cs: cols }
-    }
-
-    fn check(&self, n_rows: usize, n_cols: usize) {
-        if n_rows > 0 && n_cols > 0 {
-            let last = self.offset + (n_rows - 1) * self.rs + (n_cols - 1) * self.cs;
-            assert!(last < self.data.len(), "matrix view out of bounds: {last} >= {}", self.data.len());
-        }
-    }
-}
-
-/// Threads to give one GEMM: all of the pool at top level, one inside a
-/// parallel loop.
-pub fn parallelism(inside_parallel_loop: bool) -> Parallelism {
-    if inside_parallel_loop || rayon::current_num_threads() == 1 {
-        Parallelism::None
-    } else {
-        Parallelism::Rayon(rayon::current_num_threads())
-    }
-}
-
-/// `dst[m×n] (rs dst_rs) = (accumulate ? dst : 0) + alpha · lhs[m×k] · rhs[k×n]`.
-///
-/// # Safety contract (checked)
-/// All three views are bounds-checked; `dst` is a plain mutable slice.
-#[allow(clippy::too_many_arguments)]
-pub fn gemm_into(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: &mut [f32],
-    dst_offset: usize,
-    dst_rs: usize,
-    accumulate: bool,
-    lhs: Strided<'_>,
-    rhs: Strided<'_>,
-    alpha: f32,
-    par: Parallelism,
-) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    assert!(dst_offset + (m - 1) * dst_rs + n <= dst.len(), "gemm dst out of bounds");
-    lhs.check(m, k);
-    rhs.check(k, n);
-    // SAFETY: every index gemm touches lies inside the views checked above;
-    // `dst` is exclusively borrowed.
-    unsafe { gemm_raw(m, n, k, dst.as_mut_ptr().add(dst_offset), dst_rs, accumulate, lhs, rhs, alpha, par) }
-}
-
-/// [`gemm_into`] writing through a raw pointer, for disjoint strided outputs
-/// written from several threads (attention heads).
-///
-/// # Safety
-/// `dst` must be valid for writes of the `m × n` block with row stride
-/// `dst_rs`, and no other thread may touch that block meanwhile.
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_raw(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    dst_rs: usize,
-    accumulate: bool,
-    lhs: Strided<'_>,
-    rhs: Strided<'_>,
-    alpha: f32,
-    par: Parallelism,
-) {
-    if k == 0 {
-        if !accumulate {
-            for i in 0..m {
-                std::ptr::write_bytes(dst.add(i * dst_rs), 0, n);
-            }
-        }
-        return;
-    }
-    // gemm computes dst := alpha·dst + beta·lhs·rhs (alpha ignored unless read_dst).
-    gemm::gemm(
-        m,
-        n,
-        k,
-        dst,
-        1,
-        dst_rs as isize,
-        accumulate,
-        lhs.data.as_ptr().add(lhs.offset),
-        lhs.cs as isize,
-        lhs.rs as isize,
-        rhs.data.as_ptr().add(rhs.offset),
-        rhs.cs as isize,
-        rhs.rs as isize,
-        1.0,
-        alpha,
-        false,
-        false,
-        false,
-        par,
-    );
-}
 
 /// A raw pointer that may cross threads; each user writes a disjoint block.
 #[derive(Clone, Copy)]
@@ -525,14 +402,14 @@ pub fn attention_forward(out: &mut [f32], att: &mut [f32], qkv: &[f32], s: AttnS
         let q = Strided { data: qkv, offset: base, rs: 3 * c, cs: 1 };
         let k_t = Strided { data: qkv, offset: base + c, rs: 1, cs: 3 * c };
         let v = Strided { data: qkv, offset: base + 2 * c, rs: 3 * c, cs: 1 };
-        gemm_into(t, t, hd, a, 0, t, false, q, k_t, scale, Parallelism::None);
+        gemm_into(t, t, hd, a, 0, t, false, q, k_t, scale, Par::ONE);
         causal_softmax_rows(a, t);
         let att_view = Strided::rows(a, t);
         // SAFETY: head (bi, h) writes rows bi·T.. of columns h·hd..(h+1)·hd of
         // `out` only; no two tasks share a (bi, h), and `out` is large enough.
         unsafe {
             let dst = { out_ptr }.0.add(bi * t * c + h * hd);
-            gemm_raw(t, hd, t, dst, c, false, att_view, v, 1.0, Parallelism::None);
+            gemm_raw(t, hd, t, dst, c, false, att_view, v, 1.0, Par::ONE);
         }
     });
 }
@@ -564,7 +441,7 @@ pub fn attention_backward(dqkv: &mut [f32], datt: &mut [f32], dout: &[f32], qkv:
         let dout_h = Strided { data: dout, offset: bi * t * c + h * hd, rs: c, cs: 1 };
         let v_t = Strided { data: qkv, offset: base + 2 * c, rs: 1, cs: 3 * c };
         // datt = dout · vᵀ
-        gemm_into(t, t, hd, da, 0, t, false, dout_h, v_t, 1.0, Parallelism::None);
+        gemm_into(t, t, hd, da, 0, t, false, dout_h, v_t, 1.0, Par::ONE);
         causal_softmax_backward_rows(da, a, t);
         let dpre = Strided::rows(da, t);
         let dpre_t = Strided::transposed(da, t);
@@ -575,9 +452,9 @@ pub fn attention_backward(dqkv: &mut [f32], datt: &mut [f32], dout: &[f32], qkv:
         unsafe {
             let p = { dqkv_ptr }.0.add(base);
             // dq = scale · dpre · k ; dk = scale · dpreᵀ · q ; dv = attᵀ · dout
-            gemm_raw(t, hd, t, p, 3 * c, false, dpre, k, scale, Parallelism::None);
-            gemm_raw(t, hd, t, p.add(c), 3 * c, false, dpre_t, q, scale, Parallelism::None);
-            gemm_raw(t, hd, t, p.add(2 * c), 3 * c, false, Strided::transposed(a, t), dout_h, 1.0, Parallelism::None);
+            gemm_raw(t, hd, t, p, 3 * c, false, dpre, k, scale, Par::ONE);
+            gemm_raw(t, hd, t, p.add(c), 3 * c, false, dpre_t, q, scale, Par::ONE);
+            gemm_raw(t, hd, t, p.add(2 * c), 3 * c, false, Strided::transposed(a, t), dout_h, 1.0, Par::ONE);
         }
     });
 }

@@ -1,0 +1,214 @@
+//! Matrix multiplication for the model kernels.
+//!
+//! One entry point, [`gemm_into`] (and its raw-pointer twin [`gemm_raw`]),
+//! computes `dst (+)= alpha · lhs · rhs` on strided f32 views. [`Par`] says
+//! how: on the whole rayon pool or on the calling thread only, and with f32
+//! or bf16 operands ([`Operands`]). bf16 operands are rounded to bf16 (round
+//! to nearest even) while packing and multiplied with f32 accumulation by
+//! the AVX512-BF16 kernel of [`bf16`]; on a CPU without it they fall back to
+//! f32 (see [`Operands::effective`]).
+//!
+//! Invariant: for a given shape, layout and [`Par`], the result does not
+//! depend on the number of threads in the pool — work is split over rows and
+//! columns of `dst`, never over the summed dimension `k`.
+
+pub mod bf16;
+
+/// A strided view of a matrix: element `(i, j)` is at `offset + i·rs + j·cs`.
+#[derive(Debug, Clone, Copy)]
+pub struct Strided<'a> {
+    /// Backing slice.
+    pub data: &'a [f32],
+    /// First element.
+    pub offset: usize,
+    /// Row stride.
+    pub rs: usize,
+    /// Column stride.
+    pub cs: usize,
+}
+
+impl<'a> Strided<'a> {
+    /// A dense row-major matrix with `cols` columns.
+    pub fn rows(data: &'a [f32], cols: usize) -> Self {
+        Self { data, offset: 0, rs: cols, cs: 1 }
+    }
+
+    /// The transpose of a dense row-major matrix with `cols` columns.
+    pub fn transposed(data: &'a [f32], cols: usize) -> Self {
+        Self { data, offset: 0, rs: 1, cs: cols }
+    }
+
+    /// The same matrix, transposed.
+    pub fn t(self) -> Self {
+        Self { rs: self.cs, cs: self.rs, ..self }
+    }
+
+    fn check(&self, n_rows: usize, n_cols: usize) {
+        if n_rows > 0 && n_cols > 0 {
+            let last = self.offset + (n_rows - 1) * self.rs + (n_cols - 1) * self.cs;
+            assert!(last < self.data.len(), "matrix view out of bounds: {last} >= {}", self.data.len());
+        }
+    }
+
+    /// Pointer to element (0, 0).
+    fn ptr(&self) -> *const f32 {
+        // SAFETY: `check` was called by every public entry point before this.
+        unsafe { self.data.as_ptr().add(self.offset) }
+    }
+}
+
+/// The element type a GEMM's operands are rounded to before multiplying.
+/// Accumulation is f32 either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Operands {
+    /// f32 operands, f32 accumulation.
+    #[default]
+    F32,
+    /// Operands rounded to bf16 (nearest even), f32 accumulation.
+    Bf16,
+}
+
+impl Operands {
+    /// What this CPU will actually do when asked for `self`: bf16 needs
+    /// AVX512-BF16 (detected at run time); elsewhere the GEMM runs in f32.
+    pub fn effective(self) -> Operands {
+        match self {
+            Operands::Bf16 if bf16::supported() => Operands::Bf16,
+            _ => Operands::F32,
+        }
+    }
+}
+
+/// How one GEMM runs: on the rayon pool or on the calling thread, and with
+/// which operands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Par {
+    /// Use the whole rayon pool (false inside a parallel loop).
+    pub pool: bool,
+    /// Operand type.
+    pub operands: Operands,
+}
+
+impl Par {
+    /// The calling thread only, f32.
+    pub const ONE: Par = Par { pool: false, operands: Operands::F32 };
+
+    /// The same threading with these operands (taken only where the CPU
+    /// supports them, see [`Operands::effective`]).
+    pub fn with(self, operands: Operands) -> Par {
+        Par { operands: operands.effective(), ..self }
+    }
+}
+
+/// Threads to give one GEMM: all of the pool at top level, one inside a
+/// parallel loop. f32 operands.
+pub fn parallelism(inside_parallel_loop: bool) -> Par {
+    Par { pool: !inside_parallel_loop && rayon::current_num_threads() > 1, operands: Operands::F32 }
+}
+
+/// `dst[m×n] (rs dst_rs) = (accumulate ? dst : 0) + alpha · lhs[m×k] · rhs[k×n]`.
+///
+/// All three views are bounds-checked; `dst` is a plain mutable slice.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_into(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    dst_offset: usize,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: Strided<'_>,
+    rhs: Strided<'_>,
+    alpha: f32,
+    par: Par,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(dst_offset + (m - 1) * dst_rs + n <= dst.len(), "gemm dst out of bounds");
+    lhs.check(m, k);
+    rhs.check(k, n);
+    // SAFETY: every index the backends touch lies inside the views checked
+    // above; `dst` is exclusively borrowed.
+    unsafe { gemm_raw(m, n, k, dst.as_mut_ptr().add(dst_offset), dst_rs, accumulate, lhs, rhs, alpha, par) }
+}
+
+/// [`gemm_into`] writing through a raw pointer, for disjoint strided outputs
+/// written from several threads (attention heads).
+///
+/// # Safety
+/// `dst` must be valid for writes of the `m × n` block with row stride
+/// `dst_rs`, no other thread may touch that block meanwhile, and `lhs`/`rhs`
+/// must hold the `m × k` and `k × n` views (checked).
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_raw(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: Strided<'_>,
+    rhs: Strided<'_>,
+    alpha: f32,
+    par: Par,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    lhs.check(m, k);
+    rhs.check(k, n);
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                std::ptr::write_bytes(dst.add(i * dst_rs), 0, n);
+            }
+        }
+        return;
+    }
+    if par.operands == Operands::Bf16 && bf16::supported() {
+        bf16::gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, par.pool);
+        return;
+    }
+    let threads = if par.pool { gemm::Parallelism::Rayon(rayon::current_num_threads()) } else { gemm::Parallelism::None };
+    crate_gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, threads);
+}
+
+/// The `gemm` crate (0.19, AVX-512 kernels through `x86-v4`).
+#[allow(clippy::too_many_arguments)]
+unsafe fn crate_gemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: Strided<'_>,
+    rhs: Strided<'_>,
+    alpha: f32,
+    threads: gemm::Parallelism,
+) {
+    // gemm computes dst := alpha·dst + beta·lhs·rhs (alpha ignored unless read_dst).
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        dst_rs as isize,
+        accumulate,
+        lhs.ptr(),
+        lhs.cs as isize,
+        lhs.rs as isize,
+        rhs.ptr(),
+        rhs.cs as isize,
+        rhs.rs as isize,
+        1.0,
+        alpha,
+        false,
+        false,
+        false,
+        threads,
+    );
+}
