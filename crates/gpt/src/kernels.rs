@@ -16,6 +16,16 @@ pub const LN_EPS: f32 = 1e-5;
 /// Rows per task for reductions over rows (parameter gradients).
 const ROWS_PER_TASK: usize = 32;
 
+/// The GEMM operands of a training precision: bf16 in `bf16` mode (on a CPU
+/// with AVX512-BF16, else f32: [`Operands::effective`]), f32 otherwise.
+/// f16 mode computes in f32 (no f16 dot-product instructions are used).
+pub fn operands(prec: engine::Precision) -> Operands {
+    match prec {
+        engine::Precision::Bf16 => Operands::Bf16.effective(),
+        engine::Precision::F32 | engine::Precision::F16 => Operands::F32,
+    }
+}
+
 /// A raw pointer that may cross threads; each user writes a disjoint block.
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
@@ -187,6 +197,7 @@ pub fn matmul_forward(
     n_rows: usize,
     ic: usize,
     oc: usize,
+    ops: Operands,
 ) {
     let init = bias.is_some() || residual.is_some();
     if init {
@@ -200,7 +211,8 @@ pub fn matmul_forward(
             }
         });
     }
-    gemm_into(n_rows, oc, ic, out, 0, oc, init, Strided::rows(inp, ic), Strided::rows(w, oc), 1.0, parallelism(false));
+    let par = parallelism(false).with(ops);
+    gemm_into(n_rows, oc, ic, out, 0, oc, init, Strided::rows(inp, ic), Strided::rows(w, oc), 1.0, par);
 }
 
 /// Backward of [`matmul_forward`]: overwrites `dinp`; `dw` and `db` as
@@ -216,8 +228,9 @@ pub fn matmul_backward(
     n_rows: usize,
     ic: usize,
     oc: usize,
+    ops: Operands,
 ) {
-    let par = parallelism(false);
+    let par = parallelism(false).with(ops);
     // dinp = dout · wᵀ
     gemm_into(n_rows, ic, oc, dinp, 0, ic, false, Strided::rows(dout, oc), Strided::transposed(w, oc), 1.0, par);
     // dw (+)= inpᵀ · dout

@@ -387,26 +387,27 @@ fn block_forward(
     let Work { dres: res2, dc: a, d4c: f, dqkv: qkv, datt: att, u: g } = w;
     let SavedBlock { large, stats } = sv;
     let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd] = stats;
+    let ops = kernels::operands(prec);
     kernels::layernorm_forward(a, ln1_mean, ln1_rstd, x, &p[r.ln1_w.clone()], &p[r.ln1_b.clone()], c);
     large[LN1].keep(a, prec);
     let attn_b = Some(&p[r.attn_b.clone()]);
-    kernels::matmul_forward(qkv, large[LN1].cur(a), &p[r.attn_w.clone()], attn_b, None, n, c, 3 * c);
+    kernels::matmul_forward(qkv, large[LN1].cur(a), &p[r.attn_w.clone()], attn_b, None, n, c, 3 * c, ops);
     large[QKV].keep(qkv, prec);
     kernels::attention_forward(a, att, large[QKV].cur(qkv), AttnShape { b, t, c, n_head: nh });
     large[ATT].keep(att, prec);
     large[ATTY].keep(a, prec);
     let proj_b = Some(&p[r.proj_b.clone()]);
-    kernels::matmul_forward(res2, large[ATTY].cur(a), &p[r.proj_w.clone()], proj_b, Some(x), n, c, c);
+    kernels::matmul_forward(res2, large[ATTY].cur(a), &p[r.proj_w.clone()], proj_b, Some(x), n, c, c, ops);
     large[RES2].keep(res2, prec);
     let (ln2_w, ln2_b) = (&p[r.ln2_w.clone()], &p[r.ln2_b.clone()]);
     kernels::layernorm_forward(a, ln2_mean, ln2_rstd, large[RES2].cur(res2), ln2_w, ln2_b, c);
     large[LN2].keep(a, prec);
-    kernels::matmul_forward(f, large[LN2].cur(a), &p[r.fc_w.clone()], Some(&p[r.fc_b.clone()]), None, n, c, 4 * c);
+    kernels::matmul_forward(f, large[LN2].cur(a), &p[r.fc_w.clone()], Some(&p[r.fc_b.clone()]), None, n, c, 4 * c, ops);
     large[FCH].keep(f, prec);
     kernels::gelu_forward(g, large[FCH].cur(f));
     large[FCH_GELU].keep(g, prec);
     let (gelu, res) = (large[FCH_GELU].cur(g), Some(large[RES2].cur(res2)));
-    kernels::matmul_forward(x, gelu, &p[r.fcproj_w.clone()], Some(&p[r.fcproj_b.clone()]), res, n, 4 * c, c);
+    kernels::matmul_forward(x, gelu, &p[r.fcproj_w.clone()], Some(&p[r.fcproj_b.clone()]), res, n, 4 * c, c, ops);
     // The output stays in `x` as the next block's input: kept by copy.
     large[RES3].keep_copy(x, prec);
 }
@@ -462,11 +463,23 @@ fn block_backward(
     let Scratch { dres, dc, d4c, dqkv, datt } = s;
     let sv = saved.sv;
     let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd] = &sv.stats;
+    let ops = kernels::operands(saved.prec);
     let (gw, gb) = grads.pair(r.fcproj_w.clone(), r.fcproj_b.clone());
-    kernels::matmul_backward(d4c, kgrad(gw), kgrad(gb), dres, saved.get(FCH_GELU), &p[r.fcproj_w.clone()], n, 4 * c, c);
+    kernels::matmul_backward(
+        d4c,
+        kgrad(gw),
+        kgrad(gb),
+        dres,
+        saved.get(FCH_GELU),
+        &p[r.fcproj_w.clone()],
+        n,
+        4 * c,
+        c,
+        ops,
+    );
     kernels::gelu_backward_inplace(d4c, saved.get(FCH));
     let (gw, gb) = grads.pair(r.fc_w.clone(), r.fc_b.clone());
-    kernels::matmul_backward(dc, kgrad(gw), kgrad(gb), d4c, saved.get(LN2), &p[r.fc_w.clone()], n, c, 4 * c);
+    kernels::matmul_backward(dc, kgrad(gw), kgrad(gb), d4c, saved.get(LN2), &p[r.fc_w.clone()], n, c, 4 * c, ops);
     let (gw, gb) = grads.pair(r.ln2_w.clone(), r.ln2_b.clone());
     kernels::layernorm_backward(
         dres,
@@ -480,11 +493,11 @@ fn block_backward(
         c,
     );
     let (gw, gb) = grads.pair(r.proj_w.clone(), r.proj_b.clone());
-    kernels::matmul_backward(dc, kgrad(gw), kgrad(gb), dres, saved.get(ATTY), &p[r.proj_w.clone()], n, c, c);
+    kernels::matmul_backward(dc, kgrad(gw), kgrad(gb), dres, saved.get(ATTY), &p[r.proj_w.clone()], n, c, c, ops);
     let (qkv, att) = saved.qkv_att();
     kernels::attention_backward(dqkv, datt, dc, qkv, att, AttnShape { b, t, c, n_head: nh });
     let (gw, gb) = grads.pair(r.attn_w.clone(), r.attn_b.clone());
-    kernels::matmul_backward(dc, kgrad(gw), kgrad(gb), dqkv, saved.get(LN1), &p[r.attn_w.clone()], n, c, 3 * c);
+    kernels::matmul_backward(dc, kgrad(gw), kgrad(gb), dqkv, saved.get(LN1), &p[r.attn_w.clone()], n, c, 3 * c, ops);
     let (gw, gb) = grads.pair(r.ln1_w.clone(), r.ln1_b.clone());
     kernels::layernorm_backward(
         dres,
@@ -650,7 +663,7 @@ impl Gpt {
             Strided::rows(&self.acts.lnf, c),
             Strided::transposed(&seg.params[wte], c),
             1.0,
-            kernels::parallelism(false),
+            kernels::parallelism(false).with(kernels::operands(self.precision)),
         );
         Ok(())
     }
@@ -662,8 +675,8 @@ impl Gpt {
         let (t, c, v) = (self.acts.t, self.cfg.n_embd, self.cfg.vocab_size);
         let n = self.acts.b * t;
         let (wte, wpe) = (self.ranges.wte.clone(), self.ranges.wpe.clone());
-        let par = kernels::parallelism(false);
         let prec = self.precision;
+        let par = kernels::parallelism(false).with(kernels::operands(prec));
         if prec == Precision::F16 {
             // The scaled logits gradient in f16: this is where a too-large loss scale overflows.
             prec.round(&mut self.acts.logits);

@@ -91,13 +91,13 @@ fn matmul_backward_matches_finite_differences() {
     let r = randn(rows * oc, 9, 1.0);
     let fwd = |x: &[f32], w: &[f32], b: &[f32]| {
         let mut o = vec![0.0; rows * oc];
-        kernels::matmul_forward(&mut o, x, w, Some(b), Some(&res), rows, ic, oc);
+        kernels::matmul_forward(&mut o, x, w, Some(b), Some(&res), rows, ic, oc, kernels::Operands::F32);
         o
     };
     // Residual passes through unchanged.
     let plain = {
         let mut o = vec![0.0; rows * oc];
-        kernels::matmul_forward(&mut o, &x, &w, None, None, rows, ic, oc);
+        kernels::matmul_forward(&mut o, &x, &w, None, None, rows, ic, oc, kernels::Operands::F32);
         o
     };
     let full = fwd(&x, &w, &b);
@@ -105,9 +105,31 @@ fn matmul_backward_matches_finite_differences() {
         assert!((full[i] - plain[i] - res[i] - b[i % oc]).abs() < 1e-5);
     }
     let (mut dx, mut dw, mut db) = (vec![7.0; rows * ic], vec![0.0; ic * oc], vec![0.0; oc]);
-    kernels::matmul_backward(&mut dx, Some((&mut dw, true)), Some((&mut db, true)), &r, &x, &w, rows, ic, oc);
+    kernels::matmul_backward(
+        &mut dx,
+        Some((&mut dw, true)),
+        Some((&mut db, true)),
+        &r,
+        &x,
+        &w,
+        rows,
+        ic,
+        oc,
+        kernels::Operands::F32,
+    );
     let (mut dx2, mut dw2, mut db2) = (vec![0.0; rows * ic], vec![5.0; ic * oc], vec![5.0; oc]);
-    kernels::matmul_backward(&mut dx2, Some((&mut dw2, false)), Some((&mut db2, false)), &r, &x, &w, rows, ic, oc);
+    kernels::matmul_backward(
+        &mut dx2,
+        Some((&mut dw2, false)),
+        Some((&mut db2, false)),
+        &r,
+        &x,
+        &w,
+        rows,
+        ic,
+        oc,
+        kernels::Operands::F32,
+    );
     assert_eq!((&dx2, &dw2, &db2), (&dx, &dw, &db), "overwrite mode ignores what was there");
     check("mm dx", &x, &dx, |x| dot(&fwd(x, &w, &b), &r));
     check("mm dw", &w, &dw, |w| dot(&fwd(&x, w, &b), &r));

@@ -12,7 +12,10 @@
 //! depend on the number of threads in the pool — work is split over rows and
 //! columns of `dst`, never over the summed dimension `k`.
 
+pub mod backend;
 pub mod bf16;
+
+pub use backend::{Backend, Key, ShapeStats};
 
 /// A strided view of a matrix: element `(i, j)` is at `offset + i·rs + j·cs`.
 #[derive(Debug, Clone, Copy)]
@@ -168,11 +171,21 @@ pub unsafe fn gemm_raw(
         return;
     }
     if par.operands == Operands::Bf16 && bf16::supported() {
-        bf16::gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, par.pool);
+        if par.pool {
+            let key = Key::new(m, n, k, &lhs, &rhs);
+            let t = std::time::Instant::now();
+            bf16::gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, true);
+            backend::record(key, Backend::Bf16, t.elapsed().as_secs_f64());
+        } else {
+            bf16::gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, false);
+        }
         return;
     }
-    let threads = if par.pool { gemm::Parallelism::Rayon(rayon::current_num_threads()) } else { gemm::Parallelism::None };
-    crate_gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, threads);
+    if par.pool && rayon::current_num_threads() > 1 {
+        backend::pool_f32(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha);
+    } else {
+        crate_gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, gemm::Parallelism::None);
+    }
 }
 
 /// The `gemm` crate (0.19, AVX-512 kernels through `x86-v4`).

@@ -11,15 +11,10 @@
 //! threads. All kernels here are safe code; each `pub` one asserts the
 //! lengths its shapes imply.
 
-use gpt::kernels::{fast_exp, gemm_into, parallelism, Strided};
+use gpt::kernels::{fast_exp, gemm_into, parallelism, Operands, Strided};
 use rayon::prelude::*;
 
 pub use gpt::kernels::ParamGrad;
-
-/// The transpose of a strided view (no copy).
-pub fn transpose(s: Strided<'_>) -> Strided<'_> {
-    Strided { rs: s.cs, cs: s.rs, ..s }
-}
 
 /// Columns `col0..` of a row-major matrix whose rows are `row_width` apart.
 pub fn columns(data: &[f32], col0: usize, row_width: usize) -> Strided<'_> {
@@ -62,12 +57,13 @@ pub fn linear_forward(
     ic: usize,
     oc: usize,
     alpha: f32,
+    ops: Operands,
 ) {
     assert_len("linear_forward", "x", x.len(), &[n, ic]);
     assert_len("linear_forward", "w", w.len(), &[oc, ic]);
     assert!(y_col0 + oc <= y_rs, "linear_forward: columns {y_col0}+{oc} exceed the row width {y_rs}");
     let (xv, wt) = (Strided::rows(x, ic), Strided::transposed(w, ic));
-    gemm_into(n, oc, ic, y, y_col0, y_rs, accumulate, xv, wt, alpha, parallelism(false));
+    gemm_into(n, oc, ic, y, y_col0, y_rs, accumulate, xv, wt, alpha, parallelism(false).with(ops));
 }
 
 /// Input gradient of [`linear_forward`]: `dx[n, ic] (+)= alpha · dy · w`.
@@ -81,14 +77,16 @@ pub fn linear_backward_input(
     ic: usize,
     oc: usize,
     alpha: f32,
+    ops: Operands,
 ) {
     assert_len("linear_backward_input", "dx", dx.len(), &[n, ic]);
     assert_len("linear_backward_input", "w", w.len(), &[oc, ic]);
-    gemm_into(n, ic, oc, dx, 0, ic, accumulate, dy, Strided::rows(w, ic), alpha, parallelism(false));
+    gemm_into(n, ic, oc, dx, 0, ic, accumulate, dy, Strided::rows(w, ic), alpha, parallelism(false).with(ops));
 }
 
 /// Weight gradient of [`linear_forward`]: `dw[oc, ic] (+)= alpha · dyᵀ · x`
 /// (skipped when `dw` is `None`: a frozen weight).
+#[allow(clippy::too_many_arguments)]
 pub fn linear_backward_weight(
     dw: ParamGrad<'_>,
     dy: Strided<'_>,
@@ -97,11 +95,12 @@ pub fn linear_backward_weight(
     ic: usize,
     oc: usize,
     alpha: f32,
+    ops: Operands,
 ) {
     let Some((dw, accumulate)) = dw else { return };
     assert_len("linear_backward_weight", "dw", dw.len(), &[oc, ic]);
     assert_len("linear_backward_weight", "x", x.len(), &[n, ic]);
-    gemm_into(oc, ic, n, dw, 0, ic, accumulate, transpose(dy), Strided::rows(x, ic), alpha, parallelism(false));
+    gemm_into(oc, ic, n, dw, 0, ic, accumulate, dy.t(), Strided::rows(x, ic), alpha, parallelism(false).with(ops));
 }
 
 /// RMSNorm over rows of width `c`, as transformers' `LlamaRMSNorm` in f32:
@@ -540,8 +539,9 @@ mod tests {
         assert!(bad.is_err(), "short qkv");
         let bad = std::panic::catch_unwind(|| swiglu_forward(&mut [0.0; 4], &[0.0; 7], 2));
         assert!(bad.is_err(), "short gu");
-        let bad =
-            std::panic::catch_unwind(|| linear_forward(&mut [0.0; 4], 1, 2, false, &[0.0; 2], &[0.0; 4], 1, 2, 2, 1.0));
+        let bad = std::panic::catch_unwind(|| {
+            linear_forward(&mut [0.0; 4], 1, 2, false, &[0.0; 2], &[0.0; 4], 1, 2, 2, 1.0, Operands::F32)
+        });
         assert!(bad.is_err(), "columns past the row");
     }
 }

@@ -16,7 +16,7 @@ use engine::{
     Checkpointing, FullStore, GradOut, MicroStepStats, Model, ParamLayout, ParamStore, Precision, SavedTensor,
     SegmentGrads, SegmentView,
 };
-use gpt::kernels::{gemm_into, parallelism, Strided};
+use gpt::kernels::{gemm_into, parallelism, Operands, Strided};
 use std::ops::Range;
 
 pub use engine::batch::{TokenBatch, IGNORE_INDEX};
@@ -240,6 +240,8 @@ struct Dims {
     /// LoRA rank (0 without adapters) and scale α/r.
     r: usize,
     lora_scale: f32,
+    /// GEMM operands of the precision ([`gpt::kernels::operands`]).
+    ops: Operands,
 }
 
 impl Dims {
@@ -437,9 +439,9 @@ fn lora_forward(
     prec: Precision,
 ) {
     let Some(lr) = lr else { return };
-    kernels::linear_forward(buf, 0, d.r, false, x, &p[lr.a.clone()], d.n, ic, d.r, 1.0);
+    kernels::linear_forward(buf, 0, d.r, false, x, &p[lr.a.clone()], d.n, ic, d.r, 1.0, d.ops);
     saved.keep(buf, prec);
-    kernels::linear_forward(y, col0, y_rs, true, saved.cur(buf), &p[lr.b.clone()], d.n, d.r, oc, d.lora_scale);
+    kernels::linear_forward(y, col0, y_rs, true, saved.cur(buf), &p[lr.b.clone()], d.n, d.r, oc, d.lora_scale, d.ops);
 }
 
 /// Forward of one decoder layer, for every storage precision: each tensor
@@ -468,7 +470,7 @@ fn block_forward(
     kernels::rmsnorm_forward(a, rstd1, x, &p[r.attn_norm.clone()], c, d.eps);
     large[H1].keep(a, prec);
     let h1 = large[H1].cur(a);
-    kernels::linear_forward(qkv, 0, qkvw, false, h1, &p[r.qkv()], n, c, qkvw, 1.0);
+    kernels::linear_forward(qkv, 0, qkvw, false, h1, &p[r.qkv()], n, c, qkvw, 1.0, d.ops);
     for (pr, col0) in [(Proj::Q, 0), (Proj::K, qd), (Proj::V, qd + kvd)] {
         let i = pr as usize;
         lora_forward(qkv, col0, qkvw, h1, &r.lora[i], p, &mut xa[i], dxa, shape(pr), d, prec);
@@ -481,7 +483,7 @@ fn block_forward(
     // x2 = x + y·Woᵀ (+ LoRA).
     let y = large[Y].cur(a);
     x2.copy_from_slice(x);
-    kernels::linear_forward(x2, 0, c, true, y, &p[r.w(Proj::O)], n, qd, c, 1.0);
+    kernels::linear_forward(x2, 0, c, true, y, &p[r.w(Proj::O)], n, qd, c, 1.0, d.ops);
     let i = Proj::O as usize;
     lora_forward(x2, 0, c, y, &r.lora[i], p, &mut xa[i], dxa, shape(Proj::O), d, prec);
     large[X2].keep(x2, prec);
@@ -489,7 +491,7 @@ fn block_forward(
     kernels::rmsnorm_forward(a, rstd2, large[X2].cur(x2), &p[r.mlp_norm.clone()], c, d.eps);
     large[H2].keep(a, prec);
     let h2 = large[H2].cur(a);
-    kernels::linear_forward(gu, 0, 2 * f, false, h2, &p[r.gate_up()], n, c, 2 * f, 1.0);
+    kernels::linear_forward(gu, 0, 2 * f, false, h2, &p[r.gate_up()], n, c, 2 * f, 1.0, d.ops);
     for (pr, col0) in [(Proj::Gate, 0), (Proj::Up, f)] {
         let i = pr as usize;
         lora_forward(gu, col0, 2 * f, h2, &r.lora[i], p, &mut xa[i], dxa, shape(pr), d, prec);
@@ -499,7 +501,7 @@ fn block_forward(
     large[M].keep(m, prec);
     let mm = large[M].cur(m);
     x.copy_from_slice(large[X2].cur(x2));
-    kernels::linear_forward(x, 0, c, true, mm, &p[r.w(Proj::Down)], n, f, c, 1.0);
+    kernels::linear_forward(x, 0, c, true, mm, &p[r.w(Proj::Down)], n, f, c, 1.0, d.ops);
     let i = Proj::Down as usize;
     lora_forward(x, 0, c, mm, &r.lora[i], p, &mut xa[i], dxa, shape(Proj::Down), d, prec);
     // The output stays in `x` as the next layer's input: kept by copy.
@@ -560,13 +562,13 @@ fn proj_backward(
     d: &Dims,
 ) {
     let (x, xa) = saved.with_xa(x_idx, pr);
-    kernels::linear_backward_weight(kgrad(grads.tensor(r.w(pr))), dy, x, d.n, ic, oc, 1.0);
+    kernels::linear_backward_weight(kgrad(grads.tensor(r.w(pr))), dy, x, d.n, ic, oc, 1.0, d.ops);
     let Some(lr) = &r.lora[pr as usize] else { return };
     let (ga, gb) = grads.pair(lr.a.clone(), lr.b.clone());
-    kernels::linear_backward_weight(kgrad(gb), dy, xa, d.n, d.r, oc, d.lora_scale);
-    kernels::linear_backward_input(dxa, false, dy, &p[lr.b.clone()], d.n, d.r, oc, d.lora_scale);
-    kernels::linear_backward_weight(kgrad(ga), Strided::rows(dxa, d.r), x, d.n, ic, d.r, 1.0);
-    kernels::linear_backward_input(dx, true, Strided::rows(dxa, d.r), &p[lr.a.clone()], d.n, ic, d.r, 1.0);
+    kernels::linear_backward_weight(kgrad(gb), dy, xa, d.n, d.r, oc, d.lora_scale, d.ops);
+    kernels::linear_backward_input(dxa, false, dy, &p[lr.b.clone()], d.n, d.r, oc, d.lora_scale, d.ops);
+    kernels::linear_backward_weight(kgrad(ga), Strided::rows(dxa, d.r), x, d.n, ic, d.r, 1.0, d.ops);
+    kernels::linear_backward_input(dx, true, Strided::rows(dxa, d.r), &p[lr.a.clone()], d.n, ic, d.r, 1.0, d.ops);
 }
 
 /// Backward of one layer: on entry `bufs.dres` holds the gradient of the
@@ -591,24 +593,24 @@ fn block_backward(
     let [rstd1, rstd2] = &sv.rstd;
     let shape = |pr: Proj| pr.shape(cfg);
     // down_proj, SwiGLU, gate|up.
-    kernels::linear_backward_input(dm, false, Strided::rows(dres, c), &p[r.w(Proj::Down)], n, f, c, 1.0);
+    kernels::linear_backward_input(dm, false, Strided::rows(dres, c), &p[r.w(Proj::Down)], n, f, c, 1.0, d.ops);
     let dy = Strided::rows(dres, c);
     proj_backward(Proj::Down, dm, dy, M, r, p, grads, &mut saved, dxa, shape(Proj::Down), d);
     kernels::swiglu_backward(dgu, dm, saved.get(GU), f);
-    kernels::linear_backward_input(dc, false, Strided::rows(dgu, 2 * f), &p[r.gate_up()], n, c, 2 * f, 1.0);
+    kernels::linear_backward_input(dc, false, Strided::rows(dgu, 2 * f), &p[r.gate_up()], n, c, 2 * f, 1.0, d.ops);
     for (pr, col0) in [(Proj::Gate, 0), (Proj::Up, f)] {
         proj_backward(pr, dc, columns(dgu, col0, 2 * f), H2, r, p, grads, &mut saved, dxa, shape(pr), d);
     }
     let w2 = &p[r.mlp_norm.clone()];
     kernels::rmsnorm_backward(dres, kgrad(grads.tensor(r.mlp_norm.clone())), dc, saved.get(X2), rstd2, w2, c);
     // o_proj, attention, rotation, q|k|v.
-    kernels::linear_backward_input(dc, false, Strided::rows(dres, c), &p[r.w(Proj::O)], n, qd, c, 1.0);
+    kernels::linear_backward_input(dc, false, Strided::rows(dres, c), &p[r.w(Proj::O)], n, qd, c, 1.0, d.ops);
     let dy = Strided::rows(dres, c);
     proj_backward(Proj::O, dc, dy, Y, r, p, grads, &mut saved, dxa, shape(Proj::O), d);
     let (qkv, att) = saved.qkv_att();
     kernels::attention_backward(dqkv, datt, heads, dc, qkv, att, d.gqa);
     kernels::rope_apply(dqkv, rope, qkvw, cfg.n_head + cfg.n_kv_head, true);
-    kernels::linear_backward_input(dc, false, Strided::rows(dqkv, qkvw), &p[r.qkv()], n, c, qkvw, 1.0);
+    kernels::linear_backward_input(dc, false, Strided::rows(dqkv, qkvw), &p[r.qkv()], n, c, qkvw, 1.0, d.ops);
     for (pr, col0) in [(Proj::Q, 0), (Proj::K, qd), (Proj::V, qd + kvd)] {
         proj_backward(pr, dc, columns(dqkv, col0, qkvw), H1, r, p, grads, &mut saved, dxa, shape(pr), d);
     }
@@ -800,6 +802,7 @@ impl Llama {
             eps: cfg.rms_norm_eps as f32,
             r: self.adapters.map_or(0, |a| a.r),
             lora_scale: self.lora.as_ref().map_or(0.0, LoraConfig::scale),
+            ops: gpt::kernels::operands(self.precision),
         }
     }
 
@@ -899,7 +902,7 @@ impl Llama {
         self.acts.logits.resize(rows * v, 0.0);
         let seg = store.segment(self.head_seg())?;
         let head = Strided::transposed(&seg.params[self.head_rel()], c);
-        gemm_into(rows, v, c, &mut self.acts.logits, 0, v, false, hf, head, 1.0, parallelism(false));
+        gemm_into(rows, v, c, &mut self.acts.logits, 0, v, false, hf, head, 1.0, parallelism(false).with(d.ops));
         Ok(())
     }
 
@@ -929,8 +932,9 @@ impl Llama {
                 c,
                 v,
                 1.0,
+                d.ops,
             );
-            kernels::linear_backward_weight(kgrad(grads.tensor(head_rel)), dlogits, &acts.hf, d.n, c, v, 1.0);
+            kernels::linear_backward_weight(kgrad(grads.tensor(head_rel)), dlogits, &acts.hf, d.n, c, v, 1.0, d.ops);
         }
         if head_seg != norm_seg {
             // The head's share of the embedding's gradient is complete for this pass.

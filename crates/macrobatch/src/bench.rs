@@ -55,6 +55,26 @@ struct Report {
     precision: String,
     /// Peak resident set of the whole bench process (VmHWM).
     peak_rss_bytes: Option<u64>,
+    /// Every pool-wide GEMM shape of the measured step.
+    gemm: Vec<GemmRow>,
+}
+
+/// One GEMM shape of the step: the backend it ran on and how fast, next to
+/// every backend this build and CPU offer on the same shape.
+#[derive(Debug, Serialize)]
+struct GemmRow {
+    /// `m×k×n`, `ᵀ` marking a transposed operand.
+    shape: String,
+    backend: String,
+    calls_per_step: f64,
+    /// GFLOP/s of its calls in the measured steps.
+    gflops: f64,
+    /// Share of the step's time.
+    step_pct: f64,
+    /// GFLOP/s of each candidate measured on the shape after the run.
+    candidates: Vec<(String, f64)>,
+    /// The best of `candidates`.
+    best_gflops: f64,
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -73,6 +93,9 @@ fn time_steps(plan: &Plan, shape: BatchShape, warmup: usize, steps: usize) -> Re
     for i in 0..warmup + steps {
         let (epoch, s) = sampler.position(i as u64);
         let order = sampler.epoch_order(epoch);
+        if i == warmup {
+            linalg::backend::reset_counts();
+        }
         let t0 = Instant::now();
         let batches = rank_batches(plan, &sampler, &order, s, 0);
         let report = trainer.step(&mut model, &mut comm, &batches)?;
@@ -140,6 +163,35 @@ fn gemm_peak_gflops() -> f64 {
     best
 }
 
+/// The GEMM shapes of the last `steps` measured steps of `step_ms` each:
+/// backend, rate, and every candidate's rate on the same shape.
+fn gemm_table(steps: usize, step_ms: f64) -> Vec<GemmRow> {
+    use linalg::Backend;
+    let mut rows = Vec::new();
+    for (key, st) in linalg::backend::stats() {
+        let Some(backend) = st.backend.filter(|_| st.calls > 0) else { continue };
+        let mut cands: Vec<Backend> = Backend::f32_candidates();
+        if backend == Backend::Bf16 {
+            cands.insert(0, Backend::Bf16);
+        }
+        let reps = if key.flops() > 5e10 { 1 } else { 3 };
+        let candidates: Vec<(String, f64)> =
+            cands.into_iter().map(|b| (b.name().to_string(), linalg::backend::measure(&key, b, reps))).collect();
+        let best_gflops = candidates.iter().map(|c| c.1).fold(0.0, f64::max);
+        rows.push(GemmRow {
+            shape: key.label(),
+            backend: backend.name().to_string(),
+            calls_per_step: st.calls as f64 / steps as f64,
+            gflops: st.gflops(&key),
+            step_pct: 100.0 * st.seconds / (steps as f64 * step_ms / 1e3),
+            candidates,
+            best_gflops,
+        });
+    }
+    rows.sort_by(|a, b| b.step_pct.total_cmp(&a.step_pct));
+    rows
+}
+
 /// `macrobatch bench`.
 pub fn run(args: BenchArgs) -> Result<()> {
     if args.steps == 0 {
@@ -158,6 +210,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let b = plan.batch;
     let shape = BatchShape { micro: b.micro, accumulation_steps: b.accumulation_steps, world_size: 1 };
     let step = time_steps(&plan, shape, args.warmup, args.steps)?;
+    let gemm = gemm_table(args.steps, step.ms_median);
     let mut k_sweep = Vec::new();
     if !args.no_k_sweep {
         // Rounds interleave the factorizations so that each sees the same
@@ -192,6 +245,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         k_sweep,
         precision: plan.cfg.train.precision.to_string(),
         peak_rss_bytes: crate::train::peak_rss_bytes(),
+        gemm,
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -230,6 +284,23 @@ pub fn run(args: BenchArgs) -> Result<()> {
         s.param_copy_bytes as f64 / 1e6,
         report.peak_rss_bytes.unwrap_or(0) as f64 / 1e6
     );
+    if !report.gemm.is_empty() {
+        println!("  GEMM shapes (m×k×n, ᵀ = transposed operand), by share of the step; candidates measured on the same shape after the run:");
+        for g in &report.gemm {
+            let cands: Vec<String> = g.candidates.iter().map(|(n, r)| format!("{n} {r:.0}")).collect();
+            println!(
+                "    {:<20} {:>5.1}/step {:>5.1}% of step  {:<6} {:>6.0} GFLOP/s = {:>3.0}% of best {:.0}  [{}]",
+                g.shape,
+                g.calls_per_step,
+                g.step_pct,
+                g.backend,
+                g.gflops,
+                100.0 * g.gflops / g.best_gflops.max(f64::MIN_POSITIVE),
+                g.best_gflops,
+                cands.join(", ")
+            );
+        }
+    }
     for (k, ratio) in &report.k_sweep {
         println!("  K = {k:<2}        micro {:<4} step time {:.3}× K = 1", report.global_batch / k, ratio);
     }

@@ -1,0 +1,567 @@
+//! The f32 GEMM backends and the choice between them, per shape.
+//!
+//! Backends for a GEMM that may use the whole rayon pool:
+//! - [`Backend::Crate`]: the `gemm` crate with its own threading.
+//! - [`Backend::Split`]: the `gemm` crate single-threaded on each of
+//!   `threads` blocks of `dst` rows (or columns, when `dst` is wide), run by
+//!   rayon. The `gemm` crate blocks `k` by a function of `k` and the cache
+//!   sizes only, so this gives bit-identical results to `Crate` (tested).
+//! - [`Backend::OpenBlas`] (cargo feature `openblas`): `cblas_sgemm` from the
+//!   system's OpenBLAS (Debian `libopenblas-dev`). Its summation order is its
+//!   own, so a run's losses depend on whether it was chosen; see below.
+//!
+//! The choice is made per shape key ([`Key`]: m, n, k, the operand layouts,
+//! threads) by timing the first calls of the key on each candidate in turn
+//! (the probe: real calls, no extra work), and is
+//! cached per machine (CPU model and thread count) in a JSON file under the
+//! cache directory ([`cache_path`]), so every later run on the machine makes
+//! the same choices. `MACROBATCH_GEMM=crate|split|openblas` forces one
+//! backend for every shape (`auto`, the default, probes). Calls from inside a
+//! parallel loop (one thread each) always use `Crate` single-threaded.
+
+use crate::Strided;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Mutex, OnceLock};
+use std::time::Instant;
+
+/// A way to run an f32 GEMM on the rayon pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// The `gemm` crate, its own threading.
+    Crate,
+    /// The `gemm` crate single-threaded per block of `dst`, blocks on rayon.
+    Split,
+    /// OpenBLAS `cblas_sgemm` (feature `openblas`).
+    #[serde(rename = "openblas")]
+    OpenBlas,
+    /// The bf16-operand kernel ([`crate::bf16`]); never probed against the
+    /// f32 backends, reported by [`stats`].
+    Bf16,
+}
+
+impl Backend {
+    /// The name used in the cache file, `MACROBATCH_GEMM` and reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Crate => "crate",
+            Backend::Split => "split",
+            Backend::OpenBlas => "openblas",
+            Backend::Bf16 => "bf16",
+        }
+    }
+
+    /// The f32 backends this build has.
+    pub fn f32_candidates() -> Vec<Backend> {
+        let mut v = vec![Backend::Crate, Backend::Split];
+        if cfg!(feature = "openblas") {
+            v.push(Backend::OpenBlas);
+        }
+        v
+    }
+
+    fn parse(s: &str) -> Option<Backend> {
+        Backend::f32_candidates().into_iter().find(|b| b.name() == s)
+    }
+}
+
+/// What a backend choice depends on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Key {
+    /// Rows of `dst`.
+    pub m: usize,
+    /// Columns of `dst`.
+    pub n: usize,
+    /// The summed dimension.
+    pub k: usize,
+    /// `lhs` is column-major (a transposed row-major matrix).
+    pub lhs_t: bool,
+    /// `rhs` is column-major.
+    pub rhs_t: bool,
+    /// Threads in the pool.
+    pub threads: usize,
+}
+
+impl Key {
+    pub(crate) fn new(m: usize, n: usize, k: usize, lhs: &Strided<'_>, rhs: &Strided<'_>) -> Key {
+        Key { m, n, k, lhs_t: lhs.cs != 1, rhs_t: rhs.cs != 1, threads: rayon::current_num_threads() }
+    }
+
+    /// `m×k×n` plus `ᵀ` marks for transposed operands, e.g. `4096×768ᵀ×2304`.
+    pub fn label(&self) -> String {
+        let t = |b: bool| if b { "ᵀ" } else { "" };
+        format!("{}{}×{}{}×{}", self.m, t(self.lhs_t), self.k, t(self.rhs_t), self.n)
+    }
+
+    fn cache_name(&self) -> String {
+        format!(
+            "{}x{}x{}{}{}",
+            self.m,
+            self.k,
+            self.n,
+            if self.lhs_t { "t" } else { "n" },
+            if self.rhs_t { "t" } else { "n" }
+        )
+    }
+
+    /// Floating-point operations of one call.
+    pub fn flops(&self) -> f64 {
+        2.0 * self.m as f64 * self.n as f64 * self.k as f64
+    }
+}
+
+/// What is known of one shape key: the backend used, the probe's rates and
+/// what the calls of this process measured.
+#[derive(Debug, Clone, Default)]
+pub struct ShapeStats {
+    /// The backend calls of this key use (`None` before the first call).
+    pub backend: Option<Backend>,
+    /// GFLOP/s of each candidate in the probe (empty when the choice came
+    /// from the cache or was forced).
+    pub probe: Vec<(Backend, f64)>,
+    /// Calls made.
+    pub calls: u64,
+    /// While on trial: (candidate, calls, best seconds).
+    trials: Vec<(Backend, u32, f64)>,
+    /// Seconds spent in them.
+    pub seconds: f64,
+}
+
+impl ShapeStats {
+    /// Achieved GFLOP/s over this process's calls of `key`.
+    pub fn gflops(&self, key: &Key) -> f64 {
+        if self.seconds > 0.0 {
+            key.flops() * self.calls as f64 / self.seconds / 1e9
+        } else {
+            0.0
+        }
+    }
+}
+
+#[derive(Default)]
+struct Registry {
+    shapes: BTreeMap<Key, ShapeStats>,
+    cache: BTreeMap<String, Backend>,
+    cache_loaded: bool,
+}
+
+fn registry() -> &'static Mutex<Registry> {
+    static R: OnceLock<Mutex<Registry>> = OnceLock::new();
+    R.get_or_init(Default::default)
+}
+
+fn lock() -> std::sync::MutexGuard<'static, Registry> {
+    // A panic while holding the lock leaves only statistics half-written.
+    registry().lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The forced backend from `MACROBATCH_GEMM`, if any (read once). An unknown
+/// name is reported once on stderr and ignored.
+fn forced() -> Option<Backend> {
+    static F: OnceLock<Option<Backend>> = OnceLock::new();
+    *F.get_or_init(|| {
+        let v = std::env::var("MACROBATCH_GEMM").ok()?;
+        if v.is_empty() || v == "auto" {
+            return None;
+        }
+        let b = Backend::parse(&v);
+        if b.is_none() {
+            let names: Vec<_> = Backend::f32_candidates().iter().map(|b| b.name()).collect();
+            eprintln!(
+                "warning: MACROBATCH_GEMM={v} is not a backend of this build ({}|auto); probing instead",
+                names.join("|")
+            );
+        }
+        b
+    })
+}
+
+/// The CPU model name and thread count, as the cache file's identity.
+fn machine_id() -> String {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    let slug: String =
+        model.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' }).collect();
+    format!("{}-t{}", slug.trim_matches('-'), rayon::current_num_threads())
+}
+
+/// The probe cache of this machine: `$MACROBATCH_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/macrobatch`, else `$HOME/.cache/macrobatch`, then
+/// `gemm-<cpu model>-t<threads>.json`. `None` when no directory is known.
+pub fn cache_path() -> Option<PathBuf> {
+    let dir = std::env::var_os("MACROBATCH_CACHE_DIR")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("macrobatch")))
+        .or_else(|| std::env::var_os("HOME").map(|d| PathBuf::from(d).join(".cache/macrobatch")))?;
+    Some(dir.join(format!("gemm-{}.json", machine_id())))
+}
+
+fn load_cache(reg: &mut Registry) {
+    if reg.cache_loaded {
+        return;
+    }
+    reg.cache_loaded = true;
+    let Some(path) = cache_path() else { return };
+    let Ok(text) = std::fs::read_to_string(&path) else { return };
+    match serde_json::from_str::<BTreeMap<String, String>>(&text) {
+        Ok(map) => {
+            // Entries naming a backend this build lacks are probed again.
+            reg.cache = map.into_iter().filter_map(|(k, v)| Some((k, Backend::parse(&v)?))).collect();
+        }
+        Err(e) => eprintln!("warning: ignoring unreadable GEMM probe cache {}: {e}", path.display()),
+    }
+}
+
+/// Writes the cache atomically (temporary file + rename); failures only warn:
+/// the next run probes again.
+fn save_cache(reg: &Registry) {
+    let Some(path) = cache_path() else { return };
+    let map: BTreeMap<&str, &str> = reg.cache.iter().map(|(k, v)| (k.as_str(), v.name())).collect();
+    let result = (|| -> std::io::Result<()> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let tmp = path.with_extension(format!("json.tmp{}", std::process::id()));
+        std::fs::write(&tmp, serde_json::to_string_pretty(&map).map_err(std::io::Error::other)?)?;
+        std::fs::rename(&tmp, &path)
+    })();
+    if let Err(e) = result {
+        eprintln!("warning: could not save the GEMM probe cache {}: {e}", path.display());
+    }
+}
+
+/// Times `backend` on `key`'s shape and layouts with fresh operands: the
+/// best of `reps` calls after one warm-up, in GFLOP/s. For reports
+/// (`macrobatch bench`); allocates the three matrices.
+pub fn measure(key: &Key, backend: Backend, reps: usize) -> f64 {
+    let (m, n, k) = (key.m, key.n, key.k);
+    let a: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5).collect();
+    let b: Vec<f32> = (0..k * n).map(|i| ((i * 104729) % 1000) as f32 * 1e-3 - 0.5).collect();
+    let mut c = vec![0.0f32; m * n];
+    let lhs = if key.lhs_t { Strided::transposed(&a, m) } else { Strided::rows(&a, k) };
+    let rhs = if key.rhs_t { Strided::transposed(&b, k) } else { Strided::rows(&b, n) };
+    let mut best = f64::INFINITY;
+    for i in 0..=reps.max(1) {
+        let t = Instant::now();
+        // SAFETY: the views and `c` are exactly the shapes the call reads and writes.
+        unsafe { run(backend, m, n, k, c.as_mut_ptr(), n, false, lhs, rhs, 1.0) };
+        if i > 0 {
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+    }
+    key.flops() / best / 1e9
+}
+
+/// A snapshot of every pool-wide GEMM shape this process ran.
+pub fn stats() -> Vec<(Key, ShapeStats)> {
+    lock().shapes.iter().map(|(k, s)| (*k, s.clone())).collect()
+}
+
+/// Forgets the call counts (not the choices), e.g. after warm-up.
+pub fn reset_counts() {
+    for s in lock().shapes.values_mut() {
+        s.calls = 0;
+        s.seconds = 0.0;
+    }
+}
+
+/// Records one call of `key` taking `seconds` on `backend` (the bf16
+/// kernel's calls too, which have no trials).
+pub(crate) fn record(key: Key, backend: Backend, seconds: f64) {
+    let mut reg = lock();
+    let s = reg.shapes.entry(key).or_default();
+    if backend == Backend::Bf16 {
+        s.backend = Some(backend);
+    }
+    s.calls += 1;
+    s.seconds += seconds;
+}
+
+/// Timed calls each candidate gets before a shape's backend is chosen.
+const TRIALS: u32 = 3;
+
+/// A pool-wide f32 GEMM: runs the backend of its key and records the time.
+/// While a key is on trial its calls go round the candidates (which give
+/// the same bits, except OpenBLAS), and after [`TRIALS`] calls each the
+/// fastest (best time) is kept and cached: the probe costs no extra work
+/// and no scratch memory.
+///
+/// # Safety
+/// As [`crate::gemm_raw`]; the views have been bounds-checked.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn pool_f32(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: Strided<'_>,
+    rhs: Strided<'_>,
+    alpha: f32,
+) {
+    let key = Key::new(m, n, k, &lhs, &rhs);
+    let (backend, on_trial) = choose(key);
+    let t = Instant::now();
+    run(backend, m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha);
+    let secs = t.elapsed().as_secs_f64();
+    if on_trial {
+        trial_done(key, backend, secs);
+    }
+    record(key, backend, secs);
+}
+
+/// The backend for the next call of `key`, and whether the call is a trial.
+fn choose(key: Key) -> (Backend, bool) {
+    if let Some(b) = forced() {
+        return (b, false);
+    }
+    let mut reg = lock();
+    if let Some(b) = reg.shapes.get(&key).and_then(|s| s.backend) {
+        return (b, false);
+    }
+    load_cache(&mut reg);
+    if let Some(&b) = reg.cache.get(&key.cache_name()) {
+        reg.shapes.entry(key).or_default().backend = Some(b);
+        return (b, false);
+    }
+    let s = reg.shapes.entry(key).or_default();
+    if s.trials.is_empty() {
+        s.trials = Backend::f32_candidates().into_iter().map(|b| (b, 0, f64::INFINITY)).collect();
+    }
+    // The candidate with the fewest trials so far (first in order on ties).
+    let next = s.trials.iter().min_by_key(|t| t.1).map_or(Backend::Crate, |t| t.0);
+    (next, true)
+}
+
+/// Records a trial; when every candidate has had [`TRIALS`] calls, keeps
+/// the fastest and saves the cache.
+fn trial_done(key: Key, backend: Backend, secs: f64) {
+    let mut reg = lock();
+    let s = reg.shapes.entry(key).or_default();
+    if let Some(t) = s.trials.iter_mut().find(|t| t.0 == backend) {
+        t.1 += 1;
+        t.2 = t.2.min(secs);
+    }
+    if s.backend.is_none() && s.trials.iter().all(|t| t.1 >= TRIALS) {
+        let best = s.trials.iter().min_by(|x, y| x.2.total_cmp(&y.2)).map_or(Backend::Crate, |t| t.0);
+        s.backend = Some(best);
+        s.probe = s.trials.iter().map(|t| (t.0, key.flops() / t.2 / 1e9)).collect();
+        reg.cache.insert(key.cache_name(), best);
+        save_cache(&reg);
+    }
+}
+
+/// Runs `backend` on the pool (`Bf16` without AVX512-BF16 runs `Crate`).
+///
+/// # Safety
+/// As [`crate::gemm_raw`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn run(
+    backend: Backend,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: Strided<'_>,
+    rhs: Strided<'_>,
+    alpha: f32,
+) {
+    let threads = rayon::current_num_threads();
+    match backend {
+        Backend::Bf16 if crate::bf16::supported() => {
+            crate::bf16::gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, true)
+        }
+        Backend::Crate | Backend::Bf16 => {
+            crate::crate_gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, gemm::Parallelism::Rayon(threads))
+        }
+        Backend::Split => split(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, threads),
+        Backend::OpenBlas => openblas::sgemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, threads),
+    }
+}
+
+/// Smallest block of rows or columns given a task of its own. Above 64 so
+/// that no block falls into the `gemm` crate's small-matrix path (m ≤ 64
+/// and n ≤ 64), which blocks `k` differently (by 512 instead of by its
+/// cache-derived `kc`): every block then sums in the unsplit call's order.
+const MIN_SPLIT: usize = 128;
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: each task writes a disjoint block of `dst` (see `split`).
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+/// [`Backend::Split`]: `threads` tasks over blocks of the longer side of
+/// `dst`, each a single-threaded `gemm` call.
+#[allow(clippy::too_many_arguments)]
+unsafe fn split(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: Strided<'_>,
+    rhs: Strided<'_>,
+    alpha: f32,
+    threads: usize,
+) {
+    let by_rows = m >= n;
+    let len = if by_rows { m } else { n };
+    let other = if by_rows { n } else { m };
+    // Its vector paths (a side of 1, k ≤ 2) are left whole as well.
+    let tasks = if other <= 1 || k <= 2 { 1 } else { threads.min(len / MIN_SPLIT).max(1) };
+    if tasks == 1 {
+        crate::crate_gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, gemm::Parallelism::None);
+        return;
+    }
+    // Blocks of whole 16-element multiples, so every block starts aligned to
+    // the microkernel's tiles as the unsplit call's would.
+    let block = len.div_ceil(tasks).div_ceil(16) * 16;
+    let dst = SendPtr(dst);
+    rayon::scope(|s| {
+        for start in (0..len).step_by(block) {
+            let size = block.min(len - start);
+            s.spawn(move |_| {
+                let d = dst;
+                // SAFETY: block [start, start + size) of rows (or columns) of
+                // `dst` belongs to this task alone; the sub-views of `lhs` and
+                // `rhs` lie inside the checked views.
+                unsafe {
+                    if by_rows {
+                        let l = Strided { offset: lhs.offset + start * lhs.rs, ..lhs };
+                        crate::crate_gemm(
+                            size,
+                            n,
+                            k,
+                            d.0.add(start * dst_rs),
+                            dst_rs,
+                            accumulate,
+                            l,
+                            rhs,
+                            alpha,
+                            gemm::Parallelism::None,
+                        );
+                    } else {
+                        let r = Strided { offset: rhs.offset + start * rhs.cs, ..rhs };
+                        crate::crate_gemm(
+                            m,
+                            size,
+                            k,
+                            d.0.add(start),
+                            dst_rs,
+                            accumulate,
+                            lhs,
+                            r,
+                            alpha,
+                            gemm::Parallelism::None,
+                        );
+                    }
+                }
+            });
+        }
+    });
+}
+
+#[cfg(feature = "openblas")]
+mod openblas {
+    use crate::Strided;
+
+    #[link(name = "openblas")]
+    extern "C" {
+        fn cblas_sgemm(
+            order: i32,
+            trans_a: i32,
+            trans_b: i32,
+            m: i32,
+            n: i32,
+            k: i32,
+            alpha: f32,
+            a: *const f32,
+            lda: i32,
+            b: *const f32,
+            ldb: i32,
+            beta: f32,
+            c: *mut f32,
+            ldc: i32,
+        );
+        fn openblas_set_num_threads(n: i32);
+    }
+    const ROW_MAJOR: i32 = 101;
+    const NO_TRANS: i32 = 111;
+    const TRANS: i32 = 112;
+
+    /// (trans flag, leading dimension) of a view, if BLAS can take it.
+    fn layout(v: &Strided<'_>) -> Option<(i32, i32)> {
+        let ld = |x: usize| i32::try_from(x.max(1)).ok();
+        if v.cs == 1 {
+            Some((NO_TRANS, ld(v.rs)?))
+        } else if v.rs == 1 {
+            Some((TRANS, ld(v.cs)?))
+        } else {
+            None
+        }
+    }
+
+    /// `cblas_sgemm` with OpenBLAS's own `threads` threads; views it cannot
+    /// express (neither stride 1, or sizes past `i32`) go to the `gemm` crate.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn sgemm(
+        m: usize,
+        n: usize,
+        k: usize,
+        dst: *mut f32,
+        dst_rs: usize,
+        accumulate: bool,
+        lhs: Strided<'_>,
+        rhs: Strided<'_>,
+        alpha: f32,
+        threads: usize,
+    ) {
+        let dims = (i32::try_from(m), i32::try_from(n), i32::try_from(k), i32::try_from(dst_rs.max(1)));
+        match (layout(&lhs), layout(&rhs), dims) {
+            (Some((ta, lda)), Some((tb, ldb)), (Ok(mi), Ok(ni), Ok(ki), Ok(ldc))) => {
+                openblas_set_num_threads(threads as i32);
+                let beta = if accumulate { 1.0 } else { 0.0 };
+                cblas_sgemm(ROW_MAJOR, ta, tb, mi, ni, ki, alpha, lhs.ptr(), lda, rhs.ptr(), ldb, beta, dst, ldc);
+            }
+            _ => {
+                crate::crate_gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, gemm::Parallelism::Rayon(threads))
+            }
+        }
+    }
+}
+
+#[cfg(not(feature = "openblas"))]
+mod openblas {
+    use crate::Strided;
+
+    /// Not built: never a candidate (see [`super::Backend::f32_candidates`]);
+    /// runs the `gemm` crate if named anyway.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn sgemm(
+        m: usize,
+        n: usize,
+        k: usize,
+        dst: *mut f32,
+        dst_rs: usize,
+        accumulate: bool,
+        lhs: Strided<'_>,
+        rhs: Strided<'_>,
+        alpha: f32,
+        threads: usize,
+    ) {
+        crate::crate_gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, gemm::Parallelism::Rayon(threads))
+    }
+}
