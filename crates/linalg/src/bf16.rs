@@ -335,6 +335,7 @@ mod imp {
     /// `out` must be valid for `kcp · MR` writes; `lhs` must hold the
     /// `(i0 + mr) × k` view; `p0 + kcp ≤ ⌈k/2⌉`.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline(never)]
     unsafe fn pack_a_panel(out: *mut u32, lhs: &Strided<'_>, k: usize, i0: usize, mr: usize, p0: usize, kcp: usize) {
         const { assert!(MR <= 16) };
         let base = lhs.ptr();
@@ -357,6 +358,36 @@ mod imp {
                         if kk + 1 < k { _mm512_maskz_loadu_ps(rows, c0.wrapping_add(cs)) } else { _mm512_setzero_ps() };
                     _mm512_mask_storeu_epi32(out.add(p * MR).cast(), store, pairs(x, y, idx));
                 }
+            }
+        } else if cs == 1 && mr == MR && MR > 8 {
+            // Full panel of row-major A: 8 pairs of each row per step, turned
+            // into pair-major order by an 8×8 transpose of 64-bit (f32 pair)
+            // elements for rows 0..8 and another for rows 8..MR.
+            let mut q = 0;
+            while q < kcp {
+                let kk = 2 * (p0 + q);
+                let mask = mask16(k - kk);
+                let row = |i: usize| base.wrapping_add((i0 + i) * rs + kk);
+                // SAFETY: values kk .. min(k, kk + 16) of rows i0 .. i0 + MR
+                // are inside the view; masked-off lanes are not accessed.
+                let mut lo: [__m512i; 8] =
+                    std::array::from_fn(|i| unsafe { _mm512_castps_si512(_mm512_maskz_loadu_ps(mask, row(i))) });
+                let mut hi: [__m512i; 8] = std::array::from_fn(|i| {
+                    if 8 + i < MR {
+                        // SAFETY: as above.
+                        unsafe { _mm512_castps_si512(_mm512_maskz_loadu_ps(mask, row(8 + i))) }
+                    } else {
+                        _mm512_setzero_si512()
+                    }
+                });
+                transpose8x8_u64(&mut lo);
+                transpose8x8_u64(&mut hi);
+                for p in 0..(kcp - q).min(8) {
+                    let v = consecutive_pairs(_mm512_castsi512_ps(lo[p]), _mm512_castsi512_ps(hi[p]));
+                    // SAFETY: (q + p)·MR + MR ≤ kcp·MR.
+                    unsafe { _mm512_mask_storeu_epi32(out.add((q + p) * MR).cast(), mask16(MR), v) };
+                }
+                q += 8;
             }
         } else {
             // Rows of A, 32 values of k at a time (contiguous when cs == 1).
@@ -386,6 +417,29 @@ mod imp {
         }
     }
 
+    /// Transposes 8 × 8 64-bit elements: row `i` in `v[i]` on entry,
+    /// column `i` in `v[i]` on exit.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline]
+    fn transpose8x8_u64(v: &mut [__m512i; 8]) {
+        const ROUNDS: [(usize, [i64; 8], [i64; 8]); 3] = [
+            (1, [0, 8, 2, 10, 4, 12, 6, 14], [1, 9, 3, 11, 5, 13, 7, 15]),
+            (2, [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]),
+            (4, [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]),
+        ];
+        for (d, lo, hi) in ROUNDS {
+            // SAFETY: both index arrays hold 8 i64.
+            let (lo, hi) = unsafe { (_mm512_loadu_si512(lo.as_ptr().cast()), _mm512_loadu_si512(hi.as_ptr().cast())) };
+            for i in 0..8 {
+                if i & d == 0 {
+                    let (a, b) = (v[i], v[i + d]);
+                    v[i] = _mm512_permutex2var_epi64(a, lo, b);
+                    v[i + d] = _mm512_permutex2var_epi64(a, hi, b);
+                }
+            }
+        }
+    }
+
     /// The `MR × NR` microkernel over `kcp` k pairs: starts from zero
     /// (`first`) or from the scratch tile, and ends in the scratch tile
     /// (`out == None`) or in `dst`.
@@ -395,6 +449,7 @@ mod imp {
     /// `scratch` is valid for `MR·NR` f32 (read unless `first`, written when
     /// `out` is `None`); `out.dst` is valid for the `out.mr × out.nr` tile.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline(never)]
     unsafe fn kernel(kcp: usize, a: *const u32, b: *const u32, scratch: *mut f32, first: bool, out: Option<Out>) {
         let mut acc = [[_mm512_setzero_ps(); NV]; MR];
         if !first {

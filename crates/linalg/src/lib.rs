@@ -171,7 +171,8 @@ pub unsafe fn gemm_raw(
         bf16::gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, par.pool);
         return;
     }
-    let threads = if par.pool { gemm::Parallelism::Rayon(rayon::current_num_threads()) } else { gemm::Parallelism::None };
+    let threads =
+        if par.pool { gemm::Parallelism::Rayon(rayon::current_num_threads()) } else { gemm::Parallelism::None };
     crate_gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, threads);
 }
 
