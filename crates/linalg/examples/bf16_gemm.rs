@@ -1,7 +1,9 @@
 //! Median GFLOP/s of `gemm_into` with bf16 operands vs f32, on the pool.
 //!
-//! `cargo run --release -p macrobatch-linalg --example bf16_gemm [reps]`
-//! (`RAYON_NUM_THREADS` picks the thread count; 2 by default here).
+//! `cargo run --release -p macrobatch-linalg --example bf16_gemm [reps [filter [bf16|f32]]]`
+//! (`RAYON_NUM_THREADS` picks the thread count; 2 by default here; `filter`
+//! keeps the shapes whose name contains it; the last argument runs one path
+//! only).
 
 use linalg::{gemm_into, Operands, Par, Strided};
 use std::time::Instant;
@@ -19,6 +21,8 @@ enum Layout {
 
 fn main() {
     let reps: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(7);
+    let filter = std::env::args().nth(2).unwrap_or_default();
+    let only = std::env::args().nth(3).unwrap_or_default();
     let threads = std::env::var("RAYON_NUM_THREADS").ok().and_then(|s| s.parse().ok()).unwrap_or(2);
     rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().expect("rayon pool");
     println!("bf16 supported: {}, threads {}, reps {reps}", linalg::bf16::supported(), rayon::current_num_threads());
@@ -34,8 +38,14 @@ fn main() {
         ("dinp 4096x2304x768 (rhs T)", 4096, 2304, 768, Layout::RhsT),
         ("dW 768x4096x2304 (lhs T)", 768, 4096, 2304, Layout::LhsT),
     ];
-    println!("{:<30} {:>10} {:>10} {:>7}", "m x k x n", "bf16", "f32", "ratio");
+    println!(
+        "{:<30} {:>10} {:>10} {:>7} {:>10} {:>10}",
+        "m x k x n (median GFLOP/s)", "bf16", "f32", "ratio", "best bf16", "best f32"
+    );
     for (name, m, k, n, layout) in shapes {
+        if !name.contains(filter.as_str()) {
+            continue;
+        }
         let a: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3).collect();
         let b: Vec<f32> = (0..k * n).map(|i| ((i * 104729 % 1000) as f32 - 500.0) * 1e-3).collect();
         let lhs = match layout {
@@ -52,6 +62,10 @@ fn main() {
         // Warm up, then interleave the two paths.
         for rep in 0..reps + 1 {
             for (t, &operands) in times.iter_mut().zip(ops.iter()) {
+                if (only == "bf16" && operands != Operands::Bf16) || (only == "f32" && operands != Operands::F32) {
+                    t.push(f64::INFINITY);
+                    continue;
+                }
                 let start = Instant::now();
                 gemm_into(m, n, k, &mut dst, 0, n, false, lhs, rhs, 1.0, Par { pool: true, operands });
                 let s = start.elapsed().as_secs_f64();
@@ -61,13 +75,22 @@ fn main() {
             }
         }
         let flops = 2.0 * (m * n * k) as f64;
-        let gf: Vec<f64> = times
+        // (median, best) GFLOP/s per path.
+        let gf: Vec<(f64, f64)> = times
             .iter_mut()
             .map(|t| {
                 t.sort_by(f64::total_cmp);
-                flops / t[t.len() / 2] / 1e9
+                (flops / t[t.len() / 2] / 1e9, flops / t[0] / 1e9)
             })
             .collect();
-        println!("{:<30} {:>10.1} {:>10.1} {:>7.2}", name, gf[0], gf[1], gf[0] / gf[1]);
+        println!(
+            "{:<30} {:>10.1} {:>10.1} {:>7.2} {:>10.1} {:>10.1}",
+            name,
+            gf[0].0,
+            gf[1].0,
+            gf[0].0 / gf[1].0,
+            gf[0].1,
+            gf[1].1
+        );
     }
 }

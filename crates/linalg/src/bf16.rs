@@ -118,6 +118,8 @@ mod imp {
     pub const MC: usize = MR * 16;
     /// Bytes of packed `B` per column chunk.
     const B_CHUNK_BYTES: usize = 8 << 20;
+    /// Tasks per thread when splitting over the pool.
+    const TASKS_PER_THREAD: usize = 4;
     /// Below this many flops, one thread.
     const MIN_PAR_FLOPS: usize = 1 << 22;
 
@@ -618,16 +620,20 @@ mod imp {
                     // SAFETY: the whole block is this thread's.
                     unsafe { block(&pr, b, jc, 0, m, 0, np) };
                 } else if mt >= 2 * threads {
-                    (0..threads).into_par_iter().for_each(|t| {
-                        let r0 = (t * mt / threads) * MR;
-                        let r1 = ((t + 1) * mt / threads * MR).min(m);
+                    // Row blocks, several per thread so that a slower core
+                    // (shared machine) takes fewer of them.
+                    let per = mt.div_ceil(threads * TASKS_PER_THREAD).min(MC / MR);
+                    (0..mt.div_ceil(per)).into_par_iter().for_each(|t| {
+                        let (r0, r1) = (t * per * MR, ((t + 1) * per * MR).min(m));
                         // SAFETY: tasks own disjoint row ranges.
                         unsafe { block(&pr, b, jc, r0, r1, 0, np) };
                     });
                 } else {
-                    (0..threads).into_par_iter().for_each(|t| {
+                    // Few rows: blocks of column panels.
+                    let per = np.div_ceil(threads * TASKS_PER_THREAD);
+                    (0..np.div_ceil(per)).into_par_iter().for_each(|t| {
                         // SAFETY: tasks own disjoint panel ranges.
-                        unsafe { block(&pr, b, jc, 0, m, t * np / threads, (t + 1) * np / threads) };
+                        unsafe { block(&pr, b, jc, 0, m, t * per, ((t + 1) * per).min(np)) };
                     });
                 }
             }
