@@ -452,7 +452,25 @@ mod imp {
     /// `out` is `None`); `out.dst` is valid for the `out.mr × out.nr` tile.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     #[inline(never)]
-    unsafe fn kernel(kcp: usize, a: *const u32, b: *const u32, scratch: *mut f32, first: bool, out: Option<Out>) {
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn kernel(
+        kcp: usize,
+        a: *const u32,
+        b: *const u32,
+        scratch: *mut f32,
+        first: bool,
+        out: Option<Out>,
+        prefetch: Option<(*const f32, usize)>,
+    ) {
+        if let Some((pf, rs)) = prefetch {
+            // The next tile's accumulators (scratch or dst): bring them to
+            // L1 while this one computes. Prefetches never fault.
+            for i in 0..MR {
+                for l in 0..NR / 16 {
+                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(i * rs + 16 * l).cast());
+                }
+            }
+        }
         let mut acc = [[_mm512_setzero_ps(); NV]; MR];
         if !first {
             for (i, row) in acc.iter_mut().enumerate() {
@@ -561,11 +579,19 @@ mod imp {
                                     alpha: pr.alpha,
                                 });
                                 let tile = s.wrapping_add(((q - q0) * mtiles + it) * MR * NR);
-                                // SAFETY: the packed panels hold kcp pairs
+                                // SAFETY (kernel below): the packed panels hold kcp pairs
                                 // from p0; the scratch tile is inside sbuf
                                 // whenever it is used (nkb > 1); the dst tile
                                 // is inside the caller's m × n block.
-                                unsafe { kernel(kcp, a.add(it * kcp * MR), bp, tile, kb == 0, out) };
+                                let prefetch = if last {
+                                    pr.accumulate.then(|| {
+                                        let next = if it + 1 < mtiles { (row + MR, col) } else { (ic, col + NR) };
+                                        (pr.dst.0.wrapping_add(next.0 * pr.dst_rs + next.1).cast_const(), pr.dst_rs)
+                                    })
+                                } else {
+                                    (kb > 0).then(|| (tile.wrapping_add(MR * NR).cast_const(), NR))
+                                };
+                                unsafe { kernel(kcp, a.add(it * kcp * MR), bp, tile, kb == 0, out, prefetch) };
                             }
                         }
                     }
