@@ -118,6 +118,8 @@ mod imp {
     pub const MC: usize = MR * 16;
     /// Bytes of packed `B` per column chunk.
     const B_CHUNK_BYTES: usize = 8 << 20;
+    /// How many k pairs ahead the microkernel prefetches `B`.
+    const PF_B: usize = 16;
     /// Tasks per thread when splitting over the pool.
     const TASKS_PER_THREAD: usize = 4;
     /// Below this many flops, one thread.
@@ -484,6 +486,9 @@ mod imp {
             // SAFETY: p < kcp, inside the packed panels.
             unsafe {
                 let bp = b.add(p * NR);
+                for l in 0..NV {
+                    _mm_prefetch::<_MM_HINT_T0>(bp.wrapping_add(PF_B * NR + 16 * l).cast());
+                }
                 let bv: [__m512bh; NV] =
                     std::array::from_fn(|v| transmute::<__m512i, __m512bh>(_mm512_loadu_si512(bp.add(16 * v).cast())));
                 let ap = a.add(p * MR);
@@ -541,9 +546,13 @@ mod imp {
             return;
         }
         let kp = pr.k.div_ceil(2);
+        // k blocks of equal size (at most KCP pairs). Where they fall does
+        // not change the result: the accumulators pass through the scratch
+        // tile exactly.
         let nkb = kp.div_ceil(KCP);
+        let kcb = kp.div_ceil(nkb);
         let mc_max = MC.min((r1 - r0).next_multiple_of(MR));
-        let a_len = mc_max * KCP.min(kp);
+        let a_len = mc_max * kcb;
         let scratch_len = if nkb > 1 { mc_max * (q1 - q0) * NR } else { 0 };
         with_buf(&PACK_A, a_len, |abuf| {
             with_buf(&SCRATCH, scratch_len, |sbuf| {
@@ -553,8 +562,8 @@ mod imp {
                     let mc = MC.min(r1 - ic);
                     let mtiles = mc.div_ceil(MR);
                     for kb in 0..nkb {
-                        let p0 = kb * KCP;
-                        let kcp = KCP.min(kp - p0);
+                        let p0 = kb * kcb;
+                        let kcp = kcb.min(kp - p0);
                         for it in 0..mtiles {
                             let row = ic + it * MR;
                             // SAFETY: panel `it` lies inside abuf (mtiles·MR ≤
@@ -584,10 +593,8 @@ mod imp {
                                 // whenever it is used (nkb > 1); the dst tile
                                 // is inside the caller's m × n block.
                                 let prefetch = if last {
-                                    pr.accumulate.then(|| {
-                                        let next = if it + 1 < mtiles { (row + MR, col) } else { (ic, col + NR) };
-                                        (pr.dst.0.wrapping_add(next.0 * pr.dst_rs + next.1).cast_const(), pr.dst_rs)
-                                    })
+                                    let next = if it + 1 < mtiles { (row + MR, col) } else { (ic, col + NR) };
+                                    Some((pr.dst.0.wrapping_add(next.0 * pr.dst_rs + next.1).cast_const(), pr.dst_rs))
                                 } else {
                                     (kb > 0).then(|| (tile.wrapping_add(MR * NR).cast_const(), NR))
                                 };
