@@ -113,7 +113,7 @@ mod imp {
     /// Microkernel columns.
     pub const NR: usize = 16 * NV;
     /// k pairs per k block (`KC = 2·KCP` values of k).
-    pub const KCP: usize = 256;
+    pub const KCP: usize = 512;
     /// Rows per block of packed `A`.
     pub const MC: usize = MR * 16;
     /// Bytes of packed `B` per column chunk.
@@ -287,24 +287,26 @@ mod imp {
                 }
             }
         } else {
-            // Columns of B are contiguous along k: 32 values of k at a time.
-            for j in 0..NR {
-                if j >= nr {
-                    for p in 0..kp {
-                        out[p * NR + j] = 0;
-                    }
-                    continue;
-                }
-                let col = base.wrapping_add((j0 + j) * cs);
-                let mut t = [0u32; 16];
+            // Columns of B are contiguous along k: 32 values of k (16 pairs)
+            // of 16 columns at a time, turned pair-major by a 16 × 16
+            // transpose of u32.
+            for v in 0..NV {
+                let cols = nr.saturating_sub(16 * v).min(16);
                 for q0 in (0..kp).step_by(16) {
-                    // SAFETY: values 2·q0 .. k of column j0 + j are inside the view.
-                    unsafe {
-                        let (lo, hi) = load32(col.add(2 * q0), 1, k - 2 * q0);
-                        _mm512_storeu_si512(t.as_mut_ptr().cast(), consecutive_pairs(lo, hi));
-                    }
-                    for (q, &w) in t.iter().enumerate().take(kp - q0) {
-                        out[(q0 + q) * NR + j] = w;
+                    let mut t: [__m512i; 16] = std::array::from_fn(|j| {
+                        if j < cols {
+                            let col = base.wrapping_add((j0 + 16 * v + j) * cs + 2 * q0);
+                            // SAFETY: values 2·q0 .. k of this column are inside the view.
+                            let (lo, hi) = unsafe { load32(col, 1, k - 2 * q0) };
+                            consecutive_pairs(lo, hi)
+                        } else {
+                            _mm512_setzero_si512()
+                        }
+                    });
+                    transpose16x16_u32(&mut t);
+                    for (q, row) in t.iter().enumerate().take(kp - q0) {
+                        // SAFETY: (q0 + q)·NR + 16v + 16 ≤ kp·NR ≤ out.len().
+                        unsafe { _mm512_storeu_si512(o.add((q0 + q) * NR + 16 * v).cast(), *row) };
                     }
                 }
             }
@@ -439,6 +441,50 @@ mod imp {
                     let (a, b) = (v[i], v[i + d]);
                     v[i] = _mm512_permutex2var_epi64(a, lo, b);
                     v[i + d] = _mm512_permutex2var_epi64(a, hi, b);
+                }
+            }
+        }
+    }
+
+    /// `permutex2var` indices of the transposes: round `d` exchanges the
+    /// `d × d` off-diagonal blocks of rows `i` and `i + d` (`i & d == 0`).
+    const fn transpose_idx<const N: usize>(d: usize, high: bool) -> [u32; N] {
+        let mut t = [0u32; N];
+        let mut l = 0;
+        while l < N {
+            t[l] = match (l & d == 0, high) {
+                (true, false) => l,
+                (false, false) => N + l - d,
+                (true, true) => l + d,
+                (false, true) => N + l,
+            } as u32;
+            l += 1;
+        }
+        t
+    }
+
+    /// Transposes 16 × 16 u32: row `i` in `v[i]` on entry, column `i` on exit.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline]
+    fn transpose16x16_u32(v: &mut [__m512i; 16]) {
+        const IDX: [[[u32; 16]; 2]; 4] = {
+            let mut t = [[[0u32; 16]; 2]; 4];
+            let mut r = 0;
+            while r < 4 {
+                t[r] = [transpose_idx::<16>(1 << r, false), transpose_idx::<16>(1 << r, true)];
+                r += 1;
+            }
+            t
+        };
+        for (r, [lo, hi]) in IDX.iter().enumerate() {
+            let d = 1 << r;
+            // SAFETY: both index arrays hold 16 u32.
+            let (lo, hi) = unsafe { (_mm512_loadu_si512(lo.as_ptr().cast()), _mm512_loadu_si512(hi.as_ptr().cast())) };
+            for i in 0..16 {
+                if i & d == 0 {
+                    let (a, b) = (v[i], v[i + d]);
+                    v[i] = _mm512_permutex2var_epi32(a, lo, b);
+                    v[i + d] = _mm512_permutex2var_epi32(a, hi, b);
                 }
             }
         }
