@@ -117,7 +117,7 @@ mod imp {
     /// Rows per block of packed `A`.
     pub const MC: usize = MR * 16;
     /// Bytes of packed `B` per column chunk.
-    const B_CHUNK_BYTES: usize = 8 << 20;
+    const B_CHUNK_BYTES: usize = 32 << 20;
     /// How many k pairs ahead the microkernel prefetches `B`.
     const PF_B: usize = 16;
     /// Tasks per thread when splitting over the pool.
@@ -334,38 +334,62 @@ mod imp {
         }
     }
 
+    /// Packs rows `i0 .. i1` of `lhs`, k pairs `p0 .. p0 + kcp`, into
+    /// `⌈(i1 - i0)/MR⌉` consecutive `A` panels (`kcp × MR` u32 each) at `out`.
+    ///
+    /// # Safety
+    /// `out` must be valid for that many panels; `lhs` must hold the
+    /// `i1 × k` view; `p0 + kcp ≤ ⌈k/2⌉`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline(never)]
+    unsafe fn pack_a_block(out: *mut u32, lhs: &Strided<'_>, k: usize, i0: usize, i1: usize, p0: usize, kcp: usize) {
+        let tiles = (i1 - i0).div_ceil(MR);
+        if lhs.rs != 1 {
+            for it in 0..tiles {
+                let row = i0 + it * MR;
+                // SAFETY: as this function's contract, panel by panel.
+                unsafe { pack_a_panel(out.add(it * kcp * MR), lhs, k, row, MR.min(i1 - row), p0, kcp) };
+            }
+            return;
+        }
+        // Columns of A are contiguous along i: for each k pair, the rows of
+        // the whole block in one pass over memory (MR rows per panel).
+        let (base, cs) = (lhs.ptr(), lhs.cs);
+        // SAFETY: INTERLEAVE holds 32 u16.
+        let idx = unsafe { _mm512_loadu_si512(INTERLEAVE.as_ptr().cast()) };
+        let store = mask16(MR);
+        for p in 0..kcp {
+            let kk = 2 * (p0 + p);
+            for it in 0..tiles {
+                let row = i0 + it * MR;
+                let rows = mask16(MR.min(i1 - row));
+                let c0 = base.wrapping_add(kk * cs + row);
+                // SAFETY: rows row .. min(i1, row + MR) of columns kk (< k)
+                // and kk + 1 (if < k) are inside the view; masked-off lanes
+                // are not accessed; the panel's row p is writable.
+                unsafe {
+                    let x = _mm512_maskz_loadu_ps(rows, c0);
+                    let y =
+                        if kk + 1 < k { _mm512_maskz_loadu_ps(rows, c0.wrapping_add(cs)) } else { _mm512_setzero_ps() };
+                    _mm512_mask_storeu_epi32(out.add(it * kcp * MR + p * MR).cast(), store, pairs(x, y, idx));
+                }
+            }
+        }
+    }
+
     /// Packs rows `i0 .. i0 + mr` (`mr ≤ MR`) of `lhs`, k pairs
     /// `p0 .. p0 + kcp`, into one `A` panel (`kcp × MR` u32 at `out`).
     ///
     /// # Safety
     /// `out` must be valid for `kcp · MR` writes; `lhs` must hold the
-    /// `(i0 + mr) × k` view; `p0 + kcp ≤ ⌈k/2⌉`.
+    /// `(i0 + mr) × k` view; `p0 + kcp ≤ ⌈k/2⌉`; `lhs.rs != 1` (see
+    /// [`pack_a_block`]).
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    #[inline(never)]
     unsafe fn pack_a_panel(out: *mut u32, lhs: &Strided<'_>, k: usize, i0: usize, mr: usize, p0: usize, kcp: usize) {
         const { assert!(MR <= 16) };
         let base = lhs.ptr();
         let (rs, cs) = (lhs.rs, lhs.cs);
-        if rs == 1 {
-            // Columns of A are contiguous along i: MR rows per k value.
-            // SAFETY: INTERLEAVE holds 32 u16.
-            let idx = unsafe { _mm512_loadu_si512(INTERLEAVE.as_ptr().cast()) };
-            let rows = mask16(mr);
-            let store = mask16(MR);
-            for p in 0..kcp {
-                let kk = 2 * (p0 + p);
-                let c0 = base.wrapping_add(kk * cs + i0);
-                // SAFETY: rows i0 .. i0 + mr of columns kk (< k) and kk + 1
-                // (if < k) are inside the view; masked-off lanes are not
-                // accessed; out + p·MR .. + MR is writable.
-                unsafe {
-                    let x = _mm512_maskz_loadu_ps(rows, c0);
-                    let y =
-                        if kk + 1 < k { _mm512_maskz_loadu_ps(rows, c0.wrapping_add(cs)) } else { _mm512_setzero_ps() };
-                    _mm512_mask_storeu_epi32(out.add(p * MR).cast(), store, pairs(x, y, idx));
-                }
-            }
-        } else if cs == 1 && mr == MR && MR > 8 {
+        if cs == 1 && mr == MR && MR > 8 {
             // Full panel of row-major A: 8 pairs of each row per step, turned
             // into pair-major order by an 8×8 transpose of 64-bit (f32 pair)
             // elements for rows 0..8 and another for rows 8..MR.
@@ -610,14 +634,9 @@ mod imp {
                     for kb in 0..nkb {
                         let p0 = kb * kcb;
                         let kcp = kcb.min(kp - p0);
-                        for it in 0..mtiles {
-                            let row = ic + it * MR;
-                            // SAFETY: panel `it` lies inside abuf (mtiles·MR ≤
-                            // mc_max, kcp ≤ KCP); lhs holds the m × k view.
-                            unsafe {
-                                pack_a_panel(a.add(it * kcp * MR), &pr.lhs, pr.k, row, MR.min(r1 - row), p0, kcp)
-                            };
-                        }
+                        // SAFETY: the mtiles panels lie inside abuf
+                        // (mtiles·MR ≤ mc_max, kcp ≤ kcb); lhs holds the m × k view.
+                        unsafe { pack_a_block(a, &pr.lhs, pr.k, ic, ic + mc, p0, kcp) };
                         let last = kb + 1 == nkb;
                         for q in q0..q1 {
                             let col = jc + q * NR;
