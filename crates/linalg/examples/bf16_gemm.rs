@@ -57,10 +57,13 @@ fn main() {
             _ => Strided::rows(&b, n),
         };
         let mut dst = vec![0f32; m * n];
+        let flops = 2.0 * (m * n * k) as f64;
+        // Small shapes run more often (about 20 GFLOP per path at least).
+        let reps = (reps as f64 * (20e9 / (flops * reps as f64)).clamp(1.0, 50.0)) as usize;
         let mut times = [Vec::new(), Vec::new()];
         let ops = [Operands::Bf16, Operands::F32];
         // Warm up, then interleave the two paths.
-        for rep in 0..reps + 1 {
+        for rep in 0..reps + 2 {
             for (t, &operands) in times.iter_mut().zip(ops.iter()) {
                 if (only == "bf16" && operands != Operands::Bf16) || (only == "f32" && operands != Operands::F32) {
                     t.push(f64::INFINITY);
@@ -69,12 +72,11 @@ fn main() {
                 let start = Instant::now();
                 gemm_into(m, n, k, &mut dst, 0, n, false, lhs, rhs, 1.0, Par { pool: true, operands });
                 let s = start.elapsed().as_secs_f64();
-                if rep > 0 {
+                if rep > 1 {
                     t.push(s);
                 }
             }
         }
-        let flops = 2.0 * (m * n * k) as f64;
         // (median, best) GFLOP/s per path.
         let gf: Vec<(f64, f64)> = times
             .iter_mut()

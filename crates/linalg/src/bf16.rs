@@ -699,43 +699,52 @@ mod imp {
         let nc = nc.min(n.next_multiple_of(NR));
         let pr = Problem { n, k, dst: DstPtr(dst), dst_rs, accumulate, lhs, rhs, alpha };
         let mt = m.div_ceil(MR);
-        with_buf(&PACK_B, kp * nc, |bbuf| {
-            for jc in (0..n).step_by(nc) {
-                let np = (n - jc).min(nc).div_ceil(NR);
-                let b = &mut bbuf[..np * kp * NR];
-                let pack = |(q, panel): (usize, &mut [u32])| {
-                    let j0 = jc + q * NR;
-                    // SAFETY: rhs holds the k × n view; j0 < n.
-                    unsafe { pack_b_panel(panel, &pr.rhs, k, j0, NR.min(n - j0)) }
-                };
-                if threads > 1 {
-                    b.par_chunks_mut(kp * NR).enumerate().for_each(pack);
-                } else {
-                    b.chunks_mut(kp * NR).enumerate().for_each(pack);
+        let run = move || {
+            with_buf(&PACK_B, kp * nc, |bbuf| {
+                for jc in (0..n).step_by(nc) {
+                    let np = (n - jc).min(nc).div_ceil(NR);
+                    let b = &mut bbuf[..np * kp * NR];
+                    let pack = |(q, panel): (usize, &mut [u32])| {
+                        let j0 = jc + q * NR;
+                        // SAFETY: rhs holds the k × n view; j0 < n.
+                        unsafe { pack_b_panel(panel, &pr.rhs, k, j0, NR.min(n - j0)) }
+                    };
+                    if threads > 1 {
+                        b.par_chunks_mut(kp * NR).enumerate().for_each(pack);
+                    } else {
+                        b.chunks_mut(kp * NR).enumerate().for_each(pack);
+                    }
+                    let b = &*b;
+                    if threads == 1 {
+                        // SAFETY: the whole block is this thread's.
+                        unsafe { block(&pr, b, jc, 0, m, 0, np) };
+                    } else if mt >= 2 * threads {
+                        // Row blocks, several per thread so that a slower core
+                        // (shared machine) takes fewer of them.
+                        let per = mt.div_ceil(threads * TASKS_PER_THREAD).min(MC / MR);
+                        (0..mt.div_ceil(per)).into_par_iter().for_each(|t| {
+                            let (r0, r1) = (t * per * MR, ((t + 1) * per * MR).min(m));
+                            // SAFETY: tasks own disjoint row ranges.
+                            unsafe { block(&pr, b, jc, r0, r1, 0, np) };
+                        });
+                    } else {
+                        // Few rows: blocks of column panels.
+                        let per = np.div_ceil(threads * TASKS_PER_THREAD);
+                        (0..np.div_ceil(per)).into_par_iter().for_each(|t| {
+                            // SAFETY: tasks own disjoint panel ranges.
+                            unsafe { block(&pr, b, jc, 0, m, t * per, ((t + 1) * per).min(np)) };
+                        });
+                    }
                 }
-                let b = &*b;
-                if threads == 1 {
-                    // SAFETY: the whole block is this thread's.
-                    unsafe { block(&pr, b, jc, 0, m, 0, np) };
-                } else if mt >= 2 * threads {
-                    // Row blocks, several per thread so that a slower core
-                    // (shared machine) takes fewer of them.
-                    let per = mt.div_ceil(threads * TASKS_PER_THREAD).min(MC / MR);
-                    (0..mt.div_ceil(per)).into_par_iter().for_each(|t| {
-                        let (r0, r1) = (t * per * MR, ((t + 1) * per * MR).min(m));
-                        // SAFETY: tasks own disjoint row ranges.
-                        unsafe { block(&pr, b, jc, r0, r1, 0, np) };
-                    });
-                } else {
-                    // Few rows: blocks of column panels.
-                    let per = np.div_ceil(threads * TASKS_PER_THREAD);
-                    (0..np.div_ceil(per)).into_par_iter().for_each(|t| {
-                        // SAFETY: tasks own disjoint panel ranges.
-                        unsafe { block(&pr, b, jc, 0, m, t * per, ((t + 1) * per).min(np)) };
-                    });
-                }
-            }
-        });
+            })
+        };
+        if threads > 1 && rayon::current_thread_index().is_none() {
+            // From outside the pool: enter it once, so that the parallel
+            // loops below are spawned by a worker, not injected cold each.
+            rayon::scope(|_| run());
+        } else {
+            run();
+        }
     }
 }
 
