@@ -781,7 +781,7 @@ mod tests {
     /// offset), 3 transposed sub-view.
     fn layout(rows: usize, cols: usize, kind: u8, seed: u64) -> (Vec<f32>, usize, usize, usize) {
         let (pad, off) = if kind >= 2 { (3, 5) } else { (0, 0) };
-        if kind % 2 == 0 {
+        if kind.is_multiple_of(2) {
             let rs = cols + pad;
             (rand_vec(off + rows.max(1) * rs, seed), off, rs, 1)
         } else {
