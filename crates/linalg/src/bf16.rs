@@ -1,20 +1,29 @@
 //! bf16-operand GEMM with f32 accumulation on AVX512-BF16 (`vdpbf16ps`).
 //!
 //! `dst (+)= alpha · bf16(lhs) · bf16(rhs)`, where `bf16(x)` rounds an f32 to
-//! bf16 to nearest even (`vcvtne2ps2bf16`) while packing.
+//! bf16 to nearest even (`vcvtne2ps2bf16`, NaN stays NaN) while packing.
+//! `vdpbf16ps` treats denormal operands and sums as zero (DAZ/FTZ), which
+//! only matters for values below 2⁻¹²⁶.
 //!
 //! # Blocking (BLIS / GotoBLAS)
 //!
-//! * `n` is cut into chunks of `NC` columns (sized so the packed chunk of `B`
-//!   holds about 8 MiB). Each chunk of `B` (all of `k`) is packed once, in
-//!   parallel, and shared by every thread.
-//! * The rows of `dst` (or, for short `m`, the column panels of the chunk) are
-//!   split evenly over the threads. Each thread walks its rows in blocks of
-//!   `MC` rows; for each block it walks `k` in blocks of `KC = 2·KCP` values,
-//!   packs the `MC × KC` block of `A` (L2 resident), and runs the
-//!   `MR × NR` microkernel over every `NR`-column panel of the chunk (the
-//!   `KC × NR` micro-panel of `B` stays in L1 while the row tiles of the
-//!   block pass over it).
+//! * `n` is cut into chunks of `NC` columns, sized so the packed chunk of `B`
+//!   (all of `k`) holds at most 32 MiB. Each chunk is packed once, in
+//!   parallel (one task per `NR`-column panel), and shared by every thread.
+//! * The rows of `dst` (or, for short `m`, the column panels of the chunk)
+//!   are cut into about four tasks per thread, handed out by rayon, so that
+//!   a core slowed down by other work takes fewer of them. A task walks its
+//!   rows in blocks of at most `MC` rows; for each block it walks `k` in
+//!   equal blocks of at most `KC = 2·KCP` values, packs that `MC × KC` block
+//!   of `A` (L2 resident), and runs the `MR × NR` microkernel over every
+//!   panel of the chunk, the row tiles of the block passing over one
+//!   `KC × NR` micro-panel of `B` (L1/L2) before moving to the next panel.
+//! * The microkernel keeps `MR × NR / 16 = 24` zmm accumulators (12 rows ×
+//!   2 × 16 columns), loads two vectors of `B` and broadcasts 12 pairs of `A`
+//!   per k pair, prefetches `B` a few pairs ahead and the next tile's
+//!   accumulators (scratch or `dst`) while it computes.
+//! * A call from outside the rayon pool enters it once (`rayon::scope`) so
+//!   that its parallel loops are spawned from a worker.
 //!
 //! # Pack format
 //!
@@ -955,6 +964,63 @@ mod tests {
             let lhs = Strided { data: &a, offset: i * k, rs: k, cs: 1 };
             crate::gemm_into(1, n, k, &mut row, 0, n, false, lhs, Strided::rows(&b, n), 1.0, par);
             assert_eq!(row, full[i * n..(i + 1) * n]);
+        }
+    }
+
+    #[test]
+    fn nan_and_infinity_propagate() {
+        if skip() {
+            return;
+        }
+        let (m, n, k) = (30usize, 40usize, 70usize);
+        let mut a = rand_vec(m * k, 5);
+        let b = rand_vec(k * n, 6);
+        a[7 * k + 3] = f32::NAN;
+        a[11 * k + 69] = f32::INFINITY;
+        let mut dst = vec![0f32; m * n];
+        let par = crate::Par { pool: false, operands: crate::Operands::Bf16 };
+        crate::gemm_into(m, n, k, &mut dst, 0, n, false, Strided::rows(&a, k), Strided::rows(&b, n), 1.0, par);
+        for i in 0..m {
+            for j in 0..n {
+                let x = dst[i * n + j];
+                match i {
+                    7 => assert!(x.is_nan()),
+                    11 => assert!(x.is_infinite() && x.signum() == b[69 * n + j].signum()),
+                    _ => assert!(x.is_finite()),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn long_k_bit_identical_to_one_row_at_a_time_on_the_pool() {
+        if skip() {
+            return;
+        }
+        // Three k blocks; transposed lhs (as dW = inpᵀ·dout).
+        let (m, n, k) = (40usize, 90usize, 5001usize);
+        let a = rand_vec(m * k, 7);
+        let b = rand_vec(k * n, 8);
+        let lhs = Strided::transposed(&a, m);
+        let c = crate::Par { pool: true, operands: crate::Operands::Bf16 };
+        let mut full = vec![0f32; m * n];
+        crate::gemm_into(m, n, k, &mut full, 0, n, false, lhs, Strided::rows(&b, n), 1.0, c);
+        let two = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
+        let rows: Vec<Vec<f32>> = two.install(|| {
+            use rayon::prelude::*;
+            (0..m)
+                .into_par_iter()
+                .map(|i| {
+                    let mut row = vec![0f32; n];
+                    let lhs_i = Strided { offset: i, ..lhs };
+                    let one = crate::Par { pool: false, ..c };
+                    crate::gemm_into(1, n, k, &mut row, 0, n, false, lhs_i, Strided::rows(&b, n), 1.0, one);
+                    row
+                })
+                .collect()
+        });
+        for (i, row) in rows.iter().enumerate() {
+            assert_eq!(row[..], full[i * n..(i + 1) * n], "row {i}");
         }
     }
 
