@@ -259,20 +259,15 @@ mod imp {
         }
     }
 
-    /// Packs columns `j0 .. j0 + ncols` of `rhs`, all `k`, into
-    /// `⌈ncols/NR⌉` consecutive `B` panels (`kp × NR` u32 each, `kp = ⌈k/2⌉`),
-    /// the last one zero-padded. Several panels at once read longer runs of
-    /// each row of a row-major `B`.
+    /// Packs columns `j0 .. j0 + nr` (`nr ≤ NR`) of `rhs`, all `k`, into one
+    /// `B` panel (`kp × NR` u32, `kp = ⌈k/2⌉`).
     ///
     /// # Safety
-    /// `rhs` must hold the `k × (j0 + ncols)` view (checked by the caller).
+    /// `rhs` must hold the `k × (j0 + nr)` view (checked by the caller).
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    unsafe fn pack_b_panels(out: &mut [u32], rhs: &Strided<'_>, k: usize, j0: usize, ncols: usize) {
+    unsafe fn pack_b_panel(out: &mut [u32], rhs: &Strided<'_>, k: usize, j0: usize, nr: usize) {
         let kp = k.div_ceil(2);
-        // Vectors of 16 columns; vector w goes to panel w / NV at 16·(w % NV).
-        let vectors = ncols.div_ceil(NR) * NV;
-        assert!(out.len() >= vectors / NV * kp * NR && ncols > 0);
-        let at = |w: usize, p: usize| (w / NV) * kp * NR + p * NR + 16 * (w % NV);
+        debug_assert!(out.len() >= kp * NR && nr <= NR && nr > 0);
         let base = rhs.ptr();
         let (rs, cs) = (rhs.rs, rhs.cs);
         let o = out.as_mut_ptr();
@@ -282,35 +277,35 @@ mod imp {
             let idx = unsafe { _mm512_loadu_si512(INTERLEAVE.as_ptr().cast()) };
             for p in 0..kp {
                 let r0 = base.wrapping_add(2 * p * rs + j0 * cs);
-                for w in 0..vectors {
-                    let cols = ncols.saturating_sub(16 * w).min(16);
+                for v in 0..NV {
+                    let cols = nr.saturating_sub(16 * v).min(16);
                     let zero = _mm512_setzero_ps();
                     let (x, y) = if cols == 0 {
                         (zero, zero)
                     } else {
                         // SAFETY: row 2p (< k) and, if present, row 2p + 1,
-                        // columns j0 + 16w .. + cols are inside the view.
+                        // columns j0 + 16v .. + cols are inside the view.
                         unsafe {
-                            let x = load16(r0.wrapping_add(16 * w * cs), cs, cols);
+                            let x = load16(r0.wrapping_add(16 * v * cs), cs, cols);
                             let y =
-                                if 2 * p + 1 < k { load16(r0.wrapping_add(rs + 16 * w * cs), cs, cols) } else { zero };
+                                if 2 * p + 1 < k { load16(r0.wrapping_add(rs + 16 * v * cs), cs, cols) } else { zero };
                             (x, y)
                         }
                     };
-                    // SAFETY: at(w, p) + 16 ≤ out.len() (asserted above).
-                    unsafe { _mm512_storeu_si512(o.add(at(w, p)).cast(), pairs(x, y, idx)) };
+                    // SAFETY: p·NR + 16v + 16 ≤ kp·NR ≤ out.len().
+                    unsafe { _mm512_storeu_si512(o.add(p * NR + 16 * v).cast(), pairs(x, y, idx)) };
                 }
             }
         } else {
             // Columns of B are contiguous along k: 32 values of k (16 pairs)
             // of 16 columns at a time, turned pair-major by a 16 × 16
             // transpose of u32.
-            for w in 0..vectors {
-                let cols = ncols.saturating_sub(16 * w).min(16);
+            for v in 0..NV {
+                let cols = nr.saturating_sub(16 * v).min(16);
                 for q0 in (0..kp).step_by(16) {
                     let mut t: [__m512i; 16] = std::array::from_fn(|j| {
                         if j < cols {
-                            let col = base.wrapping_add((j0 + 16 * w + j) * cs + 2 * q0);
+                            let col = base.wrapping_add((j0 + 16 * v + j) * cs + 2 * q0);
                             // SAFETY: values 2·q0 .. k of this column are inside the view.
                             let (lo, hi) = unsafe { load32(col, 1, k - 2 * q0) };
                             consecutive_pairs(lo, hi)
@@ -320,8 +315,8 @@ mod imp {
                     });
                     transpose16x16_u32(&mut t);
                     for (q, row) in t.iter().enumerate().take(kp - q0) {
-                        // SAFETY: at(w, q0 + q) + 16 ≤ out.len() (asserted above).
-                        unsafe { _mm512_storeu_si512(o.add(at(w, q0 + q)).cast(), *row) };
+                        // SAFETY: (q0 + q)·NR + 16v + 16 ≤ kp·NR ≤ out.len().
+                        unsafe { _mm512_storeu_si512(o.add((q0 + q) * NR + 16 * v).cast(), *row) };
                     }
                 }
             }
@@ -718,19 +713,17 @@ mod imp {
             with_buf(&PACK_B, kp * nc, |bbuf| {
                 for jc in (0..n).step_by(nc) {
                     let chunk_end = n.min(jc + nc);
-                    let np = (chunk_end - jc).div_ceil(NR);
+                let np = (chunk_end - jc).div_ceil(NR);
                     let b = &mut bbuf[..np * kp * NR];
-                    // Groups of up to 8 panels, about 4 groups per thread.
-                    let group = (np / (threads * TASKS_PER_THREAD)).clamp(1, 8);
-                    let pack = |(g, panels): (usize, &mut [u32])| {
-                        let j0 = jc + g * group * NR;
+                    let pack = |(q, panel): (usize, &mut [u32])| {
+                        let j0 = jc + q * NR;
                         // SAFETY: rhs holds the k × n view; j0 < n.
-                        unsafe { pack_b_panels(panels, &pr.rhs, k, j0, (group * NR).min(chunk_end - j0)) }
+                        unsafe { pack_b_panel(panel, &pr.rhs, k, j0, NR.min(chunk_end - j0)) }
                     };
                     if threads > 1 {
-                        b.par_chunks_mut(group * kp * NR).enumerate().for_each(pack);
+                        b.par_chunks_mut(kp * NR).enumerate().for_each(pack);
                     } else {
-                        b.chunks_mut(group * kp * NR).enumerate().for_each(pack);
+                        b.chunks_mut(kp * NR).enumerate().for_each(pack);
                     }
                     let b = &*b;
                     if threads == 1 {
