@@ -130,6 +130,8 @@ mod imp {
     const B_CHUNK_BYTES: usize = if cfg!(test) { 64 << 10 } else { 32 << 20 };
     /// How many k pairs ahead the microkernel prefetches `B`.
     const PF_B: usize = 16;
+    /// How many rows ahead the packing of a row-major `B` prefetches.
+    const PF_ROWS: usize = 16;
     /// Tasks per thread when splitting over the pool.
     const TASKS_PER_THREAD: usize = 4;
     /// Below this many flops, one thread.
@@ -277,6 +279,15 @@ mod imp {
             let idx = unsafe { _mm512_loadu_si512(INTERLEAVE.as_ptr().cast()) };
             for p in 0..kp {
                 let r0 = base.wrapping_add(2 * p * rs + j0 * cs);
+                if cs == 1 {
+                    // Rows far apart defeat the hardware prefetcher: fetch
+                    // the panel's part of the rows PF_ROWS ahead.
+                    let ahead = r0.wrapping_add(PF_ROWS * rs);
+                    for l in 0..NV {
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(16 * l).cast());
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(rs + 16 * l).cast());
+                    }
+                }
                 for v in 0..NV {
                     let cols = nr.saturating_sub(16 * v).min(16);
                     let zero = _mm512_setzero_ps();
