@@ -713,7 +713,7 @@ mod imp {
         if m == 0 || n == 0 {
             return;
         }
-        let flops = 2 * m * n * k;
+        let flops = 2usize.saturating_mul(m).saturating_mul(n).saturating_mul(k);
         let threads = if pool && flops >= MIN_PAR_FLOPS { rayon::current_num_threads().max(1) } else { 1 };
         let kp = k.div_ceil(2);
         let nc = ((B_CHUNK_BYTES / 4 / kp.max(1)) / NR).max(1) * NR;
