@@ -674,16 +674,19 @@ mod imp {
                                     alpha: pr.alpha,
                                 });
                                 let tile = s.wrapping_add(((q - q0) * mtiles + it) * MR * NR);
-                                // SAFETY (kernel below): the packed panels hold kcp pairs
-                                // from p0; the scratch tile is inside sbuf
-                                // whenever it is used (nkb > 1); the dst tile
-                                // is inside the caller's m × n block.
+                                // The next tile's accumulators: its dst rows
+                                // (last k block) or its scratch tile. Only
+                                // prefetched, so it may lie past the block.
                                 let prefetch = if last {
                                     let next = if it + 1 < mtiles { (row + MR, col) } else { (ic, col + NR) };
                                     Some((pr.dst.0.wrapping_add(next.0 * pr.dst_rs + next.1).cast_const(), pr.dst_rs))
                                 } else {
                                     (kb > 0).then(|| (tile.wrapping_add(MR * NR).cast_const(), NR))
                                 };
+                                // SAFETY: the packed panels hold kcp pairs
+                                // from p0; the scratch tile is inside sbuf
+                                // whenever it is used (nkb > 1); the dst tile
+                                // is inside the caller's m × n block.
                                 unsafe { kernel(kcp, a.add(it * kcp * MR), bp, tile, kb == 0, out, prefetch) };
                             }
                         }
@@ -724,7 +727,7 @@ mod imp {
             with_buf(&PACK_B, kp * nc, |bbuf| {
                 for jc in (0..n).step_by(nc) {
                     let chunk_end = n.min(jc + nc);
-                let np = (chunk_end - jc).div_ceil(NR);
+                    let np = (chunk_end - jc).div_ceil(NR);
                     let b = &mut bbuf[..np * kp * NR];
                     let pack = |(q, panel): (usize, &mut [u32])| {
                         let j0 = jc + q * NR;
