@@ -233,11 +233,11 @@ mod imp {
         unsafe { transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo)) }
     }
 
-    /// Loads `count ≤ 32` values `src[0], src[stride], …` (zeros past
-    /// `count`) as two vectors of 16.
+    /// Loads the first `min(count, 32)` of the values `src[0],
+    /// src[stride], …` (zeros past `count`) as two vectors of 16.
     ///
     /// # Safety
-    /// The `count` addresses must be readable.
+    /// Those `min(count, 32)` addresses must be readable.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     #[inline]
     unsafe fn load32(src: *const f32, stride: usize, count: usize) -> (__m512, __m512) {
@@ -334,10 +334,11 @@ mod imp {
         }
     }
 
-    /// Loads `count ≤ 16` values `src[0], src[stride], …`, zeros past `count`.
+    /// Loads the first `min(count, 16)` of the values `src[0], src[stride],
+    /// …`, zeros past `count`.
     ///
     /// # Safety
-    /// The `count` addresses must be readable.
+    /// Those `min(count, 16)` addresses must be readable.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     #[inline]
     unsafe fn load16(src: *const f32, stride: usize, count: usize) -> __m512 {
