@@ -135,7 +135,7 @@ mod imp {
     /// Tasks per thread when splitting over the pool.
     const TASKS_PER_THREAD: usize = 4;
     /// Below this many flops, one thread.
-    const MIN_PAR_FLOPS: usize = 1 << 22;
+    const MIN_PAR_FLOPS: usize = 1 << 24;
 
     thread_local! {
         static PACK_B: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
@@ -945,8 +945,9 @@ mod tests {
         if skip() {
             return;
         }
-        // Big enough to go parallel, both row and column splits.
-        for &(m, n, k) in &[(300usize, 200usize, 1030usize), (20, 700, 600), (1, 3000, 700), (530, 1, 1500)] {
+        // Big enough to go parallel (2·m·n·k ≥ MIN_PAR_FLOPS), both row and
+        // column splits.
+        for &(m, n, k) in &[(300usize, 200usize, 1030usize), (20, 1000, 600), (1, 12000, 800), (530, 1, 16000)] {
             for accumulate in [false, true] {
                 let c = Case { m, n, k, lhs_kind: 1, rhs_kind: 2, accumulate, alpha: 1.25 };
                 let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("pool");
