@@ -261,6 +261,54 @@ mod imp {
         }
     }
 
+    /// Packs columns `j0 .. j0 + ncols` of a row-major `rhs` (`cs == 1`), all
+    /// `k`, into `⌈ncols/NR⌉` consecutive `B` panels (`kp × NR` u32 each,
+    /// `kp = ⌈k/2⌉`), the last one zero-padded. Several panels at once read
+    /// longer runs of each row (fewer pages touched per row pair).
+    ///
+    /// # Safety
+    /// `rhs` must hold the `k × (j0 + ncols)` view (checked by the caller).
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn pack_b_rows(out: &mut [u32], rhs: &Strided<'_>, k: usize, j0: usize, ncols: usize) {
+        let kp = k.div_ceil(2);
+        let panels = ncols.div_ceil(NR);
+        assert!(rhs.cs == 1 && out.len() >= panels * kp * NR);
+        // SAFETY: INTERLEAVE holds 32 u16.
+        let idx = unsafe { _mm512_loadu_si512(INTERLEAVE.as_ptr().cast()) };
+        let (base, rs) = (rhs.ptr(), rhs.rs);
+        let o = out.as_mut_ptr();
+        for p in 0..kp {
+            let r0 = base.wrapping_add(2 * p * rs + j0);
+            // Rows far apart defeat the hardware prefetcher: fetch the part
+            // of the rows PF_ROWS ahead that this call packs.
+            let ahead = r0.wrapping_add(PF_ROWS * rs);
+            for l in 0..ncols.div_ceil(16) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(16 * l).cast());
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(rs + 16 * l).cast());
+            }
+            let second = 2 * p + 1 < k;
+            for g in 0..panels {
+                for v in 0..NV {
+                    let c = g * NR + 16 * v;
+                    let mask = mask16(ncols.saturating_sub(c));
+                    // SAFETY: row 2p (< k) and, if `second`, row 2p + 1,
+                    // columns j0 + c .. j0 + ncols are inside the view;
+                    // masked-off lanes are not accessed; the store lies in
+                    // panel g (asserted above).
+                    unsafe {
+                        let x = _mm512_maskz_loadu_ps(mask, r0.wrapping_add(c));
+                        let y = if second {
+                            _mm512_maskz_loadu_ps(mask, r0.wrapping_add(rs + c))
+                        } else {
+                            _mm512_setzero_ps()
+                        };
+                        _mm512_storeu_si512(o.add(g * kp * NR + p * NR + 16 * v).cast(), pairs(x, y, idx));
+                    }
+                }
+            }
+        }
+    }
+
     /// Packs columns `j0 .. j0 + nr` (`nr ≤ NR`) of `rhs`, all `k`, into one
     /// `B` panel (`kp × NR` u32, `kp = ⌈k/2⌉`).
     ///
@@ -274,20 +322,12 @@ mod imp {
         let (rs, cs) = (rhs.rs, rhs.cs);
         let o = out.as_mut_ptr();
         if cs == 1 || rs != 1 {
-            // Rows of B, 16 columns at a time (contiguous when cs == 1).
+            // Rows of B, 16 columns at a time (gathered unless cs == 1;
+            // row-major B normally goes through `pack_b_rows`).
             // SAFETY: INTERLEAVE holds 32 u16.
             let idx = unsafe { _mm512_loadu_si512(INTERLEAVE.as_ptr().cast()) };
             for p in 0..kp {
                 let r0 = base.wrapping_add(2 * p * rs + j0 * cs);
-                if cs == 1 {
-                    // Rows far apart defeat the hardware prefetcher: fetch
-                    // the panel's part of the rows PF_ROWS ahead.
-                    let ahead = r0.wrapping_add(PF_ROWS * rs);
-                    for l in 0..NV {
-                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(16 * l).cast());
-                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(rs + 16 * l).cast());
-                    }
-                }
                 for v in 0..NV {
                     let cols = nr.saturating_sub(16 * v).min(16);
                     let zero = _mm512_setzero_ps();
@@ -730,15 +770,30 @@ mod imp {
                     let chunk_end = n.min(jc + nc);
                     let np = (chunk_end - jc).div_ceil(NR);
                     let b = &mut bbuf[..np * kp * NR];
-                    let pack = |(q, panel): (usize, &mut [u32])| {
-                        let j0 = jc + q * NR;
-                        // SAFETY: rhs holds the k × n view; j0 < n.
-                        unsafe { pack_b_panel(panel, &pr.rhs, k, j0, NR.min(chunk_end - j0)) }
-                    };
-                    if threads > 1 {
-                        b.par_chunks_mut(kp * NR).enumerate().for_each(pack);
+                    if rhs.cs == 1 {
+                        // Row-major B: groups of up to 8 panels, about 8 per thread.
+                        let group = (np / (threads * 8)).clamp(1, 8);
+                        let pack = |(g, panels): (usize, &mut [u32])| {
+                            let j0 = jc + g * group * NR;
+                            // SAFETY: rhs holds the k × n view; j0 < chunk_end ≤ n.
+                            unsafe { pack_b_rows(panels, &pr.rhs, k, j0, (group * NR).min(chunk_end - j0)) }
+                        };
+                        if threads > 1 {
+                            b.par_chunks_mut(group * kp * NR).enumerate().for_each(pack);
+                        } else {
+                            b.chunks_mut(group * kp * NR).enumerate().for_each(pack);
+                        }
                     } else {
-                        b.chunks_mut(kp * NR).enumerate().for_each(pack);
+                        let pack = |(q, panel): (usize, &mut [u32])| {
+                            let j0 = jc + q * NR;
+                            // SAFETY: rhs holds the k × n view; j0 < chunk_end ≤ n.
+                            unsafe { pack_b_panel(panel, &pr.rhs, k, j0, NR.min(chunk_end - j0)) }
+                        };
+                        if threads > 1 {
+                            b.par_chunks_mut(kp * NR).enumerate().for_each(pack);
+                        } else {
+                            b.chunks_mut(kp * NR).enumerate().for_each(pack);
+                        }
                     }
                     let b = &*b;
                     if threads == 1 {
