@@ -422,6 +422,12 @@ mod imp {
         let store = mask16(MR);
         for p in 0..kcp {
             let kk = 2 * (p0 + p);
+            // The block's part of the columns PF_ROWS ahead (see pack_b_rows).
+            let ahead = base.wrapping_add((kk + PF_ROWS) * cs + i0);
+            for l in 0..(i1 - i0).div_ceil(16) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(16 * l).cast());
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(cs + 16 * l).cast());
+            }
             for it in 0..tiles {
                 let row = i0 + it * MR;
                 let rows = mask16(MR.min(i1 - row));
