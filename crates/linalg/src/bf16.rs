@@ -763,6 +763,16 @@ mod imp {
         if m == 0 || n == 0 {
             return;
         }
+        if k == 0 {
+            // An empty sum (gemm_raw handles this before calling us).
+            if !accumulate {
+                for i in 0..m {
+                    // SAFETY: row i of the m × n block of dst.
+                    unsafe { std::ptr::write_bytes(dst.add(i * dst_rs), 0, n) };
+                }
+            }
+            return;
+        }
         let flops = 2usize.saturating_mul(m).saturating_mul(n).saturating_mul(k);
         let threads = if pool && flops >= MIN_PAR_FLOPS { rayon::current_num_threads().max(1) } else { 1 };
         let kp = k.div_ceil(2);
