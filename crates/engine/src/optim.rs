@@ -6,6 +6,7 @@
 use crate::error::EngineError;
 use crate::layout::ParamLayout;
 use crate::offload::OffloadedState;
+use multiversion::multiversion;
 use rayon::prelude::*;
 use std::ops::Range;
 
@@ -92,16 +93,36 @@ fn adam_apply(c: &AdamStep, pieces: Vec<Piece<'_>>, base: usize, m: &mut [f32], 
     work.into_par_iter().for_each(|((piece, m), v)| {
         let Piece { params: p, grads: g, decay: decays, .. } = piece;
         let decay = if decays { 1.0 - lr * wd } else { 1.0 };
-        // Zipped iterators: no bounds checks, so the loop vectorises.
-        for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
-            let gi = g * grad_scale;
-            *p *= decay;
-            *m = b1 * *m + (1.0 - b1) * gi;
-            *v = b2 * *v + (1.0 - b2) * gi * gi;
-            let denom = v.sqrt() / bc2_sqrt + eps;
-            *p -= step_size * *m / denom;
-        }
+        adam_loop(p, m, v, g, AdamConsts { b1, b2, eps, decay, step_size, bc2_sqrt, grad_scale });
     });
+}
+
+#[derive(Clone, Copy)]
+struct AdamConsts {
+    b1: f32,
+    b2: f32,
+    eps: f32,
+    decay: f32,
+    step_size: f32,
+    bc2_sqrt: f32,
+    grad_scale: f32,
+}
+
+/// One piece's AdamW update. Zipped iterators (no bounds checks) so the
+/// loop vectorises; compiled for AVX-512 and AVX2 too and picked at run
+/// time — the same IEEE operations in the same order (no FMA contraction),
+/// so every path gives the same bits.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
+fn adam_loop(p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], c: AdamConsts) {
+    let AdamConsts { b1, b2, eps, decay, step_size, bc2_sqrt, grad_scale } = c;
+    for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+        let gi = g * grad_scale;
+        *p *= decay;
+        *m = b1 * *m + (1.0 - b1) * gi;
+        *v = b2 * *v + (1.0 - b2) * gi * gi;
+        let denom = v.sqrt() / bc2_sqrt + eps;
+        *p -= step_size * *m / denom;
+    }
 }
 
 /// A contiguous run of parameters updated together: its values, its

@@ -7,6 +7,7 @@
 //! type, which is what the dynamic loss scaler watches for.
 
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+use multiversion::multiversion;
 use rayon::prelude::*;
 
 /// The compute precision of a run.
@@ -41,6 +42,23 @@ fn from_bf16(h: u16) -> f32 {
     f32::from_bits((h as u32) << 16)
 }
 
+// The bf16 loops are compiled for AVX-512 and AVX2 too and picked at run
+// time: integer and bit operations only, so every path gives the same bits.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
+fn encode_bf16(s: &[f32], d: &mut [u16]) {
+    d.iter_mut().zip(s).for_each(|(d, &x)| *d = to_bf16(x));
+}
+
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
+fn decode_bf16(s: &[u16], d: &mut [f32]) {
+    d.iter_mut().zip(s).for_each(|(d, &h)| *d = from_bf16(h));
+}
+
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
+fn round_bf16(x: &mut [f32]) {
+    x.iter_mut().for_each(|v| *v = from_bf16(to_bf16(*v)));
+}
+
 impl std::fmt::Display for Precision {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
@@ -68,7 +86,7 @@ impl Precision {
     /// Encodes `src` into 16-bit storage (`dst.len() == src.len()`).
     pub fn encode(self, src: &[f32], dst: &mut [u16]) {
         dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| match self {
-            Precision::Bf16 => d.iter_mut().zip(s).for_each(|(d, &x)| *d = to_bf16(x)),
+            Precision::Bf16 => encode_bf16(s, d),
             // half's slice conversions use the CPU's F16C instructions when present.
             Precision::F16 => d.reinterpret_cast_mut::<half::f16>().convert_from_f32_slice(s),
             Precision::F32 => unreachable!("f32 is not stored in 16 bits"),
@@ -78,7 +96,7 @@ impl Precision {
     /// Decodes 16-bit storage into f32.
     pub fn decode(self, src: &[u16], dst: &mut [f32]) {
         dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| match self {
-            Precision::Bf16 => d.iter_mut().zip(s).for_each(|(d, &h)| *d = from_bf16(h)),
+            Precision::Bf16 => decode_bf16(s, d),
             Precision::F16 => s.reinterpret_cast::<half::f16>().convert_to_f32_slice(d),
             Precision::F32 => unreachable!("f32 is not stored in 16 bits"),
         });
@@ -88,9 +106,7 @@ impl Precision {
     pub fn round(self, x: &mut [f32]) {
         match self {
             Precision::F32 => {}
-            Precision::Bf16 => {
-                x.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|v| *v = from_bf16(to_bf16(*v))))
-            }
+            Precision::Bf16 => x.par_chunks_mut(CHUNK).for_each(round_bf16),
             Precision::F16 => x.par_chunks_mut(ROUND_CHUNK).for_each(|c| {
                 let mut tmp = [half::f16::ZERO; ROUND_CHUNK];
                 let tmp = &mut tmp[..c.len()];

@@ -8,6 +8,7 @@
 //! number of threads.
 
 pub use linalg::{gemm_into, gemm_raw, parallelism, Operands, Par, Strided};
+use multiversion::multiversion;
 use rayon::prelude::*;
 
 /// LayerNorm epsilon of GPT-2.
@@ -306,25 +307,35 @@ pub fn fast_tanh(x: f32) -> f32 {
 
 /// GELU, tanh approximation (`gelu_new` in Hugging Face).
 pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
-    out.par_chunks_mut(4096).zip(inp.par_chunks(4096)).for_each(|(o, x)| {
-        for (o, &x) in o.iter_mut().zip(x) {
-            let cube = 0.044715 * x * x * x;
-            *o = 0.5 * x * (1.0 + fast_tanh(GELU_SCALE * (x + cube)));
-        }
-    });
+    out.par_chunks_mut(4096).zip(inp.par_chunks(4096)).for_each(|(o, x)| gelu_forward_chunk(o, x));
+}
+
+/// The elementwise loops below are compiled for AVX-512 and AVX2 as well as
+/// the baseline and picked at run time (`multiversion`): the same IEEE
+/// operations in the same order (Rust never contracts `a·b + c` into an FMA
+/// by itself), so every path gives the same bits, only wider.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
+fn gelu_forward_chunk(o: &mut [f32], x: &[f32]) {
+    for (o, &x) in o.iter_mut().zip(x) {
+        let cube = 0.044715 * x * x * x;
+        *o = 0.5 * x * (1.0 + fast_tanh(GELU_SCALE * (x + cube)));
+    }
 }
 
 /// In place: `d ← d · gelu'(inp)`.
 pub fn gelu_backward_inplace(d: &mut [f32], inp: &[f32]) {
-    d.par_chunks_mut(4096).zip(inp.par_chunks(4096)).for_each(|(d, x)| {
-        for (d, &x) in d.iter_mut().zip(x) {
-            let cube = 0.044715 * x * x * x;
-            let th = fast_tanh(GELU_SCALE * (x + cube));
-            let sech2 = 1.0 - th * th;
-            let grad = 0.5 * (1.0 + th) + 0.5 * x * sech2 * GELU_SCALE * (1.0 + 3.0 * 0.044715 * x * x);
-            *d *= grad;
-        }
-    });
+    d.par_chunks_mut(4096).zip(inp.par_chunks(4096)).for_each(|(d, x)| gelu_backward_chunk(d, x));
+}
+
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
+fn gelu_backward_chunk(d: &mut [f32], x: &[f32]) {
+    for (d, &x) in d.iter_mut().zip(x) {
+        let cube = 0.044715 * x * x * x;
+        let th = fast_tanh(GELU_SCALE * (x + cube));
+        let sech2 = 1.0 - th * th;
+        let grad = 0.5 * (1.0 + th) + 0.5 * x * sech2 * GELU_SCALE * (1.0 + 3.0 * 0.044715 * x * x);
+        *d *= grad;
+    }
 }
 
 /// Shapes of one attention call.
@@ -338,6 +349,8 @@ pub struct AttnShape {
     pub c: usize,
     /// Heads.
     pub n_head: usize,
+    /// Operands of the per-head GEMMs.
+    pub ops: Operands,
 }
 
 impl AttnShape {
@@ -401,7 +414,8 @@ pub fn causal_softmax_backward_rows(d: &mut [f32], a: &[f32], t: usize) {
 /// # Panics
 /// Unless `out`, `att` and `qkv` have exactly these lengths.
 pub fn attention_forward(out: &mut [f32], att: &mut [f32], qkv: &[f32], s: AttnShape) {
-    let AttnShape { b, t, c, n_head } = s;
+    let AttnShape { b, t, c, n_head, ops } = s;
+    let par = Par::ONE.with(ops);
     s.check(
         "attention_forward",
         &[("out", out.len(), &[b, t, c]), ("att", att.len(), &[b, n_head, t, t]), ("qkv", qkv.len(), &[b, t, 3, c])],
@@ -415,14 +429,14 @@ pub fn attention_forward(out: &mut [f32], att: &mut [f32], qkv: &[f32], s: AttnS
         let q = Strided { data: qkv, offset: base, rs: 3 * c, cs: 1 };
         let k_t = Strided { data: qkv, offset: base + c, rs: 1, cs: 3 * c };
         let v = Strided { data: qkv, offset: base + 2 * c, rs: 3 * c, cs: 1 };
-        gemm_into(t, t, hd, a, 0, t, false, q, k_t, scale, Par::ONE);
+        gemm_into(t, t, hd, a, 0, t, false, q, k_t, scale, par);
         causal_softmax_rows(a, t);
         let att_view = Strided::rows(a, t);
         // SAFETY: head (bi, h) writes rows bi·T.. of columns h·hd..(h+1)·hd of
         // `out` only; no two tasks share a (bi, h), and `out` is large enough.
         unsafe {
             let dst = { out_ptr }.0.add(bi * t * c + h * hd);
-            gemm_raw(t, hd, t, dst, c, false, att_view, v, 1.0, Par::ONE);
+            gemm_raw(t, hd, t, dst, c, false, att_view, v, 1.0, par);
         }
     });
 }
@@ -433,7 +447,8 @@ pub fn attention_forward(out: &mut [f32], att: &mut [f32], qkv: &[f32], s: AttnS
 /// # Panics
 /// Unless every slice has exactly the length the shape implies.
 pub fn attention_backward(dqkv: &mut [f32], datt: &mut [f32], dout: &[f32], qkv: &[f32], att: &[f32], s: AttnShape) {
-    let AttnShape { b, t, c, n_head } = s;
+    let AttnShape { b, t, c, n_head, ops } = s;
+    let par = Par::ONE.with(ops);
     s.check(
         "attention_backward",
         &[
@@ -454,7 +469,7 @@ pub fn attention_backward(dqkv: &mut [f32], datt: &mut [f32], dout: &[f32], qkv:
         let dout_h = Strided { data: dout, offset: bi * t * c + h * hd, rs: c, cs: 1 };
         let v_t = Strided { data: qkv, offset: base + 2 * c, rs: 1, cs: 3 * c };
         // datt = dout · vᵀ
-        gemm_into(t, t, hd, da, 0, t, false, dout_h, v_t, 1.0, Par::ONE);
+        gemm_into(t, t, hd, da, 0, t, false, dout_h, v_t, 1.0, par);
         causal_softmax_backward_rows(da, a, t);
         let dpre = Strided::rows(da, t);
         let dpre_t = Strided::transposed(da, t);
@@ -465,9 +480,9 @@ pub fn attention_backward(dqkv: &mut [f32], datt: &mut [f32], dout: &[f32], qkv:
         unsafe {
             let p = { dqkv_ptr }.0.add(base);
             // dq = scale · dpre · k ; dk = scale · dpreᵀ · q ; dv = attᵀ · dout
-            gemm_raw(t, hd, t, p, 3 * c, false, dpre, k, scale, Par::ONE);
-            gemm_raw(t, hd, t, p.add(c), 3 * c, false, dpre_t, q, scale, Par::ONE);
-            gemm_raw(t, hd, t, p.add(2 * c), 3 * c, false, Strided::transposed(a, t), dout_h, 1.0, Par::ONE);
+            gemm_raw(t, hd, t, p, 3 * c, false, dpre, k, scale, par);
+            gemm_raw(t, hd, t, p.add(c), 3 * c, false, dpre_t, q, scale, par);
+            gemm_raw(t, hd, t, p.add(2 * c), 3 * c, false, Strided::transposed(a, t), dout_h, 1.0, par);
         }
     });
 }
@@ -514,7 +529,7 @@ mod tests {
     /// before any write.
     #[test]
     fn attention_kernels_reject_slices_of_the_wrong_length() {
-        let s = AttnShape { b: 1, t: 4, c: 8, n_head: 2 };
+        let s = AttnShape { b: 1, t: 4, c: 8, n_head: 2, ops: Operands::F32 };
         let (bt, att_len) = (4, 2 * 16);
         let ok = |out: usize, att: usize, qkv: usize| {
             std::panic::catch_unwind(|| {
@@ -538,7 +553,7 @@ mod tests {
         assert!(!back(bt * 24, 4 * att_len, bt * 8, bt * 24, 4 * att_len), "longer datt/att");
         assert!(!back(bt * 24 - 1, att_len, bt * 8, bt * 24, att_len), "short dqkv");
         assert!(!back(bt * 24, att_len, bt * 8 - 1, bt * 24, att_len), "short dout");
-        let huge = AttnShape { b: usize::MAX / 2 + 1, t: 1, c: 2, n_head: 1 };
+        let huge = AttnShape { b: usize::MAX / 2 + 1, t: 1, c: 2, n_head: 1, ops: Operands::F32 };
         let overflow = std::panic::catch_unwind(|| attention_forward(&mut [], &mut [], &[], huge));
         assert!(overflow.is_err(), "a shape whose sizes overflow must not pass as empty");
     }

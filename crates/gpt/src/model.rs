@@ -393,7 +393,7 @@ fn block_forward(
     let attn_b = Some(&p[r.attn_b.clone()]);
     kernels::matmul_forward(qkv, large[LN1].cur(a), &p[r.attn_w.clone()], attn_b, None, n, c, 3 * c, ops);
     large[QKV].keep(qkv, prec);
-    kernels::attention_forward(a, att, large[QKV].cur(qkv), AttnShape { b, t, c, n_head: nh });
+    kernels::attention_forward(a, att, large[QKV].cur(qkv), AttnShape { b, t, c, n_head: nh, ops });
     large[ATT].keep(att, prec);
     large[ATTY].keep(a, prec);
     let proj_b = Some(&p[r.proj_b.clone()]);
@@ -495,7 +495,7 @@ fn block_backward(
     let (gw, gb) = grads.pair(r.proj_w.clone(), r.proj_b.clone());
     kernels::matmul_backward(dc, kgrad(gw), kgrad(gb), dres, saved.get(ATTY), &p[r.proj_w.clone()], n, c, c, ops);
     let (qkv, att) = saved.qkv_att();
-    kernels::attention_backward(dqkv, datt, dc, qkv, att, AttnShape { b, t, c, n_head: nh });
+    kernels::attention_backward(dqkv, datt, dc, qkv, att, AttnShape { b, t, c, n_head: nh, ops });
     let (gw, gb) = grads.pair(r.attn_w.clone(), r.attn_b.clone());
     kernels::matmul_backward(dc, kgrad(gw), kgrad(gb), dqkv, saved.get(LN1), &p[r.attn_w.clone()], n, c, 3 * c, ops);
     let (gw, gb) = grads.pair(r.ln1_w.clone(), r.ln1_b.clone());

@@ -154,7 +154,7 @@ fn gelu_backward_matches_finite_differences() {
 
 #[test]
 fn attention_backward_matches_finite_differences() {
-    let s = AttnShape { b: 2, t: 5, c: 8, n_head: 2 };
+    let s = AttnShape { b: 2, t: 5, c: 8, n_head: 2, ops: kernels::Operands::F32 };
     let qkv = randn(s.b * s.t * 3 * s.c, 12, 1.0);
     let r = randn(s.b * s.t * s.c, 13, 1.0);
     let att_len = s.b * s.n_head * s.t * s.t;

@@ -81,11 +81,13 @@ pub struct Key {
     pub rhs_t: bool,
     /// Threads in the pool.
     pub threads: usize,
+    /// bf16 operands (the bf16 kernel's calls: recorded, never probed).
+    pub bf16: bool,
 }
 
 impl Key {
-    pub(crate) fn new(m: usize, n: usize, k: usize, lhs: &Strided<'_>, rhs: &Strided<'_>) -> Key {
-        Key { m, n, k, lhs_t: lhs.cs != 1, rhs_t: rhs.cs != 1, threads: rayon::current_num_threads() }
+    pub(crate) fn new(m: usize, n: usize, k: usize, lhs: &Strided<'_>, rhs: &Strided<'_>, bf16: bool) -> Key {
+        Key { m, n, k, lhs_t: lhs.cs != 1, rhs_t: rhs.cs != 1, threads: rayon::current_num_threads(), bf16 }
     }
 
     /// `m×k×n` plus `ᵀ` marks for transposed operands, e.g. `4096×768ᵀ×2304`.
@@ -308,7 +310,7 @@ pub(crate) unsafe fn pool_f32(
     rhs: Strided<'_>,
     alpha: f32,
 ) {
-    let key = Key::new(m, n, k, &lhs, &rhs);
+    let key = Key::new(m, n, k, &lhs, &rhs, false);
     let (backend, on_trial) = choose(key);
     let t = Instant::now();
     run(backend, m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha);

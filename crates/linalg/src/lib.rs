@@ -172,7 +172,7 @@ pub unsafe fn gemm_raw(
     }
     if par.operands == Operands::Bf16 && bf16::supported() {
         if par.pool {
-            let key = Key::new(m, n, k, &lhs, &rhs);
+            let key = Key::new(m, n, k, &lhs, &rhs, true);
             let t = std::time::Instant::now();
             bf16::gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, true);
             backend::record(key, Backend::Bf16, t.elapsed().as_secs_f64());

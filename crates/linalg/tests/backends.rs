@@ -170,9 +170,9 @@ fn split_is_bit_identical_around_the_gemm_crates_thresholds() {
     let one = pool(1);
     let p = pool(2);
     let mut bad = Vec::new();
-    for &m in &[1usize, 4, 64, 65, 128, 130, 256, 688] {
-        for &n in &[1usize, 4, 16, 64, 128, 255, 688] {
-            for &k in &[1usize, 2, 32, 513, 688, 1500] {
+    for &m in &[1usize, 4, 16, 64, 65, 128, 130, 257, 688] {
+        for &n in &[1usize, 4, 16, 62, 64, 128, 255, 688] {
+            for &k in &[1usize, 2, 3, 8, 16, 32, 513, 688, 1500] {
                 for (lhs_t, rhs_t) in [(false, false), (false, true), (true, false)] {
                     let c = Case { m, n, k, lhs_t, rhs_t };
                     let base = one.install(|| c.run(Backend::Crate, true));
@@ -187,4 +187,30 @@ fn split_is_bit_identical_around_the_gemm_crates_thresholds() {
         }
     }
     assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+/// A shape seen first with bf16 operands must not hand its backend to f32
+/// calls of the same shape (a bug once: the key lacked the operand type,
+/// and an f32 GEMM ran on the bf16 kernel).
+#[test]
+fn f32_calls_of_a_shape_first_seen_in_bf16_stay_f32() {
+    let p = pool(2);
+    let (m, k, n) = (96, 80, 200);
+    let (a, b) = (data(m * k, 6), data(k * n, 7));
+    let (l, r) = (Strided::rows(&a, k), Strided::rows(&b, n));
+    let bf16 = p.install(|| linalg::parallelism(false).with(linalg::Operands::Bf16));
+    let f32p = p.install(|| linalg::parallelism(false));
+    let mut dst = vec![0.0f32; m * n];
+    for _ in 0..2 {
+        p.install(|| gemm_into(m, n, k, &mut dst, 0, n, false, l, r, 1.0, bf16));
+    }
+    let mut want = vec![0.0f32; m * n];
+    p.install(|| unsafe { backend::run(Backend::Crate, m, n, k, want.as_mut_ptr(), n, false, l, r, 1.0) });
+    for _ in 0..8 {
+        p.install(|| gemm_into(m, n, k, &mut dst, 0, n, false, l, r, 1.0, f32p));
+        assert!(dst.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()), "f32 call ran another kernel");
+    }
+    let stats = backend::stats();
+    let f32_key = stats.iter().find(|(key, _)| (key.m, key.k, key.n, key.bf16) == (m, k, n, false)).expect("f32 key");
+    assert_ne!(f32_key.1.backend, Some(Backend::Bf16));
 }
