@@ -81,18 +81,23 @@ pub fn layernorm_forward(
     b: &[f32],
     c: usize,
 ) {
-    out.par_chunks_mut(c).zip(inp.par_chunks(c)).zip(mean.par_iter_mut().zip(rstd.par_iter_mut())).for_each(
-        |((o, x), (mu, rs))| {
-            let m = x.iter().sum::<f32>() / c as f32;
-            let var = x.iter().map(|&v| (v - m) * (v - m)).sum::<f32>() / c as f32;
-            let s = 1.0 / (var + LN_EPS).sqrt();
-            for i in 0..c {
-                o[i] = (x[i] - m) * s * w[i] + b[i];
-            }
-            *mu = m;
-            *rs = s;
-        },
-    );
+    out.par_chunks_mut(c)
+        .zip(inp.par_chunks(c))
+        .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
+        .for_each(|((o, x), (mu, rs))| (*mu, *rs) = layernorm_row(o, x, w, b));
+}
+
+/// One row of [`layernorm_forward`]: returns (mean, 1/std).
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
+fn layernorm_row(o: &mut [f32], x: &[f32], w: &[f32], b: &[f32]) -> (f32, f32) {
+    let c = x.len();
+    let m = x.iter().sum::<f32>() / c as f32;
+    let var = x.iter().map(|&v| (v - m) * (v - m)).sum::<f32>() / c as f32;
+    let s = 1.0 / (var + LN_EPS).sqrt();
+    for (((o, &x), &w), &b) in o.iter_mut().zip(x).zip(w).zip(b) {
+        *o = (x - m) * s * w + b;
+    }
+    (m, s)
 }
 
 /// A parameter gradient for a backward kernel: the buffer and whether to
@@ -159,21 +164,7 @@ pub fn layernorm_backward(
         .zip(dout.par_chunks(c))
         .zip(inp.par_chunks(c))
         .zip(mean.par_iter().zip(rstd.par_iter()))
-        .for_each(|(((di, d), x), (&m, &s))| {
-            let mut dnorm_mean = 0.0f32;
-            let mut dnorm_norm_mean = 0.0f32;
-            for i in 0..c {
-                let dn = w[i] * d[i];
-                dnorm_mean += dn;
-                dnorm_norm_mean += dn * (x[i] - m) * s;
-            }
-            dnorm_mean /= c as f32;
-            dnorm_norm_mean /= c as f32;
-            for i in 0..c {
-                let norm = (x[i] - m) * s;
-                di[i] += (w[i] * d[i] - dnorm_mean - norm * dnorm_norm_mean) * s;
-            }
-        });
+        .for_each(|(((di, d), x), (&m, &s))| layernorm_backward_row(di, d, x, w, m, s));
     let n_rows = mean.len();
     reduce_rows(n_rows, &mut [dw, db], &[c, c], |rows, acc| {
         let (aw, ab) = acc.split_at_mut(c);
@@ -253,6 +244,25 @@ pub fn matmul_backward(
     }
     if let Some((db, accumulate)) = db {
         bias_backward(db, dout, oc, accumulate);
+    }
+}
+
+/// One row of [`layernorm_backward`]'s input gradient.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
+fn layernorm_backward_row(di: &mut [f32], d: &[f32], x: &[f32], w: &[f32], m: f32, s: f32) {
+    let c = x.len();
+    let mut dnorm_mean = 0.0f32;
+    let mut dnorm_norm_mean = 0.0f32;
+    for i in 0..c {
+        let dn = w[i] * d[i];
+        dnorm_mean += dn;
+        dnorm_norm_mean += dn * (x[i] - m) * s;
+    }
+    dnorm_mean /= c as f32;
+    dnorm_norm_mean /= c as f32;
+    for (((di, &d), &x), &w) in di.iter_mut().zip(d).zip(x).zip(w) {
+        let norm = (x - m) * s;
+        *di += (w * d - dnorm_mean - norm * dnorm_norm_mean) * s;
     }
 }
 
@@ -378,15 +388,14 @@ impl AttnShape {
 /// becomes softmax over its first `i + 1` entries (max-subtracted, summed
 /// in f32 in order), and the masked entries become 0. Shared by every
 /// family's attention, so they round alike.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
 pub fn causal_softmax_rows(a: &mut [f32], t: usize) {
     for (ti, row) in a.chunks_mut(t).enumerate() {
         let valid = &mut row[..=ti];
         let max = valid.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        let mut sum = 0.0f32;
-        for x in valid.iter_mut() {
-            *x = fast_exp(*x - max);
-            sum += *x;
-        }
+        // The exponentials first (vectorised), then their sum in index order.
+        valid.iter_mut().for_each(|x| *x = fast_exp(*x - max));
+        let sum = valid.iter().fold(0.0f32, |acc, &x| acc + x);
         let inv = 1.0 / sum;
         valid.iter_mut().for_each(|x| *x *= inv);
         row[ti + 1..].fill(0.0);
@@ -396,6 +405,7 @@ pub fn causal_softmax_rows(a: &mut [f32], t: usize) {
 /// Backward of [`causal_softmax_rows`], in place: `d` holds the gradient of
 /// the probabilities `a` and becomes that of the scores,
 /// `a ⊙ (d − Σ a·d)` per row; the masked entries become 0.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
 pub fn causal_softmax_backward_rows(d: &mut [f32], a: &[f32], t: usize) {
     for ti in 0..t {
         let (ar, dr) = (&a[ti * t..][..=ti], &mut d[ti * t..][..t]);
@@ -506,18 +516,31 @@ pub fn softmax_cross_entropy(
             }
             return;
         }
-        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        let sum: f32 = row.iter().map(|&x| fast_exp(x - max)).sum();
-        let tgt = tgt as usize;
-        *loss = sum.ln() - (row[tgt] - max);
-        if let Some(s) = grad_scale {
-            let inv = 1.0 / sum;
-            for x in row.iter_mut() {
-                *x = s * fast_exp(*x - max) * inv;
-            }
-            row[tgt] -= s;
-        }
+        *loss = cross_entropy_row(row, tgt as usize, grad_scale);
     });
+}
+
+/// One row of [`softmax_cross_entropy`]: the loss, and with a gradient
+/// scale the row overwritten by its gradient. The exponentials are computed
+/// in place first (vectorised) and summed in index order.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
+fn cross_entropy_row(row: &mut [f32], tgt: usize, grad_scale: Option<f32>) -> f32 {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    let logit = row[tgt];
+    match grad_scale {
+        None => {
+            let sum = row.iter().fold(0.0f32, |acc, &x| acc + fast_exp(x - max));
+            sum.ln() - (logit - max)
+        }
+        Some(s) => {
+            row.iter_mut().for_each(|x| *x = fast_exp(*x - max));
+            let sum = row.iter().fold(0.0f32, |acc, &x| acc + x);
+            let inv = 1.0 / sum;
+            row.iter_mut().for_each(|x| *x = s * *x * inv);
+            row[tgt] -= s;
+            sum.ln() - (logit - max)
+        }
+    }
 }
 
 #[cfg(test)]
