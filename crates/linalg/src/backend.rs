@@ -19,7 +19,7 @@
 //! backend for every shape (`auto`, the default, probes). Calls from inside a
 //! parallel loop (one thread each) always use `Crate` single-threaded.
 
-use crate::Strided;
+use crate::{Call, Strided};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
@@ -86,8 +86,9 @@ pub struct Key {
 }
 
 impl Key {
-    pub(crate) fn new(m: usize, n: usize, k: usize, lhs: &Strided<'_>, rhs: &Strided<'_>, bf16: bool) -> Key {
-        Key { m, n, k, lhs_t: lhs.cs != 1, rhs_t: rhs.cs != 1, threads: rayon::current_num_threads(), bf16 }
+    pub(crate) fn new(c: &Call<'_>, bf16: bool) -> Key {
+        let (m, n, k) = (c.m, c.n, c.k);
+        Key { m, n, k, lhs_t: c.lhs.cs != 1, rhs_t: c.rhs.cs != 1, threads: rayon::current_num_threads(), bf16 }
     }
 
     /// `m×k×n` plus `ᵀ` marks for transposed operands, e.g. `4096×768ᵀ×2304`.
@@ -254,7 +255,9 @@ pub fn measure(key: &Key, backend: Backend, reps: usize) -> f64 {
     for i in 0..=reps.max(1) {
         let t = Instant::now();
         // SAFETY: the views and `c` are exactly the shapes the call reads and writes.
-        unsafe { run(backend, m, n, k, c.as_mut_ptr(), n, false, lhs, rhs, 1.0) };
+        unsafe {
+            run(backend, &Call { m, n, k, dst: c.as_mut_ptr(), dst_rs: n, accumulate: false, lhs, rhs, alpha: 1.0 })
+        };
         if i > 0 {
             best = best.min(t.elapsed().as_secs_f64());
         }
@@ -298,22 +301,11 @@ const TRIALS: u32 = 3;
 ///
 /// # Safety
 /// As [`crate::gemm_raw`]; the views have been bounds-checked.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn pool_f32(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    dst_rs: usize,
-    accumulate: bool,
-    lhs: Strided<'_>,
-    rhs: Strided<'_>,
-    alpha: f32,
-) {
-    let key = Key::new(m, n, k, &lhs, &rhs, false);
+pub(crate) unsafe fn pool_f32(call: &Call<'_>) {
+    let key = Key::new(call, false);
     let (backend, on_trial) = choose(key);
     let t = Instant::now();
-    run(backend, m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha);
+    run(backend, call);
     let secs = t.elapsed().as_secs_f64();
     if on_trial {
         trial_done(key, backend, secs);
@@ -365,30 +357,13 @@ fn trial_done(key: Key, backend: Backend, secs: f64) {
 /// Runs `backend` on the pool (`Bf16` without AVX512-BF16 runs `Crate`).
 ///
 /// # Safety
-/// As [`crate::gemm_raw`].
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn run(
-    backend: Backend,
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    dst_rs: usize,
-    accumulate: bool,
-    lhs: Strided<'_>,
-    rhs: Strided<'_>,
-    alpha: f32,
-) {
+pub unsafe fn run(backend: Backend, call: &Call<'_>) {
     let threads = rayon::current_num_threads();
     match backend {
-        Backend::Bf16 if crate::bf16::supported() => {
-            crate::bf16::gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, true)
-        }
-        Backend::Crate | Backend::Bf16 => {
-            crate::crate_gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, gemm::Parallelism::Rayon(threads))
-        }
-        Backend::Split => split(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, threads),
-        Backend::OpenBlas => openblas::sgemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, threads),
+        Backend::Bf16 if crate::bf16::supported() => crate::bf16::gemm(call, true),
+        Backend::Crate | Backend::Bf16 => crate::crate_gemm(call, gemm::Parallelism::Rayon(threads)),
+        Backend::Split => split(call, threads),
+        Backend::OpenBlas => openblas::sgemm(call, threads),
     }
 }
 
@@ -398,87 +373,47 @@ pub unsafe fn run(
 /// cache-derived `kc`): every block then sums in the unsplit call's order.
 const MIN_SPLIT: usize = 128;
 
+/// A [`Call`] handed to another thread.
 #[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: each task writes a disjoint block of `dst` (see `split`).
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
+struct SendCall<'a>(Call<'a>);
+// SAFETY: each task writes a disjoint block of `dst` (see `split`); the
+// operands are shared reads.
+unsafe impl Send for SendCall<'_> {}
+unsafe impl Sync for SendCall<'_> {}
 
-/// [`Backend::Split`]: `threads` tasks over blocks of the longer side of
 /// `dst`, each a single-threaded `gemm` call.
-#[allow(clippy::too_many_arguments)]
-unsafe fn split(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    dst_rs: usize,
-    accumulate: bool,
-    lhs: Strided<'_>,
-    rhs: Strided<'_>,
-    alpha: f32,
-    threads: usize,
-) {
-    let by_rows = m >= n;
-    let len = if by_rows { m } else { n };
-    let other = if by_rows { n } else { m };
+unsafe fn split(call: &Call<'_>, threads: usize) {
+    let by_rows = call.m >= call.n;
+    let (len, other) = if by_rows { (call.m, call.n) } else { (call.n, call.m) };
     // Its vector paths (a side of 1, k ≤ 2) are left whole as well.
-    let tasks = if other <= 1 || k <= 2 { 1 } else { threads.min(len / MIN_SPLIT).max(1) };
+    let tasks = if other <= 1 || call.k <= 2 { 1 } else { threads.min(len / MIN_SPLIT).max(1) };
     if tasks == 1 {
-        crate::crate_gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, gemm::Parallelism::None);
+        crate::crate_gemm(call, gemm::Parallelism::None);
         return;
     }
     // Blocks of whole 16-element multiples, so every block starts aligned to
     // the microkernel's tiles as the unsplit call's would.
     let block = len.div_ceil(tasks).div_ceil(16) * 16;
-    let dst = SendPtr(dst);
-    rayon::scope(|s| {
-        for start in (0..len).step_by(block) {
+    let parts: Vec<SendCall<'_>> = (0..len)
+        .step_by(block)
+        .map(|start| {
             let size = block.min(len - start);
-            s.spawn(move |_| {
-                let d = dst;
-                // SAFETY: block [start, start + size) of rows (or columns) of
-                // `dst` belongs to this task alone; the sub-views of `lhs` and
-                // `rhs` lie inside the checked views.
-                unsafe {
-                    if by_rows {
-                        let l = Strided { offset: lhs.offset + start * lhs.rs, ..lhs };
-                        crate::crate_gemm(
-                            size,
-                            n,
-                            k,
-                            d.0.add(start * dst_rs),
-                            dst_rs,
-                            accumulate,
-                            l,
-                            rhs,
-                            alpha,
-                            gemm::Parallelism::None,
-                        );
-                    } else {
-                        let r = Strided { offset: rhs.offset + start * rhs.cs, ..rhs };
-                        crate::crate_gemm(
-                            m,
-                            size,
-                            k,
-                            d.0.add(start),
-                            dst_rs,
-                            accumulate,
-                            lhs,
-                            r,
-                            alpha,
-                            gemm::Parallelism::None,
-                        );
-                    }
-                }
-            });
+            SendCall(if by_rows { call.rows(start, size) } else { call.cols(start, size) })
+        })
+        .collect();
+    rayon::scope(|s| {
+        for part in parts {
+            // SAFETY: each part is a disjoint block of rows (or columns) of
+            // `dst`, belonging to this task alone; its sub-views of `lhs` and
+            // `rhs` lie inside the checked views.
+            s.spawn(move |_| unsafe { crate::crate_gemm(&{ part }.0, gemm::Parallelism::None) });
         }
     });
 }
 
 #[cfg(feature = "openblas")]
 mod openblas {
-    use crate::Strided;
+    use crate::{Call, Strided};
 
     #[link(name = "openblas")]
     extern "C" {
@@ -518,52 +453,24 @@ mod openblas {
 
     /// `cblas_sgemm` with OpenBLAS's own `threads` threads; views it cannot
     /// express (neither stride 1, or sizes past `i32`) go to the `gemm` crate.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn sgemm(
-        m: usize,
-        n: usize,
-        k: usize,
-        dst: *mut f32,
-        dst_rs: usize,
-        accumulate: bool,
-        lhs: Strided<'_>,
-        rhs: Strided<'_>,
-        alpha: f32,
-        threads: usize,
-    ) {
-        let dims = (i32::try_from(m), i32::try_from(n), i32::try_from(k), i32::try_from(dst_rs.max(1)));
-        match (layout(&lhs), layout(&rhs), dims) {
-            (Some((ta, lda)), Some((tb, ldb)), (Ok(mi), Ok(ni), Ok(ki), Ok(ldc))) => {
+    pub(super) unsafe fn sgemm(c: &Call<'_>, threads: usize) {
+        let dims = (i32::try_from(c.m), i32::try_from(c.n), i32::try_from(c.k), i32::try_from(c.dst_rs.max(1)));
+        match (layout(&c.lhs), layout(&c.rhs), dims) {
+            (Some((ta, lda)), Some((tb, ldb)), (Ok(m), Ok(n), Ok(k), Ok(ldc))) => {
                 openblas_set_num_threads(threads as i32);
-                let beta = if accumulate { 1.0 } else { 0.0 };
-                cblas_sgemm(ROW_MAJOR, ta, tb, mi, ni, ki, alpha, lhs.ptr(), lda, rhs.ptr(), ldb, beta, dst, ldc);
+                let beta = if c.accumulate { 1.0 } else { 0.0 };
+                cblas_sgemm(ROW_MAJOR, ta, tb, m, n, k, c.alpha, c.lhs.ptr(), lda, c.rhs.ptr(), ldb, beta, c.dst, ldc);
             }
-            _ => {
-                crate::crate_gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, gemm::Parallelism::Rayon(threads))
-            }
+            _ => crate::crate_gemm(c, gemm::Parallelism::Rayon(threads)),
         }
     }
 }
 
 #[cfg(not(feature = "openblas"))]
 mod openblas {
-    use crate::Strided;
-
     /// Not built: never a candidate (see [`super::Backend::f32_candidates`]);
     /// runs the `gemm` crate if named anyway.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn sgemm(
-        m: usize,
-        n: usize,
-        k: usize,
-        dst: *mut f32,
-        dst_rs: usize,
-        accumulate: bool,
-        lhs: Strided<'_>,
-        rhs: Strided<'_>,
-        alpha: f32,
-        threads: usize,
-    ) {
-        crate::crate_gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, gemm::Parallelism::Rayon(threads))
+    pub(super) unsafe fn sgemm(c: &crate::Call<'_>, threads: usize) {
+        crate::crate_gemm(c, gemm::Parallelism::Rayon(threads))
     }
 }

@@ -51,7 +51,6 @@
 //! zero-padded panels and write back through masked stores, so nothing of
 //! `dst` outside the `m × n` block is read or written.
 
-use crate::Strided;
 use std::sync::OnceLock;
 
 /// Whether this CPU has AVX512-BF16 (and AVX-512F/BW), detected once.
@@ -79,29 +78,17 @@ fn detect() -> bool {
 ///
 /// # Safety
 /// As [`crate::gemm_raw`], and [`supported`] must be true.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn gemm(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    dst_rs: usize,
-    accumulate: bool,
-    lhs: Strided<'_>,
-    rhs: Strided<'_>,
-    alpha: f32,
-    pool: bool,
-) {
+pub(crate) unsafe fn gemm(call: &crate::Call<'_>, pool: bool) {
     #[cfg(target_arch = "x86_64")]
     {
         debug_assert!(supported());
         // SAFETY: the caller guarantees the views and `dst` as documented,
         // and that the CPU has the features `imp` is compiled for.
-        unsafe { imp::gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, pool) }
+        unsafe { imp::gemm(call, pool) }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, pool);
+        let _ = (call, pool);
         unreachable!("bf16 GEMM without AVX512-BF16")
     }
 }
@@ -747,19 +734,8 @@ mod imp {
     ///
     /// # Safety
     /// As [`crate::gemm_raw`], and the CPU has AVX512-BF16.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn gemm(
-        m: usize,
-        n: usize,
-        k: usize,
-        dst: *mut f32,
-        dst_rs: usize,
-        accumulate: bool,
-        lhs: Strided<'_>,
-        rhs: Strided<'_>,
-        alpha: f32,
-        pool: bool,
-    ) {
+    pub(super) unsafe fn gemm(call: &crate::Call<'_>, pool: bool) {
+        let &crate::Call { m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha } = call;
         if m == 0 || n == 0 {
             return;
         }
@@ -848,6 +824,7 @@ mod imp {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Strided;
     use proptest::prelude::*;
 
     /// bf16 rounding to nearest even, as `vcvtne2ps2bf16` (NaN stays NaN).

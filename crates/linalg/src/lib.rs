@@ -137,6 +137,45 @@ pub fn gemm_into(
     unsafe { gemm_raw(m, n, k, dst.as_mut_ptr().add(dst_offset), dst_rs, accumulate, lhs, rhs, alpha, par) }
 }
 
+/// One GEMM: `dst[m×n]` (row stride `dst_rs`) `= (accumulate ? dst : 0) +
+/// alpha · lhs[m×k] · rhs[k×n]`. What every backend receives.
+#[derive(Debug, Clone, Copy)]
+pub struct Call<'a> {
+    /// Rows of `dst`.
+    pub m: usize,
+    /// Columns of `dst`.
+    pub n: usize,
+    /// The summed dimension.
+    pub k: usize,
+    /// Element (0, 0) of `dst`.
+    pub dst: *mut f32,
+    /// Row stride of `dst`.
+    pub dst_rs: usize,
+    /// Add into `dst` (else overwrite).
+    pub accumulate: bool,
+    /// The `m × k` operand.
+    pub lhs: Strided<'a>,
+    /// The `k × n` operand.
+    pub rhs: Strided<'a>,
+    /// Scale of the product.
+    pub alpha: f32,
+}
+
+impl Call<'_> {
+    /// The same call on rows `r0..r0 + rows` of `dst` (and `lhs`).
+    fn rows(&self, r0: usize, rows: usize) -> Self {
+        // SAFETY (of later use): a sub-block of the caller's `dst` block.
+        let dst = self.dst.wrapping_add(r0 * self.dst_rs);
+        Call { m: rows, dst, lhs: Strided { offset: self.lhs.offset + r0 * self.lhs.rs, ..self.lhs }, ..*self }
+    }
+
+    /// The same call on columns `c0..c0 + cols` of `dst` (and `rhs`).
+    fn cols(&self, c0: usize, cols: usize) -> Self {
+        let dst = self.dst.wrapping_add(c0);
+        Call { n: cols, dst, rhs: Strided { offset: self.rhs.offset + c0 * self.rhs.cs, ..self.rhs }, ..*self }
+    }
+}
+
 /// [`gemm_into`] writing through a raw pointer, for disjoint strided outputs
 /// written from several threads (attention heads).
 ///
@@ -170,55 +209,47 @@ pub unsafe fn gemm_raw(
         }
         return;
     }
+    let call = Call { m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha };
     if par.operands == Operands::Bf16 && bf16::supported() {
         if par.pool {
-            let key = Key::new(m, n, k, &lhs, &rhs, true);
+            let key = Key::new(&call, true);
             let t = std::time::Instant::now();
-            bf16::gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, true);
+            bf16::gemm(&call, true);
             backend::record(key, Backend::Bf16, t.elapsed().as_secs_f64());
         } else {
-            bf16::gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, false);
+            bf16::gemm(&call, false);
         }
         return;
     }
     if par.pool && rayon::current_num_threads() > 1 {
-        backend::pool_f32(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha);
+        backend::pool_f32(&call);
     } else {
-        crate_gemm(m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha, gemm::Parallelism::None);
+        crate_gemm(&call, gemm::Parallelism::None);
     }
 }
 
 /// The `gemm` crate (0.19, AVX-512 kernels through `x86-v4`).
-#[allow(clippy::too_many_arguments)]
-unsafe fn crate_gemm(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    dst_rs: usize,
-    accumulate: bool,
-    lhs: Strided<'_>,
-    rhs: Strided<'_>,
-    alpha: f32,
-    threads: gemm::Parallelism,
-) {
+///
+/// # Safety
+/// As [`gemm_raw`].
+unsafe fn crate_gemm(c: &Call<'_>, threads: gemm::Parallelism) {
     // gemm computes dst := alpha·dst + beta·lhs·rhs (alpha ignored unless read_dst).
     gemm::gemm(
-        m,
-        n,
-        k,
-        dst,
+        c.m,
+        c.n,
+        c.k,
+        c.dst,
         1,
-        dst_rs as isize,
-        accumulate,
-        lhs.ptr(),
-        lhs.cs as isize,
-        lhs.rs as isize,
-        rhs.ptr(),
-        rhs.cs as isize,
-        rhs.rs as isize,
+        c.dst_rs as isize,
+        c.accumulate,
+        c.lhs.ptr(),
+        c.lhs.cs as isize,
+        c.lhs.rs as isize,
+        c.rhs.ptr(),
+        c.rhs.cs as isize,
+        c.rhs.rs as isize,
         1.0,
-        alpha,
+        c.alpha,
         false,
         false,
         false,

@@ -2,7 +2,7 @@
 //! count), and with a plain f64 reference to f32 rounding; the probe picks a
 //! backend per shape and reports it.
 
-use linalg::{backend, gemm_into, Backend, Par, Strided};
+use linalg::{backend, gemm_into, Backend, Call, Par, Strided};
 
 fn data(len: usize, seed: u32) -> Vec<f32> {
     // Deterministic values in [-1, 1) with all mantissa bits in use.
@@ -41,7 +41,22 @@ impl Case {
         let rs = self.n + 3;
         let mut dst = data(self.m * rs, 3);
         // SAFETY: dst holds m rows of stride rs ≥ n; the views are in bounds.
-        unsafe { backend::run(backend, self.m, self.n, self.k, dst.as_mut_ptr(), rs, accumulate, l, r, 0.5) };
+        unsafe {
+            backend::run(
+                backend,
+                &Call {
+                    m: self.m,
+                    n: self.n,
+                    k: self.k,
+                    dst: dst.as_mut_ptr(),
+                    dst_rs: rs,
+                    accumulate,
+                    lhs: l,
+                    rhs: r,
+                    alpha: 0.5,
+                },
+            )
+        };
         dst
     }
 }
@@ -205,7 +220,11 @@ fn f32_calls_of_a_shape_first_seen_in_bf16_stay_f32() {
         p.install(|| gemm_into(m, n, k, &mut dst, 0, n, false, l, r, 1.0, bf16));
     }
     let mut want = vec![0.0f32; m * n];
-    p.install(|| unsafe { backend::run(Backend::Crate, m, n, k, want.as_mut_ptr(), n, false, l, r, 1.0) });
+    p.install(|| {
+        let call = Call { m, n, k, dst: want.as_mut_ptr(), dst_rs: n, accumulate: false, lhs: l, rhs: r, alpha: 1.0 };
+        // SAFETY: `want` is m × n; the views are in bounds.
+        unsafe { backend::run(Backend::Crate, &call) }
+    });
     for _ in 0..8 {
         p.install(|| gemm_into(m, n, k, &mut dst, 0, n, false, l, r, 1.0, f32p));
         assert!(dst.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()), "f32 call ran another kernel");

@@ -53,7 +53,8 @@ struct Report {
     mfu_gemm_pct: f64,
     k_sweep: Vec<(usize, f64)>,
     precision: String,
-    /// Peak resident set of the whole bench process (VmHWM).
+    /// Peak resident set (VmHWM) after the measured steps, before the GEMM
+    /// table's and the K sweep's buffers.
     peak_rss_bytes: Option<u64>,
     /// Every pool-wide GEMM shape of the measured step.
     gemm: Vec<GemmRow>,
@@ -210,6 +211,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let b = plan.batch;
     let shape = BatchShape { micro: b.micro, accumulation_steps: b.accumulation_steps, world_size: 1 };
     let step = time_steps(&plan, shape, args.warmup, args.steps)?;
+    // Before the GEMM table and the K sweep allocate their own buffers.
+    let peak_rss_bytes = crate::train::peak_rss_bytes();
     let gemm = gemm_table(args.steps, step.ms_median);
     let mut k_sweep = Vec::new();
     if !args.no_k_sweep {
@@ -244,7 +247,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         gemm_peak_gflops: gemm_peak,
         k_sweep,
         precision: plan.cfg.train.precision.to_string(),
-        peak_rss_bytes: crate::train::peak_rss_bytes(),
+        peak_rss_bytes,
         gemm,
     };
     if args.json {
