@@ -392,13 +392,20 @@ unsafe fn split(call: &Call<'_>, threads: usize) {
         return;
     }
     // Blocks of whole 16-element multiples, so every block starts aligned to
-    // the microkernel's tiles as the unsplit call's would.
-    let block = len.div_ceil(tasks).div_ceil(16) * 16;
-    let parts: Vec<SendCall<'_>> = (0..len)
-        .step_by(block)
-        .map(|start| {
-            let size = block.min(len - start);
-            SendCall(if by_rows { call.rows(start, size) } else { call.cols(start, size) })
+    // the microkernel's tiles as the unsplit call's would; the 16-element
+    // units are shared out evenly and the last block takes the rest, so that
+    // every block has at least len / tasks ≥ MIN_SPLIT (rounded down to 16)
+    // rows or columns (rounding the block size up instead could leave a last
+    // block of a single row, or of ≤ 64, on the crate's other paths).
+    let units = len / 16;
+    let (per, extra) = (units / tasks, units % tasks);
+    let mut start = 0;
+    let parts: Vec<SendCall<'_>> = (0..tasks)
+        .map(|t| {
+            let size = if t + 1 == tasks { len - start } else { (per + usize::from(t < extra)) * 16 };
+            let part = SendCall(if by_rows { call.rows(start, size) } else { call.cols(start, size) });
+            start += size;
+            part
         })
         .collect();
     rayon::scope(|s| {
