@@ -200,10 +200,11 @@ fn machine_id() -> String {
 /// `$XDG_CACHE_HOME/macrobatch`, else `$HOME/.cache/macrobatch`, then
 /// `gemm-<cpu model>-t<threads>.json`. `None` when no directory is known.
 pub fn cache_path() -> Option<PathBuf> {
-    let dir = std::env::var_os("MACROBATCH_CACHE_DIR")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("macrobatch")))
-        .or_else(|| std::env::var_os("HOME").map(|d| PathBuf::from(d).join(".cache/macrobatch")))?;
+    // An empty variable counts as unset (else a relative path: the cwd).
+    let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let dir = var("MACROBATCH_CACHE_DIR")
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("macrobatch")))
+        .or_else(|| var("HOME").map(|d| d.join(".cache/macrobatch")))?;
     Some(dir.join(format!("gemm-{}.json", machine_id())))
 }
 
@@ -224,10 +225,15 @@ fn load_cache(reg: &mut Registry) {
 }
 
 /// Writes the cache atomically (temporary file + rename); failures only warn:
-/// the next run probes again.
+/// the next run probes again. Entries another process saved since this one
+/// read the file are kept (this process's choices win where both have one).
 fn save_cache(reg: &Registry) {
     let Some(path) = cache_path() else { return };
-    let map: BTreeMap<&str, &str> = reg.cache.iter().map(|(k, v)| (k.as_str(), v.name())).collect();
+    let mut map: BTreeMap<String, String> = std::fs::read_to_string(&path)
+        .ok()
+        .and_then(|text| serde_json::from_str(&text).ok())
+        .unwrap_or_default();
+    map.extend(reg.cache.iter().map(|(k, v)| (k.clone(), v.name().to_string())));
     let result = (|| -> std::io::Result<()> {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir)?;
