@@ -173,7 +173,8 @@ fn bf16_concurrent_and_nested_pool_calls_match_serial() {
 #[test]
 fn f32_concurrent_pool_calls_match_serial() {
     // Keep the probe's cache out of $HOME.
-    std::env::set_var("MACROBATCH_CACHE_DIR", std::env::temp_dir().join(format!("linalg-review-{}", std::process::id())));
+    let dir = std::env::temp_dir().join(format!("linalg-review-{}", std::process::id()));
+    std::env::set_var("MACROBATCH_CACHE_DIR", &dir);
     let (m, n, k) = (700usize, 300usize, 600usize);
     let a = data(m * k, 11);
     let b = data(k * n, 12);
@@ -190,4 +191,5 @@ fn f32_concurrent_pool_calls_match_serial() {
             assert_eq!(bits(&h.join().expect("thread")), bits(&want));
         }
     });
+    let _ = std::fs::remove_dir_all(&dir);
 }
