@@ -193,3 +193,61 @@ fn f32_concurrent_pool_calls_match_serial() {
     });
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A stride along a dimension of size 1 is never used, whatever its value
+/// (the bounds check ignores it): usize::MAX there (−1 as the gemm crate's
+/// isize) gives the same result as the dense stride, on every path.
+#[test]
+fn unused_strides_of_unit_dimensions_do_not_matter() {
+    let p = pool(2);
+    let pars = [
+        Par::ONE,
+        p.install(|| linalg::parallelism(false)),
+        Par::ONE.with(Operands::Bf16),
+        p.install(|| linalg::parallelism(false).with(Operands::Bf16)),
+    ];
+    for &(m, n, k) in &[(1usize, 300usize, 700usize), (300, 1, 700), (200, 300, 1), (1, 1, 9)] {
+        let a = data(m * k, 13);
+        let b = data(k * n, 14);
+        let dense = (Strided::rows(&a, k), Strided::rows(&b, n), n);
+        let huge = |s: usize, dim: usize| if dim == 1 { usize::MAX } else { s };
+        let odd = (
+            Strided { rs: huge(k, m), cs: huge(1, k), ..dense.0 },
+            Strided { rs: huge(n, k), cs: huge(1, n), ..dense.1 },
+            huge(n, m),
+        );
+        for par in pars {
+            let run = |(l, r, rs): (Strided<'_>, Strided<'_>, usize)| {
+                let mut dst = vec![1.0f32; (m - 1) * n + n];
+                p.install(|| gemm_into(m, n, k, &mut dst, 0, rs, true, l, r, 0.5, par));
+                dst
+            };
+            assert_eq!(bits(&run(odd)), bits(&run(dense)), "{m}x{k}x{n} {par:?}");
+        }
+    }
+}
+
+/// `split` against `crate` over thread counts 4..16 and long sides just
+/// above multiples of the split threshold, both orientations.
+#[test]
+fn split_matches_crate_over_thread_counts() {
+    let one = pool(1);
+    let mut bad = Vec::new();
+    for threads in [4usize, 6, 8, 12, 16] {
+        let p = pool(threads);
+        for len in [129usize, 300, 520, 769, 1041, 1153, 1297, 2047] {
+            for other in [2usize, 40, 100] {
+                for k in [3usize, 600] {
+                    for (m, n) in [(len, other), (other, len)] {
+                        let base = one.install(|| run(Backend::Crate, m, n, k));
+                        let got = p.install(|| run(Backend::Split, m, n, k));
+                        if bits(&got) != bits(&base) {
+                            bad.push(format!("{m}x{k}x{n} at {threads} threads"));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
