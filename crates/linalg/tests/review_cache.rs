@@ -35,7 +35,24 @@ fn cache_path_and_concurrent_writers() {
         call(&mut dst);
     }
     let text = std::fs::read_to_string(&path).expect("cache written");
-    let _ = std::fs::remove_dir_all(&tmp);
     assert!(text.contains("160x96x144nn"), "{text}");
     assert!(text.contains("7x7x7nn"), "another process's entry was dropped: {text}");
+
+    // The cache is per thread count (the file name has it): a shape probed
+    // on 2 threads is probed again on 3, and the 3-thread file does not
+    // receive the 2-thread choices.
+    let dir = tmp.join("threads");
+    std::env::set_var("MACROBATCH_CACHE_DIR", &dir);
+    let p3 = rayon::ThreadPoolBuilder::new().num_threads(3).build().expect("pool");
+    let par3 = p3.install(|| linalg::parallelism(false));
+    for _ in 0..3 * Backend::f32_candidates().len() {
+        p3.install(|| gemm_into(m, n, k, &mut dst, 0, n, false, Strided::rows(&a, k), Strided::rows(&b, n), 1.0, par3));
+    }
+    let stats = backend::stats();
+    let (_, s3) = stats.iter().find(|(key, _)| (key.m, key.k, key.n, key.threads) == (m, k, n, 3)).expect("3-thread key");
+    let path3 = p3.install(backend::cache_path).expect("cache path");
+    let text3 = std::fs::read_to_string(&path3).unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&tmp);
+    assert_eq!(s3.probe.len(), Backend::f32_candidates().len(), "the 3-thread key took the 2-thread choice unprobed");
+    assert!(text3.contains("160x96x144nn") && !text3.contains("7x7x7nn"), "3-thread cache: {text3}");
 }
