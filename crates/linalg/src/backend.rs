@@ -145,8 +145,9 @@ impl ShapeStats {
 #[derive(Default)]
 struct Registry {
     shapes: BTreeMap<Key, ShapeStats>,
-    cache: BTreeMap<String, Backend>,
-    cache_loaded: bool,
+    /// The cache file of each thread count, once read (keys of
+    /// [`Key::cache_name`] leave the threads out: the file name has them).
+    cache: BTreeMap<usize, BTreeMap<String, Backend>>,
 }
 
 fn registry() -> &'static Mutex<Registry> {
@@ -181,7 +182,7 @@ fn forced() -> Option<Backend> {
 }
 
 /// The CPU model name and thread count, as the cache file's identity.
-fn machine_id() -> String {
+fn machine_id(threads: usize) -> String {
     let model = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|s| {
@@ -193,41 +194,52 @@ fn machine_id() -> String {
         .unwrap_or_else(|| std::env::consts::ARCH.to_string());
     let slug: String =
         model.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' }).collect();
-    format!("{}-t{}", slug.trim_matches('-'), rayon::current_num_threads())
+    format!("{}-t{threads}", slug.trim_matches('-'))
 }
 
 /// The probe cache of this machine: `$MACROBATCH_CACHE_DIR`, else
 /// `$XDG_CACHE_HOME/macrobatch`, else `$HOME/.cache/macrobatch`, then
 /// `gemm-<cpu model>-t<threads>.json`. `None` when no directory is known.
 pub fn cache_path() -> Option<PathBuf> {
-    let dir = std::env::var_os("MACROBATCH_CACHE_DIR")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("macrobatch")))
-        .or_else(|| std::env::var_os("HOME").map(|d| PathBuf::from(d).join(".cache/macrobatch")))?;
-    Some(dir.join(format!("gemm-{}.json", machine_id())))
+    cache_path_for(rayon::current_num_threads())
 }
 
-fn load_cache(reg: &mut Registry) {
-    if reg.cache_loaded {
+/// [`cache_path`] for a pool of `threads` threads.
+fn cache_path_for(threads: usize) -> Option<PathBuf> {
+    // An empty variable counts as unset (else a relative path: the cwd).
+    let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let dir = var("MACROBATCH_CACHE_DIR")
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("macrobatch")))
+        .or_else(|| var("HOME").map(|d| d.join(".cache/macrobatch")))?;
+    Some(dir.join(format!("gemm-{}.json", machine_id(threads))))
+}
+
+fn load_cache(reg: &mut Registry, threads: usize) {
+    if reg.cache.contains_key(&threads) {
         return;
     }
-    reg.cache_loaded = true;
-    let Some(path) = cache_path() else { return };
+    reg.cache.insert(threads, BTreeMap::new());
+    let Some(path) = cache_path_for(threads) else { return };
     let Ok(text) = std::fs::read_to_string(&path) else { return };
     match serde_json::from_str::<BTreeMap<String, String>>(&text) {
         Ok(map) => {
             // Entries naming a backend this build lacks are probed again.
-            reg.cache = map.into_iter().filter_map(|(k, v)| Some((k, Backend::parse(&v)?))).collect();
+            reg.cache.insert(threads, map.into_iter().filter_map(|(k, v)| Some((k, Backend::parse(&v)?))).collect());
         }
         Err(e) => eprintln!("warning: ignoring unreadable GEMM probe cache {}: {e}", path.display()),
     }
 }
 
 /// Writes the cache atomically (temporary file + rename); failures only warn:
-/// the next run probes again.
-fn save_cache(reg: &Registry) {
-    let Some(path) = cache_path() else { return };
-    let map: BTreeMap<&str, &str> = reg.cache.iter().map(|(k, v)| (k.as_str(), v.name())).collect();
+/// the next run probes again. Entries another process saved since this one
+/// read the file are kept (this process's choices win where both have one).
+fn save_cache(reg: &Registry, threads: usize) {
+    let Some(path) = cache_path_for(threads) else { return };
+    let mut map: BTreeMap<String, String> = std::fs::read_to_string(&path)
+        .ok()
+        .and_then(|text| serde_json::from_str(&text).ok())
+        .unwrap_or_default();
+    map.extend(reg.cache.get(&threads).into_iter().flatten().map(|(k, v)| (k.clone(), v.name().to_string())));
     let result = (|| -> std::io::Result<()> {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir)?;
@@ -322,8 +334,8 @@ fn choose(key: Key) -> (Backend, bool) {
     if let Some(b) = reg.shapes.get(&key).and_then(|s| s.backend) {
         return (b, false);
     }
-    load_cache(&mut reg);
-    if let Some(&b) = reg.cache.get(&key.cache_name()) {
+    load_cache(&mut reg, key.threads);
+    if let Some(&b) = reg.cache.get(&key.threads).and_then(|c| c.get(&key.cache_name())) {
         reg.shapes.entry(key).or_default().backend = Some(b);
         return (b, false);
     }
@@ -349,8 +361,8 @@ fn trial_done(key: Key, backend: Backend, secs: f64) {
         let best = s.trials.iter().min_by(|x, y| x.2.total_cmp(&y.2)).map_or(Backend::Crate, |t| t.0);
         s.backend = Some(best);
         s.probe = s.trials.iter().map(|t| (t.0, key.flops() / t.2 / 1e9)).collect();
-        reg.cache.insert(key.cache_name(), best);
-        save_cache(&reg);
+        reg.cache.entry(key.threads).or_default().insert(key.cache_name(), best);
+        save_cache(&reg, key.threads);
     }
 }
 
@@ -392,13 +404,20 @@ unsafe fn split(call: &Call<'_>, threads: usize) {
         return;
     }
     // Blocks of whole 16-element multiples, so every block starts aligned to
-    // the microkernel's tiles as the unsplit call's would.
-    let block = len.div_ceil(tasks).div_ceil(16) * 16;
-    let parts: Vec<SendCall<'_>> = (0..len)
-        .step_by(block)
-        .map(|start| {
-            let size = block.min(len - start);
-            SendCall(if by_rows { call.rows(start, size) } else { call.cols(start, size) })
+    // the microkernel's tiles as the unsplit call's would; the 16-element
+    // units are shared out evenly and the last block takes the rest, so that
+    // every block has at least len / tasks ≥ MIN_SPLIT (rounded down to 16)
+    // rows or columns (rounding the block size up instead could leave a last
+    // block of a single row, or of ≤ 64, on the crate's other paths).
+    let units = len / 16;
+    let (per, extra) = (units / tasks, units % tasks);
+    let mut start = 0;
+    let parts: Vec<SendCall<'_>> = (0..tasks)
+        .map(|t| {
+            let size = if t + 1 == tasks { len - start } else { (per + usize::from(t < extra)) * 16 };
+            let part = SendCall(if by_rows { call.rows(start, size) } else { call.cols(start, size) });
+            start += size;
+            part
         })
         .collect();
     rayon::scope(|s| {

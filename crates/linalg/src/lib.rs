@@ -48,8 +48,13 @@ impl<'a> Strided<'a> {
 
     fn check(&self, n_rows: usize, n_cols: usize) {
         if n_rows > 0 && n_cols > 0 {
-            let last = self.offset + (n_rows - 1) * self.rs + (n_cols - 1) * self.cs;
-            assert!(last < self.data.len(), "matrix view out of bounds: {last} >= {}", self.data.len());
+            // Checked: a wrapped sum would pass and point outside `data`.
+            let last = last_index(self.offset, n_rows, self.rs, n_cols, self.cs);
+            assert!(
+                last.is_some_and(|l| l < self.data.len()),
+                "matrix view out of bounds: {last:?} >= {}",
+                self.data.len()
+            );
         }
     }
 
@@ -58,6 +63,11 @@ impl<'a> Strided<'a> {
         // SAFETY: `check` was called by every public entry point before this.
         unsafe { self.data.as_ptr().add(self.offset) }
     }
+}
+
+/// `offset + (rows - 1)·rs + (cols - 1)·cs` (`rows, cols ≥ 1`), `None` on overflow.
+fn last_index(offset: usize, rows: usize, rs: usize, cols: usize, cs: usize) -> Option<usize> {
+    (rows - 1).checked_mul(rs)?.checked_add((cols - 1).checked_mul(cs)?)?.checked_add(offset)
 }
 
 /// The element type a GEMM's operands are rounded to before multiplying.
@@ -129,7 +139,7 @@ pub fn gemm_into(
     if m == 0 || n == 0 {
         return;
     }
-    assert!(dst_offset + (m - 1) * dst_rs + n <= dst.len(), "gemm dst out of bounds");
+    assert!(last_index(dst_offset, m, dst_rs, n, 1).is_some_and(|l| l < dst.len()), "gemm dst out of bounds");
     lhs.check(m, k);
     rhs.check(k, n);
     // SAFETY: every index the backends touch lies inside the views checked
@@ -182,7 +192,8 @@ impl Call<'_> {
 /// # Safety
 /// `dst` must be valid for writes of the `m × n` block with row stride
 /// `dst_rs`, no other thread may touch that block meanwhile, and `lhs`/`rhs`
-/// must hold the `m × k` and `k × n` views (checked).
+/// must hold the `m × k` and `k × n` views (checked). Rows of `dst` may not
+/// overlap (`dst_rs ≥ n` unless `m == 1`; checked).
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn gemm_raw(
     m: usize,
@@ -199,6 +210,8 @@ pub unsafe fn gemm_raw(
     if m == 0 || n == 0 {
         return;
     }
+    // Overlapping rows of dst would be written by several threads at once.
+    assert!(m == 1 || dst_rs >= n, "gemm dst rows overlap: row stride {dst_rs} < {n} columns");
     lhs.check(m, k);
     rhs.check(k, n);
     if k == 0 {
