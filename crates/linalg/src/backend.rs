@@ -235,10 +235,8 @@ fn load_cache(reg: &mut Registry, threads: usize) {
 /// read the file are kept (this process's choices win where both have one).
 fn save_cache(reg: &Registry, threads: usize) {
     let Some(path) = cache_path_for(threads) else { return };
-    let mut map: BTreeMap<String, String> = std::fs::read_to_string(&path)
-        .ok()
-        .and_then(|text| serde_json::from_str(&text).ok())
-        .unwrap_or_default();
+    let mut map: BTreeMap<String, String> =
+        std::fs::read_to_string(&path).ok().and_then(|text| serde_json::from_str(&text).ok()).unwrap_or_default();
     map.extend(reg.cache.get(&threads).into_iter().flatten().map(|(k, v)| (k.clone(), v.name().to_string())));
     let result = (|| -> std::io::Result<()> {
         if let Some(dir) = path.parent() {
@@ -369,6 +367,10 @@ fn trial_done(key: Key, backend: Backend, secs: f64) {
 /// Runs `backend` on the pool (`Bf16` without AVX512-BF16 runs `Crate`).
 ///
 /// # Safety
+/// `call.dst` must be valid for writes of the `m × n` block with row stride
+/// `dst_rs` (`m == 1` or `dst_rs ≥ n`), no other thread may touch that block
+/// meanwhile, and `call.lhs` / `call.rhs` must hold the `m × k` and `k × n`
+/// views (this function does not check them: [`crate::gemm_raw`] does).
 pub unsafe fn run(backend: Backend, call: &Call<'_>) {
     let threads = rayon::current_num_threads();
     match backend {

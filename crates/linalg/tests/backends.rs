@@ -211,7 +211,10 @@ fn split_is_bit_identical_around_the_gemm_crates_thresholds() {
 fn f32_calls_of_a_shape_first_seen_in_bf16_stay_f32() {
     // Its f32 calls are probed: keep the cache out of $HOME (as the probe
     // test does; whichever runs first names the directory for both).
-    std::env::set_var("MACROBATCH_CACHE_DIR", std::env::temp_dir().join(format!("linalg-probe-{}", std::process::id())));
+    std::env::set_var(
+        "MACROBATCH_CACHE_DIR",
+        std::env::temp_dir().join(format!("linalg-probe-{}", std::process::id())),
+    );
     let p = pool(2);
     let (m, k, n) = (96, 80, 200);
     let (a, b) = (data(m * k, 6), data(k * n, 7));

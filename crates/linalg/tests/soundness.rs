@@ -32,9 +32,21 @@ fn bits(v: &[f32]) -> Vec<u32> {
 fn dst_bounds_check_does_not_wrap() {
     let a = data(2, 1);
     let b = data(2, 2);
-    let mut buf = vec![7.0f32; 8];
+    let mut buf = [7.0f32; 8];
     let r = catch_unwind(AssertUnwindSafe(|| {
-        gemm_into(2, 2, 1, &mut buf[1..], 0, usize::MAX, false, Strided::rows(&a, 1), Strided::rows(&b, 2), 1.0, Par::ONE)
+        gemm_into(
+            2,
+            2,
+            1,
+            &mut buf[1..],
+            0,
+            usize::MAX,
+            false,
+            Strided::rows(&a, 1),
+            Strided::rows(&b, 2),
+            1.0,
+            Par::ONE,
+        )
     }));
     assert_eq!(buf[0], 7.0, "gemm_into wrote outside the dst slice it was given");
     assert!(r.is_err(), "a dst view past the end of the slice must be rejected");

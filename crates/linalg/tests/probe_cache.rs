@@ -49,7 +49,8 @@ fn cache_path_and_concurrent_writers() {
         p3.install(|| gemm_into(m, n, k, &mut dst, 0, n, false, Strided::rows(&a, k), Strided::rows(&b, n), 1.0, par3));
     }
     let stats = backend::stats();
-    let (_, s3) = stats.iter().find(|(key, _)| (key.m, key.k, key.n, key.threads) == (m, k, n, 3)).expect("3-thread key");
+    let (_, s3) =
+        stats.iter().find(|(key, _)| (key.m, key.k, key.n, key.threads) == (m, k, n, 3)).expect("3-thread key");
     let path3 = p3.install(backend::cache_path).expect("cache path");
     let text3 = std::fs::read_to_string(&path3).unwrap_or_default();
     let _ = std::fs::remove_dir_all(&tmp);
