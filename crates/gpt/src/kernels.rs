@@ -17,12 +17,12 @@ pub const LN_EPS: f32 = 1e-5;
 /// Rows per task for reductions over rows (parameter gradients).
 const ROWS_PER_TASK: usize = 32;
 
-/// The GEMM operands of a training precision: bf16 in `bf16` mode (on a CPU
-/// with AVX512-BF16, else f32: [`Operands::effective`]), f32 otherwise.
-/// f16 mode computes in f32 (no f16 dot-product instructions are used).
+/// The GEMM operands a training precision asks for: bf16 in `bf16` mode, f32
+/// otherwise (f16 mode computes in f32: no f16 dot-product instructions are
+/// used). [`Par::with`] turns bf16 into f32 on a CPU without AVX512-BF16.
 pub fn operands(prec: engine::Precision) -> Operands {
     match prec {
-        engine::Precision::Bf16 => Operands::Bf16.effective(),
+        engine::Precision::Bf16 => Operands::Bf16,
         engine::Precision::F32 | engine::Precision::F16 => Operands::F32,
     }
 }

@@ -104,32 +104,16 @@ fn matmul_backward_matches_finite_differences() {
     for i in 0..rows * oc {
         assert!((full[i] - plain[i] - res[i] - b[i % oc]).abs() < 1e-5);
     }
-    let (mut dx, mut dw, mut db) = (vec![7.0; rows * ic], vec![0.0; ic * oc], vec![0.0; oc]);
-    kernels::matmul_backward(
-        &mut dx,
-        Some((&mut dw, true)),
-        Some((&mut db, true)),
-        &r,
-        &x,
-        &w,
-        rows,
-        ic,
-        oc,
-        kernels::Operands::F32,
-    );
-    let (mut dx2, mut dw2, mut db2) = (vec![0.0; rows * ic], vec![5.0; ic * oc], vec![5.0; oc]);
-    kernels::matmul_backward(
-        &mut dx2,
-        Some((&mut dw2, false)),
-        Some((&mut db2, false)),
-        &r,
-        &x,
-        &w,
-        rows,
-        ic,
-        oc,
-        kernels::Operands::F32,
-    );
+    // Backward into buffers pre-filled with `fill_dx` / `fill_p`, adding into
+    // the parameter gradients or overwriting them.
+    let bwd = |fill_dx: f32, fill_p: f32, accumulate: bool| {
+        let (mut dx, mut dw, mut db) = (vec![fill_dx; rows * ic], vec![fill_p; ic * oc], vec![fill_p; oc]);
+        let (gw, gb) = (Some((&mut dw[..], accumulate)), Some((&mut db[..], accumulate)));
+        kernels::matmul_backward(&mut dx, gw, gb, &r, &x, &w, rows, ic, oc, kernels::Operands::F32);
+        (dx, dw, db)
+    };
+    let (dx, dw, db) = bwd(7.0, 0.0, true);
+    let (dx2, dw2, db2) = bwd(0.0, 5.0, false);
     assert_eq!((&dx2, &dw2, &db2), (&dx, &dw, &db), "overwrite mode ignores what was there");
     check("mm dx", &x, &dx, |x| dot(&fwd(x, &w, &b), &r));
     check("mm dw", &w, &dw, |w| dot(&fwd(&x, w, &b), &r));

@@ -19,7 +19,7 @@
 //! backend for every shape (`auto`, the default, probes). Calls from inside a
 //! parallel loop (one thread each) always use `Crate` single-threaded.
 
-use crate::{Call, Strided};
+use crate::{Call, SendCall, Strided};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
@@ -181,20 +181,25 @@ fn forced() -> Option<Backend> {
     })
 }
 
-/// The CPU model name and thread count, as the cache file's identity.
+/// The CPU model name and thread count, as the cache file's identity
+/// (`/proc/cpuinfo` is read once per process).
 fn machine_id(threads: usize) -> String {
-    let model = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|s| s.trim().to_string())
-        })
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
-    let slug: String =
-        model.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' }).collect();
-    format!("{}-t{threads}", slug.trim_matches('-'))
+    static SLUG: OnceLock<String> = OnceLock::new();
+    let slug = SLUG.get_or_init(|| {
+        let model = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .and_then(|l| l.split(':').nth(1))
+                    .map(|s| s.trim().to_string())
+            })
+            .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+        let slug: String =
+            model.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' }).collect();
+        slug.trim_matches('-').to_string()
+    });
+    format!("{slug}-t{threads}")
 }
 
 /// The probe cache of this machine: `$MACROBATCH_CACHE_DIR`, else
@@ -289,8 +294,10 @@ pub fn reset_counts() {
 }
 
 /// Records one call of `key` taking `seconds` on `backend` (the bf16
-/// kernel's calls too, which have no trials).
-pub(crate) fn record(key: Key, backend: Backend, seconds: f64) {
+/// kernel's calls too, which have no trials). A trial call (`on_trial`)
+/// also counts towards the probe: when every candidate has had [`TRIALS`]
+/// calls, the fastest is kept and the cache saved.
+pub(crate) fn record(key: Key, backend: Backend, seconds: f64, on_trial: bool) {
     let mut reg = lock();
     let s = reg.shapes.entry(key).or_default();
     if backend == Backend::Bf16 {
@@ -298,6 +305,20 @@ pub(crate) fn record(key: Key, backend: Backend, seconds: f64) {
     }
     s.calls += 1;
     s.seconds += seconds;
+    if !on_trial {
+        return;
+    }
+    if let Some(t) = s.trials.iter_mut().find(|t| t.0 == backend) {
+        t.1 += 1;
+        t.2 = t.2.min(seconds);
+    }
+    if s.backend.is_none() && s.trials.iter().all(|t| t.1 >= TRIALS) {
+        let best = s.trials.iter().min_by(|x, y| x.2.total_cmp(&y.2)).map_or(Backend::Crate, |t| t.0);
+        s.backend = Some(best);
+        s.probe = s.trials.iter().map(|t| (t.0, key.flops() / t.2 / 1e9)).collect();
+        reg.cache.entry(key.threads).or_default().insert(key.cache_name(), best);
+        save_cache(&reg, key.threads);
+    }
 }
 
 /// Timed calls each candidate gets before a shape's backend is chosen.
@@ -316,11 +337,7 @@ pub(crate) unsafe fn pool_f32(call: &Call<'_>) {
     let (backend, on_trial) = choose(key);
     let t = Instant::now();
     run(backend, call);
-    let secs = t.elapsed().as_secs_f64();
-    if on_trial {
-        trial_done(key, backend, secs);
-    }
-    record(key, backend, secs);
+    record(key, backend, t.elapsed().as_secs_f64(), on_trial);
 }
 
 /// The backend for the next call of `key`, and whether the call is a trial.
@@ -346,24 +363,6 @@ fn choose(key: Key) -> (Backend, bool) {
     (next, true)
 }
 
-/// Records a trial; when every candidate has had [`TRIALS`] calls, keeps
-/// the fastest and saves the cache.
-fn trial_done(key: Key, backend: Backend, secs: f64) {
-    let mut reg = lock();
-    let s = reg.shapes.entry(key).or_default();
-    if let Some(t) = s.trials.iter_mut().find(|t| t.0 == backend) {
-        t.1 += 1;
-        t.2 = t.2.min(secs);
-    }
-    if s.backend.is_none() && s.trials.iter().all(|t| t.1 >= TRIALS) {
-        let best = s.trials.iter().min_by(|x, y| x.2.total_cmp(&y.2)).map_or(Backend::Crate, |t| t.0);
-        s.backend = Some(best);
-        s.probe = s.trials.iter().map(|t| (t.0, key.flops() / t.2 / 1e9)).collect();
-        reg.cache.entry(key.threads).or_default().insert(key.cache_name(), best);
-        save_cache(&reg, key.threads);
-    }
-}
-
 /// Runs `backend` on the pool (`Bf16` without AVX512-BF16 runs `Crate`).
 ///
 /// # Safety
@@ -386,14 +385,6 @@ pub unsafe fn run(backend: Backend, call: &Call<'_>) {
 /// and n ≤ 64), which blocks `k` differently (by 512 instead of by its
 /// cache-derived `kc`): every block then sums in the unsplit call's order.
 const MIN_SPLIT: usize = 128;
-
-/// A [`Call`] handed to another thread.
-#[derive(Clone, Copy)]
-struct SendCall<'a>(Call<'a>);
-// SAFETY: each task writes a disjoint block of `dst` (see `split`); the
-// operands are shared reads.
-unsafe impl Send for SendCall<'_> {}
-unsafe impl Sync for SendCall<'_> {}
 
 /// `dst`, each a single-threaded `gemm` call.
 unsafe fn split(call: &Call<'_>, threads: usize) {

@@ -147,15 +147,6 @@ mod imp {
         r
     }
 
-    /// `dst` shared between tasks that write disjoint tiles of it.
-    #[derive(Clone, Copy)]
-    struct DstPtr(*mut f32);
-    // SAFETY: tasks write disjoint blocks of `dst` (distinct rows or distinct
-    // columns), as the caller of `gemm` guarantees nobody else touches it.
-    unsafe impl Send for DstPtr {}
-    // SAFETY: as above.
-    unsafe impl Sync for DstPtr {}
-
     /// Where the microkernel writes its finished tile.
     #[derive(Clone, Copy)]
     struct Out {
@@ -164,19 +155,6 @@ mod imp {
         mr: usize,
         nr: usize,
         accumulate: bool,
-        alpha: f32,
-    }
-
-    /// The shape and operands of one call.
-    #[derive(Clone, Copy)]
-    struct Problem<'a> {
-        n: usize,
-        k: usize,
-        dst: DstPtr,
-        dst_rs: usize,
-        accumulate: bool,
-        lhs: Strided<'a>,
-        rhs: Strided<'a>,
         alpha: f32,
     }
 
@@ -666,10 +644,11 @@ mod imp {
     /// # Safety
     /// As [`gemm`]; no other thread writes this block of dst.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    unsafe fn block(pr: &Problem<'_>, b: &[u32], jc: usize, r0: usize, r1: usize, q0: usize, q1: usize) {
+    unsafe fn block(pr: &crate::SendCall<'_>, b: &[u32], jc: usize, r0: usize, r1: usize, q0: usize, q1: usize) {
         if r0 >= r1 || q0 >= q1 {
             return;
         }
+        let pr = &pr.0;
         let kp = pr.k.div_ceil(2);
         // k blocks of equal size (at most KCP pairs). Where they fall does
         // not change the result: the accumulators pass through the scratch
@@ -700,7 +679,7 @@ mod imp {
                             for it in 0..mtiles {
                                 let row = ic + it * MR;
                                 let out = last.then(|| Out {
-                                    dst: pr.dst.0.wrapping_add(row * pr.dst_rs + col),
+                                    dst: pr.dst.wrapping_add(row * pr.dst_rs + col),
                                     rs: pr.dst_rs,
                                     mr: MR.min(r1 - row),
                                     nr,
@@ -713,7 +692,7 @@ mod imp {
                                 // prefetched, so it may lie past the block.
                                 let prefetch = if last {
                                     let next = if it + 1 < mtiles { (row + MR, col) } else { (ic, col + NR) };
-                                    Some((pr.dst.0.wrapping_add(next.0 * pr.dst_rs + next.1).cast_const(), pr.dst_rs))
+                                    Some((pr.dst.wrapping_add(next.0 * pr.dst_rs + next.1).cast_const(), pr.dst_rs))
                                 } else {
                                     (kb > 0).then(|| (tile.wrapping_add(MR * NR).cast_const(), NR))
                                 };
@@ -735,7 +714,7 @@ mod imp {
     /// # Safety
     /// As [`crate::gemm_raw`], and the CPU has AVX512-BF16.
     pub(super) unsafe fn gemm(call: &crate::Call<'_>, pool: bool) {
-        let &crate::Call { m, n, k, dst, dst_rs, accumulate, lhs, rhs, alpha } = call;
+        let &crate::Call { m, n, k, dst, dst_rs, accumulate, rhs, .. } = call;
         if m == 0 || n == 0 {
             return;
         }
@@ -754,7 +733,7 @@ mod imp {
         let kp = k.div_ceil(2);
         let nc = ((B_CHUNK_BYTES / 4 / kp.max(1)) / NR).max(1) * NR;
         let nc = nc.min(n.next_multiple_of(NR));
-        let pr = Problem { n, k, dst: DstPtr(dst), dst_rs, accumulate, lhs, rhs, alpha };
+        let pr = crate::SendCall(*call);
         let mt = m.div_ceil(MR);
         let run = move || {
             with_buf(&PACK_B, kp * nc, |bbuf| {
@@ -768,7 +747,7 @@ mod imp {
                         let pack = |(g, panels): (usize, &mut [u32])| {
                             let j0 = jc + g * group * NR;
                             // SAFETY: rhs holds the k × n view; j0 < chunk_end ≤ n.
-                            unsafe { pack_b_rows(panels, &pr.rhs, k, j0, (group * NR).min(chunk_end - j0)) }
+                            unsafe { pack_b_rows(panels, &rhs, k, j0, (group * NR).min(chunk_end - j0)) }
                         };
                         if threads > 1 {
                             b.par_chunks_mut(group * kp * NR).enumerate().for_each(pack);
@@ -779,7 +758,7 @@ mod imp {
                         let pack = |(q, panel): (usize, &mut [u32])| {
                             let j0 = jc + q * NR;
                             // SAFETY: rhs holds the k × n view; j0 < chunk_end ≤ n.
-                            unsafe { pack_b_panel(panel, &pr.rhs, k, j0, NR.min(chunk_end - j0)) }
+                            unsafe { pack_b_panel(panel, &rhs, k, j0, NR.min(chunk_end - j0)) }
                         };
                         if threads > 1 {
                             b.par_chunks_mut(kp * NR).enumerate().for_each(pack);

@@ -121,7 +121,8 @@ pub fn parallelism(inside_parallel_loop: bool) -> Par {
 
 /// `dst[m×n] (rs dst_rs) = (accumulate ? dst : 0) + alpha · lhs[m×k] · rhs[k×n]`.
 ///
-/// All three views are bounds-checked; `dst` is a plain mutable slice.
+/// All three views are bounds-checked (`dst` here, the operands by
+/// [`gemm_raw`]); `dst` is a plain mutable slice.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_into(
     m: usize,
@@ -140,10 +141,8 @@ pub fn gemm_into(
         return;
     }
     assert!(last_index(dst_offset, m, dst_rs, n, 1).is_some_and(|l| l < dst.len()), "gemm dst out of bounds");
-    lhs.check(m, k);
-    rhs.check(k, n);
-    // SAFETY: every index the backends touch lies inside the views checked
-    // above; `dst` is exclusively borrowed.
+    // SAFETY: the m × n block of `dst` was checked above and `dst` is
+    // exclusively borrowed; `gemm_raw` checks the operand views.
     unsafe { gemm_raw(m, n, k, dst.as_mut_ptr().add(dst_offset), dst_rs, accumulate, lhs, rhs, alpha, par) }
 }
 
@@ -185,6 +184,17 @@ impl Call<'_> {
         Call { n: cols, dst, rhs: Strided { offset: self.rhs.offset + c0 * self.rhs.cs, ..self.rhs }, ..*self }
     }
 }
+
+/// A [`Call`] shared with other threads, each of which writes a disjoint
+/// block of its `dst` (rows or column panels; `split` and the bf16 kernel).
+#[derive(Clone, Copy)]
+pub(crate) struct SendCall<'a>(pub(crate) Call<'a>);
+// SAFETY: the threads a SendCall reaches write disjoint blocks of `dst`,
+// which the caller of `gemm_raw` guarantees nobody else touches meanwhile;
+// the operands are shared reads.
+unsafe impl Send for SendCall<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for SendCall<'_> {}
 
 /// [`gemm_into`] writing through a raw pointer, for disjoint strided outputs
 /// written from several threads (attention heads).
@@ -228,7 +238,7 @@ pub unsafe fn gemm_raw(
             let key = Key::new(&call, true);
             let t = std::time::Instant::now();
             bf16::gemm(&call, true);
-            backend::record(key, Backend::Bf16, t.elapsed().as_secs_f64());
+            backend::record(key, Backend::Bf16, t.elapsed().as_secs_f64(), false);
         } else {
             bf16::gemm(&call, false);
         }

@@ -2,20 +2,9 @@
 //! count), and with a plain f64 reference to f32 rounding; the probe picks a
 //! backend per shape and reports it.
 
+mod common;
+use common::*;
 use linalg::{backend, gemm_into, Backend, Call, Par, Strided};
-
-fn data(len: usize, seed: u32) -> Vec<f32> {
-    // Deterministic values in [-1, 1) with all mantissa bits in use.
-    let mut x = seed.wrapping_mul(2654435761).wrapping_add(12345);
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            (x >> 8) as f32 / (1u32 << 23) as f32 - 1.0
-        })
-        .collect()
-}
 
 struct Case {
     m: usize,
@@ -79,10 +68,6 @@ fn cases() -> Vec<Case> {
         }
     }
     v
-}
-
-fn pool(threads: usize) -> rayon::ThreadPool {
-    rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("thread pool")
 }
 
 #[test]

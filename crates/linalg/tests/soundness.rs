@@ -2,28 +2,10 @@
 //! against `Crate` at larger thread counts, and concurrent / nested bf16
 //! calls.
 
+mod common;
+use common::*;
 use linalg::{backend, gemm_into, Backend, Call, Operands, Par, Strided};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-
-fn data(len: usize, seed: u32) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(2654435761).wrapping_add(12345);
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            (x >> 8) as f32 / (1u32 << 23) as f32 - 1.0
-        })
-        .collect()
-}
-
-fn pool(threads: usize) -> rayon::ThreadPool {
-    rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("thread pool")
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
 
 /// `dst_offset + (m - 1)·dst_rs + n` wraps around in release builds: with
 /// `dst_rs = usize::MAX` the check passes and row 1 is written one element

@@ -138,30 +138,12 @@ fn nominal_peak_gflops(threads: usize) -> f64 {
     threads as f64 * F32_FLOP_PER_CYCLE * mhz / 1e3
 }
 
-/// The best rate of our GEMM on a large square problem: the practical roofline.
+/// The best rate of our GEMM on a large square problem (1024³, the best f32
+/// backend of this build): the practical roofline.
 fn gemm_peak_gflops() -> f64 {
-    let n = 1024;
-    let a = vec![0.5f32; n * n];
-    let mut c = vec![0.0f32; n * n];
-    let mut best = 0.0f64;
-    for _ in 0..8 {
-        let t0 = Instant::now();
-        gpt::kernels::gemm_into(
-            n,
-            n,
-            n,
-            &mut c,
-            0,
-            n,
-            false,
-            gpt::kernels::Strided::rows(&a, n),
-            gpt::kernels::Strided::rows(&a, n),
-            1.0,
-            gpt::kernels::parallelism(false),
-        );
-        best = best.max(2.0 * (n * n * n) as f64 / t0.elapsed().as_secs_f64() / 1e9);
-    }
-    best
+    let threads = rayon::current_num_threads();
+    let key = linalg::Key { m: 1024, n: 1024, k: 1024, lhs_t: false, rhs_t: false, threads, bf16: false };
+    linalg::Backend::f32_candidates().into_iter().map(|b| linalg::backend::measure(&key, b, 7)).fold(0.0, f64::max)
 }
 
 /// The GEMM shapes of the last `steps` measured steps of `step_ms` each:
