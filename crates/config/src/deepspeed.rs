@@ -42,6 +42,11 @@ impl Config {
         let parse_err = |message: String| ConfigError::Parse { origin: origin.into(), message };
         let root: Value =
             serde_json::from_str(text).map_err(|e| parse_err(format!("not a valid DeepSpeed JSON config: {e}")))?;
+        // serde_json keeps the last of two equal keys; DeepSpeed's loader
+        // refuses them, and so do we (one of the two would be ignored).
+        if let Err(e) = serde_json::from_str::<NoDuplicates>(text) {
+            return Err(parse_err(format!("not a valid DeepSpeed JSON config: {e}")));
+        }
         let mut autos = Vec::new();
         find_auto(&root, "", &mut autos);
         if !autos.is_empty() {
@@ -191,6 +196,16 @@ impl Translation {
     }
 
     /// A whole number ≥ 0 (DeepSpeed files write sizes as `5e8` too).
+    /// A bucket size in elements: positive, named by its JSON key (not the
+    /// `dist.bucket_mb` it becomes).
+    fn bucket_size(&self, v: &Value, key: &str) -> Result<f64, ConfigError> {
+        let n = self.number(v, key)?;
+        if !(n >= 1.0 && n.is_finite()) {
+            return Err(self.err(key, format!("{v}: a bucket holds at least one element; give e.g. 5e8")));
+        }
+        Ok(n)
+    }
+
     fn whole(&self, v: &Value, key: &str) -> Result<u64, ConfigError> {
         let x = self.number(v, key)?;
         if x < 0.0 || x.fract() != 0.0 || x > i64::MAX as f64 {
@@ -448,11 +463,11 @@ impl Translation {
         let mib = |elements: f64| elements * 4.0 / f64::from(1u32 << 20);
         let reduce = m.remove("reduce_bucket_size");
         if let Some(v) = &reduce {
-            let n = self.number(v, "zero_optimization.reduce_bucket_size")?;
+            let n = self.bucket_size(v, "zero_optimization.reduce_bucket_size")?;
             self.set("dist.bucket_mb", mib(n));
         }
         if let Some(v) = m.remove("allgather_bucket_size") {
-            let n = self.number(&v, "zero_optimization.allgather_bucket_size")?;
+            let n = self.bucket_size(&v, "zero_optimization.allgather_bucket_size")?;
             if reduce.is_some() {
                 self.notes.push(format!(
                     "zero_optimization.allgather_bucket_size = {v}: macrobatch has one bucket size (dist.bucket_mb), taken from reduce_bucket_size; ignored"
@@ -493,6 +508,19 @@ impl Translation {
             };
             if device == "none" {
                 self.notes.push(format!("{full} = {v}: device \"none\" offloads nothing"));
+            } else if key == "offload_optimizer" && device == "nvme" {
+                // DeepSpeed's NVMe offload streams the optimizer state through
+                // files, as dist.offload_optimizer = "disk" does (in the run folder).
+                self.set("dist.offload_optimizer", "disk");
+                if o.contains_key("nvme_path") {
+                    self.notes.push(format!(
+                        "{full}.nvme_path: the state files live in the run folder's offload/ (dist.offload_optimizer = \"disk\"); the path is not used"
+                    ));
+                }
+            } else if key == "offload_optimizer" && device == "cpu" {
+                self.notes.push(format!(
+                    "{full} = {v}: macrobatch runs on the CPU, where the optimizer state already lives in host memory; nothing to move"
+                ));
             } else {
                 self.unsupported.push(format!(
                     "{full} = {v}: macrobatch keeps parameters and optimizer state in memory (no offload to {device}); `macrobatch plan` shows what fits"
@@ -690,6 +718,59 @@ impl Translation {
 }
 
 /// Every `"auto"` value, with the key's dotted path and what it needs.
+/// Deserialises any JSON and fails on an object with a key given twice.
+struct NoDuplicates;
+
+impl<'de> serde::Deserialize<'de> for NoDuplicates {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(NoDuplicatesVisitor)
+    }
+}
+
+struct NoDuplicatesVisitor;
+
+impl<'de> serde::de::Visitor<'de> for NoDuplicatesVisitor {
+    type Value = NoDuplicates;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<NoDuplicates, E> {
+        Ok(NoDuplicates)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<NoDuplicates, E> {
+        Ok(NoDuplicates)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<NoDuplicates, E> {
+        Ok(NoDuplicates)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<NoDuplicates, E> {
+        Ok(NoDuplicates)
+    }
+    fn visit_str<E>(self, _: &str) -> Result<NoDuplicates, E> {
+        Ok(NoDuplicates)
+    }
+    fn visit_unit<E>(self) -> Result<NoDuplicates, E> {
+        Ok(NoDuplicates)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<NoDuplicates, A::Error> {
+        while seq.next_element::<NoDuplicates>()?.is_some() {}
+        Ok(NoDuplicates)
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<NoDuplicates, A::Error> {
+        let mut seen = std::collections::HashSet::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if !seen.insert(key.clone()) {
+                return Err(serde::de::Error::custom(format!(
+                    "the key \"{key}\" appears twice in one object; keep one of them"
+                )));
+            }
+            map.next_value::<NoDuplicates>()?;
+        }
+        Ok(NoDuplicates)
+    }
+}
+
 fn find_auto(v: &Value, path: &str, out: &mut Vec<String>) {
     match v {
         Value::String(s) if s == "auto" => out.push(format!("{path} needs {}", needs(path))),
@@ -897,5 +978,27 @@ mod tests {
             Default::default(),
         );
         assert!(e.unwrap_err().to_string().contains("layers"));
+    }
+
+    #[test]
+    fn duplicate_keys_nvme_offload_and_bucket_sizes_name_the_json() {
+        // Two equal keys: serde_json would keep the last silently.
+        let e = ds(r#"{"train_batch_size": 8, "zero_optimization": {"stage": 1, "stage": 2}}"#, &[], false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"stage\" appears twice"), "{e}");
+        let e = ds(r#"{"train_batch_size": 8, "train_batch_size": 16}"#, &[], false).unwrap_err().to_string();
+        assert!(e.contains("\"train_batch_size\" appears twice"), "{e}");
+        // NVMe offload of the optimizer state is the disk offload here.
+        let j = r#"{"train_batch_size": 8, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}}}"#;
+        let r = ds(j, &[], true).unwrap();
+        assert_eq!(r.config.dist.offload_optimizer, crate::OffloadOptimizer::Disk);
+        assert!(r.warnings.join("\n").contains("nvme_path"), "{:?}", r.warnings);
+        // A negative bucket is named by its JSON key and value, not by dist.bucket_mb.
+        let e = ds(r#"{"train_batch_size": 8, "zero_optimization": {"reduce_bucket_size": -1}}"#, &[], false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("zero_optimization.reduce_bucket_size") && e.contains("-1"), "{e}");
+        assert!(!e.contains("bucket_mb"), "{e}");
     }
 }

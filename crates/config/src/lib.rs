@@ -848,6 +848,12 @@ mod tests {
     }
 
     #[test]
+    fn lora_alpha_defaults_to_peft_s_8() {
+        let c = parse("[model]\nfamily = \"llama\"\n[lora]\nr = 4\ntarget_modules = [\"q_proj\"]\n", &[]).unwrap();
+        assert_eq!(c.lora.map(|l| l.alpha), Some(8.0));
+    }
+
+    #[test]
     fn overrides_and_defaults() {
         let c =
             parse("[train]\nsteps = 5\n", &["train.steps=30", "batch.micro=4", "data.path=foo.txt", "optim.lr=1e-3"])

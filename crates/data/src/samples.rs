@@ -54,6 +54,16 @@ impl Samples {
         }
     }
 
+    /// Input positions the micro-batch of samples `indices` feeds the model,
+    /// padding included (what peers count as tokens processed), without
+    /// building it.
+    pub fn input_positions(&self, indices: &[usize]) -> usize {
+        match self {
+            Samples::Windows(d) => indices.len() * d.seq_len(),
+            Samples::Examples(d) => d.micro_batch_positions(indices),
+        }
+    }
+
     /// Bytes the data set holds in memory (token ids and flags).
     pub fn resident_bytes(&self) -> u64 {
         match self {

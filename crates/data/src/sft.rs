@@ -325,6 +325,20 @@ impl SftDataset {
         self.pad_id
     }
 
+    /// Positions of [`Self::micro_batch`]`(indices)`: rows × its padded length.
+    pub fn micro_batch_positions(&self, indices: &[usize]) -> usize {
+        indices.len() * self.row_len(indices)
+    }
+
+    /// The row length of [`Self::micro_batch`]`(indices)`: the packing
+    /// length, or the longest of the examples.
+    fn row_len(&self, indices: &[usize]) -> usize {
+        match &self.rows {
+            Some((seq_len, _)) => *seq_len,
+            None => indices.iter().map(|&i| self.examples[i].n_positions()).max().unwrap_or(1),
+        }
+    }
+
     /// The micro-batch of samples `indices`, in that order. Packed: `B` rows
     /// of `seq_len`. Not packed: each example one row, padded (pad id,
     /// targets ignored) to the longest in this micro-batch. No indices: zero
@@ -338,10 +352,7 @@ impl SftDataset {
             Some((_, rows)) => indices.iter().map(|&i| &self.examples[rows[i].clone()]).collect(),
             None => indices.iter().map(|&i| std::slice::from_ref(&self.examples[i])).collect(),
         };
-        let seq_len = match &self.rows {
-            Some((seq_len, _)) => *seq_len,
-            None => samples.iter().map(|s| s[0].n_positions()).max().unwrap_or(1),
-        };
+        let seq_len = self.row_len(indices);
         let n = samples.len() * seq_len;
         let (mut inputs, mut targets) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for s in &samples {

@@ -160,24 +160,37 @@ fn lock() -> std::sync::MutexGuard<'static, Registry> {
     registry().lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// `MACROBATCH_GEMM` read: `Ok(None)` when unset, empty or `auto`.
+fn forced_from_env() -> Result<Option<Backend>, String> {
+    let Ok(v) = std::env::var("MACROBATCH_GEMM") else { return Ok(None) };
+    if v.is_empty() || v == "auto" {
+        return Ok(None);
+    }
+    Backend::parse(&v).map(Some).ok_or_else(|| {
+        let names: Vec<_> = Backend::f32_candidates().iter().map(|b| b.name()).collect();
+        format!(
+            "MACROBATCH_GEMM={v} is not a GEMM backend of this build; set it to one of {}|auto (or unset it)",
+            names.join("|")
+        )
+    })
+}
+
+/// Checks `MACROBATCH_GEMM` up front, so a program can refuse a misspelt
+/// backend before any work instead of running with another one.
+pub fn check_env() -> Result<(), String> {
+    forced_from_env().map(|_| ())
+}
+
 /// The forced backend from `MACROBATCH_GEMM`, if any (read once). An unknown
-/// name is reported once on stderr and ignored.
+/// name is reported once on stderr and ignored (the binary refuses it first
+/// through [`check_env`]).
 fn forced() -> Option<Backend> {
     static F: OnceLock<Option<Backend>> = OnceLock::new();
     *F.get_or_init(|| {
-        let v = std::env::var("MACROBATCH_GEMM").ok()?;
-        if v.is_empty() || v == "auto" {
-            return None;
-        }
-        let b = Backend::parse(&v);
-        if b.is_none() {
-            let names: Vec<_> = Backend::f32_candidates().iter().map(|b| b.name()).collect();
-            eprintln!(
-                "warning: MACROBATCH_GEMM={v} is not a backend of this build ({}|auto); probing instead",
-                names.join("|")
-            );
-        }
-        b
+        forced_from_env().unwrap_or_else(|e| {
+            eprintln!("warning: {e}; probing instead");
+            None
+        })
     })
 }
 

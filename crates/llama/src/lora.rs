@@ -31,7 +31,8 @@ pub const ALL_LINEAR: &str = "all-linear";
 pub struct LoraConfig {
     /// Rank r.
     pub r: usize,
-    /// α: the update is scaled by α/r.
+    /// α: the update is scaled by α/r (PEFT's default, 8, when not given).
+    #[serde(default = "default_alpha")]
     pub alpha: f32,
     /// Dropout on the adapter's input; only 0.0 is supported yet.
     #[serde(default)]
@@ -39,6 +40,11 @@ pub struct LoraConfig {
     /// Projections to adapt: `q_proj`, `k_proj`, `v_proj`, `o_proj`,
     /// `gate_proj`, `up_proj`, `down_proj`, or `all-linear`.
     pub target_modules: Vec<String>,
+}
+
+/// PEFT's `LoraConfig.lora_alpha` default.
+fn default_alpha() -> f32 {
+    8.0
 }
 
 impl LoraConfig {

@@ -179,15 +179,41 @@ pub fn save(
     r
 }
 
+/// The first non-finite value of `params`: its tensor, its index in the
+/// tensor's row-major shape, the value, and how many there are in all.
+pub struct NonFinite {
+    pub tensor: String,
+    pub shape: Vec<usize>,
+    pub index: Vec<usize>,
+    pub value: f32,
+    pub count: usize,
+}
+
+/// Finds the first non-finite value of `params` laid out by `layout`.
+pub fn first_non_finite(layout: &engine::ParamLayout, params: &[f32]) -> Option<NonFinite> {
+    let i = params.iter().position(|x| !x.is_finite())?;
+    let count = params.iter().filter(|x| !x.is_finite()).count();
+    let (tensor, shape, mut at) = match layout.tensors().iter().find(|t| t.range().contains(&i)) {
+        Some(t) => (t.name.clone(), t.shape.clone(), i - t.offset),
+        None => ("?".to_string(), vec![params.len()], i),
+    };
+    let mut index = vec![0; shape.len()];
+    for (slot, &d) in index.iter_mut().zip(&shape).rev() {
+        *slot = at % d.max(1);
+        at /= d.max(1);
+    }
+    Some(NonFinite { tensor, shape, index, value: params[i], count })
+}
+
 /// Errors naming the first tensor of `layout` with a non-finite value.
 pub fn check_finite(layout: &engine::ParamLayout, params: &[f32], what: &str) -> Result<()> {
-    let Some(i) = params.iter().position(|x| !x.is_finite()) else { return Ok(()) };
-    let tensor = layout.tensors().iter().find(|t| t.range().contains(&i));
-    let (name, at) = tensor.map_or(("?".to_string(), i), |t| (t.name.clone(), i - t.range().start));
-    let count = params.iter().filter(|x| !x.is_finite()).count();
+    let Some(n) = first_non_finite(layout, params) else { return Ok(()) };
     bail!(
-        "{what}: tensor `{name}` holds a non-finite value ({}) at element {at} ({count} non-finite values in all); the training diverged, so nothing is saved and the previous checkpoints stay (lower optim.lr, raise optim.eps, or enable train.grad_clip)",
-        params[i]
+        "{what}: tensor `{}` holds a non-finite value ({}) at element {:?} ({} non-finite values in all); the training diverged, so nothing is saved and the previous checkpoints stay (lower optim.lr, raise optim.eps, or enable train.grad_clip)",
+        n.tensor,
+        n.value,
+        n.index,
+        n.count
     )
 }
 
@@ -254,7 +280,7 @@ pub fn prune(run_dir: &Path, keep: usize) -> Result<()> {
 }
 
 /// Published checkpoints, oldest first.
-fn list(run_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
+pub fn list(run_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     let root = run_dir.join("checkpoints");
     let Ok(entries) = std::fs::read_dir(&root) else { return Ok(Vec::new()) };
     let mut out = Vec::new();

@@ -209,6 +209,15 @@ pub fn read_hf_config(dir: &Path) -> Result<Arc<dyn Family>> {
                 let v: serde_json::Value =
                     serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", adapter.display()))?;
                 Some(llama::lora::lora_config_from_peft(&v)?.0)
+            } else if dir.join(llama::lora::ADAPTER_WEIGHTS_FILE).exists() || json.get("macrobatch_lora").is_some() {
+                // Adapters were saved here, but without their config they
+                // cannot be applied: never silently the base alone.
+                bail!(
+                    "{}: the folder holds LoRA adapters (adapter_model.safetensors, or \"macrobatch_lora\" in config.json) but {} is missing, so they cannot be applied and the model would silently be the base alone; put the run's {} back beside them (or move the adapter files away to load the base on purpose)",
+                    dir.display(),
+                    llama::lora::ADAPTER_CONFIG_FILE,
+                    llama::lora::ADAPTER_CONFIG_FILE
+                );
             } else {
                 None
             };
@@ -248,12 +257,31 @@ pub fn load_hf(dir: &Path) -> Result<Loaded> {
             return Err(e.into());
         }
         let params = params?;
-        return Ok((Arc::new(LlamaFamily::new(cfg, None)?), params));
+        let family = LlamaFamily::new(cfg, None)?;
+        check_finite(family.model.layout(), &params, dir)?;
+        return Ok((Arc::new(family), params));
     }
     let family = read_hf_config(dir)?;
     let model = family.build(Build::default())?;
     let params = family.load_weights(dir, model.layout())?;
+    check_finite(model.layout(), &params, dir)?;
     Ok((family, params))
+}
+
+/// Every loaded weight is finite; else the first NaN or infinity is named by
+/// tensor and element (a damaged file, or one saved after a diverged step,
+/// would otherwise surface as a NaN loss blamed on the learning rate).
+pub fn check_finite(layout: &ParamLayout, params: &[f32], source: &Path) -> Result<()> {
+    let Some(n) = crate::checkpoint::first_non_finite(layout, params) else { return Ok(()) };
+    bail!(
+        "{}: tensor `{}` (shape {:?}) holds {} at element {:?}, {} non-finite value(s) in all; the weights are damaged or were saved after training diverged. Load another copy of the model (or an earlier checkpoint)",
+        source.display(),
+        n.tensor,
+        n.shape,
+        n.value,
+        n.index,
+        n.count
+    );
 }
 
 /// Llama (the `llama` crate), optionally with LoRA adapters on a frozen base.

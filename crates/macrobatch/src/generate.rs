@@ -22,11 +22,30 @@ fn tokenizer_of(model: &Path) -> Result<Tokenizer> {
     spec.build().with_context(|| format!("cannot load the tokenizer of {}", model.display()))
 }
 
+/// A run folder stopped before its end holds checkpoints but no final
+/// model: say where the newest one is instead of "no config.json".
+fn point_to_checkpoints(dir: &Path) -> Result<()> {
+    if !dir.is_dir() || dir.join(family::WEIGHTS_FILE).exists() {
+        return Ok(());
+    }
+    let newest = crate::checkpoint::list(dir).ok().and_then(|l| l.into_iter().max_by_key(|(step, _)| *step));
+    if let Some((step, path)) = newest {
+        bail!(
+            "{} holds no final model (the run stopped before its last step); its newest checkpoint is step {step}: generate from {} (or finish the run with `train --resume {}`)",
+            dir.display(),
+            path.display(),
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
 /// Samples `max_new_tokens` tokens after the prompt and prints the text.
 pub fn run(args: GenerateArgs) -> Result<()> {
     if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
         bail!("--temperature must be finite and >= 0, got {}", args.temperature);
     }
+    point_to_checkpoints(&args.dir)?;
     crate::memory::check_load(&args.dir, &format!("generate {}", args.dir.display()))
         .with_context(|| format!("cannot load a model from {}", args.dir.display()))?;
     let (family, params) =
@@ -53,6 +72,13 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     };
     if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab_size) {
         bail!("prompt token {t} is outside the model's vocabulary of {vocab_size}");
+    }
+    if tokens.len() >= context {
+        eprintln!(
+            "warning: the prompt is {} tokens, the model's context is {context}: the model sees only the last {} of them (and of what it generates)",
+            tokens.len(),
+            context.saturating_sub(1).max(1)
+        );
     }
     // Where a chat turn ends: the tokenizer's end-of-sequence and <|im_end|>.
     let stops: Vec<u32> =

@@ -4,6 +4,7 @@ mod bench;
 mod checkpoint;
 mod dist;
 mod family;
+mod folder;
 mod generate;
 mod heap;
 mod memory;
@@ -181,7 +182,7 @@ pub struct TrainArgs {
     pub init_from: Option<PathBuf>,
     /// Stop cleanly after this many optimizer steps in this invocation (checkpoint, exit 0).
     /// (Stopped by SIGINT / SIGTERM instead: checkpoint, exit 130 / 143.)
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub stop_after: Option<u64>,
     /// Write the initial trainable tensors (`initial_trainable.safetensors`)
     /// and every step's micro-batches (`steps.jsonl`) into DIR, so a peer
@@ -209,7 +210,7 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub chat: bool,
     /// With --chat: a system message first.
-    #[arg(long)]
+    #[arg(long, requires = "chat")]
     pub system: Option<String>,
     /// Tokens to generate.
     #[arg(long, default_value_t = 200)]
@@ -233,6 +234,10 @@ fn main() -> ExitCode {
     // memory model's "program" line).
     plan::runtime_bytes();
     let cli = Cli::parse();
+    if let Err(e) = linalg::backend::check_env() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     let result = match cli.command {
         Command::Train(args) => match train::run(args) {
             // Stopped by SIGINT / SIGTERM after the checkpoint is safe: 128 + signal

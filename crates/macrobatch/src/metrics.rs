@@ -27,6 +27,11 @@ pub struct StepRecord {
     pub tokens: u64,
     /// Target tokens (all ranks) per second.
     pub tokens_per_s: f64,
+    /// Input positions of the global batch (padding included): what the
+    /// model processed, as peers count tokens.
+    pub input_tokens: u64,
+    /// Input positions (all ranks) per second.
+    pub input_tokens_per_s: f64,
     /// Micro-steps in this optimizer step.
     pub micro_steps: usize,
     /// Mean loss of each micro-batch.
@@ -118,7 +123,11 @@ impl Reporter {
         }
         self.len += line.len() as u64;
         let val = r.val_loss.map_or(String::new(), |v| format!(" | val {v:.4}"));
-        let msg = format!("loss {:.4}{val} | lr {:.2e} | {:.0} tok/s", r.loss, r.lr, r.tokens_per_s);
+        // Input tokens/s as peers report it; the targets (what the loss is
+        // normalised by) separately where they differ (fine-tuning data).
+        let targets =
+            if r.tokens == r.input_tokens { String::new() } else { format!(" ({:.0} targets/s)", r.tokens_per_s) };
+        let msg = format!("loss {:.4}{val} | lr {:.2e} | {:.0} tok/s{targets}", r.loss, r.lr, r.input_tokens_per_s);
         match &self.bar {
             Some(bar) => {
                 bar.set_position(r.step);

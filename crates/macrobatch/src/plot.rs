@@ -53,6 +53,7 @@ struct Record {
     grad_norm: Option<f64>,
     tokens: Option<u64>,
     tokens_per_s: Option<f64>,
+    input_tokens_per_s: Option<f64>,
     #[serde(default)]
     skipped: bool,
     loss_scale: Option<f64>,
@@ -275,8 +276,11 @@ fn panels(runs: &[Run]) -> (Vec<Panel>, Vec<String>) {
     }
     out.push(Panel {
         title: "throughput",
-        y_desc: "tokens/s",
-        series: per_run(&|i, r| series(i, points(r, |x| x.tokens_per_s), line(i), None).into_iter().collect()),
+        y_desc: "input tokens/s",
+        // Input tokens as peers count them; runs from before that field: targets.
+        series: per_run(&|i, r| {
+            series(i, points(r, |x| x.input_tokens_per_s.or(x.tokens_per_s)), line(i), None).into_iter().collect()
+        }),
         y_label: short,
         legend: false,
     });

@@ -4,6 +4,7 @@
 use crate::checkpoint::{self, Loaded, TrainerState};
 use crate::dist::{self, Backend, Fault};
 use crate::family::{self, Build, Family, LanguageModel};
+use crate::folder;
 use crate::memory;
 use crate::metrics::{Reporter, StepRecord};
 use crate::{DeepSpeedArgs, TrainArgs};
@@ -475,26 +476,11 @@ fn read_run_id(dir: &Path) -> Result<Option<String>> {
 }
 
 /// Where a new run writes: `--out`, or `runs/run-<id>` (created exclusively
-/// in [`open_outputs`]). Refuses a folder that holds any trace of a run.
+/// in [`open_outputs`]). Refuses a folder that holds anything but the
+/// leftovers of an unstarted run of ours ([`folder::check_new_run`]).
 fn output_dir(args: &TrainArgs, run_id: &str) -> Result<(PathBuf, bool)> {
     let Some(dir) = &args.out else { return Ok((PathBuf::from("runs").join(format!("run-{run_id}")), true)) };
-    for f in ["metrics.jsonl", family::WEIGHTS_FILE, RUN_ID_FILE] {
-        if dir.join(f).exists() {
-            bail!(
-                "{} already holds a run ({f} exists); choose another --out directory so nothing saved is overwritten (or continue it with --resume {})",
-                dir.display(),
-                dir.display()
-            );
-        }
-    }
-    let ck = dir.join("checkpoints");
-    if std::fs::read_dir(&ck).is_ok_and(|mut e| e.next().is_some()) {
-        bail!(
-            "{} already holds a run ({} is not empty); choose another --out directory so no other run's checkpoint is adopted",
-            dir.display(),
-            ck.display()
-        );
-    }
+    folder::check_new_run(dir, RUN_ID_FILE, family::WEIGHTS_FILE)?;
     Ok((dir.clone(), false))
 }
 
@@ -759,6 +745,16 @@ fn train_rank(
         }
         let Some((_, ord)) = order.as_ref() else { bail!("no sample order for epoch {epoch}") };
         let batches = rank_batches(plan, &plan.sampler, ord, step_in_epoch, rank);
+        // Every rank's input positions, from the indices alone (no collective).
+        let input_tokens = if outputs.is_some() {
+            let shape = plan.sampler.shape();
+            (0..shape.world_size)
+                .flat_map(|r| (0..shape.accumulation_steps).map(move |k| (r, k)))
+                .map(|(r, k)| plan.train.input_positions(&plan.sampler.micro_batch(ord, step_in_epoch, k, r)) as u64)
+                .sum()
+        } else {
+            0
+        };
         if let Some(dir) = &start_from.dump_steps {
             dump_step(dir, step, &batches, (step_idx == first_step).then(|| (&trainer, model.layout())))?;
         }
@@ -848,6 +844,8 @@ fn train_rank(
             clipped: report.clipped,
             tokens: report.n_targets,
             tokens_per_s: report.n_targets as f64 / step_s,
+            input_tokens,
+            input_tokens_per_s: input_tokens as f64 / step_s,
             micro_steps: report.n_micro_steps,
             micro_losses: report.micro_losses,
             comm_bytes: report.comm_bytes,
@@ -1114,19 +1112,50 @@ fn remove_unstarted(dir: &Path, created_dir: bool) {
     if created_dir {
         let _ = std::fs::remove_dir_all(dir);
     } else {
-        for f in ["metrics.jsonl", RUN_ID_FILE, checkpoint::CONFIG, "memory.json"] {
-            let _ = std::fs::remove_file(dir.join(f));
-        }
-        let _ = std::fs::remove_dir(dir.join("checkpoints"));
+        // The folder was empty, or held an unstarted run of ours, when this
+        // run took it under its lock: everything in it is this run's.
+        folder::clear_unstarted(dir);
     }
+}
+
+/// `--set model.KEY=…` that the pretrained model's shape replaced: an error
+/// naming both values, instead of silently training another shape.
+fn refuse_shape_overrides(
+    sets: &[String],
+    asked: &serde_json::Value,
+    pinned: &serde_json::Value,
+    source: &Path,
+) -> Result<()> {
+    // The last --set of a key is the one in effect.
+    let mut seen = std::collections::HashSet::new();
+    for set in sets.iter().rev() {
+        let Some(key) = set.split_once('=').map(|(k, _)| k.trim()).and_then(|k| k.strip_prefix("model.")) else {
+            continue;
+        };
+        if !seen.insert(key) {
+            continue;
+        }
+        let (a, p) = (asked.get(key), pinned.get(key));
+        if a != p {
+            let show = |v: Option<&serde_json::Value>| v.map_or("unset".to_string(), |v| v.to_string());
+            bail!(
+                "--set {set} conflicts with --init-from {}: the pretrained model has model.{key} = {}, and its shape is what gets trained; drop --set model.{key} (the shape comes from the pretrained model)",
+                source.display(),
+                show(p)
+            );
+        }
+    }
+    Ok(())
 }
 
 /// `macrobatch train`.
 pub fn run(args: TrainArgs) -> Result<Outcome> {
+    // The run folder's lock, held until this function returns.
+    let held_lock: std::sync::Mutex<Option<folder::FolderLock>> = std::sync::Mutex::new(None);
     let resume_dir = match &args.resume {
         None => None,
         Some(Some(d)) => {
-            if let Some(out) = args.out.as_ref().filter(|o| *o != d) {
+            if let Some(out) = args.out.as_ref().filter(|o| !folder::same_folder(o, d)) {
                 bail!(
                     "--resume {} continues that run in its own folder, so --out {} would be ignored; drop --out (or copy the run folder to {} and resume that)",
                     d.display(),
@@ -1145,6 +1174,12 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
             }
             if !dir.is_dir() {
                 bail!("--resume {}: no such run folder", dir.display());
+            }
+            // Before anything in the folder is read or moved: one process
+            // per run folder (rank 0 of an MPI job; the others only read).
+            if comm::launcher::launcher_rank().unwrap_or(0) == 0 {
+                *held_lock.lock().map_err(|_| anyhow!("lock slot poisoned"))? =
+                    Some(folder::lock(dir, "train --resume")?);
             }
             for line in checkpoint::clean_leftovers(dir)? {
                 eprintln!("{line}");
@@ -1181,7 +1216,9 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
                 .with_context(|| format!("--init-from {}: cannot load the model", path.display()))?;
             // The pretrained family and shape win over the preset; with
             // [lora], freshly initialised adapters join the pretrained base.
+            let asked = serde_json::to_value(&cfg.model).unwrap_or_default();
             pretrained.pin_shape(&mut cfg.model);
+            refuse_shape_overrides(&args.set, &asked, &serde_json::to_value(&cfg.model).unwrap_or_default(), path)?;
             // Its tokenizer, unless one is configured.
             if cfg.data.tokenizer.is_none() {
                 if family::is_gguf(path) {
@@ -1194,7 +1231,14 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
             Some(family.start_from_pretrained(params, cfg.train.seed)?)
         }
         Some(_) => bail!("--init-from and --resume exclude each other: a resumed run continues from its checkpoint"),
-        None => None,
+        None => {
+            if cfg.lora.is_some() && resume.is_none() {
+                eprintln!(
+                    "warning: [lora] without --init-from trains adapters on a randomly initialised, frozen base; fine-tuning means --init-from a pretrained model (a Hugging Face folder or a GGUF file)"
+                );
+            }
+            None
+        }
     };
     let backend = dist::detect(cfg.dist.world_size)?;
     let mut plan = plan(cfg, backend)?;
@@ -1283,7 +1327,21 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     let made: std::sync::Mutex<Option<PathBuf>> = std::sync::Mutex::new(None);
     let offload_root: Arc<std::sync::OnceLock<PathBuf>> = Arc::default();
     let make_dir = || -> Result<PathBuf> {
-        let d = if resume_dir.is_some() { planned_dir.clone() } else { create_run_dir(&planned_dir, generated)? };
+        let d = if resume_dir.is_some() {
+            planned_dir.clone()
+        } else {
+            let d = create_run_dir(&planned_dir, generated)?;
+            let lock = folder::lock(&d, "train")?;
+            // Checked again under the lock: another process may have
+            // started a run here since the check before the plan.
+            folder::check_new_run(&d, RUN_ID_FILE, family::WEIGHTS_FILE)?;
+            if folder::unstarted_run(&d, RUN_ID_FILE, family::WEIGHTS_FILE) {
+                eprintln!("{}: replacing what a run that never finished a step left there", d.display());
+                folder::clear_unstarted(&d);
+            }
+            *held_lock.lock().map_err(|_| anyhow!("lock slot poisoned"))? = Some(lock);
+            d
+        };
         let _ = offload_root.set(d.join("offload"));
         if let Ok(mut m) = made.lock() {
             *m = Some(d.clone());
