@@ -196,7 +196,7 @@ impl Default for ModelConfig {
 pub struct DataConfig {
     /// A data file; unset means the bundled corpus (Moby-Dick).
     pub path: Option<String>,
-    /// `text` (UTF-8, byte tokens), or a memory-mapped token file: `u16`
+    /// `text` (UTF-8, byte tokens), or a token file (read a sample at a time): `u16`
     /// (nanoGPT `.bin`; `tokens_u16` is an alias) or `u32`.
     pub format: DataFormat,
     /// A separate validation file in `format`; unset: the last `val_fraction`
@@ -211,6 +211,9 @@ pub struct DataConfig {
     /// `jsonl`: pack whole examples into rows of `seq_len` positions (else
     /// one example a row, padded to the longest in its micro-batch).
     pub pack: bool,
+    /// `jsonl`: drop the examples that cutting to `seq_len` leaves without a
+    /// target (a reply beyond the limit), naming their lines; `false`: refuse them.
+    pub drop_empty: bool,
     /// Share of the tokens (from the end) held out for validation.
     pub val_fraction: f64,
     /// Tokens per sequence; unset means the model's block_size.
@@ -229,6 +232,7 @@ impl Default for DataConfig {
             val_path: None,
             tokenizer: None,
             pack: false,
+            drop_empty: true,
             val_fraction: 0.1,
             seq_len: None,
             shuffle: true,

@@ -3,26 +3,26 @@
 //! Sample `i` of a split is tokens `[i·T, i·T + T]`: inputs are the first T,
 //! targets the last T (shifted by one). Samples never overlap, so an epoch
 //! sees every token once. Text is tokenized into memory; token files (u16 /
-//! u32) are memory-mapped and read a sample at a time.
+//! u32) are read a sample at a time (one positional read of T + 1 tokens).
 
 use crate::error::DataError;
-use crate::token_file::{TokenDtype, TokenFile, TokenFileMeta};
+use crate::token_file::{check_vocab, refuse_text, TokenDtype, TokenFile, TokenFileMeta};
 use crate::tokenizer::{ByteTokenizer, Tokenizer};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// How a data file is encoded (`data.format`): `text`, or a memory-mapped
-/// token file `u16` (nanoGPT `.bin`; `tokens_u16` is an alias) or `u32`.
+/// How a data file is encoded (`data.format`): `text`, or a token file `u16`
+/// (nanoGPT `.bin`; `tokens_u16` is an alias) or `u32`, read a sample at a time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DataFormat {
     /// UTF-8 text, byte-level tokens.
     #[default]
     Text,
-    /// nanoGPT-style little-endian u16 tokens, memory-mapped.
+    /// nanoGPT-style little-endian u16 tokens, read a sample at a time.
     #[serde(alias = "tokens_u16")]
     U16,
-    /// Little-endian u32 tokens, memory-mapped.
+    /// Little-endian u32 tokens, read a sample at a time.
     U32,
     /// JSON Lines of fine-tuning examples: `{"text": …}` or `{"messages":
     /// [{"role", "content"}, …]}` (only the assistant's replies are targets).
@@ -46,8 +46,9 @@ const VOCAB_PROBE: usize = 1 << 20;
 
 /// The (train, validation) datasets of `path` in `format`: validation from
 /// `val_path` when given, else the last `val_fraction` of the tokens. Token
-/// files are mapped, not read; their `meta.json`, when present, must agree
-/// with `format` and `vocab_size`.
+/// files are opened, not read; their `meta.json`, when present, must agree
+/// with `format` and `vocab_size`; without one, a file that starts like
+/// text is refused (text or JSON given as token ids).
 pub fn load_splits(
     path: &Path,
     val_path: Option<&Path>,
@@ -68,8 +69,12 @@ pub fn load_splits(
         ));
     };
     let open = |p: &Path| -> Result<Arc<TokenFile>, DataError> {
-        if let Some(meta) = TokenFileMeta::beside(p)? {
+        let meta = TokenFileMeta::beside(p)?;
+        if let Some(meta) = &meta {
             meta.check(p, dtype, vocab_size)?;
+        }
+        if meta.is_none() {
+            refuse_text(p, format_name(format))?;
         }
         let f = TokenFile::open(p, dtype)?;
         f.check_vocab_prefix(vocab_size, VOCAB_PROBE)?;
@@ -81,18 +86,28 @@ pub fn load_splits(
             let val = open(vp)?;
             let (n_train, n_val) = (train.n_tokens(), val.n_tokens());
             Ok((
-                TokenDataset::from_file("train", train, 0, n_train, seq_len)?,
-                TokenDataset::from_file("validation", val, 0, n_val, seq_len)?,
+                TokenDataset::from_file("train", train, 0, n_train, seq_len, vocab_size)?,
+                TokenDataset::from_file("validation", val, 0, n_val, seq_len, vocab_size)?,
             ))
         }
         None => {
             let n = train.n_tokens();
             let n_val = n_val_tokens(n, val_fraction);
             Ok((
-                TokenDataset::from_file("train", train.clone(), 0, n - n_val, seq_len)?,
-                TokenDataset::from_file("validation", train, n - n_val, n_val, seq_len)?,
+                TokenDataset::from_file("train", train.clone(), 0, n - n_val, seq_len, vocab_size)?,
+                TokenDataset::from_file("validation", train, n - n_val, n_val, seq_len, vocab_size)?,
             ))
         }
+    }
+}
+
+/// `data.format`'s name, for messages.
+fn format_name(format: DataFormat) -> &'static str {
+    match format {
+        DataFormat::Text => "text",
+        DataFormat::U16 => "u16",
+        DataFormat::U32 => "u32",
+        DataFormat::Jsonl => "jsonl",
     }
 }
 
@@ -158,34 +173,31 @@ impl Corpus {
         Ok(Self { name: name.into(), tokens })
     }
 
-    /// A UTF-8 text file, or every file below a folder ([`text_files`]),
-    /// through the model's tokenizer: each file is one document, encoded on
-    /// its own, and documents are joined with the tokenizer's EOS when it has
-    /// one (so the model sees where a document ends, and no BPE merge spans two
-    /// files).
-    pub fn load_text(path: &Path, tok: &Tokenizer) -> Result<Self, DataError> {
+    /// UTF-8 text files (those of a folder: [`text_files`]) through the
+    /// model's tokenizer, as one corpus called `name`: each file is one
+    /// document, encoded on its own, and documents are joined with the
+    /// tokenizer's EOS when it has one (so the model sees where a document
+    /// ends, and no BPE merge spans two files). A file that is not UTF-8 or
+    /// holds a NUL byte (binary, e.g. a token file) is an error naming it.
+    pub fn load_files(name: &str, files: &[PathBuf], tok: &Tokenizer) -> Result<Self, DataError> {
         let mut tokens = Vec::new();
-        for (file_idx, file) in text_files(path)?.iter().enumerate() {
+        for (file_idx, file) in files.iter().enumerate() {
             let bytes = std::fs::read(file).map_err(|source| DataError::Read { path: file.clone(), source })?;
-            let text = String::from_utf8(bytes).map_err(|_| DataError::NotUtf8 { path: file.clone() })?;
+            let text = text_of(file, &bytes, 0)?;
             if let (true, Some(eos)) = (file_idx > 0, tok.eos_id()) {
                 tokens.push(eos);
             }
-            tokens.extend(tok.encode(&text)?);
+            tokens.extend(tok.encode(text)?);
         }
-        let name = path.display().to_string();
         if tokens.is_empty() {
-            return Err(DataError::Empty { name });
+            return Err(DataError::Empty { name: name.into() });
         }
-        Ok(Self { name, tokens })
+        Ok(Self { name: name.into(), tokens })
     }
 
     /// Errors if a token does not fit a vocabulary of `vocab_size`.
     pub fn check_vocab(&self, vocab_size: usize) -> Result<(), DataError> {
-        match self.tokens.iter().find(|&&t| t as usize >= vocab_size) {
-            Some(&token) => Err(DataError::TokenOutOfRange { name: self.name.clone(), token, vocab_size }),
-            None => Ok(()),
-        }
+        check_vocab(&self.name, 0, &self.tokens, vocab_size)
     }
 
     /// Splits into (train, validation): the last `val_fraction` of the tokens
@@ -210,8 +222,9 @@ impl Corpus {
 enum Tokens {
     /// Tokenized into memory.
     Memory(Arc<Vec<u32>>),
-    /// `len` tokens of a mapped file from `start`.
-    File { file: Arc<TokenFile>, start: usize, len: usize },
+    /// `len` tokens of a token file from `start`, each sample checked
+    /// against `vocab_size` as it is read.
+    File { file: Arc<TokenFile>, start: usize, len: usize, vocab_size: usize },
 }
 
 /// Non-overlapping sequences of `seq_len` inputs and `seq_len` targets.
@@ -227,17 +240,19 @@ impl TokenDataset {
         Self::checked(split, Tokens::Memory(Arc::new(tokens)), seq_len)
     }
 
-    /// Tokens `[start, start + len)` of a mapped file, read a sample at a
-    /// time. Errors if not even one sequence fits.
+    /// Tokens `[start, start + len)` of a token file, read a sample at a
+    /// time; a token not below `vocab_size` is an error naming the file and
+    /// its position. Errors if not even one sequence fits.
     pub fn from_file(
         split: &'static str,
         file: Arc<TokenFile>,
         start: usize,
         len: usize,
         seq_len: usize,
+        vocab_size: usize,
     ) -> Result<Self, DataError> {
         let len = len.min(file.n_tokens().saturating_sub(start));
-        Self::checked(split, Tokens::File { file, start, len }, seq_len)
+        Self::checked(split, Tokens::File { file, start, len, vocab_size }, seq_len)
     }
 
     fn checked(split: &'static str, tokens: Tokens, seq_len: usize) -> Result<Self, DataError> {
@@ -264,7 +279,7 @@ impl TokenDataset {
         (self.n_tokens() - 1) / self.seq_len
     }
 
-    /// Bytes of tokens held in memory (a mapped file's pages are the OS's).
+    /// Bytes of tokens held in memory (a token file's pages are the OS's cache).
     pub fn resident_bytes(&self) -> u64 {
         match &self.tokens {
             Tokens::Memory(t) => 4 * t.len() as u64,
@@ -277,8 +292,11 @@ impl TokenDataset {
         self.seq_len
     }
 
-    /// Appends the inputs and targets of sample `idx` (below [`n_samples`](Self::n_samples)).
-    pub fn push_sample(&self, idx: usize, inputs: &mut Vec<u32>, targets: &mut Vec<i32>) {
+    /// Appends the inputs and targets of sample `idx` (below
+    /// [`n_samples`](Self::n_samples)). Errors only for a token file: one
+    /// that shrank or cannot be read since it was opened, or a token outside
+    /// the vocabulary, each naming the file.
+    pub fn push_sample(&self, idx: usize, inputs: &mut Vec<u32>, targets: &mut Vec<i32>) -> Result<(), DataError> {
         let (t, first) = (self.seq_len, idx * self.seq_len);
         match &self.tokens {
             Tokens::Memory(tokens) => {
@@ -286,46 +304,80 @@ impl TokenDataset {
                 inputs.extend_from_slice(&s[..t]);
                 targets.extend(s[1..].iter().map(|&x| x as i32));
             }
-            Tokens::File { file, start, .. } => {
+            Tokens::File { file, start, vocab_size, .. } => {
                 let at = inputs.len();
-                file.read(start + first, t + 1, inputs);
+                file.read(start + first, t + 1, inputs)?;
+                check_vocab(&file.path().display(), start + first, &inputs[at..], *vocab_size)?;
                 // The window's last token is the last target, not an input.
                 let last = inputs.pop().unwrap_or_default();
                 targets.extend(inputs[at + 1..].iter().map(|&x| x as i32));
                 targets.push(last as i32);
             }
         }
+        Ok(())
     }
 }
 
+/// `bytes` (of `path`, from byte `offset` of it) as text: UTF-8 without NUL
+/// bytes (a NUL means a binary file, such as a token file), else an error
+/// naming the file and the offset of the first bad byte.
+pub fn text_of<'a>(path: &Path, bytes: &'a [u8], offset: u64) -> Result<&'a str, DataError> {
+    let text = std::str::from_utf8(bytes)
+        .map_err(|e| DataError::NotUtf8 { path: path.into(), offset: offset + e.valid_up_to() as u64 })?;
+    match bytes.iter().position(|&b| b == 0) {
+        Some(at) => Err(DataError::Binary { path: path.into(), offset: offset + at as u64 }),
+        None => Ok(text),
+    }
+}
+
+/// What [`text_files`] found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TextFiles {
+    /// Regular files (and links to them), sorted by path.
+    pub files: Vec<PathBuf>,
+    /// Entries left out, each with why: links to folders (never followed, so
+    /// a link loop cannot repeat files) and anything that is not a regular file.
+    pub skipped: Vec<(PathBuf, &'static str)>,
+}
+
 /// Every regular file below `path` (itself, if a file), sorted by path,
-/// skipping names that start with a dot.
-pub fn text_files(path: &Path) -> Result<Vec<PathBuf>, DataError> {
+/// skipping names that start with a dot. `path` itself may be a link; below
+/// it links to files are read and links to folders are not followed.
+pub fn text_files(path: &Path) -> Result<TextFiles, DataError> {
     let read_err = |p: &Path| {
         let p = p.to_path_buf();
         move |source| DataError::Read { path: p, source }
     };
     let meta = std::fs::metadata(path).map_err(read_err(path))?;
+    let mut found = TextFiles::default();
     if meta.is_file() {
-        return Ok(vec![path.into()]);
+        found.files.push(path.into());
+        return Ok(found);
     }
-    let mut files = Vec::new();
     let mut stack = vec![path.to_path_buf()];
     while let Some(dir) = stack.pop() {
         for entry in std::fs::read_dir(&dir).map_err(read_err(&dir))? {
-            let p = entry.map_err(read_err(&dir))?.path();
+            let entry = entry.map_err(read_err(&dir))?;
+            let p = entry.path();
             if p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.')) {
                 continue;
             }
-            if p.is_dir() {
+            // The entry's own type: a link is not followed here.
+            let kind = entry.file_type().map_err(read_err(&p))?;
+            if kind.is_dir() {
                 stack.push(p);
-            } else if p.is_file() {
-                files.push(p);
+            } else if kind.is_file() || (kind.is_symlink() && p.is_file()) {
+                found.files.push(p);
+            } else if kind.is_symlink() && p.is_dir() {
+                found.skipped.push((p, "a link to a folder (not followed)"));
+            } else {
+                found.skipped.push((p, "not a regular file"));
             }
         }
     }
-    files.sort();
-    Ok(files)
+    found.files.sort();
+    found.skipped.sort();
+    Ok(found)
 }
 
 #[cfg(test)]
@@ -337,7 +389,7 @@ mod tests {
         let ds = TokenDataset::new("train", (0..10).collect(), 3).unwrap();
         assert_eq!(ds.n_samples(), 3);
         let (mut i, mut t) = (Vec::new(), Vec::new());
-        ds.push_sample(2, &mut i, &mut t);
+        ds.push_sample(2, &mut i, &mut t).unwrap();
         assert_eq!((i, t), (vec![6, 7, 8], vec![7, 8, 9]));
     }
 
@@ -354,23 +406,36 @@ mod tests {
     }
 
     /// A folder: files in path order (dot-names skipped), each encoded alone,
-    /// EOS between documents.
+    /// EOS between documents; a link to a folder is not followed (a loop
+    /// would repeat every file) but reported; binary and non-UTF-8 files are
+    /// errors naming the file and offset.
     #[test]
     fn text_folder_through_a_tokenizer() {
         let dir = std::env::temp_dir().join(format!("macrobatch-corpus-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(dir.join("sub")).unwrap();
         std::fs::write(dir.join("b.txt"), "b").unwrap();
         std::fs::write(dir.join("a.txt"), "a").unwrap();
         std::fs::write(dir.join("sub/c.txt"), "c").unwrap();
         std::fs::write(dir.join(".hidden"), "x").unwrap();
+        std::os::unix::fs::symlink(".", dir.join("sub/loop")).unwrap();
+        std::os::unix::fs::symlink("../a.txt", dir.join("sub/link.txt")).unwrap();
         let tok = crate::sft::tests::byte_chatml();
-        let c = Corpus::load_text(&dir, &tok).unwrap();
-        assert_eq!(c.tokens, vec![97, 257, 98, 257, 99]);
-        let one = Corpus::load_text(&dir.join("b.txt"), &tok).unwrap();
-        assert_eq!(one.tokens, vec![98]);
-        std::fs::write(dir.join("sub/d.bin"), [0xff, 0xfe]).unwrap();
-        assert!(matches!(Corpus::load_text(&dir, &tok), Err(DataError::NotUtf8 { .. })));
+        let listed = text_files(&dir).unwrap();
+        assert_eq!(listed.files, ["a.txt", "b.txt", "sub/c.txt", "sub/link.txt"].map(|f| dir.join(f)));
+        assert_eq!(listed.skipped, vec![(dir.join("sub/loop"), "a link to a folder (not followed)")]);
+        let c = Corpus::load_files("x", &listed.files, &tok).unwrap();
+        assert_eq!(c.tokens, vec![97, 257, 98, 257, 99, 257, 97]);
+        let one = text_files(&dir.join("b.txt")).unwrap();
+        assert_eq!(one.files, vec![dir.join("b.txt")]);
+        std::fs::write(dir.join("sub/d.bin"), [b'o', b'k', 0xff, 0xfe]).unwrap();
+        let e = Corpus::load_files("x", &text_files(&dir).unwrap().files, &tok).unwrap_err();
+        assert!(matches!(e, DataError::NotUtf8 { offset: 2, .. }), "{e}");
+        std::fs::write(dir.join("sub/d.bin"), [b'o', 0, b'k', 0]).unwrap();
+        let e = Corpus::load_files("x", &text_files(&dir).unwrap().files, &tok).unwrap_err();
+        assert!(matches!(e, DataError::Binary { offset: 1, .. }), "{e}");
         let bytes = Corpus::from_text_with("x", "hé", &Tokenizer::Byte(ByteTokenizer)).unwrap();
         assert_eq!(bytes.tokens, vec![104, 0xc3, 0xa9]);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

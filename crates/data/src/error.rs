@@ -63,6 +63,28 @@ pub enum DataError {
         /// The contradiction and its fix.
         what: String,
     },
+    /// A token file holds fewer bytes than when it was opened.
+    #[error("token file {} shrank while in use: it had {n_bytes} bytes when opened, now {now}, and a sample needs bytes up to {needed} (was it truncated or rewritten in place during training?); restore the file — or write a new one under another name and rename it over the old — then resume the run with --resume", path.display())]
+    Shrunk {
+        /// The file.
+        path: PathBuf,
+        /// Its size when opened.
+        n_bytes: u64,
+        /// Its size now.
+        now: u64,
+        /// The end of the range the sample reads.
+        needed: u64,
+    },
+    /// A token file without `meta.json` starts like text.
+    #[error("{} looks like text, not {format} token ids (it starts with {start:?}) and no meta.json from `macrobatch prepare` is beside it: tokenize it with `macrobatch prepare {} --out DIR` and train on DIR/train.bin, or set data.format = \"text\" (or \"jsonl\" for JSON Lines)", path.display(), path.display())]
+    LooksLikeText {
+        /// The file.
+        path: PathBuf,
+        /// `data.format`.
+        format: String,
+        /// Its first characters.
+        start: String,
+    },
     /// A split is too short for even one sequence.
     #[error("the {split} split has {n_tokens} tokens, too few for one sequence of data.seq_len = {seq_len} (+1 target); use a shorter data.seq_len, a smaller data.val_fraction or more data")]
     TooShort {
@@ -83,13 +105,15 @@ pub enum DataError {
     },
     /// A token id does not fit the vocabulary.
     #[error(
-        "token {token} in {name} is outside the model's vocabulary of {vocab_size}; use a matching model.vocab_size"
+        "token {token} at token position {position} of {name} is outside the model's vocabulary of {vocab_size}; use a matching model.vocab_size, or data made with the model's tokenizer"
     )]
     TokenOutOfRange {
         /// Where it came from.
         name: String,
         /// The token.
         token: u32,
+        /// Its index among the tokens of `name` (from 0).
+        position: usize,
         /// Vocabulary size.
         vocab_size: usize,
     },
@@ -124,7 +148,7 @@ pub enum DataError {
     Gguf(#[from] gguf::GgufError),
     /// A chat template failed to compile or render.
     #[error("chat template: {0}")]
-    ChatTemplate(#[source] minijinja::Error),
+    ChatTemplate(minijinja::Error),
     /// Chat data was given to a tokenizer without a chat template.
     #[error("the tokenizer {tokenizer} has no chat template, so `messages` lines cannot be rendered; use `text` lines or a model whose tokenizer carries one")]
     NoChatTemplate {
@@ -132,15 +156,42 @@ pub enum DataError {
         tokenizer: String,
     },
     /// A line of a JSON Lines file is not valid JSON.
-    #[error("{}:{line}: not valid JSON: {source}", path.display())]
+    #[error("{}:{line}: not valid JSON: {error}", path.display())]
     BadJson {
         /// The file.
         path: PathBuf,
         /// 1-based line number.
         line: usize,
-        /// The parser's error.
-        #[source]
-        source: serde_json::Error,
+        /// The parser's error (in the message, so not also a source: it
+        /// would be printed twice).
+        error: serde_json::Error,
+    },
+    /// A JSON Lines file holds bytes that are not UTF-8.
+    #[error("{}:{line}: not UTF-8 (invalid byte at column {column}); JSON Lines must be UTF-8 — convert the file (e.g. `iconv -f latin1 -t utf-8`)", path.display())]
+    NotUtf8Line {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        /// 1-based byte column of the first invalid byte.
+        column: usize,
+    },
+    /// Examples that the length limit leaves without a target: refused
+    /// (`data.drop_empty = false`), or every example is such.
+    #[error("{}: {n} of {n_lines} examples keep no target once cut to data.seq_len = {max_len} positions (their assistant replies lie beyond it): lines {lines}; {}", path.display(), if *all { "no example is left — raise data.seq_len (or model.block_size) or shorten the prompts" } else { "raise data.seq_len, shorten their prompts, or set data.drop_empty = true to drop them" })]
+    CutToNoTargets {
+        /// The file.
+        path: PathBuf,
+        /// How many.
+        n: usize,
+        /// Examples in the file.
+        n_lines: usize,
+        /// The first of their 1-based lines.
+        lines: String,
+        /// The limit in positions.
+        max_len: usize,
+        /// Whether no example is left.
+        all: bool,
     },
     /// A line of a JSON Lines file lacks a field or has one of the wrong type.
     #[error("{}:{line}: {problem}", path.display())]
@@ -186,9 +237,19 @@ pub enum DataError {
         problem: String,
     },
     /// A text file is not UTF-8.
-    #[error("{} is not UTF-8 text", path.display())]
+    #[error("{} is not UTF-8 text (invalid byte at offset {offset}); convert it, or leave it out of the input", path.display())]
     NotUtf8 {
         /// The file.
         path: PathBuf,
+        /// Byte offset of the first invalid byte.
+        offset: u64,
+    },
+    /// A file read as text holds a NUL byte: a binary file.
+    #[error("{} holds a NUL byte at offset {offset}: it is binary (a token file?), not text; leave it out of the input (a token file trains with data.format = \"u16\" or \"u32\")", path.display())]
+    Binary {
+        /// The file.
+        path: PathBuf,
+        /// Byte offset of the NUL.
+        offset: u64,
     },
 }

@@ -4,6 +4,7 @@
 //! `TokenBatch` with its real target count.
 
 use crate::dataset::TokenDataset;
+use crate::error::DataError;
 use crate::sft::SftDataset;
 use engine::TokenBatch;
 
@@ -35,7 +36,9 @@ impl Samples {
     }
 
     /// The micro-batch of samples `indices` (padded to its longest row).
-    pub fn batch(&self, indices: &[usize]) -> TokenBatch {
+    /// Errors only where a token file is read: one that shrank or cannot be
+    /// read since it was opened, or a token outside the vocabulary.
+    pub fn batch(&self, indices: &[usize]) -> Result<TokenBatch, DataError> {
         match self {
             Samples::Windows(d) => {
                 let t = d.seq_len();
@@ -46,11 +49,11 @@ impl Samples {
                     targets: Vec::with_capacity(indices.len() * t),
                 };
                 for &i in indices {
-                    d.push_sample(i, &mut b.inputs, &mut b.targets);
+                    d.push_sample(i, &mut b.inputs, &mut b.targets)?;
                 }
-                b
+                Ok(b)
             }
-            Samples::Examples(d) => d.micro_batch(indices),
+            Samples::Examples(d) => Ok(d.micro_batch(indices)),
         }
     }
 

@@ -23,7 +23,11 @@
 //! an example of n tokens has n − 1 positions. `max_len` keeps at most
 //! `max_len` positions (`max_len + 1` tokens; the tail is cut and counted in
 //! [`SftStats::n_truncated`]). With packing, rows hold `seq_len` positions and
-//! examples longer than that are cut to it.
+//! examples longer than that are cut to it. An example left without targets
+//! by the cut (a chat whose reply lies beyond the limit) is dropped
+//! ([`SftOptions::drop_empty`], counted in [`SftStats::n_without_targets`],
+//! its line in [`SftDataset::dropped_lines`]) or refused: every sample has
+//! a target, so no global batch can be without one.
 //!
 //! **Packing** is next-fit in file order: examples are appended to the current
 //! row while its tokens fit in `seq_len + 1`, else a new row starts; the tail
@@ -48,6 +52,9 @@ pub struct SftOptions {
     /// Pack examples into rows of this many positions (`None`: one example a
     /// row, padded per micro-batch to its longest).
     pub pack_seq_len: Option<usize>,
+    /// Drop the examples that the length limit leaves without a target
+    /// (else they are an error naming their lines).
+    pub drop_empty: bool,
 }
 
 /// One tokenized example.
@@ -95,13 +102,14 @@ fn push_positions(examples: &[Example], inputs: &mut Vec<u32>, targets: &mut Vec
 /// What loading did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SftStats {
-    /// Examples (non-blank lines).
+    /// Examples kept (non-blank lines, less the dropped ones).
     pub n_examples: usize,
     /// Of which `messages` lines.
     pub n_chat: usize,
-    /// Examples cut to the length limit.
+    /// Examples cut to the length limit (the dropped ones included).
     pub n_truncated: usize,
-    /// Examples left without any target (their trained tokens were all cut).
+    /// Examples the cut left without any target, dropped
+    /// ([`SftDataset::dropped_lines`] names them).
     pub n_without_targets: usize,
     /// Targets over all examples (= over all samples: packing and padding add none).
     pub n_targets: u64,
@@ -120,6 +128,8 @@ pub struct SftDataset {
     rows: Option<(usize, Vec<Range<usize>>)>,
     pad_id: u32,
     stats: SftStats,
+    /// 1-based lines of the examples dropped for having no target left.
+    dropped_lines: Vec<usize>,
 }
 
 /// Where a line came from, for errors.
@@ -209,18 +219,38 @@ fn chat_example(at: &Line<'_>, tok: &Tokenizer, messages: &[Message]) -> Result<
     Ok(example)
 }
 
+/// The first few of `lines`, for a message: `3, 5, 9` or `3, 5, 9, … (12 in all)`.
+pub fn line_list(lines: &[usize]) -> String {
+    const SHOWN: usize = 8;
+    let mut s = lines.iter().take(SHOWN).map(|l| l.to_string()).collect::<Vec<_>>().join(", ");
+    if lines.len() > SHOWN {
+        s.push_str(&format!(", … ({} in all)", lines.len()));
+    }
+    s
+}
+
 impl SftDataset {
-    /// Reads a JSON Lines file (see [`Self::from_jsonl`]).
+    /// Reads a JSON Lines file (see [`Self::from_jsonl`]); bytes that are
+    /// not UTF-8 are an error naming their line.
     pub fn load(path: &Path, tok: &Tokenizer, opts: &SftOptions) -> Result<Self, DataError> {
         let bytes = std::fs::read(path).map_err(|source| DataError::Read { path: path.into(), source })?;
-        let text = String::from_utf8(bytes).map_err(|_| DataError::NotUtf8 { path: path.into() })?;
+        let text = String::from_utf8(bytes).map_err(|e| {
+            let at = e.utf8_error().valid_up_to();
+            let bytes = e.as_bytes();
+            let line_start = bytes[..at].iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+            DataError::NotUtf8Line {
+                path: path.into(),
+                line: 1 + bytes[..at].iter().filter(|&&b| b == b'\n').count(),
+                column: 1 + at - line_start,
+            }
+        })?;
         Self::from_jsonl(path, &text, tok, opts)
     }
 
     /// Tokenizes JSON Lines `text` (`path` names it in errors): one example
     /// per non-blank line, `{"text": string}` or `{"messages": [{"role":
     /// "system" | "user" | "assistant", "content": string}, …]}`; other fields
-    /// are ignored.
+    /// are ignored. A UTF-8 byte order mark at the start is skipped.
     pub fn from_jsonl(path: &Path, text: &str, tok: &Tokenizer, opts: &SftOptions) -> Result<Self, DataError> {
         for (field, v) in [("max_len", opts.max_len), ("pack_seq_len", opts.pack_seq_len)] {
             if v == Some(0) {
@@ -231,17 +261,19 @@ impl SftDataset {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         let mut stats = SftStats::default();
         let mut examples = Vec::new();
+        let mut dropped_lines = Vec::new();
         for (line_idx, raw) in text.lines().enumerate() {
             if raw.trim().is_empty() {
                 continue;
             }
             let at = Line { path, line: line_idx + 1 };
-            let v: serde_json::Value = serde_json::from_str(raw).map_err(|source| DataError::BadJson {
+            let v: serde_json::Value = serde_json::from_str(raw).map_err(|error| DataError::BadJson {
                 path: path.into(),
                 line: at.line,
-                source,
+                error,
             })?;
             let mut ex = match (v.get("text"), v.get("messages")) {
                 (Some(_), Some(_)) => return Err(at.bad("has both \"text\" and \"messages\"; give one")),
@@ -262,12 +294,26 @@ impl SftDataset {
                 stats.n_truncated += 1;
                 if ex.n_targets() == 0 {
                     stats.n_without_targets += 1;
+                    dropped_lines.push(at.line);
+                    continue;
                 }
             }
             stats.n_targets += ex.n_targets() as u64;
             examples.push(ex);
         }
         stats.n_examples = examples.len();
+        if let (Some(cap), false) = (cap, dropped_lines.is_empty()) {
+            if !opts.drop_empty || examples.is_empty() {
+                return Err(DataError::CutToNoTargets {
+                    path: path.into(),
+                    n: dropped_lines.len(),
+                    n_lines: dropped_lines.len() + examples.len(),
+                    lines: line_list(&dropped_lines),
+                    max_len: cap,
+                    all: examples.is_empty(),
+                });
+            }
+        }
         if examples.is_empty() {
             return Err(DataError::Empty { name: path.display().to_string() });
         }
@@ -293,7 +339,13 @@ impl SftDataset {
         });
         stats.n_samples = rows.as_ref().map_or(examples.len(), |(_, r)| r.len());
         let pad_id = tok.pad_id().or(tok.eos_id()).unwrap_or(0);
-        Ok(Self { examples, rows, pad_id, stats })
+        Ok(Self { examples, rows, pad_id, stats, dropped_lines })
+    }
+
+    /// 1-based lines of the examples dropped because the length limit left
+    /// them without a target ([`SftOptions::drop_empty`]).
+    pub fn dropped_lines(&self) -> &[usize] {
+        &self.dropped_lines
     }
 
     /// What loading did.
@@ -486,7 +538,7 @@ pub(crate) mod tests {
     fn packing_keeps_examples_apart() {
         // token counts (with EOS): 3, 4, 2, 6, 3
         let jsonl = ["ab", "cde", "f", "ghijk", "lm"].map(|t| format!("{{\"text\": \"{t}\"}}")).join("\n");
-        let opts = SftOptions { max_len: None, pack_seq_len: Some(6) };
+        let opts = SftOptions { max_len: None, pack_seq_len: Some(6), drop_empty: true };
         let ds = load(&jsonl, opts).unwrap();
         let unpacked = load(&jsonl, SftOptions::default()).unwrap();
         // next-fit over capacity 7 tokens: [3 + 4], [2] (2 + 6 > 7), [6] (6 + 3 > 7), [3]
@@ -522,9 +574,9 @@ pub(crate) mod tests {
         let jsonl = lines.join("\n");
         for opts in [
             SftOptions::default(),
-            SftOptions { max_len: Some(9), pack_seq_len: None },
-            SftOptions { max_len: None, pack_seq_len: Some(40) },
-            SftOptions { max_len: Some(12), pack_seq_len: Some(25) },
+            SftOptions { max_len: Some(9), pack_seq_len: None, drop_empty: true },
+            SftOptions { max_len: None, pack_seq_len: Some(40), drop_empty: true },
+            SftOptions { max_len: Some(12), pack_seq_len: Some(25), drop_empty: true },
         ] {
             let ds = load(&jsonl, opts).unwrap();
             let per_example: u64 = ds.examples().iter().map(|e| e.n_targets() as u64).sum();
@@ -539,12 +591,62 @@ pub(crate) mod tests {
     #[test]
     fn truncation_is_counted() {
         let jsonl = "{\"text\": \"abcdefghij\"}\n{\"text\": \"ab\"}\n{\"messages\": [{\"role\": \"user\", \"content\": \"a long question here\"}, {\"role\": \"assistant\", \"content\": \"x\"}]}";
-        let ds = load(jsonl, SftOptions { max_len: Some(4), pack_seq_len: None }).unwrap();
+        let ds = load(jsonl, SftOptions { max_len: Some(4), pack_seq_len: None, drop_empty: true }).unwrap();
         let s = ds.stats();
-        assert_eq!((s.n_examples, s.n_chat, s.n_truncated, s.n_without_targets), (3, 1, 2, 1));
+        assert_eq!((s.n_examples, s.n_chat, s.n_truncated, s.n_without_targets), (2, 1, 2, 1));
         assert_eq!(ds.examples()[0].tokens, vec![97, 98, 99, 100, 101]);
         assert_eq!(ds.examples()[1].n_positions(), 2);
         assert_eq!(s.n_targets, 4 + 2);
+        assert_eq!(ds.dropped_lines(), &[3]);
+    }
+
+    /// Chats whose reply lies beyond the limit keep no target once cut:
+    /// dropped (named by line), so every sample — and so every global
+    /// batch — has a target; or refused with their lines and the fix; a
+    /// file of nothing else is an error either way. Packed too.
+    #[test]
+    fn examples_cut_to_no_targets_are_dropped_or_refused() {
+        let chat = |q: &str| {
+            format!(
+                r#"{{"messages": [{{"role": "user", "content": "{q}"}}, {{"role": "assistant", "content": "ok"}}]}}"#
+            )
+        };
+        let long = "a question far longer than the limit";
+        let lines = [chat("q"), chat(long), "{\"text\": \"plain\"}".into(), chat(long), chat("q"), chat("hi")];
+        let jsonl = lines.join("\n");
+        for pack in [None, Some(40)] {
+            let keep = SftOptions { max_len: Some(30), pack_seq_len: pack, drop_empty: true };
+            let ds = load(&jsonl, keep).unwrap();
+            assert_eq!(ds.dropped_lines(), &[2, 4]);
+            assert_eq!((ds.stats().n_examples, ds.stats().n_without_targets), (4, 2));
+            assert!(ds.examples().iter().all(|e| e.n_targets() > 0));
+            for i in 0..ds.n_samples() {
+                assert!(ds.micro_batch(&[i]).n_targets() > 0, "sample {i} has no target");
+            }
+            let e = load(&jsonl, SftOptions { drop_empty: false, ..keep }).unwrap_err().to_string();
+            assert!(e.starts_with("train.jsonl: 2 of 6 examples keep no target"), "{e}");
+            assert!(e.contains("lines 2, 4;") && e.contains("data.drop_empty = true"), "{e}");
+            let only_long = [chat(long), chat(long)].join("\n");
+            let e = load(&only_long, keep).unwrap_err().to_string();
+            assert!(e.contains("2 of 2 examples") && e.contains("no example is left"), "{e}");
+        }
+    }
+
+    /// A byte order mark is skipped; a JSON error is said once (no source
+    /// chain repeating it); bytes that are not UTF-8 are named by line.
+    #[test]
+    fn bom_json_errors_and_bad_utf8_lines() {
+        let ds = load("\u{feff}{\"text\": \"abc\"}\n", SftOptions::default()).unwrap();
+        assert_eq!(ds.examples()[0].tokens[..3], [97, 98, 99]);
+        let e = load("{\"text\": \"ok\"}\n{\"text\": oops}", SftOptions::default()).unwrap_err();
+        assert!(std::error::Error::source(&e).is_none(), "the parser's error is in the message already: {e}");
+        let dir = std::env::temp_dir().join(format!("macrobatch-sft-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("latin1.jsonl");
+        std::fs::write(&path, b"{\"text\": \"ok\"}\n\n{\"text\": \"caf\xe9\"}\n").unwrap();
+        let e = SftDataset::load(&path, &byte_chatml(), &SftOptions::default()).unwrap_err().to_string();
+        assert!(e.starts_with(&format!("{}:3: not UTF-8 (invalid byte at column 14)", path.display())), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -582,7 +684,7 @@ pub(crate) mod tests {
             &SftOptions::default(),
         );
         assert!(matches!(bytes, Err(DataError::NoChatTemplate { .. })));
-        let zero = load("{\"text\": \"a\"}", SftOptions { max_len: Some(0), pack_seq_len: None });
+        let zero = load("{\"text\": \"a\"}", SftOptions { max_len: Some(0), pack_seq_len: None, drop_empty: true });
         assert!(matches!(zero, Err(DataError::ZeroSize { field: "max_len" })));
     }
 }

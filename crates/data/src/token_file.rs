@@ -1,15 +1,18 @@
 //! Header-less token files (nanoGPT `.bin`): little-endian u16 or u32 token
-//! ids back to back, memory-mapped so that a file of any size opens at once
-//! and only the pages a sample touches are ever read.
+//! ids back to back, read with positional reads (`pread`) a sample at a time,
+//! so that a file of any size opens at once and only the bytes a sample
+//! needs are ever read. A file truncated while open is a short read — an
+//! error naming the file — never a fault (as a memory map would give).
 //!
 //! `macrobatch prepare` writes them with a `meta.json` beside them
 //! ([`TokenFileMeta`]); training reads only the `.bin`, and checks the
 //! `meta.json` next to it when there is one.
 
 use crate::error::DataError;
-use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 /// The width of one token id in a token file.
@@ -71,16 +74,17 @@ impl TokenDtype {
     }
 }
 
-/// A memory-mapped token file. Opening it reads nothing but its length.
+/// An open token file. Opening it reads nothing but its length.
 #[derive(Debug)]
 pub struct TokenFile {
     path: PathBuf,
-    map: Mmap,
+    file: File,
+    n_bytes: u64,
     dtype: TokenDtype,
 }
 
 impl TokenFile {
-    /// Maps `path`. Errors: unreadable, empty, or a size that is not a whole
+    /// Opens `path`. Errors: unreadable, empty, or a size that is not a whole
     /// number of tokens.
     pub fn open(path: &Path, dtype: TokenDtype) -> Result<Self, DataError> {
         let read_err = |source| DataError::Read { path: path.into(), source };
@@ -96,14 +100,7 @@ impl TokenFile {
                 dtype: dtype.name(),
             });
         }
-        // SAFETY: the map is read-only and private to this process. A file
-        // truncated by another process while mapped would fault on access (as
-        // with any mmap reader); token files are written once and then only read.
-        let map = unsafe { Mmap::map(&file) }.map_err(read_err)?;
-        // Samples are drawn in shuffled order: read-ahead would only fill memory.
-        #[cfg(unix)]
-        let _ = map.advise(memmap2::Advice::Random);
-        Ok(Self { path: path.into(), map, dtype })
+        Ok(Self { path: path.into(), file, n_bytes, dtype })
     }
 
     /// The file.
@@ -116,16 +113,32 @@ impl TokenFile {
         self.dtype
     }
 
-    /// Number of tokens.
+    /// Number of tokens (when it was opened).
     pub fn n_tokens(&self) -> usize {
-        self.map.len() / self.dtype.width()
+        (self.n_bytes / self.dtype.width() as u64) as usize
     }
 
-    /// Appends tokens `[start, start + len)` to `out`. Panics if the range is
-    /// outside the file (callers index within [`n_tokens`](Self::n_tokens)).
-    pub fn read(&self, start: usize, len: usize, out: &mut Vec<u32>) {
+    /// Appends tokens `[start, start + len)` to `out` with one positional
+    /// read. Errors, naming the file, if it cannot be read or no longer
+    /// holds the range (truncated since it was opened); callers index within
+    /// [`n_tokens`](Self::n_tokens).
+    pub fn read(&self, start: usize, len: usize, out: &mut Vec<u32>) -> Result<(), DataError> {
         let w = self.dtype.width();
-        self.dtype.decode(&self.map[start * w..(start + len) * w], out);
+        let mut bytes = vec![0u8; len * w];
+        self.file.read_exact_at(&mut bytes, (start * w) as u64).map_err(|source| {
+            let now = self.file.metadata().map(|m| m.len()).ok();
+            match now {
+                Some(now) if now < ((start + len) * w) as u64 => DataError::Shrunk {
+                    path: self.path.clone(),
+                    n_bytes: self.n_bytes,
+                    now,
+                    needed: ((start + len) * w) as u64,
+                },
+                _ => DataError::Read { path: self.path.clone(), source },
+            }
+        })?;
+        self.dtype.decode(&bytes, out);
+        Ok(())
     }
 
     /// Errors if a token among the first `n_probe` does not fit `vocab_size`
@@ -135,15 +148,68 @@ impl TokenFile {
         if self.dtype == TokenDtype::U16 && vocab_size >= 1 << 16 {
             return Ok(());
         }
-        let mut head = Vec::new();
-        self.read(0, n_probe.min(self.n_tokens()), &mut head);
-        match head.iter().find(|&&t| t as usize >= vocab_size) {
-            Some(&token) => {
-                Err(DataError::TokenOutOfRange { name: self.path.display().to_string(), token, vocab_size })
-            }
-            None => Ok(()),
+        // In pieces: the probe's memory stays small whatever n_probe is.
+        const PIECE: usize = 1 << 16;
+        let (n, mut head) = (n_probe.min(self.n_tokens()), Vec::with_capacity(PIECE));
+        for start in (0..n).step_by(PIECE) {
+            head.clear();
+            self.read(start, PIECE.min(n - start), &mut head)?;
+            check_vocab(&self.path.display(), start, &head, vocab_size)?;
         }
+        Ok(())
     }
+}
+
+/// Errors if a token of `tokens` — positions `first..` of `name` — does not
+/// fit a vocabulary of `vocab_size`, naming the first such token and where it is.
+pub(crate) fn check_vocab(
+    name: &dyn std::fmt::Display,
+    first: usize,
+    tokens: &[u32],
+    vocab_size: usize,
+) -> Result<(), DataError> {
+    match tokens.iter().position(|&t| t as usize >= vocab_size) {
+        Some(i) => Err(DataError::TokenOutOfRange {
+            name: name.to_string(),
+            token: tokens[i],
+            position: first + i,
+            vocab_size,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Bytes probed by [`refuse_text`].
+const TEXT_PROBE: usize = 512;
+
+/// Whether `head` (the first bytes of a file) reads as text: a UTF-8 byte
+/// order mark, or UTF-8 (a character cut at the end allowed) without
+/// control characters other than tab and line ends. Token ids almost always
+/// hold a zero or another control byte in their high bytes.
+fn looks_like_text(head: &[u8]) -> bool {
+    if head.starts_with(b"\xEF\xBB\xBF") {
+        return true;
+    }
+    let valid = match std::str::from_utf8(head) {
+        Ok(s) => s,
+        Err(e) if e.error_len().is_none() => std::str::from_utf8(&head[..e.valid_up_to()]).unwrap_or_default(),
+        Err(_) => return false,
+    };
+    valid.len() >= 8 && valid.chars().all(|c| !c.is_control() || matches!(c, '\t' | '\n' | '\r'))
+}
+
+/// Errors if the file at `path` starts like text (UTF-8 without control
+/// bytes, or a byte order mark): text or JSON Lines given as token ids would
+/// train on its bytes. `format` is `data.format`, for the message.
+pub fn refuse_text(path: &Path, format: &str) -> Result<(), DataError> {
+    let read_err = |source| DataError::Read { path: path.into(), source };
+    let mut head = Vec::with_capacity(TEXT_PROBE);
+    File::open(path).and_then(|f| f.take(TEXT_PROBE as u64).read_to_end(&mut head)).map_err(read_err)?;
+    if !looks_like_text(&head) {
+        return Ok(());
+    }
+    let start: String = String::from_utf8_lossy(&head).chars().take(24).collect();
+    Err(DataError::LooksLikeText { path: path.into(), format: format.into(), start })
 }
 
 /// `meta.json` of a folder written by `macrobatch prepare`.
@@ -236,13 +302,13 @@ mod tests {
         TokenDtype::U16.encode(&[1, 258, 65535], &mut b16).unwrap();
         let f = TokenFile::open(&write("a.bin", &b16), TokenDtype::U16).unwrap();
         let mut out = Vec::new();
-        f.read(1, 2, &mut out);
+        f.read(1, 2, &mut out).unwrap();
         assert_eq!((f.n_tokens(), out), (3, vec![258, 65535]));
         let mut b32 = Vec::new();
         TokenDtype::U32.encode(&[70000, 7], &mut b32).unwrap();
         let f = TokenFile::open(&write("b.bin", &b32), TokenDtype::U32).unwrap();
         let mut out = Vec::new();
-        f.read(0, 2, &mut out);
+        f.read(0, 2, &mut out).unwrap();
         assert_eq!(out, vec![70000, 7]);
         assert!(matches!(TokenDtype::U16.encode(&[70000], &mut Vec::new()), Err(DataError::TokenTooWide { .. })));
     }
@@ -258,6 +324,6 @@ mod tests {
         assert!(e.to_string().contains("/no/such/train.bin"), "{e}");
         let f = TokenFile::open(&write("big.bin", &[0, 0, 0, 1]), TokenDtype::U16).unwrap();
         let e = f.check_vocab_prefix(256, 1 << 20).unwrap_err();
-        assert!(e.to_string().contains("token 256"), "{e}");
+        assert!(e.to_string().contains("token 256 at token position 1 of"), "{e}");
     }
 }

@@ -1,16 +1,12 @@
-//! Memory-mapped token files: a 64 MB file opens without being read (the
-//! resident set grows by the pages samples touch, not by the file), and its
-//! samples are the same windows an in-memory dataset of the same tokens gives.
+//! Token files read a sample at a time: a 64 MB file opens without being
+//! read (the resident set grows by the samples read, not by the file), its
+//! samples are the same windows an in-memory dataset of the same tokens
+//! gives (token_file_errors.rs: files that change or hold the wrong data).
 
+mod common;
+
+use common::{samples, tmp};
 use data::{load_splits, DataFormat, TokenDataset, TokenDtype};
-use std::path::PathBuf;
-
-fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("macrobatch-data-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 /// Resident set of this process (VmRSS), bytes.
 fn rss() -> u64 {
@@ -19,16 +15,8 @@ fn rss() -> u64 {
     line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
 }
 
-fn samples(ds: &TokenDataset, idx: &[usize]) -> (Vec<u32>, Vec<i32>) {
-    let (mut i, mut t) = (Vec::new(), Vec::new());
-    for &s in idx {
-        ds.push_sample(s, &mut i, &mut t);
-    }
-    (i, t)
-}
-
 #[test]
-fn a_64_mb_token_file_is_mapped_not_read() {
+fn a_64_mb_token_file_is_opened_not_read() {
     let dir = tmp("big");
     let path = dir.join("train.bin");
     // Sparse: 32 M u16 tokens of id 0, no disk blocks.
@@ -42,14 +30,14 @@ fn a_64_mb_token_file_is_mapped_not_read() {
     let (inputs, targets) = samples(&train, &idx);
     assert_eq!((inputs.len(), targets.len()), (256 * 128, 256 * 128));
     let grown = rss().saturating_sub(before);
-    // Opening probes the first 1 M tokens (2 MB) for the vocabulary; 256
-    // samples touch at most 512 pages (2 MB). Reading the file would be 64 MB.
+    // Opening probes the first 1 M tokens for the vocabulary, 64 K at a time;
+    // 256 samples read 129 tokens each. Reading the file would be 64 MB.
     assert!(grown < 12 << 20, "resident set grew by {} MB for a 64 MB file", grown >> 20);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
-fn mapped_samples_equal_in_memory_samples_in_both_widths() {
+fn file_samples_equal_in_memory_samples_in_both_widths() {
     let dir = tmp("same");
     let tokens: Vec<u32> = (0..5000u32).map(|i| (i * 7919) % 300).collect();
     for dtype in [TokenDtype::U16, TokenDtype::U32] {

@@ -98,7 +98,7 @@ fn time_steps(plan: &Plan, shape: BatchShape, warmup: usize, steps: usize) -> Re
             linalg::backend::reset_counts();
         }
         let t0 = Instant::now();
-        let batches = rank_batches(plan, &sampler, &order, s, 0);
+        let batches = rank_batches(plan, &sampler, &order, s, 0)?;
         let report = trainer.step(&mut model, &mut comm, &batches)?;
         let total = t0.elapsed().as_secs_f64();
         if i >= warmup {

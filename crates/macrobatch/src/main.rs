@@ -111,7 +111,7 @@ pub struct PrepareArgs {
     /// Output folder for train.bin, val.bin and meta.json (created; must not hold them yet).
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
-    /// Share of the tokens (from the end) written to val.bin.
+    /// Share of the tokens (from the end) written to val.bin; 0 writes no val.bin.
     #[arg(long, default_value_t = 0.1)]
     pub val_fraction: f64,
     /// Bytes of text per parallel work item (cut at the next newline); tests make it small.

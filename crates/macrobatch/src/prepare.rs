@@ -1,6 +1,6 @@
 //! `macrobatch prepare`: tokenize text files once into `DIR/train.bin` +
 //! `DIR/val.bin` (u16 when the vocabulary fits, else u32) and `DIR/meta.json`,
-//! for `data.format = "u16" | "u32"` training from memory-mapped files.
+//! for `data.format = "u16" | "u32"` training from token files.
 //!
 //! The inputs are cut into chunks at fixed places — the first newline at or
 //! after every `chunk_bytes` of a file — that depend on the content only, so
@@ -18,15 +18,39 @@ use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
+/// The names `prepare` writes into its output folder.
+const OUTPUTS: [&str; 4] = ["train.bin", "val.bin", TokenFileMeta::FILE, "train.bin.partial"];
+
+/// The text files of a folder (or the file itself), as
+/// [`data::text_files`] lists them (recursively, in path order, dot-names
+/// skipped, links to folders not followed), less the outputs of `prepare`
+/// (`train.bin`, `val.bin`, `meta.json` beside a prepare `meta.json`): each
+/// entry left out is named on stderr.
+pub fn text_files(input: &Path) -> Result<Vec<PathBuf>> {
+    let listed = data::text_files(input)?;
+    for (p, why) in &listed.skipped {
+        eprintln!("skipped {}: {why}", p.display());
+    }
+    let is_output = |p: &Path| {
+        let named = p.file_name().and_then(|n| n.to_str()).is_some_and(|n| OUTPUTS.contains(&n));
+        named && matches!(TokenFileMeta::beside(p), Ok(Some(_)))
+    };
+    let (outputs, files): (Vec<PathBuf>, Vec<PathBuf>) = listed.files.into_iter().partition(|p| is_output(p));
+    for p in &outputs {
+        eprintln!("skipped {}: an output of macrobatch prepare (token ids, not text)", p.display());
+    }
+    Ok(files)
+}
+
 /// Every file named by `inputs`, in order: files as given, folders as
-/// [`data::text_files`] lists them (recursively, in path order, dot-names skipped).
+/// [`text_files`] lists them.
 fn list_inputs(inputs: &[PathBuf]) -> Result<Vec<PathBuf>> {
     let mut files = Vec::new();
     for input in inputs {
         if !input.exists() {
             bail!("input {}: no such file or folder", input.display());
         }
-        files.extend(data::text_files(input)?);
+        files.extend(text_files(input)?);
     }
     if files.is_empty() {
         let names: Vec<String> = inputs.iter().map(|p| p.display().to_string()).collect();
@@ -96,16 +120,10 @@ fn sha256_file(path: &Path) -> Result<String> {
 
 /// The tokens of one chunk as `dtype` bytes, after the tokenizer's EOS when
 /// the chunk starts a file other than the first (so documents are joined as
-/// in `Corpus::load_text`).
+/// in `Corpus::load_files`).
 fn tokenize_chunk(tok: &Tokenizer, dtype: TokenDtype, path: &Path, chunk: Chunk) -> Result<(Vec<u8>, u64)> {
     let bytes = read_range(path, chunk.start, chunk.end)?;
-    let text = std::str::from_utf8(&bytes).map_err(|e| {
-        anyhow::anyhow!(
-            "{} is not UTF-8 text (invalid byte at offset {}); prepare reads text files — remove or convert it",
-            path.display(),
-            chunk.start + e.valid_up_to() as u64
-        )
-    })?;
+    let text = data::text_of(path, &bytes, chunk.start)?;
     let mut tokens = Vec::new();
     if chunk.file_idx > 0 && chunk.start == 0 {
         tokens.extend(tok.eos_id());
@@ -133,8 +151,11 @@ fn split_tail(train: &Path, val: &Path, n_total: u64, n_val: u64, width: u64) ->
 
 /// `macrobatch prepare`.
 pub fn run(args: PrepareArgs) -> Result<()> {
-    if !(args.val_fraction > 0.0 && args.val_fraction < 1.0) {
-        bail!("--val-fraction {}: give a share strictly between 0 and 1, e.g. 0.1", args.val_fraction);
+    if !(args.val_fraction >= 0.0 && args.val_fraction < 1.0) {
+        bail!(
+            "--val-fraction {}: give a share from 0 (no val.bin) up to but not including 1, e.g. 0.1",
+            args.val_fraction
+        );
     }
     if args.chunk_bytes == 0 {
         bail!("--chunk-bytes must be at least 1");
@@ -220,9 +241,18 @@ pub fn run(args: PrepareArgs) -> Result<()> {
         bail!("the inputs hold no text: no tokens to write");
     }
     let n_val = data::n_val_tokens(n_tokens as usize, args.val_fraction) as u64;
+    if n_val == n_tokens {
+        let _ = std::fs::remove_file(&tmp_path);
+        bail!(
+            "--val-fraction {} holds out all {n_tokens} tokens, leaving train.bin empty; give a smaller share (e.g. 0.1) or more text",
+            args.val_fraction
+        );
+    }
     let finish = || -> Result<()> {
-        split_tail(&tmp_path, &val_path, n_tokens, n_val, dtype.width() as u64)
-            .with_context(|| format!("cannot split {} into train and validation", tmp_path.display()))?;
+        if n_val > 0 {
+            split_tail(&tmp_path, &val_path, n_tokens, n_val, dtype.width() as u64)
+                .with_context(|| format!("cannot split {} into train and validation", tmp_path.display()))?;
+        }
         std::fs::rename(&tmp_path, &train_path).with_context(|| format!("cannot create {}", train_path.display()))?;
         let meta = TokenFileMeta {
             tokenizer: spec.name(),
@@ -247,18 +277,26 @@ pub fn run(args: PrepareArgs) -> Result<()> {
         }
         return Err(e);
     }
+    let (val_written, val_set) = if n_val > 0 {
+        (
+            format!(" and {} ({n_val} tokens)", val_path.display()),
+            format!(" --set data.val_path={}", val_path.display()),
+        )
+    } else {
+        (
+            " and no val.bin (--val-fraction 0: training holds out the last data.val_fraction of train.bin unless data.val_path names a file)".into(),
+            String::new(),
+        )
+    };
     eprintln!(
-        "wrote {} ({} tokens) and {} ({} tokens) as {} with tokenizer `{}` from {} file(s), {} bytes; train with --set data.path={} --set data.val_path={} --set data.format={}",
+        "wrote {} ({} tokens){val_written} as {} with tokenizer `{}` from {} file(s), {} bytes; train with --set data.path={}{val_set} --set data.format={}",
         train_path.display(),
         n_tokens - n_val,
-        val_path.display(),
-        n_val,
         dtype.name(),
         spec.name(),
         files.len(),
         total_bytes,
         train_path.display(),
-        val_path.display(),
         dtype.name()
     );
     Ok(())

@@ -145,16 +145,35 @@ pub fn plan(mut cfg: Config, backend: Backend) -> Result<Plan> {
 /// positions each).
 fn load_samples(cfg: &Config, tokenizer: &Tokenizer, seq_len: usize, vocab: usize) -> Result<(Samples, Samples)> {
     let d = &cfg.data;
+    if let (Some(p), Some(v)) = (&d.path, &d.val_path) {
+        if same_file(Path::new(p), Path::new(v)) {
+            bail!(
+                "data.val_path = \"{v}\" is the training file data.path = \"{p}\": the validation loss would be measured on the examples trained on; give a held-out file, or (except for jsonl) unset data.val_path to hold out the last data.val_fraction of data.path"
+            );
+        }
+    }
     let (train, val) = match (&d.path, d.format) {
         (Some(p), DataFormat::Jsonl) => {
-            let opts = SftOptions { max_len: Some(seq_len), pack_seq_len: d.pack.then_some(seq_len) };
+            let opts = SftOptions {
+                max_len: Some(seq_len),
+                pack_seq_len: d.pack.then_some(seq_len),
+                drop_empty: d.drop_empty,
+            };
             let load = |path: &str| -> Result<Samples> {
                 let ds = SftDataset::load(Path::new(path), tokenizer, &opts)?;
                 let s = ds.stats();
                 if s.n_truncated > 0 {
+                    let n_read = s.n_examples + s.n_without_targets;
                     eprintln!(
-                        "warning: {path}: {} of {} examples cut to data.seq_len = {seq_len} positions",
-                        s.n_truncated, s.n_examples
+                        "warning: {path}: {} of {n_read} examples cut to data.seq_len = {seq_len} positions",
+                        s.n_truncated
+                    );
+                }
+                if s.n_without_targets > 0 {
+                    eprintln!(
+                        "warning: {path}: dropped {} examples that keep no target once cut (their replies lie beyond data.seq_len = {seq_len}): lines {}; raise data.seq_len to keep them, or set data.drop_empty = false to refuse such data",
+                        s.n_without_targets,
+                        data::sft::line_list(ds.dropped_lines())
                     );
                 }
                 Ok(Samples::Examples(ds))
@@ -163,11 +182,14 @@ fn load_samples(cfg: &Config, tokenizer: &Tokenizer, seq_len: usize, vocab: usiz
             (load(p)?, load(val)?)
         }
         (Some(p), DataFormat::Text) if !matches!(tokenizer, Tokenizer::Byte(_)) => {
-            let corpus = Corpus::load_text(Path::new(p), tokenizer)?;
+            let load_text = |p: &str| -> Result<Corpus> {
+                Ok(Corpus::load_files(p, &crate::prepare::text_files(Path::new(p))?, tokenizer)?)
+            };
+            let corpus = load_text(p)?;
             let (train, val) = match &d.val_path {
                 None => corpus.split(d.val_fraction, seq_len)?,
                 Some(v) => {
-                    let val = Corpus::load_text(Path::new(v), tokenizer)?;
+                    let val = load_text(v)?;
                     (corpus.split_all("train", seq_len)?, val.split_all("validation", seq_len)?)
                 }
             };
@@ -193,6 +215,11 @@ fn load_samples(cfg: &Config, tokenizer: &Tokenizer, seq_len: usize, vocab: usiz
         }
     };
     Ok((train, val))
+}
+
+/// Whether `a` and `b` name the same existing file (through links and `..`).
+fn same_file(a: &Path, b: &Path) -> bool {
+    matches!((a.canonicalize(), b.canonicalize()), (Ok(a), Ok(b)) if a == b)
 }
 
 /// The sampler of a resolved batch.
@@ -363,16 +390,17 @@ pub fn bucket_elems(cfg: &Config) -> usize {
     ((cfg.dist.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1)
 }
 
-/// This rank's K micro-batches of global step `step_idx`.
+/// This rank's K micro-batches of global step `step_idx` (an error names a
+/// token file that cannot be read any more).
 pub fn rank_batches(
     plan: &Plan,
     sampler: &Sampler,
     order: &EpochOrder,
     step_in_epoch: usize,
     rank: usize,
-) -> Vec<TokenBatch> {
+) -> Result<Vec<TokenBatch>> {
     (0..sampler.shape().accumulation_steps)
-        .map(|k| plan.train.batch(&sampler.micro_batch(order, step_in_epoch, k, rank)))
+        .map(|k| Ok(plan.train.batch(&sampler.micro_batch(order, step_in_epoch, k, rank))?))
         .collect()
 }
 
@@ -389,11 +417,16 @@ fn evaluate(
     let idx: Vec<usize> = (0..n).collect();
     let (mut sum, mut count) = (0.0, 0u64);
     for chunk in idx.chunks(micro) {
-        let s = trainer.loss(model, comm, &val.batch(chunk))?;
+        let s = trainer.loss(model, comm, &val.batch(chunk)?)?;
         sum += s.loss_sum;
         count += s.n_targets;
     }
-    Ok(sum / count.max(1) as f64)
+    if count == 0 {
+        // Loading drops (or refuses) examples without targets, so this is
+        // unreachable; a loss of 0 would read as a perfect model.
+        bail!("the validation batches hold no target tokens: no validation loss can be measured; check data.val_path");
+    }
+    Ok(sum / count as f64)
 }
 
 /// A `/proc/self/status` memory figure in bytes (`VmHWM`: peak, `VmRSS`: now).
@@ -744,7 +777,7 @@ fn train_rank(
             order = Some((epoch, plan.sampler.epoch_order(epoch)));
         }
         let Some((_, ord)) = order.as_ref() else { bail!("no sample order for epoch {epoch}") };
-        let batches = rank_batches(plan, &plan.sampler, ord, step_in_epoch, rank);
+        let batches = rank_batches(plan, &plan.sampler, ord, step_in_epoch, rank)?;
         // Every rank's input positions, from the indices alone (no collective).
         let input_tokens = if outputs.is_some() {
             let shape = plan.sampler.shape();

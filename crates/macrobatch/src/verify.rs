@@ -3,7 +3,7 @@
 //! batch of the same samples from the same parameters.
 
 use crate::dist::Backend;
-use crate::train::{load_config, model_for, plan, run_thread_ranks, trainer_for, Plan};
+use crate::train::{load_config, model_for, plan, rank_batches, run_thread_ranks, trainer_for, Plan};
 use crate::VerifyArgs;
 use anyhow::{bail, Context, Result};
 use comm::Communicator;
@@ -34,9 +34,7 @@ fn one_step(plan: &Arc<Plan>, shape: BatchShape) -> Result<StepResult> {
             let mut model = model_for(&plan)?;
             let mut trainer = trainer_for(&plan, &model, c)?;
             let order = sampler.epoch_order(0);
-            let batches: Vec<_> = (0..shape.accumulation_steps)
-                .map(|k| plan.train.batch(&sampler.micro_batch(&order, 0, k, c.rank())))
-                .collect();
+            let batches = rank_batches(&plan, &sampler, &order, 0, c.rank())?;
             let report = trainer.step(&mut model, c, &batches)?;
             let (grads, params) = (trainer.full_gradient(c)?, trainer.full_params(c)?);
             if c.rank() == 0 {

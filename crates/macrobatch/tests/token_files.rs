@@ -1,4 +1,4 @@
-//! `macrobatch prepare` and training from memory-mapped u16 / u32 token files:
+//! `macrobatch prepare` and training from u16 / u32 token files:
 //! deterministic output for any thread count, the same losses as the text
 //! path on the same tokens, and clear errors.
 
@@ -72,7 +72,7 @@ fn prepare_is_deterministic_and_its_files_train() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// The memory-mapped path feeds the model exactly what the in-memory text path does.
+/// The token-file path feeds the model exactly what the in-memory text path does.
 #[test]
 fn u16_and_u32_token_files_train_bit_identically_to_the_same_text() {
     let dir = tmp("same-tokens");
