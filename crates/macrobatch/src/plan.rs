@@ -348,6 +348,10 @@ pub struct Report {
     pub budget: u64,
     /// The configuration as given.
     pub configured: Estimate,
+    /// Its peak over all phases, per process ([`Estimate::per_process`]).
+    pub configured_peak: u64,
+    /// That peak with the margin ([`Estimate::needed`]): what must fit the budget.
+    pub configured_needed: u64,
     /// Whether it fits the budget.
     pub configured_fits: bool,
     /// The largest micro-batch that fits with the configuration's other settings.
@@ -454,6 +458,8 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
         global_batch: plan.batch.global,
         memory,
         budget,
+        configured_peak: configured.per_process(),
+        configured_needed: configured.needed(),
         configured_fits: configured.needed() <= budget,
         configured,
         best,
