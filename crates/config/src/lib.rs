@@ -455,7 +455,8 @@ pub struct TrainConfig {
     pub trainable: Vec<String>,
     /// Memory per process that `batch.micro = "auto"` plans against: a size
     /// (`"12GiB"`, `"800MB"`, bytes) or a fraction of the memory available
-    /// at start (`"0.8"`). Unset: 90% of what is available.
+    /// at start (`"0.8"`). Unset: all of what is available (the plan keeps
+    /// its own margin); a size above what is available is cut to it.
     pub memory_budget: Option<Budget>,
     /// f16: stop with an error after this many consecutive skipped steps at
     /// `min_loss_scale` (the run cannot make progress); 0 never stops.
@@ -769,7 +770,7 @@ pub fn parse_budget(s: &str) -> Result<Budget, String> {
     if let (Ok(f), true) = (t.parse::<f64>(), t.contains('.')) {
         return if f > 0.0 && f <= 1.0 { Ok(Budget::Fraction(f)) } else { Err(rule()) };
     }
-    parse_bytes(t).map(Budget::Bytes).map_err(|_| rule())
+    parse_bytes(t).map(Budget::Bytes).map_err(|e| format!("{e}; or give a fraction of the available memory (0.8)"))
 }
 
 /// Parses `80GiB`, `512MiB`, `1.5GB`, `1000000` (bytes).
@@ -793,7 +794,23 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     if !(n.is_finite() && n > 0.0) {
         return Err(format!("`{s}`: a size must be positive"));
     }
-    Ok((n * mult) as u64)
+    // A whole number of bytes is read exactly (f64 rounds above 2^53).
+    if unit.trim().is_empty() || unit.trim().eq_ignore_ascii_case("b") {
+        if let Ok(b) = num.trim().parse::<u64>() {
+            return Ok(b);
+        }
+    }
+    let bytes = n * mult;
+    // `as u64` would saturate at 16 EiB (and round 0.5 bytes down to 0) without a word.
+    if bytes >= u64::MAX as f64 {
+        return Err(format!("`{s}`: more than 16 EiB (2^64 bytes), the largest size there is; give a smaller size"));
+    }
+    if bytes < 1.0 {
+        return Err(format!(
+            "`{s}`: less than one byte; give a size with a unit (512MiB, 16GB), or a fraction such as 0.5 where a share of the available memory is meant"
+        ));
+    }
+    Ok(bytes as u64)
 }
 
 /// TOML text as a table (syntax only; keys are checked by [`Config::from_toml`]).
@@ -987,6 +1004,15 @@ mod tests {
         for bad in ["", "lots", "-1GB", "5 parsecs"] {
             assert!(parse_bytes(bad).is_err(), "{bad}");
         }
+        // Overflow and sub-byte sizes are refused, never saturated or rounded to 0.
+        for huge in ["99999999999999999999999", "20000000TB", "18446744073709551616"] {
+            let e = parse_bytes(huge).unwrap_err();
+            assert!(e.contains("16 EiB"), "{huge}: {e}");
+        }
+        assert!(parse_bytes("0.5").unwrap_err().contains("less than one byte"));
+        assert_eq!(parse_bytes("18446744073709551615"), Ok(u64::MAX), "exact, not rounded");
+        assert_eq!(parse_bytes("9007199254740993"), Ok(9_007_199_254_740_993));
+        assert!(parse_budget("99999999999999999999999").is_err());
         assert_eq!(parse_budget("0.8"), Ok(Budget::Fraction(0.8)));
         assert_eq!(parse_budget("2GiB"), Ok(Budget::Bytes(2 << 30)));
         let e = parse("", &["train.memory_budget=\"1.5\""]).unwrap_err().to_string();

@@ -93,4 +93,13 @@ pub enum EngineError {
         /// What it must satisfy.
         rule: &'static str,
     },
+    /// A large buffer could not be allocated (the memory limit is tighter
+    /// than the plan, or other processes took the memory).
+    #[error("cannot allocate {bytes} bytes for {what}: out of memory")]
+    OutOfMemory {
+        /// The buffer.
+        what: &'static str,
+        /// Its size.
+        bytes: u128,
+    },
 }

@@ -7,6 +7,44 @@
 
 use std::ops::Range;
 
+/// The most parameters a model shape may have: 2^48 (2.8e14, over a
+/// thousand times the largest models trained today). Byte counts of every
+/// buffer (16 bytes per parameter and more) then stay far inside `usize`
+/// and `u64`. Families check it on their shape, counted in `u128`, before any
+/// layout exists.
+pub const MAX_PARAMS: u128 = 1 << 48;
+
+/// The most tensors a layout may hold (65,536: thousands of layers, ten
+/// times the deepest transformers trained). A layout keeps a name and a
+/// shape per tensor and a model its ranges per layer, so `macrobatch plan`,
+/// which builds layouts but never parameters, stays under 50 MB at this
+/// limit. Families turn it into a limit on their number of layers.
+pub const MAX_TENSORS: u128 = 1 << 16;
+
+/// Checks a shape's parameter count and tensor count (both computed
+/// arithmetically, in `u128`) against [`MAX_PARAMS`] and [`MAX_TENSORS`];
+/// the error says which limit and the largest number of layers that fits.
+/// `tensors_per_layer` and `other_tensors` describe the family's layout.
+pub fn check_shape_size(
+    n_params: u128,
+    n_layer: usize,
+    tensors_per_layer: u128,
+    other_tensors: u128,
+) -> Result<(), String> {
+    let max_layers = (MAX_TENSORS - other_tensors.min(MAX_TENSORS)) / tensors_per_layer.max(1);
+    if n_layer as u128 > max_layers {
+        return Err(format!(
+            "model.n_layer = {n_layer} is more layers than macrobatch lays out (at most {max_layers}); lower model.n_layer"
+        ));
+    }
+    if n_params > MAX_PARAMS {
+        return Err(format!(
+            "this shape has {n_params} parameters, more than the {MAX_PARAMS} (2^48) macrobatch plans or trains; lower model.n_layer, model.n_embd or model.vocab_size"
+        ));
+    }
+    Ok(())
+}
+
 /// One tensor inside the flat buffer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorSpec {

@@ -8,6 +8,7 @@
 //! many targets it saw; the [`Trainer`] owns everything that happens at the
 //! accumulation boundary.
 
+pub mod alloc;
 pub mod batch;
 pub mod conformance;
 pub mod error;
@@ -27,7 +28,7 @@ pub mod zero;
 
 pub use batch::{TokenBatch, IGNORE_INDEX};
 pub use error::EngineError;
-pub use layout::{ParamLayout, TensorSpec};
+pub use layout::{check_shape_size, ParamLayout, TensorSpec, MAX_PARAMS, MAX_TENSORS};
 pub use model::{MicroStepStats, Model};
 pub use optim::{AdamW, Optimizer, OptimizerKind, Sgd};
 pub use precision::Precision;

@@ -3,6 +3,7 @@
 //! normalisation, clipping, the optimizer update and the schedule step, for
 //! every ZeRO stage.
 
+use crate::alloc::{try_copy, try_zeros};
 use crate::error::EngineError;
 use crate::layout::ParamLayout;
 use crate::model::Model;
@@ -329,7 +330,7 @@ impl Trainer {
     pub fn full_params_to_rank0(&mut self, comm: &mut dyn Communicator) -> Result<Option<Vec<f32>>, EngineError> {
         let keep = comm.rank() == 0;
         if !self.master_sharded() {
-            return Ok(keep.then(|| self.params.clone()));
+            return Ok(if keep { Some(try_copy(&self.params, "the full parameters")?) } else { None });
         }
         let full = self.gather_params(comm, keep)?;
         Ok(keep.then_some(full))
@@ -337,7 +338,7 @@ impl Trainer {
 
     /// Assembles every parameter from every rank's parameter shard.
     fn gather_params(&self, comm: &mut dyn Communicator, keep: bool) -> Result<Vec<f32>, EngineError> {
-        let mut full = vec![0.0; if keep { self.layout.n_params() } else { 0 }];
+        let mut full = try_zeros(if keep { self.layout.n_params() } else { 0 }, "the full parameters")?;
         let w = self.part.world_size;
         for j in 0..self.part.n_segments() {
             let seg = self.part.segment(j);
@@ -358,7 +359,7 @@ impl Trainer {
         shard: &[f32],
         keep: bool,
     ) -> Result<Vec<f32>, EngineError> {
-        let mut full = vec![0.0; if keep { self.part.space.n_grads } else { 0 }];
+        let mut full = try_zeros(if keep { self.part.space.n_grads } else { 0 }, "a full gradient-space buffer")?;
         let w = self.part.world_size;
         for j in 0..self.part.n_segments() {
             let t = self.part.grad_piece[j];
@@ -508,8 +509,11 @@ impl Trainer {
                 Some(v) => v.as_slice(),
                 None => self.optimizer.state_buffers().into_iter().find(|(n, _)| *n == name).map_or(&[][..], |b| b.1),
             };
-            let full =
-                if self.stage.shards_optimizer() { self.gather_grad_space(comm, buf, keep)? } else { buf.to_vec() };
+            let full = if self.stage.shards_optimizer() {
+                self.gather_grad_space(comm, buf, keep)?
+            } else {
+                try_copy(buf, "the full optimizer state")?
+            };
             out.push((name.to_string(), full));
         }
         Ok(out)

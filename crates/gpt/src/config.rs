@@ -66,7 +66,17 @@ impl GptConfig {
         if self.vocab_size > i32::MAX as usize {
             return Err(GptError::InvalidConfig(format!("model.vocab_size ({}) is too large", self.vocab_size)));
         }
-        Ok(())
+        // Counted, not laid out: a hostile shape is refused before any
+        // buffer of its size exists. Layout: wte, wpe, ln_f (2) + 12 per block.
+        engine::check_shape_size(self.param_count(), self.n_layer, 12, 4).map_err(GptError::InvalidConfig)
+    }
+
+    /// Total parameters in `u128` (no shape overflows it): what
+    /// [`GptConfig::n_params`] returns for a validated shape.
+    pub fn param_count(&self) -> u128 {
+        let (v, t, c, l) =
+            (self.vocab_size as u128, self.block_size as u128, self.n_embd as u128, self.n_layer as u128);
+        (v + t) * c + l * (12 * c * c + 13 * c) + 2 * c
     }
 
     /// Width of one attention head.
@@ -108,6 +118,13 @@ mod tests {
         c.n_head = 3;
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("n_embd (256)") && e.contains("n_head (3)"), "{e}");
+        // Absurd sizes are refused from the count alone (no layout is built).
+        let base = GptConfig::preset("tiny").unwrap();
+        let e = GptConfig { n_layer: 1_000_000_000, ..base }.validate().unwrap_err().to_string();
+        assert!(e.contains("model.n_layer = 1000000000") && e.contains("at most 5461"), "{e}");
+        let e = GptConfig { n_embd: 1 << 40, n_head: 1, ..base }.validate().unwrap_err().to_string();
+        assert!(e.contains("parameters") && e.contains("2^48"), "{e}");
+        GptConfig { n_layer: 5461, ..base }.validate().unwrap();
         assert!(GptConfig::preset("huge").unwrap_err().to_string().contains("tiny"));
     }
 }

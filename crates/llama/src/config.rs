@@ -157,7 +157,19 @@ impl LlamaConfig {
         if self.vocab_size > i32::MAX as usize {
             return Err(LlamaError::config("vocab_size", format!("({}) is too large", self.vocab_size)));
         }
-        Ok(())
+        // Counted, not laid out: a hostile shape is refused before any
+        // buffer of its size exists. Layout: embedding, final norm, head + 9 per layer.
+        engine::check_shape_size(self.param_count(), self.n_layer, 9, 3).map_err(LlamaError::TooLarge)
+    }
+
+    /// Total parameters without adapters, in `u128` (no shape overflows
+    /// it): what [`LlamaConfig::n_params`] returns for a validated shape.
+    pub fn param_count(&self) -> u128 {
+        let (v, c, f) = (self.vocab_size as u128, self.hidden_size as u128, self.intermediate_size as u128);
+        let (qd, kvd) = (self.n_head as u128 * self.head_dim as u128, self.n_kv_head as u128 * self.head_dim as u128);
+        let layer = 2 * c + 2 * c * qd + 2 * c * kvd + 3 * c * f;
+        let head = if self.tie_word_embeddings { 0 } else { v * c };
+        v * c + self.n_layer as u128 * layer + c + head
     }
 
     /// Width of all query heads together (= hidden_size).
@@ -401,5 +413,19 @@ mod tests {
         v.as_object_mut().unwrap().remove("hidden_size");
         assert!(LlamaConfig::from_hf_json(&v).unwrap_err().to_string().contains("`hidden_size` is missing"));
         assert!(LlamaConfig::preset("huge").unwrap_err().to_string().contains("smollm2-135m"));
+    }
+
+    #[test]
+    fn absurd_shapes_are_refused_from_the_count() {
+        for name in PRESETS {
+            let cfg = LlamaConfig::preset(name).unwrap();
+            assert_eq!(cfg.param_count(), cfg.n_params() as u128, "{name}");
+        }
+        let base = LlamaConfig::preset("tiny").unwrap();
+        let e = LlamaConfig { n_layer: 1_000_000_000, ..base.clone() }.validate().unwrap_err().to_string();
+        assert!(e.contains("model.n_layer = 1000000000") && e.contains("at most 7281"), "{e}");
+        let huge = LlamaConfig { hidden_size: 1 << 40, head_dim: 1 << 38, intermediate_size: 1 << 40, ..base };
+        let e = huge.validate().unwrap_err().to_string();
+        assert!(e.contains("parameters") && e.contains("2^48"), "{e}");
     }
 }

@@ -83,6 +83,10 @@ pub enum LlamaError {
         dtype: String,
     },
     /// A LoRA setting is invalid.
+    /// A shape whose parameter or tensor count is beyond what a layout may
+    /// hold (`engine::MAX_PARAMS`, `engine::MAX_TENSORS`).
+    #[error("Llama shape too large: {0}")]
+    TooLarge(String),
     #[error("invalid LoRA config: `{field}` {problem}")]
     InvalidLora {
         /// The field (`r`, `lora_alpha`, `target_modules`, ...).

@@ -654,7 +654,14 @@ impl Llama {
         let adapters = match &lora {
             Some(l) => {
                 l.validate()?;
-                Some(Adapters { r: l.r, targets: l.targets()? })
+                let targets = l.targets()?;
+                // The adapters' parameters and tensors count too.
+                let on = Proj::ALL.into_iter().filter(|&p| targets[p as usize]);
+                let per_layer: u128 = on.clone().map(|p| p.shape(&cfg).iter().map(|&d| d as u128).sum::<u128>()).sum();
+                let n = cfg.param_count() + cfg.n_layer as u128 * l.r as u128 * per_layer;
+                engine::check_shape_size(n, cfg.n_layer, 9 + 2 * on.count() as u128, 3)
+                    .map_err(LlamaError::TooLarge)?;
+                Some(Adapters { r: l.r, targets })
             }
             None => None,
         };

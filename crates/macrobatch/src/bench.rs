@@ -16,8 +16,68 @@ use std::time::Instant;
 /// Interleaved rounds of the K sweep.
 const K_SWEEP_ROUNDS: usize = 3;
 
-/// f32 FLOP per cycle and core of AVX-512: 2 FMA pipes × 16 lanes × 2.
-const F32_FLOP_PER_CYCLE: f64 = 64.0;
+/// A core's peak f32 FLOP per cycle and the micro-architecture it was taken for.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+struct CorePeak {
+    flop_per_cycle: f64,
+    /// How it was chosen (vendor, family/model, the FMA width).
+    basis: String,
+}
+
+/// The f32 FLOP per cycle and core of the FMA pipes the CPU issues to, from
+/// /proc/cpuinfo's vendor, family, model and flags (FMA = 2 FLOP per lane):
+/// - AVX-512 with two 512-bit FMA pipes (Intel server cores from
+///   Skylake-SP, AMD Zen 5 desktop and server): 64;
+/// - AVX-512 on 256-bit datapaths (AMD Zen 4, Zen 5 mobile) or with one
+///   512-bit pipe (Intel client cores: Ice Lake, Tiger Lake, Rocket Lake):
+///   32;
+/// - AVX2 + FMA with two 256-bit pipes (Haswell on, Zen 2 and 3): 32; Zen 1
+///   (two 128-bit pipes): 16;
+/// - without FMA: 16 with AVX (an add and a mul pipe of 8 lanes), 8 with SSE.
+fn core_peak(vendor: &str, family: u32, model: u32, flags: &[&str]) -> CorePeak {
+    let has = |f: &str| flags.contains(&f);
+    let amd = vendor == "AuthenticAMD";
+    let (flop, what) = if has("avx512f") {
+        match (amd, family) {
+            (true, 0x19) => (32.0, "AMD Zen 4: AVX-512 on two 256-bit FMA pipes"),
+            (true, 0x1a) if matches!(model, 0x20..=0x2f | 0x60..=0x6f) => {
+                (32.0, "AMD Zen 5 mobile: AVX-512 on 256-bit datapaths")
+            }
+            (true, _) => (64.0, "AMD Zen 5: two 512-bit FMA pipes"),
+            // Intel client cores with AVX-512: one 512-bit FMA pipe.
+            (false, 6) if matches!(model, 0x66 | 0x7d | 0x7e | 0x8c | 0x8d | 0xa7) => {
+                (32.0, "Intel client core: one 512-bit FMA pipe")
+            }
+            (false, _) => (64.0, "Intel server core: two 512-bit FMA pipes"),
+        }
+    } else if has("avx2") && has("fma") {
+        match (amd, family) {
+            (true, 0x17) if model < 0x30 => (16.0, "AMD Zen 1: two 128-bit FMA pipes"),
+            _ => (32.0, "AVX2: two 256-bit FMA pipes"),
+        }
+    } else if has("avx") {
+        (16.0, "AVX without FMA: a 256-bit add and a 256-bit mul pipe")
+    } else {
+        (8.0, "SSE: a 128-bit add and a 128-bit mul pipe")
+    };
+    let vendor = if vendor.is_empty() { "unknown vendor" } else { vendor };
+    CorePeak { flop_per_cycle: flop, basis: format!("{what} ({vendor} family {family:#x} model {model:#x})") }
+}
+
+/// [`core_peak`] of this machine's first CPU, and its clock in MHz.
+fn this_core_peak() -> (CorePeak, f64) {
+    let text = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |key: &str| {
+        text.lines()
+            .find(|l| l.split(':').next().is_some_and(|k| k.trim() == key))
+            .and_then(|l| l.split_once(':'))
+            .map_or("", |(_, v)| v.trim())
+    };
+    let num = |key: &str| field(key).parse::<u32>().unwrap_or(0);
+    let flags: Vec<&str> = field("flags").split_whitespace().collect();
+    let mhz = field("cpu MHz").parse::<f64>().unwrap_or(0.0);
+    (core_peak(field("vendor_id"), num("cpu family"), num("model"), &flags), mhz)
+}
 
 #[derive(Debug, Serialize)]
 struct Timing {
@@ -48,6 +108,8 @@ struct Report {
     flops_per_step: f64,
     step: Timing,
     peak_nominal_gflops: f64,
+    /// The per-core FLOP/cycle behind `peak_nominal_gflops`, and why.
+    core_peak: CorePeak,
     mfu_nominal_pct: f64,
     gemm_peak_gflops: f64,
     mfu_gemm_pct: f64,
@@ -127,15 +189,11 @@ fn time_steps(plan: &Plan, shape: BatchShape, warmup: usize, steps: usize) -> Re
     })
 }
 
-/// Nominal f32 peak: threads × 64 FLOP/cycle × the clock /proc/cpuinfo reports.
-fn nominal_peak_gflops(threads: usize) -> f64 {
-    let mhz = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|t| {
-            t.lines().find(|l| l.starts_with("cpu MHz")).and_then(|l| l.split(':').nth(1)?.trim().parse::<f64>().ok())
-        })
-        .unwrap_or(0.0);
-    threads as f64 * F32_FLOP_PER_CYCLE * mhz / 1e3
+/// Nominal f32 peak: threads × the core's FLOP/cycle ([`core_peak`]) × the
+/// clock /proc/cpuinfo reports.
+fn nominal_peak_gflops(threads: usize) -> (f64, CorePeak) {
+    let (core, mhz) = this_core_peak();
+    (threads as f64 * core.flop_per_cycle * mhz / 1e3, core)
 }
 
 /// The best rate of our GEMM on a large square problem (1024³, the best f32
@@ -213,7 +271,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             k_sweep.push((k, median(&mut ms[i]) / base));
         }
     }
-    let peak = nominal_peak_gflops(threads);
+    let (peak, core) = nominal_peak_gflops(threads);
     let gemm_peak = gemm_peak_gflops();
     let report = Report {
         preset: plan.cfg.model.preset.clone(),
@@ -226,6 +284,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         mfu_gemm_pct: 100.0 * step.gflops / gemm_peak,
         step,
         peak_nominal_gflops: peak,
+        core_peak: core,
         gemm_peak_gflops: gemm_peak,
         k_sweep,
         precision: plan.cfg.train.precision.to_string(),
@@ -257,8 +316,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
         report.flops_per_step / 1e9
     );
     println!(
-        "  MFU           {:.1}% of the nominal peak {:.0} GFLOP/s (threads × 64 f32 FLOP/cycle × /proc/cpuinfo clock); {:.1}% of our GEMM's best {:.0} GFLOP/s",
-        report.mfu_nominal_pct, report.peak_nominal_gflops, report.mfu_gemm_pct, report.gemm_peak_gflops
+        "  MFU           {:.1}% of the nominal peak {:.0} GFLOP/s (threads × {} f32 FLOP/cycle — {} — × /proc/cpuinfo clock); {:.1}% of our GEMM's best {:.0} GFLOP/s",
+        report.mfu_nominal_pct,
+        report.peak_nominal_gflops,
+        report.core_peak.flop_per_cycle,
+        report.core_peak.basis,
+        report.mfu_gemm_pct,
+        report.gemm_peak_gflops
     );
     println!("  overhead      {:.2}% of a step outside the model's forward/backward", s.overhead_pct);
     println!(
@@ -290,4 +354,35 @@ pub fn run(args: BenchArgs) -> Result<()> {
         println!("  K = {k:<2}        micro {:<4} step time {:.3}× K = 1", report.global_batch / k, ratio);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_nominal_peak_follows_the_micro_architecture() {
+        let avx512 = ["avx", "avx2", "fma", "avx512f"];
+        let avx2 = ["avx", "avx2", "fma"];
+        for (vendor, family, model, flags, want) in [
+            ("AuthenticAMD", 0x19, 0x11, &avx512[..], 32.0), // Zen 4 (Genoa)
+            ("AuthenticAMD", 0x19, 0x61, &avx512[..], 32.0), // Zen 4 (Raphael)
+            ("AuthenticAMD", 0x19, 0x01, &avx2[..], 32.0),   // Zen 3 (Milan)
+            ("AuthenticAMD", 0x1a, 0x02, &avx512[..], 64.0), // Zen 5 (Turin)
+            ("AuthenticAMD", 0x1a, 0x24, &avx512[..], 32.0), // Zen 5 mobile (Strix Point)
+            ("AuthenticAMD", 0x17, 0x01, &avx2[..], 16.0),   // Zen 1 (Naples)
+            ("GenuineIntel", 6, 0x55, &avx512[..], 64.0),    // Skylake-SP
+            ("GenuineIntel", 6, 0x8f, &avx512[..], 64.0),    // Sapphire Rapids
+            ("GenuineIntel", 6, 0x8c, &avx512[..], 32.0),    // Tiger Lake (client)
+            ("GenuineIntel", 6, 0x7e, &avx512[..], 32.0),    // Ice Lake (client)
+            ("GenuineIntel", 6, 0x97, &avx2[..], 32.0),      // Alder Lake
+            ("GenuineIntel", 6, 0x2a, &["avx"][..], 16.0),   // Sandy Bridge
+        ] {
+            let p = core_peak(vendor, family, model, flags);
+            assert_eq!(p.flop_per_cycle, want, "{vendor} {family:#x} {model:#x}: {}", p.basis);
+            assert!(p.basis.contains(&format!("{model:#x}")), "{}", p.basis);
+        }
+        let (here, _) = this_core_peak();
+        assert!([8.0, 16.0, 32.0, 64.0].contains(&here.flop_per_cycle), "{here:?}");
+    }
 }

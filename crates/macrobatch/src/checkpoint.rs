@@ -82,10 +82,25 @@ struct FileEntry {
     sha256: String,
 }
 
+/// Size and SHA-256 of a file, read in 1 MiB pieces (never whole: a
+/// checkpoint's hash costs no memory beside the state being written).
 fn sha256_file(path: &Path) -> Result<(u64, String)> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let digest = Sha256::digest(&bytes);
-    Ok((bytes.len() as u64, digest.iter().map(|b| format!("{b:02x}")).collect()))
+    use std::io::Read;
+    let read_err = || format!("cannot read {}", path.display());
+    let mut f = std::fs::File::open(path).with_context(read_err)?;
+    let (mut hasher, mut buf, mut len) = (Sha256::new(), vec![0u8; 1 << 20], 0u64);
+    loop {
+        let n = match f.read(&mut buf) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            r => r.with_context(read_err)?,
+        };
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        len += n as u64;
+    }
+    Ok((len, hasher.finalize().iter().map(|b| format!("{b:02x}")).collect()))
 }
 
 fn fsync_dir(dir: &Path) {

@@ -70,7 +70,8 @@ pub fn mpi_comm(_timeout: Duration) -> Result<Box<dyn comm::Communicator>> {
 /// optimizer step S, 1-based, on rank R), `enospc` (from the start of step S
 /// the disk is full after `bytes=N` more bytes), `slow_checkpoint` (the
 /// checkpoint of step S takes `secs=X` longer), `nan` (the parameters saved
-/// at step S hold a NaN).
+/// at step S hold a NaN), `oom` (step S allocates `bytes=N` more bytes than
+/// the memory limit lets it: the out-of-memory report).
 #[derive(Debug, Clone, Copy)]
 pub struct Fault {
     rank: usize,
@@ -89,6 +90,7 @@ enum FaultKind {
     Enospc,
     SlowCheckpoint,
     Nan,
+    Oom,
 }
 
 impl Fault {
@@ -113,8 +115,9 @@ impl Fault {
                         "enospc" => FaultKind::Enospc,
                         "slow_checkpoint" => FaultKind::SlowCheckpoint,
                         "nan" => FaultKind::Nan,
+                        "oom" => FaultKind::Oom,
                         other => bail!(
-                            "MACROBATCH_FAULT kind `{other}`: use panic, error, stall, kill, enospc, slow_checkpoint or nan"
+                            "MACROBATCH_FAULT kind `{other}`: use panic, error, stall, kill, enospc, slow_checkpoint, nan or oom"
                         ),
                     }
                 }
@@ -134,6 +137,8 @@ impl Fault {
             FaultKind::SlowCheckpoint | FaultKind::Nan => {}
             FaultKind::Panic => panic!("injected fault: rank {rank} panics at step {step}"),
             FaultKind::Error => bail!("injected fault: rank {rank} fails at step {step}"),
+            // An infallible allocation, as the kernels' buffers are.
+            FaultKind::Oom => std::hint::black_box(vec![1u8; self.bytes as usize]).truncate(0),
             FaultKind::Stall => loop {
                 std::thread::sleep(Duration::from_secs(3600));
             },

@@ -495,9 +495,7 @@ impl Family for Gpt2 {
     }
 
     fn n_params(&self) -> u128 {
-        let m = &self.0;
-        let (v, t, c, l) = (m.vocab_size as u128, m.block_size as u128, m.n_embd as u128, m.n_layer as u128);
-        (v + t) * c + l * (12 * c * c + 13 * c) + 2 * c
+        self.0.param_count()
     }
 
     fn vocab_size(&self) -> usize {

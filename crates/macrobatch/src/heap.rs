@@ -4,9 +4,106 @@
 //! whole process's): everything its trainer and model allocate happens on
 //! its thread. Kernel temporaries of the shared worker pool count on the
 //! workers, not on a rank.
+//!
+//! It also turns a failed allocation into a report instead of the default
+//! abort (SIGABRT, exit 134, "memory allocation of N bytes failed"): the
+//! phase the run was in ([`set_phase`]), the bytes asked for and what to
+//! change, then exit [`EXIT_OUT_OF_MEMORY`]. Allocations that handle their
+//! own failure (`engine::alloc`) get null back as usual.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+/// Exit code of a process that ran out of memory (not 134: no abort).
+pub const EXIT_OUT_OF_MEMORY: i32 = 3;
+
+/// What the process is doing, for the out-of-memory report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Phase {
+    /// Reading the configuration, the data, planning.
+    Setup = 0,
+    /// Reading a checkpoint or a pretrained model.
+    Load,
+    /// Building the model and the trainers.
+    Build,
+    /// An optimizer step.
+    Step,
+    /// Evaluation.
+    Eval,
+    /// Writing a checkpoint.
+    Checkpoint,
+    /// Saving the trained model.
+    Save,
+}
+
+static PHASE: AtomicU8 = AtomicU8::new(Phase::Setup as u8);
+
+/// Records the phase the process is in (any thread; one value per process).
+pub fn set_phase(phase: Phase) {
+    PHASE.store(phase as u8, Ordering::Relaxed);
+}
+
+/// What to change when `phase` runs out of memory.
+pub fn advice(phase: Phase) -> &'static str {
+    phase_text(phase as u8).1
+}
+
+/// The phase's name and the change that needs less memory in it.
+fn phase_text(phase: u8) -> (&'static str, &'static str) {
+    const STEP: &str = "lower batch.micro (batch.micro = \"auto\" keeps the global batch), set train.activation_checkpointing = \"blocks\" or train.precision = \"bf16\", or raise the memory limit";
+    match phase {
+        x if x == Phase::Load as u8 => (
+            "loading the checkpoint or pretrained model",
+            "raise the memory limit (ulimit -v) or use a machine with more memory",
+        ),
+        x if x == Phase::Build as u8 => ("building the model and trainer", STEP),
+        x if x == Phase::Step as u8 => ("an optimizer step", STEP),
+        x if x == Phase::Eval as u8 => ("evaluation", STEP),
+        x if x == Phase::Checkpoint as u8 => {
+            ("writing a checkpoint (a full copy of parameters and optimizer state)", STEP)
+        }
+        x if x == Phase::Save as u8 => ("saving the model (a full copy of the parameters)", STEP),
+        _ => ("setting up", "raise the memory limit or use a machine with more memory"),
+    }
+}
+
+/// Formats into a fixed buffer: no allocation (there is no memory left).
+struct Fixed {
+    buf: [u8; 1024],
+    len: usize,
+}
+
+impl std::fmt::Write for Fixed {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let n = s.len().min(self.buf.len() - self.len);
+        self.buf[self.len..self.len + n].copy_from_slice(&s.as_bytes()[..n]);
+        self.len += n;
+        Ok(())
+    }
+}
+
+/// A failed allocation of `size` bytes: returns when its caller handles
+/// the failure; otherwise reports it and ends the process.
+fn failed(size: usize) {
+    if engine::alloc::failure_is_handled() {
+        return;
+    }
+    use std::fmt::Write;
+    let (phase, advice) = phase_text(PHASE.load(Ordering::Relaxed));
+    let mut msg = Fixed { buf: [0; 1024], len: 0 };
+    let _ = writeln!(
+        msg,
+        "error: out of memory while {phase}: {size} more bytes could not be allocated (the memory limit is tighter than the plan, or other processes took memory); {advice}. Checkpoints already written are intact (continue with `macrobatch train --resume DIR`)."
+    );
+    // SAFETY: writes our own buffer to fd 2, then ends the process without
+    // running destructors or atexit handlers (which could allocate).
+    unsafe {
+        libc::write(2, msg.buf.as_ptr().cast(), msg.len);
+        libc::_exit(EXIT_OUT_OF_MEMORY);
+    }
+}
 
 /// [`System`], counting.
 pub struct Counting;
@@ -26,11 +123,14 @@ fn add(delta: i64) {
 }
 
 // SAFETY: every call forwards to `System` with the same arguments; the
-// counting touches only const-initialised thread-locals (no allocation).
+// counting touches only const-initialised thread-locals (no allocation);
+// a failure report formats into a stack buffer.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let p = System.alloc(layout);
-        if !p.is_null() {
+        if p.is_null() {
+            failed(layout.size());
+        } else {
             add(layout.size() as i64);
         }
         p
@@ -38,7 +138,9 @@ unsafe impl GlobalAlloc for Counting {
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         let p = System.alloc_zeroed(layout);
-        if !p.is_null() {
+        if p.is_null() {
+            failed(layout.size());
+        } else {
             add(layout.size() as i64);
         }
         p
@@ -51,7 +153,9 @@ unsafe impl GlobalAlloc for Counting {
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let p = System.realloc(ptr, layout, new_size);
-        if !p.is_null() {
+        if p.is_null() {
+            failed(new_size);
+        } else {
             add(new_size as i64 - layout.size() as i64);
         }
         p

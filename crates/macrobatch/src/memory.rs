@@ -29,9 +29,13 @@ impl Available {
         Self { mem_available, address_space_left }
     }
 
-    /// The binding figure, if any is known.
-    pub fn bytes(&self) -> Option<u64> {
-        match (self.mem_available, self.address_space_left) {
+    /// The binding figure, if any is known: what a run with `threads`
+    /// allocating threads may use for its planned bytes; under an address-space limit every such thread also reserves
+    /// address space it never touches ([`ADDRESS_SPACE_PER_THREAD`]).
+    pub fn usable(&self, threads: usize) -> Option<u64> {
+        let reserved = ADDRESS_SPACE_PER_THREAD.saturating_mul(threads as u64);
+        let address_space = self.address_space_left.map(|b| b.saturating_sub(reserved));
+        match (self.mem_available, address_space) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
@@ -50,6 +54,18 @@ impl Available {
     }
 }
 
+/// Address space each allocating thread reserves beyond what it touches:
+/// glibc gives a thread its own malloc arena, a 64 MiB reservation, and a
+/// 2 MiB stack. It counts against `ulimit -v` (RLIMIT_AS), not against RSS.
+pub const ADDRESS_SPACE_PER_THREAD: u64 = 66 << 20;
+
+/// Threads of a run that allocate beside the main thread (whose heap grows
+/// in place): `compute` pool threads and, with several ranks in the
+/// process, each rank's thread.
+pub fn allocating_threads(compute: usize, ranks_per_process: usize) -> usize {
+    compute + if ranks_per_process > 1 { ranks_per_process } else { 0 }
+}
+
 /// A `KEY: N kB` figure of a /proc file, in bytes.
 pub fn read_kib(path: &str, key: &str) -> Option<u64> {
     let text = std::fs::read_to_string(path).ok()?;
@@ -57,14 +73,22 @@ pub fn read_kib(path: &str, key: &str) -> Option<u64> {
     line.split_whitespace().nth(1)?.parse::<u64>().ok()?.checked_mul(1024)
 }
 
-/// Errors unless `need` fits in what is available; `what` names the job and
+/// Errors unless `need` fits in what is available to a run of `threads`
+/// allocating threads ([`Available::usable`]); `what` names the job and
 /// `advice` says what to change.
-pub fn check(what: &str, need: u128, breakdown: &str, advice: &str) -> Result<()> {
+pub fn check(what: &str, need: u128, threads: usize, breakdown: &str, advice: &str) -> Result<()> {
     let avail = Available::now();
-    let Some(have) = avail.bytes() else { return Ok(()) };
+    let Some(have) = avail.usable(threads) else { return Ok(()) };
     if need > have as u128 {
+        let reserve = match avail.address_space_left {
+            Some(_) => format!(
+                ", after the address space {threads} threads reserve ({} MiB each: malloc arena and stack)",
+                ADDRESS_SPACE_PER_THREAD >> 20
+            ),
+            None => String::new(),
+        };
         bail!(
-            "{what} needs at least {need} bytes ({:.2} GiB: {breakdown}) but only {have} bytes are available ({}); {advice}",
+            "{what} needs at least {need} bytes ({:.2} GiB: {breakdown}) but only {have} bytes are available ({}{reserve}); {advice}",
             need as f64 / (1u64 << 30) as f64,
             avail.describe()
         );
@@ -79,6 +103,7 @@ pub fn check_load(dir: &std::path::Path, what: &str) -> Result<()> {
     check(
         what,
         8 * p,
+        allocating_threads(rayon::current_num_threads(), 0),
         &format!("{p} parameters × 4 bytes, twice: the file's bytes and the parameters"),
         "this machine cannot hold the model; use a machine with more memory (or check config.json)",
     )

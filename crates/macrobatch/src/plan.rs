@@ -11,7 +11,7 @@
 use crate::family::Build;
 use crate::memory::{self, Available};
 use crate::train::{apply_trainable, Plan};
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use config::{Checkpointing, Precision};
 use engine::{MemoryReport, Trainer, ZeroConfig};
 use serde::Serialize;
@@ -104,9 +104,18 @@ pub struct Estimate {
     pub data: u64,
     /// Per process: the program itself (code, libraries, thread stacks).
     pub runtime: u64,
-    /// Per process, before training: loading a pretrained model (`--init-from`)
-    /// holds its parameters and the trainer's copy (8 bytes per parameter).
-    pub pretrained_load: u64,
+    /// Per process, on top of a step's bytes, while rank 0 writes a
+    /// checkpoint or saves the model: the full parameters and the full
+    /// optimizer state gathered into one buffer each, one gathered segment
+    /// (or an offloaded state file read back), and the write buffers. A stop
+    /// signal may ask for a checkpoint after any step, so it always counts.
+    pub checkpoint: u64,
+    /// Per process, before the first step: a checkpoint (`--resume`) or a
+    /// pretrained model (`--init-from`) read — the file's bytes while they
+    /// are converted —, then held while every rank's trainer allocates its
+    /// model states (no activation exists yet). Counted for every run: its
+    /// own checkpoints must be resumable where it ran.
+    pub load: u64,
     /// Per process: the kernels' per-thread workspace (GEMM packing buffers
     /// and the like), [`WORKSPACE_PER_THREAD`] × compute threads.
     pub workspace: u64,
@@ -130,16 +139,40 @@ impl Estimate {
             + self.batches
     }
 
-    /// One process's bytes: its ranks plus what they share.
-    pub fn per_process(&self) -> u64 {
-        let training = self.per_rank() * self.knobs.ranks_per_process as u64
+    /// One process's bytes during an optimizer step: its ranks plus what
+    /// they share.
+    pub fn step_peak(&self) -> u64 {
+        self.per_rank() * self.knobs.ranks_per_process as u64
             + self.comm_shared
             + self.data
             + self.runtime
-            + self.workspace;
-        // The peak is the larger phase: loading comes before any activation.
-        training.max(self.pretrained_load + self.data + self.runtime)
+            + self.workspace
     }
+
+    /// One process's peak over every phase of a run: loading, steps and
+    /// evaluation (the same buffers), checkpoints and the final save.
+    pub fn per_process(&self) -> u64 {
+        let step = self.step_peak();
+        (step + self.checkpoint).max(self.load + self.data + self.runtime + self.workspace)
+    }
+
+    /// [`Estimate::per_process`] with the [`margin`] every fit keeps.
+    pub fn needed(&self) -> u64 {
+        with_margin(self.per_process())
+    }
+}
+
+/// The margin on top of a plan: the measured peaks of docs/memory.md exceed
+/// the plan by up to 10% (thread ranks' collective staging, allocator
+/// overhead), and an address-space limit (`ulimit -v`) also counts memory
+/// reserved but not touched (thread stacks, allocator arenas).
+pub const MARGIN_PERCENT: u64 = 10;
+/// The fixed part of the margin: 64 MiB.
+pub const MARGIN_FIXED: u64 = 64 << 20;
+
+/// `bytes` with the margin every fit keeps: + [`MARGIN_PERCENT`] % + [`MARGIN_FIXED`].
+pub fn with_margin(bytes: u64) -> u64 {
+    bytes.saturating_add(bytes / 100 * MARGIN_PERCENT).saturating_add(MARGIN_FIXED)
 }
 
 /// The process's resident size before a run allocates anything: measured
@@ -154,8 +187,20 @@ pub fn estimate(plan: &Plan, knobs: Knobs) -> Result<Estimate> {
     Ok(estimate_at(plan, knobs, &model_states(plan, knobs)?))
 }
 
+/// The engine's accounting for `knobs` (everything but the micro-batch)
+/// and the counts the save and load phases need.
+pub struct States {
+    report: MemoryReport,
+    /// Parameters of the whole model.
+    n_params: u64,
+    /// Trainable parameters (the full gradient space).
+    n_trainable: u64,
+    /// f32 optimizer-state values per trainable parameter.
+    slots: u64,
+}
+
 /// The engine's accounting for `knobs`: everything but the micro-batch.
-fn model_states(plan: &Plan, knobs: Knobs) -> Result<MemoryReport> {
+fn model_states(plan: &Plan, knobs: Knobs) -> Result<States> {
     let cfg = &plan.cfg;
     // The layout does not depend on checkpointing (a family without it
     // still gets planned; `train` refuses to run it).
@@ -165,13 +210,26 @@ fn model_states(plan: &Plan, knobs: Knobs) -> Result<MemoryReport> {
     let slots = cfg.optim.name.state_slots(cfg.optim.momentum) as usize;
     let bucket_elems = crate::train::bucket_elems(cfg);
     let offload = knobs.offload_optimizer;
-    Ok(Trainer::planned_memory(&model, zero, knobs.world_size, knobs.precision, slots, bucket_elems, offload)?)
+    let report =
+        Trainer::planned_memory(&model, zero, knobs.world_size, knobs.precision, slots, bucket_elems, offload)?;
+    let layout = model.layout();
+    Ok(States {
+        report,
+        n_params: layout.n_params() as u64,
+        n_trainable: layout.n_trainable() as u64,
+        slots: slots as u64,
+    })
 }
 
-/// [`estimate`] with the engine's accounting `report` already made (it does
+/// Bytes the checkpoint writer holds besides the state: its 1 MiB file
+/// buffer, a 64 KiB conversion chunk, the header, the SHA-256 reader.
+const WRITE_BUFFERS: u64 = 2 << 20;
+
+/// [`estimate`] with the engine's accounting `states` already made (it does
 /// not depend on the micro-batch).
-fn estimate_at(plan: &Plan, knobs: Knobs, report: &MemoryReport) -> Estimate {
+fn estimate_at(plan: &Plan, knobs: Knobs, states: &States) -> Estimate {
     let cfg = &plan.cfg;
+    let report = &states.report;
     let build = Build { precision: knobs.precision, checkpointing: knobs.checkpointing };
     // What the communicator stages: thread ranks keep an f64 copy of their
     // largest contribution in their slot, and the group one f64 result;
@@ -187,6 +245,21 @@ fn estimate_at(plan: &Plan, knobs: Knobs, report: &MemoryReport) -> Estimate {
     let accumulation_steps = plan.batch.global / per_step.max(1);
     let activations = plan.family.activation_bytes(knobs.micro, seq_len, build);
     let tokens = (plan.train.n_samples() + plan.val.n_samples()) as u64 * seq_len as u64;
+    let (p, g) = (4 * states.n_params, 4 * states.n_trainable);
+    let state = states.slots * g;
+    // Rank 0 gathers the full parameters and optimizer state; an offloaded
+    // state is read back one slot file at a time.
+    let offloaded_slot = (report.offloaded as u64).checked_div(states.slots).unwrap_or(0);
+    // Sharded parameters or state are gathered one padded segment at a time.
+    let gather = if knobs.zero_stage >= 1 { 4 * max } else { 0 };
+    let checkpoint = p + state + gather + offloaded_slot + WRITE_BUFFERS;
+    // Loading: the weights file's bytes beside the parameters, then the
+    // optimizer file's bytes beside its converted values; afterwards the
+    // loaded state is held while every rank allocates its model states.
+    let model_states =
+        (report.params + report.master + report.grads + report.optimizer + report.comm_buffers) as u64 + comm_staging;
+    let read = p + p.max(2 * state);
+    let load = read.max(p + state + model_states * knobs.ranks_per_process as u64 + comm_shared);
     Estimate {
         knobs,
         accumulation_steps,
@@ -202,14 +275,19 @@ fn estimate_at(plan: &Plan, knobs: Knobs, report: &MemoryReport) -> Estimate {
         batches: 8 * (accumulation_steps * knobs.micro * seq_len) as u64,
         data: 4 * tokens,
         runtime: runtime_bytes(),
-        pretrained_load: if plan.pretrained { 8 * n_params(&*plan.family) } else { 0 },
-        workspace: WORKSPACE_PER_THREAD
-            * if cfg.train.threads > 0 { cfg.train.threads } else { rayon::current_num_threads() } as u64,
+        checkpoint,
+        load,
+        workspace: WORKSPACE_PER_THREAD * compute_threads(cfg) as u64,
     }
 }
 
-fn n_params(f: &dyn crate::family::Family) -> u64 {
-    u64::try_from(f.n_params()).unwrap_or(u64::MAX)
+/// The compute threads a run uses: `train.threads`, or the pool's default.
+pub fn compute_threads(cfg: &config::Config) -> usize {
+    if cfg.train.threads > 0 {
+        cfg.train.threads
+    } else {
+        rayon::current_num_threads()
+    }
 }
 
 /// Micro-batch sizes that keep the global batch: `micro · W` divides it.
@@ -224,11 +302,11 @@ pub fn largest_fitting(plan: &Plan, knobs: Knobs, budget: u64) -> Result<Option<
 }
 
 /// [`largest_fitting`] with the engine's accounting already made.
-fn fitting_at(plan: &Plan, knobs: Knobs, budget: u64, report: &MemoryReport) -> Option<Estimate> {
+fn fitting_at(plan: &Plan, knobs: Knobs, budget: u64, states: &States) -> Option<Estimate> {
     micro_candidates(plan.batch.global, knobs.world_size)
         .into_iter()
-        .map(|micro| estimate_at(plan, Knobs { micro, ..knobs }, report))
-        .find(|e| e.per_process() <= budget)
+        .map(|micro| estimate_at(plan, Knobs { micro, ..knobs }, states))
+        .find(|e| e.needed() <= budget)
 }
 
 /// Bytes as `12.3 GiB`.
@@ -263,12 +341,17 @@ pub struct Report {
     pub seq_len: usize,
     /// The global batch (kept fixed).
     pub global_batch: usize,
-    /// Bytes available per process (given or detected) and the budget (a share of it).
+    /// Bytes available per process (given or detected).
     pub memory: u64,
-    /// The budget (by default 90% of `memory`).
+    /// The budget: a plan fits when its peak with the margin
+    /// ([`Estimate::needed`]) is at most this.
     pub budget: u64,
     /// The configuration as given.
     pub configured: Estimate,
+    /// Its peak over all phases, per process ([`Estimate::per_process`]).
+    pub configured_peak: u64,
+    /// That peak with the margin ([`Estimate::needed`]): what must fit the budget.
+    pub configured_needed: u64,
     /// Whether it fits the budget.
     pub configured_fits: bool,
     /// The largest micro-batch that fits with the configuration's other settings.
@@ -277,6 +360,9 @@ pub struct Report {
     pub alternatives: Vec<Alternative>,
     /// Learning-rate advice for a different global batch than the base.
     pub lr_advice: Option<LrAdvice>,
+    /// Whether `batch.micro = "auto"` chose the configured micro-batch (the
+    /// largest that fits; micro 1 when none does).
+    pub auto_micro: bool,
 }
 
 /// The tutorials' advice for a changed global batch: linear scaling for
@@ -372,11 +458,14 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
         global_batch: plan.batch.global,
         memory,
         budget,
-        configured_fits: configured.per_process() <= budget,
+        configured_peak: configured.per_process(),
+        configured_needed: configured.needed(),
+        configured_fits: configured.needed() <= budget,
         configured,
         best,
         alternatives,
         lr_advice,
+        auto_micro: false,
     })
 }
 
@@ -399,15 +488,19 @@ pub fn render(r: &Report) -> String {
     let mut out = String::new();
     let e = &r.configured;
     out += &format!(
-        "{}: {} parameters, seq {}, global batch {}\nmemory per process {} (budget {})\n\nconfigured: {}\n",
+        "{}: {} parameters, seq {}, global batch {}\nmemory per process {} (budget {}; a plan fits when its peak + {MARGIN_PERCENT}% + {} is within it)\n\nconfigured: {}\n",
         r.model,
         r.n_params,
         r.seq_len,
         r.global_batch,
         human(r.memory),
         human(r.budget),
+        human(MARGIN_FIXED),
         describe(e)
     );
+    if r.auto_micro {
+        out += "  (the micro-batch chosen by batch.micro = \"auto\" for this memory and world size)\n";
+    }
     for (what, b) in [
         ("parameters (model copy)", e.params),
         ("master weights (f32)", e.master),
@@ -426,10 +519,18 @@ pub fn render(r: &Report) -> String {
     out += &format!("  per process {:<32} {:>12}\n", "program", human(e.runtime));
     out += &format!("  per process {:<32} {:>12}\n", "kernel workspace", human(e.workspace));
     out += &format!(
-        "  per process {:<32} {:>12}  ({} rank(s)) — {}\n\n",
-        "total",
+        "  per process {:<32} {:>12}  ({} rank(s))\n",
+        "total during a step",
+        human(e.step_peak()),
+        e.knobs.ranks_per_process
+    );
+    out += &format!("  per process {:<32} {:>12}\n", "+ checkpoint / save (rank 0)", human(e.checkpoint));
+    out += &format!("  per process {:<32} {:>12}\n", "loading a checkpoint (phase)", human(e.load));
+    out += &format!(
+        "  per process {:<32} {:>12}  peak + margin {} — {}\n\n",
+        "peak over all phases",
         human(e.per_process()),
-        e.knobs.ranks_per_process,
+        human(e.needed()),
         if r.configured_fits { "fits" } else { "DOES NOT FIT" }
     );
     match &r.best {
@@ -466,6 +567,12 @@ pub fn run(args: crate::PlanArgs) -> Result<()> {
     }
     let world = cfg.dist.world_size;
     let backend = if world > 1 { crate::dist::Backend::Threads(world) } else { crate::dist::Backend::Single };
+    // "auto" is resolved below for the planned world and --memory, not by
+    // `train`'s planner for this machine's threads and memory.
+    let auto_micro = crate::train::start_auto_micro(&mut cfg)?;
+    // The plan needs the data set's bytes, not a full global batch of it
+    // (`train` checks that): a large batch is planned on the bundled corpus.
+    cfg.data.drop_last = false;
     let plan = crate::train::plan(cfg, backend)?;
     let mut knobs = Knobs::of(&plan);
     if args.world_size.is_some() {
@@ -473,11 +580,27 @@ pub fn run(args: crate::PlanArgs) -> Result<()> {
         knobs.ranks_per_process = 1;
         knobs.backend = if knobs.world_size > 1 { Backend::Mpi } else { Backend::Single };
     }
+    // The same spellings as train.memory_budget: a size, or a share of what is available.
+    let threads = memory::allocating_threads(compute_threads(&plan.cfg), knobs.ranks_per_process);
+    let available =
+        || Available::now().usable(threads).context("cannot read the available memory from /proc; give --memory SIZE");
     let memory = match &args.memory {
-        Some(s) => config::parse_bytes(s).map_err(anyhow::Error::msg).context("--memory")?,
-        None => Available::now().bytes().context("cannot read the available memory from /proc; give --memory SIZE")?,
+        Some(s) => match config::parse_budget(s).map_err(anyhow::Error::msg).context("--memory")? {
+            config::Budget::Bytes(b) => b,
+            config::Budget::Fraction(f) => (available()? as f64 * f) as u64,
+        },
+        None => available()?,
     };
-    let r = report(&plan, knobs, memory, (memory as f64 * 0.9) as u64, args.base_batch)?;
+    if args.base_batch == Some(0) {
+        bail!("--base-batch 0: the batch the learning rate was tuned for is at least 1 sequence; give that batch (e.g. --base-batch 256), or leave --base-batch out");
+    }
+    if auto_micro {
+        if let Some(best) = largest_fitting(&plan, knobs, memory)? {
+            knobs.micro = best.knobs.micro;
+        }
+    }
+    let mut r = report(&plan, knobs, memory, memory, args.base_batch)?;
+    r.auto_micro = auto_micro;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else {

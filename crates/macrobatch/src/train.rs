@@ -96,19 +96,14 @@ pub fn load_config(path: Option<&Path>, sets: &[String], ds: &DeepSpeedArgs) -> 
 /// launcher, before anything runs.
 pub fn plan(mut cfg: Config, backend: Backend) -> Result<Plan> {
     cfg.validate()?;
-    let auto_micro = cfg.batch.micro == Some(Micro::Auto);
-    if auto_micro {
-        if let Some(k) = cfg.batch.accumulation_steps {
-            bail!(
-                "batch.micro = \"auto\" derives the accumulation steps from batch.global, but batch.accumulation_steps = {k} is also given; remove batch.accumulation_steps"
-            );
-        }
-        // Planned at micro 1 first; the planner then picks the largest that fits.
-        cfg.batch.global.get_or_insert(config::DEFAULT_GLOBAL_BATCH);
-        cfg.batch.micro = Some(Micro::Sequences(1));
-    }
+    let auto_micro = start_auto_micro(&mut cfg)?;
     let family = family::from_config(&cfg.model, cfg.lora.as_ref())?;
-    let batch = cfg.batch.resolve(backend.world_size())?;
+    // An error at micro 1 is the user's "auto", not a micro they wrote.
+    let auto_context = |e: anyhow::Error| match auto_micro {
+        true => e.context("batch.micro = \"auto\" (checked at micro = 1, the smallest it can choose)"),
+        false => e,
+    };
+    let batch = cfg.batch.resolve(backend.world_size()).map_err(|e| auto_context(e.into()))?;
     let max_seq = family.max_seq_len();
     let seq_len = cfg.data.seq_len.unwrap_or(max_seq);
     if seq_len > max_seq {
@@ -127,7 +122,7 @@ pub fn plan(mut cfg: Config, backend: Backend) -> Result<Plan> {
         );
     }
     let (train, val) = load_samples(&cfg, &tokenizer, seq_len, family.vocab_size())?;
-    let sampler = sampler_for(&cfg, &batch, &train)?;
+    let sampler = sampler_for(&cfg, &batch, &train).map_err(auto_context)?;
     // The layout alone (no activations are allocated before the first batch).
     apply_trainable(&mut family.build(Build::default())?, &trainable_patterns(&cfg))?;
     let tokenizer = Arc::new(tokenizer);
@@ -137,6 +132,23 @@ pub fn plan(mut cfg: Config, backend: Backend) -> Result<Plan> {
         choose_micro(&mut plan)?;
     }
     Ok(plan)
+}
+
+/// With `batch.micro = "auto"`: sets micro 1 (the planner then picks the
+/// largest that fits) and the default global batch if none is given;
+/// returns whether it was "auto".
+pub fn start_auto_micro(cfg: &mut Config) -> Result<bool> {
+    if cfg.batch.micro != Some(Micro::Auto) {
+        return Ok(false);
+    }
+    if let Some(k) = cfg.batch.accumulation_steps {
+        bail!(
+            "batch.micro = \"auto\" derives the accumulation steps from batch.global, but batch.accumulation_steps = {k} is also given; remove batch.accumulation_steps"
+        );
+    }
+    cfg.batch.global.get_or_insert(config::DEFAULT_GLOBAL_BATCH);
+    cfg.batch.micro = Some(Micro::Sequences(1));
+    Ok(true)
 }
 
 /// Training and validation samples of `[data]`: windows of a token stream
@@ -229,16 +241,29 @@ fn sampler_for(cfg: &Config, batch: &ResolvedBatch, train: &Samples) -> Result<S
     Ok(Sampler::new(train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?)
 }
 
-/// The per-process memory budget of `train.memory_budget` (default 90% of
-/// what is available now).
-pub fn memory_budget(cfg: &Config) -> Result<u64> {
-    let available = memory::Available::now().bytes();
+/// The per-process memory budget of `train.memory_budget` (default all of
+/// what is available now; the plan keeps its margin inside it). A size
+/// above what is available is cut to it: the memory check would refuse
+/// whatever it picked beyond.
+pub fn memory_budget(cfg: &Config, ranks_per_process: usize) -> Result<u64> {
+    let threads = memory::allocating_threads(crate::plan::compute_threads(cfg), ranks_per_process);
+    let available = memory::Available::now().usable(threads);
     let need_available =
         || available.context("cannot read the available memory from /proc; set train.memory_budget to a size");
     Ok(match cfg.train.memory_budget {
-        None => (need_available()? as f64 * 0.9) as u64,
+        None => need_available()?,
         Some(config::Budget::Fraction(f)) => (need_available()? as f64 * f) as u64,
-        Some(config::Budget::Bytes(b)) => b,
+        Some(config::Budget::Bytes(b)) => match available {
+            Some(a) if a < b => {
+                eprintln!(
+                    "note: train.memory_budget = {} is more than the {} available; planning for what is available",
+                    crate::plan::human(b),
+                    crate::plan::human(a)
+                );
+                a
+            }
+            _ => b,
+        },
     })
 }
 
@@ -247,7 +272,7 @@ pub fn memory_budget(cfg: &Config) -> Result<u64> {
 /// (never a smaller global batch). The choice is written into the config, so
 /// `config.resolved.toml` (and a resume) use the same factorization.
 fn choose_micro(plan: &mut Plan) -> Result<()> {
-    let budget = memory_budget(&plan.cfg)?;
+    let budget = memory_budget(&plan.cfg, plan.backend.ranks_per_process())?;
     let knobs = crate::plan::Knobs::of(plan);
     let Some(best) = crate::plan::largest_fitting(plan, knobs, budget)? else {
         let at_1 = crate::plan::estimate(plan, knobs)?;
@@ -714,6 +739,7 @@ fn train_rank(
     // The rank's own heap, from here on (a single rank's thread also holds
     // the data set and the program's allocations from before).
     let heap_base = crate::heap::reset_peak();
+    crate::heap::set_phase(crate::heap::Phase::Build);
     let mut model = model_for(plan)?;
     let predicted = crate::plan::estimate(plan, crate::plan::Knobs::of(plan))?;
     let rss_before = proc_status_bytes("VmRSS:");
@@ -769,6 +795,7 @@ fn train_rank(
     let mut skips_at_floor = 0u64;
     for step_idx in first_step..steps {
         let step = step_idx + 1;
+        crate::heap::set_phase(crate::heap::Phase::Step);
         if let Some(f) = &start_from.fault {
             f.maybe_fire(rank, step)?;
         }
@@ -845,6 +872,7 @@ fn train_rank(
         }
         let is_eval = step == steps || (cfg.train.eval_every > 0 && step % cfg.train.eval_every == 0);
         let val_loss = if is_eval && (outputs.is_some() || all_ranks_eval) {
+            crate::heap::set_phase(crate::heap::Phase::Eval);
             Some(evaluate(&mut trainer, &mut model, comm, plan)?)
         } else {
             None
@@ -853,8 +881,15 @@ fn train_rank(
         let is_checkpoint = stop || (every > 0 && (step % every == 0 || step == steps));
         // Full state for the checkpoint (collectives at ZeRO ≥ 1).
         let full_state = if is_checkpoint && (outputs.is_some() || cfg.dist.zero_stage >= 1 || all_ranks_gather) {
-            let params = trainer.full_params_to_rank0(comm)?;
-            let opt = trainer.full_optimizer_state(comm, false)?;
+            crate::heap::set_phase(crate::heap::Phase::Checkpoint);
+            let what = || {
+                format!(
+                    "writing the checkpoint of step {step}: {}",
+                    crate::heap::advice(crate::heap::Phase::Checkpoint)
+                )
+            };
+            let params = trainer.full_params_to_rank0(comm).with_context(what)?;
+            let opt = trainer.full_optimizer_state(comm, false).with_context(what)?;
             params.map(|p| (p, opt))
         } else {
             None
@@ -959,7 +994,13 @@ fn train_rank(
     let mine = [kib(peak_rss_bytes()), kib(model_states_rss), kib(rank_heap)];
     let mut all = vec![0.0f32; 3 * comm.world_size()];
     comm.all_gather(&mine, &mut all)?;
-    let params = if outputs.is_some() || all_ranks_gather { trainer.full_params_to_rank0(comm)? } else { None };
+    crate::heap::set_phase(crate::heap::Phase::Save);
+    let params = if outputs.is_some() || all_ranks_gather {
+        let what = || format!("saving the model: {}", crate::heap::advice(crate::heap::Phase::Save));
+        trainer.full_params_to_rank0(comm).with_context(what)?
+    } else {
+        None
+    };
     if let Some(out) = &outputs {
         let m = trainer.memory();
         let file = MemoryFile {
@@ -1114,12 +1155,14 @@ pub fn check_memory(plan: &Plan) -> Result<()> {
     // Shapes whose byte counts overflow 64 bits cannot be planned element by
     // element; their parameters alone rule them out.
     let n_params = plan.family.n_params();
+    let threads = memory::allocating_threads(crate::plan::compute_threads(cfg), plan.backend.ranks_per_process());
     if n_params > (u64::MAX / 64) as u128 {
-        return memory::check("this run", 4 * n_params, &format!("{n_params} parameters × 4 bytes"), advice);
+        return memory::check("this run", 4 * n_params, threads, &format!("{n_params} parameters × 4 bytes"), advice);
     }
     let e = crate::plan::estimate(plan, crate::plan::Knobs::of(plan))?;
+    let auto = if plan.memory_budget.is_some() { " (chosen by batch.micro = \"auto\")" } else { "" };
     let breakdown = format!(
-        "{n_params} parameters; per rank {} bytes of parameters, gradients and optimizer state at ZeRO stage {} in {}, {} bytes of collective buffers and {} bytes of activations for batch.micro = {} × seq {} (checkpointing {}); {} rank(s) in this process",
+        "{n_params} parameters; per rank {} bytes of parameters, gradients and optimizer state at ZeRO stage {} in {}, {} bytes of collective buffers and {} bytes of activations for batch.micro = {}{auto} × seq {} (checkpointing {}); {} rank(s) in this process; {} bytes at the peak of all phases (a step: {}, + {} while a checkpoint or the model is saved), + the {}% + {} MiB margin",
         e.params + e.master + e.grads + e.optimizer,
         cfg.dist.zero_stage,
         cfg.train.precision,
@@ -1128,9 +1171,14 @@ pub fn check_memory(plan: &Plan) -> Result<()> {
         plan.batch.micro,
         plan.train.seq_len(),
         cfg.train.activation_checkpointing,
-        e.knobs.ranks_per_process
+        e.knobs.ranks_per_process,
+        e.per_process(),
+        e.step_peak(),
+        e.checkpoint,
+        crate::plan::MARGIN_PERCENT,
+        crate::plan::MARGIN_FIXED >> 20
     );
-    memory::check("this run", e.per_process() as u128, &breakdown, advice)
+    memory::check("this run", e.needed() as u128, threads, &breakdown, advice)
 }
 
 /// Removes what a run that failed before its first step created, so the
@@ -1217,7 +1265,9 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
             for line in checkpoint::clean_leftovers(dir)? {
                 eprintln!("{line}");
             }
+            crate::heap::set_phase(crate::heap::Phase::Load);
             let loaded = checkpoint::latest_valid(dir, |w| eprintln!("{w}"))?;
+            crate::heap::set_phase(crate::heap::Phase::Setup);
             let folder_id = read_run_id(dir)?;
             match (&folder_id, &loaded.state.run_id) {
                 (Some(f), Some(c)) if f != c => bail!(
@@ -1245,8 +1295,10 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         Some(path) if resume.is_none() => {
             memory::check_load(path, &format!("--init-from {}", path.display()))
                 .with_context(|| format!("--init-from {}: cannot load the model", path.display()))?;
+            crate::heap::set_phase(crate::heap::Phase::Load);
             let (pretrained, params) = family::load_hf(path)
                 .with_context(|| format!("--init-from {}: cannot load the model", path.display()))?;
+            crate::heap::set_phase(crate::heap::Phase::Setup);
             // The pretrained family and shape win over the preset; with
             // [lora], freshly initialised adapters join the pretrained base.
             let asked = serde_json::to_value(&cfg.model).unwrap_or_default();
