@@ -54,12 +54,42 @@ pub fn lock(dir: &Path, what: &str) -> Result<FolderLock> {
     Ok(FolderLock { _file: file })
 }
 
+/// Takes the folder's lock, then runs `check` under it (what another
+/// process may have changed since an earlier look). A refused folder keeps
+/// no lock file it did not have before.
+pub fn lock_then(dir: &Path, what: &str, check: impl FnOnce() -> Result<()>) -> Result<FolderLock> {
+    let had_lock_file = dir.join(LOCK_FILE).exists();
+    let lock = lock(dir, what)?;
+    if let Err(e) = check() {
+        if !had_lock_file {
+            let _ = std::fs::remove_file(dir.join(LOCK_FILE));
+        }
+        return Err(e);
+    }
+    Ok(lock)
+}
+
+/// Whether this process is rank 0 — the one that writes the run folder —
+/// of an MPI job (or runs alone). A launcher that announced a world size
+/// but no rank is an error: every process would take itself for rank 0.
+pub fn writes_run_folder() -> Result<bool> {
+    match (comm::launcher::launcher_world_size(), comm::launcher::launcher_rank()) {
+        (Some((n, var)), None) => bail!(
+            "the MPI launcher announced {n} processes ({var}) but no rank (OMPI_COMM_WORLD_RANK, PMI_RANK, PMIX_RANK or MV2_COMM_WORLD_RANK), so which process writes the run folder is unknown; start macrobatch with mpirun / srun"
+        ),
+        (_, rank) => Ok(rank.unwrap_or(0) == 0),
+    }
+}
+
 /// The entries of `dir` other than the lock file, sorted; empty when `dir`
 /// does not exist.
 fn entries(dir: &Path) -> Result<Vec<String>> {
     let rd = match std::fs::read_dir(dir) {
         Ok(rd) => rd,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        // Absent, or below a file: nothing there (creating it reports the latter).
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory) => {
+            return Ok(Vec::new())
+        }
         Err(e) => return Err(e).with_context(|| format!("cannot read the folder {}", dir.display())),
     };
     let mut names = Vec::new();
@@ -74,14 +104,28 @@ fn entries(dir: &Path) -> Result<Vec<String>> {
     Ok(names)
 }
 
+/// What a run writes into its folder before it finishes its first step:
+/// its identity, resolved config, tokenizer, an empty metrics file, the
+/// memory report, and the (empty) checkpoint and offload folders.
+pub const BEFORE_FIRST_STEP: &[&str] = &[
+    "run_id",
+    "config.resolved.toml",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "metrics.jsonl",
+    "memory.json",
+    "checkpoints",
+    "offload",
+];
+
 /// True when `dir` holds a run of ours (its `run_id`) that never recorded a
-/// step: no line in `metrics.jsonl`, no checkpoint, no saved model. What such
-/// a run wrote (config, tokenizer, an empty metrics file) is ours to replace.
-pub fn unstarted_run(dir: &Path, run_id_file: &str, weights_file: &str) -> bool {
+/// step — no line in `metrics.jsonl`, no checkpoint — and nothing but what
+/// such a run writes ([`BEFORE_FIRST_STEP`]): all of it ours to replace.
+pub fn unstarted_run(dir: &Path, run_id_file: &str) -> bool {
     dir.join(run_id_file).is_file()
         && std::fs::metadata(dir.join("metrics.jsonl")).map_or(true, |m| m.len() == 0)
         && !std::fs::read_dir(dir.join("checkpoints")).is_ok_and(|mut e| e.next().is_some())
-        && !dir.join(weights_file).exists()
+        && entries(dir).is_ok_and(|names| names.iter().all(|n| BEFORE_FIRST_STEP.contains(&n.as_str())))
 }
 
 /// Checks that a new run may write into `dir`: it does not exist, is empty
@@ -93,7 +137,7 @@ pub fn check_new_run(dir: &Path, run_id_file: &str, weights_file: &str) -> Resul
         bail!("--out {} is a file, not a folder; choose a folder for the run", dir.display());
     }
     let names = entries(dir)?;
-    if names.is_empty() || unstarted_run(dir, run_id_file, weights_file) {
+    if names.is_empty() || unstarted_run(dir, run_id_file) {
         return Ok(());
     }
     let shown: Vec<&str> = names.iter().take(5).map(String::as_str).collect();
@@ -114,13 +158,26 @@ pub fn check_new_run(dir: &Path, run_id_file: &str, weights_file: &str) -> Resul
     )
 }
 
-/// Removes every entry of `dir` but the lock file: what a run that failed
-/// before its first step wrote into a folder that was empty (or held only
-/// such leftovers) when it started.
-pub fn clear_unstarted(dir: &Path) {
-    for name in entries(dir).unwrap_or_default() {
-        let p = dir.join(&name);
-        let _ = if p.is_dir() && !p.is_symlink() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
+/// Removes what a run writes before its first step ([`BEFORE_FIRST_STEP`])
+/// from `dir`, and nothing else: the leftovers of a run that failed or was
+/// replaced before its first step. With `remove_dir`, also the lock file and
+/// the folder itself if that leaves it empty (a folder the run created).
+pub fn clear_unstarted(dir: &Path, remove_dir: bool) {
+    for name in BEFORE_FIRST_STEP {
+        let p = dir.join(name);
+        let _ = if *name == "offload" && p.is_dir() && !p.is_symlink() {
+            // Each rank's optimizer-state files of this run.
+            std::fs::remove_dir_all(&p)
+        } else if p.is_dir() && !p.is_symlink() {
+            // checkpoints/: only if empty (an unstarted run wrote none).
+            std::fs::remove_dir(&p)
+        } else {
+            std::fs::remove_file(&p)
+        };
+    }
+    if remove_dir && entries(dir).is_ok_and(|n| n.is_empty()) {
+        let _ = std::fs::remove_file(dir.join(LOCK_FILE));
+        let _ = std::fs::remove_dir(dir);
     }
 }
 

@@ -30,8 +30,9 @@ fn point_to_checkpoints(dir: &Path) -> Result<()> {
     }
     let newest = crate::checkpoint::list(dir).ok().and_then(|l| l.into_iter().max_by_key(|(step, _)| *step));
     if let Some((step, path)) = newest {
+        let what = "holds no final model (the run stopped before its last step)";
         bail!(
-            "{} holds no final model (the run stopped before its last step); its newest checkpoint is step {step}: generate from {} (or finish the run with `train --resume {}`)",
+            "{} {what}; its newest checkpoint is step {step}: generate from {} (or finish the run with `train --resume {}`)",
             dir.display(),
             path.display(),
             dir.display()

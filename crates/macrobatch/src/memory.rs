@@ -103,7 +103,9 @@ pub fn check_load(dir: &std::path::Path, what: &str) -> Result<()> {
     check(
         what,
         8 * p,
-        allocating_threads(rayon::current_num_threads(), 0),
+        // Not rayon::current_num_threads(): that would start the global pool
+        // before `train.threads` sizes it.
+        allocating_threads(std::thread::available_parallelism().map_or(1, |n| n.get()), 0),
         &format!("{p} parameters × 4 bytes, twice: the file's bytes and the parameters"),
         "this machine cannot hold the model; use a machine with more memory (or check config.json)",
     )

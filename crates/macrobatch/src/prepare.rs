@@ -150,6 +150,14 @@ fn split_tail(train: &Path, val: &Path, n_total: u64, n_val: u64, width: u64) ->
 }
 
 /// `macrobatch prepare`.
+/// prepare never overwrites token files.
+fn refuse_existing(paths: &[&Path]) -> Result<()> {
+    if let Some(p) = paths.iter().find(|p| p.exists()) {
+        bail!("{} exists already; choose another --out folder (prepare never overwrites token files)", p.display());
+    }
+    Ok(())
+}
+
 pub fn run(args: PrepareArgs) -> Result<()> {
     if !(args.val_fraction >= 0.0 && args.val_fraction < 1.0) {
         bail!(
@@ -166,12 +174,11 @@ pub fn run(args: PrepareArgs) -> Result<()> {
     let files = list_inputs(&args.inputs)?;
     let out = &args.out;
     let (train_path, val_path, meta_path) = (out.join("train.bin"), out.join("val.bin"), out.join(TokenFileMeta::FILE));
-    for p in [&train_path, &val_path, &meta_path] {
-        if p.exists() {
-            bail!("{} exists already; choose another --out folder (prepare never overwrites token files)", p.display());
-        }
-    }
+    refuse_existing(&[&train_path, &val_path, &meta_path])?;
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    // One process writes the folder; checked again under the lock, since
+    // another prepare may have finished into it since the check above.
+    let _lock = crate::folder::lock_then(out, "prepare", || refuse_existing(&[&train_path, &val_path, &meta_path]))?;
 
     let sizes: Vec<u64> = files
         .iter()

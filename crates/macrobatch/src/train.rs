@@ -1190,13 +1190,9 @@ fn remove_unstarted(dir: &Path, created_dir: bool) {
     if started {
         return;
     }
-    if created_dir {
-        let _ = std::fs::remove_dir_all(dir);
-    } else {
-        // The folder was empty, or held an unstarted run of ours, when this
-        // run took it under its lock: everything in it is this run's.
-        folder::clear_unstarted(dir);
-    }
+    // Only what this run wrote; anything else that appeared meanwhile (a
+    // `tee DIR/log.txt`) stays, and so does a folder holding it.
+    folder::clear_unstarted(dir, created_dir);
 }
 
 /// `--set model.KEY=…` that the pretrained model's shape replaced: an error
@@ -1216,8 +1212,15 @@ fn refuse_shape_overrides(
         if !seen.insert(key) {
             continue;
         }
+        // Token ids are not shape: --set may choose them.
+        if matches!(key, "bos_token_id" | "eos_token_id") {
+            continue;
+        }
         let (a, p) = (asked.get(key), pinned.get(key));
-        if a != p {
+        // A float read from GGUF went through f32: equal within its precision.
+        let same_float = matches!((a.and_then(|v| v.as_f64()), p.and_then(|v| v.as_f64())),
+            (Some(x), Some(y)) if (x - y).abs() <= 1e-6 * x.abs().max(y.abs()));
+        if a != p && !same_float {
             let show = |v: Option<&serde_json::Value>| v.map_or("unset".to_string(), |v| v.to_string());
             bail!(
                 "--set {set} conflicts with --init-from {}: the pretrained model has model.{key} = {}, and its shape is what gets trained; drop --set model.{key} (the shape comes from the pretrained model)",
@@ -1233,6 +1236,7 @@ fn refuse_shape_overrides(
 pub fn run(args: TrainArgs) -> Result<Outcome> {
     // The run folder's lock, held until this function returns.
     let held_lock: std::sync::Mutex<Option<folder::FolderLock>> = std::sync::Mutex::new(None);
+    let writes_folder = folder::writes_run_folder()?;
     let resume_dir = match &args.resume {
         None => None,
         Some(Some(d)) => {
@@ -1258,12 +1262,12 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
             }
             // Before anything in the folder is read or moved: one process
             // per run folder (rank 0 of an MPI job; the others only read).
-            if comm::launcher::launcher_rank().unwrap_or(0) == 0 {
+            if writes_folder {
                 *held_lock.lock().map_err(|_| anyhow!("lock slot poisoned"))? =
                     Some(folder::lock(dir, "train --resume")?);
-            }
-            for line in checkpoint::clean_leftovers(dir)? {
-                eprintln!("{line}");
+                for line in checkpoint::clean_leftovers(dir)? {
+                    eprintln!("{line}");
+                }
             }
             crate::heap::set_phase(crate::heap::Phase::Load);
             let loaded = checkpoint::latest_valid(dir, |w| eprintln!("{w}"))?;
@@ -1396,7 +1400,9 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
             None => {
                 // A folder from before run ids: take the checkpoint's, or give it one.
                 let id = l.state.run_id.clone().unwrap_or_else(new_run_id);
-                gpt::hf::write_atomic(&dir.join(RUN_ID_FILE), format!("{id}\n").as_bytes())?;
+                if writes_folder {
+                    gpt::hf::write_atomic(&dir.join(RUN_ID_FILE), format!("{id}\n").as_bytes())?;
+                }
                 id
             }
         },
@@ -1416,13 +1422,12 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
             planned_dir.clone()
         } else {
             let d = create_run_dir(&planned_dir, generated)?;
-            let lock = folder::lock(&d, "train")?;
             // Checked again under the lock: another process may have
             // started a run here since the check before the plan.
-            folder::check_new_run(&d, RUN_ID_FILE, family::WEIGHTS_FILE)?;
-            if folder::unstarted_run(&d, RUN_ID_FILE, family::WEIGHTS_FILE) {
+            let lock = folder::lock_then(&d, "train", || folder::check_new_run(&d, RUN_ID_FILE, family::WEIGHTS_FILE))?;
+            if folder::unstarted_run(&d, RUN_ID_FILE) {
                 eprintln!("{}: replacing what a run that never finished a step left there", d.display());
-                folder::clear_unstarted(&d);
+                folder::clear_unstarted(&d, false);
             }
             *held_lock.lock().map_err(|_| anyhow!("lock slot poisoned"))? = Some(lock);
             d

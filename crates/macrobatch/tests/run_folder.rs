@@ -63,6 +63,7 @@ fn out_folder_with_user_files_is_refused_and_the_files_are_kept() {
     for f in ["plot.svg", "config.json", "memory.json", "tokenizer.json"] {
         assert_eq!(std::fs::read(dir.join(f)).unwrap(), b"mine", "{f} was overwritten");
     }
+    assert!(!dir.join(".macrobatch.lock").exists(), "a refused folder gets no lock file");
     // Any other content too: a new run takes an empty folder.
     let other = tmp("userfiles-other");
     std::fs::create_dir_all(other.join("notes")).unwrap();
@@ -87,6 +88,11 @@ fn an_unstarted_runs_leftovers_do_not_block_the_folder() {
     std::fs::write(dir.join("metrics.jsonl"), b"").unwrap();
     std::fs::write(dir.join("config.resolved.toml"), b"[train]\n").unwrap();
     std::fs::write(dir.join("tokenizer_config.json"), b"{}").unwrap();
+    // A file of the user's beside such leftovers: the folder is not ours to clear.
+    std::fs::write(dir.join("notes.md"), b"mine").unwrap();
+    fails(&train(&dir, &tiny(&["train.steps=2"])), "notes.md");
+    assert_eq!(std::fs::read(dir.join("notes.md")).unwrap(), b"mine");
+    std::fs::remove_file(dir.join("notes.md")).unwrap();
     let err = ok(train(&dir, &tiny(&["train.steps=2"])));
     assert!(err.contains("never finished a step"), "{err}");
     assert_eq!(losses(&dir).len(), 2);
