@@ -74,6 +74,8 @@ pub fn lock_then(dir: &Path, what: &str, check: impl FnOnce() -> Result<()>) -> 
 /// but no rank is an error: every process would take itself for rank 0.
 pub fn writes_run_folder() -> Result<bool> {
     match (comm::launcher::launcher_world_size(), comm::launcher::launcher_rank()) {
+        // Without MPI support `dist::detect` refuses the launcher first.
+        (Some(_), None) if !cfg!(feature = "mpi") => Ok(true),
         (Some((n, var)), None) => bail!(
             "the MPI launcher announced {n} processes ({var}) but no rank (OMPI_COMM_WORLD_RANK, PMI_RANK, PMIX_RANK or MV2_COMM_WORLD_RANK), so which process writes the run folder is unknown; start macrobatch with mpirun / srun"
         ),
@@ -160,8 +162,8 @@ pub fn check_new_run(dir: &Path, run_id_file: &str, weights_file: &str) -> Resul
 
 /// Removes what a run writes before its first step ([`BEFORE_FIRST_STEP`])
 /// from `dir`, and nothing else: the leftovers of a run that failed or was
-/// replaced before its first step. With `remove_dir`, also the lock file and
-/// the folder itself if that leaves it empty (a folder the run created).
+/// replaced before its first step. If that leaves only the lock file, it is
+/// removed too, and with `remove_dir` the folder (one the run created).
 pub fn clear_unstarted(dir: &Path, remove_dir: bool) {
     for name in BEFORE_FIRST_STEP {
         let p = dir.join(name);
@@ -175,9 +177,13 @@ pub fn clear_unstarted(dir: &Path, remove_dir: bool) {
             std::fs::remove_file(&p)
         };
     }
-    if remove_dir && entries(dir).is_ok_and(|n| n.is_empty()) {
+    // Nothing of the run left: its lock file goes too (unlinking a held
+    // lock file is safe: a newcomer locks a new file), then the folder it made.
+    if entries(dir).is_ok_and(|n| n.is_empty()) {
         let _ = std::fs::remove_file(dir.join(LOCK_FILE));
-        let _ = std::fs::remove_dir(dir);
+        if remove_dir {
+            let _ = std::fs::remove_dir(dir);
+        }
     }
 }
 

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The destructive cases of a hostile user, re-run end to end against the
+# release binary; prints each case's command, exit code and message.
+# (The same properties are asserted by tests/run_folder.rs,
+# tests/plan_limits.rs and tests/data_reliability.rs; this is the long form
+# for a session note.)
+#
+#   scripts/hostile-cases.sh [WORKDIR]      # default: a fresh temp folder
+set -uo pipefail
+cd "$(dirname "$0")/.."
+cargo build --release -q || exit 1
+bin="$PWD/target/release/macrobatch"
+work="${1:-$(mktemp -d)}"
+mkdir -p "$work"
+cd "$work" || exit 1
+echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-)   workdir: $work"
+tiny=(--set model.n_layer=1 --set model.n_embd=32 --set model.n_head=2 --set model.block_size=32
+      --set batch.micro=4 --set batch.accumulation_steps=2 --set train.eval_every=0 --set train.threads=1)
+show() { echo "  exit $1: $(tail -c 400 "$2" | tr '\n' ' ')"; }
+
+echo "== 1. --out on a folder holding the user's files"
+rm -rf d && mkdir d && for f in plot.svg config.json memory.json; do echo mine > "d/$f"; done
+"$bin" train "${tiny[@]}" --set train.steps=1 --out d 2>err.txt; show $? err.txt
+echo "  contents after: $(cat d/plot.svg d/config.json d/memory.json | tr '\n' ' ')"
+
+echo "== 2. a second process on a running run folder (then kill -9 the first)"
+rm -rf cc
+"$bin" train "${tiny[@]}" --set train.steps=100000 --set train.checkpoint_every=1 --out cc 2>/dev/null &
+first=$!
+until [[ -s cc/metrics.jsonl ]]; do sleep 0.1; done
+"$bin" train --resume cc --set optim.lr=1e-3 --stop-after 1 2>err.txt; show $? err.txt
+"$bin" train "${tiny[@]}" --set train.steps=1 --out cc 2>err.txt; show $? err.txt
+kill -9 "$first"; wait "$first" 2>/dev/null
+"$bin" train --resume cc --stop-after 1 2>err.txt; show $? err.txt
+
+echo "== 3. near the memory limit: GPT-2 small, micro 8, global 16 (a checkpoint first, then resumes under ulimit -v)"
+rm -rf big
+small=(--set model.preset=small --set batch.micro=8 --set batch.global=16 --set train.eval_every=0 --set train.checkpoint_every=1)
+"$bin" train "${small[@]}" --set train.steps=1 --out big 2>err.txt; show $? err.txt
+before=$(find big/checkpoints -type f -exec sha256sum {} + | sort | sha256sum)
+for kib in 2260000 2600000 3000000; do
+  (ulimit -v "$kib"; "$bin" train --resume big --set train.steps=2 2>err.txt); code=$?
+  echo " ulimit -v $kib:"; show $code err.txt
+done
+after=$(find big/checkpoints -type f -exec sha256sum {} + | sort | sha256sum)
+[[ "$before" == "$after" ]] && echo "  checkpoint files unchanged (sha256)" || echo "  CHECKPOINT CHANGED"
+
+echo "== 4. plan on absurd shapes (peak RSS)"
+for s in "model.n_layer=10000000" "model.n_embd=1000000000" "model.n_layer=5461" ; do
+  /usr/bin/time -f "%M" -o rss.txt "$bin" plan --set "$s" >out.txt 2>err.txt; code=$?
+  echo "  plan --set $s: exit $code, peak RSS $(( $(cat rss.txt) / 1024 )) MiB; $(tail -c 200 err.txt | tr '\n' ' ')"
+done
+/usr/bin/time -f "%M" -o rss.txt "$bin" train --set model.n_layer=1000000000 --out never 2>err.txt; code=$?
+echo "  train --set model.n_layer=1000000000: exit $code, peak RSS $(( $(cat rss.txt) / 1024 )) MiB, folder created: $([[ -e never ]] && echo yes || echo no)"
+
+echo "== 5. a token file truncated while training"
+rm -rf tok run5 && "$bin" prepare "$OLDPWD/data/moby-dick.txt" --tokenizer byte --out tok >/dev/null 2>&1
+"$bin" train "${tiny[@]}" --set data.format=u16 --set data.path=tok/train.bin --set data.val_path=tok/val.bin \
+  --set train.steps=100000 --set train.log_every=1 --out run5 2>err.txt &
+pid=$!
+until [[ -s run5/metrics.jsonl ]]; do sleep 0.1; done
+truncate -s 4096 tok/train.bin
+wait "$pid"; show $? err.txt
