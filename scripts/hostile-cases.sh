@@ -16,7 +16,9 @@ cd "$work" || exit 1
 echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-)   workdir: $work"
 tiny=(--set model.n_layer=1 --set model.n_embd=32 --set model.n_head=2 --set model.block_size=32
       --set batch.micro=4 --set batch.accumulation_steps=2 --set train.eval_every=0 --set train.threads=1)
-show() { echo "  exit $1: $(tail -c 400 "$2" | tr '\n' ' ')"; }
+# The exit code and the error line (else the last line) of a command's stderr.
+show() { echo "  exit $1: $( (grep -m1 '^error' "$2" || tail -n1 "$2") | cut -c1-420)"; }
+rss_mib() { echo $(( $(tail -n1 rss.txt) / 1024 )); }
 
 echo "== 1. --out on a folder holding the user's files"
 rm -rf d && mkdir d && for f in plot.svg config.json memory.json; do echo mine > "d/$f"; done
@@ -48,10 +50,10 @@ after=$(find big/checkpoints -type f -exec sha256sum {} + | sort | sha256sum)
 echo "== 4. plan on absurd shapes (peak RSS)"
 for s in "model.n_layer=10000000" "model.n_embd=1000000000" "model.n_layer=5461" ; do
   /usr/bin/time -f "%M" -o rss.txt "$bin" plan --set "$s" >out.txt 2>err.txt; code=$?
-  echo "  plan --set $s: exit $code, peak RSS $(( $(cat rss.txt) / 1024 )) MiB; $(tail -c 200 err.txt | tr '\n' ' ')"
+  echo "  plan --set $s: exit $code, peak RSS $(rss_mib) MiB; $( (grep -m1 '^error' err.txt || echo 'a plan') | cut -c1-200)"
 done
 /usr/bin/time -f "%M" -o rss.txt "$bin" train --set model.n_layer=1000000000 --out never 2>err.txt; code=$?
-echo "  train --set model.n_layer=1000000000: exit $code, peak RSS $(( $(cat rss.txt) / 1024 )) MiB, folder created: $([[ -e never ]] && echo yes || echo no)"
+echo "  train --set model.n_layer=1000000000: exit $code, peak RSS $(rss_mib) MiB, folder created: $([[ -e never ]] && echo yes || echo no)"
 
 echo "== 5. a token file truncated while training"
 rm -rf tok run5 && "$bin" prepare "$OLDPWD/data/moby-dick.txt" --tokenizer byte --out tok >/dev/null 2>&1
