@@ -10,31 +10,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-/// A model that trains a step in milliseconds.
-const TINY: &[&str] = &[
-    "model.n_layer=1",
-    "model.n_embd=32",
-    "model.n_head=2",
-    "model.block_size=32",
-    "batch.micro=4",
-    "batch.accumulation_steps=2",
-    "train.eval_every=0",
-    "train.threads=1",
-];
-
-fn tiny<'a>(extra: &[&'a str]) -> Vec<&'a str> {
-    let mut s = TINY.to_vec();
-    s.extend_from_slice(extra);
-    s
-}
-
-fn train_cmd(out: &Path, sets: &[&str]) -> Command {
-    let mut c = bin();
-    c.arg("train").arg("--out").arg(out);
-    with_sets(&mut c, sets);
-    c
-}
-
 fn resume(dir: &Path, sets: &[&str]) -> Output {
     let mut c = bin();
     c.arg("train").arg("--resume").arg(dir);

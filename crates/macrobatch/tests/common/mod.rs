@@ -59,3 +59,28 @@ pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 pub fn max_abs(a: &[f32]) -> f32 {
     a.iter().fold(0.0f32, |m, x| m.max(x.abs()))
 }
+
+/// A model that trains a step in milliseconds.
+pub const TINY: &[&str] = &[
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.block_size=32",
+    "batch.micro=4",
+    "batch.accumulation_steps=2",
+    "train.eval_every=0",
+    "train.threads=1",
+];
+
+pub fn tiny<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    let mut s = TINY.to_vec();
+    s.extend_from_slice(extra);
+    s
+}
+
+pub fn train_cmd(out: &Path, sets: &[&str]) -> Command {
+    let mut c = bin();
+    c.arg("train").arg("--out").arg(out);
+    with_sets(&mut c, sets);
+    c
+}
