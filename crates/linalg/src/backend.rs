@@ -271,12 +271,16 @@ fn save_cache(reg: &Registry, threads: usize) {
 
 /// Times `backend` on `key`'s shape and layouts with fresh operands: the
 /// best of `reps` calls after one warm-up, in GFLOP/s. For reports
-/// (`macrobatch bench`); allocates the three matrices.
-pub fn measure(key: &Key, backend: Backend, reps: usize) -> f64 {
+/// (`macrobatch bench`); allocates the three matrices. `None` for a shape
+/// whose matrices do not fit in memory (their sizes overflow `usize`).
+pub fn measure(key: &Key, backend: Backend, reps: usize) -> Option<f64> {
     let (m, n, k) = (key.m, key.n, key.k);
-    let a: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5).collect();
-    let b: Vec<f32> = (0..k * n).map(|i| ((i * 104729) % 1000) as f32 * 1e-3 - 0.5).collect();
-    let mut c = vec![0.0f32; m * n];
+    // Checked: `run` trusts these sizes.
+    let (mk, kn, mn) = (m.checked_mul(k)?, k.checked_mul(n)?, m.checked_mul(n)?);
+    mk.checked_add(kn)?.checked_add(mn)?.checked_mul(4)?;
+    let a: Vec<f32> = (0..mk).map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5).collect();
+    let b: Vec<f32> = (0..kn).map(|i| ((i * 104729) % 1000) as f32 * 1e-3 - 0.5).collect();
+    let mut c = vec![0.0f32; mn];
     let lhs = if key.lhs_t { Strided::transposed(&a, m) } else { Strided::rows(&a, k) };
     let rhs = if key.rhs_t { Strided::transposed(&b, k) } else { Strided::rows(&b, n) };
     let mut best = f64::INFINITY;
@@ -290,7 +294,7 @@ pub fn measure(key: &Key, backend: Backend, reps: usize) -> f64 {
             best = best.min(t.elapsed().as_secs_f64());
         }
     }
-    key.flops() / best / 1e9
+    Some(key.flops() / best / 1e9)
 }
 
 /// A snapshot of every pool-wide GEMM shape this process ran.

@@ -62,6 +62,22 @@ pub fn supported() -> bool {
     *SUPPORTED.get_or_init(|| std::env::var_os("MACROBATCH_NO_BF16").is_none_or(|v| v != "1") && detect())
 }
 
+/// For tests of the bf16 kernel: true (saying so on stderr) when this CPU
+/// lacks AVX512-BF16, so there is nothing to run. Under
+/// `MACROBATCH_REQUIRE_BF16=1` (CI on a CPU that has the instructions) it
+/// panics instead, so a detection failure cannot pass as a skip.
+pub fn skip_without_bf16(test: &str) -> bool {
+    if supported() {
+        return false;
+    }
+    assert!(
+        std::env::var("MACROBATCH_REQUIRE_BF16").as_deref() != Ok("1"),
+        "{test}: MACROBATCH_REQUIRE_BF16=1 but the AVX512-BF16 kernel is not available (MACROBATCH_NO_BF16 set, or not detected)"
+    );
+    eprintln!("{test}: AVX512-BF16 not available on this CPU: skipped");
+    true
+}
+
 #[cfg(target_arch = "x86_64")]
 fn detect() -> bool {
     is_x86_feature_detected!("avx512f")
@@ -914,11 +930,7 @@ mod tests {
     }
 
     fn skip() -> bool {
-        if !supported() {
-            eprintln!("AVX512-BF16 not available: bf16 GEMM tests skipped");
-            return true;
-        }
-        false
+        skip_without_bf16("bf16 GEMM test")
     }
 
     #[test]

@@ -1,6 +1,6 @@
-//! Review tests: bounds checks that overflow, overlapping dst rows, `Split`
-//! against `Crate` at larger thread counts, and concurrent / nested bf16
-//! calls.
+//! Soundness of the GEMM layer: bounds checks that overflow, overlapping dst
+//! rows, `Split` against `Crate` at larger thread counts, and concurrent /
+//! nested bf16 calls.
 
 mod common;
 use common::*;
@@ -126,8 +126,7 @@ fn bf16_product(m: usize, n: usize, k: usize, seed: u32, par: Par) -> Vec<f32> {
 /// a parallel loop of the pool (nested): every result equals the serial one.
 #[test]
 fn bf16_concurrent_and_nested_pool_calls_match_serial() {
-    if Operands::Bf16.effective() != Operands::Bf16 {
-        eprintln!("no AVX512-BF16: skipped");
+    if linalg::bf16::skip_without_bf16("bf16_concurrent_and_nested_pool_calls_match_serial") {
         return;
     }
     let shapes = [(300usize, 200usize, 1100usize), (20, 1000, 700), (130, 70, 2050), (64, 300, 900)];

@@ -201,7 +201,10 @@ fn nominal_peak_gflops(threads: usize) -> (f64, CorePeak) {
 fn gemm_peak_gflops() -> f64 {
     let threads = rayon::current_num_threads();
     let key = linalg::Key { m: 1024, n: 1024, k: 1024, lhs_t: false, rhs_t: false, threads, bf16: false };
-    linalg::Backend::f32_candidates().into_iter().map(|b| linalg::backend::measure(&key, b, 7)).fold(0.0, f64::max)
+    linalg::Backend::f32_candidates()
+        .into_iter()
+        .filter_map(|b| linalg::backend::measure(&key, b, 7))
+        .fold(0.0, f64::max)
 }
 
 /// The GEMM shapes of the last `steps` measured steps of `step_ms` each:
@@ -216,8 +219,10 @@ fn gemm_table(steps: usize, step_ms: f64) -> Vec<GemmRow> {
             cands.insert(0, Backend::Bf16);
         }
         let reps = if key.flops() > 5e10 { 1 } else { 3 };
-        let candidates: Vec<(String, f64)> =
-            cands.into_iter().map(|b| (b.name().to_string(), linalg::backend::measure(&key, b, reps))).collect();
+        let candidates: Vec<(String, f64)> = cands
+            .into_iter()
+            .filter_map(|b| Some((b.name().to_string(), linalg::backend::measure(&key, b, reps)?)))
+            .collect();
         let best_gflops = candidates.iter().map(|c| c.1).fold(0.0, f64::max);
         rows.push(GemmRow {
             shape: key.label(),

@@ -1,4 +1,4 @@
-//! Reliability (issue 10): nothing left behind, nothing adopted by mistake,
+//! Reliability: nothing left behind, nothing adopted by mistake,
 //! no abort. One test per hostile case, plus a kill -9 crash-consistency test
 //! and a full-disk test (ENOSPC injected by MACROBATCH_FAULT=kind=enospc: a
 //! tmpfs mount is not available in every CI container).
