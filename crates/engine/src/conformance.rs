@@ -28,7 +28,7 @@ use comm::Communicator;
 use std::time::Duration;
 
 /// A model family under test.
-pub trait Family: Sync {
+pub trait ModelUnderTest: Sync {
     /// The model.
     type M: Model;
     /// A fresh model of the family's tiny configuration.
@@ -118,7 +118,7 @@ fn err<E: std::fmt::Display>(what: &str) -> impl FnOnce(E) -> String + '_ {
 
 /// ∂(Σ loss)/∂θ of `samples` in one pass from a zeroed buffer (the
 /// reference), and the number of targets.
-fn reference_gradient<F: Family>(f: &F, params: &[f32], samples: &[usize]) -> Result<(Vec<f32>, u64), String> {
+fn reference_gradient<F: ModelUnderTest>(f: &F, params: &[f32], samples: &[usize]) -> Result<(Vec<f32>, u64), String> {
     let mut model = f.model();
     let mut g = vec![0.0; model.layout().n_trainable()];
     let batch = f.batch(samples);
@@ -148,7 +148,7 @@ fn adamw_trainer<M: Model>(model: &M, params: Vec<f32>, comm: &mut dyn Communica
 
 /// Central finite differences of the summed loss against the model's
 /// gradient, for up to 16 elements of every trainable tensor.
-pub fn check_gradient<F: Family>(f: &F) -> Check {
+pub fn check_gradient<F: ModelUnderTest>(f: &F) -> Check {
     let params = f.init();
     let all: Vec<usize> = (0..4.min(f.n_samples())).collect();
     let (g, _) = reference_gradient(f, &params, &all)?;
@@ -188,7 +188,7 @@ pub fn check_gradient<F: Family>(f: &F) -> Check {
 }
 
 /// K uneven micro-batches equal one big batch (gradient of one step).
-pub fn check_k_invariance<F: Family>(f: &F) -> Check {
+pub fn check_k_invariance<F: ModelUnderTest>(f: &F) -> Check {
     let model = f.model();
     let params = f.init();
     let all: Vec<usize> = (0..8).collect();
@@ -217,7 +217,7 @@ pub fn check_k_invariance<F: Family>(f: &F) -> Check {
 /// gradient equals a reference computed from a zeroed buffer at the same
 /// parameters, divided by the step's targets. Stale gradient left in the
 /// engine's buffers by a model shows here from step 2 on.
-pub fn check_several_steps<F: Family>(f: &F) -> Check {
+pub fn check_several_steps<F: ModelUnderTest>(f: &F) -> Check {
     let model = f.model();
     let mut tr = sgd_trainer(&model, f.init(), &mut comm::SingleProcess::new(), ZeroConfig::default());
     let mut m = f.model();
@@ -252,7 +252,7 @@ fn on_ranks<T: Send>(
 
 /// W = 2 thread ranks (rank 1 with an empty micro-batch) at every ZeRO
 /// stage equal one rank over the same samples: 3 AdamW steps with clipping.
-pub fn check_ranks_and_zero<F: Family>(f: &F) -> Check {
+pub fn check_ranks_and_zero<F: ModelUnderTest>(f: &F) -> Check {
     let model = f.model();
     // Step s, one rank: samples of both ranks' micro-batches.
     let rank_rows = |s: usize, rank: usize| -> [Vec<usize>; 2] {
@@ -297,7 +297,7 @@ pub fn check_ranks_and_zero<F: Family>(f: &F) -> Check {
 /// Frozen tensors: no gradient or optimizer memory, parameters untouched,
 /// and the trainable part equal to a full run whose frozen updates are
 /// discarded (no clipping, which would couple them through the norm).
-pub fn check_frozen<F: Family>(f: &F) -> Check {
+pub fn check_frozen<F: ModelUnderTest>(f: &F) -> Check {
     let init = f.init();
     let mut frozen_model = f.model();
     let n_trainable = frozen_model.set_trainable(&|t| !f.frozen(t));
@@ -353,7 +353,7 @@ pub fn check_frozen<F: Family>(f: &F) -> Check {
 
 /// Stopping after 2 steps and resuming from the full state (parameters,
 /// optimizer state, step count) continues bit for bit, at ZeRO 0 and 3.
-pub fn check_resume<F: Family>(f: &F) -> Check {
+pub fn check_resume<F: ModelUnderTest>(f: &F) -> Check {
     let batches = |s: usize| -> Vec<_> {
         let b = s * 3;
         vec![f.batch(&[b % f.n_samples(), (b + 1) % f.n_samples()]), f.batch(&[(b + 2) % f.n_samples()])]
@@ -396,7 +396,7 @@ pub fn check_resume<F: Family>(f: &F) -> Check {
 }
 
 /// Every check, in order; the first failure names the check.
-pub fn run_all<F: Family>(f: &F) -> Check {
+pub fn run_all<F: ModelUnderTest>(f: &F) -> Check {
     type Named<F> = (&'static str, fn(&F) -> Check);
     let checks: [Named<F>; 6] = [
         ("finite differences", check_gradient),

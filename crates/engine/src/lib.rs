@@ -41,4 +41,4 @@ pub use trainer::{
     clip_grad_norm, grad_norm, LossNormalization, MemoryReport, StepReport, Trainer, TrainerOptions,
     DEFAULT_BUCKET_ELEMS,
 };
-pub use zero::{Accumulation, Partition, Reduction, Stage, ZeroConfig};
+pub use zero::{Accumulation, Partition, Reduction, Stage, UpdateRun, UpdateSharding, ZeroConfig};

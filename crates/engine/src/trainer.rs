@@ -13,7 +13,7 @@ use crate::precision::Precision;
 use crate::scaler::{LossScaler, LossScalerConfig};
 use crate::schedule::LrSchedule;
 use crate::store::{GradSpace, ParamStore, SegmentGrads, SegmentView, Written};
-use crate::zero::{Accumulation, Partition, Reduction, Stage, ZeroConfig};
+use crate::zero::{Accumulation, Partition, Reduction, Stage, UpdateSharding, ZeroConfig};
 use comm::Communicator;
 use rayon::prelude::*;
 use std::ops::Range;
@@ -988,14 +988,22 @@ struct UpdateChunk {
 /// The pieces of this rank's update, at most CHUNK elements each (the unit
 /// of parallel work), fixed for the trainer's life.
 fn update_chunks(part: &Partition, layout: &ParamLayout, stage: Stage, master_sharded: bool) -> Vec<UpdateChunk> {
-    let runs =
-        part.update_runs(master_sharded, stage.accumulation() == Accumulation::PerSegment, stage.shards_optimizer());
+    let runs = part.update_runs(UpdateSharding {
+        params: master_sharded,
+        grads: stage.accumulation() == Accumulation::PerSegment,
+        state: stage.shards_optimizer(),
+    });
     let mut chunks = Vec::with_capacity(runs.len());
-    for (p, g, s, n, idx) in runs {
-        for at in (0..n).step_by(CHUNK) {
-            let m = CHUNK.min(n - at);
-            let decay = layout.tensors()[idx].decay;
-            chunks.push(UpdateChunk { params: p + at..p + at + m, grads: g + at, state: s + at, decay });
+    for r in runs {
+        let decay = layout.tensors()[r.tensor].decay;
+        for at in (0..r.len).step_by(CHUNK) {
+            let m = CHUNK.min(r.len - at);
+            chunks.push(UpdateChunk {
+                params: r.param + at..r.param + at + m,
+                grads: r.grad + at,
+                state: r.state + at,
+                decay,
+            });
         }
     }
     chunks

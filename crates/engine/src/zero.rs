@@ -269,18 +269,10 @@ impl Partition {
         }
     }
 
-    /// The optimizer's view of this rank's part: for each trainable run of
-    /// its pieces, `(parameter index, gradient index, state index, len,
-    /// layout index)`. Parameters index the shard when `params_sharded`,
-    /// else the full buffer; gradients the gradient shard when
-    /// `grads_sharded`, else the full gradient space; state the gradient
-    /// shard when `state_sharded`, else the gradient space.
-    pub fn update_runs(
-        &self,
-        params_sharded: bool,
-        grads_sharded: bool,
-        state_sharded: bool,
-    ) -> Vec<(usize, usize, usize, usize, usize)> {
+    /// The optimizer's view of this rank's part: one [`UpdateRun`] per
+    /// trainable run of its pieces, indexing the buffers `sharding` names.
+    pub fn update_runs(&self, sharding: UpdateSharding) -> Vec<UpdateRun> {
+        let UpdateSharding { params: params_sharded, grads: grads_sharded, state: state_sharded } = sharding;
         let mut runs = Vec::new();
         for j in 0..self.n_segments() {
             let own = if state_sharded || params_sharded || grads_sharded {
@@ -289,12 +281,12 @@ impl Partition {
                 self.segment(j)
             };
             let gown = self.space.grad_range(j, own.clone());
-            for (pr, g, idx) in self.space.trainable_runs(j, own.clone()) {
+            for (pr, g, tensor) in self.space.trainable_runs(j, own.clone()) {
                 let in_shard = self.grad_shard_range(j).start + (g - gown.start);
-                let p = if params_sharded { self.shard_range(j).start + (pr.start - own.start) } else { pr.start };
-                let gi = if grads_sharded { in_shard } else { g };
-                let s = if state_sharded { in_shard } else { g };
-                runs.push((p, gi, s, pr.len(), idx));
+                let param = if params_sharded { self.shard_range(j).start + (pr.start - own.start) } else { pr.start };
+                let grad = if grads_sharded { in_shard } else { g };
+                let state = if state_sharded { in_shard } else { g };
+                runs.push(UpdateRun { param, grad, state, len: pr.len(), tensor });
             }
         }
         runs
@@ -320,6 +312,35 @@ impl Partition {
         }
         out
     }
+}
+
+/// Which buffers an [`UpdateRun`]'s indices point into: this rank's shard,
+/// or the whole buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UpdateSharding {
+    /// Parameters index the parameter shard (else the full parameters).
+    pub params: bool,
+    /// Gradients index the gradient shard (else the full gradient space).
+    pub grads: bool,
+    /// Optimizer state indexes the gradient shard (else the gradient space).
+    pub state: bool,
+}
+
+/// One contiguous trainable run of this rank's update: where its
+/// parameters, gradients and optimizer state start, its length, and the
+/// layout index of the tensor it belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UpdateRun {
+    /// First parameter element.
+    pub param: usize,
+    /// First gradient element.
+    pub grad: usize,
+    /// First optimizer-state element.
+    pub state: usize,
+    /// Elements in the run.
+    pub len: usize,
+    /// Layout index of its tensor.
+    pub tensor: usize,
 }
 
 #[cfg(test)]
@@ -368,8 +389,8 @@ mod tests {
                     }
                 }
                 prop_assert_eq!(p.shard_layout(&layout).n_params(), p.grad_shard_len());
-                let runs = p.update_runs(true, true, true);
-                prop_assert_eq!(runs.iter().map(|r| r.3).sum::<usize>(),
+                let runs = p.update_runs(UpdateSharding { params: true, grads: true, state: true });
+                prop_assert_eq!(runs.iter().map(|r| r.len).sum::<usize>(),
                     (0..segs.len()).map(|s| p.grad_owned(s, rank).len()).sum::<usize>());
             }
             prop_assert!(owners.iter().all(|&n| n == 1));

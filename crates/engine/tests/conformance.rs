@@ -7,7 +7,7 @@
 //! Gradients, with `r = s_j·z_ij + c_j − y_ij`: `∂s_j = Σ r·z_ij`,
 //! `∂c_j = Σ r`, `∂z_ij = r·s_j`, `∂W = xᵀ·∂z`, `∂b = Σ_i ∂z_ij`.
 
-use engine::conformance::{self, Family};
+use engine::conformance::{self, ModelUnderTest};
 use engine::rng::SplitMix64;
 use engine::{MicroStepStats, Model, ParamLayout, ParamStore, TensorSpec};
 use std::ops::Range;
@@ -166,7 +166,7 @@ impl ToyFamily {
     }
 }
 
-impl Family for ToyFamily {
+impl ModelUnderTest for ToyFamily {
     type M = Toy;
 
     fn model(&self) -> Toy {

@@ -1,7 +1,7 @@
 //! GPT-2 runs the engine's Model conformance suite (engine::conformance)
 //! with a tiny configuration.
 
-use engine::conformance::{self, Family, TokenSamples};
+use engine::conformance::{self, ModelUnderTest, TokenSamples};
 use engine::rng::SplitMix64;
 use engine::{Checkpointing, TensorSpec};
 use gpt::{init_params, Batch, Gpt, GptConfig};
@@ -27,7 +27,7 @@ impl GptFamily {
     }
 }
 
-impl Family for GptFamily {
+impl ModelUnderTest for GptFamily {
     type M = Gpt;
 
     fn model(&self) -> Gpt {

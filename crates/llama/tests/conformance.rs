@@ -2,7 +2,7 @@
 //! with a tiny grouped-query configuration: untied head, tied head, and
 //! LoRA on every projection with the base frozen.
 
-use engine::conformance::{self, Family, TokenSamples};
+use engine::conformance::{self, ModelUnderTest, TokenSamples};
 use engine::rng::SplitMix64;
 use engine::TensorSpec;
 use llama::{lora, Llama, LlamaConfig, LoraConfig, TokenBatch};
@@ -46,7 +46,7 @@ impl LlamaFamily {
     }
 }
 
-impl Family for LlamaFamily {
+impl ModelUnderTest for LlamaFamily {
     type M = Llama;
 
     fn model(&self) -> Llama {
