@@ -69,12 +69,9 @@ pub fn load_splits(
         ));
     };
     let open = |p: &Path| -> Result<Arc<TokenFile>, DataError> {
-        let meta = TokenFileMeta::beside(p)?;
-        if let Some(meta) = &meta {
-            meta.check(p, dtype, vocab_size)?;
-        }
-        if meta.is_none() {
-            refuse_text(p, format_name(format))?;
+        match TokenFileMeta::beside(p)? {
+            Some(meta) => meta.check(p, dtype, vocab_size)?,
+            None => refuse_text(p, dtype.name())?,
         }
         let f = TokenFile::open(p, dtype)?;
         f.check_vocab_prefix(vocab_size, VOCAB_PROBE)?;
@@ -98,16 +95,6 @@ pub fn load_splits(
                 TokenDataset::from_file("validation", train, n - n_val, n_val, seq_len, vocab_size)?,
             ))
         }
-    }
-}
-
-/// `data.format`'s name, for messages.
-fn format_name(format: DataFormat) -> &'static str {
-    match format {
-        DataFormat::Text => "text",
-        DataFormat::U16 => "u16",
-        DataFormat::U32 => "u32",
-        DataFormat::Jsonl => "jsonl",
     }
 }
 

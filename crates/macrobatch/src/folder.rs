@@ -7,6 +7,9 @@ use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+/// The file holding a run folder's identity.
+pub const RUN_ID_FILE: &str = "run_id";
+
 /// The lock file inside a folder a command writes. It stays after the run
 /// (removing it would race with the next locker); the lock is the `flock`
 /// on it, not its existence.
@@ -110,7 +113,7 @@ fn entries(dir: &Path) -> Result<Vec<String>> {
 /// its identity, resolved config, tokenizer, an empty metrics file, the
 /// memory report, and the (empty) checkpoint and offload folders.
 pub const BEFORE_FIRST_STEP: &[&str] = &[
-    "run_id",
+    RUN_ID_FILE,
     "config.resolved.toml",
     "tokenizer.json",
     "tokenizer_config.json",
@@ -120,13 +123,19 @@ pub const BEFORE_FIRST_STEP: &[&str] = &[
     "offload",
 ];
 
+/// Whether a run in `dir` recorded a step: a line in `metrics.jsonl` or a
+/// checkpoint.
+fn started(dir: &Path) -> bool {
+    std::fs::metadata(dir.join("metrics.jsonl")).is_ok_and(|m| m.len() > 0)
+        || std::fs::read_dir(dir.join("checkpoints")).is_ok_and(|mut e| e.next().is_some())
+}
+
 /// True when `dir` holds a run of ours (its `run_id`) that never recorded a
-/// step — no line in `metrics.jsonl`, no checkpoint — and nothing but what
-/// such a run writes ([`BEFORE_FIRST_STEP`]): all of it ours to replace.
-pub fn unstarted_run(dir: &Path, run_id_file: &str) -> bool {
-    dir.join(run_id_file).is_file()
-        && std::fs::metadata(dir.join("metrics.jsonl")).map_or(true, |m| m.len() == 0)
-        && !std::fs::read_dir(dir.join("checkpoints")).is_ok_and(|mut e| e.next().is_some())
+/// step, and nothing but what such a run writes ([`BEFORE_FIRST_STEP`]):
+/// all of it ours to replace.
+pub fn unstarted_run(dir: &Path) -> bool {
+    dir.join(RUN_ID_FILE).is_file()
+        && !started(dir)
         && entries(dir).is_ok_and(|names| names.iter().all(|n| BEFORE_FIRST_STEP.contains(&n.as_str())))
 }
 
@@ -134,18 +143,18 @@ pub fn unstarted_run(dir: &Path, run_id_file: &str) -> bool {
 /// (but for the lock file), or holds only an unstarted run of ours.
 /// Anything else is refused, naming what is there: the run would overwrite
 /// files of the same names, and nothing of the user's is ever replaced.
-pub fn check_new_run(dir: &Path, run_id_file: &str, weights_file: &str) -> Result<()> {
+pub fn check_new_run(dir: &Path, weights_file: &str) -> Result<()> {
     if dir.exists() && !dir.is_dir() {
         bail!("--out {} is a file, not a folder; choose a folder for the run", dir.display());
     }
     let names = entries(dir)?;
-    if names.is_empty() || unstarted_run(dir, run_id_file) {
+    if names.is_empty() || unstarted_run(dir) {
         return Ok(());
     }
     let shown: Vec<&str> = names.iter().take(5).map(String::as_str).collect();
     let more =
         if names.len() > shown.len() { format!(" and {} more", names.len() - shown.len()) } else { String::new() };
-    if [run_id_file, "metrics.jsonl", weights_file, "checkpoints"].iter().any(|f| dir.join(f).exists()) {
+    if [RUN_ID_FILE, "metrics.jsonl", weights_file, "checkpoints"].iter().any(|f| dir.join(f).exists()) {
         bail!(
             "{} already holds a run ({}{more}); choose another --out directory so nothing saved is overwritten (or continue it with --resume {})",
             dir.display(),
@@ -187,9 +196,17 @@ pub fn clear_unstarted(dir: &Path, remove_dir: bool) {
     }
 }
 
-/// `a` and `b` name the same folder (`./s11`, `s11/` and an absolute path
-/// all do), whether or not it exists yet.
-pub fn same_folder(a: &Path, b: &Path) -> bool {
+/// After a run that failed: if it never recorded a step, removes what it
+/// wrote ([`clear_unstarted`]), so the corrected rerun is not refused.
+pub fn remove_unstarted(dir: &Path, created_dir: bool) {
+    if !started(dir) {
+        clear_unstarted(dir, created_dir);
+    }
+}
+
+/// `a` and `b` name the same file or folder (`./s11`, `s11/` and an
+/// absolute path all do, and so do links to it), whether or not it exists yet.
+pub fn same_path(a: &Path, b: &Path) -> bool {
     normalise(a) == normalise(b)
 }
 

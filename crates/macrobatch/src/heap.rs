@@ -45,6 +45,15 @@ pub fn set_phase(phase: Phase) {
     PHASE.store(phase as u8, Ordering::Relaxed);
 }
 
+/// Runs `f` in `phase`, then returns to [`Phase::Setup`] (loading while the
+/// run is still being set up).
+pub fn during<T>(phase: Phase, f: impl FnOnce() -> T) -> T {
+    set_phase(phase);
+    let r = f();
+    set_phase(Phase::Setup);
+    r
+}
+
 /// What to change when `phase` runs out of memory.
 pub fn advice(phase: Phase) -> &'static str {
     phase_text(phase as u8).1

@@ -4,7 +4,7 @@
 use crate::checkpoint::{self, Loaded, TrainerState};
 use crate::dist::{self, Backend, Fault};
 use crate::family::{self, Build, Family, LanguageModel};
-use crate::folder;
+use crate::folder::{self, RUN_ID_FILE};
 use crate::memory;
 use crate::metrics::{Reporter, StepRecord};
 use crate::{DeepSpeedArgs, TrainArgs};
@@ -31,9 +31,6 @@ pub struct Plan {
     pub cfg: Config,
     /// The model family and shape.
     pub family: Arc<dyn Family>,
-    /// Whether training starts from a pretrained model (`--init-from`),
-    /// whose loading is its own memory peak.
-    pub pretrained: bool,
     /// With `batch.micro = "auto"`: the budget the micro-batch was chosen
     /// for, checked against the measured peak after the first step.
     pub memory_budget: Option<u64>,
@@ -126,8 +123,7 @@ pub fn plan(mut cfg: Config, backend: Backend) -> Result<Plan> {
     // The layout alone (no activations are allocated before the first batch).
     apply_trainable(&mut family.build(Build::default())?, &trainable_patterns(&cfg))?;
     let tokenizer = Arc::new(tokenizer);
-    let mut plan =
-        Plan { cfg, family, pretrained: false, memory_budget: None, backend, batch, train, val, tokenizer, sampler };
+    let mut plan = Plan { cfg, family, memory_budget: None, backend, batch, train, val, tokenizer, sampler };
     if auto_micro {
         choose_micro(&mut plan)?;
     }
@@ -158,7 +154,7 @@ pub fn start_auto_micro(cfg: &mut Config) -> Result<bool> {
 fn load_samples(cfg: &Config, tokenizer: &Tokenizer, seq_len: usize, vocab: usize) -> Result<(Samples, Samples)> {
     let d = &cfg.data;
     if let (Some(p), Some(v)) = (&d.path, &d.val_path) {
-        if same_file(Path::new(p), Path::new(v)) {
+        if folder::same_path(Path::new(p), Path::new(v)) {
             bail!(
                 "data.val_path = \"{v}\" is the training file data.path = \"{p}\": the validation loss would be measured on the examples trained on; give a held-out file, or (except for jsonl) unset data.val_path to hold out the last data.val_fraction of data.path"
             );
@@ -227,11 +223,6 @@ fn load_samples(cfg: &Config, tokenizer: &Tokenizer, seq_len: usize, vocab: usiz
         }
     };
     Ok((train, val))
-}
-
-/// Whether `a` and `b` name the same existing file (through links and `..`).
-fn same_file(a: &Path, b: &Path) -> bool {
-    matches!((a.canonicalize(), b.canonicalize()), (Ok(a), Ok(b)) if a == b)
 }
 
 /// The sampler of a resolved batch.
@@ -507,9 +498,6 @@ pub fn formula_model_states(stage: u8, local_accumulation: bool, n_params: usize
     }
 }
 
-/// The file holding a run folder's identity.
-pub const RUN_ID_FILE: &str = "run_id";
-
 /// A new run id: sub-second time, process id and a per-process counter, so
 /// two runs never share one.
 fn new_run_id() -> String {
@@ -538,7 +526,7 @@ fn read_run_id(dir: &Path) -> Result<Option<String>> {
 /// leftovers of an unstarted run of ours ([`folder::check_new_run`]).
 fn output_dir(args: &TrainArgs, run_id: &str) -> Result<(PathBuf, bool)> {
     let Some(dir) = &args.out else { return Ok((PathBuf::from("runs").join(format!("run-{run_id}")), true)) };
-    folder::check_new_run(dir, RUN_ID_FILE, family::WEIGHTS_FILE)?;
+    folder::check_new_run(dir, family::WEIGHTS_FILE)?;
     Ok((dir.clone(), false))
 }
 
@@ -1181,20 +1169,6 @@ pub fn check_memory(plan: &Plan) -> Result<()> {
     memory::check("this run", e.needed() as u128, threads, &breakdown, advice)
 }
 
-/// Removes what a run that failed before its first step created, so the
-/// corrected rerun is not refused as "already holds a run".
-fn remove_unstarted(dir: &Path, created_dir: bool) {
-    let metrics = dir.join("metrics.jsonl");
-    let started = std::fs::metadata(&metrics).is_ok_and(|m| m.len() > 0)
-        || std::fs::read_dir(dir.join("checkpoints")).is_ok_and(|mut e| e.next().is_some());
-    if started {
-        return;
-    }
-    // Only what this run wrote; anything else that appeared meanwhile (a
-    // `tee DIR/log.txt`) stays, and so does a folder holding it.
-    folder::clear_unstarted(dir, created_dir);
-}
-
 /// `--set model.KEY=…` that the pretrained model's shape replaced: an error
 /// naming both values, instead of silently training another shape.
 fn refuse_shape_overrides(
@@ -1240,7 +1214,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     let resume_dir = match &args.resume {
         None => None,
         Some(Some(d)) => {
-            if let Some(out) = args.out.as_ref().filter(|o| !folder::same_folder(o, d)) {
+            if let Some(out) = args.out.as_ref().filter(|o| !folder::same_path(o, d)) {
                 bail!(
                     "--resume {} continues that run in its own folder, so --out {} would be ignored; drop --out (or copy the run folder to {} and resume that)",
                     d.display(),
@@ -1269,9 +1243,8 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
                     eprintln!("{line}");
                 }
             }
-            crate::heap::set_phase(crate::heap::Phase::Load);
-            let loaded = checkpoint::latest_valid(dir, |w| eprintln!("{w}"))?;
-            crate::heap::set_phase(crate::heap::Phase::Setup);
+            let loaded =
+                crate::heap::during(crate::heap::Phase::Load, || checkpoint::latest_valid(dir, |w| eprintln!("{w}")))?;
             let folder_id = read_run_id(dir)?;
             match (&folder_id, &loaded.state.run_id) {
                 (Some(f), Some(c)) if f != c => bail!(
@@ -1299,10 +1272,8 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         Some(path) if resume.is_none() => {
             memory::check_load(path, &format!("--init-from {}", path.display()))
                 .with_context(|| format!("--init-from {}: cannot load the model", path.display()))?;
-            crate::heap::set_phase(crate::heap::Phase::Load);
-            let (pretrained, params) = family::load_hf(path)
+            let (pretrained, params) = crate::heap::during(crate::heap::Phase::Load, || family::load_hf(path))
                 .with_context(|| format!("--init-from {}: cannot load the model", path.display()))?;
-            crate::heap::set_phase(crate::heap::Phase::Setup);
             // The pretrained family and shape win over the preset; with
             // [lora], freshly initialised adapters join the pretrained base.
             let asked = serde_json::to_value(&cfg.model).unwrap_or_default();
@@ -1330,9 +1301,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         }
     };
     let backend = dist::detect(cfg.dist.world_size)?;
-    let mut plan = plan(cfg, backend)?;
-    plan.pretrained = init_params.is_some();
-    let plan = Arc::new(plan);
+    let plan = Arc::new(plan(cfg, backend)?);
     if let Some(l) = &resume {
         let (saved, wanted) = (l.model.hf_config(), plan.family.hf_config());
         if saved != wanted {
@@ -1424,8 +1393,8 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
             let d = create_run_dir(&planned_dir, generated)?;
             // Checked again under the lock: another process may have
             // started a run here since the check before the plan.
-            let lock = folder::lock_then(&d, "train", || folder::check_new_run(&d, RUN_ID_FILE, family::WEIGHTS_FILE))?;
-            if folder::unstarted_run(&d, RUN_ID_FILE) {
+            let lock = folder::lock_then(&d, "train", || folder::check_new_run(&d, family::WEIGHTS_FILE))?;
+            if folder::unstarted_run(&d) {
                 eprintln!("{}: replacing what a run that never finished a step left there", d.display());
                 folder::clear_unstarted(&d, false);
             }
@@ -1510,7 +1479,9 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     if let Err(e) = result {
         if resume_step.is_none() {
             if let Some(dir) = made.lock().ok().and_then(|m| m.clone()) {
-                remove_unstarted(&dir, created_dir);
+                // Only what this run wrote; anything else that appeared
+                // meanwhile (a `tee DIR/log.txt`) stays, and so does a folder holding it.
+                folder::remove_unstarted(&dir, created_dir);
             }
         }
         return Err(e);
