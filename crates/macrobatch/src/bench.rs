@@ -6,7 +6,7 @@
 //! fixed global batch the step time relative to K = 1.
 
 use crate::dist::Backend;
-use crate::train::{load_config, model_for, plan, rank_batches, trainer_for, Plan};
+use crate::setup::{load_config, model_for, plan, rank_batches, trainer_for, Plan};
 use crate::BenchArgs;
 use anyhow::{bail, Result};
 use data::{BatchShape, Sampler};
@@ -172,7 +172,7 @@ fn time_steps(plan: &Plan, shape: BatchShape, warmup: usize, steps: usize) -> Re
     let med = median(&mut ms);
     let mem = trainer.memory();
     drop(trainer);
-    crate::train::remove_offload_root(&crate::train::scratch_offload_root());
+    crate::setup::remove_offload_root(&crate::setup::scratch_offload_root());
     let flops = plan.family.flops_per_token(plan.train.seq_len()) * tokens;
     Ok(Timing {
         micro: shape.micro,
@@ -248,7 +248,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         bail!("bench measures one rank; leave dist.world_size at 1");
     }
     let plan = plan(cfg, Backend::Single)?;
-    crate::train::check_memory(&plan)?;
+    crate::planning::check_memory(&plan)?;
     if plan.cfg.train.threads > 0 {
         rayon::ThreadPoolBuilder::new().num_threads(plan.cfg.train.threads).build_global()?;
     }
@@ -257,7 +257,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let shape = BatchShape { micro: b.micro, accumulation_steps: b.accumulation_steps, world_size: 1 };
     let step = time_steps(&plan, shape, args.warmup, args.steps)?;
     // Before the GEMM table and the K sweep allocate their own buffers.
-    let peak_rss_bytes = crate::train::peak_rss_bytes();
+    let peak_rss_bytes = crate::memory::peak_rss_bytes();
     let gemm = gemm_table(args.steps, step.ms_median);
     let mut k_sweep = Vec::new();
     if !args.no_k_sweep {

@@ -1,6 +1,7 @@
 //! `macrobatch`: train GPT-2 with gradient accumulation done right.
 
 mod bench;
+mod charts;
 mod checkpoint;
 mod dist;
 mod family;
@@ -10,8 +11,11 @@ mod heap;
 mod memory;
 mod metrics;
 mod plan;
+mod planning;
 mod plot;
 mod prepare;
+mod ranks;
+mod setup;
 mod train;
 mod verify;
 
@@ -96,7 +100,7 @@ pub struct PlotArgs {
     pub out: Option<PathBuf>,
     /// What the x axis counts.
     #[arg(long, value_enum, default_value = "step")]
-    pub x: plot::XAxis,
+    pub x: charts::XAxis,
 }
 
 /// Arguments of `macrobatch prepare`.
@@ -232,7 +236,7 @@ static ALLOCATOR: heap::Counting = heap::Counting;
 fn main() -> ExitCode {
     // The program's own resident size, before anything is allocated (the
     // memory model's "program" line).
-    plan::runtime_bytes();
+    planning::runtime_bytes();
     let cli = Cli::parse();
     if let Err(e) = linalg::backend::check_env() {
         eprintln!("error: {e}");

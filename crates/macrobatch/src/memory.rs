@@ -111,6 +111,17 @@ pub fn check_load(dir: &std::path::Path, what: &str) -> Result<()> {
     )
 }
 
+/// A `/proc/self/status` memory figure of this process in bytes (`VmHWM:`:
+/// the peak resident set, `VmRSS:`: the resident set now), if known.
+pub fn proc_status_bytes(key: &str) -> Option<u64> {
+    read_kib("/proc/self/status", key)
+}
+
+/// Bytes of physical memory this process has used at most (VmHWM), if known.
+pub fn peak_rss_bytes() -> Option<u64> {
+    proc_status_bytes("VmHWM:")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,6 +8,7 @@
 //! tokenized in parallel a wave at a time and written in input order, so
 //! memory stays at one wave of chunks, whatever the size of the inputs.
 
+use crate::setup::text_files;
 use crate::PrepareArgs;
 use anyhow::{bail, Context, Result};
 use data::{SourceFile, TokenDtype, TokenFileMeta, Tokenizer, TokenizerSpec};
@@ -17,30 +18,6 @@ use sha2::{Digest, Sha256};
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
-
-/// The names `prepare` writes into its output folder.
-const OUTPUTS: [&str; 4] = ["train.bin", "val.bin", TokenFileMeta::FILE, "train.bin.partial"];
-
-/// The text files of a folder (or the file itself), as
-/// [`data::text_files`] lists them (recursively, in path order, dot-names
-/// skipped, links to folders not followed), less the outputs of `prepare`
-/// (`train.bin`, `val.bin`, `meta.json` beside a prepare `meta.json`): each
-/// entry left out is named on stderr.
-pub fn text_files(input: &Path) -> Result<Vec<PathBuf>> {
-    let listed = data::text_files(input)?;
-    for (p, why) in &listed.skipped {
-        eprintln!("skipped {}: {why}", p.display());
-    }
-    let is_output = |p: &Path| {
-        let named = p.file_name().and_then(|n| n.to_str()).is_some_and(|n| OUTPUTS.contains(&n));
-        named && matches!(TokenFileMeta::beside(p), Ok(Some(_)))
-    };
-    let (outputs, files): (Vec<PathBuf>, Vec<PathBuf>) = listed.files.into_iter().partition(|p| is_output(p));
-    for p in &outputs {
-        eprintln!("skipped {}: an output of macrobatch prepare (token ids, not text)", p.display());
-    }
-    Ok(files)
-}
 
 /// Every file named by `inputs`, in order: files as given, folders as
 /// [`text_files`] lists them.

@@ -3,7 +3,8 @@
 //! batch of the same samples from the same parameters.
 
 use crate::dist::Backend;
-use crate::train::{load_config, model_for, plan, rank_batches, run_thread_ranks, trainer_for, Plan};
+use crate::ranks::run_thread_ranks;
+use crate::setup::{load_config, model_for, plan, rank_batches, trainer_for, Plan};
 use crate::VerifyArgs;
 use anyhow::{bail, Context, Result};
 use comm::Communicator;
@@ -49,7 +50,7 @@ fn one_step(plan: &Arc<Plan>, shape: BatchShape) -> Result<StepResult> {
     } else {
         run_thread_ranks(shape.world_size, Duration::from_secs_f64(cfg.dist.timeout_s), move |c| run(c))?;
     }
-    crate::train::remove_offload_root(&crate::train::scratch_offload_root());
+    crate::setup::remove_offload_root(&crate::setup::scratch_offload_root());
     let r = slot.lock().map_err(|_| anyhow::anyhow!("result slot poisoned"))?.take();
     r.context("rank 0 produced no result")
 }
@@ -96,9 +97,9 @@ pub fn run(args: VerifyArgs) -> Result<bool> {
         if grad_ok { "PASS" } else { "FAIL" }
     );
     // Parameters: the gradient tolerance carried through the first update.
-    let model = crate::train::model_for(&plan)?;
+    let model = model_for(&plan)?;
     let opt = trainer_for(&plan, &model, &mut comm::SingleProcess::new())?.optimizer().clone();
-    crate::train::remove_offload_root(&crate::train::scratch_offload_root());
+    crate::setup::remove_offload_root(&crate::setup::scratch_offload_root());
     let lr = r.report.lr;
     let (mut dp, mut n_over) = (0.0f32, 0usize);
     // Gradients live in the gradient space (trainable tensors back to back);

@@ -1,0 +1,370 @@
+//! The memory model: what a training run needs per rank and per process,
+//! piece by piece, from the shapes alone — nothing large is allocated, so
+//! shapes far beyond this machine can be planned. Model states and
+//! collective buffers come from the engine's own accounting
+//! (`Trainer::planned_memory`, equal to what a trainer allocates),
+//! activations from the model family (equal to what the model allocates);
+//! the rest is the data and the process itself. On top: the largest
+//! micro-batch under a budget with the accumulation steps that keep the
+//! global batch, the memory check of a run, and ([`report`]) what to change
+//! when nothing fits.
+
+mod report;
+
+pub use report::{render, report};
+
+use crate::family::Build;
+use crate::memory;
+use crate::setup::{apply_trainable, bucket_elems, trainable_patterns, Plan};
+use anyhow::Result;
+use config::{Checkpointing, Precision};
+use engine::{MemoryReport, Trainer, ZeroConfig};
+use serde::Serialize;
+
+/// How the ranks of a plan communicate (what their communicator stages).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// One rank, no communication.
+    Single,
+    /// Ranks as threads of one process.
+    Threads,
+    /// One process per rank under MPI.
+    Mpi,
+}
+
+/// The knobs a plan varies.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Knobs {
+    /// Sequences per micro-batch per rank.
+    pub micro: usize,
+    /// Ranks in the group.
+    pub world_size: usize,
+    /// Ranks sharing one process (thread ranks), 1 under MPI.
+    pub ranks_per_process: usize,
+    /// How ranks communicate.
+    pub backend: Backend,
+    /// ZeRO stage.
+    pub zero_stage: u8,
+    /// Stage 2: reduce-scatter after every micro-step.
+    pub reduce_every_micro_step: bool,
+    /// Storage precision of the model copy and activations.
+    pub precision: Precision,
+    /// Activation checkpointing.
+    pub checkpointing: Checkpointing,
+    /// Optimizer state in files instead of memory.
+    pub offload_optimizer: bool,
+}
+
+impl Knobs {
+    /// The knobs of a resolved training plan.
+    pub fn of(plan: &Plan) -> Self {
+        let cfg = &plan.cfg;
+        Self {
+            micro: plan.batch.micro,
+            world_size: plan.batch.world_size,
+            ranks_per_process: plan.backend.ranks_per_process(),
+            backend: match plan.backend {
+                crate::dist::Backend::Single => Backend::Single,
+                crate::dist::Backend::Threads(_) => Backend::Threads,
+                crate::dist::Backend::Mpi(_) => Backend::Mpi,
+            },
+            zero_stage: cfg.dist.zero_stage,
+            reduce_every_micro_step: cfg.dist.reduce_every_micro_step,
+            precision: cfg.train.precision,
+            checkpointing: cfg.train.activation_checkpointing,
+            offload_optimizer: cfg.dist.offload_optimizer == config::OffloadOptimizer::Disk,
+        }
+    }
+}
+
+/// Bytes, per rank and per process.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Estimate {
+    /// The knobs it is for.
+    pub knobs: Knobs,
+    /// Micro-steps per optimizer step that keep the global batch.
+    pub accumulation_steps: usize,
+    /// Per rank: parameters the model reads (f32, or the 16-bit copy).
+    pub params: u64,
+    /// Per rank: f32 master weights (mixed precision).
+    pub master: u64,
+    /// Per rank: the gradient accumulator.
+    pub grads: u64,
+    /// Per rank: optimizer state.
+    pub optimizer: u64,
+    /// Per rank: collective buffers (stage 3's gathered segment, a
+    /// segment's gradient awaiting reduce-scatter, packing scratch).
+    pub comm_buffers: u64,
+    /// Per rank: the communicator's staging of the largest collective.
+    pub comm_staging: u64,
+    /// Per process: staging shared by its thread ranks (their summed result).
+    pub comm_shared: u64,
+    /// Per rank: activations and backward scratch of one micro-batch
+    /// (saved tensors, attention probabilities, logits, recompute slot).
+    pub activations: u64,
+    /// Per rank: the step's K micro-batches of token ids and targets.
+    pub batches: u64,
+    /// Per process: the tokenised data set (train and validation).
+    pub data: u64,
+    /// Per process: the program itself (code, libraries, thread stacks).
+    pub runtime: u64,
+    /// Per process, on top of a step's bytes, while rank 0 writes a
+    /// checkpoint or saves the model: the full parameters and the full
+    /// optimizer state gathered into one buffer each, one gathered segment
+    /// (or an offloaded state file read back), and the write buffers. A stop
+    /// signal may ask for a checkpoint after any step, so it always counts.
+    pub checkpoint: u64,
+    /// Per process, before the first step: a checkpoint (`--resume`) or a
+    /// pretrained model (`--init-from`) read — the file's bytes while they
+    /// are converted —, then held while every rank's trainer allocates its
+    /// model states (no activation exists yet). Counted for every run: its
+    /// own checkpoints must be resumable where it ran.
+    pub load: u64,
+    /// Per process: the kernels' per-thread workspace (GEMM packing buffers
+    /// and the like), [`WORKSPACE_PER_THREAD`] × compute threads.
+    pub workspace: u64,
+}
+
+/// Bytes of kernel workspace per compute thread: what the measured peak of
+/// small runs exceeds everything else by (≈ 8 MiB with 2 threads on an AMD
+/// EPYC; scripts/memory-table.sh), i.e. the GEMM's packing buffers.
+pub const WORKSPACE_PER_THREAD: u64 = 4 << 20;
+
+impl Estimate {
+    /// One rank's bytes.
+    pub fn per_rank(&self) -> u64 {
+        self.params
+            + self.master
+            + self.grads
+            + self.optimizer
+            + self.comm_buffers
+            + self.comm_staging
+            + self.activations
+            + self.batches
+    }
+
+    /// One process's bytes during an optimizer step: its ranks plus what
+    /// they share.
+    pub fn step_peak(&self) -> u64 {
+        self.per_rank() * self.knobs.ranks_per_process as u64
+            + self.comm_shared
+            + self.data
+            + self.runtime
+            + self.workspace
+    }
+
+    /// One process's peak over every phase of a run: loading, steps and
+    /// evaluation (the same buffers), checkpoints and the final save.
+    pub fn per_process(&self) -> u64 {
+        let step = self.step_peak();
+        (step + self.checkpoint).max(self.load + self.data + self.runtime + self.workspace)
+    }
+
+    /// [`Estimate::per_process`] with the [`margin`] every fit keeps.
+    pub fn needed(&self) -> u64 {
+        with_margin(self.per_process())
+    }
+}
+
+/// The margin on top of a plan: the measured peaks of docs/memory.md exceed
+/// the plan by up to 10% (thread ranks' collective staging, allocator
+/// overhead), and an address-space limit (`ulimit -v`) also counts memory
+/// reserved but not touched (thread stacks, allocator arenas).
+pub const MARGIN_PERCENT: u64 = 10;
+/// The fixed part of the margin: 64 MiB.
+pub const MARGIN_FIXED: u64 = 64 << 20;
+
+/// `bytes` with the margin every fit keeps: + [`MARGIN_PERCENT`] % + [`MARGIN_FIXED`].
+pub fn with_margin(bytes: u64) -> u64 {
+    bytes.saturating_add(bytes / 100 * MARGIN_PERCENT).saturating_add(MARGIN_FIXED)
+}
+
+/// The process's resident size before a run allocates anything: measured
+/// on this very binary (same code, same libraries) at start-up.
+pub fn runtime_bytes() -> u64 {
+    static AT_START: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *AT_START.get_or_init(|| memory::proc_status_bytes("VmRSS:").unwrap_or(8 << 20))
+}
+
+/// Per-rank and per-process bytes of `plan` with `knobs`.
+pub fn estimate(plan: &Plan, knobs: Knobs) -> Result<Estimate> {
+    Ok(estimate_at(plan, knobs, &model_states(plan, knobs)?))
+}
+
+/// The engine's accounting for `knobs` (everything but the micro-batch)
+/// and the counts the save and load phases need.
+pub struct States {
+    report: MemoryReport,
+    /// Parameters of the whole model.
+    n_params: u64,
+    /// Trainable parameters (the full gradient space).
+    n_trainable: u64,
+    /// f32 optimizer-state values per trainable parameter.
+    slots: u64,
+}
+
+/// The engine's accounting for `knobs`: everything but the micro-batch.
+fn model_states(plan: &Plan, knobs: Knobs) -> Result<States> {
+    let cfg = &plan.cfg;
+    // The layout does not depend on checkpointing (a family without it
+    // still gets planned; `train` refuses to run it).
+    let mut model = plan.family.build(Build { precision: knobs.precision, checkpointing: Checkpointing::None })?;
+    apply_trainable(&mut model, &trainable_patterns(cfg))?;
+    let zero = ZeroConfig { stage: knobs.zero_stage, reduce_every_micro_step: knobs.reduce_every_micro_step };
+    let slots = cfg.optim.name.state_slots(cfg.optim.momentum) as usize;
+    let bucket_elems = bucket_elems(cfg);
+    let offload = knobs.offload_optimizer;
+    let report =
+        Trainer::planned_memory(&model, zero, knobs.world_size, knobs.precision, slots, bucket_elems, offload)?;
+    let layout = model.layout();
+    Ok(States {
+        report,
+        n_params: layout.n_params() as u64,
+        n_trainable: layout.n_trainable() as u64,
+        slots: slots as u64,
+    })
+}
+
+/// Bytes the checkpoint writer holds besides the state: its 1 MiB file
+/// buffer, a 64 KiB conversion chunk, the header, the SHA-256 reader.
+const WRITE_BUFFERS: u64 = 2 << 20;
+
+/// [`estimate`] with the engine's accounting `states` already made (it does
+/// not depend on the micro-batch).
+fn estimate_at(plan: &Plan, knobs: Knobs, states: &States) -> Estimate {
+    let cfg = &plan.cfg;
+    let report = &states.report;
+    let build = Build { precision: knobs.precision, checkpointing: knobs.checkpointing };
+    // What the communicator stages: thread ranks keep an f64 copy of their
+    // largest contribution in their slot, and the group one f64 result;
+    // MPI keeps an f32 staging buffer of the largest collective.
+    let max = report.max_collective_elems as u64;
+    let (comm_staging, comm_shared) = match knobs.backend {
+        Backend::Single => (0, 0),
+        Backend::Threads => (8 * max, 8 * max),
+        Backend::Mpi => (4 * max, 0),
+    };
+    let seq_len = plan.train.seq_len();
+    let per_step = knobs.micro * knobs.world_size;
+    let accumulation_steps = plan.batch.global / per_step.max(1);
+    let activations = plan.family.activation_bytes(knobs.micro, seq_len, build);
+    let tokens = (plan.train.n_samples() + plan.val.n_samples()) as u64 * seq_len as u64;
+    let (p, g) = (4 * states.n_params, 4 * states.n_trainable);
+    let state = states.slots * g;
+    // Rank 0 gathers the full parameters and optimizer state; an offloaded
+    // state is read back one slot file at a time.
+    let offloaded_slot = (report.offloaded as u64).checked_div(states.slots).unwrap_or(0);
+    // Sharded parameters or state are gathered one padded segment at a time.
+    let gather = if knobs.zero_stage >= 1 { 4 * max } else { 0 };
+    let checkpoint = p + state + gather + offloaded_slot + WRITE_BUFFERS;
+    // Loading: the weights file's bytes beside the parameters, then the
+    // optimizer file's bytes beside its converted values; afterwards the
+    // loaded state is held while every rank allocates its model states.
+    let model_states =
+        (report.params + report.master + report.grads + report.optimizer + report.comm_buffers) as u64 + comm_staging;
+    let read = p + p.max(2 * state);
+    let load = read.max(p + state + model_states * knobs.ranks_per_process as u64 + comm_shared);
+    Estimate {
+        knobs,
+        accumulation_steps,
+        params: report.params as u64,
+        master: report.master as u64,
+        grads: report.grads as u64,
+        optimizer: report.optimizer as u64,
+        comm_buffers: report.comm_buffers as u64,
+        comm_staging,
+        comm_shared,
+        activations: u64::try_from(activations).unwrap_or(u64::MAX),
+        // inputs (u32) and targets (i32) of K micro-batches.
+        batches: 8 * (accumulation_steps * knobs.micro * seq_len) as u64,
+        data: 4 * tokens,
+        runtime: runtime_bytes(),
+        checkpoint,
+        load,
+        workspace: WORKSPACE_PER_THREAD * compute_threads(cfg) as u64,
+    }
+}
+
+/// The compute threads a run uses: `train.threads`, or the pool's default.
+pub fn compute_threads(cfg: &config::Config) -> usize {
+    if cfg.train.threads > 0 {
+        cfg.train.threads
+    } else {
+        rayon::current_num_threads()
+    }
+}
+
+/// Micro-batch sizes that keep the global batch: `micro · W` divides it.
+pub fn micro_candidates(global: usize, world_size: usize) -> Vec<usize> {
+    let per_rank = if global.is_multiple_of(world_size.max(1)) { global / world_size.max(1) } else { 0 };
+    (1..=per_rank).rev().filter(|&m| per_rank.is_multiple_of(m)).collect()
+}
+
+/// The largest micro-batch whose per-process bytes fit `budget`, if any.
+pub fn largest_fitting(plan: &Plan, knobs: Knobs, budget: u64) -> Result<Option<Estimate>> {
+    Ok(fitting_at(plan, knobs, budget, &model_states(plan, knobs)?))
+}
+
+/// [`largest_fitting`] with the engine's accounting already made.
+fn fitting_at(plan: &Plan, knobs: Knobs, budget: u64, states: &States) -> Option<Estimate> {
+    micro_candidates(plan.batch.global, knobs.world_size)
+        .into_iter()
+        .map(|micro| estimate_at(plan, Knobs { micro, ..knobs }, states))
+        .find(|e| e.needed() <= budget)
+}
+
+/// Bytes as `12.3 GiB`.
+pub fn human(b: u64) -> String {
+    let b = b as f64;
+    if b >= (1u64 << 30) as f64 {
+        format!("{:.2} GiB", b / (1u64 << 30) as f64)
+    } else {
+        format!("{:.1} MiB", b / (1u64 << 20) as f64)
+    }
+}
+
+/// The memory check of a training plan: per-process need against what is available.
+pub fn check_memory(plan: &Plan) -> Result<()> {
+    let cfg = &plan.cfg;
+    let advice = "use a smaller batch.micro (more batch.accumulation_steps keep the global batch), train.activation_checkpointing = \"blocks\", a higher dist.zero_stage with more ranks, train.precision = bf16, or a smaller model (`macrobatch plan` shows what fits)";
+    // Shapes whose byte counts overflow 64 bits cannot be planned element by
+    // element; their parameters alone rule them out.
+    let n_params = plan.family.n_params();
+    let threads = memory::allocating_threads(compute_threads(cfg), plan.backend.ranks_per_process());
+    if n_params > (u64::MAX / 64) as u128 {
+        return memory::check("this run", 4 * n_params, threads, &format!("{n_params} parameters × 4 bytes"), advice);
+    }
+    let e = estimate(plan, Knobs::of(plan))?;
+    let auto = if plan.memory_budget.is_some() { " (chosen by batch.micro = \"auto\")" } else { "" };
+    let breakdown = format!(
+        "{n_params} parameters; per rank {} bytes of parameters, gradients and optimizer state at ZeRO stage {} in {}, {} bytes of collective buffers and {} bytes of activations for batch.micro = {}{auto} × seq {} (checkpointing {}); {} rank(s) in this process; {} bytes at the peak of all phases (a step: {}, + {} while a checkpoint or the model is saved), + the {}% + {} MiB margin",
+        e.params + e.master + e.grads + e.optimizer,
+        cfg.dist.zero_stage,
+        cfg.train.precision,
+        e.comm_buffers,
+        e.activations,
+        plan.batch.micro,
+        plan.train.seq_len(),
+        cfg.train.activation_checkpointing,
+        e.knobs.ranks_per_process,
+        e.per_process(),
+        e.step_peak(),
+        e.checkpoint,
+        MARGIN_PERCENT,
+        MARGIN_FIXED >> 20
+    );
+    memory::check("this run", e.needed() as u128, threads, &breakdown, advice)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn micro_candidates_keep_the_global_batch() {
+        assert_eq!(micro_candidates(16, 2), [8, 4, 2, 1]);
+        assert_eq!(micro_candidates(12, 1), [12, 6, 4, 3, 2, 1]);
+        assert!(micro_candidates(10, 4).is_empty());
+    }
+}

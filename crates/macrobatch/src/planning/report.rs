@@ -1,0 +1,245 @@
+//! What `macrobatch plan` reports: the configured plan's breakdown, the
+//! largest micro-batch that fits, alternatives that change one setting, and
+//! learning-rate advice for a changed global batch.
+
+use super::{estimate_at, fitting_at, human, model_states, Backend, Estimate, Knobs, MARGIN_FIXED, MARGIN_PERCENT};
+use crate::setup::Plan;
+use anyhow::Result;
+use config::{Checkpointing, Precision};
+use serde::Serialize;
+
+/// One alternative the plan suggests.
+#[derive(Debug, Serialize)]
+pub struct Alternative {
+    /// What to change (as config settings).
+    pub change: String,
+    /// Its largest fitting micro-batch and bytes, if it fits at all.
+    pub fits: Option<Estimate>,
+    /// Its bytes per process at micro-batch 1.
+    pub at_micro_1: u64,
+}
+
+/// What `macrobatch plan` reports.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    /// Model family and shape.
+    pub model: String,
+    /// Parameters.
+    pub n_params: u128,
+    /// Sequence length.
+    pub seq_len: usize,
+    /// The global batch (kept fixed).
+    pub global_batch: usize,
+    /// Bytes available per process (given or detected).
+    pub memory: u64,
+    /// The budget: a plan fits when its peak with the margin
+    /// ([`Estimate::needed`]) is at most this.
+    pub budget: u64,
+    /// The configuration as given.
+    pub configured: Estimate,
+    /// Its peak over all phases, per process ([`Estimate::per_process`]).
+    pub configured_peak: u64,
+    /// That peak with the margin ([`Estimate::needed`]): what must fit the budget.
+    pub configured_needed: u64,
+    /// Whether it fits the budget.
+    pub configured_fits: bool,
+    /// The largest micro-batch that fits with the configuration's other settings.
+    pub best: Option<Estimate>,
+    /// Other settings, each with its own largest micro-batch.
+    pub alternatives: Vec<Alternative>,
+    /// Learning-rate advice for a different global batch than the base.
+    pub lr_advice: Option<LrAdvice>,
+    /// Whether `batch.micro = "auto"` chose the configured micro-batch (the
+    /// largest that fits; micro 1 when none does).
+    pub auto_micro: bool,
+}
+
+/// The tutorials' advice for a changed global batch: linear scaling for
+/// SGD, square-root scaling for Adam-family optimizers, and a warmup of 3–10%
+/// of the steps. Advice only: nothing is applied.
+#[derive(Debug, Serialize)]
+pub struct LrAdvice {
+    /// The batch the configured learning rate was tuned for.
+    pub base_batch: usize,
+    /// The configured learning rate.
+    pub base_lr: f32,
+    /// lr × global / base.
+    pub linear: f32,
+    /// lr × √(global / base).
+    pub sqrt: f32,
+    /// 3% and 10% of train.steps.
+    pub warmup_steps: (u64, u64),
+}
+
+/// The whole report for `plan` with `memory` bytes per process, of which
+/// `budget` may be used.
+pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: Option<usize>) -> Result<Report> {
+    let states = model_states(plan, knobs)?;
+    let configured = estimate_at(plan, knobs, &states);
+    let best = fitting_at(plan, knobs, budget, &states);
+    let mut variants: Vec<(String, Knobs)> = Vec::new();
+    if knobs.checkpointing != Checkpointing::Blocks && plan.family.supports_checkpointing() {
+        variants.push((
+            "train.activation_checkpointing = \"blocks\"".into(),
+            Knobs { checkpointing: Checkpointing::Blocks, ..knobs },
+        ));
+    }
+    if knobs.precision == Precision::F32 {
+        variants.push(("train.precision = \"bf16\"".into(), Knobs { precision: Precision::Bf16, ..knobs }));
+    }
+    if knobs.world_size > 1 {
+        for stage in knobs.zero_stage + 1..=3 {
+            variants.push((
+                format!("dist.zero_stage = {stage}"),
+                Knobs { zero_stage: stage, reduce_every_micro_step: false, ..knobs },
+            ));
+        }
+    }
+    if !knobs.offload_optimizer {
+        variants.push(("dist.offload_optimizer = \"disk\"".into(), Knobs { offload_optimizer: true, ..knobs }));
+    }
+    let w2 = knobs.world_size * 2;
+    if plan.batch.global.is_multiple_of(w2) {
+        let stage = knobs.zero_stage.max(3);
+        variants.push((
+            format!("{w2} ranks (one per process) with dist.zero_stage = {stage}"),
+            Knobs {
+                world_size: w2,
+                ranks_per_process: 1,
+                backend: Backend::Mpi,
+                zero_stage: stage,
+                reduce_every_micro_step: false,
+                ..knobs
+            },
+        ));
+    }
+    if plan.family.supports_checkpointing() {
+        variants.push((
+            "all of: checkpointing blocks, bf16".into(),
+            Knobs { checkpointing: Checkpointing::Blocks, precision: Precision::Bf16, ..knobs },
+        ));
+    }
+    let mut alternatives = Vec::new();
+    for (change, k) in variants {
+        let states = model_states(plan, k)?;
+        let fits = fitting_at(plan, k, budget, &states);
+        let at_micro_1 = estimate_at(plan, Knobs { micro: 1, ..k }, &states).per_process();
+        alternatives.push(Alternative { change, fits, at_micro_1 });
+    }
+    let cfg = &plan.cfg;
+    let lr_advice = base_batch.filter(|&b| b != plan.batch.global && b > 0).map(|b| {
+        let ratio = plan.batch.global as f32 / b as f32;
+        LrAdvice {
+            base_batch: b,
+            base_lr: cfg.optim.lr,
+            linear: cfg.optim.lr * ratio,
+            sqrt: cfg.optim.lr * ratio.sqrt(),
+            warmup_steps: (
+                (cfg.train.steps as f64 * 0.03).ceil() as u64,
+                (cfg.train.steps as f64 * 0.10).ceil() as u64,
+            ),
+        }
+    });
+    Ok(Report {
+        model: format!("{} {} ({})", plan.family.name(), cfg.model.preset, plan.family.describe()),
+        n_params: plan.family.n_params(),
+        seq_len: plan.train.seq_len(),
+        global_batch: plan.batch.global,
+        memory,
+        budget,
+        configured_peak: configured.per_process(),
+        configured_needed: configured.needed(),
+        configured_fits: configured.needed() <= budget,
+        configured,
+        best,
+        alternatives,
+        lr_advice,
+        auto_micro: false,
+    })
+}
+
+fn describe(e: &Estimate) -> String {
+    let k = &e.knobs;
+    format!(
+        "micro {} × K {} × W {} | ZeRO {} | {} | checkpointing {}{}",
+        k.micro,
+        e.accumulation_steps,
+        k.world_size,
+        k.zero_stage,
+        k.precision,
+        k.checkpointing,
+        if k.offload_optimizer { " | optimizer on disk" } else { "" }
+    )
+}
+
+/// The report as text.
+pub fn render(r: &Report) -> String {
+    let mut out = String::new();
+    let e = &r.configured;
+    out += &format!(
+        "{}: {} parameters, seq {}, global batch {}\nmemory per process {} (budget {}; a plan fits when its peak + {MARGIN_PERCENT}% + {} is within it)\n\nconfigured: {}\n",
+        r.model,
+        r.n_params,
+        r.seq_len,
+        r.global_batch,
+        human(r.memory),
+        human(r.budget),
+        human(MARGIN_FIXED),
+        describe(e)
+    );
+    if r.auto_micro {
+        out += "  (the micro-batch chosen by batch.micro = \"auto\" for this memory and world size)\n";
+    }
+    for (what, b) in [
+        ("parameters (model copy)", e.params),
+        ("master weights (f32)", e.master),
+        ("gradients", e.grads),
+        ("optimizer state", e.optimizer),
+        ("collective buffers", e.comm_buffers),
+        ("communicator staging", e.comm_staging),
+        ("activations (one micro-batch)", e.activations),
+        ("micro-batches of the step", e.batches),
+    ] {
+        out += &format!("  per rank    {what:<32} {:>12}\n", human(b));
+    }
+    out += &format!("  per rank    {:<32} {:>12}\n", "total", human(e.per_rank()));
+    out += &format!("  per process {:<32} {:>12}\n", "shared collective result", human(e.comm_shared));
+    out += &format!("  per process {:<32} {:>12}\n", "data set", human(e.data));
+    out += &format!("  per process {:<32} {:>12}\n", "program", human(e.runtime));
+    out += &format!("  per process {:<32} {:>12}\n", "kernel workspace", human(e.workspace));
+    out += &format!(
+        "  per process {:<32} {:>12}  ({} rank(s))\n",
+        "total during a step",
+        human(e.step_peak()),
+        e.knobs.ranks_per_process
+    );
+    out += &format!("  per process {:<32} {:>12}\n", "+ checkpoint / save (rank 0)", human(e.checkpoint));
+    out += &format!("  per process {:<32} {:>12}\n", "loading a checkpoint (phase)", human(e.load));
+    out += &format!(
+        "  per process {:<32} {:>12}  peak + margin {} — {}\n\n",
+        "peak over all phases",
+        human(e.per_process()),
+        human(e.needed()),
+        if r.configured_fits { "fits" } else { "DOES NOT FIT" }
+    );
+    match &r.best {
+        Some(b) => {
+            out += &format!("largest micro-batch that fits: {} → {} per process\n", describe(b), human(b.per_process()))
+        }
+        None => out += "no micro-batch fits with these settings (not even 1)\n",
+    }
+    out += "\nalternatives (global batch unchanged):\n";
+    for a in &r.alternatives {
+        match &a.fits {
+            Some(f) => out += &format!("  {:<58} fits: {} ({})\n", a.change, describe(f), human(f.per_process())),
+            None => out += &format!("  {:<58} does not fit ({} at micro 1)\n", a.change, human(a.at_micro_1)),
+        }
+    }
+    if let Some(l) = &r.lr_advice {
+        out += &format!(
+            "\nlearning rate for global batch {} instead of {} (advice, not applied): linear (SGD) {:.3e}, square-root (Adam family) {:.3e}; warm up over {}–{} steps (3–10%)\n",
+            r.global_batch, l.base_batch, l.linear, l.sqrt, l.warmup_steps.0, l.warmup_steps.1
+        );
+    }
+    out
+}

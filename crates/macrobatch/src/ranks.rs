@@ -1,0 +1,112 @@
+//! How the ranks of a run work together: thread ranks started and their
+//! outcomes gathered, and rank-0-only work that the other ranks wait for
+//! without tripping their timeout.
+
+use anyhow::{anyhow, bail, Result};
+use comm::Communicator;
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+/// Runs `f(rank, comm)` on `world` thread ranks and gathers their outcomes.
+/// A rank that panics or stalls does not hang the caller: the others fail
+/// through their communicator, and stragglers get a short grace period.
+pub fn run_thread_ranks<F>(world: usize, timeout: Duration, f: F) -> Result<()>
+where
+    F: Fn(&mut comm::threads::ThreadComm) -> Result<()> + Send + Sync + 'static,
+{
+    /// Sends the rank's outcome when the thread ends, also by panic.
+    struct Outcome {
+        rank: usize,
+        tx: mpsc::Sender<(usize, Result<()>)>,
+        result: Option<Result<()>>,
+    }
+    impl Drop for Outcome {
+        fn drop(&mut self) {
+            let r = self.result.take().unwrap_or_else(|| Err(anyhow!("rank {} panicked", self.rank)));
+            let _ = self.tx.send((self.rank, r));
+        }
+    }
+    let f = Arc::new(f);
+    let (tx, rx) = mpsc::channel();
+    for mut c in comm::threads::group(world, timeout) {
+        let (f, tx) = (f.clone(), tx.clone());
+        let rank = c.rank();
+        std::thread::Builder::new().name(format!("rank-{rank}")).spawn(move || {
+            let mut outcome = Outcome { rank, tx, result: None };
+            let r = f(&mut c);
+            if let Err(e) = &r {
+                c.abort(&format!("{e:#}"));
+            }
+            drop(c);
+            outcome.result = Some(r);
+        })?;
+    }
+    drop(tx);
+    let mut failures: Vec<(usize, anyhow::Error)> = Vec::new();
+    let mut n_done = 0;
+    while n_done < world {
+        // Before any failure wait as long as training takes; after one, the
+        // others stop within their timeout, so give them that plus a margin.
+        let msg =
+            if failures.is_empty() { rx.recv().ok() } else { rx.recv_timeout(timeout + Duration::from_secs(2)).ok() };
+        let Some((rank, r)) = msg else { break };
+        n_done += 1;
+        if let Err(e) = r {
+            failures.push((rank, e));
+        }
+    }
+    if failures.is_empty() && n_done == world {
+        return Ok(());
+    }
+    failures.sort_by_key(|(r, _)| *r);
+    let mut msg: Vec<String> = failures.iter().map(|(r, e)| format!("rank {r}: {e:#}")).collect();
+    if n_done < world {
+        msg.push(format!("{} rank(s) never finished (stalled)", world - n_done));
+    }
+    bail!("training failed on {} of {world} ranks:\n  {}", failures.len() + (world - n_done), msg.join("\n  "))
+}
+
+/// Runs `work` (rank 0's alone: writing a checkpoint) while every other rank
+/// waits in tiny all-reduces that rank 0 answers every `interval` — so
+/// rank-0-only work of any length never counts against the others'
+/// `dist.timeout_s`, while a rank 0 that dies or stalls is still noticed
+/// within it. Every rank must call it at the same point (`work` is `Some` on
+/// rank 0 only).
+pub fn rank0_phase<T: Send>(
+    comm: &mut dyn Communicator,
+    interval: Duration,
+    work: Option<impl FnOnce() -> Result<T> + Send>,
+) -> Result<Option<T>> {
+    let Some(work) = work else {
+        loop {
+            let mut done = [0.0f64];
+            comm.all_reduce_sum_f64(&mut done)?;
+            if done[0] > 0.0 {
+                return Ok(None);
+            }
+        }
+    };
+    if comm.world_size() == 1 {
+        return work().map(Some);
+    }
+    std::thread::scope(|s| {
+        let (tx, rx) = mpsc::channel();
+        s.spawn(move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work))
+                .unwrap_or_else(|_| Err(anyhow!("rank 0 panicked while writing a checkpoint")));
+            let _ = tx.send(r);
+        });
+        loop {
+            let r = match rx.recv_timeout(interval) {
+                Err(mpsc::RecvTimeoutError::Timeout) => None,
+                Ok(r) => Some(r),
+                Err(mpsc::RecvTimeoutError::Disconnected) => Some(Err(anyhow!("the checkpoint writer vanished"))),
+            };
+            let mut done = [r.is_some() as u8 as f64];
+            comm.all_reduce_sum_f64(&mut done)?;
+            if let Some(r) = r {
+                return r.map(Some);
+            }
+        }
+    })
+}

@@ -1,0 +1,208 @@
+//! Run set-up shared by the commands that train, measure or plan a run
+//! (`train`, `bench`, `verify`, `plan`): the config as read (TOML or
+//! DeepSpeed JSON, with `--set`), the validated [`Plan`] (model, data,
+//! batch, launcher), `batch.micro = "auto"`, and the model, trainer and
+//! micro-batches of a rank.
+
+mod samples;
+mod trainer;
+
+pub use samples::{rank_batches, text_files};
+pub use trainer::{
+    apply_trainable, bucket_elems, model_for, remove_offload_root, scratch_offload_root, trainable_patterns,
+    trainer_for, trainer_from,
+};
+
+use crate::dist::Backend;
+use crate::family::{self, Build, Family};
+use crate::memory;
+use crate::planning::{self, Knobs};
+use crate::DeepSpeedArgs;
+use anyhow::{bail, Context, Result};
+use config::{Config, Micro, ResolvedBatch};
+use data::{Sampler, Samples, Tokenizer, TokenizerSpec};
+use samples::{load_samples, sampler_for};
+use std::path::Path;
+use std::sync::Arc;
+
+/// Everything a run needs, checked before the first step.
+pub struct Plan {
+    pub cfg: Config,
+    /// The model family and shape.
+    pub family: Arc<dyn Family>,
+    /// With `batch.micro = "auto"`: the budget the micro-batch was chosen
+    /// for, checked against the measured peak after the first step.
+    pub memory_budget: Option<u64>,
+    pub backend: Backend,
+    pub batch: ResolvedBatch,
+    pub train: Samples,
+    pub val: Samples,
+    /// The tokenizer of the data (saved into the run folder for `generate`).
+    pub tokenizer: Arc<Tokenizer>,
+    pub sampler: Sampler,
+}
+
+impl Plan {
+    /// How the model is built: activation precision and checkpointing.
+    pub fn build(&self) -> Build {
+        Build { precision: self.cfg.train.precision, checkpointing: self.cfg.train.activation_checkpointing }
+    }
+}
+
+/// Reads the config file (if any) and applies `--set` overrides. A path
+/// ending in `.json` is a DeepSpeed config, translated (with
+/// `--config-model` for what it does not describe); its warnings go to stderr.
+pub fn load_config(path: Option<&Path>, sets: &[String], ds: &DeepSpeedArgs) -> Result<Config> {
+    let read =
+        |p: &Path| std::fs::read_to_string(p).with_context(|| format!("cannot read config file {}", p.display()));
+    let is_json = path.is_some_and(|p| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")));
+    if !is_json {
+        if ds.config_model.is_some() || ds.strict {
+            bail!("--config-model and --strict go with a DeepSpeed JSON config (CONFIG ending in .json); a TOML config holds [model] and [data] itself");
+        }
+        let (text, origin) = match path {
+            Some(p) => (read(p)?, p.display().to_string()),
+            None => (String::new(), "default config".to_string()),
+        };
+        return Ok(Config::from_toml(&text, &origin, sets)?);
+    }
+    let path = path.context("a DeepSpeed config needs its path")?;
+    let companion = match &ds.config_model {
+        Some(p) => Some((read(p)?, p.display().to_string())),
+        None => None,
+    };
+    let opts = config::DeepSpeedOptions {
+        launcher_world: comm::launcher::launcher_world_size().map(|(n, _)| n),
+        strict: ds.strict,
+    };
+    let translated = Config::from_deepspeed_json(
+        &read(path)?,
+        &path.display().to_string(),
+        companion.as_ref().map(|(t, o)| (t.as_str(), o.as_str())),
+        sets,
+        opts,
+    )?;
+    for w in &translated.warnings {
+        eprintln!("warning: {w}");
+    }
+    Ok(translated.config)
+}
+
+/// Validates the whole configuration against the model, the data and the
+/// launcher, before anything runs.
+pub fn plan(mut cfg: Config, backend: Backend) -> Result<Plan> {
+    cfg.validate()?;
+    let auto_micro = start_auto_micro(&mut cfg)?;
+    let family = family::from_config(&cfg.model, cfg.lora.as_ref())?;
+    // An error at micro 1 is the user's "auto", not a micro they wrote.
+    let auto_context = |e: anyhow::Error| match auto_micro {
+        true => e.context("batch.micro = \"auto\" (checked at micro = 1, the smallest it can choose)"),
+        false => e,
+    };
+    let batch = cfg.batch.resolve(backend.world_size()).map_err(|e| auto_context(e.into()))?;
+    let max_seq = family.max_seq_len();
+    let seq_len = cfg.data.seq_len.unwrap_or(max_seq);
+    if seq_len > max_seq {
+        bail!(
+            "data.seq_len = {seq_len} is longer than the model's context of {max_seq} tokens; lower data.seq_len or raise model.block_size"
+        );
+    }
+    let spec = cfg.data.tokenizer.clone().unwrap_or(TokenizerSpec::Byte);
+    let tokenizer = spec.build().with_context(|| format!("data.tokenizer = \"{}\"", spec.name()))?;
+    if tokenizer.vocab_size() > family.vocab_size() {
+        bail!(
+            "data.tokenizer = \"{}\" has {} tokens but the model's vocabulary holds {}; use the model's own tokenizer or raise model.vocab_size",
+            spec.name(),
+            tokenizer.vocab_size(),
+            family.vocab_size()
+        );
+    }
+    let (train, val) = load_samples(&cfg, &tokenizer, seq_len, family.vocab_size())?;
+    let sampler = sampler_for(&cfg, &batch, &train).map_err(auto_context)?;
+    // The layout alone (no activations are allocated before the first batch).
+    apply_trainable(&mut family.build(Build::default())?, &trainable_patterns(&cfg))?;
+    let tokenizer = Arc::new(tokenizer);
+    let mut plan = Plan { cfg, family, memory_budget: None, backend, batch, train, val, tokenizer, sampler };
+    if auto_micro {
+        choose_micro(&mut plan)?;
+    }
+    Ok(plan)
+}
+
+/// With `batch.micro = "auto"`: sets micro 1 (the planner then picks the
+/// largest that fits) and the default global batch if none is given;
+/// returns whether it was "auto".
+pub fn start_auto_micro(cfg: &mut Config) -> Result<bool> {
+    if cfg.batch.micro != Some(Micro::Auto) {
+        return Ok(false);
+    }
+    if let Some(k) = cfg.batch.accumulation_steps {
+        bail!(
+            "batch.micro = \"auto\" derives the accumulation steps from batch.global, but batch.accumulation_steps = {k} is also given; remove batch.accumulation_steps"
+        );
+    }
+    cfg.batch.global.get_or_insert(config::DEFAULT_GLOBAL_BATCH);
+    cfg.batch.micro = Some(Micro::Sequences(1));
+    Ok(true)
+}
+
+/// The per-process memory budget of `train.memory_budget` (default all of
+/// what is available now; the plan keeps its margin inside it). A size
+/// above what is available is cut to it: the memory check would refuse
+/// whatever it picked beyond.
+pub fn memory_budget(cfg: &Config, ranks_per_process: usize) -> Result<u64> {
+    let threads = memory::allocating_threads(planning::compute_threads(cfg), ranks_per_process);
+    let available = memory::Available::now().usable(threads);
+    let need_available =
+        || available.context("cannot read the available memory from /proc; set train.memory_budget to a size");
+    Ok(match cfg.train.memory_budget {
+        None => need_available()?,
+        Some(config::Budget::Fraction(f)) => (need_available()? as f64 * f) as u64,
+        Some(config::Budget::Bytes(b)) => match available {
+            Some(a) if a < b => {
+                eprintln!(
+                    "note: train.memory_budget = {} is more than the {} available; planning for what is available",
+                    planning::human(b),
+                    planning::human(a)
+                );
+                a
+            }
+            _ => b,
+        },
+    })
+}
+
+/// `batch.micro = "auto"`: the largest micro-batch whose planned peak fits
+/// the budget, with the accumulation steps that keep the global batch
+/// (never a smaller global batch). The choice is written into the config, so
+/// `config.resolved.toml` (and a resume) use the same factorization.
+fn choose_micro(plan: &mut Plan) -> Result<()> {
+    let budget = memory_budget(&plan.cfg, plan.backend.ranks_per_process())?;
+    let knobs = Knobs::of(plan);
+    let Some(best) = planning::largest_fitting(plan, knobs, budget)? else {
+        let at_1 = planning::estimate(plan, knobs)?;
+        let report = planning::report(plan, knobs, budget, budget, None)?;
+        bail!(
+            "batch.micro = \"auto\": not even micro-batch 1 fits the memory budget of {} ({} per process planned at micro 1); change one of these (global batch {} kept):\n{}",
+            planning::human(budget),
+            planning::human(at_1.per_process()),
+            plan.batch.global,
+            planning::render(&report)
+        );
+    };
+    plan.memory_budget = Some(budget);
+    plan.cfg.batch.micro = Some(Micro::Sequences(best.knobs.micro));
+    plan.cfg.batch.accumulation_steps = None;
+    plan.batch = plan.cfg.batch.resolve(plan.backend.world_size())?;
+    plan.sampler = sampler_for(&plan.cfg, &plan.batch, &plan.train)?;
+    eprintln!(
+        "batch.micro = \"auto\": micro {} × K {} × W {} (global {}) plans {} per process under the budget of {}",
+        plan.batch.micro,
+        plan.batch.accumulation_steps,
+        plan.batch.world_size,
+        plan.batch.global,
+        planning::human(best.per_process()),
+        planning::human(budget)
+    );
+    Ok(())
+}

@@ -1,0 +1,136 @@
+//! The samples of a plan: the training and validation data of `[data]`,
+//! the sampler of the resolved batch, and a rank's micro-batches of a step.
+
+use super::Plan;
+use crate::folder;
+use anyhow::{bail, Context, Result};
+use config::{Config, DataFormat, ResolvedBatch};
+use data::{BatchShape, Corpus, EpochOrder, Sampler, Samples, SftDataset, SftOptions, TokenFileMeta, Tokenizer};
+use engine::TokenBatch;
+use std::path::{Path, PathBuf};
+
+/// The bundled public-domain corpus (see data/README.md).
+const BUNDLED_CORPUS: &[u8] = include_bytes!("../../../../data/moby-dick.txt");
+const BUNDLED_NAME: &str = "bundled corpus (Moby-Dick)";
+
+/// Training and validation samples of `[data]`: windows of a token stream
+/// (the bundled corpus or `data.path` as text through `tokenizer`, or a
+/// token file), or fine-tuning examples (`jsonl`, at most `seq_len`
+/// positions each).
+pub(super) fn load_samples(cfg: &Config, tokenizer: &Tokenizer, seq_len: usize, vocab: usize) -> Result<(Samples, Samples)> {
+    let d = &cfg.data;
+    if let (Some(p), Some(v)) = (&d.path, &d.val_path) {
+        if folder::same_path(Path::new(p), Path::new(v)) {
+            bail!(
+                "data.val_path = \"{v}\" is the training file data.path = \"{p}\": the validation loss would be measured on the examples trained on; give a held-out file, or (except for jsonl) unset data.val_path to hold out the last data.val_fraction of data.path"
+            );
+        }
+    }
+    let (train, val) = match (&d.path, d.format) {
+        (Some(p), DataFormat::Jsonl) => {
+            let opts = SftOptions {
+                max_len: Some(seq_len),
+                pack_seq_len: d.pack.then_some(seq_len),
+                drop_empty: d.drop_empty,
+            };
+            let load = |path: &str| -> Result<Samples> {
+                let ds = SftDataset::load(Path::new(path), tokenizer, &opts)?;
+                let s = ds.stats();
+                if s.n_truncated > 0 {
+                    let n_read = s.n_examples + s.n_without_targets;
+                    eprintln!(
+                        "warning: {path}: {} of {n_read} examples cut to data.seq_len = {seq_len} positions",
+                        s.n_truncated
+                    );
+                }
+                if s.n_without_targets > 0 {
+                    eprintln!(
+                        "warning: {path}: dropped {} examples that keep no target once cut (their replies lie beyond data.seq_len = {seq_len}): lines {}; raise data.seq_len to keep them, or set data.drop_empty = false to refuse such data",
+                        s.n_without_targets,
+                        data::sft::line_list(ds.dropped_lines())
+                    );
+                }
+                Ok(Samples::Examples(ds))
+            };
+            let val = d.val_path.as_deref().context("data.format = \"jsonl\" needs data.val_path")?;
+            (load(p)?, load(val)?)
+        }
+        (Some(p), DataFormat::Text) if !matches!(tokenizer, Tokenizer::Byte(_)) => {
+            let load_text =
+                |p: &str| -> Result<Corpus> { Ok(Corpus::load_files(p, &text_files(Path::new(p))?, tokenizer)?) };
+            let corpus = load_text(p)?;
+            let (train, val) = match &d.val_path {
+                None => corpus.split(d.val_fraction, seq_len)?,
+                Some(v) => {
+                    let val = load_text(v)?;
+                    (corpus.split_all("train", seq_len)?, val.split_all("validation", seq_len)?)
+                }
+            };
+            (Samples::Windows(train), Samples::Windows(val))
+        }
+        (Some(p), format) => {
+            let (train, val) = data::load_splits(
+                Path::new(p),
+                d.val_path.as_deref().map(Path::new),
+                format,
+                d.val_fraction,
+                seq_len,
+                vocab,
+            )?;
+            (Samples::Windows(train), Samples::Windows(val))
+        }
+        (None, _) => {
+            let text = std::str::from_utf8(BUNDLED_CORPUS).context("the bundled corpus is UTF-8")?;
+            let corpus = Corpus::from_text_with(BUNDLED_NAME, text, tokenizer)?;
+            corpus.check_vocab(vocab)?;
+            let (train, val) = corpus.split(d.val_fraction, seq_len)?;
+            (Samples::Windows(train), Samples::Windows(val))
+        }
+    };
+    Ok((train, val))
+}
+
+/// The sampler of a resolved batch.
+pub(super) fn sampler_for(cfg: &Config, batch: &ResolvedBatch, train: &Samples) -> Result<Sampler> {
+    let shape =
+        BatchShape { micro: batch.micro, accumulation_steps: batch.accumulation_steps, world_size: batch.world_size };
+    Ok(Sampler::new(train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?)
+}
+
+/// This rank's K micro-batches of global step `step_idx` (an error names a
+/// token file that cannot be read any more).
+pub fn rank_batches(
+    plan: &Plan,
+    sampler: &Sampler,
+    order: &EpochOrder,
+    step_in_epoch: usize,
+    rank: usize,
+) -> Result<Vec<TokenBatch>> {
+    (0..sampler.shape().accumulation_steps)
+        .map(|k| Ok(plan.train.batch(&sampler.micro_batch(order, step_in_epoch, k, rank))?))
+        .collect()
+}
+
+/// The names `prepare` writes into its output folder.
+const OUTPUTS: [&str; 4] = ["train.bin", "val.bin", TokenFileMeta::FILE, "train.bin.partial"];
+
+/// The text files of a folder (or the file itself), as
+/// [`data::text_files`] lists them (recursively, in path order, dot-names
+/// skipped, links to folders not followed), less the outputs of `prepare`
+/// (`train.bin`, `val.bin`, `meta.json` beside a prepare `meta.json`): each
+/// entry left out is named on stderr.
+pub fn text_files(input: &Path) -> Result<Vec<PathBuf>> {
+    let listed = data::text_files(input)?;
+    for (p, why) in &listed.skipped {
+        eprintln!("skipped {}: {why}", p.display());
+    }
+    let is_output = |p: &Path| {
+        let named = p.file_name().and_then(|n| n.to_str()).is_some_and(|n| OUTPUTS.contains(&n));
+        named && matches!(TokenFileMeta::beside(p), Ok(Some(_)))
+    };
+    let (outputs, files): (Vec<PathBuf>, Vec<PathBuf>) = listed.files.into_iter().partition(|p| is_output(p));
+    for p in &outputs {
+        eprintln!("skipped {}: an output of macrobatch prepare (token ids, not text)", p.display());
+    }
+    Ok(files)
+}

@@ -1,0 +1,124 @@
+//! The model and trainer of a rank: the trainable tensors, the optimizer,
+//! schedule and ZeRO options of the config, and where optimizer state is
+//! offloaded.
+
+use super::Plan;
+use crate::family::LanguageModel;
+use anyhow::{bail, Context, Result};
+use comm::Communicator;
+use config::{Config, OffloadOptimizer, OptimizerKind};
+use engine::{AdamW, LossScalerConfig, LrSchedule, Model, Optimizer, Sgd, Trainer, TrainerOptions, ZeroConfig};
+use std::path::{Path, PathBuf};
+
+/// The model for this plan, storing activations in the configured
+/// precision, with `train.trainable` applied.
+pub fn model_for(plan: &Plan) -> Result<Box<dyn LanguageModel>> {
+    let mut model = plan.family.build(plan.build())?;
+    apply_trainable(&mut model, &trainable_patterns(&plan.cfg))?;
+    Ok(model)
+}
+
+/// The tensors to train: `train.trainable`, except that with `[lora]` and
+/// the default `["*"]` only the adapters train (the base is frozen).
+pub fn trainable_patterns(cfg: &Config) -> Vec<String> {
+    let everything = cfg.train.trainable.len() == 1 && cfg.train.trainable[0] == "*";
+    if cfg.lora.is_some() && everything {
+        return vec!["*.lora_A.weight".into(), "*.lora_B.weight".into()];
+    }
+    cfg.train.trainable.clone()
+}
+
+/// Freezes every tensor that no `train.trainable` pattern names; a pattern
+/// that names no tensor is an error (a typo would silently freeze).
+pub fn apply_trainable(model: &mut impl Model, patterns: &[String]) -> Result<usize> {
+    let names: Vec<String> = model.layout().tensors().iter().map(|t| t.name.clone()).collect();
+    if let Some(p) = patterns.iter().find(|p| !names.iter().any(|n| config::name_matches(p, n))) {
+        bail!(
+            "train.trainable: pattern `{p}` names no tensor of this model (tensor names look like {}, {}; `*` matches any run of characters)",
+            names.first().map_or("", String::as_str),
+            names.get(2).map_or("", String::as_str)
+        );
+    }
+    Ok(model.set_trainable(&|t| patterns.iter().any(|p| config::name_matches(p, &t.name))))
+}
+
+/// A trainer over freshly initialised parameters for this rank of `comm`
+/// (rank 0's parameters are broadcast; ZeRO partitions as configured).
+pub fn trainer_for(plan: &Plan, model: &impl Model, comm: &mut dyn Communicator) -> Result<Trainer> {
+    trainer_from(plan, model, comm, None, &scratch_offload_root())
+}
+
+/// Where `verify` and `bench` offload optimizer state (no run folder):
+/// a folder of this process under the temporary directory.
+pub fn scratch_offload_root() -> PathBuf {
+    std::env::temp_dir().join(format!("macrobatch-offload-{}", std::process::id()))
+}
+
+/// Removes the offload folder once every rank's files are gone (each
+/// trainer removes its own `rank-R/`); a no-op if anything is left in it.
+pub fn remove_offload_root(root: &Path) {
+    let _ = std::fs::remove_dir(root);
+}
+
+/// [`trainer_for`] starting from `initial` parameters (a checkpoint's or a
+/// pretrained model's), read a segment at a time: no further full copy.
+pub fn trainer_from(
+    plan: &Plan,
+    model: &impl Model,
+    comm: &mut dyn Communicator,
+    initial: Option<&[f32]>,
+    offload_root: &Path,
+) -> Result<Trainer> {
+    let n_params = model.layout().n_params();
+    let (cfg, o) = (&plan.cfg, &plan.cfg.optim);
+    let optimizer = match o.name {
+        OptimizerKind::Sgd => Optimizer::Sgd(Sgd::new(n_params, o.momentum, o.nesterov, o.weight_decay)?),
+        OptimizerKind::AdamW => Optimizer::AdamW(AdamW::new(n_params, o.beta1, o.beta2, o.eps, o.weight_decay)?),
+    };
+    let schedule = LrSchedule {
+        max_lr: o.lr,
+        min_lr: cfg.schedule.min_lr,
+        warmup_steps: cfg.schedule.warmup_steps,
+        total_steps: cfg.train.steps,
+        decay: cfg.schedule.kind,
+    };
+    let options = TrainerOptions {
+        grad_clip: (cfg.train.grad_clip > 0.0).then_some(cfg.train.grad_clip),
+        normalization: cfg.train.loss_normalization,
+        bucket_elems: bucket_elems(cfg),
+        precision: cfg.train.precision,
+        loss_scaler: LossScalerConfig {
+            initial_scale: cfg.train.initial_loss_scale,
+            window: cfg.train.loss_scale_window,
+            hysteresis: cfg.train.loss_scale_hysteresis,
+            min_scale: cfg.train.min_loss_scale,
+        },
+    };
+    let zero = ZeroConfig { stage: cfg.dist.zero_stage, reduce_every_micro_step: cfg.dist.reduce_every_micro_step };
+    let segments = model.segments();
+    let init = |seg: usize| match initial {
+        Some(p) => p[segments[seg].clone()].to_vec(),
+        None => plan.family.init_segment(cfg.train.seed, seg),
+    };
+    if let Some(p) = initial.filter(|p| p.len() != n_params) {
+        bail!("the initial parameters hold {} values, the model {n_params}", p.len());
+    }
+    let mut trainer = Trainer::distributed_with(model, &init, optimizer, schedule, options, zero, comm)?;
+    match cfg.dist.offload_optimizer {
+        OffloadOptimizer::None => {}
+        OffloadOptimizer::Disk => {
+            // After the constructor's broadcasts from rank 0, which created
+            // the run folder before taking part: no rank makes it first.
+            let dir = offload_root.join(format!("rank-{}", comm.rank()));
+            trainer
+                .offload_optimizer(&dir)
+                .with_context(|| format!("dist.offload_optimizer = \"disk\": cannot set up {}", dir.display()))?;
+        }
+    }
+    Ok(trainer)
+}
+
+/// Elements per gradient all-reduce bucket (`dist.bucket_mb` of f32).
+pub fn bucket_elems(cfg: &Config) -> usize {
+    ((cfg.dist.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1)
+}

@@ -1,0 +1,186 @@
+//! Checkpoint policy: when a step is saved (every `train.checkpoint_every`
+//! steps, the last step, and whenever the ranks agreed to stop), the full
+//! state gathered to rank 0, written while the other ranks wait, the
+//! newest `train.keep_checkpoints` kept; and the final save of the model.
+
+use super::outputs::{resolved_toml, Outputs};
+use super::start::Start;
+use crate::checkpoint::{self, TrainerState};
+use crate::family::Build;
+use crate::heap::{self, Phase};
+use crate::ranks::rank0_phase;
+use crate::setup::Plan;
+use anyhow::{Context, Result};
+use comm::Communicator;
+use engine::{ParamLayout, Trainer};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// A step's full state on rank 0: the parameters and the optimizer state by name.
+pub type FullState = (Vec<f32>, Vec<(String, Vec<f32>)>);
+
+/// When and how a run's checkpoints are written.
+pub struct Checkpoints<'a> {
+    plan: &'a Plan,
+    start: &'a Start,
+    /// Wherever the master weights are sharded, gathering them is a
+    /// collective every rank joins.
+    all_ranks_gather: bool,
+    /// Heartbeat of rank-0-only phases: well inside every rank's timeout.
+    heartbeat: Duration,
+    /// The config saved into every checkpoint.
+    config_toml: String,
+}
+
+impl<'a> Checkpoints<'a> {
+    /// The policy of `plan` for a rank holding `trainer`.
+    pub fn new(plan: &'a Plan, start: &'a Start, trainer: &Trainer) -> Self {
+        Self {
+            plan,
+            start,
+            all_ranks_gather: trainer.master_sharded(),
+            heartbeat: Duration::from_secs_f64((plan.cfg.dist.timeout_s / 4.0).clamp(0.001, 1.0)),
+            config_toml: resolved_toml(plan),
+        }
+    }
+
+    /// Whether step `step` is saved: every `train.checkpoint_every` steps
+    /// and the last, and whenever the ranks agreed to `stop`.
+    pub fn due(&self, step: u64, stop: bool) -> bool {
+        let every = self.plan.cfg.train.checkpoint_every;
+        stop || (every > 0 && (step.is_multiple_of(every) || step == self.plan.cfg.train.steps))
+    }
+
+    /// This rank's part in gathering the full state of a `due` step (a
+    /// collective at ZeRO ≥ 1 or with sharded master weights); rank 0 gets it.
+    pub fn gather(
+        &self,
+        due: bool,
+        rank0: bool,
+        step: u64,
+        trainer: &mut Trainer,
+        comm: &mut dyn Communicator,
+    ) -> Result<Option<FullState>> {
+        if !(due && (rank0 || self.plan.cfg.dist.zero_stage >= 1 || self.all_ranks_gather)) {
+            return Ok(None);
+        }
+        heap::set_phase(Phase::Checkpoint);
+        let what = || format!("writing the checkpoint of step {step}: {}", heap::advice(Phase::Checkpoint));
+        let params = trainer.full_params_to_rank0(comm).with_context(what)?;
+        let opt = trainer.full_optimizer_state(comm, false).with_context(what)?;
+        Ok(params.map(|p| (p, opt)))
+    }
+
+    /// Ranks other than 0 on a `due` step: wait, exchanging heartbeats,
+    /// while rank 0 writes.
+    pub fn wait_for_rank0(&self, due: bool, comm: &mut dyn Communicator) -> Result<()> {
+        if due {
+            rank0_phase(comm, self.heartbeat, None::<fn() -> Result<()>>)?;
+        }
+        Ok(())
+    }
+
+    /// Rank 0 on a `due` step without the full state (which cannot happen):
+    /// the phase the other ranks wait in, kept paired.
+    pub fn skip_write(&self, comm: &mut dyn Communicator) -> Result<()> {
+        rank0_phase(comm, self.heartbeat, Some(|| Ok(())))?;
+        Ok(())
+    }
+
+    /// Rank 0: writes step `step`'s checkpoint into `out.dir` (while the
+    /// other ranks wait) and prunes the old ones; returns its folder.
+    pub fn write(
+        &self,
+        comm: &mut dyn Communicator,
+        out: &Outputs,
+        step: u64,
+        state: FullState,
+        trainer: &Trainer,
+        layout: &ParamLayout,
+    ) -> Result<PathBuf> {
+        let (plan, cfg, fault) = (self.plan, &self.plan.cfg, self.start.fault);
+        let (mut params, opt_state) = state;
+        if fault.is_some_and(|f| f.poisons(step)) {
+            let last = params.len() - 1;
+            params[last] = f32::NAN;
+        }
+        let (epoch, step_in_epoch) = plan.sampler.position(step);
+        let state = TrainerState {
+            step,
+            n_updates: trainer.optimizer().n_updates(),
+            epoch,
+            step_in_epoch,
+            seed: cfg.train.seed,
+            global_batch: plan.batch.global,
+            world_size: plan.batch.world_size,
+            optimizer: cfg.optim.name,
+            schedule_step: Some(trainer.n_steps()),
+            loss_scaler: trainer.loss_scaler().map(|s| checkpoint::ScalerState {
+                scale: s.scale,
+                good_steps: s.good_steps,
+                hysteresis_left: s.hysteresis_left,
+                n_skipped: s.n_skipped,
+            }),
+            run_id: Some(self.start.run_id.clone()),
+        };
+        let delay = fault.and_then(|f| f.checkpoint_delay(comm.rank(), step));
+        let (dir, config_toml) = (&out.dir, &self.config_toml);
+        let write = || -> Result<PathBuf> {
+            if let Some(d) = delay {
+                std::thread::sleep(d);
+            }
+            let path = checkpoint::save(dir, plan.family.as_ref(), layout, &params, &opt_state, &state, config_toml)?;
+            checkpoint::prune(dir, cfg.train.keep_checkpoints)?;
+            Ok(path)
+        };
+        rank0_phase(comm, self.heartbeat, Some(write))?.context("rank 0 wrote no checkpoint")
+    }
+
+    /// After the last step: this rank's part in gathering the final
+    /// parameters (every rank's where the master weights are sharded); rank
+    /// 0 gets them.
+    pub fn gather_final(
+        &self,
+        rank0: bool,
+        trainer: &mut Trainer,
+        comm: &mut dyn Communicator,
+    ) -> Result<Option<Vec<f32>>> {
+        heap::set_phase(Phase::Save);
+        if !(rank0 || self.all_ranks_gather) {
+            return Ok(None);
+        }
+        let what = || format!("saving the model: {}", heap::advice(Phase::Save));
+        trainer.full_params_to_rank0(comm).with_context(what)
+    }
+
+    /// Rank 0: saves the final model (checked finite) into the run folder,
+    /// with `--merge` also the model with its adapters folded in, and says
+    /// where it went.
+    pub fn save_final(&self, out: Outputs, layout: &ParamLayout, params: &[f32], started: Instant) -> Result<()> {
+        let plan = self.plan;
+        out.reporter.finish();
+        checkpoint::check_finite(layout, params, "final parameters")?;
+        plan.family.save_hf(&out.dir, layout, params)?;
+        if self.start.merge {
+            match plan.family.merged(params)? {
+                Some((family, merged)) => {
+                    let dir = out.dir.join("merged");
+                    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+                    let layout = family.build(Build::default())?.layout().clone();
+                    family.save_hf(&dir, &layout, &merged)?;
+                    plan.tokenizer.save_pretrained(&dir)?;
+                    eprintln!("merged model (adapters folded into the weights) saved to {}", dir.display());
+                }
+                None => eprintln!("warning: --merge: this run has no LoRA adapters to merge; nothing written"),
+            }
+        }
+        eprintln!(
+            "done: {} steps in {:.1}s; model saved to {} (try: macrobatch generate {} --prompt \"Call me\")",
+            plan.cfg.train.steps,
+            started.elapsed().as_secs_f64(),
+            out.dir.display(),
+            out.dir.display()
+        );
+        Ok(())
+    }
+}

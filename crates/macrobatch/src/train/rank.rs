@@ -1,0 +1,201 @@
+//! The training loop of one rank: build, then per step the fault hook,
+//! the step's batches, the optimizer step, the stop agreement, evaluation,
+//! the checkpoint and the metrics line; after the last step the memory
+//! report and the final save.
+
+use super::checkpointing::Checkpoints;
+use super::dump::dump_step;
+use super::eval::maybe_evaluate;
+use super::outputs::Outputs;
+use super::reports::{self, MemoryWatch, StepContext};
+use super::start::Start;
+use crate::dist::Fault;
+use crate::heap::{self, Phase};
+use crate::setup::{model_for, rank_batches, trainer_from, Plan};
+use anyhow::{bail, Context, Result};
+use comm::Communicator;
+use config::TrainConfig;
+use data::EpochOrder;
+use engine::{Model, TokenBatch, Trainer};
+use std::path::Path;
+use std::time::Instant;
+
+/// The training loop of one rank. Rank 0 (holding `outputs`) evaluates,
+/// records metrics, writes checkpoints and saves the model.
+pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<Outputs>, start: &Start) -> Result<()> {
+    let rank = comm.rank();
+    let cfg = &plan.cfg;
+    // The rank's own heap, from here on (a single rank's thread also holds
+    // the data set and the program's allocations from before).
+    let heap_base = heap::reset_peak();
+    heap::set_phase(Phase::Build);
+    let mut model = model_for(plan)?;
+    let mut memory = MemoryWatch::new(plan, heap_base)?;
+    let offload_root = start.offload_root.get().context("the run folder is not known yet")?;
+    let (mut trainer, first_step) = start_trainer(plan, &model, comm, start, offload_root)?;
+    let mem = trainer.memory();
+    if let Some(out) = &outputs {
+        reports::print_memory(out, cfg.dist.zero_stage, &mem, offload_root);
+    }
+    let checkpoints = Checkpoints::new(plan, start, &trainer);
+    let started = Instant::now();
+    let mut orders = EpochOrders::new(plan);
+    let mut floor_skips = FloorSkips::default();
+    for step_idx in first_step..cfg.train.steps {
+        let step = step_idx + 1;
+        heap::set_phase(Phase::Step);
+        fault_hook(start.fault.as_ref(), rank, step)?;
+        let (epoch, batches, input_tokens) = orders.step_batches(step_idx, rank, outputs.is_some())?;
+        if let Some(dir) = &start.dump_steps {
+            dump_step(dir, step, &batches, (step_idx == first_step).then(|| (&trainer, model.layout())))?;
+        }
+        let t0 = Instant::now();
+        let report = trainer.step(&mut model, comm, &batches)?;
+        let step_s = t0.elapsed().as_secs_f64();
+        floor_skips.check(step, report.skipped, &trainer, &cfg.train)?;
+        if memory.first_step_pending() {
+            drop(batches);
+            memory.after_first_step(plan, &trainer, model.activation_bytes(), comm.buffer_bytes())?;
+        }
+        if cfg.dist.check_every > 0 && step % cfg.dist.check_every == 0 {
+            trainer.check_params_agree(comm)?;
+        }
+        let stop = start.stop.agree(comm, step - first_step)?;
+        let val_loss = maybe_evaluate(plan, step, outputs.is_some(), &mut trainer, &mut model, comm)?;
+        let checkpoint_due = checkpoints.due(step, stop);
+        let full_state = checkpoints.gather(checkpoint_due, outputs.is_some(), step, &mut trainer, comm)?;
+        let Some(out) = outputs.as_mut() else {
+            checkpoints.wait_for_rank0(checkpoint_due, comm)?;
+            if stop {
+                return Ok(());
+            }
+            continue;
+        };
+        let at =
+            StepContext { step, epoch, input_tokens, step_s, elapsed_s: started.elapsed().as_secs_f64(), val_loss };
+        out.reporter.record(&reports::step_record(at, report, &mem, model.activation_bytes(), &memory.predicted))?;
+        if let Some(state) = full_state {
+            let path = checkpoints.write(comm, out, step, state, &trainer, model.layout())?;
+            if stop {
+                out.reporter.finish();
+                start.stop.announce(step, &path, &out.dir);
+                return Ok(());
+            }
+        } else if checkpoint_due {
+            checkpoints.skip_write(comm)?;
+        }
+        if stop {
+            return Ok(());
+        }
+    }
+    // Per-rank memory to rank 0, then the final parameters.
+    let per_rank = memory.gather(comm)?;
+    let params = checkpoints.gather_final(outputs.is_some(), &mut trainer, comm)?;
+    if let Some(out) = &outputs {
+        memory.write_file(out, plan, comm.world_size(), model.layout().n_params(), &trainer, &per_rank)?;
+    }
+    if let (Some(out), Some(params)) = (outputs, params) {
+        checkpoints.save_final(out, model.layout(), &params, started)?;
+    }
+    Ok(())
+}
+
+/// This rank's trainer — from a checkpoint, pretrained parameters or a
+/// fresh initialisation, offloading under `offload_root` — with the
+/// parameters checked equal on every rank; and the step it starts after.
+fn start_trainer(
+    plan: &Plan,
+    model: &impl Model,
+    comm: &mut dyn Communicator,
+    start: &Start,
+    offload_root: &Path,
+) -> Result<(Trainer, u64)> {
+    // A checkpoint or pretrained parameters: each rank takes them once and
+    // the last lets them go, so they are not held for the whole run.
+    let resume = start.resume.as_ref().and_then(|h| h.take());
+    let pretrained = start.init_params.as_ref().and_then(|h| h.take());
+    let initial = resume.as_ref().map(|l| l.params.as_slice()).or(pretrained.as_deref().map(Vec::as_slice));
+    let mut trainer = trainer_from(plan, model, comm, initial, offload_root)?;
+    drop(pretrained);
+    let mut first_step = 0;
+    if let Some(l) = resume {
+        let st = &l.state;
+        trainer.restore_optimizer(st.schedule_step.unwrap_or(st.step), st.n_updates, |name| {
+            l.optimizer.get(name).cloned()
+        })?;
+        if let Some(sc) = &st.loss_scaler {
+            trainer.set_loss_scaler(sc.scale, sc.good_steps, sc.hysteresis_left, sc.n_skipped);
+        }
+        first_step = st.step;
+    }
+    trainer.check_params_agree(comm)?;
+    Ok((trainer, first_step))
+}
+
+/// Test fault injection (`MACROBATCH_FAULT`): fires at its rank and step.
+fn fault_hook(fault: Option<&Fault>, rank: usize, step: u64) -> Result<()> {
+    match fault {
+        Some(f) => f.maybe_fire(rank, step),
+        None => Ok(()),
+    }
+}
+
+/// The sample order of the epoch being trained, made when the epoch starts.
+struct EpochOrders<'a> {
+    plan: &'a Plan,
+    current: Option<(u64, EpochOrder)>,
+}
+
+impl<'a> EpochOrders<'a> {
+    fn new(plan: &'a Plan) -> Self {
+        Self { plan, current: None }
+    }
+
+    /// Step `step_idx`'s epoch, this rank's K micro-batches, and (with
+    /// `count_inputs`, for rank 0's metrics) every rank's input positions,
+    /// from the indices alone (no collective).
+    fn step_batches(&mut self, step_idx: u64, rank: usize, count_inputs: bool) -> Result<(u64, Vec<TokenBatch>, u64)> {
+        let plan = self.plan;
+        let (epoch, step_in_epoch) = plan.sampler.position(step_idx);
+        if self.current.as_ref().map(|o| o.0) != Some(epoch) {
+            self.current = Some((epoch, plan.sampler.epoch_order(epoch)));
+        }
+        let Some((_, ord)) = self.current.as_ref() else { bail!("no sample order for epoch {epoch}") };
+        let batches = rank_batches(plan, &plan.sampler, ord, step_in_epoch, rank)?;
+        let input_tokens = if count_inputs {
+            let shape = plan.sampler.shape();
+            (0..shape.world_size)
+                .flat_map(|r| (0..shape.accumulation_steps).map(move |k| (r, k)))
+                .map(|(r, k)| plan.train.input_positions(&plan.sampler.micro_batch(ord, step_in_epoch, k, r)) as u64)
+                .sum()
+        } else {
+            0
+        };
+        Ok((epoch, batches, input_tokens))
+    }
+}
+
+/// f16: a loss scale stuck at its floor that still overflows skips every
+/// step, and the run makes no progress. (Every rank skips alike.)
+#[derive(Default)]
+struct FloorSkips {
+    in_a_row: u64,
+}
+
+impl FloorSkips {
+    /// Counts step `step` (`skipped` or not); an error once
+    /// `train.max_skips_at_min_scale` steps in a row were skipped at the floor.
+    fn check(&mut self, step: u64, skipped: bool, trainer: &Trainer, cfg: &TrainConfig) -> Result<()> {
+        let at_floor = trainer.loss_scaler().is_some_and(|s| s.scale <= cfg.min_loss_scale);
+        self.in_a_row = if skipped && at_floor { self.in_a_row + 1 } else { 0 };
+        let max_skips = cfg.max_skips_at_min_scale;
+        if max_skips > 0 && self.in_a_row >= max_skips {
+            bail!(
+                "step {step}: {} steps in a row were skipped for non-finite gradients at the minimum loss scale ({}); the run cannot make progress (lower optim.lr, enable train.grad_clip, use train.precision=bf16, or lower train.min_loss_scale; train.max_skips_at_min_scale sets this limit)",
+                self.in_a_row,
+                cfg.min_loss_scale
+            );
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,237 @@
+//! What a run reports: the memory lines at its start, one `metrics.jsonl`
+//! record per step, the check of `batch.micro = "auto"`'s choice against the
+//! first step's measured peak, and `memory.json` (every rank's accounting
+//! and measured peaks beside the memory model's prediction).
+
+use super::outputs::Outputs;
+use crate::heap;
+use crate::memory::{peak_rss_bytes, proc_status_bytes};
+use crate::metrics::StepRecord;
+use crate::planning::{self, Estimate, Knobs};
+use crate::setup::Plan;
+use anyhow::{bail, Result};
+use comm::Communicator;
+use config::Precision;
+use engine::{MemoryReport, StepReport, Trainer};
+use std::path::Path;
+
+/// Rank 0: the per-rank memory of the trainer's accounting, and where
+/// optimizer state is offloaded.
+pub fn print_memory(out: &Outputs, zero_stage: u8, mem: &MemoryReport, offload_root: &Path) {
+    out.reporter.println(&format!(
+        "memory per rank (ZeRO stage {}): params {:.1} MB, grads {:.1} MB, optimizer {:.1} MB, comm buffers {:.1} MB",
+        zero_stage,
+        mem.params as f64 / 1e6,
+        mem.grads as f64 / 1e6,
+        mem.optimizer as f64 / 1e6,
+        mem.comm_buffers as f64 / 1e6
+    ));
+    if mem.offloaded > 0 {
+        out.reporter.println(&format!(
+            "optimizer state offloaded to disk: {:.1} MB per rank in {}",
+            mem.offloaded as f64 / 1e6,
+            offload_root.display()
+        ));
+    }
+}
+
+/// A step as rank 0 saw it, besides the engine's report.
+pub struct StepContext {
+    /// The step (1-based).
+    pub step: u64,
+    /// Its epoch.
+    pub epoch: u64,
+    /// Every rank's input positions of the step.
+    pub input_tokens: u64,
+    /// Seconds the step took.
+    pub step_s: f64,
+    /// Seconds since the loop began.
+    pub elapsed_s: f64,
+    /// The validation loss, when measured at this step.
+    pub val_loss: Option<f64>,
+}
+
+/// One line of `metrics.jsonl`: the step, its report, and the memory of the
+/// trainer's accounting `mem`, the model's activations, the measured peak
+/// and the memory model's prediction.
+pub fn step_record(
+    at: StepContext,
+    report: StepReport,
+    mem: &MemoryReport,
+    activation_bytes: usize,
+    predicted: &Estimate,
+) -> StepRecord {
+    StepRecord {
+        step: at.step,
+        epoch: at.epoch,
+        loss: report.loss,
+        lr: report.lr,
+        grad_norm: report.grad_norm,
+        clipped: report.clipped,
+        tokens: report.n_targets,
+        tokens_per_s: report.n_targets as f64 / at.step_s,
+        input_tokens: at.input_tokens,
+        input_tokens_per_s: at.input_tokens as f64 / at.step_s,
+        micro_steps: report.n_micro_steps,
+        micro_losses: report.micro_losses,
+        comm_bytes: report.comm_bytes,
+        comm_calls: report.comm_calls,
+        step_ms: at.step_s * 1e3,
+        elapsed_s: at.elapsed_s,
+        val_loss: at.val_loss,
+        skipped: report.skipped,
+        loss_scale: report.loss_scale,
+        mem_params: mem.params,
+        mem_grads: mem.grads,
+        mem_optimizer: mem.optimizer,
+        mem_master: mem.master,
+        mem_activations: activation_bytes,
+        mem_comm_buffers: mem.comm_buffers,
+        mem_peak_rss: peak_rss_bytes(),
+        mem_predicted: predicted.per_process(),
+    }
+}
+
+/// A rank's memory over the run: its own heap from the model's build on,
+/// the resident set before its trainer existed, and what the first step
+/// showed.
+pub struct MemoryWatch {
+    /// The rank's live heap bytes when it started.
+    heap_base: i64,
+    /// The memory model's prediction for the plan.
+    pub predicted: Estimate,
+    /// Resident bytes before the trainer existed.
+    rss_before: Option<u64>,
+    /// Resident-set growth over the trainer and first step, less the
+    /// accounted activations and collective buffers.
+    model_states_rss: Option<u64>,
+}
+
+impl MemoryWatch {
+    /// Started once the rank's model is built, before its trainer; the
+    /// rank's heap counts from `heap_base` ([`heap::reset_peak`]).
+    pub fn new(plan: &Plan, heap_base: i64) -> Result<Self> {
+        let predicted = planning::estimate(plan, Knobs::of(plan))?;
+        Ok(Self { heap_base, predicted, rss_before: proc_status_bytes("VmRSS:"), model_states_rss: None })
+    }
+
+    /// Whether the first step's measurement is still to come.
+    pub fn first_step_pending(&self) -> bool {
+        self.model_states_rss.is_none()
+    }
+
+    /// After the first step (every allocation of a step has happened by
+    /// now): the trial that confirms `batch.micro = "auto"`'s choice against
+    /// the measured peak, and the model states as the OS sees them
+    /// (`activation_bytes` and the communicator's `comm_buffer_bytes` left
+    /// out).
+    pub fn after_first_step(
+        &mut self,
+        plan: &Plan,
+        trainer: &Trainer,
+        activation_bytes: usize,
+        comm_buffer_bytes: usize,
+    ) -> Result<()> {
+        if let (Some(budget), Some(peak)) = (plan.memory_budget, peak_rss_bytes()) {
+            if peak > budget {
+                bail!(
+                    "batch.micro = \"auto\" chose micro {} for a budget of {}, but the first step peaked at {} (planned {}); lower train.memory_budget or set batch.micro by hand",
+                    plan.batch.micro,
+                    planning::human(budget),
+                    planning::human(peak),
+                    planning::human(self.predicted.per_process())
+                );
+            }
+        }
+        let m = trainer.memory();
+        let other = (activation_bytes + m.comm_buffers + comm_buffer_bytes) as u64;
+        self.model_states_rss =
+            self.rss_before.zip(proc_status_bytes("VmRSS:")).map(|(a, b)| b.saturating_sub(a).saturating_sub(other));
+        Ok(())
+    }
+
+    /// Every rank's peak resident set, model states and own heap peak,
+    /// gathered (a collective): 3 values per rank, in KiB (f32: exact up to
+    /// 16 GiB).
+    pub fn gather(&self, comm: &mut dyn Communicator) -> Result<Vec<f32>> {
+        let kib = |b: Option<u64>| (b.unwrap_or(0) / 1024) as f32;
+        let rank_heap = Some((heap::peak() - self.heap_base).max(0) as u64);
+        let mine = [kib(peak_rss_bytes()), kib(self.model_states_rss), kib(rank_heap)];
+        let mut all = vec![0.0f32; 3 * comm.world_size()];
+        comm.all_gather(&mine, &mut all)?;
+        Ok(all)
+    }
+
+    /// Rank 0: `DIR/memory.json` of a run of `world` ranks training a
+    /// model of `n_params` parameters, from the gathered per-rank figures
+    /// `all` ([`MemoryWatch::gather`]).
+    pub fn write_file(
+        &self,
+        out: &Outputs,
+        plan: &Plan,
+        world: usize,
+        n_params: usize,
+        trainer: &Trainer,
+        all: &[f32],
+    ) -> Result<()> {
+        let cfg = &plan.cfg;
+        let file = MemoryFile {
+            zero_stage: cfg.dist.zero_stage,
+            world_size: world,
+            n_params,
+            accounting: trainer.memory(),
+            precision: cfg.train.precision,
+            formula_model_states: (cfg.train.precision == Precision::F32)
+                .then(|| formula_model_states(cfg.dist.zero_stage, !cfg.dist.reduce_every_micro_step, n_params, world)),
+            peak_rss: all.chunks(3).map(|c| c[0] as u64 * 1024).collect(),
+            peak_rank_heap: all.chunks(3).map(|c| c[2] as u64 * 1024).collect(),
+            predicted: self.predicted,
+            measured_model_states: all.chunks(3).map(|c| c[1] as u64 * 1024).collect(),
+        };
+        gpt::hf::write_atomic(&out.dir.join("memory.json"), serde_json::to_string_pretty(&file)?.as_bytes())?;
+        Ok(())
+    }
+}
+
+/// Per-rank memory: the accounting and what the OS measured.
+#[derive(serde::Serialize)]
+struct MemoryFile {
+    zero_stage: u8,
+    world_size: usize,
+    n_params: usize,
+    /// Rank 0's accounting (every rank's is the same up to padding).
+    accounting: engine::MemoryReport,
+    /// Storage precision of the run.
+    precision: Precision,
+    /// The per-rank model-state bytes of docs/contract.md (Memory) for this stage (f32 runs; under
+    /// mixed precision macrobatch keeps an f32 gradient accumulator and, at
+    /// stages 1–2, unsharded f32 master weights, so the formula does not apply).
+    formula_model_states: Option<f64>,
+    /// Per rank: peak resident set (VmHWM; thread ranks share one process,
+    /// so each reports the process's).
+    peak_rss: Vec<u64>,
+    /// Per rank: the most heap bytes the rank's own thread held at once,
+    /// from building its model to the end of training (a per-rank measured
+    /// peak also when ranks are threads of one process).
+    peak_rank_heap: Vec<u64>,
+    /// The memory model's per-rank and per-process prediction (`macrobatch plan`).
+    predicted: Estimate,
+    /// Per rank: resident-set growth from before the trainer existed to after
+    /// the first step, less the accounted activations and collective buffers
+    /// (the trainer's and the communicator's): the model states as the OS sees them.
+    measured_model_states: Vec<u64>,
+}
+
+/// The per-rank model-state bytes of docs/contract.md (Memory) in f32 (params 4Ψ, grads 4Ψ, AdamW
+/// 8Ψ; no separate master copy): stage 0 16Ψ, 1 8Ψ + 8Ψ/N, 2 4Ψ + 12Ψ/N,
+/// 3 16Ψ/N. Stage 2 accumulating locally keeps its full gradient: 8Ψ + 8Ψ/N.
+pub fn formula_model_states(stage: u8, local_accumulation: bool, n_params: usize, world: usize) -> f64 {
+    let (p, n) = (n_params as f64, world as f64);
+    match stage {
+        0 => 16.0 * p,
+        1 => 8.0 * p + 8.0 * p / n,
+        2 if local_accumulation => 8.0 * p + 8.0 * p / n,
+        2 => 4.0 * p + 12.0 * p / n,
+        _ => 16.0 * p / n,
+    }
+}

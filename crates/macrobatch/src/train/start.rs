@@ -1,0 +1,296 @@
+//! Where a run starts from: a new run, `--resume DIR` (its checkpoint,
+//! config and run id, refused when it does not match the plan) or
+//! `--init-from` a pretrained model; and the handing of those parameters to
+//! each rank once.
+
+use super::stop::StopRequests;
+use crate::checkpoint::{self, Loaded};
+use crate::dist::Fault;
+use crate::family;
+use crate::folder::{self, FolderLock, RUN_ID_FILE};
+use crate::memory;
+use crate::setup::Plan;
+use crate::TrainArgs;
+use anyhow::{bail, Context, Result};
+use config::Config;
+use data::TokenizerSpec;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// Where a run starts from, and when it stops early.
+#[derive(Clone)]
+pub struct Start {
+    /// A checkpoint to continue from.
+    pub resume: Option<Arc<Handoff<Loaded>>>,
+    /// Pretrained parameters (`--init-from`).
+    pub init_params: Option<Arc<Handoff<Vec<f32>>>>,
+    /// `--stop-after`, SIGINT / SIGTERM, and whether the ranks stopped early.
+    pub stop: StopRequests,
+    /// Test fault injection.
+    pub fault: Option<Fault>,
+    /// This run's identity, written into every checkpoint.
+    pub run_id: String,
+    /// `--dump-steps`: where the initial trainable tensors and every step's
+    /// micro-batches go (one rank).
+    pub dump_steps: Option<PathBuf>,
+    /// `--merge`: also save the model with its LoRA adapters merged.
+    pub merge: bool,
+    /// `dist.offload_optimizer = "disk"`: the run folder's `offload/`
+    /// (each rank's files in `rank-R/`, removed at the end of the run).
+    /// Set once the run folder is known (rank 0 may pick a fresh name).
+    pub offload_root: Arc<std::sync::OnceLock<PathBuf>>,
+}
+
+/// A value each of `n` ranks of this process takes once; after the last
+/// take it is released (the ranks' own references go when they are done).
+pub struct Handoff<T> {
+    slot: std::sync::Mutex<Option<Arc<T>>>,
+    remaining: AtomicUsize,
+}
+
+impl<T> Handoff<T> {
+    /// `value` for `n` ranks.
+    pub fn new(value: T, n: usize) -> Arc<Self> {
+        Arc::new(Self { slot: std::sync::Mutex::new(Some(Arc::new(value))), remaining: AtomicUsize::new(n) })
+    }
+
+    /// The value (`None` once every rank took it).
+    pub fn take(&self) -> Option<Arc<T>> {
+        let mut slot = self.slot.lock().ok()?;
+        let v = slot.clone();
+        if self.remaining.fetch_sub(1, Ordering::SeqCst) <= 1 {
+            *slot = None;
+        }
+        v
+    }
+}
+
+/// The run folder `--resume` continues, if any: `--resume DIR`, or
+/// `--resume` with `--out DIR`.
+pub fn resume_dir(args: &TrainArgs) -> Result<Option<PathBuf>> {
+    Ok(match &args.resume {
+        None => None,
+        Some(Some(d)) => {
+            if let Some(out) = args.out.as_ref().filter(|o| !folder::same_path(o, d)) {
+                bail!(
+                    "--resume {} continues that run in its own folder, so --out {} would be ignored; drop --out (or copy the run folder to {} and resume that)",
+                    d.display(),
+                    out.display(),
+                    out.display()
+                );
+            }
+            Some(d.clone())
+        }
+        Some(None) => Some(args.out.clone().context("--resume needs the run directory: --resume DIR (or --out DIR)")?),
+    })
+}
+
+/// A resumed run: the config saved in the newest valid checkpoint of `dir`
+/// (with `--set`), that checkpoint, and the folder's lock when this process
+/// writes the folder (taken before anything in it is read or moved).
+pub fn load_resumed(dir: &Path, args: &TrainArgs, writes_folder: bool) -> Result<(Config, Loaded, Option<FolderLock>)> {
+    if args.config.is_some() || args.deepspeed.config_model.is_some() || args.deepspeed.strict {
+        bail!("--resume continues with the config saved in the checkpoint; drop the CONFIG argument (and --config-model, --strict; use --set to override single keys)");
+    }
+    if !dir.is_dir() {
+        bail!("--resume {}: no such run folder", dir.display());
+    }
+    // Before anything in the folder is read or moved: one process
+    // per run folder (rank 0 of an MPI job; the others only read).
+    let mut lock = None;
+    if writes_folder {
+        lock = Some(folder::lock(dir, "train --resume")?);
+        for line in checkpoint::clean_leftovers(dir)? {
+            eprintln!("{line}");
+        }
+    }
+    let loaded = crate::heap::during(crate::heap::Phase::Load, || checkpoint::latest_valid(dir, |w| eprintln!("{w}")))?;
+    let folder_id = read_run_id(dir)?;
+    match (&folder_id, &loaded.state.run_id) {
+        (Some(f), Some(c)) if f != c => bail!(
+            "checkpoint {} belongs to run {c}, but {} is run {f}: refusing to continue another run's checkpoint",
+            loaded.dir.display(),
+            dir.display()
+        ),
+        (Some(f), None) => bail!(
+            "checkpoint {} has no run id, but {} is run {f}: it was not written by this run; refusing to adopt it",
+            loaded.dir.display(),
+            dir.display()
+        ),
+        _ => {}
+    }
+    eprintln!("resuming from {} (step {})", loaded.dir.display(), loaded.state.step);
+    let origin = loaded.dir.join(checkpoint::CONFIG).display().to_string();
+    let cfg = Config::from_toml(&loaded.config_toml, &origin, &args.set)?;
+    Ok((cfg, loaded, lock))
+}
+
+/// `--init-from`: the pretrained model's parameters (with `[lora]`, fresh
+/// adapters beside them), its shape pinned into `cfg.model` and its
+/// tokenizer into `cfg.data` unless one is configured. Refused on a resumed
+/// run; without it, `[lora]` is warned about.
+pub fn init_from(args: &TrainArgs, cfg: &mut Config, resuming: bool) -> Result<Option<Vec<f32>>> {
+    Ok(match &args.init_from {
+        Some(path) if !resuming => {
+            memory::check_load(path, &format!("--init-from {}", path.display()))
+                .with_context(|| format!("--init-from {}: cannot load the model", path.display()))?;
+            let (pretrained, params) = crate::heap::during(crate::heap::Phase::Load, || family::load_hf(path))
+                .with_context(|| format!("--init-from {}: cannot load the model", path.display()))?;
+            // The pretrained family and shape win over the preset; with
+            // [lora], freshly initialised adapters join the pretrained base.
+            let asked = serde_json::to_value(&cfg.model).unwrap_or_default();
+            pretrained.pin_shape(&mut cfg.model);
+            refuse_shape_overrides(&args.set, &asked, &serde_json::to_value(&cfg.model).unwrap_or_default(), path)?;
+            // Its tokenizer, unless one is configured.
+            if cfg.data.tokenizer.is_none() {
+                if family::is_gguf(path) {
+                    cfg.data.tokenizer = Some(TokenizerSpec::Gguf(path.clone()));
+                } else if path.join("tokenizer.json").exists() {
+                    cfg.data.tokenizer = Some(TokenizerSpec::TokenizerJson(path.join("tokenizer.json")));
+                }
+            }
+            let family = family::from_config(&cfg.model, cfg.lora.as_ref())?;
+            Some(family.start_from_pretrained(params, cfg.train.seed)?)
+        }
+        Some(_) => bail!("--init-from and --resume exclude each other: a resumed run continues from its checkpoint"),
+        None => {
+            if cfg.lora.is_some() && !resuming {
+                eprintln!(
+                    "warning: [lora] without --init-from trains adapters on a randomly initialised, frozen base; fine-tuning means --init-from a pretrained model (a Hugging Face folder or a GGUF file)"
+                );
+            }
+            None
+        }
+    })
+}
+
+/// `--set model.KEY=…` that the pretrained model's shape replaced: an error
+/// naming both values, instead of silently training another shape.
+fn refuse_shape_overrides(
+    sets: &[String],
+    asked: &serde_json::Value,
+    pinned: &serde_json::Value,
+    source: &Path,
+) -> Result<()> {
+    // The last --set of a key is the one in effect.
+    let mut seen = std::collections::HashSet::new();
+    for set in sets.iter().rev() {
+        let Some(key) = set.split_once('=').map(|(k, _)| k.trim()).and_then(|k| k.strip_prefix("model.")) else {
+            continue;
+        };
+        if !seen.insert(key) {
+            continue;
+        }
+        // Token ids are not shape: --set may choose them.
+        if matches!(key, "bos_token_id" | "eos_token_id") {
+            continue;
+        }
+        let (a, p) = (asked.get(key), pinned.get(key));
+        // A float read from GGUF went through f32: equal within its precision.
+        let same_float = matches!((a.and_then(|v| v.as_f64()), p.and_then(|v| v.as_f64())),
+            (Some(x), Some(y)) if (x - y).abs() <= 1e-6 * x.abs().max(y.abs()));
+        if a != p && !same_float {
+            let show = |v: Option<&serde_json::Value>| v.map_or("unset".to_string(), |v| v.to_string());
+            bail!(
+                "--set {set} conflicts with --init-from {}: the pretrained model has model.{key} = {}, and its shape is what gets trained; drop --set model.{key} (the shape comes from the pretrained model)",
+                source.display(),
+                show(p)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a checkpoint that does not continue `plan`: another model shape,
+/// global batch or optimizer, or a step beyond `train.steps`.
+pub fn check_resume(plan: &Plan, l: &Loaded) -> Result<()> {
+    let (saved, wanted) = (l.model.hf_config(), plan.family.hf_config());
+    if saved != wanted {
+        let keys: std::collections::BTreeSet<&String> =
+            saved.as_object().into_iter().chain(wanted.as_object()).flat_map(|o| o.keys()).collect();
+        let differ: Vec<String> = keys
+            .into_iter()
+            .filter(|k| saved.get(k.as_str()) != wanted.get(k.as_str()))
+            .map(|k| {
+                let show = |v: Option<&serde_json::Value>| v.map_or("absent".to_string(), |v| v.to_string());
+                format!("{k}: {} in the checkpoint, {} in the config", show(saved.get(k)), show(wanted.get(k)))
+            })
+            .collect();
+        bail!(
+            "the checkpoint in {} holds a model of shape {} {} but the config asks for {} {} ({}); resume with the run's own [model] settings",
+            l.dir.display(),
+            l.model.name(),
+            l.model.describe(),
+            plan.family.name(),
+            plan.family.describe(),
+            differ.join("; ")
+        );
+    }
+    if l.state.global_batch != plan.batch.global {
+        bail!(
+            "the checkpoint was written with global batch {}, the config now gives {}; the data position counts in global batches, so keep batch.global",
+            l.state.global_batch,
+            plan.batch.global
+        );
+    }
+    if l.state.optimizer != plan.cfg.optim.name {
+        bail!(
+            "the checkpoint holds `{}` optimizer state but optim.name is `{}`",
+            l.state.optimizer,
+            plan.cfg.optim.name
+        );
+    }
+    if plan.cfg.train.steps < l.state.step {
+        bail!(
+            "train.steps = {} is below the checkpoint's step {} ({}): a run cannot go back; resume with train.steps >= {} (or start a new run)",
+            plan.cfg.train.steps,
+            l.state.step,
+            l.dir.display(),
+            l.state.step
+        );
+    }
+    Ok(())
+}
+
+/// This run's id: a resumed folder's (or, for a folder from before run ids,
+/// its checkpoint's, written into the folder), else a new one.
+pub fn run_id(resume_dir: Option<&Path>, resume: Option<&Loaded>, writes_folder: bool) -> Result<String> {
+    Ok(match (resume_dir, resume) {
+        (Some(dir), Some(l)) => match read_run_id(dir)? {
+            Some(id) => id,
+            None => {
+                // A folder from before run ids: take the checkpoint's, or give it one.
+                let id = l.state.run_id.clone().unwrap_or_else(new_run_id);
+                if writes_folder {
+                    gpt::hf::write_atomic(&dir.join(RUN_ID_FILE), format!("{id}\n").as_bytes())?;
+                }
+                id
+            }
+        },
+        _ => new_run_id(),
+    })
+}
+
+/// A new run id: sub-second time, process id and a per-process counter, so
+/// two runs never share one.
+fn new_run_id() -> String {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    format!(
+        "{}-{:09}-{}-{}",
+        now.as_secs(),
+        now.subsec_nanos(),
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// The run id stored in `dir`, if any.
+fn read_run_id(dir: &Path) -> Result<Option<String>> {
+    match std::fs::read_to_string(dir.join(RUN_ID_FILE)) {
+        Ok(t) => Ok(Some(t.trim().to_string())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("cannot read {}", dir.join(RUN_ID_FILE).display())),
+    }
+}
