@@ -27,18 +27,24 @@ use std::sync::Arc;
 
 /// Everything a run needs, checked before the first step.
 pub struct Plan {
+    /// The validated config (with "auto" resolved to the chosen micro-batch).
     pub cfg: Config,
     /// The model family and shape.
     pub family: Arc<dyn Family>,
     /// With `batch.micro = "auto"`: the budget the micro-batch was chosen
     /// for, checked against the measured peak after the first step.
     pub memory_budget: Option<u64>,
+    /// How the ranks run: one, threads of this process, or MPI.
     pub backend: Backend,
+    /// The global batch as micro × K × W.
     pub batch: ResolvedBatch,
+    /// The training samples.
     pub train: Samples,
+    /// The validation samples.
     pub val: Samples,
     /// The tokenizer of the data (saved into the run folder for `generate`).
     pub tokenizer: Arc<Tokenizer>,
+    /// The order of the training samples, step by step and rank by rank.
     pub sampler: Sampler,
 }
 

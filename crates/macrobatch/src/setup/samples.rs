@@ -17,7 +17,12 @@ const BUNDLED_NAME: &str = "bundled corpus (Moby-Dick)";
 /// (the bundled corpus or `data.path` as text through `tokenizer`, or a
 /// token file), or fine-tuning examples (`jsonl`, at most `seq_len`
 /// positions each).
-pub(super) fn load_samples(cfg: &Config, tokenizer: &Tokenizer, seq_len: usize, vocab: usize) -> Result<(Samples, Samples)> {
+pub(super) fn load_samples(
+    cfg: &Config,
+    tokenizer: &Tokenizer,
+    seq_len: usize,
+    vocab: usize,
+) -> Result<(Samples, Samples)> {
     let d = &cfg.data;
     if let (Some(p), Some(v)) = (&d.path, &d.val_path) {
         if folder::same_path(Path::new(p), Path::new(v)) {
