@@ -172,7 +172,7 @@ fn time_steps(plan: &Plan, shape: BatchShape, warmup: usize, steps: usize) -> Re
     let med = median(&mut ms);
     let mem = trainer.memory();
     drop(trainer);
-    crate::setup::remove_offload_root(&crate::setup::scratch_offload_root());
+    crate::setup::remove_scratch_offload_root();
     let flops = plan.family.flops_per_token(plan.train.seq_len()) * tokens;
     Ok(Timing {
         micro: shape.micro,

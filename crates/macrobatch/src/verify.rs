@@ -50,7 +50,7 @@ fn one_step(plan: &Arc<Plan>, shape: BatchShape) -> Result<StepResult> {
     } else {
         run_thread_ranks(shape.world_size, Duration::from_secs_f64(cfg.dist.timeout_s), move |c| run(c))?;
     }
-    crate::setup::remove_offload_root(&crate::setup::scratch_offload_root());
+    crate::setup::remove_scratch_offload_root();
     let r = slot.lock().map_err(|_| anyhow::anyhow!("result slot poisoned"))?.take();
     r.context("rank 0 produced no result")
 }
@@ -99,7 +99,7 @@ pub fn run(args: VerifyArgs) -> Result<bool> {
     // Parameters: the gradient tolerance carried through the first update.
     let model = model_for(&plan)?;
     let opt = trainer_for(&plan, &model, &mut comm::SingleProcess::new())?.optimizer().clone();
-    crate::setup::remove_offload_root(&crate::setup::scratch_offload_root());
+    crate::setup::remove_scratch_offload_root();
     let lr = r.report.lr;
     let (mut dp, mut n_over) = (0.0f32, 0usize);
     // Gradients live in the gradient space (trainable tensors back to back);

@@ -9,7 +9,7 @@ mod trainer;
 
 pub use samples::{rank_batches, text_files};
 pub use trainer::{
-    apply_trainable, bucket_elems, model_for, remove_offload_root, scratch_offload_root, trainable_patterns,
+    apply_trainable, bucket_elems, model_for, remove_offload_root, remove_scratch_offload_root, trainable_patterns,
     trainer_for, trainer_from,
 };
 

@@ -60,6 +60,12 @@ pub fn remove_offload_root(root: &Path) {
     let _ = std::fs::remove_dir(root);
 }
 
+/// Removes the offload folder of `verify` and `bench`
+/// ([`scratch_offload_root`]) once their trainers are gone.
+pub fn remove_scratch_offload_root() {
+    remove_offload_root(&scratch_offload_root());
+}
+
 /// [`trainer_for`] starting from `initial` parameters (a checkpoint's or a
 /// pretrained model's), read a segment at a time: no further full copy.
 pub fn trainer_from(
