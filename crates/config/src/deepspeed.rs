@@ -969,15 +969,19 @@ mod tests {
         )
         .unwrap()
         .config;
-        assert_eq!((c.model.n_layer, c.train.steps, c.batch.global), (Some(2), 9, None), "JSON replaces [batch]");
+        assert_eq!(
+            (c.model.shape.get("n_layer"), c.train.steps, c.batch.global),
+            (Some(&toml::Value::Integer(2)), 9, None),
+            "JSON replaces [batch]"
+        );
         let e = Config::from_deepspeed_json(
             "{}",
             "ds.json",
-            Some(("[model]\nlayers = 2\n", "m.toml")),
+            Some(("[train]\nstepz = 2\n", "m.toml")),
             &[],
             Default::default(),
         );
-        assert!(e.unwrap_err().to_string().contains("layers"));
+        assert!(e.unwrap_err().to_string().contains("stepz"));
     }
 
     #[test]

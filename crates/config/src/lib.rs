@@ -8,7 +8,6 @@ mod deepspeed;
 pub use data::{DataFormat, TokenizerSpec};
 pub use deepspeed::{DeepSpeedConfig, DeepSpeedOptions};
 pub use engine::{Checkpointing, Decay, LossNormalization, OptimizerKind, Precision};
-pub use llama::LoraConfig;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -68,10 +67,11 @@ pub struct Config {
     pub schedule: ScheduleConfig,
     /// Data parallelism.
     pub dist: DistConfig,
-    /// LoRA adapters (`model.family = "llama"`): `r`, `alpha`, `dropout`,
-    /// `target_modules` (`q_proj` … `down_proj`, or `all-linear`). The base
-    /// is frozen: no gradient, no optimizer state; the adapters train.
-    pub lora: Option<LoraConfig>,
+    /// LoRA adapters: `r`, `alpha`, `dropout`, `target_modules` (the
+    /// family's projection names, or `all-linear`). The base is frozen: no
+    /// gradient, no optimizer state; the adapters train. Parsed and checked
+    /// by the family, which knows its projections.
+    pub lora: Option<toml::Table>,
 }
 
 /// `[dist]`: data parallelism.
@@ -122,73 +122,30 @@ impl Default for DistConfig {
     }
 }
 
-/// Which model family `[model]` describes (Hugging Face's `model_type`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ModelFamily {
-    /// GPT-2 (learned positions, LayerNorm, GELU MLP, tied head).
-    #[default]
-    Gpt2,
-    /// Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU): SmolLM2 and kin.
-    Llama,
-}
-
-/// `[model]`: a family and a preset, optionally with single dimensions
-/// overridden (a dimension the family does not have is an error).
+/// `[model]`: a family, a preset, and the family's own keys (single
+/// dimensions overridden, e.g. `n_layer = 4`). The family parses and checks
+/// those keys itself (an unknown key or one the family does not have is its
+/// error), so this crate knows no model family.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct ModelConfig {
-    /// The family.
-    pub family: ModelFamily,
-    /// gpt2: `tiny`, `mini`, `small`, `gpt2`, `gpt2-medium`, `gpt2-large`,
-    /// `gpt2-xl`; llama: `tiny`, `smollm2-135m`, `llama-7b`, `llama-13b`, `llama-70b`.
+    /// The family: Hugging Face's `model_type` (`gpt2`, `llama`, `qwen2`).
+    pub family: String,
+    /// One of the family's presets (`macrobatch plan --help` lists them).
     pub preset: String,
-    /// Overrides the preset's number of blocks.
-    pub n_layer: Option<usize>,
-    /// Overrides the preset's number of heads.
-    pub n_head: Option<usize>,
-    /// Overrides the preset's width.
-    pub n_embd: Option<usize>,
-    /// Overrides the preset's maximum sequence length.
-    pub block_size: Option<usize>,
-    /// Overrides the preset's vocabulary size.
-    pub vocab_size: Option<usize>,
-    /// Overrides the preset's key/value heads (grouped-query attention; not gpt2).
-    pub n_kv_head: Option<usize>,
-    /// Overrides the preset's MLP width (not gpt2, whose MLP is 4 × n_embd).
-    pub intermediate_size: Option<usize>,
-    /// Overrides the preset's rotary-embedding base (not gpt2).
-    pub rope_theta: Option<f64>,
-    /// Overrides whether the output head shares the embedding (gpt2 always does).
-    pub tie_word_embeddings: Option<bool>,
-    /// Overrides the preset's RMSNorm epsilon (not gpt2).
-    pub rms_norm_eps: Option<f64>,
-    /// Overrides the preset's beginning-of-sequence token (not gpt2).
-    pub bos_token_id: Option<u32>,
-    /// Overrides the preset's end-of-sequence tokens (not gpt2).
-    pub eos_token_id: Option<Vec<u32>>,
+    /// The family's keys, as written.
+    #[serde(flatten)]
+    pub shape: toml::Table,
 }
 
 impl Default for ModelConfig {
     fn default() -> Self {
-        Self {
-            family: ModelFamily::Gpt2,
-            preset: "tiny".into(),
-            n_layer: None,
-            n_head: None,
-            n_embd: None,
-            block_size: None,
-            vocab_size: None,
-            n_kv_head: None,
-            intermediate_size: None,
-            rope_theta: None,
-            tie_word_embeddings: None,
-            rms_norm_eps: None,
-            bos_token_id: None,
-            eos_token_id: None,
-        }
+        Self { family: DEFAULT_FAMILY.into(), preset: "tiny".into(), shape: toml::Table::new() }
     }
 }
+
+/// The family `[model]` means when it names none.
+pub const DEFAULT_FAMILY: &str = "gpt2";
 
 /// `[data]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -869,9 +826,10 @@ mod tests {
     }
 
     #[test]
-    fn lora_alpha_defaults_to_peft_s_8() {
+    fn lora_section_is_kept_for_the_family() {
+        // The family parses [lora]; here it is kept as written.
         let c = parse("[model]\nfamily = \"llama\"\n[lora]\nr = 4\ntarget_modules = [\"q_proj\"]\n", &[]).unwrap();
-        assert_eq!(c.lora.map(|l| l.alpha), Some(8.0));
+        assert_eq!(c.lora.and_then(|l| l.get("r").cloned()), Some(toml::Value::Integer(4)));
     }
 
     #[test]

@@ -13,7 +13,9 @@ pub mod error;
 pub mod hf;
 pub mod kernels;
 pub mod model;
+pub mod registration;
 
 pub use config::GptConfig;
 pub use error::GptError;
 pub use model::{init_params, init_segment, Batch, Gpt, IGNORE_INDEX};
+pub use registration::{Gpt2, FAMILY};

@@ -288,6 +288,17 @@ pub(crate) fn named<'a>(layout: &ParamLayout, params: &'a [f32], prefix: &str) -
 /// but LoRA adapters, so a LoRA model's frozen base — as `model.safetensors`
 /// and `config.json`, straight from `params` (no copy of the base).
 pub fn save_base(dir: &Path, model: &Llama, params: &[f32]) -> Result<(), LlamaError> {
+    save_base_with_config(dir, model, params, &model.config().to_hf_json())
+}
+
+/// [`save_base`] with `config` as `config.json` (a family on the Llama
+/// block writes its own dialect of it).
+pub fn save_base_with_config(
+    dir: &Path,
+    model: &Llama,
+    params: &[f32],
+    config: &serde_json::Value,
+) -> Result<(), LlamaError> {
     let layout = model.layout();
     LlamaError::check_count("model", layout.n_params(), params.len())?;
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
@@ -298,7 +309,7 @@ pub fn save_base(dir: &Path, model: &Llama, params: &[f32]) -> Result<(), LlamaE
         .map(|t| (t.name.clone(), t.shape.clone(), &params[t.range()]))
         .collect();
     gpt::hf::write_safetensors(&dir.join(WEIGHTS_FILE), &base, &[])?;
-    let text = serde_json::to_string_pretty(&model.config().to_hf_json()).map_err(|e| bad(dir, e.to_string()))?;
+    let text = serde_json::to_string_pretty(config).map_err(|e| bad(dir, e.to_string()))?;
     gpt::hf::write_atomic(&dir.join(CONFIG_FILE), text.as_bytes())?;
     Ok(())
 }

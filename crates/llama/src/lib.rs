@@ -14,8 +14,10 @@ pub mod hf;
 pub mod kernels;
 pub mod lora;
 pub mod model;
+pub mod registration;
 
 pub use config::LlamaConfig;
 pub use error::LlamaError;
 pub use lora::{Adapter, LoraConfig};
 pub use model::{LayerParams, Llama, LoraRanges, Proj, TokenBatch, IGNORE_INDEX};
+pub use registration::{Dialect, LlamaFamily, Registered, FAMILY, LLAMA};

@@ -97,7 +97,7 @@ fn bad_input_gives_a_clear_error_and_no_panic() {
         ("seq-vs-block", vec!["data.seq_len=4096"], "longer than the model's context of 128 tokens"),
         ("bad-precision", vec!["train.precision=fp8"], "expected one of `f32`, `bf16`, `f16`"),
         ("bad-checkpointing", vec!["train.activation_checkpointing=every_0"], "every_N\" with N >= 2"),
-        ("bad-family", vec!["model.family=bert"], "unknown variant `bert`"),
+        ("bad-family", vec!["model.family=bert"], "model.family = \"bert\" is not a family macrobatch knows"),
         ("family-key", vec!["model.n_kv_head=2"], "model.n_kv_head does not apply to model.family = \"gpt2\""),
         ("bad-heads", vec!["model.n_head=5"], "divisible by model.n_head (5)"),
         ("bad-preset", vec!["model.preset=huge"], "unknown preset `huge`"),

@@ -1,0 +1,319 @@
+//! The model-family boundary. The CLI — planning, training, memory checks,
+//! checkpoints, Hugging Face / GGUF I/O, LoRA and generation — sees a model
+//! only through [`Family`] (a shape: sizes, initialisation, files) and
+//! [`LanguageModel`] (a built model: the engine's `Model` contract plus
+//! sampling), and finds a family only through its [`Registration`]: the
+//! `model.family` name, the presets, the `config.json` `model_type` and GGUF
+//! architecture it reads. A family crate implements these three and is
+//! listed once in the binary's registry; nothing else names it.
+//!
+//! Errors cross this boundary as [`ModelError`] (the family's own error,
+//! boxed): each family keeps its error type and converts it with one `From`
+//! impl, and the binary adds context.
+
+pub mod reference;
+
+use config::ModelConfig;
+use engine::{Checkpointing, MicroStepStats, Model, ParamLayout, ParamStore, Precision, TensorSpec, TokenBatch};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+/// Any family's error, boxed.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A result whose error is any family's error.
+pub type Result<T, E = ModelError> = std::result::Result<T, E>;
+
+/// The weights file of a Hugging Face model folder.
+pub const WEIGHTS_FILE: &str = "model.safetensors";
+/// The config file of a Hugging Face model folder.
+pub const CONFIG_FILE: &str = "config.json";
+
+/// A family and parameters of one model.
+pub type Loaded = (Arc<dyn Family>, Vec<f32>);
+
+/// A model error of any family (boxed): what [`Family`] and
+/// [`Registration`] return, and the engine's `Model::Error` of an
+/// [`Erased`] model. A family crate adds `impl From<ItsError> for ModelError`.
+#[derive(Debug)]
+pub struct ModelError(BoxError);
+
+impl ModelError {
+    /// Wraps a family's error.
+    pub fn new(e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self(Box::new(e))
+    }
+}
+
+impl From<BoxError> for ModelError {
+    fn from(e: BoxError) -> Self {
+        Self(e)
+    }
+}
+
+impl From<String> for ModelError {
+    fn from(message: String) -> Self {
+        Self(message.into())
+    }
+}
+
+impl From<&str> for ModelError {
+    fn from(message: &str) -> Self {
+        Self(message.into())
+    }
+}
+
+impl std::fmt::Display for ModelError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for ModelError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+/// What a family's model type offers beyond the engine's contract: memory
+/// figures and the logits generation samples from.
+pub trait TextModel: Model<Batch = TokenBatch> + Send {
+    /// Bytes of activation and scratch buffers allocated so far.
+    fn activation_bytes(&self) -> usize;
+    /// Of those, the bytes saved for backward.
+    fn saved_activation_bytes(&self) -> usize;
+    /// Logits of the token after `tokens` (at most the context length).
+    fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, Self::Error>;
+}
+
+/// Implements [`TextModel`] for a model type whose inherent methods
+/// `activation_bytes`, `saved_activation_bytes` and `next_token_logits`
+/// have those signatures, and `From` its error for [`ModelError`]:
+/// `family::text_model!(Gpt, GptError);`.
+#[macro_export]
+macro_rules! text_model {
+    ($model:ty, $error:ty) => {
+        impl From<$error> for $crate::ModelError {
+            fn from(e: $error) -> Self {
+                Self::new(e)
+            }
+        }
+
+        impl $crate::TextModel for $model {
+            fn activation_bytes(&self) -> usize {
+                <$model>::activation_bytes(self)
+            }
+
+            fn saved_activation_bytes(&self) -> usize {
+                <$model>::saved_activation_bytes(self)
+            }
+
+            fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, $error> {
+                <$model>::next_token_logits(self, params, tokens)
+            }
+        }
+    };
+}
+
+/// A built model as the binary uses it: the engine's contract on token
+/// batches with one error type, plus what sampling and memory reports need.
+pub trait LanguageModel: Model<Batch = TokenBatch, Error = ModelError> + Send {
+    /// Bytes of activation and scratch buffers allocated so far.
+    fn activation_bytes(&self) -> usize;
+    /// Of those, the bytes saved for backward.
+    fn saved_activation_bytes(&self) -> usize;
+    /// Logits of the token after `tokens` (at most the context length).
+    fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, ModelError>;
+}
+
+/// A family's [`TextModel`] as a [`LanguageModel`] (its error boxed).
+pub struct Erased<M>(pub M);
+
+impl<M: TextModel> Model for Erased<M> {
+    type Batch = TokenBatch;
+    type Error = ModelError;
+
+    fn layout(&self) -> &ParamLayout {
+        self.0.layout()
+    }
+
+    fn set_trainable(&mut self, trainable: &dyn Fn(&TensorSpec) -> bool) -> usize {
+        self.0.set_trainable(trainable)
+    }
+
+    fn segments(&self) -> Vec<Range<usize>> {
+        self.0.segments()
+    }
+
+    fn n_targets(&self, batch: &TokenBatch) -> u64 {
+        self.0.n_targets(batch)
+    }
+
+    fn micro_step(
+        &mut self,
+        store: &mut dyn ParamStore,
+        batch: &TokenBatch,
+        loss_seed: f32,
+    ) -> Result<MicroStepStats, ModelError> {
+        self.0.micro_step(store, batch, loss_seed).map_err(ModelError::new)
+    }
+
+    fn loss(&mut self, store: &mut dyn ParamStore, batch: &TokenBatch) -> Result<MicroStepStats, ModelError> {
+        self.0.loss(store, batch).map_err(ModelError::new)
+    }
+}
+
+impl<M: TextModel> LanguageModel for Erased<M> {
+    fn activation_bytes(&self) -> usize {
+        self.0.activation_bytes()
+    }
+
+    fn saved_activation_bytes(&self) -> usize {
+        self.0.saved_activation_bytes()
+    }
+
+    fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+        self.0.next_token_logits(params, tokens).map_err(ModelError::new)
+    }
+}
+
+/// How a model is built for training: the storage precision of its
+/// activations and which blocks it recomputes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Build {
+    /// Storage precision of saved activations.
+    pub precision: Precision,
+    /// Activation checkpointing.
+    pub checkpointing: Checkpointing,
+}
+
+/// One model family at one shape: everything the binary needs before (and
+/// without) building the model, so shapes too large for this machine can
+/// still be planned and reported.
+pub trait Family: Send + Sync {
+    /// Human name of the family (`GPT-2`).
+    fn name(&self) -> &'static str;
+    /// The shape in a few words (`4 layers, d=128`).
+    fn describe(&self) -> String;
+    /// Number of parameters (u128: hostile shapes overflow `usize`).
+    fn n_params(&self) -> u128;
+    /// Vocabulary size.
+    fn vocab_size(&self) -> usize;
+    /// Longest sequence the model accepts.
+    fn max_seq_len(&self) -> usize;
+    /// Forward + backward FLOPs per token at sequence length `seq_len`.
+    fn flops_per_token(&self, seq_len: usize) -> f64;
+    /// Bytes of activations and backward scratch one rank allocates for a
+    /// micro-batch of `micro` sequences of `seq_len` tokens.
+    fn activation_bytes(&self, micro: usize, seq_len: usize, build: Build) -> u128;
+    /// Whether the family's model can recompute blocks (activation checkpointing).
+    fn supports_checkpointing(&self) -> bool {
+        true
+    }
+    /// The model, storing activations as `build` says (no activation
+    /// memory is allocated before the first batch).
+    fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>>;
+    /// Initial values of segment `seg` (only that segment's elements).
+    fn init_segment(&self, seed: u64, seg: usize) -> Vec<f32>;
+    /// The shape as Hugging Face's `config.json` (two shapes are equal when
+    /// these are).
+    fn hf_config(&self) -> serde_json::Value;
+    /// Writes `config.json` and `model.safetensors` into `dir` (which exists).
+    fn save_hf(&self, dir: &Path, layout: &ParamLayout, params: &[f32]) -> Result<()>;
+    /// Reads the weights of the model folder `dir` into `layout`'s order.
+    fn load_weights(&self, dir: &Path, layout: &ParamLayout) -> Result<Vec<f32>>;
+    /// The parameters to start from, given a pretrained model's (same
+    /// shape): themselves, or with adapters initialised from `seed` added.
+    fn start_from_pretrained(&self, params: Vec<f32>, seed: u64) -> Result<Vec<f32>> {
+        let _ = seed;
+        Ok(params)
+    }
+    /// With adapters: the plain model with them merged into its weights
+    /// (W + α/r·B·A), as a family and parameters; `None` without adapters.
+    fn merged(&self, params: &[f32]) -> Result<Option<Loaded>> {
+        let _ = params;
+        Ok(None)
+    }
+    /// Writes this shape into `[model]`, so a resolved config rebuilds it.
+    fn pin_shape(&self, m: &mut ModelConfig);
+}
+
+/// How the binary finds a family: its names and its constructors. Each
+/// family crate exports one, and the binary lists it once.
+pub trait Registration: Sync {
+    /// The `model.family` value, which is also Hugging Face's `model_type`
+    /// in `config.json` (`gpt2`).
+    fn family(&self) -> &'static str;
+    /// The presets `model.preset` may name.
+    fn presets(&self) -> &'static [&'static str];
+    /// The GGUF `general.architecture` this family loads, if any.
+    fn gguf_architecture(&self) -> Option<&'static str> {
+        None
+    }
+    /// The shape `[model]` (and `[lora]`, when given) describe; `m.family`
+    /// is this family's.
+    fn for_config(&self, m: &ModelConfig, lora: Option<&toml::Table>) -> Result<Arc<dyn Family>>;
+    /// The shape of the model folder `dir`, whose `config.json` is `config`
+    /// (adapter files beside it are the family's to read).
+    fn for_hf_dir(&self, dir: &Path, config: &serde_json::Value) -> Result<Arc<dyn Family>>;
+    /// The shape of the GGUF file `path` (metadata only).
+    fn gguf_shape(&self, path: &Path) -> Result<Arc<dyn Family>> {
+        Err(format!("{}: the {} family reads no GGUF files", path.display(), self.family()).into())
+    }
+    /// The shape and weights of the GGUF file `path`.
+    fn load_gguf(&self, path: &Path) -> Result<Loaded> {
+        Err(format!("{}: the {} family reads no GGUF files", path.display(), self.family()).into())
+    }
+}
+
+/// A family's typed `[model]` keys from the table as written: a key the
+/// family does not have is named with the fix (`keys` lists the ones it
+/// has), a mistyped value with serde's message.
+pub fn parse_section<T: DeserializeOwned>(family: &str, keys: &[&str], table: &toml::Table) -> Result<T> {
+    if let Some(k) = table.keys().find(|k| !keys.contains(&k.as_str())) {
+        return Err(format!(
+            "model.{k} does not apply to model.family = \"{family}\"; remove it (its keys: {})",
+            keys.join(", ")
+        )
+        .into());
+    }
+    toml::Value::Table(table.clone()).try_into().map_err(|e| ModelError::from(format!("[model] for {family}: {e}")))
+}
+
+/// `[model]` pinned to `family`, its preset kept and its keys replaced by
+/// `section` (fields left `None` are omitted).
+pub fn pin_section(m: &mut ModelConfig, family: &str, section: &impl Serialize) {
+    m.family = family.to_string();
+    m.shape = toml::Table::try_from(section).unwrap_or_default();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Shape {
+        n_layer: Option<usize>,
+        rope_theta: Option<f64>,
+    }
+
+    #[test]
+    fn sections_parse_typed_and_name_foreign_keys() {
+        let t: toml::Table = toml::from_str("n_layer = 3\nrope_theta = 10000").unwrap_or_default();
+        let s: Shape = parse_section("x", &["n_layer", "rope_theta"], &t).unwrap_or_else(|e| panic!("{e}"));
+        // An integer where a float is expected reads as the float (--set model.rope_theta=10000).
+        assert_eq!(s, Shape { n_layer: Some(3), rope_theta: Some(10000.0) });
+        let e = parse_section::<Shape>("x", &["n_layer"], &t).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("model.rope_theta does not apply to model.family = \"x\""), "{e}");
+        let bad: toml::Table = toml::from_str("n_layer = \"four\"").unwrap_or_default();
+        let e = parse_section::<Shape>("x", &["n_layer"], &bad).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("[model] for x") && e.contains("n_layer"), "{e}");
+        let mut m = ModelConfig::default();
+        pin_section(&mut m, "x", &Shape { n_layer: Some(2), rope_theta: None });
+        assert_eq!((m.family.as_str(), m.shape.len()), ("x", 1));
+    }
+}

@@ -1,0 +1,224 @@
+//! GPT-2 as a family of the binary: its `[model]` keys, presets,
+//! `config.json` and files, behind the `family` crate's traits.
+
+use crate::{hf, Gpt, GptConfig, GptError};
+use config::ModelConfig;
+use engine::ParamLayout;
+use family::{Build, Family, LanguageModel, Registration, Result};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use std::sync::Arc;
+
+/// GPT-2's registration: `model.family = "gpt2"`, `model_type: "gpt2"`.
+pub static FAMILY: Gpt2Registration = Gpt2Registration;
+
+/// The `model.family` name (and `config.json` `model_type`).
+pub const NAME: &str = "gpt2";
+
+/// What the binary finds GPT-2 by.
+#[derive(Debug)]
+pub struct Gpt2Registration;
+
+impl Registration for Gpt2Registration {
+    fn family(&self) -> &'static str {
+        NAME
+    }
+
+    fn presets(&self) -> &'static [&'static str] {
+        crate::config::PRESETS
+    }
+
+    fn for_config(&self, m: &ModelConfig, lora: Option<&toml::Table>) -> Result<Arc<dyn Family>> {
+        if lora.is_some() {
+            return Err("[lora]: gpt2 has no LoRA adapters; remove the [lora] section (or choose a family that has them, e.g. model.family = \"llama\")".into());
+        }
+        Ok(Arc::new(Gpt2::from_config(m)?))
+    }
+
+    fn for_hf_dir(&self, dir: &Path, _config: &serde_json::Value) -> Result<Arc<dyn Family>> {
+        Ok(Arc::new(Gpt2(hf::load_config(&dir.join(family::CONFIG_FILE))?)))
+    }
+}
+
+/// GPT-2's `[model]` keys: single dimensions over the preset's.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Section {
+    n_layer: Option<usize>,
+    n_head: Option<usize>,
+    n_embd: Option<usize>,
+    block_size: Option<usize>,
+    vocab_size: Option<usize>,
+}
+
+const KEYS: &[&str] = &["n_layer", "n_head", "n_embd", "block_size", "vocab_size"];
+
+/// GPT-2 at one shape.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gpt2(pub GptConfig);
+
+impl Gpt2 {
+    /// The preset with single dimensions overridden.
+    pub fn from_config(m: &ModelConfig) -> Result<Self> {
+        let base = GptConfig::preset(&m.preset).map_err(|e| format!("model.preset: {e}"))?;
+        let s: Section = family::parse_section(NAME, KEYS, &m.shape)?;
+        let g = GptConfig {
+            n_layer: s.n_layer.unwrap_or(base.n_layer),
+            n_head: s.n_head.unwrap_or(base.n_head),
+            n_embd: s.n_embd.unwrap_or(base.n_embd),
+            block_size: s.block_size.unwrap_or(base.block_size),
+            vocab_size: s.vocab_size.unwrap_or(base.vocab_size),
+        };
+        g.validate()?;
+        Ok(Self(g))
+    }
+}
+
+impl Family for Gpt2 {
+    fn name(&self) -> &'static str {
+        "GPT-2"
+    }
+
+    fn describe(&self) -> String {
+        format!("{} layers, d={}, {} heads", self.0.n_layer, self.0.n_embd, self.0.n_head)
+    }
+
+    fn n_params(&self) -> u128 {
+        self.0.param_count()
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.0.vocab_size
+    }
+
+    fn max_seq_len(&self) -> usize {
+        self.0.block_size
+    }
+
+    fn flops_per_token(&self, seq_len: usize) -> f64 {
+        self.0.flops_per_token(seq_len)
+    }
+
+    fn activation_bytes(&self, micro: usize, seq_len: usize, build: Build) -> u128 {
+        let m = &self.0;
+        let (b, t, c, nh, v, l) = (
+            micro as u128,
+            seq_len as u128,
+            m.n_embd as u128,
+            m.n_head as u128,
+            m.vocab_size as u128,
+            m.n_layer as u128,
+        );
+        let bt = b * t;
+        let elem = build.precision.bytes() as u128;
+        // Per block: ln1, qkv (3C), atty, res2, ln2, fch (4C), fch_gelu (4C), res3 = 16C per row,
+        // plus the T×T attention probabilities per head; 4 f32 row statistics.
+        let per_block = elem * (bt * 16 * c + b * nh * t * t) + 4 * 4 * bt;
+        // The backward scratch (9C per row + T×T per head).
+        let scratch = 4 * (bt * 9 * c + b * nh * t * t);
+        // A recomputed block keeps its output (C per row); one block at a
+        // time is recomputed, with a working set of its own (scratch, GELU
+        // output 4C, input C).
+        let ck = build.checkpointing;
+        let n_recomputed = (0..m.n_layer).filter(|&i| ck.recomputes(i)).count() as u128;
+        let recompute_slot = if ck.is_on() { per_block + scratch + 4 * bt * 5 * c } else { 0 };
+        let blocks = (l - n_recomputed) * per_block + n_recomputed * elem * bt * c + recompute_slot;
+        // Embeddings' output, x, final LayerNorm, logits, the 16-bit staging (4C + T×T per head).
+        let staging = if build.precision.is_low() { 4 * b * nh * t * t } else { 0 };
+        // Row statistics of the final LayerNorm (2) and the per-row losses (1).
+        let rest = elem * bt * c + 4 * (bt * c * 2 + bt * v + bt * 4 * c + 3 * bt) + staging;
+        blocks + scratch + rest
+    }
+
+    fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>> {
+        let model = Gpt::with_precision(self.0, build.precision)?.with_checkpointing(build.checkpointing);
+        Ok(Box::new(family::Erased(model)))
+    }
+
+    fn init_segment(&self, seed: u64, seg: usize) -> Vec<f32> {
+        crate::init_segment(&self.0, seed, seg)
+    }
+
+    fn hf_config(&self) -> serde_json::Value {
+        hf::config_json(&self.0)
+    }
+
+    fn save_hf(&self, dir: &Path, layout: &ParamLayout, params: &[f32]) -> Result<()> {
+        Ok(hf::save(dir, &self.0, layout, params)?)
+    }
+
+    fn load_weights(&self, dir: &Path, layout: &ParamLayout) -> Result<Vec<f32>> {
+        Ok(hf::load_weights(&dir.join(family::WEIGHTS_FILE), layout)?)
+    }
+
+    fn pin_shape(&self, m: &mut ModelConfig) {
+        let c = &self.0;
+        let s = Section {
+            n_layer: Some(c.n_layer),
+            n_head: Some(c.n_head),
+            n_embd: Some(c.n_embd),
+            block_size: Some(c.block_size),
+            vocab_size: Some(c.vocab_size),
+        };
+        family::pin_section(m, NAME, &s);
+    }
+}
+
+family::text_model!(Gpt, GptError);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use engine::{Checkpointing, FullStore, Model, Precision, TokenBatch};
+
+    #[test]
+    fn parameter_count_matches_the_model() {
+        for preset in ["tiny", "gpt2", "gpt2-xl"] {
+            let g = GptConfig::preset(preset).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(Gpt2(g).n_params(), g.n_params() as u128, "{preset}");
+        }
+        // Hostile shapes do not overflow.
+        let huge =
+            GptConfig { n_embd: 1 << 40, n_head: 1, ..GptConfig::preset("gpt2").unwrap_or_else(|e| panic!("{e}")) };
+        assert!(Gpt2(huge).n_params() > u64::MAX as u128);
+    }
+
+    /// The estimate is exact: it equals what the model allocates, for every
+    /// precision and checkpointing choice (an estimate that drifts from the
+    /// model would let the memory check pass runs that abort).
+    #[test]
+    fn activation_estimate_equals_the_allocation() {
+        let g = GptConfig { n_layer: 3, n_head: 2, n_embd: 16, block_size: 8, vocab_size: 37 };
+        let family = Gpt2(g);
+        let params = crate::init_params(&g, 1);
+        for precision in [Precision::F32, Precision::Bf16, Precision::F16] {
+            for checkpointing in [Checkpointing::None, Checkpointing::Blocks, Checkpointing::EveryK(2)] {
+                let build = Build { precision, checkpointing };
+                let mut model = family.build(build).unwrap_or_else(|e| panic!("{e}"));
+                let (b, t) = (3, 8);
+                let batch = TokenBatch { n_seqs: b, seq_len: t, inputs: vec![1; b * t], targets: vec![2; b * t] };
+                let mut grads = vec![0.0; params.len()];
+                let mut store = FullStore::for_model(&model, &params, &mut grads).unwrap_or_else(|e| panic!("{e}"));
+                model.micro_step(&mut store, &batch, 1.0).unwrap_or_else(|e| panic!("{e}"));
+                drop(store);
+                let want = model.activation_bytes() as u128;
+                assert_eq!(family.activation_bytes(b, t, build), want, "{precision} {checkpointing}");
+            }
+        }
+    }
+
+    #[test]
+    fn shape_round_trips_through_the_model_section() {
+        let mut m = ModelConfig { preset: "mini".into(), ..ModelConfig::default() };
+        m.shape.insert("n_layer".into(), toml::Value::Integer(3));
+        let f = Gpt2::from_config(&m).unwrap_or_else(|e| panic!("{e}"));
+        let mut pinned = ModelConfig { preset: "tiny".into(), ..ModelConfig::default() };
+        f.pin_shape(&mut pinned);
+        let g = Gpt2::from_config(&pinned).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(f.hf_config(), g.hf_config());
+        assert_eq!(g.0.n_layer, 3);
+        m.shape.insert("n_kv_head".into(), toml::Value::Integer(2));
+        let e = Gpt2::from_config(&m).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("model.n_kv_head"), "{e}");
+    }
+}

@@ -1,0 +1,409 @@
+//! The Llama block as families of the binary. A [`Dialect`] says how one
+//! family built on this block names itself, which presets it has and how it
+//! reads and writes `config.json`; everything else — the model, its files,
+//! LoRA adapters in PEFT's format, GGUF — is this module's, once. Llama is
+//! the dialect [`LLAMA`]; a family such as Qwen2 is another dialect in its
+//! own crate and registers with [`Registered`].
+
+use crate::{hf, lora, Llama, LlamaConfig, LlamaError, LoraConfig};
+use config::ModelConfig;
+use engine::{Model, ParamLayout, Precision};
+use family::{Build, Family, LanguageModel, Loaded, ModelError, Registration, Result};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use std::sync::Arc;
+
+/// How one family built on the Llama block names itself and maps its
+/// `config.json`.
+pub trait Dialect: Sync + std::fmt::Debug {
+    /// `model.family` and `config.json`'s `model_type` (`llama`).
+    fn family(&self) -> &'static str;
+    /// Human name (`Llama`).
+    fn name(&self) -> &'static str;
+    /// The presets `model.preset` may name.
+    fn presets(&self) -> &'static [&'static str];
+    /// The shape of a preset.
+    fn preset(&self, name: &str) -> Result<LlamaConfig>;
+    /// The shape a `config.json` of this family describes.
+    fn parse_hf_json(&self, v: &serde_json::Value) -> Result<LlamaConfig>;
+    /// `config.json` for this family in transformers.
+    fn hf_json(&self, cfg: &LlamaConfig) -> serde_json::Value;
+    /// The GGUF `general.architecture` this family loads, if any.
+    fn gguf_architecture(&self) -> Option<&'static str> {
+        None
+    }
+}
+
+/// Llama itself (SmolLM2, Llama 2 shapes).
+#[derive(Debug)]
+pub struct LlamaDialect;
+
+/// Llama's dialect.
+pub static LLAMA: LlamaDialect = LlamaDialect;
+
+/// Llama's registration: `model.family = "llama"`, `model_type: "llama"`,
+/// GGUF architecture `llama`.
+pub static FAMILY: Registered = Registered(&LLAMA);
+
+impl Dialect for LlamaDialect {
+    fn family(&self) -> &'static str {
+        "llama"
+    }
+
+    fn name(&self) -> &'static str {
+        "Llama"
+    }
+
+    fn presets(&self) -> &'static [&'static str] {
+        crate::config::PRESETS
+    }
+
+    fn preset(&self, name: &str) -> Result<LlamaConfig> {
+        Ok(LlamaConfig::preset(name)?)
+    }
+
+    fn parse_hf_json(&self, v: &serde_json::Value) -> Result<LlamaConfig> {
+        Ok(LlamaConfig::from_hf_json(v)?)
+    }
+
+    fn hf_json(&self, cfg: &LlamaConfig) -> serde_json::Value {
+        cfg.to_hf_json()
+    }
+
+    fn gguf_architecture(&self) -> Option<&'static str> {
+        Some("llama")
+    }
+}
+
+/// A family on the Llama block, as the binary finds it.
+#[derive(Debug)]
+pub struct Registered(pub &'static dyn Dialect);
+
+impl Registration for Registered {
+    fn family(&self) -> &'static str {
+        self.0.family()
+    }
+
+    fn presets(&self) -> &'static [&'static str] {
+        self.0.presets()
+    }
+
+    fn gguf_architecture(&self) -> Option<&'static str> {
+        self.0.gguf_architecture()
+    }
+
+    fn for_config(&self, m: &ModelConfig, lora: Option<&toml::Table>) -> Result<Arc<dyn Family>> {
+        let lora = lora.map(parse_lora).transpose()?;
+        Ok(Arc::new(LlamaFamily::from_config(self.0, m, lora)?))
+    }
+
+    fn for_hf_dir(&self, dir: &Path, config: &serde_json::Value) -> Result<Arc<dyn Family>> {
+        let path = dir.join(family::CONFIG_FILE);
+        let cfg = self.0.parse_hf_json(config).map_err(|e| format!("{}: {e}", path.display()))?;
+        // A LoRA run's folder holds PEFT's adapter files beside the base.
+        let adapter = dir.join(lora::ADAPTER_CONFIG_FILE);
+        let lora = if adapter.exists() {
+            let text =
+                std::fs::read_to_string(&adapter).map_err(|e| format!("cannot read {}: {e}", adapter.display()))?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| format!("{} is not valid JSON: {e}", adapter.display()))?;
+            Some(lora::lora_config_from_peft(&v)?.0)
+        } else if dir.join(lora::ADAPTER_WEIGHTS_FILE).exists() || config.get("macrobatch_lora").is_some() {
+            // Adapters were saved here, but without their config they
+            // cannot be applied: never silently the base alone.
+            return Err(format!(
+                "{}: the folder holds LoRA adapters (adapter_model.safetensors, or \"macrobatch_lora\" in config.json) but {} is missing, so they cannot be applied and the model would silently be the base alone; put the run's {} back beside them (or move the adapter files away to load the base on purpose)",
+                dir.display(),
+                lora::ADAPTER_CONFIG_FILE,
+                lora::ADAPTER_CONFIG_FILE
+            )
+            .into());
+        } else {
+            None
+        };
+        Ok(Arc::new(LlamaFamily::new(self.0, cfg, lora)?))
+    }
+
+    fn gguf_shape(&self, path: &Path) -> Result<Arc<dyn Family>> {
+        let cfg = self.0.parse_hf_json(gguf::llama::LlamaGguf::open(path).map_err(ModelError::new)?.config())?;
+        Ok(Arc::new(LlamaFamily::new(self.0, cfg, None)?))
+    }
+
+    fn load_gguf(&self, path: &Path) -> Result<Loaded> {
+        // One tensor dequantised at a time, placed, then dropped: loading
+        // holds the parameters and one tensor, never a second full copy.
+        let file = gguf::llama::LlamaGguf::open(path).map_err(ModelError::new)?;
+        let cfg = self.0.parse_hf_json(file.config())?;
+        let mut failed = None;
+        let tensors = file.tensor_names().into_iter().map_while(|(g, _)| match file.tensor(&g) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                failed = Some(e);
+                None
+            }
+        });
+        let params = hf::from_named_tensors(&cfg, tensors);
+        if let Some(e) = failed {
+            return Err(ModelError::new(e));
+        }
+        let params = params?;
+        Ok((Arc::new(LlamaFamily::new(self.0, cfg, None)?), params))
+    }
+}
+
+/// `[lora]` as written: PEFT's fields, α defaulting to PEFT's 8.
+pub fn parse_lora(table: &toml::Table) -> Result<LoraConfig> {
+    let l: LoraConfig = toml::Value::Table(table.clone()).try_into().map_err(|e| format!("[lora]: {e}"))?;
+    l.validate()?;
+    Ok(l)
+}
+
+/// The `[model]` keys of a family on the Llama block: single dimensions
+/// over the preset's.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Section {
+    n_layer: Option<usize>,
+    n_head: Option<usize>,
+    n_embd: Option<usize>,
+    block_size: Option<usize>,
+    vocab_size: Option<usize>,
+    n_kv_head: Option<usize>,
+    intermediate_size: Option<usize>,
+    rope_theta: Option<f64>,
+    tie_word_embeddings: Option<bool>,
+    rms_norm_eps: Option<f64>,
+    bos_token_id: Option<u32>,
+    eos_token_id: Option<Vec<u32>>,
+}
+
+const KEYS: &[&str] = &[
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "block_size",
+    "vocab_size",
+    "n_kv_head",
+    "intermediate_size",
+    "rope_theta",
+    "tie_word_embeddings",
+    "rms_norm_eps",
+    "bos_token_id",
+    "eos_token_id",
+];
+
+/// A family on the Llama block at one shape, optionally with LoRA adapters
+/// on a frozen base.
+#[derive(Debug, Clone)]
+pub struct LlamaFamily {
+    dialect: &'static dyn Dialect,
+    cfg: LlamaConfig,
+    lora: Option<LoraConfig>,
+    /// The layout (no activations): segments, initialisation, names.
+    model: Arc<Llama>,
+}
+
+impl LlamaFamily {
+    /// `dialect`'s family at `cfg`, with adapters when `lora` is given.
+    pub fn new(dialect: &'static dyn Dialect, cfg: LlamaConfig, lora: Option<LoraConfig>) -> Result<Self> {
+        let model = Self::build_with(&cfg, lora.as_ref(), Precision::F32)?;
+        Ok(Self { dialect, cfg, lora, model: Arc::new(model) })
+    }
+
+    /// The shape.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    fn build_with(cfg: &LlamaConfig, lora: Option<&LoraConfig>, precision: Precision) -> Result<Llama, LlamaError> {
+        match lora {
+            Some(l) => Llama::with_lora(cfg.clone(), l.clone(), precision),
+            None => Llama::with_precision(cfg.clone(), precision),
+        }
+    }
+
+    /// The preset with single dimensions overridden.
+    fn from_config(dialect: &'static dyn Dialect, m: &ModelConfig, lora: Option<LoraConfig>) -> Result<Self> {
+        let base = dialect.preset(&m.preset).map_err(|e| format!("model.preset: {e}"))?;
+        let s: Section = family::parse_section(dialect.family(), KEYS, &m.shape)?;
+        let hidden = s.n_embd.unwrap_or(base.hidden_size);
+        let n_head = s.n_head.unwrap_or(base.n_head);
+        let cfg = LlamaConfig {
+            vocab_size: s.vocab_size.unwrap_or(base.vocab_size),
+            hidden_size: hidden,
+            intermediate_size: s.intermediate_size.unwrap_or(base.intermediate_size),
+            n_layer: s.n_layer.unwrap_or(base.n_layer),
+            n_head,
+            n_kv_head: s.n_kv_head.unwrap_or(base.n_kv_head),
+            head_dim: hidden.checked_div(n_head).unwrap_or(0),
+            rms_norm_eps: s.rms_norm_eps.unwrap_or(base.rms_norm_eps),
+            rope_theta: s.rope_theta.unwrap_or(base.rope_theta),
+            max_position_embeddings: s.block_size.unwrap_or(base.max_position_embeddings),
+            tie_word_embeddings: s.tie_word_embeddings.unwrap_or(base.tie_word_embeddings),
+            bos_token_id: s.bos_token_id.or(base.bos_token_id),
+            eos_token_id: s.eos_token_id.unwrap_or(base.eos_token_id),
+        };
+        cfg.validate()?;
+        Self::new(dialect, cfg, lora)
+    }
+}
+
+impl Family for LlamaFamily {
+    fn name(&self) -> &'static str {
+        self.dialect.name()
+    }
+
+    fn describe(&self) -> String {
+        let c = &self.cfg;
+        let lora = self
+            .lora
+            .as_ref()
+            .map_or(String::new(), |l| format!(", LoRA r={} alpha={} on {}", l.r, l.alpha, l.target_modules.join(",")));
+        format!(
+            "{} layers, d={}, {} heads / {} KV heads, FFN {}{}",
+            c.n_layer, c.hidden_size, c.n_head, c.n_kv_head, c.intermediate_size, lora
+        )
+    }
+
+    fn n_params(&self) -> u128 {
+        // The layout knows the adapters too (70B is 6.9e10: far inside usize).
+        self.model.layout().n_params() as u128
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.cfg.vocab_size
+    }
+
+    fn max_seq_len(&self) -> usize {
+        self.cfg.max_position_embeddings
+    }
+
+    fn flops_per_token(&self, seq_len: usize) -> f64 {
+        self.cfg.flops_per_token(seq_len)
+    }
+
+    fn activation_bytes(&self, micro: usize, seq_len: usize, build: Build) -> u128 {
+        self.model.planned_activation_bytes_as(micro, seq_len, build.precision, build.checkpointing)
+    }
+
+    fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>> {
+        let model = Self::build_with(&self.cfg, self.lora.as_ref(), build.precision)?;
+        Ok(Box::new(family::Erased(model.with_checkpointing(build.checkpointing))))
+    }
+
+    fn init_segment(&self, seed: u64, seg: usize) -> Vec<f32> {
+        self.model.init_segment(seed, seg)
+    }
+
+    fn hf_config(&self) -> serde_json::Value {
+        let mut v = self.dialect.hf_json(&self.cfg);
+        if let (Some(l), Some(o)) = (&self.lora, v.as_object_mut()) {
+            // Not a transformers key: makes a LoRA shape differ from its base.
+            o.insert("macrobatch_lora".into(), serde_json::to_value(l).unwrap_or_default());
+        }
+        v
+    }
+
+    /// The base as Hugging Face files and, with adapters, the adapters in
+    /// PEFT's format beside them (`PeftModel.from_pretrained(base, DIR)`).
+    fn save_hf(&self, dir: &Path, layout: &ParamLayout, params: &[f32]) -> Result<()> {
+        if layout.n_params() != params.len() {
+            return Err(format!("{} parameters to save, the model has {}", params.len(), layout.n_params()).into());
+        }
+        hf::save_base_with_config(dir, &self.model, params, &self.dialect.hf_json(&self.cfg))?;
+        if self.lora.is_some() {
+            lora::save_adapter(dir, &self.model, params, None)?;
+        }
+        Ok(())
+    }
+
+    fn start_from_pretrained(&self, params: Vec<f32>, seed: u64) -> Result<Vec<f32>> {
+        let n = self.model.layout().n_params();
+        match &self.lora {
+            Some(_) if params.len() != n => Ok(lora::attach(&self.model, &params, seed)?),
+            _ => Ok(params),
+        }
+    }
+
+    fn merged(&self, params: &[f32]) -> Result<Option<Loaded>> {
+        if self.lora.is_none() {
+            return Ok(None);
+        }
+        let merged = lora::merge(&self.model, params)?;
+        Ok(Some((Arc::new(LlamaFamily::new(self.dialect, self.cfg.clone(), None)?), merged)))
+    }
+
+    fn load_weights(&self, dir: &Path, layout: &ParamLayout) -> Result<Vec<f32>> {
+        let base = hf::load_weights(dir, &self.cfg)?;
+        if self.lora.is_none() {
+            return Ok(base);
+        }
+        // Adapters start as initialised (B = 0: the base's function), then
+        // take the folder's trained ones when it has them.
+        let mut params = lora::attach(&self.model, &base, 0)?;
+        if dir.join(lora::ADAPTER_CONFIG_FILE).exists() {
+            lora::load_adapter(dir)?.apply(&self.model, &mut params)?;
+        }
+        if params.len() != layout.n_params() {
+            return Err(format!(
+                "{}: {} parameters loaded, the model has {}",
+                dir.display(),
+                params.len(),
+                layout.n_params()
+            )
+            .into());
+        }
+        Ok(params)
+    }
+
+    fn pin_shape(&self, m: &mut ModelConfig) {
+        let c = &self.cfg;
+        let s = Section {
+            n_layer: Some(c.n_layer),
+            n_head: Some(c.n_head),
+            n_embd: Some(c.hidden_size),
+            block_size: Some(c.max_position_embeddings),
+            vocab_size: Some(c.vocab_size),
+            n_kv_head: Some(c.n_kv_head),
+            intermediate_size: Some(c.intermediate_size),
+            rope_theta: Some(c.rope_theta),
+            tie_word_embeddings: Some(c.tie_word_embeddings),
+            rms_norm_eps: Some(c.rms_norm_eps),
+            bos_token_id: c.bos_token_id,
+            eos_token_id: Some(c.eos_token_id.clone()),
+        };
+        family::pin_section(m, self.dialect.family(), &s);
+    }
+}
+
+family::text_model!(Llama, LlamaError);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lora_section_parses_with_peft_s_alpha_and_names_bad_keys() {
+        let t: toml::Table = toml::from_str("r = 4\ntarget_modules = [\"q_proj\"]").unwrap_or_default();
+        assert_eq!(parse_lora(&t).map(|l| l.alpha).ok(), Some(8.0), "PEFT's lora_alpha default");
+        let t: toml::Table = toml::from_str("r = 4\nrank = 2\ntarget_modules = [\"q_proj\"]").unwrap_or_default();
+        let e = parse_lora(&t).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("[lora]") && e.contains("rank"), "{e}");
+    }
+
+    #[test]
+    fn shape_round_trips_through_the_model_section() {
+        let mut m = ModelConfig { family: "llama".into(), preset: "tiny".into(), ..ModelConfig::default() };
+        m.shape.insert("n_layer".into(), toml::Value::Integer(3));
+        m.shape.insert("rope_theta".into(), toml::Value::Integer(500000));
+        let f = LlamaFamily::from_config(&LLAMA, &m, None).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((f.cfg.n_layer, f.cfg.rope_theta), (3, 500000.0));
+        // (Pinned onto the same preset: a preset's bos_token_id shows through
+        // a pinned shape without one, as `[model]` cannot write "none".)
+        let mut pinned = ModelConfig { preset: "tiny".into(), ..ModelConfig::default() };
+        f.pin_shape(&mut pinned);
+        assert_eq!(pinned.family, "llama");
+        let g = LlamaFamily::from_config(&LLAMA, &pinned, None).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(f.hf_config(), g.hf_config());
+    }
+}
