@@ -357,20 +357,18 @@ impl Trainer {
         let before = comm.counters();
         // The loss scale of this step: fixed until the boundary.
         let loss_scale = self.scaler.map_or(1.0, |s| s.scale);
-        let seed = self.backward_seeds(model, comm, micro_batches, loss_scale)?;
+        let seeds = self.backward_seeds(model, comm, micro_batches, loss_scale)?;
 
         // Accumulate: K micro-steps add into the gradient buffers; at
         // stages 0–2 (local accumulation) nothing is communicated.
         self.begin_accumulation();
         let (mut loss_sum, mut n_targets, mut model_s) = (0.0f64, 0u64, 0.0);
         let mut micro_losses = Vec::with_capacity(n_micro);
-        for (micro_step_idx, (batch, seed)) in micro_batches.iter().zip(seed.per_micro).enumerate() {
+        for (micro_step_idx, (batch, loss_seed)) in micro_batches.iter().zip(seeds.per_micro).enumerate() {
             let t0 = std::time::Instant::now();
-            let stats = model.micro_step(&mut self.store(comm, true), batch, seed).map_err(|e| EngineError::Model {
-                step: step_idx + 1,
-                micro_step_idx,
-                source: Box::new(e),
-            })?;
+            let stats = model
+                .micro_step(&mut self.store(comm, true), batch, loss_seed)
+                .map_err(|e| EngineError::Model { step: step_idx + 1, micro_step_idx, source: Box::new(e) })?;
             model_s += t0.elapsed().as_secs_f64();
             loss_sum += stats.loss_sum;
             n_targets += stats.n_targets;
@@ -393,7 +391,7 @@ impl Trainer {
         // What turns the accumulated buffer into the gradient of the mean
         // loss: what the seeds left to do, and the loss scale undone
         // (unscaled before the norm, and so before clipping).
-        let normalize = match (self.options.normalization, seed.divided_by_targets) {
+        let normalize = match (self.options.normalization, seeds.divided_by_targets) {
             (LossNormalization::Token, false) => 1.0 / n_targets as f64,
             _ => 1.0,
         } / loss_scale as f64;
@@ -460,8 +458,8 @@ impl Trainer {
                 let mut n = [micro_batches.iter().map(|b| model.n_targets(b)).sum::<u64>() as f64];
                 comm.all_reduce_sum_f64(&mut n)
                     .map_err(|source| EngineError::Comm { step: self.n_steps + 1, source })?;
-                let seed = if n[0] > 0.0 { (loss_scale as f64 / n[0]) as f32 } else { 0.0 };
-                Ok(Seeds { per_micro: vec![seed; n_micro], divided_by_targets: true })
+                let loss_seed = if n[0] > 0.0 { (loss_scale as f64 / n[0]) as f32 } else { 0.0 };
+                Ok(Seeds { per_micro: vec![loss_seed; n_micro], divided_by_targets: true })
             }
             LossNormalization::Token => Ok(Seeds { per_micro: vec![loss_scale; n_micro], divided_by_targets: false }),
             LossNormalization::MicroBatchMean => {
@@ -514,7 +512,7 @@ impl Trainer {
     }
 }
 
-/// Seeds of one step's backward passes.
+/// Loss seeds of one step's backward passes ([`Model::micro_step`]'s `loss_seed`).
 struct Seeds {
     per_micro: Vec<f32>,
     /// The seeds already divide by the targets (global or per micro-batch).
