@@ -2,7 +2,6 @@
 //! buffer, then — once, at the boundary — the gradient collective,
 //! normalisation, clipping, the optimizer update and the schedule step, for
 //! every ZeRO stage.
-
 //!
 //! The trainer's other concerns live in submodules over the same private
 //! buffers: `step_store` (the store a model sees during a step), `boundary`
