@@ -15,7 +15,7 @@ impl Trainer {
     /// of `world_size` ranks, computed from the layout alone: nothing is
     /// allocated, so shapes too large for this machine can be planned.
     /// `optimizer_slots`: f32 state values per trainable parameter (AdamW 2);
-    /// `bucket_elems`: [`TrainerOptions::bucket_elems`].
+    /// `bucket_elems`: [`TrainerOptions::bucket_elems`](crate::TrainerOptions::bucket_elems).
     pub fn planned_memory<M: Model>(
         model: &M,
         zero: ZeroConfig,

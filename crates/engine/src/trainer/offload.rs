@@ -7,7 +7,7 @@ use crate::offload::{OffloadedState, WINDOW_ELEMS};
 impl Trainer {
     /// Moves the optimizer state to files in `dir` (one per state slot,
     /// removed when the trainer is dropped): each update then streams it
-    /// window by window ([`Optimizer::update_offloaded`]), bit-identical to
+    /// window by window ([`Optimizer::update_offloaded`](crate::Optimizer::update_offloaded)), bit-identical to
     /// the in-memory update. A no-op for an optimizer without state.
     pub fn offload_optimizer(&mut self, dir: &std::path::Path) -> Result<(), EngineError> {
         self.offload_optimizer_windowed(dir, WINDOW_ELEMS)
