@@ -41,7 +41,7 @@ impl CharMlp {
         (0..E + H + H * V + V).map(|i| (rng.normal() * if i < E + H { 0.5 } else { 0.2 }) as f32).collect()
     }
 
-    /// Forward (and, with `loss_seed`, backward) through the store, one segment at a time.
+    /// Forward, and backward when given the loss seed, through the store one segment at a time.
     fn pass(&self, store: &mut dyn ParamStore, b: &TokenBatch, seed: Option<f32>) -> Stats {
         let p0 = store.segment(0)?.params.to_vec();
         store.done(0, false)?;
