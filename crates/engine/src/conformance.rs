@@ -51,14 +51,14 @@ pub trait ModelUnderTest: Sync {
 }
 
 /// The suite's data set for a language model: `n` random sequences of `t`
-/// tokens below `vocab` from `seed`, where sequence `i` ignores its first
+/// tokens below `vocab` from `rng_seed`, where sequence `i` ignores its first
 /// `i mod 5` targets, so samples hold different numbers of targets.
 pub struct TokenSamples(Vec<(Vec<u32>, Vec<i32>)>);
 
 impl TokenSamples {
     /// The data set.
-    pub fn new(n: usize, t: usize, vocab: u64, seed: u64) -> Self {
-        let mut rng = crate::rng::SplitMix64::new(seed);
+    pub fn new(n: usize, t: usize, vocab: u64, rng_seed: u64) -> Self {
+        let mut rng = crate::rng::SplitMix64::new(rng_seed);
         let seqs = (0..n)
             .map(|i| {
                 let toks: Vec<u32> = (0..=t).map(|_| rng.below(vocab) as u32).collect();

@@ -16,7 +16,7 @@ pub struct MicroStepStats {
 
 /// A differentiable model over a flat f32 parameter buffer.
 ///
-/// Contract: [`Model::micro_step`] computes `seed · ∂(Σ losses)/∂params` and
+/// Contract: [`Model::micro_step`] computes `loss_seed · ∂(Σ losses)/∂params` and
 /// puts it where the store says — adding into a tensor's gradient, or
 /// overwriting it where the store grants that ([`crate::GradOut`]) — segment
 /// by segment. It never zeroes, never divides by a count and never talks to
@@ -46,13 +46,16 @@ pub trait Model {
     fn n_targets(&self, batch: &Self::Batch) -> u64;
 
     /// Forward and backward of one micro-batch, reading parameters from and
-    /// putting `seed ·` gradients into `store`, segment by segment; see the
-    /// trait's contract.
+    /// putting `loss_seed ·` gradients into `store`, segment by segment; see
+    /// the trait's contract. `loss_seed` is the backward pass's starting
+    /// gradient `∂L/∂(Σ losses)`: what the engine's normalisation and loss
+    /// scale ask this micro-batch's summed loss to be multiplied by (1 for
+    /// plain token normalisation, which divides at the boundary).
     fn micro_step(
         &mut self,
         store: &mut dyn ParamStore,
         batch: &Self::Batch,
-        seed: f32,
+        loss_seed: f32,
     ) -> Result<MicroStepStats, Self::Error>;
 
     /// Forward only (evaluation).
@@ -85,9 +88,9 @@ impl<M: Model + ?Sized> Model for Box<M> {
         &mut self,
         store: &mut dyn ParamStore,
         batch: &Self::Batch,
-        seed: f32,
+        loss_seed: f32,
     ) -> Result<MicroStepStats, Self::Error> {
-        (**self).micro_step(store, batch, seed)
+        (**self).micro_step(store, batch, loss_seed)
     }
 
     fn loss(&mut self, store: &mut dyn ParamStore, batch: &Self::Batch) -> Result<MicroStepStats, Self::Error> {

@@ -11,14 +11,14 @@ pub struct SplitMix64 {
 }
 
 impl SplitMix64 {
-    /// A generator from a seed.
-    pub fn new(seed: u64) -> Self {
-        Self { state: seed }
+    /// A generator from an RNG seed.
+    pub fn new(rng_seed: u64) -> Self {
+        Self { state: rng_seed }
     }
 
-    /// A generator for a named sub-stream, e.g. `(seed, epoch)` for the sample order.
-    pub fn derive(seed: u64, stream: &[u64]) -> Self {
-        let mut rng = Self::new(seed);
+    /// A generator for a named sub-stream, e.g. `(rng_seed, epoch)` for the sample order.
+    pub fn derive(rng_seed: u64, stream: &[u64]) -> Self {
+        let mut rng = Self::new(rng_seed);
         for &s in stream {
             let x = rng.next_u64();
             rng = Self::new(x ^ s.wrapping_mul(0xD6E8_FEB8_6659_FD93));

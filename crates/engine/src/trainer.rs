@@ -2,21 +2,38 @@
 //! buffer, then — once, at the boundary — the gradient collective,
 //! normalisation, clipping, the optimizer update and the schedule step, for
 //! every ZeRO stage.
+//!
+//! The trainer's other concerns live in submodules over the same private
+//! buffers: `step_store` (the store a model sees during a step), `boundary`
+//! (collective, norm, update, sharing), `clip`, `memory` (accounting),
+//! `state` (gather for checkpoints, restore) and `offload` (optimizer state
+//! on disk).
 
-use crate::alloc::{try_copy, try_zeros};
+mod boundary;
+mod clip;
+mod memory;
+mod offload;
+mod state;
+mod step_store;
+
+pub use clip::{clip_grad_norm, grad_norm};
+pub use memory::MemoryReport;
+
 use crate::error::EngineError;
 use crate::layout::ParamLayout;
 use crate::model::Model;
-use crate::offload::{window_len, OffloadedState, WINDOW_ELEMS};
-use crate::optim::{split, Optimizer, Piece, CHUNK};
+use crate::offload::OffloadedState;
+use crate::optim::{Optimizer, CHUNK};
 use crate::precision::Precision;
 use crate::scaler::{LossScaler, LossScalerConfig};
 use crate::schedule::LrSchedule;
-use crate::store::{GradSpace, ParamStore, SegmentGrads, SegmentView, Written};
-use crate::zero::{Accumulation, Partition, Reduction, Stage, UpdateSharding, ZeroConfig};
+use crate::store::{GradSpace, Written};
+use crate::zero::{Accumulation, Partition, Stage, ZeroConfig};
+use boundary::{update_chunks, UpdateChunk};
+use clip::clip_coefficient;
 use comm::Communicator;
+use memory::BufferSizes;
 use rayon::prelude::*;
-use std::ops::Range;
 
 /// How the accumulated gradient is normalised at the boundary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -93,40 +110,6 @@ pub struct StepReport {
     pub skipped: bool,
     /// Loss scale used by this step (1 without f16).
     pub loss_scale: f32,
-}
-
-/// Bytes this rank holds, by kind (the per-rank model states of docs/contract.md, Memory).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
-pub struct MemoryReport {
-    /// Parameters resident between steps (all at stages 0–2, the shard at 3).
-    pub params: usize,
-    /// Gradient buffers: the full local accumulator (stages 0–1, and 2 with
-    /// local accumulation), or the shard accumulator.
-    pub grads: usize,
-    /// Optimizer state in memory (AdamW's m and v; full at stage 0, the
-    /// shard above; with the state offloaded to disk, its window buffers).
-    pub optimizer: usize,
-    /// Optimizer state offloaded to disk (`dist.offload_optimizer = "disk"`), not in memory.
-    pub offloaded: usize,
-    /// f32 master weights separate from the parameters (none while training in f32).
-    pub master: usize,
-    /// Buffers for collectives: one segment's gradient waiting for its
-    /// reduce-scatter, stage 3's gathered segment, padding scratch.
-    pub comm_buffers: usize,
-    /// Largest parameter residency during a step: resident parameters plus
-    /// the one gathered segment (stage 3).
-    pub peak_param_residency: usize,
-    /// Elements of the largest buffer one collective carries (a gradient
-    /// bucket of an all-reduce, or a padded segment of a reduce-scatter,
-    /// all-gather or the initial broadcast): what a communicator stages.
-    pub max_collective_elems: usize,
-}
-
-impl MemoryReport {
-    /// Parameters + gradients + optimizer state + master weights.
-    pub fn model_states(&self) -> usize {
-        self.params + self.grads + self.optimizer + self.master
-    }
 }
 
 /// Owns the flat parameter and gradient buffers (or this rank's shards of
@@ -233,12 +216,12 @@ impl Trainer {
         let layout = model.layout().clone();
         let stage = Stage::new(zero)?;
         let space = GradSpace::new(&layout, model.segments())?;
-        let (rank, world) = if stage.shards_optimizer() { (comm.rank(), comm.world_size()) } else { (0, 1) };
+        let (rank, world) = stage.partition_of(comm.rank(), comm.world_size());
         let part = Partition::new(space, rank, world);
         let precision = options.precision;
-        let master_sharded = master_sharded(stage, precision);
+        let master_sharded = stage.shards_master(precision);
         let sizes = BufferSizes::new(&part, stage, precision, options.bucket_elems);
-        let mut model_copy = (precision.is_low() && !stage.shards_parameters()).then(|| ModelCopy {
+        let mut model_copy = stage.keeps_model_copy(precision).then(|| ModelCopy {
             bits: vec![0u16; sizes.model_copy],
             decoded: vec![0.0; sizes.decoded],
             decoded_seg: None,
@@ -270,7 +253,7 @@ impl Trainer {
         let seg_grads = vec![0.0; sizes.seg_grads];
         let gathered = vec![0.0; sizes.gathered];
         let scaler = (precision == Precision::F16).then(|| LossScaler::new(options.loss_scaler));
-        let update = update_chunks(&part, &layout, stage, master_sharded);
+        let update = update_chunks(&part, &layout, stage.update_sharding(precision));
         Ok(Self {
             max_collective: sizes.max_collective,
             update,
@@ -316,94 +299,6 @@ impl Trainer {
         &self.params
     }
 
-    /// Every parameter, assembled from the shards where sharded (a
-    /// collective there: every rank must call it).
-    pub fn full_params(&mut self, comm: &mut dyn Communicator) -> Result<Vec<f32>, EngineError> {
-        if !self.master_sharded() {
-            return Ok(self.params.clone());
-        }
-        self.gather_params(comm, true)
-    }
-
-    /// [`Trainer::full_params`] for rank 0 only: the other ranks take part in
-    /// the collectives but never hold more than one segment (`None`).
-    pub fn full_params_to_rank0(&mut self, comm: &mut dyn Communicator) -> Result<Option<Vec<f32>>, EngineError> {
-        let keep = comm.rank() == 0;
-        if !self.master_sharded() {
-            return Ok(if keep { Some(try_copy(&self.params, "the full parameters")?) } else { None });
-        }
-        let full = self.gather_params(comm, keep)?;
-        Ok(keep.then_some(full))
-    }
-
-    /// Assembles every parameter from every rank's parameter shard.
-    fn gather_params(&self, comm: &mut dyn Communicator, keep: bool) -> Result<Vec<f32>, EngineError> {
-        let mut full = try_zeros(if keep { self.layout.n_params() } else { 0 }, "the full parameters")?;
-        let w = self.part.world_size;
-        for j in 0..self.part.n_segments() {
-            let seg = self.part.segment(j);
-            let mut buf = vec![0.0; self.part.piece[j] * w];
-            comm.all_gather(&self.params[self.part.shard_range(j)], &mut buf)
-                .map_err(|source| EngineError::Comm { step: self.n_steps, source })?;
-            if keep {
-                full[seg.clone()].copy_from_slice(&buf[..seg.len()]);
-            }
-        }
-        Ok(full)
-    }
-
-    /// Assembles a full gradient-space buffer from every rank's gradient shard.
-    fn gather_grad_space(
-        &self,
-        comm: &mut dyn Communicator,
-        shard: &[f32],
-        keep: bool,
-    ) -> Result<Vec<f32>, EngineError> {
-        let mut full = try_zeros(if keep { self.part.space.n_grads } else { 0 }, "a full gradient-space buffer")?;
-        let w = self.part.world_size;
-        for j in 0..self.part.n_segments() {
-            let t = self.part.grad_piece[j];
-            if t == 0 {
-                continue;
-            }
-            let mut buf = vec![0.0; t * w];
-            comm.all_gather(&shard[self.part.grad_shard_range(j)], &mut buf)
-                .map_err(|source| EngineError::Comm { step: self.n_steps, source })?;
-            if keep {
-                for r in 0..w {
-                    let own = self.part.grad_owned(j, r);
-                    full[own.clone()].copy_from_slice(&buf[r * t..r * t + own.len()]);
-                }
-            }
-        }
-        Ok(full)
-    }
-
-    /// The gradient the last optimizer step applied (normalised and
-    /// clipped), in the gradient space: all of it with local accumulation
-    /// (for stage 2 only this rank's pieces are reduced), this rank's
-    /// shard with per-segment reduction.
-    pub fn gradient(&self) -> Vec<f32> {
-        let s = self.grad_scale;
-        self.grads.iter().map(|g| g * s).collect()
-    }
-
-    /// The full gradient the last step applied, in the gradient space,
-    /// assembled from the shards at stages ≥ 2 (a collective there: every
-    /// rank must call it).
-    pub fn full_gradient(&mut self, comm: &mut dyn Communicator) -> Result<Vec<f32>, EngineError> {
-        let raw = match (self.stage.reduction(), self.stage.accumulation()) {
-            (Reduction::AllReduce, _) => return Ok(self.gradient()),
-            (_, Accumulation::Local) => {
-                let mut shard = vec![0.0; self.part.grad_shard_len()];
-                self.part.gather_own_grads(&self.grads, &mut shard);
-                self.gather_grad_space(comm, &shard, true)?
-            }
-            (_, Accumulation::PerSegment) => self.gather_grad_space(comm, &self.grads, true)?,
-        };
-        Ok(raw.into_iter().map(|g| g * self.grad_scale).collect())
-    }
-
     /// Number of optimizer steps taken: the schedule's position.
     pub fn n_steps(&self) -> u64 {
         self.n_steps
@@ -414,251 +309,16 @@ impl Trainer {
         &self.optimizer
     }
 
-    /// Bytes this rank holds for model states and collectives.
-    /// The [`Trainer::memory`] a trainer of `model` would report on rank 0
-    /// of `world_size` ranks, computed from the layout alone: nothing is
-    /// allocated, so shapes too large for this machine can be planned.
-    /// `optimizer_slots`: f32 state values per trainable parameter (AdamW 2);
-    /// `bucket_elems`: [`TrainerOptions::bucket_elems`].
-    pub fn planned_memory<M: Model>(
-        model: &M,
-        zero: ZeroConfig,
-        world_size: usize,
-        precision: Precision,
-        optimizer_slots: usize,
-        bucket_elems: usize,
-        offload: bool,
-    ) -> Result<MemoryReport, EngineError> {
-        let stage = Stage::new(zero)?;
-        let space = GradSpace::new(model.layout(), model.segments())?;
-        let world = if stage.shards_optimizer() { world_size.max(1) } else { 1 };
-        let part = Partition::new(space, 0, world);
-        let s = BufferSizes::new(&part, stage, precision, bucket_elems);
-        let state = 4 * optimizer_slots * s.optimizer;
-        Ok(match offload {
-            true => s.report(precision, 4 * optimizer_slots * window_len(s.optimizer, WINDOW_ELEMS), state),
-            false => s.report(precision, state, 0),
-        })
-    }
-
-    /// Moves the optimizer state to files in `dir` (one per state slot,
-    /// removed when the trainer is dropped): each update then streams it
-    /// window by window ([`Optimizer::update_offloaded`]), bit-identical to
-    /// the in-memory update. A no-op for an optimizer without state.
-    pub fn offload_optimizer(&mut self, dir: &std::path::Path) -> Result<(), EngineError> {
-        self.offload_optimizer_windowed(dir, WINDOW_ELEMS)
-    }
-
-    /// [`Trainer::offload_optimizer`] with windows of `window` elements
-    /// (tests use small ones to cross many window boundaries).
-    pub fn offload_optimizer_windowed(&mut self, dir: &std::path::Path, window: usize) -> Result<(), EngineError> {
-        if self.offload.is_some() {
-            return Ok(());
-        }
-        let bufs = self.optimizer.state_buffers();
-        if bufs.is_empty() {
-            return Ok(());
-        }
-        let names: Vec<&'static str> = bufs.iter().map(|(n, _)| *n).collect();
-        let values: Vec<&[f32]> = bufs.iter().map(|(_, b)| *b).collect();
-        let disk = OffloadedState::create(dir, &names, self.optimizer.state_len(), window, &values)?;
-        self.optimizer.release_state();
-        self.offload = Some(disk);
-        Ok(())
-    }
-
-    /// The offloaded optimizer state, if any.
-    pub fn offloaded(&self) -> Option<&OffloadedState> {
-        self.offload.as_ref()
-    }
-
-    pub fn memory(&self) -> MemoryReport {
-        let copy = self.model_copy.as_ref();
-        let sizes = BufferSizes {
-            params: self.params.len(),
-            model_copy: copy.map_or(0, |c| c.bits.len()),
-            decoded: copy.map_or(0, |c| c.decoded.len()),
-            optimizer: 0,
-            grads: self.grads.len(),
-            seg_grads: self.seg_grads.len(),
-            gathered: self.gathered.len(),
-            scratch: self.scratch.len(),
-            max_collective: self.max_collective,
-        };
-        let (resident, offloaded) = self.offload.as_ref().map_or((0, 0), |d| (d.resident_bytes(), d.offloaded_bytes()));
-        sizes.report(self.options.precision, self.optimizer.state_bytes() + resident, offloaded)
-    }
-
-    /// The full optimizer state by name, in the gradient space (trainable
-    /// tensors only), assembled from every rank's shard (a collective at
-    /// stages ≥ 1), for checkpoints; ranks other than 0 get empty buffers
-    /// unless `all_ranks`.
-    pub fn full_optimizer_state(
-        &mut self,
-        comm: &mut dyn Communicator,
-        all_ranks: bool,
-    ) -> Result<Vec<(String, Vec<f32>)>, EngineError> {
-        let keep = all_ranks || comm.rank() == 0;
-        let mut out = Vec::new();
-        for name in self.optimizer.slot_names() {
-            let disk = match self.offload.as_mut() {
-                Some(d) => Some(d.read_all(name)?),
-                None => None,
-            };
-            let buf = match &disk {
-                Some(v) => v.as_slice(),
-                None => self.optimizer.state_buffers().into_iter().find(|(n, _)| *n == name).map_or(&[][..], |b| b.1),
-            };
-            let full = if self.stage.shards_optimizer() {
-                self.gather_grad_space(comm, buf, keep)?
-            } else {
-                try_copy(buf, "the full optimizer state")?
-            };
-            out.push((name.to_string(), full));
-        }
-        Ok(out)
-    }
-
-    /// Restores a checkpointed state from full buffers (each rank keeps its
-    /// pieces): parameters, optimizer state (gradient space) and the number
-    /// of steps taken.
-    pub fn restore(
-        &mut self,
-        params: Vec<f32>,
-        n_steps: u64,
-        n_updates: u64,
-        optimizer_state: impl FnMut(&str) -> Option<Vec<f32>>,
-    ) -> Result<(), EngineError> {
-        if params.len() != self.layout.n_params() {
-            return Err(EngineError::ParamCount { expected: self.layout.n_params(), got: params.len() });
-        }
-        self.restore_optimizer(n_steps, n_updates, optimizer_state)?;
-        self.set_params(params)
-    }
-
-    /// [`Trainer::restore`] for a trainer already built from the
-    /// checkpoint's parameters: the optimizer state and the schedule position.
-    pub fn restore_optimizer(
-        &mut self,
-        n_steps: u64,
-        n_updates: u64,
-        mut optimizer_state: impl FnMut(&str) -> Option<Vec<f32>>,
-    ) -> Result<(), EngineError> {
-        let (part, sharded, n_grads) = (&self.part, self.stage.shards_optimizer(), self.part.space.n_grads);
-        let shard_of = |full: Vec<f32>| {
-            if !sharded {
-                return full;
-            }
-            let mut shard = vec![0.0; part.grad_shard_len()];
-            part.gather_own_grads(&full, &mut shard);
-            shard
-        };
-        if let Some(disk) = self.offload.as_mut() {
-            for (i, name) in self.optimizer.slot_names().into_iter().enumerate() {
-                let full = optimizer_state(name).ok_or(EngineError::MissingState { name })?;
-                if full.len() != n_grads {
-                    return Err(EngineError::ParamCount { expected: n_grads, got: full.len() });
-                }
-                disk.write_all(i, &shard_of(full))?;
-            }
-            self.optimizer.set_n_updates(n_updates);
-            self.n_steps = n_steps;
-            return Ok(());
-        }
-        let mut err = None;
-        self.optimizer.restore(n_updates, |name| {
-            let full = optimizer_state(name)?;
-            if full.len() != n_grads {
-                err = Some(EngineError::ParamCount { expected: n_grads, got: full.len() });
-                return None;
-            }
-            Some(shard_of(full))
-        })?;
-        if let Some(e) = err {
-            return Err(e);
-        }
-        self.n_steps = n_steps;
-        Ok(())
-    }
-
-    /// Replaces the parameters (e.g. `--init-from` a pretrained model, or a
-    /// checkpoint) from a full buffer; each rank keeps what it holds.
-    pub fn set_params(&mut self, params: Vec<f32>) -> Result<(), EngineError> {
-        if params.len() != self.layout.n_params() {
-            return Err(EngineError::ParamCount { expected: self.layout.n_params(), got: params.len() });
-        }
-        if let Some(c) = self.model_copy.as_mut() {
-            self.options.precision.encode(&params, &mut c.bits);
-            c.decoded_seg = None;
-        }
-        self.params = if self.master_sharded() {
-            let mut shard = vec![0.0; self.part.shard_len()];
-            self.part.gather_own(&params, &mut shard);
-            shard
-        } else {
-            params
-        };
-        Ok(())
-    }
-
     /// The learning rate the next step will use.
     pub fn next_lr(&self) -> f32 {
         self.schedule.lr(self.n_steps)
-    }
-
-    /// FNV-1a hash of the resident parameter bits.
-    pub fn params_checksum(&self) -> u64 {
-        fnv1a(self.params.iter().flat_map(|x| x.to_bits().to_le_bytes()))
-    }
-
-    /// Errors unless every rank holds bit-identical parameters (stages 0–2;
-    /// at stage 3 each rank holds a different shard by design).
-    pub fn check_params_agree(&mut self, comm: &mut dyn Communicator) -> Result<(), EngineError> {
-        if self.stage.shards_parameters() {
-            return Ok(());
-        }
-        let h = match (&self.model_copy, self.master_sharded()) {
-            // Mixed precision, stages 1–2: the replicated 16-bit copy must agree.
-            (Some(c), true) => fnv1a(c.bits.iter().flat_map(|x| x.to_le_bytes())),
-            _ => self.params_checksum(),
-        };
-        // Four 16-bit pieces: exact in f32, so the all-gather carries the hash losslessly.
-        let mine: Vec<f32> = (0..4).map(|i| ((h >> (16 * i)) & 0xffff) as f32).collect();
-        let mut all = vec![0.0f32; 4 * comm.world_size()];
-        comm.all_gather(&mine, &mut all).map_err(|source| EngineError::Comm { step: self.n_steps, source })?;
-        let checksums: Vec<u64> =
-            all.chunks(4).map(|c| c.iter().enumerate().fold(0u64, |h, (i, &x)| h | ((x as u64) << (16 * i)))).collect();
-        if checksums.iter().any(|&c| c != checksums[0]) {
-            return Err(EngineError::RanksDiverged { step: self.n_steps, checksums });
-        }
-        Ok(())
     }
 
     /// Whether this rank holds only its shard of the f32 parameters (the
     /// master weights): stage 3, and stages 1–2 under mixed precision. Then
     /// [`Trainer::full_params`] is a collective.
     pub fn master_sharded(&self) -> bool {
-        master_sharded(self.stage, self.options.precision)
-    }
-
-    /// A store over this trainer's buffers for one pass of the model.
-    fn store<'a>(&'a mut self, comm: &'a mut dyn Communicator, with_grads: bool) -> StepStore<'a> {
-        StepStore {
-            part: &self.part,
-            stage: self.stage,
-            with_grads,
-            precision: self.options.precision,
-            model_copy: self.model_copy.as_mut(),
-            params: &self.params,
-            grads: &mut self.grads,
-            seg_grads: &mut self.seg_grads,
-            gathered: &mut self.gathered,
-            gathered_seg: &mut self.gathered_seg,
-            written: &mut self.written,
-            scratch: &mut self.scratch,
-            comm,
-            step: self.n_steps + 1,
-        }
+        self.stage.shards_master(self.options.precision)
     }
 
     /// Forward-only loss of `batch` with the current parameters. At stage 3
@@ -696,20 +356,18 @@ impl Trainer {
         let before = comm.counters();
         // The loss scale of this step: fixed until the boundary.
         let loss_scale = self.scaler.map_or(1.0, |s| s.scale);
-        let seed = self.backward_seeds(model, comm, micro_batches, loss_scale)?;
+        let seeds = self.backward_seeds(model, comm, micro_batches, loss_scale)?;
 
         // Accumulate: K micro-steps add into the gradient buffers; at
         // stages 0–2 (local accumulation) nothing is communicated.
         self.begin_accumulation();
         let (mut loss_sum, mut n_targets, mut model_s) = (0.0f64, 0u64, 0.0);
         let mut micro_losses = Vec::with_capacity(n_micro);
-        for (micro_step_idx, (batch, seed)) in micro_batches.iter().zip(seed.per_micro).enumerate() {
+        for (micro_step_idx, (batch, loss_seed)) in micro_batches.iter().zip(seeds.per_micro).enumerate() {
             let t0 = std::time::Instant::now();
-            let stats = model.micro_step(&mut self.store(comm, true), batch, seed).map_err(|e| EngineError::Model {
-                step: step_idx + 1,
-                micro_step_idx,
-                source: Box::new(e),
-            })?;
+            let stats = model
+                .micro_step(&mut self.store(comm, true), batch, loss_seed)
+                .map_err(|e| EngineError::Model { step: step_idx + 1, micro_step_idx, source: Box::new(e) })?;
             model_s += t0.elapsed().as_secs_f64();
             loss_sum += stats.loss_sum;
             n_targets += stats.n_targets;
@@ -732,7 +390,7 @@ impl Trainer {
         // What turns the accumulated buffer into the gradient of the mean
         // loss: what the seeds left to do, and the loss scale undone
         // (unscaled before the norm, and so before clipping).
-        let normalize = match (self.options.normalization, seed.divided_by_targets) {
+        let normalize = match (self.options.normalization, seeds.divided_by_targets) {
             (LossNormalization::Token, false) => 1.0 / n_targets as f64,
             _ => 1.0,
         } / loss_scale as f64;
@@ -799,8 +457,8 @@ impl Trainer {
                 let mut n = [micro_batches.iter().map(|b| model.n_targets(b)).sum::<u64>() as f64];
                 comm.all_reduce_sum_f64(&mut n)
                     .map_err(|source| EngineError::Comm { step: self.n_steps + 1, source })?;
-                let seed = if n[0] > 0.0 { (loss_scale as f64 / n[0]) as f32 } else { 0.0 };
-                Ok(Seeds { per_micro: vec![seed; n_micro], divided_by_targets: true })
+                let loss_seed = if n[0] > 0.0 { (loss_scale as f64 / n[0]) as f32 } else { 0.0 };
+                Ok(Seeds { per_micro: vec![loss_seed; n_micro], divided_by_targets: true })
             }
             LossNormalization::Token => Ok(Seeds { per_micro: vec![loss_scale; n_micro], divided_by_targets: false }),
             LossNormalization::MicroBatchMean => {
@@ -837,128 +495,6 @@ impl Trainer {
         }
     }
 
-    /// The boundary's gradient collective: afterwards `self.grads` holds
-    /// this rank's part of the global sum (all of it after an all-reduce).
-    fn reduce_gradients(&mut self, comm: &mut dyn Communicator) -> Result<(), comm::CommError> {
-        match self.stage.reduction() {
-            Reduction::AllReduce => {
-                for bucket in self.grads.chunks_mut(self.options.bucket_elems.max(1)) {
-                    comm.all_reduce_sum(bucket)?;
-                }
-            }
-            Reduction::ReduceScatter => {
-                // Each segment: pack, reduce-scatter, and this rank's reduced
-                // piece back into its own range of the local buffer.
-                let w = self.part.world_size;
-                for j in 0..self.part.n_segments() {
-                    let t = self.part.grad_piece[j];
-                    if t == 0 {
-                        continue; // nothing trainable: no communication
-                    }
-                    let g = self.part.space.grad_segments[j].clone();
-                    self.scratch[..g.len()].copy_from_slice(&self.grads[g]);
-                    self.part.pack_grads_in_place(j, &mut self.scratch[..t * w]);
-                    let mut out = vec![0.0; t];
-                    comm.reduce_scatter_sum(&self.scratch[..t * w], &mut out)?;
-                    let own = self.part.grad_owned(j, self.part.rank);
-                    self.grads[own.clone()].copy_from_slice(&out[..own.len()]);
-                }
-            }
-            Reduction::Done => {}
-        }
-        Ok(())
-    }
-
-    /// The L2 norm of the global (reduced, unnormalised) gradient: local
-    /// when every rank holds all of it, else a sum of the shards' squares.
-    fn global_norm(&self, comm: &mut dyn Communicator) -> Result<f64, comm::CommError> {
-        if self.stage.reduction() == Reduction::AllReduce {
-            return Ok(grad_norm(&self.grads));
-        }
-        let mut sq = [match self.stage.accumulation() {
-            Accumulation::PerSegment => sum_of_squares(&self.grads),
-            Accumulation::Local => (0..self.part.n_segments())
-                .map(|j| sum_of_squares(&self.grads[self.part.grad_owned(j, self.part.rank)]))
-                .sum(),
-        }];
-        comm.all_reduce_sum_f64(&mut sq)?;
-        Ok(sq[0].sqrt())
-    }
-
-    /// The optimizer update of this rank's part (every trainable parameter
-    /// at stage 0), reading the gradient scaled by `grad_scale`.
-    fn apply_update(&mut self, lr: f32) -> Result<(), EngineError> {
-        let ranges: Vec<Range<usize>> = self.update.iter().map(|c| c.params.clone()).collect();
-        let grads = &self.grads;
-        let pieces: Vec<Piece<'_>> = split(&mut self.params, &ranges)
-            .into_iter()
-            .zip(&self.update)
-            .map(|(params, c)| Piece {
-                params,
-                grads: &grads[c.grads..c.grads + c.params.len()],
-                state: c.state..c.state + c.params.len(),
-                decay: c.decay,
-            })
-            .collect();
-        match self.offload.as_mut() {
-            Some(disk) => self.optimizer.update_offloaded(pieces, lr, self.grad_scale, disk),
-            None => {
-                self.optimizer.update_pieces(pieces, lr, self.grad_scale);
-                Ok(())
-            }
-        }
-    }
-
-    /// After the update: stages 1–2 all-gather every rank's updated
-    /// (trainable) pieces of each segment into every rank's parameters — the
-    /// f32 ones, or under mixed precision the 16-bit copy the model reads;
-    /// stage 0 re-encodes its 16-bit copy; stage 3 keeps only its shard.
-    fn share_updated_params(&mut self, comm: &mut dyn Communicator) -> Result<(), comm::CommError> {
-        if !self.stage.gathers_after_update() {
-            if let Some(c) = self.model_copy.as_mut() {
-                self.options.precision.encode(&self.params, &mut c.bits);
-                c.decoded_seg = None;
-            }
-            return Ok(());
-        }
-        let (w, rank, sharded) = (self.part.world_size, self.part.rank, self.master_sharded());
-        for j in 0..self.part.n_segments() {
-            let t = self.part.grad_piece[j];
-            if t == 0 {
-                continue; // frozen: never changes
-            }
-            // This rank's trainable values, packed like its gradient piece.
-            let own = self.part.owned(j, rank);
-            let mut mine = vec![0.0; t];
-            let mut at = 0;
-            for (pr, _, _) in self.part.space.trainable_runs(j, own.clone()) {
-                let src = if sharded { self.part.shard_range(j).start + (pr.start - own.start) } else { pr.start };
-                mine[at..at + pr.len()].copy_from_slice(&self.params[src..src + pr.len()]);
-                at += pr.len();
-            }
-            let mut all = vec![0.0; t * w];
-            comm.all_gather(&mine, &mut all)?;
-            for r in 0..w {
-                let mut at = r * t;
-                for (pr, _, _) in self.part.space.trainable_runs(j, self.part.owned(j, r)) {
-                    let vals = &all[at..at + pr.len()];
-                    match self.model_copy.as_mut() {
-                        Some(c) if sharded => self.options.precision.encode(vals, &mut c.bits[pr.clone()]),
-                        _ => self.params[pr.clone()].copy_from_slice(vals),
-                    }
-                    at += pr.len();
-                }
-            }
-        }
-        if let Some(c) = self.model_copy.as_mut() {
-            if !sharded {
-                self.options.precision.encode(&self.params, &mut c.bits);
-            }
-            c.decoded_seg = None;
-        }
-        Ok(())
-    }
-
     /// The loss scaler's state (f16 only).
     pub fn loss_scaler(&self) -> Option<&LossScaler> {
         self.scaler.as_ref()
@@ -975,291 +511,9 @@ impl Trainer {
     }
 }
 
-/// One piece of this rank's optimizer update: where its parameters,
-/// gradient and optimizer state live, and whether weight decay applies.
-#[derive(Debug, Clone)]
-struct UpdateChunk {
-    params: Range<usize>,
-    grads: usize,
-    state: usize,
-    decay: bool,
-}
-
-/// The pieces of this rank's update, at most CHUNK elements each (the unit
-/// of parallel work), fixed for the trainer's life.
-fn update_chunks(part: &Partition, layout: &ParamLayout, stage: Stage, master_sharded: bool) -> Vec<UpdateChunk> {
-    let runs = part.update_runs(UpdateSharding {
-        params: master_sharded,
-        grads: stage.accumulation() == Accumulation::PerSegment,
-        state: stage.shards_optimizer(),
-    });
-    let mut chunks = Vec::with_capacity(runs.len());
-    for r in runs {
-        let decay = layout.tensors()[r.tensor].decay;
-        for at in (0..r.len).step_by(CHUNK) {
-            let m = CHUNK.min(r.len - at);
-            chunks.push(UpdateChunk {
-                params: r.param + at..r.param + at + m,
-                grads: r.grad + at,
-                state: r.state + at,
-                decay,
-            });
-        }
-    }
-    chunks
-}
-
-/// Seeds of one step's backward passes.
+/// Loss seeds of one step's backward passes ([`Model::micro_step`]'s `loss_seed`).
 struct Seeds {
     per_micro: Vec<f32>,
     /// The seeds already divide by the targets (global or per micro-batch).
     divided_by_targets: bool,
-}
-
-fn master_sharded(stage: Stage, precision: Precision) -> bool {
-    stage.shards_parameters() || (precision.is_low() && stage.shards_optimizer())
-}
-
-/// Element counts of a trainer's buffers on one rank: what
-/// [`Trainer::distributed_with`] allocates and [`Trainer::planned_memory`]
-/// predicts (one definition, so the plan cannot drift from the engine).
-#[derive(Debug, Clone, Copy)]
-struct BufferSizes {
-    /// f32 parameters (all, or this rank's shard).
-    params: usize,
-    /// 16-bit model copy (mixed precision, stages 0–2).
-    model_copy: usize,
-    /// One segment decoded from the 16-bit copy.
-    decoded: usize,
-    /// Optimizer-state elements per slot.
-    optimizer: usize,
-    /// Gradient accumulator.
-    grads: usize,
-    /// One segment's gradient awaiting its reduce-scatter (per-segment accumulation).
-    seg_grads: usize,
-    /// Stage 3's gathered segment.
-    gathered: usize,
-    /// Packing / result scratch of the reduction.
-    scratch: usize,
-    /// The largest buffer one collective carries.
-    max_collective: usize,
-}
-
-impl BufferSizes {
-    fn new(part: &Partition, stage: Stage, precision: Precision, bucket_elems: usize) -> Self {
-        let world = part.world_size;
-        let n_params = part.space.segments.last().map_or(0, |r| r.end);
-        let low_copy = precision.is_low() && !stage.shards_parameters();
-        let max_grad_padded = (0..part.n_segments()).map(|j| part.grad_piece[j] * world).max().unwrap_or(0);
-        let max_grad_piece = part.grad_piece.iter().copied().max().unwrap_or(0);
-        let per_segment = stage.accumulation() == Accumulation::PerSegment;
-        let max_padded = (0..part.n_segments()).map(|j| part.piece[j] * world).max().unwrap_or(0);
-        Self {
-            params: if master_sharded(stage, precision) { part.shard_len() } else { n_params },
-            model_copy: if low_copy { n_params } else { 0 },
-            decoded: if low_copy { part.space.segments.iter().map(|r| r.len()).max().unwrap_or(0) } else { 0 },
-            optimizer: if stage.shards_optimizer() { part.grad_shard_len() } else { part.space.n_grads },
-            grads: if per_segment { part.grad_shard_len() } else { part.space.n_grads },
-            seg_grads: if per_segment { max_grad_padded } else { 0 },
-            gathered: if stage.shards_parameters() { max_padded } else { 0 },
-            // Stage 2 with local accumulation packs whole segments for
-            // reduce-scatter; per-segment reduction only needs one piece for the result.
-            scratch: match stage.reduction() {
-                Reduction::ReduceScatter => max_grad_padded,
-                Reduction::Done => max_grad_piece,
-                Reduction::AllReduce => 0,
-            },
-            // Segments are broadcast at start and gathered / reduce-scattered
-            // padded; stages 0–1 all-reduce the gradient in buckets.
-            max_collective: max_padded.max(match stage.reduction() {
-                Reduction::AllReduce => bucket_elems.max(1).min(part.space.n_grads),
-                _ => 0,
-            }),
-        }
-    }
-
-    /// The accounting, with the optimizer state's bytes given (in memory, on disk).
-    fn report(&self, precision: Precision, optimizer_bytes: usize, offloaded: usize) -> MemoryReport {
-        // f32: the parameters are their own master copy. Mixed precision: the
-        // model reads the 16-bit copy (stages 0–2) or rounded gathered
-        // segments (stage 3); the f32 values are the master weights.
-        let (params, master) =
-            if precision.is_low() { (2 * self.model_copy, 4 * self.params) } else { (4 * self.params, 0) };
-        let (gathered, decoded) = (4 * self.gathered, 4 * self.decoded);
-        MemoryReport {
-            params,
-            grads: 4 * self.grads,
-            optimizer: optimizer_bytes,
-            offloaded,
-            master,
-            comm_buffers: gathered + 4 * (self.seg_grads + self.scratch) + decoded,
-            peak_param_residency: params + gathered + decoded,
-            max_collective_elems: self.max_collective,
-        }
-    }
-}
-
-fn fnv1a(bytes: impl Iterator<Item = u8>) -> u64 {
-    bytes.fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
-}
-
-/// The store a model sees during a step.
-struct StepStore<'a> {
-    part: &'a Partition,
-    stage: Stage,
-    with_grads: bool,
-    precision: Precision,
-    model_copy: Option<&'a mut ModelCopy>,
-    params: &'a [f32],
-    grads: &'a mut [f32],
-    seg_grads: &'a mut [f32],
-    gathered: &'a mut [f32],
-    gathered_seg: &'a mut Option<usize>,
-    written: &'a mut [bool],
-    scratch: &'a mut [f32],
-    comm: &'a mut dyn Communicator,
-    step: u64,
-}
-
-/// Segment `seg`'s gradient buffer during a step: its range of the local
-/// accumulator, or the front of the transient per-segment buffer.
-fn grad_buf<'b>(
-    part: &Partition,
-    stage: Stage,
-    grads: &'b mut [f32],
-    seg_grads: &'b mut [f32],
-    seg: usize,
-) -> &'b mut [f32] {
-    let g = part.space.grad_segments[seg].clone();
-    match stage.accumulation() {
-        Accumulation::Local => &mut grads[g],
-        Accumulation::PerSegment => &mut seg_grads[..g.len()],
-    }
-}
-
-impl ParamStore for StepStore<'_> {
-    fn segment(&mut self, seg: usize) -> Result<SegmentView<'_>, EngineError> {
-        if seg >= self.part.n_segments() {
-            return Err(EngineError::NoSuchSegment { seg });
-        }
-        let r = self.part.segment(seg);
-        let n = r.len();
-        if self.stage.shards_parameters() && *self.gathered_seg != Some(seg) {
-            // Just before use: every rank's piece of this segment.
-            let s = self.part.piece[seg];
-            let w = self.part.world_size;
-            self.comm
-                .all_gather(&self.params[self.part.shard_range(seg)], &mut self.gathered[..s * w])
-                .map_err(|source| EngineError::Comm { step: self.step, source })?;
-            *self.gathered_seg = Some(seg);
-            // Mixed precision: the model reads the segment in 16 bits.
-            self.precision.round(&mut self.gathered[..n]);
-        }
-        let params: &[f32] = match self.model_copy.as_deref_mut() {
-            _ if self.stage.shards_parameters() => &self.gathered[..n],
-            Some(c) => {
-                if c.decoded_seg != Some(seg) {
-                    self.precision.decode(&c.bits[r.clone()], &mut c.decoded[..n]);
-                    c.decoded_seg = Some(seg);
-                }
-                &c.decoded[..n]
-            }
-            None => &self.params[r],
-        };
-        if !self.with_grads {
-            return Ok(SegmentView { params, grads: SegmentGrads::none() });
-        }
-        let buf = grad_buf(self.part, self.stage, self.grads, self.seg_grads, seg);
-        let grads = Written { space: &self.part.space, flags: self.written }.into_view(seg, buf);
-        Ok(SegmentView { params, grads })
-    }
-
-    fn done(&mut self, seg: usize, backward: bool) -> Result<(), EngineError> {
-        if self.with_grads && backward {
-            let part = self.part;
-            let buf = grad_buf(part, self.stage, self.grads, self.seg_grads, seg);
-            let mut written = Written { space: &part.space, flags: self.written };
-            written.clear_unwritten(seg, buf);
-            let t = part.grad_piece[seg];
-            if self.stage.accumulation() == Accumulation::PerSegment && t > 0 {
-                // Reduce-scatter this segment's gradient now; accumulate this
-                // rank's piece into the shard accumulator.
-                let w = part.world_size;
-                part.pack_grads_in_place(seg, &mut self.seg_grads[..t * w]);
-                let out = &mut self.scratch[..t];
-                self.comm
-                    .reduce_scatter_sum(&self.seg_grads[..t * w], out)
-                    .map_err(|source| EngineError::Comm { step: self.step, source })?;
-                let acc = &mut self.grads[part.grad_shard_range(seg)];
-                acc.iter_mut().zip(out.iter()).for_each(|(a, o)| *a += o);
-                // Reduced and accumulated: the transient buffer is free again.
-                Written { space: &part.space, flags: self.written }.reset(seg);
-            }
-        }
-        if self.stage.shards_parameters() {
-            *self.gathered_seg = None; // released: the buffer is reused by the next segment
-        }
-        Ok(())
-    }
-}
-
-fn scale(buf: &mut [f32], factor: f32) {
-    buf.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|x| *x *= factor));
-}
-
-/// `torch.nn.utils.clip_grad_norm_`'s factor: `max_norm / (norm + 1e-6)`, capped at 1.
-fn clip_coefficient(norm: f64, max_norm: f32) -> f64 {
-    (max_norm as f64 / (norm + 1e-6)).min(1.0)
-}
-
-/// L2 norm of a flat buffer, accumulated in f64 over fixed chunks summed in
-/// order, so the result does not depend on the number of threads.
-pub fn grad_norm(grads: &[f32]) -> f64 {
-    let partial: Vec<f64> = grads.par_chunks(CHUNK).map(sum_of_squares).collect();
-    partial.iter().sum::<f64>().sqrt()
-}
-
-/// Σ x² in f64 over 8 interleaved accumulators: a fixed summation order (so
-/// the result is the same on every run and thread count) that vectorises.
-fn sum_of_squares(xs: &[f32]) -> f64 {
-    let mut acc = [0.0f64; 8];
-    let mut chunks = xs.chunks_exact(8);
-    for c in &mut chunks {
-        for i in 0..8 {
-            acc[i] += c[i] as f64 * c[i] as f64;
-        }
-    }
-    let tail: f64 = chunks.remainder().iter().map(|&x| x as f64 * x as f64).sum();
-    acc.iter().sum::<f64>() + tail
-}
-
-/// `torch.nn.utils.clip_grad_norm_`: scale by `max_norm / (norm + 1e-6)` when
-/// that factor is below 1. Returns the pre-clip norm and whether it clipped.
-pub fn clip_grad_norm(grads: &mut [f32], max_norm: f32) -> (f64, bool) {
-    let norm = grad_norm(grads);
-    let coef = clip_coefficient(norm, max_norm);
-    if coef < 1.0 {
-        scale(grads, coef as f32);
-        (norm, true)
-    } else {
-        (norm, false)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn clip_matches_torch_semantics() {
-        // norm of [3, 4] is 5; clip to 1 → factor 1/(5+1e-6).
-        let mut g = vec![3.0f32, 4.0];
-        let (norm, clipped) = clip_grad_norm(&mut g, 1.0);
-        assert_eq!(norm, 5.0);
-        assert!(clipped);
-        assert!((g[0] - 0.6).abs() < 1e-6 && (g[1] - 0.8).abs() < 1e-6);
-        let mut g = vec![0.3f32, 0.4];
-        assert_eq!(clip_grad_norm(&mut g, 1.0), (0.500_000_011_920_929, false));
-        assert_eq!(g, vec![0.3, 0.4]);
-    }
 }

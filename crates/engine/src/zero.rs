@@ -17,6 +17,7 @@
 
 use crate::error::EngineError;
 use crate::layout::ParamLayout;
+use crate::precision::Precision;
 use crate::store::GradSpace;
 use std::ops::Range;
 
@@ -136,6 +137,40 @@ impl Stage {
     /// parameters after the update (stages 1–2).
     pub fn gathers_after_update(self) -> bool {
         matches!(self, Stage::ShardedOptimizer | Stage::ShardedGradients { .. })
+    }
+
+    /// `(rank, world_size)` of the partition on rank `rank` of `world_size`:
+    /// the communicator's ranks when anything is sharded, else one piece
+    /// holding everything (every rank keeps all of it).
+    pub fn partition_of(self, rank: usize, world_size: usize) -> (usize, usize) {
+        if self.shards_optimizer() {
+            (rank, world_size)
+        } else {
+            (0, 1)
+        }
+    }
+
+    /// Whether each rank holds only its shard of the f32 parameters (the
+    /// master weights): stage 3, and stages 1–2 when a 16-bit copy is what
+    /// the model reads (the replicated copy is then that copy).
+    pub fn shards_master(self, precision: Precision) -> bool {
+        self.shards_parameters() || (precision.is_low() && self.shards_optimizer())
+    }
+
+    /// Whether the model reads a replicated 16-bit copy of the parameters:
+    /// mixed precision at stages 0–2 (stage 3 rounds each gathered segment
+    /// instead).
+    pub fn keeps_model_copy(self, precision: Precision) -> bool {
+        precision.is_low() && !self.shards_parameters()
+    }
+
+    /// Which buffers this rank's optimizer update indexes by shard.
+    pub fn update_sharding(self, precision: Precision) -> UpdateSharding {
+        UpdateSharding {
+            params: self.shards_master(precision),
+            grads: self.accumulation() == Accumulation::PerSegment,
+            state: self.shards_optimizer(),
+        }
     }
 }
 

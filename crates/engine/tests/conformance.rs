@@ -86,7 +86,12 @@ impl Model for Toy {
         b.mask.iter().filter(|&&m| m).count() as u64
     }
 
-    fn micro_step(&mut self, store: &mut dyn ParamStore, b: &ToyBatch, seed: f32) -> Result<MicroStepStats, ToyError> {
+    fn micro_step(
+        &mut self,
+        store: &mut dyn ParamStore,
+        b: &ToyBatch,
+        loss_seed: f32,
+    ) -> Result<MicroStepStats, ToyError> {
         let n = b.mask.len() / O;
         let p0 = store.segment(0)?.params.to_vec();
         store.done(0, false)?;
@@ -103,8 +108,8 @@ impl Model for Toy {
         let mut dc = vec![0.0f32; O];
         for i in 0..n {
             for j in 0..O {
-                ds[j] += seed * r[i * O + j] * z[i * O + j];
-                dc[j] += seed * r[i * O + j];
+                ds[j] += loss_seed * r[i * O + j] * z[i * O + j];
+                dc[j] += loss_seed * r[i * O + j];
             }
         }
         {
@@ -118,7 +123,7 @@ impl Model for Toy {
         let mut db = vec![0.0f32; O];
         for i in 0..n {
             for j in 0..O {
-                let dz = seed * r[i * O + j] * p1[j];
+                let dz = loss_seed * r[i * O + j] * p1[j];
                 db[j] += dz;
                 for k in 0..D {
                     dw[k * O + j] += b.x[i * D + k] * dz;

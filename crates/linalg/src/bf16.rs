@@ -573,7 +573,6 @@ mod imp {
     /// `out` is `None`); `out.dst` is valid for the `out.mr × out.nr` tile.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     #[inline(never)]
-    #[allow(clippy::too_many_arguments)]
     unsafe fn kernel(
         kcp: usize,
         a: *const u32,

@@ -1,0 +1,166 @@
+//! What runs once per optimizer step after the micro-steps: the gradient
+//! collective, the global norm, the optimizer update of this rank's pieces
+//! and sharing the updated parameters.
+
+use super::clip::{grad_norm, sum_of_squares};
+use super::Trainer;
+use crate::error::EngineError;
+use crate::layout::ParamLayout;
+use crate::optim::{split, Piece, CHUNK};
+use crate::zero::{Accumulation, Partition, Reduction, UpdateSharding};
+use comm::Communicator;
+use std::ops::Range;
+
+impl Trainer {
+    /// The boundary's gradient collective: afterwards `self.grads` holds
+    /// this rank's part of the global sum (all of it after an all-reduce).
+    pub(super) fn reduce_gradients(&mut self, comm: &mut dyn Communicator) -> Result<(), comm::CommError> {
+        match self.stage.reduction() {
+            Reduction::AllReduce => {
+                for bucket in self.grads.chunks_mut(self.options.bucket_elems.max(1)) {
+                    comm.all_reduce_sum(bucket)?;
+                }
+            }
+            Reduction::ReduceScatter => {
+                // Each segment: pack, reduce-scatter, and this rank's reduced
+                // piece back into its own range of the local buffer.
+                let w = self.part.world_size;
+                for j in 0..self.part.n_segments() {
+                    let t = self.part.grad_piece[j];
+                    if t == 0 {
+                        continue; // nothing trainable: no communication
+                    }
+                    let g = self.part.space.grad_segments[j].clone();
+                    self.scratch[..g.len()].copy_from_slice(&self.grads[g]);
+                    self.part.pack_grads_in_place(j, &mut self.scratch[..t * w]);
+                    let mut out = vec![0.0; t];
+                    comm.reduce_scatter_sum(&self.scratch[..t * w], &mut out)?;
+                    let own = self.part.grad_owned(j, self.part.rank);
+                    self.grads[own.clone()].copy_from_slice(&out[..own.len()]);
+                }
+            }
+            Reduction::Done => {}
+        }
+        Ok(())
+    }
+
+    /// The L2 norm of the global (reduced, unnormalised) gradient: local
+    /// when every rank holds all of it, else a sum of the shards' squares.
+    pub(super) fn global_norm(&self, comm: &mut dyn Communicator) -> Result<f64, comm::CommError> {
+        if self.stage.reduction() == Reduction::AllReduce {
+            return Ok(grad_norm(&self.grads));
+        }
+        let mut sq = [match self.stage.accumulation() {
+            Accumulation::PerSegment => sum_of_squares(&self.grads),
+            Accumulation::Local => (0..self.part.n_segments())
+                .map(|j| sum_of_squares(&self.grads[self.part.grad_owned(j, self.part.rank)]))
+                .sum(),
+        }];
+        comm.all_reduce_sum_f64(&mut sq)?;
+        Ok(sq[0].sqrt())
+    }
+
+    /// The optimizer update of this rank's part (every trainable parameter
+    /// at stage 0), reading the gradient scaled by `grad_scale`.
+    pub(super) fn apply_update(&mut self, lr: f32) -> Result<(), EngineError> {
+        let ranges: Vec<Range<usize>> = self.update.iter().map(|c| c.params.clone()).collect();
+        let grads = &self.grads;
+        let pieces: Vec<Piece<'_>> = split(&mut self.params, &ranges)
+            .into_iter()
+            .zip(&self.update)
+            .map(|(params, c)| Piece {
+                params,
+                grads: &grads[c.grads..c.grads + c.params.len()],
+                state: c.state..c.state + c.params.len(),
+                decay: c.decay,
+            })
+            .collect();
+        match self.offload.as_mut() {
+            Some(disk) => self.optimizer.update_offloaded(pieces, lr, self.grad_scale, disk),
+            None => {
+                self.optimizer.update_pieces(pieces, lr, self.grad_scale);
+                Ok(())
+            }
+        }
+    }
+
+    /// After the update: stages 1–2 all-gather every rank's updated
+    /// (trainable) pieces of each segment into every rank's parameters — the
+    /// f32 ones, or under mixed precision the 16-bit copy the model reads;
+    /// stage 0 re-encodes its 16-bit copy; stage 3 keeps only its shard.
+    pub(super) fn share_updated_params(&mut self, comm: &mut dyn Communicator) -> Result<(), comm::CommError> {
+        if !self.stage.gathers_after_update() {
+            if let Some(c) = self.model_copy.as_mut() {
+                self.options.precision.encode(&self.params, &mut c.bits);
+                c.decoded_seg = None;
+            }
+            return Ok(());
+        }
+        let (w, rank, sharded) = (self.part.world_size, self.part.rank, self.master_sharded());
+        for j in 0..self.part.n_segments() {
+            let t = self.part.grad_piece[j];
+            if t == 0 {
+                continue; // frozen: never changes
+            }
+            // This rank's trainable values, packed like its gradient piece.
+            let own = self.part.owned(j, rank);
+            let mut mine = vec![0.0; t];
+            let mut at = 0;
+            for (pr, _, _) in self.part.space.trainable_runs(j, own.clone()) {
+                let src = if sharded { self.part.shard_range(j).start + (pr.start - own.start) } else { pr.start };
+                mine[at..at + pr.len()].copy_from_slice(&self.params[src..src + pr.len()]);
+                at += pr.len();
+            }
+            let mut all = vec![0.0; t * w];
+            comm.all_gather(&mine, &mut all)?;
+            for r in 0..w {
+                let mut at = r * t;
+                for (pr, _, _) in self.part.space.trainable_runs(j, self.part.owned(j, r)) {
+                    let vals = &all[at..at + pr.len()];
+                    match self.model_copy.as_mut() {
+                        Some(c) if sharded => self.options.precision.encode(vals, &mut c.bits[pr.clone()]),
+                        _ => self.params[pr.clone()].copy_from_slice(vals),
+                    }
+                    at += pr.len();
+                }
+            }
+        }
+        if let Some(c) = self.model_copy.as_mut() {
+            if !sharded {
+                self.options.precision.encode(&self.params, &mut c.bits);
+            }
+            c.decoded_seg = None;
+        }
+        Ok(())
+    }
+}
+
+/// One piece of this rank's optimizer update: where its parameters,
+/// gradient and optimizer state live, and whether weight decay applies.
+#[derive(Debug, Clone)]
+pub(super) struct UpdateChunk {
+    params: Range<usize>,
+    grads: usize,
+    state: usize,
+    decay: bool,
+}
+
+/// The pieces of this rank's update, at most CHUNK elements each (the unit
+/// of parallel work), fixed for the trainer's life.
+pub(super) fn update_chunks(part: &Partition, layout: &ParamLayout, sharding: UpdateSharding) -> Vec<UpdateChunk> {
+    let runs = part.update_runs(sharding);
+    let mut chunks = Vec::with_capacity(runs.len());
+    for r in runs {
+        let decay = layout.tensors()[r.tensor].decay;
+        for at in (0..r.len).step_by(CHUNK) {
+            let m = CHUNK.min(r.len - at);
+            chunks.push(UpdateChunk {
+                params: r.param + at..r.param + at + m,
+                grads: r.grad + at,
+                state: r.state + at,
+                decay,
+            });
+        }
+    }
+    chunks
+}

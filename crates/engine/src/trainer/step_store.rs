@@ -1,0 +1,133 @@
+//! The [`ParamStore`] a model sees during a step: parameters from the
+//! replicated buffer, the 16-bit copy or stage 3's gathered segment, and
+//! gradients handed out per tensor; at per-segment accumulation `done`
+//! reduce-scatters the segment's gradient.
+
+use super::{ModelCopy, Trainer};
+use crate::error::EngineError;
+use crate::precision::Precision;
+use crate::store::{ParamStore, SegmentGrads, SegmentView, Written};
+use crate::zero::{Accumulation, Partition, Stage};
+use comm::Communicator;
+
+impl Trainer {
+    /// A store over this trainer's buffers for one pass of the model.
+    pub(super) fn store<'a>(&'a mut self, comm: &'a mut dyn Communicator, with_grads: bool) -> StepStore<'a> {
+        StepStore {
+            part: &self.part,
+            stage: self.stage,
+            with_grads,
+            precision: self.options.precision,
+            model_copy: self.model_copy.as_mut(),
+            params: &self.params,
+            grads: &mut self.grads,
+            seg_grads: &mut self.seg_grads,
+            gathered: &mut self.gathered,
+            gathered_seg: &mut self.gathered_seg,
+            written: &mut self.written,
+            scratch: &mut self.scratch,
+            comm,
+            step: self.n_steps + 1,
+        }
+    }
+}
+
+/// The store a model sees during a step.
+pub(super) struct StepStore<'a> {
+    part: &'a Partition,
+    stage: Stage,
+    with_grads: bool,
+    precision: Precision,
+    model_copy: Option<&'a mut ModelCopy>,
+    params: &'a [f32],
+    grads: &'a mut [f32],
+    seg_grads: &'a mut [f32],
+    gathered: &'a mut [f32],
+    gathered_seg: &'a mut Option<usize>,
+    written: &'a mut [bool],
+    scratch: &'a mut [f32],
+    comm: &'a mut dyn Communicator,
+    step: u64,
+}
+
+/// Segment `seg`'s gradient buffer during a step: its range of the local
+/// accumulator, or the front of the transient per-segment buffer.
+fn grad_buf<'b>(
+    part: &Partition,
+    stage: Stage,
+    grads: &'b mut [f32],
+    seg_grads: &'b mut [f32],
+    seg: usize,
+) -> &'b mut [f32] {
+    let g = part.space.grad_segments[seg].clone();
+    match stage.accumulation() {
+        Accumulation::Local => &mut grads[g],
+        Accumulation::PerSegment => &mut seg_grads[..g.len()],
+    }
+}
+
+impl ParamStore for StepStore<'_> {
+    fn segment(&mut self, seg: usize) -> Result<SegmentView<'_>, EngineError> {
+        if seg >= self.part.n_segments() {
+            return Err(EngineError::NoSuchSegment { seg });
+        }
+        let r = self.part.segment(seg);
+        let n = r.len();
+        if self.stage.shards_parameters() && *self.gathered_seg != Some(seg) {
+            // Just before use: every rank's piece of this segment.
+            let s = self.part.piece[seg];
+            let w = self.part.world_size;
+            self.comm
+                .all_gather(&self.params[self.part.shard_range(seg)], &mut self.gathered[..s * w])
+                .map_err(|source| EngineError::Comm { step: self.step, source })?;
+            *self.gathered_seg = Some(seg);
+            // Mixed precision: the model reads the segment in 16 bits.
+            self.precision.round(&mut self.gathered[..n]);
+        }
+        let params: &[f32] = match self.model_copy.as_deref_mut() {
+            _ if self.stage.shards_parameters() => &self.gathered[..n],
+            Some(c) => {
+                if c.decoded_seg != Some(seg) {
+                    self.precision.decode(&c.bits[r.clone()], &mut c.decoded[..n]);
+                    c.decoded_seg = Some(seg);
+                }
+                &c.decoded[..n]
+            }
+            None => &self.params[r],
+        };
+        if !self.with_grads {
+            return Ok(SegmentView { params, grads: SegmentGrads::none() });
+        }
+        let buf = grad_buf(self.part, self.stage, self.grads, self.seg_grads, seg);
+        let grads = Written { space: &self.part.space, flags: self.written }.into_view(seg, buf);
+        Ok(SegmentView { params, grads })
+    }
+
+    fn done(&mut self, seg: usize, backward: bool) -> Result<(), EngineError> {
+        if self.with_grads && backward {
+            let part = self.part;
+            let buf = grad_buf(part, self.stage, self.grads, self.seg_grads, seg);
+            let mut written = Written { space: &part.space, flags: self.written };
+            written.clear_unwritten(seg, buf);
+            let t = part.grad_piece[seg];
+            if self.stage.accumulation() == Accumulation::PerSegment && t > 0 {
+                // Reduce-scatter this segment's gradient now; accumulate this
+                // rank's piece into the shard accumulator.
+                let w = part.world_size;
+                part.pack_grads_in_place(seg, &mut self.seg_grads[..t * w]);
+                let out = &mut self.scratch[..t];
+                self.comm
+                    .reduce_scatter_sum(&self.seg_grads[..t * w], out)
+                    .map_err(|source| EngineError::Comm { step: self.step, source })?;
+                let acc = &mut self.grads[part.grad_shard_range(seg)];
+                acc.iter_mut().zip(out.iter()).for_each(|(a, o)| *a += o);
+                // Reduced and accumulated: the transient buffer is free again.
+                Written { space: &part.space, flags: self.written }.reset(seg);
+            }
+        }
+        if self.stage.shards_parameters() {
+            *self.gathered_seg = None; // released: the buffer is reused by the next segment
+        }
+        Ok(())
+    }
+}
