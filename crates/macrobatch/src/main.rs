@@ -81,7 +81,7 @@ pub struct PlanArgs {
 #[derive(clap::Args, Clone, Default)]
 pub struct DeepSpeedArgs {
     /// With a DeepSpeed JSON config: a TOML file for what DeepSpeed does not
-    /// describe ([model], [data], train.steps, dist.world_size, …).
+    /// describe (`[model]`, `[data]`, train.steps, dist.world_size, …).
     #[arg(long, value_name = "FILE")]
     pub config_model: Option<PathBuf>,
     /// With a DeepSpeed JSON config: keys macrobatch cannot honour are errors, not warnings.
@@ -95,7 +95,7 @@ pub struct PlotArgs {
     /// Run folders (as written by `train --out DIR`); each is one colour, named after its folder.
     #[arg(required = true, value_name = "RUN")]
     pub runs: Vec<PathBuf>,
-    /// The picture: FILE.svg or FILE.png (default: <first run>/plot.svg).
+    /// The picture: FILE.svg or FILE.png (default: FIRST_RUN/plot.svg).
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
     /// What the x axis counts.
@@ -172,7 +172,7 @@ pub struct TrainArgs {
     pub set: Vec<String>,
     #[command(flatten)]
     pub deepspeed: DeepSpeedArgs,
-    /// Output directory (default: runs/run-<run id>, created new). Must not hold a run already.
+    /// Output directory (default: runs/run-ID, created new). Must not hold a run already.
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Continue the run in DIR (or --out) from its newest valid checkpoint, bit for bit.
@@ -193,7 +193,7 @@ pub struct TrainArgs {
     /// (scripts/lora_vs_peft.py) can replay the run exactly. One rank only.
     #[arg(long, value_name = "DIR", hide = true)]
     pub dump_steps: Option<PathBuf>,
-    /// With [lora]: also write DIR/merged/, the model with the adapters
+    /// With `[lora]`: also write DIR/merged/, the model with the adapters
     /// folded into its weights (a plain Hugging Face Llama folder).
     #[arg(long)]
     pub merge: bool,

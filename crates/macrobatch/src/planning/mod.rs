@@ -6,7 +6,7 @@
 //! activations from the model family (equal to what the model allocates);
 //! the rest is the data and the process itself. On top: the largest
 //! micro-batch under a budget with the accumulation steps that keep the
-//! global batch, the memory check of a run, and ([`report`]) what to change
+//! global batch, the memory check of a run, and ([`report()`]) what to change
 //! when nothing fits.
 
 mod report;
@@ -161,7 +161,7 @@ impl Estimate {
         (step + self.checkpoint).max(self.load + self.data + self.runtime + self.workspace)
     }
 
-    /// [`Estimate::per_process`] with the [`margin`] every fit keeps.
+    /// [`Estimate::per_process`] with the margin every fit keeps.
     pub fn needed(&self) -> u64 {
         with_margin(self.per_process())
     }
