@@ -98,34 +98,48 @@ impl Block for GptBlock<'_> {
         let (r, prec) = (self.r, self.prec);
         let Dims { b, t, c, .. } = self.d;
         let n = b * t;
-        let [res2, a, f, qkv, att] = bufs else { unreachable!("GPT-2 has five working buffers") };
-        let g = &mut extra[0];
+        let [res2, buf_c, buf_4c, qkv, att] = bufs else { unreachable!("GPT-2 has five working buffers") };
+        let gelu_out = &mut extra[0];
         let Saved { large, stats } = sv;
         let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd] = &mut stats[..] else { unreachable!("four row statistics") };
         let ops = nn::operands(prec);
         let lin = |ic: usize, oc: usize| LinearShape::new(n, ic, oc, ops);
-        layernorm_forward(a, ln1_mean, ln1_rstd, x, &p[r.ln1_w.clone()], &p[r.ln1_b.clone()], c);
-        large[LN1].keep(a, prec);
+        layernorm_forward(buf_c, ln1_mean, ln1_rstd, x, &p[r.ln1_w.clone()], &p[r.ln1_b.clone()], c);
+        large[LN1].keep(buf_c, prec);
         // (B*T, C) @ (C, 3C) -> (B*T, 3C)
-        conv1d_forward(qkv, large[LN1].cur(a), &p[r.attn_w.clone()], Some(&p[r.attn_b.clone()]), None, lin(c, 3 * c));
+        conv1d_forward(
+            qkv,
+            large[LN1].cur(buf_c),
+            &p[r.attn_w.clone()],
+            Some(&p[r.attn_b.clone()]),
+            None,
+            lin(c, 3 * c),
+        );
         large[QKV].keep(qkv, prec);
         // The MLP's 4C buffer is idle until c_fc: the heads' scratch.
-        attention_forward(a, att, &mut f[..n * c], large[QKV].cur(qkv), self.d.attn(ops));
+        attention_forward(buf_c, att, &mut buf_4c[..n * c], large[QKV].cur(qkv), self.d.attn(ops));
         large[ATT].keep(att, prec);
-        large[ATTY].keep(a, prec);
+        large[ATTY].keep(buf_c, prec);
         // (B*T, C) @ (C, C) -> (B*T, C), plus the residual
         let proj_b = Some(&p[r.proj_b.clone()]);
-        conv1d_forward(res2, large[ATTY].cur(a), &p[r.proj_w.clone()], proj_b, Some(x), lin(c, c));
+        conv1d_forward(res2, large[ATTY].cur(buf_c), &p[r.proj_w.clone()], proj_b, Some(x), lin(c, c));
         large[RES2].keep(res2, prec);
         let (ln2_w, ln2_b) = (&p[r.ln2_w.clone()], &p[r.ln2_b.clone()]);
-        layernorm_forward(a, ln2_mean, ln2_rstd, large[RES2].cur(res2), ln2_w, ln2_b, c);
-        large[LN2].keep(a, prec);
+        layernorm_forward(buf_c, ln2_mean, ln2_rstd, large[RES2].cur(res2), ln2_w, ln2_b, c);
+        large[LN2].keep(buf_c, prec);
         // (B*T, C) @ (C, 4C) -> (B*T, 4C)
-        conv1d_forward(f, large[LN2].cur(a), &p[r.fc_w.clone()], Some(&p[r.fc_b.clone()]), None, lin(c, 4 * c));
-        large[FCH].keep(f, prec);
-        nn::act::gelu_forward(g, large[FCH].cur(f));
-        large[FCH_GELU].keep(g, prec);
-        let (gelu, res) = (large[FCH_GELU].cur(g), Some(large[RES2].cur(res2)));
+        conv1d_forward(
+            buf_4c,
+            large[LN2].cur(buf_c),
+            &p[r.fc_w.clone()],
+            Some(&p[r.fc_b.clone()]),
+            None,
+            lin(c, 4 * c),
+        );
+        large[FCH].keep(buf_4c, prec);
+        nn::act::gelu_forward(gelu_out, large[FCH].cur(buf_4c));
+        large[FCH_GELU].keep(gelu_out, prec);
+        let (gelu, res) = (large[FCH_GELU].cur(gelu_out), Some(large[RES2].cur(res2)));
         // (B*T, 4C) @ (4C, C) -> (B*T, C), plus the residual
         conv1d_forward(x, gelu, &p[r.fcproj_w.clone()], Some(&p[r.fcproj_b.clone()]), res, lin(4 * c, c));
         // The output stays in `x` as the next block's input: kept by copy.

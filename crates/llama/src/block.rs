@@ -199,14 +199,14 @@ impl Block for Layer<'_> {
         let (cfg, r, d) = (self.cfg, self.r, &self.d);
         let (n, c, f, prec) = (d.n, d.c, d.f, d.prec);
         let (qd, qkvw, kvd) = (d.gqa.q_dim(), d.gqa.qkv_width(), cfg.kv_dim());
-        let [x2, a, qkv, att, gu, m, dxa, heads] = bufs else { unreachable!("Llama has eight working buffers") };
+        let [x2, buf_c, qkv, att, gu, m, dxa, heads] = bufs else { unreachable!("Llama has eight working buffers") };
         let Saved { large, stats } = sv;
         let [rstd1, rstd2] = &mut stats[..] else { unreachable!("two row statistics") };
         let (large, xa) = large.split_at_mut(XA);
         // Attention: h1 = norm(x); q|k|v = h1·Wqkvᵀ (+ bias) (+ LoRA); rotate q, k.
-        rmsnorm_forward(a, rstd1, x, &p[r.attn_norm.clone()], c, d.eps);
-        large[H1].keep(a, prec);
-        let h1 = large[H1].cur(a);
+        rmsnorm_forward(buf_c, rstd1, x, &p[r.attn_norm.clone()], c, d.eps);
+        large[H1].keep(buf_c, prec);
+        let h1 = large[H1].cur(buf_c);
         // (n, C) @ (C, (H + 2·KV)·d) -> (n, (H + 2·KV)·d)
         linear_forward(Cols::all(qkv, qkvw), false, h1, &p[r.qkv()], d.lin(c, qkvw));
         if let Some([q, _, v]) = &r.qkv_bias {
@@ -218,19 +218,19 @@ impl Block for Layer<'_> {
         }
         rope_apply(qkv, self.rope, qkvw, cfg.n_head + cfg.n_kv_head, false);
         large[QKV].keep(qkv, prec);
-        attention_forward(a, att, &mut heads[..n * qd], large[QKV].cur(qkv), d.gqa);
+        attention_forward(buf_c, att, &mut heads[..n * qd], large[QKV].cur(qkv), d.gqa);
         large[ATT].keep(att, prec);
-        large[Y].keep(a, prec);
+        large[Y].keep(buf_c, prec);
         // x2 = x + y·Woᵀ (+ LoRA): (n, H·d) @ (H·d, C) -> (n, C)
-        let y = large[Y].cur(a);
+        let y = large[Y].cur(buf_c);
         x2.copy_from_slice(x);
         linear_forward(Cols::all(x2, c), true, y, &p[r.w(Proj::O)], d.lin(qd, c));
         self.lora_forward(Proj::O, p, Cols::all(x2, c), y, &mut xa[Proj::O as usize], dxa);
         large[X2].keep(x2, prec);
         // MLP: h2 = norm(x2); g|u = h2·Wguᵀ (+ LoRA); m = silu(g)·u; out = x2 + m·Wdᵀ (+ LoRA).
-        rmsnorm_forward(a, rstd2, large[X2].cur(x2), &p[r.mlp_norm.clone()], c, d.eps);
-        large[H2].keep(a, prec);
-        let h2 = large[H2].cur(a);
+        rmsnorm_forward(buf_c, rstd2, large[X2].cur(x2), &p[r.mlp_norm.clone()], c, d.eps);
+        large[H2].keep(buf_c, prec);
+        let h2 = large[H2].cur(buf_c);
         // (n, C) @ (C, 2F) -> (n, 2F)
         linear_forward(Cols::all(gu, 2 * f), false, h2, &p[r.gate_up()], d.lin(c, 2 * f));
         for (pr, col0) in [(Proj::Gate, 0), (Proj::Up, f)] {

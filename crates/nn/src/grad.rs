@@ -95,6 +95,6 @@ pub(crate) fn column_sums(g: ParamGrad<'_>, n_rows: usize, term: impl Fn(usize, 
 /// wide), parallel over columns, rows summed in order.
 pub fn bias_backward(db: ParamGrad<'_>, dout: &[f32], col0: usize, rs: usize) {
     assert!(col0 + db.buf.len() <= rs, "bias_backward: columns {col0}+{} exceed the row width {rs}", db.buf.len());
-    let n_rows = if rs == 0 { 0 } else { dout.len() / rs };
+    let n_rows = dout.len().checked_div(rs).unwrap_or(0);
     column_sums(db, n_rows, |r, j| dout[r * rs + col0 + j]);
 }
