@@ -330,10 +330,22 @@ impl LlamaConfig {
             return Err(LlamaError::config("config.json", "must be a JSON object"));
         }
         let get = |key: &str| v.get(key).filter(|x| !x.is_null());
-        if let Some(mt) = get("model_type") {
-            if mt.as_str() != Some("llama") {
-                return Err(LlamaError::unsupported(format!("model_type = {mt}"), "only \"llama\" is supported"));
-            }
+        // Qwen2 is Llama with q/k/v biases (and an optional sliding window).
+        let qwen2 = match get("model_type") {
+            None => false,
+            Some(mt) => match mt.as_str() {
+                Some("llama") => false,
+                Some("qwen2") => true,
+                _ => {
+                    return Err(LlamaError::unsupported(
+                        format!("model_type = {mt}"),
+                        "only \"llama\" and \"qwen2\" are supported",
+                    ))
+                }
+            },
+        };
+        if qwen2 && get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
+            return Err(LlamaError::unsupported("use_sliding_window = true", "only full attention is supported"));
         }
         if let Some(act) = get("hidden_act") {
             if act.as_str() != Some("silu") {
@@ -348,7 +360,7 @@ impl LlamaConfig {
             }
         }
         let attention_bias = match get("attention_bias") {
-            None => false,
+            None => qwen2,
             Some(b) => b
                 .as_bool()
                 .ok_or_else(|| LlamaError::config("attention_bias", format!("must be true or false, got {b}")))?,
@@ -527,7 +539,7 @@ mod tests {
         assert!(with("attention_bias", 1.into()).contains("attention_bias"));
         assert!(with("mlp_bias", true.into()).contains("mlp_bias"));
         assert!(with("hidden_act", "gelu".into()).contains("hidden_act"));
-        assert!(with("model_type", "qwen2".into()).contains("qwen2"));
+        assert!(with("model_type", "mistral".into()).contains("mistral"));
         assert!(with("num_key_value_heads", 3.into()).contains("n_kv_head"));
         assert!(with("head_dim", 32.into()).contains("head_dim = 32"));
         assert!(with("vocab_size", (-1).into()).contains("vocab_size"));
@@ -564,6 +576,13 @@ mod tests {
         v4["rope_scaling"] = serde_json::json!({"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
         assert_eq!(LlamaConfig::from_hf_json(&v4).unwrap(), cfg);
+        // Qwen2's config.json: q/k/v biases without an attention_bias key.
+        let mut qwen2 = v5.clone();
+        qwen2["model_type"] = "qwen2".into();
+        qwen2.as_object_mut().unwrap().remove("attention_bias");
+        assert_eq!(LlamaConfig::from_hf_json(&qwen2).unwrap(), cfg);
+        qwen2["use_sliding_window"] = true.into();
+        assert!(LlamaConfig::from_hf_json(&qwen2).unwrap_err().to_string().contains("use_sliding_window"));
         // The biases count: q (C) + k, v (kv_dim each) per layer.
         let plain = LlamaConfig::preset("tiny").unwrap();
         assert_eq!(cfg.n_params() - plain.n_params(), plain.n_layer * (plain.q_dim() + 2 * plain.kv_dim()));
