@@ -43,8 +43,7 @@ const DC: usize = 1;
 
 impl Acts {
     fn new(s: ActSizes, b: usize, t: usize) -> Self {
-        let [lnf, lnf_mean, lnf_rstd, logits, losses] =
-            s.head.map(|n| vec![0.0f32; usize::try_from(n).unwrap_or(usize::MAX)]);
+        let [lnf, lnf_mean, lnf_rstd, logits, losses] = s.head.map(nn::stack::zeros);
         Acts { stack: Stack::new(&s.stack), sizes: Some(s), b, t, lnf, lnf_mean, lnf_rstd, logits, losses }
     }
 

@@ -50,7 +50,7 @@ const DC: usize = 1;
 
 impl Acts {
     fn new(s: ActSizes, cfg: &LlamaConfig, b: usize, t: usize) -> Self {
-        let [_, hf, rstd_f, logits, losses] = s.head.map(|n| vec![0.0f32; usize::try_from(n).unwrap_or(usize::MAX)]);
+        let [_, hf, rstd_f, logits, losses] = s.head.map(nn::stack::zeros);
         let rope = Rope::new(t, cfg.head_dim, cfg.rope_theta, cfg.llama3_scaling().as_ref());
         Acts { stack: Stack::new(&s.stack), sizes: Some(s), b, t, rope, hf, rstd_f, logits, losses }
     }

@@ -14,7 +14,9 @@
 //! [`ParamGrad`], which says whether to add into its buffer or overwrite it
 //! (`None` where the tensor is frozen: not computed). Every reduction has a
 //! fixed order, so results do not depend on the number of threads. All
-//! kernels are safe code and assert the lengths their shapes imply.
+//! kernels are safe code: slices are bounds-checked, and the kernels that
+//! index by a shape (attention, RMSNorm, SwiGLU, `nn.Linear` layers) assert
+//! the lengths it implies first.
 //!
 //! A family (GPT-2, Llama) keeps only what is its own: which norm, MLP and
 //! attention options its block composes, its parameter names and layout,

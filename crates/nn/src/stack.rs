@@ -45,7 +45,7 @@ impl Saved {
     fn new(s: &StackSizes) -> Self {
         Saved {
             large: s.large.iter().map(|&n| SavedTensor::new(s.precision, len(n))).collect(),
-            stats: s.stats.iter().map(|&n| vec![0.0; len(n)]).collect(),
+            stats: s.stats.iter().map(|&n| zeros(n)).collect(),
         }
     }
 
@@ -136,6 +136,11 @@ fn len(n: u128) -> usize {
     usize::try_from(n).unwrap_or(usize::MAX)
 }
 
+/// `n` zeros: a buffer of a size counted in `u128` (see [`StackSizes`]).
+pub fn zeros(n: u128) -> Vec<f32> {
+    vec![0.0; len(n)]
+}
+
 impl StackSizes {
     fn n_recomputed(&self) -> u128 {
         (0..self.n_slots).filter(|&i| self.checkpointing.recomputes(i)).count() as u128
@@ -197,7 +202,7 @@ pub struct Stack {
 impl Stack {
     /// Allocates every buffer `s` describes.
     pub fn new(s: &StackSizes) -> Self {
-        let f32s = |v: &[u128]| v.iter().map(|&n| vec![0.0f32; len(n)]).collect::<Vec<_>>();
+        let f32s = |v: &[u128]| v.iter().map(|&n| zeros(n)).collect::<Vec<_>>();
         let ck = s.checkpointing;
         Stack {
             precision: s.precision,
@@ -207,14 +212,14 @@ impl Stack {
                 .map(|i| if ck.recomputes(i) { Saved::output_only(s) } else { Saved::new(s) })
                 .collect(),
             embed: SavedTensor::new(s.precision, len(s.x)),
-            x: vec![0.0; len(s.x)],
+            x: zeros(s.x),
             staging: f32s(&s.staging),
             bufs: f32s(&s.bufs),
             recompute: ck.is_on().then(|| Recompute {
                 sv: Saved::new(s),
                 bufs: f32s(&s.bufs),
                 extra: f32s(&s.extra),
-                x: vec![0.0; len(s.x)],
+                x: zeros(s.x),
             }),
         }
     }
