@@ -73,20 +73,23 @@ pub(crate) fn reduce_rows(
 /// Columns per task of [`column_sums`].
 const COLS: usize = 64;
 
-/// `g (+)= Σ_rows term(row, j)` for every column `j` of `g` (rows of width
-/// `width`), parallel over blocks of columns, rows summed in order:
-/// deterministic. `term` gets the row index and the column.
-pub(crate) fn column_sums(g: ParamGrad<'_>, n_rows: usize, term: impl Fn(usize, usize) -> f32 + Sync) {
+/// `g (+)= Σ_rows` of each row's contribution, parallel over blocks of
+/// columns, rows summed in order: deterministic. `add_row(r, cols, acc)`
+/// adds row `r`'s contribution to columns `cols` of `g` into `acc`
+/// (`acc.len() == cols.len()`), as a loop over slices that vectorises.
+pub(crate) fn column_sums(
+    g: ParamGrad<'_>,
+    n_rows: usize,
+    add_row: impl Fn(usize, std::ops::Range<usize>, &mut [f32]) + Sync,
+) {
     let ParamGrad { buf, accumulate } = g;
     buf.par_chunks_mut(COLS).enumerate().for_each(|(j, acc)| {
         if !accumulate {
             acc.fill(0.0);
         }
-        let c0 = j * COLS;
+        let cols = j * COLS..j * COLS + acc.len();
         for r in 0..n_rows {
-            for (k, a) in acc.iter_mut().enumerate() {
-                *a += term(r, c0 + k);
-            }
+            add_row(r, cols.clone(), acc);
         }
     });
 }
@@ -96,5 +99,9 @@ pub(crate) fn column_sums(g: ParamGrad<'_>, n_rows: usize, term: impl Fn(usize, 
 pub fn bias_backward(db: ParamGrad<'_>, dout: &[f32], col0: usize, rs: usize) {
     assert!(col0 + db.buf.len() <= rs, "bias_backward: columns {col0}+{} exceed the row width {rs}", db.buf.len());
     let n_rows = dout.len().checked_div(rs).unwrap_or(0);
-    column_sums(db, n_rows, |r, j| dout[r * rs + col0 + j]);
+    column_sums(db, n_rows, |r, cols, acc| {
+        for (a, d) in acc.iter_mut().zip(&dout[r * rs + col0 + cols.start..]) {
+            *a += d;
+        }
+    });
 }

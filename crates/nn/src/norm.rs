@@ -140,7 +140,12 @@ pub fn rmsnorm_backward(dinp: &mut [f32], dw: Option<ParamGrad<'_>>, dout: &[f32
     );
     let Some(dw) = dw else { return };
     assert_len("rmsnorm_backward", "dw", dw.buf.len(), &[c]);
-    column_sums(dw, n, |r, j| dout[r * c + j] * inp[r * c + j] * rstd[r]);
+    column_sums(dw, n, |r, cols, acc| {
+        let (d, x, s) = (&dout[r * c + cols.start..], &inp[r * c + cols.start..], rstd[r]);
+        for ((a, d), x) in acc.iter_mut().zip(d).zip(x) {
+            *a += d * x * s;
+        }
+    });
 }
 
 #[cfg(test)]
