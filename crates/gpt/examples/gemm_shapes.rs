@@ -42,7 +42,7 @@ fn main() {
         for _ in 0..reps {
             // Interleaved, so both see the same machine noise.
             let t = Instant::now();
-            gpt::kernels::gemm_into(
+            nn::gemm_into(
                 m,
                 n,
                 k,
@@ -50,10 +50,10 @@ fn main() {
                 0,
                 n,
                 false,
-                gpt::kernels::Strided::rows(&a, k),
-                gpt::kernels::Strided::rows(&b, n),
+                nn::Strided::rows(&a, k),
+                nn::Strided::rows(&b, n),
                 1.0,
-                gpt::kernels::parallelism(false),
+                nn::parallelism(false),
             );
             g.push(flops / t.elapsed().as_secs_f64() / 1e9);
             let t = Instant::now();

@@ -24,6 +24,9 @@ pub enum GptError {
         #[source]
         source: std::io::Error,
     },
+    /// Reading or writing a file through the shared I/O failed.
+    #[error(transparent)]
+    File(#[from] nn::io::FileError),
     /// A checkpoint file is malformed or does not match the model.
     #[error("{}: {problem}", path.display())]
     Checkpoint {

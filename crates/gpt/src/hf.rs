@@ -6,10 +6,13 @@ use crate::config::GptConfig;
 use crate::error::GptError;
 use engine::ParamLayout;
 use safetensors::tensor::{Dtype, SafeTensors};
-use std::collections::HashMap;
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::path::Path;
+
+/// The shared file I/O, re-exported where the binary and older callers find it.
+pub use nn::io::{
+    is_temp_file, read_safetensors, set_write_budget, write_all_budgeted, write_atomic, write_atomic_with,
+    write_safetensors, FileError, Tensors,
+};
 
 /// File name of the weights.
 pub const WEIGHTS_FILE: &str = "model.safetensors";
@@ -22,79 +25,6 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> GptError + '_ {
 
 fn bad(path: &Path, problem: impl Into<String>) -> GptError {
     GptError::Checkpoint { path: path.to_path_buf(), problem: problem.into() }
-}
-
-/// Bytes this process may still write before writes fail with ENOSPC (test
-/// fault injection; `u64::MAX`: no limit).
-static WRITE_BUDGET: AtomicU64 = AtomicU64::new(u64::MAX);
-
-/// Fault injection for tests: after `bytes` more bytes written through
-/// [`write_all_budgeted`] (every file this crate and the `macrobatch` binary
-/// write), writes fail with ENOSPC as on a full disk. `None` lifts the limit.
-pub fn set_write_budget(bytes: Option<u64>) {
-    WRITE_BUDGET.store(bytes.unwrap_or(u64::MAX), Ordering::SeqCst);
-}
-
-/// `f.write_all(bytes)`, honouring [`set_write_budget`]: past the budget the
-/// allowed prefix is written (as a real full disk does) and the call fails
-/// with ENOSPC.
-pub fn write_all_budgeted(f: &mut impl Write, bytes: &[u8]) -> std::io::Result<()> {
-    let want = bytes.len() as u64;
-    let before = WRITE_BUDGET
-        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |b| (b != u64::MAX).then(|| b.saturating_sub(want)))
-        .unwrap_or(u64::MAX);
-    if before >= want {
-        return f.write_all(bytes);
-    }
-    f.write_all(&bytes[..before as usize])?;
-    Err(std::io::Error::from_raw_os_error(28)) // ENOSPC
-}
-
-/// Name of the temporary file [`write_atomic`] uses for `name`
-/// (`.NAME.tmp-PID`); leftovers of killed writers match [`is_temp_file`].
-fn temp_name(name: &str) -> String {
-    format!(".{name}.tmp-{}", std::process::id())
-}
-
-/// Whether `file_name` is a temporary file of [`write_atomic`] (of any process).
-pub fn is_temp_file(file_name: &str) -> bool {
-    file_name.starts_with('.') && file_name.rsplit_once(".tmp-").is_some_and(|(_, pid)| pid.parse::<u32>().is_ok())
-}
-
-/// Writes `bytes` to `path` atomically: a temporary file in the same
-/// directory, fsync, rename, fsync of the directory. A crash leaves either
-/// the old file or the new one, never a torn one; a failed write (e.g. a full
-/// disk) removes its temporary file.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), GptError> {
-    write_atomic_with(path, |w| write_all_budgeted(w, bytes))
-}
-
-/// [`write_atomic`] with the contents produced by `fill` in pieces (through
-/// [`write_all_budgeted`]), so a large file never needs a copy in memory.
-pub fn write_atomic_with(
-    path: &Path,
-    fill: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> std::io::Result<()>,
-) -> Result<(), GptError> {
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp: PathBuf = dir.join(temp_name(&name));
-    let write = || -> Result<(), GptError> {
-        let f = std::fs::File::create(&tmp).map_err(io_err(&tmp))?;
-        let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
-        fill(&mut w).map_err(io_err(&tmp))?;
-        let f = w.into_inner().map_err(|e| io_err(&tmp)(e.into_error()))?;
-        f.sync_all().map_err(io_err(&tmp))?;
-        drop(f);
-        std::fs::rename(&tmp, path).map_err(io_err(path))
-    };
-    if let Err(e) = write() {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e);
-    }
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = d.sync_all(); // best effort: not every filesystem syncs directories
-    }
-    Ok(())
 }
 
 /// `config.json` in the format of `transformers`' `GPT2Config`.
@@ -125,74 +55,6 @@ pub fn config_json(cfg: &GptConfig) -> serde_json::Value {
     })
 }
 
-/// Writes named f32 tensors `(name, shape, data)` to a safetensors file,
-/// atomically, with `format = pt` metadata plus `metadata`. The file is
-/// streamed (header, then each tensor's little-endian bytes in chunks): no
-/// copy of the tensors is ever held in memory, so saving a model costs no
-/// more than a buffer, not two more copies of it.
-pub fn write_safetensors(
-    path: &Path,
-    tensors: &[(String, Vec<usize>, &[f32])],
-    metadata: &[(&str, String)],
-) -> Result<(), GptError> {
-    // The format: u64 LE header length, a JSON header (padded with spaces to
-    // a multiple of 8) naming each tensor's dtype, shape and byte range in
-    // the data that follows, then the data.
-    let mut header = serde_json::Map::new();
-    let mut meta = serde_json::Map::from_iter([("format".to_string(), serde_json::Value::from("pt"))]);
-    meta.extend(metadata.iter().map(|(k, v)| (k.to_string(), serde_json::Value::from(v.as_str()))));
-    header.insert("__metadata__".into(), serde_json::Value::Object(meta));
-    let mut offset = 0usize;
-    for (name, shape, data) in tensors {
-        if shape.iter().product::<usize>() != data.len() {
-            return Err(bad(path, format!("tensor `{name}`: shape {shape:?} does not hold {} values", data.len())));
-        }
-        if header.contains_key(name) {
-            return Err(bad(path, format!("tensor `{name}` appears twice")));
-        }
-        let end = offset + 4 * data.len();
-        header
-            .insert(name.clone(), serde_json::json!({ "dtype": "F32", "shape": shape, "data_offsets": [offset, end] }));
-        offset = end;
-    }
-    let mut head = serde_json::to_vec(&header).map_err(|e| bad(path, format!("cannot serialise the header: {e}")))?;
-    head.resize(head.len().next_multiple_of(8), b' ');
-    write_atomic_with(path, |w| {
-        write_all_budgeted(w, &(head.len() as u64).to_le_bytes())?;
-        write_all_budgeted(w, &head)?;
-        let mut chunk = Vec::with_capacity(1 << 16);
-        for (_, _, data) in tensors {
-            for part in data.chunks(1 << 14) {
-                chunk.clear();
-                chunk.extend(part.iter().flat_map(|x| x.to_le_bytes()));
-                write_all_budgeted(w, &chunk)?;
-            }
-        }
-        Ok(())
-    })
-}
-
-/// Named tensors as `(shape, data)`.
-pub type Tensors = HashMap<String, (Vec<usize>, Vec<f32>)>;
-
-/// Reads every F32 tensor of a safetensors file, and its metadata.
-pub fn read_safetensors(path: &Path) -> Result<(Tensors, HashMap<String, String>), GptError> {
-    let bytes = std::fs::read(path).map_err(io_err(path))?;
-    let (_, meta) = SafeTensors::read_metadata(&bytes)
-        .map_err(|e| bad(path, format!("not a valid safetensors file ({e}); it may be truncated or corrupt")))?;
-    let st = SafeTensors::deserialize(&bytes)
-        .map_err(|e| bad(path, format!("not a valid safetensors file ({e}); it may be truncated or corrupt")))?;
-    let mut out = HashMap::new();
-    for (name, view) in st.tensors() {
-        if view.dtype() != Dtype::F32 {
-            return Err(bad(path, format!("tensor `{name}` is {:?}; only F32 is supported so far", view.dtype())));
-        }
-        let data = view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-        out.insert(name, (view.shape().to_vec(), data));
-    }
-    Ok((out, meta.metadata().clone().unwrap_or_default()))
-}
-
 /// Saves `params` (laid out by `layout`) and the config into `dir`.
 pub fn save(dir: &Path, cfg: &GptConfig, layout: &ParamLayout, params: &[f32]) -> Result<(), GptError> {
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
@@ -201,7 +63,7 @@ pub fn save(dir: &Path, cfg: &GptConfig, layout: &ParamLayout, params: &[f32]) -
     write_safetensors(&dir.join(WEIGHTS_FILE), &tensors, &[])?;
     let cfg_path = dir.join(CONFIG_FILE);
     let text = serde_json::to_string_pretty(&config_json(cfg)).map_err(|e| bad(&cfg_path, e.to_string()))?;
-    write_atomic(&cfg_path, text.as_bytes())
+    Ok(write_atomic(&cfg_path, text.as_bytes())?)
 }
 
 /// Reads a `GPT2Config`-style `config.json`.
@@ -318,6 +180,7 @@ mod tests {
     use super::*;
     use crate::{init_params, Gpt};
     use engine::Model;
+    use std::path::PathBuf;
 
     fn tmpdir(tag: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("macrobatch-hf-{tag}-{}", std::process::id()));
@@ -341,21 +204,6 @@ mod tests {
         assert_eq!(st.tensor("transformer.h.1.attn.c_attn.weight").unwrap().shape(), &[8, 24]);
         assert_eq!(st.tensor("transformer.h.0.mlp.c_proj.weight").unwrap().shape(), &[32, 8]);
         assert_eq!(st.len(), model.layout().tensors().len());
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn a_failed_atomic_write_leaves_no_temporary_file() {
-        // The publishing rename fails (the target is a non-empty directory);
-        // the temporary file must not stay behind. (ENOSPC is covered by the
-        // CLI tests: the write budget is process-wide.)
-        let dir = tmpdir("failed-write");
-        std::fs::create_dir_all(dir.join("x.json").join("inside")).unwrap();
-        assert!(write_atomic(&dir.join("x.json"), b"new contents").is_err());
-        let names: Vec<String> =
-            std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
-        assert_eq!(names, vec!["x.json".to_string()], "no .x.json.tmp-PID left behind");
-        assert!(is_temp_file(".x.json.tmp-1234") && !is_temp_file("x.json") && !is_temp_file(".x.tmp-abc"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

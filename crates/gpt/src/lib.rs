@@ -1,6 +1,6 @@
 //! GPT-2 (pre-LayerNorm, GELU-tanh, learned positions, tied embeddings,
-//! biases, causal attention) with hand-written forward and backward kernels
-//! over flat f32 buffers, multithreaded with rayon on the `gemm` crate.
+//! biases, causal multi-head attention) composed from the shared layers of
+//! the `nn` crate, over flat f32 buffers.
 //!
 //! This crate knows nothing about training: it implements
 //! [`engine::Model`], whose micro-step adds the gradient of the summed loss
@@ -8,14 +8,17 @@
 //! (`Conv1D` weights stored `[in, out]`), so checkpoints load in
 //! `transformers` as they are.
 
+pub mod block;
 pub mod config;
 pub mod error;
 pub mod hf;
-pub mod kernels;
+pub mod layout;
 pub mod model;
 pub mod registration;
 
+pub use block::ActSizes;
 pub use config::GptConfig;
 pub use error::GptError;
-pub use model::{init_params, init_segment, Batch, Gpt, IGNORE_INDEX};
+pub use layout::{init_params, init_segment, BlockParams};
+pub use model::{Batch, Gpt, IGNORE_INDEX};
 pub use registration::{Gpt2, FAMILY};

@@ -100,34 +100,7 @@ impl Family for Gpt2 {
     }
 
     fn activation_bytes(&self, micro: usize, seq_len: usize, build: Build) -> u128 {
-        let m = &self.0;
-        let (b, t, c, nh, v, l) = (
-            micro as u128,
-            seq_len as u128,
-            m.n_embd as u128,
-            m.n_head as u128,
-            m.vocab_size as u128,
-            m.n_layer as u128,
-        );
-        let bt = b * t;
-        let elem = build.precision.bytes() as u128;
-        // Per block: ln1, qkv (3C), atty, res2, ln2, fch (4C), fch_gelu (4C), res3 = 16C per row,
-        // plus the T×T attention probabilities per head; 4 f32 row statistics.
-        let per_block = elem * (bt * 16 * c + b * nh * t * t) + 4 * 4 * bt;
-        // The backward scratch (9C per row + T×T per head).
-        let scratch = 4 * (bt * 9 * c + b * nh * t * t);
-        // A recomputed block keeps its output (C per row); one block at a
-        // time is recomputed, with a working set of its own (scratch, GELU
-        // output 4C, input C).
-        let ck = build.checkpointing;
-        let n_recomputed = (0..m.n_layer).filter(|&i| ck.recomputes(i)).count() as u128;
-        let recompute_slot = if ck.is_on() { per_block + scratch + 4 * bt * 5 * c } else { 0 };
-        let blocks = (l - n_recomputed) * per_block + n_recomputed * elem * bt * c + recompute_slot;
-        // Embeddings' output, x, final LayerNorm, logits, the 16-bit staging (4C + T×T per head).
-        let staging = if build.precision.is_low() { 4 * b * nh * t * t } else { 0 };
-        // Row statistics of the final LayerNorm (2) and the per-row losses (1).
-        let rest = elem * bt * c + 4 * (bt * c * 2 + bt * v + bt * 4 * c + 3 * bt) + staging;
-        blocks + scratch + rest
+        crate::ActSizes::new(&self.0, micro, seq_len, build.precision, build.checkpointing).bytes()
     }
 
     fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>> {

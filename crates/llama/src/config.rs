@@ -36,6 +36,92 @@ pub struct LlamaConfig {
     /// End-of-sequence tokens (generation stops at any of them).
     #[serde(default)]
     pub eos_token_id: Vec<u32>,
+    /// Biases on the q, k and v projections, as Qwen2's layers have them
+    /// (config.json's `attention_bias`). o_proj has none: a checkpoint
+    /// holding an `o_proj.bias` (transformers' Llama puts one there too) is
+    /// refused on load as an unexpected tensor, never ignored.
+    #[serde(default)]
+    pub attention_bias: bool,
+    /// RoPE frequency scaling (`rope_scaling`); `None`: plain RoPE.
+    #[serde(default)]
+    pub rope_scaling: Option<RopeScaling>,
+}
+
+/// Llama 3's RoPE frequency scaling (`rope_scaling` with
+/// `rope_type = "llama3"`), as transformers' `_compute_llama3_parameters`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RopeScaling {
+    /// `factor`: low frequencies are divided by it.
+    pub factor: f64,
+    /// `low_freq_factor`.
+    pub low_freq_factor: f64,
+    /// `high_freq_factor`.
+    pub high_freq_factor: f64,
+    /// `original_max_position_embeddings`.
+    pub original_max_position_embeddings: usize,
+}
+
+impl RopeScaling {
+    /// Reads a `rope_scaling` (or transformers 5 `rope_parameters`) object;
+    /// `None` for plain RoPE (`rope_type` absent or `"default"` without
+    /// scaling keys). Any other type is an error naming it.
+    fn from_hf_json(v: &Value, key: &str) -> Result<Option<Self>, LlamaError> {
+        let rope_type = v.get("rope_type").or_else(|| v.get("type")).filter(|x| !x.is_null());
+        match rope_type.map(|t| t.as_str()) {
+            None | Some(Some("default")) => return Ok(None),
+            Some(Some("llama3")) => {}
+            Some(_) => {
+                let t = rope_type.map(Value::to_string).unwrap_or_default();
+                return Err(LlamaError::unsupported(
+                    format!("{key}.rope_type = {t}"),
+                    "only \"default\" and \"llama3\" RoPE are supported",
+                ));
+            }
+        }
+        let num = |name: &str| -> Result<f64, LlamaError> {
+            let x = v.get(name).ok_or_else(|| LlamaError::config(&format!("{key}.{name}"), "is missing"))?;
+            x.as_f64().ok_or_else(|| LlamaError::config(&format!("{key}.{name}"), format!("must be a number, got {x}")))
+        };
+        let orig = "original_max_position_embeddings";
+        let s = RopeScaling {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position_embeddings: v
+                .get(orig)
+                .and_then(Value::as_u64)
+                .ok_or_else(|| LlamaError::config(&format!("{key}.{orig}"), "must be a positive integer"))?
+                as usize,
+        };
+        s.validate()?;
+        Ok(Some(s))
+    }
+
+    fn validate(&self) -> Result<(), LlamaError> {
+        let ok = |x: f64| x.is_finite() && x > 0.0;
+        if !(ok(self.factor) && ok(self.low_freq_factor) && ok(self.high_freq_factor)) {
+            return Err(LlamaError::config("rope_scaling", format!("factors must be positive: {self:?}")));
+        }
+        if self.high_freq_factor <= self.low_freq_factor || self.original_max_position_embeddings == 0 {
+            return Err(LlamaError::config(
+                "rope_scaling",
+                format!("needs high_freq_factor > low_freq_factor and original_max_position_embeddings > 0: {self:?}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The `rope_scaling` object transformers writes.
+    fn to_hf_json(self, rope_theta: f64) -> Value {
+        serde_json::json!({
+            "rope_type": "llama3",
+            "rope_theta": rope_theta,
+            "factor": self.factor,
+            "low_freq_factor": self.low_freq_factor,
+            "high_freq_factor": self.high_freq_factor,
+            "original_max_position_embeddings": self.original_max_position_embeddings,
+        })
+    }
 }
 
 /// Preset names, smallest first.
@@ -60,6 +146,8 @@ impl LlamaConfig {
                 tie_word_embeddings: true,
                 bos_token_id: None,
                 eos_token_id: Vec::new(),
+                attention_bias: false,
+                rope_scaling: None,
             },
             "smollm2-135m" => LlamaConfig {
                 vocab_size: 49152,
@@ -75,6 +163,8 @@ impl LlamaConfig {
                 tie_word_embeddings: true,
                 bos_token_id: Some(0),
                 eos_token_id: vec![0],
+                attention_bias: false,
+                rope_scaling: None,
             },
             // Llama 2's shapes, for planning (`macrobatch plan`): too large
             // to train here, never allocated by a plan.
@@ -107,6 +197,8 @@ impl LlamaConfig {
             tie_word_embeddings: false,
             bos_token_id: Some(1),
             eos_token_id: vec![2],
+            attention_bias: false,
+            rope_scaling: None,
         }
     }
 
@@ -154,12 +246,17 @@ impl LlamaConfig {
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return Err(LlamaError::config("rope_theta", format!("must be positive, got {}", self.rope_theta)));
         }
+        if let Some(s) = &self.rope_scaling {
+            s.validate()?;
+        }
         if self.vocab_size > i32::MAX as usize {
             return Err(LlamaError::config("vocab_size", format!("({}) is too large", self.vocab_size)));
         }
         // Counted, not laid out: a hostile shape is refused before any
-        // buffer of its size exists. Layout: embedding, final norm, head + 9 per layer.
-        engine::check_shape_size(self.param_count(), self.n_layer, 9, 3).map_err(LlamaError::TooLarge)
+        // buffer of its size exists. Layout: embedding, final norm, head +
+        // per layer 9 (and 3 biases).
+        engine::check_shape_size(self.param_count(), self.n_layer, self.tensors_per_layer(), 3)
+            .map_err(LlamaError::TooLarge)
     }
 
     /// Total parameters without adapters, in `u128` (no shape overflows
@@ -167,7 +264,8 @@ impl LlamaConfig {
     pub fn param_count(&self) -> u128 {
         let (v, c, f) = (self.vocab_size as u128, self.hidden_size as u128, self.intermediate_size as u128);
         let (qd, kvd) = (self.n_head as u128 * self.head_dim as u128, self.n_kv_head as u128 * self.head_dim as u128);
-        let layer = 2 * c + 2 * c * qd + 2 * c * kvd + 3 * c * f;
+        let bias = if self.attention_bias { qd + 2 * kvd } else { 0 };
+        let layer = 2 * c + 2 * c * qd + 2 * c * kvd + 3 * c * f + bias;
         let head = if self.tie_word_embeddings { 0 } else { v * c };
         v * c + self.n_layer as u128 * layer + c + head
     }
@@ -185,7 +283,27 @@ impl LlamaConfig {
     /// Parameters of one decoder layer (without LoRA adapters).
     pub fn layer_params(&self) -> usize {
         let (c, f) = (self.hidden_size, self.intermediate_size);
-        2 * c + 2 * c * self.q_dim() + 2 * c * self.kv_dim() + 3 * c * f
+        let bias = if self.attention_bias { self.q_dim() + 2 * self.kv_dim() } else { 0 };
+        2 * c + 2 * c * self.q_dim() + 2 * c * self.kv_dim() + 3 * c * f + bias
+    }
+
+    /// Tensors of one decoder layer (without LoRA adapters).
+    pub fn tensors_per_layer(&self) -> u128 {
+        if self.attention_bias {
+            12
+        } else {
+            9
+        }
+    }
+
+    /// The rotary frequency scaling as the `nn` kernels take it.
+    pub fn llama3_scaling(&self) -> Option<nn::rope::Llama3Scaling> {
+        self.rope_scaling.map(|s| nn::rope::Llama3Scaling {
+            factor: s.factor,
+            low_freq_factor: s.low_freq_factor,
+            high_freq_factor: s.high_freq_factor,
+            original_max_position_embeddings: s.original_max_position_embeddings,
+        })
     }
 
     /// Total parameters (a tied head counted once).
@@ -204,45 +322,55 @@ impl LlamaConfig {
 
     /// Reads a Hugging Face `LlamaConfig` (`config.json`, as transformers 4
     /// or 5 writes it). Anything that changes the math and is not
-    /// implemented (RoPE scaling, biases, another activation) is an error
+    /// implemented (a RoPE type other than llama3, MLP biases, another
+    /// activation) is an error
     /// naming the key, never silently ignored.
     pub fn from_hf_json(v: &Value) -> Result<Self, LlamaError> {
         if !v.is_object() {
             return Err(LlamaError::config("config.json", "must be a JSON object"));
         }
         let get = |key: &str| v.get(key).filter(|x| !x.is_null());
-        if let Some(mt) = get("model_type") {
-            if mt.as_str() != Some("llama") {
-                return Err(LlamaError::unsupported(format!("model_type = {mt}"), "only \"llama\" is supported"));
-            }
+        // Qwen2 is Llama with q/k/v biases (and an optional sliding window).
+        let qwen2 = match get("model_type") {
+            None => false,
+            Some(mt) => match mt.as_str() {
+                Some("llama") => false,
+                Some("qwen2") => true,
+                _ => {
+                    return Err(LlamaError::unsupported(
+                        format!("model_type = {mt}"),
+                        "only \"llama\" and \"qwen2\" are supported",
+                    ))
+                }
+            },
+        };
+        if qwen2 && get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
+            return Err(LlamaError::unsupported("use_sliding_window = true", "only full attention is supported"));
         }
         if let Some(act) = get("hidden_act") {
             if act.as_str() != Some("silu") {
                 return Err(LlamaError::unsupported(format!("hidden_act = {act}"), "Llama's MLP uses \"silu\""));
             }
         }
-        for key in ["attention_bias", "mlp_bias", "rope_interleaved"] {
+        for key in ["mlp_bias", "rope_interleaved"] {
             if let Some(b) = get(key) {
                 if b.as_bool() != Some(false) {
                     return Err(LlamaError::unsupported(format!("{key} = {b}"), "only false is supported"));
                 }
             }
         }
-        if let Some(s) = get("rope_scaling") {
-            return Err(LlamaError::unsupported(
-                format!("rope_scaling = {s}"),
-                "only plain RoPE (rope_scaling null) is supported",
-            ));
-        }
+        let attention_bias = match get("attention_bias") {
+            None => qwen2,
+            Some(b) => b
+                .as_bool()
+                .ok_or_else(|| LlamaError::config("attention_bias", format!("must be true or false, got {b}")))?,
+        };
         let rope_params = get("rope_parameters");
-        if let Some(rt) = rope_params.and_then(|p| p.get("rope_type")).filter(|x| !x.is_null()) {
-            if rt.as_str() != Some("default") {
-                return Err(LlamaError::unsupported(
-                    format!("rope_parameters.rope_type = {rt}"),
-                    "only \"default\" RoPE is supported",
-                ));
-            }
-        }
+        let rope_scaling = match (get("rope_scaling"), rope_params) {
+            (Some(s), _) => RopeScaling::from_hf_json(s, "rope_scaling")?,
+            (None, Some(p)) => RopeScaling::from_hf_json(p, "rope_parameters")?,
+            (None, None) => None,
+        };
         let uint = |key: &str| -> Result<Option<usize>, LlamaError> {
             get(key)
                 .map(|x| {
@@ -299,6 +427,8 @@ impl LlamaConfig {
             },
             bos_token_id: get("bos_token_id").map(|x| token(x, "bos_token_id")).transpose()?,
             eos_token_id,
+            attention_bias,
+            rope_scaling,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -327,9 +457,12 @@ impl LlamaConfig {
             "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": null,
-            "rope_parameters": { "rope_type": "default", "rope_theta": self.rope_theta },
-            "attention_bias": false,
+            "rope_scaling": self.rope_scaling.map(|s| s.to_hf_json(self.rope_theta)),
+            "rope_parameters": match self.rope_scaling {
+                Some(s) => s.to_hf_json(self.rope_theta),
+                None => serde_json::json!({ "rope_type": "default", "rope_theta": self.rope_theta }),
+            },
+            "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
             "mlp_bias": false,
             "pretraining_tp": 1,
@@ -400,11 +533,13 @@ mod tests {
             LlamaConfig::from_hf_json(&v).unwrap_err().to_string()
         };
         let e = with("rope_scaling", serde_json::json!({"rope_type": "llama3", "factor": 8.0}));
-        assert!(e.contains("rope_scaling") && e.contains("llama3"), "{e}");
-        assert!(with("attention_bias", true.into()).contains("attention_bias = true"));
+        assert!(e.contains("rope_scaling.low_freq_factor") && e.contains("missing"), "{e}");
+        let e = with("rope_scaling", serde_json::json!({"rope_type": "dynamic", "factor": 2.0}));
+        assert!(e.contains("rope_scaling.rope_type = \"dynamic\""), "{e}");
+        assert!(with("attention_bias", 1.into()).contains("attention_bias"));
         assert!(with("mlp_bias", true.into()).contains("mlp_bias"));
         assert!(with("hidden_act", "gelu".into()).contains("hidden_act"));
-        assert!(with("model_type", "qwen2".into()).contains("qwen2"));
+        assert!(with("model_type", "mistral".into()).contains("mistral"));
         assert!(with("num_key_value_heads", 3.into()).contains("n_kv_head"));
         assert!(with("head_dim", 32.into()).contains("head_dim = 32"));
         assert!(with("vocab_size", (-1).into()).contains("vocab_size"));
@@ -413,6 +548,48 @@ mod tests {
         v.as_object_mut().unwrap().remove("hidden_size");
         assert!(LlamaConfig::from_hf_json(&v).unwrap_err().to_string().contains("`hidden_size` is missing"));
         assert!(LlamaConfig::preset("huge").unwrap_err().to_string().contains("smollm2-135m"));
+    }
+
+    /// Qwen2-style q/k/v biases and Llama 3 RoPE scaling are read from
+    /// and written to config.json (both transformers spellings).
+    #[test]
+    fn attention_bias_and_llama3_rope_scaling_round_trip() {
+        let scaling = RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        };
+        let cfg =
+            LlamaConfig { attention_bias: true, rope_scaling: Some(scaling), ..LlamaConfig::preset("tiny").unwrap() };
+        let json = cfg.to_hf_json();
+        assert_eq!(json["attention_bias"], true);
+        assert_eq!(json["rope_scaling"]["rope_type"], "llama3");
+        assert_eq!(json["rope_parameters"]["original_max_position_embeddings"], 8192);
+        assert_eq!(LlamaConfig::from_hf_json(&json).unwrap(), cfg);
+        // transformers 5 writes the scaling into rope_parameters only.
+        let mut v5 = json.clone();
+        v5.as_object_mut().unwrap().remove("rope_scaling");
+        assert_eq!(LlamaConfig::from_hf_json(&v5).unwrap(), cfg);
+        // transformers 4's older spelling: "type" instead of "rope_type".
+        let mut v4 = json.clone();
+        v4["rope_scaling"] = serde_json::json!({"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+        assert_eq!(LlamaConfig::from_hf_json(&v4).unwrap(), cfg);
+        // Qwen2's config.json: q/k/v biases without an attention_bias key.
+        let mut qwen2 = v5.clone();
+        qwen2["model_type"] = "qwen2".into();
+        qwen2.as_object_mut().unwrap().remove("attention_bias");
+        assert_eq!(LlamaConfig::from_hf_json(&qwen2).unwrap(), cfg);
+        qwen2["use_sliding_window"] = true.into();
+        assert!(LlamaConfig::from_hf_json(&qwen2).unwrap_err().to_string().contains("use_sliding_window"));
+        // The biases count: q (C) + k, v (kv_dim each) per layer.
+        let plain = LlamaConfig::preset("tiny").unwrap();
+        assert_eq!(cfg.n_params() - plain.n_params(), plain.n_layer * (plain.q_dim() + 2 * plain.kv_dim()));
+        assert_eq!(cfg.param_count(), cfg.n_params() as u128);
+        let bad = RopeScaling { high_freq_factor: 1.0, ..scaling };
+        let e = LlamaConfig { rope_scaling: Some(bad), ..cfg }.validate().unwrap_err().to_string();
+        assert!(e.contains("high_freq_factor"), "{e}");
     }
 
     #[test]

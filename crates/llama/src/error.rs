@@ -103,9 +103,9 @@ pub enum LlamaError {
     /// The parameter store failed (a collective of a sharded store, say).
     #[error("parameter store")]
     Store(#[from] engine::EngineError),
-    /// Writing a file through gpt's atomic writer failed.
+    /// Writing a file through the shared atomic writer failed.
     #[error("writing a checkpoint file")]
-    Write(#[from] gpt::GptError),
+    Write(#[from] nn::io::FileError),
     /// Reading or writing a file failed.
     #[error("{}", path.display())]
     Io {

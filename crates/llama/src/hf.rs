@@ -308,9 +308,9 @@ pub fn save_base_with_config(
         .filter(|t| !crate::lora::is_adapter(&t.name))
         .map(|t| (t.name.clone(), t.shape.clone(), &params[t.range()]))
         .collect();
-    gpt::hf::write_safetensors(&dir.join(WEIGHTS_FILE), &base, &[])?;
+    nn::io::write_safetensors(&dir.join(WEIGHTS_FILE), &base, &[])?;
     let text = serde_json::to_string_pretty(config).map_err(|e| bad(dir, e.to_string()))?;
-    gpt::hf::write_atomic(&dir.join(CONFIG_FILE), text.as_bytes())?;
+    nn::io::write_atomic(&dir.join(CONFIG_FILE), text.as_bytes())?;
     Ok(())
 }
 
@@ -322,8 +322,8 @@ pub fn save(dir: &Path, cfg: &LlamaConfig, params: &[f32]) -> Result<(), LlamaEr
     let layout = model.layout();
     LlamaError::check_count("base model", layout.n_params(), params.len())?;
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
-    gpt::hf::write_safetensors(&dir.join(WEIGHTS_FILE), &named(layout, params, ""), &[])?;
+    nn::io::write_safetensors(&dir.join(WEIGHTS_FILE), &named(layout, params, ""), &[])?;
     let text = serde_json::to_string_pretty(&cfg.to_hf_json()).map_err(|e| bad(dir, e.to_string()))?;
-    gpt::hf::write_atomic(&dir.join(CONFIG_FILE), text.as_bytes())?;
+    nn::io::write_atomic(&dir.join(CONFIG_FILE), text.as_bytes())?;
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! The Llama family (RMSNorm, rotary embeddings, causal grouped-query
 //! attention, SwiGLU MLP, tied or untied head) with hand-written forward and
-//! backward kernels over flat f32 buffers, LoRA adapters inside the model,
+//! backward passes composed from the shared layers of the `nn` crate over
+//! flat f32 buffers, LoRA adapters inside the model,
 //! and Hugging Face / PEFT checkpoints in both directions.
 //!
 //! Like `gpt`, this crate knows nothing about training: it implements
@@ -8,16 +9,20 @@
 //! where the engine's store says. Parameters carry `LlamaForCausalLM`'s
 //! names and shapes (`nn.Linear` weights `[out, in]`), adapters PEFT's.
 
+pub mod block;
 pub mod config;
 pub mod error;
 pub mod hf;
-pub mod kernels;
+pub mod layout;
 pub mod lora;
 pub mod model;
 pub mod registration;
 
+pub use block::ActSizes;
 pub use config::LlamaConfig;
+pub use config::RopeScaling;
 pub use error::LlamaError;
+pub use layout::{LayerParams, LoraRanges, Proj};
 pub use lora::{Adapter, LoraConfig};
-pub use model::{LayerParams, Llama, LoraRanges, Proj, TokenBatch, IGNORE_INDEX};
+pub use model::{Llama, TokenBatch, IGNORE_INDEX};
 pub use registration::{Dialect, LlamaFamily, Registered, FAMILY, LLAMA};

@@ -6,10 +6,11 @@
 
 use crate::error::LlamaError;
 use crate::hf::{self, NamedTensor};
-use crate::model::{Llama, Proj};
+use crate::layout::Proj;
+use crate::model::Llama;
 use engine::rng::SplitMix64;
 use engine::Model;
-use gpt::kernels::{gemm_into, parallelism, Strided};
+use nn::{gemm_into, parallelism, Strided};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::HashMap;
@@ -216,10 +217,10 @@ pub fn save_adapter(
     std::fs::create_dir_all(dir).map_err(|source| LlamaError::Io { path: dir.to_path_buf(), source })?;
     let tensors: Vec<_> =
         hf::named(layout, params, PEFT_PREFIX).into_iter().filter(|(n, _, _)| is_adapter(n)).collect();
-    gpt::hf::write_safetensors(&dir.join(ADAPTER_WEIGHTS_FILE), &tensors, &[])?;
+    nn::io::write_safetensors(&dir.join(ADAPTER_WEIGHTS_FILE), &tensors, &[])?;
     let cfg = adapter_config_json(lora, base_model_name_or_path)?;
     let text = serde_json::to_string_pretty(&cfg).map_err(|e| LlamaError::lora("adapter_config", e.to_string()))?;
-    gpt::hf::write_atomic(&dir.join(ADAPTER_CONFIG_FILE), text.as_bytes())?;
+    nn::io::write_atomic(&dir.join(ADAPTER_CONFIG_FILE), text.as_bytes())?;
     Ok(())
 }
 

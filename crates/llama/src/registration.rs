@@ -242,6 +242,7 @@ impl LlamaFamily {
             tie_word_embeddings: s.tie_word_embeddings.unwrap_or(base.tie_word_embeddings),
             bos_token_id: s.bos_token_id.or(base.bos_token_id),
             eos_token_id: s.eos_token_id.unwrap_or(base.eos_token_id),
+            ..base
         };
         cfg.validate()?;
         Self::new(dialect, cfg, lora)

@@ -1,10 +1,11 @@
 //! Llama runs the engine's Model conformance suite (engine::conformance)
 //! with a tiny grouped-query configuration: untied head, tied head, and
-//! LoRA on every projection with the base frozen.
+//! LoRA on every projection with the base frozen, and q/k/v biases with
+//! Llama 3 RoPE scaling (Qwen2's attention).
 
 use engine::conformance::{self, ModelUnderTest, TokenSamples};
 use engine::rng::SplitMix64;
-use engine::TensorSpec;
+use engine::{Model, TensorSpec};
 use llama::{lora, Llama, LlamaConfig, LoraConfig, TokenBatch};
 
 const T: usize = 8;
@@ -26,6 +27,8 @@ fn cfg(tied: bool) -> LlamaConfig {
         tie_word_embeddings: tied,
         bos_token_id: None,
         eos_token_id: Vec::new(),
+        attention_bias: false,
+        rope_scaling: None,
     }
 }
 
@@ -123,6 +126,37 @@ fn tied_llama_passes_the_conformance_suite() {
 fn lora_llama_with_a_frozen_base_passes_the_conformance_suite() {
     let lora = LoraConfig::new(2, 4.0, &["all-linear"]);
     conformance::run_all(&LlamaFamily::new(false, Some(lora))).unwrap();
+}
+
+/// q/k/v biases (their gradients through the store like every tensor's;
+/// the layer-1 biases are trainable, layer 0's frozen) and Llama 3 RoPE
+/// scaling whose original context (4 positions, wavelengths 4..16 between
+/// high and low) puts frequencies in all three bands; also under LoRA
+/// (which targets the weights, not the biases) and checkpointing.
+#[test]
+fn biased_llama_with_llama3_rope_passes_the_conformance_suite() {
+    let biased = |lora: Option<LoraConfig>| {
+        let mut f = LlamaFamily::new(false, lora);
+        f.cfg.attention_bias = true;
+        f.cfg.rope_scaling = Some(llama::RopeScaling {
+            factor: 4.0,
+            low_freq_factor: 0.5,
+            high_freq_factor: 2.0,
+            original_max_position_embeddings: 4,
+        });
+        f
+    };
+    let model = biased(None).model();
+    let names: Vec<&str> = model.layout().tensors().iter().map(|t| t.name.as_str()).collect();
+    for p in ["q_proj", "k_proj", "v_proj"] {
+        assert!(names.contains(&format!("model.layers.1.self_attn.{p}.bias").as_str()), "{p} bias");
+    }
+    assert!(!names.iter().any(|n| n.contains("o_proj.bias")));
+    conformance::run_all(&biased(None)).unwrap();
+    conformance::run_all(&biased(Some(LoraConfig::new(2, 4.0, &["all-linear"])))).unwrap();
+    let mut f = biased(None);
+    f.checkpointing = engine::Checkpointing::Blocks;
+    conformance::run_all(&f).unwrap();
 }
 
 /// Recomputing layers in backward keeps every property (ZeRO-3 gathers a

@@ -1,5 +1,5 @@
-//! Logits, loss and every gradient against transformers' LlamaForCausalLM
-//! and PEFT's LoRA on the same weights and batch (fixtures made by
+//! Logits, loss and every gradient against transformers' LlamaForCausalLM,
+//! Qwen2ForCausalLM and PEFT's LoRA on the same weights and batch (fixtures made by
 //! tests/fixtures/make_fixtures.py; its docstring has the command).
 //!
 //! Tolerances: both sides compute in f32 with different summation orders
@@ -58,6 +58,16 @@ fn tied_llama_with_another_rope_theta_matches_transformers() {
     let (cfg, params) = hf::load(&fixture("tied")).unwrap();
     assert!(cfg.tie_word_embeddings && cfg.rope_theta == 500.0);
     compare("tied", &mut Llama::new(cfg).unwrap(), &params);
+}
+
+/// Qwen2's attention (q/k/v biases, no o_proj bias) with Llama 3 RoPE
+/// scaling whose bands all hold a frequency.
+#[test]
+fn qwen2_biases_with_llama3_rope_scaling_match_transformers() {
+    let (cfg, params) = hf::load(&fixture("qwen2")).unwrap();
+    let s = cfg.rope_scaling.expect("llama3 rope scaling");
+    assert!(cfg.attention_bias && s.factor == 4.0 && s.original_max_position_embeddings == 64);
+    compare("qwen2", &mut Llama::new(cfg).unwrap(), &params);
 }
 
 #[test]

@@ -1,0 +1,145 @@
+//! GPT-2's parameters: Hugging Face names and `Conv1D` layouts in one
+//! flat buffer, and their initialisation.
+
+use crate::config::GptConfig;
+use engine::rng::SplitMix64;
+use engine::ParamLayout;
+use std::ops::Range;
+
+/// Element ranges of one block's parameters inside the flat buffer.
+#[derive(Debug, Clone)]
+pub struct BlockParams {
+    /// `ln_1.weight`.
+    pub ln1_w: Range<usize>,
+    /// `ln_1.bias`.
+    pub ln1_b: Range<usize>,
+    /// `attn.c_attn.weight` `[C, 3C]`.
+    pub attn_w: Range<usize>,
+    /// `attn.c_attn.bias`.
+    pub attn_b: Range<usize>,
+    /// `attn.c_proj.weight` `[C, C]`.
+    pub proj_w: Range<usize>,
+    /// `attn.c_proj.bias`.
+    pub proj_b: Range<usize>,
+    /// `ln_2.weight`.
+    pub ln2_w: Range<usize>,
+    /// `ln_2.bias`.
+    pub ln2_b: Range<usize>,
+    /// `mlp.c_fc.weight` `[C, 4C]`.
+    pub fc_w: Range<usize>,
+    /// `mlp.c_fc.bias`.
+    pub fc_b: Range<usize>,
+    /// `mlp.c_proj.weight` `[4C, C]`.
+    pub fcproj_w: Range<usize>,
+    /// `mlp.c_proj.bias`.
+    pub fcproj_b: Range<usize>,
+}
+
+impl BlockParams {
+    /// The contiguous range the whole block occupies.
+    pub fn span(&self) -> Range<usize> {
+        self.ln1_w.start..self.fcproj_b.end
+    }
+}
+
+/// Element ranges of all parameters.
+#[derive(Debug, Clone)]
+pub(crate) struct ParamRanges {
+    pub wte: Range<usize>,
+    pub wpe: Range<usize>,
+    pub blocks: Vec<BlockParams>,
+    /// One block's ranges relative to the block's first parameter (every block alike).
+    pub block_rel: BlockParams,
+    pub lnf_w: Range<usize>,
+    pub lnf_b: Range<usize>,
+}
+
+pub(crate) fn build_layout(cfg: &GptConfig) -> (ParamLayout, ParamRanges) {
+    let c = cfg.n_embd;
+    let mut l = ParamLayout::new();
+    let wte = l.push("transformer.wte.weight", &[cfg.vocab_size, c], true);
+    let wpe = l.push("transformer.wpe.weight", &[cfg.block_size, c], true);
+    let blocks = (0..cfg.n_layer)
+        .map(|i| {
+            let p = format!("transformer.h.{i}");
+            BlockParams {
+                ln1_w: l.push(format!("{p}.ln_1.weight"), &[c], false),
+                ln1_b: l.push(format!("{p}.ln_1.bias"), &[c], false),
+                attn_w: l.push(format!("{p}.attn.c_attn.weight"), &[c, 3 * c], true),
+                attn_b: l.push(format!("{p}.attn.c_attn.bias"), &[3 * c], false),
+                proj_w: l.push(format!("{p}.attn.c_proj.weight"), &[c, c], true),
+                proj_b: l.push(format!("{p}.attn.c_proj.bias"), &[c], false),
+                ln2_w: l.push(format!("{p}.ln_2.weight"), &[c], false),
+                ln2_b: l.push(format!("{p}.ln_2.bias"), &[c], false),
+                fc_w: l.push(format!("{p}.mlp.c_fc.weight"), &[c, 4 * c], true),
+                fc_b: l.push(format!("{p}.mlp.c_fc.bias"), &[4 * c], false),
+                fcproj_w: l.push(format!("{p}.mlp.c_proj.weight"), &[4 * c, c], true),
+                fcproj_b: l.push(format!("{p}.mlp.c_proj.bias"), &[c], false),
+            }
+        })
+        .collect();
+    let lnf_w = l.push("transformer.ln_f.weight", &[c], false);
+    let lnf_b = l.push("transformer.ln_f.bias", &[c], false);
+    let block_rel = relative_block(c);
+    (l, ParamRanges { wte, wpe, blocks, block_rel, lnf_w, lnf_b })
+}
+
+/// One block's parameter ranges relative to its first parameter.
+fn relative_block(c: usize) -> BlockParams {
+    let mut at = 0;
+    let mut next = |n: usize| {
+        let r = at..at + n;
+        at += n;
+        r
+    };
+    BlockParams {
+        ln1_w: next(c),
+        ln1_b: next(c),
+        attn_w: next(3 * c * c),
+        attn_b: next(3 * c),
+        proj_w: next(c * c),
+        proj_b: next(c),
+        ln2_w: next(c),
+        ln2_b: next(c),
+        fc_w: next(4 * c * c),
+        fc_b: next(4 * c),
+        fcproj_w: next(4 * c * c),
+        fcproj_b: next(c),
+    }
+}
+
+/// GPT-2 initialisation: N(0, 0.02) for matrices and embeddings, residual
+/// projections scaled by 1/√(2·n_layer), zero biases, unit LayerNorm gains.
+pub fn init_params(cfg: &GptConfig, seed: u64) -> Vec<f32> {
+    (0..cfg.n_layer + 2).flat_map(|seg| init_segment(cfg, seed, seg)).collect()
+}
+
+/// The initial values of segment `seg` alone (0: embeddings, 1..=n_layer:
+/// blocks, n_layer+1: final LayerNorm), each from its own random stream, so a
+/// ZeRO-3 rank can initialise one segment at a time and keep only its piece.
+pub fn init_segment(cfg: &GptConfig, seed: u64, seg: usize) -> Vec<f32> {
+    let c = cfg.n_embd;
+    let mut rng = SplitMix64::derive(seed, &[0x1a17, seg as u64]);
+    let mut normal = |n: usize, std: f64| -> Vec<f32> { (0..n).map(|_| (rng.normal() * std) as f32).collect() };
+    let resid_std = 0.02 / (2.0 * cfg.n_layer as f64).sqrt();
+    if seg == 0 {
+        let mut v = normal(cfg.vocab_size * c, 0.02);
+        v.extend(normal(cfg.block_size * c, 0.02));
+        return v;
+    }
+    if seg == cfg.n_layer + 1 {
+        let mut v = vec![1.0; c];
+        v.extend(vec![0.0; c]);
+        return v;
+    }
+    let r = relative_block(c);
+    let mut v = vec![0.0f32; r.span().len()];
+    let mut put = |range: Range<usize>, vals: Vec<f32>| v[range].copy_from_slice(&vals);
+    put(r.attn_w.clone(), normal(r.attn_w.len(), 0.02));
+    put(r.proj_w.clone(), normal(r.proj_w.len(), resid_std));
+    put(r.fc_w.clone(), normal(r.fc_w.len(), 0.02));
+    put(r.fcproj_w.clone(), normal(r.fcproj_w.len(), resid_std));
+    put(r.ln1_w.clone(), vec![1.0; c]);
+    put(r.ln2_w.clone(), vec![1.0; c]);
+    v
+}

@@ -1,0 +1,293 @@
+//! Llama's decoder layer as the shared stack walk runs it: RMSNorm,
+//! grouped-query attention with rotary q/k (and optional q/k/v biases), a
+//! SwiGLU MLP, LoRA on the targeted projections; and the sizes of every
+//! activation buffer, the one definition that allocates them and reports
+//! their bytes.
+
+use crate::config::LlamaConfig;
+use crate::layout::{Adapters, LayerParams, Proj};
+use engine::{Checkpointing, Precision, SavedTensor, SegmentGrads};
+use nn::act::{swiglu_backward, swiglu_forward};
+use nn::attention::{attention_backward, attention_forward, AttnShape};
+use nn::grad::{bias_backward, param_grad};
+use nn::linear::{add_bias, columns, linear_backward_input, linear_backward_weight, linear_forward, Cols, LinearShape};
+use nn::norm::{rmsnorm_backward, rmsnorm_forward, NormSaved};
+use nn::rope::{rope_apply, Rope};
+use nn::stack::{Block, Saved, SavedView, StackSizes};
+use nn::{Operands, Strided};
+
+/// Indices of a layer's saved tensors.
+const H1: usize = 0; // input_layernorm's output
+const QKV: usize = 1; // q | k | v, q and k rotated
+const ATT: usize = 2; // attention probabilities
+const Y: usize = 3; // attention heads' output (o_proj's input)
+const X2: usize = 4; // residual after attention
+const H2: usize = 5; // post_attention_layernorm's output
+const GU: usize = 6; // gate | up
+const M: usize = 7; // silu(gate) · up (down_proj's input)
+const OUT: usize = 8; // the layer's output
+/// `XA + p`: projection `p`'s LoRA `x·Aᵀ` (`[n, r]`; empty without an adapter).
+const XA: usize = 9;
+
+/// Staging buffers: row tensors, attention probabilities, LoRA's `x·Aᵀ`.
+const ROWS: usize = 0;
+const PROBS: usize = 1;
+const LORA: usize = 2;
+
+/// Shapes of one layer call.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Dims {
+    /// Rows B·T.
+    pub n: usize,
+    pub c: usize,
+    pub f: usize,
+    /// Attention (its GEMMs on f32 operands in every precision).
+    pub gqa: AttnShape,
+    pub eps: f32,
+    /// LoRA rank (0 without adapters) and scale α/r.
+    pub r: usize,
+    pub lora_scale: f32,
+    /// GEMM operands of the precision ([`nn::operands`]).
+    pub ops: Operands,
+    /// Storage precision of saved tensors.
+    pub prec: Precision,
+}
+
+impl Dims {
+    /// A linear layer `[n, ic] → [n, oc]` at scale 1.
+    fn lin(&self, ic: usize, oc: usize) -> LinearShape {
+        LinearShape::new(self.n, ic, oc, self.ops)
+    }
+}
+
+/// What a forward pass keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pass {
+    /// Keeps every layer's activations for the backward; logits of every position.
+    Train,
+    /// Forward only: every layer reuses one slot; logits of every position.
+    Eval,
+    /// Forward only: one slot; logits of each sequence's last position.
+    NextToken,
+}
+
+/// Element counts of every activation buffer of a Llama for one (B, T),
+/// pass, storage precision and checkpointing: what the model allocates and
+/// what [`ActSizes::bytes`] reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ActSizes {
+    /// The layer stack: per layer h1, qkv, att, y, x2, h2, gate|up (2F),
+    /// m (F), out, LoRA's x·Aᵀ per adapted projection, two f32 1/rms per
+    /// row; working buffers dres, dc, dqkv, datt, dgu, dm, dxa, attention
+    /// scratch; 16-bit staging (row tensors, probabilities, x·Aᵀ).
+    pub stack: StackSizes,
+    /// RoPE tables, the final norm's output and 1/rms, the logits, the
+    /// per-row losses.
+    pub head: [u128; 5],
+}
+
+impl ActSizes {
+    /// The sizes for `b` sequences of `t` tokens.
+    pub(crate) fn new(
+        cfg: &LlamaConfig,
+        adapters: Option<Adapters>,
+        (b, t): (usize, usize),
+        (precision, checkpointing): (Precision, Checkpointing),
+        train: bool,
+    ) -> Self {
+        let w = |x: usize| x as u128;
+        let (n, c, f, v) = (w(b) * w(t), w(cfg.hidden_size), w(cfg.intermediate_size), w(cfg.vocab_size));
+        let qkvw = w(cfg.n_head + 2 * cfg.n_kv_head) * w(cfg.head_dim);
+        let att = w(b) * w(cfg.n_head) * w(t) * w(t);
+        let r = w(adapters.map_or(0, |a| a.r));
+        let xa = Proj::ALL.map(|p| match adapters {
+            Some(a) if a.targets[p as usize] => n * r,
+            _ => 0,
+        });
+        let mut large = vec![n * c, n * qkvw, att, n * c, n * c, n * c, n * 2 * f, n * f, n * c];
+        large.extend(xa);
+        let low = precision.is_low();
+        let stack = StackSizes {
+            precision,
+            checkpointing,
+            n_slots: if train { cfg.n_layer } else { 1 },
+            large,
+            output: OUT,
+            stats: vec![n, n],
+            x: n * c,
+            bufs: vec![n * c, n * c, n * qkvw, att, n * 2 * f, n * f, n * r, n * qkvw],
+            staging: if low { vec![n * c.max(qkvw).max(2 * f), att, n * r] } else { vec![0; 3] },
+            extra: Vec::new(),
+        };
+        let rope = Rope::len_for(t, cfg.head_dim) as u128;
+        ActSizes { stack, head: [rope, n * c, n, n * v, n] }
+    }
+
+    /// Bytes of every buffer.
+    pub fn bytes(&self) -> u128 {
+        self.stack.bytes() + 4 * self.head.iter().sum::<u128>()
+    }
+}
+
+/// One decoder layer: the configuration, its parameter ranges (relative
+/// to the layer's segment), the rotary tables and the call's shapes.
+pub(crate) struct Layer<'a> {
+    pub cfg: &'a LlamaConfig,
+    pub r: &'a LayerParams,
+    pub rope: &'a Rope,
+    pub d: Dims,
+}
+
+/// What a projection's backward reads and writes besides its gradients.
+struct Back<'s, 'g> {
+    grads: &'s mut SegmentGrads<'g>,
+    saved: SavedView<'s>,
+    /// `[n, r]`: LoRA's `x·Aᵀ` gradient.
+    dxa: &'s mut [f32],
+}
+
+impl Layer<'_> {
+    /// LoRA's forward for projection `pr`, if it has an adapter:
+    /// `xa = x·Aᵀ` (kept for backward), then `y[:, col0..] += s · xa·Bᵀ`.
+    fn lora_forward(&self, pr: Proj, p: &[f32], y: Cols<'_>, x: &[f32], xa: &mut SavedTensor, buf: &mut Vec<f32>) {
+        let Some(lr) = &self.r.lora[pr as usize] else { return };
+        let (d, [oc, ic]) = (&self.d, pr.shape(self.cfg));
+        // (n, in) @ (in, r) -> (n, r)
+        linear_forward(Cols::all(buf, d.r), false, x, &p[lr.a.clone()], d.lin(ic, d.r));
+        xa.keep(buf, d.prec);
+        // (n, r) @ (r, out) -> (n, out), scaled by α/r and added
+        linear_forward(y, true, xa.cur(buf), &p[lr.b.clone()], d.lin(d.r, oc).scaled(d.lora_scale));
+    }
+
+    /// Weight gradients of projection `pr` (input: saved tensor `x_idx`,
+    /// output gradient the column block `dy`), and its LoRA branch if any:
+    /// `dB (+)= s·dyᵀ·xa`, `dxa = s·dy·B`, `dA (+)= dxaᵀ·x`, and
+    /// `dx += dxa·A` (the base's `dy·W` is already in `dx`). Frozen
+    /// tensors' gradients are skipped, the input gradient never is.
+    fn proj_backward(
+        &self,
+        pr: Proj,
+        p: &[f32],
+        dx: &mut [f32],
+        dy: Strided<'_>,
+        x_idx: usize,
+        back: &mut Back<'_, '_>,
+    ) {
+        let (d, r, [oc, ic]) = (&self.d, self.r, pr.shape(self.cfg));
+        let (x, xa) = back.saved.pair((x_idx, ROWS), (XA + pr as usize, LORA));
+        // dW (+)= dyᵀ · x: (out, n) @ (n, in) -> (out, in)
+        linear_backward_weight(param_grad(back.grads.tensor(r.w(pr))), dy, x, d.lin(ic, oc));
+        let Some(lr) = &r.lora[pr as usize] else { return };
+        let (ga, gb) = back.grads.pair(lr.a.clone(), lr.b.clone());
+        let (s_b, s_a) = (d.lin(d.r, oc).scaled(d.lora_scale), d.lin(ic, d.r));
+        // dB (+)= s · dyᵀ · xa: (out, n) @ (n, r) -> (out, r)
+        linear_backward_weight(param_grad(gb), dy, xa, s_b);
+        // dxa = s · dy · B: (n, out) @ (out, r) -> (n, r)
+        linear_backward_input(back.dxa, false, dy, &p[lr.b.clone()], s_b);
+        let dxa = Strided::rows(back.dxa, d.r);
+        // dA (+)= dxaᵀ · x: (r, n) @ (n, in) -> (r, in)
+        linear_backward_weight(param_grad(ga), dxa, x, s_a);
+        // dx += dxa · A: (n, r) @ (r, in) -> (n, in)
+        linear_backward_input(dx, true, dxa, &p[lr.a.clone()], s_a);
+    }
+}
+
+impl Block for Layer<'_> {
+    /// Each tensor is produced in f32 in a working buffer and kept in `sv`
+    /// at once; what follows reads the kept tensor.
+    fn forward(&self, p: &[f32], x: &mut [f32], sv: &mut Saved, bufs: &mut [Vec<f32>], _: &mut [Vec<f32>]) {
+        let (cfg, r, d) = (self.cfg, self.r, &self.d);
+        let (n, c, f, prec) = (d.n, d.c, d.f, d.prec);
+        let (qd, qkvw, kvd) = (d.gqa.q_dim(), d.gqa.qkv_width(), cfg.kv_dim());
+        let [x2, buf_c, qkv, att, gu, m, dxa, heads] = bufs else { unreachable!("Llama has eight working buffers") };
+        let Saved { large, stats } = sv;
+        let [rstd1, rstd2] = &mut stats[..] else { unreachable!("two row statistics") };
+        let (large, xa) = large.split_at_mut(XA);
+        // Attention: h1 = norm(x); q|k|v = h1·Wqkvᵀ (+ bias) (+ LoRA); rotate q, k.
+        rmsnorm_forward(buf_c, rstd1, x, &p[r.attn_norm.clone()], c, d.eps);
+        large[H1].keep(buf_c, prec);
+        let h1 = large[H1].cur(buf_c);
+        // (n, C) @ (C, (H + 2·KV)·d) -> (n, (H + 2·KV)·d)
+        linear_forward(Cols::all(qkv, qkvw), false, h1, &p[r.qkv()], d.lin(c, qkvw));
+        if let Some([q, _, v]) = &r.qkv_bias {
+            add_bias(qkv, &p[q.start..v.end]);
+        }
+        for (pr, col0) in [(Proj::Q, 0), (Proj::K, qd), (Proj::V, qd + kvd)] {
+            let y = Cols { buf: qkv, col0, rs: qkvw };
+            self.lora_forward(pr, p, y, h1, &mut xa[pr as usize], dxa);
+        }
+        rope_apply(qkv, self.rope, qkvw, cfg.n_head + cfg.n_kv_head, false);
+        large[QKV].keep(qkv, prec);
+        attention_forward(buf_c, att, &mut heads[..n * qd], large[QKV].cur(qkv), d.gqa);
+        large[ATT].keep(att, prec);
+        large[Y].keep(buf_c, prec);
+        // x2 = x + y·Woᵀ (+ LoRA): (n, H·d) @ (H·d, C) -> (n, C)
+        let y = large[Y].cur(buf_c);
+        x2.copy_from_slice(x);
+        linear_forward(Cols::all(x2, c), true, y, &p[r.w(Proj::O)], d.lin(qd, c));
+        self.lora_forward(Proj::O, p, Cols::all(x2, c), y, &mut xa[Proj::O as usize], dxa);
+        large[X2].keep(x2, prec);
+        // MLP: h2 = norm(x2); g|u = h2·Wguᵀ (+ LoRA); m = silu(g)·u; out = x2 + m·Wdᵀ (+ LoRA).
+        rmsnorm_forward(buf_c, rstd2, large[X2].cur(x2), &p[r.mlp_norm.clone()], c, d.eps);
+        large[H2].keep(buf_c, prec);
+        let h2 = large[H2].cur(buf_c);
+        // (n, C) @ (C, 2F) -> (n, 2F)
+        linear_forward(Cols::all(gu, 2 * f), false, h2, &p[r.gate_up()], d.lin(c, 2 * f));
+        for (pr, col0) in [(Proj::Gate, 0), (Proj::Up, f)] {
+            let y = Cols { buf: gu, col0, rs: 2 * f };
+            self.lora_forward(pr, p, y, h2, &mut xa[pr as usize], dxa);
+        }
+        large[GU].keep(gu, prec);
+        swiglu_forward(m, large[GU].cur(gu), f);
+        large[M].keep(m, prec);
+        let mm = large[M].cur(m);
+        x.copy_from_slice(large[X2].cur(x2));
+        // (n, F) @ (F, C) -> (n, C), added to the residual
+        linear_forward(Cols::all(x, c), true, mm, &p[r.w(Proj::Down)], d.lin(f, c));
+        self.lora_forward(Proj::Down, p, Cols::all(x, c), mm, &mut xa[Proj::Down as usize], dxa);
+        // The output stays in `x` as the next layer's input: kept by copy.
+        large[OUT].keep_copy(x, prec);
+    }
+
+    fn backward(&self, p: &[f32], grads: &mut SegmentGrads<'_>, saved: SavedView<'_>, bufs: &mut [Vec<f32>]) {
+        let (cfg, r, d) = (self.cfg, self.r, &self.d);
+        let (c, f) = (d.c, d.f);
+        let (qd, qkvw, kvd) = (d.gqa.q_dim(), d.gqa.qkv_width(), cfg.kv_dim());
+        let [dres, dc, dqkv, datt, dgu, dm, dxa, heads] = bufs else { unreachable!("Llama has eight working buffers") };
+        let sv = saved.sv;
+        let [rstd1, rstd2] = &sv.stats[..] else { unreachable!("two row statistics") };
+        let mut back = Back { grads, saved, dxa };
+        // down_proj: d(n, F) = d(n, C) @ (C, F); SwiGLU; gate|up: d(n, C) = d(n, 2F) @ (2F, C).
+        linear_backward_input(dm, false, Strided::rows(dres, c), &p[r.w(Proj::Down)], d.lin(f, c));
+        self.proj_backward(Proj::Down, p, dm, Strided::rows(dres, c), M, &mut back);
+        swiglu_backward(dgu, dm, back.saved.get(GU), f);
+        linear_backward_input(dc, false, Strided::rows(dgu, 2 * f), &p[r.gate_up()], d.lin(c, 2 * f));
+        for (pr, col0) in [(Proj::Gate, 0), (Proj::Up, f)] {
+            self.proj_backward(pr, p, dc, columns(dgu, col0, 2 * f), H2, &mut back);
+        }
+        let (w2, g2) = (&p[r.mlp_norm.clone()], param_grad(back.grads.tensor(r.mlp_norm.clone())));
+        let x2 = NormSaved { inp: back.saved.get(X2), mean: &[], rstd: rstd2 };
+        rmsnorm_backward(dres, g2, dc, x2, w2);
+        // o_proj: d(n, H·d) = d(n, C) @ (C, H·d); attention; rotation; q|k|v: d(n, C) = d(n, qkv) @ (qkv, C).
+        linear_backward_input(dc, false, Strided::rows(dres, c), &p[r.w(Proj::O)], d.lin(qd, c));
+        self.proj_backward(Proj::O, p, dc, Strided::rows(dres, c), Y, &mut back);
+        let qkv_att = back.saved.pair((QKV, ROWS), (ATT, PROBS));
+        attention_backward(dqkv, datt, heads, dc, qkv_att, d.gqa);
+        rope_apply(dqkv, self.rope, qkvw, cfg.n_head + cfg.n_kv_head, true);
+        let cols = [(Proj::Q, 0), (Proj::K, qd), (Proj::V, qd + kvd)];
+        if let Some(biases) = &r.qkv_bias {
+            for ((_, col0), b) in cols.iter().zip(biases) {
+                if let Some(g) = param_grad(back.grads.tensor(b.clone())) {
+                    bias_backward(g, dqkv, *col0, qkvw);
+                }
+            }
+        }
+        linear_backward_input(dc, false, Strided::rows(dqkv, qkvw), &p[r.qkv()], d.lin(c, qkvw));
+        for (pr, col0) in cols {
+            self.proj_backward(pr, p, dc, columns(dqkv, col0, qkvw), H1, &mut back);
+        }
+        let (w1, g1) = (&p[r.attn_norm.clone()], param_grad(back.grads.tensor(r.attn_norm.clone())));
+        let h = NormSaved { inp: back.saved.input(), mean: &[], rstd: rstd1 };
+        rmsnorm_backward(dres, g1, dc, h, w1);
+    }
+}

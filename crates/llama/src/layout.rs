@@ -1,0 +1,175 @@
+//! Llama's parameters: `LlamaForCausalLM`'s names and shapes (`nn.Linear`
+//! weights `[out, in]`, optional q/k/v biases) in one flat buffer, with
+//! LoRA adapters inside their layer.
+
+use crate::config::LlamaConfig;
+use engine::ParamLayout;
+use std::ops::Range;
+
+/// The seven linear projections of a decoder layer, in layout order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Proj {
+    /// `self_attn.q_proj`.
+    Q,
+    /// `self_attn.k_proj`.
+    K,
+    /// `self_attn.v_proj`.
+    V,
+    /// `self_attn.o_proj`.
+    O,
+    /// `mlp.gate_proj`.
+    Gate,
+    /// `mlp.up_proj`.
+    Up,
+    /// `mlp.down_proj`.
+    Down,
+}
+
+impl Proj {
+    /// All seven, in layout order.
+    pub const ALL: [Proj; 7] = [Proj::Q, Proj::K, Proj::V, Proj::O, Proj::Gate, Proj::Up, Proj::Down];
+
+    /// The module's name (PEFT's `target_modules` spelling), e.g. `q_proj`.
+    pub fn name(self) -> &'static str {
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"][self as usize]
+    }
+
+    /// Path inside a layer, e.g. `self_attn.q_proj`.
+    pub fn path(self) -> String {
+        let parent = if (self as usize) < 4 { "self_attn" } else { "mlp" };
+        format!("{parent}.{}", self.name())
+    }
+
+    /// `[out, in]` of the weight (`nn.Linear` layout).
+    pub fn shape(self, cfg: &LlamaConfig) -> [usize; 2] {
+        let (c, f, qd, kvd) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim());
+        match self {
+            Proj::Q => [qd, c],
+            Proj::K | Proj::V => [kvd, c],
+            Proj::O => [c, qd],
+            Proj::Gate | Proj::Up => [f, c],
+            Proj::Down => [c, f],
+        }
+    }
+
+    /// The projection called `name` (`q_proj`, ...).
+    pub fn from_name(name: &str) -> Option<Proj> {
+        Proj::ALL.into_iter().find(|p| p.name() == name)
+    }
+}
+
+/// Element ranges of one LoRA adapter: `lora_A` `[r, in]`, `lora_B` `[out, r]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoraRanges {
+    /// `lora_A.weight`.
+    pub a: Range<usize>,
+    /// `lora_B.weight`.
+    pub b: Range<usize>,
+}
+
+/// Element ranges of one decoder layer's parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerParams {
+    /// `input_layernorm.weight` `[C]`.
+    pub attn_norm: Range<usize>,
+    /// The projections' weights, indexed by [`Proj`] (q, k, v back to back,
+    /// and gate, up: each group is one `[Σ out, in]` matrix).
+    pub proj: [Range<usize>; 7],
+    /// `self_attn.{q,k,v}_proj.bias` back to back (one `[Σ out]` vector,
+    /// the columns of the fused q|k|v output), with `attention_bias`.
+    pub qkv_bias: Option<[Range<usize>; 3]>,
+    /// `post_attention_layernorm.weight` `[C]`.
+    pub mlp_norm: Range<usize>,
+    /// LoRA adapters of the targeted projections, after the base tensors.
+    pub lora: [Option<LoraRanges>; 7],
+}
+
+impl LayerParams {
+    /// The weight of projection `p`.
+    pub fn w(&self, p: Proj) -> Range<usize> {
+        self.proj[p as usize].clone()
+    }
+
+    /// q, k and v weights together: one `[(H + 2·KV)·d, C]` matrix.
+    pub(crate) fn qkv(&self) -> Range<usize> {
+        self.proj[0].start..self.proj[2].end
+    }
+
+    /// gate and up weights together: one `[2F, C]` matrix.
+    pub(crate) fn gate_up(&self) -> Range<usize> {
+        self.proj[4].start..self.proj[5].end
+    }
+
+    /// The contiguous range the whole layer occupies.
+    pub fn span(&self) -> Range<usize> {
+        let end = self.lora.iter().flatten().map(|l| l.b.end).max().unwrap_or(self.proj[6].end);
+        self.attn_norm.start..end
+    }
+}
+
+/// LoRA's shape inside the layout: rank and which projections carry adapters.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Adapters {
+    pub r: usize,
+    pub targets: [bool; 7],
+}
+
+/// Appends a tensor `(name suffix, shape, decay)` and returns its range.
+pub(crate) type Push<'a> = dyn FnMut(&str, &[usize], bool) -> Range<usize> + 'a;
+
+/// Pushes one layer's tensors in layout order.
+fn push_layer(cfg: &LlamaConfig, adapters: Option<Adapters>, push: &mut Push<'_>) -> LayerParams {
+    let c = cfg.hidden_size;
+    let attn_norm = push("input_layernorm.weight", &[c], false);
+    let mut proj_w = |p: Proj| push(&format!("{}.weight", p.path()), &p.shape(cfg), true);
+    let [q, k, v] = [Proj::Q, Proj::K, Proj::V].map(&mut proj_w);
+    // Biases after v's weight, so that q|k|v weights stay one matrix.
+    let qkv_bias = cfg
+        .attention_bias
+        .then(|| [Proj::Q, Proj::K, Proj::V].map(|p| push(&format!("{}.bias", p.path()), &[p.shape(cfg)[0]], false)));
+    let o = push(&format!("{}.weight", Proj::O.path()), &Proj::O.shape(cfg), true);
+    let mlp_norm = push("post_attention_layernorm.weight", &[c], false);
+    let mlp = [Proj::Gate, Proj::Up, Proj::Down].map(|p| push(&format!("{}.weight", p.path()), &p.shape(cfg), true));
+    let [gate, up, down] = mlp;
+    let lora = Proj::ALL.map(|p| {
+        let a = adapters.filter(|a| a.targets[p as usize])?;
+        let [out, inp] = p.shape(cfg);
+        Some(LoraRanges {
+            a: push(&format!("{}.lora_A.weight", p.path()), &[a.r, inp], true),
+            b: push(&format!("{}.lora_B.weight", p.path()), &[out, a.r], true),
+        })
+    });
+    LayerParams { attn_norm, proj: [q, k, v, o, gate, up, down], qkv_bias, mlp_norm, lora }
+}
+
+/// Element ranges of all parameters.
+#[derive(Debug, Clone)]
+pub(crate) struct ParamRanges {
+    pub embed: Range<usize>,
+    pub layers: Vec<LayerParams>,
+    /// One layer's ranges relative to its first parameter (every layer alike).
+    pub layer_rel: LayerParams,
+    pub norm: Range<usize>,
+    /// `lm_head.weight`, when untied.
+    pub head: Option<Range<usize>>,
+}
+
+pub(crate) fn build_layout(cfg: &LlamaConfig, adapters: Option<Adapters>) -> (ParamLayout, ParamRanges) {
+    let (v, c) = (cfg.vocab_size, cfg.hidden_size);
+    let mut l = ParamLayout::new();
+    let embed = l.push("model.embed_tokens.weight", &[v, c], true);
+    let layers = (0..cfg.n_layer)
+        .map(|i| {
+            push_layer(cfg, adapters, &mut |s, shape, decay| l.push(format!("model.layers.{i}.{s}"), shape, decay))
+        })
+        .collect();
+    let norm = l.push("model.norm.weight", &[c], false);
+    let head = (!cfg.tie_word_embeddings).then(|| l.push("lm_head.weight", &[v, c], true));
+    let mut at = 0;
+    let layer_rel = push_layer(cfg, adapters, &mut |_, shape, _| {
+        let n: usize = shape.iter().product();
+        at += n;
+        at - n..at
+    });
+    (l, ParamRanges { embed, layers, layer_rel, norm, head })
+}

@@ -1,0 +1,50 @@
+//! Token embeddings, with or without learned positions (GPT-2's `wpe`).
+
+use crate::assert_len;
+use rayon::prelude::*;
+
+/// `out[r] = wte[tokens[r]] (+ wpe[r mod t])`: `out` `[n, c]`, `wte`
+/// `[V, c]`, `wpe` (learned positions, if any) `[≥ t, c]`.
+pub fn embedding_forward(out: &mut [f32], tokens: &[u32], wte: &[f32], wpe: Option<&[f32]>, t: usize, c: usize) {
+    assert_len("embedding_forward", "out", out.len(), &[tokens.len(), c]);
+    match wpe {
+        Some(wpe) => out.par_chunks_mut(c).zip(tokens.par_iter()).enumerate().for_each(|(r, (o, &tok))| {
+            let (e, p) = (&wte[tok as usize * c..][..c], &wpe[(r % t) * c..][..c]);
+            for i in 0..c {
+                o[i] = e[i] + p[i];
+            }
+        }),
+        None => out.par_chunks_mut(c).zip(tokens.par_iter()).for_each(|(o, &tok)| {
+            o.copy_from_slice(&wte[tok as usize * c..][..c]);
+        }),
+    }
+}
+
+/// Adds the gradients of [`embedding_forward`] into `dwte` and `dwpe`
+/// (either may be absent: a frozen tensor, or no positions). Embedding
+/// gradients are only ever added to.
+pub fn embedding_backward(
+    mut dwte: Option<&mut [f32]>,
+    mut dwpe: Option<&mut [f32]>,
+    dout: &[f32],
+    tokens: &[u32],
+    t: usize,
+    c: usize,
+) {
+    assert_len("embedding_backward", "dout", dout.len(), &[tokens.len(), c]);
+    // Serial scatter-add in row order: deterministic, and O(B·T·C) is small.
+    for (r, (d, &tok)) in dout.chunks(c).zip(tokens).enumerate() {
+        if let Some(dwte) = dwte.as_deref_mut() {
+            let e = &mut dwte[tok as usize * c..][..c];
+            for i in 0..c {
+                e[i] += d[i];
+            }
+        }
+        if let Some(dwpe) = dwpe.as_deref_mut() {
+            let p = &mut dwpe[(r % t) * c..][..c];
+            for i in 0..c {
+                p[i] += d[i];
+            }
+        }
+    }
+}

@@ -1,0 +1,167 @@
+//! Linear layers on the shared GEMM, in both weight layouts: GPT-2's
+//! `Conv1D` (`w` `[in, out]`, [`conv1d_forward`]) and `nn.Linear`
+//! (`w` `[out, in]`, [`linear_forward`]). Shapes are given as a
+//! [`LinearShape`]: `n` rows of `ic` inputs to `oc` outputs.
+
+use crate::grad::{bias_backward, ParamGrad};
+use crate::{assert_len, gemm_into, parallelism, Operands, Strided};
+use rayon::prelude::*;
+
+/// The shape of one linear layer call: `[n, ic] → [n, oc]`, its output
+/// scaled by `alpha`, on the GEMM operands `ops`.
+#[derive(Debug, Clone, Copy)]
+pub struct LinearShape {
+    /// Rows (B·T).
+    pub n: usize,
+    /// Input features.
+    pub ic: usize,
+    /// Output features.
+    pub oc: usize,
+    /// Scale of the product (LoRA's α/r; 1 otherwise).
+    pub alpha: f32,
+    /// GEMM operands.
+    pub ops: Operands,
+}
+
+impl LinearShape {
+    /// `[n, ic] → [n, oc]` at scale 1.
+    pub fn new(n: usize, ic: usize, oc: usize, ops: Operands) -> Self {
+        LinearShape { n, ic, oc, alpha: 1.0, ops }
+    }
+
+    /// The same shape at scale `alpha`.
+    pub fn scaled(self, alpha: f32) -> Self {
+        LinearShape { alpha, ..self }
+    }
+}
+
+/// `oc` columns of a row-major matrix, starting at column `col0` of rows
+/// `rs` apart: where a projection writes inside a fused output (q | k | v).
+#[derive(Debug)]
+pub struct Cols<'a> {
+    /// The matrix.
+    pub buf: &'a mut [f32],
+    /// First column written.
+    pub col0: usize,
+    /// Row width.
+    pub rs: usize,
+}
+
+impl<'a> Cols<'a> {
+    /// The whole matrix, rows `rs` wide.
+    pub fn all(buf: &'a mut [f32], rs: usize) -> Self {
+        Cols { buf, col0: 0, rs }
+    }
+}
+
+/// Columns `col0..` of a row-major matrix whose rows are `row_width` apart.
+pub fn columns(data: &[f32], col0: usize, row_width: usize) -> Strided<'_> {
+    Strided { data, offset: col0, rs: row_width, cs: 1 }
+}
+
+/// `out[n, oc] = residual + inp[n, ic] · w[ic, oc] + bias` (HF `Conv1D` layout).
+pub fn conv1d_forward(
+    out: &mut [f32],
+    inp: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    residual: Option<&[f32]>,
+    s: LinearShape,
+) {
+    let LinearShape { n, ic, oc, ops, .. } = s;
+    let init = bias.is_some() || residual.is_some();
+    if init {
+        out.par_chunks_mut(oc).enumerate().for_each(|(r, o)| {
+            match residual {
+                Some(res) => o.copy_from_slice(&res[r * oc..][..oc]),
+                None => o.fill(0.0),
+            }
+            if let Some(b) = bias {
+                o.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+            }
+        });
+    }
+    let par = parallelism(false).with(ops);
+    // (n, ic) @ (ic, oc) -> (n, oc), added to the bias/residual rows.
+    gemm_into(n, oc, ic, out, 0, oc, init, Strided::rows(inp, ic), Strided::rows(w, oc), 1.0, par);
+}
+
+/// Backward of [`conv1d_forward`]: overwrites `dinp`; `dw` and `db` as
+/// their [`ParamGrad`]s say (absent: not computed).
+pub fn conv1d_backward(
+    dinp: &mut [f32],
+    dw: Option<ParamGrad<'_>>,
+    db: Option<ParamGrad<'_>>,
+    dout: &[f32],
+    inp: &[f32],
+    w: &[f32],
+    s: LinearShape,
+) {
+    let LinearShape { n, ic, oc, ops, .. } = s;
+    let par = parallelism(false).with(ops);
+    // dinp = dout · wᵀ: (n, oc) @ (oc, ic) -> (n, ic)
+    gemm_into(n, ic, oc, dinp, 0, ic, false, Strided::rows(dout, oc), Strided::transposed(w, oc), 1.0, par);
+    if let Some(ParamGrad { buf: dw, accumulate }) = dw {
+        assert_eq!(dw.len(), ic * oc, "dw length");
+        // dw (+)= inpᵀ · dout: (ic, n) @ (n, oc) -> (ic, oc)
+        let (inp_t, dout) = (Strided::transposed(inp, ic), Strided::rows(dout, oc));
+        gemm_into(ic, oc, n, dw, 0, oc, accumulate, inp_t, dout, 1.0, par);
+    }
+    if let Some(db) = db {
+        bias_backward(db, dout, 0, oc);
+    }
+}
+
+/// `y[:, col0..col0+oc] (+)= alpha · x · wᵀ`: x `[n, ic]`, w `[oc, ic]`
+/// (`nn.Linear`). Also LoRA's two halves: `x·Aᵀ` and `s·(x·Aᵀ)·Bᵀ`.
+pub fn linear_forward(y: Cols<'_>, accumulate: bool, x: &[f32], w: &[f32], s: LinearShape) {
+    let LinearShape { n, ic, oc, alpha, ops } = s;
+    assert_len("linear_forward", "x", x.len(), &[n, ic]);
+    assert_len("linear_forward", "w", w.len(), &[oc, ic]);
+    let Cols { buf, col0, rs } = y;
+    assert!(col0 + oc <= rs, "linear_forward: columns {col0}+{oc} exceed the row width {rs}");
+    let (xv, wt) = (Strided::rows(x, ic), Strided::transposed(w, ic));
+    // (n, ic) @ (ic, oc) -> (n, oc), into columns col0.. of y
+    gemm_into(n, oc, ic, buf, col0, rs, accumulate, xv, wt, alpha, parallelism(false).with(ops));
+}
+
+/// `y (+)= b` on every row: `y` `[n, oc]`, `b` `[oc]`.
+pub fn add_bias(y: &mut [f32], b: &[f32]) {
+    assert!(!b.is_empty() && y.len().is_multiple_of(b.len()), "add_bias: rows of {} do not tile {}", b.len(), y.len());
+    y.par_chunks_mut(b.len()).for_each(|row| row.iter_mut().zip(b).for_each(|(o, b)| *o += b));
+}
+
+/// Input gradient of [`linear_forward`]: `dx[n, ic] (+)= alpha · dy · w`.
+pub fn linear_backward_input(dx: &mut [f32], accumulate: bool, dy: Strided<'_>, w: &[f32], s: LinearShape) {
+    let LinearShape { n, ic, oc, alpha, ops } = s;
+    assert_len("linear_backward_input", "dx", dx.len(), &[n, ic]);
+    assert_len("linear_backward_input", "w", w.len(), &[oc, ic]);
+    // (n, oc) @ (oc, ic) -> (n, ic)
+    gemm_into(n, ic, oc, dx, 0, ic, accumulate, dy, Strided::rows(w, ic), alpha, parallelism(false).with(ops));
+}
+
+/// Weight gradient of [`linear_forward`]: `dw[oc, ic] (+)= alpha · dyᵀ · x`
+/// (skipped when `dw` is `None`: a frozen weight).
+pub fn linear_backward_weight(dw: Option<ParamGrad<'_>>, dy: Strided<'_>, x: &[f32], s: LinearShape) {
+    let LinearShape { n, ic, oc, alpha, ops } = s;
+    let Some(ParamGrad { buf: dw, accumulate }) = dw else { return };
+    assert_len("linear_backward_weight", "dw", dw.len(), &[oc, ic]);
+    assert_len("linear_backward_weight", "x", x.len(), &[n, ic]);
+    // (oc, n) @ (n, ic) -> (oc, ic)
+    gemm_into(oc, ic, n, dw, 0, ic, accumulate, dy.t(), Strided::rows(x, ic), alpha, parallelism(false).with(ops));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn linear_forward_rejects_columns_past_the_row() {
+        let bad = std::panic::catch_unwind(|| {
+            let mut y = [0.0; 4];
+            let s = LinearShape::new(1, 2, 2, Operands::F32);
+            linear_forward(Cols { buf: &mut y, col0: 1, rs: 2 }, false, &[0.0; 2], &[0.0; 4], s)
+        });
+        assert!(bad.is_err(), "columns past the row");
+    }
+}

@@ -1,0 +1,57 @@
+//! The LM head's fused softmax cross-entropy.
+
+use crate::act::fast_exp;
+use multiversion::multiversion;
+use rayon::prelude::*;
+
+/// Fused softmax + cross-entropy over rows of `v` logits. Writes each row's
+/// loss (0 for ignored targets, `target < 0`) into `losses`. With
+/// `grad_scale = Some(s)` the logits are overwritten by
+/// `s · (softmax − onehot)` (zero rows for ignored targets).
+pub fn softmax_cross_entropy(
+    logits: &mut [f32],
+    losses: &mut [f32],
+    targets: &[i32],
+    v: usize,
+    grad_scale: Option<f32>,
+) {
+    logits.par_chunks_mut(v).zip(losses.par_iter_mut()).zip(targets.par_iter()).for_each(|((row, loss), &tgt)| {
+        if tgt < 0 {
+            *loss = 0.0;
+            if grad_scale.is_some() {
+                row.fill(0.0);
+            }
+            return;
+        }
+        *loss = cross_entropy_row(row, tgt as usize, grad_scale);
+    });
+}
+
+/// One row of [`softmax_cross_entropy`]: the loss, and with a gradient
+/// scale the row overwritten by its gradient. The exponentials are computed
+/// in place first (vectorised) and summed in index order.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
+fn cross_entropy_row(row: &mut [f32], tgt: usize, grad_scale: Option<f32>) -> f32 {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    let logit = row[tgt];
+    match grad_scale {
+        None => {
+            let sum = row.iter().fold(0.0f32, |acc, &x| acc + fast_exp(x - max));
+            sum.ln() - (logit - max)
+        }
+        Some(s) => {
+            row.iter_mut().for_each(|x| *x = fast_exp(*x - max));
+            let sum = row.iter().fold(0.0f32, |acc, &x| acc + x);
+            let inv = 1.0 / sum;
+            row.iter_mut().for_each(|x| *x = s * *x * inv);
+            row[tgt] -= s;
+            sum.ln() - (logit - max)
+        }
+    }
+}
+
+/// The per-row losses of the first `n` rows summed in row order (f64,
+/// deterministic).
+pub fn loss_sum(losses: &[f32], n: usize) -> f64 {
+    losses[..n].iter().map(|&l| l as f64).sum()
+}

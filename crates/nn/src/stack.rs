@@ -1,0 +1,324 @@
+//! The walk over a stack of blocks, written once for every family: one
+//! parameter segment per block, the saved activations of each block
+//! (16-bit under mixed precision), activation checkpointing (a recomputed
+//! block keeps its output only and is run again, in a slot of its own,
+//! just before its backward), the f16 rounding of activation gradients
+//! between blocks, and the sizes of all of it ([`StackSizes`]: the one
+//! definition that allocates the buffers and reports their bytes).
+//!
+//! A family supplies the block itself ([`Block`]) and lays out its saved
+//! tensors and working buffers by index. Working buffer 0 is the residual
+//! stream's gradient: on entry to a block's backward it holds the gradient
+//! of the block's output, on exit that of its input.
+
+use std::ops::Range;
+
+use engine::{Checkpointing, EngineError, ParamStore, Precision, SavedTensor, SegmentGrads, SegmentView};
+
+/// Index of the residual-gradient working buffer.
+pub const DRES: usize = 0;
+
+/// One block of a family, as the walk runs it.
+pub trait Block {
+    /// Forward of one block: on entry `x` holds its input, on exit its
+    /// output; every tensor the backward needs is kept in `sv`. `bufs` are
+    /// the working buffers, `extra` the family's additional forward
+    /// buffers ([`StackSizes::extra`]).
+    fn forward(&self, p: &[f32], x: &mut [f32], sv: &mut Saved, bufs: &mut [Vec<f32>], extra: &mut [Vec<f32>]);
+
+    /// Backward of one block: `bufs[DRES]` holds the gradient of its output
+    /// on entry and of its input on exit; parameter gradients go where the
+    /// store says (`grads`).
+    fn backward(&self, p: &[f32], grads: &mut SegmentGrads<'_>, saved: SavedView<'_>, bufs: &mut [Vec<f32>]);
+}
+
+/// What one block's forward keeps for its backward.
+#[derive(Debug, Default)]
+pub struct Saved {
+    /// Tensors in the storage precision, by the family's indices.
+    pub large: Vec<SavedTensor>,
+    /// Per-row statistics (norms), always f32.
+    pub stats: Vec<Vec<f32>>,
+}
+
+impl Saved {
+    fn new(s: &StackSizes) -> Self {
+        Saved {
+            large: s.large.iter().map(|&n| SavedTensor::new(s.precision, len(n))).collect(),
+            stats: s.stats.iter().map(|&n| zeros(n)).collect(),
+        }
+    }
+
+    /// What a recomputed block keeps: its output alone (the next block's input).
+    fn output_only(s: &StackSizes) -> Self {
+        let mut large: Vec<SavedTensor> = s.large.iter().map(|_| SavedTensor::default()).collect();
+        large[s.output] = SavedTensor::new(s.precision, len(s.large[s.output]));
+        Saved { large, stats: s.stats.iter().map(|_| Vec::new()).collect() }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.large.iter().map(SavedTensor::bytes).sum::<usize>() + 4 * self.stats.iter().map(Vec::len).sum::<usize>()
+    }
+}
+
+/// Where a block's backward reads what its forward saved: each tensor as
+/// f32, directly or decoded into a staging buffer just before use.
+pub struct SavedView<'a> {
+    /// The block's saved tensors.
+    pub sv: &'a Saved,
+    /// The block's input.
+    x: &'a SavedTensor,
+    staging: &'a mut [Vec<f32>],
+    prec: Precision,
+}
+
+impl SavedView<'_> {
+    /// Saved tensor `k` as f32 (decoded into staging buffer 0).
+    pub fn get(&mut self, k: usize) -> &[f32] {
+        self.sv.large[k].read(self.prec, &mut self.staging[0])
+    }
+
+    /// Saved tensors `a.0` and `b.0` together, decoded into staging buffers
+    /// `a.1` and `b.1` (different).
+    pub fn pair(&mut self, a: (usize, usize), b: (usize, usize)) -> (&[f32], &[f32]) {
+        assert!(a.1 < b.1, "staging buffers must differ and come in order");
+        let (lo, hi) = self.staging.split_at_mut(b.1);
+        (self.sv.large[a.0].read(self.prec, &mut lo[a.1]), self.sv.large[b.0].read(self.prec, &mut hi[0]))
+    }
+
+    /// The block's input (decoded into staging buffer 0).
+    pub fn input(&mut self) -> &[f32] {
+        self.x.read(self.prec, &mut self.staging[0])
+    }
+
+    /// The storage precision.
+    pub fn precision(&self) -> Precision {
+        self.prec
+    }
+}
+
+/// Element counts of every buffer of a [`Stack`], from the shape of one
+/// call (rows, sequence length), the storage precision and checkpointing:
+/// what [`Stack::new`] allocates and what [`StackSizes::bytes`] reports.
+/// Counts are `u128` so planning shapes far beyond this machine never
+/// overflows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StackSizes {
+    /// Storage precision of saved tensors.
+    pub precision: Precision,
+    /// Which blocks are recomputed.
+    pub checkpointing: Checkpointing,
+    /// Blocks with a slot of saved tensors: every block for training, one
+    /// for a forward-only pass.
+    pub n_slots: usize,
+    /// One block's saved tensors (storage precision), by the family's indices.
+    pub large: Vec<u128>,
+    /// Index in `large` of the block's output.
+    pub output: usize,
+    /// One block's saved per-row statistics (f32).
+    pub stats: Vec<u128>,
+    /// The residual stream `[n, C]`: its buffer, and the embeddings' saved output.
+    pub x: u128,
+    /// Working buffers (f32), shared by the forward and the backward;
+    /// buffer [`DRES`] is the residual gradient.
+    pub bufs: Vec<u128>,
+    /// Staging buffers (f32) for decoding 16-bit saved tensors (and the
+    /// forward's extra buffers outside the recompute slot).
+    pub staging: Vec<u128>,
+    /// The forward's extra buffers (f32) inside the recompute slot.
+    pub extra: Vec<u128>,
+}
+
+/// `n` as a length (a shape that does not fit `usize` cannot be allocated
+/// anyway: the allocation fails as it would for `usize::MAX`).
+fn len(n: u128) -> usize {
+    usize::try_from(n).unwrap_or(usize::MAX)
+}
+
+/// `n` zeros: a buffer of a size counted in `u128` (see [`StackSizes`]).
+pub fn zeros(n: u128) -> Vec<f32> {
+    vec![0.0; len(n)]
+}
+
+impl StackSizes {
+    fn n_recomputed(&self) -> u128 {
+        (0..self.n_slots).filter(|&i| self.checkpointing.recomputes(i)).count() as u128
+    }
+
+    fn block_bytes(&self) -> u128 {
+        self.precision.bytes() as u128 * self.large.iter().sum::<u128>() + 4 * self.stats.iter().sum::<u128>()
+    }
+
+    /// Bytes of the saved activations: every slot (a recomputed block's
+    /// output only), the recompute slot's tensors and the embeddings' output.
+    pub fn saved_bytes(&self) -> u128 {
+        let elem = self.precision.bytes() as u128;
+        let n_rc = self.n_recomputed();
+        let slots = (self.n_slots as u128 - n_rc) * self.block_bytes() + n_rc * elem * self.large[self.output];
+        let slot = if self.checkpointing.is_on() { self.block_bytes() } else { 0 };
+        slots + slot + elem * self.x
+    }
+
+    /// Bytes of everything [`Stack::new`] allocates.
+    pub fn bytes(&self) -> u128 {
+        let sum = |v: &[u128]| v.iter().sum::<u128>();
+        let slot = if self.checkpointing.is_on() { sum(&self.bufs) + sum(&self.extra) + self.x } else { 0 };
+        self.saved_bytes() + 4 * (self.x + sum(&self.staging) + sum(&self.bufs) + slot)
+    }
+}
+
+/// One block's activations, recomputed just before its backward, with
+/// working buffers of its own (the backward's are busy then).
+#[derive(Debug)]
+struct Recompute {
+    sv: Saved,
+    bufs: Vec<Vec<f32>>,
+    extra: Vec<Vec<f32>>,
+    /// The block's input (then its output).
+    x: Vec<f32>,
+}
+
+/// The activations of a stack of blocks for one (B, T).
+#[derive(Debug, Default)]
+pub struct Stack {
+    precision: Precision,
+    checkpointing: Checkpointing,
+    /// Index of a block's output among its saved tensors.
+    output: usize,
+    /// One slot per block for training; forward-only passes use slot 0.
+    saved: Vec<Saved>,
+    /// The embeddings' output (block 0's input).
+    embed: SavedTensor,
+    /// The residual stream entering the current block; after the forward,
+    /// the last block's output.
+    pub x: Vec<f32>,
+    staging: Vec<Vec<f32>>,
+    /// The working buffers (buffer [`DRES`]: the residual gradient).
+    pub bufs: Vec<Vec<f32>>,
+    recompute: Option<Recompute>,
+}
+
+impl Stack {
+    /// Allocates every buffer `s` describes.
+    pub fn new(s: &StackSizes) -> Self {
+        let f32s = |v: &[u128]| v.iter().map(|&n| zeros(n)).collect::<Vec<_>>();
+        let ck = s.checkpointing;
+        Stack {
+            precision: s.precision,
+            checkpointing: ck,
+            output: s.output,
+            saved: (0..s.n_slots)
+                .map(|i| if ck.recomputes(i) { Saved::output_only(s) } else { Saved::new(s) })
+                .collect(),
+            embed: SavedTensor::new(s.precision, len(s.x)),
+            x: zeros(s.x),
+            staging: f32s(&s.staging),
+            bufs: f32s(&s.bufs),
+            recompute: ck.is_on().then(|| Recompute {
+                sv: Saved::new(s),
+                bufs: f32s(&s.bufs),
+                extra: f32s(&s.extra),
+                x: zeros(s.x),
+            }),
+        }
+    }
+
+    /// Blocks with a slot of their own.
+    pub fn n_slots(&self) -> usize {
+        self.saved.len()
+    }
+
+    /// Bytes of the saved activations (every slot, the recompute slot's
+    /// tensors and the embeddings' output).
+    pub fn saved_bytes(&self) -> usize {
+        self.saved.iter().map(Saved::bytes).sum::<usize>()
+            + self.embed.bytes()
+            + self.recompute.as_ref().map_or(0, |r| r.sv.bytes())
+    }
+
+    /// Bytes held (activations and working buffers).
+    pub fn bytes(&self) -> usize {
+        let sum = |v: &[Vec<f32>]| v.iter().map(Vec::len).sum::<usize>();
+        let slot = self.recompute.as_ref().map_or(0, |r| sum(&r.bufs) + sum(&r.extra) + r.x.len());
+        self.saved_bytes() + 4 * (self.x.len() + sum(&self.staging) + sum(&self.bufs) + slot)
+    }
+
+    /// Keeps the embeddings' output, now in [`Stack::x`], as block 0's input
+    /// (rounded to the storage precision in place).
+    pub fn keep_embedding(&mut self) {
+        self.embed.keep_copy(&mut self.x, self.precision);
+    }
+
+    /// Forward through one block per segment of `segs` (block `i` in
+    /// segment `segs.start + i`) on [`Stack::x`]. `keep_all`: a training
+    /// pass, each block keeping its tensors in its own slot (a recomputed
+    /// block its output only, its tensors going to the recompute slot);
+    /// otherwise a forward-only pass, in which one slot serves every block.
+    pub fn forward(
+        &mut self,
+        block: &impl Block,
+        store: &mut dyn ParamStore,
+        segs: Range<usize>,
+        keep_all: bool,
+    ) -> Result<(), EngineError> {
+        for (idx, seg) in segs.enumerate() {
+            let view = store.segment(seg)?;
+            let recomputed = !keep_all || self.checkpointing.recomputes(idx);
+            match self.recompute.as_mut().filter(|_| recomputed) {
+                Some(rc) => {
+                    block.forward(view.params, &mut self.x, &mut rc.sv, &mut self.bufs, &mut self.staging);
+                    if keep_all {
+                        std::mem::swap(&mut rc.sv.large[self.output], &mut self.saved[idx].large[self.output]);
+                    }
+                }
+                None => {
+                    let sv = &mut self.saved[if keep_all { idx } else { 0 }];
+                    block.forward(view.params, &mut self.x, sv, &mut self.bufs, &mut self.staging);
+                }
+            }
+            store.done(seg, false)?;
+        }
+        Ok(())
+    }
+
+    /// Backward through the blocks of a training [`Stack::forward`] over
+    /// `segs`, last block first: `bufs[DRES]` holds the gradient of the last
+    /// block's output on entry and of block 0's input on exit. A recomputed
+    /// block runs its forward again first, on its saved input, with the
+    /// same kernels (so its gradients are bit-identical). Under f16 the
+    /// activation gradient is rounded to f16 between blocks.
+    pub fn backward(
+        &mut self,
+        block: &impl Block,
+        store: &mut dyn ParamStore,
+        segs: Range<usize>,
+    ) -> Result<(), EngineError> {
+        let prec = self.precision;
+        for (idx, seg) in segs.enumerate().rev() {
+            if prec == Precision::F16 {
+                prec.round(&mut self.bufs[DRES]);
+            }
+            let SegmentView { params, mut grads } = store.segment(seg)?;
+            let x = if idx == 0 { &self.embed } else { &self.saved[idx - 1].large[self.output] };
+            let sv = match self.recompute.as_mut().filter(|_| self.checkpointing.recomputes(idx)) {
+                Some(rc) => {
+                    match x {
+                        SavedTensor::F32(v) => rc.x.copy_from_slice(v),
+                        SavedTensor::Low(v) => prec.decode(v, &mut rc.x),
+                    }
+                    block.forward(params, &mut rc.x, &mut rc.sv, &mut rc.bufs, &mut rc.extra);
+                    &rc.sv
+                }
+                None => &self.saved[idx],
+            };
+            let saved = SavedView { sv, x, staging: &mut self.staging, prec };
+            block.backward(params, &mut grads, saved, &mut self.bufs);
+            store.done(seg, true)?;
+        }
+        if prec == Precision::F16 {
+            prec.round(&mut self.bufs[DRES]);
+        }
+        Ok(())
+    }
+}
