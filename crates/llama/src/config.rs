@@ -330,22 +330,10 @@ impl LlamaConfig {
             return Err(LlamaError::config("config.json", "must be a JSON object"));
         }
         let get = |key: &str| v.get(key).filter(|x| !x.is_null());
-        // Qwen2 is Llama with q/k/v biases (and an optional sliding window).
-        let qwen2 = match get("model_type") {
-            None => false,
-            Some(mt) => match mt.as_str() {
-                Some("llama") => false,
-                Some("qwen2") => true,
-                _ => {
-                    return Err(LlamaError::unsupported(
-                        format!("model_type = {mt}"),
-                        "only \"llama\" and \"qwen2\" are supported",
-                    ))
-                }
-            },
-        };
-        if qwen2 && get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
-            return Err(LlamaError::unsupported("use_sliding_window = true", "only full attention is supported"));
+        if let Some(mt) = get("model_type") {
+            if mt.as_str() != Some("llama") {
+                return Err(LlamaError::unsupported(format!("model_type = {mt}"), "only \"llama\" is supported"));
+            }
         }
         if let Some(act) = get("hidden_act") {
             if act.as_str() != Some("silu") {
@@ -359,12 +347,17 @@ impl LlamaConfig {
                 }
             }
         }
-        let attention_bias = match get("attention_bias") {
-            None => qwen2,
-            Some(b) => b
-                .as_bool()
-                .ok_or_else(|| LlamaError::config("attention_bias", format!("must be true or false, got {b}")))?,
-        };
+        // transformers' Llama with attention_bias has an o_proj bias too,
+        // which this block has not (q/k/v biases come with a family whose
+        // config.json means only those, e.g. Qwen2's, which sets them).
+        if let Some(b) = get("attention_bias") {
+            if b.as_bool() != Some(false) {
+                return Err(LlamaError::unsupported(
+                    format!("attention_bias = {b}"),
+                    "Llama's attention_bias puts a bias on o_proj too, which is not implemented; only false is supported",
+                ));
+            }
+        }
         let rope_params = get("rope_parameters");
         let rope_scaling = match (get("rope_scaling"), rope_params) {
             (Some(s), _) => RopeScaling::from_hf_json(s, "rope_scaling")?,
@@ -427,7 +420,7 @@ impl LlamaConfig {
             },
             bos_token_id: get("bos_token_id").map(|x| token(x, "bos_token_id")).transpose()?,
             eos_token_id,
-            attention_bias,
+            attention_bias: false,
             rope_scaling,
         };
         cfg.validate()?;
@@ -550,8 +543,9 @@ mod tests {
         assert!(LlamaConfig::preset("huge").unwrap_err().to_string().contains("smollm2-135m"));
     }
 
-    /// Qwen2-style q/k/v biases and Llama 3 RoPE scaling are read from
-    /// and written to config.json (both transformers spellings).
+    /// Llama 3 RoPE scaling is read from and written to config.json (both
+    /// transformers spellings); q/k/v biases count as parameters, but a
+    /// Llama config.json with attention_bias (o_proj's bias too) is refused.
     #[test]
     fn attention_bias_and_llama3_rope_scaling_round_trip() {
         let scaling = RopeScaling {
@@ -560,29 +554,25 @@ mod tests {
             high_freq_factor: 4.0,
             original_max_position_embeddings: 8192,
         };
-        let cfg =
-            LlamaConfig { attention_bias: true, rope_scaling: Some(scaling), ..LlamaConfig::preset("tiny").unwrap() };
-        let json = cfg.to_hf_json();
-        assert_eq!(json["attention_bias"], true);
+        let plain_scaled = LlamaConfig { rope_scaling: Some(scaling), ..LlamaConfig::preset("tiny").unwrap() };
+        let json = plain_scaled.to_hf_json();
+        assert_eq!(json["attention_bias"], false);
         assert_eq!(json["rope_scaling"]["rope_type"], "llama3");
         assert_eq!(json["rope_parameters"]["original_max_position_embeddings"], 8192);
-        assert_eq!(LlamaConfig::from_hf_json(&json).unwrap(), cfg);
+        assert_eq!(LlamaConfig::from_hf_json(&json).unwrap(), plain_scaled);
         // transformers 5 writes the scaling into rope_parameters only.
         let mut v5 = json.clone();
         v5.as_object_mut().unwrap().remove("rope_scaling");
-        assert_eq!(LlamaConfig::from_hf_json(&v5).unwrap(), cfg);
+        assert_eq!(LlamaConfig::from_hf_json(&v5).unwrap(), plain_scaled);
         // transformers 4's older spelling: "type" instead of "rope_type".
         let mut v4 = json.clone();
         v4["rope_scaling"] = serde_json::json!({"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
-        assert_eq!(LlamaConfig::from_hf_json(&v4).unwrap(), cfg);
-        // Qwen2's config.json: q/k/v biases without an attention_bias key.
-        let mut qwen2 = v5.clone();
-        qwen2["model_type"] = "qwen2".into();
-        qwen2.as_object_mut().unwrap().remove("attention_bias");
-        assert_eq!(LlamaConfig::from_hf_json(&qwen2).unwrap(), cfg);
-        qwen2["use_sliding_window"] = true.into();
-        assert!(LlamaConfig::from_hf_json(&qwen2).unwrap_err().to_string().contains("use_sliding_window"));
+        assert_eq!(LlamaConfig::from_hf_json(&v4).unwrap(), plain_scaled);
+        let mut biased = json.clone();
+        biased["attention_bias"] = true.into();
+        assert!(LlamaConfig::from_hf_json(&biased).unwrap_err().to_string().contains("o_proj"));
+        let cfg = LlamaConfig { attention_bias: true, ..plain_scaled };
         // The biases count: q (C) + k, v (kv_dim each) per layer.
         let plain = LlamaConfig::preset("tiny").unwrap();
         assert_eq!(cfg.n_params() - plain.n_params(), plain.n_layer * (plain.q_dim() + 2 * plain.kv_dim()));

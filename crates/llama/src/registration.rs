@@ -175,6 +175,9 @@ struct Section {
     rms_norm_eps: Option<f64>,
     bos_token_id: Option<u32>,
     eos_token_id: Option<Vec<u32>>,
+    /// Llama 3's RoPE scaling (an inline table: factor, low_freq_factor,
+    /// high_freq_factor, original_max_position_embeddings).
+    rope_scaling: Option<crate::config::RopeScaling>,
 }
 
 const KEYS: &[&str] = &[
@@ -190,6 +193,7 @@ const KEYS: &[&str] = &[
     "rms_norm_eps",
     "bos_token_id",
     "eos_token_id",
+    "rope_scaling",
 ];
 
 /// A family on the Llama block at one shape, optionally with LoRA adapters
@@ -242,6 +246,7 @@ impl LlamaFamily {
             tie_word_embeddings: s.tie_word_embeddings.unwrap_or(base.tie_word_embeddings),
             bos_token_id: s.bos_token_id.or(base.bos_token_id),
             eos_token_id: s.eos_token_id.unwrap_or(base.eos_token_id),
+            rope_scaling: s.rope_scaling.or(base.rope_scaling),
             ..base
         };
         cfg.validate()?;
@@ -372,6 +377,7 @@ impl Family for LlamaFamily {
             rms_norm_eps: Some(c.rms_norm_eps),
             bos_token_id: c.bos_token_id,
             eos_token_id: Some(c.eos_token_id.clone()),
+            rope_scaling: c.rope_scaling,
         };
         family::pin_section(m, self.dialect.family(), &s);
     }
@@ -397,8 +403,14 @@ mod tests {
         let mut m = ModelConfig { family: "llama".into(), preset: "tiny".into(), ..ModelConfig::default() };
         m.shape.insert("n_layer".into(), toml::Value::Integer(3));
         m.shape.insert("rope_theta".into(), toml::Value::Integer(500000));
+        let scaling: toml::Table = toml::from_str(
+            "factor = 8\nlow_freq_factor = 1\nhigh_freq_factor = 4\noriginal_max_position_embeddings = 64",
+        )
+        .unwrap_or_default();
+        m.shape.insert("rope_scaling".into(), toml::Value::Table(scaling));
         let f = LlamaFamily::from_config(&LLAMA, &m, None).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!((f.cfg.n_layer, f.cfg.rope_theta), (3, 500000.0));
+        assert_eq!(f.cfg.rope_scaling.map(|s| (s.factor, s.original_max_position_embeddings)), Some((8.0, 64)));
         // (Pinned onto the same preset: a preset's bos_token_id shows through
         // a pinned shape without one, as `[model]` cannot write "none".)
         let mut pinned = ModelConfig { preset: "tiny".into(), ..ModelConfig::default() };

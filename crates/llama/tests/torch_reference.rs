@@ -1,5 +1,5 @@
-//! Logits, loss and every gradient against transformers' LlamaForCausalLM,
-//! Qwen2ForCausalLM and PEFT's LoRA on the same weights and batch (fixtures made by
+//! Logits, loss and every gradient against transformers' LlamaForCausalLM
+//! and PEFT's LoRA on the same weights and batch (fixtures made by
 //! tests/fixtures/make_fixtures.py; its docstring has the command).
 //!
 //! Tolerances: both sides compute in f32 with different summation orders
@@ -11,40 +11,10 @@
 //! head grouping or scale changes values at the 1e-1 level).
 
 mod common;
-use common::{batch, fixture, grads_by_name, loss_and_grad, reference, rel_err};
+use common::{batch, compare, fixture, loss_and_grad, reference, rel_err, TOL};
 use engine::Model;
 use engine::Precision;
 use llama::{hf, lora, Llama};
-
-const TOL: f32 = 1e-5;
-
-/// Compares logits, mean loss and every trainable gradient of `model` with
-/// fixture `name`'s reference; returns the largest relative error seen.
-fn compare(name: &str, model: &mut Llama, params: &[f32]) -> f32 {
-    let (want, b) = (reference(name), batch(name));
-    let logits = model.logits(params, &b).unwrap();
-    let mut worst = rel_err(&logits, &want["logits"]);
-    assert!(worst <= TOL, "{name}: logits differ by {worst:e} of their scale");
-    let (loss_sum, g) = loss_and_grad(model, params, &b);
-    let loss = loss_sum / b.n_targets() as f64;
-    let loss_err = ((loss - want["loss"][0] as f64) / want["loss"][0] as f64).abs() as f32;
-    assert!(loss_err <= TOL, "{name}: loss {loss} vs {} (relative {loss_err:e})", want["loss"][0]);
-    let mut n_grads = 0;
-    for (tensor, got) in grads_by_name(model, &g) {
-        let w = want.get(&format!("grad.{tensor}")).unwrap_or_else(|| panic!("{name}: no reference for {tensor}"));
-        let e = rel_err(got, w);
-        assert!(e <= TOL, "{name}: gradient of {tensor} differs by {e:e} of its scale");
-        worst = worst.max(e);
-        n_grads += 1;
-    }
-    assert_eq!(
-        n_grads,
-        want.keys().filter(|k| k.starts_with("grad.")).count(),
-        "{name}: every reference gradient compared"
-    );
-    println!("{name}: loss {loss:.7} (relative error {loss_err:.1e}); largest error of logits and {n_grads} gradients: {worst:.1e} of scale");
-    worst.max(loss_err)
-}
 
 #[test]
 fn untied_gqa_llama_matches_transformers() {
@@ -58,16 +28,6 @@ fn tied_llama_with_another_rope_theta_matches_transformers() {
     let (cfg, params) = hf::load(&fixture("tied")).unwrap();
     assert!(cfg.tie_word_embeddings && cfg.rope_theta == 500.0);
     compare("tied", &mut Llama::new(cfg).unwrap(), &params);
-}
-
-/// Qwen2's attention (q/k/v biases, no o_proj bias) with Llama 3 RoPE
-/// scaling whose bands all hold a frequency.
-#[test]
-fn qwen2_biases_with_llama3_rope_scaling_match_transformers() {
-    let (cfg, params) = hf::load(&fixture("qwen2")).unwrap();
-    let s = cfg.rope_scaling.expect("llama3 rope scaling");
-    assert!(cfg.attention_bias && s.factor == 4.0 && s.original_max_position_embeddings == 64);
-    compare("qwen2", &mut Llama::new(cfg).unwrap(), &params);
 }
 
 #[test]

@@ -75,3 +75,34 @@ pub fn grads_by_name<'a>(model: &Llama, g: &'a [f32]) -> Vec<(String, &'a [f32])
         })
         .collect()
 }
+
+/// The tolerance of the reference comparisons (the test files' headers say why).
+pub const TOL: f32 = 1e-5;
+
+/// Compares logits, mean loss and every trainable gradient of `model` with
+/// fixture `name`'s reference; returns the largest relative error seen.
+pub fn compare(name: &str, model: &mut Llama, params: &[f32]) -> f32 {
+    let (want, b) = (reference(name), batch(name));
+    let logits = model.logits(params, &b).unwrap();
+    let mut worst = rel_err(&logits, &want["logits"]);
+    assert!(worst <= TOL, "{name}: logits differ by {worst:e} of their scale");
+    let (loss_sum, g) = loss_and_grad(model, params, &b);
+    let loss = loss_sum / b.n_targets() as f64;
+    let loss_err = ((loss - want["loss"][0] as f64) / want["loss"][0] as f64).abs() as f32;
+    assert!(loss_err <= TOL, "{name}: loss {loss} vs {} (relative {loss_err:e})", want["loss"][0]);
+    let mut n_grads = 0;
+    for (tensor, got) in grads_by_name(model, &g) {
+        let w = want.get(&format!("grad.{tensor}")).unwrap_or_else(|| panic!("{name}: no reference for {tensor}"));
+        let e = rel_err(got, w);
+        assert!(e <= TOL, "{name}: gradient of {tensor} differs by {e:e} of its scale");
+        worst = worst.max(e);
+        n_grads += 1;
+    }
+    assert_eq!(
+        n_grads,
+        want.keys().filter(|k| k.starts_with("grad.")).count(),
+        "{name}: every reference gradient compared"
+    );
+    println!("{name}: loss {loss:.7} (relative error {loss_err:.1e}); largest error of logits and {n_grads} gradients: {worst:.1e} of scale");
+    worst.max(loss_err)
+}
