@@ -1,0 +1,156 @@
+//! Qwen2 (Qwen2, Qwen2.5 and their fine-tunes): the Llama block — RMSNorm,
+//! rotary embeddings, grouped-query attention, SwiGLU — with biases on the
+//! q, k and v projections (none on o_proj or the MLP), θ = 10⁶, a tied head
+//! for the small shapes and an untied one for 7B. transformers' `Qwen2Model`
+//! is Llama's with those biases, and so is this crate: it declares the
+//! block's options, the presets and the `config.json` dialect
+//! (`model_type: "qwen2"`, `Qwen2ForCausalLM`), and registers as
+//! [`FAMILY`]. The model, its files, LoRA adapters and the kernels are the
+//! `llama` crate's and `nn`'s.
+
+use family::Result;
+use llama::{Dialect, LlamaConfig, Registered};
+use serde_json::Value;
+
+/// Qwen2's `config.json` dialect and presets.
+#[derive(Debug)]
+pub struct Qwen2Dialect;
+
+/// The dialect.
+pub static QWEN2: Qwen2Dialect = Qwen2Dialect;
+
+/// Qwen2's registration: `model.family = "qwen2"`, `model_type: "qwen2"`.
+pub static FAMILY: Registered = Registered(&QWEN2);
+
+/// The presets: `tiny` for tests and the released shapes for planning.
+pub const PRESETS: &[&str] = &["tiny", "qwen2-0.5b", "qwen2-1.5b", "qwen2-7b"];
+
+/// Keys of Qwen2's `config.json` that the Llama reader does not know:
+/// sliding-window attention, which must be off (every layer full attention).
+const SLIDING_KEYS: [&str; 4] = ["use_sliding_window", "sliding_window", "max_window_layers", "layer_types"];
+
+/// The Llama block as Qwen2 uses it: q/k/v biases.
+fn qwen2_block(cfg: LlamaConfig) -> LlamaConfig {
+    LlamaConfig { attention_bias: true, ..cfg }
+}
+
+impl Dialect for Qwen2Dialect {
+    fn family(&self) -> &'static str {
+        "qwen2"
+    }
+
+    fn name(&self) -> &'static str {
+        "Qwen2"
+    }
+
+    fn presets(&self) -> &'static [&'static str] {
+        PRESETS
+    }
+
+    fn preset(&self, name: &str) -> Result<LlamaConfig> {
+        // (vocab, hidden, intermediate, layers, heads, kv heads, context, tied, bos/eos),
+        // from the released models' config.json files.
+        let (vocab_size, hidden_size, intermediate_size, n_layer, n_head, n_kv_head, ctx, tied, special) = match name {
+            "tiny" => (256, 64, 176, 2, 4, 2, 256, true, None),
+            "qwen2-0.5b" => (151936, 896, 4864, 24, 14, 2, 32768, true, Some(151643)),
+            "qwen2-1.5b" => (151936, 1536, 8960, 28, 12, 2, 32768, true, Some(151643)),
+            "qwen2-7b" => (152064, 3584, 18944, 28, 28, 4, 131072, false, Some(151643)),
+            other => {
+                return Err(format!("`{other}` is not a qwen2 preset; choose one of {}", PRESETS.join(", ")).into())
+            }
+        };
+        let cfg = qwen2_block(LlamaConfig {
+            head_dim: hidden_size / n_head,
+            vocab_size,
+            hidden_size,
+            intermediate_size,
+            n_layer,
+            n_head,
+            n_kv_head,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1e6,
+            max_position_embeddings: ctx,
+            tie_word_embeddings: tied,
+            bos_token_id: special,
+            eos_token_id: special.into_iter().collect(),
+            // The remaining options (RoPE scaling) as plain Llama's.
+            ..LlamaConfig::preset("tiny")?
+        });
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reads transformers' `Qwen2Config`: the Llama keys, with the q/k/v
+    /// biases implied and sliding-window attention refused (not implemented:
+    /// a model that uses it would compute something else).
+    fn parse_hf_json(&self, v: &Value) -> Result<LlamaConfig> {
+        let Some(o) = v.as_object() else { return Err("config.json must be a JSON object".into()) };
+        if let Some(mt) = o.get("model_type").filter(|m| m.as_str() != Some("qwen2")) {
+            return Err(format!("model_type = {mt} is not \"qwen2\"").into());
+        }
+        if o.get("use_sliding_window").is_some_and(|u| u.as_bool() != Some(false)) {
+            return Err("use_sliding_window must be false: sliding-window attention is not implemented".into());
+        }
+        if let Some(layers) = o.get("layer_types").and_then(Value::as_array) {
+            if let Some(l) = layers.iter().find(|l| l.as_str() != Some("full_attention")) {
+                return Err(format!("layer_types holds {l}: only full_attention layers are implemented").into());
+            }
+        }
+        let mut as_llama = o.clone();
+        for k in SLIDING_KEYS {
+            as_llama.remove(k);
+        }
+        as_llama.insert("model_type".into(), Value::from("llama"));
+        as_llama.remove("architectures");
+        let cfg = LlamaConfig::from_hf_json(&Value::Object(as_llama))
+            .map_err(|e| format!("Qwen2 config.json (read as the Llama block with q/k/v biases): {e}"))?;
+        Ok(qwen2_block(cfg))
+    }
+
+    /// transformers' `Qwen2Config` for `Qwen2ForCausalLM`.
+    fn hf_json(&self, cfg: &LlamaConfig) -> Value {
+        let mut v = LlamaConfig { attention_bias: false, ..cfg.clone() }.to_hf_json();
+        if let Some(o) = v.as_object_mut() {
+            for k in ["attention_bias", "mlp_bias", "pretraining_tp", "head_dim"] {
+                o.remove(k);
+            }
+            o.insert("architectures".into(), serde_json::json!(["Qwen2ForCausalLM"]));
+            o.insert("model_type".into(), Value::from("qwen2"));
+            o.insert("use_sliding_window".into(), Value::Bool(false));
+            o.insert("sliding_window".into(), Value::Null);
+            o.insert("max_window_layers".into(), Value::from(cfg.n_layer));
+            o.insert("layer_types".into(), Value::from(vec!["full_attention"; cfg.n_layer]));
+        }
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_have_the_released_parameter_counts() {
+        // Qwen2's model cards: 0.49B, 1.54B, 7.62B parameters (biases included).
+        for (name, want) in [("qwen2-0.5b", 494_032_768u64), ("qwen2-1.5b", 1_543_714_304), ("qwen2-7b", 7_615_616_512)]
+        {
+            let cfg = QWEN2.preset(name).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(cfg.n_params() as u64, want, "{name}");
+        }
+    }
+
+    #[test]
+    fn config_json_round_trips_and_refuses_sliding_windows() {
+        let cfg = QWEN2.preset("qwen2-7b").unwrap_or_else(|e| panic!("{e}"));
+        let json = QWEN2.hf_json(&cfg);
+        assert_eq!(json["model_type"], "qwen2");
+        assert_eq!(QWEN2.parse_hf_json(&json).unwrap_or_else(|e| panic!("{e}")), cfg);
+        let mut sliding = json.clone();
+        sliding["use_sliding_window"] = Value::Bool(true);
+        let e = QWEN2.parse_hf_json(&sliding).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("use_sliding_window"), "{e}");
+        let mut llama = json;
+        llama["model_type"] = Value::from("llama");
+        assert!(QWEN2.parse_hf_json(&llama).is_err());
+    }
+}
