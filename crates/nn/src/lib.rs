@@ -22,6 +22,8 @@
 //! attention options its block composes, its parameter names and layout,
 //! its Hugging Face config mapping and presets.
 
+#![warn(missing_docs)]
+
 pub mod act;
 pub mod attention;
 pub mod embed;
@@ -36,7 +38,7 @@ pub mod stack;
 
 pub use grad::ParamGrad;
 /// The GEMM every kernel runs on (`linalg`), re-exported for the families.
-pub use linalg::{gemm_into, parallelism, Operands, Par, Strided};
+pub use linalg::{gemm_into, parallelism, GemmDims, GemmOut, Operands, Par, Strided};
 
 /// The GEMM operands a training precision asks for: bf16 in `bf16` mode, f32
 /// otherwise (f16 mode computes in f32: no f16 dot-product instructions are
