@@ -43,13 +43,9 @@ fn main() {
             // Interleaved, so both see the same machine noise.
             let t = Instant::now();
             nn::gemm_into(
-                m,
-                n,
-                k,
+                nn::GemmDims { m, n, k },
                 &mut c,
-                0,
-                n,
-                false,
+                nn::GemmOut { offset: 0, rs: n, accumulate: false },
                 nn::Strided::rows(&a, k),
                 nn::Strided::rows(&b, n),
                 1.0,

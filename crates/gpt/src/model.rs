@@ -17,7 +17,7 @@ use engine::{
 use nn::grad::param_grad;
 use nn::norm::{layernorm_backward, layernorm_forward, NormSaved};
 use nn::stack::{Stack, DRES};
-use nn::{gemm_into, Strided};
+use nn::{gemm_into, GemmDims, GemmOut, Strided};
 use std::ops::Range;
 
 pub use engine::batch::{TokenBatch as Batch, IGNORE_INDEX};
@@ -191,13 +191,9 @@ impl Gpt {
         // (B*T, C) @ (C, V) -> (B*T, V)
         let seg = store.segment(0)?;
         gemm_into(
-            n,
-            v,
-            c,
+            GemmDims { m: n, n: v, k: c },
             &mut self.acts.logits,
-            0,
-            v,
-            false,
+            GemmOut { offset: 0, rs: v, accumulate: false },
             Strided::rows(&self.acts.lnf, c),
             Strided::transposed(&seg.params[wte], c),
             1.0,
@@ -224,13 +220,9 @@ impl Gpt {
             let acts = &mut self.acts;
             // dlnf = dlogits · wte: (B*T, V) @ (V, C) -> (B*T, C)
             gemm_into(
-                n,
-                c,
-                v,
+                GemmDims { m: n, n: c, k: v },
                 &mut acts.stack.bufs[DC],
-                0,
-                c,
-                false,
+                GemmOut { offset: 0, rs: c, accumulate: false },
                 Strided::rows(&acts.logits, v),
                 Strided::rows(&params[wte.clone()], c),
                 1.0,
@@ -239,13 +231,9 @@ impl Gpt {
             // dwte (+)= dlogitsᵀ · lnf: (V, B*T) @ (B*T, C) -> (V, C)
             if let Some(g) = grads.tensor(wte.clone()) {
                 gemm_into(
-                    v,
-                    c,
-                    n,
+                    GemmDims { m: v, n: c, k: n },
                     g.buf,
-                    0,
-                    c,
-                    g.accumulate,
+                    GemmOut { offset: 0, rs: c, accumulate: g.accumulate },
                     Strided::transposed(&acts.logits, v),
                     Strided::rows(&acts.lnf, c),
                     1.0,

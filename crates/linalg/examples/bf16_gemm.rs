@@ -5,7 +5,7 @@
 //! keeps the shapes whose name contains it; the last argument runs one path
 //! only).
 
-use linalg::{gemm_into, Operands, Par, Strided};
+use linalg::{gemm_into, GemmDims, GemmOut, Operands, Par, Strided};
 use std::time::Instant;
 
 /// Operand layouts of `dst[m×n] = lhs[m×k] · rhs[k×n]`.
@@ -70,7 +70,15 @@ fn main() {
                     continue;
                 }
                 let start = Instant::now();
-                gemm_into(m, n, k, &mut dst, 0, n, false, lhs, rhs, 1.0, Par { pool: true, operands });
+                gemm_into(
+                    GemmDims { m, n, k },
+                    &mut dst,
+                    GemmOut { offset: 0, rs: n, accumulate: false },
+                    lhs,
+                    rhs,
+                    1.0,
+                    Par { pool: true, operands },
+                );
                 let s = start.elapsed().as_secs_f64();
                 if rep > 1 {
                     t.push(s);

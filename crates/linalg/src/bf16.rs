@@ -818,7 +818,7 @@ mod imp {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Strided;
+    use crate::{GemmDims, GemmOut, Strided};
     use proptest::prelude::*;
 
     /// bf16 rounding to nearest even, as `vcvtne2ps2bf16` (NaN stays NaN).
@@ -880,13 +880,9 @@ mod tests {
         let dst0 = rand_vec(m * dst_rs + 3, seed + 2);
         let mut dst = dst0.clone();
         crate::gemm_into(
-            m,
-            n,
-            k,
+            GemmDims { m, n, k },
             &mut dst,
-            0,
-            dst_rs,
-            c.accumulate,
+            GemmOut { offset: 0, rs: dst_rs, accumulate: c.accumulate },
             lhs,
             rhs,
             c.alpha,
@@ -1014,11 +1010,27 @@ mod tests {
         let b = rand_vec(k * n, 4);
         let mut full = vec![0f32; m * n];
         let par = crate::Par { pool: true, operands: crate::Operands::Bf16 };
-        crate::gemm_into(m, n, k, &mut full, 0, n, false, Strided::rows(&a, k), Strided::rows(&b, n), 1.0, par);
+        crate::gemm_into(
+            GemmDims { m, n, k },
+            &mut full,
+            GemmOut { offset: 0, rs: n, accumulate: false },
+            Strided::rows(&a, k),
+            Strided::rows(&b, n),
+            1.0,
+            par,
+        );
         for i in [0usize, 13, 49] {
             let mut row = vec![0f32; n];
             let lhs = Strided { data: &a, offset: i * k, rs: k, cs: 1 };
-            crate::gemm_into(1, n, k, &mut row, 0, n, false, lhs, Strided::rows(&b, n), 1.0, par);
+            crate::gemm_into(
+                GemmDims { m: 1, n, k },
+                &mut row,
+                GemmOut { offset: 0, rs: n, accumulate: false },
+                lhs,
+                Strided::rows(&b, n),
+                1.0,
+                par,
+            );
             assert_eq!(row, full[i * n..(i + 1) * n]);
         }
     }
@@ -1035,7 +1047,15 @@ mod tests {
         a[11 * k + 69] = f32::INFINITY;
         let mut dst = vec![0f32; m * n];
         let par = crate::Par { pool: false, operands: crate::Operands::Bf16 };
-        crate::gemm_into(m, n, k, &mut dst, 0, n, false, Strided::rows(&a, k), Strided::rows(&b, n), 1.0, par);
+        crate::gemm_into(
+            GemmDims { m, n, k },
+            &mut dst,
+            GemmOut { offset: 0, rs: n, accumulate: false },
+            Strided::rows(&a, k),
+            Strided::rows(&b, n),
+            1.0,
+            par,
+        );
         for i in 0..m {
             for j in 0..n {
                 let x = dst[i * n + j];
@@ -1060,7 +1080,15 @@ mod tests {
         let lhs = Strided::transposed(&a, m);
         let c = crate::Par { pool: true, operands: crate::Operands::Bf16 };
         let mut full = vec![0f32; m * n];
-        crate::gemm_into(m, n, k, &mut full, 0, n, false, lhs, Strided::rows(&b, n), 1.0, c);
+        crate::gemm_into(
+            GemmDims { m, n, k },
+            &mut full,
+            GemmOut { offset: 0, rs: n, accumulate: false },
+            lhs,
+            Strided::rows(&b, n),
+            1.0,
+            c,
+        );
         let two = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
         let rows: Vec<Vec<f32>> = two.install(|| {
             use rayon::prelude::*;
@@ -1070,7 +1098,15 @@ mod tests {
                     let mut row = vec![0f32; n];
                     let lhs_i = Strided { offset: i, ..lhs };
                     let one = crate::Par { pool: false, ..c };
-                    crate::gemm_into(1, n, k, &mut row, 0, n, false, lhs_i, Strided::rows(&b, n), 1.0, one);
+                    crate::gemm_into(
+                        GemmDims { m: 1, n, k },
+                        &mut row,
+                        GemmOut { offset: 0, rs: n, accumulate: false },
+                        lhs_i,
+                        Strided::rows(&b, n),
+                        1.0,
+                        one,
+                    );
                     row
                 })
                 .collect()

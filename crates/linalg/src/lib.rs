@@ -119,31 +119,51 @@ pub fn parallelism(inside_parallel_loop: bool) -> Par {
     Par { pool: !inside_parallel_loop && rayon::current_num_threads() > 1, operands: Operands::F32 }
 }
 
-/// `dst[m×n] (rs dst_rs) = (accumulate ? dst : 0) + alpha · lhs[m×k] · rhs[k×n]`.
+/// The sizes of one GEMM: `dst[m×n] = lhs[m×k] · rhs[k×n]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmDims {
+    /// Rows of `dst` and `lhs`.
+    pub m: usize,
+    /// Columns of `dst` and `rhs`.
+    pub n: usize,
+    /// The summed dimension.
+    pub k: usize,
+}
+
+/// Where a GEMM writes: element (0, 0) at `offset`, rows `rs` apart, added
+/// into what is there (`accumulate`) or overwriting it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmOut {
+    /// Index of element (0, 0) in the destination.
+    pub offset: usize,
+    /// Row stride of the destination.
+    pub rs: usize,
+    /// Add into the destination (else overwrite).
+    pub accumulate: bool,
+}
+
+/// `dst[m×n] (at out.offset, row stride out.rs) = (out.accumulate ? dst : 0)
+/// + alpha · lhs[m×k] · rhs[k×n]`.
 ///
 /// All three views are bounds-checked (`dst` here, the operands by
 /// [`gemm_raw`]); `dst` is a plain mutable slice.
-#[allow(clippy::too_many_arguments)]
 pub fn gemm_into(
-    m: usize,
-    n: usize,
-    k: usize,
+    dims: GemmDims,
     dst: &mut [f32],
-    dst_offset: usize,
-    dst_rs: usize,
-    accumulate: bool,
+    out: GemmOut,
     lhs: Strided<'_>,
     rhs: Strided<'_>,
     alpha: f32,
     par: Par,
 ) {
+    let GemmDims { m, n, .. } = dims;
     if m == 0 || n == 0 {
         return;
     }
-    assert!(last_index(dst_offset, m, dst_rs, n, 1).is_some_and(|l| l < dst.len()), "gemm dst out of bounds");
+    assert!(last_index(out.offset, m, out.rs, n, 1).is_some_and(|l| l < dst.len()), "gemm dst out of bounds");
     // SAFETY: the m × n block of `dst` was checked above and `dst` is
     // exclusively borrowed; `gemm_raw` checks the operand views.
-    unsafe { gemm_raw(m, n, k, dst.as_mut_ptr().add(dst_offset), dst_rs, accumulate, lhs, rhs, alpha, par) }
+    unsafe { gemm_raw(dims, dst.as_mut_ptr().add(out.offset), GemmOut { offset: 0, ..out }, lhs, rhs, alpha, par) }
 }
 
 /// One GEMM: `dst[m×n]` (row stride `dst_rs`) `= (accumulate ? dst : 0) +
@@ -200,23 +220,20 @@ unsafe impl Sync for SendCall<'_> {}
 /// written from several threads (attention heads).
 ///
 /// # Safety
-/// `dst` must be valid for writes of the `m × n` block with row stride
-/// `dst_rs`, no other thread may touch that block meanwhile, and `lhs`/`rhs`
-/// must hold the `m × k` and `k × n` views (checked). Rows of `dst` may not
-/// overlap (`dst_rs ≥ n` unless `m == 1`; checked).
-#[allow(clippy::too_many_arguments)]
+/// `dst` + `out.offset` must be valid for writes of the `m × n` block with
+/// row stride `out.rs`, no other thread may touch that block meanwhile, and
+/// `lhs`/`rhs` must hold the `m × k` and `k × n` views (checked). Rows of
+/// `dst` may not overlap (`out.rs ≥ n` unless `m == 1`; checked).
 pub unsafe fn gemm_raw(
-    m: usize,
-    n: usize,
-    k: usize,
+    dims: GemmDims,
     dst: *mut f32,
-    dst_rs: usize,
-    accumulate: bool,
+    out: GemmOut,
     lhs: Strided<'_>,
     rhs: Strided<'_>,
     alpha: f32,
     par: Par,
 ) {
+    let (GemmDims { m, n, k }, dst, dst_rs, accumulate) = (dims, dst.wrapping_add(out.offset), out.rs, out.accumulate);
     if m == 0 || n == 0 {
         return;
     }

@@ -1,7 +1,7 @@
 //! The probe cache: an empty `MACROBATCH_CACHE_DIR` and entries another
 //! process saved meanwhile. One test: it sets environment variables.
 
-use linalg::{backend, gemm_into, Backend, Strided};
+use linalg::{backend, gemm_into, Backend, GemmDims, GemmOut, Strided};
 
 #[test]
 fn cache_path_and_concurrent_writers() {
@@ -26,7 +26,17 @@ fn cache_path_and_concurrent_writers() {
     let mut dst = vec![0.0f32; m * n];
     let par = p.install(|| linalg::parallelism(false));
     let call = |dst: &mut Vec<f32>| {
-        p.install(|| gemm_into(m, n, k, dst, 0, n, false, Strided::rows(&a, k), Strided::rows(&b, n), 1.0, par))
+        p.install(|| {
+            gemm_into(
+                GemmDims { m, n, k },
+                dst,
+                GemmOut { offset: 0, rs: n, accumulate: false },
+                Strided::rows(&a, k),
+                Strided::rows(&b, n),
+                1.0,
+                par,
+            )
+        })
     };
     call(&mut dst); // loads the (absent) cache, first trial
     std::fs::create_dir_all(&dir).expect("mkdir");
@@ -46,7 +56,17 @@ fn cache_path_and_concurrent_writers() {
     let p3 = rayon::ThreadPoolBuilder::new().num_threads(3).build().expect("pool");
     let par3 = p3.install(|| linalg::parallelism(false));
     for _ in 0..3 * Backend::f32_candidates().len() {
-        p3.install(|| gemm_into(m, n, k, &mut dst, 0, n, false, Strided::rows(&a, k), Strided::rows(&b, n), 1.0, par3));
+        p3.install(|| {
+            gemm_into(
+                GemmDims { m, n, k },
+                &mut dst,
+                GemmOut { offset: 0, rs: n, accumulate: false },
+                Strided::rows(&a, k),
+                Strided::rows(&b, n),
+                1.0,
+                par3,
+            )
+        });
     }
     let stats = backend::stats();
     let (_, s3) =

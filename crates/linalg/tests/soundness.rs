@@ -4,7 +4,7 @@
 
 mod common;
 use common::*;
-use linalg::{backend, gemm_into, Backend, Call, Operands, Par, Strided};
+use linalg::{backend, gemm_into, Backend, Call, GemmDims, GemmOut, Operands, Par, Strided};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 /// `dst_offset + (m - 1)·dst_rs + n` wraps around in release builds: with
@@ -17,13 +17,9 @@ fn dst_bounds_check_does_not_wrap() {
     let mut buf = [7.0f32; 8];
     let r = catch_unwind(AssertUnwindSafe(|| {
         gemm_into(
-            2,
-            2,
-            1,
+            GemmDims { m: 2, n: 2, k: 1 },
             &mut buf[1..],
-            0,
-            usize::MAX,
-            false,
+            GemmOut { offset: 0, rs: usize::MAX, accumulate: false },
             Strided::rows(&a, 1),
             Strided::rows(&b, 2),
             1.0,
@@ -43,7 +39,15 @@ fn operand_bounds_check_does_not_wrap() {
     let lhs = Strided { data: &buf[1..], offset: 0, rs: usize::MAX, cs: 1 };
     let mut dst = vec![0.0f32; 2];
     let r = catch_unwind(AssertUnwindSafe(|| {
-        gemm_into(2, 1, 2, &mut dst, 0, 1, false, lhs, Strided::rows(&b, 1), 1.0, Par::ONE)
+        gemm_into(
+            GemmDims { m: 2, n: 1, k: 2 },
+            &mut dst,
+            GemmOut { offset: 0, rs: 1, accumulate: false },
+            lhs,
+            Strided::rows(&b, 1),
+            1.0,
+            Par::ONE,
+        )
     }));
     assert!(r.is_err(), "an lhs view past the start of its slice must be rejected (read buf[0])");
 }
@@ -60,7 +64,17 @@ fn overlapping_dst_rows_are_rejected() {
     let p = pool(2);
     let par = p.install(|| linalg::parallelism(false));
     let r = catch_unwind(AssertUnwindSafe(|| {
-        p.install(|| gemm_into(m, n, k, &mut dst, 0, 8, false, Strided::rows(&a, k), Strided::rows(&b, n), 1.0, par))
+        p.install(|| {
+            gemm_into(
+                GemmDims { m, n, k },
+                &mut dst,
+                GemmOut { offset: 0, rs: 8, accumulate: false },
+                Strided::rows(&a, k),
+                Strided::rows(&b, n),
+                1.0,
+                par,
+            )
+        })
     }));
     assert!(r.is_err(), "dst_rs < n with m > 1 (overlapping rows written in parallel) must be rejected");
 }
@@ -116,7 +130,15 @@ fn bf16_product(m: usize, n: usize, k: usize, seed: u32, par: Par) -> Vec<f32> {
     let a = data(m * k, seed);
     let b = data(k * n, seed + 1);
     let mut dst = vec![0.0f32; m * n];
-    gemm_into(m, n, k, &mut dst, 0, n, false, Strided::rows(&a, k), Strided::transposed(&b, k), 1.0, par);
+    gemm_into(
+        GemmDims { m, n, k },
+        &mut dst,
+        GemmOut { offset: 0, rs: n, accumulate: false },
+        Strided::rows(&a, k),
+        Strided::transposed(&b, k),
+        1.0,
+        par,
+    );
     dst
 }
 
@@ -173,7 +195,15 @@ fn f32_concurrent_pool_calls_match_serial() {
     let b = data(k * n, 12);
     let one = |par: Par| {
         let mut dst = vec![0.0f32; m * n];
-        gemm_into(m, n, k, &mut dst, 0, n, false, Strided::rows(&a, k), Strided::rows(&b, n), 1.0, par);
+        gemm_into(
+            GemmDims { m, n, k },
+            &mut dst,
+            GemmOut { offset: 0, rs: n, accumulate: false },
+            Strided::rows(&a, k),
+            Strided::rows(&b, n),
+            1.0,
+            par,
+        );
         dst
     };
     // `crate` and `split` give these bits; an OpenBLAS build may also run
@@ -225,7 +255,17 @@ fn unused_strides_of_unit_dimensions_do_not_matter() {
         for par in pars {
             let run = |(l, r, rs): (Strided<'_>, Strided<'_>, usize)| {
                 let mut dst = vec![1.0f32; (m - 1) * n + n];
-                p.install(|| gemm_into(m, n, k, &mut dst, 0, rs, true, l, r, 0.5, par));
+                p.install(|| {
+                    gemm_into(
+                        GemmDims { m, n, k },
+                        &mut dst,
+                        GemmOut { offset: 0, rs, accumulate: true },
+                        l,
+                        r,
+                        0.5,
+                        par,
+                    )
+                });
                 dst
             };
             assert_eq!(bits(&run(odd)), bits(&run(dense)), "{m}x{k}x{n} {par:?}");

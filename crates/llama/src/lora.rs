@@ -10,7 +10,7 @@ use crate::layout::Proj;
 use crate::model::Llama;
 use engine::rng::SplitMix64;
 use engine::Model;
-use nn::{gemm_into, parallelism, Strided};
+use nn::{gemm_into, parallelism, GemmDims, GemmOut, Strided};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::HashMap;
@@ -170,7 +170,15 @@ pub fn merge(model: &Llama, params: &[f32]) -> Result<Vec<f32>, LlamaError> {
             let w = &mut out[bl.w(pr)];
             // W[oc, ic] += s · B[oc, r] · A[r, ic]
             let (bv, av) = (Strided::rows(b, lora.r), Strided::rows(a, ic));
-            gemm_into(oc, ic, lora.r, w, 0, ic, true, bv, av, lora.scale(), parallelism(false));
+            gemm_into(
+                GemmDims { m: oc, n: ic, k: lora.r },
+                w,
+                GemmOut { offset: 0, rs: ic, accumulate: true },
+                bv,
+                av,
+                lora.scale(),
+                parallelism(false),
+            );
         }
     }
     Ok(out)

@@ -22,7 +22,7 @@ use nn::linear::{linear_backward_input, linear_backward_weight, LinearShape};
 use nn::norm::{rmsnorm_backward, rmsnorm_forward, NormSaved};
 use nn::rope::Rope;
 use nn::stack::{Stack, DRES};
-use nn::{gemm_into, parallelism, Operands, Strided};
+use nn::{gemm_into, parallelism, GemmDims, GemmOut, Operands, Strided};
 use std::ops::Range;
 
 pub use engine::batch::{TokenBatch, IGNORE_INDEX};
@@ -325,7 +325,15 @@ impl Llama {
         self.acts.logits.resize(rows * v, 0.0);
         let seg = store.segment(self.head_seg())?;
         let head = Strided::transposed(&seg.params[self.head_rel()], c);
-        gemm_into(rows, v, c, &mut self.acts.logits, 0, v, false, hf, head, 1.0, parallelism(false).with(d.ops));
+        gemm_into(
+            GemmDims { m: rows, n: v, k: c },
+            &mut self.acts.logits,
+            GemmOut { offset: 0, rs: v, accumulate: false },
+            hf,
+            head,
+            1.0,
+            parallelism(false).with(d.ops),
+        );
         Ok(())
     }
 

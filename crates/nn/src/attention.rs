@@ -10,7 +10,7 @@
 //! head's GEMMs are the same calls wherever their output lands.
 
 use crate::act::fast_exp;
-use crate::{assert_len, gemm_into, Operands, Par, Strided};
+use crate::{assert_len, gemm_into, GemmDims, GemmOut, Operands, Par, Strided};
 use multiversion::multiversion;
 use rayon::prelude::*;
 
@@ -123,10 +123,26 @@ pub fn attention_forward(y: &mut [f32], att: &mut [f32], heads: &mut [f32], qkv:
         let k_t = Strided { data: qkv, offset: row0 + kv, rs: 1, cs: w };
         let v = Strided { data: qkv, offset: row0 + kv + n_kv_head * d, rs: w, cs: 1 };
         // scores = scale · q · kᵀ: (T, d) @ (d, T) -> (T, T)
-        gemm_into(t, t, d, a, 0, t, false, q, k_t, scale, par);
+        gemm_into(
+            GemmDims { m: t, n: t, k: d },
+            a,
+            GemmOut { offset: 0, rs: t, accumulate: false },
+            q,
+            k_t,
+            scale,
+            par,
+        );
         causal_softmax_rows(a, t);
         // y_h = att · v: (T, T) @ (T, d) -> (T, d)
-        gemm_into(t, d, t, yh, 0, d, false, Strided::rows(a, t), v, 1.0, par);
+        gemm_into(
+            GemmDims { m: t, n: d, k: t },
+            yh,
+            GemmOut { offset: 0, rs: d, accumulate: false },
+            Strided::rows(a, t),
+            v,
+            1.0,
+            par,
+        );
     });
     // Head-major [B, H, T, d] → rows [B·T, H·d].
     y.par_chunks_mut(qd).enumerate().for_each(|(r, row)| {
@@ -191,16 +207,48 @@ pub fn attention_backward(
                 let q = Strided { data: qkv, offset: row0 + h * d, rs: w, cs: 1 };
                 // datt = dy · vᵀ: (T, d) @ (d, T) -> (T, T); then softmax
                 // backward in place: dpre = att ⊙ (datt − Σ att·datt).
-                gemm_into(t, t, d, da, 0, t, false, dy_h, v_t, 1.0, par);
+                gemm_into(
+                    GemmDims { m: t, n: t, k: d },
+                    da,
+                    GemmOut { offset: 0, rs: t, accumulate: false },
+                    dy_h,
+                    v_t,
+                    1.0,
+                    par,
+                );
                 causal_softmax_backward_rows(da, a, t);
                 let first = g == 0;
                 // dq = scale · dpre · k: (T, T) @ (T, d) -> (T, d)
                 let dq = &mut dq_g[g * t * d..][..t * d];
-                gemm_into(t, d, t, dq, 0, d, false, Strided::rows(da, t), k, scale, par);
+                gemm_into(
+                    GemmDims { m: t, n: d, k: t },
+                    dq,
+                    GemmOut { offset: 0, rs: d, accumulate: false },
+                    Strided::rows(da, t),
+                    k,
+                    scale,
+                    par,
+                );
                 // dk (+)= scale · dpreᵀ · q: (T, T) @ (T, d) -> (T, d)
-                gemm_into(t, d, t, dk, 0, d, !first, Strided::transposed(da, t), q, scale, par);
+                gemm_into(
+                    GemmDims { m: t, n: d, k: t },
+                    dk,
+                    GemmOut { offset: 0, rs: d, accumulate: !first },
+                    Strided::transposed(da, t),
+                    q,
+                    scale,
+                    par,
+                );
                 // dv (+)= attᵀ · dy: (T, T) @ (T, d) -> (T, d)
-                gemm_into(t, d, t, dv, 0, d, !first, Strided::transposed(a, t), dy_h, 1.0, par);
+                gemm_into(
+                    GemmDims { m: t, n: d, k: t },
+                    dv,
+                    GemmOut { offset: 0, rs: d, accumulate: !first },
+                    Strided::transposed(a, t),
+                    dy_h,
+                    1.0,
+                    par,
+                );
             }
         });
     // Head-major back to rows [B·T, q | k | v].

@@ -4,7 +4,7 @@
 //! [`LinearShape`]: `n` rows of `ic` inputs to `oc` outputs.
 
 use crate::grad::{bias_backward, ParamGrad};
-use crate::{assert_len, gemm_into, parallelism, Operands, Strided};
+use crate::{assert_len, gemm_into, parallelism, GemmDims, GemmOut, Operands, Strided};
 use rayon::prelude::*;
 
 /// The shape of one linear layer call: `[n, ic] → [n, oc]`, its output
@@ -83,7 +83,15 @@ pub fn conv1d_forward(
     }
     let par = parallelism(false).with(ops);
     // (n, ic) @ (ic, oc) -> (n, oc), added to the bias/residual rows.
-    gemm_into(n, oc, ic, out, 0, oc, init, Strided::rows(inp, ic), Strided::rows(w, oc), 1.0, par);
+    gemm_into(
+        GemmDims { m: n, n: oc, k: ic },
+        out,
+        GemmOut { offset: 0, rs: oc, accumulate: init },
+        Strided::rows(inp, ic),
+        Strided::rows(w, oc),
+        1.0,
+        par,
+    );
 }
 
 /// Backward of [`conv1d_forward`]: overwrites `dinp`; `dw` and `db` as
@@ -100,12 +108,28 @@ pub fn conv1d_backward(
     let LinearShape { n, ic, oc, ops, .. } = s;
     let par = parallelism(false).with(ops);
     // dinp = dout · wᵀ: (n, oc) @ (oc, ic) -> (n, ic)
-    gemm_into(n, ic, oc, dinp, 0, ic, false, Strided::rows(dout, oc), Strided::transposed(w, oc), 1.0, par);
+    gemm_into(
+        GemmDims { m: n, n: ic, k: oc },
+        dinp,
+        GemmOut { offset: 0, rs: ic, accumulate: false },
+        Strided::rows(dout, oc),
+        Strided::transposed(w, oc),
+        1.0,
+        par,
+    );
     if let Some(ParamGrad { buf: dw, accumulate }) = dw {
         assert_eq!(dw.len(), ic * oc, "dw length");
         // dw (+)= inpᵀ · dout: (ic, n) @ (n, oc) -> (ic, oc)
         let (inp_t, dout) = (Strided::transposed(inp, ic), Strided::rows(dout, oc));
-        gemm_into(ic, oc, n, dw, 0, oc, accumulate, inp_t, dout, 1.0, par);
+        gemm_into(
+            GemmDims { m: ic, n: oc, k: n },
+            dw,
+            GemmOut { offset: 0, rs: oc, accumulate },
+            inp_t,
+            dout,
+            1.0,
+            par,
+        );
     }
     if let Some(db) = db {
         bias_backward(db, dout, 0, oc);
@@ -122,7 +146,15 @@ pub fn linear_forward(y: Cols<'_>, accumulate: bool, x: &[f32], w: &[f32], s: Li
     assert!(col0 + oc <= rs, "linear_forward: columns {col0}+{oc} exceed the row width {rs}");
     let (xv, wt) = (Strided::rows(x, ic), Strided::transposed(w, ic));
     // (n, ic) @ (ic, oc) -> (n, oc), into columns col0.. of y
-    gemm_into(n, oc, ic, buf, col0, rs, accumulate, xv, wt, alpha, parallelism(false).with(ops));
+    gemm_into(
+        GemmDims { m: n, n: oc, k: ic },
+        buf,
+        GemmOut { offset: col0, rs, accumulate },
+        xv,
+        wt,
+        alpha,
+        parallelism(false).with(ops),
+    );
 }
 
 /// `y (+)= b` on every row: `y` `[n, oc]`, `b` `[oc]`.
@@ -137,7 +169,15 @@ pub fn linear_backward_input(dx: &mut [f32], accumulate: bool, dy: Strided<'_>, 
     assert_len("linear_backward_input", "dx", dx.len(), &[n, ic]);
     assert_len("linear_backward_input", "w", w.len(), &[oc, ic]);
     // (n, oc) @ (oc, ic) -> (n, ic)
-    gemm_into(n, ic, oc, dx, 0, ic, accumulate, dy, Strided::rows(w, ic), alpha, parallelism(false).with(ops));
+    gemm_into(
+        GemmDims { m: n, n: ic, k: oc },
+        dx,
+        GemmOut { offset: 0, rs: ic, accumulate },
+        dy,
+        Strided::rows(w, ic),
+        alpha,
+        parallelism(false).with(ops),
+    );
 }
 
 /// Weight gradient of [`linear_forward`]: `dw[oc, ic] (+)= alpha · dyᵀ · x`
@@ -148,7 +188,15 @@ pub fn linear_backward_weight(dw: Option<ParamGrad<'_>>, dy: Strided<'_>, x: &[f
     assert_len("linear_backward_weight", "dw", dw.len(), &[oc, ic]);
     assert_len("linear_backward_weight", "x", x.len(), &[n, ic]);
     // (oc, n) @ (n, ic) -> (oc, ic)
-    gemm_into(oc, ic, n, dw, 0, ic, accumulate, dy.t(), Strided::rows(x, ic), alpha, parallelism(false).with(ops));
+    gemm_into(
+        GemmDims { m: oc, n: ic, k: n },
+        dw,
+        GemmOut { offset: 0, rs: ic, accumulate },
+        dy.t(),
+        Strided::rows(x, ic),
+        alpha,
+        parallelism(false).with(ops),
+    );
 }
 
 #[cfg(test)]
