@@ -1,6 +1,5 @@
 //! The model crate's error type.
 
-use std::path::PathBuf;
 use thiserror::Error;
 
 /// What can go wrong in the model or its checkpoint files.
@@ -15,24 +14,8 @@ pub enum GptError {
     /// The parameter store failed (a collective of a sharded store, say).
     #[error("parameter store")]
     Store(#[from] engine::EngineError),
-    /// Reading or writing a file failed.
-    #[error("{}", path.display())]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// Reading or writing a file through the shared I/O failed.
+    /// Reading or writing a file failed, or a checkpoint file is malformed
+    /// or does not match the model.
     #[error(transparent)]
     File(#[from] nn::io::FileError),
-    /// A checkpoint file is malformed or does not match the model.
-    #[error("{}: {problem}", path.display())]
-    Checkpoint {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong and how to fix it.
-        problem: String,
-    },
 }

@@ -20,11 +20,11 @@ pub const WEIGHTS_FILE: &str = "model.safetensors";
 pub const CONFIG_FILE: &str = "config.json";
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> GptError + '_ {
-    move |source| GptError::Io { path: path.to_path_buf(), source }
+    move |source| nn::io::io_err(path)(source).into()
 }
 
 fn bad(path: &Path, problem: impl Into<String>) -> GptError {
-    GptError::Checkpoint { path: path.to_path_buf(), problem: problem.into() }
+    nn::io::bad(path, problem).into()
 }
 
 /// `config.json` in the format of `transformers`' `GPT2Config`.

@@ -106,23 +106,9 @@ pub enum LlamaError {
     /// Writing a file through the shared atomic writer failed.
     #[error("writing a checkpoint file")]
     Write(#[from] nn::io::FileError),
-    /// Reading or writing a file failed.
-    #[error("{}", path.display())]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// A file is malformed.
-    #[error("{}: {problem}", path.display())]
-    Malformed {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong and how to fix it.
-        problem: String,
-    },
+    /// Reading a file failed, or it is malformed.
+    #[error(transparent)]
+    Read(nn::io::FileError),
     /// An error about the contents of a file (a tensor, a config field).
     #[error("{}", path.display())]
     InFile {

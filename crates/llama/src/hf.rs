@@ -26,12 +26,12 @@ const EMBED: &str = "model.embed_tokens.weight";
 /// One named tensor: `(name, shape, values)`.
 pub type NamedTensor = (String, Vec<usize>, Vec<f32>);
 
-fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> LlamaError + '_ {
-    move |source| LlamaError::Io { path: path.to_path_buf(), source }
+pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> LlamaError + '_ {
+    move |source| LlamaError::Read(nn::io::io_err(path)(source))
 }
 
-fn bad(path: &Path, problem: impl Into<String>) -> LlamaError {
-    LlamaError::Malformed { path: path.to_path_buf(), problem: problem.into() }
+pub(crate) fn bad(path: &Path, problem: impl Into<String>) -> LlamaError {
+    LlamaError::Read(nn::io::bad(path, problem))
 }
 
 /// Decodes one stored tensor into `dst` (exactly its length) as f32.

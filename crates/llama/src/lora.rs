@@ -222,7 +222,7 @@ pub fn save_adapter(
     let lora = require_lora(model)?;
     let layout = model.layout();
     LlamaError::check_count("model", layout.n_params(), params.len())?;
-    std::fs::create_dir_all(dir).map_err(|source| LlamaError::Io { path: dir.to_path_buf(), source })?;
+    std::fs::create_dir_all(dir).map_err(crate::hf::io_err(dir))?;
     let tensors: Vec<_> =
         hf::named(layout, params, PEFT_PREFIX).into_iter().filter(|(n, _, _)| is_adapter(n)).collect();
     nn::io::write_safetensors(&dir.join(ADAPTER_WEIGHTS_FILE), &tensors, &[])?;
@@ -301,10 +301,9 @@ pub fn lora_config_from_peft(v: &Value) -> Result<(LoraConfig, Option<String>), 
 /// Loads an adapter saved in PEFT's format from `dir`.
 pub fn load_adapter(dir: &Path) -> Result<Adapter, LlamaError> {
     let cfg_path = dir.join(ADAPTER_CONFIG_FILE);
-    let text =
-        std::fs::read_to_string(&cfg_path).map_err(|source| LlamaError::Io { path: cfg_path.clone(), source })?;
-    let v: Value = serde_json::from_str(&text)
-        .map_err(|e| LlamaError::Malformed { path: cfg_path.clone(), problem: format!("not valid JSON: {e}") })?;
+    let text = std::fs::read_to_string(&cfg_path).map_err(crate::hf::io_err(&cfg_path))?;
+    let v: Value =
+        serde_json::from_str(&text).map_err(|e| crate::hf::bad(&cfg_path, format!("not valid JSON: {e}")))?;
     let (config, base_model_name_or_path) = lora_config_from_peft(&v).map_err(|e| e.in_file(&cfg_path))?;
     let weights = dir.join(ADAPTER_WEIGHTS_FILE);
     let tensors = hf::read_tensors(&weights)?
