@@ -45,7 +45,7 @@ fn main() {
             nn::gemm_into(
                 nn::GemmDims { m, n, k },
                 &mut c,
-                nn::GemmOut { offset: 0, rs: n, accumulate: false },
+                nn::GemmOut::overwrite(n),
                 nn::Strided::rows(&a, k),
                 nn::Strided::rows(&b, n),
                 1.0,

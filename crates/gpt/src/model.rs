@@ -193,7 +193,7 @@ impl Gpt {
         gemm_into(
             GemmDims { m: n, n: v, k: c },
             &mut self.acts.logits,
-            GemmOut { offset: 0, rs: v, accumulate: false },
+            GemmOut::overwrite(v),
             Strided::rows(&self.acts.lnf, c),
             Strided::transposed(&seg.params[wte], c),
             1.0,
@@ -222,7 +222,7 @@ impl Gpt {
             gemm_into(
                 GemmDims { m: n, n: c, k: v },
                 &mut acts.stack.bufs[DC],
-                GemmOut { offset: 0, rs: c, accumulate: false },
+                GemmOut::overwrite(c),
                 Strided::rows(&acts.logits, v),
                 Strided::rows(&params[wte.clone()], c),
                 1.0,

@@ -73,7 +73,7 @@ fn main() {
                 gemm_into(
                     GemmDims { m, n, k },
                     &mut dst,
-                    GemmOut { offset: 0, rs: n, accumulate: false },
+                    GemmOut::overwrite(n),
                     lhs,
                     rhs,
                     1.0,

@@ -1013,7 +1013,7 @@ mod tests {
         crate::gemm_into(
             GemmDims { m, n, k },
             &mut full,
-            GemmOut { offset: 0, rs: n, accumulate: false },
+            GemmOut::overwrite(n),
             Strided::rows(&a, k),
             Strided::rows(&b, n),
             1.0,
@@ -1025,7 +1025,7 @@ mod tests {
             crate::gemm_into(
                 GemmDims { m: 1, n, k },
                 &mut row,
-                GemmOut { offset: 0, rs: n, accumulate: false },
+                GemmOut::overwrite(n),
                 lhs,
                 Strided::rows(&b, n),
                 1.0,
@@ -1050,7 +1050,7 @@ mod tests {
         crate::gemm_into(
             GemmDims { m, n, k },
             &mut dst,
-            GemmOut { offset: 0, rs: n, accumulate: false },
+            GemmOut::overwrite(n),
             Strided::rows(&a, k),
             Strided::rows(&b, n),
             1.0,
@@ -1080,15 +1080,7 @@ mod tests {
         let lhs = Strided::transposed(&a, m);
         let c = crate::Par { pool: true, operands: crate::Operands::Bf16 };
         let mut full = vec![0f32; m * n];
-        crate::gemm_into(
-            GemmDims { m, n, k },
-            &mut full,
-            GemmOut { offset: 0, rs: n, accumulate: false },
-            lhs,
-            Strided::rows(&b, n),
-            1.0,
-            c,
-        );
+        crate::gemm_into(GemmDims { m, n, k }, &mut full, GemmOut::overwrite(n), lhs, Strided::rows(&b, n), 1.0, c);
         let two = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
         let rows: Vec<Vec<f32>> = two.install(|| {
             use rayon::prelude::*;
@@ -1101,7 +1093,7 @@ mod tests {
                     crate::gemm_into(
                         GemmDims { m: 1, n, k },
                         &mut row,
-                        GemmOut { offset: 0, rs: n, accumulate: false },
+                        GemmOut::overwrite(n),
                         lhs_i,
                         Strided::rows(&b, n),
                         1.0,

@@ -142,6 +142,14 @@ pub struct GemmOut {
     pub accumulate: bool,
 }
 
+impl GemmOut {
+    /// Overwrite a destination that starts at element 0 with rows `rs` apart
+    /// (`rs` = n: a dense `m × n` matrix).
+    pub fn overwrite(rs: usize) -> Self {
+        GemmOut { offset: 0, rs, accumulate: false }
+    }
+}
+
 /// `dst[m×n] (at out.offset, row stride out.rs) = (out.accumulate ? dst : 0)
 /// + alpha · lhs[m×k] · rhs[k×n]`.
 ///

@@ -150,7 +150,7 @@ fn pool_calls_are_probed_once_per_shape_and_reported() {
             gemm_into(
                 GemmDims { m, n, k },
                 &mut dst,
-                GemmOut { offset: 0, rs: n, accumulate: false },
+                GemmOut::overwrite(n),
                 Strided::rows(&a, k),
                 Strided::rows(&b, n),
                 1.0,
@@ -218,9 +218,7 @@ fn f32_calls_of_a_shape_first_seen_in_bf16_stay_f32() {
     let f32p = p.install(|| linalg::parallelism(false));
     let mut dst = vec![0.0f32; m * n];
     for _ in 0..2 {
-        p.install(|| {
-            gemm_into(GemmDims { m, n, k }, &mut dst, GemmOut { offset: 0, rs: n, accumulate: false }, l, r, 1.0, bf16)
-        });
+        p.install(|| gemm_into(GemmDims { m, n, k }, &mut dst, GemmOut::overwrite(n), l, r, 1.0, bf16));
     }
     // What each f32 backend of this build gives (OpenBLAS, when built, sums
     // in its own order and may be the one a probe call runs).
@@ -238,9 +236,7 @@ fn f32_calls_of_a_shape_first_seen_in_bf16_stay_f32() {
         })
         .collect();
     for _ in 0..8 {
-        p.install(|| {
-            gemm_into(GemmDims { m, n, k }, &mut dst, GemmOut { offset: 0, rs: n, accumulate: false }, l, r, 1.0, f32p)
-        });
+        p.install(|| gemm_into(GemmDims { m, n, k }, &mut dst, GemmOut::overwrite(n), l, r, 1.0, f32p));
         let same = |w: &Vec<f32>| dst.iter().zip(w).all(|(x, y)| x.to_bits() == y.to_bits());
         assert!(wants.iter().any(same), "f32 call ran another kernel");
     }

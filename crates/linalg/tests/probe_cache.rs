@@ -30,7 +30,7 @@ fn cache_path_and_concurrent_writers() {
             gemm_into(
                 GemmDims { m, n, k },
                 dst,
-                GemmOut { offset: 0, rs: n, accumulate: false },
+                GemmOut::overwrite(n),
                 Strided::rows(&a, k),
                 Strided::rows(&b, n),
                 1.0,
@@ -60,7 +60,7 @@ fn cache_path_and_concurrent_writers() {
             gemm_into(
                 GemmDims { m, n, k },
                 &mut dst,
-                GemmOut { offset: 0, rs: n, accumulate: false },
+                GemmOut::overwrite(n),
                 Strided::rows(&a, k),
                 Strided::rows(&b, n),
                 1.0,

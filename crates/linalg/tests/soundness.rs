@@ -42,7 +42,7 @@ fn operand_bounds_check_does_not_wrap() {
         gemm_into(
             GemmDims { m: 2, n: 1, k: 2 },
             &mut dst,
-            GemmOut { offset: 0, rs: 1, accumulate: false },
+            GemmOut::overwrite(1),
             lhs,
             Strided::rows(&b, 1),
             1.0,
@@ -68,7 +68,7 @@ fn overlapping_dst_rows_are_rejected() {
             gemm_into(
                 GemmDims { m, n, k },
                 &mut dst,
-                GemmOut { offset: 0, rs: 8, accumulate: false },
+                GemmOut::overwrite(8),
                 Strided::rows(&a, k),
                 Strided::rows(&b, n),
                 1.0,
@@ -133,7 +133,7 @@ fn bf16_product(m: usize, n: usize, k: usize, seed: u32, par: Par) -> Vec<f32> {
     gemm_into(
         GemmDims { m, n, k },
         &mut dst,
-        GemmOut { offset: 0, rs: n, accumulate: false },
+        GemmOut::overwrite(n),
         Strided::rows(&a, k),
         Strided::transposed(&b, k),
         1.0,
@@ -198,7 +198,7 @@ fn f32_concurrent_pool_calls_match_serial() {
         gemm_into(
             GemmDims { m, n, k },
             &mut dst,
-            GemmOut { offset: 0, rs: n, accumulate: false },
+            GemmOut::overwrite(n),
             Strided::rows(&a, k),
             Strided::rows(&b, n),
             1.0,

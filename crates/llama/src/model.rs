@@ -328,7 +328,7 @@ impl Llama {
         gemm_into(
             GemmDims { m: rows, n: v, k: c },
             &mut self.acts.logits,
-            GemmOut { offset: 0, rs: v, accumulate: false },
+            GemmOut::overwrite(v),
             hf,
             head,
             1.0,

@@ -123,26 +123,10 @@ pub fn attention_forward(y: &mut [f32], att: &mut [f32], heads: &mut [f32], qkv:
         let k_t = Strided { data: qkv, offset: row0 + kv, rs: 1, cs: w };
         let v = Strided { data: qkv, offset: row0 + kv + n_kv_head * d, rs: w, cs: 1 };
         // scores = scale · q · kᵀ: (T, d) @ (d, T) -> (T, T)
-        gemm_into(
-            GemmDims { m: t, n: t, k: d },
-            a,
-            GemmOut { offset: 0, rs: t, accumulate: false },
-            q,
-            k_t,
-            scale,
-            par,
-        );
+        gemm_into(GemmDims { m: t, n: t, k: d }, a, GemmOut::overwrite(t), q, k_t, scale, par);
         causal_softmax_rows(a, t);
         // y_h = att · v: (T, T) @ (T, d) -> (T, d)
-        gemm_into(
-            GemmDims { m: t, n: d, k: t },
-            yh,
-            GemmOut { offset: 0, rs: d, accumulate: false },
-            Strided::rows(a, t),
-            v,
-            1.0,
-            par,
-        );
+        gemm_into(GemmDims { m: t, n: d, k: t }, yh, GemmOut::overwrite(d), Strided::rows(a, t), v, 1.0, par);
     });
     // Head-major [B, H, T, d] → rows [B·T, H·d].
     y.par_chunks_mut(qd).enumerate().for_each(|(r, row)| {
@@ -207,15 +191,7 @@ pub fn attention_backward(
                 let q = Strided { data: qkv, offset: row0 + h * d, rs: w, cs: 1 };
                 // datt = dy · vᵀ: (T, d) @ (d, T) -> (T, T); then softmax
                 // backward in place: dpre = att ⊙ (datt − Σ att·datt).
-                gemm_into(
-                    GemmDims { m: t, n: t, k: d },
-                    da,
-                    GemmOut { offset: 0, rs: t, accumulate: false },
-                    dy_h,
-                    v_t,
-                    1.0,
-                    par,
-                );
+                gemm_into(GemmDims { m: t, n: t, k: d }, da, GemmOut::overwrite(t), dy_h, v_t, 1.0, par);
                 causal_softmax_backward_rows(da, a, t);
                 let first = g == 0;
                 // dq = scale · dpre · k: (T, T) @ (T, d) -> (T, d)
@@ -223,7 +199,7 @@ pub fn attention_backward(
                 gemm_into(
                     GemmDims { m: t, n: d, k: t },
                     dq,
-                    GemmOut { offset: 0, rs: d, accumulate: false },
+                    GemmOut::overwrite(d),
                     Strided::rows(da, t),
                     k,
                     scale,

@@ -111,7 +111,7 @@ pub fn conv1d_backward(
     gemm_into(
         GemmDims { m: n, n: ic, k: oc },
         dinp,
-        GemmOut { offset: 0, rs: ic, accumulate: false },
+        GemmOut::overwrite(ic),
         Strided::rows(dout, oc),
         Strided::transposed(w, oc),
         1.0,
