@@ -259,13 +259,13 @@ pub trait Registration: Sync {
     /// The shape of the model folder `dir`, whose `config.json` is `config`
     /// (adapter files beside it are the family's to read).
     fn for_hf_dir(&self, dir: &Path, config: &serde_json::Value) -> Result<Arc<dyn Family>>;
-    /// The shape of the GGUF file `path` (metadata only).
-    fn gguf_shape(&self, path: &Path) -> Result<Arc<dyn Family>> {
-        Err(format!("{}: the {} family reads no GGUF files", path.display(), self.family()).into())
+    /// The shape of an open GGUF file (metadata only).
+    fn gguf_shape(&self, file: gguf::GgufFile) -> Result<Arc<dyn Family>> {
+        Err(format!("{}: the {} family reads no GGUF files", file.path().display(), self.family()).into())
     }
-    /// The shape and weights of the GGUF file `path`.
-    fn load_gguf(&self, path: &Path) -> Result<Loaded> {
-        Err(format!("{}: the {} family reads no GGUF files", path.display(), self.family()).into())
+    /// The shape and weights of an open GGUF file.
+    fn load_gguf(&self, file: gguf::GgufFile) -> Result<Loaded> {
+        Err(format!("{}: the {} family reads no GGUF files", file.path().display(), self.family()).into())
     }
 }
 

@@ -86,7 +86,12 @@ impl LlamaGguf {
     /// architecture is not `llama`, a required hyperparameter is missing, or
     /// the file holds tensors or RoPE settings this mapping cannot express.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, GgufError> {
-        let file = GgufFile::open(path)?;
+        Self::from_file(GgufFile::open(path)?)
+    }
+
+    /// [`LlamaGguf::open`] on a file already open (its architecture read by
+    /// the caller, say).
+    pub fn from_file(file: GgufFile) -> Result<Self, GgufError> {
         let arch = file.get_str("general.architecture")?;
         if arch != "llama" {
             return Err(GgufError::WrongArchitecture {

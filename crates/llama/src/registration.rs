@@ -124,15 +124,15 @@ impl Registration for Registered {
         Ok(Arc::new(LlamaFamily::new(self.0, cfg, lora)?))
     }
 
-    fn gguf_shape(&self, path: &Path) -> Result<Arc<dyn Family>> {
-        let cfg = self.0.parse_hf_json(gguf::llama::LlamaGguf::open(path).map_err(ModelError::new)?.config())?;
+    fn gguf_shape(&self, file: gguf::GgufFile) -> Result<Arc<dyn Family>> {
+        let cfg = self.0.parse_hf_json(gguf::llama::LlamaGguf::from_file(file).map_err(ModelError::new)?.config())?;
         Ok(Arc::new(LlamaFamily::new(self.0, cfg, None)?))
     }
 
-    fn load_gguf(&self, path: &Path) -> Result<Loaded> {
+    fn load_gguf(&self, file: gguf::GgufFile) -> Result<Loaded> {
         // One tensor dequantised at a time, placed, then dropped: loading
         // holds the parameters and one tensor, never a second full copy.
-        let file = gguf::llama::LlamaGguf::open(path).map_err(ModelError::new)?;
+        let file = gguf::llama::LlamaGguf::from_file(file).map_err(ModelError::new)?;
         let cfg = self.0.parse_hf_json(file.config())?;
         let mut failed = None;
         let tensors = file.tensor_names().into_iter().map_while(|(g, _)| match file.tensor(&g) {
@@ -212,11 +212,6 @@ impl LlamaFamily {
     pub fn new(dialect: &'static dyn Dialect, cfg: LlamaConfig, lora: Option<LoraConfig>) -> Result<Self> {
         let model = Self::build_with(&cfg, lora.as_ref(), Precision::F32)?;
         Ok(Self { dialect, cfg, lora, model: Arc::new(model) })
-    }
-
-    /// The shape.
-    pub fn config(&self) -> &LlamaConfig {
-        &self.cfg
     }
 
     fn build_with(cfg: &LlamaConfig, lora: Option<&LoraConfig>, precision: Precision) -> Result<Llama, LlamaError> {

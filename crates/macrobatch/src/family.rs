@@ -5,7 +5,7 @@
 //! [`FAMILIES`]. A new family is a crate implementing `family::Registration`
 //! plus one line in that list.
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use config::ModelConfig;
 use engine::ParamLayout;
 pub use family::{Build, Family, LanguageModel, Loaded, Registration, CONFIG_FILE, WEIGHTS_FILE};
@@ -43,18 +43,20 @@ fn presets() -> String {
     FAMILIES.iter().map(|r| format!("{}: {}", r.family(), r.presets().join(", "))).collect::<Vec<_>>().join("; ")
 }
 
-/// The GGUF `general.architecture` of `path`, and the family that loads it.
-fn gguf_family(path: &Path) -> Result<&'static dyn Registration> {
+/// The GGUF file `path`, open, and the family that loads its
+/// `general.architecture` (the file is read once).
+fn gguf_family(path: &Path) -> Result<(&'static dyn Registration, gguf::GgufFile)> {
     let file = gguf::GgufFile::open(path)?;
     let arch = file.get_str("general.architecture")?;
-    FAMILIES.iter().copied().find(|r| r.gguf_architecture() == Some(arch)).ok_or_else(|| {
+    let Some(r) = FAMILIES.iter().copied().find(|r| r.gguf_architecture() == Some(arch)) else {
         let loads: Vec<_> = FAMILIES.iter().filter_map(|r| r.gguf_architecture()).collect();
-        anyhow!(
+        bail!(
             "{}: GGUF architecture `{arch}` is not one macrobatch loads (it loads {}); convert the model to a Hugging Face folder (config.json + model.safetensors) instead",
             path.display(),
             loads.join(", ")
-        )
-    })
+        );
+    };
+    Ok((r, file))
 }
 
 /// The family and shape of a saved model: the `config.json` in `dir` (by
@@ -62,7 +64,8 @@ fn gguf_family(path: &Path) -> Result<&'static dyn Registration> {
 /// a GGUF file's metadata.
 pub fn read_hf_config(dir: &Path) -> Result<Arc<dyn Family>> {
     if is_gguf(dir) {
-        return Ok(gguf_family(dir)?.gguf_shape(dir)?);
+        let (r, file) = gguf_family(dir)?;
+        return Ok(r.gguf_shape(file)?);
     }
     let path = dir.join(CONFIG_FILE);
     let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
@@ -88,7 +91,8 @@ pub fn is_gguf(path: &Path) -> bool {
 /// family and parameters.
 pub fn load_hf(dir: &Path) -> Result<Loaded> {
     if is_gguf(dir) {
-        let (family, params) = gguf_family(dir)?.load_gguf(dir)?;
+        let (r, file) = gguf_family(dir)?;
+        let (family, params) = r.load_gguf(file)?;
         let model = family.build(Build::default())?;
         check_finite(model.layout(), &params, dir)?;
         return Ok((family, params));
