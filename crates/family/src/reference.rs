@@ -122,3 +122,16 @@ pub fn check(r: &dyn Registration, kind: &str, work: &Path) -> Result<Option<Agr
     let _ = std::fs::remove_dir_all(work);
     Ok(Some(Agreement { logits_rel_err: worst, greedy, reloaded }))
 }
+
+/// [`check`] as a test: in a fresh temporary folder, printing what it
+/// measured; panics where the family disagrees with transformers.
+pub fn assert_agrees(r: &dyn Registration, kind: &str) {
+    let work = std::env::temp_dir().join(format!("macrobatch-{kind}-ref-{}", std::process::id()));
+    match check(r, kind, &work) {
+        Ok(Some(a)) => {
+            println!("{kind}: logits within {:.1e} of scale, greedy {:?}; {}", a.logits_rel_err, a.greedy, a.reloaded)
+        }
+        Ok(None) => {}
+        Err(e) => panic!("{kind}: {e}"),
+    }
+}

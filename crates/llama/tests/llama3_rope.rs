@@ -5,12 +5,5 @@
 
 #[test]
 fn llama3_rope_scaling_matches_transformers_in_and_out() {
-    let work = std::env::temp_dir().join(format!("macrobatch-llama3-ref-{}", std::process::id()));
-    match family::reference::check(&llama::FAMILY, "llama3", &work) {
-        Ok(Some(a)) => {
-            println!("llama3: logits within {:.1e} of scale, greedy {:?}; {}", a.logits_rel_err, a.greedy, a.reloaded)
-        }
-        Ok(None) => {}
-        Err(e) => panic!("{e}"),
-    }
+    family::reference::assert_agrees(&llama::FAMILY, "llama3");
 }

@@ -5,12 +5,5 @@
 
 #[test]
 fn qwen2_matches_transformers_in_and_out() {
-    let work = std::env::temp_dir().join(format!("macrobatch-qwen2-ref-{}", std::process::id()));
-    match family::reference::check(&qwen2::FAMILY, "qwen2", &work) {
-        Ok(Some(a)) => {
-            println!("qwen2: logits within {:.1e} of scale, greedy {:?}; {}", a.logits_rel_err, a.greedy, a.reloaded)
-        }
-        Ok(None) => {}
-        Err(e) => panic!("{e}"),
-    }
+    family::reference::assert_agrees(&qwen2::FAMILY, "qwen2");
 }

@@ -2,6 +2,8 @@
 //! PyTorch reference files, comparisons and temporary directories.
 #![allow(dead_code)]
 
+pub mod suite;
+
 use engine::{FullStore, Model};
 pub use llama::TokenBatch;
 use llama::{hf, Llama};
