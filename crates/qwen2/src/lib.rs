@@ -109,7 +109,7 @@ impl Dialect for Qwen2Dialect {
 
     /// transformers' `Qwen2Config` for `Qwen2ForCausalLM`.
     fn hf_json(&self, cfg: &LlamaConfig) -> Value {
-        let mut v = LlamaConfig { attention_bias: false, ..cfg.clone() }.to_hf_json();
+        let mut v = cfg.to_hf_json();
         if let Some(o) = v.as_object_mut() {
             for k in ["attention_bias", "mlp_bias", "pretraining_tp", "head_dim"] {
                 o.remove(k);
