@@ -76,6 +76,10 @@ pub struct CommCounters {
     /// Bytes of input this rank contributed (the logical payload; a ring
     /// all-reduce moves about 2·(W−1)/W of it over the wire per rank).
     pub bytes_sent: u64,
+    /// Point-to-point messages sent.
+    pub p2p_messages: u64,
+    /// Bytes sent in point-to-point messages.
+    pub p2p_bytes_sent: u64,
 }
 
 /// A group of ranks that run collectives together.
@@ -104,6 +108,22 @@ pub trait Communicator {
     /// Bytes this rank's communicator keeps for staging collectives.
     fn buffer_bytes(&self) -> usize {
         0
+    }
+    /// Point-to-point: sends `buf` to rank `dest` under `tag` (buffered).
+    fn send(&mut self, _buf: &[f32], _dest: usize, _tag: u32) -> Result<(), CommError> {
+        Err(CommError::Launch("point-to-point messages are not supported by this backend".into()))
+    }
+    /// Receives the next message from `src` under `tag` into `buf`.
+    fn recv(&mut self, _buf: &mut [f32], _src: usize, _tag: u32) -> Result<(), CommError> {
+        Err(CommError::Launch("point-to-point messages are not supported by this backend".into()))
+    }
+    /// Waits until every message this rank sent has been handed off.
+    fn flush_sends(&mut self) -> Result<(), CommError> {
+        Ok(())
+    }
+    /// Ranks with the same `color` form a new group, ordered by `key`.
+    fn split(&mut self, _color: usize, _key: usize) -> Result<Box<dyn Communicator>, CommError> {
+        Err(CommError::Launch("sub-communicators are not supported by this backend".into()))
     }
 }
 

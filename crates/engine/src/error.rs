@@ -67,6 +67,9 @@ pub enum EngineError {
     /// An invalid ZeRO setting.
     #[error("invalid ZeRO configuration: {0}")]
     Zero(String),
+    /// An invalid pipeline setting or a stage that cannot run.
+    #[error("pipeline parallelism: {0}")]
+    Pipeline(String),
     /// Offloaded optimizer state could not be created, read or written.
     #[error("offloaded optimizer state: cannot {op} {}", path.display())]
     Offload {

@@ -94,6 +94,7 @@ pub mod layout;
 pub mod model;
 pub mod offload;
 pub mod optim;
+pub mod pipeline;
 pub mod precision;
 pub mod recompute;
 pub mod rng;
@@ -109,6 +110,7 @@ pub use error::EngineError;
 pub use layout::{check_shape_size, ParamLayout, TensorSpec, MAX_PARAMS, MAX_TENSORS};
 pub use model::{MicroStepStats, Model};
 pub use optim::{AdamW, Optimizer, OptimizerKind, Sgd};
+pub use pipeline::{Schedule, ScheduleKind, StageLayout, StageSpec, StagedModel};
 pub use precision::Precision;
 pub use recompute::Checkpointing;
 pub use saved::SavedTensor;
@@ -116,7 +118,7 @@ pub use scaler::{LossScaler, LossScalerConfig};
 pub use schedule::{Decay, LrSchedule};
 pub use store::{FullStore, GradOut, GradSpace, ParamStore, SegTensor, SegmentGrads, SegmentView};
 pub use trainer::{
-    clip_grad_norm, grad_norm, LossNormalization, MemoryReport, StepReport, Trainer, TrainerOptions,
+    clip_grad_norm, grad_norm, LossNormalization, MemoryReport, PipelineReport, PipelineStage, StepReport, Trainer, TrainerOptions,
     DEFAULT_BUCKET_ELEMS,
 };
 pub use zero::{Accumulation, Partition, Reduction, Stage, UpdateRun, UpdateSharding, ZeroConfig};

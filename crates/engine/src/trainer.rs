@@ -13,11 +13,13 @@ mod boundary;
 mod clip;
 mod memory;
 mod offload;
+mod pipeline;
 mod state;
 mod step_store;
 
 pub use clip::{clip_grad_norm, grad_norm};
 pub use memory::MemoryReport;
+pub use pipeline::PipelineStage;
 
 use crate::error::EngineError;
 use crate::layout::ParamLayout;
@@ -110,6 +112,24 @@ pub struct StepReport {
     pub skipped: bool,
     /// Loss scale used by this step (1 without f16).
     pub loss_scale: f32,
+    /// Pipeline parallelism: the schedule's bubble and the time this rank
+    /// waited for its neighbours.
+    pub pipeline: Option<PipelineReport>,
+}
+
+/// What a pipeline step reports.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct PipelineReport {
+    /// This rank's stage.
+    pub stage: usize,
+    /// The schedule's bubble: idle ticks over all ticks in its ideal
+    /// timeline ((P−1)/(K+P−1)).
+    pub bubble: f64,
+    /// Measured seconds each stage (of this rank's pipeline) waited for
+    /// activations or gradients from its neighbours during the step.
+    pub idle_s: Vec<f64>,
+    /// Bytes of activations and gradients this rank sent to its neighbours.
+    pub p2p_bytes: u64,
 }
 
 /// Owns the flat parameter and gradient buffers (or this rank's shards of
@@ -213,9 +233,24 @@ impl Trainer {
         zero: ZeroConfig,
         comm: &mut dyn Communicator,
     ) -> Result<Self, EngineError> {
-        let layout = model.layout().clone();
+        Self::build(model.layout().clone(), model.segments(), init, optimizer, schedule, options, zero, comm)
+    }
+
+    /// A trainer over `layout` cut into `segments` (a model's, or one
+    /// pipeline stage's), initialised segment by segment.
+    #[allow(clippy::too_many_arguments)]
+    fn build(
+        layout: ParamLayout,
+        segments: Vec<std::ops::Range<usize>>,
+        init: &dyn Fn(usize) -> Vec<f32>,
+        optimizer: Optimizer,
+        schedule: LrSchedule,
+        options: TrainerOptions,
+        zero: ZeroConfig,
+        comm: &mut dyn Communicator,
+    ) -> Result<Self, EngineError> {
         let stage = Stage::new(zero)?;
-        let space = GradSpace::new(&layout, model.segments())?;
+        let space = GradSpace::new(&layout, segments)?;
         let (rank, world) = stage.partition_of(comm.rank(), comm.world_size());
         let part = Partition::new(space, rank, world);
         let precision = options.precision;
@@ -351,40 +386,60 @@ impl Trainer {
             return Err(EngineError::NoMicroBatches);
         }
         let step_idx = self.n_steps;
-        let comm_err = |source| EngineError::Comm { step: step_idx + 1, source };
-        let (n_micro, world) = (micro_batches.len(), comm.world_size());
         let before = comm.counters();
         // The loss scale of this step: fixed until the boundary.
         let loss_scale = self.scaler.map_or(1.0, |s| s.scale);
-        let seeds = self.backward_seeds(model, comm, micro_batches, loss_scale)?;
+        let mut groups = Groups { dp: comm, pipe: None };
+        let seeds = self.backward_seeds(model, &mut groups, micro_batches, loss_scale, true)?;
 
         // Accumulate: K micro-steps add into the gradient buffers; at
         // stages 0–2 (local accumulation) nothing is communicated.
         self.begin_accumulation();
-        let (mut loss_sum, mut n_targets, mut model_s) = (0.0f64, 0u64, 0.0);
-        let mut micro_losses = Vec::with_capacity(n_micro);
-        for (micro_step_idx, (batch, loss_seed)) in micro_batches.iter().zip(seeds.per_micro).enumerate() {
+        let mut acc = Accumulated::new(micro_batches.len());
+        for (micro_step_idx, (batch, &loss_seed)) in micro_batches.iter().zip(&seeds.per_micro).enumerate() {
             let t0 = std::time::Instant::now();
             let stats = model
-                .micro_step(&mut self.store(comm, true), batch, loss_seed)
+                .micro_step(&mut self.store(groups.dp, true), batch, loss_seed)
                 .map_err(|e| EngineError::Model { step: step_idx + 1, micro_step_idx, source: Box::new(e) })?;
-            model_s += t0.elapsed().as_secs_f64();
-            loss_sum += stats.loss_sum;
-            n_targets += stats.n_targets;
-            micro_losses.push(stats.loss_sum / stats.n_targets as f64);
+            acc.model_s += t0.elapsed().as_secs_f64();
+            acc.record(micro_step_idx, stats);
         }
         self.end_accumulation();
+        self.boundary(&mut groups, acc, &seeds, loss_scale, before)
+    }
 
-        // The boundary: everything below runs exactly once per optimizer step.
+    /// Everything that runs exactly once per optimizer step, after the
+    /// micro-steps: the statistics, the gradient collective, the global
+    /// norm, the f16 skip decision, clipping, the update and sharing.
+    /// With a pipeline, statistics come from the last stage (the others
+    /// contribute zeros), tied-embedding gradients are summed between the
+    /// first and last stage, and the norm is summed over the stages.
+    fn boundary(
+        &mut self,
+        groups: &mut Groups<'_>,
+        mut acc: Accumulated,
+        seeds: &Seeds,
+        loss_scale: f32,
+        before: comm::CommCounters,
+    ) -> Result<StepReport, EngineError> {
+        let step_idx = self.n_steps;
+        let comm_err = |source| EngineError::Comm { step: step_idx + 1, source };
+        let n_micro = acc.loss_sums.len();
+        let dp_world = groups.dp.world_size();
+        let micro_losses = acc.micro_losses(groups).map_err(comm_err)?;
         let micro_mean_sum: f64 = micro_losses.iter().filter(|l| l.is_finite()).sum();
         let n_valid_micro = micro_losses.iter().filter(|l| l.is_finite()).count();
+        let (loss_sum, n_targets) = (acc.loss_sums.iter().sum::<f64>(), acc.n_targets.iter().sum::<u64>());
         let mut stats = [loss_sum, n_targets as f64, micro_mean_sum, n_valid_micro as f64];
-        comm.all_reduce_sum_f64(&mut stats).map_err(comm_err)?;
+        if groups.pipe.as_ref().is_some_and(|p| !p.info.last) {
+            stats = [0.0; 4];
+        }
+        groups.all_reduce_f64(&mut stats).map_err(comm_err)?;
         let [loss_sum, n_targets, micro_mean_sum, n_valid_micro] = stats;
         let n_targets = n_targets as u64;
         let loss = match self.options.normalization {
             LossNormalization::Token if n_targets > 0 => loss_sum / n_targets as f64,
-            LossNormalization::MicroBatchMean if n_valid_micro > 0.0 => micro_mean_sum / (n_micro * world) as f64,
+            LossNormalization::MicroBatchMean if n_valid_micro > 0.0 => micro_mean_sum / (n_micro * dp_world) as f64,
             _ => return Err(EngineError::NoTargets { step: step_idx + 1 }),
         };
         // What turns the accumulated buffer into the gradient of the mean
@@ -395,10 +450,17 @@ impl Trainer {
             _ => 1.0,
         } / loss_scale as f64;
 
-        self.reduce_gradients(comm).map_err(comm_err)?;
-        let grad_norm = self.global_norm(comm).map_err(comm_err)? * normalize;
-        let report = |grad_norm, clipped, skipped, lr, comm: &mut dyn Communicator| {
-            let after = comm.counters();
+        self.sum_tied_gradients(groups).map_err(comm_err)?;
+        self.reduce_gradients(groups.dp).map_err(comm_err)?;
+        let grad_norm = match groups.pipe.as_mut() {
+            None => self.global_norm(groups.dp),
+            Some(p) => self.pipeline_norm(groups.dp, p),
+        }
+        .map_err(comm_err)?
+            * normalize;
+        let pipeline = acc.pipeline;
+        let report = |grad_norm, clipped, skipped, lr, groups: &Groups<'_>| {
+            let after = groups.dp.counters();
             StepReport {
                 step_idx,
                 loss,
@@ -410,9 +472,10 @@ impl Trainer {
                 lr,
                 comm_bytes: after.bytes_sent - before.bytes_sent,
                 comm_calls: after.n_calls - before.n_calls,
-                model_s,
+                model_s: acc.model_s,
                 skipped,
                 loss_scale,
+                pipeline: pipeline.clone(),
             }
         };
         if !grad_norm.is_finite() {
@@ -423,46 +486,50 @@ impl Trainer {
                 return Err(EngineError::NonFiniteGradient { step: step_idx + 1, norm: grad_norm });
             };
             scaler.update(true);
-            return Ok(report(grad_norm, false, true, self.schedule.lr(step_idx), comm));
+            return Ok(report(grad_norm, false, true, self.schedule.lr(step_idx), groups));
         }
         let clip_coef = self.options.grad_clip.map_or(1.0, |max_norm| clip_coefficient(grad_norm, max_norm));
         self.grad_scale = (normalize * clip_coef) as f32;
         let lr = self.schedule.lr(step_idx);
         self.apply_update(lr)?;
-        self.share_updated_params(comm).map_err(comm_err)?;
+        self.share_updated_params(groups.dp).map_err(comm_err)?;
         if let Some(s) = self.scaler.as_mut() {
             s.update(false);
         }
         self.n_steps += 1;
-        Ok(report(grad_norm, clip_coef < 1.0, false, lr, comm))
+        Ok(report(grad_norm, clip_coef < 1.0, false, lr, groups))
     }
 
     /// The factor each micro-step seeds its backward with. Token
     /// normalisation under f16: `loss_scale / N_global` (the targets of the
     /// whole global batch, counted before the first micro-step with one
-    /// scalar collective), so gradients have a mean loss's magnitude and the
+    /// scalar collective — by the ranks that `count`: with a pipeline, the
+    /// last stage's), so gradients have a mean loss's magnitude and the
     /// scaler's range is not spent on the token count. Otherwise f32/bf16
     /// seed 1 and divide by `N_global` at the boundary; the tutorials'
-    /// micro-batch mean seeds `1 / (n_k · K · W)`.
+    /// micro-batch mean seeds `1 / (n_k · K · W)` (W: the data-parallel ranks).
     fn backward_seeds<M: Model>(
         &self,
         model: &M,
-        comm: &mut dyn Communicator,
+        groups: &mut Groups<'_>,
         micro_batches: &[M::Batch],
         loss_scale: f32,
+        count: bool,
     ) -> Result<Seeds, EngineError> {
         let n_micro = micro_batches.len();
         match self.options.normalization {
             LossNormalization::Token if self.scaler.is_some() => {
-                let mut n = [micro_batches.iter().map(|b| model.n_targets(b)).sum::<u64>() as f64];
-                comm.all_reduce_sum_f64(&mut n)
+                let local = if count { micro_batches.iter().map(|b| model.n_targets(b)).sum::<u64>() } else { 0 };
+                let mut n = [local as f64];
+                groups
+                    .all_reduce_f64(&mut n)
                     .map_err(|source| EngineError::Comm { step: self.n_steps + 1, source })?;
                 let loss_seed = if n[0] > 0.0 { (loss_scale as f64 / n[0]) as f32 } else { 0.0 };
                 Ok(Seeds { per_micro: vec![loss_seed; n_micro], divided_by_targets: true })
             }
             LossNormalization::Token => Ok(Seeds { per_micro: vec![loss_scale; n_micro], divided_by_targets: false }),
             LossNormalization::MicroBatchMean => {
-                let k_w = (n_micro * comm.world_size()) as f64;
+                let k_w = (n_micro * groups.dp.world_size()) as f64;
                 let per_micro = micro_batches
                     .iter()
                     .map(|b| match model.n_targets(b) {
@@ -508,6 +575,76 @@ impl Trainer {
             s.hysteresis_left = hysteresis_left;
             s.n_skipped = n_skipped;
         }
+    }
+}
+
+/// The communicators of a step: the data-parallel group (gradients,
+/// ZeRO) and, with a pipeline, the stages holding the same data.
+pub(crate) struct Groups<'a> {
+    pub(crate) dp: &'a mut dyn Communicator,
+    pub(crate) pipe: Option<PipeGroup<'a>>,
+}
+
+/// The pipeline group of a step: this rank's stage among its `P` ranks.
+pub(crate) struct PipeGroup<'a> {
+    pub(crate) comm: &'a mut dyn Communicator,
+    pub(crate) info: PipeInfo,
+}
+
+/// Where this rank's stage sits.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PipeInfo {
+    pub(crate) stage: usize,
+    pub(crate) n_stages: usize,
+    pub(crate) last: bool,
+    /// Both the first and the last stage hold the embedding (local segment 0).
+    pub(crate) tied: bool,
+}
+
+impl Groups<'_> {
+    /// Sum over every rank: the data-parallel group, then the stages.
+    fn all_reduce_f64(&mut self, buf: &mut [f64]) -> Result<(), comm::CommError> {
+        self.dp.all_reduce_sum_f64(buf)?;
+        if let Some(p) = self.pipe.as_mut() {
+            p.comm.all_reduce_sum_f64(buf)?;
+        }
+        Ok(())
+    }
+}
+
+/// What the micro-steps of one step gathered on this rank.
+struct Accumulated {
+    loss_sums: Vec<f64>,
+    n_targets: Vec<u64>,
+    model_s: f64,
+    pipeline: Option<PipelineReport>,
+}
+
+impl Accumulated {
+    fn new(n_micro: usize) -> Self {
+        Accumulated { loss_sums: vec![0.0; n_micro], n_targets: vec![0; n_micro], model_s: 0.0, pipeline: None }
+    }
+
+    fn record(&mut self, k: usize, stats: crate::MicroStepStats) {
+        self.loss_sums[k] = stats.loss_sum;
+        self.n_targets[k] = stats.n_targets;
+    }
+
+    /// Each micro-batch's mean loss on this data rank (NaN without
+    /// targets); with a pipeline the last stage's, shared with the others.
+    fn micro_losses(&mut self, groups: &mut Groups<'_>) -> Result<Vec<f64>, comm::CommError> {
+        if let Some(p) = groups.pipe.as_mut() {
+            let k = self.loss_sums.len();
+            let mut v: Vec<f64> = self.loss_sums.iter().copied().chain(self.n_targets.iter().map(|&n| n as f64)).collect();
+            if !p.info.last {
+                v.fill(0.0);
+            }
+            p.comm.all_reduce_sum_f64(&mut v)?;
+            // The other stages added zeros: the last stage's values, exactly.
+            self.loss_sums.copy_from_slice(&v[..k]);
+            self.n_targets.iter_mut().zip(&v[k..]).for_each(|(n, &x)| *n = x as u64);
+        }
+        Ok(self.loss_sums.iter().zip(&self.n_targets).map(|(l, &n)| l / n as f64).collect())
     }
 }
 

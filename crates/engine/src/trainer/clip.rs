@@ -16,8 +16,14 @@ pub(super) fn clip_coefficient(norm: f64, max_norm: f32) -> f64 {
 /// L2 norm of a flat buffer, accumulated in f64 over fixed chunks summed in
 /// order, so the result does not depend on the number of threads.
 pub fn grad_norm(grads: &[f32]) -> f64 {
+    chunked_sum_of_squares(grads).sqrt()
+}
+
+/// Σ x² of a flat buffer in f64 over fixed chunks summed in order (the
+/// square of [`grad_norm`]).
+pub(super) fn chunked_sum_of_squares(grads: &[f32]) -> f64 {
     let partial: Vec<f64> = grads.par_chunks(CHUNK).map(sum_of_squares).collect();
-    partial.iter().sum::<f64>().sqrt()
+    partial.iter().sum::<f64>()
 }
 
 /// Σ x² in f64 over 8 interleaved accumulators: a fixed summation order (so

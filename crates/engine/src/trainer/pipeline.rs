@@ -1,0 +1,367 @@
+//! Pipeline parallelism in the trainer: a trainer over one stage's own
+//! layout, one optimizer step executing the stage's part of the schedule
+//! (activations and their gradients as point-to-point messages between
+//! neighbouring stages), the tied embedding's gradient summed between the
+//! first and the last stage, the global norm over the stages, evaluation
+//! through the stages, and the full (layout-free) state assembled on the
+//! first stage for checkpoints.
+
+use super::{Accumulated, Groups, PipeGroup, PipeInfo, PipelineReport, StepReport, Trainer, TrainerOptions};
+use crate::error::EngineError;
+use crate::model::MicroStepStats;
+use crate::optim::Optimizer;
+use crate::pipeline::{Op, Schedule, ScheduleKind, StageLayout, StageSpec, StageStore, StagedModel};
+use crate::schedule::LrSchedule;
+use crate::store::GradSpace;
+use crate::zero::{Accumulation, Reduction, ZeroConfig};
+use comm::{CommError, Communicator};
+use std::ops::Range;
+use std::time::Instant;
+
+/// Message tags: activations, their gradients, the tied embedding's
+/// gradient, evaluation activations, checkpoint gathering.
+const TAG_ACT: u32 = 1;
+const TAG_GRAD: u32 = 2;
+const TAG_TIED: u32 = 3;
+const TAG_EVAL: u32 = 4;
+const TAG_GATHER: u32 = 5;
+
+/// One stage of a pipeline as this rank runs it: the cut, the schedule
+/// kind, the stage's layout, and every stage's segments (to assemble and
+/// split layout-free state).
+#[derive(Debug, Clone)]
+pub struct PipelineStage {
+    /// This stage (its `in_flight` from the schedule for K micro-batches).
+    pub spec: StageSpec,
+    /// GPipe or 1F1B.
+    pub kind: ScheduleKind,
+    /// The stage's own layout.
+    pub layout: StageLayout,
+    /// The schedule of one step.
+    pub schedule: Schedule,
+    tied: bool,
+    /// Every stage's model segments (the tied embedding listed on the first only).
+    owned: Vec<Vec<usize>>,
+    model_space: GradSpace,
+    space: GradSpace,
+}
+
+impl PipelineStage {
+    /// Stage `stage` of `model` cut into `cuts` (blocks per stage), for
+    /// steps of `n_micro` micro-batches under `kind`; tells the model
+    /// ([`StagedModel::set_stage`]). Mark trainable tensors first.
+    pub fn new<M: StagedModel>(
+        model: &mut M,
+        cuts: &[Range<usize>],
+        stage: usize,
+        kind: ScheduleKind,
+        n_micro: usize,
+    ) -> Result<Self, EngineError> {
+        let n_stages = cuts.len();
+        let n_blocks = model.n_blocks();
+        let covered = cuts.iter().try_fold(0usize, |at, r| (r.start == at && r.end > r.start).then_some(r.end));
+        if stage >= n_stages || covered != Some(n_blocks) {
+            return Err(EngineError::Pipeline(format!(
+                "stage {stage} of cuts {cuts:?}: the cuts must cover the model's {n_blocks} blocks back to back, each non-empty"
+            )));
+        }
+        let schedule = Schedule::new(kind, n_stages, n_micro)?;
+        let spec = StageSpec {
+            stage,
+            n_stages,
+            blocks: cuts[stage].clone(),
+            in_flight: schedule.stages[stage].in_flight,
+        };
+        let tied = model.tied_head() && n_stages > 1;
+        let segments = model.segments();
+        let layout = StageLayout::new(model.layout(), &segments, spec.segments(n_blocks, model.tied_head()));
+        let owned = (0..n_stages)
+            .map(|s| {
+                let sp = StageSpec { stage: s, n_stages, blocks: cuts[s].clone(), in_flight: 1 };
+                sp.segments(n_blocks, false)
+            })
+            .collect();
+        let model_space = GradSpace::new(model.layout(), segments)?;
+        let space = GradSpace::new(&layout.layout, layout.segments.clone())?;
+        model.set_stage(spec.clone());
+        Ok(PipelineStage { spec, kind, layout, schedule, tied, owned, model_space, space })
+    }
+
+    fn info(&self) -> PipeInfo {
+        PipeInfo {
+            stage: self.spec.stage,
+            n_stages: self.spec.n_stages,
+            last: self.spec.is_last(),
+            tied: self.tied && (self.spec.is_first() || self.spec.is_last()),
+        }
+    }
+
+    /// A model segment's range in a model-wide buffer and in this stage's.
+    fn ranges(&self, grad_space: bool, seg: usize) -> (Range<usize>, Option<Range<usize>>) {
+        let pick = |sp: &GradSpace, j: usize| if grad_space { sp.grad_segments[j].clone() } else { sp.segments[j].clone() };
+        (pick(&self.model_space, seg), self.layout.local(seg).map(|l| pick(&self.space, l)))
+    }
+
+    /// This stage's part of a model-wide buffer (parameters, or with
+    /// `grad_space` a gradient-space buffer such as optimizer state): how a
+    /// checkpoint written at any pipeline width is restored at this one.
+    pub fn take(&self, full: &[f32], grad_space: bool) -> Result<Vec<f32>, EngineError> {
+        let want = if grad_space { self.model_space.n_grads } else { self.model_space.segments.last().map_or(0, |r| r.end) };
+        if full.len() != want {
+            return Err(EngineError::ParamCount { expected: want, got: full.len() });
+        }
+        Ok(self.layout.model_segments.iter().flat_map(|&j| full[self.ranges(grad_space, j).0].iter().copied()).collect())
+    }
+
+    /// The first stage assembles a model-wide buffer from every stage's
+    /// `local` one (the stages send theirs; the tied embedding comes from
+    /// the first stage's copy); other stages get `None`. Every rank of
+    /// `pipe` must call it.
+    pub fn gather(
+        &self,
+        pipe: &mut dyn Communicator,
+        local: &[f32],
+        grad_space: bool,
+    ) -> Result<Option<Vec<f32>>, CommError> {
+        let s = self.spec.stage;
+        if s > 0 {
+            let mine: Vec<f32> = self.owned[s]
+                .iter()
+                .flat_map(|&j| {
+                    let r = self.ranges(grad_space, j).1.unwrap_or(0..0);
+                    local[r].iter().copied()
+                })
+                .collect();
+            pipe.send(&mine, 0, TAG_GATHER)?;
+            pipe.flush_sends()?;
+            return Ok(None);
+        }
+        let n = if grad_space { self.model_space.n_grads } else { self.model_space.segments.last().map_or(0, |r| r.end) };
+        let mut full = vec![0.0; n];
+        for &j in &self.owned[0] {
+            let (dst, src) = self.ranges(grad_space, j);
+            full[dst].copy_from_slice(&local[src.unwrap_or(0..0)]);
+        }
+        for (from, segs) in self.owned.iter().enumerate().skip(1) {
+            let len: usize = segs.iter().map(|&j| self.ranges(grad_space, j).0.len()).sum();
+            let mut buf = vec![0.0; len];
+            pipe.recv(&mut buf, from, TAG_GATHER)?;
+            let mut at = 0;
+            for &j in segs {
+                let dst = self.ranges(grad_space, j).0;
+                let l = dst.len();
+                full[dst].copy_from_slice(&buf[at..at + l]);
+                at += l;
+            }
+        }
+        Ok(Some(full))
+    }
+}
+
+impl Trainer {
+    /// A trainer for one pipeline stage, data-parallel over `dp` (the
+    /// ranks holding the same stage), from the model's initial values per
+    /// model segment (`init(seg)`). ZeRO stages 0 and 1 compose with a
+    /// pipeline; 2 and 3 are refused.
+    pub fn for_stage(
+        stage: &PipelineStage,
+        init: &dyn Fn(usize) -> Vec<f32>,
+        optimizer: Optimizer,
+        schedule: LrSchedule,
+        options: TrainerOptions,
+        zero: ZeroConfig,
+        dp: &mut dyn Communicator,
+    ) -> Result<Self, EngineError> {
+        if zero.stage >= 2 && stage.spec.n_stages > 1 {
+            return Err(EngineError::Pipeline(format!(
+                "ZeRO stage {} with pipeline parallelism is not supported (stages 0 and 1 are, as in DeepSpeed); set dist.zero_stage = 1 or dist.pipeline_parallel = 1",
+                zero.stage
+            )));
+        }
+        let model_segs = stage.layout.model_segments.clone();
+        let local_init = |j: usize| model_segs.get(j).map(|&m| init(m)).unwrap_or_default();
+        Self::build(stage.layout.layout.clone(), stage.layout.segments.clone(), &local_init, optimizer, schedule, options, zero, dp)
+    }
+
+    /// One optimizer step of a pipeline stage over this rank's
+    /// `micro_batches` (every stage of a pipeline gets the same ones; every
+    /// rank the same K): the stage's operations in schedule order, then
+    /// the boundary, once, as [`Trainer::step`] — statistics from the last
+    /// stage, the tied embedding's gradient summed between the first and
+    /// the last stage, the norm summed over the stages.
+    pub fn step_pipeline<M: StagedModel>(
+        &mut self,
+        model: &mut M,
+        stage: &PipelineStage,
+        dp: &mut dyn Communicator,
+        pipe: &mut dyn Communicator,
+        micro_batches: &[M::Batch],
+    ) -> Result<StepReport, EngineError> {
+        let k = micro_batches.len();
+        if k == 0 {
+            return Err(EngineError::NoMicroBatches);
+        }
+        if pipe.world_size() != stage.spec.n_stages || pipe.rank() != stage.spec.stage {
+            return Err(EngineError::Pipeline(format!(
+                "the pipeline group has {} ranks with this one at {}, but this is stage {} of {}",
+                pipe.world_size(),
+                pipe.rank(),
+                stage.spec.stage,
+                stage.spec.n_stages
+            )));
+        }
+        let schedule = if k == stage.schedule.n_micro { stage.schedule.clone() } else { Schedule::new(stage.kind, stage.spec.n_stages, k)? };
+        let plan = &schedule.stages[stage.spec.stage];
+        if plan.in_flight > stage.spec.in_flight {
+            return Err(EngineError::Pipeline(format!(
+                "{} micro-batches need {} activation slots on stage {}, the model has {}",
+                k, plan.in_flight, stage.spec.stage, stage.spec.in_flight
+            )));
+        }
+        let step_idx = self.n_steps;
+        let comm_err = |source| EngineError::Comm { step: step_idx + 1, source };
+        let before = dp.counters();
+        let p2p_before = pipe.counters().p2p_bytes_sent;
+        let loss_scale = self.scaler.map_or(1.0, |s| s.scale);
+        let info = stage.info();
+        let (s, last) = (info.stage, info.last);
+        let mut groups = Groups { dp, pipe: Some(PipeGroup { comm: pipe, info }) };
+        let seeds = self.backward_seeds(model, &mut groups, micro_batches, loss_scale, last)?;
+        let Groups { dp, pipe: Some(PipeGroup { comm: pipe, .. }) } = &mut groups else {
+            unreachable!("built with a pipeline group above")
+        };
+
+        self.begin_accumulation();
+        let mut acc = Accumulated::new(k);
+        let mut idle = 0.0;
+        let (mut act, mut out, mut gout, mut gin) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let lens: Vec<usize> = micro_batches.iter().map(|b| model.boundary_len(b)).collect();
+        let len = |m: usize| lens[m];
+        for op in &plan.ops {
+            match *op {
+                Op::RecvAct(m) => {
+                    act.resize(len(m), 0.0);
+                    let t0 = Instant::now();
+                    pipe.recv(&mut act, s - 1, TAG_ACT).map_err(comm_err)?;
+                    idle += t0.elapsed().as_secs_f64();
+                }
+                Op::Forward(m) => {
+                    if s == 0 {
+                        act.clear();
+                    }
+                    out.resize(if last { 0 } else { len(m) }, 0.0);
+                    let t0 = Instant::now();
+                    let mut store = StageStore { inner: &mut self.store(&mut **dp, true), stage: &stage.layout };
+                    let stats = model
+                        .stage_forward(&mut store, &micro_batches[m], plan.slot[m], &act, &mut out, Some(seeds.per_micro[m]))
+                        .map_err(|e| EngineError::Model { step: step_idx + 1, micro_step_idx: m, source: Box::new(e) })?;
+                    acc.model_s += t0.elapsed().as_secs_f64();
+                    if last {
+                        acc.record(m, stats);
+                    }
+                }
+                Op::SendAct(m) => pipe.send(&out, s + 1, TAG_ACT).map_err(comm_err).map(|_| debug_assert_eq!(out.len(), len(m)))?,
+                Op::RecvGrad(m) => {
+                    gout.resize(len(m), 0.0);
+                    let t0 = Instant::now();
+                    pipe.recv(&mut gout, s + 1, TAG_GRAD).map_err(comm_err)?;
+                    idle += t0.elapsed().as_secs_f64();
+                }
+                Op::Backward(m) => {
+                    if last {
+                        gout.clear();
+                    }
+                    gin.resize(if s == 0 { 0 } else { len(m) }, 0.0);
+                    let t0 = Instant::now();
+                    let mut store = StageStore { inner: &mut self.store(&mut **dp, true), stage: &stage.layout };
+                    model
+                        .stage_backward(&mut store, &micro_batches[m], plan.slot[m], &gout, &mut gin)
+                        .map_err(|e| EngineError::Model { step: step_idx + 1, micro_step_idx: m, source: Box::new(e) })?;
+                    acc.model_s += t0.elapsed().as_secs_f64();
+                }
+                Op::SendGrad(_) => pipe.send(&gin, s - 1, TAG_GRAD).map_err(comm_err)?,
+            }
+        }
+        pipe.flush_sends().map_err(comm_err)?;
+        self.end_accumulation();
+        let mut idle_s = vec![0.0; info.n_stages];
+        idle_s[s] = idle;
+        pipe.all_reduce_sum_f64(&mut idle_s).map_err(comm_err)?;
+        let p2p_bytes = pipe.counters().p2p_bytes_sent - p2p_before;
+        acc.pipeline = Some(PipelineReport { stage: s, bubble: schedule.bubble_fraction(), idle_s, p2p_bytes });
+        self.boundary(&mut groups, acc, &seeds, loss_scale, before)
+    }
+
+    /// Forward-only loss of `batch` through the pipeline (every rank of
+    /// the pipeline gets the same statistics: the last stage's).
+    pub fn loss_pipeline<M: StagedModel>(
+        &mut self,
+        model: &mut M,
+        stage: &PipelineStage,
+        dp: &mut dyn Communicator,
+        pipe: &mut dyn Communicator,
+        batch: &M::Batch,
+    ) -> Result<MicroStepStats, EngineError> {
+        let step = self.n_steps;
+        let comm_err = |source| EngineError::Comm { step, source };
+        let (s, last) = (stage.spec.stage, stage.spec.is_last());
+        let n = model.boundary_len(batch);
+        let mut act = vec![0.0; if s == 0 { 0 } else { n }];
+        if s > 0 {
+            pipe.recv(&mut act, s - 1, TAG_EVAL).map_err(comm_err)?;
+        }
+        let mut out = vec![0.0; if last { 0 } else { n }];
+        let mut store = StageStore { inner: &mut self.store(dp, false), stage: &stage.layout };
+        let stats = model
+            .stage_forward(&mut store, batch, 0, &act, &mut out, None)
+            .map_err(|e| EngineError::Model { step, micro_step_idx: 0, source: Box::new(e) })?;
+        if !last {
+            pipe.send(&out, s + 1, TAG_EVAL).map_err(comm_err)?;
+            pipe.flush_sends().map_err(comm_err)?;
+        }
+        let mut v = if last { [stats.loss_sum, stats.n_targets as f64] } else { [0.0; 2] };
+        pipe.all_reduce_sum_f64(&mut v).map_err(comm_err)?;
+        Ok(MicroStepStats { loss_sum: v[0], n_targets: v[1] as u64 })
+    }
+
+    /// With a tied head, before the data-parallel reduction: the first and
+    /// the last stage exchange their embedding gradients and each adds the
+    /// other's (a + b = b + a in IEEE arithmetic, so both copies get the
+    /// same bits and stay equal after the update).
+    pub(super) fn sum_tied_gradients(&mut self, groups: &mut Groups<'_>) -> Result<(), CommError> {
+        let Some(p) = groups.pipe.as_mut().filter(|p| p.info.tied) else { return Ok(()) };
+        let g = self.part.space.grad_segments[0].clone();
+        if g.is_empty() {
+            return Ok(()); // a frozen embedding has no gradient
+        }
+        let peer = if p.info.stage == 0 { p.info.n_stages - 1 } else { 0 };
+        p.comm.send(&self.grads[g.clone()], peer, TAG_TIED)?;
+        let mut theirs = vec![0.0; g.len()];
+        p.comm.recv(&mut theirs, peer, TAG_TIED)?;
+        p.comm.flush_sends()?;
+        self.grads[g].iter_mut().zip(&theirs).for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+
+    /// The global norm with a pipeline: this stage's sum of squares (of
+    /// its shard at ZeRO-1; the last stage leaves out its copy of a tied
+    /// embedding), summed over the data ranks and then the stages.
+    pub(super) fn pipeline_norm(&self, dp: &mut dyn Communicator, p: &mut PipeGroup<'_>) -> Result<f64, CommError> {
+        let skip0 = p.info.tied && p.info.last;
+        let segs = (0..self.part.n_segments()).filter(|&j| !(skip0 && j == 0));
+        let mut sq = [match (self.stage.reduction(), self.stage.accumulation()) {
+            (Reduction::AllReduce, _) => {
+                segs.map(|j| super::clip::chunked_sum_of_squares(&self.grads[self.part.space.grad_segments[j].clone()])).sum()
+            }
+            (_, Accumulation::Local) => {
+                segs.map(|j| super::clip::sum_of_squares(&self.grads[self.part.grad_owned(j, self.part.rank)])).sum()
+            }
+            (_, Accumulation::PerSegment) => unreachable!("ZeRO-2/3 are refused with a pipeline"),
+        }];
+        if self.stage.reduction() != Reduction::AllReduce {
+            dp.all_reduce_sum_f64(&mut sq)?;
+        }
+        p.comm.all_reduce_sum_f64(&mut sq)?;
+        Ok(sq[0].sqrt())
+    }
+}
