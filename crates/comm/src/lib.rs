@@ -141,7 +141,7 @@ pub trait Communicator {
     /// This rank has failed outside a collective: make the others stop now
     /// rather than at their timeout. MPI aborts the job; threads mark the group failed.
     fn abort(&mut self, reason: &str);
-    /// Bytes this rank's communicator keeps for staging collectives.
+    /// Bytes this rank's communicator keeps for staging collectives and sends in flight.
     fn buffer_bytes(&self) -> usize {
         0
     }
