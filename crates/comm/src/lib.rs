@@ -13,13 +13,16 @@
 //! the order sent; different tags are independent queues. A receive names its
 //! source and tag, needs a buffer of exactly the sent length (else
 //! [`CommError::BadLength`], the message being consumed), and waits at most
-//! the group's timeout; a source that failed or left makes it fail promptly.
-//! Sends are counted in [`CommCounters::p2p_messages`] and
+//! the group's timeout (MPI then aborts the job naming the source, as it does
+//! for a collective); a source that failed or left makes it fail promptly.
+//! [`Communicator::flush_sends`] waits until the transport holds every
+//! message sent (the end of an optimizer step). Sends are counted in [`CommCounters::p2p_messages`] and
 //! [`CommCounters::p2p_bytes_sent`], never as collectives.
 //!
 //! Sub-groups ([`Communicator::split`]): a collective over the group in which
 //! the ranks passing the same color form a new group, ranked by key, then by
-//! their rank in the parent, with the parent's timeout. The failure of a rank
+//! their rank in the parent, with the parent's timeout; it counts as one
+//! collective call without payload. The failure of a rank
 //! is seen in every group it belongs to and in the groups derived from the
 //! same world: the threads backend marks them all failed, MPI aborts the job.
 //!
@@ -36,7 +39,7 @@ use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 use thiserror::Error;
 
-/// Why a collective failed.
+/// Why a collective, a send or a receive failed.
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum CommError {
     /// Another rank panicked, returned an error, or exited.
