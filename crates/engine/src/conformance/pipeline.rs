@@ -45,6 +45,9 @@ pub struct Layout {
 /// Per-step losses and the final parameters of a run.
 pub type Run = (Vec<f64>, Vec<f32>);
 
+/// One rank's losses and, on rank 0, the model-wide final parameters.
+type RankRun = Result<(Vec<f64>, Option<Vec<f32>>), String>;
+
 /// Micro-batches per data rank at micro-batch 2: the global batch of 16
 /// sequences over D data ranks.
 fn n_micro(d: usize) -> usize {
@@ -80,7 +83,7 @@ pub fn run_layout<M: StagedModel<Batch = TokenBatch> + Send>(
 ) -> Result<Run, String> {
     let world = l.p * l.d;
     let comms = comm::threads::group(world, Duration::from_secs(60));
-    let results: Vec<Result<(Vec<f64>, Option<Vec<f32>>), String>> = std::thread::scope(|sc| {
+    let results: Vec<RankRun> = std::thread::scope(|sc| {
         let handles: Vec<_> = comms.into_iter().map(|mut c| sc.spawn(move || one_rank(case, l, &mut c))).collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a rank panicked".into()))).collect()
     });
@@ -100,7 +103,7 @@ fn one_rank<M: StagedModel<Batch = TokenBatch>>(
     case: &PipelineCase<'_, M>,
     l: Layout,
     world: &mut dyn Communicator,
-) -> Result<(Vec<f64>, Option<Vec<f32>>), String> {
+) -> RankRun {
     let r = world.rank();
     let (stage, dr) = (r / l.d, r % l.d);
     let mut dp = world.split(stage, dr).map_err(err("split dp"))?;
