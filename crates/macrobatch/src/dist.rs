@@ -3,6 +3,8 @@
 
 use anyhow::{bail, Context, Result};
 use comm::launcher::launcher_world_size;
+use engine::ScheduleKind;
+use std::ops::Range;
 use std::time::Duration;
 
 /// How this run's ranks are provided.
@@ -31,6 +33,74 @@ impl Backend {
             Backend::Single => 1,
             Backend::Threads(n) | Backend::Mpi(n) => n,
         }
+    }
+
+    /// Where the world size comes from, for error messages.
+    pub fn world_source(self) -> &'static str {
+        match self {
+            Backend::Single | Backend::Threads(_) => "dist.world_size",
+            Backend::Mpi(_) => "the MPI launcher's process count",
+        }
+    }
+}
+
+/// How the world's ranks divide into pipeline stages and data-parallel
+/// ranks (Megatron-LM's order: pipeline outer, data inner): rank
+/// r = stage · D + d, so the D ranks of a stage are neighbours and the
+/// P stages of data rank d are D apart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grid {
+    /// Pipeline stages P (1: no pipeline).
+    pub stages: usize,
+    /// Data-parallel ranks D per stage (= world / P).
+    pub data: usize,
+    /// The layers (blocks) each stage runs.
+    pub cuts: Vec<Range<usize>>,
+    /// The schedule every stage follows.
+    pub schedule: ScheduleKind,
+}
+
+impl Grid {
+    /// The grid of `dist` for a world of `world` ranks (`source`: where
+    /// that number comes from) and a model of `n_layers` layers: P must
+    /// divide the world and every stage needs a layer.
+    pub fn new(dist: &config::DistConfig, world: usize, source: &str, n_layers: usize) -> Result<Self> {
+        let data = dist.data_parallel(world, source)?;
+        let cuts = engine::pipeline::split_layers(n_layers, dist.pipeline_parallel, dist.pipeline_layers.as_deref())?;
+        Ok(Self { stages: dist.pipeline_parallel, data, cuts, schedule: dist.pipeline_schedule })
+    }
+
+    /// Whether the model is cut into more than one stage.
+    pub fn is_pipeline(&self) -> bool {
+        self.stages > 1
+    }
+
+    /// The stage of world rank `rank`.
+    pub fn stage_of(&self, rank: usize) -> usize {
+        rank / self.data
+    }
+
+    /// The data-parallel rank (its place within its stage) of world rank `rank`.
+    pub fn data_rank_of(&self, rank: usize) -> usize {
+        rank % self.data
+    }
+
+    /// One line for the run header, e.g. `pipeline: P=2 (1f1b, layers 0-1 |
+    /// 2-3), data parallel D=2; rank r = stage·2 + data`.
+    pub fn describe(&self) -> String {
+        let cuts: Vec<String> = self
+            .cuts
+            .iter()
+            .map(|r| if r.len() == 1 { format!("{}", r.start) } else { format!("{}-{}", r.start, r.end - 1) })
+            .collect();
+        format!(
+            "pipeline: P={} ({}, layers {}), data parallel D={}; rank r = stage·{} + data",
+            self.stages,
+            self.schedule,
+            cuts.join(" | "),
+            self.data,
+            self.data
+        )
     }
 }
 
@@ -161,5 +231,28 @@ impl Fault {
     /// Whether the parameters saved at `step` get a NaN.
     pub fn poisons(&self, step: u64) -> bool {
         self.kind == FaultKind::Nan && step == self.step
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_are_stage_major_and_the_header_names_the_cut() {
+        let mut dist = config::DistConfig { pipeline_parallel: 2, ..Default::default() };
+        let g = Grid::new(&dist, 4, "dist.world_size", 5).unwrap();
+        assert_eq!(g.cuts, vec![0..3, 3..5]);
+        let place: Vec<(usize, usize)> = (0..4).map(|r| (g.stage_of(r), g.data_rank_of(r))).collect();
+        assert_eq!(place, [(0, 0), (0, 1), (1, 0), (1, 1)]);
+        assert_eq!(g.describe(), "pipeline: P=2 (1f1b, layers 0-2 | 3-4), data parallel D=2; rank r = stage·2 + data");
+        dist.pipeline_parallel = 4;
+        let e = Grid::new(&dist, 4, "dist.world_size", 2).unwrap_err().to_string();
+        assert!(e.contains("4 stages") && e.contains("2 layers"), "{e}");
+        let e = Grid::new(&dist, 6, "dist.world_size", 8).unwrap_err().to_string();
+        assert!(e.contains("dist.pipeline_parallel = 4") && e.contains("world size 6"), "{e}");
+        dist.pipeline_layers = Some(vec![1, 1, 1, 1]);
+        let e = Grid::new(&dist, 4, "dist.world_size", 8).unwrap_err().to_string();
+        assert!(e.contains("dist.pipeline_layers") && e.contains("8 layers"), "{e}");
     }
 }

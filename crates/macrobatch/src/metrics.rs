@@ -67,6 +67,18 @@ pub struct StepRecord {
     pub mem_peak_rss: Option<u64>,
     /// The memory model's prediction of the process's peak (`macrobatch plan`).
     pub mem_predicted: u64,
+    /// With a pipeline: the schedule's bubble, idle ticks over all ticks of
+    /// its ideal timeline ((P−1)/(K+P−1)).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline_bubble: Option<f64>,
+    /// With a pipeline: seconds each stage of rank 0's pipeline waited for
+    /// activations or gradients from its neighbours in the step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline_idle_s: Option<Vec<f64>>,
+    /// With a pipeline: bytes of activations and gradients rank 0 (stage 0)
+    /// sent to its neighbour in the step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub p2p_bytes: Option<u64>,
 }
 
 /// Writes metrics and shows progress.

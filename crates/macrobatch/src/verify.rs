@@ -65,6 +65,12 @@ pub fn run(args: VerifyArgs) -> Result<bool> {
         bail!("verify simulates the ranks in one process; run it without mpirun ({var}={n} is set)");
     }
     let cfg = load_config(args.config.as_deref(), &args.set, &args.deepspeed)?;
+    if cfg.dist.pipeline_parallel > 1 {
+        bail!(
+            "verify compares data-parallel shapes of one step (dist.pipeline_parallel = {}); run it with --set dist.pipeline_parallel=1 (a pipeline's step equals the unpipelined one: `train` with both and compare metrics.jsonl)",
+            cfg.dist.pipeline_parallel
+        );
+    }
     let world = cfg.dist.world_size;
     let backend = if world > 1 { Backend::Threads(world) } else { Backend::Single };
     let plan = Arc::new(plan(cfg, backend)?);

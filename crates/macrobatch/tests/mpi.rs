@@ -63,6 +63,27 @@ fn mpi_ranks_match_one_process() {
     let _ = std::fs::remove_dir_all(&base);
 }
 
+/// `-np 4` as 2 pipeline stages × 2 data ranks equals the same run on 4
+/// thread ranks (losses within 1e-6 relative, as tests/pipeline_cli.rs).
+#[test]
+fn mpi_pipeline_matches_thread_ranks() {
+    let pipe = ["dist.pipeline_parallel=2", "model.n_layer=2", "batch.micro=2", "batch.accumulation_steps=4"];
+    let threads = tmp("mpi-pipe-threads");
+    let o = train(&threads, &sets(&[&pipe[..], &["dist.world_size=4"]].concat()));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = tmp("mpi-pipe");
+    let o = mpirun(4, &out, &sets(&pipe), None);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("pipeline: P=2 (1f1b, layers 0 | 1), data parallel D=2"), "{err}");
+    let (a, b) = (losses(&out), losses(&threads));
+    assert_eq!(a.len(), 3);
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-6 * y, "MPI {x} vs threads {y}");
+    }
+    let _ = (std::fs::remove_dir_all(&out), std::fs::remove_dir_all(&threads));
+}
+
 #[test]
 fn a_killed_rank_stops_the_job_with_its_rank_named() {
     let out = tmp("mpi-kill");

@@ -10,10 +10,10 @@ mod trainer;
 pub use samples::{rank_batches, text_files};
 pub use trainer::{
     apply_trainable, bucket_elems, model_for, remove_offload_root, remove_scratch_offload_root, trainable_patterns,
-    trainer_for, trainer_from,
+    trainer_for, trainer_placed, Placement,
 };
 
-use crate::dist::Backend;
+use crate::dist::{Backend, Grid};
 use crate::family::{self, Build, Family};
 use crate::memory;
 use crate::planning::{self, Knobs};
@@ -21,6 +21,7 @@ use crate::DeepSpeedArgs;
 use anyhow::{bail, Context, Result};
 use config::{Config, Micro, ResolvedBatch};
 use data::{Sampler, Samples, Tokenizer, TokenizerSpec};
+use engine::StagedModel;
 use samples::{load_samples, sampler_for};
 use std::path::Path;
 use std::sync::Arc;
@@ -36,8 +37,11 @@ pub struct Plan {
     pub memory_budget: Option<u64>,
     /// How the ranks run: one, threads of this process, or MPI.
     pub backend: Backend,
-    /// The global batch as micro × K × W.
+    /// The global batch as micro × K × D, D the data-parallel ranks
+    /// (`world_size` here: the world's ranks without a pipeline, world / P with one).
     pub batch: ResolvedBatch,
+    /// The world's ranks as pipeline stages × data-parallel ranks.
+    pub grid: Grid,
     /// The training samples.
     pub train: Samples,
     /// The validation samples.
@@ -105,7 +109,12 @@ pub fn plan(mut cfg: Config, backend: Backend) -> Result<Plan> {
         true => e.context("batch.micro = \"auto\" (checked at micro = 1, the smallest it can choose)"),
         false => e,
     };
-    let batch = cfg.batch.resolve(backend.world_size()).map_err(|e| auto_context(e.into()))?;
+    // The layout alone (no activations are allocated before the first batch).
+    let mut layout_model = family.build(Build::default())?;
+    apply_trainable(&mut layout_model, &trainable_patterns(&cfg))?;
+    let grid = Grid::new(&cfg.dist, backend.world_size(), backend.world_source(), layout_model.n_blocks())?;
+    drop(layout_model);
+    let batch = resolve_batch(&cfg, &grid).map_err(auto_context)?;
     let max_seq = family.max_seq_len();
     let seq_len = cfg.data.seq_len.unwrap_or(max_seq);
     if seq_len > max_seq {
@@ -125,14 +134,25 @@ pub fn plan(mut cfg: Config, backend: Backend) -> Result<Plan> {
     }
     let (train, val) = load_samples(&cfg, &tokenizer, seq_len, family.vocab_size())?;
     let sampler = sampler_for(&cfg, &batch, &train).map_err(auto_context)?;
-    // The layout alone (no activations are allocated before the first batch).
-    apply_trainable(&mut family.build(Build::default())?, &trainable_patterns(&cfg))?;
     let tokenizer = Arc::new(tokenizer);
-    let mut plan = Plan { cfg, family, memory_budget: None, backend, batch, train, val, tokenizer, sampler };
+    let mut plan = Plan { cfg, family, memory_budget: None, backend, batch, grid, train, val, tokenizer, sampler };
     if auto_micro {
         choose_micro(&mut plan)?;
     }
     Ok(plan)
+}
+
+/// The batch triple over the data-parallel ranks: global = micro × K × D
+/// (with a pipeline every stage sees the same micro-batches, so the stages
+/// do not multiply the batch).
+fn resolve_batch(cfg: &Config, grid: &Grid) -> Result<ResolvedBatch> {
+    cfg.batch.resolve(grid.data).map_err(|e| match grid.is_pipeline() {
+        false => e.into(),
+        true => anyhow::Error::from(e).context(format!(
+            "with dist.pipeline_parallel = {} the batch counts the data-parallel ranks: world_size = D = {} here (world / P)",
+            grid.stages, grid.data
+        )),
+    })
 }
 
 /// With `batch.micro = "auto"`: sets micro 1 (the planner then picks the
@@ -199,7 +219,7 @@ fn choose_micro(plan: &mut Plan) -> Result<()> {
     plan.memory_budget = Some(budget);
     plan.cfg.batch.micro = Some(Micro::Sequences(best.knobs.micro));
     plan.cfg.batch.accumulation_steps = None;
-    plan.batch = plan.cfg.batch.resolve(plan.backend.world_size())?;
+    plan.batch = resolve_batch(&plan.cfg, &plan.grid)?;
     plan.sampler = sampler_for(&plan.cfg, &plan.batch, &plan.train)?;
     eprintln!(
         "batch.micro = \"auto\": micro {} × K {} × W {} (global {}) plans {} per process under the budget of {}",

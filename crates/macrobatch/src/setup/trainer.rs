@@ -7,7 +7,9 @@ use crate::family::LanguageModel;
 use anyhow::{bail, Context, Result};
 use comm::Communicator;
 use config::{Config, OffloadOptimizer, OptimizerKind};
-use engine::{AdamW, LossScalerConfig, LrSchedule, Model, Optimizer, Sgd, Trainer, TrainerOptions, ZeroConfig};
+use engine::{
+    AdamW, LossScalerConfig, LrSchedule, Model, Optimizer, PipelineStage, Sgd, Trainer, TrainerOptions, ZeroConfig,
+};
 use std::path::{Path, PathBuf};
 
 /// The model for this plan, storing activations in the configured
@@ -75,11 +77,44 @@ pub fn trainer_from(
     initial: Option<&[f32]>,
     offload_root: &Path,
 ) -> Result<Trainer> {
+    let world_rank = comm.rank();
+    trainer_placed(plan, model, Placement::Whole(comm), initial, offload_root, world_rank)
+}
+
+/// Which part of the model a trainer holds, and the ranks it is data-parallel over.
+pub enum Placement<'a> {
+    /// The whole model, data-parallel over every rank of this communicator.
+    Whole(&'a mut dyn Communicator),
+    /// One pipeline stage, data-parallel over `dp` (the ranks holding it).
+    Stage {
+        /// The stage.
+        stage: &'a PipelineStage,
+        /// The ranks holding the same stage.
+        dp: &'a mut dyn Communicator,
+    },
+}
+
+/// The trainer of `placement` over `model` (whose model-wide `initial`
+/// parameters, if given, are read a segment at a time), offloading under
+/// `offload_root/rank-{world_rank}`.
+pub fn trainer_placed(
+    plan: &Plan,
+    model: &impl Model,
+    placement: Placement<'_>,
+    initial: Option<&[f32]>,
+    offload_root: &Path,
+    world_rank: usize,
+) -> Result<Trainer> {
     let n_params = model.layout().n_params();
     let (cfg, o) = (&plan.cfg, &plan.cfg.optim);
+    // Sized for what the trainer holds (it resizes to its shard).
+    let held = match &placement {
+        Placement::Whole(_) => n_params,
+        Placement::Stage { stage, .. } => stage.layout.layout.n_params(),
+    };
     let optimizer = match o.name {
-        OptimizerKind::Sgd => Optimizer::Sgd(Sgd::new(n_params, o.momentum, o.nesterov, o.weight_decay)?),
-        OptimizerKind::AdamW => Optimizer::AdamW(AdamW::new(n_params, o.beta1, o.beta2, o.eps, o.weight_decay)?),
+        OptimizerKind::Sgd => Optimizer::Sgd(Sgd::new(held, o.momentum, o.nesterov, o.weight_decay)?),
+        OptimizerKind::AdamW => Optimizer::AdamW(AdamW::new(held, o.beta1, o.beta2, o.eps, o.weight_decay)?),
     };
     let schedule = LrSchedule {
         max_lr: o.lr,
@@ -102,6 +137,7 @@ pub fn trainer_from(
     };
     let zero = ZeroConfig { stage: cfg.dist.zero_stage, reduce_every_micro_step: cfg.dist.reduce_every_micro_step };
     let segments = model.segments();
+    // By model segment: a stage's trainer asks only for its own.
     let init = |seg: usize| match initial {
         Some(p) => p[segments[seg].clone()].to_vec(),
         None => plan.family.init_segment(cfg.train.seed, seg),
@@ -109,13 +145,16 @@ pub fn trainer_from(
     if let Some(p) = initial.filter(|p| p.len() != n_params) {
         bail!("the initial parameters hold {} values, the model {n_params}", p.len());
     }
-    let mut trainer = Trainer::distributed_with(model, &init, optimizer, schedule, options, zero, comm)?;
+    let mut trainer = match placement {
+        Placement::Whole(comm) => Trainer::distributed_with(model, &init, optimizer, schedule, options, zero, comm)?,
+        Placement::Stage { stage, dp } => Trainer::for_stage(stage, &init, optimizer, schedule, options, zero, dp)?,
+    };
     match cfg.dist.offload_optimizer {
         OffloadOptimizer::None => {}
         OffloadOptimizer::Disk => {
             // After the constructor's broadcasts from rank 0, which created
             // the run folder before taking part: no rank makes it first.
-            let dir = offload_root.join(format!("rank-{}", comm.rank()));
+            let dir = offload_root.join(format!("rank-{world_rank}"));
             trainer
                 .offload_optimizer(&dir)
                 .with_context(|| format!("dist.offload_optimizer = \"disk\": cannot set up {}", dir.display()))?;

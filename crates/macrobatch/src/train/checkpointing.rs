@@ -4,6 +4,7 @@
 //! newest `train.keep_checkpoints` kept; and the final save of the model.
 
 use super::outputs::{resolved_toml, Outputs};
+use super::ranks::RankComms;
 use super::start::Start;
 use crate::checkpoint::{self, TrainerState};
 use crate::family::Build;
@@ -52,23 +53,28 @@ impl<'a> Checkpoints<'a> {
     }
 
     /// This rank's part in gathering the full state of a `due` step (a
-    /// collective at ZeRO ≥ 1 or with sharded master weights); rank 0 gets it.
+    /// collective at ZeRO ≥ 1, with sharded master weights, and over a
+    /// pipeline's stages); rank 0 gets it, model-wide at any pipeline width.
     pub fn gather(
         &self,
         due: bool,
-        rank0: bool,
         step: u64,
         trainer: &mut Trainer,
-        comm: &mut dyn Communicator,
+        comms: &mut RankComms,
     ) -> Result<Option<FullState>> {
-        if !(due && (rank0 || self.plan.cfg.dist.zero_stage >= 1 || self.all_ranks_gather)) {
+        if !(due && self.takes_part(comms)) {
             return Ok(None);
         }
         heap::set_phase(Phase::Checkpoint);
         let what = || format!("writing the checkpoint of step {step}: {}", heap::advice(Phase::Checkpoint));
-        let params = trainer.full_params_to_rank0(comm).with_context(what)?;
-        let opt = trainer.full_optimizer_state(comm, false).with_context(what)?;
-        Ok(params.map(|p| (p, opt)))
+        comms.full_state(trainer).with_context(what)
+    }
+
+    /// Whether this rank holds part of what a gather assembles: the
+    /// data-parallel rank 0 of each stage (rank 0 without a pipeline), and
+    /// every rank wherever the state is sharded.
+    fn takes_part(&self, comms: &RankComms) -> bool {
+        comms.dp_rank() == 0 || self.plan.cfg.dist.zero_stage >= 1 || self.all_ranks_gather
     }
 
     /// Ranks other than 0 on a `due` step: wait, exchanging heartbeats,
@@ -139,18 +145,13 @@ impl<'a> Checkpoints<'a> {
     /// After the last step: this rank's part in gathering the final
     /// parameters (every rank's where the master weights are sharded); rank
     /// 0 gets them.
-    pub fn gather_final(
-        &self,
-        rank0: bool,
-        trainer: &mut Trainer,
-        comm: &mut dyn Communicator,
-    ) -> Result<Option<Vec<f32>>> {
+    pub fn gather_final(&self, trainer: &mut Trainer, comms: &mut RankComms) -> Result<Option<Vec<f32>>> {
         heap::set_phase(Phase::Save);
-        if !(rank0 || self.all_ranks_gather) {
+        if !(comms.dp_rank() == 0 || self.all_ranks_gather) {
             return Ok(None);
         }
         let what = || format!("saving the model: {}", heap::advice(Phase::Save));
-        trainer.full_params_to_rank0(comm).with_context(what)
+        comms.full_params(trainer).with_context(what)
     }
 
     /// Rank 0: saves the final model (checked finite) into the run folder,

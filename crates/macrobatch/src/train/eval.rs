@@ -1,38 +1,38 @@
 //! Evaluation: the mean validation loss, on the last step and every
-//! `train.eval_every` steps.
+//! `train.eval_every` steps (through every stage of a pipeline).
 
+use super::ranks::RankComms;
 use crate::heap::{self, Phase};
 use crate::setup::Plan;
 use anyhow::{bail, Result};
-use comm::Communicator;
-use engine::{Model, TokenBatch, Trainer};
+use engine::{StagedModel, TokenBatch, Trainer};
 
 /// The validation loss of step `step` when it is due: measured by rank 0,
-/// or at ZeRO-3 by every rank together (evaluation gathers segments).
+/// at ZeRO-3 by every rank together (evaluation gathers segments), with a
+/// pipeline by the stages of data rank 0 together (each runs its layers).
 pub fn maybe_evaluate(
     plan: &Plan,
     step: u64,
-    rank0: bool,
     trainer: &mut Trainer,
-    model: &mut impl Model<Batch = TokenBatch>,
-    comm: &mut dyn Communicator,
+    model: &mut impl StagedModel<Batch = TokenBatch>,
+    comms: &mut RankComms,
 ) -> Result<Option<f64>> {
     let cfg = &plan.cfg.train;
     let is_eval = step == cfg.steps || (cfg.eval_every > 0 && step.is_multiple_of(cfg.eval_every));
-    let all_ranks_eval = plan.cfg.dist.zero_stage == 3;
-    if !(is_eval && (rank0 || all_ranks_eval)) {
+    if !(is_eval && comms.evaluates(plan.cfg.dist.zero_stage == 3)) {
         return Ok(None);
     }
     heap::set_phase(Phase::Eval);
-    Ok(Some(evaluate(trainer, model, comm, plan)?))
+    Ok(Some(evaluate(trainer, model, comms, plan)?))
 }
 
 /// Mean validation loss over the first `eval_batches` micro-batches (at
-/// ZeRO-3 a collective: every rank evaluates the same batches).
+/// ZeRO-3 and through a pipeline a collective: every rank taking part
+/// evaluates the same batches).
 fn evaluate(
     trainer: &mut Trainer,
-    model: &mut impl Model<Batch = TokenBatch>,
-    comm: &mut dyn Communicator,
+    model: &mut impl StagedModel<Batch = TokenBatch>,
+    comms: &mut RankComms,
     plan: &Plan,
 ) -> Result<f64> {
     let (val, micro) = (&plan.val, plan.batch.micro);
@@ -40,7 +40,7 @@ fn evaluate(
     let idx: Vec<usize> = (0..n).collect();
     let (mut sum, mut count) = (0.0, 0u64);
     for chunk in idx.chunks(micro) {
-        let s = trainer.loss(model, comm, &val.batch(chunk)?)?;
+        let s = comms.loss(trainer, model, &val.batch(chunk)?)?;
         sum += s.loss_sum;
         count += s.n_targets;
     }

@@ -4,7 +4,8 @@
 //! [`run`] finds where the run starts ([`start`]: a new run, `--resume`,
 //! `--init-from`), validates the plan ([`crate::setup`]), plans the run
 //! folder ([`outputs`]) and runs the ranks. Each rank runs the loop of
-//! [`rank`], whose parts live beside it: evaluation ([`eval`]), checkpoint
+//! [`rank`], whose parts live beside it: the rank's groups and pipeline
+//! stage ([`ranks`]), evaluation ([`eval`]), checkpoint
 //! policy and the final save ([`checkpointing`]), metrics and memory
 //! reports ([`reports`]), the stop agreement ([`stop`]) and `--dump-steps`
 //! ([`dump`]).
@@ -14,6 +15,7 @@ mod dump;
 mod eval;
 mod outputs;
 mod rank;
+mod ranks;
 mod reports;
 mod start;
 mod stop;
@@ -66,8 +68,8 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         start::check_resume(&plan, l)?;
     }
     let cfg = &plan.cfg;
-    if args.dump_steps.is_some() && plan.batch.world_size > 1 {
-        bail!("--dump-steps records one rank's run; use dist.world_size = 1");
+    if args.dump_steps.is_some() && plan.backend.world_size() > 1 {
+        bail!("--dump-steps records one rank's run; use dist.world_size = 1 (and dist.pipeline_parallel = 1)");
     }
     for w in cfg.warnings() {
         eprintln!("warning: {w}");

@@ -173,7 +173,7 @@ pub fn open_outputs(plan: &Plan, dir: &Path, resume_step: Option<u64>, run_id: &
     }
     let reporter = Reporter::new(&metrics, plan.cfg.train.steps, plan.cfg.train.log_every, resume_step.is_some())?;
     reporter.println(&format!(
-        "macrobatch: {} {} ({:.2}M params, {}), batch {} = micro {} × K {} × W {} ({:?}), seq {} | {} train / {} val sequences, {} steps/epoch | {} threads | out {}",
+        "macrobatch: {} {} ({:.2}M params, {}), batch {} = micro {} × K {} × {} {} ({:?}), seq {} | {} train / {} val sequences, {} steps/epoch | {} threads | out {}",
         plan.family.name(),
         plan.cfg.model.preset,
         plan.family.n_params() as f64 / 1e6,
@@ -181,6 +181,7 @@ pub fn open_outputs(plan: &Plan, dir: &Path, resume_step: Option<u64>, run_id: &
         plan.batch.global,
         plan.batch.micro,
         plan.batch.accumulation_steps,
+        if plan.grid.is_pipeline() { "D" } else { "W" },
         plan.batch.world_size,
         plan.backend,
         plan.train.seq_len(),
@@ -190,5 +191,10 @@ pub fn open_outputs(plan: &Plan, dir: &Path, resume_step: Option<u64>, run_id: &
         rayon::current_num_threads(),
         dir.display()
     ));
+    if plan.grid.is_pipeline() {
+        reporter.println(&plan.grid.describe());
+        let schedule = engine::Schedule::new(plan.grid.schedule, plan.grid.stages, plan.batch.accumulation_steps)?;
+        reporter.println(schedule.to_string().trim_end());
+    }
     Ok(Outputs { dir: dir.to_path_buf(), reporter })
 }

@@ -7,16 +7,17 @@ use super::checkpointing::Checkpoints;
 use super::dump::dump_step;
 use super::eval::maybe_evaluate;
 use super::outputs::Outputs;
+use super::ranks::RankComms;
 use super::reports::{self, MemoryWatch, StepContext};
 use super::start::Start;
 use crate::dist::Fault;
 use crate::heap::{self, Phase};
-use crate::setup::{model_for, rank_batches, trainer_from, Plan};
+use crate::setup::{model_for, rank_batches, Plan};
 use anyhow::{bail, Context, Result};
 use comm::Communicator;
 use config::TrainConfig;
 use data::EpochOrder;
-use engine::{Model, TokenBatch, Trainer};
+use engine::{Model, StagedModel, TokenBatch, Trainer};
 use std::path::Path;
 use std::time::Instant;
 
@@ -30,9 +31,10 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
     let heap_base = heap::reset_peak();
     heap::set_phase(Phase::Build);
     let mut model = model_for(plan)?;
+    let mut comms = RankComms::new(plan, &mut model, comm)?;
     let mut memory = MemoryWatch::new(plan, heap_base)?;
     let offload_root = start.offload_root.get().context("the run folder is not known yet")?;
-    let (mut trainer, first_step) = start_trainer(plan, &model, comm, start, offload_root)?;
+    let (mut trainer, first_step) = start_trainer(plan, &model, &mut comms, start, offload_root)?;
     let mem = trainer.memory();
     if let Some(out) = &outputs {
         reports::print_memory(out, cfg.dist.zero_stage, &mem, offload_root);
@@ -45,27 +47,27 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
         let step = step_idx + 1;
         heap::set_phase(Phase::Step);
         fault_hook(start.fault.as_ref(), rank, step)?;
-        let (epoch, batches, input_tokens) = orders.step_batches(step_idx, rank, outputs.is_some())?;
+        let (epoch, batches, input_tokens) = orders.step_batches(step_idx, comms.data_rank(), outputs.is_some())?;
         if let Some(dir) = &start.dump_steps {
             dump_step(dir, step, &batches, (step_idx == first_step).then(|| (&trainer, model.layout())))?;
         }
         let t0 = Instant::now();
-        let report = trainer.step(&mut model, comm, &batches)?;
+        let report = comms.step(&mut trainer, &mut model, &batches)?;
         let step_s = t0.elapsed().as_secs_f64();
         floor_skips.check(step, report.skipped, &trainer, &cfg.train)?;
         if memory.first_step_pending() {
             drop(batches);
-            memory.after_first_step(plan, &trainer, model.activation_bytes(), comm.buffer_bytes())?;
+            memory.after_first_step(plan, &trainer, model.activation_bytes(), comms.buffer_bytes())?;
         }
         if cfg.dist.check_every > 0 && step % cfg.dist.check_every == 0 {
-            trainer.check_params_agree(comm)?;
+            comms.check_params_agree(&mut trainer)?;
         }
-        let stop = start.stop.agree(comm, step - first_step)?;
-        let val_loss = maybe_evaluate(plan, step, outputs.is_some(), &mut trainer, &mut model, comm)?;
+        let stop = start.stop.agree(comms.world, step - first_step)?;
+        let val_loss = maybe_evaluate(plan, step, &mut trainer, &mut model, &mut comms)?;
         let checkpoint_due = checkpoints.due(step, stop);
-        let full_state = checkpoints.gather(checkpoint_due, outputs.is_some(), step, &mut trainer, comm)?;
+        let full_state = checkpoints.gather(checkpoint_due, step, &mut trainer, &mut comms)?;
         let Some(out) = outputs.as_mut() else {
-            checkpoints.wait_for_rank0(checkpoint_due, comm)?;
+            checkpoints.wait_for_rank0(checkpoint_due, comms.world)?;
             if stop {
                 return Ok(());
             }
@@ -75,24 +77,24 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
             StepContext { step, epoch, input_tokens, step_s, elapsed_s: started.elapsed().as_secs_f64(), val_loss };
         out.reporter.record(&reports::step_record(at, report, &mem, model.activation_bytes(), &memory.predicted))?;
         if let Some(state) = full_state {
-            let path = checkpoints.write(comm, out, step, state, &trainer, model.layout())?;
+            let path = checkpoints.write(comms.world, out, step, state, &trainer, model.layout())?;
             if stop {
                 out.reporter.finish();
                 start.stop.announce(step, &path, &out.dir);
                 return Ok(());
             }
         } else if checkpoint_due {
-            checkpoints.skip_write(comm)?;
+            checkpoints.skip_write(comms.world)?;
         }
         if stop {
             return Ok(());
         }
     }
     // Per-rank memory to rank 0, then the final parameters.
-    let per_rank = memory.gather(comm)?;
-    let params = checkpoints.gather_final(outputs.is_some(), &mut trainer, comm)?;
+    let per_rank = memory.gather(comms.world, &trainer)?;
+    let params = checkpoints.gather_final(&mut trainer, &mut comms)?;
     if let Some(out) = &outputs {
-        memory.write_file(out, plan, comm.world_size(), model.layout().n_params(), &trainer, &per_rank)?;
+        memory.write_file(out, plan, model.layout().n_params(), &trainer, &per_rank)?;
     }
     if let (Some(out), Some(params)) = (outputs, params) {
         checkpoints.save_final(out, model.layout(), &params, started)?;
@@ -102,11 +104,13 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
 
 /// This rank's trainer — from a checkpoint, pretrained parameters or a
 /// fresh initialisation, offloading under `offload_root` — with the
-/// parameters checked equal on every rank; and the step it starts after.
+/// parameters checked equal on every rank holding them; and the step it
+/// starts after. A checkpoint is model-wide: each pipeline stage keeps its
+/// part, so it resumes at any pipeline width.
 fn start_trainer(
     plan: &Plan,
-    model: &impl Model,
-    comm: &mut dyn Communicator,
+    model: &impl StagedModel,
+    comms: &mut RankComms,
     start: &Start,
     offload_root: &Path,
 ) -> Result<(Trainer, u64)> {
@@ -115,20 +119,26 @@ fn start_trainer(
     let resume = start.resume.as_ref().and_then(|h| h.take());
     let pretrained = start.init_params.as_ref().and_then(|h| h.take());
     let initial = resume.as_ref().map(|l| l.params.as_slice()).or(pretrained.as_deref().map(Vec::as_slice));
-    let mut trainer = trainer_from(plan, model, comm, initial, offload_root)?;
+    let mut trainer = comms.trainer(plan, model, initial, offload_root)?;
     drop(pretrained);
     let mut first_step = 0;
     if let Some(l) = resume {
         let st = &l.state;
-        trainer.restore_optimizer(st.schedule_step.unwrap_or(st.step), st.n_updates, |name| {
-            l.optimizer.get(name).cloned()
-        })?;
+        // Each slot's part for this rank, one slot at a time.
+        let mut bad = None;
+        let restored = trainer.restore_optimizer(st.schedule_step.unwrap_or(st.step), st.n_updates, |name| {
+            comms.own_state(l.optimizer.get(name)?).map_err(|e| bad = Some(e)).ok()
+        });
+        if let Some(e) = bad {
+            return Err(e.context(format!("the optimizer state of {}", l.dir.display())));
+        }
+        restored?;
         if let Some(sc) = &st.loss_scaler {
             trainer.set_loss_scaler(sc.scale, sc.good_steps, sc.hysteresis_left, sc.n_skipped);
         }
         first_step = st.step;
     }
-    trainer.check_params_agree(comm)?;
+    comms.check_params_agree(&mut trainer)?;
     Ok((trainer, first_step))
 }
 
@@ -151,9 +161,10 @@ impl<'a> EpochOrders<'a> {
         Self { plan, current: None }
     }
 
-    /// Step `step_idx`'s epoch, this rank's K micro-batches, and (with
-    /// `count_inputs`, for rank 0's metrics) every rank's input positions,
-    /// from the indices alone (no collective).
+    /// Step `step_idx`'s epoch, the K micro-batches of data rank `rank`
+    /// (every stage of a pipeline trains on the same), and (with
+    /// `count_inputs`, for rank 0's metrics) every data rank's input
+    /// positions, from the indices alone (no collective).
     fn step_batches(&mut self, step_idx: u64, rank: usize, count_inputs: bool) -> Result<(u64, Vec<TokenBatch>, u64)> {
         let plan = self.plan;
         let (epoch, step_in_epoch) = plan.sampler.position(step_idx);

@@ -89,6 +89,9 @@ pub fn step_record(
         mem_comm_buffers: mem.comm_buffers,
         mem_peak_rss: peak_rss_bytes(),
         mem_predicted: predicted.per_process(),
+        pipeline_bubble: report.pipeline.as_ref().map(|p| p.bubble),
+        p2p_bytes: report.pipeline.as_ref().map(|p| p.p2p_bytes),
+        pipeline_idle_s: report.pipeline.map(|p| p.idle_s),
     }
 }
 
@@ -150,47 +153,98 @@ impl MemoryWatch {
         Ok(())
     }
 
-    /// Every rank's peak resident set, model states and own heap peak,
-    /// gathered (a collective): 3 values per rank, in KiB (f32: exact up to
-    /// 16 GiB).
-    pub fn gather(&self, comm: &mut dyn Communicator) -> Result<Vec<f32>> {
-        let kib = |b: Option<u64>| (b.unwrap_or(0) / 1024) as f32;
+    /// Every rank's peak resident set, model states and own heap peak
+    /// (KiB, as the file reports them) and its trainer's accounting of
+    /// parameters, gradients, optimizer state and master weights (bytes),
+    /// gathered (a collective): [`PER_RANK`] values per rank, each rank
+    /// summing into its own slot in f64 (exact to 2^53).
+    pub fn gather(&self, comm: &mut dyn Communicator, trainer: &Trainer) -> Result<Vec<f64>> {
+        let kib = |b: Option<u64>| (b.unwrap_or(0) / 1024) as f64;
         let rank_heap = Some((heap::peak() - self.heap_base).max(0) as u64);
-        let mine = [kib(peak_rss_bytes()), kib(self.model_states_rss), kib(rank_heap)];
-        let mut all = vec![0.0f32; 3 * comm.world_size()];
-        comm.all_gather(&mine, &mut all)?;
+        let m = trainer.memory();
+        let mine = [
+            kib(peak_rss_bytes()),
+            kib(self.model_states_rss),
+            kib(rank_heap),
+            m.params as f64,
+            m.grads as f64,
+            m.optimizer as f64,
+            m.master as f64,
+        ];
+        let mut all = vec![0.0f64; PER_RANK * comm.world_size()];
+        all[PER_RANK * comm.rank()..][..PER_RANK].copy_from_slice(&mine);
+        comm.all_reduce_sum_f64(&mut all)?;
         Ok(all)
     }
 
-    /// Rank 0: `DIR/memory.json` of a run of `world` ranks training a
-    /// model of `n_params` parameters, from the gathered per-rank figures
-    /// `all` ([`MemoryWatch::gather`]).
+    /// Rank 0: `DIR/memory.json` of a run training a model of `n_params`
+    /// parameters, from the gathered per-rank figures `all`
+    /// ([`MemoryWatch::gather`]).
     pub fn write_file(
         &self,
         out: &Outputs,
         plan: &Plan,
-        world: usize,
         n_params: usize,
         trainer: &Trainer,
-        all: &[f32],
+        all: &[f64],
     ) -> Result<()> {
-        let cfg = &plan.cfg;
+        let (cfg, grid) = (&plan.cfg, &plan.grid);
+        let world = all.len() / PER_RANK;
+        let per_rank = |i: usize| all.chunks(PER_RANK).map(|c| c[i] as u64).collect::<Vec<u64>>();
+        let kib = |i: usize| per_rank(i).into_iter().map(|k| k * 1024).collect::<Vec<u64>>();
+        let ranks = grid.is_pipeline().then(|| {
+            all.chunks(PER_RANK)
+                .enumerate()
+                .map(|(r, c)| RankMemory {
+                    rank: r,
+                    stage: grid.stage_of(r),
+                    data_rank: grid.data_rank_of(r),
+                    layers: grid.cuts[grid.stage_of(r)].clone(),
+                    params: c[3] as u64,
+                    grads: c[4] as u64,
+                    optimizer: c[5] as u64,
+                    master: c[6] as u64,
+                })
+                .collect()
+        });
         let file = MemoryFile {
             zero_stage: cfg.dist.zero_stage,
             world_size: world,
             n_params,
             accounting: trainer.memory(),
             precision: cfg.train.precision,
-            formula_model_states: (cfg.train.precision == Precision::F32)
+            formula_model_states: (cfg.train.precision == Precision::F32 && !grid.is_pipeline())
                 .then(|| formula_model_states(cfg.dist.zero_stage, !cfg.dist.reduce_every_micro_step, n_params, world)),
-            peak_rss: all.chunks(3).map(|c| c[0] as u64 * 1024).collect(),
-            peak_rank_heap: all.chunks(3).map(|c| c[2] as u64 * 1024).collect(),
+            peak_rss: kib(0),
+            peak_rank_heap: kib(2),
             predicted: self.predicted,
-            measured_model_states: all.chunks(3).map(|c| c[1] as u64 * 1024).collect(),
+            measured_model_states: kib(1),
+            ranks,
         };
         gpt::hf::write_atomic(&out.dir.join("memory.json"), serde_json::to_string_pretty(&file)?.as_bytes())?;
         Ok(())
     }
+}
+
+/// Values per rank in [`MemoryWatch::gather`].
+const PER_RANK: usize = 7;
+
+/// One rank of a pipeline run: where it sits and what its trainer holds.
+#[derive(serde::Serialize)]
+struct RankMemory {
+    rank: usize,
+    /// Its pipeline stage.
+    stage: usize,
+    /// Its place among the ranks holding that stage.
+    data_rank: usize,
+    /// The layers its stage runs.
+    layers: std::ops::Range<usize>,
+    /// Bytes of parameters, gradients, optimizer state and master weights
+    /// in its trainer's accounting.
+    params: u64,
+    grads: u64,
+    optimizer: u64,
+    master: u64,
 }
 
 /// Per-rank memory: the accounting and what the OS measured.
@@ -199,7 +253,7 @@ struct MemoryFile {
     zero_stage: u8,
     world_size: usize,
     n_params: usize,
-    /// Rank 0's accounting (every rank's is the same up to padding).
+    /// Rank 0's accounting (without a pipeline every rank's is the same up to padding).
     accounting: engine::MemoryReport,
     /// Storage precision of the run.
     precision: Precision,
@@ -220,6 +274,10 @@ struct MemoryFile {
     /// the first step, less the accounted activations and collective buffers
     /// (the trainer's and the communicator's): the model states as the OS sees them.
     measured_model_states: Vec<u64>,
+    /// With a pipeline: every rank's stage and accounting (`accounting`
+    /// above is rank 0's, and the stages hold different layers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ranks: Option<Vec<RankMemory>>,
 }
 
 /// The per-rank model-state bytes of docs/contract.md (Memory) in f32 (params 4Ψ, grads 4Ψ, AdamW
