@@ -1,0 +1,285 @@
+//! The memory model of a pipeline: the model's blocks cut into P stages
+//! (`engine::pipeline::split_layers`), each stage's model states counted
+//! by the engine over the stage's own layout (`engine::StageLayout`, the
+//! layout `Trainer::for_stage` allocates for), its activations for the
+//! micro-batches its schedule keeps in flight, and the point-to-point
+//! buffers between neighbouring stages. Ranks are laid out stage-major:
+//! rank = stage · D + d for D = W / P data ranks per stage.
+
+use super::Knobs;
+use anyhow::{bail, Result};
+use engine::pipeline::split_layers;
+use engine::{ParamLayout, Schedule, StageLayout, StageSpec};
+use std::ops::Range;
+
+/// Data ranks per stage, D = W / P: an error when P does not divide W, or
+/// at ZeRO stages 2–3, which a pipeline does not compose with (as in DeepSpeed).
+pub fn data_parallel(knobs: &Knobs) -> Result<usize> {
+    let (w, p) = (knobs.world_size, knobs.pipeline_parallel);
+    if p == 0 {
+        bail!("dist.pipeline_parallel must be at least 1");
+    }
+    if !w.is_multiple_of(p) {
+        bail!(
+            "dist.world_size = {w} is not a multiple of dist.pipeline_parallel = {p}: the ranks are P stages × D data ranks; use a world size of {} or {}",
+            w / p * p,
+            (w / p + 1) * p
+        );
+    }
+    if p > 1 && knobs.zero_stage >= 2 {
+        bail!(
+            "ZeRO stage {} with pipeline parallelism is not supported (stages 0 and 1 are, as in DeepSpeed); set dist.zero_stage = 1 or dist.pipeline_parallel = 1",
+            knobs.zero_stage
+        );
+    }
+    Ok(w / p)
+}
+
+/// A model's parts as a pipeline sees them: its segments are
+/// `[embedding, block 0, …, block L−1, head]`.
+pub struct Stack {
+    /// Blocks L.
+    pub n_blocks: usize,
+    /// Whether the head reads the embedding segment (tied embeddings).
+    pub tied: bool,
+    /// Elements per token of the activations passed between stages (the
+    /// residual stream's width).
+    pub width: usize,
+}
+
+impl Stack {
+    /// The stack of a model with `layout` cut into `segments`. Tied: the
+    /// head segment has no vocabulary × width matrix of its own (it holds
+    /// the final norm alone and reads the embedding's); the width is the
+    /// token embedding's second dimension.
+    pub fn of(layout: &ParamLayout, segments: &[Range<usize>]) -> Result<Self> {
+        let Some(head) = segments.last().filter(|_| segments.len() >= 3) else {
+            bail!("a model of {} segments has no block stack to cut into pipeline stages", segments.len());
+        };
+        let first = layout.tensors().iter().find(|t| t.offset == segments[0].start);
+        let Some([vocab, width]) = first.and_then(|t| <[usize; 2]>::try_from(t.shape.as_slice()).ok()) else {
+            bail!(
+                "the model's first tensor is not a [vocabulary, width] token embedding: no pipeline stage can be cut"
+            );
+        };
+        Ok(Stack { n_blocks: segments.len() - 2, tied: head.len() < vocab * width, width })
+    }
+}
+
+/// One stage's part of the model: its blocks and its own layout.
+pub struct StageCut {
+    /// Blocks, as in a [`StageSpec`].
+    pub blocks: Range<usize>,
+    /// The stage's layout and segments.
+    pub layout: StageLayout,
+}
+
+/// The stages of a model with `layout` cut into `segments`: `stages`
+/// stages, evenly by layers or `manual` (layers per stage); the errors are
+/// `split_layers`'s.
+pub fn cut(
+    layout: &ParamLayout,
+    segments: &[Range<usize>],
+    stack: &Stack,
+    stages: usize,
+    manual: Option<&[usize]>,
+) -> Result<Vec<StageCut>> {
+    let cuts = split_layers(stack.n_blocks, stages, manual)?;
+    Ok(cuts
+        .iter()
+        .enumerate()
+        .map(|(s, blocks)| {
+            let spec = StageSpec { stage: s, n_stages: stages, blocks: blocks.clone(), in_flight: 1 };
+            let model_segments = spec.segments(stack.n_blocks, stack.tied);
+            StageCut { blocks: blocks.clone(), layout: StageLayout::new(layout, segments, model_segments) }
+        })
+        .collect())
+}
+
+/// Each stage's spec for `k` micro-batches per step: its blocks and the
+/// activation slots its schedule needs (1F1B: min(P − s, K); GPipe: K).
+pub fn specs(knobs: &Knobs, blocks: &[Range<usize>], k: usize) -> Result<(Vec<StageSpec>, Schedule)> {
+    let p = blocks.len();
+    let schedule = Schedule::new(knobs.pipeline_schedule, p, k.max(1))?;
+    let specs = blocks
+        .iter()
+        .enumerate()
+        .map(|(s, b)| StageSpec { stage: s, n_stages: p, blocks: b.clone(), in_flight: schedule.stages[s].in_flight })
+        .collect();
+    Ok((specs, schedule))
+}
+
+/// Bytes of the point-to-point buffers of `spec`'s stage for micro-batches
+/// of `tokens` tokens: the received input and the sent output's gradient
+/// (not on the first stage), the output and the received output gradient
+/// (not on the last), one `tokens × width` f32 buffer each; and with a tied
+/// embedding the other end's embedding gradient on the first and the last
+/// stage (`embedding` elements).
+pub fn p2p_bytes(spec: &StageSpec, stack: &Stack, tokens: usize, embedding: usize) -> u64 {
+    if spec.n_stages == 1 {
+        return 0;
+    }
+    let boundary = 4 * (tokens as u64) * stack.width as u64;
+    let buffers = 2 * u64::from(!spec.is_first()) + 2 * u64::from(!spec.is_last());
+    let tied = stack.tied && (spec.is_first() || spec.is_last());
+    buffers * boundary + if tied { 4 * embedding as u64 } else { 0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{estimate_at, stage_estimates, stage_states, Estimate};
+    use super::*;
+    use crate::setup::{self, Plan};
+    use engine::ScheduleKind;
+
+    /// A plan of `sets` on `world` thread ranks.
+    fn plan(sets: &[&str], world: usize) -> Plan {
+        let mut sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        sets.push(format!("dist.world_size={world}"));
+        let cfg = setup::load_config(None, &sets, &Default::default()).unwrap();
+        setup::plan(cfg, crate::dist::Backend::Threads(world)).unwrap()
+    }
+
+    fn knobs(plan: &Plan, p: usize, kind: ScheduleKind) -> Knobs {
+        Knobs { pipeline_parallel: p, pipeline_schedule: kind, ..Knobs::of(plan) }
+    }
+
+    /// Every stage's estimate.
+    fn stages(plan: &Plan, k: Knobs, layers: Option<&[usize]>) -> Vec<Estimate> {
+        let states = stage_states(plan, k, layers).unwrap();
+        stage_estimates(plan, k, &states).unwrap().0
+    }
+
+    /// Elements of the embedding segment (the tied copy the last stage holds).
+    fn embedding_params(plan: &Plan) -> u64 {
+        let model = plan.family.build(Default::default()).unwrap();
+        model.segments()[0].len() as u64
+    }
+
+    #[test]
+    fn stage_parameters_sum_to_the_model_plus_the_tied_copy() {
+        for (sets, tied) in [
+            (&["model.preset=mini"][..], true),
+            (&["model.family=llama", "model.preset=tiny", "model.n_layer=4"][..], true),
+            (
+                &["model.family=llama", "model.preset=tiny", "model.n_layer=4", "model.tie_word_embeddings=false"][..],
+                false,
+            ),
+        ] {
+            let pl = plan(&[sets, &["batch.global=16", "batch.micro=1"]].concat(), 4);
+            let n = pl.family.n_params() as u64;
+            let copy = if tied { embedding_params(&pl) } else { 0 };
+            let whole = stages(&pl, knobs(&pl, 1, ScheduleKind::OneFOneB), None);
+            assert_eq!(whole.len(), 1);
+            assert_eq!(whole[0].stage_params, n, "{sets:?}");
+            for p in [2, 4] {
+                let st = stages(&pl, knobs(&pl, p, ScheduleKind::OneFOneB), None);
+                assert_eq!(st.len(), p);
+                let sum: u64 = st.iter().map(|e| e.stage_params).sum();
+                assert_eq!(sum, n + copy, "{sets:?} P = {p}");
+                // f32, ZeRO 0: parameters and gradients of every stage add up the same way.
+                assert_eq!(st.iter().map(|e| e.params).sum::<u64>(), 4 * (n + copy), "{sets:?} P = {p}");
+                assert_eq!(st.iter().map(|e| e.grads).sum::<u64>(), 4 * (n + copy), "{sets:?} P = {p}");
+                // The blocks are cut back to back, the first stages taking the remainder.
+                assert_eq!(st[0].blocks.0, 0);
+                for w in st.windows(2) {
+                    assert_eq!(w[0].blocks.1, w[1].blocks.0);
+                    assert!(w[0].blocks.1 - w[0].blocks.0 >= w[1].blocks.1 - w[1].blocks.0);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn zero_1_shards_each_stages_optimizer_state_over_its_data_ranks() {
+        let pl = plan(&["model.preset=mini", "batch.global=16", "batch.micro=1"], 4);
+        let k = knobs(&pl, 2, ScheduleKind::OneFOneB);
+        let (z0, z1) = (stages(&pl, k, None), stages(&pl, Knobs { zero_stage: 1, ..k }, None));
+        for (a, b) in z0.iter().zip(&z1) {
+            // D = 2: half of the stage's AdamW state, up to the padding of its segments.
+            let half = a.optimizer / 2;
+            assert!(b.optimizer >= half && b.optimizer < half + 8 * 2 * 8, "{} vs {}", b.optimizer, a.optimizer);
+            assert_eq!((a.params, a.grads), (b.params, b.grads));
+        }
+    }
+
+    #[test]
+    fn in_flight_follows_the_schedule_and_activations_the_family() {
+        let pl = plan(&["model.preset=mini", "batch.global=8", "batch.micro=1"], 4);
+        let seq = pl.train.seq_len();
+        for (kind, want) in [(ScheduleKind::OneFOneB, [4, 3, 2, 1]), (ScheduleKind::GPipe, [8, 8, 8, 8])] {
+            // P = 4 × D = 1: K = 8 micro-batches per step.
+            let k = knobs(&pl, 4, kind);
+            let st = stages(&pl, k, Some(&[2, 2, 1, 1]));
+            let flight: Vec<usize> = st.iter().map(|e| e.in_flight).collect();
+            assert_eq!(flight, want, "{kind}");
+            for e in &st {
+                assert_eq!(e.accumulation_steps, 8);
+                let spec =
+                    StageSpec { stage: e.stage, n_stages: 4, blocks: e.blocks.0..e.blocks.1, in_flight: e.in_flight };
+                let build = family::Build { precision: k.precision, checkpointing: k.checkpointing };
+                let want = super::super::stage_activation_bytes(pl.family.as_ref(), 1, seq, build, &spec, 6);
+                assert_eq!(e.activations as u128, want, "{kind} stage {}", e.stage);
+            }
+        }
+        // 1F1B against GPipe on stage 0: P / K of the activations (4 of 8 micro-batches).
+        let f = stages(&pl, knobs(&pl, 4, ScheduleKind::OneFOneB), None);
+        let g = stages(&pl, knobs(&pl, 4, ScheduleKind::GPipe), None);
+        let ratio = f[0].activations as f64 / g[0].activations as f64;
+        assert!((ratio - 0.5).abs() < 0.05, "1F1B / GPipe on stage 0: {ratio}");
+    }
+
+    #[test]
+    fn the_peak_is_the_largest_stage_and_middle_stages_send_and_receive() {
+        let pl = plan(&["model.preset=mini", "batch.global=8", "batch.micro=1"], 4);
+        let k = Knobs {
+            ranks_per_process: 1,
+            backend: super::super::Backend::Mpi,
+            ..knobs(&pl, 4, ScheduleKind::OneFOneB)
+        };
+        let states = stage_states(&pl, k, None).unwrap();
+        let (st, schedule) = stage_estimates(&pl, k, &states).unwrap();
+        let peak = estimate_at(&pl, k, &states).unwrap();
+        assert_eq!(peak.per_process(), st.iter().map(Estimate::per_process).max().unwrap());
+        assert_eq!(st[peak.stage], peak);
+        let schedule = schedule.unwrap();
+        assert!((schedule.bubble_fraction() - 3.0 / 11.0).abs() < 1e-12);
+        // One rank per process: no other rank's bytes; inner stages hold twice the boundary buffers.
+        assert!(st.iter().all(|e| e.other_ranks == 0));
+        let boundary = 4 * pl.train.seq_len() as u64 * 384;
+        let tied = 4 * embedding_params(&pl);
+        assert_eq!(
+            [st[0].p2p, st[1].p2p, st[2].p2p, st[3].p2p],
+            [2 * boundary + tied, 4 * boundary, 4 * boundary, 2 * boundary + tied]
+        );
+    }
+
+    #[test]
+    fn thread_ranks_of_every_stage_share_one_process() {
+        let pl = plan(&["model.preset=mini", "batch.global=8", "batch.micro=1"], 4);
+        let k = knobs(&pl, 2, ScheduleKind::OneFOneB);
+        let st = stages(&pl, k, None);
+        let all: u64 = st.iter().map(|e| 2 * e.per_rank()).sum();
+        for e in &st {
+            assert_eq!(e.per_rank() + e.other_ranks, all, "stage {}", e.stage);
+        }
+    }
+
+    #[test]
+    fn bad_pipelines_are_errors() {
+        let pl = plan(&["model.preset=mini", "batch.global=12", "batch.micro=1"], 6);
+        let err = |k: Knobs, layers: Option<&[usize]>| {
+            stage_states(&pl, k, layers).err().map(|e| e.to_string()).unwrap_or_default()
+        };
+        let k = knobs(&pl, 4, ScheduleKind::OneFOneB);
+        assert!(err(k, None).contains("not a multiple of dist.pipeline_parallel = 4"), "{}", err(k, None));
+        let k = knobs(&pl, 6, ScheduleKind::OneFOneB);
+        assert!(err(Knobs { world_size: 12, ..k }, None).is_empty());
+        let e = err(Knobs { world_size: 7, pipeline_parallel: 7, ..k }, None);
+        assert!(e.contains("7 stages") && e.contains("6 layers"), "{e}");
+        let e = err(knobs(&pl, 2, ScheduleKind::GPipe), Some(&[2, 3]));
+        assert!(e.contains("pipeline_layers") && e.contains("6 layers"), "{e}");
+        let e = err(Knobs { zero_stage: 2, ..knobs(&pl, 2, ScheduleKind::GPipe) }, None);
+        assert!(e.contains("ZeRO stage 2") && e.contains("not supported"), "{e}");
+    }
+}
