@@ -112,9 +112,17 @@ impl DsBatch {
         if (cfg.batch.global, cfg.batch.micro, cfg.batch.accumulation_steps) != written {
             return Ok(());
         }
-        let (w, source) = match launcher_world {
+        let (world, from) = match launcher_world {
             Some(n) => (n, "from the MPI launcher"),
             None => (cfg.dist.world_size, "dist.world_size"),
+        };
+        // With a pipeline DeepSpeed counts the data-parallel ranks only:
+        // world / dist.pipeline_parallel.
+        let p = cfg.dist.pipeline_parallel;
+        let w = cfg.dist.data_parallel(world, from)?;
+        let source = match p {
+            1 => from.to_string(),
+            _ => format!("world {world} {from} / dist.pipeline_parallel {p} stages: the data-parallel ranks"),
         };
         let rule = "the rule is train_batch_size = train_micro_batch_size_per_gpu × gradient_accumulation_steps × world; give two of them and the third is derived";
         let err = |m: String| Err(ConfigError::Batch(format!("{m} ({source}); {rule}")));
@@ -297,6 +305,9 @@ impl Translation {
                 );
             }
         }
+        if let Some(v) = root.remove("pipeline") {
+            self.pipeline(v)?;
+        }
         if let Some(v) = root.remove("activation_checkpointing") {
             let m = self.object(v, "activation_checkpointing")?;
             self.set("train.activation_checkpointing", "blocks");
@@ -383,6 +394,43 @@ impl Translation {
         // The JSON's batch replaces the companion's whole [batch]: a mix of the two would over-determine it.
         self.table.insert("batch".into(), toml::Value::Table(t));
         Ok(Some(b))
+    }
+
+    /// `pipeline`: `stages` → `dist.pipeline_parallel` (DeepSpeed usually
+    /// takes it from the `PipelineModule`), `partition` `"uniform"` is our
+    /// even split; the partitioning switches have no counterpart.
+    fn pipeline(&mut self, v: Value) -> Result<(), ConfigError> {
+        let mut m = self.object(v, "pipeline")?;
+        if let Some(v) = m.remove("stages") {
+            let n = self.whole(&v, "pipeline.stages")?;
+            if n == 0 {
+                return Err(self.err("pipeline.stages", "must be at least 1"));
+            }
+            self.set("dist.pipeline_parallel", n as i64);
+        }
+        if let Some(v) = m.remove("partition") {
+            let how = self.string(&v, "pipeline.partition")?;
+            if how != "uniform" {
+                self.unsupported.push(format!(
+                    "pipeline.partition = \"{how}\": macrobatch cuts the layers evenly (\"uniform\"), or as dist.pipeline_layers lists them"
+                ));
+            }
+        }
+        self.accept(
+            &mut m,
+            "pipeline.",
+            &["seed_layers", "pipe_partitioned", "grad_partitioned", "use_reentrant"],
+            "macrobatch sends whole activations between stages and seeds every layer from train.seed",
+        );
+        if let Some(v) = m.remove("activation_checkpoint_interval") {
+            if self.whole(&v, "pipeline.activation_checkpoint_interval")? > 0 {
+                self.unsupported.push(format!(
+                    "pipeline.activation_checkpoint_interval = {v}: use train.activation_checkpointing (\"blocks\" or \"every_N\")"
+                ));
+            }
+        }
+        self.rest(m, "pipeline.");
+        Ok(())
     }
 
     /// `fp16`: whether it is enabled.
@@ -807,6 +855,7 @@ fn needs(path: &str) -> &'static str {
         "eps" => "a number, e.g. 1e-8",
         "weight_decay" => "a number, e.g. 0.01",
         "reduce_bucket_size" | "allgather_bucket_size" => "a number of elements per bucket, e.g. 5e8",
+        "stages" => "a number: pipeline stages (dist.pipeline_parallel; DeepSpeed's \"auto\" takes them from the PipelineModule, which macrobatch does not have)",
         _ => "a concrete value",
     }
 }
@@ -896,6 +945,29 @@ mod tests {
                 .unwrap_err()
                 .to_string();
         assert!(e.contains("train_batch_size needs a number") && e.contains("optimizer.params.lr needs"), "{e}");
+    }
+
+    #[test]
+    fn a_pipeline_counts_the_data_parallel_ranks_in_the_batch_triple() {
+        let j = r#"{"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+            "pipeline": {"stages": 2, "partition": "uniform", "pipe_partitioned": true}}"#;
+        // 16 = 2 × 4 × D with D = 4 / 2 data-parallel ranks.
+        let c = ds(j, &["dist.world_size=4"], false).unwrap();
+        assert_eq!(c.config.dist.pipeline_parallel, 2);
+        assert!(c.warnings.iter().any(|w| w.contains("pipeline.pipe_partitioned")), "{:?}", c.warnings);
+        // The world alone would agree (16 = 2 × 4 × 2 with world 2), but 2 stages leave 1 data rank.
+        let e = ds(j, &["dist.world_size=2"], false).unwrap_err().to_string();
+        assert!(
+            e.contains("needs world 2, but world is 1")
+                && e.contains("dist.pipeline_parallel 2 stages: the data-parallel ranks"),
+            "{e}"
+        );
+        let e = ds(j, &["dist.world_size=3"], false).unwrap_err().to_string();
+        assert!(e.contains("dist.pipeline_parallel") && e.contains("world size 3"), "{e}");
+        let e = ds(r#"{"train_batch_size": 8, "pipeline": {"stages": "auto"}}"#, &[], false).unwrap_err().to_string();
+        assert!(e.contains("pipeline.stages needs") && e.contains("dist.pipeline_parallel"), "{e}");
+        let w = ds(r#"{"train_batch_size": 8, "pipeline": {"partition": "parameters"}}"#, &[], false).unwrap().warnings;
+        assert!(w.iter().any(|w| w.contains("pipeline.partition = \"parameters\"")), "{w:?}");
     }
 
     #[test]

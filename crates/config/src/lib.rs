@@ -7,7 +7,7 @@ mod deepspeed;
 
 pub use data::{DataFormat, TokenizerSpec};
 pub use deepspeed::{DeepSpeedConfig, DeepSpeedOptions};
-pub use engine::{Checkpointing, Decay, LossNormalization, OptimizerKind, Precision};
+pub use engine::{Checkpointing, Decay, LossNormalization, OptimizerKind, Precision, ScheduleKind};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -74,7 +74,7 @@ pub struct Config {
     pub lora: Option<toml::Table>,
 }
 
-/// `[dist]`: data parallelism.
+/// `[dist]`: data and pipeline parallelism.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DistConfig {
@@ -94,6 +94,39 @@ pub struct DistConfig {
     /// Where the optimizer state lives: memory, or files streamed through
     /// small window buffers during the update (`"disk"`).
     pub offload_optimizer: OffloadOptimizer,
+    /// Pipeline stages P: the model's layer stack cut into P contiguous
+    /// stages (the embedding with the first, the final norm, head and loss
+    /// with the last); the world's ranks form P × D with D = world / P
+    /// data-parallel ranks per stage. 1: no pipeline.
+    pub pipeline_parallel: usize,
+    /// The order a stage runs its micro-batches in: `1f1b` (one forward,
+    /// one backward; at most P − s micro-batches' activations alive on
+    /// stage s) or `gpipe` (every forward, then every backward).
+    pub pipeline_schedule: ScheduleKind,
+    /// Layers per stage, by hand (P positive counts summing to the model's
+    /// layers); unset: an even split, the first stages taking the remainder.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline_layers: Option<Vec<usize>>,
+}
+
+impl DistConfig {
+    /// The data-parallel width D = `world` / `pipeline_parallel` of a world
+    /// of `world` ranks (`source` names where that number comes from); an
+    /// error naming the key and the fix unless P divides it.
+    pub fn data_parallel(&self, world: usize, source: &str) -> Result<usize, ConfigError> {
+        let p = self.pipeline_parallel;
+        if p == 0 || !world.is_multiple_of(p) {
+            let fix = if p == 0 {
+                "must be at least 1 (1: no pipeline)".to_string()
+            } else {
+                format!(
+                    "must divide the world size {world} ({source}) into P stages × D data-parallel ranks; use a world size that is a multiple of {p}, or a divisor of {world} as dist.pipeline_parallel"
+                )
+            };
+            return Err(invalid("dist.pipeline_parallel", p, &fix));
+        }
+        Ok(world / p)
+    }
 }
 
 /// `dist.offload_optimizer`: where each rank keeps its optimizer state.
@@ -118,6 +151,9 @@ impl Default for DistConfig {
             zero_stage: 0,
             reduce_every_micro_step: false,
             offload_optimizer: OffloadOptimizer::None,
+            pipeline_parallel: 1,
+            pipeline_schedule: ScheduleKind::OneFOneB,
+            pipeline_layers: None,
         }
     }
 }
@@ -626,6 +662,31 @@ impl Config {
         if dist.reduce_every_micro_step && dist.zero_stage != 2 {
             return Err(invalid("dist.reduce_every_micro_step", true, "applies to dist.zero_stage = 2 only"));
         }
+        if dist.pipeline_parallel == 0 {
+            return Err(invalid("dist.pipeline_parallel", 0, "must be at least 1 (1: no pipeline)"));
+        }
+        if dist.pipeline_parallel > 1 && dist.zero_stage >= 2 {
+            return Err(invalid(
+                "dist.zero_stage",
+                dist.zero_stage,
+                &format!(
+                    "ZeRO stages 2 and 3 do not compose with pipeline parallelism (dist.pipeline_parallel = {}; stages 0 and 1 do, as in DeepSpeed); set dist.zero_stage = 1 or dist.pipeline_parallel = 1",
+                    dist.pipeline_parallel
+                ),
+            ));
+        }
+        if let Some(layers) = &dist.pipeline_layers {
+            if layers.len() != dist.pipeline_parallel || layers.contains(&0) {
+                return Err(invalid(
+                    "dist.pipeline_layers",
+                    format!("{layers:?}"),
+                    &format!(
+                        "list one positive layer count per stage: {} of them (dist.pipeline_parallel), summing to the model's layers; or leave it unset for an even split",
+                        dist.pipeline_parallel
+                    ),
+                ));
+            }
+        }
         if !(dist.bucket_mb > 0.0 && dist.bucket_mb.is_finite()) {
             return Err(invalid("dist.bucket_mb", dist.bucket_mb, "must be finite and > 0"));
         }
@@ -913,6 +974,34 @@ mod tests {
         let e = parse("", &["optim.name=sgd", "optim.nesterov=true", "optim.momentum=0"]).unwrap().validate();
         assert!(e.unwrap_err().to_string().contains("Nesterov"));
         parse("", &["optim.eps=1e-12"]).unwrap().validate().unwrap();
+    }
+
+    #[test]
+    fn pipeline_keys_parse_validate_and_name_the_fix() {
+        let c =
+            parse("", &["dist.pipeline_parallel=2", "dist.pipeline_schedule=\"gpipe\"", "dist.pipeline_layers=[1, 3]"])
+                .unwrap();
+        c.validate().unwrap();
+        assert_eq!((c.dist.pipeline_parallel, c.dist.pipeline_schedule), (2, ScheduleKind::GPipe));
+        assert_eq!(c.dist.pipeline_layers, Some(vec![1, 3]));
+        assert_eq!(parse(&c.to_toml(), &[]).unwrap(), c, "round-trips");
+        assert_eq!(Config::default().dist.pipeline_schedule, ScheduleKind::OneFOneB);
+        let e = parse("", &["dist.pipeline_schedule=\"zigzag\""]).unwrap_err().to_string();
+        assert!(e.contains("pipeline_schedule") && e.contains("`1f1b`") && e.contains("`gpipe`"), "{e}");
+        for (sets, field, fix) in [
+            (&["dist.pipeline_parallel=0"][..], "dist.pipeline_parallel", "at least 1"),
+            (&["dist.pipeline_parallel=2", "dist.zero_stage=3"][..], "dist.zero_stage", "dist.zero_stage = 1"),
+            (&["dist.pipeline_parallel=2", "dist.zero_stage=2"][..], "dist.zero_stage", "dist.pipeline_parallel = 1"),
+            (&["dist.pipeline_parallel=2", "dist.pipeline_layers=[4]"][..], "dist.pipeline_layers", "2 of them"),
+            (&["dist.pipeline_parallel=2", "dist.pipeline_layers=[0, 4]"][..], "dist.pipeline_layers", "positive"),
+        ] {
+            let e = parse("", sets).unwrap().validate().unwrap_err().to_string();
+            assert!(e.contains(field) && e.contains(fix), "{sets:?}: {e}");
+        }
+        let d = parse("", &["dist.pipeline_parallel=2"]).unwrap().dist;
+        assert_eq!(d.data_parallel(8, "dist.world_size").unwrap(), 4);
+        let e = d.data_parallel(3, "dist.world_size").unwrap_err().to_string();
+        assert!(e.contains("dist.pipeline_parallel = 2") && e.contains("world size 3 (dist.world_size)"), "{e}");
     }
 
     #[test]
