@@ -69,7 +69,7 @@ impl Knobs {
         let cfg = &plan.cfg;
         Self {
             micro: plan.batch.micro,
-            world_size: plan.batch.world_size,
+            world_size: plan.backend.world_size(),
             ranks_per_process: plan.backend.ranks_per_process(),
             backend: match plan.backend {
                 crate::dist::Backend::Single => Backend::Single,
@@ -81,8 +81,8 @@ impl Knobs {
             precision: cfg.train.precision,
             checkpointing: cfg.train.activation_checkpointing,
             offload_optimizer: cfg.dist.offload_optimizer == config::OffloadOptimizer::Disk,
-            pipeline_parallel: 1,
-            pipeline_schedule: ScheduleKind::default(),
+            pipeline_parallel: cfg.dist.pipeline_parallel,
+            pipeline_schedule: cfg.dist.pipeline_schedule,
         }
     }
 
@@ -93,8 +93,8 @@ impl Knobs {
 }
 
 /// `dist.pipeline_layers` of a plan: layers per stage, or `None` (an even cut).
-pub fn pipeline_layers(_plan: &Plan) -> Option<Vec<usize>> {
-    None
+pub fn pipeline_layers(plan: &Plan) -> Option<Vec<usize>> {
+    plan.cfg.dist.pipeline_layers.clone()
 }
 
 /// Bytes, per rank and per process.
@@ -340,13 +340,14 @@ fn stage_activation_bytes(
 const WRITE_BUFFERS: u64 = 2 << 20;
 
 /// [`estimate`] with the engine's accounting `states` already made (it does
-/// not depend on the micro-batch): the peak stage's bytes (the first of
-/// equal peaks; the only stage without a pipeline).
+/// not depend on the micro-batch): the peak stage's bytes over all phases,
+/// then during a step (the first of equal peaks; the only stage without a
+/// pipeline).
 fn estimate_at(plan: &Plan, knobs: Knobs, states: &States) -> Result<Estimate> {
     let (stages, _) = stage_estimates(plan, knobs, states)?;
     let mut peak = stages[0];
     for e in stages {
-        if e.per_process() > peak.per_process() {
+        if (e.per_process(), e.step_peak()) > (peak.per_process(), peak.step_peak()) {
             peak = e;
         }
     }

@@ -12,27 +12,20 @@ use engine::pipeline::split_layers;
 use engine::{ParamLayout, Schedule, StageLayout, StageSpec};
 use std::ops::Range;
 
-/// Data ranks per stage, D = W / P: an error when P does not divide W, or
-/// at ZeRO stages 2–3, which a pipeline does not compose with (as in DeepSpeed).
+/// Data ranks per stage, D = W / P: the config's error when P does not
+/// divide W, and an error at ZeRO stages 2–3, which a pipeline does not
+/// compose with (as in DeepSpeed).
 pub fn data_parallel(knobs: &Knobs) -> Result<usize> {
     let (w, p) = (knobs.world_size, knobs.pipeline_parallel);
-    if p == 0 {
-        bail!("dist.pipeline_parallel must be at least 1");
-    }
-    if !w.is_multiple_of(p) {
-        bail!(
-            "dist.world_size = {w} is not a multiple of dist.pipeline_parallel = {p}: the ranks are P stages × D data ranks; use a world size of {} or {}",
-            w / p * p,
-            (w / p + 1) * p
-        );
-    }
+    let dist = config::DistConfig { pipeline_parallel: p, ..Default::default() };
+    let d = dist.data_parallel(w, "the planned world")?;
     if p > 1 && knobs.zero_stage >= 2 {
         bail!(
             "ZeRO stage {} with pipeline parallelism is not supported (stages 0 and 1 are, as in DeepSpeed); set dist.zero_stage = 1 or dist.pipeline_parallel = 1",
             knobs.zero_stage
         );
     }
-    Ok(w / p)
+    Ok(d)
 }
 
 /// A model's parts as a pipeline sees them: its segments are
@@ -272,7 +265,11 @@ mod tests {
             stage_states(&pl, k, layers).err().map(|e| e.to_string()).unwrap_or_default()
         };
         let k = knobs(&pl, 4, ScheduleKind::OneFOneB);
-        assert!(err(k, None).contains("not a multiple of dist.pipeline_parallel = 4"), "{}", err(k, None));
+        assert!(
+            err(k, None).contains("dist.pipeline_parallel = 4") && err(k, None).contains("world size 6"),
+            "{}",
+            err(k, None)
+        );
         let k = knobs(&pl, 6, ScheduleKind::OneFOneB);
         assert!(err(Knobs { world_size: 12, ..k }, None).is_empty());
         let e = err(Knobs { world_size: 7, pipeline_parallel: 7, ..k }, None);
