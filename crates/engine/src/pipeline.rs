@@ -437,6 +437,48 @@ pub trait StagedModel: Model {
     ) -> Result<(), Self::Error>;
 }
 
+/// A boxed staged model is one (the binary holds its model behind a trait object).
+impl<M: StagedModel + ?Sized> StagedModel for Box<M> {
+    fn n_blocks(&self) -> usize {
+        (**self).n_blocks()
+    }
+
+    fn tied_head(&self) -> bool {
+        (**self).tied_head()
+    }
+
+    fn set_stage(&mut self, spec: StageSpec) {
+        (**self).set_stage(spec)
+    }
+
+    fn boundary_len(&self, batch: &Self::Batch) -> usize {
+        (**self).boundary_len(batch)
+    }
+
+    fn stage_forward(
+        &mut self,
+        store: &mut dyn ParamStore,
+        batch: &Self::Batch,
+        slot: usize,
+        input: &[f32],
+        output: &mut [f32],
+        loss_seed: Option<f32>,
+    ) -> Result<MicroStepStats, Self::Error> {
+        (**self).stage_forward(store, batch, slot, input, output, loss_seed)
+    }
+
+    fn stage_backward(
+        &mut self,
+        store: &mut dyn ParamStore,
+        batch: &Self::Batch,
+        slot: usize,
+        grad_out: &[f32],
+        grad_in: &mut [f32],
+    ) -> Result<(), Self::Error> {
+        (**self).stage_backward(store, batch, slot, grad_out, grad_in)
+    }
+}
+
 /// A stage's own layout: the tensors of its segments back to back (names,
 /// shapes, trainable and decay flags as in the model), and where each of
 /// its segments lives in it.

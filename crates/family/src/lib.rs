@@ -14,7 +14,9 @@
 pub mod reference;
 
 use config::ModelConfig;
-use engine::{Checkpointing, MicroStepStats, Model, ParamLayout, ParamStore, Precision, TensorSpec, TokenBatch};
+use engine::{
+    Checkpointing, MicroStepStats, Model, ParamLayout, ParamStore, Precision, StageSpec, StagedModel, TensorSpec, TokenBatch,
+};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::ops::Range;
@@ -80,7 +82,7 @@ impl std::error::Error for ModelError {
 
 /// What a family's model type offers beyond the engine's contract: memory
 /// figures and the logits generation samples from.
-pub trait TextModel: Model<Batch = TokenBatch> + Send {
+pub trait TextModel: StagedModel<Batch = TokenBatch> + Send {
     /// Bytes of activation and scratch buffers allocated so far.
     fn activation_bytes(&self) -> usize;
     /// Of those, the bytes saved for backward.
@@ -120,7 +122,7 @@ macro_rules! text_model {
 
 /// A built model as the binary uses it: the engine's contract on token
 /// batches with one error type, plus what sampling and memory reports need.
-pub trait LanguageModel: Model<Batch = TokenBatch, Error = ModelError> + Send {
+pub trait LanguageModel: StagedModel<Batch = TokenBatch, Error = ModelError> + Send {
     /// Bytes of activation and scratch buffers allocated so far.
     fn activation_bytes(&self) -> usize;
     /// Of those, the bytes saved for backward.
@@ -163,6 +165,47 @@ impl<M: TextModel> Model for Erased<M> {
 
     fn loss(&mut self, store: &mut dyn ParamStore, batch: &TokenBatch) -> Result<MicroStepStats, ModelError> {
         self.0.loss(store, batch).map_err(ModelError::new)
+    }
+}
+
+impl<M: TextModel> StagedModel for Erased<M> {
+    fn n_blocks(&self) -> usize {
+        self.0.n_blocks()
+    }
+
+    fn tied_head(&self) -> bool {
+        self.0.tied_head()
+    }
+
+    fn set_stage(&mut self, spec: StageSpec) {
+        self.0.set_stage(spec)
+    }
+
+    fn boundary_len(&self, batch: &TokenBatch) -> usize {
+        self.0.boundary_len(batch)
+    }
+
+    fn stage_forward(
+        &mut self,
+        store: &mut dyn ParamStore,
+        batch: &TokenBatch,
+        slot: usize,
+        input: &[f32],
+        output: &mut [f32],
+        loss_seed: Option<f32>,
+    ) -> Result<MicroStepStats, ModelError> {
+        self.0.stage_forward(store, batch, slot, input, output, loss_seed).map_err(ModelError::new)
+    }
+
+    fn stage_backward(
+        &mut self,
+        store: &mut dyn ParamStore,
+        batch: &TokenBatch,
+        slot: usize,
+        grad_out: &[f32],
+        grad_in: &mut [f32],
+    ) -> Result<(), ModelError> {
+        self.0.stage_backward(store, batch, slot, grad_out, grad_in).map_err(ModelError::new)
     }
 }
 
@@ -209,6 +252,10 @@ pub trait Family: Send + Sync {
     /// Bytes of activations and backward scratch one rank allocates for a
     /// micro-batch of `micro` sequences of `seq_len` tokens.
     fn activation_bytes(&self, micro: usize, seq_len: usize, build: Build) -> u128;
+    /// [`Family::activation_bytes`] of one pipeline stage: its blocks,
+    /// `spec.in_flight` micro-batches of them alive at once, the head's
+    /// buffers on the last stage only.
+    fn stage_activation_bytes(&self, micro: usize, seq_len: usize, build: Build, spec: &StageSpec) -> u128;
     /// Whether the family's model can recompute blocks (activation checkpointing).
     fn supports_checkpointing(&self) -> bool {
         true

@@ -10,7 +10,7 @@ use nn::attention::{attention_backward, attention_forward, AttnShape};
 use nn::grad::param_grad;
 use nn::linear::{conv1d_backward, conv1d_forward, LinearShape};
 use nn::norm::{layernorm_backward, layernorm_forward, NormSaved};
-use nn::stack::{Block, Saved, SavedView, StackSizes};
+use nn::stack::{Block, Part, Saved, SavedView, StackSizes};
 
 /// Indices of a block's saved tensors.
 const LN1: usize = 0;
@@ -51,20 +51,30 @@ pub struct ActSizes {
     /// statistics; working buffers dres, dc, d4c, dqkv, datt; staging: GELU's
     /// output / a decoded tensor (4C), the decoded probabilities (16-bit only).
     pub stack: StackSizes,
-    /// The final LayerNorm's output, mean, 1/std; the logits; the per-row losses.
+    /// The final LayerNorm's output, mean, 1/std (per micro-batch in
+    /// flight); the logits; the per-row losses (one of each: used within a
+    /// forward). Zeros off the last pipeline stage.
     pub head: [u128; 5],
+    /// Micro-batches in flight, each with its own stack and LayerNorm buffers.
+    pub in_flight: usize,
 }
 
 impl ActSizes {
-    /// The sizes for `b` sequences of `t` tokens.
+    /// The sizes for `b` sequences of `t` tokens through the whole model.
     pub fn new(cfg: &GptConfig, b: usize, t: usize, precision: Precision, checkpointing: Checkpointing) -> Self {
+        Self::for_part(cfg, b, t, (precision, checkpointing), Part::whole(cfg.n_layer))
+    }
+
+    /// The sizes of one part of the model (a pipeline stage: its blocks,
+    /// its micro-batches in flight, the head buffers on the last stage only).
+    pub fn for_part(cfg: &GptConfig, b: usize, t: usize, (precision, checkpointing): (Precision, Checkpointing), part: Part) -> Self {
         let w = |x: usize| x as u128;
         let (n, c, v) = (w(b) * w(t), w(cfg.n_embd), w(cfg.vocab_size));
         let att = w(b) * w(cfg.n_head) * w(t) * w(t);
         let stack = StackSizes {
             precision,
             checkpointing,
-            n_slots: cfg.n_layer,
+            n_slots: part.n_blocks,
             large: [n * c, n * 3 * c, att, n * c, n * c, n * c, n * 4 * c, n * 4 * c, n * c].to_vec(),
             output: RES3,
             stats: vec![n; 4],
@@ -73,12 +83,14 @@ impl ActSizes {
             staging: vec![n * 4 * c, if precision.is_low() { att } else { 0 }],
             extra: vec![n * 4 * c],
         };
-        ActSizes { stack, head: [n * c, n, n, n * v, n] }
+        let head = if part.last { [n * c, n, n, n * v, n] } else { [0; 5] };
+        ActSizes { stack, head, in_flight: part.in_flight }
     }
 
     /// Bytes of every buffer.
     pub fn bytes(&self) -> u128 {
-        self.stack.bytes() + 4 * self.head.iter().sum::<u128>()
+        let [a, b, c, logits, losses] = self.head;
+        self.in_flight.max(1) as u128 * (self.stack.bytes() + 4 * (a + b + c)) + 4 * (logits + losses)
     }
 }
 

@@ -13,10 +13,11 @@ use crate::error::GptError;
 use crate::layout::{build_layout, BlockParams, ParamRanges};
 use engine::{
     Checkpointing, FullStore, GradOut, MicroStepStats, Model, ParamLayout, ParamStore, Precision, SegmentView,
+    StageSpec, StagedModel,
 };
 use nn::grad::param_grad;
 use nn::norm::{layernorm_backward, layernorm_forward, NormSaved};
-use nn::stack::{Stack, DRES};
+use nn::stack::{Part, Slots, Stack, DRES};
 use nn::{gemm_into, GemmDims, GemmOut, Strided};
 use std::ops::Range;
 
@@ -54,6 +55,13 @@ impl Acts {
     }
 }
 
+/// Moves the buffers used only within one forward (logits, losses) from
+/// the slot left to the slot entered.
+fn carry(from: &mut Acts, to: &mut Acts) {
+    to.logits = std::mem::take(&mut from.logits);
+    to.losses = std::mem::take(&mut from.losses);
+}
+
 /// The GPT-2 model with its activation buffers.
 #[derive(Debug)]
 pub struct Gpt {
@@ -62,7 +70,11 @@ pub struct Gpt {
     ranges: ParamRanges,
     precision: Precision,
     checkpointing: Checkpointing,
+    /// The part of the model this one runs (all of it without a pipeline).
+    stage: StageSpec,
+    /// The current micro-batch slot's activations.
     acts: Acts,
+    slots: Slots<Acts>,
 }
 
 impl Gpt {
@@ -76,7 +88,9 @@ impl Gpt {
     pub fn with_precision(cfg: GptConfig, precision: Precision) -> Result<Self, GptError> {
         cfg.validate()?;
         let (layout, ranges) = build_layout(&cfg);
-        Ok(Self { cfg, layout, ranges, precision, checkpointing: Checkpointing::None, acts: Acts::default() })
+        let stage = StageSpec::whole(cfg.n_layer);
+        let (checkpointing, acts, slots) = (Checkpointing::None, Acts::default(), Slots::default());
+        Ok(Self { cfg, layout, ranges, precision, checkpointing, stage, acts, slots })
     }
 
     /// The same model recomputing the blocks `checkpointing` selects in
@@ -85,6 +99,7 @@ impl Gpt {
     pub fn with_checkpointing(mut self, checkpointing: Checkpointing) -> Self {
         self.checkpointing = checkpointing;
         self.acts = Acts::default();
+        self.slots = Slots::default();
         self
     }
 
@@ -110,7 +125,7 @@ impl Gpt {
 
     /// Bytes of activations and backward scratch currently allocated.
     pub fn activation_bytes(&self) -> usize {
-        self.acts.bytes()
+        self.acts.bytes() + self.slots.parked().map(Acts::bytes).sum::<usize>()
     }
 
     /// Bytes of the activations kept from forward for backward: every
@@ -118,14 +133,14 @@ impl Gpt {
     /// block's output only, plus the one block being recomputed) and the
     /// embeddings.
     pub fn saved_activation_bytes(&self) -> usize {
-        self.acts.stack.saved_bytes()
+        self.acts.stack.saved_bytes() + self.slots.parked().map(|a| a.stack.saved_bytes()).sum::<usize>()
     }
 
     /// The sizes of every activation buffer a micro-step on `b` sequences
     /// of `t` tokens allocates (their [`ActSizes::bytes`] is what
     /// [`Gpt::activation_bytes`] reports then).
     pub fn act_sizes(&self, b: usize, t: usize) -> ActSizes {
-        ActSizes::new(&self.cfg, b, t, self.precision, self.checkpointing)
+        ActSizes::for_part(&self.cfg, b, t, (self.precision, self.checkpointing), Part::of(&self.stage))
     }
 
     fn check(&self, batch: &Batch) -> Result<(), GptError> {
@@ -135,16 +150,13 @@ impl Gpt {
         }
     }
 
-    fn ensure_acts(&mut self, b: usize, t: usize) {
+    /// Makes micro-batch slot `flight` current, sized for `b` sequences of `t` tokens.
+    fn ensure_acts(&mut self, flight: usize, b: usize, t: usize) {
+        self.slots.enter(&mut self.acts, flight, self.stage.in_flight.max(1), carry);
         let sizes = self.act_sizes(b, t);
         if self.acts.sizes.as_ref() != Some(&sizes) {
             self.acts = Acts::new(sizes, b, t);
         }
-    }
-
-    /// The segments of the blocks (segment 0 is the embeddings, the last the final LayerNorm).
-    fn block_segs(&self) -> Range<usize> {
-        1..1 + self.cfg.n_layer
     }
 
     /// Shapes of a block call at the current (B, T).
@@ -156,22 +168,37 @@ impl Gpt {
         1 + self.cfg.n_layer
     }
 
-    /// Forward through the final LayerNorm and the tied head into `logits`.
-    /// Leaves segment 0 (the embeddings, whose `wte` is the head) held.
-    fn forward(&mut self, store: &mut dyn ParamStore, inputs: &[u32]) -> Result<(), GptError> {
+    /// The segments of this stage's blocks.
+    fn stage_segs(&self) -> Range<usize> {
+        1 + self.stage.blocks.start..1 + self.stage.blocks.end
+    }
+
+    /// Forward through this stage in the current micro-batch slot: from
+    /// the embeddings (first stage) or `input`, keeping what the backward
+    /// needs when `train` — on the last stage through the final LayerNorm
+    /// and the tied head into `logits`, leaving segment 0 (the embeddings,
+    /// whose `wte` is the head) held.
+    fn forward(&mut self, store: &mut dyn ParamStore, inputs: &[u32], input: &[f32], train: bool) -> Result<(), GptError> {
         let (t, c, v) = (self.acts.t, self.cfg.n_embd, self.cfg.vocab_size);
         let n = self.acts.b * t;
         let (wte, wpe) = (self.ranges.wte.clone(), self.ranges.wpe.clone());
-        {
-            let seg = store.segment(0)?;
-            let x = &mut self.acts.stack.x;
-            let (wte, wpe) = (&seg.params[wte.clone()], &seg.params[wpe]);
-            nn::embed::embedding_forward(x, inputs, wte, Some(wpe), t, c);
-            self.acts.stack.keep_embedding();
+        if self.stage.is_first() {
+            {
+                let seg = store.segment(0)?;
+                let x = &mut self.acts.stack.x;
+                let (wte, wpe) = (&seg.params[wte.clone()], &seg.params[wpe]);
+                nn::embed::embedding_forward(x, inputs, wte, Some(wpe), t, c);
+            }
+            store.done(0, false)?;
+        } else {
+            self.acts.stack.x.copy_from_slice(input);
         }
-        store.done(0, false)?;
+        self.acts.stack.keep_input();
         let block = GptBlock { r: &self.ranges.block_rel, d: self.dims(), prec: self.precision };
-        self.acts.stack.forward(&block, store, self.block_segs(), true)?;
+        self.acts.stack.forward(&block, store, self.stage_segs(), train)?;
+        if !self.stage.is_last() {
+            return Ok(());
+        }
         let lnf = self.lnf_seg();
         {
             let seg = store.segment(lnf)?;
@@ -202,13 +229,13 @@ impl Gpt {
         Ok(())
     }
 
-    /// Backward from `dlogits` (held in `logits`) to every parameter, segment
-    /// by segment in reverse; segment 0 is still held from the forward pass.
-    /// Frozen tensors' weight gradients are not computed.
-    fn backward(&mut self, store: &mut dyn ParamStore, inputs: &[u32]) -> Result<(), GptError> {
+    /// The last stage's backward from `dlogits` (held in `logits`) through
+    /// the head and the final LayerNorm into the residual gradient;
+    /// segment 0 is still held from the forward pass.
+    fn head_backward(&mut self, store: &mut dyn ParamStore) -> Result<(), GptError> {
         let (t, c, v) = (self.acts.t, self.cfg.n_embd, self.cfg.vocab_size);
         let n = self.acts.b * t;
-        let (wte, wpe) = (self.ranges.wte.clone(), self.ranges.wpe.clone());
+        let wte = self.ranges.wte.clone();
         let prec = self.precision;
         let par = nn::parallelism(false).with(nn::operands(prec));
         if prec == Precision::F16 {
@@ -255,8 +282,21 @@ impl Gpt {
             layernorm_backward(dres, param_grad(gw), param_grad(gb), dc, lnf, &params[..c]);
         }
         store.done(lnf, true)?;
-        let block = GptBlock { r: &self.ranges.block_rel, d: self.dims(), prec };
-        self.acts.stack.backward(&block, store, self.block_segs())?;
+        Ok(())
+    }
+
+    /// Backward of the current micro-batch slot through this stage's
+    /// blocks from the residual gradient (in the stack's working buffer),
+    /// then the embeddings (first stage) — frozen tensors' weight
+    /// gradients are not computed.
+    fn blocks_backward(&mut self, store: &mut dyn ParamStore, inputs: &[u32]) -> Result<(), GptError> {
+        let (t, c) = (self.acts.t, self.cfg.n_embd);
+        let (wte, wpe) = (self.ranges.wte.clone(), self.ranges.wpe.clone());
+        let block = GptBlock { r: &self.ranges.block_rel, d: self.dims(), prec: self.precision };
+        self.acts.stack.backward(&block, store, self.stage_segs())?;
+        if !self.stage.is_first() {
+            return Ok(());
+        }
         {
             let SegmentView { mut grads, .. } = store.segment(0)?;
             let (gwte, gwpe) = grads.pair(wte, wpe);
@@ -278,12 +318,33 @@ impl Gpt {
         let t = tokens.len();
         let batch = Batch { n_seqs: 1, seq_len: t, inputs: tokens.to_vec(), targets: vec![IGNORE_INDEX; t] };
         self.check(&batch)?;
-        self.ensure_acts(1, t);
+        self.whole_model("generation")?;
+        self.ensure_acts(0, 1, t);
         let mut store = FullStore::read_only(&self.layout, self.segments(), params)?;
-        self.forward(&mut store, tokens)?;
+        self.forward(&mut store, tokens, &[], false)?;
         store.done(0, false)?;
         let v = self.cfg.vocab_size;
         Ok(self.acts.logits[(t - 1) * v..t * v].to_vec())
+    }
+
+    /// Errors unless this model runs all of itself (not a pipeline stage).
+    fn whole_model(&self, what: &str) -> Result<(), GptError> {
+        if self.stage.n_stages == 1 {
+            return Ok(());
+        }
+        Err(GptError::InvalidBatch(format!(
+            "{what} runs the whole model, but this one is pipeline stage {} of {}",
+            self.stage.stage, self.stage.n_stages
+        )))
+    }
+
+    /// The length of the activations between stages.
+    fn check_boundary(&self, what: &str, got: usize, n: usize) -> Result<(), GptError> {
+        let want = n * self.cfg.n_embd;
+        if got == want {
+            return Ok(());
+        }
+        Err(GptError::InvalidBatch(format!("{what} holds {got} values, the micro-batch's activations {want}")))
     }
 }
 
@@ -321,35 +382,96 @@ impl Model for Gpt {
         batch: &Batch,
         grad_scale: f32,
     ) -> Result<MicroStepStats, GptError> {
-        self.check(batch)?;
-        self.ensure_acts(batch.n_seqs, batch.seq_len);
-        let n = batch.n_seqs * batch.seq_len;
-        self.forward(store, &batch.inputs)?;
-        nn::loss::softmax_cross_entropy(
-            &mut self.acts.logits,
-            &mut self.acts.losses,
-            &batch.targets,
-            self.cfg.vocab_size,
-            Some(grad_scale),
-        );
-        let loss_sum = self.loss_sum(n);
-        self.backward(store, &batch.inputs)?;
-        Ok(MicroStepStats { loss_sum, n_targets: batch.n_targets() })
+        self.whole_model("a micro-step")?;
+        let stats = self.stage_forward(store, batch, 0, &[], &mut [], Some(grad_scale))?;
+        self.stage_backward(store, batch, 0, &[], &mut [])?;
+        Ok(stats)
     }
 
     fn loss(&mut self, store: &mut dyn ParamStore, batch: &Batch) -> Result<MicroStepStats, GptError> {
+        self.whole_model("evaluation")?;
+        self.stage_forward(store, batch, 0, &[], &mut [], None)
+    }
+}
+
+impl StagedModel for Gpt {
+    fn n_blocks(&self) -> usize {
+        self.cfg.n_layer
+    }
+
+    fn tied_head(&self) -> bool {
+        true
+    }
+
+    fn set_stage(&mut self, spec: StageSpec) {
+        self.stage = spec;
+        self.acts = Acts::default();
+        self.slots = Slots::default();
+    }
+
+    fn boundary_len(&self, batch: &Batch) -> usize {
+        batch.n_seqs * batch.seq_len * self.cfg.n_embd
+    }
+
+    fn stage_forward(
+        &mut self,
+        store: &mut dyn ParamStore,
+        batch: &Batch,
+        slot: usize,
+        input: &[f32],
+        output: &mut [f32],
+        loss_seed: Option<f32>,
+    ) -> Result<MicroStepStats, GptError> {
         self.check(batch)?;
-        self.ensure_acts(batch.n_seqs, batch.seq_len);
-        self.forward(store, &batch.inputs)?;
-        store.done(0, false)?;
         let n = batch.n_seqs * batch.seq_len;
+        if !self.stage.is_first() {
+            self.check_boundary("the stage's input", input.len(), n)?;
+        }
+        if !self.stage.is_last() {
+            self.check_boundary("the stage's output", output.len(), n)?;
+        }
+        self.ensure_acts(slot, batch.n_seqs, batch.seq_len);
+        self.forward(store, &batch.inputs, input, loss_seed.is_some())?;
+        if !self.stage.is_last() {
+            output.copy_from_slice(&self.acts.stack.x);
+            return Ok(MicroStepStats::default());
+        }
+        if loss_seed.is_none() {
+            store.done(0, false)?;
+        }
         nn::loss::softmax_cross_entropy(
             &mut self.acts.logits,
             &mut self.acts.losses,
             &batch.targets,
             self.cfg.vocab_size,
-            None,
+            loss_seed,
         );
-        Ok(MicroStepStats { loss_sum: self.loss_sum(n), n_targets: batch.n_targets() })
+        let stats = MicroStepStats { loss_sum: self.loss_sum(n), n_targets: batch.n_targets() };
+        if loss_seed.is_some() {
+            self.head_backward(store)?;
+        }
+        Ok(stats)
+    }
+
+    fn stage_backward(
+        &mut self,
+        store: &mut dyn ParamStore,
+        batch: &Batch,
+        slot: usize,
+        grad_out: &[f32],
+        grad_in: &mut [f32],
+    ) -> Result<(), GptError> {
+        let n = batch.n_seqs * batch.seq_len;
+        self.ensure_acts(slot, batch.n_seqs, batch.seq_len);
+        if !self.stage.is_last() {
+            self.check_boundary("the gradient of the stage's output", grad_out.len(), n)?;
+            self.acts.stack.bufs[DRES].copy_from_slice(grad_out);
+        }
+        self.blocks_backward(store, &batch.inputs)?;
+        if !self.stage.is_first() {
+            self.check_boundary("the gradient of the stage's input", grad_in.len(), n)?;
+            grad_in.copy_from_slice(&self.acts.stack.bufs[DRES]);
+        }
+        Ok(())
     }
 }

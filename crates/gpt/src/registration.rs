@@ -103,6 +103,11 @@ impl Family for Gpt2 {
         crate::ActSizes::new(&self.0, micro, seq_len, build.precision, build.checkpointing).bytes()
     }
 
+    fn stage_activation_bytes(&self, micro: usize, seq_len: usize, build: Build, spec: &engine::StageSpec) -> u128 {
+        let part = nn::stack::Part::of(spec);
+        crate::ActSizes::for_part(&self.0, micro, seq_len, (build.precision, build.checkpointing), part).bytes()
+    }
+
     fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>> {
         let model = Gpt::with_precision(self.0, build.precision)?.with_checkpointing(build.checkpointing);
         Ok(Box::new(family::Erased(model)))

@@ -229,6 +229,19 @@ impl<C: Communicator> Communicator for Counting<C> {
     fn abort(&mut self, reason: &str) {
         self.inner.abort(reason)
     }
+    fn send(&mut self, b: &[f32], dest: usize, tag: u32) -> Result<(), CommError> {
+        self.inner.send(b, dest, tag)
+    }
+    fn recv(&mut self, b: &mut [f32], src: usize, tag: u32) -> Result<(), CommError> {
+        self.inner.recv(b, src, tag)
+    }
+    fn flush_sends(&mut self) -> Result<(), CommError> {
+        self.inner.flush_sends()
+    }
+    fn split(&mut self, color: usize, key: usize) -> Result<Box<dyn Communicator>, CommError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.split(color, key)
+    }
 }
 
 #[test]

@@ -13,7 +13,7 @@ use nn::grad::{bias_backward, param_grad};
 use nn::linear::{add_bias, columns, linear_backward_input, linear_backward_weight, linear_forward, Cols, LinearShape};
 use nn::norm::{rmsnorm_backward, rmsnorm_forward, NormSaved};
 use nn::rope::{rope_apply, Rope};
-use nn::stack::{Block, Saved, SavedView, StackSizes};
+use nn::stack::{Block, Part, Saved, SavedView, StackSizes};
 use nn::{Operands, Strided};
 
 /// Indices of a layer's saved tensors.
@@ -84,6 +84,9 @@ pub struct ActSizes {
     /// RoPE tables, the final norm's output and 1/rms, the logits, the
     /// per-row losses.
     pub head: [u128; 5],
+    /// Micro-batches in flight, each with its own stack, RoPE tables and
+    /// final-norm buffers (the logits and losses are shared: used within a forward).
+    pub in_flight: usize,
 }
 
 impl ActSizes {
@@ -94,6 +97,7 @@ impl ActSizes {
         (b, t): (usize, usize),
         (precision, checkpointing): (Precision, Checkpointing),
         train: bool,
+        part: Part,
     ) -> Self {
         let w = |x: usize| x as u128;
         let (n, c, f, v) = (w(b) * w(t), w(cfg.hidden_size), w(cfg.intermediate_size), w(cfg.vocab_size));
@@ -110,7 +114,7 @@ impl ActSizes {
         let stack = StackSizes {
             precision,
             checkpointing,
-            n_slots: if train { cfg.n_layer } else { 1 },
+            n_slots: if train { part.n_blocks } else { 1 },
             large,
             output: OUT,
             stats: vec![n, n],
@@ -120,12 +124,14 @@ impl ActSizes {
             extra: Vec::new(),
         };
         let rope = Rope::len_for(t, cfg.head_dim) as u128;
-        ActSizes { stack, head: [rope, n * c, n, n * v, n] }
+        let head = if part.last { [rope, n * c, n, n * v, n] } else { [rope, 0, 0, 0, 0] };
+        ActSizes { stack, head, in_flight: if train { part.in_flight } else { 1 } }
     }
 
     /// Bytes of every buffer.
     pub fn bytes(&self) -> u128 {
-        self.stack.bytes() + 4 * self.head.iter().sum::<u128>()
+        let [a, b, c, logits, losses] = self.head;
+        self.in_flight.max(1) as u128 * (self.stack.bytes() + 4 * (a + b + c)) + 4 * (logits + losses)
     }
 }
 

@@ -15,13 +15,14 @@ use crate::lora::LoraConfig;
 use engine::rng::SplitMix64;
 use engine::{
     Checkpointing, FullStore, GradOut, MicroStepStats, Model, ParamLayout, ParamStore, Precision, SegmentView,
+    StageSpec, StagedModel,
 };
 use nn::attention::AttnShape;
 use nn::grad::param_grad;
 use nn::linear::{linear_backward_input, linear_backward_weight, LinearShape};
 use nn::norm::{rmsnorm_backward, rmsnorm_forward, NormSaved};
 use nn::rope::Rope;
-use nn::stack::{Stack, DRES};
+use nn::stack::{Part, Slots, Stack, DRES};
 use nn::{gemm_into, parallelism, GemmDims, GemmOut, Operands, Strided};
 use std::ops::Range;
 
@@ -72,7 +73,18 @@ pub struct Llama {
     ranges: ParamRanges,
     precision: Precision,
     checkpointing: Checkpointing,
+    /// The part of the model this one runs (all of it without a pipeline).
+    stage: StageSpec,
+    /// The current micro-batch slot's activations.
     acts: Acts,
+    slots: Slots<Acts>,
+}
+
+/// Moves the buffers used only within one forward (logits, losses) from
+/// the slot left to the slot entered.
+fn carry(from: &mut Acts, to: &mut Acts) {
+    to.logits = std::mem::take(&mut from.logits);
+    to.losses = std::mem::take(&mut from.losses);
 }
 
 impl Llama {
@@ -110,8 +122,9 @@ impl Llama {
             None => None,
         };
         let (layout, ranges) = build_layout(&cfg, adapters);
-        let checkpointing = Checkpointing::None;
-        Ok(Self { cfg, lora, adapters, layout, ranges, precision, checkpointing, acts: Acts::default() })
+        let (checkpointing, stage) = (Checkpointing::None, StageSpec::whole(cfg.n_layer));
+        let (acts, slots) = (Acts::default(), Slots::default());
+        Ok(Self { cfg, lora, adapters, layout, ranges, precision, checkpointing, stage, acts, slots })
     }
 
     /// The model's shape.
@@ -136,7 +149,7 @@ impl Llama {
 
     /// Bytes of activations and scratch currently allocated.
     pub fn activation_bytes(&self) -> usize {
-        self.acts.bytes()
+        self.acts.bytes() + self.slots.parked().map(Acts::bytes).sum::<usize>()
     }
 
     /// The [`Llama::activation_bytes`] a training micro-step on `b`
@@ -150,12 +163,25 @@ impl Llama {
     /// storage precision and checkpointing (no model is built for it): the
     /// bytes of the [`ActSizes`] a training pass allocates from.
     pub fn planned_activation_bytes_as(&self, b: usize, t: usize, precision: Precision, ck: Checkpointing) -> u128 {
-        ActSizes::new(&self.cfg, self.adapters, (b, t), (precision, ck), true).bytes()
+        ActSizes::new(&self.cfg, self.adapters, (b, t), (precision, ck), true, Part::of(&self.stage)).bytes()
+    }
+
+    /// [`Llama::planned_activation_bytes_as`] of one pipeline stage of this
+    /// shape: its layers, `spec.in_flight` micro-batches alive at once, the
+    /// head's buffers on the last stage only.
+    pub fn planned_stage_activation_bytes(
+        &self,
+        b: usize,
+        t: usize,
+        (precision, ck): (Precision, Checkpointing),
+        spec: &StageSpec,
+    ) -> u128 {
+        ActSizes::new(&self.cfg, self.adapters, (b, t), (precision, ck), true, Part::of(spec)).bytes()
     }
 
     /// Bytes of the saved activations (every layer's slot and the embeddings' output).
     pub fn saved_activation_bytes(&self) -> usize {
-        self.acts.stack.saved_bytes()
+        self.acts.stack.saved_bytes() + self.slots.parked().map(|a| a.stack.saved_bytes()).sum::<usize>()
     }
 
     /// Number of segments: the embedding, each layer, the final norm (+ head).
@@ -241,14 +267,16 @@ impl Llama {
     /// Sizes the activations for (b, t) and `pass`: a training pass needs a
     /// slot per layer, a forward-only pass one (evaluation between training
     /// steps reuses the training buffers instead of reallocating).
-    fn ensure_acts(&mut self, b: usize, t: usize, pass: Pass) {
+    fn ensure_acts(&mut self, flight: usize, b: usize, t: usize, pass: Pass) {
+        self.slots.enter(&mut self.acts, flight, self.stage.in_flight.max(1), carry);
+        let part = Part::of(&self.stage);
         let a = &self.acts;
         let same = a.b == b
             && a.t == t
             && a.sizes
                 .as_ref()
                 .is_some_and(|s| s.stack.precision == self.precision && s.stack.checkpointing == self.checkpointing);
-        let n_slots = if pass == Pass::Train { self.cfg.n_layer } else { 1 };
+        let n_slots = if pass == Pass::Train { part.n_blocks } else { 1 };
         if !same || a.stack.n_slots() < n_slots {
             let sizes = ActSizes::new(
                 &self.cfg,
@@ -256,6 +284,7 @@ impl Llama {
                 (b, t),
                 (self.precision, self.checkpointing),
                 pass == Pass::Train,
+                part,
             );
             self.acts = Acts::new(sizes, &self.cfg, b, t);
         }
@@ -267,6 +296,7 @@ impl Llama {
     pub fn with_checkpointing(mut self, checkpointing: Checkpointing) -> Self {
         self.checkpointing = checkpointing;
         self.acts = Acts::default();
+        self.slots = Slots::default();
         self
     }
 
@@ -291,21 +321,36 @@ impl Llama {
         }
     }
 
-    /// Forward through the final norm and the head into `logits`. Leaves
-    /// the head's segment ([`Llama::head_seg`]) held.
-    fn forward(&mut self, store: &mut dyn ParamStore, inputs: &[u32], pass: Pass) -> Result<(), LlamaError> {
+    /// The segments of this stage's layers.
+    fn stage_segs(&self) -> Range<usize> {
+        1 + self.stage.blocks.start..1 + self.stage.blocks.end
+    }
+
+    /// Forward through this stage in the current micro-batch slot: from
+    /// the embedding (first stage) or `input` (the previous stage's
+    /// output) — on the last stage through the final norm and the head
+    /// into `logits`, leaving the head's segment ([`Llama::head_seg`]) held.
+    fn forward(&mut self, store: &mut dyn ParamStore, inputs: &[u32], input: &[f32], pass: Pass) -> Result<(), LlamaError> {
         let (c, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
         let d = self.dims(self.acts.b, self.acts.t);
-        {
-            let seg = store.segment(0)?;
-            let x = &mut self.acts.stack.x;
-            nn::embed::embedding_forward(x, inputs, &seg.params[self.ranges.embed.clone()], None, self.acts.t, c);
-            self.acts.stack.keep_embedding();
+        if self.stage.is_first() {
+            {
+                let seg = store.segment(0)?;
+                let x = &mut self.acts.stack.x;
+                nn::embed::embedding_forward(x, inputs, &seg.params[self.ranges.embed.clone()], None, self.acts.t, c);
+            }
+            store.done(0, false)?;
+        } else {
+            self.acts.stack.x.copy_from_slice(input);
         }
-        store.done(0, false)?;
+        self.acts.stack.keep_input();
+        let segs = self.stage_segs();
         let acts = &mut self.acts;
         let layer = Layer { cfg: &self.cfg, r: &self.ranges.layer_rel, rope: &acts.rope, d };
-        acts.stack.forward(&layer, store, 1..1 + self.cfg.n_layer, pass == Pass::Train)?;
+        acts.stack.forward(&layer, store, segs, pass == Pass::Train)?;
+        if !self.stage.is_last() {
+            return Ok(());
+        }
         let norm_seg = self.norm_seg();
         {
             let seg = store.segment(norm_seg)?;
@@ -337,10 +382,10 @@ impl Llama {
         Ok(())
     }
 
-    /// Backward from `dlogits` (held in `logits`) to every parameter,
-    /// segment by segment in reverse; the head's segment is still held
-    /// from the forward. Frozen tensors' weight gradients are skipped.
-    fn backward(&mut self, store: &mut dyn ParamStore, inputs: &[u32]) -> Result<(), LlamaError> {
+    /// The last stage's backward from `dlogits` (held in `logits`) through
+    /// the head and the final norm into the residual gradient; the head's
+    /// segment is still held from the forward.
+    fn head_backward(&mut self, store: &mut dyn ParamStore) -> Result<(), LlamaError> {
         let (c, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
         let d = self.dims(self.acts.b, self.acts.t);
         let prec = self.precision;
@@ -374,9 +419,23 @@ impl Llama {
             rmsnorm_backward(dres, gw, dc, saved, &params[..c]);
         }
         store.done(norm_seg, true)?;
+        Ok(())
+    }
+
+    /// Backward of the current micro-batch slot through this stage's
+    /// layers from the residual gradient (in the stack's working buffer),
+    /// then the embedding (first stage). Frozen tensors' weight gradients
+    /// are skipped.
+    fn blocks_backward(&mut self, store: &mut dyn ParamStore, inputs: &[u32]) -> Result<(), LlamaError> {
+        let c = self.cfg.hidden_size;
+        let d = self.dims(self.acts.b, self.acts.t);
+        let segs = self.stage_segs();
         let acts = &mut self.acts;
         let layer = Layer { cfg: &self.cfg, r: &self.ranges.layer_rel, rope: &acts.rope, d };
-        acts.stack.backward(&layer, store, 1..1 + self.cfg.n_layer)?;
+        acts.stack.backward(&layer, store, segs)?;
+        if !self.stage.is_first() {
+            return Ok(());
+        }
         {
             let SegmentView { mut grads, .. } = store.segment(0)?;
             // The embedding's gradient is only ever added to.
@@ -391,8 +450,29 @@ impl Llama {
     /// head's segment stays held.
     fn forward_batch(&mut self, store: &mut dyn ParamStore, batch: &TokenBatch, pass: Pass) -> Result<(), LlamaError> {
         self.check(batch)?;
-        self.ensure_acts(batch.n_seqs, batch.seq_len, pass);
-        self.forward(store, &batch.inputs, pass)
+        self.whole_model("a forward pass over the whole model")?;
+        self.ensure_acts(0, batch.n_seqs, batch.seq_len, pass);
+        self.forward(store, &batch.inputs, &[], pass)
+    }
+
+    /// Errors unless this model runs all of itself (not a pipeline stage).
+    fn whole_model(&self, what: &str) -> Result<(), LlamaError> {
+        if self.stage.n_stages == 1 {
+            return Ok(());
+        }
+        Err(LlamaError::InvalidBatch(format!(
+            "{what} runs the whole model, but this one is pipeline stage {} of {}",
+            self.stage.stage, self.stage.n_stages
+        )))
+    }
+
+    /// The length of the activations between stages.
+    fn check_boundary(&self, what: &str, got: usize, n: usize) -> Result<(), LlamaError> {
+        let want = n * self.cfg.hidden_size;
+        if got == want {
+            return Ok(());
+        }
+        Err(LlamaError::InvalidBatch(format!("{what} holds {got} values, the micro-batch's activations {want}")))
     }
 
     /// Fused softmax + cross-entropy of the logits (replaced by
@@ -462,15 +542,90 @@ impl Model for Llama {
         batch: &TokenBatch,
         grad_scale: f32,
     ) -> Result<MicroStepStats, LlamaError> {
-        self.forward_batch(store, batch, Pass::Train)?;
-        let loss_sum = self.cross_entropy(batch, Some(grad_scale));
-        self.backward(store, &batch.inputs)?;
-        Ok(MicroStepStats { loss_sum, n_targets: batch.n_targets() })
+        self.whole_model("a micro-step")?;
+        let stats = self.stage_forward(store, batch, 0, &[], &mut [], Some(grad_scale))?;
+        self.stage_backward(store, batch, 0, &[], &mut [])?;
+        Ok(stats)
     }
 
     fn loss(&mut self, store: &mut dyn ParamStore, batch: &TokenBatch) -> Result<MicroStepStats, LlamaError> {
-        self.forward_batch(store, batch, Pass::Eval)?;
-        store.done(self.head_seg(), false)?;
-        Ok(MicroStepStats { loss_sum: self.cross_entropy(batch, None), n_targets: batch.n_targets() })
+        self.whole_model("evaluation")?;
+        self.stage_forward(store, batch, 0, &[], &mut [], None)
+    }
+}
+
+impl StagedModel for Llama {
+    fn n_blocks(&self) -> usize {
+        self.cfg.n_layer
+    }
+
+    fn tied_head(&self) -> bool {
+        self.cfg.tie_word_embeddings
+    }
+
+    fn set_stage(&mut self, spec: StageSpec) {
+        self.stage = spec;
+        self.acts = Acts::default();
+        self.slots = Slots::default();
+    }
+
+    fn boundary_len(&self, batch: &TokenBatch) -> usize {
+        batch.n_seqs * batch.seq_len * self.cfg.hidden_size
+    }
+
+    fn stage_forward(
+        &mut self,
+        store: &mut dyn ParamStore,
+        batch: &TokenBatch,
+        slot: usize,
+        input: &[f32],
+        output: &mut [f32],
+        loss_seed: Option<f32>,
+    ) -> Result<MicroStepStats, LlamaError> {
+        self.check(batch)?;
+        let n = batch.n_seqs * batch.seq_len;
+        if !self.stage.is_first() {
+            self.check_boundary("the stage's input", input.len(), n)?;
+        }
+        if !self.stage.is_last() {
+            self.check_boundary("the stage's output", output.len(), n)?;
+        }
+        let pass = if loss_seed.is_some() { Pass::Train } else { Pass::Eval };
+        self.ensure_acts(slot, batch.n_seqs, batch.seq_len, pass);
+        self.forward(store, &batch.inputs, input, pass)?;
+        if !self.stage.is_last() {
+            output.copy_from_slice(&self.acts.stack.x);
+            return Ok(MicroStepStats::default());
+        }
+        if loss_seed.is_none() {
+            store.done(self.head_seg(), false)?;
+        }
+        let loss_sum = self.cross_entropy(batch, loss_seed);
+        if loss_seed.is_some() {
+            self.head_backward(store)?;
+        }
+        Ok(MicroStepStats { loss_sum, n_targets: batch.n_targets() })
+    }
+
+    fn stage_backward(
+        &mut self,
+        store: &mut dyn ParamStore,
+        batch: &TokenBatch,
+        slot: usize,
+        grad_out: &[f32],
+        grad_in: &mut [f32],
+    ) -> Result<(), LlamaError> {
+        let n = batch.n_seqs * batch.seq_len;
+        self.ensure_acts(slot, batch.n_seqs, batch.seq_len, Pass::Train);
+        if !self.stage.is_last() {
+            self.check_boundary("the gradient of the stage's output", grad_out.len(), n)?;
+            self.acts.stack.bufs[DRES].copy_from_slice(grad_out);
+        }
+        self.blocks_backward(store, &batch.inputs)?;
+        if !self.stage.is_first() {
+            self.check_boundary("the gradient of the stage's input", grad_in.len(), n)?;
+            grad_in.copy_from_slice(&self.acts.stack.bufs[DRES]);
+        }
+        Ok(())
     }
 }

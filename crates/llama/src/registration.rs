@@ -287,6 +287,10 @@ impl Family for LlamaFamily {
         self.model.planned_activation_bytes_as(micro, seq_len, build.precision, build.checkpointing)
     }
 
+    fn stage_activation_bytes(&self, micro: usize, seq_len: usize, build: Build, spec: &engine::StageSpec) -> u128 {
+        self.model.planned_stage_activation_bytes(micro, seq_len, (build.precision, build.checkpointing), spec)
+    }
+
     fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>> {
         let model = Self::build_with(&self.cfg, self.lora.as_ref(), build.precision)?;
         Ok(Box::new(family::Erased(model.with_checkpointing(build.checkpointing))))

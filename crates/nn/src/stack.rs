@@ -98,6 +98,34 @@ impl SavedView<'_> {
     }
 }
 
+/// Which part of a model's stack is sized: its blocks, the micro-batches
+/// in flight (each with a [`Stack`] of its own), and whether it holds the
+/// embedding (first pipeline stage) and the head (last). The whole model
+/// is one part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Part {
+    /// Blocks of this part.
+    pub n_blocks: usize,
+    /// Micro-batches whose activations are alive at once.
+    pub in_flight: usize,
+    /// Holds the embedding.
+    pub first: bool,
+    /// Holds the final norm, the head and the loss.
+    pub last: bool,
+}
+
+impl Part {
+    /// The whole model: every block, one micro-batch.
+    pub fn whole(n_blocks: usize) -> Self {
+        Part { n_blocks, in_flight: 1, first: true, last: true }
+    }
+
+    /// A pipeline stage.
+    pub fn of(spec: &engine::StageSpec) -> Self {
+        Part { n_blocks: spec.blocks.len(), in_flight: spec.in_flight, first: spec.is_first(), last: spec.is_last() }
+    }
+}
+
 /// Element counts of every buffer of a [`Stack`], from the shape of one
 /// call (rows, sequence length), the storage precision and checkpointing:
 /// what [`Stack::new`] allocates and what [`StackSizes::bytes`] reports.
@@ -244,9 +272,10 @@ impl Stack {
         self.saved_bytes() + 4 * (self.x.len() + sum(&self.staging) + sum(&self.bufs) + slot)
     }
 
-    /// Keeps the embeddings' output, now in [`Stack::x`], as block 0's input
-    /// (rounded to the storage precision in place).
-    pub fn keep_embedding(&mut self) {
+    /// Keeps the stack's input, now in [`Stack::x`] — the embeddings'
+    /// output, or the previous pipeline stage's (already rounded there) —
+    /// as block 0's input (rounded to the storage precision in place).
+    pub fn keep_input(&mut self) {
         self.embed.keep_copy(&mut self.x, self.precision);
     }
 
@@ -320,5 +349,40 @@ impl Stack {
             prec.round(&mut self.bufs[DRES]);
         }
         Ok(())
+    }
+}
+
+/// The activations of each micro-batch in flight on a pipeline stage: one
+/// `A` per slot, the current one checked out into the model's own field
+/// (so a family's code reads one set of activations whichever slot is
+/// current). Buffers used only within one forward (logits, losses) travel
+/// with the current slot, so one of each exists.
+#[derive(Debug, Default)]
+pub struct Slots<A> {
+    parked: Vec<A>,
+    cur: usize,
+}
+
+impl<A: Default> Slots<A> {
+    /// Makes slot `f` (of `n`) current in `acts`; `carry(from, to)` moves
+    /// the shared buffers from the slot left to the slot entered.
+    pub fn enter(&mut self, acts: &mut A, f: usize, n: usize, carry: fn(&mut A, &mut A)) {
+        if self.parked.len() != n {
+            self.parked.resize_with(n, A::default);
+            self.cur = self.cur.min(n - 1);
+        }
+        if f == self.cur {
+            return;
+        }
+        let mut left = std::mem::take(acts);
+        *acts = std::mem::take(&mut self.parked[f]);
+        carry(&mut left, acts);
+        self.parked[self.cur] = left;
+        self.cur = f;
+    }
+
+    /// The slots not current.
+    pub fn parked(&self) -> impl Iterator<Item = &A> {
+        self.parked.iter()
     }
 }
