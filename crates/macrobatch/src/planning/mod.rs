@@ -274,34 +274,30 @@ pub(crate) fn stage_states(plan: &Plan, knobs: Knobs, layers: Option<&[usize]>) 
     let slots = cfg.optim.name.state_slots(cfg.optim.momentum) as usize;
     let bucket_elems = bucket_elems(cfg);
     let offload = knobs.offload_optimizer;
-    let layout = model.layout();
     let segments = model.segments();
     let plan_of = |l: &engine::ParamLayout, s: Vec<std::ops::Range<usize>>| {
         Trainer::planned_memory_of(l, s, zero, dp, knobs.precision, slots, bucket_elems, offload)
     };
     let (stages, stack) = if knobs.pipeline_parallel <= 1 {
-        let blocks = 0..segments.len().saturating_sub(2);
+        let (blocks, layout) = (0..model.n_blocks(), model.layout());
         let report = plan_of(layout, segments.clone())?;
         let (n_params, n_trainable) = (layout.n_params() as u64, layout.n_trainable() as u64);
         (vec![StageStates { blocks, report, n_params, n_trainable }], None)
     } else {
-        let stack = pipeline::Stack::of(layout, &segments)?;
-        let cuts = pipeline::cut(layout, &segments, &stack, knobs.pipeline_parallel, layers)?;
+        let stack = pipeline::Stack::of(model.as_ref());
+        let cuts = pipeline::cut(&mut model, &stack, knobs.pipeline_parallel, knobs.pipeline_schedule, layers)?;
         let stages = cuts
             .into_iter()
             .map(|c| {
-                let report = plan_of(&c.layout.layout, c.layout.segments.clone())?;
                 let l = &c.layout.layout;
-                Ok(StageStates {
-                    blocks: c.blocks,
-                    report,
-                    n_params: l.n_params() as u64,
-                    n_trainable: l.n_trainable() as u64,
-                })
+                let report = plan_of(l, c.layout.segments.clone())?;
+                let (n_params, n_trainable) = (l.n_params() as u64, l.n_trainable() as u64);
+                Ok(StageStates { blocks: c.spec.blocks, report, n_params, n_trainable })
             })
             .collect::<Result<Vec<_>>>()?;
         (stages, Some(stack))
     };
+    let layout = model.layout();
     let embedding = segments.first().cloned().unwrap_or(0..0);
     let embedding_grads = layout
         .tensors()
@@ -317,22 +313,6 @@ pub(crate) fn stage_states(plan: &Plan, knobs: Knobs, layers: Option<&[usize]>) 
         n_trainable: layout.n_trainable() as u64,
         slots: slots as u64,
     })
-}
-
-/// Activation bytes of one stage of `family` with `spec.in_flight`
-/// micro-batches of `micro` sequences kept at once: the whole model's
-/// activations of one micro-batch shared out by blocks, `in_flight` times.
-fn stage_activation_bytes(
-    family: &dyn family::Family,
-    micro: usize,
-    seq_len: usize,
-    build: Build,
-    spec: &StageSpec,
-    n_blocks: usize,
-) -> u128 {
-    let whole = family.activation_bytes(micro, seq_len, build);
-    let share = whole.saturating_mul(spec.blocks.len() as u128).div_ceil(n_blocks.max(1) as u128);
-    share.saturating_mul(spec.in_flight as u128)
 }
 
 /// Bytes the checkpoint writer holds besides the state: its 1 MiB file
@@ -404,9 +384,7 @@ pub(crate) fn stage_estimates(
             let report = &st.report;
             let (comm_staging, _) = staging(st);
             let activations = match &states.stack {
-                Some(stack) => {
-                    stage_activation_bytes(plan.family.as_ref(), knobs.micro, seq_len, build, spec, stack.n_blocks)
-                }
+                Some(_) => plan.family.stage_activation_bytes(knobs.micro, seq_len, build, spec),
                 None => plan.family.activation_bytes(knobs.micro, seq_len, build),
             };
             let p2p = states.stack.as_ref().map_or(0, |stack| {

@@ -1,7 +1,7 @@
 //! The memory model of a pipeline: the model's blocks cut into P stages
 //! (`engine::pipeline::split_layers`), each stage's model states counted
-//! by the engine over the stage's own layout (`engine::StageLayout`, the
-//! layout `Trainer::for_stage` allocates for), its activations for the
+//! by the engine over the stage's own layout (`engine::PipelineStage`, the
+//! one `Trainer::for_stage` allocates for), its activations for the
 //! micro-batches its schedule keeps in flight, and the point-to-point
 //! buffers between neighbouring stages. Ranks are laid out stage-major:
 //! rank = stage · D + d for D = W / P data ranks per stage.
@@ -9,7 +9,8 @@
 use super::Knobs;
 use anyhow::{bail, Result};
 use engine::pipeline::split_layers;
-use engine::{ParamLayout, Schedule, StageLayout, StageSpec};
+use engine::{PipelineStage, Schedule, ScheduleKind, StageSpec, TokenBatch};
+use family::LanguageModel;
 use std::ops::Range;
 
 /// Data ranks per stage, D = W / P: the config's error when P does not
@@ -28,65 +29,39 @@ pub fn data_parallel(knobs: &Knobs) -> Result<usize> {
     Ok(d)
 }
 
-/// A model's parts as a pipeline sees them: its segments are
+/// What a pipeline needs of a model beyond its layout: its segments are
 /// `[embedding, block 0, …, block L−1, head]`.
 pub struct Stack {
     /// Blocks L.
     pub n_blocks: usize,
-    /// Whether the head reads the embedding segment (tied embeddings).
+    /// Whether the head reads the embedding segment (tied embeddings: the
+    /// last stage holds a copy).
     pub tied: bool,
-    /// Elements per token of the activations passed between stages (the
-    /// residual stream's width).
+    /// Elements per token of the activations passed between stages.
     pub width: usize,
 }
 
 impl Stack {
-    /// The stack of a model with `layout` cut into `segments`. Tied: the
-    /// head segment has no vocabulary × width matrix of its own (it holds
-    /// the final norm alone and reads the embedding's); the width is the
-    /// token embedding's second dimension.
-    pub fn of(layout: &ParamLayout, segments: &[Range<usize>]) -> Result<Self> {
-        let Some(head) = segments.last().filter(|_| segments.len() >= 3) else {
-            bail!("a model of {} segments has no block stack to cut into pipeline stages", segments.len());
-        };
-        let first = layout.tensors().iter().find(|t| t.offset == segments[0].start);
-        let Some([vocab, width]) = first.and_then(|t| <[usize; 2]>::try_from(t.shape.as_slice()).ok()) else {
-            bail!(
-                "the model's first tensor is not a [vocabulary, width] token embedding: no pipeline stage can be cut"
-            );
-        };
-        Ok(Stack { n_blocks: segments.len() - 2, tied: head.len() < vocab * width, width })
+    /// The stack of `model`, as it tells it.
+    pub fn of(model: &dyn LanguageModel) -> Self {
+        let one_token = TokenBatch { n_seqs: 1, seq_len: 1, ..Default::default() };
+        Stack { n_blocks: model.n_blocks(), tied: model.tied_head(), width: model.boundary_len(&one_token) }
     }
 }
 
-/// One stage's part of the model: its blocks and its own layout.
-pub struct StageCut {
-    /// Blocks, as in a [`StageSpec`].
-    pub blocks: Range<usize>,
-    /// The stage's layout and segments.
-    pub layout: StageLayout,
-}
-
-/// The stages of a model with `layout` cut into `segments`: `stages`
-/// stages, evenly by layers or `manual` (layers per stage); the errors are
-/// `split_layers`'s.
+/// Every stage of `model` cut into `stages` stages, evenly by layers or
+/// `manual` (layers per stage; the errors are `split_layers`'s), as the
+/// trainer builds them (`PipelineStage::new`: the stage's own layout);
+/// the model is left set to the last stage.
 pub fn cut(
-    layout: &ParamLayout,
-    segments: &[Range<usize>],
+    model: &mut Box<dyn LanguageModel>,
     stack: &Stack,
     stages: usize,
+    kind: ScheduleKind,
     manual: Option<&[usize]>,
-) -> Result<Vec<StageCut>> {
+) -> Result<Vec<PipelineStage>> {
     let cuts = split_layers(stack.n_blocks, stages, manual)?;
-    Ok(cuts
-        .iter()
-        .enumerate()
-        .map(|(s, blocks)| {
-            let spec = StageSpec { stage: s, n_stages: stages, blocks: blocks.clone(), in_flight: 1 };
-            let model_segments = spec.segments(stack.n_blocks, stack.tied);
-            StageCut { blocks: blocks.clone(), layout: StageLayout::new(layout, segments, model_segments) }
-        })
-        .collect())
+    Ok((0..stages).map(|s| PipelineStage::new(model, &cuts, s, kind, 1)).collect::<Result<_, _>>()?)
 }
 
 /// Each stage's spec for `k` micro-batches per step: its blocks and the
@@ -211,7 +186,7 @@ mod tests {
                 let spec =
                     StageSpec { stage: e.stage, n_stages: 4, blocks: e.blocks.0..e.blocks.1, in_flight: e.in_flight };
                 let build = family::Build { precision: k.precision, checkpointing: k.checkpointing };
-                let want = super::super::stage_activation_bytes(pl.family.as_ref(), 1, seq, build, &spec, 6);
+                let want = pl.family.stage_activation_bytes(1, seq, build, &spec);
                 assert_eq!(e.activations as u128, want, "{kind} stage {}", e.stage);
             }
         }
