@@ -357,14 +357,14 @@ pub(crate) fn stage_estimates(
     // What the communicator stages per data-parallel group: thread ranks
     // keep an f64 copy of their largest contribution in their slot, and
     // the group one f64 result; MPI keeps an f32 staging buffer of the
-    // largest collective. One rank per stage: no data-parallel collective.
+    // largest collective. With a pipeline each stage's data-parallel group
+    // reduces its gradient this way, also when it has one rank.
     let staging = |st: &StageStates| {
         let max = st.report.max_collective_elems as u64;
-        match (knobs.backend, dp) {
-            (Backend::Single, _) => (0, 0),
-            (_, 1) if knobs.pipeline_parallel > 1 => (0, 0),
-            (Backend::Threads, _) => (8 * max, 8 * max),
-            (Backend::Mpi, _) => (4 * max, 0),
+        match knobs.backend {
+            Backend::Single => (0, 0),
+            Backend::Threads => (8 * max, 8 * max),
+            Backend::Mpi => (4 * max, 0),
         }
     };
     // Thread ranks: one process holds every rank of every stage.
