@@ -505,8 +505,17 @@ pub fn check_memory(plan: &Plan) -> Result<()> {
     }
     let e = estimate(plan, Knobs::of(plan))?;
     let auto = if plan.memory_budget.is_some() { " (chosen by batch.micro = \"auto\")" } else { "" };
+    let stage = match e.knobs.pipeline_parallel {
+        0 | 1 => String::new(),
+        p => format!(
+            " (pipeline stage {} of {p}, the peak; layers {}–{})",
+            e.stage,
+            e.blocks.0,
+            e.blocks.1.saturating_sub(1)
+        ),
+    };
     let breakdown = format!(
-        "{n_params} parameters; per rank {} bytes of parameters, gradients and optimizer state at ZeRO stage {} in {}, {} bytes of collective buffers and {} bytes of activations for batch.micro = {}{auto} × seq {} (checkpointing {}); {} rank(s) in this process; {} bytes at the peak of all phases (a step: {}, + {} while a checkpoint or the model is saved), + the {}% + {} MiB margin",
+        "{n_params} parameters; per rank{stage} {} bytes of parameters, gradients and optimizer state at ZeRO stage {} in {}, {} bytes of collective buffers and {} bytes of activations for batch.micro = {}{auto} × seq {} (checkpointing {}); {} rank(s) in this process; {} bytes at the peak of all phases (a step: {}, + {} while a checkpoint or the model is saved), + the {}% + {} MiB margin",
         e.params + e.master + e.grads + e.optimizer,
         cfg.dist.zero_stage,
         cfg.train.precision,
