@@ -17,6 +17,8 @@
 //! Each check returns `Err` with what differed instead of panicking, so a
 //! test can also show that a broken model fails.
 
+pub mod pipeline;
+
 use crate::layout::TensorSpec;
 use crate::model::Model;
 use crate::optim::{AdamW, Optimizer, Sgd};

@@ -302,7 +302,11 @@ impl fmt::Display for Schedule {
 /// Cuts `n_layers` blocks into `n_stages` contiguous stages: as given
 /// (`manual`: layers per stage), or evenly by layers (the first
 /// `n_layers % n_stages` stages take one more).
-pub fn split_layers(n_layers: usize, n_stages: usize, manual: Option<&[usize]>) -> Result<Vec<Range<usize>>, EngineError> {
+pub fn split_layers(
+    n_layers: usize,
+    n_stages: usize,
+    manual: Option<&[usize]>,
+) -> Result<Vec<Range<usize>>, EngineError> {
     if n_stages == 0 {
         return Err(EngineError::Pipeline("dist.pipeline_parallel must be at least 1".into()));
     }
@@ -585,8 +589,10 @@ mod tests {
             let (p, k) = (4, 6);
             let s = Schedule::new(kind, p, k).unwrap();
             for (st, plan) in s.stages.iter().enumerate() {
-                let fw: Vec<usize> = plan.ops.iter().filter_map(|o| if let Op::Forward(m) = o { Some(*m) } else { None }).collect();
-                let bw: Vec<usize> = plan.ops.iter().filter_map(|o| if let Op::Backward(m) = o { Some(*m) } else { None }).collect();
+                let fw: Vec<usize> =
+                    plan.ops.iter().filter_map(|o| if let Op::Forward(m) = o { Some(*m) } else { None }).collect();
+                let bw: Vec<usize> =
+                    plan.ops.iter().filter_map(|o| if let Op::Backward(m) = o { Some(*m) } else { None }).collect();
                 assert_eq!(fw, (0..k).collect::<Vec<_>>());
                 assert_eq!(bw, (0..k).collect::<Vec<_>>());
                 let count = |f: fn(&Op) -> bool| plan.ops.iter().filter(|o| f(o)).count();

@@ -521,9 +521,7 @@ impl Trainer {
             LossNormalization::Token if self.scaler.is_some() => {
                 let local = if count { micro_batches.iter().map(|b| model.n_targets(b)).sum::<u64>() } else { 0 };
                 let mut n = [local as f64];
-                groups
-                    .all_reduce_f64(&mut n)
-                    .map_err(|source| EngineError::Comm { step: self.n_steps + 1, source })?;
+                groups.all_reduce_f64(&mut n).map_err(|source| EngineError::Comm { step: self.n_steps + 1, source })?;
                 let loss_seed = if n[0] > 0.0 { (loss_scale as f64 / n[0]) as f32 } else { 0.0 };
                 Ok(Seeds { per_micro: vec![loss_seed; n_micro], divided_by_targets: true })
             }
@@ -635,7 +633,8 @@ impl Accumulated {
     fn micro_losses(&mut self, groups: &mut Groups<'_>) -> Result<Vec<f64>, comm::CommError> {
         if let Some(p) = groups.pipe.as_mut() {
             let k = self.loss_sums.len();
-            let mut v: Vec<f64> = self.loss_sums.iter().copied().chain(self.n_targets.iter().map(|&n| n as f64)).collect();
+            let mut v: Vec<f64> =
+                self.loss_sums.iter().copied().chain(self.n_targets.iter().map(|&n| n as f64)).collect();
             if !p.info.last {
                 v.fill(0.0);
             }

@@ -15,7 +15,8 @@ pub mod reference;
 
 use config::ModelConfig;
 use engine::{
-    Checkpointing, MicroStepStats, Model, ParamLayout, ParamStore, Precision, StageSpec, StagedModel, TensorSpec, TokenBatch,
+    Checkpointing, MicroStepStats, Model, ParamLayout, ParamStore, Precision, StageSpec, StagedModel, TensorSpec,
+    TokenBatch,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;

@@ -67,7 +67,13 @@ impl ActSizes {
 
     /// The sizes of one part of the model (a pipeline stage: its blocks,
     /// its micro-batches in flight, the head buffers on the last stage only).
-    pub fn for_part(cfg: &GptConfig, b: usize, t: usize, (precision, checkpointing): (Precision, Checkpointing), part: Part) -> Self {
+    pub fn for_part(
+        cfg: &GptConfig,
+        b: usize,
+        t: usize,
+        (precision, checkpointing): (Precision, Checkpointing),
+        part: Part,
+    ) -> Self {
         let w = |x: usize| x as u128;
         let (n, c, v) = (w(b) * w(t), w(cfg.n_embd), w(cfg.vocab_size));
         let att = w(b) * w(cfg.n_head) * w(t) * w(t);

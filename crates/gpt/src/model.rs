@@ -178,7 +178,13 @@ impl Gpt {
     /// needs when `train` — on the last stage through the final LayerNorm
     /// and the tied head into `logits`, leaving segment 0 (the embeddings,
     /// whose `wte` is the head) held.
-    fn forward(&mut self, store: &mut dyn ParamStore, inputs: &[u32], input: &[f32], train: bool) -> Result<(), GptError> {
+    fn forward(
+        &mut self,
+        store: &mut dyn ParamStore,
+        inputs: &[u32],
+        input: &[f32],
+        train: bool,
+    ) -> Result<(), GptError> {
         let (t, c, v) = (self.acts.t, self.cfg.n_embd, self.cfg.vocab_size);
         let n = self.acts.b * t;
         let (wte, wpe) = (self.ranges.wte.clone(), self.ranges.wpe.clone());

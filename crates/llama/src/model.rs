@@ -330,7 +330,13 @@ impl Llama {
     /// the embedding (first stage) or `input` (the previous stage's
     /// output) — on the last stage through the final norm and the head
     /// into `logits`, leaving the head's segment ([`Llama::head_seg`]) held.
-    fn forward(&mut self, store: &mut dyn ParamStore, inputs: &[u32], input: &[f32], pass: Pass) -> Result<(), LlamaError> {
+    fn forward(
+        &mut self,
+        store: &mut dyn ParamStore,
+        inputs: &[u32],
+        input: &[f32],
+        pass: Pass,
+    ) -> Result<(), LlamaError> {
         let (c, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
         let d = self.dims(self.acts.b, self.acts.t);
         if self.stage.is_first() {

@@ -66,12 +66,8 @@ impl PipelineStage {
             )));
         }
         let schedule = Schedule::new(kind, n_stages, n_micro)?;
-        let spec = StageSpec {
-            stage,
-            n_stages,
-            blocks: cuts[stage].clone(),
-            in_flight: schedule.stages[stage].in_flight,
-        };
+        let spec =
+            StageSpec { stage, n_stages, blocks: cuts[stage].clone(), in_flight: schedule.stages[stage].in_flight };
         let tied = model.tied_head() && n_stages > 1;
         let segments = model.segments();
         let layout = StageLayout::new(model.layout(), &segments, spec.segments(n_blocks, model.tied_head()));
@@ -98,7 +94,8 @@ impl PipelineStage {
 
     /// A model segment's range in a model-wide buffer and in this stage's.
     fn ranges(&self, grad_space: bool, seg: usize) -> (Range<usize>, Option<Range<usize>>) {
-        let pick = |sp: &GradSpace, j: usize| if grad_space { sp.grad_segments[j].clone() } else { sp.segments[j].clone() };
+        let pick =
+            |sp: &GradSpace, j: usize| if grad_space { sp.grad_segments[j].clone() } else { sp.segments[j].clone() };
         (pick(&self.model_space, seg), self.layout.local(seg).map(|l| pick(&self.space, l)))
     }
 
@@ -106,11 +103,17 @@ impl PipelineStage {
     /// `grad_space` a gradient-space buffer such as optimizer state): how a
     /// checkpoint written at any pipeline width is restored at this one.
     pub fn take(&self, full: &[f32], grad_space: bool) -> Result<Vec<f32>, EngineError> {
-        let want = if grad_space { self.model_space.n_grads } else { self.model_space.segments.last().map_or(0, |r| r.end) };
+        let want =
+            if grad_space { self.model_space.n_grads } else { self.model_space.segments.last().map_or(0, |r| r.end) };
         if full.len() != want {
             return Err(EngineError::ParamCount { expected: want, got: full.len() });
         }
-        Ok(self.layout.model_segments.iter().flat_map(|&j| full[self.ranges(grad_space, j).0].iter().copied()).collect())
+        Ok(self
+            .layout
+            .model_segments
+            .iter()
+            .flat_map(|&j| full[self.ranges(grad_space, j).0].iter().copied())
+            .collect())
     }
 
     /// The first stage assembles a model-wide buffer from every stage's
@@ -136,7 +139,8 @@ impl PipelineStage {
             pipe.flush_sends()?;
             return Ok(None);
         }
-        let n = if grad_space { self.model_space.n_grads } else { self.model_space.segments.last().map_or(0, |r| r.end) };
+        let n =
+            if grad_space { self.model_space.n_grads } else { self.model_space.segments.last().map_or(0, |r| r.end) };
         let mut full = vec![0.0; n];
         for &j in &self.owned[0] {
             let (dst, src) = self.ranges(grad_space, j);
@@ -180,7 +184,16 @@ impl Trainer {
         }
         let model_segs = stage.layout.model_segments.clone();
         let local_init = |j: usize| model_segs.get(j).map(|&m| init(m)).unwrap_or_default();
-        Self::build(stage.layout.layout.clone(), stage.layout.segments.clone(), &local_init, optimizer, schedule, options, zero, dp)
+        Self::build(
+            stage.layout.layout.clone(),
+            stage.layout.segments.clone(),
+            &local_init,
+            optimizer,
+            schedule,
+            options,
+            zero,
+            dp,
+        )
     }
 
     /// One optimizer step of a pipeline stage over this rank's
@@ -210,7 +223,11 @@ impl Trainer {
                 stage.spec.n_stages
             )));
         }
-        let schedule = if k == stage.schedule.n_micro { stage.schedule.clone() } else { Schedule::new(stage.kind, stage.spec.n_stages, k)? };
+        let schedule = if k == stage.schedule.n_micro {
+            stage.schedule.clone()
+        } else {
+            Schedule::new(stage.kind, stage.spec.n_stages, k)?
+        };
         let plan = &schedule.stages[stage.spec.stage];
         if plan.in_flight > stage.spec.in_flight {
             return Err(EngineError::Pipeline(format!(
@@ -253,14 +270,27 @@ impl Trainer {
                     let t0 = Instant::now();
                     let mut store = StageStore { inner: &mut self.store(&mut **dp, true), stage: &stage.layout };
                     let stats = model
-                        .stage_forward(&mut store, &micro_batches[m], plan.slot[m], &act, &mut out, Some(seeds.per_micro[m]))
-                        .map_err(|e| EngineError::Model { step: step_idx + 1, micro_step_idx: m, source: Box::new(e) })?;
+                        .stage_forward(
+                            &mut store,
+                            &micro_batches[m],
+                            plan.slot[m],
+                            &act,
+                            &mut out,
+                            Some(seeds.per_micro[m]),
+                        )
+                        .map_err(|e| EngineError::Model {
+                            step: step_idx + 1,
+                            micro_step_idx: m,
+                            source: Box::new(e),
+                        })?;
                     acc.model_s += t0.elapsed().as_secs_f64();
                     if last {
                         acc.record(m, stats);
                     }
                 }
-                Op::SendAct(m) => pipe.send(&out, s + 1, TAG_ACT).map_err(comm_err).map(|_| debug_assert_eq!(out.len(), len(m)))?,
+                Op::SendAct(m) => {
+                    pipe.send(&out, s + 1, TAG_ACT).map_err(comm_err).map(|_| debug_assert_eq!(out.len(), len(m)))?
+                }
                 Op::RecvGrad(m) => {
                     gout.resize(len(m), 0.0);
                     let t0 = Instant::now();
@@ -274,9 +304,9 @@ impl Trainer {
                     gin.resize(if s == 0 { 0 } else { len(m) }, 0.0);
                     let t0 = Instant::now();
                     let mut store = StageStore { inner: &mut self.store(&mut **dp, true), stage: &stage.layout };
-                    model
-                        .stage_backward(&mut store, &micro_batches[m], plan.slot[m], &gout, &mut gin)
-                        .map_err(|e| EngineError::Model { step: step_idx + 1, micro_step_idx: m, source: Box::new(e) })?;
+                    model.stage_backward(&mut store, &micro_batches[m], plan.slot[m], &gout, &mut gin).map_err(
+                        |e| EngineError::Model { step: step_idx + 1, micro_step_idx: m, source: Box::new(e) },
+                    )?;
                     acc.model_s += t0.elapsed().as_secs_f64();
                 }
                 Op::SendGrad(_) => pipe.send(&gin, s - 1, TAG_GRAD).map_err(comm_err)?,
@@ -350,9 +380,9 @@ impl Trainer {
         let skip0 = p.info.tied && p.info.last;
         let segs = (0..self.part.n_segments()).filter(|&j| !(skip0 && j == 0));
         let mut sq = [match (self.stage.reduction(), self.stage.accumulation()) {
-            (Reduction::AllReduce, _) => {
-                segs.map(|j| super::clip::chunked_sum_of_squares(&self.grads[self.part.space.grad_segments[j].clone()])).sum()
-            }
+            (Reduction::AllReduce, _) => segs
+                .map(|j| super::clip::chunked_sum_of_squares(&self.grads[self.part.space.grad_segments[j].clone()]))
+                .sum(),
             (_, Accumulation::Local) => {
                 segs.map(|j| super::clip::sum_of_squares(&self.grads[self.part.grad_owned(j, self.part.rank)])).sum()
             }

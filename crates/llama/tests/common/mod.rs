@@ -2,6 +2,7 @@
 //! PyTorch reference files, comparisons and temporary directories.
 #![allow(dead_code)]
 
+pub mod pipeline;
 pub mod suite;
 
 use engine::{FullStore, Model};

@@ -1,0 +1,181 @@
+//! Pipeline parallelism against one rank: a model cut into P stages on
+//! thread ranks, data-parallel over D, under GPipe or 1F1B, trains the same
+//! steps as the model uncut on D ranks — per-step losses and final
+//! parameters — over a global batch of 16 sequences in windows that
+//! include a micro-batch without targets, an uneven last window and
+//! micro-batches without rows.
+
+use super::{err, Check};
+use crate::optim::{AdamW, Optimizer};
+use crate::pipeline::{split_layers, ScheduleKind, StagedModel};
+use crate::schedule::LrSchedule;
+use crate::trainer::{PipelineStage, Trainer, TrainerOptions};
+use crate::zero::ZeroConfig;
+use crate::{Checkpointing, Precision, TokenBatch, IGNORE_INDEX};
+use comm::Communicator;
+use std::time::Duration;
+
+/// A staged model family and its data for the pipeline checks.
+pub struct PipelineCase<'a, M> {
+    /// A fresh model (at least 4 blocks) with this storage precision and checkpointing.
+    pub model: &'a (dyn Fn(Precision, Checkpointing) -> M + Sync),
+    /// Initial parameters.
+    pub init: Vec<f32>,
+    /// At least 16 samples.
+    pub seqs: &'a super::TokenSamples,
+}
+
+/// One layout of the checks.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Layout {
+    /// Pipeline stages.
+    pub p: usize,
+    /// Data-parallel ranks per stage.
+    pub d: usize,
+    /// The schedule.
+    pub kind: ScheduleKind,
+    /// Storage precision of activations and the model's parameter copy.
+    pub precision: Precision,
+    /// Activation checkpointing.
+    pub checkpointing: Checkpointing,
+    /// ZeRO stage (0 or 1).
+    pub zero: u8,
+}
+
+/// Per-step losses and the final parameters of a run.
+pub type Run = (Vec<f64>, Vec<f32>);
+
+/// One rank's losses and, on rank 0, the model-wide final parameters.
+type RankRun = Result<(Vec<f64>, Option<Vec<f32>>), String>;
+
+/// Micro-batches per data rank at micro-batch 2: the global batch of 16
+/// sequences over D data ranks.
+fn n_micro(d: usize) -> usize {
+    16 / (2 * d)
+}
+
+/// Step `s`'s micro-batches of data rank `r` of `d`: the window's samples
+/// `(k·D + r)·2 …` (step 1: micro-batch 1 of every rank has no targets;
+/// step 2: a window of 11, so some micro-batches are short or empty).
+fn batches(seqs: &super::TokenSamples, step: usize, r: usize, d: usize) -> Vec<TokenBatch> {
+    let window: Vec<usize> = match step {
+        2 => (32..43).collect(),
+        s => (16 * s..16 * s + 16).collect(),
+    };
+    (0..n_micro(d))
+        .map(|k| {
+            let at = (k * d + r) * 2;
+            let idx: Vec<usize> = window.iter().skip(at).take(2).copied().collect();
+            let mut b = seqs.batch(&idx);
+            if step == 1 && k == 1 {
+                b.targets.fill(IGNORE_INDEX);
+            }
+            b
+        })
+        .collect()
+}
+
+/// Runs `l` for 3 steps on P·D thread ranks; rank 0's losses and the
+/// model-wide final parameters.
+pub fn run_layout<M: StagedModel<Batch = TokenBatch> + Send>(
+    case: &PipelineCase<'_, M>,
+    l: Layout,
+) -> Result<Run, String> {
+    let world = l.p * l.d;
+    let comms = comm::threads::group(world, Duration::from_secs(60));
+    let results: Vec<RankRun> = std::thread::scope(|sc| {
+        let handles: Vec<_> = comms.into_iter().map(|mut c| sc.spawn(move || one_rank(case, l, &mut c))).collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a rank panicked".into()))).collect()
+    });
+    let mut losses = None;
+    let mut params = None;
+    for (r, res) in results.into_iter().enumerate() {
+        let (ls, p) = res.map_err(|e| format!("rank {r} of {l:?}: {e}"))?;
+        if r == 0 {
+            losses = Some(ls);
+            params = p;
+        }
+    }
+    Ok((losses.unwrap_or_default(), params.ok_or("rank 0 assembled no parameters")?))
+}
+
+fn one_rank<M: StagedModel<Batch = TokenBatch>>(
+    case: &PipelineCase<'_, M>,
+    l: Layout,
+    world: &mut dyn Communicator,
+) -> RankRun {
+    let r = world.rank();
+    let (stage, dr) = (r / l.d, r % l.d);
+    let mut dp = world.split(stage, dr).map_err(err("split dp"))?;
+    let mut pipe = world.split(dr, stage).map_err(err("split pipe"))?;
+    let mut model = (case.model)(l.precision, l.checkpointing);
+    let n = case.init.len();
+    let opt = Optimizer::AdamW(AdamW::new(n, 0.9, 0.95, 1e-4, 0.1).map_err(err("AdamW"))?);
+    let options = TrainerOptions { precision: l.precision, ..TrainerOptions::default() };
+    let sched = LrSchedule { warmup_steps: 2, total_steps: 10, ..LrSchedule::constant(1e-2) };
+    let zero = ZeroConfig { stage: l.zero, ..ZeroConfig::default() };
+    let mut losses = Vec::new();
+    if l.p == 1 {
+        let mut t = Trainer::distributed(&model, case.init.clone(), opt, sched, options, zero, &mut *dp)
+            .map_err(err("trainer"))?;
+        for s in 0..3 {
+            let rep = t.step(&mut model, &mut *dp, &batches(case.seqs, s, dr, l.d)).map_err(err("step"))?;
+            losses.push(rep.loss);
+        }
+        let full = t.full_params(&mut *dp).map_err(err("full params"))?;
+        return Ok((losses, (r == 0).then_some(full)));
+    }
+    let cuts = split_layers(model.n_blocks(), l.p, None).map_err(err("cut"))?;
+    let st = PipelineStage::new(&mut model, &cuts, stage, l.kind, n_micro(l.d)).map_err(err("stage"))?;
+    let segments = model.segments();
+    let init = |j: usize| case.init[segments[j].clone()].to_vec();
+    let mut t = Trainer::for_stage(&st, &init, opt, sched, options, zero, &mut *dp).map_err(err("trainer"))?;
+    for s in 0..3 {
+        let b = batches(case.seqs, s, dr, l.d);
+        let rep = t.step_pipeline(&mut model, &st, &mut *dp, &mut *pipe, &b).map_err(err("pipeline step"))?;
+        if rep.pipeline.as_ref().map(|p| p.stage) != Some(stage) {
+            return Err(format!("step {s}: the report names stage {:?}, not {stage}", rep.pipeline.map(|p| p.stage)));
+        }
+        losses.push(rep.loss);
+    }
+    let local = t.full_params(&mut *dp).map_err(err("full params"))?;
+    if model.tied_head() {
+        // The tied embedding's two copies (first and last stage) are equal, bit for bit.
+        let own = st.layout.local(0).map(|j| local[st.layout.segments[j].clone()].to_vec()).unwrap_or_default();
+        if stage == l.p - 1 {
+            pipe.send(&own, 0, 99).map_err(err("send the tied copy"))?;
+            pipe.flush_sends().map_err(err("flush"))?;
+        } else if stage == 0 {
+            let mut theirs = vec![0.0; own.len()];
+            pipe.recv(&mut theirs, l.p - 1, 99).map_err(err("receive the tied copy"))?;
+            if theirs.iter().zip(&own).any(|(a, b)| a.to_bits() != b.to_bits()) {
+                return Err("the tied embedding's copies on the first and last stage differ".into());
+            }
+        }
+    }
+    let full = if dr == 0 { st.gather(&mut *pipe, &local, false).map_err(err("gather"))? } else { None };
+    Ok((losses, full))
+}
+
+/// Compares the pipeline layout `l` with the same data-parallel width
+/// uncut (`reference`, from [`run_layout`] with P = 1): per-step losses
+/// within `loss_rtol` (relative) and final parameters within `rtol` of
+/// their largest magnitude. Returns whether both were bit-identical.
+pub fn check_pipeline<M: StagedModel<Batch = TokenBatch> + Send>(
+    case: &PipelineCase<'_, M>,
+    l: Layout,
+    reference: &Run,
+    loss_rtol: f64,
+    rtol: f32,
+) -> Result<bool, String> {
+    let (losses, params) = run_layout(case, l)?;
+    let what = format!("P={} D={} {} {:?} {:?} ZeRO-{}", l.p, l.d, l.kind, l.precision, l.checkpointing, l.zero);
+    for (s, (a, b)) in losses.iter().zip(&reference.0).enumerate() {
+        if (a - b).abs() > loss_rtol * b.abs() || !a.is_finite() {
+            return Err(format!("{what}: step {s} loss {a} vs {b} uncut"));
+        }
+    }
+    let c: Check = super::close(&format!("{what}: final parameters"), &params, &reference.1, rtol);
+    c?;
+    Ok(losses == reference.0 && params.iter().zip(&reference.1).all(|(a, b)| a.to_bits() == b.to_bits()))
+}
