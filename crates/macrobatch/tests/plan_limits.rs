@@ -93,6 +93,13 @@ fn plan_stays_small_for_the_largest_shapes() {
         &["model.n_layer=5461", "batch.global=64"][..],
         &["model.family=llama", "model.n_layer=7281", "batch.global=64"],
         &["model.family=llama", "model.preset=llama-70b", "data.seq_len=4096", "batch.micro=1", "batch.global=128"],
+        &[
+            "model.family=llama",
+            "model.preset=llama-70b",
+            "batch.micro=1",
+            "batch.global=128",
+            "dist.pipeline_parallel=8",
+        ],
         &["model.n_embd=1048576", "model.n_head=1", "batch.global=64"],
     ] {
         let mut args = vec!["plan".to_string(), "--memory".into(), "80GiB".into(), "--world-size".into(), "8".into()];

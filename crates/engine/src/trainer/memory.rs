@@ -25,8 +25,35 @@ impl Trainer {
         bucket_elems: usize,
         offload: bool,
     ) -> Result<MemoryReport, EngineError> {
+        Self::planned_memory_of(
+            model.layout(),
+            model.segments(),
+            zero,
+            world_size,
+            precision,
+            optimizer_slots,
+            bucket_elems,
+            offload,
+        )
+    }
+
+    /// [`Trainer::planned_memory`] of a layout cut into `segments` (a
+    /// pipeline stage's own, [`crate::StageLayout`]): what
+    /// [`Trainer::for_stage`] allocates on rank 0 of the stage's
+    /// `world_size` data ranks.
+    #[allow(clippy::too_many_arguments)]
+    pub fn planned_memory_of(
+        layout: &crate::ParamLayout,
+        segments: Vec<std::ops::Range<usize>>,
+        zero: ZeroConfig,
+        world_size: usize,
+        precision: Precision,
+        optimizer_slots: usize,
+        bucket_elems: usize,
+        offload: bool,
+    ) -> Result<MemoryReport, EngineError> {
         let stage = Stage::new(zero)?;
-        let space = GradSpace::new(model.layout(), model.segments())?;
+        let space = GradSpace::new(layout, segments)?;
         let (rank, world) = stage.partition_of(0, world_size.max(1));
         let part = Partition::new(space, rank, world);
         let s = BufferSizes::new(&part, stage, precision, bucket_elems);

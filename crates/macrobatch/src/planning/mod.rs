@@ -4,11 +4,14 @@
 //! collective buffers come from the engine's own accounting
 //! (`Trainer::planned_memory`, equal to what a trainer allocates),
 //! activations from the model family (equal to what the model allocates);
-//! the rest is the data and the process itself. On top: the largest
+//! the rest is the data and the process itself. With pipeline parallelism
+//! ([`pipeline`]) every stage is counted on its own layout and the peak
+//! stage is the plan's. On top: the largest
 //! micro-batch under a budget with the accumulation steps that keep the
 //! global batch, the memory check of a run, and ([`report()`]) what to change
 //! when nothing fits.
 
+pub mod pipeline;
 mod report;
 
 pub use report::{render, report};
@@ -18,7 +21,7 @@ use crate::memory;
 use crate::setup::{apply_trainable, bucket_elems, trainable_patterns, Plan};
 use anyhow::Result;
 use config::{Checkpointing, Precision};
-use engine::{MemoryReport, Trainer, ZeroConfig};
+use engine::{MemoryReport, ScheduleKind, StageSpec, Trainer, ZeroConfig};
 use serde::Serialize;
 
 /// How the ranks of a plan communicate (what their communicator stages).
@@ -54,6 +57,10 @@ pub struct Knobs {
     pub checkpointing: Checkpointing,
     /// Optimizer state in files instead of memory.
     pub offload_optimizer: bool,
+    /// Pipeline stages P (1: no pipeline); the world is P × D data ranks.
+    pub pipeline_parallel: usize,
+    /// The pipeline's schedule.
+    pub pipeline_schedule: ScheduleKind,
 }
 
 impl Knobs {
@@ -62,7 +69,7 @@ impl Knobs {
         let cfg = &plan.cfg;
         Self {
             micro: plan.batch.micro,
-            world_size: plan.batch.world_size,
+            world_size: plan.backend.world_size(),
             ranks_per_process: plan.backend.ranks_per_process(),
             backend: match plan.backend {
                 crate::dist::Backend::Single => Backend::Single,
@@ -74,8 +81,20 @@ impl Knobs {
             precision: cfg.train.precision,
             checkpointing: cfg.train.activation_checkpointing,
             offload_optimizer: cfg.dist.offload_optimizer == config::OffloadOptimizer::Disk,
+            pipeline_parallel: cfg.dist.pipeline_parallel,
+            pipeline_schedule: cfg.dist.pipeline_schedule,
         }
     }
+
+    /// Data ranks per pipeline stage, D = W / P (W without a pipeline).
+    pub fn data_parallel(&self) -> usize {
+        self.world_size / self.pipeline_parallel.max(1)
+    }
+}
+
+/// `dist.pipeline_layers` of a plan: layers per stage, or `None` (an even cut).
+pub fn pipeline_layers(plan: &Plan) -> Option<Vec<usize>> {
+    plan.cfg.dist.pipeline_layers.clone()
 }
 
 /// Bytes, per rank and per process.
@@ -83,8 +102,19 @@ impl Knobs {
 pub struct Estimate {
     /// The knobs it is for.
     pub knobs: Knobs,
-    /// Micro-steps per optimizer step that keep the global batch.
+    /// Micro-steps per optimizer step that keep the global batch (with a
+    /// pipeline: the micro-batches of one step through every stage).
     pub accumulation_steps: usize,
+    /// The pipeline stage these bytes are of (0 without a pipeline); its
+    /// ranks are `stage · D .. (stage + 1) · D`.
+    pub stage: usize,
+    /// The blocks (layers) the stage runs, `[start, end)`.
+    pub blocks: (usize, usize),
+    /// Micro-batches whose activations the stage keeps at once.
+    pub in_flight: usize,
+    /// Parameters the stage holds (with a tied embedding, the last stage
+    /// its copy too).
+    pub stage_params: u64,
     /// Per rank: parameters the model reads (f32, or the 16-bit copy).
     pub params: u64,
     /// Per rank: f32 master weights (mixed precision).
@@ -100,9 +130,16 @@ pub struct Estimate {
     pub comm_staging: u64,
     /// Per process: staging shared by its thread ranks (their summed result).
     pub comm_shared: u64,
-    /// Per rank: activations and backward scratch of one micro-batch
-    /// (saved tensors, attention probabilities, logits, recompute slot).
+    /// Per process: the other ranks of this process (thread ranks; with a
+    /// pipeline, every stage's).
+    pub other_ranks: u64,
+    /// Per rank: activations and backward scratch of the micro-batches in
+    /// flight (saved tensors, attention probabilities, logits, recompute slot).
     pub activations: u64,
+    /// Per rank: point-to-point buffers between pipeline stages (the
+    /// activations and gradients sent and received, a tied embedding's
+    /// gradient from the other end).
+    pub p2p: u64,
     /// Per rank: the step's K micro-batches of token ids and targets.
     pub batches: u64,
     /// Per process: the tokenised data set (train and validation).
@@ -141,17 +178,14 @@ impl Estimate {
             + self.comm_buffers
             + self.comm_staging
             + self.activations
+            + self.p2p
             + self.batches
     }
 
     /// One process's bytes during an optimizer step: its ranks plus what
     /// they share.
     pub fn step_peak(&self) -> u64 {
-        self.per_rank() * self.knobs.ranks_per_process as u64
-            + self.comm_shared
-            + self.data
-            + self.runtime
-            + self.workspace
+        self.per_rank() + self.other_ranks + self.comm_shared + self.data + self.runtime + self.workspace
     }
 
     /// One process's peak over every phase of a run: loading, steps and
@@ -187,15 +221,21 @@ pub fn runtime_bytes() -> u64 {
     *AT_START.get_or_init(|| memory::proc_status_bytes("VmRSS:").unwrap_or(8 << 20))
 }
 
-/// Per-rank and per-process bytes of `plan` with `knobs`.
+/// Per-rank and per-process bytes of `plan` with `knobs` (the peak stage's with a pipeline).
 pub fn estimate(plan: &Plan, knobs: Knobs) -> Result<Estimate> {
-    Ok(estimate_at(plan, knobs, &model_states(plan, knobs)?))
+    estimate_at(plan, knobs, &model_states(plan, knobs)?)
 }
 
 /// The engine's accounting for `knobs` (everything but the micro-batch)
 /// and the counts the save and load phases need.
 pub struct States {
-    report: MemoryReport,
+    /// Per pipeline stage (one without a pipeline).
+    stages: Vec<StageStates>,
+    /// The model's block stack (`None` without a pipeline).
+    stack: Option<pipeline::Stack>,
+    /// Trainable elements of the embedding segment (a tied embedding's
+    /// gradient exchanged between the first and the last stage).
+    embedding_grads: u64,
     /// Parameters of the whole model.
     n_params: u64,
     /// Trainable parameters (the full gradient space).
@@ -204,9 +244,28 @@ pub struct States {
     slots: u64,
 }
 
+/// The engine's accounting of one stage (the whole model without a pipeline).
+struct StageStates {
+    /// The stage's blocks.
+    blocks: std::ops::Range<usize>,
+    /// `Trainer::planned_memory` over the stage's layout on its D data ranks.
+    report: MemoryReport,
+    /// Parameters of the stage's layout.
+    n_params: u64,
+    /// Trainable parameters of the stage's layout.
+    n_trainable: u64,
+}
+
 /// The engine's accounting for `knobs`: everything but the micro-batch.
 fn model_states(plan: &Plan, knobs: Knobs) -> Result<States> {
+    stage_states(plan, knobs, pipeline_layers(plan).as_deref())
+}
+
+/// [`model_states`] with the pipeline's cut given: layers per stage, or
+/// `None` for an even cut into `knobs.pipeline_parallel` stages.
+pub(crate) fn stage_states(plan: &Plan, knobs: Knobs, layers: Option<&[usize]>) -> Result<States> {
     let cfg = &plan.cfg;
+    let dp = pipeline::data_parallel(&knobs)?;
     // The layout does not depend on checkpointing (a family without it
     // still gets planned; `train` refuses to run it).
     let mut model = plan.family.build(Build { precision: knobs.precision, checkpointing: Checkpointing::None })?;
@@ -215,11 +274,41 @@ fn model_states(plan: &Plan, knobs: Knobs) -> Result<States> {
     let slots = cfg.optim.name.state_slots(cfg.optim.momentum) as usize;
     let bucket_elems = bucket_elems(cfg);
     let offload = knobs.offload_optimizer;
-    let report =
-        Trainer::planned_memory(&model, zero, knobs.world_size, knobs.precision, slots, bucket_elems, offload)?;
+    let segments = model.segments();
+    let plan_of = |l: &engine::ParamLayout, s: Vec<std::ops::Range<usize>>| {
+        Trainer::planned_memory_of(l, s, zero, dp, knobs.precision, slots, bucket_elems, offload)
+    };
+    let (stages, stack) = if knobs.pipeline_parallel <= 1 {
+        let (blocks, layout) = (0..model.n_blocks(), model.layout());
+        let report = plan_of(layout, segments.clone())?;
+        let (n_params, n_trainable) = (layout.n_params() as u64, layout.n_trainable() as u64);
+        (vec![StageStates { blocks, report, n_params, n_trainable }], None)
+    } else {
+        let stack = pipeline::Stack::of(model.as_ref());
+        let cuts = pipeline::cut(&mut model, &stack, knobs.pipeline_parallel, knobs.pipeline_schedule, layers)?;
+        let stages = cuts
+            .into_iter()
+            .map(|c| {
+                let l = &c.layout.layout;
+                let report = plan_of(l, c.layout.segments.clone())?;
+                let (n_params, n_trainable) = (l.n_params() as u64, l.n_trainable() as u64);
+                Ok(StageStates { blocks: c.spec.blocks, report, n_params, n_trainable })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        (stages, Some(stack))
+    };
     let layout = model.layout();
+    let embedding = segments.first().cloned().unwrap_or(0..0);
+    let embedding_grads = layout
+        .tensors()
+        .iter()
+        .filter(|t| t.trainable && embedding.contains(&t.offset))
+        .map(|t| t.numel() as u64)
+        .sum();
     Ok(States {
-        report,
+        stages,
+        stack,
+        embedding_grads,
         n_params: layout.n_params() as u64,
         n_trainable: layout.n_trainable() as u64,
         slots: slots as u64,
@@ -231,59 +320,135 @@ fn model_states(plan: &Plan, knobs: Knobs) -> Result<States> {
 const WRITE_BUFFERS: u64 = 2 << 20;
 
 /// [`estimate`] with the engine's accounting `states` already made (it does
-/// not depend on the micro-batch).
-fn estimate_at(plan: &Plan, knobs: Knobs, states: &States) -> Estimate {
+/// not depend on the micro-batch): the peak stage's bytes over all phases,
+/// then during a step (the first of equal peaks; the only stage without a
+/// pipeline).
+fn estimate_at(plan: &Plan, knobs: Knobs, states: &States) -> Result<Estimate> {
+    let (stages, _) = stage_estimates(plan, knobs, states)?;
+    let mut peak = stages[0];
+    for e in stages {
+        if (e.per_process(), e.step_peak()) > (peak.per_process(), peak.step_peak()) {
+            peak = e;
+        }
+    }
+    Ok(peak)
+}
+
+/// Every stage's bytes (one without a pipeline) and, with a pipeline, the
+/// schedule of one step.
+pub(crate) fn stage_estimates(
+    plan: &Plan,
+    knobs: Knobs,
+    states: &States,
+) -> Result<(Vec<Estimate>, Option<engine::Schedule>)> {
     let cfg = &plan.cfg;
-    let report = &states.report;
+    let dp = knobs.data_parallel().max(1);
     let build = Build { precision: knobs.precision, checkpointing: knobs.checkpointing };
-    // What the communicator stages: thread ranks keep an f64 copy of their
-    // largest contribution in their slot, and the group one f64 result;
-    // MPI keeps an f32 staging buffer of the largest collective.
-    let max = report.max_collective_elems as u64;
-    let (comm_staging, comm_shared) = match knobs.backend {
-        Backend::Single => (0, 0),
-        Backend::Threads => (8 * max, 8 * max),
-        Backend::Mpi => (4 * max, 0),
-    };
     let seq_len = plan.train.seq_len();
-    let per_step = knobs.micro * knobs.world_size;
-    let accumulation_steps = plan.batch.global / per_step.max(1);
-    let activations = plan.family.activation_bytes(knobs.micro, seq_len, build);
+    let accumulation_steps = plan.batch.global / (knobs.micro * dp).max(1);
+    let blocks: Vec<_> = states.stages.iter().map(|s| s.blocks.clone()).collect();
+    let (specs, schedule) = match &states.stack {
+        Some(_) => {
+            let (specs, schedule) = pipeline::specs(&knobs, &blocks, accumulation_steps)?;
+            (specs, Some(schedule))
+        }
+        None => (vec![StageSpec::whole(blocks[0].end)], None),
+    };
+    // What the communicator stages per data-parallel group: thread ranks
+    // keep an f64 copy of their largest contribution in their slot, and
+    // the group one f64 result; MPI keeps an f32 staging buffer of the
+    // largest collective. With a pipeline each stage's data-parallel group
+    // reduces its gradient this way, also when it has one rank.
+    let staging = |st: &StageStates| {
+        let max = st.report.max_collective_elems as u64;
+        match knobs.backend {
+            Backend::Single => (0, 0),
+            Backend::Threads => (8 * max, 8 * max),
+            Backend::Mpi => (4 * max, 0),
+        }
+    };
+    // Thread ranks: one process holds every rank of every stage.
+    let all_ranks = knobs.ranks_per_process >= knobs.world_size;
+    let comm_shared: u64 = match all_ranks {
+        true => states.stages.iter().map(|st| staging(st).1).sum(),
+        false => staging(&states.stages[0]).1,
+    };
     let tokens = (plan.train.n_samples() + plan.val.n_samples()) as u64 * seq_len as u64;
     let (p, g) = (4 * states.n_params, 4 * states.n_trainable);
     let state = states.slots * g;
-    // Rank 0 gathers the full parameters and optimizer state; an offloaded
-    // state is read back one slot file at a time.
-    let offloaded_slot = (report.offloaded as u64).checked_div(states.slots).unwrap_or(0);
-    // Sharded parameters or state are gathered one padded segment at a time.
-    let gather = if knobs.zero_stage >= 1 { 4 * max } else { 0 };
-    let checkpoint = p + state + gather + offloaded_slot + WRITE_BUFFERS;
-    // Loading: the weights file's bytes beside the parameters, then the
-    // optimizer file's bytes beside its converted values; afterwards the
-    // loaded state is held while every rank allocates its model states.
-    let model_states =
-        (report.params + report.master + report.grads + report.optimizer + report.comm_buffers) as u64 + comm_staging;
+    let mut out: Vec<Estimate> = states
+        .stages
+        .iter()
+        .zip(&specs)
+        .map(|(st, spec)| {
+            let report = &st.report;
+            let (comm_staging, _) = staging(st);
+            let activations = match &states.stack {
+                Some(_) => plan.family.stage_activation_bytes(knobs.micro, seq_len, build, spec),
+                None => plan.family.activation_bytes(knobs.micro, seq_len, build),
+            };
+            let p2p = states.stack.as_ref().map_or(0, |stack| {
+                pipeline::p2p_bytes(spec, stack, knobs.micro * seq_len, states.embedding_grads as usize)
+            });
+            // Rank 0 gathers the full parameters and optimizer state (the
+            // other stages copy theirs to send to it); an offloaded state
+            // is read back one slot file at a time.
+            let offloaded_slot = (report.offloaded as u64).checked_div(states.slots).unwrap_or(0);
+            // Sharded parameters or state are gathered one padded segment at a time.
+            let gather = if knobs.zero_stage >= 1 { 4 * report.max_collective_elems as u64 } else { 0 };
+            let checkpoint = match spec.stage {
+                0 => p + state + gather + offloaded_slot + WRITE_BUFFERS,
+                _ => 4 * st.n_params + 4 * states.slots * st.n_trainable + gather + offloaded_slot,
+            };
+            let model_states = (report.params + report.master + report.grads + report.optimizer + report.comm_buffers)
+                as u64
+                + comm_staging;
+            Estimate {
+                knobs,
+                accumulation_steps,
+                stage: spec.stage,
+                blocks: (spec.blocks.start, spec.blocks.end),
+                in_flight: spec.in_flight,
+                stage_params: st.n_params,
+                params: report.params as u64,
+                master: report.master as u64,
+                grads: report.grads as u64,
+                optimizer: report.optimizer as u64,
+                comm_buffers: report.comm_buffers as u64,
+                comm_staging,
+                comm_shared,
+                other_ranks: 0,
+                activations: u64::try_from(activations).unwrap_or(u64::MAX),
+                p2p,
+                // inputs (u32) and targets (i32) of K micro-batches.
+                batches: 8 * (accumulation_steps * knobs.micro * seq_len) as u64,
+                data: 4 * tokens,
+                runtime: runtime_bytes(),
+                checkpoint,
+                // Loading: the weights file's bytes beside the parameters,
+                // then the optimizer file's bytes beside its converted
+                // values; afterwards the loaded state is held while every
+                // rank allocates its model states (counted below).
+                load: model_states,
+                workspace: WORKSPACE_PER_THREAD * compute_threads(cfg) as u64,
+            }
+        })
+        .collect();
+    // The process's other ranks, and the model states every rank of the
+    // process allocates while the loaded state is held.
+    let rpp = knobs.ranks_per_process as u64;
+    let ranks_total: u64 = out.iter().map(|e| dp as u64 * e.per_rank()).sum();
+    let states_total: u64 = out.iter().map(|e| dp as u64 * e.load).sum();
     let read = p + p.max(2 * state);
-    let load = read.max(p + state + model_states * knobs.ranks_per_process as u64 + comm_shared);
-    Estimate {
-        knobs,
-        accumulation_steps,
-        params: report.params as u64,
-        master: report.master as u64,
-        grads: report.grads as u64,
-        optimizer: report.optimizer as u64,
-        comm_buffers: report.comm_buffers as u64,
-        comm_staging,
-        comm_shared,
-        activations: u64::try_from(activations).unwrap_or(u64::MAX),
-        // inputs (u32) and targets (i32) of K micro-batches.
-        batches: 8 * (accumulation_steps * knobs.micro * seq_len) as u64,
-        data: 4 * tokens,
-        runtime: runtime_bytes(),
-        checkpoint,
-        load,
-        workspace: WORKSPACE_PER_THREAD * compute_threads(cfg) as u64,
+    for e in &mut out {
+        let (others, held) = match all_ranks {
+            true => (ranks_total - e.per_rank(), states_total),
+            false => ((rpp - 1) * e.per_rank(), e.load * rpp),
+        };
+        e.other_ranks = others;
+        e.load = read.max(p + state + held + comm_shared);
     }
+    Ok((out, schedule))
 }
 
 /// The compute threads a run uses: `train.threads`, or the pool's default.
@@ -303,15 +468,18 @@ pub fn micro_candidates(global: usize, world_size: usize) -> Vec<usize> {
 
 /// The largest micro-batch whose per-process bytes fit `budget`, if any.
 pub fn largest_fitting(plan: &Plan, knobs: Knobs, budget: u64) -> Result<Option<Estimate>> {
-    Ok(fitting_at(plan, knobs, budget, &model_states(plan, knobs)?))
+    fitting_at(plan, knobs, budget, &model_states(plan, knobs)?)
 }
 
 /// [`largest_fitting`] with the engine's accounting already made.
-fn fitting_at(plan: &Plan, knobs: Knobs, budget: u64, states: &States) -> Option<Estimate> {
-    micro_candidates(plan.batch.global, knobs.world_size)
-        .into_iter()
-        .map(|micro| estimate_at(plan, Knobs { micro, ..knobs }, states))
-        .find(|e| e.needed() <= budget)
+fn fitting_at(plan: &Plan, knobs: Knobs, budget: u64, states: &States) -> Result<Option<Estimate>> {
+    for micro in micro_candidates(plan.batch.global, knobs.data_parallel()) {
+        let e = estimate_at(plan, Knobs { micro, ..knobs }, states)?;
+        if e.needed() <= budget {
+            return Ok(Some(e));
+        }
+    }
+    Ok(None)
 }
 
 /// Bytes as `12.3 GiB`.
@@ -337,8 +505,17 @@ pub fn check_memory(plan: &Plan) -> Result<()> {
     }
     let e = estimate(plan, Knobs::of(plan))?;
     let auto = if plan.memory_budget.is_some() { " (chosen by batch.micro = \"auto\")" } else { "" };
+    let stage = match e.knobs.pipeline_parallel {
+        0 | 1 => String::new(),
+        p => format!(
+            " (pipeline stage {} of {p}, the peak; layers {}–{})",
+            e.stage,
+            e.blocks.0,
+            e.blocks.1.saturating_sub(1)
+        ),
+    };
     let breakdown = format!(
-        "{n_params} parameters; per rank {} bytes of parameters, gradients and optimizer state at ZeRO stage {} in {}, {} bytes of collective buffers and {} bytes of activations for batch.micro = {}{auto} × seq {} (checkpointing {}); {} rank(s) in this process; {} bytes at the peak of all phases (a step: {}, + {} while a checkpoint or the model is saved), + the {}% + {} MiB margin",
+        "{n_params} parameters; per rank{stage} {} bytes of parameters, gradients and optimizer state at ZeRO stage {} in {}, {} bytes of collective buffers and {} bytes of activations for batch.micro = {}{auto} × seq {} (checkpointing {}); {} rank(s) in this process; {} bytes at the peak of all phases (a step: {}, + {} while a checkpoint or the model is saved), + the {}% + {} MiB margin",
         e.params + e.master + e.grads + e.optimizer,
         cfg.dist.zero_stage,
         cfg.train.precision,

@@ -2,10 +2,14 @@
 //! largest micro-batch that fits, alternatives that change one setting, and
 //! learning-rate advice for a changed global batch.
 
-use super::{estimate_at, fitting_at, human, model_states, Backend, Estimate, Knobs, MARGIN_FIXED, MARGIN_PERCENT};
+use super::{
+    estimate_at, fitting_at, human, model_states, stage_estimates, Backend, Estimate, Knobs, MARGIN_FIXED,
+    MARGIN_PERCENT,
+};
 use crate::setup::Plan;
 use anyhow::Result;
 use config::{Checkpointing, Precision};
+use engine::ScheduleKind;
 use serde::Serialize;
 
 /// One alternative the plan suggests.
@@ -52,6 +56,29 @@ pub struct Report {
     /// Whether `batch.micro = "auto"` chose the configured micro-batch (the
     /// largest that fits; micro 1 when none does).
     pub auto_micro: bool,
+    /// With pipeline parallelism: every stage of the configured plan.
+    pub pipeline: Option<PipelineReport>,
+}
+
+/// The configured plan's pipeline: its stages side by side.
+#[derive(Debug, Serialize)]
+pub struct PipelineReport {
+    /// Stages P.
+    pub stages: usize,
+    /// Data ranks per stage D = W / P; rank = stage · D + d.
+    pub data_parallel: usize,
+    /// GPipe or 1F1B.
+    pub schedule: ScheduleKind,
+    /// Micro-batches per step K.
+    pub micro_batches: usize,
+    /// Idle share of the ideal timeline, (P − 1) / (K + P − 1).
+    pub bubble: f64,
+    /// Each stage's bytes (per rank and per process), stage 0 first.
+    pub per_stage: Vec<Estimate>,
+    /// The stage whose ranks peak highest (the configured estimate's).
+    pub peak_stage: usize,
+    /// The first rank of that stage, peak_stage · D.
+    pub peak_rank: usize,
 }
 
 /// The tutorials' advice for a changed global batch: linear scaling for
@@ -75,8 +102,21 @@ pub struct LrAdvice {
 /// `budget` may be used.
 pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: Option<usize>) -> Result<Report> {
     let states = model_states(plan, knobs)?;
-    let configured = estimate_at(plan, knobs, &states);
-    let best = fitting_at(plan, knobs, budget, &states);
+    let configured = estimate_at(plan, knobs, &states)?;
+    let best = fitting_at(plan, knobs, budget, &states)?;
+    let pipeline = match stage_estimates(plan, knobs, &states)? {
+        (per_stage, Some(schedule)) => Some(PipelineReport {
+            stages: schedule.n_stages,
+            data_parallel: knobs.data_parallel(),
+            schedule: schedule.kind,
+            micro_batches: schedule.n_micro,
+            bubble: schedule.bubble_fraction(),
+            per_stage,
+            peak_stage: configured.stage,
+            peak_rank: configured.stage * knobs.data_parallel(),
+        }),
+        (_, None) => None,
+    };
     let mut variants: Vec<(String, Knobs)> = Vec::new();
     if knobs.checkpointing != Checkpointing::Blocks && plan.family.supports_checkpointing() {
         variants.push((
@@ -87,8 +127,10 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
     if knobs.precision == Precision::F32 {
         variants.push(("train.precision = \"bf16\"".into(), Knobs { precision: Precision::Bf16, ..knobs }));
     }
-    if knobs.world_size > 1 {
-        for stage in knobs.zero_stage + 1..=3 {
+    // A pipeline composes with ZeRO stages 0 and 1 only.
+    let max_zero = if knobs.pipeline_parallel > 1 { 1 } else { 3 };
+    if knobs.data_parallel() > 1 {
+        for stage in knobs.zero_stage + 1..=max_zero {
             variants.push((
                 format!("dist.zero_stage = {stage}"),
                 Knobs { zero_stage: stage, reduce_every_micro_step: false, ..knobs },
@@ -99,8 +141,8 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
         variants.push(("dist.offload_optimizer = \"disk\"".into(), Knobs { offload_optimizer: true, ..knobs }));
     }
     let w2 = knobs.world_size * 2;
-    if plan.batch.global.is_multiple_of(w2) {
-        let stage = knobs.zero_stage.max(3);
+    if plan.batch.global.is_multiple_of(w2 / knobs.pipeline_parallel.max(1)) {
+        let stage = knobs.zero_stage.max(max_zero);
         variants.push((
             format!("{w2} ranks (one per process) with dist.zero_stage = {stage}"),
             Knobs {
@@ -122,8 +164,8 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
     let mut alternatives = Vec::new();
     for (change, k) in variants {
         let states = model_states(plan, k)?;
-        let fits = fitting_at(plan, k, budget, &states);
-        let at_micro_1 = estimate_at(plan, Knobs { micro: 1, ..k }, &states).per_process();
+        let fits = fitting_at(plan, k, budget, &states)?;
+        let at_micro_1 = estimate_at(plan, Knobs { micro: 1, ..k }, &states)?.per_process();
         alternatives.push(Alternative { change, fits, at_micro_1 });
     }
     let cfg = &plan.cfg;
@@ -155,13 +197,18 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
         alternatives,
         lr_advice,
         auto_micro: false,
+        pipeline,
     })
 }
 
 fn describe(e: &Estimate) -> String {
     let k = &e.knobs;
+    let pipeline = match k.pipeline_parallel {
+        0 | 1 => String::new(),
+        p => format!(" (P {p} × D {}, {})", k.data_parallel(), k.pipeline_schedule),
+    };
     format!(
-        "micro {} × K {} × W {} | ZeRO {} | {} | checkpointing {}{}",
+        "micro {} × K {} × W {}{pipeline} | ZeRO {} | {} | checkpointing {}{}",
         k.micro,
         e.accumulation_steps,
         k.world_size,
@@ -199,7 +246,14 @@ pub fn render(r: &Report) -> String {
         ("communicator staging", e.comm_staging),
         ("activations (one micro-batch)", e.activations),
         ("micro-batches of the step", e.batches),
-    ] {
+    ]
+    .into_iter()
+    .chain(r.pipeline.as_ref().map(|_| ("pipeline send / receive buffers", e.p2p)))
+    {
+        let what = match (what, &r.pipeline) {
+            ("activations (one micro-batch)", Some(_)) => "activations (micro-batches in flight)",
+            (w, _) => w,
+        };
         out += &format!("  per rank    {what:<32} {:>12}\n", human(b));
     }
     out += &format!("  per rank    {:<32} {:>12}\n", "total", human(e.per_rank()));
@@ -213,6 +267,9 @@ pub fn render(r: &Report) -> String {
         human(e.step_peak()),
         e.knobs.ranks_per_process
     );
+    if e.other_ranks > 0 && r.pipeline.is_some() {
+        out += &format!("  (of which the process's other ranks, every stage's: {})\n", human(e.other_ranks));
+    }
     out += &format!("  per process {:<32} {:>12}\n", "+ checkpoint / save (rank 0)", human(e.checkpoint));
     out += &format!("  per process {:<32} {:>12}\n", "loading a checkpoint (phase)", human(e.load));
     out += &format!(
@@ -222,6 +279,9 @@ pub fn render(r: &Report) -> String {
         human(e.needed()),
         if r.configured_fits { "fits" } else { "DOES NOT FIT" }
     );
+    if let Some(p) = &r.pipeline {
+        out += &render_pipeline(p);
+    }
     match &r.best {
         Some(b) => {
             out += &format!("largest micro-batch that fits: {} → {} per process\n", describe(b), human(b.per_process()))
@@ -241,5 +301,50 @@ pub fn render(r: &Report) -> String {
             r.global_batch, l.base_batch, l.linear, l.sqrt, l.warmup_steps.0, l.warmup_steps.1
         );
     }
+    out
+}
+
+/// The pipeline's stages side by side: what each rank of each stage holds.
+fn render_pipeline(p: &PipelineReport) -> String {
+    let d = p.data_parallel;
+    let mut out = format!(
+        "pipeline: {} stages × {d} data ranks (rank = stage · {d} + d), {} schedule, K = {} micro-batches, bubble (P−1)/(K+P−1) = {:.3}\n",
+        p.stages, p.schedule, p.micro_batches, p.bubble
+    );
+    out += &format!(
+        "  {:<5} {:<9} {:<9} {:>14} {:>9} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
+        "stage",
+        "layers",
+        "ranks",
+        "parameters",
+        "in flight",
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "per rank",
+        "peak"
+    );
+    for e in &p.per_stage {
+        let ranks = match d {
+            1 => format!("{}", e.stage),
+            _ => format!("{}–{}", e.stage * d, e.stage * d + d - 1),
+        };
+        out += &format!(
+            "  {:<5} {:<9} {:<9} {:>14} {:>9} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n",
+            e.stage,
+            format!("{}–{}", e.blocks.0, e.blocks.1.saturating_sub(1)),
+            ranks,
+            e.stage_params,
+            e.in_flight,
+            human(e.params + e.master),
+            human(e.grads),
+            human(e.optimizer),
+            human(e.activations),
+            human(e.per_rank()),
+            human(e.per_process()),
+        );
+    }
+    out += &format!("  peak: stage {} (ranks from {})\n\n", p.peak_stage, p.peak_rank);
     out
 }
