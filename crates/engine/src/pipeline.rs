@@ -367,6 +367,33 @@ impl StageSpec {
         self.stage + 1 == self.n_stages
     }
 
+    /// Errors unless this is the whole model (`what` needs all of it).
+    pub fn require_whole(&self, what: &str) -> Result<(), String> {
+        if self.n_stages == 1 {
+            return Ok(());
+        }
+        Err(format!("{what} runs the whole model, but this one is pipeline stage {} of {}", self.stage, self.n_stages))
+    }
+
+    /// Checks the activations a stage's forward takes and gives (`input`,
+    /// `output`; or its backward's gradients) against `want` values each:
+    /// the first stage takes none, the last gives none.
+    pub fn check_io(
+        &self,
+        (what_in, input): (&str, usize),
+        (what_out, output): (&str, usize),
+        want: usize,
+    ) -> Result<(), String> {
+        let bad = |what: &str, got: usize| format!("{what} holds {got} values, the micro-batch's activations {want}");
+        if !self.is_first() && input != want {
+            return Err(bad(what_in, input));
+        }
+        if !self.is_last() && output != want {
+            return Err(bad(what_out, output));
+        }
+        Ok(())
+    }
+
     /// The model segments this stage reads, ascending, for a model whose
     /// segments are `[embedding, block 0, …, block L−1, head]`: the
     /// embedding on the first stage — and on the last when the head is

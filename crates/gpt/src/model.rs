@@ -143,6 +143,11 @@ impl Gpt {
         ActSizes::for_part(&self.cfg, b, t, (self.precision, self.checkpointing), Part::of(&self.stage))
     }
 
+    /// Errors unless this model runs all of itself (not a pipeline stage).
+    fn whole_model_for(&self, what: &str) -> Result<(), GptError> {
+        self.stage.require_whole(what).map_err(GptError::InvalidBatch)
+    }
+
     fn check(&self, batch: &Batch) -> Result<(), GptError> {
         match batch.problem(self.cfg.block_size, "block_size", self.cfg.vocab_size) {
             Some(p) => Err(GptError::InvalidBatch(p)),
@@ -324,33 +329,13 @@ impl Gpt {
         let t = tokens.len();
         let batch = Batch { n_seqs: 1, seq_len: t, inputs: tokens.to_vec(), targets: vec![IGNORE_INDEX; t] };
         self.check(&batch)?;
-        self.whole_model("generation")?;
+        self.whole_model_for("generation")?;
         self.ensure_acts(0, 1, t);
         let mut store = FullStore::read_only(&self.layout, self.segments(), params)?;
         self.forward(&mut store, tokens, &[], false)?;
         store.done(0, false)?;
         let v = self.cfg.vocab_size;
         Ok(self.acts.logits[(t - 1) * v..t * v].to_vec())
-    }
-
-    /// Errors unless this model runs all of itself (not a pipeline stage).
-    fn whole_model(&self, what: &str) -> Result<(), GptError> {
-        if self.stage.n_stages == 1 {
-            return Ok(());
-        }
-        Err(GptError::InvalidBatch(format!(
-            "{what} runs the whole model, but this one is pipeline stage {} of {}",
-            self.stage.stage, self.stage.n_stages
-        )))
-    }
-
-    /// The length of the activations between stages.
-    fn check_boundary(&self, what: &str, got: usize, n: usize) -> Result<(), GptError> {
-        let want = n * self.cfg.n_embd;
-        if got == want {
-            return Ok(());
-        }
-        Err(GptError::InvalidBatch(format!("{what} holds {got} values, the micro-batch's activations {want}")))
     }
 }
 
@@ -388,14 +373,14 @@ impl Model for Gpt {
         batch: &Batch,
         grad_scale: f32,
     ) -> Result<MicroStepStats, GptError> {
-        self.whole_model("a micro-step")?;
+        self.whole_model_for("a micro-step")?;
         let stats = self.stage_forward(store, batch, 0, &[], &mut [], Some(grad_scale))?;
         self.stage_backward(store, batch, 0, &[], &mut [])?;
         Ok(stats)
     }
 
     fn loss(&mut self, store: &mut dyn ParamStore, batch: &Batch) -> Result<MicroStepStats, GptError> {
-        self.whole_model("evaluation")?;
+        self.whole_model_for("evaluation")?;
         self.stage_forward(store, batch, 0, &[], &mut [], None)
     }
 }
@@ -430,12 +415,10 @@ impl StagedModel for Gpt {
     ) -> Result<MicroStepStats, GptError> {
         self.check(batch)?;
         let n = batch.n_seqs * batch.seq_len;
-        if !self.stage.is_first() {
-            self.check_boundary("the stage's input", input.len(), n)?;
-        }
-        if !self.stage.is_last() {
-            self.check_boundary("the stage's output", output.len(), n)?;
-        }
+        let want = n * self.cfg.n_embd;
+        self.stage
+            .check_io(("the stage's input", input.len()), ("the stage's output", output.len()), want)
+            .map_err(GptError::InvalidBatch)?;
         self.ensure_acts(slot, batch.n_seqs, batch.seq_len);
         self.forward(store, &batch.inputs, input, loss_seed.is_some())?;
         if !self.stage.is_last() {
@@ -468,14 +451,22 @@ impl StagedModel for Gpt {
         grad_in: &mut [f32],
     ) -> Result<(), GptError> {
         let n = batch.n_seqs * batch.seq_len;
+        let want = n * self.cfg.n_embd;
+        // Read as a backward: the gradient of the output comes in (not on
+        // the last stage), that of the input goes out (not on the first).
+        self.stage
+            .check_io(
+                ("the gradient of the stage's input", grad_in.len()),
+                ("the gradient of the stage's output", grad_out.len()),
+                want,
+            )
+            .map_err(GptError::InvalidBatch)?;
         self.ensure_acts(slot, batch.n_seqs, batch.seq_len);
         if !self.stage.is_last() {
-            self.check_boundary("the gradient of the stage's output", grad_out.len(), n)?;
             self.acts.stack.bufs[DRES].copy_from_slice(grad_out);
         }
         self.blocks_backward(store, &batch.inputs)?;
         if !self.stage.is_first() {
-            self.check_boundary("the gradient of the stage's input", grad_in.len(), n)?;
             grad_in.copy_from_slice(&self.acts.stack.bufs[DRES]);
         }
         Ok(())

@@ -14,7 +14,7 @@
 //! steps (ε = 1e-4; a gradient near ε moves its parameter by up to lr,
 //! amplifying rounding), the suite's tolerance for reordered sums.
 
-use engine::conformance::pipeline::{check_pipeline, run_layout, Layout, PipelineCase};
+use engine::conformance::pipeline::{check_all_layouts, check_pipeline, run_layout, Layout, PipelineCase};
 use engine::conformance::TokenSamples;
 use engine::rng::SplitMix64;
 use engine::{Checkpointing, Precision, ScheduleKind};
@@ -38,39 +38,10 @@ fn init() -> Vec<f32> {
 }
 
 #[test]
-fn gpt2_pipeline_matches_uncut_for_every_layout_schedule_precision_and_checkpointing() {
+fn gpt2_pipeline_matches_uncut_for_every_layout_schedule_precision_and_checkpointing_and_zero1() {
     let seqs = TokenSamples::new(48, T, 32, 9);
     let case = PipelineCase { model: &model, init: init(), seqs: &seqs };
-    for precision in [Precision::F32, Precision::Bf16] {
-        for checkpointing in [Checkpointing::None, Checkpointing::Blocks] {
-            for d in [1, 2] {
-                let base = Layout { p: 1, d, kind: ScheduleKind::OneFOneB, precision, checkpointing, zero: 0 };
-                let reference = run_layout(&case, base).unwrap();
-                for p in [2, 4] {
-                    for kind in [ScheduleKind::OneFOneB, ScheduleKind::GPipe] {
-                        let l = Layout { p, kind, ..base };
-                        check_pipeline(&case, l, &reference, 1e-6, 1e-5).unwrap();
-                    }
-                }
-            }
-        }
-    }
-}
-
-#[test]
-fn gpt2_pipeline_with_zero1_matches_uncut_zero1() {
-    let seqs = TokenSamples::new(48, T, 32, 9);
-    let case = PipelineCase { model: &model, init: init(), seqs: &seqs };
-    let base = Layout {
-        p: 1,
-        d: 2,
-        kind: ScheduleKind::OneFOneB,
-        precision: Precision::F32,
-        checkpointing: Checkpointing::None,
-        zero: 1,
-    };
-    let reference = run_layout(&case, base).unwrap();
-    check_pipeline(&case, Layout { p: 2, ..base }, &reference, 1e-6, 1e-5).unwrap();
+    check_all_layouts(&case, 1e-6, 1e-5, false).unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// The tied tensor's gradient is the sum of both uses: with P = 2 the

@@ -239,6 +239,11 @@ impl Llama {
         }
     }
 
+    /// Errors unless this model runs all of itself (not a pipeline stage).
+    fn whole_model_for(&self, what: &str) -> Result<(), LlamaError> {
+        self.stage.require_whole(what).map_err(LlamaError::InvalidBatch)
+    }
+
     fn check(&self, batch: &TokenBatch) -> Result<(), LlamaError> {
         let max = self.cfg.max_position_embeddings;
         match batch.problem(max, "max_position_embeddings", self.cfg.vocab_size) {
@@ -456,29 +461,9 @@ impl Llama {
     /// head's segment stays held.
     fn forward_batch(&mut self, store: &mut dyn ParamStore, batch: &TokenBatch, pass: Pass) -> Result<(), LlamaError> {
         self.check(batch)?;
-        self.whole_model("a forward pass over the whole model")?;
+        self.whole_model_for("a forward pass over the whole model")?;
         self.ensure_acts(0, batch.n_seqs, batch.seq_len, pass);
         self.forward(store, &batch.inputs, &[], pass)
-    }
-
-    /// Errors unless this model runs all of itself (not a pipeline stage).
-    fn whole_model(&self, what: &str) -> Result<(), LlamaError> {
-        if self.stage.n_stages == 1 {
-            return Ok(());
-        }
-        Err(LlamaError::InvalidBatch(format!(
-            "{what} runs the whole model, but this one is pipeline stage {} of {}",
-            self.stage.stage, self.stage.n_stages
-        )))
-    }
-
-    /// The length of the activations between stages.
-    fn check_boundary(&self, what: &str, got: usize, n: usize) -> Result<(), LlamaError> {
-        let want = n * self.cfg.hidden_size;
-        if got == want {
-            return Ok(());
-        }
-        Err(LlamaError::InvalidBatch(format!("{what} holds {got} values, the micro-batch's activations {want}")))
     }
 
     /// Fused softmax + cross-entropy of the logits (replaced by
@@ -548,14 +533,14 @@ impl Model for Llama {
         batch: &TokenBatch,
         grad_scale: f32,
     ) -> Result<MicroStepStats, LlamaError> {
-        self.whole_model("a micro-step")?;
+        self.whole_model_for("a micro-step")?;
         let stats = self.stage_forward(store, batch, 0, &[], &mut [], Some(grad_scale))?;
         self.stage_backward(store, batch, 0, &[], &mut [])?;
         Ok(stats)
     }
 
     fn loss(&mut self, store: &mut dyn ParamStore, batch: &TokenBatch) -> Result<MicroStepStats, LlamaError> {
-        self.whole_model("evaluation")?;
+        self.whole_model_for("evaluation")?;
         self.stage_forward(store, batch, 0, &[], &mut [], None)
     }
 }
@@ -590,12 +575,10 @@ impl StagedModel for Llama {
     ) -> Result<MicroStepStats, LlamaError> {
         self.check(batch)?;
         let n = batch.n_seqs * batch.seq_len;
-        if !self.stage.is_first() {
-            self.check_boundary("the stage's input", input.len(), n)?;
-        }
-        if !self.stage.is_last() {
-            self.check_boundary("the stage's output", output.len(), n)?;
-        }
+        let want = n * self.cfg.hidden_size;
+        self.stage
+            .check_io(("the stage's input", input.len()), ("the stage's output", output.len()), want)
+            .map_err(LlamaError::InvalidBatch)?;
         let pass = if loss_seed.is_some() { Pass::Train } else { Pass::Eval };
         self.ensure_acts(slot, batch.n_seqs, batch.seq_len, pass);
         self.forward(store, &batch.inputs, input, pass)?;
@@ -622,14 +605,22 @@ impl StagedModel for Llama {
         grad_in: &mut [f32],
     ) -> Result<(), LlamaError> {
         let n = batch.n_seqs * batch.seq_len;
+        let want = n * self.cfg.hidden_size;
+        // Read as a backward: the gradient of the output comes in (not on
+        // the last stage), that of the input goes out (not on the first).
+        self.stage
+            .check_io(
+                ("the gradient of the stage's input", grad_in.len()),
+                ("the gradient of the stage's output", grad_out.len()),
+                want,
+            )
+            .map_err(LlamaError::InvalidBatch)?;
         self.ensure_acts(slot, batch.n_seqs, batch.seq_len, Pass::Train);
         if !self.stage.is_last() {
-            self.check_boundary("the gradient of the stage's output", grad_out.len(), n)?;
             self.acts.stack.bufs[DRES].copy_from_slice(grad_out);
         }
         self.blocks_backward(store, &batch.inputs)?;
         if !self.stage.is_first() {
-            self.check_boundary("the gradient of the stage's input", grad_in.len(), n)?;
             grad_in.copy_from_slice(&self.acts.stack.bufs[DRES]);
         }
         Ok(())

@@ -179,3 +179,45 @@ pub fn check_pipeline<M: StagedModel<Batch = TokenBatch> + Send>(
     c?;
     Ok(losses == reference.0 && params.iter().zip(&reference.1).all(|(a, b)| a.to_bits() == b.to_bits()))
 }
+
+/// Every layout against uncut: P ∈ {2, 4} × {1F1B, GPipe} × D ∈ {1, 2} ×
+/// f32/bf16 × checkpointing off/on, and P = 2 × D = 2 at ZeRO-1 — losses
+/// within `loss_rtol`, parameters within `rtol` (see [`check_pipeline`]);
+/// with `bit_identical`, each must also match bit for bit.
+pub fn check_all_layouts<M: StagedModel<Batch = TokenBatch> + Send>(
+    case: &PipelineCase<'_, M>,
+    loss_rtol: f64,
+    rtol: f32,
+    bit_identical: bool,
+) -> Check {
+    let check = |l: Layout, reference: &Run| -> Check {
+        let same = check_pipeline(case, l, reference, loss_rtol, rtol)?;
+        if bit_identical && !same {
+            return Err(format!("{l:?}: not bit-identical to the model uncut"));
+        }
+        Ok(())
+    };
+    for precision in [Precision::F32, Precision::Bf16] {
+        for checkpointing in [Checkpointing::None, Checkpointing::Blocks] {
+            for d in [1, 2] {
+                let base = Layout { p: 1, d, kind: ScheduleKind::OneFOneB, precision, checkpointing, zero: 0 };
+                let reference = run_layout(case, base)?;
+                for p in [2, 4] {
+                    for kind in [ScheduleKind::OneFOneB, ScheduleKind::GPipe] {
+                        check(Layout { p, kind, ..base }, &reference)?;
+                    }
+                }
+            }
+        }
+    }
+    let base = Layout {
+        p: 1,
+        d: 2,
+        kind: ScheduleKind::OneFOneB,
+        precision: Precision::F32,
+        checkpointing: Checkpointing::None,
+        zero: 1,
+    };
+    let reference = run_layout(case, base)?;
+    check(Layout { p: 2, ..base }, &reference)
+}

@@ -4,10 +4,10 @@
 //! checkpointing off/on, and ZeRO-1, each against the model uncut.
 
 use super::suite;
-use engine::conformance::pipeline::{check_pipeline, run_layout, Layout, PipelineCase};
+use engine::conformance::pipeline::{check_all_layouts, PipelineCase};
 use engine::conformance::TokenSamples;
 use engine::rng::SplitMix64;
-use engine::{Checkpointing, Precision, ScheduleKind};
+use engine::{Checkpointing, Precision};
 use llama::{Llama, LlamaConfig};
 
 fn init(cfg: &LlamaConfig) -> Vec<f32> {
@@ -27,30 +27,5 @@ pub fn matrix(cfg: LlamaConfig) {
     };
     let seqs = TokenSamples::new(48, suite::T, suite::V as u64, 9);
     let case = PipelineCase { model: &build, init: init(&cfg), seqs: &seqs };
-    for precision in [Precision::F32, Precision::Bf16] {
-        for checkpointing in [Checkpointing::None, Checkpointing::Blocks] {
-            for d in [1, 2] {
-                let base = Layout { p: 1, d, kind: ScheduleKind::OneFOneB, precision, checkpointing, zero: 0 };
-                let reference = run_layout(&case, base).unwrap();
-                for p in [2, 4] {
-                    for kind in [ScheduleKind::OneFOneB, ScheduleKind::GPipe] {
-                        let l = Layout { p, kind, ..base };
-                        let bit_identical = check_pipeline(&case, l, &reference, 1e-6, 1e-5).unwrap();
-                        assert!(bit_identical || tied, "{l:?}: an untied model must match uncut bit for bit");
-                    }
-                }
-            }
-        }
-    }
-    let base = Layout {
-        p: 1,
-        d: 2,
-        kind: ScheduleKind::OneFOneB,
-        precision: Precision::F32,
-        checkpointing: Checkpointing::None,
-        zero: 1,
-    };
-    let reference = run_layout(&case, base).unwrap();
-    let bit_identical = check_pipeline(&case, Layout { p: 2, ..base }, &reference, 1e-6, 1e-5).unwrap();
-    assert!(bit_identical || tied, "ZeRO-1: an untied model must match uncut bit for bit");
+    check_all_layouts(&case, 1e-6, 1e-5, !tied).unwrap_or_else(|e| panic!("{e}"));
 }
