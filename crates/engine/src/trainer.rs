@@ -233,15 +233,13 @@ impl Trainer {
         zero: ZeroConfig,
         comm: &mut dyn Communicator,
     ) -> Result<Self, EngineError> {
-        Self::build(model.layout().clone(), model.segments(), init, optimizer, schedule, options, zero, comm)
+        Self::build((model.layout().clone(), model.segments()), init, optimizer, schedule, options, zero, comm)
     }
 
     /// A trainer over `layout` cut into `segments` (a model's, or one
     /// pipeline stage's), initialised segment by segment.
-    #[allow(clippy::too_many_arguments)]
     fn build(
-        layout: ParamLayout,
-        segments: Vec<std::ops::Range<usize>>,
+        (layout, segments): (ParamLayout, Vec<std::ops::Range<usize>>),
         init: &dyn Fn(usize) -> Vec<f32>,
         optimizer: Optimizer,
         schedule: LrSchedule,

@@ -26,8 +26,7 @@ impl Trainer {
         offload: bool,
     ) -> Result<MemoryReport, EngineError> {
         Self::planned_memory_of(
-            model.layout(),
-            model.segments(),
+            (model.layout(), model.segments()),
             zero,
             world_size,
             precision,
@@ -41,10 +40,8 @@ impl Trainer {
     /// pipeline stage's own, [`crate::StageLayout`]): what
     /// [`Trainer::for_stage`] allocates on rank 0 of the stage's
     /// `world_size` data ranks.
-    #[allow(clippy::too_many_arguments)]
     pub fn planned_memory_of(
-        layout: &crate::ParamLayout,
-        segments: Vec<std::ops::Range<usize>>,
+        (layout, segments): (&crate::ParamLayout, Vec<std::ops::Range<usize>>),
         zero: ZeroConfig,
         world_size: usize,
         precision: Precision,

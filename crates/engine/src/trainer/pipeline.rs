@@ -185,8 +185,7 @@ impl Trainer {
         let model_segs = stage.layout.model_segments.clone();
         let local_init = |j: usize| model_segs.get(j).map(|&m| init(m)).unwrap_or_default();
         Self::build(
-            stage.layout.layout.clone(),
-            stage.layout.segments.clone(),
+            (stage.layout.layout.clone(), stage.layout.segments.clone()),
             &local_init,
             optimizer,
             schedule,

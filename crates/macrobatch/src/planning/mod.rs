@@ -276,7 +276,7 @@ pub(crate) fn stage_states(plan: &Plan, knobs: Knobs, layers: Option<&[usize]>) 
     let offload = knobs.offload_optimizer;
     let segments = model.segments();
     let plan_of = |l: &engine::ParamLayout, s: Vec<std::ops::Range<usize>>| {
-        Trainer::planned_memory_of(l, s, zero, dp, knobs.precision, slots, bucket_elems, offload)
+        Trainer::planned_memory_of((l, s), zero, dp, knobs.precision, slots, bucket_elems, offload)
     };
     let (stages, stack) = if knobs.pipeline_parallel <= 1 {
         let (blocks, layout) = (0..model.n_blocks(), model.layout());
