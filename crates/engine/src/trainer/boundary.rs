@@ -2,8 +2,9 @@
 //! collective, the global norm, the optimizer update of this rank's pieces
 //! and sharing the updated parameters.
 
+use super::clip::clip_coefficient;
 use super::clip::{grad_norm, sum_of_squares};
-use super::Trainer;
+use super::{Accumulated, Groups, LossNormalization, Seeds, StepReport, Trainer};
 use crate::error::EngineError;
 use crate::layout::ParamLayout;
 use crate::optim::{split, Piece, CHUNK};
@@ -12,6 +13,98 @@ use comm::Communicator;
 use std::ops::Range;
 
 impl Trainer {
+    /// Everything that runs exactly once per optimizer step, after the
+    /// micro-steps: the statistics, the gradient collective, the global
+    /// norm, the f16 skip decision, clipping, the update and sharing.
+    /// With a pipeline, statistics come from the last stage (the others
+    /// contribute zeros), tied-embedding gradients are summed between the
+    /// first and last stage, and the norm is summed over the stages.
+    pub(super) fn boundary(
+        &mut self,
+        groups: &mut Groups<'_>,
+        mut acc: Accumulated,
+        seeds: &Seeds,
+        loss_scale: f32,
+        before: comm::CommCounters,
+    ) -> Result<StepReport, EngineError> {
+        let step_idx = self.n_steps;
+        let comm_err = |source| EngineError::Comm { step: step_idx + 1, source };
+        let n_micro = acc.loss_sums.len();
+        let dp_world = groups.dp.world_size();
+        let micro_losses = acc.micro_losses(groups).map_err(comm_err)?;
+        let micro_mean_sum: f64 = micro_losses.iter().filter(|l| l.is_finite()).sum();
+        let n_valid_micro = micro_losses.iter().filter(|l| l.is_finite()).count();
+        let (loss_sum, n_targets) = (acc.loss_sums.iter().sum::<f64>(), acc.n_targets.iter().sum::<u64>());
+        let mut stats = [loss_sum, n_targets as f64, micro_mean_sum, n_valid_micro as f64];
+        if groups.pipe.as_ref().is_some_and(|p| !p.info.last()) {
+            stats = [0.0; 4];
+        }
+        groups.all_reduce_f64(&mut stats).map_err(comm_err)?;
+        let [loss_sum, n_targets, micro_mean_sum, n_valid_micro] = stats;
+        let n_targets = n_targets as u64;
+        let loss = match self.options.normalization {
+            LossNormalization::Token if n_targets > 0 => loss_sum / n_targets as f64,
+            LossNormalization::MicroBatchMean if n_valid_micro > 0.0 => micro_mean_sum / (n_micro * dp_world) as f64,
+            _ => return Err(EngineError::NoTargets { step: step_idx + 1 }),
+        };
+        // What turns the accumulated buffer into the gradient of the mean
+        // loss: what the seeds left to do, and the loss scale undone
+        // (unscaled before the norm, and so before clipping).
+        let normalize = match (self.options.normalization, seeds.divided_by_targets) {
+            (LossNormalization::Token, false) => 1.0 / n_targets as f64,
+            _ => 1.0,
+        } / loss_scale as f64;
+
+        self.sum_tied_gradients(groups).map_err(comm_err)?;
+        self.reduce_gradients(groups.dp).map_err(comm_err)?;
+        let grad_norm = match groups.pipe.as_mut() {
+            None => self.global_norm(groups.dp),
+            Some(p) => self.pipeline_norm(groups.dp, p),
+        }
+        .map_err(comm_err)?
+            * normalize;
+        let pipeline = acc.pipeline;
+        let report = |grad_norm, clipped, skipped, lr, groups: &Groups<'_>| {
+            let after = groups.dp.counters();
+            StepReport {
+                step_idx,
+                loss,
+                micro_losses: micro_losses.clone(),
+                n_targets,
+                n_micro_steps: n_micro,
+                grad_norm,
+                clipped,
+                lr,
+                comm_bytes: after.bytes_sent - before.bytes_sent,
+                comm_calls: after.n_calls - before.n_calls,
+                model_s: acc.model_s,
+                skipped,
+                loss_scale,
+                pipeline: pipeline.clone(),
+            }
+        };
+        if !grad_norm.is_finite() {
+            // The norm is global (all ranks reduced the same values), so every
+            // rank takes this branch together: under f16 the step is skipped —
+            // no parameter, optimizer state or schedule position changes.
+            let Some(scaler) = self.scaler.as_mut() else {
+                return Err(EngineError::NonFiniteGradient { step: step_idx + 1, norm: grad_norm });
+            };
+            scaler.update(true);
+            return Ok(report(grad_norm, false, true, self.schedule.lr(step_idx), groups));
+        }
+        let clip_coef = self.options.grad_clip.map_or(1.0, |max_norm| clip_coefficient(grad_norm, max_norm));
+        self.grad_scale = (normalize * clip_coef) as f32;
+        let lr = self.schedule.lr(step_idx);
+        self.apply_update(lr)?;
+        self.share_updated_params(groups.dp).map_err(comm_err)?;
+        if let Some(s) = self.scaler.as_mut() {
+            s.update(false);
+        }
+        self.n_steps += 1;
+        Ok(report(grad_norm, clip_coef < 1.0, false, lr, groups))
+    }
+
     /// The boundary's gradient collective: afterwards `self.grads` holds
     /// this rank's part of the global sum (all of it after an all-reduce).
     pub(super) fn reduce_gradients(&mut self, comm: &mut dyn Communicator) -> Result<(), comm::CommError> {
