@@ -87,7 +87,6 @@ impl PipelineStage {
         PipeInfo {
             stage: self.spec.stage,
             n_stages: self.spec.n_stages,
-            last: self.spec.is_last(),
             tied: self.tied && (self.spec.is_first() || self.spec.is_last()),
         }
     }
@@ -222,10 +221,13 @@ impl Trainer {
                 stage.spec.n_stages
             )));
         }
+        // The stage's schedule, unless this step has another K.
+        let other;
         let schedule = if k == stage.schedule.n_micro {
-            stage.schedule.clone()
+            &stage.schedule
         } else {
-            Schedule::new(stage.kind, stage.spec.n_stages, k)?
+            other = Schedule::new(stage.kind, stage.spec.n_stages, k)?;
+            &other
         };
         let plan = &schedule.stages[stage.spec.stage];
         if plan.in_flight > stage.spec.in_flight {
@@ -240,7 +242,7 @@ impl Trainer {
         let p2p_before = pipe.counters().p2p_bytes_sent;
         let loss_scale = self.scaler.map_or(1.0, |s| s.scale);
         let info = stage.info();
-        let (s, last) = (info.stage, info.last);
+        let (s, last) = (info.stage, info.last());
         let mut groups = Groups { dp, pipe: Some(PipeGroup { comm: pipe, info }) };
         let seeds = self.backward_seeds(model, &mut groups, micro_batches, loss_scale, last)?;
         let Groups { dp, pipe: Some(PipeGroup { comm: pipe, .. }) } = &mut groups else {
@@ -376,7 +378,7 @@ impl Trainer {
     /// its shard at ZeRO-1; the last stage leaves out its copy of a tied
     /// embedding), summed over the data ranks and then the stages.
     pub(super) fn pipeline_norm(&self, dp: &mut dyn Communicator, p: &mut PipeGroup<'_>) -> Result<f64, CommError> {
-        let skip0 = p.info.tied && p.info.last;
+        let skip0 = p.info.tied && p.info.last();
         let segs = (0..self.part.n_segments()).filter(|&j| !(skip0 && j == 0));
         let mut sq = [match (self.stage.reduction(), self.stage.accumulation()) {
             (Reduction::AllReduce, _) => segs
