@@ -70,6 +70,9 @@ pub enum EngineError {
     /// An invalid pipeline setting or a stage that cannot run.
     #[error("pipeline parallelism: {0}")]
     Pipeline(String),
+    /// An invalid tensor-parallel setting or a model that cannot split.
+    #[error("tensor parallelism: {0}")]
+    TensorParallel(String),
     /// Offloaded optimizer state could not be created, read or written.
     #[error("offloaded optimizer state: cannot {op} {}", path.display())]
     Offload {

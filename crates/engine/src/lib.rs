@@ -102,6 +102,7 @@ pub mod saved;
 pub mod scaler;
 pub mod schedule;
 pub mod store;
+pub mod tensor;
 pub mod trainer;
 pub mod zero;
 
@@ -117,6 +118,7 @@ pub use saved::SavedTensor;
 pub use scaler::{LossScaler, LossScalerConfig};
 pub use schedule::{Decay, LrSchedule};
 pub use store::{FullStore, GradOut, GradSpace, ParamStore, SegTensor, SegmentGrads, SegmentView};
+pub use tensor::{Shard, TensorGroup, TensorShards, TpRank, TpTraffic};
 pub use trainer::{
     clip_grad_norm, grad_norm, LossNormalization, MemoryReport, PipelineReport, PipelineStage, StepReport, Trainer,
     TrainerOptions, DEFAULT_BUCKET_ELEMS,

@@ -156,6 +156,12 @@ pub trait StagedModel: Model {
     /// From now on run only `spec`'s part, with `spec.in_flight` activation slots.
     fn set_stage(&mut self, spec: StageSpec);
 
+    /// A model built for one rank of a tensor-parallel group: how its
+    /// layout maps onto the whole model's (`None`: the whole model).
+    fn tensor_shards(&self) -> Option<crate::tensor::TensorShards> {
+        None
+    }
+
     /// Elements of the activations passed between stages for `batch`
     /// (and of their gradient).
     fn boundary_len(&self, batch: &Self::Batch) -> usize;
@@ -204,6 +210,10 @@ impl<M: StagedModel + ?Sized> StagedModel for Box<M> {
 
     fn set_stage(&mut self, spec: StageSpec) {
         (**self).set_stage(spec)
+    }
+
+    fn tensor_shards(&self) -> Option<crate::tensor::TensorShards> {
+        (**self).tensor_shards()
     }
 
     fn boundary_len(&self, batch: &Self::Batch) -> usize {

@@ -13,6 +13,7 @@
 
 use crate::error::EngineError;
 use crate::layout::ParamLayout;
+use crate::tensor::TensorGroup;
 use std::ops::Range;
 
 /// One tensor of a segment, as the store sees it.
@@ -223,6 +224,9 @@ pub struct SegmentView<'a> {
     pub params: &'a [f32],
     /// Its gradients, tensor by tensor (none in a forward-only pass).
     pub grads: SegmentGrads<'a>,
+    /// The tensor-parallel group the segment's split tensors are spread
+    /// over (a no-op without a split).
+    pub tp: TensorGroup<'a>,
 }
 
 /// Where a model's micro-step finds its parameters and puts its gradients.
@@ -298,7 +302,7 @@ impl ParamStore for FullStore<'_> {
             let g = self.space.grad_segments[seg].clone();
             SegmentGrads { buf: &mut self.grads[g], tensors: &self.space.tensors[seg], written: None }
         };
-        Ok(SegmentView { params: &self.params[r], grads })
+        Ok(SegmentView { params: &self.params[r], grads, tp: TensorGroup::none() })
     }
 
     fn done(&mut self, _seg: usize, _backward: bool) -> Result<(), EngineError> {

@@ -16,6 +16,7 @@ mod offload;
 mod pipeline;
 mod state;
 mod step_store;
+mod tensor;
 
 pub use clip::{clip_grad_norm, grad_norm};
 pub use memory::MemoryReport;
@@ -114,6 +115,9 @@ pub struct StepReport {
     /// Pipeline parallelism: the schedule's bubble and the time this rank
     /// waited for its neighbours.
     pub pipeline: Option<PipelineReport>,
+    /// Tensor parallelism: this rank's all-reduces inside the model
+    /// during the step (calls, bytes, seconds).
+    pub tensor: Option<crate::tensor::TpTraffic>,
 }
 
 /// What a pipeline step reports.
@@ -155,6 +159,8 @@ pub struct Trainer {
     gathered_seg: Option<usize>,
     /// Padding scratch for reduce-scatter inputs and outputs.
     scratch: Vec<f32>,
+    /// This rank's tensor-parallel all-reduces since the last step report.
+    tp_traffic: crate::tensor::TpTraffic,
     /// Mixed precision (stages 0–2): the 16-bit parameter copy the model
     /// reads, one segment of it decoded for the kernels, and which.
     model_copy: Option<ModelCopy>,
@@ -299,6 +305,7 @@ impl Trainer {
             gathered,
             gathered_seg: None,
             scratch: vec![0.0; sizes.scratch],
+            tp_traffic: Default::default(),
             model_copy,
             scaler,
             optimizer,
@@ -386,7 +393,7 @@ impl Trainer {
         let before = comm.counters();
         // The loss scale of this step: fixed until the boundary.
         let loss_scale = self.scaler.map_or(1.0, |s| s.scale);
-        let mut groups = Groups { dp: comm, pipe: None };
+        let mut groups = Groups { dp: comm, pipe: None, tp: None };
         let seeds = self.backward_seeds(model, &mut groups, micro_batches, loss_scale, true)?;
 
         // Accumulate: K micro-steps add into the gradient buffers; at
@@ -486,6 +493,10 @@ impl Trainer {
 pub(crate) struct Groups<'a> {
     pub(crate) dp: &'a mut dyn Communicator,
     pub(crate) pipe: Option<PipeGroup<'a>>,
+    /// The tensor-parallel group, when tensors are split: the ranks of
+    /// one (stage, data rank). Statistics are never reduced over it (every
+    /// rank of it computed the same ones).
+    pub(crate) tp: Option<tensor::TpGroup<'a>>,
 }
 
 /// The pipeline group of a step: this rank's stage among its `P` ranks.
@@ -527,11 +538,18 @@ struct Accumulated {
     n_targets: Vec<u64>,
     model_s: f64,
     pipeline: Option<PipelineReport>,
+    tensor: Option<crate::tensor::TpTraffic>,
 }
 
 impl Accumulated {
     fn new(n_micro: usize) -> Self {
-        Accumulated { loss_sums: vec![0.0; n_micro], n_targets: vec![0; n_micro], model_s: 0.0, pipeline: None }
+        Accumulated {
+            loss_sums: vec![0.0; n_micro],
+            n_targets: vec![0; n_micro],
+            model_s: 0.0,
+            pipeline: None,
+            tensor: None,
+        }
     }
 
     fn record(&mut self, k: usize, stats: crate::MicroStepStats) {

@@ -182,6 +182,10 @@ impl<M: TextModel> StagedModel for Erased<M> {
         self.0.set_stage(spec)
     }
 
+    fn tensor_shards(&self) -> Option<engine::TensorShards> {
+        self.0.tensor_shards()
+    }
+
     fn boundary_len(&self, batch: &TokenBatch) -> usize {
         self.0.boundary_len(batch)
     }
@@ -257,6 +261,20 @@ pub trait Family: Send + Sync {
     /// `spec.in_flight` micro-batches of them alive at once, the head's
     /// buffers on the last stage only.
     fn stage_activation_bytes(&self, micro: usize, seq_len: usize, build: Build, spec: &StageSpec) -> u128;
+    /// The shape rank `tp.rank` of a tensor-parallel group of `tp.size`
+    /// holds (Megatron-LM's split: its attention heads, its MLP columns,
+    /// the replicated rest): its `n_params`, activation bytes and `build`
+    /// are that rank's, its `init_segment` that rank's slice of this
+    /// shape's. An error names what cannot be split (heads not divisible
+    /// by T, a family without tensor parallelism).
+    fn tensor_parallel(&self, tp: engine::TpRank) -> Result<Arc<dyn Family>> {
+        Err(format!(
+            "the {} family cannot split its tensors (dist.tensor_parallel = {}); set dist.tensor_parallel = 1",
+            self.name(),
+            tp.size
+        )
+        .into())
+    }
     /// Whether the family's model can recompute blocks (activation checkpointing).
     fn supports_checkpointing(&self) -> bool {
         true

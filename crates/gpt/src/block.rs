@@ -5,7 +5,7 @@
 
 use crate::config::GptConfig;
 use crate::layout::BlockParams;
-use engine::{Checkpointing, Precision, SegmentGrads};
+use engine::{Checkpointing, EngineError, Precision, SegmentGrads, TensorGroup};
 use nn::attention::{attention_backward, attention_forward, AttnShape};
 use nn::grad::param_grad;
 use nn::linear::{conv1d_backward, conv1d_forward, LinearShape};
@@ -112,7 +112,15 @@ impl Block for GptBlock<'_> {
     /// Each tensor is produced in f32 in a working buffer and kept in `sv`
     /// at once (swapped in for f32, encoded in 16 bits otherwise); what
     /// follows reads the kept tensor.
-    fn forward(&self, p: &[f32], x: &mut [f32], sv: &mut Saved, bufs: &mut [Vec<f32>], extra: &mut [Vec<f32>]) {
+    fn forward(
+        &self,
+        p: &[f32],
+        tp: &mut TensorGroup<'_>,
+        x: &mut [f32],
+        sv: &mut Saved,
+        bufs: &mut [Vec<f32>],
+        extra: &mut [Vec<f32>],
+    ) -> Result<(), EngineError> {
         let (r, prec) = (self.r, self.prec);
         let Dims { b, t, c, .. } = self.d;
         let n = b * t;
@@ -162,10 +170,19 @@ impl Block for GptBlock<'_> {
         conv1d_forward(x, gelu, &p[r.fcproj_w.clone()], Some(&p[r.fcproj_b.clone()]), res, lin(4 * c, c));
         // The output stays in `x` as the next block's input: kept by copy.
         large[RES3].keep_copy(x, prec);
+        let _ = tp;
+        Ok(())
     }
 
     /// Staging: 0 for row tensors, 1 for the attention probabilities.
-    fn backward(&self, p: &[f32], grads: &mut SegmentGrads<'_>, mut saved: SavedView<'_>, bufs: &mut [Vec<f32>]) {
+    fn backward(
+        &self,
+        p: &[f32],
+        tp: &mut TensorGroup<'_>,
+        grads: &mut SegmentGrads<'_>,
+        mut saved: SavedView<'_>,
+        bufs: &mut [Vec<f32>],
+    ) -> Result<(), EngineError> {
         let r = self.r;
         let Dims { b, t, c, .. } = self.d;
         let n = b * t;
@@ -200,5 +217,7 @@ impl Block for GptBlock<'_> {
         let (gw, gb) = grads.pair(r.ln1_w.clone(), r.ln1_b.clone());
         let ln1 = NormSaved { inp: saved.input(), mean: ln1_mean, rstd: ln1_rstd };
         layernorm_backward(dres, param_grad(gw), param_grad(gb), dc, ln1, &p[r.ln1_w.clone()]);
+        let _ = tp;
+        Ok(())
     }
 }

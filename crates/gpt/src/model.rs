@@ -254,7 +254,7 @@ impl Gpt {
             prec.round(&mut self.acts.logits);
         }
         {
-            let SegmentView { params, mut grads } = store.segment(0)?;
+            let SegmentView { params, mut grads, .. } = store.segment(0)?;
             let acts = &mut self.acts;
             // dlnf = dlogits · wte: (B*T, V) @ (V, C) -> (B*T, C)
             gemm_into(
@@ -283,7 +283,7 @@ impl Gpt {
         store.done(0, true)?;
         let lnf = self.lnf_seg();
         {
-            let SegmentView { params, mut grads } = store.segment(lnf)?;
+            let SegmentView { params, mut grads, .. } = store.segment(lnf)?;
             let acts = &mut self.acts;
             let [dres, dc, ..] = &mut acts.stack.bufs[..] else { unreachable!("GPT-2's working buffers") };
             dres.fill(0.0);

@@ -6,7 +6,7 @@
 
 use crate::config::LlamaConfig;
 use crate::layout::{Adapters, LayerParams, Proj};
-use engine::{Checkpointing, Precision, SavedTensor, SegmentGrads};
+use engine::{Checkpointing, EngineError, Precision, SavedTensor, SegmentGrads, TensorGroup};
 use nn::act::{swiglu_backward, swiglu_forward};
 use nn::attention::{attention_backward, attention_forward, AttnShape};
 use nn::grad::{bias_backward, param_grad};
@@ -201,7 +201,15 @@ impl Layer<'_> {
 impl Block for Layer<'_> {
     /// Each tensor is produced in f32 in a working buffer and kept in `sv`
     /// at once; what follows reads the kept tensor.
-    fn forward(&self, p: &[f32], x: &mut [f32], sv: &mut Saved, bufs: &mut [Vec<f32>], _: &mut [Vec<f32>]) {
+    fn forward(
+        &self,
+        p: &[f32],
+        tp: &mut TensorGroup<'_>,
+        x: &mut [f32],
+        sv: &mut Saved,
+        bufs: &mut [Vec<f32>],
+        _: &mut [Vec<f32>],
+    ) -> Result<(), EngineError> {
         let (cfg, r, d) = (self.cfg, self.r, &self.d);
         let (n, c, f, prec) = (d.n, d.c, d.f, d.prec);
         let (qd, qkvw, kvd) = (d.gqa.q_dim(), d.gqa.qkv_width(), cfg.kv_dim());
@@ -253,9 +261,18 @@ impl Block for Layer<'_> {
         self.lora_forward(Proj::Down, p, Cols::all(x, c), mm, &mut xa[Proj::Down as usize], dxa);
         // The output stays in `x` as the next layer's input: kept by copy.
         large[OUT].keep_copy(x, prec);
+        let _ = tp;
+        Ok(())
     }
 
-    fn backward(&self, p: &[f32], grads: &mut SegmentGrads<'_>, saved: SavedView<'_>, bufs: &mut [Vec<f32>]) {
+    fn backward(
+        &self,
+        p: &[f32],
+        tp: &mut TensorGroup<'_>,
+        grads: &mut SegmentGrads<'_>,
+        saved: SavedView<'_>,
+        bufs: &mut [Vec<f32>],
+    ) -> Result<(), EngineError> {
         let (cfg, r, d) = (self.cfg, self.r, &self.d);
         let (c, f) = (d.c, d.f);
         let (qd, qkvw, kvd) = (d.gqa.q_dim(), d.gqa.qkv_width(), cfg.kv_dim());
@@ -295,5 +312,7 @@ impl Block for Layer<'_> {
         let (w1, g1) = (&p[r.attn_norm.clone()], param_grad(back.grads.tensor(r.attn_norm.clone())));
         let h = NormSaved { inp: back.saved.input(), mean: &[], rstd: rstd1 };
         rmsnorm_backward(dres, g1, dc, h, w1);
+        let _ = tp;
+        Ok(())
     }
 }

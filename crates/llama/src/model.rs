@@ -406,7 +406,7 @@ impl Llama {
         }
         let (head_seg, norm_seg, head_rel) = (self.head_seg(), self.norm_seg(), self.head_rel());
         {
-            let SegmentView { params, mut grads } = store.segment(head_seg)?;
+            let SegmentView { params, mut grads, .. } = store.segment(head_seg)?;
             let acts = &mut self.acts;
             let dlogits = Strided::rows(&acts.logits, v);
             // dhf = dlogits · head: (B*T, V) @ (V, C) -> (B*T, C)
@@ -420,7 +420,7 @@ impl Llama {
             store.done(head_seg, true)?;
         }
         {
-            let SegmentView { params, mut grads } = store.segment(norm_seg)?;
+            let SegmentView { params, mut grads, .. } = store.segment(norm_seg)?;
             let acts = &mut self.acts;
             let [dres, dc, ..] = &mut acts.stack.bufs[..] else { unreachable!("Llama's working buffers") };
             dres.fill(0.0);

@@ -13,7 +13,7 @@
 
 use std::ops::Range;
 
-use engine::{Checkpointing, EngineError, ParamStore, Precision, SavedTensor, SegmentGrads, SegmentView};
+use engine::{Checkpointing, EngineError, ParamStore, Precision, SavedTensor, SegmentGrads, SegmentView, TensorGroup};
 
 /// Index of the residual-gradient working buffer.
 pub const DRES: usize = 0;
@@ -23,13 +23,30 @@ pub trait Block {
     /// Forward of one block: on entry `x` holds its input, on exit its
     /// output; every tensor the backward needs is kept in `sv`. `bufs` are
     /// the working buffers, `extra` the family's additional forward
-    /// buffers ([`StackSizes::extra`]).
-    fn forward(&self, p: &[f32], x: &mut [f32], sv: &mut Saved, bufs: &mut [Vec<f32>], extra: &mut [Vec<f32>]);
+    /// buffers ([`StackSizes::extra`]). `p` and `tp`: the block's segment
+    /// (under tensor parallelism this rank's slices, and the group to
+    /// sum row-parallel outputs over).
+    fn forward(
+        &self,
+        p: &[f32],
+        tp: &mut TensorGroup<'_>,
+        x: &mut [f32],
+        sv: &mut Saved,
+        bufs: &mut [Vec<f32>],
+        extra: &mut [Vec<f32>],
+    ) -> Result<(), EngineError>;
 
     /// Backward of one block: `bufs[DRES]` holds the gradient of its output
-    /// on entry and of its input on exit; parameter gradients go where the
-    /// store says (`grads`).
-    fn backward(&self, p: &[f32], grads: &mut SegmentGrads<'_>, saved: SavedView<'_>, bufs: &mut [Vec<f32>]);
+    /// on entry and of its input on exit (summed over `tp` where it is
+    /// split); parameter gradients go where the store says (`grads`).
+    fn backward(
+        &self,
+        p: &[f32],
+        tp: &mut TensorGroup<'_>,
+        grads: &mut SegmentGrads<'_>,
+        saved: SavedView<'_>,
+        bufs: &mut [Vec<f32>],
+    ) -> Result<(), EngineError>;
 }
 
 /// What one block's forward keeps for its backward.
@@ -292,18 +309,18 @@ impl Stack {
         keep_all: bool,
     ) -> Result<(), EngineError> {
         for (idx, seg) in segs.enumerate() {
-            let view = store.segment(seg)?;
+            let SegmentView { params, mut tp, .. } = store.segment(seg)?;
             let recomputed = !keep_all || self.checkpointing.recomputes(idx);
             match self.recompute.as_mut().filter(|_| recomputed) {
                 Some(rc) => {
-                    block.forward(view.params, &mut self.x, &mut rc.sv, &mut self.bufs, &mut self.staging);
+                    block.forward(params, &mut tp, &mut self.x, &mut rc.sv, &mut self.bufs, &mut self.staging)?;
                     if keep_all {
                         std::mem::swap(&mut rc.sv.large[self.output], &mut self.saved[idx].large[self.output]);
                     }
                 }
                 None => {
                     let sv = &mut self.saved[if keep_all { idx } else { 0 }];
-                    block.forward(view.params, &mut self.x, sv, &mut self.bufs, &mut self.staging);
+                    block.forward(params, &mut tp, &mut self.x, sv, &mut self.bufs, &mut self.staging)?;
                 }
             }
             store.done(seg, false)?;
@@ -328,7 +345,7 @@ impl Stack {
             if prec == Precision::F16 {
                 prec.round(&mut self.bufs[DRES]);
             }
-            let SegmentView { params, mut grads } = store.segment(seg)?;
+            let SegmentView { params, mut grads, mut tp } = store.segment(seg)?;
             let x = if idx == 0 { &self.embed } else { &self.saved[idx - 1].large[self.output] };
             let sv = match self.recompute.as_mut().filter(|_| self.checkpointing.recomputes(idx)) {
                 Some(rc) => {
@@ -336,13 +353,13 @@ impl Stack {
                         SavedTensor::F32(v) => rc.x.copy_from_slice(v),
                         SavedTensor::Low(v) => prec.decode(v, &mut rc.x),
                     }
-                    block.forward(params, &mut rc.x, &mut rc.sv, &mut rc.bufs, &mut rc.extra);
+                    block.forward(params, &mut tp, &mut rc.x, &mut rc.sv, &mut rc.bufs, &mut rc.extra)?;
                     &rc.sv
                 }
                 None => &self.saved[idx],
             };
             let saved = SavedView { sv, x, staging: &mut self.staging, prec };
-            block.backward(params, &mut grads, saved, &mut self.bufs);
+            block.backward(params, &mut tp, &mut grads, saved, &mut self.bufs)?;
             store.done(seg, true)?;
         }
         if prec == Precision::F16 {

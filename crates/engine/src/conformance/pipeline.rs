@@ -132,7 +132,7 @@ fn one_rank<M: StagedModel<Batch = TokenBatch>>(
     let mut t = Trainer::for_stage(&st, &init, opt, sched, options, zero, &mut *dp).map_err(err("trainer"))?;
     for s in 0..3 {
         let b = batches(case.seqs, s, dr, l.d);
-        let rep = t.step_pipeline(&mut model, &st, &mut *dp, &mut *pipe, &b).map_err(err("pipeline step"))?;
+        let rep = t.step_pipeline(&mut model, &st, &mut *dp, &mut *pipe, None, &b).map_err(err("pipeline step"))?;
         if rep.pipeline.as_ref().map(|p| p.stage) != Some(stage) {
             return Err(format!("step {s}: the report names stage {:?}, not {stage}", rep.pipeline.map(|p| p.stage)));
         }
@@ -153,7 +153,7 @@ fn one_rank<M: StagedModel<Batch = TokenBatch>>(
             }
         }
     }
-    let full = if dr == 0 { st.gather(&mut *pipe, &local, false).map_err(err("gather"))? } else { None };
+    let full = if dr == 0 { st.gather(&mut *pipe, None, &local, false).map_err(err("gather"))? } else { None };
     Ok((losses, full))
 }
 

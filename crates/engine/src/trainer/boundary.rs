@@ -56,14 +56,15 @@ impl Trainer {
         } / loss_scale as f64;
 
         self.sum_tied_gradients(groups).map_err(comm_err)?;
+        self.sum_partial_gradients(groups.tp.as_mut()).map_err(comm_err)?;
         self.reduce_gradients(groups.dp).map_err(comm_err)?;
         let grad_norm = match groups.pipe.as_mut() {
             None => self.global_norm(groups.dp),
-            Some(p) => self.pipeline_norm(groups.dp, p),
+            Some(p) => self.pipeline_norm(groups.dp, p, groups.tp.as_mut()),
         }
         .map_err(comm_err)?
             * normalize;
-        let pipeline = acc.pipeline;
+        let (pipeline, tensor) = (acc.pipeline, acc.tensor);
         let report = |grad_norm, clipped, skipped, lr, groups: &Groups<'_>| {
             let after = groups.dp.counters();
             StepReport {
@@ -81,6 +82,7 @@ impl Trainer {
                 skipped,
                 loss_scale,
                 pipeline: pipeline.clone(),
+                tensor,
             }
         };
         if !grad_norm.is_finite() {

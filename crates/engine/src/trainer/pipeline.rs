@@ -6,6 +6,7 @@
 //! through the stages, and the full (layout-free) state assembled on the
 //! first stage for checkpoints.
 
+use super::tensor::TpGroup;
 use super::{Accumulated, Groups, PipeGroup, PipeInfo, PipelineReport, StepReport, Trainer, TrainerOptions};
 use crate::error::EngineError;
 use crate::model::MicroStepStats;
@@ -13,6 +14,7 @@ use crate::optim::Optimizer;
 use crate::pipeline::{Op, Schedule, ScheduleKind, StageLayout, StageSpec, StageStore, StagedModel};
 use crate::schedule::LrSchedule;
 use crate::store::GradSpace;
+use crate::tensor::{Shard, TensorShards};
 use crate::zero::{Accumulation, Reduction, ZeroConfig};
 use comm::{CommError, Communicator};
 use std::ops::Range;
@@ -44,6 +46,12 @@ pub struct PipelineStage {
     owned: Vec<Vec<usize>>,
     model_space: GradSpace,
     space: GradSpace,
+    /// A tensor-parallel rank's map onto the whole model.
+    tp: Option<TensorShards>,
+    /// The shard of each tensor of the stage's layout (empty without a split).
+    stage_shards: Vec<Shard>,
+    /// The whole model's segments (this rank's own without a tensor split).
+    whole_segments: Vec<Range<usize>>,
 }
 
 impl PipelineStage {
@@ -79,8 +87,45 @@ impl PipelineStage {
             .collect();
         let model_space = GradSpace::new(model.layout(), segments)?;
         let space = GradSpace::new(&layout.layout, layout.segments.clone())?;
+        let tp = model.tensor_shards().filter(|t| t.tp.is_split());
+        let whole_segments = match &tp {
+            None => model_space.segments.clone(),
+            Some(t) => model_space
+                .tensors
+                .iter()
+                .map(|ts| {
+                    let r = |i: usize| t.full.tensors()[i].range();
+                    ts.first().map_or(0..0, |a| r(a.idx).start..ts.last().map_or(0, |b| r(b.idx).end))
+                })
+                .collect(),
+        };
+        let stage_shards = match &tp {
+            None => Vec::new(),
+            Some(t) => {
+                let by_name: std::collections::HashMap<&str, Shard> =
+                    t.local.tensors().iter().zip(&t.shards).map(|(x, s)| (x.name.as_str(), *s)).collect();
+                layout
+                    .layout
+                    .tensors()
+                    .iter()
+                    .map(|x| by_name.get(x.name.as_str()).copied().unwrap_or(Shard::Replicated))
+                    .collect()
+            }
+        };
         model.set_stage(spec.clone());
-        Ok(PipelineStage { spec, kind, layout, schedule, tied, owned, model_space, space })
+        Ok(PipelineStage {
+            spec,
+            kind,
+            layout,
+            schedule,
+            tied,
+            owned,
+            model_space,
+            space,
+            tp,
+            stage_shards,
+            whole_segments,
+        })
     }
 
     fn info(&self) -> PipeInfo {
@@ -102,6 +147,14 @@ impl PipelineStage {
     /// `grad_space` a gradient-space buffer such as optimizer state): how a
     /// checkpoint written at any pipeline width is restored at this one.
     pub fn take(&self, full: &[f32], grad_space: bool) -> Result<Vec<f32>, EngineError> {
+        let split;
+        let full = match &self.tp {
+            Some(t) => {
+                split = t.take(full, grad_space)?;
+                &split[..]
+            }
+            None => full,
+        };
         let want =
             if grad_space { self.model_space.n_grads } else { self.model_space.segments.last().map_or(0, |r| r.end) };
         if full.len() != want {
@@ -115,11 +168,50 @@ impl PipelineStage {
             .collect())
     }
 
+    /// The whole model's segments (what `init` of [`Trainer::for_stage`]
+    /// is asked for).
+    pub fn whole_segments(&self) -> &[Range<usize>] {
+        &self.whole_segments
+    }
+
+    /// The tensor-parallel map of this rank, if its tensors are split.
+    pub fn tensor_shards(&self) -> Option<&TensorShards> {
+        self.tp.as_ref()
+    }
+
+    /// This rank's values of model segment `seg` from the whole model's.
+    fn take_segment(&self, seg: usize, whole: Vec<f32>) -> Vec<f32> {
+        match &self.tp {
+            None => whole,
+            Some(t) => {
+                let ts = &self.model_space.tensors[seg];
+                let idx = ts.first().map_or(0..0, |a| a.idx..a.idx + ts.len());
+                t.take_tensors(idx, &whole)
+            }
+        }
+    }
+
     /// The first stage assembles a model-wide buffer from every stage's
     /// `local` one (the stages send theirs; the tied embedding comes from
-    /// the first stage's copy); other stages get `None`. Every rank of
-    /// `pipe` must call it.
+    /// the first stage's copy); other stages get `None`. With tensor
+    /// parallelism, rank 0 of `tp` (the first stage's group) then
+    /// assembles the whole model from its group's. Every rank of `pipe`
+    /// (and of `tp`) must call it.
     pub fn gather(
+        &self,
+        pipe: &mut dyn Communicator,
+        tp: Option<&mut dyn Communicator>,
+        local: &[f32],
+        grad_space: bool,
+    ) -> Result<Option<Vec<f32>>, CommError> {
+        let Some(mine) = self.gather_stages(pipe, local, grad_space)? else { return Ok(None) };
+        match (&self.tp, tp) {
+            (Some(t), Some(group)) => t.gather(group, &mine, grad_space),
+            _ => Ok(Some(mine)),
+        }
+    }
+
+    fn gather_stages(
         &self,
         pipe: &mut dyn Communicator,
         local: &[f32],
@@ -163,9 +255,11 @@ impl PipelineStage {
 
 impl Trainer {
     /// A trainer for one pipeline stage, data-parallel over `dp` (the
-    /// ranks holding the same stage), from the model's initial values per
-    /// model segment (`init(seg)`). ZeRO stages 0 and 1 compose with a
-    /// pipeline; 2 and 3 are refused.
+    /// ranks holding the same stage), from the whole model's initial values
+    /// per model segment (`init(seg)`: the segment of
+    /// [`PipelineStage::whole_segments`]; a tensor-parallel rank keeps its
+    /// slices). ZeRO stages 0 and 1 compose with a pipeline and with
+    /// tensor parallelism; 2 and 3 are refused.
     pub fn for_stage(
         stage: &PipelineStage,
         init: &dyn Fn(usize) -> Vec<f32>,
@@ -175,6 +269,12 @@ impl Trainer {
         zero: ZeroConfig,
         dp: &mut dyn Communicator,
     ) -> Result<Self, EngineError> {
+        if zero.stage >= 2 && stage.tp.is_some() {
+            return Err(EngineError::TensorParallel(format!(
+                "ZeRO stage {} with tensor parallelism is not supported (stages 0 and 1 are); set dist.zero_stage = 1 or dist.tensor_parallel = 1",
+                zero.stage
+            )));
+        }
         if zero.stage >= 2 && stage.spec.n_stages > 1 {
             return Err(EngineError::Pipeline(format!(
                 "ZeRO stage {} with pipeline parallelism is not supported (stages 0 and 1 are, as in DeepSpeed); set dist.zero_stage = 1 or dist.pipeline_parallel = 1",
@@ -182,7 +282,7 @@ impl Trainer {
             )));
         }
         let model_segs = stage.layout.model_segments.clone();
-        let local_init = |j: usize| model_segs.get(j).map(|&m| init(m)).unwrap_or_default();
+        let local_init = |j: usize| model_segs.get(j).map(|&m| stage.take_segment(m, init(m))).unwrap_or_default();
         Self::build(
             (stage.layout.layout.clone(), stage.layout.segments.clone()),
             &local_init,
@@ -206,6 +306,7 @@ impl Trainer {
         stage: &PipelineStage,
         dp: &mut dyn Communicator,
         pipe: &mut dyn Communicator,
+        tp: Option<&mut dyn Communicator>,
         micro_batches: &[M::Batch],
     ) -> Result<StepReport, EngineError> {
         let k = micro_batches.len();
@@ -243,11 +344,15 @@ impl Trainer {
         let loss_scale = self.scaler.map_or(1.0, |s| s.scale);
         let info = stage.info();
         let (s, last) = (info.stage, info.last());
-        let mut groups = Groups { dp, pipe: Some(PipeGroup { comm: pipe, info }) };
+        let tp = check_tp_group(stage, tp)?;
+        let split = tp.is_some();
+        let tp = tp.map(|comm| TpGroup { comm, shards: &stage.stage_shards });
+        let mut groups = Groups { dp, pipe: Some(PipeGroup { comm: pipe, info }), tp };
         let seeds = self.backward_seeds(model, &mut groups, micro_batches, loss_scale, last)?;
-        let Groups { dp, pipe: Some(PipeGroup { comm: pipe, .. }) } = &mut groups else {
+        let Groups { dp, pipe: Some(PipeGroup { comm: pipe, .. }), tp } = &mut groups else {
             unreachable!("built with a pipeline group above")
         };
+        self.tp_traffic = Default::default();
 
         self.begin_accumulation();
         let mut acc = Accumulated::new(k);
@@ -269,7 +374,9 @@ impl Trainer {
                     }
                     out.resize(if last { 0 } else { len(m) }, 0.0);
                     let t0 = Instant::now();
-                    let mut store = StageStore { inner: &mut self.store(&mut **dp, true), stage: &stage.layout };
+                    let tpc = tp.as_mut().map(|t| -> &mut dyn Communicator { &mut *t.comm });
+                    let mut store =
+                        StageStore { inner: &mut self.store_tp(&mut **dp, tpc, true), stage: &stage.layout };
                     let stats = model
                         .stage_forward(
                             &mut store,
@@ -304,7 +411,9 @@ impl Trainer {
                     }
                     gin.resize(if s == 0 { 0 } else { len(m) }, 0.0);
                     let t0 = Instant::now();
-                    let mut store = StageStore { inner: &mut self.store(&mut **dp, true), stage: &stage.layout };
+                    let tpc = tp.as_mut().map(|t| -> &mut dyn Communicator { &mut *t.comm });
+                    let mut store =
+                        StageStore { inner: &mut self.store_tp(&mut **dp, tpc, true), stage: &stage.layout };
                     model.stage_backward(&mut store, &micro_batches[m], plan.slot[m], &gout, &mut gin).map_err(
                         |e| EngineError::Model { step: step_idx + 1, micro_step_idx: m, source: Box::new(e) },
                     )?;
@@ -320,6 +429,7 @@ impl Trainer {
         pipe.all_reduce_sum_f64(&mut idle_s).map_err(comm_err)?;
         let p2p_bytes = pipe.counters().p2p_bytes_sent - p2p_before;
         acc.pipeline = Some(PipelineReport { stage: s, bubble: schedule.bubble_fraction(), idle_s, p2p_bytes });
+        acc.tensor = split.then(|| std::mem::take(&mut self.tp_traffic));
         self.boundary(&mut groups, acc, &seeds, loss_scale, before)
     }
 
@@ -331,8 +441,10 @@ impl Trainer {
         stage: &PipelineStage,
         dp: &mut dyn Communicator,
         pipe: &mut dyn Communicator,
+        tp: Option<&mut dyn Communicator>,
         batch: &M::Batch,
     ) -> Result<MicroStepStats, EngineError> {
+        let mut tp = check_tp_group(stage, tp)?;
         let step = self.n_steps;
         let comm_err = |source| EngineError::Comm { step, source };
         let (s, last) = (stage.spec.stage, stage.spec.is_last());
@@ -342,7 +454,10 @@ impl Trainer {
             pipe.recv(&mut act, s - 1, TAG_EVAL).map_err(comm_err)?;
         }
         let mut out = vec![0.0; if last { 0 } else { n }];
-        let mut store = StageStore { inner: &mut self.store(dp, false), stage: &stage.layout };
+        let mut store = StageStore {
+            inner: &mut self.store_tp(dp, tp.as_mut().map(|c| -> &mut dyn Communicator { &mut **c }), false),
+            stage: &stage.layout,
+        };
         let stats = model
             .stage_forward(&mut store, batch, 0, &act, &mut out, None)
             .map_err(|e| EngineError::Model { step, micro_step_idx: 0, source: Box::new(e) })?;
@@ -377,8 +492,21 @@ impl Trainer {
     /// The global norm with a pipeline: this stage's sum of squares (of
     /// its shard at ZeRO-1; the last stage leaves out its copy of a tied
     /// embedding), summed over the data ranks and then the stages.
-    pub(super) fn pipeline_norm(&self, dp: &mut dyn Communicator, p: &mut PipeGroup<'_>) -> Result<f64, CommError> {
+    pub(super) fn pipeline_norm(
+        &self,
+        dp: &mut dyn Communicator,
+        p: &mut PipeGroup<'_>,
+        tp: Option<&mut TpGroup<'_>>,
+    ) -> Result<f64, CommError> {
         let skip0 = p.info.tied && p.info.last();
+        if let Some(tp) = tp {
+            let mut sq = [self.tensor_parallel_sum_of_squares(tp, skip0.then_some(0))?];
+            if self.stage.reduction() != Reduction::AllReduce {
+                dp.all_reduce_sum_f64(&mut sq)?;
+            }
+            p.comm.all_reduce_sum_f64(&mut sq)?;
+            return Ok(sq[0].sqrt());
+        }
         let segs = (0..self.part.n_segments()).filter(|&j| !(skip0 && j == 0));
         let mut sq = [match (self.stage.reduction(), self.stage.accumulation()) {
             (Reduction::AllReduce, _) => segs
@@ -394,5 +522,28 @@ impl Trainer {
         }
         p.comm.all_reduce_sum_f64(&mut sq)?;
         Ok(sq[0].sqrt())
+    }
+}
+
+/// The tensor-parallel group a step of `stage` runs with: required (and
+/// of the stage's T ranks) when its tensors are split, ignored otherwise.
+fn check_tp_group<'a>(
+    stage: &PipelineStage,
+    tp: Option<&'a mut dyn Communicator>,
+) -> Result<Option<&'a mut dyn Communicator>, EngineError> {
+    let Some(shards) = &stage.tp else { return Ok(None) };
+    match tp {
+        Some(c) if c.world_size() == shards.tp.size && c.rank() == shards.tp.rank => Ok(Some(c)),
+        Some(c) => Err(EngineError::TensorParallel(format!(
+            "the tensor-parallel group has {} ranks with this one at {}, but the model is rank {} of {}",
+            c.world_size(),
+            c.rank(),
+            shards.tp.rank,
+            shards.tp.size
+        ))),
+        None => Err(EngineError::TensorParallel(format!(
+            "the model is rank {} of a tensor-parallel group of {}, but no group was given",
+            shards.tp.rank, shards.tp.size
+        ))),
     }
 }

@@ -7,13 +7,26 @@ use super::{ModelCopy, Trainer};
 use crate::error::EngineError;
 use crate::precision::Precision;
 use crate::store::{ParamStore, SegmentGrads, SegmentView, Written};
+use crate::tensor::{TensorGroup, TpLink};
 use crate::zero::{Accumulation, Partition, Stage};
 use comm::Communicator;
 
 impl Trainer {
     /// A store over this trainer's buffers for one pass of the model.
     pub(super) fn store<'a>(&'a mut self, comm: &'a mut dyn Communicator, with_grads: bool) -> StepStore<'a> {
+        self.store_tp(comm, None, with_grads)
+    }
+
+    /// [`Trainer::store`] whose segments carry the tensor-parallel group `tp`.
+    pub(super) fn store_tp<'a>(
+        &'a mut self,
+        comm: &'a mut dyn Communicator,
+        tp: Option<&'a mut dyn Communicator>,
+        with_grads: bool,
+    ) -> StepStore<'a> {
+        let step = self.n_steps + 1;
         StepStore {
+            tp: tp.map(|comm| TpLink { comm, traffic: &mut self.tp_traffic, step }),
             part: &self.part,
             stage: self.stage,
             with_grads,
@@ -34,6 +47,7 @@ impl Trainer {
 
 /// The store a model sees during a step.
 pub(super) struct StepStore<'a> {
+    tp: Option<TpLink<'a>>,
     part: &'a Partition,
     stage: Stage,
     with_grads: bool,
@@ -96,11 +110,13 @@ impl ParamStore for StepStore<'_> {
             None => &self.params[r],
         };
         if !self.with_grads {
-            return Ok(SegmentView { params, grads: SegmentGrads::none() });
+            let tp = TensorGroup::new(self.tp.as_mut());
+            return Ok(SegmentView { params, grads: SegmentGrads::none(), tp });
         }
         let buf = grad_buf(self.part, self.stage, self.grads, self.seg_grads, seg);
         let grads = Written { space: &self.part.space, flags: self.written }.into_view(seg, buf);
-        Ok(SegmentView { params, grads })
+        let tp = TensorGroup::new(self.tp.as_mut());
+        Ok(SegmentView { params, grads, tp })
     }
 
     fn done(&mut self, seg: usize, backward: bool) -> Result<(), EngineError> {

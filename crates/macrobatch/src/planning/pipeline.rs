@@ -293,7 +293,7 @@ mod tests {
                                 targets: (0..micro * seq).map(|j| ((i * 5 + j) % 200) as i32).collect(),
                             })
                             .collect();
-                        trainer.step_pipeline(&mut model, &ps, dp.as_mut(), pipe.as_mut(), &batches).unwrap();
+                        trainer.step_pipeline(&mut model, &ps, dp.as_mut(), pipe.as_mut(), None, &batches).unwrap();
                         let peak = (crate::heap::peak() - base).max(0) as u64;
                         (peak, model.activation_bytes() as u64)
                     })

@@ -118,7 +118,7 @@ impl<'a> RankComms<'a> {
     ) -> Result<StepReport> {
         Ok(match &mut self.pipeline {
             None => trainer.step(model, &mut *self.world, batches)?,
-            Some(p) => trainer.step_pipeline(model, &p.stage, p.dp.as_mut(), p.pipe.as_mut(), batches)?,
+            Some(p) => trainer.step_pipeline(model, &p.stage, p.dp.as_mut(), p.pipe.as_mut(), None, batches)?,
         })
     }
 
@@ -132,7 +132,7 @@ impl<'a> RankComms<'a> {
     ) -> Result<MicroStepStats> {
         Ok(match &mut self.pipeline {
             None => trainer.loss(model, &mut *self.world, batch)?,
-            Some(p) => trainer.loss_pipeline(model, &p.stage, p.dp.as_mut(), p.pipe.as_mut(), batch)?,
+            Some(p) => trainer.loss_pipeline(model, &p.stage, p.dp.as_mut(), p.pipe.as_mut(), None, batch)?,
         })
     }
 
@@ -168,6 +168,6 @@ impl<'a> RankComms<'a> {
     fn over_pipeline(&mut self, local: Option<Vec<f32>>, grad_space: bool) -> Result<Option<Vec<f32>>> {
         let Some(p) = &mut self.pipeline else { return Ok(local) };
         let Some(local) = local else { return Ok(None) };
-        Ok(p.stage.gather(p.pipe.as_mut(), &local, grad_space)?)
+        Ok(p.stage.gather(p.pipe.as_mut(), None, &local, grad_space)?)
     }
 }

@@ -1,0 +1,388 @@
+//! Tensor parallelism (Megatron-LM's split of a transformer block): rank
+//! `t` of a group of `T` holds a slice of each split matrix — attention
+//! heads, MLP columns — and the whole of every replicated tensor (norms,
+//! embeddings, biases added after a reduction). A model built for one rank
+//! has its own, smaller layout ([`TensorShards`] maps it to the whole
+//! model's, so checkpoints stay layout-free) and reaches its group through
+//! the [`TensorGroup`] of each segment it is handed: one all-reduce after
+//! each row-parallel product in forward, one before each column-parallel
+//! input gradient in backward (the paper's `g` and `f`).
+//!
+//! Gradients: a split tensor's slice gets its complete gradient on its rank.
+//! A replicated tensor whose inputs are the same on every rank (a norm, a
+//! bias after the reduction, the embeddings) gets the same gradient on every
+//! rank ([`Shard::Replicated`]); one that each rank feeds from its own
+//! heads (key/value projections replicated because `T` does not divide
+//! their head count, a LoRA factor beside a split matrix) holds a part of
+//! its gradient on each rank, summed over the group at the step boundary
+//! ([`Shard::Partial`]).
+
+use crate::error::EngineError;
+use crate::layout::{ParamLayout, TensorSpec};
+use comm::{CommError, Communicator};
+use std::ops::Range;
+use std::time::Instant;
+
+/// Rank `rank` of a tensor-parallel group of `size` ranks (`size == 1`: no split).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TpRank {
+    /// This rank's place in the group.
+    pub rank: usize,
+    /// Ranks in the group (T).
+    pub size: usize,
+}
+
+impl Default for TpRank {
+    fn default() -> Self {
+        TpRank::WHOLE
+    }
+}
+
+impl TpRank {
+    /// No split: one rank holds everything.
+    pub const WHOLE: TpRank = TpRank { rank: 0, size: 1 };
+
+    /// Whether tensors are split over more than one rank.
+    pub fn is_split(&self) -> bool {
+        self.size > 1
+    }
+
+    /// This rank's share of `n` equal parts (`n / size`; `size` divides `n`).
+    pub fn local(&self, n: usize) -> usize {
+        n / self.size.max(1)
+    }
+
+    /// This rank's range of `n` split evenly (`size` divides `n`).
+    pub fn range(&self, n: usize) -> Range<usize> {
+        let l = self.local(n);
+        self.rank * l..(self.rank + 1) * l
+    }
+}
+
+/// How one tensor of a rank's layout relates to the whole model's tensor
+/// of the same name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shard {
+    /// The whole tensor on every rank, with the same gradient on every rank.
+    Replicated,
+    /// The whole tensor on every rank; each rank's gradient is a part,
+    /// summed over the group at the boundary.
+    Partial,
+    /// The whole tensor viewed as `[outer, dim, inner]` (row-major); this
+    /// rank holds indices [`TpRank::range`]`(dim)` of the middle axis —
+    /// `[outer, dim / T, inner]`. A column-parallel `nn.Linear` weight
+    /// `[out, in]` is `{1, out, in}`; a row-parallel one `{out, in, 1}`;
+    /// heads are `{…, n_head, head_dim · …}`.
+    Split {
+        /// Product of the axes before the split one.
+        outer: usize,
+        /// The split axis.
+        dim: usize,
+        /// Product of the axes after it.
+        inner: usize,
+    },
+}
+
+impl Shard {
+    /// Whether the tensor is whole on every rank (its gradient norm is
+    /// counted once, not once per rank).
+    pub fn is_replicated(&self) -> bool {
+        !matches!(self, Shard::Split { .. })
+    }
+}
+
+/// A tensor-parallel rank's layout mapped onto the whole model's: per
+/// tensor of the rank's layout (same order and names as the whole
+/// layout), its [`Shard`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorShards {
+    /// This rank.
+    pub tp: TpRank,
+    /// The whole model's layout.
+    pub full: ParamLayout,
+    /// The rank's layout.
+    pub local: ParamLayout,
+    /// One per tensor of both layouts.
+    pub shards: Vec<Shard>,
+}
+
+impl TensorShards {
+    /// The map of rank `tp`'s `local` layout onto `full`: the same tensor
+    /// names in the same order, each shape as its shard says. Trainable
+    /// flags of `full` are taken from `local`.
+    pub fn new(tp: TpRank, mut full: ParamLayout, local: ParamLayout, shards: Vec<Shard>) -> Result<Self, EngineError> {
+        let bad = |m: String| Err(EngineError::TensorParallel(m));
+        if tp.size == 0 || tp.rank >= tp.size {
+            return bad(format!("rank {} of a group of {}", tp.rank, tp.size));
+        }
+        let (f, l) = (full.tensors(), local.tensors());
+        if f.len() != l.len() || shards.len() != l.len() {
+            return bad(format!("{} whole tensors, {} local, {} shards", f.len(), l.len(), shards.len()));
+        }
+        for ((ft, lt), s) in f.iter().zip(l).zip(&shards) {
+            let ok = ft.name == lt.name
+                && match *s {
+                    Shard::Replicated | Shard::Partial => ft.shape == lt.shape,
+                    Shard::Split { outer, dim, inner } => {
+                        dim.is_multiple_of(tp.size)
+                            && outer * dim * inner == ft.numel()
+                            && outer * tp.local(dim) * inner == lt.numel()
+                    }
+                };
+            if !ok {
+                return bad(format!(
+                    "{} {:?} cannot be {s:?} of {} {:?} at T = {}",
+                    lt.name, lt.shape, ft.name, ft.shape, tp.size
+                ));
+            }
+        }
+        let trainable: std::collections::HashMap<&str, bool> =
+            l.iter().map(|t| (t.name.as_str(), t.trainable)).collect();
+        full.set_trainable(|t| trainable.get(t.name.as_str()).copied().unwrap_or(true));
+        Ok(TensorShards { tp, full, local, shards })
+    }
+
+    /// The tensors of a buffer: every tensor (parameters), or the trainable
+    /// ones back to back (`grad_space`: gradients, optimizer state).
+    fn spans(layout: &ParamLayout, grad_space: bool) -> Vec<Option<Range<usize>>> {
+        let mut at = 0;
+        layout
+            .tensors()
+            .iter()
+            .map(|t: &TensorSpec| {
+                if grad_space && !t.trainable {
+                    return None;
+                }
+                let r = if grad_space { at..at + t.numel() } else { t.range() };
+                at = r.end;
+                Some(r)
+            })
+            .collect()
+    }
+
+    fn len(layout: &ParamLayout, grad_space: bool) -> usize {
+        if grad_space {
+            layout.n_trainable()
+        } else {
+            layout.n_params()
+        }
+    }
+
+    /// Rank `rank`'s part of one whole tensor's values, appended to `out`.
+    fn take_tensor(shard: Shard, tp: TpRank, whole: &[f32], out: &mut Vec<f32>) {
+        match shard {
+            Shard::Replicated | Shard::Partial => out.extend_from_slice(whole),
+            Shard::Split { outer, dim, inner } => {
+                let r = tp.range(dim);
+                for o in 0..outer {
+                    out.extend_from_slice(&whole[(o * dim + r.start) * inner..(o * dim + r.end) * inner]);
+                }
+            }
+        }
+    }
+
+    /// This rank's part of a whole-model buffer: parameters, or with
+    /// `grad_space` a buffer of the trainable tensors (optimizer state).
+    pub fn take(&self, whole: &[f32], grad_space: bool) -> Result<Vec<f32>, EngineError> {
+        let want = Self::len(&self.full, grad_space);
+        if whole.len() != want {
+            return Err(EngineError::ParamCount { expected: want, got: whole.len() });
+        }
+        let mut out = Vec::with_capacity(Self::len(&self.local, grad_space));
+        for (span, s) in Self::spans(&self.full, grad_space).into_iter().zip(&self.shards) {
+            if let Some(r) = span {
+                Self::take_tensor(*s, self.tp, &whole[r], &mut out);
+            }
+        }
+        Ok(out)
+    }
+
+    /// This rank's part of whole-model segment values: `whole` holds the
+    /// whole layout's tensors `tensors` back to back.
+    pub fn take_tensors(&self, tensors: Range<usize>, whole: &[f32]) -> Vec<f32> {
+        let mut out = Vec::new();
+        let mut at = 0;
+        for i in tensors {
+            let n = self.full.tensors()[i].numel();
+            Self::take_tensor(self.shards[i], self.tp, &whole[at..at + n], &mut out);
+            at += n;
+        }
+        out
+    }
+
+    /// Rank 0 of `group` assembles the whole-model buffer from every
+    /// rank's `local` one (replicated tensors from its own); the others
+    /// send theirs and get `None`. Every rank of the group calls it.
+    pub fn gather(
+        &self,
+        group: &mut dyn Communicator,
+        local: &[f32],
+        grad_space: bool,
+    ) -> Result<Option<Vec<f32>>, CommError> {
+        const TAG: u32 = 7;
+        if self.tp.rank > 0 {
+            group.send(local, 0, TAG)?;
+            group.flush_sends()?;
+            return Ok(None);
+        }
+        let mut parts = vec![local.to_vec()];
+        for from in 1..self.tp.size {
+            let mut buf = vec![0.0; local.len()];
+            group.recv(&mut buf, from, TAG)?;
+            parts.push(buf);
+        }
+        let (fs, ls) = (Self::spans(&self.full, grad_space), Self::spans(&self.local, grad_space));
+        let mut whole = vec![0.0; Self::len(&self.full, grad_space)];
+        for ((f, l), s) in fs.into_iter().zip(ls).zip(&self.shards) {
+            let (Some(f), Some(l)) = (f, l) else { continue };
+            match *s {
+                Shard::Replicated | Shard::Partial => whole[f].copy_from_slice(&local[l]),
+                Shard::Split { outer, dim, inner } => {
+                    let per = self.tp.local(dim) * inner;
+                    for (t, part) in parts.iter().enumerate() {
+                        let src = &part[l.clone()];
+                        for o in 0..outer {
+                            let dst = f.start + (o * dim + t * self.tp.local(dim)) * inner;
+                            whole[dst..dst + per].copy_from_slice(&src[o * per..(o + 1) * per]);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(Some(whole))
+    }
+}
+
+/// Time and bytes of a rank's tensor-parallel all-reduces.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct TpTraffic {
+    /// All-reduce calls.
+    pub calls: u64,
+    /// Bytes each rank contributed (f32 elements × 4).
+    pub bytes: u64,
+    /// Seconds spent in them (waiting for the slowest rank included).
+    pub seconds: f64,
+}
+
+/// A tensor-parallel group as a step uses it: the communicator, where its
+/// traffic is counted, and the step (for errors).
+pub(crate) struct TpLink<'c> {
+    pub(crate) comm: &'c mut dyn Communicator,
+    pub(crate) traffic: &'c mut TpTraffic,
+    pub(crate) step: u64,
+}
+
+/// What a [`TensorGroup`] reaches (a [`TpLink`] of any lifetime).
+trait Reduce {
+    fn sum(&mut self, buf: &mut [f32]) -> Result<(), EngineError>;
+}
+
+impl Reduce for TpLink<'_> {
+    fn sum(&mut self, buf: &mut [f32]) -> Result<(), EngineError> {
+        let t0 = Instant::now();
+        self.comm.all_reduce_sum(buf).map_err(|source| EngineError::Comm { step: self.step, source })?;
+        self.traffic.calls += 1;
+        self.traffic.bytes += 4 * buf.len() as u64;
+        self.traffic.seconds += t0.elapsed().as_secs_f64();
+        Ok(())
+    }
+}
+
+/// A model's handle on its tensor-parallel group during one pass, handed
+/// out with each segment ([`crate::SegmentView::tp`]); without a split
+/// every operation is a no-op.
+pub struct TensorGroup<'a> {
+    link: Option<&'a mut dyn Reduce>,
+}
+
+impl<'a> TensorGroup<'a> {
+    /// No split (a single rank holds every tensor).
+    pub fn none() -> Self {
+        TensorGroup { link: None }
+    }
+
+    /// The group of `link` (of more than one rank; otherwise none).
+    pub(crate) fn new(link: Option<&'a mut TpLink<'_>>) -> Self {
+        TensorGroup { link: link.filter(|l| l.comm.world_size() > 1).map(|l| l as &mut dyn Reduce) }
+    }
+
+    /// Whether tensors are split (more than one rank).
+    pub fn is_split(&self) -> bool {
+        self.link.is_some()
+    }
+
+    /// Sums `buf` over the group, in place; every rank gets the same bits.
+    pub fn all_reduce(&mut self, buf: &mut [f32]) -> Result<(), EngineError> {
+        match self.link.as_deref_mut() {
+            Some(l) => l.sum(buf),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layouts(t: TpRank) -> (ParamLayout, ParamLayout, Vec<Shard>) {
+        let (mut full, mut local) = (ParamLayout::new(), ParamLayout::new());
+        full.push("norm", &[3], false);
+        local.push("norm", &[3], false);
+        // Column-parallel [out 4, in 3]; row-parallel [out 3, in 4]; heads {2, 2, 2}.
+        full.push("up", &[4, 3], true);
+        local.push("up", &[t.local(4), 3], true);
+        full.push("down", &[3, 4], true);
+        local.push("down", &[3, t.local(4)], true);
+        full.push("qkv", &[2, 2, 2], true);
+        local.push("qkv", &[2, t.local(2), 2], true);
+        let shards = vec![
+            Shard::Replicated,
+            Shard::Split { outer: 1, dim: 4, inner: 3 },
+            Shard::Split { outer: 3, dim: 4, inner: 1 },
+            Shard::Split { outer: 2, dim: 2, inner: 2 },
+        ];
+        (full, local, shards)
+    }
+
+    #[test]
+    fn take_then_gather_is_the_identity_and_slices_the_named_axis() {
+        let whole: Vec<f32> = (0..35).map(|i| i as f32).collect();
+        let mut parts = Vec::new();
+        for rank in 0..2 {
+            let tp = TpRank { rank, size: 2 };
+            let (full, local, shards) = layouts(tp);
+            let s = TensorShards::new(tp, full, local, shards).unwrap();
+            parts.push((s.clone(), s.take(&whole, false).unwrap()));
+        }
+        // Rank 1: norm whole, up rows 2..4, down columns 2..4 of each row, qkv heads 1.
+        let r1 = &parts[1].1;
+        assert_eq!(&r1[..3], &[0.0, 1.0, 2.0]);
+        assert_eq!(&r1[3..9], &[9.0, 10.0, 11.0, 12.0, 13.0, 14.0]);
+        assert_eq!(&r1[9..15], &[17.0, 18.0, 21.0, 22.0, 25.0, 26.0]);
+        assert_eq!(&r1[15..19], &[29.0, 30.0, 33.0, 34.0]);
+        let comms = comm::threads::group(2, std::time::Duration::from_secs(30));
+        let mut g: Vec<Option<Vec<f32>>> = std::thread::scope(|sc| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .map(|mut c| {
+                    let (s, local) = &parts[c.rank()];
+                    sc.spawn(move || s.gather(&mut c, local, false).unwrap())
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(g.remove(0), Some(whole));
+        assert_eq!(g[0], None);
+    }
+
+    #[test]
+    fn shapes_that_do_not_fit_their_shard_are_named() {
+        let tp = TpRank { rank: 0, size: 2 };
+        let (full, mut local, mut shards) = layouts(tp);
+        shards[1] = Shard::Split { outer: 1, dim: 3, inner: 4 };
+        let e = TensorShards::new(tp, full.clone(), local.clone(), shards).unwrap_err().to_string();
+        assert!(e.contains("up") && e.contains("T = 2"), "{e}");
+        local.push("extra", &[1], false);
+        assert!(TensorShards::new(tp, full, local, layouts(tp).2).is_err());
+    }
+}
