@@ -6,13 +6,17 @@
 //! activations from the model family (equal to what the model allocates);
 //! the rest is the data and the process itself. With pipeline parallelism
 //! ([`pipeline`]) every stage is counted on its own layout and the peak
-//! stage is the plan's. On top: the largest
+//! stage is the plan's; with tensor parallelism ([`tensor`]) every count is
+//! of the shape one tensor rank holds. On top: the largest
 //! micro-batch under a budget with the accumulation steps that keep the
 //! global batch, the memory check of a run, and ([`report()`]) what to change
 //! when nothing fits.
 
+#[cfg(test)]
+mod measure;
 pub mod pipeline;
 mod report;
+pub mod tensor;
 
 pub use report::{render, report};
 
@@ -22,7 +26,9 @@ use crate::setup::{apply_trainable, bucket_elems, trainable_patterns, Plan};
 use anyhow::Result;
 use config::{Checkpointing, Precision};
 use engine::{MemoryReport, ScheduleKind, StageSpec, Trainer, ZeroConfig};
+use family::Family;
 use serde::Serialize;
+use std::sync::Arc;
 
 /// How the ranks of a plan communicate (what their communicator stages).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -61,6 +67,8 @@ pub struct Knobs {
     pub pipeline_parallel: usize,
     /// The pipeline's schedule.
     pub pipeline_schedule: ScheduleKind,
+    /// Tensor-parallel ranks T (1: no split); the world is P × D × T.
+    pub tensor_parallel: usize,
 }
 
 impl Knobs {
@@ -83,12 +91,25 @@ impl Knobs {
             offload_optimizer: cfg.dist.offload_optimizer == config::OffloadOptimizer::Disk,
             pipeline_parallel: cfg.dist.pipeline_parallel,
             pipeline_schedule: cfg.dist.pipeline_schedule,
+            tensor_parallel: tensor::configured(plan),
         }
     }
 
-    /// Data ranks per pipeline stage, D = W / P (W without a pipeline).
+    /// Data ranks D = W / (P × T): per pipeline stage and tensor rank.
     pub fn data_parallel(&self) -> usize {
-        self.world_size / self.pipeline_parallel.max(1)
+        self.world_size / (self.pipeline_parallel.max(1) * self.tensor_parallel.max(1))
+    }
+
+    /// World rank `rank`'s place in the grid, tensor innermost (rank =
+    /// s·(D·T) + d·T + t): (stage s, data rank d, tensor rank t).
+    pub fn coords(&self, rank: usize) -> (usize, usize, usize) {
+        let (d, t) = (self.data_parallel().max(1), self.tensor_parallel.max(1));
+        (rank / (d * t), rank / t % d, rank % t)
+    }
+
+    /// Ranks holding one pipeline stage, D × T.
+    pub fn stage_ranks(&self) -> usize {
+        self.data_parallel() * self.tensor_parallel.max(1)
     }
 }
 
@@ -106,14 +127,15 @@ pub struct Estimate {
     /// pipeline: the micro-batches of one step through every stage).
     pub accumulation_steps: usize,
     /// The pipeline stage these bytes are of (0 without a pipeline); its
-    /// ranks are `stage · D .. (stage + 1) · D`.
+    /// ranks are `stage · D·T .. (stage + 1) · D·T`.
     pub stage: usize,
     /// The blocks (layers) the stage runs, `[start, end)`.
     pub blocks: (usize, usize),
     /// Micro-batches whose activations the stage keeps at once.
     pub in_flight: usize,
-    /// Parameters the stage holds (with a tied embedding, the last stage
-    /// its copy too).
+    /// Parameters one rank of the stage holds (with a tied embedding, the
+    /// last stage its copy too; with tensor parallelism, a tensor rank's
+    /// slices and the replicated tensors).
     pub stage_params: u64,
     /// Per rank: parameters the model reads (f32, or the 16-bit copy).
     pub params: u64,
@@ -128,6 +150,10 @@ pub struct Estimate {
     pub comm_buffers: u64,
     /// Per rank: the communicator's staging of the largest collective.
     pub comm_staging: u64,
+    /// Per rank: the tensor-parallel group's staging of its largest
+    /// all-reduce (a micro-batch's residual stream or the partial
+    /// gradients; 0 without a split).
+    pub tp_staging: u64,
     /// Per process: staging shared by its thread ranks (their summed result).
     pub comm_shared: u64,
     /// Per process: the other ranks of this process (thread ranks; with a
@@ -177,6 +203,7 @@ impl Estimate {
             + self.optimizer
             + self.comm_buffers
             + self.comm_staging
+            + self.tp_staging
             + self.activations
             + self.p2p
             + self.batches
@@ -229,16 +256,20 @@ pub fn estimate(plan: &Plan, knobs: Knobs) -> Result<Estimate> {
 /// The engine's accounting for `knobs` (everything but the micro-batch)
 /// and the counts the save and load phases need.
 pub struct States {
-    /// Per pipeline stage (one without a pipeline).
+    /// Per pipeline stage (one without a pipeline), of one tensor rank.
     stages: Vec<StageStates>,
+    /// The shape one tensor rank holds (the whole model's without a split).
+    family: Arc<dyn Family>,
     /// The model's block stack (`None` without a pipeline).
     stack: Option<pipeline::Stack>,
+    /// What a tensor rank reduces over its group (`None` without a split).
+    traffic: Option<tensor::Traffic>,
     /// Trainable elements of the embedding segment (a tied embedding's
     /// gradient exchanged between the first and the last stage).
     embedding_grads: u64,
-    /// Parameters of the whole model.
+    /// Parameters of the whole model (what a checkpoint holds at any T).
     n_params: u64,
-    /// Trainable parameters (the full gradient space).
+    /// Trainable parameters of the whole model (the full gradient space).
     n_trainable: u64,
     /// f32 optimizer-state values per trainable parameter.
     slots: u64,
@@ -265,11 +296,29 @@ fn model_states(plan: &Plan, knobs: Knobs) -> Result<States> {
 /// `None` for an even cut into `knobs.pipeline_parallel` stages.
 pub(crate) fn stage_states(plan: &Plan, knobs: Knobs, layers: Option<&[usize]>) -> Result<States> {
     let cfg = &plan.cfg;
-    let dp = pipeline::data_parallel(&knobs)?;
+    let dp = tensor::data_parallel(&knobs)?;
+    if knobs.tensor_parallel <= 1 {
+        pipeline::data_parallel(&knobs)?;
+    }
     // The layout does not depend on checkpointing (a family without it
     // still gets planned; `train` refuses to run it).
-    let mut model = plan.family.build(Build { precision: knobs.precision, checkpointing: Checkpointing::None })?;
-    apply_trainable(&mut model, &trainable_patterns(cfg))?;
+    let layout_build = Build { precision: knobs.precision, checkpointing: Checkpointing::None };
+    let built = |f: &dyn Family| -> Result<Box<dyn family::LanguageModel>> {
+        let mut model = f.build(layout_build)?;
+        apply_trainable(&mut model, &trainable_patterns(cfg))?;
+        Ok(model)
+    };
+    let family = tensor::rank_family(plan, &knobs)?;
+    let mut model = built(family.as_ref())?;
+    // What a checkpoint holds: the whole model, whatever the split.
+    let (n_params, n_trainable) = match knobs.tensor_parallel > 1 {
+        true => {
+            let whole = built(plan.family.as_ref())?;
+            (whole.layout().n_params() as u64, whole.layout().n_trainable() as u64)
+        }
+        false => (model.layout().n_params() as u64, model.layout().n_trainable() as u64),
+    };
+    let traffic = tensor::Traffic::of(model.as_ref());
     let zero = ZeroConfig { stage: knobs.zero_stage, reduce_every_micro_step: knobs.reduce_every_micro_step };
     let slots = cfg.optim.name.state_slots(cfg.optim.momentum) as usize;
     let bucket_elems = bucket_elems(cfg);
@@ -305,14 +354,7 @@ pub(crate) fn stage_states(plan: &Plan, knobs: Knobs, layers: Option<&[usize]>) 
         .filter(|t| t.trainable && embedding.contains(&t.offset))
         .map(|t| t.numel() as u64)
         .sum();
-    Ok(States {
-        stages,
-        stack,
-        embedding_grads,
-        n_params: layout.n_params() as u64,
-        n_trainable: layout.n_trainable() as u64,
-        slots: slots as u64,
-    })
+    Ok(States { stages, family, stack, traffic, embedding_grads, n_params, n_trainable, slots: slots as u64 })
 }
 
 /// Bytes the checkpoint writer holds besides the state: its 1 MiB file
@@ -324,14 +366,25 @@ const WRITE_BUFFERS: u64 = 2 << 20;
 /// then during a step (the first of equal peaks; the only stage without a
 /// pipeline).
 fn estimate_at(plan: &Plan, knobs: Knobs, states: &States) -> Result<Estimate> {
-    let (stages, _) = stage_estimates(plan, knobs, states)?;
+    Ok(peak(&stage_estimates(plan, knobs, states)?.0))
+}
+
+/// The stage whose process peaks highest over all phases, then during a
+/// step (the first of equal peaks).
+pub fn peak(stages: &[Estimate]) -> Estimate {
     let mut peak = stages[0];
     for e in stages {
         if (e.per_process(), e.step_peak()) > (peak.per_process(), peak.step_peak()) {
-            peak = e;
+            peak = *e;
         }
     }
-    Ok(peak)
+    peak
+}
+
+/// Every pipeline stage's bytes for `knobs` (one without a pipeline), of
+/// one rank of the stage: what each rank of a run is planned to hold.
+pub fn per_stage(plan: &Plan, knobs: Knobs) -> Result<Vec<Estimate>> {
+    Ok(stage_estimates(plan, knobs, &model_states(plan, knobs)?)?.0)
 }
 
 /// Every stage's bytes (one without a pipeline) and, with a pipeline, the
@@ -367,11 +420,22 @@ pub(crate) fn stage_estimates(
             Backend::Mpi => (4 * max, 0),
         }
     };
-    // Thread ranks: one process holds every rank of every stage.
+    // The tensor-parallel group stages its largest all-reduce the same
+    // way (per rank, and once per group for thread ranks).
+    let tp = knobs.tensor_parallel.max(1) as u64;
+    let tp_elems = states.traffic.map_or(0, |t| t.max_elems(knobs.micro * seq_len)) as u64;
+    let (tp_staging, tp_shared) = match knobs.backend {
+        Backend::Single => (0, 0),
+        Backend::Threads => (8 * tp_elems, 8 * tp_elems),
+        Backend::Mpi => (4 * tp_elems, 0),
+    };
+    // Thread ranks: one process holds every rank of every stage: T
+    // data-parallel groups per stage, P × D tensor-parallel groups.
     let all_ranks = knobs.ranks_per_process >= knobs.world_size;
+    let n_stages = states.stages.len() as u64;
     let comm_shared: u64 = match all_ranks {
-        true => states.stages.iter().map(|st| staging(st).1).sum(),
-        false => staging(&states.stages[0]).1,
+        true => tp * states.stages.iter().map(|st| staging(st).1).sum::<u64>() + n_stages * dp as u64 * tp_shared,
+        false => staging(&states.stages[0]).1 + tp_shared,
     };
     let tokens = (plan.train.n_samples() + plan.val.n_samples()) as u64 * seq_len as u64;
     let (p, g) = (4 * states.n_params, 4 * states.n_trainable);
@@ -384,25 +448,29 @@ pub(crate) fn stage_estimates(
             let report = &st.report;
             let (comm_staging, _) = staging(st);
             let activations = match &states.stack {
-                Some(_) => plan.family.stage_activation_bytes(knobs.micro, seq_len, build, spec),
-                None => plan.family.activation_bytes(knobs.micro, seq_len, build),
+                Some(_) => states.family.stage_activation_bytes(knobs.micro, seq_len, build, spec),
+                None => states.family.activation_bytes(knobs.micro, seq_len, build),
             };
             let p2p = states.stack.as_ref().map_or(0, |stack| {
                 pipeline::p2p_bytes(spec, stack, knobs.micro * seq_len, states.embedding_grads as usize)
             });
             // Rank 0 gathers the full parameters and optimizer state (the
-            // other stages copy theirs to send to it); an offloaded state
-            // is read back one slot file at a time.
+            // other stages copy theirs to send to it; with tensor
+            // parallelism it first receives its group's T parts of each
+            // stage's); an offloaded state is read back one slot file at a time.
             let offloaded_slot = (report.offloaded as u64).checked_div(states.slots).unwrap_or(0);
             // Sharded parameters or state are gathered one padded segment at a time.
             let gather = if knobs.zero_stage >= 1 { 4 * report.max_collective_elems as u64 } else { 0 };
+            let own = 4 * st.n_params + 4 * states.slots * st.n_trainable;
+            let parts = if tp > 1 { tp * own } else { 0 };
             let checkpoint = match spec.stage {
-                0 => p + state + gather + offloaded_slot + WRITE_BUFFERS,
-                _ => 4 * st.n_params + 4 * states.slots * st.n_trainable + gather + offloaded_slot,
+                0 => p + state + parts + gather + offloaded_slot + WRITE_BUFFERS,
+                _ => own + gather + offloaded_slot,
             };
             let model_states = (report.params + report.master + report.grads + report.optimizer + report.comm_buffers)
                 as u64
-                + comm_staging;
+                + comm_staging
+                + tp_staging;
             Estimate {
                 knobs,
                 accumulation_steps,
@@ -416,6 +484,7 @@ pub(crate) fn stage_estimates(
                 optimizer: report.optimizer as u64,
                 comm_buffers: report.comm_buffers as u64,
                 comm_staging,
+                tp_staging,
                 comm_shared,
                 other_ranks: 0,
                 activations: u64::try_from(activations).unwrap_or(u64::MAX),
@@ -437,8 +506,9 @@ pub(crate) fn stage_estimates(
     // The process's other ranks, and the model states every rank of the
     // process allocates while the loaded state is held.
     let rpp = knobs.ranks_per_process as u64;
-    let ranks_total: u64 = out.iter().map(|e| dp as u64 * e.per_rank()).sum();
-    let states_total: u64 = out.iter().map(|e| dp as u64 * e.load).sum();
+    let stage_ranks = knobs.stage_ranks() as u64;
+    let ranks_total: u64 = out.iter().map(|e| stage_ranks * e.per_rank()).sum();
+    let states_total: u64 = out.iter().map(|e| stage_ranks * e.load).sum();
     let read = p + p.max(2 * state);
     for e in &mut out {
         let (others, held) = match all_ranks {
@@ -505,7 +575,7 @@ pub fn check_memory(plan: &Plan) -> Result<()> {
     }
     let e = estimate(plan, Knobs::of(plan))?;
     let auto = if plan.memory_budget.is_some() { " (chosen by batch.micro = \"auto\")" } else { "" };
-    let stage = match e.knobs.pipeline_parallel {
+    let mut stage = match e.knobs.pipeline_parallel {
         0 | 1 => String::new(),
         p => format!(
             " (pipeline stage {} of {p}, the peak; layers {}–{})",
@@ -514,6 +584,12 @@ pub fn check_memory(plan: &Plan) -> Result<()> {
             e.blocks.1.saturating_sub(1)
         ),
     };
+    if e.knobs.tensor_parallel > 1 {
+        stage += &format!(
+            " (a tensor rank of {}: {} parameters of the stage, {} bytes of tensor-parallel staging)",
+            e.knobs.tensor_parallel, e.stage_params, e.tp_staging
+        );
+    }
     let breakdown = format!(
         "{n_params} parameters; per rank{stage} {} bytes of parameters, gradients and optimizer state at ZeRO stage {} in {}, {} bytes of collective buffers and {} bytes of activations for batch.micro = {}{auto} × seq {} (checkpointing {}); {} rank(s) in this process; {} bytes at the peak of all phases (a step: {}, + {} while a checkpoint or the model is saved), + the {}% + {} MiB margin",
         e.params + e.master + e.grads + e.optimizer,

@@ -95,18 +95,11 @@ pub fn p2p_bytes(spec: &StageSpec, stack: &Stack, tokens: usize, embedding: usiz
 
 #[cfg(test)]
 mod tests {
+    use super::super::measure::{measure, plan};
     use super::super::{estimate_at, stage_estimates, stage_states, Estimate};
     use super::*;
-    use crate::setup::{self, Plan};
+    use crate::setup::Plan;
     use engine::ScheduleKind;
-
-    /// A plan of `sets` on `world` thread ranks.
-    fn plan(sets: &[&str], world: usize) -> Plan {
-        let mut sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
-        sets.push(format!("dist.world_size={world}"));
-        let cfg = setup::load_config(None, &sets, &Default::default()).unwrap();
-        setup::plan(cfg, crate::dist::Backend::Threads(world)).unwrap()
-    }
 
     fn knobs(plan: &Plan, p: usize, kind: ScheduleKind) -> Knobs {
         Knobs { pipeline_parallel: p, pipeline_schedule: kind, ..Knobs::of(plan) }
@@ -255,54 +248,6 @@ mod tests {
         assert!(e.contains("ZeRO stage 2") && e.contains("not supported"), "{e}");
     }
 
-    /// Per rank of a real pipeline of `p` stages × 1 data rank on thread
-    /// ranks, one optimizer step of `k` micro-batches of `micro`
-    /// sequences: the rank thread's heap peak (what its trainer, model,
-    /// messages and micro-batches allocate) and the model's activation
-    /// bytes after the step.
-    fn measure(pl: &Plan, p: usize, kind: ScheduleKind, k: usize, micro: usize) -> Vec<(u64, u64)> {
-        use comm::Communicator;
-        use engine::{AdamW, LrSchedule, Optimizer, Trainer, TrainerOptions, ZeroConfig};
-        let n_blocks = setup::model_for(pl).unwrap().n_blocks();
-        let cuts = split_layers(n_blocks, p, None).unwrap();
-        let seq = pl.train.seq_len();
-        let comms = comm::threads::group(p, std::time::Duration::from_secs(120));
-        std::thread::scope(|sc| {
-            let handles: Vec<_> = comms
-                .into_iter()
-                .map(|mut world| {
-                    let cuts = &cuts;
-                    sc.spawn(move || {
-                        let stage = world.rank();
-                        let mut dp = world.split(stage, 0).unwrap();
-                        let mut pipe = world.split(0, stage).unwrap();
-                        let base = crate::heap::reset_peak();
-                        let mut model = setup::model_for(pl).unwrap();
-                        let ps = PipelineStage::new(&mut model, cuts, stage, kind, k).unwrap();
-                        let n = ps.layout.layout.n_params();
-                        let opt = Optimizer::AdamW(AdamW::new(n, 0.9, 0.95, 1e-8, 0.1).unwrap());
-                        let init = |seg: usize| pl.family.init_segment(1, seg);
-                        let zero = ZeroConfig { stage: 0, reduce_every_micro_step: false };
-                        let (lr, opts) = (LrSchedule::constant(1e-3), TrainerOptions::default());
-                        let mut trainer = Trainer::for_stage(&ps, &init, opt, lr, opts, zero, dp.as_mut()).unwrap();
-                        let batches: Vec<TokenBatch> = (0..k)
-                            .map(|i| TokenBatch {
-                                n_seqs: micro,
-                                seq_len: seq,
-                                inputs: (0..micro * seq).map(|j| ((i * 7 + j) % 200) as u32).collect(),
-                                targets: (0..micro * seq).map(|j| ((i * 5 + j) % 200) as i32).collect(),
-                            })
-                            .collect();
-                        trainer.step_pipeline(&mut model, &ps, dp.as_mut(), pipe.as_mut(), None, &batches).unwrap();
-                        let peak = (crate::heap::peak() - base).max(0) as u64;
-                        (peak, model.activation_bytes() as u64)
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        })
-    }
-
     #[test]
     fn measured_rank_peaks_match_the_plan_and_1f1b_keeps_p_of_gpipes_k() {
         let (k, micro) = (8, 1);
@@ -311,8 +256,9 @@ mod tests {
         for p in [2, 4] {
             let kn = Knobs { world_size: p, ranks_per_process: p, ..knobs(&pl, p, ScheduleKind::OneFOneB) };
             let planned = stages(&pl, kn, None);
-            let measured = measure(&pl, p, ScheduleKind::OneFOneB, k, micro);
-            for (e, (peak, act)) in planned.iter().zip(&measured) {
+            let measured = measure(&pl, p, 1, ScheduleKind::OneFOneB, k, micro);
+            for (e, m) in planned.iter().zip(&measured) {
+                let (peak, act) = (&m.peak, &m.activations);
                 // With one rank per stage, each rank is the last to arrive
                 // at its data-parallel group's collectives and allocates the
                 // group's result (the process's shared staging) itself.
@@ -329,12 +275,12 @@ mod tests {
             }
         }
         // Stage 0 of 4 at K = 8: 1F1B keeps P = 4 micro-batches, GPipe all K = 8.
-        let f = measure(&pl, 4, ScheduleKind::OneFOneB, k, micro);
-        let g = measure(&pl, 4, ScheduleKind::GPipe, k, micro);
-        let ratio = f[0].1 as f64 / g[0].1 as f64;
+        let f = measure(&pl, 4, 1, ScheduleKind::OneFOneB, k, micro);
+        let g = measure(&pl, 4, 1, ScheduleKind::GPipe, k, micro);
+        let ratio = f[0].activations as f64 / g[0].activations as f64;
         eprintln!(
             "stage 0 activations at P = 4, K = 8 (seq {seq}): 1F1B {} B, GPipe {} B, ratio {ratio:.4}",
-            f[0].1, g[0].1
+            f[0].activations, g[0].activations
         );
         assert!((ratio - 4.0 / 8.0).abs() < 0.02, "1F1B / GPipe on stage 0: {ratio}");
     }

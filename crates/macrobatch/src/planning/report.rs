@@ -58,6 +58,25 @@ pub struct Report {
     pub auto_micro: bool,
     /// With pipeline parallelism: every stage of the configured plan.
     pub pipeline: Option<PipelineReport>,
+    /// With tensor parallelism: the rank grid and what one tensor rank holds.
+    pub tensor: Option<TensorReport>,
+}
+
+/// The configured plan's rank grid with tensor parallelism.
+#[derive(Debug, Serialize)]
+pub struct TensorReport {
+    /// Tensor-parallel ranks T (the innermost index).
+    pub tensor_parallel: usize,
+    /// Pipeline stages P.
+    pub stages: usize,
+    /// Data ranks D = W / (P × T).
+    pub data_parallel: usize,
+    /// The world W = P × D × T.
+    pub world_size: usize,
+    /// The shape one tensor rank holds (its family's description).
+    pub rank_model: String,
+    /// Parameters one tensor rank's model holds (all its stages).
+    pub rank_params: u128,
 }
 
 /// The configured plan's pipeline: its stages side by side.
@@ -65,8 +84,10 @@ pub struct Report {
 pub struct PipelineReport {
     /// Stages P.
     pub stages: usize,
-    /// Data ranks per stage D = W / P; rank = stage · D + d.
+    /// Data ranks per stage and tensor rank, D = W / (P × T).
     pub data_parallel: usize,
+    /// Tensor ranks T; rank = stage · D·T + d · T + t.
+    pub tensor_parallel: usize,
     /// GPipe or 1F1B.
     pub schedule: ScheduleKind,
     /// Micro-batches per step K.
@@ -77,7 +98,7 @@ pub struct PipelineReport {
     pub per_stage: Vec<Estimate>,
     /// The stage whose ranks peak highest (the configured estimate's).
     pub peak_stage: usize,
-    /// The first rank of that stage, peak_stage · D.
+    /// The first rank of that stage, peak_stage · D·T.
     pub peak_rank: usize,
 }
 
@@ -108,15 +129,24 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
         (per_stage, Some(schedule)) => Some(PipelineReport {
             stages: schedule.n_stages,
             data_parallel: knobs.data_parallel(),
+            tensor_parallel: knobs.tensor_parallel.max(1),
             schedule: schedule.kind,
             micro_batches: schedule.n_micro,
             bubble: schedule.bubble_fraction(),
             per_stage,
             peak_stage: configured.stage,
-            peak_rank: configured.stage * knobs.data_parallel(),
+            peak_rank: configured.stage * knobs.stage_ranks(),
         }),
         (_, None) => None,
     };
+    let tensor = (knobs.tensor_parallel > 1).then(|| TensorReport {
+        tensor_parallel: knobs.tensor_parallel,
+        stages: knobs.pipeline_parallel.max(1),
+        data_parallel: knobs.data_parallel(),
+        world_size: knobs.world_size,
+        rank_model: states.family.describe(),
+        rank_params: states.family.n_params(),
+    });
     let mut variants: Vec<(String, Knobs)> = Vec::new();
     if knobs.checkpointing != Checkpointing::Blocks && plan.family.supports_checkpointing() {
         variants.push((
@@ -127,8 +157,8 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
     if knobs.precision == Precision::F32 {
         variants.push(("train.precision = \"bf16\"".into(), Knobs { precision: Precision::Bf16, ..knobs }));
     }
-    // A pipeline composes with ZeRO stages 0 and 1 only.
-    let max_zero = if knobs.pipeline_parallel > 1 { 1 } else { 3 };
+    // A pipeline or a tensor split composes with ZeRO stages 0 and 1 only.
+    let max_zero = if knobs.pipeline_parallel > 1 || knobs.tensor_parallel > 1 { 1 } else { 3 };
     if knobs.data_parallel() > 1 {
         for stage in knobs.zero_stage + 1..=max_zero {
             variants.push((
@@ -141,7 +171,7 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
         variants.push(("dist.offload_optimizer = \"disk\"".into(), Knobs { offload_optimizer: true, ..knobs }));
     }
     let w2 = knobs.world_size * 2;
-    if plan.batch.global.is_multiple_of(w2 / knobs.pipeline_parallel.max(1)) {
+    if plan.batch.global.is_multiple_of(w2 / knobs.pipeline_parallel.max(1) / knobs.tensor_parallel.max(1)) {
         let stage = knobs.zero_stage.max(max_zero);
         variants.push((
             format!("{w2} ranks (one per process) with dist.zero_stage = {stage}"),
@@ -198,14 +228,17 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
         lr_advice,
         auto_micro: false,
         pipeline,
+        tensor,
     })
 }
 
 fn describe(e: &Estimate) -> String {
     let k = &e.knobs;
-    let pipeline = match k.pipeline_parallel {
-        0 | 1 => String::new(),
-        p => format!(" (P {p} × D {}, {})", k.data_parallel(), k.pipeline_schedule),
+    let pipeline = match (k.pipeline_parallel, k.tensor_parallel) {
+        (0 | 1, 0 | 1) => String::new(),
+        (0 | 1, t) => format!(" (T {t} × D {})", k.data_parallel()),
+        (p, 0 | 1) => format!(" (P {p} × D {}, {})", k.data_parallel(), k.pipeline_schedule),
+        (p, t) => format!(" (P {p} × D {} × T {t}, {})", k.data_parallel(), k.pipeline_schedule),
     };
     format!(
         "micro {} × K {} × W {}{pipeline} | ZeRO {} | {} | checkpointing {}{}",
@@ -244,6 +277,7 @@ pub fn render(r: &Report) -> String {
         ("optimizer state", e.optimizer),
         ("collective buffers", e.comm_buffers),
         ("communicator staging", e.comm_staging),
+        ("tensor-parallel staging", e.tp_staging),
         ("activations (one micro-batch)", e.activations),
         ("micro-batches of the step", e.batches),
     ]
@@ -279,6 +313,9 @@ pub fn render(r: &Report) -> String {
         human(e.needed()),
         if r.configured_fits { "fits" } else { "DOES NOT FIT" }
     );
+    if let Some(t) = &r.tensor {
+        out += &render_tensor(t);
+    }
     if let Some(p) = &r.pipeline {
         out += &render_pipeline(p);
     }
@@ -304,11 +341,27 @@ pub fn render(r: &Report) -> String {
     out
 }
 
+/// The rank grid of a tensor split and what one tensor rank holds.
+fn render_tensor(t: &TensorReport) -> String {
+    let (p, d, tp) = (t.stages, t.data_parallel, t.tensor_parallel);
+    format!(
+        "grid: {p} pipeline stage(s) × {d} data rank(s) × {tp} tensor ranks = {} ranks (rank = stage · {} + d · {tp} + t; a tensor group is {tp} consecutive ranks)\n  each tensor rank holds {} ({} parameters)\n\n",
+        t.world_size,
+        d * tp,
+        t.rank_model,
+        t.rank_params
+    )
+}
+
 /// The pipeline's stages side by side: what each rank of each stage holds.
 fn render_pipeline(p: &PipelineReport) -> String {
-    let d = p.data_parallel;
+    let (d, t) = (p.data_parallel, p.tensor_parallel);
+    let layout = match t {
+        1 => format!("{d} data ranks (rank = stage · {d} + d)"),
+        _ => format!("{d} data ranks × {t} tensor ranks (rank = stage · {} + d · {t} + t)", d * t),
+    };
     let mut out = format!(
-        "pipeline: {} stages × {d} data ranks (rank = stage · {d} + d), {} schedule, K = {} micro-batches, bubble (P−1)/(K+P−1) = {:.3}\n",
+        "pipeline: {} stages × {layout}, {} schedule, K = {} micro-batches, bubble (P−1)/(K+P−1) = {:.3}\n",
         p.stages, p.schedule, p.micro_batches, p.bubble
     );
     out += &format!(
@@ -325,10 +378,11 @@ fn render_pipeline(p: &PipelineReport) -> String {
         "per rank",
         "peak"
     );
+    let group = d * t;
     for e in &p.per_stage {
-        let ranks = match d {
+        let ranks = match group {
             1 => format!("{}", e.stage),
-            _ => format!("{}–{}", e.stage * d, e.stage * d + d - 1),
+            _ => format!("{}–{}", e.stage * group, e.stage * group + group - 1),
         };
         out += &format!(
             "  {:<5} {:<9} {:<9} {:>14} {:>9} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n",

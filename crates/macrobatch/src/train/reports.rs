@@ -101,8 +101,14 @@ pub fn step_record(
 pub struct MemoryWatch {
     /// The rank's live heap bytes when it started.
     heap_base: i64,
-    /// The memory model's prediction for the plan.
+    /// The memory model's prediction for the plan (the peak stage's).
     pub predicted: Estimate,
+    /// Its prediction for every pipeline stage (one without a pipeline):
+    /// rank r's is `stages[stage of r]`.
+    stages: Vec<Estimate>,
+    /// The rank's own heap peak from its model's build to the end of the
+    /// first step (trainer, model, activations, messages, micro-batches).
+    first_step_heap: Option<u64>,
     /// Resident bytes before the trainer existed.
     rss_before: Option<u64>,
     /// Resident-set growth over the trainer and first step, less the
@@ -114,8 +120,21 @@ impl MemoryWatch {
     /// Started once the rank's model is built, before its trainer; the
     /// rank's heap counts from `heap_base` ([`heap::reset_peak`]).
     pub fn new(plan: &Plan, heap_base: i64) -> Result<Self> {
-        let predicted = planning::estimate(plan, Knobs::of(plan))?;
-        Ok(Self { heap_base, predicted, rss_before: proc_status_bytes("VmRSS:"), model_states_rss: None })
+        let stages = planning::per_stage(plan, Knobs::of(plan))?;
+        Ok(Self {
+            heap_base,
+            predicted: planning::peak(&stages),
+            stages,
+            first_step_heap: None,
+            rss_before: proc_status_bytes("VmRSS:"),
+            model_states_rss: None,
+        })
+    }
+
+    /// What world rank `rank` is planned to hold: its stage's per-rank bytes.
+    fn planned_rank(&self, rank: usize) -> u64 {
+        let (stage, _, _) = self.predicted.knobs.coords(rank);
+        self.stages.get(stage).map_or(0, Estimate::per_rank)
     }
 
     /// Whether the first step's measurement is still to come.
@@ -146,6 +165,7 @@ impl MemoryWatch {
                 );
             }
         }
+        self.first_step_heap = Some((heap::peak() - self.heap_base).max(0) as u64);
         let m = trainer.memory();
         let other = (activation_bytes + m.comm_buffers + comm_buffer_bytes) as u64;
         self.model_states_rss =
@@ -154,8 +174,9 @@ impl MemoryWatch {
     }
 
     /// Every rank's peak resident set, model states and own heap peak
-    /// (KiB, as the file reports them) and its trainer's accounting of
-    /// parameters, gradients, optimizer state and master weights (bytes),
+    /// (KiB, as the file reports them), its trainer's accounting of
+    /// parameters, gradients, optimizer state and master weights, its heap
+    /// peak over the first step and what the plan gives its stage (bytes),
     /// gathered (a collective): [`PER_RANK`] values per rank, each rank
     /// summing into its own slot in f64 (exact to 2^53).
     pub fn gather(&self, comm: &mut dyn Communicator, trainer: &Trainer) -> Result<Vec<f64>> {
@@ -170,6 +191,8 @@ impl MemoryWatch {
             m.grads as f64,
             m.optimizer as f64,
             m.master as f64,
+            self.first_step_heap.unwrap_or(0) as f64,
+            self.planned_rank(comm.rank()) as f64,
         ];
         let mut all = vec![0.0f64; PER_RANK * comm.world_size()];
         all[PER_RANK * comm.rank()..][..PER_RANK].copy_from_slice(&mine);
@@ -192,18 +215,23 @@ impl MemoryWatch {
         let world = all.len() / PER_RANK;
         let per_rank = |i: usize| all.chunks(PER_RANK).map(|c| c[i] as u64).collect::<Vec<u64>>();
         let kib = |i: usize| per_rank(i).into_iter().map(|k| k * 1024).collect::<Vec<u64>>();
-        let ranks = grid.is_pipeline().then(|| {
+        let knobs = &self.predicted.knobs;
+        let ranks = (grid.is_pipeline() || knobs.tensor_parallel > 1).then(|| {
             all.chunks(PER_RANK)
                 .enumerate()
-                .map(|(r, c)| RankMemory {
-                    rank: r,
-                    stage: grid.stage_of(r),
-                    data_rank: grid.data_rank_of(r),
-                    layers: grid.cuts[grid.stage_of(r)].clone(),
-                    params: c[3] as u64,
-                    grads: c[4] as u64,
-                    optimizer: c[5] as u64,
-                    master: c[6] as u64,
+                .map(|(r, c)| {
+                    let (stage, data_rank, tensor_rank) = knobs.coords(r);
+                    RankMemory {
+                        rank: r,
+                        stage,
+                        data_rank,
+                        tensor_rank,
+                        layers: grid.cuts.get(stage).cloned().unwrap_or_default(),
+                        params: c[3] as u64,
+                        grads: c[4] as u64,
+                        optimizer: c[5] as u64,
+                        master: c[6] as u64,
+                    }
                 })
                 .collect()
         });
@@ -213,10 +241,14 @@ impl MemoryWatch {
             n_params,
             accounting: trainer.memory(),
             precision: cfg.train.precision,
-            formula_model_states: (cfg.train.precision == Precision::F32 && !grid.is_pipeline())
+            formula_model_states: (cfg.train.precision == Precision::F32
+                && !grid.is_pipeline()
+                && knobs.tensor_parallel <= 1)
                 .then(|| formula_model_states(cfg.dist.zero_stage, !cfg.dist.reduce_every_micro_step, n_params, world)),
             peak_rss: kib(0),
             peak_rank_heap: kib(2),
+            first_step_rank_heap: per_rank(7),
+            planned_rank: per_rank(8),
             predicted: self.predicted,
             measured_model_states: kib(1),
             ranks,
@@ -227,16 +259,19 @@ impl MemoryWatch {
 }
 
 /// Values per rank in [`MemoryWatch::gather`].
-const PER_RANK: usize = 7;
+const PER_RANK: usize = 9;
 
-/// One rank of a pipeline run: where it sits and what its trainer holds.
+/// One rank of a pipeline or tensor-parallel run: where it sits in the
+/// grid and what its trainer holds.
 #[derive(serde::Serialize)]
 struct RankMemory {
     rank: usize,
     /// Its pipeline stage.
     stage: usize,
-    /// Its place among the ranks holding that stage.
+    /// Its data-parallel rank (the micro-batches it runs).
     data_rank: usize,
+    /// Its place in its tensor-parallel group.
+    tensor_rank: usize,
     /// The layers its stage runs.
     layers: std::ops::Range<usize>,
     /// Bytes of parameters, gradients, optimizer state and master weights
@@ -268,14 +303,21 @@ struct MemoryFile {
     /// from building its model to the end of training (a per-rank measured
     /// peak also when ranks are threads of one process).
     peak_rank_heap: Vec<u64>,
+    /// Per rank: the same over its model's build, its trainer and the first
+    /// step only (no checkpoint, evaluation or final save yet): what
+    /// `planned_rank` predicts.
+    first_step_rank_heap: Vec<u64>,
+    /// Per rank: what the memory model gives the rank's stage per rank
+    /// (`Estimate::per_rank` of its stage, of one tensor rank's shape).
+    planned_rank: Vec<u64>,
     /// The memory model's per-rank and per-process prediction (`macrobatch plan`).
     predicted: Estimate,
     /// Per rank: resident-set growth from before the trainer existed to after
     /// the first step, less the accounted activations and collective buffers
     /// (the trainer's and the communicator's): the model states as the OS sees them.
     measured_model_states: Vec<u64>,
-    /// With a pipeline: every rank's stage and accounting (`accounting`
-    /// above is rank 0's, and the stages hold different layers).
+    /// With a pipeline or a tensor split: every rank's place in the grid
+    /// and accounting (`accounting` above is rank 0's).
     #[serde(skip_serializing_if = "Option::is_none")]
     ranks: Option<Vec<RankMemory>>,
 }
