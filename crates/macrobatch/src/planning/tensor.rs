@@ -1,21 +1,21 @@
 //! The memory model of tensor parallelism: each of a group's T ranks holds
 //! the shape `Family::tensor_parallel` gives it — the split matrices
 //! (attention heads, MLP columns) / T, the replicated tensors (embeddings,
-//! norms, biases after a reduction, key/value heads T does not divide)
-//! whole — so its model states are counted by the engine over that
+//! norms, biases after a reduction) whole — so its model states are counted by the engine over that
 //! shape's layout and its activations by that shape's family. On top, the
 //! tensor-parallel group's communicator stages the largest all-reduce
 //! inside the model: a micro-batch's residual stream (tokens × width, after
 //! each row-parallel product and before each column-parallel input
-//! gradient) or, at the step boundary, the partial gradients of replicated
-//! tensors fed by a rank's own heads. The world is P × D × T ranks, tensor
+//! gradient) or, at the step boundary, the partial gradients (tensors
+//! several ranks hold and feed from their own heads: grouped-query
+//! key/value heads fewer than T, replicated ones). The world is P × D × T ranks, tensor
 //! innermost: rank = s·(D·T) + d·T + t. Every tensor rank holds the same
 //! shape (the splits are even), so one rank stands for its group.
 
 use super::Knobs;
 use crate::setup::Plan;
 use anyhow::{bail, Result};
-use engine::{Shard, TpRank};
+use engine::TpRank;
 use family::{Family, LanguageModel};
 use std::sync::Arc;
 
@@ -66,9 +66,10 @@ pub struct Traffic {
     /// after each row-parallel product (and the input gradient before
     /// each column-parallel one).
     pub width: usize,
-    /// Trainable elements of the replicated tensors whose gradient each
-    /// rank holds a part of ([`Shard::Partial`]), summed over the group in
-    /// one all-reduce at the step boundary.
+    /// Trainable elements whose gradient each rank holds a part of
+    /// ([`Shard::partial_gradient`]: replicated tensors fed by a rank's own
+    /// heads, key/value heads shared by several ranks), summed over the
+    /// group in one all-reduce at the step boundary.
     pub partial: usize,
 }
 
@@ -81,7 +82,7 @@ impl Traffic {
             .tensors()
             .iter()
             .zip(&shards.shards)
-            .filter(|(t, s)| t.trainable && **s == Shard::Partial)
+            .filter(|(t, s)| t.trainable && s.partial_gradient(shards.tp))
             .map(|(t, _)| t.numel())
             .sum();
         let one_token = engine::TokenBatch { n_seqs: 1, seq_len: 1, ..Default::default() };
@@ -150,14 +151,15 @@ mod tests {
     }
 
     #[test]
-    fn key_value_heads_t_does_not_divide_are_replicated_with_partial_gradients() {
+    fn key_value_heads_shared_by_several_ranks_have_partial_gradients() {
         let pl = plan(&[LLAMA, &["batch.global=8", "batch.micro=1"]].concat(), 4);
         let states = |t: usize| stage_states(&pl, knobs(&pl, t, 1), None).unwrap();
-        // T = 2 splits the 2 key/value heads; T = 4 keeps both on every rank.
+        // T = 2: one of the 2 key/value heads per rank; T = 4: each head on
+        // 2 ranks, its gradient in parts summed over them.
         assert_eq!(states(2).traffic.map(|t| t.partial), Some(0));
         let four = states(4).traffic.unwrap();
-        // k and v of 4 layers, [2 heads × 96, 384] each, trainable.
-        assert_eq!(four.partial, 4 * 2 * 2 * 96 * 384);
+        // k and v of 4 layers, [1 head × 96, 384] each, trainable.
+        assert_eq!(four.partial, 4 * 2 * 96 * 384);
         assert_eq!(four.width, 384);
     }
 

@@ -1,0 +1,203 @@
+//! `macrobatch plan` and the memory check with tensor parallelism: Llama 2
+//! 70B on 8 tensor ranks and a GPT-3 175B shape on 8 tensor × 8 pipeline
+//! ranks planned from their shapes, the rank grid printed, each rank's
+//! measured heap peak of a real run against its plan (T = 2 and 4, GPT-2
+//! and Llama with grouped-query heads on thread ranks), and grids that
+//! cannot be refused with the key that is wrong.
+
+mod common;
+
+use common::{bin, stderr, tmp, train};
+
+fn plan(args: &[&str]) -> std::process::Output {
+    let mut c = bin();
+    c.arg("plan");
+    for a in args {
+        match a.contains('=') {
+            true => c.args(["--set", a]),
+            false => c.arg(a),
+        };
+    }
+    c.output().expect("binary runs")
+}
+
+fn plan_json(args: &[&str]) -> serde_json::Value {
+    let o = plan(&[&["--json"], args].concat());
+    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+    serde_json::from_slice(&o.stdout).expect("JSON")
+}
+
+fn u(v: &serde_json::Value) -> u64 {
+    v.as_u64().unwrap_or_else(|| panic!("not a count: {v}"))
+}
+
+const LLAMA_70B: &[&str] = &[
+    "--memory",
+    "80GiB",
+    "--world-size",
+    "8",
+    "model.family=llama",
+    "model.preset=llama-70b",
+    "data.seq_len=4096",
+    "batch.micro=1",
+    "batch.global=128",
+    "train.precision=bf16",
+    "dist.tensor_parallel=8",
+];
+
+/// GPT-3 175B (Brown et al. 2020; Megatron-LM's 175B configuration): 96
+/// layers, d = 12288, 96 heads, 2048 positions, Megatron's padded
+/// vocabulary of 51200, on 64 ranks as 8 tensor × 8 pipeline.
+const GPT3_175B: &[&str] = &[
+    "--memory",
+    "80GiB",
+    "--world-size",
+    "64",
+    "model.preset=gpt2",
+    "model.n_layer=96",
+    "model.n_embd=12288",
+    "model.n_head=96",
+    "model.block_size=2048",
+    "model.vocab_size=51200",
+    "data.seq_len=2048",
+    "batch.micro=1",
+    "batch.global=64",
+    "train.precision=bf16",
+    "dist.tensor_parallel=8",
+    "dist.pipeline_parallel=8",
+];
+
+#[test]
+fn llama_70b_on_8_tensor_ranks() {
+    let r = plan_json(LLAMA_70B);
+    let n = u(&r["n_params"]);
+    let t = &r["tensor"];
+    assert_eq!((u(&t["tensor_parallel"]), u(&t["stages"]), u(&t["data_parallel"])), (8, 1, 1), "{t}");
+    let e = &r["configured"];
+    let local = u(&e["stage_params"]);
+    assert_eq!(local, u(&t["rank_params"]));
+    // Every split matrix / 8, the embeddings and norms whole on each rank
+    // (32000 × 8192 twice: input embedding and untied head).
+    let replicated = 2 * 32000 * 8192;
+    assert!(local > n / 8 && local < n / 8 + replicated, "{local} of {n}");
+    // bf16: the 16-bit copy, f32 master weights and gradients, AdamW's two
+    // f32 moments, all of the rank's parameters (D = 1: nothing to shard).
+    assert_eq!(
+        (u(&e["params"]), u(&e["master"]), u(&e["grads"]), u(&e["optimizer"])),
+        (2 * local, 4 * local, 4 * local, 8 * local)
+    );
+    // The tensor group stages a micro-batch's residual stream (4096 × 8192
+    // f32) under MPI, one rank per process.
+    assert_eq!(u(&e["tp_staging"]), 4 * 4096 * 8192);
+    // Against one rank holding everything: the model states shrink by
+    // nearly T, the activations by less (the residual stream is whole).
+    let whole = plan_json(&LLAMA_70B[..LLAMA_70B.len() - 1]);
+    let w = &whole["configured"];
+    let states = |e: &serde_json::Value| u(&e["params"]) + u(&e["master"]) + u(&e["grads"]) + u(&e["optimizer"]);
+    let ratio = states(w) as f64 / states(e) as f64;
+    assert!(ratio > 7.0 && ratio < 8.0, "model states whole / per tensor rank: {ratio}");
+    let act = u(&w["activations"]) as f64 / u(&e["activations"]) as f64;
+    assert!(act > 1.5 && act < 8.0, "activations whole / per tensor rank: {act}");
+    let o = plan(LLAMA_70B);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.contains(
+            "grid: 1 pipeline stage(s) × 1 data rank(s) × 8 tensor ranks = 8 ranks (rank = stage · 8 + d · 8 + t"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("tensor-parallel staging"), "{text}");
+}
+
+#[test]
+fn gpt3_175b_on_8_tensor_by_8_pipeline_ranks() {
+    let r = plan_json(GPT3_175B);
+    let n = u(&r["n_params"]);
+    // 96 × (12 d² + 13 d) + (51200 + 2048) × d + 2 d.
+    let d = 12288u64;
+    assert_eq!(n, 96 * (12 * d * d + 13 * d) + (51200 + 2048) * d + 2 * d);
+    let p = &r["pipeline"];
+    assert_eq!((u(&p["stages"]), u(&p["tensor_parallel"]), u(&p["data_parallel"])), (8, 8, 1), "{p}");
+    assert_eq!(u(&p["micro_batches"]), 64);
+    let stages = p["per_stage"].as_array().unwrap();
+    // Per tensor rank of a middle stage: 12 layers of d²·12 / 8 split
+    // weights, the split biases (q, k, v, MLP up: 7 d) / 8, the replicated
+    // ones (two norms, two output biases: 6 d) whole.
+    assert_eq!(u(&stages[3]["stage_params"]), 12 * (12 * d * d / 8 + 7 * d / 8 + 6 * d));
+    // The first stage adds the embedding segment whole (no vocabulary
+    // split), the last the final norm and the tied segment's copy.
+    let embedding = u(&stages[0]["stage_params"]) - u(&stages[3]["stage_params"]);
+    assert_eq!(embedding, (51200 + 2048) * d);
+    assert_eq!(u(&stages[7]["stage_params"]) - u(&stages[3]["stage_params"]), embedding + 2 * d);
+    // Ranks of stage s: s · 8 .. s · 8 + 7 (a tensor group each).
+    assert_eq!(u(&p["peak_rank"]), 8 * u(&p["peak_stage"]));
+    let text = String::from_utf8_lossy(&plan(GPT3_175B).stdout).to_string();
+    assert!(
+        text.contains("pipeline: 8 stages × 1 data ranks × 8 tensor ranks (rank = stage · 8 + d · 8 + t)"),
+        "{text}"
+    );
+    assert!(text.contains("  0     0–11      0–7 "), "{text}");
+}
+
+/// Tiny shapes whose heads split at T = 2 and 4: GPT-2 with 8 heads, and
+/// Llama with 4 heads and 2 key/value heads (split at 2, each shared by
+/// 2 ranks at 4).
+const GPT: &[&str] = &["model.preset=tiny", "model.n_embd=512", "model.n_head=8", "data.seq_len=128"];
+const LLAMA: &[&str] = &[
+    "model.family=llama",
+    "model.preset=tiny",
+    "model.n_layer=4",
+    "model.n_embd=384",
+    "model.n_head=4",
+    "model.n_kv_head=2",
+    "model.intermediate_size=1024",
+    "data.seq_len=128",
+];
+
+#[test]
+fn each_ranks_first_step_heap_matches_its_plan_at_t_2_and_4() {
+    for (name, model) in [("GPT-2", GPT), ("Llama", LLAMA)] {
+        for t in [2, 4] {
+            let out = tmp(&format!("tp-mem-{name}-{t}"));
+            let world = format!("dist.world_size={t}");
+            let tp = format!("dist.tensor_parallel={t}");
+            let run = [&["train.steps=1", "train.eval_every=0", "batch.global=2", "batch.micro=1"], model].concat();
+            let o = train(&out, &[&run[..], &[world.as_str(), tp.as_str()]].concat());
+            assert!(o.status.success(), "{name} T = {t}: {}", stderr(&o));
+            let mem: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(out.join("memory.json")).unwrap()).unwrap();
+            let ranks = mem["ranks"].as_array().expect("every rank's place in the grid");
+            let tensor: Vec<u64> = ranks.iter().map(|r| u(&r["tensor_rank"])).collect();
+            assert_eq!(tensor, (0..t as u64).collect::<Vec<_>>(), "{mem}");
+            // Alone in its data-parallel group, a rank allocates the
+            // group's collective result itself.
+            let staging = u(&mem["predicted"]["comm_staging"]);
+            for r in 0..t {
+                let planned = u(&mem["planned_rank"][r]) + staging;
+                let measured = u(&mem["first_step_rank_heap"][r]);
+                let err = measured as f64 / planned as f64 - 1.0;
+                eprintln!("{name} T = {t} rank {r}: planned {planned} B, measured {measured} B, {:+.1}%", 100.0 * err);
+                assert!(err.abs() < 0.10, "{name} T = {t} rank {r}: measured {measured} vs planned {planned}");
+            }
+            let _ = std::fs::remove_dir_all(&out);
+        }
+    }
+}
+
+#[test]
+fn bad_grids_are_refused_naming_the_key() {
+    for (world, sets, want) in [
+        // 6 heads cannot be split 4 ways.
+        ("4", &["model.preset=mini", "dist.tensor_parallel=4"][..], &["4"][..]),
+        // T × P does not divide the world.
+        ("6", &["dist.tensor_parallel=2", "dist.pipeline_parallel=2"], &["dist.tensor_parallel", "6"]),
+        // ZeRO-2 does not compose with a tensor split.
+        ("2", &["dist.tensor_parallel=2", "dist.zero_stage=2"], &["ZeRO stage 2", "tensor"]),
+    ] {
+        let base = ["--world-size", world, "--memory", "8GiB", "batch.global=24", "batch.micro=1"];
+        let o = plan(&[&base[..], sets].concat());
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{sets:?}: {err}");
+        assert!(want.iter().all(|w| err.contains(w)), "{sets:?}: {err}");
+    }
+}
