@@ -4,43 +4,10 @@
 //! refused with the key that is wrong.
 
 mod common;
+mod plan_common;
 
-use common::{bin, stderr};
-
-fn plan(args: &[&str]) -> std::process::Output {
-    let mut c = bin();
-    c.arg("plan");
-    for a in args {
-        match a.contains('=') {
-            true => c.args(["--set", a]),
-            false => c.arg(a),
-        };
-    }
-    c.output().expect("binary runs")
-}
-
-fn plan_json(args: &[&str]) -> serde_json::Value {
-    let o = plan(&[&["--json"], args].concat());
-    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
-    serde_json::from_slice(&o.stdout).expect("JSON")
-}
-
-const LLAMA_70B: &[&str] = &[
-    "--memory",
-    "80GiB",
-    "--world-size",
-    "8",
-    "model.family=llama",
-    "model.preset=llama-70b",
-    "data.seq_len=4096",
-    "batch.micro=1",
-    "batch.global=128",
-    "train.precision=bf16",
-];
-
-fn u(v: &serde_json::Value) -> u64 {
-    v.as_u64().unwrap_or_else(|| panic!("not a count: {v}"))
-}
+use common::stderr;
+use plan_common::{plan, plan_json, u, LLAMA_70B};
 
 #[test]
 fn llama_70b_on_8_stages_and_on_4_stages_by_2_data_ranks() {

@@ -6,44 +6,13 @@
 //! cannot be refused with the key that is wrong.
 
 mod common;
+mod plan_common;
 
-use common::{bin, stderr, tmp, train};
-
-fn plan(args: &[&str]) -> std::process::Output {
-    let mut c = bin();
-    c.arg("plan");
-    for a in args {
-        match a.contains('=') {
-            true => c.args(["--set", a]),
-            false => c.arg(a),
-        };
-    }
-    c.output().expect("binary runs")
-}
-
-fn plan_json(args: &[&str]) -> serde_json::Value {
-    let o = plan(&[&["--json"], args].concat());
-    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
-    serde_json::from_slice(&o.stdout).expect("JSON")
-}
-
-fn u(v: &serde_json::Value) -> u64 {
-    v.as_u64().unwrap_or_else(|| panic!("not a count: {v}"))
-}
-
-const LLAMA_70B: &[&str] = &[
-    "--memory",
-    "80GiB",
-    "--world-size",
-    "8",
-    "model.family=llama",
-    "model.preset=llama-70b",
-    "data.seq_len=4096",
-    "batch.micro=1",
-    "batch.global=128",
-    "train.precision=bf16",
-    "dist.tensor_parallel=8",
-];
+use common::{stderr, tmp, train};
+use plan_common::{plan, plan_json, u, LLAMA_70B};
+#[path = "../src/planning/tensor_shapes.rs"]
+mod tensor_shapes;
+use tensor_shapes::{GPT, LLAMA};
 
 /// GPT-3 175B (Brown et al. 2020; Megatron-LM's 175B configuration): 96
 /// layers, d = 12288, 96 heads, 2048 positions, Megatron's padded
@@ -69,7 +38,8 @@ const GPT3_175B: &[&str] = &[
 
 #[test]
 fn llama_70b_on_8_tensor_ranks() {
-    let r = plan_json(LLAMA_70B);
+    let tp8 = [LLAMA_70B, &["dist.tensor_parallel=8"]].concat();
+    let r = plan_json(&tp8);
     let n = u(&r["n_params"]);
     let t = &r["tensor"];
     assert_eq!((u(&t["tensor_parallel"]), u(&t["stages"]), u(&t["data_parallel"])), (8, 1, 1), "{t}");
@@ -91,14 +61,14 @@ fn llama_70b_on_8_tensor_ranks() {
     assert_eq!(u(&e["tp_staging"]), 4 * 4096 * 8192);
     // Against one rank holding everything: the model states shrink by
     // nearly T, the activations by less (the residual stream is whole).
-    let whole = plan_json(&LLAMA_70B[..LLAMA_70B.len() - 1]);
+    let whole = plan_json(LLAMA_70B);
     let w = &whole["configured"];
     let states = |e: &serde_json::Value| u(&e["params"]) + u(&e["master"]) + u(&e["grads"]) + u(&e["optimizer"]);
     let ratio = states(w) as f64 / states(e) as f64;
     assert!(ratio > 7.0 && ratio < 8.0, "model states whole / per tensor rank: {ratio}");
     let act = u(&w["activations"]) as f64 / u(&e["activations"]) as f64;
     assert!(act > 1.5 && act < 8.0, "activations whole / per tensor rank: {act}");
-    let o = plan(LLAMA_70B);
+    let o = plan(&tp8);
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(
         text.contains(
@@ -138,21 +108,6 @@ fn gpt3_175b_on_8_tensor_by_8_pipeline_ranks() {
     );
     assert!(text.contains("  0     0–11      0–7 "), "{text}");
 }
-
-/// Tiny shapes whose heads split at T = 2 and 4: GPT-2 with 8 heads, and
-/// Llama with 4 heads and 2 key/value heads (split at 2, each shared by
-/// 2 ranks at 4).
-const GPT: &[&str] = &["model.preset=tiny", "model.n_embd=512", "model.n_head=8", "data.seq_len=128"];
-const LLAMA: &[&str] = &[
-    "model.family=llama",
-    "model.preset=tiny",
-    "model.n_layer=4",
-    "model.n_embd=384",
-    "model.n_head=4",
-    "model.n_kv_head=2",
-    "model.intermediate_size=1024",
-    "data.seq_len=128",
-];
 
 #[test]
 fn each_ranks_first_step_heap_matches_its_plan_at_t_2_and_4() {

@@ -17,6 +17,8 @@ mod measure;
 pub mod pipeline;
 mod report;
 pub mod tensor;
+#[cfg(test)]
+mod tensor_shapes;
 
 pub use report::{render, report};
 

@@ -99,6 +99,7 @@ impl Traffic {
 #[cfg(test)]
 mod tests {
     use super::super::measure::{measure, plan};
+    use super::super::tensor_shapes::{GPT, LLAMA};
     use super::super::{stage_estimates, stage_states, Estimate};
     use super::*;
     use engine::ScheduleKind;
@@ -111,20 +112,6 @@ mod tests {
     fn stages(pl: &Plan, k: Knobs) -> Result<Vec<Estimate>> {
         Ok(stage_estimates(pl, k, &stage_states(pl, k, None)?)?.0)
     }
-
-    const GPT: &[&str] = &["model.preset=tiny", "model.n_embd=512", "model.n_head=8", "data.seq_len=128"];
-    /// Grouped-query attention: 4 heads, 2 key/value heads (split at T = 2,
-    /// replicated at T = 4).
-    const LLAMA: &[&str] = &[
-        "model.family=llama",
-        "model.preset=tiny",
-        "model.n_layer=4",
-        "model.n_embd=384",
-        "model.n_head=4",
-        "model.n_kv_head=2",
-        "model.intermediate_size=1024",
-        "data.seq_len=128",
-    ];
 
     #[test]
     fn a_tensor_rank_holds_the_split_tensors_over_t_and_the_replicated_whole() {
