@@ -174,6 +174,11 @@ impl PipelineStage {
         &self.whole_segments
     }
 
+    /// The shard of each tensor of the stage's layout (empty without a split).
+    pub fn stage_shards(&self) -> &[Shard] {
+        &self.stage_shards
+    }
+
     /// The tensor-parallel map of this rank, if its tensors are split.
     pub fn tensor_shards(&self) -> Option<&TensorShards> {
         self.tp.as_ref()
