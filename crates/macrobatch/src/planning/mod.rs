@@ -425,12 +425,14 @@ pub(crate) fn stage_estimates(
     // The tensor-parallel group stages its largest all-reduce the same
     // way (per rank, and once per group for thread ranks).
     let tp = knobs.tensor_parallel.max(1) as u64;
-    let tp_elems = states.traffic.map_or(0, |t| t.max_elems(knobs.micro * seq_len)) as u64;
-    let (tp_staging, tp_shared) = match knobs.backend {
+    let micro_tokens = knobs.micro * seq_len;
+    let tp_elems = states.traffic.map_or(0, |t| t.max_elems(micro_tokens)) as u64;
+    let (per_elem, tp_shared) = match knobs.backend {
         Backend::Single => (0, 0),
-        Backend::Threads => (8 * tp_elems, 8 * tp_elems),
-        Backend::Mpi => (4 * tp_elems, 0),
+        Backend::Threads => (8, 8 * tp_elems),
+        Backend::Mpi => (4, 0),
     };
+    let tp_staging = states.traffic.map_or(0, |t| t.staging_bytes(micro_tokens, per_elem));
     // Thread ranks: one process holds every rank of every stage: T
     // data-parallel groups per stage, P × D tensor-parallel groups.
     let all_ranks = knobs.ranks_per_process >= knobs.world_size;

@@ -66,10 +66,11 @@ pub struct Traffic {
     /// after each row-parallel product (and the input gradient before
     /// each column-parallel one).
     pub width: usize,
-    /// Trainable elements whose gradient each rank holds a part of
-    /// ([`Shard::partial_gradient`]: replicated tensors fed by a rank's own
-    /// heads, key/value heads shared by several ranks), summed over the
-    /// group in one all-reduce at the step boundary.
+    /// Elements of the one all-reduce at the step boundary that sums the
+    /// gradients each rank holds a part of ([`engine::Shard::partial_gradient`]:
+    /// replicated tensors fed by a rank's own heads, key/value heads shared
+    /// by several ranks): each such trainable tensor whole, a shared piece
+    /// placed in zeros at its place.
     pub partial: usize,
 }
 
@@ -77,13 +78,10 @@ impl Traffic {
     /// The traffic of a rank's `model` (none without a split).
     pub fn of(model: &dyn LanguageModel) -> Option<Self> {
         let shards = model.tensor_shards().filter(|s| s.tp.is_split())?;
-        let partial = shards
-            .local
-            .tensors()
-            .iter()
+        let partial = (shards.local.tensors().iter().zip(shards.full.tensors()))
             .zip(&shards.shards)
-            .filter(|(t, s)| t.trainable && s.partial_gradient(shards.tp))
-            .map(|(t, _)| t.numel())
+            .filter(|((local, _), s)| local.trainable && s.partial_gradient(shards.tp))
+            .map(|((_, whole), _)| whole.numel())
             .sum();
         let one_token = engine::TokenBatch { n_seqs: 1, seq_len: 1, ..Default::default() };
         Some(Traffic { width: model.boundary_len(&one_token), partial })
@@ -93,6 +91,18 @@ impl Traffic {
     /// of `tokens` tokens.
     pub fn max_elems(&self, tokens: usize) -> usize {
         (tokens * self.width).max(self.partial)
+    }
+
+    /// Bytes a rank holds for the group's collectives besides the model's
+    /// own buffers: the communicator's staging of the largest all-reduce
+    /// (`per_elem` bytes an element: 8 for thread ranks' f64 slot, 4 for
+    /// MPI's f32 buffer, 0 alone) and, at the boundary, the f32 buffer the
+    /// partial gradients are packed into.
+    pub fn staging_bytes(&self, tokens: usize, per_elem: u64) -> u64 {
+        match per_elem {
+            0 => 0,
+            _ => per_elem * self.max_elems(tokens) as u64 + 4 * self.partial as u64,
+        }
     }
 }
 
@@ -145,8 +155,9 @@ mod tests {
         // 2 ranks, its gradient in parts summed over them.
         assert_eq!(states(2).traffic.map(|t| t.partial), Some(0));
         let four = states(4).traffic.unwrap();
-        // k and v of 4 layers, [1 head × 96, 384] each, trainable.
-        assert_eq!(four.partial, 4 * 2 * 96 * 384);
+        // k and v of 4 layers, [2 heads × 96, 384] whole (each rank's head
+        // placed in zeros), trainable.
+        assert_eq!(four.partial, 4 * 2 * 2 * 96 * 384);
         assert_eq!(four.width, 384);
     }
 
@@ -166,13 +177,14 @@ mod tests {
 
     #[test]
     fn measured_rank_peaks_match_the_plan_at_t_2_and_4() {
-        let k = 2;
-        for (name, sets) in [("GPT-2", GPT), ("Llama", LLAMA)] {
+        for (name, sets) in [("Llama", LLAMA), ("GPT-2", GPT)] {
             for (t, p) in [(2, 1), (4, 1), (2, 2)] {
+                // One data rank: K = 2 micro-batches per step.
                 let world = t * p;
-                let pl = plan(&[sets, &[&format!("batch.global={k}"), "batch.micro=1"]].concat(), world);
+                let pl = plan(&[sets, &[&format!("batch.global={}", 2 * world), "batch.micro=1"]].concat(), world);
                 let kn = Knobs { world_size: world, ranks_per_process: world, ..knobs(&pl, t, p) };
                 let planned = stages(&pl, kn).unwrap();
+                let k = planned[0].accumulation_steps;
                 let measured = measure(&pl, p, t, ScheduleKind::OneFOneB, k, 1);
                 for (r, m) in measured.iter().enumerate() {
                     let e = &planned[r / t];
