@@ -460,13 +460,15 @@ pub(crate) fn stage_estimates(
             });
             // Rank 0 gathers the full parameters and optimizer state (the
             // other stages copy theirs to send to it; with tensor
-            // parallelism it first receives its group's T parts of each
-            // stage's); an offloaded state is read back one slot file at a time.
+            // parallelism it holds its own copy too and receives its
+            // group's T parts of one buffer at a time — the parameters, then
+            // each state slot); an offloaded state is read back one slot
+            // file at a time.
             let offloaded_slot = (report.offloaded as u64).checked_div(states.slots).unwrap_or(0);
             // Sharded parameters or state are gathered one padded segment at a time.
             let gather = if knobs.zero_stage >= 1 { 4 * report.max_collective_elems as u64 } else { 0 };
             let own = 4 * st.n_params + 4 * states.slots * st.n_trainable;
-            let parts = if tp > 1 { tp * own } else { 0 };
+            let parts = if tp > 1 { own + tp * 4 * st.n_params } else { 0 };
             let checkpoint = match spec.stage {
                 0 => p + state + parts + gather + offloaded_slot + WRITE_BUFFERS,
                 _ => own + gather + offloaded_slot,
