@@ -143,17 +143,6 @@ impl Split {
     pub(crate) fn init_segment(&self, local: &Llama, seed: u64, seg: usize) -> Vec<f32> {
         let whole = self.whole.init_segment(seed, seg);
         let Ok(map) = self.shards(local) else { return Vec::new() };
-        let seg_range = &self.whole.segments()[seg];
-        let idx: Vec<usize> = self
-            .whole
-            .layout()
-            .tensors()
-            .iter()
-            .enumerate()
-            .filter(|(_, t)| t.offset >= seg_range.start && t.offset < seg_range.end)
-            .map(|(i, _)| i)
-            .collect();
-        let tensors = idx.first().map_or(0..0, |&a| a..a + idx.len());
-        map.take_tensors(tensors, &whole)
+        map.take_range(self.whole.segments()[seg].clone(), &whole)
     }
 }
