@@ -52,10 +52,17 @@ impl TpRank {
         n / self.size.max(1)
     }
 
-    /// This rank's range of `n` split evenly (`size` divides `n`).
-    pub fn range(&self, n: usize) -> Range<usize> {
-        let l = self.local(n);
-        self.rank * l..(self.rank + 1) * l
+    /// Which of `parts` pieces this rank holds (`parts` divides the group
+    /// size: `size / parts` consecutive ranks hold each piece).
+    pub fn piece(&self, parts: usize) -> usize {
+        self.rank / (self.size / parts.max(1)).max(1)
+    }
+
+    /// This rank's range of `n` cut into `parts` equal pieces.
+    pub fn range(&self, n: usize, parts: usize) -> Range<usize> {
+        let l = n / parts.max(1);
+        let p = self.piece(parts);
+        p * l..(p + 1) * l
     }
 }
 
@@ -68,11 +75,15 @@ pub enum Shard {
     /// The whole tensor on every rank; each rank's gradient is a part,
     /// summed over the group at the boundary.
     Partial,
-    /// The whole tensor viewed as `[outer, dim, inner]` (row-major); this
-    /// rank holds indices [`TpRank::range`]`(dim)` of the middle axis —
-    /// `[outer, dim / T, inner]`. A column-parallel `nn.Linear` weight
-    /// `[out, in]` is `{1, out, in}`; a row-parallel one `{out, in, 1}`;
-    /// heads are `{…, n_head, head_dim · …}`.
+    /// The whole tensor viewed as `[outer, dim, inner]` (row-major), the
+    /// middle axis cut into `parts` pieces; this rank holds piece
+    /// [`TpRank::piece`]`(parts)` — `[outer, dim / parts, inner]`. A
+    /// column-parallel `nn.Linear` weight `[out, in]` is `{1, out, in}`; a
+    /// row-parallel one `{out, in, 1}`; heads are `{…, n_head, head_dim ·
+    /// …}`. `parts` is the group size, or a divisor of it when fewer pieces
+    /// exist than ranks (grouped-query key/value heads, `n_kv_head < T`):
+    /// then `T / parts` ranks hold each piece, and each holds a part of its
+    /// gradient, summed over them at the boundary.
     Split {
         /// Product of the axes before the split one.
         outer: usize,
@@ -80,14 +91,29 @@ pub enum Shard {
         dim: usize,
         /// Product of the axes after it.
         inner: usize,
+        /// Pieces the axis is cut into.
+        parts: usize,
     },
 }
 
 impl Shard {
-    /// Whether the tensor is whole on every rank (its gradient norm is
-    /// counted once, not once per rank).
-    pub fn is_replicated(&self) -> bool {
-        !matches!(self, Shard::Split { .. })
+    /// Whether rank `tp` counts this tensor in the global gradient norm:
+    /// each piece of the whole model once (a replicated tensor on rank 0).
+    pub fn counted_by(&self, tp: TpRank) -> bool {
+        match *self {
+            Shard::Replicated | Shard::Partial => tp.rank == 0,
+            Shard::Split { parts, .. } => tp.rank.is_multiple_of((tp.size / parts.max(1)).max(1)),
+        }
+    }
+
+    /// Whether each rank holds only a part of this tensor's gradient
+    /// (summed over the ranks holding the same values at the boundary).
+    pub fn partial_gradient(&self, tp: TpRank) -> bool {
+        match *self {
+            Shard::Replicated => false,
+            Shard::Partial => true,
+            Shard::Split { parts, .. } => parts < tp.size,
+        }
     }
 }
 
@@ -123,10 +149,12 @@ impl TensorShards {
             let ok = ft.name == lt.name
                 && match *s {
                     Shard::Replicated | Shard::Partial => ft.shape == lt.shape,
-                    Shard::Split { outer, dim, inner } => {
-                        dim.is_multiple_of(tp.size)
+                    Shard::Split { outer, dim, inner, parts } => {
+                        parts > 0
+                            && tp.size.is_multiple_of(parts)
+                            && dim.is_multiple_of(parts)
                             && outer * dim * inner == ft.numel()
-                            && outer * tp.local(dim) * inner == lt.numel()
+                            && outer * (dim / parts) * inner == lt.numel()
                     }
                 };
             if !ok {
@@ -168,12 +196,12 @@ impl TensorShards {
         }
     }
 
-    /// Rank `rank`'s part of one whole tensor's values, appended to `out`.
-    fn take_tensor(shard: Shard, tp: TpRank, whole: &[f32], out: &mut Vec<f32>) {
+    /// Rank `tp`'s part of one whole tensor's values, appended to `out`.
+    pub fn take_tensor(shard: Shard, tp: TpRank, whole: &[f32], out: &mut Vec<f32>) {
         match shard {
             Shard::Replicated | Shard::Partial => out.extend_from_slice(whole),
-            Shard::Split { outer, dim, inner } => {
-                let r = tp.range(dim);
+            Shard::Split { outer, dim, inner, parts } => {
+                let r = tp.range(dim, parts);
                 for o in 0..outer {
                     out.extend_from_slice(&whole[(o * dim + r.start) * inner..(o * dim + r.end) * inner]);
                 }
@@ -237,12 +265,13 @@ impl TensorShards {
             let (Some(f), Some(l)) = (f, l) else { continue };
             match *s {
                 Shard::Replicated | Shard::Partial => whole[f].copy_from_slice(&local[l]),
-                Shard::Split { outer, dim, inner } => {
-                    let per = self.tp.local(dim) * inner;
+                Shard::Split { outer, dim, inner, parts: pieces } => {
+                    let per = dim / pieces * inner;
                     for (t, part) in parts.iter().enumerate() {
+                        let r = TpRank { rank: t, size: self.tp.size }.range(dim, pieces);
                         let src = &part[l.clone()];
                         for o in 0..outer {
-                            let dst = f.start + (o * dim + t * self.tp.local(dim)) * inner;
+                            let dst = f.start + (o * dim + r.start) * inner;
                             whole[dst..dst + per].copy_from_slice(&src[o * per..(o + 1) * per]);
                         }
                     }
@@ -337,9 +366,9 @@ mod tests {
         local.push("qkv", &[2, t.local(2), 2], true);
         let shards = vec![
             Shard::Replicated,
-            Shard::Split { outer: 1, dim: 4, inner: 3 },
-            Shard::Split { outer: 3, dim: 4, inner: 1 },
-            Shard::Split { outer: 2, dim: 2, inner: 2 },
+            Shard::Split { outer: 1, dim: 4, inner: 3, parts: 2 },
+            Shard::Split { outer: 3, dim: 4, inner: 1, parts: 2 },
+            Shard::Split { outer: 2, dim: 2, inner: 2, parts: 2 },
         ];
         (full, local, shards)
     }
@@ -376,10 +405,28 @@ mod tests {
     }
 
     #[test]
+    fn fewer_pieces_than_ranks_are_held_by_consecutive_ranks() {
+        let s = Shard::Split { outer: 1, dim: 2, inner: 3, parts: 2 };
+        let whole: Vec<f32> = (0..6).map(|i| i as f32).collect();
+        let held: Vec<Vec<f32>> = (0..4)
+            .map(|rank| {
+                let mut out = Vec::new();
+                TensorShards::take_tensor(s, TpRank { rank, size: 4 }, &whole, &mut out);
+                out
+            })
+            .collect();
+        assert_eq!(held, [vec![0.0, 1.0, 2.0], vec![0.0, 1.0, 2.0], vec![3.0, 4.0, 5.0], vec![3.0, 4.0, 5.0]]);
+        let counted: Vec<bool> = (0..4).map(|rank| s.counted_by(TpRank { rank, size: 4 })).collect();
+        assert_eq!(counted, [true, false, true, false]);
+        assert!(s.partial_gradient(TpRank { rank: 0, size: 4 }));
+        assert!(!Shard::Replicated.counted_by(TpRank { rank: 1, size: 2 }));
+    }
+
+    #[test]
     fn shapes_that_do_not_fit_their_shard_are_named() {
         let tp = TpRank { rank: 0, size: 2 };
         let (full, mut local, mut shards) = layouts(tp);
-        shards[1] = Shard::Split { outer: 1, dim: 3, inner: 4 };
+        shards[1] = Shard::Split { outer: 1, dim: 3, inner: 4, parts: 2 };
         let e = TensorShards::new(tp, full.clone(), local.clone(), shards).unwrap_err().to_string();
         assert!(e.contains("up") && e.contains("T = 2"), "{e}");
         local.push("extra", &[1], false);

@@ -346,7 +346,11 @@ impl Trainer {
         let (s, last) = (info.stage, info.last());
         let tp = check_tp_group(stage, tp)?;
         let split = tp.is_some();
-        let tp = tp.map(|comm| TpGroup { comm, shards: &stage.stage_shards });
+        let tp = tp.map(|comm| TpGroup {
+            comm,
+            shards: &stage.stage_shards,
+            tp: stage.tp.as_ref().map_or(crate::TpRank::WHOLE, |t| t.tp),
+        });
         let mut groups = Groups { dp, pipe: Some(PipeGroup { comm: pipe, info }), tp };
         let seeds = self.backward_seeds(model, &mut groups, micro_batches, loss_scale, last)?;
         let Groups { dp, pipe: Some(PipeGroup { comm: pipe, .. }), tp } = &mut groups else {

@@ -5,7 +5,7 @@
 
 use super::clip::sum_of_squares;
 use super::Trainer;
-use crate::tensor::Shard;
+use crate::tensor::{Shard, TensorShards, TpRank};
 use crate::zero::Reduction;
 use comm::{CommError, Communicator};
 use std::ops::Range;
@@ -16,6 +16,8 @@ pub(crate) struct TpGroup<'a> {
     pub(crate) comm: &'a mut dyn Communicator,
     /// Per tensor of the trainer's layout.
     pub(crate) shards: &'a [Shard],
+    /// This rank.
+    pub(crate) tp: TpRank,
 }
 
 impl Trainer {
@@ -26,7 +28,7 @@ impl Trainer {
         keep: impl Fn(&Shard) -> bool,
         shards: &[Shard],
         skip: Option<usize>,
-    ) -> Vec<(usize, Range<usize>)> {
+    ) -> Vec<(usize, Range<usize>, Shard)> {
         let (space, keep) = (&self.part.space, &keep);
         (0..self.part.n_segments())
             .filter(|&j| Some(j) != skip)
@@ -34,36 +36,58 @@ impl Trainer {
                 let g0 = space.grad_segments[j].start;
                 space.tensors[j].iter().filter_map(move |t| {
                     let g = t.grad_rel?;
-                    keep(&shards[t.idx]).then(|| (j, g0 + g..g0 + g + t.rel.len()))
+                    keep(&shards[t.idx]).then(|| (j, g0 + g..g0 + g + t.rel.len(), shards[t.idx]))
                 })
             })
             .collect()
     }
 
-    /// Before the data-parallel reduction: the partial gradients summed
-    /// over the tensor-parallel group, in one all-reduce (every rank gets
-    /// the same bits, so the replicated tensors stay equal after the update).
+    /// Before the data-parallel reduction: the gradients each rank holds
+    /// a part of summed over the tensor-parallel group, in one all-reduce
+    /// (every rank gets the same bits, so the copies stay equal after the
+    /// update). A piece held by several ranks is summed over them by
+    /// placing it in a zero buffer of the whole tensor.
     pub(super) fn sum_partial_gradients(&mut self, tp: Option<&mut TpGroup<'_>>) -> Result<(), CommError> {
         let Some(tp) = tp else { return Ok(()) };
-        let runs: Vec<Range<usize>> =
-            self.tensor_grad_ranges(|s| *s == Shard::Partial, tp.shards, None).into_iter().map(|(_, r)| r).collect();
+        let me = tp.tp;
+        let runs: Vec<(Range<usize>, Shard)> = self
+            .tensor_grad_ranges(|s| s.partial_gradient(me), tp.shards, None)
+            .into_iter()
+            .map(|(_, r, s)| (r, s))
+            .collect();
         if runs.is_empty() {
             return Ok(());
         }
-        let mut buf: Vec<f32> = runs.iter().flat_map(|r| self.grads[r.clone()].iter().copied()).collect();
+        // Where each run sits in the packed buffer: the whole tensor for a shared piece.
+        // A run's length in the packed buffer: the whole tensor for a shared piece.
+        let whole = |s: &Shard, n: usize| match *s {
+            Shard::Split { parts, .. } => n * parts,
+            _ => n,
+        };
+        let total: usize = runs.iter().map(|(r, s)| whole(s, r.len())).sum();
+        let mut buf = vec![0.0f32; total];
+        let mut at = 0;
+        for (r, s) in &runs {
+            let len = whole(s, r.len());
+            scatter(*s, me, &self.grads[r.clone()], &mut buf[at..at + len]);
+            at += len;
+        }
         tp.comm.all_reduce_sum(&mut buf)?;
         let mut at = 0;
-        for r in runs {
-            self.grads[r.clone()].copy_from_slice(&buf[at..at + r.len()]);
-            at += r.len();
+        for (r, s) in runs {
+            let len = whole(&s, r.len());
+            let mut mine = Vec::with_capacity(r.len());
+            TensorShards::take_tensor(s, me, &buf[at..at + len], &mut mine);
+            self.grads[r].copy_from_slice(&mine);
+            at += len;
         }
         Ok(())
     }
 
-    /// Σ g² of this rank's gradient (its shard at ZeRO-1; segment `skip`
-    /// left out — a tied embedding's second copy) with the split tensors'
-    /// squares summed over the tensor-parallel group and the replicated
-    /// ones counted once: the same value on every rank of the group.
+    /// Σ g² of the tensor-parallel group's gradient (this rank's shard at
+    /// ZeRO-1; segment `skip` left out — a tied embedding's second copy):
+    /// every piece counted by one rank ([`Shard::counted_by`]), summed over
+    /// the group — the same value on every rank of it.
     pub(super) fn tensor_parallel_sum_of_squares(
         &self,
         tp: &mut TpGroup<'_>,
@@ -76,15 +100,30 @@ impl Trainer {
             let o = self.part.grad_owned(j, self.part.rank);
             r.start.max(o.start)..r.end.min(o.end).max(r.start.max(o.start))
         };
-        let sq = |keep: fn(&Shard) -> bool| -> f64 {
-            self.tensor_grad_ranges(keep, tp.shards, skip)
-                .into_iter()
-                .map(|(j, r)| sum_of_squares(&self.grads[owned(r, j)]))
-                .sum()
-        };
-        let mut split = [sq(|s| !s.is_replicated())];
-        let replicated = sq(Shard::is_replicated);
-        tp.comm.all_reduce_sum_f64(&mut split)?;
-        Ok(split[0] + replicated)
+        let me = tp.tp;
+        let mut sq = [self
+            .tensor_grad_ranges(|s| s.counted_by(me), tp.shards, skip)
+            .into_iter()
+            .map(|(j, r, _)| sum_of_squares(&self.grads[owned(r, j)]))
+            .sum::<f64>()];
+        tp.comm.all_reduce_sum_f64(&mut sq)?;
+        Ok(sq[0])
+    }
+}
+
+/// Puts this rank's piece `g` of a tensor held by several ranks (or a
+/// whole partial gradient) into `out` (zeros elsewhere) at its place in
+/// the whole tensor.
+fn scatter(s: Shard, me: TpRank, g: &[f32], out: &mut [f32]) {
+    match s {
+        Shard::Split { outer, dim, inner, parts } => {
+            let r = me.range(dim, parts);
+            let per = r.len() * inner;
+            for o in 0..outer {
+                let dst = (o * dim + r.start) * inner;
+                out[dst..dst + per].copy_from_slice(&g[o * per..(o + 1) * per]);
+            }
+        }
+        _ => out.copy_from_slice(g),
     }
 }
