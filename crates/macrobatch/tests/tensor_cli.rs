@@ -1,0 +1,257 @@
+//! Tensor parallelism through the CLI: `dist.tensor_parallel = T` trains
+//! the same curve as one rank (GPT-2; Llama with grouped-query attention
+//! whose key/value heads T divides and does not), alone and as 3D
+//! parallelism (data × tensor × pipeline); checkpoints resume at another
+//! (T, P, D) layout; `bench` reports the all-reduces; bad settings are
+//! refused before any folder exists.
+//!
+//! Tolerance: a split changes the order of floating-point sums, never what
+//! is summed. Each row-parallel product (attention output, MLP down) sums
+//! its inner dimension in T partial products whose results the group adds
+//! (in f64 on thread ranks, rounded once to f32), and the column-parallel
+//! input gradients are summed the same way; everything else runs the same
+//! kernels on the same values. In f32 a reordered sum of n terms moves by at
+//! most ~n·2⁻²⁴ of the sum of magnitudes, which for these tiny layers is a
+//! few 1e-7 of a loss, and a few steps of AdamW keep it there: we allow
+//! [`TOL`] relative on every loss and on the final weights (scaled by the
+//! largest weight). Under bf16 the activations saved for backward are
+//! rounded to 8 bits of mantissa after the reduction, so an f32-level
+//! difference before it can flip one rounding (2⁻⁸ relative of one value):
+//! [`TOL_BF16`].
+
+mod common;
+
+use common::*;
+use std::path::Path;
+
+/// Relative tolerance between layouts in f32 (see the module's comment).
+const TOL: f64 = 1e-5;
+/// Relative tolerance between layouts under bf16 storage.
+const TOL_BF16: f64 = 1e-3;
+
+/// A 2-layer model small enough that a run takes a second; 4 heads so T ∈
+/// {2, 4} divides them; K = 4 micro-batches of 2.
+const GPT: &[&str] = &["model.n_layer=2", "model.n_embd=32", "model.n_head=4", "model.block_size=32"];
+
+/// Llama with grouped-query attention: 4 query heads sharing 2 key/value
+/// heads (T = 2 splits them, T = 4 does not: pairs of ranks share one).
+const LLAMA: &[&str] = &[
+    "model.family=llama",
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.n_head=4",
+    "model.n_kv_head=2",
+    "model.intermediate_size=64",
+    "model.block_size=32",
+];
+
+fn sets<'a>(model: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
+    let mut s = model.to_vec();
+    s.extend([
+        "batch.global=8",
+        "batch.micro=2",
+        "train.steps=4",
+        "train.eval_every=2",
+        "train.threads=1",
+        "train.grad_clip=1.0",
+    ]);
+    s.extend_from_slice(extra);
+    s
+}
+
+fn run_ok(out: &Path, s: &[&str]) -> String {
+    let o = train(out, s);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{s:?}: {err}");
+    err
+}
+
+fn assert_close(what: &str, a: &[f64], b: &[f64], tol: f64) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!((x - y).abs() <= tol * y.abs(), "{what}, line {i}: {x} vs {y} (tolerance {tol} relative)");
+    }
+}
+
+fn val_losses(out: &Path) -> Vec<f64> {
+    metrics(out).iter().filter_map(|r| r["val_loss"].as_f64()).collect()
+}
+
+/// The saved model's weights, whichever family wrote them.
+fn saved_weights(out: &Path) -> Vec<f32> {
+    match gpt::hf::load(out) {
+        Ok((_, w)) => w,
+        Err(_) => llama::hf::load(out).expect("the saved model loads as GPT-2 or Llama").1,
+    }
+}
+
+fn assert_weights_close(what: &str, a: &Path, b: &Path, tol: f64) {
+    let (wa, wb) = (saved_weights(a), saved_weights(b));
+    let d = max_diff(&wa, &wb);
+    assert!(f64::from(d) <= tol * f64::from(max_abs(&wb)), "{what}: weights differ by {d}");
+}
+
+/// `model` at T ∈ `ts` (world = T, one data rank) against T = 1: losses,
+/// validation losses and final weights within `tol`; the header names the
+/// layout and every step's metrics carry the all-reduces.
+fn equals_one_rank(tag: &str, model: &[&str], extra: &[&str], ts: &[usize], tol: f64) {
+    let base = tmp(&format!("tp-{tag}-t1"));
+    run_ok(&base, &sets(model, extra));
+    let m = &metrics(&base)[0];
+    assert!(m.get("tp_bytes").is_none() && m.get("tp_allreduce_s").is_none(), "no split, no tp metrics: {m}");
+    for &t in ts {
+        let out = tmp(&format!("tp-{tag}-t{t}"));
+        let (w, tp) = (format!("dist.world_size={t}"), format!("dist.tensor_parallel={t}"));
+        let err = run_ok(&out, &sets(model, &[extra, &[w.as_str(), tp.as_str()]].concat()));
+        assert!(err.contains(&format!("tensor parallel: T={t} × D=1; rank r = tensor")), "{err}");
+        assert!(err.contains("× D 1"), "the batch counts data-parallel ranks: {err}");
+        let what = format!("{tag} T={t}");
+        assert_close(&format!("{what}: loss"), &losses(&out), &losses(&base), tol);
+        assert_close(&format!("{what}: val_loss"), &val_losses(&out), &val_losses(&base), tol);
+        assert_eq!(val_losses(&out).len(), 2, "{what}");
+        assert_weights_close(&what, &out, &base, tol);
+        for r in metrics(&out) {
+            // Forward: two row-parallel reductions per layer and micro-batch.
+            assert!(r["tp_calls"].as_u64().unwrap() >= 2 * 2 * 4, "{what}: {r}");
+            assert!(r["tp_bytes"].as_u64().unwrap() > 0, "{what}: {r}");
+            assert!(r["tp_allreduce_s"].as_f64().is_some_and(|s| s >= 0.0), "{what}: {r}");
+        }
+        let _ = std::fs::remove_dir_all(&out);
+    }
+    let _ = std::fs::remove_dir_all(&base);
+}
+
+#[test]
+fn gpt2_at_two_and_four_tensor_ranks_equals_one_rank() {
+    equals_one_rank("gpt", GPT, &[], &[2, 4], TOL);
+}
+
+#[test]
+fn gpt2_split_with_bf16_and_checkpointing_equals_one_rank() {
+    let extra = ["train.precision=\"bf16\"", "train.activation_checkpointing=\"blocks\""];
+    equals_one_rank("gpt-bf16", GPT, &extra, &[2], TOL_BF16);
+}
+
+#[test]
+fn llama_gqa_at_two_and_four_tensor_ranks_equals_one_rank() {
+    // T = 2 divides the 2 key/value heads; at T = 4 each is shared by two ranks.
+    equals_one_rank("llama", LLAMA, &[], &[2, 4], TOL);
+}
+
+#[test]
+fn data_by_tensor_by_pipeline_on_eight_thread_ranks_equals_one_rank() {
+    let base = tmp("tp-3d-base");
+    run_ok(&base, &sets(GPT, &[]));
+    let out = tmp("tp-3d");
+    let grid = ["dist.world_size=8", "dist.tensor_parallel=2", "dist.pipeline_parallel=2"];
+    let err = run_ok(&out, &sets(GPT, &grid));
+    assert!(err.contains("3D: P=2 × T=2 × D=2; rank r = stage·4 + data·2 + tensor"), "{err}");
+    assert!(err.contains("× D 2"), "the batch counts the D = 2 data ranks: {err}");
+    assert_close("3D: loss", &losses(&out), &losses(&base), TOL);
+    assert_close("3D: val_loss", &val_losses(&out), &val_losses(&base), TOL);
+    assert_weights_close("3D", &out, &base, TOL);
+    for r in metrics(&out) {
+        assert!(r["tp_bytes"].as_u64().unwrap() > 0 && r["p2p_bytes"].as_u64().unwrap() > 0, "{r}");
+    }
+    // ZeRO-1 over the data group composes with both splits.
+    let z1 = tmp("tp-3d-z1");
+    run_ok(&z1, &sets(GPT, &[&grid[..], &["dist.zero_stage=1"]].concat()));
+    assert_close("3D ZeRO-1: loss", &losses(&z1), &losses(&base), TOL);
+    assert_weights_close("3D ZeRO-1", &z1, &base, TOL);
+    let _ = (std::fs::remove_dir_all(&base), std::fs::remove_dir_all(&out), std::fs::remove_dir_all(&z1));
+}
+
+fn resume(dir: &Path, s: &[&str]) -> String {
+    let mut c = bin();
+    c.arg("train").arg("--resume").arg(dir);
+    with_sets(&mut c, s);
+    let o = c.output().unwrap();
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    err
+}
+
+#[test]
+fn a_checkpoint_resumes_at_another_tensor_pipeline_and_data_layout() {
+    let six = ["train.steps=6", "train.eval_every=0"];
+    let straight = tmp("tp-straight");
+    run_ok(&straight, &sets(GPT, &six));
+    let one = ["dist.world_size=1", "dist.tensor_parallel=1", "dist.pipeline_parallel=1"];
+    let t2 = ["dist.world_size=2", "dist.tensor_parallel=2", "dist.pipeline_parallel=1"];
+    let d2 = ["dist.world_size=2", "dist.tensor_parallel=1", "dist.pipeline_parallel=1"];
+    let t2p2 = ["dist.world_size=4", "dist.tensor_parallel=2", "dist.pipeline_parallel=2"];
+    // Saved at T = 2, continued by one rank and by two data ranks; saved by
+    // one rank and by two data ranks, continued at T = 2 and at T = 2 × P = 2.
+    for (tag, before, after) in [("t2-t1", t2, one), ("t2-d2", t2, d2), ("t1-t2", one, t2), ("d2-t2p2", d2, t2p2)] {
+        let out = tmp(&format!("tp-resumed-{tag}"));
+        let mut c = train_cmd(&out, &sets(GPT, &[&six[..], &before].concat()));
+        let o = c.args(["--stop-after", "3"]).output().unwrap();
+        assert!(o.status.success() && stderr(&o).contains("stopped after step 3"), "{tag}: {}", stderr(&o));
+        let err = resume(&out, &after);
+        assert!(err.contains("step-00000003"), "{tag}: {err}");
+        let (got, want) = (losses(&out), losses(&straight));
+        assert_eq!(got.len(), 6, "{tag}");
+        assert_close(&format!("{tag}: steps 1-6"), &got, &want, TOL);
+        assert_weights_close(tag, &out, &straight, TOL);
+        let _ = std::fs::remove_dir_all(&out);
+    }
+    let _ = std::fs::remove_dir_all(&straight);
+}
+
+/// A refused run: non-zero exit, `needles` in the message, no folder.
+fn refused(tag: &str, s: &[&str], needles: &[&str]) {
+    let out = tmp(&format!("tp-bad-{tag}"));
+    let o = train(&out, s);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{tag}: must fail: {err}");
+    for n in needles {
+        assert!(err.contains(n), "{tag}: `{n}` missing in: {err}");
+    }
+    assert!(!out.exists(), "{tag}: no run folder may be created");
+}
+
+#[test]
+fn bad_tensor_parallel_settings_are_named_before_anything_is_created() {
+    let gpt_2_heads = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=32"];
+    refused(
+        "heads",
+        &sets(&gpt_2_heads, &["dist.world_size=4", "dist.tensor_parallel=4"]),
+        &["dist.tensor_parallel = 4", "n_head"],
+    );
+    refused(
+        "world",
+        &sets(GPT, &["dist.world_size=6", "dist.tensor_parallel=2", "dist.pipeline_parallel=2"]),
+        &["dist.pipeline_parallel = 2 × dist.tensor_parallel = 2", "world size 6 (dist.world_size)"],
+    );
+    refused(
+        "zero3",
+        &sets(GPT, &["dist.world_size=2", "dist.tensor_parallel=2", "dist.zero_stage=3"]),
+        &["dist.zero_stage = 3", "set dist.zero_stage = 1 or dist.tensor_parallel = 1"],
+    );
+    refused("zero", &sets(GPT, &["dist.tensor_parallel=0"]), &["dist.tensor_parallel = 0", "at least 1"]);
+}
+
+#[test]
+fn bench_reports_the_tensor_parallel_all_reduces() {
+    let mut c = bin();
+    c.args(["bench", "--json", "--steps", "2", "--warmup", "1", "--no-k-sweep"]);
+    with_sets(&mut c, &sets(GPT, &["dist.world_size=2", "dist.tensor_parallel=2"]));
+    let o = c.output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON report");
+    let tp = &r["step"]["tensor_parallel"];
+    assert!(tp["bytes"].as_u64().unwrap() > 0 && tp["calls"].as_u64().unwrap() >= 16, "{r}");
+    assert!(tp["ms_median"].as_f64().is_some_and(|m| m >= 0.0), "{r}");
+    // One rank reports none; a world that is not the tensor group is refused.
+    let mut c = bin();
+    c.args(["bench", "--json", "--steps", "1", "--warmup", "0", "--no-k-sweep"]);
+    with_sets(&mut c, &sets(GPT, &[]));
+    let o = c.output().unwrap();
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON report");
+    assert!(r["step"].get("tensor_parallel").is_none(), "{r}");
+    let mut c = bin();
+    c.args(["bench", "--steps", "1"]);
+    with_sets(&mut c, &sets(GPT, &["dist.world_size=4", "dist.tensor_parallel=2"]));
+    let o = c.output().unwrap();
+    assert!(!o.status.success() && stderr(&o).contains("set dist.world_size = 2"), "{}", stderr(&o));
+}
