@@ -367,7 +367,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     let s = &report.step;
     println!(
-        "bench: GPT-2 {} ({:.2}M params), seq {}, global batch {} = micro {} × K {}, {} threads, {} measured steps after {} warm-up",
+        "bench: {} {} ({:.2}M params), seq {}, global batch {} = micro {} × K {}, {} threads, {} measured steps after {} warm-up",
+        plan.family.name(),
         report.preset,
         report.n_params as f64 / 1e6,
         report.seq_len,

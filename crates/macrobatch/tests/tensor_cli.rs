@@ -24,8 +24,9 @@ mod common;
 use common::*;
 use std::path::Path;
 
-/// Relative tolerance between layouts in f32 (see the module's comment).
-const TOL: f64 = 1e-5;
+/// Relative tolerance between layouts in f32 (see the module's comment;
+/// measured: 4e-9 of the loss for Llama at T = 2, 4, in 3D and across resumes).
+const TOL: f64 = 1e-6;
 /// Relative tolerance between layouts under bf16 storage.
 const TOL_BF16: f64 = 1e-3;
 
@@ -120,27 +121,30 @@ fn llama_gqa_at_two_and_four_tensor_ranks_equals_one_rank() {
     equals_one_rank("llama", LLAMA, &[], &[2, 4], TOL);
 }
 
+/// `model` on 8 thread ranks (D 2 × T 2 × P 2; with `extra`) against one rank.
+fn three_d_equals_one_rank(tag: &str, model: &[&str], extra: &[&str]) {
+    let base = tmp(&format!("tp-3d-{tag}-base"));
+    train_ok(&base, &sets(model, &[]));
+    let out = tmp(&format!("tp-3d-{tag}"));
+    let grid = ["dist.world_size=8", "dist.tensor_parallel=2", "dist.pipeline_parallel=2"];
+    let err = train_ok(&out, &sets(model, &[&grid[..], extra].concat()));
+    assert!(err.contains("3D: P=2 × T=2 × D=2; rank r = stage·4 + data·2 + tensor"), "{tag}: {err}");
+    assert!(err.contains("× D 2"), "{tag}: the batch counts the D = 2 data ranks: {err}");
+    assert_close_rel(&format!("3D {tag}: loss"), &losses(&out), &losses(&base), TOL);
+    assert_close_rel(&format!("3D {tag}: val_loss"), &val_losses(&out), &val_losses(&base), TOL);
+    assert_weights_close(&format!("3D {tag}"), &out, &base, TOL);
+    for r in metrics(&out) {
+        assert!(r["tp_bytes"].as_u64().unwrap() > 0 && r["p2p_bytes"].as_u64().unwrap() > 0, "{tag}: {r}");
+    }
+    let _ = (std::fs::remove_dir_all(&base), std::fs::remove_dir_all(&out));
+}
+
 #[test]
 fn data_by_tensor_by_pipeline_on_eight_thread_ranks_equals_one_rank() {
-    let base = tmp("tp-3d-base");
-    train_ok(&base, &sets(GPT, &[]));
-    let out = tmp("tp-3d");
-    let grid = ["dist.world_size=8", "dist.tensor_parallel=2", "dist.pipeline_parallel=2"];
-    let err = train_ok(&out, &sets(GPT, &grid));
-    assert!(err.contains("3D: P=2 × T=2 × D=2; rank r = stage·4 + data·2 + tensor"), "{err}");
-    assert!(err.contains("× D 2"), "the batch counts the D = 2 data ranks: {err}");
-    assert_close_rel("3D: loss", &losses(&out), &losses(&base), TOL);
-    assert_close_rel("3D: val_loss", &val_losses(&out), &val_losses(&base), TOL);
-    assert_weights_close("3D", &out, &base, TOL);
-    for r in metrics(&out) {
-        assert!(r["tp_bytes"].as_u64().unwrap() > 0 && r["p2p_bytes"].as_u64().unwrap() > 0, "{r}");
-    }
+    three_d_equals_one_rank("gpt", GPT, &[]);
     // ZeRO-1 over the data group composes with both splits.
-    let z1 = tmp("tp-3d-z1");
-    train_ok(&z1, &sets(GPT, &[&grid[..], &["dist.zero_stage=1"]].concat()));
-    assert_close_rel("3D ZeRO-1: loss", &losses(&z1), &losses(&base), TOL);
-    assert_weights_close("3D ZeRO-1", &z1, &base, TOL);
-    let _ = (std::fs::remove_dir_all(&base), std::fs::remove_dir_all(&out), std::fs::remove_dir_all(&z1));
+    three_d_equals_one_rank("gpt-zero1", GPT, &["dist.zero_stage=1"]);
+    three_d_equals_one_rank("llama", LLAMA, &[]);
 }
 
 #[test]
@@ -148,10 +152,13 @@ fn a_checkpoint_resumes_at_another_tensor_pipeline_and_data_layout() {
     let six = ["train.steps=6", "train.eval_every=0"];
     let straight = tmp("tp-straight");
     train_ok(&straight, &sets(GPT, &six));
-    let one = ["dist.world_size=1", "dist.tensor_parallel=1", "dist.pipeline_parallel=1"];
-    let t2 = ["dist.world_size=2", "dist.tensor_parallel=2", "dist.pipeline_parallel=1"];
-    let d2 = ["dist.world_size=2", "dist.tensor_parallel=1", "dist.pipeline_parallel=1"];
-    let t2p2 = ["dist.world_size=4", "dist.tensor_parallel=2", "dist.pipeline_parallel=2"];
+    // The checkpoint's config pins the batch's factorization: a resume at
+    // another D names its K (global 8 = micro 2 × K × D).
+    let one = ["dist.world_size=1", "dist.tensor_parallel=1", "dist.pipeline_parallel=1", "batch.accumulation_steps=4"];
+    let t2 = ["dist.world_size=2", "dist.tensor_parallel=2", "dist.pipeline_parallel=1", "batch.accumulation_steps=4"];
+    let d2 = ["dist.world_size=2", "dist.tensor_parallel=1", "dist.pipeline_parallel=1", "batch.accumulation_steps=2"];
+    let t2p2 =
+        ["dist.world_size=4", "dist.tensor_parallel=2", "dist.pipeline_parallel=2", "batch.accumulation_steps=4"];
     // Saved at T = 2, continued by one rank and by two data ranks; saved by
     // one rank and by two data ranks, continued at T = 2 and at T = 2 × P = 2.
     for (tag, before, after) in [("t2-t1", t2, one), ("t2-d2", t2, d2), ("t1-t2", one, t2), ("d2-t2p2", d2, t2p2)] {
