@@ -60,12 +60,13 @@ fn sets<'a>(model: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
     s
 }
 
-/// The saved model's weights, whichever family wrote them.
+/// The saved model's weights, whichever family wrote them: the f32 data of
+/// its `model.safetensors` after the header (two runs of one shape write
+/// the same tensors in the same order).
 fn saved_weights(out: &Path) -> Vec<f32> {
-    match gpt::hf::load(out) {
-        Ok((_, w)) => w,
-        Err(_) => llama::hf::load(out).expect("the saved model loads as GPT-2 or Llama").1,
-    }
+    let bytes = std::fs::read(out.join("model.safetensors")).expect("model.safetensors");
+    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    bytes[8 + header..].chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
 }
 
 fn assert_weights_close(what: &str, a: &Path, b: &Path, tol: f64) {
@@ -137,6 +138,20 @@ fn three_d_equals_one_rank(tag: &str, model: &[&str], extra: &[&str]) {
         assert!(r["tp_bytes"].as_u64().unwrap() > 0 && r["p2p_bytes"].as_u64().unwrap() > 0, "{tag}: {r}");
     }
     let _ = (std::fs::remove_dir_all(&base), std::fs::remove_dir_all(&out));
+}
+
+#[test]
+fn llama_lora_split_equals_one_rank() {
+    // Adapters on every projection, the base frozen: A and B train beside
+    // split and row-parallel weights alike.
+    let lora = ["lora.r=2", "lora.alpha=4.0", "lora.target_modules=[\"all-linear\"]"];
+    equals_one_rank("llama-lora", LLAMA, &lora, &[2, 4], TOL);
+}
+
+#[test]
+fn qwen2_with_qkv_biases_at_two_tensor_ranks_equals_one_rank() {
+    let qwen2: Vec<&str> = [&["model.family=qwen2"], &LLAMA[1..]].concat();
+    equals_one_rank("qwen2", &qwen2, &[], &[2], TOL);
 }
 
 #[test]
