@@ -62,6 +62,16 @@ impl SavedTensor {
         }
     }
 
+    /// [`SavedTensor::keep`] of `v`'s first `n` values (a working buffer
+    /// sized for a larger tensor: copied when it is longer than `n`).
+    pub fn keep_prefix(&mut self, v: &mut Vec<f32>, n: usize, precision: Precision) {
+        if v.len() == n {
+            self.keep(v, precision);
+        } else {
+            self.keep_copy(&mut v[..n], precision);
+        }
+    }
+
     /// The tensor just kept from `v`, as the rest of the forward reads it.
     pub fn cur<'a>(&'a self, v: &'a [f32]) -> &'a [f32] {
         match self {

@@ -225,6 +225,15 @@ impl TensorShards {
         Ok(out)
     }
 
+    /// This rank's part of the whole model's parameters `range` (whole
+    /// tensors, e.g. a segment), given as `whole`.
+    pub fn take_range(&self, range: Range<usize>, whole: &[f32]) -> Vec<f32> {
+        let ts = self.full.tensors();
+        let first = ts.partition_point(|t| t.offset < range.start);
+        let end = ts.partition_point(|t| t.offset < range.end);
+        self.take_tensors(first..end, whole)
+    }
+
     /// This rank's part of whole-model segment values: `whole` holds the
     /// whole layout's tensors `tensors` back to back.
     pub fn take_tensors(&self, tensors: Range<usize>, whole: &[f32]) -> Vec<f32> {

@@ -4,11 +4,11 @@
 //! definition that allocates them and reports their bytes.
 
 use crate::config::GptConfig;
-use crate::layout::BlockParams;
-use engine::{Checkpointing, EngineError, Precision, SegmentGrads, TensorGroup};
+use crate::layout::{BlockParams, Widths};
+use engine::{Checkpointing, EngineError, Precision, SegmentGrads, TensorGroup, TpRank};
 use nn::attention::{attention_backward, attention_forward, AttnShape};
 use nn::grad::param_grad;
-use nn::linear::{conv1d_backward, conv1d_forward, LinearShape};
+use nn::linear::{add_bias, add_into, conv1d_backward, conv1d_forward, LinearShape};
 use nn::norm::{layernorm_backward, layernorm_forward, NormSaved};
 use nn::stack::{Block, Part, Saved, SavedView, StackSizes};
 
@@ -24,20 +24,23 @@ const FCH_GELU: usize = 7;
 /// The block's output.
 const RES3: usize = 8;
 
-/// Shapes of one block call.
+/// Shapes of one block call: this rank's heads `nh` of width `hd`, its
+/// attention width `a = nh·hd` and MLP width `m` (C and 4C unsplit).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Dims {
     pub b: usize,
     pub t: usize,
     pub c: usize,
     pub nh: usize,
+    pub hd: usize,
+    pub w: Widths,
 }
 
 impl Dims {
     /// Multi-head attention: grouped-query attention with a key/value head per query head.
     fn attn(&self, ops: nn::Operands) -> AttnShape {
-        let Dims { b, t, c, nh } = *self;
-        AttnShape { b, t, n_head: nh, n_kv_head: nh, head_dim: c / nh, ops }
+        let Dims { b, t, nh, hd, .. } = *self;
+        AttnShape { b, t, n_head: nh, n_kv_head: nh, head_dim: hd, ops }
     }
 }
 
@@ -65,6 +68,36 @@ impl ActSizes {
         Self::for_part(cfg, b, t, (precision, checkpointing), Part::whole(cfg.n_layer))
     }
 
+    /// [`ActSizes::for_part`] of tensor-parallel rank `tp` (its heads and
+    /// MLP columns; the residual stream and the head whole).
+    pub fn for_rank(
+        cfg: &GptConfig,
+        tp: TpRank,
+        (b, t): (usize, usize),
+        (precision, checkpointing): (Precision, Checkpointing),
+        part: Part,
+    ) -> Self {
+        let w = |x: usize| x as u128;
+        let (n, c, v) = (w(b) * w(t), w(cfg.n_embd), w(cfg.vocab_size));
+        let Widths { a, m } = Widths::of(cfg, tp);
+        let (a, m) = (w(a), w(m));
+        let att = w(b) * w(cfg.n_head / tp.size) * w(t) * w(t);
+        let stack = StackSizes {
+            precision,
+            checkpointing,
+            n_slots: part.n_blocks,
+            large: [n * c, n * 3 * a, att, n * a, n * c, n * c, n * m, n * m, n * c].to_vec(),
+            output: RES3,
+            stats: vec![n; 4],
+            x: n * c,
+            bufs: vec![n * c, n * c, n * m.max(3 * a), n * 3 * a, att],
+            staging: vec![n * m.max(3 * a).max(c), if precision.is_low() { att } else { 0 }],
+            extra: vec![n * m],
+        };
+        let head = if part.last { [n * c, n, n, n * v, n] } else { [0; 5] };
+        ActSizes { stack, head, in_flight: part.in_flight }
+    }
+
     /// The sizes of one part of the model (a pipeline stage: its blocks,
     /// its micro-batches in flight, the head buffers on the last stage only).
     pub fn for_part(
@@ -74,23 +107,7 @@ impl ActSizes {
         (precision, checkpointing): (Precision, Checkpointing),
         part: Part,
     ) -> Self {
-        let w = |x: usize| x as u128;
-        let (n, c, v) = (w(b) * w(t), w(cfg.n_embd), w(cfg.vocab_size));
-        let att = w(b) * w(cfg.n_head) * w(t) * w(t);
-        let stack = StackSizes {
-            precision,
-            checkpointing,
-            n_slots: part.n_blocks,
-            large: [n * c, n * 3 * c, att, n * c, n * c, n * c, n * 4 * c, n * 4 * c, n * c].to_vec(),
-            output: RES3,
-            stats: vec![n; 4],
-            x: n * c,
-            bufs: vec![n * c, n * c, n * 4 * c, n * 3 * c, att],
-            staging: vec![n * 4 * c, if precision.is_low() { att } else { 0 }],
-            extra: vec![n * 4 * c],
-        };
-        let head = if part.last { [n * c, n, n, n * v, n] } else { [0; 5] };
-        ActSizes { stack, head, in_flight: part.in_flight }
+        Self::for_rank(cfg, TpRank::WHOLE, (b, t), (precision, checkpointing), part)
     }
 
     /// Bytes of every buffer.
@@ -122,8 +139,9 @@ impl Block for GptBlock<'_> {
         extra: &mut [Vec<f32>],
     ) -> Result<(), EngineError> {
         let (r, prec) = (self.r, self.prec);
-        let Dims { b, t, c, .. } = self.d;
+        let Dims { b, t, c, w: Widths { a, m }, .. } = self.d;
         let n = b * t;
+        let split = tp.is_split();
         let [res2, buf_c, buf_4c, qkv, att] = bufs else { unreachable!("GPT-2 has five working buffers") };
         let gelu_out = &mut extra[0];
         let Saved { large, stats } = sv;
@@ -132,45 +150,55 @@ impl Block for GptBlock<'_> {
         let lin = |ic: usize, oc: usize| LinearShape::new(n, ic, oc, ops);
         layernorm_forward(buf_c, ln1_mean, ln1_rstd, x, &p[r.ln1_w.clone()], &p[r.ln1_b.clone()], c);
         large[LN1].keep(buf_c, prec);
-        // (B*T, C) @ (C, 3C) -> (B*T, 3C)
+        // (B*T, C) @ (C, 3A) -> (B*T, 3A): this rank's heads' q | k | v
         conv1d_forward(
             qkv,
             large[LN1].cur(buf_c),
             &p[r.attn_w.clone()],
             Some(&p[r.attn_b.clone()]),
             None,
-            lin(c, 3 * c),
+            lin(c, 3 * a),
         );
         large[QKV].keep(qkv, prec);
         // The MLP's 4C buffer is idle until c_fc: the heads' scratch.
-        attention_forward(buf_c, att, &mut buf_4c[..n * c], large[QKV].cur(qkv), self.d.attn(ops));
+        attention_forward(&mut buf_c[..n * a], att, &mut buf_4c[..n * a], large[QKV].cur(qkv), self.d.attn(ops));
         large[ATT].keep(att, prec);
-        large[ATTY].keep(buf_c, prec);
-        // (B*T, C) @ (C, C) -> (B*T, C), plus the residual
-        let proj_b = Some(&p[r.proj_b.clone()]);
-        conv1d_forward(res2, large[ATTY].cur(buf_c), &p[r.proj_w.clone()], proj_b, Some(x), lin(c, c));
+        large[ATTY].keep_prefix(buf_c, n * a, prec);
+        let atty = large[ATTY].cur(&buf_c[..n * a]);
+        // (B*T, A) @ (A, C) -> (B*T, C), plus the bias and the residual; split
+        // over heads (row-parallel), the ranks' products are summed first.
+        let (proj_w, proj_b) = (&p[r.proj_w.clone()], &p[r.proj_b.clone()]);
+        if split {
+            conv1d_forward(res2, atty, proj_w, None, None, lin(a, c));
+            tp.all_reduce(res2)?;
+            add_into(res2, x);
+            add_bias(res2, proj_b);
+        } else {
+            conv1d_forward(res2, atty, proj_w, Some(proj_b), Some(x), lin(a, c));
+        }
         large[RES2].keep(res2, prec);
         let (ln2_w, ln2_b) = (&p[r.ln2_w.clone()], &p[r.ln2_b.clone()]);
         layernorm_forward(buf_c, ln2_mean, ln2_rstd, large[RES2].cur(res2), ln2_w, ln2_b, c);
         large[LN2].keep(buf_c, prec);
-        // (B*T, C) @ (C, 4C) -> (B*T, 4C)
-        conv1d_forward(
-            buf_4c,
-            large[LN2].cur(buf_c),
-            &p[r.fc_w.clone()],
-            Some(&p[r.fc_b.clone()]),
-            None,
-            lin(c, 4 * c),
-        );
-        large[FCH].keep(buf_4c, prec);
-        nn::act::gelu_forward(gelu_out, large[FCH].cur(buf_4c));
-        large[FCH_GELU].keep(gelu_out, prec);
-        let (gelu, res) = (large[FCH_GELU].cur(gelu_out), Some(large[RES2].cur(res2)));
-        // (B*T, 4C) @ (4C, C) -> (B*T, C), plus the residual
-        conv1d_forward(x, gelu, &p[r.fcproj_w.clone()], Some(&p[r.fcproj_b.clone()]), res, lin(4 * c, c));
+        // (B*T, C) @ (C, M) -> (B*T, M)
+        let fch = &mut buf_4c[..n * m];
+        conv1d_forward(fch, large[LN2].cur(buf_c), &p[r.fc_w.clone()], Some(&p[r.fc_b.clone()]), None, lin(c, m));
+        large[FCH].keep_prefix(buf_4c, n * m, prec);
+        nn::act::gelu_forward(&mut gelu_out[..n * m], large[FCH].cur(&buf_4c[..n * m]));
+        large[FCH_GELU].keep_prefix(gelu_out, n * m, prec);
+        let (gelu, res) = (large[FCH_GELU].cur(&gelu_out[..n * m]), large[RES2].cur(res2));
+        // (B*T, M) @ (M, C) -> (B*T, C), plus the bias and the residual (row-parallel when split)
+        let (fcproj_w, fcproj_b) = (&p[r.fcproj_w.clone()], &p[r.fcproj_b.clone()]);
+        if split {
+            conv1d_forward(x, gelu, fcproj_w, None, None, lin(m, c));
+            tp.all_reduce(x)?;
+            add_into(x, res);
+            add_bias(x, fcproj_b);
+        } else {
+            conv1d_forward(x, gelu, fcproj_w, Some(fcproj_b), Some(res), lin(m, c));
+        }
         // The output stays in `x` as the next block's input: kept by copy.
         large[RES3].keep_copy(x, prec);
-        let _ = tp;
         Ok(())
     }
 
@@ -184,40 +212,43 @@ impl Block for GptBlock<'_> {
         bufs: &mut [Vec<f32>],
     ) -> Result<(), EngineError> {
         let r = self.r;
-        let Dims { b, t, c, .. } = self.d;
+        let Dims { b, t, c, w: Widths { a, m }, .. } = self.d;
         let n = b * t;
         let [dres, dc, d4c, dqkv, datt] = bufs else { unreachable!("GPT-2 has five working buffers") };
         let sv = saved.sv;
         let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd] = &sv.stats[..] else { unreachable!("four row statistics") };
         let ops = nn::operands(saved.precision());
         let lin = |ic: usize, oc: usize| LinearShape::new(n, ic, oc, ops);
-        // c_proj of the MLP: d(B*T, 4C) = d(B*T, C) @ (C, 4C)
+        // c_proj of the MLP: d(B*T, M) = d(B*T, C) @ (C, M)
         let (gw, gb) = grads.pair(r.fcproj_w.clone(), r.fcproj_b.clone());
         let (w, inp) = (&p[r.fcproj_w.clone()], saved.get(FCH_GELU));
-        conv1d_backward(d4c, param_grad(gw), param_grad(gb), dres, inp, w, lin(4 * c, c));
-        nn::act::gelu_backward_inplace(d4c, saved.get(FCH));
-        // c_fc: d(B*T, C) = d(B*T, 4C) @ (4C, C)
+        let dm = &mut d4c[..n * m];
+        conv1d_backward(dm, param_grad(gw), param_grad(gb), dres, inp, w, lin(m, c));
+        nn::act::gelu_backward_inplace(dm, saved.get(FCH));
+        // c_fc: d(B*T, C) = d(B*T, M) @ (M, C); column-parallel: summed over the ranks
         let (gw, gb) = grads.pair(r.fc_w.clone(), r.fc_b.clone());
         let (w, inp) = (&p[r.fc_w.clone()], saved.get(LN2));
-        conv1d_backward(dc, param_grad(gw), param_grad(gb), d4c, inp, w, lin(c, 4 * c));
+        conv1d_backward(dc, param_grad(gw), param_grad(gb), dm, inp, w, lin(c, m));
+        tp.all_reduce(dc)?;
         let (gw, gb) = grads.pair(r.ln2_w.clone(), r.ln2_b.clone());
         let ln2 = NormSaved { inp: saved.get(RES2), mean: ln2_mean, rstd: ln2_rstd };
         layernorm_backward(dres, param_grad(gw), param_grad(gb), dc, ln2, &p[r.ln2_w.clone()]);
-        // c_proj of attention: d(B*T, C) = d(B*T, C) @ (C, C)
+        // c_proj of attention: d(B*T, A) = d(B*T, C) @ (C, A)
         let (gw, gb) = grads.pair(r.proj_w.clone(), r.proj_b.clone());
         let (w, inp) = (&p[r.proj_w.clone()], saved.get(ATTY));
-        conv1d_backward(dc, param_grad(gw), param_grad(gb), dres, inp, w, lin(c, c));
+        let dy = &mut dc[..n * a];
+        conv1d_backward(dy, param_grad(gw), param_grad(gb), dres, inp, w, lin(a, c));
         // The MLP's 4C buffer is idle again: the heads' scratch.
         let qkv_att = saved.pair((QKV, 0), (ATT, 1));
-        attention_backward(dqkv, datt, &mut d4c[..n * 3 * c], dc, qkv_att, self.d.attn(ops));
-        // c_attn: d(B*T, C) = d(B*T, 3C) @ (3C, C)
+        attention_backward(dqkv, datt, &mut d4c[..n * 3 * a], dy, qkv_att, self.d.attn(ops));
+        // c_attn: d(B*T, C) = d(B*T, 3A) @ (3A, C); column-parallel: summed over the ranks
         let (gw, gb) = grads.pair(r.attn_w.clone(), r.attn_b.clone());
         let (w, inp) = (&p[r.attn_w.clone()], saved.get(LN1));
-        conv1d_backward(dc, param_grad(gw), param_grad(gb), dqkv, inp, w, lin(c, 3 * c));
+        conv1d_backward(dc, param_grad(gw), param_grad(gb), dqkv, inp, w, lin(c, 3 * a));
+        tp.all_reduce(dc)?;
         let (gw, gb) = grads.pair(r.ln1_w.clone(), r.ln1_b.clone());
         let ln1 = NormSaved { inp: saved.input(), mean: ln1_mean, rstd: ln1_rstd };
         layernorm_backward(dres, param_grad(gw), param_grad(gb), dc, ln1, &p[r.ln1_w.clone()]);
-        let _ = tp;
         Ok(())
     }
 }

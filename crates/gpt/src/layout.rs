@@ -54,8 +54,25 @@ pub(crate) struct ParamRanges {
     pub lnf_b: Range<usize>,
 }
 
-pub(crate) fn build_layout(cfg: &GptConfig) -> (ParamLayout, ParamRanges) {
+/// The widths of a block as one tensor-parallel rank holds it: its
+/// attention heads' width `a` (C / T) and its MLP width `m` (4C / T) —
+/// C and 4C for the whole model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Widths {
+    pub a: usize,
+    pub m: usize,
+}
+
+impl Widths {
+    /// The widths of rank `tp` (whole at `TpRank::WHOLE`); T divides n_head.
+    pub fn of(cfg: &GptConfig, tp: engine::TpRank) -> Self {
+        Widths { a: cfg.n_embd / tp.size, m: 4 * cfg.n_embd / tp.size }
+    }
+}
+
+pub(crate) fn build_layout(cfg: &GptConfig, w: Widths) -> (ParamLayout, ParamRanges) {
     let c = cfg.n_embd;
+    let Widths { a, m } = w;
     let mut l = ParamLayout::new();
     let wte = l.push("transformer.wte.weight", &[cfg.vocab_size, c], true);
     let wpe = l.push("transformer.wpe.weight", &[cfg.block_size, c], true);
@@ -65,27 +82,28 @@ pub(crate) fn build_layout(cfg: &GptConfig) -> (ParamLayout, ParamRanges) {
             BlockParams {
                 ln1_w: l.push(format!("{p}.ln_1.weight"), &[c], false),
                 ln1_b: l.push(format!("{p}.ln_1.bias"), &[c], false),
-                attn_w: l.push(format!("{p}.attn.c_attn.weight"), &[c, 3 * c], true),
-                attn_b: l.push(format!("{p}.attn.c_attn.bias"), &[3 * c], false),
-                proj_w: l.push(format!("{p}.attn.c_proj.weight"), &[c, c], true),
+                attn_w: l.push(format!("{p}.attn.c_attn.weight"), &[c, 3 * a], true),
+                attn_b: l.push(format!("{p}.attn.c_attn.bias"), &[3 * a], false),
+                proj_w: l.push(format!("{p}.attn.c_proj.weight"), &[a, c], true),
                 proj_b: l.push(format!("{p}.attn.c_proj.bias"), &[c], false),
                 ln2_w: l.push(format!("{p}.ln_2.weight"), &[c], false),
                 ln2_b: l.push(format!("{p}.ln_2.bias"), &[c], false),
-                fc_w: l.push(format!("{p}.mlp.c_fc.weight"), &[c, 4 * c], true),
-                fc_b: l.push(format!("{p}.mlp.c_fc.bias"), &[4 * c], false),
-                fcproj_w: l.push(format!("{p}.mlp.c_proj.weight"), &[4 * c, c], true),
+                fc_w: l.push(format!("{p}.mlp.c_fc.weight"), &[c, m], true),
+                fc_b: l.push(format!("{p}.mlp.c_fc.bias"), &[m], false),
+                fcproj_w: l.push(format!("{p}.mlp.c_proj.weight"), &[m, c], true),
                 fcproj_b: l.push(format!("{p}.mlp.c_proj.bias"), &[c], false),
             }
         })
         .collect();
     let lnf_w = l.push("transformer.ln_f.weight", &[c], false);
     let lnf_b = l.push("transformer.ln_f.bias", &[c], false);
-    let block_rel = relative_block(c);
+    let block_rel = relative_block(c, w);
     (l, ParamRanges { wte, wpe, blocks, block_rel, lnf_w, lnf_b })
 }
 
 /// One block's parameter ranges relative to its first parameter.
-fn relative_block(c: usize) -> BlockParams {
+fn relative_block(c: usize, w: Widths) -> BlockParams {
+    let Widths { a, m } = w;
     let mut at = 0;
     let mut next = |n: usize| {
         let r = at..at + n;
@@ -95,15 +113,15 @@ fn relative_block(c: usize) -> BlockParams {
     BlockParams {
         ln1_w: next(c),
         ln1_b: next(c),
-        attn_w: next(3 * c * c),
-        attn_b: next(3 * c),
-        proj_w: next(c * c),
+        attn_w: next(3 * a * c),
+        attn_b: next(3 * a),
+        proj_w: next(a * c),
         proj_b: next(c),
         ln2_w: next(c),
         ln2_b: next(c),
-        fc_w: next(4 * c * c),
-        fc_b: next(4 * c),
-        fcproj_w: next(4 * c * c),
+        fc_w: next(m * c),
+        fc_b: next(m),
+        fcproj_w: next(m * c),
         fcproj_b: next(c),
     }
 }
@@ -132,7 +150,7 @@ pub fn init_segment(cfg: &GptConfig, seed: u64, seg: usize) -> Vec<f32> {
         v.extend(vec![0.0; c]);
         return v;
     }
-    let r = relative_block(c);
+    let r = relative_block(c, Widths::of(cfg, engine::TpRank::WHOLE));
     let mut v = vec![0.0f32; r.span().len()];
     let mut put = |range: Range<usize>, vals: Vec<f32>| v[range].copy_from_slice(&vals);
     put(r.attn_w.clone(), normal(r.attn_w.len(), 0.02));

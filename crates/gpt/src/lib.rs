@@ -15,6 +15,7 @@ pub mod hf;
 pub mod layout;
 pub mod model;
 pub mod registration;
+pub mod split;
 
 pub use block::ActSizes;
 pub use config::GptConfig;

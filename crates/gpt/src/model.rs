@@ -10,10 +10,10 @@
 use crate::block::{ActSizes, Dims, GptBlock};
 use crate::config::GptConfig;
 use crate::error::GptError;
-use crate::layout::{build_layout, BlockParams, ParamRanges};
+use crate::layout::{build_layout, BlockParams, ParamRanges, Widths};
 use engine::{
     Checkpointing, FullStore, GradOut, MicroStepStats, Model, ParamLayout, ParamStore, Precision, SegmentView,
-    StageSpec, StagedModel,
+    StageSpec, StagedModel, TpRank,
 };
 use nn::grad::param_grad;
 use nn::norm::{layernorm_backward, layernorm_forward, NormSaved};
@@ -75,6 +75,8 @@ pub struct Gpt {
     /// The current micro-batch slot's activations.
     acts: Acts,
     slots: Slots<Acts>,
+    /// The tensor-parallel rank this model is built for (whole: all of it).
+    tp: TpRank,
 }
 
 impl Gpt {
@@ -86,11 +88,25 @@ impl Gpt {
     /// A model whose saved activations (and, under f16, activation gradients
     /// between blocks) are stored in `precision`; kernels compute in f32.
     pub fn with_precision(cfg: GptConfig, precision: Precision) -> Result<Self, GptError> {
+        Self::tensor_parallel(cfg, precision, TpRank::WHOLE)
+    }
+
+    /// The model rank `tp.rank` of a tensor-parallel group of `tp.size`
+    /// holds ([`crate::split`]): `n_head / T` heads and `4C / T` MLP
+    /// columns of every block, the embeddings and norms whole;
+    /// [`StagedModel::tensor_shards`] maps its layout onto the whole model's.
+    pub fn tensor_parallel(cfg: GptConfig, precision: Precision, tp: TpRank) -> Result<Self, GptError> {
         cfg.validate()?;
-        let (layout, ranges) = build_layout(&cfg);
+        crate::split::check(&cfg, tp)?;
+        let (layout, ranges) = build_layout(&cfg, Widths::of(&cfg, tp));
         let stage = StageSpec::whole(cfg.n_layer);
         let (checkpointing, acts, slots) = (Checkpointing::None, Acts::default(), Slots::default());
-        Ok(Self { cfg, layout, ranges, precision, checkpointing, stage, acts, slots })
+        Ok(Self { cfg, layout, ranges, precision, checkpointing, stage, acts, slots, tp })
+    }
+
+    /// The tensor-parallel rank this model is built for.
+    pub fn tensor_rank(&self) -> TpRank {
+        self.tp
     }
 
     /// The same model recomputing the blocks `checkpointing` selects in
@@ -140,7 +156,7 @@ impl Gpt {
     /// of `t` tokens allocates (their [`ActSizes::bytes`] is what
     /// [`Gpt::activation_bytes`] reports then).
     pub fn act_sizes(&self, b: usize, t: usize) -> ActSizes {
-        ActSizes::for_part(&self.cfg, b, t, (self.precision, self.checkpointing), Part::of(&self.stage))
+        ActSizes::for_rank(&self.cfg, self.tp, (b, t), (self.precision, self.checkpointing), Part::of(&self.stage))
     }
 
     /// Errors unless this model runs all of itself (not a pipeline stage).
@@ -166,7 +182,9 @@ impl Gpt {
 
     /// Shapes of a block call at the current (B, T).
     fn dims(&self) -> Dims {
-        Dims { b: self.acts.b, t: self.acts.t, c: self.cfg.n_embd, nh: self.cfg.n_head }
+        let cfg = &self.cfg;
+        let (nh, hd, w) = (cfg.n_head / self.tp.size, cfg.head_dim(), Widths::of(cfg, self.tp));
+        Dims { b: self.acts.b, t: self.acts.t, c: cfg.n_embd, nh, hd, w }
     }
 
     fn lnf_seg(&self) -> usize {
@@ -392,6 +410,10 @@ impl StagedModel for Gpt {
 
     fn tied_head(&self) -> bool {
         true
+    }
+
+    fn tensor_shards(&self) -> Option<engine::TensorShards> {
+        crate::split::shards(&self.cfg, self.tp, &self.layout).ok()
     }
 
     fn set_stage(&mut self, spec: StageSpec) {

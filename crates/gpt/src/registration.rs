@@ -3,7 +3,7 @@
 
 use crate::{hf, Gpt, GptConfig, GptError};
 use config::ModelConfig;
-use engine::ParamLayout;
+use engine::{Model, ParamLayout, Precision, StagedModel, TpRank};
 use family::{Build, Family, LanguageModel, Registration, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -113,6 +113,11 @@ impl Family for Gpt2 {
         Ok(Box::new(family::Erased(model)))
     }
 
+    fn tensor_parallel(&self, tp: TpRank) -> Result<Arc<dyn Family>> {
+        let model = Gpt::tensor_parallel(self.0, Precision::F32, tp)?;
+        Ok(Arc::new(Gpt2Rank { whole: *self, tp, model: Arc::new(model) }))
+    }
+
     fn init_segment(&self, seed: u64, seg: usize) -> Vec<f32> {
         crate::init_segment(&self.0, seed, seg)
     }
@@ -139,6 +144,92 @@ impl Family for Gpt2 {
             vocab_size: Some(c.vocab_size),
         };
         family::pin_section(m, NAME, &s);
+    }
+}
+
+/// GPT-2 as tensor-parallel rank `tp` holds it: its heads and MLP
+/// columns, the rest whole. What sizes memory is the rank's; files are
+/// the whole model's (saved and loaded through [`Gpt2`]).
+#[derive(Debug, Clone)]
+pub struct Gpt2Rank {
+    whole: Gpt2,
+    tp: TpRank,
+    /// The rank's layout (no activations).
+    model: Arc<Gpt>,
+}
+
+impl Gpt2Rank {
+    fn whole_only(&self, what: &str) -> Result<()> {
+        Err(format!("{what} needs the whole model, not tensor-parallel rank {} of {}", self.tp.rank, self.tp.size)
+            .into())
+    }
+}
+
+impl Family for Gpt2Rank {
+    fn name(&self) -> &'static str {
+        self.whole.name()
+    }
+
+    fn describe(&self) -> String {
+        format!("{}, tensor-parallel rank {} of {}", self.whole.describe(), self.tp.rank, self.tp.size)
+    }
+
+    fn n_params(&self) -> u128 {
+        self.model.layout().n_params() as u128
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.whole.vocab_size()
+    }
+
+    fn max_seq_len(&self) -> usize {
+        self.whole.max_seq_len()
+    }
+
+    fn flops_per_token(&self, seq_len: usize) -> f64 {
+        self.whole.flops_per_token(seq_len)
+    }
+
+    fn activation_bytes(&self, micro: usize, seq_len: usize, build: Build) -> u128 {
+        self.stage_activation_bytes(micro, seq_len, build, &engine::StageSpec::whole(self.whole.0.n_layer))
+    }
+
+    fn stage_activation_bytes(&self, micro: usize, seq_len: usize, build: Build, spec: &engine::StageSpec) -> u128 {
+        let part = nn::stack::Part::of(spec);
+        let prec = (build.precision, build.checkpointing);
+        crate::ActSizes::for_rank(&self.whole.0, self.tp, (micro, seq_len), prec, part).bytes()
+    }
+
+    fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>> {
+        let model = Gpt::tensor_parallel(self.whole.0, build.precision, self.tp)?;
+        Ok(Box::new(family::Erased(model.with_checkpointing(build.checkpointing))))
+    }
+
+    fn tensor_parallel(&self, tp: TpRank) -> Result<Arc<dyn Family>> {
+        self.whole.tensor_parallel(tp)
+    }
+
+    fn init_segment(&self, seed: u64, seg: usize) -> Vec<f32> {
+        let whole = self.whole.init_segment(seed, seg);
+        let (Some(map), Ok(model)) = (self.model.tensor_shards(), Gpt::new(self.whole.0)) else { return whole };
+        map.take_range(model.segments()[seg].clone(), &whole)
+    }
+
+    fn hf_config(&self) -> serde_json::Value {
+        self.whole.hf_config()
+    }
+
+    fn save_hf(&self, _dir: &Path, _layout: &ParamLayout, _params: &[f32]) -> Result<()> {
+        self.whole_only("saving Hugging Face files")
+    }
+
+    fn load_weights(&self, _dir: &Path, _layout: &ParamLayout) -> Result<Vec<f32>> {
+        self.whole_only("loading weights")?;
+        Ok(Vec::new())
+    }
+
+    fn pin_shape(&self, m: &mut ModelConfig) {
+        self.whole.pin_shape(m)
     }
 }
 

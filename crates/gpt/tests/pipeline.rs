@@ -26,7 +26,7 @@ fn cfg() -> GptConfig {
     GptConfig { n_layer: 4, n_head: 2, n_embd: 16, block_size: T, vocab_size: 32 }
 }
 
-fn model(p: Precision, ck: Checkpointing) -> Gpt {
+fn model(p: Precision, ck: Checkpointing, _: engine::TpRank) -> Gpt {
     Gpt::with_precision(cfg(), p).expect("valid config").with_checkpointing(ck)
 }
 
@@ -56,6 +56,7 @@ fn gpt2_tied_embedding_copies_agree_after_pipeline_steps() {
     let base = Layout {
         p: 1,
         d: 1,
+        t: 1,
         kind: ScheduleKind::OneFOneB,
         precision: Precision::F32,
         checkpointing: Checkpointing::None,
@@ -84,7 +85,7 @@ fn a_stage_allocates_its_plan_and_gpipe_holds_k_over_p_times_1f1b_on_stage_0() {
     for kind in [ScheduleKind::OneFOneB, ScheduleKind::GPipe] {
         let in_flight = Schedule::new(kind, 4, 8).unwrap().stages[0].in_flight;
         let spec = StageSpec { stage: 0, n_stages: 4, blocks: 0..1, in_flight };
-        let mut m = model(Precision::F32, Checkpointing::None);
+        let mut m = model(Precision::F32, Checkpointing::None, engine::TpRank::WHOLE);
         m.set_stage(spec.clone());
         let mut g = vec![0.0; params.len()];
         let mut store = FullStore::for_model(&m, &params, &mut g).unwrap();

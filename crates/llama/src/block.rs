@@ -10,7 +10,9 @@ use engine::{Checkpointing, EngineError, Precision, SavedTensor, SegmentGrads, T
 use nn::act::{swiglu_backward, swiglu_forward};
 use nn::attention::{attention_backward, attention_forward, AttnShape};
 use nn::grad::{bias_backward, param_grad};
-use nn::linear::{add_bias, columns, linear_backward_input, linear_backward_weight, linear_forward, Cols, LinearShape};
+use nn::linear::{
+    add_bias, add_into, columns, linear_backward_input, linear_backward_weight, linear_forward, Cols, LinearShape,
+};
 use nn::norm::{rmsnorm_backward, rmsnorm_forward, NormSaved};
 use nn::rope::{rope_apply, Rope};
 use nn::stack::{Block, Part, Saved, SavedView, StackSizes};
@@ -108,7 +110,8 @@ impl ActSizes {
             Some(a) if a.targets[p as usize] => n * r,
             _ => 0,
         });
-        let mut large = vec![n * c, n * qkvw, att, n * c, n * c, n * c, n * 2 * f, n * f, n * c];
+        let qd = w(cfg.q_dim());
+        let mut large = vec![n * c, n * qkvw, att, n * qd, n * c, n * c, n * 2 * f, n * f, n * c];
         large.extend(xa);
         let low = precision.is_low();
         let stack = StackSizes {
@@ -155,14 +158,30 @@ struct Back<'s, 'g> {
 impl Layer<'_> {
     /// LoRA's forward for projection `pr`, if it has an adapter:
     /// `xa = x·Aᵀ` (kept for backward), then `y[:, col0..] += s · xa·Bᵀ`.
-    fn lora_forward(&self, pr: Proj, p: &[f32], y: Cols<'_>, x: &[f32], xa: &mut SavedTensor, buf: &mut Vec<f32>) {
-        let Some(lr) = &self.r.lora[pr as usize] else { return };
+    /// Beside a row-parallel projection (`sum`: its input features split)
+    /// each rank's `x·Aᵀ` is a part, summed over the group before it is
+    /// kept — so `xa` and `B`'s gradient are whole on every rank, and `xa`
+    /// is rounded once, as uncut.
+    fn lora_forward(
+        &self,
+        pr: Proj,
+        p: &[f32],
+        y: Cols<'_>,
+        x: &[f32],
+        (xa, buf): (&mut SavedTensor, &mut Vec<f32>),
+        sum: Option<&mut TensorGroup<'_>>,
+    ) -> Result<(), EngineError> {
+        let Some(lr) = &self.r.lora[pr as usize] else { return Ok(()) };
         let (d, [oc, ic]) = (&self.d, pr.shape(self.cfg));
         // (n, in) @ (in, r) -> (n, r)
         linear_forward(Cols::all(buf, d.r), false, x, &p[lr.a.clone()], d.lin(ic, d.r));
+        if let Some(tp) = sum {
+            tp.all_reduce(buf)?;
+        }
         xa.keep(buf, d.prec);
         // (n, r) @ (r, out) -> (n, out), scaled by α/r and added
         linear_forward(y, true, xa.cur(buf), &p[lr.b.clone()], d.lin(d.r, oc).scaled(d.lora_scale));
+        Ok(())
     }
 
     /// Weight gradients of projection `pr` (input: saved tensor `x_idx`,
@@ -228,18 +247,28 @@ impl Block for Layer<'_> {
         }
         for (pr, col0) in [(Proj::Q, 0), (Proj::K, qd), (Proj::V, qd + kvd)] {
             let y = Cols { buf: qkv, col0, rs: qkvw };
-            self.lora_forward(pr, p, y, h1, &mut xa[pr as usize], dxa);
+            self.lora_forward(pr, p, y, h1, (&mut xa[pr as usize], dxa), None)?;
         }
         rope_apply(qkv, self.rope, qkvw, cfg.n_head + cfg.n_kv_head, false);
         large[QKV].keep(qkv, prec);
-        attention_forward(buf_c, att, &mut heads[..n * qd], large[QKV].cur(qkv), d.gqa);
+        // The heads' output is n × H·d: all of buf_c (n × C) unless the heads are split.
+        attention_forward(&mut buf_c[..n * qd], att, &mut heads[..n * qd], large[QKV].cur(qkv), d.gqa);
         large[ATT].keep(att, prec);
-        large[Y].keep(buf_c, prec);
-        // x2 = x + y·Woᵀ (+ LoRA): (n, H·d) @ (H·d, C) -> (n, C)
-        let y = large[Y].cur(buf_c);
-        x2.copy_from_slice(x);
-        linear_forward(Cols::all(x2, c), true, y, &p[r.w(Proj::O)], d.lin(qd, c));
-        self.lora_forward(Proj::O, p, Cols::all(x2, c), y, &mut xa[Proj::O as usize], dxa);
+        large[Y].keep_prefix(buf_c, n * qd, prec);
+        // x2 = x + y·Woᵀ (+ LoRA): (n, H·d) @ (H·d, C) -> (n, C); split
+        // over heads, each rank's product is a part of the sum (row-parallel).
+        let y = large[Y].cur(&buf_c[..n * qd]);
+        let split = tp.is_split();
+        if !split {
+            x2.copy_from_slice(x);
+        }
+        linear_forward(Cols::all(x2, c), !split, y, &p[r.w(Proj::O)], d.lin(qd, c));
+        if split {
+            tp.all_reduce(x2)?;
+            add_into(x2, x);
+        }
+        let lo = (&mut xa[Proj::O as usize], &mut *dxa);
+        self.lora_forward(Proj::O, p, Cols::all(x2, c), y, lo, split.then_some(&mut *tp))?;
         large[X2].keep(x2, prec);
         // MLP: h2 = norm(x2); g|u = h2·Wguᵀ (+ LoRA); m = silu(g)·u; out = x2 + m·Wdᵀ (+ LoRA).
         rmsnorm_forward(buf_c, rstd2, large[X2].cur(x2), &p[r.mlp_norm.clone()], c, d.eps);
@@ -249,19 +278,25 @@ impl Block for Layer<'_> {
         linear_forward(Cols::all(gu, 2 * f), false, h2, &p[r.gate_up()], d.lin(c, 2 * f));
         for (pr, col0) in [(Proj::Gate, 0), (Proj::Up, f)] {
             let y = Cols { buf: gu, col0, rs: 2 * f };
-            self.lora_forward(pr, p, y, h2, &mut xa[pr as usize], dxa);
+            self.lora_forward(pr, p, y, h2, (&mut xa[pr as usize], dxa), None)?;
         }
         large[GU].keep(gu, prec);
         swiglu_forward(m, large[GU].cur(gu), f);
         large[M].keep(m, prec);
         let mm = large[M].cur(m);
-        x.copy_from_slice(large[X2].cur(x2));
-        // (n, F) @ (F, C) -> (n, C), added to the residual
-        linear_forward(Cols::all(x, c), true, mm, &p[r.w(Proj::Down)], d.lin(f, c));
-        self.lora_forward(Proj::Down, p, Cols::all(x, c), mm, &mut xa[Proj::Down as usize], dxa);
+        if !split {
+            x.copy_from_slice(large[X2].cur(x2));
+        }
+        // (n, F) @ (F, C) -> (n, C), added to the residual (row-parallel: summed first)
+        linear_forward(Cols::all(x, c), !split, mm, &p[r.w(Proj::Down)], d.lin(f, c));
+        if split {
+            tp.all_reduce(x)?;
+            add_into(x, large[X2].cur(x2));
+        }
+        let lo = (&mut xa[Proj::Down as usize], &mut *dxa);
+        self.lora_forward(Proj::Down, p, Cols::all(x, c), mm, lo, split.then_some(&mut *tp))?;
         // The output stays in `x` as the next layer's input: kept by copy.
         large[OUT].keep_copy(x, prec);
-        let _ = tp;
         Ok(())
     }
 
@@ -288,14 +323,17 @@ impl Block for Layer<'_> {
         for (pr, col0) in [(Proj::Gate, 0), (Proj::Up, f)] {
             self.proj_backward(pr, p, dc, columns(dgu, col0, 2 * f), H2, &mut back);
         }
+        // Column-parallel: each rank's input gradient is a part of the sum.
+        tp.all_reduce(dc)?;
         let (w2, g2) = (&p[r.mlp_norm.clone()], param_grad(back.grads.tensor(r.mlp_norm.clone())));
         let x2 = NormSaved { inp: back.saved.get(X2), mean: &[], rstd: rstd2 };
         rmsnorm_backward(dres, g2, dc, x2, w2);
         // o_proj: d(n, H·d) = d(n, C) @ (C, H·d); attention; rotation; q|k|v: d(n, C) = d(n, qkv) @ (qkv, C).
-        linear_backward_input(dc, false, Strided::rows(dres, c), &p[r.w(Proj::O)], d.lin(qd, c));
-        self.proj_backward(Proj::O, p, dc, Strided::rows(dres, c), Y, &mut back);
+        let dy = &mut dc[..d.n * qd];
+        linear_backward_input(dy, false, Strided::rows(dres, c), &p[r.w(Proj::O)], d.lin(qd, c));
+        self.proj_backward(Proj::O, p, dy, Strided::rows(dres, c), Y, &mut back);
         let qkv_att = back.saved.pair((QKV, ROWS), (ATT, PROBS));
-        attention_backward(dqkv, datt, heads, dc, qkv_att, d.gqa);
+        attention_backward(dqkv, datt, heads, dy, qkv_att, d.gqa);
         rope_apply(dqkv, self.rope, qkvw, cfg.n_head + cfg.n_kv_head, true);
         let cols = [(Proj::Q, 0), (Proj::K, qd), (Proj::V, qd + kvd)];
         if let Some(biases) = &r.qkv_bias {
@@ -309,10 +347,10 @@ impl Block for Layer<'_> {
         for (pr, col0) in cols {
             self.proj_backward(pr, p, dc, columns(dqkv, col0, qkvw), H1, &mut back);
         }
+        tp.all_reduce(dc)?;
         let (w1, g1) = (&p[r.attn_norm.clone()], param_grad(back.grads.tensor(r.attn_norm.clone())));
         let h = NormSaved { inp: back.saved.input(), mean: &[], rstd: rstd1 };
         rmsnorm_backward(dres, g1, dc, h, w1);
-        let _ = tp;
         Ok(())
     }
 }

@@ -17,6 +17,7 @@ pub mod layout;
 pub mod lora;
 pub mod model;
 pub mod registration;
+pub mod split;
 
 pub use block::ActSizes;
 pub use config::LlamaConfig;

@@ -12,10 +12,11 @@ use crate::config::LlamaConfig;
 use crate::error::LlamaError;
 use crate::layout::{build_layout, Adapters, LayerParams, ParamRanges, Proj};
 use crate::lora::LoraConfig;
+use crate::split::Split;
 use engine::rng::SplitMix64;
 use engine::{
     Checkpointing, FullStore, GradOut, MicroStepStats, Model, ParamLayout, ParamStore, Precision, SegmentView,
-    StageSpec, StagedModel,
+    StageSpec, StagedModel, TensorShards, TpRank,
 };
 use nn::attention::AttnShape;
 use nn::grad::param_grad;
@@ -78,6 +79,8 @@ pub struct Llama {
     /// The current micro-batch slot's activations.
     acts: Acts,
     slots: Slots<Acts>,
+    /// Built for one rank of a tensor-parallel group (`cfg` is its shape).
+    split: Option<Box<Split>>,
 }
 
 /// Moves the buffers used only within one forward (logits, losses) from
@@ -105,8 +108,36 @@ impl Llama {
         Self::build(cfg, Some(lora), precision)
     }
 
+    /// The model rank `tp.rank` of a tensor-parallel group of `tp.size`
+    /// holds of the model shaped `whole` ([`LlamaConfig::split_for`]): its
+    /// layout is that rank's slices and the replicated tensors;
+    /// [`StagedModel::tensor_shards`] maps it onto the whole model's.
+    pub fn tensor_parallel(
+        whole: LlamaConfig,
+        lora: Option<LoraConfig>,
+        precision: Precision,
+        tp: TpRank,
+    ) -> Result<Self, LlamaError> {
+        if !tp.is_split() {
+            return Self::build(whole, lora, precision);
+        }
+        let local = whole.split_for(tp)?;
+        let whole = Self::build(whole, lora.clone(), Precision::F32)?;
+        let mut model = Self::assemble(local, lora, precision)?;
+        let split = Split { tp, whole };
+        split.shards(&model)?;
+        model.split = Some(Box::new(split));
+        Ok(model)
+    }
+
     fn build(cfg: LlamaConfig, lora: Option<LoraConfig>, precision: Precision) -> Result<Self, LlamaError> {
         cfg.validate()?;
+        Self::assemble(cfg, lora, precision)
+    }
+
+    /// The model of a shape already checked (a whole shape by
+    /// [`LlamaConfig::validate`], a rank's by [`LlamaConfig::split_for`]).
+    fn assemble(cfg: LlamaConfig, lora: Option<LoraConfig>, precision: Precision) -> Result<Self, LlamaError> {
         let adapters = match &lora {
             Some(l) => {
                 l.validate()?;
@@ -124,7 +155,7 @@ impl Llama {
         let (layout, ranges) = build_layout(&cfg, adapters);
         let (checkpointing, stage) = (Checkpointing::None, StageSpec::whole(cfg.n_layer));
         let (acts, slots) = (Acts::default(), Slots::default());
-        Ok(Self { cfg, lora, adapters, layout, ranges, precision, checkpointing, stage, acts, slots })
+        Ok(Self { cfg, lora, adapters, layout, ranges, precision, checkpointing, stage, acts, slots, split: None })
     }
 
     /// The model's shape.
@@ -200,6 +231,9 @@ impl Llama {
     /// streams (so a ZeRO-3 rank can initialise one segment at a time); the
     /// base tensors do not depend on whether adapters exist.
     pub fn init_segment(&self, seed: u64, seg: usize) -> Vec<f32> {
+        if let Some(sp) = &self.split {
+            return sp.init_segment(self, seed, seg);
+        }
         let mut rng = SplitMix64::derive(seed, &[0x11a3a, seg as u64]);
         let mut normal = |n: usize| -> Vec<f32> { (0..n).map(|_| (rng.normal() * 0.02) as f32).collect() };
         let (v, c) = (self.cfg.vocab_size, self.cfg.hidden_size);
@@ -558,6 +592,10 @@ impl StagedModel for Llama {
         self.stage = spec;
         self.acts = Acts::default();
         self.slots = Slots::default();
+    }
+
+    fn tensor_shards(&self) -> Option<TensorShards> {
+        self.split.as_ref().and_then(|sp| sp.shards(self).ok())
     }
 
     fn boundary_len(&self, batch: &TokenBatch) -> usize {

@@ -7,7 +7,7 @@
 
 use crate::{hf, lora, Llama, LlamaConfig, LlamaError, LoraConfig};
 use config::ModelConfig;
-use engine::{Model, ParamLayout, Precision};
+use engine::{Model, ParamLayout, Precision, TpRank};
 use family::{Build, Family, LanguageModel, Loaded, ModelError, Registration, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -205,19 +205,35 @@ pub struct LlamaFamily {
     lora: Option<LoraConfig>,
     /// The layout (no activations): segments, initialisation, names.
     model: Arc<Llama>,
+    /// The tensor-parallel rank this shape is held by (whole: every tensor).
+    tp: TpRank,
 }
 
 impl LlamaFamily {
     /// `dialect`'s family at `cfg`, with adapters when `lora` is given.
     pub fn new(dialect: &'static dyn Dialect, cfg: LlamaConfig, lora: Option<LoraConfig>) -> Result<Self> {
-        let model = Self::build_with(&cfg, lora.as_ref(), Precision::F32)?;
-        Ok(Self { dialect, cfg, lora, model: Arc::new(model) })
+        let model = Self::build_with(&cfg, lora.as_ref(), Precision::F32, TpRank::WHOLE)?;
+        Ok(Self { dialect, cfg, lora, model: Arc::new(model), tp: TpRank::WHOLE })
     }
 
-    fn build_with(cfg: &LlamaConfig, lora: Option<&LoraConfig>, precision: Precision) -> Result<Llama, LlamaError> {
-        match lora {
-            Some(l) => Llama::with_lora(cfg.clone(), l.clone(), precision),
-            None => Llama::with_precision(cfg.clone(), precision),
+    fn build_with(
+        cfg: &LlamaConfig,
+        lora: Option<&LoraConfig>,
+        precision: Precision,
+        tp: TpRank,
+    ) -> Result<Llama, LlamaError> {
+        Llama::tensor_parallel(cfg.clone(), lora.cloned(), precision, tp)
+    }
+
+    /// Errors when this is one tensor-parallel rank's shape (`what` needs the whole model).
+    fn whole(&self, what: &str) -> Result<()> {
+        match self.tp.is_split() {
+            true => Err(format!(
+                "{what} needs the whole model, not tensor-parallel rank {} of {}",
+                self.tp.rank, self.tp.size
+            )
+            .into()),
+            false => Ok(()),
         }
     }
 
@@ -260,10 +276,20 @@ impl Family for LlamaFamily {
             .lora
             .as_ref()
             .map_or(String::new(), |l| format!(", LoRA r={} alpha={} on {}", l.r, l.alpha, l.target_modules.join(",")));
+        let rank = if self.tp.is_split() {
+            format!(", tensor-parallel rank {} of {}", self.tp.rank, self.tp.size)
+        } else {
+            String::new()
+        };
         format!(
-            "{} layers, d={}, {} heads / {} KV heads, FFN {}{}",
+            "{} layers, d={}, {} heads / {} KV heads, FFN {}{}{rank}",
             c.n_layer, c.hidden_size, c.n_head, c.n_kv_head, c.intermediate_size, lora
         )
+    }
+
+    fn tensor_parallel(&self, tp: TpRank) -> Result<Arc<dyn Family>> {
+        let model = Self::build_with(&self.cfg, self.lora.as_ref(), Precision::F32, tp)?;
+        Ok(Arc::new(Self { model: Arc::new(model), tp, ..self.clone() }))
     }
 
     fn n_params(&self) -> u128 {
@@ -292,7 +318,7 @@ impl Family for LlamaFamily {
     }
 
     fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>> {
-        let model = Self::build_with(&self.cfg, self.lora.as_ref(), build.precision)?;
+        let model = Self::build_with(&self.cfg, self.lora.as_ref(), build.precision, self.tp)?;
         Ok(Box::new(family::Erased(model.with_checkpointing(build.checkpointing))))
     }
 
@@ -312,6 +338,7 @@ impl Family for LlamaFamily {
     /// The base as Hugging Face files and, with adapters, the adapters in
     /// PEFT's format beside them (`PeftModel.from_pretrained(base, DIR)`).
     fn save_hf(&self, dir: &Path, layout: &ParamLayout, params: &[f32]) -> Result<()> {
+        self.whole("saving Hugging Face files")?;
         if layout.n_params() != params.len() {
             return Err(format!("{} parameters to save, the model has {}", params.len(), layout.n_params()).into());
         }
@@ -331,6 +358,7 @@ impl Family for LlamaFamily {
     }
 
     fn merged(&self, params: &[f32]) -> Result<Option<Loaded>> {
+        self.whole("merging adapters")?;
         if self.lora.is_none() {
             return Ok(None);
         }
@@ -339,6 +367,7 @@ impl Family for LlamaFamily {
     }
 
     fn load_weights(&self, dir: &Path, layout: &ParamLayout) -> Result<Vec<f32>> {
+        self.whole("loading weights")?;
         let base = hf::load_weights(dir, &self.cfg)?;
         if self.lora.is_none() {
             return Ok(base);

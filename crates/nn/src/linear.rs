@@ -163,6 +163,15 @@ pub fn add_bias(y: &mut [f32], b: &[f32]) {
     y.par_chunks_mut(b.len()).for_each(|row| row.iter_mut().zip(b).for_each(|(o, b)| *o += b));
 }
 
+/// `y += x`, element by element (a residual added after a tensor-parallel
+/// reduction).
+pub fn add_into(y: &mut [f32], x: &[f32]) {
+    assert_eq!(y.len(), x.len(), "add_into: lengths differ");
+    y.par_chunks_mut(1 << 14)
+        .zip(x.par_chunks(1 << 14))
+        .for_each(|(y, x)| y.iter_mut().zip(x).for_each(|(y, x)| *y += x));
+}
+
 /// Input gradient of [`linear_forward`]: `dx[n, ic] (+)= alpha · dy · w`.
 pub fn linear_backward_input(dx: &mut [f32], accumulate: bool, dy: Strided<'_>, w: &[f32], s: LinearShape) {
     let LinearShape { n, ic, oc, alpha, ops } = s;

@@ -1,14 +1,16 @@
-//! Pipeline parallelism against one rank: a model cut into P stages on
-//! thread ranks, data-parallel over D, under GPipe or 1F1B, trains the same
-//! steps as the model uncut on D ranks — per-step losses and final
-//! parameters — over a global batch of 16 sequences in windows that
-//! include a micro-batch without targets, an uneven last window and
-//! micro-batches without rows.
+//! Pipeline and tensor parallelism against one rank: a model cut into P
+//! stages and split over T tensor-parallel ranks on thread ranks,
+//! data-parallel over D, under GPipe or 1F1B, trains the same steps as the
+//! model uncut on D ranks — per-step losses and final parameters — over a
+//! global batch of 16 sequences in windows that include a micro-batch
+//! without targets, an uneven last window and micro-batches without rows.
+//! World rank r = s·(D·T) + d·T + t (Megatron-LM's order).
 
 use super::{err, Check};
 use crate::optim::{AdamW, Optimizer};
 use crate::pipeline::{split_layers, ScheduleKind, StagedModel};
 use crate::schedule::LrSchedule;
+use crate::tensor::{Shard, TpRank};
 use crate::trainer::{PipelineStage, Trainer, TrainerOptions};
 use crate::zero::ZeroConfig;
 use crate::{Checkpointing, Precision, TokenBatch, IGNORE_INDEX};
@@ -17,8 +19,10 @@ use std::time::Duration;
 
 /// A staged model family and its data for the pipeline checks.
 pub struct PipelineCase<'a, M> {
-    /// A fresh model (at least 4 blocks) with this storage precision and checkpointing.
-    pub model: &'a (dyn Fn(Precision, Checkpointing) -> M + Sync),
+    /// A fresh model (at least 4 blocks) with this storage precision and
+    /// checkpointing, as tensor-parallel rank `TpRank` holds it
+    /// ([`TpRank::WHOLE`]: the whole model).
+    pub model: &'a (dyn Fn(Precision, Checkpointing, TpRank) -> M + Sync),
     /// Initial parameters.
     pub init: Vec<f32>,
     /// At least 16 samples.
@@ -32,6 +36,8 @@ pub struct Layout {
     pub p: usize,
     /// Data-parallel ranks per stage.
     pub d: usize,
+    /// Tensor-parallel ranks per (stage, data rank).
+    pub t: usize,
     /// The schedule.
     pub kind: ScheduleKind,
     /// Storage precision of activations and the model's parameter copy.
@@ -81,7 +87,7 @@ pub fn run_layout<M: StagedModel<Batch = TokenBatch> + Send>(
     case: &PipelineCase<'_, M>,
     l: Layout,
 ) -> Result<Run, String> {
-    let world = l.p * l.d;
+    let world = l.p * l.d * l.t;
     let comms = comm::threads::group(world, Duration::from_secs(60));
     let results: Vec<RankRun> = std::thread::scope(|sc| {
         let handles: Vec<_> = comms.into_iter().map(|mut c| sc.spawn(move || one_rank(case, l, &mut c))).collect();
@@ -105,17 +111,18 @@ fn one_rank<M: StagedModel<Batch = TokenBatch>>(
     world: &mut dyn Communicator,
 ) -> RankRun {
     let r = world.rank();
-    let (stage, dr) = (r / l.d, r % l.d);
-    let mut dp = world.split(stage, dr).map_err(err("split dp"))?;
-    let mut pipe = world.split(dr, stage).map_err(err("split pipe"))?;
-    let mut model = (case.model)(l.precision, l.checkpointing);
+    let (stage, dr, tr) = (r / (l.d * l.t), (r / l.t) % l.d, r % l.t);
+    let mut dp = world.split(stage * l.t + tr, dr).map_err(err("split dp"))?;
+    let mut pipe = world.split(dr * l.t + tr, stage).map_err(err("split pipe"))?;
+    let mut tp = world.split(stage * l.d + dr, tr).map_err(err("split tp"))?;
+    let mut model = (case.model)(l.precision, l.checkpointing, TpRank { rank: tr, size: l.t });
     let n = case.init.len();
     let opt = Optimizer::AdamW(AdamW::new(n, 0.9, 0.95, 1e-4, 0.1).map_err(err("AdamW"))?);
     let options = TrainerOptions { precision: l.precision, ..TrainerOptions::default() };
     let sched = LrSchedule { warmup_steps: 2, total_steps: 10, ..LrSchedule::constant(1e-2) };
     let zero = ZeroConfig { stage: l.zero, ..ZeroConfig::default() };
     let mut losses = Vec::new();
-    if l.p == 1 {
+    if l.p == 1 && l.t == 1 {
         let mut t = Trainer::distributed(&model, case.init.clone(), opt, sched, options, zero, &mut *dp)
             .map_err(err("trainer"))?;
         for s in 0..3 {
@@ -127,18 +134,26 @@ fn one_rank<M: StagedModel<Batch = TokenBatch>>(
     }
     let cuts = split_layers(model.n_blocks(), l.p, None).map_err(err("cut"))?;
     let st = PipelineStage::new(&mut model, &cuts, stage, l.kind, n_micro(l.d)).map_err(err("stage"))?;
-    let segments = model.segments();
+    let segments = st.whole_segments();
     let init = |j: usize| case.init[segments[j].clone()].to_vec();
     let mut t = Trainer::for_stage(&st, &init, opt, sched, options, zero, &mut *dp).map_err(err("trainer"))?;
+    let split = l.t > 1;
     for s in 0..3 {
         let b = batches(case.seqs, s, dr, l.d);
-        let rep = t.step_pipeline(&mut model, &st, &mut *dp, &mut *pipe, None, &b).map_err(err("pipeline step"))?;
+        let tpc = split.then_some(&mut *tp as &mut dyn Communicator);
+        let rep = t.step_pipeline(&mut model, &st, &mut *dp, &mut *pipe, tpc, &b).map_err(err("pipeline step"))?;
         if rep.pipeline.as_ref().map(|p| p.stage) != Some(stage) {
             return Err(format!("step {s}: the report names stage {:?}, not {stage}", rep.pipeline.map(|p| p.stage)));
+        }
+        if split && rep.tensor.is_none_or(|x| x.calls == 0) {
+            return Err(format!("step {s}: a tensor-parallel step reports no all-reduces"));
         }
         losses.push(rep.loss);
     }
     let local = t.full_params(&mut *dp).map_err(err("full params"))?;
+    if split {
+        replicas_agree(&st, &mut *tp, &local)?;
+    }
     if model.tied_head() {
         // The tied embedding's two copies (first and last stage) are equal, bit for bit.
         let own = st.layout.local(0).map(|j| local[st.layout.segments[j].clone()].to_vec()).unwrap_or_default();
@@ -153,8 +168,40 @@ fn one_rank<M: StagedModel<Batch = TokenBatch>>(
             }
         }
     }
-    let full = if dr == 0 { st.gather(&mut *pipe, None, &local, false).map_err(err("gather"))? } else { None };
+    let full = match dr {
+        0 => st.gather(&mut *pipe, split.then_some(&mut *tp as &mut dyn Communicator), &local, false),
+        _ => Ok(None),
+    }
+    .map_err(err("gather"))?;
     Ok((losses, full))
+}
+
+/// Every tensor-parallel rank holds the same bits of each tensor the ranks
+/// share (replicated tensors; key/value pieces shared by several ranks are
+/// compared where their pieces coincide): rank 0 of the group compares the
+/// others' whole stage buffers against its own.
+fn replicas_agree(st: &PipelineStage, tp: &mut dyn Communicator, local: &[f32]) -> Result<(), String> {
+    let Some(map) = st.tensor_shards() else { return Ok(()) };
+    if tp.rank() > 0 {
+        tp.send(local, 0, 98).map_err(err("send for the replica check"))?;
+        return tp.flush_sends().map_err(err("flush"));
+    }
+    for from in 1..tp.world_size() {
+        let mut theirs = vec![0.0; local.len()];
+        tp.recv(&mut theirs, from, 98).map_err(err("receive for the replica check"))?;
+        let peer = TpRank { rank: from, size: map.tp.size };
+        for (spec, shard) in st.layout.layout.tensors().iter().zip(st.stage_shards()) {
+            let shared = match *shard {
+                Shard::Replicated | Shard::Partial => true,
+                Shard::Split { parts, .. } => peer.piece(parts) == map.tp.piece(parts),
+            };
+            let r = spec.range();
+            if shared && local[r.clone()].iter().zip(&theirs[r]).any(|(a, b)| a.to_bits() != b.to_bits()) {
+                return Err(format!("{} differs between tensor-parallel ranks 0 and {from}", spec.name));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Compares the pipeline layout `l` with the same data-parallel width
@@ -168,16 +215,22 @@ pub fn check_pipeline<M: StagedModel<Batch = TokenBatch> + Send>(
     loss_rtol: f64,
     rtol: f32,
 ) -> Result<bool, String> {
-    let (losses, params) = run_layout(case, l)?;
-    let what = format!("P={} D={} {} {:?} {:?} ZeRO-{}", l.p, l.d, l.kind, l.precision, l.checkpointing, l.zero);
+    compare(l, &run_layout(case, l)?, reference, loss_rtol, rtol)
+}
+
+/// [`check_pipeline`]'s comparison of a run of `l` with `reference`.
+fn compare(l: Layout, run: &Run, reference: &Run, loss_rtol: f64, rtol: f32) -> Result<bool, String> {
+    let (losses, params) = run;
+    let what =
+        format!("P={} D={} T={} {} {:?} {:?} ZeRO-{}", l.p, l.d, l.t, l.kind, l.precision, l.checkpointing, l.zero);
     for (s, (a, b)) in losses.iter().zip(&reference.0).enumerate() {
         if (a - b).abs() > loss_rtol * b.abs() || !a.is_finite() {
             return Err(format!("{what}: step {s} loss {a} vs {b} uncut"));
         }
     }
-    let c: Check = super::close(&format!("{what}: final parameters"), &params, &reference.1, rtol);
+    let c: Check = super::close(&format!("{what}: final parameters"), params, &reference.1, rtol);
     c?;
-    Ok(losses == reference.0 && params.iter().zip(&reference.1).all(|(a, b)| a.to_bits() == b.to_bits()))
+    Ok(*losses == reference.0 && params.iter().zip(&reference.1).all(|(a, b)| a.to_bits() == b.to_bits()))
 }
 
 /// Every layout against uncut: P ∈ {2, 4} × {1F1B, GPipe} × D ∈ {1, 2} ×
@@ -200,7 +253,7 @@ pub fn check_all_layouts<M: StagedModel<Batch = TokenBatch> + Send>(
     for precision in [Precision::F32, Precision::Bf16] {
         for checkpointing in [Checkpointing::None, Checkpointing::Blocks] {
             for d in [1, 2] {
-                let base = Layout { p: 1, d, kind: ScheduleKind::OneFOneB, precision, checkpointing, zero: 0 };
+                let base = Layout { p: 1, d, t: 1, kind: ScheduleKind::OneFOneB, precision, checkpointing, zero: 0 };
                 let reference = run_layout(case, base)?;
                 for p in [2, 4] {
                     for kind in [ScheduleKind::OneFOneB, ScheduleKind::GPipe] {
@@ -213,6 +266,7 @@ pub fn check_all_layouts<M: StagedModel<Batch = TokenBatch> + Send>(
     let base = Layout {
         p: 1,
         d: 2,
+        t: 1,
         kind: ScheduleKind::OneFOneB,
         precision: Precision::F32,
         checkpointing: Checkpointing::None,
@@ -220,4 +274,49 @@ pub fn check_all_layouts<M: StagedModel<Batch = TokenBatch> + Send>(
     };
     let reference = run_layout(case, base)?;
     check(Layout { p: 2, ..base }, &reference)
+}
+
+/// Tensor parallelism against uncut: T ∈ {2, 4} (P = 1, D = 1) × f32/bf16
+/// × checkpointing off/on; 3D (P = 2 × T = 2 × D = 2) and T = 2 × D = 2
+/// at ZeRO-1 against uncut at D = 2 — losses within `loss_rtol`,
+/// parameters within `rtol` (see [`check_pipeline`]). Returns the largest
+/// relative loss difference seen (for the caller to report).
+pub fn check_tensor_layouts<M: StagedModel<Batch = TokenBatch> + Send>(
+    case: &PipelineCase<'_, M>,
+    (loss_rtol, rtol): (f64, f32),
+    (bf16_loss_rtol, bf16_rtol): (f64, f32),
+    ts: &[usize],
+) -> Result<f64, String> {
+    let mut worst = 0.0f64;
+    let mut check = |l: Layout, reference: &Run, tol: (f64, f32)| -> Result<(), String> {
+        let run = run_layout(case, l)?;
+        compare(l, &run, reference, tol.0, tol.1)?;
+        for (a, b) in run.0.iter().zip(&reference.0) {
+            worst = worst.max((a - b).abs() / b.abs().max(f64::MIN_POSITIVE));
+        }
+        Ok(())
+    };
+    for precision in [Precision::F32, Precision::Bf16] {
+        let tol = if precision == Precision::Bf16 { (bf16_loss_rtol, bf16_rtol) } else { (loss_rtol, rtol) };
+        for checkpointing in [Checkpointing::None, Checkpointing::Blocks] {
+            let base = Layout { p: 1, d: 1, t: 1, kind: ScheduleKind::OneFOneB, precision, checkpointing, zero: 0 };
+            let reference = run_layout(case, base)?;
+            for &t in ts {
+                check(Layout { t, ..base }, &reference, tol)?;
+            }
+        }
+    }
+    let base = Layout {
+        p: 1,
+        d: 2,
+        t: 1,
+        kind: ScheduleKind::OneFOneB,
+        precision: Precision::F32,
+        checkpointing: Checkpointing::None,
+        zero: 0,
+    };
+    let reference = run_layout(case, base)?;
+    check(Layout { p: 2, t: 2, ..base }, &reference, (loss_rtol, rtol))?;
+    check(Layout { t: 2, zero: 1, ..base }, &reference, (loss_rtol, rtol))?;
+    Ok(worst)
 }

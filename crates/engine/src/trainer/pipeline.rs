@@ -174,6 +174,11 @@ impl PipelineStage {
         &self.whole_segments
     }
 
+    /// The shard of each tensor of the stage's layout (empty without a split).
+    pub fn stage_shards(&self) -> &[Shard] {
+        &self.stage_shards
+    }
+
     /// The tensor-parallel map of this rank, if its tensors are split.
     pub fn tensor_shards(&self) -> Option<&TensorShards> {
         self.tp.as_ref()
@@ -448,7 +453,7 @@ impl Trainer {
         tp: Option<&mut dyn Communicator>,
         batch: &M::Batch,
     ) -> Result<MicroStepStats, EngineError> {
-        let mut tp = check_tp_group(stage, tp)?;
+        let tp = check_tp_group(stage, tp)?;
         let step = self.n_steps;
         let comm_err = |source| EngineError::Comm { step, source };
         let (s, last) = (stage.spec.stage, stage.spec.is_last());
@@ -458,10 +463,7 @@ impl Trainer {
             pipe.recv(&mut act, s - 1, TAG_EVAL).map_err(comm_err)?;
         }
         let mut out = vec![0.0; if last { 0 } else { n }];
-        let mut store = StageStore {
-            inner: &mut self.store_tp(dp, tp.as_mut().map(|c| -> &mut dyn Communicator { &mut **c }), false),
-            stage: &stage.layout,
-        };
+        let mut store = StageStore { inner: &mut self.store_tp(dp, tp, false), stage: &stage.layout };
         let stats = model
             .stage_forward(&mut store, batch, 0, &act, &mut out, None)
             .map_err(|e| EngineError::Model { step, micro_step_idx: 0, source: Box::new(e) })?;

@@ -18,10 +18,10 @@ impl Trainer {
     }
 
     /// [`Trainer::store`] whose segments carry the tensor-parallel group `tp`.
-    pub(super) fn store_tp<'a>(
+    pub(super) fn store_tp<'a, 'c: 'a>(
         &'a mut self,
         comm: &'a mut dyn Communicator,
-        tp: Option<&'a mut dyn Communicator>,
+        tp: Option<&'a mut (dyn Communicator + 'c)>,
         with_grads: bool,
     ) -> StepStore<'a> {
         let step = self.n_steps + 1;

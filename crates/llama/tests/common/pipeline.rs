@@ -4,14 +4,15 @@
 //! checkpointing off/on, and ZeRO-1, each against the model uncut.
 
 use super::suite;
-use engine::conformance::pipeline::{check_all_layouts, PipelineCase};
+use engine::conformance::pipeline::{check_all_layouts, check_tensor_layouts, PipelineCase};
 use engine::conformance::TokenSamples;
 use engine::rng::SplitMix64;
-use engine::{Checkpointing, Precision};
-use llama::{Llama, LlamaConfig};
+use engine::{Checkpointing, Model, Precision, TpRank};
+use llama::{Llama, LlamaConfig, LoraConfig};
 
-fn init(cfg: &LlamaConfig) -> Vec<f32> {
-    let mut p = Llama::new(cfg.clone()).expect("valid config").init_params(3);
+fn init(cfg: &LlamaConfig, lora: Option<&LoraConfig>) -> Vec<f32> {
+    let model = Llama::tensor_parallel(cfg.clone(), lora.cloned(), Precision::F32, TpRank::WHOLE);
+    let mut p = model.expect("valid config").init_params(3);
     let mut rng = SplitMix64::new(15);
     p.iter_mut().for_each(|x| *x += (rng.normal() * 0.3) as f32);
     p
@@ -22,10 +23,34 @@ fn init(cfg: &LlamaConfig) -> Vec<f32> {
 pub fn matrix(cfg: LlamaConfig) {
     let tied = cfg.tie_word_embeddings;
     let c = cfg.clone();
-    let build = move |p: Precision, ck: Checkpointing| {
+    let build = move |p: Precision, ck: Checkpointing, _: TpRank| {
         Llama::with_precision(c.clone(), p).expect("valid config").with_checkpointing(ck)
     };
     let seqs = TokenSamples::new(48, suite::T, suite::V as u64, 9);
-    let case = PipelineCase { model: &build, init: init(&cfg), seqs: &seqs };
+    let case = PipelineCase { model: &build, init: init(&cfg, None), seqs: &seqs };
     check_all_layouts(&case, 1e-6, 1e-5, !tied).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// `cfg` split over T ∈ `ts` tensor-parallel ranks (and in 3D, and at
+/// ZeRO-1) against uncut, with `lora` adapters on a frozen base if given
+/// (see `check_tensor_layouts`); returns the largest relative loss
+/// difference. Tolerances: see the callers.
+pub fn tensor_matrix(
+    cfg: LlamaConfig,
+    lora: Option<LoraConfig>,
+    ts: &[usize],
+    f32_tol: (f64, f32),
+    bf16_tol: (f64, f32),
+) -> f64 {
+    let (c, l) = (cfg.clone(), lora.clone());
+    let build = move |p: Precision, ck: Checkpointing, tp: TpRank| {
+        let mut m = Llama::tensor_parallel(c.clone(), l.clone(), p, tp).expect("valid split").with_checkpointing(ck);
+        if l.is_some() {
+            m.set_trainable(&|t| t.name.contains(".lora_"));
+        }
+        m
+    };
+    let seqs = TokenSamples::new(48, suite::T, suite::V as u64, 9);
+    let case = PipelineCase { model: &build, init: init(&cfg, lora.as_ref()), seqs: &seqs };
+    check_tensor_layouts(&case, f32_tol, bf16_tol, ts).unwrap_or_else(|e| panic!("{e}"))
 }

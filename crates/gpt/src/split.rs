@@ -1,0 +1,65 @@
+//! Tensor parallelism for GPT-2's block (Megatron-LM's split): rank `t` of
+//! `T` holds `n_head / T` heads — their q, k and v columns of `c_attn`
+//! (column-parallel) and their rows of the attention's `c_proj`
+//! (row-parallel) — and `4C / T` columns of the MLP (`c_fc`
+//! column-parallel, its `c_proj` row-parallel); the embeddings, the
+//! LayerNorms and the two `c_proj` biases are whole on every rank (a
+//! row-parallel layer's bias is added once, after the all-reduce, so its
+//! gradient is the same on every rank). The block all-reduces after each
+//! row-parallel product in forward and before each column-parallel input
+//! gradient in backward ([`crate::block`]).
+//!
+//! Weights are HF `Conv1D` `[in, out]`: `c_attn` `[C, 3C]` is viewed as
+//! `[C·3, n_head, head_dim]` (q | k | v, each head's columns), so a rank's
+//! heads are one slice of the middle axis.
+
+use crate::config::GptConfig;
+use crate::error::GptError;
+use crate::layout::{build_layout, Widths};
+use engine::{ParamLayout, Shard, TensorShards, TpRank};
+
+/// Errors unless `cfg` splits over `tp.size` ranks: T must divide n_head.
+pub(crate) fn check(cfg: &GptConfig, tp: TpRank) -> Result<(), GptError> {
+    if tp.size == 0 || tp.rank >= tp.size {
+        return Err(GptError::InvalidConfig(format!("tensor-parallel rank {} of a group of {}", tp.rank, tp.size)));
+    }
+    if !cfg.n_head.is_multiple_of(tp.size) {
+        return Err(GptError::InvalidConfig(format!(
+            "model.n_head ({}) must be divisible by dist.tensor_parallel ({}): each rank holds n_head / T heads; choose a T that divides {}",
+            cfg.n_head, tp.size, cfg.n_head
+        )));
+    }
+    Ok(())
+}
+
+/// How tensor `name` of the whole model is cut at `t` ranks.
+fn shard_of(cfg: &GptConfig, name: &str, t: usize) -> Shard {
+    let (c, nh, hd) = (cfg.n_embd, cfg.n_head, cfg.head_dim());
+    let split = |outer: usize, dim: usize, inner: usize| Shard::Split { outer, dim, inner, parts: t };
+    let ends = |s: &str| name.ends_with(s);
+    if ends("attn.c_attn.weight") {
+        split(3 * c, nh, hd)
+    } else if ends("attn.c_attn.bias") {
+        split(3, nh, hd)
+    } else if ends("attn.c_proj.weight") {
+        split(1, nh, hd * c)
+    } else if ends("mlp.c_fc.weight") {
+        split(c, 4 * c, 1)
+    } else if ends("mlp.c_fc.bias") {
+        split(1, 4 * c, 1)
+    } else if ends("mlp.c_proj.weight") {
+        split(1, 4 * c, c)
+    } else {
+        Shard::Replicated
+    }
+}
+
+/// The map of rank `tp`'s layout (`local`) onto the whole model's.
+pub(crate) fn shards(cfg: &GptConfig, tp: TpRank, local: &ParamLayout) -> Result<TensorShards, GptError> {
+    if !tp.is_split() {
+        return Err(GptError::InvalidConfig("the whole model has no shards".into()));
+    }
+    let (whole, _) = build_layout(cfg, Widths::of(cfg, TpRank::WHOLE));
+    let shards = whole.tensors().iter().map(|t| shard_of(cfg, &t.name, tp.size)).collect();
+    TensorShards::new(tp, whole, local.clone(), shards).map_err(|e| GptError::InvalidConfig(e.to_string()))
+}
