@@ -11,22 +11,29 @@
 //! (in f64 on thread ranks, rounded once to f32), and the column-parallel
 //! input gradients are summed the same way; everything else runs the same
 //! kernels on the same values. In f32 a reordered sum of n terms moves by at
-//! most ~n·2⁻²⁴ of the sum of magnitudes, which for these tiny layers is a
-//! few 1e-7 of a loss, and a few steps of AdamW keep it there: we allow
-//! [`TOL`] relative on every loss and on the final weights (scaled by the
-//! largest weight). Under bf16 the activations saved for backward are
-//! rounded to 8 bits of mantissa after the reduction, so an f32-level
-//! difference before it can flip one rounding (2⁻⁸ relative of one value):
-//! [`TOL_BF16`].
+//! most ~n·2⁻²⁴ of the sum of magnitudes, a few 1e-7 of any one value in
+//! these tiny layers, and the mean loss over thousands of targets averages
+//! that down further: [`TOL`] relative on every loss (measured: at most
+//! 5e-9, GPT-2, Llama, Qwen2, LoRA, T = 2 and 4, 3D). AdamW divides each
+//! gradient by its own running magnitude, so a weight whose gradient is
+//! small moves by the full step whatever the gradient's last bits:
+//! [`TOL_WEIGHTS`] of the largest weight on the final weights (measured:
+//! at most 4.4e-7). Under bf16 storage an activation rounded to 8 bits of
+//! mantissa after the reduction can round the other way when its f32 value
+//! moved (2⁻⁸ of that value) and carry that into the next layers, and a
+//! CPU with AVX512-BF16 rounds GEMM operands too: [`TOL_BF16`] on losses
+//! and weights (measured on an AVX2 CPU: 1.6e-7 of the loss, 2.4e-5 of the
+//! largest weight).
 
 mod common;
 
 use common::*;
 use std::path::Path;
 
-/// Relative tolerance between layouts in f32 (see the module's comment;
-/// measured: 4e-9 of the loss for Llama at T = 2, 4, in 3D and across resumes).
+/// Relative tolerance on losses between layouts in f32 (see the module's comment).
 const TOL: f64 = 1e-6;
+/// Tolerance on the final weights in f32, relative to the largest weight.
+const TOL_WEIGHTS: f64 = 1e-5;
 /// Relative tolerance between layouts under bf16 storage.
 const TOL_BF16: f64 = 1e-3;
 
@@ -62,11 +69,16 @@ fn sets<'a>(model: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
 
 /// The saved model's weights, whichever family wrote them: the f32 data of
 /// its `model.safetensors` after the header (two runs of one shape write
-/// the same tensors in the same order).
+/// the same tensors in the same order), then its LoRA adapters' if any.
 fn saved_weights(out: &Path) -> Vec<f32> {
-    let bytes = std::fs::read(out.join("model.safetensors")).expect("model.safetensors");
-    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    bytes[8 + header..].chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+    let mut w = Vec::new();
+    for file in ["model.safetensors", "adapter_model.safetensors"] {
+        let Ok(bytes) = std::fs::read(out.join(file)) else { continue };
+        let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        w.extend(bytes[8 + header..].chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())));
+    }
+    assert!(!w.is_empty(), "no weights saved in {}", out.display());
+    w
 }
 
 fn assert_weights_close(what: &str, a: &Path, b: &Path, tol: f64) {
@@ -75,10 +87,10 @@ fn assert_weights_close(what: &str, a: &Path, b: &Path, tol: f64) {
     assert!(f64::from(d) <= tol * f64::from(max_abs(&wb)), "{what}: weights differ by {d}");
 }
 
-/// `model` at T ∈ `ts` (world = T, one data rank) against T = 1: losses,
-/// validation losses and final weights within `tol`; the header names the
-/// layout and every step's metrics carry the all-reduces.
-fn equals_one_rank(tag: &str, model: &[&str], extra: &[&str], ts: &[usize], tol: f64) {
+/// `model` at T ∈ `ts` (world = T, one data rank) against T = 1: losses
+/// and validation losses within `tol`, final weights within `weight_tol`;
+/// the header names the layout and every step's metrics carry the all-reduces.
+fn equals_one_rank(tag: &str, model: &[&str], extra: &[&str], ts: &[usize], (tol, weight_tol): (f64, f64)) {
     let base = tmp(&format!("tp-{tag}-t1"));
     train_ok(&base, &sets(model, extra));
     let m = &metrics(&base)[0];
@@ -93,7 +105,7 @@ fn equals_one_rank(tag: &str, model: &[&str], extra: &[&str], ts: &[usize], tol:
         assert_close_rel(&format!("{what}: loss"), &losses(&out), &losses(&base), tol);
         assert_close_rel(&format!("{what}: val_loss"), &val_losses(&out), &val_losses(&base), tol);
         assert_eq!(val_losses(&out).len(), 2, "{what}");
-        assert_weights_close(&what, &out, &base, tol);
+        assert_weights_close(&what, &out, &base, weight_tol);
         for r in metrics(&out) {
             // Forward: two row-parallel reductions per layer and micro-batch.
             assert!(r["tp_calls"].as_u64().unwrap() >= 2 * 2 * 4, "{what}: {r}");
@@ -107,19 +119,20 @@ fn equals_one_rank(tag: &str, model: &[&str], extra: &[&str], ts: &[usize], tol:
 
 #[test]
 fn gpt2_at_two_and_four_tensor_ranks_equals_one_rank() {
-    equals_one_rank("gpt", GPT, &[], &[2, 4], TOL);
+    equals_one_rank("gpt", GPT, &[], &[2, 4], (TOL, TOL_WEIGHTS));
 }
 
 #[test]
-fn gpt2_split_with_bf16_and_checkpointing_equals_one_rank() {
+fn split_with_bf16_and_checkpointing_equals_one_rank() {
     let extra = ["train.precision=\"bf16\"", "train.activation_checkpointing=\"blocks\""];
-    equals_one_rank("gpt-bf16", GPT, &extra, &[2], TOL_BF16);
+    equals_one_rank("gpt-bf16", GPT, &extra, &[2], (TOL_BF16, TOL_BF16));
+    equals_one_rank("llama-bf16", LLAMA, &extra, &[2, 4], (TOL_BF16, TOL_BF16));
 }
 
 #[test]
 fn llama_gqa_at_two_and_four_tensor_ranks_equals_one_rank() {
     // T = 2 divides the 2 key/value heads; at T = 4 each is shared by two ranks.
-    equals_one_rank("llama", LLAMA, &[], &[2, 4], TOL);
+    equals_one_rank("llama", LLAMA, &[], &[2, 4], (TOL, TOL_WEIGHTS));
 }
 
 /// `model` on 8 thread ranks (D 2 × T 2 × P 2; with `extra`) against one rank.
@@ -133,7 +146,7 @@ fn three_d_equals_one_rank(tag: &str, model: &[&str], extra: &[&str]) {
     assert!(err.contains("× D 2"), "{tag}: the batch counts the D = 2 data ranks: {err}");
     assert_close_rel(&format!("3D {tag}: loss"), &losses(&out), &losses(&base), TOL);
     assert_close_rel(&format!("3D {tag}: val_loss"), &val_losses(&out), &val_losses(&base), TOL);
-    assert_weights_close(&format!("3D {tag}"), &out, &base, TOL);
+    assert_weights_close(&format!("3D {tag}"), &out, &base, TOL_WEIGHTS);
     for r in metrics(&out) {
         assert!(r["tp_bytes"].as_u64().unwrap() > 0 && r["p2p_bytes"].as_u64().unwrap() > 0, "{tag}: {r}");
     }
@@ -145,13 +158,13 @@ fn llama_lora_split_equals_one_rank() {
     // Adapters on every projection, the base frozen: A and B train beside
     // split and row-parallel weights alike.
     let lora = ["lora.r=2", "lora.alpha=4.0", "lora.target_modules=[\"all-linear\"]"];
-    equals_one_rank("llama-lora", LLAMA, &lora, &[2, 4], TOL);
+    equals_one_rank("llama-lora", LLAMA, &lora, &[2, 4], (TOL, TOL_WEIGHTS));
 }
 
 #[test]
 fn qwen2_with_qkv_biases_at_two_tensor_ranks_equals_one_rank() {
     let qwen2: Vec<&str> = [&["model.family=qwen2"], &LLAMA[1..]].concat();
-    equals_one_rank("qwen2", &qwen2, &[], &[2], TOL);
+    equals_one_rank("qwen2", &qwen2, &[], &[2], (TOL, TOL_WEIGHTS));
 }
 
 #[test]
@@ -186,7 +199,7 @@ fn a_checkpoint_resumes_at_another_tensor_pipeline_and_data_layout() {
         let (got, want) = (losses(&out), losses(&straight));
         assert_eq!(got.len(), 6, "{tag}");
         assert_close_rel(&format!("{tag}: steps 1-6"), &got, &want, TOL);
-        assert_weights_close(tag, &out, &straight, TOL);
+        assert_weights_close(tag, &out, &straight, TOL_WEIGHTS);
         let _ = std::fs::remove_dir_all(&out);
     }
     let _ = std::fs::remove_dir_all(&straight);
