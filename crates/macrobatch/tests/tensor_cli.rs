@@ -182,19 +182,32 @@ fn a_checkpoint_resumes_at_another_tensor_pipeline_and_data_layout() {
     train_ok(&straight, &sets(GPT, &six));
     // The checkpoint's config pins the batch's factorization: a resume at
     // another D names its K (global 8 = micro 2 × K × D).
-    let one = ["dist.world_size=1", "dist.tensor_parallel=1", "dist.pipeline_parallel=1", "batch.accumulation_steps=4"];
-    let t2 = ["dist.world_size=2", "dist.tensor_parallel=2", "dist.pipeline_parallel=1", "batch.accumulation_steps=4"];
-    let d2 = ["dist.world_size=2", "dist.tensor_parallel=1", "dist.pipeline_parallel=1", "batch.accumulation_steps=2"];
-    let t2p2 =
-        ["dist.world_size=4", "dist.tensor_parallel=2", "dist.pipeline_parallel=2", "batch.accumulation_steps=4"];
+    let one: &[&str] =
+        &["dist.world_size=1", "dist.tensor_parallel=1", "dist.pipeline_parallel=1", "batch.accumulation_steps=4"];
+    let t2: &[&str] =
+        &["dist.world_size=2", "dist.tensor_parallel=2", "dist.pipeline_parallel=1", "batch.accumulation_steps=4"];
+    let d2: &[&str] =
+        &["dist.world_size=2", "dist.tensor_parallel=1", "dist.pipeline_parallel=1", "batch.accumulation_steps=2"];
+    let t2p2: &[&str] =
+        &["dist.world_size=4", "dist.tensor_parallel=2", "dist.pipeline_parallel=2", "batch.accumulation_steps=4"];
+    let t2d2_zero1: &[&str] = &["dist.world_size=4", "dist.tensor_parallel=2", "dist.zero_stage=1"];
+    let one_zero0 = &[one, &["dist.zero_stage=0"]].concat();
     // Saved at T = 2, continued by one rank and by two data ranks; saved by
-    // one rank and by two data ranks, continued at T = 2 and at T = 2 × P = 2.
-    for (tag, before, after) in [("t2-t1", t2, one), ("t2-d2", t2, d2), ("t1-t2", one, t2), ("d2-t2p2", d2, t2p2)] {
+    // one rank and by two data ranks, continued at T = 2 and at T = 2 × P =
+    // 2; saved by T = 2 × D = 2 with ZeRO-1 (optimizer state sharded over
+    // the data group), continued by one rank.
+    for (tag, before, after) in [
+        ("t2-t1", t2, one),
+        ("t2-d2", t2, d2),
+        ("t1-t2", one, t2),
+        ("d2-t2p2", d2, t2p2),
+        ("t2d2z1-t1", t2d2_zero1, &one_zero0[..]),
+    ] {
         let out = tmp(&format!("tp-resumed-{tag}"));
-        let mut c = train_cmd(&out, &sets(GPT, &[&six[..], &before].concat()));
+        let mut c = train_cmd(&out, &sets(GPT, &[&six[..], before].concat()));
         let o = c.args(["--stop-after", "3"]).output().unwrap();
         assert!(o.status.success() && stderr(&o).contains("stopped after step 3"), "{tag}: {}", stderr(&o));
-        let err = resume_ok(&out, &after);
+        let err = resume_ok(&out, after);
         assert!(err.contains("step-00000003"), "{tag}: {err}");
         let (got, want) = (losses(&out), losses(&straight));
         assert_eq!(got.len(), 6, "{tag}");
