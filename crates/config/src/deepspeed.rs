@@ -116,13 +116,18 @@ impl DsBatch {
             Some(n) => (n, "from the MPI launcher"),
             None => (cfg.dist.world_size, "dist.world_size"),
         };
-        // With a pipeline DeepSpeed counts the data-parallel ranks only:
-        // world / dist.pipeline_parallel.
-        let p = cfg.dist.pipeline_parallel;
+        // With a pipeline or a tensor split DeepSpeed counts the
+        // data-parallel ranks only: world / (dist.pipeline_parallel ·
+        // dist.tensor_parallel).
+        let (p, t) = (cfg.dist.pipeline_parallel, cfg.dist.tensor_parallel);
         let w = cfg.dist.data_parallel(world, from)?;
-        let source = match p {
-            1 => from.to_string(),
-            _ => format!("world {world} {from} / dist.pipeline_parallel {p} stages: the data-parallel ranks"),
+        let source = match (p, t) {
+            (1, 1) => from.to_string(),
+            (_, 1) => format!("world {world} {from} / dist.pipeline_parallel {p} stages: the data-parallel ranks"),
+            (1, _) => format!("world {world} {from} / dist.tensor_parallel {t} tensor ranks: the data-parallel ranks"),
+            _ => format!(
+                "world {world} {from} / (dist.pipeline_parallel {p} stages × dist.tensor_parallel {t} tensor ranks): the data-parallel ranks"
+            ),
         };
         let rule = "the rule is train_batch_size = train_micro_batch_size_per_gpu × gradient_accumulation_steps × world; give two of them and the third is derived";
         let err = |m: String| Err(ConfigError::Batch(format!("{m} ({source}); {rule}")));
@@ -308,6 +313,9 @@ impl Translation {
         if let Some(v) = root.remove("pipeline") {
             self.pipeline(v)?;
         }
+        if let Some(v) = root.remove("tensor_parallel") {
+            self.tensor_parallel(v)?;
+        }
         if let Some(v) = root.remove("activation_checkpointing") {
             let m = self.object(v, "activation_checkpointing")?;
             self.set("train.activation_checkpointing", "blocks");
@@ -430,6 +438,22 @@ impl Translation {
             }
         }
         self.rest(m, "pipeline.");
+        Ok(())
+    }
+
+    /// `tensor_parallel` (AutoTP training): `autotp_size` →
+    /// `dist.tensor_parallel`; the rest has no counterpart (macrobatch's
+    /// families split their own blocks, Megatron-style).
+    fn tensor_parallel(&mut self, v: Value) -> Result<(), ConfigError> {
+        let mut m = self.object(v, "tensor_parallel")?;
+        if let Some(v) = m.remove("autotp_size") {
+            let n = self.whole(&v, "tensor_parallel.autotp_size")?;
+            if n == 0 {
+                return Err(self.err("tensor_parallel.autotp_size", "must be at least 1"));
+            }
+            self.set("dist.tensor_parallel", n as i64);
+        }
+        self.rest(m, "tensor_parallel.");
         Ok(())
     }
 
@@ -855,6 +879,7 @@ fn needs(path: &str) -> &'static str {
         "eps" => "a number, e.g. 1e-8",
         "weight_decay" => "a number, e.g. 0.01",
         "reduce_bucket_size" | "allgather_bucket_size" => "a number of elements per bucket, e.g. 5e8",
+        "autotp_size" => "a number: tensor-parallel ranks (dist.tensor_parallel)",
         "stages" => "a number: pipeline stages (dist.pipeline_parallel; DeepSpeed's \"auto\" takes them from the PipelineModule, which macrobatch does not have)",
         _ => "a concrete value",
     }
@@ -968,6 +993,26 @@ mod tests {
         assert!(e.contains("pipeline.stages needs") && e.contains("dist.pipeline_parallel"), "{e}");
         let w = ds(r#"{"train_batch_size": 8, "pipeline": {"partition": "parameters"}}"#, &[], false).unwrap().warnings;
         assert!(w.iter().any(|w| w.contains("pipeline.partition = \"parameters\"")), "{w:?}");
+    }
+
+    #[test]
+    fn autotp_size_is_the_tensor_split_and_the_batch_counts_data_ranks() {
+        let j = r#"{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+            "tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": true}}"#;
+        // 8 = 2 × 2 × D with D = 4 / 2 data-parallel ranks.
+        let c = ds(j, &["dist.world_size=4"], false).unwrap();
+        assert_eq!(c.config.dist.tensor_parallel, 2);
+        assert!(c.warnings.iter().any(|w| w.contains("tensor_parallel.tp_overlap_comm")), "{:?}", c.warnings);
+        let e = ds(j, &["dist.world_size=2"], false).unwrap_err().to_string();
+        assert!(
+            e.contains("needs world 2, but world is 1")
+                && e.contains("dist.tensor_parallel 2 tensor ranks: the data-parallel ranks"),
+            "{e}"
+        );
+        let e = ds(r#"{"train_batch_size": 8, "tensor_parallel": {"autotp_size": 0}}"#, &[], false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("tensor_parallel.autotp_size") && e.contains("at least 1"), "{e}");
     }
 
     #[test]

@@ -74,7 +74,7 @@ pub struct Config {
     pub lora: Option<toml::Table>,
 }
 
-/// `[dist]`: data and pipeline parallelism.
+/// `[dist]`: data, tensor and pipeline parallelism.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DistConfig {
@@ -107,25 +107,45 @@ pub struct DistConfig {
     /// layers); unset: an even split, the first stages taking the remainder.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pipeline_layers: Option<Vec<usize>>,
+    /// Tensor-parallel ranks T: each block's attention heads and MLP
+    /// columns split over T ranks (Megatron-LM's split), which run the same
+    /// micro-batches; the world's ranks form P × D × T. 1: no split.
+    pub tensor_parallel: usize,
 }
 
 impl DistConfig {
-    /// The data-parallel width D = `world` / `pipeline_parallel` of a world
-    /// of `world` ranks (`source` names where that number comes from); an
-    /// error naming the key and the fix unless P divides it.
+    /// The data-parallel width D = `world` / (`pipeline_parallel` ·
+    /// `tensor_parallel`) of a world of `world` ranks (`source` names where
+    /// that number comes from); an error naming the keys and the fix unless
+    /// P · T divides it.
     pub fn data_parallel(&self, world: usize, source: &str) -> Result<usize, ConfigError> {
-        let p = self.pipeline_parallel;
-        if p == 0 || !world.is_multiple_of(p) {
-            let fix = if p == 0 {
-                "must be at least 1 (1: no pipeline)".to_string()
-            } else {
-                format!(
-                    "must divide the world size {world} ({source}) into P stages × D data-parallel ranks; use a world size that is a multiple of {p}, or a divisor of {world} as dist.pipeline_parallel"
-                )
-            };
-            return Err(invalid("dist.pipeline_parallel", p, &fix));
+        let (p, t) = (self.pipeline_parallel, self.tensor_parallel);
+        if p == 0 {
+            return Err(invalid("dist.pipeline_parallel", p, "must be at least 1 (1: no pipeline)"));
         }
-        Ok(world / p)
+        if t == 0 {
+            return Err(invalid("dist.tensor_parallel", t, "must be at least 1 (1: no tensor split)"));
+        }
+        if t == 1 && !world.is_multiple_of(p) {
+            return Err(invalid(
+                "dist.pipeline_parallel",
+                p,
+                &format!(
+                    "must divide the world size {world} ({source}) into P stages × D data-parallel ranks; use a world size that is a multiple of {p}, or a divisor of {world} as dist.pipeline_parallel"
+                ),
+            ));
+        }
+        let pt = p.saturating_mul(t);
+        if !world.is_multiple_of(pt) {
+            return Err(invalid(
+                "dist.tensor_parallel",
+                t,
+                &format!(
+                    "dist.pipeline_parallel = {p} × dist.tensor_parallel = {t} = {pt} ranks per data-parallel replica must divide the world size {world} ({source}) into P stages × T tensor ranks × D data-parallel ranks; use a world size that is a multiple of {pt}, or a smaller dist.tensor_parallel or dist.pipeline_parallel"
+                ),
+            ));
+        }
+        Ok(world / pt)
     }
 }
 
@@ -154,6 +174,7 @@ impl Default for DistConfig {
             pipeline_parallel: 1,
             pipeline_schedule: ScheduleKind::OneFOneB,
             pipeline_layers: None,
+            tensor_parallel: 1,
         }
     }
 }
@@ -675,6 +696,19 @@ impl Config {
                 ),
             ));
         }
+        if dist.tensor_parallel == 0 {
+            return Err(invalid("dist.tensor_parallel", 0, "must be at least 1 (1: no tensor split)"));
+        }
+        if dist.tensor_parallel > 1 && dist.zero_stage >= 2 {
+            return Err(invalid(
+                "dist.zero_stage",
+                dist.zero_stage,
+                &format!(
+                    "ZeRO stages 2 and 3 do not compose with tensor parallelism (dist.tensor_parallel = {}; stages 0 and 1 do); set dist.zero_stage = 1 or dist.tensor_parallel = 1",
+                    dist.tensor_parallel
+                ),
+            ));
+        }
         if let Some(layers) = &dist.pipeline_layers {
             if layers.len() != dist.pipeline_parallel || layers.contains(&0) {
                 return Err(invalid(
@@ -1002,6 +1036,33 @@ mod tests {
         assert_eq!(d.data_parallel(8, "dist.world_size").unwrap(), 4);
         let e = d.data_parallel(3, "dist.world_size").unwrap_err().to_string();
         assert!(e.contains("dist.pipeline_parallel = 2") && e.contains("world size 3 (dist.world_size)"), "{e}");
+    }
+
+    #[test]
+    fn tensor_parallel_is_validated_and_divides_the_world_with_the_pipeline() {
+        let c = parse("", &["dist.tensor_parallel=2", "dist.pipeline_parallel=2"]).unwrap();
+        c.validate().unwrap();
+        assert_eq!(Config::default().dist.tensor_parallel, 1);
+        assert_eq!(c.dist.data_parallel(8, "dist.world_size").unwrap(), 2);
+        assert_eq!(c.dist.data_parallel(4, "dist.world_size").unwrap(), 1);
+        let e = c.dist.data_parallel(6, "dist.world_size").unwrap_err().to_string();
+        for needle in
+            ["dist.pipeline_parallel = 2", "dist.tensor_parallel = 2", "= 4 ranks", "world size 6 (dist.world_size)"]
+        {
+            assert!(e.contains(needle), "`{needle}` missing: {e}");
+        }
+        // A world P divides but P · T does not is T's fault.
+        let e = c.dist.data_parallel(2, "dist.world_size").unwrap_err().to_string();
+        assert!(e.starts_with("dist.tensor_parallel = 2"), "{e}");
+        for (sets, field, fix) in [
+            (&["dist.tensor_parallel=0"][..], "dist.tensor_parallel", "at least 1"),
+            (&["dist.tensor_parallel=2", "dist.zero_stage=2"][..], "dist.zero_stage", "dist.tensor_parallel = 1"),
+            (&["dist.tensor_parallel=2", "dist.zero_stage=3"][..], "dist.zero_stage", "set dist.zero_stage = 1"),
+        ] {
+            let e = parse("", sets).unwrap().validate().unwrap_err().to_string();
+            assert!(e.contains(field) && e.contains(fix), "{sets:?}: {e}");
+        }
+        parse("", &["dist.tensor_parallel=4", "dist.zero_stage=1"]).unwrap().validate().unwrap();
     }
 
     #[test]

@@ -61,6 +61,7 @@ fn gpt2_tied_embedding_copies_agree_after_pipeline_steps() {
         precision: Precision::F32,
         checkpointing: Checkpointing::None,
         zero: 0,
+        clip: false,
     };
     let reference = run_layout(&case, base).unwrap();
     let bit = check_pipeline(&case, Layout { p: 2, ..base }, &reference, 1e-6, 1e-5).unwrap();

@@ -14,9 +14,13 @@
 //! are sums over the batch of such values, so within 1e-6 relative. After
 //! 3 AdamW steps (ε = 1e-4) a gradient near ε moves its parameter by up to
 //! lr, amplifying rounding: parameters within 1e-5 of the largest, the
-//! suite's tolerance for reordered sums. With bf16 storage a reordered sum
-//! can round a stored activation to the neighbouring bf16 value (2^-8
-//! relative), so bf16 runs are held to 1e-3 (losses) and 1e-3 (parameters).
+//! suite's tolerance for reordered sums. With 16-bit storage a reordered
+//! sum can round a stored activation to the neighbouring 16-bit value
+//! (2^-8 relative in bf16, 2^-11 in f16, where activation gradients are
+//! rounded between layers too: the step-0 gradient norm moved by 6e-5
+//! relative, measured), and AdamW turns a gradient difference near its ε
+//! into a move of up to lr: 16-bit runs are held to 1e-3 (losses) and
+//! 5e-3 of the largest parameter (measured up to 3.5e-3, f16 with LoRA).
 //! Measured (AMD EPYC Zen 3): largest relative loss difference 8.9e-6
 //! without LoRA (a bf16 run), 8.5e-8 with it.
 
@@ -26,7 +30,7 @@ use common::{pipeline::tensor_matrix, suite};
 use llama::{LlamaConfig, LoraConfig};
 
 const F32: (f64, f32) = (1e-6, 1e-5);
-const BF16: (f64, f32) = (1e-3, 1e-3);
+const LOW: (f64, f32) = (1e-3, 5e-3);
 
 fn cfg() -> LlamaConfig {
     LlamaConfig { n_layer: 4, ..suite::tiny_gqa() }
@@ -34,14 +38,19 @@ fn cfg() -> LlamaConfig {
 
 #[test]
 fn llama_split_over_tensor_ranks_matches_uncut() {
-    let worst = tensor_matrix(cfg(), None, &[2, 4], F32, BF16);
+    let worst = tensor_matrix(cfg(), None, &[2, 4], F32, LOW);
     println!("largest relative loss difference vs uncut: {worst:e}");
 }
 
 #[test]
 fn llama_tensor_parallel_with_lora_matches_uncut() {
     let lora = LoraConfig::new(2, 4.0, &["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]);
-    let worst = tensor_matrix(cfg(), Some(lora), &[2], F32, BF16);
+    // With clipping always active, the reported gradient norm is compared
+    // too (1e-5 here): a whole A beside a split B (q, k, v, gate, up) gets
+    // its gradient as a sum of the ranks' parts, which cancel (the parts
+    // are ~30× the sum measured), so rounding relative to the sum grows by
+    // that factor — measured 3.3e-6 relative on the step-1 norm.
+    let worst = tensor_matrix(cfg(), Some(lora), &[2], (1e-5, 1e-5), LOW);
     println!("LoRA: largest relative loss difference vs uncut: {worst:e}");
 }
 

@@ -3,15 +3,21 @@
 //! Warm-up steps, then measured optimizer steps; ms/step (median, min, max),
 //! tokens/s, achieved GFLOP/s and MFU, the share of a step spent outside the
 //! model's forward/backward (engine overhead), and for K ∈ {1, 2, 4, 8} at a
-//! fixed global batch the step time relative to K = 1.
+//! fixed global batch the step time relative to K = 1. With
+//! `dist.tensor_parallel = T` (and `dist.world_size = T`) the T thread
+//! ranks that split the model are measured together, and the model's
+//! tensor-parallel all-reduces (time, bytes, calls per step) are reported.
 
 use crate::dist::Backend;
-use crate::setup::{load_config, model_for, plan, rank_batches, trainer_for, Plan};
+use crate::ranks::run_thread_ranks;
+use crate::setup::{load_config, model_for_rank, plan, rank_batches, scratch_offload_root, Plan, RankComms};
 use crate::BenchArgs;
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
+use comm::Communicator;
 use data::{BatchShape, Sampler};
 use serde::Serialize;
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Interleaved rounds of the K sweep.
 const K_SWEEP_ROUNDS: usize = 3;
@@ -96,6 +102,21 @@ struct Timing {
     activation_bytes: usize,
     /// Bytes of the parameter copy the model reads.
     param_copy_bytes: usize,
+    /// With `dist.tensor_parallel = T`: rank 0's all-reduces inside the model.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tensor_parallel: Option<TensorTraffic>,
+}
+
+/// A step's tensor-parallel all-reduces on rank 0 (the same on every rank
+/// of the group, up to waiting).
+#[derive(Debug, Clone, Copy, Serialize)]
+struct TensorTraffic {
+    /// Median milliseconds per step spent in them (waiting included).
+    ms_median: f64,
+    /// Bytes contributed per step.
+    bytes: u64,
+    /// All-reduce calls per step.
+    calls: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -145,14 +166,44 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-/// Times `steps` optimizer steps after `warmup`, with the batch factored as `shape`.
-fn time_steps(plan: &Plan, shape: BatchShape, warmup: usize, steps: usize) -> Result<Timing> {
+/// Times `steps` optimizer steps after `warmup`, with the batch factored
+/// as `shape`: on one rank, or with `dist.tensor_parallel = T` on the T
+/// thread ranks that split the model (rank 0's timing).
+fn time_steps(plan: &Arc<Plan>, shape: BatchShape, warmup: usize, steps: usize) -> Result<Timing> {
+    match plan.backend {
+        Backend::Threads(world) => {
+            let timing = Arc::new(Mutex::new(None));
+            let (plan, out) = (plan.clone(), timing.clone());
+            let timeout = Duration::from_secs_f64(plan.cfg.dist.timeout_s);
+            run_thread_ranks(world, timeout, move |c| {
+                let t = time_rank(&plan, shape, warmup, steps, c)?;
+                if c.rank() == 0 {
+                    *out.lock().map_err(|_| anyhow!("rank 0's timing was lost"))? = Some(t);
+                }
+                Ok(())
+            })?;
+            let t = timing.lock().map_err(|_| anyhow!("rank 0's timing was lost"))?.take();
+            t.context("rank 0 measured nothing")
+        }
+        Backend::Single | Backend::Mpi(_) => time_rank(plan, shape, warmup, steps, &mut comm::SingleProcess::new()),
+    }
+}
+
+/// [`time_steps`] on the rank of `comm`.
+fn time_rank(
+    plan: &Plan,
+    shape: BatchShape,
+    warmup: usize,
+    steps: usize,
+    comm: &mut dyn Communicator,
+) -> Result<Timing> {
     let cfg = &plan.cfg;
     let sampler = Sampler::new(plan.train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?;
-    let mut model = model_for(plan)?;
-    let mut comm = comm::SingleProcess::new();
-    let mut trainer = trainer_for(plan, &model, &mut comm)?;
-    let (mut ms, mut overhead) = (Vec::new(), Vec::new());
+    let mut model = model_for_rank(plan, plan.grid.tp_rank(comm.rank()))?;
+    let mut comms = RankComms::new(plan, &mut model, comm)?;
+    let mut trainer = comms.trainer(plan, &model, None, &scratch_offload_root())?;
+    let (mut ms, mut overhead, mut tp_ms) = (Vec::new(), Vec::new(), Vec::new());
+    let mut tp = None;
     for i in 0..warmup + steps {
         let (epoch, s) = sampler.position(i as u64);
         let order = sampler.epoch_order(epoch);
@@ -160,12 +211,16 @@ fn time_steps(plan: &Plan, shape: BatchShape, warmup: usize, steps: usize) -> Re
             linalg::backend::reset_counts();
         }
         let t0 = Instant::now();
-        let batches = rank_batches(plan, &sampler, &order, s, 0)?;
-        let report = trainer.step(&mut model, &mut comm, &batches)?;
+        let batches = rank_batches(plan, &sampler, &order, s, comms.data_rank())?;
+        let report = comms.step(&mut trainer, &mut model, &batches)?;
         let total = t0.elapsed().as_secs_f64();
         if i >= warmup {
             ms.push(total * 1e3);
             overhead.push(100.0 * (1.0 - report.model_s / total));
+            if let Some(t) = report.tensor {
+                tp_ms.push(t.seconds * 1e3);
+                tp = Some(TensorTraffic { ms_median: 0.0, bytes: t.bytes, calls: t.calls });
+            }
         }
     }
     let tokens = (shape.global() * plan.train.seq_len()) as f64;
@@ -186,6 +241,7 @@ fn time_steps(plan: &Plan, shape: BatchShape, warmup: usize, steps: usize) -> Re
         saved_activation_bytes: model.saved_activation_bytes(),
         activation_bytes: model.activation_bytes(),
         param_copy_bytes: mem.params,
+        tensor_parallel: tp.map(|t| TensorTraffic { ms_median: median(&mut tp_ms), ..t }),
     })
 }
 
@@ -244,10 +300,19 @@ pub fn run(args: BenchArgs) -> Result<()> {
         bail!("--steps 0: bench needs at least one measured step (e.g. --steps 10)");
     }
     let cfg = load_config(args.config.as_deref(), &args.set, &args.deepspeed)?;
-    if cfg.dist.world_size != 1 {
-        bail!("bench measures one rank; leave dist.world_size at 1");
+    let (world, t) = (cfg.dist.world_size, cfg.dist.tensor_parallel);
+    if cfg.dist.pipeline_parallel != 1 {
+        bail!(
+            "bench measures one rank, or the ranks splitting the model's tensors; it does not run pipelines: set dist.pipeline_parallel = 1"
+        );
     }
-    let plan = plan(cfg, Backend::Single)?;
+    if world != 1 && world != t {
+        bail!(
+            "bench measures one rank, or the dist.tensor_parallel = {t} ranks splitting the model's tensors; set dist.world_size = {t}"
+        );
+    }
+    let backend = if world > 1 { Backend::Threads(world) } else { Backend::Single };
+    let plan = Arc::new(plan(cfg, backend)?);
     crate::planning::check_memory(&plan)?;
     if plan.cfg.train.threads > 0 {
         rayon::ThreadPoolBuilder::new().num_threads(plan.cfg.train.threads).build_global()?;
@@ -302,7 +367,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     let s = &report.step;
     println!(
-        "bench: GPT-2 {} ({:.2}M params), seq {}, global batch {} = micro {} × K {}, {} threads, {} measured steps after {} warm-up",
+        "bench: {} {} ({:.2}M params), seq {}, global batch {} = micro {} × K {}, {} threads, {} measured steps after {} warm-up",
+        plan.family.name(),
         report.preset,
         report.n_params as f64 / 1e6,
         report.seq_len,
@@ -330,6 +396,16 @@ pub fn run(args: BenchArgs) -> Result<()> {
         report.gemm_peak_gflops
     );
     println!("  overhead      {:.2}% of a step outside the model's forward/backward", s.overhead_pct);
+    if let Some(tp) = &s.tensor_parallel {
+        println!(
+            "  tensor ∥      T = {}: all-reduces {:.2} ms/step ({:.1}% of the step), {:.2} MB/step per rank in {} calls",
+            plan.grid.tensor,
+            tp.ms_median,
+            100.0 * tp.ms_median / s.ms_median,
+            tp.bytes as f64 / 1e6,
+            tp.calls
+        );
+    }
     println!(
         "  memory        {}: saved activations {:.1} MB, all activation buffers {:.1} MB, parameter copy {:.1} MB, peak RSS {:.0} MB",
         report.precision,

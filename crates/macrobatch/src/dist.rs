@@ -44,15 +44,19 @@ impl Backend {
     }
 }
 
-/// How the world's ranks divide into pipeline stages and data-parallel
-/// ranks (Megatron-LM's order: pipeline outer, data inner): rank
-/// r = stage · D + d, so the D ranks of a stage are neighbours and the
-/// P stages of data rank d are D apart.
+/// How the world's ranks divide into pipeline stages, data-parallel ranks
+/// and tensor-parallel ranks (Megatron-LM's order: pipeline outer, tensor
+/// innermost): rank r = stage · (D · T) + d · T + t, so the T ranks that
+/// split one replica's tensors are neighbours, the D ranks holding the
+/// same part of the model are T apart and the P stages of one pipeline
+/// D · T apart.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Grid {
     /// Pipeline stages P (1: no pipeline).
     pub stages: usize,
-    /// Data-parallel ranks D per stage (= world / P).
+    /// Tensor-parallel ranks T (1: no split).
+    pub tensor: usize,
+    /// Data-parallel ranks D (= world / (P · T)).
     pub data: usize,
     /// The layers (blocks) each stage runs.
     pub cuts: Vec<Range<usize>>,
@@ -62,12 +66,18 @@ pub struct Grid {
 
 impl Grid {
     /// The grid of `dist` for a world of `world` ranks (`source`: where
-    /// that number comes from) and a model of `n_layers` layers: P must
+    /// that number comes from) and a model of `n_layers` layers: P · T must
     /// divide the world and every stage needs a layer.
     pub fn new(dist: &config::DistConfig, world: usize, source: &str, n_layers: usize) -> Result<Self> {
         let data = dist.data_parallel(world, source)?;
         let cuts = engine::pipeline::split_layers(n_layers, dist.pipeline_parallel, dist.pipeline_layers.as_deref())?;
-        Ok(Self { stages: dist.pipeline_parallel, data, cuts, schedule: dist.pipeline_schedule })
+        Ok(Self {
+            stages: dist.pipeline_parallel,
+            tensor: dist.tensor_parallel,
+            data,
+            cuts,
+            schedule: dist.pipeline_schedule,
+        })
     }
 
     /// Whether the model is cut into more than one stage.
@@ -75,31 +85,64 @@ impl Grid {
         self.stages > 1
     }
 
-    /// The stage of world rank `rank`.
-    pub fn stage_of(&self, rank: usize) -> usize {
-        rank / self.data
+    /// Whether tensors are split over more than one rank.
+    pub fn is_tensor_parallel(&self) -> bool {
+        self.tensor > 1
     }
 
-    /// The data-parallel rank (its place within its stage) of world rank `rank`.
+    /// Whether a rank holds less than the whole model (a stage, a tensor
+    /// slice or both): it then trains through the staged path.
+    pub fn is_split(&self) -> bool {
+        self.is_pipeline() || self.is_tensor_parallel()
+    }
+
+    /// The stage of world rank `rank`.
+    pub fn stage_of(&self, rank: usize) -> usize {
+        rank / (self.data * self.tensor)
+    }
+
+    /// The data-parallel rank (which micro-batches it trains on) of world rank `rank`.
     pub fn data_rank_of(&self, rank: usize) -> usize {
-        rank % self.data
+        (rank / self.tensor) % self.data
+    }
+
+    /// The tensor-parallel rank (which slices it holds) of world rank `rank`.
+    pub fn tensor_rank_of(&self, rank: usize) -> usize {
+        rank % self.tensor
+    }
+
+    /// The tensor-parallel place of world rank `rank`: which slices its model holds.
+    pub fn tp_rank(&self, rank: usize) -> engine::TpRank {
+        engine::TpRank { rank: self.tensor_rank_of(rank), size: self.tensor }
     }
 
     /// One line for the run header, e.g. `pipeline: P=2 (1f1b, layers 0-1 |
-    /// 2-3), data parallel D=2; rank r = stage·2 + data`.
+    /// 2-3), data parallel D=2; rank r = stage·2 + data`, or with a tensor
+    /// split `3D: P=2 × T=2 × D=2; rank r = stage·4 + data·2 + tensor;
+    /// pipeline 1f1b, layers 0-1 | 2-3`.
     pub fn describe(&self) -> String {
         let cuts: Vec<String> = self
             .cuts
             .iter()
             .map(|r| if r.len() == 1 { format!("{}", r.start) } else { format!("{}-{}", r.start, r.end - 1) })
             .collect();
+        let (p, t, d) = (self.stages, self.tensor, self.data);
+        if t == 1 {
+            return format!(
+                "pipeline: P={p} ({}, layers {}), data parallel D={d}; rank r = stage·{d} + data",
+                self.schedule,
+                cuts.join(" | ")
+            );
+        }
+        let data = if d > 1 { format!("data·{t} + ") } else { String::new() };
+        if p == 1 {
+            return format!("tensor parallel: T={t} × D={d}; rank r = {data}tensor");
+        }
         format!(
-            "pipeline: P={} ({}, layers {}), data parallel D={}; rank r = stage·{} + data",
-            self.stages,
+            "3D: P={p} × T={t} × D={d}; rank r = stage·{} + {data}tensor; pipeline {}, layers {}",
+            d * t,
             self.schedule,
-            cuts.join(" | "),
-            self.data,
-            self.data
+            cuts.join(" | ")
         )
     }
 }
@@ -254,5 +297,30 @@ mod tests {
         dist.pipeline_layers = Some(vec![1, 1, 1, 1]);
         let e = Grid::new(&dist, 4, "dist.world_size", 8).unwrap_err().to_string();
         assert!(e.contains("dist.pipeline_layers") && e.contains("8 layers"), "{e}");
+    }
+
+    #[test]
+    fn ranks_are_stage_major_tensor_innermost_and_the_header_says_so() {
+        let dist = config::DistConfig { pipeline_parallel: 2, tensor_parallel: 2, ..Default::default() };
+        let g = Grid::new(&dist, 8, "dist.world_size", 4).unwrap();
+        assert_eq!((g.stages, g.tensor, g.data), (2, 2, 2));
+        let place: Vec<(usize, usize, usize)> =
+            (0..8).map(|r| (g.stage_of(r), g.data_rank_of(r), g.tensor_rank_of(r))).collect();
+        let want: Vec<(usize, usize, usize)> =
+            (0..2).flat_map(|s| (0..2).flat_map(move |d| (0..2).map(move |t| (s, d, t)))).collect();
+        assert_eq!(place, want, "r = s·4 + d·2 + t");
+        assert_eq!(
+            g.describe(),
+            "3D: P=2 × T=2 × D=2; rank r = stage·4 + data·2 + tensor; pipeline 1f1b, layers 0-1 | 2-3"
+        );
+        assert!(g.is_split() && g.is_pipeline() && g.is_tensor_parallel());
+        let dist = config::DistConfig { tensor_parallel: 2, ..Default::default() };
+        let g = Grid::new(&dist, 4, "dist.world_size", 4).unwrap();
+        assert_eq!(g.describe(), "tensor parallel: T=2 × D=2; rank r = data·2 + tensor");
+        assert!(g.is_split() && !g.is_pipeline());
+        let g = Grid::new(&dist, 2, "dist.world_size", 4).unwrap();
+        assert_eq!(g.describe(), "tensor parallel: T=2 × D=1; rank r = tensor");
+        let e = Grid::new(&dist, 3, "dist.world_size", 4).unwrap_err().to_string();
+        assert!(e.contains("dist.tensor_parallel = 2") && e.contains("world size 3"), "{e}");
     }
 }

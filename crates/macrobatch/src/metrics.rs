@@ -79,6 +79,17 @@ pub struct StepRecord {
     /// sent to its neighbour in the step.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub p2p_bytes: Option<u64>,
+    /// With tensor parallelism: seconds rank 0 spent in the model's
+    /// tensor-parallel all-reduces in the step (waiting for the slowest
+    /// rank of its group included).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tp_allreduce_s: Option<f64>,
+    /// With tensor parallelism: bytes rank 0 contributed to them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tp_bytes: Option<u64>,
+    /// With tensor parallelism: how many there were.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tp_calls: Option<u64>,
 }
 
 /// Writes metrics and shows progress.

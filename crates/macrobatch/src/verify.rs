@@ -71,6 +71,12 @@ pub fn run(args: VerifyArgs) -> Result<bool> {
             cfg.dist.pipeline_parallel
         );
     }
+    if cfg.dist.tensor_parallel > 1 {
+        bail!(
+            "verify compares data-parallel shapes of one step (dist.tensor_parallel = {}); run it with --set dist.tensor_parallel=1 (a tensor-parallel step equals the unsplit one within rounding: `train` with both and compare metrics.jsonl)",
+            cfg.dist.tensor_parallel
+        );
+    }
     let world = cfg.dist.world_size;
     let backend = if world > 1 { Backend::Threads(world) } else { Backend::Single };
     let plan = Arc::new(plan(cfg, backend)?);

@@ -31,22 +31,8 @@ fn sets<'a>(extra: &[&'a str]) -> Vec<&'a str> {
     s
 }
 
-fn run_ok(out: &Path, s: &[&str]) -> String {
-    let o = train(out, s);
-    let err = stderr(&o);
-    assert!(o.status.success(), "{s:?}: {err}");
-    err
-}
-
 fn assert_close(what: &str, a: &[f64], b: &[f64]) {
-    assert_eq!(a.len(), b.len(), "{what}");
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!((x - y).abs() <= TOL * y.abs(), "{what}, line {i}: {x} vs {y}");
-    }
-}
-
-fn val_losses(out: &Path) -> Vec<f64> {
-    metrics(out).iter().filter_map(|r| r["val_loss"].as_f64()).collect()
+    assert_close_rel(what, a, b, TOL);
 }
 
 fn assert_weights_close(what: &str, a: &Path, b: &Path) {
@@ -58,11 +44,11 @@ fn assert_weights_close(what: &str, a: &Path, b: &Path) {
 #[test]
 fn two_stages_by_two_data_ranks_equal_two_data_ranks_under_both_schedules() {
     let base = tmp("pipe-base");
-    run_ok(&base, &sets(&["dist.world_size=2"]));
+    train_ok(&base, &sets(&["dist.world_size=2"]));
     for schedule in ["1f1b", "gpipe"] {
         let out = tmp(&format!("pipe-{schedule}"));
         let kind = format!("dist.pipeline_schedule=\"{schedule}\"");
-        let err = run_ok(&out, &sets(&["dist.world_size=4", "dist.pipeline_parallel=2", &kind]));
+        let err = train_ok(&out, &sets(&["dist.world_size=4", "dist.pipeline_parallel=2", &kind]));
         assert!(
             err.contains(&format!(
                 "pipeline: P=2 ({schedule}, layers 0-1 | 2-3), data parallel D=2; rank r = stage·2 + data"
@@ -97,25 +83,15 @@ fn two_stages_by_two_data_ranks_equal_two_data_ranks_under_both_schedules() {
 #[test]
 fn zero_1_and_disk_offload_compose_with_a_pipeline() {
     let base = tmp("pipe-z1-base");
-    run_ok(&base, &sets(&["dist.world_size=2", "dist.zero_stage=1"]));
+    train_ok(&base, &sets(&["dist.world_size=2", "dist.zero_stage=1"]));
     let out = tmp("pipe-z1");
     let stages =
         ["dist.world_size=4", "dist.pipeline_parallel=2", "dist.zero_stage=1", "dist.offload_optimizer=\"disk\""];
-    run_ok(&out, &sets(&stages));
+    train_ok(&out, &sets(&stages));
     assert_close("ZeRO-1 + offload: loss", &losses(&out), &losses(&base));
     assert_weights_close("ZeRO-1 + offload", &out, &base);
     assert!(!out.join("offload").exists(), "the offload folder is removed at the end");
     let _ = (std::fs::remove_dir_all(&base), std::fs::remove_dir_all(&out));
-}
-
-fn resume(dir: &Path, s: &[&str]) -> String {
-    let mut c = bin();
-    c.arg("train").arg("--resume").arg(dir);
-    with_sets(&mut c, s);
-    let o = c.output().unwrap();
-    let err = stderr(&o);
-    assert!(o.status.success(), "{err}");
-    err
 }
 
 /// Saved at step 3 under `before`, resumed to step 6 under `after`: steps
@@ -123,12 +99,12 @@ fn resume(dir: &Path, s: &[&str]) -> String {
 fn resume_across(tag: &str, before: &[&str], after: &[&str]) {
     let six = ["train.steps=6", "train.eval_every=0"];
     let straight = tmp(&format!("pipe-straight-{tag}"));
-    run_ok(&straight, &sets(&[&six[..], &["dist.world_size=1"]].concat()));
+    train_ok(&straight, &sets(&[&six[..], &["dist.world_size=1"]].concat()));
     let out = tmp(&format!("pipe-resumed-{tag}"));
     let mut c = train_cmd(&out, &sets(&[&six[..], before].concat()));
     let o = c.args(["--stop-after", "3"]).output().unwrap();
     assert!(o.status.success() && stderr(&o).contains("stopped after step 3"), "{}", stderr(&o));
-    let err = resume(&out, after);
+    let err = resume_ok(&out, after);
     assert!(err.contains("step-00000003"), "{err}");
     let (got, want) = (losses(&out), losses(&straight));
     assert_eq!(got.len(), 6);
@@ -154,20 +130,7 @@ fn a_checkpoint_resumes_at_another_pipeline_width() {
 
 /// A refused run: non-zero exit, `needles` in the message, no folder.
 fn refused(tag: &str, config: Option<&Path>, s: &[&str], needles: &[&str]) {
-    let out = tmp(&format!("pipe-bad-{tag}"));
-    let mut c = bin();
-    c.arg("train").arg("--out").arg(&out);
-    if let Some(p) = config {
-        c.arg(p);
-    }
-    with_sets(&mut c, s);
-    let o = c.output().unwrap();
-    let err = stderr(&o);
-    assert!(!o.status.success(), "{tag}: must fail: {err}");
-    for n in needles {
-        assert!(err.contains(n), "{tag}: `{n}` missing in: {err}");
-    }
-    assert!(!out.exists(), "{tag}: no run folder may be created");
+    refused_train(&format!("pipe-{tag}"), config, s, needles);
 }
 
 #[test]

@@ -20,6 +20,6 @@ fn qwen2_split_over_tensor_ranks_matches_uncut() {
         rope_theta: tiny.rope_theta,
         ..tiny_gqa()
     };
-    let worst = tensor_matrix(cfg, None, &[2, 4], (1e-6, 1e-5), (1e-3, 1e-3));
+    let worst = tensor_matrix(cfg, None, &[2, 4], (1e-6, 1e-5), (1e-3, 5e-3));
     println!("largest relative loss difference vs uncut: {worst:e}");
 }

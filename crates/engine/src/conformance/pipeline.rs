@@ -46,6 +46,10 @@ pub struct Layout {
     pub checkpointing: Checkpointing,
     /// ZeRO stage (0 or 1).
     pub zero: u8,
+    /// Clip the gradient to a norm of 1e-3 (always active), and record
+    /// each step's gradient norm after its loss: a norm that counted a
+    /// tensor twice (or a piece not at all) moves every update.
+    pub clip: bool,
 }
 
 /// Per-step losses and the final parameters of a run.
@@ -118,7 +122,8 @@ fn one_rank<M: StagedModel<Batch = TokenBatch>>(
     let mut model = (case.model)(l.precision, l.checkpointing, TpRank { rank: tr, size: l.t });
     let n = case.init.len();
     let opt = Optimizer::AdamW(AdamW::new(n, 0.9, 0.95, 1e-4, 0.1).map_err(err("AdamW"))?);
-    let options = TrainerOptions { precision: l.precision, ..TrainerOptions::default() };
+    let options =
+        TrainerOptions { precision: l.precision, grad_clip: l.clip.then_some(1e-3), ..TrainerOptions::default() };
     let sched = LrSchedule { warmup_steps: 2, total_steps: 10, ..LrSchedule::constant(1e-2) };
     let zero = ZeroConfig { stage: l.zero, ..ZeroConfig::default() };
     let mut losses = Vec::new();
@@ -128,6 +133,9 @@ fn one_rank<M: StagedModel<Batch = TokenBatch>>(
         for s in 0..3 {
             let rep = t.step(&mut model, &mut *dp, &batches(case.seqs, s, dr, l.d)).map_err(err("step"))?;
             losses.push(rep.loss);
+            if l.clip {
+                losses.push(rep.grad_norm);
+            }
         }
         let full = t.full_params(&mut *dp).map_err(err("full params"))?;
         return Ok((losses, (r == 0).then_some(full)));
@@ -149,6 +157,9 @@ fn one_rank<M: StagedModel<Batch = TokenBatch>>(
             return Err(format!("step {s}: a tensor-parallel step reports no all-reduces"));
         }
         losses.push(rep.loss);
+        if l.clip {
+            losses.push(rep.grad_norm);
+        }
     }
     let local = t.full_params(&mut *dp).map_err(err("full params"))?;
     if split {
@@ -253,7 +264,16 @@ pub fn check_all_layouts<M: StagedModel<Batch = TokenBatch> + Send>(
     for precision in [Precision::F32, Precision::Bf16] {
         for checkpointing in [Checkpointing::None, Checkpointing::Blocks] {
             for d in [1, 2] {
-                let base = Layout { p: 1, d, t: 1, kind: ScheduleKind::OneFOneB, precision, checkpointing, zero: 0 };
+                let base = Layout {
+                    p: 1,
+                    d,
+                    t: 1,
+                    kind: ScheduleKind::OneFOneB,
+                    precision,
+                    checkpointing,
+                    zero: 0,
+                    clip: false,
+                };
                 let reference = run_layout(case, base)?;
                 for p in [2, 4] {
                     for kind in [ScheduleKind::OneFOneB, ScheduleKind::GPipe] {
@@ -271,16 +291,19 @@ pub fn check_all_layouts<M: StagedModel<Batch = TokenBatch> + Send>(
         precision: Precision::F32,
         checkpointing: Checkpointing::None,
         zero: 1,
+        clip: false,
     };
     let reference = run_layout(case, base)?;
     check(Layout { p: 2, ..base }, &reference)
 }
 
-/// Tensor parallelism against uncut: T ∈ {2, 4} (P = 1, D = 1) × f32/bf16
-/// × checkpointing off/on; 3D (P = 2 × T = 2 × D = 2) and T = 2 × D = 2
-/// at ZeRO-1 against uncut at D = 2 — losses within `loss_rtol`,
-/// parameters within `rtol` (see [`check_pipeline`]). Returns the largest
-/// relative loss difference seen (for the caller to report).
+/// Tensor parallelism against uncut: T ∈ `ts` (P = 1, D = 1) ×
+/// f32/bf16/f16 (dynamic loss scale) × checkpointing off/on; 3D (P = 2 ×
+/// T = 2 × D = 2) and T = 2 × D = 2 at ZeRO-1 against uncut at D = 2; with
+/// clipping always active, T = 2 and P = 2 × T = 2 at ZeRO-1 against uncut
+/// (gradient norms compared too) — losses within `loss_rtol`, parameters
+/// within `rtol` (see [`check_pipeline`]; the 16-bit runs within the second
+/// pair). Returns the largest relative loss difference seen.
 pub fn check_tensor_layouts<M: StagedModel<Batch = TokenBatch> + Send>(
     case: &PipelineCase<'_, M>,
     (loss_rtol, rtol): (f64, f32),
@@ -296,10 +319,19 @@ pub fn check_tensor_layouts<M: StagedModel<Batch = TokenBatch> + Send>(
         }
         Ok(())
     };
-    for precision in [Precision::F32, Precision::Bf16] {
-        let tol = if precision == Precision::Bf16 { (bf16_loss_rtol, bf16_rtol) } else { (loss_rtol, rtol) };
+    for precision in [Precision::F32, Precision::Bf16, Precision::F16] {
+        let tol = if precision.is_low() { (bf16_loss_rtol, bf16_rtol) } else { (loss_rtol, rtol) };
         for checkpointing in [Checkpointing::None, Checkpointing::Blocks] {
-            let base = Layout { p: 1, d: 1, t: 1, kind: ScheduleKind::OneFOneB, precision, checkpointing, zero: 0 };
+            let base = Layout {
+                p: 1,
+                d: 1,
+                t: 1,
+                kind: ScheduleKind::OneFOneB,
+                precision,
+                checkpointing,
+                zero: 0,
+                clip: false,
+            };
             let reference = run_layout(case, base)?;
             for &t in ts {
                 check(Layout { t, ..base }, &reference, tol)?;
@@ -314,9 +346,15 @@ pub fn check_tensor_layouts<M: StagedModel<Batch = TokenBatch> + Send>(
         precision: Precision::F32,
         checkpointing: Checkpointing::None,
         zero: 0,
+        clip: false,
     };
     let reference = run_layout(case, base)?;
     check(Layout { p: 2, t: 2, ..base }, &reference, (loss_rtol, rtol))?;
     check(Layout { t: 2, zero: 1, ..base }, &reference, (loss_rtol, rtol))?;
+    // Clipping always active: the global norm (each piece once) decides every update.
+    let clipped = Layout { d: 1, clip: true, ..base };
+    let reference = run_layout(case, clipped)?;
+    check(Layout { t: 2, ..clipped }, &reference, (loss_rtol, rtol))?;
+    check(Layout { p: 2, t: 2, zero: 1, ..clipped }, &reference, (loss_rtol, rtol))?;
     Ok(worst)
 }

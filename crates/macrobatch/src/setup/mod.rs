@@ -1,16 +1,18 @@
 //! Run set-up shared by the commands that train, measure or plan a run
 //! (`train`, `bench`, `verify`, `plan`): the config as read (TOML or
 //! DeepSpeed JSON, with `--set`), the validated [`Plan`] (model, data,
-//! batch, launcher), `batch.micro = "auto"`, and the model, trainer and
-//! micro-batches of a rank.
+//! batch, launcher), `batch.micro = "auto"`, and the model, trainer,
+//! groups ([`RankComms`]) and micro-batches of a rank.
 
+mod rank_comms;
 mod samples;
 mod trainer;
 
+pub use rank_comms::{FullState, RankComms};
 pub use samples::{rank_batches, text_files};
 pub use trainer::{
-    apply_trainable, bucket_elems, model_for, remove_offload_root, remove_scratch_offload_root, trainable_patterns,
-    trainer_for, trainer_placed, Placement,
+    apply_trainable, bucket_elems, model_for, model_for_rank, remove_offload_root, remove_scratch_offload_root,
+    scratch_offload_root, tensor_family, trainable_patterns, trainer_for, trainer_placed, Placement,
 };
 
 use crate::dist::{Backend, Grid};
@@ -38,9 +40,9 @@ pub struct Plan {
     /// How the ranks run: one, threads of this process, or MPI.
     pub backend: Backend,
     /// The global batch as micro × K × D, D the data-parallel ranks
-    /// (`world_size` here: the world's ranks without a pipeline, world / P with one).
+    /// (`world_size` here: the world's ranks without a split, world / (P · T) with one).
     pub batch: ResolvedBatch,
-    /// The world's ranks as pipeline stages × data-parallel ranks.
+    /// The world's ranks as pipeline stages × data-parallel ranks × tensor-parallel ranks.
     pub grid: Grid,
     /// The training samples.
     pub train: Samples,
@@ -114,6 +116,11 @@ pub fn plan(mut cfg: Config, backend: Backend) -> Result<Plan> {
     apply_trainable(&mut layout_model, &trainable_patterns(&cfg))?;
     let grid = Grid::new(&cfg.dist, backend.world_size(), backend.world_source(), layout_model.n_blocks())?;
     drop(layout_model);
+    if grid.is_tensor_parallel() {
+        // Rank 0's shard (every rank's has the same shape): a shape or a
+        // family that cannot split is refused here, before any folder exists.
+        tensor_family(family.as_ref(), engine::TpRank { rank: 0, size: grid.tensor })?;
+    }
     let batch = resolve_batch(&cfg, &grid).map_err(auto_context)?;
     let max_seq = family.max_seq_len();
     let seq_len = cfg.data.seq_len.unwrap_or(max_seq);
@@ -143,14 +150,18 @@ pub fn plan(mut cfg: Config, backend: Backend) -> Result<Plan> {
 }
 
 /// The batch triple over the data-parallel ranks: global = micro × K × D
-/// (with a pipeline every stage sees the same micro-batches, so the stages
-/// do not multiply the batch).
+/// (every stage of a pipeline and every tensor-parallel rank sees the same
+/// micro-batches, so neither multiplies the batch).
 fn resolve_batch(cfg: &Config, grid: &Grid) -> Result<ResolvedBatch> {
-    cfg.batch.resolve(grid.data).map_err(|e| match grid.is_pipeline() {
-        false => e.into(),
-        true => anyhow::Error::from(e).context(format!(
+    cfg.batch.resolve(grid.data).map_err(|e| match (grid.is_pipeline(), grid.is_tensor_parallel()) {
+        (false, false) => e.into(),
+        (true, false) => anyhow::Error::from(e).context(format!(
             "with dist.pipeline_parallel = {} the batch counts the data-parallel ranks: world_size = D = {} here (world / P)",
             grid.stages, grid.data
+        )),
+        (_, true) => anyhow::Error::from(e).context(format!(
+            "with dist.pipeline_parallel = {} and dist.tensor_parallel = {} the batch counts the data-parallel ranks: world_size = D = {} here (world / (P · T))",
+            grid.stages, grid.tensor, grid.data
         )),
     })
 }

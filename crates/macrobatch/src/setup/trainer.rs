@@ -3,21 +3,42 @@
 //! offloaded.
 
 use super::Plan;
-use crate::family::LanguageModel;
+use crate::family::{Family, LanguageModel};
 use anyhow::{bail, Context, Result};
 use comm::Communicator;
 use config::{Config, OffloadOptimizer, OptimizerKind};
 use engine::{
-    AdamW, LossScalerConfig, LrSchedule, Model, Optimizer, PipelineStage, Sgd, Trainer, TrainerOptions, ZeroConfig,
+    AdamW, LossScalerConfig, LrSchedule, Model, Optimizer, PipelineStage, Sgd, TpRank, Trainer, TrainerOptions,
+    ZeroConfig,
 };
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-/// The model for this plan, storing activations in the configured
+/// The whole model for this plan, storing activations in the configured
 /// precision, with `train.trainable` applied.
 pub fn model_for(plan: &Plan) -> Result<Box<dyn LanguageModel>> {
-    let mut model = plan.family.build(plan.build())?;
+    model_for_rank(plan, TpRank::WHOLE)
+}
+
+/// [`model_for`] as tensor-parallel rank `tp` holds it: its slices of the
+/// split tensors and the replicated ones whole (the whole model when `tp`
+/// does not split).
+pub fn model_for_rank(plan: &Plan, tp: TpRank) -> Result<Box<dyn LanguageModel>> {
+    let family = match tp.is_split() {
+        true => tensor_family(plan.family.as_ref(), tp)?,
+        false => plan.family.clone(),
+    };
+    let mut model = family.build(plan.build())?;
     apply_trainable(&mut model, &trainable_patterns(&plan.cfg))?;
     Ok(model)
+}
+
+/// The shape tensor-parallel rank `tp` of `family` holds, or the family's
+/// reason it cannot split (heads not divisible by T, a family without a split).
+pub fn tensor_family(family: &dyn Family, tp: TpRank) -> Result<Arc<dyn Family>> {
+    family.tensor_parallel(tp).map_err(|e| {
+        anyhow::anyhow!(e).context(format!("dist.tensor_parallel = {}: the model cannot be split", tp.size))
+    })
 }
 
 /// The tensors to train: `train.trainable`, except that with `[lora]` and
@@ -85,7 +106,8 @@ pub fn trainer_from(
 pub enum Placement<'a> {
     /// The whole model, data-parallel over every rank of this communicator.
     Whole(&'a mut dyn Communicator),
-    /// One pipeline stage, data-parallel over `dp` (the ranks holding it).
+    /// One pipeline stage (with tensor parallelism this rank's slices of
+    /// it), data-parallel over `dp` (the ranks holding the same part).
     Stage {
         /// The stage.
         stage: &'a PipelineStage,
@@ -95,8 +117,9 @@ pub enum Placement<'a> {
 }
 
 /// The trainer of `placement` over `model` (whose model-wide `initial`
-/// parameters, if given, are read a segment at a time), offloading under
-/// `offload_root/rank-{world_rank}`.
+/// parameters, if given, are read a segment at a time; a fresh start
+/// initialises the whole model's segments from the plan's family, and a
+/// stage keeps its part), offloading under `offload_root/rank-{world_rank}`.
 pub fn trainer_placed(
     plan: &Plan,
     model: &impl Model,
@@ -105,13 +128,14 @@ pub fn trainer_placed(
     offload_root: &Path,
     world_rank: usize,
 ) -> Result<Trainer> {
-    let n_params = model.layout().n_params();
     let (cfg, o) = (&plan.cfg, &plan.cfg.optim);
-    // Sized for what the trainer holds (it resizes to its shard).
-    let held = match &placement {
-        Placement::Whole(_) => n_params,
-        Placement::Stage { stage, .. } => stage.layout.layout.n_params(),
+    // Sized for what the trainer holds (it resizes to its shard); the
+    // whole model's segments are what `init` is asked for.
+    let (held, segments) = match &placement {
+        Placement::Whole(_) => (model.layout().n_params(), model.segments()),
+        Placement::Stage { stage, .. } => (stage.layout.layout.n_params(), stage.whole_segments().to_vec()),
     };
+    let n_params = segments.last().map_or(0, |r| r.end);
     let optimizer = match o.name {
         OptimizerKind::Sgd => Optimizer::Sgd(Sgd::new(held, o.momentum, o.nesterov, o.weight_decay)?),
         OptimizerKind::AdamW => Optimizer::AdamW(AdamW::new(held, o.beta1, o.beta2, o.eps, o.weight_decay)?),
@@ -136,7 +160,6 @@ pub fn trainer_placed(
         },
     };
     let zero = ZeroConfig { stage: cfg.dist.zero_stage, reduce_every_micro_step: cfg.dist.reduce_every_micro_step };
-    let segments = model.segments();
     // By model segment: a stage's trainer asks only for its own.
     let init = |seg: usize| match initial {
         Some(p) => p[segments[seg].clone()].to_vec(),

@@ -4,21 +4,17 @@
 //! newest `train.keep_checkpoints` kept; and the final save of the model.
 
 use super::outputs::{resolved_toml, Outputs};
-use super::ranks::RankComms;
 use super::start::Start;
 use crate::checkpoint::{self, TrainerState};
 use crate::family::Build;
 use crate::heap::{self, Phase};
 use crate::ranks::rank0_phase;
-use crate::setup::Plan;
+use crate::setup::{FullState, Plan, RankComms};
 use anyhow::{Context, Result};
 use comm::Communicator;
 use engine::{ParamLayout, Trainer};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-
-/// A step's full state on rank 0: the parameters and the optimizer state by name.
-pub type FullState = (Vec<f32>, Vec<(String, Vec<f32>)>);
 
 /// When and how a run's checkpoints are written.
 pub struct Checkpoints<'a> {

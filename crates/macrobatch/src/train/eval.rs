@@ -1,9 +1,8 @@
 //! Evaluation: the mean validation loss, on the last step and every
 //! `train.eval_every` steps (through every stage of a pipeline).
 
-use super::ranks::RankComms;
 use crate::heap::{self, Phase};
-use crate::setup::Plan;
+use crate::setup::{Plan, RankComms};
 use anyhow::{bail, Result};
 use engine::{StagedModel, TokenBatch, Trainer};
 

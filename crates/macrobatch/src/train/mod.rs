@@ -4,8 +4,8 @@
 //! [`run`] finds where the run starts ([`start`]: a new run, `--resume`,
 //! `--init-from`), validates the plan ([`crate::setup`]), plans the run
 //! folder ([`outputs`]) and runs the ranks. Each rank runs the loop of
-//! [`rank`], whose parts live beside it: the rank's groups and pipeline
-//! stage ([`ranks`]), evaluation ([`eval`]), checkpoint
+//! [`rank`], whose parts live beside it (the rank's groups and its part
+//! of the model are [`crate::setup::RankComms`]): evaluation ([`eval`]), checkpoint
 //! policy and the final save ([`checkpointing`]), metrics and memory
 //! reports ([`reports`]), the stop agreement ([`stop`]) and `--dump-steps`
 //! ([`dump`]).
@@ -15,7 +15,6 @@ mod dump;
 mod eval;
 mod outputs;
 mod rank;
-mod ranks;
 mod reports;
 mod start;
 mod stop;

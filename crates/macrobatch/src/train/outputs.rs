@@ -181,7 +181,7 @@ pub fn open_outputs(plan: &Plan, dir: &Path, resume_step: Option<u64>, run_id: &
         plan.batch.global,
         plan.batch.micro,
         plan.batch.accumulation_steps,
-        if plan.grid.is_pipeline() { "D" } else { "W" },
+        if plan.grid.is_split() { "D" } else { "W" },
         plan.batch.world_size,
         plan.backend,
         plan.train.seq_len(),
@@ -191,8 +191,10 @@ pub fn open_outputs(plan: &Plan, dir: &Path, resume_step: Option<u64>, run_id: &
         rayon::current_num_threads(),
         dir.display()
     ));
-    if plan.grid.is_pipeline() {
+    if plan.grid.is_split() {
         reporter.println(&plan.grid.describe());
+    }
+    if plan.grid.is_pipeline() {
         let schedule = engine::Schedule::new(plan.grid.schedule, plan.grid.stages, plan.batch.accumulation_steps)?;
         reporter.println(schedule.to_string().trim_end());
     }

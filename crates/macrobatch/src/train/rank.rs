@@ -7,12 +7,11 @@ use super::checkpointing::Checkpoints;
 use super::dump::dump_step;
 use super::eval::maybe_evaluate;
 use super::outputs::Outputs;
-use super::ranks::RankComms;
 use super::reports::{self, MemoryWatch, StepContext};
 use super::start::Start;
 use crate::dist::Fault;
 use crate::heap::{self, Phase};
-use crate::setup::{model_for, rank_batches, Plan};
+use crate::setup::{model_for_rank, rank_batches, Plan, RankComms};
 use anyhow::{bail, Context, Result};
 use comm::Communicator;
 use config::TrainConfig;
@@ -30,8 +29,11 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
     // the data set and the program's allocations from before).
     let heap_base = heap::reset_peak();
     heap::set_phase(Phase::Build);
-    let mut model = model_for(plan)?;
+    let mut model = model_for_rank(plan, plan.grid.tp_rank(rank))?;
     let mut comms = RankComms::new(plan, &mut model, comm)?;
+    // What checkpoints and the saved model are written in (a tensor-parallel
+    // rank's own layout holds only its slices).
+    let whole = comms.whole_layout(model.layout()).clone();
     let mut memory = MemoryWatch::new(plan, heap_base)?;
     let offload_root = start.offload_root.get().context("the run folder is not known yet")?;
     let (mut trainer, first_step) = start_trainer(plan, &model, &mut comms, start, offload_root)?;
@@ -77,7 +79,7 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
             StepContext { step, epoch, input_tokens, step_s, elapsed_s: started.elapsed().as_secs_f64(), val_loss };
         out.reporter.record(&reports::step_record(at, report, &mem, model.activation_bytes(), &memory.predicted))?;
         if let Some(state) = full_state {
-            let path = checkpoints.write(comms.world, out, step, state, &trainer, model.layout())?;
+            let path = checkpoints.write(comms.world, out, step, state, &trainer, &whole)?;
             if stop {
                 out.reporter.finish();
                 start.stop.announce(step, &path, &out.dir);
@@ -94,10 +96,10 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
     let per_rank = memory.gather(comms.world, &trainer)?;
     let params = checkpoints.gather_final(&mut trainer, &mut comms)?;
     if let Some(out) = &outputs {
-        memory.write_file(out, plan, model.layout().n_params(), &trainer, &per_rank)?;
+        memory.write_file(out, plan, whole.n_params(), &trainer, &per_rank)?;
     }
     if let (Some(out), Some(params)) = (outputs, params) {
-        checkpoints.save_final(out, model.layout(), &params, started)?;
+        checkpoints.save_final(out, &whole, &params, started)?;
     }
     Ok(())
 }

@@ -92,6 +92,9 @@ pub fn step_record(
         pipeline_bubble: report.pipeline.as_ref().map(|p| p.bubble),
         p2p_bytes: report.pipeline.as_ref().map(|p| p.p2p_bytes),
         pipeline_idle_s: report.pipeline.map(|p| p.idle_s),
+        tp_allreduce_s: report.tensor.map(|t| t.seconds),
+        tp_bytes: report.tensor.map(|t| t.bytes),
+        tp_calls: report.tensor.map(|t| t.calls),
     }
 }
 

@@ -84,3 +84,54 @@ pub fn train_cmd(out: &Path, sets: &[&str]) -> Command {
     with_sets(&mut c, sets);
     c
 }
+
+/// A training run that must succeed; its stderr.
+pub fn train_ok(out: &Path, sets: &[&str]) -> String {
+    let o = train(out, sets);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{sets:?}: {err}");
+    err
+}
+
+/// `train --resume DIR` with `sets`, which must succeed; its stderr.
+pub fn resume_ok(dir: &Path, sets: &[&str]) -> String {
+    let mut c = bin();
+    c.arg("train").arg("--resume").arg(dir);
+    with_sets(&mut c, sets);
+    let o = c.output().expect("binary runs");
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    err
+}
+
+/// Every `a[i]` within `tol` of `b[i]`, relative to `b[i]`.
+pub fn assert_close_rel(what: &str, a: &[f64], b: &[f64], tol: f64) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!((x - y).abs() <= tol * y.abs(), "{what}, line {i}: {x} vs {y} (tolerance {tol} relative)");
+    }
+}
+
+/// The validation losses of a run, in step order.
+pub fn val_losses(out: &Path) -> Vec<f64> {
+    metrics(out).iter().filter_map(|r| r["val_loss"].as_f64()).collect()
+}
+
+/// A refused `train` (with `config`, if any, and `sets`): non-zero exit,
+/// every one of `needles` in the message, and no run folder created.
+pub fn refused_train(tag: &str, config: Option<&Path>, sets: &[&str], needles: &[&str]) {
+    let out = tmp(&format!("refused-{tag}"));
+    let mut c = bin();
+    c.arg("train").arg("--out").arg(&out);
+    if let Some(p) = config {
+        c.arg(p);
+    }
+    with_sets(&mut c, sets);
+    let o = c.output().expect("binary runs");
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{tag}: must fail: {err}");
+    for n in needles {
+        assert!(err.contains(n), "{tag}: `{n}` missing in: {err}");
+    }
+    assert!(!out.exists(), "{tag}: no run folder may be created");
+}
