@@ -147,7 +147,7 @@ fn bad_grids_are_refused_naming_the_key() {
         // T × P does not divide the world.
         ("6", &["dist.tensor_parallel=2", "dist.pipeline_parallel=2"], &["dist.tensor_parallel", "6"]),
         // ZeRO-2 does not compose with a tensor split.
-        ("2", &["dist.tensor_parallel=2", "dist.zero_stage=2"], &["ZeRO stage 2", "tensor"]),
+        ("2", &["dist.tensor_parallel=2", "dist.zero_stage=2"], &["dist.zero_stage", "tensor parallelism"]),
     ] {
         let base = ["--world-size", world, "--memory", "8GiB", "batch.global=24", "batch.micro=1"];
         let o = plan(&[&base[..], sets].concat());

@@ -3,7 +3,7 @@
 //! each rank thread's heap peak measured by the binary's counting
 //! allocator.
 
-use crate::setup::{self, apply_trainable, trainable_patterns, Plan};
+use crate::setup::{self, Plan};
 use comm::Communicator;
 use engine::pipeline::split_layers;
 use engine::{
@@ -49,12 +49,7 @@ pub fn measure(pl: &Plan, p: usize, t: usize, kind: ScheduleKind, k: usize, micr
                     let mut pipe = world.split(tr, stage).unwrap();
                     let mut tp = world.split(stage, tr).unwrap();
                     let base = crate::heap::reset_peak();
-                    let family = match t {
-                        1 => pl.family.clone(),
-                        _ => pl.family.tensor_parallel(TpRank { rank: tr, size: t }).unwrap(),
-                    };
-                    let mut model = family.build(pl.build()).unwrap();
-                    apply_trainable(&mut model, &trainable_patterns(&pl.cfg)).unwrap();
+                    let mut model = setup::model_for_rank(pl, TpRank { rank: tr, size: t }).unwrap();
                     let ps = PipelineStage::new(&mut model, cuts, stage, kind, k).unwrap();
                     let n = ps.layout.layout.n_params();
                     let opt = Optimizer::AdamW(AdamW::new(n, 0.9, 0.95, 1e-8, 0.1).unwrap());

@@ -93,20 +93,13 @@ impl Knobs {
             offload_optimizer: cfg.dist.offload_optimizer == config::OffloadOptimizer::Disk,
             pipeline_parallel: cfg.dist.pipeline_parallel,
             pipeline_schedule: cfg.dist.pipeline_schedule,
-            tensor_parallel: tensor::configured(plan),
+            tensor_parallel: cfg.dist.tensor_parallel,
         }
     }
 
     /// Data ranks D = W / (P × T): per pipeline stage and tensor rank.
     pub fn data_parallel(&self) -> usize {
         self.world_size / (self.pipeline_parallel.max(1) * self.tensor_parallel.max(1))
-    }
-
-    /// World rank `rank`'s place in the grid, tensor innermost (rank =
-    /// s·(D·T) + d·T + t): (stage s, data rank d, tensor rank t).
-    pub fn coords(&self, rank: usize) -> (usize, usize, usize) {
-        let (d, t) = (self.data_parallel().max(1), self.tensor_parallel.max(1));
-        (rank / (d * t), rank / t % d, rank % t)
     }
 
     /// Ranks holding one pipeline stage, D × T.
@@ -298,10 +291,7 @@ fn model_states(plan: &Plan, knobs: Knobs) -> Result<States> {
 /// `None` for an even cut into `knobs.pipeline_parallel` stages.
 pub(crate) fn stage_states(plan: &Plan, knobs: Knobs, layers: Option<&[usize]>) -> Result<States> {
     let cfg = &plan.cfg;
-    let dp = tensor::data_parallel(&knobs)?;
-    if knobs.tensor_parallel <= 1 {
-        pipeline::data_parallel(&knobs)?;
-    }
+    let dp = pipeline::data_parallel(&knobs)?;
     // The layout does not depend on checkpointing (a family without it
     // still gets planned; `train` refuses to run it).
     let layout_build = Build { precision: knobs.precision, checkpointing: Checkpointing::None };

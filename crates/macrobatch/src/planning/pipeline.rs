@@ -13,16 +13,17 @@ use engine::{PipelineStage, Schedule, ScheduleKind, StageSpec, TokenBatch};
 use family::LanguageModel;
 use std::ops::Range;
 
-/// Data ranks per stage, D = W / P: the config's error when P does not
-/// divide W, and an error at ZeRO stages 2–3, which a pipeline does not
-/// compose with (as in DeepSpeed).
+/// Data ranks D = W / (P × T): the config's error when P × T does not
+/// divide W, and an error at ZeRO stages 2–3, which neither a pipeline
+/// (as in DeepSpeed) nor a tensor split composes with.
 pub fn data_parallel(knobs: &Knobs) -> Result<usize> {
-    let (w, p) = (knobs.world_size, knobs.pipeline_parallel);
-    let dist = config::DistConfig { pipeline_parallel: p, ..Default::default() };
+    let (w, p, t) = (knobs.world_size, knobs.pipeline_parallel, knobs.tensor_parallel);
+    let dist = config::DistConfig { pipeline_parallel: p, tensor_parallel: t, ..Default::default() };
     let d = dist.data_parallel(w, "the planned world")?;
-    if p > 1 && knobs.zero_stage >= 2 {
+    if knobs.zero_stage >= 2 && (p > 1 || t > 1) {
+        let (what, key) = if p > 1 { ("pipeline", "pipeline_parallel") } else { ("tensor", "tensor_parallel") };
         bail!(
-            "ZeRO stage {} with pipeline parallelism is not supported (stages 0 and 1 are, as in DeepSpeed); set dist.zero_stage = 1 or dist.pipeline_parallel = 1",
+            "ZeRO stage {} with {what} parallelism is not supported (stages 0 and 1 are); set dist.zero_stage = 1 or dist.{key} = 1",
             knobs.zero_stage
         );
     }

@@ -13,49 +13,18 @@
 //! shape (the splits are even), so one rank stands for its group.
 
 use super::Knobs;
-use crate::setup::Plan;
-use anyhow::{bail, Result};
+use crate::setup::{tensor_family, Plan};
+use anyhow::Result;
 use engine::TpRank;
 use family::{Family, LanguageModel};
 use std::sync::Arc;
-
-/// `dist.tensor_parallel` of a plan (1: no split).
-pub fn configured(plan: &Plan) -> usize {
-    // Read from the configuration once the key exists there.
-    let _ = plan;
-    1
-}
-
-/// Data ranks D = W / (P × T), or an error naming the keys: P × T must
-/// divide the world, and ZeRO stages 2–3 do not compose with a tensor
-/// split (as the trainer refuses them).
-pub fn data_parallel(knobs: &Knobs) -> Result<usize> {
-    let (w, p, t) = (knobs.world_size, knobs.pipeline_parallel.max(1), knobs.tensor_parallel);
-    if t == 0 {
-        bail!("dist.tensor_parallel = 0: a tensor-parallel group has at least 1 rank; set dist.tensor_parallel = 1 for no split");
-    }
-    if t > 1 && knobs.zero_stage >= 2 {
-        bail!(
-            "ZeRO stage {} with tensor parallelism is not supported (stages 0 and 1 are); set dist.zero_stage = 1 or dist.tensor_parallel = 1",
-            knobs.zero_stage
-        );
-    }
-    if t > 1 && !w.is_multiple_of(p * t) {
-        bail!(
-            "dist.tensor_parallel = {t} × dist.pipeline_parallel = {p} = {} must divide the world size {w} into P stages × D data ranks × T tensor ranks; use a world size that is a multiple of {}",
-            p * t,
-            p * t
-        );
-    }
-    Ok(w / (p * t))
-}
 
 /// The shape one tensor-parallel rank of `knobs` holds (the whole
 /// family's without a split); the family's error names what cannot split.
 pub fn rank_family(plan: &Plan, knobs: &Knobs) -> Result<Arc<dyn Family>> {
     match knobs.tensor_parallel {
         0 | 1 => Ok(plan.family.clone()),
-        t => plan.family.tensor_parallel(TpRank { rank: 0, size: t }).map_err(|e| anyhow::anyhow!("{e}")),
+        t => tensor_family(plan.family.as_ref(), TpRank { rank: 0, size: t }),
     }
 }
 
@@ -164,7 +133,7 @@ mod tests {
     #[test]
     fn bad_grids_are_errors_naming_the_key() {
         let pl = plan(&["model.preset=mini", "batch.global=12", "batch.micro=1"], 6);
-        let err = |k: Knobs| stages(&pl, k).err().map(|e| e.to_string()).unwrap_or_default();
+        let err = |k: Knobs| stages(&pl, k).err().map(|e| format!("{e:#}")).unwrap_or_default();
         // 6 heads: T = 4 does not divide them (the family's error).
         let e = err(Knobs { world_size: 4, ..knobs(&pl, 4, 1) });
         assert!(e.contains("n_head") || e.contains("heads"), "{e}");

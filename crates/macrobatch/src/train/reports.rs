@@ -4,6 +4,7 @@
 //! and measured peaks beside the memory model's prediction).
 
 use super::outputs::Outputs;
+use crate::dist::Grid;
 use crate::heap;
 use crate::memory::{peak_rss_bytes, proc_status_bytes};
 use crate::metrics::StepRecord;
@@ -107,8 +108,10 @@ pub struct MemoryWatch {
     /// The memory model's prediction for the plan (the peak stage's).
     pub predicted: Estimate,
     /// Its prediction for every pipeline stage (one without a pipeline):
-    /// rank r's is `stages[stage of r]`.
+    /// rank r's is `stages[grid.stage_of(r)]`.
     stages: Vec<Estimate>,
+    /// Where each rank sits.
+    grid: Grid,
     /// The rank's own heap peak from its model's build to the end of the
     /// first step (trainer, model, activations, messages, micro-batches).
     first_step_heap: Option<u64>,
@@ -128,6 +131,7 @@ impl MemoryWatch {
             heap_base,
             predicted: planning::peak(&stages),
             stages,
+            grid: plan.grid.clone(),
             first_step_heap: None,
             rss_before: proc_status_bytes("VmRSS:"),
             model_states_rss: None,
@@ -136,8 +140,7 @@ impl MemoryWatch {
 
     /// What world rank `rank` is planned to hold: its stage's per-rank bytes.
     fn planned_rank(&self, rank: usize) -> u64 {
-        let (stage, _, _) = self.predicted.knobs.coords(rank);
-        self.stages.get(stage).map_or(0, Estimate::per_rank)
+        self.stages.get(self.grid.stage_of(rank)).map_or(0, Estimate::per_rank)
     }
 
     /// Whether the first step's measurement is still to come.
@@ -218,17 +221,16 @@ impl MemoryWatch {
         let world = all.len() / PER_RANK;
         let per_rank = |i: usize| all.chunks(PER_RANK).map(|c| c[i] as u64).collect::<Vec<u64>>();
         let kib = |i: usize| per_rank(i).into_iter().map(|k| k * 1024).collect::<Vec<u64>>();
-        let knobs = &self.predicted.knobs;
-        let ranks = (grid.is_pipeline() || knobs.tensor_parallel > 1).then(|| {
+        let ranks = grid.is_split().then(|| {
             all.chunks(PER_RANK)
                 .enumerate()
                 .map(|(r, c)| {
-                    let (stage, data_rank, tensor_rank) = knobs.coords(r);
+                    let stage = grid.stage_of(r);
                     RankMemory {
                         rank: r,
                         stage,
-                        data_rank,
-                        tensor_rank,
+                        data_rank: grid.data_rank_of(r),
+                        tensor_rank: grid.tensor_rank_of(r),
                         layers: grid.cuts.get(stage).cloned().unwrap_or_default(),
                         params: c[3] as u64,
                         grads: c[4] as u64,
@@ -244,9 +246,7 @@ impl MemoryWatch {
             n_params,
             accounting: trainer.memory(),
             precision: cfg.train.precision,
-            formula_model_states: (cfg.train.precision == Precision::F32
-                && !grid.is_pipeline()
-                && knobs.tensor_parallel <= 1)
+            formula_model_states: (cfg.train.precision == Precision::F32 && !grid.is_split())
                 .then(|| formula_model_states(cfg.dist.zero_stage, !cfg.dist.reduce_every_micro_step, n_params, world)),
             peak_rss: kib(0),
             peak_rank_heap: kib(2),
