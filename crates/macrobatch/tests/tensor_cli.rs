@@ -142,8 +142,10 @@ fn split_with_bf16_and_checkpointing_equals_one_rank() {
 
 #[test]
 fn llama_gqa_at_two_and_four_tensor_ranks_equals_one_rank() {
-    // T = 2 divides the 2 key/value heads; at T = 4 each is shared by two ranks.
-    equals_one_rank("llama", LLAMA, &[], &[2, 4], (TOL, TOL_WEIGHTS));
+    // T = 2 divides the 2 key/value heads; at T = 4 each is shared by two
+    // ranks. Every step checks that each tensor group's copies of its
+    // replicated tensors agree bit for bit (dist.check_every = 1).
+    equals_one_rank("llama", LLAMA, &["dist.check_every=1"], &[2, 4], (TOL, TOL_WEIGHTS));
 }
 
 /// `model` on 8 thread ranks (D 2 × T 2 × P 2; with `extra`) against one rank.

@@ -164,6 +164,7 @@ fn one_rank<M: StagedModel<Batch = TokenBatch>>(
     let local = t.full_params(&mut *dp).map_err(err("full params"))?;
     if split {
         replicas_agree(&st, &mut *tp, &local)?;
+        t.check_replicas_agree(&mut *tp, &st).map_err(err("replica checksums"))?;
     }
     if model.tied_head() {
         // The tied embedding's two copies (first and last stage) are equal, bit for bit.

@@ -225,17 +225,52 @@ impl Trainer {
             (Some(c), true) => fnv1a(c.bits.iter().flat_map(|x| x.to_le_bytes())),
             _ => self.params_checksum(),
         };
-        // Four 16-bit pieces: exact in f32, so the all-gather carries the hash losslessly.
-        let mine: Vec<f32> = (0..4).map(|i| ((h >> (16 * i)) & 0xffff) as f32).collect();
-        let mut all = vec![0.0f32; 4 * comm.world_size()];
-        comm.all_gather(&mine, &mut all).map_err(|source| EngineError::Comm { step: self.n_steps, source })?;
-        let checksums: Vec<u64> =
-            all.chunks(4).map(|c| c.iter().enumerate().fold(0u64, |h, (i, &x)| h | ((x as u64) << (16 * i)))).collect();
-        if checksums.iter().any(|&c| c != checksums[0]) {
-            return Err(EngineError::RanksDiverged { step: self.n_steps, checksums });
-        }
-        Ok(())
+        agree_on(comm, h, self.n_steps)
     }
+
+    /// Errors unless the tensor-parallel ranks of `stage` hold bit-identical
+    /// copies of every tensor they replicate (`dist.check_every`'s check
+    /// across the tensor group; split pieces differ by design). Stages 0–1.
+    pub fn check_replicas_agree(
+        &mut self,
+        tp: &mut dyn Communicator,
+        stage: &crate::trainer::PipelineStage,
+    ) -> Result<(), EngineError> {
+        if stage.tensor_shards().is_none() || self.stage.shards_parameters() {
+            return Ok(());
+        }
+        let ranges: Vec<std::ops::Range<usize>> = self
+            .layout
+            .tensors()
+            .iter()
+            .zip(stage.stage_shards())
+            .filter(|(_, s)| matches!(s, crate::tensor::Shard::Replicated | crate::tensor::Shard::Partial))
+            .map(|(t, _)| t.range())
+            .collect();
+        let h = match (&self.model_copy, self.master_sharded()) {
+            (Some(c), true) => {
+                fnv1a(ranges.iter().flat_map(|r| c.bits[r.clone()].iter().flat_map(|x| x.to_le_bytes())))
+            }
+            _ => {
+                fnv1a(ranges.iter().flat_map(|r| self.params[r.clone()].iter().flat_map(|x| x.to_bits().to_le_bytes())))
+            }
+        };
+        agree_on(tp, h, self.n_steps)
+    }
+}
+
+/// Errors unless every rank of `comm` has the checksum `h` (an all-gather
+/// of four 16-bit pieces: exact in f32, so the hash travels losslessly).
+fn agree_on(comm: &mut dyn Communicator, h: u64, step: u64) -> Result<(), EngineError> {
+    let mine: Vec<f32> = (0..4).map(|i| ((h >> (16 * i)) & 0xffff) as f32).collect();
+    let mut all = vec![0.0f32; 4 * comm.world_size()];
+    comm.all_gather(&mine, &mut all).map_err(|source| EngineError::Comm { step, source })?;
+    let checksums: Vec<u64> =
+        all.chunks(4).map(|c| c.iter().enumerate().fold(0u64, |h, (i, &x)| h | ((x as u64) << (16 * i)))).collect();
+    if checksums.iter().any(|&c| c != checksums[0]) {
+        return Err(EngineError::RanksDiverged { step, checksums });
+    }
+    Ok(())
 }
 
 fn fnv1a(bytes: impl Iterator<Item = u8>) -> u64 {

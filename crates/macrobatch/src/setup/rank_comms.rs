@@ -170,9 +170,16 @@ impl<'a> RankComms<'a> {
     }
 
     /// Errors unless the ranks holding the same parameters agree on them
-    /// bit for bit (the world; with a split each part's data-parallel ranks).
+    /// bit for bit (the world; with a split each part's data-parallel ranks,
+    /// and each tensor group's copies of the tensors it replicates).
     pub fn check_params_agree(&mut self, trainer: &mut Trainer) -> Result<()> {
-        Ok(trainer.check_params_agree(self.dp())?)
+        trainer.check_params_agree(self.dp())?;
+        if let Some(p) = &mut self.split {
+            if let Some(tp) = p.tp.as_deref_mut() {
+                trainer.check_replicas_agree(tp, &p.stage)?;
+            }
+        }
+        Ok(())
     }
 
     /// The model-wide parameters on rank 0, `None` elsewhere: gathered
