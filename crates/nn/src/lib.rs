@@ -28,6 +28,7 @@ pub mod act;
 pub mod attention;
 pub mod embed;
 pub mod fd;
+pub mod flash;
 pub mod grad;
 pub mod io;
 pub mod linear;
