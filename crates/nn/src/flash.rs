@@ -25,7 +25,9 @@ use rayon::prelude::*;
 /// so every row of a diagonal tile has at least one unmasked column.
 /// Tiles of 128 (4× the scratch) measured no faster at T = 2048 on a
 /// 2-core AMD EPYC (single-thread forward and backward within the run-to-run
-/// noise of ±20%).
+/// noise of ±20%). The tile products run on the packed GEMM kernel: plain
+/// loops (16-lane dot products for the scores, row updates for `P · v`)
+/// made the forward 2.5× slower there.
 pub const TILE: usize = 64;
 
 /// Tiles covering `t` rows.
