@@ -53,21 +53,6 @@ fn gather_tile(
     }
 }
 
-/// Bytes of scratch one forward task allocates (score, key, value and
-/// output tiles, running max and sum) for `group` query heads per
-/// key/value head.
-pub fn forward_task_scratch_bytes(s: &AttnShape) -> usize {
-    let group = s.n_head / s.n_kv_head;
-    4 * (TILE * TILE + 2 * TILE * s.head_dim + group * TILE * (s.head_dim + 2))
-}
-
-/// Bytes of scratch one backward task allocates (probability and score
-/// gradient tiles, key and value tiles, and `D` for its query heads).
-pub fn backward_task_scratch_bytes(s: &AttnShape) -> usize {
-    let group = s.n_head / s.n_kv_head;
-    4 * (2 * TILE * TILE + 2 * TILE * s.head_dim + group * s.t)
-}
-
 /// Causal attention forward without the probabilities. `qkv`
 /// `[B·T, qkv_width]`, `y` receives the head outputs `[B·T, n_head·d]`,
 /// `lse` the log-sum-exp of each softmax row `[B, n_head, T]`, which
@@ -170,10 +155,18 @@ pub fn flash_attention_forward(y: &mut [f32], lse: &mut [f32], qkv: &[f32], s: A
 
 /// Backward of [`flash_attention_forward`]: overwrites `dqkv` (gradients of
 /// the rotated q and k, and of v) from `dy` and the saved `(qkv, y, lse)`;
-/// `heads` is scratch of `dqkv`'s size (head-major dq, dk, dv). One task
-/// per (sequence, key/value head) walks key tiles, then query tiles at or
-/// below the diagonal, then its query heads, always in that order, so the
-/// result does not depend on scheduling.
+/// `heads` is scratch of `dqkv`'s size (head-major dq, dk, dv).
+///
+/// With at least as many (sequence, key/value head) pairs as threads, one
+/// task per pair walks key tiles, then query tiles at or below the
+/// diagonal, then its query heads, and accumulates dq, dk and dv. With
+/// fewer, the work splits into one task per (sequence, key/value head, key
+/// tile) for dk and dv, and one per (sequence, query head, query tile) for
+/// dq, which recomputes the probability and score-gradient tiles (7 tile
+/// products per tile pair instead of 5) but keeps every thread busy. Both
+/// add every sum in the same order (dk and dv over query tiles then heads,
+/// dq over key tiles), so the result is the same bit for bit whichever
+/// runs, and does not depend on the number of threads.
 ///
 /// # Panics
 /// Unless every slice has exactly the length the shape implies.
@@ -199,75 +192,176 @@ pub fn flash_attention_backward(
             ("lse", lse.len(), &[b, n_head, t]),
         ],
     );
+    // D [B, n_head, T]: Σ dy ⊙ y over each row of each head (= Σ_j P ⊙ dP).
+    let mut dsum = vec![0.0f32; b * n_head * t];
+    dsum.par_chunks_mut(t).enumerate().for_each(|(bh, dh)| {
+        let (bi, h) = (bh / n_head, bh % n_head);
+        for (ti, out) in dh.iter_mut().enumerate() {
+            let at = (bi * t + ti) * qd + h * d;
+            *out = dy[at..at + d].iter().zip(&y[at..at + d]).fold(0.0f32, |a, (&x, &z)| a + x * z);
+        }
+    });
+    let bw = Backward { qkv, dy, lse, dsum: &dsum, s, scale: 1.0 / (d as f32).sqrt(), par: Par::ONE.with(ops) };
     let group = n_head / n_kv_head;
-    let scale = 1.0 / (d as f32).sqrt();
-    let par = Par::ONE.with(ops);
     let (dq_h, dkv_h) = heads.split_at_mut(b * t * qd);
     let (dk_h, dv_h) = dkv_h.split_at_mut(b * t * kvd);
-    dq_h.par_chunks_mut(group * t * d)
-        .zip(dk_h.par_chunks_mut(t * d).zip(dv_h.par_chunks_mut(t * d)))
-        .enumerate()
-        .for_each(|(bkv, (dq_g, (dk, dv)))| {
-            let (bi, kvh) = (bkv / n_kv_head, bkv % n_kv_head);
-            let row0 = bi * t * w;
-            let (kc, vc) = (qd + kvh * d, qd + kvd + kvh * d);
-            // D[g, i] = Σ dy ⊙ y over row i of query head g (= Σ_j P ⊙ dP).
-            let dsum: Vec<f32> = (0..group * t)
-                .map(|gi| {
-                    let (h, ti) = (kvh * group + gi / t, gi % t);
-                    let at = (bi * t + ti) * qd + h * d;
-                    dy[at..at + d].iter().zip(&y[at..at + d]).fold(0.0f32, |a, (&x, &z)| a + x * z)
-                })
-                .collect();
-            let (mut p, mut ds) = (vec![0.0f32; TILE * TILE], vec![0.0f32; TILE * TILE]);
-            let (mut kt, mut vt) = (vec![0.0f32; TILE * d], vec![0.0f32; TILE * d]);
-            for kj in 0..tiles(t) {
-                let (c0, c1) = tile_rows(kj, t);
-                let nc = c1 - c0;
-                gather_tile(&mut kt, qkv, (row0, w, kc, d), (c0, c1));
-                gather_tile(&mut vt, qkv, (row0, w, vc, d), (c0, c1));
-                let (dk_j, dv_j) = (&mut dk[c0 * d..c1 * d], &mut dv[c0 * d..c1 * d]);
-                for qi in kj..tiles(t) {
-                    let (r0, r1) = tile_rows(qi, t);
-                    let nr = r1 - r0;
-                    for g in 0..group {
-                        let h = kvh * group + g;
-                        let first = qi == kj && g == 0;
-                        let q = Strided { data: qkv, offset: row0 + r0 * w + h * d, rs: w, cs: 1 };
-                        let dy_i = Strided { data: dy, offset: (bi * t + r0) * qd + h * d, rs: qd, cs: 1 };
-                        // P = exp(scale · q · kᵀ − lse), masked past the diagonal.
-                        let dims = GemmDims { m: nr, n: nc, k: d };
-                        gemm_into(dims, &mut p, GemmOut::overwrite(nc), q, Strided::transposed(&kt, d), scale, par);
-                        let lse_i = &lse[(bi * n_head + h) * t + r0..][..nr];
-                        for (ri, prow) in p[..nr * nc].chunks_mut(nc).enumerate() {
-                            let valid = (r0 + ri + 1).saturating_sub(c0).min(nc);
-                            prow[..valid].iter_mut().for_each(|x| *x = fast_exp(*x - lse_i[ri]));
-                            prow[valid..].fill(0.0);
-                        }
-                        // dv_j (+)= Pᵀ · dy: (nc, nr) @ (nr, d)
-                        let acc = GemmOut { offset: 0, rs: d, accumulate: !first };
-                        let dims = GemmDims { m: nc, n: d, k: nr };
-                        gemm_into(dims, dv_j, acc, Strided::transposed(&p, nc), dy_i, 1.0, par);
-                        // dP = dy · vᵀ: (nr, d) @ (d, nc); dS = P ⊙ (dP − D).
-                        let dims = GemmDims { m: nr, n: nc, k: d };
-                        gemm_into(dims, &mut ds, GemmOut::overwrite(nc), dy_i, Strided::transposed(&vt, d), 1.0, par);
-                        let d_i = &dsum[g * t + r0..][..nr];
-                        for (ri, (dsrow, prow)) in ds[..nr * nc].chunks_mut(nc).zip(p.chunks(nc)).enumerate() {
-                            dsrow.iter_mut().zip(prow).for_each(|(x, &pv)| *x = pv * (*x - d_i[ri]));
-                        }
-                        // dq_i (+)= scale · dS · k: (nr, nc) @ (nc, d); key tile 0 comes first.
-                        let dq_i = &mut dq_g[(g * t + r0) * d..][..nr * d];
-                        let out = GemmOut { offset: 0, rs: d, accumulate: kj > 0 };
-                        let dims = GemmDims { m: nr, n: d, k: nc };
-                        gemm_into(dims, dq_i, out, Strided::rows(&ds, nc), Strided::rows(&kt, d), scale, par);
-                        // dk_j (+)= scale · dSᵀ · q: (nc, nr) @ (nr, d)
-                        let dims = GemmDims { m: nc, n: d, k: nr };
-                        gemm_into(dims, dk_j, acc, Strided::transposed(&ds, nc), q, scale, par);
-                    }
+    if b * n_kv_head >= rayon::current_num_threads() {
+        dq_h.par_chunks_mut(group * t * d)
+            .zip(dk_h.par_chunks_mut(t * d).zip(dv_h.par_chunks_mut(t * d)))
+            .enumerate()
+            .for_each(|(bkv, (dq_g, (dk, dv)))| {
+                let mut sc = Scratch::new(d);
+                for kj in 0..tiles(t) {
+                    let (c0, c1) = tile_rows(kj, t);
+                    let dkv_j = (&mut dk[c0 * d..c1 * d], &mut dv[c0 * d..c1 * d]);
+                    bw.key_tile((bkv, kj), dkv_j, Some(&mut *dq_g), &mut sc);
+                }
+            });
+    } else {
+        dk_h.par_chunks_mut(t * d)
+            .zip(dv_h.par_chunks_mut(t * d))
+            .enumerate()
+            .flat_map(|(bkv, (dk, dv))| {
+                let tiles = dk.par_chunks_mut(TILE * d).zip(dv.par_chunks_mut(TILE * d));
+                tiles.enumerate().map(move |(kj, dkv_j)| (bkv, kj, dkv_j))
+            })
+            .for_each(|(bkv, kj, dkv_j)| bw.key_tile((bkv, kj), dkv_j, None, &mut Scratch::new(d)));
+        dq_h.par_chunks_mut(t * d)
+            .enumerate()
+            .flat_map(|(bh, dq)| dq.par_chunks_mut(TILE * d).enumerate().map(move |(qi, dq_i)| (bh, qi, dq_i)))
+            .for_each(|(bh, qi, dq_i)| bw.query_tile((bh, qi), dq_i, &mut Scratch::new(d)));
+    }
+    qkv_heads_to_rows(dqkv, heads, s);
+}
+
+/// What every task of [`flash_attention_backward`] reads.
+struct Backward<'a> {
+    qkv: &'a [f32],
+    dy: &'a [f32],
+    lse: &'a [f32],
+    dsum: &'a [f32],
+    s: AttnShape,
+    scale: f32,
+    par: Par,
+}
+
+/// A backward task's tiles: probabilities, score gradients, keys, values.
+struct Scratch {
+    p: Vec<f32>,
+    ds: Vec<f32>,
+    kt: Vec<f32>,
+    vt: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(d: usize) -> Self {
+        Scratch {
+            p: vec![0.0; TILE * TILE],
+            ds: vec![0.0; TILE * TILE],
+            kt: vec![0.0; TILE * d],
+            vt: vec![0.0; TILE * d],
+        }
+    }
+}
+
+impl Backward<'_> {
+    /// Query head `h` of sequence `bi`, rows from `r0`, as a GEMM operand:
+    /// its queries in `qkv` and its output gradient in `dy`.
+    fn q_dy(&self, bi: usize, h: usize, r0: usize) -> (Strided<'_>, Strided<'_>) {
+        let (t, d, qd, w) = (self.s.t, self.s.head_dim, self.s.q_dim(), self.s.qkv_width());
+        let q = Strided { data: self.qkv, offset: (bi * t + r0) * w + h * d, rs: w, cs: 1 };
+        (q, Strided { data: self.dy, offset: (bi * t + r0) * qd + h * d, rs: qd, cs: 1 })
+    }
+
+    /// Copies key/value tile `kj` of head `kvh` of sequence `bi` into the scratch.
+    fn gather_kv(&self, bi: usize, kvh: usize, kj: usize, sc: &mut Scratch) {
+        let (t, d, w) = (self.s.t, self.s.head_dim, self.s.qkv_width());
+        let (kc, vc) = (self.s.q_dim() + kvh * d, self.s.q_dim() + (self.s.n_kv_head + kvh) * d);
+        gather_tile(&mut sc.kt, self.qkv, (bi * t * w, w, kc, d), tile_rows(kj, t));
+        gather_tile(&mut sc.vt, self.qkv, (bi * t * w, w, vc, d), tile_rows(kj, t));
+    }
+
+    /// Recomputes, for query tile `qi` of head `h` against the gathered key
+    /// tile `kj`, `P = exp(scale · q · kᵀ − lse)` (masked past the
+    /// diagonal) into `sc.p` and `dS = P ⊙ (dy · vᵀ − D)` into `sc.ds`
+    /// (`nr × nc`, row stride `nc`).
+    fn probs(&self, (bi, h): (usize, usize), (qi, kj): (usize, usize), sc: &mut Scratch) {
+        let AttnShape { t, n_head, head_dim: d, .. } = self.s;
+        let ((r0, r1), (c0, c1)) = (tile_rows(qi, t), tile_rows(kj, t));
+        let (nr, nc) = (r1 - r0, c1 - c0);
+        let (q, dy) = self.q_dy(bi, h, r0);
+        let dims = GemmDims { m: nr, n: nc, k: d };
+        gemm_into(dims, &mut sc.p, GemmOut::overwrite(nc), q, Strided::transposed(&sc.kt, d), self.scale, self.par);
+        let lse_i = &self.lse[(bi * n_head + h) * t + r0..][..nr];
+        for (ri, prow) in sc.p[..nr * nc].chunks_mut(nc).enumerate() {
+            let valid = (r0 + ri + 1).saturating_sub(c0).min(nc);
+            prow[..valid].iter_mut().for_each(|x| *x = fast_exp(*x - lse_i[ri]));
+            prow[valid..].fill(0.0);
+        }
+        gemm_into(dims, &mut sc.ds, GemmOut::overwrite(nc), dy, Strided::transposed(&sc.vt, d), 1.0, self.par);
+        let d_i = &self.dsum[(bi * n_head + h) * t + r0..][..nr];
+        for (ri, (dsrow, prow)) in sc.ds[..nr * nc].chunks_mut(nc).zip(sc.p.chunks(nc)).enumerate() {
+            dsrow.iter_mut().zip(prow).for_each(|(x, &pv)| *x = pv * (*x - d_i[ri]));
+        }
+    }
+
+    /// `dq_i (+)= scale · dS · k` for the `nr` rows of a query tile against
+    /// the gathered key tile of `nc` rows; the first key tile overwrites.
+    fn add_dq(&self, dq_i: &mut [f32], (nr, nc): (usize, usize), first: bool, sc: &Scratch) {
+        let d = self.s.head_dim;
+        let out = GemmOut { offset: 0, rs: d, accumulate: !first };
+        let (lhs, rhs) = (Strided::rows(&sc.ds, nc), Strided::rows(&sc.kt, d));
+        gemm_into(GemmDims { m: nr, n: d, k: nc }, dq_i, out, lhs, rhs, self.scale, self.par);
+    }
+
+    /// dk and dv of key tile `kj` of key/value head `bkv % n_kv_head` of
+    /// sequence `bkv / n_kv_head`, overwritten: query tiles `kj..` in
+    /// order, each over the group's query heads in order. With `dq`
+    /// (the group's head-major dq, `[group, T, d]`), also adds this key
+    /// tile's share of it (overwriting at key tile 0).
+    fn key_tile(
+        &self,
+        (bkv, kj): (usize, usize),
+        (dk_j, dv_j): (&mut [f32], &mut [f32]),
+        mut dq: Option<&mut [f32]>,
+        sc: &mut Scratch,
+    ) {
+        let AttnShape { t, n_head, n_kv_head, head_dim: d, .. } = self.s;
+        let (bi, kvh, group) = (bkv / n_kv_head, bkv % n_kv_head, n_head / n_kv_head);
+        self.gather_kv(bi, kvh, kj, sc);
+        let nc = tile_rows(kj, t).1 - tile_rows(kj, t).0;
+        for qi in kj..tiles(t) {
+            let (r0, r1) = tile_rows(qi, t);
+            let nr = r1 - r0;
+            for g in 0..group {
+                let h = kvh * group + g;
+                self.probs((bi, h), (qi, kj), sc);
+                let (q, dy) = self.q_dy(bi, h, r0);
+                let acc = GemmOut { offset: 0, rs: d, accumulate: !(qi == kj && g == 0) };
+                let dims = GemmDims { m: nc, n: d, k: nr };
+                // dv_j (+)= Pᵀ · dy and dk_j (+)= scale · dSᵀ · q: (nc, nr) @ (nr, d)
+                gemm_into(dims, dv_j, acc, Strided::transposed(&sc.p, nc), dy, 1.0, self.par);
+                gemm_into(dims, dk_j, acc, Strided::transposed(&sc.ds, nc), q, self.scale, self.par);
+                if let Some(dq) = dq.as_deref_mut() {
+                    self.add_dq(&mut dq[(g * t + r0) * d..][..nr * d], (nr, nc), kj == 0, sc);
                 }
             }
-        });
-    qkv_heads_to_rows(dqkv, heads, s);
+        }
+    }
+
+    /// dq of query tile `qi` of query head `bh % n_head` of sequence
+    /// `bh / n_head`, overwritten: key tiles `0..=qi` in order.
+    fn query_tile(&self, (bh, qi): (usize, usize), dq_i: &mut [f32], sc: &mut Scratch) {
+        let AttnShape { t, n_head, n_kv_head, .. } = self.s;
+        let (bi, h) = (bh / n_head, bh % n_head);
+        let (r0, r1) = tile_rows(qi, t);
+        for kj in 0..=qi {
+            self.gather_kv(bi, h / (n_head / n_kv_head), kj, sc);
+            self.probs((bi, h), (qi, kj), sc);
+            let (c0, c1) = tile_rows(kj, t);
+            self.add_dq(dq_i, (r1 - r0, c1 - c0), kj == 0, sc);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -361,26 +455,33 @@ mod tests {
         }
     }
 
+    /// 1 and 2 threads, and 1 and B·KV + 1 threads: the backward runs one
+    /// task per (sequence, key/value head) on 1 thread and the split tasks
+    /// on B·KV + 1 (and on 2 where B·KV = 1), which must agree bit for bit.
     #[test]
     fn flash_attention_does_not_depend_on_the_thread_count() {
-        let s = shape(2, 150, 6, 2, 16);
-        let n = s.b * s.t;
-        let qkv = randn(n * s.qkv_width(), 11);
-        let dy = randn(n * s.q_dim(), 12);
-        let run = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("thread pool");
-            pool.install(|| {
-                let (y, lse) = flash_fwd(&qkv, s);
-                let dqkv = flash_bwd(&dy, &qkv, &y, &lse, s);
-                (y, lse, dqkv)
-            })
-        };
-        let (one, two) = (run(1), run(2));
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&one.0), bits(&two.0), "y");
-        assert_eq!(bits(&one.1), bits(&two.1), "lse");
-        assert_eq!(bits(&one.2), bits(&two.2), "dqkv");
-        assert!(one.2.iter().all(|x| x.is_finite()));
+        for s in [shape(2, 150, 6, 2, 16), shape(1, 150, 4, 1, 16)] {
+            let n = s.b * s.t;
+            let qkv = randn(n * s.qkv_width(), 11);
+            let dy = randn(n * s.q_dim(), 12);
+            let run = |threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("thread pool");
+                pool.install(|| {
+                    let (y, lse) = flash_fwd(&qkv, s);
+                    let dqkv = flash_bwd(&dy, &qkv, &y, &lse, s);
+                    (y, lse, dqkv)
+                })
+            };
+            let one = run(1);
+            assert!(one.2.iter().all(|x| x.is_finite()));
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for threads in [2, s.b * s.n_kv_head + 1] {
+                let other = run(threads);
+                assert_eq!(bits(&one.0), bits(&other.0), "y, {threads} threads");
+                assert_eq!(bits(&one.1), bits(&other.1), "lse, {threads} threads");
+                assert_eq!(bits(&one.2), bits(&other.2), "dqkv, {threads} threads");
+            }
+        }
     }
 
     #[test]
