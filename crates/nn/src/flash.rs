@@ -18,8 +18,9 @@ use crate::{gemm_into, GemmDims, GemmOut, Par, Strided};
 use rayon::prelude::*;
 
 /// Rows of a query tile and columns of a key/value tile. 64 keeps a task's
-/// scratch (a score tile of 64 × 64 and key, value and output tiles of
-/// 64 × d: 16 KiB + 3 · 16 KiB at d = 64) inside a core's L2 cache, while
+/// scratch (a score tile of 64 × 64, key and value tiles of 64 × d and one
+/// output tile of 64 × d per query head of the group: 16 KiB + (2 + group)
+/// · 16 KiB at d = 64, 96 KiB for SmolLM2) inside a core's L2 cache, while
 /// each tile GEMM (64 × 64 × d) is still large enough for the packed GEMM
 /// kernel to run at speed; square tiles put the diagonal on tile corners,
 /// so every row of a diagonal tile has at least one unmasked column.
