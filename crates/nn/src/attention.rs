@@ -49,7 +49,7 @@ impl AttnShape {
 
     /// Panics unless the shape is usable and every slice has exactly the
     /// length it implies (products checked: an overflowing shape cannot pass).
-    fn check(&self, kernel: &str, slices: &[(&str, usize, &[usize])]) {
+    pub(crate) fn check(&self, kernel: &str, slices: &[(&str, usize, &[usize])]) {
         assert!(
             self.t > 0 && self.head_dim > 0 && self.n_kv_head > 0 && self.n_head.is_multiple_of(self.n_kv_head),
             "{kernel}: invalid shape {self:?}"
@@ -227,7 +227,16 @@ pub fn attention_backward(
                 );
             }
         });
-    // Head-major back to rows [B·T, q | k | v].
+    qkv_heads_to_rows(dqkv, heads, s);
+}
+
+/// Copies head-major gradients `heads` (dq `[B, H, T, d]`, then dk and dv
+/// `[B, KV, T, d]` each) into rows `[B·T, q | k | v]` of `dqkv`.
+pub(crate) fn qkv_heads_to_rows(dqkv: &mut [f32], heads: &[f32], s: AttnShape) {
+    let AttnShape { b, t, n_head, n_kv_head, head_dim: d, .. } = s;
+    let (qd, w, kvd) = (s.q_dim(), s.qkv_width(), n_kv_head * d);
+    let (dq_h, dkv_h) = heads.split_at(b * t * qd);
+    let (dk_h, dv_h) = dkv_h.split_at(b * t * kvd);
     dqkv.par_chunks_mut(w).enumerate().for_each(|(r, row)| {
         let (bi, ti) = (r / t, r % t);
         let (rq, rkv) = row.split_at_mut(qd);

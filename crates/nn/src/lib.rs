@@ -1,7 +1,9 @@
 //! Transformer layers shared by the model families, written once over flat
 //! row-major f32 buffers: token and position embeddings, LayerNorm and
 //! RMSNorm, one causal grouped-query attention kernel (multi-head attention
-//! is the case `n_kv_head == n_head`), rotary embeddings (with Llama 3's
+//! is the case `n_kv_head == n_head`) in two forms, materialised (it saves
+//! the T × T probabilities) and tiled with an online softmax (it saves one
+//! log-sum-exp per row), rotary embeddings (with Llama 3's
 //! frequency scaling), the tanh-GELU and SwiGLU MLPs, linear layers in both
 //! weight layouts, the fused softmax cross-entropy of the LM head, the walk
 //! over a stack of blocks (segments, activation checkpointing, 16-bit
@@ -28,6 +30,7 @@ pub mod act;
 pub mod attention;
 pub mod embed;
 pub mod fd;
+pub mod flash;
 pub mod grad;
 pub mod io;
 pub mod linear;

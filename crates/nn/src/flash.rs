@@ -1,0 +1,516 @@
+//! Causal grouped-query attention in O(T) memory: FlashAttention-2's tiled
+//! algorithm (Dao 2023) over the same `qkv` rows and [`AttnShape`] as
+//! [`attention_forward`](crate::attention::attention_forward).
+//!
+//! The forward walks key/value tiles left to right with an online softmax
+//! (a running row maximum `m` and sum `l`; the partial output is rescaled
+//! by `exp(m_old − m_new)` whenever the maximum grows) and keeps, besides
+//! the output, one log-sum-exp `m + ln l` per (sequence, head, row). The
+//! backward recomputes each probability tile from it, `P = exp(S − lse)`,
+//! with `D_i = Σ_j dy_ij · y_ij` standing in for the row sum of `P ⊙ dP`.
+//! No `T × T` matrix exists: tiles above the diagonal are skipped whole,
+//! the diagonal tile is masked, and the query heads of one key/value group
+//! run against a key/value tile copied once for all of them.
+
+use crate::act::fast_exp;
+use crate::attention::{qkv_heads_to_rows, AttnShape};
+use crate::{gemm_into, GemmDims, GemmOut, Par, Strided};
+use rayon::prelude::*;
+
+/// Rows of a query tile and columns of a key/value tile. 64 keeps a task's
+/// scratch (a score tile of 64 × 64, key and value tiles of 64 × d and one
+/// output tile of 64 × d per query head of the group: 16 KiB + (2 + group)
+/// · 16 KiB at d = 64, 96 KiB for SmolLM2) inside a core's L2 cache, while
+/// each tile GEMM (64 × 64 × d) is still large enough for the packed GEMM
+/// kernel to run at speed; square tiles put the diagonal on tile corners,
+/// so every row of a diagonal tile has at least one unmasked column.
+/// Tiles of 128 (4× the scratch) measured no faster at T = 2048 on a
+/// 2-core AMD EPYC (single-thread forward and backward within the run-to-run
+/// noise of ±20%). The tile products run on the packed GEMM kernel: plain
+/// loops (16-lane dot products for the scores, row updates for `P · v`)
+/// made the forward 2.5× slower there.
+pub const TILE: usize = 64;
+
+/// Tiles covering `t` rows.
+fn tiles(t: usize) -> usize {
+    t.div_ceil(TILE)
+}
+
+/// Rows `r0..r1` of tile `i` of a length-`t` sequence.
+fn tile_rows(i: usize, t: usize) -> (usize, usize) {
+    (i * TILE, ((i + 1) * TILE).min(t))
+}
+
+/// Copies rows `r0..r1` of the `d` columns at `col` of the `w`-wide rows
+/// starting at `row0` into `dst` (dense, `d` wide).
+fn gather_tile(
+    dst: &mut [f32],
+    src: &[f32],
+    (row0, w, col, d): (usize, usize, usize, usize),
+    (r0, r1): (usize, usize),
+) {
+    for (r, out) in (r0..r1).zip(dst.chunks_mut(d)) {
+        out.copy_from_slice(&src[row0 + r * w + col..][..d]);
+    }
+}
+
+/// Causal attention forward without the probabilities. `qkv`
+/// `[B·T, qkv_width]`, `y` receives the head outputs `[B·T, n_head·d]`,
+/// `lse` the log-sum-exp of each softmax row `[B, n_head, T]`, which
+/// [`flash_attention_backward`] needs. One task per (sequence, query tile)
+/// writes its rows of `y` for every head; each row's sums run in key order
+/// inside one task, so results do not depend on the number of threads.
+///
+/// # Panics
+/// Unless every slice has exactly the length the shape implies.
+pub fn flash_attention_forward(y: &mut [f32], lse: &mut [f32], qkv: &[f32], s: AttnShape) {
+    let AttnShape { b, t, n_head, n_kv_head, head_dim: d, ops } = s;
+    let (qd, w) = (s.q_dim(), s.qkv_width());
+    s.check(
+        "flash_attention_forward",
+        &[("y", y.len(), &[b, t, qd]), ("lse", lse.len(), &[b, n_head, t]), ("qkv", qkv.len(), &[b, t, w])],
+    );
+    let group = n_head / n_kv_head;
+    let scale = 1.0 / (d as f32).sqrt();
+    let par = Par::ONE.with(ops);
+    let tile_lse: Vec<Vec<f32>> = y
+        .par_chunks_mut(t * qd)
+        .enumerate()
+        .flat_map(|(bi, ys)| ys.par_chunks_mut(TILE * qd).enumerate().map(move |(qi, yt)| (bi, qi, yt)))
+        .map(|(bi, qi, yt)| {
+            let (r0, r1) = tile_rows(qi, t);
+            let nr = r1 - r0;
+            let row0 = bi * t * w;
+            let (mut sc, mut kt, mut vt) = (vec![0.0f32; nr * TILE], vec![0.0f32; TILE * d], vec![0.0f32; TILE * d]);
+            let mut o = vec![0.0f32; group * nr * d];
+            let (mut m, mut l) = (vec![0.0f32; group * nr], vec![0.0f32; group * nr]);
+            // This tile's log-sum-exps, head-major: [n_head, nr].
+            let mut out_lse = vec![0.0f32; n_head * nr];
+            for kvh in 0..n_kv_head {
+                let (kc, vc) = (qd + kvh * d, qd + (n_kv_head + kvh) * d);
+                for kj in 0..=qi {
+                    let (c0, c1) = tile_rows(kj, t);
+                    let nc = c1 - c0;
+                    gather_tile(&mut kt, qkv, (row0, w, kc, d), (c0, c1));
+                    gather_tile(&mut vt, qkv, (row0, w, vc, d), (c0, c1));
+                    for g in 0..group {
+                        let h = kvh * group + g;
+                        let q = Strided { data: qkv, offset: row0 + r0 * w + h * d, rs: w, cs: 1 };
+                        // S = scale · q · kᵀ: (nr, d) @ (d, nc)
+                        let dims = GemmDims { m: nr, n: nc, k: d };
+                        gemm_into(dims, &mut sc, GemmOut::overwrite(nc), q, Strided::transposed(&kt, d), scale, par);
+                        let (og, mg, lg) =
+                            (&mut o[g * nr * d..][..nr * d], &mut m[g * nr..][..nr], &mut l[g * nr..][..nr]);
+                        for (ri, srow) in sc[..nr * nc].chunks_mut(nc).enumerate() {
+                            // Columns past the diagonal are masked (only in the diagonal tile).
+                            let valid = (r0 + ri + 1).saturating_sub(c0).min(nc);
+                            let row_max = srow[..valid].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+                            let m_new = if kj == 0 { row_max } else { mg[ri].max(row_max) };
+                            srow[..valid].iter_mut().for_each(|x| *x = fast_exp(*x - m_new));
+                            srow[valid..].fill(0.0);
+                            let sum = srow[..valid].iter().fold(0.0f32, |a, &x| a + x);
+                            if kj == 0 {
+                                lg[ri] = sum;
+                            } else {
+                                let alpha = fast_exp(mg[ri] - m_new);
+                                lg[ri] = alpha * lg[ri] + sum;
+                                og[ri * d..][..d].iter_mut().for_each(|x| *x *= alpha);
+                            }
+                            mg[ri] = m_new;
+                        }
+                        // O (+)= P · v: (nr, nc) @ (nc, d)
+                        gemm_into(
+                            GemmDims { m: nr, n: d, k: nc },
+                            og,
+                            GemmOut { offset: 0, rs: d, accumulate: kj > 0 },
+                            Strided::rows(&sc, nc),
+                            Strided::rows(&vt, d),
+                            1.0,
+                            par,
+                        );
+                    }
+                }
+                for g in 0..group {
+                    let h = kvh * group + g;
+                    for ri in 0..nr {
+                        let (mi, li) = (m[g * nr + ri], l[g * nr + ri]);
+                        let inv = 1.0 / li;
+                        let src = &o[(g * nr + ri) * d..][..d];
+                        yt[ri * qd + h * d..][..d].iter_mut().zip(src).for_each(|(dst, &x)| *dst = x * inv);
+                        out_lse[h * nr + ri] = mi + li.ln();
+                    }
+                }
+            }
+            out_lse
+        })
+        .collect();
+    // Tiles come back in (sequence, tile) order: scatter into [B, n_head, T].
+    for (task, tl) in tile_lse.iter().enumerate() {
+        let (bi, qi) = (task / tiles(t), task % tiles(t));
+        let (r0, r1) = tile_rows(qi, t);
+        for h in 0..n_head {
+            lse[(bi * n_head + h) * t + r0..][..r1 - r0].copy_from_slice(&tl[h * (r1 - r0)..][..r1 - r0]);
+        }
+    }
+}
+
+/// Backward of [`flash_attention_forward`]: overwrites `dqkv` (gradients of
+/// the rotated q and k, and of v) from `dy` and the saved `(qkv, y, lse)`;
+/// `heads` is scratch of `dqkv`'s size (head-major dq, dk, dv).
+///
+/// With at least as many (sequence, key/value head) pairs as threads, one
+/// task per pair walks key tiles, then query tiles at or below the
+/// diagonal, then its query heads, and accumulates dq, dk and dv. With
+/// fewer, the work splits into one task per (sequence, key/value head, key
+/// tile) for dk and dv, and one per (sequence, query head, query tile) for
+/// dq, which recomputes the probability and score-gradient tiles (7 tile
+/// products per tile pair instead of 5) but keeps every thread busy. Both
+/// add every sum in the same order (dk and dv over query tiles then heads,
+/// dq over key tiles), so the result is the same bit for bit whichever
+/// runs, and does not depend on the number of threads.
+///
+/// # Panics
+/// Unless every slice has exactly the length the shape implies.
+pub fn flash_attention_backward(
+    dqkv: &mut [f32],
+    heads: &mut [f32],
+    dy: &[f32],
+    saved: (&[f32], &[f32], &[f32]),
+    s: AttnShape,
+) {
+    let (qkv, y, lse) = saved;
+    let AttnShape { b, t, n_head, n_kv_head, head_dim: d, ops } = s;
+    let (qd, w) = (s.q_dim(), s.qkv_width());
+    let kvd = n_kv_head * d;
+    s.check(
+        "flash_attention_backward",
+        &[
+            ("dqkv", dqkv.len(), &[b, t, w]),
+            ("heads", heads.len(), &[b, t, w]),
+            ("dy", dy.len(), &[b, t, qd]),
+            ("qkv", qkv.len(), &[b, t, w]),
+            ("y", y.len(), &[b, t, qd]),
+            ("lse", lse.len(), &[b, n_head, t]),
+        ],
+    );
+    // D [B, n_head, T]: Σ dy ⊙ y over each row of each head (= Σ_j P ⊙ dP).
+    let mut dsum = vec![0.0f32; b * n_head * t];
+    dsum.par_chunks_mut(t).enumerate().for_each(|(bh, dh)| {
+        let (bi, h) = (bh / n_head, bh % n_head);
+        for (ti, out) in dh.iter_mut().enumerate() {
+            let at = (bi * t + ti) * qd + h * d;
+            *out = dy[at..at + d].iter().zip(&y[at..at + d]).fold(0.0f32, |a, (&x, &z)| a + x * z);
+        }
+    });
+    let bw = Backward { qkv, dy, lse, dsum: &dsum, s, scale: 1.0 / (d as f32).sqrt(), par: Par::ONE.with(ops) };
+    let group = n_head / n_kv_head;
+    let (dq_h, dkv_h) = heads.split_at_mut(b * t * qd);
+    let (dk_h, dv_h) = dkv_h.split_at_mut(b * t * kvd);
+    if b * n_kv_head >= rayon::current_num_threads() {
+        dq_h.par_chunks_mut(group * t * d)
+            .zip(dk_h.par_chunks_mut(t * d).zip(dv_h.par_chunks_mut(t * d)))
+            .enumerate()
+            .for_each(|(bkv, (dq_g, (dk, dv)))| {
+                let mut sc = Scratch::new(d);
+                for kj in 0..tiles(t) {
+                    let (c0, c1) = tile_rows(kj, t);
+                    let dkv_j = (&mut dk[c0 * d..c1 * d], &mut dv[c0 * d..c1 * d]);
+                    bw.key_tile((bkv, kj), dkv_j, Some(&mut *dq_g), &mut sc);
+                }
+            });
+    } else {
+        dk_h.par_chunks_mut(t * d)
+            .zip(dv_h.par_chunks_mut(t * d))
+            .enumerate()
+            .flat_map(|(bkv, (dk, dv))| {
+                let tiles = dk.par_chunks_mut(TILE * d).zip(dv.par_chunks_mut(TILE * d));
+                tiles.enumerate().map(move |(kj, dkv_j)| (bkv, kj, dkv_j))
+            })
+            .for_each(|(bkv, kj, dkv_j)| bw.key_tile((bkv, kj), dkv_j, None, &mut Scratch::new(d)));
+        dq_h.par_chunks_mut(t * d)
+            .enumerate()
+            .flat_map(|(bh, dq)| dq.par_chunks_mut(TILE * d).enumerate().map(move |(qi, dq_i)| (bh, qi, dq_i)))
+            .for_each(|(bh, qi, dq_i)| bw.query_tile((bh, qi), dq_i, &mut Scratch::new(d)));
+    }
+    qkv_heads_to_rows(dqkv, heads, s);
+}
+
+/// What every task of [`flash_attention_backward`] reads.
+struct Backward<'a> {
+    qkv: &'a [f32],
+    dy: &'a [f32],
+    lse: &'a [f32],
+    dsum: &'a [f32],
+    s: AttnShape,
+    scale: f32,
+    par: Par,
+}
+
+/// A backward task's tiles: probabilities, score gradients, keys, values.
+struct Scratch {
+    p: Vec<f32>,
+    ds: Vec<f32>,
+    kt: Vec<f32>,
+    vt: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(d: usize) -> Self {
+        Scratch {
+            p: vec![0.0; TILE * TILE],
+            ds: vec![0.0; TILE * TILE],
+            kt: vec![0.0; TILE * d],
+            vt: vec![0.0; TILE * d],
+        }
+    }
+}
+
+impl Backward<'_> {
+    /// Query head `h` of sequence `bi`, rows from `r0`, as a GEMM operand:
+    /// its queries in `qkv` and its output gradient in `dy`.
+    fn q_dy(&self, bi: usize, h: usize, r0: usize) -> (Strided<'_>, Strided<'_>) {
+        let (t, d, qd, w) = (self.s.t, self.s.head_dim, self.s.q_dim(), self.s.qkv_width());
+        let q = Strided { data: self.qkv, offset: (bi * t + r0) * w + h * d, rs: w, cs: 1 };
+        (q, Strided { data: self.dy, offset: (bi * t + r0) * qd + h * d, rs: qd, cs: 1 })
+    }
+
+    /// Copies key/value tile `kj` of head `kvh` of sequence `bi` into the scratch.
+    fn gather_kv(&self, bi: usize, kvh: usize, kj: usize, sc: &mut Scratch) {
+        let (t, d, w) = (self.s.t, self.s.head_dim, self.s.qkv_width());
+        let (kc, vc) = (self.s.q_dim() + kvh * d, self.s.q_dim() + (self.s.n_kv_head + kvh) * d);
+        gather_tile(&mut sc.kt, self.qkv, (bi * t * w, w, kc, d), tile_rows(kj, t));
+        gather_tile(&mut sc.vt, self.qkv, (bi * t * w, w, vc, d), tile_rows(kj, t));
+    }
+
+    /// Recomputes, for query tile `qi` of head `h` against the gathered key
+    /// tile `kj`, `P = exp(scale · q · kᵀ − lse)` (masked past the
+    /// diagonal) into `sc.p` and `dS = P ⊙ (dy · vᵀ − D)` into `sc.ds`
+    /// (`nr × nc`, row stride `nc`).
+    fn probs(&self, (bi, h): (usize, usize), (qi, kj): (usize, usize), sc: &mut Scratch) {
+        let AttnShape { t, n_head, head_dim: d, .. } = self.s;
+        let ((r0, r1), (c0, c1)) = (tile_rows(qi, t), tile_rows(kj, t));
+        let (nr, nc) = (r1 - r0, c1 - c0);
+        let (q, dy) = self.q_dy(bi, h, r0);
+        let dims = GemmDims { m: nr, n: nc, k: d };
+        gemm_into(dims, &mut sc.p, GemmOut::overwrite(nc), q, Strided::transposed(&sc.kt, d), self.scale, self.par);
+        let lse_i = &self.lse[(bi * n_head + h) * t + r0..][..nr];
+        for (ri, prow) in sc.p[..nr * nc].chunks_mut(nc).enumerate() {
+            let valid = (r0 + ri + 1).saturating_sub(c0).min(nc);
+            prow[..valid].iter_mut().for_each(|x| *x = fast_exp(*x - lse_i[ri]));
+            prow[valid..].fill(0.0);
+        }
+        gemm_into(dims, &mut sc.ds, GemmOut::overwrite(nc), dy, Strided::transposed(&sc.vt, d), 1.0, self.par);
+        let d_i = &self.dsum[(bi * n_head + h) * t + r0..][..nr];
+        for (ri, (dsrow, prow)) in sc.ds[..nr * nc].chunks_mut(nc).zip(sc.p.chunks(nc)).enumerate() {
+            dsrow.iter_mut().zip(prow).for_each(|(x, &pv)| *x = pv * (*x - d_i[ri]));
+        }
+    }
+
+    /// `dq_i (+)= scale · dS · k` for the `nr` rows of a query tile against
+    /// the gathered key tile of `nc` rows; the first key tile overwrites.
+    fn add_dq(&self, dq_i: &mut [f32], (nr, nc): (usize, usize), first: bool, sc: &Scratch) {
+        let d = self.s.head_dim;
+        let out = GemmOut { offset: 0, rs: d, accumulate: !first };
+        let (lhs, rhs) = (Strided::rows(&sc.ds, nc), Strided::rows(&sc.kt, d));
+        gemm_into(GemmDims { m: nr, n: d, k: nc }, dq_i, out, lhs, rhs, self.scale, self.par);
+    }
+
+    /// dk and dv of key tile `kj` of key/value head `bkv % n_kv_head` of
+    /// sequence `bkv / n_kv_head`, overwritten: query tiles `kj..` in
+    /// order, each over the group's query heads in order. With `dq`
+    /// (the group's head-major dq, `[group, T, d]`), also adds this key
+    /// tile's share of it (overwriting at key tile 0).
+    fn key_tile(
+        &self,
+        (bkv, kj): (usize, usize),
+        (dk_j, dv_j): (&mut [f32], &mut [f32]),
+        mut dq: Option<&mut [f32]>,
+        sc: &mut Scratch,
+    ) {
+        let AttnShape { t, n_head, n_kv_head, head_dim: d, .. } = self.s;
+        let (bi, kvh, group) = (bkv / n_kv_head, bkv % n_kv_head, n_head / n_kv_head);
+        self.gather_kv(bi, kvh, kj, sc);
+        let nc = tile_rows(kj, t).1 - tile_rows(kj, t).0;
+        for qi in kj..tiles(t) {
+            let (r0, r1) = tile_rows(qi, t);
+            let nr = r1 - r0;
+            for g in 0..group {
+                let h = kvh * group + g;
+                self.probs((bi, h), (qi, kj), sc);
+                let (q, dy) = self.q_dy(bi, h, r0);
+                let acc = GemmOut { offset: 0, rs: d, accumulate: !(qi == kj && g == 0) };
+                let dims = GemmDims { m: nc, n: d, k: nr };
+                // dv_j (+)= Pᵀ · dy and dk_j (+)= scale · dSᵀ · q: (nc, nr) @ (nr, d)
+                gemm_into(dims, dv_j, acc, Strided::transposed(&sc.p, nc), dy, 1.0, self.par);
+                gemm_into(dims, dk_j, acc, Strided::transposed(&sc.ds, nc), q, self.scale, self.par);
+                if let Some(dq) = dq.as_deref_mut() {
+                    self.add_dq(&mut dq[(g * t + r0) * d..][..nr * d], (nr, nc), kj == 0, sc);
+                }
+            }
+        }
+    }
+
+    /// dq of query tile `qi` of query head `bh % n_head` of sequence
+    /// `bh / n_head`, overwritten: key tiles `0..=qi` in order.
+    fn query_tile(&self, (bh, qi): (usize, usize), dq_i: &mut [f32], sc: &mut Scratch) {
+        let AttnShape { t, n_head, n_kv_head, .. } = self.s;
+        let (bi, h) = (bh / n_head, bh % n_head);
+        let (r0, r1) = tile_rows(qi, t);
+        for kj in 0..=qi {
+            self.gather_kv(bi, h / (n_head / n_kv_head), kj, sc);
+            self.probs((bi, h), (qi, kj), sc);
+            let (c0, c1) = tile_rows(kj, t);
+            self.add_dq(dq_i, (r1 - r0, c1 - c0), kj == 0, sc);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attention::{attention_backward, attention_forward};
+    use crate::testutil::{check_fd, randn};
+    use crate::Operands;
+
+    fn shape(b: usize, t: usize, n_head: usize, n_kv_head: usize, head_dim: usize) -> AttnShape {
+        AttnShape { b, t, n_head, n_kv_head, head_dim, ops: Operands::F32 }
+    }
+
+    fn flash_fwd(qkv: &[f32], s: AttnShape) -> (Vec<f32>, Vec<f32>) {
+        let n = s.b * s.t;
+        let (mut y, mut lse) = (vec![f32::NAN; n * s.q_dim()], vec![f32::NAN; s.b * s.n_head * s.t]);
+        flash_attention_forward(&mut y, &mut lse, qkv, s);
+        (y, lse)
+    }
+
+    fn flash_bwd(dy: &[f32], qkv: &[f32], y: &[f32], lse: &[f32], s: AttnShape) -> Vec<f32> {
+        let n = s.b * s.t * s.qkv_width();
+        let (mut dqkv, mut heads) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+        flash_attention_backward(&mut dqkv, &mut heads, dy, (qkv, y, lse), s);
+        dqkv
+    }
+
+    /// Largest |a − b| / (1 + |b|): relative for large values, absolute
+    /// near zero.
+    fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        a.iter().zip(b).map(|(&x, &y)| (x - y).abs() / (1.0 + y.abs())).fold(0.0, f32::max)
+    }
+
+    /// Against the materialised kernels. Both compute the same sums in f32
+    /// in different orders: the online softmax rescales its partial sums
+    /// (one extra rounding per key tile), the tile GEMMs add in other
+    /// blocks, and the backward takes Σ P·dP as Σ dy·y. Each of these is
+    /// a few ulp of values of order one; over sums of up to T = 200 terms
+    /// that stays below ~2e-6 relative (measured up to 1.6e-6), so 1e-5 (with the 1 + |x|
+    /// denominator guarding values near 0) separates rounding from any
+    /// masking or indexing error, which is O(1e-2) or more.
+    #[test]
+    fn flash_attention_matches_the_materialised_kernels() {
+        let shapes = [
+            shape(2, 1, 4, 2, 8),
+            shape(2, 65, 4, 4, 8),
+            shape(1, 130, 4, 1, 16),
+            shape(2, 200, 6, 3, 8),
+            shape(1, 128, 8, 2, 32),
+        ];
+        for (seed, s) in shapes.into_iter().enumerate() {
+            let seed = seed as u64 * 10;
+            let n = s.b * s.t;
+            let (qd, w) = (s.q_dim(), s.qkv_width());
+            let qkv = randn(n * w, seed + 1);
+            let dy = randn(n * qd, seed + 2);
+            let (mut y_ref, mut att, mut heads) = (vec![0.0; n * qd], vec![0.0; s.att_len()], vec![0.0; n * qd]);
+            attention_forward(&mut y_ref, &mut att, &mut heads, &qkv, s);
+            let (mut dqkv_ref, mut datt, mut hb) = (vec![0.0; n * w], vec![0.0; s.att_len()], vec![0.0; n * w]);
+            attention_backward(&mut dqkv_ref, &mut datt, &mut hb, &dy, (&qkv, &att), s);
+
+            let (y, lse) = flash_fwd(&qkv, s);
+            let dqkv = flash_bwd(&dy, &qkv, &y, &lse, s);
+            let (ey, eg) = (max_rel(&y, &y_ref), max_rel(&dqkv, &dqkv_ref));
+            eprintln!("{s:?}: y {ey:.1e}, dqkv {eg:.1e}");
+            assert!(ey < 1e-5, "{s:?}: y differs by {ey}");
+            assert!(eg < 1e-5, "{s:?}: dqkv differs by {eg}");
+            // lse reproduces the probabilities: at row 0 only key 0 is
+            // visible, so lse = scale · q₀·k₀ exactly up to rounding.
+            let scale = 1.0 / (s.head_dim as f32).sqrt();
+            let group = s.n_head / s.n_kv_head;
+            for h in 0..s.n_head {
+                let (q0, k0) = (h * s.head_dim, qd + (h / group) * s.head_dim);
+                let dot: f32 = (0..s.head_dim).map(|i| qkv[q0 + i] * qkv[k0 + i]).sum::<f32>() * scale;
+                assert!((lse[h * s.t] - dot).abs() < 1e-5 * (1.0 + dot.abs()), "lse of head {h}");
+            }
+        }
+    }
+
+    #[test]
+    fn flash_attention_backward_matches_central_differences() {
+        // T spans two tiles of which the second is partial, with groups of 2.
+        for s in [shape(1, TILE + 3, 4, 2, 2), shape(2, 3, 2, 1, 4)] {
+            let n = s.b * s.t;
+            let qkv = randn(n * s.qkv_width(), 7);
+            let dy = randn(n * s.q_dim(), 8);
+            let (y, lse) = flash_fwd(&qkv, s);
+            let dqkv = flash_bwd(&dy, &qkv, &y, &lse, s);
+            check_fd("flash attention dqkv", &|x| flash_fwd(x, s).0, &qkv, &dy, &dqkv);
+        }
+    }
+
+    /// 1 and 2 threads, and 1 and B·KV + 1 threads: the backward runs one
+    /// task per (sequence, key/value head) on 1 thread and the split tasks
+    /// on B·KV + 1 (and on 2 where B·KV = 1), which must agree bit for bit.
+    #[test]
+    fn flash_attention_does_not_depend_on_the_thread_count() {
+        for s in [shape(2, 150, 6, 2, 16), shape(1, 150, 4, 1, 16)] {
+            let n = s.b * s.t;
+            let qkv = randn(n * s.qkv_width(), 11);
+            let dy = randn(n * s.q_dim(), 12);
+            let run = |threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("thread pool");
+                pool.install(|| {
+                    let (y, lse) = flash_fwd(&qkv, s);
+                    let dqkv = flash_bwd(&dy, &qkv, &y, &lse, s);
+                    (y, lse, dqkv)
+                })
+            };
+            let one = run(1);
+            assert!(one.2.iter().all(|x| x.is_finite()));
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for threads in [2, s.b * s.n_kv_head + 1] {
+                let other = run(threads);
+                assert_eq!(bits(&one.0), bits(&other.0), "y, {threads} threads");
+                assert_eq!(bits(&one.1), bits(&other.1), "lse, {threads} threads");
+                assert_eq!(bits(&one.2), bits(&other.2), "dqkv, {threads} threads");
+            }
+        }
+    }
+
+    #[test]
+    fn flash_attention_rejects_slices_of_the_wrong_length() {
+        let s = shape(1, 4, 2, 1, 4);
+        let (n, w, qd) = (4, s.qkv_width(), s.q_dim());
+        let fwd = |y: usize, lse: usize, qkv: usize| {
+            std::panic::catch_unwind(|| {
+                flash_attention_forward(&mut vec![0.0; y], &mut vec![0.0; lse], &vec![0.1; qkv], s);
+            })
+            .is_ok()
+        };
+        assert!(fwd(n * qd, 2 * 4, n * w));
+        assert!(!fwd(n * qd, 2 * 4 + 1, n * w), "long lse");
+        assert!(!fwd(n * qd - 1, 2 * 4, n * w), "short y");
+        assert!(!fwd(n * qd, 2 * 4, n * w - 1), "short qkv");
+        let bwd = |dqkv: usize, heads: usize, lse: usize| {
+            std::panic::catch_unwind(|| {
+                let (mut a, mut h) = (vec![0.0; dqkv], vec![0.0; heads]);
+                let (dy, y, q) = (vec![0.1; n * qd], vec![0.1; n * qd], vec![0.1; n * w]);
+                flash_attention_backward(&mut a, &mut h, &dy, (&q, &y, &vec![0.0; lse]), s);
+            })
+            .is_ok()
+        };
+        assert!(bwd(n * w, n * w, 8));
+        assert!(!bwd(n * w - 1, n * w, 8), "short dqkv");
+        assert!(!bwd(n * w, n * w, 7), "short lse");
+        let huge = shape(usize::MAX / 2 + 1, 1, 1, 1, 2);
+        assert!(std::panic::catch_unwind(|| flash_attention_forward(&mut [], &mut [], &[], huge)).is_err());
+    }
+}
