@@ -97,6 +97,11 @@ pub enum Shard {
 }
 
 impl Shard {
+    /// Whether every rank holds all of the tensor.
+    pub fn is_replicated(&self) -> bool {
+        matches!(self, Shard::Replicated | Shard::Partial)
+    }
+
     /// Whether rank `tp` counts this tensor in the global gradient norm:
     /// each piece of the whole model once (a replicated tensor on rank 0).
     pub fn counted_by(&self, tp: TpRank) -> bool {
@@ -225,6 +230,23 @@ impl TensorShards {
         Ok(out)
     }
 
+    /// The inverse of [`TensorShards::take_tensor`]: rank `tp`'s `piece`
+    /// written into its place in the whole tensor `whole` (all of it for
+    /// a replicated tensor).
+    pub fn place_tensor(shard: Shard, tp: TpRank, piece: &[f32], whole: &mut [f32]) {
+        match shard {
+            Shard::Replicated | Shard::Partial => whole.copy_from_slice(piece),
+            Shard::Split { outer, dim, inner, parts } => {
+                let r = tp.range(dim, parts);
+                let per = r.len() * inner;
+                for o in 0..outer {
+                    let dst = (o * dim + r.start) * inner;
+                    whole[dst..dst + per].copy_from_slice(&piece[o * per..(o + 1) * per]);
+                }
+            }
+        }
+    }
+
     /// This rank's part of the whole model's parameters `range` (whole
     /// tensors, e.g. a segment), given as `whole`.
     pub fn take_range(&self, range: Range<usize>, whole: &[f32]) -> Vec<f32> {
@@ -262,28 +284,23 @@ impl TensorShards {
             group.flush_sends()?;
             return Ok(None);
         }
-        let mut parts = vec![local.to_vec()];
-        for from in 1..self.tp.size {
-            let mut buf = vec![0.0; local.len()];
-            group.recv(&mut buf, from, TAG)?;
-            parts.push(buf);
-        }
         let (fs, ls) = (Self::spans(&self.full, grad_space), Self::spans(&self.local, grad_space));
         let mut whole = vec![0.0; Self::len(&self.full, grad_space)];
-        for ((f, l), s) in fs.into_iter().zip(ls).zip(&self.shards) {
-            let (Some(f), Some(l)) = (f, l) else { continue };
-            match *s {
-                Shard::Replicated | Shard::Partial => whole[f].copy_from_slice(&local[l]),
-                Shard::Split { outer, dim, inner, parts: pieces } => {
-                    let per = dim / pieces * inner;
-                    for (t, part) in parts.iter().enumerate() {
-                        let r = TpRank { rank: t, size: self.tp.size }.range(dim, pieces);
-                        let src = &part[l.clone()];
-                        for o in 0..outer {
-                            let dst = f.start + (o * dim + r.start) * inner;
-                            whole[dst..dst + per].copy_from_slice(&src[o * per..(o + 1) * per]);
-                        }
-                    }
+        // Each rank's buffer placed as it arrives (rank 0's own first, with
+        // the replicated tensors): one received buffer held at a time.
+        let mut buf = Vec::new();
+        for from in 0..self.tp.size {
+            let part = if from == 0 {
+                local
+            } else {
+                buf.resize(local.len(), 0.0);
+                group.recv(&mut buf, from, TAG)?;
+                &buf[..]
+            };
+            let rank = TpRank { rank: from, size: self.tp.size };
+            for ((f, l), s) in fs.iter().zip(&ls).zip(&self.shards) {
+                if let (Some(f), Some(l), true) = (f, l, from == 0 || !s.is_replicated()) {
+                    Self::place_tensor(*s, rank, &part[l.clone()], &mut whole[f.clone()]);
                 }
             }
         }

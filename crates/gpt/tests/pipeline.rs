@@ -53,16 +53,7 @@ fn gpt2_pipeline_matches_uncut_for_every_layout_schedule_precision_and_checkpoin
 fn gpt2_tied_embedding_copies_agree_after_pipeline_steps() {
     let seqs = TokenSamples::new(48, T, 32, 9);
     let case = PipelineCase { model: &model, init: init(), seqs: &seqs };
-    let base = Layout {
-        p: 1,
-        d: 1,
-        t: 1,
-        kind: ScheduleKind::OneFOneB,
-        precision: Precision::F32,
-        checkpointing: Checkpointing::None,
-        zero: 0,
-        clip: false,
-    };
+    let base = Layout::uncut(1, Precision::F32, Checkpointing::None);
     let reference = run_layout(&case, base).unwrap();
     let bit = check_pipeline(&case, Layout { p: 2, ..base }, &reference, 1e-6, 1e-5).unwrap();
     // The module docs say why this need not be bit-identical (the tied sum is reordered).

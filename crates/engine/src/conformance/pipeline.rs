@@ -52,6 +52,14 @@ pub struct Layout {
     pub clip: bool,
 }
 
+impl Layout {
+    /// The model uncut on `d` data ranks (1F1B named but unused), ZeRO-0,
+    /// no clipping: the reference the other layouts vary from.
+    pub fn uncut(d: usize, precision: Precision, checkpointing: Checkpointing) -> Self {
+        Layout { p: 1, d, t: 1, kind: ScheduleKind::OneFOneB, precision, checkpointing, zero: 0, clip: false }
+    }
+}
+
 /// Per-step losses and the final parameters of a run.
 pub type Run = (Vec<f64>, Vec<f32>);
 
@@ -204,8 +212,8 @@ fn replicas_agree(st: &PipelineStage, tp: &mut dyn Communicator, local: &[f32]) 
         let peer = TpRank { rank: from, size: map.tp.size };
         for (spec, shard) in st.layout.layout.tensors().iter().zip(st.stage_shards()) {
             let shared = match *shard {
-                Shard::Replicated | Shard::Partial => true,
                 Shard::Split { parts, .. } => peer.piece(parts) == map.tp.piece(parts),
+                _ => true,
             };
             let r = spec.range();
             if shared && local[r.clone()].iter().zip(&theirs[r]).any(|(a, b)| a.to_bits() != b.to_bits()) {
@@ -265,16 +273,7 @@ pub fn check_all_layouts<M: StagedModel<Batch = TokenBatch> + Send>(
     for precision in [Precision::F32, Precision::Bf16] {
         for checkpointing in [Checkpointing::None, Checkpointing::Blocks] {
             for d in [1, 2] {
-                let base = Layout {
-                    p: 1,
-                    d,
-                    t: 1,
-                    kind: ScheduleKind::OneFOneB,
-                    precision,
-                    checkpointing,
-                    zero: 0,
-                    clip: false,
-                };
+                let base = Layout::uncut(d, precision, checkpointing);
                 let reference = run_layout(case, base)?;
                 for p in [2, 4] {
                     for kind in [ScheduleKind::OneFOneB, ScheduleKind::GPipe] {
@@ -284,16 +283,7 @@ pub fn check_all_layouts<M: StagedModel<Batch = TokenBatch> + Send>(
             }
         }
     }
-    let base = Layout {
-        p: 1,
-        d: 2,
-        t: 1,
-        kind: ScheduleKind::OneFOneB,
-        precision: Precision::F32,
-        checkpointing: Checkpointing::None,
-        zero: 1,
-        clip: false,
-    };
+    let base = Layout { zero: 1, ..Layout::uncut(2, Precision::F32, Checkpointing::None) };
     let reference = run_layout(case, base)?;
     check(Layout { p: 2, ..base }, &reference)
 }
@@ -323,32 +313,14 @@ pub fn check_tensor_layouts<M: StagedModel<Batch = TokenBatch> + Send>(
     for precision in [Precision::F32, Precision::Bf16, Precision::F16] {
         let tol = if precision.is_low() { (bf16_loss_rtol, bf16_rtol) } else { (loss_rtol, rtol) };
         for checkpointing in [Checkpointing::None, Checkpointing::Blocks] {
-            let base = Layout {
-                p: 1,
-                d: 1,
-                t: 1,
-                kind: ScheduleKind::OneFOneB,
-                precision,
-                checkpointing,
-                zero: 0,
-                clip: false,
-            };
+            let base = Layout::uncut(1, precision, checkpointing);
             let reference = run_layout(case, base)?;
             for &t in ts {
                 check(Layout { t, ..base }, &reference, tol)?;
             }
         }
     }
-    let base = Layout {
-        p: 1,
-        d: 2,
-        t: 1,
-        kind: ScheduleKind::OneFOneB,
-        precision: Precision::F32,
-        checkpointing: Checkpointing::None,
-        zero: 0,
-        clip: false,
-    };
+    let base = Layout::uncut(2, Precision::F32, Checkpointing::None);
     let reference = run_layout(case, base)?;
     check(Layout { p: 2, t: 2, ..base }, &reference, (loss_rtol, rtol))?;
     check(Layout { t: 2, zero: 1, ..base }, &reference, (loss_rtol, rtol))?;

@@ -244,7 +244,7 @@ impl Trainer {
             .tensors()
             .iter()
             .zip(stage.stage_shards())
-            .filter(|(_, s)| matches!(s, crate::tensor::Shard::Replicated | crate::tensor::Shard::Partial))
+            .filter(|(_, s)| s.is_replicated())
             .map(|(t, _)| t.range())
             .collect();
         let h = match (&self.model_copy, self.master_sharded()) {

@@ -69,7 +69,7 @@ impl Trainer {
         let mut at = 0;
         for (r, s) in &runs {
             let len = whole(s, r.len());
-            scatter(*s, me, &self.grads[r.clone()], &mut buf[at..at + len]);
+            TensorShards::place_tensor(*s, me, &self.grads[r.clone()], &mut buf[at..at + len]);
             at += len;
         }
         tp.comm.all_reduce_sum(&mut buf)?;
@@ -108,22 +108,5 @@ impl Trainer {
             .sum::<f64>()];
         tp.comm.all_reduce_sum_f64(&mut sq)?;
         Ok(sq[0])
-    }
-}
-
-/// Puts this rank's piece `g` of a tensor held by several ranks (or a
-/// whole partial gradient) into `out` (zeros elsewhere) at its place in
-/// the whole tensor.
-fn scatter(s: Shard, me: TpRank, g: &[f32], out: &mut [f32]) {
-    match s {
-        Shard::Split { outer, dim, inner, parts } => {
-            let r = me.range(dim, parts);
-            let per = r.len() * inner;
-            for o in 0..outer {
-                let dst = (o * dim + r.start) * inner;
-                out[dst..dst + per].copy_from_slice(&g[o * per..(o + 1) * per]);
-            }
-        }
-        _ => out.copy_from_slice(g),
     }
 }
