@@ -222,8 +222,9 @@ pub struct DataConfig {
     /// `.gguf` file or a folder with `tokenizer.json`), else `byte`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<TokenizerSpec>,
-    /// `jsonl`: pack whole examples into rows of `seq_len` positions (else
-    /// one example a row, padded to the longest in its micro-batch).
+    /// `jsonl`: pack whole examples into rows of `seq_len` positions, each
+    /// attending only to itself with positions from 0 (else one example a
+    /// row, padded to the longest in its micro-batch).
     pub pack: bool,
     /// `jsonl`: drop the examples that cutting to `seq_len` leaves without a
     /// target (a reply beyond the limit), naming their lines; `false`: refuse them.

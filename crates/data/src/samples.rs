@@ -47,6 +47,7 @@ impl Samples {
                     seq_len: t,
                     inputs: Vec::with_capacity(indices.len() * t),
                     targets: Vec::with_capacity(indices.len() * t),
+                    positions: Vec::new(),
                 };
                 for &i in indices {
                     d.push_sample(i, &mut b.inputs, &mut b.targets)?;

@@ -407,12 +407,22 @@ impl SftDataset {
         let seq_len = self.row_len(indices);
         let n = samples.len() * seq_len;
         let (mut inputs, mut targets) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        // Packed rows keep their examples apart: each input's position
+        // within its example (the padding after them a document of its own).
+        let mut positions = Vec::with_capacity(if self.rows.is_some() { n } else { 0 });
         for s in &samples {
-            let pad = seq_len - push_positions(s, &mut inputs, &mut targets);
+            let used = push_positions(s, &mut inputs, &mut targets);
+            let pad = seq_len - used;
             inputs.extend(std::iter::repeat_n(self.pad_id, pad));
             targets.extend(std::iter::repeat_n(IGNORE_INDEX, pad));
+            if self.rows.is_some() {
+                let row_start = positions.len();
+                positions.extend(s.iter().flat_map(|e| 0..e.tokens.len() as u32));
+                positions.truncate(row_start + used);
+                positions.extend(0..pad as u32);
+            }
         }
-        TokenBatch { n_seqs: samples.len(), seq_len, inputs, targets }
+        TokenBatch { n_seqs: samples.len(), seq_len, inputs, targets, positions }
     }
 }
 
@@ -550,6 +560,13 @@ pub(crate) mod tests {
         assert_eq!(&batch.targets[..6], &row0_targets);
         assert_eq!(&batch.inputs[..6], &[97, 98, IM_END, 99, 100, 101]);
         assert_eq!(&batch.targets[6..12], &[e, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]);
+        // Positions restart with each example (and with the padding), so
+        // the second example of row 0 attends from its own start.
+        assert_eq!(&batch.positions[..6], &[0, 1, 2, 0, 1, 2]);
+        assert_eq!(&batch.positions[6..12], &[0, 0, 1, 2, 3, 4]);
+        assert_eq!(batch.doc_starts()[..6], [0, 0, 0, 3, 3, 3]);
+        assert_eq!(batch.problem(6, "max", 300), None);
+        assert!(unpacked.micro_batch(&[0, 1]).positions.is_empty());
         assert_eq!(batch.n_targets(), unpacked.stats().n_targets);
         assert_eq!(ds.stats().n_targets, unpacked.stats().n_targets);
         // a row of n tokens fills n − 1 positions (the masked boundary one included)

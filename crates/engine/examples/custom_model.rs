@@ -132,6 +132,7 @@ fn batch(text: &[u8], first: usize, n: usize) -> TokenBatch {
         seq_len: T,
         inputs: starts.iter().flat_map(|&at| seq(at).map(u32::from)).collect(),
         targets: starts.iter().flat_map(|&at| seq(at + 1).map(i32::from)).collect(),
+        positions: Vec::new(),
     }
 }
 

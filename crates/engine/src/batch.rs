@@ -17,6 +17,11 @@ pub struct TokenBatch {
     pub inputs: Vec<u32>,
     /// `B·T` targets; negative values are ignored.
     pub targets: Vec<i32>,
+    /// Packed rows: each input's position within its document (0 where a
+    /// document starts, then +1 per token), so that a document neither
+    /// attends to the one before it nor sees shifted positions. Empty:
+    /// one document per row, positions `0..T`.
+    pub positions: Vec<u32>,
 }
 
 impl TokenBatch {
@@ -41,6 +46,9 @@ impl TokenBatch {
                 self.targets.len()
             ));
         }
+        if let Some(p) = self.positions_problem() {
+            return Some(p);
+        }
         if let Some(&tok) = self.inputs.iter().find(|&&x| x as usize >= v) {
             return Some(format!("input token {tok} is outside the vocabulary of {v}"));
         }
@@ -48,5 +56,34 @@ impl TokenBatch {
             return Some(format!("target token {tok} is outside the vocabulary of {v}"));
         }
         None
+    }
+
+    /// What is wrong with [`TokenBatch::positions`], if anything.
+    fn positions_problem(&self) -> Option<String> {
+        let (b, t) = (self.n_seqs, self.seq_len);
+        if self.positions.is_empty() {
+            return None;
+        }
+        if self.positions.len() != b * t {
+            return Some(format!("{} positions for {b} sequences of {t} tokens", self.positions.len()));
+        }
+        for (r, row) in self.positions.chunks(t).enumerate() {
+            for (i, &p) in row.iter().enumerate() {
+                if p != 0 && (i == 0 || p != row[i - 1] + 1) {
+                    return Some(format!(
+                        "row {r}, position {i}: document position {p} must be 0 (a document starts) or one more than the previous position's"
+                    ));
+                }
+            }
+        }
+        None
+    }
+
+    /// Where each input's document starts in its row (`i − position`), for
+    /// attention that keeps packed documents apart; empty without
+    /// positions. Call on a batch [`TokenBatch::problem`] accepted.
+    pub fn doc_starts(&self) -> Vec<u32> {
+        let t = self.seq_len.max(1);
+        self.positions.iter().enumerate().map(|(i, &p)| (i % t) as u32 - p).collect()
     }
 }

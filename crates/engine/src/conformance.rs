@@ -17,7 +17,10 @@
 //! Each check returns `Err` with what differed instead of panicking, so a
 //! test can also show that a broken model fails.
 
+mod packed;
 pub mod pipeline;
+
+pub use packed::check_packed_documents;
 
 use crate::layout::TensorSpec;
 use crate::model::Model;
@@ -92,6 +95,7 @@ impl TokenSamples {
             seq_len: self.0.first().map_or(0, |s| s.0.len()),
             inputs: samples.iter().flat_map(|&i| self.0[i].0.clone()).collect(),
             targets: samples.iter().flat_map(|&i| self.0[i].1.clone()).collect(),
+            positions: Vec::new(),
         }
     }
 }

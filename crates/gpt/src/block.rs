@@ -6,7 +6,8 @@
 use crate::config::GptConfig;
 use crate::layout::{BlockParams, Widths};
 use engine::{Checkpointing, EngineError, Precision, SegmentGrads, TensorGroup, TpRank};
-use nn::attention::{attention_backward, attention_forward, AttnShape};
+use nn::attention::AttnShape;
+use nn::flash::{flash_attention_backward, flash_attention_forward, Docs};
 use nn::grad::param_grad;
 use nn::linear::{add_bias, add_into, conv1d_backward, conv1d_forward, LinearShape};
 use nn::norm::{layernorm_backward, layernorm_forward, NormSaved};
@@ -15,14 +16,13 @@ use nn::stack::{Block, Part, Saved, SavedView, StackSizes};
 /// Indices of a block's saved tensors.
 const LN1: usize = 0;
 const QKV: usize = 1;
-const ATT: usize = 2;
-const ATTY: usize = 3;
-const RES2: usize = 4;
-const LN2: usize = 5;
-const FCH: usize = 6;
-const FCH_GELU: usize = 7;
+const ATTY: usize = 2;
+const RES2: usize = 3;
+const LN2: usize = 4;
+const FCH: usize = 5;
+const FCH_GELU: usize = 6;
 /// The block's output.
-const RES3: usize = 8;
+const RES3: usize = 7;
 
 /// Shapes of one block call: this rank's heads `nh` of width `hd`, its
 /// attention width `a = nh·hd` and MLP width `m` (C and 4C unsplit).
@@ -49,10 +49,11 @@ impl Dims {
 /// [`ActSizes::bytes`] reports.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ActSizes {
-    /// The block stack: per block ln1, qkv (3C), att (T×T per head), atty,
-    /// res2, ln2, fch (4C), fch_gelu (4C), res3 (C per row), four f32 row
-    /// statistics; working buffers dres, dc, d4c, dqkv, datt; staging: GELU's
-    /// output / a decoded tensor (4C), the decoded probabilities (16-bit only).
+    /// The block stack: per block ln1, qkv (3C), atty, res2, ln2, fch (4C),
+    /// fch_gelu (4C), res3 (C per row), four f32 row statistics and the
+    /// attention's f32 log-sum-exp per (sequence, head, row) — no T × T
+    /// matrix; working buffers dres, dc, d4c, dqkv; staging: GELU's output
+    /// / a decoded tensor (4C), the decoded heads' output (16-bit only).
     pub stack: StackSizes,
     /// The final LayerNorm's output, mean, 1/std (per micro-batch in
     /// flight); the logits; the per-row losses (one of each: used within a
@@ -81,17 +82,17 @@ impl ActSizes {
         let (n, c, v) = (w(b) * w(t), w(cfg.n_embd), w(cfg.vocab_size));
         let Widths { a, m } = Widths::of(cfg, tp);
         let (a, m) = (w(a), w(m));
-        let att = w(b) * w(cfg.n_head / tp.size) * w(t) * w(t);
+        let lse = w(b) * w(cfg.n_head / tp.size) * w(t);
         let stack = StackSizes {
             precision,
             checkpointing,
             n_slots: part.n_blocks,
-            large: [n * c, n * 3 * a, att, n * a, n * c, n * c, n * m, n * m, n * c].to_vec(),
+            large: [n * c, n * 3 * a, n * a, n * c, n * c, n * m, n * m, n * c].to_vec(),
             output: RES3,
-            stats: vec![n; 4],
+            stats: vec![n, n, n, n, lse],
             x: n * c,
-            bufs: vec![n * c, n * c, n * m.max(3 * a), n * 3 * a, att],
-            staging: vec![n * m.max(3 * a).max(c), if precision.is_low() { att } else { 0 }],
+            bufs: vec![n * c, n * c, n * m.max(3 * a), n * 3 * a],
+            staging: vec![n * m.max(3 * a).max(c), if precision.is_low() { n * a } else { 0 }],
             extra: vec![n * m],
         };
         let head = if part.last { [n * c, n, n, n * v, n] } else { [0; 5] };
@@ -118,11 +119,13 @@ impl ActSizes {
 }
 
 /// One GPT-2 block: its parameter ranges (relative to the block's
-/// segment), shapes and storage precision.
+/// segment), shapes and storage precision, and the micro-batch's document
+/// starts (packed rows).
 pub(crate) struct GptBlock<'a> {
     pub r: &'a BlockParams,
     pub d: Dims,
     pub prec: Precision,
+    pub docs: Docs<'a>,
 }
 
 impl Block for GptBlock<'_> {
@@ -142,10 +145,12 @@ impl Block for GptBlock<'_> {
         let Dims { b, t, c, w: Widths { a, m }, .. } = self.d;
         let n = b * t;
         let split = tp.is_split();
-        let [res2, buf_c, buf_4c, qkv, att] = bufs else { unreachable!("GPT-2 has five working buffers") };
+        let [res2, buf_c, buf_4c, qkv] = bufs else { unreachable!("GPT-2 has four working buffers") };
         let gelu_out = &mut extra[0];
         let Saved { large, stats } = sv;
-        let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd] = &mut stats[..] else { unreachable!("four row statistics") };
+        let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, lse] = &mut stats[..] else {
+            unreachable!("four row statistics and the log-sum-exps")
+        };
         let ops = nn::operands(prec);
         let lin = |ic: usize, oc: usize| LinearShape::new(n, ic, oc, ops);
         layernorm_forward(buf_c, ln1_mean, ln1_rstd, x, &p[r.ln1_w.clone()], &p[r.ln1_b.clone()], c);
@@ -160,9 +165,7 @@ impl Block for GptBlock<'_> {
             lin(c, 3 * a),
         );
         large[QKV].keep(qkv, prec);
-        // The MLP's 4C buffer is idle until c_fc: the heads' scratch.
-        attention_forward(&mut buf_c[..n * a], att, &mut buf_4c[..n * a], large[QKV].cur(qkv), self.d.attn(ops));
-        large[ATT].keep(att, prec);
+        flash_attention_forward(&mut buf_c[..n * a], lse, large[QKV].cur(qkv), self.d.attn(ops), self.docs);
         large[ATTY].keep_prefix(buf_c, n * a, prec);
         let atty = large[ATTY].cur(&buf_c[..n * a]);
         // (B*T, A) @ (A, C) -> (B*T, C), plus the bias and the residual; split
@@ -202,7 +205,7 @@ impl Block for GptBlock<'_> {
         Ok(())
     }
 
-    /// Staging: 0 for row tensors, 1 for the attention probabilities.
+    /// Staging: 0 for row tensors, 1 for the heads' output beside q|k|v.
     fn backward(
         &self,
         p: &[f32],
@@ -214,9 +217,11 @@ impl Block for GptBlock<'_> {
         let r = self.r;
         let Dims { b, t, c, w: Widths { a, m }, .. } = self.d;
         let n = b * t;
-        let [dres, dc, d4c, dqkv, datt] = bufs else { unreachable!("GPT-2 has five working buffers") };
+        let [dres, dc, d4c, dqkv] = bufs else { unreachable!("GPT-2 has four working buffers") };
         let sv = saved.sv;
-        let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd] = &sv.stats[..] else { unreachable!("four row statistics") };
+        let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, lse] = &sv.stats[..] else {
+            unreachable!("four row statistics and the log-sum-exps")
+        };
         let ops = nn::operands(saved.precision());
         let lin = |ic: usize, oc: usize| LinearShape::new(n, ic, oc, ops);
         // c_proj of the MLP: d(B*T, M) = d(B*T, C) @ (C, M)
@@ -239,8 +244,8 @@ impl Block for GptBlock<'_> {
         let dy = &mut dc[..n * a];
         conv1d_backward(dy, param_grad(gw), param_grad(gb), dres, inp, w, lin(a, c));
         // The MLP's 4C buffer is idle again: the heads' scratch.
-        let qkv_att = saved.pair((QKV, 0), (ATT, 1));
-        attention_backward(dqkv, datt, &mut d4c[..n * 3 * a], dy, qkv_att, self.d.attn(ops));
+        let (qkv, y) = saved.pair((QKV, 0), (ATTY, 1));
+        flash_attention_backward(dqkv, &mut d4c[..n * 3 * a], dy, (qkv, y, lse), self.d.attn(ops), self.docs);
         // c_attn: d(B*T, C) = d(B*T, 3A) @ (3A, C); column-parallel: summed over the ranks
         let (gw, gb) = grads.pair(r.attn_w.clone(), r.attn_b.clone());
         let (w, inp) = (&p[r.attn_w.clone()], saved.get(LN1));

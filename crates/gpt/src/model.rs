@@ -15,10 +15,11 @@ use engine::{
     Checkpointing, FullStore, GradOut, MicroStepStats, Model, ParamLayout, ParamStore, Precision, SegmentView,
     StageSpec, StagedModel, TpRank,
 };
+use nn::flash::Docs;
 use nn::grad::param_grad;
 use nn::norm::{layernorm_backward, layernorm_forward, NormSaved};
 use nn::stack::{Part, Slots, Stack, DRES};
-use nn::{gemm_into, GemmDims, GemmOut, Strided};
+use nn::{gemm_into, GemmDims, GemmOut, Positions, Strided};
 use std::ops::Range;
 
 pub use engine::batch::{TokenBatch as Batch, IGNORE_INDEX};
@@ -37,6 +38,9 @@ struct Acts {
     lnf_rstd: Vec<f32>,
     logits: Vec<f32>,
     losses: Vec<f32>,
+    /// The micro-batch's positions and document starts (packed rows; empty otherwise).
+    pos: Vec<u32>,
+    docs: Vec<u32>,
 }
 
 /// Working buffer of the stack that holds d(lnf) in backward.
@@ -45,7 +49,8 @@ const DC: usize = 1;
 impl Acts {
     fn new(s: ActSizes, b: usize, t: usize) -> Self {
         let [lnf, lnf_mean, lnf_rstd, logits, losses] = s.head.map(nn::stack::zeros);
-        Acts { stack: Stack::new(&s.stack), sizes: Some(s), b, t, lnf, lnf_mean, lnf_rstd, logits, losses }
+        let (pos, docs) = (Vec::new(), Vec::new());
+        Acts { stack: Stack::new(&s.stack), sizes: Some(s), b, t, lnf, lnf_mean, lnf_rstd, logits, losses, pos, docs }
     }
 
     /// Bytes held (activations and scratch), for memory accounting.
@@ -204,11 +209,13 @@ impl Gpt {
     fn forward(
         &mut self,
         store: &mut dyn ParamStore,
-        inputs: &[u32],
+        batch: &Batch,
         input: &[f32],
         train: bool,
     ) -> Result<(), GptError> {
         let (t, c, v) = (self.acts.t, self.cfg.n_embd, self.cfg.vocab_size);
+        self.acts.pos.clone_from(&batch.positions);
+        self.acts.docs = batch.doc_starts();
         let n = self.acts.b * t;
         let (wte, wpe) = (self.ranges.wte.clone(), self.ranges.wpe.clone());
         if self.stage.is_first() {
@@ -216,14 +223,16 @@ impl Gpt {
                 let seg = store.segment(0)?;
                 let x = &mut self.acts.stack.x;
                 let (wte, wpe) = (&seg.params[wte.clone()], &seg.params[wpe]);
-                nn::embed::embedding_forward(x, inputs, wte, Some(wpe), t, c);
+                let pos = Positions { t, ids: &self.acts.pos };
+                nn::embed::embedding_forward(x, &batch.inputs, wte, Some(wpe), pos, c);
             }
             store.done(0, false)?;
         } else {
             self.acts.stack.x.copy_from_slice(input);
         }
         self.acts.stack.keep_input();
-        let block = GptBlock { r: &self.ranges.block_rel, d: self.dims(), prec: self.precision };
+        let (d, prec, docs) = (self.dims(), self.precision, Docs(&self.acts.docs));
+        let block = GptBlock { r: &self.ranges.block_rel, d, prec, docs };
         self.acts.stack.forward(&block, store, self.stage_segs(), train)?;
         if !self.stage.is_last() {
             return Ok(());
@@ -321,7 +330,8 @@ impl Gpt {
     fn blocks_backward(&mut self, store: &mut dyn ParamStore, inputs: &[u32]) -> Result<(), GptError> {
         let (t, c) = (self.acts.t, self.cfg.n_embd);
         let (wte, wpe) = (self.ranges.wte.clone(), self.ranges.wpe.clone());
-        let block = GptBlock { r: &self.ranges.block_rel, d: self.dims(), prec: self.precision };
+        let (d, prec, docs) = (self.dims(), self.precision, Docs(&self.acts.docs));
+        let block = GptBlock { r: &self.ranges.block_rel, d, prec, docs };
         self.acts.stack.backward(&block, store, self.stage_segs())?;
         if !self.stage.is_first() {
             return Ok(());
@@ -331,7 +341,8 @@ impl Gpt {
             let (gwte, gwpe) = grads.pair(wte, wpe);
             // The embeddings' gradient is only ever added to.
             let (gwte, gwpe) = (gwte.map(GradOut::for_adding), gwpe.map(GradOut::for_adding));
-            nn::embed::embedding_backward(gwte, gwpe, &self.acts.stack.bufs[DRES], inputs, t, c);
+            let pos = Positions { t, ids: &self.acts.pos };
+            nn::embed::embedding_backward(gwte, gwpe, &self.acts.stack.bufs[DRES], inputs, pos, c);
         }
         store.done(0, true)?;
         Ok(())
@@ -345,12 +356,18 @@ impl Gpt {
     /// Logits of the last position of `tokens` (one sequence), for sampling.
     pub fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, GptError> {
         let t = tokens.len();
-        let batch = Batch { n_seqs: 1, seq_len: t, inputs: tokens.to_vec(), targets: vec![IGNORE_INDEX; t] };
+        let batch = Batch {
+            n_seqs: 1,
+            seq_len: t,
+            inputs: tokens.to_vec(),
+            targets: vec![IGNORE_INDEX; t],
+            positions: Vec::new(),
+        };
         self.check(&batch)?;
         self.whole_model_for("generation")?;
         self.ensure_acts(0, 1, t);
         let mut store = FullStore::read_only(&self.layout, self.segments(), params)?;
-        self.forward(&mut store, tokens, &[], false)?;
+        self.forward(&mut store, &batch, &[], false)?;
         store.done(0, false)?;
         let v = self.cfg.vocab_size;
         Ok(self.acts.logits[(t - 1) * v..t * v].to_vec())
@@ -442,7 +459,7 @@ impl StagedModel for Gpt {
             .check_io(("the stage's input", input.len()), ("the stage's output", output.len()), want)
             .map_err(GptError::InvalidBatch)?;
         self.ensure_acts(slot, batch.n_seqs, batch.seq_len);
-        self.forward(store, &batch.inputs, input, loss_seed.is_some())?;
+        self.forward(store, batch, input, loss_seed.is_some())?;
         if !self.stage.is_last() {
             output.copy_from_slice(&self.acts.stack.x);
             return Ok(MicroStepStats::default());

@@ -264,7 +264,13 @@ mod tests {
                 let build = Build { precision, checkpointing };
                 let mut model = family.build(build).unwrap_or_else(|e| panic!("{e}"));
                 let (b, t) = (3, 8);
-                let batch = TokenBatch { n_seqs: b, seq_len: t, inputs: vec![1; b * t], targets: vec![2; b * t] };
+                let batch = TokenBatch {
+                    n_seqs: b,
+                    seq_len: t,
+                    inputs: vec![1; b * t],
+                    targets: vec![2; b * t],
+                    positions: Vec::new(),
+                };
                 let mut grads = vec![0.0; params.len()];
                 let mut store = FullStore::for_model(&model, &params, &mut grads).unwrap_or_else(|e| panic!("{e}"));
                 model.micro_step(&mut store, &batch, 1.0).unwrap_or_else(|e| panic!("{e}"));

@@ -41,6 +41,7 @@ fn batch(seqs: &[(Vec<u32>, Vec<i32>)]) -> Batch {
         seq_len: T,
         inputs: seqs.iter().flat_map(|s| s.0.clone()).collect(),
         targets: seqs.iter().flat_map(|s| s.1.clone()).collect(),
+        positions: Vec::new(),
     }
 }
 

@@ -16,7 +16,7 @@ fn batch(seed: u64, b: usize) -> Batch {
     let mut rng = SplitMix64::new(seed);
     let inputs: Vec<u32> = (0..b * t).map(|_| rng.below(64) as u32).collect();
     let targets = (0..b * t).map(|i| if i % 7 == 3 { -100 } else { rng.below(64) as i32 }).collect();
-    Batch { n_seqs: b, seq_len: t, inputs, targets }
+    Batch { n_seqs: b, seq_len: t, inputs, targets, positions: Vec::new() }
 }
 
 /// Gradient of two micro-batches (the second adding into the first), the
@@ -48,15 +48,16 @@ fn recomputed_blocks_give_bit_identical_gradients_in_every_precision() {
     }
 }
 
-/// Per block without checkpointing: 16·C + n_head·T per row of saved
-/// tensors (ln1, qkv 3C, atty, res2, ln2, fch 4C, gelu 4C, res3 = 16C, the
-/// attention probabilities) and 4 f32 statistics. A recomputed block keeps
-/// its output (C per row); one full block lives in the recompute slot.
+/// Per block without checkpointing: 16·C per row of saved tensors (ln1,
+/// qkv 3C, atty, res2, ln2, fch 4C, gelu 4C, res3 = 16C — no T × T
+/// probabilities) and 4 f32 statistics plus one attention log-sum-exp per
+/// head. A recomputed block keeps its output (C per row); one full block
+/// lives in the recompute slot.
 #[test]
 fn saved_activations_drop_as_predicted() {
     let c = cfg();
     let (n, e) = (3 * c.block_size, 4); // rows of one micro-batch; f32 bytes
-    let full_block = e * n * (16 * c.n_embd + c.n_head * c.block_size + 4);
+    let full_block = e * n * (16 * c.n_embd + 4 + c.n_head);
     let embeddings = e * n * c.n_embd;
     let (_, _, none) = grads(Precision::F32, Checkpointing::None);
     assert_eq!(none, c.n_layer * full_block + embeddings);

@@ -38,6 +38,7 @@ fn batch(seqs: &[(Vec<u32>, Vec<i32>)], idx: &[usize]) -> Batch {
         seq_len: T,
         inputs: idx.iter().flat_map(|&i| seqs[i].0.clone()).collect(),
         targets: idx.iter().flat_map(|&i| seqs[i].1.clone()).collect(),
+        positions: Vec::new(),
     }
 }
 

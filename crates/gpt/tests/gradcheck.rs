@@ -30,7 +30,7 @@ fn tiny_batch() -> Batch {
     let inputs: Vec<u32> = (0..b * t).map(|i| ((i * 7 + 3) % 11) as u32).collect();
     let mut targets: Vec<i32> = (0..b * t).map(|i| ((i * 5 + 1) % 11) as i32).collect();
     targets[3] = IGNORE_INDEX;
-    Batch { n_seqs: b, seq_len: t, inputs, targets }
+    Batch { n_seqs: b, seq_len: t, inputs, targets, positions: Vec::new() }
 }
 
 #[test]

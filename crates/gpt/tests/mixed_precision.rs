@@ -23,7 +23,7 @@ fn cfg() -> GptConfig {
 fn batch(seed: u64, n: usize) -> Batch {
     let mut rng = SplitMix64::new(seed);
     let toks: Vec<u32> = (0..n * (T + 1)).map(|_| rng.below(32) as u32).collect();
-    let mut b = Batch { n_seqs: n, seq_len: T, inputs: Vec::new(), targets: Vec::new() };
+    let mut b = Batch { n_seqs: n, seq_len: T, ..Batch::default() };
     for s in toks.chunks(T + 1) {
         b.inputs.extend_from_slice(&s[..T]);
         b.targets.extend(s[1..].iter().map(|&t| t as i32));
@@ -147,8 +147,9 @@ fn saved_activations_and_the_parameter_copy_halve() {
             _ => assert_eq!((mem.params, mem.master), (2 * params.len(), 4 * params.len()), "16-bit copy + f32 master"),
         }
     }
-    // The saved tensors are 16-bit; only the per-row LayerNorm statistics stay f32.
-    let stats = 4 * 4 * b.n_seqs * T * cfg().n_layer;
+    // The saved tensors are 16-bit; only the per-row LayerNorm statistics
+    // and the attention's log-sum-exp per head and row stay f32.
+    let stats = 4 * (4 + cfg().n_head) * b.n_seqs * T * cfg().n_layer;
     assert_eq!(saved[1], (saved[0] - stats) / 2 + stats, "bf16 halves the saved activations");
     assert_eq!(saved[2], saved[1]);
     // Rounding to 16 bits changes the loss only in its 3rd–4th digit (bf16 keeps 8 bits).

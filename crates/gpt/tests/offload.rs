@@ -27,6 +27,7 @@ fn batch(rank: usize, step: usize, k: usize) -> Batch {
         seq_len: T,
         inputs: a[..T].iter().chain(&b[..T]).copied().collect(),
         targets: a[1..].iter().chain(&b[1..]).map(|&t| t as i32).collect(),
+        positions: Vec::new(),
     }
 }
 

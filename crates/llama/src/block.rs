@@ -8,7 +8,8 @@ use crate::config::LlamaConfig;
 use crate::layout::{Adapters, LayerParams, Proj};
 use engine::{Checkpointing, EngineError, Precision, SavedTensor, SegmentGrads, TensorGroup};
 use nn::act::{swiglu_backward, swiglu_forward};
-use nn::attention::{attention_backward, attention_forward, AttnShape};
+use nn::attention::AttnShape;
+use nn::flash::{flash_attention_backward, flash_attention_forward, Docs};
 use nn::grad::{bias_backward, param_grad};
 use nn::linear::{
     add_bias, add_into, columns, linear_backward_input, linear_backward_weight, linear_forward, Cols, LinearShape,
@@ -16,24 +17,23 @@ use nn::linear::{
 use nn::norm::{rmsnorm_backward, rmsnorm_forward, NormSaved};
 use nn::rope::{rope_apply, Rope};
 use nn::stack::{Block, Part, Saved, SavedView, StackSizes};
-use nn::{Operands, Strided};
+use nn::{Operands, Positions, Strided};
 
 /// Indices of a layer's saved tensors.
 const H1: usize = 0; // input_layernorm's output
 const QKV: usize = 1; // q | k | v, q and k rotated
-const ATT: usize = 2; // attention probabilities
-const Y: usize = 3; // attention heads' output (o_proj's input)
-const X2: usize = 4; // residual after attention
-const H2: usize = 5; // post_attention_layernorm's output
-const GU: usize = 6; // gate | up
-const M: usize = 7; // silu(gate) · up (down_proj's input)
-const OUT: usize = 8; // the layer's output
+const Y: usize = 2; // attention heads' output (o_proj's input)
+const X2: usize = 3; // residual after attention
+const H2: usize = 4; // post_attention_layernorm's output
+const GU: usize = 5; // gate | up
+const M: usize = 6; // silu(gate) · up (down_proj's input)
+const OUT: usize = 7; // the layer's output
 /// `XA + p`: projection `p`'s LoRA `x·Aᵀ` (`[n, r]`; empty without an adapter).
-const XA: usize = 9;
+const XA: usize = 8;
 
-/// Staging buffers: row tensors, attention probabilities, LoRA's `x·Aᵀ`.
+/// Staging buffers: row tensors, the heads' output beside q|k|v, LoRA's `x·Aᵀ`.
 const ROWS: usize = 0;
-const PROBS: usize = 1;
+const HEADS: usize = 1;
 const LORA: usize = 2;
 
 /// Shapes of one layer call.
@@ -78,10 +78,11 @@ pub(crate) enum Pass {
 /// what [`ActSizes::bytes`] reports.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ActSizes {
-    /// The layer stack: per layer h1, qkv, att, y, x2, h2, gate|up (2F),
-    /// m (F), out, LoRA's x·Aᵀ per adapted projection, two f32 1/rms per
-    /// row; working buffers dres, dc, dqkv, datt, dgu, dm, dxa, attention
-    /// scratch; 16-bit staging (row tensors, probabilities, x·Aᵀ).
+    /// The layer stack: per layer h1, qkv, y, x2, h2, gate|up (2F), m (F),
+    /// out, LoRA's x·Aᵀ per adapted projection, two f32 1/rms per row and
+    /// the attention's f32 log-sum-exp per (sequence, head, row) — no
+    /// T × T matrix; working buffers dres, dc, dqkv, dgu, dm, dxa,
+    /// attention scratch; 16-bit staging (row tensors, heads' output, x·Aᵀ).
     pub stack: StackSizes,
     /// RoPE tables, the final norm's output and 1/rms, the logits, the
     /// per-row losses.
@@ -104,14 +105,14 @@ impl ActSizes {
         let w = |x: usize| x as u128;
         let (n, c, f, v) = (w(b) * w(t), w(cfg.hidden_size), w(cfg.intermediate_size), w(cfg.vocab_size));
         let qkvw = w(cfg.n_head + 2 * cfg.n_kv_head) * w(cfg.head_dim);
-        let att = w(b) * w(cfg.n_head) * w(t) * w(t);
+        let lse = w(b) * w(cfg.n_head) * w(t);
         let r = w(adapters.map_or(0, |a| a.r));
         let xa = Proj::ALL.map(|p| match adapters {
             Some(a) if a.targets[p as usize] => n * r,
             _ => 0,
         });
         let qd = w(cfg.q_dim());
-        let mut large = vec![n * c, n * qkvw, att, n * qd, n * c, n * c, n * 2 * f, n * f, n * c];
+        let mut large = vec![n * c, n * qkvw, n * qd, n * c, n * c, n * 2 * f, n * f, n * c];
         large.extend(xa);
         let low = precision.is_low();
         let stack = StackSizes {
@@ -120,10 +121,10 @@ impl ActSizes {
             n_slots: if train { part.n_blocks } else { 1 },
             large,
             output: OUT,
-            stats: vec![n, n],
+            stats: vec![n, n, lse],
             x: n * c,
-            bufs: vec![n * c, n * c, n * qkvw, att, n * 2 * f, n * f, n * r, n * qkvw],
-            staging: if low { vec![n * c.max(qkvw).max(2 * f), att, n * r] } else { vec![0; 3] },
+            bufs: vec![n * c, n * c, n * qkvw, n * 2 * f, n * f, n * r, n * qkvw],
+            staging: if low { vec![n * c.max(qkvw).max(2 * f), n * qd, n * r] } else { vec![0; 3] },
             extra: Vec::new(),
         };
         let rope = Rope::len_for(t, cfg.head_dim) as u128;
@@ -139,12 +140,15 @@ impl ActSizes {
 }
 
 /// One decoder layer: the configuration, its parameter ranges (relative
-/// to the layer's segment), the rotary tables and the call's shapes.
+/// to the layer's segment), the rotary tables, the call's shapes, and the
+/// micro-batch's positions and document starts (packed rows).
 pub(crate) struct Layer<'a> {
     pub cfg: &'a LlamaConfig,
     pub r: &'a LayerParams,
     pub rope: &'a Rope,
     pub d: Dims,
+    pub pos: Positions<'a>,
+    pub docs: Docs<'a>,
 }
 
 /// What a projection's backward reads and writes besides its gradients.
@@ -232,9 +236,9 @@ impl Block for Layer<'_> {
         let (cfg, r, d) = (self.cfg, self.r, &self.d);
         let (n, c, f, prec) = (d.n, d.c, d.f, d.prec);
         let (qd, qkvw, kvd) = (d.gqa.q_dim(), d.gqa.qkv_width(), cfg.kv_dim());
-        let [x2, buf_c, qkv, att, gu, m, dxa, heads] = bufs else { unreachable!("Llama has eight working buffers") };
+        let [x2, buf_c, qkv, gu, m, dxa, _] = bufs else { unreachable!("Llama has seven working buffers") };
         let Saved { large, stats } = sv;
-        let [rstd1, rstd2] = &mut stats[..] else { unreachable!("two row statistics") };
+        let [rstd1, rstd2, lse] = &mut stats[..] else { unreachable!("two row statistics and the log-sum-exps") };
         let (large, xa) = large.split_at_mut(XA);
         // Attention: h1 = norm(x); q|k|v = h1·Wqkvᵀ (+ bias) (+ LoRA); rotate q, k.
         rmsnorm_forward(buf_c, rstd1, x, &p[r.attn_norm.clone()], c, d.eps);
@@ -249,11 +253,10 @@ impl Block for Layer<'_> {
             let y = Cols { buf: qkv, col0, rs: qkvw };
             self.lora_forward(pr, p, y, h1, (&mut xa[pr as usize], dxa), None)?;
         }
-        rope_apply(qkv, self.rope, qkvw, cfg.n_head + cfg.n_kv_head, false);
+        rope_apply(qkv, self.rope, qkvw, cfg.n_head + cfg.n_kv_head, false, self.pos);
         large[QKV].keep(qkv, prec);
         // The heads' output is n × H·d: all of buf_c (n × C) unless the heads are split.
-        attention_forward(&mut buf_c[..n * qd], att, &mut heads[..n * qd], large[QKV].cur(qkv), d.gqa);
-        large[ATT].keep(att, prec);
+        flash_attention_forward(&mut buf_c[..n * qd], lse, large[QKV].cur(qkv), d.gqa, self.docs);
         large[Y].keep_prefix(buf_c, n * qd, prec);
         // x2 = x + y·Woᵀ (+ LoRA): (n, H·d) @ (H·d, C) -> (n, C); split
         // over heads, each rank's product is a part of the sum (row-parallel).
@@ -311,9 +314,9 @@ impl Block for Layer<'_> {
         let (cfg, r, d) = (self.cfg, self.r, &self.d);
         let (c, f) = (d.c, d.f);
         let (qd, qkvw, kvd) = (d.gqa.q_dim(), d.gqa.qkv_width(), cfg.kv_dim());
-        let [dres, dc, dqkv, datt, dgu, dm, dxa, heads] = bufs else { unreachable!("Llama has eight working buffers") };
+        let [dres, dc, dqkv, dgu, dm, dxa, heads] = bufs else { unreachable!("Llama has seven working buffers") };
         let sv = saved.sv;
-        let [rstd1, rstd2] = &sv.stats[..] else { unreachable!("two row statistics") };
+        let [rstd1, rstd2, lse] = &sv.stats[..] else { unreachable!("two row statistics and the log-sum-exps") };
         let mut back = Back { grads, saved, dxa };
         // down_proj: d(n, F) = d(n, C) @ (C, F); SwiGLU; gate|up: d(n, C) = d(n, 2F) @ (2F, C).
         linear_backward_input(dm, false, Strided::rows(dres, c), &p[r.w(Proj::Down)], d.lin(f, c));
@@ -332,9 +335,9 @@ impl Block for Layer<'_> {
         let dy = &mut dc[..d.n * qd];
         linear_backward_input(dy, false, Strided::rows(dres, c), &p[r.w(Proj::O)], d.lin(qd, c));
         self.proj_backward(Proj::O, p, dy, Strided::rows(dres, c), Y, &mut back);
-        let qkv_att = back.saved.pair((QKV, ROWS), (ATT, PROBS));
-        attention_backward(dqkv, datt, heads, dy, qkv_att, d.gqa);
-        rope_apply(dqkv, self.rope, qkvw, cfg.n_head + cfg.n_kv_head, true);
+        let (qkv, y) = back.saved.pair((QKV, ROWS), (Y, HEADS));
+        flash_attention_backward(dqkv, heads, dy, (qkv, y, lse), d.gqa, self.docs);
+        rope_apply(dqkv, self.rope, qkvw, cfg.n_head + cfg.n_kv_head, true, self.pos);
         let cols = [(Proj::Q, 0), (Proj::K, qd), (Proj::V, qd + kvd)];
         if let Some(biases) = &r.qkv_bias {
             for ((_, col0), b) in cols.iter().zip(biases) {

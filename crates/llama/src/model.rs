@@ -24,7 +24,7 @@ use nn::linear::{linear_backward_input, linear_backward_weight, LinearShape};
 use nn::norm::{rmsnorm_backward, rmsnorm_forward, NormSaved};
 use nn::rope::Rope;
 use nn::stack::{Part, Slots, Stack, DRES};
-use nn::{gemm_into, parallelism, GemmDims, GemmOut, Operands, Strided};
+use nn::{gemm_into, parallelism, GemmDims, GemmOut, Operands, Positions, Strided};
 use std::ops::Range;
 
 pub use engine::batch::{TokenBatch, IGNORE_INDEX};
@@ -45,6 +45,9 @@ struct Acts {
     /// Sized by each forward: all positions, or one per sequence when generating.
     logits: Vec<f32>,
     losses: Vec<f32>,
+    /// The micro-batch's positions and document starts (packed rows; empty otherwise).
+    pos: Vec<u32>,
+    docs: Vec<u32>,
 }
 
 /// Working buffer of the stack that holds d(hf) in backward.
@@ -54,7 +57,8 @@ impl Acts {
     fn new(s: ActSizes, cfg: &LlamaConfig, b: usize, t: usize) -> Self {
         let [_, hf, rstd_f, logits, losses] = s.head.map(nn::stack::zeros);
         let rope = Rope::new(t, cfg.head_dim, cfg.rope_theta, cfg.llama3_scaling().as_ref());
-        Acts { stack: Stack::new(&s.stack), sizes: Some(s), b, t, rope, hf, rstd_f, logits, losses }
+        let (pos, docs) = (Vec::new(), Vec::new());
+        Acts { stack: Stack::new(&s.stack), sizes: Some(s), b, t, rope, hf, rstd_f, logits, losses, pos, docs }
     }
 
     /// Bytes held (activations and scratch), for memory accounting.
@@ -81,6 +85,17 @@ pub struct Llama {
     slots: Slots<Acts>,
     /// Built for one rank of a tensor-parallel group (`cfg` is its shape).
     split: Option<Box<Split>>,
+}
+
+/// A layer of the micro-batch whose positions and document starts are `pd`.
+fn layer<'a>(
+    cfg: &'a LlamaConfig,
+    r: &'a LayerParams,
+    rope: &'a Rope,
+    d: Dims,
+    pd: (&'a [u32], &'a [u32]),
+) -> Layer<'a> {
+    Layer { cfg, r, rope, d, pos: Positions { t: d.gqa.t, ids: pd.0 }, docs: nn::flash::Docs(pd.1) }
 }
 
 /// Moves the buffers used only within one forward (logits, losses) from
@@ -372,17 +387,21 @@ impl Llama {
     fn forward(
         &mut self,
         store: &mut dyn ParamStore,
-        inputs: &[u32],
+        batch: &TokenBatch,
         input: &[f32],
         pass: Pass,
     ) -> Result<(), LlamaError> {
         let (c, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
         let d = self.dims(self.acts.b, self.acts.t);
+        let inputs = &batch.inputs;
+        self.acts.pos.clone_from(&batch.positions);
+        self.acts.docs = batch.doc_starts();
         if self.stage.is_first() {
             {
                 let seg = store.segment(0)?;
                 let x = &mut self.acts.stack.x;
-                nn::embed::embedding_forward(x, inputs, &seg.params[self.ranges.embed.clone()], None, self.acts.t, c);
+                let wte = &seg.params[self.ranges.embed.clone()];
+                nn::embed::embedding_forward(x, inputs, wte, None, Positions::rows(self.acts.t), c);
             }
             store.done(0, false)?;
         } else {
@@ -391,7 +410,7 @@ impl Llama {
         self.acts.stack.keep_input();
         let segs = self.stage_segs();
         let acts = &mut self.acts;
-        let layer = Layer { cfg: &self.cfg, r: &self.ranges.layer_rel, rope: &acts.rope, d };
+        let layer = layer(&self.cfg, &self.ranges.layer_rel, &acts.rope, d, (&acts.pos, &acts.docs));
         acts.stack.forward(&layer, store, segs, pass == Pass::Train)?;
         if !self.stage.is_last() {
             return Ok(());
@@ -472,11 +491,12 @@ impl Llama {
     /// then the embedding (first stage). Frozen tensors' weight gradients
     /// are skipped.
     fn blocks_backward(&mut self, store: &mut dyn ParamStore, inputs: &[u32]) -> Result<(), LlamaError> {
+        let t = self.acts.t;
         let c = self.cfg.hidden_size;
         let d = self.dims(self.acts.b, self.acts.t);
         let segs = self.stage_segs();
         let acts = &mut self.acts;
-        let layer = Layer { cfg: &self.cfg, r: &self.ranges.layer_rel, rope: &acts.rope, d };
+        let layer = layer(&self.cfg, &self.ranges.layer_rel, &acts.rope, d, (&acts.pos, &acts.docs));
         acts.stack.backward(&layer, store, segs)?;
         if !self.stage.is_first() {
             return Ok(());
@@ -485,7 +505,7 @@ impl Llama {
             let SegmentView { mut grads, .. } = store.segment(0)?;
             // The embedding's gradient is only ever added to.
             let g = grads.tensor(self.ranges.embed.clone()).map(GradOut::for_adding);
-            nn::embed::embedding_backward(g, None, &self.acts.stack.bufs[DRES], inputs, self.acts.t, c);
+            nn::embed::embedding_backward(g, None, &self.acts.stack.bufs[DRES], inputs, Positions::rows(t), c);
         }
         store.done(0, true)?;
         Ok(())
@@ -497,7 +517,7 @@ impl Llama {
         self.check(batch)?;
         self.whole_model_for("a forward pass over the whole model")?;
         self.ensure_acts(0, batch.n_seqs, batch.seq_len, pass);
-        self.forward(store, &batch.inputs, &[], pass)
+        self.forward(store, batch, &[], pass)
     }
 
     /// Fused softmax + cross-entropy of the logits (replaced by
@@ -527,7 +547,13 @@ impl Llama {
     /// no activations for a backward.
     pub fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, LlamaError> {
         let t = tokens.len();
-        let batch = TokenBatch { n_seqs: 1, seq_len: t, inputs: tokens.to_vec(), targets: vec![IGNORE_INDEX; t] };
+        let batch = TokenBatch {
+            n_seqs: 1,
+            seq_len: t,
+            inputs: tokens.to_vec(),
+            targets: vec![IGNORE_INDEX; t],
+            positions: Vec::new(),
+        };
         self.logits_of(params, &batch, Pass::NextToken)
     }
 }
@@ -619,7 +645,7 @@ impl StagedModel for Llama {
             .map_err(LlamaError::InvalidBatch)?;
         let pass = if loss_seed.is_some() { Pass::Train } else { Pass::Eval };
         self.ensure_acts(slot, batch.n_seqs, batch.seq_len, pass);
-        self.forward(store, &batch.inputs, input, pass)?;
+        self.forward(store, batch, input, pass)?;
         if !self.stage.is_last() {
             output.copy_from_slice(&self.acts.stack.x);
             return Ok(MicroStepStats::default());

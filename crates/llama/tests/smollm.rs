@@ -23,7 +23,7 @@ fn smollm2_logits_and_masked_loss_equal_transformers() {
     let inputs: Vec<u32> = ints("inputs").iter().map(|&x| x as u32).collect();
     let targets: Vec<i32> = ints("targets").iter().map(|&x| x as i32).collect();
     let t = inputs.len();
-    let batch = TokenBatch { n_seqs: 1, seq_len: t, inputs, targets };
+    let batch = TokenBatch { n_seqs: 1, seq_len: t, inputs, targets, positions: Vec::new() };
     let logits = model.logits(&params, &batch).unwrap();
     let v = cfg.vocab_size;
     let probe: Vec<usize> = ints("probe_ids").iter().map(|&x| x as usize).collect();

@@ -57,7 +57,13 @@ fn next_token_logits_match_transformers_last_position_and_keep_one_layer() {
     }
     // A forward-only pass keeps one layer's activations; training keeps every layer's.
     let one = b.inputs[..t].to_vec();
-    let single = common::TokenBatch { n_seqs: 1, seq_len: t, targets: b.targets[..t].to_vec(), inputs: one };
+    let single = common::TokenBatch {
+        n_seqs: 1,
+        seq_len: t,
+        targets: b.targets[..t].to_vec(),
+        inputs: one,
+        positions: Vec::new(),
+    };
     let mut trained = Llama::new(cfg.clone()).unwrap();
     loss_and_grad(&mut trained, &params, &single);
     // Both also keep the embedding's output (T·C f32).

@@ -11,7 +11,7 @@
 //! `cargo run --release -p macrobatch-nn --example attention_bench [T...]`
 
 use nn::attention::{attention_backward, attention_forward, AttnShape};
-use nn::flash::{flash_attention_backward, flash_attention_forward};
+use nn::flash::{flash_attention_backward, flash_attention_forward, Docs};
 use nn::Operands;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -42,18 +42,21 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
-/// Best wall time of `reps` runs of `f` in ms, and the peak bytes it
-/// allocated beyond what was live when it started.
+/// Median wall time of `reps` runs of `f` in ms (after one warm-up run),
+/// and the peak bytes it allocated beyond what was live when it started.
 fn measure(reps: usize, mut f: impl FnMut()) -> (f64, usize) {
-    let mut best = f64::INFINITY;
     let base = LIVE.load(Relaxed);
     PEAK.store(base, Relaxed);
-    for _ in 0..reps {
-        let t0 = Instant::now();
-        f();
-        best = best.min(t0.elapsed().as_secs_f64() * 1e3);
-    }
-    (best, PEAK.load(Relaxed) - base)
+    f();
+    let mut times: Vec<f64> = (0..reps)
+        .map(|_| {
+            let t0 = Instant::now();
+            f();
+            t0.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    (times[reps / 2], PEAK.load(Relaxed) - base)
 }
 
 fn mib(bytes: usize) -> f64 {
@@ -80,7 +83,7 @@ fn main() {
         };
         let qkv: Vec<f32> = (0..n * w).map(|_| rand()).collect();
         let dy: Vec<f32> = (0..n * qd).map(|_| rand()).collect();
-        let reps = 3;
+        let reps = 5;
 
         let (mut y, mut att, mut heads) = (vec![0.0; n * qd], vec![0.0; s.att_len()], vec![0.0; n * qd]);
         let (fwd, fwd_alloc) = measure(reps, || attention_forward(&mut y, &mut att, &mut heads, &qkv, s));
@@ -99,10 +102,10 @@ fn main() {
         drop((att, heads, datt, hb));
 
         let (mut fy, mut lse) = (vec![0.0; n * qd], vec![0.0; s.b * s.n_head * t]);
-        let (ffwd, ffwd_alloc) = measure(reps, || flash_attention_forward(&mut fy, &mut lse, &qkv, s));
+        let (ffwd, ffwd_alloc) = measure(reps, || flash_attention_forward(&mut fy, &mut lse, &qkv, s, Docs::NONE));
         let (mut fdqkv, mut fh) = (vec![0.0; n * w], vec![0.0; n * w]);
         let (fbwd, fbwd_alloc) =
-            measure(reps, || flash_attention_backward(&mut fdqkv, &mut fh, &dy, (&qkv, &fy, &lse), s));
+            measure(reps, || flash_attention_backward(&mut fdqkv, &mut fh, &dy, (&qkv, &fy, &lse), s, Docs::NONE));
         let (saved, fs, bs) = (4 * lse.len(), ffwd_alloc, 4 * fh.len() + fbwd_alloc);
         println!(
             "{t:>5} {:>9} {ffwd:>9.1} {fbwd:>9.1} {:>11.2} {:>13.2} {:>13.2}",

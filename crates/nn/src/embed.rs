@@ -1,15 +1,22 @@
 //! Token embeddings, with or without learned positions (GPT-2's `wpe`).
 
-use crate::assert_len;
+use crate::{assert_len, Positions};
 use rayon::prelude::*;
 
-/// `out[r] = wte[tokens[r]] (+ wpe[r mod t])`: `out` `[n, c]`, `wte`
-/// `[V, c]`, `wpe` (learned positions, if any) `[≥ t, c]`.
-pub fn embedding_forward(out: &mut [f32], tokens: &[u32], wte: &[f32], wpe: Option<&[f32]>, t: usize, c: usize) {
+/// `out[r] = wte[tokens[r]] (+ wpe[pos.at(r)])`: `out` `[n, c]`, `wte`
+/// `[V, c]`, `wpe` (learned positions, if any) `[≥ T, c]`.
+pub fn embedding_forward(
+    out: &mut [f32],
+    tokens: &[u32],
+    wte: &[f32],
+    wpe: Option<&[f32]>,
+    pos: Positions<'_>,
+    c: usize,
+) {
     assert_len("embedding_forward", "out", out.len(), &[tokens.len(), c]);
     match wpe {
         Some(wpe) => out.par_chunks_mut(c).zip(tokens.par_iter()).enumerate().for_each(|(r, (o, &tok))| {
-            let (e, p) = (&wte[tok as usize * c..][..c], &wpe[(r % t) * c..][..c]);
+            let (e, p) = (&wte[tok as usize * c..][..c], &wpe[pos.at(r) * c..][..c]);
             for i in 0..c {
                 o[i] = e[i] + p[i];
             }
@@ -28,7 +35,7 @@ pub fn embedding_backward(
     mut dwpe: Option<&mut [f32]>,
     dout: &[f32],
     tokens: &[u32],
-    t: usize,
+    pos: Positions<'_>,
     c: usize,
 ) {
     assert_len("embedding_backward", "dout", dout.len(), &[tokens.len(), c]);
@@ -41,7 +48,7 @@ pub fn embedding_backward(
             }
         }
         if let Some(dwpe) = dwpe.as_deref_mut() {
-            let p = &mut dwpe[(r % t) * c..][..c];
+            let p = &mut dwpe[pos.at(r) * c..][..c];
             for i in 0..c {
                 p[i] += d[i];
             }

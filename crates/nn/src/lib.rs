@@ -43,6 +43,29 @@ pub use grad::ParamGrad;
 /// The GEMM every kernel runs on (`linalg`), re-exported for the families.
 pub use linalg::{gemm_into, parallelism, GemmDims, GemmOut, Operands, Par, Strided};
 
+/// The position of each row of a `[B·T, …]` activation: its index in its
+/// sequence (`r mod t`), or, for packed documents, the batch's own
+/// positions (`engine::TokenBatch::positions`).
+#[derive(Debug, Clone, Copy)]
+pub struct Positions<'a> {
+    /// Rows per sequence.
+    pub t: usize,
+    /// One position per row, or empty: `r mod t`.
+    pub ids: &'a [u32],
+}
+
+impl Positions<'_> {
+    /// Row `r` at position `r mod t`.
+    pub fn rows(t: usize) -> Positions<'static> {
+        Positions { t, ids: &[] }
+    }
+
+    /// The position of row `r`.
+    pub fn at(&self, r: usize) -> usize {
+        self.ids.get(r).map_or(r % self.t.max(1), |&p| p as usize)
+    }
+}
+
 /// The GEMM operands a training precision asks for: bf16 in `bf16` mode, f32
 /// otherwise (f16 mode computes in f32: no f16 dot-product instructions are
 /// used). [`Par::with`] turns bf16 into f32 on a CPU without AVX512-BF16.

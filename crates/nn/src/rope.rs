@@ -2,6 +2,7 @@
 //! frequencies, f32 angles, the `rotate_half` pairing `(j, j + d/2)`, and
 //! Llama 3's frequency scaling (`rope_scaling.rope_type = "llama3"`).
 
+use crate::Positions;
 use rayon::prelude::*;
 
 /// Llama 3's RoPE frequency scaling: transformers'
@@ -102,18 +103,20 @@ impl Rope {
 }
 
 /// Rotates, in place, the first `n_heads` heads of every row of `x` (rows
-/// `row_width` apart; row `r` at position `r mod t`) with HF's
+/// `row_width` apart; row `r` at position `pos.at(r)`, below the tables'
+/// length) with HF's
 /// `rotate_half` pairing `(j, j + d/2)`:
 /// `x'_j = x_j·cos − x_{j+d/2}·sin`, `x'_{j+d/2} = x_{j+d/2}·cos + x_j·sin`.
 /// `inverse` applies the transpose rotation (−sin): the backward pass.
-pub fn rope_apply(x: &mut [f32], rope: &Rope, row_width: usize, n_heads: usize, inverse: bool) {
+pub fn rope_apply(x: &mut [f32], rope: &Rope, row_width: usize, n_heads: usize, inverse: bool, pos: Positions<'_>) {
     let (t, half) = (rope.t, rope.half);
     assert!(n_heads * 2 * half <= row_width, "rope_apply: {n_heads} heads of {} exceed the row width", 2 * half);
     assert!(x.len().is_multiple_of(row_width), "rope_apply: {} values are not rows of {row_width}", x.len());
     assert!(x.is_empty() || t > 0, "rope_apply: empty tables");
     let sign = if inverse { -1.0 } else { 1.0 };
     x.par_chunks_mut(row_width).enumerate().for_each(|(r, row)| {
-        let pos = r % t;
+        let pos = pos.at(r);
+        assert!(pos < t, "rope_apply: position {pos} beyond the tables' {t}");
         let (cos, sin) = (&rope.cos[pos * half..][..half], &rope.sin[pos * half..][..half]);
         for head in row[..n_heads * 2 * half].chunks_mut(2 * half) {
             let (a, b) = head.split_at_mut(half);
@@ -139,7 +142,7 @@ mod tests {
         assert_eq!(rope.cos.len() + rope.sin.len(), Rope::len_for(t, d));
         let x = randn(2 * t * w, 4);
         let mut y = x.clone();
-        rope_apply(&mut y, &rope, w, heads, false);
+        rope_apply(&mut y, &rope, w, heads, false, Positions::rows(t));
         // Position 3, head 1, pair j = 1: the rotate_half formula by hand.
         let (r, j, half) = (3, 1, d / 2);
         let inv = 1.0 / 10000f64.powf(2.0 * j as f64 / d as f64);
@@ -149,7 +152,7 @@ mod tests {
         assert!((at(&y, j + half) - (at(&x, j + half) * c + at(&x, j) * s)).abs() < 1e-6);
         // Columns past the rotated heads are untouched; the inverse restores x.
         assert_eq!(y[w - 6..w], x[w - 6..w]);
-        rope_apply(&mut y, &rope, w, heads, true);
+        rope_apply(&mut y, &rope, w, heads, true, Positions::rows(t));
         let err = y.iter().zip(&x).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         assert!(err < 1e-5, "rotation then inverse differs by {err}");
     }

@@ -44,6 +44,7 @@ pub fn batch(name: &str) -> TokenBatch {
         seq_len: ids[0].len(),
         inputs: ids.concat().into_iter().map(|x| x as u32).collect(),
         targets: targets.concat().into_iter().map(|x| x as i32).collect(),
+        positions: Vec::new(),
     }
 }
 

@@ -63,6 +63,7 @@ pub fn measure(pl: &Plan, p: usize, t: usize, kind: ScheduleKind, k: usize, micr
                             seq_len: seq,
                             inputs: (0..micro * seq).map(|j| ((i * 7 + j) % 200) as u32).collect(),
                             targets: (0..micro * seq).map(|j| ((i * 5 + j) % 200) as i32).collect(),
+                            positions: Vec::new(),
                         })
                         .collect();
                     let tp_group: Option<&mut dyn Communicator> = if t > 1 { Some(tp.as_mut()) } else { None };

@@ -1,0 +1,230 @@
+//! Tests of the tiled attention kernels.
+
+use super::*;
+use crate::attention::{attention_backward, attention_forward};
+use crate::testutil::{check_fd, randn};
+use crate::Operands;
+
+fn shape(b: usize, t: usize, n_head: usize, n_kv_head: usize, head_dim: usize) -> AttnShape {
+    AttnShape { b, t, n_head, n_kv_head, head_dim, ops: Operands::F32 }
+}
+
+fn flash_fwd(qkv: &[f32], s: AttnShape) -> (Vec<f32>, Vec<f32>) {
+    let n = s.b * s.t;
+    let (mut y, mut lse) = (vec![f32::NAN; n * s.q_dim()], vec![f32::NAN; s.b * s.n_head * s.t]);
+    flash_attention_forward(&mut y, &mut lse, qkv, s, Docs::NONE);
+    (y, lse)
+}
+
+fn flash_bwd(dy: &[f32], qkv: &[f32], y: &[f32], lse: &[f32], s: AttnShape) -> Vec<f32> {
+    let n = s.b * s.t * s.qkv_width();
+    let (mut dqkv, mut heads) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+    flash_attention_backward(&mut dqkv, &mut heads, dy, (qkv, y, lse), s, Docs::NONE);
+    dqkv
+}
+
+/// Largest |a − b| / (1 + |b|): relative for large values, absolute
+/// near zero.
+fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(&x, &y)| (x - y).abs() / (1.0 + y.abs())).fold(0.0, f32::max)
+}
+
+/// Against the materialised kernels. Both compute the same sums in f32
+/// in different orders: the online softmax rescales its partial sums
+/// (one extra rounding per key tile), the tile GEMMs add in other
+/// blocks, and the backward takes Σ P·dP as Σ dy·y. Each of these is
+/// a few ulp of values of order one; over sums of up to T = 200 terms
+/// that stays below ~2e-6 relative (measured up to 1.6e-6), so 1e-5 (with the 1 + |x|
+/// denominator guarding values near 0) separates rounding from any
+/// masking or indexing error, which is O(1e-2) or more.
+#[test]
+fn flash_attention_matches_the_materialised_kernels() {
+    let shapes = [
+        shape(2, 1, 4, 2, 8),
+        shape(2, 65, 4, 4, 8),
+        shape(1, 130, 4, 1, 16),
+        shape(2, 200, 6, 3, 8),
+        shape(1, 128, 8, 2, 32),
+    ];
+    for (seed, s) in shapes.into_iter().enumerate() {
+        let seed = seed as u64 * 10;
+        let n = s.b * s.t;
+        let (qd, w) = (s.q_dim(), s.qkv_width());
+        let qkv = randn(n * w, seed + 1);
+        let dy = randn(n * qd, seed + 2);
+        let (mut y_ref, mut att, mut heads) = (vec![0.0; n * qd], vec![0.0; s.att_len()], vec![0.0; n * qd]);
+        attention_forward(&mut y_ref, &mut att, &mut heads, &qkv, s);
+        let (mut dqkv_ref, mut datt, mut hb) = (vec![0.0; n * w], vec![0.0; s.att_len()], vec![0.0; n * w]);
+        attention_backward(&mut dqkv_ref, &mut datt, &mut hb, &dy, (&qkv, &att), s);
+
+        let (y, lse) = flash_fwd(&qkv, s);
+        let dqkv = flash_bwd(&dy, &qkv, &y, &lse, s);
+        let (ey, eg) = (max_rel(&y, &y_ref), max_rel(&dqkv, &dqkv_ref));
+        eprintln!("{s:?}: y {ey:.1e}, dqkv {eg:.1e}");
+        assert!(ey < 1e-5, "{s:?}: y differs by {ey}");
+        assert!(eg < 1e-5, "{s:?}: dqkv differs by {eg}");
+        // lse reproduces the probabilities: at row 0 only key 0 is
+        // visible, so lse = scale · q₀·k₀ exactly up to rounding.
+        let scale = 1.0 / (s.head_dim as f32).sqrt();
+        let group = s.n_head / s.n_kv_head;
+        for h in 0..s.n_head {
+            let (q0, k0) = (h * s.head_dim, qd + (h / group) * s.head_dim);
+            let dot: f32 = (0..s.head_dim).map(|i| qkv[q0 + i] * qkv[k0 + i]).sum::<f32>() * scale;
+            assert!((lse[h * s.t] - dot).abs() < 1e-5 * (1.0 + dot.abs()), "lse of head {h}");
+        }
+    }
+}
+
+#[test]
+fn flash_attention_backward_matches_central_differences() {
+    // T spans two tiles of which the second is partial, with groups of 2.
+    for s in [shape(1, TILE + 3, 4, 2, 2), shape(2, 3, 2, 1, 4)] {
+        let n = s.b * s.t;
+        let qkv = randn(n * s.qkv_width(), 7);
+        let dy = randn(n * s.q_dim(), 8);
+        let (y, lse) = flash_fwd(&qkv, s);
+        let dqkv = flash_bwd(&dy, &qkv, &y, &lse, s);
+        check_fd("flash attention dqkv", &|x| flash_fwd(x, s).0, &qkv, &dy, &dqkv);
+    }
+}
+
+/// 1 and 2 threads, and 1 and B·KV + 1 threads: the backward runs one
+/// task per (sequence, key/value head) on 1 thread and the split tasks
+/// on B·KV + 1 (and on 2 where B·KV = 1), which must agree bit for bit.
+#[test]
+fn flash_attention_does_not_depend_on_the_thread_count() {
+    for s in [shape(2, 150, 6, 2, 16), shape(1, 150, 4, 1, 16)] {
+        let n = s.b * s.t;
+        let qkv = randn(n * s.qkv_width(), 11);
+        let dy = randn(n * s.q_dim(), 12);
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("thread pool");
+            pool.install(|| {
+                let (y, lse) = flash_fwd(&qkv, s);
+                let dqkv = flash_bwd(&dy, &qkv, &y, &lse, s);
+                (y, lse, dqkv)
+            })
+        };
+        let one = run(1);
+        assert!(one.2.iter().all(|x| x.is_finite()));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for threads in [2, s.b * s.n_kv_head + 1] {
+            let other = run(threads);
+            assert_eq!(bits(&one.0), bits(&other.0), "y, {threads} threads");
+            assert_eq!(bits(&one.1), bits(&other.1), "lse, {threads} threads");
+            assert_eq!(bits(&one.2), bits(&other.2), "dqkv, {threads} threads");
+        }
+    }
+}
+
+#[test]
+fn flash_attention_rejects_slices_of_the_wrong_length() {
+    let s = shape(1, 4, 2, 1, 4);
+    let (n, w, qd) = (4, s.qkv_width(), s.q_dim());
+    let fwd = |y: usize, lse: usize, qkv: usize| {
+        std::panic::catch_unwind(|| {
+            flash_attention_forward(&mut vec![0.0; y], &mut vec![0.0; lse], &vec![0.1; qkv], s, Docs::NONE);
+        })
+        .is_ok()
+    };
+    assert!(fwd(n * qd, 2 * 4, n * w));
+    assert!(!fwd(n * qd, 2 * 4 + 1, n * w), "long lse");
+    assert!(!fwd(n * qd - 1, 2 * 4, n * w), "short y");
+    assert!(!fwd(n * qd, 2 * 4, n * w - 1), "short qkv");
+    let bwd = |dqkv: usize, heads: usize, lse: usize| {
+        std::panic::catch_unwind(|| {
+            let (mut a, mut h) = (vec![0.0; dqkv], vec![0.0; heads]);
+            let (dy, y, q) = (vec![0.1; n * qd], vec![0.1; n * qd], vec![0.1; n * w]);
+            flash_attention_backward(&mut a, &mut h, &dy, (&q, &y, &vec![0.0; lse]), s, Docs::NONE);
+        })
+        .is_ok()
+    };
+    assert!(bwd(n * w, n * w, 8));
+    assert!(!bwd(n * w - 1, n * w, 8), "short dqkv");
+    assert!(!bwd(n * w, n * w, 7), "short lse");
+    let huge = shape(usize::MAX / 2 + 1, 1, 1, 1, 2);
+    assert!(std::panic::catch_unwind(|| flash_attention_forward(&mut [], &mut [], &[], huge, Docs::NONE)).is_err());
+}
+
+/// Document starts of a row made of documents of these lengths.
+fn starts_of(lens: &[usize]) -> Vec<u32> {
+    let mut out = Vec::new();
+    for &l in lens {
+        let s = out.len() as u32;
+        out.extend(std::iter::repeat_n(s, l));
+    }
+    out
+}
+
+/// A packed row of documents attends like each document alone: every
+/// row of y, lse and dqkv equals the document run as its own sequence.
+/// Not bit for bit: the tiles start at other positions, so sums are
+/// grouped differently (the same rounding argument and bound as against
+/// the materialised kernel, 1e-5); a document seeing its neighbour would
+/// move values by O(1e-2).
+#[test]
+fn packed_documents_attend_as_if_alone() {
+    let lens = [70, 1, 100, 29, 64];
+    let t: usize = lens.iter().sum();
+    for (n_head, n_kv_head) in [(4, 2), (2, 2)] {
+        let s = shape(1, t, n_head, n_kv_head, 8);
+        let (qd, w) = (s.q_dim(), s.qkv_width());
+        let qkv = randn(t * w, 21);
+        let dy = randn(t * qd, 22);
+        let starts = starts_of(&lens);
+        let docs = Docs(&starts);
+        let (mut y, mut lse) = (vec![f32::NAN; t * qd], vec![f32::NAN; n_head * t]);
+        flash_attention_forward(&mut y, &mut lse, &qkv, s, docs);
+        let (mut dqkv, mut heads) = (vec![f32::NAN; t * w], vec![f32::NAN; t * w]);
+        flash_attention_backward(&mut dqkv, &mut heads, &dy, (&qkv, &y, &lse), s, docs);
+        let mut at = 0;
+        for &l in &lens {
+            let sd = shape(1, l, n_head, n_kv_head, 8);
+            let q = &qkv[at * w..(at + l) * w];
+            let (yd, lsed) = flash_fwd(q, sd);
+            let dd = flash_bwd(&dy[at * qd..(at + l) * qd], q, &yd, &lsed, sd);
+            assert!(max_rel(&y[at * qd..(at + l) * qd], &yd) < 1e-5, "y of the document at {at}");
+            assert!(max_rel(&dqkv[at * w..(at + l) * w], &dd) < 1e-5, "dqkv of the document at {at}");
+            for h in 0..n_head {
+                assert!(max_rel(&lse[h * t + at..][..l], &lsed[h * l..][..l]) < 1e-5, "lse of head {h} at {at}");
+            }
+            at += l;
+        }
+    }
+}
+
+#[test]
+fn packed_backward_matches_central_differences() {
+    let lens = [3, TILE - 1, 5];
+    let t: usize = lens.iter().sum();
+    let s = shape(1, t, 2, 1, 2);
+    let starts = starts_of(&lens);
+    let qkv = randn(t * s.qkv_width(), 31);
+    let dy = randn(t * s.q_dim(), 32);
+    let fwd = |x: &[f32]| {
+        let (mut y, mut lse) = (vec![0.0; t * s.q_dim()], vec![0.0; s.n_head * t]);
+        flash_attention_forward(&mut y, &mut lse, x, s, Docs(&starts));
+        (y, lse)
+    };
+    let (y, lse) = fwd(&qkv);
+    let (mut dqkv, mut heads) = (vec![0.0; qkv.len()], vec![0.0; qkv.len()]);
+    flash_attention_backward(&mut dqkv, &mut heads, &dy, (&qkv, &y, &lse), s, Docs(&starts));
+    check_fd("packed flash attention dqkv", &|x| fwd(x).0, &qkv, &dy, &dqkv);
+}
+
+#[test]
+fn document_starts_are_checked() {
+    let s = shape(1, 4, 2, 1, 4);
+    let (n, w, qd) = (4, s.qkv_width(), s.q_dim());
+    let run = |starts: &[u32]| {
+        std::panic::catch_unwind(|| {
+            flash_attention_forward(&mut vec![0.0; n * qd], &mut [0.0; 8], &vec![0.1; n * w], s, Docs(starts));
+        })
+        .is_ok()
+    };
+    assert!(run(&[0, 0, 2, 2]));
+    assert!(!run(&[0, 0, 3, 3]), "a start past its position");
+    assert!(!run(&[0, 1, 0, 3]), "a start that decreases");
+    assert!(!run(&[0, 0, 2]), "too few");
+}
