@@ -4,7 +4,8 @@
 //!
 //! `cargo run --release -p macrobatch-linalg --example packed_bench [reps [filter]]`
 //! (`RAYON_NUM_THREADS` picks the thread count, all cores by default;
-//! `filter` keeps the rows whose format or shape contains it).
+//! `filter` keeps the rows whose format or shape contains it; `dequant` as
+//! the filter times only the dequantisation, on one thread).
 
 use linalg::{gemm_dy_w, gemm_into, gemm_x_wt, GemmDims, GemmOut, PackFormat, PackedMatrix, Strided};
 use std::time::Instant;
@@ -21,6 +22,26 @@ fn median(reps: usize, mut f: impl FnMut()) -> f64 {
         .collect();
     t.sort_by(f64::total_cmp);
     t[t.len() / 2]
+}
+
+/// Median seconds of `f` and of `g`, called in turn (so that a change in
+/// the machine's load falls on both alike), after one warm-up each.
+fn paired(reps: usize, mut f: impl FnMut(), mut g: impl FnMut()) -> (f64, f64) {
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for i in 0..=reps {
+        let s = Instant::now();
+        f();
+        let tf = s.elapsed().as_secs_f64();
+        let s = Instant::now();
+        g();
+        if i > 0 {
+            a.push(tf);
+            b.push(s.elapsed().as_secs_f64());
+        }
+    }
+    a.sort_by(f64::total_cmp);
+    b.sort_by(f64::total_cmp);
+    (a[a.len() / 2], b[b.len() / 2])
 }
 
 fn values(len: usize, seed: u64) -> Vec<f32> {
@@ -53,6 +74,10 @@ fn main() {
         "{:<8} {:>11} {:>4} {:>10} {:>10} {:>7} {:>10} {:>10} {:>7} {:>8}",
         "format", "out×in", "n", "x·Wᵀ f32", "packed", "ratio", "dy·W f32", "packed", "ratio", "dequant"
     );
+    if filter == "dequant" {
+        dequant_rates(reps);
+        return;
+    }
     let shapes = [(960usize, 576usize), (576, 576), (3072, 576), (576, 1536)];
     for (out, inp) in shapes {
         let w = values(out * inp, (out * 31 + inp) as u64);
@@ -70,22 +95,26 @@ fn main() {
                 let dy = values(n * out, 8);
                 let mut y = vec![0.0f32; n * out];
                 let mut dx = vec![0.0f32; n * inp];
-                let fwd_f32 = median(reps, || {
-                    let dims = GemmDims { m: n, n: out, k: inp };
-                    let rhs = Strided::transposed(&deq, inp);
-                    gemm_into(dims, &mut y, GemmOut::overwrite(out), Strided::rows(&x, inp), rhs, 1.0, par)
-                });
-                let fwd = median(reps, || {
-                    gemm_x_wt(n, &mut y, GemmOut::overwrite(out), Strided::rows(&x, inp), &m, 0..out, 1.0, par)
-                });
-                let bwd_f32 = median(reps, || {
-                    let dims = GemmDims { m: n, n: inp, k: out };
-                    let rhs = Strided::rows(&deq, inp);
-                    gemm_into(dims, &mut dx, GemmOut::overwrite(inp), Strided::rows(&dy, out), rhs, 1.0, par)
-                });
-                let bwd = median(reps, || {
-                    gemm_dy_w(n, &mut dx, GemmOut::overwrite(inp), Strided::rows(&dy, out), &m, 0..out, 1.0, par)
-                });
+                let mut y2 = y.clone();
+                let (fwd_f32, fwd) = paired(
+                    reps,
+                    || {
+                        let dims = GemmDims { m: n, n: out, k: inp };
+                        let rhs = Strided::transposed(&deq, inp);
+                        gemm_into(dims, &mut y, GemmOut::overwrite(out), Strided::rows(&x, inp), rhs, 1.0, par)
+                    },
+                    || gemm_x_wt(n, &mut y2, GemmOut::overwrite(out), Strided::rows(&x, inp), &m, 0..out, 1.0, par),
+                );
+                let mut dx2 = dx.clone();
+                let (bwd_f32, bwd) = paired(
+                    reps,
+                    || {
+                        let dims = GemmDims { m: n, n: inp, k: out };
+                        let rhs = Strided::rows(&deq, inp);
+                        gemm_into(dims, &mut dx, GemmOut::overwrite(inp), Strided::rows(&dy, out), rhs, 1.0, par)
+                    },
+                    || gemm_dy_w(n, &mut dx2, GemmOut::overwrite(inp), Strided::rows(&dy, out), &m, 0..out, 1.0, par),
+                );
                 println!(
                     "{:<8} {:>11} {:>4} {:>8.1}µs {:>8.1}µs {:>7.3} {:>8.1}µs {:>8.1}µs {:>7.3} {:>8.2}",
                     format.name(),
@@ -101,5 +130,22 @@ fn main() {
                 );
             }
         }
+    }
+}
+
+/// Values per ns of `dequantize_rows` over a 3072 × 576 matrix, per format.
+fn dequant_rates(reps: usize) {
+    let (rows, cols) = (3072, 576);
+    let w = values(rows * cols, 1);
+    let mut buf = vec![0.0f32; rows * cols];
+    for format in PackFormat::ALL {
+        let Ok(m) = PackedMatrix::quantize(rows, cols, &w, format) else { continue };
+        // Panel-sized pieces, as the GEMMs decode them.
+        let t = median(reps, || {
+            for r in (0..rows).step_by(256) {
+                m.dequantize_rows(r..r + 256, &mut buf[..256 * cols]);
+            }
+        });
+        println!("{:<8} {:>6.2} values/ns", format.name(), (rows * cols) as f64 / t / 1e9);
     }
 }

@@ -61,8 +61,9 @@ pub fn f32_to_f16(x: f32) -> u16 {
     half::f16::from_f32(x).to_bits()
 }
 
+/// The little-endian f16 at `b[i..i + 2]`, widened.
 #[inline(always)]
-fn f16_at(b: &[u8], i: usize) -> f32 {
+pub(crate) fn f16_le(b: &[u8], i: usize) -> f32 {
     f16_to_f32(u16::from_le_bytes([b[i], b[i + 1]]))
 }
 
@@ -88,14 +89,36 @@ pub fn decode_blocks(format: PackFormat, bytes: &[u8], out: &mut [f32]) -> Resul
 
 /// [`decode_blocks`] on lengths known to match (not double-quantised NF4).
 fn decode_whole_blocks(format: PackFormat, bytes: &[u8], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::available() {
+        use super::simd;
+        // SAFETY: the CPU has AVX2 and F16C; `bytes` holds exactly the
+        // blocks of `out`'s values.
+        unsafe {
+            match format {
+                PackFormat::Bf16 => simd::bf16(bytes, out),
+                PackFormat::F16 => simd::f16(bytes, out),
+                PackFormat::Q8_0 => simd::q8_0(bytes, out),
+                PackFormat::Q4_0 => simd::q4_0(bytes, out),
+                PackFormat::Q4_1 => simd::q4_1(bytes, out),
+                PackFormat::Nf4 { .. } => nf4::decode_blocks(bytes, out),
+            }
+        }
+        return;
+    }
+    portable(format, bytes, out);
+}
+
+/// The decoders without AVX2 (compiled for AVX-512 and AVX2 as well, see
+/// the module's doc).
+pub(crate) fn portable(format: PackFormat, bytes: &[u8], out: &mut [f32]) {
     match format {
         PackFormat::Bf16 => decode_bf16(bytes, out),
         PackFormat::F16 => decode_f16(bytes, out),
         PackFormat::Q8_0 => decode_q8_0(bytes, out),
         PackFormat::Q4_0 => decode_q4_0(bytes, out),
         PackFormat::Q4_1 => decode_q4_1(bytes, out),
-        PackFormat::Nf4 { double_quant: false } => nf4::decode_blocks(bytes, out),
-        PackFormat::Nf4 { double_quant: true } => unreachable!("needs the row header"),
+        PackFormat::Nf4 { .. } => nf4::decode_blocks_portable(bytes, out),
     }
 }
 
@@ -186,23 +209,23 @@ fn quantize_q4_1(x: &[f32], out: &mut [u8]) {
 }
 
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
-fn decode_bf16(bytes: &[u8], out: &mut [f32]) {
+pub(crate) fn decode_bf16(bytes: &[u8], out: &mut [f32]) {
     for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
         *o = bf16_to_f32(u16::from_le_bytes([c[0], c[1]]));
     }
 }
 
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
-fn decode_f16(bytes: &[u8], out: &mut [f32]) {
+pub(crate) fn decode_f16(bytes: &[u8], out: &mut [f32]) {
     for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
         *o = f16_to_f32(u16::from_le_bytes([c[0], c[1]]));
     }
 }
 
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
-fn decode_q8_0(bytes: &[u8], out: &mut [f32]) {
+pub(crate) fn decode_q8_0(bytes: &[u8], out: &mut [f32]) {
     for (o, b) in out.chunks_exact_mut(32).zip(bytes.chunks_exact(34)) {
-        let d = f16_at(b, 0);
+        let d = f16_le(b, 0);
         for (x, &q) in o.iter_mut().zip(&b[2..34]) {
             *x = d * f32::from(q as i8);
         }
@@ -210,9 +233,9 @@ fn decode_q8_0(bytes: &[u8], out: &mut [f32]) {
 }
 
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
-fn decode_q4_0(bytes: &[u8], out: &mut [f32]) {
+pub(crate) fn decode_q4_0(bytes: &[u8], out: &mut [f32]) {
     for (o, b) in out.chunks_exact_mut(32).zip(bytes.chunks_exact(18)) {
-        let d = f16_at(b, 0);
+        let d = f16_le(b, 0);
         let (lo, hi) = o.split_at_mut(16);
         for (j, &q) in b[2..18].iter().enumerate() {
             lo[j] = d * f32::from((q & 0x0F) as i8 - 8);
@@ -222,9 +245,9 @@ fn decode_q4_0(bytes: &[u8], out: &mut [f32]) {
 }
 
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
-fn decode_q4_1(bytes: &[u8], out: &mut [f32]) {
+pub(crate) fn decode_q4_1(bytes: &[u8], out: &mut [f32]) {
     for (o, b) in out.chunks_exact_mut(32).zip(bytes.chunks_exact(20)) {
-        let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+        let (d, m) = (f16_le(b, 0), f16_le(b, 2));
         let (lo, hi) = o.split_at_mut(16);
         for (j, &q) in b[4..20].iter().enumerate() {
             lo[j] = d * f32::from(q & 0x0F) + m;

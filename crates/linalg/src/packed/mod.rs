@@ -27,6 +27,8 @@
 pub mod decode;
 mod gemm;
 pub mod nf4;
+#[cfg(target_arch = "x86_64")]
+mod simd;
 
 pub use decode::decode_blocks;
 pub use gemm::{gemm_dy_w, gemm_x_wt};

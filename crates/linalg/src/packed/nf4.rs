@@ -142,10 +142,9 @@ fn scaled(absmax: f32) -> [f32; 16] {
     CODE.map(|c| c * absmax)
 }
 
-/// Decodes 32 bytes of codes at `absmax` into 64 values.
+/// Decodes 32 bytes of codes at the scaled codes `t` into 64 values.
 #[inline(always)]
-fn decode_codes(codes: &[u8], absmax: f32, out: &mut [f32]) {
-    let t = scaled(absmax);
+fn decode_codes(codes: &[u8], t: &[f32; 16], out: &mut [f32]) {
     let (lo, hi) = out.split_at_mut(BLOCK / 2);
     for (j, &q) in codes.iter().enumerate() {
         lo[j] = t[usize::from(q & 0x0F)];
@@ -153,11 +152,51 @@ fn decode_codes(codes: &[u8], absmax: f32, out: &mut [f32]) {
     }
 }
 
+/// Whole blocks (no double quantisation), each decoded by `codes`.
+#[inline(always)]
+fn blocks_with(bytes: &[u8], out: &mut [f32], codes: impl Fn(&[u8], &[f32; 16], &mut [f32])) {
+    for (o, b) in out.chunks_exact_mut(BLOCK).zip(bytes.chunks_exact(BLOCK_BYTES)) {
+        codes(&b[4..], &scaled(f32::from_le_bytes([b[0], b[1], b[2], b[3]])), o);
+    }
+}
+
+/// Blocks `blocks` of a double-quantised row of `row_blocks` blocks, each
+/// decoded by `codes`.
+#[inline(always)]
+fn dq_blocks_with(
+    row: &[u8],
+    row_blocks: usize,
+    blocks: Range<usize>,
+    out: &mut [f32],
+    codes: impl Fn(&[u8], &[f32; 16], &mut [f32]),
+) {
+    let start = dq_header_bytes(row_blocks as u128) as usize;
+    for (b, o) in blocks.zip(out.chunks_exact_mut(BLOCK)) {
+        let at = start + b * DQ_BLOCK_BYTES;
+        codes(&row[at + 1..at + DQ_BLOCK_BYTES], &scaled(dq_absmax(row, row_blocks, b)), o);
+    }
+}
+
 /// Decodes whole blocks (no double quantisation).
 pub(crate) fn decode_blocks(bytes: &[u8], out: &mut [f32]) {
-    for (o, b) in out.chunks_exact_mut(BLOCK).zip(bytes.chunks_exact(BLOCK_BYTES)) {
-        decode_codes(&b[4..], f32::from_le_bytes([b[0], b[1], b[2], b[3]]), o);
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::available() {
+        // SAFETY: the CPU has AVX2 and F16C.
+        return unsafe { decode_blocks_avx2(bytes, out) };
     }
+    decode_blocks_portable(bytes, out);
+}
+
+/// [`decode_blocks`] without AVX2.
+pub(crate) fn decode_blocks_portable(bytes: &[u8], out: &mut [f32]) {
+    blocks_with(bytes, out, decode_codes);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn decode_blocks_avx2(bytes: &[u8], out: &mut [f32]) {
+    // SAFETY: this function runs only where the CPU has the features.
+    blocks_with(bytes, out, |c, t, o| unsafe { super::simd::nf4_codes(c, t, o) });
 }
 
 /// The absmax of block `b` of a double-quantised row of `row_blocks`
@@ -172,11 +211,25 @@ pub fn dq_absmax(row: &[u8], row_blocks: usize, b: usize) -> f32 {
 
 /// Decodes blocks `blocks` of a double-quantised row of `row_blocks` blocks.
 pub(crate) fn decode_dq_row(row: &[u8], row_blocks: usize, blocks: Range<usize>, out: &mut [f32]) {
-    let start = dq_header_bytes(row_blocks as u128) as usize;
-    for (b, o) in blocks.zip(out.chunks_exact_mut(BLOCK)) {
-        let at = start + b * DQ_BLOCK_BYTES;
-        decode_codes(&row[at + 1..at + DQ_BLOCK_BYTES], dq_absmax(row, row_blocks, b), o);
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::available() {
+        // SAFETY: the CPU has AVX2 and F16C.
+        return unsafe { decode_dq_row_avx2(row, row_blocks, blocks, out) };
     }
+    dq_blocks_with(row, row_blocks, blocks, out, decode_codes);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn decode_dq_row_avx2(row: &[u8], row_blocks: usize, blocks: Range<usize>, out: &mut [f32]) {
+    // SAFETY: this function runs only where the CPU has the features.
+    dq_blocks_with(row, row_blocks, blocks, out, |c, t, o| unsafe { super::simd::nf4_codes(c, t, o) });
+}
+
+/// [`decode_dq_row`] without AVX2 (for tests of the AVX2 path).
+#[cfg(test)]
+pub(crate) fn decode_dq_row_portable(row: &[u8], row_blocks: usize, blocks: Range<usize>, out: &mut [f32]) {
+    dq_blocks_with(row, row_blocks, blocks, out, decode_codes);
 }
 
 #[cfg(test)]
