@@ -5,7 +5,8 @@
 //! `cargo run --release -p macrobatch-linalg --example packed_bench [reps [filter]]`
 //! (`RAYON_NUM_THREADS` picks the thread count, all cores by default;
 //! `filter` keeps the rows whose format or shape contains it; `dequant` as
-//! the filter times only the dequantisation, on one thread).
+//! the filter times only the dequantisation, on one thread, and the
+//! quantisation).
 
 use linalg::{gemm_dy_w, gemm_into, gemm_x_wt, GemmDims, GemmOut, PackFormat, PackedMatrix, Strided};
 use std::time::Instant;
@@ -133,7 +134,8 @@ fn main() {
     }
 }
 
-/// Values per ns of `dequantize_rows` over a 3072 × 576 matrix, per format.
+/// Values per ns of `dequantize_rows` (one thread) and `quantize` (the
+/// pool) over a 3072 × 576 matrix, per format.
 fn dequant_rates(reps: usize) {
     let (rows, cols) = (3072, 576);
     let w = values(rows * cols, 1);
@@ -146,6 +148,13 @@ fn dequant_rates(reps: usize) {
                 m.dequantize_rows(r..r + 256, &mut buf[..256 * cols]);
             }
         });
-        println!("{:<8} {:>6.2} values/ns", format.name(), (rows * cols) as f64 / t / 1e9);
+        let q = median(reps.min(5), || drop(PackedMatrix::quantize(rows, cols, &w, format)));
+        let per_ns = |t: f64| (rows * cols) as f64 / t / 1e9;
+        println!(
+            "{:<8} dequantise {:>6.2} values/ns, quantise (pool) {:>6.3} values/ns",
+            format.name(),
+            per_ns(t),
+            per_ns(q)
+        );
     }
 }

@@ -133,7 +133,9 @@ pub(crate) fn decode_row(format: PackFormat, row: &[u8], row_blocks: usize, bloc
 }
 
 /// Quantises one row of values into its bytes (`row`: zeroed, the row's
-/// size; values finite for the block formats).
+/// size; values finite for the block formats). Compiled for AVX-512 and
+/// AVX2 as well: the same IEEE operations (and `round`, exact) on every path.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
 pub(crate) fn encode_row(format: PackFormat, values: &[f32], row: &mut [u8]) {
     match format {
         PackFormat::Bf16 => {
@@ -160,6 +162,7 @@ pub(crate) fn encode_row(format: PackFormat, values: &[f32], row: &mut [u8]) {
 }
 
 /// ggml's `quantize_row_q8_0_ref` on one block.
+#[inline(always)]
 fn quantize_q8_0(x: &[f32], out: &mut [u8]) {
     let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
     let d = amax / 127.0;
@@ -172,6 +175,7 @@ fn quantize_q8_0(x: &[f32], out: &mut [u8]) {
 }
 
 /// ggml's `quantize_row_q4_0_ref` on one block.
+#[inline(always)]
 fn quantize_q4_0(x: &[f32], out: &mut [u8]) {
     // The value of largest magnitude, with its sign (the first one on ties).
     let (mut amax, mut max) = (0.0f32, 0.0f32);
@@ -192,6 +196,7 @@ fn quantize_q4_0(x: &[f32], out: &mut [u8]) {
 }
 
 /// ggml's `quantize_row_q4_1_ref` on one block.
+#[inline(always)]
 fn quantize_q4_1(x: &[f32], out: &mut [u8]) {
     let (mut min, mut max) = (f32::MAX, -f32::MAX);
     for &v in x {

@@ -33,6 +33,7 @@ mod simd;
 pub use decode::decode_blocks;
 pub use gemm::{gemm_dy_w, gemm_x_wt};
 
+use rayon::prelude::*;
 use std::ops::Range;
 
 /// How a frozen matrix's values are stored.
@@ -257,6 +258,7 @@ impl PackedMatrix {
     /// QLoRA's quantiser (absmax per block of 64, nearest code of the NF4
     /// table); Q8_0/Q4_0/Q4_1 are ggml's reference quantisers
     /// (`quantize_row_q8_0_ref` etc.). The block formats refuse NaN and ±∞.
+    /// Rows are quantised in parallel on the rayon pool.
     pub fn quantize(rows: usize, cols: usize, values: &[f32], format: PackFormat) -> Result<Self, PackError> {
         let row_bytes = Self::row_bytes_of(rows, cols, format)?;
         if values.len() as u128 != rows as u128 * cols as u128 {
@@ -273,9 +275,10 @@ impl PackedMatrix {
         }
         let mut data = vec![0u8; row_bytes * rows];
         if cols > 0 {
-            for (row, v) in data.chunks_exact_mut(row_bytes).zip(values.chunks_exact(cols)) {
-                decode::encode_row(format, v, row);
-            }
+            // Rows are independent: the bytes do not depend on the threads.
+            data.par_chunks_exact_mut(row_bytes)
+                .zip(values.par_chunks_exact(cols))
+                .for_each(|(row, v)| decode::encode_row(format, v, row));
         }
         Ok(PackedMatrix { rows, cols, format, row_bytes, data })
     }

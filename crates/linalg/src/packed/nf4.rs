@@ -94,6 +94,7 @@ pub fn code_of(x: f32) -> u8 {
 
 /// Quantises one block of 64 finite values into 32 bytes of codes; returns
 /// its absmax.
+#[inline(always)]
 fn quantize_block(x: &[f32], codes: &mut [u8]) -> f32 {
     let absmax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
     // bitsandbytes multiplies by the reciprocal; an all-zero block gets the
@@ -106,6 +107,7 @@ fn quantize_block(x: &[f32], codes: &mut [u8]) -> f32 {
 }
 
 /// Quantises one row (values finite, a whole number of blocks) into `row`.
+#[inline(always)]
 pub(crate) fn encode_row(values: &[f32], row: &mut [u8], double_quant: bool) {
     if !double_quant {
         for (b, x) in row.chunks_exact_mut(BLOCK_BYTES).zip(values.chunks_exact(BLOCK)) {
