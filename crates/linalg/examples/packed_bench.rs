@@ -25,9 +25,10 @@ fn median(reps: usize, mut f: impl FnMut()) -> f64 {
     t[t.len() / 2]
 }
 
-/// Median seconds of `f` and of `g`, called in turn (so that a change in
-/// the machine's load falls on both alike), after one warm-up each.
-fn paired(reps: usize, mut f: impl FnMut(), mut g: impl FnMut()) -> (f64, f64) {
+/// Median and best seconds of `f` and of `g`, called in turn (so that a
+/// change in the machine's load falls on both alike), after one warm-up
+/// each: `[(median f, median g), (best f, best g)]`.
+fn paired(reps: usize, mut f: impl FnMut(), mut g: impl FnMut()) -> [(f64, f64); 2] {
     let (mut a, mut b) = (Vec::new(), Vec::new());
     for i in 0..=reps {
         let s = Instant::now();
@@ -42,7 +43,7 @@ fn paired(reps: usize, mut f: impl FnMut(), mut g: impl FnMut()) -> (f64, f64) {
     }
     a.sort_by(f64::total_cmp);
     b.sort_by(f64::total_cmp);
-    (a[a.len() / 2], b[b.len() / 2])
+    [(a[a.len() / 2], b[b.len() / 2]), (a[0], b[0])]
 }
 
 fn values(len: usize, seed: u64) -> Vec<f32> {
@@ -70,15 +71,16 @@ fn main() {
         .unwrap_or_else(|| "unknown CPU".into());
     let par = linalg::parallelism(false);
     println!("{cpu}, {} threads, median of {reps}", rayon::current_num_threads());
-    println!("(ratio = packed time / f32 time; dequant = values per ns decoding whole rows on one thread)");
-    println!(
-        "{:<8} {:>11} {:>4} {:>10} {:>10} {:>7} {:>10} {:>10} {:>7} {:>8}",
-        "format", "out×in", "n", "x·Wᵀ f32", "packed", "ratio", "dy·W f32", "packed", "ratio", "dequant"
-    );
     if filter == "dequant" {
         dequant_rates(reps);
         return;
     }
+    println!("(median times; ratio = packed / f32 of the medians, and of the best times in brackets;");
+    println!(" dequant = values per ns decoding whole rows on one thread)");
+    println!(
+        "{:<8} {:>11} {:>4} {:>10} {:>10} {:>15} {:>10} {:>10} {:>15} {:>7}",
+        "format", "out×in", "n", "x·Wᵀ f32", "packed", "ratio (best)", "dy·W f32", "packed", "ratio (best)", "dequant"
+    );
     let shapes = [(960usize, 576usize), (576, 576), (3072, 576), (576, 1536)];
     for (out, inp) in shapes {
         let w = values(out * inp, (out * 31 + inp) as u64);
@@ -97,7 +99,7 @@ fn main() {
                 let mut y = vec![0.0f32; n * out];
                 let mut dx = vec![0.0f32; n * inp];
                 let mut y2 = y.clone();
-                let (fwd_f32, fwd) = paired(
+                let [(fwd_f32, fwd), (fwd_f32_best, fwd_best)] = paired(
                     reps,
                     || {
                         let dims = GemmDims { m: n, n: out, k: inp };
@@ -107,7 +109,7 @@ fn main() {
                     || gemm_x_wt(n, &mut y2, GemmOut::overwrite(out), Strided::rows(&x, inp), &m, 0..out, 1.0, par),
                 );
                 let mut dx2 = dx.clone();
-                let (bwd_f32, bwd) = paired(
+                let [(bwd_f32, bwd), (bwd_f32_best, bwd_best)] = paired(
                     reps,
                     || {
                         let dims = GemmDims { m: n, n: inp, k: out };
@@ -117,16 +119,18 @@ fn main() {
                     || gemm_dy_w(n, &mut dx2, GemmOut::overwrite(inp), Strided::rows(&dy, out), &m, 0..out, 1.0, par),
                 );
                 println!(
-                    "{:<8} {:>11} {:>4} {:>8.1}µs {:>8.1}µs {:>7.3} {:>8.1}µs {:>8.1}µs {:>7.3} {:>8.2}",
+                    "{:<8} {:>11} {:>4} {:>8.1}µs {:>8.1}µs {:>6.3} ({:.3}) {:>8.1}µs {:>8.1}µs {:>6.3} ({:.3}) {:>7.2}",
                     format.name(),
                     label,
                     n,
                     fwd_f32 * 1e6,
                     fwd * 1e6,
                     fwd / fwd_f32,
+                    fwd_best / fwd_f32_best,
                     bwd_f32 * 1e6,
                     bwd * 1e6,
                     bwd / bwd_f32,
+                    bwd_best / bwd_f32_best,
                     rate
                 );
             }

@@ -242,9 +242,12 @@ fn ggml_quantisers_are_within_a_step() {
     assert_eq!(bits(&x), bits(&exact));
 }
 
+fn shared_across_threads<T: Send + Sync>() {}
+
 /// Sizes: `bytes_for` is what is stored, per format; shape errors are named.
 #[test]
 fn sizes_and_errors() {
+    shared_across_threads::<PackedMatrix>();
     for format in PackFormat::ALL {
         for (rows, cols) in [(3, 64), (7, 576), (1, 1536)] {
             let m = PackedMatrix::quantize(rows, cols, &weights(rows * cols, 1), format).unwrap();
@@ -449,4 +452,33 @@ fn panel_gemm_checks_its_destination() {
         gemm_x_wt(2, &mut d, GemmOut::overwrite(5), Strided::rows(&x, 32), &m, 2..5, 1.0, Par::ONE);
     });
     assert!(r.is_err(), "rows 2..5 of 4");
+}
+
+/// With bf16 operands (AVX512-BF16) the panels give the bits of the bf16
+/// kernel on the whole dequantised matrix: that kernel computes every
+/// element by the same instruction sequence whatever the split.
+#[test]
+fn panel_gemms_with_bf16_operands_match_gemm_into() {
+    if linalg::bf16::skip_without_bf16("panel_gemms_with_bf16_operands_match_gemm_into") {
+        return;
+    }
+    let (rows, cols, n) = (448, 576, 130);
+    let m = PackedMatrix::quantize(rows, cols, &weights(rows * cols, 2), PackFormat::Q4_1).unwrap();
+    let deq = m.dequantize();
+    for forward in [true, false] {
+        let (xin, width) = if forward { (cols, rows) } else { (rows, cols) };
+        let x = data(n * xin, 3);
+        for par in [Par::ONE, Par { pool: true, ..Par::ONE }] {
+            let par = par.with(linalg::Operands::Bf16);
+            let o = GemmOut::overwrite(width);
+            let (mut want, mut got) = (vec![0.0; n * width], vec![0.0; n * width]);
+            reference(n, &x, &deq, cols, 0..rows, forward, o, &mut want, 0.5, par);
+            if forward {
+                gemm_x_wt(n, &mut got, o, Strided::rows(&x, xin), &m, 0..rows, 0.5, par);
+            } else {
+                gemm_dy_w(n, &mut got, o, Strided::rows(&x, xin), &m, 0..rows, 0.5, par);
+            }
+            assert_eq!(bits(&got), bits(&want), "forward={forward} {par:?}");
+        }
+    }
 }
