@@ -8,6 +8,7 @@ use crate::layout::{BlockParams, Widths};
 use engine::{Checkpointing, EngineError, Precision, SegmentGrads, TensorGroup, TpRank};
 use nn::attention::{attention_backward, attention_forward, AttnShape};
 use nn::grad::param_grad;
+use nn::kv::Attention;
 use nn::linear::{add_bias, add_into, conv1d_backward, conv1d_forward, LinearShape};
 use nn::norm::{layernorm_backward, layernorm_forward, NormSaved};
 use nn::stack::{Block, Part, Saved, SavedView, StackSizes};
@@ -118,11 +119,13 @@ impl ActSizes {
 }
 
 /// One GPT-2 block: its parameter ranges (relative to the block's
-/// segment), shapes and storage precision.
+/// segment), shapes, storage precision and attention (causal over the
+/// call's rows, or over a key/value cache when generating).
 pub(crate) struct GptBlock<'a> {
     pub r: &'a BlockParams,
     pub d: Dims,
     pub prec: Precision,
+    pub attn: Attention<'a>,
 }
 
 impl Block for GptBlock<'_> {
@@ -160,8 +163,13 @@ impl Block for GptBlock<'_> {
             lin(c, 3 * a),
         );
         large[QKV].keep(qkv, prec);
-        // The MLP's 4C buffer is idle until c_fc: the heads' scratch.
-        attention_forward(&mut buf_c[..n * a], att, &mut buf_4c[..n * a], large[QKV].cur(qkv), self.d.attn(ops));
+        match self.attn {
+            // The MLP's 4C buffer is idle until c_fc: the heads' scratch.
+            Attention::Causal => {
+                attention_forward(&mut buf_c[..n * a], att, &mut buf_4c[..n * a], large[QKV].cur(qkv), self.d.attn(ops))
+            }
+            Attention::Cached(kv) => kv.attend(&mut buf_c[..n * a], large[QKV].cur(qkv), self.d.attn(ops)),
+        }
         large[ATT].keep(att, prec);
         large[ATTY].keep_prefix(buf_c, n * a, prec);
         let atty = large[ATTY].cur(&buf_c[..n * a]);

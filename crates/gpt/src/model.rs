@@ -16,12 +16,15 @@ use engine::{
     StageSpec, StagedModel, TpRank,
 };
 use nn::grad::param_grad;
+use nn::kv::{Attention, KvCache};
 use nn::norm::{layernorm_backward, layernorm_forward, NormSaved};
 use nn::stack::{Part, Slots, Stack, DRES};
 use nn::{gemm_into, GemmDims, GemmOut, Strided};
 use std::ops::Range;
 
 pub use engine::batch::{TokenBatch as Batch, IGNORE_INDEX};
+
+mod decode;
 
 /// Activations and backward scratch for one (B, T): the block stack, the
 /// final LayerNorm's output and statistics, the logits and the losses.
@@ -77,6 +80,8 @@ pub struct Gpt {
     slots: Slots<Acts>,
     /// The tensor-parallel rank this model is built for (whole: all of it).
     tp: TpRank,
+    /// Generation's key/value cache, when one is kept (`decode`).
+    kv: Option<KvCache>,
 }
 
 impl Gpt {
@@ -101,7 +106,7 @@ impl Gpt {
         let (layout, ranges) = build_layout(&cfg, Widths::of(&cfg, tp));
         let stage = StageSpec::whole(cfg.n_layer);
         let (checkpointing, acts, slots) = (Checkpointing::None, Acts::default(), Slots::default());
-        Ok(Self { cfg, layout, ranges, precision, checkpointing, stage, acts, slots, tp })
+        Ok(Self { cfg, layout, ranges, precision, checkpointing, stage, acts, slots, tp, kv: None })
     }
 
     /// The tensor-parallel rank this model is built for.
@@ -200,13 +205,14 @@ impl Gpt {
     /// the embeddings (first stage) or `input`, keeping what the backward
     /// needs when `train` — on the last stage through the final LayerNorm
     /// and the tied head into `logits`, leaving segment 0 (the embeddings,
-    /// whose `wte` is the head) held.
+    /// whose `wte` is the head) held. The rows' positions start at
+    /// `attn`'s first position.
     fn forward(
         &mut self,
         store: &mut dyn ParamStore,
         inputs: &[u32],
         input: &[f32],
-        train: bool,
+        (train, attn): (bool, Attention<'_>),
     ) -> Result<(), GptError> {
         let (t, c, v) = (self.acts.t, self.cfg.n_embd, self.cfg.vocab_size);
         let n = self.acts.b * t;
@@ -215,7 +221,8 @@ impl Gpt {
             {
                 let seg = store.segment(0)?;
                 let x = &mut self.acts.stack.x;
-                let (wte, wpe) = (&seg.params[wte.clone()], &seg.params[wpe]);
+                let wpe = &seg.params[wpe][attn.first_position() * c..];
+                let wte = &seg.params[wte.clone()];
                 nn::embed::embedding_forward(x, inputs, wte, Some(wpe), t, c);
             }
             store.done(0, false)?;
@@ -223,7 +230,7 @@ impl Gpt {
             self.acts.stack.x.copy_from_slice(input);
         }
         self.acts.stack.keep_input();
-        let block = GptBlock { r: &self.ranges.block_rel, d: self.dims(), prec: self.precision };
+        let block = GptBlock { r: &self.ranges.block_rel, d: self.dims(), prec: self.precision, attn };
         self.acts.stack.forward(&block, store, self.stage_segs(), train)?;
         if !self.stage.is_last() {
             return Ok(());
@@ -321,7 +328,8 @@ impl Gpt {
     fn blocks_backward(&mut self, store: &mut dyn ParamStore, inputs: &[u32]) -> Result<(), GptError> {
         let (t, c) = (self.acts.t, self.cfg.n_embd);
         let (wte, wpe) = (self.ranges.wte.clone(), self.ranges.wpe.clone());
-        let block = GptBlock { r: &self.ranges.block_rel, d: self.dims(), prec: self.precision };
+        let block =
+            GptBlock { r: &self.ranges.block_rel, d: self.dims(), prec: self.precision, attn: Attention::Causal };
         self.acts.stack.backward(&block, store, self.stage_segs())?;
         if !self.stage.is_first() {
             return Ok(());
@@ -342,15 +350,26 @@ impl Gpt {
         nn::loss::loss_sum(&self.acts.losses, n)
     }
 
-    /// Logits of the last position of `tokens` (one sequence), for sampling.
+    /// Logits of the last position of `tokens` (one sequence), for
+    /// sampling; with a key/value cache ([`Gpt::set_kv_cache`]) only the
+    /// tokens past the cached positions run.
     pub fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, GptError> {
+        match self.kv.take() {
+            Some(kv) => self.cached_next_token_logits(params, tokens, kv),
+            None => self.last_logits(params, tokens, Attention::Causal),
+        }
+    }
+
+    /// Logits of the last of `tokens` (one sequence, its positions from
+    /// `attn`'s first one), running them as one forward-only batch.
+    fn last_logits(&mut self, params: &[f32], tokens: &[u32], attn: Attention<'_>) -> Result<Vec<f32>, GptError> {
         let t = tokens.len();
         let batch = Batch { n_seqs: 1, seq_len: t, inputs: tokens.to_vec(), targets: vec![IGNORE_INDEX; t] };
         self.check(&batch)?;
         self.whole_model_for("generation")?;
         self.ensure_acts(0, 1, t);
         let mut store = FullStore::read_only(&self.layout, self.segments(), params)?;
-        self.forward(&mut store, tokens, &[], false)?;
+        self.forward(&mut store, tokens, &[], (false, attn))?;
         store.done(0, false)?;
         let v = self.cfg.vocab_size;
         Ok(self.acts.logits[(t - 1) * v..t * v].to_vec())
@@ -442,7 +461,7 @@ impl StagedModel for Gpt {
             .check_io(("the stage's input", input.len()), ("the stage's output", output.len()), want)
             .map_err(GptError::InvalidBatch)?;
         self.ensure_acts(slot, batch.n_seqs, batch.seq_len);
-        self.forward(store, &batch.inputs, input, loss_seed.is_some())?;
+        self.forward(store, &batch.inputs, input, (loss_seed.is_some(), Attention::Causal))?;
         if !self.stage.is_last() {
             output.copy_from_slice(&self.acts.stack.x);
             return Ok(MicroStepStats::default());

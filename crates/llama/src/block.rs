@@ -10,6 +10,7 @@ use engine::{Checkpointing, EngineError, Precision, SavedTensor, SegmentGrads, T
 use nn::act::{swiglu_backward, swiglu_forward};
 use nn::attention::{attention_backward, attention_forward, AttnShape};
 use nn::grad::{bias_backward, param_grad};
+use nn::kv::Attention;
 use nn::linear::{
     add_bias, add_into, columns, linear_backward_input, linear_backward_weight, linear_forward, Cols, LinearShape,
 };
@@ -139,12 +140,15 @@ impl ActSizes {
 }
 
 /// One decoder layer: the configuration, its parameter ranges (relative
-/// to the layer's segment), the rotary tables and the call's shapes.
+/// to the layer's segment), the rotary tables (of the rows' positions),
+/// the call's shapes and its attention (causal over the call's rows, or
+/// over a key/value cache when generating).
 pub(crate) struct Layer<'a> {
     pub cfg: &'a LlamaConfig,
     pub r: &'a LayerParams,
     pub rope: &'a Rope,
     pub d: Dims,
+    pub attn: Attention<'a>,
 }
 
 /// What a projection's backward reads and writes besides its gradients.
@@ -252,7 +256,12 @@ impl Block for Layer<'_> {
         rope_apply(qkv, self.rope, qkvw, cfg.n_head + cfg.n_kv_head, false);
         large[QKV].keep(qkv, prec);
         // The heads' output is n × H·d: all of buf_c (n × C) unless the heads are split.
-        attention_forward(&mut buf_c[..n * qd], att, &mut heads[..n * qd], large[QKV].cur(qkv), d.gqa);
+        match self.attn {
+            Attention::Causal => {
+                attention_forward(&mut buf_c[..n * qd], att, &mut heads[..n * qd], large[QKV].cur(qkv), d.gqa)
+            }
+            Attention::Cached(kv) => kv.attend(&mut buf_c[..n * qd], large[QKV].cur(qkv), d.gqa),
+        }
         large[ATT].keep(att, prec);
         large[Y].keep_prefix(buf_c, n * qd, prec);
         // x2 = x + y·Woᵀ (+ LoRA): (n, H·d) @ (H·d, C) -> (n, C); split

@@ -24,7 +24,7 @@ use crate::{gemm_into, GemmDims, GemmOut, Par, Strided};
 use engine::EngineError;
 use multiversion::multiversion;
 use rayon::prelude::*;
-use std::cell::RefCell;
+use std::sync::{Mutex, PoisonError};
 
 /// Which attention a block's forward runs.
 #[derive(Debug, Clone, Copy, Default)]
@@ -74,8 +74,8 @@ pub struct KvCache {
     positions: usize,
     kv_dim: usize,
     /// Written by the layers of a pass through a shared reference (a
-    /// block's forward takes `&self`).
-    store: RefCell<Store>,
+    /// block's forward takes `&self`); a model holding a cache stays `Sync`.
+    store: Mutex<Store>,
     /// The token ids of the cached positions.
     tokens: Vec<u32>,
 }
@@ -94,7 +94,7 @@ impl KvCache {
         let n = usize::try_from(Self::bytes_for(n_layer, positions, kv_dim) / 8).unwrap_or(usize::MAX);
         let k = engine::alloc::try_zeros(n, "the key cache")?;
         let v = engine::alloc::try_zeros(n, "the value cache")?;
-        let store = RefCell::new(Store { k, v, layer: 0 });
+        let store = Mutex::new(Store { k, v, layer: 0 });
         Ok(KvCache { n_layer, positions, kv_dim, store, tokens: Vec::new() })
     }
 
@@ -118,13 +118,19 @@ impl KvCache {
         Self::bytes_for(self.n_layer, self.positions, self.kv_dim)
     }
 
+    /// The store, through `&mut self` (no other reference exists: a pass
+    /// that panicked left nothing but positions past the cached ones).
+    fn store_mut(&mut self) -> &mut Store {
+        self.store.get_mut().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Prepares a pass for the sequence `tokens` (from its position 0):
     /// keeps the cached positions it starts with, but always leaves its
     /// last token to run (its logits are what the caller wants), and
     /// returns the index of the first token to run. `None` when `tokens`
     /// has more positions than the cache holds: the caller runs without it.
     pub fn feed_from(&mut self, tokens: &[u32]) -> Option<usize> {
-        self.store.get_mut().layer = 0;
+        self.store_mut().layer = 0;
         if tokens.is_empty() || tokens.len() > self.positions {
             self.tokens.clear();
             return None;
@@ -135,15 +141,30 @@ impl KvCache {
         Some(from)
     }
 
+    /// Runs the sequence `tokens` (from its position 0) through
+    /// `run(rows, attention)`: the tokens past the cached positions with
+    /// [`Attention::Cached`], then counted as cached if `run` succeeds; all
+    /// of them with [`Attention::Causal`] where they do not fit in the cache.
+    pub fn pass<T, E>(
+        &mut self,
+        tokens: &[u32],
+        run: impl FnOnce(&[u32], Attention<'_>) -> Result<T, E>,
+    ) -> Result<T, E> {
+        match self.feed_from(tokens) {
+            Some(from) => run(&tokens[from..], Attention::Cached(self)).inspect(|_| self.commit(&tokens[from..])),
+            None => run(tokens, Attention::Causal),
+        }
+    }
+
     /// Counts the rows of the pass just run, `fed` (the tokens from
     /// [`KvCache::feed_from`]'s index on), as cached.
     ///
     /// # Panics
     /// Unless every layer attended over the cache once in this pass.
     pub fn commit(&mut self, fed: &[u32]) {
-        let store = self.store.get_mut();
-        assert_eq!(store.layer, self.n_layer, "KvCache::commit: a pass must run every layer once");
-        store.layer = 0;
+        let n_layer = self.n_layer;
+        let layers_run = std::mem::take(&mut self.store_mut().layer);
+        assert_eq!(layers_run, n_layer, "KvCache::commit: a pass must run every layer once");
         self.tokens.extend_from_slice(fed);
     }
 
@@ -163,7 +184,7 @@ impl KvCache {
         let (pos, end) = (self.len(), self.len() + n);
         assert!(b == 1 && kvd == self.kv_dim, "KvCache::attend: {s:?} is not one sequence of width {}", self.kv_dim);
         assert!(end <= self.positions, "KvCache::attend: positions {pos}..{end} exceed the cache's {}", self.positions);
-        let mut store = self.store.borrow_mut();
+        let mut store = self.store.lock().unwrap_or_else(PoisonError::into_inner);
         let Store { k, v, layer } = &mut *store;
         assert!(*layer < self.n_layer, "KvCache::attend: a pass runs {} layers", self.n_layer);
         let span = self.positions * kvd;
@@ -274,7 +295,7 @@ mod tests {
         let mut kv = KvCache::new(2, 5, 4).unwrap();
         assert_eq!(kv.bytes(), 2 * 4 * 2 * 5 * 4);
         assert_eq!(kv.feed_from(&[1, 2, 3]), Some(0));
-        kv.store.get_mut().layer = 2;
+        kv.store_mut().layer = 2;
         kv.commit(&[1, 2, 3]);
         assert_eq!(kv.feed_from(&[1, 2, 3, 4]), Some(3), "extends the cached tokens");
         assert_eq!(kv.feed_from(&[1, 2, 3]), Some(2), "the last token runs again for its logits");
