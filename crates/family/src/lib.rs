@@ -11,6 +11,7 @@
 //! boxed): each family keeps its error type and converts it with one `From`
 //! impl, and the binary adds context.
 
+pub mod generation;
 pub mod reference;
 
 use config::ModelConfig;
@@ -90,10 +91,14 @@ pub trait TextModel: StagedModel<Batch = TokenBatch> + Send {
     fn saved_activation_bytes(&self) -> usize;
     /// Logits of the token after `tokens` (at most the context length).
     fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, Self::Error>;
+    /// Keeps a key/value cache of up to `positions` positions (0: none),
+    /// so that a call to `next_token_logits` whose tokens extend the
+    /// previous call's runs only the new ones.
+    fn set_kv_cache(&mut self, positions: usize) -> Result<(), Self::Error>;
 }
 
 /// Implements [`TextModel`] for a model type whose inherent methods
-/// `activation_bytes`, `saved_activation_bytes` and `next_token_logits`
+/// `activation_bytes`, `saved_activation_bytes`, `next_token_logits` and `set_kv_cache`
 /// have those signatures, and `From` its error for [`ModelError`]:
 /// `family::text_model!(Gpt, GptError);`.
 #[macro_export]
@@ -117,6 +122,10 @@ macro_rules! text_model {
             fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, $error> {
                 <$model>::next_token_logits(self, params, tokens)
             }
+
+            fn set_kv_cache(&mut self, positions: usize) -> Result<(), $error> {
+                <$model>::set_kv_cache(self, positions)
+            }
         }
     };
 }
@@ -130,6 +139,10 @@ pub trait LanguageModel: StagedModel<Batch = TokenBatch, Error = ModelError> + S
     fn saved_activation_bytes(&self) -> usize;
     /// Logits of the token after `tokens` (at most the context length).
     fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, ModelError>;
+    /// Keeps a key/value cache of up to `positions` positions (0: none),
+    /// so that a call to `next_token_logits` whose tokens extend the
+    /// previous call's runs only the new ones.
+    fn set_kv_cache(&mut self, positions: usize) -> Result<(), ModelError>;
 }
 
 /// A family's [`TextModel`] as a [`LanguageModel`] (its error boxed).
@@ -225,6 +238,10 @@ impl<M: TextModel> LanguageModel for Erased<M> {
 
     fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
         self.0.next_token_logits(params, tokens).map_err(ModelError::new)
+    }
+
+    fn set_kv_cache(&mut self, positions: usize) -> Result<(), ModelError> {
+        self.0.set_kv_cache(positions).map_err(ModelError::new)
     }
 }
 

@@ -9,6 +9,7 @@ use engine::{Checkpointing, EngineError, Precision, SegmentGrads, TensorGroup, T
 use nn::attention::AttnShape;
 use nn::flash::{flash_attention_backward, flash_attention_forward, Docs};
 use nn::grad::param_grad;
+use nn::kv::Attention;
 use nn::linear::{add_bias, add_into, conv1d_backward, conv1d_forward, LinearShape};
 use nn::norm::{layernorm_backward, layernorm_forward, NormSaved};
 use nn::stack::{Block, Part, Saved, SavedView, StackSizes};
@@ -119,12 +120,14 @@ impl ActSizes {
 }
 
 /// One GPT-2 block: its parameter ranges (relative to the block's
-/// segment), shapes and storage precision, and the micro-batch's document
-/// starts (packed rows).
+/// segment), shapes, storage precision and attention (causal over the
+/// call's rows, or over a key/value cache when generating), and the
+/// micro-batch's document starts (packed rows).
 pub(crate) struct GptBlock<'a> {
     pub r: &'a BlockParams,
     pub d: Dims,
     pub prec: Precision,
+    pub attn: Attention<'a>,
     pub docs: Docs<'a>,
 }
 
@@ -165,7 +168,12 @@ impl Block for GptBlock<'_> {
             lin(c, 3 * a),
         );
         large[QKV].keep(qkv, prec);
-        flash_attention_forward(&mut buf_c[..n * a], lse, large[QKV].cur(qkv), self.d.attn(ops), self.docs);
+        match self.attn {
+            Attention::Causal => {
+                flash_attention_forward(&mut buf_c[..n * a], lse, large[QKV].cur(qkv), self.d.attn(ops), self.docs)
+            }
+            Attention::Cached(kv) => kv.attend(&mut buf_c[..n * a], large[QKV].cur(qkv), self.d.attn(ops)),
+        }
         large[ATTY].keep_prefix(buf_c, n * a, prec);
         let atty = large[ATTY].cur(&buf_c[..n * a]);
         // (B*T, A) @ (A, C) -> (B*T, C), plus the bias and the residual; split

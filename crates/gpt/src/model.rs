@@ -17,12 +17,15 @@ use engine::{
 };
 use nn::flash::Docs;
 use nn::grad::param_grad;
+use nn::kv::{Attention, KvCache};
 use nn::norm::{layernorm_backward, layernorm_forward, NormSaved};
 use nn::stack::{Part, Slots, Stack, DRES};
 use nn::{gemm_into, GemmDims, GemmOut, Positions, Strided};
 use std::ops::Range;
 
 pub use engine::batch::{TokenBatch as Batch, IGNORE_INDEX};
+
+mod decode;
 
 /// Activations and backward scratch for one (B, T): the block stack, the
 /// final LayerNorm's output and statistics, the logits and the losses.
@@ -82,6 +85,8 @@ pub struct Gpt {
     slots: Slots<Acts>,
     /// The tensor-parallel rank this model is built for (whole: all of it).
     tp: TpRank,
+    /// Generation's key/value cache, when one is kept (`decode`).
+    kv: Option<KvCache>,
 }
 
 impl Gpt {
@@ -106,7 +111,7 @@ impl Gpt {
         let (layout, ranges) = build_layout(&cfg, Widths::of(&cfg, tp));
         let stage = StageSpec::whole(cfg.n_layer);
         let (checkpointing, acts, slots) = (Checkpointing::None, Acts::default(), Slots::default());
-        Ok(Self { cfg, layout, ranges, precision, checkpointing, stage, acts, slots, tp })
+        Ok(Self { cfg, layout, ranges, precision, checkpointing, stage, acts, slots, tp, kv: None })
     }
 
     /// The tensor-parallel rank this model is built for.
@@ -205,13 +210,14 @@ impl Gpt {
     /// the embeddings (first stage) or `input`, keeping what the backward
     /// needs when `train` — on the last stage through the final LayerNorm
     /// and the tied head into `logits`, leaving segment 0 (the embeddings,
-    /// whose `wte` is the head) held.
+    /// whose `wte` is the head) held. The rows' positions start at
+    /// `attn`'s first position.
     fn forward(
         &mut self,
         store: &mut dyn ParamStore,
         batch: &Batch,
         input: &[f32],
-        train: bool,
+        (train, attn): (bool, Attention<'_>),
     ) -> Result<(), GptError> {
         let (t, c, v) = (self.acts.t, self.cfg.n_embd, self.cfg.vocab_size);
         self.acts.pos.clone_from(&batch.positions);
@@ -222,7 +228,8 @@ impl Gpt {
             {
                 let seg = store.segment(0)?;
                 let x = &mut self.acts.stack.x;
-                let (wte, wpe) = (&seg.params[wte.clone()], &seg.params[wpe]);
+                let wpe = &seg.params[wpe][attn.first_position() * c..];
+                let wte = &seg.params[wte.clone()];
                 let pos = Positions { t, ids: &self.acts.pos };
                 nn::embed::embedding_forward(x, &batch.inputs, wte, Some(wpe), pos, c);
             }
@@ -232,7 +239,7 @@ impl Gpt {
         }
         self.acts.stack.keep_input();
         let (d, prec, docs) = (self.dims(), self.precision, Docs(&self.acts.docs));
-        let block = GptBlock { r: &self.ranges.block_rel, d, prec, docs };
+        let block = GptBlock { r: &self.ranges.block_rel, d, prec, attn, docs };
         self.acts.stack.forward(&block, store, self.stage_segs(), train)?;
         if !self.stage.is_last() {
             return Ok(());
@@ -331,7 +338,7 @@ impl Gpt {
         let (t, c) = (self.acts.t, self.cfg.n_embd);
         let (wte, wpe) = (self.ranges.wte.clone(), self.ranges.wpe.clone());
         let (d, prec, docs) = (self.dims(), self.precision, Docs(&self.acts.docs));
-        let block = GptBlock { r: &self.ranges.block_rel, d, prec, docs };
+        let block = GptBlock { r: &self.ranges.block_rel, d, prec, attn: Attention::Causal, docs };
         self.acts.stack.backward(&block, store, self.stage_segs())?;
         if !self.stage.is_first() {
             return Ok(());
@@ -353,8 +360,19 @@ impl Gpt {
         nn::loss::loss_sum(&self.acts.losses, n)
     }
 
-    /// Logits of the last position of `tokens` (one sequence), for sampling.
+    /// Logits of the last position of `tokens` (one sequence), for
+    /// sampling; with a key/value cache ([`Gpt::set_kv_cache`]) only the
+    /// tokens past the cached positions run.
     pub fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, GptError> {
+        match self.kv.take() {
+            Some(kv) => self.cached_next_token_logits(params, tokens, kv),
+            None => self.last_logits(params, tokens, Attention::Causal),
+        }
+    }
+
+    /// Logits of the last of `tokens` (one sequence, its positions from
+    /// `attn`'s first one), running them as one forward-only batch.
+    fn last_logits(&mut self, params: &[f32], tokens: &[u32], attn: Attention<'_>) -> Result<Vec<f32>, GptError> {
         let t = tokens.len();
         let batch = Batch {
             n_seqs: 1,
@@ -367,7 +385,7 @@ impl Gpt {
         self.whole_model_for("generation")?;
         self.ensure_acts(0, 1, t);
         let mut store = FullStore::read_only(&self.layout, self.segments(), params)?;
-        self.forward(&mut store, &batch, &[], false)?;
+        self.forward(&mut store, &batch, &[], (false, attn))?;
         store.done(0, false)?;
         let v = self.cfg.vocab_size;
         Ok(self.acts.logits[(t - 1) * v..t * v].to_vec())
@@ -459,7 +477,7 @@ impl StagedModel for Gpt {
             .check_io(("the stage's input", input.len()), ("the stage's output", output.len()), want)
             .map_err(GptError::InvalidBatch)?;
         self.ensure_acts(slot, batch.n_seqs, batch.seq_len);
-        self.forward(store, batch, input, loss_seed.is_some())?;
+        self.forward(store, batch, input, (loss_seed.is_some(), Attention::Causal))?;
         if !self.stage.is_last() {
             output.copy_from_slice(&self.acts.stack.x);
             return Ok(MicroStepStats::default());

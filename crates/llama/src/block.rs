@@ -11,6 +11,7 @@ use nn::act::{swiglu_backward, swiglu_forward};
 use nn::attention::AttnShape;
 use nn::flash::{flash_attention_backward, flash_attention_forward, Docs};
 use nn::grad::{bias_backward, param_grad};
+use nn::kv::Attention;
 use nn::linear::{
     add_bias, add_into, columns, linear_backward_input, linear_backward_weight, linear_forward, Cols, LinearShape,
 };
@@ -140,13 +141,16 @@ impl ActSizes {
 }
 
 /// One decoder layer: the configuration, its parameter ranges (relative
-/// to the layer's segment), the rotary tables, the call's shapes, and the
-/// micro-batch's positions and document starts (packed rows).
+/// to the layer's segment), the rotary tables (of the rows' positions),
+/// the call's shapes, its attention (causal over the call's rows, or over
+/// a key/value cache when generating), and the micro-batch's positions and
+/// document starts (packed rows).
 pub(crate) struct Layer<'a> {
     pub cfg: &'a LlamaConfig,
     pub r: &'a LayerParams,
     pub rope: &'a Rope,
     pub d: Dims,
+    pub attn: Attention<'a>,
     pub pos: Positions<'a>,
     pub docs: Docs<'a>,
 }
@@ -256,7 +260,12 @@ impl Block for Layer<'_> {
         rope_apply(qkv, self.rope, qkvw, cfg.n_head + cfg.n_kv_head, false, self.pos);
         large[QKV].keep(qkv, prec);
         // The heads' output is n × H·d: all of buf_c (n × C) unless the heads are split.
-        flash_attention_forward(&mut buf_c[..n * qd], lse, large[QKV].cur(qkv), d.gqa, self.docs);
+        match self.attn {
+            Attention::Causal => {
+                flash_attention_forward(&mut buf_c[..n * qd], lse, large[QKV].cur(qkv), d.gqa, self.docs)
+            }
+            Attention::Cached(kv) => kv.attend(&mut buf_c[..n * qd], large[QKV].cur(qkv), d.gqa),
+        }
         large[Y].keep_prefix(buf_c, n * qd, prec);
         // x2 = x + y·Woᵀ (+ LoRA): (n, H·d) @ (H·d, C) -> (n, C); split
         // over heads, each rank's product is a part of the sum (row-parallel).

@@ -20,6 +20,7 @@ use engine::{
 };
 use nn::attention::AttnShape;
 use nn::grad::param_grad;
+use nn::kv::{Attention, KvCache};
 use nn::linear::{linear_backward_input, linear_backward_weight, LinearShape};
 use nn::norm::{rmsnorm_backward, rmsnorm_forward, NormSaved};
 use nn::rope::Rope;
@@ -28,6 +29,8 @@ use nn::{gemm_into, parallelism, GemmDims, GemmOut, Operands, Positions, Strided
 use std::ops::Range;
 
 pub use engine::batch::{TokenBatch, IGNORE_INDEX};
+
+mod decode;
 
 /// Activations and scratch for one (B, T) and pass: the layer stack, the
 /// rotary tables, the final norm's output and 1/rms, logits and losses.
@@ -85,17 +88,20 @@ pub struct Llama {
     slots: Slots<Acts>,
     /// Built for one rank of a tensor-parallel group (`cfg` is its shape).
     split: Option<Box<Split>>,
+    /// Generation's key/value cache, when one is kept (`decode`).
+    kv: Option<KvCache>,
 }
 
-/// A layer of the micro-batch whose positions and document starts are `pd`.
+/// A layer with rotary tables and attention `(rope, attn)`, for the
+/// micro-batch whose positions and document starts are `pd`.
 fn layer<'a>(
     cfg: &'a LlamaConfig,
     r: &'a LayerParams,
-    rope: &'a Rope,
+    (rope, attn): (&'a Rope, Attention<'a>),
     d: Dims,
     pd: (&'a [u32], &'a [u32]),
 ) -> Layer<'a> {
-    Layer { cfg, r, rope, d, pos: Positions { t: d.gqa.t, ids: pd.0 }, docs: nn::flash::Docs(pd.1) }
+    Layer { cfg, r, rope, d, attn, pos: Positions { t: d.gqa.t, ids: pd.0 }, docs: nn::flash::Docs(pd.1) }
 }
 
 /// Moves the buffers used only within one forward (logits, losses) from
@@ -170,7 +176,20 @@ impl Llama {
         let (layout, ranges) = build_layout(&cfg, adapters);
         let (checkpointing, stage) = (Checkpointing::None, StageSpec::whole(cfg.n_layer));
         let (acts, slots) = (Acts::default(), Slots::default());
-        Ok(Self { cfg, lora, adapters, layout, ranges, precision, checkpointing, stage, acts, slots, split: None })
+        Ok(Self {
+            cfg,
+            lora,
+            adapters,
+            layout,
+            ranges,
+            precision,
+            checkpointing,
+            stage,
+            acts,
+            slots,
+            split: None,
+            kv: None,
+        })
     }
 
     /// The model's shape.
@@ -384,12 +403,13 @@ impl Llama {
     /// the embedding (first stage) or `input` (the previous stage's
     /// output) — on the last stage through the final norm and the head
     /// into `logits`, leaving the head's segment ([`Llama::head_seg`]) held.
+    /// The rows' positions start at `attn`'s first position.
     fn forward(
         &mut self,
         store: &mut dyn ParamStore,
         batch: &TokenBatch,
         input: &[f32],
-        pass: Pass,
+        (pass, attn): (Pass, Attention<'_>),
     ) -> Result<(), LlamaError> {
         let (c, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
         let d = self.dims(self.acts.b, self.acts.t);
@@ -409,8 +429,14 @@ impl Llama {
         }
         self.acts.stack.keep_input();
         let segs = self.stage_segs();
+        // Rows after cached positions rotate by their own positions.
+        let later = match attn {
+            Attention::Causal => None,
+            Attention::Cached(_) => Some(self.rope_for(attn.first_position(), self.acts.t)),
+        };
         let acts = &mut self.acts;
-        let layer = layer(&self.cfg, &self.ranges.layer_rel, &acts.rope, d, (&acts.pos, &acts.docs));
+        let rope = later.as_ref().unwrap_or(&acts.rope);
+        let layer = layer(&self.cfg, &self.ranges.layer_rel, (rope, attn), d, (&acts.pos, &acts.docs));
         acts.stack.forward(&layer, store, segs, pass == Pass::Train)?;
         if !self.stage.is_last() {
             return Ok(());
@@ -496,7 +522,8 @@ impl Llama {
         let d = self.dims(self.acts.b, self.acts.t);
         let segs = self.stage_segs();
         let acts = &mut self.acts;
-        let layer = layer(&self.cfg, &self.ranges.layer_rel, &acts.rope, d, (&acts.pos, &acts.docs));
+        let rope_attn = (&acts.rope, Attention::Causal);
+        let layer = layer(&self.cfg, &self.ranges.layer_rel, rope_attn, d, (&acts.pos, &acts.docs));
         acts.stack.backward(&layer, store, segs)?;
         if !self.stage.is_first() {
             return Ok(());
@@ -513,11 +540,16 @@ impl Llama {
 
     /// Checks `batch`, sizes the activations and runs the forward; the
     /// head's segment stays held.
-    fn forward_batch(&mut self, store: &mut dyn ParamStore, batch: &TokenBatch, pass: Pass) -> Result<(), LlamaError> {
+    fn forward_batch(
+        &mut self,
+        store: &mut dyn ParamStore,
+        batch: &TokenBatch,
+        (pass, attn): (Pass, Attention<'_>),
+    ) -> Result<(), LlamaError> {
         self.check(batch)?;
         self.whole_model_for("a forward pass over the whole model")?;
         self.ensure_acts(0, batch.n_seqs, batch.seq_len, pass);
-        self.forward(store, batch, &[], pass)
+        self.forward(store, batch, &[], (pass, attn))
     }
 
     /// Fused softmax + cross-entropy of the logits (replaced by
@@ -530,22 +562,37 @@ impl Llama {
         nn::loss::loss_sum(&acts.losses, batch.n_seqs * batch.seq_len)
     }
 
-    fn logits_of(&mut self, params: &[f32], batch: &TokenBatch, pass: Pass) -> Result<Vec<f32>, LlamaError> {
+    fn logits_of(
+        &mut self,
+        params: &[f32],
+        batch: &TokenBatch,
+        (pass, attn): (Pass, Attention<'_>),
+    ) -> Result<Vec<f32>, LlamaError> {
         let mut store = FullStore::read_only(&self.layout, self.segments(), params)?;
-        self.forward_batch(&mut store, batch, pass)?;
+        self.forward_batch(&mut store, batch, (pass, attn))?;
         store.done(self.head_seg(), false)?;
         Ok(std::mem::take(&mut self.acts.logits))
     }
 
     /// Logits `[B·T, V]` of every position of `batch` (targets unused).
     pub fn logits(&mut self, params: &[f32], batch: &TokenBatch) -> Result<Vec<f32>, LlamaError> {
-        self.logits_of(params, batch, Pass::Eval)
+        self.logits_of(params, batch, (Pass::Eval, Attention::Causal))
     }
 
     /// Logits `[V]` of the last position of `tokens` (one sequence), for
     /// sampling: the head runs on that position only, and the layers keep
-    /// no activations for a backward.
+    /// no activations for a backward. With a key/value cache
+    /// ([`Llama::set_kv_cache`]) only the tokens past the cached positions run.
     pub fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, LlamaError> {
+        match self.kv.take() {
+            Some(kv) => self.cached_next_token_logits(params, tokens, kv),
+            None => self.last_logits(params, tokens, Attention::Causal),
+        }
+    }
+
+    /// Logits of the last of `tokens` (one sequence, its positions from
+    /// `attn`'s first one).
+    fn last_logits(&mut self, params: &[f32], tokens: &[u32], attn: Attention<'_>) -> Result<Vec<f32>, LlamaError> {
         let t = tokens.len();
         let batch = TokenBatch {
             n_seqs: 1,
@@ -554,7 +601,7 @@ impl Llama {
             targets: vec![IGNORE_INDEX; t],
             positions: Vec::new(),
         };
-        self.logits_of(params, &batch, Pass::NextToken)
+        self.logits_of(params, &batch, (Pass::NextToken, attn))
     }
 }
 
@@ -645,7 +692,7 @@ impl StagedModel for Llama {
             .map_err(LlamaError::InvalidBatch)?;
         let pass = if loss_seed.is_some() { Pass::Train } else { Pass::Eval };
         self.ensure_acts(slot, batch.n_seqs, batch.seq_len, pass);
-        self.forward(store, batch, input, pass)?;
+        self.forward(store, batch, input, (pass, Attention::Causal))?;
         if !self.stage.is_last() {
             output.copy_from_slice(&self.acts.stack.x);
             return Ok(MicroStepStats::default());

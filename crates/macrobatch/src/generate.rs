@@ -1,6 +1,12 @@
 //! `macrobatch generate`: sample from a saved model (a run folder, a
 //! Hugging Face folder or a GGUF file) with its own tokenizer; `--chat`
 //! answers the prompt as the assistant through the chat template.
+//!
+//! The model keeps a key/value cache (unless `--no-kv-cache`): the prompt
+//! runs once, then each step runs the new token only. Once the sequence is
+//! longer than the context the model sees its last `context` tokens, as
+//! without the cache: every position shifts each step, so each step
+//! recomputes that window.
 
 use crate::family::{self, Build};
 use crate::GenerateArgs;
@@ -81,6 +87,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             context.saturating_sub(1).max(1)
         );
     }
+    if !args.no_kv_cache {
+        model.set_kv_cache((tokens.len() + args.max_new_tokens).min(context))?;
+    }
     // Where a chat turn ends: the tokenizer's end-of-sequence and <|im_end|>.
     let stops: Vec<u32> =
         if args.chat { tok.eos_id().into_iter().chain(tok.token_id("<|im_end|>")).collect() } else { Vec::new() };
@@ -90,9 +99,14 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         write!(out, "{}", args.prompt)?;
     }
     let mut pending = Vec::new();
+    let prompt_len = tokens.len();
     for _ in 0..args.max_new_tokens {
-        let ctx = &tokens[tokens.len().saturating_sub(context)..];
-        let logits = model.next_token_logits(&params, ctx)?;
+        if tokens.len() == context + 1 && prompt_len <= context && !args.no_kv_cache {
+            eprintln!(
+                "\nnote: the sequence is longer than the model's context of {context} tokens: each token now recomputes the last {context}"
+            );
+        }
+        let logits = model.next_token_logits(&params, ::family::generation::window(&tokens, context))?;
         let next = sample(&logits, args.temperature, args.top_k, &mut rng);
         if stops.contains(&next) {
             break;

@@ -228,6 +228,14 @@ pub struct GenerateArgs {
     /// Sampling seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Run the whole sequence for every new token instead of keeping a
+    /// key/value cache. The cache (2 × layers × positions × key/value width
+    /// f32, positions = prompt + new tokens, at most the context) lets each
+    /// step run only the new token; once the sequence is longer than the
+    /// context the window slides, every position shifts, and each token
+    /// recomputes the window either way.
+    #[arg(long)]
+    pub no_kv_cache: bool,
 }
 
 #[global_allocator]

@@ -7,7 +7,8 @@
 //! frequency scaling), the tanh-GELU and SwiGLU MLPs, linear layers in both
 //! weight layouts, the fused softmax cross-entropy of the LM head, the walk
 //! over a stack of blocks (segments, activation checkpointing, 16-bit
-//! storage between blocks), and safetensors / atomic file I/O.
+//! storage between blocks), the key/value cache generation attends over,
+//! and safetensors / atomic file I/O.
 //!
 //! Kernel conventions: `n` (or `n_rows`) = B·T rows. Forward kernels
 //! overwrite their outputs unless told to accumulate. Backward kernels
@@ -33,6 +34,7 @@ pub mod fd;
 pub mod flash;
 pub mod grad;
 pub mod io;
+pub mod kv;
 pub mod linear;
 pub mod loss;
 pub mod norm;

@@ -85,8 +85,21 @@ impl Rope {
     /// Tables for `t` positions of heads `head_dim` wide (even), with
     /// optional Llama 3 frequency scaling.
     pub fn new(t: usize, head_dim: usize, theta: f64, scaling: Option<&Llama3Scaling>) -> Self {
+        Self::for_positions(0..t, head_dim, theta, scaling)
+    }
+
+    /// Tables for `positions` (rows `positions.end − positions.start`): the
+    /// rows [`Rope::new`] computes for those positions, for rows that
+    /// continue a sequence (generation with a key/value cache).
+    pub fn for_positions(
+        positions: std::ops::Range<usize>,
+        head_dim: usize,
+        theta: f64,
+        scaling: Option<&Llama3Scaling>,
+    ) -> Self {
         let inv_freq = inv_freq(head_dim, theta, scaling);
-        let angles: Vec<f32> = (0..t).flat_map(|p| inv_freq.iter().map(move |&f| p as f32 * f)).collect();
+        let t = positions.len();
+        let angles: Vec<f32> = positions.flat_map(|p| inv_freq.iter().map(move |&f| p as f32 * f)).collect();
         Rope {
             t,
             half: head_dim / 2,
@@ -155,6 +168,22 @@ mod tests {
         rope_apply(&mut y, &rope, w, heads, true, Positions::rows(t));
         let err = y.iter().zip(&x).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         assert!(err < 1e-5, "rotation then inverse differs by {err}");
+    }
+
+    /// Rows for later positions are the rows of the tables from position 0.
+    #[test]
+    fn tables_for_later_positions_are_rows_of_the_full_tables() {
+        let s = Llama3Scaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 16,
+        };
+        let full = Rope::new(40, 8, 10000.0, Some(&s));
+        let part = Rope::for_positions(29..33, 8, 10000.0, Some(&s));
+        assert_eq!((part.t, part.half), (4, 4));
+        assert_eq!(part.cos, full.cos[29 * 4..33 * 4]);
+        assert_eq!(part.sin, full.sin[29 * 4..33 * 4]);
     }
 
     /// Llama 3 scaling on head_dim 8, θ = 10000, factor 8, low 1, high 4,

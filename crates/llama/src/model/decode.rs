@@ -1,0 +1,45 @@
+//! Generation with a key/value cache: the prompt runs once, filling every
+//! layer's keys and values, then each step runs the new token's row only
+//! through the same layers (norms, projections with their biases and LoRA,
+//! rotation, MLP, head), rotated by its own position and attending over
+//! the cache with grouped-query heads ([`nn::kv::KvCache::attend`]).
+
+use super::Llama;
+use crate::error::LlamaError;
+use nn::kv::KvCache;
+use nn::rope::Rope;
+
+impl Llama {
+    /// Keeps a key/value cache of up to `positions` positions (at most the
+    /// context, `max_position_embeddings`) for [`Llama::next_token_logits`]:
+    /// a call whose tokens start with the previous call's runs only the
+    /// tokens after them. `0` drops the cache. It holds
+    /// `2 · n_layer · positions · kv_dim` f32 (see [`KvCache::bytes_for`]).
+    pub fn set_kv_cache(&mut self, positions: usize) -> Result<(), LlamaError> {
+        let positions = positions.min(self.cfg.max_position_embeddings);
+        self.kv = match positions {
+            0 => None,
+            _ => Some(KvCache::new(self.cfg.n_layer, positions, self.cfg.kv_dim())?),
+        };
+        Ok(())
+    }
+
+    /// Rotary tables for the `n` rows at positions `first..first + n`.
+    pub(super) fn rope_for(&self, first: usize, n: usize) -> Rope {
+        let cfg = &self.cfg;
+        Rope::for_positions(first..first + n, cfg.head_dim, cfg.rope_theta, cfg.llama3_scaling().as_ref())
+    }
+
+    /// [`Llama::next_token_logits`] with the cache `kv` (taken out of the
+    /// model for the call and put back): [`KvCache::pass`].
+    pub(super) fn cached_next_token_logits(
+        &mut self,
+        params: &[f32],
+        tokens: &[u32],
+        mut kv: KvCache,
+    ) -> Result<Vec<f32>, LlamaError> {
+        let logits = kv.pass(tokens, |rows, attn| self.last_logits(params, rows, attn));
+        self.kv = Some(kv);
+        logits
+    }
+}
