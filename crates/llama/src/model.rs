@@ -10,6 +10,7 @@
 use crate::block::{ActSizes, Dims, Layer, Pass};
 use crate::config::LlamaConfig;
 use crate::error::LlamaError;
+use crate::frozen::FrozenBase;
 use crate::layout::{build_layout, Adapters, LayerParams, ParamRanges, Proj};
 use crate::lora::LoraConfig;
 use crate::split::Split;
@@ -25,7 +26,9 @@ use nn::norm::{rmsnorm_backward, rmsnorm_forward, NormSaved};
 use nn::rope::Rope;
 use nn::stack::{Part, Slots, Stack, DRES};
 use nn::{gemm_into, parallelism, GemmDims, GemmOut, Operands, Strided};
+use std::cell::Cell;
 use std::ops::Range;
+use std::sync::Arc;
 
 pub use engine::batch::{TokenBatch, IGNORE_INDEX};
 
@@ -81,6 +84,11 @@ pub struct Llama {
     slots: Slots<Acts>,
     /// Built for one rank of a tensor-parallel group (`cfg` is its shape).
     split: Option<Box<Split>>,
+    /// The frozen projections, packed outside the layout (shared by the
+    /// models of one process); `None`: they are f32 tensors of the layout.
+    base: Option<Arc<FrozenBase>>,
+    /// The layout leaves the projections' weights out (held in `base`).
+    packed: bool,
 }
 
 /// Moves the buffers used only within one forward (logits, losses) from
@@ -123,7 +131,7 @@ impl Llama {
         }
         let local = whole.split_for(tp)?;
         let whole = Self::build(whole, lora.clone(), Precision::F32)?;
-        let mut model = Self::assemble(local, lora, precision)?;
+        let mut model = Self::assemble(local, lora, precision, None, false)?;
         let split = Split { tp, whole };
         split.shards(&model)?;
         model.split = Some(Box::new(split));
@@ -132,12 +140,50 @@ impl Llama {
 
     fn build(cfg: LlamaConfig, lora: Option<LoraConfig>, precision: Precision) -> Result<Self, LlamaError> {
         cfg.validate()?;
-        Self::assemble(cfg, lora, precision)
+        Self::assemble(cfg, lora, precision, None, false)
+    }
+
+    /// A model whose layout leaves the projections' weights out, as
+    /// [`Llama::with_frozen_base`]'s does, before any base is loaded: for
+    /// layouts, initialisation and plans (it cannot run a pass).
+    pub fn with_packed_layout(cfg: LlamaConfig, lora: Option<LoraConfig>) -> Result<Self, LlamaError> {
+        cfg.validate()?;
+        Self::assemble(cfg, lora, Precision::F32, None, true)
+    }
+
+    /// A model whose projections' weights are `base`, packed and frozen,
+    /// outside its layout (which holds the embedding, the norms, the head
+    /// and the adapters): the GEMMs read the base a panel at a time.
+    pub fn with_frozen_base(
+        cfg: LlamaConfig,
+        lora: Option<LoraConfig>,
+        precision: Precision,
+        base: Arc<FrozenBase>,
+    ) -> Result<Self, LlamaError> {
+        cfg.validate()?;
+        if base.n_layers() != cfg.n_layer {
+            return Err(LlamaError::config(
+                "frozen base",
+                format!("{} layers packed for a model of {}", base.n_layers(), cfg.n_layer),
+            ));
+        }
+        Self::assemble(cfg, lora, precision, Some(base), true)
+    }
+
+    /// The packed frozen base, if the projections are held outside the layout.
+    pub fn frozen_base(&self) -> Option<&Arc<FrozenBase>> {
+        self.base.as_ref()
     }
 
     /// The model of a shape already checked (a whole shape by
     /// [`LlamaConfig::validate`], a rank's by [`LlamaConfig::split_for`]).
-    fn assemble(cfg: LlamaConfig, lora: Option<LoraConfig>, precision: Precision) -> Result<Self, LlamaError> {
+    fn assemble(
+        cfg: LlamaConfig,
+        lora: Option<LoraConfig>,
+        precision: Precision,
+        base: Option<Arc<FrozenBase>>,
+        packed: bool,
+    ) -> Result<Self, LlamaError> {
         let adapters = match &lora {
             Some(l) => {
                 l.validate()?;
@@ -152,10 +198,24 @@ impl Llama {
             }
             None => None,
         };
-        let (layout, ranges) = build_layout(&cfg, adapters);
+        let (layout, ranges) = build_layout(&cfg, adapters, packed);
         let (checkpointing, stage) = (Checkpointing::None, StageSpec::whole(cfg.n_layer));
         let (acts, slots) = (Acts::default(), Slots::default());
-        Ok(Self { cfg, lora, adapters, layout, ranges, precision, checkpointing, stage, acts, slots, split: None })
+        Ok(Self {
+            cfg,
+            lora,
+            adapters,
+            layout,
+            ranges,
+            precision,
+            checkpointing,
+            stage,
+            acts,
+            slots,
+            split: None,
+            base,
+            packed,
+        })
     }
 
     /// The model's shape.
@@ -377,6 +437,9 @@ impl Llama {
         pass: Pass,
     ) -> Result<(), LlamaError> {
         let (c, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
+        if self.packed && self.base.is_none() {
+            return Err(LlamaError::config("frozen base", "a packed layout without its base cannot run a pass"));
+        }
         let d = self.dims(self.acts.b, self.acts.t);
         if self.stage.is_first() {
             {
@@ -391,7 +454,8 @@ impl Llama {
         self.acts.stack.keep_input();
         let segs = self.stage_segs();
         let acts = &mut self.acts;
-        let layer = Layer { cfg: &self.cfg, r: &self.ranges.layer_rel, rope: &acts.rope, d };
+        let base = self.base.as_deref();
+        let layer = Layer { cfg: &self.cfg, r: &self.ranges.layer_rel, rope: &acts.rope, d, base, at: Cell::new(0) };
         acts.stack.forward(&layer, store, segs, pass == Pass::Train)?;
         if !self.stage.is_last() {
             return Ok(());
@@ -476,7 +540,8 @@ impl Llama {
         let d = self.dims(self.acts.b, self.acts.t);
         let segs = self.stage_segs();
         let acts = &mut self.acts;
-        let layer = Layer { cfg: &self.cfg, r: &self.ranges.layer_rel, rope: &acts.rope, d };
+        let base = self.base.as_deref();
+        let layer = Layer { cfg: &self.cfg, r: &self.ranges.layer_rel, rope: &acts.rope, d, base, at: Cell::new(0) };
         acts.stack.backward(&layer, store, segs)?;
         if !self.stage.is_first() {
             return Ok(());
