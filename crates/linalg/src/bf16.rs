@@ -111,12 +111,11 @@ pub(crate) unsafe fn gemm(call: &crate::Call<'_>, pool: bool) {
 
 #[cfg(target_arch = "x86_64")]
 mod imp {
-    use crate::Strided;
+    use crate::{with_buf, Strided};
     use rayon::prelude::*;
     use std::arch::x86_64::*;
     use std::cell::Cell;
     use std::mem::transmute;
-    use std::thread::LocalKey;
 
     /// Microkernel rows.
     pub const MR: usize = 12;
@@ -144,23 +143,6 @@ mod imp {
         static PACK_B: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
         static PACK_A: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
         static SCRATCH: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
-    }
-
-    /// Runs `f` on this thread's buffer `key` of at least `len` elements.
-    /// The buffer is taken out of the cell meanwhile, so a nested call (work
-    /// stealing inside `f`) gets a fresh one instead of aliasing it.
-    fn with_buf<T: Copy + Default + 'static, R>(
-        key: &'static LocalKey<Cell<Vec<T>>>,
-        len: usize,
-        f: impl FnOnce(&mut [T]) -> R,
-    ) -> R {
-        let mut v = key.take();
-        if v.len() < len {
-            v.resize(len, T::default());
-        }
-        let r = f(&mut v[..len]);
-        key.set(v);
-        r
     }
 
     /// Where the microkernel writes its finished tile.

@@ -14,8 +14,30 @@
 
 pub mod backend;
 pub mod bf16;
+pub mod packed;
 
 pub use backend::{Backend, Key, ShapeStats};
+pub use packed::{gemm_dy_w, gemm_x_wt, PackError, PackFormat, PackedMatrix};
+
+use std::cell::Cell;
+use std::thread::LocalKey;
+
+/// Runs `f` on this thread's buffer `key` of at least `len` elements.
+/// The buffer is taken out of the cell meanwhile, so a nested call (work
+/// stealing inside `f`) gets a fresh one instead of aliasing it.
+pub(crate) fn with_buf<T: Copy + Default + 'static, R>(
+    key: &'static LocalKey<Cell<Vec<T>>>,
+    len: usize,
+    f: impl FnOnce(&mut [T]) -> R,
+) -> R {
+    let mut v = key.take();
+    if v.len() < len {
+        v.resize(len, T::default());
+    }
+    let r = f(&mut v[..len]);
+    key.set(v);
+    r
+}
 
 /// A strided view of a matrix: element `(i, j)` is at `offset + i·rs + j·cs`.
 #[derive(Debug, Clone, Copy)]
