@@ -481,6 +481,11 @@ pub struct TrainConfig {
     /// With `frozen_dtype = "nf4"`: quantise each block's absmax too
     /// (QLoRA's double quantisation, 8-bit scales in blocks of 256).
     pub frozen_double_quant: bool,
+    /// The GGUF file or Hugging Face folder a packed frozen base is read
+    /// from: `--init-from` writes it when the base is packed, so a resumed
+    /// run (whose checkpoint holds only the layout's tensors) packs the
+    /// same base again.
+    pub frozen_source: Option<std::path::PathBuf>,
 }
 
 /// `train.frozen_dtype`: the storage of a frozen base projection weight.
@@ -542,6 +547,7 @@ impl Default for TrainConfig {
             memory_budget: None,
             frozen_dtype: FrozenDtype::Auto,
             frozen_double_quant: true,
+            frozen_source: None,
         }
     }
 }

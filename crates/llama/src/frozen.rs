@@ -142,7 +142,8 @@ impl FrozenBase {
         let mut slots: Vec<[Option<PackedMatrix>; 7]> = (0..cfg.n_layer).map(|_| Default::default()).collect();
         for (layer, pr, m) in mats {
             let name = format!("model.layers.{layer}.{}.weight", pr.path());
-            let slot = slots.get_mut(layer).ok_or_else(|| LlamaError::UnexpectedTensors { names: vec![name.clone()] })?;
+            let slot =
+                slots.get_mut(layer).ok_or_else(|| LlamaError::UnexpectedTensors { names: vec![name.clone()] })?;
             let want = pr.shape(cfg);
             if [m.rows(), m.cols()] != want {
                 return Err(LlamaError::ShapeMismatch { name, got: vec![m.rows(), m.cols()], expected: want.to_vec() });

@@ -330,16 +330,41 @@ pub fn save_base_with_config(
     params: &[f32],
     config: &serde_json::Value,
 ) -> Result<(), LlamaError> {
+    save_base_packed(dir, model, params, None, config)
+}
+
+/// [`save_base_with_config`] of a model whose projections are packed in
+/// `base`: the whole model in `LlamaForCausalLM`'s order, each projection
+/// dequantised as it is written (one tensor's f32 values at a time).
+pub fn save_base_packed(
+    dir: &Path,
+    model: &Llama,
+    params: &[f32],
+    base: Option<&crate::FrozenBase>,
+    config: &serde_json::Value,
+) -> Result<(), LlamaError> {
     let layout = model.layout();
     LlamaError::check_count("model", layout.n_params(), params.len())?;
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
-    let base: Vec<(String, Vec<usize>, &[f32])> = layout
-        .tensors()
-        .iter()
-        .filter(|t| !crate::lora::is_adapter(&t.name))
-        .map(|t| (t.name.clone(), t.shape.clone(), &params[t.range()]))
-        .collect();
-    nn::io::write_safetensors(&dir.join(WEIGHTS_FILE), &base, &[])?;
+    let cfg = model.config();
+    // Where each tensor's values come from: the parameters, or the packed base.
+    let mut heads = Vec::new();
+    let mut sources = Vec::new();
+    let plain = Llama::new(cfg.clone())?;
+    for t in plain.layout().tensors() {
+        let src = match (layout.get(&t.name), base, crate::frozen::proj_of(&t.name)) {
+            (Some(s), _, _) => Ok(s.range()),
+            (None, Some(_), Some(lp)) => Err(lp),
+            _ => return Err(LlamaError::MissingTensor { name: t.name.clone() }),
+        };
+        heads.push((t.name.clone(), t.shape.clone()));
+        sources.push(src);
+    }
+    let mut data = |i: usize| match &sources[i] {
+        Ok(r) => std::borrow::Cow::Borrowed(&params[r.clone()]),
+        Err((layer, pr)) => std::borrow::Cow::Owned(base.map_or(Vec::new(), |b| b.dequantize(cfg, *layer, *pr))),
+    };
+    nn::io::write_safetensors_with(&dir.join(WEIGHTS_FILE), &heads, &[], &mut data)?;
     let text = serde_json::to_string_pretty(config).map_err(|e| bad(dir, e.to_string()))?;
     nn::io::write_atomic(&dir.join(CONFIG_FILE), text.as_bytes())?;
     Ok(())

@@ -170,6 +170,20 @@ impl Llama {
         Self::assemble(cfg, lora, precision, Some(base), true)
     }
 
+    /// Whether the layout leaves the projections' weights out (a packed base).
+    pub fn packs_base(&self) -> bool {
+        self.packed
+    }
+
+    /// The same shape without adapters, with the same layout of the base
+    /// (packed or not): the layout base parameters are handed over in.
+    pub fn plain(&self) -> Result<Self, LlamaError> {
+        match self.packed {
+            true => Self::with_packed_layout(self.cfg.clone(), None),
+            false => Self::new(self.cfg.clone()),
+        }
+    }
+
     /// The packed frozen base, if the projections are held outside the layout.
     pub fn frozen_base(&self) -> Option<&Arc<FrozenBase>> {
         self.base.as_ref()
