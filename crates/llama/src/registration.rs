@@ -218,7 +218,8 @@ pub struct LlamaFamily {
 /// shared by every model of the process.
 #[derive(Debug)]
 struct PackedBase {
-    source: PathBuf,
+    /// Where the base is read from (`None`: a plan of a shape, never built).
+    source: Option<PathBuf>,
     format: FrozenFormat,
     planned: FrozenBytes,
     loaded: Mutex<Option<Arc<FrozenBase>>>,
@@ -232,9 +233,12 @@ impl PackedBase {
         if let (Some(b), false) = (slot.as_ref(), want_rest) {
             return Ok((b.clone(), None));
         }
+        let Some(source) = &self.source else {
+            return Err("a packed frozen base is read from a pretrained model: pass --init-from (a GGUF file or a Hugging Face folder) or set train.frozen_source".into());
+        };
         let layout = Llama::with_packed_layout(cfg.clone(), None)?.layout().clone();
-        let (base, rest) = frozen::load(cfg, &self.source, self.format, layout)
-            .map_err(|e| format!("{}: {e}", self.source.display()))?;
+        let (base, rest) =
+            frozen::load(cfg, source, self.format, layout).map_err(|e| format!("{}: {e}", source.display()))?;
         let base = slot.get_or_insert_with(|| Arc::new(base)).clone();
         Ok((base, Some(rest)))
     }
@@ -357,6 +361,8 @@ impl Family for LlamaFamily {
 
     fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>> {
         let model = match &self.packed {
+            // A plan of a shape without its file: the layout alone (a pass is refused).
+            Some(p) if p.source.is_none() => Llama::with_packed_layout(self.cfg.clone(), self.lora.clone())?,
             Some(p) => {
                 let (base, _) = p.get(&self.cfg, false)?;
                 Llama::with_frozen_base(self.cfg.clone(), self.lora.clone(), build.precision, base)?
@@ -445,28 +451,32 @@ impl Family for LlamaFamily {
                 false => Ok(None),
             };
         }
-        let source = match (&s.source, by_name) {
-            (Some(p), _) => p.clone(),
-            (None, false) => return Ok(None),
-            (None, true) => return Err(format!(
-                "{key} packs a pretrained base, read from --init-from (a GGUF file or a Hugging Face folder); without one the base is random: pass --init-from or set train.frozen_dtype = \"auto\""
-            )
-            .into()),
-        };
-        let stored = frozen::source_formats(&source).map_err(|e| format!("{}: {e}", source.display()))?;
         let format = match s.dtype {
             FrozenDtype::F32 => return Ok(None),
-            FrozenDtype::Auto => {
-                let sixteen = |f: &Option<PackFormat>| matches!(f, Some(PackFormat::Bf16 | PackFormat::F16));
-                if stored.is_empty() || !stored.iter().all(|(_, _, f)| sixteen(f)) {
-                    return Ok(None);
-                }
-                FrozenFormat::Source
-            }
             FrozenDtype::Bf16 => FrozenFormat::Pack(PackFormat::Bf16),
             FrozenDtype::Nf4 => FrozenFormat::Pack(PackFormat::Nf4 { double_quant: s.double_quant }),
             FrozenDtype::Source => FrozenFormat::Source,
+            FrozenDtype::Auto => FrozenFormat::Source,
         };
+        // Without a source a named packed format is planned (its bytes
+        // follow from the shape); building the model then asks for one.
+        let stored = match &s.source {
+            Some(p) => frozen::source_formats(p).map_err(|e| format!("{}: {e}", p.display()))?,
+            None if matches!(format, FrozenFormat::Pack(_)) => Vec::new(),
+            None if by_name => {
+                return Err(format!(
+                    "{key} keeps the base in its file's format, and no file is given: pass --init-from (a GGUF file or a Hugging Face folder) or set train.frozen_source = PATH"
+                )
+                .into())
+            }
+            None => return Ok(None),
+        };
+        if s.dtype == FrozenDtype::Auto {
+            let sixteen = |f: &Option<PackFormat>| matches!(f, Some(PackFormat::Bf16 | PackFormat::F16));
+            if stored.is_empty() || !stored.iter().all(|(_, _, f)| sixteen(f)) {
+                return Ok(None);
+            }
+        }
         let cfg = &self.cfg;
         let planned = match format {
             FrozenFormat::Pack(f) => {
@@ -478,7 +488,7 @@ impl Family for LlamaFamily {
                     let Some(f) = kept else {
                         return Err(format!(
                             "{key}: `{name}` is stored as {dtype} in {}, which has no packed form (F16, BF16, Q8_0, Q4_0, Q4_1 do); set train.frozen_dtype = \"bf16\" or \"nf4\"",
-                            source.display()
+                            s.source.as_deref().unwrap_or(Path::new("the source")).display()
                         )
                         .into());
                     };
@@ -493,7 +503,7 @@ impl Family for LlamaFamily {
             }
         };
         let model = Llama::with_packed_layout(cfg.clone(), self.lora.clone())?;
-        let packed = PackedBase { source, format, planned, loaded: Mutex::new(None) };
+        let packed = PackedBase { source: s.source.clone(), format, planned, loaded: Mutex::new(None) };
         Ok(Some(Arc::new(Self { model: Arc::new(model), packed: Some(Arc::new(packed)), ..self.clone() })))
     }
 
@@ -505,10 +515,10 @@ impl Family for LlamaFamily {
         let Some(p) = &self.packed else {
             return Err(format!("{}: this {} shape holds no packed frozen base", source.display(), self.name()).into());
         };
-        if p.source != source {
+        if p.source.as_deref() != Some(source) {
             return Err(format!(
                 "the frozen base is read from {}, the other tensors from {}: they must be one model",
-                p.source.display(),
+                p.source.as_deref().unwrap_or(Path::new("nowhere")).display(),
                 source.display()
             )
             .into());

@@ -151,6 +151,13 @@ pub fn init_from(args: &TrainArgs, cfg: &mut Config, resuming: bool) -> Result<O
         }
         Some(_) => bail!("--init-from and --resume exclude each other: a resumed run continues from its checkpoint"),
         None => {
+            let packs = !matches!(cfg.train.frozen_dtype, config::FrozenDtype::Auto | config::FrozenDtype::F32);
+            if packs && !resuming && cfg.train.frozen_source.is_none() {
+                bail!(
+                    "train.frozen_dtype = \"{}\" packs a pretrained frozen base, and none is given: pass --init-from (a GGUF file or a Hugging Face folder), or set train.frozen_dtype = \"auto\"",
+                    cfg.train.frozen_dtype.name()
+                );
+            }
             if cfg.lora.is_some() && !resuming {
                 eprintln!(
                     "warning: [lora] without --init-from trains adapters on a randomly initialised, frozen base; fine-tuning means --init-from a pretrained model (a Hugging Face folder or a GGUF file)"
