@@ -243,6 +243,25 @@ fn refuse_shape_overrides(
     Ok(())
 }
 
+/// With a packed frozen base: the checkpoint's parameters (a whole model,
+/// its base dequantised) cut to the layout's tensors, by name; the base is
+/// packed again from `train.frozen_source`.
+pub fn onto_packed_layout(plan: &Plan, l: &mut Loaded) -> Result<()> {
+    if plan.family.frozen_bytes().is_none() {
+        return Ok(());
+    }
+    let (from, to) = (l.model.build(family::Build::default())?, plan.family.build(family::Build::default())?);
+    let mut params = Vec::with_capacity(to.layout().n_params());
+    for t in to.layout().tensors() {
+        let Some(src) = from.layout().get(&t.name) else {
+            bail!("the checkpoint in {} has no tensor `{}`", l.dir.display(), t.name);
+        };
+        params.extend_from_slice(&l.params[src.range()]);
+    }
+    l.params = params;
+    Ok(())
+}
+
 /// Refuses a checkpoint that does not continue `plan`: another model shape,
 /// global batch or optimizer, or a step beyond `train.steps`.
 pub fn check_resume(plan: &Plan, l: &Loaded) -> Result<()> {
