@@ -265,6 +265,10 @@ pub fn load_weights(dir: &Path, cfg: &LlamaConfig) -> Result<Vec<f32>, LlamaErro
     load_weights_into(dir, cfg, Llama::new(cfg.clone())?.layout().clone(), &mut |_, _, _| Ok(false))
 }
 
+/// Offered each stored tensor `(name, shape, view)` before it is placed;
+/// `true`: taken (not placed).
+pub(crate) type TakeTensor<'a> = dyn FnMut(&str, &[usize], &TensorView<'_>) -> Result<bool, LlamaError> + 'a;
+
 /// Loads the weights of `dir` into `layout` (a model of `cfg`), each
 /// tensor first offered to `take(name, shape, view)`: one it takes (a
 /// frozen projection it packs) is not placed.
@@ -272,7 +276,7 @@ pub(crate) fn load_weights_into(
     dir: &Path,
     cfg: &LlamaConfig,
     layout: ParamLayout,
-    take: &mut dyn FnMut(&str, &[usize], &TensorView<'_>) -> Result<bool, LlamaError>,
+    take: &mut TakeTensor<'_>,
 ) -> Result<Vec<f32>, LlamaError> {
     let files = weight_files(dir)?;
     let mut placer = Placer::for_layout(layout, cfg)?;

@@ -35,8 +35,8 @@ fn folder(tag: &str, project: impl Fn(usize, Proj, &[f32]) -> Vec<f32>) -> PathB
     dir
 }
 
-/// A LoRA run on the tiny shape from `init` (the byte corpus; ranks as
-/// threads exercise the shared base).
+/// A LoRA run on the tiny shape from `init` (the byte corpus; two ranks
+/// as threads share one packed base).
 fn lora_run(out: &Path, init: &Path, sets: &[&str], extra: &[&str]) -> std::process::Output {
     let mut all = vec![
         "model.family=llama",
@@ -49,6 +49,7 @@ fn lora_run(out: &Path, init: &Path, sets: &[&str], extra: &[&str]) -> std::proc
         "train.eval_every=0",
         "train.steps=4",
         "train.threads=1",
+        "dist.world_size=2",
     ];
     all.extend_from_slice(sets);
     let mut c = train_cmd(out, &all);
@@ -85,6 +86,11 @@ fn packed_bases_train_as_the_f32_run_on_their_dequantised_values() {
         // The packed run records its source, and saves a whole model (the base dequantised).
         let resolved = std::fs::read_to_string(packed_out.join("config.resolved.toml")).unwrap();
         assert!(resolved.contains("frozen_source") && resolved.contains(&format!("frozen_dtype = \"{dtype}\"")));
+        // memory.json: the plan's packed bytes are the base's, the parameters the layout's.
+        let mem: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(packed_out.join("memory.json")).unwrap()).unwrap();
+        assert_eq!(mem["predicted"]["frozen"].as_u64(), Some(base.bytes() as u64), "{dtype}");
+        assert_eq!(mem["accounting"]["params"], mem["predicted"]["params"], "{dtype}");
         let saved = llama::hf::load(&packed_out).unwrap().1;
         let deq_params = llama::hf::load(&deq).unwrap().1;
         assert_eq!(saved.len(), deq_params.len());

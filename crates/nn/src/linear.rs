@@ -255,7 +255,7 @@ mod tests {
         let bad = std::panic::catch_unwind(|| {
             let mut y = [0.0; 4];
             let s = LinearShape::new(1, 2, 2, Operands::F32);
-            linear_forward(Cols { buf: &mut y, col0: 1, rs: 2 }, false, &[0.0; 2], &[0.0; 4], s)
+            linear_forward(Cols { buf: &mut y, col0: 1, rs: 2 }, false, &[0.0; 2], &[0.0f32; 4][..], s)
         });
         assert!(bad.is_err(), "columns past the row");
     }
