@@ -150,10 +150,16 @@ pub fn plan(mut cfg: Config, backend: Backend) -> Result<Plan> {
 }
 
 /// What `train.frozen_dtype` asks of the frozen tensors, read from
-/// `train.frozen_source` (or `source` when given).
+/// `train.frozen_source` (or `source` when given). A split model keeps its
+/// base in f32 under `auto` (a packed base is kept whole).
 pub fn frozen_storage(cfg: &Config, source: Option<&Path>) -> family::FrozenStorage {
+    let split = cfg.dist.tensor_parallel > 1 || cfg.dist.pipeline_parallel > 1;
+    let dtype = match cfg.train.frozen_dtype {
+        config::FrozenDtype::Auto if split => config::FrozenDtype::F32,
+        d => d,
+    };
     family::FrozenStorage {
-        dtype: cfg.train.frozen_dtype,
+        dtype,
         double_quant: cfg.train.frozen_double_quant,
         source: source.map(Path::to_path_buf).or_else(|| cfg.train.frozen_source.clone()),
     }
