@@ -3,6 +3,11 @@ every optimizer step.
 
     macrobatch train CONFIG --init-from MODEL.gguf --out RUN --dump-steps RUN/dump
     python3 scripts/lora_vs_peft.py RUN MODEL.gguf [--atol 5e-4] [--rtol 1e-3]
+    python3 scripts/lora_vs_peft.py RUN BASE_DIR   # a Hugging Face folder instead
+
+With train.frozen_dtype = "nf4" the peer must start from the same
+dequantised base: scripts/nf4-vs-peft.sh writes it out (the run's saved
+model.safetensors is the base dequantised) and replays on it.
 
 The peer: transformers' LlamaForCausalLM loaded from the same GGUF (float32),
 PEFT LoRA adapters with the same r, alpha and targets, set to macrobatch's
@@ -52,7 +57,11 @@ if args.threads > 0:
     torch.set_num_threads(args.threads)
 import time
 
-model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+if gguf.suffix == ".gguf":
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+else:
+    # A Hugging Face folder: e.g. an NF4 run's base dequantised (its model.safetensors + config.json).
+    model = AutoModelForCausalLM.from_pretrained(gguf, dtype=torch.float32)
 lora = cfg["lora"]
 targets = lora["target_modules"]
 if targets == ["all-linear"]:

@@ -476,6 +476,52 @@ pub struct TrainConfig {
     /// f16: stop with an error after this many consecutive skipped steps at
     /// `min_loss_scale` (the run cannot make progress); 0 never stops.
     pub max_skips_at_min_scale: u64,
+    /// How the frozen base projections of a LoRA run (a Llama-family
+    /// model's q, k, v, o, gate, up, down) are held: [`FrozenDtype`].
+    pub frozen_dtype: FrozenDtype,
+    /// With `frozen_dtype = "nf4"`: quantise each block's absmax too
+    /// (QLoRA's double quantisation, 8-bit scales in blocks of 256).
+    pub frozen_double_quant: bool,
+    /// The GGUF file or Hugging Face folder a packed frozen base is read
+    /// from: `--init-from` writes it when the base is packed, so a resumed
+    /// run (whose checkpoint holds only the layout's tensors) packs the
+    /// same base again.
+    pub frozen_source: Option<std::path::PathBuf>,
+}
+
+/// `train.frozen_dtype`: the storage of a frozen base projection weight.
+/// Every format is read by the GEMMs a tile at a time (dequantised into
+/// the packing buffer): the f32 values the products see are the stored
+/// format's exactly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FrozenDtype {
+    /// The source's own 16-bit format when the base was loaded from F16 or
+    /// BF16 tensors (lossless), f32 otherwise.
+    #[default]
+    Auto,
+    /// f32 inside the engine's parameter buffer (no packing).
+    F32,
+    /// bfloat16 (rounded to nearest even from the source's values).
+    Bf16,
+    /// The source file's own blocks (a GGUF tensor's Q8_0 / Q4_0 / Q4_1 /
+    /// F16 / BF16 bytes, a safetensors file's dtype).
+    Source,
+    /// QLoRA's NormalFloat-4 in blocks of 64, quantised on load.
+    Nf4,
+}
+
+impl FrozenDtype {
+    /// The TOML spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            FrozenDtype::Auto => "auto",
+            FrozenDtype::F32 => "f32",
+            FrozenDtype::Bf16 => "bf16",
+            FrozenDtype::Source => "source",
+            FrozenDtype::Nf4 => "nf4",
+        }
+    }
 }
 
 impl Default for TrainConfig {
@@ -500,6 +546,9 @@ impl Default for TrainConfig {
             trainable: vec!["*".into()],
             max_skips_at_min_scale: 50,
             memory_budget: None,
+            frozen_dtype: FrozenDtype::Auto,
+            frozen_double_quant: true,
+            frozen_source: None,
         }
     }
 }
@@ -642,6 +691,36 @@ impl Config {
                 t.loss_scale_window,
                 "window and hysteresis must be at least 1",
             ));
+        }
+        if t.frozen_dtype != FrozenDtype::Nf4 && !t.frozen_double_quant {
+            return Err(invalid(
+                "train.frozen_double_quant",
+                false,
+                &format!(
+                    "applies to train.frozen_dtype = \"nf4\" only (it is \"{}\"); remove the key",
+                    t.frozen_dtype.name()
+                ),
+            ));
+        }
+        let packs = !matches!(t.frozen_dtype, FrozenDtype::Auto | FrozenDtype::F32);
+        if packs && self.lora.is_none() {
+            return Err(invalid(
+                "train.frozen_dtype",
+                t.frozen_dtype.name(),
+                "packs the frozen base projections of a LoRA run of the Llama family (llama, qwen2), and there is no [lora] section: nothing is frozen; add [lora] or set train.frozen_dtype = \"auto\"",
+            ));
+        }
+        for (key, n) in [
+            ("dist.tensor_parallel", self.dist.tensor_parallel),
+            ("dist.pipeline_parallel", self.dist.pipeline_parallel),
+        ] {
+            if packs && n > 1 {
+                return Err(invalid(
+                    "train.frozen_dtype",
+                    t.frozen_dtype.name(),
+                    &format!("keeps the frozen base whole in one process and does not split it ({key} = {n}); set {key} = 1 or train.frozen_dtype = \"f32\""),
+                ));
+            }
         }
         if t.threads > 4096 {
             return Err(invalid("train.threads", t.threads, "must be at most 4096 (0: all cores)"));
@@ -919,6 +998,33 @@ mod tests {
     fn parse(text: &str, sets: &[&str]) -> Result<Config, ConfigError> {
         let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
         Config::from_toml(text, "test.toml", &sets)
+    }
+
+    #[test]
+    fn frozen_dtype_parses_and_each_refusal_names_the_key_and_the_fix() {
+        let lora = "[model]\nfamily = \"llama\"\n[lora]\nr = 4\ntarget_modules = [\"q_proj\"]\n";
+        let c = parse(lora, &[]).unwrap();
+        assert_eq!((c.train.frozen_dtype, c.train.frozen_double_quant), (FrozenDtype::Auto, true));
+        for (v, want) in [("f32", FrozenDtype::F32), ("bf16", FrozenDtype::Bf16), ("source", FrozenDtype::Source)] {
+            let c = parse(lora, &[&format!("train.frozen_dtype=\"{v}\"")]).unwrap();
+            assert_eq!((c.train.frozen_dtype, c.train.frozen_dtype.name()), (want, v));
+            c.validate().unwrap();
+        }
+        let nf4 = parse(lora, &["train.frozen_dtype=\"nf4\"", "train.frozen_double_quant=false"]).unwrap();
+        assert!(nf4.validate().is_ok() && !nf4.train.frozen_double_quant);
+        let e = parse(lora, &["train.frozen_dtype=\"int3\""]).unwrap_err().to_string();
+        assert!(e.contains("int3") && e.contains("nf4"), "{e}");
+        let refused = |text: &str, sets: &[&str]| parse(text, sets).unwrap().validate().unwrap_err().to_string();
+        let e = refused(lora, &["train.frozen_double_quant=false"]);
+        assert!(e.contains("train.frozen_double_quant") && e.contains("\"nf4\" only"), "{e}");
+        let e = refused("", &["train.frozen_dtype=\"nf4\""]);
+        assert!(e.contains("train.frozen_dtype") && e.contains("[lora]"), "{e}");
+        for key in ["dist.tensor_parallel", "dist.pipeline_parallel"] {
+            let e = refused(lora, &["train.frozen_dtype=\"bf16\"", &format!("{key}=2"), "dist.world_size=2"]);
+            assert!(e.contains("train.frozen_dtype") && e.contains(&format!("set {key} = 1")), "{e}");
+            // f32 and auto split as before.
+            parse(lora, &[&format!("{key}=2"), "dist.world_size=2"]).unwrap().validate().unwrap();
+        }
     }
 
     #[test]

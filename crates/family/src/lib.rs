@@ -255,6 +255,36 @@ pub struct Build {
     pub checkpointing: Checkpointing,
 }
 
+/// How a run asks its frozen tensors to be stored: `train.frozen_dtype`,
+/// `train.frozen_double_quant` and the file or folder the frozen base is
+/// read from (`--init-from`, kept as `train.frozen_source` for a resume).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FrozenStorage {
+    /// `train.frozen_dtype`.
+    pub dtype: config::FrozenDtype,
+    /// `train.frozen_double_quant` (NF4 only).
+    pub double_quant: bool,
+    /// Where the pretrained base is read from (none: a random base).
+    pub source: Option<std::path::PathBuf>,
+}
+
+impl FrozenStorage {
+    /// Whether a packed format was asked for by name (not `auto` or `f32`).
+    pub fn packs_by_name(&self) -> bool {
+        !matches!(self.dtype, config::FrozenDtype::Auto | config::FrozenDtype::F32)
+    }
+}
+
+/// Frozen tensors a family holds packed outside its layout: their formats
+/// (`q4_1`, `bf16+q8_0`) and bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FrozenBytes {
+    /// The formats, joined by `+`.
+    pub formats: String,
+    /// Bytes of every packed tensor.
+    pub bytes: u128,
+}
+
 /// One model family at one shape: everything the binary needs before (and
 /// without) building the model, so shapes too large for this machine can
 /// still be planned and reported.
@@ -322,6 +352,29 @@ pub trait Family: Send + Sync {
     }
     /// Writes this shape into `[model]`, so a resolved config rebuilds it.
     fn pin_shape(&self, m: &mut ModelConfig);
+    /// This shape with its frozen tensors stored as `s` asks: `None` when
+    /// they stay f32 tensors of the layout (`f32`, or `auto` on a source
+    /// that is not 16-bit); an error names what cannot be packed.
+    fn with_frozen_storage(&self, s: &FrozenStorage) -> Result<Option<Arc<dyn Family>>> {
+        if !s.packs_by_name() {
+            return Ok(None);
+        }
+        Err(format!(
+            "train.frozen_dtype = \"{}\" packs the frozen projections of a LoRA base of the Llama family (llama, qwen2); the {} family keeps every tensor in f32: set train.frozen_dtype = \"auto\"",
+            s.dtype.name(),
+            self.name()
+        )
+        .into())
+    }
+    /// The frozen tensors held packed outside the layout, if any.
+    fn frozen_bytes(&self) -> Option<FrozenBytes> {
+        None
+    }
+    /// With a packed frozen base: the layout's own tensors (no adapters:
+    /// [`Family::start_from_pretrained`] adds them) read from `source`.
+    fn load_unfrozen(&self, source: &Path) -> Result<Vec<f32>> {
+        Err(format!("{}: the {} family holds no packed frozen base", source.display(), self.name()).into())
+    }
 }
 
 /// How the binary finds a family: its names and its constructors. Each

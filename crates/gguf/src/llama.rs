@@ -14,6 +14,7 @@
 
 use crate::error::GgufError;
 use crate::file::GgufFile;
+use crate::quant::GgmlType;
 use serde_json::{json, Value as Json};
 use std::path::Path;
 
@@ -50,26 +51,55 @@ pub fn hf_name(gguf_name: &str) -> Option<String> {
     Some(format!("model.layers.{layer}.{hf}"))
 }
 
-/// Undoes llama.cpp's Q/K row permutation in place. `w` is `[rows, cols]`
-/// row-major with `rows = n_heads · d`, `d` even; GGUF row `h·d + 2i + half`
-/// becomes Hugging Face row `h·d + half·d/2 + i`.
+/// The row order that undoes llama.cpp's Q/K row permutation of a
+/// `[rows, cols]` weight of `n_heads` heads: Hugging Face row `to` is GGUF
+/// row `order[to]` (GGUF row `h·d + 2i + half` becomes Hugging Face row
+/// `h·d + half·d/2 + i`, `d = rows / n_heads`).
+///
+/// # Panics
+/// If `rows` is not a multiple of `2·n_heads`.
+pub fn unpermuted_row_order(rows: usize, n_heads: usize) -> Vec<usize> {
+    assert!(n_heads > 0 && rows.is_multiple_of(2 * n_heads), "unpermute_rows: {rows} rows, {n_heads} heads");
+    let d = rows / n_heads;
+    let mut order = vec![0; rows];
+    for h in 0..n_heads {
+        for i in 0..d / 2 {
+            for half in 0..2 {
+                order[h * d + half * (d / 2) + i] = h * d + 2 * i + half;
+            }
+        }
+    }
+    order
+}
+
+/// Undoes llama.cpp's Q/K row permutation in place ([`unpermuted_row_order`]).
+/// `w` is `[rows, cols]` row-major with `rows = n_heads · d`, `d` even.
 ///
 /// # Panics
 /// If `w.len() != rows · cols` or `rows` is not a multiple of `2·n_heads`.
 pub fn unpermute_rows(w: &mut [f32], rows: usize, cols: usize, n_heads: usize) {
     assert_eq!(w.len(), rows * cols, "unpermute_rows: {} values, shape [{rows}, {cols}]", w.len());
-    assert!(n_heads > 0 && rows.is_multiple_of(2 * n_heads), "unpermute_rows: {rows} rows, {n_heads} heads");
-    let d = rows / n_heads;
+    let order = unpermuted_row_order(rows, n_heads);
     let src = w.to_vec();
-    for h in 0..n_heads {
-        for i in 0..d / 2 {
-            for half in 0..2 {
-                let from = h * d + 2 * i + half;
-                let to = h * d + half * (d / 2) + i;
-                w[to * cols..][..cols].copy_from_slice(&src[from * cols..][..cols]);
-            }
-        }
+    for (to, from) in order.into_iter().enumerate() {
+        w[to * cols..][..cols].copy_from_slice(&src[from * cols..][..cols]);
     }
+}
+
+/// One tensor as the file stores it, for a caller that keeps it packed.
+#[derive(Debug)]
+pub struct RawTensor<'a> {
+    /// Hugging Face name.
+    pub name: String,
+    /// Row-major shape (Hugging Face's).
+    pub shape: Vec<usize>,
+    /// The GGML type of `bytes`.
+    pub ty: GgmlType,
+    /// The stored blocks, each row of `shape` a whole number of them.
+    pub bytes: &'a [u8],
+    /// For Q and K: the row order that undoes llama.cpp's permutation
+    /// (Hugging Face row `i` is stored row `row_order[i]`).
+    pub row_order: Option<Vec<usize>>,
 }
 
 /// A Llama GGUF file, read lazily: the config at once, each tensor when asked.
@@ -192,29 +222,50 @@ impl LlamaGguf {
         })?;
         let shape = info.shape();
         let mut values = self.file.dequantize(gguf_name)?;
-        let heads = if gguf_name.ends_with(".attn_q.weight") {
-            Some(self.n_heads)
-        } else if gguf_name.ends_with(".attn_k.weight") {
-            Some(self.n_kv_heads)
-        } else {
-            None
-        };
-        if let Some(n_heads) = heads {
-            let [rows, cols] = shape[..] else {
-                return Err(GgufError::UnsupportedModel {
-                    path: self.file.path().into(),
-                    what: format!("`{gguf_name}` has shape {shape:?}, expected two dimensions"),
-                });
-            };
-            if !rows.is_multiple_of(2 * n_heads) {
-                return Err(GgufError::UnsupportedModel {
-                    path: self.file.path().into(),
-                    what: format!("`{gguf_name}` has {rows} rows, not a multiple of 2 × {n_heads} heads"),
-                });
-            }
-            unpermute_rows(&mut values, rows, cols, n_heads);
+        if let Some(n_heads) = self.permuted_heads(gguf_name, &shape)? {
+            unpermute_rows(&mut values, shape[0], shape[1], n_heads);
         }
         Ok((name, shape, values))
+    }
+
+    /// The heads llama.cpp permuted the rows of `gguf_name` over (Q: the
+    /// query heads, K: the key/value heads), checked against its shape;
+    /// `None` for every other tensor.
+    fn permuted_heads(&self, gguf_name: &str, shape: &[usize]) -> Result<Option<usize>, GgufError> {
+        let heads = if gguf_name.ends_with(".attn_q.weight") {
+            self.n_heads
+        } else if gguf_name.ends_with(".attn_k.weight") {
+            self.n_kv_heads
+        } else {
+            return Ok(None);
+        };
+        let unsupported = |what: String| GgufError::UnsupportedModel { path: self.file.path().into(), what };
+        let [rows, _] = shape[..] else {
+            return Err(unsupported(format!("`{gguf_name}` has shape {shape:?}, expected two dimensions")));
+        };
+        if !rows.is_multiple_of(2 * heads) {
+            return Err(unsupported(format!("`{gguf_name}` has {rows} rows, not a multiple of 2 × {heads} heads")));
+        }
+        Ok(Some(heads))
+    }
+
+    /// One tensor by its GGUF name as stored (never dequantised): its
+    /// Hugging Face name and shape, GGML type, bytes, and for Q and K the
+    /// row order that undoes llama.cpp's permutation.
+    pub fn raw_tensor(&self, gguf_name: &str) -> Result<RawTensor<'_>, GgufError> {
+        let (info, bytes) = self.file.tensor_bytes(gguf_name)?;
+        let name = hf_name(gguf_name).ok_or_else(|| GgufError::UnsupportedModel {
+            path: self.file.path().into(),
+            what: format!("tensor `{gguf_name}` has no Hugging Face Llama counterpart"),
+        })?;
+        let ty = GgmlType::from_id(info.type_id).ok_or_else(|| GgufError::UnsupportedType {
+            tensor: info.name.clone(),
+            type_id: info.type_id,
+            type_name: crate::quant::type_name(info.type_id),
+        })?;
+        let shape = info.shape();
+        let row_order = self.permuted_heads(gguf_name, &shape)?.map(|h| unpermuted_row_order(shape[0], h));
+        Ok(RawTensor { name, shape, ty, bytes, row_order })
     }
 }
 

@@ -5,6 +5,7 @@
 //! their bytes.
 
 use crate::config::LlamaConfig;
+use crate::frozen::{FrozenBase, Group};
 use crate::layout::{Adapters, LayerParams, Proj};
 use engine::{Checkpointing, EngineError, Precision, SavedTensor, SegmentGrads, TensorGroup};
 use nn::act::{swiglu_backward, swiglu_forward};
@@ -19,6 +20,7 @@ use nn::norm::{rmsnorm_backward, rmsnorm_forward, NormSaved};
 use nn::rope::{rope_apply, Rope};
 use nn::stack::{Block, Part, Saved, SavedView, StackSizes};
 use nn::{Operands, Positions, Strided};
+use std::cell::Cell;
 
 /// Indices of a layer's saved tensors.
 const H1: usize = 0; // input_layernorm's output
@@ -143,8 +145,9 @@ impl ActSizes {
 /// One decoder layer: the configuration, its parameter ranges (relative
 /// to the layer's segment), the rotary tables (of the rows' positions),
 /// the call's shapes, its attention (causal over the call's rows, or over
-/// a key/value cache when generating), and the micro-batch's positions and
-/// document starts (packed rows).
+/// a key/value cache when generating), the micro-batch's positions and
+/// document starts (packed rows); with a packed frozen base, the base and
+/// the layer the stack is in.
 pub(crate) struct Layer<'a> {
     pub cfg: &'a LlamaConfig,
     pub r: &'a LayerParams,
@@ -153,6 +156,9 @@ pub(crate) struct Layer<'a> {
     pub attn: Attention<'a>,
     pub pos: Positions<'a>,
     pub docs: Docs<'a>,
+    pub base: Option<&'a FrozenBase>,
+    /// The layer being run (set by [`Block::enter`]).
+    pub at: Cell<usize>,
 }
 
 /// What a projection's backward reads and writes besides its gradients.
@@ -164,6 +170,33 @@ struct Back<'s, 'g> {
 }
 
 impl Layer<'_> {
+    /// The f32 weight range of group `g` inside the segment.
+    fn range(&self, g: Group) -> std::ops::Range<usize> {
+        match g {
+            Group::Qkv => self.r.qkv(),
+            Group::O => self.r.w(Proj::O),
+            Group::GateUp => self.r.gate_up(),
+            Group::Down => self.r.w(Proj::Down),
+        }
+    }
+
+    /// `y (+)= x · Wᵀ` for group `g`'s weight: the segment's f32 values, or
+    /// the packed frozen base.
+    fn base_forward(&self, g: Group, p: &[f32], y: Cols<'_>, accumulate: bool, x: &[f32], s: LinearShape) {
+        match self.base {
+            Some(b) => b.layer(self.at.get()).group(g).forward(y, accumulate, x, s),
+            None => linear_forward(y, accumulate, x, &p[self.range(g)], s),
+        }
+    }
+
+    /// `dx = dy · W` for group `g`'s weight (see [`Layer::base_forward`]).
+    fn base_backward_input(&self, g: Group, p: &[f32], dx: &mut [f32], dy: Strided<'_>, s: LinearShape) {
+        match self.base {
+            Some(b) => b.layer(self.at.get()).group(g).backward_input(dx, false, dy, s),
+            None => linear_backward_input(dx, false, dy, &p[self.range(g)], s),
+        }
+    }
+
     /// LoRA's forward for projection `pr`, if it has an adapter:
     /// `xa = x·Aᵀ` (kept for backward), then `y[:, col0..] += s · xa·Bᵀ`.
     /// Beside a row-parallel projection (`sum`: its input features split)
@@ -208,8 +241,10 @@ impl Layer<'_> {
     ) {
         let (d, r, [oc, ic]) = (&self.d, self.r, pr.shape(self.cfg));
         let (x, xa) = back.saved.pair((x_idx, ROWS), (XA + pr as usize, LORA));
-        // dW (+)= dyᵀ · x: (out, n) @ (n, in) -> (out, in)
-        linear_backward_weight(param_grad(back.grads.tensor(r.w(pr))), dy, x, d.lin(ic, oc));
+        // dW (+)= dyᵀ · x: (out, n) @ (n, in) -> (out, in); a packed base is frozen.
+        if self.base.is_none() {
+            linear_backward_weight(param_grad(back.grads.tensor(r.w(pr))), dy, x, d.lin(ic, oc));
+        }
         let Some(lr) = &r.lora[pr as usize] else { return };
         let (ga, gb) = back.grads.pair(lr.a.clone(), lr.b.clone());
         let (s_b, s_a) = (d.lin(d.r, oc).scaled(d.lora_scale), d.lin(ic, d.r));
@@ -226,6 +261,11 @@ impl Layer<'_> {
 }
 
 impl Block for Layer<'_> {
+    /// Segment `seg` holds layer `seg - 1` (segment 0 is the embedding).
+    fn enter(&self, seg: usize) {
+        self.at.set(seg.saturating_sub(1));
+    }
+
     /// Each tensor is produced in f32 in a working buffer and kept in `sv`
     /// at once; what follows reads the kept tensor.
     fn forward(
@@ -249,7 +289,7 @@ impl Block for Layer<'_> {
         large[H1].keep(buf_c, prec);
         let h1 = large[H1].cur(buf_c);
         // (n, C) @ (C, (H + 2·KV)·d) -> (n, (H + 2·KV)·d)
-        linear_forward(Cols::all(qkv, qkvw), false, h1, &p[r.qkv()], d.lin(c, qkvw));
+        self.base_forward(Group::Qkv, p, Cols::all(qkv, qkvw), false, h1, d.lin(c, qkvw));
         if let Some([q, _, v]) = &r.qkv_bias {
             add_bias(qkv, &p[q.start..v.end]);
         }
@@ -274,7 +314,7 @@ impl Block for Layer<'_> {
         if !split {
             x2.copy_from_slice(x);
         }
-        linear_forward(Cols::all(x2, c), !split, y, &p[r.w(Proj::O)], d.lin(qd, c));
+        self.base_forward(Group::O, p, Cols::all(x2, c), !split, y, d.lin(qd, c));
         if split {
             tp.all_reduce(x2)?;
             add_into(x2, x);
@@ -287,7 +327,7 @@ impl Block for Layer<'_> {
         large[H2].keep(buf_c, prec);
         let h2 = large[H2].cur(buf_c);
         // (n, C) @ (C, 2F) -> (n, 2F)
-        linear_forward(Cols::all(gu, 2 * f), false, h2, &p[r.gate_up()], d.lin(c, 2 * f));
+        self.base_forward(Group::GateUp, p, Cols::all(gu, 2 * f), false, h2, d.lin(c, 2 * f));
         for (pr, col0) in [(Proj::Gate, 0), (Proj::Up, f)] {
             let y = Cols { buf: gu, col0, rs: 2 * f };
             self.lora_forward(pr, p, y, h2, (&mut xa[pr as usize], dxa), None)?;
@@ -300,7 +340,7 @@ impl Block for Layer<'_> {
             x.copy_from_slice(large[X2].cur(x2));
         }
         // (n, F) @ (F, C) -> (n, C), added to the residual (row-parallel: summed first)
-        linear_forward(Cols::all(x, c), !split, mm, &p[r.w(Proj::Down)], d.lin(f, c));
+        self.base_forward(Group::Down, p, Cols::all(x, c), !split, mm, d.lin(f, c));
         if split {
             tp.all_reduce(x)?;
             add_into(x, large[X2].cur(x2));
@@ -328,10 +368,10 @@ impl Block for Layer<'_> {
         let [rstd1, rstd2, lse] = &sv.stats[..] else { unreachable!("two row statistics and the log-sum-exps") };
         let mut back = Back { grads, saved, dxa };
         // down_proj: d(n, F) = d(n, C) @ (C, F); SwiGLU; gate|up: d(n, C) = d(n, 2F) @ (2F, C).
-        linear_backward_input(dm, false, Strided::rows(dres, c), &p[r.w(Proj::Down)], d.lin(f, c));
+        self.base_backward_input(Group::Down, p, dm, Strided::rows(dres, c), d.lin(f, c));
         self.proj_backward(Proj::Down, p, dm, Strided::rows(dres, c), M, &mut back);
         swiglu_backward(dgu, dm, back.saved.get(GU), f);
-        linear_backward_input(dc, false, Strided::rows(dgu, 2 * f), &p[r.gate_up()], d.lin(c, 2 * f));
+        self.base_backward_input(Group::GateUp, p, dc, Strided::rows(dgu, 2 * f), d.lin(c, 2 * f));
         for (pr, col0) in [(Proj::Gate, 0), (Proj::Up, f)] {
             self.proj_backward(pr, p, dc, columns(dgu, col0, 2 * f), H2, &mut back);
         }
@@ -342,7 +382,7 @@ impl Block for Layer<'_> {
         rmsnorm_backward(dres, g2, dc, x2, w2);
         // o_proj: d(n, H·d) = d(n, C) @ (C, H·d); attention; rotation; q|k|v: d(n, C) = d(n, qkv) @ (qkv, C).
         let dy = &mut dc[..d.n * qd];
-        linear_backward_input(dy, false, Strided::rows(dres, c), &p[r.w(Proj::O)], d.lin(qd, c));
+        self.base_backward_input(Group::O, p, dy, Strided::rows(dres, c), d.lin(qd, c));
         self.proj_backward(Proj::O, p, dy, Strided::rows(dres, c), Y, &mut back);
         let (qkv, y) = back.saved.pair((QKV, ROWS), (Y, HEADS));
         flash_attention_backward(dqkv, heads, dy, (qkv, y, lse), d.gqa, self.docs);
@@ -355,7 +395,7 @@ impl Block for Layer<'_> {
                 }
             }
         }
-        linear_backward_input(dc, false, Strided::rows(dqkv, qkvw), &p[r.qkv()], d.lin(c, qkvw));
+        self.base_backward_input(Group::Qkv, p, dc, Strided::rows(dqkv, qkvw), d.lin(c, qkvw));
         for (pr, col0) in cols {
             self.proj_backward(pr, p, dc, columns(dqkv, col0, qkvw), H1, &mut back);
         }

@@ -112,8 +112,8 @@ struct Placer {
 }
 
 impl Placer {
-    fn new(cfg: &LlamaConfig) -> Result<Self, LlamaError> {
-        let layout = Llama::new(cfg.clone())?.layout().clone();
+    /// A placer into `layout` (of a model of `cfg`).
+    fn for_layout(layout: ParamLayout, cfg: &LlamaConfig) -> Result<Self, LlamaError> {
         let index = layout.tensors().iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
         // Fallible: a config that claims a huge model is an error, not an abort.
         let mut params = Vec::new();
@@ -198,7 +198,16 @@ pub fn from_named_tensors(
     cfg: &LlamaConfig,
     tensors: impl IntoIterator<Item = NamedTensor>,
 ) -> Result<Vec<f32>, LlamaError> {
-    let mut placer = Placer::new(cfg)?;
+    from_named_tensors_into(Llama::new(cfg.clone())?.layout().clone(), cfg, tensors)
+}
+
+/// [`from_named_tensors`] into `layout` (a model of `cfg`).
+pub(crate) fn from_named_tensors_into(
+    layout: ParamLayout,
+    cfg: &LlamaConfig,
+    tensors: impl IntoIterator<Item = NamedTensor>,
+) -> Result<Vec<f32>, LlamaError> {
+    let mut placer = Placer::for_layout(layout, cfg)?;
     for (name, shape, data) in tensors {
         placer.put(&name, &shape, |dst| {
             if data.len() != dst.len() {
@@ -253,8 +262,24 @@ fn weight_files(dir: &Path) -> Result<Vec<(PathBuf, BTreeSet<String>)>, LlamaErr
 
 /// Loads the weights of the model directory `dir` for `cfg`.
 pub fn load_weights(dir: &Path, cfg: &LlamaConfig) -> Result<Vec<f32>, LlamaError> {
+    load_weights_into(dir, cfg, Llama::new(cfg.clone())?.layout().clone(), &mut |_, _, _| Ok(false))
+}
+
+/// Offered each stored tensor `(name, shape, view)` before it is placed;
+/// `true`: taken (not placed).
+pub(crate) type TakeTensor<'a> = dyn FnMut(&str, &[usize], &TensorView<'_>) -> Result<bool, LlamaError> + 'a;
+
+/// Loads the weights of `dir` into `layout` (a model of `cfg`), each
+/// tensor first offered to `take(name, shape, view)`: one it takes (a
+/// frozen projection it packs) is not placed.
+pub(crate) fn load_weights_into(
+    dir: &Path,
+    cfg: &LlamaConfig,
+    layout: ParamLayout,
+    take: &mut TakeTensor<'_>,
+) -> Result<Vec<f32>, LlamaError> {
     let files = weight_files(dir)?;
-    let mut placer = Placer::new(cfg)?;
+    let mut placer = Placer::for_layout(layout, cfg)?;
     for (path, listed) in &files {
         let mut found = BTreeSet::new();
         for_each_tensor(path, |name, view| {
@@ -262,6 +287,9 @@ pub fn load_weights(dir: &Path, cfg: &LlamaConfig) -> Result<Vec<f32>, LlamaErro
                 return Err(bad(path, format!("holds `{name}`, which {INDEX_FILE} does not assign to it")));
             }
             found.insert(name.to_string());
+            if take(name, view.shape(), view)? {
+                return Ok(());
+            }
             placer.put(name, view.shape(), |dst| decode(name, view, dst))
         })?;
         if let Some(name) = listed.difference(&found).next() {
@@ -270,6 +298,13 @@ pub fn load_weights(dir: &Path, cfg: &LlamaConfig) -> Result<Vec<f32>, LlamaErro
     }
     let located = if files.len() == 1 && files[0].1.is_empty() { files[0].0.clone() } else { dir.join(INDEX_FILE) };
     placer.finish().map_err(|e| e.in_file(&located))
+}
+
+/// A stored tensor's values as f32 (F32, F16, BF16).
+pub(crate) fn decode_view(name: &str, view: &TensorView<'_>) -> Result<Vec<f32>, LlamaError> {
+    let mut out = vec![0.0; view.shape().iter().product()];
+    decode(name, view, &mut out)?;
+    Ok(out)
 }
 
 /// Loads `config.json` and the weights of a Hugging Face model directory.
@@ -299,16 +334,41 @@ pub fn save_base_with_config(
     params: &[f32],
     config: &serde_json::Value,
 ) -> Result<(), LlamaError> {
+    save_base_packed(dir, model, params, None, config)
+}
+
+/// [`save_base_with_config`] of a model whose projections are packed in
+/// `base`: the whole model in `LlamaForCausalLM`'s order, each projection
+/// dequantised as it is written (one tensor's f32 values at a time).
+pub fn save_base_packed(
+    dir: &Path,
+    model: &Llama,
+    params: &[f32],
+    base: Option<&crate::FrozenBase>,
+    config: &serde_json::Value,
+) -> Result<(), LlamaError> {
     let layout = model.layout();
     LlamaError::check_count("model", layout.n_params(), params.len())?;
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
-    let base: Vec<(String, Vec<usize>, &[f32])> = layout
-        .tensors()
-        .iter()
-        .filter(|t| !crate::lora::is_adapter(&t.name))
-        .map(|t| (t.name.clone(), t.shape.clone(), &params[t.range()]))
-        .collect();
-    nn::io::write_safetensors(&dir.join(WEIGHTS_FILE), &base, &[])?;
+    let cfg = model.config();
+    // Where each tensor's values come from: the parameters, or the packed base.
+    let mut heads = Vec::new();
+    let mut sources = Vec::new();
+    let plain = Llama::new(cfg.clone())?;
+    for t in plain.layout().tensors() {
+        let src = match (layout.get(&t.name), base, crate::frozen::proj_of(&t.name)) {
+            (Some(s), _, _) => Ok(s.range()),
+            (None, Some(_), Some(lp)) => Err(lp),
+            _ => return Err(LlamaError::MissingTensor { name: t.name.clone() }),
+        };
+        heads.push((t.name.clone(), t.shape.clone()));
+        sources.push(src);
+    }
+    let mut data = |i: usize| match &sources[i] {
+        Ok(r) => std::borrow::Cow::Borrowed(&params[r.clone()]),
+        Err((layer, pr)) => std::borrow::Cow::Owned(base.map_or(Vec::new(), |b| b.dequantize(cfg, *layer, *pr))),
+    };
+    nn::io::write_safetensors_with(&dir.join(WEIGHTS_FILE), &heads, &[], &mut data)?;
     let text = serde_json::to_string_pretty(config).map_err(|e| bad(dir, e.to_string()))?;
     nn::io::write_atomic(&dir.join(CONFIG_FILE), text.as_bytes())?;
     Ok(())
@@ -326,4 +386,31 @@ pub fn save(dir: &Path, cfg: &LlamaConfig, params: &[f32]) -> Result<(), LlamaEr
     let text = serde_json::to_string_pretty(&cfg.to_hf_json()).map_err(|e| bad(dir, e.to_string()))?;
     nn::io::write_atomic(&dir.join(CONFIG_FILE), text.as_bytes())?;
     Ok(())
+}
+
+/// `(name, dtype)` of every tensor of the model folder `dir`, read from
+/// the safetensors headers alone (no tensor data).
+pub(crate) fn stored_dtypes(dir: &Path) -> Result<Vec<(String, String)>, LlamaError> {
+    use std::io::Read;
+    let mut out = Vec::new();
+    for (path, _) in weight_files(dir)? {
+        let mut f = std::fs::File::open(&path).map_err(io_err(&path))?;
+        let mut len = [0u8; 8];
+        f.read_exact(&mut len).map_err(io_err(&path))?;
+        let len = u64::from_le_bytes(len);
+        let size = f.metadata().map_err(io_err(&path))?.len();
+        if len > size.saturating_sub(8) {
+            return Err(bad(&path, format!("header of {len} bytes in a file of {size}: not a safetensors file")));
+        }
+        let mut head = vec![0u8; len as usize];
+        f.read_exact(&mut head).map_err(io_err(&path))?;
+        let v: serde_json::Value =
+            serde_json::from_slice(&head).map_err(|e| bad(&path, format!("header is not valid JSON: {e}")))?;
+        let Some(map) = v.as_object() else { return Err(bad(&path, "header is not a JSON object")) };
+        for (name, t) in map.iter().filter(|(n, _)| n.as_str() != "__metadata__") {
+            let dtype = t.get("dtype").and_then(|d| d.as_str()).unwrap_or("unknown");
+            out.push((name.clone(), dtype.to_string()));
+        }
+    }
+    Ok(out)
 }

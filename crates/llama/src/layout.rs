@@ -117,19 +117,32 @@ pub(crate) struct Adapters {
 /// Appends a tensor `(name suffix, shape, decay)` and returns its range.
 pub(crate) type Push<'a> = dyn FnMut(&str, &[usize], bool) -> Range<usize> + 'a;
 
-/// Pushes one layer's tensors in layout order.
-fn push_layer(cfg: &LlamaConfig, adapters: Option<Adapters>, push: &mut Push<'_>) -> LayerParams {
+/// Pushes one layer's tensors in layout order. With `packed_base` the
+/// projections' weights are held outside the layout ([`crate::FrozenBase`]):
+/// their ranges are empty, at the place they would take.
+fn push_layer(cfg: &LlamaConfig, adapters: Option<Adapters>, packed_base: bool, push: &mut Push<'_>) -> LayerParams {
     let c = cfg.hidden_size;
     let attn_norm = push("input_layernorm.weight", &[c], false);
-    let mut proj_w = |p: Proj| push(&format!("{}.weight", p.path()), &p.shape(cfg), true);
-    let [q, k, v] = [Proj::Q, Proj::K, Proj::V].map(&mut proj_w);
+    let mut end = attn_norm.end;
+    let proj_w = |p: Proj, end: &mut usize, push: &mut Push<'_>| {
+        if !packed_base {
+            *end = push(&format!("{}.weight", p.path()), &p.shape(cfg), true).end;
+            return *end - p.shape(cfg).iter().product::<usize>()..*end;
+        }
+        *end..*end
+    };
+    let [q, k, v] = [Proj::Q, Proj::K, Proj::V].map(|p| proj_w(p, &mut end, push));
     // Biases after v's weight, so that q|k|v weights stay one matrix.
     let qkv_bias = cfg
         .attention_bias
         .then(|| [Proj::Q, Proj::K, Proj::V].map(|p| push(&format!("{}.bias", p.path()), &[p.shape(cfg)[0]], false)));
-    let o = push(&format!("{}.weight", Proj::O.path()), &Proj::O.shape(cfg), true);
+    if let Some([.., vb]) = &qkv_bias {
+        end = vb.end;
+    }
+    let o = proj_w(Proj::O, &mut end, push);
     let mlp_norm = push("post_attention_layernorm.weight", &[c], false);
-    let mlp = [Proj::Gate, Proj::Up, Proj::Down].map(|p| push(&format!("{}.weight", p.path()), &p.shape(cfg), true));
+    end = mlp_norm.end;
+    let mlp = [Proj::Gate, Proj::Up, Proj::Down].map(|p| proj_w(p, &mut end, push));
     let [gate, up, down] = mlp;
     let lora = Proj::ALL.map(|p| {
         let a = adapters.filter(|a| a.targets[p as usize])?;
@@ -154,19 +167,27 @@ pub(crate) struct ParamRanges {
     pub head: Option<Range<usize>>,
 }
 
-pub(crate) fn build_layout(cfg: &LlamaConfig, adapters: Option<Adapters>) -> (ParamLayout, ParamRanges) {
+/// The layout of `cfg` with `adapters`; with `packed_base` the projections'
+/// weights are not in it (held packed by the model).
+pub(crate) fn build_layout(
+    cfg: &LlamaConfig,
+    adapters: Option<Adapters>,
+    packed_base: bool,
+) -> (ParamLayout, ParamRanges) {
     let (v, c) = (cfg.vocab_size, cfg.hidden_size);
     let mut l = ParamLayout::new();
     let embed = l.push("model.embed_tokens.weight", &[v, c], true);
     let layers = (0..cfg.n_layer)
         .map(|i| {
-            push_layer(cfg, adapters, &mut |s, shape, decay| l.push(format!("model.layers.{i}.{s}"), shape, decay))
+            push_layer(cfg, adapters, packed_base, &mut |s, shape, decay| {
+                l.push(format!("model.layers.{i}.{s}"), shape, decay)
+            })
         })
         .collect();
     let norm = l.push("model.norm.weight", &[c], false);
     let head = (!cfg.tie_word_embeddings).then(|| l.push("lm_head.weight", &[v, c], true));
     let mut at = 0;
-    let layer_rel = push_layer(cfg, adapters, &mut |_, shape, _| {
+    let layer_rel = push_layer(cfg, adapters, packed_base, &mut |_, shape, _| {
         let n: usize = shape.iter().product();
         at += n;
         at - n..at

@@ -12,6 +12,7 @@
 pub mod block;
 pub mod config;
 pub mod error;
+pub mod frozen;
 pub mod hf;
 pub mod layout;
 pub mod lora;
@@ -23,6 +24,7 @@ pub use block::ActSizes;
 pub use config::LlamaConfig;
 pub use config::RopeScaling;
 pub use error::LlamaError;
+pub use frozen::{FrozenBase, FrozenFormat};
 pub use layout::{LayerParams, LoraRanges, Proj};
 pub use lora::{Adapter, LoraConfig};
 pub use model::{Llama, TokenBatch, IGNORE_INDEX};

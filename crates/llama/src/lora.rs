@@ -5,6 +5,7 @@
 //! and we load theirs.
 
 use crate::error::LlamaError;
+use crate::frozen::FrozenBase;
 use crate::hf::{self, NamedTensor};
 use crate::layout::Proj;
 use crate::model::Llama;
@@ -133,7 +134,7 @@ fn require_lora(model: &Llama) -> Result<&LoraConfig, LlamaError> {
 /// from `seed`.
 pub fn attach(model: &Llama, base: &[f32], seed: u64) -> Result<Vec<f32>, LlamaError> {
     require_lora(model)?;
-    let base_model = Llama::new(model.config().clone())?;
+    let base_model = model.plain()?;
     let base_layout = base_model.layout();
     LlamaError::check_count("base model", base_layout.n_params(), base.len())?;
     let mut out = vec![0.0f32; model.layout().n_params()];
@@ -152,14 +153,26 @@ pub fn attach(model: &Llama, base: &[f32], seed: u64) -> Result<Vec<f32>, LlamaE
 /// merged: `W += (α/r)·B·A` (for `--merge`: a plain Llama checkpoint that
 /// computes what the adapted model computes).
 pub fn merge(model: &Llama, params: &[f32]) -> Result<Vec<f32>, LlamaError> {
+    merge_with(model, params, model.frozen_base().map(|b| &**b))
+}
+
+/// [`merge`] of a model whose projections are packed in `base` (outside
+/// `params`): each projection dequantised, one at a time, into the result.
+pub fn merge_with(model: &Llama, params: &[f32], base: Option<&FrozenBase>) -> Result<Vec<f32>, LlamaError> {
     let lora = require_lora(model)?;
     let layout = model.layout();
     LlamaError::check_count("model", layout.n_params(), params.len())?;
     let base_model = Llama::new(model.config().clone())?;
     let mut out = vec![0.0f32; base_model.layout().n_params()];
     for t in base_model.layout().tensors() {
-        let src = layout.get(&t.name).ok_or_else(|| LlamaError::MissingTensor { name: t.name.clone() })?;
-        out[t.range()].copy_from_slice(&params[src.range()]);
+        if let Some(src) = layout.get(&t.name) {
+            out[t.range()].copy_from_slice(&params[src.range()]);
+            continue;
+        }
+        match (base, crate::frozen::proj_of(&t.name)) {
+            (Some(b), Some((layer, pr))) => out[t.range()].copy_from_slice(&b.dequantize(model.config(), layer, pr)),
+            _ => return Err(LlamaError::MissingTensor { name: t.name.clone() }),
+        }
     }
     for idx in 0..model.config().n_layer {
         let (bl, ml) = (base_model.layer_params(idx), model.layer_params(idx));

@@ -10,6 +10,7 @@
 use crate::block::{ActSizes, Dims, Layer, Pass};
 use crate::config::LlamaConfig;
 use crate::error::LlamaError;
+use crate::frozen::FrozenBase;
 use crate::layout::{build_layout, Adapters, LayerParams, ParamRanges, Proj};
 use crate::lora::LoraConfig;
 use crate::split::Split;
@@ -26,7 +27,9 @@ use nn::norm::{rmsnorm_backward, rmsnorm_forward, NormSaved};
 use nn::rope::Rope;
 use nn::stack::{Part, Slots, Stack, DRES};
 use nn::{gemm_into, parallelism, GemmDims, GemmOut, Operands, Positions, Strided};
+use std::cell::Cell;
 use std::ops::Range;
+use std::sync::Arc;
 
 pub use engine::batch::{TokenBatch, IGNORE_INDEX};
 
@@ -90,18 +93,26 @@ pub struct Llama {
     split: Option<Box<Split>>,
     /// Generation's key/value cache, when one is kept (`decode`).
     kv: Option<KvCache>,
+    /// The frozen projections, packed outside the layout (shared by the
+    /// models of one process); `None`: they are f32 tensors of the layout.
+    base: Option<Arc<FrozenBase>>,
+    /// The layout leaves the projections' weights out (held in `base`).
+    packed: bool,
 }
 
 /// A layer with rotary tables and attention `(rope, attn)`, for the
-/// micro-batch whose positions and document starts are `pd`.
+/// micro-batch whose positions and document starts are `pd`, reading a
+/// packed frozen base if there is one.
 fn layer<'a>(
     cfg: &'a LlamaConfig,
     r: &'a LayerParams,
     (rope, attn): (&'a Rope, Attention<'a>),
     d: Dims,
     pd: (&'a [u32], &'a [u32]),
+    base: Option<&'a FrozenBase>,
 ) -> Layer<'a> {
-    Layer { cfg, r, rope, d, attn, pos: Positions { t: d.gqa.t, ids: pd.0 }, docs: nn::flash::Docs(pd.1) }
+    let (pos, docs) = (Positions { t: d.gqa.t, ids: pd.0 }, nn::flash::Docs(pd.1));
+    Layer { cfg, r, rope, d, attn, pos, docs, base, at: Cell::new(0) }
 }
 
 /// Moves the buffers used only within one forward (logits, losses) from
@@ -144,7 +155,7 @@ impl Llama {
         }
         let local = whole.split_for(tp)?;
         let whole = Self::build(whole, lora.clone(), Precision::F32)?;
-        let mut model = Self::assemble(local, lora, precision)?;
+        let mut model = Self::assemble(local, lora, precision, None, false)?;
         let split = Split { tp, whole };
         split.shards(&model)?;
         model.split = Some(Box::new(split));
@@ -153,12 +164,64 @@ impl Llama {
 
     fn build(cfg: LlamaConfig, lora: Option<LoraConfig>, precision: Precision) -> Result<Self, LlamaError> {
         cfg.validate()?;
-        Self::assemble(cfg, lora, precision)
+        Self::assemble(cfg, lora, precision, None, false)
+    }
+
+    /// A model whose layout leaves the projections' weights out, as
+    /// [`Llama::with_frozen_base`]'s does, before any base is loaded: for
+    /// layouts, initialisation and plans (it cannot run a pass).
+    pub fn with_packed_layout(cfg: LlamaConfig, lora: Option<LoraConfig>) -> Result<Self, LlamaError> {
+        cfg.validate()?;
+        Self::assemble(cfg, lora, Precision::F32, None, true)
+    }
+
+    /// A model whose projections' weights are `base`, packed and frozen,
+    /// outside its layout (which holds the embedding, the norms, the head
+    /// and the adapters): the GEMMs read the base a panel at a time.
+    pub fn with_frozen_base(
+        cfg: LlamaConfig,
+        lora: Option<LoraConfig>,
+        precision: Precision,
+        base: Arc<FrozenBase>,
+    ) -> Result<Self, LlamaError> {
+        cfg.validate()?;
+        if base.n_layers() != cfg.n_layer {
+            return Err(LlamaError::config(
+                "frozen base",
+                format!("{} layers packed for a model of {}", base.n_layers(), cfg.n_layer),
+            ));
+        }
+        Self::assemble(cfg, lora, precision, Some(base), true)
+    }
+
+    /// Whether the layout leaves the projections' weights out (a packed base).
+    pub fn packs_base(&self) -> bool {
+        self.packed
+    }
+
+    /// The same shape without adapters, with the same layout of the base
+    /// (packed or not): the layout base parameters are handed over in.
+    pub fn plain(&self) -> Result<Self, LlamaError> {
+        match self.packed {
+            true => Self::with_packed_layout(self.cfg.clone(), None),
+            false => Self::new(self.cfg.clone()),
+        }
+    }
+
+    /// The packed frozen base, if the projections are held outside the layout.
+    pub fn frozen_base(&self) -> Option<&Arc<FrozenBase>> {
+        self.base.as_ref()
     }
 
     /// The model of a shape already checked (a whole shape by
     /// [`LlamaConfig::validate`], a rank's by [`LlamaConfig::split_for`]).
-    fn assemble(cfg: LlamaConfig, lora: Option<LoraConfig>, precision: Precision) -> Result<Self, LlamaError> {
+    fn assemble(
+        cfg: LlamaConfig,
+        lora: Option<LoraConfig>,
+        precision: Precision,
+        base: Option<Arc<FrozenBase>>,
+        packed: bool,
+    ) -> Result<Self, LlamaError> {
         let adapters = match &lora {
             Some(l) => {
                 l.validate()?;
@@ -173,7 +236,7 @@ impl Llama {
             }
             None => None,
         };
-        let (layout, ranges) = build_layout(&cfg, adapters);
+        let (layout, ranges) = build_layout(&cfg, adapters, packed);
         let (checkpointing, stage) = (Checkpointing::None, StageSpec::whole(cfg.n_layer));
         let (acts, slots) = (Acts::default(), Slots::default());
         Ok(Self {
@@ -189,6 +252,8 @@ impl Llama {
             slots,
             split: None,
             kv: None,
+            base,
+            packed,
         })
     }
 
@@ -412,6 +477,9 @@ impl Llama {
         (pass, attn): (Pass, Attention<'_>),
     ) -> Result<(), LlamaError> {
         let (c, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
+        if self.packed && self.base.is_none() {
+            return Err(LlamaError::config("frozen base", "a packed layout without its base cannot run a pass"));
+        }
         let d = self.dims(self.acts.b, self.acts.t);
         let inputs = &batch.inputs;
         self.acts.pos.clone_from(&batch.positions);
@@ -436,7 +504,8 @@ impl Llama {
         };
         let acts = &mut self.acts;
         let rope = later.as_ref().unwrap_or(&acts.rope);
-        let layer = layer(&self.cfg, &self.ranges.layer_rel, (rope, attn), d, (&acts.pos, &acts.docs));
+        let base = self.base.as_deref();
+        let layer = layer(&self.cfg, &self.ranges.layer_rel, (rope, attn), d, (&acts.pos, &acts.docs), base);
         acts.stack.forward(&layer, store, segs, pass == Pass::Train)?;
         if !self.stage.is_last() {
             return Ok(());
@@ -522,8 +591,8 @@ impl Llama {
         let d = self.dims(self.acts.b, self.acts.t);
         let segs = self.stage_segs();
         let acts = &mut self.acts;
-        let rope_attn = (&acts.rope, Attention::Causal);
-        let layer = layer(&self.cfg, &self.ranges.layer_rel, rope_attn, d, (&acts.pos, &acts.docs));
+        let (rope_attn, base) = ((&acts.rope, Attention::Causal), self.base.as_deref());
+        let layer = layer(&self.cfg, &self.ranges.layer_rel, rope_attn, d, (&acts.pos, &acts.docs), base);
         acts.stack.backward(&layer, store, segs)?;
         if !self.stage.is_first() {
             return Ok(());

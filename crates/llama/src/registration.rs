@@ -5,13 +5,15 @@
 //! the dialect [`LLAMA`]; a family such as Qwen2 is another dialect in its
 //! own crate and registers with [`Registered`].
 
-use crate::{hf, lora, Llama, LlamaConfig, LlamaError, LoraConfig};
-use config::ModelConfig;
+use crate::frozen::{self, FrozenBase, FrozenFormat};
+use crate::{hf, lora, Llama, LlamaConfig, LlamaError, LoraConfig, Proj};
+use config::{FrozenDtype, ModelConfig};
 use engine::{Model, ParamLayout, Precision, TpRank};
-use family::{Build, Family, LanguageModel, Loaded, ModelError, Registration, Result};
+use family::{Build, Family, FrozenBytes, FrozenStorage, LanguageModel, Loaded, ModelError, Registration, Result};
+use nn::linear::PackFormat;
 use serde::{Deserialize, Serialize};
-use std::path::Path;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 /// How one family built on the Llama block names itself and maps its
 /// `config.json`.
@@ -207,13 +209,46 @@ pub struct LlamaFamily {
     model: Arc<Llama>,
     /// The tensor-parallel rank this shape is held by (whole: every tensor).
     tp: TpRank,
+    /// The frozen projections packed outside the layout, if so.
+    packed: Option<Arc<PackedBase>>,
+}
+
+/// A frozen base kept packed: where it is read from, in which format, the
+/// bytes it takes, and (once the first model is built) the base itself,
+/// shared by every model of the process.
+#[derive(Debug)]
+struct PackedBase {
+    /// Where the base is read from (`None`: a plan of a shape, never built).
+    source: Option<PathBuf>,
+    format: FrozenFormat,
+    planned: FrozenBytes,
+    loaded: Mutex<Option<Arc<FrozenBase>>>,
+}
+
+impl PackedBase {
+    /// The base, read from the source on first use; also the layout's other
+    /// tensors when they were read now (`None`: the base was loaded before).
+    fn get(&self, cfg: &LlamaConfig, want_rest: bool) -> Result<(Arc<FrozenBase>, Option<Vec<f32>>)> {
+        let mut slot = self.loaded.lock().map_err(|_| "the frozen base's loader panicked on another rank")?;
+        if let (Some(b), false) = (slot.as_ref(), want_rest) {
+            return Ok((b.clone(), None));
+        }
+        let Some(source) = &self.source else {
+            return Err("a packed frozen base is read from a pretrained model: pass --init-from (a GGUF file or a Hugging Face folder) or set train.frozen_source".into());
+        };
+        let layout = Llama::with_packed_layout(cfg.clone(), None)?.layout().clone();
+        let (base, rest) =
+            frozen::load(cfg, source, self.format, layout).map_err(|e| format!("{}: {e}", source.display()))?;
+        let base = slot.get_or_insert_with(|| Arc::new(base)).clone();
+        Ok((base, Some(rest)))
+    }
 }
 
 impl LlamaFamily {
     /// `dialect`'s family at `cfg`, with adapters when `lora` is given.
     pub fn new(dialect: &'static dyn Dialect, cfg: LlamaConfig, lora: Option<LoraConfig>) -> Result<Self> {
         let model = Self::build_with(&cfg, lora.as_ref(), Precision::F32, TpRank::WHOLE)?;
-        Ok(Self { dialect, cfg, lora, model: Arc::new(model), tp: TpRank::WHOLE })
+        Ok(Self { dialect, cfg, lora, model: Arc::new(model), tp: TpRank::WHOLE, packed: None })
     }
 
     fn build_with(
@@ -288,6 +323,13 @@ impl Family for LlamaFamily {
     }
 
     fn tensor_parallel(&self, tp: TpRank) -> Result<Arc<dyn Family>> {
+        if self.packed.is_some() && tp.is_split() {
+            return Err(format!(
+                "a packed frozen base is kept whole (dist.tensor_parallel = {}); set train.frozen_dtype = \"f32\" or dist.tensor_parallel = 1",
+                tp.size
+            )
+            .into());
+        }
         let model = Self::build_with(&self.cfg, self.lora.as_ref(), Precision::F32, tp)?;
         Ok(Arc::new(Self { model: Arc::new(model), tp, ..self.clone() }))
     }
@@ -318,7 +360,15 @@ impl Family for LlamaFamily {
     }
 
     fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>> {
-        let model = Self::build_with(&self.cfg, self.lora.as_ref(), build.precision, self.tp)?;
+        let model = match &self.packed {
+            // A plan of a shape without its file: the layout alone (a pass is refused).
+            Some(p) if p.source.is_none() => Llama::with_packed_layout(self.cfg.clone(), self.lora.clone())?,
+            Some(p) => {
+                let (base, _) = p.get(&self.cfg, false)?;
+                Llama::with_frozen_base(self.cfg.clone(), self.lora.clone(), build.precision, base)?
+            }
+            None => Self::build_with(&self.cfg, self.lora.as_ref(), build.precision, self.tp)?,
+        };
         Ok(Box::new(family::Erased(model.with_checkpointing(build.checkpointing))))
     }
 
@@ -342,7 +392,8 @@ impl Family for LlamaFamily {
         if layout.n_params() != params.len() {
             return Err(format!("{} parameters to save, the model has {}", params.len(), layout.n_params()).into());
         }
-        hf::save_base_with_config(dir, &self.model, params, &self.dialect.hf_json(&self.cfg))?;
+        let base = self.packed.as_ref().map(|p| p.get(&self.cfg, false)).transpose()?.map(|(b, _)| b);
+        hf::save_base_packed(dir, &self.model, params, base.as_deref(), &self.dialect.hf_json(&self.cfg))?;
         if self.lora.is_some() {
             lora::save_adapter(dir, &self.model, params, None)?;
         }
@@ -362,7 +413,8 @@ impl Family for LlamaFamily {
         if self.lora.is_none() {
             return Ok(None);
         }
-        let merged = lora::merge(&self.model, params)?;
+        let base = self.packed.as_ref().map(|p| p.get(&self.cfg, false)).transpose()?.map(|(b, _)| b);
+        let merged = lora::merge_with(&self.model, params, base.as_deref())?;
         Ok(Some((Arc::new(LlamaFamily::new(self.dialect, self.cfg.clone(), None)?), merged)))
     }
 
@@ -388,6 +440,91 @@ impl Family for LlamaFamily {
             .into());
         }
         Ok(params)
+    }
+
+    fn with_frozen_storage(&self, s: &FrozenStorage) -> Result<Option<Arc<dyn Family>>> {
+        let by_name = s.packs_by_name();
+        let key = format!("train.frozen_dtype = \"{}\"", s.dtype.name());
+        if self.lora.is_none() {
+            return match by_name {
+                true => Err(format!("{key} packs the frozen base of a LoRA run, and there is no [lora]: add [lora] or set train.frozen_dtype = \"auto\"").into()),
+                false => Ok(None),
+            };
+        }
+        let format = match s.dtype {
+            FrozenDtype::F32 => return Ok(None),
+            FrozenDtype::Bf16 => FrozenFormat::Pack(PackFormat::Bf16),
+            FrozenDtype::Nf4 => FrozenFormat::Pack(PackFormat::Nf4 { double_quant: s.double_quant }),
+            FrozenDtype::Source => FrozenFormat::Source,
+            FrozenDtype::Auto => FrozenFormat::Source,
+        };
+        // Without a source a named packed format is planned (its bytes
+        // follow from the shape); building the model then asks for one.
+        let stored = match &s.source {
+            Some(p) => frozen::source_formats(p).map_err(|e| format!("{}: {e}", p.display()))?,
+            None if matches!(format, FrozenFormat::Pack(_)) => Vec::new(),
+            None if by_name => {
+                return Err(format!(
+                    "{key} keeps the base in its file's format, and no file is given: pass --init-from (a GGUF file or a Hugging Face folder) or set train.frozen_source = PATH"
+                )
+                .into())
+            }
+            None => return Ok(None),
+        };
+        if s.dtype == FrozenDtype::Auto {
+            let sixteen = |f: &Option<PackFormat>| matches!(f, Some(PackFormat::Bf16 | PackFormat::F16));
+            if stored.is_empty() || !stored.iter().all(|(_, _, f)| sixteen(f)) {
+                return Ok(None);
+            }
+        }
+        let cfg = &self.cfg;
+        let planned = match format {
+            FrozenFormat::Pack(f) => {
+                FrozenBytes { formats: f.name().into(), bytes: FrozenBase::planned_bytes(cfg, |_| f) }
+            }
+            FrozenFormat::Source => {
+                let (mut names, mut bytes) = (Vec::new(), 0u128);
+                for (name, dtype, kept) in &stored {
+                    let Some(f) = kept else {
+                        return Err(format!(
+                            "{key}: `{name}` is stored as {dtype} in {}, which has no packed form (F16, BF16, Q8_0, Q4_0, Q4_1 do); set train.frozen_dtype = \"bf16\" or \"nf4\"",
+                            s.source.as_deref().unwrap_or(Path::new("the source")).display()
+                        )
+                        .into());
+                    };
+                    let pr = frozen::proj_of(name).map_or(Proj::Q, |(_, p)| p);
+                    let [rows, cols] = pr.shape(cfg);
+                    bytes += f.bytes_for(rows, cols);
+                    if !names.contains(&f.name()) {
+                        names.push(f.name());
+                    }
+                }
+                FrozenBytes { formats: names.join("+"), bytes }
+            }
+        };
+        let model = Llama::with_packed_layout(cfg.clone(), self.lora.clone())?;
+        let packed = PackedBase { source: s.source.clone(), format, planned, loaded: Mutex::new(None) };
+        Ok(Some(Arc::new(Self { model: Arc::new(model), packed: Some(Arc::new(packed)), ..self.clone() })))
+    }
+
+    fn frozen_bytes(&self) -> Option<FrozenBytes> {
+        self.packed.as_ref().map(|p| p.planned.clone())
+    }
+
+    fn load_unfrozen(&self, source: &Path) -> Result<Vec<f32>> {
+        let Some(p) = &self.packed else {
+            return Err(format!("{}: this {} shape holds no packed frozen base", source.display(), self.name()).into());
+        };
+        if p.source.as_deref() != Some(source) {
+            return Err(format!(
+                "the frozen base is read from {}, the other tensors from {}: they must be one model",
+                p.source.as_deref().unwrap_or(Path::new("nowhere")).display(),
+                source.display()
+            )
+            .into());
+        }
+        let (_, rest) = p.get(&self.cfg, true)?;
+        Ok(rest.unwrap_or_default())
     }
 
     fn pin_shape(&self, m: &mut ModelConfig) {

@@ -8,7 +8,7 @@
 use anyhow::{bail, Context, Result};
 use config::ModelConfig;
 use engine::ParamLayout;
-pub use family::{Build, Family, LanguageModel, Loaded, Registration, CONFIG_FILE, WEIGHTS_FILE};
+pub use family::{Build, Family, FrozenStorage, LanguageModel, Loaded, Registration, CONFIG_FILE, WEIGHTS_FILE};
 use std::path::Path;
 use std::sync::Arc;
 

@@ -124,6 +124,24 @@ pub fn write_safetensors(
     tensors: &[(String, Vec<usize>, &[f32])],
     metadata: &[(&str, String)],
 ) -> Result<(), FileError> {
+    let heads: Vec<(String, Vec<usize>)> = tensors.iter().map(|(n, s, _)| (n.clone(), s.clone())).collect();
+    for ((name, shape), (_, _, data)) in heads.iter().zip(tensors) {
+        if shape.iter().product::<usize>() != data.len() {
+            return Err(bad(path, format!("tensor `{name}`: shape {shape:?} does not hold {} values", data.len())));
+        }
+    }
+    write_safetensors_with(path, &heads, metadata, &mut |i| std::borrow::Cow::Borrowed(tensors[i].2))
+}
+
+/// [`write_safetensors`] of tensors `(name, shape)` whose values `data(i)`
+/// hands over one at a time, in order (borrowed, or made for the moment:
+/// a packed tensor dequantised, so no more than one exists at once).
+pub fn write_safetensors_with<'a>(
+    path: &Path,
+    tensors: &[(String, Vec<usize>)],
+    metadata: &[(&str, String)],
+    data: &mut dyn FnMut(usize) -> std::borrow::Cow<'a, [f32]>,
+) -> Result<(), FileError> {
     // The format: u64 LE header length, a JSON header (padded with spaces to
     // a multiple of 8) naming each tensor's dtype, shape and byte range in
     // the data that follows, then the data.
@@ -132,14 +150,11 @@ pub fn write_safetensors(
     meta.extend(metadata.iter().map(|(k, v)| (k.to_string(), serde_json::Value::from(v.as_str()))));
     header.insert("__metadata__".into(), serde_json::Value::Object(meta));
     let mut offset = 0usize;
-    for (name, shape, data) in tensors {
-        if shape.iter().product::<usize>() != data.len() {
-            return Err(bad(path, format!("tensor `{name}`: shape {shape:?} does not hold {} values", data.len())));
-        }
+    for (name, shape) in tensors {
         if header.contains_key(name) {
             return Err(bad(path, format!("tensor `{name}` appears twice")));
         }
-        let end = offset + 4 * data.len();
+        let end = offset + 4 * shape.iter().product::<usize>();
         header
             .insert(name.clone(), serde_json::json!({ "dtype": "F32", "shape": shape, "data_offsets": [offset, end] }));
         offset = end;
@@ -150,7 +165,12 @@ pub fn write_safetensors(
         write_all_budgeted(w, &(head.len() as u64).to_le_bytes())?;
         write_all_budgeted(w, &head)?;
         let mut chunk = Vec::with_capacity(1 << 16);
-        for (_, _, data) in tensors {
+        for (i, (name, shape)) in tensors.iter().enumerate() {
+            let data = data(i);
+            if data.len() != shape.iter().product::<usize>() {
+                let what = format!("tensor `{name}`: shape {shape:?} does not hold {} values", data.len());
+                return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, what));
+            }
             for part in data.chunks(1 << 14) {
                 chunk.clear();
                 chunk.extend(part.iter().flat_map(|x| x.to_le_bytes()));

@@ -1,11 +1,47 @@
 //! Linear layers on the shared GEMM, in both weight layouts: GPT-2's
 //! `Conv1D` (`w` `[in, out]`, [`conv1d_forward`]) and `nn.Linear`
 //! (`w` `[out, in]`, [`linear_forward`]). Shapes are given as a
-//! [`LinearShape`]: `n` rows of `ic` inputs to `oc` outputs.
+//! [`LinearShape`]: `n` rows of `ic` inputs to `oc` outputs. An
+//! `nn.Linear` weight is a [`Weight`]: f32 values, or rows of a frozen
+//! [`PackedMatrix`] that the GEMM dequantises a panel at a time.
 
 use crate::grad::{bias_backward, ParamGrad};
 use crate::{assert_len, gemm_into, parallelism, GemmDims, GemmOut, Operands, Strided};
+pub use linalg::packed::{PackFormat, PackedMatrix};
 use rayon::prelude::*;
+use std::ops::Range;
+
+/// The weight `[oc, ic]` of an `nn.Linear` layer: f32 values, or rows
+/// `rows` of a packed (frozen) matrix.
+#[derive(Debug, Clone)]
+pub enum Weight<'a> {
+    /// Row-major f32 values.
+    F32(&'a [f32]),
+    /// Rows of a packed matrix (`oc` of them, `ic` columns): a frozen
+    /// weight, read by dequantising panels; it has no gradient.
+    Packed(&'a PackedMatrix, Range<usize>),
+}
+
+impl<'a> From<&'a [f32]> for Weight<'a> {
+    fn from(w: &'a [f32]) -> Self {
+        Weight::F32(w)
+    }
+}
+
+impl Weight<'_> {
+    /// Checks that the weight is `[oc, ic]` (`what` names the caller).
+    fn check(&self, what: &str, oc: usize, ic: usize) {
+        match self {
+            Weight::F32(w) => assert_len(what, "w", w.len(), &[oc, ic]),
+            Weight::Packed(m, rows) => assert!(
+                rows.len() == oc && rows.end <= m.rows() && m.cols() == ic,
+                "{what}: packed rows {rows:?} of a {} × {} matrix as a [{oc}, {ic}] weight",
+                m.rows(),
+                m.cols()
+            ),
+        }
+    }
+}
 
 /// The shape of one linear layer call: `[n, ic] → [n, oc]`, its output
 /// scaled by `alpha`, on the GEMM operands `ops`.
@@ -137,24 +173,22 @@ pub fn conv1d_backward(
 }
 
 /// `y[:, col0..col0+oc] (+)= alpha · x · wᵀ`: x `[n, ic]`, w `[oc, ic]`
-/// (`nn.Linear`). Also LoRA's two halves: `x·Aᵀ` and `s·(x·Aᵀ)·Bᵀ`.
-pub fn linear_forward(y: Cols<'_>, accumulate: bool, x: &[f32], w: &[f32], s: LinearShape) {
+/// (`nn.Linear`; f32 or packed). Also LoRA's two halves: `x·Aᵀ` and `s·(x·Aᵀ)·Bᵀ`.
+pub fn linear_forward<'w>(y: Cols<'_>, accumulate: bool, x: &[f32], w: impl Into<Weight<'w>>, s: LinearShape) {
     let LinearShape { n, ic, oc, alpha, ops } = s;
+    let w = w.into();
     assert_len("linear_forward", "x", x.len(), &[n, ic]);
-    assert_len("linear_forward", "w", w.len(), &[oc, ic]);
+    w.check("linear_forward", oc, ic);
     let Cols { buf, col0, rs } = y;
     assert!(col0 + oc <= rs, "linear_forward: columns {col0}+{oc} exceed the row width {rs}");
-    let (xv, wt) = (Strided::rows(x, ic), Strided::transposed(w, ic));
-    // (n, ic) @ (ic, oc) -> (n, oc), into columns col0.. of y
-    gemm_into(
-        GemmDims { m: n, n: oc, k: ic },
-        buf,
-        GemmOut { offset: col0, rs, accumulate },
-        xv,
-        wt,
-        alpha,
-        parallelism(false).with(ops),
-    );
+    let (xv, out, par) = (Strided::rows(x, ic), GemmOut { offset: col0, rs, accumulate }, parallelism(false).with(ops));
+    match w {
+        // (n, ic) @ (ic, oc) -> (n, oc), into columns col0.. of y
+        Weight::F32(w) => {
+            gemm_into(GemmDims { m: n, n: oc, k: ic }, buf, out, xv, Strided::transposed(w, ic), alpha, par)
+        }
+        Weight::Packed(m, rows) => linalg::packed::gemm_x_wt(n, buf, out, xv, m, rows, alpha, par),
+    }
 }
 
 /// `y (+)= b` on every row: `y` `[n, oc]`, `b` `[oc]`.
@@ -172,21 +206,25 @@ pub fn add_into(y: &mut [f32], x: &[f32]) {
         .for_each(|(y, x)| y.iter_mut().zip(x).for_each(|(y, x)| *y += x));
 }
 
-/// Input gradient of [`linear_forward`]: `dx[n, ic] (+)= alpha · dy · w`.
-pub fn linear_backward_input(dx: &mut [f32], accumulate: bool, dy: Strided<'_>, w: &[f32], s: LinearShape) {
+/// Input gradient of [`linear_forward`]: `dx[n, ic] (+)= alpha · dy · w`
+/// (f32 or packed `w`).
+pub fn linear_backward_input<'w>(
+    dx: &mut [f32],
+    accumulate: bool,
+    dy: Strided<'_>,
+    w: impl Into<Weight<'w>>,
+    s: LinearShape,
+) {
     let LinearShape { n, ic, oc, alpha, ops } = s;
+    let w = w.into();
     assert_len("linear_backward_input", "dx", dx.len(), &[n, ic]);
-    assert_len("linear_backward_input", "w", w.len(), &[oc, ic]);
-    // (n, oc) @ (oc, ic) -> (n, ic)
-    gemm_into(
-        GemmDims { m: n, n: ic, k: oc },
-        dx,
-        GemmOut { offset: 0, rs: ic, accumulate },
-        dy,
-        Strided::rows(w, ic),
-        alpha,
-        parallelism(false).with(ops),
-    );
+    w.check("linear_backward_input", oc, ic);
+    let (out, par) = (GemmOut { offset: 0, rs: ic, accumulate }, parallelism(false).with(ops));
+    match w {
+        // (n, oc) @ (oc, ic) -> (n, ic)
+        Weight::F32(w) => gemm_into(GemmDims { m: n, n: ic, k: oc }, dx, out, dy, Strided::rows(w, ic), alpha, par),
+        Weight::Packed(m, rows) => linalg::packed::gemm_dy_w(n, dx, out, dy, m, rows, alpha, par),
+    }
 }
 
 /// Weight gradient of [`linear_forward`]: `dw[oc, ic] (+)= alpha · dyᵀ · x`
@@ -217,7 +255,7 @@ mod tests {
         let bad = std::panic::catch_unwind(|| {
             let mut y = [0.0; 4];
             let s = LinearShape::new(1, 2, 2, Operands::F32);
-            linear_forward(Cols { buf: &mut y, col0: 1, rs: 2 }, false, &[0.0; 2], &[0.0; 4], s)
+            linear_forward(Cols { buf: &mut y, col0: 1, rs: 2 }, false, &[0.0; 2], &[0.0f32; 4][..], s)
         });
         assert!(bad.is_err(), "columns past the row");
     }

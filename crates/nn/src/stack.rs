@@ -47,6 +47,11 @@ pub trait Block {
         saved: SavedView<'_>,
         bufs: &mut [Vec<f32>],
     ) -> Result<(), EngineError>;
+
+    /// Called before each [`Block::forward`] and [`Block::backward`] with
+    /// the segment the block runs in (a family whose blocks hold state
+    /// outside the segment, such as packed frozen weights, selects it here).
+    fn enter(&self, _seg: usize) {}
 }
 
 /// What one block's forward keeps for its backward.
@@ -310,6 +315,7 @@ impl Stack {
     ) -> Result<(), EngineError> {
         for (idx, seg) in segs.enumerate() {
             let SegmentView { params, mut tp, .. } = store.segment(seg)?;
+            block.enter(seg);
             let recomputed = !keep_all || self.checkpointing.recomputes(idx);
             match self.recompute.as_mut().filter(|_| recomputed) {
                 Some(rc) => {
@@ -346,6 +352,7 @@ impl Stack {
                 prec.round(&mut self.bufs[DRES]);
             }
             let SegmentView { params, mut grads, mut tp } = store.segment(seg)?;
+            block.enter(seg);
             let x = if idx == 0 { &self.embed } else { &self.saved[idx - 1].large[self.output] };
             let sv = match self.recompute.as_mut().filter(|_| self.checkpointing.recomputes(idx)) {
                 Some(rc) => {

@@ -182,6 +182,9 @@ pub struct Estimate {
     /// Per process: the kernels' per-thread workspace (GEMM packing buffers
     /// and the like), [`WORKSPACE_PER_THREAD`] × compute threads.
     pub workspace: u64,
+    /// Per process: the frozen base packed outside the parameters
+    /// (`train.frozen_dtype`), one copy shared by the process's ranks.
+    pub frozen: u64,
 }
 
 /// Bytes of kernel workspace per compute thread: what the measured peak of
@@ -207,14 +210,14 @@ impl Estimate {
     /// One process's bytes during an optimizer step: its ranks plus what
     /// they share.
     pub fn step_peak(&self) -> u64 {
-        self.per_rank() + self.other_ranks + self.comm_shared + self.data + self.runtime + self.workspace
+        self.per_rank() + self.other_ranks + self.comm_shared + self.data + self.runtime + self.workspace + self.frozen
     }
 
     /// One process's peak over every phase of a run: loading, steps and
     /// evaluation (the same buffers), checkpoints and the final save.
     pub fn per_process(&self) -> u64 {
         let step = self.step_peak();
-        (step + self.checkpoint).max(self.load + self.data + self.runtime + self.workspace)
+        (step + self.checkpoint).max(self.load + self.data + self.runtime + self.workspace + self.frozen)
     }
 
     /// [`Estimate::per_process`] with the margin every fit keeps.
@@ -496,6 +499,7 @@ pub(crate) fn stage_estimates(
                 // rank allocates its model states (counted below).
                 load: model_states,
                 workspace: WORKSPACE_PER_THREAD * compute_threads(cfg) as u64,
+                frozen: frozen_bytes(plan),
             }
         })
         .collect();
@@ -515,6 +519,11 @@ pub(crate) fn stage_estimates(
         e.load = read.max(p + state + held + comm_shared);
     }
     Ok((out, schedule))
+}
+
+/// Bytes of the frozen base packed outside the parameters (0: none).
+pub fn frozen_bytes(plan: &Plan) -> u64 {
+    plan.family.frozen_bytes().map_or(0, |f| u64::try_from(f.bytes).unwrap_or(u64::MAX))
 }
 
 /// The compute threads a run uses: `train.threads`, or the pool's default.

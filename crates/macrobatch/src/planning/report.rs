@@ -60,6 +60,9 @@ pub struct Report {
     pub pipeline: Option<PipelineReport>,
     /// With tensor parallelism: the rank grid and what one tensor rank holds.
     pub tensor: Option<TensorReport>,
+    /// `train.frozen_dtype` as resolved: the packed base's formats
+    /// (`q4_1`, `nf4-dq`), or `f32` when it stays in the parameters.
+    pub frozen_dtype: String,
 }
 
 /// The configured plan's rank grid with tensor parallelism.
@@ -229,6 +232,7 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
         auto_micro: false,
         pipeline,
         tensor,
+        frozen_dtype: plan.family.frozen_bytes().map_or("f32".into(), |f| f.formats),
     })
 }
 
@@ -292,6 +296,10 @@ pub fn render(r: &Report) -> String {
     }
     out += &format!("  per rank    {:<32} {:>12}\n", "total", human(e.per_rank()));
     out += &format!("  per process {:<32} {:>12}\n", "shared collective result", human(e.comm_shared));
+    if e.frozen > 0 {
+        let what = format!("frozen base ({})", r.frozen_dtype);
+        out += &format!("  per process {what:<32} {:>12}\n", human(e.frozen));
+    }
     out += &format!("  per process {:<32} {:>12}\n", "data set", human(e.data));
     out += &format!("  per process {:<32} {:>12}\n", "program", human(e.runtime));
     out += &format!("  per process {:<32} {:>12}\n", "kernel workspace", human(e.workspace));

@@ -105,7 +105,7 @@ pub fn load_config(path: Option<&Path>, sets: &[String], ds: &DeepSpeedArgs) -> 
 pub fn plan(mut cfg: Config, backend: Backend) -> Result<Plan> {
     cfg.validate()?;
     let auto_micro = start_auto_micro(&mut cfg)?;
-    let family = family::from_config(&cfg.model, cfg.lora.as_ref())?;
+    let family = with_frozen_storage(family::from_config(&cfg.model, cfg.lora.as_ref())?, &cfg)?;
     // An error at micro 1 is the user's "auto", not a micro they wrote.
     let auto_context = |e: anyhow::Error| match auto_micro {
         true => e.context("batch.micro = \"auto\" (checked at micro = 1, the smallest it can choose)"),
@@ -147,6 +147,29 @@ pub fn plan(mut cfg: Config, backend: Backend) -> Result<Plan> {
         choose_micro(&mut plan)?;
     }
     Ok(plan)
+}
+
+/// What `train.frozen_dtype` asks of the frozen tensors, read from
+/// `train.frozen_source` (or `source` when given). A split model keeps its
+/// base in f32 under `auto` (a packed base is kept whole).
+pub fn frozen_storage(cfg: &Config, source: Option<&Path>) -> family::FrozenStorage {
+    let split = cfg.dist.tensor_parallel > 1 || cfg.dist.pipeline_parallel > 1;
+    let dtype = match cfg.train.frozen_dtype {
+        config::FrozenDtype::Auto if split => config::FrozenDtype::F32,
+        d => d,
+    };
+    family::FrozenStorage {
+        dtype,
+        double_quant: cfg.train.frozen_double_quant,
+        source: source.map(Path::to_path_buf).or_else(|| cfg.train.frozen_source.clone()),
+    }
+}
+
+/// `family` with its frozen tensors stored as `train.frozen_dtype` says
+/// (itself when they stay f32 in the layout).
+pub fn with_frozen_storage(family: Arc<dyn Family>, cfg: &Config) -> Result<Arc<dyn Family>> {
+    let storage = frozen_storage(cfg, None);
+    Ok(family.with_frozen_storage(&storage)?.unwrap_or(family))
 }
 
 /// The batch triple over the data-parallel ranks: global = micro × K × D

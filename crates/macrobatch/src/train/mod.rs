@@ -51,7 +51,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     let resume_dir = start::resume_dir(&args)?;
     // A resumed folder's lock is taken before anything in it is read, and
     // held (in the run folder) until this function returns.
-    let (mut cfg, resume, resume_lock) = match &resume_dir {
+    let (mut cfg, mut resume, resume_lock) = match &resume_dir {
         Some(dir) => {
             let (cfg, loaded, lock) = start::load_resumed(dir, &args, writes_folder)?;
             (cfg, Some(loaded), lock)
@@ -63,8 +63,9 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     let init_params = start::init_from(&args, &mut cfg, resume.is_some())?;
     let backend = dist::detect(cfg.dist.world_size)?;
     let plan = Arc::new(plan(cfg, backend)?);
-    if let Some(l) = &resume {
+    if let Some(l) = &mut resume {
         start::check_resume(&plan, l)?;
+        start::onto_packed_layout(&plan, l)?;
     }
     let cfg = &plan.cfg;
     if args.dump_steps.is_some() && plan.backend.world_size() > 1 {

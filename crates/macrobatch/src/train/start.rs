@@ -133,6 +133,9 @@ pub fn load_resumed(dir: &Path, args: &TrainArgs, writes_folder: bool) -> Result
 pub fn init_from(args: &TrainArgs, cfg: &mut Config, resuming: bool) -> Result<Option<Vec<f32>>> {
     Ok(match &args.init_from {
         Some(path) if !resuming => {
+            if let Some(params) = init_packed(path, args, cfg)? {
+                return Ok(Some(params));
+            }
             memory::check_load(path, &format!("--init-from {}", path.display()))
                 .with_context(|| format!("--init-from {}: cannot load the model", path.display()))?;
             let (pretrained, params) = crate::heap::during(crate::heap::Phase::Load, || family::load_hf(path))
@@ -142,19 +145,19 @@ pub fn init_from(args: &TrainArgs, cfg: &mut Config, resuming: bool) -> Result<O
             let asked = serde_json::to_value(&cfg.model).unwrap_or_default();
             pretrained.pin_shape(&mut cfg.model);
             refuse_shape_overrides(&args.set, &asked, &serde_json::to_value(&cfg.model).unwrap_or_default(), path)?;
-            // Its tokenizer, unless one is configured.
-            if cfg.data.tokenizer.is_none() {
-                if family::is_gguf(path) {
-                    cfg.data.tokenizer = Some(TokenizerSpec::Gguf(path.clone()));
-                } else if path.join("tokenizer.json").exists() {
-                    cfg.data.tokenizer = Some(TokenizerSpec::TokenizerJson(path.join("tokenizer.json")));
-                }
-            }
+            adopt_tokenizer(cfg, path);
             let family = family::from_config(&cfg.model, cfg.lora.as_ref())?;
             Some(family.start_from_pretrained(params, cfg.train.seed)?)
         }
         Some(_) => bail!("--init-from and --resume exclude each other: a resumed run continues from its checkpoint"),
         None => {
+            let packs = !matches!(cfg.train.frozen_dtype, config::FrozenDtype::Auto | config::FrozenDtype::F32);
+            if packs && !resuming && cfg.train.frozen_source.is_none() {
+                bail!(
+                    "train.frozen_dtype = \"{}\" packs a pretrained frozen base, and none is given: pass --init-from (a GGUF file or a Hugging Face folder), or set train.frozen_dtype = \"auto\"",
+                    cfg.train.frozen_dtype.name()
+                );
+            }
             if cfg.lora.is_some() && !resuming {
                 eprintln!(
                     "warning: [lora] without --init-from trains adapters on a randomly initialised, frozen base; fine-tuning means --init-from a pretrained model (a Hugging Face folder or a GGUF file)"
@@ -163,6 +166,44 @@ pub fn init_from(args: &TrainArgs, cfg: &mut Config, resuming: bool) -> Result<O
             None
         }
     })
+}
+
+/// The pretrained model's tokenizer (a GGUF file's, a folder's
+/// `tokenizer.json`), unless one is configured.
+fn adopt_tokenizer(cfg: &mut Config, path: &Path) {
+    if cfg.data.tokenizer.is_none() {
+        if family::is_gguf(path) {
+            cfg.data.tokenizer = Some(TokenizerSpec::Gguf(path.to_path_buf()));
+        } else if path.join("tokenizer.json").exists() {
+            cfg.data.tokenizer = Some(TokenizerSpec::TokenizerJson(path.join("tokenizer.json")));
+        }
+    }
+}
+
+/// `--init-from` when `train.frozen_dtype` packs the frozen base: the
+/// shape read from the source's metadata, the layout's other tensors (and
+/// fresh adapters) read from it, the base left to the family to pack when
+/// the model is built, and the source kept as `train.frozen_source` for a
+/// resume. `None`: the base stays f32 (`f32`, or `auto` on a source that is
+/// not 16-bit), loaded as before.
+fn init_packed(path: &Path, args: &TrainArgs, cfg: &mut Config) -> Result<Option<Vec<f32>>> {
+    if cfg.lora.is_none() || cfg.train.frozen_dtype == config::FrozenDtype::F32 {
+        return Ok(None);
+    }
+    let context = || format!("--init-from {}: cannot load the model", path.display());
+    let shape = family::read_hf_config(path).with_context(context)?;
+    let asked = serde_json::to_value(&cfg.model).unwrap_or_default();
+    let mut pinned = cfg.model.clone();
+    shape.pin_shape(&mut pinned);
+    let family = family::from_config(&pinned, cfg.lora.as_ref())?;
+    let storage = crate::setup::frozen_storage(cfg, Some(path));
+    let Some(packed) = family.with_frozen_storage(&storage).with_context(context)? else { return Ok(None) };
+    cfg.model = pinned;
+    refuse_shape_overrides(&args.set, &asked, &serde_json::to_value(&cfg.model).unwrap_or_default(), path)?;
+    adopt_tokenizer(cfg, path);
+    cfg.train.frozen_source = Some(path.to_path_buf());
+    let rest = crate::heap::during(crate::heap::Phase::Load, || packed.load_unfrozen(path)).with_context(context)?;
+    Ok(Some(packed.start_from_pretrained(rest, cfg.train.seed)?))
 }
 
 /// `--set model.KEY=…` that the pretrained model's shape replaced: an error
@@ -199,6 +240,25 @@ fn refuse_shape_overrides(
             );
         }
     }
+    Ok(())
+}
+
+/// With a packed frozen base: the checkpoint's parameters (a whole model,
+/// its base dequantised) cut to the layout's tensors, by name; the base is
+/// packed again from `train.frozen_source`.
+pub fn onto_packed_layout(plan: &Plan, l: &mut Loaded) -> Result<()> {
+    if plan.family.frozen_bytes().is_none() {
+        return Ok(());
+    }
+    let (from, to) = (l.model.build(family::Build::default())?, plan.family.build(family::Build::default())?);
+    let mut params = Vec::with_capacity(to.layout().n_params());
+    for t in to.layout().tensors() {
+        let Some(src) = from.layout().get(&t.name) else {
+            bail!("the checkpoint in {} has no tensor `{}`", l.dir.display(), t.name);
+        };
+        params.extend_from_slice(&l.params[src.range()]);
+    }
+    l.params = params;
     Ok(())
 }
 

@@ -1,0 +1,401 @@
+//! A LoRA run's frozen base projections (q, k, v, o, gate, up, down of every
+//! layer) kept packed — bf16, a GGUF file's own blocks, or NF4 — outside the
+//! engine's f32 parameter buffer: the model reads them through the packed
+//! GEMMs ([`nn::linear::Weight::Packed`]), which dequantise a panel at a
+//! time. q|k|v and gate|up are stacked into one matrix each when their
+//! formats agree (one GEMM, as the f32 layout), and kept as parts otherwise.
+
+use crate::config::LlamaConfig;
+use crate::error::LlamaError;
+use crate::layout::Proj;
+use nn::linear::{linear_backward_input, linear_forward, Cols, LinearShape, PackFormat, PackedMatrix, Weight};
+use nn::Strided;
+use std::path::Path;
+
+/// The projection groups a layer multiplies with one GEMM each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Group {
+    /// q | k | v.
+    Qkv,
+    /// o.
+    O,
+    /// gate | up.
+    GateUp,
+    /// down.
+    Down,
+}
+
+impl Group {
+    /// The projections of the group, in their output-column order.
+    pub(crate) fn projs(self) -> &'static [Proj] {
+        match self {
+            Group::Qkv => &[Proj::Q, Proj::K, Proj::V],
+            Group::O => &[Proj::O],
+            Group::GateUp => &[Proj::Gate, Proj::Up],
+            Group::Down => &[Proj::Down],
+        }
+    }
+
+    const ALL: [Group; 4] = [Group::Qkv, Group::O, Group::GateUp, Group::Down];
+}
+
+/// One group's weight `[Σ out, in]`: packed matrices, each holding the
+/// output rows from `row0` on.
+#[derive(Debug, Clone)]
+pub(crate) struct PackedGroup {
+    parts: Vec<(usize, PackedMatrix)>,
+}
+
+impl PackedGroup {
+    /// The group from its projections' matrices in order: one stacked
+    /// matrix when their formats agree, parts otherwise.
+    fn new(mats: Vec<PackedMatrix>) -> Self {
+        let same = mats.windows(2).all(|w| w[0].format() == w[1].format());
+        if same && mats.len() > 1 {
+            if let Ok(m) = PackedMatrix::concat_rows(mats.clone()) {
+                return PackedGroup { parts: vec![(0, m)] };
+            }
+        }
+        let mut row0 = 0;
+        let parts = mats
+            .into_iter()
+            .map(|m| {
+                row0 += m.rows();
+                (row0 - m.rows(), m)
+            })
+            .collect();
+        PackedGroup { parts }
+    }
+
+    /// `y[:, col0 ..] (+)= x · Wᵀ` (`s.oc` = the group's rows).
+    pub(crate) fn forward(&self, y: Cols<'_>, accumulate: bool, x: &[f32], s: LinearShape) {
+        let Cols { buf, col0, rs } = y;
+        for (row0, m) in &self.parts {
+            let cols = Cols { buf: &mut *buf, col0: col0 + row0, rs };
+            let part = LinearShape { oc: m.rows(), ..s };
+            linear_forward(cols, accumulate, x, Weight::Packed(m, 0..m.rows()), part);
+        }
+    }
+
+    /// `dx (+)= dy · W` (`dy` `[n, s.oc]`): the parts' products summed in order.
+    pub(crate) fn backward_input(&self, dx: &mut [f32], accumulate: bool, dy: Strided<'_>, s: LinearShape) {
+        for (i, (row0, m)) in self.parts.iter().enumerate() {
+            let dyp = Strided { offset: dy.offset + row0 * dy.cs, ..dy };
+            let part = LinearShape { oc: m.rows(), ..s };
+            linear_backward_input(dx, accumulate || i > 0, dyp, Weight::Packed(m, 0..m.rows()), part);
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.parts.iter().map(|(_, m)| m.stored_bytes()).sum()
+    }
+
+    /// Rows `rows` of the group dequantised (`rows` inside one part).
+    fn dequantize_rows(&self, rows: std::ops::Range<usize>) -> Vec<f32> {
+        let part = self.parts.iter().rev().find(|(r0, _)| *r0 <= rows.start);
+        let Some((r0, m)) = part else { return Vec::new() };
+        let mut out = vec![0.0; rows.len() * m.cols()];
+        m.dequantize_rows(rows.start - r0..rows.end - r0, &mut out);
+        out
+    }
+}
+
+/// One layer's packed projections.
+#[derive(Debug, Clone)]
+pub(crate) struct LayerBase {
+    groups: [PackedGroup; 4],
+}
+
+impl LayerBase {
+    /// The weight of `g`.
+    pub(crate) fn group(&self, g: Group) -> &PackedGroup {
+        &self.groups[g as usize]
+    }
+}
+
+/// How each frozen projection is packed as it is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FrozenFormat {
+    /// Every projection in this format (quantised or rounded from its values).
+    Pack(PackFormat),
+    /// Each projection in the format its source stores it in.
+    Source,
+}
+
+/// Every layer's frozen projections, packed; shared (`Arc`) by the models
+/// of one process — thread ranks hold one copy.
+#[derive(Debug, Clone)]
+pub struct FrozenBase {
+    layers: Vec<LayerBase>,
+    /// The formats present, for reports (`q4_1`, `bf16+q8_0`).
+    formats: Vec<PackFormat>,
+}
+
+impl FrozenBase {
+    /// The base of `cfg` from its projections' packed matrices, handed
+    /// over as `(layer, projection, matrix)` in any order: each checked
+    /// against the projection's `[out, in]` shape, every one present once.
+    pub fn from_matrices(
+        cfg: &LlamaConfig,
+        mats: impl IntoIterator<Item = (usize, Proj, PackedMatrix)>,
+    ) -> Result<Self, LlamaError> {
+        let mut slots: Vec<[Option<PackedMatrix>; 7]> = (0..cfg.n_layer).map(|_| Default::default()).collect();
+        for (layer, pr, m) in mats {
+            let name = format!("model.layers.{layer}.{}.weight", pr.path());
+            let slot =
+                slots.get_mut(layer).ok_or_else(|| LlamaError::UnexpectedTensors { names: vec![name.clone()] })?;
+            let want = pr.shape(cfg);
+            if [m.rows(), m.cols()] != want {
+                return Err(LlamaError::ShapeMismatch { name, got: vec![m.rows(), m.cols()], expected: want.to_vec() });
+            }
+            if slot[pr as usize].replace(m).is_some() {
+                return Err(LlamaError::DuplicateTensor { name });
+            }
+        }
+        let mut formats = Vec::new();
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for (i, mut slot) in slots.into_iter().enumerate() {
+            let mut built = Vec::with_capacity(4);
+            for g in Group::ALL {
+                let mut mats = Vec::with_capacity(g.projs().len());
+                for &p in g.projs() {
+                    let m = slot[p as usize].take().ok_or_else(|| LlamaError::MissingTensor {
+                        name: format!("model.layers.{i}.{}.weight", p.path()),
+                    })?;
+                    if !formats.contains(&m.format()) {
+                        formats.push(m.format());
+                    }
+                    mats.push(m);
+                }
+                built.push(PackedGroup::new(mats));
+            }
+            let groups: [PackedGroup; 4] =
+                built.try_into().map_err(|_| LlamaError::config("frozen base", "four projection groups per layer"))?;
+            layers.push(LayerBase { groups });
+        }
+        Ok(FrozenBase { layers, formats })
+    }
+
+    /// The base of `cfg` packed in `format` from f32 parameters in the
+    /// layout of [`crate::Llama::new`] (tests; a model already in memory).
+    pub fn quantize(cfg: &LlamaConfig, params: &[f32], format: PackFormat) -> Result<Self, LlamaError> {
+        let plain = crate::Llama::new(cfg.clone())?;
+        LlamaError::check_count("base model", engine::Model::layout(&plain).n_params(), params.len())?;
+        let mut mats = Vec::with_capacity(cfg.n_layer * 7);
+        for layer in 0..cfg.n_layer {
+            for pr in Proj::ALL {
+                let [rows, cols] = pr.shape(cfg);
+                let w = &params[plain.layer_params(layer).w(pr)];
+                mats.push((layer, pr, pack(rows, cols, w, format)?));
+            }
+        }
+        Self::from_matrices(cfg, mats)
+    }
+
+    /// Layer `idx`'s projections.
+    pub(crate) fn layer(&self, idx: usize) -> &LayerBase {
+        &self.layers[idx]
+    }
+
+    /// Layers held.
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Bytes of every packed matrix (what memory accounting counts).
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().flat_map(|l| l.groups.iter()).map(PackedGroup::bytes).sum()
+    }
+
+    /// The formats the projections are stored in, joined by `+`.
+    pub fn format_names(&self) -> String {
+        self.formats.iter().map(|f| f.name()).collect::<Vec<_>>().join("+")
+    }
+
+    /// Projection `pr` of layer `layer` dequantised to f32 (`[out, in]`,
+    /// one tensor at a time: for exports).
+    pub fn dequantize(&self, cfg: &LlamaConfig, layer: usize, pr: Proj) -> Vec<f32> {
+        let (group, row0) = match pr {
+            Proj::Q => (Group::Qkv, 0),
+            Proj::K => (Group::Qkv, cfg.q_dim()),
+            Proj::V => (Group::Qkv, cfg.q_dim() + cfg.kv_dim()),
+            Proj::O => (Group::O, 0),
+            Proj::Gate => (Group::GateUp, 0),
+            Proj::Up => (Group::GateUp, cfg.intermediate_size),
+            Proj::Down => (Group::Down, 0),
+        };
+        let rows = pr.shape(cfg)[0];
+        self.layers[layer].group(group).dequantize_rows(row0..row0 + rows)
+    }
+
+    /// Bytes the frozen projections of `cfg` take when every one is stored
+    /// in `format` (what plans count before anything is loaded).
+    pub fn planned_bytes(cfg: &LlamaConfig, format: impl Fn(Proj) -> PackFormat) -> u128 {
+        let per_layer: u128 = Proj::ALL
+            .into_iter()
+            .map(|p| {
+                let [rows, cols] = p.shape(cfg);
+                format(p).bytes_for(rows, cols)
+            })
+            .sum();
+        cfg.n_layer as u128 * per_layer
+    }
+}
+
+/// A `[rows, cols]` f32 weight packed in `format` (errors name the format).
+pub(crate) fn pack(rows: usize, cols: usize, w: &[f32], format: PackFormat) -> Result<PackedMatrix, LlamaError> {
+    PackedMatrix::quantize(rows, cols, w, format)
+        .map_err(|e| LlamaError::config("train.frozen_dtype", format!("cannot pack a [{rows}, {cols}] weight: {e}")))
+}
+
+/// `(layer, projection)` of a projection weight's Hugging Face name
+/// (`model.layers.3.self_attn.q_proj.weight`).
+pub(crate) fn proj_of(name: &str) -> Option<(usize, Proj)> {
+    let rest = name.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let pr = Proj::ALL.into_iter().find(|p| rest.strip_suffix(".weight") == Some(p.path().as_str()))?;
+    Some((layer.parse().ok()?, pr))
+}
+
+/// The packed format that keeps a GGUF tensor type's blocks as they are.
+fn gguf_format(ty: gguf::GgmlType) -> Option<PackFormat> {
+    match ty.name {
+        "F16" => Some(PackFormat::F16),
+        "BF16" => Some(PackFormat::Bf16),
+        "Q8_0" => Some(PackFormat::Q8_0),
+        "Q4_0" => Some(PackFormat::Q4_0),
+        "Q4_1" => Some(PackFormat::Q4_1),
+        _ => None,
+    }
+}
+
+/// The packed format that keeps a safetensors dtype's values as they are.
+fn safetensors_format(dtype: &str) -> Option<PackFormat> {
+    match dtype {
+        "F16" => Some(PackFormat::F16),
+        "BF16" => Some(PackFormat::Bf16),
+        _ => None,
+    }
+}
+
+/// Whether `source` is a GGUF file (by its name).
+fn is_gguf(source: &Path) -> bool {
+    source.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
+/// The stored type of every projection weight of `source` (a GGUF file or
+/// a Hugging Face folder), from its metadata alone, with the packed format
+/// that keeps it (`None`: none does, e.g. F32): what `train.frozen_dtype =
+/// "source"` keeps, what `"auto"` decides on, what a plan counts.
+pub fn source_formats(source: &Path) -> Result<Vec<(String, String, Option<PackFormat>)>, LlamaError> {
+    if is_gguf(source) {
+        let file = gguf::llama::LlamaGguf::open(source).map_err(|e| hf_read(source, e))?;
+        let mut out = Vec::new();
+        for (g, name) in file.tensor_names() {
+            if proj_of(&name).is_some() {
+                let t = file.raw_tensor(&g).map_err(|e| hf_read(source, e))?;
+                out.push((name, t.ty.name.to_string(), gguf_format(t.ty)));
+            }
+        }
+        return Ok(out);
+    }
+    let mut out = Vec::new();
+    for (name, dtype) in crate::hf::stored_dtypes(source)? {
+        if proj_of(&name).is_some() {
+            let fmt = safetensors_format(&dtype);
+            out.push((name, dtype, fmt));
+        }
+    }
+    Ok(out)
+}
+
+fn hf_read(source: &Path, e: impl std::fmt::Display) -> LlamaError {
+    crate::hf::bad(source, e.to_string())
+}
+
+/// What `format` makes of a projection stored as `stored` (`kept`: the
+/// packed format of its own bytes, if any).
+fn target(format: FrozenFormat, name: &str, stored: &str, kept: Option<PackFormat>) -> Result<PackFormat, LlamaError> {
+    match format {
+        FrozenFormat::Pack(f) => Ok(f),
+        FrozenFormat::Source => kept.ok_or_else(|| {
+            LlamaError::config(
+                "train.frozen_dtype",
+                format!(
+                    "\"source\" keeps each frozen projection in its file's format, but `{name}` is stored as {stored}, which has no packed form (F16, BF16, Q8_0, Q4_0, Q4_1 do); set train.frozen_dtype = \"bf16\" or \"nf4\""
+                ),
+            )
+        }),
+    }
+}
+
+/// The frozen base of `cfg` read from `source` (a GGUF file or a Hugging
+/// Face folder) one tensor at a time, packed as `format` says, and every
+/// other tensor in the layout of `layout` (the packed layout without
+/// adapters). A GGUF tensor kept as `source` is its file's bytes, with
+/// llama.cpp's Q/K row permutation undone on whole rows; the f32 values of
+/// one tensor at most exist at a time.
+pub fn load(
+    cfg: &LlamaConfig,
+    source: &Path,
+    format: FrozenFormat,
+    layout: engine::ParamLayout,
+) -> Result<(FrozenBase, Vec<f32>), LlamaError> {
+    let mut mats = Vec::with_capacity(7 * cfg.n_layer);
+    let rest = if is_gguf(source) {
+        let file = gguf::llama::LlamaGguf::open(source).map_err(|e| hf_read(source, e))?;
+        let mut failed = None;
+        let mut others = Vec::new();
+        for (g, name) in file.tensor_names() {
+            let Some((layer, pr)) = proj_of(&name) else {
+                others.push(g);
+                continue;
+            };
+            let raw = file.raw_tensor(&g).map_err(|e| hf_read(source, e))?;
+            let kept = gguf_format(raw.ty);
+            let fmt = target(format, &name, raw.ty.name, kept)?;
+            let [rows, cols] = raw.shape[..] else {
+                return Err(LlamaError::ShapeMismatch { name, got: raw.shape, expected: pr.shape(cfg).to_vec() });
+            };
+            let m = if kept == Some(fmt) {
+                let m = PackedMatrix::from_raw(rows, cols, fmt, raw.bytes.to_vec()).map_err(|e| hf_read(source, e))?;
+                match &raw.row_order {
+                    Some(order) => m.permute_rows(order).map_err(|e| hf_read(source, e))?,
+                    None => m,
+                }
+            } else {
+                let (_, _, w) = file.tensor(&g).map_err(|e| hf_read(source, e))?;
+                pack(rows, cols, &w, fmt)?
+            };
+            mats.push((layer, pr, m));
+        }
+        let tensors = others.into_iter().map_while(|g| match file.tensor(&g) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                failed = Some(e);
+                None
+            }
+        });
+        let rest = crate::hf::from_named_tensors_into(layout, cfg, tensors);
+        if let Some(e) = failed {
+            return Err(hf_read(source, e));
+        }
+        rest?
+    } else {
+        crate::hf::load_weights_into(source, cfg, layout, &mut |name, shape, view| {
+            let Some((layer, pr)) = proj_of(name) else { return Ok(false) };
+            let stored = format!("{:?}", view.dtype());
+            let kept = safetensors_format(&stored);
+            let fmt = target(format, name, &stored, kept)?;
+            let [rows, cols] = shape[..] else { return Ok(false) };
+            let m = if kept == Some(fmt) {
+                PackedMatrix::from_raw(rows, cols, fmt, view.data().to_vec()).map_err(|e| hf_read(source, e))?
+            } else {
+                pack(rows, cols, &crate::hf::decode_view(name, view)?, fmt)?
+            };
+            mats.push((layer, pr, m));
+            Ok(true)
+        })?
+    };
+    Ok((FrozenBase::from_matrices(cfg, mats)?, rest))
+}

@@ -1,0 +1,217 @@
+//! `train.frozen_dtype` through the command line: a LoRA run on a packed
+//! base (bf16, NF4) trains exactly as the f32 run on the base's
+//! dequantised values; a resumed run packs the same base again from
+//! `train.frozen_source` and continues bit for bit; every refusal names the
+//! key and the fix; `plan` counts the packed bytes of a 65B shape.
+
+mod common;
+use common::*;
+use engine::Model;
+use linalg::packed::PackFormat;
+use llama::{FrozenBase, Llama, LlamaConfig, Proj};
+use std::path::{Path, PathBuf};
+
+/// The tiny Llama with an MLP width NF4's blocks of 64 divide.
+fn shape() -> LlamaConfig {
+    LlamaConfig { intermediate_size: 192, ..LlamaConfig::preset("tiny").unwrap() }
+}
+
+/// A pretrained-model folder of the tiny shape whose projections are
+/// `project(layer, proj, values)` of a fixed initialisation.
+fn folder(tag: &str, project: impl Fn(usize, Proj, &[f32]) -> Vec<f32>) -> PathBuf {
+    let cfg = shape();
+    let model = Llama::new(cfg.clone()).unwrap();
+    let mut params = model.init_params(21);
+    for layer in 0..cfg.n_layer {
+        for pr in Proj::ALL {
+            let r = model.layer_params(layer).w(pr);
+            let w = project(layer, pr, &params[r.clone()]);
+            params[r].copy_from_slice(&w);
+        }
+    }
+    let dir = tmp(tag);
+    llama::hf::save(&dir, &cfg, &params).unwrap();
+    assert!(model.layout().n_params() == params.len());
+    dir
+}
+
+/// A LoRA run on the tiny shape from `init` (the byte corpus; two ranks
+/// as threads share one packed base).
+fn lora_run(out: &Path, init: &Path, sets: &[&str], extra: &[&str]) -> std::process::Output {
+    let mut all = vec![
+        "model.family=llama",
+        "lora.r=4",
+        "lora.alpha=8",
+        "lora.target_modules=[\"q_proj\",\"k_proj\",\"v_proj\",\"o_proj\",\"gate_proj\",\"up_proj\",\"down_proj\"]",
+        "data.seq_len=32",
+        "batch.micro=2",
+        "batch.accumulation_steps=2",
+        "train.eval_every=0",
+        "train.steps=4",
+        "train.threads=1",
+        "dist.world_size=2",
+    ];
+    all.extend_from_slice(sets);
+    let mut c = train_cmd(out, &all);
+    c.arg("--init-from").arg(init).args(extra);
+    c.output().expect("binary runs")
+}
+
+fn lora_ok(out: &Path, init: &Path, sets: &[&str]) -> Vec<f64> {
+    let o = lora_run(out, init, sets, &[]);
+    assert!(o.status.success(), "{sets:?}: {}", stderr(&o));
+    losses(out)
+}
+
+fn bits(v: &[f64]) -> Vec<u64> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn packed_bases_train_as_the_f32_run_on_their_dequantised_values() {
+    let src = folder("frozen-src", |_, _, w| w.to_vec());
+    let cfg = shape();
+    let plain = Llama::new(cfg.clone()).unwrap();
+    for (dtype, format) in [("bf16", PackFormat::Bf16), ("nf4", PackFormat::Nf4 { double_quant: true })] {
+        // The base as the packed run sees it, written out in f32.
+        let params = llama::hf::load(&src).unwrap().1;
+        let base = FrozenBase::quantize(&cfg, &params, format).unwrap();
+        let deq = folder(&format!("frozen-deq-{dtype}"), |layer, pr, _| base.dequantize(&cfg, layer, pr));
+        assert_eq!(plain.layout().n_params(), params.len());
+        let packed_out = tmp(&format!("frozen-run-{dtype}"));
+        let packed = lora_ok(&packed_out, &src, &[&format!("train.frozen_dtype=\"{dtype}\"")]);
+        let f32_run = lora_ok(&tmp(&format!("frozen-ref-{dtype}")), &deq, &["train.frozen_dtype=\"f32\""]);
+        assert_eq!(packed.len(), 4);
+        assert_eq!(bits(&packed), bits(&f32_run), "{dtype}: {packed:?} vs {f32_run:?}");
+        // The packed run records its source, and saves a whole model (the base dequantised).
+        let resolved = std::fs::read_to_string(packed_out.join("config.resolved.toml")).unwrap();
+        assert!(resolved.contains("frozen_source") && resolved.contains(&format!("frozen_dtype = \"{dtype}\"")));
+        // memory.json: the plan's packed bytes are the base's, the parameters the layout's.
+        let mem: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(packed_out.join("memory.json")).unwrap()).unwrap();
+        assert_eq!(mem["predicted"]["frozen"].as_u64(), Some(base.bytes() as u64), "{dtype}");
+        assert_eq!(mem["accounting"]["params"], mem["predicted"]["params"], "{dtype}");
+        let saved = llama::hf::load(&packed_out).unwrap().1;
+        let deq_params = llama::hf::load(&deq).unwrap().1;
+        assert_eq!(saved.len(), deq_params.len());
+        let q = plain.layout().get("model.layers.1.self_attn.q_proj.weight").unwrap().range();
+        assert!(saved[q.clone()] == deq_params[q], "{dtype}: the saved base is the dequantised one");
+    }
+    // A 16-bit source is not this folder (f32): auto keeps f32, bit-identical to "f32".
+    let auto = lora_ok(&tmp("frozen-auto"), &src, &[]);
+    let f32_run = lora_ok(&tmp("frozen-f32"), &src, &["train.frozen_dtype=\"f32\""]);
+    assert_eq!(bits(&auto), bits(&f32_run));
+}
+
+#[test]
+fn a_packed_run_resumes_bit_for_bit() {
+    let src = folder("frozen-resume-src", |_, _, w| w.to_vec());
+    let nf4 = ["train.frozen_dtype=\"nf4\"", "train.checkpoint_every=2"];
+    let straight = lora_ok(&tmp("frozen-straight"), &src, &nf4);
+    let out = tmp("frozen-stopped");
+    let o = lora_run(&out, &src, &nf4, &["--stop-after", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = resume_ok(&out, &[]);
+    assert!(!err.contains("error"), "{err}");
+    assert_eq!(bits(&losses(&out)), bits(&straight), "resumed vs straight");
+    // The resumed run packed its base again from the recorded source.
+    let resolved = std::fs::read_to_string(out.join("config.resolved.toml")).unwrap();
+    assert!(resolved.contains(&format!("frozen_source = {:?}", src.display().to_string())), "{resolved}");
+}
+
+#[test]
+fn every_refusal_names_the_key_and_the_fix() {
+    let src = folder("frozen-refusals", |_, _, w| w.to_vec());
+    // "source" on an f32 file: nothing to keep.
+    let out = tmp("frozen-refused-source");
+    let o = lora_run(&out, &src, &["train.frozen_dtype=\"source\""], &[]);
+    let e = stderr(&o);
+    assert!(!o.status.success() && e.contains("train.frozen_dtype") && e.contains("F32") && e.contains("nf4"), "{e}");
+    // A packed format without a pretrained base.
+    refused_train(
+        "frozen-no-init",
+        None,
+        &["model.family=llama", "lora.r=4", "lora.target_modules=[\"q_proj\"]", "train.frozen_dtype=\"nf4\""],
+        &["train.frozen_dtype", "--init-from"],
+    );
+    // Nothing frozen.
+    refused_train("frozen-no-lora", None, &["train.frozen_dtype=\"bf16\""], &["train.frozen_dtype", "[lora]"]);
+    // A split base.
+    refused_train(
+        "frozen-tp",
+        None,
+        &[
+            "model.family=llama",
+            "lora.r=4",
+            "lora.target_modules=[\"q_proj\"]",
+            "train.frozen_dtype=\"bf16\"",
+            "dist.world_size=2",
+            "dist.tensor_parallel=2",
+        ],
+        &["train.frozen_dtype", "dist.tensor_parallel = 1"],
+    );
+    // GPT-2 has no LoRA and keeps its tensors in f32: the key is the Llama family's.
+    let o = bin()
+        .args(["plan", "--memory", "8GiB", "--set", "model.family=gpt2", "--set", "train.frozen_dtype=\"nf4\""])
+        .output()
+        .unwrap();
+    let e = stderr(&o);
+    assert!(!o.status.success() && e.contains("train.frozen_dtype") && e.contains("Llama family"), "{e}");
+}
+
+/// `plan --json` of LLaMA-1 65B with an NF4 base + LoRA on one device.
+fn plan_json(sets: &[&str], memory: &str) -> serde_json::Value {
+    let mut c = bin();
+    c.args(["plan", "--json", "--world-size", "1", "--memory", memory]);
+    with_sets(&mut c, sets);
+    let o = c.output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// QLoRA's recipe on the preset llama-70b: LoRA on every projection, bf16
+/// activations recomputed per block, micro 1 × K 16 at seq 512.
+const QLORA: &[&str] = &[
+    "model.family=llama",
+    "model.preset=llama-70b",
+    "lora.r=16",
+    "lora.target_modules=[\"all-linear\"]",
+    "data.seq_len=512",
+    "batch.micro=1",
+    "batch.accumulation_steps=16",
+    "train.precision=\"bf16\"",
+    "train.activation_checkpointing=\"blocks\"",
+];
+
+#[test]
+fn plan_counts_the_packed_base_of_65b_and_70b() {
+    // LLaMA-1 65B: multi-head attention, a wider MLP, 32000 tokens.
+    let shape65 = [
+        "model.n_layer=80",
+        "model.n_embd=8192",
+        "model.n_head=64",
+        "model.n_kv_head=64",
+        "model.intermediate_size=22016",
+        "model.vocab_size=32000",
+    ];
+    // 80 × (4 · 8192² + 3 · 8192 · 22016) = 64.7e9 frozen projection weights.
+    let (c, f, layers) = (8192usize, 22016usize, 80u128);
+    let per_layer = |fmt: PackFormat| 4 * fmt.bytes_for(c, c) + 2 * fmt.bytes_for(f, c) + fmt.bytes_for(c, f);
+    for (dtype, fmt) in [("nf4", PackFormat::Nf4 { double_quant: true }), ("bf16", PackFormat::Bf16)] {
+        let key = format!("train.frozen_dtype=\"{dtype}\"");
+        let sets = [QLORA, &shape65[..], &[key.as_str()]].concat();
+        let r = plan_json(&sets, "48GiB");
+        let frozen = r["configured"]["frozen"].as_u64().unwrap() as u128;
+        assert_eq!(frozen, layers * per_layer(fmt), "{dtype}");
+        assert_eq!(r["frozen_dtype"], fmt.name());
+        // The frozen projections are no longer parameters of the model.
+        assert!(r["n_params"].as_u64().unwrap() < 2_000_000_000, "{}", r["n_params"]);
+    }
+    // NF4 with double quantisation: QLoRA's 4.127 bits per weight.
+    let bits = 8.0 * (layers * per_layer(PackFormat::Nf4 { double_quant: true })) as f64
+        / (80.0 * (4.0 * (c * c) as f64 + 3.0 * (c * f) as f64));
+    assert!((bits - 4.127).abs() < 0.01, "{bits} bits per weight");
+    // llama-70b (grouped-query attention) QLoRA on one 80 GB device.
+    let r = plan_json(&[QLORA, &["train.frozen_dtype=\"nf4\""]].concat(), "80GB");
+    assert!(r["configured_fits"].as_bool().unwrap(), "{}", r["configured_needed"]);
+}
