@@ -23,7 +23,7 @@ fn batch(cfg: &LlamaConfig) -> TokenBatch {
     let mut tok = || (rng.next_u64() % cfg.vocab_size as u64) as u32;
     let inputs: Vec<u32> = (0..b * t).map(|_| tok()).collect();
     let targets = (0..b * t).map(|_| tok() as i32).collect();
-    TokenBatch { n_seqs: b, seq_len: t, inputs, targets }
+    TokenBatch { n_seqs: b, seq_len: t, inputs, targets, positions: Vec::new() }
 }
 
 fn trainable_adapters(m: &mut Llama) {

@@ -120,6 +120,8 @@ pub struct Counting;
 thread_local! {
     static LIVE: Cell<i64> = const { Cell::new(0) };
     static PEAK: Cell<i64> = const { Cell::new(0) };
+    /// A second peak, restarted by [`mark`] without touching [`PEAK`].
+    static MARK_PEAK: Cell<i64> = const { Cell::new(0) };
 }
 
 fn add(delta: i64) {
@@ -128,7 +130,21 @@ fn add(delta: i64) {
         let now = live.get() + delta;
         live.set(now);
         let _ = PEAK.try_with(|peak| peak.set(peak.get().max(now)));
+        let _ = MARK_PEAK.try_with(|peak| peak.set(peak.get().max(now)));
     });
+}
+
+/// Starts a second peak of this thread at its current live bytes (the
+/// peak since [`reset_peak`] goes on); returns them.
+pub fn mark() -> i64 {
+    let live = LIVE.try_with(Cell::get).unwrap_or(0);
+    let _ = MARK_PEAK.try_with(|p| p.set(live));
+    live
+}
+
+/// The most bytes this thread held at once since [`mark`].
+pub fn peak_since_mark() -> i64 {
+    MARK_PEAK.try_with(Cell::get).unwrap_or(0)
 }
 
 // SAFETY: every call forwards to `System` with the same arguments; the

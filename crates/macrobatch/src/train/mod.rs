@@ -60,6 +60,14 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     };
     // Checked before anything is read or created.
     cfg.validate()?;
+    // Before anything runs on the pool: packing a frozen base at
+    // `--init-from` already does.
+    if cfg.train.threads > 0 {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(cfg.train.threads)
+            .build_global()
+            .context("cannot start the thread pool")?;
+    }
     let init_params = start::init_from(&args, &mut cfg, resume.is_some())?;
     let backend = dist::detect(cfg.dist.world_size)?;
     let plan = Arc::new(plan(cfg, backend)?);
@@ -75,12 +83,6 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         eprintln!("warning: {w}");
     }
     check_memory(&plan)?;
-    if cfg.train.threads > 0 {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(cfg.train.threads)
-            .build_global()
-            .context("cannot start the thread pool")?;
-    }
     let run_id = start::run_id(resume_dir.as_deref(), resume.as_ref(), writes_folder)?;
     let folder = RunFolder::plan(&args, resume_dir, &run_id, resume_lock)?;
     let stop = StopRequests::install(args.stop_after)?;

@@ -53,13 +53,14 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
         if let Some(dir) = &start.dump_steps {
             dump_step(dir, step, &batches, (step_idx == first_step).then(|| (&trainer, model.layout())))?;
         }
+        let step_base = heap::mark();
         let t0 = Instant::now();
         let report = comms.step(&mut trainer, &mut model, &batches)?;
         let step_s = t0.elapsed().as_secs_f64();
         floor_skips.check(step, report.skipped, &trainer, &cfg.train)?;
         if memory.first_step_pending() {
             drop(batches);
-            memory.after_first_step(plan, &trainer, model.activation_bytes(), comms.buffer_bytes())?;
+            memory.after_first_step(plan, &trainer, model.activation_bytes(), comms.buffer_bytes(), step_base)?;
         }
         if cfg.dist.check_every > 0 && step % cfg.dist.check_every == 0 {
             comms.check_params_agree(&mut trainer)?;

@@ -115,6 +115,9 @@ pub struct MemoryWatch {
     /// The rank's own heap peak from its model's build to the end of the
     /// first step (trainer, model, activations, messages, micro-batches).
     first_step_heap: Option<u64>,
+    /// The rank's heap peak during the first step above its live bytes
+    /// when the step began (activations and the step's temporaries).
+    first_step_growth: Option<u64>,
     /// Resident bytes before the trainer existed.
     rss_before: Option<u64>,
     /// Resident-set growth over the trainer and first step, less the
@@ -133,6 +136,7 @@ impl MemoryWatch {
             stages,
             grid: plan.grid.clone(),
             first_step_heap: None,
+            first_step_growth: None,
             rss_before: proc_status_bytes("VmRSS:"),
             model_states_rss: None,
         })
@@ -159,6 +163,7 @@ impl MemoryWatch {
         trainer: &Trainer,
         activation_bytes: usize,
         comm_buffer_bytes: usize,
+        step_base: i64,
     ) -> Result<()> {
         if let (Some(budget), Some(peak)) = (plan.memory_budget, peak_rss_bytes()) {
             if peak > budget {
@@ -172,6 +177,7 @@ impl MemoryWatch {
             }
         }
         self.first_step_heap = Some((heap::peak() - self.heap_base).max(0) as u64);
+        self.first_step_growth = Some((heap::peak_since_mark() - step_base).max(0) as u64);
         let m = trainer.memory();
         let other = (activation_bytes + m.comm_buffers + comm_buffer_bytes) as u64;
         self.model_states_rss =
@@ -251,6 +257,7 @@ impl MemoryWatch {
             peak_rss: kib(0),
             peak_rank_heap: kib(2),
             first_step_rank_heap: per_rank(7),
+            first_step_growth: self.first_step_growth,
             planned_rank: per_rank(8),
             predicted: self.predicted,
             measured_model_states: kib(1),
@@ -310,6 +317,10 @@ struct MemoryFile {
     /// step only (no checkpoint, evaluation or final save yet): what
     /// `planned_rank` predicts.
     first_step_rank_heap: Vec<u64>,
+    /// Rank 0's heap peak during its first step above what it held when
+    /// the step began: the activations (`predicted.activations`) and the
+    /// step's temporaries.
+    first_step_growth: Option<u64>,
     /// Per rank: what the memory model gives the rank's stage per rank
     /// (`Estimate::per_rank` of its stage, of one tensor rank's shape).
     planned_rank: Vec<u64>,
