@@ -418,11 +418,18 @@ fn panel_gemms_match_gemm_into_bit_for_bit() {
                                         gemm_dy_w(n, d, o, Strided::rows(&x, xin), &m, w_rows.clone(), alpha, par)
                                     }
                                 });
-                                assert_eq!(
-                                    bits(&got),
-                                    bits(&want),
+                                let what = format!(
                                     "{format} {rows}×{cols} n={n} rows {w_rows:?} forward={forward} alpha={alpha} threads={threads}"
                                 );
+                                if cfg!(feature = "openblas") && threads > 0 {
+                                    // The pool-wide reference may run on OpenBLAS, which sums
+                                    // in its own order: the same products within f32 rounding
+                                    // of sums of up to 1536 terms of order one (1e-4 absolute).
+                                    let err = got.iter().zip(&want).fold(0.0f32, |e, (a, b)| e.max((a - b).abs()));
+                                    assert!(err < 1e-4, "{what}: differs by {err}");
+                                } else {
+                                    assert_eq!(bits(&got), bits(&want), "{what}");
+                                }
                             }
                         }
                     }
