@@ -25,6 +25,19 @@ pub struct TokenBatch {
 }
 
 impl TokenBatch {
+    /// One sequence of `tokens` with no targets: a forward-only pass
+    /// (generation's logits).
+    pub fn prompt(tokens: &[u32]) -> Self {
+        let t = tokens.len();
+        TokenBatch {
+            n_seqs: 1,
+            seq_len: t,
+            inputs: tokens.to_vec(),
+            targets: vec![IGNORE_INDEX; t],
+            positions: Vec::new(),
+        }
+    }
+
     /// Number of targets that count.
     pub fn n_targets(&self) -> u64 {
         self.targets.iter().filter(|&&t| t >= 0).count() as u64

@@ -374,13 +374,7 @@ impl Gpt {
     /// `attn`'s first one), running them as one forward-only batch.
     fn last_logits(&mut self, params: &[f32], tokens: &[u32], attn: Attention<'_>) -> Result<Vec<f32>, GptError> {
         let t = tokens.len();
-        let batch = Batch {
-            n_seqs: 1,
-            seq_len: t,
-            inputs: tokens.to_vec(),
-            targets: vec![IGNORE_INDEX; t],
-            positions: Vec::new(),
-        };
+        let batch = Batch::prompt(tokens);
         self.check(&batch)?;
         self.whole_model_for("generation")?;
         self.ensure_acts(0, 1, t);

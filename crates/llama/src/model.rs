@@ -662,14 +662,7 @@ impl Llama {
     /// Logits of the last of `tokens` (one sequence, its positions from
     /// `attn`'s first one).
     fn last_logits(&mut self, params: &[f32], tokens: &[u32], attn: Attention<'_>) -> Result<Vec<f32>, LlamaError> {
-        let t = tokens.len();
-        let batch = TokenBatch {
-            n_seqs: 1,
-            seq_len: t,
-            inputs: tokens.to_vec(),
-            targets: vec![IGNORE_INDEX; t],
-            positions: Vec::new(),
-        };
+        let batch = TokenBatch::prompt(tokens);
         self.logits_of(params, &batch, (Pass::NextToken, attn))
     }
 }

@@ -49,16 +49,7 @@ fn packed_base_computes_the_f32_model_on_its_dequantised_values() {
     let base_params = plain.init_params(3);
     let lora_cfg = LoraConfig::new(4, 8.0, &["all-linear"]);
     let b = batch(&cfg);
-    let formats = [
-        PackFormat::Bf16,
-        PackFormat::F16,
-        PackFormat::Q8_0,
-        PackFormat::Q4_0,
-        PackFormat::Q4_1,
-        PackFormat::Nf4 { double_quant: false },
-        PackFormat::Nf4 { double_quant: true },
-    ];
-    for fmt in formats {
+    for fmt in PackFormat::ALL {
         let base = FrozenBase::quantize(&cfg, &base_params, fmt).unwrap();
         assert_eq!(base.bytes() as u128, FrozenBase::planned_bytes(&cfg, |_| fmt), "{fmt}: bytes as planned");
         // The f32 model on the dequantised base.
