@@ -1,0 +1,41 @@
+# Shared settings for the scripts in scripts/netns/ (sourced, not run).
+#
+# Two "hosts" are two network namespaces, ${MB_NETNS_PREFIX}a and
+# ${MB_NETNS_PREFIX}b, joined by one veth pair. The namespace name is also
+# the host name: it resolves through /etc/netns/NAME/hosts inside both
+# namespaces and it is the UTS hostname the launched processes see.
+#
+# Environment (all optional):
+#   MB_NETNS_PREFIX   namespace prefix (default mbh -> mbha, mbhb); at most
+#                     10 characters, [a-z0-9] only, since interface names
+#                     are ${PREFIX}a-v / ${PREFIX}b-v and must fit in 15
+#   MB_NETNS_ADDR_A   address of host a (default 10.231.0.1)
+#   MB_NETNS_ADDR_B   address of host b (default 10.231.0.2)
+#   MB_NETNS_PLEN     prefix length of the link (default 24)
+
+NETNS_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+netns_die() { echo "netns: error: $*" >&2; exit 1; }
+netns_say() { echo "netns: $*" >&2; }
+
+# Sets PREFIX, NS_A, NS_B, IF_A, IF_B, ADDR_A, ADDR_B, PLEN, NET_CIDR.
+netns_config() {
+  PREFIX="${1:-${MB_NETNS_PREFIX:-mbh}}"
+  [[ "$PREFIX" =~ ^[a-z][a-z0-9]{0,9}$ ]] \
+    || netns_die "prefix '$PREFIX' is invalid: use 1-10 characters [a-z0-9], starting with a letter"
+  NS_A="${PREFIX}a"; NS_B="${PREFIX}b"
+  IF_A="${PREFIX}a-v"; IF_B="${PREFIX}b-v"
+  ADDR_A="${MB_NETNS_ADDR_A:-10.231.0.1}"
+  ADDR_B="${MB_NETNS_ADDR_B:-10.231.0.2}"
+  PLEN="${MB_NETNS_PLEN:-24}"
+  # The network address of the link, for OpenMPI's *_if_include (CIDR form
+  # works in both namespaces, unlike the interface names, which differ).
+  local IFS=. a b c d mask n
+  read -r a b c d <<<"$ADDR_A"
+  n=$(( (a << 24) | (b << 16) | (c << 8) | d ))
+  mask=$(( PLEN == 0 ? 0 : (0xffffffff << (32 - PLEN)) & 0xffffffff ))
+  n=$(( n & mask ))
+  NET_CIDR="$(( (n >> 24) & 255 )).$(( (n >> 16) & 255 )).$(( (n >> 8) & 255 )).$(( n & 255 ))/$PLEN"
+}
+
+netns_exists() { [[ -e "/var/run/netns/$1" ]] || [[ -e "/run/netns/$1" ]]; }
