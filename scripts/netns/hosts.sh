@@ -68,6 +68,7 @@ down() {
     fi
   done
   rmdir /etc/netns 2>/dev/null || true
+  rm -f /tmp/mb-netns-"$PREFIX"-s*.hosts
 }
 
 up() {

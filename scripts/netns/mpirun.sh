@@ -59,9 +59,13 @@ fi
 command -v mpirun >/dev/null 2>&1 || netns_die "mpirun not found in PATH (install OpenMPI)"
 
 # The hostfile lives in /tmp, which both namespaces see (same filesystem).
-hostfile="$(mktemp /tmp/mb-netns-hosts.XXXXXX)"
-trap 'rm -f "$hostfile"' EXIT
-printf '%s slots=%s\n%s slots=%s\n' "$NS_A" "$per_host" "$NS_B" "$per_host" >"$hostfile"
+# Its name depends only on its content, so concurrent runs can share it;
+# hosts.sh down removes it. (No cleanup trap here: this script execs
+# mpirun, so that a caller's kill reaches mpirun itself.)
+hostfile="/tmp/mb-netns-$PREFIX-s$per_host.hosts"
+tmp="$(mktemp "$hostfile.XXXXXX")"
+printf '%s slots=%s\n%s slots=%s\n' "$NS_A" "$per_host" "$NS_B" "$per_host" >"$tmp"
+mv -f "$tmp" "$hostfile"
 
 btl="self,tcp"; (( vader )) && btl="self,vader,tcp"
 args=(
@@ -99,6 +103,6 @@ if [[ "${MB_NETNS_DRY_RUN:-0}" == 1 ]]; then
   printf '%q ' "${cmd[@]}"; echo; exit 0
 fi
 netns_say "mpirun -np $np on $NS_A,$NS_B (slots=$per_host, map-by $map_by, btl $btl, net $NET_CIDR)"
-rc=0
-"${cmd[@]}" || rc=$?
-exit "$rc"
+# ip netns exec, unshare and sh all exec in turn: this process becomes
+# mpirun, so its exit code is mpirun's and signals sent to it reach mpirun.
+exec "${cmd[@]}"
