@@ -11,6 +11,9 @@
 #   --per-host K   slots per host in the hostfile (default: ceil(N/2))
 #   --map-by M     node (default: rank 0 on a, rank 1 on b, 2 on a, ...)
 #                  or slot (fill host a first)
+#   --bind-to B    mpirun's --bind-to (default none: the two "hosts" share
+#                  one machine's cores, and each host's daemon would bind
+#                  its first rank to core 0, the same core on both hosts)
 #   --timeout S    mpirun aborts the job after S seconds (exit non-zero)
 #   --vader        also use shared memory between ranks on the same host
 #                  (btl self,vader,tcp); default is self,tcp only
@@ -25,9 +28,9 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
-prefix="" np=2 per_host="" map_by=node timeout_s="" vader=0
+prefix="" np=2 per_host="" map_by=node bind_to=none timeout_s="" vader=0
 extra_vars=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -36,6 +39,7 @@ while [[ $# -gt 0 ]]; do
     --per-host) per_host="$2"; shift 2 ;;
     --map-by) map_by="$2"; shift 2 ;;
     --timeout) timeout_s="$2"; shift 2 ;;
+    --bind-to) bind_to="$2"; shift 2 ;;
     --vader) vader=1; shift ;;
     -x) extra_vars+=("$2"); shift 2 ;;
     -h|--help) usage ;;
@@ -70,6 +74,7 @@ mv -f "$tmp" "$hostfile"
 btl="self,tcp"; (( vader )) && btl="self,vader,tcp"
 args=(
   -np "$np" --hostfile "$hostfile" --map-by "$map_by"
+  --bind-to "$bind_to"
   -wdir "$PWD"
   --mca plm rsh
   --mca plm_rsh_agent "$NETNS_DIR/rsh-agent"
