@@ -36,6 +36,12 @@ use boundary::{update_chunks, UpdateChunk};
 use comm::Communicator;
 use memory::BufferSizes;
 use rayon::prelude::*;
+use std::borrow::Cow;
+
+/// The initial values of model segment `seg`, asked for one segment at a
+/// time: borrowed from parameters already in memory (copied once, into the
+/// trainer), or made on the spot.
+pub type InitSegment<'a> = dyn Fn(usize) -> Cow<'a, [f32]> + 'a;
 
 /// How the accumulated gradient is normalised at the boundary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -222,7 +228,7 @@ impl Trainer {
             return Err(EngineError::ParamCount { expected: model.layout().n_params(), got: params.len() });
         }
         let segments = model.segments();
-        let init = |seg: usize| segments.get(seg).map(|r| params[r.clone()].to_vec()).unwrap_or_default();
+        let init = |seg: usize| Cow::Borrowed(segments.get(seg).map_or(&[][..], |r| &params[r.clone()]));
         Self::distributed_with(model, &init, optimizer, schedule, options, zero, comm)
     }
 
@@ -231,7 +237,7 @@ impl Trainer {
     /// not even while starting.
     pub fn distributed_with<M: Model>(
         model: &M,
-        init: &dyn Fn(usize) -> Vec<f32>,
+        init: &InitSegment<'_>,
         optimizer: Optimizer,
         schedule: LrSchedule,
         options: TrainerOptions,
@@ -245,7 +251,7 @@ impl Trainer {
     /// pipeline stage's), initialised segment by segment.
     fn build(
         (layout, segments): (ParamLayout, Vec<std::ops::Range<usize>>),
-        init: &dyn Fn(usize) -> Vec<f32>,
+        init: &InitSegment<'_>,
         optimizer: Optimizer,
         schedule: LrSchedule,
         options: TrainerOptions,
@@ -267,23 +273,35 @@ impl Trainer {
         // Segment by segment: rank 0's values to everyone; keep all of it,
         // or this rank's piece.
         let mut params = Vec::with_capacity(sizes.params);
+        let broadcast = |seg: &mut [f32], comm: &mut dyn Communicator| {
+            comm.broadcast(seg, 0).map_err(|source| EngineError::Comm { step: 0, source })
+        };
         for j in 0..part.n_segments() {
             let r = part.segment(j);
-            let mut seg = init(j);
+            let seg = init(j);
             if seg.len() != r.len() {
                 return Err(EngineError::ParamCount { expected: r.len(), got: seg.len() });
             }
-            comm.broadcast(&mut seg, 0).map_err(|source| EngineError::Comm { step: 0, source })?;
-            if let Some(c) = model_copy.as_mut() {
-                precision.encode(&seg, &mut c.bits[r.clone()]);
-            }
             if master_sharded {
+                let mut seg = seg.into_owned();
+                broadcast(&mut seg, comm)?;
+                if let Some(c) = model_copy.as_mut() {
+                    precision.encode(&seg, &mut c.bits[r.clone()]);
+                }
                 let own = part.owned(j, rank);
                 let piece = &seg[own.start - r.start..own.end - r.start];
                 params.extend_from_slice(piece);
                 params.resize(params.len() + part.piece[j] - piece.len(), 0.0);
             } else {
+                // Straight into the parameters: no copy of the segment
+                // beside them (a pretrained embedding is the largest).
+                let at = params.len();
                 params.extend_from_slice(&seg);
+                drop(seg);
+                broadcast(&mut params[at..], comm)?;
+                if let Some(c) = model_copy.as_mut() {
+                    precision.encode(&params[at..], &mut c.bits[r.clone()]);
+                }
             }
         }
         let optimizer = optimizer.with_len(sizes.optimizer);

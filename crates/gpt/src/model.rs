@@ -186,6 +186,9 @@ impl Gpt {
         self.slots.enter(&mut self.acts, flight, self.stage.in_flight.max(1), carry);
         let sizes = self.act_sizes(b, t);
         if self.acts.sizes.as_ref() != Some(&sizes) {
+            // The old buffers go before the new ones are allocated: micro-batches
+            // of changing length would otherwise hold both at once.
+            self.acts = Acts::default();
             self.acts = Acts::new(sizes, b, t);
         }
     }

@@ -330,17 +330,17 @@ fn target(format: FrozenFormat, name: &str, stored: &str, kept: Option<PackForma
 }
 
 /// The frozen base of `cfg` read from `source` (a GGUF file or a Hugging
-/// Face folder) one tensor at a time, packed as `format` says, and every
-/// other tensor in the layout of `layout` (the packed layout without
-/// adapters). A GGUF tensor kept as `source` is its file's bytes, with
-/// llama.cpp's Q/K row permutation undone on whole rows; the f32 values of
-/// one tensor at most exist at a time.
+/// Face folder) one tensor at a time, packed as `format` says, and, given
+/// `rest` (the packed layout without adapters), every other tensor in it —
+/// without, they are not read at all. A GGUF tensor kept as `source` is its
+/// file's bytes, with llama.cpp's Q/K row permutation undone on whole rows;
+/// the f32 values of one tensor at most exist at a time.
 pub fn load(
     cfg: &LlamaConfig,
     source: &Path,
     format: FrozenFormat,
-    layout: engine::ParamLayout,
-) -> Result<(FrozenBase, Vec<f32>), LlamaError> {
+    rest: Option<engine::ParamLayout>,
+) -> Result<(FrozenBase, Option<Vec<f32>>), LlamaError> {
     let mut mats = Vec::with_capacity(7 * cfg.n_layer);
     let rest = if is_gguf(source) {
         let file = gguf::llama::LlamaGguf::open(source).map_err(|e| hf_read(source, e))?;
@@ -369,21 +369,29 @@ pub fn load(
             };
             mats.push((layer, pr, m));
         }
-        let tensors = others.into_iter().map_while(|g| match file.tensor(&g) {
-            Ok(t) => Some(t),
-            Err(e) => {
-                failed = Some(e);
-                None
+        match rest {
+            Some(layout) => {
+                let tensors = others.into_iter().map_while(|g| match file.tensor(&g) {
+                    Ok(t) => Some(t),
+                    Err(e) => {
+                        failed = Some(e);
+                        None
+                    }
+                });
+                let rest = crate::hf::from_named_tensors_into(layout, cfg, tensors);
+                if let Some(e) = failed {
+                    return Err(hf_read(source, e));
+                }
+                Some(rest?)
             }
-        });
-        let rest = crate::hf::from_named_tensors_into(layout, cfg, tensors);
-        if let Some(e) = failed {
-            return Err(hf_read(source, e));
+            None => None,
         }
-        rest?
     } else {
-        crate::hf::load_weights_into(source, cfg, layout, &mut |name, shape, view| {
-            let Some((layer, pr)) = proj_of(name) else { return Ok(false) };
+        let wanted = rest.is_some();
+        let layout = rest.unwrap_or_default();
+        let rest = crate::hf::load_weights_into(source, cfg, layout, &mut |name, shape, view| {
+            // Without `rest` every other tensor is taken, unread.
+            let Some((layer, pr)) = proj_of(name) else { return Ok(!wanted) };
             let stored = format!("{:?}", view.dtype());
             let kept = safetensors_format(&stored);
             let fmt = target(format, name, &stored, kept)?;
@@ -395,7 +403,8 @@ pub fn load(
             };
             mats.push((layer, pr, m));
             Ok(true)
-        })?
+        })?;
+        wanted.then_some(rest)
     };
     Ok((FrozenBase::from_matrices(cfg, mats)?, rest))
 }

@@ -424,6 +424,9 @@ impl Llama {
                 pass == Pass::Train,
                 part,
             );
+            // The old buffers go before the new ones are allocated: micro-batches
+            // of changing length would otherwise hold both at once.
+            self.acts = Acts::default();
             self.acts = Acts::new(sizes, &self.cfg, b, t);
         }
     }

@@ -236,11 +236,16 @@ impl PackedBase {
         let Some(source) = &self.source else {
             return Err("a packed frozen base is read from a pretrained model: pass --init-from (a GGUF file or a Hugging Face folder) or set train.frozen_source".into());
         };
-        let layout = Llama::with_packed_layout(cfg.clone(), None)?.layout().clone();
+        // The other tensors are read only when asked for (a model built
+        // after the run's start does not need them again).
+        let layout = match want_rest {
+            true => Some(Llama::with_packed_layout(cfg.clone(), None)?.layout().clone()),
+            false => None,
+        };
         let (base, rest) =
             frozen::load(cfg, source, self.format, layout).map_err(|e| format!("{}: {e}", source.display()))?;
         let base = slot.get_or_insert_with(|| Arc::new(base)).clone();
-        Ok((base, Some(rest)))
+        Ok((base, rest))
     }
 }
 

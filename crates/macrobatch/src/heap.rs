@@ -42,7 +42,23 @@ static PHASE: AtomicU8 = AtomicU8::new(Phase::Setup as u8);
 
 /// Records the phase the process is in (any thread; one value per process).
 pub fn set_phase(phase: Phase) {
+    if matches!(phase, Phase::Build | Phase::Checkpoint | Phase::Save) {
+        trim();
+    }
     PHASE.store(phase as u8, Ordering::Relaxed);
+}
+
+/// Hands the allocator's free memory back to the OS. glibc keeps what
+/// was freed in its per-thread arenas (and raises its mmap threshold after
+/// large frees), so without this the memory of a finished phase (loading,
+/// the kernels' temporaries on the worker threads) stays resident beside
+/// the next phase's: before a save that was 150 MB on the SmolLM2 example.
+pub fn trim() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns unused pages of the allocator's own arenas.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// Runs `f` in `phase`, then returns to [`Phase::Setup`] (loading while the

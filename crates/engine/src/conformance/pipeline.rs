@@ -151,7 +151,7 @@ fn one_rank<M: StagedModel<Batch = TokenBatch>>(
     let cuts = split_layers(model.n_blocks(), l.p, None).map_err(err("cut"))?;
     let st = PipelineStage::new(&mut model, &cuts, stage, l.kind, n_micro(l.d)).map_err(err("stage"))?;
     let segments = st.whole_segments();
-    let init = |j: usize| case.init[segments[j].clone()].to_vec();
+    let init = |j: usize| std::borrow::Cow::Borrowed(&case.init[segments[j].clone()]);
     let mut t = Trainer::for_stage(&st, &init, opt, sched, options, zero, &mut *dp).map_err(err("trainer"))?;
     let split = l.t > 1;
     for s in 0..3 {

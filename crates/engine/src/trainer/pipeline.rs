@@ -7,7 +7,9 @@
 //! first stage for checkpoints.
 
 use super::tensor::TpGroup;
-use super::{Accumulated, Groups, PipeGroup, PipeInfo, PipelineReport, StepReport, Trainer, TrainerOptions};
+use super::{
+    Accumulated, Groups, InitSegment, PipeGroup, PipeInfo, PipelineReport, StepReport, Trainer, TrainerOptions,
+};
 use crate::error::EngineError;
 use crate::model::MicroStepStats;
 use crate::optim::Optimizer;
@@ -17,6 +19,7 @@ use crate::store::GradSpace;
 use crate::tensor::{Shard, TensorShards};
 use crate::zero::{Accumulation, Reduction, ZeroConfig};
 use comm::{CommError, Communicator};
+use std::borrow::Cow;
 use std::ops::Range;
 use std::time::Instant;
 
@@ -185,13 +188,13 @@ impl PipelineStage {
     }
 
     /// This rank's values of model segment `seg` from the whole model's.
-    fn take_segment(&self, seg: usize, whole: Vec<f32>) -> Vec<f32> {
+    fn take_segment<'a>(&self, seg: usize, whole: Cow<'a, [f32]>) -> Cow<'a, [f32]> {
         match &self.tp {
             None => whole,
             Some(t) => {
                 let ts = &self.model_space.tensors[seg];
                 let idx = ts.first().map_or(0..0, |a| a.idx..a.idx + ts.len());
-                t.take_tensors(idx, &whole)
+                Cow::Owned(t.take_tensors(idx, &whole))
             }
         }
     }
@@ -267,7 +270,7 @@ impl Trainer {
     /// tensor parallelism; 2 and 3 are refused.
     pub fn for_stage(
         stage: &PipelineStage,
-        init: &dyn Fn(usize) -> Vec<f32>,
+        init: &InitSegment<'_>,
         optimizer: Optimizer,
         schedule: LrSchedule,
         options: TrainerOptions,
@@ -287,7 +290,8 @@ impl Trainer {
             )));
         }
         let model_segs = stage.layout.model_segments.clone();
-        let local_init = |j: usize| model_segs.get(j).map(|&m| stage.take_segment(m, init(m))).unwrap_or_default();
+        let local_init =
+            |j: usize| model_segs.get(j).map_or(Cow::Owned(Vec::new()), |&m| stage.take_segment(m, init(m)));
         Self::build(
             (stage.layout.layout.clone(), stage.layout.segments.clone()),
             &local_init,

@@ -53,7 +53,7 @@ pub fn measure(pl: &Plan, p: usize, t: usize, kind: ScheduleKind, k: usize, micr
                     let ps = PipelineStage::new(&mut model, cuts, stage, kind, k).unwrap();
                     let n = ps.layout.layout.n_params();
                     let opt = Optimizer::AdamW(AdamW::new(n, 0.9, 0.95, 1e-8, 0.1).unwrap());
-                    let init = |seg: usize| pl.family.init_segment(1, seg);
+                    let init = |seg: usize| std::borrow::Cow::Owned(pl.family.init_segment(1, seg));
                     let zero = ZeroConfig { stage: 0, reduce_every_micro_step: false };
                     let (lr, opts) = (LrSchedule::constant(1e-3), TrainerOptions::default());
                     let mut trainer = Trainer::for_stage(&ps, &init, opt, lr, opts, zero, dp.as_mut()).unwrap();

@@ -11,6 +11,7 @@ use engine::{
     AdamW, LossScalerConfig, LrSchedule, Model, Optimizer, PipelineStage, Sgd, TpRank, Trainer, TrainerOptions,
     ZeroConfig,
 };
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -129,16 +130,19 @@ pub fn trainer_placed(
     world_rank: usize,
 ) -> Result<Trainer> {
     let (cfg, o) = (&plan.cfg, &plan.cfg.optim);
-    // Sized for what the trainer holds (it resizes to its shard); the
-    // whole model's segments are what `init` is asked for.
-    let (held, segments) = match &placement {
-        Placement::Whole(_) => (model.layout().n_params(), model.segments()),
-        Placement::Stage { stage, .. } => (stage.layout.layout.n_params(), stage.whole_segments().to_vec()),
+    // The whole model's segments are what `init` is asked for (a stage
+    // keeps its part).
+    let segments = match &placement {
+        Placement::Whole(_) => model.segments(),
+        Placement::Stage { stage, .. } => stage.whole_segments().to_vec(),
     };
     let n_params = segments.last().map_or(0, |r| r.end);
+    // The hyper-parameters only: the trainer sizes the state for its shard
+    // of the trainable tensors (sizing it here for every parameter would
+    // hold twice the model, frozen base included, while starting).
     let optimizer = match o.name {
-        OptimizerKind::Sgd => Optimizer::Sgd(Sgd::new(held, o.momentum, o.nesterov, o.weight_decay)?),
-        OptimizerKind::AdamW => Optimizer::AdamW(AdamW::new(held, o.beta1, o.beta2, o.eps, o.weight_decay)?),
+        OptimizerKind::Sgd => Optimizer::Sgd(Sgd::new(0, o.momentum, o.nesterov, o.weight_decay)?),
+        OptimizerKind::AdamW => Optimizer::AdamW(AdamW::new(0, o.beta1, o.beta2, o.eps, o.weight_decay)?),
     };
     let schedule = LrSchedule {
         max_lr: o.lr,
@@ -162,8 +166,8 @@ pub fn trainer_placed(
     let zero = ZeroConfig { stage: cfg.dist.zero_stage, reduce_every_micro_step: cfg.dist.reduce_every_micro_step };
     // By model segment: a stage's trainer asks only for its own.
     let init = |seg: usize| match initial {
-        Some(p) => p[segments[seg].clone()].to_vec(),
-        None => plan.family.init_segment(cfg.train.seed, seg),
+        Some(p) => Cow::Borrowed(&p[segments[seg].clone()]),
+        None => Cow::Owned(plan.family.init_segment(cfg.train.seed, seg)),
     };
     if let Some(p) = initial.filter(|p| p.len() != n_params) {
         bail!("the initial parameters hold {} values, the model {n_params}", p.len());
@@ -189,4 +193,45 @@ pub fn trainer_placed(
 /// Elements per gradient all-reduce bucket (`dist.bucket_mb` of f32).
 pub fn bucket_elems(cfg: &Config) -> usize {
     ((cfg.dist.bucket_mb * (1 << 20) as f64 / 4.0) as usize).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::heap;
+
+    /// Starting a trainer from parameters already in memory (a pretrained
+    /// model, a checkpoint) allocates only what the trainer keeps. It once
+    /// also held a copy of each segment beside its own (the embedding, most
+    /// of a small model) and AdamW state for every parameter before cutting
+    /// it to the trainable ones: twice the model more while starting.
+    /// LoRA on a tiny Llama whose frozen embedding is most of the model;
+    /// heap bytes of this thread, which runs the constructor.
+    #[test]
+    fn a_trainer_from_initial_parameters_allocates_only_what_it_keeps() {
+        let sets: Vec<String> = [
+            "model.family=llama",
+            "model.preset=tiny",
+            "model.vocab_size=50304",
+            "lora.r=4",
+            "lora.target_modules=[\"all-linear\"]",
+        ]
+        .map(String::from)
+        .to_vec();
+        let cfg = super::super::load_config(None, &sets, &Default::default()).unwrap();
+        let plan = super::super::plan(cfg, crate::dist::Backend::Single).unwrap();
+        let model = model_for_rank(&plan, TpRank::WHOLE).unwrap();
+        let initial: Vec<f32> = (0..model.segments().len()).flat_map(|s| plan.family.init_segment(0, s)).collect();
+        let embedding = model.segments()[0].len() * 4;
+        let base = heap::reset_peak();
+        let mut single = comm::SingleProcess::new();
+        let trainer = trainer_from(&plan, &model, &mut single, Some(&initial), &scratch_offload_root()).unwrap();
+        let grew = (heap::peak() - base) as usize;
+        let m = trainer.memory();
+        let kept = m.model_states() + m.comm_buffers;
+        // What the trainer keeps, plus bookkeeping (layout copy, update
+        // chunks, flags): far less than the embedding a copy would add.
+        assert!(grew <= kept + embedding / 8, "starting took {grew} bytes, the trainer keeps {kept}");
+        assert!(kept >= m.params && m.optimizer < m.params / 4, "{m:?}");
+    }
 }

@@ -93,8 +93,10 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
             return Ok(());
         }
     }
-    // Per-rank memory to rank 0, then the final parameters.
+    // Per-rank memory to rank 0, then the final parameters — without the
+    // model's activations, which the save does not need.
     let per_rank = memory.gather(comms.world, &trainer)?;
+    drop(model);
     let params = checkpoints.gather_final(&mut trainer, &mut comms)?;
     if let Some(out) = &outputs {
         memory.write_file(out, plan, whole.n_params(), &trainer, &per_rank)?;
