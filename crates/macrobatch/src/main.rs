@@ -72,6 +72,11 @@ pub struct PlanArgs {
     /// The global batch the configured optim.lr was tuned for: prints scaled learning rates.
     #[arg(long)]
     pub base_batch: Option<usize>,
+    /// Plan the run `train --init-from PATH` would make: the pretrained
+    /// model's shape and tokenizer, and its file's formats for a packed
+    /// frozen base (train.frozen_dtype), read from its metadata.
+    #[arg(long, value_name = "PATH")]
+    pub init_from: Option<PathBuf>,
     /// One JSON object instead of text.
     #[arg(long)]
     pub json: bool,

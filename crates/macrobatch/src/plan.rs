@@ -18,6 +18,9 @@ pub fn run(args: crate::PlanArgs) -> Result<()> {
     if let Some(w) = args.world_size {
         cfg.dist.world_size = w;
     }
+    if let Some(path) = &args.init_from {
+        crate::train::plan_from_pretrained(path, &args.set, &mut cfg)?;
+    }
     let world = cfg.dist.world_size;
     let backend = if world > 1 { crate::dist::Backend::Threads(world) } else { crate::dist::Backend::Single };
     // "auto" is resolved below for the planned world and --memory, not by

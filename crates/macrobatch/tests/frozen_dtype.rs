@@ -215,3 +215,38 @@ fn plan_counts_the_packed_base_of_65b_and_70b() {
     let r = plan_json(&[QLORA, &["train.frozen_dtype=\"nf4\""]].concat(), "80GB");
     assert!(r["configured_fits"].as_bool().unwrap(), "{}", r["configured_needed"]);
 }
+
+/// `plan --init-from DIR` plans what `train --init-from DIR` runs: the
+/// folder's shape rather than the configured preset, its frozen base in the
+/// asked format, and the same refusal of a format the file cannot keep.
+#[test]
+fn plan_takes_the_shape_and_base_of_init_from() {
+    let src = folder("frozen-plan-src", |_, _, w| w.to_vec());
+    let plan = |dtype: &str| {
+        let mut c = bin();
+        c.args(["plan", "--json", "--memory", "8GiB", "--init-from"]).arg(&src);
+        let key = format!("train.frozen_dtype=\"{dtype}\"");
+        with_sets(
+            &mut c,
+            &[
+                "model.family=llama",
+                "model.preset=smollm2-135m",
+                "lora.r=4",
+                "lora.target_modules=[\"all-linear\"]",
+                &key,
+            ],
+        );
+        c.output().unwrap()
+    };
+    let o = plan("bf16");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let cfg = shape();
+    let per_layer: u128 =
+        Proj::ALL.iter().map(|p| PackFormat::Bf16.bytes_for(p.shape(&cfg)[0], p.shape(&cfg)[1])).sum();
+    assert_eq!(r["configured"]["frozen"].as_u64().unwrap() as u128, cfg.n_layer as u128 * per_layer, "{r}");
+    let o = plan("source");
+    let e = stderr(&o);
+    assert!(!o.status.success() && e.contains("F32") && e.contains("train.frozen_dtype"), "{e}");
+    let _ = std::fs::remove_dir_all(&src);
+}

@@ -17,6 +17,7 @@ mod outputs;
 mod rank;
 mod reports;
 mod start;
+pub use start::plan_from_pretrained;
 mod stop;
 
 use crate::dist::{self, Backend, Fault};

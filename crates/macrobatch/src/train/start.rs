@@ -168,6 +168,23 @@ pub fn init_from(args: &TrainArgs, cfg: &mut Config, resuming: bool) -> Result<O
     })
 }
 
+/// `plan --init-from PATH`: what a run started from the pretrained model
+/// at `path` takes from it, read from its metadata alone — its shape, its
+/// tokenizer unless one is configured, and with `[lora]` the source of a
+/// packed frozen base (used when `train.frozen_dtype` packs one).
+pub fn plan_from_pretrained(path: &Path, sets: &[String], cfg: &mut Config) -> Result<()> {
+    let shape = family::read_hf_config(path)
+        .with_context(|| format!("--init-from {}: cannot read the model", path.display()))?;
+    let asked = serde_json::to_value(&cfg.model).unwrap_or_default();
+    shape.pin_shape(&mut cfg.model);
+    refuse_shape_overrides(sets, &asked, &serde_json::to_value(&cfg.model).unwrap_or_default(), path)?;
+    adopt_tokenizer(cfg, path);
+    if cfg.lora.is_some() && cfg.train.frozen_source.is_none() {
+        cfg.train.frozen_source = Some(path.to_path_buf());
+    }
+    Ok(())
+}
+
 /// The pretrained model's tokenizer (a GGUF file's, a folder's
 /// `tokenizer.json`), unless one is configured.
 fn adopt_tokenizer(cfg: &mut Config, path: &Path) {
