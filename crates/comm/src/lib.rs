@@ -111,6 +111,10 @@ pub struct CommCounters {
     pub p2p_messages: u64,
     /// Payload bytes of the point-to-point messages sent.
     pub p2p_bytes_sent: u64,
+    /// Wall time spent inside collectives, in nanoseconds: the transfer and
+    /// the wait for the slowest rank (what a profile shows as gradient
+    /// synchronisation).
+    pub collective_ns: u64,
 }
 
 impl CommCounters {
@@ -304,7 +308,10 @@ mod tests {
         let e = c.recv(&mut b, 0, 3).unwrap_err();
         assert!(e.to_string().contains("sent 2 elements under tag 3 but the receive buffer holds 1"), "{e}");
         assert!(matches!(c.send(&b, 1, 0), Err(CommError::BadLength { op: "send", .. })));
-        assert_eq!(c.counters(), CommCounters { n_calls: 0, bytes_sent: 0, p2p_messages: 4, p2p_bytes_sent: 24 });
+        assert_eq!(
+            c.counters(),
+            CommCounters { n_calls: 0, bytes_sent: 0, p2p_messages: 4, p2p_bytes_sent: 24, collective_ns: 0 }
+        );
         let sub = c.split(7, 1).unwrap();
         assert_eq!((sub.rank(), sub.world_size()), (0, 1));
     }

@@ -45,6 +45,8 @@ pub struct MpiComm {
     scratch: Vec<f32>,
     scratch_f64: Vec<f64>,
     counters: CommCounters,
+    /// Nanoseconds spent completing collectives (counted where only `&self` is held).
+    collective_ns: std::cell::Cell<u64>,
     /// Sends not yet known to be complete.
     pending: Vec<PendingSend>,
     // Dropped after `comm`: the last handle finalises MPI.
@@ -153,6 +155,7 @@ impl MpiComm {
             scratch: Vec::new(),
             scratch_f64: Vec::new(),
             counters: CommCounters::default(),
+            collective_ns: std::cell::Cell::new(0),
             pending: Vec::new(),
             universe,
         }
@@ -181,9 +184,13 @@ impl MpiComm {
     /// the whole job (an outstanding MPI collective cannot be cancelled).
     fn finish<'a, D: ?Sized, S: Scope<'a>>(&self, n_call: u64, op: &str, mut req: Request<'a, D, S>) {
         let mut wait = Backoff::new(self.timeout);
+        let t0 = std::time::Instant::now();
         loop {
             match req.test() {
-                Ok(_) => return,
+                Ok(_) => {
+                    self.collective_ns.set(self.collective_ns.get() + t0.elapsed().as_nanos() as u64);
+                    return;
+                }
                 Err(r) => req = r,
             }
             if !wait.wait() {
@@ -289,7 +296,7 @@ impl Communicator for MpiComm {
     }
 
     fn counters(&self) -> CommCounters {
-        self.counters
+        CommCounters { collective_ns: self.collective_ns.get(), ..self.counters }
     }
 
     fn buffer_bytes(&self) -> usize {

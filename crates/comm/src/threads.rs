@@ -199,8 +199,21 @@ impl ThreadComm {
         self.shared.failure_error(rank, reason, self.rank)
     }
 
-    /// Runs one collective: deposit, wait for all, return the combined result.
+    /// Runs one collective: deposit, wait for all, return the combined
+    /// result; its wall time is counted.
     fn collective(
+        &mut self,
+        call: Call,
+        contribution: Vec<f64>,
+        combine: impl FnOnce(&[Vec<f64>]) -> Vec<f64>,
+    ) -> Result<Arc<Vec<f64>>, CommError> {
+        let t0 = std::time::Instant::now();
+        let r = self.collective_untimed(call, contribution, combine);
+        self.counters.collective_ns += t0.elapsed().as_nanos() as u64;
+        r
+    }
+
+    fn collective_untimed(
         &mut self,
         call: Call,
         contribution: Vec<f64>,

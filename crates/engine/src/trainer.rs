@@ -112,6 +112,9 @@ pub struct StepReport {
     pub comm_bytes: u64,
     /// Collective calls during the step.
     pub comm_calls: u64,
+    /// Seconds this rank spent inside the step's data-parallel collectives
+    /// (gradient reduction, norm, ZeRO gathers), waiting for others included.
+    pub comm_s: f64,
     /// Seconds spent inside the model's micro-steps (forward + backward).
     pub model_s: f64,
     /// The gradient overflowed (f16): nothing was updated, the scale backed off.

@@ -64,6 +64,8 @@ struct Record {
     mem_activations: Option<u64>,
     mem_comm_buffers: Option<u64>,
     mem_peak_rss: Option<u64>,
+    comm_s: Option<f64>,
+    step_ms: Option<f64>,
 }
 
 impl Record {
@@ -284,6 +286,25 @@ fn panels(runs: &[Run]) -> (Vec<Panel>, Vec<String>) {
         y_label: short,
         legend: false,
     });
+    // The share of each step spent in data-parallel collectives (rank 0's).
+    let share = |x: &Record| match (x.comm_s, x.step_ms) {
+        (Some(c), Some(ms)) if c > 0.0 && ms > 0.0 => Some(100.0 * c * 1e3 / ms),
+        _ => None,
+    };
+    let comm = per_run(&|i, r| series(i, points(r, share), line(i), None).into_iter().collect());
+    if comm.iter().all(|s| s.points.is_empty()) {
+        notes.push(
+            "no run spent time in data-parallel collectives (one rank): the communication panel is left out".into(),
+        );
+    } else {
+        out.push(Panel {
+            title: "gradient communication",
+            y_desc: "% of the step",
+            series: comm,
+            y_label: short,
+            legend: false,
+        });
+    }
     let mb = |b: Option<u64>| b.map(|b| b as f64 / 1e6);
     let memory = per_run(&|i, r| {
         let rss = series(i, points(r, |x| mb(x.mem_peak_rss)), line(i), Some(format!("{} peak RSS", r.name)));

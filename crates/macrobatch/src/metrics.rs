@@ -40,6 +40,10 @@ pub struct StepRecord {
     pub comm_bytes: u64,
     /// Collective calls in the step.
     pub comm_calls: u64,
+    /// Seconds rank 0 spent in the step's data-parallel collectives
+    /// (transfer and waiting for the slowest rank).
+    #[serde(default)]
+    pub comm_s: f64,
     /// Wall time of the step.
     pub step_ms: f64,
     /// Wall time since the start of training.
@@ -150,7 +154,14 @@ impl Reporter {
         // normalised by) separately where they differ (fine-tuning data).
         let targets =
             if r.tokens == r.input_tokens { String::new() } else { format!(" ({:.0} targets/s)", r.tokens_per_s) };
-        let msg = format!("loss {:.4}{val} | lr {:.2e} | {:.0} tok/s{targets}", r.loss, r.lr, r.input_tokens_per_s);
+        // Time in the data-parallel collectives, where there are any.
+        let comm = if r.comm_s > 0.0 {
+            format!(" | comm {:.0} ms ({:.0}%)", r.comm_s * 1e3, 100.0 * r.comm_s * 1e3 / r.step_ms.max(1e-9))
+        } else {
+            String::new()
+        };
+        let msg =
+            format!("loss {:.4}{val} | lr {:.2e} | {:.0} tok/s{targets}{comm}", r.loss, r.lr, r.input_tokens_per_s);
         match &self.bar {
             Some(bar) => {
                 bar.set_position(r.step);

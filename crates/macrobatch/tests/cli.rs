@@ -18,6 +18,7 @@ fn default_run_learns_and_writes_hugging_face_files() {
             assert!(r.get(key).is_some(), "missing {key} in {r}");
         }
         assert_eq!(r["micro_steps"], 2, "default batch: global 16 = micro 8 × K 2");
+        assert_eq!(r["comm_s"], 0.0, "one rank: no time in collectives");
     }
     let val: Vec<f64> = m.iter().filter_map(|r| r["val_loss"].as_f64()).collect();
     assert_eq!(val.len(), 3, "validation at steps 10, 20, 30");

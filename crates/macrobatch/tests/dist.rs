@@ -51,6 +51,9 @@ fn comm_bytes_per_step_do_not_depend_on_k() {
         for r in metrics(&out) {
             assert_eq!(r["comm_calls"], 2, "stats + one gradient bucket per step, whatever K");
             bytes.push(r["comm_bytes"].as_u64().unwrap());
+            // Time inside the collectives is measured, and is part of the step.
+            let (comm_s, step_ms) = (r["comm_s"].as_f64().unwrap(), r["step_ms"].as_f64().unwrap());
+            assert!(comm_s > 0.0 && comm_s * 1e3 <= step_ms, "{r}");
         }
         let _ = std::fs::remove_dir_all(&out);
     }

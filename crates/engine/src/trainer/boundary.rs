@@ -78,6 +78,7 @@ impl Trainer {
                 lr,
                 comm_bytes: after.bytes_sent - before.bytes_sent,
                 comm_calls: after.n_calls - before.n_calls,
+                comm_s: (after.collective_ns - before.collective_ns) as f64 * 1e-9,
                 model_s: acc.model_s,
                 skipped,
                 loss_scale,

@@ -77,6 +77,7 @@ pub fn step_record(
         micro_losses: report.micro_losses,
         comm_bytes: report.comm_bytes,
         comm_calls: report.comm_calls,
+        comm_s: report.comm_s,
         step_ms: at.step_s * 1e3,
         elapsed_s: at.elapsed_s,
         val_loss: at.val_loss,
