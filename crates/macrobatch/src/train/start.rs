@@ -122,8 +122,34 @@ pub fn load_resumed(dir: &Path, args: &TrainArgs, writes_folder: bool) -> Result
     }
     eprintln!("resuming from {} (step {})", loaded.dir.display(), loaded.state.step);
     let origin = loaded.dir.join(checkpoint::CONFIG).display().to_string();
-    let cfg = Config::from_toml(&loaded.config_toml, &origin, &args.set)?;
+    let mut cfg = Config::from_toml(&loaded.config_toml, &origin, &args.set)?;
+    keep_global_batch(&mut cfg, loaded.state.world_size, &args.set);
     Ok((cfg, loaded, lock))
+}
+
+/// A resume on another number of data-parallel ranks than wrote the
+/// checkpoint (a host lost, or added) keeps the global batch — the data
+/// position counts in it — by taking the difference into the accumulation
+/// steps at the same micro-batch, unless `--set batch.…` says otherwise or
+/// the new count does not divide the batch (validation then names the rule).
+fn keep_global_batch(cfg: &mut Config, saved_data_ranks: usize, sets: &[String]) {
+    let world = comm::launcher::launcher_world_size().map_or(cfg.dist.world_size, |(n, _)| n);
+    let model_parallel = cfg.dist.pipeline_parallel.max(1) * cfg.dist.tensor_parallel.max(1);
+    let data_ranks = world / model_parallel;
+    let b = &mut cfg.batch;
+    let by_hand = sets.iter().any(|s| s.trim_start().starts_with("batch."));
+    let (Some(global), Some(config::Micro::Sequences(micro))) = (b.global, b.micro) else { return };
+    if by_hand || data_ranks == saved_data_ranks || data_ranks == 0 || !global.is_multiple_of(micro * data_ranks) {
+        return;
+    }
+    let k = global / (micro * data_ranks);
+    if b.accumulation_steps != Some(k) {
+        eprintln!(
+            "resuming on {data_ranks} data-parallel rank(s) instead of {saved_data_ranks}: batch.accumulation_steps {} -> {k} keeps the global batch {global} (micro {micro})",
+            b.accumulation_steps.map_or("unset".to_string(), |k| k.to_string())
+        );
+        b.accumulation_steps = Some(k);
+    }
 }
 
 /// `--init-from`: the pretrained model's parameters (with `[lora]`, fresh
