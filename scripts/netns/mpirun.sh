@@ -72,6 +72,7 @@ printf '%s slots=%s\n%s slots=%s\n' "$NS_A" "$per_host" "$NS_B" "$per_host" >"$t
 mv -f "$tmp" "$hostfile"
 
 btl="self,tcp"; (( vader )) && btl="self,vader,tcp"
+read -r ka_time ka_intvl ka_probes <<<"${MB_NETNS_KEEPALIVE:-2 1 3}"
 args=(
   -np "$np" --hostfile "$hostfile" --map-by "$map_by"
   --bind-to "$bind_to"
@@ -84,6 +85,14 @@ args=(
   --mca btl_tcp_if_include "$NET_CIDR"
   --mca oob_tcp_if_include "$NET_CIDR"
   --mca osc ^ucx
+  # A host whose link is cut is declared lost once its runtime connection
+  # has been silent for keepalive_time + probes × intvl seconds (default
+  # 2 + 3 × 1): mpirun then ends the job, and the far host's daemon, which
+  # lost mpirun, ends its ranks. OpenMPI's defaults (300 + 9 × 20 s) leave a
+  # job cut in two hanging for minutes. MB_NETNS_KEEPALIVE="T I P" overrides.
+  --mca oob_tcp_keepalive_time "$ka_time"
+  --mca oob_tcp_keepalive_intvl "$ka_intvl"
+  --mca oob_tcp_keepalive_probes "$ka_probes"
 )
 [[ -n "$timeout_s" ]] && args+=(--timeout "$timeout_s")
 

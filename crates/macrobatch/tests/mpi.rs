@@ -4,30 +4,7 @@
 mod common;
 
 use common::*;
-use std::path::Path;
-use std::process::{Command, Output};
 use std::time::{Duration, Instant};
-
-fn mpirun(np: usize, out: &Path, sets: &[&str], fault: Option<&str>) -> Output {
-    let mut c = Command::new("mpirun");
-    // Freed buffers go straight back to the OS, so resident-set growth
-    // measures what is held (glibc otherwise keeps some in its heap).
-    c.env("MALLOC_MMAP_THRESHOLD_", "65536");
-    c.args(["-np", &np.to_string()])
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
-        .env("OMPI_MCA_btl", "self,vader")
-        .arg(env!("CARGO_BIN_EXE_macrobatch"))
-        .arg("train")
-        .arg("--out")
-        .arg(out);
-    if let Some(f) = fault {
-        c.env("MACROBATCH_FAULT", f);
-    }
-    with_sets(&mut c, sets);
-    c.output().expect("mpirun runs (apt-get install openmpi-bin)")
-}
 
 fn sets<'a>(extra: &[&'a str]) -> Vec<&'a str> {
     let mut s = SMALL.to_vec();

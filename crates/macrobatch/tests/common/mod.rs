@@ -135,3 +135,27 @@ pub fn refused_train(tag: &str, config: Option<&Path>, sets: &[&str], needles: &
     }
     assert!(!out.exists(), "{tag}: no run folder may be created");
 }
+
+/// `macrobatch train --out out` under `mpirun -np N` on this host (shared
+/// memory between the ranks), with the test fault `fault`
+/// (`MACROBATCH_FAULT`) if given.
+pub fn mpirun(np: usize, out: &Path, sets: &[&str], fault: Option<&str>) -> Output {
+    let mut c = Command::new("mpirun");
+    // Freed buffers go straight back to the OS, so resident-set growth
+    // measures what is held (glibc otherwise keeps some in its heap).
+    c.env("MALLOC_MMAP_THRESHOLD_", "65536");
+    c.args(["-np", &np.to_string()])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .env("OMPI_MCA_btl", "self,vader")
+        .arg(env!("CARGO_BIN_EXE_macrobatch"))
+        .arg("train")
+        .arg("--out")
+        .arg(out);
+    if let Some(f) = fault {
+        c.env("MACROBATCH_FAULT", f);
+    }
+    with_sets(&mut c, sets);
+    c.output().expect("mpirun runs (apt-get install openmpi-bin)")
+}
