@@ -385,7 +385,14 @@ impl Family for LlamaFamily {
         let mut v = self.dialect.hf_json(&self.cfg);
         if let (Some(l), Some(o)) = (&self.lora, v.as_object_mut()) {
             // Not a transformers key: makes a LoRA shape differ from its base.
-            o.insert("macrobatch_lora".into(), serde_json::to_value(l).unwrap_or_default());
+            // The targets as the projections they name, in layout order, so
+            // `all-linear` and its list (as PEFT's adapter config spells it,
+            // and as a checkpoint reads back) are the same shape.
+            let mut l = l.clone();
+            if let Ok(names) = l.target_names() {
+                l.target_modules = names.into_iter().map(String::from).collect();
+            }
+            o.insert("macrobatch_lora".into(), serde_json::to_value(&l).unwrap_or_default());
         }
         v
     }
