@@ -292,7 +292,7 @@ fn panels(runs: &[Run]) -> (Vec<Panel>, Vec<String>) {
         _ => None,
     };
     let comm = per_run(&|i, r| series(i, points(r, share), line(i), None).into_iter().collect());
-    if comm.iter().all(|s| s.points.is_empty()) {
+    if comm.is_empty() {
         notes.push(
             "no run spent time in data-parallel collectives (one rank): the communication panel is left out".into(),
         );

@@ -153,14 +153,19 @@ fn add(delta: i64) {
 /// Starts a second peak of this thread at its current live bytes (the
 /// peak since [`reset_peak`] goes on); returns them.
 pub fn mark() -> i64 {
-    let live = LIVE.try_with(Cell::get).unwrap_or(0);
-    let _ = MARK_PEAK.try_with(|p| p.set(live));
-    live
+    restart(&MARK_PEAK)
 }
 
 /// The most bytes this thread held at once since [`mark`].
 pub fn peak_since_mark() -> i64 {
     MARK_PEAK.try_with(Cell::get).unwrap_or(0)
+}
+
+/// Restarts `peak` at this thread's live bytes; returns them.
+fn restart(peak: &'static std::thread::LocalKey<Cell<i64>>) -> i64 {
+    let live = LIVE.try_with(Cell::get).unwrap_or(0);
+    let _ = peak.try_with(|p| p.set(live));
+    live
 }
 
 // SAFETY: every call forwards to `System` with the same arguments; the
@@ -205,9 +210,7 @@ unsafe impl GlobalAlloc for Counting {
 
 /// Starts this thread's peak afresh at its current live bytes; returns them.
 pub fn reset_peak() -> i64 {
-    let live = LIVE.try_with(Cell::get).unwrap_or(0);
-    let _ = PEAK.try_with(|p| p.set(live));
-    live
+    restart(&PEAK)
 }
 
 /// The most bytes this thread held at once since [`reset_peak`].

@@ -42,7 +42,6 @@ pub struct StepRecord {
     pub comm_calls: u64,
     /// Seconds rank 0 spent in the step's data-parallel collectives
     /// (transfer and waiting for the slowest rank).
-    #[serde(default)]
     pub comm_s: f64,
     /// Wall time of the step.
     pub step_ms: f64,

@@ -134,8 +134,8 @@ pub fn load_resumed(dir: &Path, args: &TrainArgs, writes_folder: bool) -> Result
 /// the new count does not divide the batch (validation then names the rule).
 fn keep_global_batch(cfg: &mut Config, saved_data_ranks: usize, sets: &[String]) {
     let world = comm::launcher::launcher_world_size().map_or(cfg.dist.world_size, |(n, _)| n);
-    let model_parallel = cfg.dist.pipeline_parallel.max(1) * cfg.dist.tensor_parallel.max(1);
-    let data_ranks = world / model_parallel;
+    // A grid that does not divide the world is refused later, by name.
+    let Ok(data_ranks) = cfg.dist.data_parallel(world, "the ranks started") else { return };
     let b = &mut cfg.batch;
     let by_hand = sets.iter().any(|s| s.trim_start().starts_with("batch."));
     let (Some(global), Some(config::Micro::Sequences(micro))) = (b.global, b.micro) else { return };
@@ -168,10 +168,7 @@ pub fn init_from(args: &TrainArgs, cfg: &mut Config, resuming: bool) -> Result<O
                 .with_context(|| format!("--init-from {}: cannot load the model", path.display()))?;
             // The pretrained family and shape win over the preset; with
             // [lora], freshly initialised adapters join the pretrained base.
-            let asked = serde_json::to_value(&cfg.model).unwrap_or_default();
-            pretrained.pin_shape(&mut cfg.model);
-            refuse_shape_overrides(&args.set, &asked, &serde_json::to_value(&cfg.model).unwrap_or_default(), path)?;
-            adopt_tokenizer(cfg, path);
+            adopt_pretrained(pretrained.as_ref(), path, &args.set, cfg)?;
             let family = family::from_config(&cfg.model, cfg.lora.as_ref())?;
             Some(family.start_from_pretrained(params, cfg.train.seed)?)
         }
@@ -201,13 +198,20 @@ pub fn init_from(args: &TrainArgs, cfg: &mut Config, resuming: bool) -> Result<O
 pub fn plan_from_pretrained(path: &Path, sets: &[String], cfg: &mut Config) -> Result<()> {
     let shape = family::read_hf_config(path)
         .with_context(|| format!("--init-from {}: cannot read the model", path.display()))?;
+    adopt_pretrained(shape.as_ref(), path, sets, cfg)?;
+    if cfg.lora.is_some() && cfg.train.frozen_source.is_none() {
+        cfg.train.frozen_source = Some(path.to_path_buf());
+    }
+    Ok(())
+}
+
+/// The pretrained model at `path` (`shape`) pinned into `cfg.model` — a
+/// `--set model.…` it replaced is an error — and its tokenizer adopted.
+fn adopt_pretrained(shape: &dyn family::Family, path: &Path, sets: &[String], cfg: &mut Config) -> Result<()> {
     let asked = serde_json::to_value(&cfg.model).unwrap_or_default();
     shape.pin_shape(&mut cfg.model);
     refuse_shape_overrides(sets, &asked, &serde_json::to_value(&cfg.model).unwrap_or_default(), path)?;
     adopt_tokenizer(cfg, path);
-    if cfg.lora.is_some() && cfg.train.frozen_source.is_none() {
-        cfg.train.frozen_source = Some(path.to_path_buf());
-    }
     Ok(())
 }
 
