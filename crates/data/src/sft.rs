@@ -229,6 +229,37 @@ pub fn line_list(lines: &[usize]) -> String {
     s
 }
 
+/// The non-blank lines of JSON Lines `text` (a UTF-8 byte order mark at
+/// its start skipped), each parsed, with where it came from.
+fn json_lines<'a>(
+    path: &'a Path,
+    text: &'a str,
+) -> impl Iterator<Item = Result<(Line<'a>, serde_json::Value), DataError>> + 'a {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    text.lines().enumerate().filter(|(_, raw)| !raw.trim().is_empty()).map(move |(line_idx, raw)| {
+        let at = Line { path, line: line_idx + 1 };
+        serde_json::from_str(raw).map(|v| (at, v)).map_err(|error| DataError::BadJson {
+            path: path.into(),
+            line: line_idx + 1,
+            error,
+        })
+    })
+}
+
+/// The `messages` lines of a JSON Lines file as conversations, each with
+/// its 1-based line (`text` lines are skipped): what `eval --exact-match`
+/// prompts with. Errors as [`SftDataset::load`] names them.
+pub fn conversations(path: &Path, text: &str) -> Result<Vec<(usize, Vec<Message>)>, DataError> {
+    let mut out = Vec::new();
+    for line in json_lines(path, text) {
+        let (at, v) = line?;
+        if let Some(m) = v.get("messages") {
+            out.push((at.line, parse_messages(&at, m)?));
+        }
+    }
+    Ok(out)
+}
+
 impl SftDataset {
     /// Reads a JSON Lines file (see [`Self::from_jsonl`]); bytes that are
     /// not UTF-8 are an error naming their line.
@@ -261,20 +292,11 @@ impl SftDataset {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         let mut stats = SftStats::default();
         let mut examples = Vec::new();
         let mut dropped_lines = Vec::new();
-        for (line_idx, raw) in text.lines().enumerate() {
-            if raw.trim().is_empty() {
-                continue;
-            }
-            let at = Line { path, line: line_idx + 1 };
-            let v: serde_json::Value = serde_json::from_str(raw).map_err(|error| DataError::BadJson {
-                path: path.into(),
-                line: at.line,
-                error,
-            })?;
+        for line in json_lines(path, text) {
+            let (at, v) = line?;
             let mut ex = match (v.get("text"), v.get("messages")) {
                 (Some(_), Some(_)) => return Err(at.bad("has both \"text\" and \"messages\"; give one")),
                 (Some(t), None) => {

@@ -5,7 +5,7 @@
 use crate::config::GptConfig;
 use crate::error::GptError;
 use engine::ParamLayout;
-use safetensors::tensor::{Dtype, SafeTensors};
+use safetensors::tensor::SafeTensors;
 use std::path::Path;
 
 /// The shared file I/O, re-exported where the binary and older callers find it.
@@ -143,15 +143,8 @@ pub fn load_weights(path: &Path, layout: &ParamLayout) -> Result<Vec<f32>, GptEr
                 ),
             ));
         }
-        if view.dtype() != Dtype::F32 {
-            return Err(bad(
-                path,
-                format!("tensor `{name}` is {:?}; only F32 checkpoints are supported so far", view.dtype()),
-            ));
-        }
-        for (dst, src) in params[spec.range()].iter_mut().zip(view.data().chunks_exact(4)) {
-            *dst = f32::from_le_bytes([src[0], src[1], src[2], src[3]]);
-        }
+        nn::io::decode_into(view.dtype(), view.data(), &mut params[spec.range()])
+            .map_err(|e| bad(path, format!("tensor `{name}` {e}")))?;
         used.insert(name);
     }
     let mut unexpected: Vec<String> =

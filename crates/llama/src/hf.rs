@@ -36,37 +36,14 @@ pub(crate) fn bad(path: &Path, problem: impl Into<String>) -> LlamaError {
 
 /// Decodes one stored tensor into `dst` (exactly its length) as f32.
 fn decode(name: &str, view: &TensorView<'_>, dst: &mut [f32]) -> Result<(), LlamaError> {
-    let bytes = view.data();
-    let width = match view.dtype() {
-        Dtype::F32 => 4,
-        Dtype::F16 | Dtype::BF16 => 2,
-        other => return Err(LlamaError::UnsupportedDtype { name: name.to_string(), dtype: format!("{other:?}") }),
-    };
-    if bytes.len() != dst.len() * width {
-        return Err(LlamaError::ShapeMismatch {
+    nn::io::decode_into(view.dtype(), view.data(), dst).map_err(|_| match view.dtype() {
+        Dtype::F32 | Dtype::F16 | Dtype::BF16 => LlamaError::ShapeMismatch {
             name: name.to_string(),
-            got: vec![bytes.len() / width],
+            got: vec![view.data().len() / if view.dtype() == Dtype::F32 { 4 } else { 2 }],
             expected: vec![dst.len()],
-        });
-    }
-    match view.dtype() {
-        Dtype::F32 => {
-            for (d, s) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
-                *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-            }
-        }
-        Dtype::F16 => {
-            for (d, s) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
-                *d = half::f16::from_bits(u16::from_le_bytes([s[0], s[1]])).to_f32();
-            }
-        }
-        _ => {
-            for (d, s) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
-                *d = f32::from_bits((u16::from_le_bytes([s[0], s[1]]) as u32) << 16);
-            }
-        }
-    }
-    Ok(())
+        },
+        other => LlamaError::UnsupportedDtype { name: name.to_string(), dtype: format!("{other:?}") },
+    })
 }
 
 /// Runs `f(name, view)` on every tensor of a safetensors file, in name order.

@@ -8,7 +8,7 @@
 //! without the cache: every position shifts each step, so each step
 //! recomputes that window.
 
-use crate::family::{self, Build};
+use crate::family::{self, Build, LanguageModel};
 use crate::GenerateArgs;
 use anyhow::{bail, Context, Result};
 use data::{Message, Role, Tokenizer, TokenizerSpec};
@@ -17,7 +17,7 @@ use std::io::Write;
 use std::path::Path;
 
 /// The tokenizer a model folder (or GGUF file) carries, else bytes.
-fn tokenizer_of(model: &Path) -> Result<Tokenizer> {
+pub(crate) fn tokenizer_of(model: &Path) -> Result<Tokenizer> {
     let spec = if family::is_gguf(model) {
         TokenizerSpec::Gguf(model.to_path_buf())
     } else if model.join("tokenizer.json").exists() {
@@ -30,7 +30,7 @@ fn tokenizer_of(model: &Path) -> Result<Tokenizer> {
 
 /// A run folder stopped before its end holds checkpoints but no final
 /// model: say where the newest one is instead of "no config.json".
-fn point_to_checkpoints(dir: &Path) -> Result<()> {
+pub(crate) fn point_to_checkpoints(dir: &Path) -> Result<()> {
     if !dir.is_dir() || dir.join(family::WEIGHTS_FILE).exists() {
         return Ok(());
     }
@@ -61,15 +61,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let mut model = family.build(Build::default())?;
     let (vocab_size, context) = (family.vocab_size(), family.max_seq_len());
     let mut tokens = if args.chat {
-        let template = tok
-            .chat_template()
-            .with_context(|| format!("--chat: the tokenizer of {} has no chat template", args.dir.display()))?;
         let mut messages = Vec::new();
         if let Some(s) = &args.system {
             messages.push(Message { role: Role::System, content: s.clone() });
         }
         messages.push(Message { role: Role::User, content: args.prompt.clone() });
-        tok.encode_chat(&template.render(&messages, true)?)?.ids
+        chat_prompt(&tok, &messages).with_context(|| format!("--chat: {}", args.dir.display()))?
     } else {
         let mut t = tok.encode(&args.prompt)?;
         if t.is_empty() {
@@ -90,9 +87,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if !args.no_kv_cache {
         model.set_kv_cache((tokens.len() + args.max_new_tokens).min(context))?;
     }
-    // Where a chat turn ends: the tokenizer's end-of-sequence and <|im_end|>.
-    let stops: Vec<u32> =
-        if args.chat { tok.eos_id().into_iter().chain(tok.token_id("<|im_end|>")).collect() } else { Vec::new() };
+    let stops = if args.chat { turn_ends(&tok) } else { Vec::new() };
     let mut rng = SplitMix64::new(args.seed);
     let mut out = std::io::stdout().lock();
     if !args.chat {
@@ -100,18 +95,8 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     }
     let mut pending = Vec::new();
     let prompt_len = tokens.len();
-    for _ in 0..args.max_new_tokens {
-        if tokens.len() == context + 1 && prompt_len <= context && !args.no_kv_cache {
-            eprintln!(
-                "\nnote: the sequence is longer than the model's context of {context} tokens: each token now recomputes the last {context}"
-            );
-        }
-        let logits = model.next_token_logits(&params, ::family::generation::window(&tokens, context))?;
-        let next = sample(&logits, args.temperature, args.top_k, &mut rng);
-        if stops.contains(&next) {
-            break;
-        }
-        tokens.push(next);
+    let pick = |logits: &[f32]| sample(logits, args.temperature, args.top_k, &mut rng);
+    extend(&mut *model, &params, &mut tokens, args.max_new_tokens, context, &stops, pick, |next, len| {
         // Print whole UTF-8 characters as they complete.
         pending.push(next);
         let text = tok.decode(&pending)?;
@@ -120,16 +105,72 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             out.flush()?;
             pending.clear();
         }
-    }
+        if len == context + 1 && prompt_len <= context && !args.no_kv_cache {
+            eprintln!(
+                "\nnote: the sequence is longer than the model's context of {context} tokens: each token now recomputes the last {context}"
+            );
+        }
+        Ok(())
+    })?;
     writeln!(out, "{}", tok.decode(&pending)?)?;
     Ok(())
+}
+
+/// The prompt of a conversation whose next turn is the assistant's, through
+/// the tokenizer's chat template.
+pub(crate) fn chat_prompt(tok: &Tokenizer, messages: &[Message]) -> Result<Vec<u32>> {
+    let template = tok.chat_template().context("the model's tokenizer has no chat template")?;
+    Ok(tok.encode_chat(&template.render(messages, true)?)?.ids)
+}
+
+/// Where an assistant's turn ends: the tokenizer's end-of-sequence and `<|im_end|>`.
+pub(crate) fn turn_ends(tok: &Tokenizer) -> Vec<u32> {
+    tok.eos_id().into_iter().chain(tok.token_id("<|im_end|>")).collect()
+}
+
+/// Extends `tokens` by at most `max_new` tokens, each chosen by `pick` from
+/// the logits of the model's last `context` tokens, stopping before a token
+/// of `stops`. `emit(token, length)` sees each new token and the sequence's
+/// length with it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn extend(
+    model: &mut dyn LanguageModel,
+    params: &[f32],
+    tokens: &mut Vec<u32>,
+    max_new: usize,
+    context: usize,
+    stops: &[u32],
+    mut pick: impl FnMut(&[f32]) -> u32,
+    mut emit: impl FnMut(u32, usize) -> Result<()>,
+) -> Result<()> {
+    for _ in 0..max_new {
+        let logits = model.next_token_logits(params, ::family::generation::window(tokens, context))?;
+        let next = pick(&logits);
+        if stops.contains(&next) {
+            break;
+        }
+        tokens.push(next);
+        emit(next, tokens.len())?;
+    }
+    Ok(())
+}
+
+/// The most likely token (the first of equals): greedy decoding.
+pub(crate) fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, l) in logits.iter().enumerate() {
+        if l.total_cmp(&logits[best]).is_gt() {
+            best = i;
+        }
+    }
+    best as u32
 }
 
 fn sample(logits: &[f32], temperature: f32, top_k: usize, rng: &mut SplitMix64) -> u32 {
     let mut idx: Vec<usize> = (0..logits.len()).collect();
     idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
     if temperature == 0.0 {
-        return idx[0] as u32;
+        return argmax(logits);
     }
     let k = if top_k == 0 { idx.len() } else { top_k.min(idx.len()) };
     let top = &idx[..k];

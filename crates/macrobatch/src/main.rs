@@ -4,6 +4,8 @@ mod bench;
 mod charts;
 mod checkpoint;
 mod dist;
+mod eval;
+mod export;
 mod family;
 mod folder;
 mod generate;
@@ -40,6 +42,12 @@ enum Command {
     Train(TrainArgs),
     /// Sample text from a trained model directory.
     Generate(GenerateArgs),
+    /// Measure a saved model on held-out data: loss per target token,
+    /// perplexity, tokens/s; with --exact-match, greedy replies against chat references.
+    Eval(EvalArgs),
+    /// Write a run (its LoRA adapters merged into the base) as a standalone
+    /// Hugging Face folder or a GGUF file for llama.cpp / Ollama.
+    Export(ExportArgs),
     /// Prove that the configured micro × K × W computes the same step as one big batch.
     Verify(VerifyArgs),
     /// Measure the training step: ms/step, tokens/s, MFU, engine overhead, K sweep.
@@ -243,6 +251,84 @@ pub struct GenerateArgs {
     pub no_kv_cache: bool,
 }
 
+/// Arguments of `macrobatch eval`.
+#[derive(clap::Args)]
+pub struct EvalArgs {
+    /// A model: a run folder (with its LoRA adapters, if any), a Hugging
+    /// Face folder (config.json + model.safetensors) or a GGUF file.
+    pub model: PathBuf,
+    /// Held-out data: text (a file or folder), a token file (u16 / u32, by
+    /// the meta.json `prepare` writes beside it) or JSON Lines (`text` or
+    /// `messages` examples: only the assistant's replies are scored).
+    #[arg(long, value_name = "FILE")]
+    pub data: PathBuf,
+    /// How to read --data (default: by its name and the meta.json beside it).
+    #[arg(long, value_parser = parse_format)]
+    pub format: Option<data::DataFormat>,
+    /// Positions per window, or the cut of an example (default: the run's
+    /// data.seq_len, else the model's context up to 1024).
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    /// Samples per forward pass (default: the run's batch.micro, else 1).
+    #[arg(long)]
+    pub micro: Option<usize>,
+    /// Thread ranks that split the micro-batches.
+    #[arg(long, default_value_t = 1)]
+    pub world_size: usize,
+    /// Evaluate only the first N samples (and with --exact-match, the first N conversations).
+    #[arg(long, value_name = "N")]
+    pub max_samples: Option<usize>,
+    /// Chat JSON Lines: also generate a greedy reply to each conversation
+    /// (all but its last assistant message) and count the replies equal to
+    /// that message.
+    #[arg(long)]
+    pub exact_match: bool,
+    /// With --exact-match: the longest reply generated.
+    #[arg(long, default_value_t = 256)]
+    pub max_new_tokens: usize,
+    /// One JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Write the logits at every position of the first sample (at most 64
+    /// positions) to FILE.safetensors (`input_ids` and `logits`, f32), for
+    /// comparisons with other implementations (scripts/export_check.py).
+    #[arg(long, value_name = "FILE", hide = true)]
+    pub dump_logits: Option<PathBuf>,
+}
+
+fn parse_format(s: &str) -> Result<data::DataFormat, String> {
+    match s {
+        "text" => Ok(data::DataFormat::Text),
+        "u16" => Ok(data::DataFormat::U16),
+        "u32" => Ok(data::DataFormat::U32),
+        "jsonl" => Ok(data::DataFormat::Jsonl),
+        _ => Err(format!("`{s}` is not a data format: choose text, u16, u32 or jsonl")),
+    }
+}
+
+/// Arguments of `macrobatch export`.
+#[derive(clap::Args)]
+pub struct ExportArgs {
+    /// The model to export: a run folder (LoRA adapters are merged into
+    /// the base: W + alpha/r · B·A in f32), a Hugging Face folder or a GGUF file.
+    pub run: PathBuf,
+    /// hf: a folder transformers loads (config.json, model.safetensors,
+    /// tokenizer files, generation_config.json); gguf: one file llama.cpp,
+    /// Ollama and transformers load.
+    #[arg(long, value_enum)]
+    pub format: export::Format,
+    /// Weight type: f32, f16, bf16 (both formats) or q8_0, q4_0 (GGUF:
+    /// matrices whose rows are whole 32-value blocks; norms stay f32).
+    #[arg(long, value_enum, default_value = "f32")]
+    pub dtype: export::Dtype,
+    /// The folder (hf) or file (gguf) to write.
+    #[arg(long, value_name = "PATH")]
+    pub out: PathBuf,
+    /// Replace --out if it exists (it is replaced only once the new one is complete).
+    #[arg(long)]
+    pub force: bool,
+}
+
 #[global_allocator]
 static ALLOCATOR: heap::Counting = heap::Counting;
 
@@ -263,6 +349,8 @@ fn main() -> ExitCode {
             r => r.map(|_| true),
         },
         Command::Generate(args) => generate::run(args).map(|()| true),
+        Command::Eval(args) => eval::run(args).map(|()| true),
+        Command::Export(args) => export::run(args).map(|()| true),
         Command::Verify(args) => verify::run(args),
         Command::Bench(args) => bench::run(args).map(|()| true),
         Command::Plan(args) => plan::run(args).map(|()| true),

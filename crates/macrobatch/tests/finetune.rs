@@ -9,29 +9,6 @@
 mod common;
 use common::*;
 
-/// A tiny Llama with SmolLM2's vocabulary (so its tokenizer fits), LoRA on
-/// every linear layer, on the example's chat data.
-fn chat_sets(gguf: &str) -> Vec<String> {
-    [
-        "model.family=llama",
-        "model.preset=tiny",
-        "model.vocab_size=49152",
-        "data.format=jsonl",
-        "data.path=../../examples/smollm-lora/train.jsonl",
-        "data.val_path=../../examples/smollm-lora/heldout.jsonl",
-        "data.seq_len=256",
-        "lora.r=4",
-        "lora.alpha=8",
-        "lora.target_modules=[\"all-linear\"]",
-        "batch.global=32",
-        "optim.weight_decay=0.0",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain([format!("data.tokenizer={gguf}")])
-    .collect()
-}
-
 fn verify(sets: &[String]) -> std::process::Output {
     let mut c = bin();
     c.arg("verify");

@@ -181,6 +181,38 @@ pub fn write_safetensors_with<'a>(
     })
 }
 
+/// Decodes a stored tensor's little-endian `bytes` of `dtype` (F32, F16 or
+/// BF16, widened exactly) into `dst`. `Err` says what does not fit: a dtype
+/// other than those, or a byte count that is not `dst`'s length of it.
+pub fn decode_into(dtype: Dtype, bytes: &[u8], dst: &mut [f32]) -> Result<(), String> {
+    let width = match dtype {
+        Dtype::F32 => 4,
+        Dtype::F16 | Dtype::BF16 => 2,
+        other => return Err(format!("is {other:?}; only F32, F16 and BF16 are supported")),
+    };
+    if bytes.len() != dst.len() * width {
+        return Err(format!("holds {} values, the model needs {}", bytes.len() / width, dst.len()));
+    }
+    match dtype {
+        Dtype::F32 => {
+            for (d, s) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
+                *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+            }
+        }
+        Dtype::F16 => {
+            for (d, s) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
+                *d = half::f16::from_bits(u16::from_le_bytes([s[0], s[1]])).to_f32();
+            }
+        }
+        _ => {
+            for (d, s) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
+                *d = f32::from_bits((u16::from_le_bytes([s[0], s[1]]) as u32) << 16);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Named tensors as `(shape, data)`.
 pub type Tensors = HashMap<String, (Vec<usize>, Vec<f32>)>;
 

@@ -159,3 +159,26 @@ pub fn mpirun(np: usize, out: &Path, sets: &[&str], fault: Option<&str>) -> Outp
     with_sets(&mut c, sets);
     c.output().expect("mpirun runs (apt-get install openmpi-bin)")
 }
+
+/// A tiny Llama with SmolLM2's vocabulary (so its tokenizer fits), LoRA on
+/// every linear layer, on the example's chat data.
+pub fn chat_sets(gguf: &str) -> Vec<String> {
+    [
+        "model.family=llama",
+        "model.preset=tiny",
+        "model.vocab_size=49152",
+        "data.format=jsonl",
+        "data.path=../../examples/smollm-lora/train.jsonl",
+        "data.val_path=../../examples/smollm-lora/heldout.jsonl",
+        "data.seq_len=256",
+        "lora.r=4",
+        "lora.alpha=8",
+        "lora.target_modules=[\"all-linear\"]",
+        "batch.global=32",
+        "optim.weight_decay=0.0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([format!("data.tokenizer={gguf}")])
+    .collect()
+}

@@ -1,0 +1,192 @@
+//! The end of a fine-tune, through the command line: `eval` measures what
+//! the run's own validation measured, and `export` writes models that
+//! compute what the run computes (a Hugging Face folder here; the GGUF file
+//! and transformers' readings of both in scripts/export_check.py, run by CI).
+
+mod common;
+use common::*;
+use std::path::Path;
+
+/// The mean loss, targets and samples of `eval MODEL --data DATA ARGS --json`.
+fn eval_json(model: &Path, data: &Path, args: &[&str]) -> serde_json::Value {
+    let o = bin().arg("eval").arg(model).arg("--data").arg(data).args(args).arg("--json").output().unwrap();
+    assert!(o.status.success(), "eval {args:?}: {}", stderr(&o));
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("eval --json prints one object: {e}"))
+}
+
+fn refused(args: &[&std::ffi::OsStr], needles: &[&str]) {
+    let o = bin().args(args).output().unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{args:?} must fail with a message: {err}");
+    for n in needles {
+        assert!(err.contains(n), "{args:?}: expected `{n}` in: {err}");
+    }
+}
+
+/// [`chat_sets`] at micro 4 × K 2 for 3 steps, evaluated on every held-out
+/// example (60 of them: 15 micro-batches of 4).
+fn chat_run(out: &Path, gguf: &Path) {
+    let mut sets = chat_sets(&gguf.display().to_string());
+    sets.extend(
+        [
+            "batch.global=8",
+            "batch.micro=4",
+            "batch.accumulation_steps=2",
+            "train.steps=3",
+            "train.eval_every=0",
+            "train.eval_batches=15",
+            "optim.lr=3e-3",
+        ]
+        .map(String::from),
+    );
+    let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+    train_ok(out, &sets);
+}
+
+/// The loss `eval` reports on the held-out file is the validation loss the
+/// run logged on it: the same examples, masking and micro-batches, so the
+/// same sums in the same order — equal to the last bit. Two thread ranks
+/// take the micro-batches in turn and give the same number.
+#[test]
+fn eval_on_the_heldout_file_equals_the_runs_validation_loss() {
+    let Some(gguf) = gguf::testing::smollm2_or_skip("eval_export") else { return };
+    let out = tmp("eval-chat");
+    chat_run(&out, &gguf);
+    let logged = *val_losses(&out).last().expect("the last step is evaluated");
+    let heldout = Path::new("../../examples/smollm-lora/heldout.jsonl");
+    let one = eval_json(&out, heldout, &[]);
+    assert_eq!(one["samples"], 60, "{one}");
+    assert_eq!(one["micro"], 4, "the run's batch.micro: {one}");
+    let loss = one["loss"].as_f64().unwrap();
+    assert_eq!(loss.to_bits(), logged.to_bits(), "eval {loss} vs the run's validation loss {logged}");
+    assert!((one["perplexity"].as_f64().unwrap() - loss.exp()).abs() < 1e-9 * loss.exp());
+    let two = eval_json(&out, heldout, &["--world-size", "2"]);
+    assert_eq!(two["loss"].as_f64().unwrap().to_bits(), logged.to_bits(), "two thread ranks: {two}");
+    assert_eq!(two["targets"], one["targets"]);
+    // Exact match: the greedy reply to each conversation against its last
+    // assistant message; a 3-step tiny model matches none, but every
+    // conversation is asked.
+    let em = eval_json(&out, heldout, &["--exact-match", "--max-new-tokens", "4", "--max-samples", "3"]);
+    assert_eq!(em["exact_match"]["examples"], 3, "{em}");
+    assert!(em["exact_match"]["generated_tokens"].as_u64().unwrap() <= 12, "{em}");
+
+    // The merged Hugging Face export computes the adapted model: the same
+    // held-out loss within f32 rounding of W + α/r·B·A (the merged weight
+    // is rounded once where the adapted model adds two products: ~1e-7
+    // relative per weight, measured ~1e-7 on the loss; a wrong scale or a
+    // missing adapter moves it by 1e-2), and the same greedy answer.
+    let hf = out.join("export-hf");
+    let o = bin().arg("export").arg(&out).args(["--format", "hf", "--out"]).arg(&hf).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+        assert!(hf.join(f).is_file(), "the export holds {f}");
+    }
+    assert!(!hf.join("adapter_config.json").exists(), "adapters are merged, not copied");
+    let merged = eval_json(&hf, heldout, &["--micro", "4", "--seq-len", "256"]);
+    let m = merged["loss"].as_f64().unwrap();
+    assert!((m - loss).abs() < 1e-5 * loss, "merged export {m} vs run {loss}");
+    let greedy = |model: &Path| {
+        let o = bin()
+            .arg("generate")
+            .arg(model)
+            .args(["--chat", "--prompt", "Who is Starbuck?", "--temperature", "0", "--max-new-tokens", "8"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    assert_eq!(greedy(&out), greedy(&hf), "the merged export answers as base + adapters");
+    let gen: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("generation_config.json")).unwrap()).unwrap();
+    assert!(gen["eos_token_id"].is_u64(), "{gen}");
+
+    // bf16: half the bytes, and the loss within bf16's rounding of the
+    // weights (8 bits of mantissa: ~4e-3 relative per weight, well under
+    // 1e-2 of the loss through two layers).
+    let half = out.join("export-bf16");
+    let o =
+        bin().arg("export").arg(&out).args(["--format", "hf", "--dtype", "bf16", "--out"]).arg(&half).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let size = |d: &Path| std::fs::metadata(d.join("model.safetensors")).unwrap().len() as f64;
+    assert!((size(&half) / size(&hf) - 0.5).abs() < 0.01, "bf16 holds 2 bytes a weight");
+    let b = eval_json(&half, heldout, &["--micro", "4", "--seq-len", "256"])["loss"].as_f64().unwrap();
+    assert!((b - loss).abs() < 1e-2 * loss && b != loss, "bf16 export {b} vs run {loss}");
+}
+
+/// Text is read as training reads it: windows of seq_len + 1 tokens; the
+/// sums do not depend on how many thread ranks computed them; a token file
+/// written by `prepare` from the same text scores the same.
+#[test]
+fn eval_reads_text_and_token_files_alike() {
+    let out = tmp("eval-text");
+    train_ok(&out, &tiny(&["train.steps=2"]));
+    let text = out.join("held.txt");
+    let passage = "Call me Ishmael. Some years ago, never mind how long precisely, having little or no money in my purse, and nothing particular to interest me on shore, I thought I would sail about a little and see the watery part of the world. ";
+    std::fs::write(&text, passage.repeat(8)).unwrap();
+    let a = eval_json(&out, &text, &["--seq-len", "32", "--micro", "2"]);
+    let n = passage.len() * 8;
+    // Windows of 33 tokens, each starting at the last token of the one
+    // before: every token but the first is a target exactly once.
+    assert_eq!(a["samples"].as_u64().unwrap() as usize, (n - 1) / 32, "{a}");
+    assert_eq!(a["targets"].as_u64().unwrap(), 32 * a["samples"].as_u64().unwrap());
+    let b = eval_json(&out, &text, &["--seq-len", "32", "--micro", "2", "--world-size", "2"]);
+    assert_eq!(a["loss"], b["loss"]);
+    let prepared = out.join("prepared");
+    let o = bin().arg("prepare").arg(&text).arg("--out").arg(&prepared).args(["--val-fraction", "0"]).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let c = eval_json(&out, &prepared.join("train.bin"), &["--seq-len", "32", "--micro", "2"]);
+    assert_eq!(c["format"], "u16", "{c}");
+    assert_eq!((a["loss"].clone(), a["samples"].clone()), (c["loss"].clone(), c["samples"].clone()));
+
+    // An untrained copy (1e-12 learning rate) scores worse: eval sees the weights.
+    let fresh = tmp("eval-text-fresh");
+    train_ok(&fresh, &tiny(&["train.steps=1", "optim.lr=1e-12", "schedule.min_lr=0"]));
+    let f = eval_json(&fresh, &text, &["--seq-len", "32", "--micro", "2"]);
+    assert!(f["loss"].as_f64().unwrap() > a["loss"].as_f64().unwrap(), "{f} vs {a}");
+    let _ = std::fs::remove_dir_all(&fresh);
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// Bad input is refused with what to do, and nothing saved is replaced.
+#[test]
+fn eval_and_export_refuse_bad_input() {
+    let out = tmp("export-bad");
+    train_ok(&out, &tiny(&["train.steps=2"]));
+    let os = |s: &str| std::ffi::OsString::from(s);
+    let p = |s: &Path| s.as_os_str().to_owned();
+    // A token file whose vocabulary does not fit the byte model.
+    let text = out.join("t.txt");
+    std::fs::write(&text, "hello world, hello tokens. ".repeat(40)).unwrap();
+    let prepared = out.join("gpt2-tokens");
+    let o = bin().arg("prepare").arg(&text).arg("--out").arg(&prepared).args(["--tokenizer", "gpt2"]).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let args = [os("eval"), p(&out), os("--data"), p(&prepared.join("train.bin"))];
+    refused(&args.iter().map(|a| a.as_os_str()).collect::<Vec<_>>(), &["vocab"]);
+    // --exact-match on text.
+    let args = [os("eval"), p(&out), os("--data"), p(&text), os("--exact-match")];
+    refused(&args.iter().map(|a| a.as_os_str()).collect::<Vec<_>>(), &["--exact-match needs chat JSON Lines"]);
+
+    // A q8_0 Hugging Face folder does not exist.
+    let dest = out.join("exported");
+    let args = [os("export"), p(&out), os("--format"), os("hf"), os("--dtype"), os("q8_0"), os("--out"), p(&dest)];
+    refused(&args.iter().map(|a| a.as_os_str()).collect::<Vec<_>>(), &["--format gguf"]);
+    assert!(!dest.exists());
+    // An existing output is kept without --force, replaced with it.
+    std::fs::create_dir_all(&dest).unwrap();
+    std::fs::write(dest.join("mine.txt"), "keep me").unwrap();
+    let args = [os("export"), p(&out), os("--format"), os("hf"), os("--out"), p(&dest)];
+    refused(&args.iter().map(|a| a.as_os_str()).collect::<Vec<_>>(), &["exists", "--force"]);
+    assert_eq!(std::fs::read_to_string(dest.join("mine.txt")).unwrap(), "keep me");
+    let o = bin().args(&args).arg("--force").output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(dest.join("model.safetensors").is_file() && !dest.join("mine.txt").exists());
+    // A run stopped before its end holds checkpoints, no model: say where they are.
+    let stopped = tmp("export-stopped");
+    let mut c = train_cmd(&stopped, &tiny(&["train.steps=4", "train.checkpoint_every=1"]));
+    let o = c.arg("--stop-after").arg("2").output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let args = [os("export"), p(&stopped), os("--format"), os("hf"), os("--out"), p(&out.join("x"))];
+    refused(&args.iter().map(|a| a.as_os_str()).collect::<Vec<_>>(), &["no final model", "checkpoint is step 2"]);
+    let _ = std::fs::remove_dir_all(&stopped);
+    let _ = std::fs::remove_dir_all(&out);
+}
