@@ -264,11 +264,29 @@ fn every_metrics_number_is_a_scalar_and_a_resume_after_a_crash_shows_no_step_twi
 
     if python_tensorboard() {
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/tensorboard_check.py");
-        let o = Command::new("python3").arg(script).arg(&run).output().unwrap();
+        let o = Command::new("python3").arg(&script).arg(&run).output().unwrap();
         let out = String::from_utf8_lossy(&o.stdout);
         assert!(o.status.success(), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
         assert!(out.contains("0 mismatches"), "{out}");
         eprintln!("{}", out.trim_end());
+        // The check can fail: metrics.jsonl with step 3's loss moved by 1e-6
+        // of itself (about 8 f32 ulps) against the same log.
+        let tampered = tmp("tensorboard-tampered");
+        std::fs::create_dir_all(&tampered).unwrap();
+        let lines: Vec<String> = metrics(&run)
+            .into_iter()
+            .map(|mut l| {
+                if l["step"] == 3 {
+                    l["loss"] = serde_json::json!(l["loss"].as_f64().unwrap() * (1.0 + 1e-6));
+                }
+                l.to_string()
+            })
+            .collect();
+        std::fs::write(tampered.join("metrics.jsonl"), lines.join("\n") + "\n").unwrap();
+        let o = Command::new("python3").arg(script).arg(&tampered).arg("--logdir").arg(&tb).output().unwrap();
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(!o.status.success() && out.contains("MISMATCH train/loss step 3"), "{out}");
+        let _ = std::fs::remove_dir_all(&tampered);
     } else {
         eprintln!("skipped the EventAccumulator check: python3 cannot import tensorboard (pip install tensorboard)");
     }
