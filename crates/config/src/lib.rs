@@ -487,6 +487,10 @@ pub struct TrainConfig {
     /// run (whose checkpoint holds only the layout's tensors) packs the
     /// same base again.
     pub frozen_source: Option<std::path::PathBuf>,
+    /// Also write every `metrics.jsonl` line's numbers as TensorBoard
+    /// scalars, into the run folder's `tensorboard/` (rank 0; `train
+    /// --tensorboard DIR` turns it on and names another folder).
+    pub tensorboard: bool,
 }
 
 /// `train.frozen_dtype`: the storage of a frozen base projection weight.
@@ -549,6 +553,7 @@ impl Default for TrainConfig {
             frozen_dtype: FrozenDtype::Auto,
             frozen_double_quant: true,
             frozen_source: None,
+            tensorboard: false,
         }
     }
 }
@@ -1248,5 +1253,16 @@ mod tests {
         assert_eq!(parse(&c.to_toml(), &[]).unwrap(), c, "auto round-trips");
         let e = parse("", &["batch.micro=\"many\""]).unwrap_err().to_string();
         assert!(e.contains("\"auto\""), "{e}");
+    }
+
+    #[test]
+    fn tensorboard_is_off_by_default_a_bool_and_round_trips() {
+        assert!(!parse("", &[]).unwrap().train.tensorboard);
+        let c = parse("[train]\ntensorboard = true\n", &[]).unwrap();
+        assert!(c.train.tensorboard && c.validate().is_ok());
+        assert_eq!(parse(&c.to_toml(), &[]).unwrap(), c, "the resolved config keeps it");
+        assert!(parse("", &["train.tensorboard=true"]).unwrap().train.tensorboard);
+        let e = parse("", &["train.tensorboard=\"runs/tb\""]).unwrap_err().to_string();
+        assert!(e.contains("tensorboard") && e.contains("bool"), "{e}");
     }
 }

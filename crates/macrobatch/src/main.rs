@@ -18,6 +18,7 @@ mod plot;
 mod prepare;
 mod ranks;
 mod setup;
+mod tensorboard;
 mod train;
 mod verify;
 
@@ -210,6 +211,10 @@ pub struct TrainArgs {
     /// folded into its weights (a plain Hugging Face Llama folder).
     #[arg(long)]
     pub merge: bool,
+    /// Write TensorBoard event files into DIR (turns train.tensorboard on;
+    /// with the key alone they go into the run folder's tensorboard/).
+    #[arg(long, value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
 }
 
 /// Arguments of `macrobatch generate`.

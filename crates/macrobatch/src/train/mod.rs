@@ -59,6 +59,9 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         }
         None => (load_config(args.config.as_deref(), &args.set, &args.deepspeed)?, None, None),
     };
+    if args.tensorboard.is_some() {
+        cfg.train.tensorboard = true;
+    }
     // Checked before anything is read or created.
     cfg.validate()?;
     // Before anything runs on the pool: packing a frozen base at
@@ -98,6 +101,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         run_id: run_id.clone(),
         dump_steps: args.dump_steps.clone(),
         merge: args.merge,
+        tensorboard: args.tensorboard.clone(),
         offload_root: folder.offload_root.clone(),
     };
     let result = run_ranks(&plan, &folder, &start, resume_step);
@@ -111,7 +115,9 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
 /// outputs; every rank checked the folder before.
 fn run_ranks(plan: &Arc<Plan>, folder: &RunFolder, start: &Start, resume_step: Option<u64>) -> Result<()> {
     let timeout = Duration::from_secs_f64(plan.cfg.dist.timeout_s);
-    let rank0_outputs = || folder.make().and_then(|dir| open_outputs(plan, &dir, resume_step, &start.run_id));
+    let rank0_outputs = || {
+        folder.make().and_then(|dir| open_outputs(plan, &dir, resume_step, &start.run_id, start.tensorboard.as_deref()))
+    };
     match plan.backend {
         Backend::Single => {
             rank0_outputs().and_then(|out| train_rank(plan, &mut comm::SingleProcess::new(), Some(out), start))

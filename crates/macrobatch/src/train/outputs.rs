@@ -1,15 +1,16 @@
 //! The run folder and rank 0's outputs in it: the folder planned on every
 //! rank, created (or on `--resume` reused) and locked by rank 0 alone, the
 //! run id, resolved config and tokenizer written into it, `metrics.jsonl`
-//! opened, and what a run that failed before its first step leaves behind
+//! (and with `train.tensorboard` the TensorBoard log) opened, and what a run that failed before its first step leaves behind
 //! removed.
 
 use crate::charts;
 use crate::checkpoint;
 use crate::family;
 use crate::folder::{self, FolderLock, RUN_ID_FILE};
-use crate::metrics::Reporter;
+use crate::metrics::{Reporter, StepRecord};
 use crate::setup::{remove_offload_root, Plan};
+use crate::tensorboard::TensorBoard;
 use crate::TrainArgs;
 use anyhow::{anyhow, bail, Context, Result};
 use config::Micro;
@@ -22,6 +23,19 @@ pub struct Outputs {
     pub dir: PathBuf,
     /// `metrics.jsonl` and the progress line.
     pub reporter: Reporter,
+    /// `train.tensorboard`: the same numbers as TensorBoard scalars.
+    pub tensorboard: Option<TensorBoard>,
+}
+
+impl Outputs {
+    /// Records one step: its `metrics.jsonl` line, then its scalars.
+    pub fn record(&mut self, r: &StepRecord) -> Result<()> {
+        self.reporter.record(r)?;
+        match &mut self.tensorboard {
+            Some(tb) => tb.record(r),
+            None => Ok(()),
+        }
+    }
 }
 
 /// The folder a run writes: checked on every rank before anything runs,
@@ -158,8 +172,15 @@ fn create_run_dir(dir: &Path, exclusive: bool) -> Result<PathBuf> {
 
 /// Rank 0's outputs in `dir`: the run id (a new run), the resolved config
 /// and tokenizer, and `metrics.jsonl` (cut back to `resume_step` on a
-/// resume), announced by the run's first line.
-pub fn open_outputs(plan: &Plan, dir: &Path, resume_step: Option<u64>, run_id: &str) -> Result<Outputs> {
+/// resume), announced by the run's first line; with `train.tensorboard`
+/// the TensorBoard log into `tensorboard_dir` (default `dir/tensorboard`).
+pub fn open_outputs(
+    plan: &Plan,
+    dir: &Path,
+    resume_step: Option<u64>,
+    run_id: &str,
+    tensorboard_dir: Option<&Path>,
+) -> Result<Outputs> {
     if resume_step.is_none() {
         gpt::hf::write_atomic(&dir.join(RUN_ID_FILE), format!("{run_id}\n").as_bytes())?;
     }
@@ -198,5 +219,10 @@ pub fn open_outputs(plan: &Plan, dir: &Path, resume_step: Option<u64>, run_id: &
         let schedule = engine::Schedule::new(plan.grid.schedule, plan.grid.stages, plan.batch.accumulation_steps)?;
         reporter.println(schedule.to_string().trim_end());
     }
-    Ok(Outputs { dir: dir.to_path_buf(), reporter })
+    let tensorboard = plan.cfg.train.tensorboard.then(|| {
+        let tb = tensorboard_dir.map_or_else(|| dir.join("tensorboard"), Path::to_path_buf);
+        reporter.println(&format!("TensorBoard: tensorboard --logdir {}", tb.display()));
+        TensorBoard::new(tb)
+    });
+    Ok(Outputs { dir: dir.to_path_buf(), reporter, tensorboard })
 }

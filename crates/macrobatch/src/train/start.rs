@@ -36,6 +36,9 @@ pub struct Start {
     pub dump_steps: Option<PathBuf>,
     /// `--merge`: also save the model with its LoRA adapters merged.
     pub merge: bool,
+    /// `--tensorboard DIR`: where the TensorBoard log goes instead of the
+    /// run folder's `tensorboard/`.
+    pub tensorboard: Option<PathBuf>,
     /// `dist.offload_optimizer = "disk"`: the run folder's `offload/`
     /// (each rank's files in `rank-R/`, removed at the end of the run).
     /// Set once the run folder is known (rank 0 may pick a fresh name).
