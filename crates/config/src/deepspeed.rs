@@ -329,13 +329,31 @@ impl Translation {
             }
             self.notes.push(note);
         }
+        if let Some(v) = root.remove("tensorboard") {
+            let mut m = self.object(v, "tensorboard")?;
+            let enabled = match m.remove("enabled") {
+                Some(e) => self.flag(&e, "tensorboard.enabled")?,
+                None => false,
+            };
+            self.set("train.tensorboard", enabled);
+            let mut note = format!(
+                "\"tensorboard\": {{\"enabled\": {enabled}}} → train.tensorboard = {enabled} (event files in RUN/tensorboard/)"
+            );
+            let rest: Vec<String> = m.iter().map(|(k, v)| format!("tensorboard.{k} = {v}")).collect();
+            if !rest.is_empty() {
+                note.push_str(&format!(
+                    "; {} ignored: `train --tensorboard DIR` names another folder",
+                    rest.join(", ")
+                ));
+            }
+            self.notes.push(note);
+        }
         self.accept(
             &mut root,
             "",
             &[
                 "wall_clock_breakdown",
                 "memory_breakdown",
-                "tensorboard",
                 "wandb",
                 "csv_monitor",
                 "comet",
@@ -961,6 +979,22 @@ mod tests {
         c.validate().unwrap();
         let all = r.warnings.join("\n");
         assert!(all.contains("partition_activations") && all.contains("offload_optimizer"), "{all}");
+    }
+
+    #[test]
+    fn tensorboard_enabled_maps_to_the_event_files() {
+        let on = ds(r#"{"train_batch_size": 8, "tensorboard": {"enabled": true, "output_path": "logs/"}}"#, &[], false)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(on.config.train.tensorboard);
+        assert!(
+            on.warnings.iter().any(|n| n.contains("train.tensorboard = true") && n.contains("output_path")),
+            "{:?}",
+            on.warnings
+        );
+        let off = ds(r#"{"train_batch_size": 8, "tensorboard": {"enabled": false}}"#, &[], false)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(!off.config.train.tensorboard);
+        assert!(ds(r#"{"train_batch_size": 8, "tensorboard": {"enabled": "yes"}}"#, &[], false).is_err());
     }
 
     #[test]
