@@ -17,7 +17,7 @@
 //! thread count may choose for a shape).
 
 use crate::family::{self, Build, Family};
-use crate::generate;
+use crate::saved;
 use crate::EvalArgs;
 use anyhow::{bail, Context, Result};
 use comm::Communicator;
@@ -243,18 +243,18 @@ fn exact_match(
     if let Some(l) = limit {
         convs.truncate(l);
     }
-    let stops = generate::turn_ends(tok);
+    let stops = saved::turn_ends(tok);
     let context = family.max_seq_len();
     let mut model = family.build(Build::default())?;
     let (mut matched, mut generated) = (0, 0);
     let start = Instant::now();
     for (line, messages) in &convs {
         let Some(last) = messages.iter().rposition(|m| m.role == data::Role::Assistant) else { continue };
-        let mut tokens = generate::chat_prompt(tok, &messages[..last])
+        let mut tokens = saved::chat_prompt(tok, &messages[..last])
             .with_context(|| format!("--exact-match: {} line {line}", path.display()))?;
         let prompt_len = tokens.len();
         model.set_kv_cache((prompt_len + max_new).min(context))?;
-        generate::extend(&mut *model, params, &mut tokens, max_new, context, &stops, generate::argmax, |_, _| Ok(()))?;
+        saved::extend(&mut *model, params, &mut tokens, max_new, context, &stops, saved::argmax, |_, _| Ok(()))?;
         generated += tokens.len() - prompt_len;
         let reply = tok.decode(&tokens[prompt_len..])?;
         if reply.trim() == messages[last].content.trim() {
@@ -276,12 +276,12 @@ pub fn run(args: EvalArgs) -> Result<()> {
     if args.world_size == 0 || args.micro == Some(0) || args.seq_len == Some(0) {
         bail!("--world-size, --micro and --seq-len must be at least 1");
     }
-    generate::point_to_checkpoints(&args.model)?;
+    saved::point_to_checkpoints(&args.model)?;
     crate::memory::check_load(&args.model, &format!("eval {}", args.model.display()))
         .with_context(|| format!("cannot load a model from {}", args.model.display()))?;
     let (family, params) =
         family::load_hf(&args.model).with_context(|| format!("cannot load a model from {}", args.model.display()))?;
-    let tok = generate::tokenizer_of(&args.model)?;
+    let tok = saved::tokenizer_of(&args.model)?;
     let run = run_defaults(&args.model)?;
     let context = family.max_seq_len();
     let seq_len = args.seq_len.or(run.seq_len).unwrap_or(context.min(1024));

@@ -17,7 +17,7 @@
 //! renamed over it).
 
 use crate::family::{self, Build, Family};
-use crate::generate;
+use crate::saved;
 use crate::ExportArgs;
 use anyhow::{bail, Context, Result};
 use data::Tokenizer;
@@ -97,7 +97,7 @@ fn check_args(args: &ExportArgs) -> Result<()> {
 /// Exports the model and says what was written.
 pub fn run(args: ExportArgs) -> Result<()> {
     check_args(&args)?;
-    generate::point_to_checkpoints(&args.run)?;
+    saved::point_to_checkpoints(&args.run)?;
     if args.run.is_dir() && !args.run.join(family::CONFIG_FILE).is_file() {
         bail!(
             "{} holds no model (no config.json): export takes a finished run folder (train --out DIR), a Hugging Face folder or a GGUF file",
@@ -112,7 +112,7 @@ pub fn run(args: ExportArgs) -> Result<()> {
         Some((f, p)) => (f, p, true),
         None => (family, params, false),
     };
-    let tok = generate::tokenizer_of(&args.run)?;
+    let tok = saved::tokenizer_of(&args.run)?;
     let written = match args.format {
         Format::Hf => write_hf(&args, &family, &params, &tok)?,
         Format::Gguf => write_gguf(&args, &family, &params, &tok)?,

@@ -8,44 +8,13 @@
 //! without the cache: every position shifts each step, so each step
 //! recomputes that window.
 
-use crate::family::{self, Build, LanguageModel};
+use crate::family::{self, Build};
+use crate::saved::{argmax, chat_prompt, extend, point_to_checkpoints, tokenizer_of, turn_ends};
 use crate::GenerateArgs;
 use anyhow::{bail, Context, Result};
-use data::{Message, Role, Tokenizer, TokenizerSpec};
+use data::{Message, Role};
 use engine::rng::SplitMix64;
 use std::io::Write;
-use std::path::Path;
-
-/// The tokenizer a model folder (or GGUF file) carries, else bytes.
-pub(crate) fn tokenizer_of(model: &Path) -> Result<Tokenizer> {
-    let spec = if family::is_gguf(model) {
-        TokenizerSpec::Gguf(model.to_path_buf())
-    } else if model.join("tokenizer.json").exists() {
-        TokenizerSpec::TokenizerJson(model.join("tokenizer.json"))
-    } else {
-        TokenizerSpec::Byte
-    };
-    spec.build().with_context(|| format!("cannot load the tokenizer of {}", model.display()))
-}
-
-/// A run folder stopped before its end holds checkpoints but no final
-/// model: say where the newest one is instead of "no config.json".
-pub(crate) fn point_to_checkpoints(dir: &Path) -> Result<()> {
-    if !dir.is_dir() || dir.join(family::WEIGHTS_FILE).exists() {
-        return Ok(());
-    }
-    let newest = crate::checkpoint::list(dir).ok().and_then(|l| l.into_iter().max_by_key(|(step, _)| *step));
-    if let Some((step, path)) = newest {
-        let what = "holds no final model (the run stopped before its last step)";
-        bail!(
-            "{} {what}; its newest checkpoint is step {step}: generate from {} (or finish the run with `train --resume {}`)",
-            dir.display(),
-            path.display(),
-            dir.display()
-        );
-    }
-    Ok(())
-}
 
 /// Samples `max_new_tokens` tokens after the prompt and prints the text.
 pub fn run(args: GenerateArgs) -> Result<()> {
@@ -114,56 +83,6 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     })?;
     writeln!(out, "{}", tok.decode(&pending)?)?;
     Ok(())
-}
-
-/// The prompt of a conversation whose next turn is the assistant's, through
-/// the tokenizer's chat template.
-pub(crate) fn chat_prompt(tok: &Tokenizer, messages: &[Message]) -> Result<Vec<u32>> {
-    let template = tok.chat_template().context("the model's tokenizer has no chat template")?;
-    Ok(tok.encode_chat(&template.render(messages, true)?)?.ids)
-}
-
-/// Where an assistant's turn ends: the tokenizer's end-of-sequence and `<|im_end|>`.
-pub(crate) fn turn_ends(tok: &Tokenizer) -> Vec<u32> {
-    tok.eos_id().into_iter().chain(tok.token_id("<|im_end|>")).collect()
-}
-
-/// Extends `tokens` by at most `max_new` tokens, each chosen by `pick` from
-/// the logits of the model's last `context` tokens, stopping before a token
-/// of `stops`. `emit(token, length)` sees each new token and the sequence's
-/// length with it.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn extend(
-    model: &mut dyn LanguageModel,
-    params: &[f32],
-    tokens: &mut Vec<u32>,
-    max_new: usize,
-    context: usize,
-    stops: &[u32],
-    mut pick: impl FnMut(&[f32]) -> u32,
-    mut emit: impl FnMut(u32, usize) -> Result<()>,
-) -> Result<()> {
-    for _ in 0..max_new {
-        let logits = model.next_token_logits(params, ::family::generation::window(tokens, context))?;
-        let next = pick(&logits);
-        if stops.contains(&next) {
-            break;
-        }
-        tokens.push(next);
-        emit(next, tokens.len())?;
-    }
-    Ok(())
-}
-
-/// The most likely token (the first of equals): greedy decoding.
-pub(crate) fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, l) in logits.iter().enumerate() {
-        if l.total_cmp(&logits[best]).is_gt() {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 fn sample(logits: &[f32], temperature: f32, top_k: usize, rng: &mut SplitMix64) -> u32 {

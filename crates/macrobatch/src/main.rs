@@ -17,6 +17,7 @@ mod planning;
 mod plot;
 mod prepare;
 mod ranks;
+mod saved;
 mod setup;
 mod tensorboard;
 mod train;

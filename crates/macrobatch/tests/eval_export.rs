@@ -70,6 +70,12 @@ fn eval_on_the_heldout_file_equals_the_runs_validation_loss() {
     assert_eq!(em["exact_match"]["examples"], 3, "{em}");
     assert!(em["exact_match"]["generated_tokens"].as_u64().unwrap() <= 12, "{em}");
 
+    // A GGUF file is a model too (dequantised to f32): the pretrained
+    // SmolLM2 predicts the held-out replies far better than the tiny run.
+    let g = eval_json(&gguf, heldout, &["--max-samples", "2", "--seq-len", "256"]);
+    let gl = g["loss"].as_f64().unwrap();
+    assert!(gl.is_finite() && gl < loss / 2.0, "SmolLM2 {gl} vs the tiny run {loss}");
+
     // The merged Hugging Face export computes the adapted model: the same
     // held-out loss within f32 rounding of W + α/r·B·A (the merged weight
     // is rounded once where the adapted model adds two products: ~1e-7
