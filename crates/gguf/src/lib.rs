@@ -4,6 +4,7 @@
 //! files to Hugging Face `LlamaForCausalLM` names, shapes and layouts.
 //! Knows nothing about training.
 
+pub mod encode;
 pub mod error;
 pub mod file;
 pub mod llama;
@@ -12,6 +13,7 @@ pub mod testing;
 pub mod value;
 pub mod writer;
 
+pub use encode::quantize;
 pub use error::GgufError;
 pub use file::{GgufFile, TensorInfo, DEFAULT_ALIGNMENT};
 pub use quant::GgmlType;
