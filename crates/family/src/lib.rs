@@ -58,6 +58,71 @@ impl From<BoxError> for ModelError {
     }
 }
 
+/// A model as a GGUF file holds it, in llama.cpp's tensor names and layout
+/// for the family's architecture: the architecture's metadata
+/// (`general.architecture`, `{arch}.block_count`, …) and every tensor's f32
+/// values. The tokenizer's `tokenizer.*` keys are not here: the caller
+/// appends them (`data::Tokenizer::gguf_metadata`) before writing.
+/// Values are owned (one copy of the model); [`GgufModel::write`] encodes
+/// and writes one tensor at a time.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GgufModel {
+    /// Metadata in the order it is written.
+    pub metadata: Vec<(String, gguf::Value)>,
+    /// Tensors in the order they are written.
+    pub tensors: Vec<GgufTensor>,
+}
+
+/// One tensor of a [`GgufModel`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct GgufTensor {
+    /// llama.cpp's name (`blk.0.attn_q.weight`).
+    pub name: String,
+    /// GGUF dimensions, fastest first: a row-major `[rows, cols]` matrix is
+    /// `[cols, rows]`.
+    pub ne: Vec<u64>,
+    /// The values in the file's order (row-major over `ne` reversed).
+    pub values: Vec<f32>,
+}
+
+impl GgufTensor {
+    /// A tensor of row-major `shape` (the reverse of `ne`).
+    pub fn new(name: impl Into<String>, shape: &[usize], values: Vec<f32>) -> Self {
+        Self { name: name.into(), ne: shape.iter().rev().map(|&d| d as u64).collect(), values }
+    }
+}
+
+impl GgufModel {
+    /// Writes the model as a GGUF v3 file at `path` (through `PATH.part`,
+    /// renamed when complete), every tensor stored as `ty` where llama.cpp's
+    /// converter would ([`gguf::storage_type`]: norms, biases and 1-D
+    /// tensors in F32, rows that are not whole blocks in F16), with
+    /// `general.file_type` and, for block types, `general.quantization_version`
+    /// added. One tensor is encoded at a time.
+    pub fn write(&self, path: &Path, ty: gguf::GgmlType) -> Result<()> {
+        let file_type = gguf::file_type(ty).ok_or_else(|| format!("GGUF files cannot be written as {}", ty.name))?;
+        let mut metadata = self.metadata.clone();
+        metadata.push(("general.file_type".into(), gguf::Value::U32(file_type)));
+        if ty.block_size > 1 {
+            metadata.push(("general.quantization_version".into(), gguf::Value::U32(2)));
+        }
+        let headers: Vec<_> = self
+            .tensors
+            .iter()
+            .map(|t| gguf::writer::TensorHeader {
+                name: t.name.clone(),
+                ne: t.ne.clone(),
+                ty: gguf::storage_type(ty, &t.name, &t.ne),
+            })
+            .collect();
+        gguf::writer::write_tensors::<_, gguf::GgufError, _>(path, &metadata, &headers, |i| {
+            gguf::quantize(headers[i].ty, &self.tensors[i].values)
+                .map_err(|e| gguf::GgufError::Encode(format!("tensor `{}`: {e}", headers[i].name)))
+        })
+        .map_err(ModelError::new)
+    }
+}
+
 impl From<String> for ModelError {
     fn from(message: String) -> Self {
         Self(message.into())
@@ -349,6 +414,14 @@ pub trait Family: Send + Sync {
     fn merged(&self, params: &[f32]) -> Result<Option<Loaded>> {
         let _ = params;
         Ok(None)
+    }
+    /// The model as a GGUF file holds it for llama.cpp (names, layout and
+    /// the architecture's metadata, no tokenizer). `params` is in `layout`'s
+    /// order and holds no adapters: merge them first ([`Family::merged`]).
+    fn gguf_export(&self, layout: &ParamLayout, params: &[f32]) -> Result<GgufModel> {
+        let _ = (layout, params);
+        Err(format!("the {} family cannot be written as a GGUF file (export it as a Hugging Face folder)", self.name())
+            .into())
     }
     /// Writes this shape into `[model]`, so a resolved config rebuilds it.
     fn pin_shape(&self, m: &mut ModelConfig);

@@ -69,6 +69,40 @@ pub fn quantize(ty: GgmlType, values: &[f32]) -> Result<Vec<u8>, GgufError> {
     Ok(packed.bytes().to_vec())
 }
 
+/// The type a tensor is stored in when a file is written as `requested`,
+/// by llama.cpp's converter's rule (`convert_hf_to_gguf.py`): one-dimensional
+/// tensors, norms, biases (names not ending in `.weight`) and
+/// `position_embd.weight` stay F32; a block type whose block does not
+/// divide the rows (`ne[0]`) falls back to F16; every other tensor takes
+/// `requested`.
+pub fn storage_type(requested: GgmlType, name: &str, ne: &[u64]) -> GgmlType {
+    let known = |id| GgmlType::from_id(id).expect("F32 and F16 are in the type table");
+    let always_f32 = ne.iter().filter(|&&d| d > 1).count() <= 1
+        || name.ends_with("_norm.weight")
+        || !name.ends_with(".weight")
+        || name == "position_embd.weight";
+    if always_f32 {
+        return known(GgmlType::F32);
+    }
+    if requested.block_size > 1 && !ne.first().is_some_and(|&d| d.is_multiple_of(requested.block_size as u64)) {
+        return known(GgmlType::F16);
+    }
+    requested
+}
+
+/// llama.cpp's `general.file_type` (`LLAMA_FTYPE_*`) of a file written as
+/// `ty` ("mostly" that type), if [`quantize`] writes it.
+pub fn file_type(ty: GgmlType) -> Option<u32> {
+    match ty.id {
+        GgmlType::F32 => Some(0),
+        GgmlType::F16 => Some(1),
+        GgmlType::Q4_0 => Some(2),
+        GgmlType::Q8_0 => Some(7),
+        GgmlType::BF16 => Some(32),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -162,6 +196,21 @@ mod tests {
         assert_eq!(u16::from_le_bytes([b[0], b[1]]), 0x3c00, "d = −8 / −8 = 1");
         assert_eq!(b[2], 15 << 4, "element 0 → 0 (low nibble), element 16 → 15 (high nibble)");
         assert_eq!(b[3], 11 | 8 << 4, "element 1 → 3 + 8, element 17 → 8");
+    }
+
+    #[test]
+    fn storage_types_follow_llama_cpp() {
+        let q8 = ty(GgmlType::Q8_0);
+        let id = |name: &str, ne: &[u64]| storage_type(q8, name, ne).id;
+        assert_eq!(id("blk.0.attn_q.weight", &[64, 64]), GgmlType::Q8_0);
+        assert_eq!(id("blk.0.attn_norm.weight", &[64]), GgmlType::F32);
+        assert_eq!(id("blk.0.attn_qkv.bias", &[192]), GgmlType::F32);
+        assert_eq!(id("output_norm.weight", &[64, 1]), GgmlType::F32, "a [64, 1] tensor is one-dimensional");
+        assert_eq!(id("position_embd.weight", &[64, 1024]), GgmlType::F32);
+        assert_eq!(id("blk.0.ffn_down.weight", &[48, 64]), GgmlType::F16, "48 is not a multiple of 32");
+        assert_eq!(storage_type(ty(GgmlType::BF16), "blk.0.ffn_down.weight", &[48, 64]).id, GgmlType::BF16);
+        assert_eq!(file_type(q8), Some(7));
+        assert_eq!(file_type(ty(GgmlType::Q4_1)), None);
     }
 
     #[test]

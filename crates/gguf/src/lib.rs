@@ -13,7 +13,7 @@ pub mod testing;
 pub mod value;
 pub mod writer;
 
-pub use encode::quantize;
+pub use encode::{file_type, quantize, storage_type};
 pub use error::GgufError;
 pub use file::{GgufFile, TensorInfo, DEFAULT_ALIGNMENT};
 pub use quant::GgmlType;

@@ -1,0 +1,141 @@
+//! Writing a Llama as GGUF: export → `GgufModel::write` → the family's own
+//! GGUF loader gives back the parameters (exactly in F32; within Q8_0's
+//! step in Q8_0) and the shape, and transformers' GGUF loader computes our
+//! logits from the file.
+
+use engine::ParamLayout;
+use family::{Build, Family, Registration};
+use gguf::{GgmlType, GgufFile};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("macrobatch-llama-gguf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+fn ty(id: u32) -> GgmlType {
+    GgmlType::from_id(id).unwrap()
+}
+
+/// The tiny preset (`tied`: its head is the embedding) with `lora` if given.
+fn family(tied: bool, lora: Option<&str>) -> Arc<dyn Family> {
+    let mut m = config::ModelConfig { family: "llama".into(), preset: "tiny".into(), ..Default::default() };
+    m.shape.insert("tie_word_embeddings".into(), toml::Value::Boolean(tied));
+    let lora: Option<toml::Table> = lora.map(|l| toml::from_str(l).unwrap());
+    llama::FAMILY.for_config(&m, lora.as_ref()).unwrap()
+}
+
+/// Random parameters of `f`'s layout (norms drawn too, so none is 1).
+fn params(f: &dyn Family, seed: u64) -> (ParamLayout, Vec<f32>) {
+    let layout = f.build(Build::default()).unwrap().layout().clone();
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let p = (0..layout.n_params())
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.4
+        })
+        .collect();
+    (layout, p)
+}
+
+fn write(f: &dyn Family, layout: &ParamLayout, p: &[f32], name: &str, id: u32) -> PathBuf {
+    let path = tmp(name);
+    f.gguf_export(layout, p).unwrap().write(&path, ty(id)).unwrap();
+    path
+}
+
+#[test]
+fn f32_files_load_back_exactly_tied_and_untied() {
+    for tied in [true, false] {
+        let f = family(tied, None);
+        let (layout, p) = params(&*f, 1);
+        let path = write(&*f, &layout, &p, &format!("f32-{tied}.gguf"), GgmlType::F32);
+        let file = GgufFile::open(&path).unwrap();
+        assert_eq!(file.tensor("output.weight").is_some(), !tied, "output.weight only when untied");
+        assert_eq!(file.get_str("general.architecture").unwrap(), "llama");
+        assert_eq!(file.get_u64("general.file_type").unwrap(), 0);
+        let (g, q) = llama::FAMILY.load_gguf(file).unwrap();
+        assert_eq!(g.hf_config(), f.hf_config(), "tied = {tied}");
+        assert_eq!(q.len(), p.len());
+        assert!(q.iter().zip(&p).all(|(a, b)| a.to_bits() == b.to_bits()), "tied = {tied}: bit-exact");
+    }
+}
+
+/// Q8_0 stores each run of 32 values of a row as d·q with d = amax/127 and
+/// |x − d·q| ≤ d/2 (+ the f16 rounding of d: ≤ 127·d·2⁻¹¹, together
+/// < 0.57·d); ffn_down's rows (176 values) are not whole blocks and fall
+/// back to F16 (relative 2⁻¹¹ ≤ amax/127 too); norms stay F32 (exact).
+/// So every value is within amax/127 of its block of 32 in the row.
+#[test]
+fn q8_0_files_load_back_within_a_step() {
+    let f = family(false, None);
+    let (layout, p) = params(&*f, 2);
+    let path = write(&*f, &layout, &p, "q8_0.gguf", GgmlType::Q8_0);
+    let file = GgufFile::open(&path).unwrap();
+    let types: Vec<_> = ["blk.0.attn_q.weight", "blk.0.ffn_down.weight", "blk.0.attn_norm.weight"]
+        .iter()
+        .map(|n| file.tensor(n).unwrap().type_id)
+        .collect();
+    assert_eq!(types, [GgmlType::Q8_0, GgmlType::F16, GgmlType::F32]);
+    assert_eq!(file.get_u64("general.file_type").unwrap(), 7);
+    let (_, q) = llama::FAMILY.load_gguf(file).unwrap();
+    for t in layout.tensors() {
+        let cols = *t.shape.last().unwrap();
+        let (x, y) = (&p[t.range()], &q[t.range()]);
+        for (xr, yr) in x.chunks(cols).zip(y.chunks(cols)) {
+            for (xb, yb) in xr.chunks(32).zip(yr.chunks(32)) {
+                let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                for (a, b) in xb.iter().zip(yb) {
+                    assert!((a - b).abs() <= amax / 127.0, "{}: {a} -> {b} (amax {amax})", t.name);
+                }
+            }
+        }
+        if t.shape.len() == 1 {
+            assert_eq!(x, y, "{}: norms stay F32", t.name);
+        }
+    }
+}
+
+#[test]
+fn adapters_must_be_merged_first() {
+    let f = family(true, Some("r = 4\nalpha = 8\ntarget_modules = [\"q_proj\", \"v_proj\"]"));
+    let (layout, p) = params(&*f, 3);
+    let e = f.gguf_export(&layout, &p).unwrap_err().to_string();
+    assert!(e.contains("merge"), "{e}");
+    let (g, merged) = f.merged(&p).unwrap().unwrap();
+    let (glayout, _) = params(&*g, 0);
+    let m = g.gguf_export(&glayout, &merged).unwrap();
+    assert!(m.tensors.iter().all(|t| !t.name.contains("lora")));
+    let e = g.gguf_export(&glayout, &merged[1..]).unwrap_err().to_string();
+    assert!(e.contains(&merged.len().to_string()), "{e}");
+}
+
+/// transformers' GGUF loader undoes our permutation and names: its logits
+/// at every position equal ours to 1e-5 of the largest (both f32 with
+/// different summation orders, ~1e-6 measured on these shapes by
+/// `family::reference`; a wrong permutation or name moves them by ~1e-1).
+#[test]
+fn transformers_reads_the_file_with_our_logits() {
+    let f = family(false, None);
+    let (layout, p) = params(&*f, 4);
+    let path = write(&*f, &layout, &p, "hf.gguf", GgmlType::F32);
+    let ids: Vec<u32> = vec![3, 17, 200, 5, 99, 42, 7, 255, 0, 128];
+    let Some(theirs) = gguf::testing::transformers_logits("llama-gguf", &path, &ids).unwrap() else { return };
+    let mut model = f.build(Build::default()).unwrap();
+    let mut worst = 0.0f32;
+    let mut largest = 0.0f32;
+    for (t, row) in theirs.iter().enumerate() {
+        let ours = model.next_token_logits(&p, &ids[..=t]).unwrap();
+        assert_eq!(ours.len(), row.len());
+        for (a, b) in ours.iter().zip(row) {
+            worst = worst.max((a - b).abs());
+            largest = largest.max(a.abs());
+        }
+    }
+    println!("llama GGUF via transformers: max |Δlogit| = {worst:e}, largest |logit| = {largest}");
+    assert!(worst <= 1e-5 * largest, "max |Δ| {worst} vs largest {largest}");
+}
