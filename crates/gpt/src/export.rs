@@ -6,7 +6,9 @@
 //! keeps GPT-2's projections as `Conv1D` weights `[in, out]`; the converter
 //! transposes them to `[out, in]` row-major (GGUF `ne = [in, out]`), as
 //! every other architecture's linear weights are, and transformers' GGUF
-//! reader transposes them back.
+//! reader transposes them back. (That reader maps `gpt2.context_length` to
+//! `n_ctx`, not `n_positions`, so it reads only models of 1024 positions,
+//! as every released GPT-2 has; llama.cpp reads any.)
 
 use crate::GptConfig;
 use engine::ParamLayout;
