@@ -118,24 +118,35 @@ fn adapters_must_be_merged_first() {
 /// at every position equal ours to 1e-5 of the largest (both f32 with
 /// different summation orders, ~1e-6 measured on these shapes by
 /// `family::reference`; a wrong permutation or name moves them by ~1e-1).
+/// For Q8_0 both sides compute with the file's dequantised values (ours
+/// through the family's loader: ggml's arithmetic, as gguf-py's), so the
+/// same tolerance holds; against the f32 model Q8_0 moves them further.
 #[test]
 fn transformers_reads_the_file_with_our_logits() {
     let f = family(false, None);
     let (layout, p) = params(&*f, 4);
-    let path = write(&*f, &layout, &p, "hf.gguf", GgmlType::F32);
     let ids: Vec<u32> = vec![3, 17, 200, 5, 99, 42, 7, 255, 0, 128];
-    let Some(theirs) = gguf::testing::transformers_logits("llama-gguf", &path, &ids).unwrap() else { return };
     let mut model = f.build(Build::default()).unwrap();
-    let mut worst = 0.0f32;
-    let mut largest = 0.0f32;
-    for (t, row) in theirs.iter().enumerate() {
-        let ours = model.next_token_logits(&p, &ids[..=t]).unwrap();
-        assert_eq!(ours.len(), row.len());
-        for (a, b) in ours.iter().zip(row) {
-            worst = worst.max((a - b).abs());
-            largest = largest.max(a.abs());
+    for id in [GgmlType::F32, GgmlType::Q8_0] {
+        let path = write(&*f, &layout, &p, &format!("hf-{id}.gguf"), id);
+        let (_, stored) = llama::FAMILY.load_gguf(GgufFile::open(&path).unwrap()).unwrap();
+        assert_eq!(stored == p, id == GgmlType::F32);
+        let Some(theirs) = gguf::testing::transformers_logits("llama-gguf", &path, &ids).unwrap() else { return };
+        let (mut worst, mut largest, mut vs_f32) = (0.0f32, 0.0f32, 0.0f32);
+        for (t, row) in theirs.iter().enumerate() {
+            let ours = model.next_token_logits(&stored, &ids[..=t]).unwrap();
+            let exact = model.next_token_logits(&p, &ids[..=t]).unwrap();
+            assert_eq!(ours.len(), row.len());
+            for ((a, b), e) in ours.iter().zip(row).zip(&exact) {
+                worst = worst.max((a - b).abs());
+                largest = largest.max(a.abs());
+                vs_f32 = vs_f32.max((b - e).abs());
+            }
         }
+        println!(
+            "llama GGUF {} via transformers: max |Δlogit| = {worst:e} (vs the f32 model {vs_f32:e}), largest |logit| = {largest}",
+            ty(id).name
+        );
+        assert!(worst <= 1e-5 * largest, "{}: max |Δ| {worst} vs largest {largest}", ty(id).name);
     }
-    println!("llama GGUF via transformers: max |Δlogit| = {worst:e}, largest |logit| = {largest}");
-    assert!(worst <= 1e-5 * largest, "max |Δ| {worst} vs largest {largest}");
 }
