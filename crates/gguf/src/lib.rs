@@ -1,8 +1,9 @@
 //! A GGUF reader written for macrobatch: header, every metadata value type,
 //! tensor infos, alignment, memory-mapped tensor data, dequantisation of
 //! F32 / F16 / BF16 / Q8_0 / Q4_0 / Q4_1 to f32, and the mapping of Llama
-//! files to Hugging Face `LlamaForCausalLM` names, shapes and layouts.
-//! Knows nothing about training.
+//! files to Hugging Face `LlamaForCausalLM` names, shapes and layouts; and
+//! the way back: encoders of F32 / F16 / BF16 / Q8_0 / Q4_0 and a streaming
+//! writer. Knows nothing about training.
 
 pub mod encode;
 pub mod error;

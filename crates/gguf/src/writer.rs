@@ -1,6 +1,6 @@
 //! The GGUF writer: [`write_tensors`] streams a v3 file tensor by tensor (header
 //! first, each tensor's bytes asked for in order, `PATH.part` renamed when
-//! complete), and [`to_bytes`] / [`write`] build small files in memory
+//! complete), and [`to_bytes`] / [`write()`] build small files in memory
 //! with exactly the metadata and blocks a test needs. It writes what it is
 //! given; [`crate::encode::quantize`] makes the bytes.
 
