@@ -161,7 +161,8 @@ pub fn write(path: &Path, version: u32, metadata: &[(&str, Value)], tensors: &[R
 /// written as `PATH.part` and renamed to `path` once complete (an existing
 /// `path` is replaced; refusing to is the caller's choice), so a failed
 /// write never leaves a truncated file under the final name; the `.part`
-/// file is removed on failure.
+/// file is removed on failure. A metadata key given twice is refused
+/// (readers reject such files).
 pub fn write_tensors<K, E, F>(
     path: &Path,
     metadata: &[(K, Value)],
@@ -192,6 +193,10 @@ where
     F: FnMut(usize) -> Result<Vec<u8>, E>,
 {
     let io = |source| E::from(GgufError::Write { path: part.into(), source });
+    let mut keys = std::collections::HashSet::new();
+    if let Some((key, _)) = metadata.iter().find(|(k, _)| !keys.insert(k.as_ref())) {
+        return Err(E::from(GgufError::Encode(format!("metadata key `{}` is given twice", key.as_ref()))));
+    }
     let mut sizes = Vec::with_capacity(tensors.len());
     for t in tensors {
         let n = t.n_bytes().ok_or_else(|| {

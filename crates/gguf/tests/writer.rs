@@ -69,5 +69,9 @@ fn failed_writes_leave_nothing() {
     let odd = vec![TensorHeader { name: "odd".into(), ne: vec![33], ..t[0].clone() }];
     let e = write_tensors::<_, GgufError, _>(&path, &meta, &odd, |_| unreachable!()).unwrap_err();
     assert!(e.to_string().contains("odd"), "{e}");
+    // A metadata key given twice (an architecture's and a tokenizer's, say).
+    let twice = [("general.name", Value::U32(1)), ("general.name", Value::U32(2))];
+    let e = write_tensors::<_, GgufError, _>(&path, &twice, &t, |_| unreachable!()).unwrap_err();
+    assert!(e.to_string().contains("`general.name` is given twice"), "{e}");
     assert!(!path.exists() && !path.with_extension("gguf.part").exists());
 }

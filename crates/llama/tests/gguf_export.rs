@@ -150,3 +150,38 @@ fn transformers_reads_the_file_with_our_logits() {
         assert!(worst <= 1e-5 * largest, "{}: max |Δ| {worst} vs largest {largest}", ty(id).name);
     }
 }
+
+/// SmolLM2 (read from its Q4_1 file as f32) written back as F32 with the
+/// source's tokenizer keys appended (as the CLI appends the tokenizer's,
+/// where the loader finds the BOS / EOS ids): the architecture keys equal
+/// the source's (value and type), the tensors keep the source's names and
+/// shapes, and the family's loader gives back the parameters bit for bit.
+#[test]
+fn smollm2_round_trips_with_the_source_metadata() {
+    let Some(source) = gguf::testing::smollm2_or_skip("smollm2_round_trips_with_the_source_metadata") else { return };
+    let src = GgufFile::open(&source).unwrap();
+    let (f, p) = llama::FAMILY.load_gguf(GgufFile::open(&source).unwrap()).unwrap();
+    let layout = f.build(Build::default()).unwrap().layout().clone();
+    let t0 = std::time::Instant::now();
+    let mut m = f.gguf_export(&layout, &p).unwrap();
+    m.metadata.extend(src.metadata().iter().filter(|(k, _)| k.starts_with("tokenizer.")).cloned());
+    for (key, value) in src.metadata().iter().filter(|(k, _)| k.starts_with("llama.") || k == "general.architecture") {
+        let ours = m.metadata.iter().find(|(k, _)| k == key).map(|(_, v)| v);
+        assert_eq!(ours, Some(value), "{key}");
+    }
+    let mut names: Vec<(String, Vec<u64>)> = m.tensors.iter().map(|t| (t.name.clone(), t.ne.clone())).collect();
+    let mut theirs: Vec<(String, Vec<u64>)> = src.tensors().iter().map(|t| (t.name.clone(), t.ne.clone())).collect();
+    names.sort();
+    theirs.sort();
+    assert_eq!(names, theirs);
+    let path = tmp("smollm2-f32.gguf");
+    m.write(&path, ty(GgmlType::F32)).unwrap();
+    let written = t0.elapsed();
+    drop(m);
+    let (g, q) = llama::FAMILY.load_gguf(GgufFile::open(&path).unwrap()).unwrap();
+    assert_eq!(g.hf_config(), f.hf_config());
+    assert!(q.len() == p.len() && q.iter().zip(&p).all(|(a, b)| a.to_bits() == b.to_bits()), "bit-exact");
+    let mb = std::fs::metadata(&path).unwrap().len() as f64 / 1e6;
+    println!("SmolLM2 export + F32 write: {:.2} s, {mb:.0} MB", written.as_secs_f64());
+    std::fs::remove_file(&path).unwrap();
+}
