@@ -12,7 +12,7 @@
 
 use crate::GptConfig;
 use engine::ParamLayout;
-use family::{GgufModel, GgufTensor};
+use family::{GgufLayout, GgufModel, GgufTensor};
 use gguf::Value;
 
 /// GPT-2's LayerNorm epsilon (transformers' `layer_norm_epsilon`).
@@ -53,36 +53,31 @@ fn u32_of(key: &str, v: usize) -> Result<Value, String> {
 
 /// GPT-2 `cfg` with parameters `params` (in `layout`'s order) as a GGUF
 /// model of llama.cpp's `gpt2` architecture, named `name`.
-pub fn gguf_model(name: &str, cfg: &GptConfig, layout: &ParamLayout, params: &[f32]) -> Result<GgufModel, String> {
+pub fn gguf_model<'a>(
+    name: &str,
+    cfg: &GptConfig,
+    layout: &ParamLayout,
+    params: &'a [f32],
+) -> Result<GgufModel<'a>, String> {
     if layout.n_params() != params.len() {
         return Err(format!("{} parameters to write, the model has {}", params.len(), layout.n_params()));
     }
     let mut tensors = Vec::with_capacity(layout.tensors().len() + 1);
+    let mut head = None;
     for t in layout.tensors() {
         let (g, conv1d) = gguf_name(&t.name).ok_or_else(|| format!("`{}` has no llama.cpp gpt2 name", t.name))?;
-        let values = &params[t.range()];
         let tensor = match (conv1d, &t.shape[..]) {
-            (true, &[rows, cols]) => {
-                let mut tr = vec![0.0f32; values.len()];
-                for (r, row) in values.chunks_exact(cols).enumerate() {
-                    for (c, &v) in row.iter().enumerate() {
-                        tr[c * rows + r] = v;
-                    }
-                }
-                GgufTensor::new(g, &[cols, rows], tr)
-            }
-            _ => GgufTensor::new(g, &t.shape, values.to_vec()),
+            // [in, out] → [out, in].
+            (true, &[rows, cols]) => GgufTensor::new(g, &[cols, rows], &params[t.range()], GgufLayout::Transpose),
+            _ => GgufTensor::new(g, &t.shape, &params[t.range()], GgufLayout::Same),
         };
         if tensor.name == "token_embd.weight" {
-            tensors.push(GgufTensor { name: "output.weight".into(), ..tensor.clone() });
+            head = Some(GgufTensor { name: "output.weight".into(), ..tensor.clone() });
         }
         tensors.push(tensor);
     }
-    // The head after the norm, where the converter puts it.
-    if let Some(i) = tensors.iter().position(|t| t.name == "output.weight") {
-        let head = tensors.remove(i);
-        tensors.push(head);
-    }
+    // The head after the final norm, where the converter puts it.
+    tensors.extend(head);
     let mut metadata = vec![
         ("general.architecture".to_string(), Value::String("gpt2".into())),
         ("general.name".to_string(), Value::String(name.into())),
@@ -127,9 +122,9 @@ mod tests {
         let qkv = m.tensors.iter().find(|t| t.name == "blk.0.attn_qkv.weight").unwrap();
         // HF [in = 4, out = 12]; GGUF ne [4, 12]: row o (an output) holds column o of HF's.
         assert_eq!(qkv.ne, [4, 12]);
-        assert_eq!(qkv.values[4 * 5 + 3], params[hf.range()][3 * 12 + 5]);
+        assert_eq!(qkv.values()[4 * 5 + 3], params[hf.range()][3 * 12 + 5]);
         let last = m.tensors.last().unwrap();
-        assert_eq!((last.name.as_str(), &last.values), ("output.weight", &m.tensors[0].values));
+        assert_eq!((last.name.as_str(), last.values()), ("output.weight", m.tensors[0].values()));
         assert_eq!(m.tensors.len(), layout.tensors().len() + 1);
     }
 }

@@ -10,7 +10,7 @@
 
 use crate::{LlamaConfig, LlamaError};
 use engine::ParamLayout;
-use family::{GgufModel, GgufTensor};
+use family::{GgufLayout, GgufModel, GgufTensor};
 use gguf::Value;
 
 /// How a family on the Llama block is written as GGUF: llama.cpp's
@@ -73,13 +73,13 @@ fn gguf_name(hf: &str) -> Option<String> {
 /// Errors on adapters in the layout (merge them first), a parameter count
 /// that is not the layout's, and RoPE scaling (llama.cpp stores Llama 3's
 /// as a `rope_freqs` tensor this crate does not write).
-pub fn gguf_model(
+pub fn gguf_model<'a>(
     arch: GgufArch,
     name: &str,
     cfg: &LlamaConfig,
     layout: &ParamLayout,
-    params: &[f32],
-) -> Result<GgufModel, LlamaError> {
+    params: &'a [f32],
+) -> Result<GgufModel<'a>, LlamaError> {
     LlamaError::check_count("model", layout.n_params(), params.len())?;
     if let Some(s) = &cfg.rope_scaling {
         return Err(unsupported(format!("writing a GGUF file with RoPE scaling ({s:?})")));
@@ -93,21 +93,24 @@ pub fn gguf_model(
             )));
         }
         let g = gguf_name(&t.name).ok_or_else(|| unsupported(format!("`{}` has no llama.cpp name", t.name)))?;
-        let mut values = params[t.range()].to_vec();
         let heads = match g.rsplit_once('.').map(|(stem, _)| stem.rsplit('.').next()) {
             Some(Some("attn_q")) => cfg.n_head,
             Some(Some("attn_k")) => cfg.n_kv_head,
             _ => 0,
         };
-        if arch.permute_qk && heads > 0 {
-            // A bias is a [rows, 1] matrix: its entries move with the rows.
-            let (rows, cols) = (t.shape[0], t.shape.get(1).copied().unwrap_or(1));
-            if !rows.is_multiple_of(2 * heads) {
-                return Err(unsupported(format!("`{}` has {rows} rows, not a multiple of 2 × {heads} heads", t.name)));
+        let how = if arch.permute_qk && heads > 0 {
+            // A bias moves with its rows.
+            if !t.shape[0].is_multiple_of(2 * heads) {
+                return Err(unsupported(format!(
+                    "`{}` has {} rows, not a multiple of 2 × {heads} heads",
+                    t.name, t.shape[0]
+                )));
             }
-            gguf::llama::permute_rows(&mut values, rows, cols, heads);
-        }
-        tensors.push(GgufTensor::new(g, &t.shape, values));
+            GgufLayout::PermuteRows { heads }
+        } else {
+            GgufLayout::Same
+        };
+        tensors.push(GgufTensor::new(g, &t.shape, &params[t.range()], how));
     }
     Ok(GgufModel { metadata: metadata(arch, name, cfg)?, tensors })
 }

@@ -547,7 +547,7 @@ impl Family for LlamaFamily {
         Ok(rest.unwrap_or_default())
     }
 
-    fn gguf_export(&self, layout: &ParamLayout, params: &[f32]) -> Result<family::GgufModel> {
+    fn gguf_export<'a>(&self, layout: &ParamLayout, params: &'a [f32]) -> Result<family::GgufModel<'a>> {
         self.whole("writing a GGUF file")?;
         let arch = self.dialect.gguf_arch().ok_or_else(|| {
             format!("the {} family cannot be written as a GGUF file (export it as a Hugging Face folder)", self.name())
