@@ -178,10 +178,12 @@ fn smollm2_round_trips_with_the_source_metadata() {
     m.write(&path, ty(GgmlType::F32)).unwrap();
     let written = t0.elapsed();
     drop(m);
-    let (g, q) = llama::FAMILY.load_gguf(GgufFile::open(&path).unwrap()).unwrap();
+    let mb = std::fs::metadata(&path).unwrap().len() as f64 / 1e6;
+    let loaded = llama::FAMILY.load_gguf(GgufFile::open(&path).unwrap());
+    // Removed before any assertion: a 540 MB file is not left behind.
+    std::fs::remove_file(&path).unwrap();
+    let (g, q) = loaded.unwrap();
     assert_eq!(g.hf_config(), f.hf_config());
     assert!(q.len() == p.len() && q.iter().zip(&p).all(|(a, b)| a.to_bits() == b.to_bits()), "bit-exact");
-    let mb = std::fs::metadata(&path).unwrap().len() as f64 / 1e6;
     println!("SmolLM2 export + F32 write: {:.2} s, {mb:.0} MB", written.as_secs_f64());
-    std::fs::remove_file(&path).unwrap();
 }
