@@ -99,3 +99,21 @@ pub fn transformers_logits(test: &str, model: &std::path::Path, ids: &[u32]) -> 
     let _ = std::fs::remove_dir_all(&dir);
     Ok(Some(rows))
 }
+
+/// (largest |ours − theirs|, largest |ours|) over every position's logits:
+/// `ours(t)` gives position `t`'s row, `theirs` all of them.
+///
+/// # Panics
+/// When a row of `ours` is not as long as `theirs`' (a vocabulary mismatch).
+pub fn logits_gap(theirs: &[Vec<f32>], mut ours: impl FnMut(usize) -> Vec<f32>) -> (f32, f32) {
+    let (mut worst, mut largest) = (0.0f32, 0.0f32);
+    for (t, row) in theirs.iter().enumerate() {
+        let mine = ours(t);
+        assert_eq!(mine.len(), row.len(), "position {t}: {} logits, the reference has {}", mine.len(), row.len());
+        for (a, b) in mine.iter().zip(row) {
+            worst = worst.max((a - b).abs());
+            largest = largest.max(a.abs());
+        }
+    }
+    (worst, largest)
+}

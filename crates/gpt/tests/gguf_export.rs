@@ -56,15 +56,7 @@ fn transformers_reads_the_file_with_our_logits() {
     let ids: Vec<u32> = "GGUF, 12 ½ ἀρχή".bytes().map(u32::from).collect();
     let Some(theirs) = gguf::testing::transformers_logits("gpt2-gguf", &path, &ids).unwrap() else { return };
     assert_eq!(theirs.len(), ids.len());
-    let (mut worst, mut largest) = (0.0f32, 0.0f32);
-    for (t, row) in theirs.iter().enumerate() {
-        let ours = model.next_token_logits(&p, &ids[..=t]).unwrap();
-        assert_eq!(ours.len(), row.len());
-        for (a, b) in ours.iter().zip(row) {
-            worst = worst.max((a - b).abs());
-            largest = largest.max(a.abs());
-        }
-    }
+    let (worst, largest) = gguf::testing::logits_gap(&theirs, |t| model.next_token_logits(&p, &ids[..=t]).unwrap());
     println!("gpt2 GGUF via transformers: max |Δlogit| = {worst:e}, largest |logit| = {largest}");
     assert!(worst <= 1e-5 * largest, "max |Δ| {worst} vs largest {largest}");
 }

@@ -132,17 +132,9 @@ fn transformers_reads_the_file_with_our_logits() {
         let (_, stored) = llama::FAMILY.load_gguf(GgufFile::open(&path).unwrap()).unwrap();
         assert_eq!(stored == p, id == GgmlType::F32);
         let Some(theirs) = gguf::testing::transformers_logits("llama-gguf", &path, &ids).unwrap() else { return };
-        let (mut worst, mut largest, mut vs_f32) = (0.0f32, 0.0f32, 0.0f32);
-        for (t, row) in theirs.iter().enumerate() {
-            let ours = model.next_token_logits(&stored, &ids[..=t]).unwrap();
-            let exact = model.next_token_logits(&p, &ids[..=t]).unwrap();
-            assert_eq!(ours.len(), row.len());
-            for ((a, b), e) in ours.iter().zip(row).zip(&exact) {
-                worst = worst.max((a - b).abs());
-                largest = largest.max(a.abs());
-                vs_f32 = vs_f32.max((b - e).abs());
-            }
-        }
+        let (worst, largest) =
+            gguf::testing::logits_gap(&theirs, |t| model.next_token_logits(&stored, &ids[..=t]).unwrap());
+        let (vs_f32, _) = gguf::testing::logits_gap(&theirs, |t| model.next_token_logits(&p, &ids[..=t]).unwrap());
         println!(
             "llama GGUF {} via transformers: max |Δlogit| = {worst:e} (vs the f32 model {vs_f32:e}), largest |logit| = {largest}",
             ty(id).name

@@ -41,15 +41,7 @@ fn transformers_reads_the_file_with_our_logits() {
         m.write(&path, GgmlType::from_id(GgmlType::F32).unwrap()).unwrap();
         let ids: Vec<u32> = vec![3, 17, 200, 5, 99, 42, 7, 255, 0, 128];
         let Some(theirs) = gguf::testing::transformers_logits("qwen2-gguf", &path, &ids).unwrap() else { return };
-        let (mut worst, mut largest) = (0.0f32, 0.0f32);
-        for (t, row) in theirs.iter().enumerate() {
-            let ours = model.next_token_logits(&p, &ids[..=t]).unwrap();
-            assert_eq!(ours.len(), row.len());
-            for (a, b) in ours.iter().zip(row) {
-                worst = worst.max((a - b).abs());
-                largest = largest.max(a.abs());
-            }
-        }
+        let (worst, largest) = gguf::testing::logits_gap(&theirs, |t| model.next_token_logits(&p, &ids[..=t]).unwrap());
         println!("qwen2 (tied = {tied}) GGUF via transformers: max |Δlogit| = {worst:e}, largest |logit| = {largest}");
         assert!(worst <= 1e-5 * largest, "tied = {tied}: max |Δ| {worst} vs largest {largest}");
     }
