@@ -4,7 +4,8 @@
 //! tokens in id order (spelled as the vocabulary spells them), their types
 //! (1 normal, 3 control for special added tokens, 4 user-defined for other
 //! added tokens, 5 unused for an id the vocabulary leaves empty, spelled
-//! `[PAD{id}]`), the merges as `"a b"`, the special ids, `add_bos_token`
+//! `[PAD{id}]`, as are ids past the tokenizer's up to the model's vocabulary),
+//! the merges as `"a b"`, the special ids, `add_bos_token`
 //! (and `add_eos_token` when set) and the chat template.
 //!
 //! The byte tokenizer (ids = byte values) is written as a vocabulary of the
@@ -49,15 +50,40 @@ impl Tokenizer {
     /// BPE tokenizer's pre-tokenizer is not one llama.cpp names (see
     /// [`PreTokenizer`]) or its vocabulary cannot be read back.
     pub fn gguf_metadata(&self) -> Result<Vec<(String, Value)>, DataError> {
+        self.gguf_metadata_padded(self.vocab_size())
+    }
+
+    /// [`Tokenizer::gguf_metadata`] for a model of `n_vocab` ids: llama.cpp
+    /// takes the vocabulary's size from the token list and refuses a model
+    /// whose embedding has another, so ids past the tokenizer's are listed
+    /// as llama.cpp's converter pads them (`[PAD{id}]`, type 5, unused). A
+    /// tokenizer with more ids than the model is an error.
+    pub fn gguf_metadata_padded(&self, n_vocab: usize) -> Result<Vec<(String, Value)>, DataError> {
+        if self.vocab_size() > n_vocab {
+            return Err(format_err(
+                self.name(),
+                format!("the tokenizer has {} ids, the model only {n_vocab}", self.vocab_size()),
+            ));
+        }
         match self {
             Tokenizer::Byte(_) => {
-                let tokens = byte_to_char().iter().map(|c| c.to_string()).collect();
-                let mut m = head(PreTokenizer::Gpt2, tokens, vec![NORMAL; 256], Vec::new());
+                let mut tokens: Vec<String> = byte_to_char().iter().map(|c| c.to_string()).collect();
+                let mut types = vec![NORMAL; tokens.len()];
+                pad(&mut tokens, &mut types, n_vocab);
+                let mut m = head(PreTokenizer::Gpt2, tokens, types, Vec::new());
                 m.insert(1, ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)));
                 Ok(m)
             }
-            Tokenizer::Bpe(t) => bpe_metadata(t),
+            Tokenizer::Bpe(t) => bpe_metadata(t, n_vocab),
         }
+    }
+}
+
+/// Unused ids up to `n`, spelled as llama.cpp's converter spells them.
+fn pad(tokens: &mut Vec<String>, types: &mut Vec<i32>, n: usize) {
+    for id in tokens.len()..n {
+        tokens.push(format!("[PAD{id}]"));
+        types.push(UNUSED);
     }
 }
 
@@ -77,7 +103,7 @@ fn pre_tokenizer_of(t: &BpeTokenizer) -> Result<PreTokenizer, DataError> {
     )
 }
 
-fn bpe_metadata(t: &BpeTokenizer) -> Result<Vec<(String, Value)>, DataError> {
+fn bpe_metadata(t: &BpeTokenizer, n_vocab: usize) -> Result<Vec<(String, Value)>, DataError> {
     let name = t.name();
     let pre = pre_tokenizer_of(t)?;
     // The tokenizer.json form: the model's vocabulary and merges in rank
@@ -106,8 +132,9 @@ fn bpe_metadata(t: &BpeTokenizer) -> Result<Vec<(String, Value)>, DataError> {
         let ty = if added["special"].as_bool() == Some(true) { CONTROL } else { USER_DEFINED };
         put(added["id"].as_u64(), added["content"].as_str().unwrap_or_default(), ty)?;
     }
-    let (tokens, types): (Vec<String>, Vec<i32>) =
+    let (mut tokens, mut types): (Vec<String>, Vec<i32>) =
         tokens.into_iter().enumerate().map(|(id, t)| t.unwrap_or_else(|| (format!("[PAD{id}]"), UNUSED))).unzip();
+    pad(&mut tokens, &mut types, n_vocab);
     // Merges: "a b" strings (older tokenizers) or ["a", "b"] pairs.
     let merges = model["merges"]
         .as_array()

@@ -115,6 +115,17 @@ fn byte_metadata_reads_back_as_bytes() {
     assert_eq!(ids, tok.encode(&text).unwrap());
     assert_eq!(ids, text.bytes().map(u32::from).collect::<Vec<_>>());
     assert_eq!(back.decode(&ids).unwrap(), text);
+
+    // For a model of 260 ids: four unused ids after the bytes, which change
+    // nothing of the tokenization.
+    let m = tok.gguf_metadata_padded(260).unwrap();
+    let tokens = get(&m, "tokenizer.ggml.tokens").and_then(Value::as_array).unwrap();
+    let types = get(&m, "tokenizer.ggml.token_type").and_then(Value::as_array).unwrap();
+    assert_eq!((tokens.len(), &tokens[259], &types[259]), (260, &Value::String("[PAD259]".into()), &Value::I32(5)));
+    let padded = Tokenizer::from_gguf(&write("byte-260.gguf", &m)).unwrap();
+    assert_eq!((padded.vocab_size(), padded.encode(&text).unwrap()), (260, ids));
+    let e = tok.gguf_metadata_padded(255).unwrap_err().to_string();
+    assert!(e.contains("256 ids") && e.contains("255"), "{e}");
 }
 
 #[test]
