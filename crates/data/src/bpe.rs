@@ -45,16 +45,29 @@ pub enum PreTokenizer {
 }
 
 impl PreTokenizer {
-    /// The pre-tokenizer of a `tokenizer.ggml.pre` name.
+    /// Every pre-tokenizer, for matching one a `tokenizer.json` holds.
+    pub const ALL: [PreTokenizer; 2] = [PreTokenizer::Gpt2, PreTokenizer::SmolLm];
+
+    /// The pre-tokenizer of a `tokenizer.ggml.pre` name (`gpt-2`, as
+    /// llama.cpp spells GPT-2's, or `gpt2`; `smollm`).
     pub fn from_gguf_name(name: &str) -> Option<Self> {
         match name {
-            "gpt2" => Some(Self::Gpt2),
+            "gpt-2" | "gpt2" => Some(Self::Gpt2),
             "smollm" => Some(Self::SmolLm),
             _ => None,
         }
     }
 
-    fn build(self) -> PreTokenizerWrapper {
+    /// The `tokenizer.ggml.pre` name llama.cpp knows it by.
+    pub fn gguf_name(self) -> &'static str {
+        match self {
+            Self::Gpt2 => "gpt-2",
+            Self::SmolLm => "smollm",
+        }
+    }
+
+    /// The `tokenizers` crate's pre-tokenizer.
+    pub fn build(self) -> PreTokenizerWrapper {
         let byte_level = ByteLevel::new(false, true, true);
         match self {
             Self::Gpt2 => byte_level.into(),
@@ -141,6 +154,7 @@ pub struct BpeTokenizer {
     bos_id: Option<u32>,
     eos_id: Option<u32>,
     pad_id: Option<u32>,
+    unk_id: Option<u32>,
     add_bos: bool,
     add_eos: bool,
     chat_template: Option<ChatTemplate>,
@@ -221,6 +235,7 @@ impl BpeTokenizer {
             bos_id: parts.bos_id,
             eos_id: parts.eos_id,
             pad_id: parts.pad_id,
+            unk_id: None,
             add_bos: parts.add_bos,
             add_eos: parts.add_eos,
             chat_template,
@@ -240,10 +255,10 @@ impl BpeTokenizer {
             ));
         }
         let pre_name = f.get_str_opt("tokenizer.ggml.pre")?.ok_or_else(|| {
-            format_err(&src, "no tokenizer.ggml.pre: the pre-tokenizer is unknown (supported: gpt2, smollm)")
+            format_err(&src, "no tokenizer.ggml.pre: the pre-tokenizer is unknown (supported: gpt-2, smollm)")
         })?;
         let pre_tokenizer = PreTokenizer::from_gguf_name(pre_name).ok_or_else(|| {
-            format_err(&src, format!("tokenizer.ggml.pre = {pre_name} is not supported (supported: gpt2, smollm)"))
+            format_err(&src, format!("tokenizer.ggml.pre = {pre_name} is not supported (supported: gpt-2, smollm)"))
         })?;
         let tokens: Vec<String> = f.get_str_array("tokenizer.ggml.tokens")?.into_iter().map(String::from).collect();
         let merges = f
@@ -284,7 +299,13 @@ impl BpeTokenizer {
             tokens,
             merges,
         };
-        Self::from_parts(parts)
+        let unk_id = id("tokenizer.ggml.unknown_token_id")?;
+        let mut t = Self::from_parts(parts)?;
+        if let Some(unk) = unk_id.filter(|&u| u as usize >= t.vocab_size()) {
+            return Err(format_err(&t.name, format!("unk id {unk} is outside the vocabulary of {}", t.vocab_size())));
+        }
+        t.unk_id = unk_id;
+        Ok(t)
     }
 
     /// GPT-2's tokenizer (vocabulary 50257, `<|endoftext|>` = 50256 as BOS and
@@ -380,6 +401,7 @@ impl BpeTokenizer {
             _ => None,
         };
         let (bos_id, eos_id, pad_id) = (id_of("bos_token")?, id_of("eos_token")?, id_of("pad_token")?);
+        let unk_id = id_of("unk_token")?;
         let chat_template = chat_template
             .map(|t| {
                 ChatTemplate::new(
@@ -395,6 +417,7 @@ impl BpeTokenizer {
             bos_id,
             eos_id,
             pad_id,
+            unk_id,
             add_bos: config["add_bos_token"].as_bool().unwrap_or(false),
             add_eos: config["add_eos_token"].as_bool().unwrap_or(false),
             chat_template,
@@ -413,6 +436,7 @@ impl BpeTokenizer {
             "bos_token": token(self.bos_id),
             "eos_token": token(self.eos_id),
             "pad_token": token(self.pad_id),
+            "unk_token": token(self.unk_id),
             "add_bos_token": self.add_bos,
             "add_eos_token": self.add_eos,
             "chat_template": self.chat_template.as_ref().map(|t| t.source().to_string()),
@@ -499,6 +523,21 @@ impl BpeTokenizer {
     /// Padding id.
     pub fn pad_id(&self) -> Option<u32> {
         self.pad_id
+    }
+
+    /// Unknown-token id (`unk_token`, `tokenizer.ggml.unknown_token_id`).
+    pub fn unk_id(&self) -> Option<u32> {
+        self.unk_id
+    }
+
+    /// Whether [`Self::encode`] prepends BOS and appends EOS.
+    pub fn adds_special_tokens(&self) -> (bool, bool) {
+        (self.add_bos, self.add_eos)
+    }
+
+    /// The `tokenizers` crate's tokenizer underneath.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
     }
 
     /// The id of a token spelled as the vocabulary spells it (`Ġthe`,

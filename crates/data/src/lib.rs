@@ -5,6 +5,7 @@ pub mod bpe;
 pub mod chat;
 pub mod dataset;
 pub mod error;
+pub mod gguf_meta;
 pub mod sampler;
 pub mod samples;
 pub mod sft;

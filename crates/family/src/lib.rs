@@ -58,6 +58,117 @@ impl From<BoxError> for ModelError {
     }
 }
 
+/// A model as a GGUF file holds it, in llama.cpp's tensor names and layout
+/// for the family's architecture: the architecture's metadata
+/// (`general.architecture`, `{arch}.block_count`, …) and every tensor as a
+/// view of the parameters with the reordering llama.cpp's layout needs.
+/// The tokenizer's `tokenizer.*` keys are not here: the caller appends them
+/// (`data::Tokenizer::gguf_metadata`) before writing. Nothing is copied
+/// until [`GgufModel::write`] makes one tensor's values at a time, so
+/// writing holds the parameters and one tensor, never a second model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GgufModel<'a> {
+    /// Metadata in the order it is written.
+    pub metadata: Vec<(String, gguf::Value)>,
+    /// Tensors in the order they are written.
+    pub tensors: Vec<GgufTensor<'a>>,
+}
+
+/// How a tensor's values are made from its parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GgufLayout {
+    /// As they are.
+    Same,
+    /// Rows permuted for llama.cpp's RoPE ([`gguf::llama::permute_rows`])
+    /// over this many heads: the source is `[rows, cols]` row-major with
+    /// `ne = [cols, rows]`, or a bias `[rows]` (one value per row).
+    PermuteRows {
+        /// The heads the rows belong to.
+        heads: usize,
+    },
+    /// Transposed: the source is `[ne[0], ne[1]]` row-major (a GPT-2
+    /// `Conv1D` weight `[in, out]`), the tensor `[ne[1], ne[0]]`.
+    Transpose,
+}
+
+/// One tensor of a [`GgufModel`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct GgufTensor<'a> {
+    /// llama.cpp's name (`blk.0.attn_q.weight`).
+    pub name: String,
+    /// GGUF dimensions, fastest first: a row-major `[rows, cols]` matrix is
+    /// `[cols, rows]`.
+    pub ne: Vec<u64>,
+    /// The parameters it is made from.
+    pub source: &'a [f32],
+    /// How.
+    pub layout: GgufLayout,
+}
+
+impl<'a> GgufTensor<'a> {
+    /// A tensor of row-major `shape` (the reverse of `ne`) made from `source`.
+    pub fn new(name: impl Into<String>, shape: &[usize], source: &'a [f32], layout: GgufLayout) -> Self {
+        Self { name: name.into(), ne: shape.iter().rev().map(|&d| d as u64).collect(), source, layout }
+    }
+
+    /// The values in the file's order (row-major over `ne` reversed).
+    pub fn values(&self) -> std::borrow::Cow<'a, [f32]> {
+        let cols = self.ne.first().copied().unwrap_or(1) as usize;
+        match self.layout {
+            GgufLayout::Same => std::borrow::Cow::Borrowed(self.source),
+            GgufLayout::PermuteRows { heads } => {
+                // [cols, rows] for a matrix, [rows] for a bias.
+                let rows = self.ne.get(1).or(self.ne.first()).copied().unwrap_or(1) as usize;
+                let mut v = self.source.to_vec();
+                gguf::llama::permute_rows(&mut v, rows, self.source.len() / rows.max(1), heads);
+                v.into()
+            }
+            GgufLayout::Transpose => {
+                // The source is [cols, rows]: its element (c, r) goes to (r, c).
+                let rows = self.source.len() / cols.max(1);
+                let mut v = vec![0.0f32; self.source.len()];
+                for (c, src_row) in self.source.chunks_exact(rows.max(1)).enumerate() {
+                    for (r, &x) in src_row.iter().enumerate() {
+                        v[r * cols + c] = x;
+                    }
+                }
+                v.into()
+            }
+        }
+    }
+}
+
+impl GgufModel<'_> {
+    /// Writes the model as a GGUF v3 file at `path` (through `PATH.part`,
+    /// renamed when complete), every tensor stored as `ty` where llama.cpp's
+    /// converter would ([`gguf::storage_type`]: norms, biases and 1-D
+    /// tensors in F32, rows that are not whole blocks in F16), with
+    /// `general.file_type` and, for block types, `general.quantization_version`
+    /// added. One tensor is made and encoded at a time.
+    pub fn write(&self, path: &Path, ty: gguf::GgmlType) -> Result<()> {
+        let file_type = gguf::file_type(ty).ok_or_else(|| format!("GGUF files cannot be written as {}", ty.name))?;
+        let mut metadata = self.metadata.clone();
+        metadata.push(("general.file_type".into(), gguf::Value::U32(file_type)));
+        if ty.block_size > 1 {
+            metadata.push(("general.quantization_version".into(), gguf::Value::U32(2)));
+        }
+        let headers: Vec<_> = self
+            .tensors
+            .iter()
+            .map(|t| gguf::writer::TensorHeader {
+                name: t.name.clone(),
+                ne: t.ne.clone(),
+                ty: gguf::storage_type(ty, &t.name, &t.ne),
+            })
+            .collect();
+        gguf::writer::write_tensors::<_, gguf::GgufError, _>(path, &metadata, &headers, |i| {
+            gguf::quantize(headers[i].ty, &self.tensors[i].values())
+                .map_err(|e| gguf::GgufError::Encode(format!("tensor `{}`: {e}", headers[i].name)))
+        })
+        .map_err(ModelError::new)
+    }
+}
+
 impl From<String> for ModelError {
     fn from(message: String) -> Self {
         Self(message.into())
@@ -350,6 +461,15 @@ pub trait Family: Send + Sync {
         let _ = params;
         Ok(None)
     }
+    /// The model as a GGUF file holds it for llama.cpp (names, layout and
+    /// the architecture's metadata, no tokenizer). `params` is in `layout`'s
+    /// order and holds no adapters: merge them first ([`Family::merged`]);
+    /// the model's tensors are views of it.
+    fn gguf_export<'a>(&self, layout: &ParamLayout, params: &'a [f32]) -> Result<GgufModel<'a>> {
+        let _ = (layout, params);
+        Err(format!("the {} family cannot be written as a GGUF file (export it as a Hugging Face folder)", self.name())
+            .into())
+    }
     /// Writes this shape into `[model]`, so a resolved config rebuilds it.
     fn pin_shape(&self, m: &mut ModelConfig);
     /// This shape with its frozen tensors stored as `s` asks: `None` when
@@ -435,6 +555,23 @@ mod tests {
     struct Shape {
         n_layer: Option<usize>,
         rope_theta: Option<f64>,
+    }
+
+    #[test]
+    fn gguf_tensors_make_their_values_from_their_source() {
+        let src: Vec<f32> = (0..8).map(|v| v as f32).collect();
+        let same = GgufTensor::new("a", &[2, 4], &src, GgufLayout::Same);
+        assert_eq!((same.ne.clone(), same.values().into_owned()), (vec![4, 2], src.clone()));
+        // [in = 2, out = 4] → [4, 2]: row o holds column o of the source.
+        let tr = GgufTensor::new("b", &[4, 2], &src, GgufLayout::Transpose);
+        assert_eq!(tr.ne, [2, 4]);
+        assert_eq!(tr.values().into_owned(), [0.0, 4.0, 1.0, 5.0, 2.0, 6.0, 3.0, 7.0]);
+        // One head of 4 rows: rows (0, 1 | 2, 3) interleave as 0, 2, 1, 3,
+        // for a [4, 2] matrix and a [4] bias alike.
+        let m = GgufTensor::new("c", &[4, 2], &src, GgufLayout::PermuteRows { heads: 1 });
+        assert_eq!(m.values().into_owned(), [0.0, 1.0, 4.0, 5.0, 2.0, 3.0, 6.0, 7.0]);
+        let b = GgufTensor::new("d", &[4], &src[..4], GgufLayout::PermuteRows { heads: 1 });
+        assert_eq!(b.values().into_owned(), [0.0, 2.0, 1.0, 3.0]);
     }
 
     #[test]

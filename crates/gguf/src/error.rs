@@ -112,4 +112,18 @@ pub enum GgufError {
         /// What is not supported and why.
         what: String,
     },
+    /// Values that cannot be stored as the type asked for (a length that is
+    /// not a whole number of blocks, a type without an encoder, NaN or ±∞
+    /// in a block format).
+    #[error("cannot encode tensor data: {0}")]
+    Encode(String),
+    /// Writing a file failed.
+    #[error("cannot write GGUF file {}", path.display())]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
 }

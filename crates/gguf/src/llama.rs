@@ -21,34 +21,70 @@ use std::path::Path;
 /// One Hugging Face tensor: name, row-major shape, values.
 pub type HfTensor = (String, Vec<usize>, Vec<f32>);
 
+/// (llama.cpp, Hugging Face) names of the tensors outside the blocks.
+const TOP_NAMES: [(&str, &str); 3] = [
+    ("token_embd.weight", "model.embed_tokens.weight"),
+    ("output_norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+];
+
+/// (llama.cpp, Hugging Face) names of a block's tensors, after
+/// `blk.N.` / `model.layers.N.`.
+const BLOCK_NAMES: [(&str, &str); 9] = [
+    ("attn_q.weight", "self_attn.q_proj.weight"),
+    ("attn_k.weight", "self_attn.k_proj.weight"),
+    ("attn_v.weight", "self_attn.v_proj.weight"),
+    ("attn_output.weight", "self_attn.o_proj.weight"),
+    ("ffn_gate.weight", "mlp.gate_proj.weight"),
+    ("ffn_up.weight", "mlp.up_proj.weight"),
+    ("ffn_down.weight", "mlp.down_proj.weight"),
+    ("attn_norm.weight", "input_layernorm.weight"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight"),
+];
+
+/// `name` through the tables: `from` picks the side it is written in.
+fn map_name(name: &str, from: usize, prefixes: [&str; 2]) -> Option<String> {
+    let side = |pair: &(&'static str, &'static str)| if from == 0 { (pair.0, pair.1) } else { (pair.1, pair.0) };
+    if let Some((_, to)) = TOP_NAMES.iter().map(side).find(|(f, _)| *f == name) {
+        return Some(to.into());
+    }
+    let (layer, part) = name.strip_prefix(prefixes[from])?.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (_, to) = BLOCK_NAMES.iter().map(side).find(|(f, _)| *f == part)?;
+    Some(format!("{}{layer}.{to}", prefixes[1 - from]))
+}
+
 /// The Hugging Face name of a llama.cpp Llama tensor (`None` if the mapping
 /// does not know it).
 pub fn hf_name(gguf_name: &str) -> Option<String> {
-    let simple = match gguf_name {
-        "token_embd.weight" => Some("model.embed_tokens.weight"),
-        "output_norm.weight" => Some("model.norm.weight"),
-        "output.weight" => Some("lm_head.weight"),
-        _ => None,
-    };
-    if let Some(s) = simple {
-        return Some(s.into());
+    map_name(gguf_name, 0, ["blk.", "model.layers."])
+}
+
+/// The llama.cpp name of a Hugging Face `LlamaForCausalLM` tensor: the
+/// inverse of [`hf_name`] (`None` for a name it does not produce).
+pub fn gguf_name(hf: &str) -> Option<String> {
+    map_name(hf, 1, ["blk.", "model.layers."])
+}
+
+/// llama.cpp's converter's Q/K row permutation of a `[rows, cols]` weight of
+/// `n_heads` heads (Hugging Face row `h·d + half·d/2 + i` becomes row
+/// `h·d + 2i + half`), in place: the inverse of [`unpermute_rows`].
+///
+/// # Panics
+/// If `w.len() != rows · cols` or `rows` is not a multiple of `2·n_heads`.
+pub fn permute_rows(w: &mut [f32], rows: usize, cols: usize, n_heads: usize) {
+    move_rows(w, rows, cols, n_heads, true)
+}
+
+/// Moves the rows of `w` along [`unpermuted_row_order`]: Hugging Face row
+/// `i` to GGUF row `order[i]` when `to_gguf`, else back.
+fn move_rows(w: &mut [f32], rows: usize, cols: usize, n_heads: usize, to_gguf: bool) {
+    assert_eq!(w.len(), rows * cols, "Q/K row permutation: {} values, shape [{rows}, {cols}]", w.len());
+    let src = w.to_vec();
+    for (hf, gguf) in unpermuted_row_order(rows, n_heads).into_iter().enumerate() {
+        let (to, from) = if to_gguf { (gguf, hf) } else { (hf, gguf) };
+        w[to * cols..][..cols].copy_from_slice(&src[from * cols..][..cols]);
     }
-    let rest = gguf_name.strip_prefix("blk.")?;
-    let (layer, part) = rest.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
-    let hf = match part {
-        "attn_q.weight" => "self_attn.q_proj.weight",
-        "attn_k.weight" => "self_attn.k_proj.weight",
-        "attn_v.weight" => "self_attn.v_proj.weight",
-        "attn_output.weight" => "self_attn.o_proj.weight",
-        "ffn_gate.weight" => "mlp.gate_proj.weight",
-        "ffn_up.weight" => "mlp.up_proj.weight",
-        "ffn_down.weight" => "mlp.down_proj.weight",
-        "attn_norm.weight" => "input_layernorm.weight",
-        "ffn_norm.weight" => "post_attention_layernorm.weight",
-        _ => return None,
-    };
-    Some(format!("model.layers.{layer}.{hf}"))
 }
 
 /// The row order that undoes llama.cpp's Q/K row permutation of a
@@ -78,12 +114,7 @@ pub fn unpermuted_row_order(rows: usize, n_heads: usize) -> Vec<usize> {
 /// # Panics
 /// If `w.len() != rows · cols` or `rows` is not a multiple of `2·n_heads`.
 pub fn unpermute_rows(w: &mut [f32], rows: usize, cols: usize, n_heads: usize) {
-    assert_eq!(w.len(), rows * cols, "unpermute_rows: {} values, shape [{rows}, {cols}]", w.len());
-    let order = unpermuted_row_order(rows, n_heads);
-    let src = w.to_vec();
-    for (to, from) in order.into_iter().enumerate() {
-        w[to * cols..][..cols].copy_from_slice(&src[from * cols..][..cols]);
-    }
+    move_rows(w, rows, cols, n_heads, false)
 }
 
 /// One tensor as the file stores it, for a caller that keeps it packed.
@@ -306,6 +337,41 @@ mod tests {
             unpermute_rows(&mut gguf, rows, cols, n_heads);
             assert_eq!(gguf, hf, "heads {n_heads}, d {d}, cols {cols}");
         }
+    }
+
+    #[test]
+    fn permute_and_unpermute_are_inverses() {
+        for (n_heads, d, cols) in [(1, 2, 1), (3, 8, 2), (4, 16, 5)] {
+            let rows = n_heads * d;
+            let hf: Vec<f32> = (0..rows * cols).map(|v| v as f32).collect();
+            let mut w = hf.clone();
+            permute_rows(&mut w, rows, cols, n_heads);
+            assert!(d <= 2 || w != hf, "the permutation must move something");
+            // Row h·d + 2i + half of the permuted weight is Hugging Face row h·d + half·d/2 + i.
+            if n_heads > 1 {
+                assert_eq!(w[cols * (d + 2)], hf[cols * (d + 1)], "heads {n_heads}, d {d}");
+            }
+            unpermute_rows(&mut w, rows, cols, n_heads);
+            assert_eq!(w, hf);
+            permute_rows(&mut w, rows, cols, n_heads);
+            let mut back = w.clone();
+            unpermute_rows(&mut back, rows, cols, n_heads);
+            permute_rows(&mut back, rows, cols, n_heads);
+            assert_eq!(back, w);
+        }
+    }
+
+    #[test]
+    fn gguf_names_invert_hf_names() {
+        let names = ["token_embd.weight", "output_norm.weight", "output.weight"].map(String::from).into_iter().chain(
+            ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "attn_norm", "ffn_norm"]
+                .map(|p| format!("blk.12.{p}.weight")),
+        );
+        for g in names {
+            let hf = hf_name(&g).unwrap();
+            assert_eq!(gguf_name(&hf).as_deref(), Some(g.as_str()), "{hf}");
+        }
+        assert_eq!(gguf_name("model.layers.0.self_attn.q_proj.lora_a"), None);
     }
 
     #[test]

@@ -11,6 +11,7 @@
 pub mod block;
 pub mod config;
 pub mod error;
+pub mod export;
 pub mod hf;
 pub mod layout;
 pub mod model;

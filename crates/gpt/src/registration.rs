@@ -134,6 +134,10 @@ impl Family for Gpt2 {
         Ok(hf::load_weights(&dir.join(family::WEIGHTS_FILE), layout)?)
     }
 
+    fn gguf_export<'a>(&self, layout: &ParamLayout, params: &'a [f32]) -> Result<family::GgufModel<'a>> {
+        Ok(crate::export::gguf_model(self.name(), &self.0, layout, params)?)
+    }
+
     fn pin_shape(&self, m: &mut ModelConfig) {
         let c = &self.0;
         let s = Section {

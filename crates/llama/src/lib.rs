@@ -12,6 +12,7 @@
 pub mod block;
 pub mod config;
 pub mod error;
+pub mod export;
 pub mod frozen;
 pub mod hf;
 pub mod layout;

@@ -34,6 +34,10 @@ pub trait Dialect: Sync + std::fmt::Debug {
     fn gguf_architecture(&self) -> Option<&'static str> {
         None
     }
+    /// How this family is written as GGUF, if it is.
+    fn gguf_arch(&self) -> Option<crate::export::GgufArch> {
+        None
+    }
 }
 
 /// Llama itself (SmolLM2, Llama 2 shapes).
@@ -74,6 +78,10 @@ impl Dialect for LlamaDialect {
 
     fn gguf_architecture(&self) -> Option<&'static str> {
         Some("llama")
+    }
+
+    fn gguf_arch(&self) -> Option<crate::export::GgufArch> {
+        Some(crate::export::GgufArch { name: "llama", permute_qk: true })
     }
 }
 
@@ -537,6 +545,21 @@ impl Family for LlamaFamily {
         }
         let (_, rest) = p.get(&self.cfg, true)?;
         Ok(rest.unwrap_or_default())
+    }
+
+    fn gguf_export<'a>(&self, layout: &ParamLayout, params: &'a [f32]) -> Result<family::GgufModel<'a>> {
+        self.whole("writing a GGUF file")?;
+        let arch = self.dialect.gguf_arch().ok_or_else(|| {
+            format!("the {} family cannot be written as a GGUF file (export it as a Hugging Face folder)", self.name())
+        })?;
+        if self.lora.is_some() || self.packed.is_some() {
+            return Err(format!(
+                "this {} model has LoRA adapters: merge them into the base (Family::merged) before writing a GGUF file",
+                self.name()
+            )
+            .into());
+        }
+        Ok(crate::export::gguf_model(arch, self.dialect.name(), &self.cfg, layout, params)?)
     }
 
     fn pin_shape(&self, m: &mut ModelConfig) {

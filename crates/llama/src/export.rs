@@ -1,0 +1,130 @@
+//! A model on the Llama block as llama.cpp's converter (`convert_hf_to_gguf.py`)
+//! writes it: tensor names `token_embd`, `blk.N.attn_q`, … (the inverse of
+//! [`gguf::llama::hf_name`]; q/k/v biases `blk.N.attn_{q,k,v}.bias`),
+//! dimensions fastest first (the bytes of a row-major `[out, in]` weight
+//! need no transposing), and for the `llama` architecture the rows of Q
+//! and K permuted so that llama.cpp's RoPE rotates adjacent pairs
+//! ([`gguf::llama::permute_rows`]; `qwen2` keeps Hugging Face's order, as
+//! llama.cpp's converter does). The metadata is the architecture's
+//! (`{arch}.block_count`, …); the tokenizer's keys are added by the caller.
+
+use crate::{LlamaConfig, LlamaError};
+use engine::ParamLayout;
+use family::{GgufLayout, GgufModel, GgufTensor};
+use gguf::Value;
+
+/// How a family on the Llama block is written as GGUF: llama.cpp's
+/// architecture name and whether its converter permutes the rows of Q and K.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GgufArch {
+    /// `general.architecture` (`llama`, `qwen2`).
+    pub name: &'static str,
+    /// Whether Q and K rows are permuted for llama.cpp's RoPE.
+    pub permute_qk: bool,
+}
+
+fn unsupported(what: String) -> LlamaError {
+    LlamaError::Unsupported { what, hint: "export the model as a Hugging Face folder instead".into() }
+}
+
+fn u32_of(key: &str, v: usize) -> Result<Value, LlamaError> {
+    u32::try_from(v).map(Value::U32).map_err(|_| unsupported(format!("{key} = {v} does not fit GGUF's u32")))
+}
+
+/// The architecture metadata llama.cpp's converter writes for `arch`.
+fn metadata(arch: GgufArch, name: &str, cfg: &LlamaConfig) -> Result<Vec<(String, Value)>, LlamaError> {
+    let a = arch.name;
+    let mut m = vec![
+        ("general.architecture".to_string(), Value::String(a.into())),
+        ("general.name".to_string(), Value::String(name.into())),
+    ];
+    for (key, v) in [
+        ("block_count", cfg.n_layer),
+        ("context_length", cfg.max_position_embeddings),
+        ("embedding_length", cfg.hidden_size),
+        ("feed_forward_length", cfg.intermediate_size),
+        ("attention.head_count", cfg.n_head),
+        ("attention.head_count_kv", cfg.n_kv_head),
+        ("rope.dimension_count", cfg.head_dim),
+        ("vocab_size", cfg.vocab_size),
+    ] {
+        let key = format!("{a}.{key}");
+        m.push((key.clone(), u32_of(&key, v)?));
+    }
+    m.push((format!("{a}.rope.freq_base"), Value::F32(cfg.rope_theta as f32)));
+    m.push((format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(cfg.rms_norm_eps as f32)));
+    Ok(m)
+}
+
+/// llama.cpp's name of the layout tensor `hf` (a weight, or a q/k/v bias).
+fn gguf_name(hf: &str) -> Option<String> {
+    match hf.strip_suffix(".bias") {
+        Some(stem) if stem.contains(".self_attn.") => {
+            let weight = gguf::llama::gguf_name(&format!("{stem}.weight"))?;
+            Some(format!("{}.bias", weight.strip_suffix(".weight")?))
+        }
+        Some(_) => None,
+        None => gguf::llama::gguf_name(hf),
+    }
+}
+
+/// The model `cfg` with parameters `params` (in `layout`'s order, no LoRA
+/// adapters) as `arch` in a GGUF file, named `name` (`general.name`).
+/// Errors on adapters in the layout (merge them first), a parameter count
+/// that is not the layout's, and RoPE scaling (llama.cpp stores Llama 3's
+/// as a `rope_freqs` tensor this crate does not write).
+pub fn gguf_model<'a>(
+    arch: GgufArch,
+    name: &str,
+    cfg: &LlamaConfig,
+    layout: &ParamLayout,
+    params: &'a [f32],
+) -> Result<GgufModel<'a>, LlamaError> {
+    LlamaError::check_count("model", layout.n_params(), params.len())?;
+    if let Some(s) = &cfg.rope_scaling {
+        return Err(unsupported(format!("writing a GGUF file with RoPE scaling ({s:?})")));
+    }
+    let mut tensors = Vec::with_capacity(layout.tensors().len());
+    for t in layout.tensors() {
+        if t.name.contains(".lora_") {
+            return Err(unsupported(format!(
+                "`{}` is a LoRA adapter: merge the adapters into the base before writing a GGUF file",
+                t.name
+            )));
+        }
+        let g = gguf_name(&t.name).ok_or_else(|| unsupported(format!("`{}` has no llama.cpp name", t.name)))?;
+        let heads = match g.rsplit_once('.').map(|(stem, _)| stem.rsplit('.').next()) {
+            Some(Some("attn_q")) => cfg.n_head,
+            Some(Some("attn_k")) => cfg.n_kv_head,
+            _ => 0,
+        };
+        let how = if arch.permute_qk && heads > 0 {
+            // A bias moves with its rows.
+            if !t.shape[0].is_multiple_of(2 * heads) {
+                return Err(unsupported(format!(
+                    "`{}` has {} rows, not a multiple of 2 × {heads} heads",
+                    t.name, t.shape[0]
+                )));
+            }
+            GgufLayout::PermuteRows { heads }
+        } else {
+            GgufLayout::Same
+        };
+        tensors.push(GgufTensor::new(g, &t.shape, &params[t.range()], how));
+    }
+    Ok(GgufModel { metadata: metadata(arch, name, cfg)?, tensors })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_cover_weights_and_qkv_biases() {
+        assert_eq!(gguf_name("model.layers.3.self_attn.k_proj.bias").as_deref(), Some("blk.3.attn_k.bias"));
+        assert_eq!(gguf_name("model.layers.3.mlp.up_proj.weight").as_deref(), Some("blk.3.ffn_up.weight"));
+        assert_eq!(gguf_name("lm_head.weight").as_deref(), Some("output.weight"));
+        assert_eq!(gguf_name("model.norm.bias"), None);
+        assert_eq!(gguf_name("model.layers.0.self_attn.q_proj.lora_A.weight"), None);
+    }
+}
