@@ -262,6 +262,23 @@ fn set_torch_dtype(path: &Path, dtype: Dtype) -> Result<()> {
 }
 
 fn write_gguf(args: &ExportArgs, family: &Arc<dyn Family>, params: &[f32], tok: &Tokenizer) -> Result<u64> {
-    let _ = (args, family, params, tok);
-    bail!("GGUF export is not built yet")
+    let id = match args.dtype {
+        Dtype::F32 => gguf::GgmlType::F32,
+        Dtype::F16 => gguf::GgmlType::F16,
+        Dtype::Bf16 => gguf::GgmlType::BF16,
+        Dtype::Q8_0 => gguf::GgmlType::Q8_0,
+        Dtype::Q4_0 => gguf::GgmlType::Q4_0,
+    };
+    let ty = gguf::GgmlType::from_id(id).context("every --dtype is a ggml type")?;
+    let model = family.build(Build::default())?;
+    let layout = model.layout().clone();
+    drop(model);
+    let mut g = family.gguf_export(&layout, params)?;
+    // The tokenizer, its token list padded to the model's vocabulary
+    // (llama.cpp sizes the vocabulary by it).
+    let vocab = tok
+        .gguf_metadata_padded(family.vocab_size())
+        .with_context(|| format!("cannot write the tokenizer of {} into a GGUF file", args.run.display()))?;
+    g.metadata.extend(vocab);
+    staged(&args.out, |tmp| Ok(g.write(tmp, ty)?))
 }
