@@ -4,10 +4,12 @@
 //! `--set` path are the same.
 
 mod deepspeed;
+mod extends;
 
 pub use data::{DataFormat, Schema, TokenizerSpec};
 pub use deepspeed::{DeepSpeedConfig, DeepSpeedOptions};
 pub use engine::{Checkpointing, Decay, LossNormalization, OptimizerKind, Precision, ScheduleKind};
+pub use extends::read_toml;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -19,6 +21,17 @@ pub enum ConfigError {
     Read {
         /// The file.
         path: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The base file an `extends` names cannot be read.
+    #[error("cannot read base config {path} (extends in {named_by})")]
+    ReadBase {
+        /// The base file, relative to the folder of the file naming it.
+        path: String,
+        /// The file whose `extends` names it.
+        named_by: String,
         /// The OS error.
         #[source]
         source: std::io::Error,
