@@ -46,7 +46,8 @@
 //! across example boundaries (`TokenBatch` has no document mask); only the
 //! targets are kept apart.
 //!
-//! Everything is a pure function of the file, the tokenizer and the options.
+//! Everything is a pure function of the file, the tokenizer, the options and
+//! the schema.
 
 use crate::chat::{Message, Role, SpanError};
 use crate::error::DataError;
