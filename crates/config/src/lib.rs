@@ -4,10 +4,12 @@
 //! `--set` path are the same.
 
 mod deepspeed;
+mod extends;
 
-pub use data::{DataFormat, TokenizerSpec};
+pub use data::{DataFormat, Schema, TokenizerSpec};
 pub use deepspeed::{DeepSpeedConfig, DeepSpeedOptions};
 pub use engine::{Checkpointing, Decay, LossNormalization, OptimizerKind, Precision, ScheduleKind};
+pub use extends::read_toml;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -19,6 +21,17 @@ pub enum ConfigError {
     Read {
         /// The file.
         path: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The base file an `extends` names cannot be read.
+    #[error("cannot read base config {path} (extends in {named_by})")]
+    ReadBase {
+        /// The base file, relative to the folder of the file naming it.
+        path: String,
+        /// The file whose `extends` names it.
+        named_by: String,
         /// The OS error.
         #[source]
         source: std::io::Error,
@@ -213,8 +226,12 @@ pub struct DataConfig {
     /// `text` (UTF-8, byte tokens), or a token file (read a sample at a time): `u16`
     /// (nanoGPT `.bin`; `tokens_u16` is an alias) or `u32`.
     pub format: DataFormat,
+    /// `jsonl`: how lines are read — `auto` (each line's schema from its
+    /// keys), `text`, `messages`, `alpaca`, `sharegpt` or `prompt_completion`
+    /// (every line that schema).
+    pub schema: Schema,
     /// A separate validation file in `format`; unset: the last `val_fraction`
-    /// of `path` (`jsonl` needs one: held-out examples).
+    /// of `path` (for `jsonl`, of its examples).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_path: Option<String>,
     /// `byte`, `gpt2`, `PATH.gguf` (the tokenizer in a GGUF model) or
@@ -229,7 +246,9 @@ pub struct DataConfig {
     /// `jsonl`: drop the examples that cutting to `seq_len` leaves without a
     /// target (a reply beyond the limit), naming their lines; `false`: refuse them.
     pub drop_empty: bool,
-    /// Share of the tokens (from the end) held out for validation.
+    /// Share of the tokens (from the end) held out for validation when
+    /// `val_path` is unset; `jsonl`: the last `round(n · val_fraction)` of
+    /// the n examples, at least one.
     pub val_fraction: f64,
     /// Tokens per sequence; unset means the model's block_size.
     pub seq_len: Option<usize>,
@@ -244,6 +263,7 @@ impl Default for DataConfig {
         Self {
             path: None,
             format: DataFormat::Text,
+            schema: Schema::Auto,
             val_path: None,
             tokenizer: None,
             pack: false,
@@ -816,11 +836,18 @@ impl Config {
         if d.val_path.is_some() && d.path.is_none() {
             return Err(invalid("data.val_path", "set", "needs data.path (the bundled corpus splits itself)"));
         }
-        if d.format == DataFormat::Jsonl && (d.path.is_none() || d.val_path.is_none()) {
+        if d.format == DataFormat::Jsonl && d.path.is_none() {
             return Err(invalid(
                 "data.format",
                 "\"jsonl\"",
-                "needs data.path (training examples) and data.val_path (held-out examples), both JSON Lines",
+                "needs data.path (training examples, JSON Lines); held-out examples are data.val_path, else the last data.val_fraction of data.path",
+            ));
+        }
+        if d.schema != Schema::Auto && d.format != DataFormat::Jsonl {
+            return Err(invalid(
+                "data.schema",
+                format!("\"{}\"", d.schema.name()),
+                "applies to data.format = \"jsonl\" (how its lines are read)",
             ));
         }
         if d.pack && d.format != DataFormat::Jsonl {
@@ -1210,10 +1237,37 @@ mod tests {
             ("schedule.kind=\"step\"", "kind", "`constant`"),
             ("train.loss_normalization=\"mean\"", "loss_normalization", "`token` or `micro_batch_mean`"),
             ("data.format=\"csv\"", "format", "`u16`, `u32`"),
+            ("data.schema=\"dolly\"", "schema", "`alpaca`, `sharegpt`, `prompt_completion`"),
         ] {
             let e = parse("", &[bad]).unwrap_err().to_string();
             assert!(e.contains(key) && e.contains(choices), "{bad}: {e}");
         }
+    }
+
+    /// `data.schema` names how JSON Lines are read (default `auto`), only
+    /// for `jsonl`; JSON Lines hold out `data.val_fraction` without a
+    /// `data.val_path`.
+    #[test]
+    fn data_schema_parses_defaults_to_auto_and_applies_to_jsonl_only() {
+        let jsonl = ["data.format=\"jsonl\"", "data.path=\"t.jsonl\""];
+        assert_eq!(parse("", &jsonl).unwrap().data.schema, Schema::Auto);
+        for (name, schema) in [
+            ("text", Schema::Text),
+            ("messages", Schema::Messages),
+            ("alpaca", Schema::Alpaca),
+            ("sharegpt", Schema::ShareGpt),
+            ("prompt_completion", Schema::PromptCompletion),
+        ] {
+            let set = format!("data.schema=\"{name}\"");
+            let cfg = parse("", &[jsonl[0], jsonl[1], &set]).unwrap();
+            assert_eq!(cfg.data.schema, schema);
+            cfg.validate().unwrap();
+            assert_eq!(Config::from_toml(&cfg.to_toml(), "resolved", &[]).unwrap(), cfg);
+        }
+        let e = parse("", &["data.schema=\"alpaca\""]).unwrap().validate().unwrap_err().to_string();
+        assert_eq!(e, "data.schema = \"alpaca\": applies to data.format = \"jsonl\" (how its lines are read)");
+        let e = parse("", &["data.format=\"jsonl\""]).unwrap().validate().unwrap_err().to_string();
+        assert!(e.starts_with("data.format = \"jsonl\": needs data.path"), "{e}");
     }
 
     #[test]

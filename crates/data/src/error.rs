@@ -150,7 +150,7 @@ pub enum DataError {
     #[error("chat template: {0}")]
     ChatTemplate(minijinja::Error),
     /// Chat data was given to a tokenizer without a chat template.
-    #[error("the tokenizer {tokenizer} has no chat template, so `messages` lines cannot be rendered; use `text` lines or a model whose tokenizer carries one")]
+    #[error("the tokenizer {tokenizer} has no chat template, so chat lines (`messages`, Alpaca, ShareGPT, prompt/completion message lists) cannot be rendered; use `text` or prompt/completion string lines, or a model whose tokenizer carries one")]
     NoChatTemplate {
         /// Which tokenizer.
         tokenizer: String,
@@ -192,6 +192,19 @@ pub enum DataError {
         max_len: usize,
         /// Whether no example is left.
         all: bool,
+    },
+    /// Holding out `data.val_fraction` of a JSON Lines file's examples
+    /// would leave one of the two splits empty.
+    #[error("{}: cannot hold out data.val_fraction = {val_fraction} of {n} example(s): validation would take {n_val}, leaving none for training; add examples, or give held-out examples in data.val_path", path.display())]
+    TooFewExamples {
+        /// The file.
+        path: PathBuf,
+        /// Examples kept.
+        n: usize,
+        /// Examples validation would take.
+        n_val: usize,
+        /// The share asked for.
+        val_fraction: f64,
     },
     /// A line of a JSON Lines file lacks a field or has one of the wrong type.
     #[error("{}:{line}: {problem}", path.display())]

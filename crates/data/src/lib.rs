@@ -8,6 +8,7 @@ pub mod error;
 pub mod gguf_meta;
 pub mod sampler;
 pub mod samples;
+pub mod schemas;
 pub mod sft;
 pub mod token_file;
 pub mod tokenizer;
@@ -18,6 +19,7 @@ pub use dataset::{load_splits, n_val_tokens, text_files, text_of, Corpus, DataFo
 pub use error::DataError;
 pub use sampler::{BatchShape, EpochOrder, Sampler, LAZY_ORDER_FROM};
 pub use samples::Samples;
+pub use schemas::Schema;
 pub use sft::{Example, SftDataset, SftOptions, SftStats};
 pub use token_file::{SourceFile, TokenDtype, TokenFile, TokenFileMeta};
 pub use tokenizer::{ByteTokenizer, Tokenizer, TokenizerSpec};

@@ -61,8 +61,8 @@ impl Plan {
     }
 }
 
-/// Reads the config file (if any) and applies `--set` overrides. A path
-/// ending in `.json` is a DeepSpeed config, translated (with
+/// Reads the config file (if any; TOML with its `extends` chain resolved)
+/// and applies `--set` overrides. A path ending in `.json` is a DeepSpeed config, translated (with
 /// `--config-model` for what it does not describe); its warnings go to stderr.
 pub fn load_config(path: Option<&Path>, sets: &[String], ds: &DeepSpeedArgs) -> Result<Config> {
     let read =
@@ -73,14 +73,14 @@ pub fn load_config(path: Option<&Path>, sets: &[String], ds: &DeepSpeedArgs) -> 
             bail!("--config-model and --strict go with a DeepSpeed JSON config (CONFIG ending in .json); a TOML config holds [model] and [data] itself");
         }
         let (text, origin) = match path {
-            Some(p) => (read(p)?, p.display().to_string()),
+            Some(p) => (config::read_toml(p)?, p.display().to_string()),
             None => (String::new(), "default config".to_string()),
         };
         return Ok(Config::from_toml(&text, &origin, sets)?);
     }
     let path = path.context("a DeepSpeed config needs its path")?;
     let companion = match &ds.config_model {
-        Some(p) => Some((read(p)?, p.display().to_string())),
+        Some(p) => Some((config::read_toml(p)?, p.display().to_string())),
         None => None,
     };
     let opts = config::DeepSpeedOptions {

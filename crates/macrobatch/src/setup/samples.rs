@@ -27,7 +27,7 @@ pub(super) fn load_samples(
     if let (Some(p), Some(v)) = (&d.path, &d.val_path) {
         if folder::same_path(Path::new(p), Path::new(v)) {
             bail!(
-                "data.val_path = \"{v}\" is the training file data.path = \"{p}\": the validation loss would be measured on the examples trained on; give a held-out file, or (except for jsonl) unset data.val_path to hold out the last data.val_fraction of data.path"
+                "data.val_path = \"{v}\" is the training file data.path = \"{p}\": the validation loss would be measured on the examples trained on; give a held-out file, or unset data.val_path to hold out the last data.val_fraction of data.path"
             );
         }
     }
@@ -38,8 +38,8 @@ pub(super) fn load_samples(
                 pack_seq_len: d.pack.then_some(seq_len),
                 drop_empty: d.drop_empty,
             };
-            let load = |path: &str| -> Result<Samples> {
-                let ds = SftDataset::load(Path::new(path), tokenizer, &opts)?;
+            let load = |path: &str| -> Result<SftDataset> {
+                let ds = SftDataset::load_as(Path::new(path), tokenizer, &opts, d.schema)?;
                 let s = ds.stats();
                 if s.n_truncated > 0 {
                     let n_read = s.n_examples + s.n_without_targets;
@@ -55,10 +55,13 @@ pub(super) fn load_samples(
                         data::sft::line_list(ds.dropped_lines())
                     );
                 }
-                Ok(Samples::Examples(ds))
+                Ok(ds)
             };
-            let val = d.val_path.as_deref().context("data.format = \"jsonl\" needs data.val_path")?;
-            (load(p)?, load(val)?)
+            let (train, val) = match d.val_path.as_deref() {
+                Some(v) => (load(p)?, load(v)?),
+                None => load(p)?.split_tail(d.val_fraction)?,
+            };
+            (Samples::Examples(train), Samples::Examples(val))
         }
         (Some(p), DataFormat::Text) if !matches!(tokenizer, Tokenizer::Byte(_)) => {
             let load_text =
