@@ -24,8 +24,9 @@ pub enum DataFormat {
     U16,
     /// Little-endian u32 tokens, read a sample at a time.
     U32,
-    /// JSON Lines of fine-tuning examples: `{"text": …}` or `{"messages":
-    /// [{"role", "content"}, …]}` (only the assistant's replies are targets).
+    /// JSON Lines of fine-tuning examples: `{"text": …}`, `{"messages":
+    /// [{"role", "content"}, …]}` (only the assistant's replies are
+    /// targets), Alpaca, ShareGPT or prompt/completion lines (`Schema`).
     Jsonl,
 }
 

@@ -268,16 +268,16 @@ fn json_lines<'a>(
     })
 }
 
-/// The chat lines of a JSON Lines file (every schema read as a chat, the
-/// schema of each line told by its keys) as conversations, each with its
-/// 1-based line (`text` and prompt/completion string lines are skipped):
+/// The chat lines of a JSON Lines file (every schema read as a chat; the
+/// schema of each line told by its keys under `Schema::Auto`, else
+/// `schema`) as conversations, each with its 1-based line (`text` and prompt/completion string lines are skipped):
 /// what `eval --exact-match` prompts with. Errors as [`SftDataset::load`]
 /// names them.
-pub fn conversations(path: &Path, text: &str) -> Result<Vec<(usize, Vec<Message>)>, DataError> {
+pub fn conversations(path: &Path, text: &str, schema: Schema) -> Result<Vec<(usize, Vec<Message>)>, DataError> {
     let mut out = Vec::new();
     for line in json_lines(path, text) {
         let (at, v) = line?;
-        if let Record::Chat { messages, .. } = parse_record(&at, &v, Schema::Auto)? {
+        if let Record::Chat { messages, .. } = parse_record(&at, &v, schema)? {
             out.push((at.line, messages));
         }
     }

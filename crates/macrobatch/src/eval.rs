@@ -84,6 +84,7 @@ struct RunDefaults {
     micro: Option<usize>,
     pack: bool,
     drop_empty: bool,
+    schema: data::Schema,
 }
 
 fn run_defaults(model: &Path) -> Result<RunDefaults> {
@@ -97,7 +98,13 @@ fn run_defaults(model: &Path) -> Result<RunDefaults> {
         Some(config::Micro::Sequences(n)) => Some(n),
         _ => None,
     };
-    Ok(RunDefaults { seq_len: cfg.data.seq_len, micro, pack: cfg.data.pack, drop_empty: cfg.data.drop_empty })
+    Ok(RunDefaults {
+        seq_len: cfg.data.seq_len,
+        micro,
+        pack: cfg.data.pack,
+        drop_empty: cfg.data.drop_empty,
+        schema: cfg.data.schema,
+    })
 }
 
 /// How `path` is read: `--format`, else `.jsonl` / `.json` as fine-tuning
@@ -146,7 +153,7 @@ fn load_samples(
                 pack_seq_len: run.pack.then_some(seq_len),
                 drop_empty: run.drop_empty,
             };
-            let ds = SftDataset::load(path, tok, &opts)?;
+            let ds = SftDataset::load_as(path, tok, &opts, run.schema)?;
             if ds.stats().n_without_targets > 0 {
                 eprintln!(
                     "warning: {name}: {} examples keep no target within {seq_len} positions and are left out (lines {}); raise --seq-len to count them",
@@ -222,10 +229,11 @@ fn batch_sums(
     Ok(sums)
 }
 
-/// Greedy replies to the chat examples of `path` against their last
-/// assistant message.
+/// Greedy replies to the chat examples of `path` (read as `schema`)
+/// against their last assistant message.
 fn exact_match(
     path: &Path,
+    schema: data::Schema,
     family: &Arc<dyn Family>,
     params: &[f32],
     tok: &Tokenizer,
@@ -233,10 +241,10 @@ fn exact_match(
     limit: Option<usize>,
 ) -> Result<ExactMatch> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let mut convs = data::sft::conversations(path, &text)?;
+    let mut convs = data::sft::conversations(path, &text, schema)?;
     if convs.is_empty() {
         bail!(
-            "--exact-match: {} holds no chat example (\"messages\" lines); exact match compares the model's reply with the last assistant message",
+            "--exact-match: {} holds no chat example (messages, Alpaca, ShareGPT or conversational prompt/completion lines); exact match compares the model's reply with the last assistant message",
             path.display()
         );
     }
@@ -292,7 +300,7 @@ pub fn run(args: EvalArgs) -> Result<()> {
     let format = detect_format(&args.data, args.format)?;
     if args.exact_match && format != DataFormat::Jsonl {
         bail!(
-            "--exact-match needs chat JSON Lines (\"messages\" lines), but {} is read as {}",
+            "--exact-match needs chat JSON Lines (messages, Alpaca, ShareGPT or conversational prompt/completion lines), but {} is read as {}",
             args.data.display(),
             format_name(format)
         );
@@ -319,7 +327,7 @@ pub fn run(args: EvalArgs) -> Result<()> {
         dump_logits(path, &family, &params, &samples)?;
     }
     let exact = if args.exact_match {
-        Some(exact_match(&args.data, &family, &params, &tok, args.max_new_tokens, args.max_samples)?)
+        Some(exact_match(&args.data, run.schema, &family, &params, &tok, args.max_new_tokens, args.max_samples)?)
     } else {
         None
     };
