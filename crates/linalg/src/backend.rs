@@ -14,8 +14,15 @@
 //! threads) by timing the first calls of the key on each candidate in turn
 //! (the probe: real calls, no extra work), and is
 //! cached per machine (CPU model and thread count) in a JSON file under the
-//! cache directory ([`cache_path`]), so every later run on the machine makes
-//! the same choices. `MACROBATCH_GEMM=crate|split|openblas` forces one
+//! cache directory ([`cache_path`]). One probe can be fooled — a trial
+//! taken while the machine was busy — so a cached choice is provisional
+//! until [`FINAL_AGREEMENTS`] processes agree on it: the next process
+//! probes the key again, keeps the cached backend when it is within
+//! [`MARGIN`] of the fastest candidate (one more agreement), and replaces
+//! it otherwise (agreement 1: checked again). A final choice is used
+//! without probing, so later runs on the machine make the same choices.
+//! (Only OpenBLAS sums in another order: with the `openblas` feature a
+//! run's bits may depend on a provisional choice.) `MACROBATCH_GEMM=crate|split|openblas` forces one
 //! backend for every shape (`auto`, the default, probes). Calls from inside a
 //! parallel loop (one thread each) always use `Crate` single-threaded.
 
@@ -123,6 +130,12 @@ pub struct ShapeStats {
     /// GFLOP/s of each candidate in the probe (empty when the choice came
     /// from the cache or was forced).
     pub probe: Vec<(Backend, f64)>,
+    /// Processes (this one included, when it probed) that agreed on the
+    /// backend; the choice is final at [`FINAL_AGREEMENTS`]. 0: forced.
+    pub agreed: u32,
+    /// The backend a provisional cache entry named when this process
+    /// re-checked it (`None`: nothing cached, or final).
+    pub rechecked: Option<Backend>,
     /// Calls made.
     pub calls: u64,
     /// While on trial: (candidate, calls, best seconds).
@@ -147,7 +160,57 @@ struct Registry {
     shapes: BTreeMap<Key, ShapeStats>,
     /// The cache file of each thread count, once read (keys of
     /// [`Key::cache_name`] leave the threads out: the file name has them).
-    cache: BTreeMap<usize, BTreeMap<String, Backend>>,
+    cache: BTreeMap<usize, BTreeMap<String, Cached>>,
+}
+
+/// Processes that must agree on a shape's backend before the choice is
+/// final and no longer probed.
+pub const FINAL_AGREEMENTS: u32 = 2;
+
+/// How much slower than the fastest candidate a provisional choice may be
+/// in a re-check and still count as agreeing (timing noise between two
+/// backends that are in fact equal is a few %).
+pub const MARGIN: f64 = 0.10;
+
+/// A cache entry: the backend and how many processes agreed on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cached {
+    /// The backend chosen.
+    pub backend: Backend,
+    /// Processes that agreed.
+    pub agreed: u32,
+}
+
+/// An entry as stored: `{"backend": "split", "agreed": 2}`, or a bare name
+/// (files of earlier versions: one probe, so provisional).
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(untagged)]
+enum Stored {
+    Full { backend: String, agreed: u32 },
+    Name(String),
+}
+
+impl Stored {
+    fn parse(self) -> Option<Cached> {
+        match self {
+            Stored::Full { backend, agreed } => Some(Cached { backend: Backend::parse(&backend)?, agreed }),
+            Stored::Name(name) => Some(Cached { backend: Backend::parse(&name)?, agreed: 1 }),
+        }
+    }
+}
+
+/// The entry a finished probe leaves: `trials` holds each candidate's best
+/// seconds. Without a cached entry the fastest wins (agreement 1). A cached
+/// backend within [`MARGIN`] of the fastest is kept, one more agreement;
+/// else the fastest replaces it (agreement 1).
+pub fn decide(cached: Option<Cached>, trials: &[(Backend, f64)]) -> Cached {
+    let fastest = trials.iter().min_by(|x, y| x.1.total_cmp(&y.1)).copied().unwrap_or((Backend::Crate, 0.0));
+    let fresh = Cached { backend: fastest.0, agreed: 1 };
+    let Some(c) = cached else { return fresh };
+    match trials.iter().find(|t| t.0 == c.backend) {
+        Some(&(_, secs)) if secs <= fastest.1 * (1.0 + MARGIN) => Cached { backend: c.backend, agreed: c.agreed + 1 },
+        _ => fresh,
+    }
 }
 
 fn registry() -> &'static Mutex<Registry> {
@@ -239,10 +302,10 @@ fn load_cache(reg: &mut Registry, threads: usize) {
     reg.cache.insert(threads, BTreeMap::new());
     let Some(path) = cache_path_for(threads) else { return };
     let Ok(text) = std::fs::read_to_string(&path) else { return };
-    match serde_json::from_str::<BTreeMap<String, String>>(&text) {
+    match serde_json::from_str::<BTreeMap<String, Stored>>(&text) {
         Ok(map) => {
             // Entries naming a backend this build lacks are probed again.
-            reg.cache.insert(threads, map.into_iter().filter_map(|(k, v)| Some((k, Backend::parse(&v)?))).collect());
+            reg.cache.insert(threads, map.into_iter().filter_map(|(k, v)| Some((k, v.parse()?))).collect());
         }
         Err(e) => eprintln!("warning: ignoring unreadable GEMM probe cache {}: {e}", path.display()),
     }
@@ -253,9 +316,15 @@ fn load_cache(reg: &mut Registry, threads: usize) {
 /// read the file are kept (this process's choices win where both have one).
 fn save_cache(reg: &Registry, threads: usize) {
     let Some(path) = cache_path_for(threads) else { return };
-    let mut map: BTreeMap<String, String> =
+    let mut map: BTreeMap<String, Stored> =
         std::fs::read_to_string(&path).ok().and_then(|text| serde_json::from_str(&text).ok()).unwrap_or_default();
-    map.extend(reg.cache.get(&threads).into_iter().flatten().map(|(k, v)| (k.clone(), v.name().to_string())));
+    map.extend(
+        reg.cache
+            .get(&threads)
+            .into_iter()
+            .flatten()
+            .map(|(k, v)| (k.clone(), Stored::Full { backend: v.backend.name().to_string(), agreed: v.agreed })),
+    );
     let result = (|| -> std::io::Result<()> {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir)?;
@@ -330,10 +399,13 @@ pub(crate) fn record(key: Key, backend: Backend, seconds: f64, on_trial: bool) {
         t.2 = t.2.min(seconds);
     }
     if s.backend.is_none() && s.trials.iter().all(|t| t.1 >= TRIALS) {
-        let best = s.trials.iter().min_by(|x, y| x.2.total_cmp(&y.2)).map_or(Backend::Crate, |t| t.0);
-        s.backend = Some(best);
+        let times: Vec<(Backend, f64)> = s.trials.iter().map(|t| (t.0, t.2)).collect();
+        let cached = s.rechecked.map(|backend| Cached { backend, agreed: s.agreed });
+        let chosen = decide(cached, &times);
+        s.backend = Some(chosen.backend);
+        s.agreed = chosen.agreed;
         s.probe = s.trials.iter().map(|t| (t.0, key.flops() / t.2 / 1e9)).collect();
-        reg.cache.entry(key.threads).or_default().insert(key.cache_name(), best);
+        reg.cache.entry(key.threads).or_default().insert(key.cache_name(), chosen);
         save_cache(&reg, key.threads);
     }
 }
@@ -367,11 +439,17 @@ fn choose(key: Key) -> (Backend, bool) {
         return (b, false);
     }
     load_cache(&mut reg, key.threads);
-    if let Some(&b) = reg.cache.get(&key.threads).and_then(|c| c.get(&key.cache_name())) {
-        reg.shapes.entry(key).or_default().backend = Some(b);
-        return (b, false);
-    }
+    let cached = reg.cache.get(&key.threads).and_then(|c| c.get(&key.cache_name())).copied();
     let s = reg.shapes.entry(key).or_default();
+    match cached {
+        Some(c) if c.agreed >= FINAL_AGREEMENTS => {
+            (s.backend, s.agreed) = (Some(c.backend), c.agreed);
+            return (c.backend, false);
+        }
+        // Provisional: probed again, and `record` decides against it.
+        Some(c) if s.trials.is_empty() => (s.rechecked, s.agreed) = (Some(c.backend), c.agreed),
+        _ => {}
+    }
     if s.trials.is_empty() {
         s.trials = Backend::f32_candidates().into_iter().map(|b| (b, 0, f64::INFINITY)).collect();
     }
@@ -501,5 +579,41 @@ mod openblas {
     /// runs the `gemm` crate if named anyway.
     pub(super) unsafe fn sgemm(c: &crate::Call<'_>, threads: usize) {
         crate::crate_gemm(c, gemm::Parallelism::Rayon(threads))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A provisional choice within the margin of the fastest is kept (one
+    /// more agreement); one clearly slower (a probe fooled by a busy
+    /// machine) is replaced and must be confirmed again.
+    #[test]
+    fn a_provisional_choice_is_kept_within_the_margin_and_replaced_beyond_it() {
+        let (crate_, split) = (Backend::Crate, Backend::Split);
+        let fresh = decide(None, &[(crate_, 2.0), (split, 1.0)]);
+        assert_eq!(fresh, Cached { backend: split, agreed: 1 });
+        // Cached `crate`, 5% slower than `split` in this re-check: agreed.
+        let kept = decide(Some(Cached { backend: crate_, agreed: 1 }), &[(crate_, 1.05), (split, 1.0)]);
+        assert_eq!(kept, Cached { backend: crate_, agreed: 2 });
+        assert!(kept.agreed >= FINAL_AGREEMENTS);
+        // Cached `crate`, 50% slower: replaced, provisional again.
+        let replaced = decide(Some(Cached { backend: crate_, agreed: 1 }), &[(crate_, 1.5), (split, 1.0)]);
+        assert_eq!(replaced, Cached { backend: split, agreed: 1 });
+        // A cached backend this probe did not run (another build's) is replaced.
+        let gone = decide(Some(Cached { backend: Backend::OpenBlas, agreed: 1 }), &[(crate_, 1.0), (split, 1.2)]);
+        assert_eq!(gone, Cached { backend: crate_, agreed: 1 });
+    }
+
+    #[test]
+    fn stored_entries_of_both_forms_parse() {
+        let map: BTreeMap<String, Stored> =
+            serde_json::from_str(r#"{"a": "split", "b": {"backend": "crate", "agreed": 3}, "c": "nonesuch"}"#)
+                .unwrap_or_default();
+        let parsed: BTreeMap<String, Option<Cached>> = map.into_iter().map(|(k, v)| (k, v.parse())).collect();
+        assert_eq!(parsed["a"], Some(Cached { backend: Backend::Split, agreed: 1 }), "a bare name is one probe");
+        assert_eq!(parsed["b"], Some(Cached { backend: Backend::Crate, agreed: 3 }));
+        assert_eq!(parsed["c"], None);
     }
 }

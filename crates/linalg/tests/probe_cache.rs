@@ -76,4 +76,66 @@ fn cache_path_and_concurrent_writers() {
     let _ = std::fs::remove_dir_all(&tmp);
     assert_eq!(s3.probe.len(), Backend::f32_candidates().len(), "the 3-thread key took the 2-thread choice unprobed");
     assert!(text3.contains("160x96x144nn") && !text3.contains("7x7x7nn"), "3-thread cache: {text3}");
+
+    // A cached choice one probe made (a bare name, as earlier versions
+    // wrote; or agreement 1) is re-checked by the next process: the shape
+    // is probed again, and the entry records the decision with its
+    // agreement count. A final one (two agreeing processes) is used as is.
+    let dir = tmp.join("recheck");
+    std::env::set_var("MACROBATCH_CACHE_DIR", &dir);
+    let p4 = rayon::ThreadPoolBuilder::new().num_threads(4).build().expect("pool");
+    let path4 = p4.install(backend::cache_path).expect("cache path");
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let (m2, k2, n2) = (96, 64, 80);
+    std::fs::write(&path4, r#"{"160x96x144nn": "split", "96x64x80nn": {"backend": "split", "agreed": 2}}"#)
+        .expect("write");
+    let par4 = p4.install(|| linalg::parallelism(false));
+    let a2 = vec![0.5f32; m2 * k2];
+    let b2 = vec![0.25f32; k2 * n2];
+    let mut dst2 = vec![0.0f32; m2 * n2];
+    for _ in 0..3 * Backend::f32_candidates().len() {
+        p4.install(|| {
+            gemm_into(
+                GemmDims { m, n, k },
+                &mut dst,
+                GemmOut::overwrite(n),
+                Strided::rows(&a, k),
+                Strided::rows(&b, n),
+                1.0,
+                par4,
+            );
+            gemm_into(
+                GemmDims { m: m2, n: n2, k: k2 },
+                &mut dst2,
+                GemmOut::overwrite(n2),
+                Strided::rows(&a2, k2),
+                Strided::rows(&b2, n2),
+                1.0,
+                par4,
+            )
+        });
+    }
+    let stats = backend::stats();
+    let find = |mm, kk, nn| {
+        stats
+            .iter()
+            .find(|(key, _)| (key.m, key.k, key.n, key.threads) == (mm, kk, nn, 4))
+            .expect("4-thread key")
+            .1
+            .clone()
+    };
+    let (provisional, fin) = (find(m, k, n), find(m2, k2, n2));
+    let text4 = std::fs::read_to_string(&path4).unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&tmp);
+    assert_eq!(provisional.rechecked, Some(Backend::Split), "the provisional entry was not re-checked");
+    assert_eq!(provisional.probe.len(), Backend::f32_candidates().len(), "re-checked by a probe");
+    // Kept (split within the margin: agreement 2) or replaced (agreement 1).
+    let want = if provisional.backend == Some(Backend::Split) { 2 } else { 1 };
+    assert_eq!(provisional.agreed, want, "{provisional:?}");
+    assert!(
+        text4.contains(&format!("\"agreed\": {want}")) && text4.contains("\"backend\""),
+        "the decision is recorded with its agreement: {text4}"
+    );
+    assert!(fin.probe.is_empty() && fin.rechecked.is_none(), "a final choice is not probed again: {fin:?}");
+    assert_eq!((fin.backend, fin.agreed), (Some(Backend::Split), 2));
 }

@@ -159,6 +159,25 @@ struct GemmRow {
     candidates: Vec<(String, f64)>,
     /// The best of `candidates`.
     best_gflops: f64,
+    /// How the backend was chosen: `final` (cached, agreed by
+    /// `agreed` processes), `kept` / `replaced` (a provisional cache entry
+    /// re-checked by this run's probe), `probed` (nothing cached),
+    /// `forced` (`MACROBATCH_GEMM`) or `bf16`.
+    choice: String,
+    /// Processes that agreed on the backend (0: forced or bf16).
+    agreed: u32,
+}
+
+/// How a shape's backend was chosen (see [`GemmRow::choice`]).
+fn choice(st: &linalg::ShapeStats) -> &'static str {
+    match (st.backend, st.rechecked, st.probe.is_empty()) {
+        (Some(linalg::Backend::Bf16), _, _) => "bf16",
+        (b, Some(r), false) if b == Some(r) => "kept",
+        (_, Some(_), false) => "replaced",
+        (_, None, false) => "probed",
+        _ if st.agreed == 0 => "forced",
+        _ => "final",
+    }
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -288,6 +307,8 @@ fn gemm_table(steps: usize, step_ms: f64) -> Vec<GemmRow> {
             step_pct: 100.0 * st.seconds / (steps as f64 * step_ms / 1e3),
             candidates,
             best_gflops,
+            choice: choice(&st).to_string(),
+            agreed: st.agreed,
         });
     }
     rows.sort_by(|a, b| b.step_pct.total_cmp(&a.step_pct));
@@ -415,15 +436,18 @@ pub fn run(args: BenchArgs) -> Result<()> {
         report.peak_rss_bytes.unwrap_or(0) as f64 / 1e6
     );
     if !report.gemm.is_empty() {
-        println!("  GEMM shapes (m×k×n, ᵀ = transposed operand), by share of the step; candidates measured on the same shape after the run:");
+        println!("  GEMM shapes (m×k×n, ᵀ = transposed operand), by share of the step; the backend's choice (final: cached and agreed by N runs; kept / replaced: a provisional entry re-checked now; probed: new); candidates measured on the same shape after the run:");
         for g in &report.gemm {
             let cands: Vec<String> = g.candidates.iter().map(|(n, r)| format!("{n} {r:.0}")).collect();
             println!(
-                "    {:<20} {:>5.1}/step {:>5.1}% of step  {:<6} {:>6.0} GFLOP/s = {:>3.0}% of best {:.0}  [{}]",
+                "    {:<20} {:>5.1}/step {:>5.1}% of step  {:<6} {:<8} ({} run{}) {:>6.0} GFLOP/s = {:>3.0}% of best {:.0}  [{}]",
                 g.shape,
                 g.calls_per_step,
                 g.step_pct,
                 g.backend,
+                g.choice,
+                g.agreed,
+                if g.agreed == 1 { "" } else { "s" },
                 g.gflops,
                 100.0 * g.gflops / g.best_gflops.max(f64::MIN_POSITIVE),
                 g.best_gflops,
