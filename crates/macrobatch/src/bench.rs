@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Interleaved rounds of the K sweep.
-const K_SWEEP_ROUNDS: usize = 3;
+const K_SWEEP_ROUNDS: usize = 5;
 
 /// A core's peak f32 FLOP per cycle and the micro-architecture it was taken for.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -135,6 +135,9 @@ struct Report {
     gemm_peak_gflops: f64,
     mfu_gemm_pct: f64,
     k_sweep: Vec<(usize, f64)>,
+    /// Per K: the least and greatest of the per-round ratios (each round
+    /// times every K back to back, so a round's ratio shares its noise).
+    k_sweep_spread: Vec<(usize, f64, f64)>,
     precision: String,
     /// Peak resident set (VmHWM) after the measured steps, before the GEMM
     /// table's and the K sweep's buffers.
@@ -345,7 +348,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     // Before the GEMM table and the K sweep allocate their own buffers.
     let peak_rss_bytes = crate::memory::peak_rss_bytes();
     let gemm = gemm_table(args.steps, step.ms_median);
-    let mut k_sweep = Vec::new();
+    let (mut k_sweep, mut k_sweep_spread) = (Vec::new(), Vec::new());
     if !args.no_k_sweep {
         // Rounds interleave the factorizations so that each sees the same
         // machine noise; the ratio is of the medians over rounds.
@@ -359,6 +362,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
         let base = median(&mut ms[0].clone());
         for (i, &k) in ks.iter().enumerate() {
+            let per_round: Vec<f64> = ms[i].iter().zip(&ms[0]).map(|(a, b)| a / b).collect();
+            let (lo, hi) = per_round.iter().fold((f64::INFINITY, 0.0f64), |(l, h), &r| (l.min(r), h.max(r)));
+            k_sweep_spread.push((k, lo, hi));
             k_sweep.push((k, median(&mut ms[i]) / base));
         }
     }
@@ -378,6 +384,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         core_peak: core,
         gemm_peak_gflops: gemm_peak,
         k_sweep,
+        k_sweep_spread,
         precision: plan.cfg.train.precision.to_string(),
         peak_rss_bytes,
         gemm,
@@ -455,8 +462,24 @@ pub fn run(args: BenchArgs) -> Result<()> {
             );
         }
     }
-    for (k, ratio) in &report.k_sweep {
-        println!("  K = {k:<2}        micro {:<4} step time {:.3}× K = 1", report.global_batch / k, ratio);
+    if !report.k_sweep.is_empty() {
+        println!("  K sweep ({K_SWEEP_ROUNDS} interleaved rounds; the median of the rounds, and the least and greatest round):");
+    }
+    for ((k, ratio), (_, lo, hi)) in report.k_sweep.iter().zip(&report.k_sweep_spread) {
+        let verdict = if *k == 1 {
+            ""
+        } else if *lo <= 1.0 && 1.0 <= *hi {
+            "  (rounds straddle 1: not distinguishable from K = 1 here)"
+        } else {
+            ""
+        };
+        println!(
+            "  K = {k:<2}        micro {:<4} step time {:.3}× K = 1 (rounds {:.3}–{:.3}×){verdict}",
+            report.global_batch / k,
+            ratio,
+            lo,
+            hi
+        );
     }
     Ok(())
 }
