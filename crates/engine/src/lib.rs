@@ -96,6 +96,7 @@ pub mod offload;
 pub mod optim;
 pub mod pipeline;
 pub mod precision;
+pub mod profile;
 pub mod recompute;
 pub mod rng;
 pub mod saved;

@@ -85,21 +85,25 @@ impl Precision {
 
     /// Encodes `src` into 16-bit storage (`dst.len() == src.len()`).
     pub fn encode(self, src: &[f32], dst: &mut [u16]) {
-        dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| match self {
-            Precision::Bf16 => encode_bf16(s, d),
-            // half's slice conversions use the CPU's F16C instructions when present.
-            Precision::F16 => d.reinterpret_cast_mut::<half::f16>().convert_from_f32_slice(s),
-            Precision::F32 => unreachable!("f32 is not stored in 16 bits"),
-        });
+        crate::profile::timed(crate::profile::Kind::Convert, || {
+            dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| match self {
+                Precision::Bf16 => encode_bf16(s, d),
+                // half's slice conversions use the CPU's F16C instructions when present.
+                Precision::F16 => d.reinterpret_cast_mut::<half::f16>().convert_from_f32_slice(s),
+                Precision::F32 => unreachable!("f32 is not stored in 16 bits"),
+            });
+        })
     }
 
     /// Decodes 16-bit storage into f32.
     pub fn decode(self, src: &[u16], dst: &mut [f32]) {
-        dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| match self {
-            Precision::Bf16 => decode_bf16(s, d),
-            Precision::F16 => s.reinterpret_cast::<half::f16>().convert_to_f32_slice(d),
-            Precision::F32 => unreachable!("f32 is not stored in 16 bits"),
-        });
+        crate::profile::timed(crate::profile::Kind::Convert, || {
+            dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| match self {
+                Precision::Bf16 => decode_bf16(s, d),
+                Precision::F16 => s.reinterpret_cast::<half::f16>().convert_to_f32_slice(d),
+                Precision::F32 => unreachable!("f32 is not stored in 16 bits"),
+            });
+        })
     }
 
     /// Rounds values in place to what this precision can store (identity for f32).

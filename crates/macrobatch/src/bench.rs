@@ -135,6 +135,10 @@ struct Report {
     gemm_peak_gflops: f64,
     mfu_gemm_pct: f64,
     k_sweep: Vec<(usize, f64)>,
+    /// Where the measured steps' time went, by kernel family (per rank),
+    /// largest first; `other` is the rest of the step (the engine's
+    /// bookkeeping, the model's copies and glue, the batch's assembly).
+    profile: Vec<ProfileRow>,
     /// Per K: the least and greatest of the per-round ratios (each round
     /// times every K back to back, so a round's ratio shares its noise).
     k_sweep_spread: Vec<(usize, f64, f64)>,
@@ -183,6 +187,36 @@ fn choice(st: &linalg::ShapeStats) -> &'static str {
     }
 }
 
+/// One kernel family's share of the measured steps.
+#[derive(Debug, Serialize)]
+struct ProfileRow {
+    kind: &'static str,
+    ms_per_step: f64,
+    step_pct: f64,
+    calls_per_step: f64,
+}
+
+/// The profile counters of `steps` measured steps of `step_ms` each, on
+/// `ranks` ranks, as rows (largest first) and the rest as `other`.
+fn profile_rows(steps: usize, step_ms: f64, ranks: usize) -> Vec<ProfileRow> {
+    let per = (steps * ranks.max(1)) as f64;
+    let mut rows: Vec<ProfileRow> = engine::profile::snapshot()
+        .into_iter()
+        .filter(|(_, _, calls)| *calls > 0)
+        .map(|(k, secs, calls)| ProfileRow {
+            kind: k.name(),
+            ms_per_step: secs * 1e3 / per,
+            step_pct: 100.0 * secs * 1e3 / per / step_ms,
+            calls_per_step: calls as f64 / per,
+        })
+        .collect();
+    rows.sort_by(|a, b| b.ms_per_step.total_cmp(&a.ms_per_step));
+    let counted: f64 = rows.iter().map(|r| r.ms_per_step).sum();
+    let rest = (step_ms - counted).max(0.0);
+    rows.push(ProfileRow { kind: "other", ms_per_step: rest, step_pct: 100.0 * rest / step_ms, calls_per_step: 0.0 });
+    rows
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -221,7 +255,8 @@ fn time_rank(
 ) -> Result<Timing> {
     let cfg = &plan.cfg;
     let sampler = Sampler::new(plan.train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?;
-    let mut model = model_for_rank(plan, plan.grid.tp_rank(comm.rank()))?;
+    let rank = comm.rank();
+    let mut model = model_for_rank(plan, plan.grid.tp_rank(rank))?;
     let mut comms = RankComms::new(plan, &mut model, comm)?;
     let mut trainer = comms.trainer(plan, &model, None, &scratch_offload_root())?;
     let (mut ms, mut overhead, mut tp_ms) = (Vec::new(), Vec::new(), Vec::new());
@@ -229,8 +264,9 @@ fn time_rank(
     for i in 0..warmup + steps {
         let (epoch, s) = sampler.position(i as u64);
         let order = sampler.epoch_order(epoch);
-        if i == warmup {
+        if i == warmup && rank == 0 {
             linalg::backend::reset_counts();
+            engine::profile::reset();
         }
         let t0 = Instant::now();
         let batches = rank_batches(plan, &sampler, &order, s, comms.data_rank())?;
@@ -344,7 +380,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let threads = rayon::current_num_threads();
     let b = plan.batch;
     let shape = BatchShape { micro: b.micro, accumulation_steps: b.accumulation_steps, world_size: 1 };
+    engine::profile::set_enabled(true);
     let step = time_steps(&plan, shape, args.warmup, args.steps)?;
+    engine::profile::set_enabled(false);
+    let profile = profile_rows(args.steps, step.ms_median, t);
     // Before the GEMM table and the K sweep allocate their own buffers.
     let peak_rss_bytes = crate::memory::peak_rss_bytes();
     let gemm = gemm_table(args.steps, step.ms_median);
@@ -384,6 +423,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         core_peak: core,
         gemm_peak_gflops: gemm_peak,
         k_sweep,
+        profile,
         k_sweep_spread,
         precision: plan.cfg.train.precision.to_string(),
         peak_rss_bytes,
@@ -442,6 +482,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
         s.param_copy_bytes as f64 / 1e6,
         report.peak_rss_bytes.unwrap_or(0) as f64 / 1e6
     );
+    if !report.profile.is_empty() {
+        println!("  where the step's time goes (by kernel family; per rank; `other`: engine, copies, batch assembly):");
+        for p in &report.profile {
+            let calls =
+                if p.calls_per_step > 0.0 { format!("{:>6.0} calls/step", p.calls_per_step) } else { String::new() };
+            println!("    {:<15} {:>8.2} ms/step {:>5.1}%  {calls}", p.kind, p.ms_per_step, p.step_pct);
+        }
+    }
     if !report.gemm.is_empty() {
         println!("  GEMM shapes (m×k×n, ᵀ = transposed operand), by share of the step; the backend's choice (final: cached and agreed by N runs; kept / replaced: a provisional entry re-checked now; probed: new); candidates measured on the same shape after the run:");
         for g in &report.gemm {

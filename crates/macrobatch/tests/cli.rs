@@ -140,4 +140,22 @@ fn bench_reports_speed_memory_and_the_k_sweep_as_json() {
     let ks: Vec<u64> = r["k_sweep"].as_array().unwrap().iter().map(|e| e[0].as_u64().unwrap()).collect();
     assert_eq!(ks, vec![1, 2, 4, 8]);
     assert_eq!(r["k_sweep"][0][1].as_f64(), Some(1.0));
+    // Each K's rounds bracket its median ratio.
+    for (k, spread) in r["k_sweep"].as_array().unwrap().iter().zip(r["k_sweep_spread"].as_array().unwrap()) {
+        let (m, lo, hi) = (k[1].as_f64().unwrap(), spread[1].as_f64().unwrap(), spread[2].as_f64().unwrap());
+        assert!(lo <= m && m <= hi, "K {k}: median {m} outside its rounds {lo}–{hi}");
+    }
+    // Where the step's time goes: the kernel families a GPT-2 step runs
+    // (two blocks of 2 micro-steps: 2 × 2 attention forwards and
+    // backwards), and the rest as `other`, adding up to the step.
+    let rows = r["profile"].as_array().unwrap();
+    let get = |kind: &str| rows.iter().find(|p| p["kind"] == kind).unwrap_or_else(|| panic!("no {kind} in {rows:?}"));
+    for kind in ["linear", "attention", "norm", "activation", "cross-entropy", "embedding", "optimizer", "other"] {
+        assert!(get(kind)["ms_per_step"].as_f64().unwrap() >= 0.0);
+    }
+    assert_eq!(get("attention")["calls_per_step"].as_f64(), Some(8.0), "{rows:?}");
+    assert_eq!(get("optimizer")["calls_per_step"].as_f64(), Some(1.0));
+    let total: f64 = rows.iter().map(|p| p["ms_per_step"].as_f64().unwrap()).sum();
+    let step = r["step"]["ms_median"].as_f64().unwrap();
+    assert!(total >= step * (1.0 - 1e-9), "the families and `other` cover the step: {total} vs {step}");
 }

@@ -46,8 +46,10 @@ pub fn fast_tanh(x: f32) -> f32 {
 
 /// GELU, tanh approximation (`gelu_new` in Hugging Face).
 pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
-    assert_len("gelu_forward", "out", out.len(), &[inp.len()]);
-    out.par_chunks_mut(4096).zip(inp.par_chunks(4096)).for_each(|(o, x)| gelu_forward_chunk(o, x));
+    engine::profile::timed(engine::profile::Kind::Activation, || {
+        assert_len("gelu_forward", "out", out.len(), &[inp.len()]);
+        out.par_chunks_mut(4096).zip(inp.par_chunks(4096)).for_each(|(o, x)| gelu_forward_chunk(o, x));
+    })
 }
 
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
@@ -60,8 +62,10 @@ fn gelu_forward_chunk(o: &mut [f32], x: &[f32]) {
 
 /// In place: `d ← d · gelu'(inp)`.
 pub fn gelu_backward_inplace(d: &mut [f32], inp: &[f32]) {
-    assert_len("gelu_backward_inplace", "d", d.len(), &[inp.len()]);
-    d.par_chunks_mut(4096).zip(inp.par_chunks(4096)).for_each(|(d, x)| gelu_backward_chunk(d, x));
+    engine::profile::timed(engine::profile::Kind::Activation, || {
+        assert_len("gelu_backward_inplace", "d", d.len(), &[inp.len()]);
+        d.par_chunks_mut(4096).zip(inp.par_chunks(4096)).for_each(|(d, x)| gelu_backward_chunk(d, x));
+    })
 }
 
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
@@ -83,33 +87,37 @@ fn sigmoid(x: f32) -> f32 {
 /// SwiGLU: `m = silu(g) · u` where rows of `gu` are `[g: f | u: f]`
 /// (gate_proj's and up_proj's outputs side by side), `m` `[n, f]`.
 pub fn swiglu_forward(m: &mut [f32], gu: &[f32], f: usize) {
-    let n = m.len() / f.max(1);
-    assert_len("swiglu_forward", "m", m.len(), &[n, f]);
-    assert_len("swiglu_forward", "gu", gu.len(), &[n, 2, f]);
-    m.par_chunks_mut(f).zip(gu.par_chunks(2 * f)).for_each(|(m, gu)| {
-        let (g, u) = gu.split_at(f);
-        for i in 0..f {
-            m[i] = g[i] * sigmoid(g[i]) * u[i];
-        }
-    });
+    engine::profile::timed(engine::profile::Kind::Activation, || {
+        let n = m.len() / f.max(1);
+        assert_len("swiglu_forward", "m", m.len(), &[n, f]);
+        assert_len("swiglu_forward", "gu", gu.len(), &[n, 2, f]);
+        m.par_chunks_mut(f).zip(gu.par_chunks(2 * f)).for_each(|(m, gu)| {
+            let (g, u) = gu.split_at(f);
+            for i in 0..f {
+                m[i] = g[i] * sigmoid(g[i]) * u[i];
+            }
+        });
+    })
 }
 
 /// Backward of [`swiglu_forward`]: overwrites `dgu` `[n, 2f]` with
 /// `dg = dm·u·σ(g)·(1 + g·(1 − σ(g)))` and `du = dm·silu(g)`.
 pub fn swiglu_backward(dgu: &mut [f32], dm: &[f32], gu: &[f32], f: usize) {
-    let n = dm.len() / f.max(1);
-    assert_len("swiglu_backward", "dm", dm.len(), &[n, f]);
-    assert_len("swiglu_backward", "gu", gu.len(), &[n, 2, f]);
-    assert_len("swiglu_backward", "dgu", dgu.len(), &[n, 2, f]);
-    dgu.par_chunks_mut(2 * f).zip(gu.par_chunks(2 * f)).zip(dm.par_chunks(f)).for_each(|((dgu, gu), dm)| {
-        let (g, u) = gu.split_at(f);
-        let (dg, du) = dgu.split_at_mut(f);
-        for i in 0..f {
-            let sg = sigmoid(g[i]);
-            dg[i] = dm[i] * u[i] * sg * (1.0 + g[i] * (1.0 - sg));
-            du[i] = dm[i] * g[i] * sg;
-        }
-    });
+    engine::profile::timed(engine::profile::Kind::Activation, || {
+        let n = dm.len() / f.max(1);
+        assert_len("swiglu_backward", "dm", dm.len(), &[n, f]);
+        assert_len("swiglu_backward", "gu", gu.len(), &[n, 2, f]);
+        assert_len("swiglu_backward", "dgu", dgu.len(), &[n, 2, f]);
+        dgu.par_chunks_mut(2 * f).zip(gu.par_chunks(2 * f)).zip(dm.par_chunks(f)).for_each(|((dgu, gu), dm)| {
+            let (g, u) = gu.split_at(f);
+            let (dg, du) = dgu.split_at_mut(f);
+            for i in 0..f {
+                let sg = sigmoid(g[i]);
+                dg[i] = dm[i] * u[i] * sg * (1.0 + g[i] * (1.0 - sg));
+                du[i] = dm[i] * g[i] * sg;
+            }
+        });
+    })
 }
 
 #[cfg(test)]

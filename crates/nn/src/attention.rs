@@ -100,41 +100,43 @@ pub fn causal_softmax_backward_rows(d: &mut [f32], a: &[f32], t: usize) {
 /// # Panics
 /// Unless every slice has exactly the length the shape implies.
 pub fn attention_forward(y: &mut [f32], att: &mut [f32], heads: &mut [f32], qkv: &[f32], s: AttnShape) {
-    let AttnShape { b, t, n_head, n_kv_head, head_dim: d, ops } = s;
-    let (qd, w) = (s.q_dim(), s.qkv_width());
-    s.check(
-        "attention_forward",
-        &[
-            ("y", y.len(), &[b, t, qd]),
-            ("att", att.len(), &[b, n_head, t, t]),
-            ("heads", heads.len(), &[b, t, qd]),
-            ("qkv", qkv.len(), &[b, t, w]),
-        ],
-    );
-    let group = n_head / n_kv_head;
-    let scale = 1.0 / (d as f32).sqrt();
-    // One task per (sequence, head): its GEMMs run on one thread.
-    let par = Par::ONE.with(ops);
-    att.par_chunks_mut(t * t).zip(heads.par_chunks_mut(t * d)).enumerate().for_each(|(bh, (a, yh))| {
-        let (bi, h) = (bh / n_head, bh % n_head);
-        let row0 = bi * t * w;
-        let kv = qd + (h / group) * d;
-        let q = Strided { data: qkv, offset: row0 + h * d, rs: w, cs: 1 };
-        let k_t = Strided { data: qkv, offset: row0 + kv, rs: 1, cs: w };
-        let v = Strided { data: qkv, offset: row0 + kv + n_kv_head * d, rs: w, cs: 1 };
-        // scores = scale · q · kᵀ: (T, d) @ (d, T) -> (T, T)
-        gemm_into(GemmDims { m: t, n: t, k: d }, a, GemmOut::overwrite(t), q, k_t, scale, par);
-        causal_softmax_rows(a, t);
-        // y_h = att · v: (T, T) @ (T, d) -> (T, d)
-        gemm_into(GemmDims { m: t, n: d, k: t }, yh, GemmOut::overwrite(d), Strided::rows(a, t), v, 1.0, par);
-    });
-    // Head-major [B, H, T, d] → rows [B·T, H·d].
-    y.par_chunks_mut(qd).enumerate().for_each(|(r, row)| {
-        let (bi, ti) = (r / t, r % t);
-        for (h, dst) in row.chunks_mut(d).enumerate() {
-            dst.copy_from_slice(&heads[((bi * n_head + h) * t + ti) * d..][..d]);
-        }
-    });
+    engine::profile::timed(engine::profile::Kind::Attention, || {
+        let AttnShape { b, t, n_head, n_kv_head, head_dim: d, ops } = s;
+        let (qd, w) = (s.q_dim(), s.qkv_width());
+        s.check(
+            "attention_forward",
+            &[
+                ("y", y.len(), &[b, t, qd]),
+                ("att", att.len(), &[b, n_head, t, t]),
+                ("heads", heads.len(), &[b, t, qd]),
+                ("qkv", qkv.len(), &[b, t, w]),
+            ],
+        );
+        let group = n_head / n_kv_head;
+        let scale = 1.0 / (d as f32).sqrt();
+        // One task per (sequence, head): its GEMMs run on one thread.
+        let par = Par::ONE.with(ops);
+        att.par_chunks_mut(t * t).zip(heads.par_chunks_mut(t * d)).enumerate().for_each(|(bh, (a, yh))| {
+            let (bi, h) = (bh / n_head, bh % n_head);
+            let row0 = bi * t * w;
+            let kv = qd + (h / group) * d;
+            let q = Strided { data: qkv, offset: row0 + h * d, rs: w, cs: 1 };
+            let k_t = Strided { data: qkv, offset: row0 + kv, rs: 1, cs: w };
+            let v = Strided { data: qkv, offset: row0 + kv + n_kv_head * d, rs: w, cs: 1 };
+            // scores = scale · q · kᵀ: (T, d) @ (d, T) -> (T, T)
+            gemm_into(GemmDims { m: t, n: t, k: d }, a, GemmOut::overwrite(t), q, k_t, scale, par);
+            causal_softmax_rows(a, t);
+            // y_h = att · v: (T, T) @ (T, d) -> (T, d)
+            gemm_into(GemmDims { m: t, n: d, k: t }, yh, GemmOut::overwrite(d), Strided::rows(a, t), v, 1.0, par);
+        });
+        // Head-major [B, H, T, d] → rows [B·T, H·d].
+        y.par_chunks_mut(qd).enumerate().for_each(|(r, row)| {
+            let (bi, ti) = (r / t, r % t);
+            for (h, dst) in row.chunks_mut(d).enumerate() {
+                dst.copy_from_slice(&heads[((bi * n_head + h) * t + ti) * d..][..d]);
+            }
+        });
+    })
 }
 
 /// Backward of [`attention_forward`]: overwrites `dqkv` (gradients of the
@@ -153,81 +155,83 @@ pub fn attention_backward(
     saved: (&[f32], &[f32]),
     s: AttnShape,
 ) {
-    let (qkv, att) = saved;
-    let AttnShape { b, t, n_head, n_kv_head, head_dim: d, ops } = s;
-    let (qd, w) = (s.q_dim(), s.qkv_width());
-    let kvd = n_kv_head * d;
-    s.check(
-        "attention_backward",
-        &[
-            ("dqkv", dqkv.len(), &[b, t, w]),
-            ("datt", datt.len(), &[b, n_head, t, t]),
-            ("heads", heads.len(), &[b, t, w]),
-            ("dy", dy.len(), &[b, t, qd]),
-            ("qkv", qkv.len(), &[b, t, w]),
-            ("att", att.len(), &[b, n_head, t, t]),
-        ],
-    );
-    let group = n_head / n_kv_head;
-    let scale = 1.0 / (d as f32).sqrt();
-    let par = Par::ONE.with(ops);
-    // Head-major scratch: dq [B, H, T, d], dk [B, KV, T, d], dv [B, KV, T, d].
-    let (dq_h, dkv_h) = heads.split_at_mut(b * t * qd);
-    let (dk_h, dv_h) = dkv_h.split_at_mut(b * t * kvd);
-    datt.par_chunks_mut(group * t * t)
-        .zip(dq_h.par_chunks_mut(group * t * d))
-        .zip(dk_h.par_chunks_mut(t * d).zip(dv_h.par_chunks_mut(t * d)))
-        .enumerate()
-        .for_each(|(bkv, ((da_g, dq_g), (dk, dv)))| {
-            let (bi, kvh) = (bkv / n_kv_head, bkv % n_kv_head);
-            let row0 = bi * t * w;
-            let k = Strided { data: qkv, offset: row0 + qd + kvh * d, rs: w, cs: 1 };
-            let v_t = Strided { data: qkv, offset: row0 + qd + kvd + kvh * d, rs: 1, cs: w };
-            for g in 0..group {
-                let h = kvh * group + g;
-                let a = &att[(bi * n_head + h) * t * t..][..t * t];
-                let da = &mut da_g[g * t * t..][..t * t];
-                let dy_h = Strided { data: dy, offset: bi * t * qd + h * d, rs: qd, cs: 1 };
-                let q = Strided { data: qkv, offset: row0 + h * d, rs: w, cs: 1 };
-                // datt = dy · vᵀ: (T, d) @ (d, T) -> (T, T); then softmax
-                // backward in place: dpre = att ⊙ (datt − Σ att·datt).
-                gemm_into(GemmDims { m: t, n: t, k: d }, da, GemmOut::overwrite(t), dy_h, v_t, 1.0, par);
-                causal_softmax_backward_rows(da, a, t);
-                let first = g == 0;
-                // dq = scale · dpre · k: (T, T) @ (T, d) -> (T, d)
-                let dq = &mut dq_g[g * t * d..][..t * d];
-                gemm_into(
-                    GemmDims { m: t, n: d, k: t },
-                    dq,
-                    GemmOut::overwrite(d),
-                    Strided::rows(da, t),
-                    k,
-                    scale,
-                    par,
-                );
-                // dk (+)= scale · dpreᵀ · q: (T, T) @ (T, d) -> (T, d)
-                gemm_into(
-                    GemmDims { m: t, n: d, k: t },
-                    dk,
-                    GemmOut { offset: 0, rs: d, accumulate: !first },
-                    Strided::transposed(da, t),
-                    q,
-                    scale,
-                    par,
-                );
-                // dv (+)= attᵀ · dy: (T, T) @ (T, d) -> (T, d)
-                gemm_into(
-                    GemmDims { m: t, n: d, k: t },
-                    dv,
-                    GemmOut { offset: 0, rs: d, accumulate: !first },
-                    Strided::transposed(a, t),
-                    dy_h,
-                    1.0,
-                    par,
-                );
-            }
-        });
-    qkv_heads_to_rows(dqkv, heads, s);
+    engine::profile::timed(engine::profile::Kind::Attention, || {
+        let (qkv, att) = saved;
+        let AttnShape { b, t, n_head, n_kv_head, head_dim: d, ops } = s;
+        let (qd, w) = (s.q_dim(), s.qkv_width());
+        let kvd = n_kv_head * d;
+        s.check(
+            "attention_backward",
+            &[
+                ("dqkv", dqkv.len(), &[b, t, w]),
+                ("datt", datt.len(), &[b, n_head, t, t]),
+                ("heads", heads.len(), &[b, t, w]),
+                ("dy", dy.len(), &[b, t, qd]),
+                ("qkv", qkv.len(), &[b, t, w]),
+                ("att", att.len(), &[b, n_head, t, t]),
+            ],
+        );
+        let group = n_head / n_kv_head;
+        let scale = 1.0 / (d as f32).sqrt();
+        let par = Par::ONE.with(ops);
+        // Head-major scratch: dq [B, H, T, d], dk [B, KV, T, d], dv [B, KV, T, d].
+        let (dq_h, dkv_h) = heads.split_at_mut(b * t * qd);
+        let (dk_h, dv_h) = dkv_h.split_at_mut(b * t * kvd);
+        datt.par_chunks_mut(group * t * t)
+            .zip(dq_h.par_chunks_mut(group * t * d))
+            .zip(dk_h.par_chunks_mut(t * d).zip(dv_h.par_chunks_mut(t * d)))
+            .enumerate()
+            .for_each(|(bkv, ((da_g, dq_g), (dk, dv)))| {
+                let (bi, kvh) = (bkv / n_kv_head, bkv % n_kv_head);
+                let row0 = bi * t * w;
+                let k = Strided { data: qkv, offset: row0 + qd + kvh * d, rs: w, cs: 1 };
+                let v_t = Strided { data: qkv, offset: row0 + qd + kvd + kvh * d, rs: 1, cs: w };
+                for g in 0..group {
+                    let h = kvh * group + g;
+                    let a = &att[(bi * n_head + h) * t * t..][..t * t];
+                    let da = &mut da_g[g * t * t..][..t * t];
+                    let dy_h = Strided { data: dy, offset: bi * t * qd + h * d, rs: qd, cs: 1 };
+                    let q = Strided { data: qkv, offset: row0 + h * d, rs: w, cs: 1 };
+                    // datt = dy · vᵀ: (T, d) @ (d, T) -> (T, T); then softmax
+                    // backward in place: dpre = att ⊙ (datt − Σ att·datt).
+                    gemm_into(GemmDims { m: t, n: t, k: d }, da, GemmOut::overwrite(t), dy_h, v_t, 1.0, par);
+                    causal_softmax_backward_rows(da, a, t);
+                    let first = g == 0;
+                    // dq = scale · dpre · k: (T, T) @ (T, d) -> (T, d)
+                    let dq = &mut dq_g[g * t * d..][..t * d];
+                    gemm_into(
+                        GemmDims { m: t, n: d, k: t },
+                        dq,
+                        GemmOut::overwrite(d),
+                        Strided::rows(da, t),
+                        k,
+                        scale,
+                        par,
+                    );
+                    // dk (+)= scale · dpreᵀ · q: (T, T) @ (T, d) -> (T, d)
+                    gemm_into(
+                        GemmDims { m: t, n: d, k: t },
+                        dk,
+                        GemmOut { offset: 0, rs: d, accumulate: !first },
+                        Strided::transposed(da, t),
+                        q,
+                        scale,
+                        par,
+                    );
+                    // dv (+)= attᵀ · dy: (T, T) @ (T, d) -> (T, d)
+                    gemm_into(
+                        GemmDims { m: t, n: d, k: t },
+                        dv,
+                        GemmOut { offset: 0, rs: d, accumulate: !first },
+                        Strided::transposed(a, t),
+                        dy_h,
+                        1.0,
+                        par,
+                    );
+                }
+            });
+        qkv_heads_to_rows(dqkv, heads, s);
+    })
 }
 
 /// Copies head-major gradients `heads` (dq `[B, H, T, d]`, then dk and dv

@@ -13,18 +13,20 @@ pub fn embedding_forward(
     pos: Positions<'_>,
     c: usize,
 ) {
-    assert_len("embedding_forward", "out", out.len(), &[tokens.len(), c]);
-    match wpe {
-        Some(wpe) => out.par_chunks_mut(c).zip(tokens.par_iter()).enumerate().for_each(|(r, (o, &tok))| {
-            let (e, p) = (&wte[tok as usize * c..][..c], &wpe[pos.at(r) * c..][..c]);
-            for i in 0..c {
-                o[i] = e[i] + p[i];
-            }
-        }),
-        None => out.par_chunks_mut(c).zip(tokens.par_iter()).for_each(|(o, &tok)| {
-            o.copy_from_slice(&wte[tok as usize * c..][..c]);
-        }),
-    }
+    engine::profile::timed(engine::profile::Kind::Embedding, || {
+        assert_len("embedding_forward", "out", out.len(), &[tokens.len(), c]);
+        match wpe {
+            Some(wpe) => out.par_chunks_mut(c).zip(tokens.par_iter()).enumerate().for_each(|(r, (o, &tok))| {
+                let (e, p) = (&wte[tok as usize * c..][..c], &wpe[pos.at(r) * c..][..c]);
+                for i in 0..c {
+                    o[i] = e[i] + p[i];
+                }
+            }),
+            None => out.par_chunks_mut(c).zip(tokens.par_iter()).for_each(|(o, &tok)| {
+                o.copy_from_slice(&wte[tok as usize * c..][..c]);
+            }),
+        }
+    })
 }
 
 /// Adds the gradients of [`embedding_forward`] into `dwte` and `dwpe`
@@ -38,20 +40,22 @@ pub fn embedding_backward(
     pos: Positions<'_>,
     c: usize,
 ) {
-    assert_len("embedding_backward", "dout", dout.len(), &[tokens.len(), c]);
-    // Serial scatter-add in row order: deterministic, and O(B·T·C) is small.
-    for (r, (d, &tok)) in dout.chunks(c).zip(tokens).enumerate() {
-        if let Some(dwte) = dwte.as_deref_mut() {
-            let e = &mut dwte[tok as usize * c..][..c];
-            for i in 0..c {
-                e[i] += d[i];
+    engine::profile::timed(engine::profile::Kind::Embedding, || {
+        assert_len("embedding_backward", "dout", dout.len(), &[tokens.len(), c]);
+        // Serial scatter-add in row order: deterministic, and O(B·T·C) is small.
+        for (r, (d, &tok)) in dout.chunks(c).zip(tokens).enumerate() {
+            if let Some(dwte) = dwte.as_deref_mut() {
+                let e = &mut dwte[tok as usize * c..][..c];
+                for i in 0..c {
+                    e[i] += d[i];
+                }
+            }
+            if let Some(dwpe) = dwpe.as_deref_mut() {
+                let p = &mut dwpe[pos.at(r) * c..][..c];
+                for i in 0..c {
+                    p[i] += d[i];
+                }
             }
         }
-        if let Some(dwpe) = dwpe.as_deref_mut() {
-            let p = &mut dwpe[pos.at(r) * c..][..c];
-            for i in 0..c {
-                p[i] += d[i];
-            }
-        }
-    }
+    })
 }

@@ -101,106 +101,117 @@ fn gather_tile(
 /// # Panics
 /// Unless every slice has exactly the length the shape implies.
 pub fn flash_attention_forward(y: &mut [f32], lse: &mut [f32], qkv: &[f32], s: AttnShape, docs: Docs<'_>) {
-    let AttnShape { b, t, n_head, n_kv_head, head_dim: d, ops } = s;
-    let (qd, w) = (s.q_dim(), s.qkv_width());
-    s.check(
-        "flash_attention_forward",
-        &[("y", y.len(), &[b, t, qd]), ("lse", lse.len(), &[b, n_head, t]), ("qkv", qkv.len(), &[b, t, w])],
-    );
-    docs.check(b, t);
-    let group = n_head / n_kv_head;
-    let scale = 1.0 / (d as f32).sqrt();
-    let par = Par::ONE.with(ops);
-    let tile_lse: Vec<Vec<f32>> = y
-        .par_chunks_mut(t * qd)
-        .enumerate()
-        .flat_map(|(bi, ys)| ys.par_chunks_mut(TILE * qd).enumerate().map(move |(qi, yt)| (bi, qi, yt)))
-        .map(|(bi, qi, yt)| {
-            let (r0, r1) = tile_rows(qi, t);
-            let nr = r1 - r0;
-            let row0 = bi * t * w;
-            let (mut sc, mut kt, mut vt) = (vec![0.0f32; nr * TILE], vec![0.0f32; TILE * d], vec![0.0f32; TILE * d]);
-            let mut o = vec![0.0f32; group * nr * d];
-            let (mut m, mut l) = (vec![0.0f32; group * nr], vec![0.0f32; group * nr]);
-            // This tile's log-sum-exps, head-major: [n_head, nr].
-            let mut out_lse = vec![0.0f32; n_head * nr];
-            // Key tiles left of the first row's document are never visible.
-            let k0 = docs.start(bi, t, r0) / TILE;
-            for kvh in 0..n_kv_head {
-                let (kc, vc) = (qd + kvh * d, qd + (n_kv_head + kvh) * d);
-                for kj in k0..=qi {
-                    let (c0, c1) = tile_rows(kj, t);
-                    let nc = c1 - c0;
-                    gather_tile(&mut kt, qkv, (row0, w, kc, d), (c0, c1));
-                    gather_tile(&mut vt, qkv, (row0, w, vc, d), (c0, c1));
+    engine::profile::timed(engine::profile::Kind::Attention, || {
+        let AttnShape { b, t, n_head, n_kv_head, head_dim: d, ops } = s;
+        let (qd, w) = (s.q_dim(), s.qkv_width());
+        s.check(
+            "flash_attention_forward",
+            &[("y", y.len(), &[b, t, qd]), ("lse", lse.len(), &[b, n_head, t]), ("qkv", qkv.len(), &[b, t, w])],
+        );
+        docs.check(b, t);
+        let group = n_head / n_kv_head;
+        let scale = 1.0 / (d as f32).sqrt();
+        let par = Par::ONE.with(ops);
+        let tile_lse: Vec<Vec<f32>> = y
+            .par_chunks_mut(t * qd)
+            .enumerate()
+            .flat_map(|(bi, ys)| ys.par_chunks_mut(TILE * qd).enumerate().map(move |(qi, yt)| (bi, qi, yt)))
+            .map(|(bi, qi, yt)| {
+                let (r0, r1) = tile_rows(qi, t);
+                let nr = r1 - r0;
+                let row0 = bi * t * w;
+                let (mut sc, mut kt, mut vt) =
+                    (vec![0.0f32; nr * TILE], vec![0.0f32; TILE * d], vec![0.0f32; TILE * d]);
+                let mut o = vec![0.0f32; group * nr * d];
+                let (mut m, mut l) = (vec![0.0f32; group * nr], vec![0.0f32; group * nr]);
+                // This tile's log-sum-exps, head-major: [n_head, nr].
+                let mut out_lse = vec![0.0f32; n_head * nr];
+                // Key tiles left of the first row's document are never visible.
+                let k0 = docs.start(bi, t, r0) / TILE;
+                for kvh in 0..n_kv_head {
+                    let (kc, vc) = (qd + kvh * d, qd + (n_kv_head + kvh) * d);
+                    for kj in k0..=qi {
+                        let (c0, c1) = tile_rows(kj, t);
+                        let nc = c1 - c0;
+                        gather_tile(&mut kt, qkv, (row0, w, kc, d), (c0, c1));
+                        gather_tile(&mut vt, qkv, (row0, w, vc, d), (c0, c1));
+                        for g in 0..group {
+                            let h = kvh * group + g;
+                            let q = Strided { data: qkv, offset: row0 + r0 * w + h * d, rs: w, cs: 1 };
+                            // S = scale · q · kᵀ: (nr, d) @ (d, nc)
+                            let dims = GemmDims { m: nr, n: nc, k: d };
+                            gemm_into(
+                                dims,
+                                &mut sc,
+                                GemmOut::overwrite(nc),
+                                q,
+                                Strided::transposed(&kt, d),
+                                scale,
+                                par,
+                            );
+                            let (og, mg, lg) =
+                                (&mut o[g * nr * d..][..nr * d], &mut m[g * nr..][..nr], &mut l[g * nr..][..nr]);
+                            for (ri, srow) in sc[..nr * nc].chunks_mut(nc).enumerate() {
+                                // Columns past the diagonal (only in the diagonal
+                                // tile) and before the row's document are masked; a
+                                // row's first visible tile starts its softmax.
+                                let i = r0 + ri;
+                                let (lo, hi) = docs.visible((bi, t), i, (c0, nc));
+                                if lo >= hi {
+                                    srow[..nc].fill(0.0);
+                                    continue;
+                                }
+                                let first = kj == docs.start(bi, t, i) / TILE;
+                                let row_max = srow[lo..hi].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+                                let m_new = if first { row_max } else { mg[ri].max(row_max) };
+                                srow[lo..hi].iter_mut().for_each(|x| *x = fast_exp(*x - m_new));
+                                srow[..lo].fill(0.0);
+                                srow[hi..].fill(0.0);
+                                let sum = srow[lo..hi].iter().fold(0.0f32, |a, &x| a + x);
+                                if first {
+                                    lg[ri] = sum;
+                                } else {
+                                    let alpha = fast_exp(mg[ri] - m_new);
+                                    lg[ri] = alpha * lg[ri] + sum;
+                                    og[ri * d..][..d].iter_mut().for_each(|x| *x *= alpha);
+                                }
+                                mg[ri] = m_new;
+                            }
+                            // O (+)= P · v: (nr, nc) @ (nc, d)
+                            gemm_into(
+                                GemmDims { m: nr, n: d, k: nc },
+                                og,
+                                GemmOut { offset: 0, rs: d, accumulate: kj > k0 },
+                                Strided::rows(&sc, nc),
+                                Strided::rows(&vt, d),
+                                1.0,
+                                par,
+                            );
+                        }
+                    }
                     for g in 0..group {
                         let h = kvh * group + g;
-                        let q = Strided { data: qkv, offset: row0 + r0 * w + h * d, rs: w, cs: 1 };
-                        // S = scale · q · kᵀ: (nr, d) @ (d, nc)
-                        let dims = GemmDims { m: nr, n: nc, k: d };
-                        gemm_into(dims, &mut sc, GemmOut::overwrite(nc), q, Strided::transposed(&kt, d), scale, par);
-                        let (og, mg, lg) =
-                            (&mut o[g * nr * d..][..nr * d], &mut m[g * nr..][..nr], &mut l[g * nr..][..nr]);
-                        for (ri, srow) in sc[..nr * nc].chunks_mut(nc).enumerate() {
-                            // Columns past the diagonal (only in the diagonal
-                            // tile) and before the row's document are masked; a
-                            // row's first visible tile starts its softmax.
-                            let i = r0 + ri;
-                            let (lo, hi) = docs.visible((bi, t), i, (c0, nc));
-                            if lo >= hi {
-                                srow[..nc].fill(0.0);
-                                continue;
-                            }
-                            let first = kj == docs.start(bi, t, i) / TILE;
-                            let row_max = srow[lo..hi].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
-                            let m_new = if first { row_max } else { mg[ri].max(row_max) };
-                            srow[lo..hi].iter_mut().for_each(|x| *x = fast_exp(*x - m_new));
-                            srow[..lo].fill(0.0);
-                            srow[hi..].fill(0.0);
-                            let sum = srow[lo..hi].iter().fold(0.0f32, |a, &x| a + x);
-                            if first {
-                                lg[ri] = sum;
-                            } else {
-                                let alpha = fast_exp(mg[ri] - m_new);
-                                lg[ri] = alpha * lg[ri] + sum;
-                                og[ri * d..][..d].iter_mut().for_each(|x| *x *= alpha);
-                            }
-                            mg[ri] = m_new;
+                        for ri in 0..nr {
+                            let (mi, li) = (m[g * nr + ri], l[g * nr + ri]);
+                            let inv = 1.0 / li;
+                            let src = &o[(g * nr + ri) * d..][..d];
+                            yt[ri * qd + h * d..][..d].iter_mut().zip(src).for_each(|(dst, &x)| *dst = x * inv);
+                            out_lse[h * nr + ri] = mi + li.ln();
                         }
-                        // O (+)= P · v: (nr, nc) @ (nc, d)
-                        gemm_into(
-                            GemmDims { m: nr, n: d, k: nc },
-                            og,
-                            GemmOut { offset: 0, rs: d, accumulate: kj > k0 },
-                            Strided::rows(&sc, nc),
-                            Strided::rows(&vt, d),
-                            1.0,
-                            par,
-                        );
                     }
                 }
-                for g in 0..group {
-                    let h = kvh * group + g;
-                    for ri in 0..nr {
-                        let (mi, li) = (m[g * nr + ri], l[g * nr + ri]);
-                        let inv = 1.0 / li;
-                        let src = &o[(g * nr + ri) * d..][..d];
-                        yt[ri * qd + h * d..][..d].iter_mut().zip(src).for_each(|(dst, &x)| *dst = x * inv);
-                        out_lse[h * nr + ri] = mi + li.ln();
-                    }
-                }
+                out_lse
+            })
+            .collect();
+        // Tiles come back in (sequence, tile) order: scatter into [B, n_head, T].
+        for (task, tl) in tile_lse.iter().enumerate() {
+            let (bi, qi) = (task / tiles(t), task % tiles(t));
+            let (r0, r1) = tile_rows(qi, t);
+            for h in 0..n_head {
+                lse[(bi * n_head + h) * t + r0..][..r1 - r0].copy_from_slice(&tl[h * (r1 - r0)..][..r1 - r0]);
             }
-            out_lse
-        })
-        .collect();
-    // Tiles come back in (sequence, tile) order: scatter into [B, n_head, T].
-    for (task, tl) in tile_lse.iter().enumerate() {
-        let (bi, qi) = (task / tiles(t), task % tiles(t));
-        let (r0, r1) = tile_rows(qi, t);
-        for h in 0..n_head {
-            lse[(bi * n_head + h) * t + r0..][..r1 - r0].copy_from_slice(&tl[h * (r1 - r0)..][..r1 - r0]);
         }
-    }
+    })
 }
 
 /// Backward of [`flash_attention_forward`]: overwrites `dqkv` (gradients of
@@ -228,62 +239,65 @@ pub fn flash_attention_backward(
     s: AttnShape,
     docs: Docs<'_>,
 ) {
-    let (qkv, y, lse) = saved;
-    let AttnShape { b, t, n_head, n_kv_head, head_dim: d, ops } = s;
-    let (qd, w) = (s.q_dim(), s.qkv_width());
-    let kvd = n_kv_head * d;
-    s.check(
-        "flash_attention_backward",
-        &[
-            ("dqkv", dqkv.len(), &[b, t, w]),
-            ("heads", heads.len(), &[b, t, w]),
-            ("dy", dy.len(), &[b, t, qd]),
-            ("qkv", qkv.len(), &[b, t, w]),
-            ("y", y.len(), &[b, t, qd]),
-            ("lse", lse.len(), &[b, n_head, t]),
-        ],
-    );
-    docs.check(b, t);
-    // D [B, n_head, T]: Σ dy ⊙ y over each row of each head (= Σ_j P ⊙ dP).
-    let mut dsum = vec![0.0f32; b * n_head * t];
-    dsum.par_chunks_mut(t).enumerate().for_each(|(bh, dh)| {
-        let (bi, h) = (bh / n_head, bh % n_head);
-        for (ti, out) in dh.iter_mut().enumerate() {
-            let at = (bi * t + ti) * qd + h * d;
-            *out = dy[at..at + d].iter().zip(&y[at..at + d]).fold(0.0f32, |a, (&x, &z)| a + x * z);
+    engine::profile::timed(engine::profile::Kind::Attention, || {
+        let (qkv, y, lse) = saved;
+        let AttnShape { b, t, n_head, n_kv_head, head_dim: d, ops } = s;
+        let (qd, w) = (s.q_dim(), s.qkv_width());
+        let kvd = n_kv_head * d;
+        s.check(
+            "flash_attention_backward",
+            &[
+                ("dqkv", dqkv.len(), &[b, t, w]),
+                ("heads", heads.len(), &[b, t, w]),
+                ("dy", dy.len(), &[b, t, qd]),
+                ("qkv", qkv.len(), &[b, t, w]),
+                ("y", y.len(), &[b, t, qd]),
+                ("lse", lse.len(), &[b, n_head, t]),
+            ],
+        );
+        docs.check(b, t);
+        // D [B, n_head, T]: Σ dy ⊙ y over each row of each head (= Σ_j P ⊙ dP).
+        let mut dsum = vec![0.0f32; b * n_head * t];
+        dsum.par_chunks_mut(t).enumerate().for_each(|(bh, dh)| {
+            let (bi, h) = (bh / n_head, bh % n_head);
+            for (ti, out) in dh.iter_mut().enumerate() {
+                let at = (bi * t + ti) * qd + h * d;
+                *out = dy[at..at + d].iter().zip(&y[at..at + d]).fold(0.0f32, |a, (&x, &z)| a + x * z);
+            }
+        });
+        let bw =
+            Backward { qkv, dy, lse, dsum: &dsum, s, docs, scale: 1.0 / (d as f32).sqrt(), par: Par::ONE.with(ops) };
+        let group = n_head / n_kv_head;
+        let (dq_h, dkv_h) = heads.split_at_mut(b * t * qd);
+        let (dk_h, dv_h) = dkv_h.split_at_mut(b * t * kvd);
+        if b * n_kv_head >= rayon::current_num_threads() {
+            dq_h.par_chunks_mut(group * t * d)
+                .zip(dk_h.par_chunks_mut(t * d).zip(dv_h.par_chunks_mut(t * d)))
+                .enumerate()
+                .for_each(|(bkv, (dq_g, (dk, dv)))| {
+                    let mut sc = Scratch::new(d);
+                    for kj in 0..tiles(t) {
+                        let (c0, c1) = tile_rows(kj, t);
+                        let dkv_j = (&mut dk[c0 * d..c1 * d], &mut dv[c0 * d..c1 * d]);
+                        bw.key_tile((bkv, kj), dkv_j, Some(&mut *dq_g), &mut sc);
+                    }
+                });
+        } else {
+            dk_h.par_chunks_mut(t * d)
+                .zip(dv_h.par_chunks_mut(t * d))
+                .enumerate()
+                .flat_map(|(bkv, (dk, dv))| {
+                    let tiles = dk.par_chunks_mut(TILE * d).zip(dv.par_chunks_mut(TILE * d));
+                    tiles.enumerate().map(move |(kj, dkv_j)| (bkv, kj, dkv_j))
+                })
+                .for_each(|(bkv, kj, dkv_j)| bw.key_tile((bkv, kj), dkv_j, None, &mut Scratch::new(d)));
+            dq_h.par_chunks_mut(t * d)
+                .enumerate()
+                .flat_map(|(bh, dq)| dq.par_chunks_mut(TILE * d).enumerate().map(move |(qi, dq_i)| (bh, qi, dq_i)))
+                .for_each(|(bh, qi, dq_i)| bw.query_tile((bh, qi), dq_i, &mut Scratch::new(d)));
         }
-    });
-    let bw = Backward { qkv, dy, lse, dsum: &dsum, s, docs, scale: 1.0 / (d as f32).sqrt(), par: Par::ONE.with(ops) };
-    let group = n_head / n_kv_head;
-    let (dq_h, dkv_h) = heads.split_at_mut(b * t * qd);
-    let (dk_h, dv_h) = dkv_h.split_at_mut(b * t * kvd);
-    if b * n_kv_head >= rayon::current_num_threads() {
-        dq_h.par_chunks_mut(group * t * d)
-            .zip(dk_h.par_chunks_mut(t * d).zip(dv_h.par_chunks_mut(t * d)))
-            .enumerate()
-            .for_each(|(bkv, (dq_g, (dk, dv)))| {
-                let mut sc = Scratch::new(d);
-                for kj in 0..tiles(t) {
-                    let (c0, c1) = tile_rows(kj, t);
-                    let dkv_j = (&mut dk[c0 * d..c1 * d], &mut dv[c0 * d..c1 * d]);
-                    bw.key_tile((bkv, kj), dkv_j, Some(&mut *dq_g), &mut sc);
-                }
-            });
-    } else {
-        dk_h.par_chunks_mut(t * d)
-            .zip(dv_h.par_chunks_mut(t * d))
-            .enumerate()
-            .flat_map(|(bkv, (dk, dv))| {
-                let tiles = dk.par_chunks_mut(TILE * d).zip(dv.par_chunks_mut(TILE * d));
-                tiles.enumerate().map(move |(kj, dkv_j)| (bkv, kj, dkv_j))
-            })
-            .for_each(|(bkv, kj, dkv_j)| bw.key_tile((bkv, kj), dkv_j, None, &mut Scratch::new(d)));
-        dq_h.par_chunks_mut(t * d)
-            .enumerate()
-            .flat_map(|(bh, dq)| dq.par_chunks_mut(TILE * d).enumerate().map(move |(qi, dq_i)| (bh, qi, dq_i)))
-            .for_each(|(bh, qi, dq_i)| bw.query_tile((bh, qi), dq_i, &mut Scratch::new(d)));
-    }
-    qkv_heads_to_rows(dqkv, heads, s);
+        qkv_heads_to_rows(dqkv, heads, s);
+    })
 }
 
 /// What every task of [`flash_attention_backward`] reads.

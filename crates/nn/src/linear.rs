@@ -104,30 +104,32 @@ pub fn conv1d_forward(
     residual: Option<&[f32]>,
     s: LinearShape,
 ) {
-    let LinearShape { n, ic, oc, ops, .. } = s;
-    let init = bias.is_some() || residual.is_some();
-    if init {
-        out.par_chunks_mut(oc).enumerate().for_each(|(r, o)| {
-            match residual {
-                Some(res) => o.copy_from_slice(&res[r * oc..][..oc]),
-                None => o.fill(0.0),
-            }
-            if let Some(b) = bias {
-                o.iter_mut().zip(b).for_each(|(o, b)| *o += b);
-            }
-        });
-    }
-    let par = parallelism(false).with(ops);
-    // (n, ic) @ (ic, oc) -> (n, oc), added to the bias/residual rows.
-    gemm_into(
-        GemmDims { m: n, n: oc, k: ic },
-        out,
-        GemmOut { offset: 0, rs: oc, accumulate: init },
-        Strided::rows(inp, ic),
-        Strided::rows(w, oc),
-        1.0,
-        par,
-    );
+    engine::profile::timed(engine::profile::Kind::Linear, || {
+        let LinearShape { n, ic, oc, ops, .. } = s;
+        let init = bias.is_some() || residual.is_some();
+        if init {
+            out.par_chunks_mut(oc).enumerate().for_each(|(r, o)| {
+                match residual {
+                    Some(res) => o.copy_from_slice(&res[r * oc..][..oc]),
+                    None => o.fill(0.0),
+                }
+                if let Some(b) = bias {
+                    o.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+                }
+            });
+        }
+        let par = parallelism(false).with(ops);
+        // (n, ic) @ (ic, oc) -> (n, oc), added to the bias/residual rows.
+        gemm_into(
+            GemmDims { m: n, n: oc, k: ic },
+            out,
+            GemmOut { offset: 0, rs: oc, accumulate: init },
+            Strided::rows(inp, ic),
+            Strided::rows(w, oc),
+            1.0,
+            par,
+        );
+    })
 }
 
 /// Backward of [`conv1d_forward`]: overwrites `dinp`; `dw` and `db` as
@@ -141,69 +143,83 @@ pub fn conv1d_backward(
     w: &[f32],
     s: LinearShape,
 ) {
-    let LinearShape { n, ic, oc, ops, .. } = s;
-    let par = parallelism(false).with(ops);
-    // dinp = dout · wᵀ: (n, oc) @ (oc, ic) -> (n, ic)
-    gemm_into(
-        GemmDims { m: n, n: ic, k: oc },
-        dinp,
-        GemmOut::overwrite(ic),
-        Strided::rows(dout, oc),
-        Strided::transposed(w, oc),
-        1.0,
-        par,
-    );
-    if let Some(ParamGrad { buf: dw, accumulate }) = dw {
-        assert_eq!(dw.len(), ic * oc, "dw length");
-        // dw (+)= inpᵀ · dout: (ic, n) @ (n, oc) -> (ic, oc)
-        let (inp_t, dout) = (Strided::transposed(inp, ic), Strided::rows(dout, oc));
+    engine::profile::timed(engine::profile::Kind::Linear, || {
+        let LinearShape { n, ic, oc, ops, .. } = s;
+        let par = parallelism(false).with(ops);
+        // dinp = dout · wᵀ: (n, oc) @ (oc, ic) -> (n, ic)
         gemm_into(
-            GemmDims { m: ic, n: oc, k: n },
-            dw,
-            GemmOut { offset: 0, rs: oc, accumulate },
-            inp_t,
-            dout,
+            GemmDims { m: n, n: ic, k: oc },
+            dinp,
+            GemmOut::overwrite(ic),
+            Strided::rows(dout, oc),
+            Strided::transposed(w, oc),
             1.0,
             par,
         );
-    }
-    if let Some(db) = db {
-        bias_backward(db, dout, 0, oc);
-    }
+        if let Some(ParamGrad { buf: dw, accumulate }) = dw {
+            assert_eq!(dw.len(), ic * oc, "dw length");
+            // dw (+)= inpᵀ · dout: (ic, n) @ (n, oc) -> (ic, oc)
+            let (inp_t, dout) = (Strided::transposed(inp, ic), Strided::rows(dout, oc));
+            gemm_into(
+                GemmDims { m: ic, n: oc, k: n },
+                dw,
+                GemmOut { offset: 0, rs: oc, accumulate },
+                inp_t,
+                dout,
+                1.0,
+                par,
+            );
+        }
+        if let Some(db) = db {
+            bias_backward(db, dout, 0, oc);
+        }
+    })
 }
 
 /// `y[:, col0..col0+oc] (+)= alpha · x · wᵀ`: x `[n, ic]`, w `[oc, ic]`
 /// (`nn.Linear`; f32 or packed). Also LoRA's two halves: `x·Aᵀ` and `s·(x·Aᵀ)·Bᵀ`.
 pub fn linear_forward<'w>(y: Cols<'_>, accumulate: bool, x: &[f32], w: impl Into<Weight<'w>>, s: LinearShape) {
-    let LinearShape { n, ic, oc, alpha, ops } = s;
-    let w = w.into();
-    assert_len("linear_forward", "x", x.len(), &[n, ic]);
-    w.check("linear_forward", oc, ic);
-    let Cols { buf, col0, rs } = y;
-    assert!(col0 + oc <= rs, "linear_forward: columns {col0}+{oc} exceed the row width {rs}");
-    let (xv, out, par) = (Strided::rows(x, ic), GemmOut { offset: col0, rs, accumulate }, parallelism(false).with(ops));
-    match w {
-        // (n, ic) @ (ic, oc) -> (n, oc), into columns col0.. of y
-        Weight::F32(w) => {
-            gemm_into(GemmDims { m: n, n: oc, k: ic }, buf, out, xv, Strided::transposed(w, ic), alpha, par)
+    engine::profile::timed(engine::profile::Kind::Linear, || {
+        let LinearShape { n, ic, oc, alpha, ops } = s;
+        let w = w.into();
+        assert_len("linear_forward", "x", x.len(), &[n, ic]);
+        w.check("linear_forward", oc, ic);
+        let Cols { buf, col0, rs } = y;
+        assert!(col0 + oc <= rs, "linear_forward: columns {col0}+{oc} exceed the row width {rs}");
+        let (xv, out, par) =
+            (Strided::rows(x, ic), GemmOut { offset: col0, rs, accumulate }, parallelism(false).with(ops));
+        match w {
+            // (n, ic) @ (ic, oc) -> (n, oc), into columns col0.. of y
+            Weight::F32(w) => {
+                gemm_into(GemmDims { m: n, n: oc, k: ic }, buf, out, xv, Strided::transposed(w, ic), alpha, par)
+            }
+            Weight::Packed(m, rows) => linalg::packed::gemm_x_wt(n, buf, out, xv, m, rows, alpha, par),
         }
-        Weight::Packed(m, rows) => linalg::packed::gemm_x_wt(n, buf, out, xv, m, rows, alpha, par),
-    }
+    })
 }
 
 /// `y (+)= b` on every row: `y` `[n, oc]`, `b` `[oc]`.
 pub fn add_bias(y: &mut [f32], b: &[f32]) {
-    assert!(!b.is_empty() && y.len().is_multiple_of(b.len()), "add_bias: rows of {} do not tile {}", b.len(), y.len());
-    y.par_chunks_mut(b.len()).for_each(|row| row.iter_mut().zip(b).for_each(|(o, b)| *o += b));
+    engine::profile::timed(engine::profile::Kind::Linear, || {
+        assert!(
+            !b.is_empty() && y.len().is_multiple_of(b.len()),
+            "add_bias: rows of {} do not tile {}",
+            b.len(),
+            y.len()
+        );
+        y.par_chunks_mut(b.len()).for_each(|row| row.iter_mut().zip(b).for_each(|(o, b)| *o += b));
+    })
 }
 
 /// `y += x`, element by element (a residual added after a tensor-parallel
 /// reduction).
 pub fn add_into(y: &mut [f32], x: &[f32]) {
-    assert_eq!(y.len(), x.len(), "add_into: lengths differ");
-    y.par_chunks_mut(1 << 14)
-        .zip(x.par_chunks(1 << 14))
-        .for_each(|(y, x)| y.iter_mut().zip(x).for_each(|(y, x)| *y += x));
+    engine::profile::timed(engine::profile::Kind::Elementwise, || {
+        assert_eq!(y.len(), x.len(), "add_into: lengths differ");
+        y.par_chunks_mut(1 << 14)
+            .zip(x.par_chunks(1 << 14))
+            .for_each(|(y, x)| y.iter_mut().zip(x).for_each(|(y, x)| *y += x));
+    })
 }
 
 /// Input gradient of [`linear_forward`]: `dx[n, ic] (+)= alpha · dy · w`
@@ -215,35 +231,39 @@ pub fn linear_backward_input<'w>(
     w: impl Into<Weight<'w>>,
     s: LinearShape,
 ) {
-    let LinearShape { n, ic, oc, alpha, ops } = s;
-    let w = w.into();
-    assert_len("linear_backward_input", "dx", dx.len(), &[n, ic]);
-    w.check("linear_backward_input", oc, ic);
-    let (out, par) = (GemmOut { offset: 0, rs: ic, accumulate }, parallelism(false).with(ops));
-    match w {
-        // (n, oc) @ (oc, ic) -> (n, ic)
-        Weight::F32(w) => gemm_into(GemmDims { m: n, n: ic, k: oc }, dx, out, dy, Strided::rows(w, ic), alpha, par),
-        Weight::Packed(m, rows) => linalg::packed::gemm_dy_w(n, dx, out, dy, m, rows, alpha, par),
-    }
+    engine::profile::timed(engine::profile::Kind::Linear, || {
+        let LinearShape { n, ic, oc, alpha, ops } = s;
+        let w = w.into();
+        assert_len("linear_backward_input", "dx", dx.len(), &[n, ic]);
+        w.check("linear_backward_input", oc, ic);
+        let (out, par) = (GemmOut { offset: 0, rs: ic, accumulate }, parallelism(false).with(ops));
+        match w {
+            // (n, oc) @ (oc, ic) -> (n, ic)
+            Weight::F32(w) => gemm_into(GemmDims { m: n, n: ic, k: oc }, dx, out, dy, Strided::rows(w, ic), alpha, par),
+            Weight::Packed(m, rows) => linalg::packed::gemm_dy_w(n, dx, out, dy, m, rows, alpha, par),
+        }
+    })
 }
 
 /// Weight gradient of [`linear_forward`]: `dw[oc, ic] (+)= alpha · dyᵀ · x`
 /// (skipped when `dw` is `None`: a frozen weight).
 pub fn linear_backward_weight(dw: Option<ParamGrad<'_>>, dy: Strided<'_>, x: &[f32], s: LinearShape) {
-    let LinearShape { n, ic, oc, alpha, ops } = s;
-    let Some(ParamGrad { buf: dw, accumulate }) = dw else { return };
-    assert_len("linear_backward_weight", "dw", dw.len(), &[oc, ic]);
-    assert_len("linear_backward_weight", "x", x.len(), &[n, ic]);
-    // (oc, n) @ (n, ic) -> (oc, ic)
-    gemm_into(
-        GemmDims { m: oc, n: ic, k: n },
-        dw,
-        GemmOut { offset: 0, rs: ic, accumulate },
-        dy.t(),
-        Strided::rows(x, ic),
-        alpha,
-        parallelism(false).with(ops),
-    );
+    engine::profile::timed(engine::profile::Kind::Linear, || {
+        let LinearShape { n, ic, oc, alpha, ops } = s;
+        let Some(ParamGrad { buf: dw, accumulate }) = dw else { return };
+        assert_len("linear_backward_weight", "dw", dw.len(), &[oc, ic]);
+        assert_len("linear_backward_weight", "x", x.len(), &[n, ic]);
+        // (oc, n) @ (n, ic) -> (oc, ic)
+        gemm_into(
+            GemmDims { m: oc, n: ic, k: n },
+            dw,
+            GemmOut { offset: 0, rs: ic, accumulate },
+            dy.t(),
+            Strided::rows(x, ic),
+            alpha,
+            parallelism(false).with(ops),
+        );
+    })
 }
 
 #[cfg(test)]

@@ -15,16 +15,18 @@ pub fn softmax_cross_entropy(
     v: usize,
     grad_scale: Option<f32>,
 ) {
-    logits.par_chunks_mut(v).zip(losses.par_iter_mut()).zip(targets.par_iter()).for_each(|((row, loss), &tgt)| {
-        if tgt < 0 {
-            *loss = 0.0;
-            if grad_scale.is_some() {
-                row.fill(0.0);
+    engine::profile::timed(engine::profile::Kind::Loss, || {
+        logits.par_chunks_mut(v).zip(losses.par_iter_mut()).zip(targets.par_iter()).for_each(|((row, loss), &tgt)| {
+            if tgt < 0 {
+                *loss = 0.0;
+                if grad_scale.is_some() {
+                    row.fill(0.0);
+                }
+                return;
             }
-            return;
-        }
-        *loss = cross_entropy_row(row, tgt as usize, grad_scale);
-    });
+            *loss = cross_entropy_row(row, tgt as usize, grad_scale);
+        });
+    })
 }
 
 /// One row of [`softmax_cross_entropy`]: the loss, and with a gradient

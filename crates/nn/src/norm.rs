@@ -20,10 +20,12 @@ pub fn layernorm_forward(
     b: &[f32],
     c: usize,
 ) {
-    out.par_chunks_mut(c)
-        .zip(inp.par_chunks(c))
-        .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
-        .for_each(|((o, x), (mu, rs))| (*mu, *rs) = layernorm_row(o, x, w, b));
+    engine::profile::timed(engine::profile::Kind::Norm, || {
+        out.par_chunks_mut(c)
+            .zip(inp.par_chunks(c))
+            .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
+            .for_each(|((o, x), (mu, rs))| (*mu, *rs) = layernorm_row(o, x, w, b));
+    })
 }
 
 /// One row of [`layernorm_forward`]: returns (mean, 1/std).
@@ -62,24 +64,26 @@ pub fn layernorm_backward(
     saved: NormSaved<'_>,
     w: &[f32],
 ) {
-    let NormSaved { inp, mean, rstd } = saved;
-    let c = w.len();
-    dinp.par_chunks_mut(c)
-        .zip(dout.par_chunks(c))
-        .zip(inp.par_chunks(c))
-        .zip(mean.par_iter().zip(rstd.par_iter()))
-        .for_each(|(((di, d), x), (&m, &s))| layernorm_backward_row(di, d, x, w, m, s));
-    let n_rows = mean.len();
-    reduce_rows(n_rows, &mut [dw, db], &[c, c], |rows, acc| {
-        let (aw, ab) = acc.split_at_mut(c);
-        for r in rows {
-            let (d, x, m, s) = (&dout[r * c..][..c], &inp[r * c..][..c], mean[r], rstd[r]);
-            for i in 0..c {
-                aw[i] += (x[i] - m) * s * d[i];
-                ab[i] += d[i];
+    engine::profile::timed(engine::profile::Kind::Norm, || {
+        let NormSaved { inp, mean, rstd } = saved;
+        let c = w.len();
+        dinp.par_chunks_mut(c)
+            .zip(dout.par_chunks(c))
+            .zip(inp.par_chunks(c))
+            .zip(mean.par_iter().zip(rstd.par_iter()))
+            .for_each(|(((di, d), x), (&m, &s))| layernorm_backward_row(di, d, x, w, m, s));
+        let n_rows = mean.len();
+        reduce_rows(n_rows, &mut [dw, db], &[c, c], |rows, acc| {
+            let (aw, ab) = acc.split_at_mut(c);
+            for r in rows {
+                let (d, x, m, s) = (&dout[r * c..][..c], &inp[r * c..][..c], mean[r], rstd[r]);
+                for i in 0..c {
+                    aw[i] += (x[i] - m) * s * d[i];
+                    ab[i] += d[i];
+                }
             }
-        }
-    });
+        });
+    })
 }
 
 /// One row of [`layernorm_backward`]'s input gradient.
@@ -104,18 +108,20 @@ fn layernorm_backward_row(di: &mut [f32], d: &[f32], x: &[f32], w: &[f32], m: f3
 /// RMSNorm over rows of width `c`, as transformers' `LlamaRMSNorm` in f32:
 /// `out = w · x / sqrt(mean(x²) + eps)`; saves `1/sqrt(mean(x²) + eps)`.
 pub fn rmsnorm_forward(out: &mut [f32], rstd: &mut [f32], inp: &[f32], w: &[f32], c: usize, eps: f32) {
-    let n = rstd.len();
-    assert_len("rmsnorm_forward", "out", out.len(), &[n, c]);
-    assert_len("rmsnorm_forward", "inp", inp.len(), &[n, c]);
-    assert_len("rmsnorm_forward", "w", w.len(), &[c]);
-    out.par_chunks_mut(c).zip(inp.par_chunks(c)).zip(rstd.par_iter_mut()).for_each(|((o, x), rs)| {
-        let ms = x.iter().map(|&v| v * v).sum::<f32>() / c as f32;
-        let r = 1.0 / (ms + eps).sqrt();
-        for i in 0..c {
-            o[i] = w[i] * (x[i] * r);
-        }
-        *rs = r;
-    });
+    engine::profile::timed(engine::profile::Kind::Norm, || {
+        let n = rstd.len();
+        assert_len("rmsnorm_forward", "out", out.len(), &[n, c]);
+        assert_len("rmsnorm_forward", "inp", inp.len(), &[n, c]);
+        assert_len("rmsnorm_forward", "w", w.len(), &[c]);
+        out.par_chunks_mut(c).zip(inp.par_chunks(c)).zip(rstd.par_iter_mut()).for_each(|((o, x), rs)| {
+            let ms = x.iter().map(|&v| v * v).sum::<f32>() / c as f32;
+            let r = 1.0 / (ms + eps).sqrt();
+            for i in 0..c {
+                o[i] = w[i] * (x[i] * r);
+            }
+            *rs = r;
+        });
+    })
 }
 
 /// Backward of [`rmsnorm_forward`]: *adds* into `dinp` (the residual
@@ -124,28 +130,30 @@ pub fn rmsnorm_forward(out: &mut [f32], rstd: &mut [f32], inp: &[f32], w: &[f32]
 /// With `r = rstd`: `dx_i = r·w_i·dy_i − r³·x_i·(Σ_j w_j·dy_j·x_j)/c`,
 /// `dw_i = Σ_rows dy_i·x_i·r`.
 pub fn rmsnorm_backward(dinp: &mut [f32], dw: Option<ParamGrad<'_>>, dout: &[f32], saved: NormSaved<'_>, w: &[f32]) {
-    let NormSaved { inp, rstd, .. } = saved;
-    let (n, c) = (rstd.len(), w.len());
-    for (name, len) in [("dinp", dinp.len()), ("dout", dout.len()), ("inp", inp.len())] {
-        assert_len("rmsnorm_backward", name, len, &[n, c]);
-    }
-    dinp.par_chunks_mut(c).zip(dout.par_chunks(c)).zip(inp.par_chunks(c)).zip(rstd.par_iter()).for_each(
-        |(((di, d), x), &r)| {
-            let dot: f32 = (0..c).map(|i| w[i] * d[i] * x[i]).sum();
-            let k = r * r * r * dot / c as f32;
-            for i in 0..c {
-                di[i] += r * w[i] * d[i] - k * x[i];
-            }
-        },
-    );
-    let Some(dw) = dw else { return };
-    assert_len("rmsnorm_backward", "dw", dw.buf.len(), &[c]);
-    column_sums(dw, n, |r, cols, acc| {
-        let (d, x, s) = (&dout[r * c + cols.start..], &inp[r * c + cols.start..], rstd[r]);
-        for ((a, d), x) in acc.iter_mut().zip(d).zip(x) {
-            *a += d * x * s;
+    engine::profile::timed(engine::profile::Kind::Norm, || {
+        let NormSaved { inp, rstd, .. } = saved;
+        let (n, c) = (rstd.len(), w.len());
+        for (name, len) in [("dinp", dinp.len()), ("dout", dout.len()), ("inp", inp.len())] {
+            assert_len("rmsnorm_backward", name, len, &[n, c]);
         }
-    });
+        dinp.par_chunks_mut(c).zip(dout.par_chunks(c)).zip(inp.par_chunks(c)).zip(rstd.par_iter()).for_each(
+            |(((di, d), x), &r)| {
+                let dot: f32 = (0..c).map(|i| w[i] * d[i] * x[i]).sum();
+                let k = r * r * r * dot / c as f32;
+                for i in 0..c {
+                    di[i] += r * w[i] * d[i] - k * x[i];
+                }
+            },
+        );
+        let Some(dw) = dw else { return };
+        assert_len("rmsnorm_backward", "dw", dw.buf.len(), &[c]);
+        column_sums(dw, n, |r, cols, acc| {
+            let (d, x, s) = (&dout[r * c + cols.start..], &inp[r * c + cols.start..], rstd[r]);
+            for ((a, d), x) in acc.iter_mut().zip(d).zip(x) {
+                *a += d * x * s;
+            }
+        });
+    })
 }
 
 #[cfg(test)]

@@ -122,25 +122,27 @@ impl Rope {
 /// `x'_j = x_j·cos − x_{j+d/2}·sin`, `x'_{j+d/2} = x_{j+d/2}·cos + x_j·sin`.
 /// `inverse` applies the transpose rotation (−sin): the backward pass.
 pub fn rope_apply(x: &mut [f32], rope: &Rope, row_width: usize, n_heads: usize, inverse: bool, pos: Positions<'_>) {
-    let (t, half) = (rope.t, rope.half);
-    assert!(n_heads * 2 * half <= row_width, "rope_apply: {n_heads} heads of {} exceed the row width", 2 * half);
-    assert!(x.len().is_multiple_of(row_width), "rope_apply: {} values are not rows of {row_width}", x.len());
-    assert!(x.is_empty() || t > 0, "rope_apply: empty tables");
-    let sign = if inverse { -1.0 } else { 1.0 };
-    x.par_chunks_mut(row_width).enumerate().for_each(|(r, row)| {
-        let pos = pos.at(r);
-        assert!(pos < t, "rope_apply: position {pos} beyond the tables' {t}");
-        let (cos, sin) = (&rope.cos[pos * half..][..half], &rope.sin[pos * half..][..half]);
-        for head in row[..n_heads * 2 * half].chunks_mut(2 * half) {
-            let (a, b) = head.split_at_mut(half);
-            for j in 0..half {
-                let (s, c) = (sign * sin[j], cos[j]);
-                let (x1, x2) = (a[j], b[j]);
-                a[j] = x1 * c - x2 * s;
-                b[j] = x2 * c + x1 * s;
+    engine::profile::timed(engine::profile::Kind::Rope, || {
+        let (t, half) = (rope.t, rope.half);
+        assert!(n_heads * 2 * half <= row_width, "rope_apply: {n_heads} heads of {} exceed the row width", 2 * half);
+        assert!(x.len().is_multiple_of(row_width), "rope_apply: {} values are not rows of {row_width}", x.len());
+        assert!(x.is_empty() || t > 0, "rope_apply: empty tables");
+        let sign = if inverse { -1.0 } else { 1.0 };
+        x.par_chunks_mut(row_width).enumerate().for_each(|(r, row)| {
+            let pos = pos.at(r);
+            assert!(pos < t, "rope_apply: position {pos} beyond the tables' {t}");
+            let (cos, sin) = (&rope.cos[pos * half..][..half], &rope.sin[pos * half..][..half]);
+            for head in row[..n_heads * 2 * half].chunks_mut(2 * half) {
+                let (a, b) = head.split_at_mut(half);
+                for j in 0..half {
+                    let (s, c) = (sign * sin[j], cos[j]);
+                    let (x1, x2) = (a[j], b[j]);
+                    a[j] = x1 * c - x2 * s;
+                    b[j] = x2 * c + x1 * s;
+                }
             }
-        }
-    });
+        });
+    })
 }
 
 #[cfg(test)]

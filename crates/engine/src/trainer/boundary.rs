@@ -111,33 +111,35 @@ impl Trainer {
     /// The boundary's gradient collective: afterwards `self.grads` holds
     /// this rank's part of the global sum (all of it after an all-reduce).
     pub(super) fn reduce_gradients(&mut self, comm: &mut dyn Communicator) -> Result<(), comm::CommError> {
-        match self.stage.reduction() {
-            Reduction::AllReduce => {
-                for bucket in self.grads.chunks_mut(self.options.bucket_elems.max(1)) {
-                    comm.all_reduce_sum(bucket)?;
-                }
-            }
-            Reduction::ReduceScatter => {
-                // Each segment: pack, reduce-scatter, and this rank's reduced
-                // piece back into its own range of the local buffer.
-                let w = self.part.world_size;
-                for j in 0..self.part.n_segments() {
-                    let t = self.part.grad_piece[j];
-                    if t == 0 {
-                        continue; // nothing trainable: no communication
+        crate::profile::timed(crate::profile::Kind::Collective, || {
+            match self.stage.reduction() {
+                Reduction::AllReduce => {
+                    for bucket in self.grads.chunks_mut(self.options.bucket_elems.max(1)) {
+                        comm.all_reduce_sum(bucket)?;
                     }
-                    let g = self.part.space.grad_segments[j].clone();
-                    self.scratch[..g.len()].copy_from_slice(&self.grads[g]);
-                    self.part.pack_grads_in_place(j, &mut self.scratch[..t * w]);
-                    let mut out = vec![0.0; t];
-                    comm.reduce_scatter_sum(&self.scratch[..t * w], &mut out)?;
-                    let own = self.part.grad_owned(j, self.part.rank);
-                    self.grads[own.clone()].copy_from_slice(&out[..own.len()]);
                 }
+                Reduction::ReduceScatter => {
+                    // Each segment: pack, reduce-scatter, and this rank's reduced
+                    // piece back into its own range of the local buffer.
+                    let w = self.part.world_size;
+                    for j in 0..self.part.n_segments() {
+                        let t = self.part.grad_piece[j];
+                        if t == 0 {
+                            continue; // nothing trainable: no communication
+                        }
+                        let g = self.part.space.grad_segments[j].clone();
+                        self.scratch[..g.len()].copy_from_slice(&self.grads[g]);
+                        self.part.pack_grads_in_place(j, &mut self.scratch[..t * w]);
+                        let mut out = vec![0.0; t];
+                        comm.reduce_scatter_sum(&self.scratch[..t * w], &mut out)?;
+                        let own = self.part.grad_owned(j, self.part.rank);
+                        self.grads[own.clone()].copy_from_slice(&out[..own.len()]);
+                    }
+                }
+                Reduction::Done => {}
             }
-            Reduction::Done => {}
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// The L2 norm of the global (reduced, unnormalised) gradient: local
@@ -159,25 +161,27 @@ impl Trainer {
     /// The optimizer update of this rank's part (every trainable parameter
     /// at stage 0), reading the gradient scaled by `grad_scale`.
     pub(super) fn apply_update(&mut self, lr: f32) -> Result<(), EngineError> {
-        let ranges: Vec<Range<usize>> = self.update.iter().map(|c| c.params.clone()).collect();
-        let grads = &self.grads;
-        let pieces: Vec<Piece<'_>> = split(&mut self.params, &ranges)
-            .into_iter()
-            .zip(&self.update)
-            .map(|(params, c)| Piece {
-                params,
-                grads: &grads[c.grads..c.grads + c.params.len()],
-                state: c.state..c.state + c.params.len(),
-                decay: c.decay,
-            })
-            .collect();
-        match self.offload.as_mut() {
-            Some(disk) => self.optimizer.update_offloaded(pieces, lr, self.grad_scale, disk),
-            None => {
-                self.optimizer.update_pieces(pieces, lr, self.grad_scale);
-                Ok(())
+        crate::profile::timed(crate::profile::Kind::Optimizer, || {
+            let ranges: Vec<Range<usize>> = self.update.iter().map(|c| c.params.clone()).collect();
+            let grads = &self.grads;
+            let pieces: Vec<Piece<'_>> = split(&mut self.params, &ranges)
+                .into_iter()
+                .zip(&self.update)
+                .map(|(params, c)| Piece {
+                    params,
+                    grads: &grads[c.grads..c.grads + c.params.len()],
+                    state: c.state..c.state + c.params.len(),
+                    decay: c.decay,
+                })
+                .collect();
+            match self.offload.as_mut() {
+                Some(disk) => self.optimizer.update_offloaded(pieces, lr, self.grad_scale, disk),
+                None => {
+                    self.optimizer.update_pieces(pieces, lr, self.grad_scale);
+                    Ok(())
+                }
             }
-        }
+        })
     }
 
     /// After the update: stages 1–2 all-gather every rank's updated
