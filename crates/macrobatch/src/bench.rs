@@ -92,6 +92,9 @@ struct Timing {
     ms_median: f64,
     ms_min: f64,
     ms_max: f64,
+    /// Mean over the measured steps (what the kernel-family profile, a
+    /// sum over those steps, is a share of).
+    ms_mean: f64,
     tokens_per_s: f64,
     gflops: f64,
     /// Share of the step outside the model's micro-steps, in percent.
@@ -196,7 +199,8 @@ struct ProfileRow {
     calls_per_step: f64,
 }
 
-/// The profile counters of `steps` measured steps of `step_ms` each, on
+/// The profile counters of `steps` measured steps of `step_ms` each (their
+/// mean), on
 /// `ranks` ranks, as rows (largest first) and the rest as `other`.
 fn profile_rows(steps: usize, step_ms: f64, ranks: usize) -> Vec<ProfileRow> {
     let per = (steps * ranks.max(1)) as f64;
@@ -282,6 +286,7 @@ fn time_rank(
         }
     }
     let tokens = (shape.global() * plan.train.seq_len()) as f64;
+    let mean = ms.iter().sum::<f64>() / ms.len().max(1) as f64;
     let med = median(&mut ms);
     let mem = trainer.memory();
     drop(trainer);
@@ -291,6 +296,7 @@ fn time_rank(
         micro: shape.micro,
         accumulation_steps: shape.accumulation_steps,
         ms_median: med,
+        ms_mean: mean,
         ms_min: ms[0],
         ms_max: ms[ms.len() - 1],
         tokens_per_s: tokens / (med / 1e3),
@@ -383,7 +389,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     engine::profile::set_enabled(true);
     let step = time_steps(&plan, shape, args.warmup, args.steps)?;
     engine::profile::set_enabled(false);
-    let profile = profile_rows(args.steps, step.ms_median, t);
+    let profile = profile_rows(args.steps, step.ms_mean, t);
     // Before the GEMM table and the K sweep allocate their own buffers.
     let peak_rss_bytes = crate::memory::peak_rss_bytes();
     let gemm = gemm_table(args.steps, step.ms_median);

@@ -156,6 +156,8 @@ fn bench_reports_speed_memory_and_the_k_sweep_as_json() {
     assert_eq!(get("attention")["calls_per_step"].as_f64(), Some(8.0), "{rows:?}");
     assert_eq!(get("optimizer")["calls_per_step"].as_f64(), Some(1.0));
     let total: f64 = rows.iter().map(|p| p["ms_per_step"].as_f64().unwrap()).sum();
-    let step = r["step"]["ms_median"].as_f64().unwrap();
+    let step = r["step"]["ms_mean"].as_f64().unwrap();
     assert!(total >= step * (1.0 - 1e-9), "the families and `other` cover the step: {total} vs {step}");
+    let pct: f64 = rows.iter().map(|p| p["step_pct"].as_f64().unwrap()).sum();
+    assert!((pct - 100.0).abs() < 1e-6 || total > step, "shares of the mean step add to 100%: {pct}");
 }
