@@ -31,6 +31,19 @@ pub enum DataFormat {
 }
 
 impl DataFormat {
+    /// Every format.
+    pub const ALL: [DataFormat; 4] = [DataFormat::Text, DataFormat::U16, DataFormat::U32, DataFormat::Jsonl];
+
+    /// The name `data.format` gives it.
+    pub fn name(self) -> &'static str {
+        match self {
+            DataFormat::Text => "text",
+            DataFormat::U16 => "u16",
+            DataFormat::U32 => "u32",
+            DataFormat::Jsonl => "jsonl",
+        }
+    }
+
     /// The token width of a token-file format (`None` for text).
     pub fn dtype(self) -> Option<TokenDtype> {
         match self {
@@ -69,15 +82,7 @@ pub fn load_splits(
             TokenDataset::new("validation", val.tokens, seq_len)?,
         ));
     };
-    let open = |p: &Path| -> Result<Arc<TokenFile>, DataError> {
-        match TokenFileMeta::beside(p)? {
-            Some(meta) => meta.check(p, dtype, vocab_size)?,
-            None => refuse_text(p, dtype.name())?,
-        }
-        let f = TokenFile::open(p, dtype)?;
-        f.check_vocab_prefix(vocab_size, VOCAB_PROBE)?;
-        Ok(Arc::new(f))
-    };
+    let open = |p: &Path| open_token_file(p, dtype, vocab_size);
     let train = open(path)?;
     match val_path {
         Some(vp) => {
@@ -97,6 +102,20 @@ pub fn load_splits(
             ))
         }
     }
+}
+
+/// Opens the token file `p` of `dtype` for a model of `vocab_size` tokens:
+/// its `meta.json`, when present, must agree; without one, a file that
+/// starts like text is refused; the first tokens are probed against the
+/// vocabulary.
+pub fn open_token_file(p: &Path, dtype: TokenDtype, vocab_size: usize) -> Result<Arc<TokenFile>, DataError> {
+    match TokenFileMeta::beside(p)? {
+        Some(meta) => meta.check(p, dtype, vocab_size)?,
+        None => refuse_text(p, dtype.name())?,
+    }
+    let f = TokenFile::open(p, dtype)?;
+    f.check_vocab_prefix(vocab_size, VOCAB_PROBE)?;
+    Ok(Arc::new(f))
 }
 
 /// Tokens of `n` held out for validation: the last `round(n · val_fraction)`.

@@ -15,7 +15,9 @@ pub mod tokenizer;
 
 pub use bpe::{BpeParts, BpeTokenizer, Encoded, PreTokenizer};
 pub use chat::{ChatTemplate, Message, Role};
-pub use dataset::{load_splits, n_val_tokens, text_files, text_of, Corpus, DataFormat, TextFiles, TokenDataset};
+pub use dataset::{
+    load_splits, n_val_tokens, open_token_file, text_files, text_of, Corpus, DataFormat, TextFiles, TokenDataset,
+};
 pub use error::DataError;
 pub use sampler::{BatchShape, EpochOrder, Sampler, LAZY_ORDER_FROM};
 pub use samples::Samples;

@@ -3,6 +3,15 @@
 
 use linalg::{backend, gemm_into, Backend, GemmDims, GemmOut, Strided};
 
+/// `dst = a · b` (`m × k` by `k × n`, row-major) on `pool`, through the
+/// pool-wide GEMM path (probed and cached per shape).
+fn gemm_on(pool: &rayon::ThreadPool, (m, k, n): (usize, usize, usize), a: &[f32], b: &[f32], dst: &mut [f32]) {
+    pool.install(|| {
+        let par = linalg::parallelism(false);
+        gemm_into(GemmDims { m, n, k }, dst, GemmOut::overwrite(n), Strided::rows(a, k), Strided::rows(b, n), 1.0, par)
+    })
+}
+
 #[test]
 fn cache_path_and_concurrent_writers() {
     let tmp = std::env::temp_dir().join(format!("linalg-review-cache-{}", std::process::id()));
@@ -24,20 +33,7 @@ fn cache_path_and_concurrent_writers() {
     let a = vec![0.5f32; m * k];
     let b = vec![0.25f32; k * n];
     let mut dst = vec![0.0f32; m * n];
-    let par = p.install(|| linalg::parallelism(false));
-    let call = |dst: &mut Vec<f32>| {
-        p.install(|| {
-            gemm_into(
-                GemmDims { m, n, k },
-                dst,
-                GemmOut::overwrite(n),
-                Strided::rows(&a, k),
-                Strided::rows(&b, n),
-                1.0,
-                par,
-            )
-        })
-    };
+    let call = |dst: &mut Vec<f32>| gemm_on(&p, (m, k, n), &a, &b, dst);
     call(&mut dst); // loads the (absent) cache, first trial
     std::fs::create_dir_all(&dir).expect("mkdir");
     std::fs::write(&path, "{\"7x7x7nn\": \"split\"}").expect("write");
@@ -54,19 +50,8 @@ fn cache_path_and_concurrent_writers() {
     let dir = tmp.join("threads");
     std::env::set_var("MACROBATCH_CACHE_DIR", &dir);
     let p3 = rayon::ThreadPoolBuilder::new().num_threads(3).build().expect("pool");
-    let par3 = p3.install(|| linalg::parallelism(false));
     for _ in 0..3 * Backend::f32_candidates().len() {
-        p3.install(|| {
-            gemm_into(
-                GemmDims { m, n, k },
-                &mut dst,
-                GemmOut::overwrite(n),
-                Strided::rows(&a, k),
-                Strided::rows(&b, n),
-                1.0,
-                par3,
-            )
-        });
+        gemm_on(&p3, (m, k, n), &a, &b, &mut dst);
     }
     let stats = backend::stats();
     let (_, s3) =
@@ -89,31 +74,12 @@ fn cache_path_and_concurrent_writers() {
     let (m2, k2, n2) = (96, 64, 80);
     std::fs::write(&path4, r#"{"160x96x144nn": "split", "96x64x80nn": {"backend": "split", "agreed": 2}}"#)
         .expect("write");
-    let par4 = p4.install(|| linalg::parallelism(false));
     let a2 = vec![0.5f32; m2 * k2];
     let b2 = vec![0.25f32; k2 * n2];
     let mut dst2 = vec![0.0f32; m2 * n2];
     for _ in 0..3 * Backend::f32_candidates().len() {
-        p4.install(|| {
-            gemm_into(
-                GemmDims { m, n, k },
-                &mut dst,
-                GemmOut::overwrite(n),
-                Strided::rows(&a, k),
-                Strided::rows(&b, n),
-                1.0,
-                par4,
-            );
-            gemm_into(
-                GemmDims { m: m2, n: n2, k: k2 },
-                &mut dst2,
-                GemmOut::overwrite(n2),
-                Strided::rows(&a2, k2),
-                Strided::rows(&b2, n2),
-                1.0,
-                par4,
-            )
-        });
+        gemm_on(&p4, (m, k, n), &a, &b, &mut dst);
+        gemm_on(&p4, (m2, k2, n2), &a2, &b2, &mut dst2);
     }
     let stats = backend::stats();
     let find = |mm, kk, nn| {

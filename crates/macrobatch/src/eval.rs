@@ -21,7 +21,7 @@ use crate::saved;
 use crate::EvalArgs;
 use anyhow::{bail, Context, Result};
 use comm::Communicator;
-use data::{Corpus, DataFormat, Samples, SftDataset, SftOptions, TokenDataset, TokenFile, TokenFileMeta, Tokenizer};
+use data::{Corpus, DataFormat, Samples, SftDataset, SftOptions, TokenDataset, TokenFileMeta, Tokenizer};
 use engine::{FullStore, Model};
 use serde::Serialize;
 use std::path::Path;
@@ -127,15 +127,6 @@ fn detect_format(path: &Path, given: Option<DataFormat>) -> Result<DataFormat> {
     Ok(DataFormat::Text)
 }
 
-fn format_name(f: DataFormat) -> &'static str {
-    match f {
-        DataFormat::Text => "text",
-        DataFormat::U16 => "u16",
-        DataFormat::U32 => "u32",
-        DataFormat::Jsonl => "jsonl",
-    }
-}
-
 /// The samples of `path` read as `format` for a model of `vocab` tokens.
 fn load_samples(
     path: &Path,
@@ -171,11 +162,7 @@ fn load_samples(
         }
         DataFormat::U16 | DataFormat::U32 => {
             let dtype = format.dtype().context("a token format has a width")?;
-            match TokenFileMeta::beside(path)? {
-                Some(meta) => meta.check(path, dtype, vocab)?,
-                None => eprintln!("note: {name} has no meta.json beside it: read as {} token ids", dtype.name()),
-            }
-            let file = Arc::new(TokenFile::open(path, dtype)?);
+            let file = data::open_token_file(path, dtype, vocab)?;
             let n = file.n_tokens();
             Samples::Windows(TokenDataset::from_file("eval", file, 0, n, seq_len, vocab)?)
         }
@@ -302,7 +289,7 @@ pub fn run(args: EvalArgs) -> Result<()> {
         bail!(
             "--exact-match needs chat JSON Lines (messages, Alpaca, ShareGPT or conversational prompt/completion lines), but {} is read as {}",
             args.data.display(),
-            format_name(format)
+            format.name()
         );
     }
     let vocab = family.vocab_size();
@@ -334,7 +321,7 @@ pub fn run(args: EvalArgs) -> Result<()> {
     let report = Report {
         model: args.model.display().to_string(),
         data: args.data.display().to_string(),
-        format: format_name(format),
+        format: format.name(),
         samples: n_samples,
         targets,
         positions,

@@ -280,5 +280,11 @@ fn write_gguf(args: &ExportArgs, family: &Arc<dyn Family>, params: &[f32], tok: 
         .gguf_metadata_padded(family.vocab_size())
         .with_context(|| format!("cannot write the tokenizer of {} into a GGUF file", args.run.display()))?;
     g.metadata.extend(vocab);
-    staged(&args.out, |tmp| Ok(g.write(tmp, ty)?))
+    // The writer goes through PATH.part and renames it over --out when
+    // complete: an existing file (--force) is replaced only then.
+    if let Some(parent) = args.out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+    }
+    g.write(&args.out, ty)?;
+    Ok(bytes_of(&args.out))
 }

@@ -303,13 +303,10 @@ pub struct EvalArgs {
 }
 
 fn parse_format(s: &str) -> Result<data::DataFormat, String> {
-    match s {
-        "text" => Ok(data::DataFormat::Text),
-        "u16" => Ok(data::DataFormat::U16),
-        "u32" => Ok(data::DataFormat::U32),
-        "jsonl" => Ok(data::DataFormat::Jsonl),
-        _ => Err(format!("`{s}` is not a data format: choose text, u16, u32 or jsonl")),
-    }
+    data::DataFormat::ALL.into_iter().find(|f| f.name() == s).ok_or_else(|| {
+        let names: Vec<&str> = data::DataFormat::ALL.iter().map(|f| f.name()).collect();
+        format!("`{s}` is not a data format: choose {}", names.join(", "))
+    })
 }
 
 /// Arguments of `macrobatch export`.
