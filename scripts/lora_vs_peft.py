@@ -27,6 +27,13 @@ magnitude, so rounding in tiny gradients becomes step-sized): measured up
 to 2.2e-4 absolute over 20 steps on the AMD EPYC dev VM, with losses
 falling from 2.7 to 0.001. A wrong normalization, schedule, clip or
 optimizer moves step 2's loss by 1e-2 or more.
+With train.objective = "dpo" the peer computes TRL's DPOTrainer loss
+(loss_type "sigmoid") instead: each micro-batch's rows are (chosen,
+rejected) pairs; the policy's summed log probability of each reply's
+targets, the reference's with PEFT's adapters disabled (the same model,
+no second copy, as ours), loss = -logsigmoid(beta * ((pi_c - ref_c) -
+(pi_r - ref_r))), summed over a step's pairs and divided by their number.
+The same tolerance argument holds.
 Needs torch, transformers, peft, gguf, accelerate.
 """
 import argparse
@@ -91,6 +98,26 @@ def lr_at(i):
     return {"constant": hi, "linear": hi + (lo - hi) * progress, "cosine": lo + 0.5 * (hi - lo) * (1 + math.cos(math.pi * progress))}[s["kind"]]
 
 
+dpo = t.get("objective", "lm") == "dpo"
+beta = t.get("dpo_beta", 0.1)
+
+
+def row_logps(logits, y):
+    # Summed log probability of each row's targets (padding and prompt are -100).
+    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, ignore_index=-100, reduction="none")
+    return -ce.sum(dim=1)
+
+
+def dpo_loss_sum(logits, x, y):
+    # TRL DPOTrainer, loss_type="sigmoid": rows are chosen0, rejected0, chosen1, ...
+    policy = row_logps(logits, y)
+    with torch.no_grad(), model.disable_adapter():
+        reference = row_logps(model(input_ids=x).logits, y)
+    pi_c, pi_r, ref_c, ref_r = policy[0::2], policy[1::2], reference[0::2], reference[1::2]
+    z = beta * ((pi_c - ref_c) - (pi_r - ref_r))
+    return -torch.nn.functional.logsigmoid(z).sum()
+
+
 ours = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
 steps = [json.loads(l) for l in (run / "dump" / "steps.jsonl").read_text().splitlines()]
 worst, failed = 0.0, 0
@@ -101,14 +128,20 @@ for i, step in enumerate(steps):
         g["lr"] = lr_at(i)
     t0 = time.perf_counter()
     opt.zero_grad(set_to_none=True)
-    n_total = sum(sum(1 for x in mb["targets"] if x >= 0) for mb in step["micro_batches"])
+    if dpo:
+        n_total = sum(mb["n_seqs"] // 2 for mb in step["micro_batches"])
+    else:
+        n_total = sum(sum(1 for x in mb["targets"] if x >= 0) for mb in step["micro_batches"])
     loss_sum = 0.0
     for mb in step["micro_batches"]:
         b, T = mb["n_seqs"], mb["seq_len"]
         x = torch.tensor(mb["inputs"]).view(b, T)
         y = torch.tensor(mb["targets"]).view(b, T)
         logits = model(input_ids=x).logits
-        l = torch.nn.functional.cross_entropy(logits.view(b * T, -1), y.view(-1), ignore_index=-100, reduction="sum")
+        if dpo:
+            l = dpo_loss_sum(logits, x, y)
+        else:
+            l = torch.nn.functional.cross_entropy(logits.view(b * T, -1), y.view(-1), ignore_index=-100, reduction="sum")
         (l / n_total).backward()
         loss_sum += l.item()
     if t["grad_clip"] > 0:

@@ -5,11 +5,13 @@
 
 mod deepspeed;
 mod extends;
+mod objective;
 
 pub use data::{DataFormat, Schema, TokenizerSpec};
 pub use deepspeed::{DeepSpeedConfig, DeepSpeedOptions};
 pub use engine::{Checkpointing, Decay, LossNormalization, OptimizerKind, Precision, ScheduleKind};
 pub use extends::read_toml;
+pub use objective::Objective;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -511,6 +513,12 @@ pub struct TrainConfig {
     /// scalars, into the run folder's `tensorboard/` (rank 0; `train
     /// --tensorboard DIR` turns it on and names another folder).
     pub tensorboard: bool,
+    /// `lm` (next-token cross-entropy) or `dpo` (preference pairs, with
+    /// `[lora]`: [`Objective`]).
+    pub objective: Objective,
+    /// DPO's β: how far the policy may move from the reference (TRL's
+    /// `beta`, default 0.1).
+    pub dpo_beta: f32,
 }
 
 /// `train.frozen_dtype`: the storage of a frozen base projection weight.
@@ -574,6 +582,8 @@ impl Default for TrainConfig {
             frozen_double_quant: true,
             frozen_source: None,
             tensorboard: false,
+            objective: Objective::Lm,
+            dpo_beta: 0.1,
         }
     }
 }
@@ -747,6 +757,7 @@ impl Config {
                 ));
             }
         }
+        objective::validate(self)?;
         if t.threads > 4096 {
             return Err(invalid("train.threads", t.threads, "must be at most 4096 (0: all cores)"));
         }

@@ -249,6 +249,12 @@ pub enum DataError {
         /// Why.
         problem: String,
     },
+    /// Preference pairs asked to be packed.
+    #[error("{}: preference pairs (prompt/chosen/rejected) cannot be packed: set data.pack = false", path.display())]
+    PackedPairs {
+        /// The file.
+        path: PathBuf,
+    },
     /// A text file is not UTF-8.
     #[error("{} is not UTF-8 text (invalid byte at offset {offset}); convert it, or leave it out of the input", path.display())]
     NotUtf8 {

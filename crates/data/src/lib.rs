@@ -6,6 +6,7 @@ pub mod chat;
 pub mod dataset;
 pub mod error;
 pub mod gguf_meta;
+pub mod preference;
 pub mod sampler;
 pub mod samples;
 pub mod schemas;
@@ -19,6 +20,7 @@ pub use dataset::{
     load_splits, n_val_tokens, open_token_file, text_files, text_of, Corpus, DataFormat, TextFiles, TokenDataset,
 };
 pub use error::DataError;
+pub use preference::PairDataset;
 pub use sampler::{BatchShape, EpochOrder, Sampler, LAZY_ORDER_FROM};
 pub use samples::Samples;
 pub use schemas::Schema;

@@ -5,6 +5,7 @@
 
 use crate::dataset::TokenDataset;
 use crate::error::DataError;
+use crate::preference::PairDataset;
 use crate::sft::SftDataset;
 use engine::TokenBatch;
 
@@ -15,6 +16,8 @@ pub enum Samples {
     Windows(TokenDataset),
     /// Fine-tuning examples (or packed rows of them).
     Examples(SftDataset),
+    /// Preference pairs: a sample is a pair, two rows of its micro-batch.
+    Pairs(PairDataset),
 }
 
 impl Samples {
@@ -23,6 +26,7 @@ impl Samples {
         match self {
             Samples::Windows(d) => d.n_samples(),
             Samples::Examples(d) => d.n_samples(),
+            Samples::Pairs(d) => d.n_samples(),
         }
     }
 
@@ -32,6 +36,7 @@ impl Samples {
         match self {
             Samples::Windows(d) => d.seq_len(),
             Samples::Examples(d) => d.max_positions(),
+            Samples::Pairs(d) => d.max_positions(),
         }
     }
 
@@ -55,6 +60,7 @@ impl Samples {
                 Ok(b)
             }
             Samples::Examples(d) => Ok(d.micro_batch(indices)),
+            Samples::Pairs(d) => Ok(d.micro_batch(indices)),
         }
     }
 
@@ -65,6 +71,7 @@ impl Samples {
         match self {
             Samples::Windows(d) => indices.len() * d.seq_len(),
             Samples::Examples(d) => d.micro_batch_positions(indices),
+            Samples::Pairs(d) => d.micro_batch_positions(indices),
         }
     }
 
@@ -73,6 +80,7 @@ impl Samples {
         match self {
             Samples::Windows(d) => d.resident_bytes(),
             Samples::Examples(d) => d.examples().iter().map(|e| 5 * e.tokens.len() as u64).sum(),
+            Samples::Pairs(d) => d.resident_bytes(),
         }
     }
 }

@@ -154,10 +154,10 @@ pub struct SftDataset {
 
 /// Where an example came from and what loading did to it.
 #[derive(Debug, Clone, Copy)]
-struct Origin {
-    line: usize,
-    chat: bool,
-    truncated: bool,
+pub(crate) struct Origin {
+    pub(crate) line: usize,
+    pub(crate) chat: bool,
+    pub(crate) truncated: bool,
 }
 
 /// `tokens` ending in the tokenizer's EOS (appended unless already there).
@@ -241,6 +241,44 @@ fn chat_example(
     Ok(example)
 }
 
+/// What loading may keep after the length cut `cap` dropped the lines
+/// `dropped` and kept `n_kept` examples: an error when the drops are
+/// refused (`drop_empty` false) or nothing is left.
+pub(crate) fn check_kept(
+    path: &Path,
+    cap: Option<usize>,
+    dropped: &[Origin],
+    n_kept: usize,
+    drop_empty: bool,
+) -> Result<(), DataError> {
+    if let (Some(cap), false) = (cap, dropped.is_empty()) {
+        if !drop_empty || n_kept == 0 {
+            let lines: Vec<usize> = dropped.iter().map(|o| o.line).collect();
+            return Err(DataError::CutToNoTargets {
+                path: path.into(),
+                n: dropped.len(),
+                n_lines: dropped.len() + n_kept,
+                lines: line_list(&lines),
+                max_len: cap,
+                all: n_kept == 0,
+            });
+        }
+    }
+    if n_kept == 0 {
+        return Err(DataError::Empty { name: path.display().to_string() });
+    }
+    Ok(())
+}
+
+/// The example a line's record becomes.
+pub(crate) fn example_of(at: &Line<'_>, tok: &Tokenizer, record: Record) -> Result<Example, DataError> {
+    match record {
+        Record::Text(text) => text_example(at, tok, &text),
+        Record::Chat { messages, trained_from } => chat_example(at, tok, &messages, trained_from),
+        Record::Completion { prompt, completion } => completion_example(at, tok, &prompt, &completion),
+    }
+}
+
 /// The first few of `lines`, for a message: `3, 5, 9` or `3, 5, 9, … (12 in all)`.
 pub fn line_list(lines: &[usize]) -> String {
     const SHOWN: usize = 8;
@@ -253,7 +291,7 @@ pub fn line_list(lines: &[usize]) -> String {
 
 /// The non-blank lines of JSON Lines `text` (a UTF-8 byte order mark at
 /// its start skipped), each parsed, with where it came from.
-fn json_lines<'a>(
+pub(crate) fn json_lines<'a>(
     path: &'a Path,
     text: &'a str,
 ) -> impl Iterator<Item = Result<(Line<'a>, serde_json::Value), DataError>> + 'a {
@@ -341,11 +379,7 @@ impl SftDataset {
             let (at, v) = line?;
             let record = parse_record(&at, &v, schema)?;
             let chat = matches!(record, Record::Chat { .. });
-            let mut ex = match record {
-                Record::Text(text) => text_example(&at, tok, &text)?,
-                Record::Chat { messages, trained_from } => chat_example(&at, tok, &messages, trained_from)?,
-                Record::Completion { prompt, completion } => completion_example(&at, tok, &prompt, &completion)?,
-            };
+            let mut ex = example_of(&at, tok, record)?;
             let truncated = cap.is_some_and(|c| ex.n_positions() > c);
             let origin = Origin { line: at.line, chat, truncated };
             if let Some(cap) = cap.filter(|_| truncated) {
@@ -359,22 +393,7 @@ impl SftDataset {
             examples.push(ex);
             origins.push(origin);
         }
-        if let (Some(cap), false) = (cap, dropped.is_empty()) {
-            if !opts.drop_empty || examples.is_empty() {
-                let lines: Vec<usize> = dropped.iter().map(|o| o.line).collect();
-                return Err(DataError::CutToNoTargets {
-                    path: path.into(),
-                    n: dropped.len(),
-                    n_lines: dropped.len() + examples.len(),
-                    lines: line_list(&lines),
-                    max_len: cap,
-                    all: examples.is_empty(),
-                });
-            }
-        }
-        if examples.is_empty() {
-            return Err(DataError::Empty { name: path.display().to_string() });
-        }
+        check_kept(path, cap, &dropped, examples.len(), opts.drop_empty)?;
         let pad_id = tok.pad_id().or(tok.eos_id()).unwrap_or(0);
         Ok(Self::assemble(path.into(), examples, origins, dropped, opts.pack_seq_len, pad_id))
     }
@@ -382,7 +401,7 @@ impl SftDataset {
     /// The dataset of `examples` (packed into rows of `pack_seq_len`
     /// positions when given) and its statistics, which count the `dropped`
     /// examples as read, cut and left without targets.
-    fn assemble(
+    pub(crate) fn assemble(
         source: PathBuf,
         examples: Vec<Example>,
         origins: Vec<Origin>,

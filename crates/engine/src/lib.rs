@@ -110,7 +110,7 @@ pub mod zero;
 pub use batch::{TokenBatch, IGNORE_INDEX};
 pub use error::EngineError;
 pub use layout::{check_shape_size, ParamLayout, TensorSpec, MAX_PARAMS, MAX_TENSORS};
-pub use model::{MicroStepStats, Model};
+pub use model::{AuxStats, MicroStepStats, Model, AUX_STATS};
 pub use optim::{AdamW, Optimizer, OptimizerKind, Sgd};
 pub use pipeline::{Schedule, ScheduleKind, StageLayout, StageSpec, StagedModel};
 pub use precision::Precision;

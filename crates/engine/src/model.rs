@@ -14,6 +14,14 @@ pub struct MicroStepStats {
     pub n_targets: u64,
 }
 
+/// Sums a model may gather besides the loss (an objective's own statistics,
+/// e.g. preference rewards), summed over the micro-steps and ranks of a
+/// step exactly as the loss is and reported in [`crate::StepReport::aux`].
+pub type AuxStats = [f64; AUX_STATS];
+
+/// Number of [`AuxStats`] slots.
+pub const AUX_STATS: usize = 4;
+
 /// A differentiable model over a flat f32 parameter buffer.
 ///
 /// Contract: [`Model::micro_step`] computes `loss_seed · ∂(Σ losses)/∂params` and
@@ -60,6 +68,12 @@ pub trait Model {
 
     /// Forward only (evaluation).
     fn loss(&mut self, store: &mut dyn ParamStore, batch: &Self::Batch) -> Result<MicroStepStats, Self::Error>;
+
+    /// The model's own sums gathered since the last call, and reset
+    /// (default: none). The trainer takes them after every micro-step.
+    fn take_aux_stats(&mut self) -> AuxStats {
+        [0.0; AUX_STATS]
+    }
 }
 
 /// A boxed model is a model: the binary holds one family's model behind a
@@ -95,5 +109,9 @@ impl<M: Model + ?Sized> Model for Box<M> {
 
     fn loss(&mut self, store: &mut dyn ParamStore, batch: &Self::Batch) -> Result<MicroStepStats, Self::Error> {
         (**self).loss(store, batch)
+    }
+
+    fn take_aux_stats(&mut self) -> AuxStats {
+        (**self).take_aux_stats()
     }
 }

@@ -100,6 +100,9 @@ pub struct StepReport {
     pub micro_losses: Vec<f64>,
     /// Number of targets in the global batch.
     pub n_targets: u64,
+    /// The model's own sums ([`crate::Model::take_aux_stats`]) over the
+    /// global batch (zeros for a model that gathers none).
+    pub aux: crate::AuxStats,
     /// Number of micro-steps taken.
     pub n_micro_steps: usize,
     /// Gradient L2 norm before clipping.
@@ -427,7 +430,7 @@ impl Trainer {
                 .micro_step(&mut self.store(groups.dp, true), batch, loss_seed)
                 .map_err(|e| EngineError::Model { step: step_idx + 1, micro_step_idx, source: Box::new(e) })?;
             acc.model_s += t0.elapsed().as_secs_f64();
-            acc.record(micro_step_idx, stats);
+            acc.record(micro_step_idx, stats, model.take_aux_stats());
         }
         self.end_accumulation();
         self.boundary(&mut groups, acc, &seeds, loss_scale, before)
@@ -557,6 +560,7 @@ impl Groups<'_> {
 struct Accumulated {
     loss_sums: Vec<f64>,
     n_targets: Vec<u64>,
+    aux: crate::AuxStats,
     model_s: f64,
     pipeline: Option<PipelineReport>,
     tensor: Option<crate::tensor::TpTraffic>,
@@ -567,15 +571,17 @@ impl Accumulated {
         Accumulated {
             loss_sums: vec![0.0; n_micro],
             n_targets: vec![0; n_micro],
+            aux: [0.0; crate::AUX_STATS],
             model_s: 0.0,
             pipeline: None,
             tensor: None,
         }
     }
 
-    fn record(&mut self, k: usize, stats: crate::MicroStepStats) {
+    fn record(&mut self, k: usize, stats: crate::MicroStepStats, aux: crate::AuxStats) {
         self.loss_sums[k] = stats.loss_sum;
         self.n_targets[k] = stats.n_targets;
+        self.aux.iter_mut().zip(aux).for_each(|(a, x)| *a += x);
     }
 
     /// Each micro-batch's mean loss on this data rank (NaN without

@@ -11,6 +11,7 @@
 //! boxed): each family keeps its error type and converts it with one `From`
 //! impl, and the binary adds context.
 
+pub mod dpo;
 pub mod generation;
 pub mod reference;
 

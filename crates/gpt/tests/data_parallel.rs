@@ -293,7 +293,8 @@ fn no_communication_before_the_boundary_and_bytes_independent_of_k() {
         }
     }
     let n_params = init_params(&cfg(), 5).len() as u64;
-    assert_eq!(bytes_per_k[0], 4 * n_params + 8 * 4, "gradient + 4 f64 statistics");
+    let n_stats = 4 + engine::AUX_STATS as u64;
+    assert_eq!(bytes_per_k[0], 4 * n_params + 8 * n_stats, "gradient + the f64 statistics (loss, counts, model sums)");
     assert!(bytes_per_k.iter().all(|&b| b == bytes_per_k[0]), "comm bytes must not depend on K: {bytes_per_k:?}");
 }
 

@@ -93,6 +93,40 @@ pub struct StepRecord {
     /// With tensor parallelism: how many there were.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tp_calls: Option<u64>,
+    /// With `train.objective = "dpo"`: the step's rewards (then `loss` is
+    /// the mean DPO loss and `tokens` counts pairs).
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub dpo: Option<DpoRecord>,
+}
+
+/// A DPO step's rewards, means over the pairs of the global batch (TRL's
+/// `rewards/chosen`, `rewards/rejected`, `rewards/margins`,
+/// `rewards/accuracies`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct DpoRecord {
+    /// Mean of β·(log π(chosen) − log π_ref(chosen)).
+    pub rewards_chosen: f64,
+    /// Mean of β·(log π(rejected) − log π_ref(rejected)).
+    pub rewards_rejected: f64,
+    /// Mean of the chosen minus the rejected reward.
+    pub rewards_margin: f64,
+    /// Share of the pairs whose chosen reward is the larger.
+    pub rewards_accuracy: f64,
+}
+
+impl DpoRecord {
+    /// The means of a DPO model's sums ([`family::dpo`]) over `n_pairs`.
+    pub fn from_sums(aux: &engine::AuxStats, n_pairs: u64) -> Option<Self> {
+        use family::dpo::{AUX_CHOSEN_REWARD, AUX_CORRECT, AUX_REJECTED_REWARD};
+        let n = (n_pairs > 0).then_some(n_pairs as f64)?;
+        let (c, r) = (aux[AUX_CHOSEN_REWARD] / n, aux[AUX_REJECTED_REWARD] / n);
+        Some(Self {
+            rewards_chosen: c,
+            rewards_rejected: r,
+            rewards_margin: c - r,
+            rewards_accuracy: aux[AUX_CORRECT] / n,
+        })
+    }
 }
 
 /// Writes metrics and shows progress.

@@ -35,12 +35,16 @@ impl Trainer {
         let micro_mean_sum: f64 = micro_losses.iter().filter(|l| l.is_finite()).sum();
         let n_valid_micro = micro_losses.iter().filter(|l| l.is_finite()).count();
         let (loss_sum, n_targets) = (acc.loss_sums.iter().sum::<f64>(), acc.n_targets.iter().sum::<u64>());
-        let mut stats = [loss_sum, n_targets as f64, micro_mean_sum, n_valid_micro as f64];
-        if groups.pipe.as_ref().is_some_and(|p| !p.info.last()) {
-            stats = [0.0; 4];
+        // One collective for the loss statistics and the model's own sums.
+        let mut stats = [0.0; 4 + crate::AUX_STATS];
+        if groups.pipe.as_ref().is_none_or(|p| p.info.last()) {
+            stats[..4].copy_from_slice(&[loss_sum, n_targets as f64, micro_mean_sum, n_valid_micro as f64]);
+            stats[4..].copy_from_slice(&acc.aux);
         }
         groups.all_reduce_f64(&mut stats).map_err(comm_err)?;
-        let [loss_sum, n_targets, micro_mean_sum, n_valid_micro] = stats;
+        let [loss_sum, n_targets, micro_mean_sum, n_valid_micro] = [stats[0], stats[1], stats[2], stats[3]];
+        let mut aux = [0.0; crate::AUX_STATS];
+        aux.copy_from_slice(&stats[4..]);
         let n_targets = n_targets as u64;
         let loss = match self.options.normalization {
             LossNormalization::Token if n_targets > 0 => loss_sum / n_targets as f64,
@@ -72,6 +76,7 @@ impl Trainer {
                 loss,
                 micro_losses: micro_losses.clone(),
                 n_targets,
+                aux,
                 n_micro_steps: n_micro,
                 grad_norm,
                 clipped,

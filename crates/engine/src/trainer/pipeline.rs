@@ -406,7 +406,7 @@ impl Trainer {
                         })?;
                     acc.model_s += t0.elapsed().as_secs_f64();
                     if last {
-                        acc.record(m, stats);
+                        acc.record(m, stats, model.take_aux_stats());
                     }
                 }
                 Op::SendAct(m) => {

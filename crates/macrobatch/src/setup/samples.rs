@@ -4,8 +4,10 @@
 use super::Plan;
 use crate::folder;
 use anyhow::{bail, Context, Result};
-use config::{Config, DataFormat, ResolvedBatch};
-use data::{BatchShape, Corpus, EpochOrder, Sampler, Samples, SftDataset, SftOptions, TokenFileMeta, Tokenizer};
+use config::{Config, DataFormat, Objective, ResolvedBatch};
+use data::{
+    BatchShape, Corpus, EpochOrder, PairDataset, Sampler, Samples, SftDataset, SftOptions, TokenFileMeta, Tokenizer,
+};
 use engine::TokenBatch;
 use std::path::{Path, PathBuf};
 
@@ -32,6 +34,26 @@ pub(super) fn load_samples(
         }
     }
     let (train, val) = match (&d.path, d.format) {
+        (Some(p), DataFormat::Jsonl) if cfg.train.objective == Objective::Dpo => {
+            let opts = SftOptions { max_len: Some(seq_len), pack_seq_len: None, drop_empty: d.drop_empty };
+            let load = |path: &str| -> Result<PairDataset> {
+                let ds = PairDataset::load(Path::new(path), tokenizer, &opts)?;
+                let dropped = ds.dropped_lines();
+                if !dropped.is_empty() {
+                    eprintln!(
+                        "warning: {path}: dropped {} preference pairs with a reply that keeps no target once cut to data.seq_len = {seq_len}: lines {}",
+                        dropped.len(),
+                        data::sft::line_list(&dropped)
+                    );
+                }
+                Ok(ds)
+            };
+            let (train, val) = match d.val_path.as_deref() {
+                Some(v) => (load(p)?, load(v)?),
+                None => load(p)?.split_tail(d.val_fraction)?,
+            };
+            (Samples::Pairs(train), Samples::Pairs(val))
+        }
         (Some(p), DataFormat::Jsonl) => {
             let opts = SftOptions {
                 max_len: Some(seq_len),

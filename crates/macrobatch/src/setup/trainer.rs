@@ -31,6 +31,9 @@ pub fn model_for_rank(plan: &Plan, tp: TpRank) -> Result<Box<dyn LanguageModel>>
     };
     let mut model = family.build(plan.build())?;
     apply_trainable(&mut model, &trainable_patterns(&plan.cfg))?;
+    if plan.cfg.train.objective == config::Objective::Dpo {
+        model = Box::new(family::dpo::Dpo::new(model, plan.cfg.train.dpo_beta)?);
+    }
     Ok(model)
 }
 

@@ -76,8 +76,9 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
             }
             continue;
         };
-        let at =
-            StepContext { step, epoch, input_tokens, step_s, elapsed_s: started.elapsed().as_secs_f64(), val_loss };
+        let dpo = cfg.train.objective == config::Objective::Dpo;
+        let elapsed_s = started.elapsed().as_secs_f64();
+        let at = StepContext { step, epoch, input_tokens, step_s, elapsed_s, val_loss, dpo };
         out.record(&reports::step_record(at, report, &mem, model.activation_bytes(), &memory.predicted))?;
         if let Some(state) = full_state {
             let path = checkpoints.write(comms.world, out, step, state, &trainer, &whole)?;

@@ -7,7 +7,7 @@ use super::outputs::Outputs;
 use crate::dist::Grid;
 use crate::heap;
 use crate::memory::{peak_rss_bytes, proc_status_bytes};
-use crate::metrics::StepRecord;
+use crate::metrics::{DpoRecord, StepRecord};
 use crate::planning::{self, Estimate, Knobs};
 use crate::setup::Plan;
 use anyhow::{bail, Result};
@@ -50,6 +50,8 @@ pub struct StepContext {
     pub elapsed_s: f64,
     /// The validation loss, when measured at this step.
     pub val_loss: Option<f64>,
+    /// The run's objective is DPO (its rewards are reported).
+    pub dpo: bool,
 }
 
 /// One line of `metrics.jsonl`: the step, its report, and the memory of the
@@ -97,6 +99,7 @@ pub fn step_record(
         tp_allreduce_s: report.tensor.map(|t| t.seconds),
         tp_bytes: report.tensor.map(|t| t.bytes),
         tp_calls: report.tensor.map(|t| t.calls),
+        dpo: at.dpo.then(|| DpoRecord::from_sums(&report.aux, report.n_targets)).flatten(),
     }
 }
 

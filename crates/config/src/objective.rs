@@ -1,0 +1,77 @@
+//! `train.objective`: what the loss is — next-token cross-entropy, or DPO
+//! over preference pairs — and the settings DPO cannot run with.
+
+use crate::{invalid, Config, ConfigError, DataFormat, LossNormalization};
+use serde::{Deserialize, Serialize};
+
+/// `train.objective`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Objective {
+    /// Next-token cross-entropy over the target tokens.
+    #[default]
+    Lm,
+    /// Direct Preference Optimization over `prompt`/`chosen`/`rejected`
+    /// JSON Lines: the LoRA-adapted model is the policy, the same model
+    /// with its adapters off the reference; `train.dpo_beta` is β.
+    Dpo,
+}
+
+impl Objective {
+    /// The TOML spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Objective::Lm => "lm",
+            Objective::Dpo => "dpo",
+        }
+    }
+}
+
+/// The checks of `train.objective = "dpo"` against the rest of the config.
+pub(crate) fn validate(cfg: &Config) -> Result<(), ConfigError> {
+    let t = &cfg.train;
+    if t.objective != Objective::Dpo {
+        return Ok(());
+    }
+    let refuse = |key: &'static str, value: &dyn std::fmt::Display, fix: &str| {
+        Err(invalid(key, value, &format!("train.objective = \"dpo\" {fix}")))
+    };
+    if !(t.dpo_beta.is_finite() && t.dpo_beta > 0.0) {
+        return Err(invalid("train.dpo_beta", t.dpo_beta, "must be a positive number (TRL's default is 0.1)"));
+    }
+    if cfg.lora.is_none() {
+        return refuse("lora", &"(none)", "needs a [lora] section: the reference model is the policy with its adapters off, so no second copy of the model is held");
+    }
+    if cfg.data.format != DataFormat::Jsonl {
+        return refuse(
+            "data.format",
+            &cfg.data.format.name(),
+            "reads JSON Lines of {\"prompt\", \"chosen\", \"rejected\"}: set data.format = \"jsonl\"",
+        );
+    }
+    if cfg.data.pack {
+        return refuse("data.pack", &true, "keeps each reply in a row of its own: set data.pack = false");
+    }
+    if t.loss_normalization != LossNormalization::Token {
+        return refuse(
+            "train.loss_normalization",
+            &"micro_batch_mean",
+            "averages its loss over the pairs of the global batch: set train.loss_normalization = \"token\"",
+        );
+    }
+    for (key, n) in
+        [("dist.pipeline_parallel", cfg.dist.pipeline_parallel), ("dist.tensor_parallel", cfg.dist.tensor_parallel)]
+    {
+        if n > 1 {
+            return refuse(key, &n, &format!("runs on data-parallel ranks only: set {key} = 1"));
+        }
+    }
+    if !cfg.data.drop_last && (cfg.dist.world_size > 1 || cfg.dist.zero_stage > 0) {
+        return refuse(
+            "data.drop_last",
+            &false,
+            "with several ranks or ZeRO runs the same number of pairs on every rank: set data.drop_last = true",
+        );
+    }
+    Ok(())
+}
