@@ -5,11 +5,13 @@
 
 mod deepspeed;
 mod extends;
+mod loop_controls;
 
 pub use data::{DataFormat, Schema, TokenizerSpec};
 pub use deepspeed::{DeepSpeedConfig, DeepSpeedOptions};
 pub use engine::{Checkpointing, Decay, LossNormalization, OptimizerKind, Precision, ScheduleKind};
 pub use extends::read_toml;
+pub use loop_controls::EarlyStopping;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -511,6 +513,19 @@ pub struct TrainConfig {
     /// scalars, into the run folder's `tensorboard/` (rank 0; `train
     /// --tensorboard DIR` turns it on and names another folder).
     pub tensorboard: bool,
+    /// Stop when the validation loss stops improving (unset: never).
+    pub early_stopping: Option<EarlyStopping>,
+    /// Keep the checkpoint of the best validation loss (written when it is
+    /// reached, exempt from `keep_checkpoints`, named by `checkpoints/best`).
+    pub keep_best: bool,
+    /// Decay of an exponential moving average of the trainable weights,
+    /// updated after every optimizer step (0: none).
+    pub ema_decay: f32,
+    /// Label smoothing ε of the training loss (PyTorch's
+    /// `cross_entropy(label_smoothing=ε)`; 0: none).
+    pub label_smoothing: f32,
+    /// Coefficient c of PaLM's z-loss, c·log²Z per target token (0: none).
+    pub z_loss: f32,
 }
 
 /// `train.frozen_dtype`: the storage of a frozen base projection weight.
@@ -574,6 +589,11 @@ impl Default for TrainConfig {
             frozen_double_quant: true,
             frozen_source: None,
             tensorboard: false,
+            early_stopping: None,
+            keep_best: false,
+            ema_decay: 0.0,
+            label_smoothing: 0.0,
+            z_loss: 0.0,
         }
     }
 }
@@ -747,6 +767,7 @@ impl Config {
                 ));
             }
         }
+        loop_controls::validate(self)?;
         if t.threads > 4096 {
             return Err(invalid("train.threads", t.threads, "must be at most 4096 (0: all cores)"));
         }

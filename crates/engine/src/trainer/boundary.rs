@@ -35,12 +35,12 @@ impl Trainer {
         let micro_mean_sum: f64 = micro_losses.iter().filter(|l| l.is_finite()).sum();
         let n_valid_micro = micro_losses.iter().filter(|l| l.is_finite()).count();
         let (loss_sum, n_targets) = (acc.loss_sums.iter().sum::<f64>(), acc.n_targets.iter().sum::<u64>());
-        let mut stats = [loss_sum, n_targets as f64, micro_mean_sum, n_valid_micro as f64];
+        let mut stats = [loss_sum, n_targets as f64, micro_mean_sum, n_valid_micro as f64, acc.aux_sum];
         if groups.pipe.as_ref().is_some_and(|p| !p.info.last()) {
-            stats = [0.0; 4];
+            stats = [0.0; 5];
         }
         groups.all_reduce_f64(&mut stats).map_err(comm_err)?;
-        let [loss_sum, n_targets, micro_mean_sum, n_valid_micro] = stats;
+        let [loss_sum, n_targets, micro_mean_sum, n_valid_micro, aux_sum] = stats;
         let n_targets = n_targets as u64;
         let loss = match self.options.normalization {
             LossNormalization::Token if n_targets > 0 => loss_sum / n_targets as f64,
@@ -70,6 +70,7 @@ impl Trainer {
             StepReport {
                 step_idx,
                 loss,
+                aux_loss: if n_targets > 0 { aux_sum / n_targets as f64 } else { 0.0 },
                 micro_losses: micro_losses.clone(),
                 n_targets,
                 n_micro_steps: n_micro,

@@ -66,6 +66,7 @@ pub fn step_record(
         step: at.step,
         epoch: at.epoch,
         loss: report.loss,
+        loss_total: None,
         lr: report.lr,
         grad_norm: report.grad_norm,
         clipped: report.clipped,
@@ -97,6 +98,7 @@ pub fn step_record(
         tp_allreduce_s: report.tensor.map(|t| t.seconds),
         tp_bytes: report.tensor.map(|t| t.bytes),
         tp_calls: report.tensor.map(|t| t.calls),
+        stop_reason: None,
     }
 }
 
