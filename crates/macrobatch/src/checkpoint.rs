@@ -24,6 +24,9 @@ const OPTIMIZER: &str = "optimizer.safetensors";
 const STATE: &str = "trainer_state.json";
 /// The moving average of the trainable tensors (`train.ema_decay`), by name.
 const EMA: &str = "ema.safetensors";
+
+/// A tensor to write: its name, shape and values.
+pub type NamedTensor<'a> = (String, Vec<usize>, &'a [f32]);
 /// The run's resolved config, saved beside the weights.
 pub const CONFIG: &str = "config.resolved.toml";
 
@@ -144,7 +147,7 @@ pub fn save(
     optimizer_state: &[(String, Vec<f32>)],
     state: &TrainerState,
     config_toml: &str,
-    ema: Option<&[(String, Vec<usize>, &[f32])]>,
+    ema: Option<&[NamedTensor<'_>]>,
 ) -> Result<PathBuf> {
     check_finite(layout, params, "checkpoint parameters")?;
     for (name, v) in optimizer_state {

@@ -113,12 +113,39 @@ fn early_stopping_and_keep_best_on_a_validation_loss_that_turns_up() {
     copy_dir(&out, &copy);
     std::fs::remove_dir_all(copy.join("checkpoints").join(format!("step-{stop_step:08}"))).unwrap();
     let err = resume_ok(&copy, &[]);
-    assert!(err.contains(&format!("resuming from")) && err.contains(&best_name), "{err}");
+    assert!(err.contains("resuming from") && err.contains(&best_name), "{err}");
     let lines = |d: &Path| -> Vec<String> {
         metrics(d).iter().map(|r| format!("{} {} {}", r["step"], r["loss"], r["val_loss"])).collect()
     };
     assert_eq!(lines(&copy), lines(&out));
     assert_eq!(weights(&copy), weights(&out));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn early_stopping_on_two_ranks_stops_every_rank_and_saves_the_model() {
+    // Rank 0 decides; the other rank learns it in the evaluation step's
+    // all-reduce and joins the final save's collectives (ZeRO-1: the
+    // optimizer state is gathered from both).
+    let dir = tmp("loop-es-w2");
+    let out = dir.join("run");
+    let sets = overfit_sets(
+        &dir,
+        &[
+            "train.early_stopping={patience=3, min_delta=0.01}",
+            "train.keep_best=true",
+            "dist.world_size=2",
+            "dist.zero_stage=1",
+        ],
+    );
+    let o = train_strings(&out, &sets);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    let last = metrics(&out).last().cloned().unwrap();
+    let stop_step = last["step"].as_u64().unwrap();
+    assert!(stop_step < 300 && last["stop_reason"].is_string(), "{last}");
+    assert!(err.contains(&format!("done: {stop_step} steps")), "{err}");
+    assert!(out.join("checkpoints").join("best").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
 

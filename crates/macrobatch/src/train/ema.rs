@@ -72,7 +72,7 @@ impl Ema {
     }
 
     /// The averages as named tensors, for a checkpoint.
-    pub fn tensors(&self) -> Vec<(String, Vec<usize>, &[f32])> {
+    pub fn tensors(&self) -> Vec<crate::checkpoint::NamedTensor<'_>> {
         let mut at = 0;
         self.tensors
             .iter()
