@@ -5,12 +5,14 @@
 
 mod deepspeed;
 mod extends;
+mod loop_controls;
 mod objective;
 
 pub use data::{DataFormat, Schema, TokenizerSpec};
 pub use deepspeed::{DeepSpeedConfig, DeepSpeedOptions};
 pub use engine::{Checkpointing, Decay, LossNormalization, OptimizerKind, Precision, ScheduleKind};
 pub use extends::read_toml;
+pub use loop_controls::EarlyStopping;
 pub use objective::Objective;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -519,6 +521,19 @@ pub struct TrainConfig {
     /// DPO's β: how far the policy may move from the reference (TRL's
     /// `beta`, default 0.1).
     pub dpo_beta: f32,
+    /// Stop when the validation loss stops improving (unset: never).
+    pub early_stopping: Option<EarlyStopping>,
+    /// Keep the checkpoint of the best validation loss (written when it is
+    /// reached, exempt from `keep_checkpoints`, named by `checkpoints/best`).
+    pub keep_best: bool,
+    /// Decay of an exponential moving average of the trainable weights,
+    /// updated after every optimizer step (0: none).
+    pub ema_decay: f32,
+    /// Label smoothing ε of the training loss (PyTorch's
+    /// `cross_entropy(label_smoothing=ε)`; 0: none).
+    pub label_smoothing: f32,
+    /// Coefficient c of PaLM's z-loss, c·log²Z per target token (0: none).
+    pub z_loss: f32,
 }
 
 /// `train.frozen_dtype`: the storage of a frozen base projection weight.
@@ -584,6 +599,11 @@ impl Default for TrainConfig {
             tensorboard: false,
             objective: Objective::Lm,
             dpo_beta: 0.1,
+            early_stopping: None,
+            keep_best: false,
+            ema_decay: 0.0,
+            label_smoothing: 0.0,
+            z_loss: 0.0,
         }
     }
 }
@@ -758,6 +778,7 @@ impl Config {
             }
         }
         objective::validate(self)?;
+        loop_controls::validate(self)?;
         if t.threads > 4096 {
             return Err(invalid("train.threads", t.threads, "must be at most 4096 (0: all cores)"));
         }

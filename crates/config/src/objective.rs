@@ -59,6 +59,11 @@ pub(crate) fn validate(cfg: &Config) -> Result<(), ConfigError> {
             "averages its loss over the pairs of the global batch: set train.loss_normalization = \"token\"",
         );
     }
+    for (key, v) in [("train.label_smoothing", t.label_smoothing), ("train.z_loss", t.z_loss)] {
+        if v != 0.0 {
+            return refuse(key, &v, &format!("scores replies by their plain log probabilities: set {key} = 0"));
+        }
+    }
     for (key, n) in
         [("dist.pipeline_parallel", cfg.dist.pipeline_parallel), ("dist.tensor_parallel", cfg.dist.tensor_parallel)]
     {

@@ -80,7 +80,7 @@ impl CharMlp {
             put(store.segment(0)?.grads.pair(0..E, E..E + H), &de, &db1);
             store.done(0, true)?;
         }
-        Ok(MicroStepStats { loss_sum, n_targets })
+        Ok(MicroStepStats { loss_sum, n_targets, ..Default::default() })
     }
 }
 

@@ -51,13 +51,13 @@
 //!             g.buf[0] = if g.accumulate { g.buf[0] + grad } else { grad };
 //!         }
 //!         store.done(0, true)?;
-//!         Ok(MicroStepStats { loss_sum, n_targets: batch.len() as u64 })
+//!         Ok(MicroStepStats { loss_sum, n_targets: batch.len() as u64, ..Default::default() })
 //!     }
 //!     fn loss(&mut self, store: &mut dyn ParamStore, batch: &Self::Batch) -> Result<MicroStepStats, EngineError> {
 //!         let w = store.segment(0)?.params[0];
 //!         store.done(0, false)?;
 //!         let loss_sum = batch.iter().map(|&(x, y)| 0.5 * ((w * x - y) as f64).powi(2)).sum();
-//!         Ok(MicroStepStats { loss_sum, n_targets: batch.len() as u64 })
+//!         Ok(MicroStepStats { loss_sum, n_targets: batch.len() as u64, ..Default::default() })
 //!     }
 //! }
 //!
@@ -91,6 +91,7 @@ pub mod batch;
 pub mod conformance;
 pub mod error;
 pub mod layout;
+pub mod loss_terms;
 pub mod model;
 pub mod offload;
 pub mod optim;
@@ -110,6 +111,7 @@ pub mod zero;
 pub use batch::{TokenBatch, IGNORE_INDEX};
 pub use error::EngineError;
 pub use layout::{check_shape_size, ParamLayout, TensorSpec, MAX_PARAMS, MAX_TENSORS};
+pub use loss_terms::LossTerms;
 pub use model::{AuxStats, MicroStepStats, Model, AUX_STATS};
 pub use optim::{AdamW, Optimizer, OptimizerKind, Sgd};
 pub use pipeline::{Schedule, ScheduleKind, StageLayout, StageSpec, StagedModel};

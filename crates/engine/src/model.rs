@@ -12,6 +12,11 @@ pub struct MicroStepStats {
     pub loss_sum: f64,
     /// Number of targets that contributed (ignored targets excluded).
     pub n_targets: u64,
+    /// Sum over the targets of what the training loss adds to the
+    /// cross-entropy in `loss_sum` (label smoothing, z-loss: a model's
+    /// [`crate::LossTerms`]); 0 for plain cross-entropy. The gradient is
+    /// that of `loss_sum + aux_sum`.
+    pub aux_sum: f64,
 }
 
 /// Sums a model may gather besides the loss (an objective's own statistics,

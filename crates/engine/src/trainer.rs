@@ -94,8 +94,13 @@ impl Default for TrainerOptions {
 pub struct StepReport {
     /// 0-based index of the step just taken.
     pub step_idx: u64,
-    /// Global-batch mean loss (never divided by K).
+    /// Global-batch mean loss (never divided by K): plain cross-entropy
+    /// for a language model, whatever its [`crate::LossTerms`].
     pub loss: f64,
+    /// What the training loss adds to `loss` per target token (label
+    /// smoothing, z-loss; [`crate::MicroStepStats::aux_sum`] over the
+    /// global batch's targets): the gradient is that of `loss + aux_loss`.
+    pub aux_loss: f64,
     /// Mean loss of each micro-batch (NaN for a micro-batch without targets).
     pub micro_losses: Vec<f64>,
     /// Number of targets in the global batch.
@@ -559,6 +564,8 @@ impl Groups<'_> {
 /// What the micro-steps of one step gathered on this rank.
 struct Accumulated {
     loss_sums: Vec<f64>,
+    /// Σ over micro-steps of [`crate::MicroStepStats::aux_sum`].
+    aux_sum: f64,
     n_targets: Vec<u64>,
     aux: crate::AuxStats,
     model_s: f64,
@@ -570,6 +577,7 @@ impl Accumulated {
     fn new(n_micro: usize) -> Self {
         Accumulated {
             loss_sums: vec![0.0; n_micro],
+            aux_sum: 0.0,
             n_targets: vec![0; n_micro],
             aux: [0.0; crate::AUX_STATS],
             model_s: 0.0,
@@ -580,6 +588,7 @@ impl Accumulated {
 
     fn record(&mut self, k: usize, stats: crate::MicroStepStats, aux: crate::AuxStats) {
         self.loss_sums[k] = stats.loss_sum;
+        self.aux_sum += stats.aux_sum;
         self.n_targets[k] = stats.n_targets;
         self.aux.iter_mut().zip(aux).for_each(|(a, x)| *a += x);
     }

@@ -137,7 +137,7 @@ impl Model for Toy {
             put(gb, &db, self.ignore_overwrite);
         }
         store.done(0, true)?;
-        Ok(MicroStepStats { loss_sum: loss, n_targets: self.n_targets(b) })
+        Ok(MicroStepStats { loss_sum: loss, n_targets: self.n_targets(b), ..Default::default() })
     }
 
     fn loss(&mut self, store: &mut dyn ParamStore, b: &ToyBatch) -> Result<MicroStepStats, ToyError> {
@@ -146,7 +146,7 @@ impl Model for Toy {
         let p1 = store.segment(1)?.params.to_vec();
         store.done(1, false)?;
         let (_, _, loss) = Self::forward(&p0, &p1, b);
-        Ok(MicroStepStats { loss_sum: loss, n_targets: self.n_targets(b) })
+        Ok(MicroStepStats { loss_sum: loss, n_targets: self.n_targets(b), ..Default::default() })
     }
 }
 

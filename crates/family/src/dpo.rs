@@ -122,7 +122,7 @@ impl Dpo {
                 self.inner.micro_step(store, r, -(seed * w))?;
             }
         }
-        Ok(MicroStepStats { loss_sum, n_targets: (rows.len() / 2) as u64 })
+        Ok(MicroStepStats { loss_sum, n_targets: (rows.len() / 2) as u64, ..MicroStepStats::default() })
     }
 }
 
@@ -295,6 +295,10 @@ impl LanguageModel for Dpo {
 
     fn set_kv_cache(&mut self, positions: usize) -> Result<(), ModelError> {
         self.inner.set_kv_cache(positions)
+    }
+
+    fn set_loss_terms(&mut self, terms: engine::LossTerms) {
+        self.inner.set_loss_terms(terms)
     }
 }
 

@@ -16,6 +16,7 @@ pub mod generation;
 pub mod reference;
 
 use config::ModelConfig;
+pub use engine::LossTerms;
 use engine::{
     Checkpointing, MicroStepStats, Model, ParamLayout, ParamStore, Precision, StageSpec, StagedModel, TensorSpec,
     TokenBatch,
@@ -207,11 +208,13 @@ pub trait TextModel: StagedModel<Batch = TokenBatch> + Send {
     /// so that a call to `next_token_logits` whose tokens extend the
     /// previous call's runs only the new ones.
     fn set_kv_cache(&mut self, positions: usize) -> Result<(), Self::Error>;
+    /// Adds label smoothing and z-loss to the training loss.
+    fn set_loss_terms(&mut self, terms: engine::LossTerms);
 }
 
 /// Implements [`TextModel`] for a model type whose inherent methods
-/// `activation_bytes`, `saved_activation_bytes`, `next_token_logits` and `set_kv_cache`
-/// have those signatures, and `From` its error for [`ModelError`]:
+/// `activation_bytes`, `saved_activation_bytes`, `next_token_logits`, `set_kv_cache`
+/// and `set_loss_terms` have those signatures, and `From` its error for [`ModelError`]:
 /// `family::text_model!(Gpt, GptError);`.
 #[macro_export]
 macro_rules! text_model {
@@ -238,6 +241,10 @@ macro_rules! text_model {
             fn set_kv_cache(&mut self, positions: usize) -> Result<(), $error> {
                 <$model>::set_kv_cache(self, positions)
             }
+
+            fn set_loss_terms(&mut self, terms: $crate::LossTerms) {
+                <$model>::set_loss_terms(self, terms)
+            }
         }
     };
 }
@@ -255,6 +262,10 @@ pub trait LanguageModel: StagedModel<Batch = TokenBatch, Error = ModelError> + S
     /// so that a call to `next_token_logits` whose tokens extend the
     /// previous call's runs only the new ones.
     fn set_kv_cache(&mut self, positions: usize) -> Result<(), ModelError>;
+    /// Adds label smoothing and z-loss to the training loss (the reported
+    /// loss stays plain cross-entropy; [`engine::MicroStepStats::aux_sum`]
+    /// carries what they add).
+    fn set_loss_terms(&mut self, terms: engine::LossTerms);
 }
 
 /// A family's [`TextModel`] as a [`LanguageModel`] (its error boxed).
@@ -354,6 +365,10 @@ impl<M: TextModel> LanguageModel for Erased<M> {
 
     fn set_kv_cache(&mut self, positions: usize) -> Result<(), ModelError> {
         self.0.set_kv_cache(positions).map_err(ModelError::new)
+    }
+
+    fn set_loss_terms(&mut self, terms: engine::LossTerms) {
+        self.0.set_loss_terms(terms)
     }
 }
 

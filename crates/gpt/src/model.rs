@@ -87,6 +87,8 @@ pub struct Gpt {
     tp: TpRank,
     /// Generation's key/value cache, when one is kept (`decode`).
     kv: Option<KvCache>,
+    /// What the training loss adds to cross-entropy.
+    loss_terms: engine::LossTerms,
 }
 
 impl Gpt {
@@ -111,7 +113,19 @@ impl Gpt {
         let (layout, ranges) = build_layout(&cfg, Widths::of(&cfg, tp));
         let stage = StageSpec::whole(cfg.n_layer);
         let (checkpointing, acts, slots) = (Checkpointing::None, Acts::default(), Slots::default());
-        Ok(Self { cfg, layout, ranges, precision, checkpointing, stage, acts, slots, tp, kv: None })
+        Ok(Self {
+            cfg,
+            layout,
+            ranges,
+            precision,
+            checkpointing,
+            stage,
+            acts,
+            slots,
+            tp,
+            kv: None,
+            loss_terms: Default::default(),
+        })
     }
 
     /// The tensor-parallel rank this model is built for.
@@ -147,6 +161,12 @@ impl Gpt {
     /// Parameter ranges of block `idx`.
     pub fn block_params(&self, idx: usize) -> &BlockParams {
         &self.ranges.blocks[idx]
+    }
+
+    /// Adds label smoothing and z-loss to the training loss (the reported
+    /// loss stays plain cross-entropy, see [`engine::MicroStepStats`]).
+    pub fn set_loss_terms(&mut self, terms: engine::LossTerms) {
+        self.loss_terms = terms;
     }
 
     /// Bytes of activations and backward scratch currently allocated.
@@ -482,14 +502,15 @@ impl StagedModel for Gpt {
         if loss_seed.is_none() {
             store.done(0, false)?;
         }
-        nn::loss::softmax_cross_entropy(
+        let aux_sum = nn::loss_terms::softmax_cross_entropy_with(
             &mut self.acts.logits,
             &mut self.acts.losses,
             &batch.targets,
             self.cfg.vocab_size,
             loss_seed,
+            self.loss_terms,
         );
-        let stats = MicroStepStats { loss_sum: self.loss_sum(n), n_targets: batch.n_targets() };
+        let stats = MicroStepStats { loss_sum: self.loss_sum(n), n_targets: batch.n_targets(), aux_sum };
         if loss_seed.is_some() {
             self.head_backward(store)?;
         }

@@ -293,8 +293,12 @@ fn no_communication_before_the_boundary_and_bytes_independent_of_k() {
         }
     }
     let n_params = init_params(&cfg(), 5).len() as u64;
-    let n_stats = 4 + engine::AUX_STATS as u64;
-    assert_eq!(bytes_per_k[0], 4 * n_params + 8 * n_stats, "gradient + the f64 statistics (loss, counts, model sums)");
+    let n_stats = 5 + engine::AUX_STATS as u64;
+    assert_eq!(
+        bytes_per_k[0],
+        4 * n_params + 8 * n_stats,
+        "gradient + the f64 statistics (loss, counts, loss terms, model sums)"
+    );
     assert!(bytes_per_k.iter().all(|&b| b == bytes_per_k[0]), "comm bytes must not depend on K: {bytes_per_k:?}");
 }
 

@@ -98,6 +98,8 @@ pub struct Llama {
     base: Option<Arc<FrozenBase>>,
     /// The layout leaves the projections' weights out (held in `base`).
     packed: bool,
+    /// What the training loss adds to cross-entropy.
+    loss_terms: engine::LossTerms,
 }
 
 /// A layer with rotary tables and attention `(rope, attn)`, for the
@@ -254,6 +256,7 @@ impl Llama {
             kv: None,
             base,
             packed,
+            loss_terms: engine::LossTerms::default(),
         })
     }
 
@@ -275,6 +278,12 @@ impl Llama {
     /// Parameter ranges of layer `idx`.
     pub fn layer_params(&self, idx: usize) -> &LayerParams {
         &self.ranges.layers[idx]
+    }
+
+    /// Adds label smoothing and z-loss to the training loss (the reported
+    /// loss stays plain cross-entropy, see [`engine::MicroStepStats`]).
+    pub fn set_loss_terms(&mut self, terms: engine::LossTerms) {
+        self.loss_terms = terms;
     }
 
     /// Bytes of activations and scratch currently allocated.
@@ -625,13 +634,21 @@ impl Llama {
     }
 
     /// Fused softmax + cross-entropy of the logits (replaced by
-    /// `grad_scale ·` their gradient when given); returns the loss summed in
-    /// row order (f64, deterministic).
-    fn cross_entropy(&mut self, batch: &TokenBatch, grad_scale: Option<f32>) -> f64 {
+    /// `grad_scale ·` their gradient when given, the loss terms included);
+    /// returns the cross-entropy and what the terms add, each summed in row
+    /// order (f64, deterministic).
+    fn cross_entropy(&mut self, batch: &TokenBatch, grad_scale: Option<f32>) -> (f64, f64) {
         let acts = &mut self.acts;
         let v = self.cfg.vocab_size;
-        nn::loss::softmax_cross_entropy(&mut acts.logits, &mut acts.losses, &batch.targets, v, grad_scale);
-        nn::loss::loss_sum(&acts.losses, batch.n_seqs * batch.seq_len)
+        let aux = nn::loss_terms::softmax_cross_entropy_with(
+            &mut acts.logits,
+            &mut acts.losses,
+            &batch.targets,
+            v,
+            grad_scale,
+            self.loss_terms,
+        );
+        (nn::loss::loss_sum(&acts.losses, batch.n_seqs * batch.seq_len), aux)
     }
 
     fn logits_of(
@@ -765,11 +782,11 @@ impl StagedModel for Llama {
         if loss_seed.is_none() {
             store.done(self.head_seg(), false)?;
         }
-        let loss_sum = self.cross_entropy(batch, loss_seed);
+        let (loss_sum, aux_sum) = self.cross_entropy(batch, loss_seed);
         if loss_seed.is_some() {
             self.head_backward(store)?;
         }
-        Ok(MicroStepStats { loss_sum, n_targets: batch.n_targets() })
+        Ok(MicroStepStats { loss_sum, n_targets: batch.n_targets(), aux_sum })
     }
 
     fn stage_backward(

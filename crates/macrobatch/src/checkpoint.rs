@@ -22,6 +22,11 @@ use std::path::{Path, PathBuf};
 const MANIFEST: &str = "manifest.json";
 const OPTIMIZER: &str = "optimizer.safetensors";
 const STATE: &str = "trainer_state.json";
+/// The moving average of the trainable tensors (`train.ema_decay`), by name.
+const EMA: &str = "ema.safetensors";
+
+/// A tensor to write: its name, shape and values.
+pub type NamedTensor<'a> = (String, Vec<usize>, &'a [f32]);
 /// The run's resolved config, saved beside the weights.
 pub const CONFIG: &str = "config.resolved.toml";
 
@@ -55,6 +60,22 @@ pub struct TrainerState {
     /// refuses a checkpoint of another run.
     #[serde(default)]
     pub run_id: Option<String>,
+    /// What early stopping and keep-best know of the validation losses so
+    /// far (absent when neither is on).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_watch: Option<ValWatchState>,
+}
+
+/// The validation-loss history early stopping and keep-best continue from.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Default)]
+pub struct ValWatchState {
+    /// The lowest validation loss so far and its step.
+    pub best: Option<(u64, f64)>,
+    /// Early stopping's reference: the loss of the last evaluation that
+    /// improved on the one before it by more than `min_delta`.
+    pub reference: Option<f64>,
+    /// Evaluations since that improvement.
+    pub evals_without_improvement: u32,
 }
 
 /// The loss scaler's state.
@@ -115,7 +136,9 @@ pub fn step_dir_name(step: u64) -> String {
 }
 
 /// Writes a checkpoint under `run_dir`: full parameters and optimizer state
-/// (assembled from every rank's shard under ZeRO), the trainer state and the config.
+/// (assembled from every rank's shard under ZeRO), the trainer state, the
+/// config and, when given, the moving average of the trainable tensors.
+#[allow(clippy::too_many_arguments)]
 pub fn save(
     run_dir: &Path,
     family: &dyn Family,
@@ -124,6 +147,7 @@ pub fn save(
     optimizer_state: &[(String, Vec<f32>)],
     state: &TrainerState,
     config_toml: &str,
+    ema: Option<&[NamedTensor<'_>]>,
 ) -> Result<PathBuf> {
     check_finite(layout, params, "checkpoint parameters")?;
     for (name, v) in optimizer_state {
@@ -148,10 +172,14 @@ pub fn save(
         hf::write_safetensors(&tmp.join(OPTIMIZER), &tensors, &[("n_updates", state.n_updates.to_string())])?;
         hf::write_atomic(&tmp.join(STATE), serde_json::to_string_pretty(state)?.as_bytes())?;
         hf::write_atomic(&tmp.join(CONFIG), config_toml.as_bytes())?;
+        if let Some(ema) = ema {
+            hf::write_safetensors(&tmp.join(EMA), ema, &[])?;
+        }
 
         // The manifest goes last: it vouches for the files written before it.
         let mut files = BTreeMap::new();
-        for f in [family::WEIGHTS_FILE, family::CONFIG_FILE, OPTIMIZER, STATE, CONFIG] {
+        let ema_file = ema.map(|_| EMA);
+        for f in [family::WEIGHTS_FILE, family::CONFIG_FILE, OPTIMIZER, STATE, CONFIG].into_iter().chain(ema_file) {
             let (bytes, sha256) = sha256_file(&tmp.join(f))?;
             files.insert(f.to_string(), FileEntry { bytes, sha256 });
         }
@@ -281,18 +309,39 @@ pub fn clean_leftovers(run_dir: &Path) -> Result<Vec<String>> {
     Ok(done)
 }
 
-/// Deletes all but the newest `keep` checkpoints (0 keeps all).
-pub fn prune(run_dir: &Path, keep: usize) -> Result<()> {
+/// Deletes all but the newest `keep` checkpoints (0 keeps all), and never
+/// that of step `spare` (the best one, which keep-best keeps besides them).
+pub fn prune(run_dir: &Path, keep: usize, spare: Option<u64>) -> Result<()> {
     if keep == 0 {
         return Ok(());
     }
     let mut steps = list(run_dir)?;
+    steps.retain(|(step, _)| Some(*step) != spare);
     while steps.len() > keep {
         let (_, dir) = steps.remove(0);
         std::fs::remove_dir_all(&dir).with_context(|| format!("cannot remove old checkpoint {}", dir.display()))?;
     }
     Ok(())
 }
+
+/// Points `checkpoints/best` (a symbolic link, replaced atomically) at the
+/// checkpoint of `step`, and returns the link.
+pub fn mark_best(run_dir: &Path, step: u64) -> Result<PathBuf> {
+    let root = run_dir.join("checkpoints");
+    let link = root.join(BEST);
+    // Named as `write_atomic`'s temporary files, so `clean_leftovers`
+    // removes one a crash left.
+    let tmp = root.join(format!(".{BEST}.tmp-{}", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(step_dir_name(step), &tmp)
+        .with_context(|| format!("cannot create the link {}", tmp.display()))?;
+    std::fs::rename(&tmp, &link).with_context(|| format!("cannot publish {}", link.display()))?;
+    fsync_dir(&root);
+    Ok(link)
+}
+
+/// The link to the best checkpoint (`train.keep_best`), in `checkpoints/`.
+pub const BEST: &str = "best";
 
 /// Published checkpoints, oldest first.
 pub fn list(run_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
@@ -341,6 +390,8 @@ pub struct Loaded {
     pub params: Vec<f32>,
     /// Optimizer buffers by name.
     pub optimizer: std::collections::HashMap<String, Vec<f32>>,
+    /// The moving average of the trainable tensors by name, when saved.
+    pub ema: Option<std::collections::HashMap<String, Vec<f32>>>,
 }
 
 fn load(dir: &Path) -> Result<Loaded> {
@@ -354,7 +405,12 @@ fn load(dir: &Path) -> Result<Loaded> {
         bail!("{OPTIMIZER} and {STATE} disagree on the number of updates");
     }
     let optimizer = tensors.into_iter().map(|(k, (_, v))| (k, v)).collect();
-    Ok(Loaded { dir: dir.to_path_buf(), state, config_toml, model, params, optimizer })
+    let ema_path = dir.join(EMA);
+    let ema = match ema_path.exists() {
+        true => Some(hf::read_safetensors(&ema_path)?.0.into_iter().map(|(k, (_, v))| (k, v)).collect()),
+        false => None,
+    };
+    Ok(Loaded { dir: dir.to_path_buf(), state, config_toml, model, params, optimizer, ema })
 }
 
 /// The newest checkpoint that validates; each one skipped is reported with

@@ -15,8 +15,13 @@ pub struct StepRecord {
     pub step: u64,
     /// Epoch of this step (0-based).
     pub epoch: u64,
-    /// Global-batch mean loss.
+    /// Global-batch mean loss: plain cross-entropy per target token, also
+    /// with `train.label_smoothing` / `train.z_loss` (see `loss_total`).
     pub loss: f64,
+    /// With `train.label_smoothing` or `train.z_loss`: the loss the
+    /// gradient is of — `loss` plus what those terms add per target token.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_total: Option<f64>,
     /// Learning rate used.
     pub lr: f32,
     /// Gradient norm before clipping.
@@ -93,6 +98,10 @@ pub struct StepRecord {
     /// With tensor parallelism: how many there were.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tp_calls: Option<u64>,
+    /// Why the run stopped after this step before `train.steps` (early
+    /// stopping), on that step's line only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stop_reason: Option<String>,
     /// With `train.objective = "dpo"`: the step's rewards (then `loss` is
     /// the mean DPO loss and `tokens` counts pairs).
     #[serde(flatten, skip_serializing_if = "Option::is_none")]

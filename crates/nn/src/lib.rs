@@ -37,6 +37,7 @@ pub mod io;
 pub mod kv;
 pub mod linear;
 pub mod loss;
+pub mod loss_terms;
 pub mod norm;
 pub mod rope;
 pub mod stack;

@@ -35,16 +35,23 @@ impl Trainer {
         let micro_mean_sum: f64 = micro_losses.iter().filter(|l| l.is_finite()).sum();
         let n_valid_micro = micro_losses.iter().filter(|l| l.is_finite()).count();
         let (loss_sum, n_targets) = (acc.loss_sums.iter().sum::<f64>(), acc.n_targets.iter().sum::<u64>());
-        // One collective for the loss statistics and the model's own sums.
-        let mut stats = [0.0; 4 + crate::AUX_STATS];
+        // One collective for the loss statistics, the loss terms' sum and the model's own sums.
+        let mut stats = [0.0; 5 + crate::AUX_STATS];
         if groups.pipe.as_ref().is_none_or(|p| p.info.last()) {
-            stats[..4].copy_from_slice(&[loss_sum, n_targets as f64, micro_mean_sum, n_valid_micro as f64]);
-            stats[4..].copy_from_slice(&acc.aux);
+            stats[..5].copy_from_slice(&[
+                loss_sum,
+                n_targets as f64,
+                micro_mean_sum,
+                n_valid_micro as f64,
+                acc.aux_sum,
+            ]);
+            stats[5..].copy_from_slice(&acc.aux);
         }
         groups.all_reduce_f64(&mut stats).map_err(comm_err)?;
-        let [loss_sum, n_targets, micro_mean_sum, n_valid_micro] = [stats[0], stats[1], stats[2], stats[3]];
+        let [loss_sum, n_targets, micro_mean_sum, n_valid_micro, aux_sum] =
+            [stats[0], stats[1], stats[2], stats[3], stats[4]];
         let mut aux = [0.0; crate::AUX_STATS];
-        aux.copy_from_slice(&stats[4..]);
+        aux.copy_from_slice(&stats[5..]);
         let n_targets = n_targets as u64;
         let loss = match self.options.normalization {
             LossNormalization::Token if n_targets > 0 => loss_sum / n_targets as f64,
@@ -74,6 +81,7 @@ impl Trainer {
             StepReport {
                 step_idx,
                 loss,
+                aux_loss: if n_targets > 0 { aux_sum / n_targets as f64 } else { 0.0 },
                 micro_losses: micro_losses.clone(),
                 n_targets,
                 aux,

@@ -477,7 +477,7 @@ impl Trainer {
         }
         let mut v = if last { [stats.loss_sum, stats.n_targets as f64] } else { [0.0; 2] };
         pipe.all_reduce_sum_f64(&mut v).map_err(comm_err)?;
-        Ok(MicroStepStats { loss_sum: v[0], n_targets: v[1] as u64 })
+        Ok(MicroStepStats { loss_sum: v[0], n_targets: v[1] as u64, ..Default::default() })
     }
 
     /// With a tied head, before the data-parallel reduction: the first and

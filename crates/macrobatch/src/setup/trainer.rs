@@ -31,6 +31,8 @@ pub fn model_for_rank(plan: &Plan, tp: TpRank) -> Result<Box<dyn LanguageModel>>
     };
     let mut model = family.build(plan.build())?;
     apply_trainable(&mut model, &trainable_patterns(&plan.cfg))?;
+    let t = &plan.cfg.train;
+    model.set_loss_terms(engine::LossTerms { label_smoothing: t.label_smoothing, z_loss: t.z_loss });
     if plan.cfg.train.objective == config::Objective::Dpo {
         model = Box::new(family::dpo::Dpo::new(model, plan.cfg.train.dpo_beta)?);
     }

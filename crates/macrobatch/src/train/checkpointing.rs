@@ -3,9 +3,10 @@
 //! state gathered to rank 0, written while the other ranks wait, the
 //! newest `train.keep_checkpoints` kept; and the final save of the model.
 
+use super::ema::Ema;
 use super::outputs::{resolved_toml, Outputs};
 use super::start::Start;
-use crate::checkpoint::{self, TrainerState};
+use crate::checkpoint::{self, TrainerState, ValWatchState};
 use crate::family::Build;
 use crate::heap::{self, Phase};
 use crate::ranks::rank0_phase;
@@ -15,6 +16,18 @@ use comm::Communicator;
 use engine::{ParamLayout, Trainer};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
+
+/// What a checkpoint holds besides the trainer's state, and which older
+/// checkpoint pruning spares.
+#[derive(Default)]
+pub struct Extras<'e> {
+    /// Early stopping's and keep-best's history.
+    pub val_watch: Option<ValWatchState>,
+    /// The best checkpoint's step (`train.keep_best`): never pruned.
+    pub spare: Option<u64>,
+    /// The moving average of the weights (`train.ema_decay`).
+    pub ema: Option<&'e Ema>,
+}
 
 /// When and how a run's checkpoints are written.
 pub struct Checkpoints<'a> {
@@ -91,6 +104,7 @@ impl<'a> Checkpoints<'a> {
 
     /// Rank 0: writes step `step`'s checkpoint into `out.dir` (while the
     /// other ranks wait) and prunes the old ones; returns its folder.
+    #[allow(clippy::too_many_arguments)]
     pub fn write(
         &self,
         comm: &mut dyn Communicator,
@@ -99,6 +113,7 @@ impl<'a> Checkpoints<'a> {
         state: FullState,
         trainer: &Trainer,
         layout: &ParamLayout,
+        extras: Extras<'_>,
     ) -> Result<PathBuf> {
         let (plan, cfg, fault) = (self.plan, &self.plan.cfg, self.start.fault);
         let (mut params, opt_state) = state;
@@ -124,15 +139,26 @@ impl<'a> Checkpoints<'a> {
                 n_skipped: s.n_skipped,
             }),
             run_id: Some(self.start.run_id.clone()),
+            val_watch: extras.val_watch,
         };
+        let ema = extras.ema.map(Ema::tensors);
         let delay = fault.and_then(|f| f.checkpoint_delay(comm.rank(), step));
         let (dir, config_toml) = (&out.dir, &self.config_toml);
         let write = || -> Result<PathBuf> {
             if let Some(d) = delay {
                 std::thread::sleep(d);
             }
-            let path = checkpoint::save(dir, plan.family.as_ref(), layout, &params, &opt_state, &state, config_toml)?;
-            checkpoint::prune(dir, cfg.train.keep_checkpoints)?;
+            let path = checkpoint::save(
+                dir,
+                plan.family.as_ref(),
+                layout,
+                &params,
+                &opt_state,
+                &state,
+                config_toml,
+                ema.as_deref(),
+            )?;
+            checkpoint::prune(dir, cfg.train.keep_checkpoints, extras.spare)?;
             Ok(path)
         };
         rank0_phase(comm, self.heartbeat, Some(write))?.context("rank 0 wrote no checkpoint")
@@ -151,13 +177,30 @@ impl<'a> Checkpoints<'a> {
     }
 
     /// Rank 0: saves the final model (checked finite) into the run folder,
-    /// with `--merge` also the model with its adapters folded in, and says
-    /// where it went.
-    pub fn save_final(&self, out: Outputs, layout: &ParamLayout, params: &[f32], started: Instant) -> Result<()> {
+    /// with `train.ema_decay` the averaged model into `ema/`, with
+    /// `--merge` also the model with its adapters folded in, and says
+    /// where it went; `steps_done`: the run's last step.
+    pub fn save_final(
+        &self,
+        out: Outputs,
+        layout: &ParamLayout,
+        params: &[f32],
+        (started, steps_done): (Instant, u64),
+        ema: Option<&Ema>,
+    ) -> Result<()> {
         let plan = self.plan;
         out.reporter.finish();
         checkpoint::check_finite(layout, params, "final parameters")?;
         plan.family.save_hf(&out.dir, layout, params)?;
+        if let Some(ema) = ema {
+            let dir = out.dir.join(super::ema::DIR);
+            std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+            let averaged = ema.model(params);
+            checkpoint::check_finite(layout, &averaged, "the moving average of the weights")?;
+            plan.family.save_hf(&dir, layout, &averaged)?;
+            plan.tokenizer.save_pretrained(&dir)?;
+            eprintln!("moving average of the weights (train.ema_decay) saved to {}", dir.display());
+        }
         if self.start.merge {
             match plan.family.merged(params)? {
                 Some((family, merged)) => {
@@ -173,7 +216,7 @@ impl<'a> Checkpoints<'a> {
         }
         eprintln!(
             "done: {} steps in {:.1}s; model saved to {} (try: macrobatch generate {} --prompt \"Call me\")",
-            plan.cfg.train.steps,
+            steps_done,
             started.elapsed().as_secs_f64(),
             out.dir.display(),
             out.dir.display()

@@ -12,6 +12,7 @@
 
 mod checkpointing;
 mod dump;
+mod ema;
 mod eval;
 mod outputs;
 mod rank;
@@ -19,6 +20,7 @@ mod reports;
 mod start;
 pub use start::plan_from_pretrained;
 mod stop;
+mod val_watch;
 
 use crate::dist::{self, Backend, Fault};
 use crate::folder;

@@ -3,12 +3,15 @@
 //! the checkpoint and the metrics line; after the last step the memory
 //! report and the final save.
 
-use super::checkpointing::Checkpoints;
+use super::checkpointing::{Checkpoints, Extras};
 use super::dump::dump_step;
+use super::ema::Ema;
 use super::eval::maybe_evaluate;
 use super::outputs::Outputs;
 use super::reports::{self, MemoryWatch, StepContext};
 use super::start::Start;
+use super::val_watch::ValWatch;
+use crate::checkpoint::ValWatchState;
 use crate::dist::Fault;
 use crate::heap::{self, Phase};
 use crate::setup::{model_for_rank, rank_batches, Plan, RankComms};
@@ -36,7 +39,15 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
     let whole = comms.whole_layout(model.layout()).clone();
     let mut memory = MemoryWatch::new(plan, heap_base)?;
     let offload_root = start.offload_root.get().context("the run folder is not known yet")?;
-    let (mut trainer, first_step) = start_trainer(plan, &model, &mut comms, start, offload_root)?;
+    let (mut trainer, first_step, resumed) = start_trainer(plan, &model, &mut comms, start, offload_root)?;
+    let mut watch = ValWatch::new(&cfg.train, resumed.val_watch);
+    // Rank 0 keeps the moving average (it holds every f32 weight; config
+    // validation refuses the layouts where it does not).
+    let mut ema = match (cfg.train.ema_decay > 0.0, &outputs) {
+        (true, Some(_)) => Some(Ema::new(cfg.train.ema_decay, &whole, trainer.params(), resumed.ema.as_ref())?),
+        _ => None,
+    };
+    drop(resumed);
     let mem = trainer.memory();
     if let Some(out) = &outputs {
         reports::print_memory(out, cfg.dist.zero_stage, &mem, offload_root);
@@ -45,6 +56,7 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
     let started = Instant::now();
     let mut orders = EpochOrders::new(plan);
     let mut floor_skips = FloorSkips::default();
+    let mut last_step = cfg.train.steps;
     for step_idx in first_step..cfg.train.steps {
         let step = step_idx + 1;
         heap::set_phase(Phase::Step);
@@ -58,6 +70,9 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
         let report = comms.step(&mut trainer, &mut model, &batches)?;
         let step_s = t0.elapsed().as_secs_f64();
         floor_skips.check(step, report.skipped, &trainer, &cfg.train)?;
+        if let (Some(e), false) = (ema.as_mut(), report.skipped) {
+            e.update(trainer.params());
+        }
         if memory.first_step_pending() {
             drop(batches);
             memory.after_first_step(plan, &trainer, model.activation_bytes(), comms.buffer_bytes(), step_base)?;
@@ -67,21 +82,36 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
         }
         let stop = start.stop.agree(comms.world, step - first_step)?;
         let val_loss = maybe_evaluate(plan, step, &mut trainer, &mut model, &mut comms)?;
-        let checkpoint_due = checkpoints.due(step, stop);
+        let verdict = watch.observe(step, val_loss, comms.world)?;
+        let early_stop = verdict.stop.is_some();
+        let checkpoint_due = checkpoints.due(step, stop || early_stop) || verdict.new_best;
         let full_state = checkpoints.gather(checkpoint_due, step, &mut trainer, &mut comms)?;
         let Some(out) = outputs.as_mut() else {
             checkpoints.wait_for_rank0(checkpoint_due, comms.world)?;
             if stop {
                 return Ok(());
             }
+            if early_stop {
+                last_step = step;
+                break;
+            }
             continue;
         };
         let dpo = cfg.train.objective == config::Objective::Dpo;
         let elapsed_s = started.elapsed().as_secs_f64();
         let at = StepContext { step, epoch, input_tokens, step_s, elapsed_s, val_loss, dpo };
-        out.record(&reports::step_record(at, report, &mem, model.activation_bytes(), &memory.predicted))?;
+        let terms = cfg.train.label_smoothing > 0.0 || cfg.train.z_loss > 0.0;
+        let loss_total = terms.then_some(report.loss + report.aux_loss);
+        let mut record = reports::step_record(at, report, &mem, model.activation_bytes(), &memory.predicted);
+        record.loss_total = loss_total;
+        record.stop_reason = verdict.stop.clone();
+        out.record(&record)?;
         if let Some(state) = full_state {
-            let path = checkpoints.write(comms.world, out, step, state, &trainer, &whole)?;
+            let extras = Extras { val_watch: watch.state(), spare: watch.best_step(), ema: ema.as_ref() };
+            let path = checkpoints.write(comms.world, out, step, state, &trainer, &whole, extras)?;
+            if verdict.new_best {
+                crate::checkpoint::mark_best(&out.dir, step)?;
+            }
             if stop {
                 out.reporter.finish();
                 start.stop.announce(step, &path, &out.dir);
@@ -93,6 +123,12 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
         if stop {
             return Ok(());
         }
+        if let Some(reason) = &verdict.stop {
+            out.reporter.finish();
+            eprintln!("stopped after step {step} of {}: {reason}", cfg.train.steps);
+            last_step = step;
+            break;
+        }
     }
     // Per-rank memory to rank 0, then the final parameters — without the
     // model's activations, which the save does not need.
@@ -103,23 +139,31 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
         memory.write_file(out, plan, whole.n_params(), &trainer, &per_rank)?;
     }
     if let (Some(out), Some(params)) = (outputs, params) {
-        checkpoints.save_final(out, &whole, &params, started)?;
+        checkpoints.save_final(out, &whole, &params, (started, last_step), ema.as_ref())?;
     }
     Ok(())
 }
 
+/// What a checkpoint carries for the loop besides the trainer.
+#[derive(Default)]
+struct Resumed {
+    val_watch: Option<ValWatchState>,
+    ema: Option<std::collections::HashMap<String, Vec<f32>>>,
+}
+
 /// This rank's trainer — from a checkpoint, pretrained parameters or a
 /// fresh initialisation, offloading under `offload_root` — with the
-/// parameters checked equal on every rank holding them; and the step it
-/// starts after. A checkpoint is model-wide: each pipeline stage keeps its
-/// part, so it resumes at any pipeline width.
+/// parameters checked equal on every rank holding them; the step it
+/// starts after; and what the checkpoint holds for the loop. A checkpoint
+/// is model-wide: each pipeline stage keeps its part, so it resumes at any
+/// pipeline width.
 fn start_trainer(
     plan: &Plan,
     model: &impl StagedModel,
     comms: &mut RankComms,
     start: &Start,
     offload_root: &Path,
-) -> Result<(Trainer, u64)> {
+) -> Result<(Trainer, u64, Resumed)> {
     // A checkpoint or pretrained parameters: each rank takes them once and
     // the last lets them go, so they are not held for the whole run.
     let resume = start.resume.as_ref().and_then(|h| h.take());
@@ -128,7 +172,14 @@ fn start_trainer(
     let mut trainer = comms.trainer(plan, model, initial, offload_root)?;
     drop(pretrained);
     let mut first_step = 0;
+    let mut resumed = Resumed::default();
     if let Some(l) = resume {
+        resumed.val_watch = l.state.val_watch;
+        if plan.cfg.train.ema_decay > 0.0 && comms.world.rank() == 0 {
+            resumed.ema = Some(l.ema.clone().with_context(|| {
+                format!("train.ema_decay is on, but {} holds no moving average (ema.safetensors): it was written with train.ema_decay = 0; resume with --set train.ema_decay=0", l.dir.display())
+            })?);
+        }
         let st = &l.state;
         // Each slot's part for this rank, one slot at a time.
         let mut bad = None;
@@ -145,7 +196,7 @@ fn start_trainer(
         first_step = st.step;
     }
     comms.check_params_agree(&mut trainer)?;
-    Ok((trainer, first_step))
+    Ok((trainer, first_step, resumed))
 }
 
 /// Test fault injection (`MACROBATCH_FAULT`): fires at its rank and step.

@@ -68,6 +68,7 @@ pub fn step_record(
         step: at.step,
         epoch: at.epoch,
         loss: report.loss,
+        loss_total: None,
         lr: report.lr,
         grad_norm: report.grad_norm,
         clipped: report.clipped,
@@ -100,6 +101,7 @@ pub fn step_record(
         tp_bytes: report.tensor.map(|t| t.bytes),
         tp_calls: report.tensor.map(|t| t.calls),
         dpo: at.dpo.then(|| DpoRecord::from_sums(&report.aux, report.n_targets)).flatten(),
+        stop_reason: None,
     }
 }
 
