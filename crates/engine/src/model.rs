@@ -60,6 +60,12 @@ pub trait Model {
 
     /// Forward only (evaluation).
     fn loss(&mut self, store: &mut dyn ParamStore, batch: &Self::Batch) -> Result<MicroStepStats, Self::Error>;
+
+    /// Called by the trainer before the micro-steps of optimizer step
+    /// `step` (0-based: the steps taken so far, which a resumed trainer
+    /// restores). A model whose training pass draws random numbers
+    /// (dropout) keys them on it; the default ignores it.
+    fn begin_step(&mut self, _step: u64) {}
 }
 
 /// A boxed model is a model: the binary holds one family's model behind a
@@ -95,5 +101,9 @@ impl<M: Model + ?Sized> Model for Box<M> {
 
     fn loss(&mut self, store: &mut dyn ParamStore, batch: &Self::Batch) -> Result<MicroStepStats, Self::Error> {
         (**self).loss(store, batch)
+    }
+
+    fn begin_step(&mut self, step: u64) {
+        (**self).begin_step(step)
     }
 }

@@ -13,6 +13,7 @@ use crate::error::LlamaError;
 use crate::frozen::FrozenBase;
 use crate::layout::{build_layout, Adapters, LayerParams, ParamRanges, Proj};
 use crate::lora::LoraConfig;
+use crate::lora_dropout::Dropout;
 use crate::split::Split;
 use engine::rng::SplitMix64;
 use engine::{
@@ -54,6 +55,8 @@ struct Acts {
     /// The micro-batch's positions and document starts (packed rows; empty otherwise).
     pos: Vec<u32>,
     docs: Vec<u32>,
+    /// The micro-batch's LoRA dropout masks (training passes with dropout).
+    drop: Option<Dropout>,
 }
 
 /// Working buffer of the stack that holds d(hf) in backward.
@@ -64,7 +67,8 @@ impl Acts {
         let [_, hf, rstd_f, logits, losses] = s.head.map(nn::stack::zeros);
         let rope = Rope::new(t, cfg.head_dim, cfg.rope_theta, cfg.llama3_scaling().as_ref());
         let (pos, docs) = (Vec::new(), Vec::new());
-        Acts { stack: Stack::new(&s.stack), sizes: Some(s), b, t, rope, hf, rstd_f, logits, losses, pos, docs }
+        let drop = None;
+        Acts { stack: Stack::new(&s.stack), sizes: Some(s), b, t, rope, hf, rstd_f, logits, losses, pos, docs, drop }
     }
 
     /// Bytes held (activations and scratch), for memory accounting.
@@ -98,6 +102,9 @@ pub struct Llama {
     base: Option<Arc<FrozenBase>>,
     /// The layout leaves the projections' weights out (held in `base`).
     packed: bool,
+    /// The optimizer step being taken ([`Model::begin_step`]): LoRA
+    /// dropout's masks are keyed on it.
+    step: u64,
 }
 
 /// A layer with rotary tables and attention `(rope, attn)`, for the
@@ -112,7 +119,7 @@ fn layer<'a>(
     base: Option<&'a FrozenBase>,
 ) -> Layer<'a> {
     let (pos, docs) = (Positions { t: d.gqa.t, ids: pd.0 }, nn::flash::Docs(pd.1));
-    Layer { cfg, r, rope, d, attn, pos, docs, base, at: Cell::new(0) }
+    Layer { cfg, r, rope, d, attn, pos, docs, base, at: Cell::new(0), drop: None }
 }
 
 /// Moves the buffers used only within one forward (logits, losses) from
@@ -152,6 +159,13 @@ impl Llama {
     ) -> Result<Self, LlamaError> {
         if !tp.is_split() {
             return Self::build(whole, lora, precision);
+        }
+        if let Some(l) = lora.as_ref().filter(|l| l.use_dora || l.dropout > 0.0) {
+            let key = if l.use_dora { "use_dora" } else { "lora_dropout" };
+            return Err(LlamaError::lora(
+                key,
+                format!("is not supported with tensor parallelism ({} ranks); set dist.tensor_parallel = 1", tp.size),
+            ));
         }
         let local = whole.split_for(tp)?;
         let whole = Self::build(whole, lora.clone(), Precision::F32)?;
@@ -229,10 +243,13 @@ impl Llama {
                 // The adapters' parameters and tensors count too.
                 let on = Proj::ALL.into_iter().filter(|&p| targets[p as usize]);
                 let per_layer: u128 = on.clone().map(|p| p.shape(&cfg).iter().map(|&d| d as u128).sum::<u128>()).sum();
-                let n = cfg.param_count() + cfg.n_layer as u128 * l.r as u128 * per_layer;
-                engine::check_shape_size(n, cfg.n_layer, cfg.tensors_per_layer() + 2 * on.count() as u128, 3)
+                // DoRA: a magnitude of `out` values per adapted projection.
+                let (dora, per_tensor) = (l.use_dora as u128, 2 + l.use_dora as u128);
+                let mags: u128 = dora * on.clone().map(|p| p.shape(&cfg)[0] as u128).sum::<u128>();
+                let n = cfg.param_count() + cfg.n_layer as u128 * (l.r as u128 * per_layer + mags);
+                engine::check_shape_size(n, cfg.n_layer, cfg.tensors_per_layer() + per_tensor * on.count() as u128, 3)
                     .map_err(LlamaError::TooLarge)?;
-                Some(Adapters { r: l.r, targets })
+                Some(Adapters { r: l.r, targets, dora: l.use_dora, dropout: l.dropout > 0.0 })
             }
             None => None,
         };
@@ -254,6 +271,7 @@ impl Llama {
             kv: None,
             base,
             packed,
+            step: 0,
         })
     }
 
@@ -355,6 +373,7 @@ impl Llama {
             out[w.clone()].copy_from_slice(&normal(w.len()));
         }
         self.init_adapters(seed, seg - 1, &mut out);
+        self.init_magnitudes(seg - 1, &mut out, self.base.as_deref());
         out
     }
 
@@ -369,6 +388,33 @@ impl Llama {
                 layer[lr.a.clone()].copy_from_slice(&crate::lora::kaiming_uniform(&mut rng, lr.a.len(), fan_in));
                 layer[lr.b.clone()].fill(0.0);
             }
+        }
+    }
+
+    /// Sets layer `idx`'s DoRA magnitudes inside `layer` (the layer's
+    /// parameters) to the row norms of its base weights: those in `layer`,
+    /// or in `frozen` when the layout leaves them out (none: left as they are).
+    pub(crate) fn init_magnitudes(&self, idx: usize, layer: &mut [f32], frozen: Option<&FrozenBase>) {
+        let r = &self.ranges.layer_rel;
+        for (pr, lr) in Proj::ALL.into_iter().zip(&r.lora) {
+            let Some(m) = lr.as_ref().and_then(|l| l.m.clone()) else { continue };
+            let [oc, ic] = pr.shape(&self.cfg);
+            let mut mags = vec![0.0f32; oc];
+            match (self.packed, frozen) {
+                (false, _) => {
+                    let w = &layer[r.w(pr)];
+                    crate::dora::initial_magnitude(
+                        [oc, ic],
+                        &|rows| w[rows.start * ic..rows.end * ic].to_vec(),
+                        &mut mags,
+                    )
+                }
+                (true, Some(b)) => {
+                    crate::dora::initial_magnitude([oc, ic], &|rows| b.proj_rows(&self.cfg, idx, pr, rows), &mut mags)
+                }
+                (true, None) => continue,
+            }
+            layer[m].copy_from_slice(&mags);
         }
     }
 
@@ -487,6 +533,8 @@ impl Llama {
         let inputs = &batch.inputs;
         self.acts.pos.clone_from(&batch.positions);
         self.acts.docs = batch.doc_starts();
+        let p_drop = self.lora.as_ref().map_or(0.0, |l| l.dropout);
+        self.acts.drop = (pass == Pass::Train && p_drop > 0.0).then(|| Dropout::new(p_drop, self.step, batch));
         if self.stage.is_first() {
             {
                 let seg = store.segment(0)?;
@@ -508,7 +556,8 @@ impl Llama {
         let acts = &mut self.acts;
         let rope = later.as_ref().unwrap_or(&acts.rope);
         let base = self.base.as_deref();
-        let layer = layer(&self.cfg, &self.ranges.layer_rel, (rope, attn), d, (&acts.pos, &acts.docs), base);
+        let mut layer = layer(&self.cfg, &self.ranges.layer_rel, (rope, attn), d, (&acts.pos, &acts.docs), base);
+        layer.drop = acts.drop.as_ref();
         acts.stack.forward(&layer, store, segs, pass == Pass::Train)?;
         if !self.stage.is_last() {
             return Ok(());
@@ -595,7 +644,8 @@ impl Llama {
         let segs = self.stage_segs();
         let acts = &mut self.acts;
         let (rope_attn, base) = ((&acts.rope, Attention::Causal), self.base.as_deref());
-        let layer = layer(&self.cfg, &self.ranges.layer_rel, rope_attn, d, (&acts.pos, &acts.docs), base);
+        let mut layer = layer(&self.cfg, &self.ranges.layer_rel, rope_attn, d, (&acts.pos, &acts.docs), base);
+        layer.drop = acts.drop.as_ref();
         acts.stack.backward(&layer, store, segs)?;
         if !self.stage.is_first() {
             return Ok(());
@@ -714,6 +764,10 @@ impl Model for Llama {
     fn loss(&mut self, store: &mut dyn ParamStore, batch: &TokenBatch) -> Result<MicroStepStats, LlamaError> {
         self.whole_model_for("evaluation")?;
         self.stage_forward(store, batch, 0, &[], &mut [], None)
+    }
+
+    fn begin_step(&mut self, step: u64) {
+        self.step = step;
     }
 }
 
