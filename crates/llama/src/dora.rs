@@ -22,6 +22,9 @@
 //! — the plain LoRA backward on a column-scaled output gradient. These are
 //! the kernels; `block` runs them beside the projection.
 
+use crate::frozen::FrozenBase;
+use crate::layout::Proj;
+use crate::model::Llama;
 use nn::{gemm_into, parallelism, GemmDims, GemmOut, Strided};
 use std::ops::Range;
 
@@ -142,7 +145,7 @@ pub(crate) fn rescale_rows(w: &mut [f32], m: &[f32], cols: usize) {
 
 /// `m_j = ‖W[j, :]‖₂`: a magnitude that makes DoRA start as the base
 /// (B = 0), from the base's rows read through `w0` as [`row_norms`] does.
-pub(crate) fn initial_magnitude(shape: [usize; 2], w0: &dyn Fn(Range<usize>) -> Vec<f32>, m: &mut [f32]) {
+fn initial_magnitude(shape: [usize; 2], w0: &dyn Fn(Range<usize>) -> Vec<f32>, m: &mut [f32]) {
     let [oc, ic] = shape;
     let mut j0 = 0;
     while j0 < oc {
@@ -152,6 +155,29 @@ pub(crate) fn initial_magnitude(shape: [usize; 2], w0: &dyn Fn(Range<usize>) -> 
             *mj = l2(row);
         }
         j0 = j1;
+    }
+}
+
+/// Sets layer `idx`'s DoRA magnitudes inside `layer` (the layer's segment
+/// of `model`'s parameters) to the row norms of its base weights: those in
+/// `layer`, or in `frozen` when the layout leaves them out (neither: left
+/// as they are — a packed layout without its base runs no pass).
+pub(crate) fn init_magnitudes(model: &Llama, idx: usize, layer: &mut [f32], frozen: Option<&FrozenBase>) {
+    let (cfg, lp) = (model.config(), model.layer_params(idx));
+    let at = |r: &Range<usize>| r.start - lp.attn_norm.start..r.end - lp.attn_norm.start;
+    for (pr, lr) in Proj::ALL.into_iter().zip(&lp.lora) {
+        let Some(m) = lr.as_ref().and_then(|l| l.m.as_ref()) else { continue };
+        let [oc, ic] = pr.shape(cfg);
+        let mut mags = vec![0.0f32; oc];
+        match (model.packs_base(), frozen) {
+            (false, _) => {
+                let w = &layer[at(&lp.w(pr))];
+                initial_magnitude([oc, ic], &|rows| w[rows.start * ic..rows.end * ic].to_vec(), &mut mags)
+            }
+            (true, Some(b)) => initial_magnitude([oc, ic], &|rows| b.proj_rows(cfg, idx, pr, rows), &mut mags),
+            (true, None) => continue,
+        }
+        layer[at(m)].copy_from_slice(&mags);
     }
 }
 

@@ -189,7 +189,7 @@ pub fn attach_with(
     }
     for idx in 0..model.config().n_layer {
         let seg = segs[1 + idx].clone();
-        model.init_magnitudes(idx, &mut out[seg], frozen);
+        crate::dora::init_magnitudes(model, idx, &mut out[seg], frozen);
     }
     Ok(out)
 }

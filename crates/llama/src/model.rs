@@ -373,7 +373,7 @@ impl Llama {
             out[w.clone()].copy_from_slice(&normal(w.len()));
         }
         self.init_adapters(seed, seg - 1, &mut out);
-        self.init_magnitudes(seg - 1, &mut out, self.base.as_deref());
+        crate::dora::init_magnitudes(self, seg - 1, &mut out, self.base.as_deref());
         out
     }
 
@@ -388,33 +388,6 @@ impl Llama {
                 layer[lr.a.clone()].copy_from_slice(&crate::lora::kaiming_uniform(&mut rng, lr.a.len(), fan_in));
                 layer[lr.b.clone()].fill(0.0);
             }
-        }
-    }
-
-    /// Sets layer `idx`'s DoRA magnitudes inside `layer` (the layer's
-    /// parameters) to the row norms of its base weights: those in `layer`,
-    /// or in `frozen` when the layout leaves them out (none: left as they are).
-    pub(crate) fn init_magnitudes(&self, idx: usize, layer: &mut [f32], frozen: Option<&FrozenBase>) {
-        let r = &self.ranges.layer_rel;
-        for (pr, lr) in Proj::ALL.into_iter().zip(&r.lora) {
-            let Some(m) = lr.as_ref().and_then(|l| l.m.clone()) else { continue };
-            let [oc, ic] = pr.shape(&self.cfg);
-            let mut mags = vec![0.0f32; oc];
-            match (self.packed, frozen) {
-                (false, _) => {
-                    let w = &layer[r.w(pr)];
-                    crate::dora::initial_magnitude(
-                        [oc, ic],
-                        &|rows| w[rows.start * ic..rows.end * ic].to_vec(),
-                        &mut mags,
-                    )
-                }
-                (true, Some(b)) => {
-                    crate::dora::initial_magnitude([oc, ic], &|rows| b.proj_rows(&self.cfg, idx, pr, rows), &mut mags)
-                }
-                (true, None) => continue,
-            }
-            layer[m].copy_from_slice(&mags);
         }
     }
 

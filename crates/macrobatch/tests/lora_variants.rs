@@ -50,8 +50,8 @@ fn bits(v: &[f64]) -> Vec<u64> {
 }
 
 /// Straight vs stopped after 2 steps and resumed: the same losses and
-/// adapters to the bit. Returns the straight run's losses.
-fn resumes_bit_for_bit(tag: &str, init: &Path, sets: &[&str]) -> Vec<f64> {
+/// adapters to the bit. Returns the straight run's losses and folder.
+fn resumes_bit_for_bit(tag: &str, init: &Path, sets: &[&str]) -> (Vec<f64>, PathBuf) {
     let straight = tmp(&format!("{tag}-straight"));
     let o = run(&straight, init, sets, &[]);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -65,24 +65,22 @@ fn resumes_bit_for_bit(tag: &str, init: &Path, sets: &[&str]) -> Vec<f64> {
     let adapter = |d: &Path| std::fs::read(d.join("adapter_model.safetensors")).unwrap();
     assert!(adapter(&straight) == adapter(&stopped), "{tag}: the final adapters differ");
     std::fs::remove_dir_all(&stopped).unwrap();
-    let _ = std::fs::remove_dir_all(tmp(&format!("{tag}-keep")));
-    std::fs::rename(&straight, tmp(&format!("{tag}-keep"))).unwrap();
-    l
+    (l, straight)
 }
 
 #[test]
 fn a_run_with_lora_dropout_resumes_bit_for_bit() {
     let init = pretrained("dropout-init");
-    let with = resumes_bit_for_bit("dropout", &init, &["lora.dropout=0.2"]);
+    let (with, straight) = resumes_bit_for_bit("dropout", &init, &["lora.dropout=0.2"]);
     let out = tmp("dropout-none");
     let o = run(&out, &init, &[], &[]);
     assert!(o.status.success(), "{}", stderr(&o));
     // Step 1 starts from the same parameters (B = 0): only the masks differ.
     let without = losses(&out);
     assert!(with.iter().zip(&without).skip(1).any(|(a, b)| a != b), "dropout changed nothing: {with:?}");
-    let cfg = std::fs::read_to_string(tmp("dropout-keep").join("adapter_config.json")).unwrap();
+    let cfg = std::fs::read_to_string(straight.join("adapter_config.json")).unwrap();
     assert!(cfg.contains("\"lora_dropout\": 0.2"), "{cfg}");
-    for d in [out, init, tmp("dropout-keep")] {
+    for d in [out, init, straight] {
         std::fs::remove_dir_all(d).unwrap();
     }
 }
@@ -91,8 +89,7 @@ fn a_run_with_lora_dropout_resumes_bit_for_bit() {
 fn a_dora_run_on_a_packed_base_resumes_saves_and_merges() {
     let init = pretrained("dora-init");
     let sets = ["lora.use_dora=true", "lora.use_rslora=true", "train.frozen_dtype=\"nf4\"", "optim.lr=1e-2"];
-    resumes_bit_for_bit("dora", &init, &sets);
-    let out = tmp("dora-keep");
+    let (_, out) = resumes_bit_for_bit("dora", &init, &sets);
     let cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("adapter_config.json")).unwrap()).unwrap();
     assert_eq!((cfg["use_dora"].as_bool(), cfg["use_rslora"].as_bool()), (Some(true), Some(true)));
