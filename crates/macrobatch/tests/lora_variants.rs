@@ -26,23 +26,7 @@ fn pretrained(tag: &str) -> PathBuf {
 
 /// A LoRA run of 4 steps (checkpoint every 2) on the tiny shape from `init`.
 fn run(out: &Path, init: &Path, sets: &[&str], extra: &[&str]) -> std::process::Output {
-    let mut all = vec![
-        "model.family=llama",
-        "lora.r=4",
-        "lora.alpha=8",
-        "lora.target_modules=[\"all-linear\"]",
-        "data.seq_len=32",
-        "batch.micro=2",
-        "batch.accumulation_steps=2",
-        "train.eval_every=0",
-        "train.steps=4",
-        "train.checkpoint_every=2",
-        "train.threads=1",
-    ];
-    all.extend_from_slice(sets);
-    let mut c = train_cmd(out, &all);
-    c.arg("--init-from").arg(init).args(extra);
-    c.output().expect("binary runs")
+    tiny_lora_run(out, init, &[&["train.checkpoint_every=2"], sets].concat(), extra)
 }
 
 fn bits(v: &[f64]) -> Vec<u64> {
