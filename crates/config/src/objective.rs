@@ -42,6 +42,14 @@ pub(crate) fn validate(cfg: &Config) -> Result<(), ConfigError> {
     if cfg.lora.is_none() {
         return refuse("lora", &"(none)", "needs a [lora] section: the reference model is the policy with its adapters off, so no second copy of the model is held");
     }
+    let lora = cfg.lora.as_ref();
+    if lora.and_then(|l| l.get("use_dora")).and_then(toml::Value::as_bool) == Some(true) {
+        return refuse("lora.use_dora", &true, "takes the reference as the adapters' B read as zeros, which is the base only for plain LoRA (DoRA's magnitudes rescale it): set lora.use_dora = false");
+    }
+    let dropout = lora.and_then(|l| l.get("dropout")).and_then(|v| v.as_float().or(v.as_integer().map(|i| i as f64)));
+    if dropout.is_some_and(|p| p > 0.0) {
+        return refuse("lora.dropout", &dropout.unwrap_or(0.0), "scores each reply once without dropout to weigh its gradient, so the two passes must agree: set lora.dropout = 0");
+    }
     if cfg.data.format != DataFormat::Jsonl {
         return refuse(
             "data.format",

@@ -79,6 +79,12 @@ pub trait Model {
     fn take_aux_stats(&mut self) -> AuxStats {
         [0.0; AUX_STATS]
     }
+
+    /// Called by the trainer before the micro-steps of optimizer step
+    /// `step` (0-based: the steps taken so far, which a resumed trainer
+    /// restores). A model whose training pass draws random numbers
+    /// (dropout) keys them on it; the default ignores it.
+    fn begin_step(&mut self, _step: u64) {}
 }
 
 /// A boxed model is a model: the binary holds one family's model behind a
@@ -118,5 +124,9 @@ impl<M: Model + ?Sized> Model for Box<M> {
 
     fn take_aux_stats(&mut self) -> AuxStats {
         (**self).take_aux_stats()
+    }
+
+    fn begin_step(&mut self, step: u64) {
+        (**self).begin_step(step)
     }
 }

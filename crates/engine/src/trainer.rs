@@ -419,6 +419,7 @@ impl Trainer {
             return Err(EngineError::NoMicroBatches);
         }
         let step_idx = self.n_steps;
+        model.begin_step(step_idx);
         let before = comm.counters();
         // The loss scale of this step: fixed until the boundary.
         let loss_scale = self.scaler.map_or(1.0, |s| s.scale);

@@ -231,6 +231,10 @@ impl Model for Dpo {
     fn take_aux_stats(&mut self) -> AuxStats {
         std::mem::replace(&mut self.aux, [0.0; AUX_STATS])
     }
+
+    fn begin_step(&mut self, step: u64) {
+        self.inner.begin_step(step)
+    }
 }
 
 impl StagedModel for Dpo {

@@ -303,6 +303,10 @@ impl<M: TextModel> Model for Erased<M> {
     fn loss(&mut self, store: &mut dyn ParamStore, batch: &TokenBatch) -> Result<MicroStepStats, ModelError> {
         self.0.loss(store, batch).map_err(ModelError::new)
     }
+
+    fn begin_step(&mut self, step: u64) {
+        self.0.begin_step(step)
+    }
 }
 
 impl<M: TextModel> StagedModel for Erased<M> {

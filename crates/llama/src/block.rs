@@ -5,8 +5,10 @@
 //! their bytes.
 
 use crate::config::LlamaConfig;
+use crate::dora;
 use crate::frozen::{FrozenBase, Group};
 use crate::layout::{Adapters, LayerParams, Proj};
+use crate::lora_dropout::Dropout;
 use engine::{Checkpointing, EngineError, Precision, SavedTensor, SegmentGrads, TensorGroup};
 use nn::act::{swiglu_backward, swiglu_forward};
 use nn::attention::AttnShape;
@@ -33,6 +35,9 @@ const M: usize = 6; // silu(gate) · up (down_proj's input)
 const OUT: usize = 7; // the layer's output
 /// `XA + p`: projection `p`'s LoRA `x·Aᵀ` (`[n, r]`; empty without an adapter).
 const XA: usize = 8;
+/// `DZ + p`: with DoRA, projection `p`'s `x·Wᵀ + s·(x·Aᵀ)·Bᵀ` before the
+/// magnitude's scaling (`[n, out]`; empty otherwise).
+const DZ: usize = XA + 7;
 
 /// Staging buffers: row tensors, the heads' output beside q|k|v, LoRA's `x·Aᵀ`.
 const ROWS: usize = 0;
@@ -115,8 +120,15 @@ impl ActSizes {
             _ => 0,
         });
         let qd = w(cfg.q_dim());
+        let dora = |p: Proj| adapters.is_some_and(|a| a.dora && a.targets[p as usize]);
+        let dz = Proj::ALL.map(|p| if dora(p) { n * w(p.shape(cfg)[0]) } else { 0 });
+        let max_dz = Proj::ALL.into_iter().filter(|&p| dora(p)).map(|p| w(p.shape(cfg)[0])).max().unwrap_or(0);
+        let norms = Proj::ALL.iter().filter(|&&p| dora(p)).map(|p| w(p.shape(cfg)[0])).sum::<u128>();
+        let dropout = adapters.is_some_and(|a| a.dropout);
+        let max_in = if dropout { Proj::ALL.into_iter().map(|p| w(p.shape(cfg)[1])).max().unwrap_or(0) } else { 0 };
         let mut large = vec![n * c, n * qkvw, n * qd, n * c, n * c, n * 2 * f, n * f, n * c];
         large.extend(xa);
+        large.extend(dz);
         let low = precision.is_low();
         let stack = StackSizes {
             precision,
@@ -124,9 +136,9 @@ impl ActSizes {
             n_slots: if train { part.n_blocks } else { 1 },
             large,
             output: OUT,
-            stats: vec![n, n, lse],
+            stats: vec![n, n, lse, norms],
             x: n * c,
-            bufs: vec![n * c, n * c, n * qkvw, n * 2 * f, n * f, n * r, n * qkvw],
+            bufs: vec![n * c, n * c, n * qkvw, n * 2 * f, n * f, n * r, n * qkvw, n * max_dz, n * max_in],
             staging: if low { vec![n * c.max(qkvw).max(2 * f), n * qd, n * r] } else { vec![0; 3] },
             extra: Vec::new(),
         };
@@ -159,6 +171,8 @@ pub(crate) struct Layer<'a> {
     pub base: Option<&'a FrozenBase>,
     /// The layer being run (set by [`Block::enter`]).
     pub at: Cell<usize>,
+    /// LoRA dropout's masks of this micro-batch (training passes only).
+    pub drop: Option<&'a Dropout>,
 }
 
 /// What a projection's backward reads and writes besides its gradients.
@@ -167,6 +181,8 @@ struct Back<'s, 'g> {
     saved: SavedView<'s>,
     /// `[n, r]`: LoRA's `x·Aᵀ` gradient.
     dxa: &'s mut [f32],
+    /// `[n, in]`: the dropped-out input and its gradient (LoRA dropout only).
+    xd: &'s mut [f32],
 }
 
 impl Layer<'_> {
@@ -209,11 +225,20 @@ impl Layer<'_> {
         p: &[f32],
         y: Cols<'_>,
         x: &[f32],
-        (xa, buf): (&mut SavedTensor, &mut Vec<f32>),
+        (xa, buf, xd): (&mut SavedTensor, &mut Vec<f32>, &mut [f32]),
         sum: Option<&mut TensorGroup<'_>>,
     ) -> Result<(), EngineError> {
         let Some(lr) = &self.r.lora[pr as usize] else { return Ok(()) };
         let (d, [oc, ic]) = (&self.d, pr.shape(self.cfg));
+        let x = match self.drop {
+            Some(drop) => {
+                let xd = &mut xd[..x.len()];
+                xd.copy_from_slice(x);
+                drop.mask((self.at.get(), pr as usize), xd, ic);
+                &*xd
+            }
+            None => x,
+        };
         // (n, in) @ (in, r) -> (n, r)
         linear_forward(Cols::all(buf, d.r), false, x, &p[lr.a.clone()], d.lin(ic, d.r));
         if let Some(tp) = sum {
@@ -248,6 +273,22 @@ impl Layer<'_> {
         let Some(lr) = &r.lora[pr as usize] else { return };
         let (ga, gb) = back.grads.pair(lr.a.clone(), lr.b.clone());
         let (s_b, s_a) = (d.lin(d.r, oc).scaled(d.lora_scale), d.lin(ic, d.r));
+        if let Some(drop) = self.drop {
+            // The branch saw x ⊙ mask: A's gradient reads it, and the input
+            // gradient through the branch is masked the same way.
+            let at = (self.at.get(), pr as usize);
+            let xd = &mut back.xd[..x.len()];
+            xd.copy_from_slice(x);
+            drop.mask(at, xd, ic);
+            linear_backward_weight(param_grad(gb), dy, xa, s_b);
+            linear_backward_input(back.dxa, false, dy, &p[lr.b.clone()], s_b);
+            let dxa = Strided::rows(back.dxa, d.r);
+            linear_backward_weight(param_grad(ga), dxa, xd, s_a);
+            linear_backward_input(xd, false, dxa, &p[lr.a.clone()], s_a);
+            drop.mask(at, xd, ic);
+            add_into(dx, xd);
+            return;
+        }
         // dB (+)= s · dyᵀ · xa: (out, n) @ (n, r) -> (out, r)
         linear_backward_weight(param_grad(gb), dy, xa, s_b);
         // dxa = s · dy · B: (n, out) @ (out, r) -> (n, r)
@@ -257,6 +298,118 @@ impl Layer<'_> {
         linear_backward_weight(param_grad(ga), dxa, x, s_a);
         // dx += dxa · A: (n, r) @ (r, in) -> (n, in)
         linear_backward_input(dx, true, dxa, &p[lr.a.clone()], s_a);
+    }
+}
+
+impl Layer<'_> {
+    /// Projection `pr`'s DoRA magnitude (its range in the segment), if it has one.
+    fn dora(&self, pr: Proj) -> Option<std::ops::Range<usize>> {
+        self.r.lora[pr as usize].as_ref().and_then(|l| l.m.clone())
+    }
+
+    /// Where projection `pr`'s row norms sit in the norms statistic (the fourth)
+    /// (the DoRA projections' output rows back to back, in layout order).
+    fn norm_range(&self, pr: Proj) -> std::ops::Range<usize> {
+        let before: usize =
+            Proj::ALL[..pr as usize].iter().filter(|&&q| self.dora(q).is_some()).map(|q| q.shape(self.cfg)[0]).sum();
+        before..before + pr.shape(self.cfg)[0]
+    }
+
+    /// DoRA: `‖W + s·B·A‖` of each of `pr`'s rows (current A and B; W
+    /// from the segment or the packed base) into its place in `norms`.
+    fn dora_norms(&self, pr: Proj, p: &[f32], norms: &mut [f32]) {
+        let (Some(_), Some(lr)) = (self.dora(pr), &self.r.lora[pr as usize]) else { return };
+        let [oc, ic] = pr.shape(self.cfg);
+        let ad = dora::Adapted {
+            shape: [oc, ic],
+            r: self.d.r,
+            a: &p[lr.a.clone()],
+            b: &p[lr.b.clone()],
+            scale: self.d.lora_scale,
+        };
+        let w0 = |rows: std::ops::Range<usize>| match self.base {
+            Some(b) => b.proj_rows(self.cfg, self.at.get(), pr, rows),
+            None => p[self.r.w(pr)][rows.start * ic..rows.end * ic].to_vec(),
+        };
+        dora::row_norms(&ad, &w0, &mut norms[self.norm_range(pr)]);
+    }
+
+    /// DoRA's forward for projection `pr`, once `z = x·Wᵀ + LoRA` is
+    /// complete: in `y`'s columns (`res` none), or in `zb` (`res`: the
+    /// residual `y` is to hold, `res + (m/‖·‖) ⊙ z`). `z` is kept for the
+    /// magnitude's gradient, then `y`'s columns become `(m/‖·‖) ⊙ z` (+ res).
+    fn dora_forward(
+        &self,
+        pr: Proj,
+        p: &[f32],
+        y: Cols<'_>,
+        (zt, zb): (&mut SavedTensor, &mut Vec<f32>),
+        norms: &[f32],
+        res: Option<&[f32]>,
+    ) {
+        let Some(m) = self.dora(pr) else { return };
+        let (n, oc, prec) = (self.d.n, pr.shape(self.cfg)[0], self.d.prec);
+        let (m, norms) = (&p[m], &norms[self.norm_range(pr)]);
+        let Cols { buf, col0, rs } = y;
+        if res.is_none() {
+            for i in 0..n {
+                zb[i * oc..(i + 1) * oc].copy_from_slice(&buf[i * rs + col0..i * rs + col0 + oc]);
+            }
+        }
+        zt.keep_prefix(zb, n * oc, prec);
+        match res {
+            None => dora::scale_columns(buf, (col0, rs), n, m, norms),
+            Some(res) => {
+                let z = zt.cur(&zb[..n * oc]);
+                dora::scaled_copy(buf, Strided::rows(z, oc), n, m, norms);
+                add_into(&mut buf[..n * oc], res);
+            }
+        }
+    }
+
+    /// DoRA's backward at projection `pr` whose output gradient is the
+    /// column block `col0..` of `g` (rows `rs` apart): the magnitude's
+    /// gradient, then the block scaled in place by `m/‖·‖` (the gradient
+    /// of `z`, which the base and LoRA backward then read).
+    fn dora_backward(
+        &self,
+        pr: Proj,
+        p: &[f32],
+        (g, col0, rs): (&mut [f32], usize, usize),
+        norms: &[f32],
+        back: &mut Back<'_, '_>,
+    ) {
+        let Some(mr) = self.dora(pr) else { return };
+        let norms = &norms[self.norm_range(pr)];
+        let z = back.saved.get(DZ + pr as usize);
+        if let Some(dm) = param_grad(back.grads.tensor(mr.clone())) {
+            dora::magnitude_grad(dm, Strided { data: g, offset: col0, rs, cs: 1 }, z, norms);
+        }
+        dora::scale_columns(g, (col0, rs), self.d.n, &p[mr], norms);
+    }
+
+    /// [`Layer::dora_backward`] at a projection added to the residual
+    /// (o, down), whose output gradient `dres` must stay unscaled: the
+    /// scaled copy goes to `zb`. Returns the gradient the projection's
+    /// backward reads (`dres` itself without DoRA).
+    fn dora_backward_residual<'b>(
+        &self,
+        pr: Proj,
+        p: &[f32],
+        (dres, zb): (&'b [f32], &'b mut [f32]),
+        norms: &[f32],
+        back: &mut Back<'_, '_>,
+    ) -> Strided<'b> {
+        let c = self.d.c;
+        let Some(mr) = self.dora(pr) else { return Strided::rows(dres, c) };
+        let norms = &norms[self.norm_range(pr)];
+        let z = back.saved.get(DZ + pr as usize);
+        if let Some(dm) = param_grad(back.grads.tensor(mr.clone())) {
+            dora::magnitude_grad(dm, Strided::rows(dres, c), z, norms);
+        }
+        let zb = &mut zb[..self.d.n * c];
+        dora::scaled_copy(zb, Strided::rows(dres, c), self.d.n, &p[mr], norms);
+        Strided::rows(zb, c)
     }
 }
 
@@ -280,22 +433,34 @@ impl Block for Layer<'_> {
         let (cfg, r, d) = (self.cfg, self.r, &self.d);
         let (n, c, f, prec) = (d.n, d.c, d.f, d.prec);
         let (qd, qkvw, kvd) = (d.gqa.q_dim(), d.gqa.qkv_width(), cfg.kv_dim());
-        let [x2, buf_c, qkv, gu, m, dxa, _] = bufs else { unreachable!("Llama has seven working buffers") };
+        let [x2, buf_c, qkv, gu, m, dxa, _, zb, xd] = bufs else { unreachable!("Llama has nine working buffers") };
         let Saved { large, stats } = sv;
-        let [rstd1, rstd2, lse] = &mut stats[..] else { unreachable!("two row statistics and the log-sum-exps") };
+        let [rstd1, rstd2, lse, norms] = &mut stats[..] else { unreachable!("row statistics, log-sum-exps, norms") };
         let (large, xa) = large.split_at_mut(XA);
+        let (xa, zs) = xa.split_at_mut(DZ - XA);
+        for pr in Proj::ALL {
+            self.dora_norms(pr, p, norms);
+        }
+        let norms = &*norms;
         // Attention: h1 = norm(x); q|k|v = h1·Wqkvᵀ (+ bias) (+ LoRA); rotate q, k.
         rmsnorm_forward(buf_c, rstd1, x, &p[r.attn_norm.clone()], c, d.eps);
         large[H1].keep(buf_c, prec);
         let h1 = large[H1].cur(buf_c);
         // (n, C) @ (C, (H + 2·KV)·d) -> (n, (H + 2·KV)·d)
         self.base_forward(Group::Qkv, p, Cols::all(qkv, qkvw), false, h1, d.lin(c, qkvw));
-        if let Some([q, _, v]) = &r.qkv_bias {
+        let qkv_cols = [(Proj::Q, 0), (Proj::K, qd), (Proj::V, qd + kvd)];
+        // DoRA scales x·Wᵀ + LoRA and leaves the bias out: the bias comes last.
+        let dora_qkv = qkv_cols.iter().any(|(pr, _)| self.dora(*pr).is_some());
+        if let Some([q, _, v]) = r.qkv_bias.as_ref().filter(|_| !dora_qkv) {
             add_bias(qkv, &p[q.start..v.end]);
         }
-        for (pr, col0) in [(Proj::Q, 0), (Proj::K, qd), (Proj::V, qd + kvd)] {
+        for (pr, col0) in qkv_cols {
             let y = Cols { buf: qkv, col0, rs: qkvw };
-            self.lora_forward(pr, p, y, h1, (&mut xa[pr as usize], dxa), None)?;
+            self.lora_forward(pr, p, y, h1, (&mut xa[pr as usize], dxa, &mut xd[..]), None)?;
+            self.dora_forward(pr, p, Cols { buf: qkv, col0, rs: qkvw }, (&mut zs[pr as usize], zb), norms, None);
+        }
+        if let Some([q, _, v]) = r.qkv_bias.as_ref().filter(|_| dora_qkv) {
+            add_bias(qkv, &p[q.start..v.end]);
         }
         rope_apply(qkv, self.rope, qkvw, cfg.n_head + cfg.n_kv_head, false, self.pos);
         large[QKV].keep(qkv, prec);
@@ -311,16 +476,26 @@ impl Block for Layer<'_> {
         // over heads, each rank's product is a part of the sum (row-parallel).
         let y = large[Y].cur(&buf_c[..n * qd]);
         let split = tp.is_split();
-        if !split {
+        if self.dora(Proj::O).is_some() {
+            // x2 = x + (m/‖·‖) ⊙ z with z = y·Woᵀ + LoRA (never split: refused with DoRA).
+            let z = Cols::all(&mut zb[..n * c], c);
+            self.base_forward(Group::O, p, z, false, y, d.lin(qd, c));
+            let lo = (&mut xa[Proj::O as usize], &mut *dxa, &mut xd[..]);
+            self.lora_forward(Proj::O, p, Cols::all(&mut zb[..n * c], c), y, lo, None)?;
             x2.copy_from_slice(x);
+            self.dora_forward(Proj::O, p, Cols::all(x2, c), (&mut zs[Proj::O as usize], zb), norms, Some(x));
+        } else {
+            if !split {
+                x2.copy_from_slice(x);
+            }
+            self.base_forward(Group::O, p, Cols::all(x2, c), !split, y, d.lin(qd, c));
+            if split {
+                tp.all_reduce(x2)?;
+                add_into(x2, x);
+            }
+            let lo = (&mut xa[Proj::O as usize], &mut *dxa, &mut xd[..]);
+            self.lora_forward(Proj::O, p, Cols::all(x2, c), y, lo, split.then_some(&mut *tp))?;
         }
-        self.base_forward(Group::O, p, Cols::all(x2, c), !split, y, d.lin(qd, c));
-        if split {
-            tp.all_reduce(x2)?;
-            add_into(x2, x);
-        }
-        let lo = (&mut xa[Proj::O as usize], &mut *dxa);
-        self.lora_forward(Proj::O, p, Cols::all(x2, c), y, lo, split.then_some(&mut *tp))?;
         large[X2].keep(x2, prec);
         // MLP: h2 = norm(x2); g|u = h2·Wguᵀ (+ LoRA); m = silu(g)·u; out = x2 + m·Wdᵀ (+ LoRA).
         rmsnorm_forward(buf_c, rstd2, large[X2].cur(x2), &p[r.mlp_norm.clone()], c, d.eps);
@@ -330,23 +505,34 @@ impl Block for Layer<'_> {
         self.base_forward(Group::GateUp, p, Cols::all(gu, 2 * f), false, h2, d.lin(c, 2 * f));
         for (pr, col0) in [(Proj::Gate, 0), (Proj::Up, f)] {
             let y = Cols { buf: gu, col0, rs: 2 * f };
-            self.lora_forward(pr, p, y, h2, (&mut xa[pr as usize], dxa), None)?;
+            self.lora_forward(pr, p, y, h2, (&mut xa[pr as usize], dxa, &mut xd[..]), None)?;
+            self.dora_forward(pr, p, Cols { buf: gu, col0, rs: 2 * f }, (&mut zs[pr as usize], zb), norms, None);
         }
         large[GU].keep(gu, prec);
         swiglu_forward(m, large[GU].cur(gu), f);
         large[M].keep(m, prec);
         let mm = large[M].cur(m);
-        if !split {
+        if self.dora(Proj::Down).is_some() {
+            // out = x2 + (m/‖·‖) ⊙ z with z = m·Wdᵀ + LoRA.
+            self.base_forward(Group::Down, p, Cols::all(&mut zb[..n * c], c), false, mm, d.lin(f, c));
+            let lo = (&mut xa[Proj::Down as usize], &mut *dxa, &mut xd[..]);
+            self.lora_forward(Proj::Down, p, Cols::all(&mut zb[..n * c], c), mm, lo, None)?;
             x.copy_from_slice(large[X2].cur(x2));
+            let (zd, res) = (&mut zs[Proj::Down as usize], large[X2].cur(x2));
+            self.dora_forward(Proj::Down, p, Cols::all(x, c), (zd, zb), norms, Some(res));
+        } else {
+            if !split {
+                x.copy_from_slice(large[X2].cur(x2));
+            }
+            // (n, F) @ (F, C) -> (n, C), added to the residual (row-parallel: summed first)
+            self.base_forward(Group::Down, p, Cols::all(x, c), !split, mm, d.lin(f, c));
+            if split {
+                tp.all_reduce(x)?;
+                add_into(x, large[X2].cur(x2));
+            }
+            let lo = (&mut xa[Proj::Down as usize], &mut *dxa, &mut xd[..]);
+            self.lora_forward(Proj::Down, p, Cols::all(x, c), mm, lo, split.then_some(&mut *tp))?;
         }
-        // (n, F) @ (F, C) -> (n, C), added to the residual (row-parallel: summed first)
-        self.base_forward(Group::Down, p, Cols::all(x, c), !split, mm, d.lin(f, c));
-        if split {
-            tp.all_reduce(x)?;
-            add_into(x, large[X2].cur(x2));
-        }
-        let lo = (&mut xa[Proj::Down as usize], &mut *dxa);
-        self.lora_forward(Proj::Down, p, Cols::all(x, c), mm, lo, split.then_some(&mut *tp))?;
         // The output stays in `x` as the next layer's input: kept by copy.
         large[OUT].keep_copy(x, prec);
         Ok(())
@@ -363,14 +549,20 @@ impl Block for Layer<'_> {
         let (cfg, r, d) = (self.cfg, self.r, &self.d);
         let (c, f) = (d.c, d.f);
         let (qd, qkvw, kvd) = (d.gqa.q_dim(), d.gqa.qkv_width(), cfg.kv_dim());
-        let [dres, dc, dqkv, dgu, dm, dxa, heads] = bufs else { unreachable!("Llama has seven working buffers") };
+        let [dres, dc, dqkv, dgu, dm, dxa, heads, zb, xd] = bufs else {
+            unreachable!("Llama has nine working buffers")
+        };
         let sv = saved.sv;
-        let [rstd1, rstd2, lse] = &sv.stats[..] else { unreachable!("two row statistics and the log-sum-exps") };
-        let mut back = Back { grads, saved, dxa };
+        let [rstd1, rstd2, lse, norms] = &sv.stats[..] else { unreachable!("row statistics, log-sum-exps, norms") };
+        let mut back = Back { grads, saved, dxa, xd };
         // down_proj: d(n, F) = d(n, C) @ (C, F); SwiGLU; gate|up: d(n, C) = d(n, 2F) @ (2F, C).
-        self.base_backward_input(Group::Down, p, dm, Strided::rows(dres, c), d.lin(f, c));
-        self.proj_backward(Proj::Down, p, dm, Strided::rows(dres, c), M, &mut back);
+        let dy = self.dora_backward_residual(Proj::Down, p, (dres, zb), norms, &mut back);
+        self.base_backward_input(Group::Down, p, dm, dy, d.lin(f, c));
+        self.proj_backward(Proj::Down, p, dm, dy, M, &mut back);
         swiglu_backward(dgu, dm, back.saved.get(GU), f);
+        for (pr, col0) in [(Proj::Gate, 0), (Proj::Up, f)] {
+            self.dora_backward(pr, p, (dgu, col0, 2 * f), norms, &mut back);
+        }
         self.base_backward_input(Group::GateUp, p, dc, Strided::rows(dgu, 2 * f), d.lin(c, 2 * f));
         for (pr, col0) in [(Proj::Gate, 0), (Proj::Up, f)] {
             self.proj_backward(pr, p, dc, columns(dgu, col0, 2 * f), H2, &mut back);
@@ -382,8 +574,9 @@ impl Block for Layer<'_> {
         rmsnorm_backward(dres, g2, dc, x2, w2);
         // o_proj: d(n, H·d) = d(n, C) @ (C, H·d); attention; rotation; q|k|v: d(n, C) = d(n, qkv) @ (qkv, C).
         let dy = &mut dc[..d.n * qd];
-        self.base_backward_input(Group::O, p, dy, Strided::rows(dres, c), d.lin(qd, c));
-        self.proj_backward(Proj::O, p, dy, Strided::rows(dres, c), Y, &mut back);
+        let g = self.dora_backward_residual(Proj::O, p, (dres, zb), norms, &mut back);
+        self.base_backward_input(Group::O, p, dy, g, d.lin(qd, c));
+        self.proj_backward(Proj::O, p, dy, g, Y, &mut back);
         let (qkv, y) = back.saved.pair((QKV, ROWS), (Y, HEADS));
         flash_attention_backward(dqkv, heads, dy, (qkv, y, lse), d.gqa, self.docs);
         rope_apply(dqkv, self.rope, qkvw, cfg.n_head + cfg.n_kv_head, true, self.pos);
@@ -394,6 +587,9 @@ impl Block for Layer<'_> {
                     bias_backward(g, dqkv, *col0, qkvw);
                 }
             }
+        }
+        for (pr, col0) in cols {
+            self.dora_backward(pr, p, (dqkv, col0, qkvw), norms, &mut back);
         }
         self.base_backward_input(Group::Qkv, p, dc, Strided::rows(dqkv, qkvw), d.lin(c, qkvw));
         for (pr, col0) in cols {

@@ -94,12 +94,6 @@ pub enum LlamaError {
         /// What is wrong with it.
         problem: String,
     },
-    /// LoRA dropout above zero.
-    #[error("lora_dropout = {dropout} is not supported yet; use 0.0 (dropout needs its random stream's position saved in checkpoints so that a resumed run stays bit-exact)")]
-    LoraDropoutUnsupported {
-        /// The dropout asked for.
-        dropout: f32,
-    },
     /// The parameter store failed (a collective of a sharded store, say).
     #[error("parameter store")]
     Store(#[from] engine::EngineError),

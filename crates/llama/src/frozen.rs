@@ -215,17 +215,20 @@ impl FrozenBase {
     /// Projection `pr` of layer `layer` dequantised to f32 (`[out, in]`,
     /// one tensor at a time: for exports).
     pub fn dequantize(&self, cfg: &LlamaConfig, layer: usize, pr: Proj) -> Vec<f32> {
-        let (group, row0) = match pr {
-            Proj::Q => (Group::Qkv, 0),
-            Proj::K => (Group::Qkv, cfg.q_dim()),
-            Proj::V => (Group::Qkv, cfg.q_dim() + cfg.kv_dim()),
-            Proj::O => (Group::O, 0),
-            Proj::Gate => (Group::GateUp, 0),
-            Proj::Up => (Group::GateUp, cfg.intermediate_size),
-            Proj::Down => (Group::Down, 0),
-        };
-        let rows = pr.shape(cfg)[0];
-        self.layers[layer].group(group).dequantize_rows(row0..row0 + rows)
+        self.proj_rows(cfg, layer, pr, 0..pr.shape(cfg)[0])
+    }
+
+    /// Rows `rows` of projection `pr` of layer `layer` dequantised to f32
+    /// (`[rows, in]`: DoRA's row norms read the base a block of rows at a time).
+    pub(crate) fn proj_rows(
+        &self,
+        cfg: &LlamaConfig,
+        layer: usize,
+        pr: Proj,
+        rows: std::ops::Range<usize>,
+    ) -> Vec<f32> {
+        let (group, row0) = group_row0(cfg, pr);
+        self.layers[layer].group(group).dequantize_rows(row0 + rows.start..row0 + rows.end)
     }
 
     /// Bytes the frozen projections of `cfg` take when every one is stored
@@ -239,6 +242,19 @@ impl FrozenBase {
             })
             .sum();
         cfg.n_layer as u128 * per_layer
+    }
+}
+
+/// The group projection `pr` belongs to, and its first row in it.
+fn group_row0(cfg: &LlamaConfig, pr: Proj) -> (Group, usize) {
+    match pr {
+        Proj::Q => (Group::Qkv, 0),
+        Proj::K => (Group::Qkv, cfg.q_dim()),
+        Proj::V => (Group::Qkv, cfg.q_dim() + cfg.kv_dim()),
+        Proj::O => (Group::O, 0),
+        Proj::Gate => (Group::GateUp, 0),
+        Proj::Up => (Group::GateUp, cfg.intermediate_size),
+        Proj::Down => (Group::Down, 0),
     }
 }
 

@@ -58,13 +58,16 @@ impl Proj {
     }
 }
 
-/// Element ranges of one LoRA adapter: `lora_A` `[r, in]`, `lora_B` `[out, r]`.
+/// Element ranges of one LoRA adapter: `lora_A` `[r, in]`, `lora_B` `[out, r]`,
+/// and with DoRA the magnitude `[out]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LoraRanges {
     /// `lora_A.weight`.
     pub a: Range<usize>,
     /// `lora_B.weight`.
     pub b: Range<usize>,
+    /// `lora_magnitude_vector` (DoRA only).
+    pub m: Option<Range<usize>>,
 }
 
 /// Element ranges of one decoder layer's parameters.
@@ -102,16 +105,21 @@ impl LayerParams {
 
     /// The contiguous range the whole layer occupies.
     pub fn span(&self) -> Range<usize> {
-        let end = self.lora.iter().flatten().map(|l| l.b.end).max().unwrap_or(self.proj[6].end);
+        let end = self.lora.iter().flatten().map(|l| l.m.as_ref().map_or(l.b.end, |m| m.end)).max();
+        let end = end.unwrap_or(self.proj[6].end);
         self.attn_norm.start..end
     }
 }
 
-/// LoRA's shape inside the layout: rank and which projections carry adapters.
+/// LoRA's shape inside the layout: rank, which projections carry adapters,
+/// whether each has a DoRA magnitude, and whether the branch's input is
+/// dropped out (a working buffer for the dropped input).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Adapters {
     pub r: usize,
     pub targets: [bool; 7],
+    pub dora: bool,
+    pub dropout: bool,
 }
 
 /// Appends a tensor `(name suffix, shape, decay)` and returns its range.
@@ -150,6 +158,8 @@ fn push_layer(cfg: &LlamaConfig, adapters: Option<Adapters>, packed_base: bool, 
         Some(LoraRanges {
             a: push(&format!("{}.lora_A.weight", p.path()), &[a.r, inp], true),
             b: push(&format!("{}.lora_B.weight", p.path()), &[out, a.r], true),
+            // A per-feature scale, like a norm's gain: no weight decay.
+            m: a.dora.then(|| push(&format!("{}.{}", p.path(), crate::dora::MAGNITUDE), &[out], false)),
         })
     });
     LayerParams { attn_norm, proj: [q, k, v, o, gate, up, down], qkv_bias, mlp_norm, lora }

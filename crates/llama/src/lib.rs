@@ -11,12 +11,14 @@
 
 pub mod block;
 pub mod config;
+pub mod dora;
 pub mod error;
 pub mod export;
 pub mod frozen;
 pub mod hf;
 pub mod layout;
 pub mod lora;
+mod lora_dropout;
 pub mod model;
 pub mod registration;
 pub mod split;

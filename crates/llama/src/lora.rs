@@ -36,12 +36,28 @@ pub struct LoraConfig {
     /// α: the update is scaled by α/r (PEFT's default, 8, when not given).
     #[serde(default = "default_alpha")]
     pub alpha: f32,
-    /// Dropout on the adapter's input; only 0.0 is supported yet.
+    /// Dropout on the adapter's input (PEFT's `lora_dropout`): during
+    /// training each input feature of the LoRA branch is zeroed with this
+    /// probability and the rest scaled by 1/(1 − p); evaluation runs without.
     #[serde(default)]
     pub dropout: f32,
     /// Projections to adapt: `q_proj`, `k_proj`, `v_proj`, `o_proj`,
     /// `gate_proj`, `up_proj`, `down_proj`, or `all-linear`.
     pub target_modules: Vec<String>,
+    /// rsLoRA (PEFT's `use_rslora`): the update is scaled by α/√r instead of α/r.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub use_rslora: bool,
+    /// DoRA (PEFT's `use_dora`): a trainable magnitude per output feature
+    /// rescales each row of the adapted weight `W + s·B·A` to it
+    /// ([`crate::dora`]).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub use_dora: bool,
+}
+
+/// `skip_serializing_if` for flags that are off by default, so a
+/// configuration without them serialises as it did before they existed.
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// PEFT's `LoraConfig.lora_alpha` default.
@@ -52,7 +68,14 @@ fn default_alpha() -> f32 {
 impl LoraConfig {
     /// A configuration without dropout.
     pub fn new(r: usize, alpha: f32, target_modules: &[&str]) -> Self {
-        Self { r, alpha, dropout: 0.0, target_modules: target_modules.iter().map(|s| s.to_string()).collect() }
+        Self {
+            r,
+            alpha,
+            dropout: 0.0,
+            target_modules: target_modules.iter().map(|s| s.to_string()).collect(),
+            use_rslora: false,
+            use_dora: false,
+        }
     }
 
     /// Checks every field.
@@ -66,11 +89,13 @@ impl LoraConfig {
         if !(self.dropout.is_finite() && (0.0..1.0).contains(&self.dropout)) {
             return Err(LlamaError::lora("lora_dropout", format!("must be in [0, 1), got {}", self.dropout)));
         }
-        // Dropout would draw a mask per micro-step; a bit-exact resume then
-        // needs the mask stream's position in the checkpoint, which the
-        // checkpoint format does not hold yet. Refuse rather than resume wrong.
-        if self.dropout > 0.0 {
-            return Err(LlamaError::LoraDropoutUnsupported { dropout: self.dropout });
+        // PEFT's DoRA under dropout multiplies the base weight a second
+        // time, by the dropped input; that product is not implemented.
+        if self.use_dora && self.dropout > 0.0 {
+            return Err(LlamaError::lora(
+                "lora_dropout",
+                format!("= {} with use_dora is not supported; set dropout = 0.0 or use_dora = false", self.dropout),
+            ));
         }
         self.targets().map(|_| ())
     }
@@ -104,16 +129,20 @@ impl LoraConfig {
         Ok(Proj::ALL.iter().filter(|p| on[**p as usize]).map(|p| p.name()).collect())
     }
 
-    /// The update's scale α/r.
+    /// The update's scale: α/r, or α/√r with rsLoRA (PEFT computes both in
+    /// f64 — `lora_alpha / math.sqrt(r)` — and multiplies in f32).
     pub fn scale(&self) -> f32 {
-        self.alpha / self.r as f32
+        match self.use_rslora {
+            true => (self.alpha as f64 / (self.r as f64).sqrt()) as f32,
+            false => self.alpha / self.r as f32,
+        }
     }
 }
 
 /// Whether a tensor is a LoRA adapter (everything else is the base model):
 /// the binary freezes the rest with `Model::set_trainable`.
 pub fn is_adapter(name: &str) -> bool {
-    name.contains(".lora_A.") || name.contains(".lora_B.")
+    name.contains(".lora_A.") || name.contains(".lora_B.") || name.ends_with(crate::dora::MAGNITUDE)
 }
 
 /// `n` values of `nn.init.kaiming_uniform_(w, a=√5)` for fan-in `fan_in`
@@ -130,9 +159,21 @@ fn require_lora(model: &Llama) -> Result<&LoraConfig, LlamaError> {
 
 /// Parameters for `model` (with adapters) from base-model parameters
 /// (layout of `Llama::new`): base tensors copied by name, adapters
-/// initialised as [`Llama::init_params`] does (A Kaiming-uniform, B zero)
-/// from `seed`.
+/// initialised as [`Llama::init_params`] does (A Kaiming-uniform, B zero,
+/// a DoRA magnitude the row norms of the base weight) from `seed`.
 pub fn attach(model: &Llama, base: &[f32], seed: u64) -> Result<Vec<f32>, LlamaError> {
+    attach_with(model, base, seed, model.frozen_base().map(|b| &**b))
+}
+
+/// [`attach`] for a model whose projections are packed in `frozen`
+/// (outside `base`, which then has the packed layout's tensors): DoRA's
+/// magnitudes are the row norms of the dequantised projections.
+pub fn attach_with(
+    model: &Llama,
+    base: &[f32],
+    seed: u64,
+    frozen: Option<&FrozenBase>,
+) -> Result<Vec<f32>, LlamaError> {
     require_lora(model)?;
     let base_model = model.plain()?;
     let base_layout = base_model.layout();
@@ -145,6 +186,10 @@ pub fn attach(model: &Llama, base: &[f32], seed: u64) -> Result<Vec<f32>, LlamaE
     for t in base_layout.tensors() {
         let dst = model.layout().get(&t.name).ok_or_else(|| LlamaError::MissingTensor { name: t.name.clone() })?;
         out[dst.range()].copy_from_slice(&base[t.range()]);
+    }
+    for idx in 0..model.config().n_layer {
+        let seg = segs[1 + idx].clone();
+        crate::dora::init_magnitudes(model, idx, &mut out[seg], frozen);
     }
     Ok(out)
 }
@@ -192,9 +237,19 @@ pub fn merge_with(model: &Llama, params: &[f32], base: Option<&FrozenBase>) -> R
                 lora.scale(),
                 parallelism(false),
             );
+            // DoRA: each row of W + s·B·A rescaled to its magnitude (PEFT's merge).
+            if let Some(m) = &lr.m {
+                crate::dora::rescale_rows(w, &params[m.clone()], ic);
+            }
         }
     }
     Ok(out)
+}
+
+/// `x` as the f64 its shortest decimal spelling names (0.1f32 is written
+/// 0.1, not 0.10000000149011612, as PEFT's Python float would read it).
+fn shortest(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
 }
 
 /// `adapter_config.json` as PEFT writes it for a causal LM.
@@ -204,15 +259,15 @@ pub fn adapter_config_json(lora: &LoraConfig, base_model_name_or_path: Option<&s
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
         "r": lora.r,
-        "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout,
+        "lora_alpha": shortest(lora.alpha),
+        "lora_dropout": shortest(lora.dropout),
         "target_modules": lora.target_names()?,
         "bias": "none",
         "fan_in_fan_out": false,
         "inference_mode": true,
         "init_lora_weights": true,
-        "use_rslora": false,
-        "use_dora": false,
+        "use_rslora": lora.use_rslora,
+        "use_dora": lora.use_dora,
         "modules_to_save": null,
         "layers_to_transform": null,
         "layers_pattern": null,
@@ -257,8 +312,8 @@ pub struct Adapter {
 }
 
 /// Reads PEFT's `adapter_config.json` into a [`LoraConfig`]. Settings that
-/// change the math and are not implemented (rsLoRA, DoRA, per-layer ranks,
-/// biases, regex targets) are errors naming the key.
+/// change the math and are not implemented (per-layer ranks, biases, regex
+/// targets) are errors naming the key.
 pub fn lora_config_from_peft(v: &Value) -> Result<(LoraConfig, Option<String>), LlamaError> {
     let get = |key: &str| v.get(key).filter(|x| !x.is_null());
     if let Some(t) = get("peft_type") {
@@ -273,8 +328,13 @@ pub fn lora_config_from_peft(v: &Value) -> Result<(LoraConfig, Option<String>), 
         }
     };
     let empty = |x: &Value| x.as_object().is_some_and(|o| o.is_empty()) || x.as_array().is_some_and(|a| a.is_empty());
-    off("use_rslora", &|x| x.as_bool() == Some(false))?;
-    off("use_dora", &|x| x.as_bool() == Some(false))?;
+    let flag = |key: &str| -> Result<bool, LlamaError> {
+        match get(key) {
+            None => Ok(false),
+            Some(x) => x.as_bool().ok_or_else(|| LlamaError::lora(key, format!("= {x} is not true or false"))),
+        }
+    };
+    let (use_rslora, use_dora) = (flag("use_rslora")?, flag("use_dora")?);
     off("fan_in_fan_out", &|x| x.as_bool() == Some(false))?;
     off("lora_bias", &|x| x.as_bool() == Some(false))?;
     off("bias", &|x| x.as_str() == Some("none"))?;
@@ -306,7 +366,7 @@ pub fn lora_config_from_peft(v: &Value) -> Result<(LoraConfig, Option<String>), 
             ))
         }
     };
-    let cfg = LoraConfig { r, alpha: alpha as f32, dropout: dropout as f32, target_modules };
+    let cfg = LoraConfig { r, alpha: alpha as f32, dropout: dropout as f32, target_modules, use_rslora, use_dora };
     cfg.targets()?;
     Ok((cfg, get("base_model_name_or_path").and_then(Value::as_str).map(str::to_string)))
 }
@@ -336,6 +396,16 @@ impl Adapter {
     pub fn apply(&self, model: &Llama, params: &mut [f32]) -> Result<(), LlamaError> {
         let lora = require_lora(model)?;
         let (m, a) = (lora, &self.config);
+        if (m.use_rslora, m.use_dora) != (a.use_rslora, a.use_dora) {
+            return Err(LlamaError::lora(
+                "use_dora",
+                format!(
+                    "the model has use_rslora = {}, use_dora = {}; the adapter use_rslora = {}, use_dora = {} \
+                     (build the model with the adapter's config)",
+                    m.use_rslora, m.use_dora, a.use_rslora, a.use_dora
+                ),
+            ));
+        }
         if m.r != a.r || m.alpha != a.alpha || m.targets()? != a.targets()? {
             return Err(LlamaError::lora(
                 "target_modules",

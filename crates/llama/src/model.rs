@@ -13,6 +13,7 @@ use crate::error::LlamaError;
 use crate::frozen::FrozenBase;
 use crate::layout::{build_layout, Adapters, LayerParams, ParamRanges, Proj};
 use crate::lora::LoraConfig;
+use crate::lora_dropout::Dropout;
 use crate::split::Split;
 use engine::rng::SplitMix64;
 use engine::{
@@ -54,6 +55,8 @@ struct Acts {
     /// The micro-batch's positions and document starts (packed rows; empty otherwise).
     pos: Vec<u32>,
     docs: Vec<u32>,
+    /// The micro-batch's LoRA dropout masks (training passes with dropout).
+    drop: Option<Dropout>,
 }
 
 /// Working buffer of the stack that holds d(hf) in backward.
@@ -64,7 +67,8 @@ impl Acts {
         let [_, hf, rstd_f, logits, losses] = s.head.map(nn::stack::zeros);
         let rope = Rope::new(t, cfg.head_dim, cfg.rope_theta, cfg.llama3_scaling().as_ref());
         let (pos, docs) = (Vec::new(), Vec::new());
-        Acts { stack: Stack::new(&s.stack), sizes: Some(s), b, t, rope, hf, rstd_f, logits, losses, pos, docs }
+        let drop = None;
+        Acts { stack: Stack::new(&s.stack), sizes: Some(s), b, t, rope, hf, rstd_f, logits, losses, pos, docs, drop }
     }
 
     /// Bytes held (activations and scratch), for memory accounting.
@@ -100,6 +104,9 @@ pub struct Llama {
     packed: bool,
     /// What the training loss adds to cross-entropy.
     loss_terms: engine::LossTerms,
+    /// The optimizer step being taken ([`Model::begin_step`]): LoRA
+    /// dropout's masks are keyed on it.
+    step: u64,
 }
 
 /// A layer with rotary tables and attention `(rope, attn)`, for the
@@ -114,7 +121,7 @@ fn layer<'a>(
     base: Option<&'a FrozenBase>,
 ) -> Layer<'a> {
     let (pos, docs) = (Positions { t: d.gqa.t, ids: pd.0 }, nn::flash::Docs(pd.1));
-    Layer { cfg, r, rope, d, attn, pos, docs, base, at: Cell::new(0) }
+    Layer { cfg, r, rope, d, attn, pos, docs, base, at: Cell::new(0), drop: None }
 }
 
 /// Moves the buffers used only within one forward (logits, losses) from
@@ -154,6 +161,13 @@ impl Llama {
     ) -> Result<Self, LlamaError> {
         if !tp.is_split() {
             return Self::build(whole, lora, precision);
+        }
+        if let Some(l) = lora.as_ref().filter(|l| l.use_dora || l.dropout > 0.0) {
+            let key = if l.use_dora { "use_dora" } else { "lora_dropout" };
+            return Err(LlamaError::lora(
+                key,
+                format!("is not supported with tensor parallelism ({} ranks); set dist.tensor_parallel = 1", tp.size),
+            ));
         }
         let local = whole.split_for(tp)?;
         let whole = Self::build(whole, lora.clone(), Precision::F32)?;
@@ -231,10 +245,13 @@ impl Llama {
                 // The adapters' parameters and tensors count too.
                 let on = Proj::ALL.into_iter().filter(|&p| targets[p as usize]);
                 let per_layer: u128 = on.clone().map(|p| p.shape(&cfg).iter().map(|&d| d as u128).sum::<u128>()).sum();
-                let n = cfg.param_count() + cfg.n_layer as u128 * l.r as u128 * per_layer;
-                engine::check_shape_size(n, cfg.n_layer, cfg.tensors_per_layer() + 2 * on.count() as u128, 3)
+                // DoRA: a magnitude of `out` values per adapted projection.
+                let (dora, per_tensor) = (l.use_dora as u128, 2 + l.use_dora as u128);
+                let mags: u128 = dora * on.clone().map(|p| p.shape(&cfg)[0] as u128).sum::<u128>();
+                let n = cfg.param_count() + cfg.n_layer as u128 * (l.r as u128 * per_layer + mags);
+                engine::check_shape_size(n, cfg.n_layer, cfg.tensors_per_layer() + per_tensor * on.count() as u128, 3)
                     .map_err(LlamaError::TooLarge)?;
-                Some(Adapters { r: l.r, targets })
+                Some(Adapters { r: l.r, targets, dora: l.use_dora, dropout: l.dropout > 0.0 })
             }
             None => None,
         };
@@ -257,6 +274,7 @@ impl Llama {
             base,
             packed,
             loss_terms: engine::LossTerms::default(),
+            step: 0,
         })
     }
 
@@ -364,6 +382,7 @@ impl Llama {
             out[w.clone()].copy_from_slice(&normal(w.len()));
         }
         self.init_adapters(seed, seg - 1, &mut out);
+        crate::dora::init_magnitudes(self, seg - 1, &mut out, self.base.as_deref());
         out
     }
 
@@ -496,6 +515,8 @@ impl Llama {
         let inputs = &batch.inputs;
         self.acts.pos.clone_from(&batch.positions);
         self.acts.docs = batch.doc_starts();
+        let p_drop = self.lora.as_ref().map_or(0.0, |l| l.dropout);
+        self.acts.drop = (pass == Pass::Train && p_drop > 0.0).then(|| Dropout::new(p_drop, self.step, batch));
         if self.stage.is_first() {
             {
                 let seg = store.segment(0)?;
@@ -517,7 +538,8 @@ impl Llama {
         let acts = &mut self.acts;
         let rope = later.as_ref().unwrap_or(&acts.rope);
         let base = self.base.as_deref();
-        let layer = layer(&self.cfg, &self.ranges.layer_rel, (rope, attn), d, (&acts.pos, &acts.docs), base);
+        let mut layer = layer(&self.cfg, &self.ranges.layer_rel, (rope, attn), d, (&acts.pos, &acts.docs), base);
+        layer.drop = acts.drop.as_ref();
         acts.stack.forward(&layer, store, segs, pass == Pass::Train)?;
         if !self.stage.is_last() {
             return Ok(());
@@ -604,7 +626,8 @@ impl Llama {
         let segs = self.stage_segs();
         let acts = &mut self.acts;
         let (rope_attn, base) = ((&acts.rope, Attention::Causal), self.base.as_deref());
-        let layer = layer(&self.cfg, &self.ranges.layer_rel, rope_attn, d, (&acts.pos, &acts.docs), base);
+        let mut layer = layer(&self.cfg, &self.ranges.layer_rel, rope_attn, d, (&acts.pos, &acts.docs), base);
+        layer.drop = acts.drop.as_ref();
         acts.stack.backward(&layer, store, segs)?;
         if !self.stage.is_first() {
             return Ok(());
@@ -731,6 +754,10 @@ impl Model for Llama {
     fn loss(&mut self, store: &mut dyn ParamStore, batch: &TokenBatch) -> Result<MicroStepStats, LlamaError> {
         self.whole_model_for("evaluation")?;
         self.stage_forward(store, batch, 0, &[], &mut [], None)
+    }
+
+    fn begin_step(&mut self, step: u64) {
+        self.step = step;
     }
 }
 

@@ -423,7 +423,12 @@ impl Family for LlamaFamily {
     fn start_from_pretrained(&self, params: Vec<f32>, seed: u64) -> Result<Vec<f32>> {
         let n = self.model.layout().n_params();
         match &self.lora {
-            Some(_) if params.len() != n => Ok(lora::attach(&self.model, &params, seed)?),
+            Some(_) if params.len() != n => {
+                // DoRA's magnitudes start at the packed base's row norms.
+                let base = self.packed.as_ref().filter(|p| p.source.is_some());
+                let base = base.map(|p| p.get(&self.cfg, false)).transpose()?.map(|(b, _)| b);
+                Ok(lora::attach_with(&self.model, &params, seed, base.as_deref())?)
+            }
             _ => Ok(params),
         }
     }

@@ -47,9 +47,12 @@ fn packed_base_computes_the_f32_model_on_its_dequantised_values() {
     let cfg = cfg();
     let plain = Llama::new(cfg.clone()).unwrap();
     let base_params = plain.init_params(3);
-    let lora_cfg = LoraConfig::new(4, 8.0, &["all-linear"]);
     let b = batch(&cfg);
-    for fmt in PackFormat::ALL {
+    // DoRA's row norms read the packed base too (a block of rows dequantised at a time).
+    let dora = LoraConfig { use_dora: true, ..LoraConfig::new(4, 8.0, &["all-linear"]) };
+    for (fmt, lora_cfg) in
+        PackFormat::ALL.into_iter().flat_map(|f| [(f, LoraConfig::new(4, 8.0, &["all-linear"])), (f, dora.clone())])
+    {
         let base = FrozenBase::quantize(&cfg, &base_params, fmt).unwrap();
         assert_eq!(base.bytes() as u128, FrozenBase::planned_bytes(&cfg, |_| fmt), "{fmt}: bytes as planned");
         // The f32 model on the dequantised base.
@@ -80,6 +83,22 @@ fn packed_base_computes_the_f32_model_on_its_dequantised_values() {
             // The packed model's layout is the f32 one without the projections' weights.
             let names: Vec<_> = packed.layout().tensors().iter().map(|t| t.name.clone()).collect();
             let projs = 7 * cfg.n_layer;
+            // Attached to the packed base, the adapters start as on the dequantised f32 base
+            // (DoRA's magnitudes: the packed rows' norms).
+            let rest: Vec<f32> = packed
+                .plain()
+                .unwrap()
+                .layout()
+                .tensors()
+                .iter()
+                .flat_map(|t| deq[plain.layout().get(&t.name).unwrap().range()].to_vec())
+                .collect();
+            let (init_p, init_f) =
+                (lora::attach(&packed, &rest, 5).unwrap(), lora::attach(&f32_model, &deq, 5).unwrap());
+            for t in packed.layout().tensors().iter().filter(|t| lora::is_adapter(&t.name)) {
+                let want = &init_f[f32_model.layout().get(&t.name).unwrap().range()];
+                assert!(bits(&init_p[t.range()]) == bits(want), "{fmt}: {} at attach", t.name);
+            }
             assert_eq!(names.len() + projs, f32_model.layout().tensors().len(), "{fmt}");
             assert!(names.iter().all(|n| n.contains("lora_") || !n.ends_with("proj.weight")), "{names:?}");
             let pp: Vec<f32> = packed

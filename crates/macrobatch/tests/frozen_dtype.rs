@@ -38,23 +38,7 @@ fn folder(tag: &str, project: impl Fn(usize, Proj, &[f32]) -> Vec<f32>) -> PathB
 /// A LoRA run on the tiny shape from `init` (the byte corpus; two ranks
 /// as threads share one packed base).
 fn lora_run(out: &Path, init: &Path, sets: &[&str], extra: &[&str]) -> std::process::Output {
-    let mut all = vec![
-        "model.family=llama",
-        "lora.r=4",
-        "lora.alpha=8",
-        "lora.target_modules=[\"q_proj\",\"k_proj\",\"v_proj\",\"o_proj\",\"gate_proj\",\"up_proj\",\"down_proj\"]",
-        "data.seq_len=32",
-        "batch.micro=2",
-        "batch.accumulation_steps=2",
-        "train.eval_every=0",
-        "train.steps=4",
-        "train.threads=1",
-        "dist.world_size=2",
-    ];
-    all.extend_from_slice(sets);
-    let mut c = train_cmd(out, &all);
-    c.arg("--init-from").arg(init).args(extra);
-    c.output().expect("binary runs")
+    tiny_lora_run(out, init, &[&["dist.world_size=2"], sets].concat(), extra)
 }
 
 fn lora_ok(out: &Path, init: &Path, sets: &[&str]) -> Vec<f64> {

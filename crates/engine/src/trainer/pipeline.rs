@@ -347,6 +347,7 @@ impl Trainer {
             )));
         }
         let step_idx = self.n_steps;
+        model.begin_step(step_idx);
         let comm_err = |source| EngineError::Comm { step: step_idx + 1, source };
         let before = dp.counters();
         let p2p_before = pipe.counters().p2p_bytes_sent;

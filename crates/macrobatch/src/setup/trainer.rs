@@ -48,11 +48,16 @@ pub fn tensor_family(family: &dyn Family, tp: TpRank) -> Result<Arc<dyn Family>>
 }
 
 /// The tensors to train: `train.trainable`, except that with `[lora]` and
-/// the default `["*"]` only the adapters train (the base is frozen).
+/// the default `["*"]` only the adapters train (the base is frozen): A, B
+/// and, with `use_dora`, the magnitudes.
 pub fn trainable_patterns(cfg: &Config) -> Vec<String> {
     let everything = cfg.train.trainable.len() == 1 && cfg.train.trainable[0] == "*";
-    if cfg.lora.is_some() && everything {
-        return vec!["*.lora_A.weight".into(), "*.lora_B.weight".into()];
+    if let Some(lora) = cfg.lora.as_ref().filter(|_| everything) {
+        let mut adapters = vec!["*.lora_A.weight".to_string(), "*.lora_B.weight".to_string()];
+        if lora.get("use_dora").and_then(toml::Value::as_bool) == Some(true) {
+            adapters.push("*.lora_magnitude_vector".into());
+        }
+        return adapters;
     }
     cfg.train.trainable.clone()
 }
