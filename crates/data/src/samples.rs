@@ -5,6 +5,7 @@
 
 use crate::dataset::TokenDataset;
 use crate::error::DataError;
+use crate::mixture::Mixed;
 use crate::sft::SftDataset;
 use engine::TokenBatch;
 
@@ -15,6 +16,8 @@ pub enum Samples {
     Windows(TokenDataset),
     /// Fine-tuning examples (or packed rows of them).
     Examples(SftDataset),
+    /// Several sources end to end (`data.sources`).
+    Mixed(Box<Mixed>),
 }
 
 impl Samples {
@@ -23,6 +26,7 @@ impl Samples {
         match self {
             Samples::Windows(d) => d.n_samples(),
             Samples::Examples(d) => d.n_samples(),
+            Samples::Mixed(m) => m.n_samples(),
         }
     }
 
@@ -32,6 +36,7 @@ impl Samples {
         match self {
             Samples::Windows(d) => d.seq_len(),
             Samples::Examples(d) => d.max_positions(),
+            Samples::Mixed(m) => m.seq_len(),
         }
     }
 
@@ -55,6 +60,7 @@ impl Samples {
                 Ok(b)
             }
             Samples::Examples(d) => Ok(d.micro_batch(indices)),
+            Samples::Mixed(m) => m.batch(indices),
         }
     }
 
@@ -65,6 +71,7 @@ impl Samples {
         match self {
             Samples::Windows(d) => indices.len() * d.seq_len(),
             Samples::Examples(d) => d.micro_batch_positions(indices),
+            Samples::Mixed(m) => m.input_positions(indices),
         }
     }
 
@@ -73,6 +80,7 @@ impl Samples {
         match self {
             Samples::Windows(d) => d.resident_bytes(),
             Samples::Examples(d) => d.examples().iter().map(|e| 5 * e.tokens.len() as u64).sum(),
+            Samples::Mixed(m) => m.parts().iter().map(Samples::resident_bytes).sum(),
         }
     }
 }

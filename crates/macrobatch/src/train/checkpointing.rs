@@ -124,6 +124,7 @@ impl<'a> Checkpoints<'a> {
                 n_skipped: s.n_skipped,
             }),
             run_id: Some(self.start.run_id.clone()),
+            mixture_drawn: plan.sampler.mixture_drawn(step),
         };
         let delay = fault.and_then(|f| f.checkpoint_delay(comm.rank(), step));
         let (dir, config_toml) = (&out.dir, &self.config_toml);
