@@ -55,7 +55,7 @@ fn a_mixture_resumes_bit_for_bit_and_records_its_position() {
     assert!(o.status.success(), "{}", stderr(&o));
     // the checkpoint of step 4 says how many samples each source gave: 4 steps of G = 8
     let state: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(resumed.join("step-00000004/trainer_state.json")).unwrap())
+        serde_json::from_str(&std::fs::read_to_string(resumed.join("checkpoints/step-00000004/trainer_state.json")).unwrap())
             .unwrap();
     let drawn: Vec<u64> = state["mixture_drawn"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
     assert_eq!(drawn.len(), 2);
@@ -66,8 +66,8 @@ fn a_mixture_resumes_bit_for_bit_and_records_its_position() {
     assert_eq!(weights(&straight), weights(&resumed), "final parameters identical bit for bit");
     // other weights draw another mixture: refused, naming data.sources
     let (_, _) = (
-        std::fs::remove_dir_all(resumed.join("step-00000012")),
-        std::fs::remove_dir_all(resumed.join("step-00000008")),
+        std::fs::remove_dir_all(resumed.join("checkpoints/step-00000012")),
+        std::fs::remove_dir_all(resumed.join("checkpoints/step-00000008")),
     );
     let other = sources_set(&a, &b, 1.0);
     let o = resume(&resumed, &[other.as_str()]);
