@@ -54,9 +54,10 @@ fn a_mixture_resumes_bit_for_bit_and_records_its_position() {
     let o = c.output().unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
     // the checkpoint of step 4 says how many samples each source gave: 4 steps of G = 8
-    let state: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(resumed.join("checkpoints/step-00000004/trainer_state.json")).unwrap())
-            .unwrap();
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(resumed.join("checkpoints/step-00000004/trainer_state.json")).unwrap(),
+    )
+    .unwrap();
     let drawn: Vec<u64> = state["mixture_drawn"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
     assert_eq!(drawn.len(), 2);
     assert_eq!(drawn.iter().sum::<u64>(), 4 * 8, "{drawn:?}");

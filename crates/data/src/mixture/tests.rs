@@ -119,9 +119,9 @@ fn sources_are_walked_in_whole_passes() {
             let n = m.n_samples() as f64;
             for at in 1..order.len() {
                 let c = counts(&m, &order[..at]);
-                for i in 0..3 {
-                    let share = at as f64 * m.quotas()[i] as f64 / n;
-                    assert!((c[i] as f64 - share).abs() < 1.0 + 1e-9, "prefix {at} source {i}: {} vs {share}", c[i]);
+                for (i, (&got, &q)) in c.iter().zip(m.quotas()).enumerate() {
+                    let share = at as f64 * q as f64 / n;
+                    assert!((got as f64 - share).abs() < 1.0 + 1e-9, "prefix {at} source {i}: {got} vs {share}");
                 }
             }
         }
