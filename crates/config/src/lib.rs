@@ -7,6 +7,7 @@ mod deepspeed;
 mod extends;
 mod loop_controls;
 mod objective;
+mod sources;
 
 pub use data::{DataFormat, Schema, TokenizerSpec};
 pub use deepspeed::{DeepSpeedConfig, DeepSpeedOptions};
@@ -15,6 +16,7 @@ pub use extends::read_toml;
 pub use loop_controls::EarlyStopping;
 pub use objective::Objective;
 use serde::{Deserialize, Serialize};
+pub use sources::SourceConfig;
 use thiserror::Error;
 
 /// Errors in the configuration, each naming the field and the fix.
@@ -260,6 +262,10 @@ pub struct DataConfig {
     pub shuffle: bool,
     /// Drop the samples that cannot fill a whole global batch.
     pub drop_last: bool,
+    /// Several files mixed by weight instead of `path`: `[{ path, weight,
+    /// format, schema, val_fraction }, …]` (docs/data.md).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sources: Option<Vec<SourceConfig>>,
 }
 
 impl Default for DataConfig {
@@ -276,6 +282,7 @@ impl Default for DataConfig {
             seq_len: None,
             shuffle: true,
             drop_last: true,
+            sources: None,
         }
     }
 }
@@ -865,28 +872,31 @@ impl Config {
             return Err(invalid("dist.timeout_s", dist.timeout_s, "must be finite and > 0"));
         }
         let d = &self.data;
+        sources::validate(d)?;
+        // `text` (the default) reads a `.parquet` / `.arrow` path as that table.
+        let format = d.format.resolved_for(d.path.as_deref().map(std::path::Path::new));
         if d.val_path.is_some() && d.path.is_none() {
             return Err(invalid("data.val_path", "set", "needs data.path (the bundled corpus splits itself)"));
         }
-        if d.format == DataFormat::Jsonl && d.path.is_none() {
+        if format.has_records() && d.path.is_none() && d.sources.is_none() {
             return Err(invalid(
                 "data.format",
-                "\"jsonl\"",
-                "needs data.path (training examples, JSON Lines); held-out examples are data.val_path, else the last data.val_fraction of data.path",
+                format!("\"{}\"", format.name()),
+                "needs data.path (the training records) or data.sources; held-out records are data.val_path, else the last data.val_fraction of data.path",
             ));
         }
-        if d.schema != Schema::Auto && d.format != DataFormat::Jsonl {
+        if d.schema != Schema::Auto && !format.has_records() && d.sources.is_none() {
             return Err(invalid(
                 "data.schema",
                 format!("\"{}\"", d.schema.name()),
-                "applies to data.format = \"jsonl\" (how its lines are read)",
+                "applies to data.format = \"jsonl\", \"parquet\" or \"arrow\" (how its records are read)",
             ));
         }
-        if d.pack && d.format != DataFormat::Jsonl {
+        if d.pack && !format.has_records() && d.sources.is_none() {
             return Err(invalid(
                 "data.pack",
                 true,
-                "applies to data.format = \"jsonl\" (token streams are windows already)",
+                "applies to data.format = \"jsonl\", \"parquet\" or \"arrow\" (token streams are windows already)",
             ));
         }
         if d.val_path.as_deref() == Some("") {
@@ -1297,7 +1307,7 @@ mod tests {
             assert_eq!(Config::from_toml(&cfg.to_toml(), "resolved", &[]).unwrap(), cfg);
         }
         let e = parse("", &["data.schema=\"alpaca\""]).unwrap().validate().unwrap_err().to_string();
-        assert_eq!(e, "data.schema = \"alpaca\": applies to data.format = \"jsonl\" (how its lines are read)");
+        assert_eq!(e, "data.schema = \"alpaca\": applies to data.format = \"jsonl\", \"parquet\" or \"arrow\" (how its records are read)");
         let e = parse("", &["data.format=\"jsonl\""]).unwrap().validate().unwrap_err().to_string();
         assert!(e.starts_with("data.format = \"jsonl\": needs data.path"), "{e}");
     }

@@ -50,6 +50,13 @@ pub(crate) fn validate(cfg: &Config) -> Result<(), ConfigError> {
     if dropout.is_some_and(|p| p > 0.0) {
         return refuse("lora.dropout", &dropout.unwrap_or(0.0), "scores each reply once without dropout to weigh its gradient, so the two passes must agree: set lora.dropout = 0");
     }
+    if cfg.data.sources.is_some() {
+        return refuse(
+            "data.sources",
+            &"[…]",
+            "reads one JSON Lines file of pairs: set data.path instead of data.sources",
+        );
+    }
     if cfg.data.format != DataFormat::Jsonl {
         return refuse(
             "data.format",

@@ -28,11 +28,18 @@ pub enum DataFormat {
     /// [{"role", "content"}, …]}` (only the assistant's replies are
     /// targets), Alpaca, ShareGPT or prompt/completion lines (`Schema`).
     Jsonl,
+    /// A Parquet file (or a folder of them) of fine-tuning rows in any
+    /// JSON Lines schema, or of `text` documents ([`crate::tabular`]).
+    Parquet,
+    /// Arrow IPC streams as Hugging Face `datasets` saves them (a
+    /// `save_to_disk` folder or one `.arrow` file), read as `parquet` is.
+    Arrow,
 }
 
 impl DataFormat {
     /// Every format.
-    pub const ALL: [DataFormat; 4] = [DataFormat::Text, DataFormat::U16, DataFormat::U32, DataFormat::Jsonl];
+    pub const ALL: [DataFormat; 6] =
+        [DataFormat::Text, DataFormat::U16, DataFormat::U32, DataFormat::Jsonl, DataFormat::Parquet, DataFormat::Arrow];
 
     /// The name `data.format` gives it.
     pub fn name(self) -> &'static str {
@@ -41,15 +48,77 @@ impl DataFormat {
             DataFormat::U16 => "u16",
             DataFormat::U32 => "u32",
             DataFormat::Jsonl => "jsonl",
+            DataFormat::Parquet => "parquet",
+            DataFormat::Arrow => "arrow",
         }
     }
 
     /// The token width of a token-file format (`None` for text).
     pub fn dtype(self) -> Option<TokenDtype> {
         match self {
-            DataFormat::Text | DataFormat::Jsonl => None,
+            DataFormat::Text | DataFormat::Jsonl | DataFormat::Parquet | DataFormat::Arrow => None,
             DataFormat::U16 => Some(TokenDtype::U16),
             DataFormat::U32 => Some(TokenDtype::U32),
+        }
+    }
+}
+
+impl DataFormat {
+    /// Whether records are read from it (fine-tuning examples, or a
+    /// table's documents): `jsonl`, `parquet`, `arrow`.
+    pub fn has_records(self) -> bool {
+        matches!(self, DataFormat::Jsonl | DataFormat::Parquet | DataFormat::Arrow)
+    }
+
+    /// The table format `path` is in, told by its name: `.parquet`,
+    /// `.arrow`, or a folder that holds a `datasets` `save_to_disk`
+    /// `state.json`, `.arrow` or `.parquet` files.
+    pub fn table_of(path: &Path) -> Option<DataFormat> {
+        let ext = |p: &Path, e: &str| p.extension().is_some_and(|x| x.eq_ignore_ascii_case(e));
+        if ext(path, "parquet") {
+            return Some(DataFormat::Parquet);
+        }
+        if ext(path, "arrow") {
+            return Some(DataFormat::Arrow);
+        }
+        if !path.is_dir() {
+            return None;
+        }
+        if path.join("state.json").is_file() || path.join("dataset_dict.json").is_file() {
+            return Some(DataFormat::Arrow);
+        }
+        let names: Vec<PathBuf> = std::fs::read_dir(path).ok()?.filter_map(|e| e.ok().map(|e| e.path())).collect();
+        [DataFormat::Parquet, DataFormat::Arrow].into_iter().find(|f| names.iter().any(|p| ext(p, f.name())))
+    }
+
+    /// The format of `path` when none is given: a table
+    /// ([`Self::table_of`]), `.jsonl` / `.json` as records, a token file
+    /// by the `meta.json` beside it, else text.
+    pub fn detect(path: &Path) -> Result<DataFormat, DataError> {
+        if let Some(table) = Self::table_of(path) {
+            return Ok(table);
+        }
+        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("jsonl") || e.eq_ignore_ascii_case("json")) {
+            return Ok(DataFormat::Jsonl);
+        }
+        if path.is_file() {
+            if let Some(meta) = TokenFileMeta::beside(path)? {
+                return Ok(match meta.dtype {
+                    TokenDtype::U16 => DataFormat::U16,
+                    TokenDtype::U32 => DataFormat::U32,
+                });
+            }
+        }
+        Ok(DataFormat::Text)
+    }
+
+    /// The format `path` is read in when this one is configured: `text`
+    /// (the default) becomes `parquet` or `arrow` where the name says so
+    /// ([`Self::table_of`]); any other is kept.
+    pub fn resolved_for(self, path: Option<&Path>) -> DataFormat {
+        match (self, path.and_then(Self::table_of)) {
+            (DataFormat::Text, Some(table)) => table,
+            _ => self,
         }
     }
 }
@@ -187,14 +256,32 @@ impl Corpus {
     /// ends, and no BPE merge spans two files). A file that is not UTF-8 or
     /// holds a NUL byte (binary, e.g. a token file) is an error naming it.
     pub fn load_files(name: &str, files: &[PathBuf], tok: &Tokenizer) -> Result<Self, DataError> {
-        let mut tokens = Vec::new();
-        for (file_idx, file) in files.iter().enumerate() {
+        let read = files.iter().map(|file| {
             let bytes = std::fs::read(file).map_err(|source| DataError::Read { path: file.clone(), source })?;
-            let text = text_of(file, &bytes, 0)?;
-            if let (true, Some(eos)) = (file_idx > 0, tok.eos_id()) {
+            text_of(file, &bytes, 0)?;
+            String::from_utf8(bytes)
+                .map_err(|e| DataError::NotUtf8 { path: file.clone(), offset: e.utf8_error().valid_up_to() as u64 })
+        });
+        Self::from_documents(name, read, tok)
+    }
+
+    /// Documents (each read as it is reached: the first error stops)
+    /// through the model's tokenizer, as one corpus called `name`: each
+    /// encoded on its own, joined with the tokenizer's EOS when it has one
+    /// (so the model sees where a document ends, and no BPE merge spans
+    /// two).
+    pub fn from_documents<S: AsRef<str>>(
+        name: &str,
+        docs: impl IntoIterator<Item = Result<S, DataError>>,
+        tok: &Tokenizer,
+    ) -> Result<Self, DataError> {
+        let mut tokens = Vec::new();
+        for (doc_idx, text) in docs.into_iter().enumerate() {
+            let text = text?;
+            if let (true, Some(eos)) = (doc_idx > 0, tok.eos_id()) {
                 tokens.push(eos);
             }
-            tokens.extend(tok.encode(text)?);
+            tokens.extend(tok.encode(text.as_ref())?);
         }
         if tokens.is_empty() {
             return Err(DataError::Empty { name: name.into() });

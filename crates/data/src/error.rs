@@ -271,4 +271,38 @@ pub enum DataError {
         /// Byte offset of the NUL.
         offset: u64,
     },
+    /// A table file (Parquet, Arrow) cannot be read as one.
+    #[error("{}: {problem}", path.display())]
+    Table {
+        /// The file or folder.
+        path: PathBuf,
+        /// What is wrong, and what is expected.
+        problem: String,
+    },
+    /// A table lacks the columns of every schema (or of the one forced).
+    #[error("{}: no columns of {expected}; its columns are: {found} (rename them, or set data.schema)", path.display())]
+    MissingColumns {
+        /// The file.
+        path: PathBuf,
+        /// The column sets that would do.
+        expected: String,
+        /// The columns it has.
+        found: String,
+    },
+    /// A Parquet column is compressed with a codec this build lacks.
+    #[error("{}: column \"{column}\" is compressed with {codec}, which this build does not decode (it reads uncompressed, SNAPPY — pyarrow's default — and GZIP); rewrite it, e.g. pyarrow.parquet.write_table(table, path, compression=\"snappy\")", path.display())]
+    UnsupportedCodec {
+        /// The file.
+        path: PathBuf,
+        /// The codec.
+        codec: String,
+        /// The column.
+        column: String,
+    },
+    /// A mixture of sources cannot be drawn as configured.
+    #[error("{problem}")]
+    Mixture {
+        /// What is wrong, naming the source and the fix.
+        problem: String,
+    },
 }

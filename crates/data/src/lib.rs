@@ -6,11 +6,13 @@ pub mod chat;
 pub mod dataset;
 pub mod error;
 pub mod gguf_meta;
+pub mod mixture;
 pub mod preference;
 pub mod sampler;
 pub mod samples;
 pub mod schemas;
 pub mod sft;
+pub mod tabular;
 pub mod token_file;
 pub mod tokenizer;
 
@@ -20,10 +22,12 @@ pub use dataset::{
     load_splits, n_val_tokens, open_token_file, text_files, text_of, Corpus, DataFormat, TextFiles, TokenDataset,
 };
 pub use error::DataError;
+pub use mixture::{Mixed, Mixture};
 pub use preference::PairDataset;
 pub use sampler::{BatchShape, EpochOrder, Sampler, LAZY_ORDER_FROM};
 pub use samples::Samples;
 pub use schemas::Schema;
 pub use sft::{Example, SftDataset, SftOptions, SftStats};
+pub use tabular::{Table, TableData};
 pub use token_file::{SourceFile, TokenDtype, TokenFile, TokenFileMeta};
 pub use tokenizer::{ByteTokenizer, Tokenizer, TokenizerSpec};

@@ -8,7 +8,9 @@
 //! run needs only the global step index.
 
 use crate::error::DataError;
+use crate::mixture::Mixture;
 use engine::rng::SplitMix64;
+use std::sync::Arc;
 
 /// How a global batch is factored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,6 +46,9 @@ pub struct Sampler {
     drop_last: bool,
     seed: u64,
     lazy_from: usize,
+    /// Several sources drawn by weight (`data.sources`): the epoch order is
+    /// the mixture's.
+    mixture: Option<Arc<Mixture>>,
 }
 
 /// The sample order of one epoch.
@@ -127,6 +132,21 @@ impl Permutation {
     }
 }
 
+/// The order of `epoch` over `n` samples: a permutation from (seed,
+/// epoch), or the identity without shuffling; computed per index from
+/// `lazy_from` samples on.
+pub(crate) fn order_of(n: usize, shuffle: bool, seed: u64, epoch: u64, lazy_from: usize) -> EpochOrder {
+    let mut rng = SplitMix64::derive(seed, &[0x5a3d, epoch]);
+    if n >= lazy_from {
+        return if shuffle { EpochOrder::Permuted(Permutation::new(n, &mut rng)) } else { EpochOrder::Identity(n) };
+    }
+    let mut order: Vec<usize> = (0..n).collect();
+    if shuffle {
+        rng.shuffle(&mut order);
+    }
+    EpochOrder::List(order)
+}
+
 impl Sampler {
     /// A sampler over `n_samples` samples.
     pub fn new(
@@ -151,7 +171,28 @@ impl Sampler {
         if n_samples == 0 {
             return Err(DataError::NoFullBatch { n_samples, global: shape.global() });
         }
-        Ok(Self { n_samples, shape, shuffle, drop_last, seed, lazy_from: LAZY_ORDER_FROM })
+        Ok(Self { n_samples, shape, shuffle, drop_last, seed, lazy_from: LAZY_ORDER_FROM, mixture: None })
+    }
+
+    /// The same sampler with epoch orders drawn from `mixture`'s sources
+    /// (which must hold this sampler's `n_samples`; `None`: unchanged).
+    pub fn with_mixture(mut self, mixture: Option<Mixture>) -> Self {
+        debug_assert!(mixture.as_ref().is_none_or(|m| m.n_samples() == self.n_samples));
+        self.mixture = mixture.map(Arc::new);
+        self
+    }
+
+    /// The mixture it draws from, if any.
+    pub fn mixture(&self) -> Option<&Mixture> {
+        self.mixture.as_deref()
+    }
+
+    /// Samples each source of the mixture has given before global step
+    /// `step_idx` (`None` without a mixture): what a checkpoint records.
+    pub fn mixture_drawn(&self, step_idx: u64) -> Option<Vec<u64>> {
+        let (epoch, step) = self.position(step_idx);
+        let at = (step * self.shape.global()).min(self.n_samples);
+        self.mixture.as_ref().map(|m| m.drawn(self.seed, epoch, at, self.shuffle))
     }
 
     /// The same sampler computing orders index by index from `n` samples on
@@ -185,19 +226,10 @@ impl Sampler {
     /// The sample order of an epoch: a permutation from (seed, epoch), or the
     /// identity without shuffling.
     pub fn epoch_order(&self, epoch: u64) -> EpochOrder {
-        let mut rng = SplitMix64::derive(self.seed, &[0x5a3d, epoch]);
-        if self.n_samples >= self.lazy_from {
-            return if self.shuffle {
-                EpochOrder::Permuted(Permutation::new(self.n_samples, &mut rng))
-            } else {
-                EpochOrder::Identity(self.n_samples)
-            };
+        match &self.mixture {
+            Some(m) => m.epoch_order(self.seed, epoch, self.shuffle, self.lazy_from),
+            None => order_of(self.n_samples, self.shuffle, self.seed, epoch, self.lazy_from),
         }
-        let mut order: Vec<usize> = (0..self.n_samples).collect();
-        if self.shuffle {
-            rng.shuffle(&mut order);
-        }
-        EpochOrder::List(order)
     }
 
     /// Samples of rank `rank`'s micro-step `micro_step_idx` in step

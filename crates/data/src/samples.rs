@@ -5,6 +5,7 @@
 
 use crate::dataset::TokenDataset;
 use crate::error::DataError;
+use crate::mixture::Mixed;
 use crate::preference::PairDataset;
 use crate::sft::SftDataset;
 use engine::TokenBatch;
@@ -18,6 +19,8 @@ pub enum Samples {
     Examples(SftDataset),
     /// Preference pairs: a sample is a pair, two rows of its micro-batch.
     Pairs(PairDataset),
+    /// Several sources end to end (`data.sources`).
+    Mixed(Box<Mixed>),
 }
 
 impl Samples {
@@ -27,6 +30,7 @@ impl Samples {
             Samples::Windows(d) => d.n_samples(),
             Samples::Examples(d) => d.n_samples(),
             Samples::Pairs(d) => d.n_samples(),
+            Samples::Mixed(m) => m.n_samples(),
         }
     }
 
@@ -37,6 +41,7 @@ impl Samples {
             Samples::Windows(d) => d.seq_len(),
             Samples::Examples(d) => d.max_positions(),
             Samples::Pairs(d) => d.max_positions(),
+            Samples::Mixed(m) => m.seq_len(),
         }
     }
 
@@ -61,6 +66,7 @@ impl Samples {
             }
             Samples::Examples(d) => Ok(d.micro_batch(indices)),
             Samples::Pairs(d) => Ok(d.micro_batch(indices)),
+            Samples::Mixed(m) => m.batch(indices),
         }
     }
 
@@ -72,6 +78,7 @@ impl Samples {
             Samples::Windows(d) => indices.len() * d.seq_len(),
             Samples::Examples(d) => d.micro_batch_positions(indices),
             Samples::Pairs(d) => d.micro_batch_positions(indices),
+            Samples::Mixed(m) => m.input_positions(indices),
         }
     }
 
@@ -81,6 +88,7 @@ impl Samples {
             Samples::Windows(d) => d.resident_bytes(),
             Samples::Examples(d) => d.examples().iter().map(|e| 5 * e.tokens.len() as u64).sum(),
             Samples::Pairs(d) => d.resident_bytes(),
+            Samples::Mixed(m) => m.parts().iter().map(Samples::resident_bytes).sum(),
         }
     }
 }

@@ -68,6 +68,24 @@ impl Schema {
         }
     }
 
+    /// The schemas whose keys are all present (`has` tells a key): one
+    /// for a well-formed record, none or several for an ambiguous one.
+    pub fn fitting(has: &dyn Fn(&str) -> bool) -> Vec<Schema> {
+        SHAPES.iter().filter(|(_, keys, _)| keys.iter().all(|k| has(k))).map(|(s, _, _)| *s).collect()
+    }
+
+    /// The keys (columns) a record of this schema has, for messages: every
+    /// schema's for `auto` ("\"text\" (a string), …, or \"prompt\" and …").
+    pub fn describe_columns(self) -> String {
+        let listed: Vec<&str> =
+            SHAPES.iter().filter(|(s, _, _)| self == Schema::Auto || *s == self).map(|(_, _, d)| *d).collect();
+        match listed.split_last() {
+            Some((last, rest)) if !rest.is_empty() => format!("{}, or {last}", rest.join(", ")),
+            Some((last, _)) => (*last).into(),
+            None => String::new(),
+        }
+    }
+
     /// The keys that tell this schema (none for `auto`).
     fn keys(self) -> &'static [&'static str] {
         SHAPES.iter().find(|(s, _, _)| *s == self).map_or(&[], |(_, keys, _)| keys)
@@ -119,17 +137,11 @@ fn schema_of(at: &Line<'_>, v: &Value, schema: Schema) -> Result<Schema, DataErr
         return Ok(schema);
     }
     let has = |k: &str| v.get(k).is_some();
-    let found: Vec<Schema> =
-        SHAPES.iter().filter(|(_, keys, _)| keys.iter().all(|k| has(k))).map(|(s, _, _)| *s).collect();
+    let found = Schema::fitting(&has);
     match found[..] {
         [one] => Ok(one),
         [] => {
-            let listed: Vec<&str> = SHAPES.iter().map(|(_, _, d)| *d).collect();
-            let mut problem = format!(
-                "expected an object with {}, or {}",
-                listed[..listed.len() - 1].join(", "),
-                listed[listed.len() - 1]
-            );
+            let mut problem = format!("expected an object with {}", Schema::describe_columns(Schema::Auto));
             for (_, keys, _) in SHAPES.iter().filter(|(_, keys, _)| keys.len() > 1) {
                 let (present, missing): (Vec<&str>, Vec<&str>) = keys.iter().partition(|k| has(k));
                 if let ([present], [missing]) = (&present[..], &missing[..]) {

@@ -363,6 +363,19 @@ impl SftDataset {
         opts: &SftOptions,
         schema: Schema,
     ) -> Result<Self, DataError> {
+        Self::from_rows(path, json_lines(path, text), tok, opts, schema)
+    }
+
+    /// Tokenizes records — JSON lines, or the rows of a table
+    /// ([`crate::tabular`]) — each with where it came from, as
+    /// [`Self::from_jsonl_as`] does lines; `path` names the whole.
+    pub(crate) fn from_rows<'a>(
+        path: &Path,
+        rows: impl Iterator<Item = Result<(Line<'a>, serde_json::Value), DataError>>,
+        tok: &Tokenizer,
+        opts: &SftOptions,
+        schema: Schema,
+    ) -> Result<Self, DataError> {
         for (field, v) in [("max_len", opts.max_len), ("pack_seq_len", opts.pack_seq_len)] {
             if v == Some(0) {
                 return Err(DataError::ZeroSize { field });
@@ -375,8 +388,8 @@ impl SftDataset {
         let mut examples = Vec::new();
         let mut origins = Vec::new();
         let mut dropped = Vec::new();
-        for line in json_lines(path, text) {
-            let (at, v) = line?;
+        for row in rows {
+            let (at, v) = row?;
             let record = parse_record(&at, &v, schema)?;
             let chat = matches!(record, Record::Chat { .. });
             let mut ex = example_of(&at, tok, record)?;

@@ -258,7 +258,8 @@ fn time_rank(
     comm: &mut dyn Communicator,
 ) -> Result<Timing> {
     let cfg = &plan.cfg;
-    let sampler = Sampler::new(plan.train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?;
+    let sampler = Sampler::new(plan.train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?
+        .with_mixture(plan.sampler.mixture().cloned());
     let rank = comm.rank();
     let mut model = model_for_rank(plan, plan.grid.tp_rank(rank))?;
     let mut comms = RankComms::new(plan, &mut model, comm)?;

@@ -60,6 +60,10 @@ pub struct TrainerState {
     /// refuses a checkpoint of another run.
     #[serde(default)]
     pub run_id: Option<String>,
+    /// Samples each of `data.sources` had given before `step` (the
+    /// mixture's position); a resume checks the config draws the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mixture_drawn: Option<Vec<u64>>,
     /// What early stopping and keep-best know of the validation losses so
     /// far (absent when neither is on).
     #[serde(default, skip_serializing_if = "Option::is_none")]

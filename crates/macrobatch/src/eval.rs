@@ -21,7 +21,7 @@ use crate::saved;
 use crate::EvalArgs;
 use anyhow::{bail, Context, Result};
 use comm::Communicator;
-use data::{Corpus, DataFormat, Samples, SftDataset, SftOptions, TokenDataset, TokenFileMeta, Tokenizer};
+use data::{Corpus, DataFormat, Samples, SftDataset, SftOptions, TokenDataset, Tokenizer};
 use engine::{FullStore, Model};
 use serde::Serialize;
 use std::path::Path;
@@ -107,24 +107,14 @@ fn run_defaults(model: &Path) -> Result<RunDefaults> {
     })
 }
 
-/// How `path` is read: `--format`, else `.jsonl` / `.json` as fine-tuning
-/// examples, a token file by the `meta.json` beside it, else text.
+/// How `path` is read: `--format`, else as [`DataFormat::detect`] tells
+/// (a Parquet / Arrow table, `.jsonl` / `.json` as fine-tuning examples, a
+/// token file by the `meta.json` beside it, else text).
 fn detect_format(path: &Path, given: Option<DataFormat>) -> Result<DataFormat> {
-    if let Some(f) = given {
-        return Ok(f);
+    match given {
+        Some(f) => Ok(f),
+        None => Ok(DataFormat::detect(path)?),
     }
-    if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("jsonl") || e.eq_ignore_ascii_case("json")) {
-        return Ok(DataFormat::Jsonl);
-    }
-    if path.is_file() {
-        if let Some(meta) = TokenFileMeta::beside(path)? {
-            return Ok(match meta.dtype {
-                data::TokenDtype::U16 => DataFormat::U16,
-                data::TokenDtype::U32 => DataFormat::U32,
-            });
-        }
-    }
-    Ok(DataFormat::Text)
 }
 
 /// The samples of `path` read as `format` for a model of `vocab` tokens.
@@ -137,13 +127,13 @@ fn load_samples(
     run: &RunDefaults,
 ) -> Result<Samples> {
     let name = path.display().to_string();
+    let opts =
+        SftOptions { max_len: Some(seq_len), pack_seq_len: run.pack.then_some(seq_len), drop_empty: run.drop_empty };
     let samples = match format {
+        DataFormat::Parquet | DataFormat::Arrow => {
+            data::Table::read(path, format)?.load(tok, &opts, run.schema)?.whole("eval", seq_len, vocab)?
+        }
         DataFormat::Jsonl => {
-            let opts = SftOptions {
-                max_len: Some(seq_len),
-                pack_seq_len: run.pack.then_some(seq_len),
-                drop_empty: run.drop_empty,
-            };
             let ds = SftDataset::load_as(path, tok, &opts, run.schema)?;
             if ds.stats().n_without_targets > 0 {
                 eprintln!(

@@ -27,7 +27,8 @@ struct StepResult {
 /// (with the configured ZeRO stage when W > 1).
 fn one_step(plan: &Arc<Plan>, shape: BatchShape) -> Result<StepResult> {
     let cfg = &plan.cfg;
-    let sampler = Sampler::new(plan.train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?;
+    let sampler = Sampler::new(plan.train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?
+        .with_mixture(plan.sampler.mixture().cloned());
     let slot: Arc<Mutex<Option<StepResult>>> = Arc::new(Mutex::new(None));
     let run = {
         let (plan, slot, sampler) = (plan.clone(), slot.clone(), sampler.clone());

@@ -26,13 +26,6 @@ fn run_ok(o: std::process::Output) -> String {
     err
 }
 
-fn resume(dir: &Path, sets: &[&str]) -> std::process::Output {
-    let mut c = bin();
-    c.arg("train").arg("--resume").arg(dir);
-    with_sets(&mut c, sets);
-    c.output().unwrap()
-}
-
 #[test]
 fn stop_and_resume_is_bit_identical_with_accumulation_ranks_and_zero() {
     let variants: [&[&str]; 5] = [

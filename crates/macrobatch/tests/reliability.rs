@@ -10,13 +10,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-fn resume(dir: &Path, sets: &[&str]) -> Output {
-    let mut c = bin();
-    c.arg("train").arg("--resume").arg(dir);
-    with_sets(&mut c, sets);
-    c.output().unwrap()
-}
-
 fn ok(o: Output) -> String {
     let err = stderr(&o);
     assert!(o.status.success(), "{err}");

@@ -6,10 +6,12 @@
 
 mod rank_comms;
 mod samples;
+mod sources;
 mod trainer;
 
 pub use rank_comms::{FullState, RankComms};
 pub use samples::{rank_batches, text_files};
+pub use sources::check_mixture_position;
 pub use trainer::{
     apply_trainable, bucket_elems, model_for, model_for_rank, remove_offload_root, remove_scratch_offload_root,
     scratch_offload_root, tensor_family, trainable_patterns, trainer_for, trainer_placed, Placement,

@@ -17,8 +17,9 @@ const BUNDLED_NAME: &str = "bundled corpus (Moby-Dick)";
 
 /// Training and validation samples of `[data]`: windows of a token stream
 /// (the bundled corpus or `data.path` as text through `tokenizer`, or a
-/// token file), or fine-tuning examples (`jsonl`, at most `seq_len`
-/// positions each).
+/// token file), fine-tuning examples (`jsonl`, or a Parquet / Arrow table
+/// of records, at most `seq_len` positions each), or the sources of
+/// `data.sources` end to end.
 pub(super) fn load_samples(
     cfg: &Config,
     tokenizer: &Tokenizer,
@@ -33,98 +34,124 @@ pub(super) fn load_samples(
             );
         }
     }
-    let (train, val) = match (&d.path, d.format) {
-        (Some(p), DataFormat::Jsonl) if cfg.train.objective == Objective::Dpo => {
-            let opts = SftOptions { max_len: Some(seq_len), pack_seq_len: None, drop_empty: d.drop_empty };
-            let load = |path: &str| -> Result<PairDataset> {
-                let ds = PairDataset::load(Path::new(path), tokenizer, &opts)?;
-                let dropped = ds.dropped_lines();
-                if !dropped.is_empty() {
-                    eprintln!(
-                        "warning: {path}: dropped {} preference pairs with a reply that keeps no target once cut to data.seq_len = {seq_len}: lines {}",
-                        dropped.len(),
-                        data::sft::line_list(&dropped)
-                    );
-                }
-                Ok(ds)
-            };
-            let (train, val) = match d.val_path.as_deref() {
-                Some(v) => (load(p)?, load(v)?),
-                None => load(p)?.split_tail(d.val_fraction)?,
-            };
-            (Samples::Pairs(train), Samples::Pairs(val))
+    let read = Reading { cfg, tokenizer, seq_len, vocab };
+    if let Some(sources) = &d.sources {
+        return super::sources::mixed_samples(&read, sources);
+    }
+    match &d.path {
+        Some(p) if cfg.train.objective == Objective::Dpo => pair_samples(cfg, tokenizer, seq_len, p),
+        Some(p) => {
+            let format = d.format.resolved_for(Some(Path::new(p)));
+            read.splits(p, d.val_path.as_deref(), format, d.schema, d.val_fraction)
         }
-        (Some(p), DataFormat::Jsonl) => {
-            let opts = SftOptions {
-                max_len: Some(seq_len),
-                pack_seq_len: d.pack.then_some(seq_len),
-                drop_empty: d.drop_empty,
-            };
-            let load = |path: &str| -> Result<SftDataset> {
-                let ds = SftDataset::load_as(Path::new(path), tokenizer, &opts, d.schema)?;
-                let s = ds.stats();
-                if s.n_truncated > 0 {
-                    let n_read = s.n_examples + s.n_without_targets;
-                    eprintln!(
-                        "warning: {path}: {} of {n_read} examples cut to data.seq_len = {seq_len} positions",
-                        s.n_truncated
-                    );
-                }
-                if s.n_without_targets > 0 {
-                    eprintln!(
-                        "warning: {path}: dropped {} examples that keep no target once cut (their replies lie beyond data.seq_len = {seq_len}): lines {}; raise data.seq_len to keep them, or set data.drop_empty = false to refuse such data",
-                        s.n_without_targets,
-                        data::sft::line_list(ds.dropped_lines())
-                    );
-                }
-                Ok(ds)
-            };
-            let (train, val) = match d.val_path.as_deref() {
-                Some(v) => (load(p)?, load(v)?),
-                None => load(p)?.split_tail(d.val_fraction)?,
-            };
-            (Samples::Examples(train), Samples::Examples(val))
-        }
-        (Some(p), DataFormat::Text) if !matches!(tokenizer, Tokenizer::Byte(_)) => {
-            let load_text =
-                |p: &str| -> Result<Corpus> { Ok(Corpus::load_files(p, &text_files(Path::new(p))?, tokenizer)?) };
-            let corpus = load_text(p)?;
-            let (train, val) = match &d.val_path {
-                None => corpus.split(d.val_fraction, seq_len)?,
-                Some(v) => {
-                    let val = load_text(v)?;
-                    (corpus.split_all("train", seq_len)?, val.split_all("validation", seq_len)?)
-                }
-            };
-            (Samples::Windows(train), Samples::Windows(val))
-        }
-        (Some(p), format) => {
-            let (train, val) = data::load_splits(
-                Path::new(p),
-                d.val_path.as_deref().map(Path::new),
-                format,
-                d.val_fraction,
-                seq_len,
-                vocab,
-            )?;
-            (Samples::Windows(train), Samples::Windows(val))
-        }
-        (None, _) => {
+        None => {
             let text = std::str::from_utf8(BUNDLED_CORPUS).context("the bundled corpus is UTF-8")?;
             let corpus = Corpus::from_text_with(BUNDLED_NAME, text, tokenizer)?;
             corpus.check_vocab(vocab)?;
             let (train, val) = corpus.split(d.val_fraction, seq_len)?;
-            (Samples::Windows(train), Samples::Windows(val))
+            Ok((Samples::Windows(train), Samples::Windows(val)))
         }
-    };
-    Ok((train, val))
+    }
 }
 
-/// The sampler of a resolved batch.
+/// What reading a data file needs besides the file: the config's `[data]`
+/// options, the tokenizer, the row length and the vocabulary.
+pub(super) struct Reading<'a> {
+    pub(super) cfg: &'a Config,
+    pub(super) tokenizer: &'a Tokenizer,
+    pub(super) seq_len: usize,
+    pub(super) vocab: usize,
+}
+
+impl Reading<'_> {
+    /// (training, validation) samples of the file `p` read as `format`
+    /// (records as `schema`): validation from `val_path` when given, else
+    /// the last `val_fraction` of `p`.
+    pub(super) fn splits(
+        &self,
+        p: &str,
+        val_path: Option<&str>,
+        format: DataFormat,
+        schema: data::Schema,
+        val_fraction: f64,
+    ) -> Result<(Samples, Samples)> {
+        let (d, tokenizer, seq_len, vocab) = (&self.cfg.data, self.tokenizer, self.seq_len, self.vocab);
+        let opts =
+            SftOptions { max_len: Some(seq_len), pack_seq_len: d.pack.then_some(seq_len), drop_empty: d.drop_empty };
+        Ok(match format {
+            DataFormat::Jsonl => {
+                let load = |path: &str| -> Result<SftDataset> {
+                    let ds = SftDataset::load_as(Path::new(path), tokenizer, &opts, schema)?;
+                    warn_cuts(path, &ds, seq_len);
+                    Ok(ds)
+                };
+                let (train, val) = match val_path {
+                    Some(v) => (load(p)?, load(v)?),
+                    None => load(p)?.split_tail(val_fraction)?,
+                };
+                (Samples::Examples(train), Samples::Examples(val))
+            }
+            DataFormat::Parquet | DataFormat::Arrow => {
+                let load = |path: &str| -> Result<data::TableData> {
+                    let loaded = data::Table::read(Path::new(path), format)?.load(tokenizer, &opts, schema)?;
+                    if let data::TableData::Examples(ds) = &loaded {
+                        warn_cuts(path, ds, seq_len);
+                    }
+                    Ok(loaded)
+                };
+                match val_path {
+                    Some(v) => {
+                        (load(p)?.whole("train", seq_len, vocab)?, load(v)?.whole("validation", seq_len, vocab)?)
+                    }
+                    None => load(p)?.split(val_fraction, seq_len, vocab)?,
+                }
+            }
+            DataFormat::Text if !matches!(tokenizer, Tokenizer::Byte(_)) => {
+                let load_text =
+                    |p: &str| -> Result<Corpus> { Ok(Corpus::load_files(p, &text_files(Path::new(p))?, tokenizer)?) };
+                let corpus = load_text(p)?;
+                let (train, val) = match val_path {
+                    None => corpus.split(val_fraction, seq_len)?,
+                    Some(v) => {
+                        let val = load_text(v)?;
+                        (corpus.split_all("train", seq_len)?, val.split_all("validation", seq_len)?)
+                    }
+                };
+                (Samples::Windows(train), Samples::Windows(val))
+            }
+            DataFormat::Text | DataFormat::U16 | DataFormat::U32 => {
+                let (train, val) =
+                    data::load_splits(Path::new(p), val_path.map(Path::new), format, val_fraction, seq_len, vocab)?;
+                (Samples::Windows(train), Samples::Windows(val))
+            }
+        })
+    }
+}
+
+/// Warnings about fine-tuning examples that cutting to `seq_len` shortened
+/// or dropped.
+fn warn_cuts(path: &str, ds: &SftDataset, seq_len: usize) {
+    let s = ds.stats();
+    if s.n_truncated > 0 {
+        let n_read = s.n_examples + s.n_without_targets;
+        eprintln!("warning: {path}: {} of {n_read} examples cut to data.seq_len = {seq_len} positions", s.n_truncated);
+    }
+    if s.n_without_targets > 0 {
+        eprintln!(
+            "warning: {path}: dropped {} examples that keep no target once cut (their replies lie beyond data.seq_len = {seq_len}): lines {}; raise data.seq_len to keep them, or set data.drop_empty = false to refuse such data",
+            s.n_without_targets,
+            data::sft::line_list(ds.dropped_lines())
+        );
+    }
+}
+
+/// The sampler of a resolved batch (drawing from the mixture of
+/// `data.sources` when the samples are theirs).
 pub(super) fn sampler_for(cfg: &Config, batch: &ResolvedBatch, train: &Samples) -> Result<Sampler> {
     let shape =
         BatchShape { micro: batch.micro, accumulation_steps: batch.accumulation_steps, world_size: batch.world_size };
-    Ok(Sampler::new(train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?)
+    let sampler = Sampler::new(train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?;
+    Ok(sampler.with_mixture(super::sources::mixture_of(cfg, train)?))
 }
 
 /// This rank's K micro-batches of global step `step_idx` (an error names a

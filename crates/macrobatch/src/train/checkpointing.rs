@@ -140,6 +140,7 @@ impl<'a> Checkpoints<'a> {
             }),
             run_id: Some(self.start.run_id.clone()),
             val_watch: extras.val_watch,
+            mixture_drawn: plan.sampler.mixture_drawn(step),
         };
         let ema = extras.ema.map(Ema::tensors);
         let delay = fault.and_then(|f| f.checkpoint_delay(comm.rank(), step));

@@ -344,6 +344,9 @@ pub fn check_resume(plan: &Plan, l: &Loaded) -> Result<()> {
             plan.batch.global
         );
     }
+    if let Some(saved) = &l.state.mixture_drawn {
+        crate::setup::check_mixture_position(plan, l.state.step, saved)?;
+    }
     if l.state.optimizer != plan.cfg.optim.name {
         bail!(
             "the checkpoint holds `{}` optimizer state but optim.name is `{}`",

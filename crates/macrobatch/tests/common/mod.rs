@@ -27,6 +27,14 @@ pub fn train(out: &Path, sets: &[&str]) -> Output {
     c.output().expect("binary runs")
 }
 
+/// `train --resume DIR` with `sets`.
+pub fn resume(dir: &Path, sets: &[&str]) -> Output {
+    let mut c = bin();
+    c.arg("train").arg("--resume").arg(dir);
+    with_sets(&mut c, sets);
+    c.output().expect("binary runs")
+}
+
 pub fn metrics(out: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(out.join("metrics.jsonl"))
         .expect("metrics.jsonl")
@@ -95,10 +103,7 @@ pub fn train_ok(out: &Path, sets: &[&str]) -> String {
 
 /// `train --resume DIR` with `sets`, which must succeed; its stderr.
 pub fn resume_ok(dir: &Path, sets: &[&str]) -> String {
-    let mut c = bin();
-    c.arg("train").arg("--resume").arg(dir);
-    with_sets(&mut c, sets);
-    let o = c.output().expect("binary runs");
+    let o = resume(dir, sets);
     let err = stderr(&o);
     assert!(o.status.success(), "{err}");
     err
