@@ -111,7 +111,9 @@ pub use batch::{TokenBatch, IGNORE_INDEX};
 pub use error::EngineError;
 pub use layout::{check_shape_size, ParamLayout, TensorSpec, MAX_PARAMS, MAX_TENSORS};
 pub use model::{MicroStepStats, Model};
-pub use optim::{AdamW, Optimizer, OptimizerKind, Sgd};
+pub use optim::{
+    Adafactor, AdafactorConfig, AdamW, AdamW8bit, Lion, Optimizer, OptimizerKind, Sgd, StateRun, StateSize,
+};
 pub use pipeline::{Schedule, ScheduleKind, StageLayout, StageSpec, StagedModel};
 pub use precision::Precision;
 pub use recompute::Checkpointing;

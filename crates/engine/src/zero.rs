@@ -201,7 +201,16 @@ fn offsets(lens: &[usize]) -> Vec<usize> {
 impl Partition {
     /// Partitions `space`'s segments over `world_size` ranks.
     pub fn new(space: GradSpace, rank: usize, world_size: usize) -> Self {
-        let piece: Vec<usize> = space.segments.iter().map(|r| r.len().div_ceil(world_size)).collect();
+        Self::aligned(space, rank, world_size, 1)
+    }
+
+    /// [`Partition::new`] with every piece a multiple of `align` elements,
+    /// so the cuts fall on multiples of `align` from each segment's start
+    /// (what a blockwise optimizer's blocks need to stay on one rank).
+    pub fn aligned(space: GradSpace, rank: usize, world_size: usize, align: usize) -> Self {
+        let align = align.max(1);
+        let piece: Vec<usize> =
+            space.segments.iter().map(|r| r.len().div_ceil(world_size).div_ceil(align) * align).collect();
         let mut p = Self {
             offset: offsets(&piece),
             piece,
@@ -321,7 +330,9 @@ impl Partition {
                 let param = if params_sharded { self.shard_range(j).start + (pr.start - own.start) } else { pr.start };
                 let grad = if grads_sharded { in_shard } else { g };
                 let state = if state_sharded { in_shard } else { g };
-                runs.push(UpdateRun { param, grad, state, len: pr.len(), tensor });
+                let seg_at = pr.start - self.segment(j).start;
+                let rel = self.space.tensors[j].iter().find(|t| t.idx == tensor).map_or(0, |t| t.rel.start);
+                runs.push(UpdateRun { param, grad, state, len: pr.len(), tensor, seg_at, at: seg_at - rel });
             }
         }
         runs
@@ -376,6 +387,10 @@ pub struct UpdateRun {
     pub len: usize,
     /// Layout index of its tensor.
     pub tensor: usize,
+    /// Offset of its first parameter from its segment's first parameter.
+    pub seg_at: usize,
+    /// Index of its first element within its tensor.
+    pub at: usize,
 }
 
 #[cfg(test)]

@@ -92,14 +92,14 @@ pub(super) fn adam_apply(c: &AdamStep, pieces: Vec<Piece<'_>>, base: usize, m: &
 }
 
 #[derive(Clone, Copy)]
-struct AdamConsts {
-    b1: f32,
-    b2: f32,
-    eps: f32,
-    decay: f32,
-    step_size: f32,
-    bc2_sqrt: f32,
-    grad_scale: f32,
+pub(super) struct AdamConsts {
+    pub(super) b1: f32,
+    pub(super) b2: f32,
+    pub(super) eps: f32,
+    pub(super) decay: f32,
+    pub(super) step_size: f32,
+    pub(super) bc2_sqrt: f32,
+    pub(super) grad_scale: f32,
 }
 
 /// One piece's AdamW update. Zipped iterators (no bounds checks) so the

@@ -1,20 +1,32 @@
-//! Optimizers with PyTorch semantics, updating a flat buffer in place.
+//! Optimizers updating a flat buffer in place, one file each: [`adamw`]
+//! and [`sgd`] (PyTorch semantics), [`lion`] (Chen et al. 2023),
+//! [`adamw8bit`] (AdamW with blockwise 8-bit moments, Dettmers et al. 2022)
+//! and [`adafactor`] (transformers' `Adafactor`); [`Optimizer`] dispatches.
 //!
-//! One file per optimizer: [`adamw`], [`sgd`]. Both are elementwise, so
-//! they update any contiguous range of the flat buffer independently — the
-//! property ZeRO sharding relies on.
+//! AdamW, SGD and Lion are elementwise, so they update any contiguous range
+//! of the flat buffer independently — the property ZeRO sharding relies
+//! on. 8-bit AdamW is blockwise: its blocks are cut at multiples of
+//! [`adamw8bit::BLOCK`] from each segment's start and a ZeRO partition
+//! cuts on those multiples too ([`Optimizer::shard_align`]), so a block
+//! never spans two ranks. Adafactor's statistics need whole tensors: it
+//! refuses a state that holds only part of one.
 
+pub mod adafactor;
 pub mod adamw;
+pub mod adamw8bit;
+pub mod lion;
+mod optimizer;
 pub mod sgd;
 
+pub use adafactor::{Adafactor, AdafactorConfig};
 pub use adamw::AdamW;
+pub use adamw8bit::AdamW8bit;
+pub use lion::Lion;
+pub use optimizer::Optimizer;
 pub use sgd::Sgd;
 
 use crate::error::EngineError;
 use crate::layout::ParamLayout;
-use crate::offload::OffloadedState;
-use adamw::AdamStep;
-use sgd::SgdStep;
 use std::ops::Range;
 
 /// Elements per parallel task of an elementwise update.
@@ -34,23 +46,33 @@ pub struct Piece<'a> {
     pub decay: bool,
 }
 
-/// Cuts `(start, len, decay)` runs into chunks of at most [`CHUNK`].
-pub(crate) fn chunk_runs(runs: impl IntoIterator<Item = (usize, usize, bool)>) -> Vec<(usize, usize, bool)> {
-    let mut out = Vec::new();
-    for (start, len, decay) in runs {
-        let mut at = 0;
-        while at < len {
-            let n = CHUNK.min(len - at);
-            out.push((start + at, n, decay));
-            at += n;
+/// Cuts a run of `len` elements starting `at` elements past an origin into
+/// pieces that end at the origin's multiples of [`CHUNK`] (or the run's
+/// end): `(offset in the run, length)`. Cut relative to a segment's start,
+/// every piece holds whole 8-bit blocks ([`adamw8bit::BLOCK`] divides
+/// [`CHUNK`]).
+pub fn aligned_chunks(at: usize, len: usize) -> impl Iterator<Item = (usize, usize)> {
+    let mut off = 0;
+    std::iter::from_fn(move || {
+        if off >= len {
+            return None;
         }
-    }
-    out
+        let pos = at + off;
+        let n = (CHUNK - pos % CHUNK).min(len - off);
+        let out = (off, n);
+        off += n;
+        Some(out)
+    })
 }
 
-/// Pieces for a whole flat buffer laid out by `layout` (state indexed like the buffer).
+/// Pieces for a whole flat buffer laid out by `layout` (state indexed like
+/// the buffer; one segment: the whole buffer).
 pub fn pieces<'a>(layout: &ParamLayout, params: &'a mut [f32], grads: &'a [f32]) -> Vec<Piece<'a>> {
-    let runs = chunk_runs(layout.tensors().iter().map(|t| (t.offset, t.numel(), t.decay)));
+    let runs: Vec<(usize, usize, bool)> = layout
+        .tensors()
+        .iter()
+        .flat_map(|t| aligned_chunks(t.offset, t.numel()).map(move |(o, n)| (t.offset + o, n, t.decay)))
+        .collect();
     let ranges: Vec<Range<usize>> = runs.iter().map(|&(s, n, _)| s..s + n).collect();
     split(params, &ranges)
         .into_iter()
@@ -60,7 +82,7 @@ pub fn pieces<'a>(layout: &ParamLayout, params: &'a mut [f32], grads: &'a [f32])
 }
 
 /// Disjoint mutable slices of `buf` for ascending, non-overlapping `ranges`.
-pub(crate) fn split<'a>(mut buf: &'a mut [f32], ranges: &[Range<usize>]) -> Vec<&'a mut [f32]> {
+pub(crate) fn split<'a, T>(mut buf: &'a mut [T], ranges: &[Range<usize>]) -> Vec<&'a mut [T]> {
     let mut out = Vec::with_capacity(ranges.len());
     let mut at = 0;
     for r in ranges {
@@ -74,10 +96,36 @@ pub(crate) fn split<'a>(mut buf: &'a mut [f32], ranges: &[Range<usize>]) -> Vec<
     out
 }
 
-/// One update's constants, whichever optimizer.
-enum Step {
-    AdamW(AdamStep),
-    Sgd(SgdStep),
+/// One contiguous run of this rank's optimizer state that belongs to one
+/// tensor (all of it, or the part a ZeRO shard holds): what a blockwise or
+/// factored optimizer needs to know about its state beyond its length.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateRun {
+    /// The state elements.
+    pub state: Range<usize>,
+    /// The whole tensor's shape (row-major).
+    pub shape: Vec<usize>,
+    /// Index of the run's first element within its tensor.
+    pub at: usize,
+    /// Offset of the run's first element from its segment's first parameter.
+    pub seg_at: usize,
+}
+
+impl StateRun {
+    /// The runs of a whole flat buffer laid out by `layout`, state indexed
+    /// like the buffer, as [`pieces`] cuts it (one segment: the buffer).
+    pub fn for_layout(layout: &ParamLayout) -> Vec<StateRun> {
+        layout
+            .tensors()
+            .iter()
+            .map(|t| StateRun { state: t.range(), shape: t.shape.clone(), at: 0, seg_at: t.offset })
+            .collect()
+    }
+
+    /// Whether the run holds its whole tensor.
+    pub fn is_whole(&self) -> bool {
+        self.at == 0 && self.state.len() == self.shape.iter().product::<usize>()
+    }
 }
 
 /// Which optimizer (the config's `optim.name`; checkpoints record it).
@@ -88,6 +136,12 @@ pub enum OptimizerKind {
     AdamW,
     /// [`Sgd`].
     Sgd,
+    /// [`Lion`].
+    Lion,
+    /// [`AdamW8bit`].
+    AdamW8bit,
+    /// [`Adafactor`].
+    Adafactor,
 }
 
 impl OptimizerKind {
@@ -96,16 +150,33 @@ impl OptimizerKind {
         match self {
             OptimizerKind::AdamW => "adamw",
             OptimizerKind::Sgd => "sgd",
+            OptimizerKind::Lion => "lion",
+            OptimizerKind::AdamW8bit => "adamw8bit",
+            OptimizerKind::Adafactor => "adafactor",
         }
     }
 
-    /// f32 state values kept per parameter (AdamW: both moments; SGD: the
-    /// momentum buffer when there is momentum).
+    /// f32 state values kept per parameter by the elementwise optimizers
+    /// (AdamW: both moments; SGD: the momentum buffer when there is
+    /// momentum; Lion: its momentum); 8-bit AdamW and Adafactor are not
+    /// counted in slots (see [`OptimizerKind::state_size`]).
     pub fn state_slots(self, momentum: f32) -> u32 {
         match self {
             OptimizerKind::AdamW => 2,
             OptimizerKind::Sgd if momentum > 0.0 => 1,
             OptimizerKind::Sgd => 0,
+            OptimizerKind::Lion => 1,
+            OptimizerKind::AdamW8bit | OptimizerKind::Adafactor => 0,
+        }
+    }
+
+    /// How the optimizer's state is sized, for memory plans: `momentum` is
+    /// SGD's, `first_moment` whether Adafactor keeps one (its `beta1`).
+    pub fn state_size(self, momentum: f32, first_moment: bool) -> StateSize {
+        match self {
+            OptimizerKind::AdamW8bit => StateSize::Blockwise8bit,
+            OptimizerKind::Adafactor => StateSize::Factored { first_moment },
+            _ => StateSize::Slots(self.state_slots(momentum) as usize),
         }
     }
 }
@@ -116,191 +187,65 @@ impl std::fmt::Display for OptimizerKind {
     }
 }
 
-/// The optimizers the engine knows.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Optimizer {
-    /// AdamW.
-    AdamW(AdamW),
-    /// SGD with momentum.
-    Sgd(Sgd),
+/// How an optimizer's state is sized from the state runs it covers: one
+/// definition for what an optimizer holds ([`Optimizer::state_bytes`]) and
+/// what a memory plan predicts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StateSize {
+    /// This many f32 values per element (AdamW 2, SGD with momentum 1, Lion 1).
+    Slots(usize),
+    /// 8-bit AdamW: two 8-bit codes per element and two f32 scales per block.
+    Blockwise8bit,
+    /// Adafactor: row and column statistics per matrix, one value per
+    /// element of the others, and one more per element with a first moment.
+    Factored {
+        /// Whether a first moment (`beta1`) is kept.
+        first_moment: bool,
+    },
 }
 
-impl Optimizer {
-    /// Applies one update with learning rate `lr` to the gradient
-    /// `grad_scale · grads` (the scale folds normalisation and clipping into
-    /// the update, saving two passes over the buffer).
-    pub fn update(&mut self, layout: &ParamLayout, params: &mut [f32], grads: &[f32], lr: f32, grad_scale: f32) {
-        self.update_pieces(pieces(layout, params, grads), lr, grad_scale);
+impl From<usize> for StateSize {
+    fn from(slots: usize) -> Self {
+        StateSize::Slots(slots)
     }
+}
 
-    /// [`Optimizer::update`] over explicit pieces (a ZeRO shard scattered
-    /// through a full buffer, say).
-    pub fn update_pieces(&mut self, pieces: Vec<Piece<'_>>, lr: f32, grad_scale: f32) {
+impl StateSize {
+    /// Bytes of state in memory for `len` state elements laid out as `runs`.
+    pub fn bytes(self, len: usize, runs: &[StateRun]) -> usize {
         match self {
-            Optimizer::AdamW(o) => o.update(pieces, lr, grad_scale),
-            Optimizer::Sgd(o) => o.update(pieces, lr, grad_scale),
-        }
-    }
-
-    /// [`Optimizer::update_pieces`] with the state in `disk` instead of
-    /// memory: pieces (ascending state ranges) are grouped into windows of
-    /// the state, each read, updated with the same arithmetic in the same
-    /// order per element, and written back.
-    pub fn update_offloaded(
-        &mut self,
-        pieces: Vec<Piece<'_>>,
-        lr: f32,
-        grad_scale: f32,
-        disk: &mut OffloadedState,
-    ) -> Result<(), EngineError> {
-        let window = disk.window();
-        let step = match self {
-            Optimizer::AdamW(o) => Step::AdamW(o.begin(lr, grad_scale)),
-            Optimizer::Sgd(o) => Step::Sgd(o.begin(lr, grad_scale)),
-        };
-        let mut pieces = pieces.into_iter().peekable();
-        while let Some(first) = pieces.next() {
-            let base = first.state.start;
-            let mut group = vec![first];
-            while let Some(p) = pieces.next_if(|p| p.state.end - base <= window) {
-                group.push(p);
-            }
-            let end = group.last().map_or(base, |p| p.state.end);
-            disk.load(base, end - base)?;
-            let mut bufs = disk.buffers().into_iter();
-            match &step {
-                Step::AdamW(c) => match (bufs.next(), bufs.next()) {
-                    (Some(m), Some(v)) => adamw::adam_apply(c, group, base, m, v),
-                    _ => return Err(EngineError::MissingState { name: "exp_avg" }),
-                },
-                Step::Sgd(c) => sgd::sgd_apply(c, group, base, bufs.next()),
-            }
-            disk.store(base, end - base)?;
-        }
-        Ok(())
-    }
-
-    /// The state slots' names (PyTorch's state keys), in storage order.
-    pub fn slot_names(&self) -> Vec<&'static str> {
-        self.state_buffers().into_iter().map(|(n, _)| n).collect()
-    }
-
-    /// Values per state slot.
-    pub fn state_len(&self) -> usize {
-        self.state_buffers().first().map_or(0, |(_, b)| b.len())
-    }
-
-    /// Frees the in-memory state (it lives elsewhere now, e.g. on disk);
-    /// the update count is kept.
-    pub fn release_state(&mut self) {
-        match self {
-            Optimizer::AdamW(o) => {
-                o.m = Vec::new();
-                o.v = Vec::new();
-            }
-            Optimizer::Sgd(o) => o.buf = Vec::new(),
-        }
-    }
-
-    /// Sets the update count (AdamW's `t`) when the state is restored elsewhere.
-    pub fn set_n_updates(&mut self, n: u64) {
-        match self {
-            Optimizer::AdamW(o) => o.n_updates = n,
-            Optimizer::Sgd(o) => o.n_updates = n,
-        }
-    }
-
-    /// The same optimizer with fresh state for `n` parameters (a shard).
-    pub fn with_len(&self, n: usize) -> Self {
-        match self {
-            Optimizer::AdamW(o) => Optimizer::AdamW(AdamW {
-                beta1: o.beta1,
-                beta2: o.beta2,
-                eps: o.eps,
-                weight_decay: o.weight_decay,
-                m: vec![0.0; n],
-                v: vec![0.0; n],
-                n_updates: 0,
-            }),
-            Optimizer::Sgd(o) => Optimizer::Sgd(Sgd {
-                momentum: o.momentum,
-                nesterov: o.nesterov,
-                weight_decay: o.weight_decay,
-                buf: if o.momentum > 0.0 { vec![0.0; n] } else { Vec::new() },
-                n_updates: 0,
-            }),
-        }
-    }
-
-    /// Bytes of optimizer state held.
-    pub fn state_bytes(&self) -> usize {
-        4 * self.state_buffers().iter().map(|(_, b)| b.len()).sum::<usize>()
-    }
-
-    /// Largest parameter difference the *first* update can produce from two
-    /// gradients that differ by up to `tol_g`, at an element with gradient `g`
-    /// and parameter `p` — the gradient tolerance carried through the update.
-    ///
-    /// AdamW's step 1 moves p by `lr·g/(|g|+ε)` (m̂ = g, √v̂ = |g|), whose
-    /// sensitivity to g is `lr·ε/(|g|+ε)²`: negligible where |g| ≫ ε, but
-    /// ~lr/ε where a gradient cancels to ≈ ε, so rounding there is amplified.
-    /// SGD moves p by `lr·g`. Both add 4 ulp of the parameter for rounding.
-    pub fn first_step_tolerance(&self, g: f32, p: f32, lr: f32, tol_g: f32) -> f32 {
-        let sensitivity = match self {
-            Optimizer::AdamW(o) => {
-                let d = g.abs() + o.eps;
-                lr * o.eps / (d * d)
-            }
-            Optimizer::Sgd(_) => lr,
-        };
-        sensitivity * tol_g + 4.0 * f32::EPSILON * p.abs().max(lr)
-    }
-
-    /// How many updates have been applied (AdamW's `t`).
-    pub fn n_updates(&self) -> u64 {
-        match self {
-            Optimizer::AdamW(o) => o.n_updates,
-            Optimizer::Sgd(o) => o.n_updates,
-        }
-    }
-
-    /// The state buffers by name (PyTorch's state keys), for checkpoints.
-    pub fn state_buffers(&self) -> Vec<(&'static str, &[f32])> {
-        match self {
-            Optimizer::AdamW(o) => vec![("exp_avg", &o.m), ("exp_avg_sq", &o.v)],
-            Optimizer::Sgd(o) if o.momentum > 0.0 => vec![("momentum_buffer", &o.buf)],
-            Optimizer::Sgd(_) => Vec::new(),
-        }
-    }
-
-    /// Restores the state saved by [`Optimizer::state_buffers`] and the update count.
-    pub fn restore(
-        &mut self,
-        n_updates: u64,
-        mut get: impl FnMut(&str) -> Option<Vec<f32>>,
-    ) -> Result<(), EngineError> {
-        let mut take = |name: &'static str, dst: &mut Vec<f32>| -> Result<(), EngineError> {
-            let v = get(name).ok_or(EngineError::MissingState { name })?;
-            if v.len() != dst.len() {
-                return Err(EngineError::ParamCount { expected: dst.len(), got: v.len() });
-            }
-            *dst = v;
-            Ok(())
-        };
-        match self {
-            Optimizer::AdamW(o) => {
-                take("exp_avg", &mut o.m)?;
-                take("exp_avg_sq", &mut o.v)?;
-                o.n_updates = n_updates;
-            }
-            Optimizer::Sgd(o) => {
-                if o.momentum > 0.0 {
-                    take("momentum_buffer", &mut o.buf)?;
-                }
-                o.n_updates = n_updates;
+            StateSize::Slots(n) => 4 * n * len,
+            StateSize::Blockwise8bit => adamw8bit::state_bytes(len, adamw8bit::blocks(runs).len()),
+            StateSize::Factored { first_moment } => {
+                4 * (adafactor::second_moment_len(runs) + if first_moment { len } else { 0 })
             }
         }
-        Ok(())
+    }
+
+    /// f32 files per state element when the state is offloaded to disk.
+    pub fn offload_slots(self) -> usize {
+        match self {
+            StateSize::Factored { .. } => 0,
+            _ => self.checkpoint_slots(),
+        }
+    }
+
+    /// f32 values per state element in a checkpoint (the named slots of
+    /// [`Optimizer::state_buffers`]).
+    pub fn checkpoint_slots(self) -> usize {
+        match self {
+            StateSize::Slots(n) => n,
+            StateSize::Blockwise8bit => adamw8bit::SLOTS.len(),
+            StateSize::Factored { first_moment } => 1 + usize::from(first_moment),
+        }
+    }
+
+    /// The multiple a ZeRO partition cuts each segment on (1: anywhere).
+    pub fn shard_align(self) -> usize {
+        match self {
+            StateSize::Blockwise8bit => adamw8bit::BLOCK,
+            _ => 1,
+        }
     }
 }
 
@@ -317,5 +262,18 @@ pub(super) fn check_non_negative(field: &'static str, value: f32) -> Result<(), 
         Ok(())
     } else {
         Err(EngineError::InvalidHyperParameter { field, value: value as f64, rule: "must be finite and >= 0" })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aligned_chunks_end_on_multiples_of_chunk() {
+        let got: Vec<_> = aligned_chunks(100, 2 * CHUNK).collect();
+        assert_eq!(got, vec![(0, CHUNK - 100), (CHUNK - 100, CHUNK), (2 * CHUNK - 100, 100)]);
+        assert_eq!(aligned_chunks(0, 5).collect::<Vec<_>>(), vec![(0, 5)]);
+        assert_eq!(aligned_chunks(7, 0).count(), 0);
     }
 }

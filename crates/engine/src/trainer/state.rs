@@ -113,9 +113,14 @@ impl Trainer {
                 Some(d) => Some(d.read_all(name)?),
                 None => None,
             };
-            let buf = match &disk {
-                Some(v) => v.as_slice(),
-                None => self.optimizer.state_buffers().into_iter().find(|(n, _)| *n == name).map_or(&[][..], |b| b.1),
+            let mem = match disk {
+                Some(_) => None,
+                None => self.optimizer.state_buffers().into_iter().find(|(n, _)| *n == name).map(|b| b.1),
+            };
+            let buf = match (&disk, &mem) {
+                (Some(v), _) => v.as_slice(),
+                (None, Some(b)) => b,
+                (None, None) => &[][..],
             };
             let full = if self.stage.shards_optimizer() {
                 self.gather_grad_space(comm, buf, keep)?

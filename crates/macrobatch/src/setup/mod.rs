@@ -4,10 +4,12 @@
 //! batch, launcher), `batch.micro = "auto"`, and the model, trainer,
 //! groups ([`RankComms`]) and micro-batches of a rank.
 
+mod optimizer;
 mod rank_comms;
 mod samples;
 mod trainer;
 
+pub use optimizer::state_size;
 pub use rank_comms::{FullState, RankComms};
 pub use samples::{rank_batches, text_files};
 pub use trainer::{
