@@ -35,7 +35,7 @@ pub(crate) fn validate(cfg: &Config) -> Result<(), ConfigError> {
     if let Some(b1) = a.beta1.filter(|b| !(0.0..1.0).contains(b)) {
         return Err(invalid("optim.adafactor.beta1", b1, "must be in [0, 1) (leave it unset for no first moment)"));
     }
-    if !(a.decay_rate < 0.0) {
+    if a.decay_rate >= 0.0 || a.decay_rate.is_nan() {
         return Err(invalid("optim.adafactor.decay_rate", a.decay_rate, "must be < 0 (transformers' default -0.8)"));
     }
     if !(a.clip_threshold > 0.0 && a.clip_threshold.is_finite()) {

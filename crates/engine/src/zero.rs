@@ -401,12 +401,13 @@ mod tests {
     proptest! {
         /// Every element of every segment has exactly one owner, every
         /// trainable element one gradient owner, and shards are the same
-        /// length on every rank.
+        /// length on every rank; aligned pieces are multiples of the alignment.
         #[test]
         fn pieces_tile_every_segment(
             lens in proptest::collection::vec((0usize..50, any::<bool>()), 1..8),
             cut in proptest::collection::vec(any::<bool>(), 8),
             world in 1usize..6,
+            align in prop_oneof![Just(1usize), 1usize..9],
         ) {
             let mut layout = ParamLayout::new();
             for (i, &(l, _)) in lens.iter().enumerate() {
@@ -425,9 +426,10 @@ mod tests {
             let space = GradSpace::new(&layout, segs.clone()).unwrap();
             let mut owners = vec![0u32; layout.n_params()];
             let mut grad_owners = vec![0u32; layout.n_trainable()];
-            let p0 = Partition::new(space.clone(), 0, world);
+            let p0 = Partition::aligned(space.clone(), 0, world, align);
             for rank in 0..world {
-                let p = Partition::new(space.clone(), rank, world);
+                let p = Partition::aligned(space.clone(), rank, world, align);
+                prop_assert!(p.piece.iter().all(|&s| s % align == 0));
                 prop_assert_eq!(p.shard_len(), p0.shard_len());
                 prop_assert_eq!(p.grad_shard_len(), p0.grad_shard_len());
                 for seg in 0..segs.len() {

@@ -6,12 +6,13 @@
 
 use comm::threads::group;
 use comm::Communicator;
-use engine::rng::SplitMix64;
 use engine::{
     Adafactor, AdafactorConfig, AdamW, AdamW8bit, Lion, LrSchedule, Optimizer, Trainer, TrainerOptions, ZeroConfig,
 };
 use gpt::{init_params, Batch, Gpt, GptConfig};
 use std::time::Duration;
+
+mod common;
 
 const T: usize = 8;
 
@@ -22,16 +23,7 @@ fn cfg() -> GptConfig {
 }
 
 fn batch(rank: usize, step: usize, k: usize) -> Batch {
-    let mut rng = SplitMix64::new((rank * 1000 + step * 10 + k) as u64 + 1);
-    let toks: Vec<u32> = (0..2 * (T + 1)).map(|_| rng.below(257) as u32).collect();
-    let (a, b) = toks.split_at(T + 1);
-    Batch {
-        n_seqs: 2,
-        seq_len: T,
-        inputs: a[..T].iter().chain(&b[..T]).copied().collect(),
-        targets: a[1..].iter().chain(&b[1..]).map(|&t| t as i32).collect(),
-        positions: Vec::new(),
-    }
+    common::two_random_sequences((rank * 1000 + step * 10 + k) as u64 + 1, T, 257)
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -68,10 +60,11 @@ fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
-fn steps(tr: &mut Trainer, m: &mut Gpt, c: &mut dyn Communicator, range: std::ops::Range<usize>) -> Vec<u64> {
+/// `range`'s steps of `k` micro-batches per rank; the losses' bits.
+fn steps(tr: &mut Trainer, m: &mut Gpt, c: &mut dyn Communicator, range: std::ops::Range<usize>, k: usize) -> Vec<u64> {
     range
         .map(|step| {
-            let micro: Vec<Batch> = (0..2).map(|k| batch(c.rank(), step, k)).collect();
+            let micro: Vec<Batch> = (0..k).map(|k| batch(c.rank(), step, k)).collect();
             tr.step(m, c, &micro).unwrap().loss.to_bits()
         })
         .collect()
@@ -98,7 +91,10 @@ fn run(opt: Opt, zero: ZeroConfig, world: usize, offload: Option<&str>) -> Vec<O
                         // Small windows: every update crosses window boundaries.
                         tr.offload_optimizer_windowed(d, engine::optim::CHUNK).unwrap();
                     }
-                    let losses = steps(&mut tr, &mut m, &mut c, 0..4);
+                    // One micro-batch per step: ZeRO-3 and per-micro-step
+                    // ZeRO-2 reduce each micro-batch, which with several
+                    // would sum in another order than the other stages.
+                    let losses = steps(&mut tr, &mut m, &mut c, 0..4, 1);
                     let params = bits(&tr.full_params(&mut c).unwrap());
                     let state = tr.full_optimizer_state(&mut c, true).unwrap();
                     (losses, params, state.into_iter().map(|(n, v)| (n, bits(&v))).collect())
@@ -149,9 +145,9 @@ fn resume_from_the_state_is_bit_exact() {
                     .map(|mut c| {
                         s.spawn(move || {
                             let (mut m, mut straight) = trainer(opt, zero, &mut c).unwrap();
-                            steps(&mut straight, &mut m, &mut c, 0..6);
+                            steps(&mut straight, &mut m, &mut c, 0..6, 2);
                             let (mut m, mut first) = trainer(opt, zero, &mut c).unwrap();
-                            steps(&mut first, &mut m, &mut c, 0..3);
+                            steps(&mut first, &mut m, &mut c, 0..3, 2);
                             let params = first.full_params(&mut c).unwrap();
                             let state = first.full_optimizer_state(&mut c, true).unwrap();
                             let n_updates = first.optimizer().n_updates();
@@ -159,7 +155,7 @@ fn resume_from_the_state_is_bit_exact() {
                             let (mut m, mut resumed) = trainer(opt, zero, &mut c).unwrap();
                             let get = |name: &str| state.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
                             resumed.restore(params, 3, n_updates, get).unwrap();
-                            steps(&mut resumed, &mut m, &mut c, 3..6);
+                            steps(&mut resumed, &mut m, &mut c, 3..6, 2);
                             (bits(&straight.full_params(&mut c).unwrap()), bits(&resumed.full_params(&mut c).unwrap()))
                         })
                     })

@@ -124,7 +124,7 @@ impl Adafactor {
                 rule: "must be finite and > 0",
             });
         }
-        if !(config.decay_rate < 0.0) {
+        if config.decay_rate >= 0.0 || config.decay_rate.is_nan() {
             let value = config.decay_rate as f64;
             let rule = "must be < 0 (β₂ = 1 − t^decay_rate must approach 1)";
             return Err(EngineError::InvalidHyperParameter { field: "optim.adafactor.decay_rate", value, rule });

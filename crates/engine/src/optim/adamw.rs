@@ -67,14 +67,14 @@ impl AdamW {
 
 /// One AdamW update's constants.
 pub(super) struct AdamStep {
-    b1: f32,
-    b2: f32,
-    eps: f32,
-    wd: f32,
-    lr: f32,
-    step_size: f32,
-    bc2_sqrt: f32,
-    grad_scale: f32,
+    pub(super) b1: f32,
+    pub(super) b2: f32,
+    pub(super) eps: f32,
+    pub(super) wd: f32,
+    pub(super) lr: f32,
+    pub(super) step_size: f32,
+    pub(super) bc2_sqrt: f32,
+    pub(super) grad_scale: f32,
 }
 
 /// The AdamW update of `pieces` whose state lives in `m`, `v` from state

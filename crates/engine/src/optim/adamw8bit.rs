@@ -19,8 +19,8 @@
 //! four f32 slots per element ([`SLOTS`]): each moment's code and its
 //! block's absmax, which restore exactly.
 
-use super::adamw::AdamConsts;
-use super::{check_non_negative, check_unit, split, Piece, StateRun};
+use super::adamw::AdamStep;
+use super::{split, AdamW, Piece, StateRun};
 use crate::error::EngineError;
 use rayon::prelude::*;
 use std::borrow::Cow;
@@ -113,40 +113,25 @@ fn nearest(map: &[f32; 256], x: f32) -> u8 {
 /// AdamW (as [`super::AdamW`]) with blockwise 8-bit moments.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdamW8bit {
-    /// β₁.
-    pub beta1: f32,
-    /// β₂.
-    pub beta2: f32,
-    /// ε, added to `sqrt(v̂)`.
-    pub eps: f32,
-    /// Decoupled weight decay λ.
-    pub weight_decay: f32,
+    /// The hyper-parameters and the update count (its f32 moments stay empty).
+    pub adam: AdamW,
     m_code: Vec<u8>,
     v_code: Vec<u8>,
     m_absmax: Vec<f32>,
     v_absmax: Vec<f32>,
     blocks: Vec<Range<usize>>,
-    pub(super) n_updates: u64,
 }
 
 impl AdamW8bit {
     /// A fresh optimizer without state ([`super::Optimizer::for_state`] sizes it).
     pub fn new(beta1: f32, beta2: f32, eps: f32, weight_decay: f32) -> Result<Self, EngineError> {
-        check_unit("optim.beta1", beta1)?;
-        check_unit("optim.beta2", beta2)?;
-        check_non_negative("optim.eps", eps)?;
-        check_non_negative("optim.weight_decay", weight_decay)?;
         Ok(Self {
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
+            adam: AdamW::new(0, beta1, beta2, eps, weight_decay)?,
             m_code: Vec::new(),
             v_code: Vec::new(),
             m_absmax: Vec::new(),
             v_absmax: Vec::new(),
             blocks: Vec::new(),
-            n_updates: 0,
         })
     }
 
@@ -160,7 +145,7 @@ impl AdamW8bit {
             m_absmax: vec![0.0; blocks.len()],
             v_absmax: vec![0.0; blocks.len()],
             blocks,
-            n_updates: 0,
+            adam: AdamW { n_updates: 0, ..self.adam.clone() },
             ..self.clone()
         }
     }
@@ -194,24 +179,9 @@ impl AdamW8bit {
         (m, v)
     }
 
-    pub(super) fn begin(&mut self, lr: f32, grad_scale: f32) -> Step8 {
-        self.n_updates += 1;
-        let t = self.n_updates as i32;
-        // The constants of super::adamw's update, for the same bits per element.
-        let bc1 = 1.0 - self.beta1.powi(t);
-        let bc2_sqrt = (1.0 - self.beta2.powi(t)).sqrt();
-        Step8 {
-            c: AdamConsts {
-                b1: self.beta1,
-                b2: self.beta2,
-                eps: self.eps,
-                decay: 1.0,
-                step_size: lr / bc1,
-                bc2_sqrt,
-                grad_scale,
-            },
-            decay: 1.0 - lr * self.weight_decay,
-        }
+    /// AdamW's constants of this update (the same bits per element).
+    pub(super) fn begin(&mut self, lr: f32, grad_scale: f32) -> AdamStep {
+        self.adam.begin(lr, grad_scale)
     }
 
     /// For each piece: the range of blocks it holds (pieces hold whole blocks).
@@ -252,7 +222,7 @@ impl AdamW8bit {
     /// [`AdamW8bit::update`] of one offload window: the four [`SLOTS`]
     /// buffers hold state from index `base` on, codes as f32 and each
     /// element's block absmax.
-    pub(super) fn update_window(&self, step: &Step8, pieces: Vec<Piece<'_>>, base: usize, bufs: Vec<&mut [f32]>) {
+    pub(super) fn update_window(&self, step: &AdamStep, pieces: Vec<Piece<'_>>, base: usize, bufs: Vec<&mut [f32]>) {
         let kb = self.piece_blocks(&pieces);
         let [mc, ma, vc, va]: [&mut [f32]; 4] = match bufs.try_into() {
             Ok(b) => b,
@@ -335,17 +305,10 @@ impl AdamW8bit {
     }
 }
 
-/// One 8-bit AdamW update's constants: AdamW's, and the decay factor of
-/// decaying tensors.
-pub(super) struct Step8 {
-    c: AdamConsts,
-    decay: f32,
-}
-
 /// One block: dequantise, AdamW in f32 (the operations of `adam_loop`, in
 /// its order), new absmax, requantise.
 fn block_update(
-    step: &Step8,
+    step: &AdamStep,
     decays: bool,
     p: &mut [f32],
     g: &[f32],
@@ -353,8 +316,8 @@ fn block_update(
     (am, av): (&mut f32, &mut f32),
 ) {
     let mp = maps();
-    let AdamConsts { b1, b2, eps, step_size, bc2_sqrt, grad_scale, .. } = step.c;
-    let decay = if decays { step.decay } else { 1.0 };
+    let &AdamStep { b1, b2, eps, wd, lr, step_size, bc2_sqrt, grad_scale } = step;
+    let decay = if decays { 1.0 - lr * wd } else { 1.0 };
     let mut m = [0.0f32; BLOCK];
     let mut v = [0.0f32; BLOCK];
     let (mut max_m, mut max_v) = (0.0f32, 0.0f32);

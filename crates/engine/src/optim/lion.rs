@@ -101,7 +101,7 @@ mod tests {
     use crate::optim::Optimizer;
 
     /// The paper's pseudo-code (Algorithm 2) in f64, one parameter at a time.
-    fn reference(p: &mut [f64], m: &mut [f64], g: &[f64], lr: f64, b1: f64, b2: f64, wd: f64, decay: bool) {
+    fn reference(p: &mut [f64], m: &mut [f64], g: &[f64], (lr, b1, b2, wd): (f64, f64, f64, f64), decay: bool) {
         for i in 0..p.len() {
             let c = b1 * m[i] + (1.0 - b1) * g[i];
             let s = if c > 0.0 {
@@ -149,8 +149,8 @@ mod tests {
             opt.update(&layout, &mut p, &gin, lr as f32, scale);
             let (pw, pb) = p64.split_at_mut(3);
             let (mw, mb) = m64.split_at_mut(3);
-            reference(pw, mw, &g[..3], lr, b1, b2, wd, true);
-            reference(pb, mb, &g[3..], lr, b1, b2, wd, false);
+            reference(pw, mw, &g[..3], (lr, b1, b2, wd), true);
+            reference(pb, mb, &g[3..], (lr, b1, b2, wd), false);
             for (i, (&a, &b)) in p.iter().zip(&p64).enumerate() {
                 assert!((a as f64 - b).abs() < 1e-6, "step {k} element {i}: {a} vs {b}");
             }

@@ -3,7 +3,6 @@
 //! checkpoints, restore, and sizes.
 
 use super::adamw::{adam_apply, AdamStep};
-use super::adamw8bit::Step8;
 use super::lion::{lion_apply, LionStep};
 use super::sgd::{sgd_apply, SgdStep};
 use super::{pieces, Adafactor, AdamW, AdamW8bit, Lion, Piece, Sgd, StateRun, StateSize};
@@ -17,7 +16,7 @@ enum Step {
     AdamW(AdamStep),
     Sgd(SgdStep),
     Lion(LionStep),
-    AdamW8bit(Step8),
+    AdamW8bit(AdamStep),
 }
 
 /// The optimizers the engine knows.
@@ -115,7 +114,15 @@ impl Optimizer {
     /// The state slots' names (PyTorch's state keys where PyTorch has the
     /// optimizer), in storage order.
     pub fn slot_names(&self) -> Vec<&'static str> {
-        self.state_buffers().into_iter().map(|(n, _)| n).collect()
+        match self {
+            Optimizer::AdamW(_) => vec!["exp_avg", "exp_avg_sq"],
+            Optimizer::Sgd(o) if o.momentum > 0.0 => vec!["momentum_buffer"],
+            Optimizer::Sgd(_) => Vec::new(),
+            Optimizer::Lion(_) => vec!["exp_avg"],
+            Optimizer::AdamW8bit(_) => super::adamw8bit::SLOTS.to_vec(),
+            Optimizer::Adafactor(o) if o.config.beta1.is_some() => vec!["exp_avg_sq", "exp_avg"],
+            Optimizer::Adafactor(_) => vec!["exp_avg_sq"],
+        }
     }
 
     /// Values per state slot (the state elements).
@@ -150,7 +157,7 @@ impl Optimizer {
             Optimizer::AdamW(o) => o.n_updates = n,
             Optimizer::Sgd(o) => o.n_updates = n,
             Optimizer::Lion(o) => o.n_updates = n,
-            Optimizer::AdamW8bit(o) => o.n_updates = n,
+            Optimizer::AdamW8bit(o) => o.adam.n_updates = n,
             Optimizer::Adafactor(o) => o.n_updates = n,
         }
     }
@@ -220,7 +227,7 @@ impl Optimizer {
         let flip = if g.abs() <= tol_g { 2.0 * lr } else { 0.0 };
         let change = match self {
             Optimizer::AdamW(o) => adam(o.eps),
-            Optimizer::AdamW8bit(o) => adam(o.eps),
+            Optimizer::AdamW8bit(o) => adam(o.adam.eps),
             Optimizer::Sgd(_) => lr * tol_g,
             Optimizer::Lion(_) => flip,
             Optimizer::Adafactor(_) => flip.max(lr * tol_g / g.abs().max(tol_g)),
@@ -234,7 +241,7 @@ impl Optimizer {
             Optimizer::AdamW(o) => o.n_updates,
             Optimizer::Sgd(o) => o.n_updates,
             Optimizer::Lion(o) => o.n_updates,
-            Optimizer::AdamW8bit(o) => o.n_updates,
+            Optimizer::AdamW8bit(o) => o.adam.n_updates,
             Optimizer::Adafactor(o) => o.n_updates,
         }
     }

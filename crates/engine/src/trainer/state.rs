@@ -108,19 +108,16 @@ impl Trainer {
     ) -> Result<Vec<(String, Vec<f32>)>, EngineError> {
         let keep = all_ranks || comm.rank() == 0;
         let mut out = Vec::new();
+        // Made once: 8-bit codes and Adafactor's statistics are built here.
+        let mem = if self.offload.is_some() { Vec::new() } else { self.optimizer.state_buffers() };
         for name in self.optimizer.slot_names() {
             let disk = match self.offload.as_mut() {
                 Some(d) => Some(d.read_all(name)?),
                 None => None,
             };
-            let mem = match disk {
-                Some(_) => None,
-                None => self.optimizer.state_buffers().into_iter().find(|(n, _)| *n == name).map(|b| b.1),
-            };
-            let buf = match (&disk, &mem) {
-                (Some(v), _) => v.as_slice(),
-                (None, Some(b)) => b,
-                (None, None) => &[][..],
+            let buf = match &disk {
+                Some(v) => v.as_slice(),
+                None => mem.iter().find(|(n, _)| *n == name).map_or(&[][..], |b| &b.1[..]),
             };
             let full = if self.stage.shards_optimizer() {
                 self.gather_grad_space(comm, buf, keep)?
