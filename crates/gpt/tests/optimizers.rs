@@ -91,9 +91,9 @@ fn run(opt: Opt, zero: ZeroConfig, world: usize, offload: Option<&str>) -> Vec<O
                         // Small windows: every update crosses window boundaries.
                         tr.offload_optimizer_windowed(d, engine::optim::CHUNK).unwrap();
                     }
-                    // One micro-batch per step: ZeRO-3 and per-micro-step
-                    // ZeRO-2 reduce each micro-batch, which with several
-                    // would sum in another order than the other stages.
+                    // One micro-batch per step: ZeRO-3 reduces each
+                    // micro-batch, which with several would sum in another
+                    // order than the other stages.
                     let losses = steps(&mut tr, &mut m, &mut c, 0..4, 1);
                     let params = bits(&tr.full_params(&mut c).unwrap());
                     let state = tr.full_optimizer_state(&mut c, true).unwrap();
@@ -105,28 +105,38 @@ fn run(opt: Opt, zero: ZeroConfig, world: usize, offload: Option<&str>) -> Vec<O
     })
 }
 
+/// The bits of `runs` equal `reference`'s: losses, parameters and state.
+fn assert_same(opt: Opt, reference: &[Outcome], runs: &[(String, Vec<Outcome>)]) {
+    for (what, ranks) in runs {
+        for (rank, got) in ranks.iter().enumerate() {
+            assert_eq!(got.0, reference[rank].0, "{opt:?} {what} rank {rank}: losses");
+            assert_eq!(got.1, reference[rank].1, "{opt:?} {what} rank {rank}: parameters");
+            assert_eq!(got.2, reference[rank].2, "{opt:?} {what} rank {rank}: optimizer state");
+        }
+    }
+}
+
+/// ZeRO-1 and ZeRO-2 (local accumulation) reduce as ZeRO-0 does, so their
+/// sharded state must give ZeRO-0's bits; ZeRO-3 and per-micro-step ZeRO-2
+/// reduce per segment and normalise per micro-batch, which rounds
+/// differently even for AdamW (data_parallel.rs holds them to 1e-6), so
+/// they are compared with each other (both shard the state). Offloaded
+/// state (ZeRO-0 and ZeRO-1) gives the in-memory bits. W = 3: ZeRO cuts
+/// fall inside tensors.
 #[test]
 fn sharded_and_offloaded_state_give_the_unsharded_bits() {
-    let stages = [(1, false), (2, false), (2, true), (3, false)];
+    let zero = |stage, reduce_every_micro_step| ZeroConfig { stage, reduce_every_micro_step };
     for opt in [Opt::AdamW, Opt::Lion, Opt::AdamW8bit] {
         let reference = run(opt, ZeroConfig::default(), 3, None);
-        let mut runs: Vec<(String, Vec<Outcome>)> = stages
-            .iter()
-            .map(|&(stage, per_micro)| {
-                let zero = ZeroConfig { stage, reduce_every_micro_step: per_micro };
-                (format!("{zero:?}"), run(opt, zero, 3, None))
-            })
-            .collect();
-        let zero1 = ZeroConfig { stage: 1, reduce_every_micro_step: false };
-        runs.push(("offloaded, ZeRO-1".into(), run(opt, zero1, 3, Some(&format!("{opt:?}")))));
-        runs.push(("offloaded, ZeRO-0".into(), run(opt, ZeroConfig::default(), 3, Some(&format!("{opt:?}-0")))));
-        for (what, ranks) in &runs {
-            for (rank, got) in ranks.iter().enumerate() {
-                assert_eq!(got.0, reference[rank].0, "{opt:?} {what} rank {rank}: losses");
-                assert_eq!(got.1, reference[rank].1, "{opt:?} {what} rank {rank}: parameters");
-                assert_eq!(got.2, reference[rank].2, "{opt:?} {what} rank {rank}: optimizer state");
-            }
-        }
+        let local = [
+            ("ZeRO-1".to_string(), run(opt, zero(1, false), 3, None)),
+            ("ZeRO-2".to_string(), run(opt, zero(2, false), 3, None)),
+            ("offloaded, ZeRO-1".into(), run(opt, zero(1, false), 3, Some(&format!("{opt:?}")))),
+            ("offloaded, ZeRO-0".into(), run(opt, ZeroConfig::default(), 3, Some(&format!("{opt:?}-0")))),
+        ];
+        assert_same(opt, &reference, &local);
+        let per_segment = run(opt, zero(2, true), 3, None);
+        assert_same(opt, &per_segment, &[("ZeRO-3".into(), run(opt, zero(3, false), 3, None))]);
     }
 }
 
