@@ -123,7 +123,7 @@ mod tests {
         assert_eq!((c.schedule.kind, c.schedule.decay_fraction), (crate::Decay::Wsd, 0.1));
         // Defaults: no patterns (the family's grouping), WSD decays over the last 20%.
         let c = parse(&[]).unwrap();
-        assert_eq!((c.optim.no_decay, c.schedule.decay_fraction), (None, 0.2));
+        assert_eq!((c.optim.no_decay.clone(), c.schedule.decay_fraction), (None, 0.2));
         assert!(c.to_toml().contains("[optim.adafactor]"));
     }
 

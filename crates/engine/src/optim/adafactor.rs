@@ -253,7 +253,7 @@ struct TensorStep {
 }
 
 /// Visits every element of a tensor given as pieces, in order: `f(index, p, g)`.
-fn each<'a>(pieces: &'a [Piece<'_>], mut f: impl FnMut(usize, f32, f32)) {
+fn each(pieces: &[Piece<'_>], mut f: impl FnMut(usize, f32, f32)) {
     let mut e = 0;
     for piece in pieces {
         for (&p, &g) in piece.params.iter().zip(piece.grads) {

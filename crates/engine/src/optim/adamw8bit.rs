@@ -146,7 +146,6 @@ impl AdamW8bit {
             v_absmax: vec![0.0; blocks.len()],
             blocks,
             adam: AdamW { n_updates: 0, ..self.adam.clone() },
-            ..self.clone()
         }
     }
 

@@ -131,7 +131,7 @@ mod tests {
         let (lr, b1, b2, wd) = (0.01, 0.9, 0.99, 0.5);
         let mut p = vec![1.0f32, -2.0, 0.5, 0.25, -0.75];
         let mut p64: Vec<f64> = p.iter().map(|&x| x as f64).collect();
-        let mut m64 = vec![0.0f64; 5];
+        let mut m64 = [0.0f64; 5];
         let grads = [
             [0.5, -0.25, 0.0, 1.0, -1.0],
             [-2.0, 0.5, 0.125, -0.5, 0.25],
