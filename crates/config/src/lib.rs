@@ -8,13 +8,15 @@ mod extends;
 mod loop_controls;
 mod objective;
 mod sources;
+mod optimizers;
 
 pub use data::{DataFormat, Schema, TokenizerSpec};
 pub use deepspeed::{DeepSpeedConfig, DeepSpeedOptions};
-pub use engine::{Checkpointing, Decay, LossNormalization, OptimizerKind, Precision, ScheduleKind};
+pub use engine::{AdafactorConfig, Checkpointing, Decay, LossNormalization, OptimizerKind, Precision, ScheduleKind};
 pub use extends::read_toml;
 pub use loop_controls::EarlyStopping;
 pub use objective::Objective;
+pub use optimizers::LionConfig;
 use serde::{Deserialize, Serialize};
 pub use sources::SourceConfig;
 use thiserror::Error;
@@ -631,7 +633,7 @@ pub fn name_matches(pattern: &str, name: &str) -> bool {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimConfig {
-    /// `adamw` or `sgd`.
+    /// `adamw`, `sgd`, `lion`, `adamw8bit` or `adafactor`.
     pub name: OptimizerKind,
     /// Peak learning rate.
     pub lr: f32,
@@ -647,6 +649,14 @@ pub struct OptimConfig {
     pub momentum: f32,
     /// SGD Nesterov momentum.
     pub nesterov: bool,
+    /// Tensors without weight decay, by name pattern (`*` any run of
+    /// characters); unset: the model family's grouping (matrices and
+    /// embeddings decay, biases and norms do not).
+    pub no_decay: Option<Vec<String>>,
+    /// `[optim.lion]`.
+    pub lion: LionConfig,
+    /// `[optim.adafactor]`.
+    pub adafactor: AdafactorConfig,
 }
 
 impl Default for OptimConfig {
@@ -660,6 +670,9 @@ impl Default for OptimConfig {
             weight_decay: 0.1,
             momentum: 0.9,
             nesterov: false,
+            no_decay: None,
+            lion: LionConfig::default(),
+            adafactor: AdafactorConfig::default(),
         }
     }
 }
@@ -675,11 +688,18 @@ pub struct ScheduleConfig {
     pub warmup_steps: u64,
     /// Floor of the decaying schedules.
     pub min_lr: f32,
+    /// `wsd`: the share of `train.steps` spent decaying at the end.
+    pub decay_fraction: f32,
 }
 
 impl Default for ScheduleConfig {
     fn default() -> Self {
-        Self { kind: Decay::Cosine, warmup_steps: 20, min_lr: 2e-4 }
+        Self {
+            kind: Decay::Cosine,
+            warmup_steps: 20,
+            min_lr: 2e-4,
+            decay_fraction: engine::schedule::WSD_DECAY_FRACTION,
+        }
     }
 }
 
@@ -813,6 +833,7 @@ impl Config {
         if o.name == OptimizerKind::Sgd && o.nesterov && o.momentum == 0.0 {
             return Err(invalid("optim.momentum", o.momentum, "Nesterov momentum (optim.nesterov) needs momentum > 0"));
         }
+        optimizers::validate(self)?;
         let s = &self.schedule;
         if !(s.min_lr >= 0.0 && s.min_lr <= o.lr) {
             return Err(invalid("schedule.min_lr", s.min_lr, &format!("must be between 0 and optim.lr ({})", o.lr)));

@@ -99,6 +99,10 @@ pub enum EngineError {
         /// What it must satisfy.
         rule: &'static str,
     },
+    /// An optimizer cannot work with this state layout or setting (the
+    /// message names the combination and the fix).
+    #[error("{0}")]
+    Optimizer(String),
     /// A large buffer could not be allocated (the memory limit is tighter
     /// than the plan, or other processes took the memory).
     #[error("cannot allocate {bytes} bytes for {what}: out of memory")]

@@ -116,6 +116,13 @@ impl ParamLayout {
         self.n_trainable()
     }
 
+    /// Sets each tensor's weight-decay flag to `decay(tensor)`.
+    pub fn set_decay(&mut self, decay: impl Fn(&TensorSpec) -> bool) {
+        for t in &mut self.tensors {
+            t.decay = decay(t);
+        }
+    }
+
     /// Number of trainable parameters (the length of the gradient space).
     pub fn n_trainable(&self) -> usize {
         self.tensors.iter().filter(|t| t.trainable).map(TensorSpec::numel).sum()

@@ -113,7 +113,9 @@ pub use error::EngineError;
 pub use layout::{check_shape_size, ParamLayout, TensorSpec, MAX_PARAMS, MAX_TENSORS};
 pub use loss_terms::LossTerms;
 pub use model::{AuxStats, MicroStepStats, Model, AUX_STATS};
-pub use optim::{AdamW, Optimizer, OptimizerKind, Sgd};
+pub use optim::{
+    Adafactor, AdafactorConfig, AdamW, AdamW8bit, Lion, Optimizer, OptimizerKind, Sgd, StateRun, StateSize,
+};
 pub use pipeline::{Schedule, ScheduleKind, StageLayout, StageSpec, StagedModel};
 pub use precision::Precision;
 pub use recompute::Checkpointing;

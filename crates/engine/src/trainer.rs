@@ -11,6 +11,7 @@
 
 mod boundary;
 mod clip;
+mod decay;
 mod memory;
 mod offload;
 mod pipeline;
@@ -32,7 +33,7 @@ use crate::scaler::{LossScaler, LossScalerConfig};
 use crate::schedule::LrSchedule;
 use crate::store::{GradSpace, Written};
 use crate::zero::{Accumulation, Partition, Stage, ZeroConfig};
-use boundary::{update_chunks, UpdateChunk};
+use boundary::{state_runs, update_chunks, UpdateChunk};
 use comm::Communicator;
 use memory::BufferSizes;
 use rayon::prelude::*;
@@ -272,7 +273,7 @@ impl Trainer {
         let stage = Stage::new(zero)?;
         let space = GradSpace::new(&layout, segments)?;
         let (rank, world) = stage.partition_of(comm.rank(), comm.world_size());
-        let part = Partition::new(space, rank, world);
+        let part = Partition::aligned(space, rank, world, optimizer.state_size().shard_align());
         let precision = options.precision;
         let master_sharded = stage.shards_master(precision);
         let sizes = BufferSizes::new(&part, stage, precision, options.bucket_elems);
@@ -315,7 +316,8 @@ impl Trainer {
                 }
             }
         }
-        let optimizer = optimizer.with_len(sizes.optimizer);
+        let optimizer =
+            optimizer.for_state(sizes.optimizer, &state_runs(&part, &layout, stage.update_sharding(precision)))?;
         let grads = vec![0.0; sizes.grads];
         let seg_grads = vec![0.0; sizes.seg_grads];
         let gathered = vec![0.0; sizes.gathered];

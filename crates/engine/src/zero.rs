@@ -201,7 +201,16 @@ fn offsets(lens: &[usize]) -> Vec<usize> {
 impl Partition {
     /// Partitions `space`'s segments over `world_size` ranks.
     pub fn new(space: GradSpace, rank: usize, world_size: usize) -> Self {
-        let piece: Vec<usize> = space.segments.iter().map(|r| r.len().div_ceil(world_size)).collect();
+        Self::aligned(space, rank, world_size, 1)
+    }
+
+    /// [`Partition::new`] with every piece a multiple of `align` elements,
+    /// so the cuts fall on multiples of `align` from each segment's start
+    /// (what a blockwise optimizer's blocks need to stay on one rank).
+    pub fn aligned(space: GradSpace, rank: usize, world_size: usize, align: usize) -> Self {
+        let align = align.max(1);
+        let piece: Vec<usize> =
+            space.segments.iter().map(|r| r.len().div_ceil(world_size).div_ceil(align) * align).collect();
         let mut p = Self {
             offset: offsets(&piece),
             piece,
@@ -321,7 +330,9 @@ impl Partition {
                 let param = if params_sharded { self.shard_range(j).start + (pr.start - own.start) } else { pr.start };
                 let grad = if grads_sharded { in_shard } else { g };
                 let state = if state_sharded { in_shard } else { g };
-                runs.push(UpdateRun { param, grad, state, len: pr.len(), tensor });
+                let seg_at = pr.start - self.segment(j).start;
+                let rel = self.space.tensors[j].iter().find(|t| t.idx == tensor).map_or(0, |t| t.rel.start);
+                runs.push(UpdateRun { param, grad, state, len: pr.len(), tensor, seg_at, at: seg_at - rel });
             }
         }
         runs
@@ -376,6 +387,10 @@ pub struct UpdateRun {
     pub len: usize,
     /// Layout index of its tensor.
     pub tensor: usize,
+    /// Offset of its first parameter from its segment's first parameter.
+    pub seg_at: usize,
+    /// Index of its first element within its tensor.
+    pub at: usize,
 }
 
 #[cfg(test)]
@@ -386,12 +401,13 @@ mod tests {
     proptest! {
         /// Every element of every segment has exactly one owner, every
         /// trainable element one gradient owner, and shards are the same
-        /// length on every rank.
+        /// length on every rank; aligned pieces are multiples of the alignment.
         #[test]
         fn pieces_tile_every_segment(
             lens in proptest::collection::vec((0usize..50, any::<bool>()), 1..8),
             cut in proptest::collection::vec(any::<bool>(), 8),
             world in 1usize..6,
+            align in prop_oneof![Just(1usize), 1usize..9],
         ) {
             let mut layout = ParamLayout::new();
             for (i, &(l, _)) in lens.iter().enumerate() {
@@ -410,9 +426,10 @@ mod tests {
             let space = GradSpace::new(&layout, segs.clone()).unwrap();
             let mut owners = vec![0u32; layout.n_params()];
             let mut grad_owners = vec![0u32; layout.n_trainable()];
-            let p0 = Partition::new(space.clone(), 0, world);
+            let p0 = Partition::aligned(space.clone(), 0, world, align);
             for rank in 0..world {
-                let p = Partition::new(space.clone(), rank, world);
+                let p = Partition::aligned(space.clone(), rank, world, align);
+                prop_assert!(p.piece.iter().all(|&s| s % align == 0));
                 prop_assert_eq!(p.shard_len(), p0.shard_len());
                 prop_assert_eq!(p.grad_shard_len(), p0.grad_shard_len());
                 for seg in 0..segs.len() {

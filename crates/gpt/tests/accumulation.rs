@@ -140,7 +140,14 @@ fn naive_mean_of_micro_means_differs_when_token_counts_differ() {
 
 #[test]
 fn schedule_optimizer_and_clipping_advance_once_per_optimizer_step() {
-    let schedule = LrSchedule { max_lr: 1e-3, min_lr: 1e-4, warmup_steps: 10, total_steps: 20, decay: Decay::Cosine };
+    let schedule = LrSchedule {
+        max_lr: 1e-3,
+        min_lr: 1e-4,
+        warmup_steps: 10,
+        total_steps: 20,
+        decay: Decay::Cosine,
+        decay_fraction: 0.2,
+    };
     let (model, mut tr) = trainer(TrainerOptions { grad_clip: Some(1.0), ..Default::default() }, schedule);
     let mut n_micro_steps = 0usize;
     let mut model = Tapped {

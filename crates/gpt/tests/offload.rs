@@ -5,11 +5,12 @@
 
 use comm::threads::group;
 use comm::Communicator;
-use engine::rng::SplitMix64;
 use engine::{AdamW, EngineError, LrSchedule, Optimizer, Precision, Sgd, Trainer, TrainerOptions, ZeroConfig};
 use gpt::{init_params, Batch, Gpt, GptConfig};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+mod common;
 
 const T: usize = 8;
 
@@ -19,16 +20,7 @@ fn cfg() -> GptConfig {
 }
 
 fn batch(rank: usize, step: usize, k: usize) -> Batch {
-    let mut rng = SplitMix64::new((rank * 1000 + step * 10 + k) as u64 + 1);
-    let toks: Vec<u32> = (0..2 * (T + 1)).map(|_| rng.below(257) as u32).collect();
-    let (a, b) = toks.split_at(T + 1);
-    Batch {
-        n_seqs: 2,
-        seq_len: T,
-        inputs: a[..T].iter().chain(&b[..T]).copied().collect(),
-        targets: a[1..].iter().chain(&b[1..]).map(|&t| t as i32).collect(),
-        positions: Vec::new(),
-    }
+    common::two_random_sequences((rank * 1000 + step * 10 + k) as u64 + 1, T, 257)
 }
 
 #[derive(Clone, Copy, Debug)]

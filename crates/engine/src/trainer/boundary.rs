@@ -7,7 +7,7 @@ use super::clip::{grad_norm, sum_of_squares};
 use super::{Accumulated, Groups, LossNormalization, Seeds, StepReport, Trainer};
 use crate::error::EngineError;
 use crate::layout::ParamLayout;
-use crate::optim::{split, Piece, CHUNK};
+use crate::optim::{aligned_chunks, split, Piece, StateRun};
 use crate::zero::{Accumulation, Partition, Reduction, UpdateSharding};
 use comm::Communicator;
 use std::ops::Range;
@@ -259,14 +259,14 @@ pub(super) struct UpdateChunk {
 }
 
 /// The pieces of this rank's update, at most CHUNK elements each (the unit
-/// of parallel work), fixed for the trainer's life.
+/// of parallel work), fixed for the trainer's life: cut where the segment
+/// offset is a multiple of CHUNK, so a piece holds whole 8-bit blocks.
 pub(super) fn update_chunks(part: &Partition, layout: &ParamLayout, sharding: UpdateSharding) -> Vec<UpdateChunk> {
     let runs = part.update_runs(sharding);
     let mut chunks = Vec::with_capacity(runs.len());
     for r in runs {
         let decay = layout.tensors()[r.tensor].decay;
-        for at in (0..r.len).step_by(CHUNK) {
-            let m = CHUNK.min(r.len - at);
+        for (at, m) in aligned_chunks(r.seg_at, r.len) {
             chunks.push(UpdateChunk {
                 params: r.param + at..r.param + at + m,
                 grads: r.grad + at,
@@ -276,4 +276,18 @@ pub(super) fn update_chunks(part: &Partition, layout: &ParamLayout, sharding: Up
         }
     }
     chunks
+}
+
+/// This rank's optimizer state as runs of tensors, in state order: what a
+/// blockwise or factored optimizer cuts its state by.
+pub(super) fn state_runs(part: &Partition, layout: &ParamLayout, sharding: UpdateSharding) -> Vec<StateRun> {
+    part.update_runs(sharding)
+        .into_iter()
+        .map(|r| StateRun {
+            state: r.state..r.state + r.len,
+            shape: layout.tensors()[r.tensor].shape.clone(),
+            at: r.at,
+            seg_at: r.seg_at,
+        })
+        .collect()
 }

@@ -6,6 +6,7 @@ use super::Trainer;
 use crate::error::EngineError;
 use crate::model::Model;
 use crate::offload::{window_len, WINDOW_ELEMS};
+use crate::optim::StateSize;
 use crate::precision::Precision;
 use crate::store::GradSpace;
 use crate::zero::{Accumulation, Partition, Reduction, Stage, ZeroConfig};
@@ -14,14 +15,15 @@ impl Trainer {
     /// The [`Trainer::memory`] a trainer of `model` would report on rank 0
     /// of `world_size` ranks, computed from the layout alone: nothing is
     /// allocated, so shapes too large for this machine can be planned.
-    /// `optimizer_slots`: f32 state values per trainable parameter (AdamW 2);
+    /// `optimizer_state`: how the optimizer's state is sized (a number: f32
+    /// values per trainable parameter, AdamW 2; see [`StateSize`]);
     /// `bucket_elems`: [`TrainerOptions::bucket_elems`](crate::TrainerOptions::bucket_elems).
     pub fn planned_memory<M: Model>(
         model: &M,
         zero: ZeroConfig,
         world_size: usize,
         precision: Precision,
-        optimizer_slots: usize,
+        optimizer_state: impl Into<StateSize>,
         bucket_elems: usize,
         offload: bool,
     ) -> Result<MemoryReport, EngineError> {
@@ -30,7 +32,7 @@ impl Trainer {
             zero,
             world_size,
             precision,
-            optimizer_slots,
+            optimizer_state,
             bucket_elems,
             offload,
         )
@@ -45,19 +47,21 @@ impl Trainer {
         zero: ZeroConfig,
         world_size: usize,
         precision: Precision,
-        optimizer_slots: usize,
+        optimizer_state: impl Into<StateSize>,
         bucket_elems: usize,
         offload: bool,
     ) -> Result<MemoryReport, EngineError> {
+        let size: StateSize = optimizer_state.into();
         let stage = Stage::new(zero)?;
         let space = GradSpace::new(layout, segments)?;
         let (rank, world) = stage.partition_of(0, world_size.max(1));
-        let part = Partition::new(space, rank, world);
+        let part = Partition::aligned(space, rank, world, size.shard_align());
         let s = BufferSizes::new(&part, stage, precision, bucket_elems);
-        let state = 4 * optimizer_slots * s.optimizer;
+        let runs = super::state_runs(&part, layout, stage.update_sharding(precision));
+        let slots = size.offload_slots();
         Ok(match offload {
-            true => s.report(precision, 4 * optimizer_slots * window_len(s.optimizer, WINDOW_ELEMS), state),
-            false => s.report(precision, state, 0),
+            true => s.report(precision, 4 * slots * window_len(s.optimizer, WINDOW_ELEMS), 4 * slots * s.optimizer),
+            false => s.report(precision, size.bytes(s.optimizer, &runs), 0),
         })
     }
 

@@ -19,13 +19,16 @@ impl Trainer {
         if self.offload.is_some() {
             return Ok(());
         }
+        self.optimizer.check_offload()?;
         let bufs = self.optimizer.state_buffers();
         if bufs.is_empty() {
             return Ok(());
         }
         let names: Vec<&'static str> = bufs.iter().map(|(n, _)| *n).collect();
-        let values: Vec<&[f32]> = bufs.iter().map(|(_, b)| *b).collect();
+        let values: Vec<&[f32]> = bufs.iter().map(|(_, b)| &b[..]).collect();
         let disk = OffloadedState::create(dir, &names, self.optimizer.state_len(), window, &values)?;
+        drop(values);
+        drop(bufs);
         self.optimizer.release_state();
         self.offload = Some(disk);
         Ok(())

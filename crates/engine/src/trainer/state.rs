@@ -108,6 +108,8 @@ impl Trainer {
     ) -> Result<Vec<(String, Vec<f32>)>, EngineError> {
         let keep = all_ranks || comm.rank() == 0;
         let mut out = Vec::new();
+        // Made once: 8-bit codes and Adafactor's statistics are built here.
+        let mem = if self.offload.is_some() { Vec::new() } else { self.optimizer.state_buffers() };
         for name in self.optimizer.slot_names() {
             let disk = match self.offload.as_mut() {
                 Some(d) => Some(d.read_all(name)?),
@@ -115,7 +117,7 @@ impl Trainer {
             };
             let buf = match &disk {
                 Some(v) => v.as_slice(),
-                None => self.optimizer.state_buffers().into_iter().find(|(n, _)| *n == name).map_or(&[][..], |b| b.1),
+                None => mem.iter().find(|(n, _)| *n == name).map_or(&[][..], |b| &b.1[..]),
             };
             let full = if self.stage.shards_optimizer() {
                 self.gather_grad_space(comm, buf, keep)?

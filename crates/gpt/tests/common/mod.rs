@@ -36,3 +36,18 @@ impl<F: FnMut(&mut dyn ParamStore) -> Result<(), GptError>> Model for Tapped<F> 
         self.inner.loss(store, b)
     }
 }
+
+/// Two sequences of `t` + 1 random tokens below `vocab` from `seed`, as
+/// one micro-batch of two rows.
+pub fn two_random_sequences(seed: u64, t: usize, vocab: u64) -> Batch {
+    let mut rng = engine::rng::SplitMix64::new(seed);
+    let toks: Vec<u32> = (0..2 * (t + 1)).map(|_| rng.below(vocab) as u32).collect();
+    let (a, b) = toks.split_at(t + 1);
+    Batch {
+        n_seqs: 2,
+        seq_len: t,
+        inputs: a[..t].iter().chain(&b[..t]).copied().collect(),
+        targets: a[1..].iter().chain(&b[1..]).map(|&x| x as i32).collect(),
+        positions: Vec::new(),
+    }
+}

@@ -269,7 +269,7 @@ pub struct States {
     n_params: u64,
     /// Trainable parameters of the whole model (the full gradient space).
     n_trainable: u64,
-    /// f32 optimizer-state values per trainable parameter.
+    /// f32 optimizer-state values per trainable parameter in a checkpoint.
     slots: u64,
 }
 
@@ -315,7 +315,7 @@ pub(crate) fn stage_states(plan: &Plan, knobs: Knobs, layers: Option<&[usize]>) 
     };
     let traffic = tensor::Traffic::of(model.as_ref());
     let zero = ZeroConfig { stage: knobs.zero_stage, reduce_every_micro_step: knobs.reduce_every_micro_step };
-    let slots = cfg.optim.name.state_slots(cfg.optim.momentum) as usize;
+    let slots = crate::setup::state_size(cfg);
     let bucket_elems = bucket_elems(cfg);
     let offload = knobs.offload_optimizer;
     let segments = model.segments();
@@ -349,7 +349,16 @@ pub(crate) fn stage_states(plan: &Plan, knobs: Knobs, layers: Option<&[usize]>) 
         .filter(|t| t.trainable && embedding.contains(&t.offset))
         .map(|t| t.numel() as u64)
         .sum();
-    Ok(States { stages, family, stack, traffic, embedding_grads, n_params, n_trainable, slots: slots as u64 })
+    Ok(States {
+        stages,
+        family,
+        stack,
+        traffic,
+        embedding_grads,
+        n_params,
+        n_trainable,
+        slots: slots.checkpoint_slots() as u64,
+    })
 }
 
 /// Bytes the checkpoint writer holds besides the state: its 1 MiB file

@@ -4,11 +4,13 @@
 //! batch, launcher), `batch.micro = "auto"`, and the model, trainer,
 //! groups ([`RankComms`]) and micro-batches of a rank.
 
+mod optimizer;
 mod rank_comms;
 mod samples;
 mod sources;
 mod trainer;
 
+pub use optimizer::state_size;
 pub use rank_comms::{FullState, RankComms};
 pub use samples::{rank_batches, text_files};
 pub use sources::check_mixture_position;

@@ -6,11 +6,8 @@ use super::Plan;
 use crate::family::{Family, LanguageModel};
 use anyhow::{bail, Context, Result};
 use comm::Communicator;
-use config::{Config, OffloadOptimizer, OptimizerKind};
-use engine::{
-    AdamW, LossScalerConfig, LrSchedule, Model, Optimizer, PipelineStage, Sgd, TpRank, Trainer, TrainerOptions,
-    ZeroConfig,
-};
+use config::{Config, OffloadOptimizer};
+use engine::{LossScalerConfig, LrSchedule, Model, PipelineStage, TpRank, Trainer, TrainerOptions, ZeroConfig};
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -150,16 +147,14 @@ pub fn trainer_placed(
     // The hyper-parameters only: the trainer sizes the state for its shard
     // of the trainable tensors (sizing it here for every parameter would
     // hold twice the model, frozen base included, while starting).
-    let optimizer = match o.name {
-        OptimizerKind::Sgd => Optimizer::Sgd(Sgd::new(0, o.momentum, o.nesterov, o.weight_decay)?),
-        OptimizerKind::AdamW => Optimizer::AdamW(AdamW::new(0, o.beta1, o.beta2, o.eps, o.weight_decay)?),
-    };
+    let optimizer = super::optimizer::optimizer_of(cfg)?;
     let schedule = LrSchedule {
         max_lr: o.lr,
         min_lr: cfg.schedule.min_lr,
         warmup_steps: cfg.schedule.warmup_steps,
         total_steps: cfg.train.steps,
         decay: cfg.schedule.kind,
+        decay_fraction: cfg.schedule.decay_fraction,
     };
     let options = TrainerOptions {
         grad_clip: (cfg.train.grad_clip > 0.0).then_some(cfg.train.grad_clip),
@@ -186,6 +181,7 @@ pub fn trainer_placed(
         Placement::Whole(comm) => Trainer::distributed_with(model, &init, optimizer, schedule, options, zero, comm)?,
         Placement::Stage { stage, dp } => Trainer::for_stage(stage, &init, optimizer, schedule, options, zero, dp)?,
     };
+    super::optimizer::apply_no_decay(cfg, &mut trainer)?;
     match cfg.dist.offload_optimizer {
         OffloadOptimizer::None => {}
         OffloadOptimizer::Disk => {
