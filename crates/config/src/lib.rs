@@ -1296,7 +1296,7 @@ mod tests {
         // read, naming the key, its line and every accepted spelling.
         for (bad, key, choices) in [
             ("train.precision=\"f8\"", "precision", "`f32`, `bf16`, `f16`"),
-            ("optim.name=\"lamb\"", "name", "`adamw` or `sgd`"),
+            ("optim.name=\"lamb\"", "name", "`adamw`, `sgd`, `lion`, `adamw8bit`, `adafactor`"),
             ("schedule.kind=\"step\"", "kind", "`constant`"),
             ("train.loss_normalization=\"mean\"", "loss_normalization", "`token` or `micro_batch_mean`"),
             ("data.format=\"csv\"", "format", "`u16`, `u32`"),

@@ -7,7 +7,7 @@
 //! of the flat buffer independently — the property ZeRO sharding relies
 //! on. 8-bit AdamW is blockwise: its blocks are cut at multiples of
 //! [`adamw8bit::BLOCK`] from each segment's start and a ZeRO partition
-//! cuts on those multiples too ([`Optimizer::shard_align`]), so a block
+//! cuts on those multiples too ([`StateSize::shard_align`]), so a block
 //! never spans two ranks. Adafactor's statistics need whole tensors: it
 //! refuses a state that holds only part of one.
 
