@@ -191,3 +191,27 @@ pub fn text_files(input: &Path) -> Result<Vec<PathBuf>> {
     }
     Ok(files)
 }
+
+/// Training and validation preference pairs (`train.objective = "dpo"`)
+/// of the JSON Lines file `path`.
+fn pair_samples(cfg: &Config, tokenizer: &Tokenizer, seq_len: usize, path: &str) -> Result<(Samples, Samples)> {
+    let d = &cfg.data;
+    let opts = SftOptions { max_len: Some(seq_len), pack_seq_len: None, drop_empty: d.drop_empty };
+    let load = |path: &str| -> Result<PairDataset> {
+        let ds = PairDataset::load(Path::new(path), tokenizer, &opts)?;
+        let dropped = ds.dropped_lines();
+        if !dropped.is_empty() {
+            eprintln!(
+                "warning: {path}: dropped {} preference pairs with a reply that keeps no target once cut to data.seq_len = {seq_len}: lines {}",
+                dropped.len(),
+                data::sft::line_list(&dropped)
+            );
+        }
+        Ok(ds)
+    };
+    let (train, val) = match d.val_path.as_deref() {
+        Some(v) => (load(path)?, load(v)?),
+        None => load(path)?.split_tail(d.val_fraction)?,
+    };
+    Ok((Samples::Pairs(train), Samples::Pairs(val)))
+}
