@@ -7,8 +7,8 @@ mod deepspeed;
 mod extends;
 mod loop_controls;
 mod objective;
-mod sources;
 mod optimizers;
+mod sources;
 
 pub use data::{DataFormat, Schema, TokenizerSpec};
 pub use deepspeed::{DeepSpeedConfig, DeepSpeedOptions};
