@@ -165,16 +165,32 @@ impl Optimizer {
     /// The same optimizer with fresh state for `len` elements (a shard)
     /// laid out as `runs` (what blockwise and factored state is cut by).
     pub fn for_state(&self, len: usize, runs: &[StateRun]) -> Result<Self, EngineError> {
+        // Field by field, never `..o.clone()`: cloning would copy `self`'s
+        // state for a moment, a transient as large as the state itself.
         Ok(match self {
-            Optimizer::AdamW(o) => {
-                Optimizer::AdamW(AdamW { m: vec![0.0; len], v: vec![0.0; len], n_updates: 0, ..o.clone() })
-            }
+            Optimizer::AdamW(o) => Optimizer::AdamW(AdamW {
+                beta1: o.beta1,
+                beta2: o.beta2,
+                eps: o.eps,
+                weight_decay: o.weight_decay,
+                m: vec![0.0; len],
+                v: vec![0.0; len],
+                n_updates: 0,
+            }),
             Optimizer::Sgd(o) => Optimizer::Sgd(Sgd {
+                momentum: o.momentum,
+                nesterov: o.nesterov,
+                weight_decay: o.weight_decay,
                 buf: if o.momentum > 0.0 { vec![0.0; len] } else { Vec::new() },
                 n_updates: 0,
-                ..o.clone()
             }),
-            Optimizer::Lion(o) => Optimizer::Lion(Lion { m: vec![0.0; len], n_updates: 0, ..o.clone() }),
+            Optimizer::Lion(o) => Optimizer::Lion(Lion {
+                beta1: o.beta1,
+                beta2: o.beta2,
+                weight_decay: o.weight_decay,
+                m: vec![0.0; len],
+                n_updates: 0,
+            }),
             Optimizer::AdamW8bit(o) => Optimizer::AdamW8bit(o.for_state(len, runs)),
             Optimizer::Adafactor(o) => Optimizer::Adafactor(o.for_state(len, runs)?),
         })
