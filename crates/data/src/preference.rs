@@ -27,11 +27,11 @@ pub const PAIR_KEYS: [&str; 3] = ["prompt", "chosen", "rejected"];
 #[derive(Debug, Clone)]
 pub struct PairDataset {
     source: PathBuf,
-    /// Chosen, then rejected, for each pair.
-    pairs: Vec<[Example; 2]>,
+    /// Each pair's line (one per pair).
     origins: Vec<Origin>,
     dropped: Vec<Origin>,
-    /// The pairs' examples interleaved, unpacked: what batches are cut from.
+    /// The pairs' examples interleaved, chosen then rejected, unpacked: the
+    /// one copy of the tokens, which batches are cut from.
     rows: SftDataset,
 }
 
@@ -51,18 +51,14 @@ impl PairDataset {
         if opts.max_len == Some(0) {
             return Err(DataError::ZeroSize { field: "max_len" });
         }
-        let (mut pairs, mut origins, mut dropped) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut examples, mut origins, mut dropped) = (Vec::new(), Vec::new(), Vec::new());
         for line in json_lines(path, text) {
             let (at, v) = line?;
-            let mut sides = Vec::with_capacity(2);
-            for reply in ["chosen", "rejected"] {
+            let side = |reply: &str| -> Result<Example, DataError> {
                 let record = parse_record(&at, &completion_line(&at, &v, reply)?, Schema::PromptCompletion)?;
-                sides.push(example_of(&at, tok, record)?);
-            }
-            let [mut chosen, mut rejected]: [Example; 2] = match sides.try_into() {
-                Ok(pair) => pair,
-                Err(_) => unreachable!("two sides were pushed"),
+                example_of(&at, tok, record)
             };
+            let (mut chosen, mut rejected) = (side("chosen")?, side("rejected")?);
             let chat = v.get("prompt").is_some_and(Value::is_array);
             let cap = opts.max_len;
             let truncated = cap.is_some_and(|c| chosen.n_positions() > c || rejected.n_positions() > c);
@@ -77,31 +73,25 @@ impl PairDataset {
                 dropped.push(origin);
                 continue;
             }
-            pairs.push([chosen, rejected]);
+            examples.extend([chosen, rejected]);
             origins.push(origin);
         }
-        check_kept(path, opts.max_len, &dropped, pairs.len(), opts.drop_empty)?;
+        check_kept(path, opts.max_len, &dropped, origins.len(), opts.drop_empty)?;
         let pad_id = tok.pad_id().or(tok.eos_id()).unwrap_or(0);
-        Ok(Self::assemble(path.into(), pairs, origins, dropped, pad_id))
+        Ok(Self::assemble(path.into(), examples, origins, dropped, pad_id))
     }
 
-    fn assemble(
-        source: PathBuf,
-        pairs: Vec<[Example; 2]>,
-        origins: Vec<Origin>,
-        dropped: Vec<Origin>,
-        pad: u32,
-    ) -> Self {
-        let examples: Vec<Example> = pairs.iter().flat_map(|p| p.iter().cloned()).collect();
+    /// The dataset of `examples` (chosen, rejected for each of the pairs of `origins`).
+    fn assemble(source: PathBuf, examples: Vec<Example>, origins: Vec<Origin>, dropped: Vec<Origin>, pad: u32) -> Self {
         let row_origins: Vec<Origin> = origins.iter().flat_map(|&o| [o, o]).collect();
         let rows = SftDataset::assemble(source.clone(), examples, row_origins, Vec::new(), None, pad);
-        Self { source, pairs, origins, dropped, rows }
+        Self { source, origins, dropped, rows }
     }
 
     /// Splits into (training, validation): the last `round(n ·
     /// val_fraction)` of the n pairs, at least one, are validation.
     pub fn split_tail(self, val_fraction: f64) -> Result<(Self, Self), DataError> {
-        let n = self.pairs.len();
+        let n = self.origins.len();
         let n_val = crate::dataset::n_val_tokens(n, val_fraction).max(1);
         if n_val >= n {
             return Err(DataError::TooFewExamples { path: self.source, n, n_val, val_fraction });
@@ -109,22 +99,17 @@ impl PairDataset {
         let n_train = n - n_val;
         let first_val_line = self.origins[n_train].line;
         let pad = self.rows.pad_id();
-        let (mut pairs, mut origins) = (self.pairs, self.origins);
-        let (val_pairs, val_origins) = (pairs.split_off(n_train), origins.split_off(n_train));
+        let (mut examples, mut origins) = (self.rows.examples().to_vec(), self.origins);
+        let (val_examples, val_origins) = (examples.split_off(2 * n_train), origins.split_off(n_train));
         let (train_dropped, val_dropped) = self.dropped.iter().partition(|o| o.line < first_val_line);
-        let train = Self::assemble(self.source.clone(), pairs, origins, train_dropped, pad);
-        let val = Self::assemble(self.source, val_pairs, val_origins, val_dropped, pad);
+        let train = Self::assemble(self.source.clone(), examples, origins, train_dropped, pad);
+        let val = Self::assemble(self.source, val_examples, val_origins, val_dropped, pad);
         Ok((train, val))
     }
 
     /// Number of pairs (the sampler's samples).
     pub fn n_samples(&self) -> usize {
-        self.pairs.len()
-    }
-
-    /// The pairs, chosen then rejected.
-    pub fn pairs(&self) -> &[[Example; 2]] {
-        &self.pairs
+        self.origins.len()
     }
 
     /// 1-based lines of the pairs dropped because the length limit left a
