@@ -6,22 +6,13 @@
 use comm::threads::group;
 use comm::Communicator;
 use engine::{AdamW, EngineError, LrSchedule, Optimizer, Precision, Sgd, Trainer, TrainerOptions, ZeroConfig};
-use gpt::{init_params, Batch, Gpt, GptConfig};
+use gpt::{init_params, Batch, Gpt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 mod common;
 
-const T: usize = 8;
-
-fn cfg() -> GptConfig {
-    // ~110 K parameters: many 16 K-element windows, segments that do not divide by 2.
-    GptConfig { n_layer: 2, n_head: 2, n_embd: 62, block_size: T, vocab_size: 257 }
-}
-
-fn batch(rank: usize, step: usize, k: usize) -> Batch {
-    common::two_random_sequences((rank * 1000 + step * 10 + k) as u64 + 1, T, 257)
-}
+use common::{sharding_batch as batch, sharding_cfg as cfg};
 
 #[derive(Clone, Copy, Debug)]
 enum Opt {

@@ -9,22 +9,12 @@ use comm::Communicator;
 use engine::{
     Adafactor, AdafactorConfig, AdamW, AdamW8bit, Lion, LrSchedule, Optimizer, Trainer, TrainerOptions, ZeroConfig,
 };
-use gpt::{init_params, Batch, Gpt, GptConfig};
+use gpt::{init_params, Batch, Gpt};
 use std::time::Duration;
 
 mod common;
 
-const T: usize = 8;
-
-fn cfg() -> GptConfig {
-    // ~110 K parameters: tensors of several 8-bit blocks, segments that do
-    // not divide by 3, so ZeRO cuts fall inside tensors.
-    GptConfig { n_layer: 2, n_head: 2, n_embd: 62, block_size: T, vocab_size: 257 }
-}
-
-fn batch(rank: usize, step: usize, k: usize) -> Batch {
-    common::two_random_sequences((rank * 1000 + step * 10 + k) as u64 + 1, T, 257)
-}
+use common::{sharding_batch as batch, sharding_cfg as cfg};
 
 #[derive(Clone, Copy, Debug)]
 enum Opt {

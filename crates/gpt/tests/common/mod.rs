@@ -51,3 +51,18 @@ pub fn two_random_sequences(seed: u64, t: usize, vocab: u64) -> Batch {
         positions: Vec::new(),
     }
 }
+
+/// Sequence length of [`sharding_cfg`].
+pub const SHARD_T: usize = 8;
+
+/// ~110 K parameters: tensors of several 8-bit blocks and many 16 K-element
+/// offload windows, segments that divide by neither 2 nor 3, so ZeRO cuts
+/// and offload windows fall inside tensors.
+pub fn sharding_cfg() -> gpt::GptConfig {
+    gpt::GptConfig { n_layer: 2, n_head: 2, n_embd: 62, block_size: SHARD_T, vocab_size: 257 }
+}
+
+/// Micro-batch `k` of optimizer step `step` on `rank` for [`sharding_cfg`].
+pub fn sharding_batch(rank: usize, step: usize, k: usize) -> Batch {
+    two_random_sequences((rank * 1000 + step * 10 + k) as u64 + 1, SHARD_T, 257)
+}
