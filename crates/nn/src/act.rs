@@ -23,7 +23,8 @@ pub fn fast_exp(x: f32) -> f32 {
     const LN2_LO: f32 = -2.121_944_4e-4;
     const ROUND: f32 = 12_582_912.0; // 1.5·2²³: adding and subtracting rounds to an integer
     let x = x.clamp(-87.3, 88.7);
-    let n = (x * LOG2E + ROUND) - ROUND;
+    let y = x * LOG2E + ROUND;
+    let n = y - ROUND;
     let r = x - n * LN2_HI - n * LN2_LO;
     let p = 1.987_569_1e-4;
     let p = p * r + 1.398_199_9e-3;
@@ -33,7 +34,11 @@ pub fn fast_exp(x: f32) -> f32 {
     let p = p * r + 0.5; // Cephes: 5.0000001201e-1, which rounds to 0.5 in f32
     let er = p * r * r + r + 1.0;
     // 2ⁿ by building the exponent bits; n ∈ [-126, 128] after the clamp.
-    let two_n = f32::from_bits(((n as i32 + 127).clamp(0, 255) as u32) << 23);
+    // `y` is ROUND + n exactly (its ulp is 1), so n is the difference of
+    // the bit patterns: integer lanes, where `n as i32` (a saturating
+    // conversion) made the compiler convert lane by lane.
+    let ni = (y.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
+    let two_n = f32::from_bits(((ni + 127).clamp(0, 255) as u32) << 23);
     er * two_n
 }
 
@@ -124,6 +129,35 @@ pub fn swiglu_backward(dgu: &mut [f32], dm: &[f32], gu: &[f32], f: usize) {
 mod tests {
     use super::*;
     use crate::testutil::{check_fd, randn};
+
+    /// The exponent's bits as they were first built (`n as i32`, which the
+    /// compiler converts lane by lane): the integer-lane form gives the
+    /// same bits for every input, so no result anywhere changed.
+    #[test]
+    fn fast_exp_builds_the_same_bits_as_the_float_to_int_form() {
+        let reference = |x: f32| {
+            let x = x.clamp(-87.3, 88.7);
+            let n = (x * std::f32::consts::LOG2_E + 12_582_912.0) - 12_582_912.0;
+            let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
+            let p = 1.987_569_1e-4;
+            let p = p * r + 1.398_199_9e-3;
+            let p = p * r + 8.333_452e-3;
+            let p = p * r + 4.166_579_6e-2;
+            let p = p * r + 1.666_666_5e-1;
+            let p = p * r + 0.5;
+            (p * r * r + r + 1.0) * f32::from_bits(((n as i32 + 127).clamp(0, 255) as u32) << 23)
+        };
+        // One f32 in 97 of [-100, 100] by bit pattern (2.2 billion values
+        // span the range; this visits ~23 million), the clamp's edges,
+        // infinities.
+        let (lo, hi) = (100f32.to_bits(), (-100f32).to_bits());
+        let positives = (0..=lo).step_by(97).map(f32::from_bits);
+        let negatives = ((1u32 << 31)..=hi).step_by(97).map(f32::from_bits);
+        let edges = [-87.3f32, 88.7, -87.4, 88.8, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0];
+        for x in positives.chain(negatives).chain(edges) {
+            assert_eq!(fast_exp(x).to_bits(), reference(x).to_bits(), "x = {x:e}");
+        }
+    }
 
     #[test]
     fn fast_exp_and_tanh_match_libm() {
