@@ -10,6 +10,32 @@ use rayon::prelude::*;
 /// LayerNorm epsilon of GPT-2.
 pub const LN_EPS: f32 = 1e-5;
 
+/// Rows whose sums run side by side: a row's sum is a chain of dependent
+/// additions in index order (the order every result's bits depend on), so
+/// one row at a time waits on the adder's latency; `GROUP` rows' chains
+/// interleaved keep it busy, each row's additions in the same order.
+const GROUP: usize = 8;
+
+/// `sums[r] = init + f(r, 0) + f(r, 1) + … + f(r, c − 1)`, added in index
+/// order for each of `R` rows, the rows' chains interleaved (so the bits
+/// are those of summing each row alone, as `Iterator::sum` does from −0.0).
+#[inline(always)]
+fn ordered_sums<const R: usize>(c: usize, init: f32, f: impl Fn(usize, usize) -> f32) -> [f32; R] {
+    let mut acc = [init; R];
+    for i in 0..c {
+        for (r, a) in acc.iter_mut().enumerate() {
+            *a += f(r, i);
+        }
+    }
+    acc
+}
+
+/// `R` consecutive rows of width `c` of `x` (the caller passes `R·c` values).
+#[inline(always)]
+fn rows<const R: usize>(x: &[f32], c: usize) -> [&[f32]; R] {
+    std::array::from_fn(|r| &x[r * c..(r + 1) * c])
+}
+
 /// LayerNorm over rows of width `c`; saves mean and 1/std for backward.
 pub fn layernorm_forward(
     out: &mut [f32],
@@ -21,24 +47,41 @@ pub fn layernorm_forward(
     c: usize,
 ) {
     engine::profile::timed(engine::profile::Kind::Norm, || {
-        out.par_chunks_mut(c)
-            .zip(inp.par_chunks(c))
-            .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
-            .for_each(|((o, x), (mu, rs))| (*mu, *rs) = layernorm_row(o, x, w, b));
+        out.par_chunks_mut(GROUP * c)
+            .zip(inp.par_chunks(GROUP * c))
+            .zip(mean.par_chunks_mut(GROUP).zip(rstd.par_chunks_mut(GROUP)))
+            .for_each(|((o, x), (mu, rs))| {
+                if mu.len() == GROUP {
+                    return layernorm_rows::<GROUP>(o, x, w, b, mu, rs);
+                }
+                for (((o, x), mu), rs) in o.chunks_mut(c).zip(x.chunks(c)).zip(mu.chunks_mut(1)).zip(rs.chunks_mut(1)) {
+                    layernorm_rows::<1>(o, x, w, b, mu, rs);
+                }
+            });
     })
 }
 
-/// One row of [`layernorm_forward`]: returns (mean, 1/std).
+/// `R` rows of [`layernorm_forward`].
+#[inline(always)]
+fn layernorm_rows<const R: usize>(o: &mut [f32], x: &[f32], w: &[f32], b: &[f32], mean: &mut [f32], rstd: &mut [f32]) {
+    let c = w.len();
+    let xr = rows::<R>(x, c);
+    let sums = ordered_sums::<R>(c, -0.0, |r, i| xr[r][i]);
+    let m: [f32; R] = std::array::from_fn(|r| sums[r] / c as f32);
+    let vars = ordered_sums::<R>(c, -0.0, |r, i| (xr[r][i] - m[r]) * (xr[r][i] - m[r]));
+    for r in 0..R {
+        let s = 1.0 / (vars[r] / c as f32 + LN_EPS).sqrt();
+        layernorm_apply(&mut o[r * c..(r + 1) * c], xr[r], w, b, m[r], s);
+        (mean[r], rstd[r]) = (m[r], s);
+    }
+}
+
+/// One row of LayerNorm's output from its statistics.
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
-fn layernorm_row(o: &mut [f32], x: &[f32], w: &[f32], b: &[f32]) -> (f32, f32) {
-    let c = x.len();
-    let m = x.iter().sum::<f32>() / c as f32;
-    let var = x.iter().map(|&v| (v - m) * (v - m)).sum::<f32>() / c as f32;
-    let s = 1.0 / (var + LN_EPS).sqrt();
+fn layernorm_apply(o: &mut [f32], x: &[f32], w: &[f32], b: &[f32], m: f32, s: f32) {
     for (((o, &x), &w), &b) in o.iter_mut().zip(x).zip(w).zip(b) {
         *o = (x - m) * s * w + b;
     }
-    (m, s)
 }
 
 /// What a norm's forward saw and saved, as its backward reads it: the
@@ -67,11 +110,20 @@ pub fn layernorm_backward(
     engine::profile::timed(engine::profile::Kind::Norm, || {
         let NormSaved { inp, mean, rstd } = saved;
         let c = w.len();
-        dinp.par_chunks_mut(c)
-            .zip(dout.par_chunks(c))
-            .zip(inp.par_chunks(c))
-            .zip(mean.par_iter().zip(rstd.par_iter()))
-            .for_each(|(((di, d), x), (&m, &s))| layernorm_backward_row(di, d, x, w, m, s));
+        dinp.par_chunks_mut(GROUP * c)
+            .zip(dout.par_chunks(GROUP * c))
+            .zip(inp.par_chunks(GROUP * c))
+            .zip(mean.par_chunks(GROUP).zip(rstd.par_chunks(GROUP)))
+            .for_each(|(((di, d), x), (m, s))| {
+                if m.len() == GROUP {
+                    return layernorm_backward_rows::<GROUP>(di, d, x, w, m, s);
+                }
+                for r in 0..m.len() {
+                    let rc = r * c..(r + 1) * c;
+                    let (di, d, x) = (&mut di[rc.clone()], &d[rc.clone()], &x[rc]);
+                    layernorm_backward_rows::<1>(di, d, x, w, &m[r..r + 1], &s[r..r + 1]);
+                }
+            });
         let n_rows = mean.len();
         reduce_rows(n_rows, &mut [dw, db], &[c, c], |rows, acc| {
             let (aw, ab) = acc.split_at_mut(c);
@@ -86,22 +138,32 @@ pub fn layernorm_backward(
     })
 }
 
-/// One row of [`layernorm_backward`]'s input gradient.
-#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
-fn layernorm_backward_row(di: &mut [f32], d: &[f32], x: &[f32], w: &[f32], m: f32, s: f32) {
-    let c = x.len();
-    let mut dnorm_mean = 0.0f32;
-    let mut dnorm_norm_mean = 0.0f32;
-    for i in 0..c {
-        let dn = w[i] * d[i];
-        dnorm_mean += dn;
-        dnorm_norm_mean += dn * (x[i] - m) * s;
+/// `R` rows of [`layernorm_backward`]'s input gradient.
+#[inline(always)]
+fn layernorm_backward_rows<const R: usize>(di: &mut [f32], d: &[f32], x: &[f32], w: &[f32], m: &[f32], s: &[f32]) {
+    let c = w.len();
+    let (dr, xr) = (rows::<R>(d, c), rows::<R>(x, c));
+    let dnorm_mean = ordered_sums::<R>(c, 0.0, |r, i| w[i] * dr[r][i]);
+    let dnorm_norm_mean = ordered_sums::<R>(c, 0.0, |r, i| w[i] * dr[r][i] * (xr[r][i] - m[r]) * s[r]);
+    for r in 0..R {
+        let (dm, dnm) = (dnorm_mean[r] / c as f32, dnorm_norm_mean[r] / c as f32);
+        layernorm_backward_apply(&mut di[r * c..(r + 1) * c], dr[r], xr[r], w, (m[r], s[r]), (dm, dnm));
     }
-    dnorm_mean /= c as f32;
-    dnorm_norm_mean /= c as f32;
+}
+
+/// One row of LayerNorm's input gradient from its statistics and means.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
+fn layernorm_backward_apply(
+    di: &mut [f32],
+    d: &[f32],
+    x: &[f32],
+    w: &[f32],
+    (m, s): (f32, f32),
+    (dm, dnm): (f32, f32),
+) {
     for (((di, &d), &x), &w) in di.iter_mut().zip(d).zip(x).zip(w) {
         let norm = (x - m) * s;
-        *di += (w * d - dnorm_mean - norm * dnorm_norm_mean) * s;
+        *di += (w * d - dm - norm * dnm) * s;
     }
 }
 
@@ -113,15 +175,59 @@ pub fn rmsnorm_forward(out: &mut [f32], rstd: &mut [f32], inp: &[f32], w: &[f32]
         assert_len("rmsnorm_forward", "out", out.len(), &[n, c]);
         assert_len("rmsnorm_forward", "inp", inp.len(), &[n, c]);
         assert_len("rmsnorm_forward", "w", w.len(), &[c]);
-        out.par_chunks_mut(c).zip(inp.par_chunks(c)).zip(rstd.par_iter_mut()).for_each(|((o, x), rs)| {
-            let ms = x.iter().map(|&v| v * v).sum::<f32>() / c as f32;
-            let r = 1.0 / (ms + eps).sqrt();
-            for i in 0..c {
-                o[i] = w[i] * (x[i] * r);
-            }
-            *rs = r;
-        });
+        out.par_chunks_mut(GROUP * c).zip(inp.par_chunks(GROUP * c)).zip(rstd.par_chunks_mut(GROUP)).for_each(
+            |((o, x), rs)| {
+                if rs.len() == GROUP {
+                    return rmsnorm_rows::<GROUP>(o, x, w, rs, eps);
+                }
+                for ((o, x), rs) in o.chunks_mut(c).zip(x.chunks(c)).zip(rs.chunks_mut(1)) {
+                    rmsnorm_rows::<1>(o, x, w, rs, eps);
+                }
+            },
+        );
     })
+}
+
+/// `R` rows of [`rmsnorm_forward`].
+#[inline(always)]
+fn rmsnorm_rows<const R: usize>(o: &mut [f32], x: &[f32], w: &[f32], rstd: &mut [f32], eps: f32) {
+    let c = w.len();
+    let xr = rows::<R>(x, c);
+    let ms = ordered_sums::<R>(c, -0.0, |r, i| xr[r][i] * xr[r][i]);
+    for r in 0..R {
+        let s = 1.0 / (ms[r] / c as f32 + eps).sqrt();
+        rmsnorm_apply(&mut o[r * c..(r + 1) * c], xr[r], w, s);
+        rstd[r] = s;
+    }
+}
+
+/// One row of RMSNorm's output from its 1/rms.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
+fn rmsnorm_apply(o: &mut [f32], x: &[f32], w: &[f32], s: f32) {
+    for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
+        *o = w * (x * s);
+    }
+}
+
+/// `R` rows of [`rmsnorm_backward`]'s input gradient.
+#[inline(always)]
+fn rmsnorm_backward_rows<const R: usize>(di: &mut [f32], d: &[f32], x: &[f32], w: &[f32], rstd: &[f32]) {
+    let c = w.len();
+    let (dr, xr) = (rows::<R>(d, c), rows::<R>(x, c));
+    let dot = ordered_sums::<R>(c, -0.0, |r, i| w[i] * dr[r][i] * xr[r][i]);
+    for r in 0..R {
+        let s = rstd[r];
+        let k = s * s * s * dot[r] / c as f32;
+        rmsnorm_backward_apply(&mut di[r * c..(r + 1) * c], dr[r], xr[r], w, (s, k));
+    }
+}
+
+/// One row of RMSNorm's input gradient: `di += r·w·d − k·x`.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
+fn rmsnorm_backward_apply(di: &mut [f32], d: &[f32], x: &[f32], w: &[f32], (s, k): (f32, f32)) {
+    for (((di, &d), &x), &w) in di.iter_mut().zip(d).zip(x).zip(w) {
+        *di += s * w * d - k * x;
+    }
 }
 
 /// Backward of [`rmsnorm_forward`]: *adds* into `dinp` (the residual
@@ -136,12 +242,15 @@ pub fn rmsnorm_backward(dinp: &mut [f32], dw: Option<ParamGrad<'_>>, dout: &[f32
         for (name, len) in [("dinp", dinp.len()), ("dout", dout.len()), ("inp", inp.len())] {
             assert_len("rmsnorm_backward", name, len, &[n, c]);
         }
-        dinp.par_chunks_mut(c).zip(dout.par_chunks(c)).zip(inp.par_chunks(c)).zip(rstd.par_iter()).for_each(
-            |(((di, d), x), &r)| {
-                let dot: f32 = (0..c).map(|i| w[i] * d[i] * x[i]).sum();
-                let k = r * r * r * dot / c as f32;
-                for i in 0..c {
-                    di[i] += r * w[i] * d[i] - k * x[i];
+        let g = GROUP * c;
+        dinp.par_chunks_mut(g).zip(dout.par_chunks(g)).zip(inp.par_chunks(g)).zip(rstd.par_chunks(GROUP)).for_each(
+            |(((di, d), x), rs)| {
+                if rs.len() == GROUP {
+                    return rmsnorm_backward_rows::<GROUP>(di, d, x, w, rs);
+                }
+                for r in 0..rs.len() {
+                    let rc = r * c..(r + 1) * c;
+                    rmsnorm_backward_rows::<1>(&mut di[rc.clone()], &d[rc.clone()], &x[rc], w, &rs[r..r + 1]);
                 }
             },
         );
@@ -160,6 +269,63 @@ pub fn rmsnorm_backward(dinp: &mut [f32], dw: Option<ParamGrad<'_>>, dout: &[f32
 mod tests {
     use super::*;
     use crate::testutil::{check_fd, randn};
+
+    /// Rows summed side by side in groups give the bits of each row alone
+    /// (the reference: one row at a time, `Iterator::sum` in index order),
+    /// for full groups and a short last one.
+    #[test]
+    fn grouped_rows_give_the_bits_of_one_row_at_a_time() {
+        let (n, c) = (2 * GROUP + 5, 37);
+        let (x, w, b, d) = (randn(n * c, 11), randn(c, 12), randn(c, 13), randn(n * c, 14));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let (mut o, mut mean, mut rstd) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
+        layernorm_forward(&mut o, &mut mean, &mut rstd, &x, &w, &b, c);
+        let (mut di, mut dr) = (randn(n * c, 15), randn(n * c, 15));
+        layernorm_backward(&mut di, None, None, &d, NormSaved { inp: &x, mean: &mean, rstd: &rstd }, &w);
+        let (mut ro, mut rrs) = (vec![0.0; n * c], vec![0.0; n]);
+        rmsnorm_forward(&mut ro, &mut rrs, &x, &w, c, 1e-6);
+        let mut rdi = randn(n * c, 16);
+        rmsnorm_backward(&mut rdi, None, &d, NormSaved { inp: &x, mean: &[], rstd: &rrs }, &w);
+        let mut want = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n], vec![0.0; n * c], vec![0.0; n]);
+        let mut rdr = randn(n * c, 16);
+        for r in 0..n {
+            let rc = r * c..(r + 1) * c;
+            let (xr, dd) = (&x[rc.clone()], &d[rc.clone()]);
+            let m = xr.iter().sum::<f32>() / c as f32;
+            let var = xr.iter().map(|&v| (v - m) * (v - m)).sum::<f32>() / c as f32;
+            let s = 1.0 / (var + LN_EPS).sqrt();
+            (want.1[r], want.2[r]) = (m, s);
+            for i in 0..c {
+                want.0[r * c + i] = (xr[i] - m) * s * w[i] + b[i];
+            }
+            let (mut dm, mut dnm) = (0.0f32, 0.0f32);
+            for i in 0..c {
+                let dn = w[i] * dd[i];
+                dm += dn;
+                dnm += dn * (xr[i] - m) * s;
+            }
+            (dm, dnm) = (dm / c as f32, dnm / c as f32);
+            for i in 0..c {
+                dr[r * c + i] += (w[i] * dd[i] - dm - (xr[i] - m) * s * dnm) * s;
+            }
+            let ms = xr.iter().map(|&v| v * v).sum::<f32>() / c as f32;
+            let q = 1.0 / (ms + 1e-6).sqrt();
+            want.4[r] = q;
+            for i in 0..c {
+                want.3[r * c + i] = w[i] * (xr[i] * q);
+            }
+            let dot: f32 = (0..c).map(|i| w[i] * dd[i] * xr[i]).sum();
+            let k = q * q * q * dot / c as f32;
+            for i in 0..c {
+                rdr[r * c + i] += q * w[i] * dd[i] - k * xr[i];
+            }
+        }
+        assert_eq!(bits(&o), bits(&want.0), "layernorm output");
+        assert_eq!((bits(&mean), bits(&rstd)), (bits(&want.1), bits(&want.2)), "layernorm statistics");
+        assert_eq!(bits(&di), bits(&dr), "layernorm input gradient");
+        assert_eq!((bits(&ro), bits(&rrs)), (bits(&want.3), bits(&want.4)), "rmsnorm output, 1/rms");
+        assert_eq!(bits(&rdi), bits(&rdr), "rmsnorm input gradient");
+    }
 
     #[test]
     fn rmsnorm_backward_matches_central_differences() {
