@@ -483,7 +483,10 @@ pub struct TrainConfig {
     /// in f32, master weights and optimizer state stay f32.
     pub precision: Precision,
     /// Activation checkpointing: `none`, `blocks` (recompute every block in
-    /// backward, keeping only block outputs) or `every_N` (every N-th block).
+    /// backward, keeping only block outputs), `every_N` (every N-th block),
+    /// `attention` (drop the attention core's output, recomputed from
+    /// q|k|v) or `selective` (drop every tensor made without a matrix
+    /// multiply: attention's output, the norms' and the activation's).
     pub activation_checkpointing: Checkpointing,
     /// f16: the loss scale to start from.
     pub initial_loss_scale: f32,

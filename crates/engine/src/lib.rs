@@ -118,7 +118,7 @@ pub use optim::{
 };
 pub use pipeline::{Schedule, ScheduleKind, StageLayout, StageSpec, StagedModel};
 pub use precision::Precision;
-pub use recompute::Checkpointing;
+pub use recompute::{Checkpointing, Inner};
 pub use saved::SavedTensor;
 pub use scaler::{LossScaler, LossScalerConfig};
 pub use schedule::{Decay, LrSchedule};

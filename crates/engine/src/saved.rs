@@ -12,6 +12,9 @@ pub enum SavedTensor {
     F32(Vec<f32>),
     /// Kept as 16-bit codes of the storage precision.
     Low(Vec<u16>),
+    /// Not kept (selective recomputation): the forward still rounds it to
+    /// the storage precision, as if kept, and backward recomputes it.
+    Dropped,
 }
 
 impl Default for SavedTensor {
@@ -35,7 +38,13 @@ impl SavedTensor {
         match self {
             SavedTensor::F32(v) => 4 * v.len(),
             SavedTensor::Low(v) => 2 * v.len(),
+            SavedTensor::Dropped => 0,
         }
+    }
+
+    /// Whether the tensor is dropped, to be recomputed.
+    pub fn is_dropped(&self) -> bool {
+        matches!(self, SavedTensor::Dropped)
     }
 
     /// Saves `v` — rounded first to the storage precision, in place, so the
@@ -45,6 +54,7 @@ impl SavedTensor {
         match self {
             SavedTensor::F32(dst) => dst.copy_from_slice(v),
             SavedTensor::Low(dst) => precision.encode(v, dst),
+            SavedTensor::Dropped => {}
         }
     }
 
@@ -59,6 +69,7 @@ impl SavedTensor {
                 precision.round(v);
                 precision.encode(v, dst);
             }
+            SavedTensor::Dropped => precision.round(v),
         }
     }
 
@@ -76,11 +87,12 @@ impl SavedTensor {
     pub fn cur<'a>(&'a self, v: &'a [f32]) -> &'a [f32] {
         match self {
             SavedTensor::F32(t) => t,
-            SavedTensor::Low(_) => v,
+            SavedTensor::Low(_) | SavedTensor::Dropped => v,
         }
     }
 
-    /// The tensor as f32: itself, or decoded into `tmp`.
+    /// The tensor as f32: itself, or decoded into `tmp` (a dropped tensor
+    /// reads as empty: its reader recomputes it).
     pub fn read<'a>(&'a self, precision: Precision, tmp: &'a mut [f32]) -> &'a [f32] {
         match self {
             SavedTensor::F32(v) => v,
@@ -88,6 +100,7 @@ impl SavedTensor {
                 precision.decode(v, &mut tmp[..v.len()]);
                 &tmp[..v.len()]
             }
+            SavedTensor::Dropped => &[],
         }
     }
 }

@@ -5,7 +5,7 @@
 
 use crate::config::GptConfig;
 use crate::layout::{BlockParams, Widths};
-use engine::{Checkpointing, EngineError, Precision, SegmentGrads, TensorGroup, TpRank};
+use engine::{Checkpointing, EngineError, Inner, Precision, SegmentGrads, TensorGroup, TpRank};
 use nn::attention::AttnShape;
 use nn::flash::{flash_attention_backward, flash_attention_forward, Docs};
 use nn::grad::param_grad;
@@ -24,6 +24,9 @@ const FCH: usize = 5;
 const FCH_GELU: usize = 6;
 /// The block's output.
 const RES3: usize = 7;
+/// What the selective modes may drop: the heads' output (recomputed from
+/// q|k|v), both LayerNorms' outputs and GELU's.
+const KINDS: [Inner; 8] = nn::stack::PRE_NORM_KINDS;
 
 /// Shapes of one block call: this rank's heads `nh` of width `hd`, its
 /// attention width `a = nh·hd` and MLP width `m` (C and 4C unsplit).
@@ -89,6 +92,8 @@ impl ActSizes {
             checkpointing,
             n_slots: part.n_blocks,
             large: [n * c, n * 3 * a, n * a, n * c, n * c, n * m, n * m, n * c].to_vec(),
+            kinds: KINDS.to_vec(),
+            redo_scratch: (2 * n).max(lse),
             output: RES3,
             stats: vec![n, n, n, n, lse],
             x: n * c,
@@ -211,6 +216,27 @@ impl Block for GptBlock<'_> {
         // The output stays in `x` as the next block's input: kept by copy.
         large[RES3].keep_copy(x, prec);
         Ok(())
+    }
+
+    /// LayerNorm (its statistics into the scratch), the attention (its
+    /// log-sum-exps into the scratch) or GELU, run again on the kept input.
+    fn redo(&self, p: &[f32], k: usize, saved: &mut SavedView<'_>, out: &mut [f32], scratch: &mut [f32]) {
+        let (r, Dims { b, t, c, nh, .. }) = (self.r, self.d);
+        let n = b * t;
+        let mut ln = |inp: &[f32], w: &std::ops::Range<usize>, bias: &std::ops::Range<usize>| {
+            let (mean, rstd) = scratch[..2 * n].split_at_mut(n);
+            layernorm_forward(out, mean, rstd, inp, &p[w.clone()], &p[bias.clone()], c);
+        };
+        match k {
+            LN1 => ln(saved.input(), &r.ln1_w, &r.ln1_b),
+            LN2 => ln(saved.get(RES2), &r.ln2_w, &r.ln2_b),
+            ATTY => {
+                let shape = self.d.attn(nn::operands(self.prec));
+                flash_attention_forward(out, &mut scratch[..b * nh * t], saved.get(QKV), shape, self.docs);
+            }
+            FCH_GELU => nn::act::gelu_forward(out, saved.get(FCH)),
+            _ => unreachable!("GPT-2 keeps saved tensor {k}"),
+        }
     }
 
     /// Staging: 0 for row tensors, 1 for the heads' output beside q|k|v.

@@ -82,11 +82,13 @@ fn gpt2_passes_the_conformance_suite() {
 
 /// Recomputing blocks in backward keeps every property: ZeRO-3 gathers a
 /// segment again for the recomputation, frozen blocks are recomputed too,
-/// and several steps in a row reuse the recompute slot.
+/// and several steps in a row reuse the recompute slot; selective
+/// recomputation too.
 #[test]
 fn gpt2_with_activation_checkpointing_passes_the_conformance_suite() {
     conformance::run_all(&GptFamily::new(Checkpointing::Blocks)).unwrap();
     conformance::run_all(&GptFamily::new(Checkpointing::EveryK(2))).unwrap();
+    conformance::run_all(&GptFamily::new(Checkpointing::Selective)).unwrap();
 }
 
 /// Documents packed into one row with their positions (learned positions
@@ -102,7 +104,7 @@ fn gpt2_packed_documents_are_kept_apart() {
     let mut params = init_params(&cfg, 3);
     let mut rng = SplitMix64::new(15);
     params.iter_mut().for_each(|x| *x += (rng.normal() * 0.3) as f32);
-    for ck in [Checkpointing::None, Checkpointing::Blocks] {
+    for ck in [Checkpointing::None, Checkpointing::Blocks, Checkpointing::Attention] {
         let mut model = Gpt::new(cfg).expect("valid config").with_checkpointing(ck);
         conformance::check_packed_documents(&mut model, &params, (&[40, 70, 18], 32), 1e-5).unwrap();
     }

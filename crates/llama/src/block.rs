@@ -9,7 +9,7 @@ use crate::dora;
 use crate::frozen::{FrozenBase, Group};
 use crate::layout::{Adapters, LayerParams, Proj};
 use crate::lora_dropout::Dropout;
-use engine::{Checkpointing, EngineError, Precision, SavedTensor, SegmentGrads, TensorGroup};
+use engine::{Checkpointing, EngineError, Inner, Precision, SavedTensor, SegmentGrads, TensorGroup};
 use nn::act::{swiglu_backward, swiglu_forward};
 use nn::attention::AttnShape;
 use nn::flash::{flash_attention_backward, flash_attention_forward, Docs};
@@ -38,6 +38,10 @@ const XA: usize = 8;
 /// `DZ + p`: with DoRA, projection `p`'s `x·Wᵀ + s·(x·Aᵀ)·Bᵀ` before the
 /// magnitude's scaling (`[n, out]`; empty otherwise).
 const DZ: usize = XA + 7;
+/// What the selective modes may drop: the heads' output (recomputed from
+/// q|k|v), both RMSNorms' outputs and SwiGLU's (LoRA's and DoRA's tensors
+/// are kept).
+const KINDS: [Inner; 8] = nn::stack::PRE_NORM_KINDS;
 
 /// Staging buffers: row tensors, the heads' output beside q|k|v, LoRA's `x·Aᵀ`.
 const ROWS: usize = 0;
@@ -129,12 +133,16 @@ impl ActSizes {
         let mut large = vec![n * c, n * qkvw, n * qd, n * c, n * c, n * 2 * f, n * f, n * c];
         large.extend(xa);
         large.extend(dz);
+        let mut kinds = KINDS.to_vec();
+        kinds.resize(large.len(), Inner::Kept);
         let low = precision.is_low();
         let stack = StackSizes {
             precision,
             checkpointing,
             n_slots: if train { part.n_blocks } else { 1 },
             large,
+            kinds,
+            redo_scratch: n.max(lse),
             output: OUT,
             stats: vec![n, n, lse, norms],
             x: n * c,
@@ -536,6 +544,23 @@ impl Block for Layer<'_> {
         // The output stays in `x` as the next layer's input: kept by copy.
         large[OUT].keep_copy(x, prec);
         Ok(())
+    }
+
+    /// RMSNorm (its 1/rms into the scratch), the attention (its
+    /// log-sum-exps into the scratch) or SwiGLU, run again on the kept input.
+    fn redo(&self, p: &[f32], k: usize, saved: &mut SavedView<'_>, out: &mut [f32], scratch: &mut [f32]) {
+        let (r, d) = (self.r, &self.d);
+        let rstd = &mut scratch[..d.n];
+        match k {
+            H1 => rmsnorm_forward(out, rstd, saved.input(), &p[r.attn_norm.clone()], d.c, d.eps),
+            H2 => rmsnorm_forward(out, rstd, saved.get(X2), &p[r.mlp_norm.clone()], d.c, d.eps),
+            Y => {
+                let lse = &mut scratch[..d.gqa.b * d.gqa.n_head * d.gqa.t];
+                flash_attention_forward(out, lse, saved.get(QKV), d.gqa, self.docs);
+            }
+            M => swiglu_forward(out, saved.get(GU), d.f),
+            _ => unreachable!("Llama keeps saved tensor {k}"),
+        }
     }
 
     fn backward(

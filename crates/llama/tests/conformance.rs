@@ -64,10 +64,11 @@ fn biased_llama_with_llama3_rope_passes_the_conformance_suite() {
 }
 
 /// Recomputing layers in backward keeps every property (ZeRO-3 gathers a
-/// layer again for its recomputation; frozen LoRA bases are recomputed too).
+/// layer again for its recomputation; frozen LoRA bases are recomputed
+/// too), and so does selective recomputation.
 #[test]
 fn llama_with_activation_checkpointing_passes_the_conformance_suite() {
-    for ck in [engine::Checkpointing::Blocks, engine::Checkpointing::EveryK(2)] {
+    for ck in [engine::Checkpointing::Blocks, engine::Checkpointing::EveryK(2), engine::Checkpointing::Selective] {
         let mut f = under_test(true, None);
         f.checkpointing = ck;
         conformance::run_all(&f).unwrap();
@@ -88,6 +89,7 @@ fn llama_packed_documents_are_kept_apart() {
     for (lora, ck) in [
         (None, engine::Checkpointing::None),
         (Some(LoraConfig::new(2, 4.0, &["all-linear"])), engine::Checkpointing::Blocks),
+        (None, engine::Checkpointing::Attention),
     ] {
         let mut f = under_test(false, lora);
         f.cfg.max_position_embeddings = 128;

@@ -209,7 +209,7 @@ fn dora_passes_the_conformance_checks_but_finite_differences() {
     // function's, by design). Biases and checkpointing too.
     let mut f = under_test(dora(2, 4.0, &["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]));
     f.cfg.attention_bias = true;
-    for ck in [engine::Checkpointing::None, engine::Checkpointing::Blocks] {
+    for ck in [engine::Checkpointing::None, engine::Checkpointing::Blocks, engine::Checkpointing::Selective] {
         f.checkpointing = ck;
         conformance::check_k_invariance(&f).unwrap();
         conformance::check_several_steps(&f).unwrap();

@@ -119,9 +119,10 @@ fn planned_activation_bytes_equal_the_allocation() {
     }
 }
 
-/// Activation checkpointing: recomputed layers give bit-identical losses
-/// and gradients in every precision, with and without adapters, and the
-/// saved activations shrink; the planner's figure stays exact.
+/// Activation checkpointing: recomputed layers (or, selectively, the
+/// tensors a layer dropped) give bit-identical losses and gradients in
+/// every precision, with and without adapters, and the saved activations
+/// shrink; the planner's figure stays exact.
 #[test]
 fn recomputed_layers_give_bit_identical_gradients_and_exact_plans() {
     let (cfg, base) = hf::load(&fixture("untied")).unwrap();
@@ -138,7 +139,13 @@ fn recomputed_layers_give_bit_identical_gradients_and_exact_plans() {
             let mut plain = make(engine::Checkpointing::None);
             let params = if lora.is_some() { lora::attach(&plain, &base, 1).unwrap() } else { base.clone() };
             let (l0, g0) = loss_and_grad(&mut plain, &params, &b);
-            for ck in [engine::Checkpointing::Blocks, engine::Checkpointing::EveryK(2)] {
+            let modes = [
+                engine::Checkpointing::Blocks,
+                engine::Checkpointing::EveryK(2),
+                engine::Checkpointing::Attention,
+                engine::Checkpointing::Selective,
+            ];
+            for ck in modes {
                 let mut m = make(ck);
                 let (l, g) = loss_and_grad(&mut m, &params, &b);
                 assert_eq!(l.to_bits(), l0.to_bits(), "{prec:?} {ck}: loss");

@@ -3,7 +3,9 @@
 //! (16-bit under mixed precision), activation checkpointing (a recomputed
 //! block keeps its output only and is run again, in a slot of its own,
 //! just before its backward), the f16 rounding of activation gradients
-//! between blocks, and the sizes of all of it ([`StackSizes`]: the one
+//! between blocks, selective recomputation (a block drops the tensors of
+//! the kinds the mode names and recomputes each, once, when its backward
+//! first reads it), and the sizes of all of it ([`StackSizes`]: the one
 //! definition that allocates the buffers and reports their bytes).
 //!
 //! A family supplies the block itself ([`Block`]) and lays out its saved
@@ -13,10 +15,27 @@
 
 use std::ops::Range;
 
-use engine::{Checkpointing, EngineError, ParamStore, Precision, SavedTensor, SegmentGrads, SegmentView, TensorGroup};
+use engine::{
+    Checkpointing, EngineError, Inner, ParamStore, Precision, SavedTensor, SegmentGrads, SegmentView, TensorGroup,
+};
 
 /// Index of the residual-gradient working buffer.
 pub const DRES: usize = 0;
+
+/// The kinds of a pre-norm transformer block's eight saved tensors in the
+/// order both families keep them: the attention's norm output, q|k|v, the
+/// attention's output, the residual after attention, the MLP's norm
+/// output, the MLP's input projection, its activation, the block's output.
+pub const PRE_NORM_KINDS: [Inner; 8] = [
+    Inner::Elementwise,
+    Inner::Kept,
+    Inner::AttnCore,
+    Inner::Kept,
+    Inner::Elementwise,
+    Inner::Kept,
+    Inner::Elementwise,
+    Inner::Kept,
+];
 
 /// One block of a family, as the walk runs it.
 pub trait Block {
@@ -48,6 +67,16 @@ pub trait Block {
         bufs: &mut [Vec<f32>],
     ) -> Result<(), EngineError>;
 
+    /// Recomputes saved tensor `k`, one that a selective mode dropped (its
+    /// kind in [`StackSizes::kinds`] is not [`Inner::Kept`]), into `out`
+    /// (its length), from what the forward kept (read through `saved`),
+    /// with the forward's kernels on the same inputs — so the values are
+    /// the forward's bit for bit (the walk rounds them to the storage
+    /// precision after). `scratch` ([`StackSizes::redo_scratch`] values)
+    /// takes by-products the forward also kept (a norm's statistics, the
+    /// attention's log-sum-exps).
+    fn redo(&self, p: &[f32], k: usize, saved: &mut SavedView<'_>, out: &mut [f32], scratch: &mut [f32]);
+
     /// Called before each [`Block::forward`] and [`Block::backward`] with
     /// the segment the block runs in (a family whose blocks hold state
     /// outside the segment, such as packed frozen weights, selects it here).
@@ -66,7 +95,17 @@ pub struct Saved {
 impl Saved {
     fn new(s: &StackSizes) -> Self {
         Saved {
-            large: s.large.iter().map(|&n| SavedTensor::new(s.precision, len(n))).collect(),
+            large: (0..s.large.len())
+                .map(
+                    |k| {
+                        if s.dropped(k) {
+                            SavedTensor::Dropped
+                        } else {
+                            SavedTensor::new(s.precision, len(s.large[k]))
+                        }
+                    },
+                )
+                .collect(),
             stats: s.stats.iter().map(|&n| zeros(n)).collect(),
         }
     }
@@ -84,8 +123,31 @@ impl Saved {
     }
 }
 
+/// Saved tensor `k` as f32: in place, decoded into `tmp`, or recomputed
+/// already (in `redone`).
+fn view<'s>(sv: &'s Saved, k: usize, prec: Precision, redone: &'s [Vec<f32>], tmp: &'s mut [f32]) -> &'s [f32] {
+    match &sv.large[k] {
+        SavedTensor::Dropped => &redone[k],
+        t => t.read(prec, tmp),
+    }
+}
+
+/// A block's [`Block::redo`] on its parameters: (tensor, view, out, scratch).
+type RedoFn<'a> = dyn Fn(usize, &mut SavedView<'_>, &mut [f32], &mut [f32]) + 'a;
+
+/// How a block's dropped tensors are recomputed: the block's
+/// [`Block::redo`] on its parameters, a buffer per dropped tensor (filled
+/// at its first read, then read again as is) and the scratch.
+pub struct Redo<'a> {
+    run: &'a RedoFn<'a>,
+    bufs: &'a mut [Vec<f32>],
+    done: &'a mut [bool],
+    scratch: &'a mut Vec<f32>,
+}
+
 /// Where a block's backward reads what its forward saved: each tensor as
-/// f32, directly or decoded into a staging buffer just before use.
+/// f32, directly, decoded into a staging buffer just before use, or (a
+/// dropped tensor) recomputed into a buffer of its own at its first read.
 pub struct SavedView<'a> {
     /// The block's saved tensors.
     pub sv: &'a Saved,
@@ -93,20 +155,44 @@ pub struct SavedView<'a> {
     x: &'a SavedTensor,
     staging: &'a mut [Vec<f32>],
     prec: Precision,
+    redo: Redo<'a>,
 }
 
 impl SavedView<'_> {
-    /// Saved tensor `k` as f32 (decoded into staging buffer 0).
+    /// Recomputes dropped tensor `k` unless it already is.
+    fn materialize(&mut self, k: usize) {
+        let r = &mut self.redo;
+        if r.done[k] {
+            return;
+        }
+        let (run, mut out, mut scratch) = (r.run, std::mem::take(&mut r.bufs[k]), std::mem::take(r.scratch));
+        run(k, self, &mut out, &mut scratch);
+        self.prec.round(&mut out);
+        let r = &mut self.redo;
+        (r.bufs[k], *r.scratch, r.done[k]) = (out, scratch, true);
+    }
+
+    /// Saved tensor `k` as f32 (decoded into staging buffer 0, or recomputed).
     pub fn get(&mut self, k: usize) -> &[f32] {
-        self.sv.large[k].read(self.prec, &mut self.staging[0])
+        if self.sv.large[k].is_dropped() {
+            self.materialize(k);
+        }
+        view(self.sv, k, self.prec, self.redo.bufs, &mut self.staging[0])
     }
 
     /// Saved tensors `a.0` and `b.0` together, decoded into staging buffers
     /// `a.1` and `b.1` (different).
     pub fn pair(&mut self, a: (usize, usize), b: (usize, usize)) -> (&[f32], &[f32]) {
         assert!(a.1 < b.1, "staging buffers must differ and come in order");
+        for k in [a.0, b.0] {
+            if self.sv.large[k].is_dropped() {
+                self.materialize(k);
+            }
+        }
         let (lo, hi) = self.staging.split_at_mut(b.1);
-        (self.sv.large[a.0].read(self.prec, &mut lo[a.1]), self.sv.large[b.0].read(self.prec, &mut hi[0]))
+        let redone = &*self.redo.bufs;
+        let (sv, prec) = (self.sv, self.prec);
+        (view(sv, a.0, prec, redone, &mut lo[a.1]), view(sv, b.0, prec, redone, &mut hi[0]))
     }
 
     /// The block's input (decoded into staging buffer 0).
@@ -164,6 +250,10 @@ pub struct StackSizes {
     pub n_slots: usize,
     /// One block's saved tensors (storage precision), by the family's indices.
     pub large: Vec<u128>,
+    /// The kind of each of `large` (which selective modes drop it).
+    pub kinds: Vec<Inner>,
+    /// Scratch (f32) of [`Block::redo`] under a selective mode.
+    pub redo_scratch: u128,
     /// Index in `large` of the block's output.
     pub output: usize,
     /// One block's saved per-row statistics (f32).
@@ -192,12 +282,22 @@ pub fn zeros(n: u128) -> Vec<f32> {
 }
 
 impl StackSizes {
+    /// Whether saved tensor `k` is dropped (recomputed in backward).
+    pub fn dropped(&self, k: usize) -> bool {
+        self.kinds.get(k).is_some_and(|&kind| self.checkpointing.drops(kind))
+    }
+
+    /// Elements of one block's tensors that are kept (`true`) or dropped.
+    fn large_sum(&self, kept: bool) -> u128 {
+        self.large.iter().enumerate().filter(|&(k, _)| self.dropped(k) != kept).map(|(_, &n)| n).sum()
+    }
+
     fn n_recomputed(&self) -> u128 {
         (0..self.n_slots).filter(|&i| self.checkpointing.recomputes(i)).count() as u128
     }
 
     fn block_bytes(&self) -> u128 {
-        self.precision.bytes() as u128 * self.large.iter().sum::<u128>() + 4 * self.stats.iter().sum::<u128>()
+        self.precision.bytes() as u128 * self.large_sum(true) + 4 * self.stats.iter().sum::<u128>()
     }
 
     /// Bytes of the saved activations: every slot (a recomputed block's
@@ -214,7 +314,8 @@ impl StackSizes {
     pub fn bytes(&self) -> u128 {
         let sum = |v: &[u128]| v.iter().sum::<u128>();
         let slot = if self.checkpointing.is_on() { sum(&self.bufs) + sum(&self.extra) + self.x } else { 0 };
-        self.saved_bytes() + 4 * (self.x + sum(&self.staging) + sum(&self.bufs) + slot)
+        let redo = if self.checkpointing.is_selective() { self.large_sum(false) + self.redo_scratch } else { 0 };
+        self.saved_bytes() + 4 * (self.x + sum(&self.staging) + sum(&self.bufs) + slot + redo)
     }
 }
 
@@ -247,6 +348,11 @@ pub struct Stack {
     /// The working buffers (buffer [`DRES`]: the residual gradient).
     pub bufs: Vec<Vec<f32>>,
     recompute: Option<Recompute>,
+    /// Selective modes: one f32 buffer per saved tensor (empty unless
+    /// dropped) holding its recomputed values, their marks, the scratch.
+    redone: Vec<Vec<f32>>,
+    redone_marks: Vec<bool>,
+    redo_scratch: Vec<f32>,
 }
 
 impl Stack {
@@ -271,6 +377,9 @@ impl Stack {
                 extra: f32s(&s.extra),
                 x: zeros(s.x),
             }),
+            redone: (0..s.large.len()).map(|k| if s.dropped(k) { zeros(s.large[k]) } else { Vec::new() }).collect(),
+            redone_marks: vec![false; s.large.len()],
+            redo_scratch: if ck.is_selective() { zeros(s.redo_scratch) } else { Vec::new() },
         }
     }
 
@@ -291,7 +400,8 @@ impl Stack {
     pub fn bytes(&self) -> usize {
         let sum = |v: &[Vec<f32>]| v.iter().map(Vec::len).sum::<usize>();
         let slot = self.recompute.as_ref().map_or(0, |r| sum(&r.bufs) + sum(&r.extra) + r.x.len());
-        self.saved_bytes() + 4 * (self.x.len() + sum(&self.staging) + sum(&self.bufs) + slot)
+        let redo = sum(&self.redone) + self.redo_scratch.len();
+        self.saved_bytes() + 4 * (self.x.len() + sum(&self.staging) + sum(&self.bufs) + slot + redo)
     }
 
     /// Keeps the stack's input, now in [`Stack::x`] — the embeddings'
@@ -359,13 +469,24 @@ impl Stack {
                     match x {
                         SavedTensor::F32(v) => rc.x.copy_from_slice(v),
                         SavedTensor::Low(v) => prec.decode(v, &mut rc.x),
+                        SavedTensor::Dropped => unreachable!("a block's input is always kept"),
                     }
                     block.forward(params, &mut tp, &mut rc.x, &mut rc.sv, &mut rc.bufs, &mut rc.extra)?;
                     &rc.sv
                 }
                 None => &self.saved[idx],
             };
-            let saved = SavedView { sv, x, staging: &mut self.staging, prec };
+            self.redone_marks.fill(false);
+            let run = |k: usize, v: &mut SavedView<'_>, out: &mut [f32], scratch: &mut [f32]| {
+                block.redo(params, k, v, out, scratch)
+            };
+            let redo = Redo {
+                run: &run,
+                bufs: &mut self.redone,
+                done: &mut self.redone_marks,
+                scratch: &mut self.redo_scratch,
+            };
+            let saved = SavedView { sv, x, staging: &mut self.staging, prec, redo };
             block.backward(params, &mut tp, &mut grads, saved, &mut self.bufs)?;
             store.done(seg, true)?;
         }

@@ -151,6 +151,12 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
         rank_params: states.family.n_params(),
     });
     let mut variants: Vec<(String, Knobs)> = Vec::new();
+    if knobs.checkpointing == Checkpointing::None && plan.family.supports_checkpointing() {
+        variants.push((
+            "train.activation_checkpointing = \"selective\"".into(),
+            Knobs { checkpointing: Checkpointing::Selective, ..knobs },
+        ));
+    }
     if knobs.checkpointing != Checkpointing::Blocks && plan.family.supports_checkpointing() {
         variants.push((
             "train.activation_checkpointing = \"blocks\"".into(),
