@@ -193,9 +193,11 @@ impl Reporter {
         self.len += line.len() as u64;
         let val = r.val_loss.map_or(String::new(), |v| format!(" | val {v:.4}"));
         // Input tokens/s as peers report it; the targets (what the loss is
-        // normalised by) separately where they differ (fine-tuning data).
+        // normalised by: target tokens, or under DPO preference pairs)
+        // separately where they differ (fine-tuning data).
+        let unit = if r.dpo.is_some() { "pairs" } else { "targets" };
         let targets =
-            if r.tokens == r.input_tokens { String::new() } else { format!(" ({:.0} targets/s)", r.tokens_per_s) };
+            if r.tokens == r.input_tokens { String::new() } else { format!(" ({:.0} {unit}/s)", r.tokens_per_s) };
         // Time in the data-parallel collectives, where there are any.
         let comm = if r.comm_s > 0.0 {
             format!(" | comm {:.0} ms ({:.0}%)", r.comm_s * 1e3, 100.0 * r.comm_s * 1e3 / r.step_ms.max(1e-9))

@@ -75,6 +75,9 @@ fn dpo_starts_at_ln2_reports_rewards_and_learns_to_prefer_the_chosen_reply() {
         assert_eq!(first[key].as_f64(), Some(0.0), "{key} at step 1: {first}");
     }
     assert_eq!(first["tokens"].as_u64(), Some(8), "one target per pair of the global batch");
+    // The progress line names what the rate counts.
+    let err = stderr(&o);
+    assert!(err.contains(" pairs/s)") && !err.contains("targets/s"), "{err}");
     let last = m.last().unwrap();
     assert!(last["loss"].as_f64().unwrap() < 0.6, "the DPO loss falls below ln 2: {last}");
     assert!(last["rewards_margin"].as_f64().unwrap() > 0.0, "{last}");
