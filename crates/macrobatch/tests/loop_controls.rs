@@ -333,3 +333,26 @@ fn metrics_keep_plain_cross_entropy_as_loss_and_log_the_total() {
     assert_ne!(weights(&a), weights(&b), "the terms change the gradient");
     let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
 }
+
+/// `plan` counts the moving average: rank 0's process holds 4 bytes per
+/// trainable parameter more with `train.ema_decay` on.
+#[test]
+fn plan_counts_the_moving_average() {
+    let plan = |extra: &[&str]| -> serde_json::Value {
+        let mut c = bin();
+        c.args(["plan", "--json"]);
+        with_sets(&mut c, &tiny(extra));
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_slice(&o.stdout).expect("plan --json")
+    };
+    let (off, on) = (plan(&[]), plan(&["train.ema_decay=0.9"]));
+    let n = on["n_params"].as_u64().unwrap();
+    assert_eq!(off["configured"]["ema"].as_u64(), Some(0));
+    assert_eq!(on["configured"]["ema"].as_u64(), Some(4 * n), "every parameter of this run trains");
+    // The peak less the program's resident size (measured at start-up, it
+    // varies from run to run) grows by the average.
+    let fixed =
+        |p: &serde_json::Value| p["configured_peak"].as_u64().unwrap() - p["configured"]["runtime"].as_u64().unwrap();
+    assert_eq!(fixed(&on) - fixed(&off), 4 * n);
+}

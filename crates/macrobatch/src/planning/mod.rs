@@ -185,6 +185,9 @@ pub struct Estimate {
     /// Per process: the frozen base packed outside the parameters
     /// (`train.frozen_dtype`), one copy shared by the process's ranks.
     pub frozen: u64,
+    /// Per process (rank 0's): the f32 moving average of the trainable
+    /// weights (`train.ema_decay`; 0 when off).
+    pub ema: u64,
 }
 
 /// Bytes of kernel workspace per compute thread: what the measured peak of
@@ -210,7 +213,14 @@ impl Estimate {
     /// One process's bytes during an optimizer step: its ranks plus what
     /// they share.
     pub fn step_peak(&self) -> u64 {
-        self.per_rank() + self.other_ranks + self.comm_shared + self.data + self.runtime + self.workspace + self.frozen
+        self.per_rank()
+            + self.other_ranks
+            + self.comm_shared
+            + self.data
+            + self.runtime
+            + self.workspace
+            + self.frozen
+            + self.ema
     }
 
     /// One process's peak over every phase of a run: loading, steps and
@@ -509,6 +519,9 @@ pub(crate) fn stage_estimates(
                 load: model_states,
                 workspace: WORKSPACE_PER_THREAD * compute_threads(cfg) as u64,
                 frozen: frozen_bytes(plan),
+                // Rank 0 averages every trainable weight (the only layouts
+                // it runs in are unsplit: one stage).
+                ema: if cfg.train.ema_decay > 0.0 && spec.stage == 0 { g } else { 0 },
             }
         })
         .collect();

@@ -306,6 +306,9 @@ pub fn render(r: &Report) -> String {
         let what = format!("frozen base ({})", r.frozen_dtype);
         out += &format!("  per process {what:<32} {:>12}\n", human(e.frozen));
     }
+    if e.ema > 0 {
+        out += &format!("  per process {:<32} {:>12}\n", "moving average (train.ema_decay)", human(e.ema));
+    }
     out += &format!("  per process {:<32} {:>12}\n", "data set", human(e.data));
     out += &format!("  per process {:<32} {:>12}\n", "program", human(e.runtime));
     out += &format!("  per process {:<32} {:>12}\n", "kernel workspace", human(e.workspace));
