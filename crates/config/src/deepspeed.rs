@@ -180,14 +180,19 @@ impl Translation {
 
     /// Sets `section.key` of our config.
     fn set(&mut self, path: &str, v: impl Into<toml::Value>) {
-        let (section, key) = path.split_once('.').unwrap_or(("", path));
-        let entry = self.table.entry(section.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
-        if !entry.is_table() {
-            *entry = toml::Value::Table(toml::Table::new());
+        // Every dot opens a table: `optim.lion.beta1` is [optim.lion] beta1.
+        let mut parts: Vec<&str> = path.split('.').collect();
+        let key = parts.pop().unwrap_or(path);
+        let mut table = &mut self.table;
+        for section in parts {
+            let entry = table.entry(section.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            if !entry.is_table() {
+                *entry = toml::Value::Table(toml::Table::new());
+            }
+            let toml::Value::Table(t) = entry else { unreachable!("made a table just above") };
+            table = t;
         }
-        if let toml::Value::Table(t) = entry {
-            t.insert(key.to_string(), v.into());
-        }
+        table.insert(key.to_string(), v.into());
     }
 
     /// The value of our `section.key` so far, as a number.
@@ -643,7 +648,7 @@ impl Translation {
     }
 
     fn optimizer(&mut self, v: Value) -> Result<(), ConfigError> {
-        let (kind, mut p) = self.typed(v, "optimizer", "\"Adam\", \"AdamW\" or \"SGD\"")?;
+        let (kind, mut p) = self.typed(v, "optimizer", "\"Adam\", \"AdamW\", \"Lion\" or \"SGD\"")?;
         let num = |t: &Self, p: &mut Obj, key: &str, default: f64| -> Result<f64, ConfigError> {
             p.remove(key).map_or(Ok(default), |v| t.number(&v, &format!("optimizer.params.{key}")))
         };
@@ -652,17 +657,18 @@ impl Translation {
         let wd = num(self, &mut p, "weight_decay", 0.0)?;
         self.set("optim.lr", lr);
         self.set("optim.weight_decay", wd);
+        let betas = |t: &Self, p: &mut Obj, default: (f64, f64)| -> Result<(f64, f64), ConfigError> {
+            match p.remove("betas") {
+                Some(Value::Array(b)) if b.len() == 2 => {
+                    Ok((t.number(&b[0], "optimizer.params.betas")?, t.number(&b[1], "optimizer.params.betas")?))
+                }
+                Some(other) => Err(t.err("optimizer.params.betas", format!("expected [beta1, beta2], got {other}"))),
+                None => Ok(default),
+            }
+        };
         match kind.to_ascii_lowercase().as_str() {
             k @ ("adam" | "adamw") => {
-                let (b1, b2) = match p.remove("betas") {
-                    Some(Value::Array(b)) if b.len() == 2 => {
-                        (self.number(&b[0], "optimizer.params.betas")?, self.number(&b[1], "optimizer.params.betas")?)
-                    }
-                    Some(other) => {
-                        return Err(self.err("optimizer.params.betas", format!("expected [beta1, beta2], got {other}")))
-                    }
-                    None => (0.9, 0.999),
-                };
+                let (b1, b2) = betas(self, &mut p, (0.9, 0.999))?;
                 let eps = num(self, &mut p, "eps", 1e-8)?;
                 let w_mode = match p.remove("adam_w_mode") {
                     Some(v) => self.flag(&v, "optimizer.params.adam_w_mode")?,
@@ -694,6 +700,13 @@ impl Translation {
                     }
                 }
             }
+            "lion" => {
+                // DeepSpeed's (Fused)Lion: the paper's update, betas (0.9, 0.99) by default.
+                let (b1, b2) = betas(self, &mut p, (0.9, 0.99))?;
+                self.set("optim.name", "lion");
+                self.set("optim.lion.beta1", b1);
+                self.set("optim.lion.beta2", b2);
+            }
             "sgd" => {
                 let momentum = num(self, &mut p, "momentum", 0.0)?;
                 let nesterov = match p.remove("nesterov") {
@@ -712,7 +725,9 @@ impl Translation {
             _ => {
                 return Err(self.err(
                     "optimizer.type",
-                    format!("\"{kind}\" is not supported; macrobatch has \"Adam\"/\"AdamW\" (adamw) and \"SGD\" (sgd)"),
+                    format!(
+                        "\"{kind}\" is not supported; macrobatch has \"Adam\"/\"AdamW\" (adamw), \"Lion\" (lion) and \"SGD\" (sgd) (8-bit AdamW and Adafactor, which DeepSpeed has no type for: optim.name in the companion TOML)"
+                    ),
                 ))
             }
         }
@@ -1086,6 +1101,17 @@ mod tests {
             e.contains("--strict") && e.contains("fancy_new_thing") && e.contains("zero_optimization.mystery"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn lion_maps_with_its_betas_and_defaults() {
+        let j =
+            r#"{"optimizer": {"type": "Lion", "params": {"lr": 1e-4, "betas": [0.95, 0.98], "weight_decay": 0.1}}}"#;
+        let c = ds(j, &[], true).unwrap().config;
+        assert_eq!((c.optim.name, c.optim.lr, c.optim.weight_decay), (OptimizerKind::Lion, 1e-4, 0.1));
+        assert_eq!((c.optim.lion.beta1, c.optim.lion.beta2), (0.95, 0.98));
+        let c = ds(r#"{"optimizer": {"type": "Lion"}}"#, &[], true).unwrap().config;
+        assert_eq!((c.optim.lion.beta1, c.optim.lion.beta2), (0.9, 0.99), "DeepSpeed's defaults");
     }
 
     #[test]
