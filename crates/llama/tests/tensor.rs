@@ -10,11 +10,14 @@
 //! A row-parallel product (o_proj, down_proj) sums T partial products over
 //! k/T inputs each, then the group's all-reduce adds the T parts (in f64,
 //! rounded once); a column-parallel input gradient likewise. Each such sum
-//! differs from the unsplit GEMM's by a few ulps (~1e-7 relative); losses
-//! are sums over the batch of such values, so within 1e-6 relative. After
-//! 3 AdamW steps (ε = 1e-4) a gradient near ε moves its parameter by up to
-//! lr, amplifying rounding: parameters within 1e-5 of the largest, the
-//! suite's tolerance for reordered sums. With 16-bit storage a reordered
+//! differs from the unsplit GEMM's by a few ulps (~1e-7 relative); a loss
+//! is a sum over the batch of such values, so the first step's is within
+//! 1e-6 relative. After AdamW steps (ε = 1e-4) a gradient near ε moves its
+//! parameter by up to lr, amplifying rounding: parameters within 1e-5 of
+//! the largest, the suite's tolerance for reordered sums — and the later
+//! steps' losses are those of these parameters, so they are held to the
+//! same 1e-5 (measured 1.4e-6 at the last step on an Intel Ice Lake-SP,
+//! whose AVX-512 GEMM kernels block k differently from AVX2's). With 16-bit storage a reordered
 //! sum can round a stored activation to the neighbouring 16-bit value
 //! (2^-8 relative in bf16, 2^-11 in f16, where activation gradients are
 //! rounded between layers too: the step-0 gradient norm moved by 6e-5
@@ -29,7 +32,7 @@ mod common;
 use common::{pipeline::tensor_matrix, suite};
 use llama::{LlamaConfig, LoraConfig};
 
-const F32: (f64, f32) = (1e-6, 1e-5);
+const F32: (f64, f32) = (1e-5, 1e-5);
 const LOW: (f64, f32) = (1e-3, 5e-3);
 
 fn cfg() -> LlamaConfig {
