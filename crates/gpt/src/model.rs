@@ -20,7 +20,7 @@ use nn::grad::param_grad;
 use nn::kv::{Attention, KvCache};
 use nn::norm::{layernorm_backward, layernorm_forward, NormSaved};
 use nn::stack::{Part, Slots, Stack, DRES};
-use nn::{gemm_into, GemmDims, GemmOut, Positions, Strided};
+use nn::{GemmDims, GemmOut, Positions, Strided};
 use std::ops::Range;
 
 pub use engine::batch::{TokenBatch as Batch, IGNORE_INDEX};
@@ -285,13 +285,12 @@ impl Gpt {
         // logits = lnf · wteᵀ (the head is tied to the token embedding):
         // (B*T, C) @ (C, V) -> (B*T, V)
         let seg = store.segment(0)?;
-        gemm_into(
+        nn::linear::head_gemm(
             GemmDims { m: n, n: v, k: c },
             &mut self.acts.logits,
             GemmOut::overwrite(v),
             Strided::rows(&self.acts.lnf, c),
             Strided::transposed(&seg.params[wte], c),
-            1.0,
             nn::parallelism(false).with(nn::operands(self.precision)),
         );
         Ok(())
@@ -314,24 +313,22 @@ impl Gpt {
             let SegmentView { params, mut grads, .. } = store.segment(0)?;
             let acts = &mut self.acts;
             // dlnf = dlogits · wte: (B*T, V) @ (V, C) -> (B*T, C)
-            gemm_into(
+            nn::linear::head_gemm(
                 GemmDims { m: n, n: c, k: v },
                 &mut acts.stack.bufs[DC],
                 GemmOut::overwrite(c),
                 Strided::rows(&acts.logits, v),
                 Strided::rows(&params[wte.clone()], c),
-                1.0,
                 par,
             );
             // dwte (+)= dlogitsᵀ · lnf: (V, B*T) @ (B*T, C) -> (V, C)
             if let Some(g) = grads.tensor(wte.clone()) {
-                gemm_into(
+                nn::linear::head_gemm(
                     GemmDims { m: v, n: c, k: n },
                     g.buf,
                     GemmOut { offset: 0, rs: c, accumulate: g.accumulate },
                     Strided::transposed(&acts.logits, v),
                     Strided::rows(&acts.lnf, c),
-                    1.0,
                     par,
                 );
             }

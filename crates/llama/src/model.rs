@@ -27,7 +27,7 @@ use nn::linear::{linear_backward_input, linear_backward_weight, LinearShape};
 use nn::norm::{rmsnorm_backward, rmsnorm_forward, NormSaved};
 use nn::rope::Rope;
 use nn::stack::{Part, Slots, Stack, DRES};
-use nn::{gemm_into, parallelism, GemmDims, GemmOut, Operands, Positions, Strided};
+use nn::{parallelism, GemmDims, GemmOut, Operands, Positions, Strided};
 use std::cell::Cell;
 use std::ops::Range;
 use std::sync::Arc;
@@ -563,13 +563,12 @@ impl Llama {
         self.acts.logits.resize(rows * v, 0.0);
         let seg = store.segment(self.head_seg())?;
         let head = Strided::transposed(&seg.params[self.head_rel()], c);
-        gemm_into(
+        nn::linear::head_gemm(
             GemmDims { m: rows, n: v, k: c },
             &mut self.acts.logits,
             GemmOut::overwrite(v),
             hf,
             head,
-            1.0,
             parallelism(false).with(d.ops),
         );
         Ok(())

@@ -266,6 +266,13 @@ pub fn linear_backward_weight(dw: Option<ParamGrad<'_>>, dy: Strided<'_>, x: &[f
     })
 }
 
+/// A GEMM of a model's head (the logits and their gradients), counted as a
+/// linear layer in `bench`'s profile (it is one; called directly it fell
+/// under "other", a quarter of GPT-2's step there).
+pub fn head_gemm(dims: GemmDims, dst: &mut [f32], out: GemmOut, lhs: Strided<'_>, rhs: Strided<'_>, par: crate::Par) {
+    engine::profile::timed(engine::profile::Kind::Linear, || gemm_into(dims, dst, out, lhs, rhs, 1.0, par))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
