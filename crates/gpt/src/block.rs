@@ -5,14 +5,14 @@
 
 use crate::config::GptConfig;
 use crate::layout::{BlockParams, Widths};
-use engine::{Checkpointing, EngineError, Inner, Precision, SegmentGrads, TensorGroup, TpRank};
+use engine::{Checkpointing, EngineError, Precision, SegmentGrads, TensorGroup, TpRank};
 use nn::attention::AttnShape;
 use nn::flash::{flash_attention_backward, flash_attention_forward, Docs};
 use nn::grad::param_grad;
 use nn::kv::Attention;
 use nn::linear::{add_bias, add_into, conv1d_backward, conv1d_forward, LinearShape};
 use nn::norm::{layernorm_backward, layernorm_forward, NormSaved};
-use nn::stack::{Block, Part, Saved, SavedView, StackSizes};
+use nn::stack::{Block, Part, Saved, SavedView, StackSizes, PRE_NORM_KINDS};
 
 /// Indices of a block's saved tensors.
 const LN1: usize = 0;
@@ -24,9 +24,6 @@ const FCH: usize = 5;
 const FCH_GELU: usize = 6;
 /// The block's output.
 const RES3: usize = 7;
-/// What the selective modes may drop: the heads' output (recomputed from
-/// q|k|v), both LayerNorms' outputs and GELU's.
-const KINDS: [Inner; 8] = nn::stack::PRE_NORM_KINDS;
 
 /// Shapes of one block call: this rank's heads `nh` of width `hd`, its
 /// attention width `a = nh·hd` and MLP width `m` (C and 4C unsplit).
@@ -92,7 +89,7 @@ impl ActSizes {
             checkpointing,
             n_slots: part.n_blocks,
             large: [n * c, n * 3 * a, n * a, n * c, n * c, n * m, n * m, n * c].to_vec(),
-            kinds: KINDS.to_vec(),
+            kinds: PRE_NORM_KINDS.to_vec(),
             redo_scratch: (2 * n).max(lse),
             output: RES3,
             stats: vec![n, n, n, n, lse],

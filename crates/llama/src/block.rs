@@ -20,7 +20,7 @@ use nn::linear::{
 };
 use nn::norm::{rmsnorm_backward, rmsnorm_forward, NormSaved};
 use nn::rope::{rope_apply, Rope};
-use nn::stack::{Block, Part, Saved, SavedView, StackSizes};
+use nn::stack::{Block, Part, Saved, SavedView, StackSizes, PRE_NORM_KINDS};
 use nn::{Operands, Positions, Strided};
 use std::cell::Cell;
 
@@ -38,10 +38,6 @@ const XA: usize = 8;
 /// `DZ + p`: with DoRA, projection `p`'s `x·Wᵀ + s·(x·Aᵀ)·Bᵀ` before the
 /// magnitude's scaling (`[n, out]`; empty otherwise).
 const DZ: usize = XA + 7;
-/// What the selective modes may drop: the heads' output (recomputed from
-/// q|k|v), both RMSNorms' outputs and SwiGLU's (LoRA's and DoRA's tensors
-/// are kept).
-const KINDS: [Inner; 8] = nn::stack::PRE_NORM_KINDS;
 
 /// Staging buffers: row tensors, the heads' output beside q|k|v, LoRA's `x·Aᵀ`.
 const ROWS: usize = 0;
@@ -133,7 +129,7 @@ impl ActSizes {
         let mut large = vec![n * c, n * qkvw, n * qd, n * c, n * c, n * 2 * f, n * f, n * c];
         large.extend(xa);
         large.extend(dz);
-        let mut kinds = KINDS.to_vec();
+        let mut kinds = PRE_NORM_KINDS.to_vec(); // LoRA's and DoRA's tensors (after the eight) are kept
         kinds.resize(large.len(), Inner::Kept);
         let low = precision.is_low();
         let stack = StackSizes {

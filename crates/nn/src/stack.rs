@@ -95,17 +95,7 @@ pub struct Saved {
 impl Saved {
     fn new(s: &StackSizes) -> Self {
         Saved {
-            large: (0..s.large.len())
-                .map(
-                    |k| {
-                        if s.dropped(k) {
-                            SavedTensor::Dropped
-                        } else {
-                            SavedTensor::new(s.precision, len(s.large[k]))
-                        }
-                    },
-                )
-                .collect(),
+            large: (0..s.large.len()).map(|k| s.saved_tensor(k)).collect(),
             stats: s.stats.iter().map(|&n| zeros(n)).collect(),
         }
     }
@@ -285,6 +275,14 @@ impl StackSizes {
     /// Whether saved tensor `k` is dropped (recomputed in backward).
     pub fn dropped(&self, k: usize) -> bool {
         self.kinds.get(k).is_some_and(|&kind| self.checkpointing.drops(kind))
+    }
+
+    /// Saved tensor `k`'s storage: dropped, or its size in the storage precision.
+    fn saved_tensor(&self, k: usize) -> SavedTensor {
+        match self.dropped(k) {
+            true => SavedTensor::Dropped,
+            false => SavedTensor::new(self.precision, len(self.large[k])),
+        }
     }
 
     /// Elements of one block's tensors that are kept (`true`) or dropped.
