@@ -1,9 +1,12 @@
 """transformers' Adafactor on fixed parameters and gradients, for
 crates/engine/tests/adafactor_reference.rs, which runs it and compares our
-updates. A 2-D tensor (factored second moment) and a 1-D one (per element),
-four steps per case. Prints lines the test parses:
+updates. A 2-D tensor (factored second moment), a 1-D one (per element) and
+two matrices with a dimension of 1 (factored by transformers, per element by
+us: the same update in exact arithmetic), four steps per case. Prints lines
+the test parses:
 
     case NAME lr relative_step scale_parameter warmup_init beta1 weight_decay clip_threshold
+    shape TENSOR d...         (in layout order)
     init TENSOR v...          (parameters before step 1)
     grad STEP TENSOR v...     (the gradient of step STEP, 1-based)
     after STEP TENSOR v...    (parameters after step STEP)
@@ -26,7 +29,7 @@ CASES = [
         dict(lr=1e-2, relative_step=False, scale_parameter=False, beta1=0.9, weight_decay=0.1, clip_threshold=0.5),
     ),
 ]
-SHAPES = {"w": (3, 4), "b": (5,)}
+SHAPES = {"w": (3, 4), "b": (5,), "row": (1, 6), "col": (4, 1)}
 
 
 def fmt(t):
@@ -51,10 +54,11 @@ def main():
             repr(float(group["clip_threshold"])),
         )
         for k, p in params.items():
+            print("shape", k, *p.shape)
             print("init", k, fmt(p))
         for step in range(1, 5):
             for k, p in params.items():
-                p.grad = torch.randn(p.shape, generator=g) * (0.5 if k == "w" else 2.0)
+                p.grad = torch.randn(p.shape, generator=g) * (2.0 if k == "b" else 0.5)
                 print("grad", step, k, fmt(p.grad))
             opt.step()
             for k, p in params.items():

@@ -1,6 +1,8 @@
 //! Adafactor's updates against transformers' `Adafactor` on fixed
 //! parameters and gradients (scripts/adafactor_reference.py): a 2-D tensor
-//! (factored second moment) and a 1-D one, four steps each, in three
+//! (factored second moment), a 1-D one, and a 1×6 and a 4×1 matrix (which
+//! transformers factors and we keep per element: the same update in exact
+//! arithmetic), four steps each, in three
 //! settings — transformers' defaults (relative step, parameter scale),
 //! `warmup_init`, and an explicit learning rate with a first moment,
 //! weight decay and an active clip threshold. Skipped with a note when
@@ -15,6 +17,7 @@ use std::process::Command;
 #[derive(Default)]
 struct Case {
     header: Vec<String>,
+    shapes: Vec<(String, Vec<usize>)>,
     init: BTreeMap<String, Vec<f32>>,
     grads: BTreeMap<(usize, String), Vec<f32>>,
     after: BTreeMap<(usize, String), Vec<f32>>,
@@ -48,6 +51,10 @@ fn reference() -> Option<Vec<Case>> {
             Some("case") => {
                 cases.push(Case { header: w[1..].iter().map(|s| s.to_string()).collect(), ..Default::default() })
             }
+            Some("shape") => {
+                let dims = w[2..].iter().map(|d| d.parse().ok()).collect::<Option<Vec<usize>>>()?;
+                cases.last_mut()?.shapes.push((w[1].into(), dims));
+            }
             Some("init") => {
                 cases.last_mut()?.init.insert(w[1].into(), floats(&w[2..]));
             }
@@ -64,7 +71,8 @@ fn reference() -> Option<Vec<Case>> {
 }
 
 /// Tolerance: transformers reduces (row and column means, the two RMS
-/// values) in f32 in torch's order, we sum in f64 in element order, so the
+/// values) in f32 in torch's order, we sum exactly and round once to f64
+/// (and keep a matrix with a dimension of 1 per element), so the
 /// statistics differ by a few f32 ulp; through rsqrt, the clip divisor and
 /// the step size that is ≈ 1e-6 relative of an update of at most ~1e-2
 /// (the step size; the parameters are O(1)). 2e-6 absolute on the
@@ -90,16 +98,21 @@ fn updates_equal_transformers_adafactor_on_fixed_gradients() {
             ..AdafactorConfig::default()
         };
         let weight_decay: f32 = h[6].parse().unwrap();
+        assert_eq!(case.shapes.len(), 4, "the script's four tensors");
         let mut layout = ParamLayout::new();
-        layout.push("w", &[3, 4], true);
-        layout.push("b", &[5], true);
+        for (name, dims) in &case.shapes {
+            layout.push(name.clone(), dims, true);
+        }
         let opt = Optimizer::Adafactor(Adafactor::new(config, weight_decay).unwrap());
         let mut opt = opt.for_layout(&layout).unwrap();
-        let mut p: Vec<f32> = [&case.init["w"][..], &case.init["b"][..]].concat();
+        let all = |m: &BTreeMap<(usize, String), Vec<f32>>, step: usize| -> Vec<f32> {
+            case.shapes.iter().flat_map(|(n, _)| m[&(step, n.clone())].clone()).collect()
+        };
+        let mut p: Vec<f32> = case.shapes.iter().flat_map(|(n, _)| case.init[n].clone()).collect();
         for step in 1..=4 {
-            let g: Vec<f32> = [&case.grads[&(step, "w".into())][..], &case.grads[&(step, "b".into())][..]].concat();
-            opt.update(&layout, &mut p, &g, lr, 1.0);
-            let want: Vec<f32> = [&case.after[&(step, "w".into())][..], &case.after[&(step, "b".into())][..]].concat();
+            let g = all(&case.grads, step);
+            opt.update(&layout, &mut p, &g, lr, 1.0).unwrap();
+            let want = all(&case.after, step);
             for (i, (a, b)) in p.iter().zip(&want).enumerate() {
                 assert!((a - b).abs() <= TOL, "{name} step {step} element {i}: ours {a}, transformers {b}");
             }

@@ -95,11 +95,12 @@ fn zero_1_and_disk_offload_compose_with_a_pipeline() {
 }
 
 /// Saved at step 3 under `before`, resumed to step 6 under `after`: steps
-/// 4–6 equal an uninterrupted run without a pipeline (within [`TOL`]).
-fn resume_across(tag: &str, before: &[&str], after: &[&str]) {
-    let six = ["train.steps=6", "train.eval_every=0"];
+/// 4–6 equal an uninterrupted run without a pipeline (within [`TOL`]); all
+/// three runs add `common` (the uninterrupted one after `dist.world_size=1`).
+fn resume_across(tag: &str, common: &[&str], before: &[&str], after: &[&str]) {
+    let six = [&["train.steps=6", "train.eval_every=0"][..], common].concat();
     let straight = tmp(&format!("pipe-straight-{tag}"));
-    train_ok(&straight, &sets(&[&six[..], &["dist.world_size=1"]].concat()));
+    train_ok(&straight, &sets(&[&["dist.world_size=1"][..], &six[..]].concat()));
     let out = tmp(&format!("pipe-resumed-{tag}"));
     let mut c = train_cmd(&out, &sets(&[&six[..], before].concat()));
     let o = c.args(["--stop-after", "3"]).output().unwrap();
@@ -118,14 +119,42 @@ fn a_checkpoint_resumes_at_another_pipeline_width() {
     // Saved by 2 stages, continued by one rank; saved by one, continued by 4 stages.
     resume_across(
         "p2-to-p1",
+        &[],
         &["dist.world_size=2", "dist.pipeline_parallel=2"],
         &["dist.world_size=1", "dist.pipeline_parallel=1"],
     );
     resume_across(
         "p1-to-p4",
+        &[],
         &["dist.world_size=1"],
         &["dist.world_size=4", "dist.pipeline_parallel=4", "dist.pipeline_schedule=\"gpipe\""],
     );
+}
+
+/// Adafactor's checkpoint holds each tensor's statistics inside the
+/// tensor's own range, so a pipeline cut, a ZeRO shard and an offloaded
+/// first moment all save and restore the same buffer: saved by 2 stages ×
+/// 2 data ranks at ZeRO-1 with the first moment on disk, continued by 2
+/// data ranks at ZeRO-0; and back (the same global batch throughout). The
+/// attention's query/key/value biases stay frozen: the key bias's gradient
+/// is zero but for rounding (softmax ignores a constant per query), and
+/// Adafactor's `g/√(g² + eps1)` turns that noise into steps of the full
+/// learning rate whose signs differ between layouts (0.004 after 6 steps).
+#[test]
+fn adafactor_state_resumes_across_pipeline_widths_and_zero_stages() {
+    let ada = [
+        "optim.name=\"adafactor\"",
+        "optim.adafactor.beta1=0.9",
+        "optim.lr=0.01",
+        "dist.world_size=2",
+        "train.trainable=[\"*weight\", \"*c_proj.bias\", \"*c_fc.bias\"]",
+    ];
+    let sharded =
+        ["dist.world_size=4", "dist.pipeline_parallel=2", "dist.zero_stage=1", "dist.offload_optimizer=\"disk\""];
+    let plain =
+        ["dist.world_size=2", "dist.pipeline_parallel=1", "dist.zero_stage=0", "dist.offload_optimizer=\"none\""];
+    resume_across("ada-p2z1-to-p1", &ada, &sharded, &plain);
+    resume_across("ada-p1-to-p2z1", &ada, &plain, &sharded);
 }
 
 /// A refused run: non-zero exit, `needles` in the message, no folder.

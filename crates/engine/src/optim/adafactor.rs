@@ -10,13 +10,24 @@
 //! first moment (`beta1`), and subtracted after the weight decay
 //! `p -= wd·lr_t·p` (decaying tensors only). β₂ at step t is `1 − t^decay_rate`.
 //!
-//! Row and column means and the two RMS values need whole tensors, so the
-//! state must hold every tensor whole: no ZeRO sharding of the state, no
-//! disk offload, no tensor-parallel slices (refused with the fix).
-//! Reductions are summed in f64 in element order (torch sums in f32 in its
-//! own order: results agree to f32 rounding, not to the bit).
+//! Row and column means and the two RMS values are sums over whole
+//! tensors. Every rank keeps the second-moment statistics of every tensor
+//! (4 bytes per matrix row and column, per vector element), identical on
+//! all ranks; the first moment is per element and shards like AdamW's. When
+//! this rank's state holds only parts of tensors (ZeRO ≥ 1), it adds its
+//! parts of every sum as an [`exact`](super::exact) integer and the ranks
+//! sum those ([`SumOverRanks`]): exact sums do not depend on how a tensor
+//! is cut, so any ZeRO stage and world size gives the unsharded bits. Sums
+//! are exact and rounded once to f64 (torch sums in f32 in its own order:
+//! results agree to f32 rounding, not to the bit).
+//!
+//! One update runs in two parts: `prepare` (the statistics, both
+//! collectives, the per-tensor step sizes and clip divisors) and `apply`
+//! (the elementwise update, also through windows of an offloaded first
+//! moment).
 
-use super::{check_non_negative, split, Piece, StateRun};
+use super::exact::{SumF32, SumSq};
+use super::{check_non_negative, split, Piece, StateRuns, SumOverRanks};
 use crate::error::EngineError;
 use rayon::prelude::*;
 use std::borrow::Cow;
@@ -63,11 +74,15 @@ impl Default for AdafactorConfig {
     }
 }
 
-/// Where one tensor's state lives.
+/// The checkpoint slot of the second-moment statistics (transformers keeps
+/// `exp_avg_sq_row`, `exp_avg_sq_col` and, unfactored, `exp_avg_sq`).
+pub const STATS_SLOT: &str = "exp_avg_sq_factored";
+
+/// One tensor's place in the statistics.
 #[derive(Debug, Clone, PartialEq)]
 struct TensorState {
-    /// Its elements in the state space.
-    state: Range<usize>,
+    /// Elements.
+    n: usize,
     /// Last dimension C (1 for an unfactored tensor).
     cols: usize,
     /// Second-to-last dimension R (0: unfactored).
@@ -75,25 +90,70 @@ struct TensorState {
     /// Its second-moment statistics in `v`: L·R row means then L·C column
     /// means (L = the product of the leading dimensions), or one per element.
     stats: Range<usize>,
+    /// Its first element's offset among every tensor's elements (where a
+    /// checkpoint holds its statistics).
+    offset: usize,
 }
 
-/// Second-moment values kept for the tensors of `runs`.
-pub fn second_moment_len(runs: &[StateRun]) -> usize {
-    runs.iter().map(|r| stats_len(&r.shape)).sum()
-}
+impl TensorState {
+    fn factored(&self) -> bool {
+        self.rows > 0
+    }
 
-fn stats_len(shape: &[usize]) -> usize {
-    let n: usize = shape.iter().product();
-    match shape.len() {
-        0 | 1 => n,
-        d => {
-            let lead: usize = shape[..d - 2].iter().product();
-            lead * (shape[d - 2] + shape[d - 1])
+    /// Rows of all leading indices together (L·R), and L·C columns.
+    fn all_rows(&self) -> usize {
+        self.stats.len() - self.all_cols()
+    }
+
+    fn all_cols(&self) -> usize {
+        if self.factored() {
+            self.n / self.rows
+        } else {
+            0
         }
     }
 }
 
-/// transformers' Adafactor over whole tensors.
+/// One run of this rank's state: a part of one tensor.
+#[derive(Debug, Clone, PartialEq)]
+struct RunState {
+    state: Range<usize>,
+    tensor: usize,
+    /// Index of its first element in the tensor.
+    at: usize,
+}
+
+/// Second-moment values kept for tensors of these shapes.
+pub fn second_moment_len(shapes: &[Vec<usize>]) -> usize {
+    shapes.iter().map(|s| stats_len(s)).sum()
+}
+
+/// A tensor's last two dimensions (R, C) when its second moment is
+/// factored: two or more dimensions, neither of the last two 1. A matrix
+/// with a dimension of 1 keeps one statistic per element instead, which is
+/// transformers' factored update in exact arithmetic: with R = 1 every row
+/// factor is `x / x = 1` and the column statistics are the elements'
+/// (the same bits, unless a squared gradient overflows f32); with C = 1 the
+/// row statistics are the elements' and the column statistic their running
+/// mean, which cancels in `row/mean(row) · col` up to rounding.
+fn factored_dims(shape: &[usize]) -> Option<(usize, usize)> {
+    match shape.len() {
+        0 | 1 => None,
+        d => (shape[d - 2] > 1 && shape[d - 1] > 1).then(|| (shape[d - 2], shape[d - 1])),
+    }
+}
+
+/// Statistics kept for a tensor of `shape`: never more than its elements,
+/// so a checkpoint holds them inside the tensor's own range.
+fn stats_len(shape: &[usize]) -> usize {
+    let n: usize = shape.iter().product();
+    match factored_dims(shape) {
+        Some((r, c)) => n / (r * c) * (r + c),
+        None => n,
+    }
+}
+
+/// transformers' Adafactor.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Adafactor {
     /// The hyper-parameters.
@@ -101,10 +161,48 @@ pub struct Adafactor {
     /// Weight decay (decaying tensors only), `p -= wd·lr_t·p`.
     pub weight_decay: f32,
     tensors: Vec<TensorState>,
+    runs: Vec<RunState>,
+    /// Whether other ranks hold parts of the tensors (sums are then added over ranks).
+    shared: bool,
+    /// Every tensor's statistics (the same on every rank).
     v: Vec<f32>,
+    /// The first moment, per state element of this rank (empty while offloaded).
     m: Vec<f32>,
     len: usize,
+    /// Elements of every tensor: the length of a checkpoint's statistics slot.
+    full_len: usize,
+    m_offloaded: bool,
     pub(super) n_updates: u64,
+}
+
+/// What [`Adafactor::prepare`] found for one tensor this rank updates.
+pub(super) struct TensorUpdate {
+    /// 1/√(row statistic / its mean) per row (L·R), or 1/√v per element.
+    row_factor: Vec<f32>,
+    /// 1/√(column statistic) per column (L·C); empty when unfactored.
+    col_factor: Vec<f32>,
+    /// The step size (with the parameter scale).
+    lr: f32,
+    /// The update's RMS clip divisor.
+    clip: f32,
+}
+
+/// One update's per-tensor results ([`Adafactor::prepare`]), by tensor.
+pub(super) struct Prepared {
+    tensors: Vec<Option<TensorUpdate>>,
+    grad_scale: f32,
+}
+
+/// One tensor's partial sums on this rank.
+#[derive(Default)]
+struct Partial {
+    /// Σ over each row (factored), or each element's g² + eps1 (unfactored;
+    /// 0 where another rank holds it).
+    rows: Vec<SumF32>,
+    elems: Vec<f32>,
+    cols: Vec<SumF32>,
+    /// Σ p² (with `scale_parameter`).
+    sq: SumSq,
 }
 
 impl Adafactor {
@@ -129,44 +227,82 @@ impl Adafactor {
             let rule = "must be < 0 (β₂ = 1 − t^decay_rate must approach 1)";
             return Err(EngineError::InvalidHyperParameter { field: "optim.adafactor.decay_rate", value, rule });
         }
-        Ok(Self { config, weight_decay, tensors: Vec::new(), v: Vec::new(), m: Vec::new(), len: 0, n_updates: 0 })
+        Ok(Self {
+            config,
+            weight_decay,
+            tensors: Vec::new(),
+            runs: Vec::new(),
+            shared: false,
+            v: Vec::new(),
+            m: Vec::new(),
+            len: 0,
+            full_len: 0,
+            m_offloaded: false,
+            n_updates: 0,
+        })
     }
 
     /// The same hyper-parameters with zero state for `len` elements laid
-    /// out as `runs`, each of which must be a whole tensor.
-    pub(super) fn for_state(&self, len: usize, runs: &[StateRun]) -> Result<Self, EngineError> {
-        if let Some(r) = runs.iter().find(|r| !r.is_whole()) {
-            return Err(EngineError::Optimizer(format!(
-                "adafactor needs whole tensors, but this rank's optimizer state holds elements {}..{} of a tensor of shape {:?} (ZeRO sharding of the state or tensor parallelism); set dist.zero_stage = 0 and dist.tensor_parallel = 1, or use another optim.name",
-                r.at,
-                r.at + r.state.len(),
-                r.shape
-            )));
+    /// out as `runs`.
+    pub(super) fn for_state(&self, len: usize, runs: &StateRuns) -> Result<Self, EngineError> {
+        let mut tensors = Vec::with_capacity(runs.tensors.len());
+        let (mut at, mut offset) = (0, 0);
+        for shape in &runs.tensors {
+            let (rows, cols) = factored_dims(shape).unwrap_or((0, 1));
+            let (n, k) = (shape.iter().product::<usize>(), stats_len(shape));
+            tensors.push(TensorState { n, rows, cols, stats: at..at + k, offset });
+            at += k;
+            offset += n;
         }
-        let mut tensors = Vec::with_capacity(runs.len());
-        let mut at = 0;
-        for r in runs {
-            let d = r.shape.len();
-            let (rows, cols) = if d >= 2 { (r.shape[d - 2], r.shape[d - 1]) } else { (0, 1) };
-            let n = stats_len(&r.shape);
-            tensors.push(TensorState { state: r.state.clone(), rows, cols, stats: at..at + n });
-            at += n;
-        }
-        if at > len {
-            return Err(EngineError::Optimizer(format!(
-                "adafactor: the factored statistics ({at} values) do not fit the {len}-value checkpoint slot (many tensors with a dimension of 1); use another optim.name"
-            )));
-        }
+        let full_len = offset;
+        let whole = runs.runs.len() == tensors.len()
+            && runs.runs.iter().enumerate().all(|(i, r)| r.tensor == i && r.is_whole());
+        let runs: Vec<RunState> =
+            runs.runs.iter().map(|r| RunState { state: r.state.clone(), tensor: r.tensor, at: r.at }).collect();
         let m = if self.config.beta1.is_some() { vec![0.0; len] } else { Vec::new() };
-        Ok(Self { tensors, v: vec![0.0; at], m, len, n_updates: 0, ..self.clone() })
+        Ok(Self {
+            config: self.config,
+            weight_decay: self.weight_decay,
+            tensors,
+            runs,
+            shared: !whole,
+            v: vec![0.0; at],
+            m,
+            len,
+            full_len,
+            m_offloaded: false,
+            n_updates: 0,
+        })
     }
 
-    /// Bytes of state held.
+    /// Bytes of state held in memory.
     pub fn state_bytes(&self) -> usize {
         4 * (self.v.len() + self.m.len())
     }
 
-    pub(super) fn update(&mut self, pieces: Vec<Piece<'_>>, lr: f32, grad_scale: f32) {
+    /// The tensor and the index within it of a piece's first element.
+    fn locate(&self, piece: &Piece<'_>) -> (usize, usize) {
+        let k = self.runs.partition_point(|r| r.state.end <= piece.state.start);
+        let r = &self.runs[k.min(self.runs.len().saturating_sub(1))];
+        (r.tensor, r.at + (piece.state.start - r.state.start))
+    }
+
+    /// The first part of an update: the statistics of `pieces` (this
+    /// rank's, ascending), summed over the ranks by `reduce` when other
+    /// ranks hold parts of the tensors; updates the second moment and
+    /// returns what [`Adafactor::apply`] needs.
+    pub(super) fn prepare(
+        &mut self,
+        pieces: &[Piece<'_>],
+        lr: f32,
+        grad_scale: f32,
+        mut reduce: Option<SumOverRanks<'_>>,
+    ) -> Result<Prepared, EngineError> {
+        if self.shared && reduce.is_none() {
+            return Err(EngineError::Optimizer(
+                "adafactor: this rank holds parts of tensors, so its statistics must be summed over the ranks; update through the trainer".into(),
+            ));
+        }
         self.n_updates += 1;
         let t = self.n_updates as f64;
         let cfg = self.config;
@@ -178,56 +314,293 @@ impl Adafactor {
             lr as f64
         };
         let beta2t = (1.0 - t.powf(cfg.decay_rate as f64)) as f32;
-        // Group the pieces (ascending, each inside one tensor) by tensor.
-        let mut groups: Vec<Vec<Piece<'_>>> = self.tensors.iter().map(|_| Vec::new()).collect();
-        for p in pieces {
-            let k = self.tensors.partition_point(|t| t.state.end <= p.state.start);
-            if let Some(g) = groups.get_mut(k) {
-                g.push(p);
+        let gs = grad_scale;
+        // This rank's pieces of each tensor: (piece, first element).
+        let mut mine: Vec<Vec<(usize, usize)>> = vec![Vec::new(); self.tensors.len()];
+        for (i, p) in pieces.iter().enumerate() {
+            let (t, at) = self.locate(p);
+            if let Some(m) = mine.get_mut(t) {
+                m.push((i, at));
             }
         }
+
+        // 1. This rank's parts of the row, column and parameter sums.
+        let scale_parameter = cfg.scale_parameter;
+        let mut partials: Vec<Partial> = self
+            .tensors
+            .par_iter()
+            .zip(&mine)
+            .map(|(ts, own)| {
+                let mut part = Partial::default();
+                if own.is_empty() {
+                    return part;
+                }
+                if ts.factored() {
+                    part.rows = vec![SumF32::default(); ts.all_rows()];
+                    part.cols = vec![SumF32::default(); ts.all_cols()];
+                } else {
+                    part.elems = vec![0.0; ts.n];
+                }
+                for &(i, at) in own {
+                    let p = &pieces[i];
+                    if scale_parameter {
+                        p.params.iter().for_each(|&x| part.sq.add_square(x));
+                    }
+                    let u = p.grads.iter().map(|&g| {
+                        let gi = g * gs;
+                        gi * gi + cfg.eps1
+                    });
+                    if ts.factored() {
+                        let mut at_row = RowWalk::new(ts, at);
+                        for u in u {
+                            part.rows[at_row.row].add(u);
+                            part.cols[at_row.col_index()].add(u);
+                            at_row.next();
+                        }
+                    } else {
+                        part.elems[at..at + p.grads.len()].iter_mut().zip(u).for_each(|(e, u)| *e = u);
+                    }
+                }
+                part
+            })
+            .collect();
+        if let (true, Some(r)) = (self.shared, reduce.as_mut()) {
+            self.sum_partials(&mut partials, &mut **r)?;
+        }
+
+        // 2. The second moment (every tensor, the same on every rank), and
+        // each of this rank's tensors' factors and step size.
+        let (b2, eps2) = (beta2t, cfg.eps2);
         let stats: Vec<Range<usize>> = self.tensors.iter().map(|t| t.stats.clone()).collect();
-        let firsts: Vec<Range<usize>> =
-            if self.m.is_empty() { Vec::new() } else { self.tensors.iter().map(|t| t.state.clone()).collect() };
-        let mut ms: Vec<Option<&mut [f32]>> = split(&mut self.m, &firsts).into_iter().map(Some).collect();
-        ms.resize_with(self.tensors.len(), || None);
-        let wd = self.weight_decay;
-        let work: Vec<_> = self.tensors.iter().zip(groups).zip(split(&mut self.v, &stats)).zip(ms).collect();
-        // Tensors are independent; within one, every sum runs in element order.
-        work.into_par_iter().for_each(|(((ts, pieces), v), m)| {
-            if pieces.is_empty() {
-                return;
+        let work: Vec<_> = self.tensors.iter().zip(split(&mut self.v, &stats)).zip(&partials).zip(&mine).collect();
+        let mut updates: Vec<Option<TensorUpdate>> = work
+            .into_par_iter()
+            .map(|(((ts, v), part), own)| {
+                let n = ts.n as f64;
+                if ts.factored() {
+                    let (r, cols) = (ts.rows, ts.cols);
+                    let (row, col) = v.split_at_mut(ts.all_rows());
+                    for (x, s) in row.iter_mut().zip(sums(&part.rows, ts.all_rows())) {
+                        *x = *x * b2 + (1.0 - b2) * (s / cols as f64) as f32;
+                    }
+                    for (x, s) in col.iter_mut().zip(sums(&part.cols, ts.all_cols())) {
+                        *x = *x * b2 + (1.0 - b2) * (s / r as f64) as f32;
+                    }
+                } else {
+                    for (x, &u) in v.iter_mut().zip(part.elems.iter().chain(std::iter::repeat(&0.0))) {
+                        *x = *x * b2 + (1.0 - b2) * u;
+                    }
+                }
+                if own.is_empty() {
+                    return None;
+                }
+                let rms_p = (part.sq.get().sqrt() / n.sqrt()) as f32;
+                let mut lr = lr as f32;
+                if scale_parameter {
+                    lr *= eps2.max(rms_p);
+                }
+                let v: &[f32] = v;
+                Some(if ts.factored() {
+                    let (row, col) = v.split_at(ts.all_rows());
+                    let r = ts.rows;
+                    let row_factor = row
+                        .chunks(r)
+                        .flat_map(|rows| {
+                            let mean = (rows.iter().map(|&x| x as f64).sum::<f64>() / r as f64) as f32;
+                            rows.iter().map(move |&x| 1.0 / (x / mean).sqrt())
+                        })
+                        .collect();
+                    let col_factor = col.iter().map(|&x| 1.0 / x.sqrt()).collect();
+                    TensorUpdate { row_factor, col_factor, lr, clip: 1.0 }
+                } else {
+                    let row_factor = v.iter().map(|&x| 1.0 / x.sqrt()).collect();
+                    TensorUpdate { row_factor, col_factor: Vec::new(), lr, clip: 1.0 }
+                })
+            })
+            .collect();
+        drop(partials);
+
+        // 3. Σ u² of the unclipped update, for its RMS.
+        let mut usq: Vec<SumSq> = updates
+            .par_iter()
+            .zip(&self.tensors)
+            .zip(&mine)
+            .map(|((up, ts), own)| {
+                let mut s = SumSq::default();
+                if let Some(up) = up {
+                    for &(i, at) in own {
+                        let p = &pieces[i];
+                        for_each_factor(ts, up, at, p.grads.len(), |k, f| s.add_square(f * (p.grads[k] * gs)));
+                    }
+                }
+                s
+            })
+            .collect();
+        if self.shared {
+            let w = SumSq::WIRE;
+            let mut buf = vec![0.0f64; usq.len() * w];
+            usq.iter().zip(buf.chunks_mut(w)).for_each(|(s, b)| s.write(b));
+            if let Some(r) = reduce.as_mut() {
+                r(&mut buf)?;
             }
-            let c = TensorStep { cfg, lr, beta2t, wd, grad_scale };
-            tensor_update(&c, ts, pieces, v, m);
+            usq = buf.chunks(w).map(SumSq::read).collect();
+        }
+        for ((up, ts), s) in updates.iter_mut().zip(&self.tensors).zip(&usq) {
+            if let Some(up) = up {
+                let rms_u = (s.get().sqrt() / (ts.n as f64).sqrt()) as f32;
+                up.clip = (rms_u / cfg.clip_threshold).max(1.0);
+            }
+        }
+        Ok(Prepared { tensors: updates, grad_scale })
+    }
+
+    /// Adds every rank's partial sums, in place (one collective).
+    fn sum_partials(
+        &self,
+        partials: &mut [Partial],
+        reduce: &mut (dyn FnMut(&mut [f64]) -> Result<(), EngineError> + '_),
+    ) -> Result<(), EngineError> {
+        let (fw, sw) = (SumF32::WIRE, SumSq::WIRE);
+        let wire = |ts: &TensorState| {
+            let stats = if ts.factored() { ts.stats.len() * fw } else { ts.n };
+            stats + if self.config.scale_parameter { sw } else { 0 }
+        };
+        let lens: Vec<usize> = self.tensors.iter().map(wire).collect();
+        let mut buf = vec![0.0f64; lens.iter().sum()];
+        let mut chunks: Vec<&mut [f64]> = Vec::with_capacity(lens.len());
+        let mut rest = &mut buf[..];
+        for &l in &lens {
+            let (a, b) = rest.split_at_mut(l);
+            chunks.push(a);
+            rest = b;
+        }
+        let scale_parameter = self.config.scale_parameter;
+        chunks.par_iter_mut().zip(&*partials).for_each(|(b, part)| {
+            let (stats, sq) = b.split_at_mut(b.len() - if scale_parameter { sw } else { 0 });
+            if !part.rows.is_empty() || !part.cols.is_empty() {
+                for (s, out) in part.rows.iter().chain(&part.cols).zip(stats.chunks_mut(fw)) {
+                    s.write(out);
+                }
+            }
+            for (&u, out) in part.elems.iter().zip(stats.iter_mut()) {
+                *out = u as f64;
+            }
+            if scale_parameter {
+                part.sq.write(sq);
+            }
+        });
+        drop(chunks);
+        reduce(&mut buf)?;
+        let mut at = 0;
+        for ((ts, part), &l) in self.tensors.iter().zip(partials.iter_mut()).zip(&lens) {
+            let b = &buf[at..at + l];
+            at += l;
+            let (stats, sq) = b.split_at(l - if scale_parameter { sw } else { 0 });
+            if ts.factored() {
+                let sums: Vec<SumF32> = stats.chunks(fw).map(SumF32::read).collect();
+                let (r, c) = sums.split_at(ts.all_rows());
+                part.rows = r.to_vec();
+                part.cols = c.to_vec();
+            } else {
+                // One rank holds each element, the others add zeros: exact.
+                part.elems = stats.iter().map(|&u| u as f32).collect();
+            }
+            if scale_parameter {
+                part.sq = SumSq::read(sq);
+            }
+        }
+        Ok(())
+    }
+
+    /// The second part of an update: `pieces` (a subsequence of those
+    /// prepared) moved by the prepared step, with the first moment `m`
+    /// (state element `base + i` at `m[i]`) when there is one.
+    pub(super) fn apply(&self, prep: &Prepared, pieces: Vec<Piece<'_>>, m: Option<(&mut [f32], usize)>) {
+        let cfg = self.config;
+        let (gs, wd) = (prep.grad_scale, self.weight_decay);
+        let (m, base) = match m {
+            Some((m, base)) => (Some(m), base),
+            None => (None, 0),
+        };
+        let ranges: Vec<Range<usize>> = pieces.iter().map(|p| p.state.start - base..p.state.end - base).collect();
+        let mut ms: Vec<Option<&mut [f32]>> = match m {
+            Some(m) => split(m, &ranges).into_iter().map(Some).collect(),
+            None => Vec::new(),
+        };
+        ms.resize_with(pieces.len(), || None);
+        let located: Vec<(usize, usize)> = pieces.iter().map(|p| self.locate(p)).collect();
+        pieces.into_par_iter().zip(ms).zip(located).for_each(|((piece, mut m), (t, at))| {
+            let (Some(Some(up)), Some(ts)) = (prep.tensors.get(t), self.tensors.get(t)) else { return };
+            let decay = if piece.decay { wd * up.lr } else { 0.0 };
+            let (params, grads) = (piece.params, piece.grads);
+            for_each_factor(ts, up, at, grads.len(), |k, f| {
+                let p = &mut params[k];
+                let mut u = f * (grads[k] * gs) / up.clip * up.lr;
+                if let (Some(m), Some(b1)) = (m.as_deref_mut(), cfg.beta1) {
+                    m[k] = m[k] * b1 + (1.0 - b1) * u;
+                    u = m[k];
+                }
+                if decay != 0.0 {
+                    *p += *p * -decay;
+                }
+                *p -= u;
+            });
         });
     }
 
-    /// The checkpoint slots: `exp_avg_sq` (the second-moment statistics
-    /// back to back in tensor order, zero-padded to the state length) and,
-    /// with `beta1`, `exp_avg`.
+    /// [`Adafactor::prepare`] then [`Adafactor::apply`] with the first moment in memory.
+    pub(super) fn update(
+        &mut self,
+        pieces: Vec<Piece<'_>>,
+        lr: f32,
+        grad_scale: f32,
+        reduce: Option<SumOverRanks<'_>>,
+    ) -> Result<(), EngineError> {
+        let prep = self.prepare(&pieces, lr, grad_scale, reduce)?;
+        let mut m = std::mem::take(&mut self.m);
+        let first = (!m.is_empty()).then_some((&mut m[..], 0));
+        self.apply(&prep, pieces, first);
+        self.m = m;
+        Ok(())
+    }
+
+    /// Whether the first moment is kept on disk instead.
+    pub(super) fn set_first_moment_offloaded(&mut self) {
+        self.m = Vec::new();
+        self.m_offloaded = true;
+    }
+
+    /// The checkpoint slots: [`STATS_SLOT`] (every tensor's second-moment
+    /// statistics at the start of the tensor's own elements, zeros after:
+    /// the same on every rank, the same buffer at any ZeRO stage, and
+    /// placed with its tensor by any pipeline cut) and, with `beta1`,
+    /// `exp_avg` (per state element).
     pub(super) fn slots(&self) -> Vec<(&'static str, Cow<'_, [f32]>)> {
-        let mut v = self.v.clone();
-        v.resize(self.len, 0.0);
-        let mut out = vec![("exp_avg_sq", Cow::Owned(v))];
-        if self.config.beta1.is_some() {
+        let mut v = vec![0.0; self.full_len];
+        for t in &self.tensors {
+            v[t.offset..t.offset + t.stats.len()].copy_from_slice(&self.v[t.stats.clone()]);
+        }
+        let mut out = vec![(STATS_SLOT, Cow::Owned(v))];
+        if self.config.beta1.is_some() && !self.m_offloaded {
             out.push(("exp_avg", Cow::Borrowed(&self.m[..])));
         }
         out
     }
 
-    /// Restores the slots written by [`Adafactor::slots`].
+    /// Restores the slots written by [`Adafactor::slots`] (the statistics
+    /// whole, `exp_avg` this rank's; not the first moment while offloaded).
     pub(super) fn restore(
         &mut self,
         mut get: impl FnMut(&'static str) -> Result<Vec<f32>, EngineError>,
     ) -> Result<(), EngineError> {
-        let v = get("exp_avg_sq")?;
-        if v.len() != self.len {
-            return Err(EngineError::ParamCount { expected: self.len, got: v.len() });
+        let v = get(STATS_SLOT)?;
+        if v.len() != self.full_len {
+            return Err(EngineError::ParamCount { expected: self.full_len, got: v.len() });
         }
-        let n = self.v.len();
-        self.v.copy_from_slice(&v[..n]);
-        if self.config.beta1.is_some() {
+        for t in &self.tensors {
+            self.v[t.stats.clone()].copy_from_slice(&v[t.offset..t.offset + t.stats.len()]);
+        }
+        if self.config.beta1.is_some() && !self.m_offloaded {
             let m = get("exp_avg")?;
             if m.len() != self.len {
                 return Err(EngineError::ParamCount { expected: self.len, got: m.len() });
@@ -242,97 +615,59 @@ impl Adafactor {
     }
 }
 
-/// One update's constants for one tensor.
-struct TensorStep {
-    cfg: AdafactorConfig,
-    /// Step size before the parameter scale.
-    lr: f64,
-    beta2t: f32,
-    wd: f32,
-    grad_scale: f32,
+/// The f64 values of `n` sums (zeros when this rank had none).
+fn sums(s: &[SumF32], n: usize) -> impl Iterator<Item = f64> + '_ {
+    s.iter().map(SumF32::get).chain(std::iter::repeat(0.0)).take(n)
 }
 
-/// Visits every element of a tensor given as pieces, in order: `f(index, p, g)`.
-fn each(pieces: &[Piece<'_>], mut f: impl FnMut(usize, f32, f32)) {
-    let mut e = 0;
-    for piece in pieces {
-        for (&p, &g) in piece.params.iter().zip(piece.grads) {
-            f(e, p, g);
-            e += 1;
+/// Walks a factored tensor's elements from `at`: the row (of all leading
+/// indices) and column of each, without a division per element.
+struct RowWalk {
+    row: usize,
+    col: usize,
+    cols: usize,
+    rows: usize,
+    /// First column statistic of the current leading index.
+    col_base: usize,
+}
+
+impl RowWalk {
+    fn new(ts: &TensorState, at: usize) -> Self {
+        let row = at / ts.cols;
+        Self { row, col: at % ts.cols, cols: ts.cols, rows: ts.rows, col_base: row / ts.rows * ts.cols }
+    }
+
+    #[inline(always)]
+    fn col_index(&self) -> usize {
+        self.col_base + self.col
+    }
+
+    #[inline(always)]
+    fn next(&mut self) {
+        self.col += 1;
+        if self.col == self.cols {
+            self.col = 0;
+            self.row += 1;
+            if self.row.is_multiple_of(self.rows) {
+                self.col_base += self.cols;
+            }
         }
     }
 }
 
-/// transformers' `Adafactor.step` for one parameter.
-fn tensor_update(c: &TensorStep, ts: &TensorState, mut pieces: Vec<Piece<'_>>, v: &mut [f32], m: Option<&mut [f32]>) {
-    let (cfg, gs, b2) = (c.cfg, c.grad_scale, c.beta2t);
-    let n = ts.state.len();
-    let mut sq = 0.0f64;
-    each(&pieces, |_, p, _| sq += p as f64 * p as f64);
-    // RMS(p) = ‖p‖ / √n.
-    let rms_p = (sq.sqrt() / (n as f64).sqrt()) as f32;
-    let mut lr = c.lr as f32;
-    if cfg.scale_parameter {
-        lr *= cfg.eps2.max(rms_p);
-    }
-    // The per-element factor: 1/√v̂ (factored: rsqrt(row/mean(row))·rsqrt(col)).
-    let factor: Box<dyn Fn(usize) -> f32 + Sync> = if ts.rows > 0 {
-        let (r, cols) = (ts.rows, ts.cols);
-        let lead = n / (r * cols);
-        let (mut row_sum, mut col_sum) = (vec![0.0f64; lead * r], vec![0.0f64; lead * cols]);
-        each(&pieces, |e, _, g| {
-            let gi = g * gs;
-            let u = (gi * gi + cfg.eps1) as f64;
-            row_sum[e / cols] += u;
-            col_sum[(e / (r * cols)) * cols + e % cols] += u;
-        });
-        let (row, col) = v.split_at_mut(lead * r);
-        for (x, s) in row.iter_mut().zip(&row_sum) {
-            *x = *x * b2 + (1.0 - b2) * (s / cols as f64) as f32;
+/// Calls `f(k, factor)` for elements `at..at + n` of a tensor (k from 0):
+/// 1/√v̂ of each, from a prepared update's factors.
+#[inline(always)]
+fn for_each_factor(ts: &TensorState, up: &TensorUpdate, at: usize, n: usize, mut f: impl FnMut(usize, f32)) {
+    if ts.factored() {
+        let mut w = RowWalk::new(ts, at);
+        for k in 0..n {
+            f(k, up.row_factor[w.row] * up.col_factor[w.col_index()]);
+            w.next();
         }
-        for (x, s) in col.iter_mut().zip(&col_sum) {
-            *x = *x * b2 + (1.0 - b2) * (s / r as f64) as f32;
-        }
-        let r_factor: Vec<f32> = row
-            .chunks(r)
-            .flat_map(|rows| {
-                let mean = (rows.iter().map(|&x| x as f64).sum::<f64>() / r as f64) as f32;
-                rows.iter().map(move |&x| 1.0 / (x / mean).sqrt())
-            })
-            .collect();
-        let c_factor: Vec<f32> = col.iter().map(|&x| 1.0 / x.sqrt()).collect();
-        Box::new(move |e| r_factor[e / cols] * c_factor[(e / (r * cols)) * cols + e % cols])
     } else {
-        each(&pieces, |e, _, g| {
-            let gi = g * gs;
-            v[e] = v[e] * b2 + (1.0 - b2) * (gi * gi + cfg.eps1);
-        });
-        let v: &[f32] = v;
-        let inv: Vec<f32> = v.iter().map(|&x| 1.0 / x.sqrt()).collect();
-        Box::new(move |e| inv[e])
-    };
-    let mut usq = 0.0f64;
-    each(&pieces, |e, _, g| {
-        let u = factor(e) * (g * gs);
-        usq += u as f64 * u as f64;
-    });
-    let rms_u = (usq.sqrt() / (n as f64).sqrt()) as f32;
-    let clip = (rms_u / cfg.clip_threshold).max(1.0);
-    let decay = if pieces.first().is_some_and(|p| p.decay) { c.wd * lr } else { 0.0 };
-    let mut m = m;
-    let mut e = 0;
-    for piece in pieces.iter_mut() {
-        for (p, &g) in piece.params.iter_mut().zip(piece.grads) {
-            let mut u = factor(e) * (g * gs) / clip * lr;
-            if let (Some(m), Some(b1)) = (m.as_deref_mut(), cfg.beta1) {
-                m[e] = m[e] * b1 + (1.0 - b1) * u;
-                u = m[e];
-            }
-            if decay != 0.0 {
-                *p += *p * -decay;
-            }
-            *p -= u;
-            e += 1;
+        for (k, &x) in up.row_factor[at..at + n].iter().enumerate() {
+            f(k, x);
         }
     }
 }

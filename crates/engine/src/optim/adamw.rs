@@ -151,10 +151,10 @@ mod tests {
         let layout = one_tensor(true);
         let mut p = vec![1.0f32, -2.0];
         let mut opt = Optimizer::AdamW(AdamW::new(2, 0.9, 0.999, 1e-8, 0.01).unwrap());
-        opt.update(&layout, &mut p, &[0.5, 0.25], 0.1, 1.0);
+        opt.update(&layout, &mut p, &[0.5, 0.25], 0.1, 1.0).unwrap();
         assert!((p[0] - 0.899).abs() < 1e-6 && (p[1] + 2.098).abs() < 1e-6, "{p:?}");
         // The second gradient arrives pre-scaled: 0.5 · [-2, 0.25] = [-1, 0.125].
-        opt.update(&layout, &mut p, &[-2.0, 0.25], 0.1, 0.5);
+        opt.update(&layout, &mut p, &[-2.0, 0.25], 0.1, 0.5).unwrap();
         // 1e-5: the hand derivation above is rounded to 6 decimals.
         assert!((p[0] - 0.934711).abs() < 1e-5, "{p:?}");
         assert!((p[1] + 2.189_12).abs() < 1e-5, "{p:?}");
@@ -166,7 +166,7 @@ mod tests {
         let layout = one_tensor(false);
         let mut p = vec![1.0f32, -2.0];
         let mut opt = Optimizer::AdamW(AdamW::new(2, 0.9, 0.999, 1e-8, 0.5).unwrap());
-        opt.update(&layout, &mut p, &[0.5, 0.25], 0.1, 1.0);
+        opt.update(&layout, &mut p, &[0.5, 0.25], 0.1, 1.0).unwrap();
         assert!((p[0] - 0.9).abs() < 1e-6 && (p[1] + 2.1).abs() < 1e-6, "{p:?}");
     }
 

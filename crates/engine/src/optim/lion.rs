@@ -146,7 +146,7 @@ mod tests {
             } else {
                 (g.map(|x| x as f32).to_vec(), 1.0)
             };
-            opt.update(&layout, &mut p, &gin, lr as f32, scale);
+            opt.update(&layout, &mut p, &gin, lr as f32, scale).unwrap();
             let (pw, pb) = p64.split_at_mut(3);
             let (mw, mb) = m64.split_at_mut(3);
             reference(pw, mw, &g[..3], (lr, b1, b2, wd), true);

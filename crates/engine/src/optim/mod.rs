@@ -8,12 +8,15 @@
 //! on. 8-bit AdamW is blockwise: its blocks are cut at multiples of
 //! [`adamw8bit::BLOCK`] from each segment's start and a ZeRO partition
 //! cuts on those multiples too ([`StateSize::shard_align`]), so a block
-//! never spans two ranks. Adafactor's statistics need whole tensors: it
-//! refuses a state that holds only part of one.
+//! never spans two ranks. Adafactor's statistics are sums over whole
+//! tensors: every rank keeps all of them (they are small), and when its
+//! state holds only parts of tensors the ranks add their partial sums as
+//! [`exact`] integers, so any cut gives the bits of the uncut update.
 
 pub mod adafactor;
 pub mod adamw;
 pub mod adamw8bit;
+pub mod exact;
 pub mod lion;
 mod optimizer;
 pub mod sgd;
@@ -109,24 +112,51 @@ pub struct StateRun {
     pub at: usize,
     /// Offset of the run's first element from its segment's first parameter.
     pub seg_at: usize,
+    /// Index of its tensor in [`StateRuns::tensors`].
+    pub tensor: usize,
 }
 
 impl StateRun {
-    /// The runs of a whole flat buffer laid out by `layout`, state indexed
-    /// like the buffer, as [`pieces`] cuts it (one segment: the buffer).
-    pub fn for_layout(layout: &ParamLayout) -> Vec<StateRun> {
-        layout
-            .tensors()
-            .iter()
-            .map(|t| StateRun { state: t.range(), shape: t.shape.clone(), at: 0, seg_at: t.offset })
-            .collect()
-    }
-
     /// Whether the run holds its whole tensor.
     pub fn is_whole(&self) -> bool {
         self.at == 0 && self.state.len() == self.shape.iter().product::<usize>()
     }
 }
+
+/// What one rank's optimizer state covers: its runs (ascending state
+/// ranges), and the shapes of every tensor the optimizer updates on some
+/// rank — the trainable tensors of the model (or pipeline stage), in
+/// gradient-space order.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StateRuns {
+    /// This rank's runs.
+    pub runs: Vec<StateRun>,
+    /// Every updated tensor's shape.
+    pub tensors: Vec<Vec<usize>>,
+}
+
+impl StateRuns {
+    /// The runs of a whole flat buffer laid out by `layout`, state indexed
+    /// like the buffer, as [`pieces`] cuts it (one segment: the buffer).
+    pub fn for_layout(layout: &ParamLayout) -> Self {
+        let runs = layout
+            .tensors()
+            .iter()
+            .enumerate()
+            .map(|(i, t)| StateRun { state: t.range(), shape: t.shape.clone(), at: 0, seg_at: t.offset, tensor: i })
+            .collect();
+        Self { runs, tensors: layout.tensors().iter().map(|t| t.shape.clone()).collect() }
+    }
+
+    /// Elements of every updated tensor (the gradient space's length).
+    pub fn total_elems(&self) -> usize {
+        self.tensors.iter().map(|s| s.iter().product::<usize>()).sum()
+    }
+}
+
+/// Sums an f64 buffer over the ranks whose optimizer states hold parts of
+/// the same tensors (an all-reduce), in place.
+pub type SumOverRanks<'a> = &'a mut dyn FnMut(&mut [f64]) -> Result<(), EngineError>;
 
 /// Which optimizer (the config's `optim.name`; checkpoints record it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -212,20 +242,27 @@ impl From<usize> for StateSize {
 
 impl StateSize {
     /// Bytes of state in memory for `len` state elements laid out as `runs`.
-    pub fn bytes(self, len: usize, runs: &[StateRun]) -> usize {
+    pub fn bytes(self, len: usize, runs: &StateRuns) -> usize {
         match self {
             StateSize::Slots(n) => 4 * n * len,
-            StateSize::Blockwise8bit => adamw8bit::state_bytes(len, adamw8bit::blocks(runs).len()),
-            StateSize::Factored { first_moment } => {
-                4 * (adafactor::second_moment_len(runs) + if first_moment { len } else { 0 })
-            }
+            StateSize::Blockwise8bit => adamw8bit::state_bytes(len, adamw8bit::blocks(&runs.runs).len()),
+            StateSize::Factored { first_moment } => self.kept_in_memory(runs) + if first_moment { 4 * len } else { 0 },
+        }
+    }
+
+    /// Bytes that stay in memory when the state is offloaded to disk:
+    /// Adafactor's second-moment statistics (every rank keeps all of them).
+    pub fn kept_in_memory(self, runs: &StateRuns) -> usize {
+        match self {
+            StateSize::Factored { .. } => 4 * adafactor::second_moment_len(&runs.tensors),
+            _ => 0,
         }
     }
 
     /// f32 files per state element when the state is offloaded to disk.
     pub fn offload_slots(self) -> usize {
         match self {
-            StateSize::Factored { .. } => 0,
+            StateSize::Factored { first_moment } => usize::from(first_moment),
             _ => self.checkpoint_slots(),
         }
     }

@@ -5,7 +5,7 @@
 use super::adamw::{adam_apply, AdamStep};
 use super::lion::{lion_apply, LionStep};
 use super::sgd::{sgd_apply, SgdStep};
-use super::{pieces, Adafactor, AdamW, AdamW8bit, Lion, Piece, Sgd, StateRun, StateSize};
+use super::{pieces, Adafactor, AdamW, AdamW8bit, Lion, Piece, Sgd, StateRuns, StateSize, SumOverRanks};
 use crate::error::EngineError;
 use crate::layout::ParamLayout;
 use crate::offload::OffloadedState;
@@ -17,6 +17,7 @@ enum Step {
     Sgd(SgdStep),
     Lion(LionStep),
     AdamW8bit(AdamStep),
+    Adafactor(super::adafactor::Prepared),
 }
 
 /// The optimizers the engine knows.
@@ -39,32 +40,51 @@ impl Optimizer {
     /// `grad_scale · grads` (the scale folds normalisation and clipping into
     /// the update, saving two passes over the buffer). The state must have
     /// been sized for `layout` ([`Optimizer::for_layout`]).
-    pub fn update(&mut self, layout: &ParamLayout, params: &mut [f32], grads: &[f32], lr: f32, grad_scale: f32) {
-        self.update_pieces(pieces(layout, params, grads), lr, grad_scale);
+    pub fn update(
+        &mut self,
+        layout: &ParamLayout,
+        params: &mut [f32],
+        grads: &[f32],
+        lr: f32,
+        grad_scale: f32,
+    ) -> Result<(), EngineError> {
+        self.update_pieces(pieces(layout, params, grads), lr, grad_scale, None)
     }
 
     /// [`Optimizer::update`] over explicit pieces (a ZeRO shard scattered
-    /// through a full buffer, say).
-    pub fn update_pieces(&mut self, pieces: Vec<Piece<'_>>, lr: f32, grad_scale: f32) {
+    /// through a full buffer, say). `reduce` sums over the ranks whose
+    /// states hold parts of the same tensors: Adafactor needs it when this
+    /// state holds parts of tensors (an error without it); the elementwise
+    /// and blockwise optimizers never call it.
+    pub fn update_pieces(
+        &mut self,
+        pieces: Vec<Piece<'_>>,
+        lr: f32,
+        grad_scale: f32,
+        reduce: Option<SumOverRanks<'_>>,
+    ) -> Result<(), EngineError> {
         match self {
             Optimizer::AdamW(o) => o.update(pieces, lr, grad_scale),
             Optimizer::Sgd(o) => o.update(pieces, lr, grad_scale),
             Optimizer::Lion(o) => o.update(pieces, lr, grad_scale),
             Optimizer::AdamW8bit(o) => o.update(pieces, lr, grad_scale),
-            Optimizer::Adafactor(o) => o.update(pieces, lr, grad_scale),
+            Optimizer::Adafactor(o) => return o.update(pieces, lr, grad_scale, reduce),
         }
+        Ok(())
     }
 
     /// [`Optimizer::update_pieces`] with the state in `disk` instead of
     /// memory: pieces (ascending state ranges) are grouped into windows of
     /// the state, each read, updated with the same arithmetic in the same
-    /// order per element, and written back.
+    /// order per element, and written back. Adafactor keeps its
+    /// statistics in memory and streams its first moment.
     pub fn update_offloaded(
         &mut self,
         pieces: Vec<Piece<'_>>,
         lr: f32,
         grad_scale: f32,
         disk: &mut OffloadedState,
+        reduce: Option<SumOverRanks<'_>>,
     ) -> Result<(), EngineError> {
         let window = disk.window();
         let step = match self {
@@ -72,7 +92,7 @@ impl Optimizer {
             Optimizer::Sgd(o) => Step::Sgd(o.begin(lr, grad_scale)),
             Optimizer::Lion(o) => Step::Lion(o.begin(lr, grad_scale)),
             Optimizer::AdamW8bit(o) => Step::AdamW8bit(o.begin(lr, grad_scale)),
-            Optimizer::Adafactor(_) => return Err(offload_refused()),
+            Optimizer::Adafactor(o) => Step::Adafactor(o.prepare(&pieces, lr, grad_scale, reduce)?),
         };
         let mut pieces = pieces.into_iter().peekable();
         while let Some(first) = pieces.next() {
@@ -97,18 +117,30 @@ impl Optimizer {
                 },
                 (Step::AdamW8bit(c), Optimizer::AdamW8bit(o)) => o.update_window(c, group, base, it.collect()),
                 (Step::AdamW8bit(_), _) => return Err(EngineError::MissingState { name: "exp_avg.code" }),
+                (Step::Adafactor(prep), Optimizer::Adafactor(o)) => match it.next() {
+                    Some(m) => o.apply(prep, group, Some((m, base))),
+                    None => return Err(EngineError::MissingState { name: "exp_avg" }),
+                },
+                (Step::Adafactor(_), _) => {
+                    return Err(EngineError::MissingState { name: super::adafactor::STATS_SLOT })
+                }
             }
             disk.store(base, end - base)?;
         }
         Ok(())
     }
 
-    /// Errors unless this optimizer's state can be offloaded to disk.
-    pub fn check_offload(&self) -> Result<(), EngineError> {
-        match self {
-            Optimizer::Adafactor(_) => Err(offload_refused()),
-            _ => Ok(()),
-        }
+    /// Whether slot `name` holds the same values on every rank and is
+    /// checkpointed and restored whole, not as this rank's state elements
+    /// (Adafactor's statistics). Such a slot stays in memory when the
+    /// state is offloaded.
+    pub fn is_replicated_slot(&self, name: &str) -> bool {
+        matches!(self, Optimizer::Adafactor(_)) && name == super::adafactor::STATS_SLOT
+    }
+
+    /// The slots stored per state element (those offloaded to disk).
+    pub fn element_slot_names(&self) -> Vec<&'static str> {
+        self.slot_names().into_iter().filter(|n| !self.is_replicated_slot(n)).collect()
     }
 
     /// The state slots' names (PyTorch's state keys where PyTorch has the
@@ -120,8 +152,8 @@ impl Optimizer {
             Optimizer::Sgd(_) => Vec::new(),
             Optimizer::Lion(_) => vec!["exp_avg"],
             Optimizer::AdamW8bit(_) => super::adamw8bit::SLOTS.to_vec(),
-            Optimizer::Adafactor(o) if o.config.beta1.is_some() => vec!["exp_avg_sq", "exp_avg"],
-            Optimizer::Adafactor(_) => vec!["exp_avg_sq"],
+            Optimizer::Adafactor(o) if o.config.beta1.is_some() => vec![super::adafactor::STATS_SLOT, "exp_avg"],
+            Optimizer::Adafactor(_) => vec![super::adafactor::STATS_SLOT],
         }
     }
 
@@ -147,7 +179,7 @@ impl Optimizer {
             Optimizer::Sgd(o) => o.buf = Vec::new(),
             Optimizer::Lion(o) => o.m = Vec::new(),
             Optimizer::AdamW8bit(o) => o.release_state(),
-            Optimizer::Adafactor(_) => {}
+            Optimizer::Adafactor(o) => o.set_first_moment_offloaded(),
         }
     }
 
@@ -164,7 +196,7 @@ impl Optimizer {
 
     /// The same optimizer with fresh state for `len` elements (a shard)
     /// laid out as `runs` (what blockwise and factored state is cut by).
-    pub fn for_state(&self, len: usize, runs: &[StateRun]) -> Result<Self, EngineError> {
+    pub fn for_state(&self, len: usize, runs: &StateRuns) -> Result<Self, EngineError> {
         // Field by field, never `..o.clone()`: cloning would copy `self`'s
         // state for a moment, a transient as large as the state itself.
         Ok(match self {
@@ -191,7 +223,7 @@ impl Optimizer {
                 m: vec![0.0; len],
                 n_updates: 0,
             }),
-            Optimizer::AdamW8bit(o) => Optimizer::AdamW8bit(o.for_state(len, runs)),
+            Optimizer::AdamW8bit(o) => Optimizer::AdamW8bit(o.for_state(len, &runs.runs)),
             Optimizer::Adafactor(o) => Optimizer::Adafactor(o.for_state(len, runs)?),
         })
     }
@@ -199,7 +231,7 @@ impl Optimizer {
     /// [`Optimizer::for_state`] for a whole flat buffer laid out by
     /// `layout` (what [`Optimizer::update`] updates).
     pub fn for_layout(&self, layout: &ParamLayout) -> Result<Self, EngineError> {
-        self.for_state(layout.n_params(), &StateRun::for_layout(layout))
+        self.for_state(layout.n_params(), &StateRuns::for_layout(layout))
     }
 
     /// How this optimizer's state is sized.
@@ -307,10 +339,4 @@ impl Optimizer {
         self.set_n_updates(n_updates);
         Ok(())
     }
-}
-
-fn offload_refused() -> EngineError {
-    EngineError::Optimizer(
-        "adafactor's factored statistics need whole tensors in memory, so its state cannot be offloaded to disk; set dist.offload_optimizer = \"none\" (Adafactor's state is already about 4 bytes per matrix row and column) or use another optim.name".into(),
-    )
 }

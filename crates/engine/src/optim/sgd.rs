@@ -109,9 +109,9 @@ mod tests {
         for (nesterov, want) in [(false, [-0.1f32, -0.39]), (true, [-0.19, -0.651])] {
             let mut p = vec![0.0f32];
             let mut opt = Optimizer::Sgd(Sgd::new(1, 0.9, nesterov, 0.0).unwrap());
-            opt.update(&l, &mut p, &[1.0], 0.1, 1.0);
+            opt.update(&l, &mut p, &[1.0], 0.1, 1.0).unwrap();
             assert!((p[0] - want[0]).abs() < 1e-6, "{nesterov} {p:?}");
-            opt.update(&l, &mut p, &[2.0], 0.1, 1.0);
+            opt.update(&l, &mut p, &[2.0], 0.1, 1.0).unwrap();
             assert!((p[0] - want[1]).abs() < 1e-6, "{nesterov} {p:?}");
         }
     }

@@ -7,7 +7,7 @@ use super::clip::{grad_norm, sum_of_squares};
 use super::{Accumulated, Groups, LossNormalization, Seeds, StepReport, Trainer};
 use crate::error::EngineError;
 use crate::layout::ParamLayout;
-use crate::optim::{aligned_chunks, split, Piece, StateRun};
+use crate::optim::{aligned_chunks, split, Piece, StateRun, StateRuns};
 use crate::zero::{Accumulation, Partition, Reduction, UpdateSharding};
 use comm::Communicator;
 use std::ops::Range;
@@ -28,6 +28,11 @@ impl Trainer {
         before: comm::CommCounters,
     ) -> Result<StepReport, EngineError> {
         let step_idx = self.n_steps;
+        if groups.tp.is_some() && matches!(self.optimizer, crate::Optimizer::Adafactor(_)) {
+            return Err(EngineError::Optimizer(
+                "adafactor's row and column statistics are sums over whole tensors, and tensor parallelism splits tensors over ranks whose sums are not added; set dist.tensor_parallel = 1 (ZeRO shards adafactor's state) or use another optim.name".into(),
+            ));
+        }
         let comm_err = |source| EngineError::Comm { step: step_idx + 1, source };
         let n_micro = acc.loss_sums.len();
         let dp_world = groups.dp.world_size();
@@ -112,7 +117,7 @@ impl Trainer {
         let clip_coef = self.options.grad_clip.map_or(1.0, |max_norm| clip_coefficient(grad_norm, max_norm));
         self.grad_scale = (normalize * clip_coef) as f32;
         let lr = self.schedule.lr(step_idx);
-        self.apply_update(lr)?;
+        self.apply_update(lr, groups.dp)?;
         self.share_updated_params(groups.dp).map_err(comm_err)?;
         if let Some(s) = self.scaler.as_mut() {
             s.update(false);
@@ -172,8 +177,14 @@ impl Trainer {
     }
 
     /// The optimizer update of this rank's part (every trainable parameter
-    /// at stage 0), reading the gradient scaled by `grad_scale`.
-    pub(super) fn apply_update(&mut self, lr: f32) -> Result<(), EngineError> {
+    /// at stage 0), reading the gradient scaled by `grad_scale`; sums an
+    /// optimizer needs over the ranks sharing its state (Adafactor's
+    /// statistics at stages ≥ 1) go over `comm`.
+    pub(super) fn apply_update(&mut self, lr: f32, comm: &mut dyn Communicator) -> Result<(), EngineError> {
+        let step = self.n_steps + 1;
+        let mut sum =
+            |buf: &mut [f64]| comm.all_reduce_sum_f64(buf).map_err(|source| EngineError::Comm { step, source });
+        let reduce: Option<crate::optim::SumOverRanks<'_>> = self.stage.shards_optimizer().then_some(&mut sum);
         crate::profile::timed(crate::profile::Kind::Optimizer, || {
             let ranges: Vec<Range<usize>> = self.update.iter().map(|c| c.params.clone()).collect();
             let grads = &self.grads;
@@ -188,11 +199,8 @@ impl Trainer {
                 })
                 .collect();
             match self.offload.as_mut() {
-                Some(disk) => self.optimizer.update_offloaded(pieces, lr, self.grad_scale, disk),
-                None => {
-                    self.optimizer.update_pieces(pieces, lr, self.grad_scale);
-                    Ok(())
-                }
+                Some(disk) => self.optimizer.update_offloaded(pieces, lr, self.grad_scale, disk, reduce),
+                None => self.optimizer.update_pieces(pieces, lr, self.grad_scale, reduce),
             }
         })
     }
@@ -278,16 +286,31 @@ pub(super) fn update_chunks(part: &Partition, layout: &ParamLayout, sharding: Up
     chunks
 }
 
-/// This rank's optimizer state as runs of tensors, in state order: what a
-/// blockwise or factored optimizer cuts its state by.
-pub(super) fn state_runs(part: &Partition, layout: &ParamLayout, sharding: UpdateSharding) -> Vec<StateRun> {
-    part.update_runs(sharding)
+/// This rank's optimizer state as runs of tensors, in state order, and
+/// every trainable tensor in gradient-space order: what a blockwise or
+/// factored optimizer cuts its state by.
+pub(super) fn state_runs(part: &Partition, layout: &ParamLayout, sharding: UpdateSharding) -> StateRuns {
+    // Layout index → position among the trainable tensors (gradient-space order).
+    let mut index = vec![usize::MAX; layout.tensors().len()];
+    let mut tensors = Vec::new();
+    for j in 0..part.n_segments() {
+        for t in &part.space.tensors[j] {
+            if t.grad_rel.is_some() {
+                index[t.idx] = tensors.len();
+                tensors.push(layout.tensors()[t.idx].shape.clone());
+            }
+        }
+    }
+    let runs = part
+        .update_runs(sharding)
         .into_iter()
         .map(|r| StateRun {
             state: r.state..r.state + r.len,
             shape: layout.tensors()[r.tensor].shape.clone(),
             at: r.at,
             seg_at: r.seg_at,
+            tensor: index[r.tensor],
         })
-        .collect()
+        .collect();
+    StateRuns { runs, tensors }
 }

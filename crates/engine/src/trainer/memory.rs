@@ -60,7 +60,11 @@ impl Trainer {
         let runs = super::state_runs(&part, layout, stage.update_sharding(precision));
         let slots = size.offload_slots();
         Ok(match offload {
-            true => s.report(precision, 4 * slots * window_len(s.optimizer, WINDOW_ELEMS), 4 * slots * s.optimizer),
+            true => s.report(
+                precision,
+                4 * slots * window_len(s.optimizer, WINDOW_ELEMS) + size.kept_in_memory(&runs),
+                4 * slots * s.optimizer,
+            ),
             false => s.report(precision, size.bytes(s.optimizer, &runs), 0),
         })
     }

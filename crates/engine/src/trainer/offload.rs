@@ -8,7 +8,9 @@ impl Trainer {
     /// Moves the optimizer state to files in `dir` (one per state slot,
     /// removed when the trainer is dropped): each update then streams it
     /// window by window ([`Optimizer::update_offloaded`](crate::Optimizer::update_offloaded)), bit-identical to
-    /// the in-memory update. A no-op for an optimizer without state.
+    /// the in-memory update. A no-op for an optimizer without state per
+    /// element; Adafactor's statistics stay in memory (every rank keeps
+    /// all of them, 4 bytes per matrix row and column).
     pub fn offload_optimizer(&mut self, dir: &std::path::Path) -> Result<(), EngineError> {
         self.offload_optimizer_windowed(dir, WINDOW_ELEMS)
     }
@@ -19,8 +21,8 @@ impl Trainer {
         if self.offload.is_some() {
             return Ok(());
         }
-        self.optimizer.check_offload()?;
-        let bufs = self.optimizer.state_buffers();
+        let offloaded = self.optimizer.element_slot_names();
+        let bufs: Vec<_> = self.optimizer.state_buffers().into_iter().filter(|(n, _)| offloaded.contains(n)).collect();
         if bufs.is_empty() {
             return Ok(());
         }

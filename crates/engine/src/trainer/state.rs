@@ -109,17 +109,22 @@ impl Trainer {
         let keep = all_ranks || comm.rank() == 0;
         let mut out = Vec::new();
         // Made once: 8-bit codes and Adafactor's statistics are built here.
-        let mem = if self.offload.is_some() { Vec::new() } else { self.optimizer.state_buffers() };
+        let on_disk = self.optimizer.element_slot_names();
+        // In memory: every slot, or with the state offloaded only the
+        // replicated ones (the others' buffers are released).
+        let in_memory = self.offload.is_none() || on_disk.len() < self.optimizer.slot_names().len();
+        let mem = if in_memory { self.optimizer.state_buffers() } else { Vec::new() };
         for name in self.optimizer.slot_names() {
             let disk = match self.offload.as_mut() {
-                Some(d) => Some(d.read_all(name)?),
-                None => None,
+                Some(d) if on_disk.contains(&name) => Some(d.read_all(name)?),
+                _ => None,
             };
             let buf = match &disk {
                 Some(v) => v.as_slice(),
                 None => mem.iter().find(|(n, _)| *n == name).map_or(&[][..], |b| &b.1[..]),
             };
-            let full = if self.stage.shards_optimizer() {
+            // A replicated slot is whole on every rank: no gather.
+            let full = if self.stage.shards_optimizer() && !self.optimizer.is_replicated_slot(name) {
                 self.gather_grad_space(comm, buf, keep)?
             } else {
                 try_copy(buf, "the full optimizer state")?
@@ -155,8 +160,11 @@ impl Trainer {
         mut optimizer_state: impl FnMut(&str) -> Option<Vec<f32>>,
     ) -> Result<(), EngineError> {
         let (part, sharded, n_grads) = (&self.part, self.stage.shards_optimizer(), self.part.space.n_grads);
-        let shard_of = |full: Vec<f32>| {
-            if !sharded {
+        let names = self.optimizer.slot_names();
+        let replicated: Vec<&str> = names.iter().copied().filter(|n| self.optimizer.is_replicated_slot(n)).collect();
+        // A replicated slot is kept whole by every rank.
+        let shard_of = |name: &str, full: Vec<f32>| {
+            if !sharded || replicated.contains(&name) {
                 return full;
             }
             let mut shard = vec![0.0; part.grad_shard_len()];
@@ -164,17 +172,20 @@ impl Trainer {
             shard
         };
         if let Some(disk) = self.offload.as_mut() {
-            for (i, name) in self.optimizer.slot_names().into_iter().enumerate() {
+            for (i, name) in self.optimizer.element_slot_names().into_iter().enumerate() {
                 let full = optimizer_state(name).ok_or(EngineError::MissingState { name })?;
                 if full.len() != n_grads {
                     return Err(EngineError::ParamCount { expected: n_grads, got: full.len() });
                 }
-                disk.write_all(i, &shard_of(full))?;
+                disk.write_all(i, &shard_of(name, full))?;
             }
-            self.optimizer.set_n_updates(n_updates);
-            self.n_steps = n_steps;
-            return Ok(());
+            if replicated.is_empty() {
+                self.optimizer.set_n_updates(n_updates);
+                self.n_steps = n_steps;
+                return Ok(());
+            }
         }
+        // In memory: every slot, or with the state offloaded the replicated ones.
         let mut err = None;
         self.optimizer.restore(n_updates, |name| {
             let full = optimizer_state(name)?;
@@ -182,7 +193,7 @@ impl Trainer {
                 err = Some(EngineError::ParamCount { expected: n_grads, got: full.len() });
                 return None;
             }
-            Some(shard_of(full))
+            Some(shard_of(name, full))
         })?;
         if let Some(e) = err {
             return Err(e);
