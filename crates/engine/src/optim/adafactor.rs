@@ -205,6 +205,109 @@ struct Partial {
     sq: SumSq,
 }
 
+impl Partial {
+    /// Adds one task's sums (sized on first use).
+    fn absorb(&mut self, ts: &TensorState, task: TaskSums) {
+        if ts.factored() {
+            if self.rows.is_empty() {
+                self.rows = vec![SumF32::default(); ts.all_rows()];
+                self.cols = vec![SumF32::default(); ts.all_cols()];
+            }
+            for (a, b) in self.rows[task.row0..].iter_mut().zip(&task.rows) {
+                a.merge(b);
+            }
+            for (a, b) in self.cols.iter_mut().zip(&task.cols) {
+                a.merge(b);
+            }
+        } else {
+            if self.elems.is_empty() {
+                self.elems = vec![0.0; ts.n];
+            }
+            self.elems[task.row0..task.row0 + task.elems.len()].copy_from_slice(&task.elems);
+        }
+        self.sq.merge(&task.sq);
+    }
+}
+
+/// Elements one parallel task of the statistics covers (whole pieces).
+const TASK_ELEMS: usize = 1 << 19;
+
+/// One task's sums: rows from `row0` (unfactored: elements from `row0`),
+/// every column, Σ p².
+struct TaskSums {
+    row0: usize,
+    rows: Vec<SumF32>,
+    elems: Vec<f32>,
+    cols: Vec<SumF32>,
+    sq: SumSq,
+}
+
+/// This rank's pieces of each tensor cut into tasks of about
+/// [`TASK_ELEMS`]: (tensor, range of its entries in `mine`).
+fn tasks(mine: &[Vec<(usize, usize)>], pieces: &[Piece<'_>]) -> Vec<(usize, Range<usize>)> {
+    let mut out = Vec::new();
+    for (t, own) in mine.iter().enumerate() {
+        let (mut start, mut n) = (0, 0);
+        for (k, &(i, _)) in own.iter().enumerate() {
+            n += pieces[i].grads.len();
+            if n >= TASK_ELEMS || k + 1 == own.len() {
+                out.push((t, start..k + 1));
+                (start, n) = (k + 1, 0);
+            }
+        }
+    }
+    out
+}
+
+/// Σ (g·gs)² + eps1 per row and column (or per element), and Σ p² with
+/// `scale_parameter`, over `own` — consecutive pieces of one tensor.
+fn task_sums(
+    ts: &TensorState,
+    own: &[(usize, usize)],
+    pieces: &[Piece<'_>],
+    gs: f32,
+    cfg: &AdafactorConfig,
+) -> TaskSums {
+    let first = own.first().map_or(0, |&(_, at)| at);
+    let end = own.last().map_or(0, |&(i, at)| at + pieces[i].grads.len());
+    let mut out = TaskSums { row0: first, rows: Vec::new(), elems: Vec::new(), cols: Vec::new(), sq: SumSq::default() };
+    if ts.factored() && end > first {
+        out.row0 = first / ts.cols;
+        out.rows = vec![SumF32::default(); (end - 1) / ts.cols + 1 - out.row0];
+        out.cols = vec![SumF32::default(); ts.all_cols()];
+    } else {
+        out.elems = vec![0.0; end - first];
+    }
+    for &(i, at) in own {
+        let p = &pieces[i];
+        if cfg.scale_parameter {
+            out.sq.merge(&SumSq::of_squares(p.params));
+        }
+        if ts.factored() {
+            // Row segment by segment: each row's terms in a local sum,
+            // added to the row's at the segment's end.
+            let g = p.grads;
+            row_segments(ts, at, g.len(), |k, row, cols| {
+                let mut acc = SumF32::default();
+                let n = cols.len();
+                for (c, &g) in out.cols[cols].iter_mut().zip(&g[k..k + n]) {
+                    let gi = g * gs;
+                    let u = gi * gi + cfg.eps1;
+                    acc.add(u);
+                    c.add(u);
+                }
+                out.rows[row - out.row0].merge(&acc);
+            });
+        } else {
+            for (e, &g) in out.elems[at - first..at - first + p.grads.len()].iter_mut().zip(p.grads) {
+                let gi = g * gs;
+                *e = gi * gi + cfg.eps1;
+            }
+        }
+    }
+    out
+}
+
 impl Adafactor {
     /// A fresh optimizer without state ([`super::Optimizer::for_state`] sizes it).
     pub fn new(config: AdafactorConfig, weight_decay: f32) -> Result<Self, EngineError> {
@@ -249,6 +352,11 @@ impl Adafactor {
         let (mut at, mut offset) = (0, 0);
         for shape in &runs.tensors {
             let (rows, cols) = factored_dims(shape).unwrap_or((0, 1));
+            if rows.max(cols) >= super::exact::TERMS_BETWEEN_CARRIES {
+                return Err(EngineError::Optimizer(format!(
+                    "adafactor: a tensor of shape {shape:?} has a row or column of 2^31 or more elements, more than its exact sums take; use another optim.name"
+                )));
+            }
             let (n, k) = (shape.iter().product::<usize>(), stats_len(shape));
             tensors.push(TensorState { n, rows, cols, stats: at..at + k, offset });
             at += k;
@@ -324,46 +432,19 @@ impl Adafactor {
             }
         }
 
-        // 1. This rank's parts of the row, column and parameter sums.
+        // 1. This rank's parts of the row, column and parameter sums, in
+        // parallel tasks of whole pieces (exact sums: how they are grouped
+        // does not change the bits).
+        let tasks = tasks(&mine, pieces);
         let scale_parameter = cfg.scale_parameter;
-        let mut partials: Vec<Partial> = self
-            .tensors
+        let task_sums: Vec<TaskSums> = tasks
             .par_iter()
-            .zip(&mine)
-            .map(|(ts, own)| {
-                let mut part = Partial::default();
-                if own.is_empty() {
-                    return part;
-                }
-                if ts.factored() {
-                    part.rows = vec![SumF32::default(); ts.all_rows()];
-                    part.cols = vec![SumF32::default(); ts.all_cols()];
-                } else {
-                    part.elems = vec![0.0; ts.n];
-                }
-                for &(i, at) in own {
-                    let p = &pieces[i];
-                    if scale_parameter {
-                        p.params.iter().for_each(|&x| part.sq.add_square(x));
-                    }
-                    let u = p.grads.iter().map(|&g| {
-                        let gi = g * gs;
-                        gi * gi + cfg.eps1
-                    });
-                    if ts.factored() {
-                        let mut at_row = RowWalk::new(ts, at);
-                        for u in u {
-                            part.rows[at_row.row].add(u);
-                            part.cols[at_row.col_index()].add(u);
-                            at_row.next();
-                        }
-                    } else {
-                        part.elems[at..at + p.grads.len()].iter_mut().zip(u).for_each(|(e, u)| *e = u);
-                    }
-                }
-                part
-            })
+            .map(|&(t, ref own)| task_sums(&self.tensors[t], &mine[t][own.clone()], pieces, gs, &cfg))
             .collect();
+        let mut partials: Vec<Partial> = self.tensors.iter().map(|_| Partial::default()).collect();
+        for (&(t, _), task) in tasks.iter().zip(task_sums) {
+            partials[t].absorb(&self.tensors[t], task);
+        }
         if let (true, Some(r)) = (self.shared, reduce.as_mut()) {
             self.sum_partials(&mut partials, &mut **r)?;
         }
@@ -421,21 +502,25 @@ impl Adafactor {
         drop(partials);
 
         // 3. Σ u² of the unclipped update, for its RMS.
-        let mut usq: Vec<SumSq> = updates
+        let task_usq: Vec<SumSq> = tasks
             .par_iter()
-            .zip(&self.tensors)
-            .zip(&mine)
-            .map(|((up, ts), own)| {
+            .map(|&(t, ref own)| {
                 let mut s = SumSq::default();
-                if let Some(up) = up {
-                    for &(i, at) in own {
+                if let Some(up) = &updates[t] {
+                    for &(i, at) in &mine[t][own.clone()] {
                         let p = &pieces[i];
-                        for_each_factor(ts, up, at, p.grads.len(), |k, f| s.add_square(f * (p.grads[k] * gs)));
+                        let mut u = vec![0.0f32; p.grads.len()];
+                        for_each_factor(&self.tensors[t], up, at, p.grads.len(), |k, f| u[k] = f * (p.grads[k] * gs));
+                        s.merge(&SumSq::of_squares(&u));
                     }
                 }
                 s
             })
             .collect();
+        let mut usq = vec![SumSq::default(); self.tensors.len()];
+        for (&(t, _), s) in tasks.iter().zip(&task_usq) {
+            usq[t].merge(s);
+        }
         if self.shared {
             let w = SumSq::WIRE;
             let mut buf = vec![0.0f64; usq.len() * w];
@@ -620,38 +705,20 @@ fn sums(s: &[SumF32], n: usize) -> impl Iterator<Item = f64> + '_ {
     s.iter().map(SumF32::get).chain(std::iter::repeat(0.0)).take(n)
 }
 
-/// Walks a factored tensor's elements from `at`: the row (of all leading
-/// indices) and column of each, without a division per element.
-struct RowWalk {
-    row: usize,
-    col: usize,
-    cols: usize,
-    rows: usize,
-    /// First column statistic of the current leading index.
-    col_base: usize,
-}
-
-impl RowWalk {
-    fn new(ts: &TensorState, at: usize) -> Self {
-        let row = at / ts.cols;
-        Self { row, col: at % ts.cols, cols: ts.cols, rows: ts.rows, col_base: row / ts.rows * ts.cols }
-    }
-
-    #[inline(always)]
-    fn col_index(&self) -> usize {
-        self.col_base + self.col
-    }
-
-    #[inline(always)]
-    fn next(&mut self) {
-        self.col += 1;
-        if self.col == self.cols {
-            self.col = 0;
-            self.row += 1;
-            if self.row.is_multiple_of(self.rows) {
-                self.col_base += self.cols;
-            }
-        }
+/// Calls `f(k, row, cols)` for each row segment of elements `at..at + n`
+/// of a factored tensor: `k` the segment's first element from `at`, `row`
+/// its row among all leading indices (L·R), `cols` its column statistics'
+/// indices (L·C).
+#[inline(always)]
+fn row_segments(ts: &TensorState, at: usize, n: usize, mut f: impl FnMut(usize, usize, Range<usize>)) {
+    let (r, c) = (ts.rows, ts.cols);
+    let (mut e, end) = (at, at + n);
+    while e < end {
+        let (row, c0) = (e / c, e % c);
+        let c1 = c.min(c0 + (end - e));
+        let base = row / r * c;
+        f(e - at, row, base + c0..base + c1);
+        e += c1 - c0;
     }
 }
 
@@ -660,11 +727,12 @@ impl RowWalk {
 #[inline(always)]
 fn for_each_factor(ts: &TensorState, up: &TensorUpdate, at: usize, n: usize, mut f: impl FnMut(usize, f32)) {
     if ts.factored() {
-        let mut w = RowWalk::new(ts, at);
-        for k in 0..n {
-            f(k, up.row_factor[w.row] * up.col_factor[w.col_index()]);
-            w.next();
-        }
+        row_segments(ts, at, n, |k, row, cols| {
+            let rf = up.row_factor[row];
+            for (j, &cf) in up.col_factor[cols].iter().enumerate() {
+                f(k + j, rf * cf);
+            }
+        });
     } else {
         for (k, &x) in up.row_factor[at..at + n].iter().enumerate() {
             f(k, x);

@@ -6,13 +6,14 @@
 //! holding all of it gets; the value is rounded to f64 once, at the end.
 //!
 //! Every f32 is an integer multiple of 2⁻¹⁴⁹ (its square of 2⁻²⁹⁸), below
-//! 2¹²⁸ (2²⁵⁶). Limbs hold 32 bits each in a u64, so up to 2³² terms add
-//! without carrying; [`ExactSum::normalize`] carries (every 2³¹ terms, and
-//! before a value is read or sent). Infinities and NaNs are counted apart:
+//! 2¹²⁸ (2²⁵⁶). Limbs hold 32 bits each in a u64, so fewer than 2³² terms
+//! add without carrying; [`ExactSum::normalize`] carries. The caller
+//! normalizes at least every 2³¹ terms (merged sums count theirs), and
+//! reading or sending a value normalizes a copy. Infinities and NaNs are counted apart:
 //! a sum with a NaN is NaN, else with an infinity +∞ — what a float sum gives.
 
-/// Terms added between two carries (each adds < 2³² to a limb).
-const CARRY_EVERY: u32 = 1 << 31;
+/// Terms a sum may take between two normalizations (each adds < 2³² to a limb).
+pub const TERMS_BETWEEN_CARRIES: usize = 1 << 31;
 
 /// An exact sum with `L` limbs of 32 bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,7 +21,6 @@ pub struct ExactSum<const L: usize> {
     limbs: [u64; L],
     inf: u64,
     nan: u64,
-    terms: u32,
 }
 
 /// Sums of non-negative f32 values: least significant bit 2⁻¹⁴⁹; 277 bits
@@ -33,7 +33,7 @@ pub type SumSq = ExactSum<19>;
 
 impl<const L: usize> Default for ExactSum<L> {
     fn default() -> Self {
-        Self { limbs: [0; L], inf: 0, nan: 0, terms: 0 }
+        Self { limbs: [0; L], inf: 0, nan: 0 }
     }
 }
 
@@ -56,14 +56,6 @@ impl<const L: usize> ExactSum<L> {
     pub const WIRE: usize = L + 2;
 
     #[inline(always)]
-    fn count_term(&mut self) {
-        self.terms += 1;
-        if self.terms == CARRY_EVERY {
-            self.normalize();
-        }
-    }
-
-    #[inline(always)]
     fn non_finite(&mut self, nan: bool) {
         if nan {
             self.nan += 1;
@@ -81,20 +73,17 @@ impl<const L: usize> ExactSum<L> {
             carry = (t >> 32) as u64;
         }
         debug_assert_eq!(carry, 0, "an exact sum outgrew its limbs");
-        self.terms = 0;
     }
 
-    /// Adds `other` (the same kind of sum).
+    /// Adds `other` (the same kind of sum) limb by limb: the terms of both
+    /// count towards [`TERMS_BETWEEN_CARRIES`].
+    #[inline]
     pub fn merge(&mut self, other: &Self) {
-        self.normalize();
-        let mut o = *other;
-        o.normalize();
-        for (a, b) in self.limbs.iter_mut().zip(o.limbs) {
+        for (a, b) in self.limbs.iter_mut().zip(other.limbs) {
             *a += b;
         }
-        self.inf += o.inf;
-        self.nan += o.nan;
-        self.normalize();
+        self.inf += other.inf;
+        self.nan += other.nan;
     }
 
     /// Writes the sum as [`ExactSum::WIRE`] f64 integers below 2³²:
@@ -157,10 +146,10 @@ impl SumF32 {
         match split(x) {
             Ok((m, s)) => {
                 let v = m << (s % 32);
-                let i = (s / 32) as usize;
+                // s < 254, so i ≤ 7 (the mask lets the compiler see it).
+                let i = (s / 32) as usize & 7;
                 self.limbs[i] += v & 0xffff_ffff;
                 self.limbs[i + 1] += v >> 32;
-                self.count_term();
             }
             Err(nan) => self.non_finite(nan),
         }
@@ -180,11 +169,11 @@ impl SumSq {
             Ok((m, s)) => {
                 let s = 2 * s;
                 let v = ((m * m) as u128) << (s % 32);
-                let i = (s / 32) as usize;
+                // s < 508, so i ≤ 15.
+                let i = (s / 32) as usize & 15;
                 self.limbs[i] += (v & 0xffff_ffff) as u64;
                 self.limbs[i + 1] += ((v >> 32) & 0xffff_ffff) as u64;
                 self.limbs[i + 2] += (v >> 64) as u64;
-                self.count_term();
             }
             Err(nan) => self.non_finite(nan),
         }
@@ -193,6 +182,40 @@ impl SumSq {
     /// The sum of squares, rounded to the nearest f64.
     pub fn get(&self) -> f64 {
         self.value(-298)
+    }
+
+    /// The exact Σ x² of `xs`, normalized: the same sum as
+    /// [`SumSq::add_square`] of each, faster for long slices. Squared
+    /// mantissas (< 2⁴⁸) are first added per exponent in u64 bins — 2¹⁶
+    /// values at a time, so a bin stays below 2⁶⁴ — and the bins then
+    /// placed on the grid.
+    pub fn of_squares(xs: &[f32]) -> Self {
+        let mut out = Self::default();
+        for block in xs.chunks(1 << 16) {
+            let mut bins = [0u64; 256];
+            for &x in block {
+                let b = x.to_bits() & 0x7fff_ffff;
+                let e = (b >> 23) as usize;
+                let m = (b & 0x7f_ffff | u32::from(e != 0) << 23) as u64;
+                bins[e] += m * m;
+            }
+            // e = 255 holds the non-finite values' (meaningless) squares.
+            for x in block.iter().filter(|x| !x.is_finite()) {
+                out.non_finite(x.is_nan());
+            }
+            for (e, &bin) in bins[..255].iter().enumerate() {
+                if bin != 0 {
+                    let s = 2 * (e.max(1) as u32 - 1);
+                    let v = (bin as u128) << (s % 32);
+                    let i = (s / 32) as usize & 15;
+                    out.limbs[i] += (v & 0xffff_ffff) as u64;
+                    out.limbs[i + 1] += ((v >> 32) & 0xffff_ffff) as u64;
+                    out.limbs[i + 2] += (v >> 64) as u64;
+                }
+            }
+            out.normalize();
+        }
+        out
     }
 }
 
@@ -284,6 +307,11 @@ mod tests {
                 wire.iter_mut().zip(&w).for_each(|(a, b)| *a += b);
             }
             prop_assert_eq!(merged.get().to_bits(), whole.get().to_bits());
+            let mut with_special = xs.clone();
+            with_special.extend(cuts.iter().map(|&c| [f32::INFINITY, f32::NAN, -0.0, -1.5][c % 4]));
+            let mut one_by_one = SumSq::default();
+            with_special.iter().for_each(|&x| one_by_one.add_square(x));
+            prop_assert_eq!(SumSq::of_squares(&with_special).get().to_bits(), one_by_one.get().to_bits());
             prop_assert_eq!(SumSq::read(&wire).get().to_bits(), whole_sq.get().to_bits());
             for (got, square) in [(whole.get(), false), (whole_sq.get(), true)] {
                 let want = reference(&xs, square);
