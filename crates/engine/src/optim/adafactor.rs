@@ -196,10 +196,11 @@ pub(super) struct Prepared {
 /// One tensor's partial sums on this rank.
 #[derive(Default)]
 struct Partial {
-    /// Σ over each row (factored), or each element's g² + eps1 (unfactored;
-    /// 0 where another rank holds it).
+    /// Σ (g·gs)² + eps1 over each row (factored).
     rows: Vec<SumF32>,
+    /// Each element's (g·gs)² + eps1 (unfactored; 0 where another rank holds it).
     elems: Vec<f32>,
+    /// Σ over each column (factored).
     cols: Vec<SumF32>,
     /// Σ p² (with `scale_parameter`).
     sq: SumSq,
