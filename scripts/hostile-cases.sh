@@ -2,8 +2,8 @@
 # The destructive cases of a hostile user, re-run end to end against the
 # release binary; prints each case's command, exit code and message.
 # (The same properties are asserted by tests/run_folder.rs,
-# tests/plan_limits.rs and tests/data_reliability.rs; this is the long form
-# for a session note.)
+# tests/plan_limits.rs and tests/data_reliability.rs; this is the long form,
+# for reports.)
 #
 #   scripts/hostile-cases.sh [WORKDIR]      # default: a fresh temp folder
 set -uo pipefail
