@@ -143,6 +143,16 @@ impl Optimizer {
         self.slot_names().into_iter().filter(|n| !self.is_replicated_slot(n)).collect()
     }
 
+    /// [`Optimizer::state_buffers`] of the [`Optimizer::element_slot_names`]
+    /// only, without building the replicated ones (Adafactor's statistics
+    /// slot is one value per parameter: a transient worth skipping).
+    pub fn element_state_buffers(&self) -> Vec<(&'static str, Cow<'_, [f32]>)> {
+        match self {
+            Optimizer::Adafactor(o) => o.first_moment_slot().into_iter().collect(),
+            _ => self.state_buffers(),
+        }
+    }
+
     /// The state slots' names (PyTorch's state keys where PyTorch has the
     /// optimizer), in storage order.
     pub fn slot_names(&self) -> Vec<&'static str> {

@@ -21,8 +21,7 @@ impl Trainer {
         if self.offload.is_some() {
             return Ok(());
         }
-        let offloaded = self.optimizer.element_slot_names();
-        let bufs: Vec<_> = self.optimizer.state_buffers().into_iter().filter(|(n, _)| offloaded.contains(n)).collect();
+        let bufs = self.optimizer.element_state_buffers();
         if bufs.is_empty() {
             return Ok(());
         }

@@ -26,9 +26,17 @@
 //! (the elementwise update, also through windows of an offloaded first
 //! moment).
 
-use super::exact::{SumF32, SumSq};
+mod geometry;
+mod partial;
+#[cfg(test)]
+mod tests;
+
+use super::exact::SumSq;
 use super::{check_non_negative, split, Piece, StateRuns, SumOverRanks};
 use crate::error::EngineError;
+pub use geometry::second_moment_len;
+use geometry::{factored_dims, row_segments, stats_len, RunState, TensorState};
+use partial::{sum_over_ranks, sums, task_sums, tasks, Partial, TaskSums};
 use rayon::prelude::*;
 use std::borrow::Cow;
 use std::ops::Range;
@@ -78,81 +86,6 @@ impl Default for AdafactorConfig {
 /// `exp_avg_sq_row`, `exp_avg_sq_col` and, unfactored, `exp_avg_sq`).
 pub const STATS_SLOT: &str = "exp_avg_sq_factored";
 
-/// One tensor's place in the statistics.
-#[derive(Debug, Clone, PartialEq)]
-struct TensorState {
-    /// Elements.
-    n: usize,
-    /// Last dimension C (1 for an unfactored tensor).
-    cols: usize,
-    /// Second-to-last dimension R (0: unfactored).
-    rows: usize,
-    /// Its second-moment statistics in `v`: L·R row means then L·C column
-    /// means (L = the product of the leading dimensions), or one per element.
-    stats: Range<usize>,
-    /// Its first element's offset among every tensor's elements (where a
-    /// checkpoint holds its statistics).
-    offset: usize,
-}
-
-impl TensorState {
-    fn factored(&self) -> bool {
-        self.rows > 0
-    }
-
-    /// Rows of all leading indices together (L·R), and L·C columns.
-    fn all_rows(&self) -> usize {
-        self.stats.len() - self.all_cols()
-    }
-
-    fn all_cols(&self) -> usize {
-        if self.factored() {
-            self.n / self.rows
-        } else {
-            0
-        }
-    }
-}
-
-/// One run of this rank's state: a part of one tensor.
-#[derive(Debug, Clone, PartialEq)]
-struct RunState {
-    state: Range<usize>,
-    tensor: usize,
-    /// Index of its first element in the tensor.
-    at: usize,
-}
-
-/// Second-moment values kept for tensors of these shapes.
-pub fn second_moment_len(shapes: &[Vec<usize>]) -> usize {
-    shapes.iter().map(|s| stats_len(s)).sum()
-}
-
-/// A tensor's last two dimensions (R, C) when its second moment is
-/// factored: two or more dimensions, neither of the last two 1. A matrix
-/// with a dimension of 1 keeps one statistic per element instead, which is
-/// transformers' factored update in exact arithmetic: with R = 1 every row
-/// factor is `x / x = 1` and the column statistics are the elements'
-/// (the same bits, unless a squared gradient overflows f32); with C = 1 the
-/// row statistics are the elements' and the column statistic their running
-/// mean, which cancels in `row/mean(row) · col` up to rounding.
-fn factored_dims(shape: &[usize]) -> Option<(usize, usize)> {
-    match shape.len() {
-        0 | 1 => None,
-        d => (shape[d - 2] > 1 && shape[d - 1] > 1).then(|| (shape[d - 2], shape[d - 1])),
-    }
-}
-
-/// Statistics kept for a tensor of `shape`: never more than its elements,
-/// so a checkpoint holds them inside the tensor's own range.
-fn stats_len(shape: &[usize]) -> usize {
-    let n: usize = shape.iter().product();
-    match factored_dims(shape) {
-        Some((r, c)) => n / (r * c) * (r + c),
-        None => n,
-    }
-}
-
 /// transformers' Adafactor.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Adafactor {
@@ -191,122 +124,6 @@ pub(super) struct TensorUpdate {
 pub(super) struct Prepared {
     tensors: Vec<Option<TensorUpdate>>,
     grad_scale: f32,
-}
-
-/// One tensor's partial sums on this rank.
-#[derive(Default)]
-struct Partial {
-    /// Σ (g·gs)² + eps1 over each row (factored).
-    rows: Vec<SumF32>,
-    /// Each element's (g·gs)² + eps1 (unfactored; 0 where another rank holds it).
-    elems: Vec<f32>,
-    /// Σ over each column (factored).
-    cols: Vec<SumF32>,
-    /// Σ p² (with `scale_parameter`).
-    sq: SumSq,
-}
-
-impl Partial {
-    /// Adds one task's sums (sized on first use).
-    fn absorb(&mut self, ts: &TensorState, task: TaskSums) {
-        if ts.factored() {
-            if self.rows.is_empty() {
-                self.rows = vec![SumF32::default(); ts.all_rows()];
-                self.cols = vec![SumF32::default(); ts.all_cols()];
-            }
-            for (a, b) in self.rows[task.row0..].iter_mut().zip(&task.rows) {
-                a.merge(b);
-            }
-            for (a, b) in self.cols.iter_mut().zip(&task.cols) {
-                a.merge(b);
-            }
-        } else {
-            if self.elems.is_empty() {
-                self.elems = vec![0.0; ts.n];
-            }
-            self.elems[task.row0..task.row0 + task.elems.len()].copy_from_slice(&task.elems);
-        }
-        self.sq.merge(&task.sq);
-    }
-}
-
-/// Elements one parallel task of the statistics covers (whole pieces).
-const TASK_ELEMS: usize = 1 << 19;
-
-/// One task's sums: rows from `row0` (unfactored: elements from `row0`),
-/// every column, Σ p².
-struct TaskSums {
-    row0: usize,
-    rows: Vec<SumF32>,
-    elems: Vec<f32>,
-    cols: Vec<SumF32>,
-    sq: SumSq,
-}
-
-/// This rank's pieces of each tensor cut into tasks of about
-/// [`TASK_ELEMS`]: (tensor, range of its entries in `mine`).
-fn tasks(mine: &[Vec<(usize, usize)>], pieces: &[Piece<'_>]) -> Vec<(usize, Range<usize>)> {
-    let mut out = Vec::new();
-    for (t, own) in mine.iter().enumerate() {
-        let (mut start, mut n) = (0, 0);
-        for (k, &(i, _)) in own.iter().enumerate() {
-            n += pieces[i].grads.len();
-            if n >= TASK_ELEMS || k + 1 == own.len() {
-                out.push((t, start..k + 1));
-                (start, n) = (k + 1, 0);
-            }
-        }
-    }
-    out
-}
-
-/// Σ (g·gs)² + eps1 per row and column (or per element), and Σ p² with
-/// `scale_parameter`, over `own` — consecutive pieces of one tensor.
-fn task_sums(
-    ts: &TensorState,
-    own: &[(usize, usize)],
-    pieces: &[Piece<'_>],
-    gs: f32,
-    cfg: &AdafactorConfig,
-) -> TaskSums {
-    let first = own.first().map_or(0, |&(_, at)| at);
-    let end = own.last().map_or(0, |&(i, at)| at + pieces[i].grads.len());
-    let mut out = TaskSums { row0: first, rows: Vec::new(), elems: Vec::new(), cols: Vec::new(), sq: SumSq::default() };
-    if ts.factored() && end > first {
-        out.row0 = first / ts.cols;
-        out.rows = vec![SumF32::default(); (end - 1) / ts.cols + 1 - out.row0];
-        out.cols = vec![SumF32::default(); ts.all_cols()];
-    } else {
-        out.elems = vec![0.0; end - first];
-    }
-    for &(i, at) in own {
-        let p = &pieces[i];
-        if cfg.scale_parameter {
-            out.sq.merge(&SumSq::of_squares(p.params));
-        }
-        if ts.factored() {
-            // Row segment by segment: each row's terms in a local sum,
-            // added to the row's at the segment's end.
-            let g = p.grads;
-            row_segments(ts, at, g.len(), |k, row, cols| {
-                let mut acc = SumF32::default();
-                let n = cols.len();
-                for (c, &g) in out.cols[cols].iter_mut().zip(&g[k..k + n]) {
-                    let gi = g * gs;
-                    let u = gi * gi + cfg.eps1;
-                    acc.add(u);
-                    c.add(u);
-                }
-                out.rows[row - out.row0].merge(&acc);
-            });
-        } else {
-            for (e, &g) in out.elems[at - first..at - first + p.grads.len()].iter_mut().zip(p.grads) {
-                let gi = g * gs;
-                *e = gi * gi + cfg.eps1;
-            }
-        }
-    }
-    out
 }
 
 impl Adafactor {
@@ -447,7 +264,7 @@ impl Adafactor {
             partials[t].absorb(&self.tensors[t], task);
         }
         if let (true, Some(r)) = (self.shared, reduce.as_mut()) {
-            self.sum_partials(&mut partials, &mut **r)?;
+            sum_over_ranks(&self.tensors, &mut partials, cfg.scale_parameter, &mut **r)?;
         }
 
         // 2. The second moment (every tensor, the same on every rank), and
@@ -540,64 +357,6 @@ impl Adafactor {
         Ok(Prepared { tensors: updates, grad_scale })
     }
 
-    /// Adds every rank's partial sums, in place (one collective).
-    fn sum_partials(
-        &self,
-        partials: &mut [Partial],
-        reduce: &mut (dyn FnMut(&mut [f64]) -> Result<(), EngineError> + '_),
-    ) -> Result<(), EngineError> {
-        let (fw, sw) = (SumF32::WIRE, SumSq::WIRE);
-        let wire = |ts: &TensorState| {
-            let stats = if ts.factored() { ts.stats.len() * fw } else { ts.n };
-            stats + if self.config.scale_parameter { sw } else { 0 }
-        };
-        let lens: Vec<usize> = self.tensors.iter().map(wire).collect();
-        let mut buf = vec![0.0f64; lens.iter().sum()];
-        let mut chunks: Vec<&mut [f64]> = Vec::with_capacity(lens.len());
-        let mut rest = &mut buf[..];
-        for &l in &lens {
-            let (a, b) = rest.split_at_mut(l);
-            chunks.push(a);
-            rest = b;
-        }
-        let scale_parameter = self.config.scale_parameter;
-        chunks.par_iter_mut().zip(&*partials).for_each(|(b, part)| {
-            let (stats, sq) = b.split_at_mut(b.len() - if scale_parameter { sw } else { 0 });
-            if !part.rows.is_empty() || !part.cols.is_empty() {
-                for (s, out) in part.rows.iter().chain(&part.cols).zip(stats.chunks_mut(fw)) {
-                    s.write(out);
-                }
-            }
-            for (&u, out) in part.elems.iter().zip(stats.iter_mut()) {
-                *out = u as f64;
-            }
-            if scale_parameter {
-                part.sq.write(sq);
-            }
-        });
-        drop(chunks);
-        reduce(&mut buf)?;
-        let mut at = 0;
-        for ((ts, part), &l) in self.tensors.iter().zip(partials.iter_mut()).zip(&lens) {
-            let b = &buf[at..at + l];
-            at += l;
-            let (stats, sq) = b.split_at(l - if scale_parameter { sw } else { 0 });
-            if ts.factored() {
-                let sums: Vec<SumF32> = stats.chunks(fw).map(SumF32::read).collect();
-                let (r, c) = sums.split_at(ts.all_rows());
-                part.rows = r.to_vec();
-                part.cols = c.to_vec();
-            } else {
-                // One rank holds each element, the others add zeros: exact.
-                part.elems = stats.iter().map(|&u| u as f32).collect();
-            }
-            if scale_parameter {
-                part.sq = SumSq::read(sq);
-            }
-        }
-        Ok(())
-    }
-
     /// The second part of an update: `pieces` (a subsequence of those
     /// prepared) moved by the prepared step, with the first moment `m`
     /// (state element `base + i` at `m[i]`) when there is one.
@@ -667,10 +426,14 @@ impl Adafactor {
             v[t.offset..t.offset + t.stats.len()].copy_from_slice(&self.v[t.stats.clone()]);
         }
         let mut out = vec![(STATS_SLOT, Cow::Owned(v))];
-        if self.config.beta1.is_some() && !self.m_offloaded {
-            out.push(("exp_avg", Cow::Borrowed(&self.m[..])));
-        }
+        out.extend(self.first_moment_slot());
         out
+    }
+
+    /// The `exp_avg` slot (with `beta1`, unless offloaded), without
+    /// building the statistics slot.
+    pub(super) fn first_moment_slot(&self) -> Option<(&'static str, Cow<'_, [f32]>)> {
+        (self.config.beta1.is_some() && !self.m_offloaded).then(|| ("exp_avg", Cow::Borrowed(&self.m[..])))
     }
 
     /// Restores the slots written by [`Adafactor::slots`] (the statistics
@@ -710,28 +473,6 @@ impl Adafactor {
     }
 }
 
-/// The f64 values of `n` sums (zeros when this rank had none).
-fn sums(s: &[SumF32], n: usize) -> impl Iterator<Item = f64> + '_ {
-    s.iter().map(SumF32::get).chain(std::iter::repeat(0.0)).take(n)
-}
-
-/// Calls `f(k, row, cols)` for each row segment of elements `at..at + n`
-/// of a factored tensor: `k` the segment's first element from `at`, `row`
-/// its row among all leading indices (L·R), `cols` its column statistics'
-/// indices (L·C).
-#[inline(always)]
-fn row_segments(ts: &TensorState, at: usize, n: usize, mut f: impl FnMut(usize, usize, Range<usize>)) {
-    let (r, c) = (ts.rows, ts.cols);
-    let (mut e, end) = (at, at + n);
-    while e < end {
-        let (row, c0) = (e / c, e % c);
-        let c1 = c.min(c0 + (end - e));
-        let base = row / r * c;
-        f(e - at, row, base + c0..base + c1);
-        e += c1 - c0;
-    }
-}
-
 /// Calls `f(k, factor)` for elements `at..at + n` of a tensor (k from 0):
 /// 1/√v̂ of each, from a prepared update's factors.
 #[inline(always)]
@@ -747,117 +488,5 @@ fn for_each_factor(ts: &TensorState, up: &TensorUpdate, at: usize, n: usize, mut
         for (k, &x) in up.row_factor[at..at + n].iter().enumerate() {
             f(k, x);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::super::{aligned_chunks, Optimizer, StateRun};
-    use super::*;
-    use crate::layout::ParamLayout;
-    use comm::Communicator;
-
-    /// A matrix of 1.1M elements (three statistics tasks on one rank) and a
-    /// vector, updated whole on one rank and cut into three ranks' parts
-    /// (cuts inside rows and inside the vector, one task per part) whose
-    /// sums go through a real all-reduce: the same bits, step after step,
-    /// with every option that reads a sum (first moment, parameter scale,
-    /// an active clip).
-    #[test]
-    fn parts_summed_over_ranks_give_the_whole_tensors_bits() {
-        let (rows, cols, vec_len) = (1100, 1000, 777);
-        let mut layout = ParamLayout::new();
-        layout.push("w", &[rows, cols], true);
-        layout.push("b", &[vec_len], false);
-        let n = layout.n_params();
-        let value = |i: usize, salt: u32| {
-            let h = (i as u32).wrapping_mul(2654435761).wrapping_add(salt.wrapping_mul(40503));
-            (h >> 8) as f32 / (1 << 24) as f32 - 0.5
-        };
-        let config =
-            AdafactorConfig { beta1: Some(0.9), scale_parameter: true, clip_threshold: 0.01, ..Default::default() };
-        let opt = Optimizer::Adafactor(Adafactor::new(config, 0.1).unwrap());
-        let init: Vec<f32> = (0..n).map(|i| value(i, 1)).collect();
-        let grads = |step: u32| -> Vec<f32> { (0..n).map(|i| value(i, 10 + step) * 0.3).collect() };
-        let steps = 3;
-
-        let mut whole = opt.for_layout(&layout).unwrap();
-        let mut p = init.clone();
-        for step in 0..steps {
-            whole.update(&layout, &mut p, &grads(step), 1e-2, 0.5).unwrap();
-        }
-
-        let world = 3;
-        let cut = |r: usize| r * n / world..(r + 1) * n / world;
-        let parts: Vec<Vec<f32>> = std::thread::scope(|s| {
-            let handles: Vec<_> = comm::threads::group(world, std::time::Duration::from_secs(60))
-                .into_iter()
-                .map(|mut c| {
-                    let (opt, layout, init) = (&opt, &layout, &init);
-                    s.spawn(move || {
-                        let own = cut(c.rank());
-                        // This rank's runs: its part of each tensor, state indexed from 0.
-                        let mut runs = Vec::new();
-                        for (t, spec) in layout.tensors().iter().enumerate() {
-                            let r = spec.range();
-                            let (a, b) = (r.start.max(own.start), r.end.min(own.end));
-                            if a < b {
-                                let state = a - own.start..b - own.start;
-                                let shape = spec.shape.clone();
-                                runs.push(StateRun { state, shape, at: a - r.start, seg_at: a, tensor: t });
-                            }
-                        }
-                        let tensors = layout.tensors().iter().map(|t| t.shape.clone()).collect();
-                        let sr = StateRuns { runs, tensors };
-                        let mut o = opt.for_state(own.len(), &sr).unwrap();
-                        let mut p = init[own.clone()].to_vec();
-                        for step in 0..steps {
-                            let g = grads(step);
-                            let mut pieces = Vec::new();
-                            let mut rest = &mut p[..];
-                            for r in &sr.runs {
-                                for (o, m) in aligned_chunks(r.seg_at, r.state.len()) {
-                                    let (head, tail) = std::mem::take(&mut rest).split_at_mut(m);
-                                    let s = r.state.start + o;
-                                    let decay = layout.tensors()[r.tensor].decay;
-                                    let grads = &g[own.start + s..own.start + s + m];
-                                    pieces.push(Piece { params: head, grads, state: s..s + m, decay });
-                                    rest = tail;
-                                }
-                            }
-                            let mut sum = |buf: &mut [f64]| {
-                                c.all_reduce_sum_f64(buf).map_err(|e| EngineError::Optimizer(e.to_string()))
-                            };
-                            o.update_pieces(pieces, 1e-2, 0.5, Some(&mut sum)).unwrap();
-                        }
-                        p
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        let joined: Vec<u32> = parts.concat().iter().map(|x| x.to_bits()).collect();
-        let want: Vec<u32> = p.iter().map(|x| x.to_bits()).collect();
-        assert_eq!(joined.len(), want.len());
-        let diff = joined.iter().zip(&want).filter(|(a, b)| a != b).count();
-        assert_eq!(diff, 0, "{diff} of {n} parameters differ");
-        assert!(p.iter().zip(&init).filter(|(a, b)| a != b).count() > n / 2, "the updates moved the parameters");
-    }
-
-    /// A checkpoint in the earlier back-to-back layout is refused with
-    /// what to do, not misread; the current slot restores.
-    #[test]
-    fn the_earlier_statistics_layout_is_named_not_misread() {
-        let mut layout = ParamLayout::new();
-        layout.push("w", &[3, 4], true);
-        let opt = Optimizer::Adafactor(Adafactor::new(AdafactorConfig::default(), 0.0).unwrap());
-        let mut o = opt.for_layout(&layout).unwrap();
-        let e = o.restore(1, |n| (n == "exp_avg_sq").then(|| vec![0.0; 12])).unwrap_err().to_string();
-        assert!(e.contains("earlier layout") && e.contains("--init-from"), "{e}");
-        let e = o.restore(1, |_| None).unwrap_err().to_string();
-        assert!(e.contains(STATS_SLOT), "{e}");
-        o.restore(1, |n| (n == STATS_SLOT).then(|| vec![1.0; 12])).unwrap();
-        let slot = &o.state_buffers()[0].1;
-        assert_eq!((&slot[..7], &slot[7..]), (&[1.0; 7][..], &[0.0; 5][..]), "3 rows, 4 columns, then zeros");
     }
 }
