@@ -153,6 +153,15 @@ impl Optimizer {
         }
     }
 
+    /// [`Optimizer::state_buffers`] of the replicated slots only (they stay
+    /// in memory when the rest is offloaded).
+    pub fn replicated_state_buffers(&self) -> Vec<(&'static str, Cow<'_, [f32]>)> {
+        match self {
+            Optimizer::Adafactor(o) => vec![o.stats_slot()],
+            _ => Vec::new(),
+        }
+    }
+
     /// The state slots' names (PyTorch's state keys where PyTorch has the
     /// optimizer), in storage order.
     pub fn slot_names(&self) -> Vec<&'static str> {

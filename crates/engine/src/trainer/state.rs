@@ -110,10 +110,11 @@ impl Trainer {
         let mut out = Vec::new();
         // Made once: 8-bit codes and Adafactor's statistics are built here.
         let on_disk = self.optimizer.element_slot_names();
-        // In memory: every slot, or with the state offloaded only the
-        // replicated ones (the others' buffers are released).
-        let in_memory = self.offload.is_none() || on_disk.len() < self.optimizer.slot_names().len();
-        let mem = if in_memory { self.optimizer.state_buffers() } else { Vec::new() };
+        // Offloaded, only the replicated slots are still in memory.
+        let mem = match self.offload {
+            None => self.optimizer.state_buffers(),
+            Some(_) => self.optimizer.replicated_state_buffers(),
+        };
         for name in self.optimizer.slot_names() {
             let disk = match self.offload.as_mut() {
                 Some(d) if on_disk.contains(&name) => Some(d.read_all(name)?),

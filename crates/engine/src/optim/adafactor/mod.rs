@@ -421,13 +421,18 @@ impl Adafactor {
     /// placed with its tensor by any pipeline cut) and, with `beta1`,
     /// `exp_avg` (per state element).
     pub(super) fn slots(&self) -> Vec<(&'static str, Cow<'_, [f32]>)> {
+        let mut out = vec![self.stats_slot()];
+        out.extend(self.first_moment_slot());
+        out
+    }
+
+    /// The [`STATS_SLOT`] slot, built from the statistics.
+    pub(super) fn stats_slot(&self) -> (&'static str, Cow<'_, [f32]>) {
         let mut v = vec![0.0; self.full_len];
         for t in &self.tensors {
             v[t.offset..t.offset + t.stats.len()].copy_from_slice(&self.v[t.stats.clone()]);
         }
-        let mut out = vec![(STATS_SLOT, Cow::Owned(v))];
-        out.extend(self.first_moment_slot());
-        out
+        (STATS_SLOT, Cow::Owned(v))
     }
 
     /// The `exp_avg` slot (with `beta1`, unless offloaded), without
