@@ -5,6 +5,11 @@
 //! `vdpbf16ps` treats denormal operands and sums as zero (DAZ/FTZ), which
 //! only matters for values below 2⁻¹²⁶.
 //!
+//! [`portable`] computes the same bits with f32 FMAs on any CPU (tested bit
+//! for bit against this kernel where the CPU has it): [`kernel`] says which
+//! one runs (`MACROBATCH_BF16=portable` selects it; tests of bf16
+//! arithmetic take it where the instruction is missing).
+//!
 //! # Blocking (BLIS / GotoBLAS)
 //!
 //! * `n` is cut into chunks of `NC` columns, sized so the packed chunk of `B`
@@ -51,31 +56,147 @@
 //! zero-padded panels and write back through masked stores, so nothing of
 //! `dst` outside the `m × n` block is read or written.
 
-use std::sync::OnceLock;
+pub mod portable;
 
-/// Whether this CPU has AVX512-BF16 (and AVX-512F/BW), detected once.
-///
-/// `MACROBATCH_NO_BF16=1` in the environment makes it false (to measure the
-/// f32 fallback).
-pub fn supported() -> bool {
-    static SUPPORTED: OnceLock<bool> = OnceLock::new();
-    *SUPPORTED.get_or_init(|| std::env::var_os("MACROBATCH_NO_BF16").is_none_or(|v| v != "1") && detect())
+use std::sync::atomic::{AtomicU8, Ordering};
+
+/// Which arithmetic a GEMM with bf16 operands runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    /// `vdpbf16ps` (AVX512-BF16).
+    Hardware,
+    /// [`portable`]: the same bits with f32 FMAs, on any CPU.
+    Portable,
 }
 
-/// For tests of the bf16 kernel: true (saying so on stderr) when this CPU
-/// lacks AVX512-BF16, so there is nothing to run. Under
-/// `MACROBATCH_REQUIRE_BF16=1` (CI on a CPU that has the instructions) it
-/// panics instead, so a detection failure cannot pass as a skip.
-pub fn skip_without_bf16(test: &str) -> bool {
-    if supported() {
-        return false;
+/// 0: not decided yet; 1: f32 operands; 2: hardware; 3: portable.
+static MODE: AtomicU8 = AtomicU8::new(0);
+
+fn code(k: Option<Kernel>) -> u8 {
+    match k {
+        None => 1,
+        Some(Kernel::Hardware) => 2,
+        Some(Kernel::Portable) => 3,
     }
-    assert!(
-        std::env::var("MACROBATCH_REQUIRE_BF16").as_deref() != Ok("1"),
-        "{test}: MACROBATCH_REQUIRE_BF16=1 but the AVX512-BF16 kernel is not available (MACROBATCH_NO_BF16 set, or not detected)"
-    );
-    eprintln!("{test}: AVX512-BF16 not available on this CPU: skipped");
-    true
+}
+
+/// The kernel GEMMs with bf16 operands run, or `None` where they run with
+/// f32 operands. Decided once from the environment, unless [`set_kernel`]
+/// overrides it:
+/// * `MACROBATCH_BF16=portable`: the [`portable`] kernel, on any CPU (the
+///   bf16 arithmetic where the CPU lacks the instruction; on a CPU that has
+///   it, the same bits more slowly).
+/// * `MACROBATCH_BF16=off` (or `MACROBATCH_NO_BF16=1`): f32 operands, to
+///   measure the f32 fallback.
+/// * otherwise: the AVX512-BF16 kernel where the CPU has it (and AVX-512F/BW),
+///   else f32 operands (faster there than the portable kernel; bf16 then
+///   only halves the stored activations).
+pub fn kernel() -> Option<Kernel> {
+    let m = match MODE.load(Ordering::Relaxed) {
+        0 => {
+            let m = code(from_env());
+            // A racing set_kernel wins; otherwise every thread decides the same.
+            match MODE.compare_exchange(0, m, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => m,
+                Err(now) => now,
+            }
+        }
+        m => m,
+    };
+    match m {
+        2 => Some(Kernel::Hardware),
+        3 => Some(Kernel::Portable),
+        _ => None,
+    }
+}
+
+/// What the environment asks of bf16 GEMMs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Choice {
+    /// Unset, empty or `auto`: the hardware kernel where there is one.
+    Auto,
+    /// `portable`.
+    Portable,
+    /// `off`, or `MACROBATCH_NO_BF16=1`: f32 operands.
+    Off,
+}
+
+/// `MACROBATCH_BF16` (and the older `MACROBATCH_NO_BF16=1`) read.
+fn env_choice() -> Result<Choice, String> {
+    if std::env::var_os("MACROBATCH_NO_BF16").is_some_and(|v| v == "1") {
+        return Ok(Choice::Off);
+    }
+    let Ok(v) = std::env::var("MACROBATCH_BF16") else { return Ok(Choice::Auto) };
+    match v.as_str() {
+        "" | "auto" => Ok(Choice::Auto),
+        "portable" => Ok(Choice::Portable),
+        "off" => Ok(Choice::Off),
+        _ => Err(format!("MACROBATCH_BF16={v} is not a bf16 kernel choice; set it to portable|off|auto (or unset it)")),
+    }
+}
+
+/// Checks `MACROBATCH_BF16` up front, so a program can refuse a misspelt
+/// choice before any work instead of running with another kernel.
+pub fn check_env() -> Result<(), String> {
+    env_choice().map(|_| ())
+}
+
+fn from_env() -> Option<Kernel> {
+    let choice = env_choice().unwrap_or_else(|e| {
+        // The binary refuses it first through check_env.
+        eprintln!("warning: {e}; using the default");
+        Choice::Auto
+    });
+    match choice {
+        Choice::Off => None,
+        Choice::Portable => Some(Kernel::Portable),
+        Choice::Auto => detect().then_some(Kernel::Hardware),
+    }
+}
+
+/// Overrides [`kernel`] for the rest of the process (`Some(Hardware)` where
+/// the CPU lacks the instruction is taken as `None`). For tests and
+/// benchmarks: GEMMs already running keep their kernel.
+pub fn set_kernel(k: Option<Kernel>) {
+    let k = if k == Some(Kernel::Hardware) && !detect() { None } else { k };
+    MODE.store(code(k), Ordering::Relaxed);
+}
+
+/// Whether GEMMs with bf16 operands run in bf16 ([`kernel`] is `Some`).
+pub fn supported() -> bool {
+    kernel().is_some()
+}
+
+/// For tests of bf16 arithmetic: where the CPU lacks AVX512-BF16, the
+/// [`portable`] kernel runs instead of f32 operands (unless bf16 was turned
+/// off in the environment), so the bf16 arithmetic is tested on every CPU.
+/// Returns true (saying so on stderr) only when bf16 was turned off, so
+/// there is nothing to run. Under `MACROBATCH_REQUIRE_BF16=1` (CI on a CPU
+/// that has the instructions) it panics unless the hardware kernel runs, so
+/// a detection failure cannot pass as the portable path.
+pub fn skip_without_bf16(test: &str) -> bool {
+    emulate_where_missing();
+    if std::env::var("MACROBATCH_REQUIRE_BF16").as_deref() == Ok("1") {
+        assert!(
+            kernel() == Some(Kernel::Hardware) || std::env::var("MACROBATCH_BF16").as_deref() == Ok("portable"),
+            "{test}: MACROBATCH_REQUIRE_BF16=1 but the AVX512-BF16 kernel is not used (MACROBATCH_NO_BF16 set, or not detected)"
+        );
+    }
+    if kernel().is_none() {
+        eprintln!("{test}: bf16 turned off in the environment (MACROBATCH_BF16=off or MACROBATCH_NO_BF16=1): skipped");
+        return true;
+    }
+    false
+}
+
+/// Where bf16 would fall back to f32 operands because the CPU lacks
+/// AVX512-BF16 (and the environment did not turn it off), runs the
+/// [`portable`] kernel from now on: for tests, so that bf16 runs have the
+/// same arithmetic, and bits, on every CPU.
+pub fn emulate_where_missing() {
+    if kernel().is_none() && env_choice() != Ok(Choice::Off) {
+        set_kernel(Some(Kernel::Portable));
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -92,1021 +213,22 @@ fn detect() -> bool {
 
 /// `dst (+)= alpha · bf16(lhs) · bf16(rhs)`; see [`crate::gemm_raw`].
 ///
+/// Runs the [`kernel`] in force ([`portable`] unless it is the hardware's).
+///
 /// # Safety
-/// As [`crate::gemm_raw`], and [`supported`] must be true.
+/// As [`crate::gemm_raw`] (with `k > 0`).
 pub(crate) unsafe fn gemm(call: &crate::Call<'_>, pool: bool) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        debug_assert!(supported());
-        // SAFETY: the caller guarantees the views and `dst` as documented,
-        // and that the CPU has the features `imp` is compiled for.
-        unsafe { imp::gemm(call, pool) }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (call, pool);
-        unreachable!("bf16 GEMM without AVX512-BF16")
+    match kernel() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the caller guarantees the views and `dst` as documented;
+        // the CPU has the features `hardware` is compiled for (kernel() checked).
+        Some(Kernel::Hardware) => unsafe { hardware::gemm(call, pool) },
+        // SAFETY: as above.
+        _ => unsafe { portable::gemm(call, pool) },
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-mod imp {
-    use crate::{with_buf, Strided};
-    use rayon::prelude::*;
-    use std::arch::x86_64::*;
-    use std::cell::Cell;
-    use std::mem::transmute;
-
-    /// Microkernel rows.
-    pub const MR: usize = 12;
-    /// Microkernel columns, in zmm registers of 16 f32.
-    pub const NV: usize = 2;
-    /// Microkernel columns.
-    pub const NR: usize = 16 * NV;
-    /// k pairs per k block (`KC = 2·KCP` values of k).
-    pub const KCP: usize = 512;
-    /// Rows per block of packed `A`.
-    pub const MC: usize = MR * 16;
-    /// Bytes of packed `B` per column chunk.
-    /// (Small in tests, so that they cover several chunks.)
-    const B_CHUNK_BYTES: usize = if cfg!(test) { 64 << 10 } else { 32 << 20 };
-    /// How many k pairs ahead the microkernel prefetches `B`.
-    const PF_B: usize = 16;
-    /// How many rows ahead the packing of a row-major `B` prefetches.
-    const PF_ROWS: usize = 16;
-    /// Tasks per thread when splitting over the pool.
-    const TASKS_PER_THREAD: usize = 4;
-    /// Below this many flops, one thread.
-    const MIN_PAR_FLOPS: usize = 1 << 24;
-
-    thread_local! {
-        static PACK_B: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
-        static PACK_A: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
-        static SCRATCH: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
-    }
-
-    /// Where the microkernel writes its finished tile.
-    #[derive(Clone, Copy)]
-    struct Out {
-        dst: *mut f32,
-        rs: usize,
-        mr: usize,
-        nr: usize,
-        accumulate: bool,
-        alpha: f32,
-    }
-
-    /// 16-bit lane permutation interleaving two halves of 16 bf16:
-    /// lane `2j` takes `j`, lane `2j + 1` takes `16 + j`.
-    static INTERLEAVE: [u16; 32] = {
-        let mut t = [0u16; 32];
-        let mut j = 0;
-        while j < 16 {
-            t[2 * j] = j as u16;
-            t[2 * j + 1] = 16 + j as u16;
-            j += 1;
-        }
-        t
-    };
-
-    fn mask16(count: usize) -> u16 {
-        if count >= 16 {
-            u16::MAX
-        } else {
-            ((1u32 << count) - 1) as u16
-        }
-    }
-
-    /// `u32` lane `j` = `(bf16(x[j]), bf16(y[j]))` (low, high).
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    #[inline]
-    fn pairs(x: __m512, y: __m512, idx: __m512i) -> __m512i {
-        let h = _mm512_cvtne2ps_pbh(y, x);
-        // SAFETY: __m512bh and __m512i are both 64-byte SIMD vectors.
-        let h: __m512i = unsafe { transmute::<__m512bh, __m512i>(h) };
-        _mm512_permutexvar_epi16(idx, h)
-    }
-
-    /// `u32` lane `q` = `(bf16(v[2q]), bf16(v[2q+1]))` for the 32 values
-    /// `v = lo ++ hi`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    #[inline]
-    fn consecutive_pairs(lo: __m512, hi: __m512) -> __m512i {
-        // SAFETY: __m512bh and __m512i are both 64-byte SIMD vectors.
-        unsafe { transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo)) }
-    }
-
-    /// Loads the first `min(count, 32)` of the values `src[0],
-    /// src[stride], …` (zeros past `count`) as two vectors of 16.
-    ///
-    /// # Safety
-    /// Those `min(count, 32)` addresses must be readable.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    #[inline]
-    unsafe fn load32(src: *const f32, stride: usize, count: usize) -> (__m512, __m512) {
-        if stride == 1 {
-            // SAFETY: masked-off lanes are not accessed (no fault); the
-            // others are readable by the contract.
-            unsafe {
-                (
-                    _mm512_maskz_loadu_ps(mask16(count), src),
-                    _mm512_maskz_loadu_ps(mask16(count.saturating_sub(16)), src.wrapping_add(16)),
-                )
-            }
-        } else {
-            let mut t = [0f32; 32];
-            for (q, slot) in t.iter_mut().enumerate().take(count.min(32)) {
-                // SAFETY: readable by the contract.
-                *slot = unsafe { *src.add(q * stride) };
-            }
-            // SAFETY: `t` holds 32 f32.
-            unsafe { (_mm512_loadu_ps(t.as_ptr()), _mm512_loadu_ps(t.as_ptr().add(16))) }
-        }
-    }
-
-    /// Packs columns `j0 .. j0 + ncols` of a row-major `rhs` (`cs == 1`), all
-    /// `k`, into `⌈ncols/NR⌉` consecutive `B` panels (`kp × NR` u32 each,
-    /// `kp = ⌈k/2⌉`), the last one zero-padded. Several panels at once read
-    /// longer runs of each row (fewer pages touched per row pair).
-    ///
-    /// # Safety
-    /// `rhs` must hold the `k × (j0 + ncols)` view (checked by the caller).
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    unsafe fn pack_b_rows(out: &mut [u32], rhs: &Strided<'_>, k: usize, j0: usize, ncols: usize) {
-        let kp = k.div_ceil(2);
-        let panels = ncols.div_ceil(NR);
-        assert!(rhs.cs == 1 && out.len() >= panels * kp * NR);
-        // SAFETY: INTERLEAVE holds 32 u16.
-        let idx = unsafe { _mm512_loadu_si512(INTERLEAVE.as_ptr().cast()) };
-        let (base, rs) = (rhs.ptr(), rhs.rs);
-        let o = out.as_mut_ptr();
-        for p in 0..kp {
-            let r0 = base.wrapping_add(2 * p * rs + j0);
-            // Rows far apart defeat the hardware prefetcher: fetch the part
-            // of the rows PF_ROWS ahead that this call packs.
-            let ahead = r0.wrapping_add(PF_ROWS * rs);
-            for l in 0..ncols.div_ceil(16) {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(16 * l).cast());
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(rs + 16 * l).cast());
-            }
-            let second = 2 * p + 1 < k;
-            for g in 0..panels {
-                for v in 0..NV {
-                    let c = g * NR + 16 * v;
-                    let mask = mask16(ncols.saturating_sub(c));
-                    // SAFETY: row 2p (< k) and, if `second`, row 2p + 1,
-                    // columns j0 + c .. j0 + ncols are inside the view;
-                    // masked-off lanes are not accessed; the store lies in
-                    // panel g (asserted above).
-                    unsafe {
-                        let x = _mm512_maskz_loadu_ps(mask, r0.wrapping_add(c));
-                        let y = if second {
-                            _mm512_maskz_loadu_ps(mask, r0.wrapping_add(rs + c))
-                        } else {
-                            _mm512_setzero_ps()
-                        };
-                        _mm512_storeu_si512(o.add(g * kp * NR + p * NR + 16 * v).cast(), pairs(x, y, idx));
-                    }
-                }
-            }
-        }
-    }
-
-    /// Packs columns `j0 .. j0 + nr` (`nr ≤ NR`) of `rhs`, all `k`, into one
-    /// `B` panel (`kp × NR` u32, `kp = ⌈k/2⌉`).
-    ///
-    /// # Safety
-    /// `rhs` must hold the `k × (j0 + nr)` view (checked by the caller).
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    unsafe fn pack_b_panel(out: &mut [u32], rhs: &Strided<'_>, k: usize, j0: usize, nr: usize) {
-        let kp = k.div_ceil(2);
-        debug_assert!(out.len() >= kp * NR && nr <= NR && nr > 0);
-        let base = rhs.ptr();
-        let (rs, cs) = (rhs.rs, rhs.cs);
-        let o = out.as_mut_ptr();
-        if cs == 1 || rs != 1 {
-            // Rows of B, 16 columns at a time (gathered unless cs == 1;
-            // row-major B normally goes through `pack_b_rows`).
-            // SAFETY: INTERLEAVE holds 32 u16.
-            let idx = unsafe { _mm512_loadu_si512(INTERLEAVE.as_ptr().cast()) };
-            for p in 0..kp {
-                let r0 = base.wrapping_add(2 * p * rs + j0 * cs);
-                for v in 0..NV {
-                    let cols = nr.saturating_sub(16 * v).min(16);
-                    let zero = _mm512_setzero_ps();
-                    let (x, y) = if cols == 0 {
-                        (zero, zero)
-                    } else {
-                        // SAFETY: row 2p (< k) and, if present, row 2p + 1,
-                        // columns j0 + 16v .. + cols are inside the view.
-                        unsafe {
-                            let x = load16(r0.wrapping_add(16 * v * cs), cs, cols);
-                            let y =
-                                if 2 * p + 1 < k { load16(r0.wrapping_add(rs + 16 * v * cs), cs, cols) } else { zero };
-                            (x, y)
-                        }
-                    };
-                    // SAFETY: p·NR + 16v + 16 ≤ kp·NR ≤ out.len().
-                    unsafe { _mm512_storeu_si512(o.add(p * NR + 16 * v).cast(), pairs(x, y, idx)) };
-                }
-            }
-        } else {
-            // Columns of B are contiguous along k: 32 values of k (16 pairs)
-            // of 16 columns at a time, turned pair-major by a 16 × 16
-            // transpose of u32.
-            for v in 0..NV {
-                let cols = nr.saturating_sub(16 * v).min(16);
-                for q0 in (0..kp).step_by(16) {
-                    let mut t: [__m512i; 16] = std::array::from_fn(|j| {
-                        if j < cols {
-                            let col = base.wrapping_add((j0 + 16 * v + j) * cs + 2 * q0);
-                            // SAFETY: values 2·q0 .. k of this column are inside the view.
-                            let (lo, hi) = unsafe { load32(col, 1, k - 2 * q0) };
-                            consecutive_pairs(lo, hi)
-                        } else {
-                            _mm512_setzero_si512()
-                        }
-                    });
-                    transpose16x16_u32(&mut t);
-                    for (q, row) in t.iter().enumerate().take(kp - q0) {
-                        // SAFETY: (q0 + q)·NR + 16v + 16 ≤ kp·NR ≤ out.len().
-                        unsafe { _mm512_storeu_si512(o.add((q0 + q) * NR + 16 * v).cast(), *row) };
-                    }
-                }
-            }
-        }
-    }
-
-    /// Loads the first `min(count, 16)` of the values `src[0], src[stride],
-    /// …`, zeros past `count`.
-    ///
-    /// # Safety
-    /// Those `min(count, 16)` addresses must be readable.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    #[inline]
-    unsafe fn load16(src: *const f32, stride: usize, count: usize) -> __m512 {
-        if stride == 1 {
-            // SAFETY: masked-off lanes are not accessed.
-            unsafe { _mm512_maskz_loadu_ps(mask16(count), src) }
-        } else {
-            let mut t = [0f32; 16];
-            for (q, slot) in t.iter_mut().enumerate().take(count.min(16)) {
-                // SAFETY: readable by the contract.
-                *slot = unsafe { *src.add(q * stride) };
-            }
-            // SAFETY: `t` holds 16 f32.
-            unsafe { _mm512_loadu_ps(t.as_ptr()) }
-        }
-    }
-
-    /// Packs rows `i0 .. i1` of `lhs`, k pairs `p0 .. p0 + kcp`, into
-    /// `⌈(i1 - i0)/MR⌉` consecutive `A` panels (`kcp × MR` u32 each) at `out`.
-    ///
-    /// # Safety
-    /// `out` must be valid for that many panels; `lhs` must hold the
-    /// `i1 × k` view; `p0 + kcp ≤ ⌈k/2⌉`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    #[inline(never)]
-    unsafe fn pack_a_block(out: *mut u32, lhs: &Strided<'_>, k: usize, i0: usize, i1: usize, p0: usize, kcp: usize) {
-        let tiles = (i1 - i0).div_ceil(MR);
-        if lhs.rs != 1 {
-            for it in 0..tiles {
-                let row = i0 + it * MR;
-                // SAFETY: as this function's contract, panel by panel.
-                unsafe { pack_a_panel(out.add(it * kcp * MR), lhs, k, row, MR.min(i1 - row), p0, kcp) };
-            }
-            return;
-        }
-        // Columns of A are contiguous along i: for each k pair, the rows of
-        // the whole block in one pass over memory (MR rows per panel).
-        let (base, cs) = (lhs.ptr(), lhs.cs);
-        // SAFETY: INTERLEAVE holds 32 u16.
-        let idx = unsafe { _mm512_loadu_si512(INTERLEAVE.as_ptr().cast()) };
-        let store = mask16(MR);
-        for p in 0..kcp {
-            let kk = 2 * (p0 + p);
-            // The block's part of the columns PF_ROWS ahead (see pack_b_rows).
-            let ahead = base.wrapping_add((kk + PF_ROWS) * cs + i0);
-            for l in 0..(i1 - i0).div_ceil(16) {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(16 * l).cast());
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(cs + 16 * l).cast());
-            }
-            for it in 0..tiles {
-                let row = i0 + it * MR;
-                let rows = mask16(MR.min(i1 - row));
-                let c0 = base.wrapping_add(kk * cs + row);
-                // SAFETY: rows row .. min(i1, row + MR) of columns kk (< k)
-                // and kk + 1 (if < k) are inside the view; masked-off lanes
-                // are not accessed; the panel's row p is writable.
-                unsafe {
-                    let x = _mm512_maskz_loadu_ps(rows, c0);
-                    let y =
-                        if kk + 1 < k { _mm512_maskz_loadu_ps(rows, c0.wrapping_add(cs)) } else { _mm512_setzero_ps() };
-                    _mm512_mask_storeu_epi32(out.add(it * kcp * MR + p * MR).cast(), store, pairs(x, y, idx));
-                }
-            }
-        }
-    }
-
-    /// Packs rows `i0 .. i0 + mr` (`mr ≤ MR`) of `lhs`, k pairs
-    /// `p0 .. p0 + kcp`, into one `A` panel (`kcp × MR` u32 at `out`).
-    ///
-    /// # Safety
-    /// `out` must be valid for `kcp · MR` writes; `lhs` must hold the
-    /// `(i0 + mr) × k` view; `p0 + kcp ≤ ⌈k/2⌉`; `lhs.rs != 1` (see
-    /// [`pack_a_block`]).
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    unsafe fn pack_a_panel(out: *mut u32, lhs: &Strided<'_>, k: usize, i0: usize, mr: usize, p0: usize, kcp: usize) {
-        const { assert!(MR <= 16) };
-        let base = lhs.ptr();
-        let (rs, cs) = (lhs.rs, lhs.cs);
-        if cs == 1 && mr == MR && MR > 8 {
-            // Full panel of row-major A: 8 pairs of each row per step, turned
-            // into pair-major order by an 8×8 transpose of 64-bit (f32 pair)
-            // elements for rows 0..8 and another for rows 8..MR.
-            let mut q = 0;
-            while q < kcp {
-                let kk = 2 * (p0 + q);
-                let mask = mask16(k - kk);
-                let row = |i: usize| base.wrapping_add((i0 + i) * rs + kk);
-                // SAFETY: values kk .. min(k, kk + 16) of rows i0 .. i0 + MR
-                // are inside the view; masked-off lanes are not accessed.
-                let mut lo: [__m512i; 8] =
-                    std::array::from_fn(|i| unsafe { _mm512_castps_si512(_mm512_maskz_loadu_ps(mask, row(i))) });
-                let mut hi: [__m512i; 8] = std::array::from_fn(|i| {
-                    if 8 + i < MR {
-                        // SAFETY: as above.
-                        unsafe { _mm512_castps_si512(_mm512_maskz_loadu_ps(mask, row(8 + i))) }
-                    } else {
-                        _mm512_setzero_si512()
-                    }
-                });
-                transpose8x8_u64(&mut lo);
-                transpose8x8_u64(&mut hi);
-                for p in 0..(kcp - q).min(8) {
-                    let v = consecutive_pairs(_mm512_castsi512_ps(lo[p]), _mm512_castsi512_ps(hi[p]));
-                    // SAFETY: (q + p)·MR + MR ≤ kcp·MR.
-                    unsafe { _mm512_mask_storeu_epi32(out.add((q + p) * MR).cast(), mask16(MR), v) };
-                }
-                q += 8;
-            }
-        } else {
-            // Rows of A, 32 values of k at a time (contiguous when cs == 1).
-            let mut t = [0u32; 16];
-            for i in 0..MR {
-                if i >= mr {
-                    for p in 0..kcp {
-                        // SAFETY: p·MR + i < kcp·MR.
-                        unsafe { *out.add(p * MR + i) = 0 };
-                    }
-                    continue;
-                }
-                let row = base.wrapping_add((i0 + i) * rs);
-                for q0 in (0..kcp).step_by(16) {
-                    let kk = 2 * (p0 + q0);
-                    // SAFETY: values kk .. k of row i0 + i are inside the view.
-                    unsafe {
-                        let (lo, hi) = load32(row.add(kk * cs), cs, k - kk);
-                        _mm512_storeu_si512(t.as_mut_ptr().cast(), consecutive_pairs(lo, hi));
-                    }
-                    for (q, &w) in t.iter().enumerate().take(kcp - q0) {
-                        // SAFETY: (q0 + q)·MR + i < kcp·MR.
-                        unsafe { *out.add((q0 + q) * MR + i) = w };
-                    }
-                }
-            }
-        }
-    }
-
-    /// Transposes 8 × 8 64-bit elements: row `i` in `v[i]` on entry,
-    /// column `i` in `v[i]` on exit.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    #[inline]
-    fn transpose8x8_u64(v: &mut [__m512i; 8]) {
-        const ROUNDS: [(usize, [i64; 8], [i64; 8]); 3] = [
-            (1, [0, 8, 2, 10, 4, 12, 6, 14], [1, 9, 3, 11, 5, 13, 7, 15]),
-            (2, [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]),
-            (4, [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]),
-        ];
-        for (d, lo, hi) in ROUNDS {
-            // SAFETY: both index arrays hold 8 i64.
-            let (lo, hi) = unsafe { (_mm512_loadu_si512(lo.as_ptr().cast()), _mm512_loadu_si512(hi.as_ptr().cast())) };
-            for i in 0..8 {
-                if i & d == 0 {
-                    let (a, b) = (v[i], v[i + d]);
-                    v[i] = _mm512_permutex2var_epi64(a, lo, b);
-                    v[i + d] = _mm512_permutex2var_epi64(a, hi, b);
-                }
-            }
-        }
-    }
-
-    /// `permutex2var` indices of the transposes: round `d` exchanges the
-    /// `d × d` off-diagonal blocks of rows `i` and `i + d` (`i & d == 0`).
-    const fn transpose_idx<const N: usize>(d: usize, high: bool) -> [u32; N] {
-        let mut t = [0u32; N];
-        let mut l = 0;
-        while l < N {
-            t[l] = match (l & d == 0, high) {
-                (true, false) => l,
-                (false, false) => N + l - d,
-                (true, true) => l + d,
-                (false, true) => N + l,
-            } as u32;
-            l += 1;
-        }
-        t
-    }
-
-    /// Transposes 16 × 16 u32: row `i` in `v[i]` on entry, column `i` on exit.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    #[inline]
-    fn transpose16x16_u32(v: &mut [__m512i; 16]) {
-        const IDX: [[[u32; 16]; 2]; 4] = {
-            let mut t = [[[0u32; 16]; 2]; 4];
-            let mut r = 0;
-            while r < 4 {
-                t[r] = [transpose_idx::<16>(1 << r, false), transpose_idx::<16>(1 << r, true)];
-                r += 1;
-            }
-            t
-        };
-        for (r, [lo, hi]) in IDX.iter().enumerate() {
-            let d = 1 << r;
-            // SAFETY: both index arrays hold 16 u32.
-            let (lo, hi) = unsafe { (_mm512_loadu_si512(lo.as_ptr().cast()), _mm512_loadu_si512(hi.as_ptr().cast())) };
-            for i in 0..16 {
-                if i & d == 0 {
-                    let (a, b) = (v[i], v[i + d]);
-                    v[i] = _mm512_permutex2var_epi32(a, lo, b);
-                    v[i + d] = _mm512_permutex2var_epi32(a, hi, b);
-                }
-            }
-        }
-    }
-
-    /// The `MR × NR` microkernel over `kcp` k pairs: starts from zero
-    /// (`first`) or from the scratch tile, and ends in the scratch tile
-    /// (`out == None`) or in `dst`.
-    ///
-    /// # Safety
-    /// `a` holds `kcp × MR` and `b` `kcp × NR` packed u32 (row stride NR);
-    /// `scratch` is valid for `MR·NR` f32 (read unless `first`, written when
-    /// `out` is `None`); `out.dst` is valid for the `out.mr × out.nr` tile.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    #[inline(never)]
-    unsafe fn kernel(
-        kcp: usize,
-        a: *const u32,
-        b: *const u32,
-        scratch: *mut f32,
-        first: bool,
-        out: Option<Out>,
-        prefetch: Option<(*const f32, usize)>,
-    ) {
-        if let Some((pf, rs)) = prefetch {
-            // The next tile's accumulators (scratch or dst): bring them to
-            // L1 while this one computes. Prefetches never fault.
-            for i in 0..MR {
-                for l in 0..NR / 16 {
-                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(i * rs + 16 * l).cast());
-                }
-            }
-        }
-        let mut acc = [[_mm512_setzero_ps(); NV]; MR];
-        if !first {
-            for (i, row) in acc.iter_mut().enumerate() {
-                for (v, c) in row.iter_mut().enumerate() {
-                    // SAFETY: inside the MR·NR scratch tile.
-                    *c = unsafe { _mm512_loadu_ps(scratch.add((i * NV + v) * 16)) };
-                }
-            }
-        }
-        for p in 0..kcp {
-            // SAFETY: p < kcp, inside the packed panels.
-            unsafe {
-                let bp = b.add(p * NR);
-                for l in 0..NV {
-                    _mm_prefetch::<_MM_HINT_T0>(bp.wrapping_add(PF_B * NR + 16 * l).cast());
-                }
-                let bv: [__m512bh; NV] =
-                    std::array::from_fn(|v| transmute::<__m512i, __m512bh>(_mm512_loadu_si512(bp.add(16 * v).cast())));
-                let ap = a.add(p * MR);
-                for (i, row) in acc.iter_mut().enumerate() {
-                    let ai = transmute::<__m512i, __m512bh>(_mm512_set1_epi32(*ap.add(i) as i32));
-                    for (c, &bvv) in row.iter_mut().zip(bv.iter()) {
-                        *c = _mm512_dpbf16_ps(*c, ai, bvv);
-                    }
-                }
-            }
-        }
-        match out {
-            None => {
-                for (i, row) in acc.iter().enumerate() {
-                    for (v, c) in row.iter().enumerate() {
-                        // SAFETY: inside the MR·NR scratch tile.
-                        unsafe { _mm512_storeu_ps(scratch.add((i * NV + v) * 16), *c) };
-                    }
-                }
-            }
-            Some(o) => {
-                let alpha = _mm512_set1_ps(o.alpha);
-                let masks: [u16; NV] = std::array::from_fn(|v| mask16(o.nr.saturating_sub(16 * v)));
-                for (i, row) in acc.iter().enumerate().take(o.mr) {
-                    for (v, c) in row.iter().enumerate() {
-                        if masks[v] == 0 {
-                            continue;
-                        }
-                        let d = o.dst.wrapping_add(i * o.rs + 16 * v);
-                        // SAFETY: the unmasked lanes are inside the
-                        // mr × nr tile of dst.
-                        unsafe {
-                            let r = if o.accumulate {
-                                _mm512_fmadd_ps(alpha, *c, _mm512_maskz_loadu_ps(masks[v], d))
-                            } else {
-                                _mm512_mul_ps(alpha, *c)
-                            };
-                            _mm512_mask_storeu_ps(d, masks[v], r);
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// One thread's share of a column chunk: rows `r0 .. r1` (`r0` a
-    /// multiple of `MR`) × panels `q0 .. q1` of the packed chunk `b` whose
-    /// first column is `jc`.
-    ///
-    /// # Safety
-    /// As [`gemm`]; no other thread writes this block of dst.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    unsafe fn block(pr: &crate::SendCall<'_>, b: &[u32], jc: usize, r0: usize, r1: usize, q0: usize, q1: usize) {
-        if r0 >= r1 || q0 >= q1 {
-            return;
-        }
-        let pr = &pr.0;
-        let kp = pr.k.div_ceil(2);
-        // k blocks of equal size (at most KCP pairs). Where they fall does
-        // not change the result: the accumulators pass through the scratch
-        // tile exactly.
-        let nkb = kp.div_ceil(KCP);
-        let kcb = kp.div_ceil(nkb);
-        let mc_max = MC.min((r1 - r0).next_multiple_of(MR));
-        let a_len = mc_max * kcb;
-        let scratch_len = if nkb > 1 { mc_max * (q1 - q0) * NR } else { 0 };
-        with_buf(&PACK_A, a_len, |abuf| {
-            with_buf(&SCRATCH, scratch_len, |sbuf| {
-                let a = abuf.as_mut_ptr();
-                let s = sbuf.as_mut_ptr();
-                for ic in (r0..r1).step_by(MC) {
-                    let mc = MC.min(r1 - ic);
-                    let mtiles = mc.div_ceil(MR);
-                    for kb in 0..nkb {
-                        let p0 = kb * kcb;
-                        let kcp = kcb.min(kp - p0);
-                        // SAFETY: the mtiles panels lie inside abuf
-                        // (mtiles·MR ≤ mc_max, kcp ≤ kcb); lhs holds the m × k view.
-                        unsafe { pack_a_block(a, &pr.lhs, pr.k, ic, ic + mc, p0, kcp) };
-                        let last = kb + 1 == nkb;
-                        for q in q0..q1 {
-                            let col = jc + q * NR;
-                            let nr = NR.min(pr.n - col);
-                            let bp = b[q * kp * NR + p0 * NR..].as_ptr();
-                            for it in 0..mtiles {
-                                let row = ic + it * MR;
-                                let out = last.then(|| Out {
-                                    dst: pr.dst.wrapping_add(row * pr.dst_rs + col),
-                                    rs: pr.dst_rs,
-                                    mr: MR.min(r1 - row),
-                                    nr,
-                                    accumulate: pr.accumulate,
-                                    alpha: pr.alpha,
-                                });
-                                let tile = s.wrapping_add(((q - q0) * mtiles + it) * MR * NR);
-                                // The next tile's accumulators: its dst rows
-                                // (last k block) or its scratch tile. Only
-                                // prefetched, so it may lie past the block.
-                                let prefetch = if last {
-                                    let next = if it + 1 < mtiles { (row + MR, col) } else { (ic, col + NR) };
-                                    Some((pr.dst.wrapping_add(next.0 * pr.dst_rs + next.1).cast_const(), pr.dst_rs))
-                                } else {
-                                    (kb > 0).then(|| (tile.wrapping_add(MR * NR).cast_const(), NR))
-                                };
-                                // SAFETY: the packed panels hold kcp pairs
-                                // from p0; the scratch tile is inside sbuf
-                                // whenever it is used (nkb > 1); the dst tile
-                                // is inside the caller's m × n block.
-                                unsafe { kernel(kcp, a.add(it * kcp * MR), bp, tile, kb == 0, out, prefetch) };
-                            }
-                        }
-                    }
-                }
-            })
-        })
-    }
-
-    /// See [`super::gemm`].
-    ///
-    /// # Safety
-    /// As [`crate::gemm_raw`], and the CPU has AVX512-BF16.
-    pub(super) unsafe fn gemm(call: &crate::Call<'_>, pool: bool) {
-        let &crate::Call { m, n, k, dst, dst_rs, accumulate, rhs, .. } = call;
-        if m == 0 || n == 0 {
-            return;
-        }
-        if k == 0 {
-            // An empty sum (gemm_raw handles this before calling us).
-            if !accumulate {
-                for i in 0..m {
-                    // SAFETY: row i of the m × n block of dst.
-                    unsafe { std::ptr::write_bytes(dst.add(i * dst_rs), 0, n) };
-                }
-            }
-            return;
-        }
-        let flops = 2usize.saturating_mul(m).saturating_mul(n).saturating_mul(k);
-        let threads = if pool && flops >= MIN_PAR_FLOPS { rayon::current_num_threads().max(1) } else { 1 };
-        let kp = k.div_ceil(2);
-        let nc = ((B_CHUNK_BYTES / 4 / kp.max(1)) / NR).max(1) * NR;
-        let nc = nc.min(n.next_multiple_of(NR));
-        let pr = crate::SendCall(*call);
-        let mt = m.div_ceil(MR);
-        let run = move || {
-            with_buf(&PACK_B, kp * nc, |bbuf| {
-                for jc in (0..n).step_by(nc) {
-                    let chunk_end = n.min(jc + nc);
-                    let np = (chunk_end - jc).div_ceil(NR);
-                    let b = &mut bbuf[..np * kp * NR];
-                    if rhs.cs == 1 {
-                        // Row-major B: groups of up to 8 panels, about 8 per thread.
-                        let group = (np / (threads * 8)).clamp(1, 8);
-                        let pack = |(g, panels): (usize, &mut [u32])| {
-                            let j0 = jc + g * group * NR;
-                            // SAFETY: rhs holds the k × n view; j0 < chunk_end ≤ n.
-                            unsafe { pack_b_rows(panels, &rhs, k, j0, (group * NR).min(chunk_end - j0)) }
-                        };
-                        if threads > 1 {
-                            b.par_chunks_mut(group * kp * NR).enumerate().for_each(pack);
-                        } else {
-                            b.chunks_mut(group * kp * NR).enumerate().for_each(pack);
-                        }
-                    } else {
-                        let pack = |(q, panel): (usize, &mut [u32])| {
-                            let j0 = jc + q * NR;
-                            // SAFETY: rhs holds the k × n view; j0 < chunk_end ≤ n.
-                            unsafe { pack_b_panel(panel, &rhs, k, j0, NR.min(chunk_end - j0)) }
-                        };
-                        if threads > 1 {
-                            b.par_chunks_mut(kp * NR).enumerate().for_each(pack);
-                        } else {
-                            b.chunks_mut(kp * NR).enumerate().for_each(pack);
-                        }
-                    }
-                    let b = &*b;
-                    if threads == 1 {
-                        // SAFETY: the whole block is this thread's.
-                        unsafe { block(&pr, b, jc, 0, m, 0, np) };
-                    } else if mt >= 2 * threads {
-                        // Row blocks, several per thread so that a slower core
-                        // (shared machine) takes fewer of them.
-                        let per = mt.div_ceil(threads * TASKS_PER_THREAD).min(MC / MR);
-                        (0..mt.div_ceil(per)).into_par_iter().for_each(|t| {
-                            let (r0, r1) = (t * per * MR, ((t + 1) * per * MR).min(m));
-                            // SAFETY: tasks own disjoint row ranges.
-                            unsafe { block(&pr, b, jc, r0, r1, 0, np) };
-                        });
-                    } else {
-                        // Few rows: blocks of column panels.
-                        let per = np.div_ceil(threads * TASKS_PER_THREAD);
-                        (0..np.div_ceil(per)).into_par_iter().for_each(|t| {
-                            // SAFETY: tasks own disjoint panel ranges.
-                            unsafe { block(&pr, b, jc, 0, m, t * per, ((t + 1) * per).min(np)) };
-                        });
-                    }
-                }
-            })
-        };
-        if threads > 1 && rayon::current_thread_index().is_none() {
-            // From outside the pool: enter it once, so that the parallel
-            // loops below are spawned by a worker, not injected cold each.
-            rayon::scope(|_| run());
-        } else {
-            run();
-        }
-    }
-}
-
+mod hardware;
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::{GemmDims, GemmOut, Strided};
-    use proptest::prelude::*;
-
-    /// bf16 rounding to nearest even, as `vcvtne2ps2bf16` (NaN stays NaN).
-    fn bf16_round(x: f32) -> f64 {
-        if x.is_nan() {
-            return f64::NAN;
-        }
-        let b = x.to_bits();
-        let r = (b.wrapping_add(0x7fff + ((b >> 16) & 1))) & 0xffff_0000;
-        f32::from_bits(r) as f64
-    }
-
-    /// A deterministic pseudo-random f32 in [-1, 1).
-    fn rand_vec(len: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..len)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
-
-    /// A matrix of `rows × cols` in one of four layouts, with padding:
-    /// 0 row-major, 1 transposed storage, 2 row-major sub-view (rs > cols,
-    /// offset), 3 transposed sub-view.
-    fn layout(rows: usize, cols: usize, kind: u8, seed: u64) -> (Vec<f32>, usize, usize, usize) {
-        let (pad, off) = if kind >= 2 { (3, 5) } else { (0, 0) };
-        if kind.is_multiple_of(2) {
-            let rs = cols + pad;
-            (rand_vec(off + rows.max(1) * rs, seed), off, rs, 1)
-        } else {
-            let cs = rows + pad;
-            (rand_vec(off + cols.max(1) * cs, seed), off, 1, cs)
-        }
-    }
-
-    struct Case {
-        m: usize,
-        n: usize,
-        k: usize,
-        lhs_kind: u8,
-        rhs_kind: u8,
-        accumulate: bool,
-        alpha: f32,
-    }
-
-    /// Runs one case through `gemm_into` and checks it against an f64
-    /// reference on bf16-rounded operands. Returns dst (with padding).
-    fn run_case(c: &Case, pool: bool, seed: u64) -> Vec<f32> {
-        let (m, n, k) = (c.m, c.n, c.k);
-        let (a, ao, ars, acs) = layout(m, k, c.lhs_kind, seed);
-        let (b, bo, brs, bcs) = layout(k, n, c.rhs_kind, seed + 1);
-        let lhs = Strided { data: &a, offset: ao, rs: ars, cs: acs };
-        let rhs = Strided { data: &b, offset: bo, rs: brs, cs: bcs };
-        let dst_rs = n + 7;
-        let dst0 = rand_vec(m * dst_rs + 3, seed + 2);
-        let mut dst = dst0.clone();
-        crate::gemm_into(
-            GemmDims { m, n, k },
-            &mut dst,
-            GemmOut { offset: 0, rs: dst_rs, accumulate: c.accumulate },
-            lhs,
-            rhs,
-            c.alpha,
-            crate::Par { pool, operands: crate::Operands::Bf16 },
-        );
-        for i in 0..m {
-            for j in 0..n {
-                let (mut s, mut sabs) = (0f64, 0f64);
-                for p in 0..k {
-                    let x = bf16_round(a[ao + i * ars + p * acs]) * bf16_round(b[bo + p * brs + j * bcs]);
-                    s += x;
-                    sabs += x.abs();
-                }
-                let base = if c.accumulate { dst0[i * dst_rs + j] as f64 } else { 0.0 };
-                let want = base + c.alpha as f64 * s;
-                let got = dst[i * dst_rs + j] as f64;
-                // f32 accumulation of k products: error ≲ k·2⁻²⁴·Σ|a·b|
-                // in the worst case, ~√k·2⁻²⁴ typically; plus the final
-                // rounding of the result (relative 2⁻²⁴ of |want|).
-                let tol = (k as f64 * 6e-8 + 1e-6) * (c.alpha.abs() as f64 * sabs) + 1e-6 * want.abs() + 1e-30;
-                assert!(
-                    (got - want).abs() <= tol,
-                    "m {m} n {n} k {k} lhs {} rhs {} acc {} alpha {}: ({i},{j}) got {got} want {want}",
-                    c.lhs_kind,
-                    c.rhs_kind,
-                    c.accumulate,
-                    c.alpha
-                );
-            }
-            for j in n..dst_rs {
-                if i * dst_rs + j < dst.len() {
-                    assert_eq!(dst[i * dst_rs + j].to_bits(), dst0[i * dst_rs + j].to_bits(), "padding touched");
-                }
-            }
-        }
-        for j in m * dst_rs..dst.len() {
-            assert_eq!(dst[j].to_bits(), dst0[j].to_bits(), "tail touched");
-        }
-        dst
-    }
-
-    fn skip() -> bool {
-        skip_without_bf16("bf16 GEMM test")
-    }
-
-    #[test]
-    fn shapes_and_layouts() {
-        if skip() {
-            return;
-        }
-        let dims = [1usize, 2, 11, 12, 13, 31, 33, 70];
-        let ks = [1usize, 2, 3, 17, 32, 33, 64];
-        let mut seed = 1;
-        for &m in &dims {
-            for &n in &dims {
-                for &k in &ks {
-                    seed += 1;
-                    let kinds = ((seed % 4) as u8, ((seed / 4) % 4) as u8);
-                    let c = Case {
-                        m,
-                        n,
-                        k,
-                        lhs_kind: kinds.0,
-                        rhs_kind: kinds.1,
-                        accumulate: seed % 3 == 0,
-                        alpha: if seed % 5 == 0 { -0.75 } else { 1.0 },
-                    };
-                    run_case(&c, false, seed);
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn multiple_k_blocks_all_layouts() {
-        if skip() {
-            return;
-        }
-        // k > KC = 2·KCP, odd, and m, n not multiples of MR, NR or MC.
-        for (s, &(m, n, k)) in
-            [(205usize, 77usize, 1101usize), (13, 290, 1025), (40, 40, 2 * 512 + 2)].iter().enumerate()
-        {
-            for lk in 0..4 {
-                for rk in 0..4 {
-                    let c = Case { m, n, k, lhs_kind: lk, rhs_kind: rk, accumulate: (lk + rk) % 2 == 1, alpha: 0.5 };
-                    run_case(&c, true, (s * 16) as u64 + (lk * 4 + rk) as u64);
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn deterministic_across_threads_and_pool() {
-        if skip() {
-            return;
-        }
-        // Big enough to go parallel (2·m·n·k ≥ MIN_PAR_FLOPS), both row and
-        // column splits.
-        for &(m, n, k) in &[(300usize, 200usize, 1030usize), (20, 1000, 600), (1, 12000, 800), (530, 1, 16000)] {
-            for accumulate in [false, true] {
-                let c = Case { m, n, k, lhs_kind: 1, rhs_kind: 2, accumulate, alpha: 1.25 };
-                let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("pool");
-                let two = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
-                let three = rayon::ThreadPoolBuilder::new().num_threads(3).build().expect("pool");
-                let serial = run_case(&c, false, 9);
-                let p1 = one.install(|| run_case(&c, true, 9));
-                let p2 = two.install(|| run_case(&c, true, 9));
-                let p3 = three.install(|| run_case(&c, true, 9));
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&serial), bits(&p1));
-                assert_eq!(bits(&serial), bits(&p2));
-                assert_eq!(bits(&serial), bits(&p3));
-            }
-        }
-    }
-
-    #[test]
-    fn result_does_not_depend_on_position() {
-        if skip() {
-            return;
-        }
-        // Row i of a big product equals the 1-row product of row i alone.
-        let (m, n, k) = (50usize, 70usize, 1200usize);
-        let a = rand_vec(m * k, 3);
-        let b = rand_vec(k * n, 4);
-        let mut full = vec![0f32; m * n];
-        let par = crate::Par { pool: true, operands: crate::Operands::Bf16 };
-        crate::gemm_into(
-            GemmDims { m, n, k },
-            &mut full,
-            GemmOut::overwrite(n),
-            Strided::rows(&a, k),
-            Strided::rows(&b, n),
-            1.0,
-            par,
-        );
-        for i in [0usize, 13, 49] {
-            let mut row = vec![0f32; n];
-            let lhs = Strided { data: &a, offset: i * k, rs: k, cs: 1 };
-            crate::gemm_into(
-                GemmDims { m: 1, n, k },
-                &mut row,
-                GemmOut::overwrite(n),
-                lhs,
-                Strided::rows(&b, n),
-                1.0,
-                par,
-            );
-            assert_eq!(row, full[i * n..(i + 1) * n]);
-        }
-    }
-
-    #[test]
-    fn nan_and_infinity_propagate() {
-        if skip() {
-            return;
-        }
-        let (m, n, k) = (30usize, 40usize, 70usize);
-        let mut a = rand_vec(m * k, 5);
-        let b = rand_vec(k * n, 6);
-        a[7 * k + 3] = f32::NAN;
-        a[11 * k + 69] = f32::INFINITY;
-        let mut dst = vec![0f32; m * n];
-        let par = crate::Par { pool: false, operands: crate::Operands::Bf16 };
-        crate::gemm_into(
-            GemmDims { m, n, k },
-            &mut dst,
-            GemmOut::overwrite(n),
-            Strided::rows(&a, k),
-            Strided::rows(&b, n),
-            1.0,
-            par,
-        );
-        for i in 0..m {
-            for j in 0..n {
-                let x = dst[i * n + j];
-                match i {
-                    7 => assert!(x.is_nan()),
-                    11 => assert!(x.is_infinite() && x.signum() == b[69 * n + j].signum()),
-                    _ => assert!(x.is_finite()),
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn long_k_bit_identical_to_one_row_at_a_time_on_the_pool() {
-        if skip() {
-            return;
-        }
-        // Three k blocks; transposed lhs (as dW = inpᵀ·dout).
-        let (m, n, k) = (40usize, 90usize, 5001usize);
-        let a = rand_vec(m * k, 7);
-        let b = rand_vec(k * n, 8);
-        let lhs = Strided::transposed(&a, m);
-        let c = crate::Par { pool: true, operands: crate::Operands::Bf16 };
-        let mut full = vec![0f32; m * n];
-        crate::gemm_into(GemmDims { m, n, k }, &mut full, GemmOut::overwrite(n), lhs, Strided::rows(&b, n), 1.0, c);
-        let two = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
-        let rows: Vec<Vec<f32>> = two.install(|| {
-            use rayon::prelude::*;
-            (0..m)
-                .into_par_iter()
-                .map(|i| {
-                    let mut row = vec![0f32; n];
-                    let lhs_i = Strided { offset: i, ..lhs };
-                    let one = crate::Par { pool: false, ..c };
-                    crate::gemm_into(
-                        GemmDims { m: 1, n, k },
-                        &mut row,
-                        GemmOut::overwrite(n),
-                        lhs_i,
-                        Strided::rows(&b, n),
-                        1.0,
-                        one,
-                    );
-                    row
-                })
-                .collect()
-        });
-        for (i, row) in rows.iter().enumerate() {
-            assert_eq!(row[..], full[i * n..(i + 1) * n], "row {i}");
-        }
-    }
-
-    proptest! {
-        #![proptest_config(ProptestConfig::with_cases(64))]
-        #[test]
-        fn random_shapes(
-            m in 1usize..40,
-            n in 1usize..70,
-            k in 1usize..80,
-            lk in 0u8..4,
-            rk in 0u8..4,
-            accumulate: bool,
-            alpha in -2.0f32..2.0,
-            seed in 0u64..1000,
-        ) {
-            if supported() {
-                let c = Case { m, n, k, lhs_kind: lk, rhs_kind: rk, accumulate, alpha };
-                run_case(&c, seed % 2 == 0, seed);
-            }
-        }
-    }
-}
+mod tests;

@@ -6,7 +6,9 @@
 //! or bf16 operands ([`Operands`]). bf16 operands are rounded to bf16 (round
 //! to nearest even) while packing and multiplied with f32 accumulation by
 //! the AVX512-BF16 kernel of [`bf16`]; on a CPU without it they fall back to
-//! f32 (see [`Operands::effective`]).
+//! f32 (see [`Operands::effective`]), unless `MACROBATCH_BF16=portable`
+//! selects [`bf16::portable`], the same arithmetic and bits without the
+//! instruction.
 //!
 //! Invariant: for a given shape, layout and [`Par`], the result does not
 //! depend on the number of threads in the pool — work is split over rows and
@@ -104,8 +106,9 @@ pub enum Operands {
 }
 
 impl Operands {
-    /// What this CPU will actually do when asked for `self`: bf16 needs
-    /// AVX512-BF16 (detected at run time); elsewhere the GEMM runs in f32.
+    /// What this CPU will actually do when asked for `self`: bf16 runs where
+    /// [`bf16::kernel`] names a kernel (AVX512-BF16, detected at run time, or
+    /// the portable one when selected); elsewhere the GEMM runs in f32.
     pub fn effective(self) -> Operands {
         match self {
             Operands::Bf16 if bf16::supported() => Operands::Bf16,

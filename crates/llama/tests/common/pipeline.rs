@@ -40,7 +40,7 @@ pub fn tensor_matrix(
     lora: Option<LoraConfig>,
     ts: &[usize],
     f32_tol: (f64, f32),
-    bf16_tol: (f64, f32),
+    bf16_tol: (f64, f64),
 ) -> f64 {
     let (c, l) = (cfg.clone(), lora.clone());
     let build = move |p: Precision, ck: Checkpointing, tp: TpRank| {
