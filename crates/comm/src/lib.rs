@@ -27,12 +27,11 @@
 //! same world: the threads backend marks them all failed, MPI aborts the job.
 //!
 //! Backends: [`SingleProcess`] (default), [`threads`] (ranks as threads in one
-//! process: one machine, and the engine of the tests) and `mpi` (feature
-//! `mpi`: processes started by `mpirun`, across machines).
+//! process: one machine, and the engine of the tests) and MPI (crate
+//! `macrobatch-comm-mpi`, feature `mpi`: processes started by `mpirun`,
+//! across machines).
 
 pub mod launcher;
-#[cfg(feature = "mpi")]
-pub mod mpi_backend;
 pub mod threads;
 
 use std::collections::{HashMap, VecDeque};
@@ -119,7 +118,7 @@ pub struct CommCounters {
 
 impl CommCounters {
     /// Counts one point-to-point message of `n` f32 elements.
-    pub(crate) fn count_send(&mut self, n: usize) {
+    pub fn count_send(&mut self, n: usize) {
         self.p2p_messages += 1;
         self.p2p_bytes_sent += 4 * n as u64;
     }
@@ -177,7 +176,7 @@ pub trait Communicator {
 
 /// Checks that `rank` (the `role` of a call: destination, source or root)
 /// names a rank of a group of `world`.
-pub(crate) fn check_rank(op: &'static str, role: &str, rank: usize, world: usize) -> Result<(), CommError> {
+pub fn check_rank(op: &'static str, role: &str, rank: usize, world: usize) -> Result<(), CommError> {
     if rank < world {
         Ok(())
     } else {
@@ -186,7 +185,7 @@ pub(crate) fn check_rank(op: &'static str, role: &str, rank: usize, world: usize
 }
 
 /// The error of a receive whose buffer does not have the length of the message.
-pub(crate) fn recv_length_error(src: usize, tag: u32, sent: usize, buf: usize) -> CommError {
+pub fn recv_length_error(src: usize, tag: u32, sent: usize, buf: usize) -> CommError {
     CommError::BadLength {
         op: "recv",
         detail: format!("rank {src} sent {sent} elements under tag {tag} but the receive buffer holds {buf}"),
@@ -194,7 +193,7 @@ pub(crate) fn recv_length_error(src: usize, tag: u32, sent: usize, buf: usize) -
 }
 
 /// Checks the lengths of a reduce-scatter or all-gather: `big = W · small`.
-pub(crate) fn check_blocks(op: &'static str, big: usize, small: usize, world: usize) -> Result<(), CommError> {
+pub fn check_blocks(op: &'static str, big: usize, small: usize, world: usize) -> Result<(), CommError> {
     if big == small * world {
         Ok(())
     } else {

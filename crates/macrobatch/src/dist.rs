@@ -169,7 +169,7 @@ pub fn detect(threads_world: usize) -> Result<Backend> {
 /// Connects to MPI (feature `mpi`).
 #[cfg(feature = "mpi")]
 pub fn mpi_comm(timeout: Duration) -> Result<Box<dyn comm::Communicator>> {
-    Ok(Box::new(comm::mpi_backend::MpiComm::init(timeout).context("cannot start MPI")?))
+    Ok(Box::new(comm_mpi::MpiComm::init(timeout).context("cannot start MPI")?))
 }
 
 /// Without the feature there is no MPI to connect to ([`detect`] refuses first).
@@ -184,7 +184,9 @@ pub fn mpi_comm(_timeout: Duration) -> Result<Box<dyn comm::Communicator>> {
 /// the disk is full after `bytes=N` more bytes), `slow_checkpoint` (the
 /// checkpoint of step S takes `secs=X` longer), `nan` (the parameters saved
 /// at step S hold a NaN), `oom` (step S allocates `bytes=N` more bytes than
-/// the memory limit lets it: the out-of-memory report).
+/// the memory limit lets it: the out-of-memory report), `slow_load` (loading
+/// the model takes `secs=X` longer, announced on stderr once the signal
+/// handlers are in place).
 #[derive(Debug, Clone, Copy)]
 pub struct Fault {
     rank: usize,
@@ -204,6 +206,7 @@ enum FaultKind {
     SlowCheckpoint,
     Nan,
     Oom,
+    SlowLoad,
 }
 
 impl Fault {
@@ -229,8 +232,9 @@ impl Fault {
                         "slow_checkpoint" => FaultKind::SlowCheckpoint,
                         "nan" => FaultKind::Nan,
                         "oom" => FaultKind::Oom,
+                        "slow_load" => FaultKind::SlowLoad,
                         other => bail!(
-                            "MACROBATCH_FAULT kind `{other}`: use panic, error, stall, kill, enospc, slow_checkpoint, nan or oom"
+                            "MACROBATCH_FAULT kind `{other}`: use panic, error, stall, kill, enospc, slow_checkpoint, nan, oom or slow_load"
                         ),
                     }
                 }
@@ -247,7 +251,7 @@ impl Fault {
         }
         match self.kind {
             FaultKind::Enospc => gpt::hf::set_write_budget(Some(self.bytes)),
-            FaultKind::SlowCheckpoint | FaultKind::Nan => {}
+            FaultKind::SlowCheckpoint | FaultKind::Nan | FaultKind::SlowLoad => {}
             FaultKind::Panic => panic!("injected fault: rank {rank} panics at step {step}"),
             FaultKind::Error => bail!("injected fault: rank {rank} fails at step {step}"),
             // An infallible allocation, as the kernels' buffers are.
@@ -263,6 +267,11 @@ impl Fault {
             }
         }
         Ok(())
+    }
+
+    /// Extra time loading the model takes (before the first step).
+    pub fn load_delay(&self) -> Option<Duration> {
+        (self.kind == FaultKind::SlowLoad).then(|| Duration::from_secs_f64(self.secs))
     }
 
     /// Extra time the checkpoint of `step` takes on `rank`.

@@ -23,8 +23,8 @@
 //! `MPI_Init` (the world's, or a sub-communicator that outlives it) finalises
 //! MPI. An abort or a timeout in any communicator aborts the whole job.
 
-use crate::launcher::launcher_world_size;
-use crate::{check_blocks, check_rank, recv_length_error, CommCounters, CommError, Communicator};
+use comm::launcher::launcher_world_size;
+use comm::{check_blocks, check_rank, recv_length_error, CommCounters, CommError, Communicator};
 use mpi::collective::SystemOperation;
 use mpi::datatype::Equivalence;
 use mpi::environment::Universe;

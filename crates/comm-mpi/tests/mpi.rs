@@ -6,8 +6,8 @@
 //! runs the scenario the environment names.
 
 use comm::launcher::launcher_rank;
-use comm::mpi_backend::MpiComm;
 use comm::{CommError, Communicator};
+use comm_mpi::MpiComm;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
