@@ -55,8 +55,9 @@ impl PairDataset {
         for line in json_lines(path, text) {
             let (at, v) = line?;
             let side = |reply: &str| -> Result<Example, DataError> {
-                let record = parse_record(&at, &completion_line(&at, &v, reply)?, Schema::PromptCompletion)?;
-                example_of(&at, tok, record)
+                let record = parse_record(&at, &completion_line(&at, &v, reply)?, Schema::PromptCompletion)
+                    .map_err(|e| named_as(e, reply))?;
+                example_of(&at, tok, record, opts.max_len)
             };
             let (mut chosen, mut rejected) = (side("chosen")?, side("rejected")?);
             let chat = v.get("prompt").is_some_and(Value::is_array);
@@ -167,6 +168,17 @@ fn completion_line(at: &crate::schemas::Line<'_>, v: &Value, reply: &str) -> Res
     m.insert("prompt".into(), v["prompt"].clone());
     m.insert("completion".into(), v[reply].clone());
     Ok(Value::Object(m))
+}
+
+/// An error about the `"completion"` a preference side stands for, naming
+/// the line's own key for it, `reply` (`"chosen"` or `"rejected"`).
+fn named_as(e: DataError, reply: &str) -> DataError {
+    let rename = |problem: String| problem.replace("\"completion\"", &format!("\"{reply}\""));
+    match e {
+        DataError::BadExample { path, line, problem } => DataError::BadExample { path, line, problem: rename(problem) },
+        DataError::NoTargets { path, line, problem } => DataError::NoTargets { path, line, problem: rename(problem) },
+        e => e,
+    }
 }
 
 #[cfg(test)]

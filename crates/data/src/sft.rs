@@ -170,11 +170,17 @@ fn push_eos(tok: &Tokenizer, tokens: &mut Vec<u32>) {
 }
 
 /// A `text` example: all tokens after the first, and an appended EOS.
-fn text_example(at: &Line<'_>, tok: &Tokenizer, text: &str) -> Result<Example, DataError> {
+/// With a length cut `cap`, only the text's first `cap + 2` tokens are made
+/// (the cut keeps `cap + 1`; one more marks the example as cut), so a huge
+/// line costs what its head does.
+fn text_example(at: &Line<'_>, tok: &Tokenizer, text: &str, cap: Option<usize>) -> Result<Example, DataError> {
     if text.is_empty() {
         return Err(at.no_targets("\"text\" is empty"));
     }
-    let mut tokens = tok.encode(text)?;
+    let mut tokens = match cap {
+        Some(cap) => tok.encode_prefix(text, cap.saturating_add(2))?,
+        None => tok.encode(text)?,
+    };
     push_eos(tok, &mut tokens);
     if tokens.len() < 2 {
         return Err(at.no_targets("\"text\" is a single token and the tokenizer has no EOS: nothing to predict"));
@@ -271,9 +277,14 @@ pub(crate) fn check_kept(
 }
 
 /// The example a line's record becomes.
-pub(crate) fn example_of(at: &Line<'_>, tok: &Tokenizer, record: Record) -> Result<Example, DataError> {
+pub(crate) fn example_of(
+    at: &Line<'_>,
+    tok: &Tokenizer,
+    record: Record,
+    cap: Option<usize>,
+) -> Result<Example, DataError> {
     match record {
-        Record::Text(text) => text_example(at, tok, &text),
+        Record::Text(text) => text_example(at, tok, &text, cap),
         Record::Chat { messages, trained_from } => chat_example(at, tok, &messages, trained_from),
         Record::Completion { prompt, completion } => completion_example(at, tok, &prompt, &completion),
     }
@@ -392,7 +403,7 @@ impl SftDataset {
             let (at, v) = row?;
             let record = parse_record(&at, &v, schema)?;
             let chat = matches!(record, Record::Chat { .. });
-            let mut ex = example_of(&at, tok, record)?;
+            let mut ex = example_of(&at, tok, record, cap)?;
             let truncated = cap.is_some_and(|c| ex.n_positions() > c);
             let origin = Origin { line: at.line, chat, truncated };
             if let Some(cap) = cap.filter(|_| truncated) {

@@ -80,6 +80,41 @@ impl Tokenizer {
         }
     }
 
+    /// The first `n` ids of [`Self::encode`]`(text)` (all of them when there
+    /// are fewer), tokenizing only a prefix of a long text: a line of 50 MB
+    /// cut to a few thousand positions costs what its first kilobytes do.
+    ///
+    /// The prefix ends before a whitespace that follows a non-whitespace
+    /// character, where the pre-tokenizers we load (byte-level GPT-2 and
+    /// Llama 3 patterns, SentencePiece's metaspace) start a new piece, so
+    /// the ids before the cut are the whole text's. That is checked, not
+    /// assumed: a second prefix half as long again must give the same first
+    /// `n` ids, else the whole text is encoded.
+    pub fn encode_prefix(&self, text: &str, n: usize) -> Result<Vec<u32>, DataError> {
+        // Bytes that surely hold n + 8 tokens for any vocabulary we load
+        // (a token of over 16 bytes is rare), doubled while they do not.
+        let mut want = n.saturating_add(8).saturating_mul(16).max(4096);
+        while want < text.len() {
+            let Some(cut) = piece_start_at_or_after(text, want) else { break };
+            let ids = self.encode(&text[..cut])?;
+            if ids.len() >= n + 8 {
+                let check = piece_start_at_or_after(text, cut + cut / 2);
+                let again = match check {
+                    Some(c) => self.encode(&text[..c])?,
+                    None => self.encode(text)?,
+                };
+                if again.len() >= n && again[..n] == ids[..n] {
+                    return Ok(ids[..n].to_vec());
+                }
+                break;
+            }
+            want = want.saturating_mul(2);
+        }
+        let mut ids = self.encode(text)?;
+        ids.truncate(n);
+        Ok(ids)
+    }
+
     /// Ids to text, special tokens included.
     pub fn decode(&self, ids: &[u32]) -> Result<String, DataError> {
         match self {
@@ -227,6 +262,25 @@ impl ByteTokenizer {
         let bytes: Vec<u8> = tokens.iter().filter_map(|&t| u8::try_from(t).ok()).collect();
         String::from_utf8_lossy(&bytes).into_owned()
     }
+}
+
+/// The first byte offset at or after `from` (less than `text.len()`) where
+/// a whitespace character follows a non-whitespace one: a place where a
+/// word ends, so a prefix cut there keeps every piece before it whole.
+fn piece_start_at_or_after(text: &str, from: usize) -> Option<usize> {
+    let mut at = from.max(1);
+    while at < text.len() && !text.is_char_boundary(at) {
+        at += 1;
+    }
+    let mut prev_ws = text[..at].chars().next_back().is_none_or(char::is_whitespace);
+    for (i, c) in text[at..].char_indices() {
+        let ws = c.is_whitespace();
+        if ws && !prev_ws {
+            return Some(at + i);
+        }
+        prev_ws = ws;
+    }
+    None
 }
 
 #[cfg(test)]

@@ -254,3 +254,27 @@ fn smollm2_sft_trains_only_the_assistant_replies() {
         assert_eq!(got, want);
     }
 }
+
+/// `encode_prefix` gives the whole text's first n ids while tokenizing a
+/// prefix: GPT-2 (and SmolLM2 where its file is present) over Moby-Dick,
+/// as one long line, with every kind of cut place (mid-paragraph, runs of
+/// blank lines, punctuation), for n from 1 to past the text's end.
+#[test]
+fn encode_prefix_is_the_whole_texts_first_ids() {
+    let text = moby_dick();
+    let mut toks = vec![("gpt2", Tokenizer::gpt2().unwrap())];
+    if let Some(path) = smollm2_or_skip("encode_prefix_is_the_whole_texts_first_ids") {
+        toks.push(("smollm2", Tokenizer::from_gguf(&path).unwrap()));
+    }
+    // The same text with newlines as spaces: one long JSONL-like line.
+    let one_line = text.replace('\n', " ");
+    for (name, tok) in &toks {
+        for t in [&text[..200_000], &one_line[..200_000], "no-space-at-all-".repeat(2000).as_str(), "short text"] {
+            let whole = tok.encode(t).unwrap();
+            for n in [1, 2, 63, 64, 65, 255, 1000, 4097, whole.len() - 1, whole.len(), whole.len() + 5] {
+                let got = tok.encode_prefix(t, n).unwrap();
+                assert_eq!(got[..], whole[..n.min(whole.len())], "{name}: n = {n}, text of {} bytes", t.len());
+            }
+        }
+    }
+}
