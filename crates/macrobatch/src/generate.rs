@@ -1,6 +1,7 @@
 //! `macrobatch generate`: sample from a saved model (a run folder, a
 //! Hugging Face folder or a GGUF file) with its own tokenizer; `--chat`
-//! answers the prompt as the assistant through the chat template.
+//! answers the prompt as the assistant through the chat template. Either
+//! stops at the model's end-of-sequence token (`--ignore-eos`: never).
 //!
 //! The model keeps a key/value cache (unless `--no-kv-cache`): the prompt
 //! runs once, then each step runs the new token only. Once the sequence is
@@ -9,7 +10,7 @@
 //! recomputes that window.
 
 use crate::family::{self, Build};
-use crate::saved::{argmax, chat_prompt, extend, point_to_checkpoints, tokenizer_of, turn_ends};
+use crate::saved::{argmax, chat_prompt, eos_ids, extend, point_to_checkpoints, tokenizer_of, turn_ends};
 use crate::GenerateArgs;
 use anyhow::{bail, Context, Result};
 use data::{Message, Role};
@@ -56,7 +57,19 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if !args.no_kv_cache {
         model.set_kv_cache((tokens.len() + args.max_new_tokens).min(context))?;
     }
-    let stops = if args.chat { turn_ends(&tok) } else { Vec::new() };
+    // Plain text stops at the model's end of sequence, as transformers'
+    // `generate` and llama.cpp do; a chat also at the end of a turn.
+    let mut stops = eos_ids(&args.dir, &tok)?;
+    if args.chat {
+        for t in turn_ends(&tok) {
+            if !stops.contains(&t) {
+                stops.push(t);
+            }
+        }
+    }
+    if args.ignore_eos {
+        stops.clear();
+    }
     let mut rng = SplitMix64::new(args.seed);
     let mut out = std::io::stdout().lock();
     if !args.chat {

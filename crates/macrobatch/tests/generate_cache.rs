@@ -46,3 +46,37 @@ fn cached_chat_answers_as_uncached_on_smollm2() {
     assert_eq!(with, without);
     assert!(with.split_whitespace().count() >= 5, "{with}");
 }
+
+/// Plain generation stops before the model's end-of-sequence token, as
+/// transformers' `generate` does: `generation_config.json`'s eos_token_id
+/// (here a list, of which one id is a byte the model emits), else
+/// `config.json`'s; `--ignore-eos` runs on to `--max-new-tokens`.
+#[test]
+fn plain_generation_stops_at_the_eos_token() {
+    let out = tmp("gen-eos");
+    train_ok(&out, &tiny(&["train.steps=4"]));
+    let prompt = "Call me Ishmael.";
+    let args = ["--prompt", prompt, "--max-new-tokens", "24", "--temperature", "0"];
+    let (free, _) = generate(&out, &args, true);
+    // The byte tokenizer has no EOS and the byte-level config.json none.
+    let new = free.strip_prefix(prompt).unwrap().trim_end_matches('\n');
+    // A byte the model emits first after its third: where an EOS must stop it.
+    let (cut, eos) = new.char_indices().skip(3).find(|&(i, c)| c.is_ascii() && !new[..i].contains(c)).unwrap();
+    let (eos, stop) = (eos as u32, &new[..cut]);
+    let json = format!("{{\"eos_token_id\": [60000, {eos}]}}");
+    std::fs::write(out.join("generation_config.json"), &json).unwrap();
+    for cached in [true, false] {
+        let (stopped, _) = generate(&out, &args, cached);
+        assert_eq!(stopped, format!("{prompt}{stop}\n"), "eos {eos}, cached {cached}");
+    }
+    let (ignored, _) = generate(&out, &[&args[..], &["--ignore-eos"]].concat(), true);
+    assert_eq!(ignored, free);
+    // Without generation_config.json, config.json's id.
+    std::fs::remove_file(out.join("generation_config.json")).unwrap();
+    let path = out.join("config.json");
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["eos_token_id"] = eos.into();
+    std::fs::write(&path, config.to_string()).unwrap();
+    assert_eq!(generate(&out, &args, true).0, format!("{prompt}{stop}\n"));
+    std::fs::remove_dir_all(&out).unwrap();
+}
