@@ -34,7 +34,7 @@
 //! at build time. The checksum comes from the `crc32c` crate.
 
 use crate::metrics::StepRecord;
-use anyhow::{Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use serde_json::Value;
 use std::fs::File;
 use std::io::Write;
@@ -209,6 +209,45 @@ fn new_file_name(dir: &Path) -> Result<String> {
         }
     }
     Ok(format!("{FILE_PREFIX}{secs}.{}.{}.v2", hostname(), std::process::id()))
+}
+
+/// Refuses a `--tensorboard` folder that cannot be one before anything
+/// runs: the path or a folder above it is a file, or the nearest folder
+/// that exists cannot be written (probed with a file created and removed
+/// there). Otherwise the run would fail only at its first recorded step and
+/// leave a folder that holds a checkpoint-less half-run.
+pub fn check_writable(dir: &Path) -> Result<()> {
+    let fix =
+        "name a folder that can be created and written (or leave --tensorboard out for the run folder's tensorboard/)";
+    let mut at = Some(dir);
+    while let Some(p) = at {
+        match std::fs::metadata(p) {
+            Ok(m) if m.is_dir() => {
+                let probe = p.join(format!(".macrobatch-write-probe-{}", std::process::id()));
+                return match File::options().write(true).create_new(true).open(&probe) {
+                    Ok(_) => {
+                        let _ = std::fs::remove_file(&probe);
+                        Ok(())
+                    }
+                    Err(e) => {
+                        Err(anyhow!("--tensorboard {}: cannot write into {} ({e}); {fix}", dir.display(), p.display()))
+                    }
+                };
+            }
+            Ok(_) => bail!("--tensorboard {}: {} is a file, not a folder; {fix}", dir.display(), p.display()),
+            // Absent, or below a file (ENOTDIR): the folder above says which.
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory) => {
+                at = p.parent().filter(|q| !q.as_os_str().is_empty())
+            }
+            Err(e) => bail!("--tensorboard {}: cannot read {} ({e}); {fix}", dir.display(), p.display()),
+        }
+    }
+    // A relative path whose every component is new goes into the working
+    // folder.
+    if dir == Path::new(".") {
+        bail!("--tensorboard {}: the working folder cannot be read; {fix}", dir.display());
+    }
+    check_writable(Path::new("."))
 }
 
 /// One event file, written record by record.

@@ -316,3 +316,23 @@ fn the_flag_names_the_folder_and_turns_the_log_on_and_the_default_is_off() {
         let _ = std::fs::remove_dir_all(d);
     }
 }
+
+#[test]
+fn a_tensorboard_path_that_cannot_be_a_folder_is_refused_before_the_first_step() {
+    // Onto a file, and below one: refused with exit 2 before the run folder
+    // exists, so nothing is left to clean up or resume.
+    let file = tmp("tensorboard-onto-file");
+    std::fs::write(&file, "mine\n").unwrap();
+    for (target, needle) in [(file.clone(), "is a file, not a folder"), (file.join("logs"), "is a file, not a folder")]
+    {
+        let run = tmp("tensorboard-refused-run");
+        let mut c = bin();
+        c.arg("train").arg("--out").arg(&run).arg("--tensorboard").arg(&target);
+        with_sets(&mut c, &tiny(&["train.steps=2"]));
+        let err = fails(&c.output().unwrap(), needle);
+        assert!(err.contains("--tensorboard"), "{err}");
+        assert!(!run.exists(), "refused before the run folder was made: {err}");
+    }
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "mine\n", "the user's file is untouched");
+    let _ = std::fs::remove_file(file);
+}
