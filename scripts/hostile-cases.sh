@@ -63,3 +63,68 @@ pid=$!
 until [[ -s run5/metrics.jsonl ]]; do sleep 0.1; done
 truncate -s 4096 tok/train.bin
 wait "$pid"; show $? err.txt
+
+echo "== 6. a file prepare wrote, data.format forgotten (train must read tokens, as eval does)"
+rm -rf run6 run6u
+"$bin" train "${tiny[@]}" --set data.path=tok/train.bin --set data.val_path=tok/val.bin --set train.steps=2 --out run6 2>err.txt; show $? err.txt
+"$bin" train "${tiny[@]}" --set data.format=u16 --set data.path=tok/train.bin --set data.val_path=tok/val.bin --set train.steps=2 --out run6u 2>/dev/null
+cmp -s <(grep -o '"loss":[^,]*' run6/metrics.jsonl) <(grep -o '"loss":[^,]*' run6u/metrics.jsonl) \
+  && echo "  losses equal to data.format = u16's" || echo "  LOSSES DIFFER from data.format = u16's"
+grep -m1 '^note' err.txt | cut -c1-200 | sed 's/^/  /'
+
+echo "== 7. export RUN --out PARENT --force (PARENT holds the run, its siblings and the user's files)"
+rm -rf par && mkdir -p par && echo mine > par/notes.txt
+"$bin" train "${tiny[@]}" --set train.steps=1 --out par/run 2>/dev/null
+"$bin" train "${tiny[@]}" --set train.steps=1 --out par/sibling 2>/dev/null
+"$bin" export par/run --format hf --out par --force 2>err.txt; show $? err.txt
+echo "  left in par: $(ls par | tr '\n' ' ')"
+
+echo "== 8. two exports to one path at once, then a second one without --force"
+rm -f race.gguf
+"$bin" export par/run --format gguf --out race.gguf 2>err1.txt & a=$!
+"$bin" export par/run --format gguf --out race.gguf 2>err2.txt & b=$!
+wait $a; ca=$?; wait $b; cb=$?
+echo "  exits $ca and $cb"; show $ca err1.txt; show $cb err2.txt
+before=$(sha256sum < race.gguf)
+"$bin" export par/sibling --format gguf --out race.gguf 2>err.txt; show $? err.txt
+[[ "$before" == "$(sha256sum < race.gguf)" ]] && echo "  race.gguf unchanged" || echo "  RACE.GGUF REPLACED"
+ls -a . | grep -E '\.part|\.lock' | sed 's/^/  left over: /'
+
+echo "== 9. --out on a folder with a run_id that is not ours, beside the user's files"
+rm -rf rid && mkdir rid && echo "experiment 7" > rid/run_id && echo '{"mine":1}' > rid/tokenizer.json && echo '{}' > rid/memory.json
+"$bin" train "${tiny[@]}" --set train.steps=1 --out rid 2>err.txt; show $? err.txt
+echo "  contents after: $(cat rid/run_id rid/tokenizer.json rid/memory.json | tr '\n' ' ')"
+
+echo "== 10. fidelity: SmolLM2-135M (the GGUF of scripts/fetch-smollm.sh; skipped without it)"
+gguf="${MACROBATCH_SMOLLM_GGUF:-$("$OLDPWD/scripts/fetch-smollm.sh" 2>/dev/null)}"
+if [[ -s "$gguf" ]]; then
+  printf 'The' > one.txt
+  "$bin" eval "$gguf" --data one.txt --seq-len 1 2>err.txt | grep -m1 -i 'loss' | sed 's/^/  eval --seq-len 1 on one token: /'
+  echo "  (transformers in f64: 13.6698133 for this token, per the independent check)"
+  "$bin" generate "$gguf" --prompt "<|im_start|>user
+What is 2+2?<|im_end|>
+<|im_start|>assistant
+" --max-new-tokens 60 >gen.txt 2>err.txt; code=$?
+  echo "  generate without --chat: exit $code, $(wc -c <gen.txt) bytes; past <|im_end|>: $(grep -c 'im_start' gen.txt) new turn(s)"
+else
+  echo "  no SmolLM2 GGUF (run scripts/fetch-smollm.sh): skipped"
+fi
+
+echo "== 11. a run started from a model folder records the folder's shape, not a preset"
+rm -rf run11
+"$bin" train "${tiny[@]}" --init-from par/run --set train.steps=1 --out run11 2>err.txt; show $? err.txt
+echo "  config.resolved.toml: $(grep -E '^(preset|n_layer|n_embd) ' run11/config.resolved.toml | tr '\n' ' ')"
+
+echo "== 12. one 50 MB JSONL line, cut to data.seq_len = 32 (GPT-2's BPE): seconds and peak RSS"
+python3 -c "
+import json, random
+random.seed(0)
+words = open('$OLDPWD/data/moby-dick.txt').read().split()
+text = ' '.join(words[i % len(words)] for i in range(9_000_000))[:50_000_000]
+open('huge.jsonl', 'w').write(json.dumps({'text': text}) + '\n' + ''.join(json.dumps({'text': f'short line {i}'}) + '\n' for i in range(19)))
+"
+rm -rf run12
+start=$SECONDS
+/usr/bin/time -f "%M" -o rss.txt "$bin" train "${tiny[@]}" --set data.format=jsonl --set data.path=huge.jsonl \
+  --set model.vocab_size=50257 --set data.tokenizer=gpt2 --set data.seq_len=32 --set train.steps=1 --out run12 2>err.txt; code=$?
+echo "  exit $code in $((SECONDS - start)) s, peak RSS $(rss_mib) MiB; $(grep -m1 'cut to' err.txt | cut -c1-160)"

@@ -4,7 +4,7 @@
 //! override its base's, tables merge recursively, any other value (arrays
 //! included) is replaced whole. `--set` overrides apply after the merge.
 
-use crate::{parse_table, ConfigError};
+use crate::{parse_table, Config, ConfigError};
 use std::path::{Path, PathBuf};
 
 /// The key naming a base file.
@@ -19,9 +19,36 @@ pub fn read_toml(path: &Path) -> Result<String, ConfigError> {
     if !table.contains_key(KEY) {
         return Ok(text);
     }
-    let merged = resolve(path, table, &mut Vec::new())?;
+    let mut files = vec![(path.to_path_buf(), text.clone())];
+    let merged = resolve(path, table, &mut Vec::new(), &mut files)?;
+    // The merged document's lines are no file's: an unknown key is reported
+    // in the file where it is written, at its line there.
+    if toml::Value::Table(merged.clone()).try_into::<Config>().is_err() {
+        if let Some(e) = files.iter().find_map(|(file, text)| unknown_key(file, text)) {
+            return Err(e);
+        }
+    }
     toml::to_string(&merged)
         .map_err(|e| ConfigError::Parse { origin: path.display().to_string(), message: e.to_string() })
+}
+
+/// The error of an unknown key in `text` (the file `path`) read on its own,
+/// `extends` aside (blanked, so lines and columns stay the file's).
+fn unknown_key(path: &Path, text: &str) -> Option<ConfigError> {
+    let mut own = text.to_string();
+    if let Ok(doc) = toml::de::DeTable::parse(text) {
+        if let Some((key, value)) = doc.get_ref().iter().find(|(k, _)| k.get_ref().as_ref() == KEY) {
+            let span = key.span().start..value.span().end;
+            let blank: String = text[span.clone()].chars().map(|c| if c == '\n' { c } else { ' ' }).collect();
+            own.replace_range(span, &blank);
+        }
+    }
+    match toml::from_str::<Config>(&own) {
+        Err(e) if e.message().starts_with("unknown field") => {
+            Some(ConfigError::Parse { origin: path.display().to_string(), message: e.to_string() })
+        }
+        _ => None,
+    }
 }
 
 /// The text of `path`; `named_by` is the file whose `extends` names it.
@@ -35,8 +62,14 @@ fn read(path: &Path, named_by: Option<&Path>) -> Result<String, ConfigError> {
 }
 
 /// `table` (read from `path`) over the tables it extends; `chain` holds the
-/// files that led here, outermost first.
-fn resolve(path: &Path, mut table: toml::Table, chain: &mut Vec<PathBuf>) -> Result<toml::Table, ConfigError> {
+/// files that led here, outermost first; each base read is added to `files`
+/// with its text.
+fn resolve(
+    path: &Path,
+    mut table: toml::Table,
+    chain: &mut Vec<PathBuf>,
+    files: &mut Vec<(PathBuf, String)>,
+) -> Result<toml::Table, ConfigError> {
     let origin = path.display().to_string();
     // Files are told apart by their canonical paths (`a/../b.toml` is `b.toml`).
     let id = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
@@ -60,7 +93,8 @@ fn resolve(path: &Path, mut table: toml::Table, chain: &mut Vec<PathBuf>) -> Res
     let base_path = path.parent().unwrap_or(Path::new("")).join(&base);
     let base_text = read(&base_path, Some(path))?;
     let base_table = parse_table(&base_text, &base_path.display().to_string())?;
-    let mut merged = resolve(&base_path, base_table, chain)?;
+    files.push((base_path.clone(), base_text));
+    let mut merged = resolve(&base_path, base_table, chain, files)?;
     merge(&mut merged, table);
     Ok(merged)
 }
@@ -129,6 +163,26 @@ mod tests {
         // a file without `extends` is its own text, lines and all
         let b_text = std::fs::read_to_string(dir.join("bases/common/c.toml")).unwrap();
         assert_eq!(read_toml(&dir.join("bases/common/c.toml")).unwrap(), b_text);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A typo in a base is reported in the base, at its line there (not
+    /// against the extending file and a line of the merged document); a
+    /// typo in the extending file, at its own line, `extends` included.
+    #[test]
+    fn an_unknown_key_is_reported_in_the_file_and_line_that_write_it() {
+        let dir = folder("typo");
+        std::fs::write(dir.join("base.toml"), "[model]\nn_layer = 2\n\n[train]\nseed = 3\nstpes = 5\n").unwrap();
+        std::fs::write(dir.join("run.toml"), "extends = \"base.toml\"\n[optim]\nlr = 0.1\n").unwrap();
+        let e = load(&dir.join("run.toml"), &[]).unwrap_err().to_string();
+        let base = dir.join("base.toml").display().to_string();
+        assert!(e.starts_with(&format!("{base}: ")), "{e}");
+        assert!(e.contains("line 6") && e.contains("unknown field `stpes`"), "{e}");
+        std::fs::write(dir.join("base.toml"), "[train]\nseed = 3\n").unwrap();
+        std::fs::write(dir.join("run.toml"), "extends = \"base.toml\"\n[optim]\nlr = 0.1\nbeta = 0.9\n").unwrap();
+        let e = load(&dir.join("run.toml"), &[]).unwrap_err().to_string();
+        let run = dir.join("run.toml").display().to_string();
+        assert!(e.starts_with(&format!("{run}: ")) && e.contains("line 4") && e.contains("`beta`"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

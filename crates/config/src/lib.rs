@@ -203,14 +203,23 @@ impl Default for DistConfig {
 /// `[model]`: a family, a preset, and the family's own keys (single
 /// dimensions overridden, e.g. `n_layer = 4`). The family parses and checks
 /// those keys itself (an unknown key or one the family does not have is its
-/// error), so this crate knows no model family.
+/// error), so this crate knows no model family. A shape taken whole from a
+/// pretrained model (`train --init-from`) names that model as its `source`
+/// and no preset.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ModelConfig {
     /// The family: Hugging Face's `model_type` (`gpt2`, `llama`, `qwen2`).
     pub family: String,
-    /// One of the family's presets (`macrobatch plan --help` lists them).
-    pub preset: String,
+    /// One of the family's presets (`macrobatch plan --help` lists them);
+    /// none when the shape was pinned from a model (`source`): the keys are
+    /// that model's, and the family starts from its default preset.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub preset: Option<String>,
+    /// The pretrained model (folder or GGUF file) whose shape the keys are,
+    /// recorded by `--init-from`; a record only: nothing is loaded from it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
     /// The family's keys, as written.
     #[serde(flatten)]
     pub shape: toml::Table,
@@ -218,9 +227,36 @@ pub struct ModelConfig {
 
 impl Default for ModelConfig {
     fn default() -> Self {
-        Self { family: DEFAULT_FAMILY.into(), preset: "tiny".into(), shape: toml::Table::new() }
+        Self {
+            family: DEFAULT_FAMILY.into(),
+            preset: Some(DEFAULT_PRESET.into()),
+            source: None,
+            shape: toml::Table::new(),
+        }
     }
 }
+
+impl ModelConfig {
+    /// The preset the family's keys override: `preset`, else the default
+    /// (always the default under a `source`, whose keys are the whole shape).
+    pub fn base_preset(&self) -> &str {
+        match self.source {
+            Some(_) => DEFAULT_PRESET,
+            None => self.preset.as_deref().unwrap_or(DEFAULT_PRESET),
+        }
+    }
+
+    /// The shape's name for people: its source, else its preset.
+    pub fn label(&self) -> String {
+        match &self.source {
+            Some(s) => format!("from {s}"),
+            None => self.base_preset().to_string(),
+        }
+    }
+}
+
+/// The preset `[model]` means when it names none.
+pub const DEFAULT_PRESET: &str = "tiny";
 
 /// The family `[model]` means when it names none.
 pub const DEFAULT_FAMILY: &str = "gpt2";
@@ -391,19 +427,33 @@ impl BatchConfig {
             return Err(ConfigError::Batch("world_size must be at least 1".into()));
         }
         let given = |g: Option<usize>, m: Option<usize>| [g, m, k].iter().filter(|x| x.is_some()).count();
+        // A default the user never wrote is named as one in every error.
+        let (mut g_default, mut m_default) = (false, false);
         if given(g, m) < 2 && g.is_none() {
-            g = Some(DEFAULT_GLOBAL_BATCH);
+            (g, g_default) = (Some(DEFAULT_GLOBAL_BATCH), true);
         }
         if given(g, m) < 2 && m.is_none() {
-            m = Some(DEFAULT_MICRO_BATCH);
+            (m, m_default) = (Some(DEFAULT_MICRO_BATCH), true);
         }
-        let show = |v: Option<usize>| v.map_or("?".to_string(), |v| v.to_string());
+        let show = |v: Option<usize>, default: bool, key: &str| match (v, default) {
+            (None, _) => "?".to_string(),
+            (Some(v), true) => format!("{v} (the default: {key} unset)"),
+            (Some(v), false) => v.to_string(),
+        };
         let numbers = format!(
             "global = {}, micro = {}, accumulation_steps = {}, world_size = {world_size}",
-            show(g),
-            show(m),
-            show(k)
+            show(g, g_default, "batch.global"),
+            show(m, m_default, "batch.micro"),
+            show(k, false, "batch.accumulation_steps")
         );
+        // What to set when a default is what does not divide.
+        let fix = match (g_default, m_default) {
+            (_, true) => {
+                " — set batch.micro (or batch.accumulation_steps) so that it divides batch.global / world_size"
+            }
+            (true, _) => " — set batch.global to a multiple of batch.micro × world_size",
+            _ => "",
+        };
         // Products of user-given numbers can overflow: checked, and an error that names them.
         let overflow = |what: &str| {
             ConfigError::Batch(format!(
@@ -430,7 +480,7 @@ impl BatchConfig {
                 let mw = product(m, world_size, "micro × world_size")?;
                 if g % mw != 0 {
                     return Err(ConfigError::Batch(format!(
-                        "{numbers}: global {g} is not divisible by micro × world_size = {mw}; the rule is {rule}",
+                        "{numbers}: global {g} is not divisible by micro × world_size = {mw}; the rule is {rule}{fix}",
                     )));
                 }
                 (g, m, g / mw)
@@ -1141,7 +1191,7 @@ mod tests {
         assert_eq!(c.batch.micro, Some(Micro::Sequences(4)));
         assert_eq!(c.data.path.as_deref(), Some("foo.txt"));
         assert_eq!(c.optim.lr, 1e-3);
-        assert_eq!(c.model.preset, "tiny");
+        assert_eq!(c.model.preset.as_deref(), Some("tiny"));
         c.validate().unwrap();
         // The resolved file parses back to the same config.
         assert_eq!(parse(&c.to_toml(), &[]).unwrap(), c);
@@ -1176,8 +1226,22 @@ mod tests {
             "{e}"
         );
         let e = b(Some(30), Some(4), None).resolve(1).unwrap_err().to_string();
-        assert!(e.contains("not divisible"), "{e}");
+        assert!(e.contains("not divisible") && !e.contains("default"), "{e}");
         assert!(b(Some(0), Some(4), None).resolve(1).unwrap_err().to_string().contains("at least 1"));
+    }
+
+    /// `batch.global = 4` alone: the micro-batch 8 that does not divide it
+    /// is the default, not a number the user wrote; the error says so and
+    /// names the key to set. Likewise the default global under a micro alone.
+    #[test]
+    fn a_defaulted_member_of_the_triple_is_named_as_the_default() {
+        let b =
+            |g, m: Option<usize>, k| BatchConfig { global: g, micro: m.map(Micro::Sequences), accumulation_steps: k };
+        let e = b(Some(4), None, None).resolve(1).unwrap_err().to_string();
+        assert!(e.contains("micro = 8 (the default: batch.micro unset)"), "{e}");
+        assert!(e.contains("set batch.micro"), "{e}");
+        let e = b(None, Some(3), None).resolve(1).unwrap_err().to_string();
+        assert!(e.contains("global = 16 (the default: batch.global unset)") && e.contains("set batch.global"), "{e}");
     }
 
     #[test]

@@ -559,10 +559,11 @@ pub fn parse_section<T: DeserializeOwned>(family: &str, keys: &[&str], table: &t
     toml::Value::Table(table.clone()).try_into().map_err(|e| ModelError::from(format!("[model] for {family}: {e}")))
 }
 
-/// `[model]` pinned to `family`, its preset kept and its keys replaced by
-/// `section` (fields left `None` are omitted).
+/// `[model]` pinned to `family`, its keys replaced by `section` (fields
+/// left `None` are omitted) and its preset dropped: the shape is no preset's.
 pub fn pin_section(m: &mut ModelConfig, family: &str, section: &impl Serialize) {
     m.family = family.to_string();
+    m.preset = None;
     m.shape = toml::Table::try_from(section).unwrap_or_default();
 }
 

@@ -60,7 +60,7 @@ pub struct Gpt2(pub GptConfig);
 impl Gpt2 {
     /// The preset with single dimensions overridden.
     pub fn from_config(m: &ModelConfig) -> Result<Self> {
-        let base = GptConfig::preset(&m.preset).map_err(|e| format!("model.preset: {e}"))?;
+        let base = GptConfig::preset(m.base_preset()).map_err(|e| format!("model.preset: {e}"))?;
         let s: Section = family::parse_section(NAME, KEYS, &m.shape)?;
         let g = GptConfig {
             n_layer: s.n_layer.unwrap_or(base.n_layer),
@@ -287,10 +287,10 @@ mod tests {
 
     #[test]
     fn shape_round_trips_through_the_model_section() {
-        let mut m = ModelConfig { preset: "mini".into(), ..ModelConfig::default() };
+        let mut m = ModelConfig { preset: Some("mini".into()), ..ModelConfig::default() };
         m.shape.insert("n_layer".into(), toml::Value::Integer(3));
         let f = Gpt2::from_config(&m).unwrap_or_else(|e| panic!("{e}"));
-        let mut pinned = ModelConfig { preset: "tiny".into(), ..ModelConfig::default() };
+        let mut pinned = ModelConfig { preset: Some("tiny".into()), ..ModelConfig::default() };
         f.pin_shape(&mut pinned);
         let g = Gpt2::from_config(&pinned).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(f.hf_config(), g.hf_config());

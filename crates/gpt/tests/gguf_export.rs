@@ -6,7 +6,7 @@ use family::{Build, Family, Registration};
 use gguf::{GgmlType, GgufFile};
 
 fn family() -> std::sync::Arc<dyn Family> {
-    let mut m = config::ModelConfig { family: "gpt2".into(), preset: "tiny".into(), ..Default::default() };
+    let mut m = config::ModelConfig { family: "gpt2".into(), preset: Some("tiny".into()), ..Default::default() };
     // 1024 positions, as every released GPT-2: transformers' GGUF reader
     // maps `gpt2.context_length` to `n_ctx`, not to `n_positions`, so it
     // builds 1024 positions whatever the file says (llama.cpp reads it).

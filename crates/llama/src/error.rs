@@ -98,7 +98,7 @@ pub enum LlamaError {
     #[error("parameter store")]
     Store(#[from] engine::EngineError),
     /// Writing a file through the shared atomic writer failed.
-    #[error("writing a checkpoint file")]
+    #[error("writing a file")]
     Write(#[from] nn::io::FileError),
     /// Reading a file failed, or it is malformed.
     #[error(transparent)]

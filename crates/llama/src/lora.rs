@@ -42,7 +42,9 @@ pub struct LoraConfig {
     #[serde(default)]
     pub dropout: f32,
     /// Projections to adapt: `q_proj`, `k_proj`, `v_proj`, `o_proj`,
-    /// `gate_proj`, `up_proj`, `down_proj`, or `all-linear`.
+    /// `gate_proj`, `up_proj`, `down_proj`, or `all-linear` (in a list, or
+    /// alone as a string, as PEFT writes it).
+    #[serde(deserialize_with = "target_modules")]
     pub target_modules: Vec<String>,
     /// rsLoRA (PEFT's `use_rslora`): the update is scaled by α/√r instead of α/r.
     #[serde(default, skip_serializing_if = "is_false")]
@@ -58,6 +60,28 @@ pub struct LoraConfig {
 /// configuration without them serialises as it did before they existed.
 fn is_false(b: &bool) -> bool {
     !*b
+}
+
+/// `target_modules` as a list of names, or PEFT's string form
+/// `"all-linear"` (the same as the list `["all-linear"]`). Any other string
+/// is refused: PEFT reads one as a regular expression over module paths.
+fn target_modules<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Targets {
+        One(String),
+        List(Vec<String>),
+    }
+    match Targets::deserialize(d) {
+        Ok(Targets::List(names)) => Ok(names),
+        Ok(Targets::One(s)) if s == ALL_LINEAR => Ok(vec![s]),
+        Ok(Targets::One(s)) => Err(serde::de::Error::custom(format!(
+            "target_modules = \"{s}\": a string must be \"{ALL_LINEAR}\"; list module names instead, e.g. [\"q_proj\", \"v_proj\"]"
+        ))),
+        Err(_) => Err(serde::de::Error::custom(format!(
+            "target_modules must be a list of module names (e.g. [\"q_proj\", \"v_proj\"]) or \"{ALL_LINEAR}\""
+        ))),
+    }
 }
 
 /// PEFT's `LoraConfig.lora_alpha` default.

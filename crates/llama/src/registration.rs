@@ -250,11 +250,23 @@ impl PackedBase {
             true => Some(Llama::with_packed_layout(cfg.clone(), None)?.layout().clone()),
             false => None,
         };
-        let (base, rest) =
-            frozen::load(cfg, source, self.format, layout).map_err(|e| format!("{}: {e}", source.display()))?;
+        let (base, rest) = frozen::load(cfg, source, self.format, layout)
+            .map_err(|e| format!("{}: {}", source.display(), chain(&e)))?;
         let base = slot.get_or_insert_with(|| Arc::new(base)).clone();
         Ok((base, rest))
     }
+}
+
+/// `e` and every cause below it, joined by `: ` (a file error's cause is
+/// what is wrong in the file).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        text = format!("{text}: {c}");
+        cause = c.source();
+    }
+    text
 }
 
 impl LlamaFamily {
@@ -287,7 +299,7 @@ impl LlamaFamily {
 
     /// The preset with single dimensions overridden.
     fn from_config(dialect: &'static dyn Dialect, m: &ModelConfig, lora: Option<LoraConfig>) -> Result<Self> {
-        let base = dialect.preset(&m.preset).map_err(|e| format!("model.preset: {e}"))?;
+        let base = dialect.preset(m.base_preset()).map_err(|e| format!("model.preset: {e}"))?;
         let s: Section = family::parse_section(dialect.family(), KEYS, &m.shape)?;
         let hidden = s.n_embd.unwrap_or(base.hidden_size);
         let n_head = s.n_head.unwrap_or(base.n_head);
@@ -503,6 +515,24 @@ impl Family for LlamaFamily {
             }
         }
         let cfg = &self.cfg;
+        // A shape the format's blocks do not divide is refused before the
+        // pretrained file is read (a plan without one rounds up the rows).
+        if let (FrozenFormat::Pack(f), Some(source)) = (format, &s.source) {
+            for pr in Proj::ALL {
+                let [rows, cols] = pr.shape(cfg);
+                if !cols.is_multiple_of(f.block()) {
+                    return Err(format!(
+                        "{key} cannot pack {}'s `{}` weights ([{rows}, {cols}]): {} packs each row in blocks of {} values, and {cols} is not a multiple of {}; set train.frozen_dtype = \"bf16\" (or \"f32\") for this model",
+                        source.display(),
+                        pr.name(),
+                        f.name(),
+                        f.block(),
+                        f.block()
+                    )
+                    .into());
+                }
+            }
+        }
         let planned = match format {
             FrozenFormat::Pack(f) => {
                 FrozenBytes { formats: f.name().into(), bytes: FrozenBase::planned_bytes(cfg, |_| f) }
@@ -605,7 +635,7 @@ mod tests {
 
     #[test]
     fn shape_round_trips_through_the_model_section() {
-        let mut m = ModelConfig { family: "llama".into(), preset: "tiny".into(), ..ModelConfig::default() };
+        let mut m = ModelConfig { family: "llama".into(), preset: Some("tiny".into()), ..ModelConfig::default() };
         m.shape.insert("n_layer".into(), toml::Value::Integer(3));
         m.shape.insert("rope_theta".into(), toml::Value::Integer(500000));
         let scaling: toml::Table = toml::from_str(
@@ -618,7 +648,7 @@ mod tests {
         assert_eq!(f.cfg.rope_scaling.map(|s| (s.factor, s.original_max_position_embeddings)), Some((8.0, 64)));
         // (Pinned onto the same preset: a preset's bos_token_id shows through
         // a pinned shape without one, as `[model]` cannot write "none".)
-        let mut pinned = ModelConfig { preset: "tiny".into(), ..ModelConfig::default() };
+        let mut pinned = ModelConfig { preset: Some("tiny".into()), ..ModelConfig::default() };
         f.pin_shape(&mut pinned);
         assert_eq!(pinned.family, "llama");
         let g = LlamaFamily::from_config(&LLAMA, &pinned, None).unwrap_or_else(|e| panic!("{e}"));

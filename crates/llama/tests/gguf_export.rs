@@ -21,7 +21,7 @@ fn ty(id: u32) -> GgmlType {
 
 /// The tiny preset (`tied`: its head is the embedding) with `lora` if given.
 fn family(tied: bool, lora: Option<&str>) -> Arc<dyn Family> {
-    let mut m = config::ModelConfig { family: "llama".into(), preset: "tiny".into(), ..Default::default() };
+    let mut m = config::ModelConfig { family: "llama".into(), preset: Some("tiny".into()), ..Default::default() };
     m.shape.insert("tie_word_embeddings".into(), toml::Value::Boolean(tied));
     let lora: Option<toml::Table> = lora.map(|l| toml::from_str(l).unwrap());
     llama::FAMILY.for_config(&m, lora.as_ref()).unwrap()

@@ -417,7 +417,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let (peak, core) = nominal_peak_gflops(threads);
     let gemm_peak = gemm_peak_gflops();
     let report = Report {
-        preset: plan.cfg.model.preset.clone(),
+        preset: plan.cfg.model.label(),
         n_params: plan.family.n_params() as usize,
         threads,
         seq_len: plan.train.seq_len(),

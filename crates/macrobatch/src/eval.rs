@@ -21,7 +21,7 @@ use crate::saved;
 use crate::EvalArgs;
 use anyhow::{bail, Context, Result};
 use comm::Communicator;
-use data::{Corpus, DataFormat, Samples, SftDataset, SftOptions, TokenDataset, Tokenizer};
+use data::{DataFormat, Samples, SftDataset, SftOptions, TokenDataset, Tokenizer};
 use engine::{FullStore, Model};
 use serde::Serialize;
 use std::path::Path;
@@ -144,12 +144,7 @@ fn load_samples(
             }
             Samples::Examples(ds)
         }
-        DataFormat::Text => {
-            let files = crate::setup::text_files(path)?;
-            let corpus = Corpus::load_files(&name, &files, tok)?;
-            corpus.check_vocab(vocab)?;
-            Samples::Windows(corpus.split_all("eval", seq_len)?)
-        }
+        DataFormat::Text => Samples::Windows(crate::setup::text_corpus(path, tok, vocab)?.split_all("eval", seq_len)?),
         DataFormat::U16 | DataFormat::U32 => {
             let dtype = format.dtype().context("a token format has a width")?;
             let file = data::open_token_file(path, dtype, vocab)?;
@@ -260,6 +255,11 @@ fn exact_match(
 pub fn run(args: EvalArgs) -> Result<()> {
     if args.world_size == 0 || args.micro == Some(0) || args.seq_len == Some(0) {
         bail!("--world-size, --micro and --seq-len must be at least 1");
+    }
+    if args.max_samples == Some(0) {
+        bail!(
+            "--max-samples must be at least 1 (it counts the samples to evaluate); leave it out to evaluate them all"
+        );
     }
     saved::point_to_checkpoints(&args.model)?;
     crate::memory::check_load(&args.model, &format!("eval {}", args.model.display()))

@@ -14,7 +14,9 @@
 //!
 //! Nothing is overwritten without `--force`, and with it the old output is
 //! replaced only once the new one is complete (written beside it, then
-//! renamed over it).
+//! renamed over it), and only when it is an export of ours — never the
+//! model being exported, a folder holding it, or a file or folder of the
+//! user's. One export at a time writes a path (`PATH.lock`).
 
 use crate::family::{self, Build, Family};
 use crate::saved;
@@ -72,9 +74,6 @@ fn check_args(args: &ExportArgs) -> Result<()> {
             args.dtype.name()
         );
     }
-    if crate::folder::same_path(&args.run, &args.out) {
-        bail!("--out {} is the model being exported; choose another path", args.out.display());
-    }
     let out = &args.out;
     match args.format {
         Format::Gguf if out.is_dir() => {
@@ -85,18 +84,212 @@ fn check_args(args: &ExportArgs) -> Result<()> {
         }
         _ => {}
     }
-    if out.exists() && !args.force {
+    check_out(args)
+}
+
+/// Checks that `--out` may be written: it is not the model being exported
+/// nor a folder holding it, and if it exists, `--force` is given and it is
+/// an export of ours outside the model ([`replaceable`]).
+fn check_out(args: &ExportArgs) -> Result<()> {
+    let (out, run) = (&args.out, &args.run);
+    let (out_abs, run_abs) = (resolved(out), resolved(run));
+    if out_abs == run_abs {
+        bail!("--out {} is the model being exported; choose another path", out.display());
+    }
+    if run_abs.starts_with(&out_abs) {
+        bail!(
+            "--out {} holds the model being exported ({}): replacing it would delete the model and everything beside it; choose a new path outside it",
+            out.display(),
+            run.display()
+        );
+    }
+    if !(out.exists() || out.is_symlink()) {
+        return Ok(());
+    }
+    if !args.force {
         bail!(
             "--out {} exists; nothing is overwritten without --force (which replaces it only once the new export is complete), or choose another path",
             out.display()
         );
     }
+    if out_abs.starts_with(&run_abs) {
+        bail!(
+            "--out {} is inside the model being exported ({}): replacing it would change the model being read; choose a new path",
+            out.display(),
+            run.display()
+        );
+    }
+    replaceable(out, args.format)
+}
+
+/// `p` absolute, with links and `..` resolved as far as it exists (the rest
+/// appended as written, `.` and `..` applied), so two spellings of one path
+/// compare equal and a folder is a prefix of what is inside it.
+fn resolved(p: &Path) -> PathBuf {
+    let abs = if p.is_absolute() { p.to_path_buf() } else { std::env::current_dir().unwrap_or_default().join(p) };
+    let mut head = abs.as_path();
+    let mut tail = Vec::new();
+    loop {
+        if let Ok(c) = head.canonicalize() {
+            let mut r = c;
+            for part in tail.iter().rev() {
+                match part {
+                    std::path::Component::ParentDir => {
+                        r.pop();
+                    }
+                    std::path::Component::CurDir => {}
+                    other => r.push(other),
+                }
+            }
+            return r;
+        }
+        match (head.parent(), head.components().next_back()) {
+            (Some(parent), Some(last)) => {
+                tail.push(last);
+                head = parent;
+            }
+            _ => return abs,
+        }
+    }
+}
+
+/// The files an export of ours holds (a Hugging Face folder).
+const EXPORT_FILES: &[&str] = &[
+    family::CONFIG_FILE,
+    family::WEIGHTS_FILE,
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+];
+
+/// Checks that the existing `out` is what `--force` may replace: an empty
+/// folder or one holding only an export of ours (`hf`), or a GGUF file
+/// (`gguf`). Anything else may be the user's, and is never deleted.
+fn replaceable(out: &Path, format: Format) -> Result<()> {
+    let refuse = |what: String| -> Result<()> {
+        bail!(
+            "--out {} is not an export of ours ({what}); --force replaces only a previous export, never what may be yours: choose another --out, or remove {} yourself if nothing in it is needed",
+            out.display(),
+            out.display()
+        )
+    };
+    match format {
+        Format::Gguf => {
+            let mut magic = [0u8; 4];
+            let read = std::fs::File::open(out).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic));
+            if read.is_err() || &magic != b"GGUF" {
+                return refuse("not a GGUF file".into());
+            }
+        }
+        Format::Hf => {
+            let mut names = Vec::new();
+            let mut foreign = Vec::new();
+            for e in std::fs::read_dir(out).with_context(|| format!("cannot read the folder {}", out.display()))? {
+                let e = e.with_context(|| format!("cannot read the folder {}", out.display()))?;
+                let name = e.file_name().to_string_lossy().into_owned();
+                let is_file = e.file_type().is_ok_and(|t| t.is_file());
+                if !is_file || !EXPORT_FILES.contains(&name.as_str()) {
+                    foreign.push(name.clone());
+                }
+                names.push(name);
+            }
+            foreign.sort();
+            if !foreign.is_empty() {
+                let shown: Vec<&str> = foreign.iter().take(5).map(String::as_str).collect();
+                let more = if foreign.len() > 5 { format!(" and {} more", foreign.len() - 5) } else { String::new() };
+                return refuse(format!("it holds {}{more}, which export does not write", shown.join(", ")));
+            }
+            let missing: Vec<&str> = [family::CONFIG_FILE, family::WEIGHTS_FILE, "generation_config.json"]
+                .into_iter()
+                .filter(|f| !names.iter().any(|n| n == f))
+                .collect();
+            if !names.is_empty() && !missing.is_empty() {
+                return refuse(format!("it has no {}", missing.join(", ")));
+            }
+        }
+    }
     Ok(())
+}
+
+/// The lock on a path being exported: `PATH.lock`, created exclusively and
+/// holding this process's id, removed when dropped. A lock whose process is
+/// gone (killed mid-export) is taken over.
+struct OutLock {
+    path: PathBuf,
+}
+
+impl OutLock {
+    fn take(out: &Path) -> Result<Self> {
+        let name = out.file_name().with_context(|| format!("--out {} names no file or folder", out.display()))?;
+        let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+        let path = parent.join(format!("{}.lock", name.to_string_lossy()));
+        for _ in 0..2 {
+            match std::fs::OpenOptions::new().write(true).create_new(true).open(&path) {
+                Ok(mut f) => {
+                    let lock = OutLock { path };
+                    std::io::Write::write_all(&mut f, format!("{}\n", std::process::id()).as_bytes())
+                        .with_context(|| format!("cannot write the lock file {}", lock.path.display()))?;
+                    return Ok(lock);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(e).with_context(|| format!("cannot create the lock file {}", path.display())),
+            }
+            let holder = std::fs::read_to_string(&path).unwrap_or_default();
+            match holder.trim().parse::<i32>() {
+                Ok(pid) if pid > 0 && !alive(pid) => {
+                    eprintln!("note: taking over {}, left by process {pid}, which has ended", path.display());
+                    let _ = std::fs::remove_file(&path);
+                }
+                Ok(pid) => bail!(
+                    "--out {} is being written by process {pid} (another export holds {}); wait for it to finish, or choose another --out (if no export is running, remove {})",
+                    out.display(),
+                    path.display(),
+                    path.display()
+                ),
+                Err(_) => bail!(
+                    "--out {} is being written by another process (it holds {}); wait for it to finish, or choose another --out (if no export is running, remove {})",
+                    out.display(),
+                    path.display(),
+                    path.display()
+                ),
+            }
+        }
+        bail!(
+            "--out {} is being written by another process (it took {} first); choose another --out",
+            out.display(),
+            path.display()
+        )
+    }
+}
+
+impl Drop for OutLock {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Whether process `pid` exists (signal 0: a permission error means it does).
+fn alive(pid: i32) -> bool {
+    // SAFETY: kill with signal 0 sends nothing; it only checks the process.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
 }
 
 /// Exports the model and says what was written.
 pub fn run(args: ExportArgs) -> Result<()> {
     check_args(&args)?;
+    let _lock = OutLock::take(&args.out)?;
+    // Again under the lock: another export may have written --out since.
+    check_out(&args)?;
+    remove_stale_staging(&args.out);
+    // Tests inject a full disk (or a kill) here: as rank 0's step 1.
+    if let Some(fault) = crate::dist::Fault::from_env()? {
+        fault.maybe_fire(0, 1)?;
+    }
     saved::point_to_checkpoints(&args.run)?;
     if args.run.is_dir() && !args.run.join(family::CONFIG_FILE).is_file() {
         bail!(
@@ -141,11 +334,56 @@ fn staging(out: &Path) -> Result<PathBuf> {
     Ok(parent.join(format!(".{}.part-{}", name.to_string_lossy(), std::process::id())))
 }
 
-/// Moves the finished `staged` output to `out`, replacing what is there
-/// only now (`--force`).
-fn publish(staged: &Path, out: &Path) -> Result<()> {
+/// Under the lock: removes what an export to `out` killed before it
+/// finished left beside it (`.NAME.part-PID`, and its `.old` of a replaced
+/// folder), when process PID has ended; says so for each.
+fn remove_stale_staging(out: &Path) {
+    let (Some(name), Some(parent)) = (out.file_name(), out.parent()) else { return };
+    let parent = if parent.as_os_str().is_empty() { Path::new(".") } else { parent };
+    let prefix = format!(".{}.part-", name.to_string_lossy());
+    let Ok(entries) = std::fs::read_dir(parent) else { return };
+    for e in entries.filter_map(|e| e.ok()) {
+        let file = e.file_name().to_string_lossy().into_owned();
+        let Some(tail) = file.strip_prefix(&prefix) else { continue };
+        let Ok(pid) = tail.strip_suffix(".old").unwrap_or(tail).parse::<i32>() else { continue };
+        if pid <= 0 || alive(pid) {
+            continue;
+        }
+        let path = e.path();
+        let removed = if path.is_dir() && !path.is_symlink() {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        };
+        match removed {
+            Ok(()) => eprintln!(
+                "note: removed {}, left by an export (process {pid}) that was killed before it finished",
+                path.display()
+            ),
+            Err(e) => {
+                eprintln!("warning: cannot remove {}, left by an ended export (process {pid}): {e}", path.display())
+            }
+        }
+    }
+}
+
+/// Moves the finished `staged` output to `out` (under the lock), replacing
+/// what is there only now, and only an export of ours with `--force`.
+fn publish(staged: &Path, args: &ExportArgs) -> Result<()> {
+    let out = &args.out;
+    if out.exists() || out.is_symlink() {
+        if !args.force {
+            bail!(
+                "--out {} appeared while exporting; nothing is overwritten without --force, so this export is not kept: choose another path",
+                out.display()
+            );
+        }
+        replaceable(out, args.format)?;
+    }
     if out.is_dir() {
-        let old = staged.with_extension("old");
+        let mut old = staged.as_os_str().to_owned();
+        old.push(".old");
+        let old = PathBuf::from(old);
         std::fs::rename(out, &old).with_context(|| format!("cannot move the old {} aside", out.display()))?;
         std::fs::rename(staged, out).with_context(|| format!("cannot move the export to {}", out.display()))?;
         std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove the old export {}", old.display()))?;
@@ -157,11 +395,11 @@ fn publish(staged: &Path, out: &Path) -> Result<()> {
 
 /// Runs `write` into a staging path, publishing it on success and removing
 /// it on failure; returns the bytes written.
-fn staged(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<u64> {
-    let tmp = staging(out)?;
+fn staged(args: &ExportArgs, write: impl FnOnce(&Path) -> Result<()>) -> Result<u64> {
+    let tmp = staging(&args.out)?;
     let result = write(&tmp).and_then(|()| {
         let bytes = bytes_of(&tmp);
-        publish(&tmp, out).map(|()| bytes)
+        publish(&tmp, args).map(|()| bytes)
     });
     if result.is_err() {
         let _ = if tmp.is_dir() { std::fs::remove_dir_all(&tmp) } else { std::fs::remove_file(&tmp) };
@@ -181,10 +419,12 @@ const TOKENIZER_FILES: &[&str] =
     &["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"];
 
 fn write_hf(args: &ExportArgs, family: &Arc<dyn Family>, params: &[f32], tok: &Tokenizer) -> Result<u64> {
-    staged(&args.out, |dir| {
+    staged(args, |dir| {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
         let model = family.build(Build::default())?;
-        family.save_hf(dir, model.layout(), params)?;
+        family.save_hf(dir, model.layout(), params).with_context(|| {
+            format!("cannot write the model's weights for --out {} (nothing there was changed)", args.out.display())
+        })?;
         drop(model);
         if args.dtype != Dtype::F32 {
             to_half(&dir.join(family::WEIGHTS_FILE), args.dtype)?;
@@ -280,11 +520,7 @@ fn write_gguf(args: &ExportArgs, family: &Arc<dyn Family>, params: &[f32], tok: 
         .gguf_metadata_padded(family.vocab_size())
         .with_context(|| format!("cannot write the tokenizer of {} into a GGUF file", args.run.display()))?;
     g.metadata.extend(vocab);
-    // The writer goes through PATH.part and renames it over --out when
+    // Written under a name of this process's, renamed over --out when
     // complete: an existing file (--force) is replaced only then.
-    if let Some(parent) = args.out.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
-    }
-    g.write(&args.out, ty)?;
-    Ok(bytes_of(&args.out))
+    staged(args, |tmp| Ok(g.write(tmp, ty)?))
 }

@@ -132,7 +132,8 @@ mod tests {
         assert_eq!(names.len(), FAMILIES.len(), "a family registered twice");
         for r in FAMILIES {
             for preset in r.presets() {
-                let m = ModelConfig { family: r.family().into(), preset: preset.to_string(), ..Default::default() };
+                let m =
+                    ModelConfig { family: r.family().into(), preset: Some(preset.to_string()), ..Default::default() };
                 let f = from_config(&m, None).unwrap_or_else(|e| panic!("{} {preset}: {e:#}", r.family()));
                 // The shape pins into [model] and rebuilds to the same config.json.
                 let mut pinned = ModelConfig::default();

@@ -57,6 +57,33 @@ pub fn lock(dir: &Path, what: &str) -> Result<FolderLock> {
     Ok(FolderLock { _file: file })
 }
 
+/// Who holds `dir`'s lock ("process PID (what)"), when another process
+/// does: probed by taking the lock and at once releasing it, so never call
+/// it while this process holds the lock itself.
+fn lock_holder(dir: &Path) -> Option<String> {
+    let path = dir.join(LOCK_FILE);
+    let file = File::open(&path).ok()?;
+    if !matches!(file.try_lock(), Err(std::fs::TryLockError::WouldBlock)) {
+        return None;
+    }
+    let holder = std::fs::read_to_string(&path).unwrap_or_default();
+    let holder = holder.trim();
+    Some(if holder.is_empty() { "another process".to_string() } else { format!("process {holder}") })
+}
+
+/// [`check_new_run`] before this process locks `dir`: a folder another
+/// process holds the lock of is refused as in use by that process (its
+/// files, half-written ones included, are not the user's).
+pub fn check_new_run_unlocked(dir: &Path, weights_file: &str) -> Result<()> {
+    let Err(e) = check_new_run(dir, weights_file) else { return Ok(()) };
+    let Some(who) = lock_holder(dir) else { return Err(e) };
+    let doing = if started(dir) { "in use by" } else { "being set up by" };
+    bail!(
+        "--out {} is {doing} {who}, which holds its lock; one process at a time may write a run folder: wait for it to finish (or stop it), or choose another --out folder",
+        dir.display()
+    )
+}
+
 /// Takes the folder's lock, then runs `check` under it (what another
 /// process may have changed since an earlier look). A refused folder keeps
 /// no lock file it did not have before.
@@ -130,11 +157,25 @@ fn started(dir: &Path) -> bool {
         || std::fs::read_dir(dir.join("checkpoints")).is_ok_and(|mut e| e.next().is_some())
 }
 
-/// True when `dir` holds a run of ours (its `run_id`) that never recorded a
-/// step, and nothing but what such a run writes ([`BEFORE_FIRST_STEP`]):
-/// all of it ours to replace.
+/// Whether `text` is what a run writes into `run_id`: four fields of digits
+/// joined by `-` (seconds, nanoseconds, process id, counter) and a newline.
+pub fn is_run_id(text: &str) -> bool {
+    let id = text.strip_suffix('\n').unwrap_or(text);
+    let fields: Vec<&str> = id.split('-').collect();
+    fields.len() == 4 && fields.iter().all(|f| !f.is_empty() && f.len() <= 20 && f.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Whether `dir/run_id` is a file holding a run id of ours ([`is_run_id`]).
+fn has_our_run_id(dir: &Path) -> bool {
+    let p = dir.join(RUN_ID_FILE);
+    p.is_file() && !p.is_symlink() && std::fs::read_to_string(&p).is_ok_and(|t| is_run_id(&t))
+}
+
+/// True when `dir` holds a run of ours (a `run_id` of our format) that
+/// never recorded a step, and nothing but what such a run writes
+/// ([`BEFORE_FIRST_STEP`]): all of it ours to replace.
 pub fn unstarted_run(dir: &Path) -> bool {
-    dir.join(RUN_ID_FILE).is_file()
+    has_our_run_id(dir)
         && !started(dir)
         && entries(dir).is_ok_and(|names| names.iter().all(|n| BEFORE_FIRST_STEP.contains(&n.as_str())))
 }
@@ -154,6 +195,15 @@ pub fn check_new_run(dir: &Path, weights_file: &str) -> Result<()> {
     let shown: Vec<&str> = names.iter().take(5).map(String::as_str).collect();
     let more =
         if names.len() > shown.len() { format!(" and {} more", names.len() - shown.len()) } else { String::new() };
+    let run_id = dir.join(RUN_ID_FILE);
+    if (run_id.exists() || run_id.is_symlink()) && !has_our_run_id(dir) {
+        bail!(
+            "--out {} holds a file named {RUN_ID_FILE} that macrobatch did not write (it holds no run id of ours), beside {}{more}: the folder is not a run of ours, and nothing in it is replaced; choose another --out folder (or remove {} yourself if nothing in it is needed)",
+            dir.display(),
+            shown.join(", "),
+            dir.display()
+        );
+    }
     if [RUN_ID_FILE, "metrics.jsonl", weights_file, "checkpoints"].iter().any(|f| dir.join(f).exists()) {
         bail!(
             "{} already holds a run ({}{more}); choose another --out directory so nothing saved is overwritten (or continue it with --resume {})",
@@ -216,4 +266,21 @@ fn normalise(p: &Path) -> PathBuf {
     }
     let abs = if p.is_absolute() { p.to_path_buf() } else { std::env::current_dir().unwrap_or_default().join(p) };
     abs.components().filter(|c| !matches!(c, std::path::Component::CurDir)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_run_id;
+
+    #[test]
+    fn only_our_run_ids_are_ours() {
+        for ok in ["1764750000-000000123-4567-0\n", "1-2-3-0\n", "1-2-3-0"] {
+            assert!(is_run_id(ok), "{ok:?}");
+        }
+        for bad in
+            ["", "\n", "experiment 7\n", "1-2-3\n", "1-2-3-0-5\n", "1-2--0\n", "1-2-3-0\n\n", " 1-2-3-0\n", "a-2-3-0\n"]
+        {
+            assert!(!is_run_id(bad), "{bad:?}");
+        }
+    }
 }

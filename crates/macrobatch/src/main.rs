@@ -113,6 +113,9 @@ pub struct PlotArgs {
     /// The picture: FILE.svg or FILE.png (default: FIRST_RUN/plot.svg).
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
+    /// Replace --out FILE if it exists.
+    #[arg(long)]
+    pub force: bool,
     /// What the x axis counts.
     #[arg(long, value_enum, default_value = "step")]
     pub x: charts::XAxis,
@@ -255,6 +258,13 @@ pub struct GenerateArgs {
     /// recomputes the window either way.
     #[arg(long)]
     pub no_kv_cache: bool,
+    /// Keep generating past the end-of-sequence token (and, with --chat,
+    /// the end of turn) up to --max-new-tokens. By default generation stops
+    /// at the model's eos_token_id: generation_config.json's, else
+    /// config.json's, else the tokenizer's (a GGUF's
+    /// tokenizer.ggml.eos_token_id), one id or several.
+    #[arg(long)]
+    pub ignore_eos: bool,
 }
 
 /// Arguments of `macrobatch eval`.
@@ -340,7 +350,7 @@ fn main() -> ExitCode {
     // memory model's "program" line).
     planning::runtime_bytes();
     let cli = Cli::parse();
-    if let Err(e) = linalg::backend::check_env() {
+    if let Err(e) = linalg::backend::check_env().and_then(|()| linalg::bf16::check_env()) {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }

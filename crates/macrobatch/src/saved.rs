@@ -51,6 +51,31 @@ pub(crate) fn turn_ends(tok: &Tokenizer) -> Vec<u32> {
     tok.eos_id().into_iter().chain(tok.token_id("<|im_end|>")).collect()
 }
 
+/// The ids generation stops at, as transformers reads them:
+/// `generation_config.json`'s `eos_token_id` (one id or a list), else
+/// `config.json`'s, else the tokenizer's end-of-sequence (a GGUF file's
+/// `tokenizer.ggml.eos_token_id`).
+pub(crate) fn eos_ids(model: &Path, tok: &Tokenizer) -> Result<Vec<u32>> {
+    for file in ["generation_config.json", family::CONFIG_FILE] {
+        let path = model.join(file);
+        if !model.is_dir() || !path.exists() {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+        let ids = match &json["eos_token_id"] {
+            serde_json::Value::Null => continue,
+            serde_json::Value::Array(a) => a.iter().map(|v| v.as_u64()).collect::<Option<Vec<_>>>(),
+            v => v.as_u64().map(|id| vec![id]),
+        };
+        let ids =
+            ids.with_context(|| format!("{}: eos_token_id is not a token id or a list of them", path.display()))?;
+        return ids.into_iter().map(|id| u32::try_from(id).context("eos_token_id out of range")).collect();
+    }
+    Ok(tok.eos_id().into_iter().collect())
+}
+
 /// Extends `tokens` by at most `max_new` tokens, each chosen by `pick` from
 /// the logits of the model's last `context` tokens, stopping before a token
 /// of `stops`. `emit(token, length)` sees each new token and the sequence's

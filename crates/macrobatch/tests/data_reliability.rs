@@ -282,3 +282,27 @@ fn data_input_mistakes_are_named_before_training() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `data.path` = a folder of text (docs/data.md, and as `eval` reads one)
+/// trains with the byte tokenizer too: its files in path order, as one
+/// stream — the run of the folder is the run of its files joined.
+#[test]
+fn a_text_folder_trains_as_its_files_joined() {
+    let dir = tmp("text-folder");
+    let text = std::fs::read_to_string(CORPUS).unwrap();
+    let cut = |s: &str, n: usize| s.char_indices().nth(n).map_or(s.len(), |(i, _)| i);
+    let (a, rest) = text.split_at(cut(&text, 30_000));
+    let b = &rest[..cut(rest, 30_000)];
+    std::fs::create_dir_all(dir.join("corpus/part")).unwrap();
+    std::fs::write(dir.join("corpus/a.txt"), a).unwrap();
+    std::fs::write(dir.join("corpus/part/b.txt"), b).unwrap();
+    std::fs::write(dir.join("joined.txt"), format!("{a}{b}")).unwrap();
+    let run = |tag: &str, path: &Path| {
+        let key = format!("data.path={:?}", path.display().to_string());
+        train_ok(&dir.join(tag), &tiny(&["train.steps=2", "train.eval_every=1", &key]));
+        (losses(&dir.join(tag)), val_losses(&dir.join(tag)))
+    };
+    let folder = run("out-folder", &dir.join("corpus"));
+    assert_eq!(folder, run("out-joined", &dir.join("joined.txt")));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -121,5 +121,15 @@ fn settings_dpo_cannot_run_with_are_refused_before_the_first_step() {
     std::fs::write(&bad, "{\"prompt\": \"a\", \"chosen\": \"b\"}\n").unwrap();
     let sets = [dpo_sets(&bad), vec!["data.val_fraction=0.5".into()]].concat();
     refused_train("dpo-bad-line", None, &refs(&sets), &["bad.jsonl:1", "\"rejected\" missing"]);
+    // An empty reply is named by its own key, not the "completion" it stands for.
+    for side in ["chosen", "rejected"] {
+        let empty = dir.join(format!("empty-{side}.jsonl"));
+        let mut line = serde_json::json!({"prompt": "a", "chosen": "b", "rejected": "c"});
+        line[side] = "".into();
+        std::fs::write(&empty, format!("{line}\n")).unwrap();
+        let sets = [dpo_sets(&empty), vec!["data.val_fraction=0.5".into()]].concat();
+        let needle = format!("\"{side}\" is empty");
+        refused_train(&format!("dpo-empty-{side}"), None, &refs(&sets), &[&format!("empty-{side}.jsonl:1"), &needle]);
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -209,21 +209,31 @@ fn eval_and_export_refuse_bad_input() {
     // --exact-match on text.
     let args = [os("eval"), p(&out), os("--data"), p(&text), os("--exact-match")];
     refused(&args.iter().map(|a| a.as_os_str()).collect::<Vec<_>>(), &["--exact-match needs chat JSON Lines"]);
+    // --max-samples 0 counts nothing: the option is at fault, not the data.
+    let args = [os("eval"), p(&out), os("--data"), p(&text), os("--max-samples"), os("0")];
+    refused(&args.iter().map(|a| a.as_os_str()).collect::<Vec<_>>(), &["--max-samples must be at least 1"]);
 
     // A q8_0 Hugging Face folder does not exist.
-    let dest = out.join("exported");
+    let dest = tmp("export-bad-dest");
     let args = [os("export"), p(&out), os("--format"), os("hf"), os("--dtype"), os("q8_0"), os("--out"), p(&dest)];
     refused(&args.iter().map(|a| a.as_os_str()).collect::<Vec<_>>(), &["--format gguf"]);
     assert!(!dest.exists());
-    // An existing output is kept without --force, replaced with it.
+    // An existing output is kept without --force; with it, only an export
+    // of ours is replaced, never a folder of the user's.
     std::fs::create_dir_all(&dest).unwrap();
     std::fs::write(dest.join("mine.txt"), "keep me").unwrap();
     let args = [os("export"), p(&out), os("--format"), os("hf"), os("--out"), p(&dest)];
     refused(&args.iter().map(|a| a.as_os_str()).collect::<Vec<_>>(), &["exists", "--force"]);
     assert_eq!(std::fs::read_to_string(dest.join("mine.txt")).unwrap(), "keep me");
-    let o = bin().args(&args).arg("--force").output().unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
-    assert!(dest.join("model.safetensors").is_file() && !dest.join("mine.txt").exists());
+    let forced = [&args[..], &[os("--force")]].concat();
+    refused(&forced.iter().map(|a| a.as_os_str()).collect::<Vec<_>>(), &["not an export", "mine.txt"]);
+    assert_eq!(std::fs::read_to_string(dest.join("mine.txt")).unwrap(), "keep me");
+    std::fs::remove_file(dest.join("mine.txt")).unwrap();
+    for _ in 0..2 {
+        let o = bin().args(&forced).output().unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(dest.join("model.safetensors").is_file());
+    }
     // A run stopped before its end holds checkpoints, no model: say where they are.
     let stopped = tmp("export-stopped");
     let mut c = train_cmd(&stopped, &tiny(&["train.steps=4", "train.checkpoint_every=1"]));
@@ -232,5 +242,167 @@ fn eval_and_export_refuse_bad_input() {
     let args = [os("export"), p(&stopped), os("--format"), os("hf"), os("--out"), p(&out.join("x"))];
     refused(&args.iter().map(|a| a.as_os_str()).collect::<Vec<_>>(), &["no final model", "checkpoint is step 2"]);
     let _ = std::fs::remove_dir_all(&stopped);
+    let _ = std::fs::remove_dir_all(&dest);
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// Every file below `dir` with its bytes, by path relative to `dir`.
+fn tree(dir: &Path) -> std::collections::BTreeMap<std::path::PathBuf, Vec<u8>> {
+    let mut files = std::collections::BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                files.insert(p.strip_prefix(dir).unwrap().to_path_buf(), std::fs::read(&p).unwrap());
+            }
+        }
+    }
+    files
+}
+
+/// `export RUN --out X --force` never deletes what is not an export of
+/// ours: a folder holding the run (its parent, `.`), a part of the run,
+/// the user's folder or file. Each is refused, naming the problem, and
+/// every file stays as it was.
+#[test]
+fn export_force_never_deletes_the_run_its_siblings_or_the_users_files() {
+    let parent = tmp("export-parent");
+    let run = parent.join("run");
+    train_ok(&run, &tiny(&["train.steps=1"]));
+    train_ok(&parent.join("sibling-run"), &tiny(&["train.steps=1"]));
+    std::fs::write(parent.join("notes.txt"), "the user's notes").unwrap();
+    std::fs::create_dir_all(parent.join("mine")).unwrap();
+    std::fs::write(parent.join("mine/config.json"), "{\"mine\": true}").unwrap();
+    std::fs::write(parent.join("data.gguf"), "not a model").unwrap();
+    std::fs::create_dir_all(run.join("checkpoints")).unwrap();
+    let before = tree(&parent);
+    let export = |out: &Path, format: &str, cwd: &Path| {
+        bin().current_dir(cwd).arg("export").arg(&run).args(["--format", format, "--force", "--out"]).arg(out).output()
+    };
+    let cases: [(&Path, &str, &Path, &[&str]); 6] = [
+        (&parent, "hf", Path::new("."), &["holds the model being exported", "choose"]),
+        (Path::new("."), "hf", &parent, &["holds the model being exported", "choose"]),
+        (&parent.join("run/checkpoints"), "hf", Path::new("."), &["inside the model being exported", "choose"]),
+        (&parent.join("sibling-run"), "hf", Path::new("."), &["not an export", "sibling-run", "metrics.jsonl"]),
+        (&parent.join("mine"), "hf", Path::new("."), &["not an export", "mine"]),
+        (&parent.join("data.gguf"), "gguf", Path::new("."), &["not a GGUF file", "data.gguf"]),
+    ];
+    for (out, format, cwd, needles) in cases {
+        let o = export(out, format, cwd).unwrap();
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "--out {} must be refused: {err}", out.display());
+        for n in needles {
+            assert!(err.contains(n), "--out {}: expected `{n}` in: {err}", out.display());
+        }
+        assert!(tree(&parent) == before, "--out {}: files changed or removed", out.display());
+    }
+    // An export of ours is replaced with --force; a new path inside the run is fine.
+    let hf = parent.join("hf");
+    for _ in 0..2 {
+        let o = export(&hf, "hf", Path::new(".")).unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    let gguf = parent.join("model.gguf");
+    for _ in 0..2 {
+        let o = export(&gguf, "gguf", Path::new(".")).unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    let o = export(&run.join("exported"), "hf", Path::new(".")).unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let _ = std::fs::remove_dir_all(&parent);
+}
+
+/// Two exports to one path at once: one writes it, the other is told the
+/// path is being written (or exists) and writes nothing; the file is
+/// whole, one export's bytes. Without --force a later export never
+/// replaces it, and a lock left by a dead process does not block.
+#[test]
+fn concurrent_exports_to_one_path_never_mix_or_replace_each_other() {
+    let dir = tmp("export-race");
+    let run = dir.join("run");
+    train_ok(&run, &tiny(&["train.steps=1"]));
+    let export = |dtype: &str, out: &Path| {
+        let mut c = bin();
+        c.arg("export").arg(&run).args(["--format", "gguf", "--dtype", dtype, "--out"]).arg(out);
+        c.stderr(std::process::Stdio::piped());
+        c
+    };
+    let mut reference = std::collections::HashMap::new();
+    for dtype in ["f32", "f16"] {
+        let file = dir.join(format!("ref-{dtype}.gguf"));
+        let o = export(dtype, &file).output().unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        reference.insert(dtype, std::fs::read(&file).unwrap());
+    }
+    assert_ne!(reference["f32"], reference["f16"]);
+    for round in 0..3 {
+        let out = dir.join(format!("race-{round}.gguf"));
+        let children = [export("f32", &out).spawn().unwrap(), export("f16", &out).spawn().unwrap()];
+        let outputs: Vec<_> = children.map(|c| c.wait_with_output().unwrap()).into_iter().collect();
+        let won: Vec<&str> =
+            ["f32", "f16"].into_iter().zip(&outputs).filter(|(_, o)| o.status.success()).map(|(d, _)| d).collect();
+        let errs: Vec<String> = outputs.iter().map(stderr).collect();
+        assert_eq!(won.len(), 1, "round {round}: exactly one export writes a path that did not exist: {errs:?}");
+        let lost = outputs.iter().find(|o| !o.status.success()).unwrap();
+        assert_eq!(lost.status.code(), Some(2), "{errs:?}");
+        let err = stderr(lost);
+        assert!(err.contains("is being written by process") || err.contains("exists"), "{err}");
+        assert!(std::fs::read(&out).unwrap() == reference[won[0]], "round {round}: the file is whole, {}'s", won[0]);
+    }
+    // Nothing left beside the outputs: no staging file, no lock.
+    let mut names: Vec<String> =
+        std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    assert_eq!(names, ["race-0.gguf", "race-1.gguf", "race-2.gguf", "ref-f16.gguf", "ref-f32.gguf", "run"]);
+    // A later export without --force leaves the file byte for byte.
+    let out = dir.join("race-0.gguf");
+    let kept = std::fs::read(&out).unwrap();
+    let o = export("q8_0", &out).output().unwrap();
+    assert!(o.status.code() == Some(2) && stderr(&o).contains("--force"), "{}", stderr(&o));
+    assert!(std::fs::read(&out).unwrap() == kept);
+    // A live holder's lock is respected; a dead one's is taken over.
+    let lock = dir.join("locked.gguf.lock");
+    std::fs::write(&lock, format!("{}\n", std::process::id())).unwrap();
+    let o = export("f32", &dir.join("locked.gguf")).output().unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains(&format!("is being written by process {}", std::process::id())), "{err}");
+    assert!(!dir.join("locked.gguf").exists() && lock.exists());
+    let mut dead = std::process::Command::new("true").spawn().unwrap();
+    let dead_pid = dead.id();
+    dead.wait().unwrap();
+    std::fs::write(&lock, format!("{dead_pid}\n")).unwrap();
+    // What an export killed mid-write left (its staging file, and the old
+    // folder it was replacing) goes; a live process's staging stays.
+    let stale_file = dir.join(format!(".locked.gguf.part-{dead_pid}"));
+    let stale_dir = dir.join(format!(".locked.gguf.part-{dead_pid}.old"));
+    let live = dir.join(format!(".locked.gguf.part-{}", std::process::id()));
+    std::fs::write(&stale_file, b"half a gguf").unwrap();
+    std::fs::create_dir(&stale_dir).unwrap();
+    std::fs::write(stale_dir.join("model.safetensors"), b"old").unwrap();
+    std::fs::write(&live, b"being written").unwrap();
+    let o = export("f32", &dir.join("locked.gguf")).output().unwrap();
+    let err = stderr(&o);
+    assert!(o.status.success(), "a dead process's lock is stale: {err}");
+    assert!(std::fs::read(dir.join("locked.gguf")).unwrap() == reference["f32"] && !lock.exists());
+    assert!(!stale_file.exists() && !stale_dir.exists() && live.exists(), "{err}");
+    assert_eq!(err.matches("killed before it finished").count(), 2, "{err}");
+    // A full disk while an HF folder is written: the message names the
+    // export's weights (not "a checkpoint file"), and nothing is left.
+    let full = dir.join("full-hf");
+    let mut c = bin();
+    c.arg("export").arg(&run).args(["--format", "hf", "--out"]).arg(&full);
+    let o = c.env("MACROBATCH_FAULT", "kind=enospc,bytes=1000").output().unwrap();
+    let err = fails(&o, "No space left on device");
+    assert!(err.contains("cannot write the model's weights for --out") && !err.contains("checkpoint"), "{err}");
+    let left: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("full-hf"))
+        .collect();
+    assert!(left.is_empty(), "a failed export leaves nothing: {left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -111,6 +111,20 @@ fn every_refusal_names_the_key_and_the_fix() {
     let o = lora_run(&out, &src, &["train.frozen_dtype=\"source\""], &[]);
     let e = stderr(&o);
     assert!(!o.status.success() && e.contains("train.frozen_dtype") && e.contains("F32") && e.contains("nf4"), "{e}");
+    // NF4 on a width its blocks of 64 do not divide (the tiny preset's MLP,
+    // 176): the width and the block are named, before the file is read.
+    let odd_cfg = LlamaConfig::preset("tiny").unwrap();
+    assert_ne!(odd_cfg.intermediate_size % 64, 0);
+    let odd = tmp("frozen-odd-width");
+    let odd_params = Llama::new(odd_cfg.clone()).unwrap().init_params(21);
+    llama::hf::save(&odd, &odd_cfg, &odd_params).unwrap();
+    let out = tmp("frozen-refused-odd");
+    let o = lora_run(&out, &odd, &["train.frozen_dtype=\"nf4\""], &[]);
+    let e = stderr(&o);
+    let width = odd_cfg.intermediate_size.to_string();
+    assert!(!o.status.success() && e.contains("train.frozen_dtype") && e.contains("blocks of 64"), "{e}");
+    assert!(e.contains(&width) && e.contains("\"bf16\""), "{e}");
+    let _ = std::fs::remove_dir_all(&odd);
     // A packed format without a pretrained base.
     refused_train(
         "frozen-no-init",

@@ -105,3 +105,30 @@ fn a_dora_run_on_a_packed_base_resumes_saves_and_merges() {
         std::fs::remove_dir_all(d).unwrap();
     }
 }
+
+/// `lora.target_modules = "all-linear"`, PEFT's string form (README), plans
+/// the same model as the list of every projection; another bare string is
+/// refused naming the key and both accepted spellings.
+#[test]
+fn target_modules_takes_peft_s_all_linear_string() {
+    let plan = |targets: &str| {
+        let mut c = bin();
+        c.args(["plan", "--json", "--memory", "8GiB"]);
+        let key = format!("lora.target_modules={targets}");
+        with_sets(&mut c, &["model.family=llama", "model.preset=tiny", "lora.r=4", &key]);
+        c.output().unwrap()
+    };
+    let n_params = |targets: &str| {
+        let o = plan(targets);
+        assert!(o.status.success(), "{targets}: {}", stderr(&o));
+        let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        r["n_params"].as_u64().unwrap()
+    };
+    let every = n_params(r#"["q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"]"#);
+    assert_eq!(n_params(r#""all-linear""#), every);
+    assert_eq!(n_params(r#"["all-linear"]"#), every);
+    let o = plan(r#""q_proj""#);
+    let e = stderr(&o);
+    assert!(!o.status.success() && e.contains("target_modules") && e.contains("all-linear"), "{e}");
+    assert!(e.contains(r#"["q_proj", "v_proj"]"#), "names the list form: {e}");
+}

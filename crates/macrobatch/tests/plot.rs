@@ -77,7 +77,19 @@ fn k1_and_k8_runs_plot_into_one_svg_and_one_png() {
         |c: &str| doc.descendants().filter(|n| n.has_tag_name("circle") && n.attribute("fill") == Some(c)).count();
     assert_eq!((dots(BLUE), dots(ORANGE)), (3, 3));
 
-    let o = plot(&[k1.to_str().unwrap(), k8.to_str().unwrap(), "--x", "tokens", "--out", svg_path.to_str().unwrap()]);
+    // An existing --out (a file that may be the user's) is replaced only with --force.
+    let plot_tokens = |extra: &[&str]| {
+        let args = [
+            &[k1.to_str().unwrap(), k8.to_str().unwrap(), "--x", "tokens", "--out", svg_path.to_str().unwrap()],
+            extra,
+        ];
+        plot(&args.concat())
+    };
+    let o = plot_tokens(&[]);
+    let err = stderr(&o);
+    assert!(!o.status.success() && err.contains("exists") && err.contains("--force"), "{err}");
+    assert_eq!(std::fs::read_to_string(&svg_path).unwrap(), svg, "left as it was");
+    let o = plot_tokens(&["--force"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let svg = std::fs::read_to_string(&svg_path).unwrap();
     assert!(texts(&roxmltree::Document::parse(&svg).unwrap()).iter().any(|t| t == "tokens"));

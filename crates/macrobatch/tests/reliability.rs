@@ -16,15 +16,6 @@ fn ok(o: Output) -> String {
     err
 }
 
-/// Exit code 2 (an error), never a panic (101) or an abort (134).
-fn fails(o: &Output, needle: &str) -> String {
-    let err = stderr(&o.clone());
-    assert_eq!(o.status.code(), Some(2), "expected a clean error: {err}");
-    assert!(!err.contains("panicked") && !err.contains("memory allocation"), "{err}");
-    assert!(err.contains(needle), "expected `{needle}` in: {err}");
-    err
-}
-
 fn names(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(dir)
         .map(|e| e.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
@@ -277,19 +268,74 @@ fn bench_with_zero_steps_is_rejected() {
 fn sigterm_exits_143_after_the_checkpoint_and_says_how_to_resume() {
     let dir = tmp("sigterm");
     let mut c = train_cmd(&dir, &tiny(&["train.steps=1000000"]));
-    let child = c.stderr(Stdio::piped()).spawn().unwrap();
-    let t0 = Instant::now();
-    while std::fs::read_to_string(dir.join("metrics.jsonl")).map(|t| t.lines().count()).unwrap_or(0) < 3 {
-        assert!(t0.elapsed() < Duration::from_secs(60), "training never started");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    let child = spawn_until_steps(&mut c, &dir, 3);
+    send("-TERM", child.id());
     let o = child.wait_with_output().unwrap();
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(143), "{err}");
     assert!(err.contains("exit code 143") && err.contains("--resume"), "{err}");
     assert_eq!(steps_of(&dir).len(), 1, "the checkpoint is safe before the exit");
     assert!(!dir.join("model.safetensors").exists(), "not a finished run");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+// SIGTERM while the model loads, before any step: the handlers are already
+// in place, so loading ends, step 1 runs, its checkpoint is written and the
+// exit is 143 with how to resume (never a silent kill by the default action).
+// Deterministic: the signal goes once the run says loading is under way.
+#[test]
+fn sigterm_while_the_model_loads_checkpoints_step_one_and_says_so() {
+    use std::io::{BufRead, BufReader, Read};
+    let dir = tmp("sigterm-loading");
+    let mut c = train_cmd(&dir, &tiny(&["train.steps=1000000"]));
+    let mut child = c.env("MACROBATCH_FAULT", "kind=slow_load,secs=2").stderr(Stdio::piped()).spawn().unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap());
+    let mut err = String::new();
+    while !err.contains("injected fault: loading takes") {
+        assert!(lines.read_line(&mut err).unwrap() > 0, "the run ended before loading: {err}");
+    }
+    send("-TERM", child.id());
+    lines.read_to_string(&mut err).unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(143), "{err}");
+    assert!(err.contains("stopped after step 1") && err.contains("exit code 143") && err.contains("--resume"), "{err}");
+    assert_eq!(steps_of(&dir).len(), 1, "step 1's checkpoint is written before the exit: {err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Starts `c` (a train into `dir`, stderr piped) and waits until it has
+/// logged `steps` steps.
+fn spawn_until_steps(c: &mut Command, dir: &Path, steps: usize) -> std::process::Child {
+    let child = c.stderr(Stdio::piped()).spawn().unwrap();
+    let t0 = Instant::now();
+    while std::fs::read_to_string(dir.join("metrics.jsonl")).map(|t| t.lines().count()).unwrap_or(0) < steps {
+        assert!(t0.elapsed() < Duration::from_secs(60), "training never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
+/// Sends `sig` to `pid` with kill(1).
+fn send(sig: &str, pid: u32) {
+    assert!(Command::new("kill").args([sig, &pid.to_string()]).status().unwrap().success());
+}
+
+// A double Ctrl-C (two SIGINTs 50 ms apart) is one request: the run stops
+// after the step in progress with a checkpoint (exit 130, said on stderr),
+// not at once with nothing saved.
+#[test]
+fn two_sigints_in_quick_succession_still_write_the_checkpoint() {
+    let dir = tmp("double-sigint");
+    let mut c = train_cmd(&dir, &tiny(&["train.steps=1000000"]));
+    let child = spawn_until_steps(&mut c, &dir, 3);
+    send("-INT", child.id());
+    std::thread::sleep(Duration::from_millis(50));
+    send("-INT", child.id());
+    let o = child.wait_with_output().unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(130), "{err}");
+    assert!(err.contains("exit code 130") && err.contains("--resume"), "{err}");
+    assert_eq!(steps_of(&dir).len(), 1, "the checkpoint is written before the exit: {err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -456,4 +502,38 @@ fn kill_9_during_checkpoint_writes_then_resume_matches_an_uninterrupted_run() {
     assert_eq!(assert_metrics_whole(&dir), end as usize);
     eprintln!("crash test: {kills} kills ({resumes_seen} after resuming), {end} steps in all");
     let _ = (std::fs::remove_dir_all(&straight), std::fs::remove_dir_all(&dir));
+}
+
+// A full disk at the final save (no checkpoint to fall back on): the error
+// says the model was NOT saved and the weights are kept in the system's
+// temporary folder instead (another file system here), whole.
+#[test]
+fn a_full_disk_at_the_final_save_says_so_and_keeps_the_weights_elsewhere() {
+    let mnt = tmp("full-disk");
+    std::fs::create_dir_all(&mnt).unwrap();
+    // A 3 MiB file system: the run's first files fit, its 6 MiB model
+    // (1.6M parameters) does not.
+    let mounted = Command::new("mount").args(["-t", "tmpfs", "-o", "size=3m", "tmpfs"]).arg(&mnt).output();
+    if !mounted.as_ref().is_ok_and(|o| o.status.success()) {
+        eprintln!("skipped: cannot mount a small tmpfs here (needs root / CAP_SYS_ADMIN): {mounted:?}");
+        let _ = std::fs::remove_dir_all(&mnt);
+        return;
+    }
+    let spare_root = tmp("full-disk-spare");
+    std::fs::create_dir_all(&spare_root).unwrap();
+    let dir = mnt.join("run");
+    let sets = tiny(&["model.n_embd=256", "model.n_layer=2", "train.steps=2", "train.checkpoint_every=0"]);
+    let o = train_cmd(&dir, &sets).env("TMPDIR", &spare_root).output();
+    let _ = Command::new("umount").arg(&mnt).status();
+    let o = o.unwrap();
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("was NOT saved") && err.contains("no checkpoint was written"), "{err}");
+    let spare: Vec<_> = std::fs::read_dir(&spare_root).unwrap().flatten().map(|e| e.path()).collect();
+    assert_eq!(spare.len(), 1, "one folder of unsaved weights: {spare:?}\n{err}");
+    assert!(err.contains(&spare[0].display().to_string()), "the error names where the weights went: {err}");
+    let weights = std::fs::metadata(spare[0].join("model.safetensors")).unwrap().len();
+    assert!(weights > 4 << 20, "the whole model ({weights} bytes)");
+    let _ = std::fs::remove_dir_all(&mnt);
+    let _ = std::fs::remove_dir_all(&spare_root);
 }

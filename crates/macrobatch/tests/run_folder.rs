@@ -16,15 +16,6 @@ fn ok(o: Output) -> String {
     err
 }
 
-/// Exit code 2 (an error), never a panic (101) or an abort (134).
-fn fails(o: &Output, needle: &str) -> String {
-    let err = stderr(o);
-    assert_eq!(o.status.code(), Some(2), "expected a clean error: {err}");
-    assert!(!err.contains("panicked"), "{err}");
-    assert!(err.contains(needle), "expected `{needle}` in: {err}");
-    err
-}
-
 #[test]
 fn out_folder_with_user_files_is_refused_and_the_files_are_kept() {
     let dir = tmp("userfiles");
@@ -177,6 +168,41 @@ fn init_from_does_not_silently_replace_an_explicit_shape() {
     }
 }
 
+/// A run started from a folder records that folder as the source of its
+/// shape, never a preset it did not use (`preset = "tiny"` beside another
+/// shape's keys), and its resolved config alone trains the same shape.
+#[test]
+fn a_run_from_a_folder_records_its_source_not_a_preset() {
+    let base = tmp("src-base");
+    // A shape no preset has.
+    ok(train(&base, &tiny(&["train.steps=1", "model.n_embd=48", "model.n_head=3"])));
+    let (out, again) = (tmp("src-run"), tmp("src-again"));
+    let sets =
+        ["train.steps=1", "batch.micro=4", "batch.accumulation_steps=2", "train.eval_every=0", "train.threads=1"];
+    let mut c = train_cmd(&out, &sets);
+    ok(c.arg("--init-from").arg(&base).output().unwrap());
+    let model = |dir: &Path| {
+        let text = std::fs::read_to_string(dir.join("config.resolved.toml")).unwrap();
+        text.parse::<toml::Table>().unwrap()["model"].as_table().unwrap().clone()
+    };
+    let m = model(&out);
+    assert!(!m.contains_key("preset"), "{m:?}");
+    let source = std::fs::canonicalize(&base).unwrap().display().to_string();
+    assert_eq!(m["source"].as_str(), Some(source.as_str()), "{m:?}");
+    assert_eq!((m["n_embd"].as_integer(), m["n_head"].as_integer()), (Some(48), Some(3)), "{m:?}");
+    // Trained again from its resolved config alone: the same shape, still no preset.
+    let mut c = train_cmd(&again, &["train.steps=1"]);
+    ok(c.arg(out.join("config.resolved.toml")).output().unwrap());
+    let shape = |dir: &Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap()
+    };
+    assert_eq!(shape(&again), shape(&out));
+    assert_eq!(model(&again), m);
+    for d in [base, out, again] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
 #[test]
 fn generate_on_a_stopped_run_points_to_its_checkpoint() {
     let dir = tmp("stopped");
@@ -207,6 +233,9 @@ fn flags_that_would_be_ignored_are_refused() {
     // A misspelt GEMM backend is an error, not a silent fallback.
     let o = train_cmd(&dir, &tiny(&["train.steps=1"])).env("MACROBATCH_GEMM", "bogus").output().unwrap();
     fails(&o, "MACROBATCH_GEMM=bogus");
+    assert!(!dir.exists());
+    let o = train_cmd(&dir, &tiny(&["train.steps=1"])).env("MACROBATCH_BF16", "hardwre").output().unwrap();
+    fails(&o, "MACROBATCH_BF16=hardwre");
     assert!(!dir.exists());
     // ./x and x/ are the same folder for --resume and --out.
     let run = tmp("flags-run");
@@ -259,5 +288,50 @@ fn lora_on_a_random_base_warns_and_missing_adapters_are_an_error() {
     std::fs::remove_file(dir.join("adapter_config.json")).unwrap();
     let o = bin().args(["generate", "--max-new-tokens", "2", "--prompt", "a"]).arg(&dir).output().unwrap();
     fails(&o, "adapter_config.json is missing");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A `run_id` of someone else's (any content but the ids a run writes)
+/// beside the user's `tokenizer.json` and `memory.json` — names a run
+/// writes too — is not an unstarted run of ours: the folder is refused and
+/// nothing in it is touched.
+#[test]
+fn a_run_id_that_is_not_ours_does_not_make_the_folder_ours() {
+    let dir = tmp("foreign-run-id");
+    std::fs::create_dir_all(&dir).unwrap();
+    let files: [(&str, &[u8]); 3] = [
+        ("run_id", b"experiment 7, do not delete\n"),
+        ("tokenizer.json", b"{\"model\": \"the user's own\"}"),
+        ("memory.json", b"{\"notes\": \"the user's own\"}"),
+    ];
+    for (f, bytes) in files {
+        std::fs::write(dir.join(f), bytes).unwrap();
+    }
+    let err = fails(&train(&dir, &tiny(&["train.steps=1"])), "run_id");
+    assert!(err.contains(&dir.display().to_string()) && err.contains("--out"), "names the folder and the fix: {err}");
+    assert!(!err.contains("never finished a step"), "not taken for a run of ours: {err}");
+    for (f, bytes) in files {
+        assert_eq!(std::fs::read(dir.join(f)).unwrap(), bytes, "{f} was changed");
+    }
+    assert!(!dir.join(".macrobatch.lock").exists() && !dir.join("metrics.jsonl").exists(), "nothing was added");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Two `train` on one new `--out`: the second finds the first holding the
+/// folder's lock mid-way through writing its files (here this test holds
+/// it, with the first run's half-written `run_id`): it is told who is
+/// setting the folder up, not about the temporary file.
+#[test]
+fn a_folder_being_set_up_by_another_train_names_that_process() {
+    let dir = tmp("being-set-up");
+    std::fs::create_dir_all(&dir).unwrap();
+    let pid = std::process::id();
+    let lock = std::fs::File::create(dir.join(".macrobatch.lock")).unwrap();
+    lock.try_lock().unwrap();
+    std::fs::write(dir.join(".macrobatch.lock"), format!("{pid} (train)\n")).unwrap();
+    std::fs::write(dir.join(format!(".run_id.tmp-{pid}")), "1-2-3").unwrap();
+    let err = fails(&train(&dir, &tiny(&["train.steps=1"])), &format!("is being set up by process {pid} (train)"));
+    assert!(!err.contains(".run_id.tmp"), "{err}");
+    drop(lock);
     let _ = std::fs::remove_dir_all(&dir);
 }

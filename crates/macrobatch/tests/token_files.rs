@@ -149,3 +149,34 @@ fn prepare_and_token_file_errors_name_the_problem() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Files `prepare` wrote train as the tokens its `meta.json` says even when
+/// data.format is forgotten — as `eval` reads them —, never as text (their
+/// raw u16 bytes would be read as byte tokens, half of them zeros).
+#[test]
+fn a_prepared_token_file_without_data_format_trains_as_its_meta_says() {
+    let dir = tmp("prepared-no-format");
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = dir.join("corpus.txt");
+    std::fs::write(&text, &std::fs::read(CORPUS).unwrap()[..60_000]).unwrap();
+    let prep = dir.join("prep");
+    let o = prepare(&[text.to_str().unwrap(), "--tokenizer", "byte", "--out", prep.to_str().unwrap()], "2");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let p = format!("data.path={}", prep.join("train.bin").display());
+    let v = format!("data.val_path={}", prep.join("val.bin").display());
+    let (mut runs, mut err) = (Vec::new(), String::new());
+    for (tag, format) in [("u16", Some("data.format=u16")), ("unset", None)] {
+        let mut sets = SMALL.to_vec();
+        sets.extend([p.as_str(), v.as_str(), "train.steps=3", "train.eval_every=3", "batch.global=8", "batch.micro=4"]);
+        sets.extend(format);
+        let out = dir.join(format!("run-{tag}"));
+        let o = train(&out, &sets);
+        err = stderr(&o);
+        assert!(o.status.success(), "{tag}: {err}");
+        runs.push(metrics(&out).iter().map(|r| (r["loss"].to_string(), r["val_loss"].to_string())).collect::<Vec<_>>());
+    }
+    assert_eq!(runs[0].len(), 3);
+    assert_eq!(runs[1], runs[0], "data.format unset vs data.format = \"u16\" on the same prepared files");
+    assert!(err.contains("meta.json") && err.contains("data.format = \"u16\""), "says how it is read: {err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

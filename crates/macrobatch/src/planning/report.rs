@@ -222,7 +222,7 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
         }
     });
     Ok(Report {
-        model: format!("{} {} ({})", plan.family.name(), cfg.model.preset, plan.family.describe()),
+        model: format!("{} {} ({})", plan.family.name(), cfg.model.label(), plan.family.describe()),
         n_params: plan.family.n_params(),
         seq_len: plan.train.seq_len(),
         global_batch: plan.batch.global,

@@ -12,7 +12,7 @@ mod trainer;
 
 pub use optimizer::state_size;
 pub use rank_comms::{FullState, RankComms};
-pub use samples::{rank_batches, text_files};
+pub use samples::{rank_batches, text_corpus, text_files};
 pub use sources::check_mixture_position;
 pub use trainer::{
     apply_trainable, bucket_elems, model_for, model_for_rank, remove_offload_root, remove_scratch_offload_root,

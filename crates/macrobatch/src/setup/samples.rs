@@ -41,7 +41,7 @@ pub(super) fn load_samples(
     match &d.path {
         Some(p) if cfg.train.objective == Objective::Dpo => pair_samples(cfg, tokenizer, seq_len, p),
         Some(p) => {
-            let format = d.format.resolved_for(Some(Path::new(p)));
+            let format = token_file_format(d.format.resolved_for(Some(Path::new(p))), Path::new(p))?;
             read.splits(p, d.val_path.as_deref(), format, d.schema, d.val_fraction)
         }
         None => {
@@ -52,6 +52,28 @@ pub(super) fn load_samples(
             Ok((Samples::Windows(train), Samples::Windows(val)))
         }
     }
+}
+
+/// The format of the file `p` configured as `format`: `text` (the default)
+/// on a file with the `meta.json` of `macrobatch prepare` beside it is the
+/// token format that meta.json names, as [`DataFormat::detect`] tells
+/// `eval` — its raw bytes are token ids, not text. Any other is kept.
+fn token_file_format(format: DataFormat, p: &Path) -> Result<DataFormat> {
+    if format != DataFormat::Text || !p.is_file() {
+        return Ok(format);
+    }
+    let Some(meta) = TokenFileMeta::beside(p)? else { return Ok(format) };
+    let detected = match meta.dtype {
+        data::TokenDtype::U16 => DataFormat::U16,
+        data::TokenDtype::U32 => DataFormat::U32,
+    };
+    eprintln!(
+        "note: {} is read as {} token ids, as the meta.json that `macrobatch prepare` wrote beside it says (and as eval reads it); set data.format = \"{}\" to say so",
+        p.display(),
+        meta.dtype.name(),
+        detected.name()
+    );
+    Ok(detected)
 }
 
 /// What reading a data file needs besides the file: the config's `[data]`
@@ -106,9 +128,13 @@ impl Reading<'_> {
                     None => load(p)?.split(val_fraction, seq_len, vocab)?,
                 }
             }
-            DataFormat::Text if !matches!(tokenizer, Tokenizer::Byte(_)) => {
-                let load_text =
-                    |p: &str| -> Result<Corpus> { Ok(Corpus::load_files(p, &text_files(Path::new(p))?, tokenizer)?) };
+            // A folder is read as eval reads it, through any tokenizer.
+            DataFormat::Text
+                if !matches!(tokenizer, Tokenizer::Byte(_))
+                    || Path::new(p).is_dir()
+                    || val_path.is_some_and(|v| Path::new(v).is_dir()) =>
+            {
+                let load_text = |p: &str| text_corpus(Path::new(p), tokenizer, vocab);
                 let corpus = load_text(p)?;
                 let (train, val) = match val_path {
                     None => corpus.split(val_fraction, seq_len)?,
@@ -190,6 +216,14 @@ pub fn text_files(input: &Path) -> Result<Vec<PathBuf>> {
         eprintln!("skipped {}: an output of macrobatch prepare (token ids, not text)", p.display());
     }
     Ok(files)
+}
+
+/// The UTF-8 text of the file or folder `path` (its [`text_files`]) through
+/// `tokenizer`, each file one document: how `train` and `eval` read text.
+pub fn text_corpus(path: &Path, tokenizer: &Tokenizer, vocab: usize) -> Result<Corpus> {
+    let corpus = Corpus::load_files(&path.display().to_string(), &text_files(path)?, tokenizer)?;
+    corpus.check_vocab(vocab)?;
+    Ok(corpus)
 }
 
 /// Training and validation preference pairs (`train.objective = "dpo"`)

@@ -14,7 +14,7 @@ use crate::setup::{FullState, Plan, RankComms};
 use anyhow::{Context, Result};
 use comm::Communicator;
 use engine::{ParamLayout, Trainer};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// What a checkpoint holds besides the trainer's state, and which older
@@ -177,6 +177,52 @@ impl<'a> Checkpoints<'a> {
         comms.full_params(trainer).with_context(what)
     }
 
+    /// The error of a final save that failed: says the model was not saved
+    /// and what is kept (the newest checkpoint, if any), and first tries to
+    /// keep the weights elsewhere — in the system's temporary folder, often
+    /// another file system when the run's is full — saying where.
+    fn final_save_failed(
+        &self,
+        dir: &Path,
+        layout: &ParamLayout,
+        params: &[f32],
+        steps_done: u64,
+        cause: anyhow::Error,
+    ) -> anyhow::Error {
+        let newest = std::fs::read_dir(dir.join("checkpoints"))
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("step-")?.parse::<u64>().ok())
+            .max();
+        let kept = match newest {
+            Some(step) => format!(
+                "the checkpoint of step {step} in {} is kept: `macrobatch train --resume {}` continues from it",
+                dir.join("checkpoints").display(),
+                dir.display()
+            ),
+            None => "no checkpoint was written (train.checkpoint_every)".to_string(),
+        };
+        let spare = std::env::temp_dir().join(format!("macrobatch-unsaved-{}", self.start.run_id));
+        let elsewhere = match std::fs::create_dir_all(&spare)
+            .map_err(anyhow::Error::from)
+            .and_then(|()| self.plan.family.save_hf(&spare, layout, params).map_err(Into::into))
+        {
+            Ok(()) => format!(
+                "the final weights were saved instead to {} (config.json and model.safetensors: move them into {} once there is space)",
+                spare.display(),
+                dir.display()
+            ),
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&spare);
+                format!("saving them to {} failed too ({e:#})", spare.display())
+            }
+        };
+        cause.context(format!(
+            "the final model of step {steps_done} was NOT saved to {}; {kept}; {elsewhere}",
+            dir.display()
+        ))
+    }
+
     /// Rank 0: saves the final model (checked finite) into the run folder,
     /// with `train.ema_decay` the averaged model into `ema/`, with
     /// `--merge` also the model with its adapters folded in, and says
@@ -192,7 +238,9 @@ impl<'a> Checkpoints<'a> {
         let plan = self.plan;
         out.reporter.finish();
         checkpoint::check_finite(layout, params, "final parameters")?;
-        plan.family.save_hf(&out.dir, layout, params)?;
+        if let Err(e) = plan.family.save_hf(&out.dir, layout, params) {
+            return Err(self.final_save_failed(&out.dir, layout, params, steps_done, e.into()));
+        }
         if let Some(ema) = ema {
             let dir = out.dir.join(super::ema::DIR);
             std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;

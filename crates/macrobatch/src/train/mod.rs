@@ -50,6 +50,10 @@ pub enum Outcome {
 
 /// `macrobatch train`.
 pub fn run(args: TrainArgs) -> Result<Outcome> {
+    // First: a signal while the config, data or model load is honoured like
+    // one during a step (stop after the first step, with a checkpoint)
+    // instead of ending the process silently.
+    let stop = StopRequests::install(args.stop_after)?;
     let writes_folder = folder::writes_run_folder()?;
     let resume_dir = start::resume_dir(&args)?;
     // A resumed folder's lock is taken before anything in it is read, and
@@ -66,6 +70,9 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     }
     // Checked before anything is read or created.
     cfg.validate()?;
+    if let Some(dir) = &args.tensorboard {
+        crate::tensorboard::check_writable(dir)?;
+    }
     // Before anything runs on the pool: packing a frozen base at
     // `--init-from` already does.
     if cfg.train.threads > 0 {
@@ -73,6 +80,11 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
             .num_threads(cfg.train.threads)
             .build_global()
             .context("cannot start the thread pool")?;
+    }
+    let fault = Fault::from_env()?;
+    if let Some(delay) = fault.as_ref().and_then(Fault::load_delay) {
+        eprintln!("injected fault: loading takes {:.1} s longer", delay.as_secs_f64());
+        std::thread::sleep(delay);
     }
     let init_params = start::init_from(&args, &mut cfg, resume.is_some())?;
     let backend = dist::detect(cfg.dist.world_size)?;
@@ -91,7 +103,6 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     check_memory(&plan)?;
     let run_id = start::run_id(resume_dir.as_deref(), resume.as_ref(), writes_folder)?;
     let folder = RunFolder::plan(&args, resume_dir, &run_id, resume_lock)?;
-    let stop = StopRequests::install(args.stop_after)?;
     let resume_step = resume.as_ref().map(|l| l.state.step);
     // Every rank of this process takes the start once; the last lets it go.
     let ranks_here = backend.ranks_per_process();
@@ -99,7 +110,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         resume: resume.map(|l| Handoff::new(l, ranks_here)),
         init_params: init_params.map(|p| Handoff::new(p, ranks_here)),
         stop: stop.clone(),
-        fault: Fault::from_env()?,
+        fault,
         run_id: run_id.clone(),
         dump_steps: args.dump_steps.clone(),
         merge: args.merge,

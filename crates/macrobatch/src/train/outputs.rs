@@ -132,7 +132,7 @@ impl RunFolder {
 /// leftovers of an unstarted run of ours ([`folder::check_new_run`]).
 fn output_dir(args: &TrainArgs, run_id: &str) -> Result<(PathBuf, bool)> {
     let Some(dir) = &args.out else { return Ok((PathBuf::from("runs").join(format!("run-{run_id}")), true)) };
-    folder::check_new_run(dir, family::WEIGHTS_FILE)?;
+    folder::check_new_run_unlocked(dir, family::WEIGHTS_FILE)?;
     Ok((dir.clone(), false))
 }
 
@@ -145,6 +145,10 @@ pub fn resolved_toml(plan: &Plan) -> String {
         accumulation_steps: Some(plan.batch.accumulation_steps),
     };
     resolved.data.seq_len = Some(plan.train.seq_len());
+    // A shape pinned from a model names its source, not a preset it did not use.
+    if resolved.model.source.is_some() {
+        resolved.model.preset = None;
+    }
     resolved.to_toml()
 }
 
@@ -196,7 +200,7 @@ pub fn open_outputs(
     reporter.println(&format!(
         "macrobatch: {} {} ({:.2}M params, {}), batch {} = micro {} × K {} × {} {} ({:?}), seq {} | {} train / {} val sequences, {} steps/epoch | {} threads | out {}",
         plan.family.name(),
-        plan.cfg.model.preset,
+        plan.cfg.model.label(),
         plan.family.n_params() as f64 / 1e6,
         plan.family.describe(),
         plan.batch.global,

@@ -213,9 +213,16 @@ pub fn plan_from_pretrained(path: &Path, sets: &[String], cfg: &mut Config) -> R
 fn adopt_pretrained(shape: &dyn family::Family, path: &Path, sets: &[String], cfg: &mut Config) -> Result<()> {
     let asked = serde_json::to_value(&cfg.model).unwrap_or_default();
     shape.pin_shape(&mut cfg.model);
+    cfg.model.source = Some(source_name(path));
     refuse_shape_overrides(sets, &asked, &serde_json::to_value(&cfg.model).unwrap_or_default(), path)?;
     adopt_tokenizer(cfg, path);
     Ok(())
+}
+
+/// `model.source`: where a pinned shape came from, as an absolute path
+/// (as given, if it cannot be resolved).
+fn source_name(path: &Path) -> String {
+    std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf()).display().to_string()
 }
 
 /// The pretrained model's tokenizer (a GGUF file's, a folder's
@@ -245,6 +252,7 @@ fn init_packed(path: &Path, args: &TrainArgs, cfg: &mut Config) -> Result<Option
     let asked = serde_json::to_value(&cfg.model).unwrap_or_default();
     let mut pinned = cfg.model.clone();
     shape.pin_shape(&mut pinned);
+    pinned.source = Some(source_name(path));
     let family = family::from_config(&pinned, cfg.lora.as_ref())?;
     let storage = crate::setup::frozen_storage(cfg, Some(path));
     let Some(packed) = family.with_frozen_storage(&storage).with_context(context)? else { return Ok(None) };
@@ -273,8 +281,9 @@ fn refuse_shape_overrides(
         if !seen.insert(key) {
             continue;
         }
-        // Token ids are not shape: --set may choose them.
-        if matches!(key, "bos_token_id" | "eos_token_id") {
+        // Token ids are not shape: --set may choose them; the pretrained
+        // shape replaces a preset whole.
+        if matches!(key, "bos_token_id" | "eos_token_id" | "preset") {
             continue;
         }
         let (a, p) = (asked.get(key), pinned.get(key));
@@ -405,5 +414,18 @@ fn read_run_id(dir: &Path) -> Result<Option<String>> {
         Ok(t) => Ok(Some(t.trim().to_string())),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(e).with_context(|| format!("cannot read {}", dir.join(RUN_ID_FILE).display())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every id a run writes into `run_id` is one [`folder::is_run_id`]
+    /// takes for ours (a new run may replace an unstarted run's folder).
+    #[test]
+    fn new_run_ids_are_recognised_as_ours() {
+        for _ in 0..3 {
+            let id = super::new_run_id();
+            assert!(super::folder::is_run_id(&format!("{id}\n")), "{id}");
+        }
     }
 }

@@ -6,8 +6,23 @@ use super::Outcome;
 use anyhow::{Context, Result};
 use comm::Communicator;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+
+/// How soon after the first signal a second one is taken for a repeat of
+/// it (ignored) rather than a request to exit at once.
+pub const REPEAT_MS: u64 = 1000;
+
+/// When the first signal arrived (`now_ms`).
+static FIRST_SIGNAL_MS: AtomicU64 = AtomicU64::new(0);
+
+/// Milliseconds on the monotonic clock (async-signal-safe).
+fn now_ms() -> u64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes the timespec it is given; it is async-signal-safe.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
+    (t.tv_sec as u64).saturating_mul(1000).saturating_add(t.tv_nsec as u64 / 1_000_000)
+}
 
 /// What asks a run to stop early, and whether it did.
 #[derive(Clone)]
@@ -23,15 +38,31 @@ pub struct StopRequests {
 }
 
 impl StopRequests {
-    /// `--stop-after` and handlers for SIGINT / SIGTERM (a second signal
-    /// while the first is being honoured ends the process at once).
+    /// `--stop-after` and handlers for SIGINT / SIGTERM. The first signal
+    /// asks every rank to stop after the step in progress, with a
+    /// checkpoint. A repeat within [`REPEAT_MS`] of it (a double Ctrl-C, or a
+    /// process manager signalling the whole group) changes nothing; a second
+    /// signal later ends the process at once, saying on stderr that the
+    /// steps since the last checkpoint are lost.
     pub fn install(after: Option<u64>) -> Result<Self> {
         let signalled = Arc::new(AtomicBool::new(false));
         let signal = Arc::new(AtomicUsize::new(0));
         for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-            // A second signal while the first is being honoured ends the process at once.
-            signal_hook::flag::register_conditional_shutdown(sig, 128 + sig, signalled.clone())
-                .context("cannot install signal handler")?;
+            let first = signalled.clone();
+            let action = move || {
+                // Async-signal-safe only: atomics, clock_gettime, write, _exit.
+                let now = now_ms();
+                if !first.load(Ordering::SeqCst) {
+                    FIRST_SIGNAL_MS.store(now, Ordering::SeqCst);
+                } else if now.saturating_sub(FIRST_SIGNAL_MS.load(Ordering::SeqCst)) >= REPEAT_MS {
+                    let msg = b"\nerror: a second signal: exiting now, without a checkpoint of the steps since the last one (train --resume continues from that one)\n";
+                    // SAFETY: write(2) on stderr with a valid buffer is async-signal-safe.
+                    unsafe { libc::write(2, msg.as_ptr().cast(), msg.len()) };
+                    signal_hook::low_level::exit(128 + sig);
+                }
+            };
+            // SAFETY: the action only touches atomics and async-signal-safe calls.
+            unsafe { signal_hook::low_level::register(sig, action) }.context("cannot install signal handler")?;
             signal_hook::flag::register_usize(sig, signal.clone(), sig as usize)
                 .context("cannot install signal handler")?;
             signal_hook::flag::register(sig, signalled.clone()).context("cannot install signal handler")?;

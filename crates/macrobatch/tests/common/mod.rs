@@ -209,3 +209,13 @@ pub fn tiny_lora_run(out: &Path, init: &Path, sets: &[&str], extra: &[&str]) -> 
     c.arg("--init-from").arg(init).args(extra);
     c.output().expect("binary runs")
 }
+
+/// Exit code 2 (an error), never a panic (101) or an abort (134), with
+/// `needle` in its message; returns stderr.
+pub fn fails(o: &Output, needle: &str) -> String {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(2), "expected a clean error: {err}");
+    assert!(!err.contains("panicked") && !err.contains("memory allocation"), "{err}");
+    assert!(err.contains(needle), "expected `{needle}` in: {err}");
+    err
+}
