@@ -227,7 +227,9 @@ impl OutLock {
         let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
         let path = parent.join(format!("{}.lock", name.to_string_lossy()));
-        for _ in 0..2 {
+        // A few tries: a holder that finishes (or a dead one's lock taken
+        // over) between our create and our read lets us try again.
+        for _ in 0..4 {
             match std::fs::OpenOptions::new().write(true).create_new(true).open(&path) {
                 Ok(mut f) => {
                     let lock = OutLock { path };
@@ -238,7 +240,30 @@ impl OutLock {
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
                 Err(e) => return Err(e).with_context(|| format!("cannot create the lock file {}", path.display())),
             }
-            let holder = std::fs::read_to_string(&path).unwrap_or_default();
+            // The holder creates the file, then writes its id: give it a
+            // moment to do so before calling the lock nameless.
+            let mut holder = None;
+            for _ in 0..20 {
+                match std::fs::read_to_string(&path) {
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
+                    Ok(h) if !h.trim().is_empty() => {
+                        holder = Some(h);
+                        break;
+                    }
+                    _ => std::thread::sleep(std::time::Duration::from_millis(50)),
+                }
+            }
+            let Some(holder) = holder else {
+                if path.exists() {
+                    bail!(
+                        "--out {} is being written by another process (it holds {}); wait for it to finish, or choose another --out (if no export is running, remove {})",
+                        out.display(),
+                        path.display(),
+                        path.display()
+                    )
+                }
+                continue; // the holder finished: try again
+            };
             match holder.trim().parse::<i32>() {
                 Ok(pid) if pid > 0 && !alive(pid) => {
                     eprintln!("note: taking over {}, left by process {pid}, which has ended", path.display());
