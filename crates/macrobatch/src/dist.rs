@@ -186,14 +186,28 @@ pub fn mpi_comm(_timeout: Duration) -> Result<Box<dyn comm::Communicator>> {
 /// at step S hold a NaN), `oom` (step S allocates `bytes=N` more bytes than
 /// the memory limit lets it: the out-of-memory report), `slow_load` (loading
 /// the model takes `secs=X` longer, announced on stderr once the signal
-/// handlers are in place).
+/// handlers are in place). `phase=checkpoint` moves a panic, error, stall or
+/// kill from the start of step S into its checkpoint's gather (a step with
+/// a checkpoint due), `phase=save` into the final save's gather (S unused).
 #[derive(Debug, Clone, Copy)]
 pub struct Fault {
     rank: usize,
     step: u64,
     kind: FaultKind,
+    phase: FaultPhase,
     bytes: u64,
     secs: f64,
+}
+
+/// Where in a step a fault fires.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum FaultPhase {
+    /// The start of the optimizer step, before its micro-steps.
+    Step,
+    /// The gather of the step's checkpoint.
+    Checkpoint,
+    /// The gather of the final save.
+    Save,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -213,7 +227,7 @@ impl Fault {
     /// Reads `MACROBATCH_FAULT`, if set.
     pub fn from_env() -> Result<Option<Self>> {
         let Ok(spec) = std::env::var("MACROBATCH_FAULT") else { return Ok(None) };
-        let mut f = Fault { rank: 0, step: 1, kind: FaultKind::Panic, bytes: 0, secs: 0.0 };
+        let mut f = Fault { rank: 0, step: 1, kind: FaultKind::Panic, phase: FaultPhase::Step, bytes: 0, secs: 0.0 };
         for part in spec.split(',') {
             let (k, v) =
                 part.split_once('=').with_context(|| format!("MACROBATCH_FAULT: `{part}` is not key=value"))?;
@@ -222,6 +236,14 @@ impl Fault {
                 "step" => f.step = v.trim().parse().context("MACROBATCH_FAULT step")?,
                 "bytes" => f.bytes = v.trim().parse().context("MACROBATCH_FAULT bytes")?,
                 "secs" => f.secs = v.trim().parse().context("MACROBATCH_FAULT secs")?,
+                "phase" => {
+                    f.phase = match v.trim() {
+                        "step" => FaultPhase::Step,
+                        "checkpoint" => FaultPhase::Checkpoint,
+                        "save" => FaultPhase::Save,
+                        other => bail!("MACROBATCH_FAULT phase `{other}`: use step, checkpoint or save"),
+                    }
+                }
                 "kind" => {
                     f.kind = match v.trim() {
                         "panic" => FaultKind::Panic,
@@ -244,11 +266,33 @@ impl Fault {
         Ok(Some(f))
     }
 
-    /// Fires if this is the chosen rank and step.
+    /// Fires if this is the chosen rank and step (at the step's start).
     pub fn maybe_fire(&self, rank: usize, step: u64) -> Result<()> {
-        if rank != self.rank || step != self.step {
+        if rank != self.rank || step != self.step || self.phase != FaultPhase::Step {
             return Ok(());
         }
+        self.fire(rank, step)
+    }
+
+    /// Fires if this is the chosen rank and step, in the gather of the
+    /// step's checkpoint.
+    pub fn maybe_fire_in_checkpoint(&self, rank: usize, step: u64) -> Result<()> {
+        if rank != self.rank || step != self.step || self.phase != FaultPhase::Checkpoint {
+            return Ok(());
+        }
+        self.fire(rank, step)
+    }
+
+    /// Fires if this is the chosen rank, in the gather of the final save
+    /// after step `step`.
+    pub fn maybe_fire_in_final_save(&self, rank: usize, step: u64) -> Result<()> {
+        if rank != self.rank || self.phase != FaultPhase::Save {
+            return Ok(());
+        }
+        self.fire(rank, step)
+    }
+
+    fn fire(&self, rank: usize, step: u64) -> Result<()> {
         match self.kind {
             FaultKind::Enospc => gpt::hf::set_write_budget(Some(self.bytes)),
             FaultKind::SlowCheckpoint | FaultKind::Nan | FaultKind::SlowLoad => {}

@@ -100,6 +100,44 @@ fn a_killed_rank_stops_the_job_with_its_rank_named() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// Rank 1 killed in each phase of a step (its start, the checkpoint's
+/// gather, the final save's gather): the job ends, naming rank 1, within
+/// the timeout; the folder keeps its last whole checkpoint and no model;
+/// `train --resume` under mpirun ends with the uninterrupted job's weights.
+/// ZeRO-3, so a checkpoint's gather needs rank 1's shard (with replicated
+/// parameters rank 0 writes a whole checkpoint alone, and does).
+#[test]
+fn a_rank_killed_in_any_phase_leaves_a_checkpoint_that_resumes_to_the_same_weights() {
+    let s = sets(&["train.steps=5", "train.checkpoint_every=2", "dist.timeout_s=10", "dist.zero_stage=3"]);
+    let whole = tmp("mpi-kill-whole");
+    let o = mpirun(2, &whole, &s, None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want = weights(&whole);
+    for (phase, kept) in [("step", "step-00000002"), ("checkpoint", "step-00000002"), ("save", "step-00000005")] {
+        let out = tmp(&format!("mpi-kill-{phase}"));
+        let t0 = Instant::now();
+        let fault = format!("rank=1,step=4,kind=kill,phase={phase}");
+        let o = mpirun(2, &out, &s, Some(&fault));
+        let all = format!("{}{}", String::from_utf8_lossy(&o.stdout), stderr(&o));
+        assert!(!o.status.success() && all.contains("rank 1"), "{phase}: mpirun must name the dead rank: {all}");
+        assert!(t0.elapsed() < Duration::from_secs(30), "{phase}: took {:?}", t0.elapsed());
+        assert!(!out.join("model.safetensors").exists(), "{phase}");
+        let ck: Vec<String> = std::fs::read_dir(out.join("checkpoints"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("step-"))
+            .max()
+            .into_iter()
+            .collect();
+        assert_eq!(ck, [kept], "{phase}: the newest whole checkpoint");
+        let o = mpirun_train(2, &[std::ffi::OsStr::new("--resume"), out.as_os_str()], &[], None);
+        assert!(o.status.success(), "{phase}: {}", stderr(&o));
+        assert!(weights(&out) == want, "{phase}: the resumed job's weights are the uninterrupted job's");
+        let _ = std::fs::remove_dir_all(&out);
+    }
+    let _ = std::fs::remove_dir_all(&whole);
+}
+
 #[test]
 fn a_stalled_rank_makes_the_others_abort_within_the_timeout() {
     let out = tmp("mpi-stall");

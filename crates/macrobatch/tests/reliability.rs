@@ -303,6 +303,30 @@ fn sigterm_while_the_model_loads_checkpoints_step_one_and_says_so() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+// kill -9 inside the checkpoint of step 4, and inside the final save: the
+// folder keeps the last whole checkpoint (step 2, resp. the last step 5)
+// and no model,
+// and a resume ends with the uninterrupted run's weights, bit for bit.
+#[test]
+fn kill_9_in_a_checkpoint_or_the_final_save_resumes_to_the_same_weights() {
+    let sets = tiny(&["train.steps=5", "train.checkpoint_every=2"]);
+    let whole = tmp("kill-phase-whole");
+    ok(train(&whole, &sets));
+    let want = weights(&whole);
+    for (phase, kept) in [("checkpoint", "step-00000002"), ("save", "step-00000005")] {
+        let dir = tmp(&format!("kill-phase-{phase}"));
+        let fault = format!("rank=0,step=4,kind=kill,phase={phase}");
+        let o = train_cmd(&dir, &sets).env("MACROBATCH_FAULT", &fault).output().unwrap();
+        assert_eq!(o.status.code(), None, "{phase}: killed by a signal: {}", stderr(&o));
+        assert!(!dir.join("model.safetensors").exists(), "{phase}: no model from a killed save");
+        assert_eq!(steps_of(&dir).last().map(String::as_str), Some(kept), "{phase}: {:?}", steps_of(&dir));
+        resume_ok(&dir, &[]);
+        assert!(weights(&dir) == want, "{phase}: the resumed run's weights are the uninterrupted run's");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let _ = std::fs::remove_dir_all(&whole);
+}
+
 /// Starts `c` (a train into `dir`, stderr piped) and waits until it has
 /// logged `steps` steps.
 fn spawn_until_steps(c: &mut Command, dir: &Path, steps: usize) -> std::process::Child {

@@ -85,6 +85,9 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
         let verdict = watch.observe(step, val_loss, comms.world)?;
         let early_stop = verdict.stop.is_some();
         let checkpoint_due = checkpoints.due(step, stop || early_stop) || verdict.new_best;
+        if let (Some(f), true) = (start.fault.as_ref(), checkpoint_due) {
+            f.maybe_fire_in_checkpoint(rank, step)?;
+        }
         let full_state = checkpoints.gather(checkpoint_due, step, &mut trainer, &mut comms)?;
         let Some(out) = outputs.as_mut() else {
             checkpoints.wait_for_rank0(checkpoint_due, comms.world)?;
@@ -134,6 +137,9 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
     // model's activations, which the save does not need.
     let per_rank = memory.gather(comms.world, &trainer)?;
     drop(model);
+    if let Some(f) = start.fault.as_ref() {
+        f.maybe_fire_in_final_save(rank, last_step)?;
+    }
     let params = checkpoints.gather_final(&mut trainer, &mut comms)?;
     if let Some(out) = &outputs {
         memory.write_file(out, plan, whole.n_params(), &trainer, &per_rank)?;

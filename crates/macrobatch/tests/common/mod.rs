@@ -145,6 +145,11 @@ pub fn refused_train(tag: &str, config: Option<&Path>, sets: &[&str], needles: &
 /// memory between the ranks), with the test fault `fault`
 /// (`MACROBATCH_FAULT`) if given.
 pub fn mpirun(np: usize, out: &Path, sets: &[&str], fault: Option<&str>) -> Output {
+    mpirun_train(np, &[std::ffi::OsStr::new("--out"), out.as_os_str()], sets, fault)
+}
+
+/// `macrobatch train ARGS` under `mpirun -np N`, as [`mpirun`].
+pub fn mpirun_train(np: usize, args: &[&std::ffi::OsStr], sets: &[&str], fault: Option<&str>) -> Output {
     let mut c = Command::new("mpirun");
     // Freed buffers go straight back to the OS, so resident-set growth
     // measures what is held (glibc otherwise keeps some in its heap).
@@ -156,8 +161,7 @@ pub fn mpirun(np: usize, out: &Path, sets: &[&str], fault: Option<&str>) -> Outp
         .env("OMPI_MCA_btl", "self,vader")
         .arg(env!("CARGO_BIN_EXE_macrobatch"))
         .arg("train")
-        .arg("--out")
-        .arg(out);
+        .args(args);
     if let Some(f) = fault {
         c.env("MACROBATCH_FAULT", f);
     }
