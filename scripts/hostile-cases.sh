@@ -39,13 +39,13 @@ echo "== 3. near the memory limit: GPT-2 small, micro 8, global 16 (a checkpoint
 rm -rf big
 small=(--set model.preset=small --set batch.micro=8 --set batch.global=16 --set train.eval_every=0 --set train.checkpoint_every=1)
 "$bin" train "${small[@]}" --set train.steps=1 --out big 2>err.txt; show $? err.txt
-before=$(find big/checkpoints -type f -exec sha256sum {} + | sort | sha256sum)
+before=$(find big/checkpoints/step-00000001 -type f -exec sha256sum {} + | sort | sha256sum)
 for kib in 2260000 2600000 3000000; do
   (ulimit -v "$kib"; "$bin" train --resume big --set train.steps=2 2>err.txt); code=$?
   echo " ulimit -v $kib:"; show $code err.txt
 done
-after=$(find big/checkpoints -type f -exec sha256sum {} + | sort | sha256sum)
-[[ "$before" == "$after" ]] && echo "  checkpoint files unchanged (sha256)" || echo "  CHECKPOINT CHANGED"
+after=$(find big/checkpoints/step-00000001 -type f -exec sha256sum {} + | sort | sha256sum)
+[[ "$before" == "$after" ]] && echo "  step 1's checkpoint files unchanged (sha256)" || echo "  STEP 1'S CHECKPOINT CHANGED"
 
 echo "== 4. plan on absurd shapes (peak RSS)"
 for s in "model.n_layer=10000000" "model.n_embd=1000000000" "model.n_layer=5461" ; do
@@ -98,14 +98,24 @@ echo "  contents after: $(cat rid/run_id rid/tokenizer.json rid/memory.json | tr
 echo "== 10. fidelity: SmolLM2-135M (the GGUF of scripts/fetch-smollm.sh; skipped without it)"
 gguf="${MACROBATCH_SMOLLM_GGUF:-$("$OLDPWD/scripts/fetch-smollm.sh" 2>/dev/null)}"
 if [[ -s "$gguf" ]]; then
-  printf 'The' > one.txt
-  "$bin" eval "$gguf" --data one.txt --seq-len 1 2>err.txt | grep -m1 -i 'loss' | sed 's/^/  eval --seq-len 1 on one token: /'
-  echo "  (transformers in f64: 13.6698133 for this token, per the independent check)"
+  printf 'The cat' > two.txt
+  ours=$("$bin" eval "$gguf" --data two.txt --seq-len 1 2>err.txt | awk '/^loss/ {print $2}')
+  ref=$(python3 - "$gguf" 2>/dev/null <<'PY'
+import os, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+d, f = os.path.split(sys.argv[1])
+tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype=torch.float64)
+ids = torch.tensor([tok.encode("The cat", add_special_tokens=False)])
+print(f"{model(ids, labels=ids).loss.item():.7f}")
+PY
+)
+  echo "  eval --seq-len 1 on 'The cat' (one prediction): ours ${ours:-failed: $(tail -n1 err.txt)}, transformers in f64 ${ref:-(not run: pip install torch transformers gguf)}"
   "$bin" generate "$gguf" --prompt "<|im_start|>user
 What is 2+2?<|im_end|>
 <|im_start|>assistant
-" --max-new-tokens 60 >gen.txt 2>err.txt; code=$?
-  echo "  generate without --chat: exit $code, $(wc -c <gen.txt) bytes; past <|im_end|>: $(grep -c 'im_start' gen.txt) new turn(s)"
+" --max-new-tokens 200 >gen.txt 2>err.txt; code=$?
+  echo "  generate without --chat (200 new tokens at most): exit $code, $(wc -c <gen.txt) bytes; turns begun after the prompt's two: $(( $(grep -o 'im_start' gen.txt | wc -l) - 2 ))"
 else
   echo "  no SmolLM2 GGUF (run scripts/fetch-smollm.sh): skipped"
 fi
