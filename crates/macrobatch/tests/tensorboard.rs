@@ -336,3 +336,34 @@ fn a_tensorboard_path_that_cannot_be_a_folder_is_refused_before_the_first_step()
     assert_eq!(std::fs::read_to_string(&file).unwrap(), "mine\n", "the user's file is untouched");
     let _ = std::fs::remove_file(file);
 }
+
+/// The disk fills up inside step 5's TensorBoard record, its
+/// `metrics.jsonl` line already written: a clear error naming the event
+/// file, which is cut back to its last whole record; the resume from step
+/// 4's checkpoint logs steps 5-8 once each, equal to `metrics.jsonl`.
+#[test]
+fn a_full_disk_in_a_tensorboard_record_is_cut_back_and_the_resume_logs_each_step_once() {
+    let straight = tmp("tensorboard-enospc-straight");
+    let mut c = bin();
+    c.arg("train").arg("--out").arg(&straight);
+    with_sets(&mut c, &sets(&["train.steps=8"]));
+    let o = c.output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    // Step 5's metrics line fits (its timings may be a few bytes longer in
+    // the second run); the event record, hundreds of bytes, does not.
+    let line5 = std::fs::read_to_string(straight.join("metrics.jsonl")).unwrap().lines().nth(4).unwrap().len() + 1;
+    let run = tmp("tensorboard-enospc");
+    let mut c = bin();
+    c.arg("train").arg("--out").arg(&run).env("MACROBATCH_FAULT", format!("kind=enospc,step=5,bytes={}", line5 + 40));
+    with_sets(&mut c, &sets(&["train.steps=8"]));
+    let err = fails(&c.output().unwrap(), "No space left on device");
+    assert!(err.contains("tfevents"), "the event file is named: {err}");
+    let o = resume(&run, &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (got, _) = read_series(&run.join("tensorboard"));
+    assert_eq!(got, expected_series(&run));
+    assert_eq!(metrics(&run).len(), 8);
+    for d in [straight, run] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
