@@ -92,7 +92,7 @@ fn check_args(args: &ExportArgs) -> Result<()> {
 /// an export of ours outside the model ([`replaceable`]).
 fn check_out(args: &ExportArgs) -> Result<()> {
     let (out, run) = (&args.out, &args.run);
-    let (out_abs, run_abs) = (resolved(out), resolved(run));
+    let (out_abs, run_abs) = (crate::folder::resolved(out), crate::folder::resolved(run));
     if out_abs == run_abs {
         bail!("--out {} is the model being exported; choose another path", out.display());
     }
@@ -120,37 +120,6 @@ fn check_out(args: &ExportArgs) -> Result<()> {
         );
     }
     replaceable(out, args.format)
-}
-
-/// `p` absolute, with links and `..` resolved as far as it exists (the rest
-/// appended as written, `.` and `..` applied), so two spellings of one path
-/// compare equal and a folder is a prefix of what is inside it.
-fn resolved(p: &Path) -> PathBuf {
-    let abs = if p.is_absolute() { p.to_path_buf() } else { std::env::current_dir().unwrap_or_default().join(p) };
-    let mut head = abs.as_path();
-    let mut tail = Vec::new();
-    loop {
-        if let Ok(c) = head.canonicalize() {
-            let mut r = c;
-            for part in tail.iter().rev() {
-                match part {
-                    std::path::Component::ParentDir => {
-                        r.pop();
-                    }
-                    std::path::Component::CurDir => {}
-                    other => r.push(other),
-                }
-            }
-            return r;
-        }
-        match (head.parent(), head.components().next_back()) {
-            (Some(parent), Some(last)) => {
-                tail.push(last);
-                head = parent;
-            }
-            _ => return abs,
-        }
-    }
 }
 
 /// The files an export of ours holds (a Hugging Face folder).

@@ -257,15 +257,37 @@ pub fn remove_unstarted(dir: &Path, created_dir: bool) {
 /// `a` and `b` name the same file or folder (`./s11`, `s11/` and an
 /// absolute path all do, and so do links to it), whether or not it exists yet.
 pub fn same_path(a: &Path, b: &Path) -> bool {
-    normalise(a) == normalise(b)
+    resolved(a) == resolved(b)
 }
 
-fn normalise(p: &Path) -> PathBuf {
-    if let Ok(c) = p.canonicalize() {
-        return c;
-    }
+/// `p` absolute, with links and `..` resolved as far as it exists (the rest
+/// appended as written, `.` and `..` applied), so two spellings of one path
+/// compare equal and a folder is a prefix of what is inside it.
+pub fn resolved(p: &Path) -> PathBuf {
     let abs = if p.is_absolute() { p.to_path_buf() } else { std::env::current_dir().unwrap_or_default().join(p) };
-    abs.components().filter(|c| !matches!(c, std::path::Component::CurDir)).collect()
+    let mut head = abs.as_path();
+    let mut tail = Vec::new();
+    loop {
+        if let Ok(mut r) = head.canonicalize() {
+            for part in tail.iter().rev() {
+                match part {
+                    std::path::Component::ParentDir => {
+                        r.pop();
+                    }
+                    std::path::Component::CurDir => {}
+                    other => r.push(other),
+                }
+            }
+            return r;
+        }
+        match (head.parent(), head.components().next_back()) {
+            (Some(parent), Some(last)) => {
+                tail.push(last);
+                head = parent;
+            }
+            _ => return abs,
+        }
+    }
 }
 
 #[cfg(test)]

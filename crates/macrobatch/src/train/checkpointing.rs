@@ -189,11 +189,7 @@ impl<'a> Checkpoints<'a> {
         steps_done: u64,
         cause: anyhow::Error,
     ) -> anyhow::Error {
-        let newest = std::fs::read_dir(dir.join("checkpoints"))
-            .into_iter()
-            .flatten()
-            .filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("step-")?.parse::<u64>().ok())
-            .max();
+        let newest = crate::checkpoint::list(dir).ok().and_then(|l| l.last().map(|&(step, _)| step));
         let kept = match newest {
             Some(step) => format!(
                 "the checkpoint of step {step} in {} is kept: `macrobatch train --resume {}` continues from it",
