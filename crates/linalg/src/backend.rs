@@ -257,8 +257,10 @@ fn forced() -> Option<Backend> {
     })
 }
 
-/// The CPU model name and thread count, as the cache file's identity
-/// (`/proc/cpuinfo` is read once per process).
+/// The CPU model name, the vector ISA in force ([`crate::vector_isa`]: a
+/// VM or emulator may hide AVX-512 from the same model name) and the thread
+/// count, as the cache file's identity (`/proc/cpuinfo` is read once per
+/// process).
 fn machine_id(threads: usize) -> String {
     static SLUG: OnceLock<String> = OnceLock::new();
     let slug = SLUG.get_or_init(|| {
@@ -275,12 +277,12 @@ fn machine_id(threads: usize) -> String {
             model.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' }).collect();
         slug.trim_matches('-').to_string()
     });
-    format!("{slug}-t{threads}")
+    format!("{slug}-{}-t{threads}", crate::vector_isa().to_ascii_lowercase())
 }
 
 /// The probe cache of this machine: `$MACROBATCH_CACHE_DIR`, else
 /// `$XDG_CACHE_HOME/macrobatch`, else `$HOME/.cache/macrobatch`, then
-/// `gemm-<cpu model>-t<threads>.json`. `None` when no directory is known.
+/// `gemm-<cpu model>-<vector isa>-t<threads>.json`. `None` when no directory is known.
 pub fn cache_path() -> Option<PathBuf> {
     cache_path_for(rayon::current_num_threads())
 }

@@ -24,6 +24,35 @@ pub use packed::{gemm_dy_w, gemm_x_wt, PackError, PackFormat, PackedMatrix};
 use std::cell::Cell;
 use std::thread::LocalKey;
 
+/// The vector instruction set the f32 kernels run at on this CPU: the
+/// `gemm` crate's micro-kernels and our `multiversion` loops both pick it at
+/// run time. `"AVX-512"` (AVX-512 F, BW, VL and DQ: what our clones ask
+/// for), `"AVX2"` (with FMA), else the baseline (`"SSE2"` on x86-64, or the
+/// architecture's name). Each path computes every dot product and loop as
+/// the same IEEE operations in the same order, so a run's bits do not depend
+/// on it (`crates/macrobatch/tests/isa.rs` runs the AVX2 path under qemu and
+/// compares).
+pub fn vector_isa() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512dq")
+        {
+            "AVX-512"
+        } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            "AVX2"
+        } else {
+            "SSE2"
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        std::env::consts::ARCH
+    }
+}
+
 /// Runs `f` on this thread's buffer `key` of at least `len` elements.
 /// The buffer is taken out of the cell meanwhile, so a nested call (work
 /// stealing inside `f`) gets a fresh one instead of aliasing it.

@@ -442,7 +442,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     let s = &report.step;
     println!(
-        "bench: {} {} ({:.2}M params), seq {}, global batch {} = micro {} × K {}, {} threads, {} measured steps after {} warm-up",
+        "bench: {} {} ({:.2}M params), seq {}, global batch {} = micro {} × K {}, {} threads ({}), {} measured steps after {} warm-up",
         plan.family.name(),
         report.preset,
         report.n_params as f64 / 1e6,
@@ -451,6 +451,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         s.micro,
         s.accumulation_steps,
         threads,
+        linalg::vector_isa(),
         args.steps,
         args.warmup
     );

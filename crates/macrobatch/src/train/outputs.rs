@@ -198,7 +198,7 @@ pub fn open_outputs(
     }
     let reporter = Reporter::new(&metrics, plan.cfg.train.steps, plan.cfg.train.log_every, resume_step.is_some())?;
     reporter.println(&format!(
-        "macrobatch: {} {} ({:.2}M params, {}), batch {} = micro {} × K {} × {} {} ({:?}), seq {} | {} train / {} val sequences, {} steps/epoch | {} threads | out {}",
+        "macrobatch: {} {} ({:.2}M params, {}), batch {} = micro {} × K {} × {} {} ({:?}), seq {} | {} train / {} val sequences, {} steps/epoch | {} threads, {} | out {}",
         plan.family.name(),
         plan.cfg.model.label(),
         plan.family.n_params() as f64 / 1e6,
@@ -214,6 +214,7 @@ pub fn open_outputs(
         plan.val.n_samples(),
         plan.sampler.steps_per_epoch(),
         rayon::current_num_threads(),
+        linalg::vector_isa(),
         dir.display()
     ));
     if plan.grid.is_split() {
