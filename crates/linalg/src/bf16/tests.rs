@@ -285,6 +285,11 @@ fn long_k_bit_identical_to_one_row_at_a_time_on_the_pool() {
 /// signed zeros, values that round to a bf16 tie, and now and then an
 /// infinity or NaN.
 fn nasty(len: usize, seed: u64) -> Vec<f32> {
+    bits_from(seed, len, nasty_bits)
+}
+
+/// `len` values from `f(r)` of a xorshift stream seeded by `seed`.
+fn bits_from(seed: u64, len: usize, f: fn(u64) -> u32) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1;
     let mut next = move || {
         s ^= s << 13;
@@ -292,95 +297,116 @@ fn nasty(len: usize, seed: u64) -> Vec<f32> {
         s ^= s << 17;
         s
     };
-    (0..len)
-        .map(|_| {
-            let r = next();
-            let sign = if r & 1 == 1 { 0x8000_0000u32 } else { 0 };
-            let mant = ((r >> 8) as u32) & 0x007f_ffff;
-            let bits = match (r >> 1) % 16 {
-                0 => sign,                                                     // ±0
-                1 => sign | mant,                                              // denormal
-                2 => sign | (1 << 23) | mant,                                  // smallest exponent
-                3 => sign | ((((r >> 40) % 20 + 1) as u32) << 23) | mant,      // products underflow
-                4 => sign | ((127 + 2) << 23) | (mant & 0x007f_0000) | 0x8000, // a bf16 tie
-                5 if (r >> 50) % 64 == 0 => sign | 0x7f80_0000,                // ±inf (rare)
-                6 if (r >> 50) % 64 == 0 => 0x7fc0_1234,                       // NaN (rare)
-                7..=9 => sign | ((((r >> 40) % 60 + 97) as u32) << 23) | mant, // 2^-30 .. 2^29
-                _ => sign | ((((r >> 40) % 6 + 124) as u32) << 23) | mant,     // O(1)
-            };
-            f32::from_bits(bits)
-        })
-        .collect()
+    (0..len).map(|_| f32::from_bits(f(next()))).collect()
+}
+
+/// One value of [`nasty`] from the random word `r`.
+fn nasty_bits(r: u64) -> u32 {
+    let sign = if r & 1 == 1 { 0x8000_0000u32 } else { 0 };
+    let mant = ((r >> 8) as u32) & 0x007f_ffff;
+    match (r >> 1) % 16 {
+        0 => sign,                                                     // ±0
+        1 => sign | mant,                                              // denormal
+        2 => sign | (1 << 23) | mant,                                  // smallest exponent
+        3 => sign | ((((r >> 40) % 20 + 1) as u32) << 23) | mant,      // products underflow
+        4 => sign | ((127 + 2) << 23) | (mant & 0x007f_0000) | 0x8000, // a bf16 tie
+        5 if (r >> 50).is_multiple_of(64) => sign | 0x7f80_0000,       // ±inf (rare)
+        6 if (r >> 50).is_multiple_of(64) => 0x7fc0_1234,              // NaN (rare)
+        7..=9 => sign | ((((r >> 40) % 60 + 97) as u32) << 23) | mant, // 2^-30 .. 2^29
+        _ => sign | ((((r >> 40) % 6 + 124) as u32) << 23) | mant,     // O(1)
+    }
+}
+
+/// Values whose products (2⁻¹³²‥2⁻¹²⁰) and running sums cross the bottom
+/// of the normal range at every step, so the flush to zero (FTZ) of every
+/// FMA result decides the outputs.
+fn near_underflow(len: usize, seed: u64) -> Vec<f32> {
+    bits_from(seed, len, |r| {
+        let sign = if r & 1 == 1 { 0x8000_0000u32 } else { 0 };
+        sign | ((((r >> 40) % 7 + 61) as u32) << 23) | (((r >> 8) as u32) & 0x007f_ffff)
+    })
 }
 
 /// The portable kernel against the hardware's bits (where the CPU has
 /// it) and against an exact model of the instruction's definition (two
-/// f32 FMAs per pair, odd element first, DAZ/FTZ) everywhere.
+/// f32 FMAs per pair, odd element first, DAZ/FTZ) everywhere, in each of its
+/// tile implementations this CPU can run (scalar, AVX2, AVX-512).
 #[test]
 fn portable_kernel_has_the_instructions_bits() {
     let cases = [(1usize, 1usize, 1usize), (3, 5, 7), (12, 32, 64), (13, 33, 1025), (70, 40, 2051), (7, 200, 130)];
     for (c, &(m, n, k)) in cases.iter().enumerate() {
         for accumulate in [false, true] {
-            let a = nasty(m * k, 10 + c as u64);
-            let b = nasty(k * n, 20 + c as u64);
-            let dst0 = rand_vec(m * n, 30 + c as u64);
-            let run = |hardware: bool, pool: bool| {
-                let mut dst = dst0.clone();
-                let call = crate::Call {
-                    m,
-                    n,
-                    k,
-                    dst: dst.as_mut_ptr(),
-                    dst_rs: n,
-                    accumulate,
-                    lhs: Strided::rows(&a, k),
-                    rhs: Strided::rows(&b, n),
-                    alpha: 0.75,
-                };
-                // SAFETY: dst holds the m × n block; the views hold the operands.
-                #[cfg(target_arch = "x86_64")]
-                if hardware {
-                    unsafe { hardware::gemm(&call, pool) };
-                    return dst;
-                }
-                let _ = hardware;
-                // SAFETY: as above.
-                unsafe { portable::gemm(&call, pool) };
-                dst
-            };
-            let bits =
-                |v: &[f32]| v.iter().map(|x| if x.is_nan() { u32::MAX } else { x.to_bits() }).collect::<Vec<_>>();
-            let port = run(false, false);
-            assert_eq!(bits(&port), bits(&run(false, true)), "portable, pool vs one thread");
-            // The definition, one element at a time.
-            let r = portable::round;
-            let ftz = |x: f32| if x.abs() < f32::MIN_POSITIVE { f32::from_bits(x.to_bits() & 0x8000_0000) } else { x };
-            for i in 0..m {
-                for j in 0..n {
-                    let mut acc = 0f32;
-                    for p in 0..k.div_ceil(2) {
-                        let at = |kk: usize| if kk < k { (r(a[i * k + kk]), r(b[kk * n + j])) } else { (0.0, 0.0) };
-                        let ((x1, y1), (x0, y0)) = (at(2 * p + 1), at(2 * p));
-                        acc = ftz(x1.mul_add(y1, acc));
-                        acc = ftz(x0.mul_add(y0, acc));
+            for gen in [nasty, near_underflow] {
+                let a = gen(m * k, 10 + c as u64);
+                let b = gen(k * n, 20 + c as u64);
+                let dst0 = rand_vec(m * n, 30 + c as u64);
+                let run = |hardware: bool, pool: bool, tile: portable::Tile| {
+                    let mut dst = dst0.clone();
+                    let call = crate::Call {
+                        m,
+                        n,
+                        k,
+                        dst: dst.as_mut_ptr(),
+                        dst_rs: n,
+                        accumulate,
+                        lhs: Strided::rows(&a, k),
+                        rhs: Strided::rows(&b, n),
+                        alpha: 0.75,
+                    };
+                    // SAFETY: dst holds the m × n block; the views hold the operands.
+                    #[cfg(target_arch = "x86_64")]
+                    if hardware {
+                        unsafe { hardware::gemm(&call, pool) };
+                        return dst;
                     }
-                    let want = if accumulate { 0.75f32.mul_add(acc, dst0[i * n + j]) } else { 0.75 * acc };
-                    assert_eq!(bits(&[port[i * n + j]]), bits(&[want]), "({i},{j}) of {m}x{n}x{k}");
+                    let _ = hardware;
+                    // SAFETY: as above.
+                    unsafe { portable::gemm_with(tile, &call, pool) };
+                    dst
+                };
+                let best = portable::Tile::best();
+                let bits =
+                    |v: &[f32]| v.iter().map(|x| if x.is_nan() { u32::MAX } else { x.to_bits() }).collect::<Vec<_>>();
+                let port = run(false, false, portable::Tile::Scalar);
+                for tile in portable::Tile::available() {
+                    assert_eq!(
+                        bits(&port),
+                        bits(&run(false, false, tile)),
+                        "{m}x{n}x{k}: the {tile:?} tile vs the scalar one"
+                    );
+                    assert_eq!(bits(&port), bits(&run(false, true, tile)), "{m}x{n}x{k}: {tile:?}, pool vs one thread");
                 }
-            }
-            if detect() {
-                let hw = run(true, false);
-                let differ = bits(&hw).iter().zip(bits(&port)).filter(|(x, y)| **x != *y).count();
-                assert_eq!(
-                    differ,
-                    0,
-                    "{m}x{n}x{k} acc {accumulate}: {differ} of {} elements differ from vdpbf16ps (first: {:?})",
-                    m * n,
-                    hw.iter().zip(&port).find(|(x, y)| x.to_bits() != y.to_bits())
-                );
-                assert_eq!(bits(&hw), bits(&run(true, true)), "hardware, pool vs one thread");
-            } else {
-                eprintln!("no AVX512-BF16 here: the portable kernel checked against the definition only");
+                // The definition, one element at a time.
+                let r = portable::round;
+                let ftz =
+                    |x: f32| if x.abs() < f32::MIN_POSITIVE { f32::from_bits(x.to_bits() & 0x8000_0000) } else { x };
+                for i in 0..m {
+                    for j in 0..n {
+                        let mut acc = 0f32;
+                        for p in 0..k.div_ceil(2) {
+                            let at = |kk: usize| if kk < k { (r(a[i * k + kk]), r(b[kk * n + j])) } else { (0.0, 0.0) };
+                            let ((x1, y1), (x0, y0)) = (at(2 * p + 1), at(2 * p));
+                            acc = ftz(x1.mul_add(y1, acc));
+                            acc = ftz(x0.mul_add(y0, acc));
+                        }
+                        let want = if accumulate { 0.75f32.mul_add(acc, dst0[i * n + j]) } else { 0.75 * acc };
+                        assert_eq!(bits(&[port[i * n + j]]), bits(&[want]), "({i},{j}) of {m}x{n}x{k}");
+                    }
+                }
+                if detect() {
+                    let hw = run(true, false, best);
+                    let differ = bits(&hw).iter().zip(bits(&port)).filter(|(x, y)| **x != *y).count();
+                    assert_eq!(
+                        differ,
+                        0,
+                        "{m}x{n}x{k} acc {accumulate}: {differ} of {} elements differ from vdpbf16ps (first: {:?})",
+                        m * n,
+                        hw.iter().zip(&port).find(|(x, y)| x.to_bits() != y.to_bits())
+                    );
+                    assert_eq!(bits(&hw), bits(&run(true, true, best)), "hardware, pool vs one thread");
+                } else {
+                    eprintln!("no AVX512-BF16 here: the portable kernel checked against the definition only");
+                }
             }
         }
     }
