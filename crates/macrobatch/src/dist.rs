@@ -3,8 +3,11 @@
 
 use anyhow::{bail, Context, Result};
 use comm::launcher::launcher_world_size;
+use comm::{CommCounters, CommError, Communicator};
 use engine::ScheduleKind;
+use std::ops::DerefMut;
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 /// How this run's ranks are provided.
@@ -188,7 +191,11 @@ pub fn mpi_comm(_timeout: Duration) -> Result<Box<dyn comm::Communicator>> {
 /// the model takes `secs=X` longer, announced on stderr once the signal
 /// handlers are in place). `phase=checkpoint` moves a panic, error, stall or
 /// kill from the start of step S into its checkpoint's gather (a step with
-/// a checkpoint due), `phase=save` into the final save's gather (S unused).
+/// a checkpoint due), `phase=save` into the final save's gather (S unused),
+/// `phase=collective` (panic, stall or kill) into step S's first gradient
+/// collective (an f32 all-reduce or reduce-scatter: the boundary's, after
+/// the micro-steps, at ZeRO 0–2; at ZeRO-3 the first layer's in the last
+/// backward), which the other ranks have entered ([`FaultyComm`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Fault {
     rank: usize,
@@ -208,6 +215,8 @@ enum FaultPhase {
     Checkpoint,
     /// The gather of the final save.
     Save,
+    /// The step's first gradient collective.
+    Collective,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -241,7 +250,8 @@ impl Fault {
                         "step" => FaultPhase::Step,
                         "checkpoint" => FaultPhase::Checkpoint,
                         "save" => FaultPhase::Save,
-                        other => bail!("MACROBATCH_FAULT phase `{other}`: use step, checkpoint or save"),
+                        "collective" => FaultPhase::Collective,
+                        other => bail!("MACROBATCH_FAULT phase `{other}`: use step, checkpoint, save or collective"),
                     }
                 }
                 "kind" => {
@@ -263,15 +273,33 @@ impl Fault {
                 other => bail!("MACROBATCH_FAULT: unknown key `{other}`"),
             }
         }
+        if f.phase == FaultPhase::Collective && !matches!(f.kind, FaultKind::Panic | FaultKind::Stall | FaultKind::Kill)
+        {
+            bail!("MACROBATCH_FAULT phase=collective takes kind panic, stall or kill");
+        }
         Ok(Some(f))
     }
 
-    /// Fires if this is the chosen rank and step (at the step's start).
+    /// Whether this fault fires inside a collective (wrap the rank's
+    /// communicator in a [`FaultyComm`]).
+    pub fn in_collective(&self) -> bool {
+        self.phase == FaultPhase::Collective
+    }
+
+    /// Fires if this is the chosen rank and step (at the step's start); with
+    /// `phase=collective`, arms the [`FaultyComm`] instead.
     pub fn maybe_fire(&self, rank: usize, step: u64) -> Result<()> {
-        if rank != self.rank || step != self.step || self.phase != FaultPhase::Step {
+        if rank != self.rank || step != self.step {
             return Ok(());
         }
-        self.fire(rank, step)
+        match self.phase {
+            FaultPhase::Step => self.fire(rank, step),
+            FaultPhase::Collective => {
+                COLLECTIVE_ARMED.store(true, Ordering::SeqCst);
+                Ok(())
+            }
+            FaultPhase::Checkpoint | FaultPhase::Save => Ok(()),
+        }
     }
 
     /// Fires if this is the chosen rank and step, in the gather of the
@@ -327,6 +355,90 @@ impl Fault {
     /// Whether the parameters saved at `step` get a NaN.
     pub fn poisons(&self, step: u64) -> bool {
         self.kind == FaultKind::Nan && step == self.step
+    }
+}
+
+/// Set at the start of the faulty step on the faulty rank; the next
+/// gradient collective of a [`FaultyComm`] takes it and fires.
+static COLLECTIVE_ARMED: AtomicBool = AtomicBool::new(false);
+
+/// A rank's communicator with a `phase=collective` fault: every call goes
+/// to `inner`, except that once armed ([`Fault::maybe_fire`]) the next f32
+/// all-reduce or reduce-scatter fires the fault instead (the groups split
+/// from it are wrapped too). Only built when such a fault is set.
+pub struct FaultyComm<C> {
+    inner: C,
+    fault: Fault,
+    /// This rank's place in the world (a split group numbers it anew).
+    world_rank: usize,
+}
+
+impl<C: DerefMut<Target = D>, D: Communicator + ?Sized> FaultyComm<C> {
+    /// `inner`, the world's communicator, with `fault`'s collective phase.
+    pub fn new(inner: C, fault: Fault) -> Self {
+        let world_rank = inner.rank();
+        Self { inner, fault, world_rank }
+    }
+
+    fn gradient_collective(&self) {
+        // Thread ranks share the flag: only the faulty rank takes it.
+        if self.world_rank == self.fault.rank && COLLECTIVE_ARMED.swap(false, Ordering::SeqCst) {
+            let (rank, step) = (self.world_rank, self.fault.step);
+            eprintln!("injected fault: rank {rank} in step {step}'s gradient collective");
+            // panic, stall and kill only (from_env checks): fire never returns.
+            let _ = self.fault.fire(rank, step);
+        }
+    }
+}
+
+impl<C: DerefMut<Target = D>, D: Communicator + ?Sized> Communicator for FaultyComm<C> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+        self.gradient_collective();
+        self.inner.all_reduce_sum(buf)
+    }
+    fn all_reduce_sum_f64(&mut self, buf: &mut [f64]) -> Result<(), CommError> {
+        self.inner.all_reduce_sum_f64(buf)
+    }
+    fn reduce_scatter_sum(&mut self, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
+        self.gradient_collective();
+        self.inner.reduce_scatter_sum(input, output)
+    }
+    fn all_gather(&mut self, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
+        self.inner.all_gather(input, output)
+    }
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
+        self.inner.broadcast(buf, root)
+    }
+    fn barrier(&mut self) -> Result<(), CommError> {
+        self.inner.barrier()
+    }
+    fn counters(&self) -> CommCounters {
+        self.inner.counters()
+    }
+    fn abort(&mut self, reason: &str) {
+        self.inner.abort(reason)
+    }
+    fn buffer_bytes(&self) -> usize {
+        self.inner.buffer_bytes()
+    }
+    fn send(&mut self, buf: &[f32], dest: usize, tag: u32) -> Result<(), CommError> {
+        self.inner.send(buf, dest, tag)
+    }
+    fn recv(&mut self, buf: &mut [f32], src: usize, tag: u32) -> Result<(), CommError> {
+        self.inner.recv(buf, src, tag)
+    }
+    fn flush_sends(&mut self) -> Result<(), CommError> {
+        self.inner.flush_sends()
+    }
+    fn split(&mut self, color: usize, key: usize) -> Result<Box<dyn Communicator>, CommError> {
+        let inner = self.inner.split(color, key)?;
+        Ok(Box::new(FaultyComm { inner, fault: self.fault, world_rank: self.world_rank }))
     }
 }
 

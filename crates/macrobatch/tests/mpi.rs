@@ -100,8 +100,9 @@ fn a_killed_rank_stops_the_job_with_its_rank_named() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
-/// Rank 1 killed in each phase of a step (its start, the checkpoint's
-/// gather, the final save's gather): the job ends, naming rank 1, within
+/// Rank 1 killed in each phase of a step (its start, the step's gradient
+/// collective with rank 0 inside it, the checkpoint's gather, the final
+/// save's gather): the job ends, naming rank 1, within
 /// the timeout; the folder keeps its last whole checkpoint and no model;
 /// `train --resume` under mpirun ends with the uninterrupted job's weights.
 /// ZeRO-3, so a checkpoint's gather needs rank 1's shard (with replicated
@@ -113,7 +114,13 @@ fn a_rank_killed_in_any_phase_leaves_a_checkpoint_that_resumes_to_the_same_weigh
     let o = mpirun(2, &whole, &s, None);
     assert!(o.status.success(), "{}", stderr(&o));
     let want = weights(&whole);
-    for (phase, kept) in [("step", "step-00000002"), ("checkpoint", "step-00000002"), ("save", "step-00000005")] {
+    let phases = [
+        ("step", "step-00000002"),
+        ("collective", "step-00000002"),
+        ("checkpoint", "step-00000002"),
+        ("save", "step-00000005"),
+    ];
+    for (phase, kept) in phases {
         let out = tmp(&format!("mpi-kill-{phase}"));
         let t0 = Instant::now();
         let fault = format!("rank=1,step=4,kind=kill,phase={phase}");
@@ -121,6 +128,9 @@ fn a_rank_killed_in_any_phase_leaves_a_checkpoint_that_resumes_to_the_same_weigh
         let all = format!("{}{}", String::from_utf8_lossy(&o.stdout), stderr(&o));
         assert!(!o.status.success() && all.contains("rank 1"), "{phase}: mpirun must name the dead rank: {all}");
         assert!(t0.elapsed() < Duration::from_secs(30), "{phase}: took {:?}", t0.elapsed());
+        if phase == "collective" {
+            assert!(all.contains("injected fault: rank 1 in step 4's gradient collective"), "{all}");
+        }
         assert!(!out.join("model.safetensors").exists(), "{phase}");
         let ck: Vec<String> = std::fs::read_dir(out.join("checkpoints"))
             .unwrap()

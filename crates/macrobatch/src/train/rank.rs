@@ -12,7 +12,7 @@ use super::reports::{self, MemoryWatch, StepContext};
 use super::start::Start;
 use super::val_watch::ValWatch;
 use crate::checkpoint::ValWatchState;
-use crate::dist::Fault;
+use crate::dist::{Fault, FaultyComm};
 use crate::heap::{self, Phase};
 use crate::setup::{model_for_rank, rank_batches, Plan, RankComms};
 use anyhow::{bail, Context, Result};
@@ -33,6 +33,15 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
     let heap_base = heap::reset_peak();
     heap::set_phase(Phase::Build);
     let mut model = model_for_rank(plan, plan.grid.tp_rank(rank))?;
+    // A `phase=collective` fault sits between the rank and its collectives.
+    let mut faulty;
+    let comm: &mut dyn Communicator = match start.fault.filter(Fault::in_collective) {
+        Some(f) => {
+            faulty = FaultyComm::new(comm, f);
+            &mut faulty
+        }
+        None => comm,
+    };
     let mut comms = RankComms::new(plan, &mut model, comm)?;
     // What checkpoints and the saved model are written in (a tensor-parallel
     // rank's own layout holds only its slices).
