@@ -98,6 +98,16 @@ impl Key {
         Key { m, n, k, lhs_t: c.lhs.cs != 1, rhs_t: c.rhs.cs != 1, threads: rayon::current_num_threads(), bf16 }
     }
 
+    /// The key whose probe decides this one's backend: `m`, `n` and `k`
+    /// rounded up to a quarter octave ([`bucket_dim`]). Micro-batches of
+    /// varying length (one chat each) make a new exact key for nearly every
+    /// length; the rates of two backends change slowly with the sizes, so
+    /// one probe per bucket serves them all: about four keys per doubling
+    /// of a side instead of one per length.
+    pub fn bucket(&self) -> Key {
+        Key { m: bucket_dim(self.m), n: bucket_dim(self.n), k: bucket_dim(self.k), ..*self }
+    }
+
     /// `m×k×n` plus `ᵀ` marks for transposed operands, e.g. `4096×768ᵀ×2304`.
     pub fn label(&self) -> String {
         let t = |b: bool| if b { "ᵀ" } else { "" };
@@ -121,6 +131,16 @@ impl Key {
     }
 }
 
+/// `x` rounded up to a multiple of a quarter of its power of two (up to 16:
+/// `x` itself): 17 → 20, 65 → 80, 1000 → 1024, 1025 → 1280.
+pub fn bucket_dim(x: usize) -> usize {
+    if x <= 16 {
+        return x;
+    }
+    let step = 1usize << (usize::BITS - 1 - x.leading_zeros() - 2);
+    x.div_ceil(step) * step
+}
+
 /// What is known of one shape key: the backend used, the probe's rates and
 /// what the calls of this process measured.
 #[derive(Debug, Clone, Default)]
@@ -136,10 +156,11 @@ pub struct ShapeStats {
     /// The backend a provisional cache entry named when this process
     /// re-checked it (`None`: nothing cached, or final).
     pub rechecked: Option<Backend>,
+    /// The backend came from a probe this process made on another key of
+    /// the same bucket ([`Key::bucket`]).
+    pub shared: bool,
     /// Calls made.
     pub calls: u64,
-    /// While on trial: (candidate, calls, best seconds).
-    trials: Vec<(Backend, u32, f64)>,
     /// Seconds spent in them.
     pub seconds: f64,
 }
@@ -155,9 +176,25 @@ impl ShapeStats {
     }
 }
 
+/// The probe of one bucket ([`Key::bucket`]): trial calls of any of its
+/// exact keys count, rated in GFLOP/s so that sizes can differ.
+#[derive(Debug, Clone, Default)]
+struct Probe {
+    /// (candidate, trial calls, best GFLOP/s).
+    trials: Vec<(Backend, u32, f64)>,
+    /// The provisional cache entry being re-checked.
+    rechecked: Option<Cached>,
+    /// The choice, once made (or read final from the cache).
+    decided: Option<Cached>,
+    /// The choice was made by this process's trials.
+    probed_here: bool,
+}
+
 #[derive(Default)]
 struct Registry {
     shapes: BTreeMap<Key, ShapeStats>,
+    /// Probes by bucket.
+    probes: BTreeMap<Key, Probe>,
     /// The cache file of each thread count, once read (keys of
     /// [`Key::cache_name`] leave the threads out: the file name has them).
     cache: BTreeMap<usize, BTreeMap<String, Cached>>,
@@ -386,7 +423,8 @@ pub fn reset_counts() {
 /// also counts towards the probe: when every candidate has had [`TRIALS`]
 /// calls, the fastest is kept and the cache saved.
 pub(crate) fn record(key: Key, backend: Backend, seconds: f64, on_trial: bool) {
-    let mut reg = lock();
+    let mut guard = lock();
+    let reg = &mut *guard;
     let s = reg.shapes.entry(key).or_default();
     if backend == Backend::Bf16 {
         s.backend = Some(backend);
@@ -396,19 +434,24 @@ pub(crate) fn record(key: Key, backend: Backend, seconds: f64, on_trial: bool) {
     if !on_trial {
         return;
     }
-    if let Some(t) = s.trials.iter_mut().find(|t| t.0 == backend) {
+    let bucket = key.bucket();
+    let Some(p) = reg.probes.get_mut(&bucket).filter(|p| p.decided.is_none()) else { return };
+    let rate = key.flops() / seconds.max(1e-12) / 1e9;
+    if let Some(t) = p.trials.iter_mut().find(|t| t.0 == backend) {
         t.1 += 1;
-        t.2 = t.2.min(seconds);
+        t.2 = t.2.max(rate);
     }
-    if s.backend.is_none() && s.trials.iter().all(|t| t.1 >= TRIALS) {
-        let times: Vec<(Backend, f64)> = s.trials.iter().map(|t| (t.0, t.2)).collect();
-        let cached = s.rechecked.map(|backend| Cached { backend, agreed: s.agreed });
-        let chosen = decide(cached, &times);
+    if p.trials.iter().all(|t| t.1 >= TRIALS) {
+        // `decide` compares times: seconds per GFLOP.
+        let times: Vec<(Backend, f64)> = p.trials.iter().map(|t| (t.0, 1.0 / t.2)).collect();
+        let chosen = decide(p.rechecked, &times);
+        (p.decided, p.probed_here) = (Some(chosen), true);
         s.backend = Some(chosen.backend);
         s.agreed = chosen.agreed;
-        s.probe = s.trials.iter().map(|t| (t.0, key.flops() / t.2 / 1e9)).collect();
-        reg.cache.entry(key.threads).or_default().insert(key.cache_name(), chosen);
-        save_cache(&reg, key.threads);
+        s.rechecked = p.rechecked.map(|c| c.backend);
+        s.probe = p.trials.iter().map(|t| (t.0, t.2)).collect();
+        reg.cache.entry(key.threads).or_default().insert(bucket.cache_name(), chosen);
+        save_cache(reg, key.threads);
     }
 }
 
@@ -431,32 +474,37 @@ pub(crate) unsafe fn pool_f32(call: &Call<'_>) {
     record(key, backend, t.elapsed().as_secs_f64(), on_trial);
 }
 
-/// The backend for the next call of `key`, and whether the call is a trial.
+/// The backend for the next call of `key`, and whether the call is a trial:
+/// the key's own once known, else its bucket's choice (made, or cached as
+/// final), else the bucket's next trial candidate.
 fn choose(key: Key) -> (Backend, bool) {
     if let Some(b) = forced() {
         return (b, false);
     }
-    let mut reg = lock();
+    let mut guard = lock();
+    let reg = &mut *guard;
     if let Some(b) = reg.shapes.get(&key).and_then(|s| s.backend) {
         return (b, false);
     }
-    load_cache(&mut reg, key.threads);
-    let cached = reg.cache.get(&key.threads).and_then(|c| c.get(&key.cache_name())).copied();
-    let s = reg.shapes.entry(key).or_default();
-    match cached {
-        Some(c) if c.agreed >= FINAL_AGREEMENTS => {
-            (s.backend, s.agreed) = (Some(c.backend), c.agreed);
-            return (c.backend, false);
+    let bucket = key.bucket();
+    load_cache(reg, key.threads);
+    let p = reg.probes.entry(bucket).or_default();
+    if p.decided.is_none() && p.trials.is_empty() {
+        match reg.cache.get(&key.threads).and_then(|c| c.get(&bucket.cache_name())).copied() {
+            Some(c) if c.agreed >= FINAL_AGREEMENTS => p.decided = Some(c),
+            // Provisional: probed again, and `record` decides against it.
+            cached => p.rechecked = cached,
         }
-        // Provisional: probed again, and `record` decides against it.
-        Some(c) if s.trials.is_empty() => (s.rechecked, s.agreed) = (Some(c.backend), c.agreed),
-        _ => {}
+        p.trials = Backend::f32_candidates().into_iter().map(|b| (b, 0, 0.0)).collect();
     }
-    if s.trials.is_empty() {
-        s.trials = Backend::f32_candidates().into_iter().map(|b| (b, 0, f64::INFINITY)).collect();
+    let s = reg.shapes.entry(key).or_default();
+    if let Some(c) = p.decided {
+        (s.backend, s.agreed, s.shared) = (Some(c.backend), c.agreed, p.probed_here);
+        return (c.backend, false);
     }
+    (s.rechecked, s.agreed) = (p.rechecked.map(|c| c.backend), p.rechecked.map_or(0, |c| c.agreed));
     // The candidate with the fewest trials so far (first in order on ties).
-    let next = s.trials.iter().min_by_key(|t| t.1).map_or(Backend::Crate, |t| t.0);
+    let next = p.trials.iter().min_by_key(|t| t.1).map_or(Backend::Crate, |t| t.0);
     (next, true)
 }
 

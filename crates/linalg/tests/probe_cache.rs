@@ -41,7 +41,8 @@ fn cache_path_and_concurrent_writers() {
         call(&mut dst);
     }
     let text = std::fs::read_to_string(&path).expect("cache written");
-    assert!(text.contains("160x96x144nn"), "{text}");
+    // Stored under its bucket (Key::bucket: 144 rounds up to 160).
+    assert!(text.contains("160x96x160nn") && !text.contains("x144"), "{text}");
     assert!(text.contains("7x7x7nn"), "another process's entry was dropped: {text}");
 
     // The cache is per thread count (the file name has it): a shape probed
@@ -60,7 +61,7 @@ fn cache_path_and_concurrent_writers() {
     let text3 = std::fs::read_to_string(&path3).unwrap_or_default();
     let _ = std::fs::remove_dir_all(&tmp);
     assert_eq!(s3.probe.len(), Backend::f32_candidates().len(), "the 3-thread key took the 2-thread choice unprobed");
-    assert!(text3.contains("160x96x144nn") && !text3.contains("7x7x7nn"), "3-thread cache: {text3}");
+    assert!(text3.contains("160x96x160nn") && !text3.contains("7x7x7nn"), "3-thread cache: {text3}");
 
     // A cached choice one probe made (a bare name, as earlier versions
     // wrote; or agreement 1) is re-checked by the next process: the shape
@@ -72,7 +73,7 @@ fn cache_path_and_concurrent_writers() {
     let path4 = p4.install(backend::cache_path).expect("cache path");
     std::fs::create_dir_all(&dir).expect("mkdir");
     let (m2, k2, n2) = (96, 64, 80);
-    std::fs::write(&path4, r#"{"160x96x144nn": "split", "96x64x80nn": {"backend": "split", "agreed": 2}}"#)
+    std::fs::write(&path4, r#"{"160x96x160nn": "split", "96x64x80nn": {"backend": "split", "agreed": 2}}"#)
         .expect("write");
     let a2 = vec![0.5f32; m2 * k2];
     let b2 = vec![0.25f32; k2 * n2];
@@ -104,4 +105,36 @@ fn cache_path_and_concurrent_writers() {
     );
     assert!(fin.probe.is_empty() && fin.rechecked.is_none(), "a final choice is not probed again: {fin:?}");
     assert_eq!((fin.backend, fin.agreed), (Some(Backend::Split), 2));
+
+    // Micro-batches of every length from 65 to 128 tokens (one chat each):
+    // 64 exact keys, 4 buckets (80, 96, 112, 128). The trial calls of all
+    // lengths count towards their bucket's probe, so at most 4 probes are
+    // made and at most 4 · TRIALS · candidates calls are trials; every
+    // length then runs its bucket's choice.
+    let dir = tmp.join("buckets");
+    std::env::set_var("MACROBATCH_CACHE_DIR", &dir);
+    let p5 = rayon::ThreadPoolBuilder::new().num_threads(5).build().expect("pool");
+    let (k5, n5) = (64, 48);
+    let b5 = vec![0.25f32; k5 * n5];
+    for round in 0..3 {
+        for m5 in 65..=128 {
+            let a5 = vec![0.5f32; m5 * k5];
+            let mut d5 = vec![0.0f32; m5 * n5];
+            gemm_on(&p5, (m5, k5, n5), &a5, &b5, &mut d5);
+            if round == 2 {
+                assert!(d5.iter().all(|&x| x == 0.125 * k5 as f32), "m = {m5}: wrong product");
+            }
+        }
+    }
+    let stats = backend::stats();
+    let keys: Vec<_> = stats.iter().filter(|(key, _)| key.threads == 5).collect();
+    assert_eq!(keys.len(), 64, "one exact key per length");
+    let probed = keys.iter().filter(|(_, s)| !s.probe.is_empty()).count();
+    assert!((1..=4).contains(&probed), "{probed} probes for 4 buckets");
+    let unchosen: Vec<usize> = keys.iter().filter(|(_, s)| s.backend.is_none()).map(|(k, _)| k.m).collect();
+    assert!(unchosen.is_empty(), "lengths still on trial after their bucket decided: {unchosen:?}");
+    let text5 = std::fs::read_to_string(p5.install(backend::cache_path).expect("cache path")).unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&tmp);
+    let entries = text5.matches("\"backend\"").count();
+    assert!((1..=4).contains(&entries), "one cache entry per bucket: {text5}");
 }

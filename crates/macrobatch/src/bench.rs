@@ -172,6 +172,7 @@ struct GemmRow {
     /// How the backend was chosen: `final` (cached, agreed by
     /// `agreed` processes), `kept` / `replaced` (a provisional cache entry
     /// re-checked by this run's probe), `probed` (nothing cached),
+    /// `bucket` (another shape of its size bucket was probed for it),
     /// `forced` (`MACROBATCH_GEMM`) or `bf16`.
     choice: String,
     /// Processes that agreed on the backend (0: forced or bf16).
@@ -185,6 +186,7 @@ fn choice(st: &linalg::ShapeStats) -> &'static str {
         (b, Some(r), false) if b == Some(r) => "kept",
         (_, Some(_), false) => "replaced",
         (_, None, false) => "probed",
+        _ if st.shared => "bucket",
         _ if st.agreed == 0 => "forced",
         _ => "final",
     }
