@@ -109,6 +109,16 @@ fn the_avx2_path_gives_the_same_bits_as_this_cpus() {
     let d = same_bits("gpt", &q, "crate", &gpt, &[], &["model.safetensors"]);
     let _ = std::fs::remove_dir_all(d);
 
+    // bf16 on a CPU without AVX512-BF16: the header says what the GEMMs
+    // run on instead and what that means for speed.
+    let out = common::tmp("isa-bf16-header");
+    let mut bf16 = gpt.clone();
+    bf16.extend(["train.precision=bf16", "train.steps=1"]);
+    let o = train(Some(&q), &out, "crate", &bf16, &[]);
+    let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), common::stderr(&o));
+    assert!(text.contains("bf16 GEMMs: f32 operands: this CPU has no AVX512-BF16"), "{text}");
+    let _ = std::fs::remove_dir_all(&out);
+
     let mut llama = vec!["model.family=llama", "model.preset=tiny", "model.intermediate_size=192", "data.seq_len=64"];
     llama.extend(steps);
     let base = same_bits("llama", &q, "split", &llama, &[], &["model.safetensors"]);

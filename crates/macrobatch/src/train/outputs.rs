@@ -217,6 +217,9 @@ pub fn open_outputs(
         linalg::vector_isa(),
         dir.display()
     ));
+    if plan.cfg.train.precision == engine::Precision::Bf16 {
+        reporter.println(linalg::bf16::describe());
+    }
     if plan.grid.is_split() {
         reporter.println(&plan.grid.describe());
     }
