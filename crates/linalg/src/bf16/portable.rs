@@ -24,7 +24,7 @@
 //! shape, split or thread count.
 //!
 //! Blocking is simple: `n` in chunks whose packed `B` holds at most 32 MiB
-//! (packed once, shared), `MR × NR` tiles over all of `k` ([`Tile`]: on
+//! (packed once, shared), `MR × NR` tiles over all of `k` (`Tile`: on
 //! AVX-512 or AVX2 lanes where the CPU has them, the same bits), tasks of
 //! row panels (or of column panels when `m` is short) on the rayon pool.
 //! Measured with `cargo run --release -p macrobatch-linalg --example
