@@ -307,6 +307,10 @@ impl<M: TextModel> Model for Erased<M> {
     fn begin_step(&mut self, step: u64) {
         self.0.begin_step(step)
     }
+
+    fn take_aux_stats(&mut self) -> engine::AuxStats {
+        self.0.take_aux_stats()
+    }
 }
 
 impl<M: TextModel> StagedModel for Erased<M> {
@@ -570,6 +574,103 @@ pub fn pin_section(m: &mut ModelConfig, family: &str, section: &impl Serialize) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A model that only has statistics of its own, to see what `Erased`
+    /// passes on: every provided method of `Model` must reach the family's
+    /// model (a default would report zeros where the model has sums).
+    struct Stats(ParamLayout, u64);
+
+    impl Model for Stats {
+        type Batch = TokenBatch;
+        type Error = std::io::Error;
+        fn layout(&self) -> &ParamLayout {
+            &self.0
+        }
+        fn set_trainable(&mut self, _: &dyn Fn(&TensorSpec) -> bool) -> usize {
+            0
+        }
+        fn n_targets(&self, _: &TokenBatch) -> u64 {
+            0
+        }
+        fn micro_step(
+            &mut self,
+            _: &mut dyn ParamStore,
+            _: &TokenBatch,
+            _: f32,
+        ) -> Result<MicroStepStats, Self::Error> {
+            Err(std::io::Error::other("not for this test"))
+        }
+        fn loss(&mut self, _: &mut dyn ParamStore, _: &TokenBatch) -> Result<MicroStepStats, Self::Error> {
+            Err(std::io::Error::other("not for this test"))
+        }
+        fn take_aux_stats(&mut self) -> engine::AuxStats {
+            [1.5, -2.0, 0.25, self.1 as f64]
+        }
+        fn begin_step(&mut self, step: u64) {
+            self.1 = step;
+        }
+        fn segments(&self) -> Vec<Range<usize>> {
+            vec![0..1, 1..3]
+        }
+    }
+
+    impl StagedModel for Stats {
+        fn n_blocks(&self) -> usize {
+            0
+        }
+        fn tied_head(&self) -> bool {
+            false
+        }
+        fn set_stage(&mut self, _: StageSpec) {}
+        fn boundary_len(&self, _: &TokenBatch) -> usize {
+            0
+        }
+        fn stage_forward(
+            &mut self,
+            _: &mut dyn ParamStore,
+            _: &TokenBatch,
+            _: usize,
+            _: &[f32],
+            _: &mut [f32],
+            _: Option<f32>,
+        ) -> Result<MicroStepStats, Self::Error> {
+            Err(std::io::Error::other("not for this test"))
+        }
+        fn stage_backward(
+            &mut self,
+            _: &mut dyn ParamStore,
+            _: &TokenBatch,
+            _: usize,
+            _: &[f32],
+            _: &mut [f32],
+        ) -> Result<(), Self::Error> {
+            Err(std::io::Error::other("not for this test"))
+        }
+    }
+
+    impl TextModel for Stats {
+        fn activation_bytes(&self) -> usize {
+            0
+        }
+        fn saved_activation_bytes(&self) -> usize {
+            0
+        }
+        fn next_token_logits(&mut self, _: &[f32], _: &[u32]) -> Result<Vec<f32>, Self::Error> {
+            Ok(Vec::new())
+        }
+        fn set_kv_cache(&mut self, _: usize) -> Result<(), Self::Error> {
+            Ok(())
+        }
+        fn set_loss_terms(&mut self, _: engine::LossTerms) {}
+    }
+
+    #[test]
+    fn erased_passes_on_the_models_own_statistics_and_step() {
+        let mut m: Box<dyn LanguageModel> = Box::new(Erased(Stats(ParamLayout::new(), 0)));
+        m.begin_step(7);
+        assert_eq!(m.take_aux_stats(), [1.5, -2.0, 0.25, 7.0]);
+        assert_eq!(m.segments(), [0..1, 1..3]);
+    }
 
     #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
     #[serde(deny_unknown_fields)]
