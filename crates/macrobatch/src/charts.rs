@@ -474,7 +474,7 @@ pub fn plot(dirs: &[PathBuf], out: &Path, x: XAxis) -> Result<Vec<String>> {
             png_bytes
         }
     };
-    gpt::hf::write_atomic(out, &bytes).with_context(|| format!("cannot write {}", out.display()))?;
+    nn::io::write_atomic(out, &bytes).with_context(|| format!("cannot write {}", out.display()))?;
     Ok(notes)
 }
 

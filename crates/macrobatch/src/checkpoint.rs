@@ -13,7 +13,6 @@
 use crate::family::{self, Family};
 use anyhow::{bail, Context, Result};
 use engine::ParamLayout;
-use gpt::hf;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
@@ -173,11 +172,11 @@ pub fn save(
         family.save_hf(tmp, layout, params)?;
         let tensors: Vec<(String, Vec<usize>, &[f32])> =
             optimizer_state.iter().map(|(k, v)| (k.clone(), vec![v.len()], v.as_slice())).collect();
-        hf::write_safetensors(&tmp.join(OPTIMIZER), &tensors, &[("n_updates", state.n_updates.to_string())])?;
-        hf::write_atomic(&tmp.join(STATE), serde_json::to_string_pretty(state)?.as_bytes())?;
-        hf::write_atomic(&tmp.join(CONFIG), config_toml.as_bytes())?;
+        nn::io::write_safetensors(&tmp.join(OPTIMIZER), &tensors, &[("n_updates", state.n_updates.to_string())])?;
+        nn::io::write_atomic(&tmp.join(STATE), serde_json::to_string_pretty(state)?.as_bytes())?;
+        nn::io::write_atomic(&tmp.join(CONFIG), config_toml.as_bytes())?;
         if let Some(ema) = ema {
-            hf::write_safetensors(&tmp.join(EMA), ema, &[])?;
+            nn::io::write_safetensors(&tmp.join(EMA), ema, &[])?;
         }
 
         // The manifest goes last: it vouches for the files written before it.
@@ -187,7 +186,7 @@ pub fn save(
             let (bytes, sha256) = sha256_file(&tmp.join(f))?;
             files.insert(f.to_string(), FileEntry { bytes, sha256 });
         }
-        hf::write_atomic(
+        nn::io::write_atomic(
             &tmp.join(MANIFEST),
             serde_json::to_string_pretty(&Manifest { step: state.step, files })?.as_bytes(),
         )?;
@@ -279,7 +278,7 @@ pub fn clean_leftovers(run_dir: &Path) -> Result<Vec<String>> {
         names.sort();
         for name in names {
             let path = dir.join(&name);
-            if hf::is_temp_file(&name) {
+            if nn::io::is_temp_file(&name) {
                 std::fs::remove_file(&path).with_context(|| format!("cannot remove {}", path.display()))?;
                 done.push(format!("removed leftover temporary file {}", path.display()));
             } else if dir == root && name.starts_with(".tmp-step-") {
@@ -404,14 +403,14 @@ fn load(dir: &Path) -> Result<Loaded> {
         serde_json::from_str(&std::fs::read_to_string(dir.join(STATE))?).context("trainer_state.json")?;
     let config_toml = std::fs::read_to_string(dir.join(CONFIG))?;
     let (model, params) = family::load_hf(dir)?;
-    let (tensors, meta) = hf::read_safetensors(&dir.join(OPTIMIZER))?;
+    let (tensors, meta) = nn::io::read_safetensors(&dir.join(OPTIMIZER))?;
     if meta.get("n_updates").and_then(|n| n.parse::<u64>().ok()) != Some(state.n_updates) {
         bail!("{OPTIMIZER} and {STATE} disagree on the number of updates");
     }
     let optimizer = tensors.into_iter().map(|(k, (_, v))| (k, v)).collect();
     let ema_path = dir.join(EMA);
     let ema = match ema_path.exists() {
-        true => Some(hf::read_safetensors(&ema_path)?.0.into_iter().map(|(k, (_, v))| (k, v)).collect()),
+        true => Some(nn::io::read_safetensors(&ema_path)?.0.into_iter().map(|(k, (_, v))| (k, v)).collect()),
         false => None,
     };
     Ok(Loaded { dir: dir.to_path_buf(), state, config_toml, model, params, optimizer, ema })
@@ -484,6 +483,6 @@ pub fn truncate_metrics(path: &Path, step: u64, warn: impl Fn(&str)) -> Result<(
         })
         .map(|l| format!("{l}\n"))
         .collect();
-    hf::write_atomic(path, kept.as_bytes())?;
+    nn::io::write_atomic(path, kept.as_bytes())?;
     Ok(())
 }

@@ -322,7 +322,7 @@ impl Fault {
 
     fn fire(&self, rank: usize, step: u64) -> Result<()> {
         match self.kind {
-            FaultKind::Enospc => gpt::hf::set_write_budget(Some(self.bytes)),
+            FaultKind::Enospc => nn::io::set_write_budget(Some(self.bytes)),
             FaultKind::SlowCheckpoint | FaultKind::Nan | FaultKind::SlowLoad => {}
             FaultKind::Panic => panic!("injected fault: rank {rank} panics at step {step}"),
             FaultKind::Error => bail!("injected fault: rank {rank} fails at step {step}"),

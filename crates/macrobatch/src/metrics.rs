@@ -178,7 +178,7 @@ impl Reporter {
     pub fn record(&mut self, r: &StepRecord) -> Result<()> {
         let mut line = serde_json::to_string(r).context("cannot serialise metrics")?;
         line.push('\n');
-        if let Err(e) = gpt::hf::write_all_budgeted(&mut self.file, line.as_bytes()) {
+        if let Err(e) = nn::io::write_all_budgeted(&mut self.file, line.as_bytes()) {
             let cut = self.file.set_len(self.len);
             let what = match cut {
                 Ok(()) => "cut back to its last complete line".to_string(),

@@ -252,7 +252,7 @@ pub fn run(args: PrepareArgs) -> Result<()> {
                 .map(|((p, &n_bytes), sha256)| SourceFile { path: p.display().to_string(), n_bytes, sha256 })
                 .collect(),
         };
-        gpt::hf::write_atomic(&meta_path, serde_json::to_string_pretty(&meta)?.as_bytes())?;
+        nn::io::write_atomic(&meta_path, serde_json::to_string_pretty(&meta)?.as_bytes())?;
         Ok(())
     };
     if let Err(e) = finish() {

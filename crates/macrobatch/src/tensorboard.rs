@@ -288,7 +288,7 @@ impl EventWriter {
         for e in events {
             frame(&mut bytes, e);
         }
-        if let Err(e) = gpt::hf::write_all_budgeted(&mut self.file, &bytes).and_then(|()| self.file.flush()) {
+        if let Err(e) = nn::io::write_all_budgeted(&mut self.file, &bytes).and_then(|()| self.file.flush()) {
             let _ = self.file.set_len(self.len);
             return Err(e).with_context(|| format!("cannot write to {}", self.path.display()));
         }

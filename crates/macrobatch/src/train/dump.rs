@@ -26,7 +26,7 @@ pub fn dump_step(
             .filter(|t| t.trainable)
             .map(|t| (t.name.clone(), t.shape.clone(), &params[t.range()]))
             .collect();
-        gpt::hf::write_safetensors(&dir.join("initial_trainable.safetensors"), &tensors, &[])?;
+        nn::io::write_safetensors(&dir.join("initial_trainable.safetensors"), &tensors, &[])?;
     }
     let line = serde_json::json!({
         "step": step,

@@ -186,9 +186,9 @@ pub fn open_outputs(
     tensorboard_dir: Option<&Path>,
 ) -> Result<Outputs> {
     if resume_step.is_none() {
-        gpt::hf::write_atomic(&dir.join(RUN_ID_FILE), format!("{run_id}\n").as_bytes())?;
+        nn::io::write_atomic(&dir.join(RUN_ID_FILE), format!("{run_id}\n").as_bytes())?;
     }
-    gpt::hf::write_atomic(&dir.join(checkpoint::CONFIG), resolved_toml(plan).as_bytes())?;
+    nn::io::write_atomic(&dir.join(checkpoint::CONFIG), resolved_toml(plan).as_bytes())?;
     // The tokenizer travels with the run, so `generate` and transformers
     // read the model's text as it was trained.
     plan.tokenizer.save_pretrained(dir).with_context(|| format!("cannot save the tokenizer into {}", dir.display()))?;

@@ -269,7 +269,7 @@ impl MemoryWatch {
             measured_model_states: kib(1),
             ranks,
         };
-        gpt::hf::write_atomic(&out.dir.join("memory.json"), serde_json::to_string_pretty(&file)?.as_bytes())?;
+        nn::io::write_atomic(&out.dir.join("memory.json"), serde_json::to_string_pretty(&file)?.as_bytes())?;
         Ok(())
     }
 }

@@ -385,7 +385,7 @@ pub fn run_id(resume_dir: Option<&Path>, resume: Option<&Loaded>, writes_folder:
                 // A folder from before run ids: take the checkpoint's, or give it one.
                 let id = l.state.run_id.clone().unwrap_or_else(new_run_id);
                 if writes_folder {
-                    gpt::hf::write_atomic(&dir.join(RUN_ID_FILE), format!("{id}\n").as_bytes())?;
+                    nn::io::write_atomic(&dir.join(RUN_ID_FILE), format!("{id}\n").as_bytes())?;
                 }
                 id
             }
