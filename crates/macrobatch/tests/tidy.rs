@@ -32,9 +32,9 @@ fn the_binary_names_a_model_family_only_in_its_registry() {
             let code = line.split("//").next().unwrap_or("");
             for name in ["gpt::", "llama::", "qwen2::"] {
                 // `nn::…` or `family::…` paths may contain these as a suffix.
-                let starts_a_path = code.match_indices(name).any(|(at, _)| {
-                    !code[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_' || c == ':')
-                });
+                let starts_a_path = code
+                    .match_indices(name)
+                    .any(|(at, _)| !code[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_' || c == ':'));
                 if starts_a_path {
                     found.push(format!("{}:{}: {}", f.strip_prefix(&src).unwrap_or(f).display(), i + 1, line.trim()));
                 }
