@@ -222,14 +222,18 @@ impl OutLock {
                     _ => std::thread::sleep(std::time::Duration::from_millis(50)),
                 }
             }
+            // A lock file without a readable process id.
+            let nameless = || {
+                anyhow::anyhow!(
+                    "--out {} is being written by another process (it holds {}); wait for it to finish, or choose another --out (if no export is running, remove {})",
+                    out.display(),
+                    path.display(),
+                    path.display()
+                )
+            };
             let Some(holder) = holder else {
                 if path.exists() {
-                    bail!(
-                        "--out {} is being written by another process (it holds {}); wait for it to finish, or choose another --out (if no export is running, remove {})",
-                        out.display(),
-                        path.display(),
-                        path.display()
-                    )
+                    return Err(nameless());
                 }
                 continue; // the holder finished: try again
             };
@@ -244,12 +248,7 @@ impl OutLock {
                     path.display(),
                     path.display()
                 ),
-                Err(_) => bail!(
-                    "--out {} is being written by another process (it holds {}); wait for it to finish, or choose another --out (if no export is running, remove {})",
-                    out.display(),
-                    path.display(),
-                    path.display()
-                ),
+                Err(_) => return Err(nameless()),
             }
         }
         bail!(
