@@ -14,15 +14,18 @@ fn bf16_round(x: f32) -> f64 {
 
 /// A deterministic pseudo-random f32 in [-1, 1).
 fn rand_vec(len: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
+    let mut next = xorshift(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    (0..len).map(|_| ((next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect()
+}
+
+/// A xorshift64 stream from the (odd) state `s`.
+fn xorshift(mut s: u64) -> impl FnMut() -> u64 {
+    move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    }
 }
 
 /// A matrix of `rows × cols` in one of four layouts, with padding:
@@ -290,13 +293,7 @@ fn nasty(len: usize, seed: u64) -> Vec<f32> {
 
 /// `len` values from `f(r)` of a xorshift stream seeded by `seed`.
 fn bits_from(seed: u64, len: usize, f: fn(u64) -> u32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1;
-    let mut next = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    };
+    let mut next = xorshift(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1);
     (0..len).map(|_| f32::from_bits(f(next()))).collect()
 }
 
