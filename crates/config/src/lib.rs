@@ -794,7 +794,50 @@ impl Config {
 
     /// Checks every value that does not need the model or the data.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        // Each section's own rules, then the rules that join sections.
+        self.train.validate()?;
+        self.validate_frozen_storage()?;
+        objective::validate(self)?;
+        loop_controls::validate(self)?;
+        self.optim.validate()?;
+        optimizers::validate(self)?;
+        self.schedule.validate(&self.optim)?;
+        self.dist.validate()?;
+        self.data.validate()
+    }
+
+    /// `train.frozen_dtype` against the rest: a packed base needs `[lora]`
+    /// (something frozen) and one process (no tensor or pipeline split).
+    fn validate_frozen_storage(&self) -> Result<(), ConfigError> {
         let t = &self.train;
+        let packs = !matches!(t.frozen_dtype, FrozenDtype::Auto | FrozenDtype::F32);
+        if packs && self.lora.is_none() {
+            return Err(invalid(
+                "train.frozen_dtype",
+                t.frozen_dtype.name(),
+                "packs the frozen base projections of a LoRA run of the Llama family (llama, qwen2), and there is no [lora] section: nothing is frozen; add [lora] or set train.frozen_dtype = \"auto\"",
+            ));
+        }
+        for (key, n) in [
+            ("dist.tensor_parallel", self.dist.tensor_parallel),
+            ("dist.pipeline_parallel", self.dist.pipeline_parallel),
+        ] {
+            if packs && n > 1 {
+                return Err(invalid(
+                    "train.frozen_dtype",
+                    t.frozen_dtype.name(),
+                    &format!("keeps the frozen base whole in one process and does not split it ({key} = {n}); set {key} = 1 or train.frozen_dtype = \"f32\""),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl TrainConfig {
+    /// `[train]`'s own rules.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let t = self;
         if t.steps == 0 {
             return Err(invalid("train.steps", 0, "must be at least 1"));
         }
@@ -837,32 +880,17 @@ impl Config {
                 ),
             ));
         }
-        let packs = !matches!(t.frozen_dtype, FrozenDtype::Auto | FrozenDtype::F32);
-        if packs && self.lora.is_none() {
-            return Err(invalid(
-                "train.frozen_dtype",
-                t.frozen_dtype.name(),
-                "packs the frozen base projections of a LoRA run of the Llama family (llama, qwen2), and there is no [lora] section: nothing is frozen; add [lora] or set train.frozen_dtype = \"auto\"",
-            ));
-        }
-        for (key, n) in [
-            ("dist.tensor_parallel", self.dist.tensor_parallel),
-            ("dist.pipeline_parallel", self.dist.pipeline_parallel),
-        ] {
-            if packs && n > 1 {
-                return Err(invalid(
-                    "train.frozen_dtype",
-                    t.frozen_dtype.name(),
-                    &format!("keeps the frozen base whole in one process and does not split it ({key} = {n}); set {key} = 1 or train.frozen_dtype = \"f32\""),
-                ));
-            }
-        }
-        objective::validate(self)?;
-        loop_controls::validate(self)?;
         if t.threads > 4096 {
             return Err(invalid("train.threads", t.threads, "must be at most 4096 (0: all cores)"));
         }
-        let o = &self.optim;
+        Ok(())
+    }
+}
+
+impl OptimConfig {
+    /// `[optim]`'s own rules (each optimizer's own: `optimizers::validate`).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let o = self;
         if !(o.lr > 0.0 && o.lr.is_finite()) {
             return Err(invalid("optim.lr", o.lr, "must be finite and > 0"));
         }
@@ -886,12 +914,26 @@ impl Config {
         if o.name == OptimizerKind::Sgd && o.nesterov && o.momentum == 0.0 {
             return Err(invalid("optim.momentum", o.momentum, "Nesterov momentum (optim.nesterov) needs momentum > 0"));
         }
-        optimizers::validate(self)?;
-        let s = &self.schedule;
+        Ok(())
+    }
+}
+
+impl ScheduleConfig {
+    /// `[schedule]` against the learning rate it decays.
+    pub fn validate(&self, o: &OptimConfig) -> Result<(), ConfigError> {
+        let s = self;
         if !(s.min_lr >= 0.0 && s.min_lr <= o.lr) {
             return Err(invalid("schedule.min_lr", s.min_lr, &format!("must be between 0 and optim.lr ({})", o.lr)));
         }
-        let dist = &self.dist;
+        Ok(())
+    }
+}
+
+impl DistConfig {
+    /// `[dist]`'s rules, with what ZeRO composes with
+    /// ([`engine::zero::composition_error`], the engine's one rule).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let dist = self;
         if dist.world_size == 0 {
             return Err(invalid("dist.world_size", 0, "must be at least 1"));
         }
@@ -904,28 +946,12 @@ impl Config {
         if dist.pipeline_parallel == 0 {
             return Err(invalid("dist.pipeline_parallel", 0, "must be at least 1 (1: no pipeline)"));
         }
-        if dist.pipeline_parallel > 1 && dist.zero_stage >= 2 {
-            return Err(invalid(
-                "dist.zero_stage",
-                dist.zero_stage,
-                &format!(
-                    "ZeRO stages 2 and 3 do not compose with pipeline parallelism (dist.pipeline_parallel = {}; stages 0 and 1 do, as in DeepSpeed); set dist.zero_stage = 1 or dist.pipeline_parallel = 1",
-                    dist.pipeline_parallel
-                ),
-            ));
-        }
         if dist.tensor_parallel == 0 {
             return Err(invalid("dist.tensor_parallel", 0, "must be at least 1 (1: no tensor split)"));
         }
-        if dist.tensor_parallel > 1 && dist.zero_stage >= 2 {
-            return Err(invalid(
-                "dist.zero_stage",
-                dist.zero_stage,
-                &format!(
-                    "ZeRO stages 2 and 3 do not compose with tensor parallelism (dist.tensor_parallel = {}; stages 0 and 1 do); set dist.zero_stage = 1 or dist.tensor_parallel = 1",
-                    dist.tensor_parallel
-                ),
-            ));
+        if let Some(e) = engine::zero::composition_error(dist.zero_stage, dist.pipeline_parallel, dist.tensor_parallel)
+        {
+            return Err(invalid("dist.zero_stage", dist.zero_stage, &e));
         }
         if let Some(layers) = &dist.pipeline_layers {
             if layers.len() != dist.pipeline_parallel || layers.contains(&0) {
@@ -945,7 +971,14 @@ impl Config {
         if !(dist.timeout_s > 0.0 && dist.timeout_s.is_finite()) {
             return Err(invalid("dist.timeout_s", dist.timeout_s, "must be finite and > 0"));
         }
-        let d = &self.data;
+        Ok(())
+    }
+}
+
+impl DataConfig {
+    /// `[data]`'s rules (its sources: `sources::validate`).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let d = self;
         sources::validate(d)?;
         // `text` (the default) reads a `.parquet` / `.arrow` path as that table.
         let format = d.format.resolved_for(d.path.as_deref().map(std::path::Path::new));

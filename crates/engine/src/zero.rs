@@ -73,6 +73,27 @@ pub enum Reduction {
     Done,
 }
 
+/// The one rule of what ZeRO composes with: stages 0 and 1 with a pipeline
+/// of `pipeline` stages and a tensor split `tensor` ways (as in DeepSpeed);
+/// stages 2 and 3 with neither, since they cut a whole model's gradient
+/// (and parameters) into data-parallel shards, which a pipeline stage or a
+/// tensor-parallel rank does not hold. `None` when `stage` composes; else
+/// the refusal, naming the keys to change. The config check, the planner
+/// and the trainer all ask this.
+pub fn composition_error(stage: u8, pipeline: usize, tensor: usize) -> Option<String> {
+    if stage < 2 {
+        return None;
+    }
+    let (what, key, n) = match (pipeline > 1, tensor > 1) {
+        (true, _) => ("pipeline", "pipeline_parallel", pipeline),
+        (false, true) => ("tensor", "tensor_parallel", tensor),
+        (false, false) => return None,
+    };
+    Some(format!(
+        "ZeRO stage {stage} does not compose with {what} parallelism (dist.{key} = {n}); stages 0 and 1 do, as in DeepSpeed: set dist.zero_stage = 1 or dist.{key} = 1"
+    ))
+}
+
 impl Stage {
     /// The checked form of `cfg`.
     pub fn new(cfg: ZeroConfig) -> Result<Self, EngineError> {

@@ -277,17 +277,13 @@ impl Trainer {
         zero: ZeroConfig,
         dp: &mut dyn Communicator,
     ) -> Result<Self, EngineError> {
-        if zero.stage >= 2 && stage.tp.is_some() {
-            return Err(EngineError::TensorParallel(format!(
-                "ZeRO stage {} with tensor parallelism is not supported (stages 0 and 1 are); set dist.zero_stage = 1 or dist.tensor_parallel = 1",
-                zero.stage
-            )));
-        }
-        if zero.stage >= 2 && stage.spec.n_stages > 1 {
-            return Err(EngineError::Pipeline(format!(
-                "ZeRO stage {} with pipeline parallelism is not supported (stages 0 and 1 are, as in DeepSpeed); set dist.zero_stage = 1 or dist.pipeline_parallel = 1",
-                zero.stage
-            )));
+        let tensor = stage.tp.as_ref().map_or(1, |s| s.tp.size);
+        if let Some(e) = crate::zero::composition_error(zero.stage, stage.spec.n_stages, tensor) {
+            return Err(if tensor > 1 && stage.spec.n_stages == 1 {
+                EngineError::TensorParallel(e)
+            } else {
+                EngineError::Pipeline(e)
+            });
         }
         let model_segs = stage.layout.model_segments.clone();
         let local_init =

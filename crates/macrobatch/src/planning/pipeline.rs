@@ -20,12 +20,8 @@ pub fn data_parallel(knobs: &Knobs) -> Result<usize> {
     let (w, p, t) = (knobs.world_size, knobs.pipeline_parallel, knobs.tensor_parallel);
     let dist = config::DistConfig { pipeline_parallel: p, tensor_parallel: t, ..Default::default() };
     let d = dist.data_parallel(w, "the planned world")?;
-    if knobs.zero_stage >= 2 && (p > 1 || t > 1) {
-        let (what, key) = if p > 1 { ("pipeline", "pipeline_parallel") } else { ("tensor", "tensor_parallel") };
-        bail!(
-            "ZeRO stage {} with {what} parallelism is not supported (stages 0 and 1 are); set dist.zero_stage = 1 or dist.{key} = 1",
-            knobs.zero_stage
-        );
+    if let Some(e) = engine::zero::composition_error(knobs.zero_stage, p, t) {
+        bail!("{e}");
     }
     Ok(d)
 }
@@ -246,7 +242,10 @@ mod tests {
         let e = err(knobs(&pl, 2, ScheduleKind::GPipe), Some(&[2, 3]));
         assert!(e.contains("pipeline_layers") && e.contains("6 layers"), "{e}");
         let e = err(Knobs { zero_stage: 2, ..knobs(&pl, 2, ScheduleKind::GPipe) }, None);
-        assert!(e.contains("ZeRO stage 2") && e.contains("not supported"), "{e}");
+        assert!(
+            e.contains("ZeRO stage 2") && e.contains("does not compose") && e.contains("dist.zero_stage = 1"),
+            "{e}"
+        );
     }
 
     #[test]
