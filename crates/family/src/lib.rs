@@ -519,6 +519,18 @@ pub trait Family: Send + Sync {
     fn load_unfrozen(&self, source: &Path) -> Result<Vec<f32>> {
         Err(format!("{}: the {} family holds no packed frozen base", source.display(), self.name()).into())
     }
+    /// This shape for a forward-only use (`generate`, `eval`) of the model
+    /// file `source`, holding its projections as the file stores them (a
+    /// GGUF's Q8_0 / Q4_0 / Q4_1 blocks, 16-bit halves) instead of
+    /// dequantised to f32: its layout is then the other tensors, read with
+    /// [`Family::load_unfrozen`]. The packed GEMMs compute what the f32
+    /// model computes on the dequantised values, to the bit. `None` when the
+    /// family keeps every tensor f32, or the file's projections have no
+    /// packed form (F32).
+    fn packed_for_inference(&self, source: &Path) -> Result<Option<Arc<dyn Family>>> {
+        let _ = source;
+        Ok(None)
+    }
 }
 
 /// How the binary finds a family: its names and its constructors. Each

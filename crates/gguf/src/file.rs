@@ -422,6 +422,11 @@ impl GgufFile {
         }
     }
 
+    /// The whole file, mapped (a loader drops the pages of what it has read).
+    pub fn mapped(&self) -> &memmap2::Mmap {
+        &self.mmap
+    }
+
     /// The raw bytes of a tensor (as stored, still quantised).
     pub fn tensor_bytes(&self, name: &str) -> Result<(&TensorInfo, &[u8]), GgufError> {
         let t =
@@ -433,13 +438,27 @@ impl GgufFile {
     /// A tensor dequantised to f32, in GGUF order (`ne[0]` fastest, which is
     /// row-major for [`TensorInfo::shape`]).
     pub fn dequantize(&self, name: &str) -> Result<Vec<f32>, GgufError> {
+        let n = self.tensor(name).map_or(0, |t| t.n_elements() as usize);
+        let mut out = vec![0f32; n];
+        self.dequantize_into(name, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`GgufFile::dequantize`] into `out`, which holds exactly the
+    /// tensor's elements (a loader places it straight into the parameters,
+    /// with no second copy of the tensor).
+    pub fn dequantize_into(&self, name: &str, out: &mut [f32]) -> Result<(), GgufError> {
         let (t, bytes) = self.tensor_bytes(name)?;
         let ty = self.ggml_type(t)?;
         if !ty.is_supported() {
             return Err(GgufError::UnsupportedType { tensor: t.name.clone(), type_id: ty.id, type_name: ty.name });
         }
-        let mut out = vec![0f32; t.n_elements() as usize];
-        quant::dequantize(&t.name, ty, bytes, &mut out)?;
-        Ok(out)
+        if out.len() as u64 != t.n_elements() {
+            return Err(GgufError::UnsupportedModel {
+                path: self.path.clone(),
+                what: format!("tensor `{name}` holds {} values, and {} were asked for", t.n_elements(), out.len()),
+            });
+        }
+        quant::dequantize(&t.name, ty, bytes, out)
     }
 }

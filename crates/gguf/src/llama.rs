@@ -243,6 +243,14 @@ impl LlamaGguf {
     /// One tensor by its GGUF name, as Hugging Face has it: name, row-major
     /// shape and f32 values (Q and K rows un-permuted).
     pub fn tensor(&self, gguf_name: &str) -> Result<HfTensor, GgufError> {
+        let (name, shape) = self.hf_shape(gguf_name)?;
+        let mut values = vec![0.0; shape.iter().product()];
+        self.tensor_into(gguf_name, &mut values)?;
+        Ok((name, shape, values))
+    }
+
+    /// One tensor's Hugging Face name and row-major shape, by its GGUF name.
+    pub fn hf_shape(&self, gguf_name: &str) -> Result<(String, Vec<usize>), GgufError> {
         let info = self
             .file
             .tensor(gguf_name)
@@ -251,12 +259,19 @@ impl LlamaGguf {
             path: self.file.path().into(),
             what: format!("tensor `{gguf_name}` has no Hugging Face Llama counterpart"),
         })?;
-        let shape = info.shape();
-        let mut values = self.file.dequantize(gguf_name)?;
+        Ok((name, info.shape()))
+    }
+
+    /// [`LlamaGguf::tensor`]'s values written into `out` (exactly the
+    /// tensor's elements): a loader dequantises each tensor straight into
+    /// its place in the parameters.
+    pub fn tensor_into(&self, gguf_name: &str, out: &mut [f32]) -> Result<(), GgufError> {
+        let (_, shape) = self.hf_shape(gguf_name)?;
+        self.file.dequantize_into(gguf_name, out)?;
         if let Some(n_heads) = self.permuted_heads(gguf_name, &shape)? {
-            unpermute_rows(&mut values, shape[0], shape[1], n_heads);
+            unpermute_rows(out, shape[0], shape[1], n_heads);
         }
-        Ok((name, shape, values))
+        Ok(())
     }
 
     /// The heads llama.cpp permuted the rows of `gguf_name` over (Q: the

@@ -117,7 +117,7 @@ fn is_known_extra(name: &str) -> bool {
 /// `layout`. Names may carry the `transformer.` prefix or not (the Hub's
 /// `gpt2` file does not).
 pub fn load_weights(path: &Path, layout: &ParamLayout) -> Result<Vec<f32>, GptError> {
-    let bytes = std::fs::read(path).map_err(io_err(path))?;
+    let bytes = nn::io::map_file(path)?;
     let st = SafeTensors::deserialize(&bytes)
         .map_err(|e| bad(path, format!("not a valid safetensors file ({e}); it may be truncated or corrupt")))?;
     // Fallible: a config.json that claims a huge model is an error, not an abort.
@@ -145,6 +145,7 @@ pub fn load_weights(path: &Path, layout: &ParamLayout) -> Result<Vec<f32>, GptEr
         }
         nn::io::decode_into(view.dtype(), view.data(), &mut params[spec.range()])
             .map_err(|e| bad(path, format!("tensor `{name}` {e}")))?;
+        nn::io::release_pages(&bytes, view.data());
         used.insert(name);
     }
     let mut unexpected: Vec<String> =

@@ -103,6 +103,9 @@ pub enum LlamaError {
     /// Reading a file failed, or it is malformed.
     #[error(transparent)]
     Read(nn::io::FileError),
+    /// A GGUF file could not be read (its error names the file).
+    #[error(transparent)]
+    Gguf(#[from] gguf::GgufError),
     /// An error about the contents of a file (a tensor, a config field).
     #[error("{}", path.display())]
     InFile {

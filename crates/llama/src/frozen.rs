@@ -360,7 +360,6 @@ pub fn load(
     let mut mats = Vec::with_capacity(7 * cfg.n_layer);
     let rest = if is_gguf(source) {
         let file = gguf::llama::LlamaGguf::open(source).map_err(|e| hf_read(source, e))?;
-        let mut failed = None;
         let mut others = Vec::new();
         for (g, name) in file.tensor_names() {
             let Some((layer, pr)) = proj_of(&name) else {
@@ -383,23 +382,11 @@ pub fn load(
                 let (_, _, w) = file.tensor(&g).map_err(|e| hf_read(source, e))?;
                 pack(rows, cols, &w, fmt)?
             };
+            nn::io::release_pages(file.file().mapped(), raw.bytes);
             mats.push((layer, pr, m));
         }
         match rest {
-            Some(layout) => {
-                let tensors = others.into_iter().map_while(|g| match file.tensor(&g) {
-                    Ok(t) => Some(t),
-                    Err(e) => {
-                        failed = Some(e);
-                        None
-                    }
-                });
-                let rest = crate::hf::from_named_tensors_into(layout, cfg, tensors);
-                if let Some(e) = failed {
-                    return Err(hf_read(source, e));
-                }
-                Some(rest?)
-            }
+            Some(layout) => Some(crate::hf::from_gguf_into(layout, cfg, &file, &others)?),
             None => None,
         }
     } else {

@@ -51,13 +51,14 @@ fn for_each_tensor(
     path: &Path,
     mut f: impl FnMut(&str, &TensorView<'_>) -> Result<(), LlamaError>,
 ) -> Result<(), LlamaError> {
-    let bytes = std::fs::read(path).map_err(io_err(path))?;
+    let bytes = nn::io::map_file(path).map_err(LlamaError::Read)?;
     let st = SafeTensors::deserialize(&bytes)
         .map_err(|e| bad(path, format!("not a valid safetensors file ({e}); it may be truncated or corrupt")))?;
     let mut tensors = st.tensors();
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     for (name, view) in &tensors {
         f(name, view).map_err(|e| e.in_file(path))?;
+        nn::io::release_pages(&bytes, view.data());
     }
     Ok(())
 }
@@ -86,6 +87,8 @@ struct Placer {
     tied_head: Option<Vec<f32>>,
     tied: bool,
     unexpected: Vec<String>,
+    /// Layout tensors a file need not hold (adapters beside a base).
+    may_be_absent: fn(&str) -> bool,
 }
 
 impl Placer {
@@ -99,7 +102,16 @@ impl Placer {
         })?;
         params.resize(layout.n_params(), 0.0f32);
         let seen = vec![false; layout.tensors().len()];
-        Ok(Self { layout, index, params, seen, tied_head: None, tied: cfg.tie_word_embeddings, unexpected: Vec::new() })
+        Ok(Self {
+            layout,
+            index,
+            params,
+            seen,
+            tied_head: None,
+            tied: cfg.tie_word_embeddings,
+            unexpected: Vec::new(),
+            may_be_absent: |_| false,
+        })
     }
 
     /// Places tensor `name` of `shape`; `fill` writes its values into the
@@ -151,7 +163,8 @@ impl Placer {
             self.unexpected.truncate(5);
             return Err(LlamaError::UnexpectedTensors { names: self.unexpected });
         }
-        if let Some(i) = self.seen.iter().position(|s| !s) {
+        let tensors = self.layout.tensors();
+        if let Some(i) = self.seen.iter().enumerate().position(|(i, s)| !s && !(self.may_be_absent)(&tensors[i].name)) {
             return Err(LlamaError::MissingTensor { name: self.layout.tensors()[i].name.clone() });
         }
         if let Some(head) = &self.tied_head {
@@ -201,6 +214,25 @@ pub(crate) fn from_named_tensors_into(
     placer.finish()
 }
 
+/// [`from_named_tensors_into`] from the tensors `names` (GGUF names) of a
+/// GGUF file, each dequantised straight into its place in the parameters:
+/// loading holds the parameters and no second copy of any tensor (the
+/// embedding alone is 113 MB of f32 in SmolLM2-135M).
+pub(crate) fn from_gguf_into(
+    layout: ParamLayout,
+    cfg: &LlamaConfig,
+    file: &gguf::llama::LlamaGguf,
+    names: &[String],
+) -> Result<Vec<f32>, LlamaError> {
+    let mut placer = Placer::for_layout(layout, cfg)?;
+    for g in names {
+        let (name, shape) = file.hf_shape(g)?;
+        placer.put(&name, &shape, |dst| Ok(file.tensor_into(g, dst)?))?;
+        nn::io::release_pages(file.file().mapped(), file.file().tensor_bytes(g)?.1);
+    }
+    placer.finish()
+}
+
 /// Reads a Hugging Face `config.json`.
 pub fn load_config(path: &Path) -> Result<LlamaConfig, LlamaError> {
     let text = std::fs::read_to_string(path).map_err(io_err(path))?;
@@ -242,6 +274,38 @@ pub fn load_weights(dir: &Path, cfg: &LlamaConfig) -> Result<Vec<f32>, LlamaErro
     load_weights_into(dir, cfg, Llama::new(cfg.clone())?.layout().clone(), &mut |_, _, _| Ok(false))
 }
 
+/// The base weights of `dir` placed straight into `layout`, a model of
+/// `cfg` with adapters, whose adapter tensors (which the base file does
+/// not hold) are left zero for [`crate::lora::init_in_place`]: loading a
+/// LoRA model holds one copy of it, not the base and then the whole again.
+///
+/// With `packed` (the run's frozen base, packed, which `layout` leaves
+/// out) each projection in the folder is checked against it, bit for bit,
+/// and not placed: the folder's f32 base is what the packed one
+/// dequantises to, unless the base file changed after the run.
+pub(crate) fn load_base_into_adapted(
+    dir: &Path,
+    cfg: &LlamaConfig,
+    layout: ParamLayout,
+    packed: Option<&crate::FrozenBase>,
+) -> Result<Vec<f32>, LlamaError> {
+    let mut verify = |name: &str, _: &[usize], view: &TensorView<'_>| {
+        let (Some(base), Some((layer, pr))) = (packed, crate::frozen::proj_of(name)) else { return Ok(false) };
+        let (ours, want) = (decode_view(name, view)?, base.dequantize(cfg, layer, pr));
+        match ours.iter().zip(&want).position(|(a, b)| a.to_bits() != b.to_bits()) {
+            None if ours.len() == want.len() => Ok(true),
+            at => Err(LlamaError::config(
+                "frozen base",
+                format!(
+                    "`{name}` in this folder differs from the packed base it was trained on (train.frozen_source) at element {}: that file changed after the run; restore it, or read the folder's own f32 base (generate / eval --dequantize)",
+                    at.unwrap_or(ours.len().min(want.len()))
+                ),
+            )),
+        }
+    };
+    load_weights_with(dir, cfg, layout, &mut verify, crate::lora::is_adapter)
+}
+
 /// Offered each stored tensor `(name, shape, view)` before it is placed;
 /// `true`: taken (not placed).
 pub(crate) type TakeTensor<'a> = dyn FnMut(&str, &[usize], &TensorView<'_>) -> Result<bool, LlamaError> + 'a;
@@ -255,8 +319,21 @@ pub(crate) fn load_weights_into(
     layout: ParamLayout,
     take: &mut TakeTensor<'_>,
 ) -> Result<Vec<f32>, LlamaError> {
+    load_weights_with(dir, cfg, layout, take, |_| false)
+}
+
+/// [`load_weights_into`], where the layout's tensors `may_be_absent` names
+/// need not be in the files.
+fn load_weights_with(
+    dir: &Path,
+    cfg: &LlamaConfig,
+    layout: ParamLayout,
+    take: &mut TakeTensor<'_>,
+    may_be_absent: fn(&str) -> bool,
+) -> Result<Vec<f32>, LlamaError> {
     let files = weight_files(dir)?;
     let mut placer = Placer::for_layout(layout, cfg)?;
+    placer.may_be_absent = may_be_absent;
     for (path, listed) in &files {
         let mut found = BTreeSet::new();
         for_each_tensor(path, |name, view| {

@@ -203,19 +203,35 @@ pub fn attach_with(
     let base_layout = base_model.layout();
     LlamaError::check_count("base model", base_layout.n_params(), base.len())?;
     let mut out = vec![0.0f32; model.layout().n_params()];
-    let segs = model.segments();
-    for idx in 0..model.config().n_layer {
-        model.init_adapters(seed, idx, &mut out[segs[1 + idx].clone()]);
-    }
     for t in base_layout.tensors() {
         let dst = model.layout().get(&t.name).ok_or_else(|| LlamaError::MissingTensor { name: t.name.clone() })?;
         out[dst.range()].copy_from_slice(&base[t.range()]);
     }
+    init_in_place(model, &mut out, seed, frozen)?;
+    Ok(out)
+}
+
+/// [`attach_with`] on parameters already laid out for `model`, with the
+/// base's tensors in place (the adapters' values are ignored): each
+/// adapter starts as initialised from `seed` (B = 0, so the model is the
+/// base's function), DoRA's magnitudes at the base's row norms. A loader
+/// that places the base straight into the adapted layout needs no second
+/// copy of the model.
+pub fn init_in_place(
+    model: &Llama,
+    params: &mut [f32],
+    seed: u64,
+    frozen: Option<&FrozenBase>,
+) -> Result<(), LlamaError> {
+    require_lora(model)?;
+    LlamaError::check_count("model with adapters", model.layout().n_params(), params.len())?;
+    let segs = model.segments();
     for idx in 0..model.config().n_layer {
         let seg = segs[1 + idx].clone();
-        crate::dora::init_magnitudes(model, idx, &mut out[seg], frozen);
+        model.init_adapters(seed, idx, &mut params[seg.clone()]);
+        crate::dora::init_magnitudes(model, idx, &mut params[seg], frozen);
     }
-    Ok(out)
+    Ok(())
 }
 
 /// The base-model parameters (layout of `Llama::new`) with every adapter

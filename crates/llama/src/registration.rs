@@ -144,19 +144,8 @@ impl Registration for Registered {
         // holds the parameters and one tensor, never a second full copy.
         let file = gguf::llama::LlamaGguf::from_file(file).map_err(ModelError::new)?;
         let cfg = self.0.parse_hf_json(file.config())?;
-        let mut failed = None;
-        let tensors = file.tensor_names().into_iter().map_while(|(g, _)| match file.tensor(&g) {
-            Ok(t) => Some(t),
-            Err(e) => {
-                failed = Some(e);
-                None
-            }
-        });
-        let params = hf::from_named_tensors(&cfg, tensors);
-        if let Some(e) = failed {
-            return Err(ModelError::new(e));
-        }
-        let params = params?;
+        let names: Vec<String> = file.tensor_names().into_iter().map(|(g, _)| g).collect();
+        let params = hf::from_gguf_into(Llama::new(cfg.clone())?.layout().clone(), &cfg, &file, &names)?;
         Ok((Arc::new(LlamaFamily::new(self.0, cfg, None)?), params))
     }
 }
@@ -274,6 +263,46 @@ impl LlamaFamily {
     pub fn new(dialect: &'static dyn Dialect, cfg: LlamaConfig, lora: Option<LoraConfig>) -> Result<Self> {
         let model = Self::build_with(&cfg, lora.as_ref(), Precision::F32, TpRank::WHOLE)?;
         Ok(Self { dialect, cfg, lora, model: Arc::new(model), tp: TpRank::WHOLE, packed: None })
+    }
+
+    /// This shape with its projections packed as `format` (`stored`: the
+    /// source's projections, their stored types and packed forms), read
+    /// from `source` on first use; `key` names the setting in errors.
+    fn packed_family(
+        &self,
+        key: &str,
+        source: Option<PathBuf>,
+        format: FrozenFormat,
+        stored: &[(String, String, Option<PackFormat>)],
+    ) -> Result<Arc<dyn Family>> {
+        let cfg = &self.cfg;
+        let planned = match format {
+            FrozenFormat::Pack(f) => {
+                FrozenBytes { formats: f.name().into(), bytes: FrozenBase::planned_bytes(cfg, |_| f) }
+            }
+            FrozenFormat::Source => {
+                let (mut names, mut bytes) = (Vec::new(), 0u128);
+                for (name, dtype, kept) in stored {
+                    let Some(f) = kept else {
+                        return Err(format!(
+                            "{key}: `{name}` is stored as {dtype} in {}, which has no packed form (F16, BF16, Q8_0, Q4_0, Q4_1 do); set train.frozen_dtype = \"bf16\" or \"nf4\"",
+                            source.as_deref().unwrap_or(Path::new("the source")).display()
+                        )
+                        .into());
+                    };
+                    let pr = frozen::proj_of(name).map_or(Proj::Q, |(_, p)| p);
+                    let [rows, cols] = pr.shape(cfg);
+                    bytes += f.bytes_for(rows, cols);
+                    if !names.contains(&f.name()) {
+                        names.push(f.name());
+                    }
+                }
+                FrozenBytes { formats: names.join("+"), bytes }
+            }
+        };
+        let model = Llama::with_packed_layout(cfg.clone(), self.lora.clone())?;
+        let packed = PackedBase { source, format, planned, loaded: Mutex::new(None) };
+        Ok(Arc::new(Self { model: Arc::new(model), packed: Some(Arc::new(packed)), ..self.clone() }))
     }
 
     fn build_with(
@@ -457,13 +486,16 @@ impl Family for LlamaFamily {
 
     fn load_weights(&self, dir: &Path, layout: &ParamLayout) -> Result<Vec<f32>> {
         self.whole("loading weights")?;
-        let base = hf::load_weights(dir, &self.cfg)?;
         if self.lora.is_none() {
-            return Ok(base);
+            return Ok(hf::load_weights(dir, &self.cfg)?);
         }
-        // Adapters start as initialised (B = 0: the base's function), then
+        // The base goes straight into the adapted layout (with a packed
+        // base, the folder's projections are checked against it instead);
+        // adapters start as initialised (B = 0: the base's function), then
         // take the folder's trained ones when it has them.
-        let mut params = lora::attach(&self.model, &base, 0)?;
+        let base = self.packed.as_ref().map(|p| p.get(&self.cfg, false)).transpose()?.map(|(b, _)| b);
+        let mut params = hf::load_base_into_adapted(dir, &self.cfg, self.model.layout().clone(), base.as_deref())?;
+        lora::init_in_place(&self.model, &mut params, 0, base.as_deref())?;
         if dir.join(lora::ADAPTER_CONFIG_FILE).exists() {
             lora::load_adapter(dir)?.apply(&self.model, &mut params)?;
         }
@@ -533,33 +565,21 @@ impl Family for LlamaFamily {
                 }
             }
         }
-        let planned = match format {
-            FrozenFormat::Pack(f) => {
-                FrozenBytes { formats: f.name().into(), bytes: FrozenBase::planned_bytes(cfg, |_| f) }
-            }
-            FrozenFormat::Source => {
-                let (mut names, mut bytes) = (Vec::new(), 0u128);
-                for (name, dtype, kept) in &stored {
-                    let Some(f) = kept else {
-                        return Err(format!(
-                            "{key}: `{name}` is stored as {dtype} in {}, which has no packed form (F16, BF16, Q8_0, Q4_0, Q4_1 do); set train.frozen_dtype = \"bf16\" or \"nf4\"",
-                            s.source.as_deref().unwrap_or(Path::new("the source")).display()
-                        )
-                        .into());
-                    };
-                    let pr = frozen::proj_of(name).map_or(Proj::Q, |(_, p)| p);
-                    let [rows, cols] = pr.shape(cfg);
-                    bytes += f.bytes_for(rows, cols);
-                    if !names.contains(&f.name()) {
-                        names.push(f.name());
-                    }
-                }
-                FrozenBytes { formats: names.join("+"), bytes }
-            }
-        };
-        let model = Llama::with_packed_layout(cfg.clone(), self.lora.clone())?;
-        let packed = PackedBase { source: s.source.clone(), format, planned, loaded: Mutex::new(None) };
-        Ok(Some(Arc::new(Self { model: Arc::new(model), packed: Some(Arc::new(packed)), ..self.clone() })))
+        Ok(Some(self.packed_family(&key, s.source.clone(), format, &stored)?))
+    }
+
+    fn packed_for_inference(&self, source: &Path) -> Result<Option<Arc<dyn Family>>> {
+        // A LoRA shape, an already packed one and a tensor-parallel rank's
+        // are training's; generation and evaluation load whole models.
+        if self.lora.is_some() || self.packed.is_some() || self.tp.is_split() {
+            return Ok(None);
+        }
+        let stored = frozen::source_formats(source).map_err(|e| format!("{}: {e}", source.display()))?;
+        if stored.is_empty() || stored.iter().any(|(_, _, f)| f.is_none()) {
+            return Ok(None);
+        }
+        let key = format!("reading {} packed", source.display());
+        Ok(Some(self.packed_family(&key, Some(source.to_path_buf()), FrozenFormat::Source, &stored)?))
     }
 
     fn frozen_bytes(&self) -> Option<FrozenBytes> {

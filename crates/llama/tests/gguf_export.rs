@@ -179,3 +179,52 @@ fn smollm2_round_trips_with_the_source_metadata() {
     assert!(q.len() == p.len() && q.iter().zip(&p).all(|(a, b)| a.to_bits() == b.to_bits()), "bit-exact");
     println!("SmolLM2 export + F32 write: {:.2} s, {mb:.0} MB", written.as_secs_f64());
 }
+
+/// `generate` and `eval` keep a GGUF's projections in their blocks
+/// (`Family::packed_for_inference`): the packed model's greedy decoding,
+/// with the key/value cache, gives the f32 model's logits on the
+/// dequantised file bit for bit (each packed GEMM dequantises a panel and
+/// runs the f32 kernel on it, so no tolerance), while holding the
+/// projections in their file bytes. An F32 file has nothing to pack.
+#[test]
+fn packed_inference_decodes_as_the_dequantised_model_to_the_bit() {
+    for (id, tied) in [(GgmlType::Q8_0, false), (GgmlType::Q4_0, true), (GgmlType::F16, false), (GgmlType::BF16, true)]
+    {
+        let f = family(tied, None);
+        let (layout, p) = params(&*f, 3);
+        let path = write(&*f, &layout, &p, &format!("packed-{id}-{tied}.gguf"), id);
+        let (whole, all) = llama::FAMILY.load_gguf(GgufFile::open(&path).unwrap()).unwrap();
+        let shape = llama::FAMILY.gguf_shape(GgufFile::open(&path).unwrap()).unwrap();
+        let packed = shape.packed_for_inference(&path).unwrap().unwrap_or_else(|| panic!("type {id}: packable"));
+        let rest = packed.load_unfrozen(&path).unwrap();
+        let frozen = packed.frozen_bytes().unwrap();
+        assert_eq!(packed.n_params() as usize, rest.len());
+        // The projections (all but the embedding, norms and head) are held
+        // in their 16-bit or block bytes: under half of their f32 bytes.
+        let projected = (all.len() - rest.len()) as u128;
+        assert!(
+            projected > 0 && frozen.bytes * 2 <= 4 * projected + 64,
+            "type {id}: {frozen:?} for {projected} values"
+        );
+        let mut a = whole.build(Build::default()).unwrap();
+        let mut b = packed.build(Build::default()).unwrap();
+        a.set_kv_cache(20).unwrap();
+        b.set_kv_cache(20).unwrap();
+        let mut tokens = vec![1u32, 7, 30, 2];
+        for step in 0..12 {
+            let la = a.next_token_logits(&all, &tokens).unwrap();
+            let lb = b.next_token_logits(&rest, &tokens).unwrap();
+            assert!(
+                la.iter().zip(&lb).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "type {id}, tied {tied}: step {step}'s logits differ"
+            );
+            let next = (0..la.len()).max_by(|&i, &j| la[i].total_cmp(&la[j])).unwrap();
+            tokens.push(next as u32);
+        }
+    }
+    let f = family(false, None);
+    let (layout, p) = params(&*f, 4);
+    let path = write(&*f, &layout, &p, "packed-f32.gguf", GgmlType::F32);
+    let shape = llama::FAMILY.gguf_shape(GgufFile::open(&path).unwrap()).unwrap();
+    assert!(shape.packed_for_inference(&path).unwrap().is_none(), "F32 projections stay in the layout");
+}

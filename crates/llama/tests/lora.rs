@@ -228,3 +228,53 @@ fn peft_loads_our_base_and_adapter_and_computes_our_logits() {
     assert!(out.status.success(), "peft_check.py failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A run folder (base + PEFT adapter beside it) loads through the family
+/// with its base placed straight into the adapted layout (one copy of the
+/// model, not the base and then the whole): the parameters are those of
+/// `attach` + `apply`, bit for bit; a base tensor missing from the folder
+/// is still named, while the adapters, which the base file never holds,
+/// are not asked of it.
+#[test]
+fn a_lora_folder_loads_in_place_as_attach_and_apply() {
+    use family::Registration;
+    let (_, _, want) = fixture_lora();
+    let dir = tmpdir("lora-folder");
+    for (from, name) in [("untied", hf::CONFIG_FILE), ("untied", hf::WEIGHTS_FILE)]
+        .into_iter()
+        .chain([("lora", lora::ADAPTER_CONFIG_FILE), ("lora", lora::ADAPTER_WEIGHTS_FILE)])
+    {
+        std::fs::copy(fixture(from).join(name), dir.join(name)).unwrap();
+    }
+    let load = |dir: &std::path::Path| {
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join(hf::CONFIG_FILE)).unwrap()).unwrap();
+        let f = llama::FAMILY.for_hf_dir(dir, &json).unwrap();
+        let layout = f.build(family::Build::default()).unwrap().layout().clone();
+        f.load_weights(dir, &layout)
+    };
+    assert!(bits_equal(&load(&dir).unwrap(), &want));
+    // The same folder without the final norm in its base file.
+    let kept: Vec<_> = hf::read_tensors(&dir.join(hf::WEIGHTS_FILE))
+        .unwrap()
+        .into_iter()
+        .filter(|t| t.0 != "model.norm.weight")
+        .collect();
+    let bytes: Vec<Vec<u8>> = kept.iter().map(|t| t.2.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
+    let views = kept.iter().zip(&bytes).map(|(t, b)| {
+        (t.0.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, t.1.clone(), b).unwrap())
+    });
+    std::fs::write(dir.join(hf::WEIGHTS_FILE), safetensors::serialize(views, None).unwrap()).unwrap();
+    let e = load(&dir).err().map(|e| {
+        let mut text = e.to_string();
+        let mut cause = std::error::Error::source(&e);
+        while let Some(c) = cause {
+            text = format!("{text}: {c}");
+            cause = c.source();
+        }
+        text
+    });
+    let e = e.unwrap_or_default();
+    assert!(e.contains("model.norm.weight") && e.contains("missing"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -262,10 +262,9 @@ pub fn run(args: EvalArgs) -> Result<()> {
         );
     }
     saved::point_to_checkpoints(&args.model)?;
-    crate::memory::check_load(&args.model, &format!("eval {}", args.model.display()))
-        .with_context(|| format!("cannot load a model from {}", args.model.display()))?;
     let (family, params) =
-        family::load_hf(&args.model).with_context(|| format!("cannot load a model from {}", args.model.display()))?;
+        family::load_for_inference(&args.model, &format!("eval {}", args.model.display()), args.dequantize)
+            .with_context(|| format!("cannot load a model from {}", args.model.display()))?;
     let tok = saved::tokenizer_of(&args.model)?;
     let run = run_defaults(&args.model)?;
     let context = family.max_seq_len();

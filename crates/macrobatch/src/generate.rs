@@ -23,10 +23,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         bail!("--temperature must be finite and >= 0, got {}", args.temperature);
     }
     point_to_checkpoints(&args.dir)?;
-    crate::memory::check_load(&args.dir, &format!("generate {}", args.dir.display()))
-        .with_context(|| format!("cannot load a model from {}", args.dir.display()))?;
     let (family, params) =
-        family::load_hf(&args.dir).with_context(|| format!("cannot load a model from {}", args.dir.display()))?;
+        family::load_for_inference(&args.dir, &format!("generate {}", args.dir.display()), args.dequantize)
+            .with_context(|| format!("cannot load a model from {}", args.dir.display()))?;
     let tok = tokenizer_of(&args.dir)?;
     let mut model = family.build(Build::default())?;
     let (vocab_size, context) = (family.vocab_size(), family.max_seq_len());

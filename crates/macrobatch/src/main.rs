@@ -258,6 +258,11 @@ pub struct GenerateArgs {
     /// recomputes the window either way.
     #[arg(long)]
     pub no_kv_cache: bool,
+    /// Hold every weight as f32, dequantising a GGUF's blocks or a 16-bit
+    /// file on load. By default a file whose projections are packed keeps
+    /// them packed (the same logits to the bit, a fraction of the memory).
+    #[arg(long)]
+    pub dequantize: bool,
     /// Keep generating past the end-of-sequence token (and, with --chat,
     /// the end of turn) up to --max-new-tokens. By default generation stops
     /// at the model's eos_token_id: generation_config.json's, else
@@ -273,6 +278,11 @@ pub struct EvalArgs {
     /// A model: a run folder (with its LoRA adapters, if any), a Hugging
     /// Face folder (config.json + model.safetensors) or a GGUF file.
     pub model: PathBuf,
+    /// Hold every weight as f32, dequantising a GGUF's blocks or a 16-bit
+    /// file on load. By default a file whose projections are packed keeps
+    /// them packed (the same logits to the bit, a fraction of the memory).
+    #[arg(long)]
+    pub dequantize: bool,
     /// Held-out data: text (a file or folder), a token file (u16 / u32, by
     /// the meta.json `prepare` writes beside it) or JSON Lines (`text` or
     /// `messages` examples: only the assistant's replies are scored).

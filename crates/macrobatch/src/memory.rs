@@ -111,6 +111,37 @@ pub fn check_load(dir: &std::path::Path, what: &str) -> Result<()> {
     )
 }
 
+/// Checks that a model whose projections stay packed can be loaded: the
+/// `params` f32 parameters of its layout, the `frozen` bytes of its packed
+/// projections and the `mapped` bytes of its file (mapped while read).
+pub fn check_packed_load(what: &str, params: u128, frozen: u128, mapped: u64) -> Result<()> {
+    check(
+        what,
+        4 * params + frozen + mapped as u128,
+        allocating_threads(std::thread::available_parallelism().map_or(1, |n| n.get()), 0),
+        &format!(
+            "{params} parameters × 4 bytes, {frozen} bytes of packed projections and the {mapped}-byte file mapped"
+        ),
+        "this machine cannot hold the model; use a machine with more memory",
+    )
+}
+
+/// Bytes of the model file or folder `path` (its weight files: `*.gguf`,
+/// `*.safetensors`), 0 where it cannot be read.
+pub fn file_bytes(path: &std::path::Path) -> u64 {
+    let size = |p: &std::path::Path| std::fs::metadata(p).map_or(0, |m| m.len());
+    if path.is_file() {
+        return size(path);
+    }
+    let Ok(entries) = std::fs::read_dir(path) else { return 0 };
+    entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors" || x == "gguf"))
+        .map(|p| size(&p))
+        .sum()
+}
+
 /// A `/proc/self/status` memory figure of this process in bytes (`VmHWM:`:
 /// the peak resident set, `VmRSS:`: the resident set now), if known.
 pub fn proc_status_bytes(key: &str) -> Option<u64> {

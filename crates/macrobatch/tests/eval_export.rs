@@ -129,6 +129,11 @@ fn eval_on_the_heldout_file_equals_the_runs_validation_loss() {
             .unwrap();
         assert!(o.status.success(), "{dtype}: {}", stderr(&o));
         let q = eval_json(&file, heldout, &["--micro", "4", "--seq-len", "256"])["loss"].as_f64().unwrap();
+        // The file's projections stay in their blocks unless --dequantize
+        // makes them f32: the packed GEMMs compute the dequantised model.
+        let d =
+            eval_json(&file, heldout, &["--micro", "4", "--seq-len", "256", "--dequantize"])["loss"].as_f64().unwrap();
+        assert_eq!(q.to_bits(), d.to_bits(), "{dtype}: packed {q} vs dequantised {d}");
         println!("{dtype}: loss {q} vs f32 {gf} ({:.1e} relative)", (q - gf).abs() / gf);
         assert!((q - gf).abs() < tol * gf && q != gf, "{dtype} export {q} vs f32 {gf}");
     }

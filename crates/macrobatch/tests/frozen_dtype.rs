@@ -248,3 +248,51 @@ fn plan_takes_the_shape_and_base_of_init_from() {
     assert!(!o.status.success() && e.contains("F32") && e.contains("train.frozen_dtype"), "{e}");
     let _ = std::fs::remove_dir_all(&src);
 }
+
+/// `eval` (and `generate`, which loads the same way) on the folder of a run
+/// that kept its base packed reads that base packed again from
+/// `train.frozen_source`, checking the folder's f32 copy of each
+/// projection against it: the same loss as `--dequantize` (the folder's
+/// f32 base), bit for bit, since the packed GEMMs compute the f32 model on
+/// the dequantised values. A source changed since the run is refused with
+/// the fix; a source that is gone falls back to the f32 copy with a note.
+#[test]
+fn a_packed_runs_folder_evaluates_on_its_packed_base() {
+    let src = folder("frozen-eval-src", |_, _, w| w.to_vec());
+    let out = tmp("frozen-eval-run");
+    lora_ok(&out, &src, &["train.frozen_dtype=\"nf4\""]);
+    let text = out.with_extension("txt");
+    std::fs::write(
+        &text,
+        "Call me Ishmael. Some years ago, never mind how long precisely, having little money.\n".repeat(8),
+    )
+    .unwrap();
+    let eval = |extra: &[&str]| {
+        bin().arg("eval").arg(&out).arg("--data").arg(&text).arg("--json").args(extra).output().unwrap()
+    };
+    let loss = |o: &std::process::Output| {
+        assert!(o.status.success(), "{}", stderr(o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["loss"].as_f64().unwrap()
+    };
+    let packed = loss(&eval(&[]));
+    let whole = loss(&eval(&["--dequantize"]));
+    assert_eq!(packed.to_bits(), whole.to_bits(), "packed {packed} vs the folder's f32 base {whole}");
+    // The source changed after the run (one projection scaled): refused, naming the way out.
+    let original = src.with_extension("orig");
+    std::fs::rename(&src, &original).unwrap();
+    let changed = folder("frozen-eval-src", |layer, pr, w| match (layer, pr) {
+        (1, Proj::Up) => w.iter().map(|x| x * 2.0).collect(),
+        _ => w.to_vec(),
+    });
+    assert_eq!(changed, src);
+    let err = fails(&eval(&[]), "differs from the packed base");
+    assert!(err.contains("up_proj") && err.contains("--dequantize"), "{err}");
+    assert_eq!(loss(&eval(&["--dequantize"])).to_bits(), whole.to_bits());
+    // The source is gone: the folder's own f32 base, with a note.
+    std::fs::remove_dir_all(&src).unwrap();
+    let o = eval(&[]);
+    assert_eq!(loss(&o).to_bits(), whole.to_bits());
+    assert!(stderr(&o).contains("is gone"), "{}", stderr(&o));
+    let _ = std::fs::remove_dir_all(&original);
+}

@@ -1,6 +1,7 @@
 //! `generate` with its key/value cache prints what `--no-kv-cache` prints:
 //! greedy and sampled, across the context limit (where the window slides
-//! and each token recomputes it), and in a chat with SmolLM2.
+//! and each token recomputes it), and in a chat with SmolLM2 (whose Q4_1
+//! blocks stay packed, as `--dequantize` answers).
 
 mod common;
 
@@ -45,6 +46,10 @@ fn cached_chat_answers_as_uncached_on_smollm2() {
     let (without, _) = generate(&gguf, &args, false);
     assert_eq!(with, without);
     assert!(with.split_whitespace().count() >= 5, "{with}");
+    // The GGUF's Q4_1 projections stay in their blocks; held as f32
+    // (--dequantize) the model answers the same, token for token.
+    let (f32_weights, _) = generate(&gguf, &[&args[..], &["--dequantize"]].concat(), true);
+    assert_eq!(with, f32_weights);
 }
 
 /// Plain generation stops before the model's end-of-sequence token, as

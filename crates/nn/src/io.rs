@@ -1,6 +1,7 @@
 //! Files: atomic writes (temporary file, fsync, rename), a process-wide
-//! write budget for fault-injection tests, and f32 safetensors files
-//! streamed out and read back.
+//! write budget for fault-injection tests, f32 safetensors files streamed
+//! out and read back, and weight files mapped rather than read
+//! ([`map_file`]).
 
 use safetensors::tensor::{Dtype, SafeTensors};
 use std::collections::HashMap;
@@ -213,12 +214,40 @@ pub fn decode_into(dtype: Dtype, bytes: &[u8], dst: &mut [f32]) -> Result<(), St
     Ok(())
 }
 
+/// The bytes of `path`, mapped read-only: a weights file is read through
+/// the page cache instead of copied onto the heap, so loading a model holds
+/// its parameters once (the mapped pages are the kernel's to drop), not the
+/// file's bytes and the parameters.
+pub fn map_file(path: &Path) -> Result<memmap2::Mmap, FileError> {
+    let file = std::fs::File::open(path).map_err(io_err(path))?;
+    // SAFETY: the map is read-only and private to this process; a file
+    // truncated under it by another process is the one hazard, as for any
+    // reader of a file that changes while read (GGUF files are read so too).
+    unsafe { memmap2::Mmap::map(&file) }.map_err(io_err(path))
+}
+
+/// Drops the resident pages of `bytes`, a part of `map`, once a loader has
+/// copied or converted them: the file stays mapped (a later read faults the
+/// same bytes back in from it), but a model read tensor by tensor then holds
+/// about one tensor's pages beside what it made of them, not the whole file.
+pub fn release_pages(map: &memmap2::Mmap, bytes: &[u8]) {
+    let start = (bytes.as_ptr() as usize).wrapping_sub(map.as_ptr() as usize);
+    if bytes.is_empty() || start.checked_add(bytes.len()).is_none_or(|end| end > map.len()) {
+        return; // not inside this map
+    }
+    // SAFETY: the map is a read-only shared mapping of a file. MADV_DONTNEED
+    // on it only drops pages, which the next access reads back from the
+    // file: every borrowed slice keeps seeing the file's bytes. A failure
+    // (say, an unaligned range on an odd page size) leaves the pages resident.
+    let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, bytes.len()) };
+}
+
 /// Named tensors as `(shape, data)`.
 pub type Tensors = HashMap<String, (Vec<usize>, Vec<f32>)>;
 
 /// Reads every F32 tensor of a safetensors file, and its metadata.
 pub fn read_safetensors(path: &Path) -> Result<(Tensors, HashMap<String, String>), FileError> {
-    let bytes = std::fs::read(path).map_err(io_err(path))?;
+    let bytes = map_file(path)?;
     let (_, meta) = SafeTensors::read_metadata(&bytes)
         .map_err(|e| bad(path, format!("not a valid safetensors file ({e}); it may be truncated or corrupt")))?;
     let st = SafeTensors::deserialize(&bytes)
@@ -229,6 +258,7 @@ pub fn read_safetensors(path: &Path) -> Result<(Tensors, HashMap<String, String>
             return Err(bad(path, format!("tensor `{name}` is {:?}; only F32 is supported so far", view.dtype())));
         }
         let data = view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        release_pages(&bytes, view.data());
         out.insert(name, (view.shape().to_vec(), data));
     }
     Ok((out, meta.metadata().clone().unwrap_or_default()))
