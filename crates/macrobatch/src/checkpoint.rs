@@ -430,6 +430,14 @@ pub fn latest_valid(run_dir: &Path, warn: impl Fn(&str)) -> Result<Loaded> {
     for (step, dir) in all.iter().rev() {
         match load(dir) {
             Ok(l) => return Ok(l),
+            // Not a damaged checkpoint: this process could not map or
+            // allocate what a whole one needs. It stays where it is.
+            Err(e) if out_of_memory(&e) => {
+                return Err(e.context(format!(
+                    "cannot allocate the memory to read checkpoint {}; it is kept as it is: free memory (or raise ulimit -v) and resume again",
+                    dir.display()
+                )))
+            }
             Err(e) => {
                 warn(&format!(
                     "warning: skipping checkpoint {}: {e:#}; falling back to the previous one",
@@ -455,6 +463,12 @@ pub fn latest_valid(run_dir: &Path, warn: impl Fn(&str)) -> Result<Loaded> {
         all.len(),
         run_dir.display()
     )
+}
+
+/// Whether `e` comes from the OS refusing memory (ENOMEM: a map or an
+/// allocation over the address-space limit), anywhere in its chain.
+fn out_of_memory(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::OutOfMemory))
 }
 
 /// Keeps only the metrics of steps `<= step` (a resumed run re-logs the
