@@ -18,6 +18,9 @@ use std::time::Instant;
 pub enum Kind {
     /// Linear layers: the GEMMs of projections and their gradients, biases.
     Linear,
+    /// LoRA / DoRA adapters: their rank-r products beside a projection,
+    /// forward and backward (the projection's own GEMM is `Linear`).
+    Adapter,
     /// Attention: scores, softmax, weighted sums and their backward.
     Attention,
     /// LayerNorm and RMSNorm, forward and backward.
@@ -41,8 +44,9 @@ pub enum Kind {
 }
 
 /// Every kind, in report order.
-pub const KINDS: [Kind; 11] = [
+pub const KINDS: [Kind; 12] = [
     Kind::Linear,
+    Kind::Adapter,
     Kind::Attention,
     Kind::Norm,
     Kind::Activation,
@@ -60,6 +64,7 @@ impl Kind {
     pub fn name(self) -> &'static str {
         match self {
             Kind::Linear => "linear",
+            Kind::Adapter => "adapters",
             Kind::Attention => "attention",
             Kind::Norm => "norm",
             Kind::Activation => "activation",

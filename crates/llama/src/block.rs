@@ -7,7 +7,7 @@
 use crate::config::LlamaConfig;
 use crate::dora;
 use crate::frozen::{FrozenBase, Group};
-use crate::layout::{Adapters, LayerParams, Proj};
+use crate::layout::{Adapters, LayerParams, LoraRanges, Proj};
 use crate::lora_dropout::Dropout;
 use engine::{Checkpointing, EngineError, Inner, Precision, SavedTensor, SegmentGrads, TensorGroup};
 use nn::act::{swiglu_backward, swiglu_forward};
@@ -233,6 +233,23 @@ impl Layer<'_> {
         sum: Option<&mut TensorGroup<'_>>,
     ) -> Result<(), EngineError> {
         let Some(lr) = &self.r.lora[pr as usize] else { return Ok(()) };
+        engine::profile::timed(engine::profile::Kind::Adapter, || {
+            self.lora_products(pr, lr, p, y, x, (xa, buf, xd), sum)
+        })
+    }
+
+    /// [`Layer::lora_forward`]'s products, for `pr`'s adapter `lr`.
+    #[allow(clippy::too_many_arguments)]
+    fn lora_products(
+        &self,
+        pr: Proj,
+        lr: &LoraRanges,
+        p: &[f32],
+        y: Cols<'_>,
+        x: &[f32],
+        (xa, buf, xd): (&mut SavedTensor, &mut Vec<f32>, &mut [f32]),
+        sum: Option<&mut TensorGroup<'_>>,
+    ) -> Result<(), EngineError> {
         let (d, [oc, ic]) = (&self.d, pr.shape(self.cfg));
         let x = match self.drop {
             Some(drop) => {
@@ -275,18 +292,36 @@ impl Layer<'_> {
             linear_backward_weight(param_grad(back.grads.tensor(r.w(pr))), dy, x, d.lin(ic, oc));
         }
         let Some(lr) = &r.lora[pr as usize] else { return };
-        let (ga, gb) = back.grads.pair(lr.a.clone(), lr.b.clone());
+        let bufs = (&mut *back.grads, &mut *back.dxa, &mut *back.xd);
+        engine::profile::timed(engine::profile::Kind::Adapter, || self.lora_backward(pr, lr, p, dx, dy, (x, xa), bufs));
+    }
+
+    /// [`Layer::proj_backward`]'s adapter part, for `pr`'s adapter `lr`
+    /// (input `x`, its kept `xa`; [`Back`]'s gradients and buffers).
+    #[allow(clippy::too_many_arguments)]
+    fn lora_backward(
+        &self,
+        pr: Proj,
+        lr: &LoraRanges,
+        p: &[f32],
+        dx: &mut [f32],
+        dy: Strided<'_>,
+        (x, xa): (&[f32], &[f32]),
+        (grads, dxa_buf, xd_buf): (&mut SegmentGrads<'_>, &mut [f32], &mut [f32]),
+    ) {
+        let (d, [oc, ic]) = (&self.d, pr.shape(self.cfg));
+        let (ga, gb) = grads.pair(lr.a.clone(), lr.b.clone());
         let (s_b, s_a) = (d.lin(d.r, oc).scaled(d.lora_scale), d.lin(ic, d.r));
         if let Some(drop) = self.drop {
             // The branch saw x ⊙ mask: A's gradient reads it, and the input
             // gradient through the branch is masked the same way.
             let at = (self.at.get(), pr as usize);
-            let xd = &mut back.xd[..x.len()];
+            let xd = &mut xd_buf[..x.len()];
             xd.copy_from_slice(x);
             drop.mask(at, xd, ic);
             linear_backward_weight(param_grad(gb), dy, xa, s_b);
-            linear_backward_input(back.dxa, false, dy, &p[lr.b.clone()], s_b);
-            let dxa = Strided::rows(back.dxa, d.r);
+            linear_backward_input(dxa_buf, false, dy, &p[lr.b.clone()], s_b);
+            let dxa = Strided::rows(dxa_buf, d.r);
             linear_backward_weight(param_grad(ga), dxa, xd, s_a);
             linear_backward_input(xd, false, dxa, &p[lr.a.clone()], s_a);
             drop.mask(at, xd, ic);
@@ -296,8 +331,8 @@ impl Layer<'_> {
         // dB (+)= s · dyᵀ · xa: (out, n) @ (n, r) -> (out, r)
         linear_backward_weight(param_grad(gb), dy, xa, s_b);
         // dxa = s · dy · B: (n, out) @ (out, r) -> (n, r)
-        linear_backward_input(back.dxa, false, dy, &p[lr.b.clone()], s_b);
-        let dxa = Strided::rows(back.dxa, d.r);
+        linear_backward_input(dxa_buf, false, dy, &p[lr.b.clone()], s_b);
+        let dxa = Strided::rows(dxa_buf, d.r);
         // dA (+)= dxaᵀ · x: (r, n) @ (n, in) -> (r, in)
         linear_backward_weight(param_grad(ga), dxa, x, s_a);
         // dx += dxa · A: (n, r) @ (r, in) -> (n, in)
