@@ -234,41 +234,26 @@ impl Layer<'_> {
     ) -> Result<(), EngineError> {
         let Some(lr) = &self.r.lora[pr as usize] else { return Ok(()) };
         engine::profile::timed(engine::profile::Kind::Adapter, || {
-            self.lora_products(pr, lr, p, y, x, (xa, buf, xd), sum)
-        })
-    }
-
-    /// [`Layer::lora_forward`]'s products, for `pr`'s adapter `lr`.
-    #[allow(clippy::too_many_arguments)]
-    fn lora_products(
-        &self,
-        pr: Proj,
-        lr: &LoraRanges,
-        p: &[f32],
-        y: Cols<'_>,
-        x: &[f32],
-        (xa, buf, xd): (&mut SavedTensor, &mut Vec<f32>, &mut [f32]),
-        sum: Option<&mut TensorGroup<'_>>,
-    ) -> Result<(), EngineError> {
-        let (d, [oc, ic]) = (&self.d, pr.shape(self.cfg));
-        let x = match self.drop {
-            Some(drop) => {
-                let xd = &mut xd[..x.len()];
-                xd.copy_from_slice(x);
-                drop.mask((self.at.get(), pr as usize), xd, ic);
-                &*xd
+            let (d, [oc, ic]) = (&self.d, pr.shape(self.cfg));
+            let x = match self.drop {
+                Some(drop) => {
+                    let xd = &mut xd[..x.len()];
+                    xd.copy_from_slice(x);
+                    drop.mask((self.at.get(), pr as usize), xd, ic);
+                    &*xd
+                }
+                None => x,
+            };
+            // (n, in) @ (in, r) -> (n, r)
+            linear_forward(Cols::all(buf, d.r), false, x, &p[lr.a.clone()], d.lin(ic, d.r));
+            if let Some(tp) = sum {
+                tp.all_reduce(buf)?;
             }
-            None => x,
-        };
-        // (n, in) @ (in, r) -> (n, r)
-        linear_forward(Cols::all(buf, d.r), false, x, &p[lr.a.clone()], d.lin(ic, d.r));
-        if let Some(tp) = sum {
-            tp.all_reduce(buf)?;
-        }
-        xa.keep(buf, d.prec);
-        // (n, r) @ (r, out) -> (n, out), scaled by α/r and added
-        linear_forward(y, true, xa.cur(buf), &p[lr.b.clone()], d.lin(d.r, oc).scaled(d.lora_scale));
-        Ok(())
+            xa.keep(buf, d.prec);
+            // (n, r) @ (r, out) -> (n, out), scaled by α/r and added
+            linear_forward(y, true, xa.cur(buf), &p[lr.b.clone()], d.lin(d.r, oc).scaled(d.lora_scale));
+            Ok(())
+        })
     }
 
     /// Weight gradients of projection `pr` (input: saved tensor `x_idx`,
