@@ -24,6 +24,10 @@ pub enum Precision {
 }
 
 const CHUNK: usize = 1 << 14;
+/// Elements up to which a conversion runs on the calling thread: a saved
+/// activation of a small micro-batch (100 × 576 values) converts in a few
+/// microseconds, less than handing its chunks to the pool costs.
+const SERIAL: usize = 1 << 17;
 /// Elements per f16 rounding task (its 16-bit staging lives on the stack).
 const ROUND_CHUNK: usize = 4096;
 
@@ -86,37 +90,48 @@ impl Precision {
     /// Encodes `src` into 16-bit storage (`dst.len() == src.len()`).
     pub fn encode(self, src: &[f32], dst: &mut [u16]) {
         crate::profile::timed(crate::profile::Kind::Convert, || {
-            dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| match self {
+            let one = |(d, s): (&mut [u16], &[f32])| match self {
                 Precision::Bf16 => encode_bf16(s, d),
                 // half's slice conversions use the CPU's F16C instructions when present.
                 Precision::F16 => d.reinterpret_cast_mut::<half::f16>().convert_from_f32_slice(s),
                 Precision::F32 => unreachable!("f32 is not stored in 16 bits"),
-            });
+            };
+            match src.len() <= SERIAL {
+                true => one((dst, src)),
+                false => dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(one),
+            }
         })
     }
 
     /// Decodes 16-bit storage into f32.
     pub fn decode(self, src: &[u16], dst: &mut [f32]) {
         crate::profile::timed(crate::profile::Kind::Convert, || {
-            dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| match self {
+            let one = |(d, s): (&mut [f32], &[u16])| match self {
                 Precision::Bf16 => decode_bf16(s, d),
                 Precision::F16 => s.reinterpret_cast::<half::f16>().convert_to_f32_slice(d),
                 Precision::F32 => unreachable!("f32 is not stored in 16 bits"),
-            });
+            };
+            match src.len() <= SERIAL {
+                true => one((dst, src)),
+                false => dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(one),
+            }
         })
     }
 
     /// Rounds values in place to what this precision can store (identity for f32).
     pub fn round(self, x: &mut [f32]) {
-        match self {
-            Precision::F32 => {}
-            Precision::Bf16 => x.par_chunks_mut(CHUNK).for_each(round_bf16),
-            Precision::F16 => x.par_chunks_mut(ROUND_CHUNK).for_each(|c| {
-                let mut tmp = [half::f16::ZERO; ROUND_CHUNK];
-                let tmp = &mut tmp[..c.len()];
-                tmp.convert_from_f32_slice(c);
-                tmp.convert_to_f32_slice(c);
-            }),
+        let f16 = |c: &mut [f32]| {
+            let mut tmp = [half::f16::ZERO; ROUND_CHUNK];
+            let tmp = &mut tmp[..c.len()];
+            tmp.convert_from_f32_slice(c);
+            tmp.convert_to_f32_slice(c);
+        };
+        match (self, x.len() <= SERIAL) {
+            (Precision::F32, _) => {}
+            (Precision::Bf16, true) => round_bf16(x),
+            (Precision::Bf16, false) => x.par_chunks_mut(CHUNK).for_each(round_bf16),
+            (Precision::F16, true) => x.chunks_mut(ROUND_CHUNK).for_each(f16),
+            (Precision::F16, false) => x.par_chunks_mut(ROUND_CHUNK).for_each(f16),
         }
     }
 }
