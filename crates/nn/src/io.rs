@@ -239,6 +239,8 @@ pub fn release_pages(map: &memmap2::Mmap, bytes: &[u8]) {
     // on it only drops pages, which the next access reads back from the
     // file: every borrowed slice keeps seeing the file's bytes. A failure
     // (say, an unaligned range on an odd page size) leaves the pages resident.
+    // (Elsewhere than Unix the pages simply stay.)
+    #[cfg(unix)]
     let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, bytes.len()) };
 }
 
