@@ -165,7 +165,7 @@ impl Placer {
         }
         let tensors = self.layout.tensors();
         if let Some(i) = self.seen.iter().enumerate().position(|(i, s)| !s && !(self.may_be_absent)(&tensors[i].name)) {
-            return Err(LlamaError::MissingTensor { name: self.layout.tensors()[i].name.clone() });
+            return Err(LlamaError::MissingTensor { name: tensors[i].name.clone() });
         }
         if let Some(head) = &self.tied_head {
             let embed = &self.params[self.layout.tensors()[0].range()];

@@ -120,17 +120,22 @@ pub fn load_for_inference(dir: &Path, what: &str, dequantize: bool) -> Result<Lo
     if !dequantize {
         if let Some(packed) = shape.packed_for_inference(dir)? {
             check_packed(&*packed, dir, what)?;
+            // The other tensors first: reading them reads the base too, which
+            // the build then finds loaded.
             let params = packed.load_unfrozen(dir)?;
-            return finish_packed(packed, params, dir);
+            let model = packed.build(Build::default())?;
+            check_finite(model.layout(), &params, dir)?;
+            return Ok((packed, params));
         }
         if let Some(packed) = run_base_packed(&shape, dir)? {
             check_packed(&*packed, dir, what)?;
-            let layout = packed.build(Build::default())?.layout().clone();
-            let params = packed.load_weights(dir, &layout)?;
-            return finish_packed(packed, params, dir);
+            let model = packed.build(Build::default())?;
+            let params = packed.load_weights(dir, model.layout())?;
+            check_finite(model.layout(), &params, dir)?;
+            return Ok((packed, params));
         }
     }
-    crate::memory::check_load(dir, what)?;
+    crate::memory::check_load_of(what, shape.n_params())?;
     load_hf(dir)
 }
 
@@ -138,12 +143,6 @@ pub fn load_for_inference(dir: &Path, what: &str, dequantize: bool) -> Result<Lo
 fn check_packed(packed: &dyn Family, dir: &Path, what: &str) -> Result<()> {
     let frozen = packed.frozen_bytes().map_or(0, |f| f.bytes);
     crate::memory::check_packed_load(what, packed.n_params(), frozen, crate::memory::file_bytes(dir))
-}
-
-fn finish_packed(packed: Arc<dyn Family>, params: Vec<f32>, dir: &Path) -> Result<Loaded> {
-    let model = packed.build(Build::default())?;
-    check_finite(model.layout(), &params, dir)?;
-    Ok((packed, params))
 }
 
 /// With a run folder `dir` whose run kept its frozen base packed: `shape`

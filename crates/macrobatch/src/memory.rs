@@ -99,13 +99,15 @@ pub fn check(what: &str, need: u128, threads: usize, breakdown: &str, advice: &s
 /// Checks that the model of `config.json` in `dir` can be loaded (weights
 /// read, parameters and one copy of the file in memory) before reading it.
 pub fn check_load(dir: &std::path::Path, what: &str) -> Result<()> {
-    let p = crate::family::read_hf_config(dir)?.n_params();
+    check_load_of(what, crate::family::read_hf_config(dir)?.n_params())
+}
+
+/// [`check_load`] of a model of `p` parameters whose shape is known.
+pub fn check_load_of(what: &str, p: u128) -> Result<()> {
     check(
         what,
         8 * p,
-        // Not rayon::current_num_threads(): that would start the global pool
-        // before `train.threads` sizes it.
-        allocating_threads(std::thread::available_parallelism().map_or(1, |n| n.get()), 0),
+        loading_threads(),
         &format!("{p} parameters × 4 bytes, twice: the file's bytes and the parameters"),
         "this machine cannot hold the model; use a machine with more memory (or check config.json)",
     )
@@ -118,12 +120,19 @@ pub fn check_packed_load(what: &str, params: u128, frozen: u128, mapped: u64) ->
     check(
         what,
         4 * params + frozen + mapped as u128,
-        allocating_threads(std::thread::available_parallelism().map_or(1, |n| n.get()), 0),
+        loading_threads(),
         &format!(
             "{params} parameters × 4 bytes, {frozen} bytes of packed projections and the {mapped}-byte file mapped"
         ),
         "this machine cannot hold the model; use a machine with more memory",
     )
+}
+
+/// The allocating threads of a process loading a model. Not
+/// rayon::current_num_threads(): that would start the global pool before
+/// `train.threads` sizes it.
+fn loading_threads() -> usize {
+    allocating_threads(std::thread::available_parallelism().map_or(1, |n| n.get()), 0)
 }
 
 /// Bytes of the model file or folder `path` (its weight files: `*.gguf`,

@@ -220,9 +220,10 @@ pub fn decode_into(dtype: Dtype, bytes: &[u8], dst: &mut [f32]) -> Result<(), St
 /// file's bytes and the parameters.
 pub fn map_file(path: &Path) -> Result<memmap2::Mmap, FileError> {
     let file = std::fs::File::open(path).map_err(io_err(path))?;
-    // SAFETY: the map is read-only and private to this process; a file
-    // truncated under it by another process is the one hazard, as for any
-    // reader of a file that changes while read (GGUF files are read so too).
+    // SAFETY: the map is read-only (shared with the page cache); a file
+    // truncated or rewritten under it by another process is the one hazard,
+    // as for any reader of a file that changes while read (GGUF files are
+    // read so too).
     unsafe { memmap2::Mmap::map(&file) }.map_err(io_err(path))
 }
 
