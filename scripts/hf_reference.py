@@ -5,7 +5,11 @@ families' conformance tests.
 Usage:
   python3 scripts/hf_reference.py make KIND DIR
       KIND: qwen2 (Qwen2ForCausalLM: q/k/v biases, GQA, untied head,
-            rope θ = 1e6) or llama3 (LlamaForCausalLM with Llama 3 RoPE
+            rope θ = 1e6), qwen3 (Qwen3ForCausalLM: per-head q/k RMSNorm,
+            heads of width 32 where hidden / heads is 16, GQA, untied
+            head, rope θ = 1e6), mistral (MistralForCausalLM: a sliding
+            window of 8 keys over the 40 positions, GQA, untied head) or
+            llama3 (LlamaForCausalLM with Llama 3 RoPE
             scaling: rope_type "llama3", factor 8, low/high frequency
             factors 1 and 4, original context 32 — so the head's
             frequencies fall in all three of its bands).
@@ -29,7 +33,17 @@ import os
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
 
 TOL = 1e-4
 VOCAB = 97
@@ -51,6 +65,12 @@ def make(kind: str, out: str) -> None:
     if kind == "qwen2":
         cfg = Qwen2Config(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **common)
         model = Qwen2ForCausalLM(cfg)
+    elif kind == "qwen3":
+        cfg = Qwen3Config(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, head_dim=32, **common)
+        model = Qwen3ForCausalLM(cfg)
+    elif kind == "mistral":
+        cfg = MistralConfig(rope_parameters={"rope_type": "default", "rope_theta": 1e4}, sliding_window=8, **common)
+        model = MistralForCausalLM(cfg)
     elif kind == "llama3":
         rope = {
             "rope_type": "llama3",
@@ -63,7 +83,7 @@ def make(kind: str, out: str) -> None:
         cfg = LlamaConfig(rope_parameters=rope, **common)
         model = LlamaForCausalLM(cfg)
     else:
-        sys.exit(f"unknown KIND {kind}: qwen2 or llama3")
+        sys.exit(f"unknown KIND {kind}: qwen2, qwen3, mistral or llama3")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):

@@ -210,7 +210,7 @@ impl Default for DistConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ModelConfig {
-    /// The family: Hugging Face's `model_type` (`gpt2`, `llama`, `qwen2`).
+    /// The family: Hugging Face's `model_type` (`gpt2`, `llama`, `qwen2`, `qwen3`, `mistral`).
     pub family: String,
     /// One of the family's presets (`macrobatch plan --help` lists them);
     /// none when the shape was pinned from a model (`source`): the keys are
@@ -816,7 +816,7 @@ impl Config {
             return Err(invalid(
                 "train.frozen_dtype",
                 t.frozen_dtype.name(),
-                "packs the frozen base projections of a LoRA run of the Llama family (llama, qwen2), and there is no [lora] section: nothing is frozen; add [lora] or set train.frozen_dtype = \"auto\"",
+                "packs the frozen base projections of a LoRA run of the Llama family (llama, qwen2, qwen3, mistral), and there is no [lora] section: nothing is frozen; add [lora] or set train.frozen_dtype = \"auto\"",
             ));
         }
         for (key, n) in [

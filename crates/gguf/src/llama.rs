@@ -30,7 +30,7 @@ const TOP_NAMES: [(&str, &str); 3] = [
 
 /// (llama.cpp, Hugging Face) names of a block's tensors, after
 /// `blk.N.` / `model.layers.N.`.
-const BLOCK_NAMES: [(&str, &str); 9] = [
+const BLOCK_NAMES: [(&str, &str); 11] = [
     ("attn_q.weight", "self_attn.q_proj.weight"),
     ("attn_k.weight", "self_attn.k_proj.weight"),
     ("attn_v.weight", "self_attn.v_proj.weight"),
@@ -40,6 +40,9 @@ const BLOCK_NAMES: [(&str, &str); 9] = [
     ("ffn_down.weight", "mlp.down_proj.weight"),
     ("attn_norm.weight", "input_layernorm.weight"),
     ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    // Qwen3's per-head q/k norms (llama.cpp's `qwen3` architecture).
+    ("attn_q_norm.weight", "self_attn.q_norm.weight"),
+    ("attn_k_norm.weight", "self_attn.k_norm.weight"),
 ];
 
 /// `name` through the tables: `from` picks the side it is written in.

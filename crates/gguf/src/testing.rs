@@ -117,3 +117,18 @@ pub fn logits_gap(theirs: &[Vec<f32>], mut ours: impl FnMut(usize) -> Vec<f32>) 
     }
     (worst, largest)
 }
+
+/// `n` parameters drawn uniformly from [−0.2, 0.2) by a xorshift stream
+/// from `seed` — every tensor (norms and biases too) away from its usual
+/// initial value, for tests that write a model and read it back elsewhere.
+pub fn uniform_params(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.4
+        })
+        .collect()
+}

@@ -7,7 +7,7 @@ use crate::config::GptConfig;
 use crate::layout::{BlockParams, Widths};
 use engine::{Checkpointing, EngineError, Precision, SegmentGrads, TensorGroup, TpRank};
 use nn::attention::AttnShape;
-use nn::flash::{flash_attention_backward, flash_attention_forward, Docs};
+use nn::flash::{flash_attention_backward, flash_attention_forward, Visible};
 use nn::grad::param_grad;
 use nn::kv::Attention;
 use nn::linear::{add_bias, add_into, conv1d_backward, conv1d_forward, LinearShape};
@@ -130,7 +130,7 @@ pub(crate) struct GptBlock<'a> {
     pub d: Dims,
     pub prec: Precision,
     pub attn: Attention<'a>,
-    pub docs: Docs<'a>,
+    pub docs: Visible<'a>,
 }
 
 impl Block for GptBlock<'_> {

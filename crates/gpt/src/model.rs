@@ -15,7 +15,7 @@ use engine::{
     Checkpointing, FullStore, GradOut, MicroStepStats, Model, ParamLayout, ParamStore, Precision, SegmentView,
     StageSpec, StagedModel, TpRank,
 };
-use nn::flash::Docs;
+use nn::flash::Visible;
 use nn::grad::param_grad;
 use nn::kv::{Attention, KvCache};
 use nn::norm::{layernorm_backward, layernorm_forward, NormSaved};
@@ -261,7 +261,7 @@ impl Gpt {
             self.acts.stack.x.copy_from_slice(input);
         }
         self.acts.stack.keep_input();
-        let (d, prec, docs) = (self.dims(), self.precision, Docs(&self.acts.docs));
+        let (d, prec, docs) = (self.dims(), self.precision, Visible::documents(&self.acts.docs));
         let block = GptBlock { r: &self.ranges.block_rel, d, prec, attn, docs };
         self.acts.stack.forward(&block, store, self.stage_segs(), train)?;
         if !self.stage.is_last() {
@@ -357,7 +357,7 @@ impl Gpt {
     fn blocks_backward(&mut self, store: &mut dyn ParamStore, inputs: &[u32]) -> Result<(), GptError> {
         let (t, c) = (self.acts.t, self.cfg.n_embd);
         let (wte, wpe) = (self.ranges.wte.clone(), self.ranges.wpe.clone());
-        let (d, prec, docs) = (self.dims(), self.precision, Docs(&self.acts.docs));
+        let (d, prec, docs) = (self.dims(), self.precision, Visible::documents(&self.acts.docs));
         let block = GptBlock { r: &self.ranges.block_rel, d, prec, attn: Attention::Causal, docs };
         self.acts.stack.backward(&block, store, self.stage_segs())?;
         if !self.stage.is_first() {

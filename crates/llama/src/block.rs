@@ -1,5 +1,6 @@
 //! Llama's decoder layer as the shared stack walk runs it: RMSNorm,
-//! grouped-query attention with rotary q/k (and optional q/k/v biases), a
+//! grouped-query attention with rotary q/k (and optional q/k/v biases and
+//! per-head q/k norms), a
 //! SwiGLU MLP, LoRA on the targeted projections; and the sizes of every
 //! activation buffer, the one definition that allocates them and reports
 //! their bytes.
@@ -12,13 +13,13 @@ use crate::lora_dropout::Dropout;
 use engine::{Checkpointing, EngineError, Inner, Precision, SavedTensor, SegmentGrads, TensorGroup};
 use nn::act::{swiglu_backward, swiglu_forward};
 use nn::attention::AttnShape;
-use nn::flash::{flash_attention_backward, flash_attention_forward, Docs};
+use nn::flash::{flash_attention_backward, flash_attention_forward, Visible};
 use nn::grad::{bias_backward, param_grad};
 use nn::kv::Attention;
 use nn::linear::{
     add_bias, add_into, columns, linear_backward_input, linear_backward_weight, linear_forward, Cols, LinearShape,
 };
-use nn::norm::{rmsnorm_backward, rmsnorm_forward, NormSaved};
+use nn::norm::{rmsnorm_backward, rmsnorm_forward, HeadNorm, NormSaved};
 use nn::rope::{rope_apply, Rope};
 use nn::stack::{Block, Part, Saved, SavedView, StackSizes, PRE_NORM_KINDS};
 use nn::{Operands, Positions, Strided};
@@ -38,6 +39,9 @@ const XA: usize = 8;
 /// `DZ + p`: with DoRA, projection `p`'s `x·Wᵀ + s·(x·Aᵀ)·Bᵀ` before the
 /// magnitude's scaling (`[n, out]`; empty otherwise).
 const DZ: usize = XA + 7;
+/// With `qk_norm`: the query heads, then the key heads, before their norms
+/// (`[n·H, d]` then `[n·KV, d]`; empty otherwise).
+const QKN: usize = DZ + 7;
 
 /// Staging buffers: row tensors, the heads' output beside q|k|v, LoRA's `x·Aᵀ`.
 const ROWS: usize = 0;
@@ -129,6 +133,13 @@ impl ActSizes {
         let mut large = vec![n * c, n * qkvw, n * qd, n * c, n * c, n * 2 * f, n * f, n * c];
         large.extend(xa);
         large.extend(dz);
+        // Per-head q/k norms: their inputs kept, one 1/rms per (row, head).
+        let qk_heads = if cfg.qk_norm { w(cfg.n_head + cfg.n_kv_head) } else { 0 };
+        large.push(n * qk_heads * w(cfg.head_dim));
+        // Working buffer: the q/k norms' (gathered heads) and, when the
+        // heads are wider than the residual (H·d > C), the heads' output
+        // and its gradient.
+        let wide = (qk_heads * w(cfg.head_dim)).max(if qd > c { qd } else { 0 });
         let mut kinds = PRE_NORM_KINDS.to_vec(); // LoRA's and DoRA's tensors (after the eight) are kept
         kinds.resize(large.len(), Inner::Kept);
         let low = precision.is_low();
@@ -140,9 +151,9 @@ impl ActSizes {
             kinds,
             redo_scratch: n.max(lse),
             output: OUT,
-            stats: vec![n, n, lse, norms],
+            stats: vec![n, n, lse, norms, n * qk_heads],
             x: n * c,
-            bufs: vec![n * c, n * c, n * qkvw, n * 2 * f, n * f, n * r, n * qkvw, n * max_dz, n * max_in],
+            bufs: vec![n * c, n * c, n * qkvw, n * 2 * f, n * f, n * r, n * qkvw, n * max_dz, n * max_in, n * wide],
             staging: if low { vec![n * c.max(qkvw).max(2 * f), n * qd, n * r] } else { vec![0; 3] },
             extra: Vec::new(),
         };
@@ -171,7 +182,7 @@ pub(crate) struct Layer<'a> {
     pub d: Dims,
     pub attn: Attention<'a>,
     pub pos: Positions<'a>,
-    pub docs: Docs<'a>,
+    pub docs: Visible<'a>,
     pub base: Option<&'a FrozenBase>,
     /// The layer being run (set by [`Block::enter`]).
     pub at: Cell<usize>,
@@ -190,6 +201,14 @@ struct Back<'s, 'g> {
 }
 
 impl Layer<'_> {
+    /// The per-head norms of the query heads and of the key heads in a
+    /// row of q|k|v.
+    fn head_norms(&self) -> [HeadNorm; 2] {
+        let g = &self.d.gqa;
+        let (d, rs) = (g.head_dim, g.qkv_width());
+        [HeadNorm { col0: 0, heads: g.n_head, d, rs }, HeadNorm { col0: g.q_dim(), heads: g.n_kv_head, d, rs }]
+    }
+
     /// The f32 weight range of group `g` inside the segment.
     fn range(&self, g: Group) -> std::ops::Range<usize> {
         match g {
@@ -457,11 +476,16 @@ impl Block for Layer<'_> {
         let (cfg, r, d) = (self.cfg, self.r, &self.d);
         let (n, c, f, prec) = (d.n, d.c, d.f, d.prec);
         let (qd, qkvw, kvd) = (d.gqa.q_dim(), d.gqa.qkv_width(), cfg.kv_dim());
-        let [x2, buf_c, qkv, gu, m, dxa, _, zb, xd] = bufs else { unreachable!("Llama has nine working buffers") };
+        let [x2, buf_c, qkv, gu, m, dxa, heads, zb, xd, wide] = bufs else {
+            unreachable!("Llama has ten working buffers")
+        };
         let Saved { large, stats } = sv;
-        let [rstd1, rstd2, lse, norms] = &mut stats[..] else { unreachable!("row statistics, log-sum-exps, norms") };
+        let [rstd1, rstd2, lse, norms, rstd_qk] = &mut stats[..] else {
+            unreachable!("row statistics, log-sum-exps, norms, head statistics")
+        };
         let (large, xa) = large.split_at_mut(XA);
         let (xa, zs) = xa.split_at_mut(DZ - XA);
+        let (zs, qkn) = zs.split_at_mut(QKN - DZ);
         for pr in Proj::ALL {
             self.dora_norms(pr, p, norms);
         }
@@ -486,19 +510,31 @@ impl Block for Layer<'_> {
         if let Some([q, _, v]) = r.qkv_bias.as_ref().filter(|_| dora_qkv) {
             add_bias(qkv, &p[q.start..v.end]);
         }
+        if let Some(gains) = &r.qk_norm {
+            // Each query and key head normalised over its width, its input kept.
+            let norms = self.head_norms();
+            let [lq, lk] = norms.map(|h| h.len(n));
+            norms[0].gather(&mut wide[..lq], qkv);
+            norms[1].gather(&mut wide[lq..lq + lk], qkv);
+            qkn[0].keep_prefix(wide, lq + lk, prec);
+            let kept = qkn[0].cur(&wide[..lq + lk]);
+            let (rq, rk) = rstd_qk.split_at_mut(n * norms[0].heads);
+            norms[0].forward(qkv, heads, rq, &kept[..lq], &p[gains[0].clone()], d.eps);
+            norms[1].forward(qkv, heads, rk, &kept[lq..], &p[gains[1].clone()], d.eps);
+        }
         rope_apply(qkv, self.rope, qkvw, cfg.n_head + cfg.n_kv_head, false, self.pos);
         large[QKV].keep(qkv, prec);
-        // The heads' output is n × H·d: all of buf_c (n × C) unless the heads are split.
+        // The heads' output is n × H·d: all of buf_c (n × C) unless the heads
+        // are split, or in the q|k|v-wide buffer when H·d > C.
+        let yb = if qd <= c { &mut *buf_c } else { &mut *heads };
         match self.attn {
-            Attention::Causal => {
-                flash_attention_forward(&mut buf_c[..n * qd], lse, large[QKV].cur(qkv), d.gqa, self.docs)
-            }
-            Attention::Cached(kv) => kv.attend(&mut buf_c[..n * qd], large[QKV].cur(qkv), d.gqa),
+            Attention::Causal => flash_attention_forward(&mut yb[..n * qd], lse, large[QKV].cur(qkv), d.gqa, self.docs),
+            Attention::Cached(kv) => kv.attend(&mut yb[..n * qd], large[QKV].cur(qkv), d.gqa),
         }
-        large[Y].keep_prefix(buf_c, n * qd, prec);
+        large[Y].keep_prefix(yb, n * qd, prec);
         // x2 = x + y·Woᵀ (+ LoRA): (n, H·d) @ (H·d, C) -> (n, C); split
         // over heads, each rank's product is a part of the sum (row-parallel).
-        let y = large[Y].cur(&buf_c[..n * qd]);
+        let y = large[Y].cur(&yb[..n * qd]);
         let split = tp.is_split();
         if self.dora(Proj::O).is_some() {
             // x2 = x + (m/‖·‖) ⊙ z with z = y·Woᵀ + LoRA (never split: refused with DoRA).
@@ -590,11 +626,13 @@ impl Block for Layer<'_> {
         let (cfg, r, d) = (self.cfg, self.r, &self.d);
         let (c, f) = (d.c, d.f);
         let (qd, qkvw, kvd) = (d.gqa.q_dim(), d.gqa.qkv_width(), cfg.kv_dim());
-        let [dres, dc, dqkv, dgu, dm, dxa, heads, zb, xd] = bufs else {
-            unreachable!("Llama has nine working buffers")
+        let [dres, dc, dqkv, dgu, dm, dxa, heads, zb, xd, wide] = bufs else {
+            unreachable!("Llama has ten working buffers")
         };
         let sv = saved.sv;
-        let [rstd1, rstd2, lse, norms] = &sv.stats[..] else { unreachable!("row statistics, log-sum-exps, norms") };
+        let [rstd1, rstd2, lse, norms, rstd_qk] = &sv.stats[..] else {
+            unreachable!("row statistics, log-sum-exps, norms, head statistics")
+        };
         let mut back = Back { grads, saved, dxa, xd };
         // down_proj: d(n, F) = d(n, C) @ (C, F); SwiGLU; gate|up: d(n, C) = d(n, 2F) @ (2F, C).
         let dy = self.dora_backward_residual(Proj::Down, p, (dres, zb), norms, &mut back);
@@ -614,13 +652,26 @@ impl Block for Layer<'_> {
         let x2 = NormSaved { inp: back.saved.get(X2), mean: &[], rstd: rstd2 };
         rmsnorm_backward(dres, g2, dc, x2, w2);
         // o_proj: d(n, H·d) = d(n, C) @ (C, H·d); attention; rotation; q|k|v: d(n, C) = d(n, qkv) @ (qkv, C).
-        let dy = &mut dc[..d.n * qd];
+        let dy = if qd <= c { &mut dc[..d.n * qd] } else { &mut wide[..d.n * qd] };
         let g = self.dora_backward_residual(Proj::O, p, (dres, zb), norms, &mut back);
         self.base_backward_input(Group::O, p, dy, g, d.lin(qd, c));
         self.proj_backward(Proj::O, p, dy, g, Y, &mut back);
         let (qkv, y) = back.saved.pair((QKV, ROWS), (Y, HEADS));
         flash_attention_backward(dqkv, heads, dy, (qkv, y, lse), d.gqa, self.docs);
         rope_apply(dqkv, self.rope, qkvw, cfg.n_head + cfg.n_kv_head, true, self.pos);
+        if let Some(gains) = &r.qk_norm {
+            // Through each head's norm, from the kept input (the gains'
+            // gradients: under tensor parallelism a part, summed at the boundary).
+            let norms = self.head_norms();
+            let lq = norms[0].len(d.n);
+            let kept = back.saved.get(QKN);
+            let rstd = rstd_qk.split_at(d.n * norms[0].heads);
+            for (i, (inp, rstd)) in [(&kept[..lq], rstd.0), (&kept[lq..], rstd.1)].into_iter().enumerate() {
+                let dw = param_grad(back.grads.tensor(gains[i].clone()));
+                let saved = NormSaved { inp, mean: &[], rstd };
+                norms[i].backward(dqkv, (&mut heads[..], &mut wide[..]), saved, &p[gains[i].clone()], dw);
+            }
+        }
         let cols = [(Proj::Q, 0), (Proj::K, qd), (Proj::V, qd + kvd)];
         if let Some(biases) = &r.qkv_bias {
             for ((_, col0), b) in cols.iter().zip(biases) {

@@ -45,6 +45,15 @@ pub struct LlamaConfig {
     /// RoPE frequency scaling (`rope_scaling`); `None`: plain RoPE.
     #[serde(default)]
     pub rope_scaling: Option<RopeScaling>,
+    /// RMSNorm over each query and each key head (width `head_dim`, gains
+    /// `self_attn.q_norm` and `self_attn.k_norm` shared by the heads) after
+    /// the projections and before the rotation, as Qwen3's layers have it.
+    #[serde(default)]
+    pub qk_norm: bool,
+    /// Sliding-window attention (Mistral's `sliding_window`): each query
+    /// sees its `w` latest keys, itself included; `None`: every earlier key.
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
 }
 
 /// Llama 3's RoPE frequency scaling (`rope_scaling` with
@@ -125,7 +134,8 @@ impl RopeScaling {
 }
 
 /// Preset names, smallest first.
-pub const PRESETS: &[&str] = &["tiny", "smollm2-135m", "llama-7b", "llama-13b", "llama-70b"];
+pub const PRESETS: &[&str] =
+    &["tiny", "smollm2-135m", "llama3.2-1b", "llama3.2-3b", "llama-7b", "llama3.1-8b", "llama-13b", "llama-70b"];
 
 impl LlamaConfig {
     /// A named preset: `tiny` (byte vocabulary, for tests and the bundled
@@ -148,6 +158,8 @@ impl LlamaConfig {
                 eos_token_id: Vec::new(),
                 attention_bias: false,
                 rope_scaling: None,
+                qk_norm: false,
+                sliding_window: None,
             },
             "smollm2-135m" => LlamaConfig {
                 vocab_size: 49152,
@@ -165,12 +177,19 @@ impl LlamaConfig {
                 eos_token_id: vec![0],
                 attention_bias: false,
                 rope_scaling: None,
+                qk_norm: false,
+                sliding_window: None,
             },
             // Llama 2's shapes, for planning (`macrobatch plan`): too large
             // to train here, never allocated by a plan.
             "llama-7b" => Self::llama2(4096, 11008, 32, 32, 32),
             "llama-13b" => Self::llama2(5120, 13824, 40, 40, 40),
             "llama-70b" => Self::llama2(8192, 28672, 80, 64, 8),
+            // Llama 3.x (meta-llama/Llama-3.2-1B, -3B, Llama-3.1-8B): 128K
+            // context by Llama 3 RoPE scaling (factor 32 for 3.2, 8 for 3.1).
+            "llama3.2-1b" => Self::llama3((2048, 8192, 16, 32, 64), true, 32.0),
+            "llama3.2-3b" => Self::llama3((3072, 8192, 28, 24, 128), true, 32.0),
+            "llama3.1-8b" => Self::llama3((4096, 14336, 32, 32, 128), false, 8.0),
             other => {
                 return Err(LlamaError::config(
                     "preset",
@@ -179,6 +198,33 @@ impl LlamaConfig {
             }
         };
         Ok(cfg)
+    }
+
+    /// A Llama 3.x shape `(hidden, ffn, layers, heads, head width)`: 8 key/value
+    /// heads, vocabulary 128256, θ = 5·10⁵ scaled by `factor` from 8192
+    /// positions to 131072, `<|begin_of_text|>` and `<|end_of_text|>`.
+    fn llama3(
+        (hidden, ffn, n_layer, n_head, head_dim): (usize, usize, usize, usize, usize),
+        tied: bool,
+        factor: f64,
+    ) -> Self {
+        LlamaConfig {
+            vocab_size: 128256,
+            head_dim,
+            n_kv_head: 8,
+            rope_theta: 500000.0,
+            max_position_embeddings: 131072,
+            tie_word_embeddings: tied,
+            bos_token_id: Some(128000),
+            eos_token_id: vec![128001],
+            rope_scaling: Some(RopeScaling {
+                factor,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192,
+            }),
+            ..Self::llama2(hidden, ffn, n_layer, n_head, 8)
+        }
     }
 
     /// A Llama 2 shape: vocabulary 32000, 4096 positions, untied head.
@@ -199,6 +245,8 @@ impl LlamaConfig {
             eos_token_id: vec![2],
             attention_bias: false,
             rope_scaling: None,
+            qk_norm: false,
+            sliding_window: None,
         }
     }
 
@@ -219,14 +267,8 @@ impl LlamaConfig {
                 return Err(LlamaError::config(name, "must be at least 1, got 0"));
             }
         }
-        if !self.hidden_size.is_multiple_of(self.n_head) || self.head_dim != self.hidden_size / self.n_head {
-            return Err(LlamaError::config(
-                "head_dim",
-                format!(
-                    "({}) must equal hidden_size ({}) / n_head ({}) exactly",
-                    self.head_dim, self.hidden_size, self.n_head
-                ),
-            ));
+        if self.sliding_window == Some(0) {
+            return Err(LlamaError::config("sliding_window", "must be at least 1 (a query sees itself)"));
         }
         if !self.head_dim.is_multiple_of(2) {
             return Err(LlamaError::config(
@@ -265,12 +307,14 @@ impl LlamaConfig {
         let (v, c, f) = (self.vocab_size as u128, self.hidden_size as u128, self.intermediate_size as u128);
         let (qd, kvd) = (self.n_head as u128 * self.head_dim as u128, self.n_kv_head as u128 * self.head_dim as u128);
         let bias = if self.attention_bias { qd + 2 * kvd } else { 0 };
-        let layer = 2 * c + 2 * c * qd + 2 * c * kvd + 3 * c * f + bias;
+        let qk_norm = if self.qk_norm { 2 * self.head_dim as u128 } else { 0 };
+        let layer = 2 * c + 2 * c * qd + 2 * c * kvd + 3 * c * f + bias + qk_norm;
         let head = if self.tie_word_embeddings { 0 } else { v * c };
         v * c + self.n_layer as u128 * layer + c + head
     }
 
-    /// Width of all query heads together (= hidden_size).
+    /// Width of all query heads together (hidden_size, unless the file sets
+    /// `head_dim` otherwise, as Qwen3's do).
     pub fn q_dim(&self) -> usize {
         self.n_head * self.head_dim
     }
@@ -284,16 +328,13 @@ impl LlamaConfig {
     pub fn layer_params(&self) -> usize {
         let (c, f) = (self.hidden_size, self.intermediate_size);
         let bias = if self.attention_bias { self.q_dim() + 2 * self.kv_dim() } else { 0 };
-        2 * c + 2 * c * self.q_dim() + 2 * c * self.kv_dim() + 3 * c * f + bias
+        let qk_norm = if self.qk_norm { 2 * self.head_dim } else { 0 };
+        2 * c + 2 * c * self.q_dim() + 2 * c * self.kv_dim() + 3 * c * f + bias + qk_norm
     }
 
     /// Tensors of one decoder layer (without LoRA adapters).
     pub fn tensors_per_layer(&self) -> u128 {
-        if self.attention_bias {
-            12
-        } else {
-            9
-        }
+        9 + if self.attention_bias { 3 } else { 0 } + if self.qk_norm { 2 } else { 0 }
     }
 
     /// The rotary frequency scaling as the `nn` kernels take it.
@@ -386,15 +427,9 @@ impl LlamaConfig {
         };
         let hidden_size = need("hidden_size")?;
         let n_head = need("num_attention_heads")?;
-        let head_dim = hidden_size.checked_div(n_head).unwrap_or(0);
-        if let Some(hd) = uint("head_dim")? {
-            if hd != head_dim {
-                return Err(LlamaError::unsupported(
-                    format!("head_dim = {hd} with hidden_size {hidden_size} and {n_head} heads"),
-                    "head_dim must be hidden_size / num_attention_heads",
-                ));
-            }
-        }
+        // transformers' default; a file may set another width (q and o
+        // then are [H·d, C] and [C, H·d] with H·d ≠ C).
+        let head_dim = uint("head_dim")?.unwrap_or_else(|| hidden_size.checked_div(n_head).unwrap_or(0));
         let theta = rope_params.and_then(|p| p.get("rope_theta")).or_else(|| get("rope_theta"));
         let eos_token_id = match get("eos_token_id") {
             None => Vec::new(),
@@ -422,6 +457,8 @@ impl LlamaConfig {
             eos_token_id,
             attention_bias: false,
             rope_scaling,
+            qk_norm: false,
+            sliding_window: None,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -489,6 +526,15 @@ mod tests {
             cfg.validate().unwrap();
             assert_eq!(cfg.n_params(), n, "{name}");
         }
+        // Llama 3.x: transformers 5.25, `LlamaForCausalLM(LlamaConfig(**shape))` on the
+        // meta device, sum(p.numel()) — the model cards' 1.24B, 3.21B, 8.03B.
+        for (name, n) in
+            [("llama3.2-1b", 1_235_814_400usize), ("llama3.2-3b", 3_212_749_824), ("llama3.1-8b", 8_030_261_248)]
+        {
+            let cfg = LlamaConfig::preset(name).unwrap();
+            cfg.validate().unwrap();
+            assert_eq!((cfg.n_params(), cfg.rope_scaling.is_some()), (n, true), "{name}");
+        }
     }
 
     #[test]
@@ -497,6 +543,11 @@ mod tests {
             let cfg = LlamaConfig::preset(name).unwrap();
             assert_eq!(LlamaConfig::from_hf_json(&cfg.to_hf_json()).unwrap(), cfg);
         }
+        // A head width other than hidden_size / n_head (q_proj [H·d, C], o_proj [C, H·d]).
+        let wide = LlamaConfig { head_dim: 32, ..LlamaConfig::preset("tiny").unwrap() };
+        wide.validate().unwrap();
+        assert_eq!(LlamaConfig::from_hf_json(&wide.to_hf_json()).unwrap(), wide);
+        assert_eq!((wide.q_dim(), wide.hidden_size), (128, 64));
         // transformers 4 (SmolLM2's file): rope_theta at top level, rope_scaling null.
         let v4 = serde_json::json!({
             "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
@@ -534,7 +585,7 @@ mod tests {
         assert!(with("hidden_act", "gelu".into()).contains("hidden_act"));
         assert!(with("model_type", "mistral".into()).contains("mistral"));
         assert!(with("num_key_value_heads", 3.into()).contains("n_kv_head"));
-        assert!(with("head_dim", 32.into()).contains("head_dim = 32"));
+        assert!(with("head_dim", 7.into()).contains("head_dim") && with("head_dim", 7.into()).contains("even"));
         assert!(with("vocab_size", (-1).into()).contains("vocab_size"));
         assert!(with("rope_parameters", serde_json::json!({"rope_type": "yarn"})).contains("yarn"));
         let mut v = base.clone();

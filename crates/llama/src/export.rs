@@ -17,7 +17,7 @@ use gguf::Value;
 /// architecture name and whether its converter permutes the rows of Q and K.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GgufArch {
-    /// `general.architecture` (`llama`, `qwen2`).
+    /// `general.architecture` (`llama`, `qwen2`, `qwen3`).
     pub name: &'static str,
     /// Whether Q and K rows are permuted for llama.cpp's RoPE.
     pub permute_qk: bool,
@@ -51,6 +51,13 @@ fn metadata(arch: GgufArch, name: &str, cfg: &LlamaConfig) -> Result<Vec<(String
         let key = format!("{a}.{key}");
         m.push((key.clone(), u32_of(&key, v)?));
     }
+    if cfg.q_dim() != cfg.hidden_size {
+        // Heads wider (or narrower) than hidden / heads: llama.cpp reads their width here.
+        for key in ["attention.key_length", "attention.value_length"] {
+            let key = format!("{a}.{key}");
+            m.push((key.clone(), u32_of(&key, cfg.head_dim)?));
+        }
+    }
     m.push((format!("{a}.rope.freq_base"), Value::F32(cfg.rope_theta as f32)));
     m.push((format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(cfg.rms_norm_eps as f32)));
     Ok(m)
@@ -83,6 +90,12 @@ pub fn gguf_model<'a>(
     LlamaError::check_count("model", layout.n_params(), params.len())?;
     if let Some(s) = &cfg.rope_scaling {
         return Err(unsupported(format!("writing a GGUF file with RoPE scaling ({s:?})")));
+    }
+    if let Some(w) = cfg.sliding_window.filter(|&w| w < cfg.max_position_embeddings) {
+        return Err(unsupported(format!(
+            "a sliding window of {w} keys: llama.cpp's `{}` architecture attends to every earlier key, so the file would compute something else past {w} tokens",
+            arch.name
+        )));
     }
     let mut tensors = Vec::with_capacity(layout.tensors().len());
     for t in layout.tensors() {

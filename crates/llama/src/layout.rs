@@ -81,6 +81,9 @@ pub struct LayerParams {
     /// `self_attn.{q,k,v}_proj.bias` back to back (one `[Σ out]` vector,
     /// the columns of the fused q|k|v output), with `attention_bias`.
     pub qkv_bias: Option<[Range<usize>; 3]>,
+    /// `self_attn.q_norm.weight` and `self_attn.k_norm.weight` `[d]` (one
+    /// gain for every query head, one for every key head), with `qk_norm`.
+    pub qk_norm: Option<[Range<usize>; 2]>,
     /// `post_attention_layernorm.weight` `[C]`.
     pub mlp_norm: Range<usize>,
     /// LoRA adapters of the targeted projections, after the base tensors.
@@ -147,6 +150,12 @@ fn push_layer(cfg: &LlamaConfig, adapters: Option<Adapters>, packed_base: bool, 
     if let Some([.., vb]) = &qkv_bias {
         end = vb.end;
     }
+    let qk_norm = cfg
+        .qk_norm
+        .then(|| ["q_norm", "k_norm"].map(|s| push(&format!("self_attn.{s}.weight"), &[cfg.head_dim], false)));
+    if let Some([_, kn]) = &qk_norm {
+        end = kn.end;
+    }
     let o = proj_w(Proj::O, &mut end, push);
     let mlp_norm = push("post_attention_layernorm.weight", &[c], false);
     end = mlp_norm.end;
@@ -162,7 +171,7 @@ fn push_layer(cfg: &LlamaConfig, adapters: Option<Adapters>, packed_base: bool, 
             m: a.dora.then(|| push(&format!("{}.{}", p.path(), crate::dora::MAGNITUDE), &[out], false)),
         })
     });
-    LayerParams { attn_norm, proj: [q, k, v, o, gate, up, down], qkv_bias, mlp_norm, lora }
+    LayerParams { attn_norm, proj: [q, k, v, o, gate, up, down], qkv_bias, qk_norm, mlp_norm, lora }
 }
 
 /// Element ranges of all parameters.

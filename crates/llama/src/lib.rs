@@ -11,6 +11,7 @@
 
 pub mod block;
 pub mod config;
+pub mod dialect;
 pub mod dora;
 pub mod error;
 pub mod export;

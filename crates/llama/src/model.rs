@@ -120,7 +120,8 @@ fn layer<'a>(
     pd: (&'a [u32], &'a [u32]),
     base: Option<&'a FrozenBase>,
 ) -> Layer<'a> {
-    let (pos, docs) = (Positions { t: d.gqa.t, ids: pd.0 }, nn::flash::Docs(pd.1));
+    let pos = Positions { t: d.gqa.t, ids: pd.0 };
+    let docs = nn::flash::Visible::documents(pd.1).window(cfg.sliding_window);
     Layer { cfg, r, rope, d, attn, pos, docs, base, at: Cell::new(0), drop: None }
 }
 
@@ -377,6 +378,9 @@ impl Llama {
         let mut out = vec![0.0f32; r.span().len()];
         out[r.attn_norm.clone()].fill(1.0);
         out[r.mlp_norm.clone()].fill(1.0);
+        for g in r.qk_norm.iter().flatten() {
+            out[g.clone()].fill(1.0);
+        }
         for pr in Proj::ALL {
             let w = r.w(pr);
             out[w.clone()].copy_from_slice(&normal(w.len()));

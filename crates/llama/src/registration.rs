@@ -172,11 +172,16 @@ struct Section {
     rope_theta: Option<f64>,
     tie_word_embeddings: Option<bool>,
     rms_norm_eps: Option<f64>,
+    /// Width of one head (default: n_embd / n_head, or the preset's own
+    /// when neither is overridden and the preset sets another).
+    head_dim: Option<usize>,
     bos_token_id: Option<u32>,
     eos_token_id: Option<Vec<u32>>,
     /// Llama 3's RoPE scaling (an inline table: factor, low_freq_factor,
     /// high_freq_factor, original_max_position_embeddings).
     rope_scaling: Option<crate::config::RopeScaling>,
+    /// Sliding-window attention over the latest `w` keys; 0: none.
+    sliding_window: Option<usize>,
 }
 
 const KEYS: &[&str] = &[
@@ -190,9 +195,11 @@ const KEYS: &[&str] = &[
     "rope_theta",
     "tie_word_embeddings",
     "rms_norm_eps",
+    "head_dim",
     "bos_token_id",
     "eos_token_id",
     "rope_scaling",
+    "sliding_window",
 ];
 
 /// A family on the Llama block at one shape, optionally with LoRA adapters
@@ -339,7 +346,10 @@ impl LlamaFamily {
             n_layer: s.n_layer.unwrap_or(base.n_layer),
             n_head,
             n_kv_head: s.n_kv_head.unwrap_or(base.n_kv_head),
-            head_dim: hidden.checked_div(n_head).unwrap_or(0),
+            head_dim: s.head_dim.unwrap_or(match (s.n_embd, s.n_head) {
+                (None, None) => base.head_dim,
+                _ => hidden.checked_div(n_head).unwrap_or(0),
+            }),
             rms_norm_eps: s.rms_norm_eps.unwrap_or(base.rms_norm_eps),
             rope_theta: s.rope_theta.unwrap_or(base.rope_theta),
             max_position_embeddings: s.block_size.unwrap_or(base.max_position_embeddings),
@@ -347,6 +357,7 @@ impl LlamaFamily {
             bos_token_id: s.bos_token_id.or(base.bos_token_id),
             eos_token_id: s.eos_token_id.unwrap_or(base.eos_token_id),
             rope_scaling: s.rope_scaling.or(base.rope_scaling),
+            sliding_window: s.sliding_window.map_or(base.sliding_window, |w| (w > 0).then_some(w)),
             ..base
         };
         cfg.validate()?;
@@ -370,8 +381,15 @@ impl Family for LlamaFamily {
         } else {
             String::new()
         };
+        let mut attn = String::new();
+        if c.q_dim() != c.hidden_size {
+            attn += &format!(" of {}", c.head_dim);
+        }
+        if let Some(w) = c.sliding_window {
+            attn += &format!(", window {w}");
+        }
         format!(
-            "{} layers, d={}, {} heads / {} KV heads, FFN {}{}{rank}",
+            "{} layers, d={}, {} heads / {} KV heads{attn}, FFN {}{}{rank}",
             c.n_layer, c.hidden_size, c.n_head, c.n_kv_head, c.intermediate_size, lora
         )
     }
@@ -630,9 +648,20 @@ impl Family for LlamaFamily {
             rope_theta: Some(c.rope_theta),
             tie_word_embeddings: Some(c.tie_word_embeddings),
             rms_norm_eps: Some(c.rms_norm_eps),
+            // Pinned only where it is not n_embd / n_head (which it defaults to).
+            head_dim: (c.head_dim * c.n_head != c.hidden_size).then_some(c.head_dim),
             bos_token_id: c.bos_token_id,
             eos_token_id: Some(c.eos_token_id.clone()),
             rope_scaling: c.rope_scaling,
+            // 0 (none) pinned only where the preset has a window.
+            sliding_window: match (
+                c.sliding_window,
+                self.dialect.preset(m.base_preset()).ok().and_then(|b| b.sliding_window),
+            ) {
+                (Some(w), _) => Some(w),
+                (None, Some(_)) => Some(0),
+                (None, None) => None,
+            },
         };
         family::pin_section(m, self.dialect.family(), &s);
     }

@@ -12,6 +12,9 @@
 //! shared by `T / n_kv_head` consecutive ranks (their gradients summed by
 //! the engine). Other combinations are refused.
 //!
+//! The per-head q/k norms' gains (Qwen3) are whole on every rank; each
+//! rank's gradient is the part its heads give, summed by the engine.
+//!
 //! LoRA adapters follow their base layer: beside a column-parallel weight
 //! `B` is split with it and `A` is whole (each rank's `A` gradient is the
 //! part its columns feed: summed over the group); beside a row-parallel one
@@ -90,6 +93,11 @@ impl LlamaConfig {
         let (c, f, hd) = (self.hidden_size, self.intermediate_size, self.head_dim);
         let (nh, nkv, kvp) = (self.n_head, self.n_kv_head, self.kv_parts(t));
         let split = |outer: usize, dim: usize, inner: usize, parts: usize| Shard::Split { outer, dim, inner, parts };
+        // The per-head q/k norms' gains serve every head: whole on every
+        // rank, each rank's gradient the part its heads give (summed).
+        if name.ends_with(".q_norm.weight") || name.ends_with(".k_norm.weight") {
+            return Shard::Partial;
+        }
         let parts: Vec<&str> = name.split('.').collect();
         let Some(pr) = parts.iter().find_map(|p| Proj::from_name(p)) else { return Shard::Replicated };
         let column = !matches!(pr, Proj::O | Proj::Down);

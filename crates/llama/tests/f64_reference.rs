@@ -27,6 +27,8 @@ fn cfg() -> LlamaConfig {
         eos_token_id: Vec::new(),
         attention_bias: false,
         rope_scaling: None,
+        qk_norm: false,
+        sliding_window: None,
     }
 }
 

@@ -13,7 +13,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 /// Every family the binary knows, each registered once by its crate.
-pub static FAMILIES: &[&dyn Registration] = &[&gpt::FAMILY, &llama::FAMILY, &qwen2::FAMILY];
+pub static FAMILIES: &[&dyn Registration] =
+    &[&gpt::FAMILY, &llama::FAMILY, &qwen2::FAMILY, &qwen3::FAMILY, &mistral::FAMILY];
 
 /// The names `model.family` may take, for messages.
 fn known() -> String {

@@ -181,6 +181,22 @@ fn qwen2_with_qkv_biases_at_two_tensor_ranks_equals_one_rank() {
 }
 
 #[test]
+fn qwen3_with_head_norms_at_two_tensor_ranks_equals_one_rank() {
+    // Each rank normalises its own heads with the whole gains; their
+    // gradients are parts, summed over the tensor group. Heads of width 16
+    // (H·d = 2C), as Qwen3's are wider than C / H.
+    let qwen3: Vec<&str> = [&["model.family=qwen3", "model.head_dim=16"], &LLAMA[1..]].concat();
+    equals_one_rank("qwen3", &qwen3, &[], &[2], (TOL, TOL_WEIGHTS));
+}
+
+#[test]
+fn mistral_with_a_sliding_window_at_two_tensor_ranks_equals_one_rank() {
+    // A window of 5 keys over sequences of 32: each rank's heads windowed alike.
+    let mistral: Vec<&str> = [&["model.family=mistral", "model.sliding_window=5"], &LLAMA[1..]].concat();
+    equals_one_rank("mistral", &mistral, &[], &[2], (TOL, TOL_WEIGHTS));
+}
+
+#[test]
 fn data_by_tensor_by_pipeline_on_eight_thread_ranks_equals_one_rank() {
     three_d_equals_one_rank("gpt", GPT, &[]);
     // ZeRO-1 over the data group composes with both splits.

@@ -11,7 +11,7 @@
 //! `cargo run --release -p macrobatch-nn --example attention_bench [T...]`
 
 use nn::attention::{attention_backward, attention_forward, AttnShape};
-use nn::flash::{flash_attention_backward, flash_attention_forward, Docs};
+use nn::flash::{flash_attention_backward, flash_attention_forward, Visible};
 use nn::Operands;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -102,10 +102,10 @@ fn main() {
         drop((att, heads, datt, hb));
 
         let (mut fy, mut lse) = (vec![0.0; n * qd], vec![0.0; s.b * s.n_head * t]);
-        let (ffwd, ffwd_alloc) = measure(reps, || flash_attention_forward(&mut fy, &mut lse, &qkv, s, Docs::NONE));
+        let (ffwd, ffwd_alloc) = measure(reps, || flash_attention_forward(&mut fy, &mut lse, &qkv, s, Visible::CAUSAL));
         let (mut fdqkv, mut fh) = (vec![0.0; n * w], vec![0.0; n * w]);
         let (fbwd, fbwd_alloc) =
-            measure(reps, || flash_attention_backward(&mut fdqkv, &mut fh, &dy, (&qkv, &fy, &lse), s, Docs::NONE));
+            measure(reps, || flash_attention_backward(&mut fdqkv, &mut fh, &dy, (&qkv, &fy, &lse), s, Visible::CAUSAL));
         let (saved, fs, bs) = (4 * lse.len(), ffwd_alloc, 4 * fh.len() + fbwd_alloc);
         println!(
             "{t:>5} {:>9} {ffwd:>9.1} {fbwd:>9.1} {:>11.2} {:>13.2} {:>13.2}",

@@ -10,7 +10,10 @@
 //! with `D_i = Σ_j dy_ij · y_ij` standing in for the row sum of `P ⊙ dP`.
 //! No `T × T` matrix exists: tiles above the diagonal are skipped whole,
 //! the diagonal tile is masked, and the query heads of one key/value group
-//! run against a key/value tile copied once for all of them.
+//! run against a key/value tile copied once for all of them. What a query
+//! sees ([`Visible`]) may also end on the left — at its document's start
+//! (packed rows) and `w − 1` positions back (sliding-window attention):
+//! key tiles left of a query tile's first row's range are skipped whole.
 
 use crate::act::fast_exp;
 use crate::attention::{qkv_heads_to_rows, AttnShape};
@@ -31,30 +34,55 @@ use rayon::prelude::*;
 /// made the forward 2.5× slower there.
 pub const TILE: usize = 64;
 
-/// Where each position's document starts in its row, for packed rows
-/// whose documents must not attend to each other: `B·T` offsets, each at
-/// most its own position and never decreasing along a row (a query at
-/// position i sees keys `start(i)..=i`). Empty: one document per row.
+/// The keys each query sees besides the causal bound: a query at position
+/// `i` sees keys `start(i)..=i`, where `start(i)` is the later of its
+/// document's start (packed rows whose documents must not attend to each
+/// other: `B·T` offsets, each at most its own position and never
+/// decreasing along a row; empty: one document per row) and, with a
+/// sliding window of `w`, `i + 1 − w` (the `w` latest keys, itself
+/// included, as transformers' `kv_idx > q_idx − sliding_window`).
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Docs<'a>(pub &'a [u32]);
+pub struct Visible<'a> {
+    starts: &'a [u32],
+    /// The window `w`; 0: none.
+    window: usize,
+}
 
-impl Docs<'_> {
-    /// One document per row: plain causal attention.
-    pub const NONE: Docs<'static> = Docs(&[]);
+impl<'a> Visible<'a> {
+    /// Plain causal attention: one document per row, no window.
+    pub const CAUSAL: Visible<'static> = Visible { starts: &[], window: 0 };
 
-    /// Start of the document of position `i` of sequence `bi` (rows of `t`).
-    fn start(&self, bi: usize, t: usize, i: usize) -> usize {
-        self.0.get(bi * t + i).map_or(0, |&s| s as usize)
+    /// Packed rows whose documents start at `starts` (empty: one per row).
+    pub fn documents(starts: &'a [u32]) -> Self {
+        Visible { starts, window: 0 }
     }
 
-    /// Panics unless empty or `b·t` offsets that are at most their
-    /// position and never decrease along a row.
+    /// The same, and at most the `w` latest keys (`None`: no window).
+    ///
+    /// # Panics
+    /// On a window of 0, which would see nothing.
+    pub fn window(self, w: Option<usize>) -> Self {
+        assert!(w != Some(0), "a sliding window of 0 keys");
+        Visible { window: w.unwrap_or(0), ..self }
+    }
+
+    /// First key position `i` of sequence `bi` (rows of `t`) sees.
+    fn start(&self, bi: usize, t: usize, i: usize) -> usize {
+        let doc = self.starts.get(bi * t + i).map_or(0, |&s| s as usize);
+        match self.window {
+            0 => doc,
+            w => doc.max((i + 1).saturating_sub(w)),
+        }
+    }
+
+    /// Panics unless the starts are empty or `b·t` offsets that are at
+    /// most their position and never decrease along a row.
     fn check(&self, b: usize, t: usize) {
-        if self.0.is_empty() {
+        if self.starts.is_empty() {
             return;
         }
-        assert_eq!(self.0.len(), b * t, "document starts: {} for {b} rows of {t}", self.0.len());
-        for row in self.0.chunks(t) {
+        assert_eq!(self.starts.len(), b * t, "document starts: {} for {b} rows of {t}", self.starts.len());
+        for row in self.starts.chunks(t) {
             for (i, w) in row.iter().enumerate() {
                 assert!(*w as usize <= i && (i == 0 || row[i - 1] <= *w), "document start {w} at position {i}");
             }
@@ -100,7 +128,7 @@ fn gather_tile(
 ///
 /// # Panics
 /// Unless every slice has exactly the length the shape implies.
-pub fn flash_attention_forward(y: &mut [f32], lse: &mut [f32], qkv: &[f32], s: AttnShape, docs: Docs<'_>) {
+pub fn flash_attention_forward(y: &mut [f32], lse: &mut [f32], qkv: &[f32], s: AttnShape, docs: Visible<'_>) {
     engine::profile::timed(engine::profile::Kind::Attention, || {
         let AttnShape { b, t, n_head, n_kv_head, head_dim: d, ops } = s;
         let (qd, w) = (s.q_dim(), s.qkv_width());
@@ -237,7 +265,7 @@ pub fn flash_attention_backward(
     dy: &[f32],
     saved: (&[f32], &[f32], &[f32]),
     s: AttnShape,
-    docs: Docs<'_>,
+    docs: Visible<'_>,
 ) {
     engine::profile::timed(engine::profile::Kind::Attention, || {
         let (qkv, y, lse) = saved;
@@ -307,7 +335,7 @@ struct Backward<'a> {
     lse: &'a [f32],
     dsum: &'a [f32],
     s: AttnShape,
-    docs: Docs<'a>,
+    docs: Visible<'a>,
     scale: f32,
     par: Par,
 }
@@ -384,10 +412,11 @@ impl Backward<'_> {
     }
 
     /// dk and dv of key tile `kj` of key/value head `bkv % n_kv_head` of
-    /// sequence `bkv / n_kv_head`, overwritten: query tiles `kj..` in
-    /// order, each over the group's query heads in order. With `dq`
-    /// (the group's head-major dq, `[group, T, d]`), also adds this key
-    /// tile's share of it (overwriting at key tile 0).
+    /// sequence `bkv / n_kv_head`, overwritten: query tiles `kj..` that see
+    /// any of its keys, in order, each over the group's query heads in
+    /// order. With `dq` (the group's head-major dq, `[group, T, d]`), also
+    /// adds this key tile's share of it (overwriting at the query tile's
+    /// first visible key tile; called for key tiles in order).
     fn key_tile(
         &self,
         (bkv, kj): (usize, usize),
@@ -399,9 +428,17 @@ impl Backward<'_> {
         let (bi, kvh, group) = (bkv / n_kv_head, bkv % n_kv_head, n_head / n_kv_head);
         self.gather_kv(bi, kvh, kj, sc);
         let nc = tile_rows(kj, t).1 - tile_rows(kj, t).0;
+        let c1 = tile_rows(kj, t).1;
         for qi in kj..tiles(t) {
             let (r0, r1) = tile_rows(qi, t);
             let nr = r1 - r0;
+            // Starts never decrease along a row: once the first row of a
+            // query tile sees no key of this tile, no later row does.
+            let k0 = self.docs.start(bi, t, r0) / TILE;
+            if k0 > kj {
+                debug_assert!(self.docs.start(bi, t, r0) >= c1);
+                break;
+            }
             for g in 0..group {
                 let h = kvh * group + g;
                 self.probs((bi, h), (qi, kj), sc);
@@ -412,7 +449,8 @@ impl Backward<'_> {
                 gemm_into(dims, dv_j, acc, Strided::transposed(&sc.p, nc), dy, 1.0, self.par);
                 gemm_into(dims, dk_j, acc, Strided::transposed(&sc.ds, nc), q, self.scale, self.par);
                 if let Some(dq) = dq.as_deref_mut() {
-                    self.add_dq(&mut dq[(g * t + r0) * d..][..nr * d], (nr, nc), kj == 0, sc);
+                    // The query tile's first visible key tile overwrites, as in `query_tile`.
+                    self.add_dq(&mut dq[(g * t + r0) * d..][..nr * d], (nr, nc), kj == k0, sc);
                 }
             }
         }

@@ -265,10 +265,123 @@ pub fn rmsnorm_backward(dinp: &mut [f32], dw: Option<ParamGrad<'_>>, dout: &[f32
     })
 }
 
+/// RMSNorm of each head of a fused projection's output, over the head's
+/// width with one gain for every head (Qwen3's `q_norm` and `k_norm`): in
+/// each row of a `[n, rs]` buffer, the `heads` heads of width `d` that
+/// start at column `col0`. The heads are gathered into `[n·heads, d]` rows
+/// (which the caller keeps for the backward) and run through
+/// [`rmsnorm_forward`] / [`rmsnorm_backward`] as rows of their own, so each
+/// head's bits are those of a row of the residual stream's norm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadNorm {
+    /// First column of the heads in each row.
+    pub col0: usize,
+    /// Heads in each row.
+    pub heads: usize,
+    /// Width of one head (the gain's length).
+    pub d: usize,
+    /// Row stride of the fused buffer.
+    pub rs: usize,
+}
+
+impl HeadNorm {
+    fn width(&self) -> usize {
+        self.heads * self.d
+    }
+
+    /// Values the heads of `n` rows hold: the length of [`HeadNorm::gather`]'s output.
+    pub fn len(&self, n: usize) -> usize {
+        n * self.width()
+    }
+
+    /// Whether the heads hold no values.
+    pub fn is_empty(&self) -> bool {
+        self.width() == 0
+    }
+
+    /// Copies the heads of every row of `src` into `dst` (`[n·heads, d]`).
+    pub fn gather(&self, dst: &mut [f32], src: &[f32]) {
+        let (w, c0) = (self.width(), self.col0);
+        dst.par_chunks_mut(w).zip(src.par_chunks(self.rs)).for_each(|(d, s)| d.copy_from_slice(&s[c0..c0 + w]));
+    }
+
+    /// Copies `src` (`[n·heads, d]`) into the heads of every row of `dst`.
+    fn scatter(&self, dst: &mut [f32], src: &[f32]) {
+        let (w, c0) = (self.width(), self.col0);
+        dst.par_chunks_mut(self.rs).zip(src.par_chunks(w)).for_each(|(d, s)| d[c0..c0 + w].copy_from_slice(s));
+    }
+
+    /// The heads of `buf` become `w · x / sqrt(mean(x²) + eps)` of `inp`
+    /// (their values gathered, as the caller keeps them); 1/rms of each
+    /// head into `rstd` (`[n·heads]`); `out` (`[n·heads, d]`) is scratch.
+    pub fn forward(&self, buf: &mut [f32], out: &mut [f32], rstd: &mut [f32], inp: &[f32], w: &[f32], eps: f32) {
+        let n = rstd.len() / self.heads.max(1);
+        let out = &mut out[..self.len(n)];
+        rmsnorm_forward(out, rstd, inp, w, self.d, eps);
+        self.scatter(buf, out);
+    }
+
+    /// Backward of [`HeadNorm::forward`]: the heads of `grad` (the
+    /// gradient of the normalised values) become the gradient of the
+    /// values before the norm; the gain's gradient as `dw` says.
+    /// `(dout, dinp)` are scratch of [`HeadNorm::len`] values each.
+    pub fn backward(
+        &self,
+        grad: &mut [f32],
+        (dout, dinp): (&mut [f32], &mut [f32]),
+        saved: NormSaved<'_>,
+        w: &[f32],
+        dw: Option<ParamGrad<'_>>,
+    ) {
+        let len = saved.inp.len();
+        let (dout, dinp) = (&mut dout[..len], &mut dinp[..len]);
+        self.gather(dout, grad);
+        dinp.fill(0.0);
+        rmsnorm_backward(dinp, dw, dout, saved, w);
+        self.scatter(grad, dinp);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::testutil::{check_fd, randn};
+
+    /// Heads in the middle of a fused row (other columns untouched) against
+    /// central differences, input and gain; each head's values are those of
+    /// [`rmsnorm_forward`] on it as a row, to the bit.
+    #[test]
+    fn head_norm_matches_central_differences_and_the_row_norm() {
+        let (n, d, heads, rs, col0) = (3, 4, 2, 13, 3);
+        let hn = HeadNorm { col0, heads, d, rs };
+        let (x, w, dout) = (randn(n * rs, 8), randn(d, 9), randn(n * rs, 10));
+        let fwd = |x: &[f32], w: &[f32]| {
+            let mut inp = vec![0.0; hn.len(n)];
+            hn.gather(&mut inp, x);
+            let (mut buf, mut out, mut rstd) = (x.to_vec(), vec![0.0; hn.len(n)], vec![0.0; n * heads]);
+            hn.forward(&mut buf, &mut out, &mut rstd, &inp, w, 1e-6);
+            (buf, inp, rstd)
+        };
+        let (y, inp, rstd) = fwd(&x, &w);
+        for i in 0..n {
+            assert_eq!(y[i * rs..i * rs + col0], x[i * rs..i * rs + col0], "columns before the heads");
+            assert_eq!(y[i * rs + col0 + heads * d..(i + 1) * rs], x[i * rs + col0 + heads * d..(i + 1) * rs]);
+            for h in 0..heads {
+                let at = i * rs + col0 + h * d;
+                let (mut o, mut r) = (vec![0.0; d], vec![0.0]);
+                rmsnorm_forward(&mut o, &mut r, &x[at..at + d], &w, d, 1e-6);
+                assert_eq!(y[at..at + d], o[..], "row {i} head {h}");
+            }
+        }
+        let mut grad = dout.clone();
+        let (mut a, mut b) = (vec![0.0; hn.len(n)], vec![0.0; hn.len(n)]);
+        let mut dw = vec![0.5; d];
+        let saved = NormSaved { inp: &inp, mean: &[], rstd: &rstd };
+        hn.backward(&mut grad, (&mut a, &mut b), saved, &w, Some(ParamGrad { buf: &mut dw, accumulate: true }));
+        check_fd("head norm dx", &|x| fwd(x, &w).0, &x, &dout, &grad);
+        let dw: Vec<f32> = dw.iter().map(|g| g - 0.5).collect();
+        check_fd("head norm dw", &|w| fwd(&x, w).0, &w, &dout, &dw);
+    }
 
     /// Rows summed side by side in groups give the bits of each row alone
     /// (the reference: one row at a time, `Iterator::sum` in index order),

@@ -9,6 +9,7 @@
 //! `llama` crate's and `nn`'s.
 
 use family::Result;
+use llama::dialect::{read_as_llama, written_as, QwenWindows};
 use llama::{Dialect, LlamaConfig, Registered};
 use serde_json::Value;
 
@@ -24,10 +25,6 @@ pub static FAMILY: Registered = Registered(&QWEN2);
 
 /// The presets: `tiny` for tests and the released shapes for planning.
 pub const PRESETS: &[&str] = &["tiny", "qwen2-0.5b", "qwen2-1.5b", "qwen2-7b"];
-
-/// Keys of Qwen2's `config.json` that the Llama reader does not know:
-/// sliding-window attention, which must be off (every layer full attention).
-const SLIDING_KEYS: [&str; 4] = ["use_sliding_window", "sliding_window", "max_window_layers", "layer_types"];
 
 /// The Llama block as Qwen2 uses it: q/k/v biases.
 fn qwen2_block(cfg: LlamaConfig) -> LlamaConfig {
@@ -84,44 +81,15 @@ impl Dialect for Qwen2Dialect {
     /// biases implied and sliding-window attention refused (not implemented:
     /// a model that uses it would compute something else).
     fn parse_hf_json(&self, v: &Value) -> Result<LlamaConfig> {
-        let Some(o) = v.as_object() else { return Err("config.json must be a JSON object".into()) };
-        if let Some(mt) = o.get("model_type").filter(|m| m.as_str() != Some("qwen2")) {
-            return Err(format!("model_type = {mt} is not \"qwen2\"").into());
-        }
-        if o.get("use_sliding_window").is_some_and(|u| u.as_bool() != Some(false)) {
-            return Err("use_sliding_window must be false: sliding-window attention is not implemented".into());
-        }
-        if let Some(layers) = o.get("layer_types").and_then(Value::as_array) {
-            if let Some(l) = layers.iter().find(|l| l.as_str() != Some("full_attention")) {
-                return Err(format!("layer_types holds {l}: only full_attention layers are implemented").into());
-            }
-        }
-        let mut as_llama = o.clone();
-        for k in SLIDING_KEYS {
-            as_llama.remove(k);
-        }
-        as_llama.insert("model_type".into(), Value::from("llama"));
-        as_llama.remove("architectures");
-        let cfg = LlamaConfig::from_hf_json(&Value::Object(as_llama))
-            .map_err(|e| format!("Qwen2 config.json (read as the Llama block with q/k/v biases): {e}"))?;
-        Ok(qwen2_block(cfg))
+        QwenWindows::refuse_windows(v)?;
+        let what = "Qwen2 config.json (read as the Llama block with q/k/v biases)";
+        Ok(qwen2_block(read_as_llama(v, "qwen2", &QwenWindows::KEYS, what)?))
     }
 
     /// transformers' `Qwen2Config` for `Qwen2ForCausalLM`.
     fn hf_json(&self, cfg: &LlamaConfig) -> Value {
-        let mut v = cfg.to_hf_json();
-        if let Some(o) = v.as_object_mut() {
-            for k in ["attention_bias", "mlp_bias", "pretraining_tp", "head_dim"] {
-                o.remove(k);
-            }
-            o.insert("architectures".into(), serde_json::json!(["Qwen2ForCausalLM"]));
-            o.insert("model_type".into(), Value::from("qwen2"));
-            o.insert("use_sliding_window".into(), Value::Bool(false));
-            o.insert("sliding_window".into(), Value::Null);
-            o.insert("max_window_layers".into(), Value::from(cfg.n_layer));
-            o.insert("layer_types".into(), Value::from(vec!["full_attention"; cfg.n_layer]));
-        }
-        v
+        let drop = ["attention_bias", "mlp_bias", "pretraining_tp", "head_dim"];
+        written_as(cfg, ("Qwen2ForCausalLM", "qwen2"), &drop, QwenWindows::off(cfg.n_layer))
     }
 
     fn gguf_arch(&self) -> Option<llama::export::GgufArch> {

@@ -7,19 +7,6 @@ use family::{Build, Registration};
 use gguf::GgmlType;
 use llama::Dialect;
 
-/// Every parameter drawn (biases and norms too).
-fn params(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.4
-        })
-        .collect()
-}
-
 /// Tolerance as `family::reference`'s: 1e-5 of the largest logit (both f32,
 /// different summation orders; a wrong permutation, bias or name moves
 /// logits by ~1e-1).
@@ -33,7 +20,7 @@ fn transformers_reads_the_file_with_our_logits() {
         let f = qwen2::FAMILY.for_hf_dir(&dir, &json).unwrap();
         let mut model = f.build(Build::default()).unwrap();
         let layout = model.layout().clone();
-        let p = params(layout.n_params(), 1 + tied as u64);
+        let p = gguf::testing::uniform_params(layout.n_params(), 1 + tied as u64);
         let m = f.gguf_export(&layout, &p).unwrap();
         assert!(m.tensors.iter().any(|t| t.name == "blk.0.attn_q.bias"));
         assert_eq!(m.tensors.iter().any(|t| t.name == "output.weight"), !tied);

@@ -4,10 +4,11 @@
 //! rounding: the biases are added to the new rows before their keys and
 //! values are cached.
 
+#[path = "../../llama/tests/common/mod.rs"]
+mod common;
+
 use engine::rng::SplitMix64;
 use engine::Model;
-use family::generation::check_kv_cache;
-use family::{Erased, LanguageModel};
 use llama::{Dialect, Llama, LlamaConfig};
 
 /// Logit differences relative to each step's largest logit, measured:
@@ -32,10 +33,5 @@ fn cached_generation_matches_on_qwen2_tiny() {
         biases += 1;
     }
     assert_eq!(biases, 3 * cfg.n_layer, "q, k and v biases in each layer");
-    let prompt = |len: usize| (0..len).map(|i| (i * 37 % 251) as u32).collect::<Vec<_>>();
-    let make = || -> family::Result<Box<dyn LanguageModel>> { Ok(Box::new(Erased(Llama::new(cfg.clone())?))) };
-    let runs = [(prompt(5), 15), (prompt(6), 42), (prompt(30), 12)];
-    let seen = check_kv_cache(&make, &params, &runs, cfg.max_position_embeddings, TOLERANCE).unwrap();
-    println!("largest relative logit difference {:e}", seen.rel);
-    assert!(seen.distinct >= 6, "only {} distinct tokens generated: the check would see little", seen.distinct);
+    common::cached_generation_matches(&cfg, &params, TOLERANCE);
 }

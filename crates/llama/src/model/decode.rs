@@ -19,7 +19,7 @@ impl Llama {
         let positions = positions.min(self.cfg.max_position_embeddings);
         self.kv = match positions {
             0 => None,
-            _ => Some(KvCache::new(self.cfg.n_layer, positions, self.cfg.kv_dim())?),
+            _ => Some(KvCache::new(self.cfg.n_layer, positions, self.cfg.kv_dim())?.window(self.cfg.sliding_window)),
         };
         Ok(())
     }

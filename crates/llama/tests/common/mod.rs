@@ -110,3 +110,20 @@ pub fn compare(name: &str, model: &mut Llama, params: &[f32]) -> f32 {
     println!("{name}: loss {loss:.7} (relative error {loss_err:.1e}); largest error of logits and {n_grads} gradients: {worst:.1e} of scale");
     worst.max(loss_err)
 }
+
+/// Generation with a key/value cache on `cfg` (its context crossed by a
+/// 48-token run) against generation without one
+/// (`family::generation::check_kv_cache`): the same greedy tokens, each
+/// step's logits within `tolerance` of its largest. Returns the largest
+/// relative difference seen.
+pub fn cached_generation_matches(cfg: &llama::LlamaConfig, params: &[f32], tolerance: f32) -> f32 {
+    use family::{Erased, LanguageModel};
+    let prompt = |len: usize| (0..len).map(|i| (i * 37 % 251) as u32).collect::<Vec<_>>();
+    let make = || -> family::Result<Box<dyn LanguageModel>> { Ok(Box::new(Erased(Llama::new(cfg.clone())?))) };
+    let runs = [(prompt(5), 15), (prompt(6), 42), (prompt(30), 12)];
+    let seen = family::generation::check_kv_cache(&make, params, &runs, cfg.max_position_embeddings, tolerance)
+        .unwrap_or_else(|e| panic!("{e}"));
+    println!("largest relative logit difference {:e}", seen.rel);
+    assert!(seen.distinct >= 6, "only {} distinct tokens generated: the check would see little", seen.distinct);
+    seen.rel
+}

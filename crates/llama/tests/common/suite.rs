@@ -30,6 +30,8 @@ pub fn tiny_gqa() -> LlamaConfig {
         eos_token_id: Vec::new(),
         attention_bias: false,
         rope_scaling: None,
+        qk_norm: false,
+        sliding_window: None,
     }
 }
 
