@@ -29,7 +29,7 @@
 //! Cost per pair: two reference forwards, two policy forwards (for `w`)
 //! and two forward + backward passes.
 
-use crate::{LanguageModel, ModelError};
+use crate::{LanguageModel, ModelError, TextModel};
 use engine::{
     AuxStats, EngineError, GradSpace, MicroStepStats, Model, ParamLayout, ParamStore, SegmentGrads, SegmentView,
     StageSpec, StagedModel, TensorSpec, TokenBatch, AUX_STATS,
@@ -284,7 +284,7 @@ impl StagedModel for Dpo {
 
 const PIPELINE: &str = "train.objective = \"dpo\" runs without pipeline stages (dist.pipeline_parallel = 1)";
 
-impl LanguageModel for Dpo {
+impl TextModel for Dpo {
     fn activation_bytes(&self) -> usize {
         self.inner.activation_bytes()
     }

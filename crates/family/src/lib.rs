@@ -208,7 +208,9 @@ pub trait TextModel: StagedModel<Batch = TokenBatch> + Send {
     /// so that a call to `next_token_logits` whose tokens extend the
     /// previous call's runs only the new ones.
     fn set_kv_cache(&mut self, positions: usize) -> Result<(), Self::Error>;
-    /// Adds label smoothing and z-loss to the training loss.
+    /// Adds label smoothing and z-loss to the training loss (the reported
+    /// loss stays plain cross-entropy; [`engine::MicroStepStats::aux_sum`]
+    /// carries what they add).
     fn set_loss_terms(&mut self, terms: engine::LossTerms);
 }
 
@@ -249,24 +251,12 @@ macro_rules! text_model {
     };
 }
 
-/// A built model as the binary uses it: the engine's contract on token
-/// batches with one error type, plus what sampling and memory reports need.
-pub trait LanguageModel: StagedModel<Batch = TokenBatch, Error = ModelError> + Send {
-    /// Bytes of activation and scratch buffers allocated so far.
-    fn activation_bytes(&self) -> usize;
-    /// Of those, the bytes saved for backward.
-    fn saved_activation_bytes(&self) -> usize;
-    /// Logits of the token after `tokens` (at most the context length).
-    fn next_token_logits(&mut self, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, ModelError>;
-    /// Keeps a key/value cache of up to `positions` positions (0: none),
-    /// so that a call to `next_token_logits` whose tokens extend the
-    /// previous call's runs only the new ones.
-    fn set_kv_cache(&mut self, positions: usize) -> Result<(), ModelError>;
-    /// Adds label smoothing and z-loss to the training loss (the reported
-    /// loss stays plain cross-entropy; [`engine::MicroStepStats::aux_sum`]
-    /// carries what they add).
-    fn set_loss_terms(&mut self, terms: engine::LossTerms);
-}
+/// A built model as the binary uses it: a [`TextModel`] whose errors are
+/// [`ModelError`] (a family's model behind [`Erased`]). The methods are
+/// [`TextModel`]'s, written once.
+pub trait LanguageModel: TextModel<Error = ModelError> {}
+
+impl<T: TextModel<Error = ModelError> + ?Sized> LanguageModel for T {}
 
 /// A family's [`TextModel`] as a [`LanguageModel`] (its error boxed).
 pub struct Erased<M>(pub M);
@@ -358,7 +348,7 @@ impl<M: TextModel> StagedModel for Erased<M> {
     }
 }
 
-impl<M: TextModel> LanguageModel for Erased<M> {
+impl<M: TextModel> TextModel for Erased<M> {
     fn activation_bytes(&self) -> usize {
         self.0.activation_bytes()
     }
