@@ -124,13 +124,13 @@ impl ActSizes {
 /// One GPT-2 block: its parameter ranges (relative to the block's
 /// segment), shapes, storage precision and attention (causal over the
 /// call's rows, or over a key/value cache when generating), and the
-/// micro-batch's document starts (packed rows).
+/// keys each query sees (the micro-batch's document starts, packed rows).
 pub(crate) struct GptBlock<'a> {
     pub r: &'a BlockParams,
     pub d: Dims,
     pub prec: Precision,
     pub attn: Attention<'a>,
-    pub docs: Visible<'a>,
+    pub visible: Visible<'a>,
 }
 
 impl Block for GptBlock<'_> {
@@ -172,7 +172,7 @@ impl Block for GptBlock<'_> {
         large[QKV].keep(qkv, prec);
         match self.attn {
             Attention::Causal => {
-                flash_attention_forward(&mut buf_c[..n * a], lse, large[QKV].cur(qkv), self.d.attn(ops), self.docs)
+                flash_attention_forward(&mut buf_c[..n * a], lse, large[QKV].cur(qkv), self.d.attn(ops), self.visible)
             }
             Attention::Cached(kv) => kv.attend(&mut buf_c[..n * a], large[QKV].cur(qkv), self.d.attn(ops)),
         }
@@ -229,7 +229,7 @@ impl Block for GptBlock<'_> {
             LN2 => ln(saved.get(RES2), &r.ln2_w, &r.ln2_b),
             ATTY => {
                 let shape = self.d.attn(nn::operands(self.prec));
-                flash_attention_forward(out, &mut scratch[..b * nh * t], saved.get(QKV), shape, self.docs);
+                flash_attention_forward(out, &mut scratch[..b * nh * t], saved.get(QKV), shape, self.visible);
             }
             FCH_GELU => nn::act::gelu_forward(out, saved.get(FCH)),
             _ => unreachable!("GPT-2 keeps saved tensor {k}"),
@@ -276,7 +276,7 @@ impl Block for GptBlock<'_> {
         conv1d_backward(dy, param_grad(gw), param_grad(gb), dres, inp, w, lin(a, c));
         // The MLP's 4C buffer is idle again: the heads' scratch.
         let (qkv, y) = saved.pair((QKV, 0), (ATTY, 1));
-        flash_attention_backward(dqkv, &mut d4c[..n * 3 * a], dy, (qkv, y, lse), self.d.attn(ops), self.docs);
+        flash_attention_backward(dqkv, &mut d4c[..n * 3 * a], dy, (qkv, y, lse), self.d.attn(ops), self.visible);
         // c_attn: d(B*T, C) = d(B*T, 3A) @ (3A, C); column-parallel: summed over the ranks
         let (gw, gb) = grads.pair(r.attn_w.clone(), r.attn_b.clone());
         let (w, inp) = (&p[r.attn_w.clone()], saved.get(LN1));

@@ -261,8 +261,8 @@ impl Gpt {
             self.acts.stack.x.copy_from_slice(input);
         }
         self.acts.stack.keep_input();
-        let (d, prec, docs) = (self.dims(), self.precision, Visible::documents(&self.acts.docs));
-        let block = GptBlock { r: &self.ranges.block_rel, d, prec, attn, docs };
+        let (d, prec, visible) = (self.dims(), self.precision, Visible::documents(&self.acts.docs));
+        let block = GptBlock { r: &self.ranges.block_rel, d, prec, attn, visible };
         self.acts.stack.forward(&block, store, self.stage_segs(), train)?;
         if !self.stage.is_last() {
             return Ok(());
@@ -357,8 +357,8 @@ impl Gpt {
     fn blocks_backward(&mut self, store: &mut dyn ParamStore, inputs: &[u32]) -> Result<(), GptError> {
         let (t, c) = (self.acts.t, self.cfg.n_embd);
         let (wte, wpe) = (self.ranges.wte.clone(), self.ranges.wpe.clone());
-        let (d, prec, docs) = (self.dims(), self.precision, Visible::documents(&self.acts.docs));
-        let block = GptBlock { r: &self.ranges.block_rel, d, prec, attn: Attention::Causal, docs };
+        let (d, prec, visible) = (self.dims(), self.precision, Visible::documents(&self.acts.docs));
+        let block = GptBlock { r: &self.ranges.block_rel, d, prec, attn: Attention::Causal, visible };
         self.acts.stack.backward(&block, store, self.stage_segs())?;
         if !self.stage.is_first() {
             return Ok(());

@@ -173,7 +173,8 @@ impl ActSizes {
 /// to the layer's segment), the rotary tables (of the rows' positions),
 /// the call's shapes, its attention (causal over the call's rows, or over
 /// a key/value cache when generating), the micro-batch's positions and
-/// document starts (packed rows); with a packed frozen base, the base and
+/// the keys each query sees (document starts of packed rows, the sliding
+/// window); with a packed frozen base, the base and
 /// the layer the stack is in.
 pub(crate) struct Layer<'a> {
     pub cfg: &'a LlamaConfig,
@@ -182,7 +183,7 @@ pub(crate) struct Layer<'a> {
     pub d: Dims,
     pub attn: Attention<'a>,
     pub pos: Positions<'a>,
-    pub docs: Visible<'a>,
+    pub visible: Visible<'a>,
     pub base: Option<&'a FrozenBase>,
     /// The layer being run (set by [`Block::enter`]).
     pub at: Cell<usize>,
@@ -528,7 +529,9 @@ impl Block for Layer<'_> {
         // are split, or in the q|k|v-wide buffer when H·d > C.
         let yb = if qd <= c { &mut *buf_c } else { &mut *heads };
         match self.attn {
-            Attention::Causal => flash_attention_forward(&mut yb[..n * qd], lse, large[QKV].cur(qkv), d.gqa, self.docs),
+            Attention::Causal => {
+                flash_attention_forward(&mut yb[..n * qd], lse, large[QKV].cur(qkv), d.gqa, self.visible)
+            }
             Attention::Cached(kv) => kv.attend(&mut yb[..n * qd], large[QKV].cur(qkv), d.gqa),
         }
         large[Y].keep_prefix(yb, n * qd, prec);
@@ -608,7 +611,7 @@ impl Block for Layer<'_> {
             H2 => rmsnorm_forward(out, rstd, saved.get(X2), &p[r.mlp_norm.clone()], d.c, d.eps),
             Y => {
                 let lse = &mut scratch[..d.gqa.b * d.gqa.n_head * d.gqa.t];
-                flash_attention_forward(out, lse, saved.get(QKV), d.gqa, self.docs);
+                flash_attention_forward(out, lse, saved.get(QKV), d.gqa, self.visible);
             }
             M => swiglu_forward(out, saved.get(GU), d.f),
             _ => unreachable!("Llama keeps saved tensor {k}"),
@@ -657,7 +660,7 @@ impl Block for Layer<'_> {
         self.base_backward_input(Group::O, p, dy, g, d.lin(qd, c));
         self.proj_backward(Proj::O, p, dy, g, Y, &mut back);
         let (qkv, y) = back.saved.pair((QKV, ROWS), (Y, HEADS));
-        flash_attention_backward(dqkv, heads, dy, (qkv, y, lse), d.gqa, self.docs);
+        flash_attention_backward(dqkv, heads, dy, (qkv, y, lse), d.gqa, self.visible);
         rope_apply(dqkv, self.rope, qkvw, cfg.n_head + cfg.n_kv_head, true, self.pos);
         if let Some(gains) = &r.qk_norm {
             // Through each head's norm, from the kept input (the gains'

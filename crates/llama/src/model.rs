@@ -121,8 +121,8 @@ fn layer<'a>(
     base: Option<&'a FrozenBase>,
 ) -> Layer<'a> {
     let pos = Positions { t: d.gqa.t, ids: pd.0 };
-    let docs = nn::flash::Visible::documents(pd.1).window(cfg.sliding_window);
-    Layer { cfg, r, rope, d, attn, pos, docs, base, at: Cell::new(0), drop: None }
+    let visible = nn::flash::Visible::documents(pd.1).window(cfg.sliding_window);
+    Layer { cfg, r, rope, d, attn, pos, visible, base, at: Cell::new(0), drop: None }
 }
 
 /// Moves the buffers used only within one forward (logits, losses) from

@@ -94,9 +94,7 @@ impl Dialect for MistralDialect {
             },
         };
         let what = "Mistral config.json (read as the Llama block with a sliding window)";
-        let cfg = LlamaConfig { sliding_window, ..read_as_llama(v, "mistral", &["sliding_window"], what)? };
-        cfg.validate()?;
-        Ok(cfg)
+        Ok(LlamaConfig { sliding_window, ..read_as_llama(v, "mistral", &["sliding_window"], what)? })
     }
 
     /// transformers' `MistralConfig` for `MistralForCausalLM`.

@@ -69,10 +69,7 @@ impl<'a> Visible<'a> {
     /// First key position `i` of sequence `bi` (rows of `t`) sees.
     fn start(&self, bi: usize, t: usize, i: usize) -> usize {
         let doc = self.starts.get(bi * t + i).map_or(0, |&s| s as usize);
-        match self.window {
-            0 => doc,
-            w => doc.max((i + 1).saturating_sub(w)),
-        }
+        doc.max(window_start(i, self.window))
     }
 
     /// Panics unless the starts are empty or `b·t` offsets that are at
@@ -93,6 +90,16 @@ impl<'a> Visible<'a> {
     /// that query position `i` (of sequence `bi`) sees; `lo ≥ hi`: none.
     fn visible(&self, (bi, t): (usize, usize), i: usize, (c0, nc): (usize, usize)) -> (usize, usize) {
         (self.start(bi, t, i).saturating_sub(c0).min(nc), (i + 1).saturating_sub(c0).min(nc))
+    }
+}
+
+/// The first key position a query at position `i` sees under a sliding
+/// window of `w` keys (0: none): `i + 1 − w`, the rule of
+/// [`Visible::window`] and of [`crate::kv::KvCache::window`].
+pub(crate) fn window_start(i: usize, w: usize) -> usize {
+    match w {
+        0 => 0,
+        w => (i + 1).saturating_sub(w),
     }
 }
 

@@ -244,7 +244,7 @@ impl KvCache {
 fn causal_softmax_after(a: &mut [f32], width: usize, pos: usize, window: usize) {
     for (i, row) in a.chunks_mut(width).enumerate() {
         let (valid, masked) = row.split_at_mut(pos + i + 1);
-        let (before, valid) = valid.split_at_mut(if window == 0 { 0 } else { (pos + i + 1).saturating_sub(window) });
+        let (before, valid) = valid.split_at_mut(crate::flash::window_start(pos + i, window));
         before.fill(0.0);
         let max = valid.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
         valid.iter_mut().for_each(|x| *x = fast_exp(*x - max));
