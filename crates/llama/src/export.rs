@@ -8,19 +8,33 @@
 //! llama.cpp's converter does). The metadata is the architecture's
 //! (`{arch}.block_count`, …); the tokenizer's keys are added by the caller.
 
+use crate::layout::{fused_weight, stored_as, Fused};
 use crate::{LlamaConfig, LlamaError};
 use engine::ParamLayout;
 use family::{GgufLayout, GgufModel, GgufTensor};
 use gguf::Value;
 
 /// How a family on the Llama block is written as GGUF: llama.cpp's
-/// architecture name and whether its converter permutes the rows of Q and K.
+/// architecture name, whether its converter permutes the rows of Q and K,
+/// the weights it stores fused, and whether it reads a sliding window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GgufArch {
-    /// `general.architecture` (`llama`, `qwen2`, `qwen3`).
+    /// `general.architecture` (`llama`, `qwen2`, `qwen3`, `phi3`).
     pub name: &'static str,
     /// Whether Q and K rows are permuted for llama.cpp's RoPE.
     pub permute_qk: bool,
+    /// The weights written fused (Phi-3's `attn_qkv`, `ffn_up`).
+    pub fused: &'static [Fused],
+    /// Whether the architecture has `{arch}.attention.sliding_window`
+    /// (without it, a model with a window shorter than its context is refused).
+    pub sliding_window: bool,
+}
+
+impl GgufArch {
+    /// An architecture with Llama's separate weights and no window key.
+    pub const fn plain(name: &'static str, permute_qk: bool) -> Self {
+        GgufArch { name, permute_qk, fused: &[], sliding_window: false }
+    }
 }
 
 fn unsupported(what: String) -> LlamaError {
@@ -58,6 +72,10 @@ fn metadata(arch: GgufArch, name: &str, cfg: &LlamaConfig) -> Result<Vec<(String
             m.push((key.clone(), u32_of(&key, cfg.head_dim)?));
         }
     }
+    if let Some(w) = cfg.sliding_window.filter(|_| arch.sliding_window) {
+        let key = format!("{a}.attention.sliding_window");
+        m.push((key.clone(), u32_of(&key, w)?));
+    }
     m.push((format!("{a}.rope.freq_base"), Value::F32(cfg.rope_theta as f32)));
     m.push((format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(cfg.rms_norm_eps as f32)));
     Ok(m)
@@ -91,21 +109,28 @@ pub fn gguf_model<'a>(
     if let Some(s) = &cfg.rope_scaling {
         return Err(unsupported(format!("writing a GGUF file with RoPE scaling ({s:?})")));
     }
-    if let Some(w) = cfg.sliding_window.filter(|&w| w < cfg.max_position_embeddings) {
+    if let Some(w) = cfg.sliding_window.filter(|&w| w < cfg.max_position_embeddings && !arch.sliding_window) {
         return Err(unsupported(format!(
             "a sliding window of {w} keys: llama.cpp's `{}` architecture attends to every earlier key, so the file would compute something else past {w} tokens",
             arch.name
         )));
     }
-    let mut tensors = Vec::with_capacity(layout.tensors().len());
-    for t in layout.tensors() {
-        if t.name.contains(".lora_") {
-            return Err(unsupported(format!(
-                "`{}` is a LoRA adapter: merge the adapters into the base before writing a GGUF file",
-                t.name
-            )));
-        }
-        let g = gguf_name(&t.name).ok_or_else(|| unsupported(format!("`{}` has no llama.cpp name", t.name)))?;
+    if let Some(t) = layout.tensors().iter().find(|t| t.name.contains(".lora_")) {
+        return Err(unsupported(format!(
+            "`{}` is a LoRA adapter: merge the adapters into the base before writing a GGUF file",
+            t.name
+        )));
+    }
+    let stored = layout.tensors().iter().map(|t| (t.name.clone(), t.shape.clone(), t.range())).collect();
+    let stored =
+        stored_as(stored, arch.fused).map_err(|p| unsupported(format!("`{p}` is not beside its fused weight")))?;
+    let mut tensors = Vec::with_capacity(stored.len());
+    for (name, shape, range) in stored {
+        let g = match fused_weight(&name, arch.fused) {
+            Some((layer, f)) => Some(format!("blk.{layer}.{}.weight", f.gguf)),
+            None => gguf_name(&name),
+        };
+        let g = g.ok_or_else(|| unsupported(format!("`{name}` has no llama.cpp name")))?;
         let heads = match g.rsplit_once('.').map(|(stem, _)| stem.rsplit('.').next()) {
             Some(Some("attn_q")) => cfg.n_head,
             Some(Some("attn_k")) => cfg.n_kv_head,
@@ -113,17 +138,17 @@ pub fn gguf_model<'a>(
         };
         let how = if arch.permute_qk && heads > 0 {
             // A bias moves with its rows.
-            if !t.shape[0].is_multiple_of(2 * heads) {
+            if !shape[0].is_multiple_of(2 * heads) {
                 return Err(unsupported(format!(
-                    "`{}` has {} rows, not a multiple of 2 × {heads} heads",
-                    t.name, t.shape[0]
+                    "`{name}` has {} rows, not a multiple of 2 × {heads} heads",
+                    shape[0]
                 )));
             }
             GgufLayout::PermuteRows { heads }
         } else {
             GgufLayout::Same
         };
-        tensors.push(GgufTensor::new(g, &t.shape, &params[t.range()], how));
+        tensors.push(GgufTensor::new(g, &shape, &params[range], how));
     }
     Ok(GgufModel { metadata: metadata(arch, name, cfg)?, tensors })
 }

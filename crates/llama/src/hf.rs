@@ -7,6 +7,7 @@
 
 use crate::config::LlamaConfig;
 use crate::error::LlamaError;
+use crate::layout::{fused_weight, part_names, stored_as, Fused};
 use crate::model::Llama;
 use engine::{Model, ParamLayout};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
@@ -89,6 +90,8 @@ struct Placer {
     unexpected: Vec<String>,
     /// Layout tensors a file need not hold (adapters beside a base).
     may_be_absent: fn(&str) -> bool,
+    /// Weights the file stores fused (each placed over its parts' ranges).
+    fused: &'static [Fused],
 }
 
 impl Placer {
@@ -111,6 +114,7 @@ impl Placer {
             tied: cfg.tie_word_embeddings,
             unexpected: Vec::new(),
             may_be_absent: |_| false,
+            fused: &[],
         })
     }
 
@@ -133,6 +137,9 @@ impl Placer {
                 })
             }
         };
+        if let Some((layer, f)) = fused_weight(name, self.fused) {
+            return self.put_fused(name, shape, part_names(layer, f), fill);
+        }
         if let Some(&i) = self.index.get(name) {
             let spec = &self.layout.tensors()[i];
             check_shape(&spec.shape)?;
@@ -155,6 +162,38 @@ impl Placer {
             self.unexpected.push(name.to_string());
         }
         Ok(())
+    }
+
+    /// Places the fused weight `name` of `shape` over its parts `parts`
+    /// (layout names), which the layout keeps back to back: the file's
+    /// `[Σ out, in]` is their rows stacked.
+    fn put_fused(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        parts: Vec<String>,
+        fill: impl FnOnce(&mut [f32]) -> Result<(), LlamaError>,
+    ) -> Result<(), LlamaError> {
+        let Some(idx) = parts.iter().map(|p| self.index.get(p).copied()).collect::<Option<Vec<usize>>>() else {
+            self.unexpected.push(name.to_string());
+            return Ok(());
+        };
+        let specs: Vec<_> = idx.iter().map(|&i| self.layout.tensors()[i].clone()).collect();
+        let mut expected = specs[0].shape.clone();
+        expected[0] = specs.iter().map(|s| s.shape[0]).sum();
+        if shape != expected.as_slice() {
+            return Err(LlamaError::ShapeMismatch { name: name.to_string(), got: shape.to_vec(), expected });
+        }
+        if specs.windows(2).any(|w| w[0].range().end != w[1].range().start) {
+            return Err(LlamaError::config(name, format!("its parts {parts:?} are not back to back in this layout")));
+        }
+        for &i in &idx {
+            if std::mem::replace(&mut self.seen[i], true) {
+                return Err(LlamaError::DuplicateTensor { name: name.to_string() });
+            }
+        }
+        let whole = specs[0].range().start..specs[specs.len() - 1].range().end;
+        fill(&mut self.params[whole])
     }
 
     fn finish(mut self) -> Result<Vec<f32>, LlamaError> {
@@ -271,7 +310,14 @@ fn weight_files(dir: &Path) -> Result<Vec<(PathBuf, BTreeSet<String>)>, LlamaErr
 
 /// Loads the weights of the model directory `dir` for `cfg`.
 pub fn load_weights(dir: &Path, cfg: &LlamaConfig) -> Result<Vec<f32>, LlamaError> {
-    load_weights_into(dir, cfg, Llama::new(cfg.clone())?.layout().clone(), &mut |_, _, _| Ok(false))
+    load_weights_stored_as(dir, cfg, &[])
+}
+
+/// [`load_weights`] of a family whose files store the weights `fused`
+/// (Phi-3's `qkv_proj`, `gate_up_proj`); their parts' names are read too.
+pub fn load_weights_stored_as(dir: &Path, cfg: &LlamaConfig, fused: &'static [Fused]) -> Result<Vec<f32>, LlamaError> {
+    let layout = Llama::new(cfg.clone())?.layout().clone();
+    load_weights_with(dir, cfg, layout, &mut |_, _, _| Ok(false), (|_| false, fused))
 }
 
 /// The base weights of `dir` placed straight into `layout`, a model of
@@ -303,7 +349,7 @@ pub(crate) fn load_base_into_adapted(
             )),
         }
     };
-    load_weights_with(dir, cfg, layout, &mut verify, crate::lora::is_adapter)
+    load_weights_with(dir, cfg, layout, &mut verify, (crate::lora::is_adapter, &[]))
 }
 
 /// Offered each stored tensor `(name, shape, view)` before it is placed;
@@ -319,21 +365,22 @@ pub(crate) fn load_weights_into(
     layout: ParamLayout,
     take: &mut TakeTensor<'_>,
 ) -> Result<Vec<f32>, LlamaError> {
-    load_weights_with(dir, cfg, layout, take, |_| false)
+    load_weights_with(dir, cfg, layout, take, (|_| false, &[]))
 }
 
 /// [`load_weights_into`], where the layout's tensors `may_be_absent` names
-/// need not be in the files.
+/// need not be in the files, which store the weights `fused` fused.
 fn load_weights_with(
     dir: &Path,
     cfg: &LlamaConfig,
     layout: ParamLayout,
     take: &mut TakeTensor<'_>,
-    may_be_absent: fn(&str) -> bool,
+    (may_be_absent, fused): (fn(&str) -> bool, &'static [Fused]),
 ) -> Result<Vec<f32>, LlamaError> {
     let files = weight_files(dir)?;
     let mut placer = Placer::for_layout(layout, cfg)?;
     placer.may_be_absent = may_be_absent;
+    placer.fused = fused;
     for (path, listed) in &files {
         let mut found = BTreeSet::new();
         for_each_tensor(path, |name, view| {
@@ -388,17 +435,18 @@ pub fn save_base_with_config(
     params: &[f32],
     config: &serde_json::Value,
 ) -> Result<(), LlamaError> {
-    save_base_packed(dir, model, params, None, config)
+    save_base_packed(dir, model, params, (None, &[]), config)
 }
 
 /// [`save_base_with_config`] of a model whose projections are packed in
 /// `base`: the whole model in `LlamaForCausalLM`'s order, each projection
-/// dequantised as it is written (one tensor's f32 values at a time).
+/// dequantised as it is written (one tensor's f32 values at a time); the
+/// weights `fused` written fused, as the family's files store them.
 pub fn save_base_packed(
     dir: &Path,
     model: &Llama,
     params: &[f32],
-    base: Option<&crate::FrozenBase>,
+    (base, fused): (Option<&crate::FrozenBase>, &[Fused]),
     config: &serde_json::Value,
 ) -> Result<(), LlamaError> {
     let layout = model.layout();
@@ -417,6 +465,20 @@ pub fn save_base_packed(
         };
         heads.push((t.name.clone(), t.shape.clone()));
         sources.push(src);
+    }
+    if !fused.is_empty() {
+        // Fused weights are ranges of the parameters: a packed base has none.
+        let Some(whole) = sources.iter().map(|s| s.clone().ok()).collect::<Option<Vec<_>>>() else {
+            return Err(LlamaError::Unsupported {
+                what: "writing fused weights from a packed frozen base".into(),
+                hint: "save the model with train.frozen_dtype = \"f32\"".into(),
+            });
+        };
+        let tensors = heads.drain(..).zip(whole).map(|((n, s), r)| (n, s, r)).collect();
+        let stored = stored_as(tensors, fused)
+            .map_err(|part| LlamaError::config(&part, "is not beside the rest of its fused weight in the layout"))?;
+        sources = stored.iter().map(|(_, _, r)| Ok(r.clone())).collect();
+        heads = stored.into_iter().map(|(n, s, _)| (n, s)).collect();
     }
     let mut data = |i: usize| match &sources[i] {
         Ok(r) => std::borrow::Cow::Borrowed(&params[r.clone()]),

@@ -58,6 +58,80 @@ impl Proj {
     }
 }
 
+/// A weight a family's files store fused: the module's `[Σ out, in]`
+/// weight is its parts' weights stacked in order, which the layout keeps
+/// back to back (q|k|v and gate|up are each one matrix there too), so the
+/// fused tensor is one range of the parameters and reading or writing it
+/// copies nothing. Phi-3 stores `self_attn.qkv_proj` and `mlp.gate_up_proj`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fused {
+    /// The module inside a layer (`self_attn.qkv_proj`).
+    pub module: &'static str,
+    /// llama.cpp's name of its weight inside a block (`attn_qkv`).
+    pub gguf: &'static str,
+    /// The projections stacked in it, in order.
+    pub parts: &'static [Proj],
+}
+
+/// Phi-3's fused projections: q|k|v (`qkv_proj`, llama.cpp's `attn_qkv`)
+/// and gate|up (`gate_up_proj`, llama.cpp's `ffn_up`, whose first half
+/// its SwiGLU gates, as transformers' `chunk(2)` does).
+pub const QKV_AND_GATE_UP: [Fused; 2] = [
+    Fused { module: "self_attn.qkv_proj", gguf: "attn_qkv", parts: &[Proj::Q, Proj::K, Proj::V] },
+    Fused { module: "mlp.gate_up_proj", gguf: "ffn_up", parts: &[Proj::Gate, Proj::Up] },
+];
+
+/// A tensor as a file stores it: name, row-major shape, its range of the parameters.
+pub type StoredTensor = (String, Vec<usize>, Range<usize>);
+
+/// `(layer, fused)` when `name` is a fused weight of `fused`
+/// (`model.layers.3.self_attn.qkv_proj.weight`).
+pub fn fused_weight(name: &str, fused: &[Fused]) -> Option<(usize, Fused)> {
+    let (layer, rest) = name.strip_prefix("model.layers.")?.split_once('.')?;
+    let f = fused.iter().find(|f| rest.strip_suffix(".weight") == Some(f.module))?;
+    Some((layer.parse().ok()?, *f))
+}
+
+/// The layout names of `f`'s parts in `layer` (`model.layers.3.self_attn.q_proj.weight`, …).
+pub fn part_names(layer: usize, f: Fused) -> Vec<String> {
+    f.parts.iter().map(|p| format!("model.layers.{layer}.{}.weight", p.path())).collect()
+}
+
+/// `tensors` (layout order) as a family with `fused` weights stores them:
+/// each run of a fused weight's parts becomes the one fused tensor. The
+/// parts must follow each other with adjacent ranges (every layout of
+/// [`build_layout`] without a packed base keeps them so); otherwise the
+/// name of the first part that does not is returned.
+pub fn stored_as(tensors: Vec<StoredTensor>, fused: &[Fused]) -> Result<Vec<StoredTensor>, String> {
+    let mut out = Vec::with_capacity(tensors.len());
+    let mut it = tensors.into_iter().peekable();
+    while let Some((name, shape, range)) = it.next() {
+        let first = fused.iter().find_map(|f| {
+            let (layer, rest) = name.strip_prefix("model.layers.")?.split_once('.')?;
+            let layer: usize = layer.parse().ok()?;
+            (rest == format!("{}.weight", f.parts[0].path())).then_some((layer, *f))
+        });
+        let Some((layer, f)) = first else {
+            out.push((name, shape, range));
+            continue;
+        };
+        let (mut rows, mut end) = (shape[0], range.end);
+        for part in &part_names(layer, f)[1..] {
+            match it.next() {
+                Some((n, s, r)) if &n == part && r.start == end && s[1..] == shape[1..] => {
+                    rows += s[0];
+                    end = r.end;
+                }
+                _ => return Err(part.clone()),
+            }
+        }
+        let mut fused_shape = shape;
+        fused_shape[0] = rows;
+        out.push((format!("model.layers.{layer}.{}.weight", f.module), fused_shape, range.start..end));
+    }
+    Ok(out)
+}
+
 /// Element ranges of one LoRA adapter: `lora_A` `[r, in]`, `lora_B` `[out, r]`,
 /// and with DoRA the magnitude `[out]`.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -38,6 +38,11 @@ pub trait Dialect: Sync + std::fmt::Debug {
     fn gguf_arch(&self) -> Option<crate::export::GgufArch> {
         None
     }
+    /// The weights this family's files store fused (Phi-3's q|k|v and
+    /// gate|up); none by default.
+    fn fused(&self) -> &'static [crate::layout::Fused] {
+        &[]
+    }
 }
 
 /// Llama itself (SmolLM2, Llama 2 shapes).
@@ -81,7 +86,7 @@ impl Dialect for LlamaDialect {
     }
 
     fn gguf_arch(&self) -> Option<crate::export::GgufArch> {
-        Some(crate::export::GgufArch { name: "llama", permute_qk: true })
+        Some(crate::export::GgufArch::plain("llama", true))
     }
 }
 
@@ -268,6 +273,16 @@ fn chain(e: &dyn std::error::Error) -> String {
 impl LlamaFamily {
     /// `dialect`'s family at `cfg`, with adapters when `lora` is given.
     pub fn new(dialect: &'static dyn Dialect, cfg: LlamaConfig, lora: Option<LoraConfig>) -> Result<Self> {
+        if let (Some(_), [first, ..]) = (&lora, dialect.fused()) {
+            // Adapters per part could be trained, but PEFT targets the fused
+            // module (one A for q|k|v), so the files would not load there.
+            return Err(format!(
+                "[lora] on {}: its projections are stored fused (`{}`, as PEFT targets them), and LoRA on a fused projection is not implemented yet; fine-tune it in full, or choose a family with separate projections",
+                dialect.name(),
+                first.module
+            )
+            .into());
+        }
         let model = Self::build_with(&cfg, lora.as_ref(), Precision::F32, TpRank::WHOLE)?;
         Ok(Self { dialect, cfg, lora, model: Arc::new(model), tp: TpRank::WHOLE, packed: None })
     }
@@ -472,7 +487,8 @@ impl Family for LlamaFamily {
             return Err(format!("{} parameters to save, the model has {}", params.len(), layout.n_params()).into());
         }
         let base = self.packed.as_ref().map(|p| p.get(&self.cfg, false)).transpose()?.map(|(b, _)| b);
-        hf::save_base_packed(dir, &self.model, params, base.as_deref(), &self.dialect.hf_json(&self.cfg))?;
+        let how = (base.as_deref(), self.dialect.fused());
+        hf::save_base_packed(dir, &self.model, params, how, &self.dialect.hf_json(&self.cfg))?;
         if self.lora.is_some() {
             lora::save_adapter(dir, &self.model, params, None)?;
         }
@@ -505,7 +521,7 @@ impl Family for LlamaFamily {
     fn load_weights(&self, dir: &Path, layout: &ParamLayout) -> Result<Vec<f32>> {
         self.whole("loading weights")?;
         if self.lora.is_none() {
-            return Ok(hf::load_weights(dir, &self.cfg)?);
+            return Ok(hf::load_weights_stored_as(dir, &self.cfg, self.dialect.fused())?);
         }
         // The base goes straight into the adapted layout (with a packed
         // base, the folder's projections are checked against it instead);
@@ -589,7 +605,8 @@ impl Family for LlamaFamily {
     fn packed_for_inference(&self, source: &Path) -> Result<Option<Arc<dyn Family>>> {
         // A LoRA shape, an already packed one and a tensor-parallel rank's
         // are training's; generation and evaluation load whole models.
-        if self.lora.is_some() || self.packed.is_some() || self.tp.is_split() {
+        // Packing reads projections by their own names: fused files load whole.
+        if self.lora.is_some() || self.packed.is_some() || self.tp.is_split() || !self.dialect.fused().is_empty() {
             return Ok(None);
         }
         let stored = frozen::source_formats(source).map_err(|e| format!("{}: {e}", source.display()))?;

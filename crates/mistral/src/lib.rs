@@ -107,7 +107,7 @@ impl Dialect for MistralDialect {
     fn gguf_arch(&self) -> Option<llama::export::GgufArch> {
         // llama.cpp's converter writes Mistral as `llama`, Q and K rows
         // permuted; a window shorter than the context is refused there.
-        Some(llama::export::GgufArch { name: "llama", permute_qk: true })
+        Some(llama::export::GgufArch::plain("llama", true))
     }
 }
 

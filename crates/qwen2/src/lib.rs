@@ -94,7 +94,7 @@ impl Dialect for Qwen2Dialect {
 
     fn gguf_arch(&self) -> Option<llama::export::GgufArch> {
         // llama.cpp's converter writes Qwen2's Q and K rows as they are.
-        Some(llama::export::GgufArch { name: "qwen2", permute_qk: false })
+        Some(llama::export::GgufArch::plain("qwen2", false))
     }
 }
 

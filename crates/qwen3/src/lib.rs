@@ -102,7 +102,7 @@ impl Dialect for Qwen3Dialect {
     fn gguf_arch(&self) -> Option<llama::export::GgufArch> {
         // llama.cpp's converter writes Qwen3's Q and K rows as they are
         // (its RoPE for qwen3 rotates halves, as Hugging Face's does).
-        Some(llama::export::GgufArch { name: "qwen3", permute_qk: false })
+        Some(llama::export::GgufArch::plain("qwen3", false))
     }
 }
 
