@@ -8,7 +8,9 @@ Usage:
             rope θ = 1e6), qwen3 (Qwen3ForCausalLM: per-head q/k RMSNorm,
             heads of width 32 where hidden / heads is 16, GQA, untied
             head, rope θ = 1e6), mistral (MistralForCausalLM: a sliding
-            window of 8 keys over the 40 positions, GQA, untied head) or
+            window of 8 keys over the 40 positions, GQA, untied head),
+            phi3 (Phi3ForCausalLM: fused qkv_proj and gate_up_proj in the
+            file, a sliding window of 8 keys, GQA, untied head) or
             llama3 (LlamaForCausalLM with Llama 3 RoPE
             scaling: rope_type "llama3", factor 8, low/high frequency
             factors 1 and 4, original context 32 — so the head's
@@ -43,6 +45,8 @@ from transformers import (
     Qwen3ForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
 )
 
 TOL = 1e-4
@@ -71,6 +75,10 @@ def make(kind: str, out: str) -> None:
     elif kind == "mistral":
         cfg = MistralConfig(rope_parameters={"rope_type": "default", "rope_theta": 1e4}, sliding_window=8, **common)
         model = MistralForCausalLM(cfg)
+    elif kind == "phi3":
+        cfg = Phi3Config(rope_parameters={"rope_type": "default", "rope_theta": 1e4}, sliding_window=8,
+                         original_max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, **common)
+        model = Phi3ForCausalLM(cfg)
     elif kind == "llama3":
         rope = {
             "rope_type": "llama3",
@@ -83,7 +91,7 @@ def make(kind: str, out: str) -> None:
         cfg = LlamaConfig(rope_parameters=rope, **common)
         model = LlamaForCausalLM(cfg)
     else:
-        sys.exit(f"unknown KIND {kind}: qwen2, qwen3, mistral or llama3")
+        sys.exit(f"unknown KIND {kind}: qwen2, qwen3, mistral, phi3 or llama3")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
