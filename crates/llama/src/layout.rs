@@ -100,7 +100,7 @@ pub fn part_names(layer: usize, f: Fused) -> Vec<String> {
 /// `tensors` (layout order) as a family with `fused` weights stores them:
 /// each run of a fused weight's parts becomes the one fused tensor. The
 /// parts must follow each other with adjacent ranges (every layout of
-/// [`build_layout`] without a packed base keeps them so); otherwise the
+/// `build_layout` without a packed base keeps them so); otherwise the
 /// name of the first part that does not is returned.
 pub fn stored_as(tensors: Vec<StoredTensor>, fused: &[Fused]) -> Result<Vec<StoredTensor>, String> {
     let mut out = Vec::with_capacity(tensors.len());

@@ -108,8 +108,8 @@ impl Dialect for Phi3Dialect {
         }
         // transformers 5 writes the factor inside `rope_parameters`, earlier versions beside it.
         let in_rope = o.get("rope_parameters").and_then(|r| r.get("partial_rotary_factor"));
-        let factor = o.get("partial_rotary_factor").into_iter().chain(in_rope);
-        if let Some(f) = factor.filter(|f| f.as_f64() != Some(1.0) && !f.is_null()).next() {
+        let mut factor = o.get("partial_rotary_factor").into_iter().chain(in_rope);
+        if let Some(f) = factor.find(|f| f.as_f64() != Some(1.0) && !f.is_null()) {
             return Err(format!(
                 "partial_rotary_factor = {f}: rotary embeddings over part of each head are not implemented; only 1.0 is supported"
             )
