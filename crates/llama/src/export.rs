@@ -16,24 +16,23 @@ use gguf::Value;
 
 /// How a family on the Llama block is written as GGUF: llama.cpp's
 /// architecture name, whether its converter permutes the rows of Q and K,
-/// the weights it stores fused, and whether it reads a sliding window.
+/// and whether it reads a sliding window. The weights written fused are
+/// the ones the family's files fuse ([`crate::Dialect::fused`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GgufArch {
     /// `general.architecture` (`llama`, `qwen2`, `qwen3`, `phi3`).
     pub name: &'static str,
     /// Whether Q and K rows are permuted for llama.cpp's RoPE.
     pub permute_qk: bool,
-    /// The weights written fused (Phi-3's `attn_qkv`, `ffn_up`).
-    pub fused: &'static [Fused],
     /// Whether the architecture has `{arch}.attention.sliding_window`
     /// (without it, a model with a window shorter than its context is refused).
     pub sliding_window: bool,
 }
 
 impl GgufArch {
-    /// An architecture with Llama's separate weights and no window key.
+    /// An architecture without a window key.
     pub const fn plain(name: &'static str, permute_qk: bool) -> Self {
-        GgufArch { name, permute_qk, fused: &[], sliding_window: false }
+        GgufArch { name, permute_qk, sliding_window: false }
     }
 }
 
@@ -99,7 +98,7 @@ fn gguf_name(hf: &str) -> Option<String> {
 /// that is not the layout's, and RoPE scaling (llama.cpp stores Llama 3's
 /// as a `rope_freqs` tensor this crate does not write).
 pub fn gguf_model<'a>(
-    arch: GgufArch,
+    (arch, fused): (GgufArch, &[Fused]),
     name: &str,
     cfg: &LlamaConfig,
     layout: &ParamLayout,
@@ -122,11 +121,10 @@ pub fn gguf_model<'a>(
         )));
     }
     let stored = layout.tensors().iter().map(|t| (t.name.clone(), t.shape.clone(), t.range())).collect();
-    let stored =
-        stored_as(stored, arch.fused).map_err(|p| unsupported(format!("`{p}` is not beside its fused weight")))?;
+    let stored = stored_as(stored, fused).map_err(|p| unsupported(format!("`{p}` is not beside its fused weight")))?;
     let mut tensors = Vec::with_capacity(stored.len());
     for (name, shape, range) in stored {
-        let g = match fused_weight(&name, arch.fused) {
+        let g = match fused_weight(&name, fused) {
             Some((layer, f)) => Some(format!("blk.{layer}.{}.weight", f.gguf)),
             None => gguf_name(&name),
         };

@@ -87,9 +87,15 @@ pub type StoredTensor = (String, Vec<usize>, Range<usize>);
 /// `(layer, fused)` when `name` is a fused weight of `fused`
 /// (`model.layers.3.self_attn.qkv_proj.weight`).
 pub fn fused_weight(name: &str, fused: &[Fused]) -> Option<(usize, Fused)> {
-    let (layer, rest) = name.strip_prefix("model.layers.")?.split_once('.')?;
+    let (layer, rest) = in_layer(name)?;
     let f = fused.iter().find(|f| rest.strip_suffix(".weight") == Some(f.module))?;
-    Some((layer.parse().ok()?, *f))
+    Some((layer, *f))
+}
+
+/// `(layer, rest)` of `model.layers.{layer}.{rest}`.
+fn in_layer(name: &str) -> Option<(usize, &str)> {
+    let (layer, rest) = name.strip_prefix("model.layers.")?.split_once('.')?;
+    Some((layer.parse().ok()?, rest))
 }
 
 /// The layout names of `f`'s parts in `layer` (`model.layers.3.self_attn.q_proj.weight`, …).
@@ -106,10 +112,9 @@ pub fn stored_as(tensors: Vec<StoredTensor>, fused: &[Fused]) -> Result<Vec<Stor
     let mut out = Vec::with_capacity(tensors.len());
     let mut it = tensors.into_iter().peekable();
     while let Some((name, shape, range)) = it.next() {
-        let first = fused.iter().find_map(|f| {
-            let (layer, rest) = name.strip_prefix("model.layers.")?.split_once('.')?;
-            let layer: usize = layer.parse().ok()?;
-            (rest == format!("{}.weight", f.parts[0].path())).then_some((layer, *f))
+        let first = in_layer(&name).and_then(|(layer, rest)| {
+            let f = fused.iter().find(|f| rest.strip_suffix(".weight") == Some(f.parts[0].path().as_str()))?;
+            Some((layer, *f))
         });
         let Some((layer, f)) = first else {
             out.push((name, shape, range));

@@ -649,7 +649,7 @@ impl Family for LlamaFamily {
             )
             .into());
         }
-        Ok(crate::export::gguf_model(arch, self.dialect.name(), &self.cfg, layout, params)?)
+        Ok(crate::export::gguf_model((arch, self.dialect.fused()), self.dialect.name(), &self.cfg, layout, params)?)
     }
 
     fn pin_shape(&self, m: &mut ModelConfig) {

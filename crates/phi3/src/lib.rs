@@ -145,7 +145,7 @@ impl Dialect for Phi3Dialect {
     fn gguf_arch(&self) -> Option<GgufArch> {
         // llama.cpp's converter writes Phi-3's rows as they are (its RoPE
         // for phi3 rotates halves, as Hugging Face's does), fused.
-        Some(GgufArch { name: "phi3", permute_qk: false, fused: &QKV_AND_GATE_UP, sliding_window: true })
+        Some(GgufArch { name: "phi3", permute_qk: false, sliding_window: true })
     }
 
     fn fused(&self) -> &'static [Fused] {
