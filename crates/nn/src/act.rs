@@ -1,5 +1,5 @@
 //! Elementwise functions: `fast_exp`/`fast_tanh`, the tanh-GELU of GPT-2's
-//! MLP and the SwiGLU of Llama's.
+//! MLP, the SwiGLU of Llama's and the GeGLU (tanh-GELU gate) of Gemma's.
 //!
 //! The loops are compiled for AVX-512 and AVX2 as well as the baseline and
 //! picked at run time (`multiversion`): the same IEEE operations in the same
@@ -60,9 +60,24 @@ pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
 fn gelu_forward_chunk(o: &mut [f32], x: &[f32]) {
     for (o, &x) in o.iter_mut().zip(x) {
-        let cube = 0.044715 * x * x * x;
-        *o = 0.5 * x * (1.0 + fast_tanh(GELU_SCALE * (x + cube)));
+        *o = gelu(x);
     }
+}
+
+/// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+#[inline(always)]
+fn gelu(x: f32) -> f32 {
+    let cube = 0.044715 * x * x * x;
+    0.5 * x * (1.0 + fast_tanh(GELU_SCALE * (x + cube)))
+}
+
+/// The derivative of [`gelu`].
+#[inline(always)]
+fn gelu_grad(x: f32) -> f32 {
+    let cube = 0.044715 * x * x * x;
+    let th = fast_tanh(GELU_SCALE * (x + cube));
+    let sech2 = 1.0 - th * th;
+    0.5 * (1.0 + th) + 0.5 * x * sech2 * GELU_SCALE * (1.0 + 3.0 * 0.044715 * x * x)
 }
 
 /// In place: `d ← d · gelu'(inp)`.
@@ -76,11 +91,7 @@ pub fn gelu_backward_inplace(d: &mut [f32], inp: &[f32]) {
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma", "x86_64+avx2+fma"))]
 fn gelu_backward_chunk(d: &mut [f32], x: &[f32]) {
     for (d, &x) in d.iter_mut().zip(x) {
-        let cube = 0.044715 * x * x * x;
-        let th = fast_tanh(GELU_SCALE * (x + cube));
-        let sech2 = 1.0 - th * th;
-        let grad = 0.5 * (1.0 + th) + 0.5 * x * sech2 * GELU_SCALE * (1.0 + 3.0 * 0.044715 * x * x);
-        *d *= grad;
+        *d *= gelu_grad(x);
     }
 }
 
@@ -120,6 +131,67 @@ pub fn swiglu_backward(dgu: &mut [f32], dm: &[f32], gu: &[f32], f: usize) {
                 let sg = sigmoid(g[i]);
                 dg[i] = dm[i] * u[i] * sg * (1.0 + g[i] * (1.0 - sg));
                 du[i] = dm[i] * g[i] * sg;
+            }
+        });
+    })
+}
+
+/// The gated MLP's activation: `m = act(g) · u` over rows `[g: f | u: f]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub enum Glu {
+    /// `silu(g) · u` (Llama, Qwen, Mistral, Phi-3: `hidden_act = "silu"`).
+    #[default]
+    Silu,
+    /// `gelu_tanh(g) · u` (Gemma: `hidden_activation = "gelu_pytorch_tanh"`).
+    GeluTanh,
+}
+
+impl Glu {
+    /// `m = act(g) · u`, as [`swiglu_forward`].
+    pub fn forward(self, m: &mut [f32], gu: &[f32], f: usize) {
+        match self {
+            Glu::Silu => swiglu_forward(m, gu, f),
+            Glu::GeluTanh => geglu_forward(m, gu, f),
+        }
+    }
+
+    /// The gradient of [`Glu::forward`], as [`swiglu_backward`].
+    pub fn backward(self, dgu: &mut [f32], dm: &[f32], gu: &[f32], f: usize) {
+        match self {
+            Glu::Silu => swiglu_backward(dgu, dm, gu, f),
+            Glu::GeluTanh => geglu_backward(dgu, dm, gu, f),
+        }
+    }
+}
+
+/// GeGLU: `m = gelu_tanh(g) · u` where rows of `gu` are `[g: f | u: f]`.
+pub fn geglu_forward(m: &mut [f32], gu: &[f32], f: usize) {
+    engine::profile::timed(engine::profile::Kind::Activation, || {
+        let n = m.len() / f.max(1);
+        assert_len("geglu_forward", "m", m.len(), &[n, f]);
+        assert_len("geglu_forward", "gu", gu.len(), &[n, 2, f]);
+        m.par_chunks_mut(f).zip(gu.par_chunks(2 * f)).for_each(|(m, gu)| {
+            let (g, u) = gu.split_at(f);
+            for i in 0..f {
+                m[i] = gelu(g[i]) * u[i];
+            }
+        });
+    })
+}
+
+/// Backward of [`geglu_forward`]: `dgu` (overwritten) from `dm`.
+pub fn geglu_backward(dgu: &mut [f32], dm: &[f32], gu: &[f32], f: usize) {
+    engine::profile::timed(engine::profile::Kind::Activation, || {
+        let n = dm.len() / f.max(1);
+        assert_len("geglu_backward", "dm", dm.len(), &[n, f]);
+        assert_len("geglu_backward", "gu", gu.len(), &[n, 2, f]);
+        assert_len("geglu_backward", "dgu", dgu.len(), &[n, 2, f]);
+        dgu.par_chunks_mut(2 * f).zip(gu.par_chunks(2 * f)).zip(dm.par_chunks(f)).for_each(|((dgu, gu), dm)| {
+            let (g, u) = gu.split_at(f);
+            let (dg, du) = dgu.split_at_mut(f);
+            for i in 0..f {
+                dg[i] = dm[i] * u[i] * gelu_grad(g[i]);
+                du[i] = dm[i] * gelu(g[i]);
             }
         });
     })
@@ -194,6 +266,32 @@ mod tests {
         let mut dgu = vec![0.0; n * 2 * f];
         swiglu_backward(&mut dgu, &dm, &gu, f);
         check_fd("swiglu dgu", &fwd, &gu, &dm, &dgu);
+    }
+
+    /// GeGLU's backward against central differences, and its forward
+    /// against the tanh-GELU written out in f64 (fast_tanh's 3e-7 absolute
+    /// error times |x·u| ≤ ~10 here, well inside 1e-5).
+    #[test]
+    fn geglu_backward_matches_central_differences() {
+        let (n, f) = (3, 5);
+        let (gu, dm) = (randn(n * 2 * f, 9), randn(n * f, 10));
+        let fwd = |gu: &[f32]| {
+            let mut m = vec![0.0; n * f];
+            Glu::GeluTanh.forward(&mut m, gu, f);
+            m
+        };
+        let m = fwd(&gu);
+        for (r, (m, gu)) in m.chunks(f).zip(gu.chunks(2 * f)).enumerate() {
+            for i in 0..f {
+                let (g, u) = (gu[i] as f64, gu[f + i] as f64);
+                let want =
+                    0.5 * g * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g.powi(3))).tanh()) * u;
+                assert!((m[i] as f64 - want).abs() < 1e-5, "row {r}, {i}: {} vs {want}", m[i]);
+            }
+        }
+        let mut dgu = vec![0.0; n * 2 * f];
+        Glu::GeluTanh.backward(&mut dgu, &dm, &gu, f);
+        check_fd("geglu dgu", &fwd, &gu, &dm, &dgu);
     }
 
     #[test]

@@ -14,6 +14,10 @@
 //! sees ([`Visible`]) may also end on the left — at its document's start
 //! (packed rows) and `w − 1` positions back (sliding-window attention):
 //! key tiles left of a query tile's first row's range are skipped whole.
+//! How a query scores a key may differ from `q·k/√d` too: another scale
+//! (Gemma 2's `query_pre_attn_scalar`) and a soft cap `c·tanh(s/c)` on the
+//! scores (Gemma 2's `attn_logit_softcapping`), whose derivative
+//! `1 − tanh²` the backward applies to the score gradients.
 
 use crate::act::fast_exp;
 use crate::attention::{qkv_heads_to_rows, AttnShape};
@@ -40,21 +44,70 @@ pub const TILE: usize = 64;
 /// other: `B·T` offsets, each at most its own position and never
 /// decreasing along a row; empty: one document per row) and, with a
 /// sliding window of `w`, `i + 1 − w` (the `w` latest keys, itself
-/// included, as transformers' `kv_idx > q_idx − sliding_window`).
+/// included, as transformers' `kv_idx > q_idx − sliding_window`). It
+/// also carries how a query scores the keys it sees ([`Visible::scored`]).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Visible<'a> {
     starts: &'a [u32],
     /// The window `w`; 0: none.
     window: usize,
+    /// The scores' scale and soft cap.
+    scores: Scores,
+}
+
+/// How a query scores a key: `s = scale · q·k`, then, with a soft cap `c`,
+/// `c · tanh(s / c)` (transformers' Gemma 2 eager attention: divide, tanh,
+/// multiply, in f32).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Scores {
+    /// The scale; `None`: `1/√d` of the head width `d`.
+    pub scale: Option<f32>,
+    /// The soft cap `c > 0`; `None`: the scores as they are.
+    pub softcap: Option<f32>,
+}
+
+impl Scores {
+    /// The scale for heads of width `d`.
+    pub fn scale_for(&self, d: usize) -> f32 {
+        self.scale.unwrap_or_else(|| 1.0 / (d as f32).sqrt())
+    }
+
+    /// Caps the scores of `row` in place and returns nothing without a cap.
+    pub fn cap(&self, row: &mut [f32]) {
+        if let Some(c) = self.softcap {
+            row.iter_mut().for_each(|x| *x = c * (*x / c).tanh());
+        }
+    }
 }
 
 impl<'a> Visible<'a> {
     /// Plain causal attention: one document per row, no window.
-    pub const CAUSAL: Visible<'static> = Visible { starts: &[], window: 0 };
+    pub const CAUSAL: Visible<'static> =
+        Visible { starts: &[], window: 0, scores: Scores { scale: None, softcap: None } };
 
     /// Packed rows whose documents start at `starts` (empty: one per row).
     pub fn documents(starts: &'a [u32]) -> Self {
-        Visible { starts, window: 0 }
+        Visible { starts, ..Visible::CAUSAL }
+    }
+
+    /// The same, scoring keys by `scores`.
+    ///
+    /// # Panics
+    /// On a cap or scale that is not finite and positive.
+    pub fn scored(self, scores: Scores) -> Self {
+        let ok = |x: Option<f32>| x.is_none_or(|x| x.is_finite() && x > 0.0);
+        assert!(ok(scores.scale) && ok(scores.softcap), "attention scores need a positive scale and cap: {scores:?}");
+        Visible { scores, ..self }
+    }
+
+    /// How these queries score keys.
+    pub fn scores(&self) -> Scores {
+        self.scores
+    }
+
+    /// The window (`None`: none).
+    pub fn window_len(&self) -> Option<usize> {
+        (self.window > 0).then_some(self.window)
     }
 
     /// The same, and at most the `w` latest keys (`None`: no window).
@@ -145,7 +198,7 @@ pub fn flash_attention_forward(y: &mut [f32], lse: &mut [f32], qkv: &[f32], s: A
         );
         docs.check(b, t);
         let group = n_head / n_kv_head;
-        let scale = 1.0 / (d as f32).sqrt();
+        let scale = docs.scores.scale_for(d);
         let par = Par::ONE.with(ops);
         let tile_lse: Vec<Vec<f32>> = y
             .par_chunks_mut(t * qd)
@@ -197,6 +250,7 @@ pub fn flash_attention_forward(y: &mut [f32], lse: &mut [f32], qkv: &[f32], s: A
                                     continue;
                                 }
                                 let first = kj == docs.start(bi, t, i) / TILE;
+                                docs.scores.cap(&mut srow[lo..hi]);
                                 let row_max = srow[lo..hi].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
                                 let m_new = if first { row_max } else { mg[ri].max(row_max) };
                                 srow[lo..hi].iter_mut().for_each(|x| *x = fast_exp(*x - m_new));
@@ -300,8 +354,8 @@ pub fn flash_attention_backward(
                 *out = dy[at..at + d].iter().zip(&y[at..at + d]).fold(0.0f32, |a, (&x, &z)| a + x * z);
             }
         });
-        let bw =
-            Backward { qkv, dy, lse, dsum: &dsum, s, docs, scale: 1.0 / (d as f32).sqrt(), par: Par::ONE.with(ops) };
+        let scale = docs.scores.scale_for(d);
+        let bw = Backward { qkv, dy, lse, dsum: &dsum, s, docs, scale, par: Par::ONE.with(ops) };
         let group = n_head / n_kv_head;
         let (dq_h, dkv_h) = heads.split_at_mut(b * t * qd);
         let (dk_h, dv_h) = dkv_h.split_at_mut(b * t * kvd);
@@ -384,9 +438,11 @@ impl Backward<'_> {
     }
 
     /// Recomputes, for query tile `qi` of head `h` against the gathered key
-    /// tile `kj`, `P = exp(scale · q · kᵀ − lse)` (masked past the
-    /// diagonal) into `sc.p` and `dS = P ⊙ (dy · vᵀ − D)` into `sc.ds`
-    /// (`nr × nc`, row stride `nc`).
+    /// tile `kj`, `P = exp(S − lse)` with `S = scale · q · kᵀ` (masked past
+    /// the diagonal) into `sc.p` and `dS = P ⊙ (dy · vᵀ − D)` into `sc.ds`
+    /// (`nr × nc`, row stride `nc`). With a soft cap `c`, `P` is of the
+    /// capped scores `c·tanh(S/c)` and `dS` is times their derivative
+    /// `1 − tanh²(S/c)`: the gradient of the uncapped `S`.
     fn probs(&self, (bi, h): (usize, usize), (qi, kj): (usize, usize), sc: &mut Scratch) {
         let AttnShape { t, n_head, head_dim: d, .. } = self.s;
         let ((r0, r1), (c0, c1)) = (tile_rows(qi, t), tile_rows(kj, t));
@@ -394,18 +450,35 @@ impl Backward<'_> {
         let (q, dy) = self.q_dy(bi, h, r0);
         let dims = GemmDims { m: nr, n: nc, k: d };
         gemm_into(dims, &mut sc.p, GemmOut::overwrite(nc), q, Strided::transposed(&sc.kt, d), self.scale, self.par);
+        gemm_into(dims, &mut sc.ds, GemmOut::overwrite(nc), dy, Strided::transposed(&sc.vt, d), 1.0, self.par);
         let lse_i = &self.lse[(bi * n_head + h) * t + r0..][..nr];
-        for (ri, prow) in sc.p[..nr * nc].chunks_mut(nc).enumerate() {
+        let d_i = &self.dsum[(bi * n_head + h) * t + r0..][..nr];
+        let rows = sc.p[..nr * nc].chunks_mut(nc).zip(sc.ds.chunks_mut(nc));
+        for (ri, (prow, dsrow)) in rows.enumerate() {
             let (lo, hi) = self.docs.visible((bi, t), r0 + ri, (c0, nc));
             let hi = hi.max(lo);
-            prow[lo..hi].iter_mut().for_each(|x| *x = fast_exp(*x - lse_i[ri]));
+            match self.docs.scores.softcap {
+                None => prow[lo..hi].iter_mut().for_each(|x| *x = fast_exp(*x - lse_i[ri])),
+                Some(c) => {
+                    // The cap's derivative, from the raw score, waits in dS's row
+                    // until dP − D is there to multiply.
+                    for (x, g) in prow[lo..hi].iter_mut().zip(&mut dsrow[lo..hi]) {
+                        let th = (*x / c).tanh();
+                        *x = fast_exp(c * th - lse_i[ri]);
+                        *g = (*g - d_i[ri]) * (1.0 - th * th);
+                    }
+                }
+            }
             prow[..lo].fill(0.0);
             prow[hi..].fill(0.0);
-        }
-        gemm_into(dims, &mut sc.ds, GemmOut::overwrite(nc), dy, Strided::transposed(&sc.vt, d), 1.0, self.par);
-        let d_i = &self.dsum[(bi * n_head + h) * t + r0..][..nr];
-        for (ri, (dsrow, prow)) in sc.ds[..nr * nc].chunks_mut(nc).zip(sc.p.chunks(nc)).enumerate() {
-            dsrow.iter_mut().zip(prow).for_each(|(x, &pv)| *x = pv * (*x - d_i[ri]));
+            match self.docs.scores.softcap {
+                None => dsrow.iter_mut().zip(&*prow).for_each(|(x, &pv)| *x = pv * (*x - d_i[ri])),
+                Some(_) => {
+                    dsrow.iter_mut().zip(&*prow).enumerate().for_each(|(j, (x, &pv))| {
+                        *x = if (lo..hi).contains(&j) { pv * *x } else { 0.0 };
+                    });
+                }
+            }
         }
     }
 

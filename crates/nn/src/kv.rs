@@ -20,6 +20,7 @@
 
 use crate::act::fast_exp;
 use crate::attention::AttnShape;
+use crate::flash::Scores;
 use crate::{gemm_into, GemmDims, GemmOut, Par, Strided};
 use engine::EngineError;
 use multiversion::multiversion;
@@ -78,9 +79,11 @@ pub struct KvCache {
     store: Mutex<Store>,
     /// The token ids of the cached positions.
     tokens: Vec<u32>,
-    /// Sliding-window attention: each query sees its `window` latest keys
-    /// (itself included); 0: every cached key.
-    window: usize,
+    /// Sliding-window attention, per layer: each query sees its `w` latest
+    /// keys (itself included); 0: every cached key.
+    windows: Vec<usize>,
+    /// How queries score keys (every layer).
+    scores: Scores,
 }
 
 impl KvCache {
@@ -98,7 +101,8 @@ impl KvCache {
         let k = engine::alloc::try_zeros(n, "the key cache")?;
         let v = engine::alloc::try_zeros(n, "the value cache")?;
         let store = Mutex::new(Store { k, v, layer: 0 });
-        Ok(KvCache { n_layer, positions, kv_dim, store, tokens: Vec::new(), window: 0 })
+        let (windows, scores) = (vec![0; n_layer], Scores::default());
+        Ok(KvCache { n_layer, positions, kv_dim, store, tokens: Vec::new(), windows, scores })
     }
 
     /// The same cache attending over at most the `w` latest keys (`None`:
@@ -108,8 +112,23 @@ impl KvCache {
     /// # Panics
     /// On a window of 0.
     pub fn window(self, w: Option<usize>) -> Self {
-        assert!(w != Some(0), "a sliding window of 0 keys");
-        KvCache { window: w.unwrap_or(0), ..self }
+        let n = self.n_layer;
+        self.layer_windows(&vec![w; n])
+    }
+
+    /// The same cache with a window per layer, as [`KvCache::window`].
+    ///
+    /// # Panics
+    /// On a window of 0, or unless there is one entry per layer.
+    pub fn layer_windows(self, ws: &[Option<usize>]) -> Self {
+        assert!(ws.iter().all(|&w| w != Some(0)), "a sliding window of 0 keys");
+        assert_eq!(ws.len(), self.n_layer, "KvCache::layer_windows: one window per layer");
+        KvCache { windows: ws.iter().map(|w| w.unwrap_or(0)).collect(), ..self }
+    }
+
+    /// The same cache scoring keys by `scores`, as [`crate::flash::Visible::scored`].
+    pub fn scored(self, scores: Scores) -> Self {
+        KvCache { scores, ..self }
     }
 
     /// Positions cached.
@@ -203,6 +222,7 @@ impl KvCache {
         assert!(*layer < self.n_layer, "KvCache::attend: a pass runs {} layers", self.n_layer);
         let span = self.positions * kvd;
         let (k, v) = (&mut k[*layer * span..][..span], &mut v[*layer * span..][..span]);
+        let window = self.windows[*layer];
         *layer += 1;
         for (i, row) in qkv.chunks_exact(w).enumerate() {
             k[(pos + i) * kvd..][..kvd].copy_from_slice(&row[qd..qd + kvd]);
@@ -210,7 +230,7 @@ impl KvCache {
         }
         let (k, v) = (&k[..end * kvd], &v[..end * kvd]);
         let group = n_head / n_kv_head;
-        let scale = 1.0 / (d as f32).sqrt();
+        let scale = self.scores.scale_for(d);
         // One task per query head: its GEMMs run on one thread.
         let par = Par::ONE.with(ops);
         let mut scores = vec![0.0f32; n_head * n * end];
@@ -222,7 +242,8 @@ impl KvCache {
             let v = Strided { data: v, offset: kv, rs: kvd, cs: 1 };
             // scores = scale · q · kᵀ: (n, d) @ (d, end) -> (n, end)
             gemm_into(GemmDims { m: n, n: end, k: d }, a, GemmOut::overwrite(end), q, k_t, scale, par);
-            causal_softmax_after(a, end, pos, self.window);
+            self.scores.cap(a);
+            causal_softmax_after(a, end, pos, window);
             // y_h = att · v: (n, end) @ (end, d) -> (n, d)
             gemm_into(GemmDims { m: n, n: d, k: end }, yh, GemmOut::overwrite(d), Strided::rows(a, end), v, 1.0, par);
         });
@@ -309,27 +330,42 @@ mod tests {
     /// tiled kernel's windowed rows within rounding (both f32, other
     /// summation orders: the bound of the test above, scaled to the
     /// flash kernel's 1e-5 against materialised attention); a key one step
-    /// inside or outside the window moves rows by O(1e-1).
+    /// inside or outside the window moves rows by O(1e-1). The same with
+    /// Gemma 2's scores (another scale, a soft cap) and with a window on
+    /// one layer of two (each layer's rows against its own kernel call).
     #[test]
     fn a_windowed_cache_sees_what_windowed_attention_sees() {
         let s = shape(40, 4, 2, 8);
         let (qd, w, t) = (s.q_dim(), s.qkv_width(), s.t);
-        let qkv = randn(t * w, 12);
-        for window in [1, 6, 39] {
-            let v = crate::flash::Visible::CAUSAL.window(Some(window));
-            let (mut y, mut lse) = (vec![0.0; t * qd], vec![0.0; s.n_head * t]);
-            crate::flash::flash_attention_forward(&mut y, &mut lse, &qkv, s, v);
-            let mut kv = KvCache::new(1, t, s.n_kv_head * s.head_dim).unwrap().window(Some(window));
-            let mut got = Vec::new();
+        let qkv: Vec<f32> = randn(t * w, 12).iter().map(|x| 2.0 * x).collect();
+        let capped = Scores { scale: Some(0.2), softcap: Some(1.5) };
+        let cases = [
+            (vec![Some(1)], Scores::default()),
+            (vec![Some(6)], Scores::default()),
+            (vec![Some(39)], Scores::default()),
+            (vec![Some(6)], capped),
+            (vec![Some(6), None], capped),
+        ];
+        for (windows, scores) in cases {
+            let mut kv = KvCache::new(windows.len(), t, s.n_kv_head * s.head_dim).unwrap();
+            kv = kv.layer_windows(&windows).scored(scores);
+            let mut got = vec![Vec::new(); windows.len()];
             for (at, n) in [(0, 10)].into_iter().chain((10..t).map(|i| (i, 1))) {
                 assert_eq!(kv.feed_from(&vec![7; at + n]), Some(at));
-                let mut yn = vec![0.0; n * qd];
-                kv.attend(&mut yn, &qkv[at * w..(at + n) * w], AttnShape { t: n, ..s });
+                for got in &mut got {
+                    let mut yn = vec![0.0; n * qd];
+                    kv.attend(&mut yn, &qkv[at * w..(at + n) * w], AttnShape { t: n, ..s });
+                    got.extend(yn);
+                }
                 kv.commit(&vec![7; n]);
-                got.extend(yn);
             }
-            let err = got.iter().zip(&y).map(|(a, b)| (a - b).abs() / (1.0 + b.abs())).fold(0.0f32, f32::max);
-            assert!(err <= 1e-5, "window {window}: cached rows differ by {err}");
+            for (&window, got) in windows.iter().zip(&got) {
+                let v = crate::flash::Visible::CAUSAL.window(window).scored(scores);
+                let (mut y, mut lse) = (vec![0.0; t * qd], vec![0.0; s.n_head * t]);
+                crate::flash::flash_attention_forward(&mut y, &mut lse, &qkv, s, v);
+                let err = got.iter().zip(&y).map(|(a, b)| (a - b).abs() / (1.0 + b.abs())).fold(0.0f32, f32::max);
+                assert!(err <= 1e-5, "window {window:?}, {scores:?}: cached rows differ by {err}");
+            }
         }
     }
 

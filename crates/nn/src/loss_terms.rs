@@ -77,3 +77,45 @@ fn row_with_terms(row: &mut [f32], tgt: usize, grad_scale: Option<f32>, terms: L
     }
     (ce as f32, aux as f32)
 }
+
+/// Soft-caps logits in place: `z ← cap · tanh(z / cap)` (Gemma 2's
+/// `final_logit_softcapping`, as transformers computes it in f32: divide,
+/// tanh, multiply).
+pub fn soft_cap(logits: &mut [f32], cap: f32) {
+    logits.par_chunks_mut(4096).for_each(|xs| xs.iter_mut().for_each(|x| *x = (*x / cap).tanh() * cap));
+}
+
+/// [`softmax_cross_entropy_with`] of logits that [`soft_cap`] capped at
+/// `cap` (`None`: not capped, and the very same call): the same losses,
+/// and with a gradient scale the gradient with respect to the logits
+/// before the cap, `∂/∂x · (1 − (x/cap)²)` with `x` the capped logit
+/// (`tanh' = 1 − tanh²`). Rows run in blocks whose factors wait in a
+/// scratch of at most 2²² values; the terms' sum adds the blocks' sums in
+/// order (deterministic).
+pub fn capped_cross_entropy_with(
+    (logits, cap): (&mut [f32], Option<f32>),
+    losses: &mut [f32],
+    targets: &[i32],
+    v: usize,
+    grad_scale: Option<f32>,
+    terms: LossTerms,
+) -> f64 {
+    let Some(cap) = cap.filter(|_| grad_scale.is_some()) else {
+        return softmax_cross_entropy_with(logits, losses, targets, v, grad_scale, terms);
+    };
+    let rows = ((1usize << 22) / v.max(1)).max(1);
+    let mut factor = vec![0.0f32; rows * v];
+    let mut aux = 0.0;
+    let blocks = logits.chunks_mut(rows * v).zip(losses.chunks_mut(rows)).zip(targets.chunks(rows));
+    for ((block, loss), tgt) in blocks {
+        let factor = &mut factor[..block.len()];
+        factor.par_chunks_mut(4096).zip(block.par_chunks(4096)).for_each(|(f, x)| {
+            f.iter_mut().zip(x).for_each(|(f, &x)| *f = 1.0 - (x / cap) * (x / cap));
+        });
+        aux += softmax_cross_entropy_with(block, loss, tgt, v, grad_scale, terms);
+        block.par_chunks_mut(4096).zip(factor.par_chunks(4096)).for_each(|(g, f)| {
+            g.iter_mut().zip(f).for_each(|(g, &f)| *g *= f);
+        });
+    }
+    aux
+}

@@ -237,12 +237,19 @@ fn document_starts_are_checked() {
 
 /// Attention computed directly in f64, the query at position `i` over keys
 /// from the later of its document's start (`starts`, empty: 0) and
-/// `i + 1 − window` to `i`: `y` `[B·T, n_head·d]` and the log-sum-exps
-/// `[B, n_head, T]`.
-fn direct(qkv: &[f32], s: AttnShape, (starts, window): (&[u32], usize)) -> (Vec<f32>, Vec<f32>) {
+/// `i + 1 − window` to `i`, scoring `q·k` times `scale` (`None`: 1/√d)
+/// and, with a `cap`, as `cap · tanh(score / cap)`: `y` `[B·T, n_head·d]`
+/// and the log-sum-exps `[B, n_head, T]`.
+fn direct(
+    qkv: &[f32],
+    s: AttnShape,
+    (starts, window): (&[u32], usize),
+    (scale, cap): (Option<f64>, Option<f64>),
+) -> (Vec<f32>, Vec<f32>) {
     let (qd, w, d) = (s.q_dim(), s.qkv_width(), s.head_dim);
     let group = s.n_head / s.n_kv_head;
-    let scale = 1.0 / (d as f64).sqrt();
+    let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
+    let cap = |x: f64| cap.map_or(x, |c| c * (x / c).tanh());
     let (mut y, mut lse) = (vec![0.0f32; s.b * s.t * qd], vec![0.0f32; s.b * s.n_head * s.t]);
     for bi in 0..s.b {
         for h in 0..s.n_head {
@@ -254,7 +261,8 @@ fn direct(qkv: &[f32], s: AttnShape, (starts, window): (&[u32], usize)) -> (Vec<
                 let sc: Vec<f64> = keys
                     .clone()
                     .map(|j| {
-                        row(i, h * d).iter().zip(row(j, kc)).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * scale
+                        cap(row(i, h * d).iter().zip(row(j, kc)).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>()
+                            * scale)
                     })
                     .collect();
                 let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -289,7 +297,7 @@ fn sliding_windows_see_the_latest_keys_only() {
         let qkv = randn(s.b * t * w, 41 + window as u64);
         let (mut y, mut lse) = (vec![f32::NAN; s.b * t * qd], vec![f32::NAN; s.b * s.n_head * t]);
         flash_attention_forward(&mut y, &mut lse, &qkv, s, v);
-        let (y_ref, lse_ref) = direct(&qkv, s, (&both, window));
+        let (y_ref, lse_ref) = direct(&qkv, s, (&both, window), (None, None));
         let (ey, el) = (max_rel(&y, &y_ref), max_rel(&lse, &lse_ref));
         eprintln!("window {window}, documents {docs}: y {ey:.1e}, lse {el:.1e}");
         assert!(ey < 1e-5 && el < 1e-5, "window {window}, documents {docs}: y {ey}, lse {el}");
@@ -332,4 +340,53 @@ fn a_window_past_the_sequence_is_causal_and_windows_do_not_depend_on_threads() {
     let narrow = Visible::CAUSAL.window(Some(70));
     assert!(run(narrow, 1) == run(narrow, s.b * s.n_kv_head + 1), "window 70, split tasks");
     assert!(run(narrow, 1) != run(Visible::CAUSAL, 1), "the window changes what is seen");
+}
+
+/// Gemma 2's scores: another scale and a soft cap `c·tanh(s/c)`. Against
+/// the direct f64 computation at the same 1e-5 as the windows (the cap
+/// adds one f32 tanh per score, a few ulp of a value below `c`); a cap
+/// applied after the softmax, or not at all, moves values by O(1e-2) at
+/// caps this tight. The backward against central differences — with the
+/// cap's `1 − tanh²` missing it is off by far more than their tolerance
+/// — and its two task splits bit for bit.
+#[test]
+fn soft_capped_scores_match_the_direct_computation_and_their_derivative() {
+    let lens = [70, 50, 30];
+    let starts = starts_of(&lens);
+    let t: usize = lens.iter().sum();
+    let s = shape(1, t, 4, 2, 8);
+    let qkv: Vec<f32> = randn(t * s.qkv_width(), 71).iter().map(|x| 3.0 * x).collect();
+    for (window, docs, scale, cap) in [(0, false, None, 2.0), (9, true, Some(0.3), 1.5), (0, true, Some(0.05), 50.0)] {
+        let sc = Scores { scale, softcap: Some(cap) };
+        let st: &[u32] = if docs { &starts } else { &[] };
+        let v = Visible::documents(st).window((window > 0).then_some(window)).scored(sc);
+        let (mut y, mut lse) = (vec![f32::NAN; t * s.q_dim()], vec![f32::NAN; s.n_head * t]);
+        flash_attention_forward(&mut y, &mut lse, &qkv, s, v);
+        // `direct`'s window of usize::MAX is none.
+        let w_ref = if window == 0 { usize::MAX } else { window };
+        let (y_ref, lse_ref) = direct(&qkv, s, (st, w_ref), (scale.map(f64::from), Some(cap as f64)));
+        let (ey, el) = (max_rel(&y, &y_ref), max_rel(&lse, &lse_ref));
+        eprintln!("cap {cap}, scale {scale:?}, window {window}: y {ey:.1e}, lse {el:.1e}");
+        assert!(ey < 1e-5 && el < 1e-5, "cap {cap}, scale {scale:?}, window {window}: y {ey}, lse {el}");
+    }
+    let s = shape(1, TILE + 30, 2, 1, 2);
+    let v = Visible::CAUSAL.window(Some(40)).scored(Scores { scale: Some(0.8), softcap: Some(1.0) });
+    let qkv: Vec<f32> = randn(s.t * s.qkv_width(), 72).iter().map(|x| 2.0 * x).collect();
+    let dy = randn(s.t * s.q_dim(), 73);
+    let fwd = |x: &[f32]| {
+        let (mut y, mut lse) = (vec![0.0; s.t * s.q_dim()], vec![0.0; s.n_head * s.t]);
+        flash_attention_forward(&mut y, &mut lse, x, s, v);
+        (y, lse)
+    };
+    let (y, lse) = fwd(&qkv);
+    let bwd = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("thread pool");
+        let (mut dqkv, mut heads) = (vec![f32::NAN; qkv.len()], vec![f32::NAN; qkv.len()]);
+        pool.install(|| flash_attention_backward(&mut dqkv, &mut heads, &dy, (&qkv, &y, &lse), s, v));
+        dqkv
+    };
+    let dqkv = bwd(1);
+    check_fd("soft-capped flash attention dqkv", &|x| fwd(x).0, &qkv, &dy, &dqkv);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&dqkv), bits(&bwd(2)), "the split tasks agree bit for bit");
 }
