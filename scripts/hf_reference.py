@@ -5,12 +5,19 @@ families' conformance tests.
 Usage:
   python3 scripts/hf_reference.py make KIND DIR
       KIND: qwen2 (Qwen2ForCausalLM: q/k/v biases, GQA, untied head,
-            rope θ = 1e6), qwen3 (Qwen3ForCausalLM: per-head q/k RMSNorm,
+            rope θ = 1e6), qwen2_windows (the same with
+            use_sliding_window: a window of 8 keys on layer 1 only, by
+            max_window_layers = 1), qwen3 (Qwen3ForCausalLM: per-head q/k RMSNorm,
             heads of width 32 where hidden / heads is 16, GQA, untied
             head, rope θ = 1e6), mistral (MistralForCausalLM: a sliding
             window of 8 keys over the 40 positions, GQA, untied head),
             phi3 (Phi3ForCausalLM: fused qkv_proj and gate_up_proj in the
-            file, a sliding window of 8 keys, GQA, untied head) or
+            file, a sliding window of 8 keys, GQA, untied head), gemma2
+            (Gemma2ForCausalLM, eager attention: GeGLU, (1 + w) norms
+            with post norms, √C embedding scale, layer 0 with a window of 8
+            keys and layer 1 without, scores scaled by 24^-½ with heads of
+            16, attention and final soft caps of 2 and 5 — tight enough
+            that they bite — tied head) or
             llama3 (LlamaForCausalLM with Llama 3 RoPE
             scaling: rope_type "llama3", factor 8, low/high frequency
             factors 1 and 4, original context 32 — so the head's
@@ -47,6 +54,8 @@ from transformers import (
     MistralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
 )
 
 TOL = 1e-4
@@ -69,6 +78,11 @@ def make(kind: str, out: str) -> None:
     if kind == "qwen2":
         cfg = Qwen2Config(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **common)
         model = Qwen2ForCausalLM(cfg)
+    elif kind == "qwen2_windows":
+        cfg = Qwen2Config(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, use_sliding_window=True,
+                          sliding_window=8, max_window_layers=1, **common)
+        assert cfg.layer_types == ["full_attention", "sliding_attention"], cfg.layer_types
+        model = Qwen2ForCausalLM(cfg)
     elif kind == "qwen3":
         cfg = Qwen3Config(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, head_dim=32, **common)
         model = Qwen3ForCausalLM(cfg)
@@ -79,6 +93,13 @@ def make(kind: str, out: str) -> None:
         cfg = Phi3Config(rope_parameters={"rope_type": "default", "rope_theta": 1e4}, sliding_window=8,
                          original_max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, **common)
         model = Phi3ForCausalLM(cfg)
+    elif kind == "gemma2":
+        gemma = dict(common, tie_word_embeddings=True)
+        cfg = Gemma2Config(rope_parameters={"rope_type": "default", "rope_theta": 1e4}, head_dim=16,
+                           query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=2.0,
+                           final_logit_softcapping=5.0, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+                           attn_implementation="eager", **gemma)
+        model = Gemma2ForCausalLM(cfg)
     elif kind == "llama3":
         rope = {
             "rope_type": "llama3",
@@ -91,13 +112,14 @@ def make(kind: str, out: str) -> None:
         cfg = LlamaConfig(rope_parameters=rope, **common)
         model = LlamaForCausalLM(cfg)
     else:
-        sys.exit(f"unknown KIND {kind}: qwen2, qwen3, mistral, phi3 or llama3")
+        sys.exit(f"unknown KIND {kind}: qwen2, qwen2_windows, qwen3, mistral, phi3, gemma2 or llama3")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0.0, 0.5)
             elif "norm" in name:
-                p.normal_(1.0, 0.2)
+                # Gemma's gains are 1 + w: w drawn around 0, the same gains.
+                p.normal_(0.0 if kind == "gemma2" else 1.0, 0.2)
             else:
                 p.normal_(0.0, 0.2)
     model.eval()

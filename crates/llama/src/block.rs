@@ -11,7 +11,6 @@ use crate::frozen::{FrozenBase, Group};
 use crate::layout::{Adapters, LayerParams, LoraRanges, Proj};
 use crate::lora_dropout::Dropout;
 use engine::{Checkpointing, EngineError, Inner, Precision, SavedTensor, SegmentGrads, TensorGroup};
-use nn::act::{swiglu_backward, swiglu_forward};
 use nn::attention::AttnShape;
 use nn::flash::{flash_attention_backward, flash_attention_forward, Visible};
 use nn::grad::{bias_backward, param_grad};
@@ -42,6 +41,10 @@ const DZ: usize = XA + 7;
 /// With `qk_norm`: the query heads, then the key heads, before their norms
 /// (`[n·H, d]` then `[n·KV, d]`; empty otherwise).
 const QKN: usize = DZ + 7;
+/// With Gemma's post norms: the attention's output (o_proj's, before its
+/// norm) and the MLP's (down_proj's), `[n, C]` each (empty otherwise).
+const PA: usize = QKN + 1;
+const PF: usize = QKN + 2;
 
 /// Staging buffers: row tensors, the heads' output beside q|k|v, LoRA's `x·Aᵀ`.
 const ROWS: usize = 0;
@@ -91,10 +94,11 @@ pub(crate) enum Pass {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ActSizes {
     /// The layer stack: per layer h1, qkv, y, x2, h2, gate|up (2F), m (F),
-    /// out, LoRA's x·Aᵀ per adapted projection, two f32 1/rms per row and
+    /// out, LoRA's x·Aᵀ per adapted projection, two f32 1/rms per row (four
+    /// with Gemma's post norms, which also keep their inputs) and
     /// the attention's f32 log-sum-exp per (sequence, head, row) — no
     /// T × T matrix; working buffers dres, dc, dqkv, dgu, dm, dxa,
-    /// attention scratch; 16-bit staging (row tensors, heads' output, x·Aᵀ).
+    /// attention scratch, the post norms' output and gradient; 16-bit staging (row tensors, heads' output, x·Aᵀ).
     pub stack: StackSizes,
     /// RoPE tables, the final norm's output and 1/rms, the logits, the
     /// per-row losses.
@@ -136,6 +140,8 @@ impl ActSizes {
         // Per-head q/k norms: their inputs kept, one 1/rms per (row, head).
         let qk_heads = if cfg.qk_norm { w(cfg.n_head + cfg.n_kv_head) } else { 0 };
         large.push(n * qk_heads * w(cfg.head_dim));
+        let post = if cfg.gemma.is_some() { n * c } else { 0 };
+        large.extend([post, post]);
         // Working buffer: the q/k norms' (gathered heads) and, when the
         // heads are wider than the residual (H·d > C), the heads' output
         // and its gradient.
@@ -151,9 +157,21 @@ impl ActSizes {
             kinds,
             redo_scratch: n.max(lse),
             output: OUT,
-            stats: vec![n, n, lse, norms, n * qk_heads],
+            stats: vec![n, n, lse, norms, n * qk_heads, post / c.max(1), post / c.max(1)],
             x: n * c,
-            bufs: vec![n * c, n * c, n * qkvw, n * 2 * f, n * f, n * r, n * qkvw, n * max_dz, n * max_in, n * wide],
+            bufs: vec![
+                n * c,
+                n * c,
+                n * qkvw,
+                n * 2 * f,
+                n * f,
+                n * r,
+                n * qkvw,
+                n * max_dz,
+                n * max_in,
+                n * wide,
+                post,
+            ],
             staging: if low { vec![n * c.max(qkvw).max(2 * f), n * qd, n * r] } else { vec![0; 3] },
             extra: Vec::new(),
         };
@@ -202,6 +220,53 @@ struct Back<'s, 'g> {
 }
 
 impl Layer<'_> {
+    /// What this layer's queries see: the micro-batch's documents, the
+    /// layer's window and the family's scores.
+    fn visible_here(&self) -> Visible<'_> {
+        self.visible.window(self.cfg.window_of(self.at.get()))
+    }
+
+    /// A norm's gains as the kernels take them ([`LlamaConfig::gains`]).
+    fn gains<'p>(&self, w: &'p [f32]) -> std::borrow::Cow<'p, [f32]> {
+        self.cfg.gains(w)
+    }
+
+    /// Gemma's post norm `k` (0: the attention's, 1: the MLP's) of the
+    /// branch output `z`, kept in `kept` with its 1/rms in `rstd`: `z`
+    /// becomes `res + norm(z)` (`out` is scratch).
+    fn post_norm(
+        &self,
+        p: &[f32],
+        k: usize,
+        (kept, rstd): (&mut SavedTensor, &mut [f32]),
+        z: &mut [f32],
+        out: &mut [f32],
+        res: &[f32],
+    ) {
+        let Some(norms) = &self.r.post_norms else { unreachable!("post norms without their gains") };
+        kept.keep_copy(z, self.d.prec);
+        rmsnorm_forward(out, rstd, z, &self.gains(&p[norms[k].clone()]), self.d.c, self.d.eps);
+        add_into(out, res);
+        z.copy_from_slice(out);
+    }
+
+    /// Backward of post norm `k` from the residual's gradient `dres` into
+    /// `dz` (overwritten), its gains' gradient added.
+    fn post_norm_backward(
+        &self,
+        p: &[f32],
+        k: usize,
+        dres: &[f32],
+        dz: &mut [f32],
+        (back, rstd): (&mut Back<'_, '_>, &[f32]),
+    ) {
+        let Some(norms) = &self.r.post_norms else { unreachable!("post norms without their gains") };
+        dz.fill(0.0);
+        let dw = param_grad(back.grads.tensor(norms[k].clone()));
+        let saved = NormSaved { inp: back.saved.get([PA, PF][k]), mean: &[], rstd };
+        rmsnorm_backward(dz, dw, dres, saved, &self.gains(&p[norms[k].clone()]));
+    }
+
     /// The per-head norms of the query heads and of the key heads in a
     /// row of q|k|v.
     fn head_norms(&self) -> [HeadNorm; 2] {
@@ -477,22 +542,25 @@ impl Block for Layer<'_> {
         let (cfg, r, d) = (self.cfg, self.r, &self.d);
         let (n, c, f, prec) = (d.n, d.c, d.f, d.prec);
         let (qd, qkvw, kvd) = (d.gqa.q_dim(), d.gqa.qkv_width(), cfg.kv_dim());
-        let [x2, buf_c, qkv, gu, m, dxa, heads, zb, xd, wide] = bufs else {
-            unreachable!("Llama has ten working buffers")
+        let [x2, buf_c, qkv, gu, m, dxa, heads, zb, xd, wide, pn] = bufs else {
+            unreachable!("Llama has eleven working buffers")
         };
         let Saved { large, stats } = sv;
-        let [rstd1, rstd2, lse, norms, rstd_qk] = &mut stats[..] else {
-            unreachable!("row statistics, log-sum-exps, norms, head statistics")
+        let [rstd1, rstd2, lse, norms, rstd_qk, rstd_pa, rstd_pf] = &mut stats[..] else {
+            unreachable!("row statistics, log-sum-exps, norms, head and post-norm statistics")
         };
         let (large, xa) = large.split_at_mut(XA);
         let (xa, zs) = xa.split_at_mut(DZ - XA);
         let (zs, qkn) = zs.split_at_mut(QKN - DZ);
+        let (qkn, post) = qkn.split_at_mut(PA - QKN);
+        let [pa, pf] = post else { unreachable!("the post norms' inputs") };
+        let post = r.post_norms.is_some();
         for pr in Proj::ALL {
             self.dora_norms(pr, p, norms);
         }
         let norms = &*norms;
         // Attention: h1 = norm(x); q|k|v = h1·Wqkvᵀ (+ bias) (+ LoRA); rotate q, k.
-        rmsnorm_forward(buf_c, rstd1, x, &p[r.attn_norm.clone()], c, d.eps);
+        rmsnorm_forward(buf_c, rstd1, x, &self.gains(&p[r.attn_norm.clone()]), c, d.eps);
         large[H1].keep(buf_c, prec);
         let h1 = large[H1].cur(buf_c);
         // (n, C) @ (C, (H + 2·KV)·d) -> (n, (H + 2·KV)·d)
@@ -530,7 +598,7 @@ impl Block for Layer<'_> {
         let yb = if qd <= c { &mut *buf_c } else { &mut *heads };
         match self.attn {
             Attention::Causal => {
-                flash_attention_forward(&mut yb[..n * qd], lse, large[QKV].cur(qkv), d.gqa, self.visible)
+                flash_attention_forward(&mut yb[..n * qd], lse, large[QKV].cur(qkv), d.gqa, self.visible_here())
             }
             Attention::Cached(kv) => kv.attend(&mut yb[..n * qd], large[QKV].cur(qkv), d.gqa),
         }
@@ -548,20 +616,27 @@ impl Block for Layer<'_> {
             x2.copy_from_slice(x);
             self.dora_forward(Proj::O, p, Cols::all(x2, c), (&mut zs[Proj::O as usize], zb), norms, Some(x));
         } else {
-            if !split {
+            // With post norms the branch's output z is normed before it joins
+            // the residual: x2 = x + norm(z).
+            if !split && !post {
                 x2.copy_from_slice(x);
             }
-            self.base_forward(Group::O, p, Cols::all(x2, c), !split, y, d.lin(qd, c));
+            self.base_forward(Group::O, p, Cols::all(x2, c), !split && !post, y, d.lin(qd, c));
             if split {
                 tp.all_reduce(x2)?;
-                add_into(x2, x);
+                if !post {
+                    add_into(x2, x);
+                }
             }
             let lo = (&mut xa[Proj::O as usize], &mut *dxa, &mut xd[..]);
             self.lora_forward(Proj::O, p, Cols::all(x2, c), y, lo, split.then_some(&mut *tp))?;
+            if post {
+                self.post_norm(p, 0, (pa, rstd_pa), x2, pn, x);
+            }
         }
         large[X2].keep(x2, prec);
         // MLP: h2 = norm(x2); g|u = h2·Wguᵀ (+ LoRA); m = silu(g)·u; out = x2 + m·Wdᵀ (+ LoRA).
-        rmsnorm_forward(buf_c, rstd2, large[X2].cur(x2), &p[r.mlp_norm.clone()], c, d.eps);
+        rmsnorm_forward(buf_c, rstd2, large[X2].cur(x2), &self.gains(&p[r.mlp_norm.clone()]), c, d.eps);
         large[H2].keep(buf_c, prec);
         let h2 = large[H2].cur(buf_c);
         // (n, C) @ (C, 2F) -> (n, 2F)
@@ -572,7 +647,7 @@ impl Block for Layer<'_> {
             self.dora_forward(pr, p, Cols { buf: gu, col0, rs: 2 * f }, (&mut zs[pr as usize], zb), norms, None);
         }
         large[GU].keep(gu, prec);
-        swiglu_forward(m, large[GU].cur(gu), f);
+        cfg.glu().forward(m, large[GU].cur(gu), f);
         large[M].keep(m, prec);
         let mm = large[M].cur(m);
         if self.dora(Proj::Down).is_some() {
@@ -584,17 +659,23 @@ impl Block for Layer<'_> {
             let (zd, res) = (&mut zs[Proj::Down as usize], large[X2].cur(x2));
             self.dora_forward(Proj::Down, p, Cols::all(x, c), (zd, zb), norms, Some(res));
         } else {
-            if !split {
+            if !split && !post {
                 x.copy_from_slice(large[X2].cur(x2));
             }
-            // (n, F) @ (F, C) -> (n, C), added to the residual (row-parallel: summed first)
-            self.base_forward(Group::Down, p, Cols::all(x, c), !split, mm, d.lin(f, c));
+            // (n, F) @ (F, C) -> (n, C), added to the residual (row-parallel:
+            // summed first; with post norms, normed first)
+            self.base_forward(Group::Down, p, Cols::all(x, c), !split && !post, mm, d.lin(f, c));
             if split {
                 tp.all_reduce(x)?;
-                add_into(x, large[X2].cur(x2));
+                if !post {
+                    add_into(x, large[X2].cur(x2));
+                }
             }
             let lo = (&mut xa[Proj::Down as usize], &mut *dxa, &mut xd[..]);
             self.lora_forward(Proj::Down, p, Cols::all(x, c), mm, lo, split.then_some(&mut *tp))?;
+            if post {
+                self.post_norm(p, 1, (pf, rstd_pf), x, pn, large[X2].cur(x2));
+            }
         }
         // The output stays in `x` as the next layer's input: kept by copy.
         large[OUT].keep_copy(x, prec);
@@ -607,13 +688,13 @@ impl Block for Layer<'_> {
         let (r, d) = (self.r, &self.d);
         let rstd = &mut scratch[..d.n];
         match k {
-            H1 => rmsnorm_forward(out, rstd, saved.input(), &p[r.attn_norm.clone()], d.c, d.eps),
-            H2 => rmsnorm_forward(out, rstd, saved.get(X2), &p[r.mlp_norm.clone()], d.c, d.eps),
+            H1 => rmsnorm_forward(out, rstd, saved.input(), &self.gains(&p[r.attn_norm.clone()]), d.c, d.eps),
+            H2 => rmsnorm_forward(out, rstd, saved.get(X2), &self.gains(&p[r.mlp_norm.clone()]), d.c, d.eps),
             Y => {
                 let lse = &mut scratch[..d.gqa.b * d.gqa.n_head * d.gqa.t];
-                flash_attention_forward(out, lse, saved.get(QKV), d.gqa, self.visible);
+                flash_attention_forward(out, lse, saved.get(QKV), d.gqa, self.visible_here());
             }
-            M => swiglu_forward(out, saved.get(GU), d.f),
+            M => self.cfg.glu().forward(out, saved.get(GU), d.f),
             _ => unreachable!("Llama keeps saved tensor {k}"),
         }
     }
@@ -629,19 +710,25 @@ impl Block for Layer<'_> {
         let (cfg, r, d) = (self.cfg, self.r, &self.d);
         let (c, f) = (d.c, d.f);
         let (qd, qkvw, kvd) = (d.gqa.q_dim(), d.gqa.qkv_width(), cfg.kv_dim());
-        let [dres, dc, dqkv, dgu, dm, dxa, heads, zb, xd, wide] = bufs else {
-            unreachable!("Llama has ten working buffers")
+        let [dres, dc, dqkv, dgu, dm, dxa, heads, zb, xd, wide, dz] = bufs else {
+            unreachable!("Llama has eleven working buffers")
         };
         let sv = saved.sv;
-        let [rstd1, rstd2, lse, norms, rstd_qk] = &sv.stats[..] else {
-            unreachable!("row statistics, log-sum-exps, norms, head statistics")
+        let [rstd1, rstd2, lse, norms, rstd_qk, rstd_pa, rstd_pf] = &sv.stats[..] else {
+            unreachable!("row statistics, log-sum-exps, norms, head and post-norm statistics")
         };
         let mut back = Back { grads, saved, dxa, xd };
         // down_proj: d(n, F) = d(n, C) @ (C, F); SwiGLU; gate|up: d(n, C) = d(n, 2F) @ (2F, C).
-        let dy = self.dora_backward_residual(Proj::Down, p, (dres, zb), norms, &mut back);
+        // With post norms the branch's gradient is the norm's input gradient.
+        let dy = if r.post_norms.is_some() {
+            self.post_norm_backward(p, 1, dres, dz, (&mut back, rstd_pf));
+            Strided::rows(dz, c)
+        } else {
+            self.dora_backward_residual(Proj::Down, p, (dres, zb), norms, &mut back)
+        };
         self.base_backward_input(Group::Down, p, dm, dy, d.lin(f, c));
         self.proj_backward(Proj::Down, p, dm, dy, M, &mut back);
-        swiglu_backward(dgu, dm, back.saved.get(GU), f);
+        cfg.glu().backward(dgu, dm, back.saved.get(GU), f);
         for (pr, col0) in [(Proj::Gate, 0), (Proj::Up, f)] {
             self.dora_backward(pr, p, (dgu, col0, 2 * f), norms, &mut back);
         }
@@ -651,16 +738,21 @@ impl Block for Layer<'_> {
         }
         // Column-parallel: each rank's input gradient is a part of the sum.
         tp.all_reduce(dc)?;
-        let (w2, g2) = (&p[r.mlp_norm.clone()], param_grad(back.grads.tensor(r.mlp_norm.clone())));
+        let (w2, g2) = (self.gains(&p[r.mlp_norm.clone()]), param_grad(back.grads.tensor(r.mlp_norm.clone())));
         let x2 = NormSaved { inp: back.saved.get(X2), mean: &[], rstd: rstd2 };
-        rmsnorm_backward(dres, g2, dc, x2, w2);
+        rmsnorm_backward(dres, g2, dc, x2, &w2);
         // o_proj: d(n, H·d) = d(n, C) @ (C, H·d); attention; rotation; q|k|v: d(n, C) = d(n, qkv) @ (qkv, C).
         let dy = if qd <= c { &mut dc[..d.n * qd] } else { &mut wide[..d.n * qd] };
-        let g = self.dora_backward_residual(Proj::O, p, (dres, zb), norms, &mut back);
+        let g = if r.post_norms.is_some() {
+            self.post_norm_backward(p, 0, dres, dz, (&mut back, rstd_pa));
+            Strided::rows(dz, c)
+        } else {
+            self.dora_backward_residual(Proj::O, p, (dres, zb), norms, &mut back)
+        };
         self.base_backward_input(Group::O, p, dy, g, d.lin(qd, c));
         self.proj_backward(Proj::O, p, dy, g, Y, &mut back);
         let (qkv, y) = back.saved.pair((QKV, ROWS), (Y, HEADS));
-        flash_attention_backward(dqkv, heads, dy, (qkv, y, lse), d.gqa, self.visible);
+        flash_attention_backward(dqkv, heads, dy, (qkv, y, lse), d.gqa, self.visible_here());
         rope_apply(dqkv, self.rope, qkvw, cfg.n_head + cfg.n_kv_head, true, self.pos);
         if let Some(gains) = &r.qk_norm {
             // Through each head's norm, from the kept input (the gains'
@@ -691,9 +783,9 @@ impl Block for Layer<'_> {
             self.proj_backward(pr, p, dc, columns(dqkv, col0, qkvw), H1, &mut back);
         }
         tp.all_reduce(dc)?;
-        let (w1, g1) = (&p[r.attn_norm.clone()], param_grad(back.grads.tensor(r.attn_norm.clone())));
+        let (w1, g1) = (self.gains(&p[r.attn_norm.clone()]), param_grad(back.grads.tensor(r.attn_norm.clone())));
         let h = NormSaved { inp: back.saved.input(), mean: &[], rstd: rstd1 };
-        rmsnorm_backward(dres, g1, dc, h, w1);
+        rmsnorm_backward(dres, g1, dc, h, &w1);
         Ok(())
     }
 }

@@ -3,7 +3,9 @@
 
 use crate::error::LlamaError;
 
+mod gemma;
 mod presets;
+pub use gemma::GemmaBlock;
 pub use presets::PRESETS;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -57,6 +59,14 @@ pub struct LlamaConfig {
     /// sees its `w` latest keys, itself included; `None`: every earlier key.
     #[serde(default)]
     pub sliding_window: Option<usize>,
+    /// Which layers the window applies to (`true`: windowed), one entry
+    /// per layer, as transformers' `layer_types` (`"sliding_attention"` /
+    /// `"full_attention"`); `None`: every layer, when there is a window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_layers: Option<Vec<bool>>,
+    /// Gemma 2's layer and head; `None`: Llama's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gemma: Option<GemmaBlock>,
 }
 
 /// Llama 3's RoPE frequency scaling (`rope_scaling` with
@@ -157,6 +167,17 @@ impl LlamaConfig {
         if self.sliding_window == Some(0) {
             return Err(LlamaError::config("sliding_window", "must be at least 1 (a query sees itself)"));
         }
+        if let Some(layers) = &self.sliding_layers {
+            if layers.len() != self.n_layer {
+                return Err(LlamaError::config(
+                    "layer_types",
+                    format!("has {} entries for {} layers: give one per layer", layers.len(), self.n_layer),
+                ));
+            }
+        }
+        if let Some(g) = &self.gemma {
+            g.validate()?;
+        }
         if !self.head_dim.is_multiple_of(2) {
             return Err(LlamaError::config(
                 "head_dim",
@@ -204,7 +225,8 @@ impl LlamaConfig {
         let (qd, kvd) = (self.n_head as u128 * self.head_dim as u128, self.n_kv_head as u128 * self.head_dim as u128);
         let bias = if self.attention_bias { qd + 2 * kvd } else { 0 };
         let qk_norm = if self.qk_norm { 2 * self.head_dim as u128 } else { 0 };
-        2 * c + 2 * c * qd + 2 * c * kvd + 3 * c * f + bias + qk_norm
+        let post_norms = if self.gemma.is_some() { 2 * c } else { 0 };
+        2 * c + 2 * c * qd + 2 * c * kvd + 3 * c * f + bias + qk_norm + post_norms
     }
 
     /// Width of all query heads together (hidden_size, unless the file sets
@@ -225,7 +247,15 @@ impl LlamaConfig {
 
     /// Tensors of one decoder layer (without LoRA adapters).
     pub fn tensors_per_layer(&self) -> u128 {
-        9 + if self.attention_bias { 3 } else { 0 } + if self.qk_norm { 2 } else { 0 }
+        9 + if self.attention_bias { 3 } else { 0 }
+            + if self.qk_norm { 2 } else { 0 }
+            + if self.gemma.is_some() { 2 } else { 0 }
+    }
+
+    /// The sliding window of layer `i` (`None`: it sees every earlier key).
+    pub fn window_of(&self, i: usize) -> Option<usize> {
+        let windowed = self.sliding_layers.as_ref().is_none_or(|l| l.get(i).copied().unwrap_or(false));
+        self.sliding_window.filter(|_| windowed)
     }
 
     /// The rotary frequency scaling as the `nn` kernels take it.
@@ -349,6 +379,8 @@ impl LlamaConfig {
             rope_scaling,
             qk_norm: false,
             sliding_window: None,
+            sliding_layers: None,
+            gemma: None,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -2,9 +2,10 @@
 //! writing `config.json`: a family's file is Llama's with a few keys of its
 //! own, so each reads it as Llama's once those keys are taken out
 //! ([`read_as_llama`]) and writes Llama's with its own put in
-//! ([`written_as`]). Qwen2 and Qwen3 also share their sliding-window keys
-//! ([`QwenWindows`]), which must say "off" (their per-layer windows are not
-//! implemented).
+//! ([`written_as`]). Windows are read and written once: a positive
+//! `sliding_window` or null ([`read_window`]), transformers' `layer_types`
+//! ([`read_layer_types`], [`layer_types`]), and Qwen2's and Qwen3's keys
+//! around them ([`QwenWindows`]).
 
 use crate::LlamaConfig;
 use family::Result;
@@ -53,8 +54,47 @@ pub fn written_as(
     v
 }
 
-/// Qwen2's and Qwen3's sliding-window keys: read (every layer must be full
-/// attention, or the model would compute something else) and written (off).
+/// `sliding_window`: a positive integer, or `None` where it is absent or null.
+pub fn read_window(v: &Value) -> Result<Option<usize>> {
+    match object(v)?.get("sliding_window") {
+        None | Some(Value::Null) => Ok(None),
+        Some(w) => match w.as_u64() {
+            Some(w) if w > 0 => Ok(Some(w as usize)),
+            _ => Err(format!("sliding_window = {w}: must be a positive integer or null").into()),
+        },
+    }
+}
+
+/// transformers' `layer_types` as windowed flags (`"sliding_attention"`:
+/// windowed, `"full_attention"`: not), one per layer of `n_layer`; `None`
+/// where it is absent or null.
+pub fn read_layer_types(v: &Value, n_layer: usize) -> Result<Option<Vec<bool>>> {
+    let types = match object(v)?.get("layer_types") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Array(types)) => types,
+        Some(t) => return Err(format!("layer_types = {t}: must be a list").into()),
+    };
+    if types.len() != n_layer {
+        return Err(format!("layer_types has {} entries for {n_layer} layers: give one per layer", types.len()).into());
+    }
+    let flag = |t: &Value| match t.as_str() {
+        Some("sliding_attention") => Ok(true),
+        Some("full_attention") => Ok(false),
+        _ => Err(format!("layer_types holds {t}: each must be \"sliding_attention\" or \"full_attention\"")),
+    };
+    Ok(Some(types.iter().map(flag).collect::<std::result::Result<_, _>>()?))
+}
+
+/// `cfg`'s `layer_types` as transformers writes them.
+pub fn layer_types(cfg: &LlamaConfig) -> Value {
+    let name = |i| if cfg.window_of(i).is_some() { "sliding_attention" } else { "full_attention" };
+    Value::from((0..cfg.n_layer).map(name).collect::<Vec<_>>())
+}
+
+/// Qwen2's and Qwen3's sliding-window keys: `use_sliding_window` switches
+/// the window on, `sliding_window` is its width, and the layers it applies
+/// to are `layer_types`' sliding ones, or — without that list — those from
+/// `max_window_layers` on (transformers' `Qwen2Config.__post_init__`).
 #[derive(Debug)]
 pub struct QwenWindows;
 
@@ -62,27 +102,47 @@ impl QwenWindows {
     /// The keys, which Llama's reader does not know.
     pub const KEYS: [&'static str; 4] = ["use_sliding_window", "sliding_window", "max_window_layers", "layer_types"];
 
-    /// Refuses a file whose layers are not all full attention.
-    pub fn refuse_windows(v: &Value) -> Result<()> {
+    /// transformers' default `max_window_layers` (Qwen2Config's and Qwen3Config's).
+    const MAX_WINDOW_LAYERS: usize = 28;
+
+    /// The window and the windowed layers `v` says a model of `n_layer`
+    /// layers has: `(None, None)` unless `use_sliding_window` is true and
+    /// `sliding_window` is set.
+    pub fn read(v: &Value, n_layer: usize) -> Result<(Option<usize>, Option<Vec<bool>>)> {
         let o = object(v)?;
-        if o.get("use_sliding_window").is_some_and(|u| u.as_bool() != Some(false)) {
-            return Err("use_sliding_window must be false: sliding-window attention is not implemented".into());
-        }
-        if let Some(layers) = o.get("layer_types").and_then(Value::as_array) {
-            if let Some(l) = layers.iter().find(|l| l.as_str() != Some("full_attention")) {
-                return Err(format!("layer_types holds {l}: only full_attention layers are implemented").into());
+        let on = match o.get("use_sliding_window") {
+            None | Some(Value::Null) => false,
+            Some(b) => b.as_bool().ok_or_else(|| format!("use_sliding_window = {b}: must be true or false"))?,
+        };
+        let window = read_window(v)?;
+        let layers = read_layer_types(v, n_layer)?;
+        let Some(w) = window.filter(|_| on) else { return Ok((None, None)) };
+        let layers = match layers {
+            Some(l) => l,
+            None => {
+                let from = match o.get("max_window_layers") {
+                    None | Some(Value::Null) => Self::MAX_WINDOW_LAYERS,
+                    Some(m) => {
+                        m.as_u64().ok_or_else(|| format!("max_window_layers = {m}: must be a non-negative integer"))?
+                            as usize
+                    }
+                };
+                (0..n_layer).map(|i| i >= from).collect()
             }
-        }
-        Ok(())
+        };
+        Ok((Some(w), Some(layers)))
     }
 
-    /// The keys as transformers writes them for `n_layer` full-attention layers.
-    pub fn off(n_layer: usize) -> Map<String, Value> {
+    /// The keys as transformers writes them for `cfg` (its window off when
+    /// it has none; `max_window_layers`: the leading layers without one).
+    pub fn written(cfg: &LlamaConfig) -> Map<String, Value> {
+        let n = cfg.n_layer;
         let mut m = Map::new();
-        m.insert("use_sliding_window".into(), Value::Bool(false));
-        m.insert("sliding_window".into(), Value::Null);
-        m.insert("max_window_layers".into(), Value::from(n_layer));
-        m.insert("layer_types".into(), Value::from(vec!["full_attention"; n_layer]));
+        m.insert("use_sliding_window".into(), Value::Bool(cfg.sliding_window.is_some()));
+        m.insert("sliding_window".into(), cfg.sliding_window.map_or(Value::Null, Value::from));
+        let leading_full = (0..n).find(|&i| cfg.window_of(i).is_some()).unwrap_or(n);
+        m.insert("max_window_layers".into(), Value::from(leading_full));
+        m.insert("layer_types".into(), layer_types(cfg));
         m
     }
 }

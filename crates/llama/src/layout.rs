@@ -163,8 +163,13 @@ pub struct LayerParams {
     /// `self_attn.q_norm.weight` and `self_attn.k_norm.weight` `[d]` (one
     /// gain for every query head, one for every key head), with `qk_norm`.
     pub qk_norm: Option<[Range<usize>; 2]>,
-    /// `post_attention_layernorm.weight` `[C]`.
+    /// The norm before the MLP `[C]`: `post_attention_layernorm.weight`
+    /// (Gemma's `pre_feedforward_layernorm.weight`).
     pub mlp_norm: Range<usize>,
+    /// Gemma's norms of the attention's and the MLP's outputs before they
+    /// join the residual `[C]` each: `post_attention_layernorm.weight` and
+    /// `post_feedforward_layernorm.weight`.
+    pub post_norms: Option<[Range<usize>; 2]>,
     /// LoRA adapters of the targeted projections, after the base tensors.
     pub lora: [Option<LoraRanges>; 7],
 }
@@ -188,7 +193,7 @@ impl LayerParams {
     /// The contiguous range the whole layer occupies.
     pub fn span(&self) -> Range<usize> {
         let end = self.lora.iter().flatten().map(|l| l.m.as_ref().map_or(l.b.end, |m| m.end)).max();
-        let end = end.unwrap_or(self.proj[6].end);
+        let end = end.unwrap_or(self.post_norms.as_ref().map_or(self.proj[6].end, |n| n[1].end));
         self.attn_norm.start..end
     }
 }
@@ -236,10 +241,14 @@ fn push_layer(cfg: &LlamaConfig, adapters: Option<Adapters>, packed_base: bool, 
         end = kn.end;
     }
     let o = proj_w(Proj::O, &mut end, push);
-    let mlp_norm = push("post_attention_layernorm.weight", &[c], false);
+    let gemma = cfg.gemma.is_some();
+    let post_attn = gemma.then(|| push("post_attention_layernorm.weight", &[c], false));
+    let mlp_norm =
+        push(if gemma { "pre_feedforward_layernorm.weight" } else { "post_attention_layernorm.weight" }, &[c], false);
     end = mlp_norm.end;
     let mlp = [Proj::Gate, Proj::Up, Proj::Down].map(|p| proj_w(p, &mut end, push));
     let [gate, up, down] = mlp;
+    let post_norms = post_attn.map(|a| [a, push("post_feedforward_layernorm.weight", &[c], false)]);
     let lora = Proj::ALL.map(|p| {
         let a = adapters.filter(|a| a.targets[p as usize])?;
         let [out, inp] = p.shape(cfg);
@@ -250,7 +259,7 @@ fn push_layer(cfg: &LlamaConfig, adapters: Option<Adapters>, packed_base: bool, 
             m: a.dora.then(|| push(&format!("{}.{}", p.path(), crate::dora::MAGNITUDE), &[out], false)),
         })
     });
-    LayerParams { attn_norm, proj: [q, k, v, o, gate, up, down], qkv_bias, qk_norm, mlp_norm, lora }
+    LayerParams { attn_norm, proj: [q, k, v, o, gate, up, down], qkv_bias, qk_norm, mlp_norm, post_norms, lora }
 }
 
 /// Element ranges of all parameters.

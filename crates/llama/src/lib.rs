@@ -25,8 +25,8 @@ pub mod registration;
 pub mod split;
 
 pub use block::ActSizes;
-pub use config::LlamaConfig;
 pub use config::RopeScaling;
+pub use config::{GemmaBlock, LlamaConfig};
 pub use error::LlamaError;
 pub use frozen::{FrozenBase, FrozenFormat};
 pub use layout::{LayerParams, LoraRanges, Proj};

@@ -121,7 +121,8 @@ fn layer<'a>(
     base: Option<&'a FrozenBase>,
 ) -> Layer<'a> {
     let pos = Positions { t: d.gqa.t, ids: pd.0 };
-    let visible = nn::flash::Visible::documents(pd.1).window(cfg.sliding_window);
+    // Each layer adds its own window (`LlamaConfig::window_of`).
+    let visible = nn::flash::Visible::documents(pd.1).scored(cfg.scores());
     Layer { cfg, r, rope, d, attn, pos, visible, base, at: Cell::new(0), drop: None }
 }
 
@@ -243,6 +244,13 @@ impl Llama {
             Some(l) => {
                 l.validate()?;
                 let targets = l.targets()?;
+                let onto_branch_end = targets[Proj::O as usize] || targets[Proj::Down as usize];
+                if l.use_dora && onto_branch_end && cfg.gemma.is_some() {
+                    return Err(LlamaError::lora(
+                        "use_dora",
+                        "on o_proj or down_proj is not supported where their output is normed before the residual (Gemma 2's post norms); target the other projections or set use_dora = false",
+                    ));
+                }
                 // The adapters' parameters and tensors count too.
                 let on = Proj::ALL.into_iter().filter(|&p| targets[p as usize]);
                 let per_layer: u128 = on.clone().map(|p| p.shape(&cfg).iter().map(|&d| d as u128).sum::<u128>()).sum();
@@ -527,6 +535,9 @@ impl Llama {
                 let x = &mut self.acts.stack.x;
                 let wte = &seg.params[self.ranges.embed.clone()];
                 nn::embed::embedding_forward(x, inputs, wte, None, Positions::rows(self.acts.t), c);
+                if let Some(s) = self.cfg.embed_scale() {
+                    x.iter_mut().for_each(|v| *v *= s);
+                }
             }
             store.done(0, false)?;
         } else {
@@ -552,7 +563,8 @@ impl Llama {
         {
             let seg = store.segment(norm_seg)?;
             let acts = &mut self.acts;
-            rmsnorm_forward(&mut acts.hf, &mut acts.rstd_f, &acts.stack.x, &seg.params[..c], c, d.eps);
+            let gains = self.cfg.gains(&seg.params[..c]);
+            rmsnorm_forward(&mut acts.hf, &mut acts.rstd_f, &acts.stack.x, &gains, c, d.eps);
         }
         if self.head_seg() != norm_seg {
             store.done(norm_seg, false)?;
@@ -575,6 +587,9 @@ impl Llama {
             head,
             parallelism(false).with(d.ops),
         );
+        if let Some(cap) = self.cfg.gemma.and_then(|g| g.final_softcap) {
+            nn::loss_terms::soft_cap(&mut self.acts.logits, cap as f32);
+        }
         Ok(())
     }
 
@@ -612,7 +627,7 @@ impl Llama {
             let gw = param_grad(grads.tensor(0..c));
             // stack.x is still the last layer's output.
             let saved = NormSaved { inp: &acts.stack.x, mean: &[], rstd: &acts.rstd_f };
-            rmsnorm_backward(dres, gw, dc, saved, &params[..c]);
+            rmsnorm_backward(dres, gw, dc, saved, &self.cfg.gains(&params[..c]));
         }
         store.done(norm_seg, true)?;
         Ok(())
@@ -639,7 +654,11 @@ impl Llama {
             let SegmentView { mut grads, .. } = store.segment(0)?;
             // The embedding's gradient is only ever added to.
             let g = grads.tensor(self.ranges.embed.clone()).map(GradOut::for_adding);
-            nn::embed::embedding_backward(g, None, &self.acts.stack.bufs[DRES], inputs, Positions::rows(t), c);
+            let dres = &mut self.acts.stack.bufs[DRES];
+            if let Some(s) = self.cfg.embed_scale() {
+                dres.iter_mut().for_each(|v| *v *= s);
+            }
+            nn::embed::embedding_backward(g, None, dres, inputs, Positions::rows(t), c);
         }
         store.done(0, true)?;
         Ok(())
@@ -666,8 +685,9 @@ impl Llama {
     fn cross_entropy(&mut self, batch: &TokenBatch, grad_scale: Option<f32>) -> (f64, f64) {
         let acts = &mut self.acts;
         let v = self.cfg.vocab_size;
-        let aux = nn::loss_terms::softmax_cross_entropy_with(
-            &mut acts.logits,
+        let cap = self.cfg.gemma.and_then(|g| g.final_softcap).map(|c| c as f32);
+        let aux = nn::loss_terms::capped_cross_entropy_with(
+            (&mut acts.logits, cap),
             &mut acts.losses,
             &batch.targets,
             v,

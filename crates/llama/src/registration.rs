@@ -11,9 +11,11 @@ use config::{FrozenDtype, ModelConfig};
 use engine::{Model, ParamLayout, Precision, TpRank};
 use family::{Build, Family, FrozenBytes, FrozenStorage, LanguageModel, Loaded, ModelError, Registration, Result};
 use nn::linear::PackFormat;
-use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+
+mod section;
+use section::Section;
 
 /// How one family built on the Llama block names itself and maps its
 /// `config.json`.
@@ -162,51 +164,6 @@ pub fn parse_lora(table: &toml::Table) -> Result<LoraConfig> {
     Ok(l)
 }
 
-/// The `[model]` keys of a family on the Llama block: single dimensions
-/// over the preset's.
-#[derive(Debug, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Section {
-    n_layer: Option<usize>,
-    n_head: Option<usize>,
-    n_embd: Option<usize>,
-    block_size: Option<usize>,
-    vocab_size: Option<usize>,
-    n_kv_head: Option<usize>,
-    intermediate_size: Option<usize>,
-    rope_theta: Option<f64>,
-    tie_word_embeddings: Option<bool>,
-    rms_norm_eps: Option<f64>,
-    /// Width of one head (default: n_embd / n_head, or the preset's own
-    /// when neither is overridden and the preset sets another).
-    head_dim: Option<usize>,
-    bos_token_id: Option<u32>,
-    eos_token_id: Option<Vec<u32>>,
-    /// Llama 3's RoPE scaling (an inline table: factor, low_freq_factor,
-    /// high_freq_factor, original_max_position_embeddings).
-    rope_scaling: Option<crate::config::RopeScaling>,
-    /// Sliding-window attention over the latest `w` keys; 0: none.
-    sliding_window: Option<usize>,
-}
-
-const KEYS: &[&str] = &[
-    "n_layer",
-    "n_head",
-    "n_embd",
-    "block_size",
-    "vocab_size",
-    "n_kv_head",
-    "intermediate_size",
-    "rope_theta",
-    "tie_word_embeddings",
-    "rms_norm_eps",
-    "head_dim",
-    "bos_token_id",
-    "eos_token_id",
-    "rope_scaling",
-    "sliding_window",
-];
-
 /// A family on the Llama block at one shape, optionally with LoRA adapters
 /// on a frozen base.
 #[derive(Debug, Clone)]
@@ -347,37 +304,6 @@ impl LlamaFamily {
             false => Ok(()),
         }
     }
-
-    /// The preset with single dimensions overridden.
-    fn from_config(dialect: &'static dyn Dialect, m: &ModelConfig, lora: Option<LoraConfig>) -> Result<Self> {
-        let base = dialect.preset(m.base_preset()).map_err(|e| format!("model.preset: {e}"))?;
-        let s: Section = family::parse_section(dialect.family(), KEYS, &m.shape)?;
-        let hidden = s.n_embd.unwrap_or(base.hidden_size);
-        let n_head = s.n_head.unwrap_or(base.n_head);
-        let cfg = LlamaConfig {
-            vocab_size: s.vocab_size.unwrap_or(base.vocab_size),
-            hidden_size: hidden,
-            intermediate_size: s.intermediate_size.unwrap_or(base.intermediate_size),
-            n_layer: s.n_layer.unwrap_or(base.n_layer),
-            n_head,
-            n_kv_head: s.n_kv_head.unwrap_or(base.n_kv_head),
-            head_dim: s.head_dim.unwrap_or(match (s.n_embd, s.n_head) {
-                (None, None) => base.head_dim,
-                _ => hidden.checked_div(n_head).unwrap_or(0),
-            }),
-            rms_norm_eps: s.rms_norm_eps.unwrap_or(base.rms_norm_eps),
-            rope_theta: s.rope_theta.unwrap_or(base.rope_theta),
-            max_position_embeddings: s.block_size.unwrap_or(base.max_position_embeddings),
-            tie_word_embeddings: s.tie_word_embeddings.unwrap_or(base.tie_word_embeddings),
-            bos_token_id: s.bos_token_id.or(base.bos_token_id),
-            eos_token_id: s.eos_token_id.unwrap_or(base.eos_token_id),
-            rope_scaling: s.rope_scaling.or(base.rope_scaling),
-            sliding_window: s.sliding_window.map_or(base.sliding_window, |w| (w > 0).then_some(w)),
-            ..base
-        };
-        cfg.validate()?;
-        Self::new(dialect, cfg, lora)
-    }
 }
 
 impl Family for LlamaFamily {
@@ -402,6 +328,14 @@ impl Family for LlamaFamily {
         }
         if let Some(w) = c.sliding_window {
             attn += &format!(", window {w}");
+            let windowed = (0..c.n_layer).filter(|&i| c.window_of(i).is_some()).count();
+            if windowed < c.n_layer {
+                attn += &format!(" on {windowed} of {} layers", c.n_layer);
+            }
+        }
+        if let Some(g) = &c.gemma {
+            let cap = |x: Option<f64>| x.map_or("none".to_string(), |x| x.to_string());
+            attn += &format!(", soft caps {} / {}", cap(g.attn_softcap), cap(g.final_softcap));
         }
         format!(
             "{} layers, d={}, {} heads / {} KV heads{attn}, FFN {}{}{rank}",
@@ -653,71 +587,9 @@ impl Family for LlamaFamily {
     }
 
     fn pin_shape(&self, m: &mut ModelConfig) {
-        let c = &self.cfg;
-        let s = Section {
-            n_layer: Some(c.n_layer),
-            n_head: Some(c.n_head),
-            n_embd: Some(c.hidden_size),
-            block_size: Some(c.max_position_embeddings),
-            vocab_size: Some(c.vocab_size),
-            n_kv_head: Some(c.n_kv_head),
-            intermediate_size: Some(c.intermediate_size),
-            rope_theta: Some(c.rope_theta),
-            tie_word_embeddings: Some(c.tie_word_embeddings),
-            rms_norm_eps: Some(c.rms_norm_eps),
-            // Pinned only where it is not n_embd / n_head (which it defaults to).
-            head_dim: (c.head_dim * c.n_head != c.hidden_size).then_some(c.head_dim),
-            bos_token_id: c.bos_token_id,
-            eos_token_id: Some(c.eos_token_id.clone()),
-            rope_scaling: c.rope_scaling,
-            // 0 (none) pinned only where the preset has a window.
-            sliding_window: match (
-                c.sliding_window,
-                self.dialect.preset(m.base_preset()).ok().and_then(|b| b.sliding_window),
-            ) {
-                (Some(w), _) => Some(w),
-                (None, Some(_)) => Some(0),
-                (None, None) => None,
-            },
-        };
-        family::pin_section(m, self.dialect.family(), &s);
+        let preset_window = self.dialect.preset(m.base_preset()).ok().and_then(|b| b.sliding_window);
+        family::pin_section(m, self.dialect.family(), &Section::pinned(&self.cfg, preset_window));
     }
 }
 
 family::text_model!(Llama, LlamaError);
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn lora_section_parses_with_peft_s_alpha_and_names_bad_keys() {
-        let t: toml::Table = toml::from_str("r = 4\ntarget_modules = [\"q_proj\"]").unwrap_or_default();
-        assert_eq!(parse_lora(&t).map(|l| l.alpha).ok(), Some(8.0), "PEFT's lora_alpha default");
-        let t: toml::Table = toml::from_str("r = 4\nrank = 2\ntarget_modules = [\"q_proj\"]").unwrap_or_default();
-        let e = parse_lora(&t).err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(e.contains("[lora]") && e.contains("rank"), "{e}");
-    }
-
-    #[test]
-    fn shape_round_trips_through_the_model_section() {
-        let mut m = ModelConfig { family: "llama".into(), preset: Some("tiny".into()), ..ModelConfig::default() };
-        m.shape.insert("n_layer".into(), toml::Value::Integer(3));
-        m.shape.insert("rope_theta".into(), toml::Value::Integer(500000));
-        let scaling: toml::Table = toml::from_str(
-            "factor = 8\nlow_freq_factor = 1\nhigh_freq_factor = 4\noriginal_max_position_embeddings = 64",
-        )
-        .unwrap_or_default();
-        m.shape.insert("rope_scaling".into(), toml::Value::Table(scaling));
-        let f = LlamaFamily::from_config(&LLAMA, &m, None).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!((f.cfg.n_layer, f.cfg.rope_theta), (3, 500000.0));
-        assert_eq!(f.cfg.rope_scaling.map(|s| (s.factor, s.original_max_position_embeddings)), Some((8.0, 64)));
-        // (Pinned onto the same preset: a preset's bos_token_id shows through
-        // a pinned shape without one, as `[model]` cannot write "none".)
-        let mut pinned = ModelConfig { preset: Some("tiny".into()), ..ModelConfig::default() };
-        f.pin_shape(&mut pinned);
-        assert_eq!(pinned.family, "llama");
-        let g = LlamaFamily::from_config(&LLAMA, &pinned, None).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(f.hf_config(), g.hf_config());
-    }
-}

@@ -29,6 +29,8 @@ fn cfg() -> LlamaConfig {
         rope_scaling: None,
         qk_norm: false,
         sliding_window: None,
+        sliding_layers: None,
+        gemma: None,
     }
 }
 

@@ -41,6 +41,8 @@ fn tiny_gqa() -> LlamaConfig {
         rope_scaling: None,
         qk_norm: false,
         sliding_window: None,
+        sliding_layers: None,
+        gemma: None,
     }
 }
 

@@ -13,7 +13,7 @@
 //! `llama` crate's and `nn`'s.
 
 use family::Result;
-use llama::dialect::{object, read_as_llama, written_as};
+use llama::dialect::{read_as_llama, read_window, written_as};
 use llama::{Dialect, LlamaConfig, Registered};
 use serde_json::Value;
 
@@ -86,13 +86,7 @@ impl Dialect for MistralDialect {
     /// Reads transformers' `MistralConfig`: the Llama keys (with
     /// `head_dim`) and `sliding_window` (null: none).
     fn parse_hf_json(&self, v: &Value) -> Result<LlamaConfig> {
-        let sliding_window = match object(v)?.get("sliding_window") {
-            None | Some(Value::Null) => None,
-            Some(w) => match w.as_u64() {
-                Some(w) if w > 0 => Some(w as usize),
-                _ => return Err(format!("sliding_window = {w}: must be a positive integer or null").into()),
-            },
-        };
+        let sliding_window = read_window(v)?;
         let what = "Mistral config.json (read as the Llama block with a sliding window)";
         Ok(LlamaConfig { sliding_window, ..read_as_llama(v, "mistral", &["sliding_window"], what)? })
     }

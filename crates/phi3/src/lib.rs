@@ -20,7 +20,7 @@
 //! own converter's files for Phi-3-mini-4k are the same).
 
 use family::Result;
-use llama::dialect::{object, read_as_llama, written_as};
+use llama::dialect::{object, read_as_llama, read_window, written_as};
 use llama::export::GgufArch;
 use llama::layout::{Fused, QKV_AND_GATE_UP};
 use llama::{Dialect, LlamaConfig, Registered};
@@ -115,13 +115,7 @@ impl Dialect for Phi3Dialect {
             )
             .into());
         }
-        let sliding_window = match o.get("sliding_window") {
-            None | Some(Value::Null) => None,
-            Some(w) => match w.as_u64() {
-                Some(w) if w > 0 => Some(w as usize),
-                _ => return Err(format!("sliding_window = {w}: must be a positive integer or null").into()),
-            },
-        };
+        let sliding_window = read_window(v)?;
         let what = "Phi-3 config.json (read as the Llama block with fused weights and a sliding window)";
         Ok(LlamaConfig { sliding_window, ..read_as_llama(v, "phi3", &OWN, what)? })
     }

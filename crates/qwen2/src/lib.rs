@@ -78,18 +78,20 @@ impl Dialect for Qwen2Dialect {
     }
 
     /// Reads transformers' `Qwen2Config`: the Llama keys, with the q/k/v
-    /// biases implied and sliding-window attention refused (not implemented:
-    /// a model that uses it would compute something else).
+    /// biases implied and the windows of [`QwenWindows::read`].
     fn parse_hf_json(&self, v: &Value) -> Result<LlamaConfig> {
-        QwenWindows::refuse_windows(v)?;
         let what = "Qwen2 config.json (read as the Llama block with q/k/v biases)";
-        Ok(qwen2_block(read_as_llama(v, "qwen2", &QwenWindows::KEYS, what)?))
+        let base = qwen2_block(read_as_llama(v, "qwen2", &QwenWindows::KEYS, what)?);
+        let (sliding_window, sliding_layers) = QwenWindows::read(v, base.n_layer)?;
+        let cfg = LlamaConfig { sliding_window, sliding_layers, ..base };
+        cfg.validate()?;
+        Ok(cfg)
     }
 
     /// transformers' `Qwen2Config` for `Qwen2ForCausalLM`.
     fn hf_json(&self, cfg: &LlamaConfig) -> Value {
         let drop = ["attention_bias", "mlp_bias", "pretraining_tp", "head_dim"];
-        written_as(cfg, ("Qwen2ForCausalLM", "qwen2"), &drop, QwenWindows::off(cfg.n_layer))
+        written_as(cfg, ("Qwen2ForCausalLM", "qwen2"), &drop, QwenWindows::written(cfg))
     }
 
     fn gguf_arch(&self) -> Option<llama::export::GgufArch> {
@@ -113,13 +115,22 @@ mod tests {
     }
 
     #[test]
-    fn config_json_round_trips_and_refuses_sliding_windows() {
+    fn config_json_round_trips_with_and_without_windows() {
         let cfg = QWEN2.preset("qwen2-7b").unwrap_or_else(|e| panic!("{e}"));
         let json = QWEN2.hf_json(&cfg);
         assert_eq!(json["model_type"], "qwen2");
         assert_eq!(QWEN2.parse_hf_json(&json).unwrap_or_else(|e| panic!("{e}")), cfg);
-        let mut sliding = json.clone();
+        // Qwen2-7B's own file: a window that use_sliding_window leaves off.
+        let mut off = json.clone();
+        off["sliding_window"] = Value::from(131072);
+        assert_eq!(QWEN2.parse_hf_json(&off).unwrap_or_else(|e| panic!("{e}")), cfg);
+        let mut sliding = off;
         sliding["use_sliding_window"] = Value::Bool(true);
+        sliding["layer_types"] = Value::from([vec!["full_attention"; 27], vec!["sliding_attention"]].concat());
+        let windowed = QWEN2.parse_hf_json(&sliding).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((windowed.window_of(26), windowed.window_of(27)), (None, Some(131072)));
+        assert_eq!(QWEN2.parse_hf_json(&QWEN2.hf_json(&windowed)).unwrap_or_else(|e| panic!("{e}")), windowed);
+        sliding["use_sliding_window"] = Value::from(1);
         let e = QWEN2.parse_hf_json(&sliding).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("use_sliding_window"), "{e}");
         let mut llama = json;

@@ -85,18 +85,21 @@ impl Dialect for Qwen3Dialect {
     }
 
     /// Reads transformers' `Qwen3Config`: the Llama keys (with `head_dim`),
-    /// the q/k norms implied; sliding-window attention and
+    /// the q/k norms implied, the windows of [`QwenWindows::read`];
     /// `attention_bias` (which in Qwen3 also puts a bias on o_proj) refused
-    /// — not implemented: a model that uses them would compute something else.
+    /// — not implemented: a model that uses it would compute something else.
     fn parse_hf_json(&self, v: &Value) -> Result<LlamaConfig> {
-        QwenWindows::refuse_windows(v)?;
         let what = "Qwen3 config.json (read as the Llama block with per-head q/k norms)";
-        Ok(qwen3_block(read_as_llama(v, "qwen3", &QwenWindows::KEYS, what)?))
+        let base = qwen3_block(read_as_llama(v, "qwen3", &QwenWindows::KEYS, what)?);
+        let (sliding_window, sliding_layers) = QwenWindows::read(v, base.n_layer)?;
+        let cfg = LlamaConfig { sliding_window, sliding_layers, ..base };
+        cfg.validate()?;
+        Ok(cfg)
     }
 
     /// transformers' `Qwen3Config` for `Qwen3ForCausalLM`.
     fn hf_json(&self, cfg: &LlamaConfig) -> Value {
-        written_as(cfg, ("Qwen3ForCausalLM", "qwen3"), &["mlp_bias", "pretraining_tp"], QwenWindows::off(cfg.n_layer))
+        written_as(cfg, ("Qwen3ForCausalLM", "qwen3"), &["mlp_bias", "pretraining_tp"], QwenWindows::written(cfg))
     }
 
     fn gguf_arch(&self) -> Option<llama::export::GgufArch> {
@@ -145,8 +148,23 @@ mod tests {
             j[key] = val;
             QWEN3.parse_hf_json(&j).err().map(|e| e.to_string()).unwrap_or_default()
         };
-        assert!(refused("use_sliding_window", Value::Bool(true)).contains("use_sliding_window"));
-        assert!(refused("layer_types", serde_json::json!(["sliding_attention"])).contains("sliding_attention"));
+        assert!(refused("use_sliding_window", Value::from("yes")).contains("use_sliding_window"));
+        assert!(refused("layer_types", serde_json::json!(["sliding_attention"])).contains("layer_types"));
+        // Windows on the layers from max_window_layers on, read and written back.
+        let mut windows = json.clone();
+        windows["use_sliding_window"] = Value::Bool(true);
+        windows["sliding_window"] = Value::from(4096);
+        windows["max_window_layers"] = Value::from(20);
+        windows.as_object_mut().map(|o| o.remove("layer_types"));
+        let cfg = QWEN3.parse_hf_json(&windows).unwrap_or_else(|e| panic!("{e}"));
+        let on: Vec<usize> = (0..cfg.n_layer).filter(|&i| cfg.window_of(i) == Some(4096)).collect();
+        assert_eq!(on, (20..28).collect::<Vec<_>>());
+        let back = QWEN3.hf_json(&cfg);
+        assert_eq!(
+            (back["max_window_layers"].as_u64(), back["layer_types"][20].as_str()),
+            (Some(20), Some("sliding_attention"))
+        );
+        assert_eq!(QWEN3.parse_hf_json(&back).unwrap_or_else(|e| panic!("{e}")), cfg);
         assert!(refused("attention_bias", Value::Bool(true)).contains("attention_bias"));
         assert!(refused("model_type", Value::from("qwen2")).contains("qwen2"));
     }

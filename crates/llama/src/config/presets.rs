@@ -31,6 +31,8 @@ impl LlamaConfig {
                 rope_scaling: None,
                 qk_norm: false,
                 sliding_window: None,
+                sliding_layers: None,
+                gemma: None,
             },
             "smollm2-135m" => LlamaConfig {
                 vocab_size: 49152,
@@ -50,6 +52,8 @@ impl LlamaConfig {
                 rope_scaling: None,
                 qk_norm: false,
                 sliding_window: None,
+                sliding_layers: None,
+                gemma: None,
             },
             // Llama 2's shapes, for planning (`macrobatch plan`): too large
             // to train here, never allocated by a plan.
@@ -118,6 +122,8 @@ impl LlamaConfig {
             rope_scaling: None,
             qk_norm: false,
             sliding_window: None,
+            sliding_layers: None,
+            gemma: None,
         }
     }
 }

@@ -19,7 +19,11 @@ impl Llama {
         let positions = positions.min(self.cfg.max_position_embeddings);
         self.kv = match positions {
             0 => None,
-            _ => Some(KvCache::new(self.cfg.n_layer, positions, self.cfg.kv_dim())?.window(self.cfg.sliding_window)),
+            _ => {
+                let windows: Vec<_> = (0..self.cfg.n_layer).map(|i| self.cfg.window_of(i)).collect();
+                let kv = KvCache::new(self.cfg.n_layer, positions, self.cfg.kv_dim())?;
+                Some(kv.layer_windows(&windows).scored(self.cfg.scores()))
+            }
         };
         Ok(())
     }

@@ -32,6 +32,8 @@ pub fn tiny_gqa() -> LlamaConfig {
         rope_scaling: None,
         qk_norm: false,
         sliding_window: None,
+        sliding_layers: None,
+        gemma: None,
     }
 }
 
