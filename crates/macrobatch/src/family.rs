@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 /// Every family the binary knows, each registered once by its crate.
 pub static FAMILIES: &[&dyn Registration] =
-    &[&gpt::FAMILY, &llama::FAMILY, &qwen2::FAMILY, &qwen3::FAMILY, &mistral::FAMILY, &phi3::FAMILY];
+    &[&gpt::FAMILY, &llama::FAMILY, &qwen2::FAMILY, &qwen3::FAMILY, &mistral::FAMILY, &phi3::FAMILY, &gemma2::FAMILY];
 
 /// The names `model.family` may take, for messages.
 fn known() -> String {

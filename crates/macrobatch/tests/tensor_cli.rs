@@ -197,6 +197,16 @@ fn mistral_with_a_sliding_window_at_two_tensor_ranks_equals_one_rank() {
 }
 
 #[test]
+fn gemma2_with_post_norms_caps_and_alternating_windows_at_two_tensor_ranks_equals_one_rank() {
+    // Three layers: the preset's pattern repeated, windows of 5 on layers 0
+    // and 2. The post norms run on the summed row-parallel outputs, their
+    // gains whole on every rank; scores and logits soft-capped.
+    let gemma2: Vec<&str> =
+        [&["model.family=gemma2", "model.sliding_window=5"], &LLAMA[1..], &["model.n_layer=3"]].concat();
+    equals_one_rank("gemma2", &gemma2, &[], &[2], (TOL, TOL_WEIGHTS));
+}
+
+#[test]
 fn data_by_tensor_by_pipeline_on_eight_thread_ranks_equals_one_rank() {
     three_d_equals_one_rank("gpt", GPT, &[]);
     // ZeRO-1 over the data group composes with both splits.

@@ -30,7 +30,7 @@ fn the_binary_names_a_model_family_only_in_its_registry() {
         let text = std::fs::read_to_string(f).expect("a source file");
         for (i, line) in text.lines().enumerate() {
             let code = line.split("//").next().unwrap_or("");
-            for name in ["gpt::", "llama::", "qwen2::", "qwen3::", "mistral::", "phi3::"] {
+            for name in ["gpt::", "llama::", "qwen2::", "qwen3::", "mistral::", "phi3::", "gemma2::"] {
                 // `nn::…` or `family::…` paths may contain these as a suffix.
                 let starts_a_path = code
                     .match_indices(name)
