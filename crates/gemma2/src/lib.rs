@@ -15,7 +15,7 @@
 
 use family::Result;
 use llama::dialect::{layer_types, object, read_as_llama, read_layer_types, read_window, written_as};
-use llama::{Dialect, GemmaBlock, LlamaConfig, Registered};
+use llama::{Dialect, GemmaBlock, LlamaConfig, Names, Registered};
 use serde_json::Value;
 
 /// Gemma 2's `config.json` dialect and presets.
@@ -49,16 +49,8 @@ const OWN: [&str; 10] = [
 const ACT: &str = "gelu_pytorch_tanh";
 
 impl Dialect for Gemma2Dialect {
-    fn family(&self) -> &'static str {
-        "gemma2"
-    }
-
-    fn name(&self) -> &'static str {
-        "Gemma 2"
-    }
-
-    fn presets(&self) -> &'static [&'static str] {
-        PRESETS
+    fn names(&self) -> Names {
+        Names { family: "gemma2", name: "Gemma 2", presets: PRESETS }
     }
 
     fn preset(&self, name: &str) -> Result<LlamaConfig> {

@@ -32,4 +32,4 @@ pub use frozen::{FrozenBase, FrozenFormat};
 pub use layout::{LayerParams, LoraRanges, Proj};
 pub use lora::{Adapter, LoraConfig};
 pub use model::{Llama, TokenBatch, IGNORE_INDEX};
-pub use registration::{Dialect, LlamaFamily, Registered, FAMILY, LLAMA};
+pub use registration::{Dialect, LlamaFamily, Names, Registered, FAMILY, LLAMA};

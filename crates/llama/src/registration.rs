@@ -20,12 +20,20 @@ use section::Section;
 /// How one family built on the Llama block names itself and maps its
 /// `config.json`.
 pub trait Dialect: Sync + std::fmt::Debug {
+    /// The family's names and presets.
+    fn names(&self) -> Names;
     /// `model.family` and `config.json`'s `model_type` (`llama`).
-    fn family(&self) -> &'static str;
+    fn family(&self) -> &'static str {
+        self.names().family
+    }
     /// Human name (`Llama`).
-    fn name(&self) -> &'static str;
+    fn name(&self) -> &'static str {
+        self.names().name
+    }
     /// The presets `model.preset` may name.
-    fn presets(&self) -> &'static [&'static str];
+    fn presets(&self) -> &'static [&'static str] {
+        self.names().presets
+    }
     /// The shape of a preset.
     fn preset(&self, name: &str) -> Result<LlamaConfig>;
     /// The shape a `config.json` of this family describes.
@@ -47,6 +55,17 @@ pub trait Dialect: Sync + std::fmt::Debug {
     }
 }
 
+/// How a dialect names itself: [`Dialect::names`].
+#[derive(Debug, Clone, Copy)]
+pub struct Names {
+    /// `model.family` and `config.json`'s `model_type` (`llama`).
+    pub family: &'static str,
+    /// Human name (`Llama`).
+    pub name: &'static str,
+    /// The presets `model.preset` may name.
+    pub presets: &'static [&'static str],
+}
+
 /// Llama itself (SmolLM2, Llama 2 shapes).
 #[derive(Debug)]
 pub struct LlamaDialect;
@@ -59,16 +78,8 @@ pub static LLAMA: LlamaDialect = LlamaDialect;
 pub static FAMILY: Registered = Registered(&LLAMA);
 
 impl Dialect for LlamaDialect {
-    fn family(&self) -> &'static str {
-        "llama"
-    }
-
-    fn name(&self) -> &'static str {
-        "Llama"
-    }
-
-    fn presets(&self) -> &'static [&'static str] {
-        crate::config::PRESETS
+    fn names(&self) -> Names {
+        Names { family: "llama", name: "Llama", presets: crate::config::PRESETS }
     }
 
     fn preset(&self, name: &str) -> Result<LlamaConfig> {

@@ -14,7 +14,7 @@
 
 use family::Result;
 use llama::dialect::{read_as_llama, read_window, written_as};
-use llama::{Dialect, LlamaConfig, Registered};
+use llama::{Dialect, LlamaConfig, Names, Registered};
 use serde_json::Value;
 
 /// Mistral's `config.json` dialect and presets.
@@ -31,16 +31,8 @@ pub static FAMILY: Registered = Registered(&MISTRAL);
 pub const PRESETS: &[&str] = &["tiny", "mistral-7b-v0.1", "mistral-7b-v0.3", "mistral-nemo-12b"];
 
 impl Dialect for MistralDialect {
-    fn family(&self) -> &'static str {
-        "mistral"
-    }
-
-    fn name(&self) -> &'static str {
-        "Mistral"
-    }
-
-    fn presets(&self) -> &'static [&'static str] {
-        PRESETS
+    fn names(&self) -> Names {
+        Names { family: "mistral", name: "Mistral", presets: PRESETS }
     }
 
     fn preset(&self, name: &str) -> Result<LlamaConfig> {

@@ -23,7 +23,7 @@ use family::Result;
 use llama::dialect::{object, read_as_llama, read_window, written_as};
 use llama::export::GgufArch;
 use llama::layout::{Fused, QKV_AND_GATE_UP};
-use llama::{Dialect, LlamaConfig, Registered};
+use llama::{Dialect, LlamaConfig, Names, Registered};
 use serde_json::Value;
 
 /// Phi-3's `config.json` dialect and presets.
@@ -50,16 +50,8 @@ const OWN: [&str; 6] = [
 ];
 
 impl Dialect for Phi3Dialect {
-    fn family(&self) -> &'static str {
-        "phi3"
-    }
-
-    fn name(&self) -> &'static str {
-        "Phi-3"
-    }
-
-    fn presets(&self) -> &'static [&'static str] {
-        PRESETS
+    fn names(&self) -> Names {
+        Names { family: "phi3", name: "Phi-3", presets: PRESETS }
     }
 
     fn preset(&self, name: &str) -> Result<LlamaConfig> {

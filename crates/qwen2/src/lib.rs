@@ -10,7 +10,7 @@
 
 use family::Result;
 use llama::dialect::{read_as_llama, written_as, QwenWindows};
-use llama::{Dialect, LlamaConfig, Registered};
+use llama::{Dialect, LlamaConfig, Names, Registered};
 use serde_json::Value;
 
 /// Qwen2's `config.json` dialect and presets.
@@ -32,16 +32,8 @@ fn qwen2_block(cfg: LlamaConfig) -> LlamaConfig {
 }
 
 impl Dialect for Qwen2Dialect {
-    fn family(&self) -> &'static str {
-        "qwen2"
-    }
-
-    fn name(&self) -> &'static str {
-        "Qwen2"
-    }
-
-    fn presets(&self) -> &'static [&'static str] {
-        PRESETS
+    fn names(&self) -> Names {
+        Names { family: "qwen2", name: "Qwen2", presets: PRESETS }
     }
 
     fn preset(&self, name: &str) -> Result<LlamaConfig> {

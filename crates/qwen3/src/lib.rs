@@ -13,7 +13,7 @@
 
 use family::Result;
 use llama::dialect::{read_as_llama, written_as, QwenWindows};
-use llama::{Dialect, LlamaConfig, Registered};
+use llama::{Dialect, LlamaConfig, Names, Registered};
 use serde_json::Value;
 
 /// Qwen3's `config.json` dialect and presets.
@@ -35,16 +35,8 @@ fn qwen3_block(cfg: LlamaConfig) -> LlamaConfig {
 }
 
 impl Dialect for Qwen3Dialect {
-    fn family(&self) -> &'static str {
-        "qwen3"
-    }
-
-    fn name(&self) -> &'static str {
-        "Qwen3"
-    }
-
-    fn presets(&self) -> &'static [&'static str] {
-        PRESETS
+    fn names(&self) -> Names {
+        Names { family: "qwen3", name: "Qwen3", presets: PRESETS }
     }
 
     fn preset(&self, name: &str) -> Result<LlamaConfig> {
