@@ -101,23 +101,30 @@ pub struct GgufTensor<'a> {
     /// GGUF dimensions, fastest first: a row-major `[rows, cols]` matrix is
     /// `[cols, rows]`.
     pub ne: Vec<u64>,
-    /// The parameters it is made from.
-    pub source: &'a [f32],
+    /// The parameters it is made from (or values made for the file, such
+    /// as Llama 3's `rope_freqs`).
+    pub source: std::borrow::Cow<'a, [f32]>,
     /// How.
     pub layout: GgufLayout,
 }
 
 impl<'a> GgufTensor<'a> {
     /// A tensor of row-major `shape` (the reverse of `ne`) made from `source`.
-    pub fn new(name: impl Into<String>, shape: &[usize], source: &'a [f32], layout: GgufLayout) -> Self {
-        Self { name: name.into(), ne: shape.iter().rev().map(|&d| d as u64).collect(), source, layout }
+    pub fn new(
+        name: impl Into<String>,
+        shape: &[usize],
+        source: impl Into<std::borrow::Cow<'a, [f32]>>,
+        layout: GgufLayout,
+    ) -> Self {
+        let ne = shape.iter().rev().map(|&d| d as u64).collect();
+        Self { name: name.into(), ne, source: source.into(), layout }
     }
 
     /// The values in the file's order (row-major over `ne` reversed).
     pub fn values(&self) -> std::borrow::Cow<'a, [f32]> {
         let cols = self.ne.first().copied().unwrap_or(1) as usize;
         match self.layout {
-            GgufLayout::Same => std::borrow::Cow::Borrowed(self.source),
+            GgufLayout::Same => self.source.clone(),
             GgufLayout::PermuteRows { heads } => {
                 // [cols, rows] for a matrix, [rows] for a bias.
                 let rows = self.ne.get(1).or(self.ne.first()).copied().unwrap_or(1) as usize;

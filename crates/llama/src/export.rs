@@ -95,8 +95,9 @@ fn gguf_name(hf: &str) -> Option<String> {
 /// The model `cfg` with parameters `params` (in `layout`'s order, no LoRA
 /// adapters) as `arch` in a GGUF file, named `name` (`general.name`).
 /// Errors on adapters in the layout (merge them first), a parameter count
-/// that is not the layout's, and RoPE scaling (llama.cpp stores Llama 3's
-/// as a `rope_freqs` tensor this crate does not write).
+/// that is not the layout's, and RoPE scaling where the architecture has no
+/// `rope_freqs` tensor (llama.cpp's `llama` has: Llama 3's scaling is
+/// written there, as its converter writes it — [`rope_freqs`]).
 pub fn gguf_model<'a>(
     (arch, fused): (GgufArch, &[Fused]),
     name: &str,
@@ -105,9 +106,16 @@ pub fn gguf_model<'a>(
     params: &'a [f32],
 ) -> Result<GgufModel<'a>, LlamaError> {
     LlamaError::check_count("model", layout.n_params(), params.len())?;
-    if let Some(s) = &cfg.rope_scaling {
-        return Err(unsupported(format!("writing a GGUF file with RoPE scaling ({s:?})")));
-    }
+    let rope_freqs = match &cfg.rope_scaling {
+        None => None,
+        Some(_) if arch.name == "llama" => Some(rope_freqs(cfg)),
+        Some(s) => {
+            return Err(unsupported(format!(
+                "RoPE scaling ({s:?}): llama.cpp's `{}` architecture has no rope_freqs tensor to hold it",
+                arch.name
+            )))
+        }
+    };
     if let Some(w) = cfg.sliding_window.filter(|&w| w < cfg.max_position_embeddings && !arch.sliding_window) {
         return Err(unsupported(format!(
             "a sliding window of {w} keys: llama.cpp's `{}` architecture attends to every earlier key, so the file would compute something else past {w} tokens",
@@ -148,12 +156,75 @@ pub fn gguf_model<'a>(
         };
         tensors.push(GgufTensor::new(g, &shape, &params[range], how));
     }
+    if let Some(f) = rope_freqs {
+        tensors.push(GgufTensor::new("rope_freqs.weight", &[f.len()], f, GgufLayout::Same));
+    }
     Ok(GgufModel { metadata: metadata(arch, name, cfg)?, tensors })
+}
+
+/// Llama 3's RoPE scaling as llama.cpp holds it: one factor per rotated
+/// pair that its RoPE divides the plain frequency `θ^(−2i/d)` by (the
+/// `rope_freqs` tensor `convert_hf_to_gguf.py` writes), so llama.cpp
+/// rotates by the frequencies this model's RoPE uses
+/// ([`nn::rope::inv_freq`] with the scaling).
+pub fn rope_freqs(cfg: &LlamaConfig) -> Vec<f32> {
+    let plain = nn::rope::inv_freq(cfg.head_dim, cfg.rope_theta, None);
+    let scaled = nn::rope::inv_freq(cfg.head_dim, cfg.rope_theta, cfg.llama3_scaling().as_ref());
+    plain.iter().zip(&scaled).map(|(p, s)| p / s).collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Against transformers 5.25's Llama 3 frequencies (head width 16,
+    /// θ 10⁴, factor 8, low/high frequency factors 1 and 4, original
+    /// context 32: one pair in each band and the rest in the low one):
+    ///
+    /// ```text
+    /// cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_parameters={"rope_type": "llama3",
+    ///     "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    ///     "original_max_position_embeddings": 32})
+    /// inv, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    /// base = 1.0 / (1e4 ** (torch.arange(0, 16, 2).float() / 16))
+    /// (base / inv).tolist()  # [1.0, 3.29953932762146, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0]
+    /// ```
+    ///
+    /// Both are ratios of f32 frequencies: within 1e-6 relative (a band
+    /// edge one pair off moves a factor by ×2.4 or more). The tensor is
+    /// written for `llama`, and refused where the architecture has none.
+    #[test]
+    fn llama3_rope_scaling_is_written_as_rope_freqs() {
+        use engine::Model;
+        let scaling = crate::RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 32,
+        };
+        let cfg = LlamaConfig {
+            hidden_size: 64,
+            n_head: 4,
+            n_kv_head: 4,
+            head_dim: 16,
+            rope_theta: 1e4,
+            rope_scaling: Some(scaling),
+            ..LlamaConfig::preset("tiny").unwrap()
+        };
+        let want = [1.0, 3.299_539_3, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0];
+        let got = rope_freqs(&cfg);
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.iter().zip(want) {
+            assert!((g - w).abs() <= 1e-6 * w, "rope_freqs {got:?}, transformers {want:?}");
+        }
+        let model = crate::Llama::new(cfg.clone()).unwrap();
+        let params = model.init_params(1);
+        let file = gguf_model((GgufArch::plain("llama", true), &[]), "t", &cfg, model.layout(), &params).unwrap();
+        let t = file.tensors.iter().find(|t| t.name == "rope_freqs.weight").unwrap();
+        assert_eq!((t.ne.clone(), t.values().to_vec()), (vec![8], got));
+        let qwen2 = gguf_model((GgufArch::plain("qwen2", false), &[]), "t", &cfg, model.layout(), &params);
+        assert!(qwen2.err().is_some_and(|e| e.to_string().contains("rope_freqs")));
+    }
 
     #[test]
     fn names_cover_weights_and_qkv_biases() {
