@@ -9,7 +9,8 @@ Usage:
       IDS_JSON:   a file holding a JSON list of token ids (one sequence).
       OUT_JSON:   receives {"logits": [[V floats] per position],
                   "architecture": model.config.model_type}.
-  The model runs in float32 on the CPU, in eval mode, without a cache.
+  The model runs in float32 on the CPU, in eval mode, without a cache, with
+  eager attention (the reference arithmetic; Gemma 2's soft cap needs it).
   Exits non-zero (the error on stderr) when loading or running fails.
 Needs: torch, transformers (and gguf for .gguf files).
 """
@@ -24,8 +25,9 @@ from transformers import AutoModelForCausalLM
 def load(path: str):
     if path.endswith(".gguf"):
         folder, name = os.path.split(os.path.abspath(path))
-        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                    attn_implementation="eager")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
 
 
 def main() -> None:

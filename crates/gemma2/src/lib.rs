@@ -10,8 +10,10 @@
 //! sliding window on every other layer (transformers' `layer_types`:
 //! layer 0 windowed). This crate declares the presets and the
 //! `config.json` dialect (`model_type: "gemma2"`, `Gemma2ForCausalLM`) and
-//! registers as [`FAMILY`]. GGUF export is not written: llama.cpp's
-//! `gemma2` architecture names the post norms its own way.
+//! registers as [`FAMILY`]. GGUF export writes llama.cpp's `gemma2`
+//! architecture (gains stored as `1 + w`, the post norms by its names, the
+//! caps and window as its keys) where llama.cpp assumes what the model
+//! has: scores scaled by `1/√head_dim`, windows on the even layers.
 
 use family::Result;
 use llama::dialect::{layer_types, object, read_as_llama, read_layer_types, read_window, written_as};
@@ -144,6 +146,11 @@ impl Dialect for Gemma2Dialect {
         };
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    fn gguf_arch(&self) -> Option<llama::export::GgufArch> {
+        // llama.cpp's converter writes Gemma 2's Q and K rows as they are.
+        Some(llama::export::GgufArch { name: "gemma2", permute_qk: false, sliding_window: true })
     }
 
     /// transformers' `Gemma2Config` for `Gemma2ForCausalLM`.

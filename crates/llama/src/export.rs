@@ -8,7 +8,7 @@
 //! llama.cpp's converter does). The metadata is the architecture's
 //! (`{arch}.block_count`, …); the tokenizer's keys are added by the caller.
 
-use crate::layout::{fused_weight, stored_as, Fused};
+use crate::layout::{fused_weight, in_layer, stored_as, Fused};
 use crate::{LlamaConfig, LlamaError};
 use engine::ParamLayout;
 use family::{GgufLayout, GgufModel, GgufTensor};
@@ -75,9 +75,60 @@ fn metadata(arch: GgufArch, name: &str, cfg: &LlamaConfig) -> Result<Vec<(String
         let key = format!("{a}.attention.sliding_window");
         m.push((key.clone(), u32_of(&key, w)?));
     }
+    if let Some(g) = &cfg.gemma {
+        // Gemma 2's converter always writes the head width and the caps
+        // (`gemma_check` refuses a model without them).
+        if cfg.q_dim() == cfg.hidden_size {
+            for key in ["attention.key_length", "attention.value_length"] {
+                let key = format!("{a}.{key}");
+                m.push((key.clone(), u32_of(&key, cfg.head_dim)?));
+            }
+        }
+        for (key, cap) in [("attn_logit_softcapping", g.attn_softcap), ("final_logit_softcapping", g.final_softcap)] {
+            m.extend(cap.map(|c| (format!("{a}.{key}"), Value::F32(c as f32))));
+        }
+    }
     m.push((format!("{a}.rope.freq_base"), Value::F32(cfg.rope_theta as f32)));
     m.push((format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(cfg.rms_norm_eps as f32)));
     Ok(m)
+}
+
+/// What llama.cpp's `gemma2` assumes and cannot be told: scores scaled by
+/// `1/√head_dim` (by `1/√(hidden / heads)` in its 46-layer 27B), windows on
+/// the even layers, both soft caps.
+fn gemma_check(cfg: &LlamaConfig) -> Result<(), LlamaError> {
+    let Some(g) = &cfg.gemma else { return Ok(()) };
+    let its_scalar = if cfg.n_layer == 46 { cfg.hidden_size / cfg.n_head } else { cfg.head_dim };
+    if g.query_pre_attn_scalar != its_scalar as f64 {
+        return Err(unsupported(format!(
+            "query_pre_attn_scalar = {}: llama.cpp's gemma2 scales scores by 1/√{its_scalar} for this shape",
+            g.query_pre_attn_scalar
+        )));
+    }
+    if let Some(i) =
+        (0..cfg.n_layer).find(|&i| cfg.window_of(i).is_some() != (i % 2 == 0 && cfg.sliding_window.is_some()))
+    {
+        return Err(unsupported(format!("layer {i}'s window: llama.cpp's gemma2 windows the even layers only")));
+    }
+    if cfg.sliding_window.is_none() || g.attn_softcap.is_none() || g.final_softcap.is_none() {
+        return Err(unsupported("a Gemma 2 without its window or a soft cap: llama.cpp's gemma2 assumes them".into()));
+    }
+    Ok(())
+}
+
+/// llama.cpp's `gemma2` name of a norm's gain (`post_attention_layernorm`
+/// is the attention's post norm there, `pre_feedforward_layernorm` the
+/// MLP's `ffn_norm`).
+fn gemma_norm_name(hf: &str) -> Option<String> {
+    let (layer, rest) = in_layer(hf)?;
+    let g = match rest {
+        "input_layernorm.weight" => "attn_norm",
+        "post_attention_layernorm.weight" => "post_attention_norm",
+        "pre_feedforward_layernorm.weight" => "ffn_norm",
+        "post_feedforward_layernorm.weight" => "post_ffw_norm",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{g}.weight"))
 }
 
 /// llama.cpp's name of the layout tensor `hf` (a weight, or a q/k/v bias).
@@ -122,6 +173,7 @@ pub fn gguf_model<'a>(
             arch.name
         )));
     }
+    gemma_check(cfg)?;
     if let Some(t) = layout.tensors().iter().find(|t| t.name.contains(".lora_")) {
         return Err(unsupported(format!(
             "`{}` is a LoRA adapter: merge the adapters into the base before writing a GGUF file",
@@ -134,6 +186,7 @@ pub fn gguf_model<'a>(
     for (name, shape, range) in stored {
         let g = match fused_weight(&name, fused) {
             Some((layer, f)) => Some(format!("blk.{layer}.{}.weight", f.gguf)),
+            None if cfg.gemma.is_some() => gemma_norm_name(&name).or_else(|| gguf_name(&name)),
             None => gguf_name(&name),
         };
         let g = g.ok_or_else(|| unsupported(format!("`{name}` has no llama.cpp name")))?;
@@ -154,7 +207,13 @@ pub fn gguf_model<'a>(
         } else {
             GgufLayout::Same
         };
-        tensors.push(GgufTensor::new(g, &shape, &params[range], how));
+        if cfg.gemma.is_some() && name.ends_with("norm.weight") {
+            // Gemma's gains `1 + w`, as llama.cpp's converter stores them.
+            let gains = cfg.gains(&params[range]).into_owned();
+            tensors.push(GgufTensor::new(g, &shape, gains, how));
+        } else {
+            tensors.push(GgufTensor::new(g, &shape, &params[range], how));
+        }
     }
     if let Some(f) = rope_freqs {
         tensors.push(GgufTensor::new("rope_freqs.weight", &[f.len()], f, GgufLayout::Same));

@@ -93,7 +93,7 @@ pub fn fused_weight(name: &str, fused: &[Fused]) -> Option<(usize, Fused)> {
 }
 
 /// `(layer, rest)` of `model.layers.{layer}.{rest}`.
-fn in_layer(name: &str) -> Option<(usize, &str)> {
+pub(crate) fn in_layer(name: &str) -> Option<(usize, &str)> {
     let (layer, rest) = name.strip_prefix("model.layers.")?.split_once('.')?;
     Some((layer.parse().ok()?, rest))
 }
