@@ -93,7 +93,6 @@ pub mod error;
 pub mod layout;
 pub mod loss_terms;
 pub mod model;
-pub mod offload;
 pub mod optim;
 pub mod pipeline;
 pub mod precision;

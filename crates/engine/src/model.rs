@@ -130,3 +130,21 @@ impl<M: Model + ?Sized> Model for Box<M> {
         (**self).begin_step(step)
     }
 }
+
+/// A store over a model's own layout and segments (the model knows the
+/// store, the store does not know models).
+impl<'a> crate::store::FullStore<'a> {
+    /// [`crate::store::FullStore::new`] with `model`'s layout and segments.
+    pub fn for_model<M: Model>(
+        model: &M,
+        params: &'a [f32],
+        grads: &'a mut [f32],
+    ) -> Result<Self, crate::error::EngineError> {
+        Self::new(model.layout(), model.segments(), params, grads)
+    }
+
+    /// [`crate::store::FullStore::read_only`] with `model`'s layout and segments.
+    pub fn read_only_for<M: Model>(model: &M, params: &'a [f32]) -> Result<Self, crate::error::EngineError> {
+        Self::read_only(model.layout(), model.segments(), params)
+    }
+}

@@ -270,16 +270,6 @@ impl<'a> FullStore<'a> {
         Ok(Self { params, grads, space })
     }
 
-    /// [`FullStore::new`] with `model`'s layout and segments.
-    pub fn for_model<M: crate::Model>(model: &M, params: &'a [f32], grads: &'a mut [f32]) -> Result<Self, EngineError> {
-        Self::new(model.layout(), model.segments(), params, grads)
-    }
-
-    /// [`FullStore::read_only`] with `model`'s layout and segments.
-    pub fn read_only_for<M: crate::Model>(model: &M, params: &'a [f32]) -> Result<Self, EngineError> {
-        Self::read_only(model.layout(), model.segments(), params)
-    }
-
     /// Parameters only, for forward passes.
     pub fn read_only(
         layout: &ParamLayout,

@@ -26,7 +26,7 @@ pub use pipeline::PipelineStage;
 use crate::error::EngineError;
 use crate::layout::ParamLayout;
 use crate::model::Model;
-use crate::offload::OffloadedState;
+use crate::optim::offload::OffloadedState;
 use crate::optim::{Optimizer, CHUNK};
 use crate::precision::Precision;
 use crate::scaler::{LossScaler, LossScalerConfig};

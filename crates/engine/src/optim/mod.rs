@@ -18,6 +18,7 @@ pub mod adamw;
 pub mod adamw8bit;
 pub mod exact;
 pub mod lion;
+pub mod offload;
 mod optimizer;
 pub mod sgd;
 

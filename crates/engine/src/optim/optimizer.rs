@@ -8,7 +8,7 @@ use super::sgd::{sgd_apply, SgdStep};
 use super::{pieces, Adafactor, AdamW, AdamW8bit, Lion, Piece, Sgd, StateRuns, StateSize, SumOverRanks};
 use crate::error::EngineError;
 use crate::layout::ParamLayout;
-use crate::offload::OffloadedState;
+use crate::optim::offload::OffloadedState;
 use std::borrow::Cow;
 
 /// One update's constants, whichever optimizer streams its state.

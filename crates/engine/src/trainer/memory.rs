@@ -5,7 +5,7 @@
 use super::Trainer;
 use crate::error::EngineError;
 use crate::model::Model;
-use crate::offload::{window_len, WINDOW_ELEMS};
+use crate::optim::offload::{window_len, WINDOW_ELEMS};
 use crate::optim::StateSize;
 use crate::precision::Precision;
 use crate::store::GradSpace;

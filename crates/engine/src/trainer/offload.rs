@@ -2,7 +2,7 @@
 
 use super::Trainer;
 use crate::error::EngineError;
-use crate::offload::{OffloadedState, WINDOW_ELEMS};
+use crate::optim::offload::{OffloadedState, WINDOW_ELEMS};
 
 impl Trainer {
     /// Moves the optimizer state to files in `dir` (one per state slot,

@@ -2,8 +2,8 @@
 //! `exp_avg` / `exp_avg_sq`, SGD's `momentum_buffer`), streamed through
 //! fixed window buffers during the update (read a window, update, write it back).
 
+use super::CHUNK;
 use crate::error::EngineError;
-use crate::optim::CHUNK;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
