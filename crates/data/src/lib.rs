@@ -7,6 +7,7 @@ pub mod dataset;
 pub mod error;
 pub mod gguf_meta;
 pub mod mixture;
+pub mod order;
 pub mod preference;
 pub mod sampler;
 pub mod samples;
@@ -22,10 +23,11 @@ pub use dataset::{
     load_splits, n_val_tokens, open_token_file, text_files, text_of, Corpus, DataFormat, TextFiles, TokenDataset,
 };
 pub use error::DataError;
-pub use mixture::{Mixed, Mixture};
+pub use mixture::Mixture;
+pub use order::{EpochOrder, LAZY_ORDER_FROM};
 pub use preference::PairDataset;
-pub use sampler::{BatchShape, EpochOrder, Sampler, LAZY_ORDER_FROM};
-pub use samples::Samples;
+pub use sampler::{BatchShape, Sampler};
+pub use samples::{Mixed, Samples};
 pub use schemas::Schema;
 pub use sft::{Example, SftDataset, SftOptions, SftStats};
 pub use tabular::{Table, TableData};

@@ -1,6 +1,6 @@
-//! Several data sources as one (`data.sources`): their samples laid end to
-//! end ([`Mixed`]), and the epoch order that draws from them by weight
-//! ([`Mixture`]).
+//! Several data sources as one (`data.sources`): the epoch order that
+//! draws from them by weight ([`Mixture`]; their samples laid end to end
+//! are [`crate::Mixed`]).
 //!
 //! **An epoch of a mixture** is N = Σ nᵢ draws (nᵢ: source i's samples).
 //! Source i gets a quota qᵢ of them: N·wᵢ/Σw rounded by largest remainder
@@ -25,160 +25,13 @@
 //! given before a step, which checkpoints record.
 
 use crate::error::DataError;
-use crate::sampler::{order_of, EpochOrder};
-use crate::samples::Samples;
-use engine::batch::IGNORE_INDEX;
+use crate::order::{order_of, round_robin, EpochOrder};
 use engine::rng::SplitMix64;
-use engine::TokenBatch;
 
 /// Stream tag of the per-epoch source shuffle.
 const MIX_STREAM: u64 = 0x6d69_7865;
 /// Stream tag of the per-source seeds.
 const SOURCE_STREAM: u64 = 0x736f_7572;
-
-/// Samples of several sources laid end to end: index `starts[i] + j` is
-/// source i's sample j.
-#[derive(Debug, Clone)]
-pub struct Mixed {
-    parts: Vec<Samples>,
-    /// Where each part starts, and the total at the end.
-    starts: Vec<usize>,
-    /// A view's order of the global indices (validation interleaves its
-    /// sources so that any prefix holds each in proportion).
-    view: Option<Vec<usize>>,
-    pad_id: u32,
-}
-
-impl Mixed {
-    /// The parts end to end; `pad_id` fills rows shorter than the longest
-    /// of a micro-batch.
-    pub fn new(parts: Vec<Samples>, pad_id: u32) -> Self {
-        let mut starts = vec![0];
-        for p in &parts {
-            starts.push(starts[starts.len() - 1] + p.n_samples());
-        }
-        Self { parts, starts, view: None, pad_id }
-    }
-
-    /// The parts interleaved in proportion to their sizes (a smooth
-    /// round-robin), so that a prefix — what evaluation reads first — holds
-    /// every part in proportion.
-    pub fn interleaved(parts: Vec<Samples>, pad_id: u32) -> Self {
-        let mut m = Self::new(parts, pad_id);
-        let sizes: Vec<usize> = m.parts.iter().map(Samples::n_samples).collect();
-        let mut next = vec![0usize; sizes.len()];
-        let view = round_robin(&sizes)
-            .into_iter()
-            .map(|i| {
-                next[i] += 1;
-                m.starts[i] + next[i] - 1
-            })
-            .collect();
-        m.view = Some(view);
-        m
-    }
-
-    /// The parts.
-    pub fn parts(&self) -> &[Samples] {
-        &self.parts
-    }
-
-    /// Number of samples (all parts).
-    pub fn n_samples(&self) -> usize {
-        self.starts[self.parts.len()]
-    }
-
-    /// (part, sample within it) of index `i`.
-    pub fn locate(&self, i: usize) -> (usize, usize) {
-        let g = self.view.as_ref().map_or(i, |v| v[i]);
-        let part = self.starts.partition_point(|&s| s <= g) - 1;
-        (part, g - self.starts[part])
-    }
-
-    /// The source of every index in `indices`.
-    pub fn sources_of(&self, indices: &[usize]) -> Vec<usize> {
-        indices.iter().map(|&i| self.locate(i).0).collect()
-    }
-
-    /// The longest row any part gives.
-    pub fn seq_len(&self) -> usize {
-        self.parts.iter().map(Samples::seq_len).max().unwrap_or(1)
-    }
-
-    /// The micro-batch of `indices`: each row as its source makes it,
-    /// padded to the longest (pad id, targets ignored; where a row carries
-    /// positions, every row does, padding a document of its own).
-    pub fn batch(&self, indices: &[usize]) -> Result<TokenBatch, DataError> {
-        if indices.is_empty() {
-            return self.parts[0].batch(&[]);
-        }
-        let rows = indices
-            .iter()
-            .map(|&i| {
-                let (p, j) = self.locate(i);
-                self.parts[p].batch(&[j])
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let seq_len = rows.iter().map(|r| r.seq_len).max().unwrap_or(1);
-        let with_positions = rows.iter().any(|r| !r.positions.is_empty());
-        let n = rows.len() * seq_len;
-        let mut b = TokenBatch {
-            n_seqs: rows.len(),
-            seq_len,
-            inputs: Vec::with_capacity(n),
-            targets: Vec::with_capacity(n),
-            positions: Vec::with_capacity(if with_positions { n } else { 0 }),
-        };
-        for r in rows {
-            let pad = seq_len - r.seq_len;
-            b.inputs.extend(r.inputs.iter().copied().chain(std::iter::repeat_n(self.pad_id, pad)));
-            b.targets.extend(r.targets.iter().copied().chain(std::iter::repeat_n(IGNORE_INDEX, pad)));
-            if with_positions {
-                if r.positions.is_empty() {
-                    b.positions.extend(0..r.seq_len as u32);
-                } else {
-                    b.positions.extend_from_slice(&r.positions);
-                }
-                b.positions.extend(0..pad as u32);
-            }
-        }
-        Ok(b)
-    }
-
-    /// Positions [`Self::batch`]`(indices)` feeds the model, padding included.
-    pub fn input_positions(&self, indices: &[usize]) -> usize {
-        let row = |i: usize| {
-            let (p, j) = self.locate(i);
-            self.parts[p].input_positions(&[j])
-        };
-        indices.len() * indices.iter().map(|&i| row(i)).max().unwrap_or(0)
-    }
-}
-
-/// Each of `sizes.len()` parts `sizes[i]` times, in a smooth weighted
-/// round-robin: each slot goes to the part with the most credit (credit
-/// grows by its size per slot and shrinks by the total when it is chosen;
-/// ties to the lower index), so every prefix holds each part within one
-/// slot of its share.
-fn round_robin(sizes: &[usize]) -> Vec<usize> {
-    let total: usize = sizes.iter().sum();
-    let mut credit = vec![0i128; sizes.len()];
-    let mut out = Vec::with_capacity(total);
-    for _ in 0..total {
-        for (c, &s) in credit.iter_mut().zip(sizes) {
-            *c += s as i128;
-        }
-        let mut best = 0;
-        for (i, &c) in credit.iter().enumerate() {
-            if c > credit[best] {
-                best = i;
-            }
-        }
-        credit[best] -= total as i128;
-        out.push(best);
-    }
-    out
-}
 
 /// How a mixture draws from its sources (see the module docs).
 #[derive(Debug, Clone, PartialEq)]

@@ -9,7 +9,7 @@
 
 use crate::error::DataError;
 use crate::mixture::Mixture;
-use engine::rng::SplitMix64;
+use crate::order::{order_of, EpochOrder, LAZY_ORDER_FROM};
 use std::sync::Arc;
 
 /// How a global batch is factored.
@@ -30,13 +30,6 @@ impl BatchShape {
     }
 }
 
-/// From this many samples on, an epoch's shuffled order is computed index by
-/// index (a keyed permutation) instead of being held as a list: 8 bytes per
-/// sample would otherwise grow with the data (32 MiB for a 1 GiB u16 token
-/// file at T = 128). Below it the order is a Fisher–Yates shuffle, as it
-/// always was, so small data sets keep their orders.
-pub const LAZY_ORDER_FROM: usize = 1 << 20;
-
 /// Deterministic epoch orders and micro-batch windows.
 #[derive(Debug, Clone)]
 pub struct Sampler {
@@ -49,102 +42,6 @@ pub struct Sampler {
     /// Several sources drawn by weight (`data.sources`): the epoch order is
     /// the mixture's.
     mixture: Option<Arc<Mixture>>,
-}
-
-/// The sample order of one epoch.
-#[derive(Debug, Clone)]
-pub enum EpochOrder {
-    /// A list (small data sets, or no shuffling below [`LAZY_ORDER_FROM`]).
-    List(Vec<usize>),
-    /// `0, 1, 2, …` (no shuffling, large data sets).
-    Identity(usize),
-    /// A keyed permutation of `0..n`, computed per index.
-    Permuted(Permutation),
-}
-
-impl EpochOrder {
-    /// Number of samples.
-    pub fn len(&self) -> usize {
-        match self {
-            EpochOrder::List(v) => v.len(),
-            EpochOrder::Identity(n) => *n,
-            EpochOrder::Permuted(p) => p.n,
-        }
-    }
-
-    /// Whether the epoch has no samples.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The `i`-th sample of the epoch.
-    pub fn get(&self, i: usize) -> usize {
-        match self {
-            EpochOrder::List(v) => v[i],
-            EpochOrder::Identity(_) => i,
-            EpochOrder::Permuted(p) => p.apply(i),
-        }
-    }
-}
-
-/// A bijection of `0..n` from a key: a 4-round balanced Feistel network on
-/// the smallest even number of bits that holds `n`, walked until it lands
-/// inside `0..n` (a Feistel network is a bijection of its domain, and
-/// cycle-walking keeps one on the subset; the domain is < 4n, so a walk
-/// takes under 4 rounds on average).
-#[derive(Debug, Clone)]
-pub struct Permutation {
-    n: usize,
-    half_bits: u32,
-    keys: [u64; 4],
-}
-
-impl Permutation {
-    /// The permutation of `0..n` keyed by `rng`.
-    pub fn new(n: usize, rng: &mut SplitMix64) -> Self {
-        let bits = usize::BITS - n.saturating_sub(1).leading_zeros();
-        let half_bits = bits.div_ceil(2).max(1);
-        Self { n, half_bits, keys: [rng.next_u64(), rng.next_u64(), rng.next_u64(), rng.next_u64()] }
-    }
-
-    fn round(&self, x: u64, key: u64) -> u64 {
-        // SplitMix64's finaliser: every input bit moves every output bit.
-        let mut z = x ^ key;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Where index `i` (< n) goes.
-    pub fn apply(&self, i: usize) -> usize {
-        let mask = (1u64 << self.half_bits) - 1;
-        let mut x = i as u64;
-        loop {
-            let (mut l, mut r) = (x >> self.half_bits, x & mask);
-            for &k in &self.keys {
-                (l, r) = (r, l ^ (self.round(r, k) & mask));
-            }
-            x = (l << self.half_bits) | r;
-            if (x as usize) < self.n {
-                return x as usize;
-            }
-        }
-    }
-}
-
-/// The order of `epoch` over `n` samples: a permutation from (seed,
-/// epoch), or the identity without shuffling; computed per index from
-/// `lazy_from` samples on.
-pub(crate) fn order_of(n: usize, shuffle: bool, seed: u64, epoch: u64, lazy_from: usize) -> EpochOrder {
-    let mut rng = SplitMix64::derive(seed, &[0x5a3d, epoch]);
-    if n >= lazy_from {
-        return if shuffle { EpochOrder::Permuted(Permutation::new(n, &mut rng)) } else { EpochOrder::Identity(n) };
-    }
-    let mut order: Vec<usize> = (0..n).collect();
-    if shuffle {
-        rng.shuffle(&mut order);
-    }
-    EpochOrder::List(order)
 }
 
 impl Sampler {
@@ -252,6 +149,7 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use engine::rng::SplitMix64;
     use proptest::prelude::*;
     use std::collections::BTreeSet;
 

@@ -4,6 +4,7 @@
 use super::*;
 use crate::dataset::TokenDataset;
 use crate::sampler::{BatchShape, Sampler};
+use crate::samples::{Mixed, Samples};
 
 fn names(k: usize) -> Vec<String> {
     (0..k).map(|i| format!("s{i}")).collect()
