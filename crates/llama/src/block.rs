@@ -226,11 +226,6 @@ impl Layer<'_> {
         self.visible.window(self.cfg.window_of(self.at.get()))
     }
 
-    /// A norm's gains as the kernels take them ([`LlamaConfig::gains`]).
-    fn gains<'p>(&self, w: &'p [f32]) -> std::borrow::Cow<'p, [f32]> {
-        self.cfg.gains(w)
-    }
-
     /// Gemma's post norm `k` (0: the attention's, 1: the MLP's) of the
     /// branch output `z`, kept in `kept` with its 1/rms in `rstd`: `z`
     /// becomes `res + norm(z)` (`out` is scratch).
@@ -245,7 +240,7 @@ impl Layer<'_> {
     ) {
         let Some(norms) = &self.r.post_norms else { unreachable!("post norms without their gains") };
         kept.keep_copy(z, self.d.prec);
-        rmsnorm_forward(out, rstd, z, &self.gains(&p[norms[k].clone()]), self.d.c, self.d.eps);
+        rmsnorm_forward(out, rstd, z, &self.cfg.gains(&p[norms[k].clone()]), self.d.c, self.d.eps);
         add_into(out, res);
         z.copy_from_slice(out);
     }
@@ -264,7 +259,7 @@ impl Layer<'_> {
         dz.fill(0.0);
         let dw = param_grad(back.grads.tensor(norms[k].clone()));
         let saved = NormSaved { inp: back.saved.get([PA, PF][k]), mean: &[], rstd };
-        rmsnorm_backward(dz, dw, dres, saved, &self.gains(&p[norms[k].clone()]));
+        rmsnorm_backward(dz, dw, dres, saved, &self.cfg.gains(&p[norms[k].clone()]));
     }
 
     /// The per-head norms of the query heads and of the key heads in a
@@ -560,7 +555,7 @@ impl Block for Layer<'_> {
         }
         let norms = &*norms;
         // Attention: h1 = norm(x); q|k|v = h1·Wqkvᵀ (+ bias) (+ LoRA); rotate q, k.
-        rmsnorm_forward(buf_c, rstd1, x, &self.gains(&p[r.attn_norm.clone()]), c, d.eps);
+        rmsnorm_forward(buf_c, rstd1, x, &self.cfg.gains(&p[r.attn_norm.clone()]), c, d.eps);
         large[H1].keep(buf_c, prec);
         let h1 = large[H1].cur(buf_c);
         // (n, C) @ (C, (H + 2·KV)·d) -> (n, (H + 2·KV)·d)
@@ -636,7 +631,7 @@ impl Block for Layer<'_> {
         }
         large[X2].keep(x2, prec);
         // MLP: h2 = norm(x2); g|u = h2·Wguᵀ (+ LoRA); m = silu(g)·u; out = x2 + m·Wdᵀ (+ LoRA).
-        rmsnorm_forward(buf_c, rstd2, large[X2].cur(x2), &self.gains(&p[r.mlp_norm.clone()]), c, d.eps);
+        rmsnorm_forward(buf_c, rstd2, large[X2].cur(x2), &self.cfg.gains(&p[r.mlp_norm.clone()]), c, d.eps);
         large[H2].keep(buf_c, prec);
         let h2 = large[H2].cur(buf_c);
         // (n, C) @ (C, 2F) -> (n, 2F)
@@ -688,8 +683,8 @@ impl Block for Layer<'_> {
         let (r, d) = (self.r, &self.d);
         let rstd = &mut scratch[..d.n];
         match k {
-            H1 => rmsnorm_forward(out, rstd, saved.input(), &self.gains(&p[r.attn_norm.clone()]), d.c, d.eps),
-            H2 => rmsnorm_forward(out, rstd, saved.get(X2), &self.gains(&p[r.mlp_norm.clone()]), d.c, d.eps),
+            H1 => rmsnorm_forward(out, rstd, saved.input(), &self.cfg.gains(&p[r.attn_norm.clone()]), d.c, d.eps),
+            H2 => rmsnorm_forward(out, rstd, saved.get(X2), &self.cfg.gains(&p[r.mlp_norm.clone()]), d.c, d.eps),
             Y => {
                 let lse = &mut scratch[..d.gqa.b * d.gqa.n_head * d.gqa.t];
                 flash_attention_forward(out, lse, saved.get(QKV), d.gqa, self.visible_here());
@@ -738,7 +733,7 @@ impl Block for Layer<'_> {
         }
         // Column-parallel: each rank's input gradient is a part of the sum.
         tp.all_reduce(dc)?;
-        let (w2, g2) = (self.gains(&p[r.mlp_norm.clone()]), param_grad(back.grads.tensor(r.mlp_norm.clone())));
+        let (w2, g2) = (self.cfg.gains(&p[r.mlp_norm.clone()]), param_grad(back.grads.tensor(r.mlp_norm.clone())));
         let x2 = NormSaved { inp: back.saved.get(X2), mean: &[], rstd: rstd2 };
         rmsnorm_backward(dres, g2, dc, x2, &w2);
         // o_proj: d(n, H·d) = d(n, C) @ (C, H·d); attention; rotation; q|k|v: d(n, C) = d(n, qkv) @ (qkv, C).
@@ -783,7 +778,7 @@ impl Block for Layer<'_> {
             self.proj_backward(pr, p, dc, columns(dqkv, col0, qkvw), H1, &mut back);
         }
         tp.all_reduce(dc)?;
-        let (w1, g1) = (self.gains(&p[r.attn_norm.clone()]), param_grad(back.grads.tensor(r.attn_norm.clone())));
+        let (w1, g1) = (self.cfg.gains(&p[r.attn_norm.clone()]), param_grad(back.grads.tensor(r.attn_norm.clone())));
         let h = NormSaved { inp: back.saved.input(), mean: &[], rstd: rstd1 };
         rmsnorm_backward(dres, g1, dc, h, &w1);
         Ok(())

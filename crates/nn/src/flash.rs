@@ -72,7 +72,7 @@ impl Scores {
         self.scale.unwrap_or_else(|| 1.0 / (d as f32).sqrt())
     }
 
-    /// Caps the scores of `row` in place and returns nothing without a cap.
+    /// Caps the scores of `row` in place (without a cap, leaves them).
     pub fn cap(&self, row: &mut [f32]) {
         if let Some(c) = self.softcap {
             row.iter_mut().for_each(|x| *x = c * (*x / c).tanh());
@@ -98,16 +98,6 @@ impl<'a> Visible<'a> {
         let ok = |x: Option<f32>| x.is_none_or(|x| x.is_finite() && x > 0.0);
         assert!(ok(scores.scale) && ok(scores.softcap), "attention scores need a positive scale and cap: {scores:?}");
         Visible { scores, ..self }
-    }
-
-    /// How these queries score keys.
-    pub fn scores(&self) -> Scores {
-        self.scores
-    }
-
-    /// The window (`None`: none).
-    pub fn window_len(&self) -> Option<usize> {
-        (self.window > 0).then_some(self.window)
     }
 
     /// The same, and at most the `w` latest keys (`None`: no window).
