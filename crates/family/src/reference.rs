@@ -24,12 +24,44 @@ fn script() -> PathBuf {
 /// check is skipped with a note — unless `MACROBATCH_REQUIRE_PYTHON=1`
 /// (CI), where a check that cannot run is a failure.
 pub fn python_available() -> Result<bool, String> {
-    let ok =
-        Command::new("python3").args(["-c", "import torch, transformers"]).output().is_ok_and(|o| o.status.success());
+    python_with("torch, transformers")
+}
+
+/// Whether python3 can import `modules` (`import {modules}`), as
+/// [`python_available`] says it.
+fn python_with(modules: &str) -> Result<bool, String> {
+    let import = format!("import {modules}");
+    let ok = Command::new("python3").args(["-c", &import]).output().is_ok_and(|o| o.status.success());
     if !ok && std::env::var("MACROBATCH_REQUIRE_PYTHON").as_deref() == Ok("1") {
-        return Err("MACROBATCH_REQUIRE_PYTHON=1 but python3 cannot import torch and transformers".into());
+        return Err(format!("MACROBATCH_REQUIRE_PYTHON=1 but python3 cannot {import}"));
     }
     Ok(ok)
+}
+
+/// PEFT itself on a base and adapter we wrote: `scripts/peft_check.py`
+/// loads `base_dir` with transformers' `AutoModelForCausalLM`, wraps it
+/// with `PeftModel.from_pretrained(adapter_dir)` and compares its logits
+/// (and loss, when given) with `expected` (the script's docstring has the
+/// format and the tolerance). `Ok(Some(stdout))` when they agree, `None`
+/// when skipped (no python3 with torch, transformers and peft).
+pub fn peft_check(base_dir: &Path, adapter_dir: &Path, expected: &serde_json::Value) -> Result<Option<String>, String> {
+    if !python_with("torch, transformers, peft")? {
+        eprintln!("skipped: python3 with torch, transformers and peft is not available");
+        return Ok(None);
+    }
+    let path = adapter_dir.with_extension("expected.json");
+    std::fs::write(&path, expected.to_string()).map_err(|e| format!("{}: {e}", path.display()))?;
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/peft_check.py");
+    let out = Command::new("python3")
+        .arg(script)
+        .args([base_dir, adapter_dir, &path])
+        .output()
+        .map_err(|e| format!("cannot run python3: {e}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    if !out.status.success() {
+        return Err(format!("peft_check.py failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr)));
+    }
+    Ok(Some(stdout))
 }
 
 fn run(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Result<String, String> {

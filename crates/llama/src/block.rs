@@ -314,7 +314,7 @@ impl Layer<'_> {
     ) -> Result<(), EngineError> {
         let Some(lr) = &self.r.lora[pr as usize] else { return Ok(()) };
         engine::profile::timed(engine::profile::Kind::Adapter, || {
-            let (d, [oc, ic]) = (&self.d, pr.shape(self.cfg));
+            let (d, ic) = (&self.d, pr.shape(self.cfg)[1]);
             let x = match self.drop {
                 Some(drop) => {
                     let xd = &mut xd[..x.len()];
@@ -324,14 +324,13 @@ impl Layer<'_> {
                 }
                 None => x,
             };
-            // (n, in) @ (in, r) -> (n, r)
-            linear_forward(Cols::all(buf, d.r), false, x, &p[lr.a.clone()], d.lin(ic, d.r));
+            let branch = self.branch(lr, p);
+            branch.down(buf, x);
             if let Some(tp) = sum {
                 tp.all_reduce(buf)?;
             }
             xa.keep(buf, d.prec);
-            // (n, r) @ (r, out) -> (n, out), scaled by α/r and added
-            linear_forward(y, true, xa.cur(buf), &p[lr.b.clone()], d.lin(d.r, oc).scaled(d.lora_scale));
+            branch.up(y, xa.cur(buf));
             Ok(())
         })
     }
@@ -374,9 +373,10 @@ impl Layer<'_> {
         (x, xa): (&[f32], &[f32]),
         (grads, dxa_buf, xd_buf): (&mut SegmentGrads<'_>, &mut [f32], &mut [f32]),
     ) {
-        let (d, [oc, ic]) = (&self.d, pr.shape(self.cfg));
+        let ic = pr.shape(self.cfg)[1];
         let (ga, gb) = grads.pair(lr.a.clone(), lr.b.clone());
-        let (s_b, s_a) = (d.lin(d.r, oc).scaled(d.lora_scale), d.lin(ic, d.r));
+        let (branch, gs) = (self.branch(lr, p), (param_grad(ga), param_grad(gb)));
+        let dxa = &mut dxa_buf[..self.d.n * self.d.r];
         if let Some(drop) = self.drop {
             // The branch saw x ⊙ mask: A's gradient reads it, and the input
             // gradient through the branch is masked the same way.
@@ -384,24 +384,21 @@ impl Layer<'_> {
             let xd = &mut xd_buf[..x.len()];
             xd.copy_from_slice(x);
             drop.mask(at, xd, ic);
-            linear_backward_weight(param_grad(gb), dy, xa, s_b);
-            linear_backward_input(dxa_buf, false, dy, &p[lr.b.clone()], s_b);
-            let dxa = Strided::rows(dxa_buf, d.r);
-            linear_backward_weight(param_grad(ga), dxa, xd, s_a);
-            linear_backward_input(xd, false, dxa, &p[lr.a.clone()], s_a);
+            branch.backward(gs, dy, (xd, xa), dxa);
+            branch.input_grad(xd, false, dxa);
             drop.mask(at, xd, ic);
             add_into(dx, xd);
             return;
         }
-        // dB (+)= s · dyᵀ · xa: (out, n) @ (n, r) -> (out, r)
-        linear_backward_weight(param_grad(gb), dy, xa, s_b);
-        // dxa = s · dy · B: (n, out) @ (out, r) -> (n, r)
-        linear_backward_input(dxa_buf, false, dy, &p[lr.b.clone()], s_b);
-        let dxa = Strided::rows(dxa_buf, d.r);
-        // dA (+)= dxaᵀ · x: (r, n) @ (n, in) -> (r, in)
-        linear_backward_weight(param_grad(ga), dxa, x, s_a);
-        // dx += dxa · A: (n, r) @ (r, in) -> (n, in)
-        linear_backward_input(dx, true, dxa, &p[lr.a.clone()], s_a);
+        branch.backward(gs, dy, (x, xa), dxa);
+        // dx += dxa · A (the base's dy·W is already in dx)
+        branch.input_grad(dx, true, dxa);
+    }
+
+    /// Adapter `lr`'s branch (its tensors in the segment `p`) at this call's shape.
+    fn branch<'p>(&self, lr: &LoraRanges, p: &'p [f32]) -> nn::lora::Branch<'p> {
+        let d = &self.d;
+        nn::lora::Branch { a: &p[lr.a.clone()], b: &p[lr.b.clone()], r: d.r, scale: d.lora_scale, n: d.n, ops: d.ops }
     }
 }
 

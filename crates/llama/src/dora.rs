@@ -30,7 +30,7 @@ use std::ops::Range;
 
 /// The magnitude's tensor name after the projection's path (PEFT's key in
 /// `adapter_model.safetensors`: `…q_proj.lora_magnitude_vector`).
-pub const MAGNITUDE: &str = "lora_magnitude_vector";
+pub use nn::lora::MAGNITUDE;
 
 /// Rows of `W₀ + s·B·A` formed at a time by [`row_norms`] (a bounded
 /// buffer whatever the projection's size).

@@ -117,6 +117,20 @@ pub enum LlamaError {
     },
 }
 
+impl From<nn::lora::LoraError> for LlamaError {
+    fn from(e: nn::lora::LoraError) -> Self {
+        use nn::lora::LoraError as E;
+        match e {
+            E::Invalid { field, problem } => LlamaError::InvalidLora { field, problem },
+            E::File(f) => LlamaError::Read(f),
+            E::InFile { path, source } => LlamaError::InFile { path, source: Box::new((*source).into()) },
+            E::Missing { name } => LlamaError::MissingTensor { name },
+            E::Shape { name, got, expected } => LlamaError::ShapeMismatch { name, got, expected },
+            E::Unexpected { names } => LlamaError::UnexpectedTensors { names },
+        }
+    }
+}
+
 impl LlamaError {
     /// This error, located in file `path`.
     pub fn in_file(self, path: &std::path::Path) -> Self {

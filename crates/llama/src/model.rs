@@ -242,8 +242,8 @@ impl Llama {
     ) -> Result<Self, LlamaError> {
         let adapters = match &lora {
             Some(l) => {
-                l.validate()?;
-                let targets = l.targets()?;
+                crate::lora::validate(l)?;
+                let targets = crate::lora::targets(l)?;
                 let onto_branch_end = targets[Proj::O as usize] || targets[Proj::Down as usize];
                 if l.use_dora && onto_branch_end && cfg.gemma.is_some() {
                     return Err(LlamaError::lora(

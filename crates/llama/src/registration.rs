@@ -129,26 +129,7 @@ impl Registration for Registered {
         let path = dir.join(family::CONFIG_FILE);
         let cfg = self.0.parse_hf_json(config).map_err(|e| format!("{}: {e}", path.display()))?;
         // A LoRA run's folder holds PEFT's adapter files beside the base.
-        let adapter = dir.join(lora::ADAPTER_CONFIG_FILE);
-        let lora = if adapter.exists() {
-            let text =
-                std::fs::read_to_string(&adapter).map_err(|e| format!("cannot read {}: {e}", adapter.display()))?;
-            let v: serde_json::Value =
-                serde_json::from_str(&text).map_err(|e| format!("{} is not valid JSON: {e}", adapter.display()))?;
-            Some(lora::lora_config_from_peft(&v)?.0)
-        } else if dir.join(lora::ADAPTER_WEIGHTS_FILE).exists() || config.get("macrobatch_lora").is_some() {
-            // Adapters were saved here, but without their config they
-            // cannot be applied: never silently the base alone.
-            return Err(format!(
-                "{}: the folder holds LoRA adapters (adapter_model.safetensors, or \"macrobatch_lora\" in config.json) but {} is missing, so they cannot be applied and the model would silently be the base alone; put the run's {} back beside them (or move the adapter files away to load the base on purpose)",
-                dir.display(),
-                lora::ADAPTER_CONFIG_FILE,
-                lora::ADAPTER_CONFIG_FILE
-            )
-            .into());
-        } else {
-            None
-        };
+        let lora = nn::lora::config_beside(dir, config, &lora::TARGETS).map_err(LlamaError::from)?;
         Ok(Arc::new(LlamaFamily::new(self.0, cfg, lora)?))
     }
 
@@ -171,7 +152,7 @@ impl Registration for Registered {
 /// `[lora]` as written: PEFT's fields, α defaulting to PEFT's 8.
 pub fn parse_lora(table: &toml::Table) -> Result<LoraConfig> {
     let l: LoraConfig = toml::Value::Table(table.clone()).try_into().map_err(|e| format!("[lora]: {e}"))?;
-    l.validate()?;
+    lora::validate(&l)?;
     Ok(l)
 }
 
@@ -411,15 +392,7 @@ impl Family for LlamaFamily {
     fn hf_config(&self) -> serde_json::Value {
         let mut v = self.dialect.hf_json(&self.cfg);
         if let (Some(l), Some(o)) = (&self.lora, v.as_object_mut()) {
-            // Not a transformers key: makes a LoRA shape differ from its base.
-            // The targets as the projections they name, in layout order, so
-            // `all-linear` and its list (as PEFT's adapter config spells it,
-            // and as a checkpoint reads back) are the same shape.
-            let mut l = l.clone();
-            if let Ok(names) = l.target_names() {
-                l.target_modules = names.into_iter().map(String::from).collect();
-            }
-            o.insert("macrobatch_lora".into(), serde_json::to_value(&l).unwrap_or_default());
+            o.insert(nn::lora::CONFIG_KEY.into(), nn::lora::config_value(l, &lora::TARGETS));
         }
         v
     }

@@ -36,6 +36,7 @@ pub mod grad;
 pub mod io;
 pub mod kv;
 pub mod linear;
+pub mod lora;
 pub mod loss;
 pub mod loss_terms;
 pub mod norm;
