@@ -1,16 +1,18 @@
 //! GPT-2's block as the shared stack walk runs it: pre-LayerNorm
 //! multi-head attention and a tanh-GELU MLP, every linear layer with a bias
-//! (`Conv1D` layout); and the sizes of every activation buffer, the one
-//! definition that allocates them and reports their bytes.
+//! (`Conv1D` layout), each optionally with a LoRA adapter; and the sizes
+//! of every activation buffer, the one definition that allocates them and
+//! reports their bytes.
 
 use crate::config::GptConfig;
-use crate::layout::{BlockParams, Widths};
-use engine::{Checkpointing, EngineError, Precision, SegmentGrads, TensorGroup, TpRank};
+use crate::layout::{Adapters, BlockParams, LoraRanges, Widths};
+use engine::{Checkpointing, EngineError, Precision, SavedTensor, SegmentGrads, TensorGroup, TpRank};
 use nn::attention::AttnShape;
 use nn::flash::{flash_attention_backward, flash_attention_forward, Visible};
 use nn::grad::param_grad;
 use nn::kv::Attention;
-use nn::linear::{add_bias, add_into, conv1d_backward, conv1d_forward, LinearShape};
+use nn::linear::{add_bias, add_into, conv1d_backward, conv1d_forward, Cols, LinearShape};
+use nn::lora::Branch;
 use nn::norm::{layernorm_backward, layernorm_forward, NormSaved};
 use nn::stack::{Block, Part, Saved, SavedView, StackSizes, PRE_NORM_KINDS};
 
@@ -24,6 +26,12 @@ const FCH: usize = 5;
 const FCH_GELU: usize = 6;
 /// The block's output.
 const RES3: usize = 7;
+/// `x·Aᵀ` of each linear layer's adapter (as [`crate::layout::CONVS`]): `XA + i`.
+const XA: usize = 8;
+/// Staging buffers: row tensors, the heads' output, an adapter's `x·Aᵀ`.
+const ROWS: usize = 0;
+const HEADS: usize = 1;
+const LORA: usize = 2;
 
 /// Shapes of one block call: this rank's heads `nh` of width `hd`, its
 /// attention width `a = nh·hd` and MLP width `m` (C and 4C unsplit).
@@ -79,23 +87,43 @@ impl ActSizes {
         (precision, checkpointing): (Precision, Checkpointing),
         part: Part,
     ) -> Self {
+        Self::adapted(cfg, (tp, None), (b, t), (precision, checkpointing), part)
+    }
+
+    /// [`ActSizes::for_rank`] with LoRA `adapters`: each one's `x·Aᵀ`
+    /// kept (r per row), a working buffer for it and its gradient, and a
+    /// staging buffer of r per row under 16-bit storage.
+    pub(crate) fn adapted(
+        cfg: &GptConfig,
+        (tp, adapters): (TpRank, Option<Adapters>),
+        (b, t): (usize, usize),
+        (precision, checkpointing): (Precision, Checkpointing),
+        part: Part,
+    ) -> Self {
         let w = |x: usize| x as u128;
         let (n, c, v) = (w(b) * w(t), w(cfg.n_embd), w(cfg.vocab_size));
         let Widths { a, m } = Widths::of(cfg, tp);
         let (a, m) = (w(a), w(m));
         let lse = w(b) * w(cfg.n_head / tp.size) * w(t);
+        let r = w(adapters.map_or(0, |ad| ad.r));
+        let xa = |i: usize| if adapters.is_some_and(|ad| ad.targets[i]) { n * r } else { 0 };
+        let mut large = vec![n * c, n * 3 * a, n * a, n * c, n * c, n * m, n * m, n * c];
+        large.extend((0..4).map(xa));
+        let mut kinds = PRE_NORM_KINDS.to_vec(); // the adapters' x·Aᵀ (after the eight) are kept
+        kinds.resize(large.len(), engine::Inner::Kept);
+        let low = |x: u128| if precision.is_low() { x } else { 0 };
         let stack = StackSizes {
             precision,
             checkpointing,
             n_slots: part.n_blocks,
-            large: [n * c, n * 3 * a, n * a, n * c, n * c, n * m, n * m, n * c].to_vec(),
-            kinds: PRE_NORM_KINDS.to_vec(),
+            large,
+            kinds,
             redo_scratch: (2 * n).max(lse),
             output: RES3,
             stats: vec![n, n, n, n, lse],
             x: n * c,
-            bufs: vec![n * c, n * c, n * m.max(3 * a), n * 3 * a],
-            staging: vec![n * m.max(3 * a).max(c), if precision.is_low() { n * a } else { 0 }],
+            bufs: vec![n * c, n * c, n * m.max(3 * a), n * 3 * a, n * r],
+            staging: vec![n * m.max(3 * a).max(c), low(n * a), low(n * r)],
             extra: vec![n * m],
         };
         let head = if part.last { [n * c, n, n, n * v, n] } else { [0; 5] };
@@ -131,6 +159,52 @@ pub(crate) struct GptBlock<'a> {
     pub prec: Precision,
     pub attn: Attention<'a>,
     pub visible: Visible<'a>,
+    /// The adapters' rank and scale (α/r or α/√r), when there are adapters.
+    pub lora: Option<(usize, f32)>,
+}
+
+impl GptBlock<'_> {
+    /// Linear layer `i`'s adapter as a branch on this call's rows, if it has one.
+    fn branch<'p>(&self, i: usize, p: &'p [f32], ops: nn::Operands) -> Option<(Branch<'p>, &LoraRanges)> {
+        let (lr, (r, scale)) = (self.r.lora[i].as_ref()?, self.lora?);
+        let n = self.d.b * self.d.t;
+        Some((Branch { a: &p[lr.a.clone()], b: &p[lr.b.clone()], r, scale, n, ops }, lr))
+    }
+
+    /// Linear layer `i`'s adapter in forward, if it has one: `xa = x·Aᵀ`
+    /// (in `buf`, then kept in `xa`), `y += s·xa·Bᵀ`.
+    fn adapt(&self, i: usize, p: &[f32], y: Cols<'_>, x: &[f32], (xa, buf): (&mut SavedTensor, &mut Vec<f32>)) {
+        let Some((br, _)) = self.branch(i, p, nn::operands(self.prec)) else { return };
+        engine::profile::timed(engine::profile::Kind::Adapter, || {
+            br.down(buf, x);
+            xa.keep(buf, self.prec);
+            br.up(y, xa.cur(buf));
+        })
+    }
+
+    /// Linear layer `i`'s adapter in backward, if it has one, from the
+    /// output gradient `dy` (`rs` wide) and saved input `x_idx` (decoded
+    /// into staging buffer `stage`): A's and B's gradients, and
+    /// `dx += dxa·A` (the base's `dy·W` is already in `dx`).
+    #[allow(clippy::too_many_arguments)]
+    fn adapt_back(
+        &self,
+        i: usize,
+        p: &[f32],
+        (grads, saved): (&mut SegmentGrads<'_>, &mut SavedView<'_>),
+        dx: &mut [f32],
+        (dy, rs): (&[f32], usize),
+        (x_idx, stage): (usize, usize),
+        dxa: &mut [f32],
+    ) {
+        let Some((br, lr)) = self.branch(i, p, nn::operands(saved.precision())) else { return };
+        engine::profile::timed(engine::profile::Kind::Adapter, || {
+            let (ga, gb) = grads.pair(lr.a.clone(), lr.b.clone());
+            let (x, xa) = saved.pair((x_idx, stage), (XA + i, LORA));
+            br.backward((param_grad(ga), param_grad(gb)), nn::Strided::rows(dy, rs), (x, xa), dxa);
+            br.input_grad(dx, true, dxa);
+        })
+    }
 }
 
 impl Block for GptBlock<'_> {
@@ -150,9 +224,10 @@ impl Block for GptBlock<'_> {
         let Dims { b, t, c, w: Widths { a, m }, .. } = self.d;
         let n = b * t;
         let split = tp.is_split();
-        let [res2, buf_c, buf_4c, qkv] = bufs else { unreachable!("GPT-2 has four working buffers") };
+        let [res2, buf_c, buf_4c, qkv, xab] = bufs else { unreachable!("GPT-2 has five working buffers") };
         let gelu_out = &mut extra[0];
         let Saved { large, stats } = sv;
+        let (large, xa) = large.split_at_mut(XA);
         let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, lse] = &mut stats[..] else {
             unreachable!("four row statistics and the log-sum-exps")
         };
@@ -169,6 +244,7 @@ impl Block for GptBlock<'_> {
             None,
             lin(c, 3 * a),
         );
+        self.adapt(0, p, Cols::all(qkv, 3 * a), large[LN1].cur(buf_c), (&mut xa[0], xab));
         large[QKV].keep(qkv, prec);
         match self.attn {
             Attention::Causal => {
@@ -189,13 +265,16 @@ impl Block for GptBlock<'_> {
         } else {
             conv1d_forward(res2, atty, proj_w, Some(proj_b), Some(x), lin(a, c));
         }
+        self.adapt(1, p, Cols::all(res2, c), atty, (&mut xa[1], xab));
         large[RES2].keep(res2, prec);
         let (ln2_w, ln2_b) = (&p[r.ln2_w.clone()], &p[r.ln2_b.clone()]);
         layernorm_forward(buf_c, ln2_mean, ln2_rstd, large[RES2].cur(res2), ln2_w, ln2_b, c);
         large[LN2].keep(buf_c, prec);
         // (B*T, C) @ (C, M) -> (B*T, M)
         let fch = &mut buf_4c[..n * m];
-        conv1d_forward(fch, large[LN2].cur(buf_c), &p[r.fc_w.clone()], Some(&p[r.fc_b.clone()]), None, lin(c, m));
+        let ln2 = large[LN2].cur(buf_c);
+        conv1d_forward(fch, ln2, &p[r.fc_w.clone()], Some(&p[r.fc_b.clone()]), None, lin(c, m));
+        self.adapt(2, p, Cols::all(fch, m), ln2, (&mut xa[2], xab));
         large[FCH].keep_prefix(buf_4c, n * m, prec);
         nn::act::gelu_forward(&mut gelu_out[..n * m], large[FCH].cur(&buf_4c[..n * m]));
         large[FCH_GELU].keep_prefix(gelu_out, n * m, prec);
@@ -210,6 +289,7 @@ impl Block for GptBlock<'_> {
         } else {
             conv1d_forward(x, gelu, fcproj_w, Some(fcproj_b), Some(res), lin(m, c));
         }
+        self.adapt(3, p, Cols::all(x, c), gelu, (&mut xa[3], xab));
         // The output stays in `x` as the next block's input: kept by copy.
         large[RES3].keep_copy(x, prec);
         Ok(())
@@ -248,7 +328,7 @@ impl Block for GptBlock<'_> {
         let r = self.r;
         let Dims { b, t, c, w: Widths { a, m }, .. } = self.d;
         let n = b * t;
-        let [dres, dc, d4c, dqkv] = bufs else { unreachable!("GPT-2 has four working buffers") };
+        let [dres, dc, d4c, dqkv, dxa] = bufs else { unreachable!("GPT-2 has five working buffers") };
         let sv = saved.sv;
         let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, lse] = &sv.stats[..] else {
             unreachable!("four row statistics and the log-sum-exps")
@@ -260,11 +340,13 @@ impl Block for GptBlock<'_> {
         let (w, inp) = (&p[r.fcproj_w.clone()], saved.get(FCH_GELU));
         let dm = &mut d4c[..n * m];
         conv1d_backward(dm, param_grad(gw), param_grad(gb), dres, inp, w, lin(m, c));
+        self.adapt_back(3, p, (grads, &mut saved), dm, (dres, c), (FCH_GELU, ROWS), dxa);
         nn::act::gelu_backward_inplace(dm, saved.get(FCH));
         // c_fc: d(B*T, C) = d(B*T, M) @ (M, C); column-parallel: summed over the ranks
         let (gw, gb) = grads.pair(r.fc_w.clone(), r.fc_b.clone());
         let (w, inp) = (&p[r.fc_w.clone()], saved.get(LN2));
         conv1d_backward(dc, param_grad(gw), param_grad(gb), dm, inp, w, lin(c, m));
+        self.adapt_back(2, p, (grads, &mut saved), dc, (dm, m), (LN2, ROWS), dxa);
         tp.all_reduce(dc)?;
         let (gw, gb) = grads.pair(r.ln2_w.clone(), r.ln2_b.clone());
         let ln2 = NormSaved { inp: saved.get(RES2), mean: ln2_mean, rstd: ln2_rstd };
@@ -274,13 +356,15 @@ impl Block for GptBlock<'_> {
         let (w, inp) = (&p[r.proj_w.clone()], saved.get(ATTY));
         let dy = &mut dc[..n * a];
         conv1d_backward(dy, param_grad(gw), param_grad(gb), dres, inp, w, lin(a, c));
+        self.adapt_back(1, p, (grads, &mut saved), dy, (dres, c), (ATTY, HEADS), dxa);
         // The MLP's 4C buffer is idle again: the heads' scratch.
-        let (qkv, y) = saved.pair((QKV, 0), (ATTY, 1));
+        let (qkv, y) = saved.pair((QKV, ROWS), (ATTY, HEADS));
         flash_attention_backward(dqkv, &mut d4c[..n * 3 * a], dy, (qkv, y, lse), self.d.attn(ops), self.visible);
         // c_attn: d(B*T, C) = d(B*T, 3A) @ (3A, C); column-parallel: summed over the ranks
         let (gw, gb) = grads.pair(r.attn_w.clone(), r.attn_b.clone());
         let (w, inp) = (&p[r.attn_w.clone()], saved.get(LN1));
         conv1d_backward(dc, param_grad(gw), param_grad(gb), dqkv, inp, w, lin(c, 3 * a));
+        self.adapt_back(0, p, (grads, &mut saved), dc, (dqkv, 3 * a), (LN1, ROWS), dxa);
         tp.all_reduce(dc)?;
         let (gw, gb) = grads.pair(r.ln1_w.clone(), r.ln1_b.clone());
         let ln1 = NormSaved { inp: saved.input(), mean: ln1_mean, rstd: ln1_rstd };

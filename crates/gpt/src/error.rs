@@ -18,4 +18,7 @@ pub enum GptError {
     /// or does not match the model.
     #[error(transparent)]
     File(#[from] nn::io::FileError),
+    /// A LoRA configuration or adapter file is unusable.
+    #[error(transparent)]
+    Lora(#[from] nn::lora::LoraError),
 }

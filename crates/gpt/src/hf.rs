@@ -55,11 +55,14 @@ pub fn config_json(cfg: &GptConfig) -> serde_json::Value {
     })
 }
 
-/// Saves `params` (laid out by `layout`) and the config into `dir`.
+/// Saves `params` (laid out by `layout`) and the config into `dir`: every
+/// tensor but LoRA adapters (a LoRA model's base; its adapters go
+/// beside it in PEFT's files, `crate::lora::save_adapter`).
 pub fn save(dir: &Path, cfg: &GptConfig, layout: &ParamLayout, params: &[f32]) -> Result<(), GptError> {
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let base = layout.tensors().iter().filter(|t| !nn::lora::is_adapter(&t.name));
     let tensors: Vec<(String, Vec<usize>, &[f32])> =
-        layout.tensors().iter().map(|t| (t.name.clone(), t.shape.clone(), &params[t.range()])).collect();
+        base.map(|t| (t.name.clone(), t.shape.clone(), &params[t.range()])).collect();
     write_safetensors(&dir.join(WEIGHTS_FILE), &tensors, &[])?;
     let cfg_path = dir.join(CONFIG_FILE);
     let text = serde_json::to_string_pretty(&config_json(cfg)).map_err(|e| bad(&cfg_path, e.to_string()))?;
@@ -115,7 +118,8 @@ fn is_known_extra(name: &str) -> bool {
 
 /// Loads weights from a safetensors file into a fresh flat buffer laid out by
 /// `layout`. Names may carry the `transformer.` prefix or not (the Hub's
-/// `gpt2` file does not).
+/// `gpt2` file does not). LoRA adapters of the layout are not in the base's
+/// file: they are left zero (`crate::lora::init_in_place` starts them).
 pub fn load_weights(path: &Path, layout: &ParamLayout) -> Result<Vec<f32>, GptError> {
     let bytes = nn::io::map_file(path)?;
     let st = SafeTensors::deserialize(&bytes)
@@ -127,7 +131,7 @@ pub fn load_weights(path: &Path, layout: &ParamLayout) -> Result<Vec<f32>, GptEr
     })?;
     params.resize(layout.n_params(), 0.0f32);
     let mut used = std::collections::HashSet::new();
-    for spec in layout.tensors() {
+    for spec in layout.tensors().iter().filter(|t| !nn::lora::is_adapter(&t.name)) {
         let short = spec.name.strip_prefix("transformer.").unwrap_or(&spec.name);
         let (name, view) = [spec.name.as_str(), short]
             .iter()

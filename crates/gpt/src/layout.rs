@@ -1,10 +1,49 @@
 //! GPT-2's parameters: Hugging Face names and `Conv1D` layouts in one
-//! flat buffer, and their initialisation.
+//! flat buffer (with LoRA adapters at the end of each block, when the
+//! model has them), and their initialisation.
 
 use crate::config::GptConfig;
 use engine::rng::SplitMix64;
 use engine::ParamLayout;
+use nn::lora::Targets;
 use std::ops::Range;
+
+/// The block's four linear layers (`Conv1D`, weights `[in, out]`), in
+/// block order: the index of each in [`BlockParams::lora`].
+pub const CONVS: [&str; 4] = ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"];
+
+/// The block's linear layers as PEFT's `target_modules` names them: a
+/// name matches the end of a module's path, so `c_proj` is both the
+/// attention's and the MLP's output projection (PEFT's meaning too);
+/// `all-linear` is all four. `Conv1D` weights: `fan_in_fan_out` on.
+pub const TARGETS: Targets = Targets {
+    modules: &[("c_attn", &[0]), ("c_proj", &[1, 3]), ("c_fc", &[2]), ("attn.c_proj", &[1]), ("mlp.c_proj", &[3])],
+    n: 4,
+    fan_in_fan_out: true,
+};
+
+/// Which linear layers carry LoRA adapters, and their rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Adapters {
+    pub r: usize,
+    /// Indexed as [`CONVS`].
+    pub targets: [bool; 4],
+}
+
+/// Element ranges of one LoRA adapter: `lora_A` `[r, in]`, `lora_B` `[out, r]`.
+#[derive(Debug, Clone)]
+pub struct LoraRanges {
+    /// `lora_A.weight`.
+    pub a: Range<usize>,
+    /// `lora_B.weight`.
+    pub b: Range<usize>,
+}
+
+/// `[in, out]` of linear layer `i` (as [`CONVS`]) at widths `w`.
+pub(crate) fn conv_shape(i: usize, c: usize, w: Widths) -> [usize; 2] {
+    let Widths { a, m } = w;
+    [[c, 3 * a], [a, c], [c, m], [m, c]][i]
+}
 
 /// Element ranges of one block's parameters inside the flat buffer.
 #[derive(Debug, Clone)]
@@ -33,12 +72,15 @@ pub struct BlockParams {
     pub fcproj_w: Range<usize>,
     /// `mlp.c_proj.bias`.
     pub fcproj_b: Range<usize>,
+    /// The LoRA adapter of each linear layer (as [`CONVS`]), if it has one.
+    pub lora: [Option<LoraRanges>; 4],
 }
 
 impl BlockParams {
-    /// The contiguous range the whole block occupies.
+    /// The contiguous range the whole block occupies (its adapters last).
     pub fn span(&self) -> Range<usize> {
-        self.ln1_w.start..self.fcproj_b.end
+        let end = self.lora.iter().flatten().map(|l| l.b.end).max().unwrap_or(self.fcproj_b.end);
+        self.ln1_w.start..end
     }
 }
 
@@ -68,9 +110,14 @@ impl Widths {
     pub fn of(cfg: &GptConfig, tp: engine::TpRank) -> Self {
         Widths { a: cfg.n_embd / tp.size, m: 4 * cfg.n_embd / tp.size }
     }
+
+    /// The whole model's widths: C and 4C.
+    pub fn whole(cfg: &GptConfig) -> Self {
+        Self::of(cfg, engine::TpRank::WHOLE)
+    }
 }
 
-pub(crate) fn build_layout(cfg: &GptConfig, w: Widths) -> (ParamLayout, ParamRanges) {
+pub(crate) fn build_layout(cfg: &GptConfig, w: Widths, adapters: Option<Adapters>) -> (ParamLayout, ParamRanges) {
     let c = cfg.n_embd;
     let Widths { a, m } = w;
     let mut l = ParamLayout::new();
@@ -92,17 +139,26 @@ pub(crate) fn build_layout(cfg: &GptConfig, w: Widths) -> (ParamLayout, ParamRan
                 fc_b: l.push(format!("{p}.mlp.c_fc.bias"), &[m], false),
                 fcproj_w: l.push(format!("{p}.mlp.c_proj.weight"), &[m, c], true),
                 fcproj_b: l.push(format!("{p}.mlp.c_proj.bias"), &[c], false),
+                lora: std::array::from_fn(|i| {
+                    let a = adapters.filter(|a| a.targets[i])?;
+                    let [inp, out] = conv_shape(i, c, w);
+                    let a_range = l.push(format!("{p}.{}.lora_A.weight", CONVS[i]), &[a.r, inp], true);
+                    Some(LoraRanges {
+                        a: a_range,
+                        b: l.push(format!("{p}.{}.lora_B.weight", CONVS[i]), &[out, a.r], true),
+                    })
+                }),
             }
         })
         .collect();
     let lnf_w = l.push("transformer.ln_f.weight", &[c], false);
     let lnf_b = l.push("transformer.ln_f.bias", &[c], false);
-    let block_rel = relative_block(c, w);
+    let block_rel = relative_block(c, w, adapters);
     (l, ParamRanges { wte, wpe, blocks, block_rel, lnf_w, lnf_b })
 }
 
 /// One block's parameter ranges relative to its first parameter.
-fn relative_block(c: usize, w: Widths) -> BlockParams {
+fn relative_block(c: usize, w: Widths, adapters: Option<Adapters>) -> BlockParams {
     let Widths { a, m } = w;
     let mut at = 0;
     let mut next = |n: usize| {
@@ -123,6 +179,11 @@ fn relative_block(c: usize, w: Widths) -> BlockParams {
         fc_b: next(m),
         fcproj_w: next(m * c),
         fcproj_b: next(c),
+        lora: std::array::from_fn(|i| {
+            let a = adapters.filter(|a| a.targets[i])?;
+            let [inp, out] = conv_shape(i, c, w);
+            Some(LoraRanges { a: next(a.r * inp), b: next(out * a.r) })
+        }),
     }
 }
 
@@ -150,7 +211,7 @@ pub fn init_segment(cfg: &GptConfig, seed: u64, seg: usize) -> Vec<f32> {
         v.extend(vec![0.0; c]);
         return v;
     }
-    let r = relative_block(c, Widths::of(cfg, engine::TpRank::WHOLE));
+    let r = relative_block(c, Widths::whole(cfg), None);
     let mut v = vec![0.0f32; r.span().len()];
     let mut put = |range: Range<usize>, vals: Vec<f32>| v[range].copy_from_slice(&vals);
     put(r.attn_w.clone(), normal(r.attn_w.len(), 0.02));
@@ -159,5 +220,31 @@ pub fn init_segment(cfg: &GptConfig, seed: u64, seg: usize) -> Vec<f32> {
     put(r.fcproj_w.clone(), normal(r.fcproj_w.len(), resid_std));
     put(r.ln1_w.clone(), vec![1.0; c]);
     put(r.ln2_w.clone(), vec![1.0; c]);
+    v
+}
+
+/// [`init_segment`] of a model with `adapters`: the base's values (the
+/// same whether adapters exist), then each adapter as PEFT starts it —
+/// `lora_A` Kaiming-uniform (`nn.Linear`'s default, bound 1/√in) from a
+/// stream of its own, `lora_B` zero, so the model computes the base's function.
+pub(crate) fn init_segment_with(cfg: &GptConfig, adapters: Option<Adapters>, seed: u64, seg: usize) -> Vec<f32> {
+    let mut v = init_segment(cfg, seed, seg);
+    if let Some(ad) = adapters.filter(|_| (1..=cfg.n_layer).contains(&seg)) {
+        v.extend(init_adapters(cfg, ad, seed, seg - 1));
+    }
+    v
+}
+
+/// The initial adapters of block `idx` (its segment's tail): each `lora_A`
+/// then `lora_B`, in [`CONVS`] order.
+pub(crate) fn init_adapters(cfg: &GptConfig, ad: Adapters, seed: u64, idx: usize) -> Vec<f32> {
+    let w = Widths::whole(cfg);
+    let mut v = Vec::new();
+    for (i, _) in ad.targets.iter().enumerate().filter(|(_, on)| **on) {
+        let [inp, out] = conv_shape(i, cfg.n_embd, w);
+        let mut rng = SplitMix64::derive(seed, &[0x10ba, idx as u64, i as u64]);
+        v.extend(nn::lora::kaiming_uniform(&mut rng, ad.r * inp, inp));
+        v.extend(std::iter::repeat_n(0.0, out * ad.r));
+    }
     v
 }

@@ -14,6 +14,7 @@ pub mod error;
 pub mod export;
 pub mod hf;
 pub mod layout;
+pub mod lora;
 pub mod model;
 pub mod registration;
 pub mod split;

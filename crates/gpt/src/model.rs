@@ -10,7 +10,7 @@
 use crate::block::{ActSizes, Dims, GptBlock};
 use crate::config::GptConfig;
 use crate::error::GptError;
-use crate::layout::{build_layout, BlockParams, ParamRanges, Widths};
+use crate::layout::{build_layout, conv_shape, Adapters, BlockParams, ParamRanges, Widths, TARGETS};
 use engine::{
     Checkpointing, FullStore, GradOut, MicroStepStats, Model, ParamLayout, ParamStore, Precision, SegmentView,
     StageSpec, StagedModel, TpRank,
@@ -18,6 +18,7 @@ use engine::{
 use nn::flash::Visible;
 use nn::grad::param_grad;
 use nn::kv::{Attention, KvCache};
+use nn::lora::LoraConfig;
 use nn::norm::{layernorm_backward, layernorm_forward, NormSaved};
 use nn::stack::{Part, Slots, Stack, DRES};
 use nn::{GemmDims, GemmOut, Positions, Strided};
@@ -89,6 +90,9 @@ pub struct Gpt {
     kv: Option<KvCache>,
     /// What the training loss adds to cross-entropy.
     loss_terms: engine::LossTerms,
+    /// LoRA adapters on the linear layers, if any.
+    lora: Option<LoraConfig>,
+    adapters: Option<Adapters>,
 }
 
 impl Gpt {
@@ -108,9 +112,22 @@ impl Gpt {
     /// columns of every block, the embeddings and norms whole;
     /// [`StagedModel::tensor_shards`] maps its layout onto the whole model's.
     pub fn tensor_parallel(cfg: GptConfig, precision: Precision, tp: TpRank) -> Result<Self, GptError> {
+        Self::assemble(cfg, precision, tp, None)
+    }
+
+    /// A model with LoRA adapters on `lora`'s target layers (`c_attn`,
+    /// `c_proj`, `c_fc` as PEFT names them, or `all-linear`); its layout
+    /// holds the base tensors and, at the end of each block, the adapters
+    /// (`….attn.c_attn.lora_A.weight` `[r, C]`, `lora_B` `[3C, r]`, ...).
+    pub fn with_lora(cfg: GptConfig, lora: LoraConfig, precision: Precision) -> Result<Self, GptError> {
+        Self::assemble(cfg, precision, TpRank::WHOLE, Some(lora))
+    }
+
+    fn assemble(cfg: GptConfig, precision: Precision, tp: TpRank, lora: Option<LoraConfig>) -> Result<Self, GptError> {
         cfg.validate()?;
         crate::split::check(&cfg, tp)?;
-        let (layout, ranges) = build_layout(&cfg, Widths::of(&cfg, tp));
+        let adapters = lora.as_ref().map(|l| Self::size_adapters(&cfg, l, tp)).transpose()?;
+        let (layout, ranges) = build_layout(&cfg, Widths::of(&cfg, tp), adapters);
         let stage = StageSpec::whole(cfg.n_layer);
         let (checkpointing, acts, slots) = (Checkpointing::None, Acts::default(), Slots::default());
         Ok(Self {
@@ -125,7 +142,74 @@ impl Gpt {
             tp,
             kv: None,
             loss_terms: Default::default(),
+            lora,
+            adapters,
         })
+    }
+
+    /// Checks `lora` for GPT-2 (what is not implemented for its block is
+    /// named with the fix) and sizes its adapters.
+    fn size_adapters(cfg: &GptConfig, lora: &LoraConfig, tp: TpRank) -> Result<Adapters, GptError> {
+        lora.validate(&TARGETS)?;
+        let refuse = |field: &str, problem: String| Err(nn::lora::LoraError::invalid(field, problem).into());
+        if lora.use_dora {
+            return refuse(
+                "use_dora",
+                "is not supported for gpt2; set use_dora = false (DoRA runs on the Llama-block families)".into(),
+            );
+        }
+        if lora.dropout > 0.0 {
+            return refuse(
+                "lora_dropout",
+                format!("= {} is not supported for gpt2; set lora_dropout = 0.0", lora.dropout),
+            );
+        }
+        if tp.is_split() {
+            return refuse(
+                "target_modules",
+                format!(
+                    "LoRA on gpt2 is not supported with tensor parallelism ({} ranks); set dist.tensor_parallel = 1",
+                    tp.size
+                ),
+            );
+        }
+        let on = lora.targets(&TARGETS)?;
+        let targets: [bool; 4] = std::array::from_fn(|i| on[i]);
+        let w = Widths::of(cfg, tp);
+        let per_layer: u128 = (0..4)
+            .filter(|&i| targets[i])
+            .map(|i| conv_shape(i, cfg.n_embd, w).iter().map(|&d| d as u128).sum::<u128>())
+            .sum();
+        let n = cfg.param_count() + cfg.n_layer as u128 * lora.r as u128 * per_layer;
+        let tensors = 12 + 2 * targets.iter().filter(|&&t| t).count() as u128;
+        engine::check_shape_size(n, cfg.n_layer, tensors, 4).map_err(GptError::InvalidConfig)?;
+        Ok(Adapters { r: lora.r, targets })
+    }
+
+    /// The LoRA configuration, if the model has adapters.
+    pub fn lora(&self) -> Option<&LoraConfig> {
+        self.lora.as_ref()
+    }
+
+    /// Which layers carry adapters, and their rank.
+    pub(crate) fn adapter_set(&self) -> Option<Adapters> {
+        self.adapters
+    }
+
+    /// The adapters as the block reads them: rank and scale.
+    fn lora_rank_scale(&self) -> Option<(usize, f32)> {
+        self.lora.as_ref().map(|l| (l.r, l.scale()))
+    }
+
+    /// Initial parameters (GPT-2's initialisation, adapters as PEFT starts
+    /// them): the base's values do not depend on whether adapters exist.
+    pub fn init_params(&self, seed: u64) -> Vec<f32> {
+        (0..self.cfg.n_layer + 2).flat_map(|seg| self.init_segment(seed, seg)).collect()
+    }
+
+    /// The initial values of segment `seg` alone (see [`crate::init_segment`]).
+    pub fn init_segment(&self, seed: u64, seg: usize) -> Vec<f32> {
+        crate::layout::init_segment_with(&self.cfg, self.adapters, seed, seg)
     }
 
     /// The tensor-parallel rank this model is built for.
@@ -186,7 +270,8 @@ impl Gpt {
     /// of `t` tokens allocates (their [`ActSizes::bytes`] is what
     /// [`Gpt::activation_bytes`] reports then).
     pub fn act_sizes(&self, b: usize, t: usize) -> ActSizes {
-        ActSizes::for_rank(&self.cfg, self.tp, (b, t), (self.precision, self.checkpointing), Part::of(&self.stage))
+        let how = (self.precision, self.checkpointing);
+        ActSizes::adapted(&self.cfg, (self.tp, self.adapters), (b, t), how, Part::of(&self.stage))
     }
 
     /// Errors unless this model runs all of itself (not a pipeline stage).
@@ -262,7 +347,7 @@ impl Gpt {
         }
         self.acts.stack.keep_input();
         let (d, prec, visible) = (self.dims(), self.precision, Visible::documents(&self.acts.docs));
-        let block = GptBlock { r: &self.ranges.block_rel, d, prec, attn, visible };
+        let block = GptBlock { r: &self.ranges.block_rel, d, prec, attn, visible, lora: self.lora_rank_scale() };
         self.acts.stack.forward(&block, store, self.stage_segs(), train)?;
         if !self.stage.is_last() {
             return Ok(());
@@ -358,7 +443,8 @@ impl Gpt {
         let (t, c) = (self.acts.t, self.cfg.n_embd);
         let (wte, wpe) = (self.ranges.wte.clone(), self.ranges.wpe.clone());
         let (d, prec, visible) = (self.dims(), self.precision, Visible::documents(&self.acts.docs));
-        let block = GptBlock { r: &self.ranges.block_rel, d, prec, attn: Attention::Causal, visible };
+        let attn = Attention::Causal;
+        let block = GptBlock { r: &self.ranges.block_rel, d, prec, attn, visible, lora: self.lora_rank_scale() };
         self.acts.stack.backward(&block, store, self.stage_segs())?;
         if !self.stage.is_first() {
             return Ok(());
@@ -393,16 +479,26 @@ impl Gpt {
     /// Logits of the last of `tokens` (one sequence, its positions from
     /// `attn`'s first one), running them as one forward-only batch.
     fn last_logits(&mut self, params: &[f32], tokens: &[u32], attn: Attention<'_>) -> Result<Vec<f32>, GptError> {
-        let t = tokens.len();
-        let batch = Batch::prompt(tokens);
-        self.check(&batch)?;
-        self.whole_model_for("generation")?;
-        self.ensure_acts(0, 1, t);
-        let mut store = FullStore::read_only(&self.layout, self.segments(), params)?;
-        self.forward(&mut store, &batch, &[], (false, attn))?;
-        store.done(0, false)?;
-        let v = self.cfg.vocab_size;
+        let (t, v) = (tokens.len(), self.cfg.vocab_size);
+        self.logits_of(params, &Batch::prompt(tokens), attn)?;
         Ok(self.acts.logits[(t - 1) * v..t * v].to_vec())
+    }
+
+    /// Runs `batch` forward only (its positions from `attn`'s first one),
+    /// leaving every row's logits in the activations.
+    fn logits_of(&mut self, params: &[f32], batch: &Batch, attn: Attention<'_>) -> Result<(), GptError> {
+        self.check(batch)?;
+        self.whole_model_for("a forward pass over the whole model")?;
+        self.ensure_acts(0, batch.n_seqs, batch.seq_len);
+        let mut store = FullStore::read_only(&self.layout, self.segments(), params)?;
+        self.forward(&mut store, batch, &[], (false, attn))?;
+        Ok(store.done(0, false)?)
+    }
+
+    /// Logits `[B·T, V]` of every position of `batch` (targets unused).
+    pub fn logits(&mut self, params: &[f32], batch: &Batch) -> Result<Vec<f32>, GptError> {
+        self.logits_of(params, batch, Attention::Causal)?;
+        Ok(self.acts.logits.clone())
     }
 }
 

@@ -1,10 +1,12 @@
 //! GPT-2 as a family of the binary: its `[model]` keys, presets,
 //! `config.json` and files, behind the `family` crate's traits.
 
-use crate::{hf, Gpt, GptConfig, GptError};
+use crate::layout::TARGETS;
+use crate::{hf, lora, Gpt, GptConfig, GptError};
 use config::ModelConfig;
 use engine::{Model, ParamLayout, Precision, StagedModel, TpRank};
 use family::{Build, Family, LanguageModel, Registration, Result};
+use nn::lora::LoraConfig;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 use std::sync::Arc;
@@ -29,14 +31,23 @@ impl Registration for Gpt2Registration {
     }
 
     fn for_config(&self, m: &ModelConfig, lora: Option<&toml::Table>) -> Result<Arc<dyn Family>> {
-        if lora.is_some() {
-            return Err("[lora]: gpt2 has no LoRA adapters; remove the [lora] section (or choose a family that has them, e.g. model.family = \"llama\")".into());
+        let base = Gpt2::from_config(m)?;
+        match lora {
+            None => Ok(Arc::new(base)),
+            Some(table) => {
+                let l: LoraConfig = toml::Value::Table(table.clone()).try_into().map_err(|e| format!("[lora]: {e}"))?;
+                Ok(Arc::new(Gpt2Lora::new(base.0, l)?))
+            }
         }
-        Ok(Arc::new(Gpt2::from_config(m)?))
     }
 
-    fn for_hf_dir(&self, dir: &Path, _config: &serde_json::Value) -> Result<Arc<dyn Family>> {
-        Ok(Arc::new(Gpt2(hf::load_config(&dir.join(family::CONFIG_FILE))?)))
+    fn for_hf_dir(&self, dir: &Path, config: &serde_json::Value) -> Result<Arc<dyn Family>> {
+        let cfg = hf::load_config(&dir.join(family::CONFIG_FILE))?;
+        // A LoRA run's folder holds PEFT's adapter files beside the base.
+        match nn::lora::config_beside(dir, config, &TARGETS).map_err(GptError::from)? {
+            Some(l) => Ok(Arc::new(Gpt2Lora::new(cfg, l)?)),
+            None => Ok(Arc::new(Gpt2(cfg))),
+        }
     }
 }
 
@@ -236,6 +247,127 @@ impl Family for Gpt2Rank {
     }
 }
 
+/// GPT-2 with LoRA adapters on a frozen base: the base's files as
+/// [`Gpt2`] writes them, the adapters beside them in PEFT's format.
+#[derive(Debug, Clone)]
+pub struct Gpt2Lora {
+    base: Gpt2,
+    lora: LoraConfig,
+    /// The layout (no activations): segments, initialisation, names.
+    model: Arc<Gpt>,
+}
+
+impl Gpt2Lora {
+    /// `cfg` with `lora`'s adapters (checked: what GPT-2 does not support is named).
+    pub fn new(cfg: GptConfig, lora: LoraConfig) -> Result<Self> {
+        let model = Gpt::with_lora(cfg, lora.clone(), Precision::F32)?;
+        Ok(Self { base: Gpt2(cfg), lora, model: Arc::new(model) })
+    }
+
+    fn sizes(&self, micro: usize, seq_len: usize, build: Build, spec: &engine::StageSpec) -> crate::ActSizes {
+        let ad = (TpRank::WHOLE, self.model.adapter_set());
+        let how = (build.precision, build.checkpointing);
+        crate::ActSizes::adapted(&self.base.0, ad, (micro, seq_len), how, nn::stack::Part::of(spec))
+    }
+}
+
+impl Family for Gpt2Lora {
+    fn name(&self) -> &'static str {
+        self.base.name()
+    }
+
+    fn describe(&self) -> String {
+        let names = self.lora.target_names(&TARGETS).unwrap_or_default().join(", ");
+        format!("{}, LoRA r={} on {names}", self.base.describe(), self.lora.r)
+    }
+
+    fn n_params(&self) -> u128 {
+        self.model.layout().n_params() as u128
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.base.vocab_size()
+    }
+
+    fn max_seq_len(&self) -> usize {
+        self.base.max_seq_len()
+    }
+
+    fn flops_per_token(&self, seq_len: usize) -> f64 {
+        self.base.flops_per_token(seq_len)
+    }
+
+    fn activation_bytes(&self, micro: usize, seq_len: usize, build: Build) -> u128 {
+        self.sizes(micro, seq_len, build, &engine::StageSpec::whole(self.base.0.n_layer)).bytes()
+    }
+
+    fn stage_activation_bytes(&self, micro: usize, seq_len: usize, build: Build, spec: &engine::StageSpec) -> u128 {
+        self.sizes(micro, seq_len, build, spec).bytes()
+    }
+
+    fn tensor_parallel(&self, tp: TpRank) -> Result<Arc<dyn Family>> {
+        Err(format!(
+            "[lora] on gpt2 is not supported with tensor parallelism (dist.tensor_parallel = {}); set dist.tensor_parallel = 1, or use data or pipeline parallelism",
+            tp.size
+        )
+        .into())
+    }
+
+    fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>> {
+        let model = Gpt::with_lora(self.base.0, self.lora.clone(), build.precision)?;
+        Ok(Box::new(family::Erased(model.with_checkpointing(build.checkpointing))))
+    }
+
+    fn init_segment(&self, seed: u64, seg: usize) -> Vec<f32> {
+        self.model.init_segment(seed, seg)
+    }
+
+    fn hf_config(&self) -> serde_json::Value {
+        let mut v = self.base.hf_config();
+        if let Some(o) = v.as_object_mut() {
+            o.insert(nn::lora::CONFIG_KEY.into(), nn::lora::config_value(&self.lora, &TARGETS));
+        }
+        v
+    }
+
+    /// The base as Hugging Face files and the adapters in PEFT's format
+    /// beside them (`PeftModel.from_pretrained(base, DIR)`).
+    fn save_hf(&self, dir: &Path, layout: &ParamLayout, params: &[f32]) -> Result<()> {
+        if layout.n_params() != params.len() {
+            return Err(format!("{} parameters to save, the model has {}", params.len(), layout.n_params()).into());
+        }
+        hf::save(dir, &self.base.0, layout, params)?;
+        Ok(lora::save_adapter(dir, &self.model, params, None)?)
+    }
+
+    /// The base, the adapters as initialised (B = 0: the base's function),
+    /// then the folder's trained adapters when it has them.
+    fn load_weights(&self, dir: &Path, layout: &ParamLayout) -> Result<Vec<f32>> {
+        // `init_in_place` refuses a layout other than the model's.
+        let mut params = hf::load_weights(&dir.join(family::WEIGHTS_FILE), layout)?;
+        lora::init_in_place(&self.model, &mut params, 0)?;
+        if dir.join(nn::lora::ADAPTER_CONFIG_FILE).exists() {
+            lora::apply(&lora::load_adapter(dir)?, &self.model, &mut params)?;
+        }
+        Ok(params)
+    }
+
+    fn start_from_pretrained(&self, params: Vec<f32>, seed: u64) -> Result<Vec<f32>> {
+        match params.len() == self.model.layout().n_params() {
+            true => Ok(params),
+            false => Ok(lora::attach(&self.model, &params, seed)?),
+        }
+    }
+
+    fn merged(&self, params: &[f32]) -> Result<Option<family::Loaded>> {
+        Ok(Some((Arc::new(self.base), lora::merge(&self.model, params)?)))
+    }
+
+    fn pin_shape(&self, m: &mut ModelConfig) {
+        self.base.pin_shape(m)
+    }
+}
+
 family::text_model!(Gpt, GptError);
 
 #[cfg(test)]
@@ -257,12 +389,21 @@ mod tests {
 
     /// The estimate is exact: it equals what the model allocates, for every
     /// precision and checkpointing choice (an estimate that drifts from the
-    /// model would let the memory check pass runs that abort).
+    /// model would let the memory check pass runs that abort), with and
+    /// without LoRA adapters.
     #[test]
     fn activation_estimate_equals_the_allocation() {
         let g = GptConfig { n_layer: 3, n_head: 2, n_embd: 16, block_size: 8, vocab_size: 37 };
-        let family = Gpt2(g);
-        let params = crate::init_params(&g, 1);
+        let lora = LoraConfig::new(3, 6.0, &["c_attn", "c_proj", "c_fc"]);
+        let adapted = Gpt2Lora::new(g, lora).unwrap_or_else(|e| panic!("{e}"));
+        let families: [(&dyn Family, Vec<f32>); 2] =
+            [(&Gpt2(g), crate::init_params(&g, 1)), (&adapted, adapted.model.init_params(1))];
+        for (family, params) in families {
+            activation_estimate_of(family, &params);
+        }
+    }
+
+    fn activation_estimate_of(family: &dyn Family, params: &[f32]) {
         for precision in [Precision::F32, Precision::Bf16, Precision::F16] {
             for checkpointing in [Checkpointing::None, Checkpointing::Blocks, Checkpointing::EveryK(2)] {
                 let build = Build { precision, checkpointing };
@@ -276,7 +417,7 @@ mod tests {
                     positions: Vec::new(),
                 };
                 let mut grads = vec![0.0; params.len()];
-                let mut store = FullStore::for_model(&model, &params, &mut grads).unwrap_or_else(|e| panic!("{e}"));
+                let mut store = FullStore::for_model(&model, params, &mut grads).unwrap_or_else(|e| panic!("{e}"));
                 model.micro_step(&mut store, &batch, 1.0).unwrap_or_else(|e| panic!("{e}"));
                 drop(store);
                 let want = model.activation_bytes() as u128;

@@ -59,7 +59,7 @@ pub(crate) fn shards(cfg: &GptConfig, tp: TpRank, local: &ParamLayout) -> Result
     if !tp.is_split() {
         return Err(GptError::InvalidConfig("the whole model has no shards".into()));
     }
-    let (whole, _) = build_layout(cfg, Widths::of(cfg, TpRank::WHOLE));
+    let (whole, _) = build_layout(cfg, Widths::of(cfg, TpRank::WHOLE), None);
     let shards = whole.tensors().iter().map(|t| shard_of(cfg, &t.name, tp.size)).collect();
     TensorShards::new(tp, whole, local.clone(), shards).map_err(|e| GptError::InvalidConfig(e.to_string()))
 }

@@ -1,10 +1,11 @@
 //! GPT-2 runs the engine's Model conformance suite (engine::conformance)
-//! with a tiny configuration.
+//! with a tiny configuration: plain, and with LoRA adapters on a frozen base.
 
 use engine::conformance::{self, ModelUnderTest, TokenSamples};
 use engine::rng::SplitMix64;
 use engine::{Checkpointing, TensorSpec};
 use gpt::{init_params, Batch, Gpt, GptConfig};
+use nn::lora::LoraConfig;
 
 const T: usize = 8;
 
@@ -18,12 +19,14 @@ struct GptFamily {
     seqs: TokenSamples,
     /// Activation checkpointing of the model under test.
     checkpointing: Checkpointing,
+    /// Adapters on a frozen base.
+    lora: Option<LoraConfig>,
 }
 
 impl GptFamily {
     fn new(checkpointing: Checkpointing) -> Self {
         let seqs = TokenSamples::new(12, T, 32, 9);
-        Self { seqs, checkpointing }
+        Self { seqs, checkpointing, lora: None }
     }
 }
 
@@ -31,13 +34,19 @@ impl ModelUnderTest for GptFamily {
     type M = Gpt;
 
     fn model(&self) -> Gpt {
-        Gpt::new(cfg()).expect("valid config").with_checkpointing(self.checkpointing)
+        match &self.lora {
+            Some(l) => Gpt::with_lora(cfg(), l.clone(), engine::Precision::F32),
+            None => Gpt::new(cfg()),
+        }
+        .expect("valid config")
+        .with_checkpointing(self.checkpointing)
     }
 
     /// GPT-2's initialisation plus N(0, 0.3) noise, so that every path
-    /// (biases, LayerNorm gains) carries a visible gradient.
+    /// (biases, LayerNorm gains, LoRA's B, which starts at zero) carries a
+    /// visible gradient.
     fn init(&self) -> Vec<f32> {
-        let mut p = init_params(&cfg(), 3);
+        let mut p = self.model().init_params(3);
         let mut rng = SplitMix64::new(15);
         p.iter_mut().for_each(|x| *x += (rng.normal() * 0.3) as f32);
         p
@@ -51,9 +60,13 @@ impl ModelUnderTest for GptFamily {
         self.seqs.len()
     }
 
-    /// All but the last block (the embeddings, tied head, block 0 and ln_f).
+    /// All but the last block (the embeddings, tied head, block 0 and
+    /// ln_f); with LoRA, everything but the adapters.
     fn frozen(&self, t: &TensorSpec) -> bool {
-        !t.name.starts_with("transformer.h.1.")
+        match self.lora {
+            Some(_) => !nn::lora::is_adapter(&t.name),
+            None => !t.name.starts_with("transformer.h.1."),
+        }
     }
 
     /// The forward runs in f32 over ~25 targets (loss sum ≈ 100): rounding
@@ -78,6 +91,17 @@ impl ModelUnderTest for GptFamily {
 #[test]
 fn gpt2_passes_the_conformance_suite() {
     conformance::run_all(&GptFamily::new(Checkpointing::None)).unwrap();
+}
+
+/// LoRA on every linear layer (`all-linear`: c_attn, both c_proj, c_fc)
+/// of a frozen base, plain and recomputing blocks (the adapters' x·Aᵀ are
+/// recomputed with them).
+#[test]
+fn gpt2_with_lora_on_a_frozen_base_passes_the_conformance_suite() {
+    for ck in [Checkpointing::None, Checkpointing::Blocks, Checkpointing::Selective] {
+        let lora = Some(LoraConfig::new(2, 4.0, &["all-linear"]));
+        conformance::run_all(&GptFamily { lora, ..GptFamily::new(ck) }).unwrap_or_else(|e| panic!("{ck}: {e}"));
+    }
 }
 
 /// Recomputing blocks in backward keeps every property: ZeRO-3 gathers a

@@ -200,27 +200,73 @@ fn resuming_with_another_model_shape_or_an_unwritable_output_is_an_error() {
     let _ = std::fs::remove_file(&file);
 }
 
-/// A LoRA run on `all-linear` resumes bit for bit: the checkpoint spells
-/// the targets as the projections they name, the config as `all-linear`,
-/// and both are the same shape.
+/// A LoRA run on `all-linear` resumes bit for bit, on the Llama block and
+/// on GPT-2: the checkpoint spells the targets as the fewest names of the
+/// layers they select (GPT-2: `c_attn`, `c_proj`, `c_fc`), the config as
+/// `all-linear`, and both are the same shape.
 #[test]
 fn a_lora_run_on_all_linear_resumes_bit_for_bit() {
-    let lora = ckpt_sets(&[
-        "model.family=llama",
-        "model.preset=tiny",
-        "lora.r=4",
-        "lora.target_modules=[\"all-linear\"]",
-        "train.steps=6",
-        "train.checkpoint_every=2",
-    ]);
-    let (a, b) = (tmp("lora-all-straight"), tmp("lora-all-resumed"));
-    run_ok(train(&a, &lora));
+    for family in ["llama", "gpt2"] {
+        let fam = format!("model.family={family}");
+        let lora = ckpt_sets(&[
+            &fam,
+            "model.preset=tiny",
+            "lora.r=4",
+            "lora.target_modules=[\"all-linear\"]",
+            "train.steps=6",
+            "train.checkpoint_every=2",
+        ]);
+        let (a, b) = (tmp(&format!("lora-{family}-straight")), tmp(&format!("lora-{family}-resumed")));
+        run_ok(train(&a, &lora));
+        let mut c = bin();
+        c.arg("train").arg("--out").arg(&b).args(["--stop-after", "2"]);
+        with_sets(&mut c, &lora);
+        run_ok(c.output().unwrap());
+        let err = run_ok(resume(&b, &[]));
+        assert!(err.contains("resuming from") && err.contains("step-00000002"), "{family}: {err}");
+        assert_eq!(loss_text(&a), loss_text(&b), "{family}: every logged loss identical");
+        let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
+    }
+}
+
+/// LoRA fine-tuning of a GPT-2 through the command line: `--init-from` a
+/// trained GPT-2 folder with `[lora]` trains the adapters alone (only they
+/// hold gradients and optimizer state), saves the base bit-identical with
+/// PEFT's adapter files beside it, and `--merge` writes a plain GPT-2 that
+/// answers as base + adapters.
+#[test]
+fn gpt2_lora_fine_tunes_adapters_only_and_merges() {
+    let (src, ft) = (tmp("gpt2-lora-src"), tmp("gpt2-lora-ft"));
+    let base = ckpt_sets(&["train.steps=4", "train.checkpoint_every=0"]);
+    run_ok(train(&src, &base));
+    let lora = [&base[..], &["lora.r=4", "lora.target_modules=[\"c_attn\", \"c_proj\"]", "optim.lr=1e-2"]].concat();
     let mut c = bin();
-    c.arg("train").arg("--out").arg(&b).args(["--stop-after", "2"]);
+    c.arg("train").arg("--out").arg(&ft).arg("--init-from").arg(&src).arg("--merge");
     with_sets(&mut c, &lora);
-    run_ok(c.output().unwrap());
-    let err = run_ok(resume(&b, &[]));
-    assert!(err.contains("resuming from") && err.contains("step-00000002"), "{err}");
-    assert_eq!(loss_text(&a), loss_text(&b), "every logged loss identical");
-    let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
+    let err = run_ok(c.output().unwrap());
+    assert!(err.contains("LoRA r=4 on c_attn, c_proj"), "{err}");
+    let bytes = |d: &Path, f: &str| std::fs::read(d.join(f)).unwrap_or_else(|e| panic!("{}: {e}", d.join(f).display()));
+    assert!(bytes(&src, "model.safetensors") == bytes(&ft, "model.safetensors"), "the frozen base changed");
+    let adapter: serde_json::Value = serde_json::from_slice(&bytes(&ft, "adapter_config.json")).unwrap();
+    assert_eq!(adapter["target_modules"], serde_json::json!(["c_attn", "c_proj"]));
+    assert_eq!(adapter["fan_in_fan_out"], true);
+    let m = metrics(&ft);
+    let (grads, opt) = (m[0]["mem_grads"].as_u64().unwrap(), m[0]["mem_optimizer"].as_u64().unwrap());
+    let file = bytes(&ft, "adapter_model.safetensors").len() as u64;
+    assert!(grads < file && opt == 2 * grads, "grads {grads}, optimizer {opt}, adapter file {file} bytes");
+    let greedy = |dir: &Path| {
+        let o = bin()
+            .arg("generate")
+            .arg(dir)
+            .args(["--prompt", "Call me", "--temperature", "0", "--max-new-tokens", "12"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        run_ok(o);
+        text
+    };
+    let merged = ft.join("merged");
+    assert!(!merged.join("adapter_config.json").exists());
+    assert_eq!(greedy(&ft), greedy(&merged), "merged weights answer as base + adapters");
+    let _ = (std::fs::remove_dir_all(&src), std::fs::remove_dir_all(&ft));
 }
