@@ -77,17 +77,6 @@ impl Dims {
     }
 }
 
-/// What a forward pass keeps.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Pass {
-    /// Keeps every layer's activations for the backward; logits of every position.
-    Train,
-    /// Forward only: every layer reuses one slot; logits of every position.
-    Eval,
-    /// Forward only: one slot; logits of each sequence's last position.
-    NextToken,
-}
-
 /// Element counts of every activation buffer of a Llama for one (B, T),
 /// pass, storage precision and checkpointing: what the model allocates and
 /// what [`ActSizes::bytes`] reports.

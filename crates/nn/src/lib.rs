@@ -41,6 +41,7 @@ pub mod loss;
 pub mod loss_terms;
 pub mod norm;
 pub mod rope;
+pub mod shell;
 pub mod stack;
 
 pub use grad::ParamGrad;

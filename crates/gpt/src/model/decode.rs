@@ -17,23 +17,10 @@ impl Gpt {
     pub fn set_kv_cache(&mut self, positions: usize) -> Result<(), GptError> {
         let positions = positions.min(self.cfg.block_size);
         let heads = self.cfg.n_head / self.tp.size;
-        self.kv = match positions {
+        self.shell.kv = match positions {
             0 => None,
             _ => Some(KvCache::new(self.cfg.n_layer, positions, heads * self.cfg.head_dim())?),
         };
         Ok(())
-    }
-
-    /// [`Gpt::next_token_logits`] with the cache `kv` (taken out of the
-    /// model for the call and put back): [`KvCache::pass`].
-    pub(super) fn cached_next_token_logits(
-        &mut self,
-        params: &[f32],
-        tokens: &[u32],
-        mut kv: KvCache,
-    ) -> Result<Vec<f32>, GptError> {
-        let logits = kv.pass(tokens, |rows, attn| self.last_logits(params, rows, attn));
-        self.kv = Some(kv);
-        logits
     }
 }

@@ -17,7 +17,7 @@ impl Llama {
     /// `2 · n_layer · positions · kv_dim` f32 (see [`KvCache::bytes_for`]).
     pub fn set_kv_cache(&mut self, positions: usize) -> Result<(), LlamaError> {
         let positions = positions.min(self.cfg.max_position_embeddings);
-        self.kv = match positions {
+        self.shell.kv = match positions {
             0 => None,
             _ => {
                 let windows: Vec<_> = (0..self.cfg.n_layer).map(|i| self.cfg.window_of(i)).collect();
@@ -32,18 +32,5 @@ impl Llama {
     pub(super) fn rope_for(&self, first: usize, n: usize) -> Rope {
         let cfg = &self.cfg;
         Rope::for_positions(first..first + n, cfg.head_dim, cfg.rope_theta, cfg.llama3_scaling().as_ref())
-    }
-
-    /// [`Llama::next_token_logits`] with the cache `kv` (taken out of the
-    /// model for the call and put back): [`KvCache::pass`].
-    pub(super) fn cached_next_token_logits(
-        &mut self,
-        params: &[f32],
-        tokens: &[u32],
-        mut kv: KvCache,
-    ) -> Result<Vec<f32>, LlamaError> {
-        let logits = kv.pass(tokens, |rows, attn| self.last_logits(params, rows, attn));
-        self.kv = Some(kv);
-        logits
     }
 }

@@ -1,0 +1,758 @@
+//! The causal language model around a family's block stack, written once:
+//! the token embedding (learned positions and a scale optional), the final
+//! norm (LayerNorm or RMSNorm), the head (tied to the embedding or not,
+//! its logits soft-capped or not), the fused loss, a pipeline stage's
+//! boundaries, micro-batches in flight, and generation with a key/value
+//! cache.
+//!
+//! A family supplies its block and how to walk it ([`Decoder::walk`]),
+//! its activation sizes ([`Decoder::new_acts`]) and where the shell's
+//! tensors are ([`Ends`]); [`impl_decoder!`](crate::impl_decoder)
+//! implements `engine::Model` and `engine::StagedModel` from that.
+//!
+//! Segments: 0 is the embedding (with the learned positions), `1..=L` the
+//! blocks, `L + 1` the final norm (with an untied head). The head's
+//! segment is held from the head's forward to its backward (or to the end
+//! of a forward-only pass): a tied head shares segment 0 with the
+//! embedding, whose gradient the head adds to first.
+
+use crate::grad::param_grad;
+use crate::kv::{Attention, KvCache};
+use crate::linear::{head_gemm, linear_backward_input, linear_backward_weight, LinearShape};
+use crate::norm::{layernorm_backward, layernorm_forward, rmsnorm_backward, rmsnorm_forward, NormSaved};
+use crate::stack::{Part, Slots, Stack, StackSizes, DRES};
+use crate::{GemmDims, GemmOut, Positions, Strided};
+use engine::batch::TokenBatch;
+use engine::{
+    Checkpointing, EngineError, FullStore, GradOut, MicroStepStats, ParamLayout, ParamStore, Precision, SegmentView,
+    StageSpec,
+};
+use std::borrow::Cow;
+use std::ops::Range;
+
+#[doc(hidden)]
+pub use engine;
+
+/// What a forward pass keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pass {
+    /// Keeps every block's activations for the backward; logits of every position.
+    Train,
+    /// Forward only: every block reuses one slot; logits of every position.
+    Eval,
+    /// Forward only: one slot; logits of each sequence's last position.
+    NextToken,
+}
+
+/// The final norm.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum FinalNorm {
+    /// LayerNorm: its weight at `..C` of its segment, its bias at `C..2C`.
+    Layer,
+    /// RMSNorm with `eps`: its gains at `..C`, applied as `1 + w` when
+    /// `one_plus` (Gemma stores them so).
+    Rms {
+        /// Added to the mean square.
+        eps: f32,
+        /// Gains applied as `1 + w`.
+        one_plus: bool,
+    },
+}
+
+/// Where the shell's tensors are and what they compute.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ends {
+    /// The residual stream's width C.
+    pub width: usize,
+    /// The vocabulary V.
+    pub vocab: usize,
+    /// Blocks of the whole model.
+    pub n_blocks: usize,
+    /// The most positions a row may hold, and the configuration key that sets it.
+    pub context: (usize, &'static str),
+    /// The token embedding `[V, C]` in segment 0.
+    pub embed: Range<usize>,
+    /// Learned positions `[context, C]` in segment 0, after the embedding (GPT-2's `wpe`).
+    pub positions: Option<Range<usize>>,
+    /// The embedding's output is multiplied by this (Gemma's √C).
+    pub embed_scale: Option<f32>,
+    /// The final norm, in segment `L + 1`.
+    pub norm: FinalNorm,
+    /// An untied head `[V, C]` inside the final norm's segment; `None`:
+    /// the head is the embedding.
+    pub head: Option<Range<usize>>,
+    /// Logits soft-capped at this (`cap · tanh(x / cap)`, Gemma 2).
+    pub soft_cap: Option<f32>,
+}
+
+/// A family's activation buffers outside the block stack (Llama's rotary
+/// tables and LoRA dropout masks), kept per micro-batch in flight.
+pub trait Extra: Default + std::fmt::Debug {
+    /// Bytes held, for memory accounting.
+    fn bytes(&self) -> usize;
+}
+
+impl Extra for () {
+    fn bytes(&self) -> usize {
+        0
+    }
+}
+
+/// Activations and backward scratch for one (B, T): the block stack, the
+/// final norm's output and statistics, the logits and the losses, the
+/// micro-batch's positions, and the family's extra buffers.
+#[derive(Debug, Default)]
+pub struct Acts<X> {
+    /// (precision, checkpointing) they were sized for; `None`: not sized.
+    sized: Option<(Precision, Checkpointing)>,
+    /// Sequences.
+    pub b: usize,
+    /// Positions per sequence.
+    pub t: usize,
+    /// The blocks' activations and working buffers.
+    pub stack: Stack,
+    /// The final norm's output, mean (LayerNorm) and 1/std or 1/rms.
+    pub norm: Vec<f32>,
+    /// The final LayerNorm's means (empty for RMSNorm).
+    pub mean: Vec<f32>,
+    /// The final norm's 1/std or 1/rms.
+    pub rstd: Vec<f32>,
+    /// Sized by each forward: all positions, or one per sequence when generating.
+    pub logits: Vec<f32>,
+    /// Per-row losses.
+    pub losses: Vec<f32>,
+    /// The micro-batch's positions (packed rows; empty otherwise).
+    pub pos: Vec<u32>,
+    /// Document starts.
+    pub docs: Vec<u32>,
+    /// The family's own buffers.
+    pub extra: X,
+}
+
+impl<X: Extra> Acts<X> {
+    /// Buffers of the element counts `stack` and `[norm output, mean,
+    /// 1/std, logits, losses]` for `b` sequences of `t` tokens.
+    pub fn new(stack: &StackSizes, ends: [u128; 5], (b, t): (usize, usize), extra: X) -> Self {
+        let [norm, mean, rstd, logits, losses] = ends.map(crate::stack::zeros);
+        let sized = Some((stack.precision, stack.checkpointing));
+        let (pos, docs) = (Vec::new(), Vec::new());
+        Acts { sized, b, t, stack: Stack::new(stack), norm, mean, rstd, logits, losses, pos, docs, extra }
+    }
+
+    /// Bytes held (activations and scratch), for memory accounting.
+    pub fn bytes(&self) -> usize {
+        let ends = [&self.norm, &self.mean, &self.rstd, &self.logits, &self.losses];
+        self.stack.bytes() + 4 * ends.iter().map(|v| v.len()).sum::<usize>() + self.extra.bytes()
+    }
+}
+
+/// Moves the buffers used only within one forward (logits, losses) from
+/// the slot left to the slot entered.
+fn carry<X>(from: &mut Acts<X>, to: &mut Acts<X>) {
+    to.logits = std::mem::take(&mut from.logits);
+    to.losses = std::mem::take(&mut from.losses);
+}
+
+/// What every decoder holds besides its block: the layout, how it stores
+/// activations, the part of the model it runs, the activations of each
+/// micro-batch in flight, the generation cache and the loss terms.
+#[derive(Debug)]
+pub struct Shell<X> {
+    /// Where the shell's tensors are.
+    pub ends: Ends,
+    /// The parameters' named layout.
+    pub layout: ParamLayout,
+    /// The storage precision of activations.
+    pub precision: Precision,
+    /// Which blocks are recomputed in backward.
+    pub checkpointing: Checkpointing,
+    /// The part of the model this one runs (all of it without a pipeline).
+    pub stage: StageSpec,
+    /// The current micro-batch slot's activations.
+    pub acts: Acts<X>,
+    slots: Slots<Acts<X>>,
+    /// Generation's key/value cache, when one is kept.
+    pub kv: Option<KvCache>,
+    /// What the training loss adds to cross-entropy.
+    pub loss_terms: engine::LossTerms,
+}
+
+impl<X: Extra> Shell<X> {
+    /// The whole model (no pipeline stage), no checkpointing, no activations yet.
+    pub fn new(ends: Ends, layout: ParamLayout, precision: Precision) -> Self {
+        Shell {
+            stage: StageSpec::whole(ends.n_blocks),
+            ends,
+            layout,
+            precision,
+            checkpointing: Checkpointing::None,
+            acts: Acts::default(),
+            slots: Slots::default(),
+            kv: None,
+            loss_terms: engine::LossTerms::default(),
+        }
+    }
+
+    /// Drops every activation buffer (sized again by the next pass).
+    pub fn reset(&mut self) {
+        self.acts = Acts::default();
+        self.slots = Slots::default();
+    }
+
+    /// Runs the part `spec` of the model from now on.
+    pub fn set_stage(&mut self, spec: StageSpec) {
+        self.stage = spec;
+        self.reset();
+    }
+
+    /// The blocks this model runs and the micro-batches in flight.
+    pub fn part(&self) -> Part {
+        Part::of(&self.stage)
+    }
+
+    /// Bytes of activations and backward scratch currently allocated.
+    pub fn activation_bytes(&self) -> usize {
+        self.acts.bytes() + self.slots.parked().map(Acts::bytes).sum::<usize>()
+    }
+
+    /// Bytes of the activations kept from forward for backward (every
+    /// block's saved tensors and the embedding's output).
+    pub fn saved_activation_bytes(&self) -> usize {
+        self.acts.stack.saved_bytes() + self.slots.parked().map(|a| a.stack.saved_bytes()).sum::<usize>()
+    }
+
+    /// The segments of this stage's blocks.
+    pub fn block_segs(&self) -> Range<usize> {
+        1 + self.stage.blocks.start..1 + self.stage.blocks.end
+    }
+
+    fn norm_seg(&self) -> usize {
+        self.ends.n_blocks + 1
+    }
+
+    /// The head's segment: the embedding's (tied) or the final norm's.
+    pub fn head_seg(&self) -> usize {
+        match self.ends.head {
+            Some(_) => self.norm_seg(),
+            None => 0,
+        }
+    }
+
+    /// The head inside its segment.
+    fn head_rel(&self) -> Range<usize> {
+        self.ends.head.clone().unwrap_or_else(|| self.ends.embed.clone())
+    }
+
+    /// What is wrong with `batch` for this model, if anything.
+    pub fn check(&self, batch: &TokenBatch) -> Result<(), String> {
+        let (max, key) = self.ends.context;
+        batch.problem(max, key, self.ends.vocab).map_or(Ok(()), Err)
+    }
+
+    /// Errors unless this model runs all of itself (not a pipeline stage).
+    pub fn whole_model_for(&self, what: &str) -> Result<(), String> {
+        self.stage.require_whole(what)
+    }
+
+    /// Makes micro-batch slot `flight` current; whether its buffers must be
+    /// sized anew for `b` sequences of `t` tokens and `pass` (a training
+    /// pass needs a slot per block, a forward-only pass one: evaluation
+    /// between training steps reuses the training buffers).
+    fn enter(&mut self, flight: usize, (b, t): (usize, usize), pass: Pass) -> bool {
+        self.slots.enter(&mut self.acts, flight, self.stage.in_flight.max(1), carry);
+        let a = &self.acts;
+        let same = a.b == b && a.t == t && a.sized == Some((self.precision, self.checkpointing));
+        let n_slots = if pass == Pass::Train { self.part().n_blocks } else { 1 };
+        !same || a.stack.n_slots() < n_slots
+    }
+
+    /// The embedding's forward into the stack's input (first stage) or the
+    /// previous stage's output `input`, kept as block 0's input; the rows'
+    /// positions start at `first`.
+    fn embed_forward(
+        &mut self,
+        store: &mut dyn ParamStore,
+        batch: &TokenBatch,
+        input: &[f32],
+        first: usize,
+    ) -> Result<(), EngineError> {
+        self.acts.pos.clone_from(&batch.positions);
+        self.acts.docs = batch.doc_starts();
+        if self.stage.is_first() {
+            let (e, a, c) = (&self.ends, &mut self.acts, self.ends.width);
+            {
+                let seg = store.segment(0)?;
+                let wpe = e.positions.as_ref().map(|p| &seg.params[p.clone()][first * c..]);
+                let pos = Positions { t: a.t, ids: &a.pos };
+                crate::embed::embedding_forward(
+                    &mut a.stack.x,
+                    &batch.inputs,
+                    &seg.params[e.embed.clone()],
+                    wpe,
+                    pos,
+                    c,
+                );
+                if let Some(s) = e.embed_scale {
+                    a.stack.x.iter_mut().for_each(|v| *v *= s);
+                }
+            }
+            store.done(0, false)?;
+        } else {
+            self.acts.stack.x.copy_from_slice(input);
+        }
+        self.acts.stack.keep_input();
+        Ok(())
+    }
+
+    /// The last stage's final norm and head into `logits` (every row, or
+    /// each sequence's last for [`Pass::NextToken`]), leaving the head's
+    /// segment held.
+    fn head_forward(&mut self, store: &mut dyn ParamStore, pass: Pass) -> Result<(), EngineError> {
+        let (norm_seg, head_seg, head_rel) = (self.norm_seg(), self.head_seg(), self.head_rel());
+        let (e, a, ops) = (&self.ends, &mut self.acts, crate::operands(self.precision));
+        let (c, v) = (e.width, e.vocab);
+        {
+            let seg = store.segment(norm_seg)?;
+            match e.norm {
+                FinalNorm::Layer => {
+                    let (w, b) = (&seg.params[..c], &seg.params[c..2 * c]);
+                    layernorm_forward(&mut a.norm, &mut a.mean, &mut a.rstd, &a.stack.x, w, b, c);
+                }
+                FinalNorm::Rms { eps, one_plus } => {
+                    let g = gains(&seg.params[..c], one_plus);
+                    rmsnorm_forward(&mut a.norm, &mut a.rstd, &a.stack.x, &g, c, eps);
+                }
+            }
+        }
+        if head_seg != norm_seg {
+            store.done(norm_seg, false)?;
+        }
+        // logits = norm · headᵀ, for every row or each sequence's last one:
+        // (rows, C) @ (C, V) -> (rows, V)
+        let (b, t) = (a.b, a.t);
+        let (rows, x) = match pass {
+            Pass::NextToken => (b, Strided { data: &a.norm, offset: (t - 1) * c, rs: t * c, cs: 1 }),
+            Pass::Train | Pass::Eval => (b * t, Strided::rows(&a.norm, c)),
+        };
+        a.logits.resize(rows * v, 0.0);
+        let seg = store.segment(head_seg)?;
+        let head = Strided::transposed(&seg.params[head_rel], c);
+        let par = crate::parallelism(false).with(ops);
+        head_gemm(GemmDims { m: rows, n: v, k: c }, &mut a.logits, GemmOut::overwrite(v), x, head, par);
+        if let Some(cap) = e.soft_cap {
+            crate::loss_terms::soft_cap(&mut a.logits, cap);
+        }
+        Ok(())
+    }
+
+    /// Fused softmax + cross-entropy of the logits (replaced by
+    /// `grad_scale ·` their gradient when given, the loss terms included);
+    /// returns the cross-entropy and what the terms add, each summed in row
+    /// order (f64, deterministic).
+    fn cross_entropy(&mut self, batch: &TokenBatch, grad_scale: Option<f32>) -> (f64, f64) {
+        let a = &mut self.acts;
+        let aux = crate::loss_terms::capped_cross_entropy_with(
+            (&mut a.logits, self.ends.soft_cap),
+            &mut a.losses,
+            &batch.targets,
+            self.ends.vocab,
+            grad_scale,
+            self.loss_terms,
+        );
+        (crate::loss::loss_sum(&a.losses, batch.n_seqs * batch.seq_len), aux)
+    }
+
+    /// The last stage's backward from `dlogits` (held in `logits`) through
+    /// the head and the final norm into the residual gradient; the head's
+    /// segment is still held from the forward.
+    fn head_backward(&mut self, store: &mut dyn ParamStore) -> Result<(), EngineError> {
+        let (norm_seg, head_seg, head_rel) = (self.norm_seg(), self.head_seg(), self.head_rel());
+        let (e, a, prec) = (&self.ends, &mut self.acts, self.precision);
+        let (c, v, n) = (e.width, e.vocab, a.b * a.t);
+        if prec == Precision::F16 {
+            // The scaled logits gradient in f16: where a too-large loss scale overflows.
+            prec.round(&mut a.logits);
+        }
+        {
+            let SegmentView { params, mut grads, .. } = store.segment(head_seg)?;
+            let dlogits = Strided::rows(&a.logits, v);
+            // dnorm = dlogits · head: (B*T, V) @ (V, C) -> (B*T, C)
+            let (head, lin) = (&params[head_rel.clone()], LinearShape::new(n, c, v, crate::operands(prec)));
+            linear_backward_input(&mut a.stack.bufs[DC], false, dlogits, head, lin);
+            // dhead (+)= dlogitsᵀ · norm: (V, B*T) @ (B*T, C) -> (V, C)
+            linear_backward_weight(param_grad(grads.tensor(head_rel)), dlogits, &a.norm, lin);
+        }
+        if head_seg != norm_seg {
+            // A tied head's share of the embedding's gradient is complete for this pass.
+            store.done(head_seg, true)?;
+        }
+        {
+            let SegmentView { params, mut grads, .. } = store.segment(norm_seg)?;
+            let [dres, dc, ..] = &mut a.stack.bufs[..] else { unreachable!("the stack's working buffers") };
+            dres.fill(0.0);
+            // stack.x is still the last block's output.
+            match e.norm {
+                FinalNorm::Layer => {
+                    let (gw, gb) = grads.pair(0..c, c..2 * c);
+                    let saved = NormSaved { inp: &a.stack.x, mean: &a.mean, rstd: &a.rstd };
+                    layernorm_backward(dres, param_grad(gw), param_grad(gb), dc, saved, &params[..c]);
+                }
+                FinalNorm::Rms { one_plus, .. } => {
+                    let saved = NormSaved { inp: &a.stack.x, mean: &[], rstd: &a.rstd };
+                    let g = gains(&params[..c], one_plus);
+                    rmsnorm_backward(dres, param_grad(grads.tensor(0..c)), dc, saved, &g);
+                }
+            }
+        }
+        store.done(norm_seg, true)?;
+        Ok(())
+    }
+
+    /// The first stage's embedding backward from the residual gradient
+    /// (only ever added to the embedding's gradient).
+    fn embed_backward(&mut self, store: &mut dyn ParamStore, inputs: &[u32]) -> Result<(), EngineError> {
+        if !self.stage.is_first() {
+            return Ok(());
+        }
+        {
+            let SegmentView { mut grads, .. } = store.segment(0)?;
+            let (e, a) = (&self.ends, &mut self.acts);
+            let (g, gp) = match &e.positions {
+                Some(p) => grads.pair(e.embed.clone(), p.clone()),
+                None => (grads.tensor(e.embed.clone()), None),
+            };
+            let dres = &mut a.stack.bufs[DRES];
+            if let Some(s) = e.embed_scale {
+                dres.iter_mut().for_each(|v| *v *= s);
+            }
+            let pos = Positions { t: a.t, ids: &a.pos };
+            let (g, gp) = (g.map(GradOut::for_adding), gp.map(GradOut::for_adding));
+            crate::embed::embedding_backward(g, gp, dres, inputs, pos, e.width);
+        }
+        store.done(0, true)
+    }
+}
+
+/// The working buffer of the stack that holds the final norm's output
+/// gradient in backward.
+const DC: usize = 1;
+
+/// RMSNorm gains as stored, or `1 + w`.
+fn gains(w: &[f32], one_plus: bool) -> Cow<'_, [f32]> {
+    match one_plus {
+        false => Cow::Borrowed(w),
+        true => Cow::Owned(w.iter().map(|x| 1.0 + x).collect()),
+    }
+}
+
+/// Which way [`Decoder::walk`] runs this stage's blocks.
+#[derive(Debug, Clone, Copy)]
+pub enum Walk<'a> {
+    /// [`Stack::forward`] on the embedding's output (a training pass keeps
+    /// every block's activations).
+    Forward(Pass, Attention<'a>),
+    /// [`Stack::backward`] from the residual gradient.
+    Backward,
+}
+
+/// A family's decoder: its block, walked inside the [`Shell`] it holds.
+pub trait Decoder {
+    /// What can go wrong inside the model.
+    type Error: From<EngineError> + std::error::Error + Send + Sync + 'static;
+    /// The family's per-micro-batch buffers outside the stack.
+    type Extra: Extra;
+
+    /// The shell the family's block runs in.
+    fn shell(&self) -> &Shell<Self::Extra>;
+    /// [`Decoder::shell`], to change.
+    fn shell_mut(&mut self) -> &mut Shell<Self::Extra>;
+
+    /// The error naming a batch or buffer this model cannot run.
+    fn invalid_batch(problem: String) -> Self::Error;
+
+    /// Activation buffers for `b` sequences of `t` tokens (a training
+    /// pass's, with a slot per block, when `train`).
+    fn new_acts(&self, b: usize, t: usize, train: bool) -> Acts<Self::Extra>;
+
+    /// Runs this stage's blocks ([`Shell::block_segs`]) over the current
+    /// slot's stack, as `walk` says, for `batch`.
+    fn walk(&mut self, store: &mut dyn ParamStore, batch: &TokenBatch, walk: Walk<'_>) -> Result<(), Self::Error>;
+
+    /// The segments: the embedding, each block, the final norm (with an untied head).
+    fn segments(&self) -> Vec<Range<usize>>;
+
+    /// Maps this tensor-parallel rank's layout onto the whole model's.
+    fn tensor_shards(&self) -> Option<engine::TensorShards> {
+        None
+    }
+
+    /// The optimizer step about to be taken.
+    fn begin_step(&mut self, _step: u64) {}
+}
+
+/// Makes slot `flight` current, sized for `b` × `t` and `pass`.
+fn ensure_acts<D: Decoder>(d: &mut D, flight: usize, (b, t): (usize, usize), pass: Pass) {
+    if d.shell_mut().enter(flight, (b, t), pass) {
+        // The old buffers go before the new ones are allocated: micro-batches
+        // of changing length would otherwise hold both at once.
+        d.shell_mut().acts = Acts::default();
+        let acts = d.new_acts(b, t, pass == Pass::Train);
+        d.shell_mut().acts = acts;
+    }
+}
+
+/// Forward through this stage in the current slot: from the embedding
+/// (first stage) or `input`, through the blocks, and on the last stage
+/// the final norm and the head (its segment left held). The rows'
+/// positions start at `attn`'s first position.
+fn forward<D: Decoder>(
+    d: &mut D,
+    store: &mut dyn ParamStore,
+    batch: &TokenBatch,
+    input: &[f32],
+    (pass, attn): (Pass, Attention<'_>),
+) -> Result<(), D::Error> {
+    d.shell_mut().embed_forward(store, batch, input, attn.first_position())?;
+    d.walk(store, batch, Walk::Forward(pass, attn))?;
+    if d.shell().stage.is_last() {
+        d.shell_mut().head_forward(store, pass)?;
+    }
+    Ok(())
+}
+
+/// [`engine::StagedModel::stage_forward`]: forward of micro-batch slot
+/// `slot` from `input` (not on the first stage) into `output` (not on the
+/// last); on the last stage the loss, and with `loss_seed` its gradient
+/// back to the residual stream.
+pub fn stage_forward<D: Decoder>(
+    d: &mut D,
+    store: &mut dyn ParamStore,
+    batch: &TokenBatch,
+    slot: usize,
+    (input, output): (&[f32], &mut [f32]),
+    loss_seed: Option<f32>,
+) -> Result<MicroStepStats, D::Error> {
+    let sh = d.shell();
+    sh.check(batch).map_err(D::invalid_batch)?;
+    let want = batch.n_seqs * batch.seq_len * sh.ends.width;
+    sh.stage
+        .check_io(("the stage's input", input.len()), ("the stage's output", output.len()), want)
+        .map_err(D::invalid_batch)?;
+    let pass = if loss_seed.is_some() { Pass::Train } else { Pass::Eval };
+    ensure_acts(d, slot, (batch.n_seqs, batch.seq_len), pass);
+    forward(d, store, batch, input, (pass, Attention::Causal))?;
+    let sh = d.shell_mut();
+    if !sh.stage.is_last() {
+        output.copy_from_slice(&sh.acts.stack.x);
+        return Ok(MicroStepStats::default());
+    }
+    if loss_seed.is_none() {
+        store.done(sh.head_seg(), false)?;
+    }
+    let (loss_sum, aux_sum) = sh.cross_entropy(batch, loss_seed);
+    if loss_seed.is_some() {
+        sh.head_backward(store)?;
+    }
+    Ok(MicroStepStats { loss_sum, n_targets: batch.n_targets(), aux_sum })
+}
+
+/// [`engine::StagedModel::stage_backward`]: backward of slot `slot` from
+/// `grad_out` (not on the last stage, where the loss's gradient is already
+/// in) through the blocks into `grad_in` (not on the first stage, which
+/// ends in the embedding). Frozen tensors' weight gradients are skipped.
+pub fn stage_backward<D: Decoder>(
+    d: &mut D,
+    store: &mut dyn ParamStore,
+    batch: &TokenBatch,
+    slot: usize,
+    (grad_out, grad_in): (&[f32], &mut [f32]),
+) -> Result<(), D::Error> {
+    let sh = d.shell();
+    let want = batch.n_seqs * batch.seq_len * sh.ends.width;
+    // Read as a backward: the gradient of the output comes in (not on
+    // the last stage), that of the input goes out (not on the first).
+    sh.stage
+        .check_io(
+            ("the gradient of the stage's input", grad_in.len()),
+            ("the gradient of the stage's output", grad_out.len()),
+            want,
+        )
+        .map_err(D::invalid_batch)?;
+    ensure_acts(d, slot, (batch.n_seqs, batch.seq_len), Pass::Train);
+    if !d.shell().stage.is_last() {
+        d.shell_mut().acts.stack.bufs[DRES].copy_from_slice(grad_out);
+    }
+    d.walk(store, batch, Walk::Backward)?;
+    let sh = d.shell_mut();
+    sh.embed_backward(store, &batch.inputs)?;
+    if !sh.stage.is_first() {
+        grad_in.copy_from_slice(&sh.acts.stack.bufs[DRES]);
+    }
+    Ok(())
+}
+
+/// [`engine::Model::micro_step`]. A batch of zero sequences (a rank
+/// without data in the tail) runs the same code on zero rows: the same
+/// segment visits and collectives as every other rank, and a zero gradient.
+pub fn micro_step<D: Decoder>(
+    d: &mut D,
+    store: &mut dyn ParamStore,
+    batch: &TokenBatch,
+    grad_scale: f32,
+) -> Result<MicroStepStats, D::Error> {
+    d.shell().whole_model_for("a micro-step").map_err(D::invalid_batch)?;
+    let stats = stage_forward(d, store, batch, 0, (&[], &mut []), Some(grad_scale))?;
+    stage_backward(d, store, batch, 0, (&[], &mut []))?;
+    Ok(stats)
+}
+
+/// [`engine::Model::loss`]: the forward alone.
+pub fn loss<D: Decoder>(d: &mut D, store: &mut dyn ParamStore, batch: &TokenBatch) -> Result<MicroStepStats, D::Error> {
+    d.shell().whole_model_for("evaluation").map_err(D::invalid_batch)?;
+    stage_forward(d, store, batch, 0, (&[], &mut []), None)
+}
+
+/// Runs `batch` forward only over the whole model with parameters
+/// `params` (its positions from `attn`'s first one); returns the logits.
+fn logits_of<D: Decoder>(
+    d: &mut D,
+    params: &[f32],
+    batch: &TokenBatch,
+    (pass, attn): (Pass, Attention<'_>),
+) -> Result<Vec<f32>, D::Error> {
+    let sh = d.shell();
+    sh.check(batch).map_err(D::invalid_batch)?;
+    sh.whole_model_for("a forward pass over the whole model").map_err(D::invalid_batch)?;
+    let mut store = FullStore::read_only(&d.shell().layout, d.segments(), params)?;
+    ensure_acts(d, 0, (batch.n_seqs, batch.seq_len), pass);
+    forward(d, &mut store, batch, &[], (pass, attn))?;
+    let sh = d.shell_mut();
+    store.done(sh.head_seg(), false)?;
+    Ok(std::mem::take(&mut sh.acts.logits))
+}
+
+/// Logits `[B·T, V]` of every position of `batch` (targets unused).
+pub fn logits<D: Decoder>(d: &mut D, params: &[f32], batch: &TokenBatch) -> Result<Vec<f32>, D::Error> {
+    logits_of(d, params, batch, (Pass::Eval, Attention::Causal))
+}
+
+/// Logits `[V]` of the last position of `tokens` (one sequence), for
+/// sampling: the head runs on that position only, and the blocks keep no
+/// activations for a backward. With a key/value cache ([`Shell::kv`])
+/// only the tokens past the cached positions run.
+pub fn next_token_logits<D: Decoder>(d: &mut D, params: &[f32], tokens: &[u32]) -> Result<Vec<f32>, D::Error> {
+    match d.shell_mut().kv.take() {
+        Some(mut kv) => {
+            let logits = kv.pass(tokens, |rows, attn| last_logits(d, params, rows, attn));
+            d.shell_mut().kv = Some(kv);
+            logits
+        }
+        None => last_logits(d, params, tokens, Attention::Causal),
+    }
+}
+
+/// Logits of the last of `tokens` (one sequence, its positions from
+/// `attn`'s first one).
+fn last_logits<D: Decoder>(
+    d: &mut D,
+    params: &[f32],
+    tokens: &[u32],
+    attn: Attention<'_>,
+) -> Result<Vec<f32>, D::Error> {
+    logits_of(d, params, &TokenBatch::prompt(tokens), (Pass::NextToken, attn))
+}
+
+/// Implements `engine::Model` and `engine::StagedModel` for a
+/// [`Decoder`] (through [`micro_step`], [`stage_forward`], ...).
+#[macro_export]
+macro_rules! impl_decoder {
+    ($model:ty) => {
+        impl $crate::shell::engine::Model for $model {
+            type Batch = $crate::shell::engine::batch::TokenBatch;
+            type Error = <$model as $crate::shell::Decoder>::Error;
+
+            fn layout(&self) -> &$crate::shell::engine::ParamLayout {
+                &$crate::shell::Decoder::shell(self).layout
+            }
+
+            /// A frozen tensor's weight-gradient computation is skipped.
+            fn set_trainable(&mut self, trainable: &dyn Fn(&$crate::shell::engine::TensorSpec) -> bool) -> usize {
+                $crate::shell::Decoder::shell_mut(self).layout.set_trainable(trainable)
+            }
+
+            fn segments(&self) -> Vec<std::ops::Range<usize>> {
+                $crate::shell::Decoder::segments(self)
+            }
+
+            fn n_targets(&self, batch: &Self::Batch) -> u64 {
+                batch.n_targets()
+            }
+
+            fn micro_step(
+                &mut self,
+                store: &mut dyn $crate::shell::engine::ParamStore,
+                batch: &Self::Batch,
+                grad_scale: f32,
+            ) -> Result<$crate::shell::engine::MicroStepStats, Self::Error> {
+                $crate::shell::micro_step(self, store, batch, grad_scale)
+            }
+
+            fn loss(
+                &mut self,
+                store: &mut dyn $crate::shell::engine::ParamStore,
+                batch: &Self::Batch,
+            ) -> Result<$crate::shell::engine::MicroStepStats, Self::Error> {
+                $crate::shell::loss(self, store, batch)
+            }
+
+            fn begin_step(&mut self, step: u64) {
+                $crate::shell::Decoder::begin_step(self, step)
+            }
+        }
+
+        impl $crate::shell::engine::StagedModel for $model {
+            fn n_blocks(&self) -> usize {
+                $crate::shell::Decoder::shell(self).ends.n_blocks
+            }
+
+            fn tied_head(&self) -> bool {
+                $crate::shell::Decoder::shell(self).ends.head.is_none()
+            }
+
+            fn set_stage(&mut self, spec: $crate::shell::engine::StageSpec) {
+                $crate::shell::Decoder::shell_mut(self).set_stage(spec)
+            }
+
+            fn tensor_shards(&self) -> Option<$crate::shell::engine::TensorShards> {
+                $crate::shell::Decoder::tensor_shards(self)
+            }
+
+            fn boundary_len(&self, batch: &Self::Batch) -> usize {
+                batch.n_seqs * batch.seq_len * $crate::shell::Decoder::shell(self).ends.width
+            }
+
+            fn stage_forward(
+                &mut self,
+                store: &mut dyn $crate::shell::engine::ParamStore,
+                batch: &Self::Batch,
+                slot: usize,
+                input: &[f32],
+                output: &mut [f32],
+                loss_seed: Option<f32>,
+            ) -> Result<$crate::shell::engine::MicroStepStats, Self::Error> {
+                $crate::shell::stage_forward(self, store, batch, slot, (input, output), loss_seed)
+            }
+
+            fn stage_backward(
+                &mut self,
+                store: &mut dyn $crate::shell::engine::ParamStore,
+                batch: &Self::Batch,
+                slot: usize,
+                grad_out: &[f32],
+                grad_in: &mut [f32],
+            ) -> Result<(), Self::Error> {
+                $crate::shell::stage_backward(self, store, batch, slot, (grad_out, grad_in))
+            }
+        }
+    };
+}
