@@ -30,7 +30,7 @@ import sys
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 ATOL = 2e-3
 
@@ -38,7 +38,11 @@ ATOL = 2e-3
 def load_base(base: pathlib.Path):
     if base.suffix == ".gguf":
         return AutoModelForCausalLM.from_pretrained(base.parent, gguf_file=base.name, dtype=torch.float32)
-    return AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    # Gemma 2 in eager attention: the implementation that applies its
+    # attention soft cap (others keep transformers' default).
+    eager = AutoConfig.from_pretrained(base).model_type == "gemma2"
+    extra = {"attn_implementation": "eager"} if eager else {}
+    return AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, **extra)
 
 
 def compare(what, got, want) -> bool:

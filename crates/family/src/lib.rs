@@ -572,6 +572,17 @@ pub fn parse_section<T: DeserializeOwned>(family: &str, keys: &[&str], table: &t
     toml::Value::Table(table.clone()).try_into().map_err(|e| ModelError::from(format!("[model] for {family}: {e}")))
 }
 
+/// Errors on tensor-parallel rank `tp` of a split: `what` (files, merging)
+/// needs the whole model.
+pub fn whole_only(tp: engine::TpRank, what: &str) -> Result<()> {
+    match tp.is_split() {
+        true => {
+            Err(format!("{what} needs the whole model, not tensor-parallel rank {} of {}", tp.rank, tp.size).into())
+        }
+        false => Ok(()),
+    }
+}
+
 /// `[model]` pinned to `family`, its keys replaced by `section` (fields
 /// left `None` are omitted) and its preset dropped: the shape is no preset's.
 pub fn pin_section(m: &mut ModelConfig, family: &str, section: &impl Serialize) {

@@ -69,3 +69,103 @@ fn each_piece_changes_the_logits() {
         assert!(gap > 1e-2, "{what}: the last logits move by only {gap}");
     }
 }
+
+/// DoRA on every projection, o_proj and down_proj included: their output
+/// is normed before it joins the residual (the post norms), so DoRA scales
+/// the projection's own output and the post norm reads it, as PEFT wraps
+/// the module. The suite's checks but finite differences (DoRA's gradient
+/// holds the row norms constant by design; llama's lora_variants.rs checks
+/// that gradient), with and without recomputation.
+#[test]
+fn gemma2_with_dora_before_the_post_norms_passes_the_conformance_checks_but_finite_differences() {
+    let dora = LoraConfig { use_dora: true, ..LoraConfig::new(2, 4.0, &["all-linear"]) };
+    for ck in [engine::Checkpointing::None, engine::Checkpointing::Selective] {
+        let f = UnderTest { checkpointing: ck, ..UnderTest::new(cfg(), Some(dora.clone())) };
+        conformance::check_k_invariance(&f).unwrap_or_else(|e| panic!("{ck}: {e}"));
+        conformance::check_several_steps(&f).unwrap_or_else(|e| panic!("{ck}: {e}"));
+        conformance::check_frozen(&f).unwrap_or_else(|e| panic!("{ck}: {e}"));
+    }
+    let f = UnderTest::new(cfg(), Some(dora));
+    conformance::check_ranks_and_zero(&f).unwrap_or_else(|e| panic!("{e}"));
+    conformance::check_resume(&f).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// PEFT itself loads a DoRA adapter we save on this Gemma 2 (the base
+/// saved by us as a `Gemma2ForCausalLM` folder, loaded by transformers
+/// with eager attention) and computes our logits: DoRA on o_proj and
+/// down_proj before the post norms (scripts/peft_variants_check.py; its
+/// docstring explains the tolerance). Skipped, with a note, without
+/// python3 with torch, transformers and peft (not under
+/// `MACROBATCH_REQUIRE_PYTHON=1`, as in CI).
+#[test]
+fn peft_computes_our_dora_logits_before_the_post_norms() {
+    use engine::rng::SplitMix64;
+    use engine::Model;
+    use family::Family;
+    let has = std::process::Command::new("python3")
+        .args(["-c", "import torch, transformers, peft, safetensors"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has {
+        assert!(
+            std::env::var("MACROBATCH_REQUIRE_PYTHON").as_deref() != Ok("1"),
+            "MACROBATCH_REQUIRE_PYTHON=1 but python3 cannot import torch, transformers, peft and safetensors"
+        );
+        eprintln!("skipped: python3 with torch, transformers and peft is not available");
+        return;
+    }
+    // The caps loosened (the test is about the adapters, not about tanh's flat ends).
+    let gemma = GemmaBlock { query_pre_attn_scalar: 24.0, attn_softcap: Some(20.0), final_softcap: Some(30.0) };
+    let cfg = LlamaConfig { gemma: Some(gemma), ..cfg() };
+    let plain = Llama::new(cfg.clone()).unwrap_or_else(|e| panic!("{e}"));
+    let mut base = plain.init_params(5);
+    let mut rng = SplitMix64::new(8);
+    base.iter_mut().for_each(|x| *x += (rng.normal() * 0.05) as f32);
+    let dir = common::tmpdir("gemma2-dora-peft");
+    let base_dir = dir.join("base");
+    std::fs::create_dir_all(&base_dir).unwrap();
+    let fam = llama::LlamaFamily::new(&gemma2::GEMMA2, cfg.clone(), None).unwrap_or_else(|e| panic!("{e}"));
+    fam.save_hf(&base_dir, plain.layout(), &base).unwrap_or_else(|e| panic!("{e}"));
+    let dora = LoraConfig { use_dora: true, ..LoraConfig::new(4, 8.0, &["all-linear"]) };
+    let mut model = Llama::with_lora(cfg.clone(), dora, engine::Precision::F32).unwrap_or_else(|e| panic!("{e}"));
+    let mut params = llama::lora::attach(&model, &base, 3).unwrap_or_else(|e| panic!("{e}"));
+    for t in model.layout().tensors().iter().filter(|t| llama::lora::is_adapter(&t.name)) {
+        let p = &mut params[t.range()];
+        if t.name.contains("lora_B") {
+            p.iter_mut().for_each(|x| *x = (rng.normal() * 0.1) as f32);
+        } else if t.name.ends_with("lora_magnitude_vector") {
+            p.iter_mut().for_each(|x| *x *= 1.0 + (rng.normal() * 0.1) as f32);
+        }
+    }
+    let (b, t) = (2, T);
+    let inputs: Vec<u32> = (0..b * t).map(|_| (rng.next_u64() % cfg.vocab_size as u64) as u32).collect();
+    let batch = engine::TokenBatch {
+        n_seqs: b,
+        seq_len: t,
+        inputs: inputs.clone(),
+        targets: vec![-100; b * t],
+        positions: Vec::new(),
+    };
+    let base_logits = Llama::new(cfg.clone()).unwrap().logits(&base, &batch).unwrap();
+    let logits = model.logits(&params, &batch).unwrap();
+    let change = logits.iter().zip(&base_logits).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(change > 0.2, "a change of {change} could hide a wrong scale inside the tolerance");
+    let adapter = dir.join("adapter");
+    llama::lora::save_adapter(&adapter, &model, &params, None).unwrap_or_else(|e| panic!("{e}"));
+    let v = cfg.vocab_size;
+    let ids: Vec<f32> = inputs.iter().map(|&x| x as f32).collect();
+    let expected = dir.join("expected.safetensors");
+    let out: [(String, Vec<usize>, &[f32]); 3] = [
+        ("input_ids".into(), vec![b, t], &ids),
+        ("base_logits".into(), vec![b * t, v], &base_logits),
+        ("logits.0".into(), vec![b * t, v], &logits),
+    ];
+    nn::io::write_safetensors(&expected, &out, &[]).unwrap();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/peft_variants_check.py");
+    let o =
+        std::process::Command::new("python3").arg(script).arg(&base_dir).arg(&expected).arg(&adapter).output().unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    println!("{stdout}");
+    assert!(o.status.success(), "peft_variants_check.py failed:\n{stdout}\n{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

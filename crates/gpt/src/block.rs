@@ -1,20 +1,22 @@
 //! GPT-2's block as the shared stack walk runs it: pre-LayerNorm
 //! multi-head attention and a tanh-GELU MLP, every linear layer with a bias
-//! (`Conv1D` layout), each optionally with a LoRA adapter; and the sizes
+//! (`Conv1D` layout) an [`nn::proj::Projection`], which carries the
+//! adapters (LoRA, DoRA, dropout) and the tensor-parallel split; and the sizes
 //! of every activation buffer, the one definition that allocates them and
 //! reports their bytes.
 
 use crate::config::GptConfig;
-use crate::layout::{Adapters, BlockParams, LoraRanges, Widths};
-use engine::{Checkpointing, EngineError, Precision, SavedTensor, SegmentGrads, TensorGroup, TpRank};
+use crate::layout::{conv_shape, Adapters, BlockParams, Widths};
+use engine::{Checkpointing, EngineError, Precision, SegmentGrads, TensorGroup, TpRank};
 use nn::attention::AttnShape;
 use nn::flash::{flash_attention_backward, flash_attention_forward, Visible};
 use nn::grad::param_grad;
 use nn::kv::Attention;
-use nn::linear::{add_bias, add_into, conv1d_backward, conv1d_forward, Cols, LinearShape};
-use nn::lora::Branch;
+use nn::lora_dropout::Dropout;
 use nn::norm::{layernorm_backward, layernorm_forward, NormSaved};
+use nn::proj::{Base, Grad, Module, Projection, Role, Site, Work};
 use nn::stack::{Block, Part, Saved, SavedView, StackSizes, PRE_NORM_KINDS};
+use std::cell::Cell;
 
 /// Indices of a block's saved tensors.
 const LN1: usize = 0;
@@ -59,10 +61,12 @@ impl Dims {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ActSizes {
     /// The block stack: per block ln1, qkv (3C), atty, res2, ln2, fch (4C),
-    /// fch_gelu (4C), res3 (C per row), four f32 row statistics and the
-    /// attention's f32 log-sum-exp per (sequence, head, row) — no T × T
-    /// matrix; working buffers dres, dc, d4c, dqkv; staging: GELU's output
-    /// / a decoded tensor (4C), the decoded heads' output (16-bit only).
+    /// fch_gelu (4C), res3 (C per row), the adapters' x·Aᵀ and DoRA's z,
+    /// four f32 row statistics, the attention's f32 log-sum-exp per
+    /// (sequence, head, row) — no T × T matrix — and DoRA's row norms;
+    /// working buffers dres, dc, d4c, dqkv, x·Aᵀ, DoRA's z, the dropped-out
+    /// input; staging: GELU's output / a decoded tensor (4C), the decoded
+    /// heads' output, x·Aᵀ (16-bit only).
     pub stack: StackSizes,
     /// The final LayerNorm's output, mean, 1/std (per micro-batch in
     /// flight); the logits; the per-row losses (one of each: used within a
@@ -106,10 +110,17 @@ impl ActSizes {
         let (a, m) = (w(a), w(m));
         let lse = w(b) * w(cfg.n_head / tp.size) * w(t);
         let r = w(adapters.map_or(0, |ad| ad.r));
-        let xa = |i: usize| if adapters.is_some_and(|ad| ad.targets[i]) { n * r } else { 0 };
+        let on = |i: usize| adapters.is_some_and(|ad| ad.targets[i]);
+        let dora = |i: usize| on(i) && adapters.is_some_and(|ad| ad.dora);
+        let shape = |i: usize| conv_shape(i, cfg.n_embd, Widths { a: a as usize, m: m as usize }).map(w);
         let mut large = vec![n * c, n * 3 * a, n * a, n * c, n * c, n * m, n * m, n * c];
-        large.extend((0..4).map(xa));
-        let mut kinds = PRE_NORM_KINDS.to_vec(); // the adapters' x·Aᵀ (after the eight) are kept
+        large.extend((0..4).map(|i| if on(i) { n * r } else { 0 }));
+        large.extend((0..4).map(|i| if dora(i) { n * shape(i)[1] } else { 0 }));
+        let norms: u128 = (0..4).filter(|&i| dora(i)).map(|i| shape(i)[1]).sum();
+        let max_z = (0..4).filter(|&i| dora(i)).map(|i| shape(i)[1]).max().unwrap_or(0);
+        let dropout = adapters.is_some_and(|ad| ad.dropout);
+        let max_in = if dropout { (0..4).filter(|&i| on(i)).map(|i| shape(i)[0]).max().unwrap_or(0) } else { 0 };
+        let mut kinds = PRE_NORM_KINDS.to_vec(); // the adapters' x·Aᵀ and DoRA's z (after the eight) are kept
         kinds.resize(large.len(), engine::Inner::Kept);
         let low = |x: u128| if precision.is_low() { x } else { 0 };
         let stack = StackSizes {
@@ -120,9 +131,9 @@ impl ActSizes {
             kinds,
             redo_scratch: (2 * n).max(lse),
             output: RES3,
-            stats: vec![n, n, n, n, lse],
+            stats: vec![n, n, n, n, lse, norms],
             x: n * c,
-            bufs: vec![n * c, n * c, n * m.max(3 * a), n * 3 * a, n * r],
+            bufs: vec![n * c, n * c, n * m.max(3 * a), n * 3 * a, n * r, n * max_z, n * max_in],
             staging: vec![n * m.max(3 * a).max(c), low(n * a), low(n * r)],
             extra: vec![n * m],
         };
@@ -161,53 +172,54 @@ pub(crate) struct GptBlock<'a> {
     pub visible: Visible<'a>,
     /// The adapters' rank and scale (α/r or α/√r), when there are adapters.
     pub lora: Option<(usize, f32)>,
+    /// LoRA dropout's masks of this micro-batch (training passes only).
+    pub drop: Option<&'a Dropout>,
+    /// The block being run (set by [`Block::enter`]).
+    pub at: Cell<usize>,
 }
 
 impl GptBlock<'_> {
-    /// Linear layer `i`'s adapter as a branch on this call's rows, if it has one.
-    fn branch<'p>(&self, i: usize, p: &'p [f32], ops: nn::Operands) -> Option<(Branch<'p>, &LoraRanges)> {
-        let (lr, (r, scale)) = (self.r.lora[i].as_ref()?, self.lora?);
-        let n = self.d.b * self.d.t;
-        Some((Branch { a: &p[lr.a.clone()], b: &p[lr.b.clone()], r, scale, n, ops }, lr))
+    /// What the block's projections share in this call.
+    fn site(&self) -> Site<'_> {
+        let (r, scale) = self.lora.unwrap_or((0, 0.0));
+        let (n, prec) = (self.d.b * self.d.t, self.prec);
+        let drop = self.drop.map(|d| (d, self.at.get()));
+        Site { n, ops: nn::operands(prec), prec, lora: &self.r.lora, r, scale, drop, saved: (XA, XA + 4, LORA) }
     }
 
-    /// Linear layer `i`'s adapter in forward, if it has one: `xa = x·Aᵀ`
-    /// (in `buf`, then kept in `xa`), `y += s·xa·Bᵀ`.
-    fn adapt(&self, i: usize, p: &[f32], y: Cols<'_>, x: &[f32], (xa, buf): (&mut SavedTensor, &mut Vec<f32>)) {
-        let Some((br, _)) = self.branch(i, p, nn::operands(self.prec)) else { return };
-        engine::profile::timed(engine::profile::Kind::Adapter, || {
-            br.down(buf, x);
-            xa.keep(buf, self.prec);
-            br.up(y, xa.cur(buf));
-        })
+    /// The four `Conv1D` layers as parts (as [`crate::layout::CONVS`]).
+    fn parts(&self) -> [Module; 4] {
+        let (r, Dims { c, w: Widths { a, m }, .. }) = (self.r, self.d);
+        let part = |idx, oc, w: &std::ops::Range<usize>, b: &std::ops::Range<usize>| Module {
+            idx,
+            col0: 0,
+            oc,
+            w: w.clone(),
+            bias: Some(b.clone()),
+        };
+        [
+            part(0, 3 * a, &r.attn_w, &r.attn_b),
+            part(1, c, &r.proj_w, &r.proj_b),
+            part(2, m, &r.fc_w, &r.fc_b),
+            part(3, c, &r.fcproj_w, &r.fcproj_b),
+        ]
     }
 
-    /// Linear layer `i`'s adapter in backward, if it has one, from the
-    /// output gradient `dy` (`rs` wide) and saved input `x_idx` (decoded
-    /// into staging buffer `stage`): A's and B's gradients, and
-    /// `dx += dxa·A` (the base's `dy·W` is already in `dx`).
-    #[allow(clippy::too_many_arguments)]
-    fn adapt_back(
-        &self,
-        i: usize,
-        p: &[f32],
-        (grads, saved): (&mut SegmentGrads<'_>, &mut SavedView<'_>),
-        dx: &mut [f32],
-        (dy, rs): (&[f32], usize),
-        (x_idx, stage): (usize, usize),
-        dxa: &mut [f32],
-    ) {
-        let Some((br, lr)) = self.branch(i, p, nn::operands(saved.precision())) else { return };
-        engine::profile::timed(engine::profile::Kind::Adapter, || {
-            let (ga, gb) = grads.pair(lr.a.clone(), lr.b.clone());
-            let (x, xa) = saved.pair((x_idx, stage), (XA + i, LORA));
-            br.backward((param_grad(ga), param_grad(gb)), nn::Strided::rows(dy, rs), (x, xa), dxa);
-            br.input_grad(dx, true, dxa);
-        })
+    /// The block's projections over `parts`: `c_attn` and `c_fc`
+    /// column-parallel, the two `c_proj` row-parallel.
+    fn projections<'s>(&self, parts: &'s [Module; 4]) -> [Projection<'s>; 4] {
+        let Dims { c, w: Widths { a, m }, .. } = self.d;
+        let proj = |role, ic, i: usize| Projection { role, ic, base: Base::Conv1d, parts: &parts[i..i + 1] };
+        [proj(Role::Column, c, 0), proj(Role::Row, a, 1), proj(Role::Column, c, 2), proj(Role::Row, m, 3)]
     }
 }
 
 impl Block for GptBlock<'_> {
+    /// Segment `seg` holds block `seg - 1` (segment 0 is the embeddings).
+    fn enter(&self, seg: usize) {
+        self.at.set(seg.saturating_sub(1));
+    }
+
     /// Each tensor is produced in f32 in a working buffer and kept in `sv`
     /// at once (swapped in for f32, encoded in 16 bits otherwise); what
     /// follows reads the kept tensor.
@@ -223,28 +235,25 @@ impl Block for GptBlock<'_> {
         let (r, prec) = (self.r, self.prec);
         let Dims { b, t, c, w: Widths { a, m }, .. } = self.d;
         let n = b * t;
-        let split = tp.is_split();
-        let [res2, buf_c, buf_4c, qkv, xab] = bufs else { unreachable!("GPT-2 has five working buffers") };
+        let [res2, buf_c, buf_4c, qkv, xab, zb, xd] = bufs else { unreachable!("GPT-2 has seven working buffers") };
         let gelu_out = &mut extra[0];
         let Saved { large, stats } = sv;
         let (large, xa) = large.split_at_mut(XA);
-        let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, lse] = &mut stats[..] else {
-            unreachable!("four row statistics and the log-sum-exps")
+        let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, lse, norms] = &mut stats[..] else {
+            unreachable!("four row statistics, the log-sum-exps and DoRA's norms")
         };
         let ops = nn::operands(prec);
-        let lin = |ic: usize, oc: usize| LinearShape::new(n, ic, oc, ops);
+        let (site, parts) = (self.site(), self.parts());
+        let [attn_p, proj_p, fc_p, fcproj_p] = self.projections(&parts);
+        for pj in [&attn_p, &proj_p, &fc_p, &fcproj_p] {
+            pj.dora_norms(&site, p, norms);
+        }
+        let norms = &*norms;
+        let mut work = Work::new(xab, zb, xd);
         layernorm_forward(buf_c, ln1_mean, ln1_rstd, x, &p[r.ln1_w.clone()], &p[r.ln1_b.clone()], c);
         large[LN1].keep(buf_c, prec);
         // (B*T, C) @ (C, 3A) -> (B*T, 3A): this rank's heads' q | k | v
-        conv1d_forward(
-            qkv,
-            large[LN1].cur(buf_c),
-            &p[r.attn_w.clone()],
-            Some(&p[r.attn_b.clone()]),
-            None,
-            lin(c, 3 * a),
-        );
-        self.adapt(0, p, Cols::all(qkv, 3 * a), large[LN1].cur(buf_c), (&mut xa[0], xab));
+        attn_p.forward(&site, p, (qkv, large[LN1].cur(buf_c), None), xa, &mut work, norms, tp)?;
         large[QKV].keep(qkv, prec);
         match self.attn {
             Attention::Causal => {
@@ -254,42 +263,21 @@ impl Block for GptBlock<'_> {
         }
         large[ATTY].keep_prefix(buf_c, n * a, prec);
         let atty = large[ATTY].cur(&buf_c[..n * a]);
-        // (B*T, A) @ (A, C) -> (B*T, C), plus the bias and the residual; split
-        // over heads (row-parallel), the ranks' products are summed first.
-        let (proj_w, proj_b) = (&p[r.proj_w.clone()], &p[r.proj_b.clone()]);
-        if split {
-            conv1d_forward(res2, atty, proj_w, None, None, lin(a, c));
-            tp.all_reduce(res2)?;
-            add_into(res2, x);
-            add_bias(res2, proj_b);
-        } else {
-            conv1d_forward(res2, atty, proj_w, Some(proj_b), Some(x), lin(a, c));
-        }
-        self.adapt(1, p, Cols::all(res2, c), atty, (&mut xa[1], xab));
+        // (B*T, A) @ (A, C) -> (B*T, C), plus the bias and the residual
+        proj_p.forward(&site, p, (res2, atty, Some(&*x)), xa, &mut work, norms, tp)?;
         large[RES2].keep(res2, prec);
         let (ln2_w, ln2_b) = (&p[r.ln2_w.clone()], &p[r.ln2_b.clone()]);
         layernorm_forward(buf_c, ln2_mean, ln2_rstd, large[RES2].cur(res2), ln2_w, ln2_b, c);
         large[LN2].keep(buf_c, prec);
         // (B*T, C) @ (C, M) -> (B*T, M)
         let fch = &mut buf_4c[..n * m];
-        let ln2 = large[LN2].cur(buf_c);
-        conv1d_forward(fch, ln2, &p[r.fc_w.clone()], Some(&p[r.fc_b.clone()]), None, lin(c, m));
-        self.adapt(2, p, Cols::all(fch, m), ln2, (&mut xa[2], xab));
+        fc_p.forward(&site, p, (fch, large[LN2].cur(buf_c), None), xa, &mut work, norms, tp)?;
         large[FCH].keep_prefix(buf_4c, n * m, prec);
         nn::act::gelu_forward(&mut gelu_out[..n * m], large[FCH].cur(&buf_4c[..n * m]));
         large[FCH_GELU].keep_prefix(gelu_out, n * m, prec);
         let (gelu, res) = (large[FCH_GELU].cur(&gelu_out[..n * m]), large[RES2].cur(res2));
-        // (B*T, M) @ (M, C) -> (B*T, C), plus the bias and the residual (row-parallel when split)
-        let (fcproj_w, fcproj_b) = (&p[r.fcproj_w.clone()], &p[r.fcproj_b.clone()]);
-        if split {
-            conv1d_forward(x, gelu, fcproj_w, None, None, lin(m, c));
-            tp.all_reduce(x)?;
-            add_into(x, res);
-            add_bias(x, fcproj_b);
-        } else {
-            conv1d_forward(x, gelu, fcproj_w, Some(fcproj_b), Some(res), lin(m, c));
-        }
-        self.adapt(3, p, Cols::all(x, c), gelu, (&mut xa[3], xab));
+        // (B*T, M) @ (M, C) -> (B*T, C), plus the bias and the residual
+        fcproj_p.forward(&site, p, (x, gelu, Some(res)), xa, &mut work, norms, tp)?;
         // The output stays in `x` as the next block's input: kept by copy.
         large[RES3].keep_copy(x, prec);
         Ok(())
@@ -326,46 +314,50 @@ impl Block for GptBlock<'_> {
         bufs: &mut [Vec<f32>],
     ) -> Result<(), EngineError> {
         let r = self.r;
-        let Dims { b, t, c, w: Widths { a, m }, .. } = self.d;
+        let Dims { b, t, w: Widths { a, m }, .. } = self.d;
         let n = b * t;
-        let [dres, dc, d4c, dqkv, dxa] = bufs else { unreachable!("GPT-2 has five working buffers") };
+        let [dres, dc, d4c, dqkv, dxa, zb, xd] = bufs else { unreachable!("GPT-2 has seven working buffers") };
         let sv = saved.sv;
-        let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, lse] = &sv.stats[..] else {
-            unreachable!("four row statistics and the log-sum-exps")
+        let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, lse, norms] = &sv.stats[..] else {
+            unreachable!("four row statistics, the log-sum-exps and DoRA's norms")
         };
         let ops = nn::operands(saved.precision());
-        let lin = |ic: usize, oc: usize| LinearShape::new(n, ic, oc, ops);
+        let (site, parts) = (self.site(), self.parts());
+        let [attn_p, proj_p, fc_p, fcproj_p] = self.projections(&parts);
+        let mut work = Work::new(dxa, zb, xd);
         // c_proj of the MLP: d(B*T, M) = d(B*T, C) @ (C, M)
-        let (gw, gb) = grads.pair(r.fcproj_w.clone(), r.fcproj_b.clone());
-        let (w, inp) = (&p[r.fcproj_w.clone()], saved.get(FCH_GELU));
         let dm = &mut d4c[..n * m];
-        conv1d_backward(dm, param_grad(gw), param_grad(gb), dres, inp, w, lin(m, c));
-        self.adapt_back(3, p, (grads, &mut saved), dm, (dres, c), (FCH_GELU, ROWS), dxa);
+        fcproj_p.backward(
+            &site,
+            p,
+            (dm, Grad::Shared(dres), (FCH_GELU, ROWS)),
+            (grads, &mut saved),
+            &mut work,
+            norms,
+            tp,
+        )?;
         nn::act::gelu_backward_inplace(dm, saved.get(FCH));
         // c_fc: d(B*T, C) = d(B*T, M) @ (M, C); column-parallel: summed over the ranks
-        let (gw, gb) = grads.pair(r.fc_w.clone(), r.fc_b.clone());
-        let (w, inp) = (&p[r.fc_w.clone()], saved.get(LN2));
-        conv1d_backward(dc, param_grad(gw), param_grad(gb), dm, inp, w, lin(c, m));
-        self.adapt_back(2, p, (grads, &mut saved), dc, (dm, m), (LN2, ROWS), dxa);
-        tp.all_reduce(dc)?;
+        fc_p.backward(&site, p, (dc, Grad::Own(dm), (LN2, ROWS)), (grads, &mut saved), &mut work, norms, tp)?;
         let (gw, gb) = grads.pair(r.ln2_w.clone(), r.ln2_b.clone());
         let ln2 = NormSaved { inp: saved.get(RES2), mean: ln2_mean, rstd: ln2_rstd };
         layernorm_backward(dres, param_grad(gw), param_grad(gb), dc, ln2, &p[r.ln2_w.clone()]);
         // c_proj of attention: d(B*T, A) = d(B*T, C) @ (C, A)
-        let (gw, gb) = grads.pair(r.proj_w.clone(), r.proj_b.clone());
-        let (w, inp) = (&p[r.proj_w.clone()], saved.get(ATTY));
         let dy = &mut dc[..n * a];
-        conv1d_backward(dy, param_grad(gw), param_grad(gb), dres, inp, w, lin(a, c));
-        self.adapt_back(1, p, (grads, &mut saved), dy, (dres, c), (ATTY, HEADS), dxa);
+        proj_p.backward(
+            &site,
+            p,
+            (dy, Grad::Shared(dres), (ATTY, HEADS)),
+            (grads, &mut saved),
+            &mut work,
+            norms,
+            tp,
+        )?;
         // The MLP's 4C buffer is idle again: the heads' scratch.
         let (qkv, y) = saved.pair((QKV, ROWS), (ATTY, HEADS));
         flash_attention_backward(dqkv, &mut d4c[..n * 3 * a], dy, (qkv, y, lse), self.d.attn(ops), self.visible);
         // c_attn: d(B*T, C) = d(B*T, 3A) @ (3A, C); column-parallel: summed over the ranks
-        let (gw, gb) = grads.pair(r.attn_w.clone(), r.attn_b.clone());
-        let (w, inp) = (&p[r.attn_w.clone()], saved.get(LN1));
-        conv1d_backward(dc, param_grad(gw), param_grad(gb), dqkv, inp, w, lin(c, 3 * a));
-        self.adapt_back(0, p, (grads, &mut saved), dc, (dqkv, 3 * a), (LN1, ROWS), dxa);
-        tp.all_reduce(dc)?;
+        attn_p.backward(&site, p, (dc, Grad::Own(dqkv), (LN1, ROWS)), (grads, &mut saved), &mut work, norms, tp)?;
         let (gw, gb) = grads.pair(r.ln1_w.clone(), r.ln1_b.clone());
         let ln1 = NormSaved { inp: saved.input(), mean: ln1_mean, rstd: ln1_rstd };
         layernorm_backward(dres, param_grad(gw), param_grad(gb), dc, ln1, &p[r.ln1_w.clone()]);

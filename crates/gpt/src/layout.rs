@@ -5,7 +5,7 @@
 use crate::config::GptConfig;
 use engine::rng::SplitMix64;
 use engine::ParamLayout;
-use nn::lora::Targets;
+use nn::lora::{Targets, MAGNITUDE};
 use std::ops::Range;
 
 /// The block's four linear layers (`Conv1D`, weights `[in, out]`), in
@@ -28,16 +28,14 @@ pub(crate) struct Adapters {
     pub r: usize,
     /// Indexed as [`CONVS`].
     pub targets: [bool; 4],
+    /// DoRA: a magnitude per output feature of each adapted layer.
+    pub dora: bool,
+    /// LoRA dropout on the adapters' inputs (training passes).
+    pub dropout: bool,
 }
 
-/// Element ranges of one LoRA adapter: `lora_A` `[r, in]`, `lora_B` `[out, r]`.
-#[derive(Debug, Clone)]
-pub struct LoraRanges {
-    /// `lora_A.weight`.
-    pub a: Range<usize>,
-    /// `lora_B.weight`.
-    pub b: Range<usize>,
-}
+/// Element ranges of one LoRA adapter in a block.
+pub use nn::lora::LoraRanges;
 
 /// `[in, out]` of linear layer `i` (as [`CONVS`]) at widths `w`.
 pub(crate) fn conv_shape(i: usize, c: usize, w: Widths) -> [usize; 2] {
@@ -79,7 +77,13 @@ pub struct BlockParams {
 impl BlockParams {
     /// The contiguous range the whole block occupies (its adapters last).
     pub fn span(&self) -> Range<usize> {
-        let end = self.lora.iter().flatten().map(|l| l.b.end).max().unwrap_or(self.fcproj_b.end);
+        let end = self
+            .lora
+            .iter()
+            .flatten()
+            .map(|l| l.m.as_ref().map_or(l.b.end, |m| m.end))
+            .max()
+            .unwrap_or(self.fcproj_b.end);
         self.ln1_w.start..end
     }
 }
@@ -143,10 +147,9 @@ pub(crate) fn build_layout(cfg: &GptConfig, w: Widths, adapters: Option<Adapters
                     let a = adapters.filter(|a| a.targets[i])?;
                     let [inp, out] = conv_shape(i, c, w);
                     let a_range = l.push(format!("{p}.{}.lora_A.weight", CONVS[i]), &[a.r, inp], true);
-                    Some(LoraRanges {
-                        a: a_range,
-                        b: l.push(format!("{p}.{}.lora_B.weight", CONVS[i]), &[out, a.r], true),
-                    })
+                    let b = l.push(format!("{p}.{}.lora_B.weight", CONVS[i]), &[out, a.r], true);
+                    let m = a.dora.then(|| l.push(format!("{p}.{}.{MAGNITUDE}", CONVS[i]), &[out], false));
+                    Some(LoraRanges { a: a_range, b, m })
                 }),
             }
         })
@@ -182,7 +185,7 @@ fn relative_block(c: usize, w: Widths, adapters: Option<Adapters>) -> BlockParam
         lora: std::array::from_fn(|i| {
             let a = adapters.filter(|a| a.targets[i])?;
             let [inp, out] = conv_shape(i, c, w);
-            Some(LoraRanges { a: next(a.r * inp), b: next(out * a.r) })
+            Some(LoraRanges { a: next(a.r * inp), b: next(out * a.r), m: a.dora.then(|| next(out)) })
         }),
     }
 }
@@ -231,8 +234,27 @@ pub(crate) fn init_segment_with(cfg: &GptConfig, adapters: Option<Adapters>, see
     let mut v = init_segment(cfg, seed, seg);
     if let Some(ad) = adapters.filter(|_| (1..=cfg.n_layer).contains(&seg)) {
         v.extend(init_adapters(cfg, ad, seed, seg - 1));
+        init_magnitudes(&relative_block(cfg.n_embd, Widths::whole(cfg), Some(ad)), &mut v);
     }
     v
+}
+
+/// DoRA's magnitudes in a block's values `v` (ranges `r` relative to
+/// the block, whole widths): each output feature's weight norm — a column
+/// of the `Conv1D` weight `[in, out]`, as PEFT's `fan_in_fan_out` reads
+/// it — so the adapted model starts as the base.
+pub(crate) fn init_magnitudes(r: &BlockParams, v: &mut [f32]) {
+    let weights = [&r.attn_w, &r.proj_w, &r.fc_w, &r.fcproj_w];
+    for (i, lr) in r.lora.iter().enumerate() {
+        let Some(m) = lr.as_ref().and_then(|l| l.m.clone()) else { continue };
+        let out = m.len();
+        let inp = weights[i].len() / out.max(1);
+        let w = &v[weights[i].clone()];
+        let mut mags = vec![0.0f32; out];
+        let cols = |rows: Range<usize>| rows.flat_map(|j| (0..inp).map(move |k| w[k * out + j])).collect();
+        nn::dora::initial_magnitude([out, inp], &cols, &mut mags);
+        v[m].copy_from_slice(&mags);
+    }
 }
 
 /// The initial adapters of block `idx` (its segment's tail): each `lora_A`
@@ -245,6 +267,8 @@ pub(crate) fn init_adapters(cfg: &GptConfig, ad: Adapters, seed: u64, idx: usize
         let mut rng = SplitMix64::derive(seed, &[0x10ba, idx as u64, i as u64]);
         v.extend(nn::lora::kaiming_uniform(&mut rng, ad.r * inp, inp));
         v.extend(std::iter::repeat_n(0.0, out * ad.r));
+        // DoRA's magnitudes: set from the base by [`init_magnitudes`].
+        v.extend(std::iter::repeat_n(0.0, if ad.dora { out } else { 0 }));
     }
     v
 }

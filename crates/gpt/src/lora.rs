@@ -50,16 +50,18 @@ pub fn init_in_place(model: &Gpt, params: &mut [f32], seed: u64) -> Result<(), G
     check_count("model with adapters", model.layout().n_params(), params.len())?;
     let Some(ad) = model.adapter_set() else { return Ok(()) };
     for idx in 0..model.config().n_layer {
-        // The adapters are the block's tail.
+        // The adapters are the block's tail; DoRA's magnitudes read its base.
         let span = model.block_params(idx).span();
         let first = model.block_params(idx).fcproj_b.end;
         params[first..span.end].copy_from_slice(&crate::layout::init_adapters(model.config(), ad, seed, idx));
+        crate::layout::init_magnitudes(model.block_rel(), &mut params[span]);
     }
     Ok(())
 }
 
 /// The base-model parameters (layout of `Gpt::new`) with every adapter
-/// merged: `W += s·(B·A)ᵀ` (`Conv1D` weights are `[in, out]`), for
+/// merged: `W += s·(B·A)ᵀ` (`Conv1D` weights are `[in, out]`), with DoRA
+/// each output feature then rescaled to its magnitude `m_j / ‖W[:, j]‖`, for
 /// `--merge` and export: a plain GPT-2 that computes what the adapted one does.
 pub fn merge(model: &Gpt, params: &[f32]) -> Result<Vec<f32>, GptError> {
     let lora = require_lora(model)?;
@@ -89,6 +91,16 @@ pub fn merge(model: &Gpt, params: &[f32]) -> Result<Vec<f32>, GptError> {
                 lora.scale(),
                 parallelism(false),
             );
+            if let Some(m) = &lr.m {
+                // DoRA: each output feature's column rescaled to its magnitude.
+                let wt = &mut out[wt.range()];
+                let mut rows: Vec<f32> =
+                    (0..oc).flat_map(|j| (0..inp).map(move |k| (j, k))).map(|(j, k)| wt[k * oc + j]).collect();
+                nn::dora::rescale_rows(&mut rows, &params[m.clone()], inp);
+                for (j, row) in rows.chunks_exact(inp).enumerate() {
+                    row.iter().enumerate().for_each(|(k, &v)| wt[k * oc + j] = v);
+                }
+            }
         }
     }
     Ok(out)

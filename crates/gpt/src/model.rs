@@ -14,6 +14,7 @@ use engine::{Checkpointing, ParamStore, Precision, TpRank};
 use nn::flash::Visible;
 use nn::kv::Attention;
 use nn::lora::LoraConfig;
+use nn::lora_dropout::Dropout;
 use nn::shell::{Acts, Decoder, Ends, FinalNorm, Pass, Shell, Walk};
 use std::ops::Range;
 
@@ -28,12 +29,14 @@ pub struct Gpt {
     ranges: ParamRanges,
     /// The embeddings, final LayerNorm and tied head around the blocks;
     /// the activations.
-    shell: Shell<()>,
+    shell: Shell<Option<Dropout>>,
     /// The tensor-parallel rank this model is built for (whole: all of it).
     tp: TpRank,
     /// LoRA adapters on the linear layers, if any.
     lora: Option<LoraConfig>,
     adapters: Option<Adapters>,
+    /// The optimizer step (keys LoRA dropout's masks).
+    step: u64,
 }
 
 impl Gpt {
@@ -64,6 +67,17 @@ impl Gpt {
         Self::assemble(cfg, precision, TpRank::WHOLE, Some(lora))
     }
 
+    /// [`Gpt::with_lora`] as tensor-parallel rank `tp` holds it: each
+    /// adapter cut with its layer ([`crate::split`]).
+    pub fn tensor_parallel_with_lora(
+        cfg: GptConfig,
+        lora: LoraConfig,
+        precision: Precision,
+        tp: TpRank,
+    ) -> Result<Self, GptError> {
+        Self::assemble(cfg, precision, tp, Some(lora))
+    }
+
     fn assemble(cfg: GptConfig, precision: Precision, tp: TpRank, lora: Option<LoraConfig>) -> Result<Self, GptError> {
         cfg.validate()?;
         crate::split::check(&cfg, tp)?;
@@ -82,7 +96,7 @@ impl Gpt {
             soft_cap: None,
         };
         let shell = Shell::new(ends, layout, precision);
-        Ok(Self { cfg, ranges, shell, tp, lora, adapters })
+        Ok(Self { cfg, ranges, shell, tp, lora, adapters, step: 0 })
     }
 
     /// Checks `lora` for GPT-2 (what is not implemented for its block is
@@ -90,38 +104,39 @@ impl Gpt {
     fn size_adapters(cfg: &GptConfig, lora: &LoraConfig, tp: TpRank) -> Result<Adapters, GptError> {
         lora.validate(&TARGETS)?;
         let refuse = |field: &str, problem: String| Err(nn::lora::LoraError::invalid(field, problem).into());
-        if lora.use_dora {
-            return refuse(
-                "use_dora",
-                "is not supported for gpt2; set use_dora = false (DoRA runs on the Llama-block families)".into(),
-            );
-        }
-        if lora.dropout > 0.0 {
+        let on = lora.targets(&TARGETS)?;
+        let targets: [bool; 4] = std::array::from_fn(|i| on[i]);
+        // Split, a dropout mask would be drawn per rank's features (not the
+        // whole layer's), and a row-parallel layer's row norms span the ranks.
+        if tp.is_split() && lora.dropout > 0.0 {
+            let fix = "set lora_dropout = 0.0 or dist.tensor_parallel = 1";
             return refuse(
                 "lora_dropout",
-                format!("= {} is not supported for gpt2; set lora_dropout = 0.0", lora.dropout),
+                format!("is not supported with tensor parallelism ({} ranks); {fix}", tp.size),
             );
         }
-        if tp.is_split() {
+        if tp.is_split() && lora.use_dora && (targets[1] || targets[3]) {
             return refuse(
-                "target_modules",
+                "use_dora",
                 format!(
-                    "LoRA on gpt2 is not supported with tensor parallelism ({} ranks); set dist.tensor_parallel = 1",
+                    "on c_proj (row-parallel) is not supported with tensor parallelism ({} ranks); target c_attn and c_fc only, or set dist.tensor_parallel = 1",
                     tp.size
                 ),
             );
         }
-        let on = lora.targets(&TARGETS)?;
-        let targets: [bool; 4] = std::array::from_fn(|i| on[i]);
         let w = Widths::of(cfg, tp);
         let per_layer: u128 = (0..4)
             .filter(|&i| targets[i])
-            .map(|i| conv_shape(i, cfg.n_embd, w).iter().map(|&d| d as u128).sum::<u128>())
+            .map(|i| {
+                let [inp, out] = conv_shape(i, cfg.n_embd, w).map(|d| d as u128);
+                lora.r as u128 * (inp + out) + if lora.use_dora { out } else { 0 }
+            })
             .sum();
-        let n = cfg.param_count() + cfg.n_layer as u128 * lora.r as u128 * per_layer;
-        let tensors = 12 + 2 * targets.iter().filter(|&&t| t).count() as u128;
+        let n = cfg.param_count() + cfg.n_layer as u128 * per_layer;
+        let per_target = if lora.use_dora { 3 } else { 2 };
+        let tensors = 12 + per_target * targets.iter().filter(|&&t| t).count() as u128;
         engine::check_shape_size(n, cfg.n_layer, tensors, 4).map_err(GptError::InvalidConfig)?;
-        Ok(Adapters { r: lora.r, targets })
+        Ok(Adapters { r: lora.r, targets, dora: lora.use_dora, dropout: lora.dropout > 0.0 })
     }
 
     /// The LoRA configuration, if the model has adapters.
@@ -184,6 +199,11 @@ impl Gpt {
         &self.ranges.blocks[idx]
     }
 
+    /// A block's parameter ranges relative to its first parameter.
+    pub(crate) fn block_rel(&self) -> &BlockParams {
+        &self.ranges.block_rel
+    }
+
     /// Adds label smoothing and z-loss to the training loss (the reported
     /// loss stays plain cross-entropy, see [`engine::MicroStepStats`]).
     pub fn set_loss_terms(&mut self, terms: engine::LossTerms) {
@@ -226,13 +246,13 @@ impl Gpt {
 
 impl Decoder for Gpt {
     type Error = GptError;
-    type Extra = ();
+    type Extra = Option<Dropout>;
 
-    fn shell(&self) -> &Shell<()> {
+    fn shell(&self) -> &Shell<Option<Dropout>> {
         &self.shell
     }
 
-    fn shell_mut(&mut self) -> &mut Shell<()> {
+    fn shell_mut(&mut self) -> &mut Shell<Option<Dropout>> {
         &mut self.shell
     }
 
@@ -241,12 +261,18 @@ impl Decoder for Gpt {
     }
 
     /// GPT-2's buffers do not depend on the pass.
-    fn new_acts(&self, b: usize, t: usize, _train: bool) -> Acts<()> {
+    fn new_acts(&self, b: usize, t: usize, _train: bool) -> Acts<Option<Dropout>> {
         let s = self.act_sizes(b, t);
-        Acts::new(&s.stack, s.head, (b, t), ())
+        Acts::new(&s.stack, s.head, (b, t), None)
     }
 
-    fn walk(&mut self, store: &mut dyn ParamStore, _batch: &Batch, walk: Walk<'_>) -> Result<(), GptError> {
+    /// Forward: the LoRA dropout masks of a training pass drawn first.
+    fn walk(&mut self, store: &mut dyn ParamStore, batch: &Batch, walk: Walk<'_>) -> Result<(), GptError> {
+        if let Walk::Forward(pass, _) = walk {
+            let p_drop = self.lora.as_ref().map_or(0.0, |l| l.dropout);
+            self.shell.acts.extra =
+                (pass == Pass::Train && p_drop > 0.0).then(|| Dropout::new(p_drop, self.step, batch));
+        }
         let cfg = &self.cfg;
         let (nh, w) = (cfg.n_head / self.tp.size, Widths::of(cfg, self.tp));
         let lora = self.lora_rank_scale();
@@ -257,7 +283,8 @@ impl Decoder for Gpt {
             Walk::Backward => Attention::Causal,
         };
         let (r, visible) = (&self.ranges.block_rel, Visible::documents(&a.docs));
-        let block = GptBlock { r, d, prec, attn, visible, lora };
+        let (drop, at) = (a.extra.as_ref(), std::cell::Cell::new(0));
+        let block = GptBlock { r, d, prec, attn, visible, lora, drop, at };
         match walk {
             Walk::Forward(pass, _) => a.stack.forward(&block, store, segs, pass == Pass::Train)?,
             Walk::Backward => a.stack.backward(&block, store, segs)?,
@@ -274,7 +301,11 @@ impl Decoder for Gpt {
     }
 
     fn tensor_shards(&self) -> Option<engine::TensorShards> {
-        crate::split::shards(&self.cfg, self.tp, &self.shell.layout).ok()
+        crate::split::shards(&self.cfg, self.tp, &self.shell.layout, self.adapters).ok()
+    }
+
+    fn begin_step(&mut self, step: u64) {
+        self.step = step;
     }
 }
 

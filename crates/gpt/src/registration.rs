@@ -175,8 +175,8 @@ pub struct Gpt2Rank {
 
 impl Gpt2Rank {
     fn whole_only<T>(&self, what: &str) -> Result<T> {
-        Err(format!("{what} needs the whole model, not tensor-parallel rank {} of {}", self.tp.rank, self.tp.size)
-            .into())
+        family::whole_only(self.tp, what)?;
+        Err(format!("{what}: rank {} of {} is not split", self.tp.rank, self.tp.size).into())
     }
 }
 
@@ -253,19 +253,28 @@ impl Family for Gpt2Rank {
 pub struct Gpt2Lora {
     base: Gpt2,
     lora: LoraConfig,
-    /// The layout (no activations): segments, initialisation, names.
+    /// The tensor-parallel rank this family builds (whole: all of it).
+    tp: TpRank,
+    /// The rank's layout (no activations): segments, initialisation, names.
     model: Arc<Gpt>,
+    /// The whole model's layout (what a rank's initial values are cut from).
+    whole: Arc<Gpt>,
 }
 
 impl Gpt2Lora {
     /// `cfg` with `lora`'s adapters (checked: what GPT-2 does not support is named).
     pub fn new(cfg: GptConfig, lora: LoraConfig) -> Result<Self> {
-        let model = Gpt::with_lora(cfg, lora.clone(), Precision::F32)?;
-        Ok(Self { base: Gpt2(cfg), lora, model: Arc::new(model) })
+        let model = Arc::new(Gpt::with_lora(cfg, lora.clone(), Precision::F32)?);
+        Ok(Self { base: Gpt2(cfg), lora, tp: TpRank::WHOLE, whole: model.clone(), model })
+    }
+
+    /// Errors on a tensor-parallel rank: files hold the whole model.
+    fn whole_only(&self, what: &str) -> Result<()> {
+        family::whole_only(self.tp, what)
     }
 
     fn sizes(&self, micro: usize, seq_len: usize, build: Build, spec: &engine::StageSpec) -> crate::ActSizes {
-        let ad = (TpRank::WHOLE, self.model.adapter_set());
+        let ad = (self.tp, self.model.adapter_set());
         let how = (build.precision, build.checkpointing);
         crate::ActSizes::adapted(&self.base.0, ad, (micro, seq_len), how, nn::stack::Part::of(spec))
     }
@@ -278,7 +287,11 @@ impl Family for Gpt2Lora {
 
     fn describe(&self) -> String {
         let names = self.lora.target_names(&TARGETS).unwrap_or_default().join(", ");
-        format!("{}, LoRA r={} on {names}", self.base.describe(), self.lora.r)
+        let rank = match self.tp.is_split() {
+            true => format!(", tensor-parallel rank {} of {}", self.tp.rank, self.tp.size),
+            false => String::new(),
+        };
+        format!("{}, LoRA r={} on {names}{rank}", self.base.describe(), self.lora.r)
     }
 
     fn n_params(&self) -> u128 {
@@ -305,21 +318,24 @@ impl Family for Gpt2Lora {
         self.sizes(micro, seq_len, build, spec).bytes()
     }
 
+    /// The rank's heads and MLP columns with their adapters' pieces.
     fn tensor_parallel(&self, tp: TpRank) -> Result<Arc<dyn Family>> {
-        Err(format!(
-            "[lora] on gpt2 is not supported with tensor parallelism (dist.tensor_parallel = {}); set dist.tensor_parallel = 1, or use data or pipeline parallelism",
-            tp.size
-        )
-        .into())
+        let model = Gpt::tensor_parallel_with_lora(self.base.0, self.lora.clone(), Precision::F32, tp)?;
+        Ok(Arc::new(Self { model: Arc::new(model), tp, ..self.clone() }))
     }
 
     fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>> {
-        let model = Gpt::with_lora(self.base.0, self.lora.clone(), build.precision)?;
+        let model = Gpt::tensor_parallel_with_lora(self.base.0, self.lora.clone(), build.precision, self.tp)?;
         Ok(Box::new(family::Erased(model.with_checkpointing(build.checkpointing))))
     }
 
+    /// The whole model's values of segment `seg`, cut to this rank's pieces.
     fn init_segment(&self, seed: u64, seg: usize) -> Vec<f32> {
-        self.model.init_segment(seed, seg)
+        let whole = self.whole.init_segment(seed, seg);
+        match self.model.tensor_shards() {
+            Some(map) => map.take_range(self.whole.segments()[seg].clone(), &whole),
+            None => whole,
+        }
     }
 
     fn hf_config(&self) -> serde_json::Value {
@@ -333,6 +349,7 @@ impl Family for Gpt2Lora {
     /// The base as Hugging Face files and the adapters in PEFT's format
     /// beside them (`PeftModel.from_pretrained(base, DIR)`).
     fn save_hf(&self, dir: &Path, layout: &ParamLayout, params: &[f32]) -> Result<()> {
+        self.whole_only("saving Hugging Face files")?;
         if layout.n_params() != params.len() {
             return Err(format!("{} parameters to save, the model has {}", params.len(), layout.n_params()).into());
         }
@@ -343,6 +360,7 @@ impl Family for Gpt2Lora {
     /// The base, the adapters as initialised (B = 0: the base's function),
     /// then the folder's trained adapters when it has them.
     fn load_weights(&self, dir: &Path, layout: &ParamLayout) -> Result<Vec<f32>> {
+        self.whole_only("loading weights")?;
         // `init_in_place` refuses a layout other than the model's.
         let mut params = hf::load_weights(&dir.join(family::WEIGHTS_FILE), layout)?;
         lora::init_in_place(&self.model, &mut params, 0)?;
@@ -353,6 +371,7 @@ impl Family for Gpt2Lora {
     }
 
     fn start_from_pretrained(&self, params: Vec<f32>, seed: u64) -> Result<Vec<f32>> {
+        self.whole_only("attaching adapters")?;
         match params.len() == self.model.layout().n_params() {
             true => Ok(params),
             false => Ok(lora::attach(&self.model, &params, seed)?),
@@ -360,6 +379,7 @@ impl Family for Gpt2Lora {
     }
 
     fn merged(&self, params: &[f32]) -> Result<Option<family::Loaded>> {
+        self.whole_only("merging adapters")?;
         Ok(Some((Arc::new(self.base), lora::merge(&self.model, params)?)))
     }
 

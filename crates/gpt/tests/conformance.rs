@@ -104,6 +104,77 @@ fn gpt2_with_lora_on_a_frozen_base_passes_the_conformance_suite() {
     }
 }
 
+/// DoRA on GPT-2's `Conv1D` layers (through the same projection type as
+/// every family): the suite's checks but finite differences (DoRA's
+/// gradient holds the row norms constant by design: lora.rs checks it
+/// against the merged model's chain rule), with and without recomputation.
+#[test]
+fn gpt2_with_dora_passes_the_conformance_checks_but_finite_differences() {
+    let lora = LoraConfig { use_dora: true, ..LoraConfig::new(2, 4.0, &["c_attn", "mlp.c_proj", "c_fc"]) };
+    for ck in [Checkpointing::None, Checkpointing::Blocks, Checkpointing::Selective] {
+        let f = GptFamily { lora: Some(lora.clone()), ..GptFamily::new(ck) };
+        conformance::check_k_invariance(&f).unwrap_or_else(|e| panic!("{ck}: {e}"));
+        conformance::check_several_steps(&f).unwrap_or_else(|e| panic!("{ck}: {e}"));
+        conformance::check_frozen(&f).unwrap_or_else(|e| panic!("{ck}: {e}"));
+    }
+    let f = GptFamily { lora: Some(lora), ..GptFamily::new(Checkpointing::None) };
+    conformance::check_ranks_and_zero(&f).unwrap();
+    conformance::check_resume(&f).unwrap();
+}
+
+/// LoRA dropout's masks are keyed on the optimizer step and each
+/// sequence's own tokens: K micro-batches equal one big batch and W ranks
+/// one rank under dropout, a resumed run continues bit for bit, and the
+/// gradient is that of the dropped-out loss (the same masks at every
+/// evaluation of one step).
+#[test]
+fn gpt2_lora_dropout_is_invariant_to_the_split_and_its_gradient_is_the_dropped_out_loss() {
+    use engine::Model;
+    let lora = LoraConfig { dropout: 0.3, ..LoraConfig::new(2, 4.0, &["all-linear"]) };
+    let f = GptFamily { lora: Some(lora), ..GptFamily::new(Checkpointing::None) };
+    conformance::check_k_invariance(&f).unwrap();
+    conformance::check_ranks_and_zero(&f).unwrap();
+    conformance::check_resume(&f).unwrap();
+    // The training loss and the adapters' gradient at optimizer step `step`
+    // (the suite's finite differences evaluate without dropout).
+    let (mut model, params, b) = (f.model(), f.init(), f.batch(&[0, 1, 2, 3]));
+    model.set_trainable(&|t| nn::lora::is_adapter(&t.name));
+    let train = |m: &mut Gpt, p: &[f32], step: u64| {
+        m.begin_step(step);
+        let mut g = vec![0.0; m.layout().n_trainable()];
+        let mut store = engine::FullStore::for_model(&*m, p, &mut g).unwrap();
+        let loss = m.micro_step(&mut store, &b, 1.0).unwrap().loss_sum;
+        (loss, g)
+    };
+    let adapters: Vec<std::ops::Range<usize>> =
+        model.layout().tensors().iter().filter(|t| t.trainable).map(|t| t.range()).collect();
+    let x: Vec<f32> = adapters.iter().flat_map(|r| params[r.clone()].to_vec()).collect();
+    let (_, g) = train(&mut model, &params, 7);
+    let (h, rtol, atol) = f.fd_tolerance();
+    let model = std::cell::RefCell::new(model);
+    nn::fd::check_gradient("adapters under dropout", &x, &g, (h as f32, atol, rtol), |xs| {
+        let (mut p, mut o) = (params.clone(), 0);
+        for r in &adapters {
+            p[r.clone()].copy_from_slice(&xs[o..o + r.len()]);
+            o += r.len();
+        }
+        train(&mut model.borrow_mut(), &p, 7).0
+    });
+    // Dropout is applied in training only, and another step draws other masks.
+    let mut model = model.into_inner();
+    let train = |m: &mut Gpt, step: u64| train(m, &params, step).0;
+    let mut store = engine::FullStore::read_only_for(&model, &params).unwrap();
+    let eval = model.loss(&mut store, &b).unwrap().loss_sum;
+    let no_drop = Some(LoraConfig::new(2, 4.0, &["all-linear"]));
+    let mut plain = GptFamily { lora: no_drop, ..GptFamily::new(Checkpointing::None) }.model();
+    let mut store = engine::FullStore::read_only_for(&plain, &params).unwrap();
+    assert_eq!(eval.to_bits(), plain.loss(&mut store, &b).unwrap().loss_sum.to_bits(), "evaluation drops nothing");
+    let (s7, s8) = (train(&mut model, 7), train(&mut model, 8));
+    assert!((s7 - eval).abs() > 1e-3 * eval.abs(), "dropout changes the training loss: {s7} vs {eval}");
+    assert_ne!(s7.to_bits(), s8.to_bits(), "another step, other masks");
+    assert_eq!(train(&mut model, 7).to_bits(), s7.to_bits(), "the same step, the same masks");
+}
+
 /// Recomputing blocks in backward keeps every property: ZeRO-3 gathers a
 /// segment again for the recomputation, frozen blocks are recomputed too,
 /// and several steps in a row reuse the recompute slot; selective

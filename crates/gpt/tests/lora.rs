@@ -39,13 +39,22 @@ fn batch() -> Batch {
 /// A noisy base (so biases and gains matter) with adapters on `targets`,
 /// B random (not PEFT's zero start) so every adapter acts.
 fn adapted(targets: &[&str], seed: u64) -> (Gpt, Vec<f32>, Vec<f32>) {
+    adapted_with(LoraConfig::new(3, 6.0, targets), seed)
+}
+
+/// [`adapted`] with `lora`; DoRA's magnitudes moved by up to ±10% from
+/// the base's norms.
+fn adapted_with(lora: LoraConfig, seed: u64) -> (Gpt, Vec<f32>, Vec<f32>) {
     let mut rng = SplitMix64::new(seed);
     let mut base = gpt::init_params(&cfg(), seed);
     base.iter_mut().for_each(|x| *x += (0.3 * rng.normal()) as f32);
-    let model = Gpt::with_lora(cfg(), LoraConfig::new(3, 6.0, targets), Precision::F32).unwrap();
+    let model = Gpt::with_lora(cfg(), lora, Precision::F32).unwrap();
     let mut params = lora::attach(&model, &base, seed).unwrap();
     for t in model.layout().tensors().iter().filter(|t| t.name.contains("lora_B")) {
         params[t.range()].iter_mut().for_each(|x| *x = (0.2 * rng.normal()) as f32);
+    }
+    for t in model.layout().tensors().iter().filter(|t| t.name.ends_with(nn::lora::MAGNITUDE)) {
+        params[t.range()].iter_mut().for_each(|x| *x *= 1.0 + (0.1 * (2.0 * rng.next_f64() - 1.0)) as f32);
     }
     (model, base, params)
 }
@@ -152,6 +161,80 @@ fn the_adapted_model_is_its_merge_in_logits_and_gradients() {
     }
 }
 
+/// DoRA on GPT-2 as PEFT's `DoraLinearLayer` computes it on a `Conv1D`
+/// (`fan_in_fan_out`: a column of `W [in, out]` is an output feature's
+/// weight). It starts as the base — each magnitude is its column's norm —
+/// and the adapted model is its merge `W' = (W + s·(B·A)ᵀ)·diag(f)`,
+/// `f_j = m_j/‖W + s·(B·A)ᵀ‖_j`: the same logits, and, the norms held
+/// constant (PEFT's `weight_norm.detach()`), the chain rule through `W'`
+/// from the plain model's gradient `G = dL/dW'` gives every gradient:
+/// `dW = G·diag(f)`, `dA = s·(G·diag(f)·B)ᵀ`, `dB = s·(A·G·diag(f))ᵀ`,
+/// `dm_j = Σ_i G_ij·(W + s·(B·A)ᵀ)_ij / ‖·‖_j` — computed here in f64.
+/// Tolerances as the LoRA merge test's (other f32 groupings, ~1e-6).
+#[test]
+fn dora_starts_as_the_base_and_is_its_merge_in_logits_and_gradients() {
+    let dora = LoraConfig { use_dora: true, ..LoraConfig::new(3, 6.0, &["all-linear"]) };
+    // The start: magnitudes are the base's column norms, the logits the base's.
+    let base = gpt::init_params(&cfg(), 4);
+    let mut model0 = Gpt::with_lora(cfg(), dora.clone(), Precision::F32).unwrap();
+    let start = lora::attach(&model0, &base, 4).unwrap();
+    let mut plain = Gpt::new(cfg()).unwrap();
+    let e = rel_err(&model0.logits(&start, &batch()).unwrap(), &plain.logits(&base, &batch()).unwrap());
+    assert!(e < 1e-6, "DoRA at its start vs the base: {e:.1e}");
+
+    let (mut model, _, params) = adapted_with(dora, 6);
+    let merged = lora::merge(&model, &params).unwrap();
+    let e = rel_err(&model.logits(&params, &batch()).unwrap(), &plain.logits(&merged, &batch()).unwrap());
+    assert!(e < 1e-4, "logits differ by {e:.1e}");
+    let (loss, grads) = step(&mut model, &params);
+    let (loss_merged, g_merged) = step(&mut plain, &merged);
+    assert!((loss - loss_merged).abs() < 1e-5 * loss.abs(), "loss {loss} vs {loss_merged}");
+    let s = 6.0f64 / 3.0;
+    for i in 0..cfg().n_layer {
+        for conv in gpt::layout::CONVS {
+            let name = |t: &str| format!("transformer.h.{i}.{conv}.{t}");
+            let get = |t: &str| model.layout().get(&name(t)).unwrap().range();
+            let (ta, tb, tm, tw) =
+                (get("lora_A.weight"), get("lora_B.weight"), get(nn::lora::MAGNITUDE), get("weight"));
+            let (a, bm, m, w) = (&params[ta.clone()], &params[tb.clone()], &params[tm.clone()], &params[tw.clone()]);
+            let (r, out) = (3, m.len());
+            let inp = a.len() / r;
+            // V = W + s·(B·A)ᵀ [in, out] and its column norms, in f64.
+            let v: Vec<f64> = (0..inp * out)
+                .map(|e| {
+                    let (k, j) = (e / out, e % out);
+                    w[e] as f64 + s * (0..r).map(|q| bm[j * r + q] as f64 * a[q * inp + k] as f64).sum::<f64>()
+                })
+                .collect();
+            let norm: Vec<f64> =
+                (0..out).map(|j| (0..inp).map(|k| v[k * out + j].powi(2)).sum::<f64>().sqrt()).collect();
+            let f: Vec<f64> = (0..out).map(|j| m[j] as f64 / norm[j]).collect();
+            let g = &g_merged[plain.layout().get(&name("weight")).unwrap().range()];
+            let gf = |k: usize, j: usize| g[k * out + j] as f64 * f[j];
+            let dw: Vec<f32> = (0..inp * out).map(|e| gf(e / out, e % out) as f32).collect();
+            let da: Vec<f32> = (0..r * inp)
+                .map(|e| {
+                    let (q, k) = (e / inp, e % inp);
+                    (s * (0..out).map(|j| bm[j * r + q] as f64 * gf(k, j)).sum::<f64>()) as f32
+                })
+                .collect();
+            let db: Vec<f32> = (0..out * r)
+                .map(|e| {
+                    let (j, q) = (e / r, e % r);
+                    (s * (0..inp).map(|k| a[q * inp + k] as f64 * gf(k, j)).sum::<f64>()) as f32
+                })
+                .collect();
+            let dm: Vec<f32> = (0..out)
+                .map(|j| ((0..inp).map(|k| g[k * out + j] as f64 * v[k * out + j]).sum::<f64>() / norm[j]) as f32)
+                .collect();
+            for (what, range, want) in [("W", tw, dw), ("A", ta, da), ("B", tb, db), ("m", tm, dm)] {
+                let e = rel_err(&grads[range], &want);
+                assert!(e < 1e-4, "{}: d{what} off by {e:.1e}", name(""));
+            }
+        }
+    }
+}
+
 #[test]
 fn peft_names_and_files_round_trip() {
     let t = &gpt::layout::TARGETS;
@@ -207,19 +290,23 @@ fn peft_names_and_files_round_trip() {
 fn unsupported_settings_are_named_errors() {
     let err = |l: LoraConfig| Gpt::with_lora(cfg(), l, Precision::F32).unwrap_err().to_string();
     let l = || LoraConfig::new(2, 4.0, &["c_attn"]);
-    let e = err(LoraConfig { use_dora: true, ..l() });
-    assert!(e.contains("use_dora") && e.contains("gpt2"), "{e}");
-    let e = err(LoraConfig { dropout: 0.1, ..l() });
-    assert!(e.contains("lora_dropout") && e.contains("0.0"), "{e}");
+    // DoRA under dropout: PEFT multiplies the base a second time (named, as for every family).
+    let e = err(LoraConfig { use_dora: true, dropout: 0.1, ..l() });
+    assert!(e.contains("lora_dropout") && e.contains("use_dora"), "{e}");
     let e = err(LoraConfig::new(2, 4.0, &["q_proj"]));
     assert!(e.contains("q_proj") && e.contains("c_attn, c_proj, c_fc"), "{e}");
     let e = err(LoraConfig::new(0, 4.0, &["c_fc"]));
     assert!(e.contains("`r`"), "{e}");
-    // Tensor parallelism: refused by the family, before any model is built.
+    // Tensor parallelism: a rank's family (tensor.rs trains it); what a
+    // rank cannot compute as uncut is refused before any model is built.
     use family::Family;
     let fam = gpt::registration::Gpt2Lora::new(cfg(), l()).unwrap();
-    let e = fam.tensor_parallel(TpRank { rank: 0, size: 2 }).err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(e.contains("tensor_parallel = 1"), "{e}");
+    let rank = fam.tensor_parallel(TpRank { rank: 1, size: 2 }).unwrap_or_else(|e| panic!("{e}"));
+    assert!(rank.describe().contains("tensor-parallel rank 1 of 2"), "{}", rank.describe());
+    assert!(rank.n_params() < fam.n_params());
+    let drop = gpt::registration::Gpt2Lora::new(cfg(), LoraConfig { dropout: 0.1, ..l() }).unwrap();
+    let e = drop.tensor_parallel(TpRank { rank: 0, size: 2 }).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("lora_dropout") && e.contains("tensor_parallel = 1"), "{e}");
 }
 
 /// PEFT itself loads the base and adapter we write (transformers'
@@ -230,8 +317,21 @@ fn unsupported_settings_are_named_errors() {
 /// `MACROBATCH_REQUIRE_PYTHON=1`, as in CI).
 #[test]
 fn peft_loads_our_gpt2_adapter_and_computes_our_logits_and_loss() {
-    let (mut model, base, params) = adapted(&["all-linear"], 11);
-    let dir = std::env::temp_dir().join(format!("macrobatch-gpt-peft-{}", std::process::id()));
+    peft_computes_ours("lora", adapted(&["all-linear"], 11));
+}
+
+/// [`peft_loads_our_gpt2_adapter_and_computes_our_logits_and_loss`] with
+/// DoRA and rsLoRA (PEFT's `DoraLinearLayer` on `Conv1D`, its
+/// magnitudes moved from the base's norms) on c_attn and the MLP.
+#[test]
+fn peft_loads_our_gpt2_dora_adapter_and_computes_our_logits_and_loss() {
+    let dora =
+        LoraConfig { use_dora: true, use_rslora: true, ..LoraConfig::new(3, 6.0, &["c_attn", "c_fc", "mlp.c_proj"]) };
+    peft_computes_ours("dora", adapted_with(dora, 12));
+}
+
+fn peft_computes_ours(tag: &str, (mut model, base, params): (Gpt, Vec<f32>, Vec<f32>)) {
+    let dir = std::env::temp_dir().join(format!("macrobatch-gpt-peft-{tag}-{}", std::process::id()));
     let (base_dir, adapter_dir) = (dir.join("base"), dir.join("adapter"));
     gpt::hf::save(&base_dir, &cfg(), Gpt::new(cfg()).unwrap().layout(), &base).unwrap();
     lora::save_adapter(&adapter_dir, &model, &params, base_dir.to_str()).unwrap();

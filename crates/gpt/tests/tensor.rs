@@ -2,7 +2,7 @@
 //! n_head / T heads of every block and 4C / T MLP columns) trains the same
 //! steps as uncut (engine's `conformance::pipeline::check_tensor_layouts`):
 //! T ∈ {2, 4} × f32/bf16 × checkpointing off/on, 3D (P 2 × T 2 × D 2)
-//! and T 2 × D 2 at ZeRO-1.
+//! and T 2 × D 2 at ZeRO-1; with LoRA and DoRA adapters too.
 //!
 //! Tolerance: as Llama's (`crates/llama/tests/tensor.rs`) — a row-parallel
 //! product is T partial products summed by the all-reduce, so sums are
@@ -16,9 +16,11 @@
 use engine::conformance::pipeline::{check_tensor_layouts, PipelineCase};
 use engine::conformance::TokenSamples;
 use engine::rng::SplitMix64;
+use engine::Model;
 use engine::{Checkpointing, Precision, TpRank};
 use family::Family;
 use gpt::{init_params, Gpt, Gpt2, GptConfig};
+use nn::lora::LoraConfig;
 
 const T: usize = 8;
 
@@ -40,6 +42,54 @@ fn gpt2_split_over_tensor_ranks_matches_uncut() {
     let worst = check_tensor_layouts(&case, (1e-6, 1e-5), engine::conformance::pipeline::FIRST_STEP_16BIT, &[2, 4])
         .unwrap_or_else(|e| panic!("{e}"));
     println!("largest relative loss difference vs uncut: {worst:e}");
+}
+
+/// LoRA on every layer (A and B random: every adapter acts; the base
+/// frozen, as LoRA trains) and DoRA on
+/// the column-parallel layers, split with their layers — `lora_B` and the
+/// magnitudes with c_attn's heads and c_fc's columns, `lora_A` with the
+/// c_projs' inputs (their `x·Aᵀ` summed over the group), the other factor
+/// whole — train the same steps as uncut, at every layout and precision
+/// of the suite (tolerances as above: the same reordered sums).
+#[test]
+fn gpt2_with_lora_and_dora_split_over_tensor_ranks_matches_uncut() {
+    let dora = LoraConfig { use_dora: true, ..LoraConfig::new(2, 4.0, &["c_attn", "c_fc"]) };
+    for lora in [LoraConfig::new(2, 4.0, &["all-linear"]), dora] {
+        let what = if lora.use_dora { "DoRA" } else { "LoRA" };
+        let build = |p: Precision, ck: Checkpointing, tp: TpRank| {
+            let mut m = Gpt::tensor_parallel_with_lora(cfg(), lora.clone(), p, tp).expect("valid split");
+            m.set_trainable(&|t| nn::lora::is_adapter(&t.name));
+            m.with_checkpointing(ck)
+        };
+        // The base as the plain test's; B and the magnitudes moved as a few
+        // steps of training would (B at 0.3 like the base doubles each
+        // block's dynamic range, and the f32 reordering noise with it).
+        let whole = build(Precision::F32, Checkpointing::None, TpRank::WHOLE);
+        let mut init = whole.init_params(3);
+        let mut rng = SplitMix64::new(15);
+        for t in whole.layout().tensors() {
+            let sd = if !nn::lora::is_adapter(&t.name) {
+                0.3
+            } else if t.name.contains("lora_B") {
+                0.05
+            } else {
+                0.0
+            };
+            init[t.range()].iter_mut().for_each(|x| *x += (rng.normal() * sd) as f32);
+        }
+        let seqs = TokenSamples::new(48, T, 32, 9);
+        let case = PipelineCase { model: &build, init, seqs: &seqs };
+        let first = engine::conformance::pipeline::FIRST_STEP_16BIT;
+        let worst = check_tensor_layouts(&case, (1e-6, 1e-5), first, &[2, 4]).unwrap_or_else(|e| panic!("{what}: {e}"));
+        println!("{what}: largest relative loss difference vs uncut: {worst:e}");
+    }
+    // What a split cannot compute as uncut is refused, named.
+    let tp = TpRank { rank: 0, size: 2 };
+    let err = |l: LoraConfig| Gpt::tensor_parallel_with_lora(cfg(), l, Precision::F32, tp).unwrap_err().to_string();
+    let e = err(LoraConfig { dropout: 0.1, ..LoraConfig::new(2, 4.0, &["c_fc"]) });
+    assert!(e.contains("lora_dropout") && e.contains("tensor_parallel = 1"), "{e}");
+    let e = err(LoraConfig { use_dora: true, ..LoraConfig::new(2, 4.0, &["c_proj"]) });
+    assert!(e.contains("use_dora") && e.contains("c_proj"), "{e}");
 }
 
 #[test]

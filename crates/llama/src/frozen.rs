@@ -46,6 +46,20 @@ pub(crate) struct PackedGroup {
     parts: Vec<(usize, PackedMatrix)>,
 }
 
+impl nn::proj::Frozen for PackedGroup {
+    fn forward(&self, y: Cols<'_>, accumulate: bool, x: &[f32], s: LinearShape) {
+        PackedGroup::forward(self, y, accumulate, x, s)
+    }
+
+    fn backward_input(&self, dx: &mut [f32], accumulate: bool, dy: Strided<'_>, s: LinearShape) {
+        PackedGroup::backward_input(self, dx, accumulate, dy, s)
+    }
+
+    fn rows(&self, rows: std::ops::Range<usize>) -> Vec<f32> {
+        self.dequantize_rows(rows)
+    }
+}
+
 impl PackedGroup {
     /// The group from its projections' matrices in order: one stacked
     /// matrix when their formats agree, parts otherwise.

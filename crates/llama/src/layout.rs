@@ -137,17 +137,8 @@ pub fn stored_as(tensors: Vec<StoredTensor>, fused: &[Fused]) -> Result<Vec<Stor
     Ok(out)
 }
 
-/// Element ranges of one LoRA adapter: `lora_A` `[r, in]`, `lora_B` `[out, r]`,
-/// and with DoRA the magnitude `[out]`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LoraRanges {
-    /// `lora_A.weight`.
-    pub a: Range<usize>,
-    /// `lora_B.weight`.
-    pub b: Range<usize>,
-    /// `lora_magnitude_vector` (DoRA only).
-    pub m: Option<Range<usize>>,
-}
+/// Element ranges of one LoRA adapter (and DoRA magnitude) in a layer.
+pub use nn::lora::LoraRanges;
 
 /// Element ranges of one decoder layer's parameters.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -178,16 +169,6 @@ impl LayerParams {
     /// The weight of projection `p`.
     pub fn w(&self, p: Proj) -> Range<usize> {
         self.proj[p as usize].clone()
-    }
-
-    /// q, k and v weights together: one `[(H + 2·KV)·d, C]` matrix.
-    pub(crate) fn qkv(&self) -> Range<usize> {
-        self.proj[0].start..self.proj[2].end
-    }
-
-    /// gate and up weights together: one `[2F, C]` matrix.
-    pub(crate) fn gate_up(&self) -> Range<usize> {
-        self.proj[4].start..self.proj[5].end
     }
 
     /// The contiguous range the whole layer occupies.

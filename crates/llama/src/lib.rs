@@ -19,7 +19,6 @@ pub mod frozen;
 pub mod hf;
 pub mod layout;
 pub mod lora;
-mod lora_dropout;
 pub mod model;
 pub mod registration;
 pub mod split;

@@ -12,12 +12,12 @@ use crate::error::LlamaError;
 use crate::frozen::FrozenBase;
 use crate::layout::{build_layout, Adapters, LayerParams, ParamRanges, Proj};
 use crate::lora::LoraConfig;
-use crate::lora_dropout::Dropout;
 use crate::split::Split;
 use engine::rng::SplitMix64;
 use engine::{Checkpointing, ParamStore, Precision, StageSpec, TensorShards, TpRank};
 use nn::attention::AttnShape;
 use nn::kv::Attention;
+use nn::lora_dropout::Dropout;
 use nn::rope::Rope;
 use nn::shell::{Acts, Decoder, Ends, FinalNorm, Pass, Shell, Walk};
 use nn::stack::Part;
@@ -194,13 +194,6 @@ impl Llama {
             Some(l) => {
                 crate::lora::validate(l)?;
                 let targets = crate::lora::targets(l)?;
-                let onto_branch_end = targets[Proj::O as usize] || targets[Proj::Down as usize];
-                if l.use_dora && onto_branch_end && cfg.gemma.is_some() {
-                    return Err(LlamaError::lora(
-                        "use_dora",
-                        "on o_proj or down_proj is not supported where their output is normed before the residual (Gemma 2's post norms); target the other projections or set use_dora = false",
-                    ));
-                }
                 // The adapters' parameters and tensors count too.
                 let on = Proj::ALL.into_iter().filter(|&p| targets[p as usize]);
                 let per_layer: u128 = on.clone().map(|p| p.shape(&cfg).iter().map(|&d| d as u128).sum::<u128>()).sum();

@@ -287,14 +287,7 @@ impl LlamaFamily {
 
     /// Errors when this is one tensor-parallel rank's shape (`what` needs the whole model).
     fn whole(&self, what: &str) -> Result<()> {
-        match self.tp.is_split() {
-            true => Err(format!(
-                "{what} needs the whole model, not tensor-parallel rank {} of {}",
-                self.tp.rank, self.tp.size
-            )
-            .into()),
-            false => Ok(()),
-        }
+        family::whole_only(self.tp, what)
     }
 }
 

@@ -131,6 +131,13 @@ fn gpt2_at_two_and_four_tensor_ranks_equals_one_rank() {
 }
 
 #[test]
+fn gpt2_lora_split_equals_one_rank() {
+    // Adapters on every Conv1D (the base frozen): A and B cut with their layers.
+    let lora = ["lora.r=2", "lora.alpha=4.0", "lora.target_modules=[\"all-linear\"]"];
+    equals_one_rank("gpt-lora", GPT, &lora, &[2], (TOL, TOL_WEIGHTS));
+}
+
+#[test]
 fn split_with_bf16_and_checkpointing_equals_one_rank() {
     let extra = ["train.precision=\"bf16\"", "train.activation_checkpointing=\"blocks\""];
     equals_one_rank("gpt-bf16", GPT, &extra, &[2], (TOL_BF16, TOL_BF16));

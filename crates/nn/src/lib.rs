@@ -29,6 +29,7 @@
 
 pub mod act;
 pub mod attention;
+pub mod dora;
 pub mod embed;
 pub mod fd;
 pub mod flash;
@@ -37,9 +38,11 @@ pub mod io;
 pub mod kv;
 pub mod linear;
 pub mod lora;
+pub mod lora_dropout;
 pub mod loss;
 pub mod loss_terms;
 pub mod norm;
+pub mod proj;
 pub mod rope;
 pub mod shell;
 pub mod stack;

@@ -405,6 +405,18 @@ pub fn kaiming_uniform(rng: &mut SplitMix64, n: usize, fan_in: usize) -> Vec<f32
     (0..n).map(|_| ((2.0 * rng.next_f64() - 1.0) * bound) as f32).collect()
 }
 
+/// Element ranges of one adapter's tensors in a block's segment:
+/// `lora_A` `[r, in]`, `lora_B` `[out, r]`, and with DoRA the magnitude `[out]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoraRanges {
+    /// `lora_A.weight`.
+    pub a: std::ops::Range<usize>,
+    /// `lora_B.weight`.
+    pub b: std::ops::Range<usize>,
+    /// `lora_magnitude_vector` (DoRA only).
+    pub m: Option<std::ops::Range<usize>>,
+}
+
 /// One adapter as a block runs it on `n` rows: A `[r, in]`, B `[out, r]`,
 /// the update's scale and the GEMM operands.
 #[derive(Debug, Clone, Copy)]

@@ -98,6 +98,14 @@ impl Extra for () {
     }
 }
 
+/// A micro-batch's LoRA dropout masks (drawn per training pass): a key
+/// per sequence, not counted.
+impl Extra for Option<crate::lora_dropout::Dropout> {
+    fn bytes(&self) -> usize {
+        0
+    }
+}
+
 /// Activations and backward scratch for one (B, T): the block stack, the
 /// final norm's output and statistics, the logits and the losses, the
 /// micro-batch's positions, and the family's extra buffers.

@@ -28,7 +28,7 @@ const STREAM: u64 = 0xD0_0D_10_4A;
 /// The dropout of one micro-batch's forward and backward: probability,
 /// the optimizer step and one key per sequence.
 #[derive(Debug, Clone)]
-pub(crate) struct Dropout {
+pub struct Dropout {
     /// Probability of zeroing a feature.
     pub p: f32,
     /// Per sequence: its key (step and tokens hashed).
@@ -50,7 +50,7 @@ fn sequence_key(step: u64, inputs: &[u32], targets: &[i32]) -> u64 {
 
 impl Dropout {
     /// The dropout of `batch` at optimizer step `step` with probability `p`.
-    pub(crate) fn new(p: f32, step: u64, batch: &TokenBatch) -> Self {
+    pub fn new(p: f32, step: u64, batch: &TokenBatch) -> Self {
         let t = batch.seq_len.max(1);
         let keys = (0..batch.n_seqs)
             .map(|b| sequence_key(step, &batch.inputs[b * t..(b + 1) * t], &batch.targets[b * t..(b + 1) * t]))
@@ -78,7 +78,7 @@ impl Dropout {
     /// `buf *= mask` for the rows of `buf` (`width` features each): the
     /// dropped input (forward), or a gradient through the dropout
     /// (backward: the same mask).
-    pub(crate) fn mask(&self, at: (usize, usize), buf: &mut [f32], width: usize) {
+    pub fn mask(&self, at: (usize, usize), buf: &mut [f32], width: usize) {
         buf.par_chunks_mut(width).enumerate().for_each_init(
             || vec![0.0f32; width],
             |m, (i, row)| {
