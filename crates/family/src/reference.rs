@@ -29,7 +29,7 @@ pub fn python_available() -> Result<bool, String> {
 
 /// Whether python3 can import `modules` (`import {modules}`), as
 /// [`python_available`] says it.
-fn python_with(modules: &str) -> Result<bool, String> {
+pub fn python_with(modules: &str) -> Result<bool, String> {
     let import = format!("import {modules}");
     let ok = Command::new("python3").args(["-c", &import]).output().is_ok_and(|o| o.status.success());
     if !ok && std::env::var("MACROBATCH_REQUIRE_PYTHON").as_deref() == Ok("1") {

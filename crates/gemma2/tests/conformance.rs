@@ -102,15 +102,7 @@ fn peft_computes_our_dora_logits_before_the_post_norms() {
     use engine::rng::SplitMix64;
     use engine::Model;
     use family::Family;
-    let has = std::process::Command::new("python3")
-        .args(["-c", "import torch, transformers, peft, safetensors"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has {
-        assert!(
-            std::env::var("MACROBATCH_REQUIRE_PYTHON").as_deref() != Ok("1"),
-            "MACROBATCH_REQUIRE_PYTHON=1 but python3 cannot import torch, transformers, peft and safetensors"
-        );
+    if !family::reference::python_with("torch, transformers, peft, safetensors").unwrap_or_else(|e| panic!("{e}")) {
         eprintln!("skipped: python3 with torch, transformers and peft is not available");
         return;
     }
