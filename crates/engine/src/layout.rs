@@ -81,7 +81,41 @@ pub struct ParamLayout {
     n_params: usize,
 }
 
+/// The first non-finite value of a parameter buffer: its tensor, its
+/// index in the tensor's row-major shape, the value, and how many there
+/// are in all ([`ParamLayout::first_non_finite`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct NonFinite {
+    /// The tensor's name.
+    pub tensor: String,
+    /// The tensor's shape.
+    pub shape: Vec<usize>,
+    /// The value's index in that shape.
+    pub index: Vec<usize>,
+    /// The value (NaN or an infinity).
+    pub value: f32,
+    /// How many non-finite values the buffer holds.
+    pub count: usize,
+}
+
 impl ParamLayout {
+    /// The first non-finite value of `params` laid out by this layout
+    /// (`None`: every value is finite).
+    pub fn first_non_finite(&self, params: &[f32]) -> Option<NonFinite> {
+        let i = params.iter().position(|x| !x.is_finite())?;
+        let count = params.iter().filter(|x| !x.is_finite()).count();
+        let (tensor, shape, mut at) = match self.tensors().iter().find(|t| t.range().contains(&i)) {
+            Some(t) => (t.name.clone(), t.shape.clone(), i - t.offset),
+            None => ("?".to_string(), vec![params.len()], i),
+        };
+        let mut index = vec![0; shape.len()];
+        for (slot, &d) in index.iter_mut().zip(&shape).rev() {
+            *slot = at % d.max(1);
+            at /= d.max(1);
+        }
+        Some(NonFinite { tensor, shape, index, value: params[i], count })
+    }
+
     /// An empty layout.
     pub fn new() -> Self {
         Self::default()

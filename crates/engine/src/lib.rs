@@ -109,7 +109,7 @@ pub mod zero;
 
 pub use batch::{TokenBatch, IGNORE_INDEX};
 pub use error::EngineError;
-pub use layout::{check_shape_size, ParamLayout, TensorSpec, MAX_PARAMS, MAX_TENSORS};
+pub use layout::{check_shape_size, NonFinite, ParamLayout, TensorSpec, MAX_PARAMS, MAX_TENSORS};
 pub use loss_terms::LossTerms;
 pub use model::{AuxStats, MicroStepStats, Model, AUX_STATS};
 pub use optim::{

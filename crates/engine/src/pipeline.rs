@@ -1,6 +1,6 @@
 //! Pipeline parallelism where the accumulation micro-batches are the
 //! pipeline: a model's block stack cut into P contiguous stages
-//! ([`split_layers`], [`StageSpec`]), the schedule every stage executes —
+//! ([`partition_layers`], [`StageSpec`]), the schedule every stage executes —
 //! GPipe or 1F1B (PipeDream-flush) — written out as an explicit list of
 //! operations per stage ([`Schedule`]), and the stage interface a model
 //! implements ([`StagedModel`]).
@@ -26,7 +26,7 @@ pub use schedule::{Op, Schedule, ScheduleKind, StagePlan, BACKWARD_TICKS, FORWAR
 /// Cuts `n_layers` blocks into `n_stages` contiguous stages: as given
 /// (`manual`: layers per stage), or evenly by layers (the first
 /// `n_layers % n_stages` stages take one more).
-pub fn split_layers(
+pub fn partition_layers(
     n_layers: usize,
     n_stages: usize,
     manual: Option<&[usize]>,
@@ -315,12 +315,12 @@ mod tests {
 
     #[test]
     fn layers_split_evenly_or_as_given_and_bad_cuts_are_named() {
-        assert_eq!(split_layers(10, 4, None).unwrap(), vec![0..3, 3..6, 6..8, 8..10]);
-        assert_eq!(split_layers(4, 4, None).unwrap(), vec![0..1, 1..2, 2..3, 3..4]);
-        assert_eq!(split_layers(6, 2, Some(&[2, 4])).unwrap(), vec![0..2, 2..6]);
-        let e = split_layers(2, 4, None).unwrap_err().to_string();
+        assert_eq!(partition_layers(10, 4, None).unwrap(), vec![0..3, 3..6, 6..8, 8..10]);
+        assert_eq!(partition_layers(4, 4, None).unwrap(), vec![0..1, 1..2, 2..3, 3..4]);
+        assert_eq!(partition_layers(6, 2, Some(&[2, 4])).unwrap(), vec![0..2, 2..6]);
+        let e = partition_layers(2, 4, None).unwrap_err().to_string();
         assert!(e.contains("4 stages") && e.contains("2 layers"), "{e}");
-        let e = split_layers(6, 2, Some(&[2, 3])).unwrap_err().to_string();
+        let e = partition_layers(6, 2, Some(&[2, 3])).unwrap_err().to_string();
         assert!(e.contains("pipeline_layers") && e.contains("6 layers"), "{e}");
     }
 

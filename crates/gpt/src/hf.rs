@@ -8,12 +8,6 @@ use engine::ParamLayout;
 use safetensors::tensor::SafeTensors;
 use std::path::Path;
 
-/// The shared file I/O, re-exported where the binary and older callers find it.
-pub use nn::io::{
-    is_temp_file, read_safetensors, set_write_budget, write_all_budgeted, write_atomic, write_atomic_with,
-    write_safetensors, FileError, Tensors,
-};
-
 /// File name of the weights.
 pub const WEIGHTS_FILE: &str = "model.safetensors";
 /// File name of the model configuration.
@@ -63,10 +57,10 @@ pub fn save(dir: &Path, cfg: &GptConfig, layout: &ParamLayout, params: &[f32]) -
     let base = layout.tensors().iter().filter(|t| !nn::lora::is_adapter(&t.name));
     let tensors: Vec<(String, Vec<usize>, &[f32])> =
         base.map(|t| (t.name.clone(), t.shape.clone(), &params[t.range()])).collect();
-    write_safetensors(&dir.join(WEIGHTS_FILE), &tensors, &[])?;
+    nn::io::write_safetensors(&dir.join(WEIGHTS_FILE), &tensors, &[])?;
     let cfg_path = dir.join(CONFIG_FILE);
     let text = serde_json::to_string_pretty(&config_json(cfg)).map_err(|e| bad(&cfg_path, e.to_string()))?;
-    Ok(write_atomic(&cfg_path, text.as_bytes())?)
+    Ok(nn::io::write_atomic(&cfg_path, text.as_bytes())?)
 }
 
 /// Reads a `GPT2Config`-style `config.json`.

@@ -17,7 +17,7 @@ pub mod layout;
 pub mod lora;
 pub mod model;
 pub mod registration;
-pub mod split;
+pub mod shard;
 
 pub use block::ActSizes;
 pub use config::GptConfig;

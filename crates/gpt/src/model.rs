@@ -52,7 +52,7 @@ impl Gpt {
     }
 
     /// The model rank `tp.rank` of a tensor-parallel group of `tp.size`
-    /// holds ([`crate::split`]): `n_head / T` heads and `4C / T` MLP
+    /// holds ([`crate::shard`]): `n_head / T` heads and `4C / T` MLP
     /// columns of every block, the embeddings and norms whole;
     /// [`engine::StagedModel::tensor_shards`] maps its layout onto the whole model's.
     pub fn tensor_parallel(cfg: GptConfig, precision: Precision, tp: TpRank) -> Result<Self, GptError> {
@@ -68,7 +68,7 @@ impl Gpt {
     }
 
     /// [`Gpt::with_lora`] as tensor-parallel rank `tp` holds it: each
-    /// adapter cut with its layer ([`crate::split`]).
+    /// adapter cut with its layer ([`crate::shard`]).
     pub fn tensor_parallel_with_lora(
         cfg: GptConfig,
         lora: LoraConfig,
@@ -80,7 +80,7 @@ impl Gpt {
 
     fn assemble(cfg: GptConfig, precision: Precision, tp: TpRank, lora: Option<LoraConfig>) -> Result<Self, GptError> {
         cfg.validate()?;
-        crate::split::check(&cfg, tp)?;
+        crate::shard::check(&cfg, tp)?;
         let adapters = lora.as_ref().map(|l| Self::size_adapters(&cfg, l, tp)).transpose()?;
         let (layout, ranges) = build_layout(&cfg, Widths::of(&cfg, tp), adapters);
         let ends = Ends {
@@ -301,7 +301,7 @@ impl Decoder for Gpt {
     }
 
     fn tensor_shards(&self) -> Option<engine::TensorShards> {
-        crate::split::shards(&self.cfg, self.tp, &self.shell.layout, self.adapters).ok()
+        crate::shard::shards(&self.cfg, self.tp, &self.shell.layout, self.adapters).ok()
     }
 
     fn begin_step(&mut self, step: u64) {

@@ -349,7 +349,7 @@ pub(crate) fn load_base_into_adapted(
             )),
         }
     };
-    load_weights_with(dir, cfg, layout, &mut verify, (crate::lora::is_adapter, &[]))
+    load_weights_with(dir, cfg, layout, &mut verify, (nn::lora::is_adapter, &[]))
 }
 
 /// Offered each stored tensor `(name, shape, view)` before it is placed;

@@ -3,7 +3,9 @@
 //! LoRA adapters inside their layer.
 
 use crate::config::LlamaConfig;
+use crate::error::LlamaError;
 use engine::ParamLayout;
+use nn::lora::{LoraConfig, Targets};
 use std::ops::Range;
 
 /// The seven linear projections of a decoder layer, in layout order.
@@ -237,7 +239,7 @@ fn push_layer(cfg: &LlamaConfig, adapters: Option<Adapters>, packed_base: bool, 
             a: push(&format!("{}.lora_A.weight", p.path()), &[a.r, inp], true),
             b: push(&format!("{}.lora_B.weight", p.path()), &[out, a.r], true),
             // A per-feature scale, like a norm's gain: no weight decay.
-            m: a.dora.then(|| push(&format!("{}.{}", p.path(), crate::dora::MAGNITUDE), &[out], false)),
+            m: a.dora.then(|| push(&format!("{}.{}", p.path(), nn::lora::MAGNITUDE), &[out], false)),
         })
     });
     LayerParams { attn_norm, proj: [q, k, v, o, gate, up, down], qkv_bias, qk_norm, mlp_norm, post_norms, lora }
@@ -281,4 +283,36 @@ pub(crate) fn build_layout(
         at - n..at
     });
     (l, ParamRanges { embed, layers, layer_rel, norm, head })
+}
+
+/// The Llama block's projections as `target_modules` names them, in
+/// [`Proj`] order (`nn.Linear` weights: `fan_in_fan_out` off).
+pub const TARGETS: Targets = Targets {
+    modules: &[
+        ("q_proj", &[0]),
+        ("k_proj", &[1]),
+        ("v_proj", &[2]),
+        ("o_proj", &[3]),
+        ("gate_proj", &[4]),
+        ("up_proj", &[5]),
+        ("down_proj", &[6]),
+    ],
+    n: 7,
+    fan_in_fan_out: false,
+};
+
+/// Checks every field of `lora` for the Llama block.
+pub fn validate(lora: &LoraConfig) -> Result<(), LlamaError> {
+    Ok(lora.validate(&TARGETS)?)
+}
+
+/// Which projections carry adapters, indexed by [`Proj`].
+pub fn targets(lora: &LoraConfig) -> Result<[bool; 7], LlamaError> {
+    let on = lora.targets(&TARGETS)?;
+    Ok(std::array::from_fn(|i| on[i]))
+}
+
+/// The targeted projections' names in layout order (`all-linear` expanded).
+pub fn target_names(lora: &LoraConfig) -> Result<Vec<&'static str>, LlamaError> {
+    Ok(lora.target_names(&TARGETS)?)
 }

@@ -12,16 +12,16 @@
 pub mod block;
 pub mod config;
 pub mod dialect;
-pub mod dora;
 pub mod error;
 pub mod export;
 pub mod frozen;
+pub mod frozen_load;
 pub mod hf;
 pub mod layout;
 pub mod lora;
 pub mod model;
 pub mod registration;
-pub mod split;
+pub mod shard;
 
 pub use block::ActSizes;
 pub use config::RopeScaling;

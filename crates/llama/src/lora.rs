@@ -9,44 +9,12 @@ use crate::frozen::FrozenBase;
 use crate::layout::Proj;
 use crate::model::Llama;
 use engine::Model;
-use nn::lora::Targets;
 use nn::{gemm_into, parallelism, GemmDims, GemmOut, Strided};
 use serde_json::Value;
 use std::path::Path;
 
+pub use crate::layout::{target_names, targets, validate, TARGETS};
 pub use nn::lora::{is_adapter, kaiming_uniform, LoraConfig, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, ALL_LINEAR};
-
-/// The Llama block's projections as `target_modules` names them, in
-/// [`Proj`] order (`nn.Linear` weights: `fan_in_fan_out` off).
-pub const TARGETS: Targets = Targets {
-    modules: &[
-        ("q_proj", &[0]),
-        ("k_proj", &[1]),
-        ("v_proj", &[2]),
-        ("o_proj", &[3]),
-        ("gate_proj", &[4]),
-        ("up_proj", &[5]),
-        ("down_proj", &[6]),
-    ],
-    n: 7,
-    fan_in_fan_out: false,
-};
-
-/// Checks every field of `lora` for the Llama block.
-pub fn validate(lora: &LoraConfig) -> Result<(), LlamaError> {
-    Ok(lora.validate(&TARGETS)?)
-}
-
-/// Which projections carry adapters, indexed by [`Proj`].
-pub fn targets(lora: &LoraConfig) -> Result<[bool; 7], LlamaError> {
-    let on = lora.targets(&TARGETS)?;
-    Ok(std::array::from_fn(|i| on[i]))
-}
-
-/// The targeted projections' names in layout order (`all-linear` expanded).
-pub fn target_names(lora: &LoraConfig) -> Result<Vec<&'static str>, LlamaError> {
-    Ok(lora.target_names(&TARGETS)?)
-}
 
 fn require_lora(model: &Llama) -> Result<&LoraConfig, LlamaError> {
     model.lora().ok_or_else(|| LlamaError::lora("model", "has no LoRA adapters"))
@@ -100,7 +68,7 @@ pub fn init_in_place(
     for idx in 0..model.config().n_layer {
         let seg = segs[1 + idx].clone();
         model.init_adapters(seed, idx, &mut params[seg.clone()]);
-        crate::dora::init_magnitudes(model, idx, &mut params[seg], frozen);
+        model.init_magnitudes(idx, &mut params[seg], frozen);
     }
     Ok(())
 }
@@ -150,7 +118,7 @@ pub fn merge_with(model: &Llama, params: &[f32], base: Option<&FrozenBase>) -> R
             );
             // DoRA: each row of W + s·B·A rescaled to its magnitude (PEFT's merge).
             if let Some(m) = &lr.m {
-                crate::dora::rescale_rows(w, &params[m.clone()], ic);
+                nn::dora::rescale_rows(w, &params[m.clone()], ic);
             }
         }
     }

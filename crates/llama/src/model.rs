@@ -11,12 +11,11 @@ use crate::config::LlamaConfig;
 use crate::error::LlamaError;
 use crate::frozen::FrozenBase;
 use crate::layout::{build_layout, Adapters, LayerParams, ParamRanges, Proj};
-use crate::lora::LoraConfig;
-use crate::split::Split;
 use engine::rng::SplitMix64;
-use engine::{Checkpointing, ParamStore, Precision, StageSpec, TensorShards, TpRank};
+use engine::{Checkpointing, Model, ParamStore, Precision, StageSpec, TensorShards, TpRank};
 use nn::attention::AttnShape;
 use nn::kv::Attention;
+use nn::lora::LoraConfig;
 use nn::lora_dropout::Dropout;
 use nn::rope::Rope;
 use nn::shell::{Acts, Decoder, Ends, FinalNorm, Pass, Shell, Walk};
@@ -55,7 +54,7 @@ pub struct Llama {
     /// The embedding, final norm and head around the layers; the activations.
     shell: Shell<LlamaActs>,
     /// Built for one rank of a tensor-parallel group (`cfg` is its shape).
-    split: Option<Box<Split>>,
+    split: Option<Box<RankShard>>,
     /// The frozen projections, packed outside the layout (shared by the
     /// models of one process); `None`: they are f32 tensors of the layout.
     base: Option<Arc<FrozenBase>>,
@@ -102,7 +101,7 @@ impl Llama {
     }
 
     /// The model rank `tp.rank` of a tensor-parallel group of `tp.size`
-    /// holds of the model shaped `whole` ([`LlamaConfig::split_for`]): its
+    /// holds of the model shaped `whole` ([`LlamaConfig::for_rank`]): its
     /// layout is that rank's slices and the replicated tensors;
     /// [`engine::StagedModel::tensor_shards`] maps it onto the whole model's.
     pub fn tensor_parallel(
@@ -121,10 +120,10 @@ impl Llama {
                 format!("is not supported with tensor parallelism ({} ranks); set dist.tensor_parallel = 1", tp.size),
             ));
         }
-        let local = whole.split_for(tp)?;
+        let local = whole.for_rank(tp)?;
         let whole = Self::build(whole, lora.clone(), Precision::F32)?;
         let mut model = Self::assemble(local, lora, precision, None, false)?;
-        let split = Split { tp, whole };
+        let split = RankShard { tp, whole };
         split.shards(&model)?;
         model.split = Some(Box::new(split));
         Ok(model)
@@ -182,7 +181,7 @@ impl Llama {
     }
 
     /// The model of a shape already checked (a whole shape by
-    /// [`LlamaConfig::validate`], a rank's by [`LlamaConfig::split_for`]).
+    /// [`LlamaConfig::validate`], a rank's by [`LlamaConfig::for_rank`]).
     fn assemble(
         cfg: LlamaConfig,
         lora: Option<LoraConfig>,
@@ -192,8 +191,8 @@ impl Llama {
     ) -> Result<Self, LlamaError> {
         let adapters = match &lora {
             Some(l) => {
-                crate::lora::validate(l)?;
-                let targets = crate::lora::targets(l)?;
+                crate::layout::validate(l)?;
+                let targets = crate::layout::targets(l)?;
                 // The adapters' parameters and tensors count too.
                 let on = Proj::ALL.into_iter().filter(|&p| targets[p as usize]);
                 let per_layer: u128 = on.clone().map(|p| p.shape(&cfg).iter().map(|&d| d as u128).sum::<u128>()).sum();
@@ -331,7 +330,7 @@ impl Llama {
             out[w.clone()].copy_from_slice(&normal(w.len()));
         }
         self.init_adapters(seed, seg - 1, &mut out);
-        crate::dora::init_magnitudes(self, seg - 1, &mut out, self.base.as_deref());
+        self.init_magnitudes(seg - 1, &mut out, self.base.as_deref());
         out
     }
 
@@ -343,9 +342,34 @@ impl Llama {
             if let Some(lr) = lr {
                 let fan_in = pr.shape(&self.cfg)[1];
                 let mut rng = SplitMix64::derive(seed, &[0x10ea, idx as u64, *pr as u64]);
-                layer[lr.a.clone()].copy_from_slice(&crate::lora::kaiming_uniform(&mut rng, lr.a.len(), fan_in));
+                layer[lr.a.clone()].copy_from_slice(&nn::lora::kaiming_uniform(&mut rng, lr.a.len(), fan_in));
                 layer[lr.b.clone()].fill(0.0);
             }
+        }
+    }
+
+    /// Sets layer `idx`'s DoRA magnitudes inside `layer` (the layer's segment
+    /// of the parameters) to the row norms of its base weights: those in
+    /// `layer`, or in `frozen` when the layout leaves them out (neither: left
+    /// as they are — a packed layout without its base runs no pass).
+    pub(crate) fn init_magnitudes(&self, idx: usize, layer: &mut [f32], frozen: Option<&FrozenBase>) {
+        let (cfg, lp) = (&self.cfg, self.layer_params(idx));
+        let at = |r: &Range<usize>| r.start - lp.attn_norm.start..r.end - lp.attn_norm.start;
+        for (pr, lr) in Proj::ALL.into_iter().zip(&lp.lora) {
+            let Some(m) = lr.as_ref().and_then(|l| l.m.as_ref()) else { continue };
+            let [oc, ic] = pr.shape(cfg);
+            let mut mags = vec![0.0f32; oc];
+            match (self.packs_base(), frozen) {
+                (false, _) => {
+                    let w = &layer[at(&lp.w(pr))];
+                    nn::dora::initial_magnitude([oc, ic], &|rows| w[rows.start * ic..rows.end * ic].to_vec(), &mut mags)
+                }
+                (true, Some(b)) => {
+                    nn::dora::initial_magnitude([oc, ic], &|rows| b.proj_rows(cfg, idx, pr, rows), &mut mags)
+                }
+                (true, None) => continue,
+            }
+            layer[at(m)].copy_from_slice(&mags);
         }
     }
 
@@ -467,3 +491,30 @@ impl Decoder for Llama {
 }
 
 nn::impl_decoder!(Llama);
+
+/// A Llama built for one rank of a tensor-parallel group: the rank and
+/// the whole model (layout only: no activations), for the shard map and
+/// for initial values.
+#[derive(Debug)]
+pub(crate) struct RankShard {
+    pub(crate) tp: TpRank,
+    pub(crate) whole: Llama,
+}
+
+impl RankShard {
+    /// The map of `local`'s layout (this rank's model) onto the whole model's.
+    pub(crate) fn shards(&self, local: &Llama) -> Result<TensorShards, LlamaError> {
+        let cfg = self.whole.config();
+        let r = local.lora().map_or(0, |l| l.r);
+        let shards = self.whole.layout().tensors().iter().map(|t| cfg.shard_of(&t.name, self.tp.size, r)).collect();
+        TensorShards::new(self.tp, self.whole.layout().clone(), local.layout().clone(), shards)
+            .map_err(|e| LlamaError::config("tensor_parallel", e.to_string()))
+    }
+
+    /// This rank's part of the whole model's initial segment `seg`.
+    pub(crate) fn init_segment(&self, local: &Llama, seed: u64, seg: usize) -> Vec<f32> {
+        let whole = self.whole.init_segment(seed, seg);
+        let Ok(map) = self.shards(local) else { return Vec::new() };
+        map.take_range(Model::segments(&self.whole)[seg].clone(), &whole)
+    }
+}

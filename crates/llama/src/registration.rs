@@ -6,6 +6,7 @@
 //! own crate and registers with [`Registered`].
 
 use crate::frozen::{self, FrozenBase, FrozenFormat};
+use crate::frozen_load;
 use crate::{hf, lora, Llama, LlamaConfig, LlamaError, LoraConfig, Proj};
 use config::{FrozenDtype, ModelConfig};
 use engine::{Model, ParamLayout, Precision, TpRank};
@@ -200,7 +201,7 @@ impl PackedBase {
             true => Some(Llama::with_packed_layout(cfg.clone(), None)?.layout().clone()),
             false => None,
         };
-        let (base, rest) = frozen::load(cfg, source, self.format, layout)
+        let (base, rest) = frozen_load::load(cfg, source, self.format, layout)
             .map_err(|e| format!("{}: {}", source.display(), chain(&e)))?;
         let base = slot.get_or_insert_with(|| Arc::new(base)).clone();
         Ok((base, rest))
@@ -475,7 +476,7 @@ impl Family for LlamaFamily {
         // Without a source a named packed format is planned (its bytes
         // follow from the shape); building the model then asks for one.
         let stored = match &s.source {
-            Some(p) => frozen::source_formats(p).map_err(|e| format!("{}: {e}", p.display()))?,
+            Some(p) => frozen_load::source_formats(p).map_err(|e| format!("{}: {e}", p.display()))?,
             None if matches!(format, FrozenFormat::Pack(_)) => Vec::new(),
             None if by_name => {
                 return Err(format!(
@@ -520,7 +521,7 @@ impl Family for LlamaFamily {
         if self.lora.is_some() || self.packed.is_some() || self.tp.is_split() || !self.dialect.fused().is_empty() {
             return Ok(None);
         }
-        let stored = frozen::source_formats(source).map_err(|e| format!("{}: {e}", source.display()))?;
+        let stored = frozen_load::source_formats(source).map_err(|e| format!("{}: {e}", source.display()))?;
         if stored.is_empty() || stored.iter().any(|(_, _, f)| f.is_none()) {
             return Ok(None);
         }

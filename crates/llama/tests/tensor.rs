@@ -61,11 +61,11 @@ fn llama_tensor_parallel_with_lora_matches_uncut() {
 #[test]
 fn llama_refuses_splits_that_do_not_divide_its_heads() {
     let tp = |size| engine::TpRank { rank: 0, size };
-    let e = cfg().split_for(tp(3)).unwrap_err().to_string();
+    let e = cfg().for_rank(tp(3)).unwrap_err().to_string();
     assert!(e.contains("n_head") && e.contains("(3)"), "{e}");
     let odd = LlamaConfig { n_head: 6, n_kv_head: 3, hidden_size: 24, head_dim: 4, ..cfg() };
-    let e = odd.split_for(tp(2)).unwrap_err().to_string();
+    let e = odd.for_rank(tp(2)).unwrap_err().to_string();
     assert!(e.contains("n_kv_head") && e.contains("divide"), "{e}");
-    let shared = cfg().split_for(tp(4)).unwrap();
+    let shared = cfg().for_rank(tp(4)).unwrap();
     assert_eq!((shared.n_head, shared.n_kv_head, shared.intermediate_size), (1, 1, 6));
 }

@@ -9,8 +9,9 @@
 //! tensor-parallel all-reduces (time, bytes, calls per step) are reported.
 
 use crate::dist::Backend;
+use crate::planning::plan;
 use crate::ranks::run_thread_ranks;
-use crate::setup::{load_config, model_for_rank, plan, rank_batches, scratch_offload_root, Plan, RankComms};
+use crate::setup::{load_config, model_for_rank, rank_batches, scratch_offload_root, Plan, RankComms};
 use crate::BenchArgs;
 use anyhow::{anyhow, bail, Context, Result};
 use comm::Communicator;

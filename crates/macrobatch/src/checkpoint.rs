@@ -225,35 +225,9 @@ pub fn save(
     r
 }
 
-/// The first non-finite value of `params`: its tensor, its index in the
-/// tensor's row-major shape, the value, and how many there are in all.
-pub struct NonFinite {
-    pub tensor: String,
-    pub shape: Vec<usize>,
-    pub index: Vec<usize>,
-    pub value: f32,
-    pub count: usize,
-}
-
-/// Finds the first non-finite value of `params` laid out by `layout`.
-pub fn first_non_finite(layout: &engine::ParamLayout, params: &[f32]) -> Option<NonFinite> {
-    let i = params.iter().position(|x| !x.is_finite())?;
-    let count = params.iter().filter(|x| !x.is_finite()).count();
-    let (tensor, shape, mut at) = match layout.tensors().iter().find(|t| t.range().contains(&i)) {
-        Some(t) => (t.name.clone(), t.shape.clone(), i - t.offset),
-        None => ("?".to_string(), vec![params.len()], i),
-    };
-    let mut index = vec![0; shape.len()];
-    for (slot, &d) in index.iter_mut().zip(&shape).rev() {
-        *slot = at % d.max(1);
-        at /= d.max(1);
-    }
-    Some(NonFinite { tensor, shape, index, value: params[i], count })
-}
-
 /// Errors naming the first tensor of `layout` with a non-finite value.
 pub fn check_finite(layout: &engine::ParamLayout, params: &[f32], what: &str) -> Result<()> {
-    let Some(n) = first_non_finite(layout, params) else { return Ok(()) };
+    let Some(n) = layout.first_non_finite(params) else { return Ok(()) };
     bail!(
         "{what}: tensor `{}` holds a non-finite value ({}) at element {:?} ({} non-finite values in all); the training diverged, so nothing is saved and the previous checkpoints stay (lower optim.lr, raise optim.eps, or enable train.grad_clip)",
         n.tensor,

@@ -73,7 +73,8 @@ impl Grid {
     /// divide the world and every stage needs a layer.
     pub fn new(dist: &config::DistConfig, world: usize, source: &str, n_layers: usize) -> Result<Self> {
         let data = dist.data_parallel(world, source)?;
-        let cuts = engine::pipeline::split_layers(n_layers, dist.pipeline_parallel, dist.pipeline_layers.as_deref())?;
+        let cuts =
+            engine::pipeline::partition_layers(n_layers, dist.pipeline_parallel, dist.pipeline_layers.as_deref())?;
         Ok(Self {
             stages: dist.pipeline_parallel,
             tensor: dist.tensor_parallel,

@@ -16,7 +16,7 @@
 //! does not depend on how many ranks computed it (beyond the GEMM backend a
 //! thread count may choose for a shape).
 
-use crate::family::{self, Build, Family};
+use crate::family::{Build, Family};
 use crate::saved;
 use crate::EvalArgs;
 use anyhow::{bail, Context, Result};
@@ -263,7 +263,7 @@ pub fn run(args: EvalArgs) -> Result<()> {
     }
     saved::point_to_checkpoints(&args.model)?;
     let (family, params) =
-        family::load_for_inference(&args.model, &format!("eval {}", args.model.display()), args.dequantize)
+        crate::saved::load_for_inference(&args.model, &format!("eval {}", args.model.display()), args.dequantize)
             .with_context(|| format!("cannot load a model from {}", args.model.display()))?;
     let tok = saved::tokenizer_of(&args.model)?;
     let run = run_defaults(&args.model)?;

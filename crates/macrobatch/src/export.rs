@@ -440,7 +440,8 @@ fn write_hf(args: &ExportArgs, family: &Arc<dyn Family>, params: &[f32], tok: &T
             );
         }
         let generation = generation_config(tok);
-        std::fs::write(dir.join("generation_config.json"), serde_json::to_string_pretty(&generation)? + "\n")
+        let text = serde_json::to_string_pretty(&generation)? + "\n";
+        nn::io::write_atomic(&dir.join("generation_config.json"), text.as_bytes())
             .context("cannot write generation_config.json")?;
         Ok(())
     })
@@ -478,10 +479,10 @@ fn to_half(path: &Path, dtype: Dtype) -> Result<()> {
         .iter()
         .map(|(n, s, d)| Ok((n.clone(), TensorView::new(st_dtype, s.clone(), d)?)))
         .collect::<Result<Vec<_>>>()?;
-    let tmp = path.with_extension("half");
-    safetensors::serialize_to_file(views, meta.metadata().clone(), &tmp)
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
+    // The serialized file is as large as the f32 file read above, so the
+    // peak stays that of reading it.
+    let bytes = safetensors::serialize(views, meta.metadata().clone())?;
+    nn::io::write_atomic(path, &bytes).with_context(|| format!("cannot write {}", path.display()))?;
     Ok(())
 }
 
@@ -489,8 +490,8 @@ fn set_torch_dtype(path: &Path, dtype: Dtype) -> Result<()> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     let mut v: serde_json::Value = serde_json::from_str(&text)?;
     v["torch_dtype"] = if dtype == Dtype::F16 { "float16" } else { "bfloat16" }.into();
-    std::fs::write(path, serde_json::to_string_pretty(&v)? + "\n")
-        .with_context(|| format!("cannot write {}", path.display()))?;
+    let text = serde_json::to_string_pretty(&v)? + "\n";
+    nn::io::write_atomic(path, text.as_bytes()).with_context(|| format!("cannot write {}", path.display()))?;
     Ok(())
 }
 

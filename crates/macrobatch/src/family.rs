@@ -105,78 +105,11 @@ pub fn load_hf(dir: &Path) -> Result<Loaded> {
     Ok((family, params))
 }
 
-/// A saved model for a forward-only use (`generate`, `eval`), as
-/// [`load_hf`] loads it, except that packed projections stay packed: a
-/// file whose projections are packed (a GGUF's Q8_0 / Q4_0 / Q4_1 blocks,
-/// 16-bit safetensors) keeps them in its bytes, and a LoRA run folder whose
-/// run kept its frozen base packed (`train.frozen_dtype`, read from
-/// `train.frozen_source`) reads that base packed again, checking the
-/// folder's f32 copy of it against it. The same logits to the bit (the
-/// packed GEMMs dequantise a panel and run the f32 kernel) in a fraction
-/// of the memory. `what` names the job in the memory check made before
-/// the weights are read; `dequantize` holds every weight as f32, as
-/// [`load_hf`] does.
-pub fn load_for_inference(dir: &Path, what: &str, dequantize: bool) -> Result<Loaded> {
-    let shape = read_hf_config(dir)?;
-    if !dequantize {
-        if let Some(packed) = shape.packed_for_inference(dir)? {
-            check_packed(&*packed, dir, what)?;
-            // The other tensors first: reading them reads the base too, which
-            // the build then finds loaded.
-            let params = packed.load_unfrozen(dir)?;
-            let model = packed.build(Build::default())?;
-            check_finite(model.layout(), &params, dir)?;
-            return Ok((packed, params));
-        }
-        if let Some(packed) = run_base_packed(&shape, dir)? {
-            check_packed(&*packed, dir, what)?;
-            let model = packed.build(Build::default())?;
-            let params = packed.load_weights(dir, model.layout())?;
-            check_finite(model.layout(), &params, dir)?;
-            return Ok((packed, params));
-        }
-    }
-    crate::memory::check_load_of(what, shape.n_params())?;
-    load_hf(dir)
-}
-
-/// The memory check of a model whose projections stay packed.
-fn check_packed(packed: &dyn Family, dir: &Path, what: &str) -> Result<()> {
-    let frozen = packed.frozen_bytes().map_or(0, |f| f.bytes);
-    crate::memory::check_packed_load(what, packed.n_params(), frozen, crate::memory::file_bytes(dir))
-}
-
-/// With a run folder `dir` whose run kept its frozen base packed: `shape`
-/// with that base read packed from `train.frozen_source` again (`None`
-/// without such a run, or when that file is gone: a note says the
-/// folder's f32 base is read instead).
-fn run_base_packed(shape: &Arc<dyn Family>, dir: &Path) -> Result<Option<Arc<dyn Family>>> {
-    let path = dir.join(crate::checkpoint::CONFIG);
-    if !path.is_file() {
-        return Ok(None);
-    }
-    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-    let cfg = config::Config::from_toml(&text, &path.display().to_string(), &[])?;
-    let storage = crate::setup::frozen_storage(&cfg, None);
-    let Some(source) = storage.source.as_deref() else { return Ok(None) };
-    if !source.exists() {
-        if !storage.packs_by_name() {
-            return Ok(None);
-        }
-        eprintln!(
-            "note: this run's frozen base {} is gone; reading the folder's f32 copy of it (more memory, the same logits)",
-            source.display()
-        );
-        return Ok(None);
-    }
-    Ok(shape.with_frozen_storage(&storage)?)
-}
-
 /// Every loaded weight is finite; else the first NaN or infinity is named by
 /// tensor and element (a damaged file, or one saved after a diverged step,
 /// would otherwise surface as a NaN loss blamed on the learning rate).
 pub fn check_finite(layout: &ParamLayout, params: &[f32], source: &Path) -> Result<()> {
-    let Some(n) = crate::checkpoint::first_non_finite(layout, params) else { return Ok(()) };
+    let Some(n) = layout.first_non_finite(params) else { return Ok(()) };
     bail!(
         "{}: tensor `{}` (shape {:?}) holds {} at element {:?}, {} non-finite value(s) in all; the weights are damaged or were saved after training diverged. Load another copy of the model (or an earlier checkpoint)",
         source.display(),

@@ -9,7 +9,7 @@
 //! without the cache: every position shifts each step, so each step
 //! recomputes that window.
 
-use crate::family::{self, Build};
+use crate::family::Build;
 use crate::saved::{argmax, chat_prompt, eos_ids, extend, point_to_checkpoints, tokenizer_of, turn_ends};
 use crate::GenerateArgs;
 use anyhow::{bail, Context, Result};
@@ -24,7 +24,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     }
     point_to_checkpoints(&args.dir)?;
     let (family, params) =
-        family::load_for_inference(&args.dir, &format!("generate {}", args.dir.display()), args.dequantize)
+        crate::saved::load_for_inference(&args.dir, &format!("generate {}", args.dir.display()), args.dequantize)
             .with_context(|| format!("cannot load a model from {}", args.dir.display()))?;
     let tok = tokenizer_of(&args.dir)?;
     let mut model = family.build(Build::default())?;

@@ -3,8 +3,9 @@
 //! batch of the same samples from the same parameters.
 
 use crate::dist::Backend;
+use crate::planning::plan;
 use crate::ranks::run_thread_ranks;
-use crate::setup::{load_config, model_for, plan, rank_batches, trainer_for, Plan};
+use crate::setup::{load_config, model_for, rank_batches, trainer_for, Plan};
 use crate::VerifyArgs;
 use anyhow::{bail, Context, Result};
 use comm::Communicator;

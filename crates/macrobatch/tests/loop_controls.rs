@@ -156,7 +156,7 @@ fn copy_dir(from: &Path, to: &Path) {
 
 /// The trainable tensors of `file` (a safetensors file) by name.
 fn tensors(file: &Path) -> HashMap<String, Vec<f32>> {
-    gpt::hf::read_safetensors(file).unwrap().0.into_iter().map(|(k, (_, v))| (k, v)).collect()
+    nn::io::read_safetensors(file).unwrap().0.into_iter().map(|(k, (_, v))| (k, v)).collect()
 }
 
 /// Every trainable tensor of the model saved in `dir`, by name.

@@ -71,7 +71,7 @@ fn bad_pipelines_are_refused_naming_the_key() {
     for (world, sets, want) in [
         // P does not divide the world.
         ("6", &["dist.pipeline_parallel=4"][..], &["dist.pipeline_parallel", "world size 6"][..]),
-        // More stages than layers: split_layers' error.
+        // More stages than layers: partition_layers' error.
         ("8", &["model.n_layer=4", "dist.pipeline_parallel=8"], &["8 stages", "4 layers"]),
         // A cut that does not sum to the model's layers.
         (

@@ -8,7 +8,7 @@
 
 use super::{err, Check};
 use crate::optim::{AdamW, Optimizer, Sgd};
-use crate::pipeline::{split_layers, ScheduleKind, StagedModel};
+use crate::pipeline::{partition_layers, ScheduleKind, StagedModel};
 use crate::schedule::LrSchedule;
 use crate::tensor::{Shard, TpRank};
 use crate::trainer::{PipelineStage, Trainer, TrainerOptions};
@@ -167,7 +167,7 @@ fn one_rank<M: StagedModel<Batch = TokenBatch>>(
         let full = t.full_params(&mut *dp).map_err(err("full params"))?;
         return Ok((losses, (r == 0).then_some(full)));
     }
-    let cuts = split_layers(model.n_blocks(), l.p, None).map_err(err("cut"))?;
+    let cuts = partition_layers(model.n_blocks(), l.p, None).map_err(err("cut"))?;
     let st = PipelineStage::new(&mut model, &cuts, stage, l.kind, n_micro(l.d)).map_err(err("stage"))?;
     let segments = st.whole_segments();
     let init = |j: usize| std::borrow::Cow::Borrowed(&case.init[segments[j].clone()]);

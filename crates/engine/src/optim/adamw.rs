@@ -1,7 +1,7 @@
 //! `torch.optim.AdamW`: decoupled weight decay, bias correction, `eps`
 //! added after the square root; elementwise over [`Piece`]s.
 
-use super::{check_non_negative, check_unit, split, Piece};
+use super::{check_non_negative, check_unit, slices_mut, Piece};
 use crate::error::EngineError;
 use multiversion::multiversion;
 use rayon::prelude::*;
@@ -81,7 +81,7 @@ pub(super) struct AdamStep {
 /// index `base` on (the whole state, or an offloaded window of it).
 pub(super) fn adam_apply(c: &AdamStep, pieces: Vec<Piece<'_>>, base: usize, m: &mut [f32], v: &mut [f32]) {
     let states: Vec<Range<usize>> = pieces.iter().map(|p| p.state.start - base..p.state.end - base).collect();
-    let work: Vec<_> = pieces.into_iter().zip(split(m, &states)).zip(split(v, &states)).collect();
+    let work: Vec<_> = pieces.into_iter().zip(slices_mut(m, &states)).zip(slices_mut(v, &states)).collect();
     let &AdamStep { b1, b2, eps, wd, lr, step_size, bc2_sqrt, grad_scale } = c;
     // Elementwise, so splitting across threads cannot change a single bit.
     work.into_par_iter().for_each(|((piece, m), v)| {

@@ -20,7 +20,7 @@
 //! block's absmax, which restore exactly.
 
 use super::adamw::AdamStep;
-use super::{split, AdamW, Piece, StateRun};
+use super::{slices_mut, AdamW, Piece, StateRun};
 use crate::error::EngineError;
 use rayon::prelude::*;
 use std::borrow::Cow;
@@ -203,8 +203,8 @@ impl AdamW8bit {
         let work: Vec<_> = pieces
             .into_iter()
             .zip(kb.iter().cloned())
-            .zip(split(&mut self.m_code, &states).into_iter().zip(split(&mut self.v_code, &states)))
-            .zip(split(&mut self.m_absmax, &kb).into_iter().zip(split(&mut self.v_absmax, &kb)))
+            .zip(slices_mut(&mut self.m_code, &states).into_iter().zip(slices_mut(&mut self.v_code, &states)))
+            .zip(slices_mut(&mut self.m_absmax, &kb).into_iter().zip(slices_mut(&mut self.v_absmax, &kb)))
             .collect();
         // Blocks are independent: splitting across threads cannot change a bit.
         work.into_par_iter().for_each(|(((piece, kb), (mq, vq)), (ma, va))| {

@@ -40,7 +40,7 @@ impl<const L: usize> Default for ExactSum<L> {
 /// An f32's integer mantissa and the shift placing it on the 2⁻¹⁴⁹ grid
 /// (`x = m · 2^(s − 149)`), or `None` for an infinity or NaN (`Some(true)`: NaN).
 #[inline(always)]
-fn split(x: f32) -> Result<(u64, u32), bool> {
+fn decompose(x: f32) -> Result<(u64, u32), bool> {
     let b = x.to_bits() & 0x7fff_ffff;
     let e = b >> 23;
     let frac = b & 0x7f_ffff;
@@ -143,7 +143,7 @@ impl SumF32 {
     /// Adds `x ≥ 0` (a negative x counts as |x|).
     #[inline(always)]
     pub fn add(&mut self, x: f32) {
-        match split(x) {
+        match decompose(x) {
             Ok((m, s)) => {
                 let v = m << (s % 32);
                 // s < 254, so i ≤ 7 (the mask lets the compiler see it).
@@ -165,7 +165,7 @@ impl SumSq {
     /// Adds `x²` (exact: a square of an f32 has at most 48 significant bits).
     #[inline(always)]
     pub fn add_square(&mut self, x: f32) {
-        match split(x) {
+        match decompose(x) {
             Ok((m, s)) => {
                 let s = 2 * s;
                 let v = ((m * m) as u128) << (s % 32);

@@ -9,7 +9,7 @@
 //!
 //! `sign(0) = 0` as `torch.sign`. One state slot, the momentum `exp_avg`.
 
-use super::{check_non_negative, check_unit, split, Piece};
+use super::{check_non_negative, check_unit, slices_mut, Piece};
 use crate::error::EngineError;
 use rayon::prelude::*;
 use std::ops::Range;
@@ -67,7 +67,7 @@ pub(super) struct LionStep {
 /// `base` on (the whole state, or an offloaded window of it).
 pub(super) fn lion_apply(c: &LionStep, pieces: Vec<Piece<'_>>, base: usize, m: &mut [f32]) {
     let states: Vec<Range<usize>> = pieces.iter().map(|p| p.state.start - base..p.state.end - base).collect();
-    let work: Vec<_> = pieces.into_iter().zip(split(m, &states)).collect();
+    let work: Vec<_> = pieces.into_iter().zip(slices_mut(m, &states)).collect();
     let &LionStep { b1, b2, wd, lr, grad_scale } = c;
     // Elementwise: splitting across threads cannot change a bit.
     work.into_par_iter().for_each(|(piece, m)| {

@@ -78,7 +78,7 @@ pub fn pieces<'a>(layout: &ParamLayout, params: &'a mut [f32], grads: &'a [f32])
         .flat_map(|t| aligned_chunks(t.offset, t.numel()).map(move |(o, n)| (t.offset + o, n, t.decay)))
         .collect();
     let ranges: Vec<Range<usize>> = runs.iter().map(|&(s, n, _)| s..s + n).collect();
-    split(params, &ranges)
+    slices_mut(params, &ranges)
         .into_iter()
         .zip(runs)
         .map(|(p, (s, n, decay))| Piece { params: p, grads: &grads[s..s + n], state: s..s + n, decay })
@@ -86,7 +86,7 @@ pub fn pieces<'a>(layout: &ParamLayout, params: &'a mut [f32], grads: &'a [f32])
 }
 
 /// Disjoint mutable slices of `buf` for ascending, non-overlapping `ranges`.
-pub(crate) fn split<'a, T>(mut buf: &'a mut [T], ranges: &[Range<usize>]) -> Vec<&'a mut [T]> {
+pub(crate) fn slices_mut<'a, T>(mut buf: &'a mut [T], ranges: &[Range<usize>]) -> Vec<&'a mut [T]> {
     let mut out = Vec::with_capacity(ranges.len());
     let mut at = 0;
     for r in ranges {

@@ -1,6 +1,6 @@
 //! `torch.optim.SGD`: momentum, optional Nesterov, L2 weight decay.
 
-use super::{check_non_negative, check_unit, split, Piece};
+use super::{check_non_negative, check_unit, slices_mut, Piece};
 use crate::error::EngineError;
 use rayon::prelude::*;
 use std::ops::Range;
@@ -66,7 +66,7 @@ pub(super) fn sgd_apply(c: &SgdStep, pieces: Vec<Piece<'_>>, base: usize, buf: O
     let bufs: Vec<Option<&mut [f32]>> = match buf {
         Some(buf) => {
             let states: Vec<Range<usize>> = pieces.iter().map(|p| p.state.start - base..p.state.end - base).collect();
-            split(buf, &states).into_iter().map(Some).collect()
+            slices_mut(buf, &states).into_iter().map(Some).collect()
         }
         None => pieces.iter().map(|_| None).collect(),
     };

@@ -7,7 +7,7 @@ use super::clip::{grad_norm, sum_of_squares};
 use super::{Accumulated, Groups, LossNormalization, Seeds, StepReport, Trainer};
 use crate::error::EngineError;
 use crate::layout::ParamLayout;
-use crate::optim::{aligned_chunks, split, Piece, StateRun, StateRuns};
+use crate::optim::{aligned_chunks, slices_mut, Piece, StateRun, StateRuns};
 use crate::zero::{Accumulation, Partition, Reduction, UpdateSharding};
 use comm::Communicator;
 use std::ops::Range;
@@ -188,7 +188,7 @@ impl Trainer {
         crate::profile::timed(crate::profile::Kind::Optimizer, || {
             let ranges: Vec<Range<usize>> = self.update.iter().map(|c| c.params.clone()).collect();
             let grads = &self.grads;
-            let pieces: Vec<Piece<'_>> = split(&mut self.params, &ranges)
+            let pieces: Vec<Piece<'_>> = slices_mut(&mut self.params, &ranges)
                 .into_iter()
                 .zip(&self.update)
                 .map(|(params, c)| Piece {

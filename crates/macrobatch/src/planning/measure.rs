@@ -5,7 +5,7 @@
 
 use crate::setup::{self, Plan};
 use comm::Communicator;
-use engine::pipeline::split_layers;
+use engine::pipeline::partition_layers;
 use engine::{
     AdamW, LrSchedule, Optimizer, PipelineStage, ScheduleKind, TokenBatch, TpRank, Trainer, TrainerOptions, ZeroConfig,
 };
@@ -15,7 +15,7 @@ pub fn plan(sets: &[&str], world: usize) -> Plan {
     let mut sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
     sets.push(format!("dist.world_size={world}"));
     let cfg = setup::load_config(None, &sets, &Default::default()).unwrap();
-    setup::plan(cfg, crate::dist::Backend::Threads(world)).unwrap()
+    super::plan(cfg, crate::dist::Backend::Threads(world)).unwrap()
 }
 
 /// What one rank of a measured step held.
@@ -35,7 +35,7 @@ pub struct Measured {
 /// rank's measurement.
 pub fn measure(pl: &Plan, p: usize, t: usize, kind: ScheduleKind, k: usize, micro: usize) -> Vec<Measured> {
     let n_blocks = setup::model_for(pl).unwrap().n_blocks();
-    let cuts = split_layers(n_blocks, p, None).unwrap();
+    let cuts = partition_layers(n_blocks, p, None).unwrap();
     let seq = pl.train.seq_len();
     let comms = comm::threads::group(p * t, std::time::Duration::from_secs(300));
     std::thread::scope(|sc| {

@@ -12,6 +12,7 @@
 //! global batch, the memory check of a run, and ([`report()`]) what to change
 //! when nothing fits.
 
+mod fit;
 #[cfg(test)]
 mod measure;
 pub mod pipeline;
@@ -20,6 +21,7 @@ pub mod tensor;
 #[cfg(test)]
 mod tensor_shapes;
 
+pub use fit::plan;
 pub use report::{render, report};
 
 use crate::family::Build;

@@ -1,5 +1,5 @@
 //! The memory model of a pipeline: the model's blocks cut into P stages
-//! (`engine::pipeline::split_layers`), each stage's model states counted
+//! (`engine::pipeline::partition_layers`), each stage's model states counted
 //! by the engine over the stage's own layout (`engine::PipelineStage`, the
 //! one `Trainer::for_stage` allocates for), its activations for the
 //! micro-batches its schedule keeps in flight, and the point-to-point
@@ -8,7 +8,7 @@
 
 use super::Knobs;
 use anyhow::{bail, Result};
-use engine::pipeline::split_layers;
+use engine::pipeline::partition_layers;
 use engine::{PipelineStage, Schedule, ScheduleKind, StageSpec, TokenBatch};
 use family::LanguageModel;
 use std::ops::Range;
@@ -47,7 +47,7 @@ impl Stack {
 }
 
 /// Every stage of `model` cut into `stages` stages, evenly by layers or
-/// `manual` (layers per stage; the errors are `split_layers`'s), as the
+/// `manual` (layers per stage; the errors are `partition_layers`'s), as the
 /// trainer builds them (`PipelineStage::new`: the stage's own layout);
 /// the model is left set to the last stage.
 pub fn cut(
@@ -57,7 +57,7 @@ pub fn cut(
     kind: ScheduleKind,
     manual: Option<&[usize]>,
 ) -> Result<Vec<PipelineStage>> {
-    let cuts = split_layers(stack.n_blocks, stages, manual)?;
+    let cuts = partition_layers(stack.n_blocks, stages, manual)?;
     Ok((0..stages).map(|s| PipelineStage::new(model, &cuts, s, kind, 1)).collect::<Result<_, _>>()?)
 }
 

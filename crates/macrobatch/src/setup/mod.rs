@@ -21,8 +21,6 @@ pub use trainer::{
 
 use crate::dist::{Backend, Grid};
 use crate::family::{self, Build, Family};
-use crate::memory;
-use crate::planning::{self, Knobs};
 use crate::DeepSpeedArgs;
 use anyhow::{bail, Context, Result};
 use config::{Config, Micro, ResolvedBatch};
@@ -105,8 +103,10 @@ pub fn load_config(path: Option<&Path>, sets: &[String], ds: &DeepSpeedArgs) -> 
 }
 
 /// Validates the whole configuration against the model, the data and the
-/// launcher, before anything runs.
-pub fn plan(mut cfg: Config, backend: Backend) -> Result<Plan> {
+/// launcher, before anything runs, into a [`Plan`]. With `batch.micro =
+/// "auto"` the plan is at micro 1 and the flag is set:
+/// [`crate::planning::plan`] then picks the micro-batch that fits.
+pub fn resolve(mut cfg: Config, backend: Backend) -> Result<(Plan, bool)> {
     cfg.validate()?;
     let auto_micro = start_auto_micro(&mut cfg)?;
     let family = with_frozen_storage(family::from_config(&cfg.model, cfg.lora.as_ref())?, &cfg)?;
@@ -146,11 +146,21 @@ pub fn plan(mut cfg: Config, backend: Backend) -> Result<Plan> {
     let (train, val) = load_samples(&cfg, &tokenizer, seq_len, family.vocab_size())?;
     let sampler = sampler_for(&cfg, &batch, &train).map_err(auto_context)?;
     let tokenizer = Arc::new(tokenizer);
-    let mut plan = Plan { cfg, family, memory_budget: None, backend, batch, grid, train, val, tokenizer, sampler };
-    if auto_micro {
-        choose_micro(&mut plan)?;
+    let plan = Plan { cfg, family, memory_budget: None, backend, batch, grid, train, val, tokenizer, sampler };
+    Ok((plan, auto_micro))
+}
+
+impl Plan {
+    /// The plan at micro-batch `micro` with the accumulation steps that
+    /// keep the global batch, written into the config (so
+    /// `config.resolved.toml` and a resume use the same factorization).
+    pub fn set_micro(&mut self, micro: usize) -> Result<()> {
+        self.cfg.batch.micro = Some(Micro::Sequences(micro));
+        self.cfg.batch.accumulation_steps = None;
+        self.batch = resolve_batch(&self.cfg, &self.grid)?;
+        self.sampler = sampler_for(&self.cfg, &self.batch, &self.train)?;
+        Ok(())
     }
-    Ok(plan)
 }
 
 /// What `train.frozen_dtype` asks of the frozen tensors, read from
@@ -208,65 +218,4 @@ pub fn start_auto_micro(cfg: &mut Config) -> Result<bool> {
     cfg.batch.global.get_or_insert(config::DEFAULT_GLOBAL_BATCH);
     cfg.batch.micro = Some(Micro::Sequences(1));
     Ok(true)
-}
-
-/// The per-process memory budget of `train.memory_budget` (default all of
-/// what is available now; the plan keeps its margin inside it). A size
-/// above what is available is cut to it: the memory check would refuse
-/// whatever it picked beyond.
-pub fn memory_budget(cfg: &Config, ranks_per_process: usize) -> Result<u64> {
-    let threads = memory::allocating_threads(planning::compute_threads(cfg), ranks_per_process);
-    let available = memory::Available::now().usable(threads);
-    let need_available =
-        || available.context("cannot read the available memory from /proc; set train.memory_budget to a size");
-    Ok(match cfg.train.memory_budget {
-        None => need_available()?,
-        Some(config::Budget::Fraction(f)) => (need_available()? as f64 * f) as u64,
-        Some(config::Budget::Bytes(b)) => match available {
-            Some(a) if a < b => {
-                eprintln!(
-                    "note: train.memory_budget = {} is more than the {} available; planning for what is available",
-                    planning::human(b),
-                    planning::human(a)
-                );
-                a
-            }
-            _ => b,
-        },
-    })
-}
-
-/// `batch.micro = "auto"`: the largest micro-batch whose planned peak fits
-/// the budget, with the accumulation steps that keep the global batch
-/// (never a smaller global batch). The choice is written into the config, so
-/// `config.resolved.toml` (and a resume) use the same factorization.
-fn choose_micro(plan: &mut Plan) -> Result<()> {
-    let budget = memory_budget(&plan.cfg, plan.backend.ranks_per_process())?;
-    let knobs = Knobs::of(plan);
-    let Some(best) = planning::largest_fitting(plan, knobs, budget)? else {
-        let at_1 = planning::estimate(plan, knobs)?;
-        let report = planning::report(plan, knobs, budget, budget, None)?;
-        bail!(
-            "batch.micro = \"auto\": not even micro-batch 1 fits the memory budget of {} ({} per process planned at micro 1); change one of these (global batch {} kept):\n{}",
-            planning::human(budget),
-            planning::human(at_1.per_process()),
-            plan.batch.global,
-            planning::render(&report)
-        );
-    };
-    plan.memory_budget = Some(budget);
-    plan.cfg.batch.micro = Some(Micro::Sequences(best.knobs.micro));
-    plan.cfg.batch.accumulation_steps = None;
-    plan.batch = resolve_batch(&plan.cfg, &plan.grid)?;
-    plan.sampler = sampler_for(&plan.cfg, &plan.batch, &plan.train)?;
-    eprintln!(
-        "batch.micro = \"auto\": micro {} × K {} × W {} (global {}) plans {} per process under the budget of {}",
-        plan.batch.micro,
-        plan.batch.accumulation_steps,
-        plan.batch.world_size,
-        plan.batch.global,
-        planning::human(best.per_process()),
-        planning::human(budget)
-    );
-    Ok(())
 }

@@ -225,7 +225,7 @@ mod tests {
         .map(String::from)
         .to_vec();
         let cfg = super::super::load_config(None, &sets, &Default::default()).unwrap();
-        let plan = super::super::plan(cfg, crate::dist::Backend::Single).unwrap();
+        let plan = crate::planning::plan(cfg, crate::dist::Backend::Single).unwrap();
         let model = model_for_rank(&plan, TpRank::WHOLE).unwrap();
         let initial: Vec<f32> = (0..model.segments().len()).flat_map(|s| plan.family.init_segment(0, s)).collect();
         let embedding = model.segments()[0].len() * 4;

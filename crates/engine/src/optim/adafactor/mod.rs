@@ -32,7 +32,7 @@ mod partial;
 mod tests;
 
 use super::exact::SumSq;
-use super::{check_non_negative, split, Piece, StateRuns, SumOverRanks};
+use super::{check_non_negative, slices_mut, Piece, StateRuns, SumOverRanks};
 use crate::error::EngineError;
 pub use geometry::second_moment_len;
 use geometry::{factored_dims, row_segments, stats_len, RunState, TensorState};
@@ -271,7 +271,7 @@ impl Adafactor {
         // each of this rank's tensors' factors and step size.
         let (b2, eps2) = (beta2t, cfg.eps2);
         let stats: Vec<Range<usize>> = self.tensors.iter().map(|t| t.stats.clone()).collect();
-        let work: Vec<_> = self.tensors.iter().zip(split(&mut self.v, &stats)).zip(&partials).zip(&mine).collect();
+        let work: Vec<_> = self.tensors.iter().zip(slices_mut(&mut self.v, &stats)).zip(&partials).zip(&mine).collect();
         let mut updates: Vec<Option<TensorUpdate>> = work
             .into_par_iter()
             .map(|(((ts, v), part), own)| {
@@ -369,7 +369,7 @@ impl Adafactor {
         };
         let ranges: Vec<Range<usize>> = pieces.iter().map(|p| p.state.start - base..p.state.end - base).collect();
         let mut ms: Vec<Option<&mut [f32]>> = match m {
-            Some(m) => split(m, &ranges).into_iter().map(Some).collect(),
+            Some(m) => slices_mut(m, &ranges).into_iter().map(Some).collect(),
             None => Vec::new(),
         };
         ms.resize_with(pieces.len(), || None);

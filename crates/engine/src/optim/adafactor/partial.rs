@@ -3,7 +3,7 @@
 //! not change the bits), and added over the ranks in one collective.
 
 use super::super::exact::{SumF32, SumSq};
-use super::super::{split, Piece};
+use super::super::{slices_mut, Piece};
 use super::geometry::{row_segments, TensorState};
 use super::AdafactorConfig;
 use crate::error::EngineError;
@@ -143,7 +143,7 @@ pub(super) fn sum_over_ranks(
         at += l;
     }
     let mut buf = vec![0.0f64; at];
-    split(&mut buf, &ranges).into_par_iter().zip(&*partials).for_each(|(b, part)| {
+    slices_mut(&mut buf, &ranges).into_par_iter().zip(&*partials).for_each(|(b, part)| {
         let (stats, sq) = b.split_at_mut(b.len() - sq_len);
         for (s, out) in part.rows.iter().chain(&part.cols).zip(stats.chunks_mut(fw)) {
             s.write(out);

@@ -25,15 +25,14 @@
 use crate::config::LlamaConfig;
 use crate::error::LlamaError;
 use crate::layout::Proj;
-use crate::model::Llama;
-use engine::{Model, Shard, TensorShards, TpRank};
+use engine::{Shard, TpRank};
 
 impl LlamaConfig {
     /// The shape rank `tp.rank` of a tensor-parallel group holds: `n_head
     /// / T` query heads, `n_kv_head / T` key/value heads (or one, when
     /// `n_kv_head` divides `T`), `F / T` MLP columns; the residual width
     /// and head width unchanged. Errors name the dimension and the fix.
-    pub fn split_for(&self, tp: TpRank) -> Result<LlamaConfig, LlamaError> {
+    pub fn for_rank(&self, tp: TpRank) -> Result<LlamaConfig, LlamaError> {
         let t = tp.size;
         if t == 0 || tp.rank >= t {
             return Err(LlamaError::config("tensor_parallel", format!("rank {} of a group of {t}", tp.rank)));
@@ -125,32 +124,5 @@ impl LlamaConfig {
             ("B", true) => split(1, dim, unit * r, pieces),
             _ => Shard::Replicated,
         }
-    }
-}
-
-/// A Llama built for one rank of a tensor-parallel group: the rank and
-/// the whole model (layout only: no activations), for the shard map and
-/// for initial values.
-#[derive(Debug)]
-pub(crate) struct Split {
-    pub(crate) tp: TpRank,
-    pub(crate) whole: Llama,
-}
-
-impl Split {
-    /// The map of `local`'s layout (this rank's model) onto the whole model's.
-    pub(crate) fn shards(&self, local: &Llama) -> Result<TensorShards, LlamaError> {
-        let cfg = self.whole.config();
-        let r = local.lora().map_or(0, |l| l.r);
-        let shards = self.whole.layout().tensors().iter().map(|t| cfg.shard_of(&t.name, self.tp.size, r)).collect();
-        TensorShards::new(self.tp, self.whole.layout().clone(), local.layout().clone(), shards)
-            .map_err(|e| LlamaError::config("tensor_parallel", e.to_string()))
-    }
-
-    /// This rank's part of the whole model's initial segment `seg`.
-    pub(crate) fn init_segment(&self, local: &Llama, seed: u64, seg: usize) -> Vec<f32> {
-        let whole = self.whole.init_segment(seed, seg);
-        let Ok(map) = self.shards(local) else { return Vec::new() };
-        map.take_range(self.whole.segments()[seg].clone(), &whole)
     }
 }
