@@ -14,6 +14,7 @@
 pub mod dpo;
 pub mod generation;
 pub mod reference;
+pub mod round_trip;
 
 use config::ModelConfig;
 pub use engine::LossTerms;

@@ -57,3 +57,15 @@ fn a_scale_llama_cpp_does_not_use_is_refused() {
     let e = f.gguf_export(&layout, &p).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("query_pre_attn_scalar") && e.contains("1/√16"), "{e}");
 }
+
+/// The file reads back as Gemma 2 (llama.cpp's `gemma2`: gains `1 + w`
+/// back to `w`, the four norms by their names, caps and window from its
+/// keys, windows on the even layers), bit for bit. The tiny preset's score
+/// scale is not llama.cpp's, so the heads' width is the scale here.
+#[test]
+fn the_file_loads_back_as_gemma2() {
+    let mut json = gemma2::GEMMA2.hf_json(&gemma2::GEMMA2.preset("tiny").unwrap());
+    json["query_pre_attn_scalar"] = 16.into();
+    let f = gemma2::FAMILY.for_hf_dir(&std::env::temp_dir(), &json).unwrap();
+    family::round_trip::assert_gguf_round_trip(&gemma2::FAMILY, &*f, 11);
+}

@@ -1,4 +1,5 @@
-//! Llama GGUF files as Hugging Face `LlamaForCausalLM` tensors and config.
+//! Llama GGUF files as Hugging Face `LlamaForCausalLM` tensors and config
+//! (and, given the tensor names, files of Llama's relatives: [`LlamaGguf::read`]).
 //!
 //! Three things differ between a llama.cpp file and a Hugging Face checkpoint:
 //! - **names**: `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight`, …
@@ -136,13 +137,26 @@ pub struct RawTensor<'a> {
     pub row_order: Option<Vec<usize>>,
 }
 
-/// A Llama GGUF file, read lazily: the config at once, each tensor when asked.
+/// Where a file's tensor goes: its Hugging Face name, and for Q and K of
+/// the `llama` architecture the heads llama.cpp permuted its rows over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorName {
+    /// The GGUF name (`blk.3.attn_q.weight`).
+    pub gguf: String,
+    /// The Hugging Face name (`model.layers.3.self_attn.q_proj.weight`).
+    pub hf: String,
+    /// The heads whose rows are stored permuted ([`unpermute_rows`]), if so.
+    pub permuted_heads: Option<usize>,
+}
+
+/// A GGUF file of the Llama block (llama.cpp's `llama` architecture, or one
+/// of its relatives: `qwen2`, `qwen3`, `phi3`, `gemma2`, whose tensor names
+/// the caller gives), read lazily: the config at once, each tensor when asked.
 #[derive(Debug)]
 pub struct LlamaGguf {
     file: GgufFile,
     config: Json,
-    n_heads: usize,
-    n_kv_heads: usize,
+    names: Vec<TensorName>,
 }
 
 impl LlamaGguf {
@@ -156,66 +170,87 @@ impl LlamaGguf {
     /// [`LlamaGguf::open`] on a file already open (its architecture read by
     /// the caller, say).
     pub fn from_file(file: GgufFile) -> Result<Self, GgufError> {
-        let arch = file.get_str("general.architecture")?;
-        if arch != "llama" {
-            return Err(GgufError::WrongArchitecture {
-                path: file.path().into(),
-                expected: "llama",
-                found: arch.into(),
-            });
-        }
-        let unsupported = |what: String| GgufError::UnsupportedModel { path: file.path().into(), what };
-        for t in file.tensors() {
-            if hf_name(&t.name).is_none() {
-                return Err(unsupported(format!(
+        let model = Self::read(file, "llama")?;
+        let (n_heads, n_kv_heads) =
+            (model.config["num_attention_heads"].as_u64(), model.config["num_key_value_heads"].as_u64());
+        let (n_heads, n_kv_heads) = (n_heads.unwrap_or(0) as usize, n_kv_heads.unwrap_or(0) as usize);
+        let mut names = Vec::new();
+        for t in model.file.tensors() {
+            let Some(hf) = hf_name(&t.name) else {
+                return Err(model.unsupported(format!(
                     "tensor `{}` has no Hugging Face Llama counterpart (rope_freqs: Llama-3 RoPE scaling, not supported)",
                     t.name
                 )));
-            }
+            };
+            let permuted_heads = if t.name.ends_with(".attn_q.weight") {
+                Some(n_heads)
+            } else if t.name.ends_with(".attn_k.weight") {
+                Some(n_kv_heads)
+            } else {
+                None
+            };
+            names.push(TensorName { gguf: t.name.clone(), hf, permuted_heads });
         }
-        if let Some(kind) = file.get_str_opt("llama.rope.scaling.type")? {
-            if kind != "none" {
-                return Err(unsupported(format!("llama.rope.scaling.type = {kind} is not supported")));
-            }
-        }
+        model.with_names(names)
+    }
 
-        let u = |k: &str| file.get_u64(k).map(|v| v as usize);
-        let hidden = u("llama.embedding_length")?;
-        let n_layers = u("llama.block_count")?;
-        let n_heads = u("llama.attention.head_count")?;
-        let n_kv_heads = file.get_u64_opt("llama.attention.head_count_kv")?.map_or(n_heads, |v| v as usize);
-        if n_heads == 0 || n_kv_heads == 0 || !hidden.is_multiple_of(n_heads) || !n_heads.is_multiple_of(n_kv_heads) {
-            return Err(unsupported(format!(
-                "{n_heads} heads, {n_kv_heads} KV heads and hidden size {hidden} do not fit"
-            )));
+    /// The file read as architecture `arch`: the hyperparameters every
+    /// relative of Llama writes under `{arch}.` as a Hugging Face
+    /// `LlamaConfig` (`model_type: "llama"`; the caller maps it onto its
+    /// family), and no tensor names yet ([`LlamaGguf::with_names`]).
+    /// Errors if the file is another architecture, a required key is
+    /// missing, the heads do not fit, or RoPE is scaled or partial.
+    pub fn read(file: GgufFile, arch: &'static str) -> Result<Self, GgufError> {
+        let found = file.get_str("general.architecture")?;
+        if found != arch {
+            return Err(GgufError::WrongArchitecture { path: file.path().into(), expected: arch, found: found.into() });
         }
-        let head_dim = hidden / n_heads;
-        if let Some(rope_dim) = file.get_u64_opt("llama.rope.dimension_count")? {
-            if rope_dim as usize != head_dim {
-                return Err(unsupported(format!("RoPE over {rope_dim} of {head_dim} head dimensions is not Llama")));
+        let unsupported = |what: String| GgufError::UnsupportedModel { path: file.path().into(), what };
+        let key = |k: &str| format!("{arch}.{k}");
+        if let Some(kind) = file.get_str_opt(&key("rope.scaling.type"))? {
+            if kind != "none" {
+                return Err(unsupported(format!("{} = {kind} is not supported", key("rope.scaling.type"))));
             }
+        }
+        let u = |k: &str| file.get_u64(&key(k)).map(|v| v as usize);
+        let u_opt = |k: &str| file.get_u64_opt(&key(k)).map(|v| v.map(|v| v as usize));
+        let hidden = u("embedding_length")?;
+        let n_layers = u("block_count")?;
+        let n_heads = u("attention.head_count")?;
+        let n_kv_heads = u_opt("attention.head_count_kv")?.unwrap_or(n_heads);
+        if n_heads == 0 || n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
+            return Err(unsupported(format!("{n_heads} heads and {n_kv_heads} KV heads do not fit")));
+        }
+        // Heads as wide as hidden / heads unless the file says otherwise.
+        let head_dim = match u_opt("attention.key_length")? {
+            Some(d) => d,
+            None if hidden.is_multiple_of(n_heads) => hidden / n_heads,
+            None => return Err(unsupported(format!("hidden size {hidden} is not a multiple of {n_heads} heads"))),
+        };
+        if let Some(v) = u_opt("attention.value_length")?.filter(|&v| v != head_dim) {
+            return Err(unsupported(format!("values {v} wide where keys are {head_dim}: not the Llama block")));
+        }
+        if let Some(rope_dim) = u_opt("rope.dimension_count")?.filter(|&r| r != head_dim) {
+            return Err(unsupported(format!("RoPE over {rope_dim} of {head_dim} head dimensions is not Llama")));
         }
         let embd = file
             .tensor("token_embd.weight")
             .ok_or_else(|| GgufError::MissingTensor { path: file.path().into(), name: "token_embd.weight".into() })?;
-        let vocab_size = match file.get_u64_opt("llama.vocab_size")? {
-            Some(v) => v as usize,
-            None => embd.shape()[0],
-        };
+        let vocab_size = u_opt("vocab_size")?.unwrap_or(embd.shape()[0]);
         let id = |k: &str| file.get_u64_opt(k).map(|v| v.map_or(Json::Null, |v| json!(v)));
         let config = json!({
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
             "hidden_size": hidden,
-            "intermediate_size": u("llama.feed_forward_length")?,
+            "intermediate_size": u("feed_forward_length")?,
             "num_hidden_layers": n_layers,
             "num_attention_heads": n_heads,
             "num_key_value_heads": n_kv_heads,
             "head_dim": head_dim,
             "hidden_act": "silu",
-            "rms_norm_eps": file.get_f64("llama.attention.layer_norm_rms_epsilon")?,
-            "rope_theta": file.get_f64_opt("llama.rope.freq_base")?.unwrap_or(10000.0),
-            "max_position_embeddings": u("llama.context_length")?,
+            "rms_norm_eps": file.get_f64(&key("attention.layer_norm_rms_epsilon"))?,
+            "rope_theta": file.get_f64_opt(&key("rope.freq_base"))?.unwrap_or(10000.0),
+            "max_position_embeddings": u("context_length")?,
             "vocab_size": vocab_size,
             "tie_word_embeddings": file.tensor("output.weight").is_none(),
             "attention_bias": false,
@@ -225,10 +260,29 @@ impl LlamaGguf {
             "pad_token_id": id("tokenizer.ggml.padding_token_id")?,
             "torch_dtype": "float32",
         });
-        Ok(Self { file, config, n_heads, n_kv_heads })
+        Ok(Self { file, config, names: Vec::new() })
     }
 
-    /// The Hugging Face `config.json` of the model.
+    /// The model with its tensors named: `names` must name every tensor of
+    /// the file (a name it lacks is an error naming the tensor); names of
+    /// tensors the file lacks are the loader's to miss.
+    pub fn with_names(mut self, names: Vec<TensorName>) -> Result<Self, GgufError> {
+        if let Some(t) = self.file.tensors().iter().find(|t| !names.iter().any(|n| n.gguf == t.name)) {
+            let arch = self.file.get_str("general.architecture")?;
+            return Err(self.unsupported(format!(
+                "tensor `{}` is not one of a `{arch}` model of this shape (RoPE factors, say, are not supported)",
+                t.name
+            )));
+        }
+        self.names = names;
+        Ok(self)
+    }
+
+    fn unsupported(&self, what: String) -> GgufError {
+        GgufError::UnsupportedModel { path: self.file.path().into(), what }
+    }
+
+    /// The Hugging Face `config.json` of the model ([`LlamaGguf::read`]).
     pub fn config(&self) -> &Json {
         &self.config
     }
@@ -240,7 +294,8 @@ impl LlamaGguf {
 
     /// (GGUF name, Hugging Face name) of every tensor, in file order.
     pub fn tensor_names(&self) -> Vec<(String, String)> {
-        self.file.tensors().iter().filter_map(|t| Some((t.name.clone(), hf_name(&t.name)?))).collect()
+        let hf = |g: &str| Some(self.names.iter().find(|n| n.gguf == g)?.hf.clone());
+        self.file.tensors().iter().filter_map(|t| Some((t.name.clone(), hf(&t.name)?))).collect()
     }
 
     /// One tensor by its GGUF name, as Hugging Face has it: name, row-major
@@ -252,48 +307,47 @@ impl LlamaGguf {
         Ok((name, shape, values))
     }
 
-    /// One tensor's Hugging Face name and row-major shape, by its GGUF name.
-    pub fn hf_shape(&self, gguf_name: &str) -> Result<(String, Vec<usize>), GgufError> {
+    /// The name entry of `gguf_name` and its row-major shape.
+    fn entry(&self, gguf_name: &str) -> Result<(&TensorName, Vec<usize>), GgufError> {
         let info = self
             .file
             .tensor(gguf_name)
             .ok_or_else(|| GgufError::MissingTensor { path: self.file.path().into(), name: gguf_name.into() })?;
-        let name = hf_name(gguf_name).ok_or_else(|| GgufError::UnsupportedModel {
-            path: self.file.path().into(),
-            what: format!("tensor `{gguf_name}` has no Hugging Face Llama counterpart"),
-        })?;
+        let name = self
+            .names
+            .iter()
+            .find(|n| n.gguf == gguf_name)
+            .ok_or_else(|| self.unsupported(format!("tensor `{gguf_name}` has no Hugging Face counterpart")))?;
         Ok((name, info.shape()))
+    }
+
+    /// One tensor's Hugging Face name and row-major shape, by its GGUF name.
+    pub fn hf_shape(&self, gguf_name: &str) -> Result<(String, Vec<usize>), GgufError> {
+        let (name, shape) = self.entry(gguf_name)?;
+        Ok((name.hf.clone(), shape))
     }
 
     /// [`LlamaGguf::tensor`]'s values written into `out` (exactly the
     /// tensor's elements): a loader dequantises each tensor straight into
     /// its place in the parameters.
     pub fn tensor_into(&self, gguf_name: &str, out: &mut [f32]) -> Result<(), GgufError> {
-        let (_, shape) = self.hf_shape(gguf_name)?;
+        let (_, shape) = self.entry(gguf_name)?;
         self.file.dequantize_into(gguf_name, out)?;
-        if let Some(n_heads) = self.permuted_heads(gguf_name, &shape)? {
-            unpermute_rows(out, shape[0], shape[1], n_heads);
+        if let Some(n_heads) = self.permuted_heads(gguf_name)? {
+            unpermute_rows(out, shape[0], shape[1..].iter().product(), n_heads);
         }
         Ok(())
     }
 
-    /// The heads llama.cpp permuted the rows of `gguf_name` over (Q: the
-    /// query heads, K: the key/value heads), checked against its shape;
-    /// `None` for every other tensor.
-    fn permuted_heads(&self, gguf_name: &str, shape: &[usize]) -> Result<Option<usize>, GgufError> {
-        let heads = if gguf_name.ends_with(".attn_q.weight") {
-            self.n_heads
-        } else if gguf_name.ends_with(".attn_k.weight") {
-            self.n_kv_heads
-        } else {
-            return Ok(None);
-        };
-        let unsupported = |what: String| GgufError::UnsupportedModel { path: self.file.path().into(), what };
-        let [rows, _] = shape[..] else {
-            return Err(unsupported(format!("`{gguf_name}` has shape {shape:?}, expected two dimensions")));
-        };
-        if !rows.is_multiple_of(2 * heads) {
-            return Err(unsupported(format!("`{gguf_name}` has {rows} rows, not a multiple of 2 × {heads} heads")));
+    /// The heads llama.cpp permuted the rows of `gguf_name` over, checked
+    /// against its shape; `None` for a tensor stored as it is.
+    fn permuted_heads(&self, gguf_name: &str) -> Result<Option<usize>, GgufError> {
+        let (name, shape) = self.entry(gguf_name)?;
+        let Some(heads) = name.permuted_heads else { return Ok(None) };
+        // A weight's rows, or a bias's values, which move with them.
+        let rows = shape.first().copied().unwrap_or(0);
+        if heads == 0 || !rows.is_multiple_of(2 * heads) {
+            return Err(self.unsupported(format!("`{gguf_name}` has {rows} rows, not a multiple of 2 × {heads} heads")));
         }
         Ok(Some(heads))
     }
@@ -303,17 +357,13 @@ impl LlamaGguf {
     /// row order that undoes llama.cpp's permutation.
     pub fn raw_tensor(&self, gguf_name: &str) -> Result<RawTensor<'_>, GgufError> {
         let (info, bytes) = self.file.tensor_bytes(gguf_name)?;
-        let name = hf_name(gguf_name).ok_or_else(|| GgufError::UnsupportedModel {
-            path: self.file.path().into(),
-            what: format!("tensor `{gguf_name}` has no Hugging Face Llama counterpart"),
-        })?;
+        let (name, shape) = self.hf_shape(gguf_name)?;
         let ty = GgmlType::from_id(info.type_id).ok_or_else(|| GgufError::UnsupportedType {
             tensor: info.name.clone(),
             type_id: info.type_id,
             type_name: crate::quant::type_name(info.type_id),
         })?;
-        let shape = info.shape();
-        let row_order = self.permuted_heads(gguf_name, &shape)?.map(|h| unpermuted_row_order(shape[0], h));
+        let row_order = self.permuted_heads(gguf_name)?.map(|h| unpermuted_row_order(shape[0], h));
         Ok(RawTensor { name, shape, ty, bytes, row_order })
     }
 }

@@ -1,4 +1,5 @@
-//! What the dialects of the Llama block's families share in reading and
+//! A family on the Llama block as a [`Dialect`] (its names, presets and
+//! `config.json`), and what the dialects share in reading and
 //! writing `config.json`: a family's file is Llama's with a few keys of its
 //! own, so each reads it as Llama's once those keys are taken out
 //! ([`read_as_llama`]) and writes Llama's with its own put in
@@ -10,6 +11,56 @@
 use crate::LlamaConfig;
 use family::Result;
 use serde_json::{Map, Value};
+
+/// How one family built on the Llama block names itself and maps its
+/// `config.json`.
+pub trait Dialect: Sync + std::fmt::Debug {
+    /// The family's names and presets.
+    fn names(&self) -> Names;
+    /// `model.family` and `config.json`'s `model_type` (`llama`).
+    fn family(&self) -> &'static str {
+        self.names().family
+    }
+    /// Human name (`Llama`).
+    fn name(&self) -> &'static str {
+        self.names().name
+    }
+    /// The presets `model.preset` may name.
+    fn presets(&self) -> &'static [&'static str] {
+        self.names().presets
+    }
+    /// The shape of a preset.
+    fn preset(&self, name: &str) -> Result<LlamaConfig>;
+    /// The shape a `config.json` of this family describes.
+    fn parse_hf_json(&self, v: &serde_json::Value) -> Result<LlamaConfig>;
+    /// `config.json` for this family in transformers.
+    fn hf_json(&self, cfg: &LlamaConfig) -> serde_json::Value;
+    /// The GGUF `general.architecture` this family loads, if any: the one
+    /// it is written as ([`crate::import`] reads what [`crate::export`] writes).
+    fn gguf_architecture(&self) -> Option<&'static str> {
+        self.gguf_arch().map(|a| a.name)
+    }
+    /// How this family is written as GGUF, if it is.
+    fn gguf_arch(&self) -> Option<crate::export::GgufArch> {
+        None
+    }
+    /// The weights this family's files store fused (Phi-3's q|k|v and
+    /// gate|up); none by default.
+    fn fused(&self) -> &'static [crate::layout::Fused] {
+        &[]
+    }
+}
+
+/// How a dialect names itself: [`Dialect::names`].
+#[derive(Debug, Clone, Copy)]
+pub struct Names {
+    /// `model.family` and `config.json`'s `model_type` (`llama`).
+    pub family: &'static str,
+    /// Human name (`Llama`).
+    pub name: &'static str,
+    /// The presets `model.preset` may name.
+    pub presets: &'static [&'static str],
+}
 
 /// `v`, a `config.json` of `model_type`, read as Llama's: `v` must be an
 /// object with that `model_type` (or none); `own` (the family's keys,

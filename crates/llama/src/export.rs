@@ -8,10 +8,11 @@
 //! llama.cpp's converter does). The metadata is the architecture's
 //! (`{arch}.block_count`, …); the tokenizer's keys are added by the caller.
 
-use crate::layout::{fused_weight, in_layer, stored_as, Fused};
+use crate::layout::{fused_weight, in_layer, stored_as, Fused, StoredTensor};
 use crate::{LlamaConfig, LlamaError};
 use engine::ParamLayout;
 use family::{GgufLayout, GgufModel, GgufTensor};
+use gguf::llama::TensorName;
 use gguf::Value;
 
 /// How a family on the Llama block is written as GGUF: llama.cpp's
@@ -98,7 +99,7 @@ fn metadata(arch: GgufArch, name: &str, cfg: &LlamaConfig) -> Result<Vec<(String
 /// the even layers, both soft caps.
 fn gemma_check(cfg: &LlamaConfig) -> Result<(), LlamaError> {
     let Some(g) = &cfg.gemma else { return Ok(()) };
-    let its_scalar = if cfg.n_layer == 46 { cfg.hidden_size / cfg.n_head } else { cfg.head_dim };
+    let its_scalar = gemma_scalar(cfg);
     if g.query_pre_attn_scalar != its_scalar as f64 {
         return Err(unsupported(format!(
             "query_pre_attn_scalar = {}: llama.cpp's gemma2 scales scores by 1/√{its_scalar} for this shape",
@@ -114,6 +115,22 @@ fn gemma_check(cfg: &LlamaConfig) -> Result<(), LlamaError> {
         return Err(unsupported("a Gemma 2 without its window or a soft cap: llama.cpp's gemma2 assumes them".into()));
     }
     Ok(())
+}
+
+/// The `query_pre_attn_scalar` llama.cpp's `gemma2` uses for the shape
+/// `cfg`: the head width, `hidden / heads` with 46 layers (Gemma 2 27B).
+pub(crate) fn gemma_scalar(cfg: &LlamaConfig) -> usize {
+    if cfg.n_layer == 46 {
+        cfg.hidden_size / cfg.n_head
+    } else {
+        cfg.head_dim
+    }
+}
+
+/// Whether llama.cpp stores the layout tensor `name` as `1 + w` (Gemma's
+/// norm gains, as its converter writes them).
+pub(crate) fn stores_one_plus(cfg: &LlamaConfig, name: &str) -> bool {
+    cfg.gemma.is_some() && name.ends_with("norm.weight")
 }
 
 /// llama.cpp's `gemma2` name of a norm's gain (`post_attention_layernorm`
@@ -180,9 +197,38 @@ pub fn gguf_model<'a>(
             t.name
         )));
     }
+    let named = tensor_names((arch, fused), cfg, layout)?;
+    let mut tensors = Vec::with_capacity(named.len());
+    for ((name, shape, range), t) in named {
+        let how = match t.permuted_heads {
+            Some(heads) => GgufLayout::PermuteRows { heads },
+            None => GgufLayout::Same,
+        };
+        if stores_one_plus(cfg, &name) {
+            let gains = cfg.gains(&params[range]).into_owned();
+            tensors.push(GgufTensor::new(t.gguf, &shape, gains, how));
+        } else {
+            tensors.push(GgufTensor::new(t.gguf, &shape, &params[range], how));
+        }
+    }
+    if let Some(f) = rope_freqs {
+        tensors.push(GgufTensor::new("rope_freqs.weight", &[f.len()], f, GgufLayout::Same));
+    }
+    Ok(GgufModel { metadata: metadata(arch, name, cfg)?, tensors })
+}
+
+/// Every tensor of `layout` as `arch` stores it (the weights `fused` fused):
+/// the layout's name, shape and range, and the llama.cpp name with the heads
+/// whose rows are permuted (a bias moves with its rows). What
+/// [`gguf_model`] writes and [`crate::import`] reads, named once.
+pub(crate) fn tensor_names(
+    (arch, fused): (GgufArch, &[Fused]),
+    cfg: &LlamaConfig,
+    layout: &ParamLayout,
+) -> Result<Vec<(StoredTensor, TensorName)>, LlamaError> {
     let stored = layout.tensors().iter().map(|t| (t.name.clone(), t.shape.clone(), t.range())).collect();
     let stored = stored_as(stored, fused).map_err(|p| unsupported(format!("`{p}` is not beside its fused weight")))?;
-    let mut tensors = Vec::with_capacity(stored.len());
+    let mut out = Vec::with_capacity(stored.len());
     for (name, shape, range) in stored {
         let g = match fused_weight(&name, fused) {
             Some((layer, f)) => Some(format!("blk.{layer}.{}.weight", f.gguf)),
@@ -195,30 +241,14 @@ pub fn gguf_model<'a>(
             Some(Some("attn_k")) => cfg.n_kv_head,
             _ => 0,
         };
-        let how = if arch.permute_qk && heads > 0 {
-            // A bias moves with its rows.
-            if !shape[0].is_multiple_of(2 * heads) {
-                return Err(unsupported(format!(
-                    "`{name}` has {} rows, not a multiple of 2 × {heads} heads",
-                    shape[0]
-                )));
-            }
-            GgufLayout::PermuteRows { heads }
-        } else {
-            GgufLayout::Same
-        };
-        if cfg.gemma.is_some() && name.ends_with("norm.weight") {
-            // Gemma's gains `1 + w`, as llama.cpp's converter stores them.
-            let gains = cfg.gains(&params[range]).into_owned();
-            tensors.push(GgufTensor::new(g, &shape, gains, how));
-        } else {
-            tensors.push(GgufTensor::new(g, &shape, &params[range], how));
+        let permuted_heads = (arch.permute_qk && heads > 0).then_some(heads);
+        if permuted_heads.is_some() && !shape[0].is_multiple_of(2 * heads) {
+            return Err(unsupported(format!("`{name}` has {} rows, not a multiple of 2 × {heads} heads", shape[0])));
         }
+        let t = TensorName { gguf: g, hf: name.clone(), permuted_heads };
+        out.push(((name, shape, range), t));
     }
-    if let Some(f) = rope_freqs {
-        tensors.push(GgufTensor::new("rope_freqs.weight", &[f.len()], f, GgufLayout::Same));
-    }
-    Ok(GgufModel { metadata: metadata(arch, name, cfg)?, tensors })
+    Ok(out)
 }
 
 /// Llama 3's RoPE scaling as llama.cpp holds it: one factor per rotated

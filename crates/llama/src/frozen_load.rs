@@ -3,8 +3,10 @@
 //! keeping a file's own 16-bit or block-quantised bytes where asked.
 
 use crate::config::LlamaConfig;
+use crate::dialect::Dialect;
 use crate::error::LlamaError;
 use crate::frozen::{pack, proj_of, FrozenBase, FrozenFormat};
+use gguf::llama::LlamaGguf;
 use nn::linear::{PackFormat, PackedMatrix};
 use std::path::Path;
 
@@ -38,9 +40,12 @@ fn is_gguf(source: &Path) -> bool {
 /// a Hugging Face folder), from its metadata alone, with the packed format
 /// that keeps it (`None`: none does, e.g. F32): what `train.frozen_dtype =
 /// "source"` keeps, what `"auto"` decides on, what a plan counts.
-pub fn source_formats(source: &Path) -> Result<Vec<(String, String, Option<PackFormat>)>, LlamaError> {
+pub fn source_formats(
+    dialect: &dyn Dialect,
+    source: &Path,
+) -> Result<Vec<(String, String, Option<PackFormat>)>, LlamaError> {
     if is_gguf(source) {
-        let file = gguf::llama::LlamaGguf::open(source).map_err(|e| hf_read(source, e))?;
+        let file = open_gguf(dialect, source)?;
         let mut out = Vec::new();
         for (g, name) in file.tensor_names() {
             if proj_of(&name).is_some() {
@@ -62,6 +67,12 @@ pub fn source_formats(source: &Path) -> Result<Vec<(String, String, Option<PackF
 
 fn hf_read(source: &Path, e: impl std::fmt::Display) -> LlamaError {
     crate::hf::bad(source, e.to_string())
+}
+
+/// The GGUF file `source` as `dialect` reads it ([`crate::import::open`]).
+fn open_gguf(dialect: &dyn Dialect, source: &Path) -> Result<LlamaGguf, LlamaError> {
+    let file = gguf::GgufFile::open(source).map_err(|e| hf_read(source, e))?;
+    Ok(crate::import::open(dialect, file).map_err(|e| hf_read(source, e))?.1)
 }
 
 /// What `format` makes of a projection stored as `stored` (`kept`: the
@@ -87,14 +98,14 @@ fn target(format: FrozenFormat, name: &str, stored: &str, kept: Option<PackForma
 /// file's bytes, with llama.cpp's Q/K row permutation undone on whole rows;
 /// the f32 values of one tensor at most exist at a time.
 pub fn load(
-    cfg: &LlamaConfig,
+    (dialect, cfg): (&dyn Dialect, &LlamaConfig),
     source: &Path,
     format: FrozenFormat,
     rest: Option<engine::ParamLayout>,
 ) -> Result<(FrozenBase, Option<Vec<f32>>), LlamaError> {
     let mut mats = Vec::with_capacity(7 * cfg.n_layer);
     let rest = if is_gguf(source) {
-        let file = gguf::llama::LlamaGguf::open(source).map_err(|e| hf_read(source, e))?;
+        let file = open_gguf(dialect, source)?;
         let mut others = Vec::new();
         for (g, name) in file.tensor_names() {
             let Some((layer, pr)) = proj_of(&name) else {
@@ -121,7 +132,7 @@ pub fn load(
             mats.push((layer, pr, m));
         }
         match rest {
-            Some(layout) => Some(crate::hf::from_gguf_into(layout, cfg, &file, &others)?),
+            Some(layout) => Some(crate::hf::from_gguf_into((layout, dialect.fused()), cfg, &file, &others)?),
             None => None,
         }
     } else {

@@ -256,17 +256,26 @@ pub(crate) fn from_named_tensors_into(
 /// [`from_named_tensors_into`] from the tensors `names` (GGUF names) of a
 /// GGUF file, each dequantised straight into its place in the parameters:
 /// loading holds the parameters and no second copy of any tensor (the
-/// embedding alone is 113 MB of f32 in SmolLM2-135M).
+/// embedding alone is 113 MB of f32 in SmolLM2-135M). The weights `fused`
+/// are split into their parts; gains stored as `1 + w` are shifted back.
 pub(crate) fn from_gguf_into(
-    layout: ParamLayout,
+    (layout, fused): (ParamLayout, &'static [Fused]),
     cfg: &LlamaConfig,
     file: &gguf::llama::LlamaGguf,
     names: &[String],
 ) -> Result<Vec<f32>, LlamaError> {
     let mut placer = Placer::for_layout(layout, cfg)?;
+    placer.fused = fused;
     for g in names {
         let (name, shape) = file.hf_shape(g)?;
-        placer.put(&name, &shape, |dst| Ok(file.tensor_into(g, dst)?))?;
+        let one_plus = crate::export::stores_one_plus(cfg, &name);
+        placer.put(&name, &shape, |dst| {
+            file.tensor_into(g, dst)?;
+            if one_plus {
+                dst.iter_mut().for_each(|x| *x -= 1.0);
+            }
+            Ok(())
+        })?;
         nn::io::release_pages(file.file().mapped(), file.file().tensor_bytes(g)?.1);
     }
     placer.finish()

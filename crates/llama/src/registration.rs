@@ -5,67 +5,19 @@
 //! the dialect [`LLAMA`]; a family such as Qwen2 is another dialect in its
 //! own crate and registers with [`Registered`].
 
+use crate::dialect::{Dialect, Names};
 use crate::frozen::{self, FrozenBase, FrozenFormat};
 use crate::frozen_load;
-use crate::{hf, lora, Llama, LlamaConfig, LlamaError, LoraConfig, Proj};
+use crate::{hf, import, lora, Llama, LlamaConfig, LlamaError, LoraConfig, Proj};
 use config::{FrozenDtype, ModelConfig};
 use engine::{Model, ParamLayout, Precision, TpRank};
-use family::{Build, Family, FrozenBytes, FrozenStorage, LanguageModel, Loaded, ModelError, Registration, Result};
+use family::{Build, Family, FrozenBytes, FrozenStorage, LanguageModel, Loaded, Registration, Result};
 use nn::linear::PackFormat;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 mod section;
 use section::Section;
-
-/// How one family built on the Llama block names itself and maps its
-/// `config.json`.
-pub trait Dialect: Sync + std::fmt::Debug {
-    /// The family's names and presets.
-    fn names(&self) -> Names;
-    /// `model.family` and `config.json`'s `model_type` (`llama`).
-    fn family(&self) -> &'static str {
-        self.names().family
-    }
-    /// Human name (`Llama`).
-    fn name(&self) -> &'static str {
-        self.names().name
-    }
-    /// The presets `model.preset` may name.
-    fn presets(&self) -> &'static [&'static str] {
-        self.names().presets
-    }
-    /// The shape of a preset.
-    fn preset(&self, name: &str) -> Result<LlamaConfig>;
-    /// The shape a `config.json` of this family describes.
-    fn parse_hf_json(&self, v: &serde_json::Value) -> Result<LlamaConfig>;
-    /// `config.json` for this family in transformers.
-    fn hf_json(&self, cfg: &LlamaConfig) -> serde_json::Value;
-    /// The GGUF `general.architecture` this family loads, if any.
-    fn gguf_architecture(&self) -> Option<&'static str> {
-        None
-    }
-    /// How this family is written as GGUF, if it is.
-    fn gguf_arch(&self) -> Option<crate::export::GgufArch> {
-        None
-    }
-    /// The weights this family's files store fused (Phi-3's q|k|v and
-    /// gate|up); none by default.
-    fn fused(&self) -> &'static [crate::layout::Fused] {
-        &[]
-    }
-}
-
-/// How a dialect names itself: [`Dialect::names`].
-#[derive(Debug, Clone, Copy)]
-pub struct Names {
-    /// `model.family` and `config.json`'s `model_type` (`llama`).
-    pub family: &'static str,
-    /// Human name (`Llama`).
-    pub name: &'static str,
-    /// The presets `model.preset` may name.
-    pub presets: &'static [&'static str],
-}
 
 /// Llama itself (SmolLM2, Llama 2 shapes).
 #[derive(Debug)]
@@ -93,10 +45,6 @@ impl Dialect for LlamaDialect {
 
     fn hf_json(&self, cfg: &LlamaConfig) -> serde_json::Value {
         cfg.to_hf_json()
-    }
-
-    fn gguf_architecture(&self) -> Option<&'static str> {
-        Some("llama")
     }
 
     fn gguf_arch(&self) -> Option<crate::export::GgufArch> {
@@ -135,17 +83,17 @@ impl Registration for Registered {
     }
 
     fn gguf_shape(&self, file: gguf::GgufFile) -> Result<Arc<dyn Family>> {
-        let cfg = self.0.parse_hf_json(gguf::llama::LlamaGguf::from_file(file).map_err(ModelError::new)?.config())?;
+        let (cfg, _) = import::open(self.0, file)?;
         Ok(Arc::new(LlamaFamily::new(self.0, cfg, None)?))
     }
 
     fn load_gguf(&self, file: gguf::GgufFile) -> Result<Loaded> {
         // One tensor dequantised at a time, placed, then dropped: loading
         // holds the parameters and one tensor, never a second full copy.
-        let file = gguf::llama::LlamaGguf::from_file(file).map_err(ModelError::new)?;
-        let cfg = self.0.parse_hf_json(file.config())?;
+        let (cfg, file) = import::open(self.0, file)?;
         let names: Vec<String> = file.tensor_names().into_iter().map(|(g, _)| g).collect();
-        let params = hf::from_gguf_into(Llama::new(cfg.clone())?.layout().clone(), &cfg, &file, &names)?;
+        let layout = Llama::new(cfg.clone())?.layout().clone();
+        let params = hf::from_gguf_into((layout, self.0.fused()), &cfg, &file, &names)?;
         Ok((Arc::new(LlamaFamily::new(self.0, cfg, None)?), params))
     }
 }
@@ -177,6 +125,8 @@ pub struct LlamaFamily {
 /// shared by every model of the process.
 #[derive(Debug)]
 struct PackedBase {
+    /// The family whose file it is (a GGUF file's names are its architecture's).
+    dialect: &'static dyn Dialect,
     /// Where the base is read from (`None`: a plan of a shape, never built).
     source: Option<PathBuf>,
     format: FrozenFormat,
@@ -201,7 +151,7 @@ impl PackedBase {
             true => Some(Llama::with_packed_layout(cfg.clone(), None)?.layout().clone()),
             false => None,
         };
-        let (base, rest) = frozen_load::load(cfg, source, self.format, layout)
+        let (base, rest) = frozen_load::load((self.dialect, cfg), source, self.format, layout)
             .map_err(|e| format!("{}: {}", source.display(), chain(&e)))?;
         let base = slot.get_or_insert_with(|| Arc::new(base)).clone();
         Ok((base, rest))
@@ -273,7 +223,7 @@ impl LlamaFamily {
             }
         };
         let model = Llama::with_packed_layout(cfg.clone(), self.lora.clone())?;
-        let packed = PackedBase { source, format, planned, loaded: Mutex::new(None) };
+        let packed = PackedBase { dialect: self.dialect, source, format, planned, loaded: Mutex::new(None) };
         Ok(Arc::new(Self { model: Arc::new(model), packed: Some(Arc::new(packed)), ..self.clone() }))
     }
 
@@ -476,7 +426,7 @@ impl Family for LlamaFamily {
         // Without a source a named packed format is planned (its bytes
         // follow from the shape); building the model then asks for one.
         let stored = match &s.source {
-            Some(p) => frozen_load::source_formats(p).map_err(|e| format!("{}: {e}", p.display()))?,
+            Some(p) => frozen_load::source_formats(self.dialect, p).map_err(|e| format!("{}: {e}", p.display()))?,
             None if matches!(format, FrozenFormat::Pack(_)) => Vec::new(),
             None if by_name => {
                 return Err(format!(
@@ -521,7 +471,8 @@ impl Family for LlamaFamily {
         if self.lora.is_some() || self.packed.is_some() || self.tp.is_split() || !self.dialect.fused().is_empty() {
             return Ok(None);
         }
-        let stored = frozen_load::source_formats(source).map_err(|e| format!("{}: {e}", source.display()))?;
+        let stored =
+            frozen_load::source_formats(self.dialect, source).map_err(|e| format!("{}: {e}", source.display()))?;
         if stored.is_empty() || stored.iter().any(|(_, _, f)| f.is_none()) {
             return Ok(None);
         }

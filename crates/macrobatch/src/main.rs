@@ -198,8 +198,8 @@ pub struct TrainArgs {
     #[arg(long, value_name = "DIR", num_args = 0..=1)]
     pub resume: Option<Option<PathBuf>>,
     /// Start from a pretrained model, e.g. to fine-tune: a Hugging Face folder
-    /// (GPT-2 or Llama: config.json + model.safetensors, or a sharded index)
-    /// or a Llama GGUF file; its tokenizer comes along unless data.tokenizer is set.
+    /// (config.json + model.safetensors, or a sharded index) or a GGUF file
+    /// (llama, qwen2, qwen3, phi3, gemma2); its tokenizer comes along unless data.tokenizer is set.
     #[arg(long, value_name = "PATH")]
     pub init_from: Option<PathBuf>,
     /// Stop cleanly after this many optimizer steps in this invocation (checkpoint, exit 0).

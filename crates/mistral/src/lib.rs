@@ -95,6 +95,11 @@ impl Dialect for MistralDialect {
         // permuted; a window shorter than the context is refused there.
         Some(llama::export::GgufArch::plain("llama", true))
     }
+
+    fn gguf_architecture(&self) -> Option<&'static str> {
+        // A `llama` file is Llama's to load (its window is not in the file).
+        None
+    }
 }
 
 #[cfg(test)]

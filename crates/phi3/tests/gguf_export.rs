@@ -45,3 +45,12 @@ fn transformers_reads_the_fused_file_with_our_logits() {
     assert!(worst <= 1e-5 * largest, "max |Δ| {worst} vs largest {largest}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The file reads back as Phi-3 (llama.cpp's `phi3`: `attn_qkv` and
+/// `ffn_up` cut back into their parts), bit for bit.
+#[test]
+fn the_file_loads_back_as_phi3() {
+    let json = phi3::PHI3.hf_json(&phi3::PHI3.preset("tiny").unwrap());
+    let f = phi3::FAMILY.for_hf_dir(&std::env::temp_dir(), &json).unwrap();
+    family::round_trip::assert_gguf_round_trip(&phi3::FAMILY, &*f, 9);
+}

@@ -33,3 +33,15 @@ fn transformers_reads_the_file_with_our_logits() {
         assert!(worst <= 1e-5 * largest, "tied = {tied}: max |Δ| {worst} vs largest {largest}");
     }
 }
+
+/// The file reads back as Qwen2 (llama.cpp's `qwen2`, with the q/k/v
+/// biases), shape and every parameter bit for bit, tied and untied.
+#[test]
+fn the_file_loads_back_as_qwen2() {
+    for tied in [true, false] {
+        let mut json = qwen2::QWEN2.hf_json(&qwen2::QWEN2.preset("tiny").unwrap());
+        json["tie_word_embeddings"] = tied.into();
+        let f = qwen2::FAMILY.for_hf_dir(&std::env::temp_dir(), &json).unwrap();
+        family::round_trip::assert_gguf_round_trip(&qwen2::FAMILY, &*f, 5 + tied as u64);
+    }
+}

@@ -40,3 +40,12 @@ fn transformers_reads_the_file_with_our_logits() {
         assert!(worst <= 1e-5 * largest, "tied = {tied}: max |Δ| {worst} vs largest {largest}");
     }
 }
+
+/// The file reads back as Qwen3 (llama.cpp's `qwen3`, with the per-head
+/// q/k norms and heads wider than hidden / heads), bit for bit.
+#[test]
+fn the_file_loads_back_as_qwen3() {
+    let json = qwen3::QWEN3.hf_json(&qwen3::QWEN3.preset("tiny").unwrap());
+    let f = qwen3::FAMILY.for_hf_dir(&std::env::temp_dir(), &json).unwrap();
+    family::round_trip::assert_gguf_round_trip(&qwen3::FAMILY, &*f, 7);
+}
