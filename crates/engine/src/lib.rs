@@ -127,4 +127,4 @@ pub use trainer::{
     clip_grad_norm, grad_norm, InitSegment, LossNormalization, MemoryReport, PipelineReport, PipelineStage, StepReport,
     Trainer, TrainerOptions, DEFAULT_BUCKET_ELEMS,
 };
-pub use zero::{Accumulation, Partition, Reduction, Stage, UpdateRun, UpdateSharding, ZeroConfig};
+pub use zero::{Accumulation, Partition, Reduction, UpdateRun, UpdateSharding, ZeroConfig, ZeroStage};

@@ -32,7 +32,7 @@ use crate::precision::Precision;
 use crate::scaler::{LossScaler, LossScalerConfig};
 use crate::schedule::LrSchedule;
 use crate::store::{GradSpace, Written};
-use crate::zero::{Accumulation, Partition, Stage, ZeroConfig};
+use crate::zero::{Accumulation, Partition, ZeroConfig, ZeroStage};
 use boundary::{state_runs, update_chunks, UpdateChunk};
 use comm::Communicator;
 use memory::BufferSizes;
@@ -161,7 +161,7 @@ pub struct Trainer {
     max_collective: usize,
     layout: ParamLayout,
     part: Partition,
-    stage: Stage,
+    zero_stage: ZeroStage,
     /// Stages 0–2 in f32: every parameter; otherwise this rank's shard
     /// (the f32 master weights under mixed precision).
     params: Vec<f32>,
@@ -270,7 +270,7 @@ impl Trainer {
         zero: ZeroConfig,
         comm: &mut dyn Communicator,
     ) -> Result<Self, EngineError> {
-        let stage = Stage::new(zero)?;
+        let stage = ZeroStage::new(zero)?;
         let space = GradSpace::new(&layout, segments)?;
         let (rank, world) = stage.partition_of(comm.rank(), comm.world_size());
         let part = Partition::aligned(space, rank, world, optimizer.state_size().shard_align());
@@ -329,7 +329,7 @@ impl Trainer {
             written: vec![false; layout.tensors().len()],
             layout,
             part,
-            stage,
+            zero_stage: stage,
             params,
             grads,
             seg_grads,
@@ -350,12 +350,12 @@ impl Trainer {
 
     /// The partitioning in force.
     pub fn zero(&self) -> ZeroConfig {
-        self.stage.config()
+        self.zero_stage.config()
     }
 
     /// The ZeRO stage in force.
-    pub fn stage(&self) -> Stage {
-        self.stage
+    pub fn zero_stage(&self) -> ZeroStage {
+        self.zero_stage
     }
 
     /// The segments and the gradient space (trainable tensors back to back).
@@ -388,7 +388,7 @@ impl Trainer {
     /// master weights): stage 3, and stages 1–2 under mixed precision. Then
     /// [`Trainer::full_params`] is a collective.
     pub fn master_sharded(&self) -> bool {
-        self.stage.shards_master(self.options.precision)
+        self.zero_stage.shards_master(self.options.precision)
     }
 
     /// Forward-only loss of `batch` with the current parameters. At stage 3
@@ -489,14 +489,14 @@ impl Trainer {
     /// a shard accumulator is summed into, so it is.
     fn begin_accumulation(&mut self) {
         self.written.fill(false);
-        if self.stage.accumulation() == Accumulation::PerSegment {
+        if self.zero_stage.accumulation() == Accumulation::PerSegment {
             self.grads.par_chunks_mut(CHUNK).for_each(|c| c.fill(0.0));
         }
     }
 
     /// After the last micro-step: a tensor the model never wrote contributed zero.
     fn end_accumulation(&mut self) {
-        if self.stage.accumulation() == Accumulation::Local {
+        if self.zero_stage.accumulation() == Accumulation::Local {
             let mut w = Written { space: &self.part.space, flags: &mut self.written };
             for j in 0..self.part.n_segments() {
                 w.clear_unwritten(j, &mut self.grads[self.part.space.grad_segments[j].clone()]);

@@ -1,4 +1,4 @@
-//! ZeRO: which model states are sharded ([`Stage`]) and how the flat
+//! ZeRO: which model states are sharded ([`ZeroStage`]) and how the flat
 //! buffers are cut ([`Partition`]).
 //!
 //! Each segment `j` (length `n_j`) is cut into `W` pieces of `s_j = ⌈n_j/W⌉`
@@ -22,7 +22,7 @@ use crate::store::GradSpace;
 use std::ops::Range;
 
 /// How the optimizer state, gradients and parameters are partitioned (the
-/// configuration as given; [`Stage`] is the checked form).
+/// configuration as given; [`ZeroStage`] is the checked form).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ZeroConfig {
     /// 0: replicated; 1: optimizer state; 2: + gradients; 3: + parameters.
@@ -35,7 +35,7 @@ pub struct ZeroConfig {
 
 /// A ZeRO stage: what each rank keeps of the model states.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stage {
+pub enum ZeroStage {
     /// Stage 0 (DDP): everything replicated; gradients all-reduced.
     Replicated,
     /// Stage 1: optimizer state sharded; gradients all-reduced, each rank
@@ -94,17 +94,17 @@ pub fn composition_error(stage: u8, pipeline: usize, tensor: usize) -> Option<St
     ))
 }
 
-impl Stage {
+impl ZeroStage {
     /// The checked form of `cfg`.
     pub fn new(cfg: ZeroConfig) -> Result<Self, EngineError> {
         if cfg.reduce_every_micro_step && cfg.stage != 2 {
             return Err(EngineError::Zero("dist.reduce_every_micro_step applies to stage 2 only".into()));
         }
         Ok(match cfg.stage {
-            0 => Stage::Replicated,
-            1 => Stage::ShardedOptimizer,
-            2 => Stage::ShardedGradients { per_micro_step: cfg.reduce_every_micro_step },
-            3 => Stage::ShardedParameters,
+            0 => ZeroStage::Replicated,
+            1 => ZeroStage::ShardedOptimizer,
+            2 => ZeroStage::ShardedGradients { per_micro_step: cfg.reduce_every_micro_step },
+            3 => ZeroStage::ShardedParameters,
             s => return Err(EngineError::Zero(format!("dist.zero_stage = {s} (use 0, 1, 2 or 3)"))),
         })
     }
@@ -112,10 +112,10 @@ impl Stage {
     /// The stage number.
     pub fn number(self) -> u8 {
         match self {
-            Stage::Replicated => 0,
-            Stage::ShardedOptimizer => 1,
-            Stage::ShardedGradients { .. } => 2,
-            Stage::ShardedParameters => 3,
+            ZeroStage::Replicated => 0,
+            ZeroStage::ShardedOptimizer => 1,
+            ZeroStage::ShardedGradients { .. } => 2,
+            ZeroStage::ShardedParameters => 3,
         }
     }
 
@@ -123,19 +123,21 @@ impl Stage {
     pub fn config(self) -> ZeroConfig {
         ZeroConfig {
             stage: self.number(),
-            reduce_every_micro_step: self == Stage::ShardedGradients { per_micro_step: true },
+            reduce_every_micro_step: self == ZeroStage::ShardedGradients { per_micro_step: true },
         }
     }
 
     /// Whether the optimizer state (and the update) is cut into shards.
     pub fn shards_optimizer(self) -> bool {
-        self != Stage::Replicated
+        self != ZeroStage::Replicated
     }
 
     /// Where gradients accumulate.
     pub fn accumulation(self) -> Accumulation {
         match self {
-            Stage::ShardedParameters | Stage::ShardedGradients { per_micro_step: true } => Accumulation::PerSegment,
+            ZeroStage::ShardedParameters | ZeroStage::ShardedGradients { per_micro_step: true } => {
+                Accumulation::PerSegment
+            }
             _ => Accumulation::Local,
         }
     }
@@ -144,20 +146,20 @@ impl Stage {
     pub fn reduction(self) -> Reduction {
         match (self, self.accumulation()) {
             (_, Accumulation::PerSegment) => Reduction::Done,
-            (Stage::ShardedGradients { .. }, _) => Reduction::ReduceScatter,
+            (ZeroStage::ShardedGradients { .. }, _) => Reduction::ReduceScatter,
             _ => Reduction::AllReduce,
         }
     }
 
     /// Whether each rank holds only its shard of the parameters.
     pub fn shards_parameters(self) -> bool {
-        self == Stage::ShardedParameters
+        self == ZeroStage::ShardedParameters
     }
 
     /// Whether updated pieces are all-gathered into every rank's replicated
     /// parameters after the update (stages 1–2).
     pub fn gathers_after_update(self) -> bool {
-        matches!(self, Stage::ShardedOptimizer | Stage::ShardedGradients { .. })
+        matches!(self, ZeroStage::ShardedOptimizer | ZeroStage::ShardedGradients { .. })
     }
 
     /// `(rank, world_size)` of the partition on rank `rank` of `world_size`:

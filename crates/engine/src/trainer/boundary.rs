@@ -130,7 +130,7 @@ impl Trainer {
     /// this rank's part of the global sum (all of it after an all-reduce).
     pub(super) fn reduce_gradients(&mut self, comm: &mut dyn Communicator) -> Result<(), comm::CommError> {
         crate::profile::timed(crate::profile::Kind::Collective, || {
-            match self.stage.reduction() {
+            match self.zero_stage.reduction() {
                 Reduction::AllReduce => {
                     for bucket in self.grads.chunks_mut(self.options.bucket_elems.max(1)) {
                         comm.all_reduce_sum(bucket)?;
@@ -163,10 +163,10 @@ impl Trainer {
     /// The L2 norm of the global (reduced, unnormalised) gradient: local
     /// when every rank holds all of it, else a sum of the shards' squares.
     pub(super) fn global_norm(&self, comm: &mut dyn Communicator) -> Result<f64, comm::CommError> {
-        if self.stage.reduction() == Reduction::AllReduce {
+        if self.zero_stage.reduction() == Reduction::AllReduce {
             return Ok(grad_norm(&self.grads));
         }
-        let mut sq = [match self.stage.accumulation() {
+        let mut sq = [match self.zero_stage.accumulation() {
             Accumulation::PerSegment => sum_of_squares(&self.grads),
             Accumulation::Local => (0..self.part.n_segments())
                 .map(|j| sum_of_squares(&self.grads[self.part.grad_owned(j, self.part.rank)]))
@@ -184,7 +184,7 @@ impl Trainer {
         let step = self.n_steps + 1;
         let mut sum =
             |buf: &mut [f64]| comm.all_reduce_sum_f64(buf).map_err(|source| EngineError::Comm { step, source });
-        let reduce: Option<crate::optim::SumOverRanks<'_>> = self.stage.shards_optimizer().then_some(&mut sum);
+        let reduce: Option<crate::optim::SumOverRanks<'_>> = self.zero_stage.shards_optimizer().then_some(&mut sum);
         crate::profile::timed(crate::profile::Kind::Optimizer, || {
             let ranges: Vec<Range<usize>> = self.update.iter().map(|c| c.params.clone()).collect();
             let grads = &self.grads;
@@ -210,7 +210,7 @@ impl Trainer {
     /// f32 ones, or under mixed precision the 16-bit copy the model reads;
     /// stage 0 re-encodes its 16-bit copy; stage 3 keeps only its shard.
     pub(super) fn share_updated_params(&mut self, comm: &mut dyn Communicator) -> Result<(), comm::CommError> {
-        if !self.stage.gathers_after_update() {
+        if !self.zero_stage.gathers_after_update() {
             if let Some(c) = self.model_copy.as_mut() {
                 self.options.precision.encode(&self.params, &mut c.bits);
                 c.decoded_seg = None;

@@ -11,7 +11,7 @@ impl Trainer {
     /// update reads change; parameters and state are untouched.
     pub fn set_decay(&mut self, decay: impl Fn(&TensorSpec) -> bool) {
         self.layout.set_decay(decay);
-        self.update = update_chunks(&self.part, &self.layout, self.stage.update_sharding(self.options.precision));
+        self.update = update_chunks(&self.part, &self.layout, self.zero_stage.update_sharding(self.options.precision));
     }
 
     /// The layout the trainer updates (this rank's, or its stage's).

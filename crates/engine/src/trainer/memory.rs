@@ -9,7 +9,7 @@ use crate::optim::offload::{window_len, WINDOW_ELEMS};
 use crate::optim::StateSize;
 use crate::precision::Precision;
 use crate::store::GradSpace;
-use crate::zero::{Accumulation, Partition, Reduction, Stage, ZeroConfig};
+use crate::zero::{Accumulation, Partition, Reduction, ZeroConfig, ZeroStage};
 
 impl Trainer {
     /// The [`Trainer::memory`] a trainer of `model` would report on rank 0
@@ -52,7 +52,7 @@ impl Trainer {
         offload: bool,
     ) -> Result<MemoryReport, EngineError> {
         let size: StateSize = optimizer_state.into();
-        let stage = Stage::new(zero)?;
+        let stage = ZeroStage::new(zero)?;
         let space = GradSpace::new(layout, segments)?;
         let (rank, world) = stage.partition_of(0, world_size.max(1));
         let part = Partition::aligned(space, rank, world, size.shard_align());
@@ -148,7 +148,7 @@ pub(super) struct BufferSizes {
 }
 
 impl BufferSizes {
-    pub(super) fn new(part: &Partition, stage: Stage, precision: Precision, bucket_elems: usize) -> Self {
+    pub(super) fn new(part: &Partition, stage: ZeroStage, precision: Precision, bucket_elems: usize) -> Self {
         let world = part.world_size;
         let n_params = part.space.segments.last().map_or(0, |r| r.end);
         let low_copy = stage.keeps_model_copy(precision);

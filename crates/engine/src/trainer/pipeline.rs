@@ -508,14 +508,14 @@ impl Trainer {
         let skip0 = p.info.tied && p.info.last();
         if let Some(tp) = tp {
             let mut sq = [self.tensor_parallel_sum_of_squares(tp, skip0.then_some(0))?];
-            if self.stage.reduction() != Reduction::AllReduce {
+            if self.zero_stage.reduction() != Reduction::AllReduce {
                 dp.all_reduce_sum_f64(&mut sq)?;
             }
             p.comm.all_reduce_sum_f64(&mut sq)?;
             return Ok(sq[0].sqrt());
         }
         let segs = (0..self.part.n_segments()).filter(|&j| !(skip0 && j == 0));
-        let mut sq = [match (self.stage.reduction(), self.stage.accumulation()) {
+        let mut sq = [match (self.zero_stage.reduction(), self.zero_stage.accumulation()) {
             (Reduction::AllReduce, _) => segs
                 .map(|j| super::clip::chunked_sum_of_squares(&self.grads[self.part.space.grad_segments[j].clone()]))
                 .sum(),
@@ -524,7 +524,7 @@ impl Trainer {
             }
             (_, Accumulation::PerSegment) => unreachable!("ZeRO-2/3 are refused with a pipeline"),
         }];
-        if self.stage.reduction() != Reduction::AllReduce {
+        if self.zero_stage.reduction() != Reduction::AllReduce {
             dp.all_reduce_sum_f64(&mut sq)?;
         }
         p.comm.all_reduce_sum_f64(&mut sq)?;

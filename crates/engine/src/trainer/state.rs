@@ -85,7 +85,7 @@ impl Trainer {
     /// assembled from the shards at stages ≥ 2 (a collective there: every
     /// rank must call it).
     pub fn full_gradient(&mut self, comm: &mut dyn Communicator) -> Result<Vec<f32>, EngineError> {
-        let raw = match (self.stage.reduction(), self.stage.accumulation()) {
+        let raw = match (self.zero_stage.reduction(), self.zero_stage.accumulation()) {
             (Reduction::AllReduce, _) => return Ok(self.gradient()),
             (_, Accumulation::Local) => {
                 let mut shard = vec![0.0; self.part.grad_shard_len()];
@@ -125,7 +125,7 @@ impl Trainer {
                 None => mem.iter().find(|(n, _)| *n == name).map_or(&[][..], |b| &b.1[..]),
             };
             // A replicated slot is whole on every rank: no gather.
-            let full = if self.stage.shards_optimizer() && !self.optimizer.is_replicated_slot(name) {
+            let full = if self.zero_stage.shards_optimizer() && !self.optimizer.is_replicated_slot(name) {
                 self.gather_grad_space(comm, buf, keep)?
             } else {
                 try_copy(buf, "the full optimizer state")?
@@ -160,7 +160,7 @@ impl Trainer {
         n_updates: u64,
         mut optimizer_state: impl FnMut(&str) -> Option<Vec<f32>>,
     ) -> Result<(), EngineError> {
-        let (part, sharded, n_grads) = (&self.part, self.stage.shards_optimizer(), self.part.space.n_grads);
+        let (part, sharded, n_grads) = (&self.part, self.zero_stage.shards_optimizer(), self.part.space.n_grads);
         let names = self.optimizer.slot_names();
         let replicated: Vec<&str> = names.iter().copied().filter(|n| self.optimizer.is_replicated_slot(n)).collect();
         // A replicated slot is kept whole by every rank.
@@ -231,7 +231,7 @@ impl Trainer {
     /// Errors unless every rank holds bit-identical parameters (stages 0–2;
     /// at stage 3 each rank holds a different shard by design).
     pub fn check_params_agree(&mut self, comm: &mut dyn Communicator) -> Result<(), EngineError> {
-        if self.stage.shards_parameters() {
+        if self.zero_stage.shards_parameters() {
             return Ok(());
         }
         let h = match (&self.model_copy, self.master_sharded()) {
@@ -250,7 +250,7 @@ impl Trainer {
         tp: &mut dyn Communicator,
         stage: &crate::trainer::PipelineStage,
     ) -> Result<(), EngineError> {
-        if stage.tensor_shards().is_none() || self.stage.shards_parameters() {
+        if stage.tensor_shards().is_none() || self.zero_stage.shards_parameters() {
             return Ok(());
         }
         let ranges: Vec<std::ops::Range<usize>> = self

@@ -8,7 +8,7 @@ use crate::error::EngineError;
 use crate::precision::Precision;
 use crate::store::{ParamStore, SegmentGrads, SegmentView, Written};
 use crate::tensor::{TensorGroup, TpLink};
-use crate::zero::{Accumulation, Partition, Stage};
+use crate::zero::{Accumulation, Partition, ZeroStage};
 use comm::Communicator;
 
 impl Trainer {
@@ -28,7 +28,7 @@ impl Trainer {
         StepStore {
             tp: tp.map(|comm| TpLink { comm, traffic: &mut self.tp_traffic, step }),
             part: &self.part,
-            stage: self.stage,
+            zero_stage: self.zero_stage,
             with_grads,
             precision: self.options.precision,
             model_copy: self.model_copy.as_mut(),
@@ -49,7 +49,7 @@ impl Trainer {
 pub(super) struct StepStore<'a> {
     tp: Option<TpLink<'a>>,
     part: &'a Partition,
-    stage: Stage,
+    zero_stage: ZeroStage,
     with_grads: bool,
     precision: Precision,
     model_copy: Option<&'a mut ModelCopy>,
@@ -68,13 +68,13 @@ pub(super) struct StepStore<'a> {
 /// accumulator, or the front of the transient per-segment buffer.
 fn grad_buf<'b>(
     part: &Partition,
-    stage: Stage,
+    zero_stage: ZeroStage,
     grads: &'b mut [f32],
     seg_grads: &'b mut [f32],
     seg: usize,
 ) -> &'b mut [f32] {
     let g = part.space.grad_segments[seg].clone();
-    match stage.accumulation() {
+    match zero_stage.accumulation() {
         Accumulation::Local => &mut grads[g],
         Accumulation::PerSegment => &mut seg_grads[..g.len()],
     }
@@ -87,7 +87,7 @@ impl ParamStore for StepStore<'_> {
         }
         let r = self.part.segment(seg);
         let n = r.len();
-        if self.stage.shards_parameters() && *self.gathered_seg != Some(seg) {
+        if self.zero_stage.shards_parameters() && *self.gathered_seg != Some(seg) {
             // Just before use: every rank's piece of this segment.
             let s = self.part.piece[seg];
             let w = self.part.world_size;
@@ -99,7 +99,7 @@ impl ParamStore for StepStore<'_> {
             self.precision.round(&mut self.gathered[..n]);
         }
         let params: &[f32] = match self.model_copy.as_deref_mut() {
-            _ if self.stage.shards_parameters() => &self.gathered[..n],
+            _ if self.zero_stage.shards_parameters() => &self.gathered[..n],
             Some(c) => {
                 if c.decoded_seg != Some(seg) {
                     self.precision.decode(&c.bits[r.clone()], &mut c.decoded[..n]);
@@ -113,7 +113,7 @@ impl ParamStore for StepStore<'_> {
             let tp = TensorGroup::new(self.tp.as_mut());
             return Ok(SegmentView { params, grads: SegmentGrads::none(), tp });
         }
-        let buf = grad_buf(self.part, self.stage, self.grads, self.seg_grads, seg);
+        let buf = grad_buf(self.part, self.zero_stage, self.grads, self.seg_grads, seg);
         let grads = Written { space: &self.part.space, flags: self.written }.into_view(seg, buf);
         let tp = TensorGroup::new(self.tp.as_mut());
         Ok(SegmentView { params, grads, tp })
@@ -122,11 +122,11 @@ impl ParamStore for StepStore<'_> {
     fn done(&mut self, seg: usize, backward: bool) -> Result<(), EngineError> {
         if self.with_grads && backward {
             let part = self.part;
-            let buf = grad_buf(part, self.stage, self.grads, self.seg_grads, seg);
+            let buf = grad_buf(part, self.zero_stage, self.grads, self.seg_grads, seg);
             let mut written = Written { space: &part.space, flags: self.written };
             written.clear_unwritten(seg, buf);
             let t = part.grad_piece[seg];
-            if self.stage.accumulation() == Accumulation::PerSegment && t > 0 {
+            if self.zero_stage.accumulation() == Accumulation::PerSegment && t > 0 {
                 // Reduce-scatter this segment's gradient now; accumulate this
                 // rank's piece into the shard accumulator.
                 let w = part.world_size;
@@ -141,7 +141,7 @@ impl ParamStore for StepStore<'_> {
                 Written { space: &part.space, flags: self.written }.reset(seg);
             }
         }
-        if self.stage.shards_parameters() {
+        if self.zero_stage.shards_parameters() {
             *self.gathered_seg = None; // released: the buffer is reused by the next segment
         }
         Ok(())

@@ -94,7 +94,7 @@ impl Trainer {
         skip: Option<usize>,
     ) -> Result<f64, CommError> {
         let owned = |r: Range<usize>, j: usize| -> Range<usize> {
-            if self.stage.reduction() == Reduction::AllReduce {
+            if self.zero_stage.reduction() == Reduction::AllReduce {
                 return r;
             }
             let o = self.part.grad_owned(j, self.part.rank);

@@ -240,7 +240,7 @@ impl MemoryWatch {
                     let stage = grid.stage_of(r);
                     RankMemory {
                         rank: r,
-                        stage,
+                        pipeline_stage: stage,
                         data_rank: grid.data_rank_of(r),
                         tensor_rank: grid.tensor_rank_of(r),
                         layers: grid.cuts.get(stage).cloned().unwrap_or_default(),
@@ -283,7 +283,7 @@ const PER_RANK: usize = 9;
 struct RankMemory {
     rank: usize,
     /// Its pipeline stage.
-    stage: usize,
+    pipeline_stage: usize,
     /// Its data-parallel rank (the micro-batches it runs).
     data_rank: usize,
     /// Its place in its tensor-parallel group.
@@ -345,9 +345,9 @@ struct MemoryFile {
 /// The per-rank model-state bytes of docs/contract.md (Memory) in f32 (params 4Ψ, grads 4Ψ, AdamW
 /// 8Ψ; no separate master copy): stage 0 16Ψ, 1 8Ψ + 8Ψ/N, 2 4Ψ + 12Ψ/N,
 /// 3 16Ψ/N. Stage 2 accumulating locally keeps its full gradient: 8Ψ + 8Ψ/N.
-pub fn formula_model_states(stage: u8, local_accumulation: bool, n_params: usize, world: usize) -> f64 {
+pub fn formula_model_states(zero_stage: u8, local_accumulation: bool, n_params: usize, world: usize) -> f64 {
     let (p, n) = (n_params as f64, world as f64);
-    match stage {
+    match zero_stage {
         0 => 16.0 * p,
         1 => 8.0 * p + 8.0 * p / n,
         2 if local_accumulation => 8.0 * p + 8.0 * p / n,
