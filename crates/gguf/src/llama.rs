@@ -157,7 +157,14 @@ pub struct LlamaGguf {
     file: GgufFile,
     config: Json,
     names: Vec<TensorName>,
+    /// `rope_freqs.weight`'s values, where the file has it: Llama 3's RoPE
+    /// scaling as llama.cpp holds it (a setting, not a parameter).
+    rope_freqs: Option<Vec<f32>>,
 }
+
+/// The tensor llama.cpp keeps Llama 3's RoPE scaling in: one divisor of
+/// the plain inverse frequency per rotated pair.
+pub const ROPE_FREQS: &str = "rope_freqs.weight";
 
 impl LlamaGguf {
     /// Opens `path` and derives the Hugging Face config. Errors if the
@@ -260,19 +267,25 @@ impl LlamaGguf {
             "pad_token_id": id("tokenizer.ggml.padding_token_id")?,
             "torch_dtype": "float32",
         });
-        Ok(Self { file, config, names: Vec::new() })
+        let rope_freqs = match file.tensor(ROPE_FREQS) {
+            Some(t) => {
+                let mut v = vec![0.0; t.shape().iter().product()];
+                file.dequantize_into(ROPE_FREQS, &mut v)?;
+                Some(v)
+            }
+            None => None,
+        };
+        Ok(Self { file, config, names: Vec::new(), rope_freqs })
     }
 
     /// The model with its tensors named: `names` must name every tensor of
     /// the file (a name it lacks is an error naming the tensor); names of
     /// tensors the file lacks are the loader's to miss.
     pub fn with_names(mut self, names: Vec<TensorName>) -> Result<Self, GgufError> {
-        if let Some(t) = self.file.tensors().iter().find(|t| !names.iter().any(|n| n.gguf == t.name)) {
+        let named = |t: &str| t == ROPE_FREQS || names.iter().any(|n| n.gguf == t);
+        if let Some(t) = self.file.tensors().iter().find(|t| !named(&t.name)) {
             let arch = self.file.get_str("general.architecture")?;
-            return Err(self.unsupported(format!(
-                "tensor `{}` is not one of a `{arch}` model of this shape (RoPE factors, say, are not supported)",
-                t.name
-            )));
+            return Err(self.unsupported(format!("tensor `{}` is not one of a `{arch}` model of this shape", t.name)));
         }
         self.names = names;
         Ok(self)
@@ -285,6 +298,13 @@ impl LlamaGguf {
     /// The Hugging Face `config.json` of the model ([`LlamaGguf::read`]).
     pub fn config(&self) -> &Json {
         &self.config
+    }
+
+    /// The values of the file's `rope_freqs.weight` ([`ROPE_FREQS`]), if
+    /// it has one: the caller turns them into its RoPE scaling or refuses
+    /// them; [`LlamaGguf::with_names`] never asks them to be named.
+    pub fn rope_freqs(&self) -> Option<&[f32]> {
+        self.rope_freqs.as_deref()
     }
 
     /// The underlying file (metadata, tokenizer keys, raw tensors).

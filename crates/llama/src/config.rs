@@ -119,7 +119,17 @@ impl RopeScaling {
         Ok(Some(s))
     }
 
-    fn validate(&self) -> Result<(), LlamaError> {
+    /// The scaling as the `nn` kernels take it.
+    pub fn kernel(&self) -> nn::rope::Llama3Scaling {
+        nn::rope::Llama3Scaling {
+            factor: self.factor,
+            low_freq_factor: self.low_freq_factor,
+            high_freq_factor: self.high_freq_factor,
+            original_max_position_embeddings: self.original_max_position_embeddings,
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), LlamaError> {
         let ok = |x: f64| x.is_finite() && x > 0.0;
         if !(ok(self.factor) && ok(self.low_freq_factor) && ok(self.high_freq_factor)) {
             return Err(LlamaError::config("rope_scaling", format!("factors must be positive: {self:?}")));
@@ -260,12 +270,7 @@ impl LlamaConfig {
 
     /// The rotary frequency scaling as the `nn` kernels take it.
     pub fn llama3_scaling(&self) -> Option<nn::rope::Llama3Scaling> {
-        self.rope_scaling.map(|s| nn::rope::Llama3Scaling {
-            factor: s.factor,
-            low_freq_factor: s.low_freq_factor,
-            high_freq_factor: s.high_freq_factor,
-            original_max_position_embeddings: s.original_max_position_embeddings,
-        })
+        self.rope_scaling.map(|s| s.kernel())
     }
 
     /// Total parameters (a tied head counted once).

@@ -72,6 +72,12 @@ fn metadata(arch: GgufArch, name: &str, cfg: &LlamaConfig) -> Result<Vec<(String
             m.push((key.clone(), u32_of(&key, cfg.head_dim)?));
         }
     }
+    if let Some(r) = &cfg.rope_scaling {
+        // llama.cpp reads it only for YaRN; our reader takes the scaling's
+        // one free scale from it ([`crate::import::rope_scaling_from_freqs`]).
+        let key = format!("{a}.rope.scaling.original_context_length");
+        m.push((key.clone(), u32_of(&key, r.original_max_position_embeddings)?));
+    }
     if let Some(w) = cfg.sliding_window.filter(|_| arch.sliding_window) {
         let key = format!("{a}.attention.sliding_window");
         m.push((key.clone(), u32_of(&key, w)?));
@@ -257,9 +263,10 @@ pub(crate) fn tensor_names(
 /// rotates by the frequencies this model's RoPE uses
 /// ([`nn::rope::inv_freq`] with the scaling).
 pub fn rope_freqs(cfg: &LlamaConfig) -> Vec<f32> {
-    let plain = nn::rope::inv_freq(cfg.head_dim, cfg.rope_theta, None);
-    let scaled = nn::rope::inv_freq(cfg.head_dim, cfg.rope_theta, cfg.llama3_scaling().as_ref());
-    plain.iter().zip(&scaled).map(|(p, s)| p / s).collect()
+    match cfg.llama3_scaling() {
+        Some(s) => nn::rope::divisors(cfg.head_dim, cfg.rope_theta, &s),
+        None => vec![1.0; cfg.head_dim / 2],
+    }
 }
 
 #[cfg(test)]

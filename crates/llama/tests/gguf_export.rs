@@ -65,6 +65,22 @@ fn f32_files_load_back_exactly_tied_and_untied() {
     }
 }
 
+/// Llama 3's RoPE scaling goes out as llama.cpp's `rope_freqs` (and the
+/// original context) and comes back as the same `rope_scaling`, every
+/// parameter bit for bit: Llama 3's low and high factors (one pair between
+/// the bands of the tiny heads), and others (two pairs, the fitted line).
+#[test]
+fn llama3_rope_scaling_loads_back() {
+    use llama::{Dialect, RopeScaling};
+    for (factor, low, high, old) in [(8.0, 1.0, 4.0, 256), (16.0, 1.5, 12.0, 2048)] {
+        let scaling =
+            RopeScaling { factor, low_freq_factor: low, high_freq_factor: high, original_max_position_embeddings: old };
+        let cfg = llama::LlamaConfig { rope_scaling: Some(scaling), ..llama::LLAMA.preset("tiny").unwrap() };
+        let f = llama::FAMILY.for_hf_dir(&std::env::temp_dir(), &llama::LLAMA.hf_json(&cfg)).unwrap();
+        family::round_trip::assert_gguf_round_trip(&llama::FAMILY, &*f, 21);
+    }
+}
+
 /// Q8_0 stores each run of 32 values of a row as d·q with d = amax/127 and
 /// |x − d·q| ≤ d/2 (+ the f16 rounding of d: ≤ 127·d·2⁻¹¹, together
 /// < 0.57·d); ffn_down's rows (176 values) are not whole blocks and fall

@@ -81,6 +81,15 @@ pub fn inv_freq(head_dim: usize, theta: f64, scaling: Option<&Llama3Scaling>) ->
     f
 }
 
+/// What Llama 3's scaling divides each pair's plain inverse frequency by
+/// (`inv_freq(.., None) / inv_freq(.., Some(scaling))`, in f32): llama.cpp's
+/// `rope_freqs` tensor.
+pub fn divisors(head_dim: usize, theta: f64, scaling: &Llama3Scaling) -> Vec<f32> {
+    let plain = inv_freq(head_dim, theta, None);
+    let scaled = inv_freq(head_dim, theta, Some(scaling));
+    plain.iter().zip(&scaled).map(|(p, s)| p / s).collect()
+}
+
 impl Rope {
     /// Tables for `t` positions of heads `head_dim` wide (even), with
     /// optional Llama 3 frequency scaling.
