@@ -106,15 +106,7 @@ impl Gpt {
         let refuse = |field: &str, problem: String| Err(nn::lora::LoraError::invalid(field, problem).into());
         let on = lora.targets(&TARGETS)?;
         let targets: [bool; 4] = std::array::from_fn(|i| on[i]);
-        // Split, a dropout mask would be drawn per rank's features (not the
-        // whole layer's), and a row-parallel layer's row norms span the ranks.
-        if tp.is_split() && lora.dropout > 0.0 {
-            let fix = "set lora_dropout = 0.0 or dist.tensor_parallel = 1";
-            return refuse(
-                "lora_dropout",
-                format!("is not supported with tensor parallelism ({} ranks); {fix}", tp.size),
-            );
-        }
+        // Split, a row-parallel layer's row norms span the ranks.
         if tp.is_split() && lora.use_dora && (targets[1] || targets[3]) {
             return refuse(
                 "use_dora",
@@ -270,8 +262,8 @@ impl Decoder for Gpt {
     fn walk(&mut self, store: &mut dyn ParamStore, batch: &Batch, walk: Walk<'_>) -> Result<(), GptError> {
         if let Walk::Forward(pass, _) = walk {
             let p_drop = self.lora.as_ref().map_or(0.0, |l| l.dropout);
-            self.shell.acts.extra =
-                (pass == Pass::Train && p_drop > 0.0).then(|| Dropout::new(p_drop, self.step, batch));
+            self.shell.acts.extra = (pass == Pass::Train && p_drop > 0.0)
+                .then(|| Dropout::new(p_drop, self.step, batch).on_rank(self.tp.rank));
         }
         let cfg = &self.cfg;
         let (nh, w) = (cfg.n_head / self.tp.size, Widths::of(cfg, self.tp));

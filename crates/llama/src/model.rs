@@ -113,12 +113,19 @@ impl Llama {
         if !tp.is_split() {
             return Self::build(whole, lora, precision);
         }
-        if let Some(l) = lora.as_ref().filter(|l| l.use_dora || l.dropout > 0.0) {
-            let key = if l.use_dora { "use_dora" } else { "lora_dropout" };
-            return Err(LlamaError::lora(
-                key,
-                format!("is not supported with tensor parallelism ({} ranks); set dist.tensor_parallel = 1", tp.size),
-            ));
+        // A row-parallel projection's row norms span the ranks.
+        if let Some(l) = lora.as_ref().filter(|l| l.use_dora) {
+            let targets = crate::layout::targets(l)?;
+            if let Some(p) = [Proj::O, Proj::Down].into_iter().find(|&p| targets[p as usize]) {
+                return Err(LlamaError::lora(
+                    "use_dora",
+                    format!(
+                        "on {} (row-parallel) is not supported with tensor parallelism ({} ranks); target the q/k/v and gate/up projections only, or set dist.tensor_parallel = 1",
+                        p.name(),
+                        tp.size
+                    ),
+                ));
+            }
         }
         let local = whole.for_rank(tp)?;
         let whole = Self::build(whole, lora.clone(), Precision::F32)?;
@@ -450,7 +457,9 @@ impl Decoder for Llama {
         let (attn, later) = match walk {
             Walk::Forward(pass, attn) => {
                 let p_drop = self.lora.as_ref().map_or(0.0, |l| l.dropout);
-                let drop = (pass == Pass::Train && p_drop > 0.0).then(|| Dropout::new(p_drop, self.step, batch));
+                let rank = self.split.as_ref().map_or(0, |s| s.tp.rank);
+                let drop =
+                    (pass == Pass::Train && p_drop > 0.0).then(|| Dropout::new(p_drop, self.step, batch).on_rank(rank));
                 self.shell.acts.extra.drop = drop;
                 let later = match attn {
                     Attention::Causal => None,

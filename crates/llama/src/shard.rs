@@ -118,6 +118,8 @@ impl LlamaConfig {
             ("weight", true) => split(1, dim, unit * c, pieces),
             ("weight", false) => split(c, dim, unit, pieces),
             ("bias", _) => split(1, dim, unit, pieces),
+            // DoRA's magnitude [out], beside a column-parallel projection only.
+            (nn::lora::MAGNITUDE, true) => split(1, dim, unit, pieces),
             // lora_A [r, in], lora_B [out, r].
             ("A", true) => Shard::Partial,
             ("A", false) => split(r, dim, unit, pieces),

@@ -31,6 +31,10 @@ const STREAM: u64 = 0xD0_0D_10_4A;
 pub struct Dropout {
     /// Probability of zeroing a feature.
     pub p: f32,
+    /// This model's place in its tensor-parallel group (0 unsplit): a
+    /// row-parallel projection's input is its slice `rank·ic..`, whose
+    /// masks are those columns of the whole input's.
+    pub rank: usize,
     /// Per sequence: its key (step and tokens hashed).
     keys: Vec<u64>,
     /// Sequence length T (row `i` is position `i % T` of sequence `i / T`).
@@ -55,7 +59,7 @@ impl Dropout {
         let keys = (0..batch.n_seqs)
             .map(|b| sequence_key(step, &batch.inputs[b * t..(b + 1) * t], &batch.targets[b * t..(b + 1) * t]))
             .collect();
-        Dropout { p, keys, t }
+        Dropout { p, rank: 0, keys, t }
     }
 
     /// The multiplier of kept features, 1/(1 − p).
@@ -63,12 +67,21 @@ impl Dropout {
         (1.0 / (1.0 - self.p as f64)) as f32
     }
 
+    /// The same masks on rank `rank` of a tensor-parallel group.
+    pub fn on_rank(self, rank: usize) -> Self {
+        Dropout { rank, ..self }
+    }
+
     /// The mask row of row `i` for projection `proj` of layer `layer`:
-    /// `width` factors, each 0 or 1/(1 − p).
-    fn mask_row(&self, (layer, proj): (usize, usize), i: usize, out: &mut [f32]) {
+    /// `out.len()` factors, each 0 or 1/(1 − p), for input features
+    /// `col0..` (the stream's first `col0` draws are the features before).
+    fn mask_row(&self, (layer, proj): (usize, usize), i: usize, col0: usize, out: &mut [f32]) {
         let (seq, pos) = (i / self.t, i % self.t);
         let key = self.keys.get(seq).copied().unwrap_or(0);
         let mut rng = SplitMix64::derive(key, &[pos as u64, layer as u64, proj as u64]);
+        for _ in 0..col0 {
+            rng.next_f64();
+        }
         let (p, keep) = (self.p as f64, self.keep_scale());
         for v in out.iter_mut() {
             *v = if rng.next_f64() < p { 0.0 } else { keep };
@@ -77,12 +90,13 @@ impl Dropout {
 
     /// `buf *= mask` for the rows of `buf` (`width` features each): the
     /// dropped input (forward), or a gradient through the dropout
-    /// (backward: the same mask).
-    pub fn mask(&self, at: (usize, usize), buf: &mut [f32], width: usize) {
+    /// (backward: the same mask). `col0`: the first of the input features
+    /// `buf`'s rows hold (a row-parallel rank's slice), 0 for all of them.
+    pub fn mask(&self, at: (usize, usize), buf: &mut [f32], (width, col0): (usize, usize)) {
         buf.par_chunks_mut(width).enumerate().for_each_init(
             || vec![0.0f32; width],
             |m, (i, row)| {
-                self.mask_row(at, i, m);
+                self.mask_row(at, i, col0, m);
                 row.iter_mut().zip(m.iter()).for_each(|(v, &k)| *v *= k);
             },
         );
@@ -104,13 +118,33 @@ mod tests {
         }
     }
 
+    /// A row-parallel rank's slice of the input gets those columns of the
+    /// whole input's masks, whatever the cut.
+    #[test]
+    fn a_slice_gets_the_whole_inputs_columns() {
+        let b = batch(&[&[1, 2, 3, 4], &[5, 6, 7, 8]]);
+        let d = Dropout::new(0.4, 2, &b);
+        let (n, w) = (8, 48);
+        let mut whole = vec![1.0f32; n * w];
+        d.mask((0, 3), &mut whole, (w, 0));
+        for parts in [2, 3, 4] {
+            let k = w / parts;
+            for r in 0..parts {
+                let mut slice = vec![1.0f32; n * k];
+                d.mask((0, 3), &mut slice, (k, r * k));
+                let want: Vec<f32> = whole.chunks(w).flat_map(|row| row[r * k..(r + 1) * k].to_vec()).collect();
+                assert_eq!(slice, want, "rank {r} of {parts}");
+            }
+        }
+    }
+
     #[test]
     fn masks_drop_the_asked_fraction_and_scale_the_rest() {
         let b = batch(&[&[1, 2, 3, 4], &[5, 6, 7, 8]]);
         let d = Dropout::new(0.3, 9, &b);
         let (n, w) = (8, 4096);
         let mut out = vec![1.0f32; n * w];
-        d.mask((1, 2), &mut out, w);
+        d.mask((1, 2), &mut out, (w, 0));
         let dropped = out.iter().filter(|&&v| v == 0.0).count() as f64 / out.len() as f64;
         // 32768 Bernoulli(0.3) draws: standard error 0.0025; 4 of them.
         assert!((dropped - 0.3).abs() < 0.01, "{dropped}");
@@ -125,7 +159,7 @@ mod tests {
         let x: Vec<f32> = (0..3 * w).map(|i| i as f32 + 1.0).collect();
         let masked = |d: &Dropout, seq: usize, at: (usize, usize)| {
             let mut all: Vec<f32> = x.iter().chain(&x).copied().collect();
-            d.mask(at, &mut all, w);
+            d.mask(at, &mut all, (w, 0));
             all[seq * 3 * w..(seq + 1) * 3 * w].to_vec()
         };
         let (ab, ba) = (batch(&[s1, s2]), batch(&[s2, s1]));

@@ -332,6 +332,16 @@ impl Projection<'_> {
         Ok(())
     }
 
+    /// The input features a dropout mask row covers here: this rank's
+    /// `ic`, from `rank·ic` for a row-parallel projection (its input is
+    /// the rank's slice; 0 unsplit), from 0 for a column one (whole input).
+    fn drop_cols(&self, drop: &Dropout) -> (usize, usize) {
+        match self.role {
+            Role::Row => (self.ic, drop.rank * self.ic),
+            Role::Column => (self.ic, 0),
+        }
+    }
+
     /// Module `q`'s LoRA forward, if it has an adapter: `xa = x·Aᵀ` (of the
     /// dropped-out input under dropout; summed over the group beside a
     /// split row projection), kept, then `y[:, col0..] += s · xa·Bᵀ`.
@@ -350,7 +360,7 @@ impl Projection<'_> {
                 Some((drop, layer)) => {
                     let xd = &mut xd[..x.len()];
                     xd.copy_from_slice(x);
-                    drop.mask((layer, q.idx), xd, self.ic);
+                    drop.mask((layer, q.idx), xd, self.drop_cols(drop));
                     &*xd
                 }
                 None => x,
@@ -484,10 +494,10 @@ impl Projection<'_> {
             if let Some((drop, layer)) = s.drop {
                 let xd = &mut xd[..x.len()];
                 xd.copy_from_slice(x);
-                drop.mask((layer, q.idx), xd, self.ic);
+                drop.mask((layer, q.idx), xd, self.drop_cols(drop));
                 branch.backward(gs, dy, (xd, xa), dxa);
                 branch.input_grad(xd, false, dxa);
-                drop.mask((layer, q.idx), xd, self.ic);
+                drop.mask((layer, q.idx), xd, self.drop_cols(drop));
                 add_into(dx, xd);
                 return;
             }
