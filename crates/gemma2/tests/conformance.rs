@@ -9,6 +9,8 @@
 
 #[path = "../../llama/tests/common/mod.rs"]
 mod common;
+#[path = "../../llama/tests/common/peft.rs"]
+mod peft;
 
 use common::suite::{tiny_gqa, UnderTest, T};
 use engine::conformance;
@@ -121,43 +123,16 @@ fn peft_computes_our_dora_logits_before_the_post_norms() {
     let dora = LoraConfig { use_dora: true, ..LoraConfig::new(4, 8.0, &["all-linear"]) };
     let mut model = Llama::with_lora(cfg.clone(), dora, engine::Precision::F32).unwrap_or_else(|e| panic!("{e}"));
     let mut params = llama::lora::attach(&model, &base, 3).unwrap_or_else(|e| panic!("{e}"));
-    for t in model.layout().tensors().iter().filter(|t| llama::lora::is_adapter(&t.name)) {
-        let p = &mut params[t.range()];
-        if t.name.contains("lora_B") {
-            p.iter_mut().for_each(|x| *x = (rng.normal() * 0.1) as f32);
-        } else if t.name.ends_with("lora_magnitude_vector") {
-            p.iter_mut().for_each(|x| *x *= 1.0 + (rng.normal() * 0.1) as f32);
-        }
-    }
+    peft::move_adapters(model.layout(), &mut params, &mut rng, (0.1, 0.1));
     let (b, t) = (2, T);
-    let inputs: Vec<u32> = (0..b * t).map(|_| (rng.next_u64() % cfg.vocab_size as u64) as u32).collect();
-    let batch = engine::TokenBatch {
-        n_seqs: b,
-        seq_len: t,
-        inputs: inputs.clone(),
-        targets: vec![-100; b * t],
-        positions: Vec::new(),
-    };
+    let batch = peft::random_batch(&mut rng, (b, t), cfg.vocab_size);
     let base_logits = Llama::new(cfg.clone()).unwrap().logits(&base, &batch).unwrap();
     let logits = model.logits(&params, &batch).unwrap();
     let change = logits.iter().zip(&base_logits).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
     assert!(change > 0.2, "a change of {change} could hide a wrong scale inside the tolerance");
     let adapter = dir.join("adapter");
     llama::lora::save_adapter(&adapter, &model, &params, None).unwrap_or_else(|e| panic!("{e}"));
-    let v = cfg.vocab_size;
-    let ids: Vec<f32> = inputs.iter().map(|&x| x as f32).collect();
-    let expected = dir.join("expected.safetensors");
-    let out: [(String, Vec<usize>, &[f32]); 3] = [
-        ("input_ids".into(), vec![b, t], &ids),
-        ("base_logits".into(), vec![b * t, v], &base_logits),
-        ("logits.0".into(), vec![b * t, v], &logits),
-    ];
-    nn::io::write_safetensors(&expected, &out, &[]).unwrap();
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/peft_variants_check.py");
-    let o =
-        std::process::Command::new("python3").arg(script).arg(&base_dir).arg(&expected).arg(&adapter).output().unwrap();
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    println!("{stdout}");
-    assert!(o.status.success(), "peft_variants_check.py failed:\n{stdout}\n{}", String::from_utf8_lossy(&o.stderr));
+    let shape = (b, t, cfg.vocab_size);
+    peft::check_with_peft(&dir, &base_dir, shape, (&batch.inputs, &base_logits), &[(adapter, logits)]);
     std::fs::remove_dir_all(&dir).unwrap();
 }

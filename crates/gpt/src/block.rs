@@ -194,6 +194,7 @@ impl GptBlock<'_> {
             idx,
             col0: 0,
             oc,
+            lora_oc: oc,
             w: w.clone(),
             bias: Some(b.clone()),
         };

@@ -305,8 +305,11 @@ fn unsupported_settings_are_named_errors() {
     assert!(rank.describe().contains("tensor-parallel rank 1 of 2"), "{}", rank.describe());
     assert!(rank.n_params() < fam.n_params());
     let drop = gpt::registration::Gpt2Lora::new(cfg(), LoraConfig { dropout: 0.1, ..l() }).unwrap();
-    let e = drop.tensor_parallel(TpRank { rank: 0, size: 2 }).err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(e.contains("lora_dropout") && e.contains("tensor_parallel = 1"), "{e}");
+    assert!(drop.tensor_parallel(TpRank { rank: 0, size: 2 }).is_ok(), "dropout splits (tensor.rs trains it)");
+    let row_dora = LoraConfig { use_dora: true, ..LoraConfig::new(2, 4.0, &["c_proj"]) };
+    let dora = gpt::registration::Gpt2Lora::new(cfg(), row_dora).unwrap();
+    let e = dora.tensor_parallel(TpRank { rank: 0, size: 2 }).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("use_dora") && e.contains("c_proj") && e.contains("tensor_parallel = 1"), "{e}");
 }
 
 /// PEFT itself loads the base and adapter we write (transformers'

@@ -110,9 +110,11 @@ impl ActSizes {
         });
         let qd = w(cfg.q_dim());
         let dora = |p: Proj| adapters.is_some_and(|a| a.dora && a.targets[p as usize]);
-        let dz = Proj::ALL.map(|p| if dora(p) { n * w(p.shape(cfg)[0]) } else { 0 });
-        let max_dz = Proj::ALL.into_iter().filter(|&p| dora(p)).map(|p| w(p.shape(cfg)[0])).max().unwrap_or(0);
-        let norms = Proj::ALL.iter().filter(|&&p| dora(p)).map(|p| w(p.shape(cfg)[0])).sum::<u128>();
+        // DoRA's z and norms per adapter: the rows it spans.
+        let out = |p: Proj| w(p.adapter_shape(cfg).0[0]);
+        let dz = Proj::ALL.map(|p| if dora(p) { n * out(p) } else { 0 });
+        let max_dz = Proj::ALL.into_iter().filter(|&p| dora(p)).map(out).max().unwrap_or(0);
+        let norms = Proj::ALL.iter().filter(|&&p| dora(p)).map(|&p| out(p)).sum::<u128>();
         let dropout = adapters.is_some_and(|a| a.dropout);
         let max_in = if dropout { Proj::ALL.into_iter().map(|p| w(p.shape(cfg)[1])).max().unwrap_or(0) } else { 0 };
         let mut large = vec![n * c, n * qkvw, n * qd, n * c, n * c, n * 2 * f, n * f, n * c];
@@ -279,16 +281,19 @@ impl Layer<'_> {
         }
     }
 
-    /// The seven modules as column blocks of their projections (indexed by [`Proj`]).
+    /// The seven modules as column blocks of their projections (indexed by
+    /// [`Proj`]); with fused modules (Phi-3's) q's adapter spans q|k|v and
+    /// gate's gate|up.
     fn parts(&self) -> [Module; 7] {
-        let (d, r) = (&self.d, self.r);
+        let (d, r, fused) = (&self.d, self.r, self.cfg.fused_modules);
         let (qd, kvd) = (d.gqa.q_dim(), self.cfg.kv_dim());
         let col0 = [0, qd, qd + kvd, 0, 0, d.f, 0];
         let oc = [qd, kvd, kvd, d.c, d.f, d.f, d.c];
         Proj::ALL.map(|pr| {
             let i = pr as usize;
             let bias = r.qkv_bias.as_ref().and_then(|b| b.get(i)).cloned();
-            Module { idx: i, col0: col0[i], oc: oc[i], w: r.w(pr), bias }
+            let lora_oc = pr.adapted(fused).iter().map(|&p| oc[p as usize]).sum();
+            Module { idx: i, col0: col0[i], oc: oc[i], lora_oc, w: r.w(pr), bias }
         })
     }
 

@@ -67,6 +67,11 @@ pub struct LlamaConfig {
     /// Gemma 2's layer and head; `None`: Llama's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gemma: Option<GemmaBlock>,
+    /// Phi-3's modules: q|k|v one `self_attn.qkv_proj` and gate|up one
+    /// `mlp.gate_up_proj` (the layout keeps each group as one matrix
+    /// anyway), so LoRA adapts each group whole, with PEFT's names.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fused_modules: bool,
 }
 
 /// Llama 3's RoPE frequency scaling (`rope_scaling` with
@@ -386,6 +391,7 @@ impl LlamaConfig {
             sliding_window: None,
             sliding_layers: None,
             gemma: None,
+            fused_modules: false,
         };
         cfg.validate()?;
         Ok(cfg)

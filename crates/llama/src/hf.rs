@@ -337,12 +337,13 @@ pub fn load_weights_stored_as(dir: &Path, cfg: &LlamaConfig, fused: &'static [Fu
 /// With `packed` (the run's frozen base, packed, which `layout` leaves
 /// out) each projection in the folder is checked against it, bit for bit,
 /// and not placed: the folder's f32 base is what the packed one
-/// dequantises to, unless the base file changed after the run.
+/// dequantises to, unless the base file changed after the run. `fused`:
+/// the weights the folder stores fused (Phi-3's).
 pub(crate) fn load_base_into_adapted(
     dir: &Path,
     cfg: &LlamaConfig,
     layout: ParamLayout,
-    packed: Option<&crate::FrozenBase>,
+    (packed, fused): (Option<&crate::FrozenBase>, &'static [Fused]),
 ) -> Result<Vec<f32>, LlamaError> {
     let mut verify = |name: &str, _: &[usize], view: &TensorView<'_>| {
         let (Some(base), Some((layer, pr))) = (packed, crate::frozen::proj_of(name)) else { return Ok(false) };
@@ -358,7 +359,7 @@ pub(crate) fn load_base_into_adapted(
             )),
         }
     };
-    load_weights_with(dir, cfg, layout, &mut verify, (nn::lora::is_adapter, &[]))
+    load_weights_with(dir, cfg, layout, &mut verify, (nn::lora::is_adapter, fused))
 }
 
 /// Offered each stored tensor `(name, shape, view)` before it is placed;

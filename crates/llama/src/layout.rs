@@ -54,6 +54,37 @@ impl Proj {
         }
     }
 
+    /// The projections one adapter at `self` spans: itself, or with
+    /// `fused` modules (Phi-3's) the group it heads — q|k|v at Q, gate|up
+    /// at Gate — and none at the group's other members.
+    pub fn adapted(self, fused: bool) -> &'static [Proj] {
+        match (self, fused) {
+            (Proj::Q, true) => &[Proj::Q, Proj::K, Proj::V],
+            (Proj::Gate, true) => &[Proj::Gate, Proj::Up],
+            (Proj::K | Proj::V | Proj::Up, true) => &[],
+            (Proj::Q, false) => &[Proj::Q],
+            (Proj::K, false) => &[Proj::K],
+            (Proj::V, false) => &[Proj::V],
+            (Proj::Gate, false) => &[Proj::Gate],
+            (Proj::Up, false) => &[Proj::Up],
+            (Proj::O, _) => &[Proj::O],
+            (Proj::Down, _) => &[Proj::Down],
+        }
+    }
+
+    /// `[Σ out, in]` of what an adapter at `self` spans ([`Proj::adapted`]),
+    /// and its module's path (`self_attn.qkv_proj` for a fused q|k|v).
+    pub fn adapter_shape(self, cfg: &LlamaConfig) -> ([usize; 2], String) {
+        let parts = self.adapted(cfg.fused_modules);
+        let out = parts.iter().map(|p| p.shape(cfg)[0]).sum();
+        let path = match parts {
+            [_, _, _] => "self_attn.qkv_proj".to_string(),
+            [_, _] => "mlp.gate_up_proj".to_string(),
+            _ => self.path(),
+        };
+        ([out, self.shape(cfg)[1]], path)
+    }
+
     /// The projection called `name` (`q_proj`, ...).
     pub fn from_name(name: &str) -> Option<Proj> {
         Proj::ALL.into_iter().find(|p| p.name() == name)
@@ -173,6 +204,15 @@ impl LayerParams {
         self.proj[p as usize].clone()
     }
 
+    /// The weights an adapter at `p` spans ([`Proj::adapted`]): one
+    /// matrix, the group's weights being back to back.
+    pub fn adapted_w(&self, p: Proj, fused: bool) -> Range<usize> {
+        match p.adapted(fused) {
+            [first, .., last] => self.w(*first).start..self.w(*last).end,
+            _ => self.w(p),
+        }
+    }
+
     /// The contiguous range the whole layer occupies.
     pub fn span(&self) -> Range<usize> {
         let end = self.lora.iter().flatten().map(|l| l.m.as_ref().map_or(l.b.end, |m| m.end)).max();
@@ -234,12 +274,12 @@ fn push_layer(cfg: &LlamaConfig, adapters: Option<Adapters>, packed_base: bool, 
     let post_norms = post_attn.map(|a| [a, push("post_feedforward_layernorm.weight", &[c], false)]);
     let lora = Proj::ALL.map(|p| {
         let a = adapters.filter(|a| a.targets[p as usize])?;
-        let [out, inp] = p.shape(cfg);
+        let ([out, inp], path) = p.adapter_shape(cfg);
         Some(LoraRanges {
-            a: push(&format!("{}.lora_A.weight", p.path()), &[a.r, inp], true),
-            b: push(&format!("{}.lora_B.weight", p.path()), &[out, a.r], true),
+            a: push(&format!("{path}.lora_A.weight"), &[a.r, inp], true),
+            b: push(&format!("{path}.lora_B.weight"), &[out, a.r], true),
             // A per-feature scale, like a norm's gain: no weight decay.
-            m: a.dora.then(|| push(&format!("{}.{}", p.path(), nn::lora::MAGNITUDE), &[out], false)),
+            m: a.dora.then(|| push(&format!("{path}.{}", nn::lora::MAGNITUDE), &[out], false)),
         })
     });
     LayerParams { attn_norm, proj: [q, k, v, o, gate, up, down], qkv_bias, qk_norm, mlp_norm, post_norms, lora }
@@ -285,34 +325,61 @@ pub(crate) fn build_layout(
     (l, ParamRanges { embed, layers, layer_rel, norm, head })
 }
 
+/// Every module name of either kind of block: the Llama block's seven
+/// projections, then Phi-3's fused `qkv_proj` and `gate_up_proj` (adapted
+/// at their first projection).
+const MODULES: [(&str, &[usize]); 9] = [
+    ("q_proj", &[0]),
+    ("k_proj", &[1]),
+    ("v_proj", &[2]),
+    ("o_proj", &[3]),
+    ("gate_proj", &[4]),
+    ("up_proj", &[5]),
+    ("down_proj", &[6]),
+    ("qkv_proj", &[0]),
+    ("gate_up_proj", &[4]),
+];
+
 /// The Llama block's projections as `target_modules` names them, in
 /// [`Proj`] order (`nn.Linear` weights: `fan_in_fan_out` off).
-pub const TARGETS: Targets = Targets {
-    modules: &[
-        ("q_proj", &[0]),
-        ("k_proj", &[1]),
-        ("v_proj", &[2]),
-        ("o_proj", &[3]),
-        ("gate_proj", &[4]),
-        ("up_proj", &[5]),
-        ("down_proj", &[6]),
-    ],
+pub const TARGETS: Targets = Targets { modules: MODULES.split_at(7).0, n: 7, fan_in_fan_out: false };
+
+/// Phi-3's modules as `target_modules` names them (`fused_modules`): q|k|v
+/// is one `qkv_proj` and gate|up one `gate_up_proj`, each adapted whole by
+/// one adapter at its first projection ([`Proj::adapted`]).
+pub const FUSED_TARGETS: Targets = Targets {
+    modules: &[("qkv_proj", &[0]), ("o_proj", &[3]), ("gate_up_proj", &[4]), ("down_proj", &[6])],
     n: 7,
     fan_in_fan_out: false,
 };
 
-/// Checks every field of `lora` for the Llama block.
-pub fn validate(lora: &LoraConfig) -> Result<(), LlamaError> {
-    Ok(lora.validate(&TARGETS)?)
+/// Every name either kind of block answers to: what a `[lora]` table or
+/// a PEFT file is read with before a model of one kind checks it against
+/// its own ([`targets_of`]).
+pub const ANY_TARGETS: Targets = Targets { modules: &MODULES, n: 7, fan_in_fan_out: false };
+
+/// The module names of a block with `fused` modules or without.
+pub fn targets_of(fused: bool) -> &'static Targets {
+    if fused {
+        &FUSED_TARGETS
+    } else {
+        &TARGETS
+    }
 }
 
-/// Which projections carry adapters, indexed by [`Proj`].
-pub fn targets(lora: &LoraConfig) -> Result<[bool; 7], LlamaError> {
-    let on = lora.targets(&TARGETS)?;
+/// Checks every field of `lora` for the Llama block (`fused`: Phi-3's modules).
+pub fn validate(lora: &LoraConfig, fused: bool) -> Result<(), LlamaError> {
+    Ok(lora.validate(targets_of(fused))?)
+}
+
+/// Which projections carry adapters, indexed by [`Proj`] (with `fused`
+/// modules only the groups' first ones: [`Proj::adapted`]).
+pub fn targets(lora: &LoraConfig, fused: bool) -> Result<[bool; 7], LlamaError> {
+    let on = lora.targets(targets_of(fused))?;
     Ok(std::array::from_fn(|i| on[i]))
 }
 
-/// The targeted projections' names in layout order (`all-linear` expanded).
-pub fn target_names(lora: &LoraConfig) -> Result<Vec<&'static str>, LlamaError> {
-    Ok(lora.target_names(&TARGETS)?)
+/// The targeted modules' names in layout order (`all-linear` expanded).
+pub fn target_names(lora: &LoraConfig, fused: bool) -> Result<Vec<&'static str>, LlamaError> {
+    Ok(lora.target_names(targets_of(fused))?)
 }

@@ -13,7 +13,7 @@ use nn::{gemm_into, parallelism, GemmDims, GemmOut, Strided};
 use serde_json::Value;
 use std::path::Path;
 
-pub use crate::layout::{target_names, targets, validate, TARGETS};
+pub use crate::layout::{target_names, targets, targets_of, validate, ANY_TARGETS, FUSED_TARGETS, TARGETS};
 pub use nn::lora::{is_adapter, kaiming_uniform, LoraConfig, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, ALL_LINEAR};
 
 fn require_lora(model: &Llama) -> Result<&LoraConfig, LlamaError> {
@@ -100,11 +100,12 @@ pub fn merge_with(model: &Llama, params: &[f32], base: Option<&FrozenBase>) -> R
     }
     for idx in 0..model.config().n_layer {
         let (bl, ml) = (base_model.layer_params(idx), model.layer_params(idx));
+        let fused = model.config().fused_modules;
         for pr in Proj::ALL {
             let Some(lr) = &ml.lora[pr as usize] else { continue };
-            let [oc, ic] = pr.shape(model.config());
+            let ([oc, ic], _) = pr.adapter_shape(model.config());
             let (a, b) = (&params[lr.a.clone()], &params[lr.b.clone()]);
-            let w = &mut out[bl.w(pr)];
+            let w = &mut out[bl.adapted_w(pr, fused)];
             // W[oc, ic] += s · B[oc, r] · A[r, ic]
             let (bv, av) = (Strided::rows(b, lora.r), Strided::rows(a, ic));
             gemm_into(
@@ -125,9 +126,14 @@ pub fn merge_with(model: &Llama, params: &[f32], base: Option<&FrozenBase>) -> R
     Ok(out)
 }
 
-/// `adapter_config.json` as PEFT writes it for a causal LM.
-pub fn adapter_config_json(lora: &LoraConfig, base_model_name_or_path: Option<&str>) -> Result<Value, LlamaError> {
-    Ok(lora.adapter_config_json(&TARGETS, base_model_name_or_path)?)
+/// `adapter_config.json` as PEFT writes it for a causal LM (`fused`:
+/// Phi-3's modules, [`FUSED_TARGETS`]).
+pub fn adapter_config_json(
+    lora: &LoraConfig,
+    fused: bool,
+    base_model_name_or_path: Option<&str>,
+) -> Result<Value, LlamaError> {
+    Ok(lora.adapter_config_json(targets_of(fused), base_model_name_or_path)?)
 }
 
 /// Saves `model`'s adapters (from `params`) into `dir` in PEFT's format:
@@ -143,7 +149,7 @@ pub fn save_adapter(
     let lora = require_lora(model)?;
     let layout = model.layout();
     LlamaError::check_count("model", layout.n_params(), params.len())?;
-    let config = adapter_config_json(lora, base_model_name_or_path)?;
+    let config = adapter_config_json(lora, model.config().fused_modules, base_model_name_or_path)?;
     Ok(nn::lora::save_adapter(dir, layout, params, &config)?)
 }
 
@@ -167,14 +173,16 @@ impl std::ops::DerefMut for Adapter {
 
 /// Reads PEFT's `adapter_config.json` into a [`LoraConfig`]. Settings that
 /// change the math and are not implemented (per-layer ranks, biases, regex
-/// targets) are errors naming the key.
+/// targets) are errors naming the key. Module names of either kind of
+/// block are read ([`ANY_TARGETS`]); the model checks them against its own.
 pub fn lora_config_from_peft(v: &Value) -> Result<(LoraConfig, Option<String>), LlamaError> {
-    Ok(LoraConfig::from_peft(v, &TARGETS)?)
+    Ok(LoraConfig::from_peft(v, &ANY_TARGETS)?)
 }
 
-/// Loads an adapter saved in PEFT's format from `dir`.
+/// Loads an adapter saved in PEFT's format from `dir` (names as
+/// [`lora_config_from_peft`] reads them).
 pub fn load_adapter(dir: &Path) -> Result<Adapter, LlamaError> {
-    Ok(Adapter(nn::lora::load_adapter(dir, &TARGETS)?))
+    Ok(Adapter(nn::lora::load_adapter(dir, &ANY_TARGETS)?))
 }
 
 impl Adapter {
@@ -183,6 +191,6 @@ impl Adapter {
     /// the model must be present with its shape, and nothing else.
     pub fn apply(&self, model: &Llama, params: &mut [f32]) -> Result<(), LlamaError> {
         let lora = require_lora(model)?;
-        Ok(self.0.apply((model.layout(), lora, &TARGETS), params)?)
+        Ok(self.0.apply((model.layout(), lora, targets_of(model.config().fused_modules)), params)?)
     }
 }

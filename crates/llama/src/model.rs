@@ -113,9 +113,18 @@ impl Llama {
         if !tp.is_split() {
             return Self::build(whole, lora, precision);
         }
+        if lora.is_some() && whole.fused_modules {
+            return Err(LlamaError::lora(
+                "target_modules",
+                format!(
+                    "on fused modules (qkv_proj, gate_up_proj: one adapter over q|k|v, whose rows the ranks cut by heads) is not supported with tensor parallelism ({} ranks); set dist.tensor_parallel = 1",
+                    tp.size
+                ),
+            ));
+        }
         // A row-parallel projection's row norms span the ranks.
         if let Some(l) = lora.as_ref().filter(|l| l.use_dora) {
-            let targets = crate::layout::targets(l)?;
+            let targets = crate::layout::targets(l, whole.fused_modules)?;
             if let Some(p) = [Proj::O, Proj::Down].into_iter().find(|&p| targets[p as usize]) {
                 return Err(LlamaError::lora(
                     "use_dora",
@@ -198,14 +207,14 @@ impl Llama {
     ) -> Result<Self, LlamaError> {
         let adapters = match &lora {
             Some(l) => {
-                crate::layout::validate(l)?;
-                let targets = crate::layout::targets(l)?;
+                crate::layout::validate(l, cfg.fused_modules)?;
+                let targets = crate::layout::targets(l, cfg.fused_modules)?;
                 // The adapters' parameters and tensors count too.
-                let on = Proj::ALL.into_iter().filter(|&p| targets[p as usize]);
-                let per_layer: u128 = on.clone().map(|p| p.shape(&cfg).iter().map(|&d| d as u128).sum::<u128>()).sum();
+                let on = Proj::ALL.into_iter().filter(|&p| targets[p as usize]).map(|p| p.adapter_shape(&cfg).0);
+                let per_layer: u128 = on.clone().map(|s| s.iter().map(|&d| d as u128).sum::<u128>()).sum();
                 // DoRA: a magnitude of `out` values per adapted projection.
                 let (dora, per_tensor) = (l.use_dora as u128, 2 + l.use_dora as u128);
-                let mags: u128 = dora * on.clone().map(|p| p.shape(&cfg)[0] as u128).sum::<u128>();
+                let mags: u128 = dora * on.clone().map(|s| s[0] as u128).sum::<u128>();
                 let n = cfg.param_count() + cfg.n_layer as u128 * (l.r as u128 * per_layer + mags);
                 engine::check_shape_size(n, cfg.n_layer, cfg.tensors_per_layer() + per_tensor * on.count() as u128, 3)
                     .map_err(LlamaError::TooLarge)?;
@@ -364,15 +373,28 @@ impl Llama {
         let at = |r: &Range<usize>| r.start - lp.attn_norm.start..r.end - lp.attn_norm.start;
         for (pr, lr) in Proj::ALL.into_iter().zip(&lp.lora) {
             let Some(m) = lr.as_ref().and_then(|l| l.m.as_ref()) else { continue };
-            let [oc, ic] = pr.shape(cfg);
+            let ([oc, ic], _) = pr.adapter_shape(cfg);
             let mut mags = vec![0.0f32; oc];
             match (self.packs_base(), frozen) {
                 (false, _) => {
-                    let w = &layer[at(&lp.w(pr))];
+                    let w = &layer[at(&lp.adapted_w(pr, cfg.fused_modules))];
                     nn::dora::initial_magnitude([oc, ic], &|rows| w[rows.start * ic..rows.end * ic].to_vec(), &mut mags)
                 }
                 (true, Some(b)) => {
-                    nn::dora::initial_magnitude([oc, ic], &|rows| b.proj_rows(cfg, idx, pr, rows), &mut mags)
+                    // Rows of the projections the adapter spans, stacked.
+                    let rows_of = |rows: Range<usize>| {
+                        let (mut out, mut at) = (Vec::with_capacity(rows.len() * ic), 0);
+                        for &part in pr.adapted(cfg.fused_modules) {
+                            let n = part.shape(cfg)[0];
+                            let (lo, hi) = (rows.start.max(at), rows.end.min(at + n));
+                            if lo < hi {
+                                out.extend(b.proj_rows(cfg, idx, part, lo - at..hi - at));
+                            }
+                            at += n;
+                        }
+                        out
+                    };
+                    nn::dora::initial_magnitude([oc, ic], &rows_of, &mut mags)
                 }
                 (true, None) => continue,
             }

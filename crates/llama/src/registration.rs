@@ -78,7 +78,7 @@ impl Registration for Registered {
         let path = dir.join(family::CONFIG_FILE);
         let cfg = self.0.parse_hf_json(config).map_err(|e| format!("{}: {e}", path.display()))?;
         // A LoRA run's folder holds PEFT's adapter files beside the base.
-        let lora = nn::lora::config_beside(dir, config, &lora::TARGETS).map_err(LlamaError::from)?;
+        let lora = nn::lora::config_beside(dir, config, &lora::ANY_TARGETS).map_err(LlamaError::from)?;
         Ok(Arc::new(LlamaFamily::new(self.0, cfg, lora)?))
     }
 
@@ -101,7 +101,7 @@ impl Registration for Registered {
 /// `[lora]` as written: PEFT's fields, α defaulting to PEFT's 8.
 pub fn parse_lora(table: &toml::Table) -> Result<LoraConfig> {
     let l: LoraConfig = toml::Value::Table(table.clone()).try_into().map_err(|e| format!("[lora]: {e}"))?;
-    lora::validate(&l)?;
+    l.validate(&lora::ANY_TARGETS).map_err(LlamaError::from)?;
     Ok(l)
 }
 
@@ -173,16 +173,6 @@ fn chain(e: &dyn std::error::Error) -> String {
 impl LlamaFamily {
     /// `dialect`'s family at `cfg`, with adapters when `lora` is given.
     pub fn new(dialect: &'static dyn Dialect, cfg: LlamaConfig, lora: Option<LoraConfig>) -> Result<Self> {
-        if let (Some(_), [first, ..]) = (&lora, dialect.fused()) {
-            // Adapters per part could be trained, but PEFT targets the fused
-            // module (one A for q|k|v), so the files would not load there.
-            return Err(format!(
-                "[lora] on {}: its projections are stored fused (`{}`, as PEFT targets them), and LoRA on a fused projection is not implemented yet; fine-tune it in full, or choose a family with separate projections",
-                dialect.name(),
-                first.module
-            )
-            .into());
-        }
         let model = Self::build_with(&cfg, lora.as_ref(), Precision::F32, TpRank::WHOLE)?;
         Ok(Self { dialect, cfg, lora, model: Arc::new(model), tp: TpRank::WHOLE, packed: None })
     }
@@ -336,7 +326,7 @@ impl Family for LlamaFamily {
     fn hf_config(&self) -> serde_json::Value {
         let mut v = self.dialect.hf_json(&self.cfg);
         if let (Some(l), Some(o)) = (&self.lora, v.as_object_mut()) {
-            o.insert(nn::lora::CONFIG_KEY.into(), nn::lora::config_value(l, &lora::TARGETS));
+            o.insert(nn::lora::CONFIG_KEY.into(), nn::lora::config_value(l, lora::targets_of(self.cfg.fused_modules)));
         }
         v
     }
@@ -390,7 +380,8 @@ impl Family for LlamaFamily {
         // adapters start as initialised (B = 0: the base's function), then
         // take the folder's trained ones when it has them.
         let base = self.packed.as_ref().map(|p| p.get(&self.cfg, false)).transpose()?.map(|(b, _)| b);
-        let mut params = hf::load_base_into_adapted(dir, &self.cfg, self.model.layout().clone(), base.as_deref())?;
+        let how = (base.as_deref(), self.dialect.fused());
+        let mut params = hf::load_base_into_adapted(dir, &self.cfg, self.model.layout().clone(), how)?;
         lora::init_in_place(&self.model, &mut params, 0, base.as_deref())?;
         if dir.join(lora::ADAPTER_CONFIG_FILE).exists() {
             lora::load_adapter(dir)?.apply(&self.model, &mut params)?;
@@ -423,6 +414,19 @@ impl Family for LlamaFamily {
             FrozenDtype::Source => FrozenFormat::Source,
             FrozenDtype::Auto => FrozenFormat::Source,
         };
+        if let Some(f) = self.dialect.fused().first() {
+            // The packed base is one matrix per projection; splitting a
+            // fused tensor's rows into them is not written yet.
+            return match s.dtype {
+                FrozenDtype::Auto => Ok(None),
+                _ => Err(format!(
+                    "{key} on {}: its files store fused weights (`{}`), which the packed frozen base does not split yet; set train.frozen_dtype = \"f32\" (or \"auto\")",
+                    self.dialect.name(),
+                    f.module
+                )
+                .into()),
+            };
+        }
         // Without a source a named packed format is planned (its bytes
         // follow from the shape); building the model then asks for one.
         let stored = match &s.source {

@@ -31,6 +31,7 @@ fn cfg() -> LlamaConfig {
         sliding_window: None,
         sliding_layers: None,
         gemma: None,
+        fused_modules: false,
     }
 }
 

@@ -43,6 +43,7 @@ fn tiny_gqa() -> LlamaConfig {
         sliding_window: None,
         sliding_layers: None,
         gemma: None,
+        fused_modules: false,
     }
 }
 

@@ -144,11 +144,11 @@ fn unsupported_lora_settings_are_named_errors() {
     assert!(e.to_string().contains("target_modules"), "{e}");
     // PEFT configurations we do not implement.
     let peft = |edit: &dyn Fn(&mut serde_json::Value)| {
-        let mut v = lora::adapter_config_json(&LoraConfig::new(4, 8.0, &["all-linear"]), None).unwrap();
+        let mut v = lora::adapter_config_json(&LoraConfig::new(4, 8.0, &["all-linear"]), false, None).unwrap();
         edit(&mut v);
         lora::lora_config_from_peft(&v).map(|c| c.0)
     };
-    assert_eq!(peft(&|_| ()).map(|c| lora::target_names(&c).unwrap().len()).unwrap(), 7);
+    assert_eq!(peft(&|_| ()).map(|c| lora::target_names(&c, false).unwrap().len()).unwrap(), 7);
     for (key, val) in [
         ("use_rslora", serde_json::json!("yes")),
         ("use_dora", serde_json::json!(1)),

@@ -200,16 +200,20 @@ fn resuming_with_another_model_shape_or_an_unwritable_output_is_an_error() {
     let _ = std::fs::remove_file(&file);
 }
 
-/// A LoRA run on `all-linear` resumes bit for bit, on the Llama block and
-/// on GPT-2: the checkpoint spells the targets as the fewest names of the
-/// layers they select (GPT-2: `c_attn`, `c_proj`, `c_fc`), the config as
-/// `all-linear`, and both are the same shape.
+/// A LoRA run on `all-linear` resumes bit for bit, on the Llama block, on
+/// Phi-3's fused modules and on GPT-2: the checkpoint spells the targets as
+/// the fewest names of the layers they select (GPT-2: `c_attn`, `c_proj`,
+/// `c_fc`; Phi-3: `qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`), the
+/// config as `all-linear`, and both are the same shape.
 #[test]
 fn a_lora_run_on_all_linear_resumes_bit_for_bit() {
-    for family in ["llama", "gpt2"] {
+    for family in ["llama", "phi3", "gpt2"] {
         let fam = format!("model.family={family}");
+        // Phi-3's tiny preset has a key/value head per query head.
+        let kv = if family == "phi3" { "model.n_kv_head=2" } else { "train.seed=1" };
         let lora = ckpt_sets(&[
             &fam,
+            kv,
             "model.preset=tiny",
             "lora.r=4",
             "lora.target_modules=[\"all-linear\"]",

@@ -213,7 +213,9 @@ impl LoraConfig {
         }
         for m in &self.target_modules {
             if m == ALL_LINEAR {
-                on.fill(true);
+                // Every projection a module of `t` names (a fused module's
+                // adapter sits at its first projection only).
+                t.modules.iter().flat_map(|(_, p)| p.iter()).for_each(|&p| on[p] = true);
                 continue;
             }
             let (_, projs) = t.modules.iter().find(|(name, _)| name == m).ok_or_else(|| {

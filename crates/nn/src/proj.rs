@@ -78,6 +78,10 @@ pub struct Module {
     pub col0: usize,
     /// Output features.
     pub oc: usize,
+    /// Output features its adapter spans from `col0`: `oc`, or a fused
+    /// module's (Phi-3's `qkv_proj` adapted whole: q's block carries the
+    /// adapter over q|k|v, whose weights follow its own).
+    pub lora_oc: usize,
     /// Its weight in the segment (unused for a frozen base).
     pub w: Range<usize>,
     /// Its bias, if any.
@@ -218,11 +222,12 @@ impl Projection<'_> {
         }
     }
 
-    /// Rows `rows` of part `q`'s base weight as f32 `[rows, ic]`.
+    /// Rows `rows` of the base weight under part `q`'s adapter as f32
+    /// `[rows, ic]` (past its own rows: the next parts', back to back).
     fn base_rows(&self, p: &[f32], q: &Module, rows: Range<usize>) -> Vec<f32> {
         let ic = self.ic;
         match self.base {
-            Base::Linear => p[q.w.clone()][rows.start * ic..rows.end * ic].to_vec(),
+            Base::Linear => p[q.w.start + rows.start * ic..q.w.start + rows.end * ic].to_vec(),
             Base::Frozen(f) => f.rows(q.col0 + rows.start..q.col0 + rows.end),
             Base::Conv1d => {
                 let (w, oc) = (&p[q.w.clone()], q.oc);
@@ -237,7 +242,7 @@ impl Projection<'_> {
         for q in self.parts {
             let (Some(_), Some(lr)) = (s.dora(q.idx), s.adapter(q.idx)) else { continue };
             let ad = dora::Adapted {
-                shape: [q.oc, self.ic],
+                shape: [q.lora_oc, self.ic],
                 r: s.r,
                 a: &p[lr.a.clone()],
                 b: &p[lr.b.clone()],
@@ -297,11 +302,11 @@ impl Projection<'_> {
                 let cols = Cols { buf: &mut *y, col0: q.col0, rs };
                 self.lora_forward(s, q, p, (cols, x), (&mut kept[q.idx], &mut *work.xa, &mut *work.xd), None)?;
                 let Some(m) = s.dora(q.idx) else { continue };
-                let zb = &mut *work.z;
+                let (zb, w) = (&mut *work.z, q.lora_oc);
                 for i in 0..n {
-                    zb[i * q.oc..(i + 1) * q.oc].copy_from_slice(&y[i * rs + q.col0..i * rs + q.col0 + q.oc]);
+                    zb[i * w..(i + 1) * w].copy_from_slice(&y[i * rs + q.col0..i * rs + q.col0 + w]);
                 }
-                kept[dz_at + q.idx].keep_prefix(zb, n * q.oc, s.prec);
+                kept[dz_at + q.idx].keep_prefix(zb, n * w, s.prec);
                 dora::scale_columns(y, (q.col0, rs), n, &p[m], &norms[s.norm_range(q.idx)]);
             }
             if let Some(b) = self.bias_span() {

@@ -12,8 +12,9 @@
 //!
 //! Left out, each refused with a message: the 128k-context models' LongRoPE
 //! (`rope_scaling.type = "longrope"`), partial rotary embeddings
-//! (`partial_rotary_factor` < 1, Phi-4-mini), dropout, and LoRA (PEFT
-//! targets the fused modules, one adapter over q|k|v). GGUF is written as
+//! (`partial_rotary_factor` < 1, Phi-4-mini), dropout, and LoRA under
+//! tensor parallelism. LoRA adapts the fused modules whole, as PEFT does
+//! (`fused_modules`: one adapter over q|k|v, one over gate|up). GGUF is written as
 //! llama.cpp's `phi3` architecture (`attn_qkv`, `ffn_up` holding gate|up,
 //! `phi3.attention.sliding_window`); llama.cpp reads the window key but,
 //! at the time of writing, attends to every earlier key for `phi3` (its
@@ -81,6 +82,7 @@ impl Dialect for Phi3Dialect {
             bos_token_id: bos,
             eos_token_id: eos,
             sliding_window: Some(window),
+            fused_modules: true,
             // The remaining options (no biases, no RoPE scaling) as plain Llama's.
             ..LlamaConfig::preset("tiny")?
         };
@@ -109,7 +111,7 @@ impl Dialect for Phi3Dialect {
         }
         let sliding_window = read_window(v)?;
         let what = "Phi-3 config.json (read as the Llama block with fused weights and a sliding window)";
-        Ok(LlamaConfig { sliding_window, ..read_as_llama(v, "phi3", &OWN, what)? })
+        Ok(LlamaConfig { sliding_window, fused_modules: true, ..read_as_llama(v, "phi3", &OWN, what)? })
     }
 
     /// transformers' `Phi3Config` for `Phi3ForCausalLM`.

@@ -33,6 +33,7 @@ impl LlamaConfig {
                 sliding_window: None,
                 sliding_layers: None,
                 gemma: None,
+                fused_modules: false,
             },
             "smollm2-135m" => LlamaConfig {
                 vocab_size: 49152,
@@ -54,6 +55,7 @@ impl LlamaConfig {
                 sliding_window: None,
                 sliding_layers: None,
                 gemma: None,
+                fused_modules: false,
             },
             // Llama 2's shapes, for planning (`macrobatch plan`): too large
             // to train here, never allocated by a plan.
@@ -124,6 +126,7 @@ impl LlamaConfig {
             sliding_window: None,
             sliding_layers: None,
             gemma: None,
+            fused_modules: false,
         }
     }
 }

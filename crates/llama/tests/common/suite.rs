@@ -34,6 +34,7 @@ pub fn tiny_gqa() -> LlamaConfig {
         sliding_window: None,
         sliding_layers: None,
         gemma: None,
+        fused_modules: false,
     }
 }
 
