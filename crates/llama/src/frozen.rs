@@ -7,9 +7,10 @@
 
 use crate::config::LlamaConfig;
 use crate::error::LlamaError;
-use crate::layout::Proj;
+use crate::layout::{fused_weight, Fused, Proj};
 use nn::linear::{linear_backward_input, linear_forward, Cols, LinearShape, PackFormat, PackedMatrix, Weight};
 use nn::Strided;
+use std::ops::Range;
 
 /// The projection groups a layer multiplies with one GEMM each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -284,4 +285,24 @@ pub(crate) fn proj_of(name: &str) -> Option<(usize, Proj)> {
     let (layer, rest) = rest.split_once('.')?;
     let pr = Proj::ALL.into_iter().find(|p| rest.strip_suffix(".weight") == Some(p.path().as_str()))?;
     Some((layer.parse().ok()?, pr))
+}
+
+/// A stored weight's layer and its projections, each with its rows in it.
+pub(crate) type StoredProjs = (usize, Vec<(Proj, Range<usize>)>);
+
+/// The projections a stored weight `name` holds, each with its rows in it:
+/// a projection's own weight (`model.layers.3.self_attn.q_proj.weight`:
+/// all its rows) or a weight `fused` names (`…self_attn.qkv_proj.weight`:
+/// its parts' rows, stacked in order); `None` for any other tensor.
+pub(crate) fn stored_projs(name: &str, cfg: &LlamaConfig, fused: &[Fused]) -> Option<StoredProjs> {
+    if let Some((layer, f)) = fused_weight(name, fused) {
+        let mut at = 0;
+        let parts = f.parts.iter().map(|&p| {
+            at += p.shape(cfg)[0];
+            (p, at - p.shape(cfg)[0]..at)
+        });
+        return Some((layer, parts.collect()));
+    }
+    let (layer, pr) = proj_of(name)?;
+    Some((layer, vec![(pr, 0..pr.shape(cfg)[0])]))
 }

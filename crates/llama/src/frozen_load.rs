@@ -5,7 +5,8 @@
 use crate::config::LlamaConfig;
 use crate::dialect::Dialect;
 use crate::error::LlamaError;
-use crate::frozen::{pack, proj_of, FrozenBase, FrozenFormat};
+use crate::frozen::{pack, stored_projs, FrozenBase, FrozenFormat};
+use crate::layout::Proj;
 use gguf::llama::LlamaGguf;
 use nn::linear::{PackFormat, PackedMatrix};
 use std::path::Path;
@@ -40,29 +41,67 @@ fn is_gguf(source: &Path) -> bool {
 /// a Hugging Face folder), from its metadata alone, with the packed format
 /// that keeps it (`None`: none does, e.g. F32): what `train.frozen_dtype =
 /// "source"` keeps, what `"auto"` decides on, what a plan counts.
+/// A fused weight (Phi-3's `qkv_proj`) counts as each of its parts.
 pub fn source_formats(
-    dialect: &dyn Dialect,
+    (dialect, cfg): (&dyn Dialect, &LlamaConfig),
     source: &Path,
 ) -> Result<Vec<(String, String, Option<PackFormat>)>, LlamaError> {
-    if is_gguf(source) {
-        let file = open_gguf(dialect, source)?;
-        let mut out = Vec::new();
-        for (g, name) in file.tensor_names() {
-            if proj_of(&name).is_some() {
-                let t = file.raw_tensor(&g).map_err(|e| hf_read(source, e))?;
-                out.push((name, t.ty.name.to_string(), gguf_format(t.ty)));
+    let mut out = Vec::new();
+    let mut push = |name: &str, dtype: &str, fmt: Option<PackFormat>| {
+        if let Some((layer, parts)) = stored_projs(name, cfg, dialect.fused()) {
+            for (pr, _) in parts {
+                out.push((format!("model.layers.{layer}.{}.weight", pr.path()), dtype.to_string(), fmt));
             }
         }
-        return Ok(out);
-    }
-    let mut out = Vec::new();
-    for (name, dtype) in crate::hf::stored_dtypes(source)? {
-        if proj_of(&name).is_some() {
-            let fmt = safetensors_format(&dtype);
-            out.push((name, dtype, fmt));
+    };
+    if is_gguf(source) {
+        let file = open_gguf(dialect, source)?;
+        for (g, name) in file.tensor_names() {
+            if stored_projs(&name, cfg, dialect.fused()).is_some() {
+                let t = file.raw_tensor(&g).map_err(|e| hf_read(source, e))?;
+                push(&name, t.ty.name, gguf_format(t.ty));
+            }
+        }
+    } else {
+        for (name, dtype) in crate::hf::stored_dtypes(source)? {
+            push(&name, &dtype, safetensors_format(&dtype));
         }
     }
     Ok(out)
+}
+
+/// A tensor's f32 values, read when asked.
+type Values<'a> = &'a dyn Fn() -> Result<Vec<f32>, LlamaError>;
+
+/// The packed matrices of the projections `parts` (rows of a stored
+/// `[rows, cols]` weight `name`) as `fmt`: slices of its own bytes `kept`
+/// (whole rows) when they are `fmt`'s, else packed from its f32 `values`.
+fn pack_parts(
+    (name, rows, cols): (&str, usize, usize),
+    parts: Vec<(Proj, std::ops::Range<usize>)>,
+    fmt: PackFormat,
+    (kept, values): (Option<&[u8]>, Values<'_>),
+) -> Result<Vec<(Proj, PackedMatrix)>, LlamaError> {
+    if parts.last().map(|(_, r)| r.end) != Some(rows) {
+        let want: Vec<usize> = parts.iter().map(|(_, r)| r.len()).collect();
+        return Err(LlamaError::config(name, format!("has {rows} rows, its projections {want:?}")));
+    }
+    let raw = |bytes: Vec<u8>, rows| {
+        PackedMatrix::from_raw(rows, cols, fmt, bytes).map_err(|e| LlamaError::config(name, e.to_string()))
+    };
+    match kept {
+        Some(bytes) => {
+            let rb = bytes.len() / rows.max(1);
+            parts.into_iter().map(|(pr, r)| Ok((pr, raw(bytes[r.start * rb..r.end * rb].to_vec(), r.len())?))).collect()
+        }
+        None => {
+            let w = values()?;
+            parts
+                .into_iter()
+                .map(|(pr, r)| Ok((pr, pack(r.len(), cols, &w[r.start * cols..r.end * cols], fmt)?)))
+                .collect()
+        }
+    }
 }
 
 fn hf_read(source: &Path, e: impl std::fmt::Display) -> LlamaError {
@@ -108,7 +147,7 @@ pub fn load(
         let file = open_gguf(dialect, source)?;
         let mut others = Vec::new();
         for (g, name) in file.tensor_names() {
-            let Some((layer, pr)) = proj_of(&name) else {
+            let Some((layer, parts)) = stored_projs(&name, cfg, dialect.fused()) else {
                 others.push(g);
                 continue;
             };
@@ -116,20 +155,25 @@ pub fn load(
             let kept = gguf_format(raw.ty);
             let fmt = target(format, &name, raw.ty.name, kept)?;
             let [rows, cols] = raw.shape[..] else {
-                return Err(LlamaError::ShapeMismatch { name, got: raw.shape, expected: pr.shape(cfg).to_vec() });
+                let expected = parts.iter().map(|(pr, _)| pr.shape(cfg)).collect::<Vec<_>>().concat();
+                return Err(LlamaError::ShapeMismatch { name, got: raw.shape, expected });
             };
-            let m = if kept == Some(fmt) {
-                let m = PackedMatrix::from_raw(rows, cols, fmt, raw.bytes.to_vec()).map_err(|e| hf_read(source, e))?;
-                match &raw.row_order {
-                    Some(order) => m.permute_rows(order).map_err(|e| hf_read(source, e))?,
-                    None => m,
+            let values = || Ok(file.tensor(&g).map_err(|e| hf_read(source, e))?.2);
+            let packed = match (&raw.row_order, kept == Some(fmt)) {
+                // llama.cpp's Q/K row order, undone on whole rows (one projection's weight).
+                (Some(order), true) => {
+                    let m =
+                        PackedMatrix::from_raw(rows, cols, fmt, raw.bytes.to_vec()).map_err(|e| hf_read(source, e))?;
+                    let [(pr, _)] = &parts[..] else {
+                        return Err(hf_read(source, format!("`{name}`: permuted rows of a fused weight")));
+                    };
+                    vec![(*pr, m.permute_rows(order).map_err(|e| hf_read(source, e))?)]
                 }
-            } else {
-                let (_, _, w) = file.tensor(&g).map_err(|e| hf_read(source, e))?;
-                pack(rows, cols, &w, fmt)?
+                (_, true) => pack_parts((&name, rows, cols), parts, fmt, (Some(raw.bytes), &values))?,
+                (_, false) => pack_parts((&name, rows, cols), parts, fmt, (None, &values))?,
             };
             nn::io::release_pages(file.file().mapped(), raw.bytes);
-            mats.push((layer, pr, m));
+            mats.extend(packed.into_iter().map(|(pr, m)| (layer, pr, m)));
         }
         match rest {
             Some(layout) => Some(crate::hf::from_gguf_into((layout, dialect.fused()), cfg, &file, &others)?),
@@ -140,17 +184,15 @@ pub fn load(
         let layout = rest.unwrap_or_default();
         let rest = crate::hf::load_weights_into(source, cfg, layout, &mut |name, shape, view| {
             // Without `rest` every other tensor is taken, unread.
-            let Some((layer, pr)) = proj_of(name) else { return Ok(!wanted) };
+            let Some((layer, parts)) = stored_projs(name, cfg, dialect.fused()) else { return Ok(!wanted) };
             let stored = format!("{:?}", view.dtype());
             let kept = safetensors_format(&stored);
             let fmt = target(format, name, &stored, kept)?;
             let [rows, cols] = shape[..] else { return Ok(false) };
-            let m = if kept == Some(fmt) {
-                PackedMatrix::from_raw(rows, cols, fmt, view.data().to_vec()).map_err(|e| hf_read(source, e))?
-            } else {
-                pack(rows, cols, &crate::hf::decode_view(name, view)?, fmt)?
-            };
-            mats.push((layer, pr, m));
+            let values = || crate::hf::decode_view(name, view);
+            let bytes = (kept == Some(fmt)).then(|| view.data());
+            let packed = pack_parts((name, rows, cols), parts, fmt, (bytes, &values))?;
+            mats.extend(packed.into_iter().map(|(pr, m)| (layer, pr, m)));
             Ok(true)
         })?;
         wanted.then_some(rest)

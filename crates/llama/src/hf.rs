@@ -346,8 +346,12 @@ pub(crate) fn load_base_into_adapted(
     (packed, fused): (Option<&crate::FrozenBase>, &'static [Fused]),
 ) -> Result<Vec<f32>, LlamaError> {
     let mut verify = |name: &str, _: &[usize], view: &TensorView<'_>| {
-        let (Some(base), Some((layer, pr))) = (packed, crate::frozen::proj_of(name)) else { return Ok(false) };
-        let (ours, want) = (decode_view(name, view)?, base.dequantize(cfg, layer, pr));
+        let (Some(base), Some((layer, parts))) = (packed, crate::frozen::stored_projs(name, cfg, fused)) else {
+            return Ok(false);
+        };
+        // A fused weight is its parts' rows, stacked.
+        let want: Vec<f32> = parts.iter().flat_map(|&(pr, _)| base.dequantize(cfg, layer, pr)).collect();
+        let ours = decode_view(name, view)?;
         match ours.iter().zip(&want).position(|(a, b)| a.to_bits() != b.to_bits()) {
             None if ours.len() == want.len() => Ok(true),
             at => Err(LlamaError::config(
@@ -476,23 +480,28 @@ pub fn save_base_packed(
         heads.push((t.name.clone(), t.shape.clone()));
         sources.push(src);
     }
+    // Each written tensor: the plain layout's tensors it stacks (one, or a
+    // fused weight's parts, which follow each other in that layout).
+    let mut pieces: Vec<std::ops::Range<usize>> = (0..heads.len()).map(|i| i..i + 1).collect();
     if !fused.is_empty() {
-        // Fused weights are ranges of the parameters: a packed base has none.
-        let Some(whole) = sources.iter().map(|s| s.clone().ok()).collect::<Option<Vec<_>>>() else {
-            return Err(LlamaError::Unsupported {
-                what: "writing fused weights from a packed frozen base".into(),
-                hint: "save the model with train.frozen_dtype = \"f32\"".into(),
-            });
-        };
-        let tensors = heads.drain(..).zip(whole).map(|((n, s), r)| (n, s, r)).collect();
+        let tensors = heads.drain(..).zip(pieces).map(|((n, s), i)| (n, s, i)).collect();
         let stored = stored_as(tensors, fused)
             .map_err(|part| LlamaError::config(&part, "is not beside the rest of its fused weight in the layout"))?;
-        sources = stored.iter().map(|(_, _, r)| Ok(r.clone())).collect();
+        pieces = stored.iter().map(|(_, _, i)| i.clone()).collect();
         heads = stored.into_iter().map(|(n, s, _)| (n, s)).collect();
     }
-    let mut data = |i: usize| match &sources[i] {
+    let value = |src: &Result<std::ops::Range<usize>, (usize, crate::layout::Proj)>| match src {
         Ok(r) => std::borrow::Cow::Borrowed(&params[r.clone()]),
         Err((layer, pr)) => std::borrow::Cow::Owned(base.map_or(Vec::new(), |b| b.dequantize(cfg, *layer, *pr))),
+    };
+    let mut data = |i: usize| {
+        let srcs = &sources[pieces[i].clone()];
+        // Parts back to back in the parameters are one range of them.
+        let ranges: Option<Vec<_>> = srcs.iter().map(|s| s.clone().ok()).collect();
+        match ranges.filter(|r| r.windows(2).all(|w| w[0].end == w[1].start)) {
+            Some(r) if !r.is_empty() => std::borrow::Cow::Borrowed(&params[r[0].start..r[r.len() - 1].end]),
+            _ => std::borrow::Cow::Owned(srcs.iter().flat_map(|s| value(s).into_owned()).collect()),
+        }
     };
     nn::io::write_safetensors_with(&dir.join(WEIGHTS_FILE), &heads, &[], &mut data)?;
     let text = serde_json::to_string_pretty(config).map_err(|e| bad(dir, e.to_string()))?;

@@ -414,23 +414,10 @@ impl Family for LlamaFamily {
             FrozenDtype::Source => FrozenFormat::Source,
             FrozenDtype::Auto => FrozenFormat::Source,
         };
-        if let Some(f) = self.dialect.fused().first() {
-            // The packed base is one matrix per projection; splitting a
-            // fused tensor's rows into them is not written yet.
-            return match s.dtype {
-                FrozenDtype::Auto => Ok(None),
-                _ => Err(format!(
-                    "{key} on {}: its files store fused weights (`{}`), which the packed frozen base does not split yet; set train.frozen_dtype = \"f32\" (or \"auto\")",
-                    self.dialect.name(),
-                    f.module
-                )
-                .into()),
-            };
-        }
         // Without a source a named packed format is planned (its bytes
         // follow from the shape); building the model then asks for one.
         let stored = match &s.source {
-            Some(p) => frozen_load::source_formats(self.dialect, p).map_err(|e| format!("{}: {e}", p.display()))?,
+            Some(p) => frozen_load::source_formats((self.dialect, &self.cfg), p).map_err(|e| format!("{}: {e}", p.display()))?,
             None if matches!(format, FrozenFormat::Pack(_)) => Vec::new(),
             None if by_name => {
                 return Err(format!(
@@ -475,8 +462,8 @@ impl Family for LlamaFamily {
         if self.lora.is_some() || self.packed.is_some() || self.tp.is_split() || !self.dialect.fused().is_empty() {
             return Ok(None);
         }
-        let stored =
-            frozen_load::source_formats(self.dialect, source).map_err(|e| format!("{}: {e}", source.display()))?;
+        let stored = frozen_load::source_formats((self.dialect, &self.cfg), source)
+            .map_err(|e| format!("{}: {e}", source.display()))?;
         if stored.is_empty() || stored.iter().any(|(_, _, f)| f.is_none()) {
             return Ok(None);
         }

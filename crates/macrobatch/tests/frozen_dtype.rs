@@ -296,3 +296,39 @@ fn a_packed_runs_folder_evaluates_on_its_packed_base() {
     assert!(stderr(&o).contains("is gone"), "{}", stderr(&o));
     let _ = std::fs::remove_dir_all(&original);
 }
+
+/// Phi-3's files store q|k|v and gate|up fused: a bf16 QLoRA run from a
+/// `Phi3ForCausalLM` folder (its projections bf16 values already, so
+/// packing rounds nothing) trains exactly as the f32 run, saves its run
+/// folder with the fused weights written back from the packed base, and
+/// resumes from it bit for bit (the folder's fused weights checked against
+/// the base packed again).
+#[test]
+fn a_phi3_base_packs_from_its_fused_weights() {
+    use family::Family;
+    use llama::Dialect;
+    let cfg = phi3::PHI3.preset("tiny").unwrap();
+    let model = Llama::new(cfg.clone()).unwrap();
+    let mut params = model.init_params(21);
+    for layer in 0..cfg.n_layer {
+        for pr in Proj::ALL {
+            let r = model.layer_params(layer).w(pr);
+            params[r].iter_mut().for_each(|x| *x = f32::from_bits(x.to_bits() & 0xffff_0000));
+        }
+    }
+    let src = tmp("frozen-phi3-src");
+    let fam = llama::LlamaFamily::new(&phi3::PHI3, cfg, None).unwrap();
+    fam.save_hf(&src, model.layout(), &params).unwrap();
+    let sets = ["model.family=phi3", "lora.target_modules=[\"all-linear\"]", "train.checkpoint_every=2"];
+    let with = |dtype: &'static str| [&sets[..], &[dtype]].concat();
+    let bf16 = with("train.frozen_dtype=\"bf16\"");
+    let f32_run = lora_ok(&tmp("frozen-phi3-f32"), &src, &with("train.frozen_dtype=\"f32\""));
+    let packed = lora_ok(&tmp("frozen-phi3-bf16"), &src, &bf16);
+    assert_eq!(bits(&packed), bits(&f32_run), "bf16-valued projections pack exactly");
+    let out = tmp("frozen-phi3-stopped");
+    let o = lora_run(&out, &src, &bf16, &["--stop-after", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = resume_ok(&out, &[]);
+    assert!(!err.contains("error"), "{err}");
+    assert_eq!(bits(&losses(&out)), bits(&packed), "resumed vs straight");
+}
