@@ -816,7 +816,7 @@ impl Config {
             return Err(invalid(
                 "train.frozen_dtype",
                 t.frozen_dtype.name(),
-                "packs the frozen base projections of a LoRA run of the Llama family (llama, qwen2, qwen3, mistral), and there is no [lora] section: nothing is frozen; add [lora] or set train.frozen_dtype = \"auto\"",
+                "packs the frozen base projections of a LoRA run of the Llama block's families (llama, qwen2, qwen3, mistral, phi3, gemma2), and there is no [lora] section: nothing is frozen; add [lora] or set train.frozen_dtype = \"auto\"",
             ));
         }
         for (key, n) in [

@@ -502,7 +502,7 @@ pub trait Family: Send + Sync {
             return Ok(None);
         }
         Err(format!(
-            "train.frozen_dtype = \"{}\" packs the frozen projections of a LoRA base of the Llama family (llama, qwen2, qwen3, mistral); the {} family keeps every tensor in f32: set train.frozen_dtype = \"auto\"",
+            "train.frozen_dtype = \"{}\" packs the frozen projections of a LoRA base of the Llama block's families (llama, qwen2, qwen3, mistral, phi3, gemma2); the {} family keeps every tensor in f32: set train.frozen_dtype = \"auto\"",
             s.dtype.name(),
             self.name()
         )

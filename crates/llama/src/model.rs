@@ -113,14 +113,17 @@ impl Llama {
         if !tp.is_split() {
             return Self::build(whole, lora, precision);
         }
-        if lora.is_some() && whole.fused_modules {
-            return Err(LlamaError::lora(
-                "target_modules",
-                format!(
-                    "on fused modules (qkv_proj, gate_up_proj: one adapter over q|k|v, whose rows the ranks cut by heads) is not supported with tensor parallelism ({} ranks); set dist.tensor_parallel = 1",
-                    tp.size
-                ),
-            ));
+        if let Some(l) = lora.as_ref().filter(|_| whole.fused_modules) {
+            let targets = crate::layout::targets(l, true)?;
+            if targets[Proj::Q as usize] || targets[Proj::Gate as usize] {
+                return Err(LlamaError::lora(
+                    "target_modules",
+                    format!(
+                        "on fused modules (qkv_proj, gate_up_proj: one adapter over q|k|v, whose rows the ranks cut by heads) is not supported with tensor parallelism ({} ranks); target o_proj and down_proj only, or set dist.tensor_parallel = 1",
+                        tp.size
+                    ),
+                ));
+            }
         }
         // A row-parallel projection's row norms span the ranks.
         if let Some(l) = lora.as_ref().filter(|l| l.use_dora) {

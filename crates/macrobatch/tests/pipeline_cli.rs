@@ -70,7 +70,8 @@ fn two_stages_by_two_data_ranks_equal_two_data_ranks_under_both_schedules() {
         }
         let mem: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(out.join("memory.json")).unwrap()).unwrap();
-        let stages: Vec<u64> = mem["ranks"].as_array().unwrap().iter().map(|r| r["pipeline_stage"].as_u64().unwrap()).collect();
+        let stages: Vec<u64> =
+            mem["ranks"].as_array().unwrap().iter().map(|r| r["pipeline_stage"].as_u64().unwrap()).collect();
         assert_eq!(stages, [0, 0, 1, 1], "rank = stage · D + data: {mem}");
         let _ = std::fs::remove_dir_all(&out);
     }

@@ -61,7 +61,7 @@ fn phi3_with_dora_on_the_fused_modules_passes_the_conformance_checks_but_finite_
 /// The adapters have PEFT's names and shapes for Phi-3 (one `lora_A`
 /// `[r, C]` and `lora_B` `[q + 2·kv, r]` on `qkv_proj`, `[2F, r]` on
 /// `gate_up_proj`); Llama's per-projection names are refused (Phi-3 has
-/// no `q_proj` module), as is tensor parallelism.
+/// no `q_proj` module), as is tensor parallelism over a fused module.
 #[test]
 fn adapters_sit_on_the_fused_modules_with_peft_names() {
     let cfg = cfg();
@@ -79,9 +79,12 @@ fn adapters_sit_on_the_fused_modules_with_peft_names() {
     let e = e.err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("q_proj") && e.contains("qkv_proj"), "{e}");
     let tp = engine::TpRank { rank: 0, size: 2 };
-    let lora = Some(LoraConfig::new(2, 4.0, &["o_proj"]));
-    let e = Llama::tensor_parallel(cfg, lora, engine::Precision::F32, tp).err().map(|e| e.to_string());
+    let lora = Some(LoraConfig::new(2, 4.0, &["qkv_proj"]));
+    let e = Llama::tensor_parallel(cfg.clone(), lora, engine::Precision::F32, tp).err().map(|e| e.to_string());
     assert!(e.as_deref().is_some_and(|e| e.contains("fused") && e.contains("tensor_parallel = 1")), "{e:?}");
+    // o_proj and down_proj are plain modules: they split as the Llama block's.
+    let plain = Some(LoraConfig::new(2, 4.0, &["o_proj", "down_proj"]));
+    assert!(Llama::tensor_parallel(cfg, plain, engine::Precision::F32, tp).is_ok());
 }
 
 /// Adapted logits equal the merged model's (`llama::lora::merge`: one

@@ -12,7 +12,7 @@ mod common;
 
 use common::pipeline::{matrix, tensor_matrix};
 use common::suite::tiny_gqa;
-use llama::{Dialect, LlamaConfig};
+use llama::{Dialect, LlamaConfig, LoraConfig};
 
 /// As Mistral's `tests/pipeline.rs` derives them (the same block, window
 /// and AdamW steps): losses within 1e-5 relative, parameters after three
@@ -32,6 +32,7 @@ fn shape() -> LlamaConfig {
         sliding_window: Some(3),
         rms_norm_eps: tiny.rms_norm_eps,
         rope_theta: tiny.rope_theta,
+        fused_modules: tiny.fused_modules,
         ..base
     }
 }
@@ -44,5 +45,15 @@ fn phi3_pipeline_is_bit_identical_to_uncut() {
 #[test]
 fn phi3_split_over_tensor_ranks_matches_uncut() {
     let worst = tensor_matrix(shape(), None, &[2, 4], F32, engine::conformance::pipeline::FIRST_STEP_16BIT);
+    println!("largest relative loss difference vs uncut: {worst:e}");
+}
+
+/// LoRA on o_proj and down_proj (plain modules in Phi-3 too) splits over
+/// T = 2 as the Llama block's does (the fused qkv_proj and gate_up_proj
+/// are refused under tensor parallelism: conformance.rs).
+#[test]
+fn phi3_lora_on_its_plain_modules_splits_over_tensor_ranks() {
+    let lora = LoraConfig::new(2, 4.0, &["o_proj", "down_proj"]);
+    let worst = tensor_matrix(shape(), Some(lora), &[2], F32, engine::conformance::pipeline::FIRST_STEP_16BIT);
     println!("largest relative loss difference vs uncut: {worst:e}");
 }
