@@ -154,7 +154,7 @@ fn every_refusal_names_the_key_and_the_fix() {
         .output()
         .unwrap();
     let e = stderr(&o);
-    assert!(!o.status.success() && e.contains("train.frozen_dtype") && e.contains("Llama family"), "{e}");
+    assert!(!o.status.success() && e.contains("train.frozen_dtype") && e.contains("Llama block's families"), "{e}");
 }
 
 /// `plan --json` of LLaMA-1 65B with an NF4 base + LoRA on one device.
