@@ -44,11 +44,6 @@ pub trait Dialect: Sync + std::fmt::Debug {
     fn gguf_arch(&self) -> Option<crate::export::GgufArch> {
         None
     }
-    /// The weights this family's files store fused (Phi-3's q|k|v and
-    /// gate|up); none by default.
-    fn fused(&self) -> &'static [crate::layout::Fused] {
-        &[]
-    }
 }
 
 /// How a dialect names itself: [`Dialect::names`].

@@ -18,7 +18,7 @@ use gguf::Value;
 /// How a family on the Llama block is written as GGUF: llama.cpp's
 /// architecture name, whether its converter permutes the rows of Q and K,
 /// and whether it reads a sliding window. The weights written fused are
-/// the ones the family's files fuse ([`crate::Dialect::fused`]).
+/// the ones the family's files fuse ([`crate::LlamaConfig::fused_weights`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GgufArch {
     /// `general.architecture` (`llama`, `qwen2`, `qwen3`, `phi3`).

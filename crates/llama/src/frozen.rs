@@ -7,7 +7,7 @@
 
 use crate::config::LlamaConfig;
 use crate::error::LlamaError;
-use crate::layout::{fused_weight, Fused, Proj};
+use crate::layout::{fused_weight, Proj};
 use nn::linear::{linear_backward_input, linear_forward, Cols, LinearShape, PackFormat, PackedMatrix, Weight};
 use nn::Strided;
 use std::ops::Range;
@@ -292,10 +292,10 @@ pub(crate) type StoredProjs = (usize, Vec<(Proj, Range<usize>)>);
 
 /// The projections a stored weight `name` holds, each with its rows in it:
 /// a projection's own weight (`model.layers.3.self_attn.q_proj.weight`:
-/// all its rows) or a weight `fused` names (`…self_attn.qkv_proj.weight`:
+/// all its rows) or one `cfg` stores fused (`…self_attn.qkv_proj.weight`:
 /// its parts' rows, stacked in order); `None` for any other tensor.
-pub(crate) fn stored_projs(name: &str, cfg: &LlamaConfig, fused: &[Fused]) -> Option<StoredProjs> {
-    if let Some((layer, f)) = fused_weight(name, fused) {
+pub(crate) fn stored_projs(name: &str, cfg: &LlamaConfig) -> Option<StoredProjs> {
+    if let Some((layer, f)) = fused_weight(name, cfg.fused_weights()) {
         let mut at = 0;
         let parts = f.parts.iter().map(|&p| {
             at += p.shape(cfg)[0];

@@ -48,7 +48,7 @@ pub fn source_formats(
 ) -> Result<Vec<(String, String, Option<PackFormat>)>, LlamaError> {
     let mut out = Vec::new();
     let mut push = |name: &str, dtype: &str, fmt: Option<PackFormat>| {
-        if let Some((layer, parts)) = stored_projs(name, cfg, dialect.fused()) {
+        if let Some((layer, parts)) = stored_projs(name, cfg) {
             for (pr, _) in parts {
                 out.push((format!("model.layers.{layer}.{}.weight", pr.path()), dtype.to_string(), fmt));
             }
@@ -57,7 +57,7 @@ pub fn source_formats(
     if is_gguf(source) {
         let file = open_gguf(dialect, source)?;
         for (g, name) in file.tensor_names() {
-            if stored_projs(&name, cfg, dialect.fused()).is_some() {
+            if stored_projs(&name, cfg).is_some() {
                 let t = file.raw_tensor(&g).map_err(|e| hf_read(source, e))?;
                 push(&name, t.ty.name, gguf_format(t.ty));
             }
@@ -147,7 +147,7 @@ pub fn load(
         let file = open_gguf(dialect, source)?;
         let mut others = Vec::new();
         for (g, name) in file.tensor_names() {
-            let Some((layer, parts)) = stored_projs(&name, cfg, dialect.fused()) else {
+            let Some((layer, parts)) = stored_projs(&name, cfg) else {
                 others.push(g);
                 continue;
             };
@@ -176,7 +176,7 @@ pub fn load(
             mats.extend(packed.into_iter().map(|(pr, m)| (layer, pr, m)));
         }
         match rest {
-            Some(layout) => Some(crate::hf::from_gguf_into((layout, dialect.fused()), cfg, &file, &others)?),
+            Some(layout) => Some(crate::hf::from_gguf_into((layout, cfg.fused_weights()), cfg, &file, &others)?),
             None => None,
         }
     } else {
@@ -184,7 +184,7 @@ pub fn load(
         let layout = rest.unwrap_or_default();
         let rest = crate::hf::load_weights_into(source, cfg, layout, &mut |name, shape, view| {
             // Without `rest` every other tensor is taken, unread.
-            let Some((layer, parts)) = stored_projs(name, cfg, dialect.fused()) else { return Ok(!wanted) };
+            let Some((layer, parts)) = stored_projs(name, cfg) else { return Ok(!wanted) };
             let stored = format!("{:?}", view.dtype());
             let kept = safetensors_format(&stored);
             let fmt = target(format, name, &stored, kept)?;

@@ -337,16 +337,16 @@ pub fn load_weights_stored_as(dir: &Path, cfg: &LlamaConfig, fused: &'static [Fu
 /// With `packed` (the run's frozen base, packed, which `layout` leaves
 /// out) each projection in the folder is checked against it, bit for bit,
 /// and not placed: the folder's f32 base is what the packed one
-/// dequantises to, unless the base file changed after the run. `fused`:
-/// the weights the folder stores fused (Phi-3's).
+/// dequantises to, unless the base file changed after the run. Weights
+/// the shape stores fused (Phi-3's) are read as such.
 pub(crate) fn load_base_into_adapted(
     dir: &Path,
     cfg: &LlamaConfig,
     layout: ParamLayout,
-    (packed, fused): (Option<&crate::FrozenBase>, &'static [Fused]),
+    packed: Option<&crate::FrozenBase>,
 ) -> Result<Vec<f32>, LlamaError> {
     let mut verify = |name: &str, _: &[usize], view: &TensorView<'_>| {
-        let (Some(base), Some((layer, parts))) = (packed, crate::frozen::stored_projs(name, cfg, fused)) else {
+        let (Some(base), Some((layer, parts))) = (packed, crate::frozen::stored_projs(name, cfg)) else {
             return Ok(false);
         };
         // A fused weight is its parts' rows, stacked.
@@ -363,7 +363,7 @@ pub(crate) fn load_base_into_adapted(
             )),
         }
     };
-    load_weights_with(dir, cfg, layout, &mut verify, (nn::lora::is_adapter, fused))
+    load_weights_with(dir, cfg, layout, &mut verify, (nn::lora::is_adapter, cfg.fused_weights()))
 }
 
 /// Offered each stored tensor `(name, shape, view)` before it is placed;

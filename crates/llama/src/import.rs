@@ -72,13 +72,14 @@ pub fn open(dialect: &dyn Dialect, file: GgufFile) -> Result<(LlamaConfig, Llama
     // Through the family's own reader: its checks, its defaults.
     let cfg = dialect.parse_hf_json(&dialect.hf_json(&cfg)).map_err(|e| in_file(e.to_string()))?;
     let layout = Llama::new(cfg.clone())?.layout().clone();
-    let names = tensor_names((arch, dialect.fused()), &cfg, &layout)?.into_iter().map(|(_, t)| t).collect();
+    let names = tensor_names((arch, cfg.fused_weights()), &cfg, &layout)?.into_iter().map(|(_, t)| t).collect();
     Ok((cfg, model.with_names(names).map_err(gguf_err)?))
 }
 
 /// How far a file's `rope_freqs` may sit from the divisors a scaling gives
 /// and still be that scaling (relative): llama.cpp's converter computes each
-/// in f64 and stores it in f32 (within 6e-8), ours divides two f32
+/// from torch's f32 frequencies and stores it in f32 (the test below
+/// computes it both in f32 and in f64), ours divides two f32
 /// frequencies (within 1e-6 of transformers', `export`'s test). A pair on
 /// the wrong side of a band edge moves by ×2.4 or more.
 const FREQS_REL: f64 = 4e-6;

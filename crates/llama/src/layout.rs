@@ -58,30 +58,26 @@ impl Proj {
     /// `fused` modules (Phi-3's) the group it heads — q|k|v at Q, gate|up
     /// at Gate — and none at the group's other members.
     pub fn adapted(self, fused: bool) -> &'static [Proj] {
-        match (self, fused) {
-            (Proj::Q, true) => &[Proj::Q, Proj::K, Proj::V],
-            (Proj::Gate, true) => &[Proj::Gate, Proj::Up],
-            (Proj::K | Proj::V | Proj::Up, true) => &[],
-            (Proj::Q, false) => &[Proj::Q],
-            (Proj::K, false) => &[Proj::K],
-            (Proj::V, false) => &[Proj::V],
-            (Proj::Gate, false) => &[Proj::Gate],
-            (Proj::Up, false) => &[Proj::Up],
-            (Proj::O, _) => &[Proj::O],
-            (Proj::Down, _) => &[Proj::Down],
+        let i = self as usize;
+        match self.fused_in(fused) {
+            Some(f) if f.parts[0] == self => f.parts,
+            Some(_) => &[],
+            None => &Proj::ALL[i..i + 1],
         }
+    }
+
+    /// The fused module (of [`QKV_AND_GATE_UP`]) `self` is part of, with
+    /// `fused` modules.
+    fn fused_in(self, fused: bool) -> Option<&'static Fused> {
+        const GROUPS: &[Fused] = &QKV_AND_GATE_UP;
+        GROUPS.iter().find(|f| fused && f.parts.contains(&self))
     }
 
     /// `[Σ out, in]` of what an adapter at `self` spans ([`Proj::adapted`]),
     /// and its module's path (`self_attn.qkv_proj` for a fused q|k|v).
     pub fn adapter_shape(self, cfg: &LlamaConfig) -> ([usize; 2], String) {
-        let parts = self.adapted(cfg.fused_modules);
-        let out = parts.iter().map(|p| p.shape(cfg)[0]).sum();
-        let path = match parts {
-            [_, _, _] => "self_attn.qkv_proj".to_string(),
-            [_, _] => "mlp.gate_up_proj".to_string(),
-            _ => self.path(),
-        };
+        let out = self.adapted(cfg.fused_modules).iter().map(|p| p.shape(cfg)[0]).sum();
+        let path = self.fused_in(cfg.fused_modules).map_or_else(|| self.path(), |f| f.module.to_string());
         ([out, self.shape(cfg)[1]], path)
     }
 
@@ -113,6 +109,19 @@ pub const QKV_AND_GATE_UP: [Fused; 2] = [
     Fused { module: "self_attn.qkv_proj", gguf: "attn_qkv", parts: &[Proj::Q, Proj::K, Proj::V] },
     Fused { module: "mlp.gate_up_proj", gguf: "ffn_up", parts: &[Proj::Gate, Proj::Up] },
 ];
+
+impl LlamaConfig {
+    /// The weights this shape's files store fused: [`QKV_AND_GATE_UP`]
+    /// with `fused_modules` (Phi-3), none otherwise.
+    pub fn fused_weights(&self) -> &'static [Fused] {
+        const GROUPS: &[Fused] = &QKV_AND_GATE_UP;
+        if self.fused_modules {
+            GROUPS
+        } else {
+            &[]
+        }
+    }
+}
 
 /// A tensor as a file stores it: name, row-major shape, its range of the parameters.
 pub type StoredTensor = (String, Vec<usize>, Range<usize>);

@@ -93,7 +93,7 @@ impl Registration for Registered {
         let (cfg, file) = import::open(self.0, file)?;
         let names: Vec<String> = file.tensor_names().into_iter().map(|(g, _)| g).collect();
         let layout = Llama::new(cfg.clone())?.layout().clone();
-        let params = hf::from_gguf_into((layout, self.0.fused()), &cfg, &file, &names)?;
+        let params = hf::from_gguf_into((layout, cfg.fused_weights()), &cfg, &file, &names)?;
         Ok((Arc::new(LlamaFamily::new(self.0, cfg, None)?), params))
     }
 }
@@ -339,7 +339,7 @@ impl Family for LlamaFamily {
             return Err(format!("{} parameters to save, the model has {}", params.len(), layout.n_params()).into());
         }
         let base = self.packed.as_ref().map(|p| p.get(&self.cfg, false)).transpose()?.map(|(b, _)| b);
-        let how = (base.as_deref(), self.dialect.fused());
+        let how = (base.as_deref(), self.cfg.fused_weights());
         hf::save_base_packed(dir, &self.model, params, how, &self.dialect.hf_json(&self.cfg))?;
         if self.lora.is_some() {
             lora::save_adapter(dir, &self.model, params, None)?;
@@ -373,15 +373,14 @@ impl Family for LlamaFamily {
     fn load_weights(&self, dir: &Path, layout: &ParamLayout) -> Result<Vec<f32>> {
         self.whole("loading weights")?;
         if self.lora.is_none() {
-            return Ok(hf::load_weights_stored_as(dir, &self.cfg, self.dialect.fused())?);
+            return Ok(hf::load_weights_stored_as(dir, &self.cfg, self.cfg.fused_weights())?);
         }
         // The base goes straight into the adapted layout (with a packed
         // base, the folder's projections are checked against it instead);
         // adapters start as initialised (B = 0: the base's function), then
         // take the folder's trained ones when it has them.
         let base = self.packed.as_ref().map(|p| p.get(&self.cfg, false)).transpose()?.map(|(b, _)| b);
-        let how = (base.as_deref(), self.dialect.fused());
-        let mut params = hf::load_base_into_adapted(dir, &self.cfg, self.model.layout().clone(), how)?;
+        let mut params = hf::load_base_into_adapted(dir, &self.cfg, self.model.layout().clone(), base.as_deref())?;
         lora::init_in_place(&self.model, &mut params, 0, base.as_deref())?;
         if dir.join(lora::ADAPTER_CONFIG_FILE).exists() {
             lora::load_adapter(dir)?.apply(&self.model, &mut params)?;
@@ -459,7 +458,7 @@ impl Family for LlamaFamily {
         // A LoRA shape, an already packed one and a tensor-parallel rank's
         // are training's; generation and evaluation load whole models.
         // Packing reads projections by their own names: fused files load whole.
-        if self.lora.is_some() || self.packed.is_some() || self.tp.is_split() || !self.dialect.fused().is_empty() {
+        if self.lora.is_some() || self.packed.is_some() || self.tp.is_split() || self.cfg.fused_modules {
             return Ok(None);
         }
         let stored = frozen_load::source_formats((self.dialect, &self.cfg), source)
@@ -503,7 +502,7 @@ impl Family for LlamaFamily {
             )
             .into());
         }
-        Ok(crate::export::gguf_model((arch, self.dialect.fused()), self.dialect.name(), &self.cfg, layout, params)?)
+        Ok(crate::export::gguf_model((arch, self.cfg.fused_weights()), self.dialect.name(), &self.cfg, layout, params)?)
     }
 
     fn pin_shape(&self, m: &mut ModelConfig) {

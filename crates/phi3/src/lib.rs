@@ -5,9 +5,10 @@
 //! up as one `mlp.gate_up_proj` (gate first: transformers' `chunk(2)`).
 //! The layout keeps q|k|v and gate|up back to back already, so a fused
 //! tensor is one range of the parameters ([`llama::layout::Fused`]): this
-//! crate declares the block's options, the presets, the `config.json`
-//! dialect (`model_type: "phi3"`, `Phi3ForCausalLM`) and the fused names,
-//! and registers as [`FAMILY`]. The model, its files and the kernels are
+//! crate declares the block's options (`fused_modules`: the files' fused
+//! names, [`llama::LlamaConfig::fused_weights`]), the presets and the
+//! `config.json` dialect (`model_type: "phi3"`, `Phi3ForCausalLM`), and
+//! registers as [`FAMILY`]. The model, its files and the kernels are
 //! the `llama` crate's and `nn`'s.
 //!
 //! Left out, each refused with a message: the 128k-context models' LongRoPE
@@ -23,7 +24,6 @@
 use family::Result;
 use llama::dialect::{object, read_as_llama, read_window, written_as};
 use llama::export::GgufArch;
-use llama::layout::{Fused, QKV_AND_GATE_UP};
 use llama::{Dialect, LlamaConfig, Names, Registered};
 use serde_json::Value;
 
@@ -134,10 +134,6 @@ impl Dialect for Phi3Dialect {
         // llama.cpp's converter writes Phi-3's rows as they are (its RoPE
         // for phi3 rotates halves, as Hugging Face's does), fused.
         Some(GgufArch { name: "phi3", permute_qk: false, sliding_window: true })
-    }
-
-    fn fused(&self) -> &'static [Fused] {
-        &QKV_AND_GATE_UP
     }
 }
 

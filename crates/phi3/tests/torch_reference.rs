@@ -19,7 +19,7 @@ fn phi3_sliding_window_matches_transformers() {
     let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
     let cfg = phi3::PHI3.parse_hf_json(&serde_json::from_str(&text).unwrap()).unwrap();
     assert_eq!(cfg.sliding_window, Some(5), "{cfg:?}");
-    let params = hf::load_weights_stored_as(&dir, &cfg, phi3::PHI3.fused()).unwrap();
+    let params = hf::load_weights_stored_as(&dir, &cfg, cfg.fused_weights()).unwrap();
     compare("phi3", &mut Llama::new(cfg).unwrap(), &params);
 }
 
@@ -32,7 +32,7 @@ fn files_hold_the_fused_weights_both_ways() {
     // Read as Llama's separate projections, the file's fused tensors are unknown.
     let e = hf::load_weights(&dir, &cfg).err().map(|e| format!("{e:?}")).unwrap_or_default();
     assert!(e.contains("qkv_proj") || e.contains("gate_up_proj"), "{e}");
-    let params = hf::load_weights_stored_as(&dir, &cfg, phi3::PHI3.fused()).unwrap();
+    let params = hf::load_weights_stored_as(&dir, &cfg, cfg.fused_weights()).unwrap();
     // Written by the family and read back: fused names only, the same bits.
     let f = phi3::FAMILY.for_hf_dir(&dir, &json).unwrap();
     let layout = f.build(Build::default()).unwrap().layout().clone();
