@@ -1,4 +1,8 @@
-//! bf16-operand GEMM with f32 accumulation on AVX512-BF16 (`vdpbf16ps`).
+//! bf16-operand GEMM with f32 accumulation on AVX512-BF16 (`vdpbf16ps`),
+//! and on AMX tiles (`tdpbf16ps`, [`amx`]) where the CPU has them.
+//!
+//! Below, "the kernel" is the `vdpbf16ps` one; the AMX kernel shares its
+//! packing of `B`, its tasks and its write-back rule (see [`amx`]).
 //!
 //! `dst (+)= alpha · bf16(lhs) · bf16(rhs)`, where `bf16(x)` rounds an f32 to
 //! bf16 to nearest even (`vcvtne2ps2bf16`, NaN stays NaN) while packing.
@@ -56,6 +60,8 @@
 //! zero-padded panels and write back through masked stores, so nothing of
 //! `dst` outside the `m × n` block is read or written.
 
+#[cfg(target_arch = "x86_64")]
+pub mod amx;
 pub mod portable;
 
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -63,13 +69,15 @@ use std::sync::atomic::{AtomicU8, Ordering};
 /// Which arithmetic a GEMM with bf16 operands runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kernel {
+    /// `tdpbf16ps` on AMX tiles ([`amx`]).
+    Amx,
     /// `vdpbf16ps` (AVX512-BF16).
     Hardware,
     /// [`portable`]: the same bits with f32 FMAs, on any CPU.
     Portable,
 }
 
-/// 0: not decided yet; 1: f32 operands; 2: hardware; 3: portable.
+/// 0: not decided yet; 1: f32 operands; 2: hardware; 3: portable; 4: AMX.
 static MODE: AtomicU8 = AtomicU8::new(0);
 
 fn code(k: Option<Kernel>) -> u8 {
@@ -77,6 +85,7 @@ fn code(k: Option<Kernel>) -> u8 {
         None => 1,
         Some(Kernel::Hardware) => 2,
         Some(Kernel::Portable) => 3,
+        Some(Kernel::Amx) => 4,
     }
 }
 
@@ -88,9 +97,14 @@ fn code(k: Option<Kernel>) -> u8 {
 ///   it, the same bits more slowly).
 /// * `MACROBATCH_BF16=off` (or `MACROBATCH_NO_BF16=1`): f32 operands, to
 ///   measure the f32 fallback.
-/// * otherwise: the AVX512-BF16 kernel where the CPU has it (and AVX-512F/BW),
-///   else f32 operands (faster there than the portable kernel; bf16 then
-///   only halves the stored activations).
+/// * `MACROBATCH_BF16=avx512`: the AVX512-BF16 kernel even where the CPU
+///   has AMX (to compare them).
+/// * otherwise: the AMX kernel where the CPU (and the operating system)
+///   has AMX, else the AVX512-BF16 kernel where the CPU has it (and
+///   AVX-512F/BW), else f32 operands (faster there than the portable
+///   kernel; bf16 then only halves the stored activations). The choice is
+///   per process, never per shape, so that a row's bits do not depend on
+///   its batch's size.
 pub fn kernel() -> Option<Kernel> {
     let m = match MODE.load(Ordering::Relaxed) {
         0 => {
@@ -106,6 +120,7 @@ pub fn kernel() -> Option<Kernel> {
     match m {
         2 => Some(Kernel::Hardware),
         3 => Some(Kernel::Portable),
+        4 => Some(Kernel::Amx),
         _ => None,
     }
 }
@@ -117,6 +132,8 @@ enum Choice {
     Auto,
     /// `portable`.
     Portable,
+    /// `avx512`: `vdpbf16ps` even where there is AMX.
+    Avx512,
     /// `off`, or `MACROBATCH_NO_BF16=1`: f32 operands.
     Off,
 }
@@ -130,8 +147,11 @@ fn env_choice() -> Result<Choice, String> {
     match v.as_str() {
         "" | "auto" => Ok(Choice::Auto),
         "portable" => Ok(Choice::Portable),
+        "avx512" => Ok(Choice::Avx512),
         "off" => Ok(Choice::Off),
-        _ => Err(format!("MACROBATCH_BF16={v} is not a bf16 kernel choice; set it to portable|off|auto (or unset it)")),
+        _ => Err(format!(
+            "MACROBATCH_BF16={v} is not a bf16 kernel choice; set it to portable|avx512|off|auto (or unset it)"
+        )),
     }
 }
 
@@ -150,6 +170,8 @@ fn from_env() -> Option<Kernel> {
     match choice {
         Choice::Off => None,
         Choice::Portable => Some(Kernel::Portable),
+        Choice::Avx512 => detect().then_some(Kernel::Hardware),
+        Choice::Auto if amx_detect() => Some(Kernel::Amx),
         Choice::Auto => detect().then_some(Kernel::Hardware),
     }
 }
@@ -158,6 +180,7 @@ fn from_env() -> Option<Kernel> {
 /// a run's header.
 pub fn describe() -> &'static str {
     match kernel() {
+        Some(Kernel::Amx) => "bf16 GEMMs: AMX tiles (tdpbf16ps, f32 accumulation)",
         Some(Kernel::Hardware) => "bf16 GEMMs: AVX512-BF16 (vdpbf16ps, f32 accumulation)",
         Some(Kernel::Portable) => {
             "bf16 GEMMs: the portable kernel (MACROBATCH_BF16=portable): the instruction's bits with f32 FMAs, about 5× its time and 3× f32's"
@@ -169,10 +192,12 @@ pub fn describe() -> &'static str {
     }
 }
 
-/// Overrides [`kernel`] for the rest of the process (`Some(Hardware)` where
-/// the CPU lacks the instruction is taken as `None`). For tests and
-/// benchmarks: GEMMs already running keep their kernel.
+/// Overrides [`kernel`] for the rest of the process (`Some(Amx)` where the
+/// CPU lacks AMX is taken as `Some(Hardware)`, and `Some(Hardware)` where
+/// the CPU lacks AVX512-BF16 as `None`). For tests and benchmarks: GEMMs
+/// already running keep their kernel.
 pub fn set_kernel(k: Option<Kernel>) {
+    let k = if k == Some(Kernel::Amx) && !amx_detect() { Some(Kernel::Hardware) } else { k };
     let k = if k == Some(Kernel::Hardware) && !detect() { None } else { k };
     MODE.store(code(k), Ordering::Relaxed);
 }
@@ -187,14 +212,23 @@ pub fn supported() -> bool {
 /// off in the environment), so the bf16 arithmetic is tested on every CPU.
 /// Returns true (saying so on stderr) only when bf16 was turned off, so
 /// there is nothing to run. Under `MACROBATCH_REQUIRE_BF16=1` (CI on a CPU
-/// that has the instructions) it panics unless the hardware kernel runs, so
-/// a detection failure cannot pass as the portable path.
+/// that has the instructions) it panics unless a hardware kernel runs, so
+/// a detection failure cannot pass as the portable path; under
+/// `MACROBATCH_REQUIRE_AMX=1` (CI on a CPU that lists `amx_bf16`) likewise
+/// unless the AMX kernel runs.
 pub fn skip_without_bf16(test: &str) -> bool {
     emulate_where_missing();
+    let chosen = std::env::var("MACROBATCH_BF16").is_ok_and(|v| !v.is_empty() && v != "auto");
     if std::env::var("MACROBATCH_REQUIRE_BF16").as_deref() == Ok("1") {
         assert!(
-            kernel() == Some(Kernel::Hardware) || std::env::var("MACROBATCH_BF16").as_deref() == Ok("portable"),
-            "{test}: MACROBATCH_REQUIRE_BF16=1 but the AVX512-BF16 kernel is not used (MACROBATCH_NO_BF16 set, or not detected)"
+            matches!(kernel(), Some(Kernel::Hardware | Kernel::Amx)) || chosen,
+            "{test}: MACROBATCH_REQUIRE_BF16=1 but no AVX512-BF16 kernel is used (MACROBATCH_NO_BF16 set, or not detected)"
+        );
+    }
+    if std::env::var("MACROBATCH_REQUIRE_AMX").as_deref() == Ok("1") {
+        assert!(
+            kernel() == Some(Kernel::Amx) || chosen,
+            "{test}: MACROBATCH_REQUIRE_AMX=1 but the AMX kernel is not used (not detected, or Linux refused tile data)"
         );
     }
     if kernel().is_none() {
@@ -226,6 +260,18 @@ fn detect() -> bool {
     false
 }
 
+/// Whether the AMX kernel can run here ([`amx`]'s detection).
+pub fn amx_detect() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        amx::detect()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// `dst (+)= alpha · bf16(lhs) · bf16(rhs)`; see [`crate::gemm_raw`].
 ///
 /// Runs the [`kernel`] in force ([`portable`] unless it is the hardware's).
@@ -234,6 +280,9 @@ fn detect() -> bool {
 /// As [`crate::gemm_raw`] (with `k > 0`).
 pub(crate) unsafe fn gemm(call: &crate::Call<'_>, pool: bool) {
     match kernel() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as below; kernel() is Amx only where amx::detect() holds.
+        Some(Kernel::Amx) => unsafe { amx::gemm(call, pool) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the caller guarantees the views and `dst` as documented;
         // the CPU has the features `hardware` is compiled for (kernel() checked).

@@ -31,24 +31,24 @@ const MIN_PAR_FLOPS: usize = 1 << 24;
 
 thread_local! {
     static PACK_B: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
-    static PACK_A: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
-    static SCRATCH: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+    pub(super) static PACK_A: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
+    pub(super) static SCRATCH: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
 }
 
 /// Where the microkernel writes its finished tile.
 #[derive(Clone, Copy)]
-struct Out {
-    dst: *mut f32,
-    rs: usize,
-    mr: usize,
-    nr: usize,
-    accumulate: bool,
-    alpha: f32,
+pub(super) struct Out {
+    pub(super) dst: *mut f32,
+    pub(super) rs: usize,
+    pub(super) mr: usize,
+    pub(super) nr: usize,
+    pub(super) accumulate: bool,
+    pub(super) alpha: f32,
 }
 
 /// 16-bit lane permutation interleaving two halves of 16 bf16:
 /// lane `2j` takes `j`, lane `2j + 1` takes `16 + j`.
-static INTERLEAVE: [u16; 32] = {
+pub(super) static INTERLEAVE: [u16; 32] = {
     let mut t = [0u16; 32];
     let mut j = 0;
     while j < 16 {
@@ -59,7 +59,7 @@ static INTERLEAVE: [u16; 32] = {
     t
 };
 
-fn mask16(count: usize) -> u16 {
+pub(super) fn mask16(count: usize) -> u16 {
     if count >= 16 {
         u16::MAX
     } else {
@@ -70,7 +70,7 @@ fn mask16(count: usize) -> u16 {
 /// `u32` lane `j` = `(bf16(x[j]), bf16(y[j]))` (low, high).
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 #[inline]
-fn pairs(x: __m512, y: __m512, idx: __m512i) -> __m512i {
+pub(super) fn pairs(x: __m512, y: __m512, idx: __m512i) -> __m512i {
     let h = _mm512_cvtne2ps_pbh(y, x);
     // SAFETY: __m512bh and __m512i are both 64-byte SIMD vectors.
     let h: __m512i = unsafe { transmute::<__m512bh, __m512i>(h) };
@@ -81,7 +81,7 @@ fn pairs(x: __m512, y: __m512, idx: __m512i) -> __m512i {
 /// `v = lo ++ hi`.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 #[inline]
-fn consecutive_pairs(lo: __m512, hi: __m512) -> __m512i {
+pub(super) fn consecutive_pairs(lo: __m512, hi: __m512) -> __m512i {
     // SAFETY: __m512bh and __m512i are both 64-byte SIMD vectors.
     unsafe { transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo)) }
 }
@@ -93,7 +93,7 @@ fn consecutive_pairs(lo: __m512, hi: __m512) -> __m512i {
 /// Those `min(count, 32)` addresses must be readable.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 #[inline]
-unsafe fn load32(src: *const f32, stride: usize, count: usize) -> (__m512, __m512) {
+pub(super) unsafe fn load32(src: *const f32, stride: usize, count: usize) -> (__m512, __m512) {
     if stride == 1 {
         // SAFETY: masked-off lanes are not accessed (no fault); the
         // others are readable by the contract.
@@ -115,17 +115,18 @@ unsafe fn load32(src: *const f32, stride: usize, count: usize) -> (__m512, __m51
 }
 
 /// Packs columns `j0 .. j0 + ncols` of a row-major `rhs` (`cs == 1`), all
-/// `k`, into `⌈ncols/NR⌉` consecutive `B` panels (`kp × NR` u32 each,
-/// `kp = ⌈k/2⌉`), the last one zero-padded. Several panels at once read
+/// `k`, into `⌈ncols/NR⌉` `B` panels `kps × NR` u32 apart (`kp = ⌈k/2⌉ ≤
+/// kps` pairs written in each, the rows past `kp` left as they are), the
+/// last one zero-padded. Several panels at once read
 /// longer runs of each row (fewer pages touched per row pair).
 ///
 /// # Safety
 /// `rhs` must hold the `k × (j0 + ncols)` view (checked by the caller).
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn pack_b_rows(out: &mut [u32], rhs: &Strided<'_>, k: usize, j0: usize, ncols: usize) {
+unsafe fn pack_b_rows(out: &mut [u32], rhs: &Strided<'_>, k: usize, kps: usize, j0: usize, ncols: usize) {
     let kp = k.div_ceil(2);
     let panels = ncols.div_ceil(NR);
-    assert!(rhs.cs == 1 && out.len() >= panels * kp * NR);
+    assert!(rhs.cs == 1 && kps >= kp && out.len() >= (panels - 1) * kps * NR + kp * NR);
     // SAFETY: INTERLEAVE holds 32 u16.
     let idx = unsafe { _mm512_loadu_si512(INTERLEAVE.as_ptr().cast()) };
     let (base, rs) = (rhs.ptr(), rhs.rs);
@@ -152,7 +153,7 @@ unsafe fn pack_b_rows(out: &mut [u32], rhs: &Strided<'_>, k: usize, j0: usize, n
                     let x = _mm512_maskz_loadu_ps(mask, r0.wrapping_add(c));
                     let y =
                         if second { _mm512_maskz_loadu_ps(mask, r0.wrapping_add(rs + c)) } else { _mm512_setzero_ps() };
-                    _mm512_storeu_si512(o.add(g * kp * NR + p * NR + 16 * v).cast(), pairs(x, y, idx));
+                    _mm512_storeu_si512(o.add(g * kps * NR + p * NR + 16 * v).cast(), pairs(x, y, idx));
                 }
             }
         }
@@ -230,7 +231,7 @@ unsafe fn pack_b_panel(out: &mut [u32], rhs: &Strided<'_>, k: usize, j0: usize, 
 /// Those `min(count, 16)` addresses must be readable.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 #[inline]
-unsafe fn load16(src: *const f32, stride: usize, count: usize) -> __m512 {
+pub(super) unsafe fn load16(src: *const f32, stride: usize, count: usize) -> __m512 {
     if stride == 1 {
         // SAFETY: masked-off lanes are not accessed.
         unsafe { _mm512_maskz_loadu_ps(mask16(count), src) }
@@ -406,7 +407,7 @@ const fn transpose_idx<const N: usize>(d: usize, high: bool) -> [u32; N] {
 /// Transposes 16 × 16 u32: row `i` in `v[i]` on entry, column `i` on exit.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 #[inline]
-fn transpose16x16_u32(v: &mut [__m512i; 16]) {
+pub(super) fn transpose16x16_u32(v: &mut [__m512i; 16]) {
     const IDX: [[[u32; 16]; 2]; 4] = {
         let mut t = [[[0u32; 16]; 2]; 4];
         let mut r = 0;
@@ -596,6 +597,35 @@ unsafe fn block(pr: &crate::SendCall<'_>, b: &[u32], jc: usize, r0: usize, r1: u
 /// # Safety
 /// As [`crate::gemm_raw`], and the CPU has AVX512-BF16.
 pub(super) unsafe fn gemm(call: &crate::Call<'_>, pool: bool) {
+    // SAFETY: as this function's; `block` is this kernel's.
+    unsafe { drive(call, pool, Micro { mr: MR, mc: MC, pair_align: 1, block }) }
+}
+
+/// One thread's share of a packed column chunk: `(call, b, jc, r0, r1, q0,
+/// q1)` as [`block`] takes it.
+pub(super) type BlockFn = unsafe fn(&crate::SendCall<'_>, &[u32], usize, usize, usize, usize, usize);
+
+/// What [`drive`] needs of a microkernel: its rows (a task's rows start at
+/// a multiple of `mr`), the rows of its blocks of packed `A` (a multiple of
+/// `mr`), the multiple that each panel's k pairs are padded to (with zeros)
+/// in packed `B`, and the function that runs one task.
+#[derive(Clone, Copy)]
+pub(super) struct Micro {
+    pub(super) mr: usize,
+    pub(super) mc: usize,
+    pub(super) pair_align: usize,
+    pub(super) block: BlockFn,
+}
+
+/// The blocking shared by the `vdpbf16ps` and AMX kernels: column chunks of
+/// `B` packed in `NR`-column panels of `kps = ⌈⌈k/2⌉ / pair_align⌉ ·
+/// pair_align` pairs (once, on the pool), and the tasks over rows or panels
+/// of each chunk (see the module's "Blocking").
+///
+/// # Safety
+/// As [`crate::gemm_raw`], and the CPU has what `micro.block` needs.
+pub(super) unsafe fn drive(call: &crate::Call<'_>, pool: bool, micro: Micro) {
+    let Micro { mr, mc, pair_align, block } = micro;
     let &crate::Call { m, n, k, dst, dst_rs, accumulate, rhs, .. } = call;
     if m == 0 || n == 0 {
         return;
@@ -613,28 +643,33 @@ pub(super) unsafe fn gemm(call: &crate::Call<'_>, pool: bool) {
     let flops = 2usize.saturating_mul(m).saturating_mul(n).saturating_mul(k);
     let threads = if pool && flops >= MIN_PAR_FLOPS { rayon::current_num_threads().max(1) } else { 1 };
     let kp = k.div_ceil(2);
-    let nc = ((B_CHUNK_BYTES / 4 / kp.max(1)) / NR).max(1) * NR;
+    let kps = kp.next_multiple_of(pair_align);
+    let nc = ((B_CHUNK_BYTES / 4 / kps.max(1)) / NR).max(1) * NR;
     let nc = nc.min(n.next_multiple_of(NR));
     let pr = crate::SendCall(*call);
-    let mt = m.div_ceil(MR);
+    let mt = m.div_ceil(mr);
     let run = move || {
-        with_buf(&PACK_B, kp * nc, |bbuf| {
+        with_buf(&PACK_B, kps * nc, |bbuf| {
             for jc in (0..n).step_by(nc) {
                 let chunk_end = n.min(jc + nc);
                 let np = (chunk_end - jc).div_ceil(NR);
-                let b = &mut bbuf[..np * kp * NR];
+                let b = &mut bbuf[..np * kps * NR];
+                if kps > kp {
+                    // The pad pairs of every panel: zero products.
+                    b.chunks_mut(kps * NR).for_each(|panel| panel[kp * NR..].fill(0));
+                }
                 if rhs.cs == 1 {
                     // Row-major B: groups of up to 8 panels, about 8 per thread.
                     let group = (np / (threads * 8)).clamp(1, 8);
                     let pack = |(g, panels): (usize, &mut [u32])| {
                         let j0 = jc + g * group * NR;
                         // SAFETY: rhs holds the k × n view; j0 < chunk_end ≤ n.
-                        unsafe { pack_b_rows(panels, &rhs, k, j0, (group * NR).min(chunk_end - j0)) }
+                        unsafe { pack_b_rows(panels, &rhs, k, kps, j0, (group * NR).min(chunk_end - j0)) }
                     };
                     if threads > 1 {
-                        b.par_chunks_mut(group * kp * NR).enumerate().for_each(pack);
+                        b.par_chunks_mut(group * kps * NR).enumerate().for_each(pack);
                     } else {
-                        b.chunks_mut(group * kp * NR).enumerate().for_each(pack);
+                        b.chunks_mut(group * kps * NR).enumerate().for_each(pack);
                     }
                 } else {
                     let pack = |(q, panel): (usize, &mut [u32])| {
@@ -643,9 +678,9 @@ pub(super) unsafe fn gemm(call: &crate::Call<'_>, pool: bool) {
                         unsafe { pack_b_panel(panel, &rhs, k, j0, NR.min(chunk_end - j0)) }
                     };
                     if threads > 1 {
-                        b.par_chunks_mut(kp * NR).enumerate().for_each(pack);
+                        b.par_chunks_mut(kps * NR).enumerate().for_each(pack);
                     } else {
-                        b.chunks_mut(kp * NR).enumerate().for_each(pack);
+                        b.chunks_mut(kps * NR).enumerate().for_each(pack);
                     }
                 }
                 let b = &*b;
@@ -655,9 +690,9 @@ pub(super) unsafe fn gemm(call: &crate::Call<'_>, pool: bool) {
                 } else if mt >= 2 * threads {
                     // Row blocks, several per thread so that a slower core
                     // (shared machine) takes fewer of them.
-                    let per = mt.div_ceil(threads * TASKS_PER_THREAD).min(MC / MR);
+                    let per = mt.div_ceil(threads * TASKS_PER_THREAD).min(mc / mr);
                     (0..mt.div_ceil(per)).into_par_iter().for_each(|t| {
-                        let (r0, r1) = (t * per * MR, ((t + 1) * per * MR).min(m));
+                        let (r0, r1) = (t * per * mr, ((t + 1) * per * mr).min(m));
                         // SAFETY: tasks own disjoint row ranges.
                         unsafe { block(&pr, b, jc, r0, r1, 0, np) };
                     });
