@@ -8,8 +8,8 @@
 //! pair), with each panel's pairs padded with zeros to a multiple of 16 (one
 //! tile's depth), and splits rows or panels into tasks. A task walks its
 //! rows in blocks of at most [`MC`] and `k` in equal blocks of at most
-//! [`KCP`] pairs (a multiple of 16), packs that block of `A` as rows of k
-//! pairs (a tile's row: 16 pairs of one row of `A`, rows past `m` zero), and
+//! [`KCP`] pairs (a multiple of 16), packs that block of `A` as 1 KiB tiles
+//! (16 rows × 16 k pairs; rows past `m` zero), and
 //! for each panel of `B` runs the microkernel on each 32-row tile.
 //!
 //! The microkernel holds a 32 × 32 block of f32 accumulators in four tiles
@@ -20,7 +20,9 @@
 //! or are loaded from the scratch tile of the previous k block, and are
 //! stored to the scratch tile (exact), from which the last k block writes
 //! `alpha · S` or `fma(alpha, S, dst)` to `dst` through masked AVX-512
-//! stores, as the `vdpbf16ps` kernel does.
+//! stores, as the `vdpbf16ps` kernel does — except a whole 32 × 32 block
+//! with `alpha = 1` and no accumulation, stored by the tiles straight into
+//! `dst` (`1 · S` is `S`: the same bits).
 //!
 //! # Determinism
 //!
@@ -311,9 +313,18 @@ fn request_permission() -> bool {
     false
 }
 
+/// Where pair `q` (a multiple of 16) of row `r` starts in a packed block of
+/// `A` with `kcp` pairs per row: each 16 rows × 16 pairs (one tile, 1 KiB)
+/// contiguous, the tiles of 16 rows in k order, so that the microkernel
+/// reads its `A` tiles as one stream.
+#[inline(always)]
+fn a_at(r: usize, q: usize, kcp: usize) -> usize {
+    ((r / 16) * (kcp / TK) + q / TK) * 256 + (r % 16) * 16
+}
+
 /// Packs rows `i0 .. i1` of `lhs` (zero rows up to the next multiple of
 /// [`MR`]), k pairs `p0 .. p0 + kcp` (`kcp` a multiple of 16; zero pairs
-/// past `⌈k/2⌉`), as rows of `kcp` u32 pairs at `out`.
+/// past `⌈k/2⌉`), as tiles of 16 rows × 16 u32 pairs at `out` ([`a_at`]).
 ///
 /// # Safety
 /// `out` must be valid for `⌈(i1 - i0)/MR⌉·MR·kcp` writes; `lhs` must hold
@@ -347,14 +358,13 @@ unsafe fn pack_a(out: *mut u32, lhs: &Strided<'_>, k: usize, i0: usize, i1: usiz
                 transpose16x16_u32(&mut t);
                 for (r, v) in t.iter().enumerate() {
                     // SAFETY: row r0 + r < rows, pairs q0 .. q0 + 16 ≤ kcp.
-                    unsafe { _mm512_storeu_si512(out.add((r0 + r) * kcp + q0).cast(), *v) };
+                    unsafe { _mm512_storeu_si512(out.add(a_at(r0 + r, q0, kcp)).cast(), *v) };
                 }
             }
         }
         return;
     }
     for r in 0..rows {
-        let o = out.wrapping_add(r * kcp);
         let i = i0 + r;
         for q0 in (0..kcp).step_by(TK) {
             let kk = 2 * (p0 + q0);
@@ -368,21 +378,34 @@ unsafe fn pack_a(out: *mut u32, lhs: &Strided<'_>, k: usize, i0: usize, i1: usiz
                 _mm512_setzero_si512()
             };
             // SAFETY: pairs q0 .. q0 + 16 ≤ kcp of row r < rows.
-            unsafe { _mm512_storeu_si512(o.add(q0).cast(), v) };
+            unsafe { _mm512_storeu_si512(out.add(a_at(r, q0, kcp)).cast(), v) };
         }
     }
 }
 
 /// `MR × NR` accumulators over `kcp` pairs (a multiple of 16): from zero
-/// (`first`) or from `acc`, into `acc` (`MR × NR` f32, row stride `NR`).
+/// (`first`) or from `acc` (`MR × NR` f32, row stride `NR`), into `to`
+/// (`MR × NR` f32, row stride `to_rs`).
 ///
 /// # Safety
-/// `a` holds `MR` rows of `kcp` pairs (row stride `kcp`), `b` `kcp` rows of
-/// `NR` (row stride `NR`); `acc` is valid for `MR·NR` f32; tiles begun.
+/// `a` holds `MR` rows of `kcp` pairs (as [`a_at`] lays them out), `b` `kcp` rows of
+/// `NR` (row stride `NR`); `acc` is valid for `MR·NR` f32 and `to` for its
+/// block; tiles begun.
 #[inline(always)]
-unsafe fn micro<U: Tiles>(u: &mut U, kcp: usize, a: *const u32, b: *const u32, acc: *mut f32, first: bool) {
+#[allow(clippy::too_many_arguments)]
+unsafe fn micro<U: Tiles>(
+    u: &mut U,
+    kcp: usize,
+    a: *const u32,
+    b: *const u32,
+    acc: *const f32,
+    first: bool,
+    to: *mut f32,
+    to_rs: usize,
+) {
     const ROW: usize = NR * 4;
     let c = |i: usize, j: usize| acc.wrapping_add(i * 16 * NR + j * 16).cast::<u8>();
+    let t = |i: usize, j: usize| to.wrapping_add(i * 16 * to_rs + j * 16).cast::<u8>();
     // SAFETY: the caller's contract, tile by tile.
     unsafe {
         if first {
@@ -394,8 +417,8 @@ unsafe fn micro<U: Tiles>(u: &mut U, kcp: usize, a: *const u32, b: *const u32, a
             u.load(3, c(1, 1), ROW);
         }
         for p in (0..kcp).step_by(TK) {
-            u.load(4, a.add(p).cast(), kcp * 4);
-            u.load(5, a.add(16 * kcp + p).cast(), kcp * 4);
+            u.load(4, a.add(a_at(0, p, kcp)).cast(), 64);
+            u.load(5, a.add(a_at(16, p, kcp)).cast(), 64);
             u.load(6, b.add(p * NR).cast(), ROW);
             u.load(7, b.add(p * NR + 16).cast(), ROW);
             u.dot(0, 4, 6);
@@ -403,10 +426,10 @@ unsafe fn micro<U: Tiles>(u: &mut U, kcp: usize, a: *const u32, b: *const u32, a
             u.dot(2, 5, 6);
             u.dot(3, 5, 7);
         }
-        u.store(0, c(0, 0), ROW);
-        u.store(1, c(0, 1), ROW);
-        u.store(2, c(1, 0), ROW);
-        u.store(3, c(1, 1), ROW);
+        u.store(0, t(0, 0), to_rs * 4);
+        u.store(1, t(0, 1), to_rs * 4);
+        u.store(2, t(1, 0), to_rs * 4);
+        u.store(3, t(1, 1), to_rs * 4);
     }
 }
 
@@ -492,13 +515,18 @@ unsafe fn block<U: Tiles + Default>(
                         for it in 0..mtiles {
                             let row = ic + it * MR;
                             let tile = if nkb > 1 { s.wrapping_add(((q - q0) * mtiles + it) * MR * NR) } else { s };
+                            let whole = MR <= r1 - row && col + NR <= pr.n;
+                            let dst = pr.dst.wrapping_add(row * pr.dst_rs + col);
+                            let direct = last && whole && pr.alpha == 1.0 && !pr.accumulate;
+                            let (to, to_rs) = if direct { (dst, pr.dst_rs) } else { (tile, NR) };
                             // SAFETY: the packed rows and panel hold kcp
                             // pairs from p0; the accumulator block is
-                            // inside sbuf.
-                            unsafe { micro(&mut u, kcp, a.add(it * MR * kcp), bp, tile, kb == 0) };
-                            if last {
+                            // inside sbuf; a direct store's block is inside
+                            // the caller's m × n block of dst.
+                            unsafe { micro(&mut u, kcp, a.add(it * MR * kcp), bp, tile, kb == 0, to, to_rs) };
+                            if last && !direct {
                                 let out = Out {
-                                    dst: pr.dst.wrapping_add(row * pr.dst_rs + col),
+                                    dst,
                                     rs: pr.dst_rs,
                                     mr: MR.min(r1 - row),
                                     nr: NR.min(pr.n - col),
