@@ -322,13 +322,14 @@ fn nominal_peak_gflops(threads: usize) -> (f64, CorePeak) {
 
 /// The best rate of our GEMM on a large square problem (1024³, the best f32
 /// backend of this build): the practical roofline.
-fn gemm_peak_gflops() -> f64 {
+fn gemm_peak_gflops(bf16: bool) -> f64 {
     let threads = rayon::current_num_threads();
-    let key = linalg::Key { m: 1024, n: 1024, k: 1024, lhs_t: false, rhs_t: false, threads, bf16: false };
-    linalg::Backend::f32_candidates()
-        .into_iter()
-        .filter_map(|b| linalg::backend::measure(&key, b, 7))
-        .fold(0.0, f64::max)
+    // A bf16 run's GEMMs run on the bf16 kernel (AMX tiles or vdpbf16ps)
+    // where there is one: its rate is the ceiling, not f32's.
+    let bf16 = bf16 && linalg::bf16::supported();
+    let key = linalg::Key { m: 1024, n: 1024, k: 1024, lhs_t: false, rhs_t: false, threads, bf16 };
+    let candidates = if bf16 { vec![linalg::Backend::Bf16] } else { linalg::Backend::f32_candidates() };
+    candidates.into_iter().filter_map(|b| linalg::backend::measure(&key, b, 7)).fold(0.0, f64::max)
 }
 
 /// The GEMM shapes of the last `steps` measured steps of `step_ms` each:
@@ -418,7 +419,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
     }
     let (peak, core) = nominal_peak_gflops(threads);
-    let gemm_peak = gemm_peak_gflops();
+    let gemm_peak = gemm_peak_gflops(plan.cfg.train.precision == engine::Precision::Bf16);
     let report = Report {
         preset: plan.cfg.model.label(),
         n_params: plan.family.n_params() as usize,
