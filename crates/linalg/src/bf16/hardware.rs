@@ -35,6 +35,17 @@ thread_local! {
     pub(super) static SCRATCH: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
 }
 
+/// 32-bit values per cache line.
+pub(super) const LINE_U32: usize = 16;
+
+/// The first `len` values of `buf` from its first 64-byte boundary (`buf`
+/// holds `len + LINE_U32`).
+pub(super) fn aligned<T>(buf: &mut [T], len: usize) -> &mut [T] {
+    const { assert!(std::mem::size_of::<T>() == 4) };
+    let off = buf.as_ptr().align_offset(64).min(LINE_U32);
+    &mut buf[off..off + len]
+}
+
 /// Where the microkernel writes its finished tile.
 #[derive(Clone, Copy)]
 pub(super) struct Out {
@@ -649,7 +660,10 @@ pub(super) unsafe fn drive(call: &crate::Call<'_>, pool: bool, micro: Micro) {
     let pr = crate::SendCall(*call);
     let mt = m.div_ceil(mr);
     let run = move || {
-        with_buf(&PACK_B, kps * nc, |bbuf| {
+        // 64-byte aligned: a tile row (AMX) or vector that straddles two
+        // cache lines costs two (AMX's tile loads run 3× slower).
+        with_buf(&PACK_B, kps * nc + LINE_U32, |bbuf| {
+            let bbuf = aligned(bbuf, kps * nc);
             for jc in (0..n).step_by(nc) {
                 let chunk_end = n.min(jc + nc);
                 let np = (chunk_end - jc).div_ceil(NR);
