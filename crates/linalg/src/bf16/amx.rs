@@ -57,8 +57,8 @@
 //! is shared) and the kernel grants the request.
 
 use super::hardware::{
-    aligned, consecutive_pairs, drive, load16, load32, mask16, pairs, transpose16x16_u32, Micro, Out, INTERLEAVE,
-    LINE_U32, NR, PACK_A, SCRATCH,
+    aligned, consecutive_pairs, drive, k_blocks, load16, load32, mask16, pairs, transpose16x16_u32, Micro, Out,
+    INTERLEAVE, LINE_U32, NR, PACK_A, SCRATCH,
 };
 use crate::{with_buf, Strided};
 use std::arch::asm;
@@ -115,6 +115,7 @@ pub(crate) trait Tiles {
 }
 
 /// The hardware's tile unit.
+#[derive(Default)]
 pub(crate) struct Amx;
 
 /// The tile configuration: palette 1, registers 0..8 of 16 rows × 64 bytes.
@@ -215,19 +216,20 @@ impl Tiles for Amx {
 /// packing already flushed denormal operands). That is one valid order of
 /// the hardware's additions (it matches ~93% of Sapphire Rapids' elements
 /// bit for bit); what it checks exactly is the blocking and packing.
-// Used by the tests (any CPU with AVX512-BF16); not by a run.
-#[cfg_attr(not(test), allow(dead_code))]
+#[cfg(test)]
 pub(crate) struct Emulated {
     regs: Box<[[u32; 256]; 8]>,
 }
 
-// Used by the tests (any CPU with AVX512-BF16); not by a run.
-#[cfg_attr(not(test), allow(dead_code))]
-impl Emulated {
-    pub(crate) fn new() -> Self {
+#[cfg(test)]
+impl Default for Emulated {
+    fn default() -> Self {
         Emulated { regs: Box::new([[0; 256]; 8]) }
     }
+}
 
+#[cfg(test)]
+impl Emulated {
     /// One element of [`Tiles::dot`]: `acc + Σ_p a[p]·b[p]` over 16 pairs
     /// (`a`, `b`: the pairs as u32, low half the even element).
     pub(crate) fn dot_element(acc: f32, a: impl Fn(usize) -> u32, b: impl Fn(usize) -> u32) -> f32 {
@@ -247,6 +249,7 @@ impl Emulated {
     }
 }
 
+#[cfg(test)]
 impl Tiles for Emulated {
     unsafe fn begin(&mut self) {}
 
@@ -484,9 +487,7 @@ unsafe fn block<U: Tiles + Default>(
     }
     let pr = &pr.0;
     let kps = pr.k.div_ceil(2).next_multiple_of(TK);
-    // k blocks of equal size (a multiple of 16 pairs, at most KCP).
-    let nkb = kps.div_ceil(KCP);
-    let kcb = (kps / TK).div_ceil(nkb) * TK;
+    let (nkb, kcb) = k_blocks(kps, KCP, TK);
     let mc_max = MC.min((r1 - r0).next_multiple_of(MR));
     let tiles_per_block = mc_max / MR * (q1 - q0);
     // One accumulator block per (row tile, panel) while k blocks remain;
@@ -549,18 +550,6 @@ unsafe fn block<U: Tiles + Default>(
     })
 }
 
-impl Default for Amx {
-    fn default() -> Self {
-        Amx
-    }
-}
-
-impl Default for Emulated {
-    fn default() -> Self {
-        Emulated::new()
-    }
-}
-
 /// See [`super::gemm`]: the AMX kernel.
 ///
 /// # Safety
@@ -575,9 +564,11 @@ pub(super) unsafe fn gemm(call: &crate::Call<'_>, pool: bool) {
 ///
 /// # Safety
 /// As [`crate::gemm_raw`], and the CPU has AVX512-BF16.
-// Used by the tests (any CPU with AVX512-BF16); not by a run.
-#[cfg_attr(not(test), allow(dead_code))]
-pub(crate) unsafe fn gemm_emulated(call: &crate::Call<'_>, pool: bool) {
+#[cfg(test)]
+unsafe fn gemm_emulated(call: &crate::Call<'_>, pool: bool) {
     // SAFETY: as this function's.
     unsafe { drive(call, pool, Micro { mr: MR, mc: MC, pair_align: TK, block: block::<Emulated> }) }
 }
+
+#[cfg(test)]
+mod tests;

@@ -46,6 +46,15 @@ pub(super) fn aligned<T>(buf: &mut [T], len: usize) -> &mut [T] {
     &mut buf[off..off + len]
 }
 
+/// `pairs` k pairs (a multiple of `align`) cut into `(count, size)` blocks
+/// of equal size, at most `max` and a multiple of `align` (the last one
+/// shorter). Where they fall does not change the result: the accumulators
+/// pass through the scratch tile exactly.
+pub(super) fn k_blocks(pairs: usize, max: usize, align: usize) -> (usize, usize) {
+    let count = pairs.div_ceil(max);
+    (count, (pairs / align).div_ceil(count) * align)
+}
+
 /// Where the microkernel writes its finished tile.
 #[derive(Clone, Copy)]
 pub(super) struct Out {
@@ -544,11 +553,7 @@ unsafe fn block(pr: &crate::SendCall<'_>, b: &[u32], jc: usize, r0: usize, r1: u
     }
     let pr = &pr.0;
     let kp = pr.k.div_ceil(2);
-    // k blocks of equal size (at most KCP pairs). Where they fall does
-    // not change the result: the accumulators pass through the scratch
-    // tile exactly.
-    let nkb = kp.div_ceil(KCP);
-    let kcb = kp.div_ceil(nkb);
+    let (nkb, kcb) = k_blocks(kp, KCP, 1);
     let mc_max = MC.min((r1 - r0).next_multiple_of(MR));
     let a_len = mc_max * kcb;
     let scratch_len = if nkb > 1 { mc_max * (q1 - q0) * NR } else { 0 };

@@ -3,7 +3,7 @@ use crate::{GemmDims, GemmOut, Strided};
 use proptest::prelude::*;
 
 /// bf16 rounding to nearest even, as `vcvtne2ps2bf16` (NaN stays NaN).
-fn bf16_round(x: f32) -> f64 {
+pub(super) fn bf16_round(x: f32) -> f64 {
     if x.is_nan() {
         return f64::NAN;
     }
@@ -13,7 +13,7 @@ fn bf16_round(x: f32) -> f64 {
 }
 
 /// A deterministic pseudo-random f32 in [-1, 1).
-fn rand_vec(len: usize, seed: u64) -> Vec<f32> {
+pub(super) fn rand_vec(len: usize, seed: u64) -> Vec<f32> {
     let mut next = xorshift(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     (0..len).map(|_| ((next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect()
 }
@@ -31,7 +31,7 @@ fn xorshift(mut s: u64) -> impl FnMut() -> u64 {
 /// A matrix of `rows × cols` in one of four layouts, with padding:
 /// 0 row-major, 1 transposed storage, 2 row-major sub-view (rs > cols,
 /// offset), 3 transposed sub-view.
-fn layout(rows: usize, cols: usize, kind: u8, seed: u64) -> (Vec<f32>, usize, usize, usize) {
+pub(super) fn layout(rows: usize, cols: usize, kind: u8, seed: u64) -> (Vec<f32>, usize, usize, usize) {
     let (pad, off) = if kind >= 2 { (3, 5) } else { (0, 0) };
     if kind.is_multiple_of(2) {
         let rs = cols + pad;
@@ -42,18 +42,18 @@ fn layout(rows: usize, cols: usize, kind: u8, seed: u64) -> (Vec<f32>, usize, us
     }
 }
 
-struct Case {
-    m: usize,
-    n: usize,
-    k: usize,
-    lhs_kind: u8,
-    rhs_kind: u8,
-    accumulate: bool,
-    alpha: f32,
+pub(super) struct Case {
+    pub(super) m: usize,
+    pub(super) n: usize,
+    pub(super) k: usize,
+    pub(super) lhs_kind: u8,
+    pub(super) rhs_kind: u8,
+    pub(super) accumulate: bool,
+    pub(super) alpha: f32,
 }
 
 /// A kernel called directly: `(call, pool)` as [`super::gemm`] takes them.
-type KernelFn = unsafe fn(&crate::Call<'_>, bool);
+pub(super) type KernelFn = unsafe fn(&crate::Call<'_>, bool);
 
 /// Runs one case through `gemm_into` and checks it against an f64
 /// reference on bf16-rounded operands. Returns dst (with padding).
@@ -63,7 +63,7 @@ fn run_case(c: &Case, pool: bool, seed: u64) -> Vec<f32> {
 
 /// As [`run_case`], through `kernel` (called directly) instead of
 /// `gemm_into` where it is given.
-fn run_case_on(kernel: Option<KernelFn>, c: &Case, pool: bool, seed: u64) -> Vec<f32> {
+pub(super) fn run_case_on(kernel: Option<KernelFn>, c: &Case, pool: bool, seed: u64) -> Vec<f32> {
     let (m, n, k) = (c.m, c.n, c.k);
     let (a, ao, ars, acs) = layout(m, k, c.lhs_kind, seed);
     let (b, bo, brs, bcs) = layout(k, n, c.rhs_kind, seed + 1);
@@ -470,158 +470,5 @@ proptest! {
             let c = Case { m, n, k, lhs_kind: lk, rhs_kind: rk, accumulate, alpha };
             run_case(&c, seed % 2 == 0, seed);
         }
-    }
-}
-
-/// The cases the AMX tests run: edges of its 32 × 32 tiles and of its
-/// 16-pair depth, several k blocks (`KCP` pairs each), row blocks (`MC`),
-/// both paths of its `A` packing (columns contiguous or not).
-#[cfg(target_arch = "x86_64")]
-fn amx_cases() -> Vec<Case> {
-    let mut v = Vec::new();
-    let shapes = [
-        (1usize, 1usize, 1usize),
-        (31, 33, 31),
-        (32, 32, 32),
-        (33, 31, 33),
-        (17, 70, 64),
-        (70, 17, 65),
-        (200, 45, 2 * 2 * amx::KCP + 3),
-        (5, 300, 700),
-        (amx::MC + 5, 40, 100),
-    ];
-    for (s, &(m, n, k)) in shapes.iter().enumerate() {
-        for lk in 0..4u8 {
-            let rk = (s as u8 + lk) % 4;
-            // alpha 1 without accumulation: whole blocks stored by the tiles.
-            let alpha = if lk % 2 == 0 { 1.0 } else { 0.75 };
-            v.push(Case { m, n, k, lhs_kind: lk, rhs_kind: rk, accumulate: (s + lk as usize) % 2 == 1, alpha });
-        }
-    }
-    v
-}
-
-/// The AMX kernel's blocking and packing, with the tile operations
-/// emulated ([`amx::Emulated`]), on any CPU with AVX512-BF16 (the packing's
-/// instructions): every element bit for bit equal to the emulated dot
-/// product applied to its own row of `A` and column of `B`, 16 pairs at a
-/// time from `+0`, and written as `alpha · S` or `fma(alpha, S, dst)` —
-/// so a packing or blocking slip (a pair from the wrong k block, a row of
-/// the wrong tile, a pad not zero) shows as a wrong bit, whatever the tile
-/// unit. Also within the f64 bound of [`run_case`], and the same bits on one
-/// thread and on the pool.
-#[cfg(target_arch = "x86_64")]
-#[test]
-fn amx_blocking_and_packing_exact_with_emulated_tiles() {
-    if !detect() {
-        eprintln!("no AVX512-BF16 here: the AMX kernel's packing cannot run (every AMX CPU has it)");
-        return;
-    }
-    for (s, c) in amx_cases().iter().enumerate() {
-        let seed = 100 + s as u64;
-        let got = run_case_on(Some(amx::gemm_emulated), c, false, seed);
-        let pooled = run_case_on(Some(amx::gemm_emulated), c, true, seed);
-        assert!(got.iter().zip(&pooled).all(|(x, y)| x.to_bits() == y.to_bits()), "pool vs one thread");
-        // The reference: the same operands, one element at a time.
-        let (m, n, k) = (c.m, c.n, c.k);
-        let (a, ao, ars, acs) = layout(m, k, c.lhs_kind, seed);
-        let (b, bo, brs, bcs) = layout(k, n, c.rhs_kind, seed + 1);
-        let dst_rs = n + 7;
-        let dst0 = rand_vec(m * dst_rs + 3, seed + 2);
-        let bits = |x: f32| portable::round(x).to_bits() >> 16;
-        let pair = |v: &dyn Fn(usize) -> f32, p: usize| {
-            let at = |kk: usize| if kk < k { bits(v(kk)) } else { 0 };
-            at(2 * p) | (at(2 * p + 1) << 16)
-        };
-        for i in 0..m {
-            for j in 0..n {
-                let row = |kk: usize| a[ao + i * ars + kk * acs];
-                let col = |kk: usize| b[bo + kk * brs + j * bcs];
-                let mut acc = 0f32;
-                for p0 in (0..k.div_ceil(2)).step_by(16) {
-                    acc = amx::Emulated::dot_element(acc, |p| pair(&row, p0 + p), |p| pair(&col, p0 + p));
-                }
-                let want = if c.accumulate { c.alpha.mul_add(acc, dst0[i * dst_rs + j]) } else { c.alpha * acc };
-                assert_eq!(
-                    got[i * dst_rs + j].to_bits(),
-                    want.to_bits(),
-                    "({i},{j}) of {m}x{n}x{k} kinds {} {}",
-                    c.lhs_kind,
-                    c.rhs_kind
-                );
-            }
-        }
-    }
-}
-
-/// The AMX kernel on the hardware (where `/proc/cpuinfo` lists `amx_bf16`:
-/// CI sets `MACROBATCH_REQUIRE_AMX=1` there, so it cannot skip): within the
-/// f64 bound of [`run_case`] (the bound holds for any order of the f32
-/// additions, and the hardware's order is its own); against the `vdpbf16ps`
-/// kernel, within the sum of both bounds (`2·k·2⁻²⁴·|alpha|·Σ|a·b|`, plus
-/// twice the final rounding); and bit for bit the same on one thread and
-/// on pools of 1, 2 and 3 threads, and for any row alone.
-#[cfg(target_arch = "x86_64")]
-#[test]
-fn amx_kernel_against_f64_vdpbf16ps_and_itself() {
-    let required = std::env::var("MACROBATCH_REQUIRE_AMX").as_deref() == Ok("1");
-    if !amx::detect() {
-        assert!(!required, "MACROBATCH_REQUIRE_AMX=1 but AMX is not detected (or Linux refused tile data)");
-        eprintln!("no AMX here: the AMX kernel's instructions are not run (its blocking is, with emulated tiles)");
-        return;
-    }
-    let (mut differ, mut total) = (0usize, 0usize);
-    for (s, c) in amx_cases().iter().enumerate() {
-        let seed = 300 + s as u64;
-        let amx = run_case_on(Some(amx::gemm), c, false, seed);
-        let avx = run_case_on(Some(hardware::gemm), c, false, seed);
-        let (m, n, k) = (c.m, c.n, c.k);
-        let (a, ao, ars, acs) = layout(m, k, c.lhs_kind, seed);
-        let (b, bo, brs, bcs) = layout(k, n, c.rhs_kind, seed + 1);
-        let dst_rs = n + 7;
-        for i in 0..m {
-            for j in 0..n {
-                let sabs: f64 = (0..k)
-                    .map(|p| (bf16_round(a[ao + i * ars + p * acs]) * bf16_round(b[bo + p * brs + j * bcs])).abs())
-                    .sum();
-                let (x, y) = (amx[i * dst_rs + j] as f64, avx[i * dst_rs + j] as f64);
-                let tol =
-                    2.0 * (k as f64 * 6e-8) * (c.alpha.abs() as f64 * sabs) + 2.4e-7 * x.abs().max(y.abs()) + 1e-30;
-                assert!((x - y).abs() <= tol, "({i},{j}) of {m}x{n}x{k}: AMX {x} vs vdpbf16ps {y}");
-                differ += usize::from(x.to_bits() != y.to_bits());
-                total += 1;
-            }
-        }
-        for threads in [1usize, 2, 3] {
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
-            let p = pool.install(|| run_case_on(Some(amx::gemm), c, true, seed));
-            assert!(amx.iter().zip(&p).all(|(x, y)| x.to_bits() == y.to_bits()), "{m}x{n}x{k}: {threads} threads");
-        }
-    }
-    eprintln!("AMX vs vdpbf16ps: {differ} of {total} elements differ in their bits (all within the bound)");
-    // One row alone, and a block of rows, give that row's bits.
-    let (m, n, k) = (70usize, 90usize, 1500usize);
-    let a = rand_vec(m * k, 11);
-    let b = rand_vec(k * n, 12);
-    let run = |i0: usize, rows: usize| {
-        let mut d = vec![0f32; rows * n];
-        let call = crate::Call {
-            m: rows,
-            n,
-            k,
-            dst: d.as_mut_ptr(),
-            dst_rs: n,
-            accumulate: false,
-            lhs: Strided { data: &a, offset: i0 * k, rs: k, cs: 1 },
-            rhs: Strided::rows(&b, n),
-            alpha: 1.0,
-        };
-        // SAFETY: d holds rows × n; the views hold the operands; AMX detected.
-        unsafe { amx::gemm(&call, true) };
-        d
-    };
-    let full = run(0, m);
-    for (i0, rows) in [(0usize, 1usize), (33, 1), (69, 1), (5, 40)] {
-        assert_eq!(run(i0, rows), full[i0 * n..(i0 + rows) * n], "rows {i0}..{}", i0 + rows);
     }
 }
