@@ -195,12 +195,78 @@ pub struct Trainer {
     grad_scale: f32,
 }
 
-/// The 16-bit parameter copy of mixed precision at stages 0–2.
+/// The 16-bit parameter copy of mixed precision at stages 0–2, and the
+/// segments decoded from it for the kernels. The largest segment (the
+/// embedding, or an untied head) has a slot of its own, decoded once per
+/// update and kept until the next; any other segment is decoded into a
+/// shared slot on each use. The largest is read at both ends of every pass
+/// (a tied head reads the embedding's segment after the last layer and
+/// again before the layers' backward), so with one shared slot it was
+/// decoded three or four times a micro-step: for a small model with a large
+/// vocabulary, most of the step's conversion time. The slot costs the
+/// second-largest segment's f32 values beside the largest's.
 #[derive(Debug, Clone)]
 struct ModelCopy {
     bits: Vec<u16>,
-    decoded: Vec<f32>,
-    decoded_seg: Option<usize>,
+    /// The largest segment, its decoded values and whether they are current.
+    pinned: Option<usize>,
+    pinned_buf: Vec<f32>,
+    pinned_current: bool,
+    /// Any other segment's decoded values, and which segment they are.
+    shared: Vec<f32>,
+    shared_seg: Option<usize>,
+}
+
+/// The decoded slots of a 16-bit copy over `segments`: the largest segment
+/// (the first of equals) and its length, and the longest of the others.
+pub(crate) fn decode_slots(segments: &[std::ops::Range<usize>]) -> (Option<usize>, usize, usize) {
+    let pinned = (0..segments.len()).rev().max_by_key(|&j| segments[j].len());
+    let len = |j: usize| segments[j].len();
+    let shared = (0..segments.len()).filter(|&j| Some(j) != pinned).map(len).max().unwrap_or(0);
+    (pinned, pinned.map_or(0, len), shared)
+}
+
+impl ModelCopy {
+    fn new(n_params: usize, segments: &[std::ops::Range<usize>]) -> Self {
+        let (pinned, pinned_len, shared_len) = decode_slots(segments);
+        Self {
+            bits: vec![0u16; n_params],
+            pinned,
+            pinned_buf: vec![0.0; pinned_len],
+            pinned_current: false,
+            shared: vec![0.0; shared_len],
+            shared_seg: None,
+        }
+    }
+
+    /// The 16-bit values changed: nothing decoded is current.
+    fn stale(&mut self) {
+        self.pinned_current = false;
+        self.shared_seg = None;
+    }
+
+    /// Elements held decoded (both slots).
+    fn decoded_len(&self) -> usize {
+        self.pinned_buf.len() + self.shared.len()
+    }
+
+    /// Segment `seg` (elements `r` of the copy) decoded, from its slot when
+    /// current.
+    fn decoded(&mut self, seg: usize, r: std::ops::Range<usize>, precision: Precision) -> &[f32] {
+        let n = r.len();
+        if Some(seg) == self.pinned {
+            if !self.pinned_current {
+                precision.decode(&self.bits[r], &mut self.pinned_buf[..n]);
+                self.pinned_current = true;
+            }
+            return &self.pinned_buf[..n];
+        }
+        if self.shared_seg != Some(seg) {
+            precision.decode(&self.bits[r], &mut self.shared[..n]);
+            self.shared_seg = Some(seg);
+        }
+        &self.shared[..n]
+    }
 }
 
 impl Trainer {
@@ -277,11 +343,8 @@ impl Trainer {
         let precision = options.precision;
         let master_sharded = stage.shards_master(precision);
         let sizes = BufferSizes::new(&part, stage, precision, options.bucket_elems);
-        let mut model_copy = stage.keeps_model_copy(precision).then(|| ModelCopy {
-            bits: vec![0u16; sizes.model_copy],
-            decoded: vec![0.0; sizes.decoded],
-            decoded_seg: None,
-        });
+        let mut model_copy =
+            stage.keeps_model_copy(precision).then(|| ModelCopy::new(sizes.model_copy, &part.space.segments));
         // Segment by segment: rank 0's values to everyone; keep all of it,
         // or this rank's piece.
         let mut params = Vec::with_capacity(sizes.params);
@@ -620,4 +683,44 @@ struct Seeds {
     per_micro: Vec<f32>,
     /// The seeds already divide by the targets (global or per micro-batch).
     divided_by_targets: bool,
+}
+
+#[cfg(test)]
+mod model_copy_tests {
+    use super::{decode_slots, ModelCopy};
+    use crate::precision::Precision;
+
+    /// The largest segment (the first of equals) gets its own slot; the
+    /// shared slot fits every other one.
+    #[test]
+    fn the_largest_segment_has_its_own_slot() {
+        assert_eq!(decode_slots(&[0..10, 10..13, 13..23, 23..27]), (Some(0), 10, 10));
+        assert_eq!(decode_slots(&[0..2, 2..9, 9..12]), (Some(1), 7, 3));
+        assert_eq!(decode_slots(std::slice::from_ref(&(0..5))), (Some(0), 5, 0));
+        assert_eq!(decode_slots(&[]), (None, 0, 0));
+    }
+
+    /// Each slot decodes the copy's current bits, the pinned one once until
+    /// the copy goes stale, and the shared one whenever another segment
+    /// took it.
+    #[test]
+    fn slots_decode_once_until_stale() {
+        let segs = [0..4, 4..6, 6..9];
+        let mut c = ModelCopy::new(9, &segs);
+        let vals: Vec<f32> = (0..9).map(|i| i as f32).collect();
+        Precision::Bf16.encode(&vals, &mut c.bits);
+        let p = Precision::Bf16;
+        assert_eq!(c.decoded(0, 0..4, p), &vals[0..4]);
+        assert_eq!(c.decoded(1, 4..6, p), &vals[4..6]);
+        assert_eq!(c.decoded(2, 6..9, p), &vals[6..9]);
+        // New bits not yet marked stale: the pinned slot keeps what it
+        // decoded, the shared slot re-decodes a segment it does not hold.
+        let twice: Vec<f32> = vals.iter().map(|v| 2.0 * v).collect();
+        Precision::Bf16.encode(&twice, &mut c.bits);
+        assert_eq!(c.decoded(0, 0..4, p), &vals[0..4]);
+        assert_eq!(c.decoded(1, 4..6, p), &twice[4..6]);
+        c.stale();
+        assert_eq!(c.decoded(0, 0..4, p), &twice[0..4]);
+        assert_eq!(c.decoded_len(), 4 + 3);
+    }
 }

@@ -383,11 +383,16 @@ pub fn run(args: BenchArgs) -> Result<()> {
         );
     }
     let backend = if world > 1 { Backend::Threads(world) } else { Backend::Single };
+    // Before anything runs on the pool: packing a frozen base read from
+    // `train.frozen_source` already does.
+    if cfg.train.threads > 0 {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(cfg.train.threads)
+            .build_global()
+            .context("cannot start the thread pool")?;
+    }
     let plan = Arc::new(plan(cfg, backend)?);
     crate::planning::check_memory(&plan)?;
-    if plan.cfg.train.threads > 0 {
-        rayon::ThreadPoolBuilder::new().num_threads(plan.cfg.train.threads).build_global()?;
-    }
     let threads = rayon::current_num_threads();
     let b = plan.batch;
     let shape = BatchShape { micro: b.micro, accumulation_steps: b.accumulation_steps, world_size: 1 };

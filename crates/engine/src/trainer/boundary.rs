@@ -212,8 +212,19 @@ impl Trainer {
     pub(super) fn share_updated_params(&mut self, comm: &mut dyn Communicator) -> Result<(), comm::CommError> {
         if !self.zero_stage.gathers_after_update() {
             if let Some(c) = self.model_copy.as_mut() {
-                self.options.precision.encode(&self.params, &mut c.bits);
-                c.decoded_seg = None;
+                let (space, prec) = (&self.part.space, self.options.precision);
+                if space.n_grads == self.params.len() {
+                    prec.encode(&self.params, &mut c.bits);
+                } else {
+                    // Frozen values never change: their 16-bit copy stays
+                    // (a LoRA run's base is most of the buffer).
+                    for j in 0..space.segments.len() {
+                        for (r, _, _) in space.trainable_runs(j, space.segments[j].clone()) {
+                            prec.encode(&self.params[r.clone()], &mut c.bits[r]);
+                        }
+                    }
+                }
+                c.stale();
             }
             return Ok(());
         }
@@ -250,7 +261,7 @@ impl Trainer {
             if !sharded {
                 self.options.precision.encode(&self.params, &mut c.bits);
             }
-            c.decoded_seg = None;
+            c.stale();
         }
         Ok(())
     }

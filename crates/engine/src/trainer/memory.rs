@@ -75,7 +75,7 @@ impl Trainer {
         let sizes = BufferSizes {
             params: self.params.len(),
             model_copy: copy.map_or(0, |c| c.bits.len()),
-            decoded: copy.map_or(0, |c| c.decoded.len()),
+            decoded: copy.map_or(0, |c| c.decoded_len()),
             optimizer: 0,
             grads: self.grads.len(),
             seg_grads: self.seg_grads.len(),
@@ -131,7 +131,7 @@ pub(super) struct BufferSizes {
     pub(super) params: usize,
     /// 16-bit model copy (mixed precision, stages 0–2).
     pub(super) model_copy: usize,
-    /// One segment decoded from the 16-bit copy.
+    /// Segments decoded from the 16-bit copy (the largest, and one other).
     pub(super) decoded: usize,
     /// Optimizer-state elements per slot.
     pub(super) optimizer: usize,
@@ -159,7 +159,13 @@ impl BufferSizes {
         Self {
             params: if stage.shards_master(precision) { part.shard_len() } else { n_params },
             model_copy: if low_copy { n_params } else { 0 },
-            decoded: if low_copy { part.space.segments.iter().map(|r| r.len()).max().unwrap_or(0) } else { 0 },
+            decoded: match low_copy {
+                true => {
+                    let (_, pinned, shared) = super::decode_slots(&part.space.segments);
+                    pinned + shared
+                }
+                false => 0,
+            },
             optimizer: if stage.shards_optimizer() { part.grad_shard_len() } else { part.space.n_grads },
             grads: if per_segment { part.grad_shard_len() } else { part.space.n_grads },
             seg_grads: if per_segment { max_grad_padded } else { 0 },

@@ -211,7 +211,7 @@ impl Trainer {
         }
         if let Some(c) = self.model_copy.as_mut() {
             self.options.precision.encode(&params, &mut c.bits);
-            c.decoded_seg = None;
+            c.stale();
         }
         self.params = if self.master_sharded() {
             let mut shard = vec![0.0; self.part.shard_len()];

@@ -100,13 +100,7 @@ impl ParamStore for StepStore<'_> {
         }
         let params: &[f32] = match self.model_copy.as_deref_mut() {
             _ if self.zero_stage.shards_parameters() => &self.gathered[..n],
-            Some(c) => {
-                if c.decoded_seg != Some(seg) {
-                    self.precision.decode(&c.bits[r.clone()], &mut c.decoded[..n]);
-                    c.decoded_seg = Some(seg);
-                }
-                &c.decoded[..n]
-            }
+            Some(c) => c.decoded(seg, r.clone(), self.precision),
             None => &self.params[r],
         };
         if !self.with_grads {
