@@ -56,6 +56,12 @@ ap.add_argument("--rtol", type=float, default=1e-3)
 ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
 ap.add_argument("--json", help="write step times and losses to this file")
 ap.add_argument(
+    "--profile",
+    action="store_true",
+    help="print where PEFT's steps after the first go, by operator (torch.profiler, self CPU time), "
+    "beside `macrobatch bench --init-from`'s kernel families",
+)
+ap.add_argument(
     "--bf16",
     action="store_true",
     help="run the forward under torch.autocast(bfloat16), for a run with train.precision = \"bf16\": "
@@ -129,7 +135,11 @@ steps = [json.loads(l) for l in (run / "dump" / "steps.jsonl").read_text().split
 worst, failed = 0.0, 0
 times, tokens = [], []
 print("step  macrobatch    peft          |diff|")
+profiler = None
 for i, step in enumerate(steps):
+    if args.profile and i == 1:
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        profiler.__enter__()
     for g in opt.param_groups:
         g["lr"] = lr_at(i)
     t0 = time.perf_counter()
@@ -164,6 +174,10 @@ for i, step in enumerate(steps):
     ok = args.bf16 or diff <= args.atol + args.rtol * abs(peft_loss)
     failed += not ok
     print(f"{i + 1:4d}  {mb_loss:.8f}  {peft_loss:.8f}  {diff:.2e}{'' if ok else '  FAIL'}")
+if profiler is not None:
+    profiler.__exit__(None, None, None)
+    print(f"peft: where steps 2..{len(steps)} went, by operator (self CPU time):")
+    print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
 print(f"largest difference over {len(steps)} steps: {worst:.2e}; {failed} step(s) outside {args.atol:.0e} + {args.rtol:.0e}·|loss|")
 med = sorted(times)[len(times) // 2]
 print(f"peft: median {med * 1e3:.0f} ms/step, {sum(tokens) / sum(times):.0f} tokens/s over {len(times)} steps ({torch.get_num_threads()} threads)")

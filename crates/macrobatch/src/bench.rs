@@ -109,6 +109,9 @@ struct Timing {
     /// With `dist.tensor_parallel = T`: rank 0's all-reduces inside the model.
     #[serde(skip_serializing_if = "Option::is_none")]
     tensor_parallel: Option<TensorTraffic>,
+    /// Every step's loss, warm-up first: the steps `train` runs from the
+    /// same config (and `--init-from`), bit for bit.
+    losses: Vec<f64>,
 }
 
 /// A step's tensor-parallel all-reduces on rank 0 (the same on every rank
@@ -232,14 +235,19 @@ fn median(v: &mut [f64]) -> f64 {
 /// Times `steps` optimizer steps after `warmup`, with the batch factored
 /// as `shape`: on one rank, or with `dist.tensor_parallel = T` on the T
 /// thread ranks that split the model (rank 0's timing).
-fn time_steps(plan: &Arc<Plan>, shape: BatchShape, warmup: usize, steps: usize) -> Result<Timing> {
+fn time_steps(
+    plan: &Arc<Plan>,
+    shape: BatchShape,
+    (warmup, steps): (usize, usize),
+    initial: Option<Arc<Vec<f32>>>,
+) -> Result<Timing> {
     match plan.backend {
         Backend::Threads(world) => {
             let timing = Arc::new(Mutex::new(None));
             let (plan, out) = (plan.clone(), timing.clone());
             let timeout = Duration::from_secs_f64(plan.cfg.dist.timeout_s);
             run_thread_ranks(world, timeout, move |c| {
-                let t = time_rank(&plan, shape, warmup, steps, c)?;
+                let t = time_rank(&plan, shape, (warmup, steps), initial.as_deref().map(Vec::as_slice), c)?;
                 if c.rank() == 0 {
                     *out.lock().map_err(|_| anyhow!("rank 0's timing was lost"))? = Some(t);
                 }
@@ -248,7 +256,13 @@ fn time_steps(plan: &Arc<Plan>, shape: BatchShape, warmup: usize, steps: usize) 
             let t = timing.lock().map_err(|_| anyhow!("rank 0's timing was lost"))?.take();
             t.context("rank 0 measured nothing")
         }
-        Backend::Single | Backend::Mpi(_) => time_rank(plan, shape, warmup, steps, &mut comm::SingleProcess::new()),
+        Backend::Single | Backend::Mpi(_) => time_rank(
+            plan,
+            shape,
+            (warmup, steps),
+            initial.as_deref().map(Vec::as_slice),
+            &mut comm::SingleProcess::new(),
+        ),
     }
 }
 
@@ -256,8 +270,8 @@ fn time_steps(plan: &Arc<Plan>, shape: BatchShape, warmup: usize, steps: usize) 
 fn time_rank(
     plan: &Plan,
     shape: BatchShape,
-    warmup: usize,
-    steps: usize,
+    (warmup, steps): (usize, usize),
+    initial: Option<&[f32]>,
     comm: &mut dyn Communicator,
 ) -> Result<Timing> {
     let cfg = &plan.cfg;
@@ -266,8 +280,8 @@ fn time_rank(
     let rank = comm.rank();
     let mut model = model_for_rank(plan, plan.grid.tp_rank(rank))?;
     let mut comms = RankComms::new(plan, &mut model, comm)?;
-    let mut trainer = comms.trainer(plan, &model, None, &scratch_offload_root())?;
-    let (mut ms, mut overhead, mut tp_ms) = (Vec::new(), Vec::new(), Vec::new());
+    let mut trainer = comms.trainer(plan, &model, initial, &scratch_offload_root())?;
+    let (mut ms, mut overhead, mut tp_ms, mut losses) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut tp = None;
     for i in 0..warmup + steps {
         let (epoch, s) = sampler.position(i as u64);
@@ -280,6 +294,7 @@ fn time_rank(
         let batches = rank_batches(plan, &sampler, &order, s, comms.data_rank())?;
         let report = comms.step(&mut trainer, &mut model, &batches)?;
         let total = t0.elapsed().as_secs_f64();
+        losses.push(report.loss);
         if i >= warmup {
             ms.push(total * 1e3);
             overhead.push(100.0 * (1.0 - report.model_s / total));
@@ -306,6 +321,7 @@ fn time_rank(
         tokens_per_s: tokens / (med / 1e3),
         gflops: flops / (med / 1e3) / 1e9,
         overhead_pct: median(&mut overhead),
+        losses,
         saved_activation_bytes: model.saved_activation_bytes(),
         activation_bytes: model.activation_bytes(),
         param_copy_bytes: mem.params,
@@ -370,7 +386,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.steps == 0 {
         bail!("--steps 0: bench needs at least one measured step (e.g. --steps 10)");
     }
-    let cfg = load_config(args.config.as_deref(), &args.set, &args.deepspeed)?;
+    let mut cfg = load_config(args.config.as_deref(), &args.set, &args.deepspeed)?;
     let (world, t) = (cfg.dist.world_size, cfg.dist.tensor_parallel);
     if cfg.dist.pipeline_parallel != 1 {
         bail!(
@@ -383,21 +399,21 @@ pub fn run(args: BenchArgs) -> Result<()> {
         );
     }
     let backend = if world > 1 { Backend::Threads(world) } else { Backend::Single };
-    // Before anything runs on the pool: packing a frozen base read from
-    // `train.frozen_source` already does.
+    // Before anything runs on the pool: packing a frozen base already does.
     if cfg.train.threads > 0 {
         rayon::ThreadPoolBuilder::new()
             .num_threads(cfg.train.threads)
             .build_global()
             .context("cannot start the thread pool")?;
     }
+    let initial = crate::train::start::init_from(args.init_from.as_deref(), &args.set, &mut cfg, false)?.map(Arc::new);
     let plan = Arc::new(plan(cfg, backend)?);
     crate::planning::check_memory(&plan)?;
     let threads = rayon::current_num_threads();
     let b = plan.batch;
     let shape = BatchShape { micro: b.micro, accumulation_steps: b.accumulation_steps, world_size: 1 };
     engine::profile::set_enabled(true);
-    let step = time_steps(&plan, shape, args.warmup, args.steps)?;
+    let step = time_steps(&plan, shape, (args.warmup, args.steps), initial.clone())?;
     engine::profile::set_enabled(false);
     let profile = profile_rows(args.steps, step.ms_mean, t);
     // Before the GEMM table and the K sweep allocate their own buffers.
@@ -412,7 +428,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         for _ in 0..K_SWEEP_ROUNDS {
             for (i, &k) in ks.iter().enumerate() {
                 let shape = BatchShape { micro: b.global / k, accumulation_steps: k, world_size: 1 };
-                ms[i].push(time_steps(&plan, shape, args.warmup, args.steps)?.ms_median);
+                ms[i].push(time_steps(&plan, shape, (args.warmup, args.steps), initial.clone())?.ms_median);
             }
         }
         let base = median(&mut ms[0].clone());

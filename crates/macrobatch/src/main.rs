@@ -163,6 +163,11 @@ pub struct BenchArgs {
     /// One JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Start from a pretrained model (a GGUF file or a Hugging Face folder)
+    /// as `train --init-from` does: a fine-tuning step measured on its real
+    /// weights (and a packed frozen base read from it).
+    #[arg(long, value_name = "MODEL")]
+    pub init_from: Option<PathBuf>,
 }
 
 /// Arguments of `macrobatch verify`.

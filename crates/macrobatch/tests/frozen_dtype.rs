@@ -332,3 +332,40 @@ fn a_phi3_base_packs_from_its_fused_weights() {
     assert!(!err.contains("error"), "{err}");
     assert_eq!(bits(&losses(&out)), bits(&packed), "resumed vs straight");
 }
+
+/// `bench --init-from` measures the steps `train --init-from` runs: the
+/// pretrained folder's shape (its MLP width, not the preset's) with its
+/// base packed outside the parameters (what remains: the embedding, the
+/// norms and the adapters), from its weights — the same losses, bit for
+/// bit. Without it, a packed base is refused naming `--init-from` instead
+/// of failing at the first pass.
+#[test]
+fn bench_measures_the_fine_tuning_steps_of_init_from() {
+    let src = folder("bench-src", |_, _, w| w.to_vec());
+    let sets = ["train.frozen_dtype=\"bf16\""];
+    let run = tmp("bench-train");
+    let o = tiny_lora_run(&run, &src, &sets, &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let trained = losses(&run);
+    let bench = |init: Option<&Path>| {
+        let mut c = bin();
+        c.args(["bench", "--json", "--steps", "2", "--warmup", "1", "--no-k-sweep"]);
+        with_sets(&mut c, &[TINY_LORA, &sets].concat());
+        if let Some(p) = init {
+            c.arg("--init-from").arg(p);
+        }
+        c.output().expect("binary runs")
+    };
+    let o = bench(Some(&src));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    let lora = llama::lora::LoraConfig::new(4, 8.0, &["all-linear"]);
+    let packed = Llama::with_packed_layout(shape(), Some(lora)).unwrap();
+    assert_eq!(r["n_params"].as_u64(), Some(packed.layout().n_params() as u64), "{r}");
+    assert!(r["preset"].as_str().unwrap().contains(src.to_str().unwrap()), "{r}");
+    let measured: Vec<f64> = r["step"]["losses"].as_array().unwrap().iter().map(|l| l.as_f64().unwrap()).collect();
+    assert_eq!(bits(&measured), bits(&trained[..3]), "bench {measured:?}, train {trained:?}");
+    let rows = r["profile"].as_array().unwrap();
+    assert!(rows.iter().any(|p| p["kind"] == "adapters"), "{rows:?}");
+    fails(&bench(None), "--init-from");
+}

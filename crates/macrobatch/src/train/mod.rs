@@ -17,7 +17,7 @@ mod eval;
 mod outputs;
 mod rank;
 mod reports;
-mod start;
+pub(crate) mod start;
 pub use start::plan_from_pretrained;
 mod stop;
 mod val_watch;
@@ -87,7 +87,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         eprintln!("injected fault: loading takes {:.1} s longer", delay.as_secs_f64());
         std::thread::sleep(delay);
     }
-    let init_params = start::init_from(&args, &mut cfg, resume.is_some())?;
+    let init_params = start::init_from(args.init_from.as_deref(), &args.set, &mut cfg, resume.is_some())?;
     let backend = dist::detect(cfg.dist.world_size)?;
     let plan = Arc::new(plan(cfg, backend)?);
     if let Some(l) = &mut resume {

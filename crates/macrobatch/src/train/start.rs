@@ -159,10 +159,15 @@ fn keep_global_batch(cfg: &mut Config, saved_data_ranks: usize, sets: &[String])
 /// adapters beside them), its shape pinned into `cfg.model` and its
 /// tokenizer into `cfg.data` unless one is configured. Refused on a resumed
 /// run; without it, `[lora]` is warned about.
-pub fn init_from(args: &TrainArgs, cfg: &mut Config, resuming: bool) -> Result<Option<Vec<f32>>> {
-    Ok(match &args.init_from {
+pub fn init_from(
+    init_from: Option<&Path>,
+    sets: &[String],
+    cfg: &mut Config,
+    resuming: bool,
+) -> Result<Option<Vec<f32>>> {
+    Ok(match init_from {
         Some(path) if !resuming => {
-            if let Some(params) = init_packed(path, args, cfg)? {
+            if let Some(params) = init_packed(path, sets, cfg)? {
                 return Ok(Some(params));
             }
             memory::check_load(path, &format!("--init-from {}", path.display()))
@@ -171,7 +176,7 @@ pub fn init_from(args: &TrainArgs, cfg: &mut Config, resuming: bool) -> Result<O
                 .with_context(|| format!("--init-from {}: cannot load the model", path.display()))?;
             // The pretrained family and shape win over the preset; with
             // [lora], freshly initialised adapters join the pretrained base.
-            adopt_pretrained(pretrained.as_ref(), path, &args.set, cfg)?;
+            adopt_pretrained(pretrained.as_ref(), path, sets, cfg)?;
             let family = family::from_config(&cfg.model, cfg.lora.as_ref())?;
             Some(family.start_from_pretrained(params, cfg.train.seed)?)
         }
@@ -243,7 +248,7 @@ fn adopt_tokenizer(cfg: &mut Config, path: &Path) {
 /// the model is built, and the source kept as `train.frozen_source` for a
 /// resume. `None`: the base stays f32 (`f32`, or `auto` on a source that is
 /// not 16-bit), loaded as before.
-fn init_packed(path: &Path, args: &TrainArgs, cfg: &mut Config) -> Result<Option<Vec<f32>>> {
+fn init_packed(path: &Path, sets: &[String], cfg: &mut Config) -> Result<Option<Vec<f32>>> {
     if cfg.lora.is_none() || cfg.train.frozen_dtype == config::FrozenDtype::F32 {
         return Ok(None);
     }
@@ -257,7 +262,7 @@ fn init_packed(path: &Path, args: &TrainArgs, cfg: &mut Config) -> Result<Option
     let storage = crate::setup::frozen_storage(cfg, Some(path));
     let Some(packed) = family.with_frozen_storage(&storage).with_context(context)? else { return Ok(None) };
     cfg.model = pinned;
-    refuse_shape_overrides(&args.set, &asked, &serde_json::to_value(&cfg.model).unwrap_or_default(), path)?;
+    refuse_shape_overrides(sets, &asked, &serde_json::to_value(&cfg.model).unwrap_or_default(), path)?;
     adopt_tokenizer(cfg, path);
     cfg.train.frozen_source = Some(path.to_path_buf());
     let rest = crate::heap::during(crate::heap::Phase::Load, || packed.load_unfrozen(path)).with_context(context)?;

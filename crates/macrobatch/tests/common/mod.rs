@@ -196,23 +196,26 @@ pub fn chat_sets(gguf: &str) -> Vec<String> {
 /// (r = 4, α = 8 on every projection, the byte corpus, micro 2 × K 2, one
 /// thread), with `sets` after these and `extra` arguments.
 pub fn tiny_lora_run(out: &Path, init: &Path, sets: &[&str], extra: &[&str]) -> Output {
-    let mut all = vec![
-        "model.family=llama",
-        "lora.r=4",
-        "lora.alpha=8",
-        "lora.target_modules=[\"q_proj\",\"k_proj\",\"v_proj\",\"o_proj\",\"gate_proj\",\"up_proj\",\"down_proj\"]",
-        "data.seq_len=32",
-        "batch.micro=2",
-        "batch.accumulation_steps=2",
-        "train.eval_every=0",
-        "train.steps=4",
-        "train.threads=1",
-    ];
-    all.extend_from_slice(sets);
+    let all = [TINY_LORA, sets].concat();
     let mut c = train_cmd(out, &all);
     c.arg("--init-from").arg(init).args(extra);
     c.output().expect("binary runs")
 }
+
+/// The settings of [`tiny_lora_run`]: rank-4 adapters on every projection,
+/// 2 × 2 sequences of 32 tokens, 4 steps, one thread.
+pub const TINY_LORA: &[&str] = &[
+    "model.family=llama",
+    "lora.r=4",
+    "lora.alpha=8",
+    "lora.target_modules=[\"q_proj\",\"k_proj\",\"v_proj\",\"o_proj\",\"gate_proj\",\"up_proj\",\"down_proj\"]",
+    "data.seq_len=32",
+    "batch.micro=2",
+    "batch.accumulation_steps=2",
+    "train.eval_every=0",
+    "train.steps=4",
+    "train.threads=1",
+];
 
 /// Exit code 2 (an error), never a panic (101) or an abort (134), with
 /// `needle` in its message; returns stderr.
