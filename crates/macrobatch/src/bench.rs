@@ -12,6 +12,7 @@ use crate::dist::Backend;
 use crate::planning::plan;
 use crate::ranks::run_thread_ranks;
 use crate::setup::{load_config, model_for_rank, rank_batches, scratch_offload_root, Plan, RankComms};
+use crate::train::start::{init_from, Handoff};
 use crate::BenchArgs;
 use anyhow::{anyhow, bail, Context, Result};
 use comm::Communicator;
@@ -239,7 +240,7 @@ fn time_steps(
     plan: &Arc<Plan>,
     shape: BatchShape,
     (warmup, steps): (usize, usize),
-    initial: Option<Arc<Vec<f32>>>,
+    initial: Option<Arc<Handoff<Vec<f32>>>>,
 ) -> Result<Timing> {
     match plan.backend {
         Backend::Threads(world) => {
@@ -247,7 +248,7 @@ fn time_steps(
             let (plan, out) = (plan.clone(), timing.clone());
             let timeout = Duration::from_secs_f64(plan.cfg.dist.timeout_s);
             run_thread_ranks(world, timeout, move |c| {
-                let t = time_rank(&plan, shape, (warmup, steps), initial.as_deref().map(Vec::as_slice), c)?;
+                let t = time_rank(&plan, shape, (warmup, steps), initial.as_deref(), c)?;
                 if c.rank() == 0 {
                     *out.lock().map_err(|_| anyhow!("rank 0's timing was lost"))? = Some(t);
                 }
@@ -256,13 +257,9 @@ fn time_steps(
             let t = timing.lock().map_err(|_| anyhow!("rank 0's timing was lost"))?.take();
             t.context("rank 0 measured nothing")
         }
-        Backend::Single | Backend::Mpi(_) => time_rank(
-            plan,
-            shape,
-            (warmup, steps),
-            initial.as_deref().map(Vec::as_slice),
-            &mut comm::SingleProcess::new(),
-        ),
+        Backend::Single | Backend::Mpi(_) => {
+            time_rank(plan, shape, (warmup, steps), initial.as_deref(), &mut comm::SingleProcess::new())
+        }
     }
 }
 
@@ -271,7 +268,7 @@ fn time_rank(
     plan: &Plan,
     shape: BatchShape,
     (warmup, steps): (usize, usize),
-    initial: Option<&[f32]>,
+    initial: Option<&Handoff<Vec<f32>>>,
     comm: &mut dyn Communicator,
 ) -> Result<Timing> {
     let cfg = &plan.cfg;
@@ -280,7 +277,11 @@ fn time_rank(
     let rank = comm.rank();
     let mut model = model_for_rank(plan, plan.grid.tp_rank(rank))?;
     let mut comms = RankComms::new(plan, &mut model, comm)?;
-    let mut trainer = comms.trainer(plan, &model, initial, &scratch_offload_root())?;
+    // Taken once by each rank and released by the last: not held through
+    // the measured steps (their peak RSS is train's).
+    let initial = initial.and_then(Handoff::take);
+    let mut trainer = comms.trainer(plan, &model, initial.as_deref().map(Vec::as_slice), &scratch_offload_root())?;
+    drop(initial);
     let (mut ms, mut overhead, mut tp_ms, mut losses) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut tp = None;
     for i in 0..warmup + steps {
@@ -406,14 +407,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .build_global()
             .context("cannot start the thread pool")?;
     }
-    let initial = crate::train::start::init_from(args.init_from.as_deref(), &args.set, &mut cfg, false)?.map(Arc::new);
+    let ranks = if let Backend::Threads(w) = backend { w } else { 1 };
+    let initial = init_from(args.init_from.as_deref(), &args.set, &mut cfg, false)?.map(|p| Handoff::new(p, ranks));
     let plan = Arc::new(plan(cfg, backend)?);
     crate::planning::check_memory(&plan)?;
     let threads = rayon::current_num_threads();
     let b = plan.batch;
     let shape = BatchShape { micro: b.micro, accumulation_steps: b.accumulation_steps, world_size: 1 };
     engine::profile::set_enabled(true);
-    let step = time_steps(&plan, shape, (args.warmup, args.steps), initial.clone())?;
+    let step = time_steps(&plan, shape, (args.warmup, args.steps), initial)?;
     engine::profile::set_enabled(false);
     let profile = profile_rows(args.steps, step.ms_mean, t);
     // Before the GEMM table and the K sweep allocate their own buffers.
@@ -428,7 +430,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         for _ in 0..K_SWEEP_ROUNDS {
             for (i, &k) in ks.iter().enumerate() {
                 let shape = BatchShape { micro: b.global / k, accumulation_steps: k, world_size: 1 };
-                ms[i].push(time_steps(&plan, shape, (args.warmup, args.steps), initial.clone())?.ms_median);
+                ms[i].push(time_steps(&plan, shape, (args.warmup, args.steps), None)?.ms_median);
             }
         }
         let base = median(&mut ms[0].clone());

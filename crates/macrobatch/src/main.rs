@@ -165,7 +165,9 @@ pub struct BenchArgs {
     pub json: bool,
     /// Start from a pretrained model (a GGUF file or a Hugging Face folder)
     /// as `train --init-from` does: a fine-tuning step measured on its real
-    /// weights (and a packed frozen base read from it).
+    /// weights (and a packed frozen base read from it). The K sweep's steps
+    /// start from a fresh initialisation of the same shape: the pretrained
+    /// values are let go once the first trainer holds them.
     #[arg(long, value_name = "MODEL")]
     pub init_from: Option<PathBuf>,
 }

@@ -57,10 +57,10 @@
 //! is shared) and the kernel grants the request.
 
 use super::hardware::{
-    aligned, consecutive_pairs, drive, k_blocks, load16, load32, mask16, pairs, transpose16x16_u32, Micro, Out,
-    INTERLEAVE, LINE_U32, NR, PACK_A, SCRATCH,
+    consecutive_pairs, drive, k_blocks, load16, load32, mask16, pairs, transpose16x16_u32, with_aligned_buf, Micro,
+    Out, INTERLEAVE, NR, PACK_A, SCRATCH,
 };
-use crate::{with_buf, Strided};
+use crate::Strided;
 use std::arch::asm;
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
@@ -494,12 +494,9 @@ unsafe fn block<U: Tiles + Default>(
     // one in all when there is a single k block.
     let scratch_len = if nkb > 1 { tiles_per_block } else { 1 } * MR * NR;
     let mut u = U::default();
-    // Tile rows on cache lines (a straddling row costs two lines: tile
-    // loads run 3× slower).
-    with_buf(&PACK_A, mc_max * kcb + LINE_U32, |abuf| {
-        with_buf(&SCRATCH, scratch_len + LINE_U32, |sbuf| {
-            let a = aligned(abuf, mc_max * kcb).as_mut_ptr();
-            let s = aligned(sbuf, scratch_len).as_mut_ptr();
+    with_aligned_buf(&PACK_A, mc_max * kcb, |abuf| {
+        with_aligned_buf(&SCRATCH, scratch_len, |sbuf| {
+            let (a, s) = (abuf.as_mut_ptr(), sbuf.as_mut_ptr());
             // SAFETY: the caller guarantees the tile unit can run.
             unsafe { u.begin() };
             for ic in (r0..r1).step_by(MC) {

@@ -36,14 +36,21 @@ thread_local! {
 }
 
 /// 32-bit values per cache line.
-pub(super) const LINE_U32: usize = 16;
+const LINE_U32: usize = 16;
 
-/// The first `len` values of `buf` from its first 64-byte boundary (`buf`
-/// holds `len + LINE_U32`).
-pub(super) fn aligned<T>(buf: &mut [T], len: usize) -> &mut [T] {
+/// [`with_buf`] with the buffer starting on a 64-byte boundary: a tile row
+/// (AMX) or vector that straddles two cache lines costs two (AMX's tile
+/// loads run 3× slower).
+pub(super) fn with_aligned_buf<T: Copy + Default + 'static, R>(
+    key: &'static std::thread::LocalKey<Cell<Vec<T>>>,
+    len: usize,
+    f: impl FnOnce(&mut [T]) -> R,
+) -> R {
     const { assert!(std::mem::size_of::<T>() == 4) };
-    let off = buf.as_ptr().align_offset(64).min(LINE_U32);
-    &mut buf[off..off + len]
+    with_buf(key, len + LINE_U32, |buf| {
+        let off = buf.as_ptr().align_offset(64).min(LINE_U32);
+        f(&mut buf[off..off + len])
+    })
 }
 
 /// `pairs` k pairs (a multiple of `align`) cut into `(count, size)` blocks
@@ -665,10 +672,7 @@ pub(super) unsafe fn drive(call: &crate::Call<'_>, pool: bool, micro: Micro) {
     let pr = crate::SendCall(*call);
     let mt = m.div_ceil(mr);
     let run = move || {
-        // 64-byte aligned: a tile row (AMX) or vector that straddles two
-        // cache lines costs two (AMX's tile loads run 3× slower).
-        with_buf(&PACK_B, kps * nc + LINE_U32, |bbuf| {
-            let bbuf = aligned(bbuf, kps * nc);
+        with_aligned_buf(&PACK_B, kps * nc, |bbuf| {
             for jc in (0..n).step_by(nc) {
                 let chunk_end = n.min(jc + nc);
                 let np = (chunk_end - jc).div_ceil(NR);
