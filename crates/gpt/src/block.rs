@@ -176,6 +176,8 @@ pub(crate) struct GptBlock<'a> {
     pub drop: Option<&'a Dropout>,
     /// The block being run (set by [`Block::enter`]).
     pub at: Cell<usize>,
+    /// The packed frozen base, when the layout leaves the weights out.
+    pub base: Option<&'a crate::FrozenBase>,
 }
 
 impl GptBlock<'_> {
@@ -207,10 +209,15 @@ impl GptBlock<'_> {
     }
 
     /// The block's projections over `parts`: `c_attn` and `c_fc`
-    /// column-parallel, the two `c_proj` row-parallel.
-    fn projections<'s>(&self, parts: &'s [Module; 4]) -> [Projection<'s>; 4] {
+    /// column-parallel, the two `c_proj` row-parallel; their weights in the
+    /// segment, or the packed base's.
+    fn projections<'s>(&'s self, parts: &'s [Module; 4]) -> [Projection<'s>; 4] {
         let Dims { c, w: Widths { a, m }, .. } = self.d;
-        let proj = |role, ic, i: usize| Projection { role, ic, base: Base::Conv1d, parts: &parts[i..i + 1] };
+        let base = |i: usize| match self.base {
+            Some(f) => Base::Frozen(f.conv(self.at.get(), i)),
+            None => Base::Conv1d,
+        };
+        let proj = |role, ic, i: usize| Projection { role, ic, base: base(i), parts: &parts[i..i + 1] };
         [proj(Role::Column, c, 0), proj(Role::Row, a, 1), proj(Role::Column, c, 2), proj(Role::Row, m, 3)]
     }
 }

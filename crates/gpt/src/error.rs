@@ -8,6 +8,10 @@ pub enum GptError {
     /// A model dimension is unusable.
     #[error("invalid model shape: {0}")]
     InvalidConfig(String),
+    /// A setting cannot be applied to this model: the message names the
+    /// key and the fix (a frozen base that cannot be packed as asked).
+    #[error("{0}")]
+    Setting(String),
     /// A batch does not fit the model.
     #[error("invalid batch: {0}")]
     InvalidBatch(String),

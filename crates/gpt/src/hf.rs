@@ -5,7 +5,7 @@
 use crate::config::GptConfig;
 use crate::error::GptError;
 use engine::ParamLayout;
-use safetensors::tensor::SafeTensors;
+use safetensors::tensor::{SafeTensors, TensorView};
 use std::path::Path;
 
 /// File name of the weights.
@@ -53,11 +53,35 @@ pub fn config_json(cfg: &GptConfig) -> serde_json::Value {
 /// tensor but LoRA adapters (a LoRA model's base; its adapters go
 /// beside it in PEFT's files, `crate::lora::save_adapter`).
 pub fn save(dir: &Path, cfg: &GptConfig, layout: &ParamLayout, params: &[f32]) -> Result<(), GptError> {
+    save_with_base(dir, cfg, (layout, params), None)
+}
+
+/// [`save`] of a layout that may leave the `Conv1D` weights out: those
+/// are written from the packed `base`, dequantised one at a time.
+pub fn save_with_base(
+    dir: &Path,
+    cfg: &GptConfig,
+    (layout, params): (&ParamLayout, &[f32]),
+    base: Option<&crate::FrozenBase>,
+) -> Result<(), GptError> {
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
-    let base = layout.tensors().iter().filter(|t| !nn::lora::is_adapter(&t.name));
-    let tensors: Vec<(String, Vec<usize>, &[f32])> =
-        base.map(|t| (t.name.clone(), t.shape.clone(), &params[t.range()])).collect();
-    nn::io::write_safetensors(&dir.join(WEIGHTS_FILE), &tensors, &[])?;
+    let plain = crate::Gpt::new(*cfg)?;
+    let mut heads = Vec::new();
+    let mut sources = Vec::new();
+    for t in engine::Model::layout(&plain).tensors() {
+        let src = match (layout.get(&t.name), crate::frozen::conv_of(&t.name)) {
+            (Some(s), _) => Ok(s.range()),
+            (None, Some(at)) if base.is_some() => Err(at),
+            _ => return Err(bad(dir, format!("no values for tensor `{}`", t.name))),
+        };
+        heads.push((t.name.clone(), t.shape.clone()));
+        sources.push(src);
+    }
+    let mut data = |i: usize| match &sources[i] {
+        Ok(r) => std::borrow::Cow::Borrowed(&params[r.clone()]),
+        Err((b, j)) => std::borrow::Cow::Owned(base.map_or(Vec::new(), |f| f.dequantize(*b, *j))),
+    };
+    nn::io::write_safetensors_with(&dir.join(WEIGHTS_FILE), &heads, &[], &mut data)?;
     let cfg_path = dir.join(CONFIG_FILE);
     let text = serde_json::to_string_pretty(&config_json(cfg)).map_err(|e| bad(&cfg_path, e.to_string()))?;
     Ok(nn::io::write_atomic(&cfg_path, text.as_bytes())?)
@@ -115,6 +139,17 @@ fn is_known_extra(name: &str) -> bool {
 /// `gpt2` file does not). LoRA adapters of the layout are not in the base's
 /// file: they are left zero (`crate::lora::init_in_place` starts them).
 pub fn load_weights(path: &Path, layout: &ParamLayout) -> Result<Vec<f32>, GptError> {
+    load_weights_with(path, layout, &mut |_, _| Ok(false))
+}
+
+/// A tensor of the file that is not in the layout: whether it was taken
+/// (read or deliberately skipped), by its name in the file.
+pub type Other<'a> = &'a mut dyn FnMut(&str, &TensorView<'_>) -> Result<bool, GptError>;
+
+/// [`load_weights`], every tensor of the file outside `layout` handed to
+/// `other` first: one it does not take (and that is no known extra) is
+/// an error.
+pub fn load_weights_with(path: &Path, layout: &ParamLayout, other: Other<'_>) -> Result<Vec<f32>, GptError> {
     let bytes = nn::io::map_file(path)?;
     let st = SafeTensors::deserialize(&bytes)
         .map_err(|e| bad(path, format!("not a valid safetensors file ({e}); it may be truncated or corrupt")))?;
@@ -146,8 +181,13 @@ pub fn load_weights(path: &Path, layout: &ParamLayout) -> Result<Vec<f32>, GptEr
         nn::io::release_pages(&bytes, view.data());
         used.insert(name);
     }
-    let mut unexpected: Vec<String> =
-        st.names().into_iter().filter(|n| !used.contains(*n) && !is_known_extra(n)).map(str::to_string).collect();
+    let mut unexpected = Vec::new();
+    for (name, view) in st.iter().filter(|(n, _)| !used.contains(*n)) {
+        if !other(name, &view)? && !is_known_extra(name) {
+            unexpected.push(name.to_string());
+        }
+        nn::io::release_pages(&bytes, view.data());
+    }
     if !unexpected.is_empty() {
         unexpected.sort();
         unexpected.truncate(5);

@@ -121,10 +121,22 @@ impl Widths {
     }
 }
 
-pub(crate) fn build_layout(cfg: &GptConfig, w: Widths, adapters: Option<Adapters>) -> (ParamLayout, ParamRanges) {
+/// The layout of a model at widths `w` with `adapters`; `packed`: the
+/// four `Conv1D` weights of every block left out (a frozen base held
+/// packed, [`crate::FrozenBase`]), their ranges empty.
+pub(crate) fn build_layout(
+    cfg: &GptConfig,
+    w: Widths,
+    adapters: Option<Adapters>,
+    packed: bool,
+) -> (ParamLayout, ParamRanges) {
     let c = cfg.n_embd;
     let Widths { a, m } = w;
     let mut l = ParamLayout::new();
+    let weight = |l: &mut ParamLayout, name: String, shape: &[usize]| match packed {
+        true => l.n_params()..l.n_params(),
+        false => l.push(name, shape, true),
+    };
     let wte = l.push("transformer.wte.weight", &[cfg.vocab_size, c], true);
     let wpe = l.push("transformer.wpe.weight", &[cfg.block_size, c], true);
     let blocks = (0..cfg.n_layer)
@@ -133,15 +145,15 @@ pub(crate) fn build_layout(cfg: &GptConfig, w: Widths, adapters: Option<Adapters
             BlockParams {
                 ln1_w: l.push(format!("{p}.ln_1.weight"), &[c], false),
                 ln1_b: l.push(format!("{p}.ln_1.bias"), &[c], false),
-                attn_w: l.push(format!("{p}.attn.c_attn.weight"), &[c, 3 * a], true),
+                attn_w: weight(&mut l, format!("{p}.attn.c_attn.weight"), &[c, 3 * a]),
                 attn_b: l.push(format!("{p}.attn.c_attn.bias"), &[3 * a], false),
-                proj_w: l.push(format!("{p}.attn.c_proj.weight"), &[a, c], true),
+                proj_w: weight(&mut l, format!("{p}.attn.c_proj.weight"), &[a, c]),
                 proj_b: l.push(format!("{p}.attn.c_proj.bias"), &[c], false),
                 ln2_w: l.push(format!("{p}.ln_2.weight"), &[c], false),
                 ln2_b: l.push(format!("{p}.ln_2.bias"), &[c], false),
-                fc_w: l.push(format!("{p}.mlp.c_fc.weight"), &[c, m], true),
+                fc_w: weight(&mut l, format!("{p}.mlp.c_fc.weight"), &[c, m]),
                 fc_b: l.push(format!("{p}.mlp.c_fc.bias"), &[m], false),
-                fcproj_w: l.push(format!("{p}.mlp.c_proj.weight"), &[m, c], true),
+                fcproj_w: weight(&mut l, format!("{p}.mlp.c_proj.weight"), &[m, c]),
                 fcproj_b: l.push(format!("{p}.mlp.c_proj.bias"), &[c], false),
                 lora: std::array::from_fn(|i| {
                     let a = adapters.filter(|a| a.targets[i])?;
@@ -156,12 +168,13 @@ pub(crate) fn build_layout(cfg: &GptConfig, w: Widths, adapters: Option<Adapters
         .collect();
     let lnf_w = l.push("transformer.ln_f.weight", &[c], false);
     let lnf_b = l.push("transformer.ln_f.bias", &[c], false);
-    let block_rel = relative_block(c, w, adapters);
+    let block_rel = relative_block(c, w, adapters, packed);
     (l, ParamRanges { wte, wpe, blocks, block_rel, lnf_w, lnf_b })
 }
 
-/// One block's parameter ranges relative to its first parameter.
-fn relative_block(c: usize, w: Widths, adapters: Option<Adapters>) -> BlockParams {
+/// One block's parameter ranges relative to its first parameter (`packed`:
+/// no `Conv1D` weights).
+fn relative_block(c: usize, w: Widths, adapters: Option<Adapters>, packed: bool) -> BlockParams {
     let Widths { a, m } = w;
     let mut at = 0;
     let mut next = |n: usize| {
@@ -172,15 +185,15 @@ fn relative_block(c: usize, w: Widths, adapters: Option<Adapters>) -> BlockParam
     BlockParams {
         ln1_w: next(c),
         ln1_b: next(c),
-        attn_w: next(3 * a * c),
+        attn_w: next(if packed { 0 } else { 3 * a * c }),
         attn_b: next(3 * a),
-        proj_w: next(a * c),
+        proj_w: next(if packed { 0 } else { a * c }),
         proj_b: next(c),
         ln2_w: next(c),
         ln2_b: next(c),
-        fc_w: next(m * c),
+        fc_w: next(if packed { 0 } else { m * c }),
         fc_b: next(m),
-        fcproj_w: next(m * c),
+        fcproj_w: next(if packed { 0 } else { m * c }),
         fcproj_b: next(c),
         lora: std::array::from_fn(|i| {
             let a = adapters.filter(|a| a.targets[i])?;
@@ -214,7 +227,7 @@ pub fn init_segment(cfg: &GptConfig, seed: u64, seg: usize) -> Vec<f32> {
         v.extend(vec![0.0; c]);
         return v;
     }
-    let r = relative_block(c, Widths::whole(cfg), None);
+    let r = relative_block(c, Widths::whole(cfg), None, false);
     let mut v = vec![0.0f32; r.span().len()];
     let mut put = |range: Range<usize>, vals: Vec<f32>| v[range].copy_from_slice(&vals);
     put(r.attn_w.clone(), normal(r.attn_w.len(), 0.02));
@@ -229,12 +242,28 @@ pub fn init_segment(cfg: &GptConfig, seed: u64, seg: usize) -> Vec<f32> {
 /// [`init_segment`] of a model with `adapters`: the base's values (the
 /// same whether adapters exist), then each adapter as PEFT starts it —
 /// `lora_A` Kaiming-uniform (`nn.Linear`'s default, bound 1/√in) from a
-/// stream of its own, `lora_B` zero, so the model computes the base's function.
-pub(crate) fn init_segment_with(cfg: &GptConfig, adapters: Option<Adapters>, seed: u64, seg: usize) -> Vec<f32> {
+/// stream of its own, `lora_B` zero, so the model computes the base's
+/// function. `packed`: a block without its `Conv1D` weights (DoRA's
+/// magnitudes still those of the random ones).
+pub(crate) fn init_segment_with(
+    cfg: &GptConfig,
+    (adapters, packed): (Option<Adapters>, bool),
+    seed: u64,
+    seg: usize,
+) -> Vec<f32> {
     let mut v = init_segment(cfg, seed, seg);
-    if let Some(ad) = adapters.filter(|_| (1..=cfg.n_layer).contains(&seg)) {
+    if !(1..=cfg.n_layer).contains(&seg) {
+        return v;
+    }
+    let r = relative_block(cfg.n_embd, Widths::whole(cfg), adapters, false);
+    if let Some(ad) = adapters {
         v.extend(init_adapters(cfg, ad, seed, seg - 1));
-        init_magnitudes(&relative_block(cfg.n_embd, Widths::whole(cfg), Some(ad)), &mut v);
+        init_magnitudes(&r, &mut v, None);
+    }
+    if packed {
+        for w in [&r.fcproj_w, &r.fc_w, &r.proj_w, &r.attn_w] {
+            v.drain(w.clone());
+        }
     }
     v
 }
@@ -242,17 +271,27 @@ pub(crate) fn init_segment_with(cfg: &GptConfig, adapters: Option<Adapters>, see
 /// DoRA's magnitudes in a block's values `v` (ranges `r` relative to
 /// the block, whole widths): each output feature's weight norm — a column
 /// of the `Conv1D` weight `[in, out]`, as PEFT's `fan_in_fan_out` reads
-/// it — so the adapted model starts as the base.
-pub(crate) fn init_magnitudes(r: &BlockParams, v: &mut [f32]) {
+/// it, or a row of the packed `base` (`(base, block)`) — so the adapted
+/// model starts as the base.
+pub(crate) fn init_magnitudes(r: &BlockParams, v: &mut [f32], base: Option<(&crate::FrozenBase, usize)>) {
     let weights = [&r.attn_w, &r.proj_w, &r.fc_w, &r.fcproj_w];
     for (i, lr) in r.lora.iter().enumerate() {
         let Some(m) = lr.as_ref().and_then(|l| l.m.clone()) else { continue };
         let out = m.len();
-        let inp = weights[i].len() / out.max(1);
-        let w = &v[weights[i].clone()];
         let mut mags = vec![0.0f32; out];
-        let cols = |rows: Range<usize>| rows.flat_map(|j| (0..inp).map(move |k| w[k * out + j])).collect();
-        nn::dora::initial_magnitude([out, inp], &cols, &mut mags);
+        match base {
+            Some((f, b)) => {
+                let w = f.conv(b, i);
+                let rows = |rows: Range<usize>| nn::proj::Frozen::rows(w, rows);
+                nn::dora::initial_magnitude([out, w.cols()], &rows, &mut mags);
+            }
+            None => {
+                let inp = weights[i].len() / out.max(1);
+                let w = &v[weights[i].clone()];
+                let cols = |rows: Range<usize>| rows.flat_map(|j| (0..inp).map(move |k| w[k * out + j])).collect();
+                nn::dora::initial_magnitude([out, inp], &cols, &mut mags);
+            }
+        }
         v[m].copy_from_slice(&mags);
     }
 }

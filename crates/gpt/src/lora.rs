@@ -5,6 +5,7 @@
 //! transformers' `GPT2LMHeadModel` loads ours.
 
 use crate::error::GptError;
+use crate::frozen::FrozenBase;
 use crate::layout::{conv_shape, Widths, CONVS, TARGETS};
 use crate::model::Gpt;
 use engine::Model;
@@ -30,8 +31,19 @@ fn check_count(what: &str, expected: usize, got: usize) -> Result<(), GptError> 
 /// initialised as [`Gpt::init_params`] does (A Kaiming-uniform, B zero)
 /// from `seed`, so the model computes the base's function.
 pub fn attach(model: &Gpt, base: &[f32], seed: u64) -> Result<Vec<f32>, GptError> {
+    attach_with(model, base, seed, None)
+}
+
+/// [`attach`] for a model that may hold its `Conv1D` weights packed
+/// (`frozen`): then `base` is the other tensors (the layout of
+/// [`Gpt::with_packed_layout`] without adapters) and DoRA's magnitudes
+/// start at `frozen`'s row norms.
+pub fn attach_with(model: &Gpt, base: &[f32], seed: u64, frozen: Option<&FrozenBase>) -> Result<Vec<f32>, GptError> {
     require_lora(model)?;
-    let plain = Gpt::new(*model.config())?;
+    let plain = match model.packs_base() {
+        true => Gpt::with_packed_layout(*model.config(), None)?,
+        false => Gpt::new(*model.config())?,
+    };
     check_count("base model", plain.layout().n_params(), base.len())?;
     let mut out = vec![0.0f32; model.layout().n_params()];
     for t in plain.layout().tensors() {
@@ -39,13 +51,13 @@ pub fn attach(model: &Gpt, base: &[f32], seed: u64) -> Result<Vec<f32>, GptError
             model.layout().get(&t.name).ok_or_else(|| GptError::InvalidConfig(format!("no tensor {}", t.name)))?;
         out[dst.range()].copy_from_slice(&base[t.range()]);
     }
-    init_in_place(model, &mut out, seed)?;
+    init_in_place(model, &mut out, seed, frozen)?;
     Ok(out)
 }
 
-/// [`attach`] on parameters already laid out for `model`, the base's
+/// [`attach_with`] on parameters already laid out for `model`, the base's
 /// tensors in place: each adapter starts as initialised from `seed`.
-pub fn init_in_place(model: &Gpt, params: &mut [f32], seed: u64) -> Result<(), GptError> {
+pub fn init_in_place(model: &Gpt, params: &mut [f32], seed: u64, frozen: Option<&FrozenBase>) -> Result<(), GptError> {
     require_lora(model)?;
     check_count("model with adapters", model.layout().n_params(), params.len())?;
     let Some(ad) = model.adapter_set() else { return Ok(()) };
@@ -54,7 +66,7 @@ pub fn init_in_place(model: &Gpt, params: &mut [f32], seed: u64) -> Result<(), G
         let span = model.block_params(idx).span();
         let first = model.block_params(idx).fcproj_b.end;
         params[first..span.end].copy_from_slice(&crate::layout::init_adapters(model.config(), ad, seed, idx));
-        crate::layout::init_magnitudes(model.block_rel(), &mut params[span]);
+        crate::layout::init_magnitudes(model.block_rel(), &mut params[span], frozen.map(|f| (f, idx)));
     }
     Ok(())
 }
@@ -64,6 +76,12 @@ pub fn init_in_place(model: &Gpt, params: &mut [f32], seed: u64) -> Result<(), G
 /// each output feature then rescaled to its magnitude `m_j / ‖W[:, j]‖`, for
 /// `--merge` and export: a plain GPT-2 that computes what the adapted one does.
 pub fn merge(model: &Gpt, params: &[f32]) -> Result<Vec<f32>, GptError> {
+    merge_with(model, params, None)
+}
+
+/// [`merge`] of a model whose `Conv1D` weights may be packed outside its
+/// layout (`frozen`): they are dequantised into the merged model.
+pub fn merge_with(model: &Gpt, params: &[f32], frozen: Option<&FrozenBase>) -> Result<Vec<f32>, GptError> {
     let lora = require_lora(model)?;
     let layout = model.layout();
     check_count("model", layout.n_params(), params.len())?;
@@ -71,8 +89,11 @@ pub fn merge(model: &Gpt, params: &[f32]) -> Result<Vec<f32>, GptError> {
     let plain = Gpt::new(cfg)?;
     let mut out = vec![0.0f32; plain.layout().n_params()];
     for t in plain.layout().tensors() {
-        let src = layout.get(&t.name).ok_or_else(|| GptError::InvalidConfig(format!("no tensor {}", t.name)))?;
-        out[t.range()].copy_from_slice(&params[src.range()]);
+        match (layout.get(&t.name), crate::frozen::conv_of(&t.name), frozen) {
+            (Some(src), _, _) => out[t.range()].copy_from_slice(&params[src.range()]),
+            (None, Some((b, i)), Some(f)) => out[t.range()].copy_from_slice(&f.dequantize(b, i)),
+            _ => return Err(GptError::InvalidConfig(format!("no tensor {}", t.name))),
+        }
     }
     let w = Widths::whole(&cfg);
     for idx in 0..cfg.n_layer {

@@ -9,6 +9,7 @@
 use crate::block::{ActSizes, Dims, GptBlock};
 use crate::config::GptConfig;
 use crate::error::GptError;
+use crate::frozen::FrozenBase;
 use crate::layout::{build_layout, conv_shape, Adapters, BlockParams, ParamRanges, Widths, TARGETS};
 use engine::{Checkpointing, ParamStore, Precision, TpRank};
 use nn::flash::Visible;
@@ -17,6 +18,7 @@ use nn::lora::LoraConfig;
 use nn::lora_dropout::Dropout;
 use nn::shell::{Acts, Decoder, Ends, FinalNorm, Pass, Shell, Walk};
 use std::ops::Range;
+use std::sync::Arc;
 
 pub use engine::batch::{TokenBatch as Batch, IGNORE_INDEX};
 
@@ -37,6 +39,10 @@ pub struct Gpt {
     adapters: Option<Adapters>,
     /// The optimizer step (keys LoRA dropout's masks).
     step: u64,
+    /// Whether the layout leaves the `Conv1D` weights out (a packed base).
+    packed: bool,
+    /// The packed frozen base (shared by the models of the process).
+    base: Option<Arc<FrozenBase>>,
 }
 
 impl Gpt {
@@ -56,7 +62,7 @@ impl Gpt {
     /// columns of every block, the embeddings and norms whole;
     /// [`engine::StagedModel::tensor_shards`] maps its layout onto the whole model's.
     pub fn tensor_parallel(cfg: GptConfig, precision: Precision, tp: TpRank) -> Result<Self, GptError> {
-        Self::assemble(cfg, precision, tp, None)
+        Self::assemble(cfg, precision, tp, None, false)
     }
 
     /// A model with LoRA adapters on `lora`'s target layers (`c_attn`,
@@ -64,7 +70,7 @@ impl Gpt {
     /// holds the base tensors and, at the end of each block, the adapters
     /// (`….attn.c_attn.lora_A.weight` `[r, C]`, `lora_B` `[3C, r]`, ...).
     pub fn with_lora(cfg: GptConfig, lora: LoraConfig, precision: Precision) -> Result<Self, GptError> {
-        Self::assemble(cfg, precision, TpRank::WHOLE, Some(lora))
+        Self::assemble(cfg, precision, TpRank::WHOLE, Some(lora), false)
     }
 
     /// [`Gpt::with_lora`] as tensor-parallel rank `tp` holds it: each
@@ -75,14 +81,49 @@ impl Gpt {
         precision: Precision,
         tp: TpRank,
     ) -> Result<Self, GptError> {
-        Self::assemble(cfg, precision, tp, Some(lora))
+        Self::assemble(cfg, precision, tp, Some(lora), false)
     }
 
-    fn assemble(cfg: GptConfig, precision: Precision, tp: TpRank, lora: Option<LoraConfig>) -> Result<Self, GptError> {
+    /// A model whose layout leaves the four `Conv1D` weights of every
+    /// block out, as [`Gpt::with_frozen_base`]'s does, before any base is
+    /// loaded (`lora`: its adapters; none: the base's other tensors, what
+    /// is read beside a packed base). It runs no pass.
+    pub fn with_packed_layout(cfg: GptConfig, lora: Option<LoraConfig>) -> Result<Self, GptError> {
+        Self::assemble(cfg, Precision::F32, TpRank::WHOLE, lora, true)
+    }
+
+    /// A model with `lora`'s adapters whose `Conv1D` weights are `base`,
+    /// packed and frozen, outside the layout.
+    pub fn with_frozen_base(
+        cfg: GptConfig,
+        lora: LoraConfig,
+        precision: Precision,
+        base: Arc<FrozenBase>,
+    ) -> Result<Self, GptError> {
+        if base.n_layers() != cfg.n_layer {
+            let problem = format!("a frozen base of {} blocks for a model of {}", base.n_layers(), cfg.n_layer);
+            return Err(GptError::InvalidConfig(problem));
+        }
+        let model = Self::assemble(cfg, precision, TpRank::WHOLE, Some(lora), true)?;
+        Ok(Self { base: Some(base), ..model })
+    }
+
+    /// Whether the layout leaves the `Conv1D` weights out (a packed base).
+    pub fn packs_base(&self) -> bool {
+        self.packed
+    }
+
+    fn assemble(
+        cfg: GptConfig,
+        precision: Precision,
+        tp: TpRank,
+        lora: Option<LoraConfig>,
+        packed: bool,
+    ) -> Result<Self, GptError> {
         cfg.validate()?;
         crate::shard::check(&cfg, tp)?;
         let adapters = lora.as_ref().map(|l| Self::size_adapters(&cfg, l, tp)).transpose()?;
-        let (layout, ranges) = build_layout(&cfg, Widths::of(&cfg, tp), adapters);
+        let (layout, ranges) = build_layout(&cfg, Widths::of(&cfg, tp), adapters, packed);
         let ends = Ends {
             width: cfg.n_embd,
             vocab: cfg.vocab_size,
@@ -96,7 +137,7 @@ impl Gpt {
             soft_cap: None,
         };
         let shell = Shell::new(ends, layout, precision);
-        Ok(Self { cfg, ranges, shell, tp, lora, adapters, step: 0 })
+        Ok(Self { cfg, ranges, shell, tp, lora, adapters, step: 0, packed, base: None })
     }
 
     /// Checks `lora` for GPT-2 (what is not implemented for its block is
@@ -154,7 +195,7 @@ impl Gpt {
 
     /// The initial values of segment `seg` alone (see [`crate::init_segment`]).
     pub fn init_segment(&self, seed: u64, seg: usize) -> Vec<f32> {
-        crate::layout::init_segment_with(&self.cfg, self.adapters, seed, seg)
+        crate::layout::init_segment_with(&self.cfg, (self.adapters, self.packed), seed, seg)
     }
 
     /// The tensor-parallel rank this model is built for.
@@ -265,6 +306,9 @@ impl Decoder for Gpt {
             self.shell.acts.extra = (pass == Pass::Train && p_drop > 0.0)
                 .then(|| Dropout::new(p_drop, self.step, batch).on_rank(self.tp.rank));
         }
+        if self.packed && self.base.is_none() {
+            return Err(GptError::InvalidConfig("a packed layout without its frozen base cannot run a pass".into()));
+        }
         let cfg = &self.cfg;
         let (nh, w) = (cfg.n_head / self.tp.size, Widths::of(cfg, self.tp));
         let lora = self.lora_rank_scale();
@@ -276,7 +320,8 @@ impl Decoder for Gpt {
         };
         let (r, visible) = (&self.ranges.block_rel, Visible::documents(&a.docs));
         let (drop, at) = (a.extra.as_ref(), std::cell::Cell::new(0));
-        let block = GptBlock { r, d, prec, attn, visible, lora, drop, at };
+        let base = self.base.as_deref();
+        let block = GptBlock { r, d, prec, attn, visible, lora, drop, at, base };
         match walk {
             Walk::Forward(pass, _) => a.stack.forward(&block, store, segs, pass == Pass::Train)?,
             Walk::Backward => a.stack.backward(&block, store, segs)?,

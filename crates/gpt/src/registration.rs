@@ -2,13 +2,15 @@
 //! `config.json` and files, behind the `family` crate's traits.
 
 use crate::layout::TARGETS;
-use crate::{hf, lora, Gpt, GptConfig, GptError};
-use config::ModelConfig;
+use crate::{hf, lora, FrozenBase, Gpt, GptConfig, GptError};
+use config::{FrozenDtype, ModelConfig};
 use engine::{Model, ParamLayout, Precision, StagedModel, TpRank};
-use family::{Build, Family, LanguageModel, Registration, Result};
+use family::{BoxError, Build, Family, FrozenBytes, FrozenStorage, LanguageModel, PackedSource, Registration, Result};
+use nn::linear::PackFormat;
 use nn::lora::LoraConfig;
+use nn::proj::FrozenFormat;
 use serde::{Deserialize, Serialize};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// GPT-2's registration: `model.family = "gpt2"`, `model_type: "gpt2"`.
@@ -149,6 +151,10 @@ impl Family for Gpt2 {
         Ok(crate::export::gguf_model(self.name(), &self.0, layout, params)?)
     }
 
+    fn with_frozen_storage(&self, s: &FrozenStorage) -> Result<Option<Arc<dyn Family>>> {
+        family::no_adapters_to_pack(s)
+    }
+
     fn pin_shape(&self, m: &mut ModelConfig) {
         let c = &self.0;
         let s = Section {
@@ -248,7 +254,9 @@ impl Family for Gpt2Rank {
 }
 
 /// GPT-2 with LoRA adapters on a frozen base: the base's files as
-/// [`Gpt2`] writes them, the adapters beside them in PEFT's format.
+/// [`Gpt2`] writes them, the adapters beside them in PEFT's format. The
+/// base's `Conv1D` weights are f32 tensors of the layout, or packed
+/// outside it (`train.frozen_dtype`: QLoRA).
 #[derive(Debug, Clone)]
 pub struct Gpt2Lora {
     base: Gpt2,
@@ -259,13 +267,72 @@ pub struct Gpt2Lora {
     model: Arc<Gpt>,
     /// The whole model's layout (what a rank's initial values are cut from).
     whole: Arc<Gpt>,
+    /// The `Conv1D` weights packed outside the layout, if so.
+    packed: Option<Arc<Packed>>,
 }
+
+/// A packed frozen base: its format and where and when it is read.
+#[derive(Debug)]
+struct Packed {
+    format: FrozenFormat,
+    base: PackedSource<FrozenBase>,
+}
+
+impl Packed {
+    /// The base, read from its folder on first use.
+    fn get(&self, cfg: &GptConfig) -> Result<Arc<FrozenBase>> {
+        Ok(self.base.get(false, &|dir, rest| self.read(cfg, dir, rest))?.0)
+    }
+
+    /// The base from the folder `dir` and, when asked, the other tensors.
+    fn read(&self, cfg: &GptConfig, dir: &Path, rest: bool) -> std::result::Result<Read, BoxError> {
+        let layout = match rest {
+            true => Some(Gpt::with_packed_layout(*cfg, None)?.layout().clone()),
+            false => None,
+        };
+        Ok(crate::frozen::load(cfg, dir, self.format, layout)?)
+    }
+}
+
+/// A base and the other tensors read with it.
+type Read = (FrozenBase, Option<Vec<f32>>);
 
 impl Gpt2Lora {
     /// `cfg` with `lora`'s adapters (checked: what GPT-2 does not support is named).
     pub fn new(cfg: GptConfig, lora: LoraConfig) -> Result<Self> {
         let model = Arc::new(Gpt::with_lora(cfg, lora.clone(), Precision::F32)?);
-        Ok(Self { base: Gpt2(cfg), lora, tp: TpRank::WHOLE, whole: model.clone(), model })
+        Ok(Self { base: Gpt2(cfg), lora, tp: TpRank::WHOLE, whole: model.clone(), model, packed: None })
+    }
+
+    /// The packed base, read on first use (`None`: the layout holds it,
+    /// or a plan without its file).
+    fn frozen(&self) -> Result<Option<Arc<FrozenBase>>> {
+        let p = self.packed.as_ref().filter(|p| p.base.source.is_some());
+        p.map(|p| p.get(&self.base.0)).transpose()
+    }
+
+    /// This shape with its `Conv1D` weights packed as `format` (`stored`:
+    /// each weight's stored type and the format that keeps it), read from
+    /// `source` on first use; `key` names the setting in errors.
+    fn packed_family(
+        &self,
+        key: &str,
+        source: Option<PathBuf>,
+        format: FrozenFormat,
+        stored: &[(String, String, Option<PackFormat>)],
+    ) -> Result<Arc<dyn Family>> {
+        let cfg = &self.base.0;
+        let shape = |name: &str| {
+            let (_, i) = crate::frozen::conv_of(name).unwrap_or((0, 0));
+            let [inp, out] = crate::layout::conv_shape(i, cfg.n_embd, crate::layout::Widths::whole(cfg));
+            [out, inp]
+        };
+        let all_in = |f| FrozenBase::planned_bytes(cfg, f);
+        let (formats, bytes) = format.planned((key, source.as_deref()), stored, &shape, &all_in)?;
+        let planned = FrozenBytes { formats, bytes };
+        let model = Arc::new(Gpt::with_packed_layout(*cfg, Some(self.lora.clone()))?);
+        let packed = Packed { format, base: PackedSource::new(source, planned) };
+        Ok(Arc::new(Self { model: model.clone(), whole: model, packed: Some(Arc::new(packed)), ..self.clone() }))
     }
 
     /// Errors on a tensor-parallel rank: files hold the whole model.
@@ -320,12 +387,25 @@ impl Family for Gpt2Lora {
 
     /// The rank's heads and MLP columns with their adapters' pieces.
     fn tensor_parallel(&self, tp: TpRank) -> Result<Arc<dyn Family>> {
+        if self.packed.is_some() && tp.is_split() {
+            return Err(format!(
+                "a packed frozen base is kept whole (dist.tensor_parallel = {}); set train.frozen_dtype = \"f32\" or dist.tensor_parallel = 1",
+                tp.size
+            )
+            .into());
+        }
         let model = Gpt::tensor_parallel_with_lora(self.base.0, self.lora.clone(), Precision::F32, tp)?;
         Ok(Arc::new(Self { model: Arc::new(model), tp, ..self.clone() }))
     }
 
     fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>> {
-        let model = Gpt::tensor_parallel_with_lora(self.base.0, self.lora.clone(), build.precision, self.tp)?;
+        let (cfg, lora) = (self.base.0, self.lora.clone());
+        let model = match (&self.packed, self.frozen()?) {
+            // A plan of a shape without its file: the layout alone (a pass is refused).
+            (Some(_), None) => Gpt::with_packed_layout(cfg, Some(lora))?,
+            (_, Some(base)) => Gpt::with_frozen_base(cfg, lora, build.precision, base)?,
+            (None, None) => Gpt::tensor_parallel_with_lora(cfg, lora, build.precision, self.tp)?,
+        };
         Ok(Box::new(family::Erased(model.with_checkpointing(build.checkpointing))))
     }
 
@@ -353,17 +433,32 @@ impl Family for Gpt2Lora {
         if layout.n_params() != params.len() {
             return Err(format!("{} parameters to save, the model has {}", params.len(), layout.n_params()).into());
         }
-        hf::save(dir, &self.base.0, layout, params)?;
+        hf::save_with_base(dir, &self.base.0, (layout, params), self.frozen()?.as_deref())?;
         Ok(lora::save_adapter(dir, &self.model, params, None)?)
     }
 
     /// The base, the adapters as initialised (B = 0: the base's function),
-    /// then the folder's trained adapters when it has them.
+    /// then the folder's trained adapters when it has them. With a packed
+    /// base, the folder's `Conv1D` weights must be that base's values.
     fn load_weights(&self, dir: &Path, layout: &ParamLayout) -> Result<Vec<f32>> {
         self.whole_only("loading weights")?;
+        let frozen = self.frozen()?;
+        let path = dir.join(family::WEIGHTS_FILE);
         // `init_in_place` refuses a layout other than the model's.
-        let mut params = hf::load_weights(&dir.join(family::WEIGHTS_FILE), layout)?;
-        lora::init_in_place(&self.model, &mut params, 0)?;
+        let mut params = hf::load_weights_with(&path, layout, &mut |name, view| {
+            let (Some((b, i)), Some(f)) = (crate::frozen::conv_of(name), &frozen) else { return Ok(false) };
+            let mut w = vec![0.0; view.shape().iter().product()];
+            nn::io::decode_into(view.dtype(), view.data(), &mut w)
+                .map_err(|e| GptError::File(nn::io::bad(&path, format!("tensor `{name}` {e}"))))?;
+            let base = f.dequantize(b, i);
+            match w.iter().zip(&base).position(|(x, y)| x.to_bits() != y.to_bits()) {
+                None => Ok(true),
+                Some(at) => Err(GptError::File(nn::io::bad(&path, format!(
+                    "`{name}` in this folder differs from the packed base it was trained on (train.frozen_source) at element {at}: that file changed after the run; restore it, or read the folder's own f32 base (generate / eval --dequantize)"
+                )))),
+            }
+        })?;
+        lora::init_in_place(&self.model, &mut params, 0, frozen.as_deref())?;
         if dir.join(nn::lora::ADAPTER_CONFIG_FILE).exists() {
             lora::apply(&lora::load_adapter(dir)?, &self.model, &mut params)?;
         }
@@ -374,17 +469,74 @@ impl Family for Gpt2Lora {
         self.whole_only("attaching adapters")?;
         match params.len() == self.model.layout().n_params() {
             true => Ok(params),
-            false => Ok(lora::attach(&self.model, &params, seed)?),
+            false => Ok(lora::attach_with(&self.model, &params, seed, self.frozen()?.as_deref())?),
         }
     }
 
     fn merged(&self, params: &[f32]) -> Result<Option<family::Loaded>> {
         self.whole_only("merging adapters")?;
-        Ok(Some((Arc::new(self.base), lora::merge(&self.model, params)?)))
+        let merged = lora::merge_with(&self.model, params, self.frozen()?.as_deref())?;
+        Ok(Some((Arc::new(self.base), merged)))
     }
 
     fn pin_shape(&self, m: &mut ModelConfig) {
         self.base.pin_shape(m)
+    }
+
+    fn with_frozen_storage(&self, s: &FrozenStorage) -> Result<Option<Arc<dyn Family>>> {
+        let key = format!("train.frozen_dtype = \"{}\"", s.dtype.name());
+        let format = match s.dtype {
+            FrozenDtype::F32 => return Ok(None),
+            FrozenDtype::Bf16 => FrozenFormat::Pack(PackFormat::Bf16),
+            FrozenDtype::Nf4 => FrozenFormat::Pack(PackFormat::Nf4 { double_quant: s.double_quant }),
+            FrozenDtype::Source | FrozenDtype::Auto => FrozenFormat::Source,
+        };
+        // Without a source a named packed format is planned (its bytes
+        // follow from the shape); building the model then asks for one.
+        let stored = match &s.source {
+            Some(p) => crate::frozen::source_formats(p).map_err(|e| format!("{}: {e}", p.display()))?,
+            None if matches!(format, FrozenFormat::Pack(_)) => Vec::new(),
+            None if s.packs_by_name() => {
+                return Err(format!("{key} keeps the base in its file's format, and no file is given: pass --init-from (a Hugging Face folder) or set train.frozen_source = PATH").into())
+            }
+            None => return Ok(None),
+        };
+        if s.dtype == FrozenDtype::Auto {
+            let sixteen = |f: &Option<PackFormat>| matches!(f, Some(PackFormat::Bf16 | PackFormat::F16));
+            if stored.is_empty() || !stored.iter().all(|(_, _, f)| sixteen(f)) {
+                return Ok(None);
+            }
+        }
+        // A shape the format's blocks do not divide is refused before the
+        // pretrained file is read (a plan without one rounds up the rows).
+        if let (FrozenFormat::Pack(f), Some(source)) = (format, &s.source) {
+            let cfg = &self.base.0;
+            for (i, name) in crate::layout::CONVS.iter().enumerate() {
+                let [inp, out] = crate::layout::conv_shape(i, cfg.n_embd, crate::layout::Widths::whole(cfg));
+                if !inp.is_multiple_of(f.block()) {
+                    return Err(format!(
+                        "{key} cannot pack {}'s `{name}` weights ([{inp}, {out}]): {} packs each output feature's {inp} inputs in blocks of {}, and {inp} is not a multiple of {}; set train.frozen_dtype = \"bf16\" (or \"f32\") for this model",
+                        source.display(),
+                        f.name(),
+                        f.block(),
+                        f.block()
+                    )
+                    .into());
+                }
+            }
+        }
+        Ok(Some(self.packed_family(&key, s.source.clone(), format, &stored)?))
+    }
+
+    fn frozen_bytes(&self) -> Option<FrozenBytes> {
+        self.packed.as_ref().map(|p| p.base.planned.clone())
+    }
+
+    fn load_unfrozen(&self, source: &Path) -> Result<Vec<f32>> {
+        let Some(p) = &self.packed else {
+            return Err(format!("{}: this {} shape holds no packed frozen base", source.display(), self.name()).into());
+        };
+        p.base.load_unfrozen(source, &|dir, rest| p.read(&self.base.0, dir, rest))
     }
 }
 

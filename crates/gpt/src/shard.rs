@@ -88,7 +88,7 @@ pub(crate) fn shards(
     if !tp.is_split() {
         return Err(GptError::InvalidConfig("the whole model has no shards".into()));
     }
-    let (whole, _) = build_layout(cfg, Widths::of(cfg, TpRank::WHOLE), adapters);
+    let (whole, _) = build_layout(cfg, Widths::of(cfg, TpRank::WHOLE), adapters, false);
     let r = adapters.map_or(0, |a| a.r);
     let shards = whole.tensors().iter().map(|t| shard_of(cfg, &t.name, tp.size, r)).collect();
     TensorShards::new(tp, whole, local.clone(), shards).map_err(|e| GptError::InvalidConfig(e.to_string()))

@@ -127,14 +127,7 @@ impl LayerBase {
     }
 }
 
-/// How each frozen projection is packed as it is read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FrozenFormat {
-    /// Every projection in this format (quantised or rounded from its values).
-    Pack(PackFormat),
-    /// Each projection in the format its source stores it in.
-    Source,
-}
+pub use nn::proj::FrozenFormat;
 
 /// Every layer's frozen projections, packed; shared (`Arc`) by the models
 /// of one process — thread ranks hold one copy.

@@ -9,6 +9,7 @@ use crate::frozen::{pack, stored_projs, FrozenBase, FrozenFormat};
 use crate::layout::Proj;
 use gguf::llama::LlamaGguf;
 use nn::linear::{PackFormat, PackedMatrix};
+use nn::proj::safetensors_format;
 use std::path::Path;
 
 /// The packed format that keeps a GGUF tensor type's blocks as they are.
@@ -19,15 +20,6 @@ fn gguf_format(ty: gguf::GgmlType) -> Option<PackFormat> {
         "Q8_0" => Some(PackFormat::Q8_0),
         "Q4_0" => Some(PackFormat::Q4_0),
         "Q4_1" => Some(PackFormat::Q4_1),
-        _ => None,
-    }
-}
-
-/// The packed format that keeps a safetensors dtype's values as they are.
-fn safetensors_format(dtype: &str) -> Option<PackFormat> {
-    match dtype {
-        "F16" => Some(PackFormat::F16),
-        "BF16" => Some(PackFormat::Bf16),
         _ => None,
     }
 }
@@ -117,17 +109,7 @@ fn open_gguf(dialect: &dyn Dialect, source: &Path) -> Result<LlamaGguf, LlamaErr
 /// What `format` makes of a projection stored as `stored` (`kept`: the
 /// packed format of its own bytes, if any).
 fn target(format: FrozenFormat, name: &str, stored: &str, kept: Option<PackFormat>) -> Result<PackFormat, LlamaError> {
-    match format {
-        FrozenFormat::Pack(f) => Ok(f),
-        FrozenFormat::Source => kept.ok_or_else(|| {
-            LlamaError::config(
-                "train.frozen_dtype",
-                format!(
-                    "\"source\" keeps each frozen projection in its file's format, but `{name}` is stored as {stored}, which has no packed form (F16, BF16, Q8_0, Q4_0, Q4_1 do); set train.frozen_dtype = \"bf16\" or \"nf4\""
-                ),
-            )
-        }),
-    }
+    format.target(name, stored, kept).map_err(|e| LlamaError::config("train.frozen_dtype", e))
 }
 
 /// The frozen base of `cfg` read from `source` (a GGUF file or a Hugging

@@ -11,10 +11,12 @@ use crate::frozen_load;
 use crate::{hf, import, lora, Llama, LlamaConfig, LlamaError, LoraConfig, Proj};
 use config::{FrozenDtype, ModelConfig};
 use engine::{Model, ParamLayout, Precision, TpRank};
-use family::{Build, Family, FrozenBytes, FrozenStorage, LanguageModel, Loaded, Registration, Result};
+use family::{
+    BoxError, Build, Family, FrozenBytes, FrozenStorage, LanguageModel, Loaded, PackedSource, Registration, Result,
+};
 use nn::linear::PackFormat;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 mod section;
 use section::Section;
@@ -120,55 +122,35 @@ pub struct LlamaFamily {
     packed: Option<Arc<PackedBase>>,
 }
 
-/// A frozen base kept packed: where it is read from, in which format, the
-/// bytes it takes, and (once the first model is built) the base itself,
-/// shared by every model of the process.
+/// A frozen base kept packed: the family whose file it is (a GGUF file's
+/// names are its architecture's), the format it is packed in, and the
+/// file, bytes and base itself.
 #[derive(Debug)]
 struct PackedBase {
-    /// The family whose file it is (a GGUF file's names are its architecture's).
     dialect: &'static dyn Dialect,
-    /// Where the base is read from (`None`: a plan of a shape, never built).
-    source: Option<PathBuf>,
     format: FrozenFormat,
-    planned: FrozenBytes,
-    loaded: Mutex<Option<Arc<FrozenBase>>>,
+    base: PackedSource<FrozenBase>,
 }
 
 impl PackedBase {
     /// The base, read from the source on first use; also the layout's other
     /// tensors when they were read now (`None`: the base was loaded before).
     fn get(&self, cfg: &LlamaConfig, want_rest: bool) -> Result<(Arc<FrozenBase>, Option<Vec<f32>>)> {
-        let mut slot = self.loaded.lock().map_err(|_| "the frozen base's loader panicked on another rank")?;
-        if let (Some(b), false) = (slot.as_ref(), want_rest) {
-            return Ok((b.clone(), None));
-        }
-        let Some(source) = &self.source else {
-            return Err("a packed frozen base is read from a pretrained model: pass --init-from (a GGUF file or a Hugging Face folder) or set train.frozen_source".into());
-        };
-        // The other tensors are read only when asked for (a model built
-        // after the run's start does not need them again).
-        let layout = match want_rest {
+        self.base.get(want_rest, &|source, rest| self.read(cfg, source, rest))
+    }
+
+    /// The base from `source` and, when asked, the layout's other tensors.
+    fn read(&self, cfg: &LlamaConfig, source: &Path, rest: bool) -> std::result::Result<Read, BoxError> {
+        let layout = match rest {
             true => Some(Llama::with_packed_layout(cfg.clone(), None)?.layout().clone()),
             false => None,
         };
-        let (base, rest) = frozen_load::load((self.dialect, cfg), source, self.format, layout)
-            .map_err(|e| format!("{}: {}", source.display(), chain(&e)))?;
-        let base = slot.get_or_insert_with(|| Arc::new(base)).clone();
-        Ok((base, rest))
+        Ok(frozen_load::load((self.dialect, cfg), source, self.format, layout)?)
     }
 }
 
-/// `e` and every cause below it, joined by `: ` (a file error's cause is
-/// what is wrong in the file).
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        text = format!("{text}: {c}");
-        cause = c.source();
-    }
-    text
-}
+/// A base and the other tensors read with it.
+type Read = (FrozenBase, Option<Vec<f32>>);
 
 impl LlamaFamily {
     /// `dialect`'s family at `cfg`, with adapters when `lora` is given.
@@ -188,32 +170,12 @@ impl LlamaFamily {
         stored: &[(String, String, Option<PackFormat>)],
     ) -> Result<Arc<dyn Family>> {
         let cfg = &self.cfg;
-        let planned = match format {
-            FrozenFormat::Pack(f) => {
-                FrozenBytes { formats: f.name().into(), bytes: FrozenBase::planned_bytes(cfg, |_| f) }
-            }
-            FrozenFormat::Source => {
-                let (mut names, mut bytes) = (Vec::new(), 0u128);
-                for (name, dtype, kept) in stored {
-                    let Some(f) = kept else {
-                        return Err(format!(
-                            "{key}: `{name}` is stored as {dtype} in {}, which has no packed form (F16, BF16, Q8_0, Q4_0, Q4_1 do); set train.frozen_dtype = \"bf16\" or \"nf4\"",
-                            source.as_deref().unwrap_or(Path::new("the source")).display()
-                        )
-                        .into());
-                    };
-                    let pr = frozen::proj_of(name).map_or(Proj::Q, |(_, p)| p);
-                    let [rows, cols] = pr.shape(cfg);
-                    bytes += f.bytes_for(rows, cols);
-                    if !names.contains(&f.name()) {
-                        names.push(f.name());
-                    }
-                }
-                FrozenBytes { formats: names.join("+"), bytes }
-            }
-        };
+        let shape = |name: &str| frozen::proj_of(name).map_or(Proj::Q, |(_, p)| p).shape(cfg);
+        let all_in = |f| FrozenBase::planned_bytes(cfg, |_| f);
+        let (formats, bytes) = format.planned((key, source.as_deref()), stored, &shape, &all_in)?;
+        let planned = FrozenBytes { formats, bytes };
         let model = Llama::with_packed_layout(cfg.clone(), self.lora.clone())?;
-        let packed = PackedBase { dialect: self.dialect, source, format, planned, loaded: Mutex::new(None) };
+        let packed = PackedBase { dialect: self.dialect, format, base: PackedSource::new(source, planned) };
         Ok(Arc::new(Self { model: Arc::new(model), packed: Some(Arc::new(packed)), ..self.clone() }))
     }
 
@@ -309,7 +271,7 @@ impl Family for LlamaFamily {
     fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>> {
         let model = match &self.packed {
             // A plan of a shape without its file: the layout alone (a pass is refused).
-            Some(p) if p.source.is_none() => Llama::with_packed_layout(self.cfg.clone(), self.lora.clone())?,
+            Some(p) if p.base.source.is_none() => Llama::with_packed_layout(self.cfg.clone(), self.lora.clone())?,
             Some(p) => {
                 let (base, _) = p.get(&self.cfg, false)?;
                 Llama::with_frozen_base(self.cfg.clone(), self.lora.clone(), build.precision, base)?
@@ -352,7 +314,7 @@ impl Family for LlamaFamily {
         match &self.lora {
             Some(_) if params.len() != n => {
                 // DoRA's magnitudes start at the packed base's row norms.
-                let base = self.packed.as_ref().filter(|p| p.source.is_some());
+                let base = self.packed.as_ref().filter(|p| p.base.source.is_some());
                 let base = base.map(|p| p.get(&self.cfg, false)).transpose()?.map(|(b, _)| b);
                 Ok(lora::attach_with(&self.model, &params, seed, base.as_deref())?)
             }
@@ -401,10 +363,7 @@ impl Family for LlamaFamily {
         let by_name = s.packs_by_name();
         let key = format!("train.frozen_dtype = \"{}\"", s.dtype.name());
         if self.lora.is_none() {
-            return match by_name {
-                true => Err(format!("{key} packs the frozen base of a LoRA run, and there is no [lora]: add [lora] or set train.frozen_dtype = \"auto\"").into()),
-                false => Ok(None),
-            };
+            return family::no_adapters_to_pack(s);
         }
         let format = match s.dtype {
             FrozenDtype::F32 => return Ok(None),
@@ -471,23 +430,14 @@ impl Family for LlamaFamily {
     }
 
     fn frozen_bytes(&self) -> Option<FrozenBytes> {
-        self.packed.as_ref().map(|p| p.planned.clone())
+        self.packed.as_ref().map(|p| p.base.planned.clone())
     }
 
     fn load_unfrozen(&self, source: &Path) -> Result<Vec<f32>> {
         let Some(p) = &self.packed else {
             return Err(format!("{}: this {} shape holds no packed frozen base", source.display(), self.name()).into());
         };
-        if p.source.as_deref() != Some(source) {
-            return Err(format!(
-                "the frozen base is read from {}, the other tensors from {}: they must be one model",
-                p.source.as_deref().unwrap_or(Path::new("nowhere")).display(),
-                source.display()
-            )
-            .into());
-        }
-        let (_, rest) = p.get(&self.cfg, true)?;
-        Ok(rest.unwrap_or_default())
+        p.base.load_unfrozen(source, &|source, rest| p.read(&self.cfg, source, rest))
     }
 
     fn gguf_export<'a>(&self, layout: &ParamLayout, params: &'a [f32]) -> Result<family::GgufModel<'a>> {

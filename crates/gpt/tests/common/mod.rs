@@ -66,3 +66,31 @@ pub fn sharding_cfg() -> gpt::GptConfig {
 pub fn sharding_batch(rank: usize, step: usize, k: usize) -> Batch {
     two_random_sequences((rank * 1000 + step * 10 + k) as u64 + 1, SHARD_T, 257)
 }
+
+/// PEFT loads the base and adapters written into `dir`'s `base` and
+/// `adapter` folders (transformers' `GPT2LMHeadModel`,
+/// `PeftModel.from_pretrained`) and computes `model`'s logits and loss at
+/// `params` on `b`, and `base_logits` without the adapters
+/// (scripts/peft_check.py; its docstring explains the tolerance). Skipped,
+/// with a note, where python3 with torch, transformers and peft is not
+/// installed (not under `MACROBATCH_REQUIRE_PYTHON=1`, as in CI).
+pub fn peft_computes(dir: &std::path::Path, (model, params): (&mut Gpt, &[f32]), base_logits: Vec<f32>, b: &Batch) {
+    let mut grads = vec![0.0; params.len()];
+    let stats = {
+        let mut store = engine::FullStore::for_model(&*model, params, &mut grads).unwrap();
+        model.loss(&mut store, b).unwrap()
+    };
+    let rows = |v: &[u32]| v.chunks(b.seq_len).map(<[u32]>::to_vec).collect::<Vec<_>>();
+    let expected = serde_json::json!({
+        "input_ids": rows(&b.inputs),
+        "logits": model.logits(params, b).unwrap(),
+        "base_logits": base_logits,
+        "labels": b.targets.chunks(b.seq_len).collect::<Vec<_>>(),
+        "loss": stats.loss_sum / stats.n_targets as f64,
+    });
+    let check = family::reference::peft_check(&dir.join("base"), &dir.join("adapter"), &expected);
+    let Some(stdout) = check.unwrap_or_else(|e| panic!("{e}")) else { return };
+    println!("{stdout}");
+    assert!(stdout.contains("loss: ours"), "the loss was compared:\n{stdout}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

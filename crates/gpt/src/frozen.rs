@@ -1,0 +1,213 @@
+//! A GPT-2 LoRA run's frozen base (the four `Conv1D` weights of every
+//! block: `c_attn`, the attention's `c_proj`, `c_fc`, the MLP's `c_proj`)
+//! kept packed — bf16, NF4, or the 16-bit halves of its file — outside the
+//! engine's f32 parameter buffer. Each weight is held transposed, `[out,
+//! in]` as `nn.Linear` stores it: the row layout the packed GEMMs read
+//! ([`nn::proj::Frozen`]), which dequantise a panel at a time.
+
+use crate::config::GptConfig;
+use crate::error::GptError;
+use crate::layout::{conv_shape, Widths, CONVS};
+use nn::linear::{PackFormat, PackedMatrix};
+use nn::proj::{safetensors_format, FrozenFormat};
+use std::path::Path;
+
+/// Every block's four `Conv1D` weights, packed `[out, in]`; shared (`Arc`)
+/// by the models of one process.
+#[derive(Debug, Clone)]
+pub struct FrozenBase {
+    layers: Vec<[PackedMatrix; 4]>,
+    /// The formats present, for reports (`bf16`, `f16+bf16`).
+    formats: Vec<PackFormat>,
+}
+
+/// `(block, layer)` of a `Conv1D` weight's name (`transformer.h.3.mlp.c_fc.weight`,
+/// with or without `transformer.`; the layer indexed as [`CONVS`]).
+pub(crate) fn conv_of(name: &str) -> Option<(usize, usize)> {
+    let rest = name.strip_prefix("transformer.").unwrap_or(name).strip_prefix("h.")?;
+    let (block, rest) = rest.split_once('.')?;
+    let i = CONVS.iter().position(|c| rest.strip_suffix(".weight") == Some(c))?;
+    Some((block.parse().ok()?, i))
+}
+
+/// `[in, out]` f32 `Conv1D` values as `[out, in]` rows.
+fn transpose(w: &[f32], inp: usize, out: usize) -> Vec<f32> {
+    (0..out).flat_map(|j| (0..inp).map(move |k| w[k * out + j])).collect()
+}
+
+impl FrozenBase {
+    /// The base of `cfg` from its weights' packed matrices, handed over as
+    /// `(block, layer, matrix)` in any order: each checked against the
+    /// layer's `[out, in]` shape, every one present once.
+    pub fn from_matrices(
+        cfg: &GptConfig,
+        mats: impl IntoIterator<Item = (usize, usize, PackedMatrix)>,
+    ) -> Result<Self, GptError> {
+        let name = |b: usize, i: usize| format!("transformer.h.{b}.{}.weight", CONVS[i]);
+        let mut slots: Vec<[Option<PackedMatrix>; 4]> = (0..cfg.n_layer).map(|_| Default::default()).collect();
+        for (b, i, m) in mats {
+            let slot = slots.get_mut(b).ok_or_else(|| {
+                GptError::InvalidConfig(format!("`{}`: the model has {} blocks", name(b, i), cfg.n_layer))
+            })?;
+            let [inp, out] = conv_shape(i, cfg.n_embd, Widths::whole(cfg));
+            if [m.rows(), m.cols()] != [out, inp] {
+                let got = [m.cols(), m.rows()];
+                return Err(GptError::InvalidConfig(format!(
+                    "`{}` is {got:?}, the model's is [{inp}, {out}]",
+                    name(b, i)
+                )));
+            }
+            if slot[i].replace(m).is_some() {
+                return Err(GptError::InvalidConfig(format!("`{}` is given twice", name(b, i))));
+            }
+        }
+        let mut formats = Vec::new();
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for (b, slot) in slots.into_iter().enumerate() {
+            let mut convs = Vec::with_capacity(4);
+            for (i, m) in slot.into_iter().enumerate() {
+                let m = m.ok_or_else(|| GptError::InvalidConfig(format!("`{}` is missing", name(b, i))))?;
+                if !formats.contains(&m.format()) {
+                    formats.push(m.format());
+                }
+                convs.push(m);
+            }
+            layers.push(convs.try_into().map_err(|_| GptError::InvalidConfig("four layers per block".into()))?);
+        }
+        Ok(FrozenBase { layers, formats })
+    }
+
+    /// Layer `i` of block `b` from its f32 `Conv1D` values `[in, out]`,
+    /// packed as `format` (errors name the weight and the format).
+    pub fn pack(
+        cfg: &GptConfig,
+        (b, i): (usize, usize),
+        w: &[f32],
+        format: PackFormat,
+    ) -> Result<PackedMatrix, GptError> {
+        let [inp, out] = conv_shape(i, cfg.n_embd, Widths::whole(cfg));
+        PackedMatrix::quantize(out, inp, &transpose(w, inp, out), format).map_err(|e| {
+            GptError::Setting(format!(
+                "train.frozen_dtype: cannot pack `transformer.h.{b}.{}.weight` as {}: {e}",
+                CONVS[i],
+                format.name()
+            ))
+        })
+    }
+
+    /// The base of `cfg` packed in `format` from f32 parameters in the
+    /// layout of [`crate::Gpt::new`] (tests; a model already in memory).
+    pub fn quantize(cfg: &GptConfig, params: &[f32], format: PackFormat) -> Result<Self, GptError> {
+        let plain = crate::Gpt::new(*cfg)?;
+        let layout = engine::Model::layout(&plain);
+        let mut mats = Vec::with_capacity(4 * cfg.n_layer);
+        for t in layout.tensors() {
+            let Some(at) = conv_of(&t.name) else { continue };
+            let w = params.get(t.range()).ok_or_else(|| {
+                GptError::InvalidConfig(format!(
+                    "{} parameters given, the model has {}",
+                    params.len(),
+                    layout.n_params()
+                ))
+            })?;
+            mats.push((at.0, at.1, Self::pack(cfg, at, w, format)?));
+        }
+        Self::from_matrices(cfg, mats)
+    }
+
+    /// Layer `i` (as [`CONVS`]) of block `b`, `[out, in]`.
+    pub(crate) fn conv(&self, b: usize, i: usize) -> &PackedMatrix {
+        &self.layers[b][i]
+    }
+
+    /// Layer `i` of block `b` dequantised to f32 in `Conv1D`'s `[in, out]`
+    /// order (one tensor at a time: for files and merging).
+    pub fn dequantize(&self, b: usize, i: usize) -> Vec<f32> {
+        let m = &self.layers[b][i];
+        transpose(&m.dequantize(), m.rows(), m.cols())
+    }
+
+    /// Blocks held.
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Bytes of every packed matrix (what memory accounting counts).
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().flatten().map(PackedMatrix::stored_bytes).sum()
+    }
+
+    /// The formats the weights are stored in, joined by `+`.
+    pub fn format_names(&self) -> String {
+        self.formats.iter().map(|f| f.name()).collect::<Vec<_>>().join("+")
+    }
+
+    /// Bytes the base of `cfg` takes with every weight in `format` (what
+    /// plans count before anything is loaded).
+    pub fn planned_bytes(cfg: &GptConfig, format: PackFormat) -> u128 {
+        let per_block: u128 = (0..4)
+            .map(|i| {
+                let [inp, out] = conv_shape(i, cfg.n_embd, Widths::whole(cfg));
+                format.bytes_for(out, inp)
+            })
+            .sum();
+        cfg.n_layer as u128 * per_block
+    }
+}
+
+/// The stored type of every `Conv1D` weight in the folder `dir`'s
+/// `model.safetensors` (its header alone), with the packed format that
+/// keeps it (`None`: none does, e.g. F32): what `train.frozen_dtype =
+/// "source"` keeps and `"auto"` decides on.
+pub fn source_formats(dir: &Path) -> Result<Vec<(String, String, Option<PackFormat>)>, GptError> {
+    let path = dir.join(crate::hf::WEIGHTS_FILE);
+    let bytes = nn::io::map_file(&path)?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
+        GptError::File(nn::io::bad(
+            &path,
+            format!("not a valid safetensors file ({e}); it may be truncated or corrupt"),
+        ))
+    })?;
+    let mut out: Vec<_> = st
+        .tensors()
+        .into_iter()
+        .filter(|(name, _)| conv_of(name).is_some())
+        .map(|(name, view)| {
+            let dtype = format!("{:?}", view.dtype());
+            let kept = safetensors_format(&dtype);
+            (name, dtype, kept)
+        })
+        .collect();
+    out.sort_by(|x, y| x.0.cmp(&y.0));
+    Ok(out)
+}
+
+/// The frozen base of `cfg` read from the model folder `dir` one weight at
+/// a time, packed as `format` says, and, given `rest` (the packed layout
+/// without adapters), every other tensor of it: without, they are not
+/// read. A 16-bit weight kept as `"source"` goes through f32 exactly.
+pub fn load(
+    cfg: &GptConfig,
+    dir: &Path,
+    format: FrozenFormat,
+    rest: Option<engine::ParamLayout>,
+) -> Result<(FrozenBase, Option<Vec<f32>>), GptError> {
+    let wanted = rest.is_some();
+    let layout = rest.unwrap_or_default();
+    let mut mats = Vec::with_capacity(4 * cfg.n_layer);
+    let path = dir.join(crate::hf::WEIGHTS_FILE);
+    let params = crate::hf::load_weights_with(&path, &layout, &mut |name, view| {
+        // Without `rest` every other tensor is taken, unread.
+        let Some(at) = conv_of(name) else { return Ok(!wanted) };
+        let stored = format!("{:?}", view.dtype());
+        let fmt = format
+            .target(name, &stored, safetensors_format(&stored))
+            .map_err(|e| GptError::Setting(format!("train.frozen_dtype: {e}")))?;
+        let mut w = vec![0.0; view.shape().iter().product()];
+        nn::io::decode_into(view.dtype(), view.data(), &mut w)
+            .map_err(|e| GptError::File(nn::io::bad(&path, format!("tensor `{name}` {e}"))))?;
+        mats.push((at.0, at.1, FrozenBase::pack(cfg, at, &w, fmt)?));
+        Ok(true)
+    })?;
+    Ok((FrozenBase::from_matrices(cfg, mats)?, wanted.then_some(params)))
+}
