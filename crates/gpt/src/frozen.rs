@@ -7,10 +7,8 @@
 
 use crate::config::GptConfig;
 use crate::error::GptError;
-use crate::layout::{conv_shape, Widths, CONVS};
+use crate::layout::{build_layout, conv_shape, Widths, CONVS};
 use nn::linear::{PackFormat, PackedMatrix};
-use nn::proj::{safetensors_format, FrozenFormat};
-use std::path::Path;
 
 /// Every block's four `Conv1D` weights, packed `[out, in]`; shared (`Arc`)
 /// by the models of one process.
@@ -98,8 +96,7 @@ impl FrozenBase {
     /// The base of `cfg` packed in `format` from f32 parameters in the
     /// layout of [`crate::Gpt::new`] (tests; a model already in memory).
     pub fn quantize(cfg: &GptConfig, params: &[f32], format: PackFormat) -> Result<Self, GptError> {
-        let plain = crate::Gpt::new(*cfg)?;
-        let layout = engine::Model::layout(&plain);
+        let (layout, _) = build_layout(cfg, Widths::whole(cfg), None, false);
         let mut mats = Vec::with_capacity(4 * cfg.n_layer);
         for t in layout.tensors() {
             let Some(at) = conv_of(&t.name) else { continue };
@@ -118,6 +115,11 @@ impl FrozenBase {
     /// Layer `i` (as [`CONVS`]) of block `b`, `[out, in]`.
     pub(crate) fn conv(&self, b: usize, i: usize) -> &PackedMatrix {
         &self.layers[b][i]
+    }
+
+    /// Block `b`'s four layers (as [`CONVS`]), `[out, in]`.
+    pub(crate) fn block(&self, b: usize) -> &[PackedMatrix; 4] {
+        &self.layers[b]
     }
 
     /// Layer `i` of block `b` dequantised to f32 in `Conv1D`'s `[in, out]`
@@ -153,61 +155,4 @@ impl FrozenBase {
             .sum();
         cfg.n_layer as u128 * per_block
     }
-}
-
-/// The stored type of every `Conv1D` weight in the folder `dir`'s
-/// `model.safetensors` (its header alone), with the packed format that
-/// keeps it (`None`: none does, e.g. F32): what `train.frozen_dtype =
-/// "source"` keeps and `"auto"` decides on.
-pub fn source_formats(dir: &Path) -> Result<Vec<(String, String, Option<PackFormat>)>, GptError> {
-    let path = dir.join(crate::hf::WEIGHTS_FILE);
-    let bytes = nn::io::map_file(&path)?;
-    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
-        GptError::File(nn::io::bad(
-            &path,
-            format!("not a valid safetensors file ({e}); it may be truncated or corrupt"),
-        ))
-    })?;
-    let mut out: Vec<_> = st
-        .tensors()
-        .into_iter()
-        .filter(|(name, _)| conv_of(name).is_some())
-        .map(|(name, view)| {
-            let dtype = format!("{:?}", view.dtype());
-            let kept = safetensors_format(&dtype);
-            (name, dtype, kept)
-        })
-        .collect();
-    out.sort_by(|x, y| x.0.cmp(&y.0));
-    Ok(out)
-}
-
-/// The frozen base of `cfg` read from the model folder `dir` one weight at
-/// a time, packed as `format` says, and, given `rest` (the packed layout
-/// without adapters), every other tensor of it: without, they are not
-/// read. A 16-bit weight kept as `"source"` goes through f32 exactly.
-pub fn load(
-    cfg: &GptConfig,
-    dir: &Path,
-    format: FrozenFormat,
-    rest: Option<engine::ParamLayout>,
-) -> Result<(FrozenBase, Option<Vec<f32>>), GptError> {
-    let wanted = rest.is_some();
-    let layout = rest.unwrap_or_default();
-    let mut mats = Vec::with_capacity(4 * cfg.n_layer);
-    let path = dir.join(crate::hf::WEIGHTS_FILE);
-    let params = crate::hf::load_weights_with(&path, &layout, &mut |name, view| {
-        // Without `rest` every other tensor is taken, unread.
-        let Some(at) = conv_of(name) else { return Ok(!wanted) };
-        let stored = format!("{:?}", view.dtype());
-        let fmt = format
-            .target(name, &stored, safetensors_format(&stored))
-            .map_err(|e| GptError::Setting(format!("train.frozen_dtype: {e}")))?;
-        let mut w = vec![0.0; view.shape().iter().product()];
-        nn::io::decode_into(view.dtype(), view.data(), &mut w)
-            .map_err(|e| GptError::File(nn::io::bad(&path, format!("tensor `{name}` {e}"))))?;
-        mats.push((at.0, at.1, FrozenBase::pack(cfg, at, &w, fmt)?));
-        Ok(true)
-    })?;
-    Ok((FrozenBase::from_matrices(cfg, mats)?, wanted.then_some(params)))
 }

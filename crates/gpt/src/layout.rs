@@ -271,17 +271,17 @@ pub(crate) fn init_segment_with(
 /// DoRA's magnitudes in a block's values `v` (ranges `r` relative to
 /// the block, whole widths): each output feature's weight norm — a column
 /// of the `Conv1D` weight `[in, out]`, as PEFT's `fan_in_fan_out` reads
-/// it, or a row of the packed `base` (`(base, block)`) — so the adapted
-/// model starts as the base.
-pub(crate) fn init_magnitudes(r: &BlockParams, v: &mut [f32], base: Option<(&crate::FrozenBase, usize)>) {
+/// it, or a row of the block's packed `base` layers `[out, in]` — so the
+/// adapted model starts as the base.
+pub(crate) fn init_magnitudes(r: &BlockParams, v: &mut [f32], base: Option<&[nn::linear::PackedMatrix; 4]>) {
     let weights = [&r.attn_w, &r.proj_w, &r.fc_w, &r.fcproj_w];
     for (i, lr) in r.lora.iter().enumerate() {
         let Some(m) = lr.as_ref().and_then(|l| l.m.clone()) else { continue };
         let out = m.len();
         let mut mags = vec![0.0f32; out];
         match base {
-            Some((f, b)) => {
-                let w = f.conv(b, i);
+            Some(convs) => {
+                let w = &convs[i];
                 let rows = |rows: Range<usize>| nn::proj::Frozen::rows(w, rows);
                 nn::dora::initial_magnitude([out, w.cols()], &rows, &mut mags);
             }

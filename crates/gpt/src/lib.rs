@@ -13,6 +13,7 @@ pub mod config;
 pub mod error;
 pub mod export;
 pub mod frozen;
+pub mod frozen_load;
 pub mod hf;
 pub mod layout;
 pub mod lora;

@@ -66,7 +66,7 @@ pub fn init_in_place(model: &Gpt, params: &mut [f32], seed: u64, frozen: Option<
         let span = model.block_params(idx).span();
         let first = model.block_params(idx).fcproj_b.end;
         params[first..span.end].copy_from_slice(&crate::layout::init_adapters(model.config(), ad, seed, idx));
-        crate::layout::init_magnitudes(model.block_rel(), &mut params[span], frozen.map(|f| (f, idx)));
+        crate::layout::init_magnitudes(model.block_rel(), &mut params[span], frozen.map(|f| f.block(idx)));
     }
     Ok(())
 }

@@ -290,7 +290,7 @@ impl Packed {
             true => Some(Gpt::with_packed_layout(*cfg, None)?.layout().clone()),
             false => None,
         };
-        Ok(crate::frozen::load(cfg, dir, self.format, layout)?)
+        Ok(crate::frozen_load::load(cfg, dir, self.format, layout)?)
     }
 }
 
@@ -494,7 +494,7 @@ impl Family for Gpt2Lora {
         // Without a source a named packed format is planned (its bytes
         // follow from the shape); building the model then asks for one.
         let stored = match &s.source {
-            Some(p) => crate::frozen::source_formats(p).map_err(|e| format!("{}: {e}", p.display()))?,
+            Some(p) => crate::frozen_load::source_formats(p).map_err(|e| format!("{}: {e}", p.display()))?,
             None if matches!(format, FrozenFormat::Pack(_)) => Vec::new(),
             None if s.packs_by_name() => {
                 return Err(format!("{key} keeps the base in its file's format, and no file is given: pass --init-from (a Hugging Face folder) or set train.frozen_source = PATH").into())

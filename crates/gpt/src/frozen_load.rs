@@ -1,0 +1,66 @@
+//! Reading a GPT-2 LoRA run's frozen base from its model folder one
+//! `Conv1D` weight at a time into [`FrozenBase`]'s packed matrices.
+
+use crate::config::GptConfig;
+use crate::error::GptError;
+use crate::frozen::{conv_of, FrozenBase};
+use nn::linear::PackFormat;
+use nn::proj::{safetensors_format, FrozenFormat};
+use std::path::Path;
+
+/// The stored type of every `Conv1D` weight in the folder `dir`'s
+/// `model.safetensors` (its header alone), with the packed format that
+/// keeps it (`None`: none does, e.g. F32): what `train.frozen_dtype =
+/// "source"` keeps and `"auto"` decides on.
+pub fn source_formats(dir: &Path) -> Result<Vec<(String, String, Option<PackFormat>)>, GptError> {
+    let path = dir.join(crate::hf::WEIGHTS_FILE);
+    let bytes = nn::io::map_file(&path)?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
+        GptError::File(nn::io::bad(
+            &path,
+            format!("not a valid safetensors file ({e}); it may be truncated or corrupt"),
+        ))
+    })?;
+    let mut out: Vec<_> = st
+        .tensors()
+        .into_iter()
+        .filter(|(name, _)| conv_of(name).is_some())
+        .map(|(name, view)| {
+            let dtype = format!("{:?}", view.dtype());
+            let kept = safetensors_format(&dtype);
+            (name, dtype, kept)
+        })
+        .collect();
+    out.sort_by(|x, y| x.0.cmp(&y.0));
+    Ok(out)
+}
+
+/// The frozen base of `cfg` read from the model folder `dir` one weight at
+/// a time, packed as `format` says, and, given `rest` (the packed layout
+/// without adapters), every other tensor of it: without, they are not
+/// read. A 16-bit weight kept as `"source"` goes through f32 exactly.
+pub fn load(
+    cfg: &GptConfig,
+    dir: &Path,
+    format: FrozenFormat,
+    rest: Option<engine::ParamLayout>,
+) -> Result<(FrozenBase, Option<Vec<f32>>), GptError> {
+    let wanted = rest.is_some();
+    let layout = rest.unwrap_or_default();
+    let mut mats = Vec::with_capacity(4 * cfg.n_layer);
+    let path = dir.join(crate::hf::WEIGHTS_FILE);
+    let params = crate::hf::load_weights_with(&path, &layout, &mut |name, view| {
+        // Without `rest` every other tensor is taken, unread.
+        let Some(at) = conv_of(name) else { return Ok(!wanted) };
+        let stored = format!("{:?}", view.dtype());
+        let fmt = format
+            .target(name, &stored, safetensors_format(&stored))
+            .map_err(|e| GptError::Setting(format!("train.frozen_dtype: {e}")))?;
+        let mut w = vec![0.0; view.shape().iter().product()];
+        nn::io::decode_into(view.dtype(), view.data(), &mut w)
+            .map_err(|e| GptError::File(nn::io::bad(&path, format!("tensor `{name}` {e}"))))?;
+        mats.push((at.0, at.1, FrozenBase::pack(cfg, at, &w, fmt)?));
+        Ok(true)
+    })?;
+    Ok((FrozenBase::from_matrices(cfg, mats)?, wanted.then_some(params)))
+}
