@@ -135,6 +135,7 @@ impl Gpt {
             norm: FinalNorm::Layer,
             head: None,
             soft_cap: None,
+            frozen_embed: None,
         };
         let shell = Shell::new(ends, layout, precision);
         Ok(Self { cfg, ranges, shell, tp, lora, adapters, step: 0, packed, base: None })

@@ -11,6 +11,7 @@ use crate::layout::{fused_weight, Proj};
 use nn::linear::{linear_backward_input, linear_forward, Cols, LinearShape, PackFormat, PackedMatrix, Weight};
 use nn::Strided;
 use std::ops::Range;
+use std::sync::Arc;
 
 /// The projection groups a layer multiplies with one GEMM each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -134,6 +135,8 @@ pub use nn::proj::FrozenFormat;
 #[derive(Debug, Clone)]
 pub struct FrozenBase {
     layers: Vec<LayerBase>,
+    /// The token embedding (and a tied head), when it is kept packed too.
+    embed: Option<Arc<PackedMatrix>>,
     /// The formats present, for reports (`q4_1`, `bf16+q8_0`).
     formats: Vec<PackFormat>,
 }
@@ -180,13 +183,13 @@ impl FrozenBase {
                 built.try_into().map_err(|_| LlamaError::config("frozen base", "four projection groups per layer"))?;
             layers.push(LayerBase { groups });
         }
-        Ok(FrozenBase { layers, formats })
+        Ok(FrozenBase { layers, formats, embed: None })
     }
 
     /// The base of `cfg` packed in `format` from f32 parameters in the
     /// layout of [`crate::Llama::new`] (tests; a model already in memory).
     pub fn quantize(cfg: &LlamaConfig, params: &[f32], format: PackFormat) -> Result<Self, LlamaError> {
-        let (layout, ranges) = crate::layout::build_layout(cfg, None, false);
+        let (layout, ranges) = crate::layout::build_layout(cfg, None, (false, false));
         LlamaError::check_count("base model", layout.n_params(), params.len())?;
         let mut mats = Vec::with_capacity(cfg.n_layer * 7);
         for layer in 0..cfg.n_layer {
@@ -197,6 +200,21 @@ impl FrozenBase {
             }
         }
         Self::from_matrices(cfg, mats)
+    }
+
+    /// The base with the token embedding `[V, C]` kept packed too
+    /// (`generate` / `eval` of a model file: [`crate::Llama::with_packed_embedding_layout`]).
+    pub fn with_embedding(mut self, m: PackedMatrix) -> Self {
+        if !self.formats.contains(&m.format()) {
+            self.formats.push(m.format());
+        }
+        self.embed = Some(Arc::new(m));
+        self
+    }
+
+    /// The token embedding, when it is kept packed.
+    pub fn embedding(&self) -> Option<&Arc<PackedMatrix>> {
+        self.embed.as_ref()
     }
 
     /// Layer `idx`'s projections.
@@ -211,7 +229,8 @@ impl FrozenBase {
 
     /// Bytes of every packed matrix (what memory accounting counts).
     pub fn bytes(&self) -> usize {
-        self.layers.iter().flat_map(|l| l.groups.iter()).map(PackedGroup::bytes).sum()
+        let embed = self.embed.as_ref().map_or(0, |m| m.stored_bytes());
+        embed + self.layers.iter().flat_map(|l| l.groups.iter()).map(PackedGroup::bytes).sum::<usize>()
     }
 
     /// The formats the projections are stored in, joined by `+`.

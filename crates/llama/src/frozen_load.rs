@@ -62,6 +62,39 @@ pub fn source_formats(
     Ok(out)
 }
 
+/// The token embedding's name (also the tied head).
+const EMBED: &str = "model.embed_tokens.weight";
+
+/// The packed format that keeps `source`'s token embedding as it is stored
+/// (a GGUF's Q8_0 / Q4_0 / Q4_1 / F16 / BF16 blocks, a safetensors file's
+/// 16-bit values); `None` for F32 or another type: what decides whether a
+/// model read for `generate` / `eval` keeps its embedding packed.
+pub fn embed_format(dialect: &dyn Dialect, source: &Path) -> Result<Option<PackFormat>, LlamaError> {
+    if is_gguf(source) {
+        let file = open_gguf(dialect, source)?;
+        for (g, name) in file.tensor_names() {
+            if name == EMBED {
+                return Ok(gguf_format(file.raw_tensor(&g).map_err(|e| hf_read(source, e))?.ty));
+            }
+        }
+        return Ok(None);
+    }
+    let stored = crate::hf::stored_dtypes(source)?;
+    Ok(stored.into_iter().find(|(n, _)| n == EMBED).and_then(|(_, dtype)| safetensors_format(&dtype)))
+}
+
+/// The token embedding `[rows, cols]` from its stored `bytes`, packed as
+/// `kept` stores it (`None`: not a packed type, refused).
+fn embedding(
+    source: &Path,
+    (rows, cols): (usize, usize),
+    kept: Option<PackFormat>,
+    bytes: &[u8],
+) -> Result<PackedMatrix, LlamaError> {
+    let fmt = kept.ok_or_else(|| hf_read(source, format!("`{EMBED}` is not stored in a packed type")))?;
+    PackedMatrix::from_raw(rows, cols, fmt, bytes.to_vec()).map_err(|e| hf_read(source, e))
+}
+
 /// A tensor's f32 values, read when asked.
 type Values<'a> = &'a dyn Fn() -> Result<Vec<f32>, LlamaError>;
 
@@ -117,18 +150,30 @@ fn target(format: FrozenFormat, name: &str, stored: &str, kept: Option<PackForma
 /// `rest` (the packed layout without adapters), every other tensor in it —
 /// without, they are not read at all. A GGUF tensor kept as `source` is its
 /// file's bytes, with llama.cpp's Q/K row permutation undone on whole rows;
-/// the f32 values of one tensor at most exist at a time.
+/// the f32 values of one tensor at most exist at a time. With `embed`, the
+/// token embedding is kept packed as stored too ([`embed_format`]; `rest`
+/// then leaves it out).
 pub fn load(
     (dialect, cfg): (&dyn Dialect, &LlamaConfig),
     source: &Path,
-    format: FrozenFormat,
+    (format, embed): (FrozenFormat, bool),
     rest: Option<engine::ParamLayout>,
 ) -> Result<(FrozenBase, Option<Vec<f32>>), LlamaError> {
     let mut mats = Vec::with_capacity(7 * cfg.n_layer);
+    let mut table = None;
     let rest = if is_gguf(source) {
         let file = open_gguf(dialect, source)?;
         let mut others = Vec::new();
         for (g, name) in file.tensor_names() {
+            if embed && name == EMBED {
+                let raw = file.raw_tensor(&g).map_err(|e| hf_read(source, e))?;
+                let [rows, cols] = raw.shape[..] else {
+                    return Err(hf_read(source, format!("`{name}` is not a matrix")));
+                };
+                table = Some(embedding(source, (rows, cols), gguf_format(raw.ty), raw.bytes)?);
+                nn::io::release_pages(file.file().mapped(), raw.bytes);
+                continue;
+            }
             let Some((layer, parts)) = stored_projs(&name, cfg) else {
                 others.push(g);
                 continue;
@@ -165,6 +210,12 @@ pub fn load(
         let wanted = rest.is_some();
         let layout = rest.unwrap_or_default();
         let rest = crate::hf::load_weights_into(source, cfg, layout, &mut |name, shape, view| {
+            if embed && name == EMBED {
+                let [rows, cols] = shape[..] else { return Ok(false) };
+                let kept = safetensors_format(&format!("{:?}", view.dtype()));
+                table = Some(embedding(source, (rows, cols), kept, view.data())?);
+                return Ok(true);
+            }
             // Without `rest` every other tensor is taken, unread.
             let Some((layer, parts)) = stored_projs(name, cfg) else { return Ok(!wanted) };
             let stored = format!("{:?}", view.dtype());
@@ -179,5 +230,11 @@ pub fn load(
         })?;
         wanted.then_some(rest)
     };
-    Ok((FrozenBase::from_matrices(cfg, mats)?, rest))
+    let base = FrozenBase::from_matrices(cfg, mats)?;
+    let base = match table {
+        Some(m) => base.with_embedding(m),
+        None if embed => return Err(hf_read(source, format!("no `{EMBED}` to keep packed"))),
+        None => base,
+    };
+    Ok((base, rest))
 }

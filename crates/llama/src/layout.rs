@@ -307,15 +307,19 @@ pub(crate) struct ParamRanges {
 }
 
 /// The layout of `cfg` with `adapters`; with `packed_base` the projections'
-/// weights are not in it (held packed by the model).
+/// weights are not in it (held packed by the model), with `packed_embed`
+/// the token embedding neither (its range empty).
 pub(crate) fn build_layout(
     cfg: &LlamaConfig,
     adapters: Option<Adapters>,
-    packed_base: bool,
+    (packed_base, packed_embed): (bool, bool),
 ) -> (ParamLayout, ParamRanges) {
     let (v, c) = (cfg.vocab_size, cfg.hidden_size);
     let mut l = ParamLayout::new();
-    let embed = l.push("model.embed_tokens.weight", &[v, c], true);
+    let embed = match packed_embed {
+        true => 0..0,
+        false => l.push("model.embed_tokens.weight", &[v, c], true),
+    };
     let layers = (0..cfg.n_layer)
         .map(|i| {
             push_layer(cfg, adapters, packed_base, &mut |s, shape, decay| {

@@ -60,6 +60,8 @@ pub struct Llama {
     base: Option<Arc<FrozenBase>>,
     /// The layout leaves the projections' weights out (held in `base`).
     packed: bool,
+    /// Whether the token embedding is kept packed too (forward passes only).
+    packed_embed: bool,
     /// The optimizer step being taken ([`engine::Model::begin_step`]): LoRA
     /// dropout's masks are keyed on it.
     step: u64,
@@ -141,7 +143,7 @@ impl Llama {
         }
         let local = whole.for_rank(tp)?;
         let whole = Self::build(whole, lora.clone(), Precision::F32)?;
-        let mut model = Self::assemble(local, lora, precision, None, false)?;
+        let mut model = Self::assemble(local, lora, precision, None, (false, false))?;
         let split = RankShard { tp, whole };
         split.shards(&model)?;
         model.split = Some(Box::new(split));
@@ -150,7 +152,7 @@ impl Llama {
 
     fn build(cfg: LlamaConfig, lora: Option<LoraConfig>, precision: Precision) -> Result<Self, LlamaError> {
         cfg.validate()?;
-        Self::assemble(cfg, lora, precision, None, false)
+        Self::assemble(cfg, lora, precision, None, (false, false))
     }
 
     /// A model whose layout leaves the projections' weights out, as
@@ -158,7 +160,15 @@ impl Llama {
     /// layouts, initialisation and plans (it cannot run a pass).
     pub fn with_packed_layout(cfg: LlamaConfig, lora: Option<LoraConfig>) -> Result<Self, LlamaError> {
         cfg.validate()?;
-        Self::assemble(cfg, lora, Precision::F32, None, true)
+        Self::assemble(cfg, lora, Precision::F32, None, (true, false))
+    }
+
+    /// [`Llama::with_packed_layout`] without the token embedding either
+    /// (a model file read for `generate` / `eval` with its embedding kept
+    /// packed too, [`FrozenBase::embedding`]): forward passes only.
+    pub fn with_packed_embedding_layout(cfg: LlamaConfig) -> Result<Self, LlamaError> {
+        cfg.validate()?;
+        Self::assemble(cfg, None, Precision::F32, None, (true, true))
     }
 
     /// A model whose projections' weights are `base`, packed and frozen,
@@ -177,7 +187,8 @@ impl Llama {
                 format!("{} layers packed for a model of {}", base.n_layers(), cfg.n_layer),
             ));
         }
-        Self::assemble(cfg, lora, precision, Some(base), true)
+        let embed = base.embedding().is_some();
+        Self::assemble(cfg, lora, precision, Some(base), (true, embed))
     }
 
     /// Whether the layout leaves the projections' weights out (a packed base).
@@ -206,7 +217,7 @@ impl Llama {
         lora: Option<LoraConfig>,
         precision: Precision,
         base: Option<Arc<FrozenBase>>,
-        packed: bool,
+        (packed, packed_embed): (bool, bool),
     ) -> Result<Self, LlamaError> {
         let adapters = match &lora {
             Some(l) => {
@@ -225,7 +236,7 @@ impl Llama {
             }
             None => None,
         };
-        let (layout, ranges) = build_layout(&cfg, adapters, packed);
+        let (layout, ranges) = build_layout(&cfg, adapters, (packed, packed_embed));
         let ends = Ends {
             width: cfg.hidden_size,
             vocab: cfg.vocab_size,
@@ -237,9 +248,10 @@ impl Llama {
             norm: FinalNorm::Rms { eps: cfg.rms_norm_eps as f32, one_plus: cfg.gemma.is_some() },
             head: ranges.head.as_ref().map(|h| h.start - ranges.norm.start..h.end - ranges.norm.start),
             soft_cap: cfg.gemma.and_then(|g| g.final_softcap).map(|c| c as f32),
+            frozen_embed: base.as_ref().and_then(|b| b.embedding().cloned()),
         };
         let shell = Shell::new(ends, layout, precision);
-        Ok(Self { cfg, lora, adapters, ranges, shell, split: None, base, packed, step: 0 })
+        Ok(Self { cfg, lora, adapters, ranges, shell, split: None, base, packed, packed_embed, step: 0 })
     }
 
     /// The model's shape.
@@ -476,6 +488,12 @@ impl Decoder for Llama {
     fn walk(&mut self, store: &mut dyn ParamStore, batch: &TokenBatch, walk: Walk<'_>) -> Result<(), LlamaError> {
         if self.packed && self.base.is_none() {
             return Err(LlamaError::config("frozen base", "a packed layout without its base cannot run a pass"));
+        }
+        if let (true, Walk::Forward(Pass::Train, _)) = (self.packed_embed, &walk) {
+            return Err(LlamaError::config(
+                "frozen base",
+                "the token embedding is kept packed for generation and evaluation; a training pass reads it from the parameters",
+            ));
         }
         let (b, t) = (self.shell.acts.b, self.shell.acts.t);
         let d = self.dims(b, t);

@@ -129,6 +129,8 @@ pub struct LlamaFamily {
 struct PackedBase {
     dialect: &'static dyn Dialect,
     format: FrozenFormat,
+    /// Whether the token embedding is kept packed too (forward passes only).
+    embed: bool,
     base: PackedSource<FrozenBase>,
 }
 
@@ -141,11 +143,12 @@ impl PackedBase {
 
     /// The base from `source` and, when asked, the layout's other tensors.
     fn read(&self, cfg: &LlamaConfig, source: &Path, rest: bool) -> std::result::Result<Read, BoxError> {
-        let layout = match rest {
-            true => Some(Llama::with_packed_layout(cfg.clone(), None)?.layout().clone()),
-            false => None,
+        let layout = match (rest, self.embed) {
+            (true, false) => Some(Llama::with_packed_layout(cfg.clone(), None)?.layout().clone()),
+            (true, true) => Some(Llama::with_packed_embedding_layout(cfg.clone())?.layout().clone()),
+            (false, _) => None,
         };
-        Ok(frozen_load::load((self.dialect, cfg), source, self.format, layout)?)
+        Ok(frozen_load::load((self.dialect, cfg), source, (self.format, self.embed), layout)?)
     }
 }
 
@@ -160,22 +163,31 @@ impl LlamaFamily {
     }
 
     /// This shape with its projections packed as `format` (`stored`: the
-    /// source's projections, their stored types and packed forms), read
+    /// source's projections, their stored types and packed forms), and its
+    /// token embedding as `embed` when given (forward passes only), read
     /// from `source` on first use; `key` names the setting in errors.
     fn packed_family(
         &self,
-        key: &str,
-        source: Option<PathBuf>,
+        (key, source): (&str, Option<PathBuf>),
         format: FrozenFormat,
         stored: &[(String, String, Option<PackFormat>)],
+        embed: Option<PackFormat>,
     ) -> Result<Arc<dyn Family>> {
         let cfg = &self.cfg;
         let shape = |name: &str| frozen::proj_of(name).map_or(Proj::Q, |(_, p)| p).shape(cfg);
         let all_in = |f| FrozenBase::planned_bytes(cfg, |_| f);
         let (formats, bytes) = format.planned((key, source.as_deref()), stored, &shape, &all_in)?;
-        let planned = FrozenBytes { formats, bytes };
-        let model = Llama::with_packed_layout(cfg.clone(), self.lora.clone())?;
-        let packed = PackedBase { dialect: self.dialect, format, base: PackedSource::new(source, planned) };
+        let (model, planned) = match embed {
+            None => (Llama::with_packed_layout(cfg.clone(), self.lora.clone())?, FrozenBytes { formats, bytes }),
+            Some(f) => {
+                let formats =
+                    if formats.split('+').any(|n| n == f.name()) { formats } else { format!("{formats}+{}", f.name()) };
+                let bytes = bytes + f.bytes_for(cfg.vocab_size, cfg.hidden_size);
+                (Llama::with_packed_embedding_layout(cfg.clone())?, FrozenBytes { formats, bytes })
+            }
+        };
+        let base = PackedSource::new(source, planned);
+        let packed = PackedBase { dialect: self.dialect, format, embed: embed.is_some(), base };
         Ok(Arc::new(Self { model: Arc::new(model), packed: Some(Arc::new(packed)), ..self.clone() }))
     }
 
@@ -410,7 +422,7 @@ impl Family for LlamaFamily {
                 }
             }
         }
-        Ok(Some(self.packed_family(&key, s.source.clone(), format, &stored)?))
+        Ok(Some(self.packed_family((&key, s.source.clone()), format, &stored, None)?))
     }
 
     fn packed_for_inference(&self, source: &Path) -> Result<Option<Arc<dyn Family>>> {
@@ -426,7 +438,12 @@ impl Family for LlamaFamily {
             return Ok(None);
         }
         let key = format!("reading {} packed", source.display());
-        Ok(Some(self.packed_family(&key, Some(source.to_path_buf()), FrozenFormat::Source, &stored)?))
+        // The embedding stays packed when its type has a packed form (a
+        // tied one is the head too; an untied head stays f32).
+        let embed =
+            frozen_load::embed_format(self.dialect, source).map_err(|e| format!("{}: {e}", source.display()))?;
+        let packed = self.packed_family((&key, Some(source.to_path_buf())), FrozenFormat::Source, &stored, embed)?;
+        Ok(Some(packed))
     }
 
     fn frozen_bytes(&self) -> Option<FrozenBytes> {

@@ -237,6 +237,35 @@ fn packed_inference_decodes_as_the_dequantised_model_to_the_bit() {
             let next = (0..la.len()).max_by(|&i, &j| la[i].total_cmp(&la[j])).unwrap();
             tokens.push(next as u32);
         }
+        // The embedding stays in its bytes too (a tied head reads it there):
+        // not in the layout, counted with the packed bytes; `eval`'s loss is
+        // the f32 model's, and a training pass is refused.
+        assert!(b.layout().get("model.embed_tokens.weight").is_none(), "type {id}: the embedding is packed");
+        let c = shape.hf_config();
+        let (v, width) = (c["vocab_size"].as_u64().unwrap(), c["hidden_size"].as_u64().unwrap());
+        assert_eq!(all.len() - rest.len(), projected as usize);
+        assert!(projected as u64 > v * width, "type {id}: the embedding is among the packed values");
+        let batch = engine::TokenBatch {
+            n_seqs: 2,
+            seq_len: 5,
+            inputs: vec![1, 7, 30, 2, 9, 4, 4, 8, 15, 16],
+            targets: vec![7, 30, 2, 9, 4, 4, 8, 15, 16, 23],
+            positions: Vec::new(),
+        };
+        let loss = |m: &mut Box<dyn family::LanguageModel>, p: &[f32], train: bool| {
+            let mut g = vec![0.0; p.len()];
+            let mut store = engine::FullStore::for_model(&*m, p, &mut g).unwrap();
+            match train {
+                true => m.micro_step(&mut store, &batch, 1.0).map(|s| s.loss_sum),
+                false => m.loss(&mut store, &batch).map(|s| s.loss_sum),
+            }
+        };
+        a.set_kv_cache(0).unwrap();
+        b.set_kv_cache(0).unwrap();
+        let (la, lb) = (loss(&mut a, &all, false).unwrap(), loss(&mut b, &rest, false).unwrap());
+        assert_eq!(la.to_bits(), lb.to_bits(), "type {id}: eval loss {lb} vs {la}");
+        let e = loss(&mut b, &rest, true).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("embedding"), "type {id}: training on a packed embedding: {e}");
     }
     let f = family(false, None);
     let (layout, p) = params(&*f, 4);

@@ -1,20 +1,34 @@
 //! Token embeddings, with or without learned positions (GPT-2's `wpe`).
 
+use crate::linear::Weight;
 use crate::{assert_len, Positions};
 use rayon::prelude::*;
 
 /// `out[r] = wte[tokens[r]] (+ wpe[pos.at(r)])`: `out` `[n, c]`, `wte`
-/// `[V, c]`, `wpe` (learned positions, if any) `[≥ T, c]`.
-pub fn embedding_forward(
+/// `[V, c]` (f32, or a packed matrix whose rows are dequantised: the f32
+/// table's values exactly), `wpe` (learned positions, if any) `[≥ T, c]`.
+pub fn embedding_forward<'w>(
     out: &mut [f32],
     tokens: &[u32],
-    wte: &[f32],
+    wte: impl Into<Weight<'w>>,
     wpe: Option<&[f32]>,
     pos: Positions<'_>,
     c: usize,
 ) {
     engine::profile::timed(engine::profile::Kind::Embedding, || {
         assert_len("embedding_forward", "out", out.len(), &[tokens.len(), c]);
+        let wte = match wte.into() {
+            Weight::F32(w) => w,
+            Weight::Packed(m, _) => {
+                out.par_chunks_mut(c).zip(tokens.par_iter()).enumerate().for_each(|(r, (o, &tok))| {
+                    m.dequantize_rows(tok as usize..tok as usize + 1, o);
+                    if let Some(wpe) = wpe {
+                        o.iter_mut().zip(&wpe[pos.at(r) * c..][..c]).for_each(|(o, p)| *o += p);
+                    }
+                });
+                return;
+            }
+        };
         match wpe {
             Some(wpe) => out.par_chunks_mut(c).zip(tokens.par_iter()).enumerate().for_each(|(r, (o, &tok))| {
                 let (e, p) = (&wte[tok as usize * c..][..c], &wpe[pos.at(r) * c..][..c]);

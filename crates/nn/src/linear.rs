@@ -273,6 +273,15 @@ pub fn head_gemm(dims: GemmDims, dst: &mut [f32], out: GemmOut, lhs: Strided<'_>
     engine::profile::timed(engine::profile::Kind::Linear, || gemm_into(dims, dst, out, lhs, rhs, 1.0, par))
 }
 
+/// [`head_gemm`] on a packed head `[V, C]` (a tied embedding kept packed):
+/// `logits[rows, V] = x · headᵀ`, the f32 product of its values.
+pub fn head_gemm_packed(rows: usize, logits: &mut [f32], x: Strided<'_>, head: &PackedMatrix, par: crate::Par) {
+    engine::profile::timed(engine::profile::Kind::Linear, || {
+        let out = GemmOut::overwrite(head.rows());
+        linalg::packed::gemm_x_wt(rows, logits, out, x, head, 0..head.rows(), 1.0, par)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

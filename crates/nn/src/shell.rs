@@ -18,7 +18,9 @@
 
 use crate::grad::param_grad;
 use crate::kv::{Attention, KvCache};
-use crate::linear::{head_gemm, linear_backward_input, linear_backward_weight, LinearShape};
+use crate::linear::{
+    head_gemm, head_gemm_packed, linear_backward_input, linear_backward_weight, LinearShape, PackedMatrix, Weight,
+};
 use crate::norm::{layernorm_backward, layernorm_forward, rmsnorm_backward, rmsnorm_forward, NormSaved};
 use crate::stack::{Part, Slots, Stack, StackSizes, DRES};
 use crate::{GemmDims, GemmOut, Positions, Strided};
@@ -83,6 +85,10 @@ pub struct Ends {
     pub head: Option<Range<usize>>,
     /// Logits soft-capped at this (`cap · tanh(x / cap)`, Gemma 2).
     pub soft_cap: Option<f32>,
+    /// The token embedding (and a tied head) kept packed outside the
+    /// parameters, `embed` then empty: forward passes only (`generate`,
+    /// `eval` of a packed model file), reading the f32 table's values.
+    pub frozen_embed: Option<std::sync::Arc<PackedMatrix>>,
 }
 
 /// A family's activation buffers outside the block stack (Llama's rotary
@@ -292,14 +298,11 @@ impl<X: Extra> Shell<X> {
                 let seg = store.segment(0)?;
                 let wpe = e.positions.as_ref().map(|p| &seg.params[p.clone()][first * c..]);
                 let pos = Positions { t: a.t, ids: &a.pos };
-                crate::embed::embedding_forward(
-                    &mut a.stack.x,
-                    &batch.inputs,
-                    &seg.params[e.embed.clone()],
-                    wpe,
-                    pos,
-                    c,
-                );
+                let wte = match &e.frozen_embed {
+                    Some(m) => Weight::Packed(m, 0..m.rows()),
+                    None => Weight::F32(&seg.params[e.embed.clone()]),
+                };
+                crate::embed::embedding_forward(&mut a.stack.x, &batch.inputs, wte, wpe, pos, c);
                 if let Some(s) = e.embed_scale {
                     a.stack.x.iter_mut().for_each(|v| *v *= s);
                 }
@@ -344,9 +347,14 @@ impl<X: Extra> Shell<X> {
         };
         a.logits.resize(rows * v, 0.0);
         let seg = store.segment(head_seg)?;
-        let head = Strided::transposed(&seg.params[head_rel], c);
         let par = crate::parallelism(false).with(ops);
-        head_gemm(GemmDims { m: rows, n: v, k: c }, &mut a.logits, GemmOut::overwrite(v), x, head, par);
+        match (&e.frozen_embed, &e.head) {
+            (Some(m), None) => head_gemm_packed(rows, &mut a.logits, x, m, par),
+            _ => {
+                let head = Strided::transposed(&seg.params[head_rel], c);
+                head_gemm(GemmDims { m: rows, n: v, k: c }, &mut a.logits, GemmOut::overwrite(v), x, head, par)
+            }
+        }
         if let Some(cap) = e.soft_cap {
             crate::loss_terms::soft_cap(&mut a.logits, cap);
         }

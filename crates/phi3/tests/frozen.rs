@@ -30,7 +30,7 @@ fn fused_weights_pack_into_their_projections() {
     fam.save_hf(&dir, plain.layout(), &params).unwrap_or_else(|e| panic!("{e}"));
     let how = (&phi3::PHI3 as &dyn Dialect, &cfg);
     let bf16 = FrozenFormat::Pack(PackFormat::Bf16);
-    let (from_folder, _) = llama::frozen_load::load(how, &dir, bf16, None).unwrap_or_else(|e| panic!("{e}"));
+    let (from_folder, _) = llama::frozen_load::load(how, &dir, (bf16, false), None).unwrap_or_else(|e| panic!("{e}"));
     let want = FrozenBase::quantize(&cfg, &params, PackFormat::Bf16).unwrap_or_else(|e| panic!("{e}"));
     for layer in 0..cfg.n_layer {
         for pr in Proj::ALL {
@@ -43,7 +43,8 @@ fn fused_weights_pack_into_their_projections() {
     let path = dir.join("phi3.gguf");
     let q8 = gguf::GgmlType::from_id(gguf::GgmlType::Q8_0).expect("Q8_0 is a ggml type");
     fam.gguf_export(&layout, &params).unwrap_or_else(|e| panic!("{e}")).write(&path, q8).unwrap();
-    let (kept, _) = llama::frozen_load::load(how, &path, FrozenFormat::Source, None).unwrap_or_else(|e| panic!("{e}"));
+    let (kept, _) =
+        llama::frozen_load::load(how, &path, (FrozenFormat::Source, false), None).unwrap_or_else(|e| panic!("{e}"));
     assert!(kept.format_names().contains("q8_0"), "{}", kept.format_names());
     let file = llama::import::open(&phi3::PHI3, gguf::GgufFile::open(&path).unwrap()).unwrap().1;
     for layer in 0..cfg.n_layer {

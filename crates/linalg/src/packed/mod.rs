@@ -213,7 +213,7 @@ pub enum PackError {
 
 /// A `rows × cols` row-major matrix in a packed format (each row's blocks
 /// contiguous, rows back to back).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PackedMatrix {
     rows: usize,
     cols: usize,
