@@ -4,9 +4,11 @@
 use crate::config::GptConfig;
 use crate::error::GptError;
 use crate::frozen::{conv_of, FrozenBase};
+use family::{BoxError, PackedSource};
+use nn::frozen::{safetensors_format, FrozenFormat};
 use nn::linear::PackFormat;
-use nn::proj::{safetensors_format, FrozenFormat};
 use std::path::Path;
+use std::sync::Arc;
 
 /// The stored type of every `Conv1D` weight in the folder `dir`'s
 /// `model.safetensors` (its header alone), with the packed format that
@@ -64,3 +66,29 @@ pub fn load(
     })?;
     Ok((FrozenBase::from_matrices(cfg, mats)?, wanted.then_some(params)))
 }
+
+/// A packed frozen base: its format and where and when it is read.
+#[derive(Debug)]
+pub(crate) struct Packed {
+    pub format: FrozenFormat,
+    pub base: PackedSource<FrozenBase>,
+}
+
+impl Packed {
+    /// The base, read from its folder on first use.
+    pub(crate) fn get(&self, cfg: &GptConfig) -> family::Result<Arc<FrozenBase>> {
+        Ok(self.base.get(false, &|dir, rest| self.read(cfg, dir, rest))?.0)
+    }
+
+    /// The base from the folder `dir` and, when asked, the other tensors.
+    pub(crate) fn read(&self, cfg: &GptConfig, dir: &Path, rest: bool) -> std::result::Result<Read, BoxError> {
+        let layout = match rest {
+            true => Some(engine::Model::layout(&crate::Gpt::with_packed_layout(*cfg, None)?).clone()),
+            false => None,
+        };
+        Ok(load(cfg, dir, self.format, layout)?)
+    }
+}
+
+/// A base and the other tensors read with it.
+type Read = (FrozenBase, Option<Vec<f32>>);

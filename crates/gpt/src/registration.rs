@@ -5,10 +5,10 @@ use crate::layout::TARGETS;
 use crate::{hf, lora, FrozenBase, Gpt, GptConfig, GptError};
 use config::{FrozenDtype, ModelConfig};
 use engine::{Model, ParamLayout, Precision, StagedModel, TpRank};
-use family::{BoxError, Build, Family, FrozenBytes, FrozenStorage, LanguageModel, PackedSource, Registration, Result};
+use family::{Build, Family, FrozenBytes, FrozenStorage, LanguageModel, PackedSource, Registration, Result};
+use nn::frozen::FrozenFormat;
 use nn::linear::PackFormat;
 use nn::lora::LoraConfig;
-use nn::proj::FrozenFormat;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -268,34 +268,8 @@ pub struct Gpt2Lora {
     /// The whole model's layout (what a rank's initial values are cut from).
     whole: Arc<Gpt>,
     /// The `Conv1D` weights packed outside the layout, if so.
-    packed: Option<Arc<Packed>>,
+    packed: Option<Arc<crate::frozen_load::Packed>>,
 }
-
-/// A packed frozen base: its format and where and when it is read.
-#[derive(Debug)]
-struct Packed {
-    format: FrozenFormat,
-    base: PackedSource<FrozenBase>,
-}
-
-impl Packed {
-    /// The base, read from its folder on first use.
-    fn get(&self, cfg: &GptConfig) -> Result<Arc<FrozenBase>> {
-        Ok(self.base.get(false, &|dir, rest| self.read(cfg, dir, rest))?.0)
-    }
-
-    /// The base from the folder `dir` and, when asked, the other tensors.
-    fn read(&self, cfg: &GptConfig, dir: &Path, rest: bool) -> std::result::Result<Read, BoxError> {
-        let layout = match rest {
-            true => Some(Gpt::with_packed_layout(*cfg, None)?.layout().clone()),
-            false => None,
-        };
-        Ok(crate::frozen_load::load(cfg, dir, self.format, layout)?)
-    }
-}
-
-/// A base and the other tensors read with it.
-type Read = (FrozenBase, Option<Vec<f32>>);
 
 impl Gpt2Lora {
     /// `cfg` with `lora`'s adapters (checked: what GPT-2 does not support is named).
@@ -331,7 +305,7 @@ impl Gpt2Lora {
         let (formats, bytes) = format.planned((key, source.as_deref()), stored, &shape, &all_in)?;
         let planned = FrozenBytes { formats, bytes };
         let model = Arc::new(Gpt::with_packed_layout(*cfg, Some(self.lora.clone()))?);
-        let packed = Packed { format, base: PackedSource::new(source, planned) };
+        let packed = crate::frozen_load::Packed { format, base: PackedSource::new(source, planned) };
         Ok(Arc::new(Self { model: model.clone(), whole: model, packed: Some(Arc::new(packed)), ..self.clone() }))
     }
 

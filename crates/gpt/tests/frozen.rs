@@ -157,7 +157,7 @@ fn files_hold_the_dequantised_base_and_a_layout_alone_runs_no_pass() {
     assert_eq!(saved_cfg, cfg());
     assert_eq!(bits(&saved), bits(&deq));
     // Reading it back packed: the same matrices, the other tensors as saved.
-    let format = nn::proj::FrozenFormat::Pack(PackFormat::Nf4 { double_quant: false });
+    let format = nn::frozen::FrozenFormat::Pack(PackFormat::Nf4 { double_quant: false });
     let packed_plain = Gpt::with_packed_layout(cfg(), None).unwrap();
     let (again, others) = gpt::frozen_load::load(&cfg(), &dir, format, Some(packed_plain.layout().clone())).unwrap();
     assert_eq!(others.map(|o| bits(&o)), Some(bits(&rest)));
@@ -167,7 +167,7 @@ fn files_hold_the_dequantised_base_and_a_layout_alone_runs_no_pass() {
         }
     }
     // "source" keeps a 16-bit file's values; this one is F32.
-    let e = gpt::frozen_load::load(&cfg(), &dir, nn::proj::FrozenFormat::Source, None).unwrap_err().to_string();
+    let e = gpt::frozen_load::load(&cfg(), &dir, nn::frozen::FrozenFormat::Source, None).unwrap_err().to_string();
     assert!(e.contains("train.frozen_dtype") && e.contains("F32") && e.contains("nf4"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
     let pass = layout_only.micro_step(

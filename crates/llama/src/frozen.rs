@@ -128,7 +128,7 @@ impl LayerBase {
     }
 }
 
-pub use nn::proj::FrozenFormat;
+pub use nn::frozen::FrozenFormat;
 
 /// Every layer's frozen projections, packed; shared (`Arc`) by the models
 /// of one process — thread ranks hold one copy.

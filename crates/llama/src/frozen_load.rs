@@ -8,8 +8,8 @@ use crate::error::LlamaError;
 use crate::frozen::{pack, stored_projs, FrozenBase, FrozenFormat};
 use crate::layout::Proj;
 use gguf::llama::LlamaGguf;
+use nn::frozen::safetensors_format;
 use nn::linear::{PackFormat, PackedMatrix};
-use nn::proj::safetensors_format;
 use std::path::Path;
 
 /// The packed format that keeps a GGUF tensor type's blocks as they are.
