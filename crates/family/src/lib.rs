@@ -418,6 +418,8 @@ pub struct FrozenBytes {
     pub formats: String,
     /// Bytes of every packed tensor.
     pub bytes: u128,
+    /// Values they hold (what `n_params` leaves out).
+    pub values: u128,
 }
 
 /// [`Family::with_frozen_storage`] of a shape without adapters: nothing

@@ -303,8 +303,9 @@ impl Gpt2Lora {
         };
         let all_in = |f| FrozenBase::planned_bytes(cfg, f);
         let (formats, bytes) = format.planned((key, source.as_deref()), stored, &shape, &all_in)?;
-        let planned = FrozenBytes { formats, bytes };
         let model = Arc::new(Gpt::with_packed_layout(*cfg, Some(self.lora.clone()))?);
+        let values = (self.model.layout().n_params() - model.layout().n_params()) as u128;
+        let planned = FrozenBytes { formats, bytes, values };
         let packed = crate::frozen_load::Packed { format, base: PackedSource::new(source, planned) };
         Ok(Arc::new(Self { model: model.clone(), whole: model, packed: Some(Arc::new(packed)), ..self.clone() }))
     }

@@ -177,15 +177,17 @@ impl LlamaFamily {
         let shape = |name: &str| frozen::proj_of(name).map_or(Proj::Q, |(_, p)| p).shape(cfg);
         let all_in = |f| FrozenBase::planned_bytes(cfg, |_| f);
         let (formats, bytes) = format.planned((key, source.as_deref()), stored, &shape, &all_in)?;
-        let (model, planned) = match embed {
-            None => (Llama::with_packed_layout(cfg.clone(), self.lora.clone())?, FrozenBytes { formats, bytes }),
+        let (model, formats, bytes) = match embed {
+            None => (Llama::with_packed_layout(cfg.clone(), self.lora.clone())?, formats, bytes),
             Some(f) => {
                 let formats =
                     if formats.split('+').any(|n| n == f.name()) { formats } else { format!("{formats}+{}", f.name()) };
                 let bytes = bytes + f.bytes_for(cfg.vocab_size, cfg.hidden_size);
-                (Llama::with_packed_embedding_layout(cfg.clone())?, FrozenBytes { formats, bytes })
+                (Llama::with_packed_embedding_layout(cfg.clone())?, formats, bytes)
             }
         };
+        let values = (self.model.layout().n_params() - model.layout().n_params()) as u128;
+        let planned = FrozenBytes { formats, bytes, values };
         let base = PackedSource::new(source, planned);
         let packed = PackedBase { dialect: self.dialect, format, embed: embed.is_some(), base };
         Ok(Arc::new(Self { model: Arc::new(model), packed: Some(Arc::new(packed)), ..self.clone() }))

@@ -469,10 +469,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     let s = &report.step;
     println!(
-        "bench: {} {} ({:.2}M params), seq {}, global batch {} = micro {} × K {}, {} threads ({}), {} measured steps after {} warm-up",
+        "bench: {} {} ({}), seq {}, global batch {} = micro {} × K {}, {} threads ({}), {} measured steps after {} warm-up",
         plan.family.name(),
         report.preset,
-        report.n_params as f64 / 1e6,
+        crate::family::params_label(&*plan.family),
         report.seq_len,
         report.global_batch,
         s.micro,

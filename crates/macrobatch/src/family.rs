@@ -82,6 +82,17 @@ pub fn read_hf_config(dir: &Path) -> Result<Arc<dyn Family>> {
     Ok(r.for_hf_dir(dir, &json)?)
 }
 
+/// The parameter count as the start-up lines print it: the layout's, and
+/// the frozen values held packed outside it (`30.79M params + 103.94M
+/// frozen in q4_1+q8_0`).
+pub fn params_label(f: &dyn Family) -> String {
+    let mut label = format!("{:.2}M params", f.n_params() as f64 / 1e6);
+    if let Some(fb) = f.frozen_bytes() {
+        label += &format!(" + {:.2}M frozen in {}", fb.values as f64 / 1e6, fb.formats);
+    }
+    label
+}
+
 /// Whether `path` is a GGUF model file (by its name).
 pub fn is_gguf(path: &Path) -> bool {
     path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))

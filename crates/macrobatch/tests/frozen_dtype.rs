@@ -405,7 +405,13 @@ fn a_gpt2_base_packs_from_its_conv1d_weights() {
     let with = |dtype: &'static str| [&sets[..], &[dtype]].concat();
     let f32_run = lora_ok(&tmp("frozen-gpt2-f32"), &src, &with("train.frozen_dtype=\"f32\""));
     let packed_out = tmp("frozen-gpt2-bf16");
-    let packed = lora_ok(&packed_out, &src, &with("train.frozen_dtype=\"bf16\""));
+    let o = lora_run(&packed_out, &src, &with("train.frozen_dtype=\"bf16\""), &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let packed = losses(&packed_out);
+    // The start-up line counts the packed base beside the layout's parameters.
+    let conv_values = cfg.n_layer as f64 * 12.0 * (cfg.n_embd * cfg.n_embd) as f64 / 1e6;
+    let out = String::from_utf8_lossy(&o.stdout).into_owned() + &stderr(&o);
+    assert!(out.contains(&format!("M params + {conv_values:.2}M frozen in bf16")), "{out}");
     assert_eq!(packed.len(), 4);
     assert!((packed[0] - f32_run[0]).abs() <= 1e-5 * f32_run[0], "{packed:?} vs {f32_run:?}");
     assert_close_rel("bf16 packed vs f32", &packed, &f32_run, 1e-3);

@@ -198,10 +198,10 @@ pub fn open_outputs(
     }
     let reporter = Reporter::new(&metrics, plan.cfg.train.steps, plan.cfg.train.log_every, resume_step.is_some())?;
     reporter.println(&format!(
-        "macrobatch: {} {} ({:.2}M params, {}), batch {} = micro {} × K {} × {} {} ({:?}), seq {} | {} train / {} val sequences, {} steps/epoch | {} threads, {} | out {}",
+        "macrobatch: {} {} ({}, {}), batch {} = micro {} × K {} × {} {} ({:?}), seq {} | {} train / {} val sequences, {} steps/epoch | {} threads, {} | out {}",
         plan.family.name(),
         plan.cfg.model.label(),
-        plan.family.n_params() as f64 / 1e6,
+        crate::family::params_label(&*plan.family),
         plan.family.describe(),
         plan.batch.global,
         plan.batch.micro,
