@@ -563,8 +563,9 @@ pub struct TrainConfig {
     /// f16: stop with an error after this many consecutive skipped steps at
     /// `min_loss_scale` (the run cannot make progress); 0 never stops.
     pub max_skips_at_min_scale: u64,
-    /// How the frozen base projections of a LoRA run (a Llama-family
-    /// model's q, k, v, o, gate, up, down) are held: [`FrozenDtype`].
+    /// How the frozen base projections of a LoRA run (a Llama-block
+    /// model's q, k, v, o, gate, up, down; GPT-2's `Conv1D` layers) are
+    /// held: [`FrozenDtype`].
     pub frozen_dtype: FrozenDtype,
     /// With `frozen_dtype = "nf4"`: quantise each block's absmax too
     /// (QLoRA's double quantisation, 8-bit scales in blocks of 256).
@@ -816,7 +817,7 @@ impl Config {
             return Err(invalid(
                 "train.frozen_dtype",
                 t.frozen_dtype.name(),
-                "packs the frozen base projections of a LoRA run of the Llama block's families (llama, qwen2, qwen3, mistral, phi3, gemma2), and there is no [lora] section: nothing is frozen; add [lora] or set train.frozen_dtype = \"auto\"",
+                "packs the frozen base projections of a LoRA run (GPT-2 and the Llama block's families), and there is no [lora] section: nothing is frozen; add [lora] or set train.frozen_dtype = \"auto\"",
             ));
         }
         for (key, n) in [

@@ -28,6 +28,24 @@ pub(crate) fn conv_of(name: &str) -> Option<(usize, usize)> {
     Some((block.parse().ok()?, i))
 }
 
+/// Errors unless a file's `Conv1D` weight `name` (block `b`, layer `i`)
+/// is one of the model's blocks and has its `[in, out]` shape (`path`:
+/// the file, named in the error).
+pub(crate) fn check_stored(
+    cfg: &GptConfig,
+    (name, (b, i)): (&str, (usize, usize)),
+    shape: &[usize],
+    path: &std::path::Path,
+) -> Result<(), GptError> {
+    let want = conv_shape(i, cfg.n_embd, Widths::whole(cfg));
+    let problem = match (b < cfg.n_layer, shape == want) {
+        (true, true) => return Ok(()),
+        (false, _) => format!("tensor `{name}` is in block {b}, and the model has {} blocks", cfg.n_layer),
+        (true, false) => format!("tensor `{name}` has shape {shape:?} but the model needs {want:?}"),
+    };
+    Err(GptError::File(nn::io::bad(path, format!("{problem} (is config.json from the same model?)"))))
+}
+
 /// `[in, out]` f32 `Conv1D` values as `[out, in]` rows.
 fn transpose(w: &[f32], inp: usize, out: usize) -> Vec<f32> {
     (0..out).flat_map(|j| (0..inp).map(move |k| w[k * out + j])).collect()

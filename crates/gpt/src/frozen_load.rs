@@ -54,6 +54,7 @@ pub fn load(
     let params = crate::hf::load_weights_with(&path, &layout, &mut |name, view| {
         // Without `rest` every other tensor is taken, unread.
         let Some(at) = conv_of(name) else { return Ok(!wanted) };
+        crate::frozen::check_stored(cfg, (name, at), view.shape(), &path)?;
         let stored = format!("{:?}", view.dtype());
         let fmt = format
             .target(name, &stored, safetensors_format(&stored))

@@ -61,6 +61,11 @@ pub fn init_in_place(model: &Gpt, params: &mut [f32], seed: u64, frozen: Option<
     require_lora(model)?;
     check_count("model with adapters", model.layout().n_params(), params.len())?;
     let Some(ad) = model.adapter_set() else { return Ok(()) };
+    if ad.dora && model.packs_base() && frozen.is_none() {
+        return Err(GptError::InvalidConfig(
+            "DoRA's magnitudes start at the base's norms: pass the packed base".into(),
+        ));
+    }
     for idx in 0..model.config().n_layer {
         // The adapters are the block's tail; DoRA's magnitudes read its base.
         let span = model.block_params(idx).span();

@@ -304,7 +304,7 @@ impl Gpt2Lora {
         let all_in = |f| FrozenBase::planned_bytes(cfg, f);
         let (formats, bytes) = format.planned((key, source.as_deref()), stored, &shape, &all_in)?;
         let model = Arc::new(Gpt::with_packed_layout(*cfg, Some(self.lora.clone()))?);
-        let values = (self.model.layout().n_params() - model.layout().n_params()) as u128;
+        let values = self.model.layout().n_params().saturating_sub(model.layout().n_params()) as u128;
         let planned = FrozenBytes { formats, bytes, values };
         let packed = crate::frozen_load::Packed { format, base: PackedSource::new(source, planned) };
         Ok(Arc::new(Self { model: model.clone(), whole: model, packed: Some(Arc::new(packed)), ..self.clone() }))
@@ -362,12 +362,15 @@ impl Family for Gpt2Lora {
 
     /// The rank's heads and MLP columns with their adapters' pieces.
     fn tensor_parallel(&self, tp: TpRank) -> Result<Arc<dyn Family>> {
-        if self.packed.is_some() && tp.is_split() {
-            return Err(format!(
-                "a packed frozen base is kept whole (dist.tensor_parallel = {}); set train.frozen_dtype = \"f32\" or dist.tensor_parallel = 1",
-                tp.size
-            )
-            .into());
+        if self.packed.is_some() {
+            return match tp.is_split() {
+                true => Err(format!(
+                    "a packed frozen base is kept whole (dist.tensor_parallel = {}); set train.frozen_dtype = \"f32\" or dist.tensor_parallel = 1",
+                    tp.size
+                )
+                .into()),
+                false => Ok(Arc::new(self.clone())),
+            };
         }
         let model = Gpt::tensor_parallel_with_lora(self.base.0, self.lora.clone(), Precision::F32, tp)?;
         Ok(Arc::new(Self { model: Arc::new(model), tp, ..self.clone() }))
@@ -422,6 +425,7 @@ impl Family for Gpt2Lora {
         // `init_in_place` refuses a layout other than the model's.
         let mut params = hf::load_weights_with(&path, layout, &mut |name, view| {
             let (Some((b, i)), Some(f)) = (crate::frozen::conv_of(name), &frozen) else { return Ok(false) };
+            crate::frozen::check_stored(&self.base.0, (name, (b, i)), view.shape(), &path)?;
             let mut w = vec![0.0; view.shape().iter().product()];
             nn::io::decode_into(view.dtype(), view.data(), &mut w)
                 .map_err(|e| GptError::File(nn::io::bad(&path, format!("tensor `{name}` {e}"))))?;

@@ -237,6 +237,14 @@ fn the_family_plans_a_packed_base_and_refuses_what_cannot_be_packed() {
     assert!(fam.with_frozen_storage(&s(FrozenDtype::Auto, Some(&dir))).unwrap().is_none());
     let e = fam.with_frozen_storage(&s(FrozenDtype::Source, Some(&dir))).err().unwrap().to_string();
     assert!(e.contains("F32") && e.contains("\"nf4\""), "{e}");
+    // A folder of another shape: its weights are named, not packed.
+    let bf16 = nn::frozen::FrozenFormat::Pack(PackFormat::Bf16);
+    let wider = GptConfig { n_embd: 128, ..cfg() };
+    let e = gpt::frozen_load::load(&wider, &dir, bf16, None).err().unwrap().to_string();
+    assert!(e.contains("has shape [") && e.contains("but the model needs [") && e.contains("config.json"), "{e}");
+    let shallower = GptConfig { n_layer: 1, ..cfg() };
+    let e = gpt::frozen_load::load(&shallower, &dir, bf16, None).err().unwrap().to_string();
+    assert!(e.contains("is in block 1, and the model has 1 blocks"), "{e}");
     // Input widths of 48 and 192: not whole blocks of 64.
     let odd = GptConfig { n_embd: 48, ..cfg() };
     gpt::hf::save(&dir, &odd, Gpt::new(odd).unwrap().layout(), &gpt::init_params(&odd, 1)).unwrap();

@@ -86,11 +86,15 @@ pub fn embed_format(dialect: &dyn Dialect, source: &Path) -> Result<Option<PackF
 /// The token embedding `[rows, cols]` from its stored `bytes`, packed as
 /// `kept` stores it (`None`: not a packed type, refused).
 fn embedding(
-    source: &Path,
+    (source, cfg): (&Path, &LlamaConfig),
     (rows, cols): (usize, usize),
     kept: Option<PackFormat>,
     bytes: &[u8],
 ) -> Result<PackedMatrix, LlamaError> {
+    if [rows, cols] != [cfg.vocab_size, cfg.hidden_size] {
+        let want = [cfg.vocab_size, cfg.hidden_size];
+        return Err(LlamaError::ShapeMismatch { name: EMBED.into(), got: vec![rows, cols], expected: want.to_vec() });
+    }
     let fmt = kept.ok_or_else(|| hf_read(source, format!("`{EMBED}` is not stored in a packed type")))?;
     PackedMatrix::from_raw(rows, cols, fmt, bytes.to_vec()).map_err(|e| hf_read(source, e))
 }
@@ -170,7 +174,7 @@ pub fn load(
                 let [rows, cols] = raw.shape[..] else {
                     return Err(hf_read(source, format!("`{name}` is not a matrix")));
                 };
-                table = Some(embedding(source, (rows, cols), gguf_format(raw.ty), raw.bytes)?);
+                table = Some(embedding((source, cfg), (rows, cols), gguf_format(raw.ty), raw.bytes)?);
                 nn::io::release_pages(file.file().mapped(), raw.bytes);
                 continue;
             }
@@ -213,7 +217,7 @@ pub fn load(
             if embed && name == EMBED {
                 let [rows, cols] = shape[..] else { return Ok(false) };
                 let kept = safetensors_format(&format!("{:?}", view.dtype()));
-                table = Some(embedding(source, (rows, cols), kept, view.data())?);
+                table = Some(embedding((source, cfg), (rows, cols), kept, view.data())?);
                 return Ok(true);
             }
             // Without `rest` every other tensor is taken, unread.

@@ -492,7 +492,7 @@ impl Decoder for Llama {
         if let (true, Walk::Forward(Pass::Train, _)) = (self.packed_embed, &walk) {
             return Err(LlamaError::config(
                 "frozen base",
-                "the token embedding is kept packed for generation and evaluation; a training pass reads it from the parameters",
+                "the token embedding is kept packed for generation and evaluation, and a training pass reads it from the parameters: train with --init-from FILE, which holds the embedding in f32",
             ));
         }
         let (b, t) = (self.shell.acts.b, self.shell.acts.t);

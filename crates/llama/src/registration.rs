@@ -186,7 +186,7 @@ impl LlamaFamily {
                 (Llama::with_packed_embedding_layout(cfg.clone())?, formats, bytes)
             }
         };
-        let values = (self.model.layout().n_params() - model.layout().n_params()) as u128;
+        let values = self.model.layout().n_params().saturating_sub(model.layout().n_params()) as u128;
         let planned = FrozenBytes { formats, bytes, values };
         let base = PackedSource::new(source, planned);
         let packed = PackedBase { dialect: self.dialect, format, embed: embed.is_some(), base };
