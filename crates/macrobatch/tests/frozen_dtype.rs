@@ -101,6 +101,19 @@ fn a_packed_run_resumes_bit_for_bit() {
     // The resumed run packed its base again from the recorded source.
     let resolved = std::fs::read_to_string(out.join("config.resolved.toml")).unwrap();
     assert!(resolved.contains(&format!("frozen_source = {:?}", src.display().to_string())), "{resolved}");
+    // That source changed after a stop (one projection scaled): the resume
+    // is refused instead of training on another base.
+    let later = tmp("frozen-stopped-later");
+    let o = lora_run(&later, &src, &nf4, &["--stop-after", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::remove_dir_all(&src).unwrap();
+    let changed = folder("frozen-resume-src", |layer, pr, w| match (layer, pr) {
+        (0, Proj::Down) => w.iter().map(|x| x * 2.0).collect(),
+        _ => w.to_vec(),
+    });
+    assert_eq!(changed, src);
+    let err = fails(&resume(&later, &[]), "differs from the packed base");
+    assert!(err.contains("down_proj") && err.contains("cannot resume from"), "{err}");
 }
 
 #[test]
@@ -432,6 +445,10 @@ fn a_gpt2_base_packs_from_its_conv1d_weights() {
     let err = resume_ok(&out, &[]);
     assert!(!err.contains("error"), "{err}");
     assert_eq!(bits(&losses(&out)), bits(&straight), "resumed vs straight");
+    // Stopped again, to be resumed after the source changes (below).
+    let later = tmp("frozen-gpt2-stopped-later");
+    let o = lora_run(&later, &src, &nf4, &["--stop-after", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
 
     let text = out.with_extension("txt");
     std::fs::write(&text, "Call me Ishmael. Some years ago, never mind how long precisely.\n".repeat(8)).unwrap();
@@ -451,5 +468,8 @@ fn a_gpt2_base_packs_from_its_conv1d_weights() {
     assert_eq!(changed, src);
     let err = fails(&eval(&[]), "differs from the packed base");
     assert!(err.contains("transformer.h.") && err.contains("--dequantize"), "{err}");
+    // A resume packs the changed source again: refused, not trained on another base.
+    let err = fails(&resume(&later, &[]), "differs from the packed base");
+    assert!(err.contains("cannot resume from"), "{err}");
     let _ = std::fs::remove_dir_all(&original);
 }
