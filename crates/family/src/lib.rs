@@ -23,7 +23,9 @@ use engine::{
     Checkpointing, MicroStepStats, Model, ParamLayout, ParamStore, Precision, StageSpec, StagedModel, TensorSpec,
     TokenBatch,
 };
-pub use packed::{chain, PackedSource, ReadBase};
+pub use packed::{
+    chain, frozen_packing, safetensors_format, FrozenFormat, PackedSource, ReadBase, StoredWeight, StoredWeights,
+};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::ops::Range;

@@ -4,8 +4,8 @@
 use crate::config::GptConfig;
 use crate::error::GptError;
 use crate::frozen::{conv_of, FrozenBase};
+use family::{safetensors_format, FrozenFormat};
 use family::{BoxError, PackedSource};
-use nn::frozen::{safetensors_format, FrozenFormat};
 use nn::linear::PackFormat;
 use std::path::Path;
 use std::sync::Arc;

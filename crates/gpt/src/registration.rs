@@ -3,10 +3,10 @@
 
 use crate::layout::TARGETS;
 use crate::{hf, lora, FrozenBase, Gpt, GptConfig, GptError};
-use config::{FrozenDtype, ModelConfig};
+use config::ModelConfig;
 use engine::{Model, ParamLayout, Precision, StagedModel, TpRank};
+use family::FrozenFormat;
 use family::{Build, Family, FrozenBytes, FrozenStorage, LanguageModel, PackedSource, Registration, Result};
-use nn::frozen::FrozenFormat;
 use nn::linear::PackFormat;
 use nn::lora::LoraConfig;
 use serde::{Deserialize, Serialize};
@@ -463,47 +463,20 @@ impl Family for Gpt2Lora {
     }
 
     fn with_frozen_storage(&self, s: &FrozenStorage) -> Result<Option<Arc<dyn Family>>> {
-        let key = format!("train.frozen_dtype = \"{}\"", s.dtype.name());
-        let format = match s.dtype {
-            FrozenDtype::F32 => return Ok(None),
-            FrozenDtype::Bf16 => FrozenFormat::Pack(PackFormat::Bf16),
-            FrozenDtype::Nf4 => FrozenFormat::Pack(PackFormat::Nf4 { double_quant: s.double_quant }),
-            FrozenDtype::Source | FrozenDtype::Auto => FrozenFormat::Source,
-        };
-        // Without a source a named packed format is planned (its bytes
-        // follow from the shape); building the model then asks for one.
-        let stored = match &s.source {
-            Some(p) => crate::frozen_load::source_formats(p).map_err(|e| format!("{}: {e}", p.display()))?,
-            None if matches!(format, FrozenFormat::Pack(_)) => Vec::new(),
-            None if s.packs_by_name() => {
-                return Err(format!("{key} keeps the base in its file's format, and no file is given: pass --init-from (a Hugging Face folder) or set train.frozen_source = PATH").into())
-            }
-            None => return Ok(None),
-        };
-        if s.dtype == FrozenDtype::Auto {
-            let sixteen = |f: &Option<PackFormat>| matches!(f, Some(PackFormat::Bf16 | PackFormat::F16));
-            if stored.is_empty() || !stored.iter().all(|(_, _, f)| sixteen(f)) {
-                return Ok(None);
-            }
-        }
-        // A shape the format's blocks do not divide is refused before the
-        // pretrained file is read (a plan without one rounds up the rows).
-        if let (FrozenFormat::Pack(f), Some(source)) = (format, &s.source) {
-            let cfg = &self.base.0;
-            for (i, name) in crate::layout::CONVS.iter().enumerate() {
+        let cfg = &self.base.0;
+        let weights: Vec<_> = crate::layout::CONVS
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
                 let [inp, out] = crate::layout::conv_shape(i, cfg.n_embd, crate::layout::Widths::whole(cfg));
-                if !inp.is_multiple_of(f.block()) {
-                    return Err(format!(
-                        "{key} cannot pack {}'s `{name}` weights ([{inp}, {out}]): {} packs each output feature's {inp} inputs in blocks of {}, and {inp} is not a multiple of {}; set train.frozen_dtype = \"bf16\" (or \"f32\") for this model",
-                        source.display(),
-                        f.name(),
-                        f.block(),
-                        f.block()
-                    )
-                    .into());
-                }
-            }
-        }
+                (*name, [out, inp])
+            })
+            .collect();
+        let stored_of =
+            |p: &Path| Ok(crate::frozen_load::source_formats(p).map_err(|e| format!("{}: {e}", p.display()))?);
+        let files = "a Hugging Face folder";
+        let Some((format, stored)) = family::frozen_packing(s, &stored_of, &weights, files)? else { return Ok(None) };
+        let key = format!("train.frozen_dtype = \"{}\"", s.dtype.name());
         Ok(Some(self.packed_family(&key, s.source.clone(), format, &stored)?))
     }
 

@@ -78,11 +78,7 @@ fn by_name(from: &Gpt, params: &[f32], to: &Gpt) -> Vec<f32> {
 
 /// The loss sum and gradient of one micro-step at `params`.
 fn step(model: &mut Gpt, params: &[f32]) -> (f64, Vec<f32>) {
-    let mut grads = vec![0.0; params.len()];
-    let mut store = FullStore::for_model(&*model, params, &mut grads).unwrap();
-    let stats = model.micro_step(&mut store, &batch(), 1.0).unwrap();
-    drop(store);
-    (stats.loss_sum, grads)
+    common::step(model, params, &batch())
 }
 
 /// max |a − b| over max |b|.
@@ -157,7 +153,7 @@ fn files_hold_the_dequantised_base_and_a_layout_alone_runs_no_pass() {
     assert_eq!(saved_cfg, cfg());
     assert_eq!(bits(&saved), bits(&deq));
     // Reading it back packed: the same matrices, the other tensors as saved.
-    let format = nn::frozen::FrozenFormat::Pack(PackFormat::Nf4 { double_quant: false });
+    let format = family::FrozenFormat::Pack(PackFormat::Nf4 { double_quant: false });
     let packed_plain = Gpt::with_packed_layout(cfg(), None).unwrap();
     let (again, others) = gpt::frozen_load::load(&cfg(), &dir, format, Some(packed_plain.layout().clone())).unwrap();
     assert_eq!(others.map(|o| bits(&o)), Some(bits(&rest)));
@@ -167,7 +163,7 @@ fn files_hold_the_dequantised_base_and_a_layout_alone_runs_no_pass() {
         }
     }
     // "source" keeps a 16-bit file's values; this one is F32.
-    let e = gpt::frozen_load::load(&cfg(), &dir, nn::frozen::FrozenFormat::Source, None).unwrap_err().to_string();
+    let e = gpt::frozen_load::load(&cfg(), &dir, family::FrozenFormat::Source, None).unwrap_err().to_string();
     assert!(e.contains("train.frozen_dtype") && e.contains("F32") && e.contains("nf4"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
     let pass = layout_only.micro_step(
@@ -238,7 +234,7 @@ fn the_family_plans_a_packed_base_and_refuses_what_cannot_be_packed() {
     let e = fam.with_frozen_storage(&s(FrozenDtype::Source, Some(&dir))).err().unwrap().to_string();
     assert!(e.contains("F32") && e.contains("\"nf4\""), "{e}");
     // A folder of another shape: its weights are named, not packed.
-    let bf16 = nn::frozen::FrozenFormat::Pack(PackFormat::Bf16);
+    let bf16 = family::FrozenFormat::Pack(PackFormat::Bf16);
     let wider = GptConfig { n_embd: 128, ..cfg() };
     let e = gpt::frozen_load::load(&wider, &dir, bf16, None).err().unwrap().to_string();
     assert!(e.contains("has shape [") && e.contains("but the model needs [") && e.contains("config.json"), "{e}");

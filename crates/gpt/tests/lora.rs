@@ -8,7 +8,7 @@
 mod common;
 
 use engine::rng::SplitMix64;
-use engine::{FullStore, Model, Precision, TpRank};
+use engine::{Model, Precision, TpRank};
 use gpt::{lora, Batch, Gpt, GptConfig};
 use nn::lora::LoraConfig;
 
@@ -63,11 +63,7 @@ fn adapted_with(lora: LoraConfig, seed: u64) -> (Gpt, Vec<f32>, Vec<f32>) {
 
 /// The loss sum and gradient of one micro-step at `params`.
 fn step(model: &mut Gpt, params: &[f32]) -> (f64, Vec<f32>) {
-    let mut grads = vec![0.0; params.len()];
-    let mut store = FullStore::for_model(&*model, params, &mut grads).unwrap();
-    let stats = model.micro_step(&mut store, &batch(), 1.0).unwrap();
-    drop(store);
-    (stats.loss_sum, grads)
+    common::step(model, params, &batch())
 }
 
 #[test]

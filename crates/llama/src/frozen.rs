@@ -128,7 +128,7 @@ impl LayerBase {
     }
 }
 
-pub use nn::frozen::FrozenFormat;
+pub use family::FrozenFormat;
 
 /// Every layer's frozen projections, packed; shared (`Arc`) by the models
 /// of one process — thread ranks hold one copy.

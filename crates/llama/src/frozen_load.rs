@@ -7,8 +7,8 @@ use crate::dialect::Dialect;
 use crate::error::LlamaError;
 use crate::frozen::{pack, stored_projs, FrozenBase, FrozenFormat};
 use crate::layout::Proj;
+use family::safetensors_format;
 use gguf::llama::LlamaGguf;
-use nn::frozen::safetensors_format;
 use nn::linear::{PackFormat, PackedMatrix};
 use std::path::Path;
 

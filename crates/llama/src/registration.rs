@@ -9,7 +9,7 @@ use crate::dialect::{Dialect, Names};
 use crate::frozen::{self, FrozenBase, FrozenFormat};
 use crate::frozen_load;
 use crate::{hf, import, lora, Llama, LlamaConfig, LlamaError, LoraConfig, Proj};
-use config::{FrozenDtype, ModelConfig};
+use config::ModelConfig;
 use engine::{Model, ParamLayout, Precision, TpRank};
 use family::{
     BoxError, Build, Family, FrozenBytes, FrozenStorage, LanguageModel, Loaded, PackedSource, Registration, Result,
@@ -374,56 +374,18 @@ impl Family for LlamaFamily {
     }
 
     fn with_frozen_storage(&self, s: &FrozenStorage) -> Result<Option<Arc<dyn Family>>> {
-        let by_name = s.packs_by_name();
-        let key = format!("train.frozen_dtype = \"{}\"", s.dtype.name());
         if self.lora.is_none() {
             return family::no_adapters_to_pack(s);
         }
-        let format = match s.dtype {
-            FrozenDtype::F32 => return Ok(None),
-            FrozenDtype::Bf16 => FrozenFormat::Pack(PackFormat::Bf16),
-            FrozenDtype::Nf4 => FrozenFormat::Pack(PackFormat::Nf4 { double_quant: s.double_quant }),
-            FrozenDtype::Source => FrozenFormat::Source,
-            FrozenDtype::Auto => FrozenFormat::Source,
-        };
-        // Without a source a named packed format is planned (its bytes
-        // follow from the shape); building the model then asks for one.
-        let stored = match &s.source {
-            Some(p) => frozen_load::source_formats((self.dialect, &self.cfg), p).map_err(|e| format!("{}: {e}", p.display()))?,
-            None if matches!(format, FrozenFormat::Pack(_)) => Vec::new(),
-            None if by_name => {
-                return Err(format!(
-                    "{key} keeps the base in its file's format, and no file is given: pass --init-from (a GGUF file or a Hugging Face folder) or set train.frozen_source = PATH"
-                )
-                .into())
-            }
-            None => return Ok(None),
-        };
-        if s.dtype == FrozenDtype::Auto {
-            let sixteen = |f: &Option<PackFormat>| matches!(f, Some(PackFormat::Bf16 | PackFormat::F16));
-            if stored.is_empty() || !stored.iter().all(|(_, _, f)| sixteen(f)) {
-                return Ok(None);
-            }
-        }
         let cfg = &self.cfg;
-        // A shape the format's blocks do not divide is refused before the
-        // pretrained file is read (a plan without one rounds up the rows).
-        if let (FrozenFormat::Pack(f), Some(source)) = (format, &s.source) {
-            for pr in Proj::ALL {
-                let [rows, cols] = pr.shape(cfg);
-                if !cols.is_multiple_of(f.block()) {
-                    return Err(format!(
-                        "{key} cannot pack {}'s `{}` weights ([{rows}, {cols}]): {} packs each row in blocks of {} values, and {cols} is not a multiple of {}; set train.frozen_dtype = \"bf16\" (or \"f32\") for this model",
-                        source.display(),
-                        pr.name(),
-                        f.name(),
-                        f.block(),
-                        f.block()
-                    )
-                    .into());
-                }
-            }
-        }
+        let weights: Vec<_> = Proj::ALL.into_iter().map(|pr| (pr.name(), pr.shape(cfg))).collect();
+        let stored_of = |p: &Path| {
+            let stored = frozen_load::source_formats((self.dialect, cfg), p);
+            Ok(stored.map_err(|e| format!("{}: {e}", p.display()))?)
+        };
+        let files = "a GGUF file or a Hugging Face folder";
+        let Some((format, stored)) = family::frozen_packing(s, &stored_of, &weights, files)? else { return Ok(None) };
+        let key = format!("train.frozen_dtype = \"{}\"", s.dtype.name());
         Ok(Some(self.packed_family((&key, s.source.clone()), format, &stored, None)?))
     }
 

@@ -47,6 +47,18 @@ fn lora_ok(out: &Path, init: &Path, sets: &[&str]) -> Vec<f64> {
     losses(out)
 }
 
+/// `eval RUN --data TEXT --json` with `extra` flags.
+fn eval_run(run: &Path, text: &Path, extra: &[&str]) -> std::process::Output {
+    bin().arg("eval").arg(run).arg("--data").arg(text).arg("--json").args(extra).output().unwrap()
+}
+
+/// The loss a successful [`eval_run`] reports.
+fn loss(o: &std::process::Output) -> f64 {
+    assert!(o.status.success(), "{}", stderr(o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    v["loss"].as_f64().unwrap()
+}
+
 fn bits(v: &[f64]) -> Vec<u64> {
     v.iter().map(|x| x.to_bits()).collect()
 }
@@ -280,14 +292,7 @@ fn a_packed_runs_folder_evaluates_on_its_packed_base() {
         "Call me Ishmael. Some years ago, never mind how long precisely, having little money.\n".repeat(8),
     )
     .unwrap();
-    let eval = |extra: &[&str]| {
-        bin().arg("eval").arg(&out).arg("--data").arg(&text).arg("--json").args(extra).output().unwrap()
-    };
-    let loss = |o: &std::process::Output| {
-        assert!(o.status.success(), "{}", stderr(o));
-        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-        v["loss"].as_f64().unwrap()
-    };
+    let eval = |extra: &[&str]| eval_run(&out, &text, extra);
     let packed = loss(&eval(&[]));
     let whole = loss(&eval(&["--dequantize"]));
     assert_eq!(packed.to_bits(), whole.to_bits(), "packed {packed} vs the folder's f32 base {whole}");
@@ -452,14 +457,7 @@ fn a_gpt2_base_packs_from_its_conv1d_weights() {
 
     let text = out.with_extension("txt");
     std::fs::write(&text, "Call me Ishmael. Some years ago, never mind how long precisely.\n".repeat(8)).unwrap();
-    let eval = |extra: &[&str]| {
-        bin().arg("eval").arg(&straight_out).arg("--data").arg(&text).arg("--json").args(extra).output().unwrap()
-    };
-    let loss = |o: &std::process::Output| {
-        assert!(o.status.success(), "{}", stderr(o));
-        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-        v["loss"].as_f64().unwrap()
-    };
+    let eval = |extra: &[&str]| eval_run(&straight_out, &text, extra);
     let (packed_eval, whole) = (loss(&eval(&[])), loss(&eval(&["--dequantize"])));
     assert!((packed_eval - whole).abs() <= 1e-5 * whole, "packed {packed_eval} vs the folder's f32 base {whole}");
     let original = src.with_extension("orig");

@@ -33,7 +33,6 @@ pub mod dora;
 pub mod embed;
 pub mod fd;
 pub mod flash;
-pub mod frozen;
 pub mod grad;
 pub mod io;
 pub mod kv;

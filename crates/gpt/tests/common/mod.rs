@@ -67,6 +67,15 @@ pub fn sharding_batch(rank: usize, step: usize, k: usize) -> Batch {
     two_random_sequences((rank * 1000 + step * 10 + k) as u64 + 1, SHARD_T, 257)
 }
 
+/// The loss sum and gradient of one micro-step of `model` at `params` on `b`.
+pub fn step(model: &mut Gpt, params: &[f32], b: &Batch) -> (f64, Vec<f32>) {
+    let mut grads = vec![0.0; params.len()];
+    let mut store = engine::FullStore::for_model(&*model, params, &mut grads).unwrap();
+    let stats = model.micro_step(&mut store, b, 1.0).unwrap();
+    drop(store);
+    (stats.loss_sum, grads)
+}
+
 /// PEFT loads the base and adapters written into `dir`'s `base` and
 /// `adapter` folders (transformers' `GPT2LMHeadModel`,
 /// `PeftModel.from_pretrained`) and computes `model`'s logits and loss at

@@ -307,29 +307,18 @@ fn refuse_shape_overrides(
     Ok(())
 }
 
-/// With a packed frozen base: the checkpoint's parameters (a whole model,
-/// its base dequantised) cut to the layout's tensors, by name; the base is
-/// packed again from `train.frozen_source`, and the checkpoint's copy of it
-/// must be that base's values to the bit (a source changed since the run
-/// is refused, naming the fix), as the family reads a run folder.
+/// With a packed frozen base: the checkpoint's parameters cut to the
+/// layout's tensors, as the family reads a run folder — the base packed
+/// again from `train.frozen_source`, the checkpoint's copy of it checked
+/// against it to the bit (a source changed since the run is refused,
+/// naming the fix).
 pub fn onto_packed_layout(plan: &Plan, l: &mut Loaded) -> Result<()> {
     if plan.family.frozen_bytes().is_none() {
         return Ok(());
     }
-    let (from, to) = (l.model.build(family::Build::default())?, plan.family.build(family::Build::default())?);
-    let mut params = Vec::with_capacity(to.layout().n_params());
-    for t in to.layout().tensors() {
-        let Some(src) = from.layout().get(&t.name) else {
-            bail!("the checkpoint in {} has no tensor `{}`", l.dir.display(), t.name);
-        };
-        params.extend_from_slice(&l.params[src.range()]);
-    }
-    let context = || format!("cannot resume from {}", l.dir.display());
-    let checked = plan.family.load_weights(&l.dir, to.layout()).with_context(context)?;
-    if checked.len() != params.len() || checked.iter().zip(&params).any(|(a, b)| a.to_bits() != b.to_bits()) {
-        bail!("{}: the checkpoint's parameters differ from what its files give the packed model (a damaged checkpoint?); resume from an earlier one", l.dir.display());
-    }
-    l.params = params;
+    let layout = plan.family.build(family::Build::default())?.layout().clone();
+    l.params =
+        plan.family.load_weights(&l.dir, &layout).with_context(|| format!("cannot resume from {}", l.dir.display()))?;
     Ok(())
 }
 
