@@ -551,6 +551,13 @@ pub struct TrainConfig {
     pub checkpoint_every: u64,
     /// Checkpoints to keep (0: all).
     pub keep_checkpoints: usize,
+    /// Write each checkpoint of `checkpoint_every` in the background: rank 0
+    /// hands the gathered state to a writer thread and every rank goes on
+    /// stepping; at most one is in flight (the next one, and the end of the
+    /// run, wait for it). Costs no memory beyond what a checkpoint's state
+    /// takes anyway (the plan counts it on top of a step). A checkpoint a
+    /// signal or `--stop-after` asks for is written before the run exits.
+    pub checkpoint_async: bool,
     /// Tensors the optimizer updates, by name pattern (`*` matches any
     /// run of characters); the others are frozen: no gradient, no optimizer
     /// state, no gradient communication. Default: every tensor.
@@ -570,10 +577,10 @@ pub struct TrainConfig {
     /// With `frozen_dtype = "nf4"`: quantise each block's absmax too
     /// (QLoRA's double quantisation, 8-bit scales in blocks of 256).
     pub frozen_double_quant: bool,
-    /// The GGUF file or Hugging Face folder a packed frozen base is read
-    /// from: `--init-from` writes it when the base is packed, so a resumed
-    /// run (whose checkpoint holds only the layout's tensors) packs the
-    /// same base again.
+    /// The GGUF file or Hugging Face folder a LoRA run's frozen base is
+    /// read from: `--init-from` writes it, so a resumed run (whose
+    /// checkpoint holds only the adapters and a reference to the base)
+    /// reads — and, where `frozen_dtype` packs it, packs — the same base again.
     pub frozen_source: Option<std::path::PathBuf>,
     /// Also write every `metrics.jsonl` line's numbers as TensorBoard
     /// scalars, into the run folder's `tensorboard/` (rank 0; `train
@@ -654,6 +661,7 @@ impl Default for TrainConfig {
             min_loss_scale: 1.0,
             checkpoint_every: 0,
             keep_checkpoints: 3,
+            checkpoint_async: false,
             trainable: vec!["*".into()],
             max_skips_at_min_scale: 50,
             memory_budget: None,

@@ -496,6 +496,28 @@ pub trait Family: Send + Sync {
         let _ = seed;
         Ok(params)
     }
+    /// With adapters: writes only them, in PEFT's format
+    /// (`adapter_config.json` naming `base` as `base_model_name_or_path`,
+    /// `adapter_model.safetensors`), into `dir` (which exists): every
+    /// trainable tensor, none of the frozen base. An error without adapters.
+    fn save_adapters(&self, dir: &Path, layout: &ParamLayout, params: &[f32], base: &str) -> Result<()> {
+        let _ = (dir, layout, params, base);
+        Err(format!("this {} shape has no adapters to save apart from its base", self.name()).into())
+    }
+    /// With adapters: the adapters PEFT's files in `dir` hold, copied into
+    /// `params` (in `layout`'s order); the file must hold every adapter
+    /// tensor of the layout and nothing else. An error without adapters.
+    fn load_adapters(&self, dir: &Path, layout: &ParamLayout, params: &mut [f32]) -> Result<()> {
+        let _ = (layout, params);
+        Err(format!("{}: this {} shape has no adapters to read", dir.display(), self.name()).into())
+    }
+    /// With a packed frozen base: this shape with every tensor in its f32
+    /// layout, and `params` (this shape's) in it — the base dequantised,
+    /// the values the packed GEMMs compute with. `None` without one.
+    fn unpacked(&self, params: &[f32]) -> Result<Option<Loaded>> {
+        let _ = params;
+        Ok(None)
+    }
     /// With adapters: the plain model with them merged into its weights
     /// (W + α/r·B·A), as a family and parameters; `None` without adapters.
     fn merged(&self, params: &[f32]) -> Result<Option<Loaded>> {
@@ -590,6 +612,47 @@ pub fn parse_section<T: DeserializeOwned>(family: &str, keys: &[&str], table: &t
         .into());
     }
     toml::Value::Table(table.clone()).try_into().map_err(|e| ModelError::from(format!("[model] for {family}: {e}")))
+}
+
+/// `params` (laid out as `packed`) in `layout`, which holds the same
+/// tensors and the frozen ones `dequantized` gives by name (`None`: a
+/// tensor neither has, an error naming it).
+pub fn unpack(
+    (layout, packed): (&ParamLayout, &ParamLayout),
+    params: &[f32],
+    dequantized: impl Fn(&str) -> Option<Vec<f32>>,
+) -> Result<Vec<f32>> {
+    check_count(Path::new("the packed parameters"), packed, params.len())?;
+    let mut out = vec![0.0; layout.n_params()];
+    for t in layout.tensors() {
+        let values = match packed.get(&t.name) {
+            Some(s) => std::borrow::Cow::Borrowed(&params[s.range()]),
+            None => std::borrow::Cow::Owned(
+                dequantized(&t.name)
+                    .ok_or_else(|| format!("tensor `{}` is neither packed nor in the layout", t.name))?,
+            ),
+        };
+        if values.len() != t.numel() {
+            return Err(format!(
+                "tensor `{}`: {} values, its shape {:?} holds {}",
+                t.name,
+                values.len(),
+                t.shape,
+                t.numel()
+            )
+            .into());
+        }
+        out[t.range()].copy_from_slice(&values);
+    }
+    Ok(out)
+}
+
+/// Errors unless `n` values fill `layout` (the folder `dir` is named).
+pub fn check_count(dir: &Path, layout: &ParamLayout, n: usize) -> Result<()> {
+    match layout.n_params() == n {
+        true => Ok(()),
+        false => Err(format!("{}: {n} parameters given, the model has {}", dir.display(), layout.n_params()).into()),
+    }
 }
 
 /// Errors on tensor-parallel rank `tp` of a split: `what` (files, merging)

@@ -444,6 +444,27 @@ impl Family for Gpt2Lora {
         Ok(params)
     }
 
+    fn save_adapters(&self, dir: &Path, layout: &ParamLayout, params: &[f32], base: &str) -> Result<()> {
+        self.whole_only("saving adapters")?;
+        family::check_count(dir, layout, params.len())?;
+        Ok(lora::save_adapter(dir, &self.model, params, Some(base))?)
+    }
+
+    fn load_adapters(&self, dir: &Path, layout: &ParamLayout, params: &mut [f32]) -> Result<()> {
+        self.whole_only("loading adapters")?;
+        family::check_count(dir, layout, params.len())?;
+        Ok(lora::apply(&lora::load_adapter(dir)?, &self.model, params)?)
+    }
+
+    fn unpacked(&self, params: &[f32]) -> Result<Option<family::Loaded>> {
+        self.whole_only("unpacking the frozen base")?;
+        let Some(base) = self.frozen()? else { return Ok(None) };
+        let whole = Gpt2Lora::new(self.base.0, self.lora.clone())?;
+        let dequantized = |name: &str| crate::frozen::conv_of(name).map(|(b, i)| base.dequantize(b, i));
+        let params = family::unpack((whole.model.layout(), self.model.layout()), params, dequantized)?;
+        Ok(Some((Arc::new(whole), params)))
+    }
+
     fn start_from_pretrained(&self, params: Vec<f32>, seed: u64) -> Result<Vec<f32>> {
         self.whole_only("attaching adapters")?;
         match params.len() == self.model.layout().n_params() {

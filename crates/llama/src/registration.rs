@@ -323,6 +323,28 @@ impl Family for LlamaFamily {
         Ok(())
     }
 
+    fn save_adapters(&self, dir: &Path, layout: &ParamLayout, params: &[f32], base: &str) -> Result<()> {
+        self.whole("saving adapters")?;
+        family::check_count(dir, layout, params.len())?;
+        Ok(lora::save_adapter(dir, &self.model, params, Some(base))?)
+    }
+
+    fn load_adapters(&self, dir: &Path, layout: &ParamLayout, params: &mut [f32]) -> Result<()> {
+        self.whole("loading adapters")?;
+        family::check_count(dir, layout, params.len())?;
+        Ok(lora::load_adapter(dir)?.apply(&self.model, params)?)
+    }
+
+    fn unpacked(&self, params: &[f32]) -> Result<Option<Loaded>> {
+        self.whole("unpacking the frozen base")?;
+        let Some(p) = self.packed.as_ref().filter(|p| p.base.source.is_some()) else { return Ok(None) };
+        let (base, _) = p.get(&self.cfg, false)?;
+        let whole = LlamaFamily::new(self.dialect, self.cfg.clone(), self.lora.clone())?;
+        let dequantized = |name: &str| frozen::proj_of(name).map(|(l, pr)| base.dequantize(&self.cfg, l, pr));
+        let params = family::unpack((whole.model.layout(), self.model.layout()), params, dequantized)?;
+        Ok(Some((Arc::new(whole), params)))
+    }
+
     fn start_from_pretrained(&self, params: Vec<f32>, seed: u64) -> Result<Vec<f32>> {
         let n = self.model.layout().n_params();
         match &self.lora {

@@ -1,5 +1,6 @@
 //! Checkpoints that lose nothing: `DIR/checkpoints/step-XXXXXXXX/` holds the
-//! model (Hugging Face format), the optimizer state, the trainer state (step,
+//! model (Hugging Face format; a LoRA run's on a base file: the adapters in
+//! PEFT's format and the base by reference, `family::base_ref`), the optimizer state, the trainer state (step,
 //! data position, seed) and the resolved config, plus a manifest of SHA-256
 //! checksums. A checkpoint is written into a temporary directory, fsynced and
 //! renamed into place, so a crash mid-write never leaves a directory that
@@ -10,11 +11,12 @@
 //! — or, for a step folder moved aside while being replaced, restored — by
 //! [`clean_leftovers`] when a run starts and after a failed write.
 
+use crate::digest::sha256_file;
+use crate::family::base_ref::{self, BaseRef};
 use crate::family::{self, Family};
 use anyhow::{bail, Context, Result};
 use engine::ParamLayout;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -106,27 +108,6 @@ struct FileEntry {
     sha256: String,
 }
 
-/// Size and SHA-256 of a file, read in 1 MiB pieces (never whole: a
-/// checkpoint's hash costs no memory beside the state being written).
-fn sha256_file(path: &Path) -> Result<(u64, String)> {
-    use std::io::Read;
-    let read_err = || format!("cannot read {}", path.display());
-    let mut f = std::fs::File::open(path).with_context(read_err)?;
-    let (mut hasher, mut buf, mut len) = (Sha256::new(), vec![0u8; 1 << 20], 0u64);
-    loop {
-        let n = match f.read(&mut buf) {
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            r => r.with_context(read_err)?,
-        };
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-        len += n as u64;
-    }
-    Ok((len, hasher.finalize().iter().map(|b| format!("{b:02x}")).collect()))
-}
-
 fn fsync_dir(dir: &Path) {
     if let Ok(d) = std::fs::File::open(dir) {
         let _ = d.sync_all(); // best effort: not every filesystem syncs directories
@@ -141,10 +122,12 @@ pub fn step_dir_name(step: u64) -> String {
 /// Writes a checkpoint under `run_dir`: full parameters and optimizer state
 /// (assembled from every rank's shard under ZeRO), the trainer state, the
 /// config and, when given, the moving average of the trainable tensors.
+/// With `base` (a LoRA run's frozen base by reference), the parameters
+/// written are the adapters alone, beside `base.json`.
 #[allow(clippy::too_many_arguments)]
 pub fn save(
     run_dir: &Path,
-    family: &dyn Family,
+    (family, base): (&dyn Family, Option<&BaseRef>),
     layout: &ParamLayout,
     params: &[f32],
     optimizer_state: &[(String, Vec<f32>)],
@@ -169,7 +152,10 @@ pub fn save(
         }
         std::fs::create_dir_all(tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
 
-        family.save_hf(tmp, layout, params)?;
+        match base {
+            Some(base) => base_ref::save(tmp, family, (layout, params), base)?,
+            None => family.save_hf(tmp, layout, params)?,
+        }
         let tensors: Vec<(String, Vec<usize>, &[f32])> =
             optimizer_state.iter().map(|(k, v)| (k.clone(), vec![v.len()], v.as_slice())).collect();
         nn::io::write_safetensors(&tmp.join(OPTIMIZER), &tensors, &[("n_updates", state.n_updates.to_string())])?;
@@ -179,12 +165,13 @@ pub fn save(
             nn::io::write_safetensors(&tmp.join(EMA), ema, &[])?;
         }
 
-        // The manifest goes last: it vouches for the files written before it.
+        // The manifest goes last: it vouches for every file written before it.
         let mut files = BTreeMap::new();
-        let ema_file = ema.map(|_| EMA);
-        for f in [family::WEIGHTS_FILE, family::CONFIG_FILE, OPTIMIZER, STATE, CONFIG].into_iter().chain(ema_file) {
-            let (bytes, sha256) = sha256_file(&tmp.join(f))?;
-            files.insert(f.to_string(), FileEntry { bytes, sha256 });
+        for e in std::fs::read_dir(tmp).with_context(|| format!("cannot list {}", tmp.display()))? {
+            let f = e.with_context(|| format!("cannot list {}", tmp.display()))?.file_name();
+            let f = f.to_string_lossy();
+            let (bytes, sha256) = sha256_file(&tmp.join(&*f))?;
+            files.insert(f.into_owned(), FileEntry { bytes, sha256 });
         }
         nn::io::write_atomic(
             &tmp.join(MANIFEST),
@@ -363,8 +350,11 @@ pub struct Loaded {
     pub config_toml: String,
     /// Model family and shape.
     pub model: std::sync::Arc<dyn Family>,
-    /// Parameters.
+    /// Parameters (empty while `base` is to be read).
     pub params: Vec<f32>,
+    /// The frozen base by reference, for a checkpoint that holds only the
+    /// adapters: the run's base with them are its parameters.
+    pub base: Option<BaseRef>,
     /// Optimizer buffers by name.
     pub optimizer: std::collections::HashMap<String, Vec<f32>>,
     /// The moving average of the trainable tensors by name, when saved.
@@ -376,7 +366,13 @@ fn load(dir: &Path) -> Result<Loaded> {
     let state: TrainerState =
         serde_json::from_str(&std::fs::read_to_string(dir.join(STATE))?).context("trainer_state.json")?;
     let config_toml = std::fs::read_to_string(dir.join(CONFIG))?;
-    let (model, params) = family::load_hf(dir)?;
+    // Adapters alone: the run reads its base itself, as its start did
+    // (packed, where the run packs it), never dequantised here.
+    let base = BaseRef::read(dir)?;
+    let (model, params) = match base {
+        Some(_) => (family::read_hf_config(dir)?, Vec::new()),
+        None => family::load_hf(dir)?,
+    };
     let (tensors, meta) = nn::io::read_safetensors(&dir.join(OPTIMIZER))?;
     if meta.get("n_updates").and_then(|n| n.parse::<u64>().ok()) != Some(state.n_updates) {
         bail!("{OPTIMIZER} and {STATE} disagree on the number of updates");
@@ -387,7 +383,7 @@ fn load(dir: &Path) -> Result<Loaded> {
         true => Some(nn::io::read_safetensors(&ema_path)?.0.into_iter().map(|(k, (_, v))| (k, v)).collect()),
         false => None,
     };
-    Ok(Loaded { dir: dir.to_path_buf(), state, config_toml, model, params, optimizer, ema })
+    Ok(Loaded { dir: dir.to_path_buf(), state, config_toml, model, params, base, optimizer, ema })
 }
 
 /// The newest checkpoint that validates; each one skipped is reported with

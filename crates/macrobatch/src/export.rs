@@ -292,8 +292,8 @@ pub fn run(args: ExportArgs) -> Result<()> {
     }
     crate::memory::check_load(&args.run, &format!("export {}", args.run.display()))
         .with_context(|| format!("cannot load a model from {}", args.run.display()))?;
-    let (family, params) =
-        family::load_hf(&args.run).with_context(|| format!("cannot load a model from {}", args.run.display()))?;
+    let (family, params) = crate::saved::load_whole(&args.run)
+        .with_context(|| format!("cannot load a model from {}", args.run.display()))?;
     let (family, params, merged) = match family.merged(&params)? {
         Some((f, p)) => (f, p, true),
         None => (family, params, false),

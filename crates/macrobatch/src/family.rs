@@ -5,6 +5,8 @@
 //! [`FAMILIES`]. A new family is a crate implementing `family::Registration`
 //! plus one line in that list.
 
+pub mod base_ref;
+
 use anyhow::{bail, Context, Result};
 use config::ModelConfig;
 use engine::ParamLayout;
@@ -100,7 +102,8 @@ pub fn is_gguf(path: &Path) -> bool {
 
 /// A saved model — a Hugging Face folder (`config.json` + weights, with
 /// PEFT adapters beside them) or a GGUF file (dequantised to f32) — as its
-/// family and parameters.
+/// family and parameters. (Adapters with a [`base_ref`] instead of the
+/// base: `saved::load_whole`.)
 pub fn load_hf(dir: &Path) -> Result<Loaded> {
     if is_gguf(dir) {
         let (r, file) = gguf_family(dir)?;

@@ -3,6 +3,7 @@
 mod bench;
 mod charts;
 mod checkpoint;
+mod digest;
 mod dist;
 mod eval;
 mod export;

@@ -14,7 +14,6 @@ use anyhow::{bail, Context, Result};
 use data::{SourceFile, TokenDtype, TokenFileMeta, Tokenizer, TokenizerSpec};
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
-use sha2::{Digest, Sha256};
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
@@ -78,21 +77,6 @@ fn chunks_of(file_idx: usize, path: &Path, n_bytes: u64, chunk_bytes: u64) -> Re
         start = end;
     }
     Ok(chunks)
-}
-
-/// SHA-256 of a file, hex.
-fn sha256_file(path: &Path) -> Result<String> {
-    let mut f = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf).with_context(|| format!("cannot read {}", path.display()))?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// The tokens of one chunk as `dtype` bytes, after the tokenizer's EOS when
@@ -163,7 +147,7 @@ pub fn run(args: PrepareArgs) -> Result<()> {
         .collect::<Result<_>>()?;
     let total_bytes: u64 = sizes.iter().sum();
     let (sha, chunks) = rayon::join(
-        || files.par_iter().map(|p| sha256_file(p)).collect::<Result<Vec<_>>>(),
+        || files.par_iter().map(|p| crate::digest::sha256_file(p).map(|(_, h)| h)).collect::<Result<Vec<_>>>(),
         || {
             files
                 .par_iter()

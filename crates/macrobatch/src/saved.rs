@@ -3,6 +3,7 @@
 //! model, the tokenizer that comes with it, and continuing a token
 //! sequence with it (chat prompts, where a turn ends, greedy decoding).
 
+use crate::family::base_ref::{self, BaseRef};
 use crate::family::{self, LanguageModel};
 use anyhow::{bail, Context, Result};
 use data::{Message, Tokenizer, TokenizerSpec};
@@ -15,7 +16,8 @@ use std::sync::Arc;
 /// 16-bit safetensors) keeps them in its bytes, and a LoRA run folder whose
 /// run kept its frozen base packed (`train.frozen_dtype`, read from
 /// `train.frozen_source`) reads that base packed again, checking the
-/// folder's f32 copy of it against it. The same logits to the bit (the
+/// folder's f32 copy of it against it (a folder of adapters alone: the
+/// bytes its `base.json` names). The same logits to the bit (the
 /// packed GEMMs dequantise a panel and run the f32 kernel) in a fraction
 /// of the memory. `what` names the job in the memory check made before
 /// the weights are read; `dequantize` holds every weight as f32, as
@@ -34,6 +36,10 @@ pub(crate) fn load_for_inference(dir: &Path, what: &str, dequantize: bool) -> Re
         }
         if let Some(packed) = run_base_packed(&shape, dir)? {
             check_packed(&*packed, dir, what)?;
+            if let Some(base) = BaseRef::read(dir)? {
+                let params = base_ref::load(dir, &*packed, &base)?;
+                return Ok((packed, params));
+            }
             let model = packed.build(family::Build::default())?;
             let params = packed.load_weights(dir, model.layout())?;
             family::check_finite(model.layout(), &params, dir)?;
@@ -41,7 +47,19 @@ pub(crate) fn load_for_inference(dir: &Path, what: &str, dequantize: bool) -> Re
         }
     }
     crate::memory::check_load_of(what, shape.n_params())?;
-    family::load_hf(dir)
+    load_whole(dir)
+}
+
+/// A saved model with every weight f32, as [`family::load_hf`] reads it;
+/// a folder of adapters alone (a LoRA run's, [`base_ref`]) reads its base
+/// as the run held it — packed where the run packed it, then dequantised:
+/// the values the run trained on, not the source's where packing rounded.
+pub(crate) fn load_whole(dir: &Path) -> Result<family::Loaded> {
+    let Some(base) = BaseRef::read(dir)? else { return family::load_hf(dir) };
+    let shape = family::read_hf_config(dir)?;
+    let run = run_base_packed(&shape, dir)?.unwrap_or(shape);
+    let params = base_ref::load(dir, &*run, &base)?;
+    Ok(run.unpacked(&params)?.unwrap_or((run, params)))
 }
 
 /// The memory check of a model whose projections stay packed.
@@ -64,7 +82,8 @@ fn run_base_packed(shape: &Arc<dyn family::Family>, dir: &Path) -> Result<Option
     let storage = crate::setup::frozen_storage(&cfg, None);
     let Some(source) = storage.source.as_deref() else { return Ok(None) };
     if !source.exists() {
-        if !storage.packs_by_name() {
+        // A folder of adapters alone has no copy: its reference says the base is gone.
+        if !storage.packs_by_name() || BaseRef::read(dir)?.is_some() {
             return Ok(None);
         }
         eprintln!(
@@ -91,7 +110,7 @@ pub(crate) fn tokenizer_of(model: &Path) -> Result<Tokenizer> {
 /// A run folder stopped before its end holds checkpoints but no final
 /// model: say where the newest one is instead of "no config.json".
 pub(crate) fn point_to_checkpoints(dir: &Path) -> Result<()> {
-    if !dir.is_dir() || dir.join(family::WEIGHTS_FILE).exists() {
+    if !dir.is_dir() || dir.join(family::WEIGHTS_FILE).exists() || dir.join(base_ref::FILE).exists() {
         return Ok(());
     }
     let newest = crate::checkpoint::list(dir).ok().and_then(|l| l.into_iter().max_by_key(|(step, _)| *step));

@@ -235,9 +235,9 @@ fn a_lora_run_on_all_linear_resumes_bit_for_bit() {
 
 /// LoRA fine-tuning of a GPT-2 through the command line: `--init-from` a
 /// trained GPT-2 folder with `[lora]` trains the adapters alone (only they
-/// hold gradients and optimizer state), saves the base bit-identical with
-/// PEFT's adapter files beside it, and `--merge` writes a plain GPT-2 that
-/// answers as base + adapters.
+/// hold gradients and optimizer state), saves PEFT's adapter files and a
+/// reference to the base (its path and SHA-256) instead of a copy of it,
+/// and `--merge` writes a plain GPT-2 that answers as base + adapters.
 #[test]
 fn gpt2_lora_fine_tunes_adapters_only_and_merges() {
     let (src, ft) = (tmp("gpt2-lora-src"), tmp("gpt2-lora-ft"));
@@ -250,9 +250,16 @@ fn gpt2_lora_fine_tunes_adapters_only_and_merges() {
     let err = run_ok(c.output().unwrap());
     assert!(err.contains("LoRA r=4 on c_attn, c_proj"), "{err}");
     let bytes = |d: &Path, f: &str| std::fs::read(d.join(f)).unwrap_or_else(|e| panic!("{}: {e}", d.join(f).display()));
-    assert!(bytes(&src, "model.safetensors") == bytes(&ft, "model.safetensors"), "the frozen base changed");
+    assert!(!ft.join("model.safetensors").exists(), "the run folder copied its base");
+    let base: serde_json::Value = serde_json::from_slice(&bytes(&ft, "base.json")).unwrap();
+    assert_eq!(base["path"].as_str(), Some(&*std::fs::canonicalize(&src).unwrap().to_string_lossy()));
+    assert_eq!(base["files"], serde_json::json!(["config.json", "model.safetensors"]));
+    let whole = [bytes(&src, "config.json"), bytes(&src, "model.safetensors")].concat();
+    assert_eq!(base["bytes"].as_u64(), Some(whole.len() as u64));
+    assert_eq!(base["sha256"].as_str(), Some(&*sha256_hex(&whole)), "the reference is the base's bytes");
     let adapter: serde_json::Value = serde_json::from_slice(&bytes(&ft, "adapter_config.json")).unwrap();
     assert_eq!(adapter["target_modules"], serde_json::json!(["c_attn", "c_proj"]));
+    assert_eq!(adapter["base_model_name_or_path"], base["path"], "PEFT's config names the base");
     assert_eq!(adapter["fan_in_fan_out"], true);
     let m = metrics(&ft);
     let (grads, opt) = (m[0]["mem_grads"].as_u64().unwrap(), m[0]["mem_optimizer"].as_u64().unwrap());
@@ -273,4 +280,134 @@ fn gpt2_lora_fine_tunes_adapters_only_and_merges() {
     assert!(!merged.join("adapter_config.json").exists());
     assert_eq!(greedy(&ft), greedy(&merged), "merged weights answer as base + adapters");
     let _ = (std::fs::remove_dir_all(&src), std::fs::remove_dir_all(&ft));
+}
+
+/// SHA-256 of `bytes`, hex (`sha256sum`'s).
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A LoRA run `--init-from` a base folder checkpoints the adapters, their
+/// optimizer state and the sampler's position beside a reference to the
+/// base, never the base: a checkpoint far smaller than the base, every file
+/// in its manifest. Resuming reads the base again and continues bit for
+/// bit; a base changed since (one bit of one weight) or gone is refused by
+/// resume and by generate, naming the base and the fix.
+#[test]
+fn a_lora_checkpoint_refers_to_its_base_and_resumes_exactly() {
+    let (src, a, b) = (tmp("lora-ref-src"), tmp("lora-ref-a"), tmp("lora-ref-b"));
+    let base = ckpt_sets(&["train.steps=4", "train.checkpoint_every=0"]);
+    run_ok(train(&src, &base));
+    let lora = [
+        &base[..],
+        &["lora.r=4", "lora.target_modules=[\"c_attn\"]", "train.steps=6", "train.checkpoint_every=2", "optim.lr=1e-2"],
+    ]
+    .concat();
+    let lora_run = |out: &Path, extra: &[&str]| {
+        let mut c = bin();
+        c.arg("train").arg("--out").arg(out).arg("--init-from").arg(&src).args(extra);
+        with_sets(&mut c, &lora);
+        c.output().unwrap()
+    };
+    run_ok(lora_run(&a, &[]));
+    let err = run_ok(lora_run(&b, &["--stop-after", "2"]));
+    assert!(err.contains("stopped after step 2"), "{err}");
+
+    let ck = b.join("checkpoints").join("step-00000002");
+    let mut names: Vec<String> =
+        std::fs::read_dir(&ck).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    let want = ["adapter_config.json", "adapter_model.safetensors", "base.json", "config.json"].into_iter().chain([
+        "config.resolved.toml",
+        "manifest.json",
+        "optimizer.safetensors",
+        "trainer_state.json",
+    ]);
+    assert_eq!(names, want.collect::<Vec<_>>());
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ck.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["files"].as_object().unwrap().len(), names.len() - 1, "every file is checksummed");
+    let size = |d: &Path| std::fs::read_dir(d).unwrap().map(|e| e.unwrap().metadata().unwrap().len()).sum::<u64>();
+    let base_bytes = std::fs::metadata(src.join("model.safetensors")).unwrap().len();
+    assert!(size(&ck) * 4 < base_bytes, "checkpoint {} bytes, base {base_bytes}", size(&ck));
+
+    // Changed: the last byte of the file is the last weight's; one bit of it.
+    let weights = src.join("model.safetensors");
+    let original = std::fs::read(&weights).unwrap();
+    let mut changed = original.clone();
+    *changed.last_mut().unwrap() ^= 1;
+    std::fs::write(&weights, &changed).unwrap();
+    let err = fails(&resume(&b, &[]), "is not the one it was trained on");
+    assert!(err.contains(&*std::fs::canonicalize(&src).unwrap().to_string_lossy()), "{err}");
+    let generate = |dir: &Path| {
+        bin().arg("generate").arg(dir).args(["--prompt", "Call me", "--max-new-tokens", "2"]).output().unwrap()
+    };
+    fails(&generate(&ck), "is not the one it was trained on");
+    fails(&generate(&a), "is not the one it was trained on");
+    // Gone.
+    let aside = tmp("lora-ref-src-moved");
+    std::fs::rename(&src, &aside).unwrap();
+    fails(&resume(&b, &[]), "cannot be found");
+    fails(&generate(&a), "is gone");
+    std::fs::rename(&aside, &src).unwrap();
+    std::fs::write(&weights, &original).unwrap();
+
+    let err = run_ok(resume(&b, &[]));
+    assert!(err.contains("step-00000002"), "{err}");
+    assert_eq!(loss_text(&a), loss_text(&b), "every logged loss identical");
+    let adapters = |d: &Path| std::fs::read(d.join("adapter_model.safetensors")).unwrap();
+    assert!(adapters(&a) == adapters(&b), "the final adapters identical bit for bit");
+    for d in [&src, &a, &b] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+/// `train.checkpoint_async`: the steps go on while rank 0's writer thread
+/// writes a checkpoint. The checkpoints hold what the synchronous ones do
+/// (the same weights and optimizer state, bit for bit, at W 1 and at W 2
+/// under ZeRO-2, whose state is gathered from both ranks), and the run's
+/// losses and weights are the same. With the checkpoint of step 4 held up
+/// for a minute, step 5 is logged while step 4 is not yet published; a
+/// `kill -9` then loses only that unpublished one: the run resumes from step
+/// 2 and ends as the run that never stopped.
+#[test]
+fn async_checkpoints_let_the_steps_go_on_and_a_kill_loses_only_the_unpublished_one() {
+    let files = |d: &Path, step: &str| {
+        let ck = d.join("checkpoints").join(step);
+        ["model.safetensors", "optimizer.safetensors"].map(|f| std::fs::read(ck.join(f)).unwrap())
+    };
+    for extra in [&["dist.world_size=1"][..], &["dist.world_size=2", "dist.zero_stage=2"]] {
+        let (sync, asy) = (tmp("ck-sync"), tmp("ck-async"));
+        run_ok(train(&sync, &ckpt_sets(extra)));
+        run_ok(train(&asy, &ckpt_sets(&[extra, &["train.checkpoint_async=true"]].concat())));
+        assert_eq!(loss_text(&sync), loss_text(&asy), "{extra:?}");
+        assert_eq!(weights(&sync), weights(&asy), "{extra:?}");
+        for step in ["step-00000005", "step-00000010", "step-00000015", "step-00000020"] {
+            assert!(files(&sync, step) == files(&asy, step), "{extra:?} {step}: the same checkpoint");
+        }
+        let _ = (std::fs::remove_dir_all(&sync), std::fs::remove_dir_all(&asy));
+    }
+
+    let (a, b) = (tmp("ck-async-killed"), tmp("ck-async-straight"));
+    let sets = ckpt_sets(&["train.checkpoint_every=2", "train.checkpoint_async=true", "train.eval_every=0"]);
+    let mut c = bin();
+    c.arg("train").arg("--out").arg(&a).env("MACROBATCH_FAULT", "rank=0,step=4,kind=slow_checkpoint,secs=60");
+    with_sets(&mut c, &sets);
+    let mut child = c.stderr(std::process::Stdio::null()).spawn().unwrap();
+    let t0 = Instant::now();
+    while metrics_len(&a) < 5 {
+        assert!(t0.elapsed() < Duration::from_secs(50), "the steps after step 4 did not go on");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let ck = a.join("checkpoints");
+    assert!(ck.join("step-00000002").is_dir() && !ck.join("step-00000004").exists(), "step 5 ran while 4 was written");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let err = run_ok(resume(&a, &[]));
+    assert!(err.contains("resuming from") && err.contains("step-00000002"), "{err}");
+    run_ok(train(&b, &sets));
+    assert_eq!(loss_text(&a), loss_text(&b), "every logged loss identical");
+    assert_eq!(weights(&a), weights(&b));
+    let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
 }

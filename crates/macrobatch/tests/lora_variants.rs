@@ -6,7 +6,7 @@
 
 mod common;
 use common::*;
-use engine::Model;
+use linalg::packed::PackFormat;
 use llama::{Llama, LlamaConfig};
 use std::path::{Path, PathBuf};
 
@@ -80,11 +80,13 @@ fn a_dora_run_on_a_packed_base_resumes_saves_and_merges() {
     // The magnitudes trained: they moved from the base rows' norms.
     let adapter = llama::lora::load_adapter(&out).unwrap();
     let m = &adapter.tensors["model.layers.0.self_attn.q_proj.lora_magnitude_vector"].1;
-    let plain = Llama::new(shape()).unwrap();
-    let base = llama::hf::load(&out).unwrap().1;
-    let q = plain.layout().get("model.layers.0.self_attn.q_proj.weight").unwrap().range();
+    // The base as the run held it: the pretrained weights in NF4 (the run
+    // folder refers to them instead of holding a copy).
+    let pretrained = llama::hf::load(&init).unwrap().1;
+    let packed = llama::FrozenBase::quantize(&shape(), &pretrained, PackFormat::Nf4 { double_quant: true }).unwrap();
+    let q = packed.dequantize(&shape(), 0, llama::Proj::Q);
     let c = shape().hidden_size;
-    let norm0: f64 = base[q.start..q.start + c].iter().map(|&w| (w as f64).powi(2)).sum::<f64>().sqrt();
+    let norm0: f64 = q[..c].iter().map(|&w| (w as f64).powi(2)).sum::<f64>().sqrt();
     assert!((m[0] as f64 - norm0).abs() > 1e-6 * norm0, "magnitude {} vs the base row's norm {norm0}", m[0]);
     // Merged into a plain folder: it answers as base + adapters.
     let merged = tmp("dora-merged");

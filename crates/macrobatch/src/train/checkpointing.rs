@@ -7,14 +7,17 @@ use super::ema::Ema;
 use super::outputs::{resolved_toml, Outputs};
 use super::start::Start;
 use crate::checkpoint::{self, TrainerState, ValWatchState};
-use crate::family::Build;
+use crate::family::base_ref::{self, BaseRef};
+use crate::family::{Build, Family};
 use crate::heap::{self, Phase};
 use crate::ranks::rank0_phase;
 use crate::setup::{FullState, Plan, RankComms};
 use anyhow::{Context, Result};
 use comm::Communicator;
 use engine::{ParamLayout, Trainer};
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// What a checkpoint holds besides the trainer's state, and which older
@@ -40,6 +43,9 @@ pub struct Checkpoints<'a> {
     heartbeat: Duration,
     /// The config saved into every checkpoint.
     config_toml: String,
+    /// Rank 0, with `train.checkpoint_async`: the step and writer of the
+    /// checkpoint in flight (at most one).
+    pending: Option<(u64, Writer)>,
 }
 
 impl<'a> Checkpoints<'a> {
@@ -51,6 +57,7 @@ impl<'a> Checkpoints<'a> {
             all_ranks_gather: trainer.master_sharded(),
             heartbeat: Duration::from_secs_f64((plan.cfg.dist.timeout_s / 4.0).clamp(0.001, 1.0)),
             config_toml: resolved_toml(plan),
+            pending: None,
         }
     }
 
@@ -102,21 +109,22 @@ impl<'a> Checkpoints<'a> {
         Ok(())
     }
 
-    /// Rank 0: writes step `step`'s checkpoint into `out.dir` (while the
-    /// other ranks wait) and prunes the old ones; returns its folder.
+    /// Rank 0: what writing step `step`'s checkpoint into `out.dir` takes
+    /// (`best`: the new best, linked as `checkpoints/best` once written).
     #[allow(clippy::too_many_arguments)]
-    pub fn write(
+    fn job<'e>(
         &self,
-        comm: &mut dyn Communicator,
         out: &Outputs,
         step: u64,
         state: FullState,
         trainer: &Trainer,
         layout: &ParamLayout,
-        extras: Extras<'_>,
-    ) -> Result<PathBuf> {
+        extras: Extras<'e>,
+        best: bool,
+        rank: usize,
+    ) -> Job<'e> {
         let (plan, cfg, fault) = (self.plan, &self.plan.cfg, self.start.fault);
-        let (mut params, opt_state) = state;
+        let (mut params, optimizer) = state;
         if fault.is_some_and(|f| f.poisons(step)) {
             let last = params.len() - 1;
             params[last] = f32::NAN;
@@ -142,27 +150,90 @@ impl<'a> Checkpoints<'a> {
             val_watch: extras.val_watch,
             mixture_drawn: plan.sampler.mixture_drawn(step),
         };
-        let ema = extras.ema.map(Ema::tensors);
-        let delay = fault.and_then(|f| f.checkpoint_delay(comm.rank(), step));
-        let (dir, config_toml) = (&out.dir, &self.config_toml);
-        let write = || -> Result<PathBuf> {
-            if let Some(d) = delay {
-                std::thread::sleep(d);
-            }
-            let path = checkpoint::save(
-                dir,
-                plan.family.as_ref(),
-                layout,
-                &params,
-                &opt_state,
-                &state,
-                config_toml,
-                ema.as_deref(),
-            )?;
-            checkpoint::prune(dir, cfg.train.keep_checkpoints, extras.spare)?;
-            Ok(path)
+        let ema = extras.ema.map(|e| e.tensors().into_iter().map(|(n, s, v)| (n, s, Cow::Borrowed(v))).collect());
+        Job {
+            dir: out.dir.clone(),
+            family: plan.family.clone(),
+            base: self.start.base.clone(),
+            layout: layout.clone(),
+            params,
+            optimizer,
+            state,
+            config_toml: self.config_toml.clone(),
+            ema,
+            keep: (cfg.train.keep_checkpoints, extras.spare),
+            best,
+            delay: fault.and_then(|f| f.checkpoint_delay(rank, step)),
+        }
+    }
+
+    /// Whether a `due` checkpoint is written in the background
+    /// (`train.checkpoint_async`, except the one a stop asks for: the
+    /// process exits after it).
+    pub fn in_background(&self, stop: bool) -> bool {
+        self.plan.cfg.train.checkpoint_async && !stop
+    }
+
+    /// Rank 0: writes step `step`'s checkpoint into `out.dir` and prunes
+    /// the old ones: in place while the other ranks wait, returning its
+    /// folder; or, `in_background`, handed to a writer thread with the
+    /// state (which comes back to be freed on this thread, whose heap
+    /// counted it), returning `None` at once.
+    #[allow(clippy::too_many_arguments)]
+    pub fn write(
+        &mut self,
+        comm: &mut dyn Communicator,
+        out: &Outputs,
+        (step, state, in_background): (u64, FullState, bool),
+        trainer: &Trainer,
+        layout: &ParamLayout,
+        (extras, best): (Extras<'_>, bool),
+    ) -> Result<Option<PathBuf>> {
+        let job = self.job(out, step, state, trainer, layout, extras, best, comm.rank());
+        if !in_background {
+            let path = rank0_phase(comm, self.heartbeat, Some(|| job.run().map(|(path, _)| path)))?;
+            return path.context("rank 0 wrote no checkpoint").map(Some);
+        }
+        let job = job.into_owned();
+        let writer = std::thread::Builder::new()
+            .name(format!("checkpoint-{step}"))
+            .spawn(move || job.run())
+            .context("cannot start the checkpoint writer thread")?;
+        self.pending = Some((step, writer));
+        Ok(None)
+    }
+
+    /// Rank 0, once a step: a background checkpoint that is done is
+    /// joined (its state freed, its failure the run's).
+    pub fn poll(&mut self) -> Result<()> {
+        match &self.pending {
+            Some((_, w)) if w.is_finished() => self.join(),
+            _ => Ok(()),
+        }
+    }
+
+    /// Every rank, with `train.checkpoint_async`, before the next
+    /// checkpoint's gather, a stop and the final save: rank 0 (`rank0`)
+    /// waits for the checkpoint in flight while the others wait for it —
+    /// exchanging heartbeats, as for a checkpoint written in place.
+    pub fn finish_pending(&mut self, comm: &mut dyn Communicator, rank0: bool) -> Result<()> {
+        if !self.plan.cfg.train.checkpoint_async {
+            return Ok(());
+        }
+        match rank0 {
+            true => rank0_phase(comm, self.heartbeat, Some(|| self.join()))?,
+            false => rank0_phase(comm, self.heartbeat, None::<fn() -> Result<()>>)?,
         };
-        rank0_phase(comm, self.heartbeat, Some(write))?.context("rank 0 wrote no checkpoint")
+        Ok(())
+    }
+
+    /// Waits for the background checkpoint, if any.
+    fn join(&mut self) -> Result<()> {
+        let Some((step, writer)) = self.pending.take() else { return Ok(()) };
+        let written = writer.join().map_err(|_| anyhow::anyhow!("the writer of checkpoint {step} panicked"))?;
+        let (_, state) = written.with_context(|| format!("writing the checkpoint of step {step} in the background"))?;
+        drop(state);
+        Ok(())
     }
 
     /// After the last step: this rank's part in gathering the final
@@ -234,8 +305,12 @@ impl<'a> Checkpoints<'a> {
         let plan = self.plan;
         out.reporter.finish();
         checkpoint::check_finite(layout, params, "final parameters")?;
-        if let Err(e) = plan.family.save_hf(&out.dir, layout, params) {
-            return Err(self.final_save_failed(&out.dir, layout, params, steps_done, e.into()));
+        let saved = match &self.start.base {
+            Some(base) => base_ref::save(&out.dir, plan.family.as_ref(), (layout, params), base),
+            None => plan.family.save_hf(&out.dir, layout, params).map_err(Into::into),
+        };
+        if let Err(e) = saved {
+            return Err(self.final_save_failed(&out.dir, layout, params, steps_done, e));
         }
         if let Some(ema) = ema {
             let dir = out.dir.join(super::ema::DIR);
@@ -267,5 +342,65 @@ impl<'a> Checkpoints<'a> {
             out.dir.display()
         );
         Ok(())
+    }
+}
+
+/// The thread writing a checkpoint in the background: it hands back the
+/// checkpoint's folder and the state it wrote.
+type Writer = std::thread::JoinHandle<Result<(PathBuf, FullState)>>;
+
+/// A tensor of the moving average: its name, shape and values.
+type EmaTensor<'e> = (String, Vec<usize>, Cow<'e, [f32]>);
+
+/// A checkpoint to write: everything it holds, owned, so a writer thread
+/// can take it.
+struct Job<'e> {
+    dir: PathBuf,
+    family: Arc<dyn Family>,
+    base: Option<BaseRef>,
+    layout: ParamLayout,
+    params: Vec<f32>,
+    optimizer: Vec<(String, Vec<f32>)>,
+    state: TrainerState,
+    config_toml: String,
+    ema: Option<Vec<EmaTensor<'e>>>,
+    /// `train.keep_checkpoints`, and the step pruning spares.
+    keep: (usize, Option<u64>),
+    /// Link it as `checkpoints/best` once written.
+    best: bool,
+    /// Injected delay (`slow_checkpoint`).
+    delay: Option<Duration>,
+}
+
+impl Job<'_> {
+    /// The job with its moving average copied (a writer thread outlives the borrow).
+    fn into_owned(self) -> Job<'static> {
+        let ema = self.ema.map(|e| e.into_iter().map(|(n, s, v)| (n, s, Cow::Owned(v.into_owned()))).collect());
+        Job { ema, ..self }
+    }
+
+    /// Writes the checkpoint, prunes the old ones and marks the best;
+    /// returns its folder and the state, to be freed by the caller.
+    fn run(self) -> Result<(PathBuf, FullState)> {
+        if let Some(d) = self.delay {
+            std::thread::sleep(d);
+        }
+        let ema: Option<Vec<checkpoint::NamedTensor<'_>>> =
+            self.ema.as_ref().map(|e| e.iter().map(|(n, s, v)| (n.clone(), s.clone(), &v[..])).collect());
+        let path = checkpoint::save(
+            &self.dir,
+            (self.family.as_ref(), self.base.as_ref()),
+            &self.layout,
+            &self.params,
+            &self.optimizer,
+            &self.state,
+            &self.config_toml,
+            ema.as_deref(),
+        )?;
+        checkpoint::prune(&self.dir, self.keep.0, self.keep.1)?;
+        if self.best {
+            checkpoint::mark_best(&self.dir, self.state.step)?;
+        }
+        Ok((path, (self.params, self.optimizer)))
     }
 }

@@ -92,8 +92,9 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
     let plan = Arc::new(plan(cfg, backend)?);
     if let Some(l) = &mut resume {
         start::check_resume(&plan, l)?;
-        start::onto_packed_layout(&plan, l)?;
+        start::onto_run_layout(&plan, l)?;
     }
+    let base = start::base_reference(&plan, resume.as_ref(), (args.init_from.as_deref(), writes_folder))?;
     let cfg = &plan.cfg;
     if args.dump_steps.is_some() && plan.backend.world_size() > 1 {
         bail!("--dump-steps records one rank's run; use dist.world_size = 1 (and dist.pipeline_parallel = 1)");
@@ -115,6 +116,7 @@ pub fn run(args: TrainArgs) -> Result<Outcome> {
         run_id: run_id.clone(),
         dump_steps: args.dump_steps.clone(),
         merge: args.merge,
+        base,
         tensorboard: args.tensorboard.clone(),
         offload_root: folder.offload_root.clone(),
     };

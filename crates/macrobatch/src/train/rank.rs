@@ -61,7 +61,7 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
     if let Some(out) = &outputs {
         reports::print_memory(out, cfg.dist.zero_stage, &mem, offload_root);
     }
-    let checkpoints = Checkpoints::new(plan, start, &trainer);
+    let mut checkpoints = Checkpoints::new(plan, start, &trainer);
     let started = Instant::now();
     let mut orders = EpochOrders::new(plan);
     let mut floor_skips = FloorSkips::default();
@@ -97,9 +97,16 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
         if let (Some(f), true) = (start.fault.as_ref(), checkpoint_due) {
             f.maybe_fire_in_checkpoint(rank, step)?;
         }
+        if outputs.is_some() {
+            checkpoints.poll()?;
+        }
+        if checkpoint_due {
+            checkpoints.finish_pending(comms.world, outputs.is_some())?;
+        }
+        let in_background = checkpoints.in_background(stop);
         let full_state = checkpoints.gather(checkpoint_due, step, &mut trainer, &mut comms)?;
         let Some(out) = outputs.as_mut() else {
-            checkpoints.wait_for_rank0(checkpoint_due, comms.world)?;
+            checkpoints.wait_for_rank0(checkpoint_due && !in_background, comms.world)?;
             if stop {
                 return Ok(());
             }
@@ -120,16 +127,14 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
         out.record(&record)?;
         if let Some(state) = full_state {
             let extras = Extras { val_watch: watch.state(), spare: watch.best_step(), ema: ema.as_ref() };
-            let path = checkpoints.write(comms.world, out, step, state, &trainer, &whole, extras)?;
-            if verdict.new_best {
-                crate::checkpoint::mark_best(&out.dir, step)?;
-            }
-            if stop {
+            let at = (step, state, in_background);
+            let written = checkpoints.write(comms.world, out, at, &trainer, &whole, (extras, verdict.new_best))?;
+            if let (Some(path), true) = (written, stop) {
                 out.reporter.finish();
                 start.stop.announce(step, &path, &out.dir);
                 return Ok(());
             }
-        } else if checkpoint_due {
+        } else if checkpoint_due && !in_background {
             checkpoints.skip_write(comms.world)?;
         }
         if stop {
@@ -142,6 +147,8 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
             break;
         }
     }
+    // A checkpoint still being written is finished first.
+    checkpoints.finish_pending(comms.world, outputs.is_some())?;
     // Per-rank memory to rank 0, then the final parameters — without the
     // model's activations, which the save does not need.
     let per_rank = memory.gather(comms.world, &trainer)?;

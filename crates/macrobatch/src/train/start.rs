@@ -6,7 +6,7 @@
 use super::stop::StopRequests;
 use crate::checkpoint::{self, Loaded};
 use crate::dist::Fault;
-use crate::family;
+use crate::family::{self, base_ref, base_ref::BaseRef};
 use crate::folder::{self, FolderLock, RUN_ID_FILE};
 use crate::memory;
 use crate::setup::Plan;
@@ -36,6 +36,9 @@ pub struct Start {
     pub dump_steps: Option<PathBuf>,
     /// `--merge`: also save the model with its LoRA adapters merged.
     pub merge: bool,
+    /// A LoRA run's frozen base file, as the run read it: checkpoints and
+    /// the final folder hold the adapters and this reference, not the base.
+    pub base: Option<BaseRef>,
     /// `--tensorboard DIR`: where the TensorBoard log goes instead of the
     /// run folder's `tensorboard/`.
     pub tensorboard: Option<PathBuf>,
@@ -127,6 +130,15 @@ pub fn load_resumed(dir: &Path, args: &TrainArgs, writes_folder: bool) -> Result
     let origin = loaded.dir.join(checkpoint::CONFIG).display().to_string();
     let mut cfg = Config::from_toml(&loaded.config_toml, &origin, &args.set)?;
     keep_global_batch(&mut cfg, loaded.state.world_size, &args.set);
+    if let Some(source) = cfg.train.frozen_source.as_deref().filter(|s| cfg.lora.is_some() && !s.exists()) {
+        let bytes =
+            loaded.base.as_ref().map_or(String::new(), |b| format!(" ({} bytes, sha256 {})", b.bytes, b.sha256));
+        bail!(
+            "cannot resume from {}: the run's frozen base {}{bytes} cannot be found (train.frozen_source); the checkpoint holds only what training changes. Put the base back there, or point --set train.frozen_source=PATH at a copy of it",
+            loaded.dir.display(),
+            source.display()
+        );
+    }
     Ok((cfg, loaded, lock))
 }
 
@@ -177,6 +189,10 @@ pub fn init_from(
             // The pretrained family and shape win over the preset; with
             // [lora], freshly initialised adapters join the pretrained base.
             adopt_pretrained(pretrained.as_ref(), path, sets, cfg)?;
+            // The base a LoRA run's checkpoints refer to instead of copying it.
+            if cfg.lora.is_some() && cfg.train.frozen_source.is_none() {
+                cfg.train.frozen_source = Some(path.to_path_buf());
+            }
             let family = family::from_config(&cfg.model, cfg.lora.as_ref())?;
             Some(family.start_from_pretrained(params, cfg.train.seed)?)
         }
@@ -307,12 +323,29 @@ fn refuse_shape_overrides(
     Ok(())
 }
 
-/// With a packed frozen base: the checkpoint's parameters cut to the
-/// layout's tensors, as the family reads a run folder — the base packed
-/// again from `train.frozen_source`, the checkpoint's copy of it checked
-/// against it to the bit (a source changed since the run is refused,
-/// naming the fix).
-pub fn onto_packed_layout(plan: &Plan, l: &mut Loaded) -> Result<()> {
+/// The checkpoint's parameters in the run's layout. One holding only
+/// adapters: the base read again from `train.frozen_source` as the run's
+/// start read it (packed where the run packs it), checked to be the bytes
+/// the checkpoint names, with the checkpoint's adapters. With a packed
+/// frozen base: the checkpoint's parameters cut to the layout's tensors,
+/// as the family reads a run folder — the base packed again from
+/// `train.frozen_source`, the checkpoint's copy of it checked against it
+/// to the bit. A base changed since the run is refused, naming the fix.
+pub fn onto_run_layout(plan: &Plan, l: &mut Loaded) -> Result<()> {
+    if let Some(saved) = &l.base {
+        let source = plan.cfg.train.frozen_source.as_deref().with_context(|| {
+            format!("{} holds adapters without their base, and train.frozen_source names none: set it to the run's base (--set train.frozen_source=PATH)", l.dir.display())
+        })?;
+        let now = BaseRef::of(source).with_context(|| format!("cannot resume from {}", l.dir.display()))?;
+        saved.same_as(&now, &l.dir).with_context(|| format!("cannot resume from {}", l.dir.display()))?;
+        let mut params = base_ref::params_from_base(plan.family.as_ref(), source)?;
+        let model = plan.family.build(family::Build::default())?;
+        plan.family.load_adapters(&l.dir, model.layout(), &mut params)?;
+        family::check_finite(model.layout(), &params, &l.dir)?;
+        l.params = params;
+        l.base = Some(now);
+        return Ok(());
+    }
     if plan.family.frozen_bytes().is_none() {
         return Ok(());
     }
@@ -320,6 +353,32 @@ pub fn onto_packed_layout(plan: &Plan, l: &mut Loaded) -> Result<()> {
     l.params =
         plan.family.load_weights(&l.dir, &layout).with_context(|| format!("cannot resume from {}", l.dir.display()))?;
     Ok(())
+}
+
+/// The frozen base a LoRA run's checkpoints and final folder refer to
+/// (`None`: they hold the whole model): for a run resumed from a
+/// checkpoint that refers to one, that base as the resume read it; for a
+/// LoRA run started `--init-from` a file (`from_file`, which is then its
+/// `train.frozen_source`), that file as it is now, hashed by the process
+/// that writes them. A run on a random base, one whose `train.trainable`
+/// names tensors beside the adapters, or one resumed from a whole
+/// checkpoint keeps writing whole ones.
+pub fn base_reference(
+    plan: &Plan,
+    resume: Option<&Loaded>,
+    (from_file, writes_folder): (Option<&Path>, bool),
+) -> Result<Option<BaseRef>> {
+    let cfg = &plan.cfg;
+    if let Some(l) = resume {
+        return Ok(l.base.clone());
+    }
+    // The default `["*"]` under `[lora]`: the adapters alone train.
+    let adapters_only = cfg.lora.is_some() && cfg.train.trainable == ["*"];
+    let Some(source) = cfg.train.frozen_source.as_deref().filter(|_| adapters_only) else { return Ok(None) };
+    if !(from_file.is_some_and(|f| folder::same_path(f, source)) && writes_folder) {
+        return Ok(None);
+    }
+    Ok(Some(BaseRef::of(source).context("train.frozen_source: the run's base cannot be read")?))
 }
 
 /// Refuses a checkpoint that does not continue `plan`: another model shape,
