@@ -6,8 +6,9 @@ every optimizer step.
     python3 scripts/lora_vs_peft.py RUN BASE_DIR   # a Hugging Face folder instead
 
 With train.frozen_dtype = "nf4" the peer must start from the same
-dequantised base: scripts/nf4-vs-peft.sh writes it out (the run's saved
-model.safetensors is the base dequantised) and replays on it.
+dequantised base: scripts/nf4-vs-peft.sh writes it out (with
+train.save_base the run's model.safetensors is the base dequantised) and
+replays on it.
 
 The peer: transformers' LlamaForCausalLM loaded from the same GGUF (float32),
 PEFT LoRA adapters with the same r, alpha and targets, set to macrobatch's

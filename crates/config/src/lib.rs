@@ -558,6 +558,11 @@ pub struct TrainConfig {
     /// takes anyway (the plan counts it on top of a step). A checkpoint a
     /// signal or `--stop-after` asks for is written before the run exits.
     pub checkpoint_async: bool,
+    /// A LoRA run `--init-from` a file: also write the frozen base (in
+    /// f32, as the run holds it) into each checkpoint and the final folder,
+    /// which then stand alone. Off: they hold the adapters and a reference
+    /// to the file (its path and SHA-256), checked whenever they are read.
+    pub save_base: bool,
     /// Tensors the optimizer updates, by name pattern (`*` matches any
     /// run of characters); the others are frozen: no gradient, no optimizer
     /// state, no gradient communication. Default: every tensor.
@@ -662,6 +667,7 @@ impl Default for TrainConfig {
             checkpoint_every: 0,
             keep_checkpoints: 3,
             checkpoint_async: false,
+            save_base: false,
             trainable: vec!["*".into()],
             max_skips_at_min_scale: 50,
             memory_budget: None,

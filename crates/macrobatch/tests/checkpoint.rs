@@ -358,7 +358,14 @@ fn a_lora_checkpoint_refers_to_its_base_and_resumes_exactly() {
     assert_eq!(loss_text(&a), loss_text(&b), "every logged loss identical");
     let adapters = |d: &Path| std::fs::read(d.join("adapter_model.safetensors")).unwrap();
     assert!(adapters(&a) == adapters(&b), "the final adapters identical bit for bit");
-    for d in [&src, &a, &b] {
+    // train.save_base: folders that stand alone, the base copied in.
+    let c = tmp("lora-ref-copied");
+    run_ok(lora_run(&c, &["--set", "train.save_base=true"]));
+    for d in [c.clone(), c.join("checkpoints").join("step-00000002")] {
+        assert!(d.join("model.safetensors").exists() && !d.join("base.json").exists(), "{}", d.display());
+    }
+    assert!(adapters(&a) == adapters(&c), "the same training");
+    for d in [&src, &a, &b, &c] {
         let _ = std::fs::remove_dir_all(d);
     }
 }

@@ -361,8 +361,8 @@ pub fn onto_run_layout(plan: &Plan, l: &mut Loaded) -> Result<()> {
 /// LoRA run started `--init-from` a file (`from_file`, which is then its
 /// `train.frozen_source`), that file as it is now, hashed by the process
 /// that writes them. A run on a random base, one whose `train.trainable`
-/// names tensors beside the adapters, or one resumed from a whole
-/// checkpoint keeps writing whole ones.
+/// names tensors beside the adapters, one with `train.save_base`, or one
+/// resumed from a whole checkpoint keeps writing whole ones.
 pub fn base_reference(
     plan: &Plan,
     resume: Option<&Loaded>,
@@ -373,7 +373,7 @@ pub fn base_reference(
         return Ok(l.base.clone());
     }
     // The default `["*"]` under `[lora]`: the adapters alone train.
-    let adapters_only = cfg.lora.is_some() && cfg.train.trainable == ["*"];
+    let adapters_only = cfg.lora.is_some() && cfg.train.trainable == ["*"] && !cfg.train.save_base;
     let Some(source) = cfg.train.frozen_source.as_deref().filter(|_| adapters_only) else { return Ok(None) };
     if !(from_file.is_some_and(|f| folder::same_path(f, source)) && writes_folder) {
         return Ok(None);
