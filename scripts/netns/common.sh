@@ -38,4 +38,22 @@ netns_config() {
   NET_CIDR="$(( (n >> 24) & 255 )).$(( (n >> 16) & 255 )).$(( (n >> 8) & 255 )).$(( n & 255 ))/$PLEN"
 }
 
+# Parses `COMMAND [--prefix P] [ARGS...]` (the caller defines `usage`):
+# sets NETNS_CMD, NETNS_REST (the arguments after the options) and, through
+# netns_config, the hosts' names and addresses.
+netns_cmd_args() {
+  NETNS_CMD="${1:-}"; [[ -n "$NETNS_CMD" ]] || usage; shift
+  local prefix=""
+  NETNS_REST=()
+  while [[ $# -gt 0 ]]; do
+    case "$1" in
+      --prefix) [[ $# -ge 2 ]] || usage; prefix="$2"; shift 2 ;;
+      --prefix=*) prefix="${1#*=}"; shift ;;
+      -h|--help) usage ;;
+      *) NETNS_REST=("$@"); break ;;
+    esac
+  done
+  netns_config "$prefix"
+}
+
 netns_exists() { [[ -e "/var/run/netns/$1" ]] || [[ -e "/run/netns/$1" ]]; }

@@ -17,17 +17,9 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
-cmd="${1:-}"; [[ -n "$cmd" ]] || usage; shift
-prefix=""
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --prefix) [[ $# -ge 2 ]] || usage; prefix="$2"; shift 2 ;;
-    --prefix=*) prefix="${1#*=}"; shift ;;
-    -h|--help) usage ;;
-    *) echo "hosts.sh: unknown argument '$1'" >&2; usage ;;
-  esac
-done
-netns_config "$prefix"
+netns_cmd_args "$@"
+cmd="$NETNS_CMD"
+[[ ${#NETNS_REST[@]} -eq 0 ]] || { echo "hosts.sh: unknown argument '${NETNS_REST[0]}'" >&2; usage; }
 
 skip() { echo "netns: cannot create network namespaces: $*" >&2; exit 77; }
 

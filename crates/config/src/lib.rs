@@ -554,9 +554,10 @@ pub struct TrainConfig {
     /// Write each checkpoint of `checkpoint_every` in the background: rank 0
     /// hands the gathered state to a writer thread and every rank goes on
     /// stepping; at most one is in flight (the next one, and the end of the
-    /// run, wait for it). Costs no memory beyond what a checkpoint's state
-    /// takes anyway (the plan counts it on top of a step). A checkpoint a
-    /// signal or `--stop-after` asks for is written before the run exits.
+    /// run, wait for it). The state it holds is what the plan counts on top
+    /// of a step for every checkpoint (with `ema_decay`, plus a copy of the
+    /// average). A checkpoint a signal or `--stop-after` asks for is
+    /// written before the run exits.
     pub checkpoint_async: bool,
     /// A LoRA run `--init-from` a file: also write the frozen base (in
     /// f32, as the run holds it) into each checkpoint and the final folder,

@@ -201,9 +201,10 @@ pub fn save(
     })();
     if r.is_err() {
         // A failed write (full disk, I/O error) leaves nothing behind; what
-        // was published before stays as it was.
+        // was published before stays as it was. Only `checkpoints/`: the run
+        // folder's own files may be mid-write on another thread.
         let _ = std::fs::remove_dir_all(tmp);
-        if let Ok(removed) = clean_leftovers(run_dir) {
+        if let Ok(removed) = clean(run_dir, false) {
             for line in removed {
                 eprintln!("{line}");
             }
@@ -230,9 +231,16 @@ pub fn check_finite(layout: &engine::ParamLayout, params: &[f32], what: &str) ->
 /// again; an `.old-step-N-*` folder without a `step-N` (a crash between the
 /// two renames of a replacement) is restored. Returns one line per action.
 pub fn clean_leftovers(run_dir: &Path) -> Result<Vec<String>> {
+    clean(run_dir, true)
+}
+
+/// [`clean_leftovers`] in `checkpoints/`, and in the run folder itself
+/// when `run_folder`.
+fn clean(run_dir: &Path, run_folder: bool) -> Result<Vec<String>> {
     let mut done = Vec::new();
     let root = run_dir.join("checkpoints");
-    for dir in [run_dir, root.as_path()] {
+    let dirs = if run_folder { vec![run_dir, root.as_path()] } else { vec![root.as_path()] };
+    for dir in dirs {
         let Ok(entries) = std::fs::read_dir(dir) else { continue };
         let mut names: Vec<String> =
             entries.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect();

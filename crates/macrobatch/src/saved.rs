@@ -65,13 +65,16 @@ pub(crate) fn load_whole(dir: &Path) -> Result<family::Loaded> {
 /// The memory check of a model whose projections stay packed.
 fn check_packed(packed: &dyn family::Family, dir: &Path, what: &str) -> Result<()> {
     let frozen = packed.frozen_bytes().map_or(0, |f| f.bytes);
-    crate::memory::check_packed_load(what, packed.n_params(), frozen, crate::memory::file_bytes(dir))
+    // A folder of adapters alone maps its base file too.
+    let base = BaseRef::read(dir)?.map_or(0, |b| b.bytes);
+    crate::memory::check_packed_load(what, packed.n_params(), frozen, crate::memory::file_bytes(dir) + base)
 }
 
 /// With a run folder `dir` whose run kept its frozen base packed: `shape`
-/// with that base read packed from `train.frozen_source` again (`None`
+/// with that base read packed from `train.frozen_source` (a folder of
+/// adapters alone: from the path its `base.json` names) again (`None`
 /// without such a run, or when that file is gone: a note says the
-/// folder's f32 base is read instead).
+/// folder's f32 base is read instead; a folder without one refuses).
 fn run_base_packed(shape: &Arc<dyn family::Family>, dir: &Path) -> Result<Option<Arc<dyn family::Family>>> {
     let path = dir.join(crate::checkpoint::CONFIG);
     if !path.is_file() {
@@ -79,11 +82,15 @@ fn run_base_packed(shape: &Arc<dyn family::Family>, dir: &Path) -> Result<Option
     }
     let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
     let cfg = config::Config::from_toml(&text, &path.display().to_string(), &[])?;
-    let storage = crate::setup::frozen_storage(&cfg, None);
+    // A folder of adapters alone: its base is where its reference says.
+    let base = BaseRef::read(dir)?;
+    let storage = crate::setup::frozen_storage(&cfg, base.as_ref().map(|b| b.path.as_path()));
     let Some(source) = storage.source.as_deref() else { return Ok(None) };
     if !source.exists() {
-        // A folder of adapters alone has no copy: its reference says the base is gone.
-        if !storage.packs_by_name() || BaseRef::read(dir)?.is_some() {
+        if let Some(base) = &base {
+            base.check(dir, shape.as_ref())?;
+        }
+        if !storage.packs_by_name() {
             return Ok(None);
         }
         eprintln!(

@@ -465,3 +465,46 @@ fn a_gpt2_base_packs_from_its_conv1d_weights() {
     assert!(err.contains("cannot resume from"), "{err}");
     let _ = std::fs::remove_dir_all(&original);
 }
+
+/// A LoRA run folder refers to its base by an absolute path, whatever
+/// `--init-from` spelled: a run started with a relative path resumes and
+/// evaluates on its NF4 base from any directory as from its own, bit for
+/// bit (the f32 reading too). A resume that would hold the base otherwise
+/// (another `train.frozen_dtype`: other roundings, another base) is
+/// refused, as is `--init-from` of the run folder (adapters, not a model),
+/// naming the base to start from.
+#[test]
+fn a_lora_folder_refers_to_its_base_absolutely_and_as_it_was_held() {
+    let src = folder("frozen-rel-src", |_, _, w| w.to_vec());
+    let (parent, name) = (src.parent().unwrap(), src.file_name().unwrap());
+    let out = tmp("frozen-rel-run");
+    let sets = ["train.frozen_dtype=\"nf4\"", "train.checkpoint_every=2"];
+    let mut c = train_cmd(&out, &[TINY_LORA, &sets].concat());
+    let o = c.current_dir(parent).arg("--init-from").arg(name).args(["--stop-after", "2"]).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let resume_in = |dir: &Path, extra: &[&str]| {
+        let mut c = bin();
+        c.current_dir(dir).arg("train").arg("--resume").arg(&out);
+        with_sets(&mut c, extra);
+        c.output().unwrap()
+    };
+    let err = fails(&resume_in(Path::new("/"), &["train.frozen_dtype=\"bf16\""]), "held its frozen base as nf4");
+    assert!(err.contains("this one would hold it as bf16"), "{err}");
+    let o = resume_in(Path::new("/"), &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = out.with_extension("txt");
+    std::fs::write(&text, "Call me Ishmael. Some years ago, never mind how long precisely.\n".repeat(8)).unwrap();
+    let eval_in = |dir: &Path, extra: &[&str]| {
+        let c =
+            bin().current_dir(dir).arg("eval").arg(&out).arg("--data").arg(&text).arg("--json").args(extra).output();
+        loss(&c.unwrap())
+    };
+    let here = eval_in(parent, &[]);
+    assert_eq!(eval_in(Path::new("/"), &[]).to_bits(), here.to_bits());
+    assert_eq!(eval_in(Path::new("/"), &["--dequantize"]).to_bits(), here.to_bits());
+    let err = fails(&tiny_lora_run(&tmp("frozen-rel-again"), &out, &[], &[]), "holds LoRA adapters over the base");
+    assert!(err.contains(&*src.to_string_lossy()), "{err}");
+    for d in [&src, &out, &text] {
+        let _ = std::fs::remove_dir_all(d).or_else(|_| std::fs::remove_file(d));
+    }
+}

@@ -146,6 +146,80 @@ fn a_killed_rank_on_the_other_host_is_named_and_one_host_resumes() {
     let _ = (std::fs::remove_dir_all(&out), std::fs::remove_dir_all(&straight));
 }
 
+/// Slurm on the two hosts (`scripts/netns/slurm.sh`), stopped when dropped.
+struct Slurm {
+    prefix: String,
+}
+
+impl Slurm {
+    /// The cluster, or `None` (after saying why) where Slurm is not
+    /// installed; `MACROBATCH_REQUIRE_SLURM=1` makes that a failure.
+    fn up(hosts: &Hosts) -> Option<Slurm> {
+        let o = Command::new(netns("slurm.sh")).args(["up", "--prefix", &hosts.prefix]).output().expect("bash runs");
+        match o.status.code() {
+            Some(0) => Some(Slurm { prefix: hosts.prefix.clone() }),
+            Some(77) if std::env::var("MACROBATCH_REQUIRE_SLURM").as_deref() != Ok("1") => {
+                eprintln!(
+                    "SKIPPED: no Slurm here ({}); MACROBATCH_REQUIRE_SLURM=1 makes this a failure",
+                    stderr(&o).trim()
+                );
+                None
+            }
+            _ => panic!("scripts/netns/slurm.sh up failed: {}", stderr(&o)),
+        }
+    }
+
+    /// `sbatch --wait SCRIPT` on host a.
+    fn sbatch(&self, script: &Path) -> std::process::Output {
+        let mut c = Command::new(netns("slurm.sh"));
+        c.args(["run", "--prefix", &self.prefix, "sbatch", "--wait"]).arg(script);
+        c.output().expect("bash runs")
+    }
+}
+
+impl Drop for Slurm {
+    fn drop(&mut self) {
+        let _ = Command::new(netns("slurm.sh")).args(["down", "--prefix", &self.prefix]).output();
+    }
+}
+
+/// Slurm for real: Debian's slurmctld and a slurmd on each of the two
+/// hosts, `sbatch --wait` of docs/multi-host.md's job script — `srun
+/// --mpi=pmix` starting one rank on each node, PMIx wiring up MPI, no
+/// hostfile — trains what `mpirun` on one host trains, bit for bit. The job
+/// script and its output are printed (docs/multi-host.md quotes them).
+#[test]
+fn sbatch_runs_the_docs_job_script_across_two_hosts() {
+    let Some(hosts) = Hosts::up("mbt5") else { return };
+    let Some(slurm) = Slurm::up(&hosts) else { return };
+    let s = sets(&["train.steps=3", "batch.accumulation_steps=2", "dist.zero_stage=1"]);
+    let one = tmp("slurm-one");
+    let o = mpirun(2, &one, &s, None);
+    assert!(o.status.success(), "one host: {}", stderr(&o));
+    let dir = tmp("slurm-job");
+    std::fs::create_dir_all(&dir).unwrap();
+    let set_args: String = s.iter().map(|kv| format!(" \\\n  --set '{kv}'")).collect();
+    let script = format!(
+        "#!/bin/bash\n#SBATCH --nodes=2 --ntasks-per-node=1 --cpus-per-task=1\n#SBATCH --output={dir}/slurm-%j.out\nexport RAYON_NUM_THREADS=$SLURM_CPUS_PER_TASK\nexport OMPI_MCA_btl=self,vader,tcp OMPI_MCA_btl_tcp_if_include=10.231.0.0/24\nsrun --mpi=pmix {bin} train --out {dir}/run-$SLURM_JOB_ID{set_args}\n",
+        dir = dir.display(),
+        bin = env!("CARGO_BIN_EXE_macrobatch"),
+    );
+    let job = dir.join("job.sh");
+    std::fs::write(&job, &script).unwrap();
+    let o = slurm.sbatch(&job);
+    let said = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success(), "sbatch: {said}{}", stderr(&o));
+    let id = said.trim().rsplit(' ').next().unwrap().to_string();
+    let output = std::fs::read_to_string(dir.join(format!("slurm-{id}.out"))).unwrap();
+    eprintln!("job script:\n{script}\n{said}slurm-{id}.out:\n{output}");
+    assert!(output.contains("W 2 (Mpi(2))"), "{output}");
+    let run = dir.join(format!("run-{id}"));
+    let bits = |v: Vec<f64>| v.into_iter().map(f64::to_bits).collect::<Vec<_>>();
+    assert_eq!(bits(losses(&run)), bits(losses(&one)), "losses");
+    assert!(weights(&run) == weights(&one), "weights");
+    let _ = (std::fs::remove_dir_all(&one), std::fs::remove_dir_all(&dir));
+}
+
 /// Waits for `child` up to `limit`; kills it past that.
 fn wait_for(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
     let t0 = Instant::now();

@@ -21,8 +21,14 @@ pub const FILE: &str = "base.json";
 /// A frozen base as a run read it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct BaseRef {
-    /// The GGUF file or Hugging Face folder, absolute.
+    /// The GGUF file or Hugging Face folder, absolute (links kept: a
+    /// cache's link names the file's type, its target may not).
     pub path: PathBuf,
+    /// How the run held it: its packed formats (`train.frozen_dtype` as
+    /// resolved: `nf4-dq`, `q4_1+q8_0`, …), or `f32`. Another holding
+    /// rounds it otherwise: another base.
+    #[serde(default)]
+    pub held_as: String,
     /// The files that hold it (the GGUF file; a folder's `config.json` and
     /// safetensors files, with their index), by name, in hashing order.
     pub files: Vec<String>,
@@ -33,15 +39,18 @@ pub struct BaseRef {
 }
 
 impl BaseRef {
-    /// The base at `path` as it is now (its files read and hashed).
-    pub fn of(path: &Path) -> Result<Self> {
-        let path = std::fs::canonicalize(path)
-            .with_context(|| format!("the frozen base {} cannot be found", path.display()))?;
+    /// The base at `path` as it is now (its files read and hashed), held
+    /// as `family` holds it.
+    pub fn of(path: &Path, family: &dyn Family) -> Result<Self> {
+        if !path.exists() {
+            bail!("the frozen base {} cannot be found", path.display());
+        }
+        let path = std::path::absolute(path).with_context(|| format!("{}: no absolute path", path.display()))?;
         let files = files_of(&path)?;
         let full: Vec<PathBuf> =
             files.iter().map(|f| if path.is_dir() { path.join(f) } else { path.clone() }).collect();
         let (bytes, sha256) = sha256_files(&full.iter().map(PathBuf::as_path).collect::<Vec<_>>())?;
-        Ok(Self { path, files, bytes, sha256 })
+        Ok(Self { path, held_as: held_as(family), files, bytes, sha256 })
     }
 
     /// The reference in the folder `dir`, if it has one.
@@ -60,14 +69,23 @@ impl BaseRef {
         Ok(())
     }
 
-    /// `now` (the base as it is at `now.path`) is this base, byte for
-    /// byte; else an error saying what changed, for the folder `dir`.
-    pub fn same_as(&self, now: &BaseRef, dir: &Path) -> Result<()> {
+    /// `now` (the base as it is at `now.path`, held as the reader holds
+    /// it) is this base, byte for byte and held alike; else an error saying
+    /// what changed, for the folder `dir`, ending with `fix`.
+    pub fn same_as(&self, now: &BaseRef, dir: &Path, fix: &str) -> Result<()> {
+        if !self.held_as.is_empty() && now.held_as != self.held_as {
+            bail!(
+                "{}: the run held its frozen base as {}, this one would hold it as {}: rounded otherwise, it is another base. Keep the run's train.frozen_dtype (and frozen_double_quant, and a split that keeps it packed)",
+                dir.display(),
+                self.held_as,
+                now.held_as
+            );
+        }
         if (&now.files, now.bytes, &now.sha256) == (&self.files, self.bytes, &self.sha256) {
             return Ok(());
         }
         bail!(
-            "{}: its frozen base is not the one it was trained on: {} holds {} ({} bytes, sha256 {}), the run read {} ({} bytes, sha256 {}); adapters on another base are another model. Put the run's base back at {} (or point train.frozen_source at a copy of it)",
+            "{}: its frozen base is not the one it was trained on: {} holds {} ({} bytes, sha256 {}), the run read {} ({} bytes, sha256 {}); adapters on another base are another model. Put the run's base back at {} ({fix})",
             dir.display(),
             now.path.display(),
             now.files.join(", "),
@@ -80,19 +98,26 @@ impl BaseRef {
         )
     }
 
-    /// The base at its path, checked to be this one (for the folder `dir`).
-    pub fn check(&self, dir: &Path) -> Result<()> {
+    /// The base at its path, held as `family` holds it, checked to be
+    /// this one (for the folder `dir`).
+    pub fn check(&self, dir: &Path, family: &dyn Family) -> Result<()> {
+        let fix = format!("or write the path of a copy of it into {}", dir.join(FILE).display());
         if !self.path.exists() {
             bail!(
-                "{}: its frozen base {} is gone ({} bytes, sha256 {}): the folder holds only the adapters (train.frozen_source names the base). Put the base back at that path",
+                "{}: its frozen base {} is gone ({} bytes, sha256 {}): the folder holds only the adapters. Put the base back at that path ({fix})",
                 dir.display(),
                 self.path.display(),
                 self.bytes,
                 self.sha256
             );
         }
-        self.same_as(&Self::of(&self.path)?, dir)
+        self.same_as(&Self::of(&self.path, family)?, dir, &fix)
     }
+}
+
+/// How `family` holds its frozen base: its packed formats, or `f32`.
+fn held_as(family: &dyn Family) -> String {
+    family.frozen_bytes().map_or_else(|| "f32".to_string(), |f| f.formats)
 }
 
 /// The files of the model at `path` a reference hashes, by name.
@@ -142,7 +167,7 @@ pub fn params_from_base(family: &dyn Family, source: &Path) -> Result<Vec<f32>> 
 /// shape, or that shape with the base packed): the base read from `base`
 /// (checked first) and the folder's adapters.
 pub fn load(dir: &Path, family: &dyn Family, base: &BaseRef) -> Result<Vec<f32>> {
-    base.check(dir)?;
+    base.check(dir, family)?;
     let mut params = params_from_base(family, &base.path)?;
     let model = family.build(Build::default())?;
     family.load_adapters(dir, model.layout(), &mut params)?;

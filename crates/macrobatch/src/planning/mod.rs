@@ -483,8 +483,12 @@ pub(crate) fn stage_estimates(
             let gather = if knobs.zero_stage >= 1 { 4 * report.max_collective_elems as u64 } else { 0 };
             let own = 4 * st.n_params + 4 * states.slots * st.n_trainable;
             let parts = if tp > 1 { own + tp * 4 * st.n_params } else { 0 };
+            // A checkpoint written in the background takes a copy of the
+            // moving average (rank 0's) with it.
+            let ema = if cfg.train.ema_decay > 0.0 && spec.stage == 0 { g } else { 0 };
+            let ema_copy = if cfg.train.checkpoint_async { ema } else { 0 };
             let checkpoint = match spec.stage {
-                0 => p + state + parts + gather + offloaded_slot + WRITE_BUFFERS,
+                0 => p + state + parts + gather + offloaded_slot + WRITE_BUFFERS + ema_copy,
                 _ => own + gather + offloaded_slot,
             };
             let model_states = (report.params + report.master + report.grads + report.optimizer + report.comm_buffers)
@@ -523,7 +527,7 @@ pub(crate) fn stage_estimates(
                 frozen: frozen_bytes(plan),
                 // Rank 0 averages every trainable weight (the only layouts
                 // it runs in are unsplit: one stage).
-                ema: if cfg.train.ema_decay > 0.0 && spec.stage == 0 { g } else { 0 },
+                ema,
             }
         })
         .collect();

@@ -178,7 +178,8 @@ impl<'a> Checkpoints<'a> {
     /// the old ones: in place while the other ranks wait, returning its
     /// folder; or, `in_background`, handed to a writer thread with the
     /// state (which comes back to be freed on this thread, whose heap
-    /// counted it), returning `None` at once.
+    /// counted it; with `train.ema_decay` a copy of the average goes
+    /// too), returning `None` at once.
     #[allow(clippy::too_many_arguments)]
     pub fn write(
         &mut self,
@@ -191,13 +192,13 @@ impl<'a> Checkpoints<'a> {
     ) -> Result<Option<PathBuf>> {
         let job = self.job(out, step, state, trainer, layout, extras, best, comm.rank());
         if !in_background {
-            let path = rank0_phase(comm, self.heartbeat, Some(|| job.run().map(|(path, _)| path)))?;
+            let path = rank0_phase(comm, self.heartbeat, Some(|| job.run()))?;
             return path.context("rank 0 wrote no checkpoint").map(Some);
         }
         let job = job.into_owned();
         let writer = std::thread::Builder::new()
             .name(format!("checkpoint-{step}"))
-            .spawn(move || job.run())
+            .spawn(move || (job.run(), job))
             .context("cannot start the checkpoint writer thread")?;
         self.pending = Some((step, writer));
         Ok(None)
@@ -230,10 +231,10 @@ impl<'a> Checkpoints<'a> {
     /// Waits for the background checkpoint, if any.
     fn join(&mut self) -> Result<()> {
         let Some((step, writer)) = self.pending.take() else { return Ok(()) };
-        let written = writer.join().map_err(|_| anyhow::anyhow!("the writer of checkpoint {step} panicked"))?;
-        let (_, state) = written.with_context(|| format!("writing the checkpoint of step {step} in the background"))?;
-        drop(state);
-        Ok(())
+        let (written, job) = writer.join().map_err(|_| anyhow::anyhow!("the writer of checkpoint {step} panicked"))?;
+        // Freed here, on the thread whose heap counted it.
+        drop(job);
+        written.map(drop).with_context(|| format!("writing the checkpoint of step {step} in the background"))
     }
 
     /// After the last step: this rank's part in gathering the final
@@ -346,8 +347,8 @@ impl<'a> Checkpoints<'a> {
 }
 
 /// The thread writing a checkpoint in the background: it hands back the
-/// checkpoint's folder and the state it wrote.
-type Writer = std::thread::JoinHandle<Result<(PathBuf, FullState)>>;
+/// checkpoint's folder and everything it wrote, to be freed by rank 0.
+type Writer = std::thread::JoinHandle<(Result<PathBuf>, Job<'static>)>;
 
 /// A tensor of the moving average: its name, shape and values.
 type EmaTensor<'e> = (String, Vec<usize>, Cow<'e, [f32]>);
@@ -380,8 +381,8 @@ impl Job<'_> {
     }
 
     /// Writes the checkpoint, prunes the old ones and marks the best;
-    /// returns its folder and the state, to be freed by the caller.
-    fn run(self) -> Result<(PathBuf, FullState)> {
+    /// returns its folder.
+    fn run(&self) -> Result<PathBuf> {
         if let Some(d) = self.delay {
             std::thread::sleep(d);
         }
@@ -401,6 +402,6 @@ impl Job<'_> {
         if self.best {
             checkpoint::mark_best(&self.dir, self.state.step)?;
         }
-        Ok((path, (self.params, self.optimizer)))
+        Ok(path)
     }
 }

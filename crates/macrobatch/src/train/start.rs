@@ -179,6 +179,17 @@ pub fn init_from(
 ) -> Result<Option<Vec<f32>>> {
     Ok(match init_from {
         Some(path) if !resuming => {
+            // Absolute: a resume, `generate` or `eval` of the run may start elsewhere.
+            let path = &std::path::absolute(path).with_context(|| format!("--init-from {}", path.display()))?;
+            if let Some(base) = BaseRef::read(path)? {
+                bail!(
+                    "--init-from {}: that folder holds LoRA adapters over the base {} (base.json), not a model; fine-tune from the base (--init-from {}), or export the adapted model first (macrobatch export {} --format hf --out DIR) and start from DIR",
+                    path.display(),
+                    base.path.display(),
+                    base.path.display(),
+                    path.display()
+                );
+            }
             if let Some(params) = init_packed(path, sets, cfg)? {
                 return Ok(Some(params));
             }
@@ -336,8 +347,10 @@ pub fn onto_run_layout(plan: &Plan, l: &mut Loaded) -> Result<()> {
         let source = plan.cfg.train.frozen_source.as_deref().with_context(|| {
             format!("{} holds adapters without their base, and train.frozen_source names none: set it to the run's base (--set train.frozen_source=PATH)", l.dir.display())
         })?;
-        let now = BaseRef::of(source).with_context(|| format!("cannot resume from {}", l.dir.display()))?;
-        saved.same_as(&now, &l.dir).with_context(|| format!("cannot resume from {}", l.dir.display()))?;
+        let resuming = || format!("cannot resume from {}", l.dir.display());
+        let now = BaseRef::of(source, plan.family.as_ref()).with_context(resuming)?;
+        let fix = "or --set train.frozen_source=PATH to a copy of it";
+        saved.same_as(&now, &l.dir, fix).with_context(resuming)?;
         let mut params = base_ref::params_from_base(plan.family.as_ref(), source)?;
         let model = plan.family.build(family::Build::default())?;
         plan.family.load_adapters(&l.dir, model.layout(), &mut params)?;
@@ -378,7 +391,7 @@ pub fn base_reference(
     if !(from_file.is_some_and(|f| folder::same_path(f, source)) && writes_folder) {
         return Ok(None);
     }
-    Ok(Some(BaseRef::of(source).context("train.frozen_source: the run's base cannot be read")?))
+    Ok(Some(BaseRef::of(source, plan.family.as_ref()).context("train.frozen_source: the run's base cannot be read")?))
 }
 
 /// Refuses a checkpoint that does not continue `plan`: another model shape,
