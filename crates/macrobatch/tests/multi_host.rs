@@ -1,8 +1,9 @@
 //! Two hosts on one machine: ranks split over two network namespaces
 //! joined by a veth pair (`scripts/netns`, docs/multi-host.md), started by
-//! `mpirun` through an rsh agent, talking over TCP only. Needs root (CI
-//! runs as root); without the rights each test says why it skipped, and
-//! `MACROBATCH_REQUIRE_NETNS=1` makes that a failure.
+//! `mpirun` through an rsh agent (or by Slurm: `scripts/netns/slurm.sh`),
+//! talking over TCP only. Needs root (CI runs as root); without the rights
+//! each test says why it skipped, and `MACROBATCH_REQUIRE_NETNS=1` makes that
+//! a failure (`MACROBATCH_REQUIRE_SLURM=1`: no Slurm installed, too).
 #![cfg(feature = "mpi")]
 
 mod common;
