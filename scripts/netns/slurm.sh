@@ -31,10 +31,14 @@ conf="$dir/slurm.conf"
 
 stop() {
   local f pid
+  # Jobs first (their steps and ranks), while the controller still answers.
+  SLURM_CONF="$conf" timeout 10 ip netns exec "$NS_A" scancel --user=root >/dev/null 2>&1 || true
   for f in "$dir"/*.pid; do
     [[ -e "$f" ]] || continue
     pid="$(cat "$f" 2>/dev/null || true)"
-    [[ "$pid" =~ ^[0-9]+$ ]] && kill "$pid" 2>/dev/null || true
+    # Only a daemon of this cluster: a stale pid file may name another process now.
+    [[ "$pid" =~ ^[0-9]+$ ]] && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$conf" \
+      && kill "$pid" 2>/dev/null || true
   done
   # Daemons started but not yet past writing their pid file.
   pkill -f -- "-f $conf" 2>/dev/null || true

@@ -4,13 +4,17 @@
 ///
 /// OpenMPI sets `OMPI_COMM_WORLD_SIZE`, MPICH/Hydra and Intel MPI `PMI_SIZE`,
 /// PMIx-based launchers `PMIX_SIZE`… we read the common ones. Slurm's
-/// `srun --mpi=pmix` gives each task its `PMIX_RANK` but no size: with a
-/// launcher's rank, the step's task count (`SLURM_STEP_NUM_TASKS`) is it.
+/// `srun --mpi=pmix` gives each task its `PMIX_RANK` but no size: with one,
+/// the step's task count (`SLURM_STEP_NUM_TASKS`) is it when above 1 (an
+/// `srun -n1` under a PMIx default is one process, as without Slurm).
 pub fn launcher_world_size() -> Option<(usize, &'static str)> {
     ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE"]
         .into_iter()
         .find_map(|var| number(var).map(|n| (n, var)))
-        .or_else(|| launcher_rank().and(number("SLURM_STEP_NUM_TASKS")).map(|n| (n, "SLURM_STEP_NUM_TASKS")))
+        .or_else(|| {
+            let n = number("PMIX_RANK").and(number("SLURM_STEP_NUM_TASKS")).filter(|&n| n > 1);
+            n.map(|n| (n, "SLURM_STEP_NUM_TASKS"))
+        })
 }
 
 /// The environment variable `var` as a number.

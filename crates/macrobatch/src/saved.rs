@@ -88,7 +88,7 @@ fn run_base_packed(shape: &Arc<dyn family::Family>, dir: &Path) -> Result<Option
     let Some(source) = storage.source.as_deref() else { return Ok(None) };
     if !source.exists() {
         if let Some(base) = &base {
-            base.check(dir, shape.as_ref())?;
+            base.check(dir)?;
         }
         if !storage.packs_by_name() {
             return Ok(None);

@@ -502,6 +502,17 @@ fn a_lora_folder_refers_to_its_base_absolutely_and_as_it_was_held() {
     let here = eval_in(parent, &[]);
     assert_eq!(eval_in(Path::new("/"), &[]).to_bits(), here.to_bits());
     assert_eq!(eval_in(Path::new("/"), &["--dequantize"]).to_bits(), here.to_bits());
+    // `auto` keeps a 16-bit file's values whether it packs them (one
+    // stage) or not (a split): a resume at another split holds the same base.
+    let half =
+        folder("frozen-rel-bf16", |_, _, w| w.iter().map(|x| f32::from_bits(x.to_bits() & 0xffff_0000)).collect());
+    let split = tmp("frozen-rel-split");
+    let o = lora_run(&split, &half, &["train.checkpoint_every=2"], &["--stop-after", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = resume_ok(&split, &["dist.pipeline_parallel=2"]);
+    assert!(err.contains("resuming from"), "{err}");
+    assert_eq!(losses(&split).len(), 4);
+    let _ = (std::fs::remove_dir_all(&half), std::fs::remove_dir_all(&split));
     let err = fails(&tiny_lora_run(&tmp("frozen-rel-again"), &out, &[], &[]), "holds LoRA adapters over the base");
     assert!(err.contains(&*src.to_string_lossy()), "{err}");
     for d in [&src, &out, &text] {

@@ -170,11 +170,22 @@ impl Slurm {
         }
     }
 
-    /// `sbatch --wait SCRIPT` on host a.
-    fn sbatch(&self, script: &Path) -> std::process::Output {
+    /// `sbatch --wait SCRIPT` on host a: its exit status and what it
+    /// printed; a job still running after `limit` fails the test.
+    fn sbatch(&self, script: &Path, limit: Duration) -> (std::process::ExitStatus, String) {
         let mut c = Command::new(netns("slurm.sh"));
         c.args(["run", "--prefix", &self.prefix, "sbatch", "--wait"]).arg(script);
-        c.output().expect("bash runs")
+        let mut child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("bash runs");
+        let status =
+            wait_for(&mut child, limit).unwrap_or_else(|| panic!("sbatch --wait still running after {limit:?}"));
+        let mut said = String::new();
+        for pipe in [
+            child.stdout.take().map(|p| Box::new(p) as Box<dyn std::io::Read>),
+            child.stderr.take().map(|p| Box::new(p) as _),
+        ] {
+            std::io::Read::read_to_string(&mut pipe.unwrap(), &mut said).unwrap();
+        }
+        (status, said)
     }
 }
 
@@ -201,16 +212,15 @@ fn sbatch_runs_the_docs_job_script_across_two_hosts() {
     std::fs::create_dir_all(&dir).unwrap();
     let set_args: String = s.iter().map(|kv| format!(" \\\n  --set '{kv}'")).collect();
     let script = format!(
-        "#!/bin/bash\n#SBATCH --nodes=2 --ntasks-per-node=1 --cpus-per-task=1\n#SBATCH --output={dir}/slurm-%j.out\nexport RAYON_NUM_THREADS=$SLURM_CPUS_PER_TASK\nexport OMPI_MCA_btl=self,vader,tcp OMPI_MCA_btl_tcp_if_include=10.231.0.0/24\nsrun --mpi=pmix {bin} train --out {dir}/run-$SLURM_JOB_ID{set_args}\n",
+        "#!/bin/bash\n#SBATCH --nodes=2 --ntasks-per-node=1 --cpus-per-task=1 --time=5\n#SBATCH --output={dir}/slurm-%j.out\nexport RAYON_NUM_THREADS=$SLURM_CPUS_PER_TASK\nexport OMPI_MCA_btl=self,vader,tcp OMPI_MCA_btl_tcp_if_include=10.231.0.0/24\nsrun --mpi=pmix {bin} train --out {dir}/run-$SLURM_JOB_ID{set_args}\n",
         dir = dir.display(),
         bin = env!("CARGO_BIN_EXE_macrobatch"),
     );
     let job = dir.join("job.sh");
     std::fs::write(&job, &script).unwrap();
-    let o = slurm.sbatch(&job);
-    let said = String::from_utf8_lossy(&o.stdout).into_owned();
-    assert!(o.status.success(), "sbatch: {said}{}", stderr(&o));
-    let id = said.trim().rsplit(' ').next().unwrap().to_string();
+    let (status, said) = slurm.sbatch(&job, Duration::from_secs(300));
+    assert!(status.success(), "sbatch: {said}");
+    let id = said.lines().find_map(|l| l.strip_prefix("Submitted batch job ")).expect("a job id").trim().to_string();
     let output = std::fs::read_to_string(dir.join(format!("slurm-{id}.out"))).unwrap();
     eprintln!("job script:\n{script}\n{said}slurm-{id}.out:\n{output}");
     assert!(output.contains("W 2 (Mpi(2))"), "{output}");

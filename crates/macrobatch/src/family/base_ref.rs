@@ -24,9 +24,8 @@ pub struct BaseRef {
     /// The GGUF file or Hugging Face folder, absolute (links kept: a
     /// cache's link names the file's type, its target may not).
     pub path: PathBuf,
-    /// How the run held it: its packed formats (`train.frozen_dtype` as
-    /// resolved: `nf4-dq`, `q4_1+q8_0`, …), or `f32`. Another holding
-    /// rounds it otherwise: another base.
+    /// The values the run held it as ([`held_as`]): the file's own, or
+    /// rounded to `bf16` / `nf4` / `nf4-dq`. Another rounding: another base.
     #[serde(default)]
     pub held_as: String,
     /// The files that hold it (the GGUF file; a folder's `config.json` and
@@ -40,8 +39,8 @@ pub struct BaseRef {
 
 impl BaseRef {
     /// The base at `path` as it is now (its files read and hashed), held
-    /// as `family` holds it.
-    pub fn of(path: &Path, family: &dyn Family) -> Result<Self> {
+    /// as `held_as` says.
+    pub fn of(path: &Path, held_as: String) -> Result<Self> {
         if !path.exists() {
             bail!("the frozen base {} cannot be found", path.display());
         }
@@ -50,7 +49,7 @@ impl BaseRef {
         let full: Vec<PathBuf> =
             files.iter().map(|f| if path.is_dir() { path.join(f) } else { path.clone() }).collect();
         let (bytes, sha256) = sha256_files(&full.iter().map(PathBuf::as_path).collect::<Vec<_>>())?;
-        Ok(Self { path, held_as: held_as(family), files, bytes, sha256 })
+        Ok(Self { path, held_as, files, bytes, sha256 })
     }
 
     /// The reference in the folder `dir`, if it has one.
@@ -98,9 +97,9 @@ impl BaseRef {
         )
     }
 
-    /// The base at its path, held as `family` holds it, checked to be
-    /// this one (for the folder `dir`).
-    pub fn check(&self, dir: &Path, family: &dyn Family) -> Result<()> {
+    /// The base at its path checked to be this one, byte for byte (for the
+    /// folder `dir`, read with its own config: held as the run held it).
+    pub fn check(&self, dir: &Path) -> Result<()> {
         let fix = format!("or write the path of a copy of it into {}", dir.join(FILE).display());
         if !self.path.exists() {
             bail!(
@@ -111,13 +110,22 @@ impl BaseRef {
                 self.sha256
             );
         }
-        self.same_as(&Self::of(&self.path, family)?, dir, &fix)
+        self.same_as(&Self::of(&self.path, self.held_as.clone())?, dir, &fix)
     }
 }
 
-/// How `family` holds its frozen base: its packed formats, or `f32`.
-fn held_as(family: &dyn Family) -> String {
-    family.frozen_bytes().map_or_else(|| "f32".to_string(), |f| f.formats)
+/// The values a run of `cfg` holds its frozen base as: the file's own
+/// (`f32`, `auto` and `source` keep them, packed or not, at any split), or
+/// rounded to `bf16`, `nf4`, `nf4-dq`.
+pub fn held_as(cfg: &config::Config) -> String {
+    match cfg.train.frozen_dtype {
+        config::FrozenDtype::Auto | config::FrozenDtype::F32 | config::FrozenDtype::Source => {
+            "its file's values".into()
+        }
+        config::FrozenDtype::Bf16 => "bf16".into(),
+        config::FrozenDtype::Nf4 if cfg.train.frozen_double_quant => "nf4-dq".into(),
+        config::FrozenDtype::Nf4 => "nf4".into(),
+    }
 }
 
 /// The files of the model at `path` a reference hashes, by name.
@@ -167,7 +175,7 @@ pub fn params_from_base(family: &dyn Family, source: &Path) -> Result<Vec<f32>> 
 /// shape, or that shape with the base packed): the base read from `base`
 /// (checked first) and the folder's adapters.
 pub fn load(dir: &Path, family: &dyn Family, base: &BaseRef) -> Result<Vec<f32>> {
-    base.check(dir, family)?;
+    base.check(dir)?;
     let mut params = params_from_base(family, &base.path)?;
     let model = family.build(Build::default())?;
     family.load_adapters(dir, model.layout(), &mut params)?;

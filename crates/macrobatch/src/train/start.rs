@@ -348,7 +348,7 @@ pub fn onto_run_layout(plan: &Plan, l: &mut Loaded) -> Result<()> {
             format!("{} holds adapters without their base, and train.frozen_source names none: set it to the run's base (--set train.frozen_source=PATH)", l.dir.display())
         })?;
         let resuming = || format!("cannot resume from {}", l.dir.display());
-        let now = BaseRef::of(source, plan.family.as_ref()).with_context(resuming)?;
+        let now = BaseRef::of(source, base_ref::held_as(&plan.cfg)).with_context(resuming)?;
         let fix = "or --set train.frozen_source=PATH to a copy of it";
         saved.same_as(&now, &l.dir, fix).with_context(resuming)?;
         let mut params = base_ref::params_from_base(plan.family.as_ref(), source)?;
@@ -391,7 +391,8 @@ pub fn base_reference(
     if !(from_file.is_some_and(|f| folder::same_path(f, source)) && writes_folder) {
         return Ok(None);
     }
-    Ok(Some(BaseRef::of(source, plan.family.as_ref()).context("train.frozen_source: the run's base cannot be read")?))
+    let held_as = base_ref::held_as(cfg);
+    Ok(Some(BaseRef::of(source, held_as).context("train.frozen_source: the run's base cannot be read")?))
 }
 
 /// Refuses a checkpoint that does not continue `plan`: another model shape,
