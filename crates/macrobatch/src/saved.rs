@@ -102,12 +102,18 @@ fn run_base_packed(shape: &Arc<dyn family::Family>, dir: &Path) -> Result<Option
     Ok(shape.with_frozen_storage(&storage)?)
 }
 
-/// The tokenizer a model folder (or GGUF file) carries, else bytes.
+/// The tokenizer a model folder (or GGUF file) carries; a checkpoint's
+/// (which carries none) is its run's `data.tokenizer`; else bytes.
 pub(crate) fn tokenizer_of(model: &Path) -> Result<Tokenizer> {
+    let resolved = model.join(crate::checkpoint::CONFIG);
     let spec = if family::is_gguf(model) {
         TokenizerSpec::Gguf(model.to_path_buf())
     } else if model.join("tokenizer.json").exists() {
         TokenizerSpec::TokenizerJson(model.join("tokenizer.json"))
+    } else if resolved.is_file() {
+        let text = std::fs::read_to_string(&resolved).with_context(|| format!("cannot read {}", resolved.display()))?;
+        let cfg = config::Config::from_toml(&text, &resolved.display().to_string(), &[])?;
+        cfg.data.tokenizer.unwrap_or(TokenizerSpec::Byte)
     } else {
         TokenizerSpec::Byte
     };

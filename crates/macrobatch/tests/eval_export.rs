@@ -43,6 +43,27 @@ fn chat_run(out: &Path, gguf: &Path) {
     train_ok(out, &sets);
 }
 
+/// A checkpoint carries no tokenizer: `eval` (and `generate`) of one
+/// tokenizes with its run's (`data.tokenizer`, here SmolLM2's GGUF), so the
+/// last step's checkpoint evaluates as the finished run folder, to the bit.
+#[test]
+fn a_checkpoint_evaluates_with_its_runs_tokenizer() {
+    let Some(gguf) = gguf::testing::smollm2_or_skip("eval_export") else { return };
+    let out = tmp("eval-checkpoint");
+    let mut sets = chat_sets(&gguf.display().to_string());
+    sets.extend(["batch.micro=4", "train.steps=2", "train.eval_every=0", "train.checkpoint_every=2"].map(String::from));
+    train_ok(&out, &sets.iter().map(String::as_str).collect::<Vec<_>>());
+    let heldout = Path::new("../../examples/smollm-lora/heldout.jsonl");
+    let (run, ck) = (eval_json(&out, heldout, &[]), eval_json(&out.join("checkpoints/step-00000002"), heldout, &[]));
+    assert_eq!(run["samples"], 60, "{run}");
+    assert_eq!(
+        (ck["samples"].clone(), ck["loss"].clone()),
+        (run["samples"].clone(), run["loss"].clone()),
+        "{ck} vs {run}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}
+
 /// The loss `eval` reports on the held-out file is the validation loss the
 /// run logged on it: the same examples, masking and micro-batches, so the
 /// same sums in the same order — equal to the last bit. Two thread ranks
