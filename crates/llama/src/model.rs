@@ -165,10 +165,11 @@ impl Llama {
 
     /// [`Llama::with_packed_layout`] without the token embedding either
     /// (a model file read for `generate` / `eval` with its embedding kept
-    /// packed too, [`FrozenBase::embedding`]): forward passes only.
-    pub fn with_packed_embedding_layout(cfg: LlamaConfig) -> Result<Self, LlamaError> {
+    /// packed too, [`FrozenBase::embedding`], with `lora`'s adapters when
+    /// given): forward passes only.
+    pub fn with_packed_embedding_layout(cfg: LlamaConfig, lora: Option<LoraConfig>) -> Result<Self, LlamaError> {
         cfg.validate()?;
-        Self::assemble(cfg, None, Precision::F32, None, (true, true))
+        Self::assemble(cfg, lora, Precision::F32, None, (true, true))
     }
 
     /// A model whose projections' weights are `base`, packed and frozen,
@@ -199,9 +200,10 @@ impl Llama {
     /// The same shape without adapters, with the same layout of the base
     /// (packed or not): the layout base parameters are handed over in.
     pub fn plain(&self) -> Result<Self, LlamaError> {
-        match self.packed {
-            true => Self::with_packed_layout(self.cfg.clone(), None),
-            false => Self::new(self.cfg.clone()),
+        match (self.packed, self.packed_embed) {
+            (true, true) => Self::with_packed_embedding_layout(self.cfg.clone(), None),
+            (true, false) => Self::with_packed_layout(self.cfg.clone(), None),
+            (false, _) => Self::new(self.cfg.clone()),
         }
     }
 

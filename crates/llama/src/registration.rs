@@ -145,7 +145,7 @@ impl PackedBase {
     fn read(&self, cfg: &LlamaConfig, source: &Path, rest: bool) -> std::result::Result<Read, BoxError> {
         let layout = match (rest, self.embed) {
             (true, false) => Some(Llama::with_packed_layout(cfg.clone(), None)?.layout().clone()),
-            (true, true) => Some(Llama::with_packed_embedding_layout(cfg.clone())?.layout().clone()),
+            (true, true) => Some(Llama::with_packed_embedding_layout(cfg.clone(), None)?.layout().clone()),
             (false, _) => None,
         };
         Ok(frozen_load::load((self.dialect, cfg), source, (self.format, self.embed), layout)?)
@@ -183,7 +183,7 @@ impl LlamaFamily {
                 let formats =
                     if formats.split('+').any(|n| n == f.name()) { formats } else { format!("{formats}+{}", f.name()) };
                 let bytes = bytes + f.bytes_for(cfg.vocab_size, cfg.hidden_size);
-                (Llama::with_packed_embedding_layout(cfg.clone())?, formats, bytes)
+                (Llama::with_packed_embedding_layout(cfg.clone(), self.lora.clone())?, formats, bytes)
             }
         };
         let values = self.model.layout().n_params().saturating_sub(model.layout().n_params()) as u128;
@@ -412,10 +412,11 @@ impl Family for LlamaFamily {
     }
 
     fn packed_for_inference(&self, source: &Path) -> Result<Option<Arc<dyn Family>>> {
-        // A LoRA shape, an already packed one and a tensor-parallel rank's
-        // are training's; generation and evaluation load whole models.
-        // Packing reads projections by their own names: fused files load whole.
-        if self.lora.is_some() || self.packed.is_some() || self.tp.is_split() || self.cfg.fused_modules {
+        // An already packed shape and a tensor-parallel rank's are
+        // training's; generation and evaluation load whole models (a LoRA
+        // shape's base packed, its adapters in the layout). Packing reads
+        // projections by their own names: fused files load whole.
+        if self.packed.is_some() || self.tp.is_split() || self.cfg.fused_modules {
             return Ok(None);
         }
         let stored = frozen_load::source_formats((self.dialect, &self.cfg), source)

@@ -33,6 +33,9 @@ use std::time::{Duration, Instant};
 pub struct Report {
     /// The model evaluated.
     pub model: String,
+    /// Its parameters, and the frozen weights held packed beside them
+    /// (`3.25M params + 0.11M frozen in q8_0`).
+    pub weights: String,
     /// The data file.
     pub data: String,
     /// How the data was read.
@@ -309,6 +312,7 @@ pub fn run(args: EvalArgs) -> Result<()> {
     };
     let report = Report {
         model: args.model.display().to_string(),
+        weights: crate::family::params_label(&*family),
         data: args.data.display().to_string(),
         format: format.name(),
         samples: n_samples,
@@ -351,7 +355,7 @@ fn dump_logits(path: &Path, family: &Arc<dyn Family>, params: &[f32], samples: &
 }
 
 fn print_report(r: &Report) {
-    println!("model       {}", r.model);
+    println!("model       {} ({})", r.model, r.weights);
     println!("data        {} ({}, {} samples, seq_len {}, micro {})", r.data, r.format, r.samples, r.seq_len, r.micro);
     println!("loss        {:.6} nats per target token ({} targets)", r.loss, r.targets);
     println!("perplexity  {:.4}", r.perplexity);

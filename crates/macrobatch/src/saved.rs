@@ -25,12 +25,28 @@ use std::sync::Arc;
 pub(crate) fn load_for_inference(dir: &Path, what: &str, dequantize: bool) -> Result<family::Loaded> {
     let shape = family::read_hf_config(dir)?;
     if !dequantize {
-        if let Some(packed) = shape.packed_for_inference(dir)? {
+        // A folder of adapters alone on a base held as its file's values:
+        // that file is read as a model file is (its embedding packed too).
+        let base = BaseRef::read(dir)?;
+        let file = match &base {
+            None => Some(dir.to_path_buf()),
+            Some(b) if b.held_as == base_ref::FILE_VALUES => Some(b.path.clone()),
+            Some(_) => None,
+        };
+        if let Some(packed) = file.as_deref().map(|f| shape.packed_for_inference(f)).transpose()?.flatten() {
+            let file = file.as_deref().unwrap_or(dir);
+            if let Some(b) = &base {
+                b.check(dir)?;
+            }
             check_packed(&*packed, dir, what)?;
             // The other tensors first: reading them reads the base too, which
             // the build then finds loaded.
-            let params = packed.load_unfrozen(dir)?;
+            let mut params = packed.load_unfrozen(file)?;
             let model = packed.build(family::Build::default())?;
+            if dir.join(nn::lora::ADAPTER_CONFIG_FILE).exists() {
+                params = packed.start_from_pretrained(params, 0)?;
+                packed.load_adapters(dir, model.layout(), &mut params)?;
+            }
             family::check_finite(model.layout(), &params, dir)?;
             return Ok((packed, params));
         }

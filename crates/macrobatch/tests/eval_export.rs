@@ -158,6 +158,26 @@ fn eval_on_the_heldout_file_equals_the_runs_validation_loss() {
         println!("{dtype}: loss {q} vs f32 {gf} ({:.1e} relative)", (q - gf).abs() / gf);
         assert!((q - gf).abs() < tol * gf && q != gf, "{dtype} export {q} vs f32 {gf}");
     }
+    // A LoRA run on the Q8_0 file refers to it (base.json): `eval` of its
+    // folder reads that file as a model file is read (projections and
+    // embedding in their Q8_0 blocks) with the adapters in the layout, to
+    // the loss of the f32 reading, bit for bit.
+    let ft = tmp("eval-lora-on-q8");
+    let mut sets = chat_sets(&gguf.display().to_string());
+    sets.extend(["batch.micro=4", "train.steps=2", "train.eval_every=0"].map(String::from));
+    let mut c = train_cmd(&ft, &sets.iter().map(String::as_str).collect::<Vec<_>>());
+    let o = c.arg("--init-from").arg(out.join("export-q8_0.gguf")).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(ft.join("base.json").is_file() && !ft.join("model.safetensors").exists());
+    let (packed, whole) = (eval_json(&ft, heldout, &[]), eval_json(&ft, heldout, &["--dequantize"]));
+    assert!(packed["weights"].as_str().unwrap().contains("frozen in q8_0"), "{packed}");
+    assert!(!whole["weights"].as_str().unwrap().contains("frozen"), "{whole}");
+    assert_eq!(
+        packed["loss"].as_f64().unwrap().to_bits(),
+        whole["loss"].as_f64().unwrap().to_bits(),
+        "{packed} vs {whole}"
+    );
+    let _ = std::fs::remove_dir_all(&ft);
     // An existing file is kept without --force.
     let before = std::fs::metadata(&f32_file).unwrap().len();
     let o = bin()

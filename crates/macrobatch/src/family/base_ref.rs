@@ -114,14 +114,15 @@ impl BaseRef {
     }
 }
 
+/// [`held_as`] of a run that keeps its base file's own values.
+pub const FILE_VALUES: &str = "its file's values";
+
 /// The values a run of `cfg` holds its frozen base as: the file's own
 /// (`f32`, `auto` and `source` keep them, packed or not, at any split), or
 /// rounded to `bf16`, `nf4`, `nf4-dq`.
 pub fn held_as(cfg: &config::Config) -> String {
     match cfg.train.frozen_dtype {
-        config::FrozenDtype::Auto | config::FrozenDtype::F32 | config::FrozenDtype::Source => {
-            "its file's values".into()
-        }
+        config::FrozenDtype::Auto | config::FrozenDtype::F32 | config::FrozenDtype::Source => FILE_VALUES.into(),
         config::FrozenDtype::Bf16 => "bf16".into(),
         config::FrozenDtype::Nf4 if cfg.train.frozen_double_quant => "nf4-dq".into(),
         config::FrozenDtype::Nf4 => "nf4".into(),
