@@ -335,7 +335,8 @@ fn metrics_keep_plain_cross_entropy_as_loss_and_log_the_total() {
 }
 
 /// `plan` counts the moving average: rank 0's process holds 4 bytes per
-/// trainable parameter more with `train.ema_decay` on.
+/// trainable parameter more with `train.ema_decay` on, and 4 more while a
+/// checkpoint written in the background holds its copy.
 #[test]
 fn plan_counts_the_moving_average() {
     let plan = |extra: &[&str]| -> serde_json::Value {
@@ -355,4 +356,11 @@ fn plan_counts_the_moving_average() {
     let fixed =
         |p: &serde_json::Value| p["configured_peak"].as_u64().unwrap() - p["configured"]["runtime"].as_u64().unwrap();
     assert_eq!(fixed(&on) - fixed(&off), 4 * n);
+    // Written in the background (train.checkpoint_async), a checkpoint
+    // takes a copy of the average with it while the steps go on.
+    let asy = plan(&["train.ema_decay=0.9", "train.checkpoint_async=true"]);
+    let ck = |p: &serde_json::Value| p["configured"]["checkpoint"].as_u64().unwrap();
+    assert_eq!(ck(&asy) - ck(&on), 4 * n);
+    assert_eq!(ck(&plan(&["train.checkpoint_async=true"])), ck(&off), "no average, nothing more");
+    assert_eq!((asy["checkpoint_async"].as_bool(), on["checkpoint_async"].as_bool()), (Some(true), Some(false)));
 }

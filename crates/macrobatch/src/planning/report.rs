@@ -63,6 +63,9 @@ pub struct Report {
     /// `train.frozen_dtype` as resolved: the packed base's formats
     /// (`q4_1`, `nf4-dq`), or `f32` when it stays in the parameters.
     pub frozen_dtype: String,
+    /// `train.checkpoint_async`: the checkpoint phase's state is held
+    /// while the next steps run (the same bytes, on top of a step).
+    pub checkpoint_async: bool,
 }
 
 /// The configured plan's rank grid with tensor parallelism.
@@ -239,6 +242,7 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
         pipeline,
         tensor,
         frozen_dtype: plan.family.frozen_bytes().map_or("f32".into(), |f| f.formats),
+        checkpoint_async: plan.cfg.train.checkpoint_async,
     })
 }
 
@@ -322,6 +326,9 @@ pub fn render(r: &Report) -> String {
         out += &format!("  (of which the process's other ranks, every stage's: {})\n", human(e.other_ranks));
     }
     out += &format!("  per process {:<32} {:>12}\n", "+ checkpoint / save (rank 0)", human(e.checkpoint));
+    if r.checkpoint_async {
+        out += "  (train.checkpoint_async: a checkpoint's state is held, one at a time, while the next steps run)\n";
+    }
     out += &format!("  per process {:<32} {:>12}\n", "loading a checkpoint (phase)", human(e.load));
     out += &format!(
         "  per process {:<32} {:>12}  peak + margin {} — {}\n\n",
