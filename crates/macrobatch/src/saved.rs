@@ -34,26 +34,27 @@ pub(crate) fn load_for_inference(dir: &Path, what: &str, dequantize: bool) -> Re
             Some(_) => None,
         };
         if let Some(packed) = file.as_deref().map(|f| shape.packed_for_inference(f)).transpose()?.flatten() {
-            let file = file.as_deref().unwrap_or(dir);
-            if let Some(b) = &base {
-                b.check(dir)?;
-            }
-            check_packed(&*packed, dir, what)?;
-            // The other tensors first: reading them reads the base too, which
-            // the build then finds loaded.
-            let mut params = packed.load_unfrozen(file)?;
-            let model = packed.build(family::Build::default())?;
-            if dir.join(nn::lora::ADAPTER_CONFIG_FILE).exists() {
-                params = packed.start_from_pretrained(params, 0)?;
-                packed.load_adapters(dir, model.layout(), &mut params)?;
-            }
-            family::check_finite(model.layout(), &params, dir)?;
+            check_packed(&*packed, dir, base.as_ref(), what)?;
+            let params = match &base {
+                Some(b) => base_ref::load(dir, &*packed, b)?,
+                // PEFT's adapters beside a base file of packable weights.
+                None if dir.join(nn::lora::ADAPTER_CONFIG_FILE).exists() => {
+                    base_ref::with_adapters(dir, &*packed, dir)?
+                }
+                None => {
+                    // The other tensors first: reading them reads the base
+                    // too, which the build then finds loaded.
+                    let params = packed.load_unfrozen(dir)?;
+                    family::check_finite(packed.build(family::Build::default())?.layout(), &params, dir)?;
+                    params
+                }
+            };
             return Ok((packed, params));
         }
-        if let Some(packed) = run_base_packed(&shape, dir)? {
-            check_packed(&*packed, dir, what)?;
-            if let Some(base) = BaseRef::read(dir)? {
-                let params = base_ref::load(dir, &*packed, &base)?;
+        if let Some(packed) = run_base_packed(&shape, dir, base.as_ref())? {
+            check_packed(&*packed, dir, base.as_ref(), what)?;
+            if let Some(base) = &base {
+                let params = base_ref::load(dir, &*packed, base)?;
                 return Ok((packed, params));
             }
             let model = packed.build(family::Build::default())?;
@@ -66,6 +67,16 @@ pub(crate) fn load_for_inference(dir: &Path, what: &str, dequantize: bool) -> Re
     load_whole(dir)
 }
 
+/// The resolved config a run folder or checkpoint `dir` was written with, if any.
+fn run_config(dir: &Path) -> Result<Option<config::Config>> {
+    let path = dir.join(crate::checkpoint::CONFIG);
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    Ok(Some(config::Config::from_toml(&text, &path.display().to_string(), &[])?))
+}
+
 /// A saved model with every weight f32, as [`family::load_hf`] reads it;
 /// a folder of adapters alone (a LoRA run's, [`base_ref`]) reads its base
 /// as the run held it — packed where the run packed it, then dequantised:
@@ -73,17 +84,17 @@ pub(crate) fn load_for_inference(dir: &Path, what: &str, dequantize: bool) -> Re
 pub(crate) fn load_whole(dir: &Path) -> Result<family::Loaded> {
     let Some(base) = BaseRef::read(dir)? else { return family::load_hf(dir) };
     let shape = family::read_hf_config(dir)?;
-    let run = run_base_packed(&shape, dir)?.unwrap_or(shape);
+    let run = run_base_packed(&shape, dir, Some(&base))?.unwrap_or(shape);
     let params = base_ref::load(dir, &*run, &base)?;
     Ok(run.unpacked(&params)?.unwrap_or((run, params)))
 }
 
-/// The memory check of a model whose projections stay packed.
-fn check_packed(packed: &dyn family::Family, dir: &Path, what: &str) -> Result<()> {
+/// The memory check of a model whose projections stay packed (a folder
+/// of adapters alone maps its `base` file too).
+fn check_packed(packed: &dyn family::Family, dir: &Path, base: Option<&BaseRef>, what: &str) -> Result<()> {
     let frozen = packed.frozen_bytes().map_or(0, |f| f.bytes);
-    // A folder of adapters alone maps its base file too.
-    let base = BaseRef::read(dir)?.map_or(0, |b| b.bytes);
-    crate::memory::check_packed_load(what, packed.n_params(), frozen, crate::memory::file_bytes(dir) + base)
+    let mapped = crate::memory::file_bytes(dir) + base.map_or(0, |b| b.bytes);
+    crate::memory::check_packed_load(what, packed.n_params(), frozen, mapped)
 }
 
 /// With a run folder `dir` whose run kept its frozen base packed: `shape`
@@ -91,19 +102,17 @@ fn check_packed(packed: &dyn family::Family, dir: &Path, what: &str) -> Result<(
 /// adapters alone: from the path its `base.json` names) again (`None`
 /// without such a run, or when that file is gone: a note says the
 /// folder's f32 base is read instead; a folder without one refuses).
-fn run_base_packed(shape: &Arc<dyn family::Family>, dir: &Path) -> Result<Option<Arc<dyn family::Family>>> {
-    let path = dir.join(crate::checkpoint::CONFIG);
-    if !path.is_file() {
-        return Ok(None);
-    }
-    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-    let cfg = config::Config::from_toml(&text, &path.display().to_string(), &[])?;
-    // A folder of adapters alone: its base is where its reference says.
-    let base = BaseRef::read(dir)?;
-    let storage = crate::setup::frozen_storage(&cfg, base.as_ref().map(|b| b.path.as_path()));
+fn run_base_packed(
+    shape: &Arc<dyn family::Family>,
+    dir: &Path,
+    base: Option<&BaseRef>,
+) -> Result<Option<Arc<dyn family::Family>>> {
+    let Some(cfg) = run_config(dir)? else { return Ok(None) };
+    // A folder of adapters alone (`base`): its base is where its reference says.
+    let storage = crate::setup::frozen_storage(&cfg, base.map(|b| b.path.as_path()));
     let Some(source) = storage.source.as_deref() else { return Ok(None) };
     if !source.exists() {
-        if let Some(base) = &base {
+        if let Some(base) = base {
             base.check(dir)?;
         }
         if !storage.packs_by_name() {
@@ -121,17 +130,12 @@ fn run_base_packed(shape: &Arc<dyn family::Family>, dir: &Path) -> Result<Option
 /// The tokenizer a model folder (or GGUF file) carries; a checkpoint's
 /// (which carries none) is its run's `data.tokenizer`; else bytes.
 pub(crate) fn tokenizer_of(model: &Path) -> Result<Tokenizer> {
-    let resolved = model.join(crate::checkpoint::CONFIG);
     let spec = if family::is_gguf(model) {
         TokenizerSpec::Gguf(model.to_path_buf())
     } else if model.join("tokenizer.json").exists() {
         TokenizerSpec::TokenizerJson(model.join("tokenizer.json"))
-    } else if resolved.is_file() {
-        let text = std::fs::read_to_string(&resolved).with_context(|| format!("cannot read {}", resolved.display()))?;
-        let cfg = config::Config::from_toml(&text, &resolved.display().to_string(), &[])?;
-        cfg.data.tokenizer.unwrap_or(TokenizerSpec::Byte)
     } else {
-        TokenizerSpec::Byte
+        run_config(model)?.and_then(|cfg| cfg.data.tokenizer).unwrap_or(TokenizerSpec::Byte)
     };
     spec.build().with_context(|| format!("cannot load the tokenizer of {}", model.display()))
 }

@@ -177,7 +177,13 @@ pub fn params_from_base(family: &dyn Family, source: &Path) -> Result<Vec<f32>> 
 /// (checked first) and the folder's adapters.
 pub fn load(dir: &Path, family: &dyn Family, base: &BaseRef) -> Result<Vec<f32>> {
     base.check(dir)?;
-    let mut params = params_from_base(family, &base.path)?;
+    with_adapters(dir, family, &base.path)
+}
+
+/// The parameters of `family` on the base at `source` ([`params_from_base`])
+/// with the adapters of the folder `dir` in place of the initial ones.
+pub fn with_adapters(dir: &Path, family: &dyn Family, source: &Path) -> Result<Vec<f32>> {
+    let mut params = params_from_base(family, source)?;
     let model = family.build(Build::default())?;
     family.load_adapters(dir, model.layout(), &mut params)?;
     super::check_finite(model.layout(), &params, dir)?;

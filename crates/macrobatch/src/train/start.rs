@@ -351,11 +351,7 @@ pub fn onto_run_layout(plan: &Plan, l: &mut Loaded) -> Result<()> {
         let now = BaseRef::of(source, base_ref::held_as(&plan.cfg)).with_context(resuming)?;
         let fix = "or --set train.frozen_source=PATH to a copy of it";
         saved.same_as(&now, &l.dir, fix).with_context(resuming)?;
-        let mut params = base_ref::params_from_base(plan.family.as_ref(), source)?;
-        let model = plan.family.build(family::Build::default())?;
-        plan.family.load_adapters(&l.dir, model.layout(), &mut params)?;
-        family::check_finite(model.layout(), &params, &l.dir)?;
-        l.params = params;
+        l.params = base_ref::with_adapters(&l.dir, plan.family.as_ref(), source)?;
         l.base = Some(now);
         return Ok(());
     }
