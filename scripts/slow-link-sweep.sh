@@ -11,14 +11,9 @@
 # tokens/s and median comm share over the steps after the first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rate=${1:-1gbit}
-steps=${2:-6}
-bin=${MACROBATCH_BIN:-target/release/macrobatch}
-model=${SWEEP_MODEL:-mini}
 prefix=mbsw
-scripts/netns/hosts.sh up --prefix $prefix
-trap 'scripts/netns/hosts.sh down --prefix $prefix' EXIT
-scripts/netns/link.sh --prefix $prefix slow "$rate"
+source scripts/netns/common.sh
+netns_sweep_hosts $prefix "$@"
 out=$(mktemp -d)
 run() { # K MICRO TABLE
   local k=$1 micro=$2 dir="$out/$3-k$1-m$2"

@@ -57,3 +57,19 @@ netns_cmd_args() {
 }
 
 netns_exists() { [[ -e "/var/run/netns/$1" ]] || [[ -e "/run/netns/$1" ]]; }
+
+# For the benchmark sweeps (scripts/*-sweep.sh): reads [RATE] [STEPS] into
+# rate (default 1gbit) and steps (default 6), bin and model from
+# MACROBATCH_BIN and SWEEP_MODEL, brings up the two hosts named PREFIX
+# joined by a link limited to the rate, and takes them down on exit.
+netns_sweep_hosts() { # PREFIX [RATE] [STEPS]
+  local prefix=$1
+  rate=${2:-1gbit}
+  steps=${3:-6}
+  bin=${MACROBATCH_BIN:-target/release/macrobatch}
+  model=${SWEEP_MODEL:-mini}
+  "$NETNS_DIR/hosts.sh" up --prefix "$prefix"
+  # shellcheck disable=SC2064 # the prefix is fixed now
+  trap "'$NETNS_DIR/hosts.sh' down --prefix '$prefix'" EXIT
+  "$NETNS_DIR/link.sh" --prefix "$prefix" slow "$rate"
+}

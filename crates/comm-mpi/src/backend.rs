@@ -49,8 +49,34 @@ pub struct MpiComm {
     collective_ns: std::cell::Cell<u64>,
     /// Sends not yet known to be complete.
     pending: Vec<PendingSend>,
-    // Dropped after `comm`: the last handle finalises MPI.
-    universe: Rc<Universe>,
+    /// Whether MPI runs under `MPI_THREAD_MULTIPLE` ([`MpiComm::init_threaded`]).
+    threads: bool,
+    // Dropped after `comm`: the last handle finalises MPI. None in a
+    // [`Communicator::duplicate`], which must be dropped before the world's.
+    universe: Option<Rc<Universe>>,
+}
+
+/// [`Communicator::duplicate`]'s handle: an `MPI_Comm_dup` of a group, moved
+/// to the thread that uses it.
+struct Threaded(MpiComm);
+
+// SAFETY: MPI was initialised with MPI_THREAD_MULTIPLE (`duplicate` refuses
+// otherwise), so any thread may call it; the value is moved, never shared
+// (no `Sync`), so its `Cell` and its sends' buffers have one user at a time;
+// and it holds no `Rc` (`universe` is None), whose count other threads touch.
+unsafe impl Send for Threaded {}
+
+impl std::ops::Deref for Threaded {
+    type Target = MpiComm;
+    fn deref(&self) -> &MpiComm {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Threaded {
+    fn deref_mut(&mut self) -> &mut MpiComm {
+        &mut self.0
+    }
 }
 
 /// An `MPI_Isend` and the copy of the payload it reads.
@@ -126,8 +152,24 @@ impl MpiComm {
     /// Initialises MPI (funneled: only this thread calls it) and checks that
     /// the launcher and the library agree on the world size.
     pub fn init(timeout: Duration) -> Result<Self, CommError> {
-        let (universe, _) = mpi::initialize_with_threading(mpi::Threading::Funneled)
+        Self::init_at(timeout, mpi::Threading::Funneled)
+    }
+
+    /// [`MpiComm::init`] under `MPI_THREAD_MULTIPLE`, so that
+    /// [`Communicator::duplicate`] can hand a group to another thread; an
+    /// error if this MPI library does not provide it.
+    pub fn init_threaded(timeout: Duration) -> Result<Self, CommError> {
+        Self::init_at(timeout, mpi::Threading::Multiple)
+    }
+
+    fn init_at(timeout: Duration, level: mpi::Threading) -> Result<Self, CommError> {
+        let (universe, provided) = mpi::initialize_with_threading(level)
             .ok_or_else(|| CommError::Launch("MPI was already initialised in this process".into()))?;
+        if provided < level {
+            return Err(CommError::Unsupported(format!(
+                "this MPI library provides thread level {provided:?}, below the {level:?} asked for (dist.overlap_comm needs MPI_THREAD_MULTIPLE); use an MPI built with thread support (OpenMPI ≥ 3 and MPICH are) or set dist.overlap_comm = false"
+            )));
+        }
         let world = universe.world();
         let size = world.size() as usize;
         if let Some((n, var)) = launcher_world_size() {
@@ -137,7 +179,8 @@ impl MpiComm {
                 )));
             }
         }
-        Ok(Self::over(world, (0..size).collect(), false, timeout, Rc::new(universe)))
+        let threads = level == mpi::Threading::Multiple;
+        Ok(Self::over(world, (0..size).collect(), false, timeout, threads, Some(Rc::new(universe))))
     }
 
     fn over(
@@ -145,7 +188,8 @@ impl MpiComm {
         world_ranks: Vec<usize>,
         sub: bool,
         timeout: Duration,
-        universe: Rc<Universe>,
+        threads: bool,
+        universe: Option<Rc<Universe>>,
     ) -> Self {
         Self {
             comm,
@@ -157,6 +201,7 @@ impl MpiComm {
             counters: CommCounters::default(),
             collective_ns: std::cell::Cell::new(0),
             pending: Vec::new(),
+            threads,
             universe,
         }
     }
@@ -388,6 +433,72 @@ impl Communicator for MpiComm {
                 comm.rank()
             )));
         }
-        Ok(Box::new(Self::over(comm, world_ranks, true, self.timeout, self.universe.clone())))
+        Ok(Box::new(Self::over(comm, world_ranks, true, self.timeout, self.threads, self.universe.clone())))
+    }
+
+    fn duplicate(&mut self) -> Result<Box<dyn Communicator + Send>, CommError> {
+        if !self.threads {
+            return Err(CommError::Unsupported(
+                "MPI was started for one thread (funneled); a communicator for another thread needs MpiComm::init_threaded (MPI_THREAD_MULTIPLE)".into(),
+            ));
+        }
+        let n = self.count(0);
+        // MPI_Comm_dup blocks: meet every rank first under the deadline.
+        let req = self.comm.immediate_barrier();
+        self.finish(n, "duplicate", req);
+        let comm = self.comm.duplicate();
+        let dup = Self::over(comm, self.world_ranks.clone(), self.sub, self.timeout, true, None);
+        Ok(Box::new(Threaded(dup)))
+    }
+}
+
+impl Communicator for Threaded {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+        self.0.all_reduce_sum(buf)
+    }
+    fn all_reduce_sum_f64(&mut self, buf: &mut [f64]) -> Result<(), CommError> {
+        self.0.all_reduce_sum_f64(buf)
+    }
+    fn reduce_scatter_sum(&mut self, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
+        self.0.reduce_scatter_sum(input, output)
+    }
+    fn all_gather(&mut self, input: &[f32], output: &mut [f32]) -> Result<(), CommError> {
+        self.0.all_gather(input, output)
+    }
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
+        self.0.broadcast(buf, root)
+    }
+    fn barrier(&mut self) -> Result<(), CommError> {
+        self.0.barrier()
+    }
+    fn counters(&self) -> CommCounters {
+        self.0.counters()
+    }
+    fn abort(&mut self, reason: &str) {
+        self.0.abort(reason)
+    }
+    fn buffer_bytes(&self) -> usize {
+        self.0.buffer_bytes()
+    }
+    fn send(&mut self, buf: &[f32], dest: usize, tag: u32) -> Result<(), CommError> {
+        self.0.send(buf, dest, tag)
+    }
+    fn recv(&mut self, buf: &mut [f32], src: usize, tag: u32) -> Result<(), CommError> {
+        self.0.recv(buf, src, tag)
+    }
+    fn flush_sends(&mut self) -> Result<(), CommError> {
+        self.0.flush_sends()
+    }
+    fn split(&mut self, _color: usize, _key: usize) -> Result<Box<dyn Communicator>, CommError> {
+        Err(CommError::Unsupported("a duplicated MPI communicator is not split further".into()))
+    }
+    fn duplicate(&mut self) -> Result<Box<dyn Communicator + Send>, CommError> {
+        Err(CommError::Unsupported("a duplicated MPI communicator is not duplicated further".into()))
     }
 }

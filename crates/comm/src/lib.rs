@@ -86,6 +86,9 @@ pub enum CommError {
     /// The launcher and the binary disagree, or MPI failed to start.
     #[error("{0}")]
     Launch(String),
+    /// The backend cannot do what was asked of it here.
+    #[error("{0}")]
+    Unsupported(String),
     /// A receive from this rank itself with nothing queued: no message can
     /// ever arrive, so waiting would only hang.
     #[error("rank {me} receives from itself under tag {tag} but sent nothing under it")]
@@ -172,6 +175,14 @@ pub trait Communicator {
     /// group; ranks in it are ordered by `key`, then by their rank here. Every
     /// rank of this group must call it (same order of calls).
     fn split(&mut self, color: usize, key: usize) -> Result<Box<dyn Communicator>, CommError>;
+    /// A collective over this group: a second handle on the same ranks, in
+    /// the same order, that another thread may own. It runs the same
+    /// collective algorithms as this one (so a sum of the same buffer has
+    /// the same bits) on its own stream of messages, so the two handles may
+    /// be used at the same time. Every rank must call it (same order of calls).
+    /// `CommError::Unsupported` where the backend cannot (MPI without
+    /// `MPI_THREAD_MULTIPLE`).
+    fn duplicate(&mut self) -> Result<Box<dyn Communicator + Send>, CommError>;
 }
 
 /// Checks that `rank` (the `role` of a call: destination, source or root)
@@ -279,6 +290,10 @@ impl Communicator for SingleProcess {
         Ok(())
     }
     fn split(&mut self, _color: usize, _key: usize) -> Result<Box<dyn Communicator>, CommError> {
+        self.count(0);
+        Ok(Box::new(SingleProcess::new()))
+    }
+    fn duplicate(&mut self) -> Result<Box<dyn Communicator + Send>, CommError> {
         self.count(0);
         Ok(Box::new(SingleProcess::new()))
     }

@@ -436,6 +436,19 @@ impl Communicator for ThreadComm {
     }
 
     fn split(&mut self, color: usize, key: usize) -> Result<Box<dyn Communicator>, CommError> {
+        Ok(Box::new(self.split_handle(color, key)?))
+    }
+
+    fn duplicate(&mut self) -> Result<Box<dyn Communicator + Send>, CommError> {
+        // One color, keyed by rank: the same members in the same order, a new group.
+        let rank = self.rank;
+        Ok(Box::new(self.split_handle(0, rank)?))
+    }
+}
+
+impl ThreadComm {
+    /// [`Communicator::split`]'s new handle.
+    fn split_handle(&mut self, color: usize, key: usize) -> Result<ThreadComm, CommError> {
         let words = [to_words(color), to_words(key)].concat();
         let all = self.collective(Call { op: "split", len: words.len(), root: 0 }, words, |s| s.concat())?;
         let pairs: Vec<(usize, usize)> = all.chunks(4).map(|w| (from_words(&w[..2]), from_words(&w[2..]))).collect();
@@ -447,7 +460,7 @@ impl Communicator for ThreadComm {
         if handles.iter().all(Option::is_none) {
             st.parked.remove(&index);
         }
-        Ok(Box::new(mine))
+        Ok(mine)
     }
 }
 

@@ -113,6 +113,12 @@ pub struct DistConfig {
     pub zero_stage: u8,
     /// Stage 2: reduce-scatter gradients after every micro-step (gradient memory 1/W, K× the bytes).
     pub reduce_every_micro_step: bool,
+    /// Start each gradient bucket's collective (stage 2: each segment's
+    /// reduce-scatter) under the last micro-step's backward, as soon as its
+    /// layers are done, on a thread of its own: the same collectives, the
+    /// same bits. Data parallelism at ZeRO 0–2 only; under MPI it needs
+    /// `MPI_THREAD_MULTIPLE`.
+    pub overlap_comm: bool,
     /// Where the optimizer state lives: memory, or files streamed through
     /// small window buffers during the update (`"disk"`).
     pub offload_optimizer: OffloadOptimizer,
@@ -192,6 +198,7 @@ impl Default for DistConfig {
             check_every: 100,
             zero_stage: 0,
             reduce_every_micro_step: false,
+            overlap_comm: false,
             offload_optimizer: OffloadOptimizer::None,
             pipeline_parallel: 1,
             pipeline_schedule: ScheduleKind::OneFOneB,
@@ -1008,6 +1015,27 @@ mod tests {
     fn parse(text: &str, sets: &[&str]) -> Result<Config, ConfigError> {
         let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
         Config::from_toml(text, "test.toml", &sets)
+    }
+
+    #[test]
+    fn overlap_comm_is_refused_where_it_has_no_order_to_keep_or_nothing_to_move() {
+        let on = |extra: &[&str]| {
+            let sets: Vec<&str> =
+                ["dist.overlap_comm=true", "dist.world_size=4"].iter().chain(extra).copied().collect();
+            parse("", &sets).unwrap().validate()
+        };
+        for stage in ["0", "1", "2"] {
+            on(&[&format!("dist.zero_stage={stage}")]).unwrap();
+        }
+        for (sets, why) in [
+            (&["dist.tensor_parallel=2"][..], "data parallelism alone"),
+            (&["dist.pipeline_parallel=2"], "data parallelism alone"),
+            (&["dist.zero_stage=3"], "ZeRO-3"),
+            (&["dist.zero_stage=2", "dist.reduce_every_micro_step=true"], "reduce_every_micro_step"),
+        ] {
+            let e = on(sets).unwrap_err().to_string();
+            assert!(e.contains("dist.overlap_comm") && e.contains(why) && e.contains("= false"), "{sets:?}: {e}");
+        }
     }
 
     #[test]

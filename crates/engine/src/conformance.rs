@@ -12,7 +12,10 @@
 //!   (a model that leaves stale gradient behind fails here),
 //! - frozen tensors: untouched, no gradient or optimizer memory, and the
 //!   trainable part equal to a full run whose frozen updates are discarded,
-//! - bit-identical resume from the full state after some steps.
+//! - bit-identical resume from the full state after some steps,
+//! - gradient collectives under the backward (`overlap_comm`) give the
+//!   boundary's bits: the model's backward finishes each segment before a
+//!   lower one (or the engine refuses, never loses a write).
 //!
 //! Each check returns `Err` with what differed instead of panicking, so a
 //! test can also show that a broken model fails.
@@ -401,16 +404,82 @@ pub fn check_resume<F: ModelUnderTest>(f: &F) -> Check {
     Ok(())
 }
 
+/// `overlap_comm` at ZeRO 0–2 on W = 3 thread ranks (K = 2, one rank's
+/// micro-batches empty), with buckets of a seventh of the model (they cross
+/// segments): the parameters after 3 AdamW steps are the bits of the same
+/// run reducing at the boundary, and some collective started under the
+/// backward.
+pub fn check_overlap<F: ModelUnderTest>(f: &F) -> Check {
+    let n = f.init().len();
+    let rows = |s: usize, rank: usize| -> [Vec<usize>; 2] {
+        let r = |i: usize| (s * 4 + i) % f.n_samples();
+        match rank {
+            0 => [vec![r(0), r(1)], vec![r(2)]],
+            1 => [vec![r(3)], vec![]],
+            _ => [vec![], vec![]],
+        }
+    };
+    for stage in [0, 1, 2] {
+        let zero = ZeroConfig { stage, reduce_every_micro_step: false };
+        let run = |overlap: bool| {
+            on_ranks(3, |rank, c| {
+                let mut m = f.model();
+                let params = f.init();
+                let opt = Optimizer::AdamW(AdamW::new(params.len(), 0.9, 0.95, 1e-4, 0.1).expect("valid AdamW"));
+                let options = TrainerOptions {
+                    grad_clip: Some(1.0),
+                    bucket_elems: n.div_ceil(7),
+                    overlap_comm: overlap,
+                    ..TrainerOptions::default()
+                };
+                let mut tr = Trainer::distributed(&m, params, opt, LrSchedule::constant(1e-2), options, zero, c)
+                    .map_err(err("trainer"))?;
+                let mut early = 0;
+                for s in 0..3 {
+                    let batches: Vec<_> = rows(s, rank).iter().map(|r| f.batch(r)).collect();
+                    let report = tr.step(&mut m, c, &batches).map_err(|e| {
+                        // The model's error names the micro-step; its source, why.
+                        let mut why = format!("step: {e}");
+                        let mut source = std::error::Error::source(&e);
+                        while let Some(s) = source {
+                            why += &format!(": {s}");
+                            source = s.source();
+                        }
+                        why
+                    })?;
+                    if let Some(o) = report.overlap {
+                        early += o.collectives.iter().filter(|t| t[0] < o.backward_end_s).count();
+                    }
+                }
+                Ok((tr.full_params(c).map_err(err("gather"))?, early))
+            })
+        };
+        let (plain, over) = (run(false)?, run(true)?);
+        for (rank, ((a, _), (b, early))) in plain.iter().zip(&over).enumerate() {
+            if a.iter().zip(b).any(|(x, y)| x.to_bits() != y.to_bits()) {
+                return Err(format!(
+                    "ZeRO {stage} rank {rank}: parameters with overlap_comm differ from the boundary's"
+                ));
+            }
+            if *early == 0 {
+                return Err(format!("ZeRO {stage} rank {rank}: no gradient collective started under the backward"));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Every check, in order; the first failure names the check.
 pub fn run_all<F: ModelUnderTest>(f: &F) -> Check {
     type Named<F> = (&'static str, fn(&F) -> Check);
-    let checks: [Named<F>; 6] = [
+    let checks: [Named<F>; 7] = [
         ("finite differences", check_gradient),
         ("K-invariance", check_k_invariance),
         ("several steps", check_several_steps),
         ("W-invariance and ZeRO 0–3", check_ranks_and_zero),
         ("frozen tensors", check_frozen),
         ("resume", check_resume),
+        ("overlap_comm", check_overlap),
     ];
     for (name, check) in checks {
         check(f).map_err(|e| format!("{name}: {e}"))?;

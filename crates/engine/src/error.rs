@@ -67,6 +67,19 @@ pub enum EngineError {
     /// An invalid ZeRO setting.
     #[error("invalid ZeRO configuration: {0}")]
     Zero(String),
+    /// Under `dist.overlap_comm`, the model asked for a segment again after
+    /// its gradient had been sent (a backward that returns to a segment after
+    /// a lower one's `done`).
+    #[error("optimizer step {step}: the model asked for segment {seg} after its gradient was already sent under dist.overlap_comm (a backward must finish a segment before it finishes a lower one); set dist.overlap_comm = false for this model")]
+    Overlap {
+        /// 1-based optimizer step number.
+        step: u64,
+        /// The segment.
+        seg: usize,
+    },
+    /// A broken invariant of the engine itself.
+    #[error("internal error: {0}")]
+    Internal(&'static str),
     /// An invalid pipeline setting or a stage that cannot run.
     #[error("pipeline parallelism: {0}")]
     Pipeline(String),

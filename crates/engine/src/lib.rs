@@ -124,7 +124,7 @@ pub use schedule::{Decay, LrSchedule};
 pub use store::{FullStore, GradOut, GradSpace, ParamStore, SegTensor, SegmentGrads, SegmentView};
 pub use tensor::{Shard, TensorGroup, TensorShards, TpRank, TpTraffic};
 pub use trainer::{
-    clip_grad_norm, grad_norm, InitSegment, LossNormalization, MemoryReport, PipelineReport, PipelineStage, StepReport,
-    Trainer, TrainerOptions, DEFAULT_BUCKET_ELEMS,
+    clip_grad_norm, grad_norm, InitSegment, LossNormalization, MemoryReport, OverlapReport, PipelineReport,
+    PipelineStage, StepReport, Trainer, TrainerOptions, DEFAULT_BUCKET_ELEMS,
 };
 pub use zero::{Accumulation, Partition, Reduction, UpdateRun, UpdateSharding, ZeroConfig, ZeroStage};

@@ -14,6 +14,7 @@ mod clip;
 mod decay;
 mod memory;
 mod offload;
+mod overlap;
 mod pipeline;
 mod state;
 mod step_store;
@@ -21,6 +22,7 @@ mod tensor;
 
 pub use clip::{clip_grad_norm, grad_norm};
 pub use memory::MemoryReport;
+pub use overlap::OverlapReport;
 pub use pipeline::PipelineStage;
 
 use crate::error::EngineError;
@@ -73,6 +75,10 @@ pub struct TrainerOptions {
     pub precision: Precision,
     /// Dynamic loss scaling (used with f16).
     pub loss_scaler: LossScalerConfig,
+    /// Start the boundary's gradient collectives under the last
+    /// micro-step's backward, on a thread of their own (stages 0–2 with
+    /// more than one data rank; bit-identical results).
+    pub overlap_comm: bool,
 }
 
 /// PyTorch DDP's default bucket: 25 MiB of f32.
@@ -86,6 +92,7 @@ impl Default for TrainerOptions {
             bucket_elems: DEFAULT_BUCKET_ELEMS,
             precision: Precision::F32,
             loss_scaler: LossScalerConfig::default(),
+            overlap_comm: false,
         }
     }
 }
@@ -136,6 +143,9 @@ pub struct StepReport {
     /// Tensor parallelism: this rank's all-reduces inside the model
     /// during the step (calls, bytes, seconds).
     pub tensor: Option<crate::tensor::TpTraffic>,
+    /// `overlap_comm`: when this rank's gradient collectives ran, and how
+    /// long the step waited for them (that wait is in `comm_s`).
+    pub overlap: Option<OverlapReport>,
 }
 
 /// What a pipeline step reports.
@@ -193,6 +203,8 @@ pub struct Trainer {
     n_steps: u64,
     /// Factor the last step applied to the accumulated buffer.
     grad_scale: f32,
+    /// `overlap_comm`: the gradient thread, started by the first step.
+    overlap: Option<overlap::Overlap>,
 }
 
 /// The 16-bit parameter copy of mixed precision at stages 0–2, and the
@@ -408,6 +420,7 @@ impl Trainer {
             options,
             n_steps: 0,
             grad_scale: 1.0,
+            overlap: None,
         })
     }
 
@@ -484,6 +497,7 @@ impl Trainer {
             return Err(EngineError::NoMicroBatches);
         }
         let step_idx = self.n_steps;
+        let step_t0 = std::time::Instant::now();
         model.begin_step(step_idx);
         let before = comm.counters();
         // The loss scale of this step: fixed until the boundary.
@@ -494,9 +508,21 @@ impl Trainer {
         // Accumulate: K micro-steps add into the gradient buffers; at
         // stages 0–2 (local accumulation) nothing is communicated.
         self.begin_accumulation();
+        let overlap = self.overlap_applies(groups.dp.world_size());
+        if overlap {
+            self.overlap_start(groups.dp)?;
+        }
         let mut acc = Accumulated::new(micro_batches.len());
+        let last = micro_batches.len() - 1;
         for (micro_step_idx, (batch, &loss_seed)) in micro_batches.iter().zip(&seeds.per_micro).enumerate() {
             let t0 = std::time::Instant::now();
+            if overlap && micro_step_idx == last {
+                // Only the last micro-step's backward completes gradients.
+                let n = self.part.n_segments();
+                if let Some(o) = self.overlap.as_mut() {
+                    o.begin(step_t0, n);
+                }
+            }
             let stats = model
                 .micro_step(&mut self.store(groups.dp, true), batch, loss_seed)
                 .map_err(|e| EngineError::Model { step: step_idx + 1, micro_step_idx, source: Box::new(e) })?;
@@ -504,6 +530,10 @@ impl Trainer {
             acc.record(micro_step_idx, stats, model.take_aux_stats());
         }
         self.end_accumulation();
+        if let Some(o) = self.overlap.as_mut().filter(|o| o.in_step()) {
+            o.backward_ended();
+            o.launch_rest(&self.part, &mut self.grads, step_idx + 1)?;
+        }
         self.boundary(&mut groups, acc, &seeds, loss_scale, before)
     }
 
@@ -637,6 +667,8 @@ struct Accumulated {
     model_s: f64,
     pipeline: Option<PipelineReport>,
     tensor: Option<crate::tensor::TpTraffic>,
+    /// Filled by the boundary's gradient reduction under `overlap_comm`.
+    overlap: Option<OverlapReport>,
 }
 
 impl Accumulated {
@@ -649,6 +681,7 @@ impl Accumulated {
             model_s: 0.0,
             pipeline: None,
             tensor: None,
+            overlap: None,
         }
     }
 

@@ -31,16 +31,19 @@ struct Toy {
     /// The broken variant adds where the store says overwrite (it forgets
     /// that the buffer may hold a previous step's values).
     ignore_overwrite: bool,
+    /// A variant that asks for segment 1 again after segment 0's backward
+    /// (a backward that returns upward).
+    revisit: bool,
 }
 
 impl Toy {
-    fn new(ignore_overwrite: bool) -> Self {
+    fn new(ignore_overwrite: bool, revisit: bool) -> Self {
         let mut layout = ParamLayout::new();
         layout.push("w", &[D, O], true);
         layout.push("b", &[O], false);
         layout.push("s", &[O], false);
         layout.push("c", &[O], false);
-        Toy { layout, ignore_overwrite }
+        Toy { layout, ignore_overwrite, revisit }
     }
 
     /// z and the residuals r (0 where masked) for the batch.
@@ -137,6 +140,10 @@ impl Model for Toy {
             put(gb, &db, self.ignore_overwrite);
         }
         store.done(0, true)?;
+        if self.revisit {
+            store.segment(1)?;
+            store.done(1, true)?;
+        }
         Ok(MicroStepStats { loss_sum: loss, n_targets: self.n_targets(b), ..Default::default() })
     }
 
@@ -152,6 +159,7 @@ impl Model for Toy {
 
 struct ToyFamily {
     broken: bool,
+    revisit: bool,
     /// 12 samples: x, y, and a mask keeping 1–4 of the 4 targets.
     data: Vec<(Vec<f32>, Vec<f32>, Vec<bool>)>,
 }
@@ -167,7 +175,7 @@ impl ToyFamily {
                 (x, y, mask)
             })
             .collect();
-        ToyFamily { broken, data }
+        ToyFamily { broken, revisit: false, data }
     }
 }
 
@@ -175,7 +183,7 @@ impl ModelUnderTest for ToyFamily {
     type M = Toy;
 
     fn model(&self) -> Toy {
-        Toy::new(self.broken)
+        Toy::new(self.broken, self.revisit)
     }
 
     fn init(&self) -> Vec<f32> {
@@ -230,4 +238,15 @@ fn a_model_that_ignores_overwrite_fails_the_suite() {
     let e = conformance::check_several_steps(&f).unwrap_err();
     assert!(e.contains("step 2"), "{e}");
     assert!(conformance::run_all(&f).is_err());
+}
+
+/// A backward that asks for a segment again after a lower one finished
+/// passes everything that reduces at the boundary, and `overlap_comm`
+/// refuses it by name rather than send that segment's gradient early.
+#[test]
+fn a_backward_that_returns_upward_is_refused_under_overlap() {
+    let f = ToyFamily { revisit: true, ..ToyFamily::new(false) };
+    conformance::check_ranks_and_zero(&f).unwrap();
+    let e = conformance::check_overlap(&f).unwrap_err();
+    assert!(e.contains("segment 1 after its gradient was already sent"), "{e}");
 }

@@ -172,13 +172,14 @@ pub fn detect(threads_world: usize) -> Result<Backend> {
 
 /// Connects to MPI (feature `mpi`).
 #[cfg(feature = "mpi")]
-pub fn mpi_comm(timeout: Duration) -> Result<Box<dyn comm::Communicator>> {
-    Ok(Box::new(comm_mpi::MpiComm::init(timeout).context("cannot start MPI")?))
+pub fn mpi_comm(timeout: Duration, threaded: bool) -> Result<Box<dyn comm::Communicator>> {
+    let comm = if threaded { comm_mpi::MpiComm::init_threaded(timeout) } else { comm_mpi::MpiComm::init(timeout) };
+    Ok(Box::new(comm.context("cannot start MPI")?))
 }
 
 /// Without the feature there is no MPI to connect to ([`detect`] refuses first).
 #[cfg(not(feature = "mpi"))]
-pub fn mpi_comm(_timeout: Duration) -> Result<Box<dyn comm::Communicator>> {
+pub fn mpi_comm(_timeout: Duration, _threaded: bool) -> Result<Box<dyn comm::Communicator>> {
     bail!("macrobatch was built without the `mpi` feature")
 }
 
@@ -439,6 +440,10 @@ impl<C: DerefMut<Target = D>, D: Communicator + ?Sized> Communicator for FaultyC
     }
     fn split(&mut self, color: usize, key: usize) -> Result<Box<dyn Communicator>, CommError> {
         let inner = self.inner.split(color, key)?;
+        Ok(Box::new(FaultyComm { inner, fault: self.fault, world_rank: self.world_rank }))
+    }
+    fn duplicate(&mut self) -> Result<Box<dyn Communicator + Send>, CommError> {
+        let inner = self.inner.duplicate()?;
         Ok(Box::new(FaultyComm { inner, fault: self.fault, world_rank: self.world_rank }))
     }
 }

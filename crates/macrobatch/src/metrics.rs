@@ -48,6 +48,20 @@ pub struct StepRecord {
     /// Seconds rank 0 spent in the step's data-parallel collectives
     /// (transfer and waiting for the slowest rank).
     pub comm_s: f64,
+    /// `dist.overlap_comm`: seconds of rank 0's gradient collectives that
+    /// ran while its backward computed (not in `comm_s`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub comm_hidden_s: Option<f64>,
+    /// `dist.overlap_comm`: rank 0's step timeline (seconds from the step's
+    /// start): the end of the last micro-step, and each gradient collective's
+    /// hand-over, start and end.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub comm_timeline: Option<engine::OverlapReport>,
+    /// `dist.overlap_comm`: every rank's step, in seconds: `[step,
+    /// end of the last micro-step, waited for gradient collectives, spent
+    /// in them on the communication thread]`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub overlap_ranks: Option<Vec<[f64; 4]>>,
     /// Wall time of the step.
     pub step_ms: f64,
     /// Wall time since the start of training.

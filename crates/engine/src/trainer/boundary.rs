@@ -73,14 +73,19 @@ impl Trainer {
 
         self.sum_tied_gradients(groups).map_err(comm_err)?;
         self.sum_partial_gradients(groups.tp.as_mut()).map_err(comm_err)?;
-        self.reduce_gradients(groups.dp).map_err(comm_err)?;
+        match self.overlap.as_mut() {
+            // Under the backward: wait for what is in flight, start the rest.
+            Some(o) if o.in_step() => acc.overlap = Some(o.finish(&self.part, &mut self.grads, step_idx + 1)?),
+            _ => self.reduce_gradients(groups.dp).map_err(comm_err)?,
+        }
         let grad_norm = match groups.pipe.as_mut() {
             None => self.global_norm(groups.dp),
             Some(p) => self.pipeline_norm(groups.dp, p, groups.tp.as_mut()),
         }
         .map_err(comm_err)?
             * normalize;
-        let (pipeline, tensor) = (acc.pipeline, acc.tensor);
+        let (pipeline, tensor, overlap) = (acc.pipeline, acc.tensor, acc.overlap);
+        let waited = overlap.as_ref().map_or(0.0, |o| o.waited_s);
         let report = |grad_norm, clipped, skipped, lr, groups: &Groups<'_>| {
             let after = groups.dp.counters();
             StepReport {
@@ -94,14 +99,15 @@ impl Trainer {
                 grad_norm,
                 clipped,
                 lr,
-                comm_bytes: after.bytes_sent - before.bytes_sent,
-                comm_calls: after.n_calls - before.n_calls,
-                comm_s: (after.collective_ns - before.collective_ns) as f64 * 1e-9,
+                comm_bytes: after.bytes_sent - before.bytes_sent + overlap.as_ref().map_or(0, |o| o.bytes),
+                comm_calls: after.n_calls - before.n_calls + overlap.as_ref().map_or(0, |o| o.collectives.len() as u64),
+                comm_s: (after.collective_ns - before.collective_ns) as f64 * 1e-9 + waited,
                 model_s: acc.model_s,
                 skipped,
                 loss_scale,
                 pipeline: pipeline.clone(),
                 tensor,
+                overlap: overlap.clone(),
             }
         };
         if !grad_norm.is_finite() {

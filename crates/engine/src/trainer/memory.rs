@@ -82,6 +82,11 @@ impl Trainer {
             gathered: self.gathered.len(),
             scratch: self.scratch.len(),
             max_collective: self.max_collective,
+            overlap_staging: super::overlap::staging_elems(
+                &self.part,
+                self.zero_stage.reduction(),
+                self.options.bucket_elems,
+            ),
         };
         let (resident, offloaded) = self.offload.as_ref().map_or((0, 0), |d| (d.resident_bytes(), d.offloaded_bytes()));
         sizes.report(self.options.precision, self.optimizer.state_bytes() + resident, offloaded)
@@ -113,6 +118,9 @@ pub struct MemoryReport {
     /// bucket of an all-reduce, or a padded segment of a reduce-scatter,
     /// all-gather or the initial broadcast): what a communicator stages.
     pub max_collective_elems: usize,
+    /// Elements `overlap_comm` may stage at once (copies of gradient
+    /// buckets or packed segments in flight): held only while it is on.
+    pub overlap_staging_elems: usize,
 }
 
 impl MemoryReport {
@@ -145,6 +153,8 @@ pub(super) struct BufferSizes {
     pub(super) scratch: usize,
     /// The largest buffer one collective carries.
     pub(super) max_collective: usize,
+    /// What `overlap_comm` may stage at once.
+    pub(super) overlap_staging: usize,
 }
 
 impl BufferSizes {
@@ -183,6 +193,7 @@ impl BufferSizes {
                 Reduction::AllReduce => bucket_elems.max(1).min(part.space.n_grads),
                 _ => 0,
             }),
+            overlap_staging: super::overlap::staging_elems(part, stage.reduction(), bucket_elems),
         }
     }
 
@@ -203,6 +214,7 @@ impl BufferSizes {
             comm_buffers: gathered + 4 * (self.seg_grads + self.scratch) + decoded,
             peak_param_residency: params + gathered + decoded,
             max_collective_elems: self.max_collective,
+            overlap_staging_elems: self.overlap_staging,
         }
     }
 }

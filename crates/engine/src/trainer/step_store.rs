@@ -41,6 +41,7 @@ impl Trainer {
             scratch: &mut self.scratch,
             comm,
             step: self.n_steps + 1,
+            overlap: self.overlap.as_mut(),
         }
     }
 }
@@ -62,6 +63,8 @@ pub(super) struct StepStore<'a> {
     scratch: &'a mut [f32],
     comm: &'a mut dyn Communicator,
     step: u64,
+    /// `overlap_comm` in a step's last micro-step (else idle: no step begun).
+    overlap: Option<&'a mut super::overlap::Overlap>,
 }
 
 /// Segment `seg`'s gradient buffer during a step: its range of the local
@@ -85,6 +88,9 @@ impl ParamStore for StepStore<'_> {
         if seg >= self.part.n_segments() {
             return Err(EngineError::NoSuchSegment { seg });
         }
+        if let (true, Some(o)) = (self.with_grads, self.overlap.as_deref()) {
+            o.check_open(seg, self.step)?;
+        }
         let r = self.part.segment(seg);
         let n = r.len();
         if self.zero_stage.shards_parameters() && *self.gathered_seg != Some(seg) {
@@ -107,6 +113,7 @@ impl ParamStore for StepStore<'_> {
             let tp = TensorGroup::new(self.tp.as_mut());
             return Ok(SegmentView { params, grads: SegmentGrads::none(), tp });
         }
+
         let buf = grad_buf(self.part, self.zero_stage, self.grads, self.seg_grads, seg);
         let grads = Written { space: &self.part.space, flags: self.written }.into_view(seg, buf);
         let tp = TensorGroup::new(self.tp.as_mut());
@@ -119,6 +126,9 @@ impl ParamStore for StepStore<'_> {
             let buf = grad_buf(part, self.zero_stage, self.grads, self.seg_grads, seg);
             let mut written = Written { space: &part.space, flags: self.written };
             written.clear_unwritten(seg, buf);
+            if let Some(o) = self.overlap.as_deref_mut() {
+                o.segment_done(seg, part, self.grads, self.step)?;
+            }
             let t = part.grad_piece[seg];
             if self.zero_stage.accumulation() == Accumulation::PerSegment && t > 0 {
                 // Reduce-scatter this segment's gradient now; accumulate this

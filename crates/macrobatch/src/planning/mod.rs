@@ -428,12 +428,24 @@ pub(crate) fn stage_estimates(
     // the group one f64 result; MPI keeps an f32 staging buffer of the
     // largest collective. With a pipeline each stage's data-parallel group
     // reduces its gradient this way, also when it has one rank.
+    // dist.overlap_comm adds a second handle on the group (its own
+    // staging) and the f32 copies in flight (`overlap_staging_elems`).
+    let overlap = plan.cfg.dist.overlap_comm
+        && dp > 1
+        && knobs.zero_stage <= 2
+        && !knobs.reduce_every_micro_step
+        && knobs.pipeline_parallel <= 1
+        && knobs.tensor_parallel <= 1;
     let staging = |st: &StageStates| {
         let max = st.report.max_collective_elems as u64;
-        match knobs.backend {
+        let (own, shared) = match knobs.backend {
             Backend::Single => (0, 0),
             Backend::Threads => (8 * max, 8 * max),
             Backend::Mpi => (4 * max, 0),
+        };
+        match overlap {
+            true => (2 * own + 4 * st.report.overlap_staging_elems as u64, 2 * shared),
+            false => (own, shared),
         }
     };
     // The tensor-parallel group stages its largest all-reduce the same

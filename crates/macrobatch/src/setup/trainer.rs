@@ -160,6 +160,7 @@ pub fn trainer_placed(
         grad_clip: (cfg.train.grad_clip > 0.0).then_some(cfg.train.grad_clip),
         normalization: cfg.train.loss_normalization,
         bucket_elems: bucket_elems(cfg),
+        overlap_comm: cfg.dist.overlap_comm,
         precision: cfg.train.precision,
         loss_scaler: LossScalerConfig {
             initial_scale: cfg.train.initial_loss_scale,

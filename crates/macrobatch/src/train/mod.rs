@@ -148,7 +148,7 @@ fn run_ranks(plan: &Arc<Plan>, folder: &RunFolder, start: &Start, resume_step: O
             })
         }),
         Backend::Mpi(_) => {
-            let mut c = dist::mpi_comm(timeout)?;
+            let mut c = dist::mpi_comm(timeout, plan.cfg.dist.overlap_comm)?;
             let r = match c.rank() {
                 0 => rank0_outputs().and_then(|out| train_rank(plan, c.as_mut(), Some(out), start)),
                 _ => {

@@ -78,6 +78,7 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
         let t0 = Instant::now();
         let report = comms.step(&mut trainer, &mut model, &batches)?;
         let step_s = t0.elapsed().as_secs_f64();
+        let overlap_ranks = reports::overlap_by_rank(cfg.dist.overlap_comm, comms.world, &report, step_s)?;
         floor_skips.check(step, report.skipped, &trainer, &cfg.train)?;
         if let (Some(e), false) = (ema.as_mut(), report.skipped) {
             e.update(trainer.params());
@@ -123,6 +124,7 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
         let loss_total = terms.then_some(report.loss + report.aux_loss);
         let mut record = reports::step_record(at, report, &mem, model.activation_bytes(), &memory.predicted);
         record.loss_total = loss_total;
+        record.overlap_ranks = overlap_ranks;
         record.stop_reason = verdict.stop.clone();
         out.record(&record)?;
         if let Some(state) = full_state {

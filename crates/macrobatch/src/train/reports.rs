@@ -10,7 +10,7 @@ use crate::memory::{peak_rss_bytes, proc_status_bytes};
 use crate::metrics::{DpoRecord, StepRecord};
 use crate::planning::{self, Estimate, Knobs};
 use crate::setup::Plan;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use comm::Communicator;
 use config::Precision;
 use engine::{MemoryReport, StepReport, Trainer};
@@ -81,6 +81,9 @@ pub fn step_record(
         comm_bytes: report.comm_bytes,
         comm_calls: report.comm_calls,
         comm_s: report.comm_s,
+        comm_hidden_s: report.overlap.as_ref().map(|o| (o.collective_s - o.waited_s).max(0.0)),
+        comm_timeline: report.overlap,
+        overlap_ranks: None,
         step_ms: at.step_s * 1e3,
         elapsed_s: at.elapsed_s,
         val_loss: at.val_loss,
@@ -354,4 +357,24 @@ pub fn formula_model_states(zero_stage: u8, local_accumulation: bool, n_params: 
         2 => 4.0 * p + 12.0 * p / n,
         _ => 16.0 * p / n,
     }
+}
+
+/// Under `dist.overlap_comm` with more than one rank (a collective: every
+/// rank calls it after each step): every rank's step time, end of its last
+/// micro-step, wait for its gradient collectives and time in them, for
+/// rank 0's metrics line.
+pub fn overlap_by_rank(
+    on: bool,
+    world: &mut dyn comm::Communicator,
+    report: &engine::StepReport,
+    step_s: f64,
+) -> Result<Option<Vec<[f64; 4]>>> {
+    if !on || world.world_size() < 2 {
+        return Ok(None);
+    }
+    let o = report.overlap.clone().unwrap_or_default();
+    let mine = [step_s, o.backward_end_s, o.waited_s, o.collective_s].map(|x| x as f32);
+    let mut all = vec![0.0f32; 4 * world.world_size()];
+    world.all_gather(&mine, &mut all).context("gathering the ranks' overlap timelines")?;
+    Ok(Some(all.chunks(4).map(|c| [c[0], c[1], c[2], c[3]].map(f64::from)).collect()))
 }

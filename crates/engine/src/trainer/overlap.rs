@@ -1,0 +1,410 @@
+//! `dist.overlap_comm`: the boundary's gradient collectives start under the
+//! last micro-step's backward, on a second handle of the data-parallel group
+//! ([`comm::Communicator::duplicate`]) owned by a thread of their own.
+//!
+//! The collectives are the boundary's own, cut the same way: at stages 0–1
+//! the buckets of `bucket_elems` over the local accumulator, all-reduced; at
+//! stage 2 each segment, packed and reduce-scattered. Only *when* each starts
+//! changes, so the sums, and everything after them, are bit-identical to
+//! the boundary's (same buffers, same lengths, same algorithm).
+//!
+//! When is a unit's gradient final? The backward walks the segments in
+//! descending order, except that a segment may come back later (a tied head
+//! writes the embedding's segment first and the embedding again last). So a
+//! `done(j)` only makes `j` *pending*; it is final once a `done(i)` with
+//! `i < j` follows, or at the boundary. A unit starts once every segment
+//! whose gradient it covers is final. Asking for a final segment again is an
+//! error (its gradient was sent; a write would be lost), never silent.
+//!
+//! Every rank runs the same model code (a rank without data on zero rows),
+//! so every rank starts the units in the same order: the order the second
+//! handle's collectives must have. At most `cap` staged elements are in
+//! flight; launching past it first waits for the oldest.
+
+use super::Trainer;
+use crate::error::EngineError;
+use crate::zero::{Partition, Reduction};
+use comm::{CommError, Communicator};
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+/// One collective of the boundary's gradient reduction.
+#[derive(Debug, Clone, PartialEq)]
+enum Unit {
+    /// Stages 0–1: a bucket of the gradient space, all-reduced.
+    Bucket(Range<usize>),
+    /// Stage 2: a segment's gradient, packed `W · t` and reduce-scattered.
+    Segment(usize),
+}
+
+/// A collective handed to the thread: the staged input, and the output
+/// length of a reduce-scatter (None: an all-reduce in place).
+struct Job {
+    buf: Vec<f32>,
+    scatter: Option<usize>,
+}
+
+/// A finished collective: its result and when it ran.
+struct Finished {
+    result: Result<Vec<f32>, CommError>,
+    started: Instant,
+    ended: Instant,
+}
+
+/// What one step's overlap did, for the step's report (rank-local).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct OverlapReport {
+    /// Seconds from the step's start to the end of its last micro-step.
+    pub backward_end_s: f64,
+    /// Each gradient collective in the order started: seconds from the
+    /// step's start to when it was handed to the thread, when the thread
+    /// started it, and when it finished.
+    pub collectives: Vec<[f64; 3]>,
+    /// Seconds this rank's step waited for them (the exposed part).
+    pub waited_s: f64,
+    /// Seconds the thread spent inside them.
+    pub collective_s: f64,
+    /// Bytes this rank handed to them.
+    pub bytes: u64,
+}
+
+/// The thread, its handle on the group, and the units (fixed for the trainer's life).
+pub(crate) struct Overlap {
+    jobs: Option<mpsc::Sender<Job>>,
+    finished: mpsc::Receiver<Finished>,
+    thread: Option<JoinHandle<()>>,
+    units: Vec<Unit>,
+    /// Per segment: the units covering its gradient.
+    seg_units: Vec<Vec<usize>>,
+    /// Per unit: how many segments with a gradient it covers.
+    unit_segs: Vec<usize>,
+    /// Most staged elements in flight (a single larger unit still goes).
+    cap: usize,
+    step: Option<StepOverlap>,
+}
+
+impl std::fmt::Debug for Overlap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Overlap").field("units", &self.units.len()).field("cap", &self.cap).finish()
+    }
+}
+
+/// One step's progress.
+struct StepOverlap {
+    t0: Instant,
+    final_seg: Vec<bool>,
+    /// Segments done in this micro-step but not yet final.
+    pending: Vec<usize>,
+    /// Per unit: segments not yet final.
+    left: Vec<usize>,
+    launched: Vec<bool>,
+    /// Units in flight, oldest first, with their staged lengths.
+    in_flight: VecDeque<(usize, usize)>,
+    staged: usize,
+    report: OverlapReport,
+}
+
+/// Staged elements the overlap may hold at once: two of its largest
+/// units, and at least two default buckets (50 MiB; small buckets would
+/// otherwise make the backward wait for the link), never more than all
+/// of them. What the planner counts.
+pub(crate) fn staging_elems(part: &Partition, reduction: Reduction, bucket_elems: usize) -> usize {
+    let units: Vec<usize> = match reduction {
+        Reduction::AllReduce => {
+            let b = bucket_elems.max(1);
+            (0..part.space.n_grads.div_ceil(b)).map(|i| b.min(part.space.n_grads - i * b)).collect()
+        }
+        Reduction::ReduceScatter => (0..part.n_segments()).map(|j| part.grad_piece[j] * part.world_size).collect(),
+        Reduction::Done => Vec::new(),
+    };
+    let largest = units.iter().copied().max().unwrap_or(0);
+    (2 * largest).max(2 * crate::DEFAULT_BUCKET_ELEMS).min(units.iter().sum())
+}
+
+impl Overlap {
+    /// Starts the thread on `comm` (a duplicate of the data-parallel group).
+    pub(crate) fn new(
+        comm: Box<dyn Communicator + Send>,
+        part: &Partition,
+        reduction: Reduction,
+        bucket_elems: usize,
+    ) -> std::io::Result<Self> {
+        let units: Vec<Unit> = match reduction {
+            Reduction::AllReduce => {
+                let b = bucket_elems.max(1);
+                (0..part.space.n_grads.div_ceil(b))
+                    .map(|i| Unit::Bucket(i * b..((i + 1) * b).min(part.space.n_grads)))
+                    .collect()
+            }
+            Reduction::ReduceScatter => {
+                (0..part.n_segments()).filter(|&j| part.grad_piece[j] > 0).map(Unit::Segment).collect()
+            }
+            Reduction::Done => Vec::new(),
+        };
+        let mut seg_units = vec![Vec::new(); part.n_segments()];
+        let mut unit_segs = vec![0; units.len()];
+        for (j, su) in seg_units.iter_mut().enumerate() {
+            let g = part.space.grad_segments[j].clone();
+            if g.is_empty() {
+                continue; // frozen: no gradient, never waited for
+            }
+            for (u, unit) in units.iter().enumerate() {
+                let covers = match unit {
+                    Unit::Bucket(b) => b.start < g.end && g.start < b.end,
+                    Unit::Segment(s) => *s == j,
+                };
+                if covers {
+                    su.push(u);
+                    unit_segs[u] += 1;
+                }
+            }
+        }
+        let (jobs, job_rx) = mpsc::channel::<Job>();
+        let (done_tx, finished) = mpsc::channel();
+        let thread = std::thread::Builder::new().name("grad-comm".into()).spawn(move || {
+            let mut comm = comm;
+            for Job { mut buf, scatter } in job_rx {
+                let started = Instant::now();
+                let result = match scatter {
+                    None => comm.all_reduce_sum(&mut buf).map(|()| buf),
+                    Some(n) => {
+                        let mut out = vec![0.0; n];
+                        comm.reduce_scatter_sum(&buf, &mut out).map(|()| out)
+                    }
+                };
+                if done_tx.send(Finished { result, started, ended: Instant::now() }).is_err() {
+                    break;
+                }
+            }
+        })?;
+        Ok(Self {
+            jobs: Some(jobs),
+            finished,
+            thread: Some(thread),
+            units,
+            seg_units,
+            unit_segs,
+            cap: staging_elems(part, reduction, bucket_elems),
+            step: None,
+        })
+    }
+
+    /// A new step begins at `t0`.
+    pub(crate) fn begin(&mut self, t0: Instant, n_segments: usize) {
+        self.step = Some(StepOverlap {
+            t0,
+            final_seg: vec![false; n_segments],
+            pending: Vec::new(),
+            left: self.unit_segs.clone(),
+            launched: vec![false; self.units.len()],
+            in_flight: VecDeque::new(),
+            staged: 0,
+            report: OverlapReport::default(),
+        });
+    }
+
+    /// Whether a step's last micro-step has begun (and the boundary not run).
+    pub(crate) fn in_step(&self) -> bool {
+        self.step.is_some()
+    }
+
+    /// Whether segment `seg`'s gradient was already sent this step.
+    pub(crate) fn check_open(&self, seg: usize, step: u64) -> Result<(), EngineError> {
+        match &self.step {
+            Some(s) if s.final_seg[seg] => Err(EngineError::Overlap { step, seg }),
+            _ => Ok(()),
+        }
+    }
+
+    /// `done(seg)` of a backward in the last micro-step: segments above
+    /// `seg` still pending are final now; `seg` becomes pending.
+    pub(crate) fn segment_done(
+        &mut self,
+        seg: usize,
+        part: &Partition,
+        grads: &mut [f32],
+        step: u64,
+    ) -> Result<(), EngineError> {
+        let Some(s) = self.step.as_mut() else { return Ok(()) };
+        let mut now: Vec<usize> = s.pending.iter().copied().filter(|&p| p > seg).collect();
+        s.pending.retain(|&p| p <= seg);
+        if !s.pending.contains(&seg) {
+            s.pending.push(seg);
+        }
+        now.sort_unstable_by(|a, b| b.cmp(a));
+        for p in now {
+            self.finalise(p, part, grads, step)?;
+        }
+        Ok(())
+    }
+
+    /// After the last micro-step (before the boundary's own collectives,
+    /// which would otherwise queue behind nothing): every segment is final
+    /// (pending ones, then those never done, each in descending order), so
+    /// every unit is started.
+    pub(crate) fn launch_rest(&mut self, part: &Partition, grads: &mut [f32], step: u64) -> Result<(), EngineError> {
+        let Some(s) = self.step.as_mut() else { return Ok(()) };
+        let mut order = std::mem::take(&mut s.pending);
+        order.sort_unstable_by(|a, b| b.cmp(a));
+        let rest: Vec<usize> =
+            (0..part.n_segments()).rev().filter(|&j| !s.final_seg[j] && !order.contains(&j)).collect();
+        for j in order.into_iter().chain(rest) {
+            self.finalise(j, part, grads, step)?;
+        }
+        // Units covering no gradient segment (none today) would never start: start them too.
+        for u in 0..self.units.len() {
+            if !self.step.as_ref().is_some_and(|s| s.launched[u]) {
+                self.launch(u, part, grads, step)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// At the boundary: starts what is left ([`Overlap::launch_rest`]),
+    /// waits for every collective and writes its result into `grads`.
+    /// Returns the step's report.
+    pub(crate) fn finish(
+        &mut self,
+        part: &Partition,
+        grads: &mut [f32],
+        step: u64,
+    ) -> Result<OverlapReport, EngineError> {
+        self.launch_rest(part, grads, step)?;
+        while self.step.as_ref().is_some_and(|s| !s.in_flight.is_empty()) {
+            self.complete_oldest(part, grads, step)?;
+        }
+        Ok(self.step.take().map(|s| s.report).unwrap_or_default())
+    }
+
+    /// Records when the last micro-step ended.
+    pub(crate) fn backward_ended(&mut self) {
+        if let Some(s) = self.step.as_mut() {
+            s.report.backward_end_s = s.t0.elapsed().as_secs_f64();
+        }
+    }
+
+    fn finalise(&mut self, seg: usize, part: &Partition, grads: &mut [f32], step: u64) -> Result<(), EngineError> {
+        let Some(s) = self.step.as_mut() else { return Ok(()) };
+        if s.final_seg[seg] {
+            return Ok(());
+        }
+        s.final_seg[seg] = true;
+        let mut ready = Vec::new();
+        for &u in &self.seg_units[seg] {
+            s.left[u] -= 1;
+            if s.left[u] == 0 {
+                ready.push(u);
+            }
+        }
+        for u in ready {
+            self.launch(u, part, grads, step)?;
+        }
+        Ok(())
+    }
+
+    /// Stages unit `u`'s input and hands it to the thread.
+    fn launch(&mut self, u: usize, part: &Partition, grads: &mut [f32], step: u64) -> Result<(), EngineError> {
+        let (buf, scatter) = match &self.units[u] {
+            Unit::Bucket(b) => (grads[b.clone()].to_vec(), None),
+            Unit::Segment(j) => {
+                let (t, g) = (part.grad_piece[*j], part.space.grad_segments[*j].clone());
+                let mut buf = vec![0.0; (t * part.world_size).max(g.len())];
+                buf[..g.len()].copy_from_slice(&grads[g]);
+                part.pack_grads_in_place(*j, &mut buf[..t * part.world_size]);
+                buf.truncate(t * part.world_size);
+                (buf, Some(t))
+            }
+        };
+        let n = buf.len();
+        loop {
+            let s = self.step.as_ref().ok_or(EngineError::Internal("overlap launched outside a step"))?;
+            if s.in_flight.is_empty() || s.staged + n <= self.cap {
+                break;
+            }
+            self.complete_oldest(part, grads, step)?;
+        }
+        let lost = || EngineError::Comm {
+            step,
+            source: CommError::Launch("the gradient communication thread stopped".into()),
+        };
+        self.jobs.as_ref().ok_or_else(lost)?.send(Job { buf, scatter }).map_err(|_| lost())?;
+        let s = self.step.as_mut().ok_or(EngineError::Internal("overlap launched outside a step"))?;
+        s.launched[u] = true;
+        s.in_flight.push_back((u, n));
+        s.staged += n;
+        s.report.bytes += 4 * n as u64;
+        s.report.collectives.push([s.t0.elapsed().as_secs_f64(), 0.0, 0.0]);
+        Ok(())
+    }
+
+    /// Waits for the oldest collective in flight and writes its result.
+    fn complete_oldest(&mut self, part: &Partition, grads: &mut [f32], step: u64) -> Result<(), EngineError> {
+        let waited = Instant::now();
+        let lost = || EngineError::Comm {
+            step,
+            source: CommError::Launch("the gradient communication thread stopped".into()),
+        };
+        let f = self.finished.recv().map_err(|_| lost())?;
+        let s = self.step.as_mut().ok_or(EngineError::Internal("overlap completed outside a step"))?;
+        s.report.waited_s += waited.elapsed().as_secs_f64();
+        let (u, n) = s.in_flight.pop_front().ok_or(EngineError::Internal("a result with nothing in flight"))?;
+        s.staged -= n;
+        let i = s.report.collectives.len() - s.in_flight.len() - 1;
+        let at = |t: Instant| t.saturating_duration_since(s.t0).as_secs_f64();
+        s.report.collectives[i][1] = at(f.started);
+        s.report.collectives[i][2] = at(f.ended);
+        s.report.collective_s += (f.ended - f.started).as_secs_f64();
+        let out = f.result.map_err(|source| EngineError::Comm { step, source })?;
+        match &self.units[u] {
+            Unit::Bucket(b) => grads[b.clone()].copy_from_slice(&out),
+            Unit::Segment(j) => {
+                let own = part.grad_owned(*j, part.rank);
+                grads[own.clone()].copy_from_slice(&out[..own.len()]);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Overlap {
+    fn drop(&mut self) {
+        // Closing the queue ends the thread, which drops its handle on the
+        // group there (before the world's: the trainer goes first).
+        drop(self.jobs.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Trainer {
+    /// Whether this step's gradient collectives may start under the backward:
+    /// asked for, more than one data rank, and local accumulation with a
+    /// boundary reduction (stages 0–2; stage 3 and per-micro-step reduction
+    /// already reduce each segment in its `done`).
+    pub(super) fn overlap_applies(&self, dp_world: usize) -> bool {
+        self.options.overlap_comm
+            && dp_world > 1
+            && matches!(self.zero_stage.reduction(), Reduction::AllReduce | Reduction::ReduceScatter)
+    }
+
+    /// Starts the thread on first use (a collective: every rank's first step).
+    pub(super) fn overlap_start(&mut self, comm: &mut dyn Communicator) -> Result<(), EngineError> {
+        if self.overlap.is_none() {
+            let step = self.n_steps + 1;
+            let dup = comm.duplicate().map_err(|source| EngineError::Comm { step, source })?;
+            let o =
+                Overlap::new(dup, &self.part, self.zero_stage.reduction(), self.options.bucket_elems).map_err(|e| {
+                    EngineError::Comm {
+                        step,
+                        source: CommError::Launch(format!("cannot start the gradient communication thread: {e}")),
+                    }
+                })?;
+            self.overlap = Some(o);
+        }
+        Ok(())
+    }
+}
