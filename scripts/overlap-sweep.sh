@@ -2,7 +2,8 @@
 # Gradient communication under the backward (dist.overlap_comm): two ranks
 # on two namespace hosts joined by a rate-limited link (scripts/netns), at
 # K = 1 and K = 4 (4 sequences per micro-batch), buckets of 25 MiB (the
-# default) and 4 MiB (SWEEP_BUCKET_MB), each run with and without overlap.
+# default) and 4 MiB (SWEEP_BUCKET_MB), ZeRO stage SWEEP_ZERO (default 0),
+# each run with and without overlap.
 # Needs root, OpenMPI and a build with --features mpi.
 #
 #   scripts/overlap-sweep.sh [RATE] [STEPS]      # default 1gbit, 6 steps
@@ -15,6 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 buckets=${SWEEP_BUCKET_MB:-25 4}
+zero=${SWEEP_ZERO:-0}
 prefix=mbov
 source scripts/netns/common.sh
 netns_sweep_hosts $prefix "$@"
@@ -25,7 +27,7 @@ run() { # K OVERLAP BUCKET_MB
     --set model.preset="$model" --set data.seq_len=64 --set batch.micro=4 \
     --set batch.accumulation_steps="$k" --set train.steps="$steps" --set train.eval_every=0 \
     --set train.threads=1 --set train.checkpoint_every=0 --set schedule.warmup_steps=0 \
-    --set dist.overlap_comm="$overlap" --set dist.bucket_mb="$mb" >/dev/null 2>"$dir.err" || { cat "$dir.err" >&2; exit 1; }
+    --set dist.overlap_comm="$overlap" --set dist.bucket_mb="$mb" --set dist.zero_stage="$zero" >/dev/null 2>"$dir.err" || { cat "$dir.err" >&2; exit 1; }
   python3 - "$dir/metrics.jsonl" "$k" "$overlap" "$mb" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])][1:]
@@ -60,7 +62,7 @@ PY
   cmp -s "$a/model.safetensors" "$b/model.safetensors" || { echo "K=$1 bucket $2 MiB: weights differ" >&2; exit 1; }
   echo "K = $1, buckets of $2 MiB: losses and model.safetensors identical with and without overlap"
 }
-echo "link: $rate (rate only where the kernel has no netem), model $model, seq 64, micro 4, 2 ranks, $steps steps"
+echo "link: $rate (rate only where the kernel has no netem), model $model, seq 64, micro 4, 2 ranks, ZeRO $zero, $steps steps"
 echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
 echo
 echo "| K | bucket MiB | overlap | step ms | exposed comm ms | exposed share | hidden comm ms |"

@@ -113,17 +113,12 @@ impl DistConfig {
         if dist.reduce_every_micro_step && dist.zero_stage != 2 {
             return Err(invalid("dist.reduce_every_micro_step", true, "applies to dist.zero_stage = 2 only"));
         }
-        if dist.overlap_comm {
-            let why = if dist.pipeline_parallel > 1 || dist.tensor_parallel > 1 {
-                Some("applies to data parallelism alone: with a pipeline or a tensor split the gradients are first summed over stages or tensor ranks at the boundary, and reducing over the data ranks earlier would add them in another order")
-            } else if dist.zero_stage == 3 || dist.reduce_every_micro_step {
-                Some("has nothing to move: ZeRO-3 and dist.reduce_every_micro_step already reduce each segment as its backward ends")
-            } else {
-                None
-            };
-            if let Some(why) = why {
-                return Err(invalid("dist.overlap_comm", true, &format!("{why}; set dist.overlap_comm = false")));
-            }
+        if dist.overlap_comm && (dist.pipeline_parallel > 1 || dist.tensor_parallel > 1) {
+            return Err(invalid(
+                "dist.overlap_comm",
+                true,
+                "applies to data parallelism alone: with a pipeline or a tensor split the gradients are first summed over stages or tensor ranks at the boundary, and reducing over the data ranks earlier would add them in another order; set dist.overlap_comm = false",
+            ));
         }
         if dist.pipeline_parallel == 0 {
             return Err(invalid("dist.pipeline_parallel", 0, "must be at least 1 (1: no pipeline)"));

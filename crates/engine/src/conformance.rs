@@ -404,11 +404,11 @@ pub fn check_resume<F: ModelUnderTest>(f: &F) -> Check {
     Ok(())
 }
 
-/// `overlap_comm` at ZeRO 0–2 on W = 3 thread ranks (K = 2, one rank's
-/// micro-batches empty), with buckets of a seventh of the model (they cross
-/// segments): the parameters after 3 AdamW steps are the bits of the same
-/// run reducing at the boundary, and some collective started under the
-/// backward.
+/// `overlap_comm` at ZeRO 0–3 (and 2 reducing per micro-step) on W = 3
+/// thread ranks (K = 2, one rank's micro-batches empty), with buckets of a
+/// seventh of the model (they cross segments): the parameters after 3 AdamW
+/// steps are the bits of the same run without it, and some collective
+/// started under the backward.
 pub fn check_overlap<F: ModelUnderTest>(f: &F) -> Check {
     let n = f.init().len();
     let rows = |s: usize, rank: usize| -> [Vec<usize>; 2] {
@@ -419,8 +419,8 @@ pub fn check_overlap<F: ModelUnderTest>(f: &F) -> Check {
             _ => [vec![], vec![]],
         }
     };
-    for stage in [0, 1, 2] {
-        let zero = ZeroConfig { stage, reduce_every_micro_step: false };
+    for (stage, per_micro) in [(0, false), (1, false), (2, false), (2, true), (3, false)] {
+        let zero = ZeroConfig { stage, reduce_every_micro_step: per_micro };
         let run = |overlap: bool| {
             on_ranks(3, |rank, c| {
                 let mut m = f.model();

@@ -516,12 +516,14 @@ impl Trainer {
         let last = micro_batches.len() - 1;
         for (micro_step_idx, (batch, &loss_seed)) in micro_batches.iter().zip(&seeds.per_micro).enumerate() {
             let t0 = std::time::Instant::now();
-            if overlap && micro_step_idx == last {
-                // Only the last micro-step's backward completes gradients.
-                let n = self.part.n_segments();
-                if let Some(o) = self.overlap.as_mut() {
-                    o.begin(step_t0, n);
+            if let Some(o) = self.overlap.as_mut().filter(|_| overlap) {
+                // A boundary reduction: only the last micro-step's backward
+                // completes gradients; a per-segment one sends every `done`.
+                let first = if o.per_segment() { 0 } else { last };
+                if micro_step_idx == first {
+                    o.begin(step_t0, self.part.n_segments());
                 }
+                o.next_micro_step();
             }
             let stats = model
                 .micro_step(&mut self.store(groups.dp, true), batch, loss_seed)

@@ -193,13 +193,13 @@ fn zero_stages_match_under_mpirun() {
 
 /// `dist.overlap_comm` under mpirun (`MPI_THREAD_MULTIPLE`, the gradient
 /// collectives on an `MPI_Comm_dup` owned by a second thread): -np 2 and
-/// -np 3 (where the order of a sum over ranks matters), ZeRO 0 and 2,
+/// -np 3 (where the order of a sum over ranks matters), ZeRO 0, 2 and 3,
 /// buckets of 0.05 MiB (several per block): the losses and the saved
 /// weights are the bits of the same run reducing at the boundary, and the
 /// metrics show collectives handed over before the backward ended.
 #[test]
 fn overlap_comm_under_mpirun_gives_the_bits_of_the_boundary_reduction() {
-    for (np, k, stage) in [(2usize, 4usize, 0u8), (3, 2, 0), (3, 1, 2)] {
+    for (np, k, stage) in [(2usize, 4usize, 0u8), (3, 2, 0), (3, 1, 2), (3, 2, 3)] {
         let (ks, zs) = (format!("batch.accumulation_steps={k}"), format!("dist.zero_stage={stage}"));
         let mut s = SMALL.to_vec();
         s.extend(["batch.global=24", "train.steps=3", "train.eval_every=0", "train.threads=1", "dist.bucket_mb=0.05"]);

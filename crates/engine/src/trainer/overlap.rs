@@ -16,10 +16,18 @@
 //! whose gradient it covers is final. Asking for a final segment again is an
 //! error (its gradient was sent; a write would be lost), never silent.
 //!
+//! Per-segment reduction (ZeRO-3, `reduce_every_micro_step`): each
+//! segment's reduce-scatter in `done` goes to the thread instead of
+//! blocking, in every micro-step; its result is added into the shard
+//! accumulator in the order started (so each element's sum keeps its
+//! order). ZeRO-3 also gathers the segment the model will ask for next (the
+//! previous micro-step's order of requests, else the next one up) while the
+//! current one computes; a gather is a copy, so a prefetch changes no bit.
+//!
 //! Every rank runs the same model code (a rank without data on zero rows),
-//! so every rank starts the units in the same order: the order the second
-//! handle's collectives must have. At most `cap` staged elements are in
-//! flight; launching past it first waits for the oldest.
+//! so every rank starts the collectives in the same order: the order the
+//! second handle's collectives must have. At most `cap` staged elements are
+//! in flight; starting past it first waits for the oldest.
 
 use super::Trainer;
 use crate::error::EngineError;
@@ -40,11 +48,25 @@ enum Unit {
     Segment(usize),
 }
 
-/// A collective handed to the thread: the staged input, and the output
-/// length of a reduce-scatter (None: an all-reduce in place).
-struct Job {
-    buf: Vec<f32>,
-    scatter: Option<usize>,
+/// A collective handed to the thread, with its staged input.
+enum Job {
+    /// An all-reduce in place.
+    AllReduce(Vec<f32>),
+    /// A reduce-scatter into this many elements.
+    ReduceScatter(Vec<f32>, usize),
+    /// An all-gather into this many elements.
+    AllGather(Vec<f32>, usize),
+}
+
+/// What a collective in flight is for.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Flight {
+    /// A boundary unit (stages 0–2).
+    Unit(usize),
+    /// A segment's reduce-scatter, added into the shard accumulator.
+    Scatter(usize),
+    /// A segment's parameters, gathered ahead of use (ZeRO-3).
+    Gather(usize),
 }
 
 /// A finished collective: its result and when it ran.
@@ -69,6 +91,8 @@ pub struct OverlapReport {
     pub collective_s: f64,
     /// Bytes this rank handed to them.
     pub bytes: u64,
+    /// ZeRO-3: segments the model found gathered ahead.
+    pub gathered_ahead: u64,
 }
 
 /// The thread, its handle on the group, and the units (fixed for the trainer's life).
@@ -83,6 +107,14 @@ pub(crate) struct Overlap {
     unit_segs: Vec<usize>,
     /// Most staged elements in flight (a single larger unit still goes).
     cap: usize,
+    /// Per-segment reduction (and with ZeRO-3, prefetching).
+    per_segment: bool,
+    prefetch: bool,
+    /// The segments asked for in the last micro-step, in order, and in this one.
+    seen_before: Vec<usize>,
+    seen: Vec<usize>,
+    /// A prefetched segment's gathered values, not yet asked for.
+    ready: Option<(usize, Vec<f32>)>,
     step: Option<StepOverlap>,
 }
 
@@ -101,8 +133,8 @@ struct StepOverlap {
     /// Per unit: segments not yet final.
     left: Vec<usize>,
     launched: Vec<bool>,
-    /// Units in flight, oldest first, with their staged lengths.
-    in_flight: VecDeque<(usize, usize)>,
+    /// Collectives in flight, oldest first, with their staged lengths.
+    in_flight: VecDeque<(Flight, usize)>,
     staged: usize,
     report: OverlapReport,
 }
@@ -112,16 +144,20 @@ struct StepOverlap {
 /// otherwise make the backward wait for the link), never more than all
 /// of them. What the planner counts.
 pub(crate) fn staging_elems(part: &Partition, reduction: Reduction, bucket_elems: usize) -> usize {
+    let w = part.world_size;
     let units: Vec<usize> = match reduction {
         Reduction::AllReduce => {
             let b = bucket_elems.max(1);
             (0..part.space.n_grads.div_ceil(b)).map(|i| b.min(part.space.n_grads - i * b)).collect()
         }
-        Reduction::ReduceScatter => (0..part.n_segments()).map(|j| part.grad_piece[j] * part.world_size).collect(),
-        Reduction::Done => Vec::new(),
+        Reduction::ReduceScatter => (0..part.n_segments()).map(|j| part.grad_piece[j] * w).collect(),
+        // A reduce-scatter's input, or a gather's output (ZeRO-3).
+        Reduction::Done => (0..part.n_segments()).map(|j| (part.grad_piece[j] * w).max(part.piece[j] * w)).collect(),
     };
     let largest = units.iter().copied().max().unwrap_or(0);
-    (2 * largest).max(2 * crate::DEFAULT_BUCKET_ELEMS).min(units.iter().sum())
+    let in_flight = (2 * largest).max(2 * crate::DEFAULT_BUCKET_ELEMS).min(units.iter().sum());
+    // Per segment: and one gathered segment waiting to be asked for.
+    in_flight + if reduction == Reduction::Done { largest } else { 0 }
 }
 
 impl Overlap {
@@ -129,7 +165,7 @@ impl Overlap {
     pub(crate) fn new(
         comm: Box<dyn Communicator + Send>,
         part: &Partition,
-        reduction: Reduction,
+        (reduction, prefetch): (Reduction, bool),
         bucket_elems: usize,
     ) -> std::io::Result<Self> {
         let units: Vec<Unit> = match reduction {
@@ -166,13 +202,17 @@ impl Overlap {
         let (done_tx, finished) = mpsc::channel();
         let thread = std::thread::Builder::new().name("grad-comm".into()).spawn(move || {
             let mut comm = comm;
-            for Job { mut buf, scatter } in job_rx {
+            for job in job_rx {
                 let started = Instant::now();
-                let result = match scatter {
-                    None => comm.all_reduce_sum(&mut buf).map(|()| buf),
-                    Some(n) => {
+                let result = match job {
+                    Job::AllReduce(mut buf) => comm.all_reduce_sum(&mut buf).map(|()| buf),
+                    Job::ReduceScatter(buf, n) => {
                         let mut out = vec![0.0; n];
                         comm.reduce_scatter_sum(&buf, &mut out).map(|()| out)
+                    }
+                    Job::AllGather(buf, n) => {
+                        let mut out = vec![0.0; n];
+                        comm.all_gather(&buf, &mut out).map(|()| out)
                     }
                 };
                 if done_tx.send(Finished { result, started, ended: Instant::now() }).is_err() {
@@ -188,6 +228,11 @@ impl Overlap {
             seg_units,
             unit_segs,
             cap: staging_elems(part, reduction, bucket_elems),
+            per_segment: reduction == Reduction::Done,
+            prefetch,
+            seen_before: Vec::new(),
+            seen: Vec::new(),
+            ready: None,
             step: None,
         })
     }
@@ -211,12 +256,102 @@ impl Overlap {
         self.step.is_some()
     }
 
-    /// Whether segment `seg`'s gradient was already sent this step.
+    /// Whether segment `seg`'s gradient was already sent this step (the
+    /// boundary's units; a per-segment reduction sends each `done` anew).
     pub(crate) fn check_open(&self, seg: usize, step: u64) -> Result<(), EngineError> {
         match &self.step {
-            Some(s) if s.final_seg[seg] => Err(EngineError::Overlap { step, seg }),
+            Some(s) if s.final_seg[seg] && !self.per_segment => Err(EngineError::Overlap { step, seg }),
             _ => Ok(()),
         }
+    }
+
+    /// Whether this overlap reduces per segment (in every micro-step).
+    pub(crate) fn per_segment(&self) -> bool {
+        self.per_segment
+    }
+
+    /// A micro-step begins: the requests of the last one predict this one's.
+    pub(crate) fn next_micro_step(&mut self) {
+        if !self.seen.is_empty() {
+            self.seen_before = std::mem::take(&mut self.seen);
+        }
+    }
+
+    /// Per-segment reduction: hands segment `seg`'s packed gradient
+    /// (`W · t` elements) to the thread; its reduced piece is added into
+    /// `grads` (the shard accumulator) when it is back.
+    pub(crate) fn scatter(
+        &mut self,
+        seg: usize,
+        packed: &[f32],
+        part: &Partition,
+        grads: &mut [f32],
+        step: u64,
+    ) -> Result<(), EngineError> {
+        let t = part.grad_piece[seg];
+        self.start(Flight::Scatter(seg), Job::ReduceScatter(packed.to_vec(), t), packed.len(), part, grads, step)
+    }
+
+    /// ZeRO-3: if segment `seg` was gathered ahead, writes it into `out`
+    /// (the `W · piece` gathered buffer) and returns true.
+    pub(crate) fn take_gathered(
+        &mut self,
+        seg: usize,
+        out: &mut [f32],
+        part: &Partition,
+        grads: &mut [f32],
+        step: u64,
+    ) -> Result<bool, EngineError> {
+        let in_flight =
+            |o: &Self| o.step.as_ref().is_some_and(|s| s.in_flight.iter().any(|f| f.0 == Flight::Gather(seg)));
+        while in_flight(self) {
+            self.complete_oldest(part, grads, step)?;
+        }
+        match self.ready.take() {
+            Some((j, v)) if j == seg => {
+                out.copy_from_slice(&v);
+                if let Some(s) = self.step.as_mut() {
+                    s.report.gathered_ahead += 1;
+                }
+                Ok(true)
+            }
+            _ => Ok(false), // not gathered ahead, or another segment: dropped
+        }
+    }
+
+    /// ZeRO-3, after segment `seg` was asked for: gathers the segment the
+    /// model will ask for next — the one the last micro-step asked for at
+    /// this point, if this one has asked for the same so far (nothing in a
+    /// run's first micro-step) — unless it is `seg` itself, or a gather is
+    /// already waiting or in flight.
+    pub(crate) fn prefetch_after(
+        &mut self,
+        seg: usize,
+        part: &Partition,
+        params: &[f32],
+        grads: &mut [f32],
+        step: u64,
+    ) -> Result<(), EngineError> {
+        if self.step.is_none() {
+            return Ok(());
+        }
+        self.seen.push(seg);
+        if !self.prefetch {
+            return Ok(());
+        }
+        // What the last micro-step asked for next, if this one has followed it so far.
+        let next = match self.seen_before.get(self.seen.len()) {
+            Some(&n) if self.seen_before[..self.seen.len()] == self.seen[..] => n,
+            _ => return Ok(()),
+        };
+        let busy = self.ready.is_some()
+            || self.step.as_ref().is_some_and(|s| s.in_flight.iter().any(|f| matches!(f.0, Flight::Gather(_))));
+        if next == seg || next >= part.n_segments() || busy {
+            return Ok(());
+        }
+        let shard = params[part.shard_range(next)].to_vec();
+        let n = part.piece[next] * part.world_size;
+        self.start(Flight::Gather(next), Job::AllGather(shard, n), n, part, grads, step)
     }
 
     /// `done(seg)` of a backward in the last micro-step: segments above
@@ -276,6 +411,7 @@ impl Overlap {
         while self.step.as_ref().is_some_and(|s| !s.in_flight.is_empty()) {
             self.complete_oldest(part, grads, step)?;
         }
+        self.ready = None; // the update changes the parameters it holds
         Ok(self.step.take().map(|s| s.report).unwrap_or_default())
     }
 
@@ -307,18 +443,39 @@ impl Overlap {
 
     /// Stages unit `u`'s input and hands it to the thread.
     fn launch(&mut self, u: usize, part: &Partition, grads: &mut [f32], step: u64) -> Result<(), EngineError> {
-        let (buf, scatter) = match &self.units[u] {
-            Unit::Bucket(b) => (grads[b.clone()].to_vec(), None),
+        let job = match &self.units[u] {
+            Unit::Bucket(b) => Job::AllReduce(grads[b.clone()].to_vec()),
             Unit::Segment(j) => {
                 let (t, g) = (part.grad_piece[*j], part.space.grad_segments[*j].clone());
                 let mut buf = vec![0.0; (t * part.world_size).max(g.len())];
                 buf[..g.len()].copy_from_slice(&grads[g]);
                 part.pack_grads_in_place(*j, &mut buf[..t * part.world_size]);
                 buf.truncate(t * part.world_size);
-                (buf, Some(t))
+                Job::ReduceScatter(buf, t)
             }
         };
-        let n = buf.len();
+        let n = match &job {
+            Job::AllReduce(b) | Job::ReduceScatter(b, _) => b.len(),
+            Job::AllGather(_, n) => *n,
+        };
+        self.start(Flight::Unit(u), job, n, part, grads, step)?;
+        if let Some(s) = self.step.as_mut() {
+            s.launched[u] = true;
+        }
+        Ok(())
+    }
+
+    /// Hands `job` (`n` staged elements) to the thread, first waiting for
+    /// the oldest collectives while the cap would be passed.
+    fn start(
+        &mut self,
+        what: Flight,
+        job: Job,
+        n: usize,
+        part: &Partition,
+        grads: &mut [f32],
+        step: u64,
+    ) -> Result<(), EngineError> {
         loop {
             let s = self.step.as_ref().ok_or(EngineError::Internal("overlap launched outside a step"))?;
             if s.in_flight.is_empty() || s.staged + n <= self.cap {
@@ -330,10 +487,9 @@ impl Overlap {
             step,
             source: CommError::Launch("the gradient communication thread stopped".into()),
         };
-        self.jobs.as_ref().ok_or_else(lost)?.send(Job { buf, scatter }).map_err(|_| lost())?;
+        self.jobs.as_ref().ok_or_else(lost)?.send(job).map_err(|_| lost())?;
         let s = self.step.as_mut().ok_or(EngineError::Internal("overlap launched outside a step"))?;
-        s.launched[u] = true;
-        s.in_flight.push_back((u, n));
+        s.in_flight.push_back((what, n));
         s.staged += n;
         s.report.bytes += 4 * n as u64;
         s.report.collectives.push([s.t0.elapsed().as_secs_f64(), 0.0, 0.0]);
@@ -350,7 +506,7 @@ impl Overlap {
         let f = self.finished.recv().map_err(|_| lost())?;
         let s = self.step.as_mut().ok_or(EngineError::Internal("overlap completed outside a step"))?;
         s.report.waited_s += waited.elapsed().as_secs_f64();
-        let (u, n) = s.in_flight.pop_front().ok_or(EngineError::Internal("a result with nothing in flight"))?;
+        let (what, n) = s.in_flight.pop_front().ok_or(EngineError::Internal("a result with nothing in flight"))?;
         s.staged -= n;
         let i = s.report.collectives.len() - s.in_flight.len() - 1;
         let at = |t: Instant| t.saturating_duration_since(s.t0).as_secs_f64();
@@ -358,12 +514,19 @@ impl Overlap {
         s.report.collectives[i][2] = at(f.ended);
         s.report.collective_s += (f.ended - f.started).as_secs_f64();
         let out = f.result.map_err(|source| EngineError::Comm { step, source })?;
-        match &self.units[u] {
-            Unit::Bucket(b) => grads[b.clone()].copy_from_slice(&out),
-            Unit::Segment(j) => {
-                let own = part.grad_owned(*j, part.rank);
-                grads[own.clone()].copy_from_slice(&out[..own.len()]);
+        match what {
+            Flight::Unit(u) => match &self.units[u] {
+                Unit::Bucket(b) => grads[b.clone()].copy_from_slice(&out),
+                Unit::Segment(j) => {
+                    let own = part.grad_owned(*j, part.rank);
+                    grads[own.clone()].copy_from_slice(&out[..own.len()]);
+                }
+            },
+            Flight::Scatter(j) => {
+                let acc = &mut grads[part.grad_shard_range(j)];
+                acc.iter_mut().zip(&out).for_each(|(a, o)| *a += o);
             }
+            Flight::Gather(j) => self.ready = Some((j, out)),
         }
         Ok(())
     }
@@ -381,14 +544,10 @@ impl Drop for Overlap {
 }
 
 impl Trainer {
-    /// Whether this step's gradient collectives may start under the backward:
-    /// asked for, more than one data rank, and local accumulation with a
-    /// boundary reduction (stages 0–2; stage 3 and per-micro-step reduction
-    /// already reduce each segment in its `done`).
+    /// Whether this step's gradient collectives may start under the
+    /// backward: asked for, and more than one data rank.
     pub(super) fn overlap_applies(&self, dp_world: usize) -> bool {
-        self.options.overlap_comm
-            && dp_world > 1
-            && matches!(self.zero_stage.reduction(), Reduction::AllReduce | Reduction::ReduceScatter)
+        self.options.overlap_comm && dp_world > 1
     }
 
     /// Starts the thread on first use (a collective: every rank's first step).
@@ -396,13 +555,11 @@ impl Trainer {
         if self.overlap.is_none() {
             let step = self.n_steps + 1;
             let dup = comm.duplicate().map_err(|source| EngineError::Comm { step, source })?;
-            let o =
-                Overlap::new(dup, &self.part, self.zero_stage.reduction(), self.options.bucket_elems).map_err(|e| {
-                    EngineError::Comm {
-                        step,
-                        source: CommError::Launch(format!("cannot start the gradient communication thread: {e}")),
-                    }
-                })?;
+            let modes = (self.zero_stage.reduction(), self.zero_stage.shards_parameters());
+            let o = Overlap::new(dup, &self.part, modes, self.options.bucket_elems).map_err(|e| EngineError::Comm {
+                step,
+                source: CommError::Launch(format!("cannot start the gradient communication thread: {e}")),
+            })?;
             self.overlap = Some(o);
         }
         Ok(())

@@ -97,12 +97,22 @@ impl ParamStore for StepStore<'_> {
             // Just before use: every rank's piece of this segment.
             let s = self.part.piece[seg];
             let w = self.part.world_size;
-            self.comm
-                .all_gather(&self.params[self.part.shard_range(seg)], &mut self.gathered[..s * w])
-                .map_err(|source| EngineError::Comm { step: self.step, source })?;
+            let ahead = match self.overlap.as_deref_mut() {
+                Some(o) => o.take_gathered(seg, &mut self.gathered[..s * w], self.part, self.grads, self.step)?,
+                None => false,
+            };
+            if !ahead {
+                self.comm
+                    .all_gather(&self.params[self.part.shard_range(seg)], &mut self.gathered[..s * w])
+                    .map_err(|source| EngineError::Comm { step: self.step, source })?;
+            }
             *self.gathered_seg = Some(seg);
             // Mixed precision: the model reads the segment in 16 bits.
             self.precision.round(&mut self.gathered[..n]);
+        }
+        if let (true, Some(o)) = (self.zero_stage.shards_parameters(), self.overlap.as_deref_mut()) {
+            // While this segment computes, the next one's gather.
+            o.prefetch_after(seg, self.part, self.params, self.grads, self.step)?;
         }
         let params: &[f32] = match self.model_copy.as_deref_mut() {
             _ if self.zero_stage.shards_parameters() => &self.gathered[..n],
@@ -126,7 +136,7 @@ impl ParamStore for StepStore<'_> {
             let buf = grad_buf(part, self.zero_stage, self.grads, self.seg_grads, seg);
             let mut written = Written { space: &part.space, flags: self.written };
             written.clear_unwritten(seg, buf);
-            if let Some(o) = self.overlap.as_deref_mut() {
+            if let Some(o) = self.overlap.as_deref_mut().filter(|o| !o.per_segment()) {
                 o.segment_done(seg, part, self.grads, self.step)?;
             }
             let t = part.grad_piece[seg];
@@ -135,12 +145,17 @@ impl ParamStore for StepStore<'_> {
                 // rank's piece into the shard accumulator.
                 let w = part.world_size;
                 part.pack_grads_in_place(seg, &mut self.seg_grads[..t * w]);
-                let out = &mut self.scratch[..t];
-                self.comm
-                    .reduce_scatter_sum(&self.seg_grads[..t * w], out)
-                    .map_err(|source| EngineError::Comm { step: self.step, source })?;
-                let acc = &mut self.grads[part.grad_shard_range(seg)];
-                acc.iter_mut().zip(out.iter()).for_each(|(a, o)| *a += o);
+                if let Some(o) = self.overlap.as_deref_mut().filter(|o| o.in_step()) {
+                    // On the thread; added into the shard when it is back.
+                    o.scatter(seg, &self.seg_grads[..t * w], part, self.grads, self.step)?;
+                } else {
+                    let out = &mut self.scratch[..t];
+                    self.comm
+                        .reduce_scatter_sum(&self.seg_grads[..t * w], out)
+                        .map_err(|source| EngineError::Comm { step: self.step, source })?;
+                    let acc = &mut self.grads[part.grad_shard_range(seg)];
+                    acc.iter_mut().zip(out.iter()).for_each(|(a, o)| *a += o);
+                }
                 // Reduced and accumulated: the transient buffer is free again.
                 Written { space: &part.space, flags: self.written }.reset(seg);
             }

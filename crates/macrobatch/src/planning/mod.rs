@@ -430,12 +430,7 @@ pub(crate) fn stage_estimates(
     // reduces its gradient this way, also when it has one rank.
     // dist.overlap_comm adds a second handle on the group (its own
     // staging) and the f32 copies in flight (`overlap_staging_elems`).
-    let overlap = plan.cfg.dist.overlap_comm
-        && dp > 1
-        && knobs.zero_stage <= 2
-        && !knobs.reduce_every_micro_step
-        && knobs.pipeline_parallel <= 1
-        && knobs.tensor_parallel <= 1;
+    let overlap = plan.cfg.dist.overlap_comm && dp > 1 && knobs.pipeline_parallel <= 1 && knobs.tensor_parallel <= 1;
     let staging = |st: &StageStates| {
         let max = st.report.max_collective_elems as u64;
         let (own, shared) = match knobs.backend {
@@ -658,6 +653,30 @@ pub fn check_memory(plan: &Plan) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `dist.overlap_comm` on two thread ranks adds the second group's
+    /// staging (its own and the group's shared) and the f32 copies in
+    /// flight: this small model's whole gradient (below the 50 MiB floor);
+    /// nothing else moves, and one rank plans nothing for it.
+    #[test]
+    fn overlap_comm_plans_its_copies_and_second_group() {
+        use super::measure::plan;
+        use super::tensor_shapes::GPT;
+        let at = |world: usize, on: bool| {
+            let set = format!("dist.overlap_comm={on}");
+            let pl = plan(&[GPT, &["batch.global=8", "batch.micro=1", &set]].concat(), world);
+            estimate(&pl, Knobs::of(&pl)).unwrap()
+        };
+        let (off, on) = (at(2, false), at(2, true));
+        assert_eq!(on.comm_staging, 2 * off.comm_staging + off.grads);
+        assert_eq!(on.comm_shared, 2 * off.comm_shared);
+        assert_eq!(
+            (on.params, on.grads, on.optimizer, on.activations),
+            (off.params, off.grads, off.optimizer, off.activations)
+        );
+        let (one_off, one_on) = (at(1, false), at(1, true));
+        assert_eq!(one_off.comm_staging, one_on.comm_staging);
+    }
 
     #[test]
     fn micro_candidates_keep_the_global_batch() {
