@@ -4,7 +4,9 @@
 //! Every collective is issued non-blocking and polled with a deadline, so a
 //! rank that stalls makes the others print an error and abort the job instead
 //! of hanging; a rank that dies is reported by `mpirun`, which ends the job.
-//! MPI is only ever called from the thread that created this value.
+//! A value is used by one thread at a time: the one that created it, or
+//! for a [`Communicator::duplicate`] (`MPI_THREAD_MULTIPLE` only) the thread
+//! it was moved to.
 //!
 //! Point-to-point: a send copies the payload into a buffer this value owns and
 //! starts an `MPI_Isend` from it, so it returns without waiting for the
@@ -21,7 +23,9 @@
 //! under the deadline, then calls `MPI_Comm_split`. The sub-communicator frees
 //! its MPI communicator when dropped; only the last handle on the
 //! `MPI_Init` (the world's, or a sub-communicator that outlives it) finalises
-//! MPI. An abort or a timeout in any communicator aborts the whole job.
+//! MPI, and a duplicate still alive then is a programming error that aborts
+//! with a message (it would free its communicator after `MPI_Finalize`). An
+//! abort or a timeout in any communicator aborts the whole job.
 
 use comm::launcher::launcher_world_size;
 use comm::{check_blocks, check_rank, recv_length_error, CommCounters, CommError, Communicator};
@@ -32,6 +36,7 @@ use mpi::request::{Request, Scope, StaticScope};
 use mpi::topology::{Color, Communicator as _, SimpleCommunicator};
 use mpi::traits::*;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// One MPI process of `MPI_COMM_WORLD`, or of a communicator split from it.
@@ -165,7 +170,7 @@ impl MpiComm {
     fn init_at(timeout: Duration, level: mpi::Threading) -> Result<Self, CommError> {
         let (universe, provided) = mpi::initialize_with_threading(level)
             .ok_or_else(|| CommError::Launch("MPI was already initialised in this process".into()))?;
-        if provided < level {
+        if level == mpi::Threading::Multiple && provided < level {
             return Err(CommError::Unsupported(format!(
                 "this MPI library provides thread level {provided:?}, below the {level:?} asked for (dist.overlap_comm needs MPI_THREAD_MULTIPLE); use an MPI built with thread support (OpenMPI ≥ 3 and MPICH are) or set dist.overlap_comm = false"
             )));
@@ -262,6 +267,22 @@ impl Drop for MpiComm {
     fn drop(&mut self) {
         // A request must complete before its buffer is freed.
         let _ = self.flush_sends();
+        let last = self.universe.as_ref().is_some_and(|u| Rc::strong_count(u) == 1);
+        if last && LIVE_DUPLICATES.load(Ordering::SeqCst) > 0 {
+            eprintln!(
+                "error: MPI is finalising while a communicator duplicated for another thread is alive; drop the duplicate (the trainer holding it) before the world's communicator"
+            );
+            std::process::abort();
+        }
+    }
+}
+
+/// [`Communicator::duplicate`]s alive (they hold no share of `MPI_Init`).
+static LIVE_DUPLICATES: AtomicUsize = AtomicUsize::new(0);
+
+impl Drop for Threaded {
+    fn drop(&mut self) {
+        LIVE_DUPLICATES.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -448,6 +469,7 @@ impl Communicator for MpiComm {
         self.finish(n, "duplicate", req);
         let comm = self.comm.duplicate();
         let dup = Self::over(comm, self.world_ranks.clone(), self.sub, self.timeout, true, None);
+        LIVE_DUPLICATES.fetch_add(1, Ordering::SeqCst);
         Ok(Box::new(Threaded(dup)))
     }
 }

@@ -1030,6 +1030,12 @@ mod tests {
             on(&[&format!("dist.zero_stage={stage}")]).unwrap();
         }
         on(&["dist.zero_stage=2", "dist.reduce_every_micro_step=true"]).unwrap();
+        // DPO runs two backwards a micro-step: refused where a bucket leaves after its layers' first.
+        let dpo = ["model.family=llama", "lora.r=4", "lora.target_modules=[\"q_proj\"]", "train.objective=dpo"];
+        let dpo = [&dpo[..], &["data.format=jsonl", "data.path=pairs.jsonl", "data.drop_last=true"]].concat();
+        let e = on(&[&dpo[..], &["dist.zero_stage=1"]].concat()).unwrap_err().to_string();
+        assert!(e.contains("dist.overlap_comm") && e.contains("two backwards"), "{e}");
+        on(&[&dpo[..], &["dist.zero_stage=3"]].concat()).unwrap();
         for sets in [&["dist.tensor_parallel=2"][..], &["dist.pipeline_parallel=2"]] {
             let e = on(sets).unwrap_err().to_string();
             assert!(

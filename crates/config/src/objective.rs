@@ -86,6 +86,13 @@ pub(crate) fn validate(cfg: &Config) -> Result<(), ConfigError> {
             return refuse(key, &n, &format!("runs on data-parallel ranks only: set {key} = 1"));
         }
     }
+    if cfg.dist.overlap_comm && cfg.dist.zero_stage < 3 && !cfg.dist.reduce_every_micro_step {
+        return refuse(
+            "dist.overlap_comm",
+            &true,
+            "starts a bucket's reduction once the backward has passed its layers, and a DPO micro-step runs two backwards (chosen, then rejected): set dist.overlap_comm = false (it applies to DPO at dist.zero_stage = 3 or with dist.reduce_every_micro_step)",
+        );
+    }
     if !cfg.data.drop_last && (cfg.dist.world_size > 1 || cfg.dist.zero_stage > 0) {
         return refuse(
             "data.drop_last",

@@ -454,15 +454,14 @@ pub fn check_overlap<F: ModelUnderTest>(f: &F) -> Check {
                 Ok((tr.full_params(c).map_err(err("gather"))?, early))
             })
         };
-        let (plain, over) = (run(false)?, run(true)?);
+        let name = format!("ZeRO {stage}{}", if per_micro { "'" } else { "" });
+        let (plain, over) = (run(false)?, run(true).map_err(|e| format!("{name}: {e}"))?);
         for (rank, ((a, _), (b, early))) in plain.iter().zip(&over).enumerate() {
             if a.iter().zip(b).any(|(x, y)| x.to_bits() != y.to_bits()) {
-                return Err(format!(
-                    "ZeRO {stage} rank {rank}: parameters with overlap_comm differ from the boundary's"
-                ));
+                return Err(format!("{name} rank {rank}: parameters with overlap_comm differ from the boundary's"));
             }
             if *early == 0 {
-                return Err(format!("ZeRO {stage} rank {rank}: no gradient collective started under the backward"));
+                return Err(format!("{name} rank {rank}: no gradient collective started under the backward"));
             }
         }
     }

@@ -77,6 +77,13 @@ pub enum EngineError {
         /// The segment.
         seg: usize,
     },
+    /// Under `dist.overlap_comm`, the ranks started their gradient
+    /// collectives in different orders: their segment visits differ.
+    #[error("optimizer step {step}: the ranks started their gradient collectives in different orders under dist.overlap_comm (the model visits its segments in an order that depends on the data, which the Model contract forbids); nothing was updated; set dist.overlap_comm = false")]
+    OverlapOrder {
+        /// 1-based optimizer step number.
+        step: u64,
+    },
     /// A broken invariant of the engine itself.
     #[error("internal error: {0}")]
     Internal(&'static str),

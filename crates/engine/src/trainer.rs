@@ -476,6 +476,9 @@ impl Trainer {
         batch: &M::Batch,
     ) -> Result<crate::MicroStepStats, EngineError> {
         let step = self.n_steps;
+        if let Some(o) = self.overlap.as_mut() {
+            o.abandon(); // a step that failed midway
+        }
         model.loss(&mut self.store(comm, false), batch).map_err(|e| EngineError::Model {
             step,
             micro_step_idx: 0,
@@ -498,6 +501,9 @@ impl Trainer {
         }
         let step_idx = self.n_steps;
         let step_t0 = std::time::Instant::now();
+        if let Some(o) = self.overlap.as_mut() {
+            o.abandon(); // a step that failed midway
+        }
         model.begin_step(step_idx);
         let before = comm.counters();
         // The loss scale of this step: fixed until the boundary.

@@ -34,6 +34,9 @@ struct Toy {
     /// A variant that asks for segment 1 again after segment 0's backward
     /// (a backward that returns upward).
     revisit: bool,
+    /// A variant whose backward on an empty batch skips segment 1 (visits
+    /// that depend on the data, against the contract).
+    skip_on_empty: bool,
 }
 
 impl Toy {
@@ -43,7 +46,7 @@ impl Toy {
         layout.push("b", &[O], false);
         layout.push("s", &[O], false);
         layout.push("c", &[O], false);
-        Toy { layout, ignore_overwrite, revisit }
+        Toy { layout, ignore_overwrite, revisit, skip_on_empty: false }
     }
 
     /// z and the residuals r (0 where masked) for the batch.
@@ -115,13 +118,15 @@ impl Model for Toy {
                 dc[j] += loss_seed * r[i * O + j];
             }
         }
-        {
-            let mut v = store.segment(1)?;
-            let (gs, gc) = v.grads.pair(0..O, O..2 * O);
-            put(gs, &ds, self.ignore_overwrite);
-            put(gc, &dc, self.ignore_overwrite);
+        if !(self.skip_on_empty && n == 0) {
+            {
+                let mut v = store.segment(1)?;
+                let (gs, gc) = v.grads.pair(0..O, O..2 * O);
+                put(gs, &ds, self.ignore_overwrite);
+                put(gc, &dc, self.ignore_overwrite);
+            }
+            store.done(1, true)?;
         }
-        store.done(1, true)?;
         let mut dw = vec![0.0f32; D * O];
         let mut db = vec![0.0f32; O];
         for i in 0..n {
@@ -160,6 +165,7 @@ impl Model for Toy {
 struct ToyFamily {
     broken: bool,
     revisit: bool,
+    skip_on_empty: bool,
     /// 12 samples: x, y, and a mask keeping 1–4 of the 4 targets.
     data: Vec<(Vec<f32>, Vec<f32>, Vec<bool>)>,
 }
@@ -175,7 +181,7 @@ impl ToyFamily {
                 (x, y, mask)
             })
             .collect();
-        ToyFamily { broken, revisit: false, data }
+        ToyFamily { broken, revisit: false, skip_on_empty: false, data }
     }
 }
 
@@ -183,7 +189,7 @@ impl ModelUnderTest for ToyFamily {
     type M = Toy;
 
     fn model(&self) -> Toy {
-        Toy::new(self.broken, self.revisit)
+        Toy { skip_on_empty: self.skip_on_empty, ..Toy::new(self.broken, self.revisit) }
     }
 
     fn init(&self) -> Vec<f32> {
@@ -249,4 +255,17 @@ fn a_backward_that_returns_upward_is_refused_under_overlap() {
     conformance::check_ranks_and_zero(&f).unwrap();
     let e = conformance::check_overlap(&f).unwrap_err();
     assert!(e.contains("segment 1 after its gradient was already sent"), "{e}");
+}
+
+/// Ranks whose segment visits differ (rank 2's micro-batches are empty, and
+/// this variant then skips segment 1's backward) start their buckets in
+/// different orders under `overlap_comm`; the buckets have one length, so
+/// no communicator can tell, and the step stops by name before any update
+/// instead of summing one rank's bucket with another's (without overlap,
+/// ZeRO 0 reduces at the boundary in one order and the run goes on).
+#[test]
+fn ranks_that_visit_segments_in_different_orders_stop_under_overlap() {
+    let f = ToyFamily { skip_on_empty: true, ..ToyFamily::new(false) };
+    let e = conformance::check_overlap(&f).unwrap_err();
+    assert!(e.starts_with("ZeRO 0: ") && e.contains("different orders"), "{e}");
 }

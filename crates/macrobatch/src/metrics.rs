@@ -48,8 +48,9 @@ pub struct StepRecord {
     /// Seconds rank 0 spent in the step's data-parallel collectives
     /// (transfer and waiting for the slowest rank).
     pub comm_s: f64,
-    /// `dist.overlap_comm`: seconds of rank 0's gradient collectives that
-    /// ran while its backward computed (not in `comm_s`).
+    /// `dist.overlap_comm`: seconds of rank 0's gradient collectives it did
+    /// not wait for (they ran under the backward or the boundary's own
+    /// statistics; not in `comm_s`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub comm_hidden_s: Option<f64>,
     /// `dist.overlap_comm`: rank 0's step timeline (seconds from the step's

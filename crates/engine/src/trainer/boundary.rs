@@ -41,7 +41,13 @@ impl Trainer {
         let n_valid_micro = micro_losses.iter().filter(|l| l.is_finite()).count();
         let (loss_sum, n_targets) = (acc.loss_sums.iter().sum::<f64>(), acc.n_targets.iter().sum::<u64>());
         // One collective for the loss statistics, the loss terms' sum and the model's own sums.
-        let mut stats = [0.0; 5 + crate::AUX_STATS];
+        // + under overlap_comm, its order of collectives, which every rank must share.
+        let overlapped = self.overlap.as_ref().is_some_and(|o| o.in_step());
+        let order = 5 + crate::AUX_STATS;
+        let mut stats = vec![0.0; order + if overlapped { 2 } else { 0 }];
+        if let (true, Some(o)) = (overlapped, self.overlap.as_ref()) {
+            stats[order..].copy_from_slice(&o.order_check());
+        }
         if groups.pipe.as_ref().is_none_or(|p| p.info.last()) {
             stats[..5].copy_from_slice(&[
                 loss_sum,
@@ -50,13 +56,19 @@ impl Trainer {
                 n_valid_micro as f64,
                 acc.aux_sum,
             ]);
-            stats[5..].copy_from_slice(&acc.aux);
+            stats[5..order].copy_from_slice(&acc.aux);
         }
         groups.all_reduce_f64(&mut stats).map_err(comm_err)?;
         let [loss_sum, n_targets, micro_mean_sum, n_valid_micro, aux_sum] =
             [stats[0], stats[1], stats[2], stats[3], stats[4]];
         let mut aux = [0.0; crate::AUX_STATS];
-        aux.copy_from_slice(&stats[5..]);
+        aux.copy_from_slice(&stats[5..order]);
+        if overlapped {
+            let (sum, squares) = (stats[order], stats[order + 1]);
+            if dp_world as f64 * squares != sum * sum {
+                return Err(EngineError::OverlapOrder { step: step_idx + 1 });
+            }
+        }
         let n_targets = n_targets as u64;
         let loss = match self.options.normalization {
             LossNormalization::Token if n_targets > 0 => loss_sum / n_targets as f64,

@@ -84,7 +84,7 @@ impl Trainer {
             max_collective: self.max_collective,
             overlap_staging: super::overlap::staging_elems(
                 &self.part,
-                self.zero_stage.reduction(),
+                (self.zero_stage.reduction(), self.zero_stage.shards_parameters()),
                 self.options.bucket_elems,
             ),
         };
@@ -118,8 +118,9 @@ pub struct MemoryReport {
     /// bucket of an all-reduce, or a padded segment of a reduce-scatter,
     /// all-gather or the initial broadcast): what a communicator stages.
     pub max_collective_elems: usize,
-    /// Elements `overlap_comm` may stage at once (copies of gradient
-    /// buckets or packed segments in flight): held only while it is on.
+    /// Elements `overlap_comm` would stage at once (copies of gradient
+    /// buckets or packed segments in flight, a segment gathered ahead):
+    /// reported whether or not it is on; held, and planned, only when it is.
     pub overlap_staging_elems: usize,
 }
 
@@ -193,7 +194,11 @@ impl BufferSizes {
                 Reduction::AllReduce => bucket_elems.max(1).min(part.space.n_grads),
                 _ => 0,
             }),
-            overlap_staging: super::overlap::staging_elems(part, stage.reduction(), bucket_elems),
+            overlap_staging: super::overlap::staging_elems(
+                part,
+                (stage.reduction(), stage.shards_parameters()),
+                bucket_elems,
+            ),
         }
     }
 

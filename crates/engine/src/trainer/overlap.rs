@@ -21,8 +21,12 @@
 //! blocking, in every micro-step; its result is added into the shard
 //! accumulator in the order started (so each element's sum keeps its
 //! order). ZeRO-3 also gathers the segment the model will ask for next (the
-//! previous micro-step's order of requests, else the next one up) while the
+//! previous micro-step's order of requests; nothing in the first) while the
 //! current one computes; a gather is a copy, so a prefetch changes no bit.
+//!
+//! Ranks must visit segments in the same order (the `Model` contract): each
+//! step's order of collectives is hashed into the boundary's statistics, and
+//! ranks that differ stop with an error before anything is updated.
 //!
 //! Every rank runs the same model code (a rank without data on zero rows),
 //! so every rank starts the collectives in the same order: the order the
@@ -35,7 +39,8 @@ use crate::zero::{Partition, Reduction};
 use comm::{CommError, Communicator};
 use std::collections::VecDeque;
 use std::ops::Range;
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -57,6 +62,10 @@ enum Job {
     /// An all-gather into this many elements.
     AllGather(Vec<f32>, usize),
 }
+
+/// The order hash's modulus: small enough that every rank's hash and its
+/// square sum exactly in f64.
+const ORDER_MODULUS: u64 = 1_000_003;
 
 /// What a collective in flight is for.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -99,6 +108,8 @@ pub struct OverlapReport {
 pub(crate) struct Overlap {
     jobs: Option<mpsc::Sender<Job>>,
     finished: mpsc::Receiver<Finished>,
+    /// Set when the trainer goes: the thread skips what is queued.
+    stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
     units: Vec<Unit>,
     /// Per segment: the units covering its gradient.
@@ -136,14 +147,16 @@ struct StepOverlap {
     /// Collectives in flight, oldest first, with their staged lengths.
     in_flight: VecDeque<(Flight, usize)>,
     staged: usize,
+    /// The collectives started, in order, hashed (each rank's must agree).
+    order: u64,
     report: OverlapReport,
 }
 
 /// Staged elements the overlap may hold at once: two of its largest
 /// units, and at least two default buckets (50 MiB; small buckets would
-/// otherwise make the backward wait for the link), never more than all
-/// of them. What the planner counts.
-pub(crate) fn staging_elems(part: &Partition, reduction: Reduction, bucket_elems: usize) -> usize {
+/// otherwise make the backward wait for the link), at a boundary reduction
+/// never more than all of them. What the planner counts.
+pub(crate) fn staging_elems(part: &Partition, (reduction, gathers): (Reduction, bool), bucket_elems: usize) -> usize {
     let w = part.world_size;
     let units: Vec<usize> = match reduction {
         Reduction::AllReduce => {
@@ -151,13 +164,21 @@ pub(crate) fn staging_elems(part: &Partition, reduction: Reduction, bucket_elems
             (0..part.space.n_grads.div_ceil(b)).map(|i| b.min(part.space.n_grads - i * b)).collect()
         }
         Reduction::ReduceScatter => (0..part.n_segments()).map(|j| part.grad_piece[j] * w).collect(),
-        // A reduce-scatter's input, or a gather's output (ZeRO-3).
-        Reduction::Done => (0..part.n_segments()).map(|j| (part.grad_piece[j] * w).max(part.piece[j] * w)).collect(),
+        // A reduce-scatter's input, or (ZeRO-3) a gather's output.
+        Reduction::Done if gathers => {
+            (0..part.n_segments()).map(|j| (part.grad_piece[j] * w).max(part.piece[j] * w)).collect()
+        }
+        Reduction::Done => (0..part.n_segments()).map(|j| part.grad_piece[j] * w).collect(),
     };
     let largest = units.iter().copied().max().unwrap_or(0);
-    let in_flight = (2 * largest).max(2 * crate::DEFAULT_BUCKET_ELEMS).min(units.iter().sum());
-    // Per segment: and one gathered segment waiting to be asked for.
-    in_flight + if reduction == Reduction::Done { largest } else { 0 }
+    let cap = (2 * largest).max(2 * crate::DEFAULT_BUCKET_ELEMS);
+    match reduction {
+        // Every micro-step sends again (a gathered segment waiting to be
+        // asked for counts against the cap too).
+        Reduction::Done => cap,
+        // One step's units in all.
+        _ => cap.min(units.iter().sum()),
+    }
 }
 
 impl Overlap {
@@ -200,9 +221,14 @@ impl Overlap {
         }
         let (jobs, job_rx) = mpsc::channel::<Job>();
         let (done_tx, finished) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
         let thread = std::thread::Builder::new().name("grad-comm".into()).spawn(move || {
             let mut comm = comm;
             for job in job_rx {
+                if stopped.load(Ordering::Acquire) {
+                    break; // the trainer is gone: what is queued is nobody's
+                }
                 let started = Instant::now();
                 let result = match job {
                     Job::AllReduce(mut buf) => comm.all_reduce_sum(&mut buf).map(|()| buf),
@@ -223,11 +249,12 @@ impl Overlap {
         Ok(Self {
             jobs: Some(jobs),
             finished,
+            stop,
             thread: Some(thread),
             units,
             seg_units,
             unit_segs,
-            cap: staging_elems(part, reduction, bucket_elems),
+            cap: staging_elems(part, (reduction, prefetch), bucket_elems),
             per_segment: reduction == Reduction::Done,
             prefetch,
             seen_before: Vec::new(),
@@ -239,6 +266,7 @@ impl Overlap {
 
     /// A new step begins at `t0`.
     pub(crate) fn begin(&mut self, t0: Instant, n_segments: usize) {
+        self.abandon();
         self.step = Some(StepOverlap {
             t0,
             final_seg: vec![false; n_segments],
@@ -247,8 +275,28 @@ impl Overlap {
             launched: vec![false; self.units.len()],
             in_flight: VecDeque::new(),
             staged: 0,
+            order: 0,
             report: OverlapReport::default(),
         });
+    }
+
+    /// Forgets a step that failed midway (an error between `begin` and the
+    /// boundary): waits for its collectives, which every rank started, and
+    /// drops their results, which are not the next step's.
+    pub(crate) fn abandon(&mut self) {
+        if let Some(old) = self.step.take() {
+            for _ in &old.in_flight {
+                let _ = self.finished.recv();
+            }
+        }
+        self.ready = None;
+    }
+
+    /// `[h, h²]` of this step's order of collectives (zeros outside a step):
+    /// summed over the ranks with the boundary's statistics, `W · Σh² =
+    /// (Σh)²` holds exactly when every rank's `h` is the same.
+    pub(crate) fn order_check(&self) -> [f64; 2] {
+        self.step.as_ref().map_or([0.0; 2], |s| [s.order as f64, (s.order * s.order) as f64])
     }
 
     /// Whether a step's last micro-step has begun (and the boundary not run).
@@ -307,16 +355,16 @@ impl Overlap {
         while in_flight(self) {
             self.complete_oldest(part, grads, step)?;
         }
-        match self.ready.take() {
-            Some((j, v)) if j == seg => {
-                out.copy_from_slice(&v);
-                if let Some(s) = self.step.as_mut() {
-                    s.report.gathered_ahead += 1;
-                }
-                Ok(true)
-            }
-            _ => Ok(false), // not gathered ahead, or another segment: dropped
+        let Some((j, v)) = self.ready.take() else { return Ok(false) };
+        let hit = j == seg; // else gathered for another segment: dropped
+        if hit {
+            out.copy_from_slice(&v);
         }
+        if let Some(s) = self.step.as_mut() {
+            s.staged -= v.len(); // counted until taken
+            s.report.gathered_ahead += hit as u64;
+        }
+        Ok(hit)
     }
 
     /// ZeRO-3, after segment `seg` was asked for: gathers the segment the
@@ -490,6 +538,12 @@ impl Overlap {
         self.jobs.as_ref().ok_or_else(lost)?.send(job).map_err(|_| lost())?;
         let s = self.step.as_mut().ok_or(EngineError::Internal("overlap launched outside a step"))?;
         s.in_flight.push_back((what, n));
+        let code = match what {
+            Flight::Unit(u) => 3 * u as u64,
+            Flight::Scatter(j) => 3 * j as u64 + 1,
+            Flight::Gather(j) => 3 * j as u64 + 2,
+        };
+        s.order = (s.order * 31 + code + 1) % ORDER_MODULUS;
         s.staged += n;
         s.report.bytes += 4 * n as u64;
         s.report.collectives.push([s.t0.elapsed().as_secs_f64(), 0.0, 0.0]);
@@ -507,7 +561,9 @@ impl Overlap {
         let s = self.step.as_mut().ok_or(EngineError::Internal("overlap completed outside a step"))?;
         s.report.waited_s += waited.elapsed().as_secs_f64();
         let (what, n) = s.in_flight.pop_front().ok_or(EngineError::Internal("a result with nothing in flight"))?;
-        s.staged -= n;
+        if !matches!(what, Flight::Gather(_)) {
+            s.staged -= n; // a gathered segment stays counted while it waits in `ready`
+        }
         let i = s.report.collectives.len() - s.in_flight.len() - 1;
         let at = |t: Instant| t.saturating_duration_since(s.t0).as_secs_f64();
         s.report.collectives[i][1] = at(f.started);
@@ -535,7 +591,11 @@ impl Overlap {
 impl Drop for Overlap {
     fn drop(&mut self) {
         // Closing the queue ends the thread, which drops its handle on the
-        // group there (before the world's: the trainer goes first).
+        // group there (before the world's: the trainer goes first). A
+        // trainer dropped midway (an error) skips what is still queued, so
+        // the rank reports its error without first waiting out collectives
+        // the others may never join.
+        self.stop.store(true, Ordering::Release);
         drop(self.jobs.take());
         if let Some(t) = self.thread.take() {
             let _ = t.join();

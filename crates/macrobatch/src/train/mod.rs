@@ -147,8 +147,9 @@ fn run_ranks(plan: &Arc<Plan>, folder: &RunFolder, start: &Start, resume_step: O
                 train_rank(&plan, c, out, &start)
             })
         }),
-        Backend::Mpi(_) => {
-            let mut c = dist::mpi_comm(timeout, plan.cfg.dist.overlap_comm)?;
+        Backend::Mpi(n) => {
+            // A second thread calls MPI only to overlap a group of several ranks.
+            let mut c = dist::mpi_comm(timeout, plan.cfg.dist.overlap_comm && n > 1)?;
             let r = match c.rank() {
                 0 => rank0_outputs().and_then(|out| train_rank(plan, c.as_mut(), Some(out), start)),
                 _ => {
