@@ -1,5 +1,6 @@
-//! The MPI backend's point-to-point messages and sub-communicators under a
-//! real `mpirun -np 4` (feature `mpi`; CI installs OpenMPI).
+//! The MPI backend's point-to-point messages, sub-communicators and a
+//! duplicate used from a second thread under a real `mpirun -np 4`
+//! (feature `mpi`; CI installs OpenMPI).
 //!
 //! Run by `cargo test`, this binary starts `mpirun` on itself; started by
 //! `mpirun` (the launcher announces a rank), it is one rank of the job and
@@ -48,6 +49,14 @@ fn launch_all() {
     }
     println!("mpi -np 4: ring exchange, split 2×2 with key order, length mismatch: ok");
 
+    let o = mpirun("threads");
+    let all = text(&o);
+    assert!(o.status.success(), "{all}");
+    for r in 0..4 {
+        assert!(all.contains(&format!("rank {r}: two threads ok")), "rank {r} did not finish: {all}");
+    }
+    println!("mpi -np 4: a duplicate's all-reduces on a second thread beside the world's: ok");
+
     let t0 = Instant::now();
     let o = mpirun("abort");
     let all = text(&o);
@@ -68,13 +77,40 @@ fn launch_all() {
 fn rank_main() {
     let mode = std::env::var(MODE).unwrap_or_default();
     let timeout = if mode == "stall" { Duration::from_secs(1) } else { Duration::from_secs(30) };
-    let mut c = MpiComm::init(timeout).expect("MPI starts");
+    let init = if mode == "threads" { MpiComm::init_threaded } else { MpiComm::init };
+    let mut c = init(timeout).expect("MPI starts");
     assert_eq!(c.world_size(), 4);
     let me = c.rank();
     match mode.as_str() {
         "messages" => {
             messages(&mut c).expect("no communication error");
+            // Funneled: no communicator for another thread.
+            assert!(matches!(c.duplicate(), Err(CommError::Unsupported(_))));
             println!("rank {me}: ok");
+        }
+        "threads" => {
+            // MPI_THREAD_MULTIPLE: the duplicate's all-reduces on a second
+            // thread run while the world's run on this one; each sum is exact
+            // (small integers) and lands on its own communicator.
+            let mut dup = c.duplicate().expect("a duplicate under MPI_THREAD_MULTIPLE");
+            let sum = |i: usize, base: f32| 4.0 * (base + i as f32) + 6.0; // Σ over ranks 0..4 of base + i + rank
+            std::thread::scope(|s| {
+                let other = s.spawn(|| {
+                    for i in 0..50 {
+                        let mut b = vec![1000.0 + i as f32 + me as f32; 4096];
+                        dup.all_reduce_sum(&mut b).expect("the duplicate's all-reduce");
+                        assert!(b.iter().all(|&x| x == sum(i, 1000.0)), "duplicate, round {i}: {}", b[0]);
+                    }
+                });
+                for i in 0..50 {
+                    let mut b = vec![i as f32 + me as f32; 4096];
+                    c.all_reduce_sum(&mut b).expect("the world's all-reduce");
+                    assert!(b.iter().all(|&x| x == sum(i, 0.0)), "world, round {i}: {}", b[0]);
+                }
+                other.join().expect("the second thread");
+            });
+            drop(dup); // before the world's handle finalises MPI
+            println!("rank {me}: two threads ok");
         }
         "abort" => {
             let mut sub = c.split(me / 2, me).expect("split");
