@@ -40,21 +40,20 @@ fn text(o: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
 }
 
-fn launch_all() {
-    let o = mpirun("messages");
+/// Runs `mode` and checks that the job succeeded with every rank printing `rank R: {what}`.
+fn every_rank_says(mode: &str, what: &str) {
+    let o = mpirun(mode);
     let all = text(&o);
     assert!(o.status.success(), "{all}");
     for r in 0..4 {
-        assert!(all.contains(&format!("rank {r}: ok")), "rank {r} did not finish: {all}");
+        assert!(all.contains(&format!("rank {r}: {what}")), "rank {r} did not finish: {all}");
     }
-    println!("mpi -np 4: ring exchange, split 2×2 with key order, length mismatch: ok");
+}
 
-    let o = mpirun("threads");
-    let all = text(&o);
-    assert!(o.status.success(), "{all}");
-    for r in 0..4 {
-        assert!(all.contains(&format!("rank {r}: two threads ok")), "rank {r} did not finish: {all}");
-    }
+fn launch_all() {
+    every_rank_says("messages", "ok");
+    println!("mpi -np 4: ring exchange, split 2×2 with key order, length mismatch: ok");
+    every_rank_says("threads", "two threads ok");
     println!("mpi -np 4: a duplicate's all-reduces on a second thread beside the world's: ok");
 
     let t0 = Instant::now();

@@ -311,6 +311,29 @@ impl Partition {
         }
     }
 
+    /// Segment `seg`'s gradient from the local accumulator `grads` (full
+    /// gradient space), packed as a reduce-scatter's input into the front
+    /// `W·t_j` elements of `buf` (which has room for the segment too).
+    pub fn pack_segment_grads(&self, seg: usize, grads: &[f32], buf: &mut [f32]) {
+        let g = self.space.grad_segments[seg].clone();
+        buf[..g.len()].copy_from_slice(&grads[g]);
+        self.pack_grads_in_place(seg, &mut buf[..self.grad_piece[seg] * self.world_size]);
+    }
+
+    /// A reduce-scatter's result for segment `seg` written back over this
+    /// rank's piece of the local accumulator `grads` (full gradient space).
+    pub fn place_reduced(&self, seg: usize, reduced: &[f32], grads: &mut [f32]) {
+        let own = self.grad_owned(seg, self.rank);
+        grads[own.clone()].copy_from_slice(&reduced[..own.len()]);
+    }
+
+    /// A reduce-scatter's result for segment `seg` added into the shard
+    /// accumulator `grads` (per-segment reduction).
+    pub fn add_reduced(&self, seg: usize, reduced: &[f32], grads: &mut [f32]) {
+        let acc = &mut grads[self.grad_shard_range(seg)];
+        acc.iter_mut().zip(reduced).for_each(|(a, r)| *a += r);
+    }
+
     /// Copies this rank's parameter pieces of a full buffer into a shard (padding zero).
     pub fn gather_own(&self, full: &[f32], shard: &mut [f32]) {
         self.copy_own(full, shard, |j| self.owned(j, self.rank), |j| self.shard_range(j));
@@ -414,6 +437,14 @@ pub struct UpdateRun {
     pub seg_at: usize,
     /// Index of its first element within its tensor.
     pub at: usize,
+}
+
+/// The all-reduce buckets of a gradient space of `n` elements: `bucket`
+/// elements each, the last shorter. One definition for the boundary and
+/// `overlap_comm`: at three or more ranks a sum's order depends on them.
+pub fn buckets(n: usize, bucket: usize) -> impl Iterator<Item = Range<usize>> {
+    let b = bucket.max(1);
+    (0..n.div_ceil(b)).map(move |i| i * b..((i + 1) * b).min(n))
 }
 
 #[cfg(test)]

@@ -97,6 +97,19 @@ fn train_zero(
     zero: ZeroConfig,
     precision: Precision,
 ) -> Vec<(Vec<f32>, Vec<engine::StepReport>)> {
+    let trainer = |model: &Gpt, c: &mut ThreadComm| new_trainer_in(model, opt, zero, precision, c);
+    train_with(n_samples, shape, (drop_last, n_steps), precision, trainer)
+}
+
+/// `n_steps` steps on W thread ranks, each with the trainer `trainer`
+/// builds; every rank's full parameters and reports.
+fn train_with(
+    n_samples: usize,
+    shape: BatchShape,
+    (drop_last, n_steps): (bool, u64),
+    precision: Precision,
+    trainer: impl Fn(&Gpt, &mut ThreadComm) -> Trainer + Sync,
+) -> Vec<(Vec<f32>, Vec<engine::StepReport>)> {
     let seqs = Arc::new(corpus(n_samples));
     let sampler = Sampler::new(n_samples, shape, false, drop_last, 0).unwrap();
     let comms = group(shape.world_size, Duration::from_secs(30));
@@ -104,10 +117,10 @@ fn train_zero(
         let handles: Vec<_> = comms
             .into_iter()
             .map(|mut c: ThreadComm| {
-                let (seqs, sampler) = (seqs.clone(), sampler.clone());
+                let (seqs, sampler, trainer) = (seqs.clone(), sampler.clone(), &trainer);
                 s.spawn(move || {
                     let mut model = Gpt::with_precision(cfg(), precision).unwrap();
-                    let mut tr = new_trainer_in(&model, opt, zero, precision, &mut c);
+                    let mut tr = trainer(&model, &mut c);
                     let mut reports = Vec::new();
                     for step_idx in 0..n_steps {
                         let (epoch, s) = sampler.position(step_idx);
@@ -478,45 +491,20 @@ fn run_overlap(
     bucket: usize,
     overlap: bool,
 ) -> Ranks {
-    let n_steps = 3;
-    let seqs = Arc::new(corpus(n_samples));
-    let sampler = Sampler::new(n_samples, shape, false, false, 0).unwrap();
-    let comms = group(shape.world_size, Duration::from_secs(60));
-    std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|mut c| {
-                let (seqs, sampler) = (seqs.clone(), sampler.clone());
-                s.spawn(move || {
-                    let mut model = Gpt::with_precision(cfg(), precision).unwrap();
-                    let params = init_params(&cfg(), 5);
-                    let opt = Optimizer::AdamW(AdamW::new(params.len(), 0.9, 0.95, 1e-8, 0.1).unwrap());
-                    let options = TrainerOptions {
-                        grad_clip: Some(0.5),
-                        precision,
-                        bucket_elems: bucket,
-                        overlap_comm: overlap,
-                        ..Default::default()
-                    };
-                    let mut tr =
-                        Trainer::distributed(&model, params, opt, LrSchedule::constant(3e-3), options, zero, &mut c)
-                            .unwrap();
-                    let mut reports = Vec::new();
-                    for step_idx in 0..n_steps {
-                        let (epoch, at) = sampler.position(step_idx);
-                        let order = sampler.epoch_order(epoch);
-                        let micro: Vec<Batch> = (0..shape.accumulation_steps)
-                            .map(|k| batch(&seqs, &sampler.micro_batch(&order, at, k, c.rank())))
-                            .collect();
-                        reports.push(tr.step(&mut model, &mut c, &micro).unwrap());
-                    }
-                    let bits = tr.full_params(&mut c).unwrap().iter().map(|p| p.to_bits()).collect();
-                    (bits, reports)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    let trainer = |model: &Gpt, c: &mut ThreadComm| {
+        let params = init_params(&cfg(), 5);
+        let opt = Optimizer::AdamW(AdamW::new(params.len(), 0.9, 0.95, 1e-8, 0.1).unwrap());
+        let options = TrainerOptions {
+            grad_clip: Some(0.5),
+            precision,
+            bucket_elems: bucket,
+            overlap_comm: overlap,
+            ..Default::default()
+        };
+        Trainer::distributed(model, params, opt, LrSchedule::constant(3e-3), options, zero, c).unwrap()
+    };
+    let ranks = train_with(n_samples, shape, (false, 3), precision, trainer);
+    ranks.into_iter().map(|(p, reports)| (p.iter().map(|x| x.to_bits()).collect(), reports)).collect()
 }
 
 /// Stages 0–3 (and 2 reducing per micro-step), W ∈ {2, 3}, K ∈ {1, 3},

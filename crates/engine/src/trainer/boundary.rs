@@ -8,7 +8,7 @@ use super::{Accumulated, Groups, LossNormalization, Seeds, StepReport, Trainer};
 use crate::error::EngineError;
 use crate::layout::ParamLayout;
 use crate::optim::{aligned_chunks, slices_mut, Piece, StateRun, StateRuns};
-use crate::zero::{Accumulation, Partition, Reduction, UpdateSharding};
+use crate::zero::{buckets, Accumulation, Partition, Reduction, UpdateSharding};
 use comm::Communicator;
 use std::ops::Range;
 
@@ -150,8 +150,8 @@ impl Trainer {
         crate::profile::timed(crate::profile::Kind::Collective, || {
             match self.zero_stage.reduction() {
                 Reduction::AllReduce => {
-                    for bucket in self.grads.chunks_mut(self.options.bucket_elems.max(1)) {
-                        comm.all_reduce_sum(bucket)?;
+                    for bucket in buckets(self.grads.len(), self.options.bucket_elems) {
+                        comm.all_reduce_sum(&mut self.grads[bucket])?;
                     }
                 }
                 Reduction::ReduceScatter => {
@@ -163,13 +163,10 @@ impl Trainer {
                         if t == 0 {
                             continue; // nothing trainable: no communication
                         }
-                        let g = self.part.space.grad_segments[j].clone();
-                        self.scratch[..g.len()].copy_from_slice(&self.grads[g]);
-                        self.part.pack_grads_in_place(j, &mut self.scratch[..t * w]);
+                        self.part.pack_segment_grads(j, &self.grads, &mut self.scratch);
                         let mut out = vec![0.0; t];
                         comm.reduce_scatter_sum(&self.scratch[..t * w], &mut out)?;
-                        let own = self.part.grad_owned(j, self.part.rank);
-                        self.grads[own.clone()].copy_from_slice(&out[..own.len()]);
+                        self.part.place_reduced(j, &out, &mut self.grads);
                     }
                 }
                 Reduction::Done => {}

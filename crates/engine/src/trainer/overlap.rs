@@ -2,27 +2,12 @@
 //! last micro-step's backward, on a second handle of the data-parallel group
 //! ([`comm::Communicator::duplicate`]) owned by a thread of their own.
 //!
-//! The collectives are the boundary's own, cut the same way: at stages 0–1
-//! the buckets of `bucket_elems` over the local accumulator, all-reduced; at
-//! stage 2 each segment, packed and reduce-scattered. Only *when* each starts
-//! changes, so the sums, and everything after them, are bit-identical to
-//! the boundary's (same buffers, same lengths, same algorithm).
-//!
-//! When is a unit's gradient final? The backward walks the segments in
-//! descending order, except that a segment may come back later (a tied head
-//! writes the embedding's segment first and the embedding again last). So a
-//! `done(j)` only makes `j` *pending*; it is final once a `done(i)` with
-//! `i < j` follows, or at the boundary. A unit starts once every segment
-//! whose gradient it covers is final. Asking for a final segment again is an
-//! error (its gradient was sent; a write would be lost), never silent.
-//!
-//! Per-segment reduction (ZeRO-3, `reduce_every_micro_step`): each
-//! segment's reduce-scatter in `done` goes to the thread instead of
-//! blocking, in every micro-step; its result is added into the shard
-//! accumulator in the order started (so each element's sum keeps its
-//! order). ZeRO-3 also gathers the segment the model will ask for next (the
-//! previous micro-step's order of requests; nothing in the first) while the
-//! current one computes; a gather is a copy, so a prefetch changes no bit.
+//! What starts when: `units` (the boundary's buckets or segments at ZeRO
+//! 0–2, each once the last backward is past it) and `per_segment` (ZeRO-3
+//! and `reduce_every_micro_step`: every `done`'s reduce-scatter, and ZeRO-3's
+//! gathers ahead). The collectives are the ones the run makes without
+//! overlap, on the same values and lengths, so the sums, and everything after
+//! them, are bit-identical.
 //!
 //! Ranks must visit segments in the same order (the `Model` contract): each
 //! step's order of collectives is hashed into the boundary's statistics, and
@@ -33,25 +18,18 @@
 //! second handle's collectives must have. At most `cap` staged elements are
 //! in flight; starting past it first waits for the oldest.
 
+mod per_segment;
+mod units;
+
 use super::Trainer;
 use crate::error::EngineError;
 use crate::zero::{Partition, Reduction};
 use comm::{CommError, Communicator};
 use std::collections::VecDeque;
-use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::Instant;
-
-/// One collective of the boundary's gradient reduction.
-#[derive(Debug, Clone, PartialEq)]
-enum Unit {
-    /// Stages 0–1: a bucket of the gradient space, all-reduced.
-    Bucket(Range<usize>),
-    /// Stage 2: a segment's gradient, packed `W · t` and reduce-scattered.
-    Segment(usize),
-}
 
 /// A collective handed to the thread, with its staged input.
 enum Job {
@@ -61,6 +39,21 @@ enum Job {
     ReduceScatter(Vec<f32>, usize),
     /// An all-gather into this many elements.
     AllGather(Vec<f32>, usize),
+}
+
+impl Job {
+    /// Elements staged for it while in flight: its input, or a gather's output.
+    fn staged(&self) -> usize {
+        match self {
+            Job::AllReduce(b) | Job::ReduceScatter(b, _) => b.len(),
+            Job::AllGather(_, n) => *n,
+        }
+    }
+}
+
+/// The error of a thread that is gone.
+fn thread_lost(step: u64) -> EngineError {
+    EngineError::Comm { step, source: CommError::Launch("the gradient communication thread stopped".into()) }
 }
 
 /// The order hash's modulus: small enough that every rank's hash and its
@@ -111,16 +104,15 @@ pub(crate) struct Overlap {
     /// Set when the trainer goes: the thread skips what is queued.
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
-    units: Vec<Unit>,
+    units: Vec<units::Unit>,
     /// Per segment: the units covering its gradient.
     seg_units: Vec<Vec<usize>>,
     /// Per unit: how many segments with a gradient it covers.
     unit_segs: Vec<usize>,
     /// Most staged elements in flight (a single larger unit still goes).
     cap: usize,
-    /// Per-segment reduction (and with ZeRO-3, prefetching).
+    /// Per-segment reduction (ZeRO-3 and `reduce_every_micro_step`).
     per_segment: bool,
-    prefetch: bool,
     /// The segments asked for in the last micro-step, in order, and in this one.
     seen_before: Vec<usize>,
     seen: Vec<usize>,
@@ -143,7 +135,6 @@ struct StepOverlap {
     pending: Vec<usize>,
     /// Per unit: segments not yet final.
     left: Vec<usize>,
-    launched: Vec<bool>,
     /// Collectives in flight, oldest first, with their staged lengths.
     in_flight: VecDeque<(Flight, usize)>,
     staged: usize,
@@ -158,26 +149,21 @@ struct StepOverlap {
 /// never more than all of them. What the planner counts.
 pub(crate) fn staging_elems(part: &Partition, (reduction, gathers): (Reduction, bool), bucket_elems: usize) -> usize {
     let w = part.world_size;
-    let units: Vec<usize> = match reduction {
-        Reduction::AllReduce => {
-            let b = bucket_elems.max(1);
-            (0..part.space.n_grads.div_ceil(b)).map(|i| b.min(part.space.n_grads - i * b)).collect()
-        }
-        Reduction::ReduceScatter => (0..part.n_segments()).map(|j| part.grad_piece[j] * w).collect(),
+    let lens: Vec<usize> = match reduction {
         // A reduce-scatter's input, or (ZeRO-3) a gather's output.
-        Reduction::Done if gathers => {
-            (0..part.n_segments()).map(|j| (part.grad_piece[j] * w).max(part.piece[j] * w)).collect()
+        Reduction::Done => {
+            (0..part.n_segments()).map(|j| (part.grad_piece[j] * w).max(gathers as usize * part.piece[j] * w)).collect()
         }
-        Reduction::Done => (0..part.n_segments()).map(|j| part.grad_piece[j] * w).collect(),
+        _ => units::Unit::all(part, reduction, bucket_elems).iter().map(|u| u.len(part)).collect(),
     };
-    let largest = units.iter().copied().max().unwrap_or(0);
+    let largest = lens.iter().copied().max().unwrap_or(0);
     let cap = (2 * largest).max(2 * crate::DEFAULT_BUCKET_ELEMS);
     match reduction {
         // Every micro-step sends again (a gathered segment waiting to be
         // asked for counts against the cap too).
         Reduction::Done => cap,
         // One step's units in all.
-        _ => cap.min(units.iter().sum()),
+        _ => cap.min(lens.iter().sum()),
     }
 }
 
@@ -189,36 +175,10 @@ impl Overlap {
         (reduction, prefetch): (Reduction, bool),
         bucket_elems: usize,
     ) -> std::io::Result<Self> {
-        let units: Vec<Unit> = match reduction {
-            Reduction::AllReduce => {
-                let b = bucket_elems.max(1);
-                (0..part.space.n_grads.div_ceil(b))
-                    .map(|i| Unit::Bucket(i * b..((i + 1) * b).min(part.space.n_grads)))
-                    .collect()
-            }
-            Reduction::ReduceScatter => {
-                (0..part.n_segments()).filter(|&j| part.grad_piece[j] > 0).map(Unit::Segment).collect()
-            }
-            Reduction::Done => Vec::new(),
-        };
-        let mut seg_units = vec![Vec::new(); part.n_segments()];
+        let units = units::Unit::all(part, reduction, bucket_elems);
+        let seg_units = units::units_of_segments(part, &units);
         let mut unit_segs = vec![0; units.len()];
-        for (j, su) in seg_units.iter_mut().enumerate() {
-            let g = part.space.grad_segments[j].clone();
-            if g.is_empty() {
-                continue; // frozen: no gradient, never waited for
-            }
-            for (u, unit) in units.iter().enumerate() {
-                let covers = match unit {
-                    Unit::Bucket(b) => b.start < g.end && g.start < b.end,
-                    Unit::Segment(s) => *s == j,
-                };
-                if covers {
-                    su.push(u);
-                    unit_segs[u] += 1;
-                }
-            }
-        }
+        seg_units.iter().flatten().for_each(|&u| unit_segs[u] += 1);
         let (jobs, job_rx) = mpsc::channel::<Job>();
         let (done_tx, finished) = mpsc::channel();
         let stop = Arc::new(AtomicBool::new(false));
@@ -256,7 +216,6 @@ impl Overlap {
             unit_segs,
             cap: staging_elems(part, (reduction, prefetch), bucket_elems),
             per_segment: reduction == Reduction::Done,
-            prefetch,
             seen_before: Vec::new(),
             seen: Vec::new(),
             ready: None,
@@ -264,15 +223,13 @@ impl Overlap {
         })
     }
 
-    /// A new step begins at `t0`.
+    /// A new step begins at `t0` (the trainer abandoned any earlier one).
     pub(crate) fn begin(&mut self, t0: Instant, n_segments: usize) {
-        self.abandon();
         self.step = Some(StepOverlap {
             t0,
             final_seg: vec![false; n_segments],
             pending: Vec::new(),
             left: self.unit_segs.clone(),
-            launched: vec![false; self.units.len()],
             in_flight: VecDeque::new(),
             staged: 0,
             order: 0,
@@ -304,148 +261,6 @@ impl Overlap {
         self.step.is_some()
     }
 
-    /// Whether segment `seg`'s gradient was already sent this step (the
-    /// boundary's units; a per-segment reduction sends each `done` anew).
-    pub(crate) fn check_open(&self, seg: usize, step: u64) -> Result<(), EngineError> {
-        match &self.step {
-            Some(s) if s.final_seg[seg] && !self.per_segment => Err(EngineError::Overlap { step, seg }),
-            _ => Ok(()),
-        }
-    }
-
-    /// Whether this overlap reduces per segment (in every micro-step).
-    pub(crate) fn per_segment(&self) -> bool {
-        self.per_segment
-    }
-
-    /// A micro-step begins: the requests of the last one predict this one's.
-    pub(crate) fn next_micro_step(&mut self) {
-        if !self.seen.is_empty() {
-            self.seen_before = std::mem::take(&mut self.seen);
-        }
-    }
-
-    /// Per-segment reduction: hands segment `seg`'s packed gradient
-    /// (`W · t` elements) to the thread; its reduced piece is added into
-    /// `grads` (the shard accumulator) when it is back.
-    pub(crate) fn scatter(
-        &mut self,
-        seg: usize,
-        packed: &[f32],
-        part: &Partition,
-        grads: &mut [f32],
-        step: u64,
-    ) -> Result<(), EngineError> {
-        let t = part.grad_piece[seg];
-        self.start(Flight::Scatter(seg), Job::ReduceScatter(packed.to_vec(), t), packed.len(), part, grads, step)
-    }
-
-    /// ZeRO-3: if segment `seg` was gathered ahead, writes it into `out`
-    /// (the `W · piece` gathered buffer) and returns true.
-    pub(crate) fn take_gathered(
-        &mut self,
-        seg: usize,
-        out: &mut [f32],
-        part: &Partition,
-        grads: &mut [f32],
-        step: u64,
-    ) -> Result<bool, EngineError> {
-        let in_flight =
-            |o: &Self| o.step.as_ref().is_some_and(|s| s.in_flight.iter().any(|f| f.0 == Flight::Gather(seg)));
-        while in_flight(self) {
-            self.complete_oldest(part, grads, step)?;
-        }
-        let Some((j, v)) = self.ready.take() else { return Ok(false) };
-        let hit = j == seg; // else gathered for another segment: dropped
-        if hit {
-            out.copy_from_slice(&v);
-        }
-        if let Some(s) = self.step.as_mut() {
-            s.staged -= v.len(); // counted until taken
-            s.report.gathered_ahead += hit as u64;
-        }
-        Ok(hit)
-    }
-
-    /// ZeRO-3, after segment `seg` was asked for: gathers the segment the
-    /// model will ask for next — the one the last micro-step asked for at
-    /// this point, if this one has asked for the same so far (nothing in a
-    /// run's first micro-step) — unless it is `seg` itself, or a gather is
-    /// already waiting or in flight.
-    pub(crate) fn prefetch_after(
-        &mut self,
-        seg: usize,
-        part: &Partition,
-        params: &[f32],
-        grads: &mut [f32],
-        step: u64,
-    ) -> Result<(), EngineError> {
-        if self.step.is_none() {
-            return Ok(());
-        }
-        self.seen.push(seg);
-        if !self.prefetch {
-            return Ok(());
-        }
-        // What the last micro-step asked for next, if this one has followed it so far.
-        let next = match self.seen_before.get(self.seen.len()) {
-            Some(&n) if self.seen_before[..self.seen.len()] == self.seen[..] => n,
-            _ => return Ok(()),
-        };
-        let busy = self.ready.is_some()
-            || self.step.as_ref().is_some_and(|s| s.in_flight.iter().any(|f| matches!(f.0, Flight::Gather(_))));
-        if next == seg || next >= part.n_segments() || busy {
-            return Ok(());
-        }
-        let shard = params[part.shard_range(next)].to_vec();
-        let n = part.piece[next] * part.world_size;
-        self.start(Flight::Gather(next), Job::AllGather(shard, n), n, part, grads, step)
-    }
-
-    /// `done(seg)` of a backward in the last micro-step: segments above
-    /// `seg` still pending are final now; `seg` becomes pending.
-    pub(crate) fn segment_done(
-        &mut self,
-        seg: usize,
-        part: &Partition,
-        grads: &mut [f32],
-        step: u64,
-    ) -> Result<(), EngineError> {
-        let Some(s) = self.step.as_mut() else { return Ok(()) };
-        let mut now: Vec<usize> = s.pending.iter().copied().filter(|&p| p > seg).collect();
-        s.pending.retain(|&p| p <= seg);
-        if !s.pending.contains(&seg) {
-            s.pending.push(seg);
-        }
-        now.sort_unstable_by(|a, b| b.cmp(a));
-        for p in now {
-            self.finalise(p, part, grads, step)?;
-        }
-        Ok(())
-    }
-
-    /// After the last micro-step (before the boundary's own collectives,
-    /// which would otherwise queue behind nothing): every segment is final
-    /// (pending ones, then those never done, each in descending order), so
-    /// every unit is started.
-    pub(crate) fn launch_rest(&mut self, part: &Partition, grads: &mut [f32], step: u64) -> Result<(), EngineError> {
-        let Some(s) = self.step.as_mut() else { return Ok(()) };
-        let mut order = std::mem::take(&mut s.pending);
-        order.sort_unstable_by(|a, b| b.cmp(a));
-        let rest: Vec<usize> =
-            (0..part.n_segments()).rev().filter(|&j| !s.final_seg[j] && !order.contains(&j)).collect();
-        for j in order.into_iter().chain(rest) {
-            self.finalise(j, part, grads, step)?;
-        }
-        // Units covering no gradient segment (none today) would never start: start them too.
-        for u in 0..self.units.len() {
-            if !self.step.as_ref().is_some_and(|s| s.launched[u]) {
-                self.launch(u, part, grads, step)?;
-            }
-        }
-        Ok(())
-    }
-
     /// At the boundary: starts what is left ([`Overlap::launch_rest`]),
     /// waits for every collective and writes its result into `grads`.
     /// Returns the step's report.
@@ -470,60 +285,17 @@ impl Overlap {
         }
     }
 
-    fn finalise(&mut self, seg: usize, part: &Partition, grads: &mut [f32], step: u64) -> Result<(), EngineError> {
-        let Some(s) = self.step.as_mut() else { return Ok(()) };
-        if s.final_seg[seg] {
-            return Ok(());
-        }
-        s.final_seg[seg] = true;
-        let mut ready = Vec::new();
-        for &u in &self.seg_units[seg] {
-            s.left[u] -= 1;
-            if s.left[u] == 0 {
-                ready.push(u);
-            }
-        }
-        for u in ready {
-            self.launch(u, part, grads, step)?;
-        }
-        Ok(())
-    }
-
-    /// Stages unit `u`'s input and hands it to the thread.
-    fn launch(&mut self, u: usize, part: &Partition, grads: &mut [f32], step: u64) -> Result<(), EngineError> {
-        let job = match &self.units[u] {
-            Unit::Bucket(b) => Job::AllReduce(grads[b.clone()].to_vec()),
-            Unit::Segment(j) => {
-                let (t, g) = (part.grad_piece[*j], part.space.grad_segments[*j].clone());
-                let mut buf = vec![0.0; (t * part.world_size).max(g.len())];
-                buf[..g.len()].copy_from_slice(&grads[g]);
-                part.pack_grads_in_place(*j, &mut buf[..t * part.world_size]);
-                buf.truncate(t * part.world_size);
-                Job::ReduceScatter(buf, t)
-            }
-        };
-        let n = match &job {
-            Job::AllReduce(b) | Job::ReduceScatter(b, _) => b.len(),
-            Job::AllGather(_, n) => *n,
-        };
-        self.start(Flight::Unit(u), job, n, part, grads, step)?;
-        if let Some(s) = self.step.as_mut() {
-            s.launched[u] = true;
-        }
-        Ok(())
-    }
-
-    /// Hands `job` (`n` staged elements) to the thread, first waiting for
-    /// the oldest collectives while the cap would be passed.
+    /// Hands `job` to the thread, first waiting for the oldest collectives
+    /// while its staging would pass the cap.
     fn start(
         &mut self,
         what: Flight,
         job: Job,
-        n: usize,
         part: &Partition,
         grads: &mut [f32],
         step: u64,
     ) -> Result<(), EngineError> {
+        let n = job.staged();
         loop {
             let s = self.step.as_ref().ok_or(EngineError::Internal("overlap launched outside a step"))?;
             if s.in_flight.is_empty() || s.staged + n <= self.cap {
@@ -531,11 +303,7 @@ impl Overlap {
             }
             self.complete_oldest(part, grads, step)?;
         }
-        let lost = || EngineError::Comm {
-            step,
-            source: CommError::Launch("the gradient communication thread stopped".into()),
-        };
-        self.jobs.as_ref().ok_or_else(lost)?.send(job).map_err(|_| lost())?;
+        self.jobs.as_ref().ok_or_else(|| thread_lost(step))?.send(job).map_err(|_| thread_lost(step))?;
         let s = self.step.as_mut().ok_or(EngineError::Internal("overlap launched outside a step"))?;
         s.in_flight.push_back((what, n));
         let code = match what {
@@ -553,11 +321,7 @@ impl Overlap {
     /// Waits for the oldest collective in flight and writes its result.
     fn complete_oldest(&mut self, part: &Partition, grads: &mut [f32], step: u64) -> Result<(), EngineError> {
         let waited = Instant::now();
-        let lost = || EngineError::Comm {
-            step,
-            source: CommError::Launch("the gradient communication thread stopped".into()),
-        };
-        let f = self.finished.recv().map_err(|_| lost())?;
+        let f = self.finished.recv().map_err(|_| thread_lost(step))?;
         let s = self.step.as_mut().ok_or(EngineError::Internal("overlap completed outside a step"))?;
         s.report.waited_s += waited.elapsed().as_secs_f64();
         let (what, n) = s.in_flight.pop_front().ok_or(EngineError::Internal("a result with nothing in flight"))?;
@@ -571,17 +335,8 @@ impl Overlap {
         s.report.collective_s += (f.ended - f.started).as_secs_f64();
         let out = f.result.map_err(|source| EngineError::Comm { step, source })?;
         match what {
-            Flight::Unit(u) => match &self.units[u] {
-                Unit::Bucket(b) => grads[b.clone()].copy_from_slice(&out),
-                Unit::Segment(j) => {
-                    let own = part.grad_owned(*j, part.rank);
-                    grads[own.clone()].copy_from_slice(&out[..own.len()]);
-                }
-            },
-            Flight::Scatter(j) => {
-                let acc = &mut grads[part.grad_shard_range(j)];
-                acc.iter_mut().zip(&out).for_each(|(a, o)| *a += o);
-            }
+            Flight::Unit(u) => self.apply(u, part, &out, grads),
+            Flight::Scatter(j) => part.add_reduced(j, &out, grads),
             Flight::Gather(j) => self.ready = Some((j, out)),
         }
         Ok(())

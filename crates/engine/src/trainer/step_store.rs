@@ -153,8 +153,7 @@ impl ParamStore for StepStore<'_> {
                     self.comm
                         .reduce_scatter_sum(&self.seg_grads[..t * w], out)
                         .map_err(|source| EngineError::Comm { step: self.step, source })?;
-                    let acc = &mut self.grads[part.grad_shard_range(seg)];
-                    acc.iter_mut().zip(out.iter()).for_each(|(a, o)| *a += o);
+                    part.add_reduced(seg, out, self.grads);
                 }
                 // Reduced and accumulated: the transient buffer is free again.
                 Written { space: &part.space, flags: self.written }.reset(seg);
