@@ -149,21 +149,24 @@ struct StepOverlap {
 /// never more than all of them. What the planner counts.
 pub(crate) fn staging_elems(part: &Partition, (reduction, gathers): (Reduction, bool), bucket_elems: usize) -> usize {
     let w = part.world_size;
-    let lens: Vec<usize> = match reduction {
-        // A reduce-scatter's input, or (ZeRO-3) a gather's output.
-        Reduction::Done => {
-            (0..part.n_segments()).map(|j| (part.grad_piece[j] * w).max(gathers as usize * part.piece[j] * w)).collect()
-        }
-        _ => units::Unit::all(part, reduction, bucket_elems).iter().map(|u| u.len(part)).collect(),
+    // The largest unit and all of them, counted without listing the units
+    // (a plan may ask for shapes of millions of buckets).
+    let per_segment = |len: &dyn Fn(usize) -> usize| {
+        (0..part.n_segments()).map(len).fold((0, 0), |(m, t): (usize, usize), l| (m.max(l), t + l))
     };
-    let largest = lens.iter().copied().max().unwrap_or(0);
+    let (largest, all) = match reduction {
+        Reduction::AllReduce => (bucket_elems.max(1).min(part.space.n_grads), part.space.n_grads),
+        Reduction::ReduceScatter => per_segment(&|j| part.grad_piece[j] * w),
+        // A reduce-scatter's input, or (ZeRO-3) a gather's output.
+        Reduction::Done => per_segment(&|j| (part.grad_piece[j] * w).max(gathers as usize * part.piece[j] * w)),
+    };
     let cap = (2 * largest).max(2 * crate::DEFAULT_BUCKET_ELEMS);
     match reduction {
         // Every micro-step sends again (a gathered segment waiting to be
         // asked for counts against the cap too).
         Reduction::Done => cap,
         // One step's units in all.
-        _ => cap.min(lens.iter().sum()),
+        _ => cap.min(all),
     }
 }
 

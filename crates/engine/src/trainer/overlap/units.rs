@@ -39,14 +39,6 @@ impl Unit {
         }
     }
 
-    /// Elements its collective carries.
-    pub(super) fn len(&self, part: &Partition) -> usize {
-        match self {
-            Unit::Bucket(b) => b.len(),
-            Unit::Segment(j) => part.grad_piece[*j] * part.world_size,
-        }
-    }
-
     /// Whether its gradient range meets segment `seg`'s.
     fn covers(&self, part: &Partition, seg: usize) -> bool {
         let g = &part.space.grad_segments[seg];
