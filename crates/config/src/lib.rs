@@ -568,6 +568,13 @@ pub struct TrainConfig {
     /// average). A checkpoint a signal or `--stop-after` asks for is
     /// written before the run exits.
     pub checkpoint_async: bool,
+    /// Sharded checkpoints: every rank writes its own share of the
+    /// parameters and optimizer state (nothing is gathered to rank 0), and
+    /// a resume at any data, tensor, pipeline or ZeRO layout reads only
+    /// the pieces it keeps. Every rank must see the run folder (a shared
+    /// file system). Off: rank 0 writes the whole state in Hugging Face
+    /// format. Either kind resumes.
+    pub checkpoint_sharded: bool,
     /// A LoRA run `--init-from` a file: also write the frozen base (in
     /// f32, as the run holds it) into each checkpoint and the final folder,
     /// which then stand alone. Off: they hold the adapters and a reference
@@ -677,6 +684,7 @@ impl Default for TrainConfig {
             checkpoint_every: 0,
             keep_checkpoints: 3,
             checkpoint_async: false,
+            checkpoint_sharded: false,
             save_base: false,
             trainable: vec!["*".into()],
             max_skips_at_min_scale: 50,

@@ -69,6 +69,20 @@ pub(super) fn validate(cfg: &Config) -> Result<(), ConfigError> {
             return Err(invalid("train.ema_decay", t.ema_decay, &why));
         }
     }
+    if t.checkpoint_sharded && t.checkpoint_async {
+        return Err(invalid(
+            "train.checkpoint_sharded",
+            true,
+            "every rank writes its own pieces in place, which train.checkpoint_async (rank 0 writing the gathered state in the background) does not combine with; set train.checkpoint_async = false or train.checkpoint_sharded = false",
+        ));
+    }
+    if t.checkpoint_sharded && cfg.lora.is_some() {
+        return Err(invalid(
+            "train.checkpoint_sharded",
+            true,
+            "a LoRA run's checkpoints hold only its adapters (and a reference to the frozen base), already small and written whole; set train.checkpoint_sharded = false",
+        ));
+    }
     if !(0.0..1.0).contains(&t.label_smoothing) {
         return Err(invalid("train.label_smoothing", t.label_smoothing, "must be in [0, 1) (0: none; 0.1 is usual)"));
     }

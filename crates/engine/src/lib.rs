@@ -94,6 +94,7 @@ pub mod layout;
 pub mod loss_terms;
 pub mod model;
 pub mod optim;
+pub mod pieces;
 pub mod pipeline;
 pub mod precision;
 pub mod profile;
@@ -115,6 +116,7 @@ pub use model::{AuxStats, MicroStepStats, Model, AUX_STATS};
 pub use optim::{
     Adafactor, AdafactorConfig, AdamW, AdamW8bit, Lion, Optimizer, OptimizerKind, Sgd, StateRun, StateSize,
 };
+pub use pieces::{LocalTensor, PieceMap, Run};
 pub use pipeline::{Schedule, ScheduleKind, StageLayout, StageSpec, StagedModel};
 pub use precision::Precision;
 pub use recompute::{Checkpointing, Inner};
@@ -124,7 +126,7 @@ pub use schedule::{Decay, LrSchedule};
 pub use store::{FullStore, GradOut, GradSpace, ParamStore, SegTensor, SegmentGrads, SegmentView};
 pub use tensor::{Shard, TensorGroup, TensorShards, TpRank, TpTraffic};
 pub use trainer::{
-    clip_grad_norm, grad_norm, InitSegment, LossNormalization, MemoryReport, OverlapReport, PipelineReport,
+    clip_grad_norm, grad_norm, Held, InitSegment, LossNormalization, MemoryReport, OverlapReport, PipelineReport,
     PipelineStage, StepReport, Trainer, TrainerOptions, DEFAULT_BUCKET_ELEMS,
 };
 pub use zero::{Accumulation, Partition, Reduction, UpdateRun, UpdateSharding, ZeroConfig, ZeroStage};

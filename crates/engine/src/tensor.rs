@@ -177,7 +177,7 @@ impl TensorShards {
 
     /// The tensors of a buffer: every tensor (parameters), or the trainable
     /// ones back to back (`grad_space`: gradients, optimizer state).
-    fn spans(layout: &ParamLayout, grad_space: bool) -> Vec<Option<Range<usize>>> {
+    pub(crate) fn spans(layout: &ParamLayout, grad_space: bool) -> Vec<Option<Range<usize>>> {
         let mut at = 0;
         layout
             .tensors()

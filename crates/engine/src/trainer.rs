@@ -17,6 +17,7 @@ mod offload;
 mod overlap;
 mod pipeline;
 mod state;
+pub use state::Held;
 mod step_store;
 mod tensor;
 

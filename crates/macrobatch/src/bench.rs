@@ -11,7 +11,7 @@
 use crate::dist::Backend;
 use crate::planning::plan;
 use crate::ranks::run_thread_ranks;
-use crate::setup::{load_config, model_for_rank, rank_batches, scratch_offload_root, Plan, RankComms};
+use crate::setup::{load_config, model_for_rank, rank_batches, scratch_offload_root, Initial, Plan, RankComms};
 use crate::train::start::{init_from, Handoff};
 use crate::BenchArgs;
 use anyhow::{anyhow, bail, Context, Result};
@@ -280,7 +280,12 @@ fn time_rank(
     // Taken once by each rank and released by the last: not held through
     // the measured steps (their peak RSS is train's).
     let initial = initial.and_then(Handoff::take);
-    let mut trainer = comms.trainer(plan, &model, initial.as_deref().map(Vec::as_slice), &scratch_offload_root())?;
+    let mut trainer = comms.trainer(
+        plan,
+        &model,
+        initial.as_deref().map_or(Initial::Fresh, |p| Initial::Params(p)),
+        &scratch_offload_root(),
+    )?;
     drop(initial);
     let (mut ms, mut overhead, mut tp_ms, mut losses) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut tp = None;

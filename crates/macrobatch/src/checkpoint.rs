@@ -20,6 +20,8 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+pub mod sharded;
+
 const MANIFEST: &str = "manifest.json";
 const OPTIMIZER: &str = "optimizer.safetensors";
 const STATE: &str = "trainer_state.json";
@@ -100,6 +102,9 @@ pub struct ScalerState {
 struct Manifest {
     step: u64,
     files: BTreeMap<String, FileEntry>,
+    /// A sharded checkpoint's pieces (their data files are not in `files`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    sharded: Option<sharded::Index>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -164,18 +169,82 @@ pub fn save(
         if let Some(ema) = ema {
             nn::io::write_safetensors(&tmp.join(EMA), ema, &[])?;
         }
+        publish(root, tmp, name, state.step, None)
+    })();
+    if r.is_err() {
+        discard(run_dir, tmp);
+    }
+    r
+}
 
-        // The manifest goes last: it vouches for every file written before it.
+/// The folder every rank writes its pieces of step `step`'s sharded
+/// checkpoint into (one name for all: rank 0 makes it empty first).
+pub fn sharded_tmp(run_dir: &Path, step: u64) -> PathBuf {
+    run_dir.join("checkpoints").join(format!(".tmp-{}-sharded", step_dir_name(step)))
+}
+
+/// Rank 0, once every rank wrote its pieces into `tmp` ([`sharded_tmp`]):
+/// the trainer state, the config, the model's `config.json` and, when
+/// given, the moving average beside them, then the manifest (with the
+/// pieces of `ranks` ranks of `layout`'s tensors and `slots`), published
+/// as the checkpoint of `state.step`. On failure nothing is published and
+/// the pieces are removed.
+pub fn commit_sharded(
+    run_dir: &Path,
+    tmp: &Path,
+    family: &dyn Family,
+    (layout, slots, ranks): (&ParamLayout, &[&str], usize),
+    state: &TrainerState,
+    config_toml: &str,
+    ema: Option<&[NamedTensor<'_>]>,
+) -> Result<PathBuf> {
+    let r = (|| -> Result<PathBuf> {
+        let index = sharded::merge(tmp, ranks, layout, slots)?;
+        let hf = serde_json::to_string_pretty(&family.hf_config())?;
+        nn::io::write_atomic(&tmp.join(family::CONFIG_FILE), hf.as_bytes())?;
+        nn::io::write_atomic(&tmp.join(STATE), serde_json::to_string_pretty(state)?.as_bytes())?;
+        nn::io::write_atomic(&tmp.join(CONFIG), config_toml.as_bytes())?;
+        if let Some(ema) = ema {
+            nn::io::write_safetensors(&tmp.join(EMA), ema, &[])?;
+        }
+        publish(&run_dir.join("checkpoints"), tmp, &step_dir_name(state.step), state.step, Some(index))
+    })();
+    if r.is_err() {
+        discard(run_dir, tmp);
+    }
+    r
+}
+
+/// After a failed write (full disk, I/O error): nothing is left behind,
+/// and what was published before stays as it was. Only `checkpoints/`:
+/// the run folder's own files may be mid-write on another thread.
+pub fn discard(run_dir: &Path, tmp: &Path) {
+    let _ = std::fs::remove_dir_all(tmp);
+    if let Ok(removed) = clean(run_dir, false) {
+        for line in removed {
+            eprintln!("{line}");
+        }
+    }
+}
+
+/// Writes the manifest of the checkpoint in `tmp` — last: it vouches for
+/// every file written before it (a sharded checkpoint's data files by
+/// length, their pieces by checksum) — and publishes `tmp` as `root/name`.
+fn publish(root: &Path, tmp: &Path, name: &str, step: u64, sharded: Option<sharded::Index>) -> Result<PathBuf> {
+    {
         let mut files = BTreeMap::new();
         for e in std::fs::read_dir(tmp).with_context(|| format!("cannot list {}", tmp.display()))? {
             let f = e.with_context(|| format!("cannot list {}", tmp.display()))?.file_name();
             let f = f.to_string_lossy();
+            if sharded.as_ref().is_some_and(|i| i.data_files.contains_key(&*f)) {
+                continue;
+            }
             let (bytes, sha256) = sha256_file(&tmp.join(&*f))?;
             files.insert(f.into_owned(), FileEntry { bytes, sha256 });
         }
         nn::io::write_atomic(
             &tmp.join(MANIFEST),
-            serde_json::to_string_pretty(&Manifest { step: state.step, files })?.as_bytes(),
+            serde_json::to_string_pretty(&Manifest { step, files, sharded })?.as_bytes(),
         )?;
         fsync_dir(tmp);
 
@@ -198,19 +267,7 @@ pub fn save(
         }
         fsync_dir(root);
         Ok(dst)
-    })();
-    if r.is_err() {
-        // A failed write (full disk, I/O error) leaves nothing behind; what
-        // was published before stays as it was. Only `checkpoints/`: the run
-        // folder's own files may be mid-write on another thread.
-        let _ = std::fs::remove_dir_all(tmp);
-        if let Ok(removed) = clean(run_dir, false) {
-            for line in removed {
-                eprintln!("{line}");
-            }
-        }
     }
-    r
 }
 
 /// Errors naming the first tensor of `layout` with a non-finite value.
@@ -331,8 +388,9 @@ pub fn list(run_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     Ok(out)
 }
 
-/// Checks every file of a checkpoint against its manifest.
-fn validate(dir: &Path) -> Result<()> {
+/// Checks every file of a checkpoint against its manifest (a sharded
+/// one's data files by length), and returns the manifest.
+fn validate(dir: &Path) -> Result<Manifest> {
     let text =
         std::fs::read_to_string(dir.join(MANIFEST)).context("no readable manifest.json (incomplete checkpoint)")?;
     let manifest: Manifest = serde_json::from_str(&text).context("manifest.json is corrupt")?;
@@ -345,7 +403,10 @@ fn validate(dir: &Path) -> Result<()> {
             );
         }
     }
-    Ok(())
+    if let Some(index) = &manifest.sharded {
+        sharded::validate(dir, index)?;
+    }
+    Ok(manifest)
 }
 
 /// A checkpoint read back.
@@ -367,13 +428,24 @@ pub struct Loaded {
     pub optimizer: std::collections::HashMap<String, Vec<f32>>,
     /// The moving average of the trainable tensors by name, when saved.
     pub ema: Option<std::collections::HashMap<String, Vec<f32>>>,
+    /// A sharded checkpoint's pieces (`params` and `optimizer` are then
+    /// empty: each rank reads what it keeps).
+    pub sharded: Option<std::sync::Arc<sharded::Reader>>,
 }
 
 fn load(dir: &Path) -> Result<Loaded> {
-    validate(dir)?;
+    let manifest = validate(dir)?;
     let state: TrainerState =
         serde_json::from_str(&std::fs::read_to_string(dir.join(STATE))?).context("trainer_state.json")?;
     let config_toml = std::fs::read_to_string(dir.join(CONFIG))?;
+    let ema = read_ema(dir)?;
+    if let Some(index) = manifest.sharded {
+        let reader = std::sync::Arc::new(sharded::Reader::new(dir, index)?);
+        let model = family::read_hf_config(dir)?;
+        let (params, optimizer, base) = (Vec::new(), Default::default(), None);
+        let sharded = Some(reader);
+        return Ok(Loaded { dir: dir.to_path_buf(), state, config_toml, model, params, base, optimizer, ema, sharded });
+    }
     // Adapters alone: the run reads its base itself, as its start did
     // (packed, where the run packs it), never dequantised here.
     let base = BaseRef::read(dir)?;
@@ -386,12 +458,16 @@ fn load(dir: &Path) -> Result<Loaded> {
         bail!("{OPTIMIZER} and {STATE} disagree on the number of updates");
     }
     let optimizer = tensors.into_iter().map(|(k, (_, v))| (k, v)).collect();
+    Ok(Loaded { dir: dir.to_path_buf(), state, config_toml, model, params, base, optimizer, ema, sharded: None })
+}
+
+/// The moving average of the weights in checkpoint `dir`, if saved.
+fn read_ema(dir: &Path) -> Result<Option<std::collections::HashMap<String, Vec<f32>>>> {
     let ema_path = dir.join(EMA);
-    let ema = match ema_path.exists() {
+    Ok(match ema_path.exists() {
         true => Some(nn::io::read_safetensors(&ema_path)?.0.into_iter().map(|(k, (_, v))| (k, v)).collect()),
         false => None,
-    };
-    Ok(Loaded { dir: dir.to_path_buf(), state, config_toml, model, params, base, optimizer, ema })
+    })
 }
 
 /// The newest checkpoint that validates; each one skipped is reported with

@@ -13,10 +13,11 @@ use super::{
 use crate::error::EngineError;
 use crate::model::MicroStepStats;
 use crate::optim::Optimizer;
+use crate::pieces::{LocalTensor, PieceMap};
 use crate::pipeline::{Op, Schedule, ScheduleKind, StageLayout, StageSpec, StageStore, StagedModel};
 use crate::schedule::LrSchedule;
 use crate::store::GradSpace;
-use crate::tensor::{Shard, TensorShards};
+use crate::tensor::{Shard, TensorShards, TpRank};
 use crate::zero::{Accumulation, Reduction, ZeroConfig};
 use comm::{CommError, Communicator};
 use std::borrow::Cow;
@@ -169,6 +170,33 @@ impl PipelineStage {
             .iter()
             .flat_map(|&j| full[self.ranges(grad_space, j).0].iter().copied())
             .collect())
+    }
+
+    /// This rank's parameter buffer (or with `grad_space` its gradient
+    /// space) mapped onto the whole model's tensors: a tensor is written
+    /// by the stage that owns it (the tied embedding by the first) and, of
+    /// the tensor ranks holding the same values, by the first.
+    pub fn piece_map(&self, grad_space: bool) -> PieceMap {
+        let tp = self.tp.as_ref().map_or(TpRank::default(), |t| t.tp);
+        let mut tensors = Vec::new();
+        for (l, &m) in self.layout.model_segments.iter().enumerate() {
+            let owns = self.owned[self.spec.stage].contains(&m);
+            for (st, whole) in self.space.tensors[l].iter().zip(&self.model_space.tensors[m]) {
+                let span = match grad_space {
+                    false => self.space.segments[l].start + st.rel.start..self.space.segments[l].start + st.rel.end,
+                    true => match st.grad_rel {
+                        Some(g) => {
+                            let at = self.space.grad_segments[l].start + g;
+                            at..at + st.rel.len()
+                        }
+                        None => continue,
+                    },
+                };
+                let shard = self.stage_shards.get(st.idx).copied().unwrap_or(Shard::Replicated);
+                tensors.push(LocalTensor { span, whole: whole.idx, shard, writes: owns && shard.counted_by(tp) });
+            }
+        }
+        PieceMap::new(tensors, tp)
     }
 
     /// The whole model's segments (what `init` of [`Trainer::for_stage`]

@@ -7,6 +7,16 @@ use crate::alloc::{try_copy, try_zeros};
 use crate::error::EngineError;
 use crate::zero::{Accumulation, Reduction};
 use comm::Communicator;
+use std::ops::Range;
+
+/// A buffer a rank holds its part of: the parameters, or an optimizer slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Held<'a> {
+    /// The f32 (master) parameters.
+    Params,
+    /// The optimizer's slot of this name.
+    Slot(&'a str),
+}
 
 impl Trainer {
     /// Every parameter, assembled from the shards where sharded (a
@@ -108,6 +118,25 @@ impl Trainer {
     ) -> Result<Vec<(String, Vec<f32>)>, EngineError> {
         let keep = all_ranks || comm.rank() == 0;
         let mut out = Vec::new();
+        let sharded: Vec<bool> = self.optimizer.slot_names().iter().map(|n| self.slot_sharded(n)).collect();
+        self.each_resident_slot(|t, name, buf| {
+            // A replicated slot is whole on every rank: no gather.
+            let full = match sharded[out.len()] {
+                true => t.gather_grad_space(comm, buf, keep)?,
+                false => try_copy(buf, "the full optimizer state")?,
+            };
+            out.push((name.to_string(), full));
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// Calls `f` with the trainer, each optimizer slot's name and the values this rank
+    /// holds of it (its shard where the state is sharded), in slot order.
+    pub fn each_resident_slot(
+        &mut self,
+        mut f: impl FnMut(&Trainer, &'static str, &[f32]) -> Result<(), EngineError>,
+    ) -> Result<(), EngineError> {
         // Made once: 8-bit codes and Adafactor's statistics are built here.
         let on_disk = self.optimizer.element_slot_names();
         // Offloaded, only the replicated slots are still in memory.
@@ -124,15 +153,69 @@ impl Trainer {
                 Some(v) => v.as_slice(),
                 None => mem.iter().find(|(n, _)| *n == name).map_or(&[][..], |b| &b.1[..]),
             };
-            // A replicated slot is whole on every rank: no gather.
-            let full = if self.zero_stage.shards_optimizer() && !self.optimizer.is_replicated_slot(name) {
-                self.gather_grad_space(comm, buf, keep)?
-            } else {
-                try_copy(buf, "the full optimizer state")?
-            };
-            out.push((name.to_string(), full));
+            f(self, name, buf)?;
         }
-        Ok(out)
+        Ok(())
+    }
+
+    /// Whether optimizer slot `name` is held as this rank's shard (else
+    /// whole, on every rank).
+    fn slot_sharded(&self, name: &str) -> bool {
+        self.zero_stage.shards_optimizer() && !self.optimizer.is_replicated_slot(name)
+    }
+
+    /// The parameters this rank holds: its shard where the master weights
+    /// are sharded, else all of its layout's.
+    pub fn resident_params(&self) -> &[f32] {
+        &self.params
+    }
+
+    /// Where the values of buffer `held` that this rank holds come from in
+    /// its layout's space (parameters, or the gradient space for a slot):
+    /// `(range, offset in the held buffer)`, and the held buffer's length.
+    pub fn resident_runs(&self, held: Held<'_>) -> (Vec<(Range<usize>, usize)>, usize) {
+        let p = &self.part;
+        match held {
+            Held::Params if self.master_sharded() => {
+                ((0..p.n_segments()).map(|j| (p.owned(j, p.rank), p.shard_range(j).start)).collect(), p.shard_len())
+            }
+            Held::Params => (vec![(0..self.layout.n_params(), 0)], self.layout.n_params()),
+            Held::Slot(n) if self.slot_sharded(n) => (
+                (0..p.n_segments()).map(|j| (p.grad_owned(j, p.rank), p.grad_shard_range(j).start)).collect(),
+                p.grad_shard_len(),
+            ),
+            Held::Slot(_) => (vec![(0..p.space.n_grads, 0)], p.space.n_grads),
+        }
+    }
+
+    /// This rank's share of buffer `held` among the `dp_size` ranks
+    /// holding the same layout (it is data rank `dp_rank`): its ZeRO piece
+    /// of each segment — the part it writes of a sharded checkpoint, so
+    /// that the ranks write in parallel, each value once. `(range in the
+    /// layout's space, offset in the held buffer)`.
+    pub fn share_runs(&self, held: Held<'_>, dp_rank: usize, dp_size: usize) -> Vec<(Range<usize>, usize)> {
+        let (sharded, grads) = match held {
+            Held::Params => (self.master_sharded(), false),
+            Held::Slot(n) => (self.slot_sharded(n), true),
+        };
+        // Replicated buffers are cut as ZeRO would cut them.
+        let cut;
+        let p = match self.part.world_size == dp_size {
+            true => &self.part,
+            false => {
+                cut = crate::zero::Partition::new(self.part.space.clone(), dp_rank, dp_size);
+                &cut
+            }
+        };
+        (0..p.n_segments())
+            .map(|j| match (grads, sharded) {
+                (false, true) => (p.owned(j, dp_rank), p.shard_range(j).start),
+                (false, false) => (p.owned(j, dp_rank), p.owned(j, dp_rank).start),
+                (true, true) => (p.grad_owned(j, dp_rank), p.grad_shard_range(j).start),
+                (true, false) => (p.grad_owned(j, dp_rank), p.grad_owned(j, dp_rank).start),
+            })
+            .filter(|(r, _)| !r.is_empty())
+            .collect()
     }
 
     /// Restores a checkpointed state from full buffers (each rank keeps its
@@ -160,27 +243,52 @@ impl Trainer {
         n_updates: u64,
         mut optimizer_state: impl FnMut(&str) -> Option<Vec<f32>>,
     ) -> Result<(), EngineError> {
-        let (part, sharded, n_grads) = (&self.part, self.zero_stage.shards_optimizer(), self.part.space.n_grads);
-        let names = self.optimizer.slot_names();
-        let replicated: Vec<&str> = names.iter().copied().filter(|n| self.optimizer.is_replicated_slot(n)).collect();
-        // A replicated slot is kept whole by every rank.
-        let shard_of = |name: &str, full: Vec<f32>| {
-            if !sharded || replicated.contains(&name) {
-                return full;
+        let (part, n_grads) = (self.part.clone(), self.part.space.n_grads);
+        let sharded: Vec<(&str, bool)> =
+            self.optimizer.slot_names().into_iter().map(|n| (n, self.slot_sharded(n))).collect();
+        let mut err = None;
+        self.restore_optimizer_resident(n_steps, n_updates, |name| {
+            let full = optimizer_state(name)?;
+            if full.len() != n_grads {
+                err = Some(EngineError::ParamCount { expected: n_grads, got: full.len() });
+                return None;
+            }
+            // A replicated slot is kept whole by every rank.
+            if !sharded.iter().any(|&(n, s)| n == name && s) {
+                return Some(full);
             }
             let mut shard = vec![0.0; part.grad_shard_len()];
             part.gather_own_grads(&full, &mut shard);
-            shard
+            Some(shard)
+        })?;
+        err.map_or(Ok(()), Err)
+    }
+
+    /// [`Trainer::restore_optimizer`] from the values this rank holds of
+    /// each slot (laid out as [`Trainer::resident_runs`] says: its shard,
+    /// padding zero, where the state is sharded).
+    pub fn restore_optimizer_resident(
+        &mut self,
+        n_steps: u64,
+        n_updates: u64,
+        mut resident: impl FnMut(&str) -> Option<Vec<f32>>,
+    ) -> Result<(), EngineError> {
+        let names = self.optimizer.slot_names();
+        let lens: Vec<(&str, usize)> = names.iter().map(|&n| (n, self.resident_runs(Held::Slot(n)).1)).collect();
+        let mut check = |name: &str| -> Result<Vec<f32>, EngineError> {
+            let (name, want) = lens.iter().copied().find(|(n, _)| *n == name).unwrap_or(("?", 0));
+            let v = resident(name).ok_or(EngineError::MissingState { name })?;
+            match v.len() == want {
+                true => Ok(v),
+                false => Err(EngineError::ParamCount { expected: want, got: v.len() }),
+            }
         };
+        let replicated = names.iter().any(|n| self.optimizer.is_replicated_slot(n));
         if let Some(disk) = self.offload.as_mut() {
             for (i, name) in self.optimizer.element_slot_names().into_iter().enumerate() {
-                let full = optimizer_state(name).ok_or(EngineError::MissingState { name })?;
-                if full.len() != n_grads {
-                    return Err(EngineError::ParamCount { expected: n_grads, got: full.len() });
-                }
-                disk.write_all(i, &shard_of(name, full))?;
+                disk.write_all(i, &check(name)?)?;
             }
-            if replicated.is_empty() {
+            if !replicated {
                 self.optimizer.set_n_updates(n_updates);
                 self.n_steps = n_steps;
                 return Ok(());
@@ -188,14 +296,7 @@ impl Trainer {
         }
         // In memory: every slot, or with the state offloaded the replicated ones.
         let mut err = None;
-        self.optimizer.restore(n_updates, |name| {
-            let full = optimizer_state(name)?;
-            if full.len() != n_grads {
-                err = Some(EngineError::ParamCount { expected: n_grads, got: full.len() });
-                return None;
-            }
-            Some(shard_of(name, full))
-        })?;
+        self.optimizer.restore(n_updates, |name| check(name).map_err(|e| err = Some(e)).ok())?;
         if let Some(e) = err {
             return Err(e);
         }

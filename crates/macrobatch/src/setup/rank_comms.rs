@@ -8,7 +8,7 @@
 //! the same with and without a split; without one it calls exactly what it
 //! did before pipelines existed.
 
-use super::{trainer_placed, Placement, Plan};
+use super::{trainer_placed, Initial, Placement, Plan};
 use anyhow::{Context, Result};
 use comm::Communicator;
 use engine::{MicroStepStats, ParamLayout, PipelineStage, StagedModel, StepReport, TokenBatch, Trainer};
@@ -105,7 +105,7 @@ impl<'a> RankComms<'a> {
         &mut self,
         plan: &Plan,
         model: &M,
-        initial: Option<&[f32]>,
+        initial: Initial<'_>,
         offload_root: &Path,
     ) -> Result<Trainer> {
         let world_rank = self.world.rank();
@@ -114,6 +114,25 @@ impl<'a> RankComms<'a> {
             Some(p) => Placement::Stage { stage: &p.stage, dp: p.dp.as_mut() },
         };
         trainer_placed(plan, model, placement, initial, offload_root, world_rank)
+    }
+
+    /// This rank's parameter buffer (or with `grad_space` its gradient
+    /// space) mapped onto the whole model's tensors; `local` is the
+    /// rank's layout (the whole model's without a split).
+    pub fn piece_map(&self, local: &ParamLayout, grad_space: bool) -> engine::PieceMap {
+        match &self.split {
+            None => engine::PieceMap::whole(local, grad_space),
+            Some(p) => p.stage.piece_map(grad_space),
+        }
+    }
+
+    /// This rank's place among the ranks holding the same layout: (data
+    /// rank, data ranks).
+    pub fn dp_place(&self) -> (usize, usize) {
+        match &self.split {
+            None => (self.world.rank(), self.world.world_size()),
+            Some(p) => (p.dp.rank(), p.dp.world_size()),
+        }
     }
 
     /// This rank's part of a model-wide gradient-space buffer (a

@@ -107,6 +107,7 @@ pub fn trainer_from(
     offload_root: &Path,
 ) -> Result<Trainer> {
     let world_rank = comm.rank();
+    let initial = initial.map_or(Initial::Fresh, Initial::Params);
     trainer_placed(plan, model, Placement::Whole(comm), initial, offload_root, world_rank)
 }
 
@@ -124,6 +125,20 @@ pub enum Placement<'a> {
     },
 }
 
+/// Where a trainer's parameters come from.
+#[derive(Clone, Copy)]
+pub enum Initial<'a> {
+    /// A fresh initialisation from the plan's family and seed.
+    Fresh,
+    /// Model-wide parameters in memory (a whole checkpoint's, a pretrained
+    /// model's).
+    Params(&'a [f32]),
+    /// The whole layout's range of whole tensors a segment covers, read
+    /// when the trainer asks for it with at least this rank's values
+    /// filled in (a sharded checkpoint's pieces).
+    Segments(&'a dyn Fn(std::ops::Range<usize>) -> Result<Vec<f32>>),
+}
+
 /// The trainer of `placement` over `model` (whose model-wide `initial`
 /// parameters, if given, are read a segment at a time; a fresh start
 /// initialises the whole model's segments from the plan's family, and a
@@ -132,7 +147,7 @@ pub fn trainer_placed(
     plan: &Plan,
     model: &impl Model,
     placement: Placement<'_>,
-    initial: Option<&[f32]>,
+    initial: Initial<'_>,
     offload_root: &Path,
     world_rank: usize,
 ) -> Result<Trainer> {
@@ -171,17 +186,30 @@ pub fn trainer_placed(
     };
     let zero = ZeroConfig { stage: cfg.dist.zero_stage, reduce_every_micro_step: cfg.dist.reduce_every_micro_step };
     // By model segment: a stage's trainer asks only for its own.
+    // A segment that cannot be read is reported after the build (the
+    // trainer asks for segments infallibly).
+    let failed = std::cell::RefCell::new(None);
     let init = |seg: usize| match initial {
-        Some(p) => Cow::Borrowed(&p[segments[seg].clone()]),
-        None => Cow::Owned(plan.family.init_segment(cfg.train.seed, seg)),
+        Initial::Params(p) => Cow::Borrowed(&p[segments[seg].clone()]),
+        Initial::Fresh => Cow::Owned(plan.family.init_segment(cfg.train.seed, seg)),
+        Initial::Segments(read) => Cow::Owned(read(segments[seg].clone()).unwrap_or_else(|e| {
+            failed.borrow_mut().get_or_insert(e);
+            vec![0.0; segments[seg].len()]
+        })),
     };
-    if let Some(p) = initial.filter(|p| p.len() != n_params) {
-        bail!("the initial parameters hold {} values, the model {n_params}", p.len());
+    if let Initial::Params(p) = initial {
+        if p.len() != n_params {
+            bail!("the initial parameters hold {} values, the model {n_params}", p.len());
+        }
     }
-    let mut trainer = match placement {
-        Placement::Whole(comm) => Trainer::distributed_with(model, &init, optimizer, schedule, options, zero, comm)?,
-        Placement::Stage { stage, dp } => Trainer::for_stage(stage, &init, optimizer, schedule, options, zero, dp)?,
+    let built = match placement {
+        Placement::Whole(comm) => Trainer::distributed_with(model, &init, optimizer, schedule, options, zero, comm),
+        Placement::Stage { stage, dp } => Trainer::for_stage(stage, &init, optimizer, schedule, options, zero, dp),
     };
+    if let Some(e) = failed.into_inner() {
+        return Err(e);
+    }
+    let mut trainer = built?;
     super::optimizer::apply_no_decay(cfg, &mut trainer)?;
     match cfg.dist.offload_optimizer {
         OffloadOptimizer::None => {}

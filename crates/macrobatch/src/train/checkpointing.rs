@@ -12,7 +12,7 @@ use crate::family::{Build, Family};
 use crate::heap::{self, Phase};
 use crate::ranks::rank0_phase;
 use crate::setup::{FullState, Plan, RankComms};
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use comm::Communicator;
 use engine::{ParamLayout, Trainer};
 use std::borrow::Cow;
@@ -129,8 +129,29 @@ impl<'a> Checkpoints<'a> {
             let last = params.len() - 1;
             params[last] = f32::NAN;
         }
+        let ema = extras.ema.map(|e| e.tensors().into_iter().map(|(n, s, v)| (n, s, Cow::Borrowed(v))).collect());
+        let state = self.trainer_state(step, trainer, &extras);
+        Job {
+            dir: out.dir.clone(),
+            family: plan.family.clone(),
+            base: self.start.base.clone(),
+            layout: layout.clone(),
+            params,
+            optimizer,
+            state,
+            config_toml: self.config_toml.clone(),
+            ema,
+            keep: (cfg.train.keep_checkpoints, extras.spare),
+            best,
+            delay: fault.and_then(|f| f.checkpoint_delay(rank, step)),
+        }
+    }
+
+    /// What a checkpoint of step `step` records besides tensors.
+    fn trainer_state(&self, step: u64, trainer: &Trainer, extras: &Extras<'_>) -> TrainerState {
+        let (plan, cfg) = (self.plan, &self.plan.cfg);
         let (epoch, step_in_epoch) = plan.sampler.position(step);
-        let state = TrainerState {
+        TrainerState {
             step,
             n_updates: trainer.optimizer().n_updates(),
             epoch,
@@ -149,22 +170,103 @@ impl<'a> Checkpoints<'a> {
             run_id: Some(self.start.run_id.clone()),
             val_watch: extras.val_watch,
             mixture_drawn: plan.sampler.mixture_drawn(step),
-        };
-        let ema = extras.ema.map(|e| e.tensors().into_iter().map(|(n, s, v)| (n, s, Cow::Borrowed(v))).collect());
-        Job {
-            dir: out.dir.clone(),
-            family: plan.family.clone(),
-            base: self.start.base.clone(),
-            layout: layout.clone(),
-            params,
-            optimizer,
-            state,
-            config_toml: self.config_toml.clone(),
-            ema,
-            keep: (cfg.train.keep_checkpoints, extras.spare),
-            best,
-            delay: fault.and_then(|f| f.checkpoint_delay(rank, step)),
         }
+    }
+
+    /// Whether checkpoints are sharded (`train.checkpoint_sharded`).
+    pub fn sharded(&self) -> bool {
+        self.plan.cfg.train.checkpoint_sharded
+    }
+
+    /// Every rank, on a `due` step of a sharded run: writes its share of
+    /// the state as pieces (in parallel, nothing gathered) into the
+    /// checkpoint's temporary folder, which rank 0 (holding `out`) gets
+    /// back to [`Checkpoints::commit_sharded`] once every rank succeeded.
+    /// A rank that fails fails the step on every rank, and nothing is
+    /// published.
+    pub fn write_pieces(
+        &self,
+        step: u64,
+        trainer: &mut Trainer,
+        comms: &mut RankComms,
+        out: Option<&Outputs>,
+        whole: &ParamLayout,
+    ) -> Result<Option<PathBuf>> {
+        heap::set_phase(Phase::Checkpoint);
+        let run_dir = match out {
+            Some(o) => o.dir.clone(),
+            None => self
+                .start
+                .offload_root
+                .get()
+                .and_then(|p| p.parent())
+                .context("the run folder is not known yet")?
+                .to_path_buf(),
+        };
+        let tmp = checkpoint::sharded_tmp(&run_dir, step);
+        let prepare = out.map(|_| {
+            || -> Result<()> {
+                if tmp.exists() {
+                    std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot clear {}", tmp.display()))?;
+                }
+                std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))
+            }
+        });
+        rank0_phase(comms.world, self.heartbeat, prepare)?;
+        let poison = out.is_some() && self.start.fault.is_some_and(|f| f.poisons(step));
+        let mine = super::pieces::write(comms, trainer, whole, &tmp, poison)
+            .with_context(|| format!("writing this rank's pieces of the checkpoint of step {step}"));
+        let mut failed = [mine.is_err() as u8 as f64];
+        comms.world.all_reduce_sum_f64(&mut failed)?;
+        if failed[0] > 0.0 {
+            if out.is_some() {
+                checkpoint::discard(&run_dir, &tmp);
+            }
+            mine?;
+            bail!(
+                "{} rank(s) could not write their pieces of the checkpoint of step {step} (see their errors); nothing was published and the previous checkpoints stay",
+                failed[0]
+            );
+        }
+        Ok(out.map(|_| tmp))
+    }
+
+    /// Rank 0, after [`Checkpoints::write_pieces`], while the other ranks
+    /// wait ([`Checkpoints::wait_for_rank0`]): publishes the pieces in
+    /// `tmp` as step `step`'s checkpoint, prunes the old ones and marks
+    /// the best; returns its folder.
+    #[allow(clippy::too_many_arguments)]
+    pub fn commit_sharded(
+        &self,
+        comm: &mut dyn Communicator,
+        out: &Outputs,
+        (step, tmp): (u64, PathBuf),
+        trainer: &Trainer,
+        whole: &ParamLayout,
+        (extras, best): (Extras<'_>, bool),
+    ) -> Result<PathBuf> {
+        let state = self.trainer_state(step, trainer, &extras);
+        let slots = trainer.optimizer().slot_names();
+        let ranks = comm.world_size();
+        let ema: Option<Vec<checkpoint::NamedTensor<'_>>> = extras.ema.map(|e| e.tensors());
+        let (family, keep) = (self.plan.family.as_ref(), (self.plan.cfg.train.keep_checkpoints, extras.spare));
+        let commit = || -> Result<PathBuf> {
+            let path = checkpoint::commit_sharded(
+                &out.dir,
+                &tmp,
+                family,
+                (whole, &slots, ranks),
+                &state,
+                &self.config_toml,
+                ema.as_deref(),
+            )?;
+            checkpoint::prune(&out.dir, keep.0, keep.1)?;
+            if best {
+                checkpoint::mark_best(&out.dir, step)?;
+            }
+            Ok(path)
+        };
+        rank0_phase(comm, self.heartbeat, Some(commit))?.context("rank 0 wrote no checkpoint")
     }
 
     /// Whether a `due` checkpoint is written in the background

@@ -15,6 +15,7 @@ mod dump;
 mod ema;
 mod eval;
 mod outputs;
+mod pieces;
 mod rank;
 mod reports;
 pub(crate) mod start;

@@ -14,7 +14,7 @@ use super::val_watch::ValWatch;
 use crate::checkpoint::ValWatchState;
 use crate::dist::{Fault, FaultyComm};
 use crate::heap::{self, Phase};
-use crate::setup::{model_for_rank, rank_batches, Plan, RankComms};
+use crate::setup::{model_for_rank, rank_batches, Initial, Plan, RankComms};
 use anyhow::{bail, Context, Result};
 use comm::Communicator;
 use config::TrainConfig;
@@ -105,7 +105,12 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
             checkpoints.finish_pending(comms.world, outputs.is_some())?;
         }
         let in_background = checkpoints.in_background(stop);
-        let full_state = checkpoints.gather(checkpoint_due, step, &mut trainer, &mut comms)?;
+        let sharded = checkpoint_due && checkpoints.sharded();
+        let full_state = checkpoints.gather(checkpoint_due && !sharded, step, &mut trainer, &mut comms)?;
+        let pieces = match sharded {
+            true => checkpoints.write_pieces(step, &mut trainer, &mut comms, outputs.as_ref(), &whole)?,
+            false => None,
+        };
         let Some(out) = outputs.as_mut() else {
             checkpoints.wait_for_rank0(checkpoint_due && !in_background, comms.world)?;
             if stop {
@@ -127,17 +132,23 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
         record.overlap_ranks = overlap_ranks;
         record.stop_reason = verdict.stop.clone();
         out.record(&record)?;
-        if let Some(state) = full_state {
-            let extras = Extras { val_watch: watch.state(), spare: watch.best_step(), ema: ema.as_ref() };
+        let extras = || Extras { val_watch: watch.state(), spare: watch.best_step(), ema: ema.as_ref() };
+        let written = if let Some(state) = full_state {
             let at = (step, state, in_background);
-            let written = checkpoints.write(comms.world, out, at, &trainer, &whole, (extras, verdict.new_best))?;
-            if let (Some(path), true) = (written, stop) {
-                out.reporter.finish();
-                start.stop.announce(step, &path, &out.dir);
-                return Ok(());
+            checkpoints.write(comms.world, out, at, &trainer, &whole, (extras(), verdict.new_best))?
+        } else if let Some(tmp) = pieces {
+            let at = (step, tmp);
+            Some(checkpoints.commit_sharded(comms.world, out, at, &trainer, &whole, (extras(), verdict.new_best))?)
+        } else {
+            if checkpoint_due && !in_background {
+                checkpoints.skip_write(comms.world)?;
             }
-        } else if checkpoint_due && !in_background {
-            checkpoints.skip_write(comms.world)?;
+            None
+        };
+        if let (Some(path), true) = (written, stop) {
+            out.reporter.finish();
+            start.stop.announce(step, &path, &out.dir);
+            return Ok(());
         }
         if stop {
             return Ok(());
@@ -192,7 +203,20 @@ fn start_trainer(
     // the last lets them go, so they are not held for the whole run.
     let resume = start.resume.as_ref().and_then(|h| h.take());
     let pretrained = start.init_params.as_ref().and_then(|h| h.take());
-    let initial = resume.as_ref().map(|l| l.params.as_slice()).or(pretrained.as_deref().map(Vec::as_slice));
+    // A sharded checkpoint: each segment read when the trainer asks for it.
+    let whole = comms.whole_layout(model.layout()).clone();
+    let pieces = resume.as_ref().and_then(|l| l.sharded.clone());
+    let source = match &pieces {
+        Some(reader) => Some(super::pieces::ParamSource::new(reader, &whole, &comms.piece_map(model.layout(), false))?),
+        None => None,
+    };
+    let read_segment = |range| source.as_ref().map_or(Ok(Vec::new()), |s| s.segment(range));
+    let initial = match (&resume, &pretrained, &source) {
+        (_, _, Some(_)) => Initial::Segments(&read_segment),
+        (Some(l), _, None) => Initial::Params(&l.params),
+        (None, Some(p), None) => Initial::Params(p),
+        (None, None, None) => Initial::Fresh,
+    };
     let mut trainer = comms.trainer(plan, model, initial, offload_root)?;
     drop(pretrained);
     let mut first_step = 0;
@@ -205,15 +229,21 @@ fn start_trainer(
             })?);
         }
         let st = &l.state;
-        // Each slot's part for this rank, one slot at a time.
-        let mut bad = None;
-        let restored = trainer.restore_optimizer(st.schedule_step.unwrap_or(st.step), st.n_updates, |name| {
-            comms.own_state(l.optimizer.get(name)?).map_err(|e| bad = Some(e)).ok()
-        });
-        if let Some(e) = bad {
-            return Err(e.context(format!("the optimizer state of {}", l.dir.display())));
+        let position = (st.schedule_step.unwrap_or(st.step), st.n_updates);
+        if let Some(reader) = &pieces {
+            super::pieces::restore_optimizer(comms, &mut trainer, reader, position)
+                .with_context(|| format!("the optimizer state of {}", l.dir.display()))?;
+        } else {
+            // Each slot's part for this rank, one slot at a time.
+            let mut bad = None;
+            let restored = trainer.restore_optimizer(position.0, position.1, |name| {
+                comms.own_state(l.optimizer.get(name)?).map_err(|e| bad = Some(e)).ok()
+            });
+            if let Some(e) = bad {
+                return Err(e.context(format!("the optimizer state of {}", l.dir.display())));
+            }
+            restored?;
         }
-        restored?;
         if let Some(sc) = &st.loss_scaler {
             trainer.set_loss_scaler(sc.scale, sc.good_steps, sc.hysteresis_left, sc.n_skipped);
         }
