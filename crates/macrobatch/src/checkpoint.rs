@@ -270,6 +270,80 @@ fn publish(root: &Path, tmp: &Path, name: &str, step: u64, sharded: Option<shard
     }
 }
 
+/// A sharded run's final model (`train.checkpoint_sharded`): the run
+/// folder names the checkpoint of its last step instead of holding the
+/// gathered weights (which no rank need hold).
+pub const FINAL_POINTER: &str = "model.sharded.json";
+
+#[derive(Debug, Serialize, Deserialize)]
+struct FinalPointer {
+    /// The checkpoint folder, relative to the run folder.
+    checkpoint: String,
+    /// Its step.
+    step: u64,
+}
+
+/// Rank 0 of a sharded run: points the run folder's model at the
+/// checkpoint of `step`.
+pub fn write_final_pointer(run_dir: &Path, step: u64) -> Result<()> {
+    let p = FinalPointer { checkpoint: format!("checkpoints/{}", step_dir_name(step)), step };
+    nn::io::write_atomic(&run_dir.join(FINAL_POINTER), serde_json::to_string_pretty(&p)?.as_bytes())?;
+    Ok(())
+}
+
+/// The folder holding the model of `dir`: a sharded run folder's final
+/// checkpoint, else `dir` itself.
+pub fn model_dir(dir: &Path) -> Result<PathBuf> {
+    let ptr = dir.join(FINAL_POINTER);
+    if !ptr.is_file() {
+        return Ok(dir.to_path_buf());
+    }
+    let text = std::fs::read_to_string(&ptr).with_context(|| format!("cannot read {}", ptr.display()))?;
+    let p: FinalPointer = serde_json::from_str(&text).with_context(|| format!("{} is corrupt", ptr.display()))?;
+    let target = dir.join(&p.checkpoint);
+    if !target.is_dir() {
+        bail!(
+            "{} names the final model {} (a sharded checkpoint of step {}), which is gone; point at another checkpoint in {}",
+            ptr.display(),
+            target.display(),
+            p.step,
+            dir.join("checkpoints").display()
+        );
+    }
+    Ok(target)
+}
+
+/// Whether `dir` is a sharded checkpoint (its manifest lists pieces).
+pub fn is_sharded(dir: &Path) -> bool {
+    std::fs::read_to_string(dir.join(MANIFEST))
+        .ok()
+        .and_then(|t| serde_json::from_str::<Manifest>(&t).ok())
+        .is_some_and(|m| m.sharded.is_some())
+}
+
+/// The whole parameters of the sharded checkpoint `dir` (for `export`,
+/// `eval`, `generate`), read piece by piece into their places; `None` for
+/// any other folder.
+pub fn sharded_params(dir: &Path) -> Result<Option<family::Loaded>> {
+    if !is_sharded(dir) {
+        return Ok(None);
+    }
+    let index = validate(dir)?.sharded.context("manifest.json lost its pieces")?;
+    let reader = sharded::Reader::new(dir, index)?;
+    let model = family::read_hf_config(dir)?;
+    let layout = model.build(family::Build::default())?.layout().clone();
+    reader.check_layout(&layout)?;
+    let mut params = engine::alloc::try_zeros(layout.n_params(), "the model's parameters")?;
+    let wants: Vec<engine::Run> = (layout.tensors().iter().enumerate())
+        .map(|(tensor, t)| engine::Run { tensor, start: 0, len: t.numel(), stride: t.numel(), count: 1, at: t.offset })
+        .collect();
+    reader.read(sharded::PARAMS, &wants, |w, _, col, vals| {
+        params[w.at + col..w.at + col + vals.len()].copy_from_slice(vals);
+    })?;
+    family::check_finite(&layout, &params, dir)?;
+    Ok(Some((model, params)))
+}
+
 /// Errors naming the first tensor of `layout` with a non-finite value.
 pub fn check_finite(layout: &engine::ParamLayout, params: &[f32], what: &str) -> Result<()> {
     let Some(n) = layout.first_non_finite(params) else { return Ok(()) };

@@ -284,13 +284,15 @@ pub fn run(args: ExportArgs) -> Result<()> {
         fault.maybe_fire(0, 1)?;
     }
     saved::point_to_checkpoints(&args.run)?;
-    if args.run.is_dir() && !args.run.join(family::CONFIG_FILE).is_file() {
+    // A sharded run's model is its last checkpoint.
+    let model = crate::checkpoint::model_dir(&args.run)?;
+    if model.is_dir() && !model.join(family::CONFIG_FILE).is_file() {
         bail!(
             "{} holds no model (no config.json): export takes a finished run folder (train --out DIR), a Hugging Face folder or a GGUF file",
             args.run.display()
         );
     }
-    crate::memory::check_load(&args.run, &format!("export {}", args.run.display()))
+    crate::memory::check_load(&model, &format!("export {}", args.run.display()))
         .with_context(|| format!("cannot load a model from {}", args.run.display()))?;
     let (family, params) = crate::saved::load_whole(&args.run)
         .with_context(|| format!("cannot load a model from {}", args.run.display()))?;

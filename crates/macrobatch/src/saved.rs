@@ -23,7 +23,12 @@ use std::sync::Arc;
 /// the weights are read; `dequantize` holds every weight as f32, as
 /// [`family::load_hf`] does.
 pub(crate) fn load_for_inference(dir: &Path, what: &str, dequantize: bool) -> Result<family::Loaded> {
+    let dir = &crate::checkpoint::model_dir(dir)?;
     let shape = family::read_hf_config(dir)?;
+    if crate::checkpoint::is_sharded(dir) {
+        crate::memory::check_load_of(what, shape.n_params())?;
+        return load_whole(dir);
+    }
     if !dequantize {
         // A folder of adapters alone on a base held as its file's values:
         // that file is read as a model file is (its embedding packed too).
@@ -82,6 +87,10 @@ fn run_config(dir: &Path) -> Result<Option<config::Config>> {
 /// as the run held it — packed where the run packed it, then dequantised:
 /// the values the run trained on, not the source's where packing rounded.
 pub(crate) fn load_whole(dir: &Path) -> Result<family::Loaded> {
+    let dir = &crate::checkpoint::model_dir(dir)?;
+    if let Some(loaded) = crate::checkpoint::sharded_params(dir)? {
+        return Ok(loaded);
+    }
     let Some(base) = BaseRef::read(dir)? else { return family::load_hf(dir) };
     let shape = family::read_hf_config(dir)?;
     let run = run_base_packed(&shape, dir, Some(&base))?.unwrap_or(shape);
@@ -143,7 +152,8 @@ pub(crate) fn tokenizer_of(model: &Path) -> Result<Tokenizer> {
 /// A run folder stopped before its end holds checkpoints but no final
 /// model: say where the newest one is instead of "no config.json".
 pub(crate) fn point_to_checkpoints(dir: &Path) -> Result<()> {
-    if !dir.is_dir() || dir.join(family::WEIGHTS_FILE).exists() || dir.join(base_ref::FILE).exists() {
+    let has_model = [family::WEIGHTS_FILE, base_ref::FILE, crate::checkpoint::FINAL_POINTER];
+    if !dir.is_dir() || has_model.iter().any(|f| dir.join(f).exists()) || crate::checkpoint::is_sharded(dir) {
         return Ok(());
     }
     let newest = crate::checkpoint::list(dir).ok().and_then(|l| l.into_iter().max_by_key(|(step, _)| *step));

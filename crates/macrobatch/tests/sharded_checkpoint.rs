@@ -43,9 +43,16 @@ const D4: &[&str] =
 const W1: &[&str] =
     &["dist.world_size=1", "dist.tensor_parallel=1", "dist.pipeline_parallel=1", "batch.accumulation_steps=4"];
 
-/// The final weights' bytes (every tensor, in the saved order).
+/// The final weights' bytes (every tensor, in the saved order): the run
+/// folder's `model.safetensors`, or a sharded run's exported to one.
 fn weight_bytes(out: &Path) -> Vec<u8> {
-    std::fs::read(out.join("model.safetensors")).expect("final model.safetensors")
+    if out.join("model.safetensors").exists() {
+        return std::fs::read(out.join("model.safetensors")).unwrap();
+    }
+    let hf = out.join("exported");
+    let o = bin().arg("export").arg(out).args(["--format", "hf", "--out"]).arg(&hf).output().unwrap();
+    assert!(o.status.success(), "export {}: {}", out.display(), stderr(&o));
+    std::fs::read(hf.join("model.safetensors")).unwrap()
 }
 
 /// A run stopped after step 3 (its checkpoint written), sharded or whole.
@@ -190,4 +197,27 @@ fn sharded_checkpoints_refuse_what_they_do_not_combine_with() {
         &sets(&["train.checkpoint_sharded=true", "train.checkpoint_async=true"]),
         &["train.checkpoint_sharded", "train.checkpoint_async = false"],
     );
+}
+
+#[test]
+fn a_sharded_runs_final_model_is_its_last_checkpoint_for_generate_and_export() {
+    // Without train.checkpoint_every the last step is still written: it is
+    // the model. `generate` reads it where it is, `export` gathers it into
+    // the whole run's very file.
+    let two: &[&str] = &["dist.world_size=2", "train.checkpoint_every=0"];
+    let (sharded, whole) = (tmp("final-sharded"), tmp("final-whole"));
+    train_ok(&sharded, &sets(&[two, &["train.checkpoint_sharded=true"]].concat()));
+    train_ok(&whole, &sets(two));
+    assert!(sharded.join("model.sharded.json").exists() && !sharded.join("model.safetensors").exists());
+    assert!(sharded.join("checkpoints/step-00000006/rank-00001.bin").exists());
+    assert!(weight_bytes(&sharded) == weight_bytes(&whole), "exported weights differ from the whole run's");
+    let generated = |dir: &Path| {
+        let o =
+            bin().arg("generate").arg(dir).args(["--prompt", "Call me", "--max-new-tokens", "12"]).output().unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        o.stdout
+    };
+    assert_eq!(generated(&sharded), generated(&whole));
+    let _ = std::fs::remove_dir_all(&sharded);
+    let _ = std::fs::remove_dir_all(&whole);
 }

@@ -64,8 +64,9 @@ impl<'a> Checkpoints<'a> {
     /// Whether step `step` is saved: every `train.checkpoint_every` steps
     /// and the last, and whenever the ranks agreed to `stop`.
     pub fn due(&self, step: u64, stop: bool) -> bool {
-        let every = self.plan.cfg.train.checkpoint_every;
-        stop || (every > 0 && (step.is_multiple_of(every) || step == self.plan.cfg.train.steps))
+        let (every, last) = (self.plan.cfg.train.checkpoint_every, step == self.plan.cfg.train.steps);
+        // A sharded run's final model is its last checkpoint.
+        stop || (every > 0 && step.is_multiple_of(every)) || (last && (every > 0 || self.sharded()))
     }
 
     /// This rank's part in gathering the full state of a `due` step (a
@@ -351,6 +352,47 @@ impl<'a> Checkpoints<'a> {
         comms.full_params(trainer).with_context(what)
     }
 
+    /// Rank 0 of a sharded run, after the last step (whose checkpoint
+    /// holds the model): points the run folder at that checkpoint (no
+    /// rank gathers the weights), with `train.ema_decay` saves the
+    /// averaged model into `ema/` from `params` (rank 0 holds them all
+    /// where the average is allowed), and says where it went.
+    pub fn save_final_sharded(
+        &self,
+        out: Outputs,
+        layout: &ParamLayout,
+        params: &[f32],
+        (started, steps_done): (Instant, u64),
+        ema: Option<&Ema>,
+    ) -> Result<()> {
+        out.reporter.finish();
+        checkpoint::write_final_pointer(&out.dir, steps_done)?;
+        if let Some(ema) = ema {
+            self.save_ema(&out, layout, params, ema)?;
+        }
+        eprintln!(
+            "done: {} steps in {:.1}s; model saved to {} as the sharded checkpoint of step {steps_done} (try: macrobatch generate {} --prompt \"Call me\"; macrobatch export {} --format hf --out DIR for one file)",
+            steps_done,
+            started.elapsed().as_secs_f64(),
+            out.dir.display(),
+            out.dir.display(),
+            out.dir.display()
+        );
+        Ok(())
+    }
+
+    /// The averaged model (`train.ema_decay`) into `ema/`.
+    fn save_ema(&self, out: &Outputs, layout: &ParamLayout, params: &[f32], ema: &Ema) -> Result<()> {
+        let dir = out.dir.join(super::ema::DIR);
+        std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        let averaged = ema.model(params);
+        checkpoint::check_finite(layout, &averaged, "the moving average of the weights")?;
+        self.plan.family.save_hf(&dir, layout, &averaged)?;
+        self.plan.tokenizer.save_pretrained(&dir)?;
+        eprintln!("moving average of the weights (train.ema_decay) saved to {}", dir.display());
+        Ok(())
+    }
+
     /// The error of a final save that failed: says the model was not saved
     /// and what is kept (the newest checkpoint, if any), and first tries to
     /// keep the weights elsewhere — in the system's temporary folder, often
@@ -416,13 +458,7 @@ impl<'a> Checkpoints<'a> {
             return Err(self.final_save_failed(&out.dir, layout, params, steps_done, e));
         }
         if let Some(ema) = ema {
-            let dir = out.dir.join(super::ema::DIR);
-            std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-            let averaged = ema.model(params);
-            checkpoint::check_finite(layout, &averaged, "the moving average of the weights")?;
-            plan.family.save_hf(&dir, layout, &averaged)?;
-            plan.tokenizer.save_pretrained(&dir)?;
-            eprintln!("moving average of the weights (train.ema_decay) saved to {}", dir.display());
+            self.save_ema(&out, layout, params, ema)?;
         }
         if self.start.merge {
             match plan.family.merged(params)? {

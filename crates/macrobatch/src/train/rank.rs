@@ -169,6 +169,14 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
     if let Some(f) = start.fault.as_ref() {
         f.maybe_fire_in_final_save(rank, last_step)?;
     }
+    if checkpoints.sharded() {
+        if let Some(out) = outputs {
+            memory.write_file(&out, plan, whole.n_params(), &trainer, &per_rank)?;
+            let params = if ema.is_some() { trainer.params() } else { &[] };
+            checkpoints.save_final_sharded(out, &whole, params, (started, last_step), ema.as_ref())?;
+        }
+        return Ok(());
+    }
     let params = checkpoints.gather_final(&mut trainer, &mut comms)?;
     if let Some(out) = &outputs {
         memory.write_file(out, plan, whole.n_params(), &trainer, &per_rank)?;
