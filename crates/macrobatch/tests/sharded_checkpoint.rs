@@ -73,9 +73,30 @@ fn resumed_copy(from: &Path, tag: &str, layout: &[&str]) -> (Vec<f64>, Vec<u8>) 
     assert!(o.status.success(), "cp: {}", String::from_utf8_lossy(&o.stderr));
     let err = resume_ok(&to, layout);
     assert!(err.contains("step-00000003"), "{tag}: {err}");
+    within_plan(&to, tag, true);
     let got = (losses(&to), weight_bytes(&to));
     let _ = std::fs::remove_dir_all(&to);
     got
+}
+
+/// Every rank's heap while it loaded a sharded checkpoint and while it
+/// wrote its share (memory.json; 0 where it did not) within what `plan`
+/// gives that rank: each holds its share and bounded buffers, never the
+/// whole state.
+fn within_plan(run: &Path, tag: &str, resumed: bool) {
+    let text = std::fs::read_to_string(run.join("memory.json")).unwrap();
+    let m: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let list = |k: &str| -> Vec<u64> { m[k].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect() };
+    for (measured, planned) in
+        [("load_rank_heap", "planned_load_rank"), ("checkpoint_rank_heap", "planned_checkpoint_rank")]
+    {
+        for (r, (got, plan)) in list(measured).into_iter().zip(list(planned)).enumerate() {
+            assert!(got <= plan, "{tag}: rank {r}'s {measured} {got} B exceeds the plan's {plan} B");
+            // A sharded run wrote (and a resumed one read) on every rank.
+            let did = measured.starts_with("checkpoint") || resumed;
+            assert!(got > 0 || !run.join("model.sharded.json").exists() || !did, "{tag}: rank {r}: no {measured}");
+        }
+    }
 }
 
 /// Bytes of every rank's data file of a sharded checkpoint.
@@ -114,6 +135,7 @@ fn a_sharded_checkpoint_resumes_at_any_layout_bit_for_bit_as_the_whole_one() {
         // At the layout that wrote it: the uninterrupted run, bit for bit.
         let straight = tmp(&format!("straight-{tag}"));
         train_ok(&straight, &sets(&[&save[..], &["train.checkpoint_sharded=true"]].concat()));
+        within_plan(&straight, tag, false);
         let (l, w) = resumed_copy(&sharded, &format!("same-{tag}"), &[]);
         assert_eq!(l, losses(&straight), "{tag}: resumed at the same layout");
         assert!(w == weight_bytes(&straight), "{tag}: resumed weights differ from the uninterrupted run's");

@@ -174,12 +174,16 @@ pub struct Estimate {
     /// optimizer state gathered into one buffer each, one gathered segment
     /// (or an offloaded state file read back), and the write buffers. A stop
     /// signal may ask for a checkpoint after any step, so it always counts.
+    /// Sharded (`train.checkpoint_sharded`): every rank of the process at
+    /// once, each its share's write buffers (nothing gathered; the final
+    /// model is the last checkpoint).
     pub checkpoint: u64,
     /// Per process, before the first step: a checkpoint (`--resume`) or a
     /// pretrained model (`--init-from`) read — the file's bytes while they
     /// are converted —, then held while every rank's trainer allocates its
     /// model states (no activation exists yet). Counted for every run: its
-    /// own checkpoints must be resumable where it ran.
+    /// own checkpoints must be resumable where it ran. Sharded: each rank's
+    /// model states, one whole segment and one piece being read.
     pub load: u64,
     /// Per process: the kernels' per-thread workspace (GEMM packing buffers
     /// and the like), [`WORKSPACE_PER_THREAD`] × compute threads.
@@ -190,6 +194,13 @@ pub struct Estimate {
     /// Per process (rank 0's): the f32 moving average of the trainable
     /// weights (`train.ema_decay`; 0 when off).
     pub ema: u64,
+    /// Per rank, with `train.checkpoint_sharded`: its heap's growth while
+    /// it writes its share (`checkpoint` counts every rank of the process).
+    pub checkpoint_rank: u64,
+    /// Per rank, with `train.checkpoint_sharded`: its heap's peak while it
+    /// builds its trainer from a checkpoint's pieces (model states, one
+    /// whole segment, one piece, one slot as it holds it).
+    pub load_rank: u64,
 }
 
 /// Bytes of kernel workspace per compute thread: what the measured peak of
@@ -283,7 +294,32 @@ pub struct States {
     n_trainable: u64,
     /// f32 optimizer-state values per trainable parameter in a checkpoint.
     slots: u64,
+    /// Whether the state is converted to f32 for a checkpoint (8-bit,
+    /// factored), every slot at once.
+    converted: bool,
+    /// Elements of the largest whole tensor (a sharded checkpoint's
+    /// largest piece at any layout).
+    largest_tensor: u64,
+    /// Elements of the largest whole segment (what a sharded checkpoint's
+    /// load reads into at a time).
+    largest_segment: u64,
+    /// Tensors of the whole model.
+    n_tensors: u64,
 }
+
+impl States {
+    /// Bytes of a sharded checkpoint's manifest in memory, bounded: each
+    /// of `world` ranks writes at most three pieces (a partial row, rows,
+    /// a partial row) of each tensor of the parameters and of each slot,
+    /// each piece ~[`PIECE_ENTRY_BYTES`] parsed.
+    fn manifest_bytes(&self, world: usize) -> u64 {
+        3 * (1 + self.slots) * world as u64 * self.n_tensors * PIECE_ENTRY_BYTES
+    }
+}
+
+/// Bytes of one piece's entry in a manifest held in memory (its struct,
+/// tensor and file names, and checksum).
+const PIECE_ENTRY_BYTES: u64 = 320;
 
 /// The engine's accounting of one stage (the whole model without a pipeline).
 struct StageStates {
@@ -354,6 +390,9 @@ pub(crate) fn stage_states(plan: &Plan, knobs: Knobs, layers: Option<&[usize]>) 
         (stages, Some(stack))
     };
     let layout = model.layout();
+    let tp = knobs.tensor_parallel.max(1) as u64;
+    let largest_tensor = tp * layout.tensors().iter().map(|t| t.numel() as u64).max().unwrap_or(0);
+    let largest_segment = tp * segments.iter().map(|r| r.len() as u64).max().unwrap_or(0);
     let embedding = segments.first().cloned().unwrap_or(0..0);
     let embedding_grads = layout
         .tensors()
@@ -370,6 +409,10 @@ pub(crate) fn stage_states(plan: &Plan, knobs: Knobs, layers: Option<&[usize]>) 
         n_params,
         n_trainable,
         slots: slots.checkpoint_slots() as u64,
+        converted: !matches!(slots, engine::optim::StateSize::Slots(_)),
+        largest_tensor,
+        largest_segment,
+        n_tensors: layout.tensors().len() as u64,
     })
 }
 
@@ -494,9 +537,25 @@ pub(crate) fn stage_estimates(
             // moving average (rank 0's) with it.
             let ema = if cfg.train.ema_decay > 0.0 && spec.stage == 0 { g } else { 0 };
             let ema_copy = if cfg.train.checkpoint_async { ema } else { 0 };
-            let checkpoint = match spec.stage {
-                0 => p + state + parts + gather + offloaded_slot + WRITE_BUFFERS + ema_copy,
-                _ => own + gather + offloaded_slot,
+            // Sharded: every rank writes its share from where it lies — an
+            // offloaded slot read back, the state converted to f32 where it
+            // is not (8-bit, factored), a piece's values and bytes — and the
+            // final model is the last checkpoint. A load reads one whole
+            // segment (this rank's values in it) and one piece at a time,
+            // then each slot as the rank holds it.
+            let resident = 4 * if knobs.zero_stage >= 1 { st.n_trainable.div_ceil(dp as u64) } else { st.n_trainable };
+            let converted = if states.converted { states.slots * resident } else { 0 };
+            let piece = 8 * states.largest_tensor;
+            // Rank 0 also merges every rank's list of pieces into the manifest.
+            let manifest = if spec.stage == 0 { states.manifest_bytes(knobs.world_size) } else { 0 };
+            let checkpoint = match (cfg.train.checkpoint_sharded, spec.stage) {
+                (true, _) => offloaded_slot + converted + piece + WRITE_BUFFERS + manifest,
+                (false, 0) => p + state + parts + gather + offloaded_slot + WRITE_BUFFERS + ema_copy,
+                (false, _) => own + gather + offloaded_slot,
+            };
+            let load_buffers = match cfg.train.checkpoint_sharded {
+                true => 4 * states.largest_segment + piece + resident,
+                false => 0,
             };
             let model_states = (report.params + report.master + report.grads + report.optimizer + report.comm_buffers)
                 as u64
@@ -529,12 +588,14 @@ pub(crate) fn stage_estimates(
                 // then the optimizer file's bytes beside its converted
                 // values; afterwards the loaded state is held while every
                 // rank allocates its model states (counted below).
-                load: model_states,
+                load: model_states + load_buffers,
                 workspace: WORKSPACE_PER_THREAD * compute_threads(cfg) as u64,
                 frozen: frozen_bytes(plan),
                 // Rank 0 averages every trainable weight (the only layouts
                 // it runs in are unsplit: one stage).
                 ema,
+                checkpoint_rank: checkpoint,
+                load_rank: model_states + load_buffers,
             }
         })
         .collect();
@@ -545,13 +606,28 @@ pub(crate) fn stage_estimates(
     let ranks_total: u64 = out.iter().map(|e| stage_ranks * e.per_rank()).sum();
     let states_total: u64 = out.iter().map(|e| stage_ranks * e.load).sum();
     let read = p + p.max(2 * state);
+    // The process's ranks checkpoint at once when each writes its own share.
+    let writers = if cfg.train.checkpoint_sharded {
+        if all_ranks {
+            knobs.world_size as u64
+        } else {
+            rpp
+        }
+    } else {
+        1
+    };
     for e in &mut out {
         let (others, held) = match all_ranks {
             true => (ranks_total - e.per_rank(), states_total),
             false => ((rpp - 1) * e.per_rank(), e.load * rpp),
         };
         e.other_ranks = others;
-        e.load = read.max(p + state + held + comm_shared);
+        e.checkpoint *= writers;
+        // Sharded: no rank reads or holds the whole state.
+        e.load = match cfg.train.checkpoint_sharded {
+            true => held + comm_shared,
+            false => read.max(p + state + held + comm_shared),
+        };
     }
     Ok((out, schedule))
 }

@@ -66,6 +66,8 @@ pub struct Report {
     /// `train.checkpoint_async`: the checkpoint phase's state is held
     /// while the next steps run (the same bytes, on top of a step).
     pub checkpoint_async: bool,
+    /// `train.checkpoint_sharded`: every rank writes and reads its share.
+    pub checkpoint_sharded: bool,
 }
 
 /// The configured plan's rank grid with tensor parallelism.
@@ -243,6 +245,7 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
         tensor,
         frozen_dtype: plan.family.frozen_bytes().map_or("f32".into(), |f| f.formats),
         checkpoint_async: plan.cfg.train.checkpoint_async,
+        checkpoint_sharded: plan.cfg.train.checkpoint_sharded,
     })
 }
 
@@ -325,7 +328,8 @@ pub fn render(r: &Report) -> String {
     if e.other_ranks > 0 && r.pipeline.is_some() {
         out += &format!("  (of which the process's other ranks, every stage's: {})\n", human(e.other_ranks));
     }
-    out += &format!("  per process {:<32} {:>12}\n", "+ checkpoint / save (rank 0)", human(e.checkpoint));
+    let who = if r.checkpoint_sharded { "+ checkpoint (sharded, every rank)" } else { "+ checkpoint / save (rank 0)" };
+    out += &format!("  per process {:<32} {:>12}\n", who, human(e.checkpoint));
     if r.checkpoint_async {
         out += "  (train.checkpoint_async: a checkpoint's state is held, one at a time, while the next steps run)\n";
     }

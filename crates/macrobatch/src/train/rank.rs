@@ -48,7 +48,11 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
     let whole = comms.whole_layout(model.layout()).clone();
     let mut memory = MemoryWatch::new(plan, heap_base)?;
     let offload_root = start.offload_root.get().context("the run folder is not known yet")?;
+    let load_base = heap::mark();
     let (mut trainer, first_step, resumed) = start_trainer(plan, &model, &mut comms, start, offload_root)?;
+    if start.resume.is_some() && plan.cfg.train.checkpoint_sharded {
+        memory.load_heap = Some((heap::peak_since_mark() - load_base).max(0) as u64);
+    }
     let mut watch = ValWatch::new(&cfg.train, resumed.val_watch);
     // Rank 0 keeps the moving average (it holds every f32 weight; config
     // validation refuses the layouts where it does not).
@@ -108,7 +112,13 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
         let sharded = checkpoint_due && checkpoints.sharded();
         let full_state = checkpoints.gather(checkpoint_due && !sharded, step, &mut trainer, &mut comms)?;
         let pieces = match sharded {
-            true => checkpoints.write_pieces(step, &mut trainer, &mut comms, outputs.as_ref(), &whole)?,
+            true => {
+                let base = heap::mark();
+                let tmp = checkpoints.write_pieces(step, &mut trainer, &mut comms, outputs.as_ref(), &whole)?;
+                let grew = (heap::peak_since_mark() - base).max(0) as u64;
+                memory.checkpoint_heap = Some(memory.checkpoint_heap.unwrap_or(0).max(grew));
+                tmp
+            }
             false => None,
         };
         let Some(out) = outputs.as_mut() else {

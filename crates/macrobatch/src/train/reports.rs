@@ -129,6 +129,12 @@ pub struct MemoryWatch {
     first_step_growth: Option<u64>,
     /// Resident bytes before the trainer existed.
     rss_before: Option<u64>,
+    /// The rank's heap peak while it built its trainer from a sharded
+    /// checkpoint, above its live bytes before.
+    pub load_heap: Option<u64>,
+    /// The rank's largest heap growth while writing its share of a
+    /// sharded checkpoint.
+    pub checkpoint_heap: Option<u64>,
     /// Resident-set growth over the trainer and first step, less the
     /// accounted activations and collective buffers.
     model_states_rss: Option<u64>,
@@ -148,6 +154,8 @@ impl MemoryWatch {
             first_step_growth: None,
             rss_before: proc_status_bytes("VmRSS:"),
             model_states_rss: None,
+            load_heap: None,
+            checkpoint_heap: None,
         })
     }
 
@@ -214,6 +222,8 @@ impl MemoryWatch {
             m.master as f64,
             self.first_step_heap.unwrap_or(0) as f64,
             self.planned_rank(comm.rank()) as f64,
+            self.load_heap.unwrap_or(0) as f64,
+            self.checkpoint_heap.unwrap_or(0) as f64,
         ];
         let mut all = vec![0.0f64; PER_RANK * comm.world_size()];
         all[PER_RANK * comm.rank()..][..PER_RANK].copy_from_slice(&mine);
@@ -271,6 +281,10 @@ impl MemoryWatch {
             predicted: self.predicted,
             measured_model_states: kib(1),
             ranks,
+            load_rank_heap: per_rank(9),
+            checkpoint_rank_heap: per_rank(10),
+            planned_load_rank: (0..world).map(|r| self.stages[grid.stage_of(r)].load_rank).collect(),
+            planned_checkpoint_rank: (0..world).map(|r| self.stages[grid.stage_of(r)].checkpoint_rank).collect(),
         };
         nn::io::write_atomic(&out.dir.join("memory.json"), serde_json::to_string_pretty(&file)?.as_bytes())?;
         Ok(())
@@ -278,7 +292,7 @@ impl MemoryWatch {
 }
 
 /// Values per rank in [`MemoryWatch::gather`].
-const PER_RANK: usize = 9;
+const PER_RANK: usize = 11;
 
 /// One rank of a pipeline or tensor-parallel run: where it sits in the
 /// grid and what its trainer holds.
@@ -343,6 +357,15 @@ struct MemoryFile {
     /// and accounting (`accounting` above is rank 0's).
     #[serde(skip_serializing_if = "Option::is_none")]
     ranks: Option<Vec<RankMemory>>,
+    /// Per rank, resumed from a sharded checkpoint: its heap peak while it
+    /// built its trainer from the pieces, above its bytes before (0: not).
+    load_rank_heap: Vec<u64>,
+    /// Per rank, with sharded checkpoints: its largest heap growth while
+    /// writing its share (0: none written).
+    checkpoint_rank_heap: Vec<u64>,
+    /// What the plan gives each of them (`load_rank`, `checkpoint_rank`).
+    planned_load_rank: Vec<u64>,
+    planned_checkpoint_rank: Vec<u64>,
 }
 
 /// The per-rank model-state bytes of docs/contract.md (Memory) in f32 (params 4Ψ, grads 4Ψ, AdamW
