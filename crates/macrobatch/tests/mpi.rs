@@ -291,3 +291,53 @@ fn zero_memory_matches_the_formulas_under_mpirun() {
         let _ = std::fs::remove_dir_all(&out);
     }
 }
+
+/// The final weights of a run folder: its `model.safetensors`, or a
+/// sharded run's last checkpoint exported to one.
+fn final_weights(out: &std::path::Path) -> Vec<f32> {
+    if out.join("model.safetensors").exists() {
+        return weights(out);
+    }
+    let hf = out.join("exported");
+    let o = bin().arg("export").arg(out).args(["--format", "hf", "--out"]).arg(&hf).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    weights(&hf)
+}
+
+/// Sharded checkpoints under mpirun: each process writes its own pieces
+/// into the run folder and rank 0's publishes them; a rank killed in the
+/// checkpoint phase leaves the previous checkpoint, which resumes to the
+/// uninterrupted job's weights; a job stopped at -np 2 resumes at -np 4
+/// to the weights of the whole checkpoint's resume there.
+#[test]
+fn sharded_checkpoints_under_mpirun_resume_after_a_kill_and_at_another_process_count() {
+    let s = sets(&["train.steps=5", "train.checkpoint_every=2", "dist.timeout_s=10", "dist.zero_stage=3"]);
+    let sharded = [&s[..], &["train.checkpoint_sharded=true"]].concat();
+    let straight = tmp("mpi-sharded-straight");
+    let o = mpirun(2, &straight, &sharded, None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(straight.join("checkpoints/step-00000004/rank-00001.bin").exists());
+    let want = final_weights(&straight);
+    let killed = tmp("mpi-sharded-killed");
+    let o = mpirun(2, &killed, &sharded, Some("rank=1,step=4,kind=kill,phase=checkpoint"));
+    assert!(!o.status.success());
+    assert!(!killed.join("checkpoints/step-00000004").exists(), "a checkpoint a rank died writing is published");
+    let o = mpirun_train(2, &[std::ffi::OsStr::new("--resume"), killed.as_os_str()], &[], None);
+    assert!(o.status.success() && stderr(&o).contains("step-00000002"), "{}", stderr(&o));
+    assert!(final_weights(&killed) == want, "the resumed job's weights are the uninterrupted job's");
+    // Stopped at step 2 on two processes, continued on four.
+    let mut resumed = Vec::new();
+    for (tag, set) in [("sharded", &sharded[..]), ("whole", &s[..])] {
+        let out = tmp(&format!("mpi-np2-np4-{tag}"));
+        let args = [std::ffi::OsStr::new("--out"), out.as_os_str(), "--stop-after".as_ref(), "2".as_ref()];
+        let o = mpirun_train(2, &args, set, None);
+        assert!(o.status.success(), "{tag}: {}", stderr(&o));
+        let o = mpirun_train(4, &[std::ffi::OsStr::new("--resume"), out.as_os_str()], &[], None);
+        assert!(o.status.success(), "{tag}: {}", stderr(&o));
+        resumed.push(final_weights(&out));
+        let _ = std::fs::remove_dir_all(&out);
+    }
+    assert!(resumed[0] == resumed[1], "-np 4 from the sharded checkpoint and from the whole one differ");
+    let _ = std::fs::remove_dir_all(&straight);
+    let _ = std::fs::remove_dir_all(&killed);
+}
