@@ -66,6 +66,53 @@ where
     bail!("training failed on {} of {world} ranks:\n  {}", failures.len() + (world - n_done), msg.join("\n  "))
 }
 
+/// Runs `work` on a thread of scope `s`; its result (a panic as the error
+/// `panicked`) comes on the returned channel.
+fn spawn_reporting<'s, T: Send + 's>(
+    s: &'s std::thread::Scope<'s, '_>,
+    work: impl FnOnce() -> Result<T> + Send + 's,
+    panicked: &'static str,
+) -> mpsc::Receiver<Result<T>> {
+    let (tx, rx) = mpsc::channel();
+    s.spawn(move || {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)).unwrap_or_else(|_| Err(anyhow!(panicked)));
+        let _ = tx.send(r);
+    });
+    rx
+}
+
+/// Runs every rank's own `work` (writing its share of a sharded
+/// checkpoint) on a thread while the rank answers tiny all-reduces every
+/// `interval` until every rank's work is done — so work of any length, and
+/// ranks finishing far apart, never count against `dist.timeout_s`, while
+/// a rank that dies is still noticed within it. Returns this rank's result
+/// and how many ranks' work failed (the same count on every rank). Every
+/// rank must call it at the same point.
+pub fn all_ranks_phase<T: Send>(
+    comm: &mut dyn Communicator,
+    interval: Duration,
+    work: impl FnOnce() -> Result<T> + Send,
+) -> Result<(Result<T>, usize)> {
+    std::thread::scope(|s| {
+        let rx = spawn_reporting(s, work, "this rank's checkpoint writer panicked");
+        let mut mine = None;
+        loop {
+            if mine.is_none() {
+                mine = match rx.recv_timeout(interval) {
+                    Err(mpsc::RecvTimeoutError::Timeout) => None,
+                    Ok(r) => Some(r),
+                    Err(mpsc::RecvTimeoutError::Disconnected) => Some(Err(anyhow!("the checkpoint writer vanished"))),
+                };
+            }
+            let mut state = [mine.is_some() as u8 as f64, mine.as_ref().is_some_and(|r| r.is_err()) as u8 as f64];
+            comm.all_reduce_sum_f64(&mut state)?;
+            if let (true, Some(r)) = (state[0] as usize == comm.world_size(), mine.take()) {
+                return Ok((r, state[1] as usize));
+            }
+        }
+    })
+}
+
 /// Runs `work` (rank 0's alone: writing a checkpoint) while every other rank
 /// waits in tiny all-reduces that rank 0 answers every `interval` — so
 /// rank-0-only work of any length never counts against the others'
@@ -90,12 +137,7 @@ pub fn rank0_phase<T: Send>(
         return work().map(Some);
     }
     std::thread::scope(|s| {
-        let (tx, rx) = mpsc::channel();
-        s.spawn(move || {
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work))
-                .unwrap_or_else(|_| Err(anyhow!("rank 0 panicked while writing a checkpoint")));
-            let _ = tx.send(r);
-        });
+        let rx = spawn_reporting(s, work, "rank 0 panicked while writing a checkpoint");
         loop {
             let r = match rx.recv_timeout(interval) {
                 Err(mpsc::RecvTimeoutError::Timeout) => None,

@@ -321,6 +321,8 @@ fn sharded_checkpoints_under_mpirun_resume_after_a_kill_and_at_another_process_c
     let killed = tmp("mpi-sharded-killed");
     let o = mpirun(2, &killed, &sharded, Some("rank=1,step=4,kind=kill,phase=checkpoint"));
     assert!(!o.status.success());
+    // Rank 1 died with its pieces written, before every rank agreed.
+    assert!(killed.join("checkpoints/.tmp-step-00000004-sharded/rank-00001.bin").exists());
     assert!(!killed.join("checkpoints/step-00000004").exists(), "a checkpoint a rank died writing is published");
     let o = mpirun_train(2, &[std::ffi::OsStr::new("--resume"), killed.as_os_str()], &[], None);
     assert!(o.status.success() && stderr(&o).contains("step-00000002"), "{}", stderr(&o));
@@ -329,8 +331,10 @@ fn sharded_checkpoints_under_mpirun_resume_after_a_kill_and_at_another_process_c
     let mut resumed = Vec::new();
     for (tag, set) in [("sharded", &sharded[..]), ("whole", &s[..])] {
         let out = tmp(&format!("mpi-np2-np4-{tag}"));
+        // micro 4 × K 2 × 2 ranks; resumed on 4, K becomes 1.
+        let set = [set, &["batch.micro=4"]].concat();
         let args = [std::ffi::OsStr::new("--out"), out.as_os_str(), "--stop-after".as_ref(), "2".as_ref()];
-        let o = mpirun_train(2, &args, set, None);
+        let o = mpirun_train(2, &args, &set, None);
         assert!(o.status.success(), "{tag}: {}", stderr(&o));
         let o = mpirun_train(4, &[std::ffi::OsStr::new("--resume"), out.as_os_str()], &[], None);
         assert!(o.status.success(), "{tag}: {}", stderr(&o));

@@ -81,8 +81,10 @@ fn resumed_copy(from: &Path, tag: &str, layout: &[&str]) -> (Vec<f64>, Vec<u8>) 
 
 /// Every rank's heap while it loaded a sharded checkpoint and while it
 /// wrote its share (memory.json; 0 where it did not) within what `plan`
-/// gives that rank: each holds its share and bounded buffers, never the
-/// whole state.
+/// gives that rank, and the 10% every fit keeps above it (the trainer's
+/// tables besides its buffers; tests/plan_tensor.rs holds the step's plan
+/// to the same): each holds its share and bounded buffers, never the whole
+/// state.
 fn within_plan(run: &Path, tag: &str, resumed: bool) {
     let text = std::fs::read_to_string(run.join("memory.json")).unwrap();
     let m: serde_json::Value = serde_json::from_str(&text).unwrap();
@@ -91,7 +93,8 @@ fn within_plan(run: &Path, tag: &str, resumed: bool) {
         [("load_rank_heap", "planned_load_rank"), ("checkpoint_rank_heap", "planned_checkpoint_rank")]
     {
         for (r, (got, plan)) in list(measured).into_iter().zip(list(planned)).enumerate() {
-            assert!(got <= plan, "{tag}: rank {r}'s {measured} {got} B exceeds the plan's {plan} B");
+            let bound = plan + plan / 10;
+            assert!(got <= bound, "{tag}: rank {r}'s {measured} {got} B exceeds the plan's {plan} B + 10%");
             // A sharded run wrote (and a resumed one read) on every rank.
             let did = measured.starts_with("checkpoint") || resumed;
             assert!(got > 0 || !run.join("model.sharded.json").exists() || !did, "{tag}: rank {r}: no {measured}");
@@ -242,4 +245,53 @@ fn a_sharded_runs_final_model_is_its_last_checkpoint_for_generate_and_export() {
     assert_eq!(generated(&sharded), generated(&whole));
     let _ = std::fs::remove_dir_all(&sharded);
     let _ = std::fs::remove_dir_all(&whole);
+}
+
+/// Llama with grouped-query attention: 4 query heads sharing 2 key/value
+/// heads, so at T = 4 pairs of tensor ranks hold the same key/value piece
+/// (one of them writes it).
+const LLAMA: &[&str] = &[
+    "model.family=llama",
+    "model.n_kv_head=2",
+    "model.intermediate_size=64",
+    "dist.world_size=4",
+    "dist.tensor_parallel=4",
+    "batch.accumulation_steps=4",
+];
+
+/// A run's settings, the layout that saved it and the layout it resumes at.
+type Case<'a> = (&'a str, Vec<&'a str>, &'a [&'a str], &'a [&'a str]);
+
+#[test]
+fn every_optimizer_split_and_frozen_set_resumes_from_pieces_as_from_the_whole_checkpoint() {
+    let one: &[&str] =
+        &["dist.world_size=1", "dist.tensor_parallel=1", "dist.pipeline_parallel=1", "batch.accumulation_steps=4"];
+    let d2: &[&str] =
+        &["dist.world_size=2", "dist.tensor_parallel=1", "dist.pipeline_parallel=1", "batch.accumulation_steps=2"];
+    let d2_zero2: &[&str] = &["dist.world_size=2", "dist.zero_stage=2", "batch.accumulation_steps=2"];
+    let p2d2_zero1: &[&str] =
+        &["dist.world_size=4", "dist.pipeline_parallel=2", "dist.zero_stage=1", "batch.accumulation_steps=2"];
+    let d4_zero3: &[&str] = &["dist.world_size=4", "dist.zero_stage=3", "batch.accumulation_steps=1"];
+    let frozen = "train.trainable=[\"transformer.h.1.*\", \"transformer.wte.weight\"]";
+    // (tag, the run's settings, where it was saved, where it resumes)
+    let cases: [Case; 5] = [
+        ("gqa-t4", LLAMA.to_vec(), &[], d2),
+        ("adamw8bit-zero2", vec!["optim.name=adamw8bit"], d2_zero2, d4_zero3),
+        ("adafactor-p2d2", vec!["optim.name=adafactor", "optim.adafactor.beta1=0.9"], p2d2_zero1, one),
+        ("frozen-zero2", vec![frozen], d2_zero2, p2d2_zero1),
+        ("bf16-zero1-master-sharded", vec!["train.precision=bf16", "dist.zero_stage=1"], d2, d4_zero3),
+    ];
+    for (tag, run, save, at) in cases {
+        let save = [&run[..], save].concat();
+        let sharded = stopped(&format!("cov-s-{tag}"), &save, true);
+        let whole = stopped(&format!("cov-w-{tag}"), &save, false);
+        let at = [&run[..], at].concat();
+        let a = resumed_copy(&sharded, &format!("cov-rs-{tag}"), &at);
+        let b = resumed_copy(&whole, &format!("cov-rw-{tag}"), &at);
+        assert_eq!(a.0.len(), 6, "{tag}");
+        assert_eq!(a.0, b.0, "{tag}: losses of the sharded and the whole checkpoint's resumes");
+        assert!(a.1 == b.1, "{tag}: final weights of the sharded and the whole checkpoint's resumes differ");
+        let _ = std::fs::remove_dir_all(&sharded);
+        let _ = std::fs::remove_dir_all(&whole);
+    }
 }

@@ -17,7 +17,6 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -114,7 +113,8 @@ impl RankWriter {
     /// Appends the values of `run` (of tensor `tensor`) of `buffer`.
     pub fn put(&mut self, buffer: &str, tensor: &str, run: &Run, values: &[f32]) -> Result<()> {
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        self.file.write_all(&bytes).with_context(|| format!("cannot write {}", self.path.display()))?;
+        nn::io::write_all_budgeted(&mut self.file, &bytes)
+            .with_context(|| format!("cannot write {}", self.path.display()))?;
         self.pieces.push(Piece {
             buffer: buffer.to_string(),
             tensor: tensor.to_string(),
@@ -185,7 +185,7 @@ pub struct Reader {
     index: Index,
     /// Piece indices by (buffer, tensor index).
     by: HashMap<(String, usize), Vec<usize>>,
-    files: Mutex<HashMap<String, File>>,
+    files: Mutex<HashMap<String, std::sync::Arc<File>>>,
 }
 
 impl Reader {
@@ -283,19 +283,20 @@ impl Reader {
     /// A piece's values, checked against its checksum.
     fn piece_data(&self, p: &Piece) -> Result<Vec<f32>> {
         let mut bytes = vec![0u8; p.numel() * 4];
-        {
+        // The table is held only to find the file: ranks read at once.
+        let f = {
             let mut files = self.files.lock().map_err(|_| anyhow::anyhow!("checkpoint file table poisoned"))?;
-            let f = match files.get(&p.file) {
-                Some(f) => f,
+            match files.get(&p.file) {
+                Some(f) => f.clone(),
                 None => {
                     let path = self.dir.join(&p.file);
                     let f = File::open(&path).with_context(|| format!("cannot open {}", path.display()))?;
-                    files.entry(p.file.clone()).or_insert(f)
+                    files.entry(p.file.clone()).or_insert(std::sync::Arc::new(f)).clone()
                 }
-            };
-            f.read_exact_at(&mut bytes, p.offset)
-                .with_context(|| format!("cannot read {} bytes at {} of {}", bytes.len(), p.offset, p.file))?;
-        }
+            }
+        };
+        f.read_exact_at(&mut bytes, p.offset)
+            .with_context(|| format!("cannot read {} bytes at {} of {}", bytes.len(), p.offset, p.file))?;
         let sha = hex(&Sha256::digest(&bytes));
         if sha != p.sha256 {
             bail!(

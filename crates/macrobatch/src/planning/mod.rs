@@ -305,6 +305,10 @@ pub struct States {
     largest_segment: u64,
     /// Tensors of the whole model.
     n_tensors: u64,
+    /// Segments of the model, and the multiple a ZeRO piece of one is
+    /// rounded to.
+    n_segments: u64,
+    align: u64,
 }
 
 impl States {
@@ -413,6 +417,8 @@ pub(crate) fn stage_states(plan: &Plan, knobs: Knobs, layers: Option<&[usize]>) 
         largest_tensor,
         largest_segment,
         n_tensors: layout.tensors().len() as u64,
+        n_segments: segments.len() as u64,
+        align: slots.shard_align() as u64,
     })
 }
 
@@ -543,7 +549,14 @@ pub(crate) fn stage_estimates(
             // final model is the last checkpoint. A load reads one whole
             // segment (this rank's values in it) and one piece at a time,
             // then each slot as the rank holds it.
-            let resident = 4 * if knobs.zero_stage >= 1 { st.n_trainable.div_ceil(dp as u64) } else { st.n_trainable };
+            // One slot as the rank holds it: its shard, each segment's piece
+            // rounded up to the optimizer's block (8-bit: 2048).
+            let resident = 4 * match knobs.zero_stage >= 1 {
+                true => st.n_trainable.div_ceil(dp as u64) + states.n_segments * states.align,
+                false => st.n_trainable,
+            };
+            // 8-bit and factored state is converted to and from f32 every
+            // slot at once.
             let converted = if states.converted { states.slots * resident } else { 0 };
             let piece = 8 * states.largest_tensor;
             // Rank 0 also merges every rank's list of pieces into the manifest.
@@ -554,7 +567,7 @@ pub(crate) fn stage_estimates(
                 (false, _) => own + gather + offloaded_slot,
             };
             let load_buffers = match cfg.train.checkpoint_sharded {
-                true => 4 * states.largest_segment + piece + resident,
+                true => 4 * states.largest_segment + piece + resident.max(converted),
                 false => 0,
             };
             let model_states = (report.params + report.master + report.grads + report.optimizer + report.comm_buffers)

@@ -10,7 +10,7 @@ use crate::checkpoint::{self, TrainerState, ValWatchState};
 use crate::family::base_ref::{self, BaseRef};
 use crate::family::{Build, Family};
 use crate::heap::{self, Phase};
-use crate::ranks::rank0_phase;
+use crate::ranks::{all_ranks_phase, rank0_phase};
 use crate::setup::{FullState, Plan, RankComms};
 use anyhow::{bail, Context, Result};
 use comm::Communicator;
@@ -192,44 +192,51 @@ impl<'a> Checkpoints<'a> {
         comms: &mut RankComms,
         out: Option<&Outputs>,
         whole: &ParamLayout,
-    ) -> Result<Option<PathBuf>> {
+    ) -> Result<(Option<PathBuf>, u64)> {
         heap::set_phase(Phase::Checkpoint);
-        let run_dir = match out {
-            Some(o) => o.dir.clone(),
-            None => self
-                .start
-                .offload_root
-                .get()
-                .and_then(|p| p.parent())
-                .context("the run folder is not known yet")?
-                .to_path_buf(),
-        };
+        // Rank 0's run folder: another process may have planned another name.
+        let run_dir = broadcast_path(comms.world, out.map(|o| o.dir.as_path()))?;
         let tmp = checkpoint::sharded_tmp(&run_dir, step);
+        // A folder rank 0 could not make fails its own write, so the
+        // failure is every rank's (the others' writes fail too).
         let prepare = out.map(|_| {
-            || -> Result<()> {
-                if tmp.exists() {
-                    std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot clear {}", tmp.display()))?;
-                }
-                std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))
+            || -> Result<Result<()>> {
+                Ok((|| {
+                    if tmp.exists() {
+                        std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot clear {}", tmp.display()))?;
+                    }
+                    std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))
+                })())
             }
         });
-        rank0_phase(comms.world, self.heartbeat, prepare)?;
-        let poison = out.is_some() && self.start.fault.is_some_and(|f| f.poisons(step));
-        let mine = super::pieces::write(comms, trainer, whole, &tmp, poison)
-            .with_context(|| format!("writing this rank's pieces of the checkpoint of step {step}"));
-        let mut failed = [mine.is_err() as u8 as f64];
-        comms.world.all_reduce_sum_f64(&mut failed)?;
-        if failed[0] > 0.0 {
+        let prepared = rank0_phase(comms.world, self.heartbeat, prepare)?.unwrap_or(Ok(()));
+        let (fault, rank) = (self.start.fault, comms.world.rank());
+        let poison = out.is_some() && fault.is_some_and(|f| f.poisons(step));
+        let share = super::pieces::Share::of(comms, trainer);
+        // On a thread of its own (its heap counted there): every rank
+        // heartbeats until all are done, however long the slowest takes.
+        let work = || -> Result<u64> {
+            prepared?;
+            let base = heap::mark();
+            super::pieces::write(&share, trainer, whole, &tmp, poison)?;
+            // A test fault: the rank dies or fails with its pieces written.
+            if let Some(f) = fault {
+                f.maybe_fire_in_checkpoint(rank, step)?;
+            }
+            Ok((heap::peak_since_mark() - base).max(0) as u64)
+        };
+        let (mine, failed) = all_ranks_phase(comms.world, self.heartbeat, work)?;
+        let mine = mine.with_context(|| format!("writing this rank's pieces of the checkpoint of step {step}"));
+        if failed > 0 {
             if out.is_some() {
                 checkpoint::discard(&run_dir, &tmp);
             }
             mine?;
             bail!(
-                "{} rank(s) could not write their pieces of the checkpoint of step {step} (see their errors); nothing was published and the previous checkpoints stay",
-                failed[0]
+                "{failed} rank(s) could not write their pieces of the checkpoint of step {step} (see their errors); nothing was published and the previous checkpoints stay"
             );
         }
-        Ok(out.map(|_| tmp))
+        Ok((out.map(|_| tmp), mine?))
     }
 
     /// Rank 0, after [`Checkpoints::write_pieces`], while the other ranks
@@ -352,35 +359,6 @@ impl<'a> Checkpoints<'a> {
         comms.full_params(trainer).with_context(what)
     }
 
-    /// Rank 0 of a sharded run, after the last step (whose checkpoint
-    /// holds the model): points the run folder at that checkpoint (no
-    /// rank gathers the weights), with `train.ema_decay` saves the
-    /// averaged model into `ema/` from `params` (rank 0 holds them all
-    /// where the average is allowed), and says where it went.
-    pub fn save_final_sharded(
-        &self,
-        out: Outputs,
-        layout: &ParamLayout,
-        params: &[f32],
-        (started, steps_done): (Instant, u64),
-        ema: Option<&Ema>,
-    ) -> Result<()> {
-        out.reporter.finish();
-        checkpoint::write_final_pointer(&out.dir, steps_done)?;
-        if let Some(ema) = ema {
-            self.save_ema(&out, layout, params, ema)?;
-        }
-        eprintln!(
-            "done: {} steps in {:.1}s; model saved to {} as the sharded checkpoint of step {steps_done} (try: macrobatch generate {} --prompt \"Call me\"; macrobatch export {} --format hf --out DIR for one file)",
-            steps_done,
-            started.elapsed().as_secs_f64(),
-            out.dir.display(),
-            out.dir.display(),
-            out.dir.display()
-        );
-        Ok(())
-    }
-
     /// The averaged model (`train.ema_decay`) into `ema/`.
     fn save_ema(&self, out: &Outputs, layout: &ParamLayout, params: &[f32], ema: &Ema) -> Result<()> {
         let dir = out.dir.join(super::ema::DIR);
@@ -435,7 +413,9 @@ impl<'a> Checkpoints<'a> {
         ))
     }
 
-    /// Rank 0: saves the final model (checked finite) into the run folder,
+    /// Rank 0: saves the final model (checked finite) into the run folder
+    /// (a sharded run: points it at its last checkpoint, which holds the
+    /// model; `params` then serve only the moving average),
     /// with `train.ema_decay` the averaged model into `ema/`, with
     /// `--merge` also the model with its adapters folded in, and says
     /// where it went; `steps_done`: the run's last step.
@@ -449,13 +429,28 @@ impl<'a> Checkpoints<'a> {
     ) -> Result<()> {
         let plan = self.plan;
         out.reporter.finish();
-        checkpoint::check_finite(layout, params, "final parameters")?;
-        let saved = match &self.start.base {
-            Some(base) => base_ref::save(&out.dir, plan.family.as_ref(), (layout, params), base),
-            None => plan.family.save_hf(&out.dir, layout, params).map_err(Into::into),
+        let mut saved_as = String::new();
+        if self.sharded() {
+            // The last step's checkpoint holds the model: no rank gathers it.
+            checkpoint::write_final_pointer(&out.dir, steps_done)?;
+            saved_as = format!(" as the sharded checkpoint of step {steps_done}");
+        } else {
+            checkpoint::check_finite(layout, params, "final parameters")?;
+            let saved = match &self.start.base {
+                Some(base) => base_ref::save(&out.dir, plan.family.as_ref(), (layout, params), base),
+                None => plan.family.save_hf(&out.dir, layout, params).map_err(Into::into),
+            };
+            if let Err(e) = saved {
+                return Err(self.final_save_failed(&out.dir, layout, params, steps_done, e));
+            }
+        }
+        // The other kind's final model, from an earlier part of this run, is superseded.
+        let stale: &[&str] = match self.sharded() {
+            true => &[crate::family::WEIGHTS_FILE, crate::family::CONFIG_FILE],
+            false => &[checkpoint::FINAL_POINTER],
         };
-        if let Err(e) = saved {
-            return Err(self.final_save_failed(&out.dir, layout, params, steps_done, e));
+        for f in stale {
+            let _ = std::fs::remove_file(out.dir.join(f));
         }
         if let Some(ema) = ema {
             self.save_ema(&out, layout, params, ema)?;
@@ -474,7 +469,7 @@ impl<'a> Checkpoints<'a> {
             }
         }
         eprintln!(
-            "done: {} steps in {:.1}s; model saved to {} (try: macrobatch generate {} --prompt \"Call me\")",
+            "done: {} steps in {:.1}s; model saved to {}{saved_as} (try: macrobatch generate {} --prompt \"Call me\")",
             steps_done,
             started.elapsed().as_secs_f64(),
             out.dir.display(),
@@ -482,6 +477,31 @@ impl<'a> Checkpoints<'a> {
         );
         Ok(())
     }
+}
+
+/// Rank 0's `path` on every rank of `comm` (a collective; `Some` on rank
+/// 0 only), sent as its bytes.
+fn broadcast_path(comm: &mut dyn Communicator, path: Option<&Path>) -> Result<PathBuf> {
+    use std::os::unix::ffi::{OsStrExt, OsStringExt};
+    const MAX: usize = 4096;
+    let mut buf = vec![0.0f32; MAX + 1];
+    // Absolute: another process may run from another folder. A path that
+    // cannot be resolved goes as empty: every rank refuses it alike.
+    if let Some(p) = path.and_then(|p| std::path::absolute(p).ok()) {
+        let bytes = p.as_os_str().as_bytes();
+        // Longer: sent as empty, which every rank refuses alike.
+        if bytes.len() <= MAX {
+            buf[0] = bytes.len() as f32;
+            buf[1..=bytes.len()].iter_mut().zip(bytes).for_each(|(d, &b)| *d = f32::from(b));
+        }
+    }
+    comm.broadcast(&mut buf, 0)?;
+    let n = buf[0] as usize;
+    if n == 0 {
+        bail!("the run folder's path is empty or longer than {MAX} bytes; use a shorter --out");
+    }
+    let bytes: Vec<u8> = buf[1..=n].iter().map(|&b| b as u8).collect();
+    Ok(PathBuf::from(std::ffi::OsString::from_vec(bytes)))
 }
 
 /// The thread writing a checkpoint in the background: it hands back the

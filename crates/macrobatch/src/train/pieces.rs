@@ -9,19 +9,29 @@ use engine::{Held, ParamLayout, PieceMap, Run, Trainer};
 use std::ops::Range;
 use std::path::Path;
 
+/// Where a rank writes its share from: its place among the ranks holding
+/// the same layout (data rank, data ranks), its world rank, and its
+/// parameter and gradient-space buffers mapped onto the whole tensors.
+pub struct Share {
+    dp: (usize, usize),
+    rank: usize,
+    maps: (PieceMap, PieceMap),
+}
+
+impl Share {
+    /// `trainer`'s share in `comms`.
+    pub fn of(comms: &RankComms, trainer: &Trainer) -> Self {
+        let maps = (comms.piece_map(trainer.layout(), false), comms.piece_map(trainer.layout(), true));
+        Self { dp: comms.dp_place(), rank: comms.world.rank(), maps }
+    }
+}
+
 /// Writes this rank's share — its ZeRO piece of each segment of every
 /// buffer, of the tensors it is the writer of — into `dir`; `whole` names
 /// the tensors. `poison` (a test fault) turns its first parameter NaN.
-pub fn write(
-    comms: &mut RankComms,
-    trainer: &mut Trainer,
-    whole: &ParamLayout,
-    dir: &Path,
-    poison: bool,
-) -> Result<()> {
-    let (dp_rank, dp_size) = comms.dp_place();
-    let (pmap, gmap) = (comms.piece_map(trainer.layout(), false), comms.piece_map(trainer.layout(), true));
-    let mut w = RankWriter::create(dir, comms.world.rank())?;
+pub fn write(share: &Share, trainer: &mut Trainer, whole: &ParamLayout, dir: &Path, poison: bool) -> Result<()> {
+    let ((dp_rank, dp_size), (pmap, gmap)) = (share.dp, &share.maps);
+    let mut w = RankWriter::create(dir, share.rank)?;
     let name = |run: &Run| whole.tensors()[run.tensor].name.as_str();
     let params = trainer.resident_params();
     for (range, at) in trainer.share_runs(Held::Params, dp_rank, dp_size) {

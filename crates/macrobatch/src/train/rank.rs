@@ -99,7 +99,8 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
         let verdict = watch.observe(step, val_loss, comms.world)?;
         let early_stop = verdict.stop.is_some();
         let checkpoint_due = checkpoints.due(step, stop || early_stop) || verdict.new_best;
-        if let (Some(f), true) = (start.fault.as_ref(), checkpoint_due) {
+        // Sharded, the fault fires once the rank's pieces are written.
+        if let (Some(f), true) = (start.fault.as_ref(), checkpoint_due && !checkpoints.sharded()) {
             f.maybe_fire_in_checkpoint(rank, step)?;
         }
         if outputs.is_some() {
@@ -113,9 +114,7 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
         let full_state = checkpoints.gather(checkpoint_due && !sharded, step, &mut trainer, &mut comms)?;
         let pieces = match sharded {
             true => {
-                let base = heap::mark();
-                let tmp = checkpoints.write_pieces(step, &mut trainer, &mut comms, outputs.as_ref(), &whole)?;
-                let grew = (heap::peak_since_mark() - base).max(0) as u64;
+                let (tmp, grew) = checkpoints.write_pieces(step, &mut trainer, &mut comms, outputs.as_ref(), &whole)?;
                 memory.checkpoint_heap = Some(memory.checkpoint_heap.unwrap_or(0).max(grew));
                 tmp
             }
@@ -183,7 +182,7 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
         if let Some(out) = outputs {
             memory.write_file(&out, plan, whole.n_params(), &trainer, &per_rank)?;
             let params = if ema.is_some() { trainer.params() } else { &[] };
-            checkpoints.save_final_sharded(out, &whole, params, (started, last_step), ema.as_ref())?;
+            checkpoints.save_final(out, &whole, params, (started, last_step), ema.as_ref())?;
         }
         return Ok(());
     }
@@ -228,7 +227,13 @@ fn start_trainer(
         Some(reader) => Some(super::pieces::ParamSource::new(reader, &whole, &comms.piece_map(model.layout(), false))?),
         None => None,
     };
-    let read_segment = |range| source.as_ref().map_or(Ok(Vec::new()), |s| s.segment(range));
+    // The trainer takes each segment from data rank 0 (a broadcast): the
+    // other data ranks read nothing.
+    let reads = comms.dp_place().0 == 0;
+    let read_segment = |range: std::ops::Range<usize>| match (&source, reads) {
+        (Some(s), true) => s.segment(range),
+        _ => Ok(vec![0.0; range.len()]),
+    };
     let initial = match (&resume, &pretrained, &source) {
         (_, _, Some(_)) => Initial::Segments(&read_segment),
         (Some(l), _, None) => Initial::Params(&l.params),
