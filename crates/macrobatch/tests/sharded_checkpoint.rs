@@ -243,6 +243,15 @@ fn a_sharded_runs_final_model_is_its_last_checkpoint_for_generate_and_export() {
         o.stdout
     };
     assert_eq!(generated(&sharded), generated(&whole));
+    // And a new run starts from it as from the whole run's model.
+    let (from_sharded, from_whole) = (tmp("init-from-sharded"), tmp("init-from-whole"));
+    for (out, init) in [(&from_sharded, &sharded), (&from_whole, &whole)] {
+        let o = train_cmd(out, &sets(&["train.steps=2"])).arg("--init-from").arg(init).output().unwrap();
+        assert!(o.status.success(), "--init-from {}: {}", init.display(), stderr(&o));
+    }
+    assert_eq!(losses(&from_sharded), losses(&from_whole), "--init-from a sharded run folder");
+    let _ = std::fs::remove_dir_all(&from_sharded);
+    let _ = std::fs::remove_dir_all(&from_whole);
     let _ = std::fs::remove_dir_all(&sharded);
     let _ = std::fs::remove_dir_all(&whole);
 }

@@ -181,6 +181,8 @@ pub fn init_from(
         Some(path) if !resuming => {
             // Absolute: a resume, `generate` or `eval` of the run may start elsewhere.
             let path = &std::path::absolute(path).with_context(|| format!("--init-from {}", path.display()))?;
+            // A sharded run folder's model is its last checkpoint.
+            let path = &crate::checkpoint::model_dir(path)?;
             if let Some(base) = BaseRef::read(path)? {
                 bail!(
                     "--init-from {}: that folder holds LoRA adapters over the base {} (base.json), not a model; fine-tune from the base (--init-from {}), or export the adapted model first (macrobatch export {} --format hf --out DIR) and start from DIR",
@@ -195,7 +197,7 @@ pub fn init_from(
             }
             memory::check_load(path, &format!("--init-from {}", path.display()))
                 .with_context(|| format!("--init-from {}: cannot load the model", path.display()))?;
-            let (pretrained, params) = crate::heap::during(crate::heap::Phase::Load, || family::load_hf(path))
+            let (pretrained, params) = crate::heap::during(crate::heap::Phase::Load, || crate::saved::load_whole(path))
                 .with_context(|| format!("--init-from {}: cannot load the model", path.display()))?;
             // The pretrained family and shape win over the preset; with
             // [lora], freshly initialised adapters join the pretrained base.
