@@ -106,7 +106,10 @@ pub fn all_ranks_phase<T: Send>(
             }
             let mut state = [mine.is_some() as u8 as f64, mine.as_ref().is_some_and(|r| r.is_err()) as u8 as f64];
             comm.all_reduce_sum_f64(&mut state)?;
-            if let (true, Some(r)) = (state[0] as usize == comm.world_size(), mine.take()) {
+            // Until every rank is done this rank keeps its result (and
+            // answers without receiving again: its writer is gone).
+            if state[0] as usize == comm.world_size() {
+                let r = mine.take().unwrap_or_else(|| Err(anyhow!("this rank's result was lost")));
                 return Ok((r, state[1] as usize));
             }
         }

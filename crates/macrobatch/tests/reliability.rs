@@ -451,6 +451,27 @@ fn a_slow_checkpoint_on_rank_0_does_not_time_out_the_other_ranks() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+// Sharded, every rank writes its own share: one rank far slower than the
+// others (a slow disk) trips no rank's timeout, and the others wait for it.
+// (It once lost the result of every rank that finished a heartbeat early.)
+#[test]
+fn a_slow_rank_writing_its_share_of_a_sharded_checkpoint_times_out_no_one() {
+    let dir = tmp("slow-sharded");
+    let mut sets = tiny(&["dist.world_size=3", "batch.micro=2", "dist.timeout_s=1.5", "train.steps=4"]);
+    sets.extend([
+        "batch.global=6",
+        "batch.accumulation_steps=1",
+        "train.checkpoint_every=2",
+        "train.checkpoint_sharded=true",
+    ]);
+    let t0 = Instant::now();
+    let o = train_cmd(&dir, &sets).env("MACROBATCH_FAULT", "rank=1,step=2,kind=slow_checkpoint,secs=4").output();
+    ok(o.unwrap());
+    assert!(t0.elapsed() >= Duration::from_secs(4), "the delay (> 2.5 × timeout) was injected");
+    assert_eq!(steps_of(&dir), ["step-00000002", "step-00000004"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 // f16 stuck at the minimum loss scale stops with an error instead of skipping forever.
 #[test]
 fn f16_stuck_at_the_minimum_loss_scale_stops_with_an_error() {

@@ -217,6 +217,10 @@ impl<'a> Checkpoints<'a> {
         // heartbeats until all are done, however long the slowest takes.
         let work = || -> Result<u64> {
             prepared?;
+            // A test fault: this rank's share takes longer.
+            if let Some(d) = fault.and_then(|f| f.checkpoint_delay(rank, step)) {
+                std::thread::sleep(d);
+            }
             let base = heap::mark();
             super::pieces::write(&share, trainer, whole, &tmp, poison)?;
             // A test fault: the rank dies or fails with its pieces written.
