@@ -280,12 +280,8 @@ fn time_rank(
     // Taken once by each rank and released by the last: not held through
     // the measured steps (their peak RSS is train's).
     let initial = initial.and_then(Handoff::take);
-    let mut trainer = comms.trainer(
-        plan,
-        &model,
-        initial.as_deref().map_or(Initial::Fresh, |p| Initial::Params(p)),
-        &scratch_offload_root(),
-    )?;
+    let params = initial.as_deref().map_or(Initial::Fresh, |p| Initial::Params(p));
+    let mut trainer = comms.trainer(plan, &model, params, &scratch_offload_root())?;
     drop(initial);
     let (mut ms, mut overhead, mut tp_ms, mut losses) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut tp = None;
