@@ -37,6 +37,14 @@ fn gemma2_passes_the_conformance_suite() {
     conformance::run_all(&UnderTest::new(cfg(), None)).unwrap_or_else(|e| panic!("{e}"));
 }
 
+/// The soft-capped loss over chunks of at most 7 rows: each chunk's
+/// logits capped and its gradient taken through the cap.
+#[test]
+fn gemma2_with_a_chunked_loss_passes_the_conformance_suite() {
+    let f = UnderTest { loss_chunk: Some(7), ..UnderTest::new(cfg(), None) };
+    conformance::run_all(&f).unwrap_or_else(|e| panic!("{e}"));
+}
+
 #[test]
 fn gemma2_with_lora_on_a_frozen_base_passes_the_conformance_suite() {
     let lora = LoraConfig::new(2, 4.0, &["all-linear"]);

@@ -69,8 +69,9 @@ pub struct ActSizes {
     /// heads' output, x·Aᵀ (16-bit only).
     pub stack: StackSizes,
     /// The final LayerNorm's output, mean, 1/std (per micro-batch in
-    /// flight); the logits; the per-row losses (one of each: used within a
-    /// forward). Zeros off the last pipeline stage.
+    /// flight); the logits of one chunk of the loss
+    /// ([`nn::head::loss_chunk_rows`]); the per-row losses (one of each:
+    /// used within a forward). Zeros off the last pipeline stage.
     pub head: [u128; 5],
     /// Micro-batches in flight, each with its own stack and LayerNorm buffers.
     pub in_flight: usize,
@@ -137,7 +138,7 @@ impl ActSizes {
             staging: vec![n * m.max(3 * a).max(c), low(n * a), low(n * r)],
             extra: vec![n * m],
         };
-        let head = if part.last { [n * c, n, n, n * v, n] } else { [0; 5] };
+        let head = if part.last { [n * c, n, n, nn::head::loss_chunk_rows(n, v) * v, n] } else { [0; 5] };
         ActSizes { stack, head, in_flight: part.in_flight }
     }
 

@@ -81,8 +81,9 @@ pub struct ActSizes {
     /// T × T matrix; working buffers dres, dc, dqkv, dgu, dm, dxa,
     /// attention scratch, the post norms' output and gradient; 16-bit staging (row tensors, heads' output, x·Aᵀ).
     pub stack: StackSizes,
-    /// RoPE tables, the final norm's output and 1/rms, the logits, the
-    /// per-row losses.
+    /// RoPE tables, the final norm's output and 1/rms, the logits of one
+    /// chunk of the loss ([`nn::head::loss_chunk_rows`]), the per-row
+    /// losses.
     pub head: [u128; 5],
     /// Micro-batches in flight, each with its own stack, RoPE tables and
     /// final-norm buffers (the logits and losses are shared: used within a forward).
@@ -159,7 +160,8 @@ impl ActSizes {
             extra: Vec::new(),
         };
         let rope = Rope::len_for(t, cfg.head_dim) as u128;
-        let head = if part.last { [rope, n * c, n, n * v, n] } else { [rope, 0, 0, 0, 0] };
+        let head =
+            if part.last { [rope, n * c, n, nn::head::loss_chunk_rows(n, v) * v, n] } else { [rope, 0, 0, 0, 0] };
         ActSizes { stack, head, in_flight: if train { part.in_flight } else { 1 } }
     }
 

@@ -276,6 +276,13 @@ impl Llama {
         &self.ranges.layers[idx]
     }
 
+    /// The loss holds the logits of at most `rows` rows at once (`None`:
+    /// [`nn::head::loss_chunk_rows`] of the vocabulary, what `plan` counts).
+    pub fn with_loss_chunk(mut self, rows: Option<usize>) -> Self {
+        self.shell.loss_chunk = rows;
+        self
+    }
+
     /// Adds label smoothing and z-loss to the training loss (the reported
     /// loss stays plain cross-entropy, see [`engine::MicroStepStats`]).
     pub fn set_loss_terms(&mut self, terms: engine::LossTerms) {

@@ -26,6 +26,20 @@ fn tied_llama_passes_the_conformance_suite() {
     conformance::run_all(&under_test(true, None)).unwrap();
 }
 
+/// The loss over chunks of at most 5 rows (the suite's batches hold 0 to
+/// 96 rows: one chunk, several, a last one shorter), its head untied and
+/// tied (whose gradient the embedding's then adds to), with and without
+/// LoRA (a frozen head): the head's gradient sums the chunks' shares, in
+/// another order than one GEMM over all rows, which the suite's rtol
+/// covers as it covers micro-batch splits.
+#[test]
+fn llama_with_a_chunked_loss_passes_the_conformance_suite() {
+    for (tied, lora) in [(false, None), (true, None), (true, Some(LoraConfig::new(2, 4.0, &["all-linear"])))] {
+        let f = suite::UnderTest { loss_chunk: Some(5), ..under_test(tied, lora) };
+        conformance::run_all(&f).unwrap_or_else(|e| panic!("tied {tied}: {e}"));
+    }
+}
+
 #[test]
 fn lora_llama_with_a_frozen_base_passes_the_conformance_suite() {
     let lora = LoraConfig::new(2, 4.0, &["all-linear"]);

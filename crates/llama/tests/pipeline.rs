@@ -13,10 +13,12 @@
 //! Tied head (SmolLM2): the embedding's two shares are summed between the
 //! first and last stage, a different order: within 1e-6 (losses) and 1e-5
 //! of the largest parameter (the suite's tolerance for reordered sums).
+//! The untied one also with the loss over chunks of rows.
 
 mod common;
 
-use common::{pipeline::matrix, suite};
+use common::pipeline::{matrix, matrix_with_loss_chunk};
+use common::suite;
 use llama::LlamaConfig;
 
 fn cfg(tied: bool) -> LlamaConfig {
@@ -31,4 +33,13 @@ fn untied_llama_pipeline_is_bit_identical_to_uncut() {
 #[test]
 fn tied_llama_pipeline_matches_uncut() {
     matrix(cfg(true));
+}
+
+/// The loss over chunks of at most 5 rows on the last stage (its
+/// micro-batches of 0 to 16 rows: one empty chunk, several, their logits
+/// buffer carried between the slots in flight) equals the uncut model's
+/// chunked loss to the bit with an untied head, in f32 and bf16.
+#[test]
+fn untied_llama_pipeline_with_a_chunked_loss_is_bit_identical_to_uncut() {
+    matrix_with_loss_chunk(cfg(false), Some(5));
 }

@@ -34,6 +34,7 @@ pub mod embed;
 pub mod fd;
 pub mod flash;
 pub mod grad;
+pub mod head;
 pub mod io;
 pub mod kv;
 pub mod linear;

@@ -22,9 +22,8 @@ use rayon::prelude::*;
 /// [`softmax_cross_entropy`] with `terms`: `losses` gets each row's plain
 /// cross-entropy (0 for ignored targets), and with `grad_scale = Some(s)`
 /// the logits are overwritten by `s · ∂(ce + aux)/∂logits`. Returns the
-/// sum of the rows' `aux` over the first `n` rows in row order (f64,
-/// deterministic). Plain terms run [`softmax_cross_entropy`] itself, so
-/// the bits are those of a run without terms.
+/// sum of the rows' `aux` over the rows in row order (f64,
+/// deterministic).
 pub fn softmax_cross_entropy_with(
     logits: &mut [f32],
     losses: &mut [f32],
@@ -33,11 +32,27 @@ pub fn softmax_cross_entropy_with(
     grad_scale: Option<f32>,
     terms: LossTerms,
 ) -> f64 {
+    let mut aux = vec![0.0f32; if terms.is_plain() { 0 } else { losses.len() }];
+    cross_entropy_rows(logits, (losses, &mut aux), targets, v, grad_scale, terms);
+    loss_sum(&aux, aux.len())
+}
+
+/// [`softmax_cross_entropy_with`] writing each row's `aux` into `aux`
+/// (0 for ignored targets; left empty, and untouched, for plain terms).
+/// Plain terms run [`softmax_cross_entropy`] itself, so the bits are those
+/// of a run without terms.
+pub fn cross_entropy_rows(
+    logits: &mut [f32],
+    (losses, aux): (&mut [f32], &mut [f32]),
+    targets: &[i32],
+    v: usize,
+    grad_scale: Option<f32>,
+    terms: LossTerms,
+) {
     if terms.is_plain() {
-        softmax_cross_entropy(logits, losses, targets, v, grad_scale);
-        return 0.0;
+        return softmax_cross_entropy(logits, losses, targets, v, grad_scale);
     }
-    let mut aux = vec![0.0f32; losses.len()];
+    assert_eq!(aux.len(), losses.len(), "cross_entropy_rows: one aux per row");
     engine::profile::timed(engine::profile::Kind::Loss, || {
         logits.par_chunks_mut(v).zip(losses.par_iter_mut()).zip(aux.par_iter_mut()).zip(targets.par_iter()).for_each(
             |(((row, loss), aux), &tgt)| {
@@ -52,7 +67,6 @@ pub fn softmax_cross_entropy_with(
             },
         );
     });
-    loss_sum(&aux, aux.len())
 }
 
 /// One row: (ce, aux), and with a gradient scale the row overwritten by
@@ -85,37 +99,37 @@ pub fn soft_cap(logits: &mut [f32], cap: f32) {
     logits.par_chunks_mut(4096).for_each(|xs| xs.iter_mut().for_each(|x| *x = (*x / cap).tanh() * cap));
 }
 
-/// [`softmax_cross_entropy_with`] of logits that [`soft_cap`] capped at
-/// `cap` (`None`: not capped, and the very same call): the same losses,
-/// and with a gradient scale the gradient with respect to the logits
-/// before the cap, `∂/∂x · (1 − (x/cap)²)` with `x` the capped logit
-/// (`tanh' = 1 − tanh²`). Rows run in blocks whose factors wait in a
-/// scratch of at most 2²² values; the terms' sum adds the blocks' sums in
-/// order (deterministic).
+/// [`cross_entropy_rows`] of logits that [`soft_cap`] capped at `cap`
+/// (`None`: not capped, and the very same call): the same losses and
+/// terms, and with a gradient scale the gradient with respect to the
+/// logits before the cap, `∂/∂x · (1 − (x/cap)²)` with `x` the capped
+/// logit (`tanh' = 1 − tanh²`). Rows run in blocks whose factors wait in a
+/// scratch of at most 2²² values.
 pub fn capped_cross_entropy_with(
     (logits, cap): (&mut [f32], Option<f32>),
-    losses: &mut [f32],
+    (losses, aux): (&mut [f32], &mut [f32]),
     targets: &[i32],
     v: usize,
     grad_scale: Option<f32>,
     terms: LossTerms,
-) -> f64 {
+) {
     let Some(cap) = cap.filter(|_| grad_scale.is_some()) else {
-        return softmax_cross_entropy_with(logits, losses, targets, v, grad_scale, terms);
+        return cross_entropy_rows(logits, (losses, aux), targets, v, grad_scale, terms);
     };
     let rows = ((1usize << 22) / v.max(1)).max(1);
-    let mut factor = vec![0.0f32; rows * v];
-    let mut aux = 0.0;
+    let mut factor = vec![0.0f32; rows.min(losses.len()) * v];
+    let aux_rows = if aux.is_empty() { 0 } else { rows };
+    let mut aux = aux.chunks_mut(aux_rows.max(1));
     let blocks = logits.chunks_mut(rows * v).zip(losses.chunks_mut(rows)).zip(targets.chunks(rows));
     for ((block, loss), tgt) in blocks {
         let factor = &mut factor[..block.len()];
         factor.par_chunks_mut(4096).zip(block.par_chunks(4096)).for_each(|(f, x)| {
             f.iter_mut().zip(x).for_each(|(f, &x)| *f = 1.0 - (x / cap) * (x / cap));
         });
-        aux += softmax_cross_entropy_with(block, loss, tgt, v, grad_scale, terms);
+        let aux = if aux_rows == 0 { &mut [][..] } else { aux.next().expect("one aux block per block of rows") };
+        cross_entropy_rows(block, (loss, aux), tgt, v, grad_scale, terms);
         block.par_chunks_mut(4096).zip(factor.par_chunks(4096)).for_each(|(g, f)| {
             g.iter_mut().zip(f).for_each(|(g, &f)| *g *= f);
         });
     }
-    aux
 }

@@ -17,13 +17,12 @@
 //! embedding, whose gradient the head adds to first.
 
 use crate::grad::param_grad;
+use crate::head::{chunk_limit, chunks, held_rows, Head};
 use crate::kv::{Attention, KvCache};
-use crate::linear::{
-    head_gemm, head_gemm_packed, linear_backward_input, linear_backward_weight, LinearShape, PackedMatrix, Weight,
-};
+use crate::linear::{PackedMatrix, Weight};
 use crate::norm::{layernorm_backward, layernorm_forward, rmsnorm_backward, rmsnorm_forward, NormSaved};
 use crate::stack::{Part, Slots, Stack, StackSizes, DRES};
-use crate::{GemmDims, GemmOut, Positions, Strided};
+use crate::{Positions, Strided};
 use engine::batch::TokenBatch;
 use engine::{
     Checkpointing, EngineError, FullStore, GradOut, MicroStepStats, ParamLayout, ParamStore, Precision, SegmentView,
@@ -189,6 +188,9 @@ pub struct Shell<X> {
     pub kv: Option<KvCache>,
     /// What the training loss adds to cross-entropy.
     pub loss_terms: engine::LossTerms,
+    /// The most rows of logits the loss holds at once; `None`:
+    /// [`chunk_limit`] of the vocabulary (which `plan` counts).
+    pub loss_chunk: Option<usize>,
 }
 
 impl<X: Extra> Shell<X> {
@@ -204,6 +206,7 @@ impl<X: Extra> Shell<X> {
             slots: Slots::default(),
             kv: None,
             loss_terms: engine::LossTerms::default(),
+            loss_chunk: None,
         }
     }
 
@@ -315,13 +318,11 @@ impl<X: Extra> Shell<X> {
         Ok(())
     }
 
-    /// The last stage's final norm and head into `logits` (every row, or
-    /// each sequence's last for [`Pass::NextToken`]), leaving the head's
-    /// segment held.
-    fn head_forward(&mut self, store: &mut dyn ParamStore, pass: Pass) -> Result<(), EngineError> {
-        let (norm_seg, head_seg, head_rel) = (self.norm_seg(), self.head_seg(), self.head_rel());
-        let (e, a, ops) = (&self.ends, &mut self.acts, crate::operands(self.precision));
-        let (c, v) = (e.width, e.vocab);
+    /// The last stage's final norm into `norm` (its segment released
+    /// unless it also holds the head).
+    fn norm_forward(&mut self, store: &mut dyn ParamStore) -> Result<(), EngineError> {
+        let (norm_seg, head_seg) = (self.norm_seg(), self.head_seg());
+        let (e, a, c) = (&self.ends, &mut self.acts, self.ends.width);
         {
             let seg = store.segment(norm_seg)?;
             match e.norm {
@@ -338,66 +339,89 @@ impl<X: Extra> Shell<X> {
         if head_seg != norm_seg {
             store.done(norm_seg, false)?;
         }
-        // logits = norm · headᵀ, for every row or each sequence's last one:
-        // (rows, C) @ (C, V) -> (rows, V)
+        Ok(())
+    }
+
+    /// The whole logits of the final norm's output (every row, or each
+    /// sequence's last for [`Pass::NextToken`]) into `logits`, leaving the
+    /// head's segment held: what [`logits`] returns.
+    fn head_forward(&mut self, store: &mut dyn ParamStore, pass: Pass) -> Result<(), EngineError> {
+        let (c, head_rel, head_seg) = (self.ends.width, self.head_rel(), self.head_seg());
+        let a = &mut self.acts;
         let (b, t) = (a.b, a.t);
         let (rows, x) = match pass {
             Pass::NextToken => (b, Strided { data: &a.norm, offset: (t - 1) * c, rs: t * c, cs: 1 }),
             Pass::Train | Pass::Eval => (b * t, Strided::rows(&a.norm, c)),
         };
-        a.logits.resize(rows * v, 0.0);
+        a.logits.resize(rows * self.ends.vocab, 0.0);
         let seg = store.segment(head_seg)?;
-        let par = crate::parallelism(false).with(ops);
-        match (&e.frozen_embed, &e.head) {
-            (Some(m), None) => head_gemm_packed(rows, &mut a.logits, x, m, par),
-            _ => {
-                let head = Strided::transposed(&seg.params[head_rel], c);
-                head_gemm(GemmDims { m: rows, n: v, k: c }, &mut a.logits, GemmOut::overwrite(v), x, head, par)
-            }
-        }
-        if let Some(cap) = e.soft_cap {
-            crate::loss_terms::soft_cap(&mut a.logits, cap);
-        }
+        let head = Head { ends: &self.ends, params: &seg.params[head_rel], precision: self.precision };
+        head.logits(rows, x, &mut a.logits);
         Ok(())
     }
 
-    /// Fused softmax + cross-entropy of the logits (replaced by
-    /// `grad_scale ·` their gradient when given, the loss terms included);
-    /// returns the cross-entropy and what the terms add, each summed in row
-    /// order (f64, deterministic).
-    fn cross_entropy(&mut self, batch: &TokenBatch, grad_scale: Option<f32>) -> (f64, f64) {
-        let a = &mut self.acts;
-        let aux = crate::loss_terms::capped_cross_entropy_with(
-            (&mut a.logits, self.ends.soft_cap),
-            &mut a.losses,
-            &batch.targets,
-            self.ends.vocab,
-            grad_scale,
-            self.loss_terms,
-        );
-        (crate::loss::loss_sum(&a.losses, batch.n_seqs * batch.seq_len), aux)
+    /// The head and the fused loss over chunks of at most
+    /// [`Shell::loss_chunk_limit`] rows, so the logits of the whole
+    /// micro-batch are never held: per chunk the logits, their softmax
+    /// cross-entropy (the loss terms included) and, with `grad_scale`,
+    /// their gradient through the head (the final norm's output gradient
+    /// into the working buffer `DC`, the head's gradient added chunk by
+    /// chunk). Returns the cross-entropy and what the terms add, each
+    /// summed in row order (f64; the same bits at any chunk size). The
+    /// head's segment stays held, for the forward-only caller to release.
+    fn head_loss(
+        &mut self,
+        store: &mut dyn ParamStore,
+        batch: &TokenBatch,
+        grad_scale: Option<f32>,
+    ) -> Result<(f64, f64), EngineError> {
+        let rows = batch.n_seqs * batch.seq_len;
+        let (c, v, head_rel, most) = (self.ends.width, self.ends.vocab, self.head_rel(), self.loss_chunk_limit());
+        let chunk = held_rows(rows as u128, most as u128) as usize;
+        let head_seg = self.head_seg();
+        let (a, terms) = (&mut self.acts, self.loss_terms);
+        let mut aux = if terms.is_plain() { Vec::new() } else { vec![0.0f32; rows] };
+        if a.logits.len() < chunk * v {
+            a.logits.resize(chunk * v, 0.0);
+        }
+        let SegmentView { params, mut grads, .. } = store.segment(head_seg)?;
+        let head = Head { ends: &self.ends, params: &params[head_rel.clone()], precision: self.precision };
+        // A batch of no rows runs one empty chunk: the head's gradient is
+        // written (zero) as by any other micro-step.
+        for r in chunks(rows, most) {
+            let x = &a.norm[r.start * c..r.end * c];
+            let logits = &mut a.logits[..r.len() * v];
+            head.logits(r.len(), Strided::rows(x, c), logits);
+            let aux = if aux.is_empty() { &mut [][..] } else { &mut aux[r.clone()] };
+            crate::loss_terms::capped_cross_entropy_with(
+                (logits, self.ends.soft_cap),
+                (&mut a.losses[r.clone()], aux),
+                &batch.targets[r.clone()],
+                v,
+                grad_scale,
+                terms,
+            );
+            if grad_scale.is_some() {
+                let dx = &mut a.stack.bufs[DC][r.start * c..r.end * c];
+                head.backward((dx, param_grad(grads.tensor(head_rel.clone()))), x, logits);
+            }
+        }
+        Ok((crate::loss::loss_sum(&a.losses, rows), crate::loss::loss_sum(&aux, aux.len())))
     }
 
-    /// The last stage's backward from `dlogits` (held in `logits`) through
-    /// the head and the final norm into the residual gradient; the head's
-    /// segment is still held from the forward.
-    fn head_backward(&mut self, store: &mut dyn ParamStore) -> Result<(), EngineError> {
-        let (norm_seg, head_seg, head_rel) = (self.norm_seg(), self.head_seg(), self.head_rel());
-        let (e, a, prec) = (&self.ends, &mut self.acts, self.precision);
-        let (c, v, n) = (e.width, e.vocab, a.b * a.t);
-        if prec == Precision::F16 {
-            // The scaled logits gradient in f16: where a too-large loss scale overflows.
-            prec.round(&mut a.logits);
-        }
-        {
-            let SegmentView { params, mut grads, .. } = store.segment(head_seg)?;
-            let dlogits = Strided::rows(&a.logits, v);
-            // dnorm = dlogits · head: (B*T, V) @ (V, C) -> (B*T, C)
-            let (head, lin) = (&params[head_rel.clone()], LinearShape::new(n, c, v, crate::operands(prec)));
-            linear_backward_input(&mut a.stack.bufs[DC], false, dlogits, head, lin);
-            // dhead (+)= dlogitsᵀ · norm: (V, B*T) @ (B*T, C) -> (V, C)
-            linear_backward_weight(param_grad(grads.tensor(head_rel)), dlogits, &a.norm, lin);
-        }
+    /// The most rows of a chunk of the loss: [`Shell::loss_chunk`], or
+    /// [`chunk_limit`] of the vocabulary.
+    pub fn loss_chunk_limit(&self) -> usize {
+        self.loss_chunk.unwrap_or_else(|| chunk_limit(self.ends.vocab as u128) as usize).max(1)
+    }
+
+    /// The last stage's backward from the final norm's output gradient
+    /// (in `DC`, from [`Shell::head_loss`]) into the residual gradient;
+    /// the head's segment, held since the forward, is released first.
+    fn norm_backward(&mut self, store: &mut dyn ParamStore) -> Result<(), EngineError> {
+        let (norm_seg, head_seg) = (self.norm_seg(), self.head_seg());
+        let (e, a) = (&self.ends, &mut self.acts);
+        let c = e.width;
         if head_seg != norm_seg {
             // A tied head's share of the embedding's gradient is complete for this pass.
             store.done(head_seg, true)?;
@@ -512,15 +536,22 @@ fn ensure_acts<D: Decoder>(d: &mut D, flight: usize, (b, t): (usize, usize), pas
         // The old buffers go before the new ones are allocated: micro-batches
         // of changing length would otherwise hold both at once.
         d.shell_mut().acts = Acts::default();
-        let acts = d.new_acts(b, t, pass == Pass::Train);
-        d.shell_mut().acts = acts;
+        let mut acts = d.new_acts(b, t, pass == Pass::Train);
+        let sh = d.shell_mut();
+        if sh.loss_chunk.is_some() && !acts.logits.is_empty() {
+            // The family sized the logits for the default chunk.
+            let rows = held_rows((b * t) as u128, sh.loss_chunk_limit() as u128) as usize;
+            acts.logits = Vec::new();
+            acts.logits = vec![0.0; rows * sh.ends.vocab];
+        }
+        sh.acts = acts;
     }
 }
 
 /// Forward through this stage in the current slot: from the embedding
 /// (first stage) or `input`, through the blocks, and on the last stage
-/// the final norm and the head (its segment left held). The rows'
-/// positions start at `attn`'s first position.
+/// the final norm (its segment left held where it holds the head too).
+/// The rows' positions start at `attn`'s first position.
 fn forward<D: Decoder>(
     d: &mut D,
     store: &mut dyn ParamStore,
@@ -531,7 +562,7 @@ fn forward<D: Decoder>(
     d.shell_mut().embed_forward(store, batch, input, attn.first_position())?;
     d.walk(store, batch, Walk::Forward(pass, attn))?;
     if d.shell().stage.is_last() {
-        d.shell_mut().head_forward(store, pass)?;
+        d.shell_mut().norm_forward(store)?;
     }
     Ok(())
 }
@@ -562,12 +593,10 @@ pub fn stage_forward<D: Decoder>(
         output.copy_from_slice(&sh.acts.stack.x);
         return Ok(MicroStepStats::default());
     }
-    if loss_seed.is_none() {
-        store.done(sh.head_seg(), false)?;
-    }
-    let (loss_sum, aux_sum) = sh.cross_entropy(batch, loss_seed);
-    if loss_seed.is_some() {
-        sh.head_backward(store)?;
+    let (loss_sum, aux_sum) = sh.head_loss(store, batch, loss_seed)?;
+    match loss_seed {
+        Some(_) => sh.norm_backward(store)?,
+        None => store.done(sh.head_seg(), false)?,
     }
     Ok(MicroStepStats { loss_sum, n_targets: batch.n_targets(), aux_sum })
 }
@@ -643,6 +672,7 @@ fn logits_of<D: Decoder>(
     ensure_acts(d, 0, (batch.n_seqs, batch.seq_len), pass);
     forward(d, &mut store, batch, &[], (pass, attn))?;
     let sh = d.shell_mut();
+    sh.head_forward(&mut store, pass)?;
     store.done(sh.head_seg(), false)?;
     Ok(std::mem::take(&mut sh.acts.logits))
 }

@@ -21,10 +21,16 @@ fn init(cfg: &LlamaConfig, lora: Option<&LoraConfig>) -> Vec<f32> {
 /// Every layout of `cfg` (at least 4 layers) against uncut; with an
 /// untied head each must be bit-identical.
 pub fn matrix(cfg: LlamaConfig) {
+    matrix_with_loss_chunk(cfg, None)
+}
+
+/// [`matrix`] with the loss over chunks of at most `loss_chunk` rows
+/// (`None`: the default), uncut and on the last stage alike.
+pub fn matrix_with_loss_chunk(cfg: LlamaConfig, loss_chunk: Option<usize>) {
     let tied = cfg.tie_word_embeddings;
     let c = cfg.clone();
     let build = move |p: Precision, ck: Checkpointing, _: TpRank| {
-        Llama::with_precision(c.clone(), p).expect("valid config").with_checkpointing(ck)
+        Llama::with_precision(c.clone(), p).expect("valid config").with_checkpointing(ck).with_loss_chunk(loss_chunk)
     };
     let seqs = TokenSamples::new(48, suite::T, suite::V as u64, 9);
     let case = PipelineCase { model: &build, init: init(&cfg, None), seqs: &seqs };

@@ -49,13 +49,16 @@ pub struct UnderTest {
     pub seqs: TokenSamples,
     /// Activation checkpointing of the model under test.
     pub checkpointing: engine::Checkpointing,
+    /// The most rows of logits the loss holds at once (`None`: the
+    /// default, which at the suite's sizes is every row).
+    pub loss_chunk: Option<usize>,
 }
 
 impl UnderTest {
     /// `cfg` (with `lora`) on 12 sequences of `T` tokens below `V`.
     pub fn new(cfg: LlamaConfig, lora: Option<LoraConfig>) -> Self {
         let seqs = TokenSamples::new(12, T, V as u64, 9);
-        Self { cfg, lora, seqs, checkpointing: engine::Checkpointing::None }
+        Self { cfg, lora, seqs, checkpointing: engine::Checkpointing::None, loss_chunk: None }
     }
 }
 
@@ -69,6 +72,7 @@ impl ModelUnderTest for UnderTest {
         }
         .expect("valid config")
         .with_checkpointing(self.checkpointing)
+        .with_loss_chunk(self.loss_chunk)
     }
 
     /// The model's initialisation plus N(0, σ) noise, so that every path
