@@ -12,6 +12,10 @@
 # OLD_BIN is a build of a commit before the chunked loss, e.g.
 #   git worktree add /tmp/old 5ac316b && (cd /tmp/old && cargo build --release -p macrobatch)
 #   scripts/chunked-loss-bench.sh /tmp/old/target/release/macrobatch target/release/macrobatch 2048 2 3
+# PRESET (default smollm2-135m) picks another Llama-family shape and
+# SETS adds `--set` overrides, e.g. Llama 3's vocabulary of 128,256 on two
+# of its layers:
+#   PRESET=llama3.2-1b SETS="model.n_layer=2" scripts/chunked-loss-bench.sh OLD NEW 1024 2 3
 # Prints medians and the NEW / OLD ratios. Name the CPU next to the numbers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,8 +23,10 @@ old=${1:?OLD_BIN}; new=${2:?NEW_BIN}; seq=${3:-2048}; micro=${4:-2}; rounds=${5:
 # Freed large buffers go back to the OS at once, so the peak RSS measures what is live.
 export MALLOC_MMAP_THRESHOLD_=65536
 out=$(mktemp -d)
+sets=()
+for kv in ${SETS:-}; do sets+=(--set "$kv"); done
 run() { # BIN DIR
-  "$1" train --out "$2" --set model.family=llama --set model.preset=smollm2-135m \
+  "$1" train --out "$2" --set model.family=llama --set model.preset="${PRESET:-smollm2-135m}" "${sets[@]}" \
     --set data.seq_len="$seq" --set batch.global="$micro" --set batch.micro="$micro" \
     --set train.steps=1 --set train.eval_every=0 --set train.eval_batches=1 \
     --set train.activation_checkpointing=blocks --set schedule.warmup_steps=0 >/dev/null 2>&1

@@ -3,8 +3,7 @@
 //! torchtune's chunked losses do), and how many rows a chunk holds.
 
 use crate::grad::ParamGrad;
-use crate::linear::{head_gemm, head_gemm_packed, linear_backward_input, linear_backward_weight, LinearShape};
-use crate::shell::Ends;
+use crate::linear::{head_gemm, head_gemm_packed, linear_backward_input, linear_backward_weight, LinearShape, Weight};
 use crate::{GemmDims, GemmOut, Strided};
 use engine::Precision;
 
@@ -53,12 +52,18 @@ pub fn chunks(rows: usize, most: usize) -> impl Iterator<Item = std::ops::Range<
     (0..n).map(move |i| i * rows / n..(i + 1) * rows / n)
 }
 
-/// The head's weights `[V, C]` (or the packed embedding they are tied
-/// to) as one chunk of rows uses them.
+/// The head's weights `[V, C]` (f32, or the packed embedding they are
+/// tied to) as one chunk of rows uses them.
 pub(crate) struct Head<'a> {
-    pub(crate) ends: &'a Ends,
-    /// The f32 head (empty where it is the packed embedding).
-    pub(crate) params: &'a [f32],
+    /// The residual stream's width C.
+    pub(crate) width: usize,
+    /// The vocabulary V.
+    pub(crate) vocab: usize,
+    /// The weights.
+    pub(crate) weight: Weight<'a>,
+    /// Logits soft-capped at this (Gemma 2).
+    pub(crate) soft_cap: Option<f32>,
+    /// The operands' precision.
     pub(crate) precision: Precision,
 }
 
@@ -66,16 +71,16 @@ impl Head<'_> {
     /// `logits[rows, V] = x · headᵀ`, soft-capped where the model caps
     /// them: (rows, C) @ (C, V) -> (rows, V).
     pub(crate) fn logits(&self, rows: usize, x: Strided<'_>, logits: &mut [f32]) {
-        let (c, v) = (self.ends.width, self.ends.vocab);
+        let (c, v) = (self.width, self.vocab);
         let par = crate::parallelism(false).with(crate::operands(self.precision));
-        match (&self.ends.frozen_embed, &self.ends.head) {
-            (Some(m), None) => head_gemm_packed(rows, logits, x, m, par),
-            _ => {
-                let head = Strided::transposed(self.params, c);
+        match &self.weight {
+            Weight::Packed(m, _) => head_gemm_packed(rows, logits, x, m, par),
+            Weight::F32(w) => {
+                let head = Strided::transposed(w, c);
                 head_gemm(GemmDims { m: rows, n: v, k: c }, logits, GemmOut::overwrite(v), x, head, par)
             }
         }
-        if let Some(cap) = self.ends.soft_cap {
+        if let Some(cap) = self.soft_cap {
             crate::loss_terms::soft_cap(logits, cap);
         }
     }
@@ -84,14 +89,14 @@ impl Head<'_> {
     /// `dx = dlogits · head` ((rows, V) @ (V, C)) and `dhead (+)=
     /// dlogitsᵀ · x` ((V, rows) @ (rows, C)).
     pub(crate) fn backward(&self, (dx, dhead): (&mut [f32], Option<ParamGrad<'_>>), x: &[f32], dlogits: &mut [f32]) {
-        let (c, v, prec) = (self.ends.width, self.ends.vocab, self.precision);
+        let (c, v, prec) = (self.width, self.vocab, self.precision);
         if prec == Precision::F16 {
             // The scaled logits gradient in f16: where a too-large loss scale overflows.
             prec.round(dlogits);
         }
         let lin = LinearShape::new(x.len() / c, c, v, crate::operands(prec));
         let dl = Strided::rows(dlogits, v);
-        linear_backward_input(dx, false, dl, self.params, lin);
+        linear_backward_input(dx, false, dl, self.weight.clone(), lin);
         linear_backward_weight(dhead, dl, x, lin);
     }
 }

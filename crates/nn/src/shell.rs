@@ -355,7 +355,7 @@ impl<X: Extra> Shell<X> {
         };
         a.logits.resize(rows * self.ends.vocab, 0.0);
         let seg = store.segment(head_seg)?;
-        let head = Head { ends: &self.ends, params: &seg.params[head_rel], precision: self.precision };
+        let head = head_of(&self.ends, &seg.params[head_rel], self.precision);
         head.logits(rows, x, &mut a.logits);
         Ok(())
     }
@@ -385,7 +385,7 @@ impl<X: Extra> Shell<X> {
             a.logits.resize(chunk * v, 0.0);
         }
         let SegmentView { params, mut grads, .. } = store.segment(head_seg)?;
-        let head = Head { ends: &self.ends, params: &params[head_rel.clone()], precision: self.precision };
+        let head = head_of(&self.ends, &params[head_rel.clone()], self.precision);
         // A batch of no rows runs one empty chunk: the head's gradient is
         // written (zero) as by any other micro-step.
         for r in chunks(rows, most) {
@@ -476,6 +476,16 @@ impl<X: Extra> Shell<X> {
 /// The working buffer of the stack that holds the final norm's output
 /// gradient in backward.
 const DC: usize = 1;
+
+/// The head of `ends` over its f32 values `params` (unused where it is the
+/// packed embedding).
+fn head_of<'a>(ends: &'a Ends, params: &'a [f32], precision: Precision) -> Head<'a> {
+    let weight = match (&ends.frozen_embed, &ends.head) {
+        (Some(m), None) => Weight::Packed(m, 0..m.rows()),
+        _ => Weight::F32(params),
+    };
+    Head { width: ends.width, vocab: ends.vocab, weight, soft_cap: ends.soft_cap, precision }
+}
 
 /// RMSNorm gains as stored, or `1 + w`.
 fn gains(w: &[f32], one_plus: bool) -> Cow<'_, [f32]> {
