@@ -141,6 +141,13 @@ pub struct DistConfig {
     /// columns split over T ranks (Megatron-LM's split), which run the same
     /// micro-batches; the world's ranks form P × D × T. 1: no split.
     pub tensor_parallel: usize,
+    /// With `tensor_parallel` > 1, the token embedding and the head split
+    /// by vocabulary rows over the T ranks too (Megatron-LM's
+    /// vocab-parallel embedding and cross-entropy: each rank holds V / T
+    /// rows and the logits of its slice only; T must divide the
+    /// vocabulary). `false`: both whole on every rank; at T = 1 nothing
+    /// is split either way.
+    pub vocab_parallel: bool,
 }
 
 impl DistConfig {
@@ -206,6 +213,7 @@ impl Default for DistConfig {
             pipeline_schedule: ScheduleKind::OneFOneB,
             pipeline_layers: None,
             tensor_parallel: 1,
+            vocab_parallel: false,
         }
     }
 }
@@ -1237,6 +1245,11 @@ mod tests {
             assert!(e.contains(field) && e.contains(fix), "{sets:?}: {e}");
         }
         parse("", &["dist.tensor_parallel=4", "dist.zero_stage=1"]).unwrap().validate().unwrap();
+        // The vocabulary split is over the tensor ranks: with one, nothing to split (a
+        // run saved at T = 2 resumes at T = 1 with its config's vocab_parallel).
+        for t in [1, 2] {
+            parse("", &[&format!("dist.tensor_parallel={t}"), "dist.vocab_parallel=true"]).unwrap().validate().unwrap();
+        }
     }
 
     #[test]

@@ -159,7 +159,7 @@ mod tests {
         // Each whole element's value is its own flat index.
         let whole: Vec<f32> = (0..full.n_params()).map(|i| i as f32).collect();
         for rank in 0..2 {
-            let tp = TpRank { rank, size: 2 };
+            let tp = TpRank::new(rank, 2);
             let mut local = ParamLayout::new();
             let mut tensors = Vec::new();
             let mut taken = Vec::new();

@@ -23,13 +23,18 @@ use comm::{CommError, Communicator};
 use std::ops::Range;
 use std::time::Instant;
 
-/// Rank `rank` of a tensor-parallel group of `size` ranks (`size == 1`: no split).
+/// Rank `rank` of a tensor-parallel group of `size` ranks (`size == 1`: no
+/// split), and whether the vocabulary is split over the group too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct TpRank {
     /// This rank's place in the group.
     pub rank: usize,
     /// Ranks in the group (T).
     pub size: usize,
+    /// The token embedding and the head split by vocabulary rows, rank `t`
+    /// holding rows `t·V/T .. (t+1)·V/T` (Megatron-LM's vocab-parallel
+    /// embedding and cross-entropy); `false`: whole on every rank.
+    pub vocab: bool,
 }
 
 impl Default for TpRank {
@@ -40,7 +45,44 @@ impl Default for TpRank {
 
 impl TpRank {
     /// No split: one rank holds everything.
-    pub const WHOLE: TpRank = TpRank { rank: 0, size: 1 };
+    pub const WHOLE: TpRank = TpRank::new(0, 1);
+
+    /// Rank `rank` of a group of `size`, the vocabulary whole on every rank.
+    pub const fn new(rank: usize, size: usize) -> Self {
+        TpRank { rank, size, vocab: false }
+    }
+
+    /// This rank with the vocabulary split (`true`) or whole.
+    pub const fn with_vocab(self, vocab: bool) -> Self {
+        TpRank { vocab, ..self }
+    }
+
+    /// Whether this rank holds a slice of the vocabulary (split over more than one rank).
+    pub fn splits_vocab(&self) -> bool {
+        self.vocab && self.is_split()
+    }
+
+    /// Why a vocabulary of `v` cannot be split over this group by rows, if
+    /// it cannot (T must divide it), with the fix.
+    pub fn vocab_problem(&self, v: usize) -> Option<String> {
+        (self.splits_vocab() && !v.is_multiple_of(self.size)).then(|| {
+            format!(
+                "the vocabulary ({v}) must be divisible by dist.tensor_parallel ({}) to split it by rows (dist.vocab_parallel = true): pad it to a multiple of {} (model.vocab_size = {}), or set dist.vocab_parallel = false",
+                self.size,
+                self.size,
+                v.next_multiple_of(self.size)
+            )
+        })
+    }
+
+    /// The vocabulary rows this rank holds of `v`: its slice where the
+    /// vocabulary is split, all of them otherwise.
+    pub fn vocab_rows(&self, v: usize) -> Range<usize> {
+        match self.splits_vocab() {
+            true => self.range(v, self.size),
+            false => 0..v,
+        }
+    }
 
     /// Whether tensors are split over more than one rank.
     pub fn is_split(&self) -> bool {
@@ -63,6 +105,17 @@ impl TpRank {
         let l = n / parts.max(1);
         let p = self.piece(parts);
         p * l..(p + 1) * l
+    }
+}
+
+/// "tensor-parallel rank t of T", and "(vocabulary split)" where it is.
+impl std::fmt::Display for TpRank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "tensor-parallel rank {} of {}", self.rank, self.size)?;
+        if self.splits_vocab() {
+            write!(f, " (vocabulary split)")?;
+        }
+        Ok(())
     }
 }
 
@@ -297,7 +350,7 @@ impl TensorShards {
                 group.recv(&mut buf, from, TAG)?;
                 &buf[..]
             };
-            let rank = TpRank { rank: from, size: self.tp.size };
+            let rank = TpRank::new(from, self.tp.size);
             for ((f, l), s) in fs.iter().zip(&ls).zip(&self.shards) {
                 if let (Some(f), Some(l), true) = (f, l, from == 0 || !s.is_replicated()) {
                     Self::place_tensor(*s, rank, &part[l.clone()], &mut whole[f.clone()]);
@@ -404,7 +457,7 @@ mod tests {
         let whole: Vec<f32> = (0..35).map(|i| i as f32).collect();
         let mut parts = Vec::new();
         for rank in 0..2 {
-            let tp = TpRank { rank, size: 2 };
+            let tp = TpRank::new(rank, 2);
             let (full, local, shards) = layouts(tp);
             let s = TensorShards::new(tp, full, local, shards).unwrap();
             parts.push((s.clone(), s.take(&whole, false).unwrap()));
@@ -437,20 +490,20 @@ mod tests {
         let held: Vec<Vec<f32>> = (0..4)
             .map(|rank| {
                 let mut out = Vec::new();
-                TensorShards::take_tensor(s, TpRank { rank, size: 4 }, &whole, &mut out);
+                TensorShards::take_tensor(s, TpRank::new(rank, 4), &whole, &mut out);
                 out
             })
             .collect();
         assert_eq!(held, [vec![0.0, 1.0, 2.0], vec![0.0, 1.0, 2.0], vec![3.0, 4.0, 5.0], vec![3.0, 4.0, 5.0]]);
-        let counted: Vec<bool> = (0..4).map(|rank| s.counted_by(TpRank { rank, size: 4 })).collect();
+        let counted: Vec<bool> = (0..4).map(|rank| s.counted_by(TpRank::new(rank, 4))).collect();
         assert_eq!(counted, [true, false, true, false]);
-        assert!(s.partial_gradient(TpRank { rank: 0, size: 4 }));
-        assert!(!Shard::Replicated.counted_by(TpRank { rank: 1, size: 2 }));
+        assert!(s.partial_gradient(TpRank::new(0, 4)));
+        assert!(!Shard::Replicated.counted_by(TpRank::new(1, 2)));
     }
 
     #[test]
     fn shapes_that_do_not_fit_their_shard_are_named() {
-        let tp = TpRank { rank: 0, size: 2 };
+        let tp = TpRank::new(0, 2);
         let (full, mut local, mut shards) = layouts(tp);
         shards[1] = Shard::Split { outer: 1, dim: 3, inner: 4, parts: 2 };
         let e = TensorShards::new(tp, full.clone(), local.clone(), shards).unwrap_err().to_string();

@@ -462,7 +462,8 @@ pub trait Family: Send + Sync {
     fn stage_activation_bytes(&self, micro: usize, seq_len: usize, build: Build, spec: &StageSpec) -> u128;
     /// The shape rank `tp.rank` of a tensor-parallel group of `tp.size`
     /// holds (Megatron-LM's split: its attention heads, its MLP columns,
-    /// the replicated rest): its `n_params`, activation bytes and `build`
+    /// with `tp.vocab` its rows of the embedding and the head, the
+    /// replicated rest): its `n_params`, activation bytes and `build`
     /// are that rank's, its `init_segment` that rank's slice of this
     /// shape's. An error names what cannot be split (heads not divisible
     /// by T, a family without tensor parallelism).

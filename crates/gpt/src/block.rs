@@ -106,14 +106,15 @@ impl ActSizes {
         part: Part,
     ) -> Self {
         let w = |x: usize| x as u128;
-        let (n, c, v) = (w(b) * w(t), w(cfg.n_embd), w(cfg.vocab_size));
-        let Widths { a, m } = Widths::of(cfg, tp);
+        let (n, c) = (w(b) * w(t), w(cfg.n_embd));
+        let Widths { a, m, v } = Widths::of(cfg, tp);
+        let v = w(v);
         let (a, m) = (w(a), w(m));
         let lse = w(b) * w(cfg.n_head / tp.size) * w(t);
         let r = w(adapters.map_or(0, |ad| ad.r));
         let on = |i: usize| adapters.is_some_and(|ad| ad.targets[i]);
         let dora = |i: usize| on(i) && adapters.is_some_and(|ad| ad.dora);
-        let shape = |i: usize| conv_shape(i, cfg.n_embd, Widths { a: a as usize, m: m as usize }).map(w);
+        let shape = |i: usize| conv_shape(i, cfg.n_embd, Widths { a: a as usize, m: m as usize, v: 0 }).map(w);
         let mut large = vec![n * c, n * 3 * a, n * a, n * c, n * c, n * m, n * m, n * c];
         large.extend((0..4).map(|i| if on(i) { n * r } else { 0 }));
         large.extend((0..4).map(|i| if dora(i) { n * shape(i)[1] } else { 0 }));
@@ -192,7 +193,7 @@ impl GptBlock<'_> {
 
     /// The four `Conv1D` layers as parts (as [`crate::layout::CONVS`]).
     fn parts(&self) -> [Module; 4] {
-        let (r, Dims { c, w: Widths { a, m }, .. }) = (self.r, self.d);
+        let (r, Dims { c, w: Widths { a, m, .. }, .. }) = (self.r, self.d);
         let part = |idx, oc, w: &std::ops::Range<usize>, b: &std::ops::Range<usize>| Module {
             idx,
             col0: 0,
@@ -213,7 +214,7 @@ impl GptBlock<'_> {
     /// column-parallel, the two `c_proj` row-parallel; their weights in the
     /// segment, or the packed base's.
     fn projections<'s>(&'s self, parts: &'s [Module; 4]) -> [Projection<'s>; 4] {
-        let Dims { c, w: Widths { a, m }, .. } = self.d;
+        let Dims { c, w: Widths { a, m, .. }, .. } = self.d;
         let base = |i: usize| match self.base {
             Some(f) => Base::Frozen(f.conv(self.at.get(), i)),
             None => Base::Conv1d,
@@ -242,7 +243,7 @@ impl Block for GptBlock<'_> {
         extra: &mut [Vec<f32>],
     ) -> Result<(), EngineError> {
         let (r, prec) = (self.r, self.prec);
-        let Dims { b, t, c, w: Widths { a, m }, .. } = self.d;
+        let Dims { b, t, c, w: Widths { a, m, .. }, .. } = self.d;
         let n = b * t;
         let [res2, buf_c, buf_4c, qkv, xab, zb, xd] = bufs else { unreachable!("GPT-2 has seven working buffers") };
         let gelu_out = &mut extra[0];
@@ -323,7 +324,7 @@ impl Block for GptBlock<'_> {
         bufs: &mut [Vec<f32>],
     ) -> Result<(), EngineError> {
         let r = self.r;
-        let Dims { b, t, w: Widths { a, m }, .. } = self.d;
+        let Dims { b, t, w: Widths { a, m, .. }, .. } = self.d;
         let n = b * t;
         let [dres, dc, d4c, dqkv, dxa, zb, xd] = bufs else { unreachable!("GPT-2 has seven working buffers") };
         let sv = saved.sv;

@@ -39,7 +39,7 @@ pub use nn::lora::LoraRanges;
 
 /// `[in, out]` of linear layer `i` (as [`CONVS`]) at widths `w`.
 pub(crate) fn conv_shape(i: usize, c: usize, w: Widths) -> [usize; 2] {
-    let Widths { a, m } = w;
+    let Widths { a, m, .. } = w;
     [[c, 3 * a], [a, c], [c, m], [m, c]][i]
 }
 
@@ -101,18 +101,21 @@ pub(crate) struct ParamRanges {
 }
 
 /// The widths of a block as one tensor-parallel rank holds it: its
-/// attention heads' width `a` (C / T) and its MLP width `m` (4C / T) —
-/// C and 4C for the whole model.
+/// attention heads' width `a` (C / T), its MLP width `m` (4C / T) and its
+/// vocabulary rows `v` (V / T where the vocabulary is split) — C, 4C and
+/// V for the whole model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Widths {
     pub a: usize,
     pub m: usize,
+    /// Vocabulary rows of the token embedding (V, or V / T split by vocabulary).
+    pub v: usize,
 }
 
 impl Widths {
     /// The widths of rank `tp` (whole at `TpRank::WHOLE`); T divides n_head.
     pub fn of(cfg: &GptConfig, tp: engine::TpRank) -> Self {
-        Widths { a: cfg.n_embd / tp.size, m: 4 * cfg.n_embd / tp.size }
+        Widths { a: cfg.n_embd / tp.size, m: 4 * cfg.n_embd / tp.size, v: tp.vocab_rows(cfg.vocab_size).len() }
     }
 
     /// The whole model's widths: C and 4C.
@@ -131,13 +134,13 @@ pub(crate) fn build_layout(
     packed: bool,
 ) -> (ParamLayout, ParamRanges) {
     let c = cfg.n_embd;
-    let Widths { a, m } = w;
+    let Widths { a, m, .. } = w;
     let mut l = ParamLayout::new();
     let weight = |l: &mut ParamLayout, name: String, shape: &[usize]| match packed {
         true => l.n_params()..l.n_params(),
         false => l.push(name, shape, true),
     };
-    let wte = l.push("transformer.wte.weight", &[cfg.vocab_size, c], true);
+    let wte = l.push("transformer.wte.weight", &[w.v, c], true);
     let wpe = l.push("transformer.wpe.weight", &[cfg.block_size, c], true);
     let blocks = (0..cfg.n_layer)
         .map(|i| {
@@ -175,7 +178,7 @@ pub(crate) fn build_layout(
 /// One block's parameter ranges relative to its first parameter (`packed`:
 /// no `Conv1D` weights).
 fn relative_block(c: usize, w: Widths, adapters: Option<Adapters>, packed: bool) -> BlockParams {
-    let Widths { a, m } = w;
+    let Widths { a, m, .. } = w;
     let mut at = 0;
     let mut next = |n: usize| {
         let r = at..at + n;

@@ -126,7 +126,8 @@ impl Gpt {
         let (layout, ranges) = build_layout(&cfg, Widths::of(&cfg, tp), adapters, packed);
         let ends = Ends {
             width: cfg.n_embd,
-            vocab: cfg.vocab_size,
+            vocab: Widths::of(&cfg, tp).v,
+            vocab_split: tp,
             n_blocks: cfg.n_layer,
             context: (cfg.block_size, "block_size"),
             embed: ranges.wte.clone(),

@@ -192,7 +192,7 @@ impl Family for Gpt2Rank {
     }
 
     fn describe(&self) -> String {
-        format!("{}, tensor-parallel rank {} of {}", self.whole.describe(), self.tp.rank, self.tp.size)
+        format!("{}, {}", self.whole.describe(), self.tp)
     }
 
     fn n_params(&self) -> u128 {
@@ -330,7 +330,7 @@ impl Family for Gpt2Lora {
     fn describe(&self) -> String {
         let names = self.lora.target_names(&TARGETS).unwrap_or_default().join(", ");
         let rank = match self.tp.is_split() {
-            true => format!(", tensor-parallel rank {} of {}", self.tp.rank, self.tp.size),
+            true => format!(", {}", self.tp),
             false => String::new(),
         };
         format!("{}, LoRA r={} on {names}{rank}", self.base.describe(), self.lora.r)

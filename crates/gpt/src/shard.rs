@@ -13,6 +13,10 @@
 //! Weights are HF `Conv1D` `[in, out]`: `c_attn` `[C, 3C]` is viewed as
 //! `[C·3, n_head, head_dim]` (q | k | v, each head's columns), so a rank's
 //! heads are one slice of the middle axis.
+//!
+//! With `dist.vocab_parallel` the token embedding (which is the head) is
+//! cut by vocabulary rows too: rank `t` holds rows `t·V/T .. (t+1)·V/T`
+//! (T must divide V; GPT-2's 50,257 does not: pad it to 50,304).
 
 use crate::config::GptConfig;
 use crate::error::GptError;
@@ -30,6 +34,9 @@ pub(crate) fn check(cfg: &GptConfig, tp: TpRank) -> Result<(), GptError> {
             cfg.n_head, tp.size, cfg.n_head
         )));
     }
+    if let Some(problem) = tp.vocab_problem(cfg.vocab_size) {
+        return Err(GptError::InvalidConfig(format!("model.vocab_size: {problem}")));
+    }
     Ok(())
 }
 
@@ -40,8 +47,9 @@ pub(crate) fn check(cfg: &GptConfig, tp: TpRank) -> Result<(), GptError> {
 /// is whole: beside a column-parallel layer each rank's `lora_A`
 /// gradient is a part ([`Shard::Partial`]: its `x·Aᵀ` gradient comes from
 /// its own output columns), beside a row-parallel one `lora_B`'s is whole
-/// (the ranks' `x·Aᵀ` are summed in forward).
-fn shard_of(cfg: &GptConfig, name: &str, t: usize, r: usize) -> Shard {
+/// (the ranks' `x·Aᵀ` are summed in forward). With `vocab` the token
+/// embedding (the tied head) is cut by vocabulary rows.
+fn shard_of(cfg: &GptConfig, name: &str, (t, vocab): (usize, bool), r: usize) -> Shard {
     let (c, nh, hd) = (cfg.n_embd, cfg.n_head, cfg.head_dim());
     let split = |outer: usize, dim: usize, inner: usize| Shard::Split { outer, dim, inner, parts: t };
     let ends = |s: &str| name.ends_with(s);
@@ -73,6 +81,8 @@ fn shard_of(cfg: &GptConfig, name: &str, t: usize, r: usize) -> Shard {
         split(1, 4 * c, 1)
     } else if ends("mlp.c_proj.weight") {
         split(1, 4 * c, c)
+    } else if vocab && ends("wte.weight") {
+        split(1, cfg.vocab_size, c)
     } else {
         Shard::Replicated
     }
@@ -90,6 +100,6 @@ pub(crate) fn shards(
     }
     let (whole, _) = build_layout(cfg, Widths::of(cfg, TpRank::WHOLE), adapters, false);
     let r = adapters.map_or(0, |a| a.r);
-    let shards = whole.tensors().iter().map(|t| shard_of(cfg, &t.name, tp.size, r)).collect();
+    let shards = whole.tensors().iter().map(|t| shard_of(cfg, &t.name, (tp.size, tp.vocab), r)).collect();
     TensorShards::new(tp, whole, local.clone(), shards).map_err(|e| GptError::InvalidConfig(e.to_string()))
 }

@@ -218,7 +218,7 @@ fn the_family_plans_a_packed_base_and_refuses_what_cannot_be_packed() {
     assert_eq!((planned.formats.as_str(), planned.bytes), ("nf4-dq", FrozenBase::planned_bytes(&cfg(), nf4)));
     let conv_weights = cfg().n_layer as u128 * 12 * 64 * 64;
     assert_eq!(packed.n_params() + conv_weights, fam.n_params());
-    let e = packed.tensor_parallel(engine::TpRank { rank: 0, size: 2 }).err().unwrap().to_string();
+    let e = packed.tensor_parallel(engine::TpRank::new(0, 2)).err().unwrap().to_string();
     assert!(e.contains("dist.tensor_parallel = 1"), "{e}");
     let e = packed.build(family::Build::default()).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.is_empty(), "a plan's layout builds: {e}");

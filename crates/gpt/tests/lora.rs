@@ -299,14 +299,14 @@ fn unsupported_settings_are_named_errors() {
     // rank cannot compute as uncut is refused before any model is built.
     use family::Family;
     let fam = gpt::registration::Gpt2Lora::new(cfg(), l()).unwrap();
-    let rank = fam.tensor_parallel(TpRank { rank: 1, size: 2 }).unwrap_or_else(|e| panic!("{e}"));
+    let rank = fam.tensor_parallel(TpRank::new(1, 2)).unwrap_or_else(|e| panic!("{e}"));
     assert!(rank.describe().contains("tensor-parallel rank 1 of 2"), "{}", rank.describe());
     assert!(rank.n_params() < fam.n_params());
     let drop = gpt::registration::Gpt2Lora::new(cfg(), LoraConfig { dropout: 0.1, ..l() }).unwrap();
-    assert!(drop.tensor_parallel(TpRank { rank: 0, size: 2 }).is_ok(), "dropout splits (tensor.rs trains it)");
+    assert!(drop.tensor_parallel(TpRank::new(0, 2)).is_ok(), "dropout splits (tensor.rs trains it)");
     let row_dora = LoraConfig { use_dora: true, ..LoraConfig::new(2, 4.0, &["c_proj"]) };
     let dora = gpt::registration::Gpt2Lora::new(cfg(), row_dora).unwrap();
-    let e = dora.tensor_parallel(TpRank { rank: 0, size: 2 }).err().map(|e| e.to_string()).unwrap_or_default();
+    let e = dora.tensor_parallel(TpRank::new(0, 2)).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("use_dora") && e.contains("c_proj") && e.contains("tensor_parallel = 1"), "{e}");
 }
 

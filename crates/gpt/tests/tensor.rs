@@ -32,16 +32,37 @@ fn model(p: Precision, ck: Checkpointing, tp: TpRank) -> Gpt {
     Gpt::tensor_parallel(cfg(), p, tp).expect("valid split").with_checkpointing(ck)
 }
 
-#[test]
-fn gpt2_split_over_tensor_ranks_matches_uncut() {
+/// Every tensor layout of the suite with the model `build` makes against
+/// uncut (tolerances: the module's).
+fn split_matches_uncut(build: &(dyn Fn(Precision, Checkpointing, TpRank) -> Gpt + Sync)) {
     let mut init = init_params(&cfg(), 3);
     let mut rng = SplitMix64::new(15);
     init.iter_mut().for_each(|x| *x += (rng.normal() * 0.3) as f32);
     let seqs = TokenSamples::new(48, T, 32, 9);
-    let case = PipelineCase { model: &model, init, seqs: &seqs };
+    let case = PipelineCase { model: build, init, seqs: &seqs };
     let worst = check_tensor_layouts(&case, (1e-6, 1e-5), engine::conformance::pipeline::FIRST_STEP_16BIT, &[2, 4])
         .unwrap_or_else(|e| panic!("{e}"));
     println!("largest relative loss difference vs uncut: {worst:e}");
+}
+
+#[test]
+fn gpt2_split_over_tensor_ranks_matches_uncut() {
+    split_matches_uncut(&model);
+}
+
+/// The vocabulary split over the ranks too (`dist.vocab_parallel`): the
+/// tied embedding and head cut by rows, each token's embedding from the
+/// rank holding it, the softmax's statistics summed over the group — the
+/// same steps as uncut (tolerances as above: see Llama's test of the same).
+#[test]
+fn gpt2_with_the_vocabulary_split_matches_uncut() {
+    split_matches_uncut(&|p, ck, tp: TpRank| model(p, ck, tp.with_vocab(true)));
+    let rank = model(Precision::F32, Checkpointing::None, TpRank::new(1, 4).with_vocab(true));
+    let wte = rank.layout().tensors().iter().find(|t| t.name == "transformer.wte.weight").map(|t| t.shape.clone());
+    assert_eq!(wte, Some(vec![8, 16]), "rank 1 of 4 holds 8 of the 32 rows");
+    let odd = GptConfig { vocab_size: 33, ..cfg() };
+    let e = Gpt::tensor_parallel(odd, Precision::F32, TpRank::new(0, 2).with_vocab(true)).unwrap_err().to_string();
+    assert!(e.contains("model.vocab_size") && e.contains("(33)") && e.contains("34"), "{e}");
 }
 
 /// LoRA on every layer (A and B random: every adapter acts; the base
@@ -90,7 +111,7 @@ fn gpt2_with_lora_and_dora_split_over_tensor_ranks_matches_uncut() {
         println!("{what}: largest relative loss difference vs uncut: {worst:e}");
     }
     // What a split cannot compute as uncut is refused, named.
-    let tp = TpRank { rank: 0, size: 2 };
+    let tp = TpRank::new(0, 2);
     let err = |l: LoraConfig| Gpt::tensor_parallel_with_lora(cfg(), l, Precision::F32, tp).unwrap_err().to_string();
     let e = err(LoraConfig { use_dora: true, ..LoraConfig::new(2, 4.0, &["c_proj"]) });
     assert!(e.contains("use_dora") && e.contains("c_proj"), "{e}");
@@ -98,17 +119,17 @@ fn gpt2_with_lora_and_dora_split_over_tensor_ranks_matches_uncut() {
 
 #[test]
 fn gpt2_refuses_a_split_that_does_not_divide_its_heads_and_sizes_a_rank() {
-    let e = Gpt::tensor_parallel(cfg(), Precision::F32, TpRank { rank: 0, size: 3 }).unwrap_err().to_string();
+    let e = Gpt::tensor_parallel(cfg(), Precision::F32, TpRank::new(0, 3)).unwrap_err().to_string();
     assert!(e.contains("n_head (4)") && e.contains("dist.tensor_parallel (3)"), "{e}");
     // A rank's shape: per block 12C² + 13C parameters whole; split, the
     // matrices (12C²) and the c_attn and c_fc biases (3C + 4C) are /T, the
     // rest (LayerNorms 4C, c_proj biases 2C) whole.
     let (whole, c) = (Gpt2(cfg()), 16u128);
-    let rank = whole.tensor_parallel(TpRank { rank: 1, size: 2 }).unwrap_or_else(|e| panic!("{e}"));
+    let rank = whole.tensor_parallel(TpRank::new(1, 2)).unwrap_or_else(|e| panic!("{e}"));
     let per_block_saved = (12 * c * c + 7 * c) / 2;
     assert_eq!(whole.n_params() - rank.n_params(), 4 * per_block_saved);
     // Its initial values are its slices of the whole model's.
     let seg1 = rank.init_segment(7, 1);
-    let local = model(Precision::F32, Checkpointing::None, TpRank { rank: 1, size: 2 });
+    let local = model(Precision::F32, Checkpointing::None, TpRank::new(1, 2));
     assert_eq!(seg1.len(), engine::Model::segments(&local)[1].len());
 }

@@ -144,6 +144,8 @@ impl Llama {
         let local = whole.for_rank(tp)?;
         let whole = Self::build(whole, lora.clone(), Precision::F32)?;
         let mut model = Self::assemble(local, lora, precision, None, (false, false))?;
+        // The rank's shape holds V / T vocabulary rows where they are split.
+        model.shell.ends.vocab_split = tp;
         let split = RankShard { tp, whole };
         split.shards(&model)?;
         model.split = Some(Box::new(split));
@@ -242,6 +244,7 @@ impl Llama {
         let ends = Ends {
             width: cfg.hidden_size,
             vocab: cfg.vocab_size,
+            vocab_split: TpRank::WHOLE,
             n_blocks: cfg.n_layer,
             context: (cfg.max_position_embeddings, "max_position_embeddings"),
             embed: ranges.embed.clone(),
@@ -567,7 +570,13 @@ impl RankShard {
     pub(crate) fn shards(&self, local: &Llama) -> Result<TensorShards, LlamaError> {
         let cfg = self.whole.config();
         let r = local.lora().map_or(0, |l| l.r);
-        let shards = self.whole.layout().tensors().iter().map(|t| cfg.shard_of(&t.name, self.tp.size, r)).collect();
+        let shards = self
+            .whole
+            .layout()
+            .tensors()
+            .iter()
+            .map(|t| cfg.shard_of(&t.name, (self.tp.size, self.tp.vocab), r))
+            .collect();
         TensorShards::new(self.tp, self.whole.layout().clone(), local.layout().clone(), shards)
             .map_err(|e| LlamaError::config("tensor_parallel", e.to_string()))
     }

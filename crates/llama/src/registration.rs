@@ -219,11 +219,7 @@ impl Family for LlamaFamily {
             .lora
             .as_ref()
             .map_or(String::new(), |l| format!(", LoRA r={} alpha={} on {}", l.r, l.alpha, l.target_modules.join(",")));
-        let rank = if self.tp.is_split() {
-            format!(", tensor-parallel rank {} of {}", self.tp.rank, self.tp.size)
-        } else {
-            String::new()
-        };
+        let rank = if self.tp.is_split() { format!(", {}", self.tp) } else { String::new() };
         let mut attn = String::new();
         if c.q_dim() != c.hidden_size {
             attn += &format!(" of {}", c.head_dim);

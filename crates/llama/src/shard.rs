@@ -21,6 +21,10 @@
 //! `A` is split and `B` whole: the ranks' parts of `x·Aᵀ` (`n × r`, small)
 //! are all-reduced before `B`, so `B`'s input and gradient are whole on
 //! every rank (and, under 16-bit storage, `x·Aᵀ` is rounded once, as uncut).
+//!
+//! With `dist.vocab_parallel` the token embedding and the head are cut by
+//! vocabulary rows too (rank `t` holds rows `t·V/T .. (t+1)·V/T`; T must
+//! divide V): the rank's shape has `vocab_size = V / T`.
 
 use crate::config::LlamaConfig;
 use crate::error::LlamaError;
@@ -68,7 +72,11 @@ impl LlamaConfig {
                 ),
             ));
         };
+        if let Some(problem) = tp.vocab_problem(self.vocab_size) {
+            return Err(LlamaError::config("vocab_size", problem));
+        }
         Ok(LlamaConfig {
+            vocab_size: tp.vocab_rows(self.vocab_size).len(),
             n_head: self.n_head / t,
             n_kv_head,
             intermediate_size: self.intermediate_size / t,
@@ -87,8 +95,8 @@ impl LlamaConfig {
     }
 
     /// How tensor `name` of the whole model (this shape) is cut at `T`
-    /// ranks, with LoRA rank `r`.
-    pub(crate) fn shard_of(&self, name: &str, t: usize, r: usize) -> Shard {
+    /// ranks (`vocab`: by vocabulary rows too), with LoRA rank `r`.
+    pub(crate) fn shard_of(&self, name: &str, (t, vocab): (usize, bool), r: usize) -> Shard {
         let (c, f, hd) = (self.hidden_size, self.intermediate_size, self.head_dim);
         let (nh, nkv, kvp) = (self.n_head, self.n_kv_head, self.kv_parts(t));
         let split = |outer: usize, dim: usize, inner: usize, parts: usize| Shard::Split { outer, dim, inner, parts };
@@ -96,6 +104,9 @@ impl LlamaConfig {
         // rank, each rank's gradient the part its heads give (summed).
         if name.ends_with(".q_norm.weight") || name.ends_with(".k_norm.weight") {
             return Shard::Partial;
+        }
+        if vocab && (name == "model.embed_tokens.weight" || name == "lm_head.weight") {
+            return split(1, self.vocab_size, c, t);
         }
         let parts: Vec<&str> = name.split('.').collect();
         let Some(pr) = parts.iter().find_map(|p| Proj::from_name(p)) else { return Shard::Replicated };

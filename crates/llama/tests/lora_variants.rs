@@ -266,7 +266,7 @@ fn unsupported_combinations_are_named_errors() {
     assert!(e.contains("lora_dropout") && e.contains("use_dora"), "{e}");
     // Split, DoRA on a row-parallel projection is refused (its row norms
     // span the ranks); column DoRA and dropout split (tensor.rs trains them).
-    let tp = engine::TpRank { rank: 0, size: 2 };
+    let tp = engine::TpRank::new(0, 2);
     let e = Llama::tensor_parallel(cfg.clone(), Some(dora(2, 4.0, &["o_proj"])), Precision::F32, tp);
     let e = e.unwrap_err().to_string();
     assert!(e.contains("o_proj") && e.contains("dist.tensor_parallel = 1"), "{e}");

@@ -59,6 +59,8 @@ pub struct Grid {
     pub stages: usize,
     /// Tensor-parallel ranks T (1: no split).
     pub tensor: usize,
+    /// The vocabulary split over the T ranks too (`dist.vocab_parallel`).
+    pub vocab: bool,
     /// Data-parallel ranks D (= world / (P · T)).
     pub data: usize,
     /// The layers (blocks) each stage runs.
@@ -78,6 +80,7 @@ impl Grid {
         Ok(Self {
             stages: dist.pipeline_parallel,
             tensor: dist.tensor_parallel,
+            vocab: dist.vocab_parallel,
             data,
             cuts,
             schedule: dist.pipeline_schedule,
@@ -117,7 +120,7 @@ impl Grid {
 
     /// The tensor-parallel place of world rank `rank`: which slices its model holds.
     pub fn tp_rank(&self, rank: usize) -> engine::TpRank {
-        engine::TpRank { rank: self.tensor_rank_of(rank), size: self.tensor }
+        engine::TpRank::new(self.tensor_rank_of(rank), self.tensor).with_vocab(self.vocab)
     }
 
     /// One line for the run header, e.g. `pipeline: P=2 (1f1b, layers 0-1 |
@@ -139,11 +142,12 @@ impl Grid {
             );
         }
         let data = if d > 1 { format!("data·{t} + ") } else { String::new() };
+        let vocab = if self.vocab { " (the vocabulary split too)" } else { "" };
         if p == 1 {
-            return format!("tensor parallel: T={t} × D={d}; rank r = {data}tensor");
+            return format!("tensor parallel: T={t}{vocab} × D={d}; rank r = {data}tensor");
         }
         format!(
-            "3D: P={p} × T={t} × D={d}; rank r = stage·{} + {data}tensor; pipeline {}, layers {}",
+            "3D: P={p} × T={t}{vocab} × D={d}; rank r = stage·{} + {data}tensor; pipeline {}, layers {}",
             d * t,
             self.schedule,
             cuts.join(" | ")

@@ -62,30 +62,40 @@ fn mpi_pipeline_matches_thread_ranks() {
 }
 
 /// `-np 4` as 2 tensor ranks × 2 pipeline stages (one data rank) equals
-/// one rank: the split only reorders sums (tests/tensor_cli.rs explains
-/// the tolerance; MPI adds the partial products in its own order).
+/// one rank, with the vocabulary whole and split over the tensor ranks:
+/// the split only reorders sums (tests/tensor_cli.rs explains the
+/// tolerance; MPI adds the partial products in its own order).
 #[test]
 fn mpi_tensor_by_pipeline_matches_one_rank() {
-    let grid = ["dist.tensor_parallel=2", "dist.pipeline_parallel=2", "batch.micro=4"];
     let one = tmp("mpi-tp-one");
-    let o = train(&one, &sets(&grid[2..]));
+    let o = train(&one, &sets(&["batch.micro=4"]));
     assert!(o.status.success(), "{}", stderr(&o));
+    for vocab in [false, true] {
+        let v = format!("dist.vocab_parallel={vocab}");
+        let grid = ["dist.tensor_parallel=2", "dist.pipeline_parallel=2", "batch.micro=4", &v];
+        tensor_by_pipeline(&one, &grid, if vocab { " (the vocabulary split too)" } else { "" });
+    }
+    let _ = std::fs::remove_dir_all(&one);
+}
+
+/// `-np 4` with `grid` against the one-rank run in `one`.
+fn tensor_by_pipeline(one: &std::path::Path, grid: &[&str], vocab: &str) {
     let out = tmp("mpi-tp");
-    let o = mpirun(4, &out, &sets(&grid), None);
+    let o = mpirun(4, &out, &sets(grid), None);
     let err = stderr(&o);
     assert!(o.status.success(), "{err}");
-    assert!(err.contains("3D: P=2 × T=2 × D=1; rank r = stage·2 + tensor"), "{err}");
-    let (a, b) = (losses(&out), losses(&one));
+    assert!(err.contains(&format!("3D: P=2 × T=2{vocab} × D=1; rank r = stage·2 + tensor")), "{err}");
+    let (a, b) = (losses(&out), losses(one));
     assert_eq!(a.len(), 3);
     for (x, y) in a.iter().zip(&b) {
-        assert!((x - y).abs() <= 1e-5 * y, "MPI T=2 × P=2 {x} vs one rank {y}");
+        assert!((x - y).abs() <= 1e-5 * y, "MPI T=2{vocab} × P=2 {x} vs one rank {y}");
     }
-    let d = max_diff(&weights(&out), &weights(&one));
-    assert!(d <= 1e-5 * max_abs(&weights(&one)), "weights differ by {d}");
+    let d = max_diff(&weights(&out), &weights(one));
+    assert!(d <= 1e-5 * max_abs(&weights(one)), "{vocab}: weights differ by {d}");
     for r in metrics(&out) {
         assert!(r["tp_bytes"].as_u64().unwrap() > 0, "{r}");
     }
-    let _ = (std::fs::remove_dir_all(&out), std::fs::remove_dir_all(&one));
+    let _ = std::fs::remove_dir_all(&out);
 }
 
 #[test]

@@ -283,8 +283,11 @@ fn every_optimizer_split_and_frozen_set_resumes_from_pieces_as_from_the_whole_ch
     let d4_zero3: &[&str] = &["dist.world_size=4", "dist.zero_stage=3", "batch.accumulation_steps=1"];
     let frozen = "train.trainable=[\"transformer.h.1.*\", \"transformer.wte.weight\"]";
     // (tag, the run's settings, where it was saved, where it resumes)
-    let cases: [Case; 5] = [
+    let vocab = [LLAMA, &["dist.vocab_parallel=true", "model.tie_word_embeddings=false"]].concat();
+    let cases: [Case; 6] = [
         ("gqa-t4", LLAMA.to_vec(), &[], d2),
+        // The embedding and head saved as vocabulary slices, read back whole.
+        ("gqa-t4-vocab", vocab, &[], d2),
         ("adamw8bit-zero2", vec!["optim.name=adamw8bit"], d2_zero2, d4_zero3),
         ("adafactor-p2d2", vec!["optim.name=adafactor", "optim.adafactor.beta1=0.9"], p2d2_zero1, one),
         ("frozen-zero2", vec![frozen], d2_zero2, p2d2_zero1),

@@ -100,7 +100,8 @@ fn equals_one_rank(tag: &str, model: &[&str], extra: &[&str], ts: &[usize], (tol
         let out = tmp(&format!("tp-{tag}-t{t}"));
         let (w, tp) = (format!("dist.world_size={t}"), format!("dist.tensor_parallel={t}"));
         let err = train_ok(&out, &sets(model, &[extra, &[w.as_str(), tp.as_str()]].concat()));
-        assert!(err.contains(&format!("tensor parallel: T={t} × D=1; rank r = tensor")), "{err}");
+        let vocab = if extra.contains(&"dist.vocab_parallel=true") { " (the vocabulary split too)" } else { "" };
+        assert!(err.contains(&format!("tensor parallel: T={t}{vocab} × D=1; rank r = tensor")), "{err}");
         assert!(err.contains("× D 1"), "the batch counts data-parallel ranks: {err}");
         let what = format!("{tag} T={t}");
         assert_close_rel(&format!("{what}: loss"), &losses(&out), &losses(&base), tol);
@@ -145,6 +146,20 @@ fn split_with_bf16_and_checkpointing_equals_one_rank() {
     // f16: the loss scaler's skips and back-offs are decided on the global
     // gradient, identically on every rank.
     equals_one_rank("gpt-f16", GPT, &["train.precision=\"f16\""], &[2], (TOL_BF16, TOL_BF16));
+}
+
+/// The embedding and head split by vocabulary rows too (each token's
+/// embedding from the rank holding it, the softmax's statistics summed over
+/// the group; Llama untied, with label smoothing and z-loss): the same
+/// tolerances, which the head's input gradient (T partial products summed,
+/// as a row-parallel product's) and the log-sum-exp combined from T f64
+/// sums (a few f32 ulps) stay within.
+#[test]
+fn the_vocabulary_split_too_equals_one_rank() {
+    let vocab = "dist.vocab_parallel=true";
+    equals_one_rank("gpt-vocab", GPT, &[vocab], &[2, 4], (TOL, TOL_WEIGHTS));
+    let terms = [vocab, "model.tie_word_embeddings=false", "train.label_smoothing=0.1", "train.z_loss=1e-3"];
+    equals_one_rank("llama-vocab", LLAMA, &terms, &[2, 4], (TOL, TOL_WEIGHTS));
 }
 
 #[test]
@@ -237,6 +252,7 @@ fn a_checkpoint_resumes_at_another_tensor_pipeline_and_data_layout() {
     let t2p2: &[&str] =
         &["dist.world_size=4", "dist.tensor_parallel=2", "dist.pipeline_parallel=2", "batch.accumulation_steps=4"];
     let t2d2_zero1: &[&str] = &["dist.world_size=4", "dist.tensor_parallel=2", "dist.zero_stage=1"];
+    let t2_vocab = &[t2, &["dist.vocab_parallel=true"]].concat();
     let one_zero0 = &[one, &["dist.zero_stage=0"]].concat();
     // Saved at T = 2, continued by one rank and by two data ranks; saved by
     // one rank and by two data ranks, continued at T = 2 and at T = 2 × P =
@@ -248,6 +264,9 @@ fn a_checkpoint_resumes_at_another_tensor_pipeline_and_data_layout() {
         ("t1-t2", one, t2),
         ("d2-t2p2", d2, t2p2),
         ("t2d2z1-t1", t2d2_zero1, &one_zero0[..]),
+        // The vocabulary split: saved as slices, resumed whole and back.
+        ("t2v-d2", t2_vocab, d2),
+        ("t1-t2v", one, t2_vocab),
     ] {
         let out = tmp(&format!("tp-resumed-{tag}"));
         let mut c = train_cmd(&out, &sets(GPT, &[&six[..], before].concat()));

@@ -26,7 +26,7 @@ use crate::{Positions, Strided};
 use engine::batch::TokenBatch;
 use engine::{
     Checkpointing, EngineError, FullStore, GradOut, MicroStepStats, ParamLayout, ParamStore, Precision, SegmentView,
-    StageSpec,
+    StageSpec, TpRank,
 };
 use std::borrow::Cow;
 use std::ops::Range;
@@ -65,13 +65,17 @@ pub enum FinalNorm {
 pub struct Ends {
     /// The residual stream's width C.
     pub width: usize,
-    /// The vocabulary V.
+    /// The vocabulary rows held here: V, or V / T where `vocab_split`
+    /// splits the vocabulary over T tensor-parallel ranks.
     pub vocab: usize,
+    /// The tensor-parallel rank whose slice of the vocabulary the
+    /// embedding and head hold ([`TpRank::splits_vocab`]; otherwise whole).
+    pub vocab_split: TpRank,
     /// Blocks of the whole model.
     pub n_blocks: usize,
     /// The most positions a row may hold, and the configuration key that sets it.
     pub context: (usize, &'static str),
-    /// The token embedding `[V, C]` in segment 0.
+    /// The token embedding `[vocab, C]` in segment 0.
     pub embed: Range<usize>,
     /// Learned positions `[context, C]` in segment 0, after the embedding (GPT-2's `wpe`).
     pub positions: Option<Range<usize>>,
@@ -79,7 +83,7 @@ pub struct Ends {
     pub embed_scale: Option<f32>,
     /// The final norm, in segment `L + 1`.
     pub norm: FinalNorm,
-    /// An untied head `[V, C]` inside the final norm's segment; `None`:
+    /// An untied head `[vocab, C]` inside the final norm's segment; `None`:
     /// the head is the embedding.
     pub head: Option<Range<usize>>,
     /// Logits soft-capped at this (`cap · tanh(x / cap)`, Gemma 2).
@@ -263,7 +267,29 @@ impl<X: Extra> Shell<X> {
     /// What is wrong with `batch` for this model, if anything.
     pub fn check(&self, batch: &TokenBatch) -> Result<(), String> {
         let (max, key) = self.ends.context;
-        batch.problem(max, key, self.ends.vocab).map_or(Ok(()), Err)
+        batch.problem(max, key, self.whole_vocab()).map_or(Ok(()), Err)
+    }
+
+    /// The whole vocabulary V (of which this rank may hold a slice).
+    pub fn whole_vocab(&self) -> usize {
+        match self.ends.vocab_split.splits_vocab() {
+            true => self.ends.vocab * self.ends.vocab_split.size,
+            false => self.ends.vocab,
+        }
+    }
+
+    /// The vocabulary rows the embedding and head hold here.
+    fn vocab_rows(&self) -> Range<usize> {
+        self.ends.vocab_split.vocab_rows(self.whole_vocab())
+    }
+
+    /// `tokens` as rows of this rank's slice of the vocabulary
+    /// ([`crate::embed::local_tokens`]); themselves where it is whole.
+    fn local_tokens<'t>(&self, tokens: &'t [u32]) -> Cow<'t, [u32]> {
+        match self.ends.vocab_split.splits_vocab() {
+            true => Cow::Owned(crate::embed::local_tokens(tokens, self.vocab_rows())),
+            false => Cow::Borrowed(tokens),
+        }
     }
 
     /// Errors unless this model runs all of itself (not a pipeline stage).
@@ -296,16 +322,28 @@ impl<X: Extra> Shell<X> {
         self.acts.pos.clone_from(&batch.positions);
         self.acts.docs = batch.doc_starts();
         if self.stage.is_first() {
+            let tokens = self.local_tokens(&batch.inputs);
             let (e, a, c) = (&self.ends, &mut self.acts, self.ends.width);
             {
-                let seg = store.segment(0)?;
+                let mut seg = store.segment(0)?;
                 let wpe = e.positions.as_ref().map(|p| &seg.params[p.clone()][first * c..]);
                 let pos = Positions { t: a.t, ids: &a.pos };
                 let wte = match &e.frozen_embed {
                     Some(m) => Weight::Packed(m, 0..m.rows()),
                     None => Weight::F32(&seg.params[e.embed.clone()]),
                 };
-                crate::embed::embedding_forward(&mut a.stack.x, &batch.inputs, wte, wpe, pos, c);
+                if e.vocab_split.splits_vocab() {
+                    // Each rank's rows of its tokens, zero elsewhere, summed
+                    // over the group: each token's row exactly, then the
+                    // positions added as uncut adds them.
+                    crate::embed::embedding_forward(&mut a.stack.x, &tokens, wte, None, pos, c);
+                    seg.tp.all_reduce(&mut a.stack.x)?;
+                    if let Some(wpe) = wpe {
+                        crate::embed::add_positions(&mut a.stack.x, wpe, pos, c);
+                    }
+                } else {
+                    crate::embed::embedding_forward(&mut a.stack.x, &tokens, wte, wpe, pos, c);
+                }
                 if let Some(s) = e.embed_scale {
                     a.stack.x.iter_mut().for_each(|v| *v *= s);
                 }
@@ -369,6 +407,11 @@ impl<X: Extra> Shell<X> {
     /// chunk). Returns the cross-entropy and what the terms add, each
     /// summed in row order (f64; the same bits at any chunk size). The
     /// head's segment stays held, for the forward-only caller to release.
+    ///
+    /// With the vocabulary split, each rank's chunk holds the logits of its
+    /// slice; the softmax's statistics are summed over the group
+    /// ([`crate::loss_terms::split_cross_entropy_with`]) and so is the
+    /// final norm's output gradient, once, after the last chunk.
     fn head_loss(
         &mut self,
         store: &mut dyn ParamStore,
@@ -384,8 +427,15 @@ impl<X: Extra> Shell<X> {
         if a.logits.len() < chunk * v {
             a.logits.resize(chunk * v, 0.0);
         }
-        let SegmentView { params, mut grads, .. } = store.segment(head_seg)?;
+        let SegmentView { params, mut grads, mut tp } = store.segment(head_seg)?;
         let head = head_of(&self.ends, &params[head_rel.clone()], self.precision);
+        let split = self.ends.vocab_split;
+        let slice = crate::loss_terms::VocabSlice {
+            first: split.vocab_rows(v * split.size).start,
+            whole: v * split.size,
+            rank: split.rank,
+            ranks: split.size,
+        };
         // A batch of no rows runs one empty chunk: the head's gradient is
         // written (zero) as by any other micro-step.
         for r in chunks(rows, most) {
@@ -393,18 +443,29 @@ impl<X: Extra> Shell<X> {
             let logits = &mut a.logits[..r.len() * v];
             head.logits(r.len(), Strided::rows(x, c), logits);
             let aux = if aux.is_empty() { &mut [][..] } else { &mut aux[r.clone()] };
-            crate::loss_terms::capped_cross_entropy_with(
-                (logits, self.ends.soft_cap),
-                (&mut a.losses[r.clone()], aux),
-                &batch.targets[r.clone()],
-                v,
-                grad_scale,
-                terms,
-            );
+            let (capped, out, targets) =
+                ((&mut *logits, self.ends.soft_cap), (&mut a.losses[r.clone()], aux), &batch.targets[r.clone()]);
+            match split.splits_vocab() {
+                true => crate::loss_terms::split_cross_entropy_with(
+                    capped,
+                    out,
+                    targets,
+                    slice,
+                    v,
+                    grad_scale,
+                    terms,
+                    &mut |stats| tp.all_reduce(stats),
+                )?,
+                false => crate::loss_terms::capped_cross_entropy_with(capped, out, targets, v, grad_scale, terms),
+            }
             if grad_scale.is_some() {
                 let dx = &mut a.stack.bufs[DC][r.start * c..r.end * c];
                 head.backward((dx, param_grad(grads.tensor(head_rel.clone()))), x, logits);
             }
+        }
+        if grad_scale.is_some() && split.splits_vocab() {
+            // Each rank's dx is its slice's part: summed, it is whole on every rank.
+            tp.all_reduce(&mut a.stack.bufs[DC][..rows * c])?;
         }
         Ok((crate::loss::loss_sum(&a.losses, rows), crate::loss::loss_sum(&aux, aux.len())))
     }
@@ -454,6 +515,7 @@ impl<X: Extra> Shell<X> {
         if !self.stage.is_first() {
             return Ok(());
         }
+        let tokens = self.local_tokens(inputs);
         {
             let SegmentView { mut grads, .. } = store.segment(0)?;
             let (e, a) = (&self.ends, &mut self.acts);
@@ -467,7 +529,7 @@ impl<X: Extra> Shell<X> {
             }
             let pos = Positions { t: a.t, ids: &a.pos };
             let (g, gp) = (g.map(GradOut::for_adding), gp.map(GradOut::for_adding));
-            crate::embed::embedding_backward(g, gp, dres, inputs, pos, e.width);
+            crate::embed::embedding_backward(g, gp, dres, &tokens, pos, e.width);
         }
         store.done(0, true)
     }
@@ -678,6 +740,14 @@ fn logits_of<D: Decoder>(
     let sh = d.shell();
     sh.check(batch).map_err(D::invalid_batch)?;
     sh.whole_model_for("a forward pass over the whole model").map_err(D::invalid_batch)?;
+    if sh.ends.vocab_split.splits_vocab() {
+        let rows = sh.vocab_rows();
+        let problem = format!(
+            "the logits of the whole vocabulary ({}) are asked of a model holding its rows {}..{} (dist.vocab_parallel): run generation and logits on the whole model",
+            sh.whole_vocab(), rows.start, rows.end
+        );
+        return Err(D::invalid_batch(problem));
+    }
     let mut store = FullStore::read_only(&d.shell().layout, d.segments(), params)?;
     ensure_acts(d, 0, (batch.n_seqs, batch.seq_len), pass);
     forward(d, &mut store, batch, &[], (pass, attn))?;

@@ -78,7 +78,7 @@ fn adapters_sit_on_the_fused_modules_with_peft_names() {
     let e = LlamaFamily::new(&phi3::PHI3, cfg.clone(), Some(LoraConfig::new(2, 4.0, &["q_proj"])));
     let e = e.err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("q_proj") && e.contains("qkv_proj"), "{e}");
-    let tp = engine::TpRank { rank: 0, size: 2 };
+    let tp = engine::TpRank::new(0, 2);
     let lora = Some(LoraConfig::new(2, 4.0, &["qkv_proj"]));
     let e = Llama::tensor_parallel(cfg.clone(), lora, engine::Precision::F32, tp).err().map(|e| e.to_string());
     assert!(e.as_deref().is_some_and(|e| e.contains("fused") && e.contains("tensor_parallel = 1")), "{e:?}");

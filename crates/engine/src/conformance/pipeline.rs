@@ -142,7 +142,7 @@ fn one_rank<M: StagedModel<Batch = TokenBatch>>(
     let mut dp = world.split(stage * l.t + tr, dr).map_err(err("split dp"))?;
     let mut pipe = world.split(dr * l.t + tr, stage).map_err(err("split pipe"))?;
     let mut tp = world.split(stage * l.d + dr, tr).map_err(err("split tp"))?;
-    let mut model = (case.model)(l.precision, l.checkpointing, TpRank { rank: tr, size: l.t });
+    let mut model = (case.model)(l.precision, l.checkpointing, TpRank::new(tr, l.t));
     let n = case.init.len();
     let (opt, sched, steps) = if l.first_gradient {
         (Optimizer::Sgd(Sgd::new(n, 0.0, false, 0.0).map_err(err("SGD"))?), LrSchedule::constant(1.0), 1)
@@ -228,7 +228,7 @@ fn replicas_agree(st: &PipelineStage, tp: &mut dyn Communicator, local: &[f32]) 
     for from in 1..tp.world_size() {
         let mut theirs = vec![0.0; local.len()];
         tp.recv(&mut theirs, from, 98).map_err(err("receive for the replica check"))?;
-        let peer = TpRank { rank: from, size: map.tp.size };
+        let peer = TpRank::new(from, map.tp.size);
         for (spec, shard) in st.layout.layout.tensors().iter().zip(st.stage_shards()) {
             let shared = match *shard {
                 Shard::Split { parts, .. } => peer.piece(parts) == map.tp.piece(parts),

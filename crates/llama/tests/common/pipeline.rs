@@ -60,3 +60,26 @@ pub fn tensor_matrix(
     let case = PipelineCase { model: &build, init: init(&cfg, lora.as_ref()), seqs: &seqs };
     check_tensor_layouts(&case, f32_tol, bf16_tol, ts).unwrap_or_else(|e| panic!("{e}"))
 }
+
+/// `cfg` with the vocabulary split too (`dist.vocab_parallel`: the
+/// embedding and head cut by rows) over T ∈ `ts` ranks against uncut,
+/// training with `terms` and the loss over chunks of at most `chunk` rows
+/// (uncut and split alike); returns the largest relative loss difference.
+pub fn vocab_matrix(
+    cfg: LlamaConfig,
+    (terms, chunk): (engine::LossTerms, Option<usize>),
+    ts: &[usize],
+    f32_tol: (f64, f32),
+    bf16_tol: (f64, f64),
+) -> f64 {
+    let c = cfg.clone();
+    let build = move |p: Precision, ck: Checkpointing, tp: TpRank| {
+        let m = Llama::tensor_parallel(c.clone(), None, p, tp.with_vocab(true)).expect("valid split");
+        let mut m = m.with_checkpointing(ck).with_loss_chunk(chunk);
+        m.set_loss_terms(terms);
+        m
+    };
+    let seqs = TokenSamples::new(48, suite::T, suite::V as u64, 9);
+    let case = PipelineCase { model: &build, init: init(&cfg, None), seqs: &seqs };
+    check_tensor_layouts(&case, f32_tol, bf16_tol, ts).unwrap_or_else(|e| panic!("{e}"))
+}

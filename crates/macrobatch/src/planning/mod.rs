@@ -73,6 +73,8 @@ pub struct Knobs {
     pub pipeline_schedule: ScheduleKind,
     /// Tensor-parallel ranks T (1: no split); the world is P × D × T.
     pub tensor_parallel: usize,
+    /// The vocabulary split over the T ranks too.
+    pub vocab_parallel: bool,
 }
 
 impl Knobs {
@@ -96,6 +98,7 @@ impl Knobs {
             pipeline_parallel: cfg.dist.pipeline_parallel,
             pipeline_schedule: cfg.dist.pipeline_schedule,
             tensor_parallel: cfg.dist.tensor_parallel,
+            vocab_parallel: cfg.dist.vocab_parallel,
         }
     }
 

@@ -24,7 +24,7 @@ use std::sync::Arc;
 pub fn rank_family(plan: &Plan, knobs: &Knobs) -> Result<Arc<dyn Family>> {
     match knobs.tensor_parallel {
         0 | 1 => Ok(plan.family.clone()),
-        t => tensor_family(plan.family.as_ref(), TpRank { rank: 0, size: t }),
+        t => tensor_family(plan.family.as_ref(), TpRank::new(0, t).with_vocab(knobs.vocab_parallel)),
     }
 }
 
@@ -41,6 +41,10 @@ pub struct Traffic {
     /// by several ranks): each such trainable tensor whole, a shared piece
     /// placed in zeros at its place.
     pub partial: usize,
+    /// Elements per token of the vocab-parallel loss's statistics
+    /// all-reduce (`nn::loss_terms::SPLIT_STATS` per rank; 0 with the
+    /// vocabulary whole).
+    pub vocab_stats: usize,
 }
 
 impl Traffic {
@@ -53,13 +57,15 @@ impl Traffic {
             .map(|((_, whole), _)| whole.numel())
             .sum();
         let one_token = engine::TokenBatch { n_seqs: 1, seq_len: 1, ..Default::default() };
-        Some(Traffic { width: model.boundary_len(&one_token), partial })
+        let vocab_stats = if shards.tp.splits_vocab() { nn::loss_terms::SPLIT_STATS * shards.tp.size } else { 0 };
+        Some(Traffic { width: model.boundary_len(&one_token), partial, vocab_stats })
     }
 
     /// Elements of the largest all-reduce over the group for micro-batches
-    /// of `tokens` tokens.
+    /// of `tokens` tokens (a vocab-parallel head's statistics of one chunk
+    /// of rows are at most those of all of them).
     pub fn max_elems(&self, tokens: usize) -> usize {
-        (tokens * self.width).max(self.partial)
+        (tokens * self.width.max(self.vocab_stats)).max(self.partial)
     }
 
     /// Bytes a rank holds for the group's collectives besides the model's
@@ -130,6 +136,27 @@ mod tests {
         assert_eq!(four.width, 384);
     }
 
+    /// With the vocabulary split a rank holds V / T rows of the embedding
+    /// and the head and a chunk of logits over V / T columns; the rest of
+    /// its shape is the one it holds with the vocabulary whole.
+    #[test]
+    fn a_vocab_parallel_rank_holds_a_slice_of_the_embedding_and_the_head() {
+        let with = |vocab: bool| {
+            plan(&[LLAMA, &["batch.global=8", "batch.micro=1", &format!("dist.vocab_parallel={vocab}")]].concat(), 4)
+        };
+        let (whole, split) = (with(false), with(true));
+        let rank = |pl: &Plan, t: usize| stages(pl, knobs(pl, t, 1)).unwrap()[0];
+        let (v, c) = (whole.family.vocab_size() as u64, 384u64);
+        for t in [2u64, 4] {
+            let (w, s) = (rank(&whole, t as usize), rank(&split, t as usize));
+            // The embedding (the `tiny` preset ties the head to it): V · C whole, V · C / T split.
+            assert_eq!(w.stage_params - s.stage_params, v * c - v * c / t, "T = {t}");
+            assert!(s.activations < w.activations, "T = {t}: the logits' chunk is over V / T");
+            let stats = rank(&split, t as usize);
+            assert_eq!(stats.tp_staging, w.tp_staging, "T = {t}: the statistics' all-reduce is the smaller");
+        }
+    }
+
     #[test]
     fn bad_grids_are_errors_naming_the_key() {
         let pl = plan(&["model.preset=mini", "batch.global=12", "batch.micro=1"], 6);
@@ -144,13 +171,20 @@ mod tests {
         assert!(err(knobs(&pl, 3, 1)).is_empty() && err(knobs(&pl, 2, 3)).is_empty());
     }
 
+    /// Every rank's heap peak over its build and first step against its
+    /// plan, the vocabulary whole and split (`dist.vocab_parallel`: the
+    /// embedding, head and one chunk of logits over V / T).
     #[test]
     fn measured_rank_peaks_match_the_plan_at_t_2_and_4() {
-        for (name, sets) in [("Llama", LLAMA), ("GPT-2", GPT)] {
+        for (name, sets, vocab) in
+            [("Llama", LLAMA, false), ("GPT-2", GPT, false), ("Llama", LLAMA, true), ("GPT-2", GPT, true)]
+        {
+            let name = if vocab { format!("{name}, vocabulary split") } else { name.to_string() };
             for (t, p) in [(2, 1), (4, 1), (2, 2)] {
                 // One data rank: K = 2 micro-batches per step.
                 let world = t * p;
-                let pl = plan(&[sets, &[&format!("batch.global={}", 2 * world), "batch.micro=1"]].concat(), world);
+                let vp = format!("dist.vocab_parallel={vocab}");
+                let pl = plan(&[sets, &[&format!("batch.global={}", 2 * world), "batch.micro=1", &vp]].concat(), world);
                 let kn = Knobs { world_size: world, ranks_per_process: world, ..knobs(&pl, t, p) };
                 let planned = stages(&pl, kn).unwrap();
                 let k = planned[0].accumulation_steps;

@@ -123,7 +123,7 @@ pub fn resolve(mut cfg: Config, backend: Backend) -> Result<(Plan, bool)> {
     if grid.is_tensor_parallel() {
         // Rank 0's shard (every rank's has the same shape): a shape or a
         // family that cannot split is refused here, before any folder exists.
-        tensor_family(family.as_ref(), engine::TpRank { rank: 0, size: grid.tensor })?;
+        tensor_family(family.as_ref(), grid.tp_rank(0))?;
     }
     let batch = resolve_batch(&cfg, &grid).map_err(auto_context)?;
     let max_seq = family.max_seq_len();
