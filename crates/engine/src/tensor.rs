@@ -67,7 +67,7 @@ impl TpRank {
     pub fn vocab_problem(&self, v: usize) -> Option<String> {
         (self.splits_vocab() && !v.is_multiple_of(self.size)).then(|| {
             format!(
-                "the vocabulary ({v}) must be divisible by dist.tensor_parallel ({}) to split it by rows (dist.vocab_parallel = true): pad it to a multiple of {} (model.vocab_size = {}), or set dist.vocab_parallel = false",
+                "the vocabulary ({v}) must be divisible by dist.tensor_parallel ({}) to split it by rows (dist.vocab_parallel = true): choose a dist.tensor_parallel that divides {v}, or set dist.vocab_parallel = false, or (a model trained from scratch) pad the vocabulary to a multiple of {} (model.vocab_size = {})",
                 self.size,
                 self.size,
                 v.next_multiple_of(self.size)
@@ -350,7 +350,7 @@ impl TensorShards {
                 group.recv(&mut buf, from, TAG)?;
                 &buf[..]
             };
-            let rank = TpRank::new(from, self.tp.size);
+            let rank = TpRank { rank: from, ..self.tp };
             for ((f, l), s) in fs.iter().zip(&ls).zip(&self.shards) {
                 if let (Some(f), Some(l), true) = (f, l, from == 0 || !s.is_replicated()) {
                     Self::place_tensor(*s, rank, &part[l.clone()], &mut whole[f.clone()]);

@@ -84,7 +84,8 @@ impl ActSizes {
     }
 
     /// [`ActSizes::for_part`] of tensor-parallel rank `tp` (its heads and
-    /// MLP columns; the residual stream and the head whole).
+    /// MLP columns; the residual stream whole, the head's logits over its
+    /// vocabulary rows).
     pub fn for_rank(
         cfg: &GptConfig,
         tp: TpRank,

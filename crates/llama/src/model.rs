@@ -143,9 +143,7 @@ impl Llama {
         }
         let local = whole.for_rank(tp)?;
         let whole = Self::build(whole, lora.clone(), Precision::F32)?;
-        let mut model = Self::assemble(local, lora, precision, None, (false, false))?;
-        // The rank's shape holds V / T vocabulary rows where they are split.
-        model.shell.ends.vocab_split = tp;
+        let mut model = Self::assemble(local, lora, (precision, tp), None, (false, false))?;
         let split = RankShard { tp, whole };
         split.shards(&model)?;
         model.split = Some(Box::new(split));
@@ -154,7 +152,7 @@ impl Llama {
 
     fn build(cfg: LlamaConfig, lora: Option<LoraConfig>, precision: Precision) -> Result<Self, LlamaError> {
         cfg.validate()?;
-        Self::assemble(cfg, lora, precision, None, (false, false))
+        Self::assemble(cfg, lora, (precision, TpRank::WHOLE), None, (false, false))
     }
 
     /// A model whose layout leaves the projections' weights out, as
@@ -162,7 +160,7 @@ impl Llama {
     /// layouts, initialisation and plans (it cannot run a pass).
     pub fn with_packed_layout(cfg: LlamaConfig, lora: Option<LoraConfig>) -> Result<Self, LlamaError> {
         cfg.validate()?;
-        Self::assemble(cfg, lora, Precision::F32, None, (true, false))
+        Self::assemble(cfg, lora, (Precision::F32, TpRank::WHOLE), None, (true, false))
     }
 
     /// [`Llama::with_packed_layout`] without the token embedding either
@@ -171,7 +169,7 @@ impl Llama {
     /// given): forward passes only.
     pub fn with_packed_embedding_layout(cfg: LlamaConfig, lora: Option<LoraConfig>) -> Result<Self, LlamaError> {
         cfg.validate()?;
-        Self::assemble(cfg, lora, Precision::F32, None, (true, true))
+        Self::assemble(cfg, lora, (Precision::F32, TpRank::WHOLE), None, (true, true))
     }
 
     /// A model whose projections' weights are `base`, packed and frozen,
@@ -191,7 +189,7 @@ impl Llama {
             ));
         }
         let embed = base.embedding().is_some();
-        Self::assemble(cfg, lora, precision, Some(base), (true, embed))
+        Self::assemble(cfg, lora, (precision, TpRank::WHOLE), Some(base), (true, embed))
     }
 
     /// Whether the layout leaves the projections' weights out (a packed base).
@@ -215,11 +213,12 @@ impl Llama {
     }
 
     /// The model of a shape already checked (a whole shape by
-    /// [`LlamaConfig::validate`], a rank's by [`LlamaConfig::for_rank`]).
+    /// [`LlamaConfig::validate`], a rank's by [`LlamaConfig::for_rank`],
+    /// held by tensor-parallel rank `tp`: its vocabulary rows `cfg`'s).
     fn assemble(
         cfg: LlamaConfig,
         lora: Option<LoraConfig>,
-        precision: Precision,
+        (precision, tp): (Precision, TpRank),
         base: Option<Arc<FrozenBase>>,
         (packed, packed_embed): (bool, bool),
     ) -> Result<Self, LlamaError> {
@@ -244,7 +243,7 @@ impl Llama {
         let ends = Ends {
             width: cfg.hidden_size,
             vocab: cfg.vocab_size,
-            vocab_split: TpRank::WHOLE,
+            vocab_split: tp,
             n_blocks: cfg.n_layer,
             context: (cfg.max_position_embeddings, "max_position_embeddings"),
             embed: ranges.embed.clone(),

@@ -77,6 +77,12 @@ fn llama_70b_on_8_tensor_ranks() {
         "{text}"
     );
     assert!(text.contains("tensor-parallel staging"), "{text}");
+    assert!(text.contains("dist.vocab_parallel = true"), "the vocabulary split is offered: {text}");
+    // Split by vocabulary too, the rank holds Megatron's count: the split
+    // matrices / 8, the norms whole, the embedding and the head / 8.
+    let v = plan_json(&[&tp8[..], &["dist.vocab_parallel=true"]].concat());
+    assert_eq!(u(&v["configured"]["stage_params"]), local - replicated + replicated / 8);
+    assert_eq!(u(&v["configured"]["stage_params"]), 8_623_235_072);
 }
 
 #[test]
@@ -98,6 +104,10 @@ fn gpt3_175b_on_8_tensor_by_8_pipeline_ranks() {
     // split), the last the final norm and the tied segment's copy.
     let embedding = u(&stages[0]["stage_params"]) - u(&stages[3]["stage_params"]);
     assert_eq!(embedding, (51200 + 2048) * d);
+    // With the vocabulary split the first stage holds 51200 / 8 rows of it.
+    let v = plan_json(&[GPT3_175B, &["dist.vocab_parallel=true"]].concat());
+    let first = u(&v["pipeline"]["per_stage"][0]["stage_params"]);
+    assert_eq!(first - u(&stages[3]["stage_params"]), (51200 / 8 + 2048) * d);
     assert_eq!(u(&stages[7]["stage_params"]) - u(&stages[3]["stage_params"]), embedding + 2 * d);
     // Ranks of stage s: s · 8 .. s · 8 + 7 (a tensor group each).
     assert_eq!(u(&p["peak_rank"]), 8 * u(&p["peak_stage"]));

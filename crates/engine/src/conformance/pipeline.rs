@@ -228,7 +228,7 @@ fn replicas_agree(st: &PipelineStage, tp: &mut dyn Communicator, local: &[f32]) 
     for from in 1..tp.world_size() {
         let mut theirs = vec![0.0; local.len()];
         tp.recv(&mut theirs, from, 98).map_err(err("receive for the replica check"))?;
-        let peer = TpRank::new(from, map.tp.size);
+        let peer = TpRank { rank: from, ..map.tp };
         for (spec, shard) in st.layout.layout.tensors().iter().zip(st.stage_shards()) {
             let shared = match *shard {
                 Shard::Split { parts, .. } => peer.piece(parts) == map.tp.piece(parts),

@@ -184,6 +184,11 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
     if !knobs.offload_optimizer {
         variants.push(("dist.offload_optimizer = \"disk\"".into(), Knobs { offload_optimizer: true, ..knobs }));
     }
+    // The embedding and head split by vocabulary where T divides it.
+    let t = knobs.tensor_parallel;
+    if t > 1 && !knobs.vocab_parallel && plan.family.vocab_size().is_multiple_of(t) {
+        variants.push(("dist.vocab_parallel = true".into(), Knobs { vocab_parallel: true, ..knobs }));
+    }
     let w2 = knobs.world_size * 2;
     if plan.batch.global.is_multiple_of(w2 / knobs.pipeline_parallel.max(1) / knobs.tensor_parallel.max(1)) {
         let stage = knobs.zero_stage.max(max_zero);
