@@ -83,6 +83,12 @@ pub struct PlanArgs {
     /// The global batch the configured optim.lr was tuned for: prints scaled learning rates.
     #[arg(long)]
     pub base_batch: Option<usize>,
+    /// Read no data: plan the shape at data.seq_len (unset: the model's
+    /// context) on synthetic windows, whatever `[data]` says (its files,
+    /// tokenizer and chat template are not opened; the data set's own
+    /// memory, a few MB for most, is not counted).
+    #[arg(long)]
+    pub no_data: bool,
     /// Plan the run `train --init-from PATH` would make: the pretrained
     /// model's shape and tokenizer, and its file's formats for a packed
     /// frozen base (train.frozen_dtype), read from its metadata.

@@ -29,7 +29,10 @@ pub fn run(args: crate::PlanArgs) -> Result<()> {
     // The plan needs the data set's bytes, not a full global batch of it
     // (`train` checks that): a large batch is planned on the bundled corpus.
     cfg.data.drop_last = false;
-    let (plan, _) = setup::resolve(cfg, backend)?;
+    let (plan, _) = match args.no_data {
+        true => setup::resolve_shapes(cfg, backend)?,
+        false => setup::resolve(cfg, backend)?,
+    };
     let mut knobs = Knobs::of(&plan);
     if args.world_size.is_some() {
         // A planned cluster: one rank per process (per GPU / node slot).

@@ -179,13 +179,23 @@ fn every_refusal_names_the_key_and_the_fix() {
 }
 
 /// `plan --json` of LLaMA-1 65B with an NF4 base + LoRA on one device.
-fn plan_json(sets: &[&str], memory: &str) -> serde_json::Value {
+/// `macrobatch plan ARGS --memory MEMORY` with `sets`: its output, which must succeed.
+fn plan_out(args: &[&str], sets: &[&str], memory: &str) -> Vec<u8> {
     let mut c = bin();
-    c.args(["plan", "--json", "--world-size", "1", "--memory", memory]);
+    c.arg("plan").args(args).args(["--memory", memory]);
     with_sets(&mut c, sets);
     let o = c.output().unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
-    serde_json::from_slice(&o.stdout).unwrap()
+    o.stdout
+}
+
+/// The plan's text.
+fn plan_common_text(sets: &[&str], memory: &str) -> String {
+    String::from_utf8_lossy(&plan_out(&[], sets, memory)).into_owned()
+}
+
+fn plan_json(sets: &[&str], memory: &str) -> serde_json::Value {
+    serde_json::from_slice(&plan_out(&["--json", "--world-size", "1"], sets, memory)).unwrap()
 }
 
 /// QLoRA's recipe on the preset llama-70b: LoRA on every projection, bf16
@@ -223,9 +233,17 @@ fn plan_counts_the_packed_base_of_65b_and_70b() {
         let frozen = r["configured"]["frozen"].as_u64().unwrap() as u128;
         assert_eq!(frozen, layers * per_layer(fmt), "{dtype}");
         assert_eq!(r["frozen_dtype"], fmt.name());
-        // The frozen projections are no longer parameters of the model.
+        // The frozen projections are no longer parameters of the model,
+        // but the plan counts them: packed, frozen, in the total.
         assert!(r["n_params"].as_u64().unwrap() < 2_000_000_000, "{}", r["n_params"]);
+        assert_eq!(r["n_packed"].as_u64().unwrap() as u128, layers * (4 * c * c + 3 * c * f) as u128, "{dtype}");
+        // r = 16 on q, k, v, o (C → C), gate, up (C → F) and down (F → C): r · (in + out) each.
+        let adapters = layers * 16 * (4 * 2 * c + 3 * (c + f)) as u128;
+        assert_eq!(r["n_trainable"].as_u64().unwrap() as u128, adapters, "{dtype}: the adapters train");
     }
+    // The header reads as the model's size: total, trainable, frozen, packed.
+    let o = plan_common_text(&[QLORA, &shape65[..], &["train.frozen_dtype=\"nf4\""]].concat(), "48GiB");
+    assert!(o.contains(" trainable, ") && o.contains(" of them packed outside the layout), seq "), "{o}");
     // NF4 with double quantisation: QLoRA's 4.127 bits per weight.
     let bits = 8.0 * (layers * per_layer(PackFormat::Nf4 { double_quant: true })) as f64
         / (80.0 * (4.0 * (c * c) as f64 + 3.0 * (c * f) as f64));

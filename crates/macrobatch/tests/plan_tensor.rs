@@ -166,3 +166,24 @@ fn bad_grids_are_refused_naming_the_key() {
         assert!(want.iter().all(|w| err.contains(w)), "{sets:?}: {err}");
     }
 }
+
+/// `plan --no-data` plans a shape at the set data.seq_len without opening
+/// `[data]`: a data file that does not exist (and a chat format whose
+/// template would be needed) is no error there, while `plan` without the
+/// flag names the missing file; a DPO objective, which reads its pairs, is
+/// refused with the reason.
+#[test]
+fn plan_without_data_plans_the_set_sequence_length() {
+    let missing = ["data.path=/nonexistent/chat.jsonl", "data.format=\"jsonl\"", "data.seq_len=1024"];
+    let shape = ["--memory", "80GiB", "model.family=llama", "model.preset=llama-7b", "batch.micro=1", "batch.global=8"];
+    let o = plan(&[&shape[..], &missing].concat());
+    assert!(!o.status.success() && stderr(&o).contains("/nonexistent/chat.jsonl"), "{}", stderr(&o));
+    let r = plan_json(&[&["--no-data"], &shape[..], &missing].concat());
+    assert_eq!(u(&r["seq_len"]), 1024, "the set data.seq_len, not a data file's rows");
+    assert_eq!(u(&r["n_params"]), u(&r["n_trainable"]), "full fine-tuning: every parameter trains");
+    // Unset, the model's context (llama-7b: 4096).
+    let r = plan_json(&[&["--no-data"], &shape[..]].concat());
+    assert_eq!(u(&r["seq_len"]), 4096);
+    let o = plan(&[&["--no-data"], &shape[..], &["train.objective=\"dpo\""]].concat());
+    assert!(!o.status.success() && stderr(&o).contains("preference pairs"), "{}", stderr(&o));
+}

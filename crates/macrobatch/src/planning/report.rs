@@ -28,8 +28,13 @@ pub struct Alternative {
 pub struct Report {
     /// Model family and shape.
     pub model: String,
-    /// Parameters.
+    /// Parameters of the layout (what is trained, stored and checkpointed).
     pub n_params: u128,
+    /// Of them, the ones that train (`train.trainable`, or LoRA's adapters).
+    pub n_trainable: u128,
+    /// Frozen values held packed outside the layout (a LoRA base in
+    /// `train.frozen_dtype`'s blocks), not in `n_params`.
+    pub n_packed: u128,
     /// Sequence length.
     pub seq_len: usize,
     /// The global batch (kept fixed).
@@ -231,9 +236,13 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
             ),
         }
     });
+    let mut layout = plan.family.build(family::Build::default())?;
+    crate::setup::apply_trainable(&mut layout, &crate::setup::trainable_patterns(cfg))?;
     Ok(Report {
         model: format!("{} {} ({})", plan.family.name(), cfg.model.label(), plan.family.describe()),
         n_params: plan.family.n_params(),
+        n_trainable: layout.layout().n_trainable() as u128,
+        n_packed: plan.family.frozen_bytes().map_or(0, |f| f.values),
         seq_len: plan.train.seq_len(),
         global_batch: plan.batch.global,
         memory,
@@ -274,14 +283,28 @@ fn describe(e: &Estimate) -> String {
     )
 }
 
+/// "N parameters" where all of them train; otherwise the total, then the
+/// trainable and frozen ones (and the frozen ones held packed).
+fn param_counts(r: &Report) -> String {
+    let total = r.n_params + r.n_packed;
+    if r.n_trainable == total {
+        return format!("{total} parameters");
+    }
+    let packed = match r.n_packed {
+        0 => String::new(),
+        n => format!(", {n} of them packed outside the layout"),
+    };
+    format!("{total} parameters ({} trainable, {} frozen{packed})", r.n_trainable, total - r.n_trainable)
+}
+
 /// The report as text.
 pub fn render(r: &Report) -> String {
     let mut out = String::new();
     let e = &r.configured;
     out += &format!(
-        "{}: {} parameters, seq {}, global batch {}\nmemory per process {} (budget {}; a plan fits when its peak + {MARGIN_PERCENT}% + {} is within it)\n\nconfigured: {}\n",
+        "{}: {}, seq {}, global batch {}\nmemory per process {} (budget {}; a plan fits when its peak + {MARGIN_PERCENT}% + {} is within it)\n\nconfigured: {}\n",
         r.model,
-        r.n_params,
+        param_counts(r),
         r.seq_len,
         r.global_batch,
         human(r.memory),

@@ -106,7 +106,23 @@ pub fn load_config(path: Option<&Path>, sets: &[String], ds: &DeepSpeedArgs) -> 
 /// launcher, before anything runs, into a [`Plan`]. With `batch.micro =
 /// "auto"` the plan is at micro 1 and the flag is set:
 /// [`crate::planning::plan`] then picks the micro-batch that fits.
-pub fn resolve(mut cfg: Config, backend: Backend) -> Result<(Plan, bool)> {
+pub fn resolve(cfg: Config, backend: Backend) -> Result<(Plan, bool)> {
+    resolve_with(cfg, backend, true)
+}
+
+/// [`resolve`] without reading any data: the configuration's `[data]` is
+/// set aside but for `data.seq_len` (unset: the model's context), and
+/// the plan holds one synthetic window of that length per split (a byte
+/// tokenizer) — what `plan --no-data` plans a shape with.
+pub fn resolve_shapes(mut cfg: Config, backend: Backend) -> Result<(Plan, bool)> {
+    if cfg.train.objective == config::Objective::Dpo {
+        bail!("plan --no-data plans the language-modelling loss on synthetic windows; train.objective = \"dpo\" reads its preference pairs: drop --no-data and give data.path");
+    }
+    cfg.data = config::DataConfig { seq_len: cfg.data.seq_len, drop_last: false, ..config::DataConfig::default() };
+    resolve_with(cfg, backend, false)
+}
+
+fn resolve_with(mut cfg: Config, backend: Backend, read_data: bool) -> Result<(Plan, bool)> {
     cfg.validate()?;
     let auto_micro = start_auto_micro(&mut cfg)?;
     let family = with_frozen_storage(family::from_config(&cfg.model, cfg.lora.as_ref())?, &cfg)?;
@@ -143,7 +159,13 @@ pub fn resolve(mut cfg: Config, backend: Backend) -> Result<(Plan, bool)> {
             family.vocab_size()
         );
     }
-    let (train, val) = load_samples(&cfg, &tokenizer, seq_len, family.vocab_size())?;
+    let (train, val) = match read_data {
+        true => load_samples(&cfg, &tokenizer, seq_len, family.vocab_size())?,
+        false => {
+            let windows = |split, n: usize| data::TokenDataset::new(split, vec![0; n * seq_len + 1], seq_len);
+            (Samples::Windows(windows("train", 1)?), Samples::Windows(windows("val", 1)?))
+        }
+    };
     let sampler = sampler_for(&cfg, &batch, &train).map_err(auto_context)?;
     let tokenizer = Arc::new(tokenizer);
     let plan = Plan { cfg, family, memory_budget: None, backend, batch, grid, train, val, tokenizer, sampler };
