@@ -192,6 +192,11 @@ pub struct VerifyArgs {
     /// Micro-batch of the reference run (default: the whole global batch at once).
     #[arg(long)]
     pub reference_micro: Option<usize>,
+    /// Check from a pretrained model's weights (and shape, tokenizer), as
+    /// `train --init-from PATH` starts: a Hugging Face folder, a GGUF file
+    /// or a run folder (default: the configured model's random initialisation).
+    #[arg(long, value_name = "PATH")]
+    pub init_from: Option<PathBuf>,
 }
 
 /// Arguments of `macrobatch train`.

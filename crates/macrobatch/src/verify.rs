@@ -5,7 +5,7 @@
 use crate::dist::Backend;
 use crate::planning::plan;
 use crate::ranks::run_thread_ranks;
-use crate::setup::{load_config, model_for, rank_batches, trainer_for, Plan};
+use crate::setup::{load_config, model_for, rank_batches, trainer_for, trainer_from, Plan};
 use crate::VerifyArgs;
 use anyhow::{bail, Context, Result};
 use comm::Communicator;
@@ -25,17 +25,19 @@ struct StepResult {
 }
 
 /// One optimizer step of step 0's global batch, factored as `shape`
-/// (with the configured ZeRO stage when W > 1).
-fn one_step(plan: &Arc<Plan>, shape: BatchShape) -> Result<StepResult> {
+/// (with the configured ZeRO stage when W > 1), from `initial` parameters
+/// (a pretrained model's) or the configured initialisation.
+fn one_step(plan: &Arc<Plan>, shape: BatchShape, initial: &Option<Arc<Vec<f32>>>) -> Result<StepResult> {
     let cfg = &plan.cfg;
     let sampler = Sampler::new(plan.train.n_samples(), shape, cfg.data.shuffle, cfg.data.drop_last, cfg.train.seed)?
         .with_mixture(plan.sampler.mixture().cloned());
     let slot: Arc<Mutex<Option<StepResult>>> = Arc::new(Mutex::new(None));
     let run = {
-        let (plan, slot, sampler) = (plan.clone(), slot.clone(), sampler.clone());
+        let (plan, slot, sampler, initial) = (plan.clone(), slot.clone(), sampler.clone(), initial.clone());
         move |c: &mut dyn Communicator| -> Result<()> {
             let mut model = model_for(&plan)?;
-            let mut trainer = trainer_for(&plan, &model, c)?;
+            let root = crate::setup::scratch_offload_root();
+            let mut trainer = trainer_from(&plan, &model, c, initial.as_deref().map(Vec::as_slice), &root)?;
             let order = sampler.epoch_order(0);
             let batches = rank_batches(&plan, &sampler, &order, 0, c.rank())?;
             let report = trainer.step(&mut model, c, &batches)?;
@@ -66,7 +68,10 @@ pub fn run(args: VerifyArgs) -> Result<bool> {
     if let Some((n, var)) = comm::launcher::launcher_world_size() {
         bail!("verify simulates the ranks in one process; run it without mpirun ({var}={n} is set)");
     }
-    let cfg = load_config(args.config.as_deref(), &args.set, &args.deepspeed)?;
+    let mut cfg = load_config(args.config.as_deref(), &args.set, &args.deepspeed)?;
+    // The pretrained model's shape and tokenizer pinned into the config, its
+    // parameters (with [lora], fresh adapters beside them) the start of both runs.
+    let initial = crate::train::start::init_from(args.init_from.as_deref(), &args.set, &mut cfg, false)?.map(Arc::new);
     if cfg.dist.pipeline_parallel > 1 {
         bail!(
             "verify compares data-parallel shapes of one step (dist.pipeline_parallel = {}); run it with --set dist.pipeline_parallel=1 (a pipeline's step equals the unpipelined one: `train` with both and compare metrics.jsonl)",
@@ -93,12 +98,16 @@ pub fn run(args: VerifyArgs) -> Result<bool> {
     }
     let configured = BatchShape { micro: b.micro, accumulation_steps: b.accumulation_steps, world_size: b.world_size };
     let reference = BatchShape { micro: ref_micro, accumulation_steps: g / ref_micro, world_size: 1 };
+    let from = match &args.init_from {
+        Some(p) => format!("the parameters of {}", p.display()),
+        None => "the same initial parameters".into(),
+    };
     println!(
-        "verify: global batch {g} as micro {} × K {} × W {} vs micro {} × K {} × W 1 — same samples, same initial parameters, one {} step",
+        "verify: global batch {g} as micro {} × K {} × W {} vs micro {} × K {} × W 1 — same samples, {from}, one {} step",
         configured.micro, configured.accumulation_steps, configured.world_size, reference.micro, reference.accumulation_steps, plan.cfg.optim.name
     );
-    let a = one_step(&plan, configured)?;
-    let r = one_step(&plan, reference)?;
+    let a = one_step(&plan, configured, &initial)?;
+    let r = one_step(&plan, reference, &initial)?;
 
     let dl = (a.report.loss - r.report.loss).abs();
     println!("  loss        {:.10} vs {:.10} (|Δ| {dl:.1e})", a.report.loss, r.report.loss);

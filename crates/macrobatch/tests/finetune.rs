@@ -90,3 +90,33 @@ fn lora_trains_adapters_only_and_leaves_the_base_bit_identical() {
         std::fs::remove_dir_all(d).unwrap();
     }
 }
+
+/// `verify --init-from DIR` checks the factorization from a saved model's
+/// weights (its shape pinned, as `train --init-from` pins it): the step's
+/// loss is the trained model's, well under the random initialisation's
+/// (ln 256 ≈ 5.5 on bytes), and a `--set` that contradicts the saved shape
+/// is refused. The same batch and factorization pass either way.
+#[test]
+fn verify_checks_from_a_pretrained_model() {
+    let run = tmp("verify-init");
+    train_ok(&run, &tiny(&["train.steps=40", "optim.lr=0.01"]));
+    let loss = |o: &std::process::Output| -> f64 {
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(o.status.success() && out.contains("PASS"), "{out}{}", stderr(o));
+        let line = out.lines().find(|l| l.trim_start().starts_with("loss")).unwrap_or_else(|| panic!("{out}"));
+        line.split_whitespace().nth(1).and_then(|x| x.parse().ok()).unwrap_or_else(|| panic!("{line}"))
+    };
+    let sets: Vec<String> =
+        tiny(&["dist.world_size=2", "batch.accumulation_steps=1"]).iter().map(|s| s.to_string()).collect();
+    let fresh = loss(&verify(&sets));
+    let mut c = bin();
+    c.arg("verify").arg("--init-from").arg(&run);
+    with_sets(&mut c, &sets.iter().map(String::as_str).collect::<Vec<_>>());
+    let o = c.output().unwrap();
+    assert!(String::from_utf8_lossy(&o.stdout).contains(&format!("the parameters of {}", run.display())));
+    let trained = loss(&o);
+    assert!(trained < fresh - 1.0, "from the trained weights {trained}, from the initialisation {fresh}");
+    let o = bin().arg("verify").arg("--init-from").arg(&run).args(["--set", "model.n_layer=3"]).output().unwrap();
+    fails(&o, "model.n_layer");
+    let _ = std::fs::remove_dir_all(&run);
+}

@@ -16,7 +16,8 @@ pub use samples::{rank_batches, text_corpus, text_files};
 pub use sources::check_mixture_position;
 pub use trainer::{
     apply_trainable, bucket_elems, model_for, model_for_rank, remove_offload_root, remove_scratch_offload_root,
-    scratch_offload_root, tensor_family, trainable_patterns, trainer_for, trainer_placed, Initial, Placement,
+    scratch_offload_root, tensor_family, trainable_patterns, trainer_for, trainer_from, trainer_placed, Initial,
+    Placement,
 };
 
 use crate::dist::{Backend, Grid};
