@@ -47,22 +47,29 @@ impl Config {
         if let Err(e) = serde_json::from_str::<NoDuplicates>(text) {
             return Err(parse_err(format!("not a valid DeepSpeed JSON config: {e}")));
         }
-        let mut autos = Vec::new();
-        find_auto(&root, "", &mut autos);
-        if !autos.is_empty() {
-            return Err(parse_err(format!(
-                "\"auto\" is filled in by Hugging Face's Trainer from its own arguments; macrobatch reads the file alone, so give numbers: {}",
-                autos.join("; ")
-            )));
-        }
-        let Value::Object(root) = root else {
+        let Value::Object(mut root) = root else {
             return Err(parse_err("a DeepSpeed config is a JSON object ({ \"train_batch_size\": …, … })".into()));
         };
         let (table, mut label) = match companion {
             Some((text, c_origin)) => (crate::parse_table(text, c_origin)?, format!("{origin} + {c_origin}")),
             None => (toml::Table::new(), origin.to_string()),
         };
-        let mut t = Translation { origin: origin.to_string(), table, notes: Vec::new(), unsupported: Vec::new() };
+        // "auto" takes macrobatch's own value (the companion, --set, the
+        // defaults), as Hugging Face's Trainer fills it from its arguments.
+        let mut ours = table.clone();
+        for o in overrides {
+            apply_override(&mut ours, o)?;
+        }
+        let ours = Config::from_table(&ours, &label)?;
+        let mut notes = Vec::new();
+        let autos = resolve_autos(&mut root, &ours, &mut notes);
+        if !autos.is_empty() {
+            return Err(parse_err(format!(
+                "\"auto\" is filled in by Hugging Face's Trainer from its own arguments; macrobatch fills the keys it has a value for, and these need numbers: {}",
+                autos.join("; ")
+            )));
+        }
+        let mut t = Translation { origin: origin.to_string(), table, notes, unsupported: Vec::new() };
         let batch = t.translate(root)?;
         for o in overrides {
             apply_override(&mut t.table, o)?;
@@ -876,6 +883,82 @@ impl<'de> serde::de::Visitor<'de> for NoDuplicatesVisitor {
     }
 }
 
+/// Replaces every `"auto"` of `root` that Hugging Face's Trainer fills
+/// from its arguments with macrobatch's value of the same setting in
+/// `ours` (a note names each), or removes it where the value is derived
+/// (a batch key whose two partners are numbers); returns the `"auto"`s
+/// left, each with what it needs.
+fn resolve_autos(root: &mut Obj, ours: &Config, notes: &mut Vec<String>) -> Vec<String> {
+    let is_num = |root: &Obj, k: &str| root.get(k).is_some_and(Value::is_number);
+    let batch = ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"];
+    for (i, key) in batch.iter().enumerate() {
+        if root.get(*key).and_then(Value::as_str) != Some("auto") {
+            continue;
+        }
+        let partners = batch.iter().enumerate().filter(|(j, _)| *j != i).all(|(_, k)| is_num(root, k));
+        let b = &ours.batch;
+        let mine = match i {
+            0 => b.global,
+            1 => match b.micro {
+                Some(Micro::Sequences(n)) => Some(n),
+                _ => None,
+            },
+            _ => b.accumulation_steps,
+        };
+        let our_key = ["batch.global", "batch.micro", "batch.accumulation_steps"][i];
+        match (partners, mine) {
+            (false, Some(n)) => {
+                root.insert(key.to_string(), Value::from(n));
+                notes.push(format!("{key} = \"auto\": {n}, macrobatch's {our_key}"));
+            }
+            _ => {
+                root.remove(*key);
+                notes.push(format!("{key} = \"auto\": derived from the other two batch keys and the world size"));
+            }
+        }
+    }
+    let (o, prec) = (&ours.optim, ours.train.precision);
+    // An f32 setting as the decimal it was written as (3e-4, not 0.000300000014…).
+    let f = |x: f32| Value::from(x.to_string().parse::<f64>().unwrap_or(f64::from(x)));
+    let bucket = ours.dist.bucket_mb * f64::from(1u32 << 20) / 4.0;
+    let filled: [(&str, &str, Option<Value>); 15] = [
+        ("gradient_clipping", "train.grad_clip", Some(f(ours.train.grad_clip))),
+        ("fp16.enabled", "train.precision", Some(Value::from(prec == crate::Precision::F16))),
+        ("bf16.enabled", "train.precision", Some(Value::from(prec == crate::Precision::Bf16))),
+        ("bfloat16.enabled", "train.precision", Some(Value::from(prec == crate::Precision::Bf16))),
+        ("optimizer.params.lr", "optim.lr", Some(f(o.lr))),
+        ("optimizer.params.betas", "optim.beta1, optim.beta2", Some(Value::from(vec![f(o.beta1), f(o.beta2)]))),
+        ("optimizer.params.eps", "optim.eps", Some(f(o.eps))),
+        ("optimizer.params.weight_decay", "optim.weight_decay", Some(f(o.weight_decay))),
+        ("scheduler.params.warmup_min_lr", "warmup from lr / warmup_steps", Some(Value::from(0))),
+        ("scheduler.params.warmup_max_lr", "optim.lr", Some(f(o.lr))),
+        ("scheduler.params.warmup_num_steps", "schedule.warmup_steps", Some(Value::from(ours.schedule.warmup_steps))),
+        ("scheduler.params.total_num_steps", "train.steps", Some(Value::from(ours.train.steps))),
+        ("zero_optimization.reduce_bucket_size", "dist.bucket_mb", Some(Value::from(bucket.round()))),
+        ("zero_optimization.stage3_prefetch_bucket_size", "", None),
+        ("zero_optimization.stage3_param_persistence_threshold", "", None),
+    ];
+    for (path, our_key, value) in filled {
+        let (parent, leaf) = path.rsplit_once('.').unwrap_or(("", path));
+        let obj =
+            parent.split('.').filter(|p| !p.is_empty()).try_fold(&mut *root, |m, k| m.get_mut(k)?.as_object_mut());
+        let Some(obj) = obj.filter(|m| m.get(leaf).and_then(Value::as_str) == Some("auto")) else { continue };
+        match value {
+            Some(v) => {
+                notes.push(format!("{path} = \"auto\": {v}, macrobatch's {our_key}"));
+                obj.insert(leaf.to_string(), v);
+            }
+            None => {
+                obj.remove(leaf);
+                notes.push(format!("{path} = \"auto\": a DeepSpeed tuning knob with no counterpart here; ignored"));
+            }
+        }
+    }
+    let mut left = Vec::new();
+    find_auto(&Value::Object(root.clone()), "", &mut left);
+    left
+}
+
 fn find_auto(v: &Value, path: &str, out: &mut Vec<String>) {
     match v {
         Value::String(s) if s == "auto" => out.push(format!("{path} needs {}", needs(path))),
@@ -1012,13 +1095,57 @@ mod tests {
         assert!(ds(r#"{"train_batch_size": 8, "tensorboard": {"enabled": "yes"}}"#, &[], false).is_err());
     }
 
+    /// Hugging Face's `ds_config_zero2.json` (every value its Trainer
+    /// fills is "auto") takes macrobatch's own settings, each named in a
+    /// note; a batch key whose partners are numbers is derived; an "auto"
+    /// with no counterpart is still an error naming what it needs.
     #[test]
-    fn auto_values_name_every_key() {
-        let e =
-            ds(r#"{"train_batch_size": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}"#, &[], false)
-                .unwrap_err()
-                .to_string();
-        assert!(e.contains("train_batch_size needs a number") && e.contains("optimizer.params.lr needs"), "{e}");
+    fn auto_values_take_macrobatch_settings_or_name_what_they_need() {
+        let hf = r#"{
+            "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+            "bf16": {"enabled": "auto"},
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                "warmup_num_steps": "auto", "total_num_steps": "auto", "warmup_type": "linear"}},
+            "zero_optimization": {"stage": 2, "overlap_comm": true, "reduce_bucket_size": "auto",
+                "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"},
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}"#;
+        let sets = [
+            "optim.lr=3e-4",
+            "optim.beta2=0.95",
+            "optim.weight_decay=0.1",
+            "train.precision=bf16",
+            "train.grad_clip=0.5",
+            "train.steps=500",
+            "schedule.warmup_steps=25",
+            "batch.global=32",
+            "batch.micro=4",
+            "dist.world_size=2",
+        ];
+        let c = ds(hf, &sets, false).unwrap_or_else(|e| panic!("{e}"));
+        let (cfg, w) = (&c.config, c.warnings.join("\n"));
+        assert_eq!((cfg.optim.lr, cfg.optim.beta2, cfg.optim.weight_decay), (3e-4, 0.95, 0.1));
+        assert_eq!((cfg.train.precision, cfg.train.grad_clip, cfg.train.steps), (Precision::Bf16, 0.5, 500));
+        assert_eq!((cfg.schedule.warmup_steps, cfg.dist.zero_stage, cfg.dist.bucket_mb), (25, 2, 25.0));
+        assert_eq!((cfg.batch.global, cfg.batch.micro), (Some(32), Some(Micro::Sequences(4))));
+        for needle in [
+            "optimizer.params.lr = \"auto\": 0.0003",
+            "bf16.enabled = \"auto\": true, macrobatch's train.precision",
+            "scheduler.params.total_num_steps = \"auto\": 500, macrobatch's train.steps",
+            "train_batch_size = \"auto\": 32, macrobatch's batch.global",
+            "gradient_accumulation_steps = \"auto\": derived",
+        ] {
+            assert!(w.contains(needle), "{needle}: {w}");
+        }
+        // micro and K given: the global batch is theirs × the world.
+        let j =
+            r#"{"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}"#;
+        let c = ds(j, &["dist.world_size=2"], false).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((c.config.batch.micro, c.config.batch.accumulation_steps), (Some(Micro::Sequences(2)), Some(4)));
+        assert!(c.warnings.iter().any(|w| w.contains("train_batch_size = \"auto\": derived")), "{:?}", c.warnings);
+        let e = ds(r#"{"train_batch_size": 8, "comms_logger": {"verbose": "auto"}}"#, &[], false).unwrap_err();
+        assert!(e.to_string().contains("comms_logger.verbose needs a concrete value"), "{e}");
     }
 
     #[test]

@@ -99,15 +99,33 @@ fn bf16_zero2_on_two_thread_ranks_trains_and_shows_the_mapping() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// "auto" takes macrobatch's own value (here `--set batch.micro=2` and
+/// `optim.lr`), named in a note, as Hugging Face's Trainer fills it from its
+/// arguments; an "auto" macrobatch has no value for exits 2 naming the key.
 #[test]
-fn auto_values_exit_2_naming_the_key() {
+fn auto_values_take_our_settings_or_exit_2_naming_the_key() {
     let dir = tmp("ds-auto");
-    let json = r#"{"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2}"#;
-    let o = run_ds("train", &dir, json, &["--out", dir.join("run").to_str().unwrap()]);
+    let json = r#"{"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}"#;
+    let out = dir.join("run");
+    let o = run_ds(
+        "train",
+        &dir,
+        json,
+        &["--out", out.to_str().unwrap(), "--set", "batch.micro=2", "--set", "optim.lr=5e-4", "--set", "train.steps=2"],
+    );
+    let e = stderr(&o);
+    assert!(o.status.success(), "{e}");
+    assert!(e.contains("train_micro_batch_size_per_gpu = \"auto\": 2, macrobatch's batch.micro"), "{e}");
+    assert!(e.contains("optimizer.params.lr = \"auto\": 0.0005, macrobatch's optim.lr"), "{e}");
+    let r = resolved(&out);
+    assert!(r.contains("micro = 2") && r.contains("accumulation_steps = 2") && r.contains("lr = 0.0005"), "{r}");
+    let json = r#"{"train_batch_size": 8, "pipeline": {"stages": "auto"}}"#;
+    let o = run_ds("train", &dir, json, &["--out", dir.join("run2").to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let e = stderr(&o);
-    assert!(e.contains("train_micro_batch_size_per_gpu needs a number") && e.contains("Hugging Face"), "{e}");
-    assert!(!dir.join("run").exists(), "nothing is created");
+    assert!(e.contains("pipeline.stages needs") && e.contains("Hugging Face"), "{e}");
+    assert!(!dir.join("run2").exists(), "nothing is created");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
