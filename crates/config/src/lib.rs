@@ -616,6 +616,14 @@ pub struct TrainConfig {
     /// scalars, into the run folder's `tensorboard/` (rank 0; `train
     /// --tensorboard DIR` turns it on and names another folder).
     pub tensorboard: bool,
+    /// Also write every `metrics.jsonl` line's numbers as MLflow metrics
+    /// (and the resolved config as its params) into this MLflow tracking
+    /// folder (MLflow's file store; a path or a `file://` URI), rank 0;
+    /// unset: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mlflow: Option<String>,
+    /// The MLflow experiment of `mlflow` (created if absent).
+    pub mlflow_experiment: String,
     /// `lm` (next-token cross-entropy) or `dpo` (preference pairs, with
     /// `[lora]`: [`Objective`]).
     pub objective: Objective,
@@ -701,6 +709,8 @@ impl Default for TrainConfig {
             frozen_double_quant: true,
             frozen_source: None,
             tensorboard: false,
+            mlflow: None,
+            mlflow_experiment: "macrobatch".into(),
             objective: Objective::Lm,
             dpo_beta: 0.1,
             early_stopping: None,

@@ -13,6 +13,7 @@ mod generate;
 mod heap;
 mod memory;
 mod metrics;
+mod mlflow;
 mod plan;
 mod planning;
 mod plot;

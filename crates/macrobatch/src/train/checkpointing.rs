@@ -433,6 +433,9 @@ impl<'a> Checkpoints<'a> {
     ) -> Result<()> {
         let plan = self.plan;
         out.reporter.finish();
+        if let Some(m) = &out.mlflow {
+            m.finish()?;
+        }
         let mut saved_as = String::new();
         if self.sharded() {
             // The last step's checkpoint holds the model: no rank gathers it.

@@ -25,12 +25,17 @@ pub struct Outputs {
     pub reporter: Reporter,
     /// `train.tensorboard`: the same numbers as TensorBoard scalars.
     pub tensorboard: Option<TensorBoard>,
+    /// `train.mlflow`: the same numbers as MLflow metrics.
+    pub mlflow: Option<crate::mlflow::MlflowRun>,
 }
 
 impl Outputs {
     /// Records one step: its `metrics.jsonl` line, then its scalars.
     pub fn record(&mut self, r: &StepRecord) -> Result<()> {
         self.reporter.record(r)?;
+        if let Some(m) = &mut self.mlflow {
+            m.record(r)?;
+        }
         match &mut self.tensorboard {
             Some(tb) => tb.record(r),
             None => Ok(()),
@@ -232,5 +237,21 @@ pub fn open_outputs(
         reporter.println(&format!("TensorBoard: tensorboard --logdir {}", tb.display()));
         TensorBoard::new(tb)
     });
-    Ok(Outputs { dir: dir.to_path_buf(), reporter, tensorboard })
+    let mlflow = match &plan.cfg.train.mlflow {
+        Some(uri) => {
+            let root = crate::mlflow::tracking_dir(uri)?;
+            let resolved: toml::Table = toml::from_str(&resolved_toml(plan)).context("the resolved config")?;
+            let params = crate::mlflow::params(&resolved);
+            let experiment = &plan.cfg.train.mlflow_experiment;
+            let run = crate::mlflow::MlflowRun::open(&root, experiment, (dir, run_id), &params, resume_step)?;
+            reporter.println(&format!(
+                "MLflow: mlflow ui --backend-store-uri {} (run {})",
+                root.display(),
+                run.dir().display()
+            ));
+            Some(run)
+        }
+        None => None,
+    };
+    Ok(Outputs { dir: dir.to_path_buf(), reporter, tensorboard, mlflow })
 }
