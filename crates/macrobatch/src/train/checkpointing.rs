@@ -433,9 +433,6 @@ impl<'a> Checkpoints<'a> {
     ) -> Result<()> {
         let plan = self.plan;
         out.reporter.finish();
-        if let Some(m) = &out.mlflow {
-            m.finish()?;
-        }
         let mut saved_as = String::new();
         if self.sharded() {
             // The last step's checkpoint holds the model: no rank gathers it.
@@ -482,7 +479,11 @@ impl<'a> Checkpoints<'a> {
             out.dir.display(),
             out.dir.display()
         );
-        Ok(())
+        // The MLflow run is FINISHED once its model is saved.
+        match &out.mlflow {
+            Some(m) => m.finish(),
+            None => Ok(()),
+        }
     }
 }
 
