@@ -895,7 +895,6 @@ fn resolve_autos(root: &mut Obj, ours: &Config, notes: &mut Vec<String>) -> Vec<
         if root.get(*key).and_then(Value::as_str) != Some("auto") {
             continue;
         }
-        let partners = batch.iter().enumerate().filter(|(j, _)| *j != i).all(|(_, k)| is_num(root, k));
         let b = &ours.batch;
         let mine = match i {
             0 => b.global,
@@ -906,14 +905,22 @@ fn resolve_autos(root: &mut Obj, ours: &Config, notes: &mut Vec<String>) -> Vec<
             _ => b.accumulation_steps,
         };
         let our_key = ["batch.global", "batch.micro", "batch.accumulation_steps"][i];
-        match (partners, mine) {
-            (false, Some(n)) => {
+        // macrobatch's own value first: a triple that then disagrees with
+        // the world is refused with DeepSpeed's numbers, as a written one.
+        match mine {
+            Some(n) => {
                 root.insert(key.to_string(), Value::from(n));
                 notes.push(format!("{key} = \"auto\": {n}, macrobatch's {our_key}"));
             }
-            _ => {
+            None => {
                 root.remove(*key);
-                notes.push(format!("{key} = \"auto\": derived from the other two batch keys and the world size"));
+                let partners = batch.iter().enumerate().filter(|(j, _)| *j != i).all(|(_, k)| is_num(root, k));
+                notes.push(match partners {
+                    true => format!("{key} = \"auto\": derived from the other two batch keys and the world size"),
+                    false => format!(
+                        "{key} = \"auto\": {our_key} is not set (a number) here, so DeepSpeed's rule for the batch keys given decides it"
+                    ),
+                });
             }
         }
     }
@@ -921,6 +928,14 @@ fn resolve_autos(root: &mut Obj, ours: &Config, notes: &mut Vec<String>) -> Vec<
     // An f32 setting as the decimal it was written as (3e-4, not 0.000300000014…).
     let f = |x: f32| Value::from(x.to_string().parse::<f64>().unwrap_or(f64::from(x)));
     let bucket = ours.dist.bucket_mb * f64::from(1u32 << 20) / 4.0;
+    // The file's own optimizer lr, where it gives one, is the peak the
+    // scheduler's "auto" means (HF fills both from one learning rate).
+    let json_lr = root
+        .get("optimizer")
+        .and_then(|o| o.get("params"))
+        .and_then(|p| p.get("lr"))
+        .filter(|v| v.is_number())
+        .cloned();
     let filled: [(&str, &str, Option<Value>); 15] = [
         ("gradient_clipping", "train.grad_clip", Some(f(ours.train.grad_clip))),
         ("fp16.enabled", "train.precision", Some(Value::from(prec == crate::Precision::F16))),
@@ -931,7 +946,7 @@ fn resolve_autos(root: &mut Obj, ours: &Config, notes: &mut Vec<String>) -> Vec<
         ("optimizer.params.eps", "optim.eps", Some(f(o.eps))),
         ("optimizer.params.weight_decay", "optim.weight_decay", Some(f(o.weight_decay))),
         ("scheduler.params.warmup_min_lr", "warmup from lr / warmup_steps", Some(Value::from(0))),
-        ("scheduler.params.warmup_max_lr", "optim.lr", Some(f(o.lr))),
+        ("scheduler.params.warmup_max_lr", "optim.lr", Some(json_lr.unwrap_or_else(|| f(o.lr)))),
         ("scheduler.params.warmup_num_steps", "schedule.warmup_steps", Some(Value::from(ours.schedule.warmup_steps))),
         ("scheduler.params.total_num_steps", "train.steps", Some(Value::from(ours.train.steps))),
         ("zero_optimization.reduce_bucket_size", "dist.bucket_mb", Some(Value::from(bucket.round()))),
@@ -1144,6 +1159,23 @@ mod tests {
         let c = ds(j, &["dist.world_size=2"], false).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!((c.config.batch.micro, c.config.batch.accumulation_steps), (Some(Micro::Sequences(2)), Some(4)));
         assert!(c.warnings.iter().any(|w| w.contains("train_batch_size = \"auto\": derived")), "{:?}", c.warnings);
+        // The scheduler's peak is the file's own optimizer lr where it gives one.
+        let j = r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 3e-5}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto", "warmup_num_steps": 10, "warmup_type": "linear"}}}"#;
+        assert_eq!(ds(j, &[], false).unwrap_or_else(|e| panic!("{e}")).config.optim.lr, 3e-5);
+        // macrobatch's own batch keys first: the companion's micro stands
+        // where the file says "auto" (not one derived from the file's K);
+        // one macrobatch does not set, without two numbers beside it, is
+        // left to DeepSpeed's rule, and a note says so.
+        let j =
+            r#"{"train_batch_size": 32, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 4}"#;
+        let c = ds(j, &["batch.micro=4", "dist.world_size=2"], false).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.config.batch.micro, Some(Micro::Sequences(4)));
+        let e = ds(j, &["batch.micro=8", "dist.world_size=2"], false).unwrap_err().to_string();
+        assert!(e.contains("train_batch_size"), "32 ≠ 8 × 4 × 2 is refused: {e}");
+        let j = r#"{"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2}"#;
+        let c = ds(j, &[], false).unwrap_or_else(|e| panic!("{e}"));
+        assert!(c.warnings.iter().any(|w| w.contains("batch.global is not set")), "{:?}", c.warnings);
         let e = ds(r#"{"train_batch_size": 8, "comms_logger": {"verbose": "auto"}}"#, &[], false).unwrap_err();
         assert!(e.to_string().contains("comms_logger.verbose needs a concrete value"), "{e}");
     }

@@ -39,7 +39,7 @@ pub fn tracking_dir(uri: &str) -> Result<PathBuf> {
     let path = match uri.strip_prefix("file://").or_else(|| uri.strip_prefix("file:")) {
         Some(p) => p,
         None if uri.contains("://") => bail!(
-            "train.mlflow = \"{uri}\": macrobatch writes MLflow's file store (a folder, or a file:// URI), not to a tracking server; give a folder and serve it with `mlflow server --backend-store-uri FOLDER`, or sync it with `mlflow` afterwards"
+            "train.mlflow = \"{uri}\": macrobatch writes MLflow's file store (a folder, or a file:// URI), not to a tracking server; give a folder, then serve it (`MLFLOW_ALLOW_FILE_STORE=true mlflow server --backend-store-uri FOLDER`) or move it into a database (`mlflow migrate-filestore`)"
         ),
         None => uri,
     };
@@ -56,9 +56,19 @@ fn uri(p: &Path) -> String {
     format!("file://{}", p.display())
 }
 
-/// `name: value` of a flat YAML file MLflow wrote (the value unquoted).
+/// `name: value` of a flat YAML file (a single-quoted value unquoted).
 fn yaml_field(text: &str, name: &str) -> Option<String> {
-    text.lines().find_map(|l| l.strip_prefix(&format!("{name}: ")).map(|v| v.trim().trim_matches('\'').to_string()))
+    let v = text.lines().find_map(|l| l.strip_prefix(&format!("{name}: ")))?.trim();
+    Some(match v.strip_prefix('\'').and_then(|v| v.strip_suffix('\'')) {
+        Some(q) => q.replace("''", "'"),
+        None => v.to_string(),
+    })
+}
+
+/// `s` as a single-quoted YAML scalar: read back as the same string
+/// whatever it holds (`: `, `#`, digits, `null`).
+fn quoted(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
 }
 
 /// The id of experiment `name` in `root`, created (with MLflow's Default
@@ -80,8 +90,9 @@ fn experiment(root: &Path, name: &str) -> Result<String> {
         std::fs::create_dir_all(&dir)?;
         let t = now_ms();
         let meta = format!(
-            "artifact_location: {}\ncreation_time: {t}\nexperiment_id: '{id}'\nlast_update_time: {t}\nlifecycle_stage: active\nname: {name}\n",
-            uri(&dir)
+            "artifact_location: {}\ncreation_time: {t}\nexperiment_id: '{id}'\nlast_update_time: {t}\nlifecycle_stage: active\nname: {}\n",
+            quoted(&uri(&dir)),
+            quoted(name)
         );
         nn::io::write_atomic(&dir.join("meta.yaml"), meta.as_bytes()).map_err(Into::into)
     };
@@ -106,6 +117,64 @@ fn new_run_id(seed: &str) -> String {
     let a = h.finish();
     a.hash(&mut h);
     format!("{a:016x}{:016x}", h.finish())
+}
+
+/// `train.mlflow` of a training run (rank 0): its MLflow run is opened at
+/// the first step recorded, so a run that fails before it leaves none.
+pub struct Mlflow {
+    root: PathBuf,
+    experiment: String,
+    folder: PathBuf,
+    run_id: String,
+    params: Vec<(String, String)>,
+    resume_step: Option<u64>,
+    run: Option<MlflowRun>,
+}
+
+impl Mlflow {
+    /// The MLflow log of the run folder `folder` (`run_id` its id) into
+    /// experiment `experiment` of the tracking folder `root`, with `params`
+    /// (a resume at `resume_step` continues the run `mlflow.json` names).
+    pub fn new(
+        (root, experiment): (PathBuf, &str),
+        (folder, run_id): (&Path, &str),
+        params: Vec<(String, String)>,
+        resume_step: Option<u64>,
+    ) -> Result<Self> {
+        if experiment.trim().is_empty() {
+            bail!("train.mlflow_experiment is empty; name the experiment (default \"macrobatch\")");
+        }
+        let (folder, run_id, experiment) = (folder.to_path_buf(), run_id.to_string(), experiment.to_string());
+        Ok(Self { root, experiment, folder, run_id, params, resume_step, run: None })
+    }
+
+    /// The line that says where the run goes and how to look at it.
+    pub fn describe(&self) -> String {
+        format!(
+            "MLflow: experiment {} in {} (look: MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {})",
+            quoted(&self.experiment),
+            self.root.display(),
+            quoted(&self.root.display().to_string())
+        )
+    }
+
+    /// Appends one `metrics.jsonl` line's numbers (the run opened first).
+    pub fn record(&mut self, r: &StepRecord) -> Result<()> {
+        let run = match &mut self.run {
+            Some(run) => run,
+            None => {
+                let at = (self.folder.as_path(), self.run_id.as_str());
+                let run = MlflowRun::open(&self.root, &self.experiment, at, &self.params, self.resume_step)?;
+                self.run.insert(run)
+            }
+        };
+        run.record(r)
+    }
+
+    /// Marks the run FINISHED (the final model saved).
+    pub fn finish(&self) -> Result<()> {
+        self.run.as_ref().map_or(Ok(()), MlflowRun::finish)
+    }
 }
 
 /// The MLflow run of a training run: rank 0 appends each step's metrics.
@@ -165,11 +234,6 @@ impl MlflowRun {
         Ok(run)
     }
 
-    /// Where the run is (`<root>/<experiment>/<run id>`).
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
     /// Writes `value` into `kind/key` (a param or a tag; `/` in a key makes
     /// a folder, as MLflow's file store does).
     fn put(&self, kind: &str, key: &str, value: &str) -> Result<()> {
@@ -187,10 +251,10 @@ impl MlflowRun {
         let end = end_ms.map_or("null".to_string(), |t| t.to_string());
         let meta = format!(
             "artifact_uri: {}\nend_time: {end}\nentry_point_name: ''\nexperiment_id: '{exp}'\nlifecycle_stage: active\nrun_id: {id}\nrun_name: {}\nrun_uuid: {id}\nsource_name: ''\nsource_type: 4\nsource_version: ''\nstart_time: {}\nstatus: {status}\ntags: []\nuser_id: {}\n",
-            uri(&self.dir.join("artifacts")),
-            self.run_name,
+            quoted(&uri(&self.dir.join("artifacts"))),
+            quoted(&self.run_name),
             self.start_ms,
-            std::env::var("USER").unwrap_or_else(|_| "macrobatch".into()),
+            quoted(&std::env::var("USER").unwrap_or_else(|_| "macrobatch".into())),
         );
         nn::io::write_atomic(&self.dir.join("meta.yaml"), meta.as_bytes()).map_err(Into::into)
     }
@@ -225,8 +289,9 @@ impl MlflowRun {
                 .append(true)
                 .open(&path)
                 .with_context(|| format!("train.mlflow: cannot write {}", path.display()))?;
-            writeln!(f, "{t} {x:?} {}", r.step)
-                .with_context(|| format!("train.mlflow: cannot write {}", path.display()))?;
+            // One write per line: a reader never sees half of one.
+            let line = format!("{t} {x:?} {}\n", r.step);
+            f.write_all(line.as_bytes()).with_context(|| format!("train.mlflow: cannot write {}", path.display()))?;
         }
         Ok(())
     }
@@ -283,6 +348,15 @@ mod tests {
         assert!(e.contains("file store") && e.contains("mlflow server"), "{e}");
         assert_eq!(tracking_dir("file:///tmp/mlruns").unwrap(), PathBuf::from("/tmp/mlruns"));
         assert!(tracking_dir("mlruns").unwrap().is_absolute());
+    }
+
+    #[test]
+    fn yaml_values_are_quoted_and_read_back() {
+        for name in ["lora: v2", "2024", "null", "#x", "it's"] {
+            let text = format!("name: {}\n", quoted(name));
+            assert_eq!(yaml_field(&text, "name").as_deref(), Some(name), "{text}");
+        }
+        assert_eq!(yaml_field("name: Default\n", "name").as_deref(), Some("Default"));
     }
 
     #[test]

@@ -55,7 +55,10 @@ fn every_metrics_number_is_an_mlflow_metric_and_a_resume_continues_the_run() {
     assert!(meta.contains("status: 1\n"), "RUNNING until the final save: {meta}");
 
     let err = resume_ok(&run, &[]);
-    assert!(err.contains(&format!("(run {})", run_dir.display())), "the same MLflow run: {err}");
+    assert!(err.contains("MLflow: experiment 'macrobatch' in "), "{err}");
+    let again: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("mlflow.json")).unwrap()).unwrap();
+    assert_eq!(again["run_dir"], link["run_dir"], "the resume continues the same MLflow run");
     let meta = std::fs::read_to_string(run_dir.join("meta.yaml")).unwrap();
     assert!(meta.contains("status: 3\n") && !meta.contains("end_time: null"), "FINISHED: {meta}");
     // Step 5 of the crashed run is cut with metrics.jsonl's; every line's
@@ -98,6 +101,21 @@ fn every_metrics_number_is_an_mlflow_metric_and_a_resume_continues_the_run() {
     } else {
         eprintln!("skipped MLflow's own client: python3 cannot import mlflow (pip install mlflow)");
     }
+    let _ = (std::fs::remove_dir_all(&run), std::fs::remove_dir_all(&store));
+}
+
+/// A run that fails before its first step leaves no MLflow run and no
+/// `mlflow.json`: the same command runs again into the same folder.
+#[test]
+fn a_run_that_fails_before_its_first_step_leaves_no_mlflow_run() {
+    let (run, store) = (tmp("mlflow-early"), tmp("mlflow-early-store"));
+    let uri = format!("train.mlflow={}", store.display());
+    let sets = tiny(&["train.steps=2", &uri]);
+    let o = train_cmd(&run, &sets).env("MACROBATCH_FAULT", "kind=error,step=1").output().unwrap();
+    assert!(!o.status.success(), "{}", stderr(&o));
+    assert!(!run.join("mlflow.json").exists(), "no MLflow run was opened");
+    train_ok(&run, &sets);
+    assert!(run.join("mlflow.json").exists());
     let _ = (std::fs::remove_dir_all(&run), std::fs::remove_dir_all(&store));
 }
 

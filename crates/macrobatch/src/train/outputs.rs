@@ -26,7 +26,7 @@ pub struct Outputs {
     /// `train.tensorboard`: the same numbers as TensorBoard scalars.
     pub tensorboard: Option<TensorBoard>,
     /// `train.mlflow`: the same numbers as MLflow metrics.
-    pub mlflow: Option<crate::mlflow::MlflowRun>,
+    pub mlflow: Option<crate::mlflow::Mlflow>,
 }
 
 impl Outputs {
@@ -243,13 +243,9 @@ pub fn open_outputs(
             let resolved: toml::Table = toml::from_str(&resolved_toml(plan)).context("the resolved config")?;
             let params = crate::mlflow::params(&resolved);
             let experiment = &plan.cfg.train.mlflow_experiment;
-            let run = crate::mlflow::MlflowRun::open(&root, experiment, (dir, run_id), &params, resume_step)?;
-            reporter.println(&format!(
-                "MLflow: mlflow ui --backend-store-uri {} (run {})",
-                root.display(),
-                run.dir().display()
-            ));
-            Some(run)
+            let log = crate::mlflow::Mlflow::new((root, experiment), (dir, run_id), params, resume_step)?;
+            reporter.println(&log.describe());
+            Some(log)
         }
         None => None,
     };
