@@ -252,3 +252,23 @@ impl Reporter {
         }
     }
 }
+
+/// The numbers of one `metrics.jsonl` record (a JSON object), as every
+/// sink logs them: each field's number, a boolean as 0 / 1, each number of
+/// a list with its index (`Some(i)`); `step` and everything else left out.
+pub fn numbers(record: &serde_json::Value) -> Vec<(&str, Option<usize>, f64)> {
+    use serde_json::Value;
+    let mut out = Vec::new();
+    let Some(fields) = record.as_object() else { return out };
+    for (name, v) in fields.iter().filter(|(name, _)| *name != "step") {
+        match v {
+            Value::Number(n) => out.extend(n.as_f64().map(|x| (name.as_str(), None, x))),
+            Value::Bool(b) => out.push((name.as_str(), None, if *b { 1.0 } else { 0.0 })),
+            Value::Array(items) => {
+                out.extend(items.iter().enumerate().filter_map(|(i, x)| Some((name.as_str(), Some(i), x.as_f64()?))))
+            }
+            _ => {}
+        }
+    }
+    out
+}

@@ -305,19 +305,11 @@ impl MlflowRun {
 /// The metrics of one `metrics.jsonl` record: every number, boolean (0 /
 /// 1) and list of numbers (`name_i`) but `step`, under its own name.
 pub fn metrics(record: &Value) -> Vec<(String, f64)> {
-    let mut out = Vec::new();
-    let Some(fields) = record.as_object() else { return out };
-    for (name, v) in fields.iter().filter(|(name, _)| *name != "step") {
-        match v {
-            Value::Number(n) => out.extend(n.as_f64().map(|x| (name.clone(), x))),
-            Value::Bool(b) => out.push((name.clone(), if *b { 1.0 } else { 0.0 })),
-            Value::Array(items) => {
-                out.extend(items.iter().enumerate().filter_map(|(i, x)| x.as_f64().map(|x| (format!("{name}_{i}"), x))))
-            }
-            _ => {}
-        }
-    }
-    out
+    let named = |(field, item, x): (&str, Option<usize>, f64)| match item {
+        None => (field.to_string(), x),
+        Some(i) => (format!("{field}_{i}"), x),
+    };
+    crate::metrics::numbers(record).into_iter().map(named).collect()
 }
 
 /// The resolved config as MLflow params: every leaf by its dotted key

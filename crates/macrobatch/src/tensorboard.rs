@@ -59,22 +59,11 @@ pub fn tag(field: &str) -> String {
 /// The scalars of one `metrics.jsonl` record (a JSON object): every number,
 /// boolean and list of numbers but `step`, tagged by [`tag`].
 pub fn scalars(record: &Value) -> Vec<(String, f32)> {
-    let mut out = Vec::new();
-    let Some(fields) = record.as_object() else { return out };
-    for (name, v) in fields.iter().filter(|(name, _)| *name != "step") {
-        let tag = tag(name);
-        match v {
-            Value::Number(n) => out.extend(n.as_f64().map(|x| (tag, x as f32))),
-            Value::Bool(b) => out.push((tag, if *b { 1.0 } else { 0.0 })),
-            Value::Array(items) => {
-                for (i, item) in items.iter().enumerate() {
-                    out.extend(item.as_f64().map(|x| (format!("{tag}/{i}"), x as f32)));
-                }
-            }
-            _ => {}
-        }
-    }
-    out
+    let named = |(field, item, x): (&str, Option<usize>, f64)| match item {
+        None => (tag(field), x as f32),
+        Some(i) => (format!("{}/{i}", tag(field)), x as f32),
+    };
+    crate::metrics::numbers(record).into_iter().map(named).collect()
 }
 
 /// Appends `v` as a protobuf varint.

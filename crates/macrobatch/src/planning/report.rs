@@ -236,12 +236,10 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
             ),
         }
     });
-    let mut layout = plan.family.build(family::Build::default())?;
-    crate::setup::apply_trainable(&mut layout, &crate::setup::trainable_patterns(cfg))?;
     Ok(Report {
         model: format!("{} {} ({})", plan.family.name(), cfg.model.label(), plan.family.describe()),
         n_params: plan.family.n_params(),
-        n_trainable: layout.layout().n_trainable() as u128,
+        n_trainable: states.n_trainable as u128,
         n_packed: plan.family.frozen_bytes().map_or(0, |f| f.values),
         seq_len: plan.train.seq_len(),
         global_batch: plan.batch.global,
