@@ -148,6 +148,16 @@ pub struct DistConfig {
     /// vocabulary). `false`: both whole on every rank; at T = 1 nothing
     /// is split either way.
     pub vocab_parallel: bool,
+    /// With `tensor_parallel` > 1, sequence parallelism (Korthikanti et
+    /// al., Megatron-LM's `--sequence-parallel`): the residual stream's
+    /// rows — the embedding's output, every norm and residual addition,
+    /// the final norm — split over the T ranks (⌈B·T / T⌉ rows each), the
+    /// all-reduce after each row-parallel projection a reduce-scatter and
+    /// the one before each column-parallel projection's input gradient an
+    /// all-gather in forward and a reduce-scatter in backward: the same
+    /// bytes on the wire, the activations of those regions divided by T.
+    /// `false`: every rank holds every row.
+    pub sequence_parallel: bool,
 }
 
 impl DistConfig {
@@ -214,6 +224,7 @@ impl Default for DistConfig {
             pipeline_layers: None,
             tensor_parallel: 1,
             vocab_parallel: false,
+            sequence_parallel: false,
         }
     }
 }

@@ -35,6 +35,12 @@ pub struct TpRank {
     /// holding rows `t·V/T .. (t+1)·V/T` (Megatron-LM's vocab-parallel
     /// embedding and cross-entropy); `false`: whole on every rank.
     pub vocab: bool,
+    /// Sequence parallelism (Korthikanti et al.): the residual stream's
+    /// rows (norms, residual additions, dropout-free regions) split over
+    /// the group, rank `t` holding [`TpRank::seq_rows`]; the all-reduces
+    /// around each parallel block become an all-gather before and a
+    /// reduce-scatter after. `false`: every rank holds every row.
+    pub seq: bool,
 }
 
 impl Default for TpRank {
@@ -49,7 +55,29 @@ impl TpRank {
 
     /// Rank `rank` of a group of `size`, the vocabulary whole on every rank.
     pub const fn new(rank: usize, size: usize) -> Self {
-        TpRank { rank, size, vocab: false }
+        TpRank { rank, size, vocab: false, seq: false }
+    }
+
+    /// This rank with the residual stream's rows split (`true`) or whole.
+    pub const fn with_seq(self, seq: bool) -> Self {
+        TpRank { seq, ..self }
+    }
+
+    /// Whether this rank holds a slice of the residual stream's rows
+    /// (sequence parallelism over more than one rank).
+    pub fn splits_seq(&self) -> bool {
+        self.seq && self.is_split()
+    }
+
+    /// The rows of `n` this rank holds in the residual stream: its block
+    /// of [`seq_block`] rows (the last blocks shorter or empty where the
+    /// group does not divide `n`) under sequence parallelism, all of them
+    /// otherwise.
+    pub fn seq_rows(&self, n: usize) -> Range<usize> {
+        match self.splits_seq() {
+            true => rows_of(self.rank, self.size, n),
+            false => 0..n,
+        }
     }
 
     /// This rank with the vocabulary split (`true`) or whole.
@@ -112,11 +140,25 @@ impl TpRank {
 impl std::fmt::Display for TpRank {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "tensor-parallel rank {} of {}", self.rank, self.size)?;
-        if self.splits_vocab() {
-            write!(f, " (vocabulary split)")?;
+        match (self.splits_vocab(), self.splits_seq()) {
+            (true, true) => write!(f, " (vocabulary and sequence split)"),
+            (true, false) => write!(f, " (vocabulary split)"),
+            (false, true) => write!(f, " (sequence split)"),
+            (false, false) => Ok(()),
         }
-        Ok(())
     }
+}
+
+/// Rows per rank when `n` rows are split over `size` ranks: `⌈n / size⌉`
+/// (the collectives' block; a rank past the end holds fewer or none).
+pub fn seq_block(n: usize, size: usize) -> usize {
+    n.div_ceil(size.max(1))
+}
+
+/// Rank `rank`'s rows of `n` split over `size` ranks in blocks of [`seq_block`].
+fn rows_of(rank: usize, size: usize, n: usize) -> Range<usize> {
+    let b = seq_block(n, size);
+    (rank * b).min(n)..((rank + 1) * b).min(n)
 }
 
 /// How one tensor of a rank's layout relates to the whole model's tensor
@@ -383,16 +425,42 @@ pub(crate) struct TpLink<'c> {
 /// What a [`TensorGroup`] reaches (a [`TpLink`] of any lifetime).
 trait Reduce {
     fn sum(&mut self, buf: &mut [f32]) -> Result<(), EngineError>;
+    fn gather(&mut self, input: &[f32], output: &mut [f32]) -> Result<(), EngineError>;
+    fn scatter(&mut self, input: &[f32], output: &mut [f32]) -> Result<(), EngineError>;
+    fn place(&self) -> (usize, usize);
+}
+
+impl TpLink<'_> {
+    /// Runs one collective, counting `bytes` contributed and its time.
+    fn timed(
+        &mut self,
+        bytes: usize,
+        run: impl FnOnce(&mut dyn Communicator) -> Result<(), CommError>,
+    ) -> Result<(), EngineError> {
+        let t0 = Instant::now();
+        run(&mut *self.comm).map_err(|source| EngineError::Comm { step: self.step, source })?;
+        self.traffic.calls += 1;
+        self.traffic.bytes += 4 * bytes as u64;
+        self.traffic.seconds += t0.elapsed().as_secs_f64();
+        Ok(())
+    }
 }
 
 impl Reduce for TpLink<'_> {
     fn sum(&mut self, buf: &mut [f32]) -> Result<(), EngineError> {
-        let t0 = Instant::now();
-        self.comm.all_reduce_sum(buf).map_err(|source| EngineError::Comm { step: self.step, source })?;
-        self.traffic.calls += 1;
-        self.traffic.bytes += 4 * buf.len() as u64;
-        self.traffic.seconds += t0.elapsed().as_secs_f64();
-        Ok(())
+        self.timed(buf.len(), |c| c.all_reduce_sum(buf))
+    }
+
+    fn gather(&mut self, input: &[f32], output: &mut [f32]) -> Result<(), EngineError> {
+        self.timed(input.len(), |c| c.all_gather(input, output))
+    }
+
+    fn scatter(&mut self, input: &[f32], output: &mut [f32]) -> Result<(), EngineError> {
+        self.timed(input.len(), |c| c.reduce_scatter_sum(input, output))
+    }
+
+    fn place(&self) -> (usize, usize) {
+        (self.comm.rank(), self.comm.world_size())
     }
 }
 
@@ -425,6 +493,67 @@ impl<'a> TensorGroup<'a> {
             Some(l) => l.sum(buf),
             None => Ok(()),
         }
+    }
+
+    /// Sequence parallelism's all-gather: each rank's rows of `n` rows of
+    /// `width` ([`TpRank::seq_rows`], in `local`) into all `n` rows of
+    /// `full` (its first `n · width` values). Where the group does not
+    /// divide `n` the blocks travel padded to [`seq_block`] rows. Unsplit:
+    /// a copy.
+    pub fn all_gather_rows(
+        &mut self,
+        local: &[f32],
+        full: &mut [f32],
+        n: usize,
+        width: usize,
+    ) -> Result<(), EngineError> {
+        let full = &mut full[..n * width];
+        let Some(l) = self.link.as_deref_mut() else {
+            full.copy_from_slice(local);
+            return Ok(());
+        };
+        let (rank, size) = l.place();
+        let block = seq_block(n, size) * width;
+        assert_eq!(local.len(), rows_of(rank, size, n).len() * width, "a rank's rows of the residual stream");
+        if block * size == n * width {
+            return l.gather(local, full);
+        }
+        let mut mine = vec![0.0; block];
+        mine[..local.len()].copy_from_slice(local);
+        let mut all = vec![0.0; block * size];
+        l.gather(&mine, &mut all)?;
+        full.copy_from_slice(&all[..n * width]);
+        Ok(())
+    }
+
+    /// Sequence parallelism's reduce-scatter: `full` (`n` rows of `width`,
+    /// a part of each value on each rank) summed over the group, each rank
+    /// receiving its rows ([`TpRank::seq_rows`]) into `local` — the
+    /// all-reduce's sums, in the same rank order. Unsplit: a copy.
+    pub fn reduce_scatter_rows(
+        &mut self,
+        full: &[f32],
+        local: &mut [f32],
+        n: usize,
+        width: usize,
+    ) -> Result<(), EngineError> {
+        let full = &full[..n * width];
+        let Some(l) = self.link.as_deref_mut() else {
+            local.copy_from_slice(full);
+            return Ok(());
+        };
+        let (rank, size) = l.place();
+        let block = seq_block(n, size) * width;
+        assert_eq!(local.len(), rows_of(rank, size, n).len() * width, "a rank's rows of the residual stream");
+        if block * size == n * width {
+            return l.scatter(full, local);
+        }
+        let mut all = vec![0.0; block * size];
+        all[..n * width].copy_from_slice(full);
+        let mut mine = vec![0.0; block];
+        l.scatter(&all, &mut mine)?;
+        local.copy_from_slice(&mine[..local.len()]);
+        Ok(())
     }
 }
 
@@ -499,6 +628,52 @@ mod tests {
         assert_eq!(counted, [true, false, true, false]);
         assert!(s.partial_gradient(TpRank::new(0, 4)));
         assert!(!Shard::Replicated.counted_by(TpRank::new(1, 2)));
+    }
+
+    /// Sequence parallelism's collectives at a row count the group does
+    /// not divide (7 rows over 3 ranks: blocks of 3, 3 and 1) and one it
+    /// does: the gather rebuilds every row on every rank, the
+    /// reduce-scatter hands each rank its rows' sums — the all-reduce's.
+    #[test]
+    fn row_collectives_split_uneven_rows_in_blocks() {
+        for (n, size) in [(7, 3), (8, 4), (0, 2)] {
+            let w = 2;
+            let rows: Vec<_> = (0..size).map(|r| TpRank::new(r, size).with_seq(true).seq_rows(n)).collect();
+            assert_eq!(rows.iter().map(|r| r.len()).sum::<usize>(), n);
+            let comms = comm::threads::group(size, std::time::Duration::from_secs(30));
+            let out: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = std::thread::scope(|sc| {
+                let hs: Vec<_> = comms
+                    .into_iter()
+                    .map(|mut c| {
+                        let mine = rows[c.rank()].clone();
+                        sc.spawn(move || {
+                            let r = c.rank();
+                            let (mut traffic, step) = (TpTraffic::default(), 0);
+                            let mut link = TpLink { comm: &mut c, traffic: &mut traffic, step };
+                            let mut g = TensorGroup::new(Some(&mut link));
+                            let local: Vec<f32> = (mine.start * w..mine.end * w).map(|i| i as f32).collect();
+                            let mut full = vec![-1.0; n * w + 3];
+                            g.all_gather_rows(&local, &mut full, n, w).unwrap();
+                            let part: Vec<f32> = (0..n * w).map(|i| (i * (r + 1)) as f32).collect();
+                            let mut scattered = vec![0.0; mine.len() * w];
+                            g.reduce_scatter_rows(&part, &mut scattered, n, w).unwrap();
+                            let mut summed = part.clone();
+                            g.all_reduce(&mut summed).unwrap();
+                            (full, scattered, summed[mine.start * w..mine.end * w].to_vec())
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (full, scattered, summed) in out {
+                let want: Vec<f32> = (0..n * w).map(|i| i as f32).collect();
+                assert_eq!(&full[..n * w], &want[..], "n {n} over {size}");
+                assert_eq!(&full[n * w..], &[-1.0; 3], "past n rows untouched");
+                assert_eq!(scattered, summed, "n {n} over {size}");
+            }
+        }
+        assert_eq!(TpRank::new(2, 3).with_seq(true).seq_rows(7), 6..7);
+        assert_eq!(TpRank::new(1, 3).seq_rows(7), 0..7, "without sequence parallelism every row");
     }
 
     #[test]

@@ -45,9 +45,17 @@ pub(crate) struct Dims {
     pub nh: usize,
     pub hd: usize,
     pub w: Widths,
+    /// Sequence parallelism: this rank's rows of the residual stream
+    /// (start, end); `None`: all B·T.
+    pub seq: Option<(usize, usize)>,
 }
 
 impl Dims {
+    /// Rows of the residual stream held here (norms, residual additions).
+    fn local(&self) -> usize {
+        self.seq.map_or(self.b * self.t, |(a, b)| b - a)
+    }
+
     /// Multi-head attention: grouped-query attention with a key/value head per query head.
     fn attn(&self, ops: nn::Operands) -> AttnShape {
         let Dims { b, t, nh, hd, .. } = *self;
@@ -108,6 +116,9 @@ impl ActSizes {
     ) -> Self {
         let w = |x: usize| x as u128;
         let (n, c) = (w(b) * w(t), w(cfg.n_embd));
+        // Sequence parallelism: the residual stream's tensors hold this rank's rows.
+        let (nl, seq) = (w(tp.seq_rows(b * t).len()), tp.splits_seq());
+        let sp = |x: u128| if seq { x } else { 0 };
         let Widths { a, m, v } = Widths::of(cfg, tp);
         let v = w(v);
         let (a, m) = (w(a), w(m));
@@ -116,7 +127,7 @@ impl ActSizes {
         let on = |i: usize| adapters.is_some_and(|ad| ad.targets[i]);
         let dora = |i: usize| on(i) && adapters.is_some_and(|ad| ad.dora);
         let shape = |i: usize| conv_shape(i, cfg.n_embd, Widths { a: a as usize, m: m as usize, v: 0 }).map(w);
-        let mut large = vec![n * c, n * 3 * a, n * a, n * c, n * c, n * m, n * m, n * c];
+        let mut large = vec![nl * c, n * 3 * a, n * a, nl * c, nl * c, n * m, n * m, nl * c];
         large.extend((0..4).map(|i| if on(i) { n * r } else { 0 }));
         large.extend((0..4).map(|i| if dora(i) { n * shape(i)[1] } else { 0 }));
         let norms: u128 = (0..4).filter(|&i| dora(i)).map(|i| shape(i)[1]).sum();
@@ -132,15 +143,22 @@ impl ActSizes {
             n_slots: part.n_blocks,
             large,
             kinds,
-            redo_scratch: (2 * n).max(lse),
+            redo_scratch: (2 * nl).max(lse),
             output: RES3,
-            stats: vec![n, n, n, n, lse, norms],
-            x: n * c,
-            bufs: vec![n * c, n * c, n * m.max(3 * a), n * 3 * a, n * r, n * max_z, n * max_in],
+            stats: vec![nl, nl, nl, nl, lse, norms],
+            x: nl * c,
+            bufs: vec![nl * c, n * c, n * m.max(3 * a), n * 3 * a, n * r, n * max_z, n * max_in, sp(n * c), sp(n * c)],
             staging: vec![n * m.max(3 * a).max(c), low(n * a), low(n * r)],
             extra: vec![n * m],
         };
-        let head = if part.last { [n * c, n, n, nn::head::loss_chunk_rows(n, v) * v, n] } else { [0; 5] };
+        // The final norm's output is gathered to every row (the head's
+        // input); under sequence parallelism the first stage's embedding
+        // gathers (or reduce-scatters) every row in that buffer too.
+        let head = match (part.last, part.first && seq) {
+            (true, _) => [n * c, nl, nl, nn::head::loss_chunk_rows(n, v) * v, n],
+            (false, true) => [n * c, 0, 0, 0, 0],
+            (false, false) => [0; 5],
+        };
         ActSizes { stack, head, in_flight: part.in_flight }
     }
 
@@ -187,9 +205,10 @@ impl GptBlock<'_> {
     /// What the block's projections share in this call.
     fn site(&self) -> Site<'_> {
         let (r, scale) = self.lora.unwrap_or((0, 0.0));
-        let (n, prec) = (self.d.b * self.d.t, self.prec);
+        let (n, prec, seq) = (self.d.b * self.d.t, self.prec, self.d.seq);
         let drop = self.drop.map(|d| (d, self.at.get()));
-        Site { n, ops: nn::operands(prec), prec, lora: &self.r.lora, r, scale, drop, saved: (XA, XA + 4, LORA) }
+        let saved = (XA, XA + 4, LORA);
+        Site { n, seq, ops: nn::operands(prec), prec, lora: &self.r.lora, r, scale, drop, saved }
     }
 
     /// The four `Conv1D` layers as parts (as [`crate::layout::CONVS`]).
@@ -245,8 +264,10 @@ impl Block for GptBlock<'_> {
     ) -> Result<(), EngineError> {
         let (r, prec) = (self.r, self.prec);
         let Dims { b, t, c, w: Widths { a, m, .. }, .. } = self.d;
-        let n = b * t;
-        let [res2, buf_c, buf_4c, qkv, xab, zb, xd] = bufs else { unreachable!("GPT-2 has seven working buffers") };
+        let (n, nl) = (b * t, self.d.local());
+        let [res2, buf_c, buf_4c, qkv, xab, zb, xd, gx, gd] = bufs else {
+            unreachable!("GPT-2 has nine working buffers")
+        };
         let gelu_out = &mut extra[0];
         let Saved { large, stats } = sv;
         let (large, xa) = large.split_at_mut(XA);
@@ -260,11 +281,13 @@ impl Block for GptBlock<'_> {
             pj.dora_norms(&site, p, norms);
         }
         let norms = &*norms;
-        let mut work = Work::new(xab, zb, xd);
-        layernorm_forward(buf_c, ln1_mean, ln1_rstd, x, &p[r.ln1_w.clone()], &p[r.ln1_b.clone()], c);
-        large[LN1].keep(buf_c, prec);
+        let mut work = Work::new(xab, zb, xd, (gx, gd));
+        // The norms and residual additions run on this rank's rows (all
+        // of them unless sequence-parallel); the projections between see every row.
+        layernorm_forward(&mut buf_c[..nl * c], ln1_mean, ln1_rstd, x, &p[r.ln1_w.clone()], &p[r.ln1_b.clone()], c);
+        large[LN1].keep_prefix(buf_c, nl * c, prec);
         // (B*T, C) @ (C, 3A) -> (B*T, 3A): this rank's heads' q | k | v
-        attn_p.forward(&site, p, (qkv, large[LN1].cur(buf_c), None), xa, &mut work, norms, tp)?;
+        attn_p.forward(&site, p, (qkv, large[LN1].cur(&buf_c[..nl * c]), None), xa, &mut work, norms, tp)?;
         large[QKV].keep(qkv, prec);
         match self.attn {
             Attention::Causal => {
@@ -278,11 +301,11 @@ impl Block for GptBlock<'_> {
         proj_p.forward(&site, p, (res2, atty, Some(&*x)), xa, &mut work, norms, tp)?;
         large[RES2].keep(res2, prec);
         let (ln2_w, ln2_b) = (&p[r.ln2_w.clone()], &p[r.ln2_b.clone()]);
-        layernorm_forward(buf_c, ln2_mean, ln2_rstd, large[RES2].cur(res2), ln2_w, ln2_b, c);
-        large[LN2].keep(buf_c, prec);
+        layernorm_forward(&mut buf_c[..nl * c], ln2_mean, ln2_rstd, large[RES2].cur(res2), ln2_w, ln2_b, c);
+        large[LN2].keep_prefix(buf_c, nl * c, prec);
         // (B*T, C) @ (C, M) -> (B*T, M)
         let fch = &mut buf_4c[..n * m];
-        fc_p.forward(&site, p, (fch, large[LN2].cur(buf_c), None), xa, &mut work, norms, tp)?;
+        fc_p.forward(&site, p, (fch, large[LN2].cur(&buf_c[..nl * c]), None), xa, &mut work, norms, tp)?;
         large[FCH].keep_prefix(buf_4c, n * m, prec);
         nn::act::gelu_forward(&mut gelu_out[..n * m], large[FCH].cur(&buf_4c[..n * m]));
         large[FCH_GELU].keep_prefix(gelu_out, n * m, prec);
@@ -298,9 +321,9 @@ impl Block for GptBlock<'_> {
     /// log-sum-exps into the scratch) or GELU, run again on the kept input.
     fn redo(&self, p: &[f32], k: usize, saved: &mut SavedView<'_>, out: &mut [f32], scratch: &mut [f32]) {
         let (r, Dims { b, t, c, nh, .. }) = (self.r, self.d);
-        let n = b * t;
+        let nl = self.d.local();
         let mut ln = |inp: &[f32], w: &std::ops::Range<usize>, bias: &std::ops::Range<usize>| {
-            let (mean, rstd) = scratch[..2 * n].split_at_mut(n);
+            let (mean, rstd) = scratch[..2 * nl].split_at_mut(nl);
             layernorm_forward(out, mean, rstd, inp, &p[w.clone()], &p[bias.clone()], c);
         };
         match k {
@@ -326,8 +349,8 @@ impl Block for GptBlock<'_> {
     ) -> Result<(), EngineError> {
         let r = self.r;
         let Dims { b, t, w: Widths { a, m, .. }, .. } = self.d;
-        let n = b * t;
-        let [dres, dc, d4c, dqkv, dxa, zb, xd] = bufs else { unreachable!("GPT-2 has seven working buffers") };
+        let (n, nl, c) = (b * t, self.d.local(), self.d.c);
+        let [dres, dc, d4c, dqkv, dxa, zb, xd, gx, gd] = bufs else { unreachable!("GPT-2 has nine working buffers") };
         let sv = saved.sv;
         let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, lse, norms] = &sv.stats[..] else {
             unreachable!("four row statistics, the log-sum-exps and DoRA's norms")
@@ -335,7 +358,7 @@ impl Block for GptBlock<'_> {
         let ops = nn::operands(saved.precision());
         let (site, parts) = (self.site(), self.parts());
         let [attn_p, proj_p, fc_p, fcproj_p] = self.projections(&parts);
-        let mut work = Work::new(dxa, zb, xd);
+        let mut work = Work::new(dxa, zb, xd, (gx, gd));
         // c_proj of the MLP: d(B*T, M) = d(B*T, C) @ (C, M)
         let dm = &mut d4c[..n * m];
         fcproj_p.backward(
@@ -349,10 +372,11 @@ impl Block for GptBlock<'_> {
         )?;
         nn::act::gelu_backward_inplace(dm, saved.get(FCH));
         // c_fc: d(B*T, C) = d(B*T, M) @ (M, C); column-parallel: summed over the ranks
-        fc_p.backward(&site, p, (dc, Grad::Own(dm), (LN2, ROWS)), (grads, &mut saved), &mut work, norms, tp)?;
+        let dcl = &mut dc[..nl * c];
+        fc_p.backward(&site, p, (dcl, Grad::Own(dm), (LN2, ROWS)), (grads, &mut saved), &mut work, norms, tp)?;
         let (gw, gb) = grads.pair(r.ln2_w.clone(), r.ln2_b.clone());
         let ln2 = NormSaved { inp: saved.get(RES2), mean: ln2_mean, rstd: ln2_rstd };
-        layernorm_backward(dres, param_grad(gw), param_grad(gb), dc, ln2, &p[r.ln2_w.clone()]);
+        layernorm_backward(dres, param_grad(gw), param_grad(gb), &dc[..nl * c], ln2, &p[r.ln2_w.clone()]);
         // c_proj of attention: d(B*T, A) = d(B*T, C) @ (C, A)
         let dy = &mut dc[..n * a];
         proj_p.backward(
@@ -368,10 +392,11 @@ impl Block for GptBlock<'_> {
         let (qkv, y) = saved.pair((QKV, ROWS), (ATTY, HEADS));
         flash_attention_backward(dqkv, &mut d4c[..n * 3 * a], dy, (qkv, y, lse), self.d.attn(ops), self.visible);
         // c_attn: d(B*T, C) = d(B*T, 3A) @ (3A, C); column-parallel: summed over the ranks
-        attn_p.backward(&site, p, (dc, Grad::Own(dqkv), (LN1, ROWS)), (grads, &mut saved), &mut work, norms, tp)?;
+        let dcl = &mut dc[..nl * c];
+        attn_p.backward(&site, p, (dcl, Grad::Own(dqkv), (LN1, ROWS)), (grads, &mut saved), &mut work, norms, tp)?;
         let (gw, gb) = grads.pair(r.ln1_w.clone(), r.ln1_b.clone());
         let ln1 = NormSaved { inp: saved.input(), mean: ln1_mean, rstd: ln1_rstd };
-        layernorm_backward(dres, param_grad(gw), param_grad(gb), dc, ln1, &p[r.ln1_w.clone()]);
+        layernorm_backward(dres, param_grad(gw), param_grad(gb), &dc[..nl * c], ln1, &p[r.ln1_w.clone()]);
         Ok(())
     }
 }

@@ -127,7 +127,7 @@ impl Gpt {
         let ends = Ends {
             width: cfg.n_embd,
             vocab: Widths::of(&cfg, tp).v,
-            vocab_split: tp,
+            tp,
             n_blocks: cfg.n_layer,
             context: (cfg.block_size, "block_size"),
             embed: ranges.wte.clone(),
@@ -315,7 +315,8 @@ impl Decoder for Gpt {
         let (nh, w) = (cfg.n_head / self.tp.size, Widths::of(cfg, self.tp));
         let lora = self.lora_rank_scale();
         let (segs, prec, a) = (self.shell.block_segs(), self.shell.precision, &mut self.shell.acts);
-        let d = Dims { b: a.b, t: a.t, c: cfg.n_embd, nh, hd: cfg.head_dim(), w };
+        let seq = self.tp.splits_seq().then(|| self.tp.seq_rows(a.b * a.t)).map(|r| (r.start, r.end));
+        let d = Dims { b: a.b, t: a.t, c: cfg.n_embd, nh, hd: cfg.head_dim(), w, seq };
         let attn = match walk {
             Walk::Forward(_, attn) => attn,
             Walk::Backward => Attention::Causal,

@@ -48,14 +48,16 @@ pub(crate) fn check(cfg: &GptConfig, tp: TpRank) -> Result<(), GptError> {
 /// gradient is a part ([`Shard::Partial`]: its `x·Aᵀ` gradient comes from
 /// its own output columns), beside a row-parallel one `lora_B`'s is whole
 /// (the ranks' `x·Aᵀ` are summed in forward). With `vocab` the token
-/// embedding (the tied head) is cut by vocabulary rows.
-fn shard_of(cfg: &GptConfig, name: &str, (t, vocab): (usize, bool), r: usize) -> Shard {
+/// embedding (the tied head) is cut by vocabulary rows. With `seq`
+/// (sequence parallelism) each LayerNorm sees this rank's rows only: its
+/// gradient is a part.
+fn shard_of(cfg: &GptConfig, name: &str, (t, vocab, seq): (usize, bool, bool), r: usize) -> Shard {
     let (c, nh, hd) = (cfg.n_embd, cfg.n_head, cfg.head_dim());
     let split = |outer: usize, dim: usize, inner: usize| Shard::Split { outer, dim, inner, parts: t };
     let ends = |s: &str| name.ends_with(s);
     let adapter = |layer: &str, part: &str| name.ends_with(&format!("{layer}.{part}"));
     let (a, b, m) = ("lora_A.weight", "lora_B.weight", nn::lora::MAGNITUDE);
-    if adapter("attn.c_attn", a) || adapter("mlp.c_fc", a) {
+    if (seq && name.contains(".ln_")) || adapter("attn.c_attn", a) || adapter("mlp.c_fc", a) {
         Shard::Partial
     } else if adapter("attn.c_attn", b) {
         split(3, nh, hd * r)
@@ -100,6 +102,6 @@ pub(crate) fn shards(
     }
     let (whole, _) = build_layout(cfg, Widths::of(cfg, TpRank::WHOLE), adapters, false);
     let r = adapters.map_or(0, |a| a.r);
-    let shards = whole.tensors().iter().map(|t| shard_of(cfg, &t.name, (tp.size, tp.vocab), r)).collect();
+    let shards = whole.tensors().iter().map(|t| shard_of(cfg, &t.name, (tp.size, tp.vocab, tp.seq), r)).collect();
     TensorShards::new(tp, whole, local.clone(), shards).map_err(|e| GptError::InvalidConfig(e.to_string()))
 }

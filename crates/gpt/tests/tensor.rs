@@ -35,10 +35,15 @@ fn model(p: Precision, ck: Checkpointing, tp: TpRank) -> Gpt {
 /// Every tensor layout of the suite with the model `build` makes against
 /// uncut (tolerances: the module's).
 fn split_matches_uncut(build: &(dyn Fn(Precision, Checkpointing, TpRank) -> Gpt + Sync)) {
+    split_matches_uncut_at(build, T);
+}
+
+/// [`split_matches_uncut`] on sequences of `t` tokens.
+fn split_matches_uncut_at(build: &(dyn Fn(Precision, Checkpointing, TpRank) -> Gpt + Sync), t: usize) {
     let mut init = init_params(&cfg(), 3);
     let mut rng = SplitMix64::new(15);
     init.iter_mut().for_each(|x| *x += (rng.normal() * 0.3) as f32);
-    let seqs = TokenSamples::new(48, T, 32, 9);
+    let seqs = TokenSamples::new(48, t, 32, 9);
     let case = PipelineCase { model: build, init, seqs: &seqs };
     let worst = check_tensor_layouts(&case, (1e-6, 1e-5), engine::conformance::pipeline::FIRST_STEP_16BIT, &[2, 4])
         .unwrap_or_else(|e| panic!("{e}"));
@@ -63,6 +68,39 @@ fn gpt2_with_the_vocabulary_split_matches_uncut() {
     let odd = GptConfig { vocab_size: 33, ..cfg() };
     let e = Gpt::tensor_parallel(odd, Precision::F32, TpRank::new(0, 2).with_vocab(true)).unwrap_err().to_string();
     assert!(e.contains("model.vocab_size") && e.contains("(33)") && e.contains("34"), "{e}");
+}
+
+/// Sequence parallelism (`dist.sequence_parallel`): each rank holds its
+/// rows of the residual stream (the embedding's output, the LayerNorms,
+/// the residual additions, the final norm), gathered before each
+/// column-parallel projection and reduce-scattered after each row-parallel
+/// one — with the vocabulary whole (the head's input gathered, its input
+/// gradient the rank's rows of the same whole one) and split, on
+/// sequences of 8 tokens and of 7 (micro-batches of 7·B rows: blocks of
+/// ⌈7B / T⌉, the last rank's shorter, the collectives padded). The same
+/// steps as uncut within the module's tolerances: the reduce-scatter's
+/// sums are the all-reduce's, and the one new reordering is each
+/// LayerNorm's gradient, summed per rank and then over the group
+/// ([`engine::Shard::Partial`]) instead of over all rows at once.
+#[test]
+fn gpt2_with_sequence_parallelism_matches_uncut() {
+    for t in [T, T - 1] {
+        split_matches_uncut_at(&|p, ck, tp: TpRank| model(p, ck, tp.with_seq(true)), t);
+        split_matches_uncut_at(&|p, ck, tp: TpRank| model(p, ck, tp.with_seq(true).with_vocab(true)), t);
+    }
+    // Rank 1 of 4 keeps a quarter of the residual stream's rows.
+    let sizes = |tp: TpRank| {
+        gpt::block::ActSizes::for_rank(
+            &cfg(),
+            tp,
+            (2, T),
+            (Precision::F32, Checkpointing::None),
+            nn::stack::Part::whole(4),
+        )
+    };
+    let (plain, seq) = (sizes(TpRank::new(1, 4)), sizes(TpRank::new(1, 4).with_seq(true)));
+    assert_eq!((plain.stack.x, seq.stack.x), (2 * 8 * 16, 2 * 2 * 16));
+    assert!(seq.bytes() < plain.bytes(), "{} vs {}", seq.bytes(), plain.bytes());
 }
 
 /// LoRA on every layer (A and B random: every adapter acts; the base

@@ -67,6 +67,16 @@ pub(crate) struct Dims {
     pub ops: Operands,
     /// Storage precision of saved tensors.
     pub prec: Precision,
+    /// Sequence parallelism: this rank's rows of the residual stream
+    /// (start, end); `None`: all `n`.
+    pub seq: Option<(usize, usize)>,
+}
+
+impl Dims {
+    /// Rows of the residual stream held here (norms, residual additions).
+    fn local(&self) -> usize {
+        self.seq.map_or(self.n, |(a, b)| b - a)
+    }
 }
 
 /// Element counts of every activation buffer of a Llama for one (B, T),
@@ -94,7 +104,7 @@ impl ActSizes {
     /// The sizes for `b` sequences of `t` tokens.
     pub(crate) fn new(
         cfg: &LlamaConfig,
-        adapters: Option<Adapters>,
+        (tp, adapters): (engine::TpRank, Option<Adapters>),
         (b, t): (usize, usize),
         (precision, checkpointing): (Precision, Checkpointing),
         train: bool,
@@ -102,6 +112,9 @@ impl ActSizes {
     ) -> Self {
         let w = |x: usize| x as u128;
         let (n, c, f, v) = (w(b) * w(t), w(cfg.hidden_size), w(cfg.intermediate_size), w(cfg.vocab_size));
+        // Sequence parallelism: the residual stream's tensors hold this rank's rows.
+        let (nl, seq) = (w(tp.seq_rows(b * t).len()), tp.splits_seq());
+        let sp = |x: u128| if seq { x } else { 0 };
         let qkvw = w(cfg.n_head + 2 * cfg.n_kv_head) * w(cfg.head_dim);
         let lse = w(b) * w(cfg.n_head) * w(t);
         let r = w(adapters.map_or(0, |a| a.r));
@@ -118,13 +131,13 @@ impl ActSizes {
         let norms = Proj::ALL.iter().filter(|&&p| dora(p)).map(|&p| out(p)).sum::<u128>();
         let dropout = adapters.is_some_and(|a| a.dropout);
         let max_in = if dropout { Proj::ALL.into_iter().map(|p| w(p.shape(cfg)[1])).max().unwrap_or(0) } else { 0 };
-        let mut large = vec![n * c, n * qkvw, n * qd, n * c, n * c, n * 2 * f, n * f, n * c];
+        let mut large = vec![nl * c, n * qkvw, n * qd, nl * c, nl * c, n * 2 * f, n * f, nl * c];
         large.extend(xa);
         large.extend(dz);
         // Per-head q/k norms: their inputs kept, one 1/rms per (row, head).
         let qk_heads = if cfg.qk_norm { w(cfg.n_head + cfg.n_kv_head) } else { 0 };
         large.push(n * qk_heads * w(cfg.head_dim));
-        let post = if cfg.gemma.is_some() { n * c } else { 0 };
+        let post = if cfg.gemma.is_some() { nl * c } else { 0 };
         large.extend([post, post]);
         // Working buffer: the q/k norms' (gathered heads) and, when the
         // heads are wider than the residual (H·d > C), the heads' output
@@ -139,12 +152,12 @@ impl ActSizes {
             n_slots: if train { part.n_blocks } else { 1 },
             large,
             kinds,
-            redo_scratch: n.max(lse),
+            redo_scratch: nl.max(lse),
             output: OUT,
-            stats: vec![n, n, lse, norms, n * qk_heads, post / c.max(1), post / c.max(1)],
-            x: n * c,
+            stats: vec![nl, nl, lse, norms, n * qk_heads, post / c.max(1), post / c.max(1)],
+            x: nl * c,
             bufs: vec![
-                n * c,
+                nl * c,
                 n * c,
                 n * qkvw,
                 n * 2 * f,
@@ -155,13 +168,21 @@ impl ActSizes {
                 n * max_in,
                 n * wide,
                 post,
+                sp(n * c),
+                sp(n * c),
             ],
             staging: if low { vec![n * c.max(qkvw).max(2 * f), n * qd, n * r] } else { vec![0; 3] },
             extra: Vec::new(),
         };
         let rope = Rope::len_for(t, cfg.head_dim) as u128;
-        let head =
-            if part.last { [rope, n * c, n, nn::head::loss_chunk_rows(n, v) * v, n] } else { [rope, 0, 0, 0, 0] };
+        // The final norm's output is gathered to every row (the head's
+        // input); under sequence parallelism the first stage's embedding
+        // gathers (or reduce-scatters) every row in that buffer too.
+        let head = match (part.last, part.first && seq) {
+            (true, _) => [rope, n * c, nl, nn::head::loss_chunk_rows(n, v) * v, n],
+            (false, true) => [rope, n * c, 0, 0, 0],
+            (false, false) => [rope, 0, 0, 0, 0],
+        };
         ActSizes { stack, head, in_flight: if train { part.in_flight } else { 1 } }
     }
 
@@ -273,6 +294,7 @@ impl Layer<'_> {
         let d = &self.d;
         Site {
             n: d.n,
+            seq: d.seq,
             ops: d.ops,
             prec: d.prec,
             lora: &self.r.lora,
@@ -336,10 +358,10 @@ impl Block for Layer<'_> {
         _: &mut [Vec<f32>],
     ) -> Result<(), EngineError> {
         let (cfg, r, d) = (self.cfg, self.r, &self.d);
-        let (n, c, f, prec) = (d.n, d.c, d.f, d.prec);
+        let (n, nl, c, f, prec) = (d.n, d.local(), d.c, d.f, d.prec);
         let (qd, qkvw) = (d.gqa.q_dim(), d.gqa.qkv_width());
-        let [x2, buf_c, qkv, gu, m, dxa, heads, zb, xd, wide, pn] = bufs else {
-            unreachable!("Llama has eleven working buffers")
+        let [x2, buf_c, qkv, gu, m, dxa, heads, zb, xd, wide, pn, gx, gd] = bufs else {
+            unreachable!("Llama has thirteen working buffers")
         };
         let Saved { large, stats } = sv;
         let [rstd1, rstd2, lse, norms, rstd_qk, rstd_pa, rstd_pf] = &mut stats[..] else {
@@ -356,11 +378,13 @@ impl Block for Layer<'_> {
             pj.dora_norms(&site, p, norms);
         }
         let norms = &*norms;
-        let mut work = Work::new(dxa, zb, xd);
+        let mut work = Work::new(dxa, zb, xd, (gx, gd));
         // Attention: h1 = norm(x); q|k|v = h1·Wqkvᵀ (+ bias) (+ adapters); rotate q, k.
-        rmsnorm_forward(buf_c, rstd1, x, &self.cfg.gains(&p[r.attn_norm.clone()]), c, d.eps);
-        large[H1].keep(buf_c, prec);
-        let h1 = large[H1].cur(buf_c);
+        // The norms and residual additions run on this rank's rows (all of
+        // them unless sequence-parallel); the projections between see every row.
+        rmsnorm_forward(&mut buf_c[..nl * c], rstd1, x, &self.cfg.gains(&p[r.attn_norm.clone()]), c, d.eps);
+        large[H1].keep_prefix(buf_c, nl * c, prec);
+        let h1 = large[H1].cur(&buf_c[..nl * c]);
         // (n, C) @ (C, (H + 2·KV)·d) -> (n, (H + 2·KV)·d)
         qkv_p.forward(&site, p, (qkv, h1, None), adapted, &mut work, norms, tp)?;
         if let Some(gains) = &r.qk_norm {
@@ -396,9 +420,10 @@ impl Block for Layer<'_> {
         }
         large[X2].keep(x2, prec);
         // MLP: h2 = norm(x2); g|u = h2·Wguᵀ (+ adapters); m = silu(g)·u; out = x2 + m·Wdᵀ (+ adapters).
-        rmsnorm_forward(buf_c, rstd2, large[X2].cur(x2), &self.cfg.gains(&p[r.mlp_norm.clone()]), c, d.eps);
-        large[H2].keep(buf_c, prec);
-        let h2 = large[H2].cur(buf_c);
+        let g2 = self.cfg.gains(&p[r.mlp_norm.clone()]);
+        rmsnorm_forward(&mut buf_c[..nl * c], rstd2, large[X2].cur(x2), &g2, c, d.eps);
+        large[H2].keep_prefix(buf_c, nl * c, prec);
+        let h2 = large[H2].cur(&buf_c[..nl * c]);
         // (n, C) @ (C, 2F) -> (n, 2F)
         gu_p.forward(&site, p, (gu, h2, None), adapted, &mut work, norms, tp)?;
         large[GU].keep(gu, prec);
@@ -419,7 +444,7 @@ impl Block for Layer<'_> {
     /// log-sum-exps into the scratch) or SwiGLU, run again on the kept input.
     fn redo(&self, p: &[f32], k: usize, saved: &mut SavedView<'_>, out: &mut [f32], scratch: &mut [f32]) {
         let (r, d) = (self.r, &self.d);
-        let rstd = &mut scratch[..d.n];
+        let rstd = &mut scratch[..d.local()];
         match k {
             H1 => rmsnorm_forward(out, rstd, saved.input(), &self.cfg.gains(&p[r.attn_norm.clone()]), d.c, d.eps),
             H2 => rmsnorm_forward(out, rstd, saved.get(X2), &self.cfg.gains(&p[r.mlp_norm.clone()]), d.c, d.eps),
@@ -441,10 +466,10 @@ impl Block for Layer<'_> {
         bufs: &mut [Vec<f32>],
     ) -> Result<(), EngineError> {
         let (cfg, r, d) = (self.cfg, self.r, &self.d);
-        let (c, f) = (d.c, d.f);
+        let (c, f, nl) = (d.c, d.f, d.local());
         let (qd, qkvw) = (d.gqa.q_dim(), d.gqa.qkv_width());
-        let [dres, dc, dqkv, dgu, dm, dxa, heads, zb, xd, wide, dz] = bufs else {
-            unreachable!("Llama has eleven working buffers")
+        let [dres, dc, dqkv, dgu, dm, dxa, heads, zb, xd, wide, dz, gx, gd] = bufs else {
+            unreachable!("Llama has thirteen working buffers")
         };
         let sv = saved.sv;
         let [rstd1, rstd2, lse, norms, rstd_qk, rstd_pa, rstd_pf] = &sv.stats[..] else {
@@ -453,7 +478,7 @@ impl Block for Layer<'_> {
         let (site, parts) = (self.site(), self.parts());
         let [qkv_p, o_p, gu_p, down_p] = self.projections(&parts);
         let mut back = Back { grads, saved };
-        let mut work = Work::new(dxa, zb, xd);
+        let mut work = Work::new(dxa, zb, xd, (gx, gd));
         // down_proj: d(n, F) = d(n, C) @ (C, F); SwiGLU; gate|up: d(n, C) = d(n, 2F) @ (2F, C).
         // With post norms the branch's gradient is the norm's input gradient.
         let g = self.branch_grad(p, 1, (dres, dz), (&mut back, rstd_pf));
@@ -461,10 +486,10 @@ impl Block for Layer<'_> {
         down_p.backward(&site, p, (dm, g, (M, ROWS)), b, &mut work, norms, tp)?;
         cfg.glu().backward(dgu, dm, back.saved.get(GU), f);
         let b = (&mut *back.grads, &mut back.saved);
-        gu_p.backward(&site, p, (dc, Grad::Own(dgu), (H2, ROWS)), b, &mut work, norms, tp)?;
+        gu_p.backward(&site, p, (&mut dc[..nl * c], Grad::Own(dgu), (H2, ROWS)), b, &mut work, norms, tp)?;
         let (w2, g2) = (self.cfg.gains(&p[r.mlp_norm.clone()]), param_grad(back.grads.tensor(r.mlp_norm.clone())));
         let x2 = NormSaved { inp: back.saved.get(X2), mean: &[], rstd: rstd2 };
-        rmsnorm_backward(dres, g2, dc, x2, &w2);
+        rmsnorm_backward(dres, g2, &dc[..nl * c], x2, &w2);
         // o_proj: d(n, H·d) = d(n, C) @ (C, H·d); attention; rotation; q|k|v: d(n, C) = d(n, qkv) @ (qkv, C).
         let dy = if qd <= c { &mut dc[..d.n * qd] } else { &mut wide[..d.n * qd] };
         let g = self.branch_grad(p, 0, (dres, dz), (&mut back, rstd_pa));
@@ -487,10 +512,10 @@ impl Block for Layer<'_> {
             }
         }
         let b = (&mut *back.grads, &mut back.saved);
-        qkv_p.backward(&site, p, (dc, Grad::Own(dqkv), (H1, ROWS)), b, &mut work, norms, tp)?;
+        qkv_p.backward(&site, p, (&mut dc[..nl * c], Grad::Own(dqkv), (H1, ROWS)), b, &mut work, norms, tp)?;
         let (w1, g1) = (self.cfg.gains(&p[r.attn_norm.clone()]), param_grad(back.grads.tensor(r.attn_norm.clone())));
         let h = NormSaved { inp: back.saved.input(), mean: &[], rstd: rstd1 };
-        rmsnorm_backward(dres, g1, dc, h, &w1);
+        rmsnorm_backward(dres, g1, &dc[..nl * c], h, &w1);
         Ok(())
     }
 }

@@ -243,7 +243,7 @@ impl Llama {
         let ends = Ends {
             width: cfg.hidden_size,
             vocab: cfg.vocab_size,
-            vocab_split: tp,
+            tp,
             n_blocks: cfg.n_layer,
             context: (cfg.max_position_embeddings, "max_position_embeddings"),
             embed: ranges.embed.clone(),
@@ -307,7 +307,8 @@ impl Llama {
     /// storage precision and checkpointing (no model is built for it): the
     /// bytes of the [`ActSizes`] a training pass allocates from.
     pub fn planned_activation_bytes_as(&self, b: usize, t: usize, precision: Precision, ck: Checkpointing) -> u128 {
-        ActSizes::new(&self.cfg, self.adapters, (b, t), (precision, ck), true, self.shell.part()).bytes()
+        ActSizes::new(&self.cfg, (self.shell.ends.tp, self.adapters), (b, t), (precision, ck), true, self.shell.part())
+            .bytes()
     }
 
     /// [`Llama::planned_activation_bytes_as`] of one pipeline stage of this
@@ -320,7 +321,8 @@ impl Llama {
         (precision, ck): (Precision, Checkpointing),
         spec: &StageSpec,
     ) -> u128 {
-        ActSizes::new(&self.cfg, self.adapters, (b, t), (precision, ck), true, Part::of(spec)).bytes()
+        ActSizes::new(&self.cfg, (self.shell.ends.tp, self.adapters), (b, t), (precision, ck), true, Part::of(spec))
+            .bytes()
     }
 
     /// Bytes of the saved activations (every layer's slot and the embeddings' output).
@@ -442,6 +444,7 @@ impl Llama {
             lora_scale: self.lora.as_ref().map_or(0.0, LoraConfig::scale),
             ops: nn::operands(self.shell.precision),
             prec: self.shell.precision,
+            seq: self.shell.ends.tp.splits_seq().then(|| self.shell.ends.tp.seq_rows(b * t)).map(|r| (r.start, r.end)),
         }
     }
 
@@ -488,7 +491,7 @@ impl Decoder for Llama {
     fn new_acts(&self, b: usize, t: usize, train: bool) -> Acts<LlamaActs> {
         let (cfg, sh) = (&self.cfg, &self.shell);
         let how = (sh.precision, sh.checkpointing);
-        let s = ActSizes::new(cfg, self.adapters, (b, t), how, train, sh.part());
+        let s = ActSizes::new(cfg, (sh.ends.tp, self.adapters), (b, t), how, train, sh.part());
         let rope = Rope::new(t, cfg.head_dim, cfg.rope_theta, cfg.llama3_scaling().as_ref());
         let [_, hf, rstd_f, logits, losses] = s.head;
         Acts::new(&s.stack, [hf, 0, rstd_f, logits, losses], (b, t), LlamaActs { rope, drop: None })
@@ -574,7 +577,7 @@ impl RankShard {
             .layout()
             .tensors()
             .iter()
-            .map(|t| cfg.shard_of(&t.name, (self.tp.size, self.tp.vocab), r))
+            .map(|t| cfg.shard_of(&t.name, (self.tp.size, self.tp.vocab, self.tp.seq), r))
             .collect();
         TensorShards::new(self.tp, self.whole.layout().clone(), local.layout().clone(), shards)
             .map_err(|e| LlamaError::config("tensor_parallel", e.to_string()))

@@ -96,13 +96,18 @@ impl LlamaConfig {
 
     /// How tensor `name` of the whole model (this shape) is cut at `T`
     /// ranks (`vocab`: by vocabulary rows too), with LoRA rank `r`.
-    pub(crate) fn shard_of(&self, name: &str, (t, vocab): (usize, bool), r: usize) -> Shard {
+    pub(crate) fn shard_of(&self, name: &str, (t, vocab, seq): (usize, bool, bool), r: usize) -> Shard {
         let (c, f, hd) = (self.hidden_size, self.intermediate_size, self.head_dim);
         let (nh, nkv, kvp) = (self.n_head, self.n_kv_head, self.kv_parts(t));
         let split = |outer: usize, dim: usize, inner: usize, parts: usize| Shard::Split { outer, dim, inner, parts };
         // The per-head q/k norms' gains serve every head: whole on every
         // rank, each rank's gradient the part its heads give (summed).
         if name.ends_with(".q_norm.weight") || name.ends_with(".k_norm.weight") {
+            return Shard::Partial;
+        }
+        // Sequence parallelism: the residual stream's norms see this
+        // rank's rows only, their gradients a part each.
+        if seq && (name.ends_with("layernorm.weight") || name == "model.norm.weight") {
             return Shard::Partial;
         }
         if vocab && (name == "model.embed_tokens.weight" || name == "lm_head.weight") {

@@ -30,7 +30,7 @@
 
 mod common;
 
-use common::{pipeline::tensor_matrix, pipeline::vocab_matrix, suite};
+use common::{pipeline::seq_matrix, pipeline::tensor_matrix, pipeline::vocab_matrix, suite};
 use engine::conformance::pipeline::FIRST_STEP_16BIT as LOW;
 use llama::{LlamaConfig, LoraConfig};
 
@@ -135,6 +135,28 @@ fn llama_with_the_vocabulary_split_matches_uncut() {
         let worst = vocab_matrix(c, (terms, Some(5)), ts, (1e-4, 2e-4), LOW);
         println!("{what}: largest relative loss difference vs uncut: {worst:e}");
     }
+}
+
+/// Sequence parallelism (`dist.sequence_parallel`): each rank holds its
+/// rows of the residual stream (the embedding's output, every RMSNorm,
+/// the residual additions, the final norm), all-gathered before q|k|v and gate|up, reduce-scattered after o
+/// and down (their LoRA `x·Aᵀ·Bᵀ` added on the rank's rows), with the
+/// vocabulary whole or split, on sequences of 8 tokens and of 7 (blocks
+/// of ⌈7B / T⌉ rows, the last rank's shorter). The same steps as uncut
+/// within the tolerances of the tests above (the reduce-scatter's sums
+/// are the all-reduce's; each norm's gain gradient is summed per rank,
+/// then over the group). Gemma's post norms: `crates/gemma2/tests/pipeline.rs`.
+#[test]
+fn llama_with_sequence_parallelism_matches_uncut() {
+    let lora = LoraConfig::new(2, 4.0, &["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]);
+    for t in [suite::T, suite::T - 1] {
+        let worst = seq_matrix(cfg(), None, (Some(false), t), &[2, 4], F32, LOW);
+        println!("{t} tokens: largest relative loss difference vs uncut: {worst:e}");
+        let worst = seq_matrix(cfg(), Some(lora.clone()), (Some(false), t), &[2], (1e-5, 1e-5), LOW);
+        println!("{t} tokens, LoRA: largest relative loss difference vs uncut: {worst:e}");
+    }
+    let worst = seq_matrix(cfg(), None, (Some(true), suite::T - 1), &[2, 4], F32, LOW);
+    println!("vocabulary split: largest relative loss difference vs uncut: {worst:e}");
 }
 
 /// A rank holds V / T rows of the embedding and the head, and a

@@ -61,6 +61,8 @@ pub struct Grid {
     pub tensor: usize,
     /// The vocabulary split over the T ranks too (`dist.vocab_parallel`).
     pub vocab: bool,
+    /// The residual stream's rows split over the T ranks (`dist.sequence_parallel`).
+    pub seq: bool,
     /// Data-parallel ranks D (= world / (P · T)).
     pub data: usize,
     /// The layers (blocks) each stage runs.
@@ -81,6 +83,7 @@ impl Grid {
             stages: dist.pipeline_parallel,
             tensor: dist.tensor_parallel,
             vocab: dist.vocab_parallel,
+            seq: dist.sequence_parallel,
             data,
             cuts,
             schedule: dist.pipeline_schedule,
@@ -120,7 +123,7 @@ impl Grid {
 
     /// The tensor-parallel place of world rank `rank`: which slices its model holds.
     pub fn tp_rank(&self, rank: usize) -> engine::TpRank {
-        engine::TpRank::new(self.tensor_rank_of(rank), self.tensor).with_vocab(self.vocab)
+        engine::TpRank::new(self.tensor_rank_of(rank), self.tensor).with_vocab(self.vocab).with_seq(self.seq)
     }
 
     /// One line for the run header, e.g. `pipeline: P=2 (1f1b, layers 0-1 |

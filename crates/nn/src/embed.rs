@@ -64,13 +64,13 @@ pub fn embedding_forward<'w>(
     })
 }
 
-/// `out[r] += wpe[pos.at(r)]`: the learned positions added to token
-/// embeddings already in `out` (`[n, c]`), the same sums as
-/// [`embedding_forward`] adds them in.
-pub fn add_positions(out: &mut [f32], wpe: &[f32], pos: Positions<'_>, c: usize) {
+/// `out[r] += wpe[pos.at(row0 + r)]`: the learned positions added to
+/// token embeddings already in `out` (`[n, c]`: rows `row0..` of the
+/// micro-batch), the same sums as [`embedding_forward`] adds them in.
+pub fn add_positions(out: &mut [f32], wpe: &[f32], (pos, row0): (Positions<'_>, usize), c: usize) {
     engine::profile::timed(engine::profile::Kind::Embedding, || {
         out.par_chunks_mut(c).enumerate().for_each(|(r, o)| {
-            o.iter_mut().zip(&wpe[pos.at(r) * c..][..c]).for_each(|(o, p)| *o += p);
+            o.iter_mut().zip(&wpe[pos.at(row0 + r) * c..][..c]).for_each(|(o, p)| *o += p);
         })
     })
 }

@@ -21,6 +21,14 @@
 //!   LoRA `x·Aᵀ` is a part too, summed over the group before it is kept,
 //!   so `x·Aᵀ` and `B`'s gradient are whole on every rank and rounded
 //!   once, as unsplit.
+//!
+//! Under sequence parallelism ([`Site::seq`]) the input of a column
+//! projection and the output of a row one are this rank's rows of the
+//! residual stream: the column role all-gathers its input's rows first
+//! (and again in backward, for the weights' gradient) and reduce-scatters
+//! its input gradient; the row role reduce-scatters its output (the
+//! all-reduce's sums, each rank keeping its rows) and all-gathers its
+//! output gradient, so its bias and `B` gradients still see every row.
 
 use crate::dora;
 use crate::grad::{bias_backward, param_grad};
@@ -126,6 +134,10 @@ pub struct Projection<'a> {
 pub struct Site<'a> {
     /// Rows B·T.
     pub n: usize,
+    /// Sequence parallelism: this rank's rows of the residual stream
+    /// (`TpRank::seq_rows` of `n`), which a column projection's input and
+    /// a row projection's output hold (start, end); `None`: all `n`.
+    pub seq: Option<(usize, usize)>,
     /// GEMM operands.
     pub ops: Operands,
     /// Storage precision of saved tensors.
@@ -154,6 +166,13 @@ pub struct Work<'b> {
     pub z: &'b mut Vec<f32>,
     /// `[n, widest input]` (LoRA dropout only).
     pub xd: &'b mut [f32],
+    /// `[n, C]` (sequence parallelism only): a column projection's
+    /// gathered input.
+    pub gx: &'b mut [f32],
+    /// `[n, C]` (sequence parallelism only): a row projection's output
+    /// before its reduce-scatter and gathered output gradient, a column
+    /// projection's input gradient before its reduce-scatter.
+    pub gd: &'b mut [f32],
 }
 
 /// A projection's output gradient: its own buffer (DoRA may scale it in
@@ -186,6 +205,12 @@ impl Site<'_> {
     /// Elements of the DoRA norms statistic.
     pub fn norms_len(&self) -> usize {
         self.norm_range(self.lora.len()).start
+    }
+
+    /// The residual-stream rows this rank holds when they are split over
+    /// `tp` (sequence parallelism), else `None`.
+    fn seq_rows(&self, tp: &TensorGroup<'_>) -> Option<Range<usize>> {
+        self.seq.filter(|_| tp.is_split()).map(|(a, b)| a..b)
     }
 
     fn branch<'p>(&self, lr: &LoraRanges, p: &'p [f32]) -> Branch<'p> {
@@ -291,6 +316,15 @@ impl Projection<'_> {
         let dz_at = s.saved.1 - s.saved.0;
         let rs = oc;
         let split = self.role == Role::Row && tp.is_split();
+        let seq = s.seq_rows(tp);
+        let x = match (&seq, self.role) {
+            (Some(_), Role::Column) => {
+                // This rank's rows of the input, gathered: every row.
+                tp.all_gather_rows(x, work.gx, n, self.ic)?;
+                &work.gx[..n * self.ic]
+            }
+            _ => x,
+        };
         if self.role == Role::Row && self.any_dora(s) {
             // y = (res +) (m/‖·‖) ⊙ z with z = x·Wᵀ + LoRA kept (one module).
             // Split, a rank's rows are part of each row norm: the families refuse it.
@@ -336,8 +370,17 @@ impl Projection<'_> {
             return Ok(());
         }
         if split {
-            self.base_forward(p, s, y, x, false, None);
-            tp.all_reduce(y)?;
+            match &seq {
+                Some(rows) => {
+                    // The parts summed over the group, each rank keeping its rows.
+                    self.base_forward(p, s, &mut work.gd[..n * oc], x, false, None);
+                    tp.reduce_scatter_rows(&work.gd[..n * oc], &mut y[..rows.len() * oc], n, oc)?;
+                }
+                None => {
+                    self.base_forward(p, s, y, x, false, None);
+                    tp.all_reduce(y)?;
+                }
+            }
             if let Some(res) = res {
                 add_into(y, res);
             }
@@ -350,7 +393,8 @@ impl Projection<'_> {
         for q in self.parts {
             let cols = Cols { buf: &mut *y, col0: q.col0, rs };
             let kept = (&mut kept[q.idx], &mut *work.xa, &mut *work.xd);
-            self.lora_forward(s, q, p, (cols, x), kept, split.then_some(&mut *tp))?;
+            let sum = split.then_some((&mut *tp, seq.clone()));
+            self.lora_forward(s, q, p, (cols, x), kept, sum)?;
         }
         Ok(())
     }
@@ -367,7 +411,8 @@ impl Projection<'_> {
 
     /// Module `q`'s LoRA forward, if it has an adapter: `xa = x·Aᵀ` (of the
     /// dropped-out input under dropout; summed over the group beside a
-    /// split row projection), kept, then `y[:, col0..] += s · xa·Bᵀ`.
+    /// split row projection), kept, then `y[:, col0..] += s · xa·Bᵀ` (on
+    /// the rows `y` holds: this rank's under sequence parallelism).
     fn lora_forward(
         &self,
         s: &Site<'_>,
@@ -375,7 +420,7 @@ impl Projection<'_> {
         p: &[f32],
         (y, x): (Cols<'_>, &[f32]),
         (xa, buf, xd): (&mut SavedTensor, &mut Vec<f32>, &mut [f32]),
-        sum: Option<&mut TensorGroup<'_>>,
+        sum: Option<(&mut TensorGroup<'_>, Option<Range<usize>>)>,
     ) -> Result<(), EngineError> {
         let Some(lr) = s.adapter(q.idx) else { return Ok(()) };
         engine::profile::timed(engine::profile::Kind::Adapter, || {
@@ -390,11 +435,21 @@ impl Projection<'_> {
             };
             let branch = s.branch(lr, p);
             branch.down(buf, x);
-            if let Some(tp) = sum {
-                tp.all_reduce(buf)?;
-            }
+            let rows = match sum {
+                Some((tp, rows)) => {
+                    tp.all_reduce(buf)?;
+                    rows
+                }
+                None => None,
+            };
             xa.keep(buf, s.prec);
-            branch.up(y, xa.cur(buf));
+            match rows {
+                Some(rows) => {
+                    let xa = &xa.cur(buf)[rows.start * s.r..rows.end * s.r];
+                    Branch { n: rows.len(), ..branch }.up(y, xa)
+                }
+                None => branch.up(y, xa.cur(buf)),
+            }
             Ok(())
         })
     }
@@ -419,7 +474,25 @@ impl Projection<'_> {
         let (n, oc, ic) = (s.n, self.oc(), self.ic);
         let dora = self.any_dora(s);
         let dz_at = s.saved.1;
-        let Work { xa: dxa, z: zb, xd } = work;
+        let Work { xa: dxa, z: zb, xd, gx, gd } = work;
+        // Sequence parallelism: a row projection's output gradient, a
+        // column projection's input (once for all its parts), gathered to
+        // every row; the column's input gradient summed in `gd` first.
+        let (dy, gathered, dx, dx_local) = match (s.seq_rows(tp), self.role) {
+            (Some(_), Role::Row) => {
+                let local: &[f32] = match &dy {
+                    Grad::Own(g) => g,
+                    Grad::Shared(g) => g,
+                };
+                tp.all_gather_rows(local, gd, n, oc)?;
+                (Grad::Own(&mut gd[..n * oc]), None, dx, None)
+            }
+            (Some(_), Role::Column) => {
+                tp.all_gather_rows(saved.get(x.0), gx, n, ic)?;
+                (dy, Some(&gx[..n * ic]), &mut gd[..n * ic], Some(dx))
+            }
+            (None, _) => (dy, None, dx, None),
+        };
         // The biases come after DoRA's scaling: their gradients read dy unscaled.
         if dora || !matches!(self.base, Base::Conv1d) {
             for q in self.parts {
@@ -469,7 +542,10 @@ impl Projection<'_> {
                     (Some(b), false) => grads.pair(q.w.clone(), b.clone()),
                     _ => (grads.tensor(q.w.clone()), None),
                 };
-                let (xv, xa) = saved.pair(x, (s.saved.0 + q.idx, s.saved.2));
+                let (xv, xa) = match gathered {
+                    Some(g) => (g, saved.get(s.saved.0 + q.idx)),
+                    None => saved.pair(x, (s.saved.0 + q.idx, s.saved.2)),
+                };
                 conv1d_backward(dx, param_grad(gw), param_grad(gb), dy, xv, &p[q.w.clone()], lin);
                 self.lora_backward(s, q, p, (dx, columns(dy, q.col0, oc)), (xv, xa), grads, (dxa, xd));
             }
@@ -479,7 +555,10 @@ impl Projection<'_> {
                     _ => linear_backward_input(dx, false, Strided::rows(dy, oc), &p[self.w_span()], lin),
                 }
                 for q in self.parts {
-                    let (xv, xa) = saved.pair(x, (s.saved.0 + q.idx, s.saved.2));
+                    let (xv, xa) = match gathered {
+                        Some(g) => (g, saved.get(s.saved.0 + q.idx)),
+                        None => saved.pair(x, (s.saved.0 + q.idx, s.saved.2)),
+                    };
                     let dyq = columns(dy, q.col0, oc);
                     // dW (+)= dyᵀ · x: (out, n) @ (n, in) -> (out, in); a packed base is frozen.
                     if let Base::Linear = base {
@@ -489,8 +568,11 @@ impl Projection<'_> {
                 }
             }
         }
-        if self.role == Role::Column {
-            tp.all_reduce(dx)?;
+        match (self.role, dx_local) {
+            // Each rank's part of every row's input gradient: summed, each rank keeping its rows.
+            (Role::Column, Some(local)) => tp.reduce_scatter_rows(dx, local, n, ic)?,
+            (Role::Column, None) => tp.all_reduce(dx)?,
+            (Role::Row, _) => {}
         }
         Ok(())
     }
@@ -534,7 +616,12 @@ impl Projection<'_> {
 /// The projections' working buffers as a block holds them.
 impl<'b> Work<'b> {
     /// From the block's buffers.
-    pub fn new(xa: &'b mut Vec<f32>, z: &'b mut Vec<f32>, xd: &'b mut [f32]) -> Self {
-        Work { xa, z, xd }
+    pub fn new(
+        xa: &'b mut Vec<f32>,
+        z: &'b mut Vec<f32>,
+        xd: &'b mut [f32],
+        (gx, gd): (&'b mut [f32], &'b mut [f32]),
+    ) -> Self {
+        Work { xa, z, xd, gx, gd }
     }
 }

@@ -65,12 +65,15 @@ pub enum FinalNorm {
 pub struct Ends {
     /// The residual stream's width C.
     pub width: usize,
-    /// The vocabulary rows held here: V, or V / T where `vocab_split`
-    /// splits the vocabulary over T tensor-parallel ranks.
+    /// The vocabulary rows held here: V, or V / T where `tp` splits the
+    /// vocabulary over T tensor-parallel ranks.
     pub vocab: usize,
-    /// The tensor-parallel rank whose slice of the vocabulary the
-    /// embedding and head hold ([`TpRank::splits_vocab`]; otherwise whole).
-    pub vocab_split: TpRank,
+    /// The tensor-parallel rank: whose slice of the vocabulary the
+    /// embedding and head hold ([`TpRank::splits_vocab`]; otherwise
+    /// whole), and whose rows of the residual stream this model holds
+    /// ([`TpRank::splits_seq`]: the embedding's output, the blocks'
+    /// residual stream, the final norm; the head sees every row, gathered).
+    pub tp: TpRank,
     /// Blocks of the whole model.
     pub n_blocks: usize,
     /// The most positions a row may hold, and the configuration key that sets it.
@@ -272,24 +275,31 @@ impl<X: Extra> Shell<X> {
 
     /// The whole vocabulary V (of which this rank may hold a slice).
     pub fn whole_vocab(&self) -> usize {
-        match self.ends.vocab_split.splits_vocab() {
-            true => self.ends.vocab * self.ends.vocab_split.size,
+        match self.ends.tp.splits_vocab() {
+            true => self.ends.vocab * self.ends.tp.size,
             false => self.ends.vocab,
         }
     }
 
     /// The vocabulary rows the embedding and head hold here.
     fn vocab_rows(&self) -> Range<usize> {
-        self.ends.vocab_split.vocab_rows(self.whole_vocab())
+        self.ends.tp.vocab_rows(self.whole_vocab())
     }
 
     /// `tokens` as rows of this rank's slice of the vocabulary
     /// ([`crate::embed::local_tokens`]); themselves where it is whole.
     fn local_tokens<'t>(&self, tokens: &'t [u32]) -> Cow<'t, [u32]> {
-        match self.ends.vocab_split.splits_vocab() {
+        match self.ends.tp.splits_vocab() {
             true => Cow::Owned(crate::embed::local_tokens(tokens, self.vocab_rows())),
             false => Cow::Borrowed(tokens),
         }
+    }
+
+    /// Values of the residual stream this rank holds for `batch` (a
+    /// pipeline stage's input and output): every row's, or its rows'
+    /// under sequence parallelism.
+    pub fn residual_len(&self, batch: &TokenBatch) -> usize {
+        self.ends.tp.seq_rows(batch.n_seqs * batch.seq_len).len() * self.ends.width
     }
 
     /// Errors unless this model runs all of itself (not a pipeline stage).
@@ -332,14 +342,34 @@ impl<X: Extra> Shell<X> {
                     Some(m) => Weight::Packed(m, 0..m.rows()),
                     None => Weight::F32(&seg.params[e.embed.clone()]),
                 };
-                if e.vocab_split.splits_vocab() {
+                let n = a.b * a.t;
+                let rows = e.tp.seq_rows(n);
+                if e.tp.splits_seq() {
+                    // This rank's rows: of the group's sum (each rank's
+                    // slice of the vocabulary), or looked up here; then the
+                    // positions, as uncut adds them.
+                    match e.tp.splits_vocab() {
+                        true => {
+                            let full = &mut a.norm[..n * c];
+                            crate::embed::embedding_forward(full, &tokens, wte, None, pos, c);
+                            seg.tp.reduce_scatter_rows(full, &mut a.stack.x, n, c)?;
+                        }
+                        false => {
+                            let mine = &tokens[rows.clone()];
+                            crate::embed::embedding_forward(&mut a.stack.x, mine, wte, None, pos, c);
+                        }
+                    }
+                    if let Some(wpe) = wpe {
+                        crate::embed::add_positions(&mut a.stack.x, wpe, (pos, rows.start), c);
+                    }
+                } else if e.tp.splits_vocab() {
                     // Each rank's rows of its tokens, zero elsewhere, summed
                     // over the group: each token's row exactly, then the
                     // positions added as uncut adds them.
                     crate::embed::embedding_forward(&mut a.stack.x, &tokens, wte, None, pos, c);
                     seg.tp.all_reduce(&mut a.stack.x)?;
                     if let Some(wpe) = wpe {
-                        crate::embed::add_positions(&mut a.stack.x, wpe, pos, c);
+                        crate::embed::add_positions(&mut a.stack.x, wpe, (pos, 0), c);
                     }
                 } else {
                     crate::embed::embedding_forward(&mut a.stack.x, &tokens, wte, wpe, pos, c);
@@ -357,21 +387,31 @@ impl<X: Extra> Shell<X> {
     }
 
     /// The last stage's final norm into `norm` (its segment released
-    /// unless it also holds the head).
+    /// unless it also holds the head). Under sequence parallelism each
+    /// rank norms its rows (into the idle residual-gradient buffer), then
+    /// every row is gathered into `norm`: the head's input.
     fn norm_forward(&mut self, store: &mut dyn ParamStore) -> Result<(), EngineError> {
         let (norm_seg, head_seg) = (self.norm_seg(), self.head_seg());
         let (e, a, c) = (&self.ends, &mut self.acts, self.ends.width);
         {
-            let seg = store.segment(norm_seg)?;
+            let mut seg = store.segment(norm_seg)?;
+            let seq = e.tp.splits_seq();
+            let out = match seq {
+                true => &mut a.stack.bufs[DRES][..a.stack.x.len()],
+                false => &mut a.norm[..],
+            };
             match e.norm {
                 FinalNorm::Layer => {
                     let (w, b) = (&seg.params[..c], &seg.params[c..2 * c]);
-                    layernorm_forward(&mut a.norm, &mut a.mean, &mut a.rstd, &a.stack.x, w, b, c);
+                    layernorm_forward(out, &mut a.mean, &mut a.rstd, &a.stack.x, w, b, c);
                 }
                 FinalNorm::Rms { eps, one_plus } => {
                     let g = gains(&seg.params[..c], one_plus);
-                    rmsnorm_forward(&mut a.norm, &mut a.rstd, &a.stack.x, &g, c, eps);
+                    rmsnorm_forward(out, &mut a.rstd, &a.stack.x, &g, c, eps);
                 }
+            }
+            if seq {
+                seg.tp.all_gather_rows(&a.stack.bufs[DRES][..a.stack.x.len()], &mut a.norm, a.b * a.t, c)?;
             }
         }
         if head_seg != norm_seg {
@@ -429,7 +469,7 @@ impl<X: Extra> Shell<X> {
         }
         let SegmentView { params, mut grads, mut tp } = store.segment(head_seg)?;
         let head = head_of(&self.ends, &params[head_rel.clone()], self.precision);
-        let split = self.ends.vocab_split;
+        let split = self.ends.tp;
         let slice = crate::loss_terms::VocabSlice {
             first: split.vocab_rows(v * split.size).start,
             whole: v * split.size,
@@ -463,9 +503,21 @@ impl<X: Extra> Shell<X> {
                 head.backward((dx, param_grad(grads.tensor(head_rel.clone()))), x, logits);
             }
         }
-        if grad_scale.is_some() && split.splits_vocab() {
-            // Each rank's dx is its slice's part: summed, it is whole on every rank.
-            tp.all_reduce(&mut a.stack.bufs[DC][..rows * c])?;
+        if grad_scale.is_some() {
+            let mine = split.seq_rows(rows);
+            match (split.splits_vocab(), split.splits_seq()) {
+                // Each rank's dx is its slice's part: summed, it is whole on every rank.
+                (true, false) => tp.all_reduce(&mut a.stack.bufs[DC][..rows * c])?,
+                // Summed, each rank keeping its rows (through the idle `norm`), at DC's start.
+                (true, true) => {
+                    let local = &mut a.norm[..mine.len() * c];
+                    tp.reduce_scatter_rows(&a.stack.bufs[DC][..rows * c], local, rows, c)?;
+                    a.stack.bufs[DC][..mine.len() * c].copy_from_slice(local);
+                }
+                // The same whole dx on every rank: this rank's rows, at DC's start.
+                (false, true) => a.stack.bufs[DC].copy_within(mine.start * c..mine.end * c, 0),
+                (false, false) => {}
+            }
         }
         Ok((crate::loss::loss_sum(&a.losses, rows), crate::loss::loss_sum(&aux, aux.len())))
     }
@@ -491,6 +543,8 @@ impl<X: Extra> Shell<X> {
             let SegmentView { params, mut grads, .. } = store.segment(norm_seg)?;
             let [dres, dc, ..] = &mut a.stack.bufs[..] else { unreachable!("the stack's working buffers") };
             dres.fill(0.0);
+            // This rank's rows of the final norm's output gradient (all of them unless sequence-parallel).
+            let dc = &dc[..dres.len()];
             // stack.x is still the last block's output.
             match e.norm {
                 FinalNorm::Layer => {
@@ -517,15 +571,22 @@ impl<X: Extra> Shell<X> {
         }
         let tokens = self.local_tokens(inputs);
         {
-            let SegmentView { mut grads, .. } = store.segment(0)?;
+            let SegmentView { mut grads, mut tp, .. } = store.segment(0)?;
             let (e, a) = (&self.ends, &mut self.acts);
             let (g, gp) = match &e.positions {
                 Some(p) => grads.pair(e.embed.clone(), p.clone()),
                 None => (grads.tensor(e.embed.clone()), None),
             };
-            let dres = &mut a.stack.bufs[DRES];
+            let mut dres = &mut a.stack.bufs[DRES][..];
             if let Some(s) = e.embed_scale {
                 dres.iter_mut().for_each(|v| *v *= s);
+            }
+            if e.tp.splits_seq() {
+                // Every row's gradient, gathered: the embedding's gradient
+                // is then each rank's whole one (or its slice's), as unsplit.
+                let n = a.b * a.t;
+                tp.all_gather_rows(dres, &mut a.norm, n, e.width)?;
+                dres = &mut a.norm[..n * e.width];
             }
             let pos = Positions { t: a.t, ids: &a.pos };
             let (g, gp) = (g.map(GradOut::for_adding), gp.map(GradOut::for_adding));
@@ -653,7 +714,7 @@ pub fn stage_forward<D: Decoder>(
 ) -> Result<MicroStepStats, D::Error> {
     let sh = d.shell();
     sh.check(batch).map_err(D::invalid_batch)?;
-    let want = batch.n_seqs * batch.seq_len * sh.ends.width;
+    let want = sh.residual_len(batch);
     sh.stage
         .check_io(("the stage's input", input.len()), ("the stage's output", output.len()), want)
         .map_err(D::invalid_batch)?;
@@ -685,7 +746,7 @@ pub fn stage_backward<D: Decoder>(
     (grad_out, grad_in): (&[f32], &mut [f32]),
 ) -> Result<(), D::Error> {
     let sh = d.shell();
-    let want = batch.n_seqs * batch.seq_len * sh.ends.width;
+    let want = sh.residual_len(batch);
     // Read as a backward: the gradient of the output comes in (not on
     // the last stage), that of the input goes out (not on the first).
     sh.stage
@@ -740,7 +801,7 @@ fn logits_of<D: Decoder>(
     let sh = d.shell();
     sh.check(batch).map_err(D::invalid_batch)?;
     sh.whole_model_for("a forward pass over the whole model").map_err(D::invalid_batch)?;
-    if sh.ends.vocab_split.splits_vocab() {
+    if sh.ends.tp.splits_vocab() {
         let rows = sh.vocab_rows();
         let problem = format!(
             "the logits of the whole vocabulary ({}) are asked of a model holding its rows {}..{} (dist.vocab_parallel): run generation and logits on the whole model",
@@ -854,7 +915,7 @@ macro_rules! impl_decoder {
             }
 
             fn boundary_len(&self, batch: &Self::Batch) -> usize {
-                batch.n_seqs * batch.seq_len * $crate::shell::Decoder::shell(self).ends.width
+                $crate::shell::Decoder::shell(self).residual_len(batch)
             }
 
             fn stage_forward(

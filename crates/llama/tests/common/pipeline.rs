@@ -48,15 +48,33 @@ pub fn tensor_matrix(
     f32_tol: (f64, f32),
     bf16_tol: (f64, f64),
 ) -> f64 {
+    seq_matrix(cfg, lora, (None, suite::T), ts, f32_tol, bf16_tol)
+}
+
+/// [`tensor_matrix`] with sequence parallelism (`seq`: `Some(vocab)`,
+/// the vocabulary split too or whole; `None`: off) on sequences of
+/// `t` tokens.
+pub fn seq_matrix(
+    cfg: LlamaConfig,
+    lora: Option<LoraConfig>,
+    (seq, t): (Option<bool>, usize),
+    ts: &[usize],
+    f32_tol: (f64, f32),
+    bf16_tol: (f64, f64),
+) -> f64 {
     let (c, l) = (cfg.clone(), lora.clone());
     let build = move |p: Precision, ck: Checkpointing, tp: TpRank| {
+        let tp = match seq {
+            Some(vocab) => tp.with_seq(true).with_vocab(vocab),
+            None => tp,
+        };
         let mut m = Llama::tensor_parallel(c.clone(), l.clone(), p, tp).expect("valid split").with_checkpointing(ck);
         if l.is_some() {
             m.set_trainable(&|t| t.name.contains(".lora_"));
         }
         m
     };
-    let seqs = TokenSamples::new(48, suite::T, suite::V as u64, 9);
+    let seqs = TokenSamples::new(48, t, suite::V as u64, 9);
     let case = PipelineCase { model: &build, init: init(&cfg, lora.as_ref()), seqs: &seqs };
     check_tensor_layouts(&case, f32_tol, bf16_tol, ts).unwrap_or_else(|e| panic!("{e}"))
 }

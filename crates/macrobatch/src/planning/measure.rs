@@ -49,8 +49,13 @@ pub fn measure(pl: &Plan, p: usize, t: usize, kind: ScheduleKind, k: usize, micr
                     let mut pipe = world.split(tr, stage).unwrap();
                     let mut tp = world.split(stage, tr).unwrap();
                     let base = crate::heap::reset_peak();
-                    let mut model =
-                        setup::model_for_rank(pl, TpRank::new(tr, t).with_vocab(pl.cfg.dist.vocab_parallel)).unwrap();
+                    let mut model = setup::model_for_rank(
+                        pl,
+                        TpRank::new(tr, t)
+                            .with_vocab(pl.cfg.dist.vocab_parallel)
+                            .with_seq(pl.cfg.dist.sequence_parallel),
+                    )
+                    .unwrap();
                     let ps = PipelineStage::new(&mut model, cuts, stage, kind, k).unwrap();
                     let n = ps.layout.layout.n_params();
                     let opt = Optimizer::AdamW(AdamW::new(n, 0.9, 0.95, 1e-8, 0.1).unwrap());

@@ -75,6 +75,8 @@ pub struct Knobs {
     pub tensor_parallel: usize,
     /// The vocabulary split over the T ranks too.
     pub vocab_parallel: bool,
+    /// The residual stream's rows split over the T ranks.
+    pub sequence_parallel: bool,
 }
 
 impl Knobs {
@@ -99,6 +101,7 @@ impl Knobs {
             pipeline_schedule: cfg.dist.pipeline_schedule,
             tensor_parallel: cfg.dist.tensor_parallel,
             vocab_parallel: cfg.dist.vocab_parallel,
+            sequence_parallel: cfg.dist.sequence_parallel,
         }
     }
 

@@ -194,6 +194,9 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
     if t > 1 && !knobs.vocab_parallel && plan.family.vocab_size().is_multiple_of(t) {
         variants.push(("dist.vocab_parallel = true".into(), Knobs { vocab_parallel: true, ..knobs }));
     }
+    if t > 1 && !knobs.sequence_parallel {
+        variants.push(("dist.sequence_parallel = true".into(), Knobs { sequence_parallel: true, ..knobs }));
+    }
     let w2 = knobs.world_size * 2;
     if plan.batch.global.is_multiple_of(w2 / knobs.pipeline_parallel.max(1) / knobs.tensor_parallel.max(1)) {
         let stage = knobs.zero_stage.max(max_zero);

@@ -24,7 +24,10 @@ use std::sync::Arc;
 pub fn rank_family(plan: &Plan, knobs: &Knobs) -> Result<Arc<dyn Family>> {
     match knobs.tensor_parallel {
         0 | 1 => Ok(plan.family.clone()),
-        t => tensor_family(plan.family.as_ref(), TpRank::new(0, t).with_vocab(knobs.vocab_parallel)),
+        t => tensor_family(
+            plan.family.as_ref(),
+            TpRank::new(0, t).with_vocab(knobs.vocab_parallel).with_seq(knobs.sequence_parallel),
+        ),
     }
 }
 
