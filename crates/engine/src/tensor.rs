@@ -495,6 +495,16 @@ impl<'a> TensorGroup<'a> {
         }
     }
 
+    /// The group's link, the values of one block of `n` rows of `width`
+    /// and the group's size (`None` unsplit), checking that this rank
+    /// holds `local` values: its rows.
+    fn row_link(&mut self, n: usize, width: usize, local: usize) -> Option<(&mut (dyn Reduce + 'a), usize, usize)> {
+        let l = self.link.as_deref_mut()?;
+        let (rank, size) = l.place();
+        assert_eq!(local, rows_of(rank, size, n).len() * width, "a rank's rows of the residual stream");
+        Some((l, seq_block(n, size) * width, size))
+    }
+
     /// Sequence parallelism's all-gather: each rank's rows of `n` rows of
     /// `width` ([`TpRank::seq_rows`], in `local`) into all `n` rows of
     /// `full` (its first `n · width` values). Where the group does not
@@ -508,13 +518,10 @@ impl<'a> TensorGroup<'a> {
         width: usize,
     ) -> Result<(), EngineError> {
         let full = &mut full[..n * width];
-        let Some(l) = self.link.as_deref_mut() else {
+        let Some((l, block, size)) = self.row_link(n, width, local.len()) else {
             full.copy_from_slice(local);
             return Ok(());
         };
-        let (rank, size) = l.place();
-        let block = seq_block(n, size) * width;
-        assert_eq!(local.len(), rows_of(rank, size, n).len() * width, "a rank's rows of the residual stream");
         if block * size == n * width {
             return l.gather(local, full);
         }
@@ -538,13 +545,10 @@ impl<'a> TensorGroup<'a> {
         width: usize,
     ) -> Result<(), EngineError> {
         let full = &full[..n * width];
-        let Some(l) = self.link.as_deref_mut() else {
+        let Some((l, block, size)) = self.row_link(n, width, local.len()) else {
             local.copy_from_slice(full);
             return Ok(());
         };
-        let (rank, size) = l.place();
-        let block = seq_block(n, size) * width;
-        assert_eq!(local.len(), rows_of(rank, size, n).len() * width, "a rank's rows of the residual stream");
         if block * size == n * width {
             return l.scatter(full, local);
         }

@@ -145,7 +145,12 @@ impl Grid {
             );
         }
         let data = if d > 1 { format!("data·{t} + ") } else { String::new() };
-        let vocab = if self.vocab { " (the vocabulary split too)" } else { "" };
+        let vocab = match (self.vocab, self.seq) {
+            (true, true) => " (the vocabulary and the sequence split too)",
+            (true, false) => " (the vocabulary split too)",
+            (false, true) => " (the sequence split too)",
+            (false, false) => "",
+        };
         if p == 1 {
             return format!("tensor parallel: T={t}{vocab} × D={d}; rank r = {data}tensor");
         }

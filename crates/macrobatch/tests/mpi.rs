@@ -62,7 +62,8 @@ fn mpi_pipeline_matches_thread_ranks() {
 }
 
 /// `-np 4` as 2 tensor ranks × 2 pipeline stages (one data rank) equals
-/// one rank, with the vocabulary whole and split over the tensor ranks:
+/// one rank, with the vocabulary whole and split over the tensor ranks,
+/// and with the sequence split too (MPI's all-gather and reduce-scatter):
 /// the split only reorders sums (tests/tensor_cli.rs explains the
 /// tolerance; MPI adds the partial products in its own order).
 #[test]
@@ -70,10 +71,14 @@ fn mpi_tensor_by_pipeline_matches_one_rank() {
     let one = tmp("mpi-tp-one");
     let o = train(&one, &sets(&["batch.micro=4"]));
     assert!(o.status.success(), "{}", stderr(&o));
-    for vocab in [false, true] {
-        let v = format!("dist.vocab_parallel={vocab}");
-        let grid = ["dist.tensor_parallel=2", "dist.pipeline_parallel=2", "batch.micro=4", &v];
-        tensor_by_pipeline(&one, &grid, if vocab { " (the vocabulary split too)" } else { "" });
+    for (vocab, seq, what) in [
+        (false, false, ""),
+        (true, false, " (the vocabulary split too)"),
+        (true, true, " (the vocabulary and the sequence split too)"),
+    ] {
+        let (v, s) = (format!("dist.vocab_parallel={vocab}"), format!("dist.sequence_parallel={seq}"));
+        let grid = ["dist.tensor_parallel=2", "dist.pipeline_parallel=2", "batch.micro=4", &v, &s];
+        tensor_by_pipeline(&one, &grid, what);
     }
     let _ = std::fs::remove_dir_all(&one);
 }

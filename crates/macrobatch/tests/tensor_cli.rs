@@ -100,7 +100,13 @@ fn equals_one_rank(tag: &str, model: &[&str], extra: &[&str], ts: &[usize], (tol
         let out = tmp(&format!("tp-{tag}-t{t}"));
         let (w, tp) = (format!("dist.world_size={t}"), format!("dist.tensor_parallel={t}"));
         let err = train_ok(&out, &sets(model, &[extra, &[w.as_str(), tp.as_str()]].concat()));
-        let vocab = if extra.contains(&"dist.vocab_parallel=true") { " (the vocabulary split too)" } else { "" };
+        let vocab = match (extra.contains(&"dist.vocab_parallel=true"), extra.contains(&"dist.sequence_parallel=true"))
+        {
+            (true, true) => " (the vocabulary and the sequence split too)",
+            (true, false) => " (the vocabulary split too)",
+            (false, true) => " (the sequence split too)",
+            (false, false) => "",
+        };
         assert!(err.contains(&format!("tensor parallel: T={t}{vocab} × D=1; rank r = tensor")), "{err}");
         assert!(err.contains("× D 1"), "the batch counts data-parallel ranks: {err}");
         let what = format!("{tag} T={t}");
@@ -160,6 +166,19 @@ fn the_vocabulary_split_too_equals_one_rank() {
     equals_one_rank("gpt-vocab", GPT, &[vocab], &[2, 4], (TOL, TOL_WEIGHTS));
     let terms = [vocab, "model.tie_word_embeddings=false", "train.label_smoothing=0.1", "train.z_loss=1e-3"];
     equals_one_rank("llama-vocab", LLAMA, &terms, &[2, 4], (TOL, TOL_WEIGHTS));
+}
+
+/// Sequence parallelism (`dist.sequence_parallel`): each rank holds its
+/// rows of the residual stream; the reduce-scatter's sums are the
+/// all-reduce's and the norms' gains sum their per-rank parts at the step
+/// boundary, so the same tolerances hold (GPT-2 with the vocabulary
+/// split too, Llama's GQA with it whole and every replicated tensor
+/// checked across the group each step).
+#[test]
+fn the_sequence_split_too_equals_one_rank() {
+    let seq = "dist.sequence_parallel=true";
+    equals_one_rank("gpt-seq", GPT, &[seq, "dist.vocab_parallel=true"], &[2, 4], (TOL, TOL_WEIGHTS));
+    equals_one_rank("llama-seq", LLAMA, &[seq, "dist.check_every=1"], &[2, 4], (TOL, TOL_WEIGHTS));
 }
 
 #[test]

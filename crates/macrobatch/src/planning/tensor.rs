@@ -176,18 +176,33 @@ mod tests {
 
     /// Every rank's heap peak over its build and first step against its
     /// plan, the vocabulary whole and split (`dist.vocab_parallel`: the
-    /// embedding, head and one chunk of logits over V / T).
+    /// embedding, head and one chunk of logits over V / T), with and
+    /// without sequence parallelism (`dist.sequence_parallel`: the
+    /// residual stream's tensors over B·T / T rows, the gathered inputs'
+    /// and outputs' working buffers over all of them).
     #[test]
     fn measured_rank_peaks_match_the_plan_at_t_2_and_4() {
-        for (name, sets, vocab) in
-            [("Llama", LLAMA, false), ("GPT-2", GPT, false), ("Llama", LLAMA, true), ("GPT-2", GPT, true)]
-        {
-            let name = if vocab { format!("{name}, vocabulary split") } else { name.to_string() };
+        for (name, sets, vocab, seq) in [
+            ("Llama", LLAMA, false, false),
+            ("GPT-2", GPT, false, false),
+            ("Llama", LLAMA, true, false),
+            ("GPT-2", GPT, true, false),
+            ("Llama", LLAMA, false, true),
+            ("GPT-2", GPT, true, true),
+        ] {
+            let name = match (vocab, seq) {
+                (true, true) => format!("{name}, vocabulary and sequence split"),
+                (true, false) => format!("{name}, vocabulary split"),
+                (false, true) => format!("{name}, sequence split"),
+                (false, false) => name.to_string(),
+            };
             for (t, p) in [(2, 1), (4, 1), (2, 2)] {
                 // One data rank: K = 2 micro-batches per step.
                 let world = t * p;
-                let vp = format!("dist.vocab_parallel={vocab}");
-                let pl = plan(&[sets, &[&format!("batch.global={}", 2 * world), "batch.micro=1", &vp]].concat(), world);
+                let (vp, sp) = (format!("dist.vocab_parallel={vocab}"), format!("dist.sequence_parallel={seq}"));
+                let global = format!("batch.global={}", 2 * world);
+                let sets = [sets, &[&global, "batch.micro=1", &vp, &sp]].concat();
+                let pl = plan(&sets, world);
                 let kn = Knobs { world_size: world, ranks_per_process: world, ..knobs(&pl, t, p) };
                 let planned = stages(&pl, kn).unwrap();
                 let k = planned[0].accumulation_steps;
