@@ -154,8 +154,10 @@ pub struct DistConfig {
     /// the final norm — split over the T ranks (⌈B·T / T⌉ rows each), the
     /// all-reduce after each row-parallel projection a reduce-scatter and
     /// the one before each column-parallel projection's input gradient an
-    /// all-gather in forward and a reduce-scatter in backward: the same
-    /// bytes on the wire, the activations of those regions divided by T.
+    /// all-gather in forward and a reduce-scatter in backward (the
+    /// backward gathers each column projection's input again for its
+    /// weights' gradient, as Megatron-LM does), the activations of those
+    /// regions divided by T.
     /// `false`: every rank holds every row.
     pub sequence_parallel: bool,
 }

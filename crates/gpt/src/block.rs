@@ -147,18 +147,15 @@ impl ActSizes {
             output: RES3,
             stats: vec![nl, nl, nl, nl, lse, norms],
             x: nl * c,
-            bufs: vec![nl * c, n * c, n * m.max(3 * a), n * 3 * a, n * r, n * max_z, n * max_in, sp(n * c), sp(n * c)],
+            bufs: vec![nl * c, n * c, n * m.max(3 * a), n * 3 * a, n * r, n * max_z, n * max_in],
             staging: vec![n * m.max(3 * a).max(c), low(n * a), low(n * r)],
             extra: vec![n * m],
+            // Sequence parallelism: a column input gathered, a row output
+            // before its reduce-scatter (the embedding's rows in the first).
+            scratch: vec![sp(n * c), sp(n * c)],
         };
-        // The final norm's output is gathered to every row (the head's
-        // input); under sequence parallelism the first stage's embedding
-        // gathers (or reduce-scatters) every row in that buffer too.
-        let head = match (part.last, part.first && seq) {
-            (true, _) => [n * c, nl, nl, nn::head::loss_chunk_rows(n, v) * v, n],
-            (false, true) => [n * c, 0, 0, 0, 0],
-            (false, false) => [0; 5],
-        };
+        // The final norm's output (gathered to every row: the head's input).
+        let head = if part.last { [n * c, nl, nl, nn::head::loss_chunk_rows(n, v) * v, n] } else { [0; 5] };
         ActSizes { stack, head, in_flight: part.in_flight }
     }
 
@@ -177,7 +174,8 @@ impl ActSizes {
     /// Bytes of every buffer.
     pub fn bytes(&self) -> u128 {
         let [a, b, c, logits, losses] = self.head;
-        self.in_flight.max(1) as u128 * (self.stack.bytes() + 4 * (a + b + c)) + 4 * (logits + losses)
+        let shared = self.stack.scratch_bytes() + 4 * (logits + losses);
+        self.in_flight.max(1) as u128 * (self.stack.bytes() + 4 * (a + b + c)) + shared
     }
 }
 
@@ -266,7 +264,7 @@ impl Block for GptBlock<'_> {
         let Dims { b, t, c, w: Widths { a, m, .. }, .. } = self.d;
         let (n, nl) = (b * t, self.d.local());
         let [res2, buf_c, buf_4c, qkv, xab, zb, xd, gx, gd] = bufs else {
-            unreachable!("GPT-2 has nine working buffers")
+            unreachable!("GPT-2 has seven working buffers and two of scratch")
         };
         let gelu_out = &mut extra[0];
         let Saved { large, stats } = sv;
@@ -350,7 +348,9 @@ impl Block for GptBlock<'_> {
         let r = self.r;
         let Dims { b, t, w: Widths { a, m, .. }, .. } = self.d;
         let (n, nl, c) = (b * t, self.d.local(), self.d.c);
-        let [dres, dc, d4c, dqkv, dxa, zb, xd, gx, gd] = bufs else { unreachable!("GPT-2 has nine working buffers") };
+        let [dres, dc, d4c, dqkv, dxa, zb, xd, gx, gd] = bufs else {
+            unreachable!("GPT-2 has seven working buffers and two of scratch")
+        };
         let sv = saved.sv;
         let [ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, lse, norms] = &sv.stats[..] else {
             unreachable!("four row statistics, the log-sum-exps and DoRA's norms")

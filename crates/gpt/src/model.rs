@@ -315,6 +315,7 @@ impl Decoder for Gpt {
         let (nh, w) = (cfg.n_head / self.tp.size, Widths::of(cfg, self.tp));
         let lora = self.lora_rank_scale();
         let (segs, prec, a) = (self.shell.block_segs(), self.shell.precision, &mut self.shell.acts);
+        let scratch = &mut self.shell.scratch;
         let seq = self.tp.splits_seq().then(|| self.tp.seq_rows(a.b * a.t)).map(|r| (r.start, r.end));
         let d = Dims { b: a.b, t: a.t, c: cfg.n_embd, nh, hd: cfg.head_dim(), w, seq };
         let attn = match walk {
@@ -326,8 +327,8 @@ impl Decoder for Gpt {
         let base = self.base.as_deref();
         let block = GptBlock { r, d, prec, attn, visible, lora, drop, at, base };
         match walk {
-            Walk::Forward(pass, _) => a.stack.forward(&block, store, segs, pass == Pass::Train)?,
-            Walk::Backward => a.stack.backward(&block, store, segs)?,
+            Walk::Forward(pass, _) => a.stack.forward(&block, store, (segs, scratch), pass == Pass::Train)?,
+            Walk::Backward => a.stack.backward(&block, store, (segs, scratch))?,
         }
         Ok(())
     }

@@ -168,28 +168,25 @@ impl ActSizes {
                 n * max_in,
                 n * wide,
                 post,
-                sp(n * c),
-                sp(n * c),
             ],
             staging: if low { vec![n * c.max(qkvw).max(2 * f), n * qd, n * r] } else { vec![0; 3] },
             extra: Vec::new(),
+            // Sequence parallelism: a column input gathered, a row output
+            // before its reduce-scatter (the embedding's rows in the first).
+            scratch: vec![sp(n * c), sp(n * c)],
         };
         let rope = Rope::len_for(t, cfg.head_dim) as u128;
-        // The final norm's output is gathered to every row (the head's
-        // input); under sequence parallelism the first stage's embedding
-        // gathers (or reduce-scatters) every row in that buffer too.
-        let head = match (part.last, part.first && seq) {
-            (true, _) => [rope, n * c, nl, nn::head::loss_chunk_rows(n, v) * v, n],
-            (false, true) => [rope, n * c, 0, 0, 0],
-            (false, false) => [rope, 0, 0, 0, 0],
-        };
+        // The final norm's output (gathered to every row: the head's input).
+        let head =
+            if part.last { [rope, n * c, nl, nn::head::loss_chunk_rows(n, v) * v, n] } else { [rope, 0, 0, 0, 0] };
         ActSizes { stack, head, in_flight: if train { part.in_flight } else { 1 } }
     }
 
     /// Bytes of every buffer.
     pub fn bytes(&self) -> u128 {
         let [a, b, c, logits, losses] = self.head;
-        self.in_flight.max(1) as u128 * (self.stack.bytes() + 4 * (a + b + c)) + 4 * (logits + losses)
+        let shared = self.stack.scratch_bytes() + 4 * (logits + losses);
+        self.in_flight.max(1) as u128 * (self.stack.bytes() + 4 * (a + b + c)) + shared
     }
 }
 
@@ -361,7 +358,7 @@ impl Block for Layer<'_> {
         let (n, nl, c, f, prec) = (d.n, d.local(), d.c, d.f, d.prec);
         let (qd, qkvw) = (d.gqa.q_dim(), d.gqa.qkv_width());
         let [x2, buf_c, qkv, gu, m, dxa, heads, zb, xd, wide, pn, gx, gd] = bufs else {
-            unreachable!("Llama has thirteen working buffers")
+            unreachable!("Llama has eleven working buffers and two of scratch")
         };
         let Saved { large, stats } = sv;
         let [rstd1, rstd2, lse, norms, rstd_qk, rstd_pa, rstd_pf] = &mut stats[..] else {
@@ -469,7 +466,7 @@ impl Block for Layer<'_> {
         let (c, f, nl) = (d.c, d.f, d.local());
         let (qd, qkvw) = (d.gqa.q_dim(), d.gqa.qkv_width());
         let [dres, dc, dqkv, dgu, dm, dxa, heads, zb, xd, wide, dz, gx, gd] = bufs else {
-            unreachable!("Llama has thirteen working buffers")
+            unreachable!("Llama has eleven working buffers and two of scratch")
         };
         let sv = saved.sv;
         let [rstd1, rstd2, lse, norms, rstd_qk, rstd_pa, rstd_pf] = &sv.stats[..] else {

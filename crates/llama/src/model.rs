@@ -526,14 +526,14 @@ impl Decoder for Llama {
             }
             Walk::Backward => (Attention::Causal, None),
         };
-        let (segs, a) = (self.shell.block_segs(), &mut self.shell.acts);
+        let (segs, a, scratch) = (self.shell.block_segs(), &mut self.shell.acts, &mut self.shell.scratch);
         let rope = later.as_ref().unwrap_or(&a.extra.rope);
         let base = self.base.as_deref();
         let mut layer = layer(&self.cfg, &self.ranges.layer_rel, (rope, attn), d, (&a.pos, &a.docs), base);
         layer.drop = a.extra.drop.as_ref();
         match walk {
-            Walk::Forward(pass, _) => a.stack.forward(&layer, store, segs, pass == Pass::Train)?,
-            Walk::Backward => a.stack.backward(&layer, store, segs)?,
+            Walk::Forward(pass, _) => a.stack.forward(&layer, store, (segs, scratch), pass == Pass::Train)?,
+            Walk::Backward => a.stack.backward(&layer, store, (segs, scratch))?,
         }
         Ok(())
     }

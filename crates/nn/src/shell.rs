@@ -147,6 +147,9 @@ pub struct Acts<X> {
     pub docs: Vec<u32>,
     /// The family's own buffers.
     pub extra: X,
+    /// The sizes of the shared scratch these activations need
+    /// ([`StackSizes::scratch`], held by the [`Shell`]).
+    pub scratch: Vec<u128>,
 }
 
 impl<X: Extra> Acts<X> {
@@ -155,8 +158,8 @@ impl<X: Extra> Acts<X> {
     pub fn new(stack: &StackSizes, ends: [u128; 5], (b, t): (usize, usize), extra: X) -> Self {
         let [norm, mean, rstd, logits, losses] = ends.map(crate::stack::zeros);
         let sized = Some((stack.precision, stack.checkpointing));
-        let (pos, docs) = (Vec::new(), Vec::new());
-        Acts { sized, b, t, stack: Stack::new(stack), norm, mean, rstd, logits, losses, pos, docs, extra }
+        let (pos, docs, scratch) = (Vec::new(), Vec::new(), stack.scratch.clone());
+        Acts { sized, b, t, stack: Stack::new(stack), norm, mean, rstd, logits, losses, pos, docs, extra, scratch }
     }
 
     /// Bytes held (activations and scratch), for memory accounting.
@@ -198,6 +201,9 @@ pub struct Shell<X> {
     /// The most rows of logits the loss holds at once; `None`:
     /// [`chunk_limit`] of the vocabulary (which `plan` counts).
     pub loss_chunk: Option<usize>,
+    /// Working buffers every micro-batch in flight shares
+    /// ([`StackSizes::scratch`]), as large as the largest asked for.
+    pub scratch: Vec<Vec<f32>>,
 }
 
 impl<X: Extra> Shell<X> {
@@ -214,6 +220,7 @@ impl<X: Extra> Shell<X> {
             kv: None,
             loss_terms: engine::LossTerms::default(),
             loss_chunk: None,
+            scratch: Vec::new(),
         }
     }
 
@@ -221,6 +228,21 @@ impl<X: Extra> Shell<X> {
     pub fn reset(&mut self) {
         self.acts = Acts::default();
         self.slots = Slots::default();
+        self.scratch = Vec::new();
+    }
+
+    /// Grows the shared scratch to hold `sizes` (kept as large as the
+    /// largest asked for: every micro-batch of a step reads its prefix).
+    fn grow_scratch(&mut self, sizes: &[u128]) {
+        if self.scratch.len() < sizes.len() {
+            self.scratch.resize_with(sizes.len(), Vec::new);
+        }
+        for (buf, &n) in self.scratch.iter_mut().zip(sizes) {
+            if (buf.len() as u128) < n {
+                *buf = Vec::new();
+                *buf = crate::stack::zeros(n);
+            }
+        }
     }
 
     /// Runs the part `spec` of the model from now on.
@@ -236,7 +258,8 @@ impl<X: Extra> Shell<X> {
 
     /// Bytes of activations and backward scratch currently allocated.
     pub fn activation_bytes(&self) -> usize {
-        self.acts.bytes() + self.slots.parked().map(Acts::bytes).sum::<usize>()
+        let scratch = 4 * self.scratch.iter().map(Vec::len).sum::<usize>();
+        self.acts.bytes() + self.slots.parked().map(Acts::bytes).sum::<usize>() + scratch
     }
 
     /// Bytes of the activations kept from forward for backward (every
@@ -336,6 +359,7 @@ impl<X: Extra> Shell<X> {
             let (e, a, c) = (&self.ends, &mut self.acts, self.ends.width);
             {
                 let mut seg = store.segment(0)?;
+                let scratch = &mut self.scratch;
                 let wpe = e.positions.as_ref().map(|p| &seg.params[p.clone()][first * c..]);
                 let pos = Positions { t: a.t, ids: &a.pos };
                 let wte = match &e.frozen_embed {
@@ -350,7 +374,7 @@ impl<X: Extra> Shell<X> {
                     // positions, as uncut adds them.
                     match e.tp.splits_vocab() {
                         true => {
-                            let full = &mut a.norm[..n * c];
+                            let full = &mut scratch[0][..n * c];
                             crate::embed::embedding_forward(full, &tokens, wte, None, pos, c);
                             seg.tp.reduce_scatter_rows(full, &mut a.stack.x, n, c)?;
                         }
@@ -572,7 +596,7 @@ impl<X: Extra> Shell<X> {
         let tokens = self.local_tokens(inputs);
         {
             let SegmentView { mut grads, mut tp, .. } = store.segment(0)?;
-            let (e, a) = (&self.ends, &mut self.acts);
+            let (e, a, scratch) = (&self.ends, &mut self.acts, &mut self.scratch);
             let (g, gp) = match &e.positions {
                 Some(p) => grads.pair(e.embed.clone(), p.clone()),
                 None => (grads.tensor(e.embed.clone()), None),
@@ -585,8 +609,8 @@ impl<X: Extra> Shell<X> {
                 // Every row's gradient, gathered: the embedding's gradient
                 // is then each rank's whole one (or its slice's), as unsplit.
                 let n = a.b * a.t;
-                tp.all_gather_rows(dres, &mut a.norm, n, e.width)?;
-                dres = &mut a.norm[..n * e.width];
+                tp.all_gather_rows(dres, &mut scratch[0], n, e.width)?;
+                dres = &mut scratch[0][..n * e.width];
             }
             let pos = Positions { t: a.t, ids: &a.pos };
             let (g, gp) = (g.map(GradOut::for_adding), gp.map(GradOut::for_adding));
@@ -671,6 +695,7 @@ fn ensure_acts<D: Decoder>(d: &mut D, flight: usize, (b, t): (usize, usize), pas
         d.shell_mut().acts = Acts::default();
         let mut acts = d.new_acts(b, t, pass == Pass::Train);
         let sh = d.shell_mut();
+        sh.grow_scratch(&acts.scratch);
         if sh.loss_chunk.is_some() && !acts.logits.is_empty() {
             // The family sized the logits for the default chunk.
             let rows = held_rows((b * t) as u128, sh.loss_chunk_limit() as u128) as usize;
@@ -806,6 +831,14 @@ fn logits_of<D: Decoder>(
         let problem = format!(
             "the logits of the whole vocabulary ({}) are asked of a model holding its rows {}..{} (dist.vocab_parallel): run generation and logits on the whole model",
             sh.whole_vocab(), rows.start, rows.end
+        );
+        return Err(D::invalid_batch(problem));
+    }
+    if sh.ends.tp.is_split() {
+        // Outside a trainer no group sums the ranks' parts.
+        let problem = format!(
+            "logits are asked of {}'s model, which holds a share of each layer and needs its group to sum them: run generation and logits on the whole model",
+            sh.ends.tp
         );
         return Err(D::invalid_batch(problem));
     }

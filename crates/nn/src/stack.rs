@@ -258,6 +258,12 @@ pub struct StackSizes {
     pub staging: Vec<u128>,
     /// The forward's extra buffers (f32) inside the recompute slot.
     pub extra: Vec<u128>,
+    /// Working buffers (f32) used only within one call of a block's
+    /// projection (sequence parallelism's gathered rows): one set per
+    /// model, shared by every micro-batch in flight and the recompute
+    /// slot, handed to the block after `bufs` ([`Stack::forward`]'s
+    /// `scratch`); not part of [`StackSizes::bytes`].
+    pub scratch: Vec<u128>,
 }
 
 /// `n` as a length (a shape that does not fit `usize` cannot be allocated
@@ -306,6 +312,11 @@ impl StackSizes {
         let slots = (self.n_slots as u128 - n_rc) * self.block_bytes() + n_rc * elem * self.large[self.output];
         let slot = if self.checkpointing.is_on() { self.block_bytes() } else { 0 };
         slots + slot + elem * self.x
+    }
+
+    /// Bytes of the shared [`StackSizes::scratch`] (once per model).
+    pub fn scratch_bytes(&self) -> u128 {
+        4 * self.scratch.iter().sum::<u128>()
     }
 
     /// Bytes of everything [`Stack::new`] allocates.
@@ -414,27 +425,31 @@ impl Stack {
     /// pass, each block keeping its tensors in its own slot (a recomputed
     /// block its output only, its tensors going to the recompute slot);
     /// otherwise a forward-only pass, in which one slot serves every block.
+    /// `scratch`: the model's [`StackSizes::scratch`] buffers, handed to
+    /// the block after the working buffers.
     pub fn forward(
         &mut self,
         block: &impl Block,
         store: &mut dyn ParamStore,
-        segs: Range<usize>,
+        (segs, scratch): (Range<usize>, &mut Vec<Vec<f32>>),
         keep_all: bool,
     ) -> Result<(), EngineError> {
         for (idx, seg) in segs.enumerate() {
             let SegmentView { params, mut tp, .. } = store.segment(seg)?;
             block.enter(seg);
             let recomputed = !keep_all || self.checkpointing.recomputes(idx);
+            let (x, staging) = (&mut self.x, &mut self.staging);
             match self.recompute.as_mut().filter(|_| recomputed) {
                 Some(rc) => {
-                    block.forward(params, &mut tp, &mut self.x, &mut rc.sv, &mut self.bufs, &mut self.staging)?;
+                    let sv = &mut rc.sv;
+                    with_scratch(&mut self.bufs, scratch, |b| block.forward(params, &mut tp, x, sv, b, staging))?;
                     if keep_all {
                         std::mem::swap(&mut rc.sv.large[self.output], &mut self.saved[idx].large[self.output]);
                     }
                 }
                 None => {
                     let sv = &mut self.saved[if keep_all { idx } else { 0 }];
-                    block.forward(params, &mut tp, &mut self.x, sv, &mut self.bufs, &mut self.staging)?;
+                    with_scratch(&mut self.bufs, scratch, |b| block.forward(params, &mut tp, x, sv, b, staging))?;
                 }
             }
             store.done(seg, false)?;
@@ -452,7 +467,7 @@ impl Stack {
         &mut self,
         block: &impl Block,
         store: &mut dyn ParamStore,
-        segs: Range<usize>,
+        (segs, scratch): (Range<usize>, &mut Vec<Vec<f32>>),
     ) -> Result<(), EngineError> {
         let prec = self.precision;
         for (idx, seg) in segs.enumerate().rev() {
@@ -469,7 +484,8 @@ impl Stack {
                         SavedTensor::Low(v) => prec.decode(v, &mut rc.x),
                         SavedTensor::Dropped => unreachable!("a block's input is always kept"),
                     }
-                    block.forward(params, &mut tp, &mut rc.x, &mut rc.sv, &mut rc.bufs, &mut rc.extra)?;
+                    let (x, sv, extra) = (&mut rc.x, &mut rc.sv, &mut rc.extra);
+                    with_scratch(&mut rc.bufs, scratch, |b| block.forward(params, &mut tp, x, sv, b, extra))?;
                     &rc.sv
                 }
                 None => &self.saved[idx],
@@ -485,7 +501,7 @@ impl Stack {
                 scratch: &mut self.redo_scratch,
             };
             let saved = SavedView { sv, x, staging: &mut self.staging, prec, redo };
-            block.backward(params, &mut tp, &mut grads, saved, &mut self.bufs)?;
+            with_scratch(&mut self.bufs, scratch, |b| block.backward(params, &mut tp, &mut grads, saved, b))?;
             store.done(seg, true)?;
         }
         if prec == Precision::F16 {
@@ -493,6 +509,16 @@ impl Stack {
         }
         Ok(())
     }
+}
+
+/// Runs `f` on `bufs` with `scratch` appended (moved, not copied), then
+/// moves the scratch buffers back.
+fn with_scratch<R>(bufs: &mut Vec<Vec<f32>>, scratch: &mut Vec<Vec<f32>>, f: impl FnOnce(&mut [Vec<f32>]) -> R) -> R {
+    let own = bufs.len();
+    bufs.append(scratch);
+    let r = f(bufs);
+    scratch.extend(bufs.drain(own..));
+    r
 }
 
 /// The activations of each micro-batch in flight on a pipeline stage: one

@@ -36,13 +36,30 @@ pub struct Stack {
     pub tied: bool,
     /// Elements per token of the activations passed between stages.
     pub width: usize,
+    /// The tensor ranks a micro-batch's rows are split over between
+    /// stages (sequence parallelism: T; otherwise 1).
+    pub row_split: usize,
 }
 
 impl Stack {
     /// The stack of `model`, as it tells it.
     pub fn of(model: &dyn LanguageModel) -> Self {
-        let one_token = TokenBatch { n_seqs: 1, seq_len: 1, ..Default::default() };
-        Stack { n_blocks: model.n_blocks(), tied: model.tied_head(), width: model.boundary_len(&one_token) }
+        let (width, row_split) = residual_width(model);
+        Stack { n_blocks: model.n_blocks(), tied: model.tied_head(), width, row_split }
+    }
+}
+
+/// Elements per token of `model`'s residual stream and the ranks its rows
+/// are split over (sequence parallelism: T, each rank holding ⌈rows / T⌉;
+/// otherwise 1), from what the model passes between stages: T tokens,
+/// one row on each rank when split, all T otherwise.
+pub fn residual_width(model: &dyn LanguageModel) -> (usize, usize) {
+    let tp = model.tensor_shards().map_or(engine::TpRank::WHOLE, |s| s.tp);
+    let t = tp.size.max(1);
+    let batch = TokenBatch { n_seqs: 1, seq_len: t, ..Default::default() };
+    match tp.splits_seq() {
+        true => (model.boundary_len(&batch), t),
+        false => (model.boundary_len(&batch) / t, 1),
     }
 }
 
@@ -84,7 +101,7 @@ pub fn p2p_bytes(spec: &StageSpec, stack: &Stack, tokens: usize, embedding: usiz
     if spec.n_stages == 1 {
         return 0;
     }
-    let boundary = 4 * (tokens as u64) * stack.width as u64;
+    let boundary = 4 * engine::tensor::seq_block(tokens, stack.row_split) as u64 * stack.width as u64;
     let buffers = 2 * u64::from(!spec.is_first()) + 2 * u64::from(!spec.is_last());
     let tied = stack.tied && (spec.is_first() || spec.is_last());
     buffers * boundary + if tied { 4 * embedding as u64 } else { 0 }

@@ -59,9 +59,10 @@ impl Traffic {
             .filter(|((local, _), s)| local.trainable && s.partial_gradient(shards.tp))
             .map(|((_, whole), _)| whole.numel())
             .sum();
-        let one_token = engine::TokenBatch { n_seqs: 1, seq_len: 1, ..Default::default() };
         let vocab_stats = if shards.tp.splits_vocab() { nn::loss_terms::SPLIT_STATS * shards.tp.size } else { 0 };
-        Some(Traffic { width: model.boundary_len(&one_token), partial, vocab_stats })
+        // Every row's width: an all-reduce, or an all-gather's result, of the whole micro-batch.
+        let (width, _) = super::pipeline::residual_width(model);
+        Some(Traffic { width, partial, vocab_stats })
     }
 
     /// Elements of the largest all-reduce over the group for micro-batches
