@@ -202,7 +202,7 @@ pub struct Shell<X> {
     /// [`chunk_limit`] of the vocabulary (which `plan` counts).
     pub loss_chunk: Option<usize>,
     /// Working buffers every micro-batch in flight shares
-    /// ([`StackSizes::scratch`]), as large as the largest asked for.
+    /// ([`StackSizes::scratch`]), as large as the largest slot needs.
     pub scratch: Vec<Vec<f32>>,
 }
 
@@ -231,14 +231,20 @@ impl<X: Extra> Shell<X> {
         self.scratch = Vec::new();
     }
 
-    /// Grows the shared scratch to hold `sizes` (kept as large as the
-    /// largest asked for: every micro-batch of a step reads its prefix).
-    fn grow_scratch(&mut self, sizes: &[u128]) {
-        if self.scratch.len() < sizes.len() {
-            self.scratch.resize_with(sizes.len(), Vec::new);
+    /// Sizes the shared scratch for `sizes` (the slot just sized) and
+    /// every parked slot: the largest each buffer is asked for, no larger
+    /// (every micro-batch reads a prefix), freed before it is allocated.
+    fn fit_scratch(&mut self, sizes: &[u128]) {
+        let mut need = sizes.to_vec();
+        for other in self.slots.parked() {
+            if need.len() < other.scratch.len() {
+                need.resize(other.scratch.len(), 0);
+            }
+            need.iter_mut().zip(&other.scratch).for_each(|(n, &o)| *n = (*n).max(o));
         }
-        for (buf, &n) in self.scratch.iter_mut().zip(sizes) {
-            if (buf.len() as u128) < n {
+        self.scratch.resize_with(need.len(), Vec::new);
+        for (buf, &n) in self.scratch.iter_mut().zip(&need) {
+            if buf.len() as u128 != n {
                 *buf = Vec::new();
                 *buf = crate::stack::zeros(n);
             }
@@ -695,7 +701,7 @@ fn ensure_acts<D: Decoder>(d: &mut D, flight: usize, (b, t): (usize, usize), pas
         d.shell_mut().acts = Acts::default();
         let mut acts = d.new_acts(b, t, pass == Pass::Train);
         let sh = d.shell_mut();
-        sh.grow_scratch(&acts.scratch);
+        sh.fit_scratch(&acts.scratch);
         if sh.loss_chunk.is_some() && !acts.logits.is_empty() {
             // The family sized the logits for the default chunk.
             let rows = held_rows((b * t) as u128, sh.loss_chunk_limit() as u128) as usize;
