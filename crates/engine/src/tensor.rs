@@ -80,6 +80,12 @@ impl TpRank {
         }
     }
 
+    /// [`TpRank::seq_rows`] as (start, end) where the rows are split
+    /// (sequence parallelism over more than one rank), else `None`.
+    pub fn held_rows(&self, n: usize) -> Option<(usize, usize)> {
+        self.splits_seq().then(|| self.seq_rows(n)).map(|r| (r.start, r.end))
+    }
+
     /// This rank with the vocabulary split (`true`) or whole.
     pub const fn with_vocab(self, vocab: bool) -> Self {
         TpRank { vocab, ..self }

@@ -316,8 +316,7 @@ impl Decoder for Gpt {
         let lora = self.lora_rank_scale();
         let (segs, prec, a) = (self.shell.block_segs(), self.shell.precision, &mut self.shell.acts);
         let scratch = &mut self.shell.scratch;
-        let seq = self.tp.splits_seq().then(|| self.tp.seq_rows(a.b * a.t)).map(|r| (r.start, r.end));
-        let d = Dims { b: a.b, t: a.t, c: cfg.n_embd, nh, hd: cfg.head_dim(), w, seq };
+        let d = Dims { b: a.b, t: a.t, c: cfg.n_embd, nh, hd: cfg.head_dim(), w, seq: self.tp.held_rows(a.b * a.t) };
         let attn = match walk {
             Walk::Forward(_, attn) => attn,
             Walk::Backward => Attention::Causal,

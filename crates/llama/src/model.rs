@@ -444,7 +444,7 @@ impl Llama {
             lora_scale: self.lora.as_ref().map_or(0.0, LoraConfig::scale),
             ops: nn::operands(self.shell.precision),
             prec: self.shell.precision,
-            seq: self.shell.ends.tp.splits_seq().then(|| self.shell.ends.tp.seq_rows(b * t)).map(|r| (r.start, r.end)),
+            seq: self.shell.ends.tp.held_rows(b * t),
         }
     }
 

@@ -185,6 +185,16 @@ pub enum Grad<'b> {
     Shared(&'b [f32]),
 }
 
+impl Grad<'_> {
+    /// The gradient's values, whoever owns them.
+    fn values(&self) -> &[f32] {
+        match self {
+            Grad::Own(g) => g,
+            Grad::Shared(g) => g,
+        }
+    }
+}
+
 impl Site<'_> {
     fn adapter(&self, idx: usize) -> Option<&LoraRanges> {
         self.lora.get(idx).and_then(Option::as_ref)
@@ -435,21 +445,15 @@ impl Projection<'_> {
             };
             let branch = s.branch(lr, p);
             branch.down(buf, x);
-            let rows = match sum {
-                Some((tp, rows)) => {
-                    tp.all_reduce(buf)?;
-                    rows
-                }
-                None => None,
-            };
-            xa.keep(buf, s.prec);
-            match rows {
-                Some(rows) => {
-                    let xa = &xa.cur(buf)[rows.start * s.r..rows.end * s.r];
-                    Branch { n: rows.len(), ..branch }.up(y, xa)
-                }
-                None => branch.up(y, xa.cur(buf)),
+            // The rows `y` holds: all of them, or this rank's under sequence parallelism.
+            let mut rows = 0..s.n;
+            if let Some((tp, held)) = sum {
+                tp.all_reduce(buf)?;
+                rows = held.unwrap_or(rows);
             }
+            xa.keep(buf, s.prec);
+            let xa = &xa.cur(buf)[rows.start * s.r..rows.end * s.r];
+            Branch { n: rows.len(), ..branch }.up(y, xa);
             Ok(())
         })
     }
@@ -480,11 +484,7 @@ impl Projection<'_> {
         // every row; the column's input gradient summed in `gd` first.
         let (dy, gathered, dx, dx_local) = match (s.seq_rows(tp), self.role) {
             (Some(_), Role::Row) => {
-                let local: &[f32] = match &dy {
-                    Grad::Own(g) => g,
-                    Grad::Shared(g) => g,
-                };
-                tp.all_gather_rows(local, gd, n, oc)?;
+                tp.all_gather_rows(dy.values(), gd, n, oc)?;
                 (Grad::Own(&mut gd[..n * oc]), None, dx, None)
             }
             (Some(_), Role::Column) => {
@@ -498,11 +498,7 @@ impl Projection<'_> {
             for q in self.parts {
                 let Some(b) = &q.bias else { continue };
                 if let Some(g) = param_grad(grads.tensor(b.clone())) {
-                    let d: &[f32] = match &dy {
-                        Grad::Own(g) => g,
-                        Grad::Shared(g) => g,
-                    };
-                    bias_backward(g, d, q.col0, oc);
+                    bias_backward(g, dy.values(), q.col0, oc);
                 }
             }
         }
@@ -542,10 +538,7 @@ impl Projection<'_> {
                     (Some(b), false) => grads.pair(q.w.clone(), b.clone()),
                     _ => (grads.tensor(q.w.clone()), None),
                 };
-                let (xv, xa) = match gathered {
-                    Some(g) => (g, saved.get(s.saved.0 + q.idx)),
-                    None => saved.pair(x, (s.saved.0 + q.idx, s.saved.2)),
-                };
+                let (xv, xa) = part_inputs(saved, gathered, x, (s.saved.0 + q.idx, s.saved.2));
                 conv1d_backward(dx, param_grad(gw), param_grad(gb), dy, xv, &p[q.w.clone()], lin);
                 self.lora_backward(s, q, p, (dx, columns(dy, q.col0, oc)), (xv, xa), grads, (dxa, xd));
             }
@@ -555,10 +548,7 @@ impl Projection<'_> {
                     _ => linear_backward_input(dx, false, Strided::rows(dy, oc), &p[self.w_span()], lin),
                 }
                 for q in self.parts {
-                    let (xv, xa) = match gathered {
-                        Some(g) => (g, saved.get(s.saved.0 + q.idx)),
-                        None => saved.pair(x, (s.saved.0 + q.idx, s.saved.2)),
-                    };
+                    let (xv, xa) = part_inputs(saved, gathered, x, (s.saved.0 + q.idx, s.saved.2));
                     let dyq = columns(dy, q.col0, oc);
                     // dW (+)= dyᵀ · x: (out, n) @ (n, in) -> (out, in); a packed base is frozen.
                     if let Base::Linear = base {
@@ -610,6 +600,21 @@ impl Projection<'_> {
             // dx += dxa · A (the base's dy·W is already in dx)
             branch.input_grad(dx, true, dxa);
         })
+    }
+}
+
+/// A part's input — `gathered` (sequence parallelism's rows of every
+/// rank), else saved tensor `x.0` decoded into staging `x.1` — and its
+/// LoRA `x·Aᵀ`, saved tensor `xa.0` (decoded into staging `xa.1`).
+fn part_inputs<'v>(
+    saved: &'v mut SavedView<'_>,
+    gathered: Option<&'v [f32]>,
+    x: (usize, usize),
+    xa: (usize, usize),
+) -> (&'v [f32], &'v [f32]) {
+    match gathered {
+        Some(g) => (g, saved.get(xa.0)),
+        None => saved.pair(x, xa),
     }
 }
 
