@@ -160,14 +160,42 @@ pub struct DistConfig {
     /// regions divided by T.
     /// `false`: every rank holds every row.
     pub sequence_parallel: bool,
+    /// Context-parallel ranks C: each sequence's positions split over C
+    /// ranks, which run the same micro-batches — each sequence cut into 2C
+    /// chunks, rank c holding chunks c and 2C − 1 − c (the causal load
+    /// balanced), every layer run on its positions only, attention over
+    /// every rank's keys and values (gathered per layer; their gradients
+    /// summed back). The world's ranks form P × D × C × T (rank r = stage ·
+    /// (D·C·T) + d · (C·T) + c · T + t); the C ranks of a data rank sum
+    /// their gradients with the data-parallel ranks. 1: whole sequences.
+    pub context_parallel: usize,
 }
 
 impl DistConfig {
     /// The data-parallel width D = `world` / (`pipeline_parallel` ·
-    /// `tensor_parallel`) of a world of `world` ranks (`source` names where
-    /// that number comes from); an error naming the keys and the fix unless
-    /// P · T divides it.
+    /// `tensor_parallel` · `context_parallel`) of a world of `world` ranks
+    /// (`source` names where that number comes from); an error naming the
+    /// keys and the fix unless P · T · C divides it.
     pub fn data_parallel(&self, world: usize, source: &str) -> Result<usize, ConfigError> {
+        let c = self.context_parallel;
+        if c == 0 {
+            return Err(invalid("dist.context_parallel", c, "must be at least 1 (1: whole sequences)"));
+        }
+        if c > 1 {
+            let replica = self.pipeline_parallel.saturating_mul(self.tensor_parallel).saturating_mul(c);
+            if !world.is_multiple_of(replica) {
+                return Err(invalid(
+                    "dist.context_parallel",
+                    c,
+                    &format!(
+                        "dist.pipeline_parallel = {} × dist.tensor_parallel = {} × dist.context_parallel = {c} = {replica} ranks per data-parallel replica must divide the world size {world} ({source}); use a world size that is a multiple of {replica}, or a smaller dist.context_parallel",
+                        self.pipeline_parallel, self.tensor_parallel
+                    ),
+                ));
+            }
+            let whole = DistConfig { context_parallel: 1, ..self.clone() };
+            return whole.data_parallel(world / c, source);
+        }
         let (p, t) = (self.pipeline_parallel, self.tensor_parallel);
         if p == 0 {
             return Err(invalid("dist.pipeline_parallel", p, "must be at least 1 (1: no pipeline)"));
@@ -227,6 +255,7 @@ impl Default for DistConfig {
             tensor_parallel: 1,
             vocab_parallel: false,
             sequence_parallel: false,
+            context_parallel: 1,
         }
     }
 }
@@ -868,7 +897,34 @@ impl Config {
         optimizers::validate(self)?;
         self.schedule.validate(&self.optim)?;
         self.dist.validate()?;
+        self.validate_context()?;
         self.data.validate()
+    }
+
+    /// `dist.context_parallel` against the rest: what splitting a sequence
+    /// over ranks does not (yet) compose with, each refused with the reason.
+    fn validate_context(&self) -> Result<(), ConfigError> {
+        let c = self.dist.context_parallel;
+        if c <= 1 {
+            return Ok(());
+        }
+        let refuse = |what: String| Err(invalid("dist.context_parallel", c, &what));
+        if self.dist.zero_stage > 1 {
+            return refuse(format!("does not compose with ZeRO stage {} (its shards cut a whole model's gradient; the context ranks train through the staged path, as a pipeline or a tensor split does): set dist.zero_stage = 1 or dist.context_parallel = 1", self.dist.zero_stage));
+        }
+        if self.dist.overlap_comm {
+            return refuse(
+                "does not compose with dist.overlap_comm (data parallelism alone): set dist.overlap_comm = false"
+                    .into(),
+            );
+        }
+        if self.train.loss_normalization == LossNormalization::MicroBatchMean {
+            return refuse("splits each micro-batch's targets over the context ranks, so a micro-batch's mean is not a rank's: use train.loss_normalization = \"token\"".into());
+        }
+        if matches!(self.train.activation_checkpointing, Checkpointing::Attention | Checkpointing::Selective) {
+            return refuse("recomputes attention only inside a block's backward with the context group's keys and values; train.activation_checkpointing = \"attention\" or \"selective\" would recompute it alone: use \"blocks\", \"every_N\" or \"none\"".into());
+        }
+        Ok(())
     }
 
     /// `train.frozen_dtype` against the rest: a packed base needs `[lora]`
@@ -886,6 +942,7 @@ impl Config {
         for (key, n) in [
             ("dist.tensor_parallel", self.dist.tensor_parallel),
             ("dist.pipeline_parallel", self.dist.pipeline_parallel),
+            ("dist.context_parallel", self.dist.context_parallel),
         ] {
             if packs && n > 1 {
                 return Err(invalid(

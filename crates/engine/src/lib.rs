@@ -89,6 +89,7 @@
 pub mod alloc;
 pub mod batch;
 pub mod conformance;
+pub mod context;
 pub mod error;
 pub mod layout;
 pub mod loss_terms;
@@ -109,6 +110,7 @@ pub mod trainer;
 pub mod zero;
 
 pub use batch::{TokenBatch, IGNORE_INDEX};
+pub use context::ContextRank;
 pub use error::EngineError;
 pub use layout::{check_shape_size, NonFinite, ParamLayout, TensorSpec, MAX_PARAMS, MAX_TENSORS};
 pub use loss_terms::LossTerms;

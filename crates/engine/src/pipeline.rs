@@ -162,6 +162,14 @@ pub trait StagedModel: Model {
         None
     }
 
+    /// From now on run as rank `cp` of a context-parallel group: that
+    /// rank's positions of each sequence ([`crate::context`]), the group
+    /// reached through each segment's [`crate::TensorGroup`]. The error
+    /// says why this model cannot.
+    fn context_parallel(&mut self, cp: crate::ContextRank) -> Result<(), String> {
+        Err(format!("this model cannot split its sequences over ranks ({cp})"))
+    }
+
     /// Elements of the activations passed between stages for `batch`
     /// (and of their gradient).
     fn boundary_len(&self, batch: &Self::Batch) -> usize;
@@ -214,6 +222,10 @@ impl<M: StagedModel + ?Sized> StagedModel for Box<M> {
 
     fn tensor_shards(&self) -> Option<crate::tensor::TensorShards> {
         (**self).tensor_shards()
+    }
+
+    fn context_parallel(&mut self, cp: crate::ContextRank) -> Result<(), String> {
+        (**self).context_parallel(cp)
     }
 
     fn boundary_len(&self, batch: &Self::Batch) -> usize {

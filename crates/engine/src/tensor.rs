@@ -472,20 +472,57 @@ impl Reduce for TpLink<'_> {
 
 /// A model's handle on its tensor-parallel group during one pass, handed
 /// out with each segment ([`crate::SegmentView::tp`]); without a split
-/// every operation is a no-op.
+/// every operation is a no-op. It also reaches the context-parallel group
+/// ([`crate::context`]), whose ranks exchange attention's keys and values.
 pub struct TensorGroup<'a> {
     link: Option<&'a mut dyn Reduce>,
+    context: Option<&'a mut dyn Reduce>,
 }
 
 impl<'a> TensorGroup<'a> {
     /// No split (a single rank holds every tensor).
     pub fn none() -> Self {
-        TensorGroup { link: None }
+        TensorGroup { link: None, context: None }
     }
 
-    /// The group of `link` (of more than one rank; otherwise none).
-    pub(crate) fn new(link: Option<&'a mut TpLink<'_>>) -> Self {
-        TensorGroup { link: link.filter(|l| l.comm.world_size() > 1).map(|l| l as &mut dyn Reduce) }
+    /// The tensor-parallel group of `link` and the context-parallel group
+    /// of `context` (each of more than one rank; otherwise none).
+    pub(crate) fn new(link: Option<&'a mut TpLink<'_>>, context: Option<&'a mut TpLink<'_>>) -> Self {
+        TensorGroup {
+            link: link.filter(|l| l.comm.world_size() > 1).map(|l| l as &mut dyn Reduce),
+            context: context.filter(|l| l.comm.world_size() > 1).map(|l| l as &mut dyn Reduce),
+        }
+    }
+
+    /// This rank's place `(rank, size)` in its context-parallel group,
+    /// where sequences are split (more than one rank).
+    pub fn context(&self) -> Option<(usize, usize)> {
+        self.context.as_deref().map(Reduce::place)
+    }
+
+    /// Context parallelism's all-gather: every rank's `local` (the same
+    /// length on each) into `all`, in rank order. Unsplit: a copy.
+    pub fn context_all_gather(&mut self, local: &[f32], all: &mut [f32]) -> Result<(), EngineError> {
+        match self.context.as_deref_mut() {
+            Some(l) => l.gather(local, all),
+            None => {
+                all.copy_from_slice(local);
+                Ok(())
+            }
+        }
+    }
+
+    /// Context parallelism's reduce-scatter: `all` (one block per rank, in
+    /// rank order) summed over the group, this rank's block into `local`
+    /// (every sum in rank order on thread ranks). Unsplit: a copy.
+    pub fn context_reduce_scatter(&mut self, all: &[f32], local: &mut [f32]) -> Result<(), EngineError> {
+        match self.context.as_deref_mut() {
+            Some(l) => l.scatter(all, local),
+            None => {
+                local.copy_from_slice(all);
+                Ok(())
+            }
+        }
     }
 
     /// Whether tensors are split (more than one rank).
@@ -660,7 +697,7 @@ mod tests {
                             let r = c.rank();
                             let (mut traffic, step) = (TpTraffic::default(), 0);
                             let mut link = TpLink { comm: &mut c, traffic: &mut traffic, step };
-                            let mut g = TensorGroup::new(Some(&mut link));
+                            let mut g = TensorGroup::new(Some(&mut link), None);
                             let local: Vec<f32> = (mine.start * w..mine.end * w).map(|i| i as f32).collect();
                             let mut full = vec![-1.0; n * w + 3];
                             g.all_gather_rows(&local, &mut full, n, w).unwrap();

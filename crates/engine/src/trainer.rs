@@ -144,6 +144,9 @@ pub struct StepReport {
     /// Tensor parallelism: this rank's all-reduces inside the model
     /// during the step (calls, bytes, seconds).
     pub tensor: Option<crate::tensor::TpTraffic>,
+    /// Context parallelism: this rank's key/value gathers and gradient
+    /// reduce-scatters inside attention during the step.
+    pub context: Option<crate::tensor::TpTraffic>,
     /// `overlap_comm`: when this rank's gradient collectives ran, and how
     /// long the step waited for them (that wait is in `comm_s`).
     pub overlap: Option<OverlapReport>,
@@ -190,6 +193,8 @@ pub struct Trainer {
     scratch: Vec<f32>,
     /// This rank's tensor-parallel all-reduces since the last step report.
     tp_traffic: crate::tensor::TpTraffic,
+    /// The context-parallel group's traffic this step.
+    cp_traffic: crate::tensor::TpTraffic,
     /// Mixed precision (stages 0–2): the 16-bit parameter copy the model
     /// reads, one segment of it decoded for the kernels, and which.
     model_copy: Option<ModelCopy>,
@@ -413,6 +418,7 @@ impl Trainer {
             gathered_seg: None,
             scratch: vec![0.0; sizes.scratch],
             tp_traffic: Default::default(),
+            cp_traffic: Default::default(),
             model_copy,
             scaler,
             optimizer,
@@ -676,6 +682,7 @@ struct Accumulated {
     model_s: f64,
     pipeline: Option<PipelineReport>,
     tensor: Option<crate::tensor::TpTraffic>,
+    context: Option<crate::tensor::TpTraffic>,
     /// Filled by the boundary's gradient reduction under `overlap_comm`.
     overlap: Option<OverlapReport>,
 }
@@ -690,6 +697,7 @@ impl Accumulated {
             model_s: 0.0,
             pipeline: None,
             tensor: None,
+            context: None,
             overlap: None,
         }
     }

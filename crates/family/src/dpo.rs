@@ -254,6 +254,12 @@ impl StagedModel for Dpo {
         self.inner.tensor_shards()
     }
 
+    fn context_parallel(&mut self, cp: engine::ContextRank) -> Result<(), String> {
+        Err(format!(
+            "DPO compares each sequence's summed log-probabilities, which {cp} holds a part of; train DPO with dist.context_parallel = 1"
+        ))
+    }
+
     fn boundary_len(&self, batch: &TokenBatch) -> usize {
         self.inner.boundary_len(batch)
     }

@@ -332,6 +332,10 @@ impl<M: TextModel> StagedModel for Erased<M> {
         self.0.tensor_shards()
     }
 
+    fn context_parallel(&mut self, cp: engine::ContextRank) -> Result<(), String> {
+        self.0.context_parallel(cp)
+    }
+
     fn boundary_len(&self, batch: &TokenBatch) -> usize {
         self.0.boundary_len(batch)
     }
@@ -390,6 +394,10 @@ pub struct Build {
     pub precision: Precision,
     /// Activation checkpointing.
     pub checkpointing: Checkpointing,
+    /// For plans: the whole sequences' length when a context-parallel rank
+    /// runs a part of each (its rotary tables cover every position); `None`:
+    /// whole sequences.
+    pub whole_len: Option<usize>,
 }
 
 /// How a run asks its frozen tensors to be stored: `train.frozen_dtype`,
@@ -536,6 +544,14 @@ pub trait Family: Send + Sync {
     }
     /// Writes this shape into `[model]`, so a resolved config rebuilds it.
     fn pin_shape(&self, m: &mut ModelConfig);
+    /// The `[model]` keys a pretrained shape may take from `--set`: how
+    /// positions are encoded where no parameter depends on them (rotary
+    /// tables: the context length and the frequency scaling), so a
+    /// pretrained model can be trained on longer sequences than it was
+    /// (context extension). Every other key is its shape.
+    fn position_keys(&self) -> &'static [&'static str] {
+        &[]
+    }
     /// This shape with its frozen tensors stored as `s` asks: `None` when
     /// they stay f32 tensors of the layout (`f32`, or `auto` on a source
     /// that is not 16-bit); an error names what cannot be packed.

@@ -9,7 +9,7 @@ use crate::config::GptConfig;
 use crate::layout::{conv_shape, Adapters, BlockParams, Widths};
 use engine::{Checkpointing, EngineError, Precision, SegmentGrads, TensorGroup, TpRank};
 use nn::attention::AttnShape;
-use nn::flash::{flash_attention_backward, flash_attention_forward, Visible};
+use nn::flash::{flash_attention_forward, Visible};
 use nn::grad::param_grad;
 use nn::kv::Attention;
 use nn::lora_dropout::Dropout;
@@ -48,6 +48,8 @@ pub(crate) struct Dims {
     /// Sequence parallelism: this rank's rows of the residual stream
     /// (start, end); `None`: all B·T.
     pub seq: Option<(usize, usize)>,
+    /// Context parallelism: where the `t` rows of each sequence sit.
+    pub cx: nn::context::Context,
 }
 
 impl Dims {
@@ -289,7 +291,8 @@ impl Block for GptBlock<'_> {
         large[QKV].keep(qkv, prec);
         match self.attn {
             Attention::Causal => {
-                flash_attention_forward(&mut buf_c[..n * a], lse, large[QKV].cur(qkv), self.d.attn(ops), self.visible)
+                let (shape, cx) = ((self.d.attn(ops), self.visible), self.d.cx);
+                nn::context::attention_forward(&mut buf_c[..n * a], lse, large[QKV].cur(qkv), shape, cx, tp)?
             }
             Attention::Cached(kv) => kv.attend(&mut buf_c[..n * a], large[QKV].cur(qkv), self.d.attn(ops)),
         }
@@ -329,6 +332,8 @@ impl Block for GptBlock<'_> {
             LN2 => ln(saved.get(RES2), &r.ln2_w, &r.ln2_b),
             ATTY => {
                 let shape = self.d.attn(nn::operands(self.prec));
+                // Refused at assembly under context parallelism (no group here).
+                assert!(!self.d.cx.is_split(), "attention recomputed without its context group");
                 flash_attention_forward(out, &mut scratch[..b * nh * t], saved.get(QKV), shape, self.visible);
             }
             FCH_GELU => nn::act::gelu_forward(out, saved.get(FCH)),
@@ -390,7 +395,8 @@ impl Block for GptBlock<'_> {
         )?;
         // The MLP's 4C buffer is idle again: the heads' scratch.
         let (qkv, y) = saved.pair((QKV, ROWS), (ATTY, HEADS));
-        flash_attention_backward(dqkv, &mut d4c[..n * 3 * a], dy, (qkv, y, lse), self.d.attn(ops), self.visible);
+        let (shape, cx) = ((self.d.attn(ops), self.visible), self.d.cx);
+        nn::context::attention_backward(dqkv, &mut d4c[..n * 3 * a], dy, (qkv, y, lse), shape, cx, tp)?;
         // c_attn: d(B*T, C) = d(B*T, 3A) @ (3A, C); column-parallel: summed over the ranks
         let dcl = &mut dc[..nl * c];
         attn_p.backward(&site, p, (dcl, Grad::Own(dqkv), (LN1, ROWS)), (grads, &mut saved), &mut work, norms, tp)?;

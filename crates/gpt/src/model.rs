@@ -128,6 +128,7 @@ impl Gpt {
             width: cfg.n_embd,
             vocab: Widths::of(&cfg, tp).v,
             tp,
+            cp: engine::ContextRank::WHOLE,
             n_blocks: cfg.n_layer,
             context: (cfg.block_size, "block_size"),
             embed: ranges.wte.clone(),
@@ -316,7 +317,9 @@ impl Decoder for Gpt {
         let lora = self.lora_rank_scale();
         let (segs, prec, a) = (self.shell.block_segs(), self.shell.precision, &mut self.shell.acts);
         let scratch = &mut self.shell.scratch;
-        let d = Dims { b: a.b, t: a.t, c: cfg.n_embd, nh, hd: cfg.head_dim(), w, seq: self.tp.held_rows(a.b * a.t) };
+        let seq = self.tp.held_rows(a.b * a.t);
+        let cx = nn::context::Context { rank: self.shell.ends.cp, t: a.whole_t };
+        let d = Dims { b: a.b, t: a.t, c: cfg.n_embd, nh, hd: cfg.head_dim(), w, seq, cx };
         let attn = match walk {
             Walk::Forward(_, attn) => attn,
             Walk::Backward => Attention::Causal,

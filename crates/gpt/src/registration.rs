@@ -551,7 +551,7 @@ mod tests {
     fn activation_estimate_of(family: &dyn Family, params: &[f32]) {
         for precision in [Precision::F32, Precision::Bf16, Precision::F16] {
             for checkpointing in [Checkpointing::None, Checkpointing::Blocks, Checkpointing::EveryK(2)] {
-                let build = Build { precision, checkpointing };
+                let build = Build { precision, checkpointing, whole_len: None };
                 let mut model = family.build(build).unwrap_or_else(|e| panic!("{e}"));
                 let (b, t) = (3, 8);
                 let batch = TokenBatch {

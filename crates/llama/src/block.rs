@@ -11,7 +11,7 @@ use crate::frozen::{FrozenBase, Group};
 use crate::layout::{Adapters, LayerParams, Proj};
 use engine::{Checkpointing, EngineError, Inner, Precision, SavedTensor, SegmentGrads, TensorGroup};
 use nn::attention::AttnShape;
-use nn::flash::{flash_attention_backward, flash_attention_forward, Visible};
+use nn::flash::{flash_attention_forward, Visible};
 use nn::grad::param_grad;
 use nn::kv::Attention;
 use nn::linear::add_into;
@@ -70,6 +70,8 @@ pub(crate) struct Dims {
     /// Sequence parallelism: this rank's rows of the residual stream
     /// (start, end); `None`: all `n`.
     pub seq: Option<(usize, usize)>,
+    /// Context parallelism: where the rows of each sequence sit.
+    pub cx: nn::context::Context,
 }
 
 impl Dims {
@@ -180,6 +182,13 @@ impl ActSizes {
         let head =
             if part.last { [rope, n * c, nl, nn::head::loss_chunk_rows(n, v) * v, n] } else { [rope, 0, 0, 0, 0] };
         ActSizes { stack, head, in_flight: if train { part.in_flight } else { 1 } }
+    }
+
+    /// The same with rotary tables for `positions` positions (context
+    /// parallelism: every position of the whole sequences).
+    pub fn with_rope(mut self, positions: usize, head_dim: usize) -> Self {
+        self.head[0] = Rope::len_for(positions, head_dim) as u128;
+        self
     }
 
     /// Bytes of every buffer.
@@ -403,7 +412,8 @@ impl Block for Layer<'_> {
         let yb = if qd <= c { &mut *buf_c } else { &mut *heads };
         match self.attn {
             Attention::Causal => {
-                flash_attention_forward(&mut yb[..n * qd], lse, large[QKV].cur(qkv), d.gqa, self.visible_here())
+                let shape = (d.gqa, self.visible_here());
+                nn::context::attention_forward(&mut yb[..n * qd], lse, large[QKV].cur(qkv), shape, d.cx, tp)?
             }
             Attention::Cached(kv) => kv.attend(&mut yb[..n * qd], large[QKV].cur(qkv), d.gqa),
         }
@@ -447,6 +457,8 @@ impl Block for Layer<'_> {
             H2 => rmsnorm_forward(out, rstd, saved.get(X2), &self.cfg.gains(&p[r.mlp_norm.clone()]), d.c, d.eps),
             Y => {
                 let lse = &mut scratch[..d.gqa.b * d.gqa.n_head * d.gqa.t];
+                // Refused at assembly under context parallelism (no group here).
+                assert!(!d.cx.is_split(), "attention recomputed without its context group");
                 flash_attention_forward(out, lse, saved.get(QKV), d.gqa, self.visible_here());
             }
             M => self.cfg.glu().forward(out, saved.get(GU), d.f),
@@ -493,7 +505,7 @@ impl Block for Layer<'_> {
         let b = (&mut *back.grads, &mut back.saved);
         o_p.backward(&site, p, (dy, g, (Y, ROWS)), b, &mut work, norms, tp)?;
         let (qkv, y) = back.saved.pair((QKV, ROWS), (Y, HEADS));
-        flash_attention_backward(dqkv, heads, dy, (qkv, y, lse), d.gqa, self.visible_here());
+        nn::context::attention_backward(dqkv, heads, dy, (qkv, y, lse), (d.gqa, self.visible_here()), d.cx, tp)?;
         rope_apply(dqkv, self.rope, qkvw, cfg.n_head + cfg.n_kv_head, true, self.pos);
         if let Some(gains) = &r.qk_norm {
             // Through each head's norm, from the kept input (the gains'

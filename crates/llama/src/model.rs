@@ -244,6 +244,7 @@ impl Llama {
             width: cfg.hidden_size,
             vocab: cfg.vocab_size,
             tp,
+            cp: engine::ContextRank::WHOLE,
             n_blocks: cfg.n_layer,
             context: (cfg.max_position_embeddings, "max_position_embeddings"),
             embed: ranges.embed.clone(),
@@ -300,15 +301,24 @@ impl Llama {
     /// sequences of `t` tokens allocates, computed from the shape alone (u128:
     /// planning shapes far beyond this machine never overflows).
     pub fn planned_activation_bytes(&self, b: usize, t: usize) -> u128 {
-        self.planned_activation_bytes_as(b, t, self.shell.precision, self.shell.checkpointing)
+        self.planned_activation_bytes_as(b, (t, None), self.shell.precision, self.shell.checkpointing)
     }
 
     /// [`Llama::planned_activation_bytes`] of this shape built with another
     /// storage precision and checkpointing (no model is built for it): the
-    /// bytes of the [`ActSizes`] a training pass allocates from.
-    pub fn planned_activation_bytes_as(&self, b: usize, t: usize, precision: Precision, ck: Checkpointing) -> u128 {
-        ActSizes::new(&self.cfg, (self.shell.ends.tp, self.adapters), (b, t), (precision, ck), true, self.shell.part())
-            .bytes()
+    /// bytes of the [`ActSizes`] a training pass allocates from. `t`: the
+    /// positions per sequence this rank runs and, under context
+    /// parallelism, the whole sequences' (its rotary tables cover them).
+    pub fn planned_activation_bytes_as(
+        &self,
+        b: usize,
+        t: (usize, Option<usize>),
+        precision: Precision,
+        ck: Checkpointing,
+    ) -> u128 {
+        let part = self.shell.part();
+        let s = ActSizes::new(&self.cfg, (self.shell.ends.tp, self.adapters), (b, t.0), (precision, ck), true, part);
+        s.with_rope(t.1.unwrap_or(t.0), self.cfg.head_dim).bytes()
     }
 
     /// [`Llama::planned_activation_bytes_as`] of one pipeline stage of this
@@ -317,12 +327,19 @@ impl Llama {
     pub fn planned_stage_activation_bytes(
         &self,
         b: usize,
-        t: usize,
+        t: (usize, Option<usize>),
         (precision, ck): (Precision, Checkpointing),
         spec: &StageSpec,
     ) -> u128 {
-        ActSizes::new(&self.cfg, (self.shell.ends.tp, self.adapters), (b, t), (precision, ck), true, Part::of(spec))
-            .bytes()
+        let s = ActSizes::new(
+            &self.cfg,
+            (self.shell.ends.tp, self.adapters),
+            (b, t.0),
+            (precision, ck),
+            true,
+            Part::of(spec),
+        );
+        s.with_rope(t.1.unwrap_or(t.0), self.cfg.head_dim).bytes()
     }
 
     /// Bytes of the saved activations (every layer's slot and the embeddings' output).
@@ -445,6 +462,7 @@ impl Llama {
             ops: nn::operands(self.shell.precision),
             prec: self.shell.precision,
             seq: self.shell.ends.tp.held_rows(b * t),
+            cx: self.shell.context(),
         }
     }
 
@@ -527,6 +545,11 @@ impl Decoder for Llama {
             Walk::Backward => (Attention::Causal, None),
         };
         let (segs, a, scratch) = (self.shell.block_segs(), &mut self.shell.acts, &mut self.shell.scratch);
+        if a.extra.rope.t < a.whole_t {
+            // Context parallelism: this rank's positions run to the whole sequence's.
+            a.extra.rope =
+                Rope::new(a.whole_t, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.llama3_scaling().as_ref());
+        }
         let rope = later.as_ref().unwrap_or(&a.extra.rope);
         let base = self.base.as_deref();
         let mut layer = layer(&self.cfg, &self.ranges.layer_rel, (rope, attn), d, (&a.pos, &a.docs), base);

@@ -271,11 +271,12 @@ impl Family for LlamaFamily {
     }
 
     fn activation_bytes(&self, micro: usize, seq_len: usize, build: Build) -> u128 {
-        self.model.planned_activation_bytes_as(micro, seq_len, build.precision, build.checkpointing)
+        self.model.planned_activation_bytes_as(micro, (seq_len, build.whole_len), build.precision, build.checkpointing)
     }
 
     fn stage_activation_bytes(&self, micro: usize, seq_len: usize, build: Build, spec: &engine::StageSpec) -> u128 {
-        self.model.planned_stage_activation_bytes(micro, seq_len, (build.precision, build.checkpointing), spec)
+        let how = (build.precision, build.checkpointing);
+        self.model.planned_stage_activation_bytes(micro, (seq_len, build.whole_len), how, spec)
     }
 
     fn build(&self, build: Build) -> Result<Box<dyn LanguageModel>> {
@@ -458,6 +459,11 @@ impl Family for LlamaFamily {
     fn pin_shape(&self, m: &mut ModelConfig) {
         let preset_window = self.dialect.preset(m.base_preset()).ok().and_then(|b| b.sliding_window);
         family::pin_section(m, self.dialect.family(), &Section::pinned(&self.cfg, preset_window));
+    }
+
+    fn position_keys(&self) -> &'static [&'static str] {
+        // `max_position_embeddings` and `rope_scaling`: the rotary tables are computed, not learned.
+        &["block_size", "rope_scaling"]
     }
 }
 

@@ -395,6 +395,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
             "bench measures one rank, or the ranks splitting the model's tensors; it does not run pipelines: set dist.pipeline_parallel = 1"
         );
     }
+    if cfg.dist.context_parallel != 1 {
+        bail!(
+            "bench measures one rank, or the ranks splitting the model's tensors; it does not split sequences: set dist.context_parallel = 1 (`train` reports a context-parallel run's tokens/s)"
+        );
+    }
     if world != 1 && world != t {
         bail!(
             "bench measures one rank, or the dist.tensor_parallel = {t} ranks splitting the model's tensors; set dist.world_size = {t}"

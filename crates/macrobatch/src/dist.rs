@@ -47,12 +47,13 @@ impl Backend {
     }
 }
 
-/// How the world's ranks divide into pipeline stages, data-parallel ranks
-/// and tensor-parallel ranks (Megatron-LM's order: pipeline outer, tensor
-/// innermost): rank r = stage · (D · T) + d · T + t, so the T ranks that
-/// split one replica's tensors are neighbours, the D ranks holding the
-/// same part of the model are T apart and the P stages of one pipeline
-/// D · T apart.
+/// How the world's ranks divide into pipeline stages, data-parallel ranks,
+/// context-parallel ranks and tensor-parallel ranks (Megatron-LM's order:
+/// pipeline outer, tensor innermost): rank r = stage · (D · C · T) + d ·
+/// (C · T) + c · T + t, so the T ranks that split one replica's tensors are
+/// neighbours, the C ranks splitting its sequences T apart, the D ranks
+/// holding the same part of the model C · T apart and the P stages of one
+/// pipeline D · C · T apart.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Grid {
     /// Pipeline stages P (1: no pipeline).
@@ -63,7 +64,9 @@ pub struct Grid {
     pub vocab: bool,
     /// The residual stream's rows split over the T ranks (`dist.sequence_parallel`).
     pub seq: bool,
-    /// Data-parallel ranks D (= world / (P · T)).
+    /// Context-parallel ranks C (1: whole sequences).
+    pub context: usize,
+    /// Data-parallel ranks D (= world / (P · C · T)).
     pub data: usize,
     /// The layers (blocks) each stage runs.
     pub cuts: Vec<Range<usize>>,
@@ -84,6 +87,7 @@ impl Grid {
             tensor: dist.tensor_parallel,
             vocab: dist.vocab_parallel,
             seq: dist.sequence_parallel,
+            context: dist.context_parallel,
             data,
             cuts,
             schedule: dist.pipeline_schedule,
@@ -103,17 +107,22 @@ impl Grid {
     /// Whether a rank holds less than the whole model (a stage, a tensor
     /// slice or both): it then trains through the staged path.
     pub fn is_split(&self) -> bool {
-        self.is_pipeline() || self.is_tensor_parallel()
+        self.is_pipeline() || self.is_tensor_parallel() || self.context > 1
     }
 
     /// The stage of world rank `rank`.
     pub fn stage_of(&self, rank: usize) -> usize {
-        rank / (self.data * self.tensor)
+        rank / (self.data * self.context * self.tensor)
     }
 
     /// The data-parallel rank (which micro-batches it trains on) of world rank `rank`.
     pub fn data_rank_of(&self, rank: usize) -> usize {
-        (rank / self.tensor) % self.data
+        (rank / (self.context * self.tensor)) % self.data
+    }
+
+    /// The context-parallel rank (which positions of each sequence it runs) of world rank `rank`.
+    pub fn context_rank_of(&self, rank: usize) -> usize {
+        (rank / self.tensor) % self.context
     }
 
     /// The tensor-parallel rank (which slices it holds) of world rank `rank`.
@@ -137,6 +146,22 @@ impl Grid {
             .map(|r| if r.len() == 1 { format!("{}", r.start) } else { format!("{}-{}", r.start, r.end - 1) })
             .collect();
         let (p, t, d) = (self.stages, self.tensor, self.data);
+        if self.context > 1 {
+            let c = self.context;
+            let vocab = match (self.vocab && t > 1, self.seq && t > 1) {
+                (true, true) => ", the vocabulary and the sequence split",
+                (true, false) => ", the vocabulary split",
+                (false, true) => ", the sequence split",
+                (false, false) => "",
+            };
+            return format!(
+                "context parallel: C={c} (two chunks of each sequence per rank) × P={p} × T={t}{vocab} × D={d}; rank r = stage·{} + data·{} + context·{t} + tensor; pipeline {}, layers {}",
+                d * c * t,
+                c * t,
+                self.schedule,
+                cuts.join(" | ")
+            );
+        }
         if t == 1 {
             return format!(
                 "pipeline: P={p} ({}, layers {}), data parallel D={d}; rank r = stage·{d} + data",

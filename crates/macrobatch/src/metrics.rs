@@ -113,6 +113,16 @@ pub struct StepRecord {
     /// With tensor parallelism: how many there were.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tp_calls: Option<u64>,
+    /// With context parallelism: seconds rank 0 spent in attention's
+    /// key/value gathers and their gradients' reduce-scatters in the step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cp_s: Option<f64>,
+    /// With context parallelism: bytes rank 0 contributed to them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cp_bytes: Option<u64>,
+    /// With context parallelism: how many there were.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cp_calls: Option<u64>,
     /// Why the run stopped after this step before `train.steps` (early
     /// stopping), on that step's line only.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -5,7 +5,7 @@
 //! **Tags.** A field `G_rest` whose `G` is one of [`GROUPS`] is `G/rest`
 //! (`val_loss` → `val/loss`, `mem_peak_rss` → `mem/peak_rss`, `comm_s` →
 //! `comm/s`, `pipeline_bubble` → `pipeline/bubble`, `tp_bytes` →
-//! `tp/bytes`); any other field `f` is `train/f` (`train/loss`, `train/lr`,
+//! `tp/bytes`, `cp_bytes` → `cp/bytes`); any other field `f` is `train/f` (`train/loss`, `train/lr`,
 //! `train/grad_norm`, `train/loss_scale`, `train/tokens_per_s`, …). A list
 //! adds its index (`train/micro_losses/0`, `pipeline/idle_s/1`); booleans
 //! (`clipped`, `skipped`) are 0 or 1; absent and null fields are not
@@ -43,7 +43,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Field-name prefixes that become a tag group of their own (see the
 /// module's documentation); every other field is under `train/`.
-pub const GROUPS: &[&str] = &["val", "mem", "comm", "pipeline", "p2p", "tp"];
+pub const GROUPS: &[&str] = &["val", "mem", "comm", "pipeline", "p2p", "tp", "cp"];
 
 /// The start of every event file's name: what TensorBoard looks for.
 pub const FILE_PREFIX: &str = "events.out.tfevents.";

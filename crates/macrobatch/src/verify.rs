@@ -84,6 +84,12 @@ pub fn run(args: VerifyArgs) -> Result<bool> {
             cfg.dist.tensor_parallel
         );
     }
+    if cfg.dist.context_parallel > 1 {
+        bail!(
+            "verify compares data-parallel shapes of one step (dist.context_parallel = {}); run it with --set dist.context_parallel=1 (a context-parallel step equals the unsplit one within rounding: `train` with both and compare metrics.jsonl)",
+            cfg.dist.context_parallel
+        );
+    }
     let world = cfg.dist.world_size;
     let backend = if world > 1 { Backend::Threads(world) } else { Backend::Single };
     let plan = Arc::new(plan(cfg, backend)?);

@@ -168,6 +168,33 @@ fn init_from_does_not_silently_replace_an_explicit_shape() {
     }
 }
 
+/// Context extension: a pretrained Llama-block model trains on longer
+/// sequences than it was made for with `--set model.block_size` and a
+/// `model.rope_scaling` (its rotary tables are computed: no parameter
+/// depends on either), the resolved config keeping both; GPT-2's learned
+/// positions are parameters, so its `block_size` stays its shape.
+#[test]
+fn a_pretrained_rotary_model_takes_a_longer_context_and_its_scaling() {
+    let llama = ["model.family=llama", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32"];
+    let base = tmp("ctx-base");
+    ok(train(&base, &tiny(&[&llama[..], &["train.steps=1"]].concat())));
+    let out = tmp("ctx-run");
+    let scaling = "model.rope_scaling={factor=2.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32}";
+    let longer = ["train.steps=1", "model.block_size=64", "data.seq_len=64", scaling];
+    let mut c = train_cmd(&out, &tiny(&longer));
+    ok(c.arg("--init-from").arg(&base).output().unwrap());
+    let text = std::fs::read_to_string(out.join("config.resolved.toml")).unwrap();
+    assert!(text.contains("block_size = 64") && text.contains("original_max_position_embeddings = 32"), "{text}");
+    assert!(text.contains("n_layer = 1") && text.contains("n_embd = 32"), "the rest is the pretrained shape: {text}");
+    let gpt_base = tmp("ctx-gpt-base");
+    ok(train(&gpt_base, &tiny(&["train.steps=1"])));
+    let mut c = train_cmd(&tmp("ctx-gpt-run"), &tiny(&["train.steps=1", "model.block_size=64"]));
+    fails(&c.arg("--init-from").arg(&gpt_base).output().unwrap(), "--set model.block_size=64");
+    for d in [base, out, gpt_base] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
 /// A run started from a folder records that folder as the source of its
 /// shape, never a preset it did not use (`preset = "tiny"` beside another
 /// shape's keys), and its resolved config alone trains the same shape.

@@ -156,6 +156,44 @@ fn tile_rows(i: usize, t: usize) -> (usize, usize) {
     (i * TILE, ((i + 1) * TILE).min(t))
 }
 
+/// The query tiles of a sequence of `t` rows when only `rows` (sorted,
+/// disjoint `[start, end)` ranges) are computed: each range cut into
+/// tiles of [`TILE`] rows from its start. `[(0, t)]` gives the tiles of
+/// the whole sequence, at multiples of [`TILE`].
+fn query_tiles(t: usize, rows: &[(usize, usize)]) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut prev = 0;
+    for &(a, b) in rows {
+        assert!(prev <= a && a <= b && b <= t, "query rows {rows:?} of a sequence of {t}");
+        out.extend((a..b).step_by(TILE).map(|r0| (r0, (r0 + TILE).min(b))));
+        prev = b;
+    }
+    out
+}
+
+/// `buf` (rows of `width` per (outer, position) of `outer · t` rows) cut
+/// into one mutable piece per (outer index, tile of `tiles`), in order.
+fn carve<'b>(
+    buf: &'b mut [f32],
+    outer: usize,
+    t: usize,
+    width: usize,
+    tiles: &[(usize, usize)],
+) -> Vec<(usize, usize, usize, &'b mut [f32])> {
+    let mut pieces = Vec::with_capacity(outer * tiles.len());
+    let (mut rest, mut at) = (buf, 0);
+    for o in 0..outer {
+        for &(r0, r1) in tiles {
+            let start = (o * t + r0) * width;
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(start - at);
+            let (mine, tail) = tail.split_at_mut((r1 - r0) * width);
+            pieces.push((o, r0, r1, mine));
+            (rest, at) = (tail, (o * t + r1) * width);
+        }
+    }
+    pieces
+}
+
 /// Copies rows `r0..r1` of the `d` columns at `col` of the `w`-wide rows
 /// starting at `row0` into `dst` (dense, `d` wide).
 fn gather_tile(
@@ -179,6 +217,26 @@ fn gather_tile(
 /// # Panics
 /// Unless every slice has exactly the length the shape implies.
 pub fn flash_attention_forward(y: &mut [f32], lse: &mut [f32], qkv: &[f32], s: AttnShape, docs: Visible<'_>) {
+    flash_attention_forward_rows(y, lse, qkv, s, docs, &[(0, s.t)]);
+}
+
+/// [`flash_attention_forward`] for the query rows `rows` of each sequence
+/// only (sorted, disjoint `[start, end)` ranges of positions; context
+/// parallelism's chunks): their rows of `y` and `lse` are written, the
+/// others left as they are. Each range is cut into tiles from its start;
+/// a row's keys are walked in the same key tiles, so a range starting on
+/// a multiple of [`TILE`] gives the whole call's bits for its rows.
+///
+/// # Panics
+/// As [`flash_attention_forward`], and on ranges out of order or past `t`.
+pub fn flash_attention_forward_rows(
+    y: &mut [f32],
+    lse: &mut [f32],
+    qkv: &[f32],
+    s: AttnShape,
+    docs: Visible<'_>,
+    rows: &[(usize, usize)],
+) {
     engine::profile::timed(engine::profile::Kind::Attention, || {
         let AttnShape { b, t, n_head, n_kv_head, head_dim: d, ops } = s;
         let (qd, w) = (s.q_dim(), s.qkv_width());
@@ -190,12 +248,10 @@ pub fn flash_attention_forward(y: &mut [f32], lse: &mut [f32], qkv: &[f32], s: A
         let group = n_head / n_kv_head;
         let scale = docs.scores.scale_for(d);
         let par = Par::ONE.with(ops);
-        let tile_lse: Vec<Vec<f32>> = y
-            .par_chunks_mut(t * qd)
-            .enumerate()
-            .flat_map(|(bi, ys)| ys.par_chunks_mut(TILE * qd).enumerate().map(move |(qi, yt)| (bi, qi, yt)))
-            .map(|(bi, qi, yt)| {
-                let (r0, r1) = tile_rows(qi, t);
+        let qt = query_tiles(t, rows);
+        let tile_lse: Vec<Vec<f32>> = carve(y, b, t, qd, &qt)
+            .into_par_iter()
+            .map(|(bi, r0, r1, yt)| {
                 let nr = r1 - r0;
                 let row0 = bi * t * w;
                 let (mut sc, mut kt, mut vt) =
@@ -208,7 +264,8 @@ pub fn flash_attention_forward(y: &mut [f32], lse: &mut [f32], qkv: &[f32], s: A
                 let k0 = docs.start(bi, t, r0) / TILE;
                 for kvh in 0..n_kv_head {
                     let (kc, vc) = (qd + kvh * d, qd + (n_kv_head + kvh) * d);
-                    for kj in k0..=qi {
+                    // Through the key tile of the tile's last row (the diagonal's).
+                    for kj in k0..=(r1 - 1) / TILE {
                         let (c0, c1) = tile_rows(kj, t);
                         let nc = c1 - c0;
                         gather_tile(&mut kt, qkv, (row0, w, kc, d), (c0, c1));
@@ -284,8 +341,7 @@ pub fn flash_attention_forward(y: &mut [f32], lse: &mut [f32], qkv: &[f32], s: A
             .collect();
         // Tiles come back in (sequence, tile) order: scatter into [B, n_head, T].
         for (task, tl) in tile_lse.iter().enumerate() {
-            let (bi, qi) = (task / tiles(t), task % tiles(t));
-            let (r0, r1) = tile_rows(qi, t);
+            let (bi, (r0, r1)) = (task / qt.len(), qt[task % qt.len()]);
             for h in 0..n_head {
                 lse[(bi * n_head + h) * t + r0..][..r1 - r0].copy_from_slice(&tl[h * (r1 - r0)..][..r1 - r0]);
             }
@@ -318,6 +374,26 @@ pub fn flash_attention_backward(
     s: AttnShape,
     docs: Visible<'_>,
 ) {
+    flash_attention_backward_rows(dqkv, heads, dy, saved, s, docs, &[(0, s.t)]);
+}
+
+/// [`flash_attention_backward`] of [`flash_attention_forward_rows`]: the
+/// gradients from the query rows `rows` of each sequence only — dq of the
+/// other rows is 0, dk and dv sum what those queries send every key (0
+/// for a key none of them sees). Only the values of `dy`, `y` and `lse` at
+/// `rows` matter.
+///
+/// # Panics
+/// As [`flash_attention_backward`], and on ranges out of order or past `t`.
+pub fn flash_attention_backward_rows(
+    dqkv: &mut [f32],
+    heads: &mut [f32],
+    dy: &[f32],
+    saved: (&[f32], &[f32], &[f32]),
+    s: AttnShape,
+    docs: Visible<'_>,
+    rows: &[(usize, usize)],
+) {
     engine::profile::timed(engine::profile::Kind::Attention, || {
         let (qkv, y, lse) = saved;
         let AttnShape { b, t, n_head, n_kv_head, head_dim: d, ops } = s;
@@ -335,6 +411,7 @@ pub fn flash_attention_backward(
             ],
         );
         docs.check(b, t);
+        let qt = query_tiles(t, rows);
         // D [B, n_head, T]: Σ dy ⊙ y over each row of each head (= Σ_j P ⊙ dP).
         let mut dsum = vec![0.0f32; b * n_head * t];
         dsum.par_chunks_mut(t).enumerate().for_each(|(bh, dh)| {
@@ -345,9 +422,13 @@ pub fn flash_attention_backward(
             }
         });
         let scale = docs.scores.scale_for(d);
-        let bw = Backward { qkv, dy, lse, dsum: &dsum, s, docs, scale, par: Par::ONE.with(ops) };
+        let bw = Backward { qkv, dy, lse, dsum: &dsum, s, docs, scale, par: Par::ONE.with(ops), tiles: &qt };
         let group = n_head / n_kv_head;
         let (dq_h, dkv_h) = heads.split_at_mut(b * t * qd);
+        if rows != [(0, t)] {
+            // Rows no query tile writes.
+            dq_h.fill(0.0);
+        }
         let (dk_h, dv_h) = dkv_h.split_at_mut(b * t * kvd);
         if b * n_kv_head >= rayon::current_num_threads() {
             dq_h.par_chunks_mut(group * t * d)
@@ -370,10 +451,9 @@ pub fn flash_attention_backward(
                     tiles.enumerate().map(move |(kj, dkv_j)| (bkv, kj, dkv_j))
                 })
                 .for_each(|(bkv, kj, dkv_j)| bw.key_tile((bkv, kj), dkv_j, None, &mut Scratch::new(d)));
-            dq_h.par_chunks_mut(t * d)
-                .enumerate()
-                .flat_map(|(bh, dq)| dq.par_chunks_mut(TILE * d).enumerate().map(move |(qi, dq_i)| (bh, qi, dq_i)))
-                .for_each(|(bh, qi, dq_i)| bw.query_tile((bh, qi), dq_i, &mut Scratch::new(d)));
+            carve(dq_h, b * n_head, t, d, &qt)
+                .into_par_iter()
+                .for_each(|(bh, r0, r1, dq_i)| bw.query_tile((bh, (r0, r1)), dq_i, &mut Scratch::new(d)));
         }
         qkv_heads_to_rows(dqkv, heads, s);
     })
@@ -389,6 +469,8 @@ struct Backward<'a> {
     docs: Visible<'a>,
     scale: f32,
     par: Par,
+    /// The query tiles of each sequence ([`query_tiles`]).
+    tiles: &'a [(usize, usize)],
 }
 
 /// A backward task's tiles: probabilities, score gradients, keys, values.
@@ -427,15 +509,15 @@ impl Backward<'_> {
         gather_tile(&mut sc.vt, self.qkv, (bi * t * w, w, vc, d), tile_rows(kj, t));
     }
 
-    /// Recomputes, for query tile `qi` of head `h` against the gathered key
+    /// Recomputes, for query tile `(r0, r1)` of head `h` against the gathered key
     /// tile `kj`, `P = exp(S − lse)` with `S = scale · q · kᵀ` (masked past
     /// the diagonal) into `sc.p` and `dS = P ⊙ (dy · vᵀ − D)` into `sc.ds`
     /// (`nr × nc`, row stride `nc`). With a soft cap `c`, `P` is of the
     /// capped scores `c·tanh(S/c)` and `dS` is times their derivative
     /// `1 − tanh²(S/c)`: the gradient of the uncapped `S`.
-    fn probs(&self, (bi, h): (usize, usize), (qi, kj): (usize, usize), sc: &mut Scratch) {
+    fn probs(&self, (bi, h): (usize, usize), ((r0, r1), kj): ((usize, usize), usize), sc: &mut Scratch) {
         let AttnShape { t, n_head, head_dim: d, .. } = self.s;
-        let ((r0, r1), (c0, c1)) = (tile_rows(qi, t), tile_rows(kj, t));
+        let (c0, c1) = tile_rows(kj, t);
         let (nr, nc) = (r1 - r0, c1 - c0);
         let (q, dy) = self.q_dy(bi, h, r0);
         let dims = GemmDims { m: nr, n: nc, k: d };
@@ -482,9 +564,9 @@ impl Backward<'_> {
     }
 
     /// dk and dv of key tile `kj` of key/value head `bkv % n_kv_head` of
-    /// sequence `bkv / n_kv_head`, overwritten: query tiles `kj..` that see
-    /// any of its keys, in order, each over the group's query heads in
-    /// order. With `dq` (the group's head-major dq, `[group, T, d]`), also
+    /// sequence `bkv / n_kv_head`, overwritten (0 where none sees it): the
+    /// query tiles that see any of its keys, in order, each over the
+    /// group's query heads in order. With `dq` (the group's head-major dq, `[group, T, d]`), also
     /// adds this key tile's share of it (overwriting at the query tile's
     /// first visible key tile; called for key tiles in order).
     fn key_tile(
@@ -497,11 +579,16 @@ impl Backward<'_> {
         let AttnShape { t, n_head, n_kv_head, head_dim: d, .. } = self.s;
         let (bi, kvh, group) = (bkv / n_kv_head, bkv % n_kv_head, n_head / n_kv_head);
         self.gather_kv(bi, kvh, kj, sc);
-        let nc = tile_rows(kj, t).1 - tile_rows(kj, t).0;
-        let c1 = tile_rows(kj, t).1;
-        for qi in kj..tiles(t) {
-            let (r0, r1) = tile_rows(qi, t);
+        let (c0, c1) = tile_rows(kj, t);
+        let nc = c1 - c0;
+        // The first query tile that sees the key tile overwrites dk_j and dv_j.
+        let mut first = true;
+        for &(r0, r1) in self.tiles {
             let nr = r1 - r0;
+            if r1 <= c0 {
+                // Every row before the key tile: causally masked.
+                continue;
+            }
             // Starts never decrease along a row: once the first row of a
             // query tile sees no key of this tile, no later row does.
             let k0 = self.docs.start(bi, t, r0) / TILE;
@@ -511,9 +598,10 @@ impl Backward<'_> {
             }
             for g in 0..group {
                 let h = kvh * group + g;
-                self.probs((bi, h), (qi, kj), sc);
+                self.probs((bi, h), ((r0, r1), kj), sc);
                 let (q, dy) = self.q_dy(bi, h, r0);
-                let acc = GemmOut { offset: 0, rs: d, accumulate: !(qi == kj && g == 0) };
+                let acc = GemmOut { offset: 0, rs: d, accumulate: !first };
+                first = false;
                 let dims = GemmDims { m: nc, n: d, k: nr };
                 // dv_j (+)= Pᵀ · dy and dk_j (+)= scale · dSᵀ · q: (nc, nr) @ (nr, d)
                 gemm_into(dims, dv_j, acc, Strided::transposed(&sc.p, nc), dy, 1.0, self.par);
@@ -524,19 +612,23 @@ impl Backward<'_> {
                 }
             }
         }
+        if first {
+            // No query here sees these keys.
+            dk_j.fill(0.0);
+            dv_j.fill(0.0);
+        }
     }
 
-    /// dq of query tile `qi` of query head `bh % n_head` of sequence
-    /// `bh / n_head`, overwritten: key tiles `0..=qi` in order.
-    fn query_tile(&self, (bh, qi): (usize, usize), dq_i: &mut [f32], sc: &mut Scratch) {
+    /// dq of query tile `(r0, r1)` of query head `bh % n_head` of sequence
+    /// `bh / n_head`, overwritten: key tiles through the diagonal's, in order.
+    fn query_tile(&self, (bh, (r0, r1)): (usize, (usize, usize)), dq_i: &mut [f32], sc: &mut Scratch) {
         let AttnShape { t, n_head, n_kv_head, .. } = self.s;
         let (bi, h) = (bh / n_head, bh % n_head);
-        let (r0, r1) = tile_rows(qi, t);
         // Key tiles left of the first row's document add nothing.
         let k0 = self.docs.start(bi, t, r0) / TILE;
-        for kj in k0..=qi {
+        for kj in k0..=(r1 - 1) / TILE {
             self.gather_kv(bi, h / (n_head / n_kv_head), kj, sc);
-            self.probs((bi, h), (qi, kj), sc);
+            self.probs((bi, h), ((r0, r1), kj), sc);
             let (c0, c1) = tile_rows(kj, t);
             self.add_dq(dq_i, (r1 - r0, c1 - c0), kj == k0, sc);
         }

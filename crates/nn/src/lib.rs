@@ -29,6 +29,7 @@
 
 pub mod act;
 pub mod attention;
+pub mod context;
 pub mod dora;
 pub mod embed;
 pub mod fd;

@@ -25,8 +25,8 @@ use crate::stack::{Part, Slots, Stack, StackSizes, DRES};
 use crate::{Positions, Strided};
 use engine::batch::TokenBatch;
 use engine::{
-    Checkpointing, EngineError, FullStore, GradOut, MicroStepStats, ParamLayout, ParamStore, Precision, SegmentView,
-    StageSpec, TpRank,
+    Checkpointing, ContextRank, EngineError, FullStore, GradOut, MicroStepStats, ParamLayout, ParamStore, Precision,
+    SegmentView, StageSpec, TpRank,
 };
 use std::borrow::Cow;
 use std::ops::Range;
@@ -74,6 +74,9 @@ pub struct Ends {
     /// ([`TpRank::splits_seq`]: the embedding's output, the blocks'
     /// residual stream, the final norm; the head sees every row, gathered).
     pub tp: TpRank,
+    /// The context-parallel rank ([`engine::context`]): which positions of
+    /// each sequence this model runs ([`ContextRank::local_batch`]).
+    pub cp: ContextRank,
     /// Blocks of the whole model.
     pub n_blocks: usize,
     /// The most positions a row may hold, and the configuration key that sets it.
@@ -127,8 +130,10 @@ pub struct Acts<X> {
     sized: Option<(Precision, Checkpointing)>,
     /// Sequences.
     pub b: usize,
-    /// Positions per sequence.
+    /// Positions per sequence (this rank's, under context parallelism).
     pub t: usize,
+    /// Positions per whole sequence: `t`, or all the context group's.
+    pub whole_t: usize,
     /// The blocks' activations and working buffers.
     pub stack: Stack,
     /// The final norm's output, mean (LayerNorm) and 1/std or 1/rms.
@@ -159,7 +164,8 @@ impl<X: Extra> Acts<X> {
         let [norm, mean, rstd, logits, losses] = ends.map(crate::stack::zeros);
         let sized = Some((stack.precision, stack.checkpointing));
         let (pos, docs, scratch) = (Vec::new(), Vec::new(), stack.scratch.clone());
-        Acts { sized, b, t, stack: Stack::new(stack), norm, mean, rstd, logits, losses, pos, docs, extra, scratch }
+        let stack = Stack::new(stack);
+        Acts { sized, b, t, whole_t: t, stack, norm, mean, rstd, logits, losses, pos, docs, extra, scratch }
     }
 
     /// Bytes held (activations and scratch), for memory accounting.
@@ -326,9 +332,34 @@ impl<X: Extra> Shell<X> {
 
     /// Values of the residual stream this rank holds for `batch` (a
     /// pipeline stage's input and output): every row's, or its rows'
-    /// under sequence parallelism.
+    /// under sequence parallelism, of its positions under context parallelism.
     pub fn residual_len(&self, batch: &TokenBatch) -> usize {
-        self.ends.tp.seq_rows(batch.n_seqs * batch.seq_len).len() * self.ends.width
+        let rows = batch.n_seqs * self.ends.cp.local_len(batch.seq_len);
+        self.ends.tp.seq_rows(rows).len() * self.ends.width
+    }
+
+    /// This rank's share of `batch` ([`ContextRank::local_batch`]): the
+    /// batch itself unless sequences are split over a context group.
+    pub fn local_batch<'b>(&self, batch: &'b TokenBatch) -> Cow<'b, TokenBatch> {
+        match self.ends.cp.is_split() {
+            true => Cow::Owned(self.ends.cp.local_batch(batch)),
+            false => Cow::Borrowed(batch),
+        }
+    }
+
+    /// The current slot's whole sequences (`whole`, of which this rank runs
+    /// its positions): their length and document starts.
+    fn enter_whole(&mut self, whole: &TokenBatch) {
+        self.acts.whole_t = whole.seq_len;
+        if self.ends.cp.is_split() {
+            self.acts.docs = whole.doc_starts();
+        }
+    }
+
+    /// Where the current slot's rows sit in their sequences (attention
+    /// under context parallelism).
+    pub fn context(&self) -> crate::context::Context {
+        crate::context::Context { rank: self.ends.cp, t: self.acts.whole_t }
     }
 
     /// Errors unless this model runs all of itself (not a pipeline stage).
@@ -359,7 +390,10 @@ impl<X: Extra> Shell<X> {
         first: usize,
     ) -> Result<(), EngineError> {
         self.acts.pos.clone_from(&batch.positions);
-        self.acts.docs = batch.doc_starts();
+        if !self.ends.cp.is_split() {
+            // Under context parallelism: the whole batch's, set by the caller.
+            self.acts.docs = batch.doc_starts();
+        }
         if self.stage.is_first() {
             let tokens = self.local_tokens(&batch.inputs);
             let (e, a, c) = (&self.ends, &mut self.acts, self.ends.width);
@@ -745,12 +779,25 @@ pub fn stage_forward<D: Decoder>(
 ) -> Result<MicroStepStats, D::Error> {
     let sh = d.shell();
     sh.check(batch).map_err(D::invalid_batch)?;
-    let want = sh.residual_len(batch);
+    let whole = batch;
+    let local = sh.local_batch(whole);
+    let batch = &*local;
+    let want = sh.residual_len(whole);
     sh.stage
         .check_io(("the stage's input", input.len()), ("the stage's output", output.len()), want)
         .map_err(D::invalid_batch)?;
+    if sh.ends.cp.is_split()
+        && !matches!(sh.checkpointing, Checkpointing::None | Checkpointing::Blocks | Checkpointing::EveryK(_))
+    {
+        let problem = format!(
+            "activation checkpointing {:?} recomputes the attention core alone, which under context parallelism ({}) needs the group's keys and values: use \"blocks\" or none",
+            sh.checkpointing, sh.ends.cp
+        );
+        return Err(D::invalid_batch(problem));
+    }
     let pass = if loss_seed.is_some() { Pass::Train } else { Pass::Eval };
     ensure_acts(d, slot, (batch.n_seqs, batch.seq_len), pass);
+    d.shell_mut().enter_whole(whole);
     forward(d, store, batch, input, (pass, Attention::Causal))?;
     let sh = d.shell_mut();
     if !sh.stage.is_last() {
@@ -778,6 +825,8 @@ pub fn stage_backward<D: Decoder>(
 ) -> Result<(), D::Error> {
     let sh = d.shell();
     let want = sh.residual_len(batch);
+    let local = sh.local_batch(batch);
+    let batch = &*local;
     // Read as a backward: the gradient of the output comes in (not on
     // the last stage), that of the input goes out (not on the first).
     sh.stage
@@ -840,7 +889,7 @@ fn logits_of<D: Decoder>(
         );
         return Err(D::invalid_batch(problem));
     }
-    if sh.ends.tp.is_split() {
+    if sh.ends.tp.is_split() || sh.ends.cp.is_split() {
         // Outside a trainer no group sums the ranks' parts.
         let problem = format!(
             "logits are asked of {}'s model, which holds a share of each layer and needs its group to sum them: run generation and logits on the whole model",
@@ -911,7 +960,8 @@ macro_rules! impl_decoder {
             }
 
             fn n_targets(&self, batch: &Self::Batch) -> u64 {
-                batch.n_targets()
+                // This rank's positions' (the context group's ranks add theirs).
+                $crate::shell::Decoder::shell(self).ends.cp.n_targets(batch)
             }
 
             fn micro_step(
@@ -947,6 +997,11 @@ macro_rules! impl_decoder {
 
             fn set_stage(&mut self, spec: $crate::shell::engine::StageSpec) {
                 $crate::shell::Decoder::shell_mut(self).set_stage(spec)
+            }
+
+            fn context_parallel(&mut self, cp: $crate::shell::engine::ContextRank) -> Result<(), String> {
+                $crate::shell::Decoder::shell_mut(self).ends.cp = cp;
+                Ok(())
             }
 
             fn tensor_shards(&self) -> Option<$crate::shell::engine::TensorShards> {

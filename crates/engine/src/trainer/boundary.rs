@@ -96,7 +96,7 @@ impl Trainer {
         }
         .map_err(comm_err)?
             * normalize;
-        let (pipeline, tensor, overlap) = (acc.pipeline, acc.tensor, acc.overlap);
+        let (pipeline, tensor, context, overlap) = (acc.pipeline, acc.tensor, acc.context, acc.overlap);
         let waited = overlap.as_ref().map_or(0.0, |o| o.waited_s);
         let report = |grad_norm, clipped, skipped, lr, groups: &Groups<'_>| {
             let after = groups.dp.counters();
@@ -119,6 +119,7 @@ impl Trainer {
                 loss_scale,
                 pipeline: pipeline.clone(),
                 tensor,
+                context,
                 overlap: overlap.clone(),
             }
         };

@@ -339,7 +339,7 @@ impl Trainer {
         stage: &PipelineStage,
         dp: &mut dyn Communicator,
         pipe: &mut dyn Communicator,
-        tp: Option<&mut dyn Communicator>,
+        (tp, mut cp): (Option<&mut dyn Communicator>, Option<&mut dyn Communicator>),
         micro_batches: &[M::Batch],
     ) -> Result<StepReport, EngineError> {
         let k = micro_batches.len();
@@ -391,6 +391,7 @@ impl Trainer {
             unreachable!("built with a pipeline group above")
         };
         self.tp_traffic = Default::default();
+        self.cp_traffic = Default::default();
 
         self.begin_accumulation();
         let mut acc = Accumulated::new(k);
@@ -413,8 +414,9 @@ impl Trainer {
                     out.resize(if last { 0 } else { len(m) }, 0.0);
                     let t0 = Instant::now();
                     let tpc = tp.as_mut().map(|t| -> &mut dyn Communicator { &mut *t.comm });
+                    let cpc = cp.as_mut().map(shorter);
                     let mut store =
-                        StageStore { inner: &mut self.store_tp(&mut **dp, tpc, true), stage: &stage.layout };
+                        StageStore { inner: &mut self.store_tp(&mut **dp, (tpc, cpc), true), stage: &stage.layout };
                     let stats = model
                         .stage_forward(
                             &mut store,
@@ -450,8 +452,9 @@ impl Trainer {
                     gin.resize(if s == 0 { 0 } else { len(m) }, 0.0);
                     let t0 = Instant::now();
                     let tpc = tp.as_mut().map(|t| -> &mut dyn Communicator { &mut *t.comm });
+                    let cpc = cp.as_mut().map(shorter);
                     let mut store =
-                        StageStore { inner: &mut self.store_tp(&mut **dp, tpc, true), stage: &stage.layout };
+                        StageStore { inner: &mut self.store_tp(&mut **dp, (tpc, cpc), true), stage: &stage.layout };
                     model.stage_backward(&mut store, &micro_batches[m], plan.slot[m], &gout, &mut gin).map_err(
                         |e| EngineError::Model { step: step_idx + 1, micro_step_idx: m, source: Box::new(e) },
                     )?;
@@ -468,6 +471,7 @@ impl Trainer {
         let p2p_bytes = pipe.counters().p2p_bytes_sent - p2p_before;
         acc.pipeline = Some(PipelineReport { stage: s, bubble: schedule.bubble_fraction(), idle_s, p2p_bytes });
         acc.tensor = split.then(|| std::mem::take(&mut self.tp_traffic));
+        acc.context = cp.is_some_and(|c| c.world_size() > 1).then(|| std::mem::take(&mut self.cp_traffic));
         self.boundary(&mut groups, acc, &seeds, loss_scale, before)
     }
 
@@ -479,7 +483,7 @@ impl Trainer {
         stage: &PipelineStage,
         dp: &mut dyn Communicator,
         pipe: &mut dyn Communicator,
-        tp: Option<&mut dyn Communicator>,
+        (tp, mut cp): (Option<&mut dyn Communicator>, Option<&mut dyn Communicator>),
         batch: &M::Batch,
     ) -> Result<MicroStepStats, EngineError> {
         let tp = check_tp_group(stage, tp)?;
@@ -492,7 +496,9 @@ impl Trainer {
             pipe.recv(&mut act, s - 1, TAG_EVAL).map_err(comm_err)?;
         }
         let mut out = vec![0.0; if last { 0 } else { n }];
-        let mut store = StageStore { inner: &mut self.store_tp(dp, tp, false), stage: &stage.layout };
+        let mut tp = tp;
+        let (tpc, cpc) = (tp.as_mut().map(shorter), cp.as_mut().map(shorter));
+        let mut store = StageStore { inner: &mut self.store_tp(dp, (tpc, cpc), false), stage: &stage.layout };
         let stats = model
             .stage_forward(&mut store, batch, 0, &act, &mut out, None)
             .map_err(|e| EngineError::Model { step, micro_step_idx: 0, source: Box::new(e) })?;
@@ -502,6 +508,10 @@ impl Trainer {
         }
         let mut v = if last { [stats.loss_sum, stats.n_targets as f64] } else { [0.0; 2] };
         pipe.all_reduce_sum_f64(&mut v).map_err(comm_err)?;
+        if let Some(c) = cp {
+            // Each context rank's loss is of its positions.
+            c.all_reduce_sum_f64(&mut v).map_err(comm_err)?;
+        }
         Ok(MicroStepStats { loss_sum: v[0], n_targets: v[1] as u64, ..Default::default() })
     }
 
@@ -581,4 +591,11 @@ fn check_tp_group<'a>(
             shards.tp.rank, shards.tp.size
         ))),
     }
+}
+
+/// A group reborrowed with its trait object's lifetime cut to the borrow
+/// (`Option::as_deref_mut` keeps the original one, which `&mut`'s
+/// invariance then forces on every group handed out beside it).
+fn shorter<'s>(c: &'s mut &mut dyn Communicator) -> &'s mut (dyn Communicator + 's) {
+    &mut **c
 }

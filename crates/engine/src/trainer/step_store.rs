@@ -14,19 +14,21 @@ use comm::Communicator;
 impl Trainer {
     /// A store over this trainer's buffers for one pass of the model.
     pub(super) fn store<'a>(&'a mut self, comm: &'a mut dyn Communicator, with_grads: bool) -> StepStore<'a> {
-        self.store_tp(comm, None, with_grads)
+        self.store_tp(comm, (None, None), with_grads)
     }
 
-    /// [`Trainer::store`] whose segments carry the tensor-parallel group `tp`.
+    /// [`Trainer::store`] whose segments carry the tensor-parallel group
+    /// `groups.0` and the context-parallel group `groups.1`.
     pub(super) fn store_tp<'a, 'c: 'a>(
         &'a mut self,
         comm: &'a mut dyn Communicator,
-        tp: Option<&'a mut (dyn Communicator + 'c)>,
+        groups: (Option<&'a mut (dyn Communicator + 'c)>, Option<&'a mut (dyn Communicator + 'c)>),
         with_grads: bool,
     ) -> StepStore<'a> {
         let step = self.n_steps + 1;
         StepStore {
-            tp: tp.map(|comm| TpLink { comm, traffic: &mut self.tp_traffic, step }),
+            tp: groups.0.map(|comm| TpLink { comm, traffic: &mut self.tp_traffic, step }),
+            cp: groups.1.map(|comm| TpLink { comm, traffic: &mut self.cp_traffic, step }),
             part: &self.part,
             zero_stage: self.zero_stage,
             with_grads,
@@ -49,6 +51,7 @@ impl Trainer {
 /// The store a model sees during a step.
 pub(super) struct StepStore<'a> {
     tp: Option<TpLink<'a>>,
+    cp: Option<TpLink<'a>>,
     part: &'a Partition,
     zero_stage: ZeroStage,
     with_grads: bool,
@@ -120,13 +123,13 @@ impl ParamStore for StepStore<'_> {
             None => &self.params[r],
         };
         if !self.with_grads {
-            let tp = TensorGroup::new(self.tp.as_mut());
+            let tp = TensorGroup::new(self.tp.as_mut(), self.cp.as_mut());
             return Ok(SegmentView { params, grads: SegmentGrads::none(), tp });
         }
 
         let buf = grad_buf(self.part, self.zero_stage, self.grads, self.seg_grads, seg);
         let grads = Written { space: &self.part.space, flags: self.written }.into_view(seg, buf);
-        let tp = TensorGroup::new(self.tp.as_mut());
+        let tp = TensorGroup::new(self.tp.as_mut(), self.cp.as_mut());
         Ok(SegmentView { params, grads, tp })
     }
 

@@ -4,7 +4,7 @@
 //! checkpointing off/on, and ZeRO-1, each against the model uncut.
 
 use super::suite;
-use engine::conformance::pipeline::{check_all_layouts, check_tensor_layouts, PipelineCase};
+use engine::conformance::pipeline::{check_all_layouts, check_context_layouts, check_tensor_layouts, PipelineCase};
 use engine::conformance::TokenSamples;
 use engine::rng::SplitMix64;
 use engine::{Checkpointing, Model, Precision, TpRank};
@@ -37,6 +37,16 @@ pub fn matrix_with_loss_chunk(cfg: LlamaConfig, loss_chunk: Option<usize>) {
     check_all_layouts(&case, 1e-6, 1e-5, !tied).unwrap_or_else(|e| panic!("{e}"));
 }
 
+/// Tensor-parallel rank `tp`'s model of `cfg`, with `lora` adapters on a
+/// frozen base if given.
+fn rank_model(cfg: &LlamaConfig, lora: Option<&LoraConfig>, (p, ck): (Precision, Checkpointing), tp: TpRank) -> Llama {
+    let mut m = Llama::tensor_parallel(cfg.clone(), lora.cloned(), p, tp).expect("valid split").with_checkpointing(ck);
+    if lora.is_some() {
+        m.set_trainable(&|t| t.name.contains(".lora_"));
+    }
+    m
+}
+
 /// `cfg` split over T ∈ `ts` tensor-parallel ranks (and in 3D, and at
 /// ZeRO-1) against uncut, with `lora` adapters on a frozen base if given
 /// (see `check_tensor_layouts`); returns the largest relative loss
@@ -62,17 +72,12 @@ pub fn seq_matrix(
     f32_tol: (f64, f32),
     bf16_tol: (f64, f64),
 ) -> f64 {
-    let (c, l) = (cfg.clone(), lora.clone());
-    let build = move |p: Precision, ck: Checkpointing, tp: TpRank| {
+    let build = |p: Precision, ck: Checkpointing, tp: TpRank| {
         let tp = match seq {
             Some(vocab) => tp.with_seq(true).with_vocab(vocab),
             None => tp,
         };
-        let mut m = Llama::tensor_parallel(c.clone(), l.clone(), p, tp).expect("valid split").with_checkpointing(ck);
-        if l.is_some() {
-            m.set_trainable(&|t| t.name.contains(".lora_"));
-        }
-        m
+        rank_model(&cfg, lora.as_ref(), (p, ck), tp)
     };
     let seqs = TokenSamples::new(48, t, suite::V as u64, 9);
     let case = PipelineCase { model: &build, init: init(&cfg, lora.as_ref()), seqs: &seqs };
@@ -100,4 +105,23 @@ pub fn vocab_matrix(
     let seqs = TokenSamples::new(48, suite::T, suite::V as u64, 9);
     let case = PipelineCase { model: &build, init: init(&cfg, None), seqs: &seqs };
     check_tensor_layouts(&case, f32_tol, bf16_tol, ts).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// `cfg` with each sequence of `t` tokens split over C ∈ `cs`
+/// context-parallel ranks (and with data, tensor and pipeline parallelism:
+/// see `check_context_layouts`) against uncut, with `lora` adapters on a
+/// frozen base if given; returns the largest relative loss difference and
+/// the largest normwise first-gradient difference.
+pub fn context_matrix(
+    cfg: LlamaConfig,
+    lora: Option<LoraConfig>,
+    (t, cs): (usize, &[usize]),
+    f32_tol: (f64, f32),
+    bf16_tol: (f64, f64),
+) -> (f64, f64) {
+    let cfg = LlamaConfig { max_position_embeddings: t, ..cfg };
+    let build = |p: Precision, ck: Checkpointing, tp: TpRank| rank_model(&cfg, lora.as_ref(), (p, ck), tp);
+    let seqs = TokenSamples::new(48, t, suite::V as u64, 9);
+    let case = PipelineCase { model: &build, init: init(&cfg, lora.as_ref()), seqs: &seqs };
+    check_context_layouts(&case, f32_tol, bf16_tol, cs).unwrap_or_else(|e| panic!("{e}"))
 }

@@ -34,20 +34,35 @@ pub struct Measured {
 /// tensor rank, as the grid lays them out), f32, AdamW, ZeRO 0: each world
 /// rank's measurement.
 pub fn measure(pl: &Plan, p: usize, t: usize, kind: ScheduleKind, k: usize, micro: usize) -> Vec<Measured> {
+    measure_grid(pl, (p, 1, t), kind, k, micro)
+}
+
+/// [`measure`] on `p` stages × `c` context ranks × `t` tensor ranks (world
+/// rank = s·(c·t) + context rank·t + tensor rank; the context ranks are
+/// the data-parallel group).
+pub fn measure_grid(
+    pl: &Plan,
+    (p, c, t): (usize, usize, usize),
+    kind: ScheduleKind,
+    k: usize,
+    micro: usize,
+) -> Vec<Measured> {
     let n_blocks = setup::model_for(pl).unwrap().n_blocks();
     let cuts = partition_layers(n_blocks, p, None).unwrap();
     let seq = pl.train.seq_len();
-    let comms = comm::threads::group(p * t, std::time::Duration::from_secs(300));
+    let comms = comm::threads::group(p * c * t, std::time::Duration::from_secs(300));
     std::thread::scope(|sc| {
         let handles: Vec<_> = comms
             .into_iter()
             .map(|mut world| {
                 let cuts = &cuts;
                 sc.spawn(move || {
-                    let (stage, tr) = (world.rank() / t, world.rank() % t);
-                    let mut dp = world.split(stage * t + tr, 0).unwrap();
-                    let mut pipe = world.split(tr, stage).unwrap();
-                    let mut tp = world.split(stage, tr).unwrap();
+                    let r = world.rank();
+                    let (stage, cr, tr) = (r / (c * t), (r / t) % c, r % t);
+                    let mut dp = world.split(stage * t + tr, cr).unwrap();
+                    let mut pipe = world.split(cr * t + tr, stage).unwrap();
+                    let mut tp = world.split(stage * c + cr, tr).unwrap();
+                    let mut cp = world.split(stage * t + tr, cr).unwrap();
                     let base = crate::heap::reset_peak();
                     let mut model = setup::model_for_rank(
                         pl,
@@ -56,6 +71,9 @@ pub fn measure(pl: &Plan, p: usize, t: usize, kind: ScheduleKind, k: usize, micr
                             .with_seq(pl.cfg.dist.sequence_parallel),
                     )
                     .unwrap();
+                    if c > 1 {
+                        model.context_parallel(engine::ContextRank::new(cr, c)).unwrap();
+                    }
                     let ps = PipelineStage::new(&mut model, cuts, stage, kind, k).unwrap();
                     let n = ps.layout.layout.n_params();
                     let opt = Optimizer::AdamW(AdamW::new(n, 0.9, 0.95, 1e-8, 0.1).unwrap());
@@ -73,8 +91,11 @@ pub fn measure(pl: &Plan, p: usize, t: usize, kind: ScheduleKind, k: usize, micr
                         })
                         .collect();
                     let tp_group: Option<&mut dyn Communicator> = if t > 1 { Some(tp.as_mut()) } else { None };
-                    trainer.step_pipeline(&mut model, &ps, dp.as_mut(), pipe.as_mut(), tp_group, &batches).unwrap();
-                    drop(tp);
+                    let cp_group: Option<&mut dyn Communicator> = if c > 1 { Some(cp.as_mut()) } else { None };
+                    trainer
+                        .step_pipeline(&mut model, &ps, dp.as_mut(), pipe.as_mut(), (tp_group, cp_group), &batches)
+                        .unwrap();
+                    drop((tp, cp));
                     let peak = (crate::heap::peak() - base).max(0) as u64;
                     Measured { peak, activations: model.activation_bytes() as u64 }
                 })

@@ -77,6 +77,8 @@ pub struct Knobs {
     pub vocab_parallel: bool,
     /// The residual stream's rows split over the T ranks.
     pub sequence_parallel: bool,
+    /// Context-parallel ranks C (1: whole sequences); the world is P × D × C × T.
+    pub context_parallel: usize,
 }
 
 impl Knobs {
@@ -102,17 +104,25 @@ impl Knobs {
             tensor_parallel: cfg.dist.tensor_parallel,
             vocab_parallel: cfg.dist.vocab_parallel,
             sequence_parallel: cfg.dist.sequence_parallel,
+            context_parallel: cfg.dist.context_parallel,
         }
     }
 
-    /// Data ranks D = W / (P × T): per pipeline stage and tensor rank.
+    /// Data ranks D = W / (P × C × T): per pipeline stage, context rank and tensor rank.
     pub fn data_parallel(&self) -> usize {
-        self.world_size / (self.pipeline_parallel.max(1) * self.tensor_parallel.max(1))
+        self.world_size / (self.pipeline_parallel.max(1) * self.tensor_parallel.max(1) * self.context_parallel.max(1))
     }
 
-    /// Ranks holding one pipeline stage, D × T.
+    /// Ranks holding one pipeline stage, D × C × T.
     pub fn stage_ranks(&self) -> usize {
-        self.data_parallel() * self.tensor_parallel.max(1)
+        self.data_parallel() * self.context_parallel.max(1) * self.tensor_parallel.max(1)
+    }
+
+    /// Positions of a sequence of `t` the busiest context rank runs (all
+    /// `t` without context parallelism): what its activations are sized by.
+    pub fn rank_positions(&self, t: usize) -> usize {
+        let c = self.context_parallel.max(1);
+        (0..c).map(|r| engine::ContextRank::new(r, c).local_len(t)).max().unwrap_or(t)
     }
 }
 
@@ -355,7 +365,7 @@ pub(crate) fn stage_states(plan: &Plan, knobs: Knobs, layers: Option<&[usize]>) 
     let dp = pipeline::data_parallel(&knobs)?;
     // The layout does not depend on checkpointing (a family without it
     // still gets planned; `train` refuses to run it).
-    let layout_build = Build { precision: knobs.precision, checkpointing: Checkpointing::None };
+    let layout_build = Build { precision: knobs.precision, checkpointing: Checkpointing::None, whole_len: None };
     let built = |f: &dyn Family| -> Result<Box<dyn family::LanguageModel>> {
         let mut model = f.build(layout_build)?;
         apply_trainable(&mut model, &trainable_patterns(cfg))?;
@@ -467,8 +477,13 @@ pub(crate) fn stage_estimates(
 ) -> Result<(Vec<Estimate>, Option<engine::Schedule>)> {
     let cfg = &plan.cfg;
     let dp = knobs.data_parallel().max(1);
-    let build = Build { precision: knobs.precision, checkpointing: knobs.checkpointing };
-    let seq_len = plan.train.seq_len();
+    // A context rank holds its positions of each sequence (activations,
+    // stage boundaries, tensor collectives); the data set's tokens are whole.
+    let whole_len = plan.train.seq_len();
+    let seq_len = knobs.rank_positions(whole_len);
+    let split = knobs.context_parallel > 1;
+    let build =
+        Build { precision: knobs.precision, checkpointing: knobs.checkpointing, whole_len: split.then_some(whole_len) };
     let accumulation_steps = plan.batch.global / (knobs.micro * dp).max(1);
     let blocks: Vec<_> = states.stages.iter().map(|s| s.blocks.clone()).collect();
     let (specs, schedule) = match &states.stack {
@@ -517,7 +532,7 @@ pub(crate) fn stage_estimates(
         true => tp * states.stages.iter().map(|st| staging(st).1).sum::<u64>() + n_stages * dp as u64 * tp_shared,
         false => staging(&states.stages[0]).1 + tp_shared,
     };
-    let tokens = (plan.train.n_samples() + plan.val.n_samples()) as u64 * seq_len as u64;
+    let tokens = (plan.train.n_samples() + plan.val.n_samples()) as u64 * whole_len as u64;
     let (p, g) = (4 * states.n_params, 4 * states.n_trainable);
     let state = states.slots * g;
     let mut out: Vec<Estimate> = states

@@ -192,7 +192,7 @@ mod tests {
                 assert_eq!(e.accumulation_steps, 8);
                 let spec =
                     StageSpec { stage: e.stage, n_stages: 4, blocks: e.blocks.0..e.blocks.1, in_flight: e.in_flight };
-                let build = family::Build { precision: k.precision, checkpointing: k.checkpointing };
+                let build = family::Build { precision: k.precision, checkpointing: k.checkpointing, whole_len: None };
                 let want = pl.family.stage_activation_bytes(1, seq, build, &spec);
                 assert_eq!(e.activations as u128, want, "{kind} stage {}", e.stage);
             }

@@ -267,6 +267,14 @@ pub fn report(plan: &Plan, knobs: Knobs, memory: u64, budget: u64, base_batch: O
 fn describe(e: &Estimate) -> String {
     let k = &e.knobs;
     let pipeline = match (k.pipeline_parallel, k.tensor_parallel) {
+        _ if k.context_parallel > 1 => format!(
+            " (P {} × D {} × C {} × T {}, {})",
+            k.pipeline_parallel,
+            k.data_parallel(),
+            k.context_parallel,
+            k.tensor_parallel,
+            k.pipeline_schedule
+        ),
         (0 | 1, 0 | 1) => String::new(),
         (0 | 1, t) => format!(" (T {t} × D {})", k.data_parallel()),
         (p, 0 | 1) => format!(" (P {p} × D {}, {})", k.data_parallel(), k.pipeline_schedule),

@@ -87,7 +87,7 @@ impl Traffic {
 
 #[cfg(test)]
 mod tests {
-    use super::super::measure::{measure, plan};
+    use super::super::measure::{measure, measure_grid, plan};
     use super::super::tensor_shapes::{GPT, LLAMA};
     use super::super::{stage_estimates, stage_states, Estimate};
     use super::*;
@@ -225,6 +225,39 @@ mod tests {
                     assert_eq!(m.activations, e.activations, "{name} T = {t} P = {p} rank {r}: activations");
                     assert!(err.abs() < 0.10, "{name} T = {t} P = {p} rank {r}: measured {} vs planned {want}", m.peak);
                 }
+            }
+        }
+    }
+
+    /// Context parallelism: each rank's activations are those of its
+    /// positions of each sequence (`Knobs::rank_positions`), to the byte;
+    /// its heap peak adds attention's per-layer working buffers of the
+    /// whole sequences (the gathered keys and values, in backward the
+    /// outputs and their gradients), which the plan does not count.
+    #[test]
+    fn measured_rank_peaks_match_the_plan_with_context_ranks() {
+        for (name, sets) in [("Llama", LLAMA), ("GPT-2", GPT)] {
+            for (c, t) in [(2, 1), (4, 1), (2, 2)] {
+                let world = c * t;
+                let (global, cp) = (format!("batch.global={}", 2 * c), format!("dist.context_parallel={c}"));
+                let sets = [sets, &[&global, "batch.micro=1", &cp]].concat();
+                let pl = plan(&sets, world);
+                let kn = Knobs { world_size: world, ranks_per_process: world, ..knobs(&pl, t, 1) };
+                let planned = stages(&pl, kn).unwrap();
+                let e = &planned[0];
+                let measured = measure_grid(&pl, (1, c, t), ScheduleKind::OneFOneB, e.accumulation_steps, 1);
+                let whole = stages(&pl, Knobs { context_parallel: 1, world_size: t, ranks_per_process: t, ..kn });
+                let whole = whole.unwrap()[0].activations;
+                for (r, m) in measured.iter().enumerate() {
+                    let want = e.per_rank() + e.comm_staging;
+                    let err = m.peak as f64 / want as f64 - 1.0;
+                    eprintln!(
+                        "{name} C = {c} T = {t} rank {r}: planned {want} B ({} activations; {whole} at one context rank), measured heap peak {} ({} activations), {:+.1}%",
+                        e.activations, m.peak, m.activations, 100.0 * err
+                    );
+                    assert_eq!(m.activations, e.activations, "{name} C = {c} T = {t} rank {r}: activations");
+                }
+                assert!(2 * e.activations < whole + whole / 4, "{name} C = {c}: activations split about C ways");
             }
         }
     }

@@ -60,7 +60,11 @@ pub struct Plan {
 impl Plan {
     /// How the model is built: activation precision and checkpointing.
     pub fn build(&self) -> Build {
-        Build { precision: self.cfg.train.precision, checkpointing: self.cfg.train.activation_checkpointing }
+        Build {
+            precision: self.cfg.train.precision,
+            checkpointing: self.cfg.train.activation_checkpointing,
+            whole_len: None,
+        }
     }
 }
 
@@ -190,7 +194,7 @@ impl Plan {
 /// `train.frozen_source` (or `source` when given). A split model keeps its
 /// base in f32 under `auto` (a packed base is kept whole).
 pub fn frozen_storage(cfg: &Config, source: Option<&Path>) -> family::FrozenStorage {
-    let split = cfg.dist.tensor_parallel > 1 || cfg.dist.pipeline_parallel > 1;
+    let split = cfg.dist.tensor_parallel > 1 || cfg.dist.pipeline_parallel > 1 || cfg.dist.context_parallel > 1;
     let dtype = match cfg.train.frozen_dtype {
         config::FrozenDtype::Auto if split => config::FrozenDtype::F32,
         d => d,
@@ -213,15 +217,16 @@ pub fn with_frozen_storage(family: Arc<dyn Family>, cfg: &Config) -> Result<Arc<
 /// (every stage of a pipeline and every tensor-parallel rank sees the same
 /// micro-batches, so neither multiplies the batch).
 fn resolve_batch(cfg: &Config, grid: &Grid) -> Result<ResolvedBatch> {
-    cfg.batch.resolve(grid.data).map_err(|e| match (grid.is_pipeline(), grid.is_tensor_parallel()) {
+    let split = grid.is_tensor_parallel() || grid.context > 1;
+    cfg.batch.resolve(grid.data).map_err(|e| match (grid.is_pipeline(), split) {
         (false, false) => e.into(),
         (true, false) => anyhow::Error::from(e).context(format!(
             "with dist.pipeline_parallel = {} the batch counts the data-parallel ranks: world_size = D = {} here (world / P)",
             grid.stages, grid.data
         )),
         (_, true) => anyhow::Error::from(e).context(format!(
-            "with dist.pipeline_parallel = {} and dist.tensor_parallel = {} the batch counts the data-parallel ranks: world_size = D = {} here (world / (P · T))",
-            grid.stages, grid.tensor, grid.data
+            "with dist.pipeline_parallel = {}, dist.tensor_parallel = {} and dist.context_parallel = {} the batch counts the data-parallel ranks: world_size = D = {} here (world / (P · T · C))",
+            grid.stages, grid.tensor, grid.context, grid.data
         )),
     })
 }

@@ -35,6 +35,9 @@ struct StageComms {
     pipe: Box<dyn Communicator>,
     /// With T > 1: the T ranks splitting the same stage of the same data rank.
     tp: Option<Box<dyn Communicator>>,
+    /// With C > 1: the C ranks splitting the sequences of the same stage,
+    /// data rank and tensor rank.
+    cp: Option<Box<dyn Communicator>>,
     data_rank: usize,
 }
 
@@ -50,15 +53,28 @@ impl<'a> RankComms<'a> {
         }
         let rank = world.rank();
         let (s, d, t) = (grid.stage_of(rank), grid.data_rank_of(rank), grid.tensor_rank_of(rank));
-        let (tn, dn) = (grid.tensor, grid.data);
-        let dp = world.split(s * tn + t, d).context("cannot form the data-parallel group of a model part")?;
-        let pipe = world.split(d * tn + t, s).context("cannot form the pipeline group of a data rank")?;
+        let (tn, dn, cn, c) = (grid.tensor, grid.data, grid.context, grid.context_rank_of(rank));
+        // The context ranks sum their gradients and statistics with the data ranks.
+        let dp = world.split(s * tn + t, d * cn + c).context("cannot form the data-parallel group of a model part")?;
+        let pipe = world.split((d * cn + c) * tn + t, s).context("cannot form the pipeline group of a data rank")?;
         let tp = match grid.is_tensor_parallel() {
-            true => Some(world.split(s * dn + d, t).context("cannot form the tensor-parallel group of a stage")?),
+            true => Some(
+                world.split((s * dn + d) * cn + c, t).context("cannot form the tensor-parallel group of a stage")?,
+            ),
+            false => None,
+        };
+        let cp = match cn > 1 {
+            true => {
+                let g = world.split((s * dn + d) * tn + t, c).context("cannot form the context-parallel group")?;
+                model
+                    .context_parallel(engine::ContextRank::new(c, cn))
+                    .map_err(|e| anyhow::anyhow!("dist.context_parallel = {cn}: {e}"))?;
+                Some(g)
+            }
             false => None,
         };
         let stage = PipelineStage::new(model, &grid.cuts, s, grid.schedule, plan.batch.accumulation_steps)?;
-        Ok(Self { world, split: Some(StageComms { stage, dp, pipe, tp, data_rank: d }) })
+        Ok(Self { world, split: Some(StageComms { stage, dp, pipe, tp, cp, data_rank: d }) })
     }
 
     /// This rank's data-parallel rank: which micro-batches it trains on.
@@ -81,10 +97,10 @@ impl<'a> RankComms<'a> {
 
     /// Bytes every communicator of this rank keeps for staging.
     pub fn buffer_bytes(&self) -> usize {
-        let own = self
-            .split
-            .as_ref()
-            .map_or(0, |p| p.dp.buffer_bytes() + p.pipe.buffer_bytes() + p.tp.as_ref().map_or(0, |c| c.buffer_bytes()));
+        let own = self.split.as_ref().map_or(0, |p| {
+            let groups = [&p.tp, &p.cp].into_iter().flatten().map(|c| c.buffer_bytes()).sum::<usize>();
+            p.dp.buffer_bytes() + p.pipe.buffer_bytes() + groups
+        });
         self.world.buffer_bytes() + own
     }
 
@@ -166,7 +182,8 @@ impl<'a> RankComms<'a> {
             None => trainer.step(model, &mut *self.world, batches)?,
             Some(p) => {
                 let tp = p.tp.as_deref_mut().map(|c| c as &mut dyn Communicator);
-                trainer.step_pipeline(model, &p.stage, p.dp.as_mut(), p.pipe.as_mut(), tp, batches)?
+                let cp = p.cp.as_deref_mut().map(|c| c as &mut dyn Communicator);
+                trainer.step_pipeline(model, &p.stage, p.dp.as_mut(), p.pipe.as_mut(), (tp, cp), batches)?
             }
         })
     }
@@ -183,7 +200,8 @@ impl<'a> RankComms<'a> {
             None => trainer.loss(model, &mut *self.world, batch)?,
             Some(p) => {
                 let tp = p.tp.as_deref_mut().map(|c| c as &mut dyn Communicator);
-                trainer.loss_pipeline(model, &p.stage, p.dp.as_mut(), p.pipe.as_mut(), tp, batch)?
+                let cp = p.cp.as_deref_mut().map(|c| c as &mut dyn Communicator);
+                trainer.loss_pipeline(model, &p.stage, p.dp.as_mut(), p.pipe.as_mut(), (tp, cp), batch)?
             }
         })
     }

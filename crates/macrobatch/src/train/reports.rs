@@ -103,6 +103,9 @@ pub fn step_record(
         tp_allreduce_s: report.tensor.map(|t| t.seconds),
         tp_bytes: report.tensor.map(|t| t.bytes),
         tp_calls: report.tensor.map(|t| t.calls),
+        cp_s: report.context.map(|t| t.seconds),
+        cp_bytes: report.context.map(|t| t.bytes),
+        cp_calls: report.context.map(|t| t.calls),
         dpo: at.dpo.then(|| DpoRecord::from_sums(&report.aux, report.n_targets)).flatten(),
         stop_reason: None,
     }

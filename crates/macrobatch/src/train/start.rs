@@ -12,7 +12,7 @@ use crate::memory;
 use crate::setup::Plan;
 use crate::TrainArgs;
 use anyhow::{bail, Context, Result};
-use config::Config;
+use config::{Config, ModelConfig};
 use data::TokenizerSpec;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -246,8 +246,10 @@ pub fn plan_from_pretrained(path: &Path, sets: &[String], cfg: &mut Config) -> R
 /// `--set model.…` it replaced is an error — and its tokenizer adopted.
 fn adopt_pretrained(shape: &dyn family::Family, path: &Path, sets: &[String], cfg: &mut Config) -> Result<()> {
     let asked = serde_json::to_value(&cfg.model).unwrap_or_default();
+    let before = cfg.model.clone();
     shape.pin_shape(&mut cfg.model);
     cfg.model.source = Some(source_name(path));
+    keep_position_keys(shape, sets, &before, &mut cfg.model);
     refuse_shape_overrides(sets, &asked, &serde_json::to_value(&cfg.model).unwrap_or_default(), path)?;
     adopt_tokenizer(cfg, path);
     Ok(())
@@ -287,6 +289,7 @@ fn init_packed(path: &Path, sets: &[String], cfg: &mut Config) -> Result<Option<
     let mut pinned = cfg.model.clone();
     shape.pin_shape(&mut pinned);
     pinned.source = Some(source_name(path));
+    keep_position_keys(shape.as_ref(), sets, &cfg.model, &mut pinned);
     let family = family::from_config(&pinned, cfg.lora.as_ref())?;
     let storage = crate::setup::frozen_storage(cfg, Some(path));
     let Some(packed) = family.with_frozen_storage(&storage).with_context(context)? else { return Ok(None) };
@@ -296,6 +299,18 @@ fn init_packed(path: &Path, sets: &[String], cfg: &mut Config) -> Result<Option<
     cfg.train.frozen_source = Some(path.to_path_buf());
     let rest = crate::heap::during(crate::heap::Phase::Load, || packed.load_unfrozen(path)).with_context(context)?;
     Ok(Some(packed.start_from_pretrained(rest, cfg.train.seed)?))
+}
+
+/// The pretrained shape's [`family::Family::position_keys`] that `--set`
+/// gives, as `before` had them (context extension: e.g. a longer
+/// `model.block_size` with a `model.rope_scaling`), kept in `pinned`.
+fn keep_position_keys(shape: &dyn ::family::Family, sets: &[String], before: &ModelConfig, pinned: &mut ModelConfig) {
+    for key in shape.position_keys() {
+        let given = sets.iter().any(|s| s.split_once('=').is_some_and(|(k, _)| k.trim() == format!("model.{key}")));
+        if let (true, Some(v)) = (given, before.shape.get(*key)) {
+            pinned.shape.insert(key.to_string(), v.clone());
+        }
+    }
 }
 
 /// `--set model.KEY=…` that the pretrained model's shape replaced: an error

@@ -226,3 +226,56 @@ pub fn fails(o: &Output, needle: &str) -> String {
     assert!(err.contains(needle), "expected `{needle}` in: {err}");
     err
 }
+
+/// A 2-layer GPT-2 small enough that a run takes a second; 4 heads, so 2
+/// and 4 ranks divide them (the split suites' model).
+pub const SPLIT_GPT: &[&str] = &["model.n_layer=2", "model.n_embd=32", "model.n_head=4", "model.block_size=32"];
+
+/// Llama with grouped-query attention: 4 query heads sharing 2 key/value
+/// heads (2 tensor ranks split them, 4 do not: pairs of ranks share one).
+pub const SPLIT_LLAMA: &[&str] = &[
+    "model.family=llama",
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.n_head=4",
+    "model.n_kv_head=2",
+    "model.intermediate_size=64",
+    "model.block_size=32",
+];
+
+/// The split suites' run of `model`: K = 4 micro-batches of 2, 4 steps,
+/// clipping at 1, with `extra`.
+pub fn split_sets<'a>(model: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
+    let mut s = model.to_vec();
+    s.extend([
+        "batch.global=8",
+        "batch.micro=2",
+        "train.steps=4",
+        "train.eval_every=2",
+        "train.threads=1",
+        "train.grad_clip=1.0",
+    ]);
+    s.extend_from_slice(extra);
+    s
+}
+
+/// The saved model's weights, whichever family wrote them: the f32 data of
+/// its `model.safetensors` after the header (two runs of one shape write
+/// the same tensors in the same order), then its LoRA adapters' if any.
+pub fn saved_weights(out: &Path) -> Vec<f32> {
+    let mut w = Vec::new();
+    for file in ["model.safetensors", "adapter_model.safetensors"] {
+        let Ok(bytes) = std::fs::read(out.join(file)) else { continue };
+        let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        w.extend(bytes[8 + header..].chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())));
+    }
+    assert!(!w.is_empty(), "no weights saved in {}", out.display());
+    w
+}
+
+/// The saved weights of runs `a` and `b` within `tol` of `b`'s largest.
+pub fn assert_weights_close(what: &str, a: &Path, b: &Path, tol: f64) {
+    let (wa, wb) = (saved_weights(a), saved_weights(b));
+    let d = max_diff(&wa, &wb);
+    assert!(f64::from(d) <= tol * f64::from(max_abs(&wb)), "{what}: weights differ by {d}");
+}

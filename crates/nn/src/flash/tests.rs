@@ -390,3 +390,70 @@ fn soft_capped_scores_match_the_direct_computation_and_their_derivative() {
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&dqkv), bits(&bwd(2)), "the split tasks agree bit for bit");
 }
+
+/// Rank `r` of `c`'s query rows of a sequence of `t` under context
+/// parallelism's load balancing: chunks `r` and `2c − 1 − r` of `⌈t/2c⌉`.
+fn chunks_of(r: usize, c: usize, t: usize) -> [(usize, usize); 2] {
+    let l = t.div_ceil(2 * c);
+    let at = |k: usize| ((k * l).min(t), ((k + 1) * l).min(t));
+    [at(r), at(2 * c - 1 - r)]
+}
+
+/// The query rows of a sequence split over ranks as context parallelism
+/// splits them: each rank's rows of y and lse equal the whole call's —
+/// bit for bit where its chunks start on multiples of the tile (their
+/// tiles are the whole call's tiles), within 1e-5 where they do not (the
+/// tiles' GEMMs group the sums differently: the rounding argument and
+/// bound of `packed_documents_attend_as_if_alone`) — and rows outside the
+/// rank's are never written. The ranks' dqkv added up equal the whole
+/// backward's within 1e-5 (each key's dk and dv are the same products
+/// summed in another grouping), while dy, y and lse outside a rank's rows
+/// are NaN: never read.
+#[test]
+fn query_rows_split_over_ranks_add_up_to_the_whole_call() {
+    let cases = [(256, 2, vec![256]), (200, 4, vec![70, 1, 100, 29]), (8, 2, vec![3, 5]), (130, 3, vec![130])];
+    for (t, c, lens) in cases {
+        let (b, n_head, n_kv_head) = (2, 4, 2);
+        let s = shape(b, t, n_head, n_kv_head, 8);
+        let (qd, w, n) = (s.q_dim(), s.qkv_width(), b * t);
+        let qkv = randn(n * w, t as u64);
+        let dy = randn(n * qd, t as u64 + 1);
+        let starts: Vec<u32> = (0..b).flat_map(|_| starts_of(&lens)).collect();
+        let docs = Visible::documents(&starts);
+        let (mut y, mut lse) = (vec![f32::NAN; n * qd], vec![f32::NAN; b * n_head * t]);
+        flash_attention_forward(&mut y, &mut lse, &qkv, s, docs);
+        let (mut dqkv, mut heads) = (vec![f32::NAN; n * w], vec![f32::NAN; n * w]);
+        flash_attention_backward(&mut dqkv, &mut heads, &dy, (&qkv, &y, &lse), s, docs);
+        let mut summed = vec![0.0f32; n * w];
+        for r in 0..c {
+            let rows = chunks_of(r, c, t);
+            let mine = |p: usize| rows.iter().any(|&(a, e)| (a..e).contains(&p));
+            let aligned = rows.iter().all(|&(a, _)| a % TILE == 0);
+            let (mut yr, mut lr) = (vec![f32::NAN; n * qd], vec![f32::NAN; b * n_head * t]);
+            flash_attention_forward_rows(&mut yr, &mut lr, &qkv, s, docs, &rows);
+            let mut dyr = dy.clone();
+            for row in 0..n {
+                let (y_row, want) = (&yr[row * qd..][..qd], &y[row * qd..][..qd]);
+                match mine(row % t) {
+                    true if aligned => assert_eq!(y_row, want, "t {t}, rank {r}: row {row}"),
+                    true => assert!(max_rel(y_row, want) < 1e-5, "t {t}, rank {r}: row {row}"),
+                    false => {
+                        assert!(y_row.iter().all(|v| v.is_nan()), "t {t}, rank {r}: row {row} written");
+                        dyr[row * qd..][..qd].fill(f32::NAN);
+                    }
+                }
+            }
+            for (i, (&got, &want)) in lr.iter().zip(&lse).enumerate() {
+                match mine(i % t) {
+                    true => assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "t {t}, rank {r}: lse {i}"),
+                    false => assert!(got.is_nan()),
+                }
+            }
+            let (mut dr, mut hr) = (vec![f32::NAN; n * w], vec![f32::NAN; n * w]);
+            flash_attention_backward_rows(&mut dr, &mut hr, &dyr, (&qkv, &yr, &lr), s, docs, &rows);
+            summed.iter_mut().zip(&dr).for_each(|(a, &x)| *a += x);
+        }
+        let e = max_rel(&summed, &dqkv);
+        assert!(e < 1e-5, "t {t} over {c} ranks: dqkv differs by {e}");
+    }
+}
