@@ -114,8 +114,8 @@ impl ContextRank {
 
     /// Targets of `batch` that count on this rank (its positions').
     pub fn n_targets(&self, batch: &TokenBatch) -> u64 {
-        let t = batch.seq_len;
-        let held = |i: &usize| self.chunks(t).iter().any(|&(a, b)| (a..b).contains(&(i % t)));
+        let (t, chunks) = (batch.seq_len, self.chunks(batch.seq_len));
+        let held = |i: &usize| chunks.iter().any(|&(a, b)| (a..b).contains(&(i % t)));
         batch.targets.iter().enumerate().filter(|(i, &x)| x >= 0 && held(i)).count() as u64
     }
 }

@@ -390,20 +390,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     let mut cfg = load_config(args.config.as_deref(), &args.set, &args.deepspeed)?;
     let (world, t) = (cfg.dist.world_size, cfg.dist.tensor_parallel);
-    if cfg.dist.pipeline_parallel != 1 {
-        bail!(
-            "bench measures one rank, or the ranks splitting the model's tensors; it does not run pipelines: set dist.pipeline_parallel = 1"
-        );
-    }
-    if cfg.dist.context_parallel != 1 {
-        bail!(
-            "bench measures one rank, or the ranks splitting the model's tensors; it does not split sequences: set dist.context_parallel = 1 (`train` reports a context-parallel run's tokens/s)"
-        );
+    let (p, c) = (cfg.dist.pipeline_parallel, cfg.dist.context_parallel);
+    if p != 1 || c != 1 {
+        let (key, what) = if p != 1 { ("pipeline", "run pipelines") } else { ("context", "split sequences") };
+        bail!("bench measures one rank, or the ranks splitting the model's tensors; it does not {what}: set dist.{key}_parallel = 1");
     }
     if world != 1 && world != t {
-        bail!(
-            "bench measures one rank, or the dist.tensor_parallel = {t} ranks splitting the model's tensors; set dist.world_size = {t}"
-        );
+        bail!("bench measures one rank, or the dist.tensor_parallel = {t} ranks splitting the model's tensors; set dist.world_size = {t}");
     }
     let backend = if world > 1 { Backend::Threads(world) } else { Backend::Single };
     // Before anything runs on the pool: packing a frozen base already does.

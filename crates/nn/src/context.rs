@@ -74,13 +74,35 @@ impl Context {
     }
 }
 
+/// `(local row, whole row)` of rank `r`'s rows of `outer` sequences (or
+/// sequence × head rows): row `li` of outer `o` is local row `o·local +
+/// li` (`local`: the rows per outer index there — this rank's positions,
+/// or a gather's padded block) and whole row `o·T + position`.
+fn row_pairs(cx: Context, r: usize, outer: usize, local: usize) -> impl Iterator<Item = (usize, usize)> {
+    let (pos, t) = (cx.positions_of(r), cx.t);
+    (0..outer).flat_map(move |o| pos.clone().into_iter().enumerate().map(move |(li, p)| (o * local + li, o * t + p)))
+}
+
+/// Copies `width` values at column `col` of each pair's local row of `src`
+/// (rows of `src_w`) into its whole row of `dst` (rows of `dst_w`); with
+/// `to_local`, the other way.
+fn copy_pairs(
+    pairs: impl Iterator<Item = (usize, usize)>,
+    (local, whole): (&[f32], &mut [f32]),
+    (local_w, whole_w, col, width): (usize, usize, (usize, usize), usize),
+) {
+    for (l, f) in pairs {
+        whole[f * whole_w + col.1..][..width].copy_from_slice(&local[l * local_w + col.0..][..width]);
+    }
+}
+
 /// `qkv` of this rank's rows (`[B·t_local, w]`) as the whole sequences'
 /// `[B·T, w]`: every rank's keys and values (one all-gather of the k|v
 /// columns, each rank's rows padded to [`ContextRank::block`]) and this
 /// rank's queries; the other ranks' query columns are 0.
 fn gather_qkv(qkv: &[f32], s: AttnShape, cx: Context, group: &mut TensorGroup<'_>) -> Result<Vec<f32>, EngineError> {
     let (qd, w, t, b) = (s.q_dim(), s.qkv_width(), cx.t, s.b);
-    let (kvw, block, c) = (w - qd, cx.rank.block(t), cx.rank.size);
+    let (kvw, block, c, me) = (w - qd, cx.rank.block(t), cx.rank.size, cx.rank.rank);
     let mut mine = vec![0.0f32; b * block * kvw];
     for (bi, rows) in qkv.chunks(s.t * w).enumerate() {
         for (li, row) in rows.chunks(w).enumerate() {
@@ -91,49 +113,25 @@ fn gather_qkv(qkv: &[f32], s: AttnShape, cx: Context, group: &mut TensorGroup<'_
     group.context_all_gather(&mine, &mut all)?;
     let mut full = vec![0.0f32; b * t * w];
     for (r, theirs) in all.chunks(mine.len().max(1)).enumerate() {
-        let pos = cx.positions_of(r);
-        for bi in 0..b {
-            for (li, &p) in pos.iter().enumerate() {
-                full[(bi * t + p) * w + qd..][..kvw].copy_from_slice(&theirs[(bi * block + li) * kvw..][..kvw]);
-            }
-        }
+        copy_pairs(row_pairs(cx, r, b, block), (theirs, &mut full), (kvw, w, (0, qd), kvw));
     }
-    let pos = cx.positions_of(cx.rank.rank);
-    for bi in 0..b {
-        for (li, &p) in pos.iter().enumerate() {
-            full[(bi * t + p) * w..][..qd].copy_from_slice(&qkv[(bi * s.t + li) * w..][..qd]);
-        }
-    }
+    copy_pairs(row_pairs(cx, me, b, s.t), (qkv, &mut full), (w, w, (0, 0), qd));
     Ok(full)
 }
 
-/// Rows of `width` of this rank (`[B·t_local, width]`) placed at their
-/// positions of `[B·T, width]` (0 elsewhere), or (`back`) taken from them.
-fn place_rows(local: &mut [f32], full: &mut [f32], width: usize, (b, tl): (usize, usize), cx: Context, back: bool) {
-    let pos = cx.positions_of(cx.rank.rank);
-    for bi in 0..b {
-        for (li, &p) in pos.iter().enumerate() {
-            let (l, f) = (&mut local[(bi * tl + li) * width..][..width], &mut full[(bi * cx.t + p) * width..][..width]);
-            match back {
-                true => l.copy_from_slice(f),
-                false => f.copy_from_slice(l),
-            }
-        }
+/// This rank's rows of `whole` (rows of `width` per whole position, `outer`
+/// sequences or sequence × head rows) into `local`.
+fn take_rows(whole: &[f32], local: &mut [f32], width: usize, (outer, tl): (usize, usize), cx: Context) {
+    for (l, f) in row_pairs(cx, cx.rank.rank, outer, tl) {
+        local[l * width..][..width].copy_from_slice(&whole[f * width..][..width]);
     }
 }
 
-/// The log-sum-exps `[B, n_head, t_local]` of this rank at their positions
-/// of `[B, n_head, T]`, or (`back`) taken from them.
-fn place_lse(local: &mut [f32], full: &mut [f32], s: AttnShape, cx: Context, back: bool) {
-    let pos = cx.positions_of(cx.rank.rank);
-    for (l, f) in local.chunks_mut(s.t).zip(full.chunks_mut(cx.t)) {
-        for (li, &p) in pos.iter().enumerate() {
-            match back {
-                true => l[li] = f[p],
-                false => f[p] = l[li],
-            }
-        }
-    }
+/// This rank's rows `local` placed at their positions of a zeroed whole buffer.
+fn whole_rows(local: &[f32], width: usize, (outer, tl): (usize, usize), cx: Context) -> Vec<f32> {
+    let mut whole = vec![0.0f32; outer * cx.t * width];
+    copy_pairs(row_pairs(cx, cx.rank.rank, outer, tl), (local, &mut whole), (width, width, (0, 0), width));
+    whole
 }
 
 /// Causal attention forward of this rank's rows ([`flash_attention_forward`]'s
@@ -160,8 +158,8 @@ pub fn attention_forward(
     let sf = cx.whole_shape(s);
     let (mut yf, mut lf) = (vec![0.0f32; s.b * cx.t * s.q_dim()], vec![0.0f32; s.b * s.n_head * cx.t]);
     flash_attention_forward_rows(&mut yf, &mut lf, &full, sf, docs, &cx.rank.chunks(cx.t));
-    place_rows(y, &mut yf, s.q_dim(), (s.b, s.t), cx, true);
-    place_lse(lse, &mut lf, s, cx, true);
+    take_rows(&yf, y, s.q_dim(), (s.b, s.t), cx);
+    take_rows(&lf, lse, 1, (s.b * s.n_head, s.t), cx);
     Ok(())
 }
 
@@ -188,11 +186,8 @@ pub fn attention_backward(
     let (qkv, y, lse) = saved;
     let (qd, w, t, b) = (s.q_dim(), s.qkv_width(), cx.t, s.b);
     let full = gather_qkv(qkv, s, cx, group)?;
-    let (mut yf, mut dyf) = (vec![0.0f32; b * t * qd], vec![0.0f32; b * t * qd]);
-    place_rows(&mut y.to_vec(), &mut yf, qd, (b, s.t), cx, false);
-    place_rows(&mut dy.to_vec(), &mut dyf, qd, (b, s.t), cx, false);
-    let mut lf = vec![0.0f32; b * s.n_head * t];
-    place_lse(&mut lse.to_vec(), &mut lf, s, cx, false);
+    let (yf, dyf) = (whole_rows(y, qd, (b, s.t), cx), whole_rows(dy, qd, (b, s.t), cx));
+    let lf = whole_rows(lse, 1, (b * s.n_head, s.t), cx);
     let (mut df, mut hf) = (vec![0.0f32; b * t * w], vec![0.0f32; b * t * w]);
     flash_attention_backward_rows(
         &mut df,
@@ -205,14 +200,12 @@ pub fn attention_backward(
     );
     drop(hf);
     // This rank's rows whole (dq only here); then dk|dv summed over the group.
-    place_rows(dqkv, &mut df, w, (b, s.t), cx, true);
+    take_rows(&df, dqkv, w, (b, s.t), cx);
     let (kvw, block, c) = (w - qd, cx.rank.block(t), cx.rank.size);
     let mut all = vec![0.0f32; c * b * block * kvw];
     for (r, theirs) in all.chunks_mut((b * block * kvw).max(1)).enumerate() {
-        for bi in 0..b {
-            for (li, p) in cx.positions_of(r).into_iter().enumerate() {
-                theirs[(bi * block + li) * kvw..][..kvw].copy_from_slice(&df[(bi * t + p) * w + qd..][..kvw]);
-            }
+        for (l, f) in row_pairs(cx, r, b, block) {
+            theirs[l * kvw..][..kvw].copy_from_slice(&df[f * w + qd..][..kvw]);
         }
     }
     let mut mine = vec![0.0f32; b * block * kvw];

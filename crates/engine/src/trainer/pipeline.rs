@@ -6,6 +6,7 @@
 //! through the stages, and the full (layout-free) state assembled on the
 //! first stage for checkpoints.
 
+use super::step_store::shorter;
 use super::tensor::TpGroup;
 use super::{
     Accumulated, Groups, InitSegment, PipeGroup, PipeInfo, PipelineReport, StepReport, Trainer, TrainerOptions,
@@ -591,11 +592,4 @@ fn check_tp_group<'a>(
             shards.tp.rank, shards.tp.size
         ))),
     }
-}
-
-/// A group reborrowed with its trait object's lifetime cut to the borrow
-/// (`Option::as_deref_mut` keeps the original one, which `&mut`'s
-/// invariance then forces on every group handed out beside it).
-fn shorter<'s>(c: &'s mut &mut dyn Communicator) -> &'s mut (dyn Communicator + 's) {
-    &mut **c
 }

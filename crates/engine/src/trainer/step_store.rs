@@ -48,6 +48,13 @@ impl Trainer {
     }
 }
 
+/// A group reborrowed with its trait object's lifetime cut to the borrow
+/// (`Option::as_deref_mut` keeps the original one, which `&mut`'s
+/// invariance then forces on every group handed to [`Trainer::store_tp`] beside it).
+pub(super) fn shorter<'s>(c: &'s mut &mut dyn Communicator) -> &'s mut (dyn Communicator + 's) {
+    &mut **c
+}
+
 /// The store a model sees during a step.
 pub(super) struct StepStore<'a> {
     tp: Option<TpLink<'a>>,
