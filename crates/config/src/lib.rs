@@ -13,7 +13,9 @@ mod validate;
 
 pub use data::{DataFormat, Schema, TokenizerSpec};
 pub use deepspeed::{DeepSpeedConfig, DeepSpeedOptions};
-pub use engine::{AdafactorConfig, Checkpointing, Decay, LossNormalization, OptimizerKind, Precision, ScheduleKind};
+pub use engine::{
+    AdafactorConfig, Checkpointing, ContextAttention, Decay, LossNormalization, OptimizerKind, Precision, ScheduleKind,
+};
 pub use extends::read_toml;
 pub use loop_controls::EarlyStopping;
 pub use objective::Objective;
@@ -169,6 +171,13 @@ pub struct DistConfig {
     /// (D·C·T) + d · (C·T) + c · T + t); the C ranks of a data rank sum
     /// their gradients with the data-parallel ranks. 1: whole sequences.
     pub context_parallel: usize,
+    /// With `context_parallel` > 1, how attention reaches the other
+    /// ranks' keys and values: `"ring"` (each rank's block passed around
+    /// the group, C − 1 buffered sends per layer overlapping the attention
+    /// over the block at hand; two blocks held at a time) or `"all_gather"`
+    /// (one all-gather per layer and one reduce-scatter of the gradients;
+    /// the whole sequence's keys and values held during the call).
+    pub context_attention: ContextAttention,
 }
 
 impl DistConfig {
@@ -256,6 +265,7 @@ impl Default for DistConfig {
             vocab_parallel: false,
             sequence_parallel: false,
             context_parallel: 1,
+            context_attention: ContextAttention::Ring,
         }
     }
 }

@@ -9,12 +9,47 @@
 //! holds chunks `c` and `2C − 1 − c` (Megatron-LM's and Llama 3's load
 //! balancing): every rank gets one early and one late chunk.
 //!
+//! Attention reaches the other ranks' keys and values one of two ways
+//! ([`ContextAttention`]): as a ring (each rank's block passed to the next
+//! rank C − 1 times, each partial attention folded in with the online
+//! softmax; Liu et al.'s ring attention, Megatron-LM's default) or as one
+//! all-gather per layer (Llama 3's choice).
+//!
 //! The ranks of a group take the same micro-batches; the engine folds them
 //! into the data-parallel group (gradients, loss and target counts summed
 //! over data × context ranks), so each rank's loss and targets are those of
 //! its positions ([`ContextRank::local_batch`]).
 
 use crate::batch::TokenBatch;
+
+/// `dist.context_attention`: how attention under context parallelism
+/// reaches the keys and values of the other ranks' positions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
+pub enum ContextAttention {
+    /// Each rank's keys and values travel around the ring of the group's
+    /// ranks (C − 1 sends per layer, each overlapping the attention over
+    /// the block at hand; in backward with their gradients, which reach
+    /// their owner after C hops): a rank holds two blocks of keys and
+    /// values at a time, never the whole sequence's.
+    #[default]
+    #[serde(rename = "ring")]
+    Ring,
+    /// One all-gather of every rank's keys and values per layer (forward,
+    /// and again in backward) and one reduce-scatter of their gradients:
+    /// fewer messages, but the whole sequence's keys and values (and their
+    /// gradients) on every rank during a layer's attention.
+    #[serde(rename = "all_gather")]
+    AllGather,
+}
+
+impl std::fmt::Display for ContextAttention {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ContextAttention::Ring => "ring",
+            ContextAttention::AllGather => "all_gather",
+        })
+    }
+}
 
 /// Rank `rank` of a context-parallel group of `size` (`size == 1`: every
 /// rank holds whole sequences).
@@ -24,6 +59,8 @@ pub struct ContextRank {
     pub rank: usize,
     /// Ranks in the group (C).
     pub size: usize,
+    /// How attention reaches the other ranks' keys and values.
+    pub attention: ContextAttention,
 }
 
 impl Default for ContextRank {
@@ -34,11 +71,16 @@ impl Default for ContextRank {
 
 impl ContextRank {
     /// No split: every position here.
-    pub const WHOLE: ContextRank = ContextRank { rank: 0, size: 1 };
+    pub const WHOLE: ContextRank = ContextRank { rank: 0, size: 1, attention: ContextAttention::Ring };
 
-    /// Rank `rank` of a group of `size`.
+    /// Rank `rank` of a group of `size`, attention as a ring.
     pub const fn new(rank: usize, size: usize) -> Self {
-        ContextRank { rank, size }
+        ContextRank { rank, size, attention: ContextAttention::Ring }
+    }
+
+    /// The same rank, attention reaching the other ranks by `attention`.
+    pub const fn with(self, attention: ContextAttention) -> Self {
+        ContextRank { attention, ..self }
     }
 
     /// Whether sequences are split over more than one rank.

@@ -110,7 +110,7 @@ pub mod trainer;
 pub mod zero;
 
 pub use batch::{TokenBatch, IGNORE_INDEX};
-pub use context::ContextRank;
+pub use context::{ContextAttention, ContextRank};
 pub use error::EngineError;
 pub use layout::{check_shape_size, NonFinite, ParamLayout, TensorSpec, MAX_PARAMS, MAX_TENSORS};
 pub use loss_terms::LossTerms;

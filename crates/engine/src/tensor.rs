@@ -434,6 +434,11 @@ trait Reduce {
     fn gather(&mut self, input: &[f32], output: &mut [f32]) -> Result<(), EngineError>;
     fn scatter(&mut self, input: &[f32], output: &mut [f32]) -> Result<(), EngineError>;
     fn place(&self) -> (usize, usize);
+    /// Sends `buf` to the next rank of the ring under `tag`.
+    fn send_next(&mut self, buf: &[f32], tag: u32) -> Result<(), EngineError>;
+    /// Receives the previous rank's next message under `tag` into `buf`;
+    /// with `flush`, then waits until this rank's sends are delivered.
+    fn recv_prev(&mut self, buf: &mut [f32], tag: u32, flush: bool) -> Result<(), EngineError>;
 }
 
 impl TpLink<'_> {
@@ -468,6 +473,32 @@ impl Reduce for TpLink<'_> {
     fn place(&self) -> (usize, usize) {
         (self.comm.rank(), self.comm.world_size())
     }
+
+    fn send_next(&mut self, buf: &[f32], tag: u32) -> Result<(), EngineError> {
+        let (rank, size) = self.place();
+        self.timed(buf.len(), |c| c.send(buf, (rank + 1) % size, tag))
+    }
+
+    fn recv_prev(&mut self, buf: &mut [f32], tag: u32, flush: bool) -> Result<(), EngineError> {
+        let (rank, size) = self.place();
+        let t0 = Instant::now();
+        let mut run = || {
+            self.comm.recv(buf, (rank + size - 1) % size, tag)?;
+            match flush {
+                true => self.comm.flush_sends(),
+                false => Ok(()),
+            }
+        };
+        run().map_err(|source| EngineError::Comm { step: self.step, source })?;
+        // The wait counts as the ring's time; the bytes and calls are the sends'.
+        self.traffic.seconds += t0.elapsed().as_secs_f64();
+        Ok(())
+    }
+}
+
+/// A ring step without a context group to pass it.
+fn no_context_group() -> EngineError {
+    EngineError::TensorParallel("a context ring step on a rank without a context-parallel group".into())
 }
 
 /// A model's handle on its tensor-parallel group during one pass, handed
@@ -522,6 +553,32 @@ impl<'a> TensorGroup<'a> {
                 local.copy_from_slice(all);
                 Ok(())
             }
+        }
+    }
+
+    /// The context ring's send: `buf` to the next rank of the context
+    /// group (buffered: returns at once), under `tag`.
+    ///
+    /// # Errors
+    /// The send's failure, or no context group.
+    pub fn context_send_next(&mut self, buf: &[f32], tag: u32) -> Result<(), EngineError> {
+        match self.context.as_deref_mut() {
+            Some(l) => l.send_next(buf, tag),
+            None => Err(no_context_group()),
+        }
+    }
+
+    /// The context ring's receive: the previous rank's next message under
+    /// `tag` into `buf` (which has its length); with `flush` (the ring's
+    /// last receive of a call), also waits until this rank's sends are
+    /// delivered.
+    ///
+    /// # Errors
+    /// The receive's failure, or no context group.
+    pub fn context_recv_prev(&mut self, buf: &mut [f32], tag: u32, flush: bool) -> Result<(), EngineError> {
+        match self.context.as_deref_mut() {
+            Some(l) => l.recv_prev(buf, tag, flush),
+            None => Err(no_context_group()),
         }
     }
 

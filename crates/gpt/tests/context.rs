@@ -1,20 +1,23 @@
 //! GPT-2 with each sequence split over C context-parallel ranks (each rank
-//! runs its two balanced chunks of positions; attention gathers every
-//! rank's keys and values) trains the same steps as uncut (engine's
-//! `conformance::pipeline::check_context_layouts`): C ∈ {2, 4} ×
-//! f32/bf16 × checkpointing off/on, packed documents, and C = 2 with data,
-//! tensor and pipeline parallelism, ZeRO-1, clipping and the 4D layout.
+//! runs its two balanced chunks of positions; attention reaches every
+//! rank's keys and values around the ring or by an all-gather) trains the
+//! same steps as uncut (engine's `conformance::pipeline::
+//! check_context_layouts`): C ∈ {2, 4} × f32/bf16 × checkpointing off/on,
+//! packed documents, both attentions, and C = 2 with data, tensor and
+//! pipeline parallelism, ZeRO-1, clipping and the 4D layout.
 //!
-//! Tolerance: as the tensor-parallel suite's (`tests/tensor.rs`). A row's
-//! forward is the uncut kernel's sums (its query tile starts elsewhere
-//! when a chunk is not a multiple of the tile: the tile GEMMs group the
-//! same products differently), and every parameter's gradient is the C
-//! ranks' parts added by the data-parallel all-reduce where uncut adds
-//! them in one GEMM, as a key's gradient adds the ranks' query sums: sums
-//! reordered, so losses within 1e-6 relative and parameters within 1e-5
-//! of the largest after 3 AdamW steps at C alone; C combined with T, P
-//! or D compares the first f32 step (`FIRST_STEP_F32`), 16-bit runs the
-//! first step (`FIRST_STEP_16BIT`), both derived in the engine.
+//! Tolerance: as the tensor-parallel suite's (`tests/tensor.rs`). With the
+//! all-gather a row's forward is the uncut kernel's sums (its query tile
+//! starts elsewhere when a chunk is not a multiple of the tile: the tile
+//! GEMMs group the same products differently), and every parameter's
+//! gradient is the C ranks' parts added by the data-parallel all-reduce
+//! where uncut adds them in one GEMM, as a key's gradient adds the ranks'
+//! query sums: sums reordered, so losses within 1e-6 relative and
+//! parameters within 1e-5 of the largest after 3 AdamW steps at C alone;
+//! the ring (whose fold of each row's softmax over the blocks rounds the
+//! forward too) and C combined with T, P or D compare the first f32 step
+//! (`FIRST_STEP_F32`), 16-bit runs the first step (`FIRST_STEP_16BIT`),
+//! both derived in the engine.
 
 use engine::conformance::pipeline::{check_context_layouts, PipelineCase, FIRST_STEP_16BIT};
 use engine::conformance::TokenSamples;

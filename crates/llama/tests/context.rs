@@ -1,21 +1,24 @@
 //! Llama with each sequence split over C context-parallel ranks (two
 //! balanced chunks of positions per rank, rotated by their own positions;
-//! attention over every rank's keys and values, gathered per layer) trains
-//! the same steps as uncut (engine's `conformance::pipeline::
-//! check_context_layouts`): C ∈ {2, 4} × f32/bf16 × checkpointing off/on,
-//! packed documents, C = 2 with data, tensor and pipeline parallelism,
-//! ZeRO-1, clipping and the 4D layout D 2 × T 2 × P 2 × C 2 on 16 thread
-//! ranks — the tiny GQA shape (4 query heads on 2 key/value heads), with
-//! LoRA, and with a sliding window shorter than a sequence.
+//! attention over every rank's keys and values, passed around the ring or
+//! gathered per layer) trains the same steps as uncut (engine's
+//! `conformance::pipeline::check_context_layouts`): C ∈ {2, 4} ×
+//! f32/bf16 × checkpointing off/on, packed documents, both attentions,
+//! C = 2 with data, tensor and pipeline parallelism, ZeRO-1, clipping and
+//! the 4D layout D 2 × T 2 × P 2 × C 2 on 16 thread ranks — the tiny GQA
+//! shape (4 query heads on 2 key/value heads), with LoRA, and with a
+//! sliding window shorter than a sequence.
 //!
 //! Tolerance: as `tests/tensor.rs` (the same reordered sums: each
 //! parameter's gradient is the C ranks' parts added by the data-parallel
 //! all-reduce, each key's gradient the ranks' query sums added by the
-//! reduce-scatter; a chunk not on a tile boundary groups its rows' tile
-//! products differently), f32 within 1e-5 after three AdamW steps at
-//! C alone; C combined with T, P or D compares the first f32 step
-//! (`FIRST_STEP_F32`, derived in the engine: AdamW near ε amplifies each
-//! further reordering), 16-bit runs the first step (`FIRST_STEP_16BIT`).
+//! reduce-scatter or along the ring; a chunk not on a tile boundary groups
+//! its rows' tile products differently), f32 within 1e-5 after three AdamW
+//! steps at C alone with the all-gather; the ring (whose fold of each
+//! row's softmax rounds the forward too) and C combined with T, P or D
+//! compare the first f32 step (`FIRST_STEP_F32`, derived in the engine:
+//! AdamW near ε amplifies each further reordering), 16-bit runs the first
+//! step (`FIRST_STEP_16BIT`).
 
 mod common;
 

@@ -66,6 +66,8 @@ pub struct Grid {
     pub seq: bool,
     /// Context-parallel ranks C (1: whole sequences).
     pub context: usize,
+    /// How attention reaches the other context ranks' keys and values.
+    pub context_attention: engine::ContextAttention,
     /// Data-parallel ranks D (= world / (P · C · T)).
     pub data: usize,
     /// The layers (blocks) each stage runs.
@@ -88,6 +90,7 @@ impl Grid {
             vocab: dist.vocab_parallel,
             seq: dist.sequence_parallel,
             context: dist.context_parallel,
+            context_attention: dist.context_attention,
             data,
             cuts,
             schedule: dist.pipeline_schedule,
@@ -154,8 +157,12 @@ impl Grid {
                 (false, true) => ", the sequence split",
                 (false, false) => "",
             };
+            let attention = match self.context_attention {
+                engine::ContextAttention::Ring => "keys and values around a ring",
+                engine::ContextAttention::AllGather => "keys and values all-gathered",
+            };
             return format!(
-                "context parallel: C={c} (two chunks of each sequence per rank) × P={p} × T={t}{vocab} × D={d}; rank r = stage·{} + data·{} + context·{t} + tensor; pipeline {}, layers {}",
+                "context parallel: C={c} (two chunks of each sequence per rank, {attention}) × P={p} × T={t}{vocab} × D={d}; rank r = stage·{} + data·{} + context·{t} + tensor; pipeline {}, layers {}",
                 d * c * t,
                 c * t,
                 self.schedule,

@@ -1,7 +1,8 @@
 //! Context parallelism through the CLI: `dist.context_parallel = C` splits
 //! each sequence's positions over C ranks (two balanced chunks each) and
 //! trains the same curve as one rank — GPT-2 and Llama (grouped-query
-//! attention) at C = 2 and 4, with data parallelism, and the 4D layout
+//! attention) at C = 2 and 4, attention around the ring and all-gathered,
+//! with data parallelism, and the 4D layout
 //! D 2 × C 2 × T 2 × P 2 on 16 thread ranks; what it does not compose
 //! with is refused before any folder exists.
 //!
@@ -36,9 +37,10 @@ fn sets<'a>(model: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
 /// `model` with `grid` (and `extra`) against one rank: losses, validation
 /// losses and gradient norms within [`TOL`], final weights within
 /// [`TOL_WEIGHTS`]; the header names the layout (`header`) and every
-/// step's metrics count rank 0's `calls` context collectives (per layer of
-/// its stage and micro-batch: the keys and values gathered in forward and
-/// again in backward, their gradients reduce-scattered).
+/// step's metrics count rank 0's `calls` context messages (per layer of
+/// its stage and micro-batch: [`ring_calls`], or with the all-gather 3 —
+/// the keys and values gathered in forward and again in backward, their
+/// gradients reduce-scattered).
 fn equals_one_rank(tag: &str, model: &[&str], grid: &[&str], (header, calls): (&str, u64)) {
     let base = tmp(&format!("cp-{tag}-base"));
     train_ok(&base, &sets(model, &[]));
@@ -60,20 +62,39 @@ fn equals_one_rank(tag: &str, model: &[&str], grid: &[&str], (header, calls): (&
     let _ = (std::fs::remove_dir_all(&base), std::fs::remove_dir_all(&out));
 }
 
+/// The ring's sends per layer and micro-batch at C ranks: C − 1 blocks of
+/// keys and values in forward, C − 1 again in backward and C of their
+/// gradients (the last hop brings each to its owner).
+fn ring_calls(c: u64) -> u64 {
+    3 * c - 2
+}
+
 #[test]
 fn gpt2_at_two_and_four_context_ranks_equals_one_rank() {
     for c in [2, 4] {
         let (w, cp) = (format!("dist.world_size={c}"), format!("dist.context_parallel={c}"));
-        let header = format!("context parallel: C={c} (two chunks of each sequence per rank) × P=1 × T=1 × D=1");
-        // K 4 × 2 layers × 3.
-        equals_one_rank(&format!("gpt-c{c}"), GPT, &[&w, &cp], (&header, 24));
+        let header = format!(
+            "context parallel: C={c} (two chunks of each sequence per rank, keys and values around a ring) × P=1 × T=1 × D=1"
+        );
+        // K 4 × 2 layers.
+        equals_one_rank(&format!("gpt-c{c}"), GPT, &[&w, &cp], (&header, 8 * ring_calls(c as u64)));
     }
+    let gather = ["dist.world_size=2", "dist.context_parallel=2", "dist.context_attention=\"all_gather\""];
+    let header = "context parallel: C=2 (two chunks of each sequence per rank, keys and values all-gathered)";
+    equals_one_rank("gpt-c2-gather", GPT, &gather, (header, 8 * 3));
 }
 
 #[test]
 fn llama_with_data_parallel_context_ranks_equals_one_rank() {
-    let header = "context parallel: C=2 (two chunks of each sequence per rank) × P=1 × T=1 × D=2";
-    equals_one_rank("llama-d2c2", LLAMA, &["dist.world_size=4", "dist.context_parallel=2"], (header, 12));
+    let header =
+        "context parallel: C=2 (two chunks of each sequence per rank, keys and values around a ring) × P=1 × T=1 × D=2";
+    // K 2 × 2 layers.
+    equals_one_rank(
+        "llama-d2c2",
+        LLAMA,
+        &["dist.world_size=4", "dist.context_parallel=2"],
+        (header, 4 * ring_calls(2)),
+    );
 }
 
 /// The 4D layout on 16 thread ranks: data × context × tensor (the sequence
@@ -88,9 +109,9 @@ fn llama_in_four_dimensions_equals_one_rank() {
         "dist.pipeline_parallel=2",
         "dist.check_every=1",
     ];
-    let header = "context parallel: C=2 (two chunks of each sequence per rank) × P=2 × T=2, the sequence split × D=2; rank r = stage·8 + data·4 + context·2 + tensor";
-    // K 2 × 1 layer on stage 0 × 3.
-    equals_one_rank("llama-4d", LLAMA, &grid, (header, 6));
+    let header = "context parallel: C=2 (two chunks of each sequence per rank, keys and values around a ring) × P=2 × T=2, the sequence split × D=2; rank r = stage·8 + data·4 + context·2 + tensor";
+    // K 2 × 1 layer on stage 0.
+    equals_one_rank("llama-4d", LLAMA, &grid, (header, 2 * ring_calls(2)));
 }
 
 #[test]

@@ -104,28 +104,37 @@ fn tensor_by_pipeline(one: &std::path::Path, grid: &[&str], vocab: &str) {
 }
 
 /// `-np 4` as 2 context ranks × 2 tensor ranks (one data rank), the
-/// sequence split too, equals one rank: MPI's all-gather of the keys and
-/// values and reduce-scatter of their gradients (tolerance as above).
+/// sequence split too, equals one rank, attention around the ring (MPI's
+/// buffered sends between the context ranks) and all-gathered (MPI's
+/// all-gather of the keys and values and reduce-scatter of their
+/// gradients); tolerance as above.
 #[test]
 fn mpi_context_by_tensor_matches_one_rank() {
     let one = tmp("mpi-cp-one");
     let o = train(&one, &sets(&["batch.micro=4"]));
     assert!(o.status.success(), "{}", stderr(&o));
     let out = tmp("mpi-cp");
-    let grid = ["dist.context_parallel=2", "dist.tensor_parallel=2", "dist.sequence_parallel=true", "batch.micro=4"];
-    let o = mpirun(4, &out, &sets(&grid), None);
-    let err = stderr(&o);
-    assert!(o.status.success(), "{err}");
-    assert!(err.contains("context parallel: C=2 (two chunks of each sequence per rank) × P=1 × T=2"), "{err}");
-    let (a, b) = (losses(&out), losses(&one));
-    assert_eq!(a.len(), 3);
-    for (x, y) in a.iter().zip(&b) {
-        assert!((x - y).abs() <= 1e-5 * y, "MPI C=2 × T=2 {x} vs one rank {y}");
-    }
-    let d = max_diff(&weights(&out), &weights(&one));
-    assert!(d <= 1e-5 * max_abs(&weights(&one)), "weights differ by {d}");
-    for r in metrics(&out) {
-        assert!(r["cp_bytes"].as_u64().unwrap() > 0 && r["tp_bytes"].as_u64().unwrap() > 0, "{r}");
+    for (attention, how) in [("ring", "around a ring"), ("all_gather", "all-gathered")] {
+        let set = format!("dist.context_attention=\"{attention}\"");
+        let grid =
+            ["dist.context_parallel=2", "dist.tensor_parallel=2", "dist.sequence_parallel=true", "batch.micro=4", &set];
+        let o = mpirun(4, &out, &sets(&grid), None);
+        let err = stderr(&o);
+        assert!(o.status.success(), "{err}");
+        let header =
+            format!("context parallel: C=2 (two chunks of each sequence per rank, keys and values {how}) × P=1 × T=2");
+        assert!(err.contains(&header), "{err}");
+        let (a, b) = (losses(&out), losses(&one));
+        assert_eq!(a.len(), 3);
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= 1e-5 * y, "MPI C=2 × T=2, {attention}: {x} vs one rank {y}");
+        }
+        let d = max_diff(&weights(&out), &weights(&one));
+        assert!(d <= 1e-5 * max_abs(&weights(&one)), "{attention}: weights differ by {d}");
+        for r in metrics(&out) {
+            assert!(r["cp_bytes"].as_u64().unwrap() > 0 && r["tp_bytes"].as_u64().unwrap() > 0, "{r}");
+        }
+        let _ = std::fs::remove_dir_all(&out);
     }
     let _ = (std::fs::remove_dir_all(&out), std::fs::remove_dir_all(&one));
 }

@@ -241,19 +241,25 @@ pub(crate) fn qkv_heads_to_rows(dqkv: &mut [f32], heads: &[f32], s: AttnShape) {
     let (qd, w, kvd) = (s.q_dim(), s.qkv_width(), n_kv_head * d);
     let (dq_h, dkv_h) = heads.split_at(b * t * qd);
     let (dk_h, dv_h) = dkv_h.split_at(b * t * kvd);
-    dqkv.par_chunks_mut(w).enumerate().for_each(|(r, row)| {
-        let (bi, ti) = (r / t, r % t);
-        let (rq, rkv) = row.split_at_mut(qd);
-        let (rk, rv) = rkv.split_at_mut(kvd);
-        for (h, dst) in rq.chunks_mut(d).enumerate() {
-            dst.copy_from_slice(&dq_h[((bi * n_head + h) * t + ti) * d..][..d]);
-        }
-        for (kvh, (dk, dv)) in rk.chunks_mut(d).zip(rv.chunks_mut(d)).enumerate() {
-            let at = ((bi * n_kv_head + kvh) * t + ti) * d;
-            dk.copy_from_slice(&dk_h[at..][..d]);
-            dv.copy_from_slice(&dv_h[at..][..d]);
+    heads_to_rows((dqkv, w, 0), dq_h, (b, n_head, t, d));
+    heads_to_rows((dqkv, w, qd), dk_h, (b, n_kv_head, t, d));
+    heads_to_rows((dqkv, w, qd + kvd), dv_h, (b, n_kv_head, t, d));
+}
+
+/// Copies head-major `src` (`[B, heads, rows, d]`) into the rows of `dst`
+/// (`[B·rows, width]`), head `h` at column `col + h·d`.
+pub(crate) fn heads_to_rows(
+    (dst, width, col): (&mut [f32], usize, usize),
+    src: &[f32],
+    (b, heads, rows, d): (usize, usize, usize, usize),
+) {
+    dst.par_chunks_mut(width).enumerate().for_each(|(r, row)| {
+        let (bi, ti) = (r / rows, r % rows);
+        for (h, out) in row[col..][..heads * d].chunks_mut(d).enumerate() {
+            out.copy_from_slice(&src[((bi * heads + h) * rows + ti) * d..][..d]);
         }
     });
+    debug_assert_eq!(dst.len(), b * rows * width);
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@
 //! `1 − tanh²` the backward applies to the score gradients.
 
 use crate::act::fast_exp;
-use crate::attention::{qkv_heads_to_rows, AttnShape};
+use crate::attention::{heads_to_rows, qkv_heads_to_rows, AttnShape};
 use crate::{gemm_into, GemmDims, GemmOut, Par, Strided};
 use rayon::prelude::*;
 
@@ -146,49 +146,124 @@ pub(crate) fn window_start(i: usize, w: usize) -> usize {
     }
 }
 
-/// Tiles covering `t` rows.
-fn tiles(t: usize) -> usize {
-    t.div_ceil(TILE)
+/// Where a flash call's queries, or its keys and values, are: `data` holds
+/// `stride` rows of `width` per sequence, and its first rows of each
+/// sequence are the positions of `spans` (sorted, disjoint `[start, end)`
+/// ranges of the whole sequence), in order; rows past them are never read.
+/// A head's columns start at `col` (queries: head `h` at `col + h·d`;
+/// keys at `col + kvh·d`, values at `col + (n_kv_head + kvh)·d`).
+///
+/// [`Rows::whole`] is the uncut call's `qkv`; context parallelism passes a
+/// rank's positions as queries and another rank's (or every rank's) keys
+/// and values ([`crate::context`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Rows<'a> {
+    /// The values, `[B · stride, width]`.
+    pub data: &'a [f32],
+    /// Values per row.
+    pub width: usize,
+    /// The first head's column.
+    pub col: usize,
+    /// Rows per sequence.
+    pub stride: usize,
+    /// The positions of each sequence's rows.
+    pub spans: &'a [(usize, usize)],
 }
 
-/// Rows `r0..r1` of tile `i` of a length-`t` sequence.
-fn tile_rows(i: usize, t: usize) -> (usize, usize) {
-    (i * TILE, ((i + 1) * TILE).min(t))
+impl<'a> Rows<'a> {
+    /// The queries (`kv = false`) or keys and values of `qkv` rows of whole
+    /// sequences shaped `s`.
+    pub fn whole(qkv: &'a [f32], s: AttnShape, kv: bool, whole: &'a [(usize, usize); 1]) -> Self {
+        let col = if kv { s.q_dim() } else { 0 };
+        Rows { data: qkv, width: s.qkv_width(), col, stride: s.t, spans: whole }
+    }
+
+    /// Panics unless the rows fit `s` (`heads` of them per row).
+    fn check(&self, what: &str, s: AttnShape, heads: usize) {
+        let n = self.spans.iter().map(|(a, b)| b.saturating_sub(*a)).sum::<usize>();
+        assert!(
+            self.data.len() == s.b * self.stride * self.width
+                && self.col + heads * s.head_dim <= self.width
+                && n <= self.stride,
+            "flash attention {what}: {} values for {} sequences of {} rows of {} (heads from column {}, spans {:?})",
+            self.data.len(),
+            s.b,
+            self.stride,
+            self.width,
+            self.col,
+            self.spans
+        );
+    }
+
+    /// Whether these are the uncut call's rows of sequences of `t`.
+    fn is_whole(&self, t: usize) -> bool {
+        self.stride == t && self.spans == [(0, t)]
+    }
 }
 
-/// The query tiles of a sequence of `t` rows when only `rows` (sorted,
-/// disjoint `[start, end)` ranges) are computed: each range cut into
-/// tiles of [`TILE`] rows from its start. `[(0, t)]` gives the tiles of
-/// the whole sequence, at multiples of [`TILE`].
-fn query_tiles(t: usize, rows: &[(usize, usize)]) -> Vec<(usize, usize)> {
-    let mut out = Vec::new();
-    let mut prev = 0;
-    for &(a, b) in rows {
-        assert!(prev <= a && a <= b && b <= t, "query rows {rows:?} of a sequence of {t}");
-        out.extend((a..b).step_by(TILE).map(|r0| (r0, (r0 + TILE).min(b))));
-        prev = b;
+/// A query or key tile: positions `r0..r1` of the whole sequence, stored
+/// from row `at` of its sequence's rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Tile {
+    r0: usize,
+    r1: usize,
+    at: usize,
+}
+
+impl Tile {
+    fn len(&self) -> usize {
+        self.r1 - self.r0
+    }
+}
+
+/// The tiles of `spans` of a sequence of `t`: each span cut into tiles of
+/// [`TILE`] rows from its start. `[(0, t)]` gives the whole sequence's
+/// tiles, at multiples of [`TILE`].
+fn span_tiles(t: usize, spans: &[(usize, usize)]) -> Vec<Tile> {
+    let (mut out, mut prev, mut at) = (Vec::new(), 0, 0);
+    for &(a, b) in spans {
+        assert!(prev <= a && a <= b && b <= t, "rows {spans:?} of a sequence of {t}");
+        out.extend((a..b).step_by(TILE).map(|r0| Tile { r0, r1: (r0 + TILE).min(b), at: at + r0 - a }));
+        (prev, at) = (b, at + b - a);
     }
     out
 }
 
-/// `buf` (rows of `width` per (outer, position) of `outer · t` rows) cut
-/// into one mutable piece per (outer index, tile of `tiles`), in order.
+/// The key tiles a query tile starting at `r0` and ending before `r1` may
+/// see (of sequence `bi` of `t`): from the first ending after its first
+/// row's first visible key through the last starting before `r1`, and the
+/// index of the first in `keys`.
+fn keys_for<'k>(
+    keys: &'k [Tile],
+    docs: &Visible<'_>,
+    (bi, t): (usize, usize),
+    (r0, r1): (usize, usize),
+) -> (usize, &'k [Tile]) {
+    let start = docs.start(bi, t, r0);
+    let from = keys.partition_point(|k| k.r1 <= start);
+    let to = keys.partition_point(|k| k.r0 < r1);
+    (from, &keys[from..to.max(from)])
+}
+
+/// `buf` (`stride` rows of `width` per outer index) cut into one mutable
+/// piece per (outer index, tile of `tiles`), in order: `(outer, tile
+/// index, piece)`.
 fn carve<'b>(
     buf: &'b mut [f32],
     outer: usize,
-    t: usize,
+    stride: usize,
     width: usize,
-    tiles: &[(usize, usize)],
-) -> Vec<(usize, usize, usize, &'b mut [f32])> {
+    tiles: &[Tile],
+) -> Vec<(usize, usize, &'b mut [f32])> {
     let mut pieces = Vec::with_capacity(outer * tiles.len());
     let (mut rest, mut at) = (buf, 0);
     for o in 0..outer {
-        for &(r0, r1) in tiles {
-            let start = (o * t + r0) * width;
+        for (i, tile) in tiles.iter().enumerate() {
+            let start = (o * stride + tile.at) * width;
             let (_, tail) = std::mem::take(&mut rest).split_at_mut(start - at);
-            let (mine, tail) = tail.split_at_mut((r1 - r0) * width);
-            pieces.push((o, r0, r1, mine));
-            (rest, at) = (tail, (o * t + r1) * width);
+            let (mine, tail) = tail.split_at_mut(tile.len() * width);
+            pieces.push((o, i, mine));
+            (rest, at) = (tail, (o * stride + tile.at + tile.len()) * width);
         }
     }
     pieces
@@ -207,6 +282,12 @@ fn gather_tile(
     }
 }
 
+/// Copies key tile `key` of sequence `bi`'s rows of `kv` (head columns
+/// `col`) into `dst`.
+fn gather_key(dst: &mut [f32], kv: &Rows<'_>, (bi, col, d): (usize, usize, usize), key: &Tile) {
+    gather_tile(dst, kv.data, (bi * kv.stride * kv.width, kv.width, col, d), (key.at, key.at + key.len()));
+}
+
 /// Causal attention forward without the probabilities. `qkv`
 /// `[B·T, qkv_width]`, `y` receives the head outputs `[B·T, n_head·d]`,
 /// `lse` the log-sum-exp of each softmax row `[B, n_head, T]`, which
@@ -217,62 +298,76 @@ fn gather_tile(
 /// # Panics
 /// Unless every slice has exactly the length the shape implies.
 pub fn flash_attention_forward(y: &mut [f32], lse: &mut [f32], qkv: &[f32], s: AttnShape, docs: Visible<'_>) {
-    flash_attention_forward_rows(y, lse, qkv, s, docs, &[(0, s.t)]);
+    let whole = [(0, s.t)];
+    let qkv = (Rows::whole(qkv, s, false, &whole), Rows::whole(qkv, s, true, &whole));
+    flash_attention_forward_spans(y, lse, qkv, s, docs);
 }
 
-/// [`flash_attention_forward`] for the query rows `rows` of each sequence
-/// only (sorted, disjoint `[start, end)` ranges of positions; context
-/// parallelism's chunks): their rows of `y` and `lse` are written, the
-/// others left as they are. Each range is cut into tiles from its start;
-/// a row's keys are walked in the same key tiles, so a range starting on
-/// a multiple of [`TILE`] gives the whole call's bits for its rows.
+/// [`flash_attention_forward`] of the queries `q` against the keys and
+/// values `kv` only, positions in the whole sequences of `s.t` (where
+/// [`Visible`] applies): `y` `[B · q.stride, n_head·d]` and `lse`
+/// `[B, n_head, q.stride]` receive the rows of `q.spans`, the others left
+/// as they are. A row that sees none of these keys gets `y = 0` and
+/// `lse = −∞` (the empty softmax, which
+/// [`crate::context::merge_partial`] leaves out). Each span is cut into tiles from its start and a row's keys are
+/// walked in the key tiles of `kv.spans` in order, so the uncut call's
+/// key tiles and a query span starting on a multiple of [`TILE`] give
+/// the uncut call's bits for its rows.
 ///
 /// # Panics
-/// As [`flash_attention_forward`], and on ranges out of order or past `t`.
-pub fn flash_attention_forward_rows(
+/// As [`flash_attention_forward`], and on spans out of order or past `s.t`.
+pub fn flash_attention_forward_spans(
     y: &mut [f32],
     lse: &mut [f32],
-    qkv: &[f32],
+    (q, kv): (Rows<'_>, Rows<'_>),
     s: AttnShape,
     docs: Visible<'_>,
-    rows: &[(usize, usize)],
 ) {
     engine::profile::timed(engine::profile::Kind::Attention, || {
         let AttnShape { b, t, n_head, n_kv_head, head_dim: d, ops } = s;
-        let (qd, w) = (s.q_dim(), s.qkv_width());
+        let qd = s.q_dim();
         s.check(
             "flash_attention_forward",
-            &[("y", y.len(), &[b, t, qd]), ("lse", lse.len(), &[b, n_head, t]), ("qkv", qkv.len(), &[b, t, w])],
+            &[("y", y.len(), &[b, q.stride, qd]), ("lse", lse.len(), &[b, n_head, q.stride])],
         );
+        q.check("queries", s, n_head);
+        kv.check("keys and values", s, 2 * n_kv_head);
         docs.check(b, t);
         let group = n_head / n_kv_head;
         let scale = docs.scores.scale_for(d);
         let par = Par::ONE.with(ops);
-        let qt = query_tiles(t, rows);
-        let tile_lse: Vec<Vec<f32>> = carve(y, b, t, qd, &qt)
+        let (qt, kt_all) = (span_tiles(t, q.spans), span_tiles(t, kv.spans));
+        let tile_lse: Vec<Vec<f32>> = carve(y, b, q.stride, qd, &qt)
             .into_par_iter()
-            .map(|(bi, r0, r1, yt)| {
+            .map(|(bi, ti, yt)| {
+                let Tile { r0, r1, at } = qt[ti];
                 let nr = r1 - r0;
-                let row0 = bi * t * w;
                 let (mut sc, mut kt, mut vt) =
                     (vec![0.0f32; nr * TILE], vec![0.0f32; TILE * d], vec![0.0f32; TILE * d]);
                 let mut o = vec![0.0f32; group * nr * d];
                 let (mut m, mut l) = (vec![0.0f32; group * nr], vec![0.0f32; group * nr]);
+                // Whether a row has seen a key yet (its softmax started).
+                let mut seen = vec![false; group * nr];
                 // This tile's log-sum-exps, head-major: [n_head, nr].
                 let mut out_lse = vec![0.0f32; n_head * nr];
-                // Key tiles left of the first row's document are never visible.
-                let k0 = docs.start(bi, t, r0) / TILE;
+                // Key tiles left of the first row's first visible key, or
+                // past the tile's last row, are never visible.
+                let (_, keys) = keys_for(&kt_all, &docs, (bi, t), (r0, r1));
                 for kvh in 0..n_kv_head {
-                    let (kc, vc) = (qd + kvh * d, qd + (n_kv_head + kvh) * d);
-                    // Through the key tile of the tile's last row (the diagonal's).
-                    for kj in k0..=(r1 - 1) / TILE {
-                        let (c0, c1) = tile_rows(kj, t);
-                        let nc = c1 - c0;
-                        gather_tile(&mut kt, qkv, (row0, w, kc, d), (c0, c1));
-                        gather_tile(&mut vt, qkv, (row0, w, vc, d), (c0, c1));
+                    let (kc, vc) = (kv.col + kvh * d, kv.col + (n_kv_head + kvh) * d);
+                    seen.fill(false);
+                    for (n, key) in keys.iter().enumerate() {
+                        let (c0, nc) = (key.r0, key.len());
+                        gather_key(&mut kt, &kv, (bi, kc, d), key);
+                        gather_key(&mut vt, &kv, (bi, vc, d), key);
                         for g in 0..group {
                             let h = kvh * group + g;
-                            let q = Strided { data: qkv, offset: row0 + r0 * w + h * d, rs: w, cs: 1 };
+                            let q = Strided {
+                                data: q.data,
+                                offset: (bi * q.stride + at) * q.width + q.col + h * d,
+                                rs: q.width,
+                                cs: 1,
+                            };
                             // S = scale · q · kᵀ: (nr, d) @ (d, nc)
                             let dims = GemmDims { m: nr, n: nc, k: d };
                             gemm_into(
@@ -286,17 +381,19 @@ pub fn flash_attention_forward_rows(
                             );
                             let (og, mg, lg) =
                                 (&mut o[g * nr * d..][..nr * d], &mut m[g * nr..][..nr], &mut l[g * nr..][..nr]);
+                            let sg = &mut seen[g * nr..][..nr];
                             for (ri, srow) in sc[..nr * nc].chunks_mut(nc).enumerate() {
-                                // Columns past the diagonal (only in the diagonal
-                                // tile) and before the row's document are masked; a
-                                // row's first visible tile starts its softmax.
+                                // Columns past the diagonal and before the row's
+                                // document are masked; a row's first visible tile
+                                // starts its softmax.
                                 let i = r0 + ri;
                                 let (lo, hi) = docs.visible((bi, t), i, (c0, nc));
                                 if lo >= hi {
                                     srow[..nc].fill(0.0);
                                     continue;
                                 }
-                                let first = kj == docs.start(bi, t, i) / TILE;
+                                let first = !sg[ri];
+                                sg[ri] = true;
                                 docs.scores.cap(&mut srow[lo..hi]);
                                 let row_max = srow[lo..hi].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
                                 let m_new = if first { row_max } else { mg[ri].max(row_max) };
@@ -317,7 +414,7 @@ pub fn flash_attention_forward_rows(
                             gemm_into(
                                 GemmDims { m: nr, n: d, k: nc },
                                 og,
-                                GemmOut { offset: 0, rs: d, accumulate: kj > k0 },
+                                GemmOut { offset: 0, rs: d, accumulate: n > 0 },
                                 Strided::rows(&sc, nc),
                                 Strided::rows(&vt, d),
                                 1.0,
@@ -328,10 +425,17 @@ pub fn flash_attention_forward_rows(
                     for g in 0..group {
                         let h = kvh * group + g;
                         for ri in 0..nr {
+                            let dst = &mut yt[ri * qd + h * d..][..d];
+                            if !seen[g * nr + ri] {
+                                // No key here: the empty softmax.
+                                dst.fill(0.0);
+                                out_lse[h * nr + ri] = f32::NEG_INFINITY;
+                                continue;
+                            }
                             let (mi, li) = (m[g * nr + ri], l[g * nr + ri]);
                             let inv = 1.0 / li;
                             let src = &o[(g * nr + ri) * d..][..d];
-                            yt[ri * qd + h * d..][..d].iter_mut().zip(src).for_each(|(dst, &x)| *dst = x * inv);
+                            dst.iter_mut().zip(src).for_each(|(dst, &x)| *dst = x * inv);
                             out_lse[h * nr + ri] = mi + li.ln();
                         }
                     }
@@ -339,14 +443,26 @@ pub fn flash_attention_forward_rows(
                 out_lse
             })
             .collect();
-        // Tiles come back in (sequence, tile) order: scatter into [B, n_head, T].
+        // Tiles come back in (sequence, tile) order: scatter into [B, n_head, q.stride].
         for (task, tl) in tile_lse.iter().enumerate() {
-            let (bi, (r0, r1)) = (task / qt.len(), qt[task % qt.len()]);
+            let (bi, tile) = (task / qt.len(), qt[task % qt.len()]);
+            let nr = tile.len();
             for h in 0..n_head {
-                lse[(bi * n_head + h) * t + r0..][..r1 - r0].copy_from_slice(&tl[h * (r1 - r0)..][..r1 - r0]);
+                lse[(bi * n_head + h) * q.stride + tile.at..][..nr].copy_from_slice(&tl[h * nr..][..nr]);
             }
         }
     })
+}
+
+/// Where [`flash_attention_backward_spans`] writes its gradients.
+pub enum Grads<'a> {
+    /// The uncut call's `dqkv` rows (`[B·T, qkv_width]`): dq, dk and dv
+    /// of every position.
+    Qkv(&'a mut [f32]),
+    /// dq into the query columns (`[0, n_head·d)`) of the `q.stride` rows
+    /// per sequence of the first (rows of the given width), dk|dv into
+    /// the `kv.stride` rows of `2·n_kv_head·d` per sequence of the second.
+    Split((&'a mut [f32], usize), &'a mut [f32]),
 }
 
 /// Backward of [`flash_attention_forward`]: overwrites `dqkv` (gradients of
@@ -374,94 +490,114 @@ pub fn flash_attention_backward(
     s: AttnShape,
     docs: Visible<'_>,
 ) {
-    flash_attention_backward_rows(dqkv, heads, dy, saved, s, docs, &[(0, s.t)]);
+    let (qkv, y, lse) = saved;
+    let whole = [(0, s.t)];
+    let qkv = (Rows::whole(qkv, s, false, &whole), Rows::whole(qkv, s, true, &whole));
+    flash_attention_backward_spans(Grads::Qkv(dqkv), heads, dy, qkv, (y, lse), s, docs);
 }
 
-/// [`flash_attention_backward`] of [`flash_attention_forward_rows`]: the
-/// gradients from the query rows `rows` of each sequence only — dq of the
-/// other rows is 0, dk and dv sum what those queries send every key (0
-/// for a key none of them sees). Only the values of `dy`, `y` and `lse` at
-/// `rows` matter.
+/// [`flash_attention_backward`] of [`flash_attention_forward_spans`]: the
+/// gradients the queries `q` send themselves and the keys and values `kv`
+/// through this call's softmax, given the **whole** attention's `y` and
+/// `lse` (`dy`, `y` `[B · q.stride, n_head·d]`, `lse` `[B, n_head,
+/// q.stride]`; `P = exp(S − lse)` is then each key's true probability,
+/// so the gradients of calls over disjoint key sets add up to the whole
+/// call's). dq of a row that sees none of these keys is 0, and so are dk
+/// and dv of a key no query here sees; rows past the spans are 0.
+/// `heads` is scratch of `B·(q.stride·n_head + 2·kv.stride·n_kv_head)·d`.
 ///
 /// # Panics
-/// As [`flash_attention_backward`], and on ranges out of order or past `t`.
-pub fn flash_attention_backward_rows(
-    dqkv: &mut [f32],
+/// As [`flash_attention_backward`], and on spans out of order or past `s.t`.
+pub fn flash_attention_backward_spans(
+    out: Grads<'_>,
     heads: &mut [f32],
     dy: &[f32],
-    saved: (&[f32], &[f32], &[f32]),
+    (q, kv): (Rows<'_>, Rows<'_>),
+    (y, lse): (&[f32], &[f32]),
     s: AttnShape,
     docs: Visible<'_>,
-    rows: &[(usize, usize)],
 ) {
     engine::profile::timed(engine::profile::Kind::Attention, || {
-        let (qkv, y, lse) = saved;
         let AttnShape { b, t, n_head, n_kv_head, head_dim: d, ops } = s;
-        let (qd, w) = (s.q_dim(), s.qkv_width());
-        let kvd = n_kv_head * d;
+        let (qd, kvd) = (s.q_dim(), n_kv_head * d);
+        let (qr, kr) = (q.stride, kv.stride);
         s.check(
             "flash_attention_backward",
             &[
-                ("dqkv", dqkv.len(), &[b, t, w]),
-                ("heads", heads.len(), &[b, t, w]),
-                ("dy", dy.len(), &[b, t, qd]),
-                ("qkv", qkv.len(), &[b, t, w]),
-                ("y", y.len(), &[b, t, qd]),
-                ("lse", lse.len(), &[b, n_head, t]),
+                ("heads", heads.len(), &[b, qr * qd + 2 * kr * kvd]),
+                ("dy", dy.len(), &[b, qr, qd]),
+                ("y", y.len(), &[b, qr, qd]),
+                ("lse", lse.len(), &[b, n_head, qr]),
             ],
         );
+        q.check("queries", s, n_head);
+        kv.check("keys and values", s, 2 * n_kv_head);
         docs.check(b, t);
-        let qt = query_tiles(t, rows);
-        // D [B, n_head, T]: Σ dy ⊙ y over each row of each head (= Σ_j P ⊙ dP).
-        let mut dsum = vec![0.0f32; b * n_head * t];
-        dsum.par_chunks_mut(t).enumerate().for_each(|(bh, dh)| {
+        let (qt, kt) = (span_tiles(t, q.spans), span_tiles(t, kv.spans));
+        // D [B, n_head, q.stride]: Σ dy ⊙ y over each row of each head (= Σ_j P ⊙ dP).
+        let mut dsum = vec![0.0f32; b * n_head * qr];
+        dsum.par_chunks_mut(qr.max(1)).enumerate().for_each(|(bh, dh)| {
             let (bi, h) = (bh / n_head, bh % n_head);
             for (ti, out) in dh.iter_mut().enumerate() {
-                let at = (bi * t + ti) * qd + h * d;
+                let at = (bi * qr + ti) * qd + h * d;
                 *out = dy[at..at + d].iter().zip(&y[at..at + d]).fold(0.0f32, |a, (&x, &z)| a + x * z);
             }
         });
         let scale = docs.scores.scale_for(d);
-        let bw = Backward { qkv, dy, lse, dsum: &dsum, s, docs, scale, par: Par::ONE.with(ops), tiles: &qt };
+        let par = Par::ONE.with(ops);
+        let bw = Backward { q, kv, dy, lse, dsum: &dsum, s, docs, scale, par, qt: &qt, kt: &kt };
         let group = n_head / n_kv_head;
-        let (dq_h, dkv_h) = heads.split_at_mut(b * t * qd);
-        if rows != [(0, t)] {
-            // Rows no query tile writes.
-            dq_h.fill(0.0);
+        if !(q.is_whole(t) && kv.is_whole(t)) {
+            // Rows no tile writes: those no key or query here reaches.
+            heads.fill(0.0);
         }
-        let (dk_h, dv_h) = dkv_h.split_at_mut(b * t * kvd);
+        let (dq_h, dkv_h) = heads.split_at_mut(b * qr * qd);
+        let (dk_h, dv_h) = dkv_h.split_at_mut(b * kr * kvd);
         if b * n_kv_head >= rayon::current_num_threads() {
-            dq_h.par_chunks_mut(group * t * d)
-                .zip(dk_h.par_chunks_mut(t * d).zip(dv_h.par_chunks_mut(t * d)))
+            dq_h.par_chunks_mut((group * qr * d).max(1))
+                .zip(dk_h.par_chunks_mut((kr * d).max(1)).zip(dv_h.par_chunks_mut((kr * d).max(1))))
                 .enumerate()
                 .for_each(|(bkv, (dq_g, (dk, dv)))| {
                     let mut sc = Scratch::new(d);
-                    for kj in 0..tiles(t) {
-                        let (c0, c1) = tile_rows(kj, t);
-                        let dkv_j = (&mut dk[c0 * d..c1 * d], &mut dv[c0 * d..c1 * d]);
+                    for (kj, key) in kt.iter().enumerate() {
+                        let rows = key.at * d..(key.at + key.len()) * d;
+                        let dkv_j = (&mut dk[rows.clone()], &mut dv[rows]);
                         bw.key_tile((bkv, kj), dkv_j, Some(&mut *dq_g), &mut sc);
                     }
                 });
         } else {
-            dk_h.par_chunks_mut(t * d)
-                .zip(dv_h.par_chunks_mut(t * d))
-                .enumerate()
-                .flat_map(|(bkv, (dk, dv))| {
-                    let tiles = dk.par_chunks_mut(TILE * d).zip(dv.par_chunks_mut(TILE * d));
-                    tiles.enumerate().map(move |(kj, dkv_j)| (bkv, kj, dkv_j))
-                })
-                .for_each(|(bkv, kj, dkv_j)| bw.key_tile((bkv, kj), dkv_j, None, &mut Scratch::new(d)));
-            carve(dq_h, b * n_head, t, d, &qt)
+            carve(dk_h, b * n_kv_head, kr, d, &kt)
                 .into_par_iter()
-                .for_each(|(bh, r0, r1, dq_i)| bw.query_tile((bh, (r0, r1)), dq_i, &mut Scratch::new(d)));
+                .zip(carve(dv_h, b * n_kv_head, kr, d, &kt))
+                .for_each(|((bkv, kj, dk_j), (_, _, dv_j))| {
+                    bw.key_tile((bkv, kj), (dk_j, dv_j), None, &mut Scratch::new(d))
+                });
+            carve(dq_h, b * n_head, qr, d, &qt)
+                .into_par_iter()
+                .for_each(|(bh, qi, dq_i)| bw.query_tile((bh, qi), dq_i, &mut Scratch::new(d)));
         }
-        qkv_heads_to_rows(dqkv, heads, s);
+        let (dq_h, dkv_h) = heads.split_at(b * qr * qd);
+        let (dk_h, dv_h) = dkv_h.split_at(b * kr * kvd);
+        match out {
+            Grads::Qkv(dqkv) => {
+                assert_eq!(dqkv.len(), b * t * s.qkv_width(), "flash_attention_backward: dqkv");
+                qkv_heads_to_rows(dqkv, heads, s);
+            }
+            Grads::Split((dq, w), dkv) => {
+                assert!(dq.len() == b * qr * w && w >= qd, "flash_attention_backward: dq rows");
+                assert_eq!(dkv.len(), b * kr * 2 * kvd, "flash_attention_backward: dk|dv rows");
+                heads_to_rows((dq, w, 0), dq_h, (b, n_head, qr, d));
+                heads_to_rows((dkv, 2 * kvd, 0), dk_h, (b, n_kv_head, kr, d));
+                heads_to_rows((dkv, 2 * kvd, kvd), dv_h, (b, n_kv_head, kr, d));
+            }
+        }
     })
 }
 
 /// What every task of [`flash_attention_backward`] reads.
 struct Backward<'a> {
-    qkv: &'a [f32],
+    q: Rows<'a>,
+    kv: Rows<'a>,
     dy: &'a [f32],
     lse: &'a [f32],
     dsum: &'a [f32],
@@ -469,8 +605,10 @@ struct Backward<'a> {
     docs: Visible<'a>,
     scale: f32,
     par: Par,
-    /// The query tiles of each sequence ([`query_tiles`]).
-    tiles: &'a [(usize, usize)],
+    /// The query tiles of each sequence ([`span_tiles`]).
+    qt: &'a [Tile],
+    /// The key tiles.
+    kt: &'a [Tile],
 }
 
 /// A backward task's tiles: probabilities, score gradients, keys, values.
@@ -493,41 +631,40 @@ impl Scratch {
 }
 
 impl Backward<'_> {
-    /// Query head `h` of sequence `bi`, rows from `r0`, as a GEMM operand:
-    /// its queries in `qkv` and its output gradient in `dy`.
-    fn q_dy(&self, bi: usize, h: usize, r0: usize) -> (Strided<'_>, Strided<'_>) {
-        let (t, d, qd, w) = (self.s.t, self.s.head_dim, self.s.q_dim(), self.s.qkv_width());
-        let q = Strided { data: self.qkv, offset: (bi * t + r0) * w + h * d, rs: w, cs: 1 };
-        (q, Strided { data: self.dy, offset: (bi * t + r0) * qd + h * d, rs: qd, cs: 1 })
+    /// Query head `h` of sequence `bi`, query tile `qi`, as a GEMM operand:
+    /// its queries and its output gradient in `dy`.
+    fn q_dy(&self, bi: usize, h: usize, qi: &Tile) -> (Strided<'_>, Strided<'_>) {
+        let (q, d, qd) = (&self.q, self.s.head_dim, self.s.q_dim());
+        let row = bi * q.stride + qi.at;
+        let qs = Strided { data: q.data, offset: row * q.width + q.col + h * d, rs: q.width, cs: 1 };
+        (qs, Strided { data: self.dy, offset: row * qd + h * d, rs: qd, cs: 1 })
     }
 
-    /// Copies key/value tile `kj` of head `kvh` of sequence `bi` into the scratch.
-    fn gather_kv(&self, bi: usize, kvh: usize, kj: usize, sc: &mut Scratch) {
-        let (t, d, w) = (self.s.t, self.s.head_dim, self.s.qkv_width());
-        let (kc, vc) = (self.s.q_dim() + kvh * d, self.s.q_dim() + (self.s.n_kv_head + kvh) * d);
-        gather_tile(&mut sc.kt, self.qkv, (bi * t * w, w, kc, d), tile_rows(kj, t));
-        gather_tile(&mut sc.vt, self.qkv, (bi * t * w, w, vc, d), tile_rows(kj, t));
+    /// Copies key/value tile `key` of head `kvh` of sequence `bi` into the scratch.
+    fn gather_kv(&self, bi: usize, kvh: usize, key: &Tile, sc: &mut Scratch) {
+        let (d, col) = (self.s.head_dim, self.kv.col);
+        gather_key(&mut sc.kt, &self.kv, (bi, col + kvh * d, d), key);
+        gather_key(&mut sc.vt, &self.kv, (bi, col + (self.s.n_kv_head + kvh) * d, d), key);
     }
 
-    /// Recomputes, for query tile `(r0, r1)` of head `h` against the gathered key
-    /// tile `kj`, `P = exp(S − lse)` with `S = scale · q · kᵀ` (masked past
+    /// Recomputes, for query tile `qi` of head `h` against the gathered key
+    /// tile `key`, `P = exp(S − lse)` with `S = scale · q · kᵀ` (masked past
     /// the diagonal) into `sc.p` and `dS = P ⊙ (dy · vᵀ − D)` into `sc.ds`
     /// (`nr × nc`, row stride `nc`). With a soft cap `c`, `P` is of the
     /// capped scores `c·tanh(S/c)` and `dS` is times their derivative
     /// `1 − tanh²(S/c)`: the gradient of the uncapped `S`.
-    fn probs(&self, (bi, h): (usize, usize), ((r0, r1), kj): ((usize, usize), usize), sc: &mut Scratch) {
+    fn probs(&self, (bi, h): (usize, usize), (qi, key): (&Tile, &Tile), sc: &mut Scratch) {
         let AttnShape { t, n_head, head_dim: d, .. } = self.s;
-        let (c0, c1) = tile_rows(kj, t);
-        let (nr, nc) = (r1 - r0, c1 - c0);
-        let (q, dy) = self.q_dy(bi, h, r0);
+        let (nr, nc, c0) = (qi.len(), key.len(), key.r0);
+        let (q, dy) = self.q_dy(bi, h, qi);
         let dims = GemmDims { m: nr, n: nc, k: d };
         gemm_into(dims, &mut sc.p, GemmOut::overwrite(nc), q, Strided::transposed(&sc.kt, d), self.scale, self.par);
         gemm_into(dims, &mut sc.ds, GemmOut::overwrite(nc), dy, Strided::transposed(&sc.vt, d), 1.0, self.par);
-        let lse_i = &self.lse[(bi * n_head + h) * t + r0..][..nr];
-        let d_i = &self.dsum[(bi * n_head + h) * t + r0..][..nr];
+        let lse_i = &self.lse[(bi * n_head + h) * self.q.stride + qi.at..][..nr];
+        let d_i = &self.dsum[(bi * n_head + h) * self.q.stride + qi.at..][..nr];
         let rows = sc.p[..nr * nc].chunks_mut(nc).zip(sc.ds.chunks_mut(nc));
         for (ri, (prow, dsrow)) in rows.enumerate() {
-            let (lo, hi) = self.docs.visible((bi, t), r0 + ri, (c0, nc));
+            let (lo, hi) = self.docs.visible((bi, t), qi.r0 + ri, (c0, nc));
             let hi = hi.max(lo);
             match self.docs.scores.softcap {
                 None => prow[lo..hi].iter_mut().for_each(|x| *x = fast_exp(*x - lse_i[ri])),
@@ -563,12 +700,19 @@ impl Backward<'_> {
         gemm_into(GemmDims { m: nr, n: d, k: nc }, dq_i, out, lhs, rhs, self.scale, self.par);
     }
 
+    /// The key tiles query tile `qi` of sequence `bi` may see, and the
+    /// index of the first in [`Backward::kt`].
+    fn keys_of(&self, bi: usize, qi: &Tile) -> (usize, &[Tile]) {
+        keys_for(self.kt, &self.docs, (bi, self.s.t), (qi.r0, qi.r1))
+    }
+
     /// dk and dv of key tile `kj` of key/value head `bkv % n_kv_head` of
     /// sequence `bkv / n_kv_head`, overwritten (0 where none sees it): the
     /// query tiles that see any of its keys, in order, each over the
-    /// group's query heads in order. With `dq` (the group's head-major dq, `[group, T, d]`), also
-    /// adds this key tile's share of it (overwriting at the query tile's
-    /// first visible key tile; called for key tiles in order).
+    /// group's query heads in order. With `dq` (the group's head-major dq,
+    /// `[group, q.stride, d]`), also adds this key tile's share of it
+    /// (overwriting at the query tile's first visible key tile; called for
+    /// key tiles in order).
     fn key_tile(
         &self,
         (bkv, kj): (usize, usize),
@@ -578,28 +722,27 @@ impl Backward<'_> {
     ) {
         let AttnShape { t, n_head, n_kv_head, head_dim: d, .. } = self.s;
         let (bi, kvh, group) = (bkv / n_kv_head, bkv % n_kv_head, n_head / n_kv_head);
-        self.gather_kv(bi, kvh, kj, sc);
-        let (c0, c1) = tile_rows(kj, t);
-        let nc = c1 - c0;
+        let key = self.kt[kj];
+        self.gather_kv(bi, kvh, &key, sc);
+        let nc = key.len();
         // The first query tile that sees the key tile overwrites dk_j and dv_j.
         let mut first = true;
-        for &(r0, r1) in self.tiles {
-            let nr = r1 - r0;
-            if r1 <= c0 {
+        for qi in self.qt {
+            let nr = qi.len();
+            if qi.r1 <= key.r0 {
                 // Every row before the key tile: causally masked.
                 continue;
             }
             // Starts never decrease along a row: once the first row of a
             // query tile sees no key of this tile, no later row does.
-            let k0 = self.docs.start(bi, t, r0) / TILE;
-            if k0 > kj {
-                debug_assert!(self.docs.start(bi, t, r0) >= c1);
+            if self.docs.start(bi, t, qi.r0) >= key.r1 {
                 break;
             }
+            let first_key = dq.is_some().then(|| self.keys_of(bi, qi).0 == kj);
             for g in 0..group {
                 let h = kvh * group + g;
-                self.probs((bi, h), ((r0, r1), kj), sc);
-                let (q, dy) = self.q_dy(bi, h, r0);
+                self.probs((bi, h), (qi, &key), sc);
+                let (q, dy) = self.q_dy(bi, h, qi);
                 let acc = GemmOut { offset: 0, rs: d, accumulate: !first };
                 first = false;
                 let dims = GemmDims { m: nc, n: d, k: nr };
@@ -608,7 +751,8 @@ impl Backward<'_> {
                 gemm_into(dims, dk_j, acc, Strided::transposed(&sc.ds, nc), q, self.scale, self.par);
                 if let Some(dq) = dq.as_deref_mut() {
                     // The query tile's first visible key tile overwrites, as in `query_tile`.
-                    self.add_dq(&mut dq[(g * t + r0) * d..][..nr * d], (nr, nc), kj == k0, sc);
+                    let at = (g * self.q.stride + qi.at) * d;
+                    self.add_dq(&mut dq[at..][..nr * d], (nr, nc), first_key == Some(true), sc);
                 }
             }
         }
@@ -619,18 +763,19 @@ impl Backward<'_> {
         }
     }
 
-    /// dq of query tile `(r0, r1)` of query head `bh % n_head` of sequence
-    /// `bh / n_head`, overwritten: key tiles through the diagonal's, in order.
-    fn query_tile(&self, (bh, (r0, r1)): (usize, (usize, usize)), dq_i: &mut [f32], sc: &mut Scratch) {
-        let AttnShape { t, n_head, n_kv_head, .. } = self.s;
-        let (bi, h) = (bh / n_head, bh % n_head);
-        // Key tiles left of the first row's document add nothing.
-        let k0 = self.docs.start(bi, t, r0) / TILE;
-        for kj in k0..=(r1 - 1) / TILE {
-            self.gather_kv(bi, h / (n_head / n_kv_head), kj, sc);
-            self.probs((bi, h), ((r0, r1), kj), sc);
-            let (c0, c1) = tile_rows(kj, t);
-            self.add_dq(dq_i, (r1 - r0, c1 - c0), kj == k0, sc);
+    /// dq of query tile `qi` of query head `bh % n_head` of sequence
+    /// `bh / n_head`, overwritten: its key tiles in order (0 without any).
+    fn query_tile(&self, (bh, qi): (usize, usize), dq_i: &mut [f32], sc: &mut Scratch) {
+        let AttnShape { n_head, n_kv_head, .. } = self.s;
+        let (bi, h, qi) = (bh / n_head, bh % n_head, &self.qt[qi]);
+        let (_, keys) = self.keys_of(bi, qi);
+        if keys.is_empty() {
+            dq_i.fill(0.0);
+        }
+        for (n, key) in keys.iter().enumerate() {
+            self.gather_kv(bi, h / (n_head / n_kv_head), key, sc);
+            self.probs((bi, h), (qi, key), sc);
+            self.add_dq(dq_i, (qi.len(), key.len()), n == 0, sc);
         }
     }
 }

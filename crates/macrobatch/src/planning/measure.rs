@@ -72,7 +72,9 @@ pub fn measure_grid(
                     )
                     .unwrap();
                     if c > 1 {
-                        model.context_parallel(engine::ContextRank::new(cr, c)).unwrap();
+                        model
+                            .context_parallel(engine::ContextRank::new(cr, c).with(pl.cfg.dist.context_attention))
+                            .unwrap();
                     }
                     let ps = PipelineStage::new(&mut model, cuts, stage, kind, k).unwrap();
                     let n = ps.layout.layout.n_params();

@@ -67,7 +67,7 @@ impl<'a> RankComms<'a> {
             true => {
                 let g = world.split((s * dn + d) * tn + t, c).context("cannot form the context-parallel group")?;
                 model
-                    .context_parallel(engine::ContextRank::new(c, cn))
+                    .context_parallel(engine::ContextRank::new(c, cn).with(plan.cfg.dist.context_attention))
                     .map_err(|e| anyhow::anyhow!("dist.context_parallel = {cn}: {e}"))?;
                 Some(g)
             }

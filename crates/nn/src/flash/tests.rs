@@ -399,23 +399,43 @@ fn chunks_of(r: usize, c: usize, t: usize) -> [(usize, usize); 2] {
     [at(r), at(2 * c - 1 - r)]
 }
 
-/// The query rows of a sequence split over ranks as context parallelism
-/// splits them: each rank's rows of y and lse equal the whole call's —
+/// Rows `pos` of each of `b` sequences of `t` rows of `src` (rows of
+/// `w`), the `cols` columns from `col`, as `stride` rows per sequence.
+fn pick(src: &[f32], (b, t, w): (usize, usize, usize), pos: &[usize], stride: usize, cols: (usize, usize)) -> Vec<f32> {
+    let (col, n) = cols;
+    let mut out = vec![0.0f32; b * stride * n];
+    for bi in 0..b {
+        for (li, &p) in pos.iter().enumerate() {
+            out[(bi * stride + li) * n..][..n].copy_from_slice(&src[(bi * t + p) * w + col..][..n]);
+        }
+    }
+    out
+}
+
+/// A sequence's queries and keys split over ranks as context parallelism
+/// splits them, on packed documents. Against every key at once (the
+/// all-gather form) a rank's rows of y and lse equal the whole call's —
 /// bit for bit where its chunks start on multiples of the tile (their
 /// tiles are the whole call's tiles), within 1e-5 where they do not (the
 /// tiles' GEMMs group the sums differently: the rounding argument and
-/// bound of `packed_documents_attend_as_if_alone`) — and rows outside the
-/// rank's are never written. The ranks' dqkv added up equal the whole
-/// backward's within 1e-5 (each key's dk and dv are the same products
-/// summed in another grouping), while dy, y and lse outside a rank's rows
-/// are NaN: never read.
+/// bound of `packed_documents_attend_as_if_alone`). Against one rank's
+/// block of keys at a time, folded in ring order by `merge_partial`
+/// (blocks a row does not see give `lse = −∞`), within 1e-5 too: each
+/// fold adds a few ulp (two `exp`, one `ln_1p`, one rounding of the
+/// weighted sum) to values of order one, at most 3 folds here. The
+/// backward of each (query rows, key block) pair with the whole softmax's
+/// y and lse, dq summed over blocks and dk|dv over ranks, equals the whole
+/// backward within 1e-5 (each key's dk and dv the same products summed in
+/// another grouping).
 #[test]
-fn query_rows_split_over_ranks_add_up_to_the_whole_call() {
+fn queries_and_key_blocks_split_over_ranks_add_up_to_the_whole_call() {
+    use crate::context::merge_partial;
     let cases = [(256, 2, vec![256]), (200, 4, vec![70, 1, 100, 29]), (8, 2, vec![3, 5]), (130, 3, vec![130])];
     for (t, c, lens) in cases {
-        let (b, n_head, n_kv_head) = (2, 4, 2);
-        let s = shape(b, t, n_head, n_kv_head, 8);
+        let (b, n_head, n_kv_head, d) = (2, 4, 2, 8);
+        let s = shape(b, t, n_head, n_kv_head, d);
         let (qd, w, n) = (s.q_dim(), s.qkv_width(), b * t);
+        let kvw = w - qd;
         let qkv = randn(n * w, t as u64);
         let dy = randn(n * qd, t as u64 + 1);
         let starts: Vec<u32> = (0..b).flat_map(|_| starts_of(&lens)).collect();
@@ -424,34 +444,54 @@ fn query_rows_split_over_ranks_add_up_to_the_whole_call() {
         flash_attention_forward(&mut y, &mut lse, &qkv, s, docs);
         let (mut dqkv, mut heads) = (vec![f32::NAN; n * w], vec![f32::NAN; n * w]);
         flash_attention_backward(&mut dqkv, &mut heads, &dy, (&qkv, &y, &lse), s, docs);
+        let pos = |r: usize| chunks_of(r, c, t).iter().flat_map(|&(a, e)| a..e).collect::<Vec<_>>();
+        let (blk, whole) = (2 * t.div_ceil(2 * c), [(0, t)]);
+        let spans: Vec<_> = (0..c).map(|k| chunks_of(k, c, t)).collect();
+        let blocks: Vec<_> = (0..c).map(|k| pick(&qkv, (b, t, w), &pos(k), blk, (qd, kvw))).collect();
+        let block = |k: usize| Rows { data: &blocks[k], width: kvw, col: 0, stride: blk, spans: &spans[k] };
+        let all_kv = pick(&qkv, (b, t, w), &(0..t).collect::<Vec<_>>(), t, (qd, kvw));
+        let all = Rows { data: &all_kv, width: kvw, col: 0, stride: t, spans: &whole };
         let mut summed = vec![0.0f32; n * w];
-        for r in 0..c {
-            let rows = chunks_of(r, c, t);
-            let mine = |p: usize| rows.iter().any(|&(a, e)| (a..e).contains(&p));
-            let aligned = rows.iter().all(|&(a, _)| a % TILE == 0);
-            let (mut yr, mut lr) = (vec![f32::NAN; n * qd], vec![f32::NAN; b * n_head * t]);
-            flash_attention_forward_rows(&mut yr, &mut lr, &qkv, s, docs, &rows);
-            let mut dyr = dy.clone();
-            for row in 0..n {
-                let (y_row, want) = (&yr[row * qd..][..qd], &y[row * qd..][..qd]);
-                match mine(row % t) {
-                    true if aligned => assert_eq!(y_row, want, "t {t}, rank {r}: row {row}"),
-                    true => assert!(max_rel(y_row, want) < 1e-5, "t {t}, rank {r}: row {row}"),
-                    false => {
-                        assert!(y_row.iter().all(|v| v.is_nan()), "t {t}, rank {r}: row {row} written");
-                        dyr[row * qd..][..qd].fill(f32::NAN);
+        for (r, mine) in spans.iter().enumerate() {
+            let p = pos(r);
+            let tl = p.len();
+            let local = pick(&qkv, (b, t, w), &p, tl, (0, w));
+            let q = Rows { data: &local, width: w, col: 0, stride: tl, spans: mine };
+            let want_y = pick(&y, (b, t, qd), &p, tl, (0, qd));
+            let want_l = pick(&lse, (b * n_head, t, 1), &p, tl, (0, 1));
+            let (mut yg, mut lg) = (vec![f32::NAN; b * tl * qd], vec![f32::NAN; b * n_head * tl]);
+            flash_attention_forward_spans(&mut yg, &mut lg, (q, all), s, docs);
+            let (mut yr, mut lr) = (vec![0.0f32; yg.len()], vec![f32::NEG_INFINITY; lg.len()]);
+            for step in 0..c {
+                let (mut py, mut pl) = (vec![f32::NAN; yg.len()], vec![f32::NAN; lg.len()]);
+                flash_attention_forward_spans(&mut py, &mut pl, (q, block((r + c - step) % c)), s, docs);
+                merge_partial((&mut yr, &mut lr), (&py, &pl), (b, tl, n_head, d));
+            }
+            match mine.iter().all(|&(a, _)| a % TILE == 0) {
+                true => assert_eq!(yg, want_y, "t {t}, rank {r}: gathered rows"),
+                false => assert!(max_rel(&yg, &want_y) < 1e-5, "t {t}, rank {r}: gathered rows"),
+            }
+            for (what, (got_y, got_l)) in [("gathered", (&yg, &lg)), ("ring", (&yr, &lr))] {
+                let (ey, el) = (max_rel(got_y, &want_y), max_rel(got_l, &want_l));
+                assert!(ey < 1e-5 && el < 1e-5, "t {t}, rank {r}, {what}: y off by {ey}, lse by {el}");
+            }
+            let dyl = pick(&dy, (b, t, qd), &p, tl, (0, qd));
+            for k in 0..c {
+                let (mut dq, mut dkv) = (vec![f32::NAN; b * tl * qd], vec![f32::NAN; b * blk * kvw]);
+                let mut scratch = vec![f32::NAN; b * (tl * qd + blk * kvw)];
+                let out = Grads::Split((&mut dq, qd), &mut dkv);
+                flash_attention_backward_spans(out, &mut scratch, &dyl, (q, block(k)), (&yr, &lr), s, docs);
+                for bi in 0..b {
+                    for (li, &pq) in p.iter().enumerate() {
+                        let row = &mut summed[(bi * t + pq) * w..][..qd];
+                        row.iter_mut().zip(&dq[(bi * tl + li) * qd..][..qd]).for_each(|(a, &x)| *a += x);
+                    }
+                    for (li, &pk) in pos(k).iter().enumerate() {
+                        let row = &mut summed[(bi * t + pk) * w + qd..][..kvw];
+                        row.iter_mut().zip(&dkv[(bi * blk + li) * kvw..][..kvw]).for_each(|(a, &x)| *a += x);
                     }
                 }
             }
-            for (i, (&got, &want)) in lr.iter().zip(&lse).enumerate() {
-                match mine(i % t) {
-                    true => assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "t {t}, rank {r}: lse {i}"),
-                    false => assert!(got.is_nan()),
-                }
-            }
-            let (mut dr, mut hr) = (vec![f32::NAN; n * w], vec![f32::NAN; n * w]);
-            flash_attention_backward_rows(&mut dr, &mut hr, &dyr, (&qkv, &yr, &lr), s, docs, &rows);
-            summed.iter_mut().zip(&dr).for_each(|(a, &x)| *a += x);
         }
         let e = max_rel(&summed, &dqkv);
         assert!(e < 1e-5, "t {t} over {c} ranks: dqkv differs by {e}");
