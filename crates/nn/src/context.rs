@@ -99,17 +99,21 @@ fn row_pairs(cx: Context, r: usize, outer: usize, local: usize) -> impl Iterator
     (0..outer).flat_map(move |o| pos.clone().into_iter().enumerate().map(move |(li, p)| (o * local + li, o * t + p)))
 }
 
-/// The k|v columns of this rank's rows of `qkv` (`[B·t_local, w]`) as a
-/// block: [`ContextRank::block`] rows of `2·n_kv_head·d` per sequence,
-/// the rows past this rank's positions 0.
-fn my_block(qkv: &[f32], s: AttnShape, cx: Context) -> Vec<f32> {
+/// `(row of the k|v columns in this rank's `[B·t_local, w]` rows, row in
+/// its block)`, as values' offsets: a block holds [`ContextRank::block`]
+/// rows of `2·n_kv_head·d` per sequence, this rank's positions first.
+fn block_rows(s: AttnShape, cx: Context) -> impl Iterator<Item = (usize, usize)> {
     let (qd, w, block) = (s.q_dim(), s.qkv_width(), cx.rank.block(cx.t));
-    let kvw = w - qd;
-    let mut mine = vec![0.0f32; s.b * block * kvw];
-    for (bi, rows) in qkv.chunks(s.t * w).enumerate() {
-        for (li, row) in rows.chunks(w).enumerate() {
-            mine[(bi * block + li) * kvw..][..kvw].copy_from_slice(&row[qd..]);
-        }
+    (0..s.b).flat_map(move |bi| (0..s.t).map(move |li| ((bi * s.t + li) * w + qd, (bi * block + li) * (w - qd))))
+}
+
+/// The k|v columns of this rank's rows of `qkv` as a block, the rows past
+/// this rank's positions 0.
+fn my_block(qkv: &[f32], s: AttnShape, cx: Context) -> Vec<f32> {
+    let kvw = s.qkv_width() - s.q_dim();
+    let mut mine = vec![0.0f32; s.b * cx.rank.block(cx.t) * kvw];
+    for (row, at) in block_rows(s, cx) {
+        mine[at..][..kvw].copy_from_slice(&qkv[row..][..kvw]);
     }
     mine
 }
@@ -144,12 +148,9 @@ fn gather_kv(qkv: &[f32], s: AttnShape, cx: Context, group: &mut TensorGroup<'_>
 /// Writes this rank's key/value gradients (a block, as [`my_block`]) into
 /// the k|v columns of its rows of `dqkv`.
 fn put_block(dqkv: &mut [f32], mine: &[f32], s: AttnShape, cx: Context) {
-    let (qd, w, block) = (s.q_dim(), s.qkv_width(), cx.rank.block(cx.t));
-    let kvw = w - qd;
-    for (bi, rows) in dqkv.chunks_mut(s.t * w).enumerate() {
-        for (li, row) in rows.chunks_mut(w).enumerate() {
-            row[qd..].copy_from_slice(&mine[(bi * block + li) * kvw..][..kvw]);
-        }
+    let kvw = s.qkv_width() - s.q_dim();
+    for (row, at) in block_rows(s, cx) {
+        dqkv[row..][..kvw].copy_from_slice(&mine[at..][..kvw]);
     }
 }
 
@@ -181,7 +182,8 @@ pub fn attention_forward(
         return Ok(());
     }
     let (c, me, block) = (cx.rank.size, cx.rank.rank, cx.rank.block(cx.t));
-    let (mut held, mut next) = (my_block(qkv, s, cx), vec![0.0f32; 0]);
+    let held = my_block(qkv, s, cx);
+    let (mut next, mut held) = (vec![0.0f32; held.len()], held);
     let (mut py, mut pl) = (vec![0.0f32; y.len()], vec![0.0f32; lse.len()]);
     for step in 0..c {
         let owner = (me + c - step) % c;
@@ -198,7 +200,6 @@ pub fn attention_forward(
             }
         }
         if step + 1 < c {
-            next.resize(held.len(), 0.0);
             group.context_recv_prev(&mut next, KV, step + 2 == c)?;
             std::mem::swap(&mut held, &mut next);
         }

@@ -171,11 +171,11 @@ pub struct Rows<'a> {
 }
 
 impl<'a> Rows<'a> {
-    /// The queries (`kv = false`) or keys and values of `qkv` rows of whole
-    /// sequences shaped `s`.
-    pub fn whole(qkv: &'a [f32], s: AttnShape, kv: bool, whole: &'a [(usize, usize); 1]) -> Self {
-        let col = if kv { s.q_dim() } else { 0 };
-        Rows { data: qkv, width: s.qkv_width(), col, stride: s.t, spans: whole }
+    /// The queries and the keys and values of `qkv` rows of whole
+    /// sequences shaped `s` (`whole`: `[(0, s.t)]`).
+    pub fn whole(qkv: &'a [f32], s: AttnShape, whole: &'a [(usize, usize); 1]) -> (Self, Self) {
+        let q = Rows { data: qkv, width: s.qkv_width(), col: 0, stride: s.t, spans: whole };
+        (q, Rows { col: s.q_dim(), ..q })
     }
 
     /// Panics unless the rows fit `s` (`heads` of them per row).
@@ -299,7 +299,7 @@ fn gather_key(dst: &mut [f32], kv: &Rows<'_>, (bi, col, d): (usize, usize, usize
 /// Unless every slice has exactly the length the shape implies.
 pub fn flash_attention_forward(y: &mut [f32], lse: &mut [f32], qkv: &[f32], s: AttnShape, docs: Visible<'_>) {
     let whole = [(0, s.t)];
-    let qkv = (Rows::whole(qkv, s, false, &whole), Rows::whole(qkv, s, true, &whole));
+    let qkv = Rows::whole(qkv, s, &whole);
     flash_attention_forward_spans(y, lse, qkv, s, docs);
 }
 
@@ -492,7 +492,7 @@ pub fn flash_attention_backward(
 ) {
     let (qkv, y, lse) = saved;
     let whole = [(0, s.t)];
-    let qkv = (Rows::whole(qkv, s, false, &whole), Rows::whole(qkv, s, true, &whole));
+    let qkv = Rows::whole(qkv, s, &whole);
     flash_attention_backward_spans(Grads::Qkv(dqkv), heads, dy, qkv, (y, lse), s, docs);
 }
 
