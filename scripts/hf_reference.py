@@ -21,7 +21,13 @@ Usage:
             llama3 (LlamaForCausalLM with Llama 3 RoPE
             scaling: rope_type "llama3", factor 8, low/high frequency
             factors 1 and 4, original context 32 — so the head's
-            frequencies fall in all three of its bands).
+            frequencies fall in all three of its bands), mixtral
+            (MixtralForCausalLM: 4 experts of width 96, top 2,
+            renormalised), qwen2_moe (Qwen2MoeForCausalLM: 4 experts of
+            width 48, top 2 not renormalised, a shared expert of width 80
+            with its sigmoid gate, q/k/v biases) or qwen3_moe
+            (Qwen3MoeForCausalLM: 4 experts of width 48, top 2
+            renormalised, per-head q/k norms, heads of 32).
       Builds the model from a config with random weights (torch seed 0;
       biases and norms drawn too, so none is trivially 0 or 1), writes it
       with save_pretrained to DIR/model (f32 safetensors), and writes
@@ -56,6 +62,12 @@ from transformers import (
     Phi3ForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 TOL = 1e-4
@@ -111,8 +123,22 @@ def make(kind: str, out: str) -> None:
         }
         cfg = LlamaConfig(rope_parameters=rope, **common)
         model = LlamaForCausalLM(cfg)
+    elif kind == "mixtral":
+        cfg = MixtralConfig(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, num_local_experts=4,
+                            num_experts_per_tok=2, **common)
+        model = MixtralForCausalLM(cfg)
+    elif kind == "qwen2_moe":
+        cfg = Qwen2MoeConfig(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                             norm_topk_prob=False, **common)
+        model = Qwen2MoeForCausalLM(cfg)
+    elif kind == "qwen3_moe":
+        cfg = Qwen3MoeConfig(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, head_dim=32,
+                             **common)
+        model = Qwen3MoeForCausalLM(cfg)
     else:
-        sys.exit(f"unknown KIND {kind}: qwen2, qwen2_windows, qwen3, mistral, phi3, gemma2 or llama3")
+        sys.exit(f"unknown KIND {kind}: qwen2, qwen2_windows, qwen3, mistral, phi3, gemma2, llama3, mixtral, qwen2_moe or qwen3_moe")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):

@@ -85,6 +85,30 @@ pub trait Model {
     /// restores). A model whose training pass draws random numbers
     /// (dropout) keys them on it; the default ignores it.
     fn begin_step(&mut self, _step: u64) {}
+
+    /// How many sums over the whole step's batch (every micro-batch of
+    /// every data-parallel rank) the model needs before the first backward
+    /// (a mixture of experts' global-batch routing counts); default none.
+    /// The trainer then runs [`Model::collect_step_stats`] over the step's
+    /// micro-batches, all-reduces the sums and hands them to
+    /// [`Model::set_step_stats`] before the first micro-step.
+    fn step_stats_len(&self) -> usize {
+        0
+    }
+
+    /// A forward-only pass over `batch` adding its sums into `into`
+    /// (`step_stats_len` long).
+    fn collect_step_stats(
+        &mut self,
+        _store: &mut dyn ParamStore,
+        _batch: &Self::Batch,
+        _into: &mut [f64],
+    ) -> Result<(), Self::Error> {
+        Ok(())
+    }
+
+    /// The step's sums over every micro-batch and data-parallel rank.
+    fn set_step_stats(&mut self, _stats: &[f64]) {}
 }
 
 /// A boxed model is a model: the binary holds one family's model behind a
@@ -128,6 +152,23 @@ impl<M: Model + ?Sized> Model for Box<M> {
 
     fn begin_step(&mut self, step: u64) {
         (**self).begin_step(step)
+    }
+
+    fn step_stats_len(&self) -> usize {
+        (**self).step_stats_len()
+    }
+
+    fn collect_step_stats(
+        &mut self,
+        store: &mut dyn ParamStore,
+        batch: &Self::Batch,
+        into: &mut [f64],
+    ) -> Result<(), Self::Error> {
+        (**self).collect_step_stats(store, batch, into)
+    }
+
+    fn set_step_stats(&mut self, stats: &[f64]) {
+        (**self).set_step_stats(stats)
     }
 }
 

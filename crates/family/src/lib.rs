@@ -313,6 +313,23 @@ impl<M: TextModel> Model for Erased<M> {
     fn take_aux_stats(&mut self) -> engine::AuxStats {
         self.0.take_aux_stats()
     }
+
+    fn step_stats_len(&self) -> usize {
+        self.0.step_stats_len()
+    }
+
+    fn collect_step_stats(
+        &mut self,
+        store: &mut dyn ParamStore,
+        batch: &TokenBatch,
+        into: &mut [f64],
+    ) -> Result<(), ModelError> {
+        self.0.collect_step_stats(store, batch, into).map_err(ModelError::new)
+    }
+
+    fn set_step_stats(&mut self, stats: &[f64]) {
+        self.0.set_step_stats(stats)
+    }
 }
 
 impl<M: TextModel> StagedModel for Erased<M> {

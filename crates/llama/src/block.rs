@@ -22,6 +22,10 @@ use nn::rope::{rope_apply, Rope};
 use nn::stack::{Block, Part, Saved, SavedView, StackSizes, PRE_NORM_KINDS};
 use nn::{Operands, Positions};
 use std::cell::Cell;
+use std::sync::Mutex;
+
+mod moe;
+pub use moe::{state, MoeState};
 
 /// Indices of a layer's saved tensors.
 const H1: usize = 0; // input_layernorm's output
@@ -44,6 +48,19 @@ const QKN: usize = DZ + 7;
 /// norm) and the MLP's (down_proj's), `[n, C]` each (empty otherwise).
 const PA: usize = QKN + 1;
 const PF: usize = QKN + 2;
+/// With a mixture of experts: the experts' outputs in dispatch order
+/// (`[n·k, C]`; their gate|up and activations are `GU` and `M`, `[n·k, 2F]`
+/// and `[n·k, F]`), the shared expert's gate|up, activation and output
+/// (empty without one).
+const YX: usize = QKN + 3;
+const SGU: usize = QKN + 4;
+const SM: usize = QKN + 5;
+const SY: usize = QKN + 6;
+/// Row statistics of a mixture: the router's probabilities `[n, E]`, its
+/// log-sum-exps and the shared expert gate's logits `[n]` each.
+const PROBS: usize = 7;
+const LSE: usize = 8;
+const SGATE: usize = 9;
 
 /// Staging buffers: row tensors, the heads' output beside q|k|v, LoRA's `x·Aᵀ`.
 const ROWS: usize = 0;
@@ -72,6 +89,8 @@ pub(crate) struct Dims {
     pub seq: Option<(usize, usize)>,
     /// Context parallelism: where the rows of each sequence sit.
     pub cx: nn::context::Context,
+    /// A mixture of experts' shape (`f` its experts' width), in place of the MLP.
+    pub moe: Option<nn::moe::MoeShape>,
 }
 
 impl Dims {
@@ -133,7 +152,13 @@ impl ActSizes {
         let norms = Proj::ALL.iter().filter(|&&p| dora(p)).map(|&p| out(p)).sum::<u128>();
         let dropout = adapters.is_some_and(|a| a.dropout);
         let max_in = if dropout { Proj::ALL.into_iter().map(|p| w(p.shape(cfg)[1])).max().unwrap_or(0) } else { 0 };
-        let mut large = vec![nl * c, n * qkvw, n * qd, nl * c, nl * c, n * 2 * f, n * f, nl * c];
+        // A mixture's experts run on n·k dispatched rows of their own width.
+        let moe = cfg.moe.as_ref();
+        let (mrows, mf) = moe.map_or((n, f), |m| (n * w(m.top_k), w(m.expert_size)));
+        let (e, fs) = moe.map_or((0, 0), |m| (w(m.n_experts), w(m.shared_expert_size.unwrap_or(0))));
+        let yx = if moe.is_some() { mrows * c } else { 0 };
+        let sy = if fs > 0 { n * c } else { 0 };
+        let mut large = vec![nl * c, n * qkvw, n * qd, nl * c, nl * c, mrows * 2 * mf, mrows * mf, nl * c];
         large.extend(xa);
         large.extend(dz);
         // Per-head q/k norms: their inputs kept, one 1/rms per (row, head).
@@ -141,6 +166,7 @@ impl ActSizes {
         large.push(n * qk_heads * w(cfg.head_dim));
         let post = if cfg.gemma.is_some() { nl * c } else { 0 };
         large.extend([post, post]);
+        large.extend([yx, n * 2 * fs, n * fs, sy]);
         // Working buffer: the q/k norms' (gathered heads) and, when the
         // heads are wider than the residual (H·d > C), the heads' output
         // and its gradient.
@@ -156,22 +182,41 @@ impl ActSizes {
             kinds,
             redo_scratch: nl.max(lse),
             output: OUT,
-            stats: vec![nl, nl, lse, norms, n * qk_heads, post / c.max(1), post / c.max(1)],
+            stats: vec![
+                nl,
+                nl,
+                lse,
+                norms,
+                n * qk_heads,
+                post / c.max(1),
+                post / c.max(1),
+                n * e,
+                if moe.is_some() { n } else { 0 },
+                if fs > 0 { n } else { 0 },
+            ],
             x: nl * c,
             bufs: vec![
                 nl * c,
                 n * c,
                 n * qkvw,
-                n * 2 * f,
-                n * f,
+                (mrows * 2 * mf).max(n * 2 * fs),
+                (mrows * mf).max(n * fs),
                 n * r,
                 n * qkvw,
                 n * max_dz,
                 n * max_in,
                 n * wide,
                 post,
+                // A mixture's dispatched rows (twice) and the router's gradients.
+                yx,
+                yx,
+                n * (e + moe.map_or(0, |m| w(m.top_k))),
             ],
-            staging: if low { vec![n * c.max(qkvw).max(2 * f), n * qd, n * r] } else { vec![0; 3] },
+            staging: if low {
+                vec![(n * c.max(qkvw).max(2 * f)).max(mrows * (2 * mf).max(c)).max(n * 2 * fs), n * qd, n * r]
+            } else {
+                vec![0; 3]
+            },
             extra: Vec::new(),
             // Sequence parallelism: a column input gathered, a row output
             // before its reduce-scatter (the embedding's rows in the first).
@@ -219,6 +264,10 @@ pub(crate) struct Layer<'a> {
     pub at: Cell<usize>,
     /// LoRA dropout's masks of this micro-batch (training passes only).
     pub drop: Option<&'a Dropout>,
+    /// A mixture's routing state of this pass.
+    pub moe: Option<&'a Mutex<MoeState>>,
+    /// Whether this walk's forwards count their routing (not a backward's recomputations).
+    pub counting: bool,
 }
 
 /// What the post norms' backward reads and writes besides its buffers.
@@ -228,6 +277,11 @@ struct Back<'s, 'g> {
 }
 
 impl Layer<'_> {
+    /// The mixture's parameter ranges.
+    fn moe_params(&self) -> &crate::layout::MoeParams {
+        self.r.moe.as_ref().unwrap_or_else(|| unreachable!("a mixture without its parameters"))
+    }
+
     /// What this layer's queries see: the micro-batch's documents, the
     /// layer's window and the family's scores.
     fn visible_here(&self) -> Visible<'_> {
@@ -366,17 +420,17 @@ impl Block for Layer<'_> {
         let (cfg, r, d) = (self.cfg, self.r, &self.d);
         let (n, nl, c, f, prec) = (d.n, d.local(), d.c, d.f, d.prec);
         let (qd, qkvw) = (d.gqa.q_dim(), d.gqa.qkv_width());
-        let [x2, buf_c, qkv, gu, m, dxa, heads, zb, xd, wide, pn, gx, gd] = bufs else {
-            unreachable!("Llama has eleven working buffers and two of scratch")
+        let [x2, buf_c, qkv, gu, m, dxa, heads, zb, xd, wide, pn, ma, mb, _, gx, gd] = bufs else {
+            unreachable!("Llama has fourteen working buffers and two of scratch")
         };
         let Saved { large, stats } = sv;
-        let [rstd1, rstd2, lse, norms, rstd_qk, rstd_pa, rstd_pf] = &mut stats[..] else {
-            unreachable!("row statistics, log-sum-exps, norms, head and post-norm statistics")
+        let [rstd1, rstd2, lse, norms, rstd_qk, rstd_pa, rstd_pf, probs, lse_r, sgate] = &mut stats[..] else {
+            unreachable!("row statistics, log-sum-exps, norms, head, post-norm and router statistics")
         };
         let (large, adapted) = large.split_at_mut(XA);
         let (adapted, qkn) = adapted.split_at_mut(QKN - XA);
         let (qkn, post) = qkn.split_at_mut(PA - QKN);
-        let [pa, pf] = post else { unreachable!("the post norms' inputs") };
+        let [pa, pf, yx, sgu, sm, sy] = post else { unreachable!("the post norms' inputs and the mixture's") };
         let post = r.post_norms.is_some();
         let (site, parts) = (self.site(), self.parts());
         let [qkv_p, o_p, gu_p, down_p] = self.projections(&parts);
@@ -430,6 +484,15 @@ impl Block for Layer<'_> {
         let g2 = self.cfg.gains(&p[r.mlp_norm.clone()]);
         rmsnorm_forward(&mut buf_c[..nl * c], rstd2, large[X2].cur(x2), &g2, c, d.eps);
         large[H2].keep_prefix(buf_c, nl * c, prec);
+        if r.moe.is_some() {
+            let (lo, hi) = large.split_at_mut(GU);
+            let [gu_t, m_t, out_t] = hi else { unreachable!("gate|up, m and the output") };
+            let (h2, res) = (lo[H2].cur(&buf_c[..nl * c]), lo[X2].cur(x2));
+            let kept = [gu_t, m_t, yx, sgu, sm, sy];
+            self.moe_forward(p, (h2, res, x), kept, (probs, lse_r, sgate), [gu, m, ma, mb]);
+            out_t.keep_copy(x, prec);
+            return Ok(());
+        }
         let h2 = large[H2].cur(&buf_c[..nl * c]);
         // (n, C) @ (C, 2F) -> (n, 2F)
         gu_p.forward(&site, p, (gu, h2, None), adapted, &mut work, norms, tp)?;
@@ -461,7 +524,7 @@ impl Block for Layer<'_> {
                 assert!(!d.cx.is_split(), "attention recomputed without its context group");
                 flash_attention_forward(out, lse, saved.get(QKV), d.gqa, self.visible_here());
             }
-            M => self.cfg.glu().forward(out, saved.get(GU), d.f),
+            M => self.cfg.glu().forward(out, saved.get(GU), d.moe.map_or(d.f, |s| s.f)),
             _ => unreachable!("Llama keeps saved tensor {k}"),
         }
     }
@@ -477,11 +540,11 @@ impl Block for Layer<'_> {
         let (cfg, r, d) = (self.cfg, self.r, &self.d);
         let (c, f, nl) = (d.c, d.f, d.local());
         let (qd, qkvw) = (d.gqa.q_dim(), d.gqa.qkv_width());
-        let [dres, dc, dqkv, dgu, dm, dxa, heads, zb, xd, wide, dz, gx, gd] = bufs else {
-            unreachable!("Llama has eleven working buffers and two of scratch")
+        let [dres, dc, dqkv, dgu, dm, dxa, heads, zb, xd, wide, dz, ma, mb, mr, gx, gd] = bufs else {
+            unreachable!("Llama has fourteen working buffers and two of scratch")
         };
         let sv = saved.sv;
-        let [rstd1, rstd2, lse, norms, rstd_qk, rstd_pa, rstd_pf] = &sv.stats[..] else {
+        let [rstd1, rstd2, lse, norms, rstd_qk, rstd_pa, rstd_pf, ..] = &sv.stats[..] else {
             unreachable!("row statistics, log-sum-exps, norms, head and post-norm statistics")
         };
         let (site, parts) = (self.site(), self.parts());
@@ -490,12 +553,16 @@ impl Block for Layer<'_> {
         let mut work = Work::new(dxa, zb, xd, (gx, gd));
         // down_proj: d(n, F) = d(n, C) @ (C, F); SwiGLU; gate|up: d(n, C) = d(n, 2F) @ (2F, C).
         // With post norms the branch's gradient is the norm's input gradient.
-        let g = self.branch_grad(p, 1, (dres, dz), (&mut back, rstd_pf));
-        let b = (&mut *back.grads, &mut back.saved);
-        down_p.backward(&site, p, (dm, g, (M, ROWS)), b, &mut work, norms, tp)?;
-        cfg.glu().backward(dgu, dm, back.saved.get(GU), f);
-        let b = (&mut *back.grads, &mut back.saved);
-        gu_p.backward(&site, p, (&mut dc[..nl * c], Grad::Own(dgu), (H2, ROWS)), b, &mut work, norms, tp)?;
+        if r.moe.is_some() {
+            self.moe_backward(p, dres, &mut dc[..nl * c], &mut back, [dgu, dm, ma, mb, mr])?;
+        } else {
+            let g = self.branch_grad(p, 1, (dres, dz), (&mut back, rstd_pf));
+            let b = (&mut *back.grads, &mut back.saved);
+            down_p.backward(&site, p, (dm, g, (M, ROWS)), b, &mut work, norms, tp)?;
+            cfg.glu().backward(dgu, dm, back.saved.get(GU), f);
+            let b = (&mut *back.grads, &mut back.saved);
+            gu_p.backward(&site, p, (&mut dc[..nl * c], Grad::Own(dgu), (H2, ROWS)), b, &mut work, norms, tp)?;
+        }
         let (w2, g2) = (self.cfg.gains(&p[r.mlp_norm.clone()]), param_grad(back.grads.tensor(r.mlp_norm.clone())));
         let x2 = NormSaved { inp: back.saved.get(X2), mean: &[], rstd: rstd2 };
         rmsnorm_backward(dres, g2, &dc[..nl * c], x2, &w2);

@@ -4,8 +4,10 @@
 use crate::error::LlamaError;
 
 mod gemma;
+mod moe;
 mod presets;
 pub use gemma::GemmaBlock;
+pub use moe::{LoadBalancing, MoeBlock, MoeNames};
 pub use presets::PRESETS;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -72,6 +74,10 @@ pub struct LlamaConfig {
     /// anyway), so LoRA adapts each group whole, with PEFT's names.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub fused_modules: bool,
+    /// A mixture of experts in place of the MLP (Mixtral, Qwen-MoE);
+    /// `None`: the dense SwiGLU MLP.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeBlock>,
 }
 
 /// Llama 3's RoPE frequency scaling (`rope_scaling` with
@@ -193,6 +199,15 @@ impl LlamaConfig {
         if let Some(g) = &self.gemma {
             g.validate()?;
         }
+        if let Some(m) = &self.moe {
+            m.validate()?;
+            if self.gemma.is_some() || self.fused_modules {
+                return Err(LlamaError::config(
+                    "moe",
+                    "a mixture of experts is not implemented with Gemma's or Phi-3's block",
+                ));
+            }
+        }
         if !self.head_dim.is_multiple_of(2) {
             return Err(LlamaError::config(
                 "head_dim",
@@ -241,7 +256,8 @@ impl LlamaConfig {
         let bias = if self.attention_bias { qd + 2 * kvd } else { 0 };
         let qk_norm = if self.qk_norm { 2 * self.head_dim as u128 } else { 0 };
         let post_norms = if self.gemma.is_some() { 2 * c } else { 0 };
-        2 * c + 2 * c * qd + 2 * c * kvd + 3 * c * f + bias + qk_norm + post_norms
+        let mlp = self.moe.as_ref().map_or(3 * c * f, |m| m.param_count(c));
+        2 * c + 2 * c * qd + 2 * c * kvd + mlp + bias + qk_norm + post_norms
     }
 
     /// Width of all query heads together (hidden_size, unless the file sets
@@ -262,7 +278,9 @@ impl LlamaConfig {
 
     /// Tensors of one decoder layer (without LoRA adapters).
     pub fn tensors_per_layer(&self) -> u128 {
-        9 + if self.attention_bias { 3 } else { 0 }
+        let mlp = self.moe.as_ref().map_or(3, MoeBlock::tensor_count);
+        6 + mlp
+            + if self.attention_bias { 3 } else { 0 }
             + if self.qk_norm { 2 } else { 0 }
             + if self.gemma.is_some() { 2 } else { 0 }
     }
@@ -392,6 +410,7 @@ impl LlamaConfig {
             sliding_layers: None,
             gemma: None,
             fused_modules: false,
+            moe: None,
         };
         cfg.validate()?;
         Ok(cfg)

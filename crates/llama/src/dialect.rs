@@ -160,9 +160,10 @@ impl QwenWindows {
             None | Some(Value::Null) => false,
             Some(b) => b.as_bool().ok_or_else(|| format!("use_sliding_window = {b}: must be true or false"))?,
         };
-        let window = read_window(v)?;
+        // Off, the width is not read (Qwen2-MoE's files hold 0 there).
+        let window = if on { read_window(v)? } else { None };
         let layers = read_layer_types(v, n_layer)?;
-        let Some(w) = window.filter(|_| on) else { return Ok((None, None)) };
+        let Some(w) = window else { return Ok((None, None)) };
         let layers = match layers {
             Some(l) => l,
             None => {

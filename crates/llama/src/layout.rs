@@ -205,6 +205,34 @@ pub struct LayerParams {
     pub post_norms: Option<[Range<usize>; 2]>,
     /// LoRA adapters of the targeted projections, after the base tensors.
     pub lora: [Option<LoraRanges>; 7],
+    /// A mixture of experts in place of the MLP (gate, up and down's
+    /// ranges in `proj` are then empty).
+    pub moe: Option<MoeParams>,
+}
+
+/// Element ranges of one layer's mixture of experts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MoeParams {
+    /// The router `[E, C]`.
+    pub router: Range<usize>,
+    /// The experts back to back, each gate `[F, C]`, up `[F, C]`, down `[C, F]`.
+    pub experts: Range<usize>,
+    /// The shared expert: gate `[Fs, C]`, up `[Fs, C]`, down `[C, Fs]`, its gate `[1, C]`.
+    pub shared: Option<[Range<usize>; 4]>,
+}
+
+impl MoeParams {
+    /// Expert `e`'s gate, up and down weights (gate | up one `[2f, c]`
+    /// matrix), each expert `3·f·c` long.
+    pub fn expert(&self, e: usize, (f, c): (usize, usize)) -> [Range<usize>; 3] {
+        let at = self.experts.start + e * 3 * f * c;
+        [at..at + f * c, at + f * c..at + 2 * f * c, at + 2 * f * c..at + 3 * f * c]
+    }
+
+    /// The last element's end.
+    fn end(&self) -> usize {
+        self.shared.as_ref().map_or(self.experts.end, |s| s[3].end)
+    }
 }
 
 impl LayerParams {
@@ -225,7 +253,8 @@ impl LayerParams {
     /// The contiguous range the whole layer occupies.
     pub fn span(&self) -> Range<usize> {
         let end = self.lora.iter().flatten().map(|l| l.m.as_ref().map_or(l.b.end, |m| m.end)).max();
-        let end = end.unwrap_or(self.post_norms.as_ref().map_or(self.proj[6].end, |n| n[1].end));
+        let mlp = self.moe.as_ref().map_or(self.proj[6].end, MoeParams::end);
+        let end = end.unwrap_or(self.post_norms.as_ref().map_or(mlp, |n| n[1].end));
         self.attn_norm.start..end
     }
 }
@@ -278,7 +307,31 @@ fn push_layer(cfg: &LlamaConfig, adapters: Option<Adapters>, packed_base: bool, 
     let mlp_norm =
         push(if gemma { "pre_feedforward_layernorm.weight" } else { "post_attention_layernorm.weight" }, &[c], false);
     end = mlp_norm.end;
-    let mlp = [Proj::Gate, Proj::Up, Proj::Down].map(|p| proj_w(p, &mut end, push));
+    let (mlp, moe) = match &cfg.moe {
+        None => ([Proj::Gate, Proj::Up, Proj::Down].map(|p| proj_w(p, &mut end, push)), None),
+        Some(m) => {
+            let (f, e) = (m.expert_size, m.n_experts);
+            let router = push(m.router_name(), &[e, c], true);
+            let experts = (0..e)
+                .map(|i| {
+                    let [g, u, d] = m.expert_names(i);
+                    let first = push(&g, &[f, c], true);
+                    push(&u, &[f, c], true);
+                    first.start..push(&d, &[c, f], true).end
+                })
+                .reduce(|a, b| a.start..b.end)
+                .unwrap_or(router.end..router.end);
+            let shared = m.shared_expert_size.map(|fs| {
+                let g = push("mlp.shared_expert.gate_proj.weight", &[fs, c], true);
+                let u = push("mlp.shared_expert.up_proj.weight", &[fs, c], true);
+                let d = push("mlp.shared_expert.down_proj.weight", &[c, fs], true);
+                [g, u, d, push("mlp.shared_expert_gate.weight", &[1, c], true)]
+            });
+            let moe = MoeParams { router, experts, shared };
+            end = moe.end();
+            ([end..end, end..end, end..end], Some(moe))
+        }
+    };
     let [gate, up, down] = mlp;
     let post_norms = post_attn.map(|a| [a, push("post_feedforward_layernorm.weight", &[c], false)]);
     let lora = Proj::ALL.map(|p| {
@@ -291,7 +344,7 @@ fn push_layer(cfg: &LlamaConfig, adapters: Option<Adapters>, packed_base: bool, 
             m: a.dora.then(|| push(&format!("{path}.{}", nn::lora::MAGNITUDE), &[out], false)),
         })
     });
-    LayerParams { attn_norm, proj: [q, k, v, o, gate, up, down], qkv_bias, qk_norm, mlp_norm, post_norms, lora }
+    LayerParams { attn_norm, proj: [q, k, v, o, gate, up, down], qkv_bias, qk_norm, mlp_norm, post_norms, lora, moe }
 }
 
 /// Element ranges of all parameters.

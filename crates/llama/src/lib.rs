@@ -26,7 +26,7 @@ pub mod shard;
 
 pub use block::ActSizes;
 pub use config::RopeScaling;
-pub use config::{GemmaBlock, LlamaConfig};
+pub use config::{GemmaBlock, LlamaConfig, LoadBalancing, MoeBlock, MoeNames};
 pub use dialect::{Dialect, Names};
 pub use error::LlamaError;
 pub use frozen::{FrozenBase, FrozenFormat};

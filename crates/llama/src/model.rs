@@ -28,6 +28,7 @@ use std::sync::Arc;
 pub use engine::batch::{TokenBatch, IGNORE_INDEX};
 
 mod decode;
+mod moe;
 
 /// Llama's buffers of one micro-batch in flight outside the layer stack.
 #[derive(Debug, Default)]
@@ -36,6 +37,8 @@ pub struct LlamaActs {
     rope: Rope,
     /// The micro-batch's LoRA dropout masks (training passes with dropout).
     drop: Option<Dropout>,
+    /// A mixture's routing tally and router-loss coefficients of this micro-batch.
+    moe: std::sync::Mutex<crate::block::MoeState>,
 }
 
 impl nn::shell::Extra for LlamaActs {
@@ -65,6 +68,10 @@ pub struct Llama {
     /// The optimizer step being taken ([`engine::Model::begin_step`]): LoRA
     /// dropout's masks are keyed on it.
     step: u64,
+    /// A mixture's global-batch routing counts of step `.0`
+    /// ([`engine::Model::set_step_stats`]): per expert its choices, then the
+    /// (layer, row) pairs routed and the targets.
+    step_stats: Option<(u64, Vec<f64>)>,
 }
 
 /// A layer with rotary tables and attention `(rope, attn)`, for the
@@ -81,7 +88,7 @@ fn layer<'a>(
     let pos = Positions { t: d.gqa.t, ids: pd.0 };
     // Each layer adds its own window (`LlamaConfig::window_of`).
     let visible = nn::flash::Visible::documents(pd.1).scored(cfg.scores());
-    Layer { cfg, r, rope, d, attn, pos, visible, base, at: Cell::new(0), drop: None }
+    Layer { cfg, r, rope, d, attn, pos, visible, base, at: Cell::new(0), drop: None, moe: None, counting: false }
 }
 
 impl Llama {
@@ -239,6 +246,26 @@ impl Llama {
             }
             None => None,
         };
+        if cfg.moe.is_some() {
+            if adapters.is_some_and(|a| a.targets[Proj::Gate as usize..].iter().any(|&t| t)) {
+                return Err(LlamaError::lora(
+                    "target_modules",
+                    "on the MLP (gate_proj, up_proj, down_proj) of a mixture of experts is not supported yet: target the attention (q_proj, k_proj, v_proj, o_proj)",
+                ));
+            }
+            if packed {
+                return Err(LlamaError::config(
+                    "train.frozen_dtype",
+                    "a packed frozen base is not implemented for a mixture of experts: set train.frozen_dtype = \"f32\"",
+                ));
+            }
+            if tp.is_split() {
+                return Err(LlamaError::config(
+                    "dist.tensor_parallel",
+                    format!("({}) is not implemented for a mixture of experts: set dist.tensor_parallel = 1", tp.size),
+                ));
+            }
+        }
         let (layout, ranges) = build_layout(&cfg, adapters, (packed, packed_embed));
         let ends = Ends {
             width: cfg.hidden_size,
@@ -256,7 +283,19 @@ impl Llama {
             frozen_embed: base.as_ref().and_then(|b| b.embedding().cloned()),
         };
         let shell = Shell::new(ends, layout, precision);
-        Ok(Self { cfg, lora, adapters, ranges, shell, split: None, base, packed, packed_embed, step: 0 })
+        Ok(Self {
+            cfg,
+            lora,
+            adapters,
+            ranges,
+            shell,
+            split: None,
+            base,
+            packed,
+            packed_embed,
+            step: 0,
+            step_stats: None,
+        })
     }
 
     /// The model's shape.
@@ -390,6 +429,12 @@ impl Llama {
             let w = r.w(pr);
             out[w.clone()].copy_from_slice(&normal(w.len()));
         }
+        if let Some(m) = &r.moe {
+            let shared = m.shared.iter().flatten().cloned();
+            for w in [m.router.clone(), m.experts.clone()].into_iter().chain(shared) {
+                out[w.clone()].copy_from_slice(&normal(w.len()));
+            }
+        }
         self.init_adapters(seed, seg - 1, &mut out);
         self.init_magnitudes(seg - 1, &mut out, self.base.as_deref());
         out
@@ -463,6 +508,15 @@ impl Llama {
             prec: self.shell.precision,
             seq: self.shell.ends.tp.held_rows(b * t),
             cx: self.shell.context(),
+            moe: cfg.moe.as_ref().map(|m| nn::moe::MoeShape {
+                n: b * t,
+                c: cfg.hidden_size,
+                f: m.expert_size,
+                experts: m.n_experts,
+                top_k: m.top_k,
+                norm_topk: m.norm_topk_prob,
+                glu: cfg.glu(),
+            }),
         }
     }
 
@@ -512,7 +566,12 @@ impl Decoder for Llama {
         let s = ActSizes::new(cfg, (sh.ends.tp, self.adapters), (b, t), how, train, sh.part());
         let rope = Rope::new(t, cfg.head_dim, cfg.rope_theta, cfg.llama3_scaling().as_ref());
         let [_, hf, rstd_f, logits, losses] = s.head;
-        Acts::new(&s.stack, [hf, 0, rstd_f, logits, losses], (b, t), LlamaActs { rope, drop: None })
+        Acts::new(
+            &s.stack,
+            [hf, 0, rstd_f, logits, losses],
+            (b, t),
+            LlamaActs { rope, drop: None, moe: Default::default() },
+        )
     }
 
     /// Forward: the LoRA dropout masks of a training pass drawn first, the
@@ -529,6 +588,9 @@ impl Decoder for Llama {
         }
         let (b, t) = (self.shell.acts.b, self.shell.acts.t);
         let d = self.dims(b, t);
+        if self.cfg.moe.is_some() {
+            self.moe_supported()?;
+        }
         let (attn, later) = match walk {
             Walk::Forward(pass, attn) => {
                 let p_drop = self.lora.as_ref().map_or(0.0, |l| l.dropout);
@@ -554,6 +616,14 @@ impl Decoder for Llama {
         let base = self.base.as_deref();
         let mut layer = layer(&self.cfg, &self.ranges.layer_rel, (rope, attn), d, (&a.pos, &a.docs), base);
         layer.drop = a.extra.drop.as_ref();
+        if self.cfg.moe.is_some() {
+            // A forward counts its routing afresh; a backward's recomputations do not.
+            layer.counting = matches!(walk, Walk::Forward(..));
+            if layer.counting {
+                crate::block::state(&a.extra.moe).tally = Default::default();
+            }
+            layer.moe = Some(&a.extra.moe);
+        }
         match walk {
             Walk::Forward(pass, _) => a.stack.forward(&layer, store, (segs, scratch), pass == Pass::Train)?,
             Walk::Backward => a.stack.backward(&layer, store, (segs, scratch))?,
@@ -576,6 +646,34 @@ impl Decoder for Llama {
 
     fn begin_step(&mut self, step: u64) {
         self.step = step;
+    }
+
+    fn blocks_aux(&mut self, targets: u64, seed: Option<f32>) -> Result<f64, LlamaError> {
+        self.router_losses(targets, seed)
+    }
+
+    fn step_stats_len(&self) -> usize {
+        self.global_balance().map_or(0, |m| m.n_experts + 2)
+    }
+
+    fn collect_step_stats(
+        &mut self,
+        store: &mut dyn ParamStore,
+        batch: &TokenBatch,
+        into: &mut [f64],
+    ) -> Result<(), LlamaError> {
+        let targets = nn::shell::loss(self, store, batch)?.n_targets;
+        let st = crate::block::state(&self.shell.acts.extra.moe);
+        let t = &st.tally;
+        let e = into.len() - 2;
+        into[..e].iter_mut().zip(&t.chosen).for_each(|(a, b)| *a += b);
+        into[e] += t.rows;
+        into[e + 1] += targets as f64;
+        Ok(())
+    }
+
+    fn set_step_stats(&mut self, stats: &[f64]) {
+        self.step_stats = Some((self.step, stats.to_vec()));
     }
 }
 

@@ -32,6 +32,7 @@ fn cfg() -> LlamaConfig {
         sliding_layers: None,
         gemma: None,
         fused_modules: false,
+        moe: None,
     }
 }
 

@@ -44,6 +44,7 @@ fn tiny_gqa() -> LlamaConfig {
         sliding_layers: None,
         gemma: None,
         fused_modules: false,
+        moe: None,
     }
 }
 

@@ -15,8 +15,18 @@ use std::path::Path;
 use std::sync::Arc;
 
 /// Every family the binary knows, each registered once by its crate.
-pub static FAMILIES: &[&dyn Registration] =
-    &[&gpt::FAMILY, &llama::FAMILY, &qwen2::FAMILY, &qwen3::FAMILY, &mistral::FAMILY, &phi3::FAMILY, &gemma2::FAMILY];
+pub static FAMILIES: &[&dyn Registration] = &[
+    &gpt::FAMILY,
+    &llama::FAMILY,
+    &qwen2::FAMILY,
+    &qwen3::FAMILY,
+    &mistral::FAMILY,
+    &phi3::FAMILY,
+    &gemma2::FAMILY,
+    &mixtral::FAMILY,
+    &qwen2::MOE_FAMILY,
+    &qwen3::MOE_FAMILY,
+];
 
 /// The names `model.family` may take, for messages.
 fn known() -> String {

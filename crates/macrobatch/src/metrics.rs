@@ -18,10 +18,15 @@ pub struct StepRecord {
     /// Global-batch mean loss: plain cross-entropy per target token, also
     /// with `train.label_smoothing` / `train.z_loss` (see `loss_total`).
     pub loss: f64,
-    /// With `train.label_smoothing` or `train.z_loss`: the loss the
-    /// gradient is of — `loss` plus what those terms add per target token.
+    /// With `train.label_smoothing`, `train.z_loss` or a mixture of
+    /// experts' router losses: the loss the gradient is of — `loss` plus
+    /// what those terms add per target token.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub loss_total: Option<f64>,
+    /// Seconds of the forward-only routing pass a mixture's global-batch
+    /// load-balancing loss runs before the step's micro-steps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub routing_pass_s: Option<f64>,
     /// Learning rate used.
     pub lr: f32,
     /// Gradient norm before clipping.

@@ -117,6 +117,17 @@ pub fn run(args: VerifyArgs) -> Result<bool> {
 
     let dl = (a.report.loss - r.report.loss).abs();
     println!("  loss        {:.10} vs {:.10} (|Δ| {dl:.1e})", a.report.loss, r.report.loss);
+    if a.report.aux_loss != 0.0 || r.report.aux_loss != 0.0 {
+        // The training loss beyond the cross-entropy (smoothing, z-loss, a
+        // mixture's router losses): the step's gradient is that of both.
+        let da = (a.report.aux_loss - r.report.aux_loss).abs();
+        println!(
+            "  aux loss    {:.10} vs {:.10} (|Δ| {da:.1e}, relative {:.1e})",
+            a.report.aux_loss,
+            r.report.aux_loss,
+            da / r.report.aux_loss.abs().max(f64::MIN_POSITIVE)
+        );
+    }
     let g_scale = max_abs(&r.grads);
     let dg = a.grads.iter().zip(&r.grads).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
     let grad_ok = dg <= GRAD_TOL * g_scale;

@@ -43,6 +43,7 @@ pub mod lora;
 pub mod lora_dropout;
 pub mod loss;
 pub mod loss_terms;
+pub mod moe;
 pub mod norm;
 pub mod proj;
 pub mod rope;

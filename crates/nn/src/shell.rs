@@ -725,6 +725,32 @@ pub trait Decoder {
 
     /// The optimizer step about to be taken.
     fn begin_step(&mut self, _step: u64) {}
+
+    /// The blocks' own loss terms of the forward just run over a
+    /// micro-batch of `targets` targets (a mixture's router losses),
+    /// added to its `aux_sum`; `seed`: a training pass's loss seed, which
+    /// the blocks' backward scales their gradients by. Default: none.
+    fn blocks_aux(&mut self, _targets: u64, _seed: Option<f32>) -> Result<f64, Self::Error> {
+        Ok(0.0)
+    }
+
+    /// [`engine::Model::step_stats_len`].
+    fn step_stats_len(&self) -> usize {
+        0
+    }
+
+    /// [`engine::Model::collect_step_stats`].
+    fn collect_step_stats(
+        &mut self,
+        _store: &mut dyn ParamStore,
+        _batch: &TokenBatch,
+        _into: &mut [f64],
+    ) -> Result<(), Self::Error> {
+        Ok(())
+    }
+
+    /// [`engine::Model::set_step_stats`].
+    fn set_step_stats(&mut self, _stats: &[f64]) {}
 }
 
 /// Makes slot `flight` current, sized for `b` × `t` and `pass`.
@@ -805,6 +831,8 @@ pub fn stage_forward<D: Decoder>(
         return Ok(MicroStepStats::default());
     }
     let (loss_sum, aux_sum) = sh.head_loss(store, batch, loss_seed)?;
+    let aux_sum = aux_sum + d.blocks_aux(batch.n_targets(), loss_seed)?;
+    let sh = d.shell_mut();
     match loss_seed {
         Some(_) => sh.norm_backward(store)?,
         None => store.done(sh.head_seg(), false)?,
@@ -983,6 +1011,23 @@ macro_rules! impl_decoder {
 
             fn begin_step(&mut self, step: u64) {
                 $crate::shell::Decoder::begin_step(self, step)
+            }
+
+            fn step_stats_len(&self) -> usize {
+                $crate::shell::Decoder::step_stats_len(self)
+            }
+
+            fn collect_step_stats(
+                &mut self,
+                store: &mut dyn $crate::shell::engine::ParamStore,
+                batch: &Self::Batch,
+                into: &mut [f64],
+            ) -> Result<(), Self::Error> {
+                $crate::shell::Decoder::collect_step_stats(self, store, batch, into)
+            }
+
+            fn set_step_stats(&mut self, stats: &[f64]) {
+                $crate::shell::Decoder::set_step_stats(self, stats)
             }
         }
 

@@ -130,3 +130,6 @@ mod tests {
         assert!(QWEN2.parse_hf_json(&llama).is_err());
     }
 }
+
+mod moe;
+pub use moe::{Qwen2MoeDialect, MOE_FAMILY, MOE_PRESETS, QWEN2_MOE};

@@ -161,3 +161,6 @@ mod tests {
         assert!(refused("model_type", Value::from("qwen2")).contains("qwen2"));
     }
 }
+
+mod moe;
+pub use moe::{Qwen3MoeDialect, MOE_FAMILY, MOE_PRESETS, QWEN3_MOE};

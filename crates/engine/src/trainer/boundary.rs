@@ -115,6 +115,7 @@ impl Trainer {
                 comm_calls: after.n_calls - before.n_calls + overlap.as_ref().map_or(0, |o| o.collectives.len() as u64),
                 comm_s: (after.collective_ns - before.collective_ns) as f64 * 1e-9 + waited,
                 model_s: acc.model_s,
+                step_stats_s: acc.step_stats_s,
                 skipped,
                 loss_scale,
                 pipeline: pipeline.clone(),

@@ -34,6 +34,7 @@ impl LlamaConfig {
                 sliding_layers: None,
                 gemma: None,
                 fused_modules: false,
+                moe: None,
             },
             "smollm2-135m" => LlamaConfig {
                 vocab_size: 49152,
@@ -56,6 +57,7 @@ impl LlamaConfig {
                 sliding_layers: None,
                 gemma: None,
                 fused_modules: false,
+                moe: None,
             },
             // Llama 2's shapes, for planning (`macrobatch plan`): too large
             // to train here, never allocated by a plan.
@@ -127,6 +129,7 @@ impl LlamaConfig {
             sliding_layers: None,
             gemma: None,
             fused_modules: false,
+            moe: None,
         }
     }
 }

@@ -43,6 +43,22 @@ pub(super) struct Section {
     attn_logit_softcapping: Option<f64>,
     /// Gemma 2's logit soft cap; 0: none.
     final_logit_softcapping: Option<f64>,
+    /// A mixture of experts' experts E (MoE families only).
+    n_experts: Option<usize>,
+    /// Experts per token k.
+    num_experts_per_tok: Option<usize>,
+    /// Each expert's hidden width.
+    moe_intermediate_size: Option<usize>,
+    /// The shared expert's width; 0: none (Qwen2-MoE's).
+    shared_expert_intermediate_size: Option<usize>,
+    /// Whether the k chosen probabilities are renormalised.
+    norm_topk_prob: Option<bool>,
+    /// α of the load-balancing loss; 0: none.
+    router_aux_loss_coef: Option<f64>,
+    /// The router z-loss's factor; 0: none.
+    router_z_loss_coef: Option<f64>,
+    /// `"global_batch"` (default) or `"micro_batch"`.
+    load_balancing: Option<crate::LoadBalancing>,
 }
 
 const KEYS: &[&str] = &[
@@ -65,6 +81,14 @@ const KEYS: &[&str] = &[
     "query_pre_attn_scalar",
     "attn_logit_softcapping",
     "final_logit_softcapping",
+    "n_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "norm_topk_prob",
+    "router_aux_loss_coef",
+    "router_z_loss_coef",
+    "load_balancing",
 ];
 
 impl Section {
@@ -101,6 +125,14 @@ impl Section {
             // 0 (none) pinned where the cap is off.
             attn_logit_softcapping: c.gemma.map(|g| g.attn_softcap.unwrap_or(0.0)),
             final_logit_softcapping: c.gemma.map(|g| g.final_softcap.unwrap_or(0.0)),
+            n_experts: c.moe.as_ref().map(|m| m.n_experts),
+            num_experts_per_tok: c.moe.as_ref().map(|m| m.top_k),
+            moe_intermediate_size: c.moe.as_ref().map(|m| m.expert_size),
+            shared_expert_intermediate_size: c.moe.as_ref().map(|m| m.shared_expert_size.unwrap_or(0)),
+            norm_topk_prob: c.moe.as_ref().map(|m| m.norm_topk_prob),
+            router_aux_loss_coef: c.moe.as_ref().map(|m| m.router_aux_loss_coef),
+            router_z_loss_coef: c.moe.as_ref().map(|m| m.router_z_loss_coef),
+            load_balancing: c.moe.as_ref().map(|m| m.load_balancing),
         }
     }
 }
@@ -152,7 +184,43 @@ impl LlamaFamily {
                 None
             }
         };
+        let moe = match base.moe.clone() {
+            Some(m) => Some(crate::MoeBlock {
+                n_experts: s.n_experts.unwrap_or(m.n_experts),
+                top_k: s.num_experts_per_tok.unwrap_or(m.top_k),
+                expert_size: s.moe_intermediate_size.unwrap_or(m.expert_size),
+                shared_expert_size: s
+                    .shared_expert_intermediate_size
+                    .map_or(m.shared_expert_size, |w| (w > 0).then_some(w)),
+                norm_topk_prob: s.norm_topk_prob.unwrap_or(m.norm_topk_prob),
+                router_aux_loss_coef: s.router_aux_loss_coef.unwrap_or(m.router_aux_loss_coef),
+                router_z_loss_coef: s.router_z_loss_coef.unwrap_or(m.router_z_loss_coef),
+                load_balancing: s.load_balancing.unwrap_or(m.load_balancing),
+                names: m.names,
+            }),
+            None => {
+                let keys = [
+                    ("n_experts", s.n_experts.is_some()),
+                    ("num_experts_per_tok", s.num_experts_per_tok.is_some()),
+                    ("moe_intermediate_size", s.moe_intermediate_size.is_some()),
+                    ("shared_expert_intermediate_size", s.shared_expert_intermediate_size.is_some()),
+                    ("norm_topk_prob", s.norm_topk_prob.is_some()),
+                    ("router_aux_loss_coef", s.router_aux_loss_coef.is_some()),
+                    ("router_z_loss_coef", s.router_z_loss_coef.is_some()),
+                    ("load_balancing", s.load_balancing.is_some()),
+                ];
+                if let Some((key, _)) = keys.iter().find(|(_, set)| *set) {
+                    return Err(format!(
+                        "model.{key} sets a mixture of experts; the {} family has none (use model.family = \"mixtral\", \"qwen2_moe\" or \"qwen3_moe\")",
+                        dialect.family()
+                    )
+                    .into());
+                }
+                None
+            }
+        };
         let cfg = LlamaConfig {
+            moe,
             vocab_size: s.vocab_size.unwrap_or(base.vocab_size),
             hidden_size: hidden,
             intermediate_size: s.intermediate_size.unwrap_or(base.intermediate_size),

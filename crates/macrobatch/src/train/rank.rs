@@ -134,7 +134,7 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
         let dpo = cfg.train.objective == config::Objective::Dpo;
         let elapsed_s = started.elapsed().as_secs_f64();
         let at = StepContext { step, epoch, input_tokens, step_s, elapsed_s, val_loss, dpo };
-        let terms = cfg.train.label_smoothing > 0.0 || cfg.train.z_loss > 0.0;
+        let terms = cfg.train.label_smoothing > 0.0 || cfg.train.z_loss > 0.0 || report.aux_loss != 0.0;
         let loss_total = terms.then_some(report.loss + report.aux_loss);
         let mut record = reports::step_record(at, report, &mem, model.activation_bytes(), &memory.predicted);
         record.loss_total = loss_total;

@@ -69,6 +69,7 @@ pub fn step_record(
         epoch: at.epoch,
         loss: report.loss,
         loss_total: None,
+        routing_pass_s: (report.step_stats_s > 0.0).then_some(report.step_stats_s),
         lr: report.lr,
         grad_norm: report.grad_norm,
         clipped: report.clipped,
