@@ -139,6 +139,9 @@ pub struct StepReport {
     /// ([`crate::Model::step_stats_len`]: a mixture's global-batch routing
     /// counts), their all-reduce included; 0 without one.
     pub step_stats_s: f64,
+    /// The model's sums over the step's whole batch
+    /// ([`crate::Model::step_stats_len`]; empty without them).
+    pub step_stats: Vec<f64>,
     /// The gradient overflowed (f16): nothing was updated, the scale backed off.
     pub skipped: bool,
     /// Loss scale used by this step (1 without f16).
@@ -522,7 +525,7 @@ impl Trainer {
         let loss_scale = self.scaler.map_or(1.0, |s| s.scale);
         let mut groups = Groups { dp: comm, pipe: None, tp: None };
         let seeds = self.backward_seeds(model, &mut groups, micro_batches, loss_scale, true)?;
-        let step_stats_s = self.step_stats(model, &mut groups, micro_batches)?;
+        let (step_stats_s, step_stats) = self.step_stats(model, &mut groups, micro_batches)?;
 
         // Accumulate: K micro-steps add into the gradient buffers; at
         // stages 0–2 (local accumulation) nothing is communicated.
@@ -532,7 +535,7 @@ impl Trainer {
             self.overlap_start(groups.dp)?;
         }
         let mut acc = Accumulated::new(micro_batches.len());
-        acc.step_stats_s = step_stats_s;
+        (acc.step_stats_s, acc.step_stats) = (step_stats_s, step_stats);
         let last = micro_batches.len() - 1;
         for (micro_step_idx, (batch, &loss_seed)) in micro_batches.iter().zip(&seeds.per_micro).enumerate() {
             let t0 = std::time::Instant::now();
@@ -562,16 +565,16 @@ impl Trainer {
     /// The model's sums over the whole step's batch
     /// ([`Model::step_stats_len`]): a forward-only pass over this rank's
     /// micro-batches, all-reduced over the data-parallel ranks, handed to
-    /// the model; its seconds (0 when the model needs none).
+    /// the model; its seconds (0 when the model needs none) and the sums.
     fn step_stats<M: Model>(
         &mut self,
         model: &mut M,
         groups: &mut Groups<'_>,
         micro_batches: &[M::Batch],
-    ) -> Result<f64, EngineError> {
+    ) -> Result<(f64, Vec<f64>), EngineError> {
         let len = model.step_stats_len();
         if len == 0 {
-            return Ok(0.0);
+            return Ok((0.0, Vec::new()));
         }
         let (t0, step) = (std::time::Instant::now(), self.n_steps + 1);
         let mut sums = vec![0.0f64; len];
@@ -582,7 +585,7 @@ impl Trainer {
         }
         groups.all_reduce_f64(&mut sums).map_err(|source| EngineError::Comm { step, source })?;
         model.set_step_stats(&sums);
-        Ok(t0.elapsed().as_secs_f64())
+        Ok((t0.elapsed().as_secs_f64(), sums))
     }
 
     /// The factor each micro-step seeds its backward with. Token
@@ -714,6 +717,7 @@ struct Accumulated {
     aux: crate::AuxStats,
     model_s: f64,
     step_stats_s: f64,
+    step_stats: Vec<f64>,
     pipeline: Option<PipelineReport>,
     tensor: Option<crate::tensor::TpTraffic>,
     context: Option<crate::tensor::TpTraffic>,
@@ -730,6 +734,7 @@ impl Accumulated {
             aux: [0.0; crate::AUX_STATS],
             model_s: 0.0,
             step_stats_s: 0.0,
+            step_stats: Vec::new(),
             pipeline: None,
             tensor: None,
             context: None,

@@ -587,6 +587,12 @@ pub trait Family: Send + Sync {
     fn frozen_bytes(&self) -> Option<FrozenBytes> {
         None
     }
+    /// A mixture of experts' load per expert (shares of the step's choices,
+    /// summing to 1) from a step's [`engine::StepReport::step_stats`];
+    /// `None` for a model without them.
+    fn expert_load(&self, _step_stats: &[f64]) -> Option<Vec<f64>> {
+        None
+    }
     /// With a packed frozen base: the layout's own tensors (no adapters:
     /// [`Family::start_from_pretrained`] adds them) read from `source`.
     fn load_unfrozen(&self, source: &Path) -> Result<Vec<f32>> {

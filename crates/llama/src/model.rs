@@ -246,26 +246,7 @@ impl Llama {
             }
             None => None,
         };
-        if cfg.moe.is_some() {
-            if adapters.is_some_and(|a| a.targets[Proj::Gate as usize..].iter().any(|&t| t)) {
-                return Err(LlamaError::lora(
-                    "target_modules",
-                    "on the MLP (gate_proj, up_proj, down_proj) of a mixture of experts is not supported yet: target the attention (q_proj, k_proj, v_proj, o_proj)",
-                ));
-            }
-            if packed {
-                return Err(LlamaError::config(
-                    "train.frozen_dtype",
-                    "a packed frozen base is not implemented for a mixture of experts: set train.frozen_dtype = \"f32\"",
-                ));
-            }
-            if tp.is_split() {
-                return Err(LlamaError::config(
-                    "dist.tensor_parallel",
-                    format!("({}) is not implemented for a mixture of experts: set dist.tensor_parallel = 1", tp.size),
-                ));
-            }
-        }
+        Self::moe_refusals(&cfg, adapters, packed, tp)?;
         let (layout, ranges) = build_layout(&cfg, adapters, (packed, packed_embed));
         let ends = Ends {
             width: cfg.hidden_size,
@@ -662,14 +643,7 @@ impl Decoder for Llama {
         batch: &TokenBatch,
         into: &mut [f64],
     ) -> Result<(), LlamaError> {
-        let targets = nn::shell::loss(self, store, batch)?.n_targets;
-        let st = crate::block::state(&self.shell.acts.extra.moe);
-        let t = &st.tally;
-        let e = into.len() - 2;
-        into[..e].iter_mut().zip(&t.chosen).for_each(|(a, b)| *a += b);
-        into[e] += t.rows;
-        into[e + 1] += targets as f64;
-        Ok(())
+        self.routing_counts(store, batch, into)
     }
 
     fn set_step_stats(&mut self, stats: &[f64]) {

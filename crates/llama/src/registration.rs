@@ -413,7 +413,8 @@ impl Family for LlamaFamily {
         // training's; generation and evaluation load whole models (a LoRA
         // shape's base packed, its adapters in the layout). Packing reads
         // projections by their own names: fused files load whole.
-        if self.packed.is_some() || self.tp.is_split() || self.cfg.fused_modules {
+        // A mixture's experts are not packed (yet): its files load whole.
+        if self.packed.is_some() || self.tp.is_split() || self.cfg.fused_modules || self.cfg.moe.is_some() {
             return Ok(None);
         }
         let stored = frozen_load::source_formats((self.dialect, &self.cfg), source)
@@ -428,6 +429,11 @@ impl Family for LlamaFamily {
             frozen_load::embed_format(self.dialect, source).map_err(|e| format!("{}: {e}", source.display()))?;
         let packed = self.packed_family((&key, Some(source.to_path_buf())), FrozenFormat::Source, &stored, embed)?;
         Ok(Some(packed))
+    }
+
+    fn expert_load(&self, step_stats: &[f64]) -> Option<Vec<f64>> {
+        let e = self.cfg.moe.as_ref()?.n_experts;
+        (step_stats.len() == e + 2).then(|| nn::moe::loads(&step_stats[..e]))
     }
 
     fn frozen_bytes(&self) -> Option<FrozenBytes> {

@@ -27,6 +27,10 @@ pub struct StepRecord {
     /// load-balancing loss runs before the step's micro-steps.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub routing_pass_s: Option<f64>,
+    /// A mixture's load per expert: its share of the global batch's
+    /// (layer, token, slot) choices (with the global-batch balance loss).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expert_load: Option<Vec<f64>>,
     /// Learning rate used.
     pub lr: f32,
     /// Gradient norm before clipping.

@@ -1,7 +1,8 @@
 //! Mixtures of experts through the command line: `verify` proves the
 //! global-batch load-balancing loss makes micro × K × W one big batch, and
 //! fails the micro-batch form with the size of the difference; a short
-//! training run reports the router losses and the routing pass, and the
+//! training run reports the router losses, the routing pass and the
+//! experts' loads, and the
 //! splits a mixture does not implement yet are refused by name.
 
 mod common;
@@ -72,6 +73,9 @@ fn a_mixture_trains_reports_its_router_losses_and_refuses_splits_it_lacks() {
         // α = 0.001, aux ≈ k = 2 at balance: the router loss is ~0.002 per target.
         assert!(total > loss && total - loss < 0.01, "{r}");
         assert!(r["routing_pass_s"].as_f64().is_some_and(|s| s > 0.0), "{r}");
+        // The global batch's choices per expert, as shares of all of them.
+        let load: Vec<f64> = r["expert_load"].as_array().unwrap().iter().filter_map(|x| x.as_f64()).collect();
+        assert!(load.len() == 4 && (load.iter().sum::<f64>() - 1.0).abs() < 1e-12, "{r}");
     }
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();

@@ -396,3 +396,35 @@ fn sharded_checkpoints_under_mpirun_resume_after_a_kill_and_at_another_process_c
     let _ = std::fs::remove_dir_all(&straight);
     let _ = std::fs::remove_dir_all(&killed);
 }
+
+/// A mixture of experts (Qwen2-MoE's block: shared expert, q/k/v biases)
+/// with the global-batch load-balancing loss under `mpirun -np 4`, K = 2:
+/// the routing pass's counts are all-reduced over MPI before each step's
+/// first backward, so the losses (cross-entropy and router losses) and
+/// weights are one process's on the whole batch (SGD; 1e-6 relative, as
+/// above: only summation orders differ).
+#[test]
+fn mpi_mixture_of_experts_matches_one_process() {
+    let moe = ["model.family=qwen2_moe", "model.preset=tiny", "model.n_kv_head=2", "model.router_aux_loss_coef=0.02"];
+    let one = tmp("mpi-moe-one");
+    let o = train(&one, &sets(&[&moe[..], &["batch.micro=16"]].concat()));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = tmp("mpi-moe");
+    let o = mpirun(4, &out, &sets(&[&moe[..], &["batch.accumulation_steps=2"]].concat()), None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let total = |dir: &std::path::Path| -> Vec<f64> {
+        metrics(dir).iter().map(|r| r["loss_total"].as_f64().expect("loss_total")).collect()
+    };
+    assert_eq!((losses(&out).len(), total(&one).len()), (3, 3));
+    assert!(stderr(&o).contains("W 4 (Mpi(4))"), "{}", stderr(&o));
+    for (a, b) in losses(&out).iter().zip(losses(&one)).chain(total(&out).iter().zip(total(&one))) {
+        assert!((a - b).abs() <= 1e-6 * b, "np 4 × K 2: {a} vs one process {b}");
+    }
+    let read = |dir: &std::path::Path| -> Vec<f32> {
+        let t = llama::hf::read_tensors(&dir.join("model.safetensors")).expect("the model file reads");
+        t.into_iter().flat_map(|(_, _, data)| data).collect()
+    };
+    let (a, b) = (read(&out), read(&one));
+    assert!(max_diff(&a, &b) <= 1e-6 * max_abs(&b), "weights differ by {}", max_diff(&a, &b));
+    let _ = (std::fs::remove_dir_all(&out), std::fs::remove_dir_all(&one));
+}

@@ -10,24 +10,12 @@
 #[path = "../../llama/tests/common/mod.rs"]
 mod common;
 
-use common::suite::{tiny_gqa, UnderTest};
-use engine::conformance;
-use llama::{Dialect, LlamaConfig, LoraConfig, MoeBlock};
+mod shapes;
 
-/// The suite's tiny GQA shape with `family`'s mixture: 4 experts of width
-/// 12, top 2, router losses large enough to show in every gradient
-/// (α = 0.1, z = 0.01).
-pub fn cfg(family: &dyn Dialect) -> LlamaConfig {
-    let tiny = family.preset("tiny").unwrap_or_else(|e| panic!("{e}"));
-    let moe = tiny.moe.clone().map(|m| MoeBlock {
-        expert_size: 12,
-        shared_expert_size: m.shared_expert_size.map(|_| 20),
-        router_aux_loss_coef: 0.1,
-        router_z_loss_coef: 0.01,
-        ..m
-    });
-    LlamaConfig { moe, qk_norm: tiny.qk_norm, attention_bias: tiny.attention_bias, ..tiny_gqa() }
-}
+use common::suite::UnderTest;
+use engine::conformance;
+use llama::LoraConfig;
+use shapes::cfg;
 
 #[test]
 fn mixtral_passes_the_conformance_suite() {

@@ -116,6 +116,7 @@ impl Trainer {
                 comm_s: (after.collective_ns - before.collective_ns) as f64 * 1e-9 + waited,
                 model_s: acc.model_s,
                 step_stats_s: acc.step_stats_s,
+                step_stats: acc.step_stats.clone(),
                 skipped,
                 loss_scale,
                 pipeline: pipeline.clone(),

@@ -7,9 +7,61 @@
 use super::Llama;
 use crate::config::{LoadBalancing, MoeBlock};
 use crate::error::LlamaError;
+use crate::layout::{Adapters, Proj};
 use nn::moe::{RouterLoss, Tally};
 
 impl Llama {
+    /// What a mixture is not implemented with yet, refused by name before
+    /// a layout exists: LoRA on its MLP, a packed frozen base, tensor parallelism.
+    pub(super) fn moe_refusals(
+        cfg: &crate::LlamaConfig,
+        adapters: Option<Adapters>,
+        packed: bool,
+        tp: engine::TpRank,
+    ) -> Result<(), LlamaError> {
+        if cfg.moe.is_none() {
+            return Ok(());
+        }
+        if adapters.is_some_and(|a| a.targets[Proj::Gate as usize..].iter().any(|&t| t)) {
+            return Err(LlamaError::lora(
+                "target_modules",
+                "on the MLP (gate_proj, up_proj, down_proj) of a mixture of experts is not supported yet: target the attention (q_proj, k_proj, v_proj, o_proj)",
+            ));
+        }
+        if packed {
+            return Err(LlamaError::config(
+                "train.frozen_dtype",
+                "a packed frozen base is not implemented for a mixture of experts: set train.frozen_dtype = \"f32\"",
+            ));
+        }
+        if tp.is_split() {
+            return Err(LlamaError::config(
+                "dist.tensor_parallel",
+                format!("({}) is not implemented for a mixture of experts: set dist.tensor_parallel = 1", tp.size),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The global-batch routing pass over `batch`: a forward-only pass,
+    /// its choices per expert, routed (layer, row) pairs and targets added
+    /// into `into` ([`engine::Model::collect_step_stats`]).
+    pub(super) fn routing_counts(
+        &mut self,
+        store: &mut dyn engine::ParamStore,
+        batch: &crate::TokenBatch,
+        into: &mut [f64],
+    ) -> Result<(), LlamaError> {
+        let targets = nn::shell::loss(self, store, batch)?.n_targets;
+        let st = crate::block::state(&self.shell.acts.extra.moe);
+        let t = &st.tally;
+        let e = into.len() - 2;
+        into[..e].iter_mut().zip(&t.chosen).for_each(|(a, b)| *a += b);
+        into[e] += t.rows;
+        into[e + 1] += targets as f64;
+        Ok(())
+    }
+
     /// The mixture, when its load-balancing loss counts the global batch.
     pub(super) fn global_balance(&self) -> Option<&MoeBlock> {
         let m = self.cfg.moe.as_ref()?;

@@ -136,7 +136,9 @@ pub fn train_rank(plan: &Plan, comm: &mut dyn Communicator, mut outputs: Option<
         let at = StepContext { step, epoch, input_tokens, step_s, elapsed_s, val_loss, dpo };
         let terms = cfg.train.label_smoothing > 0.0 || cfg.train.z_loss > 0.0 || report.aux_loss != 0.0;
         let loss_total = terms.then_some(report.loss + report.aux_loss);
+        let expert_load = plan.family.expert_load(&report.step_stats);
         let mut record = reports::step_record(at, report, &mem, model.activation_bytes(), &memory.predicted);
+        record.expert_load = expert_load;
         record.loss_total = loss_total;
         record.overlap_ranks = overlap_ranks;
         record.stop_reason = verdict.stop.clone();

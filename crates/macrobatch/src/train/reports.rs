@@ -70,6 +70,7 @@ pub fn step_record(
         loss: report.loss,
         loss_total: None,
         routing_pass_s: (report.step_stats_s > 0.0).then_some(report.step_stats_s),
+        expert_load: None,
         lr: report.lr,
         grad_norm: report.grad_norm,
         clipped: report.clipped,
