@@ -167,6 +167,25 @@ impl RopeScaling {
     }
 }
 
+/// `v[key]` as a non-negative integer; `None` where it is absent or null.
+pub(crate) fn json_uint(v: &Value, key: &str) -> Result<Option<usize>, LlamaError> {
+    v.get(key)
+        .filter(|x| !x.is_null())
+        .map(|x| {
+            x.as_u64()
+                .map(|n| n as usize)
+                .ok_or_else(|| LlamaError::config(key, format!("must be a non-negative integer, got {x}")))
+        })
+        .transpose()
+}
+
+/// `x` (the value of `key`) as a number; `default` where it is absent or null.
+pub(crate) fn json_number(x: Option<&Value>, key: &str, default: f64) -> Result<f64, LlamaError> {
+    x.filter(|x| !x.is_null()).map_or(Ok(default), |x| {
+        x.as_f64().ok_or_else(|| LlamaError::config(key, format!("must be a number, got {x}")))
+    })
+}
+
 impl LlamaConfig {
     /// Checks that every dimension is usable.
     pub fn validate(&self) -> Result<(), LlamaError> {
@@ -353,21 +372,8 @@ impl LlamaConfig {
             (None, Some(p)) => RopeScaling::from_hf_json(p, "rope_parameters")?,
             (None, None) => None,
         };
-        let uint = |key: &str| -> Result<Option<usize>, LlamaError> {
-            get(key)
-                .map(|x| {
-                    x.as_u64()
-                        .map(|n| n as usize)
-                        .ok_or_else(|| LlamaError::config(key, format!("must be a non-negative integer, got {x}")))
-                })
-                .transpose()
-        };
+        let uint = |key: &str| json_uint(v, key);
         let need = |key: &str| uint(key)?.ok_or_else(|| LlamaError::config(key, "is missing"));
-        let float = |x: Option<&Value>, key: &str, default: f64| -> Result<f64, LlamaError> {
-            x.filter(|x| !x.is_null()).map_or(Ok(default), |x| {
-                x.as_f64().ok_or_else(|| LlamaError::config(key, format!("must be a number, got {x}")))
-            })
-        };
         let token = |x: &Value, key: &str| -> Result<u32, LlamaError> {
             x.as_u64()
                 .and_then(|n| u32::try_from(n).ok())
@@ -392,8 +398,8 @@ impl LlamaConfig {
             n_head,
             n_kv_head: uint("num_key_value_heads")?.unwrap_or(n_head),
             head_dim,
-            rms_norm_eps: float(get("rms_norm_eps"), "rms_norm_eps", 1e-6)?,
-            rope_theta: float(theta, "rope_theta", 10000.0)?,
+            rms_norm_eps: json_number(get("rms_norm_eps"), "rms_norm_eps", 1e-6)?,
+            rope_theta: json_number(theta, "rope_theta", 10000.0)?,
             max_position_embeddings: uint("max_position_embeddings")?.unwrap_or(2048),
             tie_word_embeddings: match get("tie_word_embeddings") {
                 None => false,

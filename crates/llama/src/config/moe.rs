@@ -181,20 +181,8 @@ impl MoeBlock {
     /// tensors `names`, its expert width `intermediate` when the family has no key of its own.
     pub fn from_hf_json(v: &serde_json::Value, names: MoeNames, intermediate: usize) -> Result<Self, LlamaError> {
         let get = |k: &str| v.get(k).filter(|x| !x.is_null());
-        let uint = |k: &str| -> Result<Option<usize>, LlamaError> {
-            get(k)
-                .map(|x| {
-                    x.as_u64()
-                        .map(|n| n as usize)
-                        .ok_or_else(|| LlamaError::config(k, format!("must be a non-negative integer, got {x}")))
-                })
-                .transpose()
-        };
-        let num = |k: &str, default: f64| -> Result<f64, LlamaError> {
-            get(k).map_or(Ok(default), |x| {
-                x.as_f64().ok_or_else(|| LlamaError::config(k, format!("must be a number, got {x}")))
-            })
-        };
+        let uint = |k: &str| super::json_uint(v, k);
+        let num = |k: &str, default: f64| super::json_number(v.get(k), k, default);
         let probe = MoeBlock {
             n_experts: 0,
             top_k: 0,
