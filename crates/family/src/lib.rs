@@ -587,11 +587,17 @@ pub trait Family: Send + Sync {
     fn frozen_bytes(&self) -> Option<FrozenBytes> {
         None
     }
-    /// A mixture of experts' load per expert (shares of the step's choices,
-    /// summing to 1) from a step's [`engine::StepReport::step_stats`];
-    /// `None` for a model without them.
-    fn expert_load(&self, _step_stats: &[f64]) -> Option<Vec<f64>> {
+    /// The experts of a mixture of experts in place of each MLP; `None`: dense.
+    fn n_experts(&self) -> Option<usize> {
         None
+    }
+    /// A mixture's load per expert (shares of the step's choices, summing
+    /// to 1) from a step's [`engine::StepReport::step_stats`] (the E
+    /// experts' choices first); `None` for a dense model or without them.
+    fn expert_load(&self, step_stats: &[f64]) -> Option<Vec<f64>> {
+        let chosen = step_stats.get(..self.n_experts()?)?;
+        let total: f64 = chosen.iter().sum();
+        Some(chosen.iter().map(|&c| if total > 0.0 { c / total } else { 0.0 }).collect())
     }
     /// With a packed frozen base: the layout's own tensors (no adapters:
     /// [`Family::start_from_pretrained`] adds them) read from `source`.

@@ -431,9 +431,8 @@ impl Family for LlamaFamily {
         Ok(Some(packed))
     }
 
-    fn expert_load(&self, step_stats: &[f64]) -> Option<Vec<f64>> {
-        let e = self.cfg.moe.as_ref()?.n_experts;
-        (step_stats.len() == e + 2).then(|| nn::moe::loads(&step_stats[..e]))
+    fn n_experts(&self) -> Option<usize> {
+        self.cfg.moe.as_ref().map(|m| m.n_experts)
     }
 
     fn frozen_bytes(&self) -> Option<FrozenBytes> {

@@ -81,14 +81,24 @@ fn a_mixture_trains_reports_its_router_losses_and_refuses_splits_it_lacks() {
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     assert_eq!((config["model_type"].as_str(), config["num_experts"].as_u64()), (Some("qwen3_moe"), Some(4)));
     let _ = std::fs::remove_dir_all(&out);
-    for (set, key) in [("dist.tensor_parallel=2", "dist.tensor_parallel"), ("dist.pipeline_parallel=2", "pipeline")] {
+    let refused = [
+        ("dist.tensor_parallel=2", "dist.tensor_parallel"),
+        ("dist.pipeline_parallel=2", "pipeline"),
+        ("train.objective=dpo", "train.objective = \"dpo\" with a mixture of experts"),
+    ];
+    for (set, key) in refused {
         let out = tmp("moe-refused");
         let mut c = bin();
         c.arg("train").arg("--out").arg(&out);
-        with_sets(
-            &mut c,
-            &["model.family=mixtral", "model.preset=tiny", "train.steps=1", "batch.global=4", "batch.micro=2", set],
-        );
+        // DPO trains adapters: give it some, so that the mixture is what it refuses.
+        let lora: &[&str] = if set.contains("dpo") {
+            &["lora.r=4", "lora.target_modules=[\"q_proj\"]", "data.format=jsonl", "data.path=pairs.jsonl"]
+        } else {
+            &[]
+        };
+        let base =
+            ["model.family=mixtral", "model.preset=tiny", "train.steps=1", "batch.global=4", "batch.micro=2", set];
+        with_sets(&mut c, &[&base[..], lora].concat());
         let o = c.output().unwrap();
         assert!(!o.status.success() && stderr(&o).contains(key), "{set}: {}", stderr(&o));
         let _ = std::fs::remove_dir_all(&out);

@@ -292,12 +292,6 @@ impl Tally {
     }
 }
 
-/// The experts' loads as shares of the choices (`[E]`, summing to 1).
-pub fn loads(chosen: &[f64]) -> Vec<f64> {
-    let total: f64 = chosen.iter().sum();
-    chosen.iter().map(|&c| if total > 0.0 { c / total } else { 0.0 }).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -423,6 +417,5 @@ mod tests {
         let a = Tally::coefficients(0.01, &tally.chosen, tally.rows, 4.0);
         // Per target: the sum over the 4 targets is 4·aux.
         assert!((tally.balance_sum(&a) - 4.0 * aux).abs() < 1e-12 * aux.abs().max(1.0));
-        assert!((loads(&tally.chosen).iter().sum::<f64>() - 1.0).abs() < 1e-12);
     }
 }

@@ -131,6 +131,11 @@ fn resolve_with(mut cfg: Config, backend: Backend, read_data: bool) -> Result<(P
     cfg.validate()?;
     let auto_micro = start_auto_micro(&mut cfg)?;
     let family = with_frozen_storage(family::from_config(&cfg.model, cfg.lora.as_ref())?, &cfg)?;
+    if let (config::Objective::Dpo, Some(e)) = (cfg.train.objective, family.n_experts()) {
+        bail!(
+            "train.objective = \"dpo\" with a mixture of experts ({e} experts) is not implemented: its router losses have no place in the preference loss yet; train it with objective = \"lm\""
+        );
+    }
     // An error at micro 1 is the user's "auto", not a micro they wrote.
     let auto_context = |e: anyhow::Error| match auto_micro {
         true => e.context("batch.micro = \"auto\" (checked at micro = 1, the smallest it can choose)"),
