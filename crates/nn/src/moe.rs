@@ -135,6 +135,12 @@ impl Routing {
     pub fn rows_of(&self, e: usize) -> std::ops::Range<usize> {
         self.offsets[e]..self.offsets[e + 1]
     }
+
+    /// The experts some row was sent to, with their dispatched rows (an
+    /// expert no row chose runs nothing).
+    pub fn busy(&self) -> impl Iterator<Item = (usize, std::ops::Range<usize>)> + '_ {
+        (0..self.offsets.len() - 1).map(|e| (e, self.rows_of(e))).filter(|(_, r)| !r.is_empty())
+    }
 }
 
 /// `xs[p] = h[row of p]`: the rows in dispatch order (`[n·k, c]`).

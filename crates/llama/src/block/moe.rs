@@ -68,11 +68,7 @@ impl Layer<'_> {
         }
         // Each expert on its rows: (m_e, C) @ (C, 2F) → SwiGLU → (m_e, F) @ (F, C).
         gather(a, h2, &route, &s);
-        for ex in 0..e {
-            let rows = route.rows_of(ex);
-            if rows.is_empty() {
-                continue;
-            }
+        for (ex, rows) in route.busy() {
             let [g, _, _] = mp.expert(ex, (f, c));
             let w = &p[g.start..g.start + 2 * f * c];
             let (out, inp) = (&mut gu[rows.start * 2 * f..rows.end * 2 * f], &a[rows.start * c..rows.end * c]);
@@ -82,11 +78,7 @@ impl Layer<'_> {
         self.cfg.glu().forward(&mut m[..nk * f], gu_t.cur(&gu[..nk * 2 * f]), f);
         m_t.keep_prefix(m, nk * f, prec);
         let mm = m_t.cur(&m[..nk * f]);
-        for ex in 0..e {
-            let rows = route.rows_of(ex);
-            if rows.is_empty() {
-                continue;
-            }
+        for (ex, rows) in route.busy() {
             let [_, _, d] = mp.expert(ex, (f, c));
             let (out, inp) = (&mut b[rows.start * c..rows.end * c], &mm[rows.start * f..rows.end * f]);
             linear_forward(Cols::all(out, c), false, inp, &p[d], LinearShape::new(rows.len(), f, c, ops));
@@ -134,11 +126,7 @@ impl Layer<'_> {
         // down: dW_e += dysᵀ·m_e; dm_e = dys·W_e.
         {
             let mm = back.saved.get(M);
-            for ex in 0..e {
-                let rows = route.rows_of(ex);
-                if rows.is_empty() {
-                    continue;
-                }
+            for (ex, rows) in route.busy() {
                 let [_, _, d] = mp.expert(ex, (f, c));
                 let (len, dys) = (rows.len(), Strided::rows(&a[rows.start * c..rows.end * c], c));
                 let shape = LinearShape::new(len, f, c, ops);
@@ -154,11 +142,7 @@ impl Layer<'_> {
         self.cfg.glu().backward(&mut dgu[..nk * 2 * f], &dm[..nk * f], back.saved.get(GU), f);
         // gate|up: dW_gate, dW_up += (dgu's halves)ᵀ·xs; dxs = dgu·W_gu.
         gather(b, back.saved.get(H2), &route, &s);
-        for ex in 0..e {
-            let rows = route.rows_of(ex);
-            if rows.is_empty() {
-                continue;
-            }
+        for (ex, rows) in route.busy() {
             let [g, u, _] = mp.expert(ex, (f, c));
             let (len, xs) = (rows.len(), &b[rows.start * c..rows.end * c]);
             let dg = &dgu[rows.start * 2 * f..rows.end * 2 * f];
